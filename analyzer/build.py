@@ -1,0 +1,366 @@
+"""Gather the facts, call the rules, assemble the SelectionManifest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from analyzer import memory, rules
+from analyzer.config_loader import ModelFacts, load_model_facts
+from analyzer.context import DispatchFacts, ProgressFacts, load_progress, parse_dispatch
+from analyzer.errors import InputError
+from analyzer.framework_checkout import CheckoutFacts, inspect_checkout
+from analyzer.manifest import (
+    DeployModeDecision,
+    DeviceDependency,
+    Evidence,
+    FaDecision,
+    Finding,
+    Generator,
+    GroupMemory,
+    Inputs,
+    KvModeDecision,
+    LayerPlan,
+    MemoryPlan,
+    MlaDecision,
+    ModelInfo,
+    SelectionManifest,
+)
+from analyzer.version import __version__
+
+DEFAULT_KV_MEM_RATIO = 0.9
+
+
+@dataclass(frozen=True)
+class AnalyzeRequest:
+    config: str
+    progress: str | None = None
+    dispatch: str | None = None
+    dispatch_source: str = "--dispatch"
+    deploy_mode: str | None = None
+    framework_root: str | None = None
+    framework_api: str | None = None
+    attn_tp_size: int | None = None
+    block_size: int = rules.DEFAULT_BLOCK_SIZE
+    hbm_gb: float | None = None
+    kv_mem_ratio: float | None = None
+    max_concurrency: int | None = None
+    max_len: int | None = None
+    fa_version: str | None = None
+    window_reading: str = "exclusive"
+
+
+def analyze(req: AnalyzeRequest) -> SelectionManifest:
+    _check_numbers(req)
+    facts = load_model_facts(req.config)
+    progress = load_progress(req.progress) if req.progress else ProgressFacts()
+    dispatch = parse_dispatch(req.dispatch, req.dispatch_source)
+    checkout = inspect_checkout(req.framework_root, facts.model_type, facts.family) if req.framework_root else None
+    return assemble(facts, progress, dispatch, checkout, req)
+
+
+def _check_numbers(req: AnalyzeRequest) -> None:
+    for flag, value in (("--attn-tp-size", req.attn_tp_size), ("--max-concurrency", req.max_concurrency),
+                        ("--max-len", req.max_len)):
+        if value is not None and value <= 0:
+            raise InputError(flag, f"must be a positive integer, got {value}")
+    for flag, value in (("--hbm-gb", req.hbm_gb), ("--kv-mem-ratio", req.kv_mem_ratio)):
+        if value is not None and value <= 0:
+            raise InputError(flag, f"must be positive, got {value}")
+    if req.kv_mem_ratio is not None and req.kv_mem_ratio > 1:
+        raise InputError("--kv-mem-ratio", f"must be in (0, 1], got {req.kv_mem_ratio}")
+    problem = rules.check_block_size(req.block_size)
+    if problem:
+        raise InputError("--block-size", problem)
+
+
+def assemble(
+    facts: ModelFacts,
+    progress: ProgressFacts,
+    dispatch: DispatchFacts,
+    checkout: CheckoutFacts | None,
+    req: AnalyzeRequest,
+) -> SelectionManifest:
+    warnings: list[Finding] = []
+    questions: list[Finding] = []
+
+    deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)
+    tp, tp_source = _tp_size(req, progress, warnings)
+    blockers = rules.find_blockers(facts)
+    problems = rules.tp_problems(facts, tp)
+    if problems and req.attn_tp_size is not None:
+        raise InputError("--attn-tp-size", "; ".join(problems))
+    blockers += [Finding(message=p, fields=[tp_source]) for p in problems]
+    if problems:
+        tp = 1  # keep the per-rank arithmetic meaningful; the blocker says why
+    parallel = rules.decide_parallel(facts, tp, tp_source)
+
+    kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point])
+    kv_mode = kv.value
+    fa_version = rules.decide_fa_version(facts, req.fa_version)
+    layout = rules.decide_input_layout(kv_mode, facts.is_mla)
+    scale, scale_txt = rules.decide_scale(facts)
+
+    framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
+    layers = _layers(facts, parallel, kv_mode, req.window_reading)
+    mixed = len({layer.attn_type for layer in layers}) > 1
+    memory_plan = _memory(facts, layers, req, progress, questions, warnings)
+
+    mla = MlaDecision(
+        enabled=facts.is_mla,
+        absorb=facts.is_mla and kv_mode == "paged",
+        cache_mode="PA_NZ" if facts.is_mla and kv_mode == "paged" else None,
+        reason=("MLA: cache the latent (nope) + rope parts, absorb kv_b_proj into Q and the output; "
+                "latent replicated across attention TP" if facts.is_mla else "not an MLA model"),
+    )
+    if facts.is_mla and not facts.rms_norm_eps.value:
+        questions.append(Finding(message="no rms_norm_eps in config: take epsilon from the kv_a_layernorm module",
+                                 fields=["rms_norm_eps"]))
+    if facts.num_mtp_layers.value:
+        warnings.append(Finding(
+            message=f"{facts.num_mtp_layers.value} MTP layer(s) also hold caches when speculative decoding is on: "
+                    "get_cache_info must walk them (model.layers may be a dict)",
+            fields=[facts.num_mtp_layers.source],
+        ))
+    if kv_mode == "legacy" and blockers:
+        warnings.append(Finding(message="Legacy is offline only: online serving / PD / dataset evaluation "
+                                        "need Paged", fields=[]))
+    if facts.dtype.is_default:
+        questions.append(Finding(message="config states no dtype: cache dtype assumed bfloat16",
+                                 fields=["torch_dtype", "dtype"]))
+
+    return SelectionManifest(
+        generator=Generator(version=__version__),
+        inputs=Inputs(config=facts.path, progress=progress.path, dispatch=dispatch.line,
+                      framework_root=checkout.root if checkout else None),
+        model=ModelInfo(
+            model_type=facts.model_type,
+            family=facts.family,
+            attention_kind=_attention_kind(facts),
+            architectures=facts.architectures,
+            num_layers=facts.num_layers.value,
+            hidden_size=facts.hidden_size.value,
+            num_attention_heads=facts.num_attention_heads.value,
+            num_key_value_heads=facts.num_key_value_heads.value,
+            head_dim=facts.head_dim.value,
+            qk_head_dim=facts.qk_head_dim,
+            dtype=facts.dtype.value,
+            vocab_size=facts.vocab_size,
+            rms_norm_eps=facts.rms_norm_eps.value,
+            mla=facts.mla.value,
+            rope=facts.rope.value,
+            has_sinks=facts.has_sinks.value,
+            num_mtp_layers=facts.num_mtp_layers.value,
+            sublayers_per_layer=facts.sublayers_per_layer.value,
+            sources=facts.sources(),
+        ),
+        deploy_mode=deploy,
+        framework_api=framework_api,
+        framework_api_evidence=api_evidence,
+        kv_mode=KvModeDecision(value=kv_mode, reason=kv.reason, evidence=kv.evidence),
+        fa=FaDecision(
+            version=fa_version.value,
+            input_layout=layout.value,
+            softmax_scale=scale,
+            scale_derivation=scale_txt,
+            reason=fa_version.reason,
+            is_default=fa_version.is_default,
+        ),
+        mla=mla,
+        mixed_attn_types=mixed,
+        layers=layers,
+        parallel=parallel,
+        block_size=req.block_size,
+        memory=memory_plan,
+        device_dependencies=_device_dependencies(layers, kv_mode, req.window_reading),
+        open_questions=questions,
+        warnings=warnings,
+        blockers=blockers,
+    )
+
+
+def _attention_kind(facts: ModelFacts) -> str:
+    if facts.is_mla:
+        return "mla"
+    kinds = set(facts.layer_kinds.value)
+    if kinds & {"linear", "chunked"}:
+        return "hybrid"
+    kv, heads = facts.num_key_value_heads.value, facts.num_attention_heads.value
+    return "mha" if kv == heads else "mqa" if kv == 1 else "gqa"
+
+
+def _deploy_mode(dispatch, req, progress, checkout, warnings) -> DeployModeDecision:
+    self_check = None
+    if checkout and checkout.registered:
+        self_check = ("framework", f"registered in support_models ({checkout.registered_evidence})")
+    elif checkout and checkout.standalone_runner:
+        self_check = ("standalone", f"own runner loop ({checkout.runner_evidence})")
+    elif progress.deploy_mode:
+        s = progress.deploy_mode
+        self_check = (s.value, f"{progress.path}:{s.line}: {s.text}")
+
+    if dispatch.deploy_mode and progress.deploy_mode and progress.deploy_mode.value != dispatch.deploy_mode:
+        s = progress.deploy_mode
+        raise InputError(
+            progress.path or "progress.md",
+            f"line {s.line} says {s.value} but the dispatch line {dispatch.line!r} says {dispatch.deploy_mode}",
+            field="部署模式",
+        )
+    value, source, evidence, losers = rules.decide_deploy_mode(
+        dispatch.deploy_mode, dispatch.line, req.deploy_mode, self_check
+    )
+    overridden = [Evidence(value=v, source=s, detail=d) for v, s, d in losers]
+    for loser in overridden:
+        if loser.value != value:
+            warnings.append(Finding(
+                message=f"deployment mode {loser.value} from {loser.source} ({loser.detail}) "
+                        f"overridden by {value} from {source}",
+                fields=["部署模式", "--deploy-mode"],
+            ))
+    return DeployModeDecision(value=value, source=source, evidence=evidence, overridden=overridden)
+
+
+def _tp_size(req: AnalyzeRequest, progress: ProgressFacts, warnings: list[Finding]) -> tuple[int, str]:
+    stated = progress.attn_tp_size
+    if req.attn_tp_size is not None:
+        if stated and stated.value != req.attn_tp_size:
+            warnings.append(Finding(
+                message=f"--attn-tp-size {req.attn_tp_size} overrides {progress.path}:{stated.line} ({stated.text})",
+                fields=["--attn-tp-size", "attn_tp_size"],
+            ))
+        return req.attn_tp_size, "--attn-tp-size"
+    if stated:
+        return int(stated.value), f"{progress.path}:{stated.line}"
+    return 1, "default: 1 (no --attn-tp-size, none in progress.md)"
+
+
+def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, str]:
+    if deploy != "framework":
+        return None, "standalone mode: no framework API"
+    detected = checkout.generation if checkout else None
+    if req.framework_api:
+        if detected and detected != req.framework_api:
+            raise InputError("--framework-api", f"{req.framework_api} contradicts the checkout "
+                                                f"({checkout.generation_evidence})")
+        return req.framework_api, "--framework-api"
+    if detected:
+        return detected, checkout.generation_evidence
+    questions.append(Finding(
+        message="framework API generation unknown (pass --framework-root or --framework-api G0|G1|G2); "
+                "the renderer defaults to G2, the current one",
+        fields=["--framework-root", "--framework-api"],
+    ))
+    return None, "unknown: no --framework-root / --framework-api"
+
+
+def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[LayerPlan]:
+    caches = rules.decide_caches(facts, parallel, kv_mode)
+    write_op = rules.decide_write_op(kv_mode, facts.is_mla)
+    window = facts.sliding_window.value
+    out = []
+    subs = facts.sublayers_per_layer.value
+    for decoder_idx, kind in enumerate(facts.layer_kinds.value):
+        attn_type = rules.decide_attn_type(kind)
+        w = window if attn_type == "SlidingWindow" else None
+        sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
+        pre, nxt, derivation = rules.decide_window_tokens(w, reading)
+        for sub in range(subs):
+            out.append(LayerPlan(
+                index=len(out),
+                decoder_layer=decoder_idx,
+                sublayer=sub,
+                attn_type=attn_type,
+                sliding_window=w,
+                group_key=attn_type,
+                sparse_mode=sparse,
+                pre_tokens=pre,
+                next_tokens=nxt,
+                mask=mask,
+                write_op=write_op,
+                caches=caches,
+                window_derivation=derivation,
+            ))
+    return out
+
+
+def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -> MemoryPlan:
+    groups: list[memory.Group] = []
+    for key in sorted({layer.group_key for layer in layers}):
+        members = [layer for layer in layers if layer.group_key == key]
+        per_token = sum(rules.cache_token_bytes(layer.caches) for layer in members)
+        if members[0].attn_type == "SlidingWindow":
+            groups.append(memory.SlidingWindowGroup(key, len(members), per_token, req.block_size,
+                                                    window=members[0].sliding_window))
+        else:
+            groups.append(memory.FullAttentionGroup(key, len(members), per_token, req.block_size))
+    total = sum(g.per_token_bytes for g in groups)
+    hbm = req.hbm_gb
+    if hbm is None and progress.hbm_gb:
+        hbm = float(progress.hbm_gb.value)
+        warnings.append(Finding(message=f"HBM {hbm:g} GB taken from {progress.path}:{progress.hbm_gb.line}",
+                                fields=["单卡 HBM"]))
+    ratio = req.kv_mem_ratio if req.kv_mem_ratio is not None else (DEFAULT_KV_MEM_RATIO if hbm else None)
+    legacy = None
+    if req.max_len and req.max_concurrency:
+        legacy = total * req.max_len * req.max_concurrency
+    plan = None
+    derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
+    if hbm:
+        has_fixed = any(g.fixed for g in groups)
+        concurrency = req.max_concurrency or 1
+        if has_fixed and not req.max_concurrency:
+            questions.append(Finding(message="sliding groups reserve blocks per request: pass --max-concurrency "
+                                             "(assumed 1)", fields=["--max-concurrency"]))
+        if req.kv_mem_ratio is None:
+            derivation.append(f"kv_mem_ratio default {DEFAULT_KV_MEM_RATIO}")
+        plan = memory.plan_budget(groups, hbm * memory.GIB * ratio, concurrency, req.max_len)
+    elif req.max_len and req.max_concurrency:
+        plan = memory.plan_offline(groups, req.max_len, req.max_concurrency)
+    if plan:
+        derivation += plan.derivation
+    return MemoryPlan(
+        per_token_bytes=total,
+        groups=[GroupMemory(group_key=g.group_key, attn_type="SlidingWindow" if g.fixed else "FullAttention",
+                            num_layers=g.num_layers, per_token_bytes=g.per_token_bytes, fixed_blocks=g.fixed,
+                            blocks=plan.blocks.get(g.group_key) if plan else None) for g in groups],
+        legacy_reservation_bytes=legacy,
+        hbm_gb=hbm,
+        kv_mem_ratio=ratio,
+        max_concurrency=req.max_concurrency,
+        max_len=req.max_len,
+        blocks=plan.blocks if plan else None,
+        max_tokens=plan.max_tokens if plan else None,
+        max_concurrency_at_max_len=plan.max_concurrency_at_max_len if plan else None,
+        derivation=derivation,
+    )
+
+
+def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str) -> list[DeviceDependency]:
+    if kv_mode != "paged":
+        return []
+    sliding = [layer.index for layer in layers if layer.attn_type == "SlidingWindow"]
+    out = []
+    if sliding:
+        out.append(DeviceDependency(
+            question="band_at_single_query",
+            assumed="honoured",
+            alternative="ignored",
+            consequence="if the band is ignored at q_len 1, decode reads the null block and out-of-window keys",
+            layers=sliding,
+        ))
+        other = "inclusive" if reading == "exclusive" else "exclusive"
+        out.append(DeviceDependency(
+            question="window_pre_tokens",
+            assumed=reading,
+            alternative=other,
+            consequence=f"under '{other}' the rendered pre_tokens admits one key too many or too few "
+                        "(re-analyze with --window-reading to switch)",
+            layers=sliding,
+        ))
+    out.append(DeviceDependency(
+        question="null_block_contents",
+        assumed="undefined (poisoned in validation)",
+        alternative="zeros",
+        consequence="a design that reads the null block is wrong even if zeros hide it",
+        layers=[],
+    ))
+    return out

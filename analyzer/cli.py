@@ -1,0 +1,153 @@
+"""`kvcache analyze` / `kvcache schema`: a thin layer over analyzer.build."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from analyzer.build import AnalyzeRequest, analyze
+from analyzer.errors import InputError
+from analyzer.manifest import manifest_json_schema
+from analyzer.progress_writer import write_section
+from analyzer.report import SECTION_ID, decisions_markdown
+from analyzer.rules import VALID_BLOCK_SIZES
+
+EXAMPLES = """examples:
+  kvcache analyze --config examples/tiny_qwen3/config.json --dispatch "部署模式：框架部署"
+  kvcache analyze --model-dir /models/Qwen3-8B --progress progress.md --attn-tp-size 4 --format md
+  kvcache analyze --config config.json --hbm-gb 64 --max-concurrency 32 --max-len 8192 --out manifest.json
+  kvcache analyze --config config.json --progress progress.md --write-progress progress.md
+"""
+
+
+def add_analyze_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", metavar="FILE", help="Hugging Face config.json (e.g. --config Qwen3-8B/config.json)")
+    src.add_argument("--model-dir", metavar="DIR", help="model directory holding config.json (e.g. --model-dir /models/Qwen3-8B)")
+    p.add_argument("--progress", metavar="FILE",
+                   help="progress.md of the migration (deployment mode, 部署卡数, attn TP, HBM, starting point)")
+    d = p.add_mutually_exclusive_group()
+    d.add_argument("--dispatch", metavar="TEXT", help='dispatch prompt text, e.g. --dispatch "部署模式: 框架部署"')
+    d.add_argument("--dispatch-file", metavar="FILE", help="file holding the dispatch prompt")
+    p.add_argument("--deploy-mode", choices=("framework", "standalone"),
+                   help="deployment mode stated by the user (loses to the dispatch line)")
+    p.add_argument("--framework-root", metavar="DIR",
+                   help="cann-recipes-infer checkout: detects the cache_info API generation (G0/G1/G2), "
+                        "support_models registration and runner_*.py")
+    p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
+                   help="framework API generation when no checkout is at hand (e.g. --framework-api G1)")
+    p.add_argument("--attn-tp-size", type=int, metavar="N", help="attention tensor-parallel size (e.g. 8)")
+    p.add_argument("--block-size", type=int, default=128, metavar="N",
+                   help=f"paged block size, one of {VALID_BLOCK_SIZES} (default 128)")
+    p.add_argument("--hbm-gb", type=float, metavar="X",
+                   help="HBM (GiB) available to the KV cache on one card, e.g. --hbm-gb 40")
+    p.add_argument("--kv-mem-ratio", type=float, metavar="R",
+                   help="fraction of --hbm-gb the KV cache may use (default 0.9 when --hbm-gb is given)")
+    p.add_argument("--max-concurrency", type=int, metavar="N", help="concurrent requests (e.g. 32)")
+    p.add_argument("--max-len", type=int, metavar="N", help="max sequence length per request (e.g. 8192)")
+    p.add_argument("--fa-version", choices=("v1", "v2"), help="override the FA version default (sinks force v2)")
+    p.add_argument("--window-reading", choices=("exclusive", "inclusive"), default="exclusive",
+                   help="device reading of pre_tokens for sliding windows (DOMAIN §9.2): 'exclusive' = "
+                        "pre_tokens counts keys before the query (default), 'inclusive' = counts the query too")
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("json", "yaml", "md"), default="json",
+                   help="json (default) or yaml manifest, or md decisions table (e.g. --format md)")
+    p.add_argument("--out", metavar="FILE", help="write the result here instead of stdout")
+    p.add_argument("--write-progress", metavar="FILE",
+                   help="upsert the decisions table into this progress.md (idempotent, atomic)")
+
+
+def build_parser(prog: str = "kvcache analyze") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Decide the KV-cache design of a model: a typed, explained selection manifest.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_analyze_arguments(p)
+    add_output_arguments(p)
+    return p
+
+
+def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
+    dispatch, dispatch_source = args.dispatch, "--dispatch"
+    if args.dispatch_file:
+        path = Path(args.dispatch_file)
+        try:
+            dispatch = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(str(path), f"cannot read: {exc}") from None
+        dispatch_source = str(path)
+    return AnalyzeRequest(
+        config=args.config or args.model_dir,
+        progress=args.progress,
+        dispatch=dispatch,
+        dispatch_source=dispatch_source,
+        deploy_mode=args.deploy_mode,
+        framework_root=args.framework_root,
+        framework_api=args.framework_api,
+        attn_tp_size=args.attn_tp_size,
+        block_size=args.block_size,
+        hbm_gb=args.hbm_gb,
+        kv_mem_ratio=args.kv_mem_ratio,
+        max_concurrency=args.max_concurrency,
+        max_len=args.max_len,
+        fa_version=args.fa_version,
+        window_reading=args.window_reading,
+    )
+
+
+def format_manifest(manifest, fmt: str) -> str:
+    if fmt == "md":
+        return decisions_markdown(manifest)
+    if fmt == "yaml":
+        return yaml.safe_dump(manifest.model_dump(mode="json"), allow_unicode=True, sort_keys=False)
+    return manifest.to_json()
+
+
+def write_output(text: str, out: str | None) -> None:
+    if out is None:
+        sys.stdout.write(text)
+        return
+    from implementer.files import atomic_write_text  # one atomic writer for every output
+
+    atomic_write_text(Path(out), text)
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = analyze(request_from_args(args))
+    text = format_manifest(manifest, args.format)
+    if args.write_progress:
+        write_section(args.write_progress, SECTION_ID, decisions_markdown(manifest))
+    write_output(text, args.out)
+    return 0
+
+
+def schema_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvcache schema", description="Print the SelectionManifest JSON Schema.",
+                                epilog="example:\n  kvcache schema > manifest.schema.json",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
+    args = p.parse_args(argv)
+    write_output(json.dumps(manifest_json_schema(), indent=2, ensure_ascii=False) + "\n", args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return guarded(run, args)
+
+
+def guarded(fn, *args) -> int:
+    """Bad input -> one stderr line naming file and field, exit 2, no traceback."""
+    try:
+        return fn(*args)
+    except InputError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return 2

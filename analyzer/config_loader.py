@@ -1,0 +1,481 @@
+"""Read a Hugging Face ``config.json`` into normalized, source-tracked model facts.
+
+Configs spell the same fact many ways (``n_head`` / ``num_attention_heads``, ``rope_scaling`` /
+``rope_parameters``, ``torch_dtype`` / ``dtype``, nested ``text_config``...). Every normalized
+value keeps the field it came from, or says it is a default, so the manifest can explain itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from analyzer.errors import InputError
+from analyzer.manifest import MlaDims, RopeInfo
+
+T = TypeVar("T")
+
+# model_type -> the code family whose attention it follows.
+FAMILY_OF = {
+    "kimi_k2": "deepseek_v3",
+    "qwen3_moe": "qwen3",
+    "qwen2_moe": "qwen2",
+    "llama4_text": "llama4",
+    "gemma3_text": "gemma3",
+    "mixtral": "mistral",
+}
+
+# Layer kinds as configs name them in `layer_types`.
+_LAYER_TYPE_KIND = {
+    "full_attention": "full",
+    "attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "linear",
+    "mamba": "linear",
+    "recurrent": "linear",
+}
+
+# Attention fields that published configs omit because they equal the transformers class defaults.
+# Used only when the config lacks the field; the source then names the class.
+FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3": ("Gemma3TextConfig", {
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "rms_norm_eps": 1e-6, "vocab_size": 262208,
+    }),
+    "gemma2": ("Gemma2Config", {
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+    }),
+    "qwen3_next": ("Qwen3NextConfig", {"full_attention_interval": 4}),
+    "gpt_oss": ("GptOssConfig", {"sliding_window": 128}),
+}
+
+_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+
+
+@dataclass(frozen=True)
+class Sourced(Generic[T]):
+    """A value plus the config field it came from (``default: ...`` when none did)."""
+
+    value: T
+    source: str
+
+    @property
+    def is_default(self) -> bool:
+        return self.source.startswith("default")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    path: str
+    model_type: str
+    family: str
+    architectures: list[str]
+    num_layers: Sourced[int]
+    hidden_size: Sourced[int]
+    num_attention_heads: Sourced[int]
+    num_key_value_heads: Sourced[int]
+    head_dim: Sourced[int]
+    dtype: Sourced[str]
+    vocab_size: int | None
+    rms_norm_eps: Sourced[float | None]
+    mla: Sourced[MlaDims | None]
+    rope: Sourced[RopeInfo]
+    layer_kinds: Sourced[tuple[str, ...]]  # per decoder layer: full | sliding | chunked | linear
+    sliding_window: Sourced[int | None]
+    attn_logit_softcapping: Sourced[float | None]
+    alibi: Sourced[bool]
+    attention_chunk_size: Sourced[int | None]
+    has_sinks: Sourced[bool]
+    num_mtp_layers: Sourced[int]
+    sublayers_per_layer: Sourced[int]
+    query_pre_attn_scalar: Sourced[float | None]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla.value is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        mla = self.mla.value
+        return mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else self.head_dim.value
+
+    def sources(self) -> dict[str, str]:
+        return {
+            name: getattr(self, name).source
+            for name in (
+                "num_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "dtype",
+                "rms_norm_eps",
+                "mla",
+                "rope",
+                "layer_kinds",
+                "sliding_window",
+                "attn_logit_softcapping",
+                "alibi",
+                "attention_chunk_size",
+                "has_sinks",
+                "num_mtp_layers",
+                "sublayers_per_layer",
+            )
+        }
+
+
+class _Reader:
+    """Field lookup over a (possibly nested) config with the path of each hit recorded."""
+
+    def __init__(self, where: str, outer: dict[str, Any]):
+        self.where = where
+        self.outer = outer
+        self.defaults: tuple[str, dict[str, Any]] = ("", {})
+        self.prefix = ""
+        self.cfg = outer
+        for nested in ("text_config", "language_config", "llm_config"):
+            inner = outer.get(nested)
+            if isinstance(inner, dict) and any(k in inner for k in ("hidden_size", "num_hidden_layers")):
+                self.cfg = inner
+                self.prefix = f"{nested}."
+                break
+
+    def get(self, *names: str) -> tuple[Any, str] | None:
+        """First present, non-null field among ``names`` (nested config first, then the outer one)."""
+        for cfg, prefix in ((self.cfg, self.prefix), (self.outer, "")):
+            for name in names:
+                if name in cfg and cfg[name] is not None:
+                    return cfg[name], f"{prefix}{name}"
+            if cfg is self.outer:
+                break
+        cls, defaults = self.defaults
+        for name in names:
+            if name in defaults and not self.has_key(name):
+                return defaults[name], f"default: transformers {cls}.{name}"
+        return None
+
+    def has_key(self, name: str) -> bool:
+        return name in self.cfg or name in self.outer
+
+    def positive_int(self, *names: str, required: bool = True) -> Sourced[int] | None:
+        hit = self.get(*names)
+        if hit is None:
+            if required:
+                raise InputError(self.where, f"missing (looked for {', '.join(names)})", field=names[0])
+            return None
+        value, src = hit
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InputError(self.where, f"must be a positive integer, got {value!r}", field=src)
+        return Sourced(value, src)
+
+
+def read_config_file(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """Load ``config.json`` (or a model dir holding one); bad files become ``InputError``."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    where = str(p)
+    if not p.is_file():
+        raise InputError(where, "file not found")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(where, f"cannot read: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(where, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise InputError(where, "top level must be a JSON object")
+    return where, data
+
+
+def load_model_facts(path: str | Path) -> ModelFacts:
+    where, data = read_config_file(path)
+    return normalize_config(data, where)
+
+
+def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelFacts:
+    r = _Reader(where, data)
+    notes: list[str] = []
+    model_type = str(r.cfg.get("model_type") or data.get("model_type") or "unknown")
+    family = FAMILY_OF.get(model_type, model_type)
+    r.defaults = FAMILY_DEFAULTS.get(family, ("", {}))
+    architectures = list(data.get("architectures") or r.cfg.get("architectures") or [])
+
+    if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
+        # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
+        num_layers = r.positive_int("num_layers")
+        sublayers = Sourced(2, "model_type longcat_flash (two attention sublayers per decoder layer)")
+    else:
+        num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+        sublayers = Sourced(1, "default: one attention per decoder layer")
+
+    hidden = r.positive_int("hidden_size", "n_embd", "d_model")
+    heads = r.positive_int("num_attention_heads", "n_head", "num_heads")
+    kv_heads = _kv_heads(r, heads)
+    mla = _mla_dims(r)
+    head_dim = _head_dim(r, hidden, heads, mla)
+    if kv_heads.value > heads.value or heads.value % kv_heads.value:
+        raise InputError(
+            where,
+            f"{heads.value} query heads are not a multiple of {kv_heads.value} KV heads",
+            field=kv_heads.source,
+        )
+
+    dtype = _dtype(r)
+    eps_hit = r.get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps")
+    eps = Sourced(float(eps_hit[0]), eps_hit[1]) if eps_hit else Sourced(None, "default: not in config")
+    rope = _rope(r)
+    layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value)
+
+    softcap_hit = r.get("attn_logit_softcapping")
+    softcap = Sourced(float(softcap_hit[0]), softcap_hit[1]) if softcap_hit else Sourced(None, "default: none")
+    alibi = _alibi(r, model_type)
+    chunk_hit = r.get("attention_chunk_size")
+    chunk = (
+        Sourced(int(chunk_hit[0]), chunk_hit[1])
+        if chunk_hit and "chunked" in layer_kinds.value
+        else Sourced(None, "default: none")
+    )
+    sinks = (
+        Sourced(True, "model_type gpt_oss (learnable sinks in every attention layer)")
+        if family == "gpt_oss"
+        else Sourced(False, "default: no sinks for this family")
+    )
+    mtp_hit = r.get("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+    mtp = Sourced(int(mtp_hit[0]), mtp_hit[1]) if mtp_hit else Sourced(0, "default: no MTP layers")
+    qpas_hit = r.get("query_pre_attn_scalar")
+    qpas = Sourced(float(qpas_hit[0]), qpas_hit[1]) if qpas_hit else Sourced(None, "default: none")
+    vocab = r.get("vocab_size", "padded_vocab_size")
+
+    return ModelFacts(
+        path=where,
+        model_type=model_type,
+        family=family,
+        architectures=architectures,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        vocab_size=int(vocab[0]) if vocab else None,
+        rms_norm_eps=eps,
+        mla=mla,
+        rope=rope,
+        layer_kinds=layer_kinds,
+        sliding_window=sliding_window,
+        attn_logit_softcapping=softcap,
+        alibi=alibi,
+        attention_chunk_size=chunk,
+        has_sinks=sinks,
+        num_mtp_layers=mtp,
+        sublayers_per_layer=sublayers,
+        query_pre_attn_scalar=qpas,
+        notes=notes,
+    )
+
+
+def _kv_heads(r: _Reader, heads: Sourced[int]) -> Sourced[int]:
+    explicit = r.positive_int(
+        "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", required=False
+    )
+    new_arch = r.get("new_decoder_architecture")
+    if new_arch and new_arch[0] is True and explicit:
+        return explicit  # Falcon-40B style: num_kv_heads is authoritative
+    multi_query = r.get("multi_query")
+    if multi_query and multi_query[0] is True and not (new_arch and new_arch[0] is True):
+        return Sourced(1, f"{multi_query[1]}=true (one shared KV head)")
+    if explicit:
+        return explicit
+    return Sourced(heads.value, f"default: = {heads.source} (no KV-head field, MHA)")
+
+
+def _mla_dims(r: _Reader) -> Sourced[MlaDims | None]:
+    hit = r.get("kv_lora_rank")
+    if hit is None:
+        return Sourced(None, "default: no kv_lora_rank (not MLA)")
+    need = {}
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        need[name] = r.positive_int(name).value
+    q_lora = r.get("q_lora_rank")
+    dims = MlaDims(
+        kv_lora_rank=r.positive_int("kv_lora_rank").value,
+        q_lora_rank=int(q_lora[0]) if q_lora else None,
+        **need,
+    )
+    return Sourced(dims, f"{hit[1]} (+ qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)")
+
+
+def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None]) -> Sourced[int]:
+    if mla.value is not None:
+        d = mla.value.qk_nope_head_dim + mla.value.qk_rope_head_dim
+        return Sourced(d, "qk_nope_head_dim + qk_rope_head_dim (MLA)")
+    explicit = r.positive_int("head_dim", required=False)
+    if explicit:
+        return explicit
+    if hidden.value % heads.value:
+        raise InputError(
+            r.where,
+            f"no head_dim and {hidden.source}={hidden.value} is not divisible by {heads.source}={heads.value}",
+            field="head_dim",
+        )
+    return Sourced(hidden.value // heads.value, f"default: {hidden.source} / {heads.source}")
+
+
+def _dtype(r: _Reader) -> Sourced[str]:
+    hit = r.get("torch_dtype", "dtype")
+    if hit is None:
+        return Sourced("bfloat16", "default: bfloat16 (config names no dtype)")
+    raw, src = hit
+    value = _DTYPES.get(str(raw).replace("torch.", "").lower())
+    if value is None:
+        return Sourced("bfloat16", f"default: bfloat16 ({src}={raw!r} is not a cache dtype)")
+    return Sourced(value, src)
+
+
+def _rope(r: _Reader) -> Sourced[RopeInfo]:
+    hit = r.get("rope_scaling", "rope_parameters")
+    if hit is None or not isinstance(hit[0], dict):
+        return Sourced(RopeInfo(rope_type="default"), "default: no rope_scaling/rope_parameters")
+    raw, src = hit
+    if "full_attention" in raw and isinstance(raw["full_attention"], dict):
+        raw = raw["full_attention"]  # per-layer-type rope parameters (transformers v5)
+        src = f"{src}.full_attention"
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    key = "rope_type" if "rope_type" in raw else "type"
+
+    def num(name: str) -> float | None:
+        v = raw.get(name)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    orig = raw.get("original_max_position_embeddings")
+    info = RopeInfo(
+        rope_type=str(kind),
+        factor=num("factor"),
+        mscale=num("mscale"),
+        mscale_all_dim=num("mscale_all_dim"),
+        original_max_position_embeddings=int(orig) if isinstance(orig, int) else None,
+    )
+    return Sourced(info, f"{src}.{key}")
+
+
+def _alibi(r: _Reader, model_type: str) -> Sourced[bool]:
+    hit = r.get("alibi", "use_alibi")
+    if hit is not None and hit[0] is True:
+        return Sourced(True, hit[1])
+    attn_cfg = r.get("attn_config")
+    if attn_cfg and isinstance(attn_cfg[0], dict) and attn_cfg[0].get("alibi"):
+        return Sourced(True, f"{attn_cfg[1]}.alibi")
+    pos = r.get("position_embedding_type")
+    if pos and str(pos[0]).lower() == "alibi":
+        return Sourced(True, pos[1])
+    if model_type == "bloom":
+        return Sourced(True, "model_type bloom (ALiBi by design)")
+    if hit is not None:
+        return Sourced(False, hit[1])
+    return Sourced(False, "default: no ALiBi field")
+
+
+def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
+    """Per-layer kind and the window, for every spelling of DOMAIN.md §3."""
+    window_hit = r.get("sliding_window")
+    window = None
+    if window_hit is not None:
+        w = window_hit[0]
+        if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+            raise InputError(r.where, f"must be a positive integer or null, got {w!r}", field=window_hit[1])
+        window = w
+
+    types_hit = r.get("layer_types")
+    if types_hit is not None:
+        raw, src = types_hit
+        if not isinstance(raw, list) or len(raw) != num_layers:
+            raise InputError(r.where, f"must list one type per layer ({num_layers})", field=src)
+        kinds = []
+        for i, t in enumerate(raw):
+            kind = _LAYER_TYPE_KIND.get(str(t))
+            if kind is None:
+                raise InputError(r.where, f"unknown layer type {t!r}", field=f"{src}[{i}]")
+            kinds.append(kind)
+        if "sliding" in kinds and window is None:
+            raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
+        return Sourced(tuple(kinds), src), _window_source(window, window_hit)
+
+    interval = r.get("full_attention_interval")
+    if interval is not None and isinstance(interval[0], int) and interval[0] > 0:
+        # Qwen3-Next: linear-attention layers, every interval-th layer full attention.
+        n = interval[0]
+        kinds = tuple("full" if (i + 1) % n == 0 else "linear" for i in range(num_layers))
+        return Sourced(kinds, f"{interval[1]}={n} (other layers linear attention)"), Sourced(None, "default: none")
+
+    use_sw = r.get("use_sliding_window")
+    if use_sw is not None and use_sw[0] is False:
+        # Qwen2/Qwen3: the window field is inert unless use_sliding_window is true.
+        kinds = ("full",) * num_layers
+        return Sourced(kinds, f"{use_sw[1]}=false"), Sourced(None, f"{use_sw[1]}=false")
+
+    if window is None:
+        chunk = r.get("attention_chunk_size")
+        if chunk is not None and family_of(model_type) == "llama4":
+            # Llama-4 without layer_types: chunked layers except every no_rope_layer_interval-th.
+            interval = int((r.get("no_rope_layer_interval") or (4, ""))[0])
+            kinds = tuple("full" if (i + 1) % interval == 0 else "chunked" for i in range(num_layers))
+            return Sourced(kinds, f"{chunk[1]} + no_rope_layer_interval={interval}"), Sourced(None, "default: none")
+        return Sourced(("full",) * num_layers, "default: no sliding_window"), Sourced(None, "default: none")
+
+    if use_sw is not None and use_sw[0] is True:
+        mwl = r.positive_int("max_window_layers", required=False)
+        start = mwl.value if mwl else 0
+        kinds = tuple("sliding" if i >= start else "full" for i in range(num_layers))
+        src = f"{use_sw[1]}=true, layers >= {mwl.source if mwl else 'max_window_layers (absent: 0)'}"
+        return Sourced(kinds, src), _window_source(window, window_hit)
+
+    pattern = r.get("sliding_window_pattern")
+    if pattern is not None and isinstance(pattern[0], int) and pattern[0] > 0:
+        n = pattern[0]
+        kinds = tuple("sliding" if (i + 1) % n else "full" for i in range(num_layers))
+        return Sourced(kinds, f"{pattern[1]}={n} (every {n}th layer full)"), _window_source(window, window_hit)
+
+    fam = family_of(model_type)
+    if fam == "gemma2":
+        kinds = tuple("sliding" if (i + 1) % 2 else "full" for i in range(num_layers))
+        return Sourced(kinds, "model_type gemma2 (even layers sliding)"), _window_source(window, window_hit)
+    if fam == "gemma3":
+        kinds = tuple("sliding" if (i + 1) % 6 else "full" for i in range(num_layers))
+        return Sourced(kinds, "model_type gemma3 (default pattern 6)"), _window_source(window, window_hit)
+
+    return (
+        Sourced(("sliding",) * num_layers, f"{window_hit[1]} with no layer_types (every layer)"),
+        _window_source(window, window_hit),
+    )
+
+
+def _window_source(window: int | None, hit: tuple[Any, str] | None) -> Sourced[int | None]:
+    return Sourced(window, hit[1]) if hit else Sourced(None, "default: none")
+
+
+def family_of(model_type: str) -> str:
+    return FAMILY_OF.get(model_type, model_type)
+
+
+def yarn_mscale(factor: float | None, mscale_all_dim: float | None) -> float:
+    """YaRN attention-scale factor m (1 when the factor does not stretch the context)."""
+    if not factor or factor <= 1 or not mscale_all_dim:
+        return 1.0
+    return 0.1 * mscale_all_dim * math.log(factor) + 1.0

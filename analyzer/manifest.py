@@ -1,0 +1,242 @@
+"""The SelectionManifest: the versioned contract between analyzer, implementer, validators and agents.
+
+Every field an agent or another tool reads lives here. Breaking changes bump ``SCHEMA_VERSION``;
+the JSON Schema exported from these models is committed under ``references/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1.0"
+
+AttnType = Literal["FullAttention", "SlidingWindow"]
+DeployMode = Literal["framework", "standalone"]
+DeploySource = Literal["dispatch", "user", "self_check", "default"]
+FrameworkApi = Literal["G0", "G1", "G2"]
+KvMode = Literal["paged", "legacy"]
+FaVersion = Literal["v1", "v2"]
+MaskKind = Literal["causal_2048", "none"]
+WriteOp = Literal["npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache", "scatter_update_"]
+CacheDtype = Literal["bfloat16", "float16", "float32", "int8"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Finding(_Model):
+    """An open question, warning or blocker: one message and the input field(s) it concerns."""
+
+    message: str
+    fields: list[str] = Field(default_factory=list, description="config/progress/CLI fields involved")
+
+
+class MlaDims(_Model):
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+class RopeInfo(_Model):
+    rope_type: str = Field(description="'default' when the config has no scaling")
+    factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
+class ModelInfo(_Model):
+    model_type: str
+    family: str = Field(description="code family the model follows, e.g. kimi_k2 -> deepseek_v3")
+    attention_kind: Literal["mha", "gqa", "mqa", "mla", "hybrid"]
+    architectures: list[str] = Field(default_factory=list)
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    qk_head_dim: int = Field(description="query/key head dim used by the score (MLA: nope + rope)")
+    dtype: CacheDtype
+    vocab_size: int | None = None
+    rms_norm_eps: float | None = None
+    mla: MlaDims | None = None
+    rope: RopeInfo
+    has_sinks: bool = False
+    num_mtp_layers: int = 0
+    sublayers_per_layer: int = 1
+    sources: dict[str, str] = Field(
+        default_factory=dict, description="normalized fact -> config field it came from, or 'default: ...'"
+    )
+
+
+class Evidence(_Model):
+    value: str
+    source: DeploySource
+    detail: str
+
+
+class DeployModeDecision(_Model):
+    value: DeployMode
+    source: DeploySource
+    evidence: list[str] = Field(default_factory=list)
+    overridden: list[Evidence] = Field(
+        default_factory=list, description="lower-priority or conflicting sources that lost"
+    )
+
+
+class KvModeDecision(_Model):
+    value: KvMode
+    reason: str
+    evidence: list[str] = Field(default_factory=list)
+
+
+class FaDecision(_Model):
+    version: FaVersion
+    input_layout: str
+    softmax_scale: float
+    scale_derivation: str
+    reason: str
+    is_default: bool = Field(description="True when the version came from the family default, not a requirement")
+
+
+class MlaDecision(_Model):
+    enabled: bool
+    absorb: bool
+    cache_mode: Literal["PA_NZ", "PA"] | None = None
+    reason: str
+
+
+class PerPath(_Model):
+    prefill: int
+    decode: int
+
+
+class MaskPerPath(_Model):
+    prefill: MaskKind
+    decode: MaskKind
+
+
+class CacheSpec(_Model):
+    name: str
+    dim: int
+    num_head: int
+    dtype: CacheDtype
+
+
+class LayerPlan(_Model):
+    index: int = Field(description="cache-layer index (sublayers flattened)")
+    decoder_layer: int
+    sublayer: int = 0
+    attn_type: AttnType
+    sliding_window: int | None = None
+    group_key: str = Field(description="key of block_table/slot_mapping dicts for this layer")
+    sparse_mode: PerPath
+    pre_tokens: int
+    next_tokens: int
+    mask: MaskPerPath
+    write_op: WriteOp
+    caches: list[CacheSpec]
+    window_derivation: str | None = None
+
+
+class ParallelPlan(_Model):
+    attn_tp_size: int
+    attn_tp_source: str
+    num_q_heads_per_rank: int
+    num_kv_heads_per_rank: int
+    kv_heads_replicated: bool = Field(description="fewer KV heads than ranks: each rank holds a copy")
+    latent_replicated: bool = Field(description="MLA latent cache is whole on every rank")
+
+
+class GroupMemory(_Model):
+    group_key: str
+    attn_type: AttnType
+    num_layers: int
+    per_token_bytes: int
+    fixed_blocks: bool
+    blocks: int | None = None
+
+
+class MemoryPlan(_Model):
+    per_token_bytes: int = Field(description="all layers, one rank")
+    groups: list[GroupMemory]
+    legacy_reservation_bytes: int | None = Field(
+        default=None, description="contiguous cache for max_concurrency x max_len (Legacy)"
+    )
+    hbm_gb: float | None = None
+    kv_mem_ratio: float | None = None
+    max_concurrency: int | None = None
+    max_len: int | None = None
+    blocks: dict[str, int] | None = None
+    max_tokens: int | None = None
+    max_concurrency_at_max_len: int | None = Field(
+        default=None, description="requests of max_len that fit in the budget"
+    )
+    derivation: list[str] = Field(default_factory=list)
+
+
+class DeviceDependency(_Model):
+    """An open device behaviour (DOMAIN §9) this design relies on; settled only by an NPU run."""
+
+    question: Literal["band_at_single_query", "window_pre_tokens", "null_block_contents"]
+    assumed: str
+    alternative: str
+    consequence: str
+    layers: list[int] = Field(default_factory=list)
+
+
+class Inputs(_Model):
+    config: str | None = None
+    progress: str | None = None
+    dispatch: str | None = None
+    framework_root: str | None = None
+
+
+class Generator(_Model):
+    name: str = "model-infer-kvcache"
+    version: str
+
+
+class SelectionManifest(_Model):
+    schema_version: str = SCHEMA_VERSION
+    generator: Generator
+    inputs: Inputs
+    model: ModelInfo
+    deploy_mode: DeployModeDecision
+    framework_api: FrameworkApi | None
+    framework_api_evidence: str
+    kv_mode: KvModeDecision
+    fa: FaDecision
+    mla: MlaDecision
+    mixed_attn_types: bool
+    layers: list[LayerPlan]
+    parallel: ParallelPlan
+    block_size: int
+    memory: MemoryPlan
+    device_dependencies: list[DeviceDependency] = Field(default_factory=list)
+    open_questions: list[Finding] = Field(default_factory=list)
+    warnings: list[Finding] = Field(default_factory=list)
+    blockers: list[Finding] = Field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
+
+    def content_hash(self) -> str:
+        """Stable hash of the manifest content (sorted keys), used in rendered-file headers."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+    @property
+    def group_keys(self) -> list[str]:
+        return sorted({layer.group_key for layer in self.layers})
+
+
+def manifest_json_schema() -> dict:
+    return SelectionManifest.model_json_schema()

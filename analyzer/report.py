@@ -1,0 +1,92 @@
+"""The decisions table for progress.md (`| 决策项 | 选择 | 理由 |`), derived from a manifest."""
+
+from __future__ import annotations
+
+from analyzer.manifest import LayerPlan, SelectionManifest
+
+SECTION_ID = "analyze"
+SECTION_TITLE = "### KVCache 选型决策"
+
+
+def _ranges(indices: list[int]) -> str:
+    out, start, prev = [], None, None
+    for i in indices:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}-{prev}" if start != prev else str(start))
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(out)
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _layer_groups(m: SelectionManifest) -> list[tuple[LayerPlan, list[int]]]:
+    groups: dict[tuple, tuple[LayerPlan, list[int]]] = {}
+    for layer in m.layers:
+        key = (layer.attn_type, layer.sliding_window, layer.sparse_mode, layer.pre_tokens, layer.mask)
+        groups.setdefault(key, (layer, []))[1].append(layer.index)
+    return list(groups.values())
+
+
+def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
+    rows = [
+        ("部署模式", m.deploy_mode.value, f"来源 {m.deploy_mode.source}: " + "; ".join(m.deploy_mode.evidence)),
+        ("KV 模式", m.kv_mode.value, m.kv_mode.reason),
+    ]
+    if m.deploy_mode.value == "framework":
+        rows.append(("框架 API 代际", m.framework_api or "未知(渲染默认 G2)", m.framework_api_evidence))
+    for layer, idx in _layer_groups(m):
+        window = f", sliding_window={layer.sliding_window}" if layer.sliding_window else ""
+        rows.append((f"attn_type (层 {_ranges(idx)})", f"{layer.attn_type}{window}",
+                     f"group_key={layer.group_key}"))
+        rows.append((f"sparse_mode / mask (层 {_ranges(idx)})",
+                     f"prefill {layer.sparse_mode.prefill}/{layer.mask.prefill}, "
+                     f"decode {layer.sparse_mode.decode}/{layer.mask.decode}",
+                     layer.window_derivation or "按路径表"))
+        if layer.sliding_window:
+            rows.append((f"pre_tokens / next_tokens (层 {_ranges(idx)})",
+                         f"{layer.pre_tokens} / {layer.next_tokens}", layer.window_derivation or ""))
+    rows += [
+        ("混合 attn_type", "是" if m.mixed_attn_types else "否", "各层在 __init__ 按层号设置 attn_type"
+         if m.mixed_attn_types else "所有层同一 attn_type"),
+        ("FA 版本", m.fa.version, m.fa.reason),
+        ("input_layout", m.fa.input_layout, "Paged 用 packed TND" if m.kv_mode.value == "paged" else "Legacy BSH"),
+        ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
+        ("MLA absorb", "是" if m.mla.absorb else "否", m.mla.reason),
+        ("写入算子", m.layers[0].write_op if m.layers else "-", "slot_mapping 驱动写入" if m.kv_mode.value == "paged"
+         else "kv_len 驱动写入"),
+        ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in m.layers[0].caches)
+         if m.layers else "-", "num_head 为每卡 KV heads" if not m.mla.enabled else "latent 不按 TP 切分"),
+        ("每卡 heads", f"Q {m.parallel.num_q_heads_per_rank} / KV {m.parallel.num_kv_heads_per_rank}",
+         f"attn_tp_size={m.parallel.attn_tp_size} ({m.parallel.attn_tp_source})"
+         + ("; KV heads 复制" if m.parallel.kv_heads_replicated else "")),
+        ("block_size", str(m.block_size), "Paged FA 路径要求 128..512 且为 128 的倍数"),
+        ("每 token KV 字节(单卡)", str(m.memory.per_token_bytes), m.memory.derivation[0] if m.memory.derivation
+         else ""),
+    ]
+    if m.memory.blocks:
+        rows.append(("block 数", ", ".join(f"{k}={v}" for k, v in m.memory.blocks.items()),
+                     "; ".join(m.memory.derivation[1:])))
+    return rows
+
+
+def decisions_markdown(m: SelectionManifest) -> str:
+    lines = [SECTION_TITLE, "", f"模型 `{m.model.model_type}`,manifest schema {m.schema_version},"
+             f"hash `{m.content_hash()}`", "", "| 决策项 | 选择 | 理由 |", "|---|---|---|"]
+    lines += [f"| {_cell(a)} | {_cell(b)} | {_cell(c)} |" for a, b, c in decision_rows(m)]
+    for title, items in (("阻塞项", m.blockers), ("待确认问题", m.open_questions), ("警告", m.warnings)):
+        if items:
+            lines += ["", f"**{title}**", ""]
+            lines += [f"- {i.message}" + (f"(字段: {', '.join(i.fields)})" if i.fields else "") for i in items]
+    if m.device_dependencies:
+        lines += ["", "**依赖的设备行为(需 NPU 实测确认)**", ""]
+        lines += [f"- {d.question}: 假设 {d.assumed},另一读法 {d.alternative} — {d.consequence}"
+                  for d in m.device_dependencies]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,270 @@
+"""Decision rules: one pure function per decision, facts in, value + reason (+ evidence) out.
+
+Nothing here reads files or flags; ``analyzer.build`` gathers the facts and calls these.
+The tables in SKILL.md / references/ are generated from or checked against this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from analyzer.config_loader import ModelFacts, yarn_mscale
+from analyzer.manifest import CacheSpec, Finding, MaskPerPath, ParallelPlan, PerPath
+
+# Page-attention block sizes the FA paged path accepts for Q_S > 1 (DOMAIN §7).
+VALID_BLOCK_SIZES = (128, 256, 384, 512)
+DEFAULT_BLOCK_SIZE = 128
+FA_MAX_HEAD_DIM = 512
+FA_HEAD_DIM_ALIGN = 16
+MLA_ROPE_DIM = 64
+MLA_LATENT_DIMS = (512, 128)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Decision:
+    value: object
+    reason: str
+    evidence: list[str] = field(default_factory=list)
+    is_default: bool = False
+
+
+# ---------------------------------------------------------------- blockers and KV mode
+
+
+def find_blockers(facts: ModelFacts) -> list[Finding]:
+    """Config facts that make the standard Paged + FA path impossible (DOMAIN §2)."""
+    out: list[Finding] = []
+    if facts.attn_logit_softcapping.value is not None:
+        out.append(Finding(
+            message=f"attention logit soft-capping ({facts.attn_logit_softcapping.value}) has no FA equivalent",
+            fields=[facts.attn_logit_softcapping.source],
+        ))
+    if facts.alibi.value:
+        out.append(Finding(
+            message="ALiBi position bias: the TND/paged FA path takes no pse_shift",
+            fields=[facts.alibi.source],
+        ))
+    kinds = facts.layer_kinds.value
+    if "chunked" in kinds:
+        out.append(Finding(
+            message=f"chunked local attention on {kinds.count('chunked')} layers: chunk boundaries are not a band",
+            fields=[facts.attention_chunk_size.source if not facts.attention_chunk_size.is_default
+                    else facts.layer_kinds.source],
+        ))
+    if "linear" in kinds:
+        out.append(Finding(
+            message=f"{kinds.count('linear')} linear-attention/recurrent layers (framework attn_type Mamba) "
+                    "are outside this skill's standard path",
+            fields=[facts.layer_kinds.source],
+        ))
+    if not facts.is_mla:
+        d = facts.head_dim.value
+        if d > FA_MAX_HEAD_DIM or d % FA_HEAD_DIM_ALIGN:
+            out.append(Finding(
+                message=f"head_dim {d} is unsupported by FA (must be <= {FA_MAX_HEAD_DIM} and a multiple of 16)",
+                fields=[facts.head_dim.source],
+            ))
+    else:
+        mla = facts.mla.value
+        if mla.qk_rope_head_dim != MLA_ROPE_DIM:
+            out.append(Finding(message=f"MLA rope dim {mla.qk_rope_head_dim} != {MLA_ROPE_DIM} required by FA",
+                               fields=["qk_rope_head_dim"]))
+        if mla.kv_lora_rank not in MLA_LATENT_DIMS:
+            out.append(Finding(message=f"MLA latent dim {mla.kv_lora_rank} not in {MLA_LATENT_DIMS} (FA MLA query D)",
+                               fields=["kv_lora_rank"]))
+    return out
+
+
+def decide_kv_mode(blockers: list[Finding], starting_point: list[str]) -> Decision:
+    evidence = [f"progress.md starting point: {s}" for s in starting_point]
+    if blockers:
+        reason = "Legacy kept: " + "; ".join(b.message for b in blockers)
+        return Decision("legacy", reason, evidence + [f for b in blockers for f in b.fields])
+    return Decision(
+        "paged",
+        "Paged is the target: online serving, PD disaggregation and dataset evaluation need it; no blocker found",
+        evidence,
+        is_default=True,
+    )
+
+
+# ---------------------------------------------------------------- per-layer attention
+
+
+def decide_attn_type(kind: str) -> str:
+    """Framework attn_type of one layer kind (blocked kinds never reach the paged path)."""
+    return "SlidingWindow" if kind == "sliding" else "FullAttention"
+
+
+def decide_window_tokens(window: int | None, reading: str = "exclusive") -> tuple[int, int, str | None]:
+    """FA ``pre_tokens`` / ``next_tokens`` for a layer, and the derivation.
+
+    Hugging Face lets a query see W keys including itself (``kv_idx > q_idx - W``). Under the
+    documented band rule (``i' - pre_tokens <= j <= i'``, reading "exclusive") that is
+    ``pre_tokens = W - 1``; if the device counts the query inside pre_tokens (reading
+    "inclusive"), it is ``W``. Validated by measurement against transformers (validators).
+    """
+    if window is None:
+        return 2147483647, 0, None
+    if reading == "inclusive":
+        return window, 0, (f"HF window W={window} sees W keys incl. the query; device reading 'inclusive' "
+                           f"(pre_tokens counts the query) -> pre_tokens = W = {window}")
+    return window - 1, 0, (f"HF window W={window} sees W keys incl. the query (kv_idx > q_idx - W); band rule "
+                           f"i'-pre_tokens <= j <= i' (reading 'exclusive') -> pre_tokens = W-1 = {window - 1}")
+
+
+def decide_sparse(attn_type: str, is_mla: bool, kv_mode: str) -> tuple[PerPath, MaskPerPath, str]:
+    """sparse_mode and mask per path (DOMAIN §7 path table)."""
+    if kv_mode == "legacy":
+        return (PerPath(prefill=3, decode=0), MaskPerPath(prefill="causal_2048", decode="none"),
+                "Legacy BSH: causal prefill (3 + 2048 mask); q_len 1 decode needs no mask (0)")
+    if is_mla:
+        return (PerPath(prefill=3, decode=0), MaskPerPath(prefill="causal_2048", decode="none"),
+                "MLA absorb: prefill 3 + causal mask; decode 0 without mask (3 at decode deviates)")
+    if attn_type == "SlidingWindow":
+        return (PerPath(prefill=4, decode=4), MaskPerPath(prefill="causal_2048", decode="causal_2048"),
+                "sliding layer: band 4 with pre_tokens on prefill and decode (0 would see outside the window)")
+    return (PerPath(prefill=3, decode=3), MaskPerPath(prefill="causal_2048", decode="causal_2048"),
+            "standard TND paged: right-down causal 3 + 2048 mask on prefill and decode")
+
+
+def decide_write_op(kv_mode: str, is_mla: bool) -> str:
+    if kv_mode == "legacy":
+        return "scatter_update_"
+    return "npu_kv_rmsnorm_rope_cache" if is_mla else "npu_scatter_nd_update_"
+
+
+# ---------------------------------------------------------------- FA operator
+
+
+def decide_fa_version(facts: ModelFacts, requested: str | None = None) -> Decision:
+    if facts.has_sinks.value:
+        if requested == "v1":
+            return Decision("v2", "learnable sinks exist only on FA v2 (requested v1 refused)",
+                            [facts.has_sinks.source])
+        return Decision("v2", "learnable sinks require FA v2 (learnable_sink)", [facts.has_sinks.source])
+    if requested:
+        return Decision(requested, f"requested {requested} by the user", ["--fa-version"])
+    if facts.is_mla:
+        return Decision("v2", "MLA default v2 (DeepSeek-R1 reference); v1 also works (Kimi-K2)",
+                        [facts.mla.source], is_default=True)
+    return Decision("v1", "GQA/MHA default v1 (Qwen3 reference)", [facts.num_key_value_heads.source],
+                    is_default=True)
+
+
+def decide_input_layout(kv_mode: str, is_mla: bool) -> Decision:
+    if kv_mode == "legacy":
+        return Decision("BSH", "Legacy contiguous cache [batch, seq, heads*dim]")
+    if is_mla:
+        return Decision("TND_NTD", "MLA absorb: packed query TND, output NTD for the per-head V up-projection")
+    return Decision("TND", "packed variable-length batch [TotalTokens, N, D] matches the framework's 1-D inputs")
+
+
+def decide_scale(facts: ModelFacts) -> tuple[float, str]:
+    """Softmax scale with its derivation (query_pre_attn_scalar, YaRN mscale² when mscale_all_dim set)."""
+    qpas = facts.query_pre_attn_scalar.value
+    if qpas:
+        base, base_txt = qpas ** -0.5, f"query_pre_attn_scalar^-0.5 = {qpas:g}^-0.5"
+    else:
+        d = facts.qk_head_dim
+        label = "(qk_nope_head_dim + qk_rope_head_dim)" if facts.is_mla else "head_dim"
+        base, base_txt = d ** -0.5, f"{label}^-0.5 = {d}^-0.5"
+    rope = facts.rope.value
+    if rope.rope_type == "yarn" and rope.mscale_all_dim:
+        m = yarn_mscale(rope.factor, rope.mscale_all_dim)
+        if m != 1.0:
+            return base * m * m, (
+                f"{base_txt} x mscale^2, mscale = 0.1 x mscale_all_dim({rope.mscale_all_dim:g}) x "
+                f"ln(factor {rope.factor:g}) + 1 = {m:.6f} ({facts.rope.source})"
+            )
+    return base, base_txt
+
+
+# ---------------------------------------------------------------- parallel and caches
+
+
+def decide_parallel(facts: ModelFacts, tp: int, tp_source: str) -> ParallelPlan:
+    heads, kv = facts.num_attention_heads.value, facts.num_key_value_heads.value
+    kv_per_rank = 1 if facts.is_mla else max(kv // tp, 1)
+    return ParallelPlan(
+        attn_tp_size=tp,
+        attn_tp_source=tp_source,
+        num_q_heads_per_rank=heads // tp,
+        num_kv_heads_per_rank=kv_per_rank,
+        kv_heads_replicated=(not facts.is_mla) and kv < tp,
+        latent_replicated=facts.is_mla,
+    )
+
+
+def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
+    """Why ``tp`` cannot split this model's attention (empty when it can)."""
+    heads, kv = facts.num_attention_heads.value, facts.num_key_value_heads.value
+    out = []
+    if heads % tp:
+        out.append(f"{heads} query heads are not divisible by attn_tp_size {tp}")
+    if not facts.is_mla:
+        if kv >= tp and kv % tp:
+            out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
+        if kv < tp and tp % kv:
+            out.append(f"attn_tp_size {tp} is not a multiple of {kv} KV heads (uneven replication)")
+    return out
+
+
+def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str) -> list[CacheSpec]:
+    dtype = facts.dtype.value
+    if facts.is_mla:
+        mla = facts.mla.value
+        # The latent is shared by all heads and never split by attention TP.
+        return [CacheSpec(name="nope_cache", dim=mla.kv_lora_rank, num_head=1, dtype=dtype),
+                CacheSpec(name="rope_cache", dim=mla.qk_rope_head_dim, num_head=1, dtype=dtype)]
+    n, d = parallel.num_kv_heads_per_rank, facts.head_dim.value
+    if kv_mode == "legacy":
+        # cache_unit = (num_kv_heads_per_rank * head_dim,): one BSH row per token.
+        return [CacheSpec(name="k_cache", dim=n * d, num_head=1, dtype=dtype),
+                CacheSpec(name="v_cache", dim=n * d, num_head=1, dtype=dtype)]
+    return [CacheSpec(name="k_cache", dim=d, num_head=n, dtype=dtype),
+            CacheSpec(name="v_cache", dim=d, num_head=n, dtype=dtype)]
+
+
+def cache_token_bytes(caches: list[CacheSpec]) -> int:
+    return sum(c.dim * c.num_head * DTYPE_BYTES[c.dtype] for c in caches)
+
+
+def check_block_size(value: int) -> str | None:
+    """None when the paged FA path accepts ``value``, else why not."""
+    if value not in VALID_BLOCK_SIZES:
+        return f"block_size {value} rejected: the paged FA path takes 128..512 in multiples of 128"
+    return None
+
+
+# ---------------------------------------------------------------- deployment mode
+
+
+def decide_deploy_mode(
+    dispatch: str | None,
+    dispatch_line: str | None,
+    user: str | None,
+    self_check: tuple[str, str] | None,
+) -> tuple[str, str, list[str], list[tuple[str, str, str]]]:
+    """Priority dispatch > user > self-check > default framework (DOMAIN §1).
+
+    Returns (value, source, evidence, losers) with losers as (value, source, detail).
+    """
+    candidates: list[tuple[str, str, str]] = []
+    if dispatch:
+        candidates.append((dispatch, "dispatch", f"dispatch line {dispatch_line!r}"))
+    if user:
+        candidates.append((user, "user", "--deploy-mode"))
+    if self_check:
+        candidates.append((self_check[0], "self_check", self_check[1]))
+    if not candidates:
+        return "framework", "default", ["no dispatch line, flag or self-check evidence: repository default"], []
+    value, source, detail = candidates[0]
+    return value, source, [detail], candidates[1:]
+
+
+def block_count_offline(max_len: int, block_size: int, concurrency: int) -> int:
+    """Blocks one paged manager needs offline: ceil(max_len / bs) per request, plus the null block."""
+    return math.ceil(max_len / block_size) * concurrency + 1

@@ -1,0 +1,455 @@
+"""A small continuous-batching loop that feeds framework-mode models like the real engine does.
+
+Per step it allocates blocks (``KVCacheManager.allocate_slots``), builds the packed TND
+inputs and a ``ForwardMetaData`` the way the framework's execution engine does, and
+records which blocks each request owns so validators can poison the rest in between.
+
+Conventions taken from the framework (scheduler + execution engine):
+
+* prefill: ``allocate_slots(rid, 0, L)``; ``position_ids = arange(L)`` per request;
+  ``actual_seq_lengths_q = actual_seq_lengths_kv = L``; cumulative forms by cumsum;
+  after the step the request's computed length (``kv_len``) is ``L - 1``;
+* decode: ``allocate_slots(rid, computed + 1, 1)``; ``kv_len = computed + 1`` is both
+  the write position and ``position_ids``; ``actual_seq_lengths_kv = kv_len + 1``
+  (the first decode after a prefill of L reads L + 1); ``actual_seq_lengths_q`` = ones;
+* prefill and decode are never mixed in one step; prefill goes first when it can;
+* ``attention_mask`` is the 2048x2048 ``~tril`` bool mask on every step;
+* prefill ``kv_len`` is the framework's legacy per-token value
+  (``slot * max_model_len + arange(L)``, meaningless for paged caches, kept for fidelity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .api import FrameworkAPI
+from .cache_utils import allocate_cache_tensors, calculate_block_num, validate_cache_info
+from .errors import SchedulerStall
+from .poison import (
+    assert_pool_invariants,
+    block_is_poisoned,
+    block_ownership,
+    free_blocks,
+    null_block_of,
+    poison_free_blocks,
+)
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    # Framework meaning: position of the newest token whose K/V is in the cache.
+    computed_len: int = 0
+    status: str = WAITING
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose K/V are in the cache (0 before prefill)."""
+        return 0 if self.status == WAITING else self.computed_len + 1
+
+    def all_token_ids(self) -> list[int]:
+        return list(self.prompt_ids) + list(self.output_ids)
+
+
+@dataclass
+class Step:
+    """One forward step as a model sees it, plus the ownership facts validators need."""
+
+    index: int
+    is_prefill: bool
+    request_ids: list[int]
+    input_ids: torch.Tensor  # [TotalTokens] (decode: one per row, padding rows included)
+    position_ids: torch.Tensor  # [TotalTokens]
+    forward_metadata: object
+    q_lens: list[int]
+    kv_lens: list[int]  # tokens each request's attention covers after this step's writes
+    # group key -> request id -> real blocks the request owns during this step
+    block_ownership: dict[str, dict[int, list[int]]]
+    free_blocks: dict[str, list[int]]
+    null_blocks: dict[str, int]
+    # group key -> request id -> (first, end) positions that have storage this step
+    readable_positions: dict[str, dict[int, tuple[int, int]]]
+    deferred: list[int] = field(default_factory=list)
+    padded_rows: int = 0
+
+    def token_slices(self) -> dict[int, slice]:
+        """Where each request's tokens sit in the packed inputs."""
+        slices, start = {}, 0
+        for rid, q_len in zip(self.request_ids, self.q_lens, strict=True):
+            slices[rid] = slice(start, start + q_len)
+            start += q_len
+        return slices
+
+    def last_token_rows(self) -> torch.Tensor:
+        """Packed row of each request's last token (its logits predict the next token)."""
+        ends = torch.tensor(self.q_lens, dtype=torch.long).cumsum(0)
+        return ends - 1
+
+
+def argmax_sampler(step: Step, logits: torch.Tensor) -> list[int]:
+    """Greedy next token from ``logits [TotalTokens, vocab]`` at each request's last row."""
+    rows = logits[step.last_token_rows().to(logits.device)]
+    return [int(t) for t in rows.argmax(dim=-1).tolist()]
+
+
+class Scheduler:
+    """Admit, prefill, decode, finish: the request life cycle over a KVCacheManager.
+
+    ``cache_info`` is what the model's ``get_cache_info()`` returns. ``api`` selects the
+    framework implementation (default: the harness of ``generation``). Block counts
+    default to the framework's offline math for ``max_model_len`` x ``max_concurrency``.
+    """
+
+    def __init__(
+        self,
+        cache_info,
+        *,
+        max_model_len: int,
+        max_concurrency: int,
+        api: FrameworkAPI | None = None,
+        generation: str = "G2",
+        block_num_by_key: dict[str, int] | None = None,
+        extra_window_keys: int = 0,
+        recycle_skipped_on_failure: bool = False,
+        max_prefill_tokens: int | None = None,
+        pad_decode_to: int | None = None,
+        graph_mode_lists: bool = False,
+        device: str | torch.device = "cpu",
+        allocate_tensors: bool = True,
+        fill_value: float | None = None,
+        poison_value: float = float("nan"),
+    ):
+        if api is None:
+            api = FrameworkAPI.harness(
+                generation, extra_window_keys=extra_window_keys, recycle_skipped_on_failure=recycle_skipped_on_failure
+            )
+        self.api = api
+        self.cache_info = cache_info
+        self.max_model_len = max_model_len
+        self.max_concurrency = max_concurrency
+        self.max_prefill_tokens = max_prefill_tokens
+        self.pad_decode_to = pad_decode_to
+        self.graph_mode_lists = graph_mode_lists
+        self.device = torch.device(device)
+        self.poison_value = poison_value
+
+        validate_cache_info(cache_info)
+        if block_num_by_key is None:
+            block_num_by_key = calculate_block_num(
+                cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len
+            )
+        self.block_num_by_key = dict(block_num_by_key)
+        self.kv_cache_manager = api.build_manager(cache_info, self.block_num_by_key, max_model_len)
+        self.cache_tensors: dict[str, list[torch.Tensor]] = {}
+        if allocate_tensors:
+            self.cache_tensors = allocate_cache_tensors(
+                self.device, cache_info, self.block_num_by_key, fill_value=fill_value
+            )
+
+        self.requests: dict[int, Request] = {}
+        self._waiting: list[int] = []
+        self._running: list[int] = []
+        self._next_id = 0
+        self._prefilled_count = 0
+        self._step_index = 0
+        self._pending: Step | None = None
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None,
+                    request_id: int | None = None) -> int:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_model_len={self.max_model_len}")
+        if request_id is None:
+            request_id = self._next_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id} already used")
+        self._next_id = max(self._next_id, request_id + 1)
+        self.requests[request_id] = Request(request_id, prompt, max_new_tokens)
+        self._waiting.append(request_id)
+        return request_id
+
+    def finish(self, request_id: int, reason: str = "aborted") -> None:
+        """End a request now (waiting or running) and return its blocks to the pools."""
+        if self._pending is not None and request_id in self._pending.request_ids:
+            raise RuntimeError(f"request {request_id} is in the pending step; complete the step first")
+        request = self.requests[request_id]
+        if request.status == FINISHED:
+            return
+        if request.status == WAITING:
+            self._waiting.remove(request_id)
+        else:
+            self._running.remove(request_id)
+        self.kv_cache_manager.free(request_id)
+        request.status, request.finish_reason = FINISHED, reason
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def running_ids(self) -> list[int]:
+        return list(self._running)
+
+    @property
+    def waiting_ids(self) -> list[int]:
+        return list(self._waiting)
+
+    # ---------------------------------------------------------------- stepping
+    def next_step(self) -> Step | None:
+        """Schedule and describe the next step; None when there is no work."""
+        if self._pending is not None:
+            raise RuntimeError("complete_step() the previous step first")
+        if not self.has_work():
+            return None
+        step = self._try_prefill()
+        if step is None and self._running:
+            step = self._decode()
+        if step is None:
+            raise SchedulerStall(
+                f"request {self._waiting[0]} cannot be admitted: usage {self.kv_cache_manager.format_usage()}"
+            )
+        self._pending = step
+        self._step_index += 1
+        return step
+
+    def complete_step(self, step: Step, next_tokens: Sequence[int] | torch.Tensor) -> list[int]:
+        """Record the sampled token of every request of ``step``; returns the ids that finished."""
+        if step is not self._pending:
+            raise RuntimeError("this step is not the pending one")
+        tokens = [int(t) for t in (next_tokens.tolist() if isinstance(next_tokens, torch.Tensor) else next_tokens)]
+        if len(tokens) != len(step.request_ids):
+            raise ValueError(f"expected {len(step.request_ids)} next tokens, got {len(tokens)}")
+        self._pending = None
+        finished = []
+        for rid, token in zip(step.request_ids, tokens, strict=True):
+            request = self.requests[rid]
+            if step.is_prefill:
+                request.computed_len = request.prompt_len - 1
+                request.status = RUNNING
+                self._running.append(rid)
+            else:
+                request.computed_len += 1
+            request.output_ids.append(token)
+            reason = self._finish_reason(request)
+            if reason:
+                self.finish(rid, reason)
+                finished.append(rid)
+        return finished
+
+    def _finish_reason(self, request: Request) -> str | None:
+        if request.max_new_tokens is not None and len(request.output_ids) >= request.max_new_tokens:
+            return "length"
+        # The next decode would write position computed_len + 1.
+        if request.computed_len + 2 > self.max_model_len:
+            return "max_model_len"
+        return None
+
+    def _try_prefill(self) -> Step | None:
+        selected: list[int] = []
+        tokens = 0
+        while self._waiting and len(self._running) + len(selected) < self.max_concurrency:
+            rid = self._waiting[0]
+            length = self.requests[rid].prompt_len
+            if self.max_prefill_tokens is not None and selected and tokens + length > self.max_prefill_tokens:
+                break
+            if not self.kv_cache_manager.allocate_slots(rid, 0, length):
+                break
+            selected.append(self._waiting.pop(0))
+            tokens += length
+        if not selected:
+            return None
+        return self._build_prefill(selected)
+
+    def _decode(self) -> Step | None:
+        selected, deferred = [], []
+        for rid in self._running[: self.max_concurrency]:
+            request = self.requests[rid]
+            if deferred or not self.kv_cache_manager.allocate_slots(rid, request.computed_len + 1, 1):
+                # The framework stops at the first request that cannot grow.
+                deferred.append(rid)
+                continue
+            selected.append(rid)
+        if not selected:
+            raise SchedulerStall(f"no running request can grow: usage {self.kv_cache_manager.format_usage()}")
+        step = self._build_decode(selected)
+        step.deferred = deferred
+        return step
+
+    # ---------------------------------------------------------------- step assembly
+    def _long(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _build_prefill(self, rids: list[int]) -> Step:
+        requests = [self.requests[r] for r in rids]
+        lengths = [r.prompt_len for r in requests]
+        input_ids = self._long([t for r in requests for t in r.prompt_ids])
+        position_ids = torch.cat([torch.arange(n, dtype=torch.long, device=self.device) for n in lengths])
+        seq = self._long(lengths)
+        cu = seq.cumsum(0)
+        legacy_kv_len = torch.cat([
+            torch.arange(n, dtype=torch.long, device=self.device) + (self._prefilled_count + i) * self.max_model_len
+            for i, n in enumerate(lengths)
+        ])
+        self._prefilled_count += len(rids)
+        return self._assemble(
+            rids, requests, is_prefill=True, input_ids=input_ids, position_ids=position_ids,
+            q_lens=lengths, kv_lens=lengths, kv_len=legacy_kv_len, batch_rows=len(rids),
+            prompt_tokens=sum(lengths), cu_q=cu, cu_kv=cu.clone(), seq_q=seq, seq_kv=seq.clone(),
+        )
+
+    def _build_decode(self, rids: list[int]) -> Step:
+        requests = [self.requests[r] for r in rids]
+        rows = max(len(rids), self.pad_decode_to or 0)
+        pad = rows - len(rids)
+        # Padding rows carry token 0 at position 0 (kv length 1), as the engine pads.
+        tokens = [r.output_ids[-1] for r in requests] + [0] * pad
+        positions = [r.computed_len + 1 for r in requests] + [0] * pad
+        kv_len = self._long(positions)
+        seq_kv = kv_len + 1
+        seq_q = torch.ones(rows, dtype=torch.long, device=self.device)
+        return self._assemble(
+            rids, requests, is_prefill=False, input_ids=self._long(tokens), position_ids=kv_len.clone(),
+            q_lens=[1] * len(rids), kv_lens=[p + 1 for p in positions[: len(rids)]], kv_len=kv_len,
+            batch_rows=rows, prompt_tokens=0, cu_q=seq_q.cumsum(0), cu_kv=seq_kv.cumsum(0),
+            seq_q=seq_q, seq_kv=seq_kv, padded_rows=pad,
+        )
+
+    def _assemble(self, rids, requests, *, is_prefill, input_ids, position_ids, q_lens, kv_lens, kv_len,
+                  batch_rows, prompt_tokens, cu_q, cu_kv, seq_q, seq_kv, padded_rows=0) -> Step:
+        manager = self.kv_cache_manager
+        tables = self.api.block_tables(requests, manager, self.max_model_len, self.device, batch_rows)
+        slots = self.api.slot_mappings(position_ids, cu_q, manager, tables)
+        lists = {}
+        if self.graph_mode_lists and not is_prefill:
+            lists = {
+                "actual_seq_lengths_cu_list_kv": cu_kv.tolist(),
+                "actual_seq_lengths_cu_list_q": cu_q.tolist(),
+                "actual_seq_lengths_list_kv": seq_kv.tolist(),
+                "actual_seq_lengths_list_q": seq_q.tolist(),
+            }
+        metadata = self.api.publish_forward_metadata(
+            is_prefill=is_prefill,
+            attention_mask=self.api.attention_mask(self.device),
+            kv_len=kv_len,
+            actual_seq_lengths_kv=seq_kv,
+            actual_seq_lengths_q=seq_q,
+            actual_seq_lengths_cu_kv=cu_kv,
+            actual_seq_lengths_cu_q=cu_q,
+            actual_seq_lengths_cu_list_kv=lists.get("actual_seq_lengths_cu_list_kv"),
+            actual_seq_lengths_cu_list_q=lists.get("actual_seq_lengths_cu_list_q"),
+            actual_seq_lengths_list_kv=lists.get("actual_seq_lengths_list_kv"),
+            actual_seq_lengths_list_q=lists.get("actual_seq_lengths_list_q"),
+            prompt_tokens=prompt_tokens,
+            block_table=tables,
+            slot_mapping=slots,
+        )
+        ownership = block_ownership(manager)
+        live = set(rids)
+        return Step(
+            index=self._step_index,
+            is_prefill=is_prefill,
+            request_ids=list(rids),
+            input_ids=input_ids,
+            position_ids=position_ids,
+            forward_metadata=metadata,
+            q_lens=list(q_lens),
+            kv_lens=list(kv_lens),
+            block_ownership={k: {r: b for r, b in owners.items() if r in live} for k, owners in ownership.items()},
+            free_blocks={FrameworkAPI.table_key(m): free_blocks(m) for m in manager.single_type_managers},
+            null_blocks={FrameworkAPI.table_key(m): null_block_of(m) for m in manager.single_type_managers},
+            readable_positions=self._readable(rids, kv_lens),
+            padded_rows=padded_rows,
+        )
+
+    def _readable(self, rids, kv_lens) -> dict[str, dict[int, tuple[int, int]]]:
+        out: dict[str, dict[int, tuple[int, int]]] = {}
+        for m in self.kv_cache_manager.single_type_managers:
+            null = null_block_of(m)
+            per_request = {}
+            for rid, length in zip(rids, kv_lens, strict=True):
+                blocks = m.req_to_blocks.get(rid, [])
+                first_real = next((i for i, b in enumerate(blocks) if b != null), None)
+                start = length if first_real is None else min(first_real * m.block_size, length)
+                per_request[rid] = (start, length)
+            out[FrameworkAPI.table_key(m)] = per_request
+        return out
+
+    # ---------------------------------------------------------------- poisoning & checks
+    def poison(self, value: float | None = None, *, include_null: bool = True) -> dict[str, list[int]]:
+        """Fill every block no request owns (and the null blocks) in all cache tensors."""
+        value = self.poison_value if value is None else value
+        return poison_free_blocks(self.kv_cache_manager, self.cache_tensors, value, include_null=include_null)
+
+    def null_blocks_poisoned(self, value: float | None = None) -> dict[str, bool]:
+        """After a forward: True per group when the null block still holds only poison.
+
+        False means the step wrote into the null block (e.g. slot mappings of padded decode
+        rows, or of sliding-window prefill positions outside the window).
+        """
+        value = self.poison_value if value is None else value
+        result = {}
+        for m in self.kv_cache_manager.single_type_managers:
+            key = FrameworkAPI.table_key(m)
+            result[key] = all(block_is_poisoned(t, null_block_of(m), value) for t in self.cache_tensors.get(key, []))
+        return result
+
+    def check_invariants(self) -> None:
+        assert_pool_invariants(self.kv_cache_manager)
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        return {
+            FrameworkAPI.table_key(m): {
+                "total": m.block_pool.num_blocks,
+                "free": m.get_num_free_blocks(),
+                "used": m.block_pool.num_blocks - 1 - m.get_num_free_blocks(),
+            }
+            for m in self.kv_cache_manager.single_type_managers
+        }
+
+    # ---------------------------------------------------------------- driver
+    def run(
+        self,
+        model: Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor],
+        *,
+        sampler: Callable[[Step, torch.Tensor], Sequence[int]] = argmax_sampler,
+        poison: bool = False,
+        on_step: Callable[[Scheduler, Step, torch.Tensor], None] | None = None,
+        max_steps: int = 100_000,
+    ) -> dict[int, list[int]]:
+        """Drive ``model(input_ids, position_ids, forward_metadata)`` until no work is left.
+
+        ``poison=True`` poisons unowned and null blocks before every forward. ``on_step``
+        runs after each completed step (it may add or finish requests). Returns the
+        generated tokens per request id.
+        """
+        for _ in range(max_steps):
+            step = self.next_step()
+            if step is None:
+                break
+            if poison:
+                self.poison()
+            output = model(step.input_ids, step.position_ids, step.forward_metadata)
+            self.complete_step(step, sampler(step, output))
+            if on_step is not None:
+                on_step(self, step, output)
+        else:
+            raise RuntimeError(f"still running after {max_steps} steps")
+        return {rid: list(r.output_ids) for rid, r in self.requests.items()}
+
+
+__all__ = ["FINISHED", "RUNNING", "WAITING", "Request", "Scheduler", "Step", "argmax_sampler"]

@@ -1,0 +1,140 @@
+"""Real ``torch_npu`` operator schemas, as extracted from the ``torch-npu`` wheel.
+
+The committed ``op_schemas.json`` is the single source of truth for the argument
+names, order, keyword-only marker and defaults of every operator this package
+emulates. It is produced by ``extract_schemas.py`` from a downloaded wheel; tests
+and other parts of the bundle (e.g. the linter) read the JSON, never the wheel.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+SCHEMA_PATH = Path(__file__).with_name("op_schemas.json")
+
+# The operators this package emulates (and therefore pins).
+EMULATED_OPS: tuple[str, ...] = (
+    "npu_fused_infer_attention_score",
+    "npu_fused_infer_attention_score_v2",
+    "npu_scatter_nd_update",
+    "npu_scatter_nd_update_",
+    "scatter_update",
+    "scatter_update_",
+    "npu_kv_rmsnorm_rope_cache",
+    "npu_kv_rmsnorm_rope_cache_v2",
+)
+
+
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside parentheses/brackets (``Tensor(a!)`` has parentheses)."""
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
+    for ch in text:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    tail = "".join(current).strip()
+    if tail:
+        parts.append(tail)
+    return parts
+
+
+def parse_func_schema(func: str) -> dict[str, Any]:
+    """Parse a native-functions ``func:`` string into name, args and returns.
+
+    ``args`` entries are ``{"name", "type", "default", "kwarg_only"}``; ``default`` is the
+    raw default text from the schema (``None`` when the argument has no default).
+    """
+    func = func.strip()
+    open_idx = func.index("(")
+    name = func[:open_idx].strip()
+    depth = 0
+    close_idx = -1
+    for i in range(open_idx, len(func)):
+        if func[i] == "(":
+            depth += 1
+        elif func[i] == ")":
+            depth -= 1
+            if depth == 0:
+                close_idx = i
+                break
+    if close_idx < 0:
+        raise ValueError(f"unbalanced parentheses in schema: {func!r}")
+    arg_text = func[open_idx + 1 : close_idx]
+    rest = func[close_idx + 1 :].strip()
+    if not rest.startswith("->"):
+        raise ValueError(f"schema has no return annotation: {func!r}")
+    returns = rest[2:].strip()
+
+    args: list[dict[str, Any]] = []
+    kwarg_only = False
+    for raw in _split_top_level(arg_text):
+        if raw == "*":
+            kwarg_only = True
+            continue
+        default: str | None = None
+        decl = raw
+        if "=" in raw:
+            decl, default = raw.split("=", 1)
+            decl, default = decl.strip(), default.strip()
+        type_str, arg_name = decl.rsplit(None, 1)
+        args.append({"name": arg_name, "type": type_str.strip(), "default": default, "kwarg_only": kwarg_only})
+    return {"name": name, "args": args, "returns": returns}
+
+
+def schema_default_to_python(default: str | None) -> Any:
+    """Convert a schema default literal (``None``, ``1.0``, ``"BSH"``, ``'Norm'``, ``False``) to Python."""
+    if default is None:
+        raise ValueError("argument has no default")
+    text = default.strip()
+    if text == "None":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def count_returns(returns: str) -> int:
+    """Number of values an operator returns (``(Tensor, Tensor)`` -> 2, ``Tensor(a!)`` -> 1)."""
+    text = returns.strip()
+    if not text.startswith("("):
+        return 1
+    inner = text[1:-1].strip()
+    return len(_split_top_level(inner)) if inner else 0
+
+
+@lru_cache(maxsize=1)
+def _load_cached() -> str:
+    return SCHEMA_PATH.read_text(encoding="utf-8")
+
+
+def load_schemas() -> dict[str, Any]:
+    """Return the committed schema document: ``{"source": str, "ops": {name: {...}}}``."""
+    return json.loads(_load_cached())
+
+
+def op_schema(op_name: str) -> dict[str, Any]:
+    ops = load_schemas()["ops"]
+    if op_name not in ops:
+        raise KeyError(f"no pinned schema for operator {op_name!r}; known: {sorted(ops)}")
+    return ops[op_name]
+
+
+def accepted_keywords(op_name: str) -> frozenset[str]:
+    """Every argument name ``op_name`` accepts (positional ones can also be passed by keyword)."""
+    return frozenset(arg["name"] for arg in op_schema(op_name)["args"])

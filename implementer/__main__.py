@@ -1,0 +1,5 @@
+import sys
+
+from implementer.cli import main
+
+sys.exit(main())

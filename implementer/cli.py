@@ -1,0 +1,58 @@
+"""`kvcache render`: manifest -> KV-cache code (thin layer over implementer.render)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from analyzer.cli import guarded
+from implementer.context import Names
+from implementer.render import load_manifest, render_manifest, write_rendered
+
+EXAMPLES = """examples:
+  kvcache render --manifest manifest.json --out rendered/
+  kvcache render --manifest manifest.json --out rendered/ --attention-class Qwen3KVCacheMixin --force
+  kvcache render --manifest manifest.json --out rendered/ --framework-api G1
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcache render",
+        description="Render framework-mode or standalone-mode KV-cache code from a selection manifest.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--manifest", required=True, metavar="FILE", help="manifest from `kvcache analyze` (JSON or YAML)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument("--force", action="store_true", help="overwrite files that already exist in --out")
+    p.add_argument("--attention-class", default=Names.attention_mixin, metavar="NAME",
+                   help=f"name of the attention mixin class (default {Names.attention_mixin})")
+    p.add_argument("--model-class", default=Names.model_mixin, metavar="NAME",
+                   help=f"name of the CausalLM mixin class with get_cache_info (default {Names.model_mixin})")
+    p.add_argument("--runner-class", default=Names.runner_mixin, metavar="NAME",
+                   help=f"name of the standalone runner mixin (default {Names.runner_mixin})")
+    p.add_argument("--attn-attr", default=Names.attn_attr, metavar="NAME",
+                   help=f"attribute of a decoder layer holding its attention (default {Names.attn_attr})")
+    p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
+                   help="framework API generation when the manifest names none (default G2)")
+    p.add_argument("--allow-blocked", action="store_true",
+                   help="render even when the manifest lists blockers (Legacy path)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = load_manifest(args.manifest)
+    names = Names(args.attention_class, args.model_class, args.runner_class, args.attn_attr)
+    rendered = render_manifest(manifest, names, args.framework_api, args.allow_blocked)
+    for path in write_rendered(rendered, args.out, args.force):
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return guarded(run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Render a manifest into files: deterministic, validated, all-or-nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from analyzer.errors import InputError
+from analyzer.manifest import SelectionManifest
+from analyzer.report import decision_rows
+from implementer.context import Names, RenderContext, build_context
+from implementer.files import atomic_write_text
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+ATTENTION_FILE = "kvcache_attention.py"
+RUNNER_FILE = "kvcache_runner.py"
+INTEGRATION_FILE = "INTEGRATION.md"
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def plan_files(c: RenderContext) -> dict[str, str]:
+    """Output file name -> template, by deployment and KV mode."""
+    attention = "legacy_attention.py.j2" if c.kv_mode == "legacy" else "paged_attention.py.j2"
+    files = {ATTENTION_FILE: attention}
+    if c.deploy_mode == "standalone":
+        files[RUNNER_FILE] = "standalone_legacy_runner.py.j2" if c.kv_mode == "legacy" else "standalone_runner.py.j2"
+    return files
+
+
+@dataclass(frozen=True)
+class Rendered:
+    files: dict[str, str]  # relative path -> text
+    context: RenderContext
+
+
+def render_manifest(
+    manifest: SelectionManifest,
+    names: Names | None = None,
+    framework_api: str | None = None,
+    allow_blocked: bool = False,
+) -> Rendered:
+    if manifest.blockers and not allow_blocked:
+        raise InputError("--manifest", "manifest has blockers (" + "; ".join(b.message for b in manifest.blockers)
+                         + "): pass --allow-blocked to render the Legacy path anyway", field="blockers")
+    c = build_context(manifest, names or Names(), framework_api)
+    env = _environment()
+    out = {name: env.get_template(t).render(c=c) for name, t in plan_files(c).items()}
+    rows = [(a, b, r.replace("|", "\\|")) for a, b, r in decision_rows(manifest)]
+    out[INTEGRATION_FILE] = env.get_template("integration.md.j2").render(
+        c=c, files=sorted(out), decisions=rows, out_hint="<render dir>"
+    )
+    return Rendered(out, c)
+
+
+def load_manifest(path: str | Path) -> SelectionManifest:
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(str(p), "file not found")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(str(p), f"cannot read: {exc}") from None
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return SelectionManifest.model_validate(yaml.safe_load(text))
+        return SelectionManifest.model_validate_json(text)
+    except Exception as exc:  # pydantic ValidationError / yaml errors: name the first bad field
+        first = getattr(exc, "errors", lambda: [])()
+        field = ".".join(str(x) for x in first[0]["loc"]) if first else None
+        msg = first[0]["msg"] if first else str(exc).splitlines()[0]
+        raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
+
+
+def write_rendered(rendered: Rendered, out_dir: str | Path, force: bool = False) -> list[Path]:
+    """Write every file or none: all targets are checked before the first write."""
+    root = Path(out_dir)
+    if root.exists() and not root.is_dir():
+        raise InputError(str(root), "exists and is not a directory", field="--out")
+    targets = []
+    for rel in sorted(rendered.files):
+        target = (root / rel).resolve()
+        if root.resolve() not in target.parents:
+            raise InputError(str(root / rel), "output path escapes --out", field="--out")
+        if target.exists() and not force:
+            raise InputError(str(target), "exists: pass --force to overwrite", field="--force")
+        targets.append((rel, target))
+    root.mkdir(parents=True, exist_ok=True)
+    written = []
+    try:
+        for rel, target in targets:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(target, rendered.files[rel])
+            written.append(target)
+    except BaseException:
+        for path in written:  # all-or-nothing: a later failure removes what this call wrote
+            path.unlink(missing_ok=True)
+        raise
+    return written

@@ -54,7 +54,8 @@ def analyze(req: AnalyzeRequest) -> SelectionManifest:
     facts = load_model_facts(req.config)
     progress = load_progress(req.progress) if req.progress else ProgressFacts()
     dispatch = parse_dispatch(req.dispatch, req.dispatch_source)
-    checkout = inspect_checkout(req.framework_root, facts.model_type, facts.family) if req.framework_root else None
+    checkout = (inspect_checkout(req.framework_root, facts.model_type, facts.family, facts.architectures)
+                if req.framework_root else None)
     return assemble(facts, progress, dispatch, checkout, req)
 
 
@@ -88,10 +89,11 @@ def assemble(
     blockers = rules.find_blockers(facts)
     problems = rules.tp_problems(facts, tp)
     if problems and req.attn_tp_size is not None:
-        raise InputError("--attn-tp-size", "; ".join(problems))
-    blockers += [Finding(message=p, fields=[tp_source]) for p in problems]
+        raise InputError("--attn-tp-size", "; ".join(problems), field=facts.num_attention_heads.source)
+    blockers += [Finding(message=p, fields=[tp_source, facts.num_attention_heads.source]) for p in problems]
     if problems:
-        tp = 1  # keep the per-rank arithmetic meaningful; the blocker says why
+        # Keep the per-rank arithmetic meaningful; the blocker says why the stated size is unusable.
+        tp, tp_source = 1, f"1 (stated {tp} at {tp_source} cannot split the heads: see blockers)"
     parallel = rules.decide_parallel(facts, tp, tp_source)
 
     kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point])
@@ -105,13 +107,22 @@ def assemble(
     mixed = len({layer.attn_type for layer in layers}) > 1
     memory_plan = _memory(facts, layers, req, progress, questions, warnings)
 
+    absorb = facts.is_mla and kv_mode == "paged"
+    if not facts.is_mla:
+        mla_reason = "not an MLA model"
+    elif absorb:
+        mla_reason = ("MLA: cache the latent (nope) + rope parts, absorb kv_b_proj into Q and the output; "
+                      "latent replicated across attention TP")
+    else:
+        mla_reason = "MLA on the Legacy path: no absorb (the FA absorb call needs the paged latent cache)"
     mla = MlaDecision(
         enabled=facts.is_mla,
-        absorb=facts.is_mla and kv_mode == "paged",
-        cache_mode="PA_NZ" if facts.is_mla and kv_mode == "paged" else None,
-        reason=("MLA: cache the latent (nope) + rope parts, absorb kv_b_proj into Q and the output; "
-                "latent replicated across attention TP" if facts.is_mla else "not an MLA model"),
+        absorb=absorb,
+        cache_mode="PA_NZ" if absorb else None,
+        reason=mla_reason,
+        constraints=rules.mla_constraints(facts) if absorb else [],
     )
+    _notes(facts, progress, layers, kv_mode, warnings, questions)
     if facts.is_mla and not facts.rms_norm_eps.value:
         questions.append(Finding(message="no rms_norm_eps in config: take epsilon from the kv_a_layernorm module",
                                  fields=["rms_norm_eps"]))
@@ -130,8 +141,14 @@ def assemble(
 
     return SelectionManifest(
         generator=Generator(version=__version__),
-        inputs=Inputs(config=facts.path, progress=progress.path, dispatch=dispatch.line,
-                      framework_root=checkout.root if checkout else None),
+        inputs=Inputs(
+            config=facts.path, progress=progress.path, dispatch=dispatch.line,
+            framework_root=checkout.root if checkout else None,
+            npu_model=str(progress.npu_model.value) if progress.npu_model else None,
+            num_cards=int(progress.num_cards.value) if progress.num_cards else None,
+            starting_point=sorted({s.value for s in progress.starting_point}),
+            runner_files=sorted(set(progress.runner_files) | set(checkout.runner_files if checkout else [])),
+        ),
         model=ModelInfo(
             model_type=facts.model_type,
             family=facts.family,
@@ -166,6 +183,7 @@ def assemble(
             is_default=fa_version.is_default,
         ),
         mla=mla,
+        mtp=rules.decide_mtp(facts),
         mixed_attn_types=mixed,
         layers=layers,
         parallel=parallel,
@@ -189,14 +207,15 @@ def _attention_kind(facts: ModelFacts) -> str:
 
 
 def _deploy_mode(dispatch, req, progress, checkout, warnings) -> DeployModeDecision:
-    self_check = None
+    # Self-check evidence, strongest first (DOMAIN §1): registration, own runner loop, progress wording.
+    self_checks: list[tuple[str, str]] = []
     if checkout and checkout.registered:
-        self_check = ("framework", f"registered in support_models ({checkout.registered_evidence})")
-    elif checkout and checkout.standalone_runner:
-        self_check = ("standalone", f"own runner loop ({checkout.runner_evidence})")
-    elif progress.deploy_mode:
+        self_checks.append(("framework", f"registered in support_models ({checkout.registered_evidence})"))
+    if checkout and checkout.standalone_runner:
+        self_checks.append(("standalone", f"own runner loop ({checkout.runner_evidence})"))
+    if progress.deploy_mode:
         s = progress.deploy_mode
-        self_check = (s.value, f"{progress.path}:{s.line}: {s.text}")
+        self_checks.append((s.value, f"{progress.path}:{s.line}: {s.text}"))
 
     if dispatch.deploy_mode and progress.deploy_mode and progress.deploy_mode.value != dispatch.deploy_mode:
         s = progress.deploy_mode
@@ -206,7 +225,7 @@ def _deploy_mode(dispatch, req, progress, checkout, warnings) -> DeployModeDecis
             field="部署模式",
         )
     value, source, evidence, losers = rules.decide_deploy_mode(
-        dispatch.deploy_mode, dispatch.line, req.deploy_mode, self_check
+        dispatch.deploy_mode, dispatch.line, req.deploy_mode, self_checks
     )
     overridden = [Evidence(value=v, source=s, detail=d) for v, s, d in losers]
     for loser in overridden:
@@ -230,6 +249,14 @@ def _tp_size(req: AnalyzeRequest, progress: ProgressFacts, warnings: list[Findin
         return req.attn_tp_size, "--attn-tp-size"
     if stated:
         return int(stated.value), f"{progress.path}:{stated.line}"
+    cards = progress.num_cards
+    if cards and int(cards.value) > 1:
+        warnings.append(Finding(
+            message=f"{progress.path}:{cards.line} states {cards.value} cards but no attention TP size: "
+                    "assumed attn_tp_size 1 (attention data-parallel); pass --attn-tp-size if attention is split",
+            fields=["--attn-tp-size", "attn_tp_size", "部署卡数"],
+        ))
+        return 1, f"default: 1 ({cards.value} cards stated, attention TP not stated)"
     return 1, "default: 1 (no --attn-tp-size, none in progress.md)"
 
 
@@ -253,13 +280,13 @@ def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, s
 
 
 def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[LayerPlan]:
-    caches = rules.decide_caches(facts, parallel, kv_mode)
     write_op = rules.decide_write_op(kv_mode, facts.is_mla)
     window = facts.sliding_window.value
     out = []
     subs = facts.sublayers_per_layer.value
     for decoder_idx, kind in enumerate(facts.layer_kinds.value):
         attn_type = rules.decide_attn_type(kind)
+        caches = rules.decide_caches(facts, parallel, kv_mode, kind)
         w = window if attn_type == "SlidingWindow" else None
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
@@ -269,6 +296,7 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[Lay
                 decoder_layer=decoder_idx,
                 sublayer=sub,
                 attn_type=attn_type,
+                layer_kind=kind,
                 sliding_window=w,
                 group_key=attn_type,
                 sparse_mode=sparse,
@@ -284,8 +312,9 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[Lay
 
 def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -> MemoryPlan:
     groups: list[memory.Group] = []
-    for key in sorted({layer.group_key for layer in layers}):
-        members = [layer for layer in layers if layer.group_key == key]
+    cached = [layer for layer in layers if layer.caches]  # linear-attention layers hold no KV cache
+    for key in sorted({layer.group_key for layer in cached}):
+        members = [layer for layer in cached if layer.group_key == key]
         per_token = sum(rules.cache_token_bytes(layer.caches) for layer in members)
         if members[0].attn_type == "SlidingWindow":
             groups.append(memory.SlidingWindowGroup(key, len(members), per_token, req.block_size,
@@ -315,6 +344,10 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         plan = memory.plan_budget(groups, hbm * memory.GIB * ratio, concurrency, req.max_len)
     elif req.max_len and req.max_concurrency:
         plan = memory.plan_offline(groups, req.max_len, req.max_concurrency)
+        plan.derivation.append(f"pools need {memory.plan_bytes(groups, plan.blocks)} B on one rank")
+    if legacy is not None:
+        derivation.append(f"legacy reservation = {total} x max_len {req.max_len} x concurrency "
+                          f"{req.max_concurrency} = {legacy} B")
     if plan:
         derivation += plan.derivation
     return MemoryPlan(
@@ -332,6 +365,37 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         max_concurrency_at_max_len=plan.max_concurrency_at_max_len if plan else None,
         derivation=derivation,
     )
+
+
+def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], kv_mode: str,
+           warnings: list[Finding], questions: list[Finding]) -> None:
+    """Non-blocking facts the implementer must not miss."""
+    if kv_mode == "legacy":
+        if facts.attn_logit_softcapping.value is not None:
+            warnings.append(Finding(
+                message="FA has no soft-capping: the Legacy path keeps the model's own attention "
+                        "(SDPA/eager with tanh soft-cap); the fa/sparse_mode fields apply only if FA is used",
+                fields=[facts.attn_logit_softcapping.source],
+            ))
+        sliding = [layer.index for layer in layers if layer.attn_type == "SlidingWindow"]
+        if sliding:
+            warnings.append(Finding(
+                message=f"Legacy sliding layers ({len(sliding)}): FA v1 on BSH ignores sparse_mode and pre_tokens "
+                        "at q_len 1, so decode must bound the keys to the window itself (slice the cache or mask)",
+                fields=[facts.sliding_window.source],
+            ))
+    linear = [layer.index for layer in layers if layer.layer_kind == "linear"]
+    if linear:
+        warnings.append(Finding(
+            message=f"{len(linear)} linear-attention layers keep a fixed-size recurrent state, no KV cache: "
+                    "their caches are empty and they are left out of the memory plan",
+            fields=[facts.layer_kinds.source],
+        ))
+    if "paged" in {s.value for s in progress.starting_point} and kv_mode == "legacy":
+        warnings.append(Finding(
+            message="progress.md says the code is already paged, but a blocker keeps Legacy: review the blockers",
+            fields=["progress.md"],
+        ))
 
 
 def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str) -> list[DeviceDependency]:

@@ -12,7 +12,7 @@ import yaml
 from analyzer.build import AnalyzeRequest, analyze
 from analyzer.errors import InputError
 from analyzer.manifest import manifest_json_schema
-from analyzer.progress_writer import write_section
+from analyzer.progress_writer import atomic_write_text, check_writable, plan_section
 from analyzer.report import SECTION_ID, decisions_markdown
 from analyzer.rules import VALID_BLOCK_SIZES
 
@@ -21,6 +21,12 @@ EXAMPLES = """examples:
   kvcache analyze --model-dir /models/Qwen3-8B --progress progress.md --attn-tp-size 4 --format md
   kvcache analyze --config config.json --hbm-gb 64 --max-concurrency 32 --max-len 8192 --out manifest.json
   kvcache analyze --config config.json --progress progress.md --write-progress progress.md
+  kvcache analyze --config config.json --framework-root ~/cann-recipes-infer --dispatch-file dispatch.txt
+
+Bad input (missing/invalid file, missing or non-positive sizes, heads not divisible by
+--attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad
+--block-size) prints one line `error: <file or flag>: <field>: <why>` and exits 2; nothing
+is written then.
 """
 
 
@@ -29,42 +35,58 @@ def add_analyze_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", metavar="FILE", help="Hugging Face config.json (e.g. --config Qwen3-8B/config.json)")
     src.add_argument("--model-dir", metavar="DIR", help="model directory holding config.json (e.g. --model-dir /models/Qwen3-8B)")
     p.add_argument("--progress", metavar="FILE",
-                   help="progress.md of the migration (deployment mode, 部署卡数, attn TP, HBM, starting point)")
+                   help="progress.md of the migration (部署模式, 部署卡数, attn TP, NPU 型号, 单卡 HBM, starting "
+                        "point), e.g. --progress models/qwen3/progress.md")
     d = p.add_mutually_exclusive_group()
-    d.add_argument("--dispatch", metavar="TEXT", help='dispatch prompt text, e.g. --dispatch "部署模式: 框架部署"')
-    d.add_argument("--dispatch-file", metavar="FILE", help="file holding the dispatch prompt")
+    d.add_argument("--dispatch", metavar="TEXT",
+                   help='dispatch prompt text; its 部署模式 line wins over every other source, '
+                        'e.g. --dispatch "部署模式: 框架部署"')
+    d.add_argument("--dispatch-file", metavar="FILE",
+                   help="file holding the dispatch prompt, e.g. --dispatch-file dispatch.txt")
     p.add_argument("--deploy-mode", choices=("framework", "standalone"),
-                   help="deployment mode stated by the user (loses to the dispatch line)")
+                   help="deployment mode stated by the user (loses to the dispatch line), "
+                        "e.g. --deploy-mode standalone")
     p.add_argument("--framework-root", metavar="DIR",
                    help="cann-recipes-infer checkout: detects the cache_info API generation (G0/G1/G2), "
-                        "support_models registration and runner_*.py")
+                        "support_models registration and runner_*.py, e.g. --framework-root ~/cann-recipes-infer")
     p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
                    help="framework API generation when no checkout is at hand (e.g. --framework-api G1)")
-    p.add_argument("--attn-tp-size", type=int, metavar="N", help="attention tensor-parallel size (e.g. 8)")
+    p.add_argument("--attn-tp-size", type=int, metavar="N", help="attention tensor-parallel size; must divide the query heads (e.g. --attn-tp-size 8)")
     p.add_argument("--block-size", type=int, default=128, metavar="N",
-                   help=f"paged block size, one of {VALID_BLOCK_SIZES} (default 128)")
+                   help=f"paged block size, one of {VALID_BLOCK_SIZES} (default 128), e.g. --block-size 256")
     p.add_argument("--hbm-gb", type=float, metavar="X",
                    help="HBM (GiB) available to the KV cache on one card, e.g. --hbm-gb 40")
     p.add_argument("--kv-mem-ratio", type=float, metavar="R",
-                   help="fraction of --hbm-gb the KV cache may use (default 0.9 when --hbm-gb is given)")
-    p.add_argument("--max-concurrency", type=int, metavar="N", help="concurrent requests (e.g. 32)")
-    p.add_argument("--max-len", type=int, metavar="N", help="max sequence length per request (e.g. 8192)")
-    p.add_argument("--fa-version", choices=("v1", "v2"), help="override the FA version default (sinks force v2)")
+                   help="fraction of --hbm-gb the KV cache may use, in (0, 1] (default 0.9 when --hbm-gb is given), "
+                        "e.g. --kv-mem-ratio 0.8")
+    p.add_argument("--max-concurrency", type=int, metavar="N", help="concurrent requests (batch per DP rank), e.g. --max-concurrency 32")
+    p.add_argument("--max-len", type=int, metavar="N", help="max sequence length per request, e.g. --max-len 8192")
+    p.add_argument("--fa-version", choices=("v1", "v2"), help="override the FA version default (sinks force v2), e.g. --fa-version v2")
     p.add_argument("--window-reading", choices=("exclusive", "inclusive"), default="exclusive",
                    help="device reading of pre_tokens for sliding windows (DOMAIN §9.2): 'exclusive' = "
-                        "pre_tokens counts keys before the query (default), 'inclusive' = counts the query too")
+                        "pre_tokens counts keys before the query (default), 'inclusive' = counts the query too; "
+                        "e.g. --window-reading inclusive")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("json", "yaml", "md"), default="json",
                    help="json (default) or yaml manifest, or md decisions table (e.g. --format md)")
-    p.add_argument("--out", metavar="FILE", help="write the result here instead of stdout")
+    p.add_argument("--out", metavar="FILE",
+                   help="write the result here (atomically) instead of stdout, e.g. --out manifest.json")
     p.add_argument("--write-progress", metavar="FILE",
-                   help="upsert the decisions table into this progress.md (idempotent, atomic)")
+                   help="upsert the decisions table into this progress.md between kvcache markers (idempotent, "
+                        "atomic, other bytes untouched), e.g. --write-progress progress.md")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one stderr line (exit 2) like every other bad input."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"error: {self.prog}: {' '.join(message.splitlines())} (see --help)\n")
 
 
 def build_parser(prog: str = "kvcache analyze") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description="Decide the KV-cache design of a model: a typed, explained selection manifest.",
         epilog=EXAMPLES,
@@ -79,6 +101,8 @@ def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
     dispatch, dispatch_source = args.dispatch, "--dispatch"
     if args.dispatch_file:
         path = Path(args.dispatch_file)
+        if not path.is_file():
+            raise InputError(str(path), "file not found", field="--dispatch-file")
         try:
             dispatch = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -115,22 +139,37 @@ def write_output(text: str, out: str | None) -> None:
     if out is None:
         sys.stdout.write(text)
         return
-    from implementer.files import atomic_write_text  # one atomic writer for every output
-
     atomic_write_text(Path(out), text)
 
 
+def _same_file(a: str, b: str) -> bool:
+    pa, pb = Path(a), Path(b)
+    if pa.exists() and pb.exists():
+        return pa.samefile(pb)
+    return pa.resolve() == pb.resolve()
+
+
 def run(args: argparse.Namespace) -> int:
+    # Everything that can fail on input runs before the first byte is written.
+    if args.out and args.write_progress and _same_file(args.out, args.write_progress):
+        raise InputError(args.out, "--out and --write-progress name the same file", field="--out")
     manifest = analyze(request_from_args(args))
     text = format_manifest(manifest, args.format)
+    progress_update = None
     if args.write_progress:
-        write_section(args.write_progress, SECTION_ID, decisions_markdown(manifest))
+        old, new = plan_section(args.write_progress, SECTION_ID, decisions_markdown(manifest))
+        check_writable(args.write_progress)
+        progress_update = None if new == old else new
+    if args.out:
+        check_writable(args.out)
+    if progress_update is not None:
+        atomic_write_text(args.write_progress, progress_update)
     write_output(text, args.out)
     return 0
 
 
 def schema_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvcache schema", description="Print the SelectionManifest JSON Schema.",
+    p = _Parser(prog="kvcache schema", description="Print the SelectionManifest JSON Schema.",
                                 epilog="example:\n  kvcache schema > manifest.schema.json",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout")

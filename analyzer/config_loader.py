@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+import yaml
+
 from analyzer.errors import InputError
 from analyzer.manifest import MlaDims, RopeInfo
 
@@ -182,9 +184,31 @@ class _Reader:
             raise InputError(self.where, f"must be a positive integer, got {value!r}", field=src)
         return Sourced(value, src)
 
+    def number(self, *names: str, kind: type = float, minimum: float | None = None) -> Sourced | None:
+        """Optional numeric field: None when absent, ``InputError`` when present but not a number.
+
+        ``kind=int`` also rejects fractional values; ``minimum`` is inclusive.
+        """
+        hit = self.get(*names)
+        if hit is None:
+            return None
+        value, src = hit
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if ok and kind is int:
+            ok = float(value).is_integer()
+        if not ok:
+            what = "an integer" if kind is int else "a number"
+            raise InputError(self.where, f"must be {what}, got {value!r}", field=src)
+        if minimum is not None and value < minimum:
+            raise InputError(self.where, f"must be >= {minimum:g}, got {value!r}", field=src)
+        return Sourced(kind(value), src)
+
 
 def read_config_file(path: str | Path) -> tuple[str, dict[str, Any]]:
-    """Load ``config.json`` (or a model dir holding one); bad files become ``InputError``."""
+    """Load ``config.json`` (or a model dir holding one); bad files become ``InputError``.
+
+    A ``.yaml``/``.yml`` file with the same keys is accepted too (configs re-saved as YAML).
+    """
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -195,12 +219,26 @@ def read_config_file(path: str | Path) -> tuple[str, dict[str, Any]]:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(where, f"cannot read: {exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(where, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if p.suffix.lower() in (".yaml", ".yml"):
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+            raise InputError(where, f"invalid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+        except RecursionError:
+            raise InputError(where, "invalid YAML: nested too deeply") from None
+        kind = "YAML mapping"
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(where, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except RecursionError:
+            raise InputError(where, "invalid JSON: nested too deeply") from None
+        kind = "JSON object"
     if not isinstance(data, dict):
-        raise InputError(where, "top level must be a JSON object")
+        raise InputError(where, f"top level must be a {kind}")
     return where, data
 
 
@@ -215,7 +253,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     model_type = str(r.cfg.get("model_type") or data.get("model_type") or "unknown")
     family = FAMILY_OF.get(model_type, model_type)
     r.defaults = FAMILY_DEFAULTS.get(family, ("", {}))
-    architectures = list(data.get("architectures") or r.cfg.get("architectures") or [])
+    arch = data.get("architectures") or r.cfg.get("architectures") or []
+    architectures = [str(a) for a in (arch if isinstance(arch, list) else [arch])]
 
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
@@ -238,30 +277,26 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         )
 
     dtype = _dtype(r)
-    eps_hit = r.get("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps")
-    eps = Sourced(float(eps_hit[0]), eps_hit[1]) if eps_hit else Sourced(None, "default: not in config")
+    eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
+        None, "default: not in config")
     rope = _rope(r)
     layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value)
 
-    softcap_hit = r.get("attn_logit_softcapping")
-    softcap = Sourced(float(softcap_hit[0]), softcap_hit[1]) if softcap_hit else Sourced(None, "default: none")
+    softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")
     alibi = _alibi(r, model_type)
-    chunk_hit = r.get("attention_chunk_size")
-    chunk = (
-        Sourced(int(chunk_hit[0]), chunk_hit[1])
-        if chunk_hit and "chunked" in layer_kinds.value
-        else Sourced(None, "default: none")
-    )
+    chunk_hit = r.number("attention_chunk_size", kind=int, minimum=1)
+    chunk = chunk_hit if chunk_hit and "chunked" in layer_kinds.value else Sourced(None, "default: none")
     sinks = (
         Sourced(True, "model_type gpt_oss (learnable sinks in every attention layer)")
         if family == "gpt_oss"
         else Sourced(False, "default: no sinks for this family")
     )
-    mtp_hit = r.get("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
-    mtp = Sourced(int(mtp_hit[0]), mtp_hit[1]) if mtp_hit else Sourced(0, "default: no MTP layers")
-    qpas_hit = r.get("query_pre_attn_scalar")
-    qpas = Sourced(float(qpas_hit[0]), qpas_hit[1]) if qpas_hit else Sourced(None, "default: none")
-    vocab = r.get("vocab_size", "padded_vocab_size")
+    mtp = r.number("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", kind=int,
+                   minimum=0) or Sourced(0, "default: no MTP layers")
+    qpas = r.number("query_pre_attn_scalar") or Sourced(None, "default: none")
+    if qpas.value is not None and qpas.value <= 0:
+        raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
+    vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1)
 
     return ModelFacts(
         path=where,
@@ -274,7 +309,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype,
-        vocab_size=int(vocab[0]) if vocab else None,
+        vocab_size=vocab.value if vocab else None,
         rms_norm_eps=eps,
         mla=mla,
         rope=rope,
@@ -313,10 +348,10 @@ def _mla_dims(r: _Reader) -> Sourced[MlaDims | None]:
     need = {}
     for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         need[name] = r.positive_int(name).value
-    q_lora = r.get("q_lora_rank")
+    q_lora = r.number("q_lora_rank", kind=int, minimum=1)  # null: plain q_proj (DeepSeek-V2-Lite)
     dims = MlaDims(
         kv_lora_rank=r.positive_int("kv_lora_rank").value,
-        q_lora_rank=int(q_lora[0]) if q_lora else None,
+        q_lora_rank=q_lora.value if q_lora else None,
         **need,
     )
     return Sourced(dims, f"{hit[1]} (+ qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)")
@@ -394,7 +429,7 @@ def _alibi(r: _Reader, model_type: str) -> Sourced[bool]:
 
 def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
     """Per-layer kind and the window, for every spelling of DOMAIN.md §3."""
-    window_hit = r.get("sliding_window")
+    window_hit = r.get("sliding_window", "sliding_window_size")
     window = None
     if window_hit is not None:
         w = window_hit[0]
@@ -433,14 +468,11 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[
     if window is None:
         chunk = r.get("attention_chunk_size")
         if chunk is not None and family_of(model_type) == "llama4":
-            # Llama-4 without layer_types: chunked layers except every no_rope_layer_interval-th.
-            interval = int((r.get("no_rope_layer_interval") or (4, ""))[0])
-            kinds = tuple("full" if (i + 1) % interval == 0 else "chunked" for i in range(num_layers))
-            return Sourced(kinds, f"{chunk[1]} + no_rope_layer_interval={interval}"), Sourced(None, "default: none")
+            return _llama4_kinds(r, chunk[1], num_layers), Sourced(None, "default: none")
         return Sourced(("full",) * num_layers, "default: no sliding_window"), Sourced(None, "default: none")
 
     if use_sw is not None and use_sw[0] is True:
-        mwl = r.positive_int("max_window_layers", required=False)
+        mwl = r.number("max_window_layers", kind=int, minimum=0)
         start = mwl.value if mwl else 0
         kinds = tuple("sliding" if i >= start else "full" for i in range(num_layers))
         src = f"{use_sw[1]}=true, layers >= {mwl.source if mwl else 'max_window_layers (absent: 0)'}"
@@ -464,6 +496,26 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[
         Sourced(("sliding",) * num_layers, f"{window_hit[1]} with no layer_types (every layer)"),
         _window_source(window, window_hit),
     )
+
+
+def _llama4_kinds(r: _Reader, chunk_src: str, num_layers: int) -> Sourced[tuple[str, ...]]:
+    """Llama-4 without layer_types: RoPE layers use chunked attention, NoPE layers full attention.
+
+    ``no_rope_layers[i]`` is 1 when layer i uses RoPE (transformers' convention); when the list is
+    empty or absent it defaults to "every ``no_rope_layer_interval``-th layer is NoPE" (default 4).
+    """
+    listed = r.get("no_rope_layers")
+    if listed is not None and isinstance(listed[0], list) and listed[0]:
+        flags, src = listed
+        if len(flags) != num_layers:
+            raise InputError(r.where, f"must list one flag per layer ({num_layers})", field=src)
+        kinds = tuple("chunked" if flag else "full" for flag in flags)
+        return Sourced(kinds, f"{chunk_src} + {src} (1 = RoPE = chunked)")
+    interval_hit = r.number("no_rope_layer_interval", kind=int, minimum=1)
+    interval = interval_hit.value if interval_hit else 4
+    kinds = tuple("full" if (i + 1) % interval == 0 else "chunked" for i in range(num_layers))
+    how = interval_hit.source if interval_hit else "default: transformers Llama4TextConfig.no_rope_layer_interval"
+    return Sourced(kinds, f"{chunk_src} + {how}={interval} (every {interval}th layer NoPE = full)")
 
 
 def _window_source(window: int | None, hit: tuple[Any, str] | None) -> Sourced[int | None]:

@@ -13,7 +13,13 @@ from pathlib import Path
 from analyzer.errors import InputError
 
 _COLON = r"[:：]"
-_DEPLOY_LINE = re.compile(rf"部署模式\s*{_COLON}\s*(?P<value>[^\n|，,;；]*)")
+# The value runs to the end of the line; alternatives inside it are split by _ALTERNATIVES.
+_DEPLOY_LINE = re.compile(rf"部署模式[ \t\u3000]*{_COLON}[ \t\u3000]*(?P<value>[^\r\n]*)")
+_ALTERNATIVES = re.compile(r"[|/，,;；、]|还是|或者|或|\bor\b", re.IGNORECASE)
+# Values that say the mode is not decided yet: no statement, not an unknown wording.
+_UNDECIDED = ("待定", "未定", "未知", "不确定", "tbd", "todo", "unknown", "n/a", "none", "无", "-", "?", "？")
+# Decoration around a value: Markdown emphasis/code, quotes, brackets, full-width spaces.
+_DECORATION = "`*_ \t\u3000\"'“”‘’「」『』【】[]()（）<>《》"
 _MODE_WORDS = {
     "framework": ("框架部署", "框架模式", "框架", "framework"),
     "standalone": ("独立部署", "独立模式", "独立", "standalone"),
@@ -21,11 +27,15 @@ _MODE_WORDS = {
 
 
 def _mode_of(value: str) -> str | None:
-    v = value.strip().strip("`*_ ").lower()
+    v = value.strip().strip(_DECORATION).lower()
     for mode, words in _MODE_WORDS.items():
         if any(v.startswith(w.lower()) for w in words):
             return mode
     return None
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -40,12 +50,19 @@ def parse_dispatch(text: str | None, where: str = "--dispatch") -> DispatchFacts
         return DispatchFacts(None, None)
     found: list[tuple[str, str]] = []
     for m in _DEPLOY_LINE.finditer(text):
-        value = m.group("value").strip()
+        parts = [p.strip(_DECORATION) for p in _ALTERNATIVES.split(m.group("value"))]
+        value = parts[0]
+        if not value or value.lower().startswith(_UNDECIDED):
+            continue  # "部署模式:" with nothing (or "待定") after it states nothing
         mode = _mode_of(value)
+        others = {_mode_of(p) for p in parts[1:]} - {None, mode}
+        if mode is not None and others:
+            raise InputError(where, f"lists both deployment modes in {_short(m.group(0).strip())!r} (a template?): "
+                                    "state one", field="部署模式")
         if mode is None:
             raise InputError(
                 where,
-                f"unknown deployment wording {value!r} (expected 部署模式: 框架部署 or 部署模式: 独立部署)",
+                f"unknown deployment wording {_short(value)!r} (expected 部署模式: 框架部署 or 部署模式: 独立部署)",
                 field="部署模式",
             )
         found.append((mode, m.group(0).strip()))
@@ -88,8 +105,9 @@ _KEYS = [
 ]
 _ITEM = re.compile(rf"^\s*[-*+]\s*(?:\*\*)?(?P<key>[^:：*]+?)(?:\*\*)?\s*{_COLON}\s*(?P<value>.+?)\s*$")
 _ROW = re.compile(r"^\s*\|\s*(?P<key>[^|]+?)\s*\|\s*(?P<value>[^|]+?)\s*\|")
-_INT = re.compile(r"\d+")
-_GB = re.compile(r"(\d+(?:\.\d+)?)\s*(gb|gib|g)\b", re.IGNORECASE)
+# ASCII digits only, bounded: a stated card count or HBM size is never astronomically long.
+_INT = re.compile(r"(?<![0-9])[0-9]{1,6}(?![0-9])")
+_GB = re.compile(r"(?<![0-9.])([0-9]{1,6}(?:\.[0-9]{1,6})?)\s*(gb|gib|g)(?![a-z])", re.IGNORECASE)
 _RUNNER = re.compile(r"\brunner_[A-Za-z0-9_]+\.py\b")
 
 

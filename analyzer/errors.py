@@ -14,4 +14,5 @@ class InputError(Exception):
 
     def render(self) -> str:
         location = f"{self.where}: {self.field}" if self.field else self.where
-        return f"{location}: {self.message}"
+        # One line whatever the inputs hold: the CLI promises a single stderr line.
+        return " ".join(f"{location}: {self.message}".splitlines())

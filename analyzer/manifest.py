@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 SCHEMA_VERSION = "1.0"
 
 AttnType = Literal["FullAttention", "SlidingWindow"]
+LayerKind = Literal["full", "sliding", "chunked", "linear"]
 DeployMode = Literal["framework", "standalone"]
 DeploySource = Literal["dispatch", "user", "self_check", "default"]
 FrameworkApi = Literal["G0", "G1", "G2"]
@@ -111,6 +112,19 @@ class MlaDecision(_Model):
     absorb: bool
     cache_mode: Literal["PA_NZ", "PA"] | None = None
     reason: str
+    constraints: list[str] = Field(
+        default_factory=list, description="what the absorb FA call and the fused writer require (MLA only)"
+    )
+
+
+class MtpDecision(_Model):
+    """MTP (next-n) layers: extra cache holders, and decode steps with q_len > 1 when speculation is on."""
+
+    num_layers: int
+    holds_caches: bool
+    decode_sparse_mode: int = Field(description="sparse_mode of non-sliding layers when decode q_len > 1")
+    decode_mask: MaskKind
+    reason: str
 
 
 class PerPath(_Model):
@@ -135,6 +149,10 @@ class LayerPlan(_Model):
     decoder_layer: int
     sublayer: int = 0
     attn_type: AttnType
+    layer_kind: LayerKind = Field(
+        default="full",
+        description="what the config says the layer is; chunked/linear layers are blockers (no paged path)",
+    )
     sliding_window: int | None = None
     group_key: str = Field(description="key of block_table/slot_mapping dicts for this layer")
     sparse_mode: PerPath
@@ -197,6 +215,12 @@ class Inputs(_Model):
     progress: str | None = None
     dispatch: str | None = None
     framework_root: str | None = None
+    npu_model: str | None = Field(default=None, description="NPU model stated in progress.md")
+    num_cards: int | None = Field(default=None, description="card count stated in progress.md (部署卡数)")
+    starting_point: list[str] = Field(
+        default_factory=list, description="migrator output found: legacy_cache_unit | kv_list | paged"
+    )
+    runner_files: list[str] = Field(default_factory=list, description="runner_*.py named in progress.md or found")
 
 
 class Generator(_Model):
@@ -215,6 +239,7 @@ class SelectionManifest(_Model):
     kv_mode: KvModeDecision
     fa: FaDecision
     mla: MlaDecision
+    mtp: MtpDecision | None = None
     mixed_attn_types: bool
     layers: list[LayerPlan]
     parallel: ParallelPlan

@@ -60,57 +60,113 @@ class BudgetPlan:
     derivation: list[str]
 
 
+def _fixed_bytes(groups: list[Group], concurrency: int) -> int:
+    return sum(g.fixed_blocks(concurrency) * g.block_bytes for g in groups if g.fixed)
+
+
+def _growing_blocks(groups: list[Group], available_bytes: float, concurrency: int) -> tuple[int, int] | None:
+    """(max_tokens, blocks) left for the growing groups once the fixed groups are reserved."""
+    growing = [g for g in groups if not g.fixed]
+    per_token = sum(g.per_token_bytes for g in growing)
+    left = available_bytes - _fixed_bytes(groups, concurrency)
+    if not growing or per_token <= 0 or left < 0:
+        return None
+    max_tokens = math.floor(left / per_token)
+    return max_tokens, max_tokens // growing[0].block_size
+
+
+def max_concurrency_at(groups: list[Group], available_bytes: float, seq_len: int) -> int:
+    """Largest number of requests of ``seq_len`` tokens that fit, fixed reservations included.
+
+    Each extra request grows the fixed (sliding) reservation and needs ceil(seq_len / bs) blocks in
+    every growing pool, block 0 excluded (null block). Monotone in the count: binary search.
+    """
+
+    def fits(c: int) -> bool:
+        if _fixed_bytes(groups, c) > available_bytes:
+            return False
+        growing = [g for g in groups if not g.fixed]
+        if not growing:
+            return True
+        got = _growing_blocks(groups, available_bytes, c)
+        return got is not None and got[1] - 1 >= c * growing[0].blocks_per_request(seq_len)
+
+    per_request = sum(g.blocks_per_request(seq_len) * g.block_bytes for g in groups)
+    if per_request <= 0 or not fits(0):
+        return 0
+    lo, hi = 0, int(available_bytes // per_request) + 1  # hi never fits: each request costs >= per_request
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def plan_budget(
     groups: list[Group],
     available_bytes: float,
     concurrency: int,
     max_len: int | None,
 ) -> BudgetPlan:
-    """Budget-based block counts (online path): fixed groups first, then growing groups by tokens."""
+    """Budget-based block counts (online path): fixed groups first, then growing groups by tokens.
+
+    Framework formulas (cache_utils.calculate_block_num): a SlidingWindow group reserves
+    ``concurrency x (ceil((W + 2 next_n) / bs) + 1) + 1`` blocks; then
+    ``max_tokens = floor((budget - fixed_bytes) / per_token_bytes)`` over all growing groups and
+    ``blocks = floor(max_tokens / bs)`` per growing group, block 0 being the null block.
+    """
     lines: list[str] = [f"budget = {available_bytes:.0f} B"]
     blocks: dict[str, int] = {}
-    fixed_bytes = 0
+    fixed_bytes = _fixed_bytes(groups, concurrency)
     for g in groups:
         if g.fixed:
-            n = g.fixed_blocks(concurrency)
-            blocks[g.group_key] = n
-            fixed_bytes += n * g.block_bytes
+            blocks[g.group_key] = g.fixed_blocks(concurrency)
             lines.append(
                 f"{g.group_key}: fixed {concurrency} x (ceil(({g.window} + 2x{g.next_n})/{g.block_size}) + 1) + 1 "
-                f"= {n} blocks x {g.block_bytes} B"
+                f"= {blocks[g.group_key]} blocks x {g.block_bytes} B"
             )
     growing = [g for g in groups if not g.fixed]
-    left = available_bytes - fixed_bytes
-    if left < 0:
+    if fixed_bytes > available_bytes:
         lines.append(f"fixed groups need {fixed_bytes} B > budget: nothing fits")
-        return BudgetPlan({g.group_key: 0 for g in groups}, 0, 0, lines)
+        return BudgetPlan({g.group_key: 0 for g in groups}, 0 if growing else None, 0, lines)
     max_tokens: int | None = None
-    if growing:
+    got = _growing_blocks(groups, available_bytes, concurrency)
+    if got is not None:
+        max_tokens, n_blocks = got
         per_token = sum(g.per_token_bytes for g in growing)
-        max_tokens = math.floor(left / per_token)
         lines.append(f"max_tokens = floor(({available_bytes:.0f} - {fixed_bytes}) / {per_token}) = {max_tokens}")
         for g in growing:
-            blocks[g.group_key] = max_tokens // g.block_size
-            lines.append(f"{g.group_key}: floor({max_tokens} / {g.block_size}) = {blocks[g.group_key]} blocks "
+            blocks[g.group_key] = n_blocks
+            lines.append(f"{g.group_key}: floor({max_tokens} / {g.block_size}) = {n_blocks} blocks "
                          "(block 0 is the null block)")
     concurrency_fit = None
     if max_len:
-        if growing:
-            concurrency_fit = min(
-                (blocks[g.group_key] - 1) // g.blocks_per_request(max_len) for g in growing
-            )
-        else:
-            per_req = sum(g.blocks_per_request(max_len) * g.block_bytes for g in groups)
-            nulls = sum(g.block_bytes for g in groups)
-            concurrency_fit = max(int((available_bytes - nulls) // per_req), 0)
-        lines.append(f"requests of {max_len} tokens that fit: {concurrency_fit}")
+        concurrency_fit = max_concurrency_at(groups, available_bytes, max_len)
+        lines.append(f"requests of {max_len} tokens that fit (fixed reservations grown to match): {concurrency_fit}")
     return BudgetPlan(blocks, max_tokens, concurrency_fit, lines)
 
 
 def plan_offline(groups: list[Group], max_len: int, concurrency: int) -> BudgetPlan:
-    blocks = {g.group_key: g.blocks_offline(max_len, concurrency) for g in groups}
-    lines = [
-        f"{g.group_key}: ceil({max_len} / {g.block_size}) x {concurrency} + 1 = {blocks[g.group_key]} blocks (offline)"
-        for g in groups
-    ]
+    """Offline block counts: growing groups by max_len, fixed (sliding) groups keep their fixed count.
+
+    The framework reserves the sliding groups' fixed blocks first even offline, and sizes only the
+    growing groups from ``max_len`` (cache_utils.calculate_block_num).
+    """
+    blocks: dict[str, int] = {}
+    lines: list[str] = []
+    for g in groups:
+        if g.fixed:
+            blocks[g.group_key] = g.fixed_blocks(concurrency)
+            lines.append(
+                f"{g.group_key}: fixed {concurrency} x (ceil(({g.window} + 2x{g.next_n})/{g.block_size}) + 1) + 1 "
+                f"= {blocks[g.group_key]} blocks (offline too)"
+            )
+        else:
+            blocks[g.group_key] = g.blocks_offline(max_len, concurrency)
+            lines.append(f"{g.group_key}: ceil({max_len} / {g.block_size}) x {concurrency} + 1 = "
+                         f"{blocks[g.group_key]} blocks (offline)")
     return BudgetPlan(blocks, None, concurrency, lines)
+
+
+def plan_bytes(groups: list[Group], blocks: dict[str, int]) -> int:
+    """Bytes the pools take: blocks x block_size x per-token bytes of the group, summed."""
+    return sum(blocks[g.group_key] * g.block_bytes for g in groups)

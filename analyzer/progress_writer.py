@@ -9,8 +9,13 @@ from pathlib import Path
 from analyzer.errors import InputError
 
 
-def _markers(section: str) -> tuple[str, str]:
+def markers(section: str) -> tuple[str, str]:
     return f"<!-- kvcache:begin {section} -->", f"<!-- kvcache:end {section} -->"
+
+
+def _defuse(body: str) -> str:
+    # A body that carried a marker (e.g. from a hostile model_type) would corrupt the next upsert.
+    return body.replace("<!--", "&lt;!--")
 
 
 def upsert_section(text: str, section: str, body: str, where: str = "progress.md") -> str:
@@ -18,9 +23,9 @@ def upsert_section(text: str, section: str, body: str, where: str = "progress.md
 
     Every byte outside the markers is kept as is; the body takes the file's line ending.
     """
-    begin, end = _markers(section)
+    begin, end = markers(section)
     newline = "\r\n" if "\r\n" in text else "\n"
-    block = begin + newline + body.strip("\n").replace("\n", newline) + newline + end
+    block = begin + newline + _defuse(body).strip("\n").replace("\n", newline) + newline + end
     b, e = text.count(begin), text.count(end)
     if b != e or b > 1:
         raise InputError(where, f"damaged kvcache section markers for '{section}' "
@@ -39,28 +44,67 @@ def upsert_section(text: str, section: str, body: str, where: str = "progress.md
     return text + sep + block + newline
 
 
-def write_section(path: str | Path, section: str, body: str) -> None:
-    """Upsert ``section`` in the file at ``path`` atomically (temp file + rename)."""
+def read_text(path: str | Path) -> str:
+    """The file's text ('' when it does not exist yet); unreadable or non-UTF-8 -> InputError."""
     p = Path(path)
+    if p.exists() and not p.is_file():
+        raise InputError(str(p), "not a regular file")
     try:
-        raw = p.read_bytes() if p.exists() else b""
-        text = raw.decode("utf-8")
+        return p.read_bytes().decode("utf-8") if p.exists() else ""
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(str(p), f"cannot read: {exc}") from None
-    new = upsert_section(text, section, body, str(p))
-    if new == text:
-        return
+
+
+def check_writable(path: str | Path) -> None:
+    """Fail before anything is written when ``path`` cannot be replaced atomically."""
+    p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise InputError(str(p), "directory does not exist")
+    if p.exists() and not p.is_file():
+        raise InputError(str(p), "not a regular file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(str(p), "directory is not writable")
+
+
+def _default_mode() -> int:
+    # mkstemp creates 0600; a new file should get what open() would give it (0666 minus umask).
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8, line endings untouched) via a temp file in the same directory and a rename."""
+    p = Path(path)
+    check_writable(p)
+    parent = p.parent if str(p.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(new.encode("utf-8"))
-        if p.exists():
-            os.chmod(tmp, p.stat().st_mode & 0o777)
+            fh.write(text.encode("utf-8"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, p.stat().st_mode & 0o777 if p.exists() else _default_mode())
         os.replace(tmp, p)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise InputError(str(p), f"cannot write: {exc}") from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def plan_section(path: str | Path, section: str, body: str) -> tuple[str, str]:
+    """(current text, new text) of ``path`` with ``section`` upserted; nothing is written."""
+    text = read_text(path)
+    return text, upsert_section(text, section, body, str(path))
+
+
+def write_section(path: str | Path, section: str, body: str) -> None:
+    """Upsert ``section`` in the file at ``path`` atomically (temp file + rename); no-op when unchanged."""
+    text, new = plan_section(path, section, body)
+    if new != text:
+        atomic_write_text(path, new)

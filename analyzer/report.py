@@ -30,7 +30,8 @@ def _cell(text: str) -> str:
 def _layer_groups(m: SelectionManifest) -> list[tuple[LayerPlan, list[int]]]:
     groups: dict[tuple, tuple[LayerPlan, list[int]]] = {}
     for layer in m.layers:
-        key = (layer.attn_type, layer.sliding_window, layer.sparse_mode, layer.pre_tokens, layer.mask)
+        key = (layer.attn_type, layer.layer_kind, layer.sliding_window, layer.sparse_mode, layer.pre_tokens,
+               layer.mask)
         groups.setdefault(key, (layer, []))[1].append(layer.index)
     return list(groups.values())
 
@@ -44,7 +45,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         rows.append(("框架 API 代际", m.framework_api or "未知(渲染默认 G2)", m.framework_api_evidence))
     for layer, idx in _layer_groups(m):
         window = f", sliding_window={layer.sliding_window}" if layer.sliding_window else ""
-        rows.append((f"attn_type (层 {_ranges(idx)})", f"{layer.attn_type}{window}",
+        kind = f" (config: {layer.layer_kind},见阻塞项)" if layer.layer_kind in ("chunked", "linear") else ""
+        rows.append((f"attn_type (层 {_ranges(idx)})", f"{layer.attn_type}{window}{kind}",
                      f"group_key={layer.group_key}"))
         rows.append((f"sparse_mode / mask (层 {_ranges(idx)})",
                      f"prefill {layer.sparse_mode.prefill}/{layer.mask.prefill}, "
@@ -53,6 +55,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         if layer.sliding_window:
             rows.append((f"pre_tokens / next_tokens (层 {_ranges(idx)})",
                          f"{layer.pre_tokens} / {layer.next_tokens}", layer.window_derivation or ""))
+    cached = next((layer for layer in m.layers if layer.caches), None)
     rows += [
         ("混合 attn_type", "是" if m.mixed_attn_types else "否", "各层在 __init__ 按层号设置 attn_type"
          if m.mixed_attn_types else "所有层同一 attn_type"),
@@ -62,8 +65,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         ("MLA absorb", "是" if m.mla.absorb else "否", m.mla.reason),
         ("写入算子", m.layers[0].write_op if m.layers else "-", "slot_mapping 驱动写入" if m.kv_mode.value == "paged"
          else "kv_len 驱动写入"),
-        ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in m.layers[0].caches)
-         if m.layers else "-", "num_head 为每卡 KV heads" if not m.mla.enabled else "latent 不按 TP 切分"),
+        ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in cached.caches)
+         if cached else "-", "num_head 为每卡 KV heads" if not m.mla.enabled else "latent 不按 TP 切分"),
         ("每卡 heads", f"Q {m.parallel.num_q_heads_per_rank} / KV {m.parallel.num_kv_heads_per_rank}",
          f"attn_tp_size={m.parallel.attn_tp_size} ({m.parallel.attn_tp_source})"
          + ("; KV heads 复制" if m.parallel.kv_heads_replicated else "")),
@@ -71,6 +74,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         ("每 token KV 字节(单卡)", str(m.memory.per_token_bytes), m.memory.derivation[0] if m.memory.derivation
          else ""),
     ]
+    if m.mtp:
+        rows.append(("MTP", f"{m.mtp.num_layers} 层, decode sparse_mode {m.mtp.decode_sparse_mode}", m.mtp.reason))
     if m.memory.blocks:
         rows.append(("block 数", ", ".join(f"{k}={v}" for k, v in m.memory.blocks.items()),
                      "; ".join(m.memory.derivation[1:])))

@@ -7,10 +7,11 @@ The tables in SKILL.md / references/ are generated from or checked against this 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from analyzer.config_loader import ModelFacts, yarn_mscale
-from analyzer.manifest import CacheSpec, Finding, MaskPerPath, ParallelPlan, PerPath
+from analyzer.manifest import CacheSpec, Finding, MaskPerPath, MtpDecision, ParallelPlan, PerPath
 
 # Page-attention block sizes the FA paged path accepts for Q_S > 1 (DOMAIN §7).
 VALID_BLOCK_SIZES = (128, 256, 384, 512)
@@ -116,16 +117,20 @@ def decide_window_tokens(window: int | None, reading: str = "exclusive") -> tupl
 
 
 def decide_sparse(attn_type: str, is_mla: bool, kv_mode: str) -> tuple[PerPath, MaskPerPath, str]:
-    """sparse_mode and mask per path (DOMAIN §7 path table)."""
+    """sparse_mode and mask per path (DOMAIN §7 path table).
+
+    A sliding layer needs the band (4 + pre_tokens) whatever the KV mode: any other mode lets the
+    query see keys outside the window, silently, once the sequence outgrows it.
+    """
+    if attn_type == "SlidingWindow":
+        return (PerPath(prefill=4, decode=4), MaskPerPath(prefill="causal_2048", decode="causal_2048"),
+                "sliding layer: band 4 with pre_tokens on prefill and decode (0 would see outside the window)")
     if kv_mode == "legacy":
         return (PerPath(prefill=3, decode=0), MaskPerPath(prefill="causal_2048", decode="none"),
                 "Legacy BSH: causal prefill (3 + 2048 mask); q_len 1 decode needs no mask (0)")
     if is_mla:
         return (PerPath(prefill=3, decode=0), MaskPerPath(prefill="causal_2048", decode="none"),
                 "MLA absorb: prefill 3 + causal mask; decode 0 without mask (3 at decode deviates)")
-    if attn_type == "SlidingWindow":
-        return (PerPath(prefill=4, decode=4), MaskPerPath(prefill="causal_2048", decode="causal_2048"),
-                "sliding layer: band 4 with pre_tokens on prefill and decode (0 would see outside the window)")
     return (PerPath(prefill=3, decode=3), MaskPerPath(prefill="causal_2048", decode="causal_2048"),
             "standard TND paged: right-down causal 3 + 2048 mask on prefill and decode")
 
@@ -212,7 +217,13 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
     return out
 
 
-def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str) -> list[CacheSpec]:
+def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer_kind: str = "full") -> list[CacheSpec]:
+    """KV cache entries of one layer (DOMAIN §4); per rank, in the model dtype.
+
+    Linear-attention layers keep a fixed-size recurrent state, not a per-token KV cache: no entries.
+    """
+    if layer_kind == "linear":
+        return []
     dtype = facts.dtype.value
     if facts.is_mla:
         mla = facts.mla.value
@@ -246,23 +257,63 @@ def decide_deploy_mode(
     dispatch: str | None,
     dispatch_line: str | None,
     user: str | None,
-    self_check: tuple[str, str] | None,
+    self_checks: Sequence[tuple[str, str]] = (),
 ) -> tuple[str, str, list[str], list[tuple[str, str, str]]]:
     """Priority dispatch > user > self-check > default framework (DOMAIN §1).
 
-    Returns (value, source, evidence, losers) with losers as (value, source, detail).
+    ``self_checks`` are (value, detail) pairs, strongest first (support_models registration, own
+    runner loop, progress.md wording). Returns (value, source, evidence, losers) with every losing
+    source as (value, source, detail), so the manifest shows what was overridden.
     """
     candidates: list[tuple[str, str, str]] = []
     if dispatch:
         candidates.append((dispatch, "dispatch", f"dispatch line {dispatch_line!r}"))
     if user:
         candidates.append((user, "user", "--deploy-mode"))
-    if self_check:
-        candidates.append((self_check[0], "self_check", self_check[1]))
+    for value, detail in self_checks:
+        candidates.append((value, "self_check", detail))
     if not candidates:
         return "framework", "default", ["no dispatch line, flag or self-check evidence: repository default"], []
     value, source, detail = candidates[0]
     return value, source, [detail], candidates[1:]
+
+
+def mla_constraints(facts: ModelFacts) -> list[str]:
+    """What the MLA absorb path requires of the FA call and the fused writer (DOMAIN §7)."""
+    mla = facts.mla.value
+    if mla is None:
+        return []
+    out = [
+        "FA call: key = value = nope_cache, query_rope with key_rope = rope_cache (both or neither), "
+        "num_key_value_heads = 1",
+        f"query D = kv_lora_rank = {mla.kv_lora_rank} (FA accepts {' or '.join(map(str, MLA_LATENT_DIMS))}); "
+        f"rope D = qk_rope_head_dim = {mla.qk_rope_head_dim} (FA requires {MLA_ROPE_DIM})",
+        "with query D 512 only sparse_mode 0/3/4; decode (q_len 1) uses 0 without mask",
+        "PA_NZ writes: view caches 5-D [blocks, 1, D/16, block_size, 16] (32 for int8) before the FA call; "
+        "block_size 16 unsupported",
+        "npu_kv_rmsnorm_rope_cache epsilon from the kv_a_layernorm module, never a literal",
+        f"absorb kv_b_proj: W_UK into the query ({mla.qk_nope_head_dim} -> {mla.kv_lora_rank}), "
+        f"W_UV after FA ({mla.kv_lora_rank} -> v_head_dim {mla.v_head_dim})",
+    ]
+    if mla.q_lora_rank is None:
+        out.append("q_lora_rank is null: the query comes from a plain q_proj (no q_a_proj/q_b_proj)")
+    return out
+
+
+def decide_mtp(facts: ModelFacts) -> MtpDecision | None:
+    """MTP layers hold caches too, and speculative decode runs q_len = 1 + next_n: causal 3, not 0."""
+    n = facts.num_mtp_layers.value
+    if not n:
+        return None
+    return MtpDecision(
+        num_layers=n,
+        holds_caches=True,
+        decode_sparse_mode=3,
+        decode_mask="causal_2048",
+        reason=f"{n} MTP layer(s) ({facts.num_mtp_layers.source}): with speculative decoding each decode step "
+               "carries 1 + next_n query tokens, so non-sliding layers need right-down causal 3 + 2048 mask "
+               "(sliding layers keep 4); get_cache_info must list the MTP layers' caches too",
+    )
 
 
 def block_count_offline(max_len: int, block_size: int, concurrency: int) -> int:

@@ -1,0 +1,39 @@
+"""Reference semantics of the torch_npu attention and KV-cache operators, runnable on CPU.
+
+Public API:
+
+* :mod:`validators.npu_ops.emulated` - the emulated operators, with the real signatures.
+* :func:`load` - ``load("auto" | "emulated" | "npu")`` -> an object with the ops as attributes.
+* :func:`install_emulation` - context manager exposing the emulation as ``torch_npu.<op>``
+  and ``torch.ops.npu.<op>`` inside a validation process.
+* :class:`DeviceReadings`, :func:`device_readings`, :func:`active_readings` - the explicit
+  switches for the open device questions (DOMAIN.md section 9).
+* :mod:`validators.npu_ops.schemas` - the pinned real schemas (``op_schemas.json``).
+* :func:`nz_view` - view a ``[bn, bs, N, D]`` cache allocation in its NZ 5-D form.
+"""
+
+from validators.npu_ops.backend import OpSet, emulation_installed, install_emulation, load, npu_available
+from validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from validators.npu_ops.nz import nz_c0, nz_view
+from validators.npu_ops.readings import (
+    DEFAULT_READINGS,
+    DeviceReadings,
+    active_readings,
+    device_readings,
+)
+
+__all__ = [
+    "DEFAULT_READINGS",
+    "DeviceReadings",
+    "NotEmulatedError",
+    "NpuOpError",
+    "OpSet",
+    "active_readings",
+    "device_readings",
+    "emulation_installed",
+    "install_emulation",
+    "load",
+    "npu_available",
+    "nz_c0",
+    "nz_view",
+]

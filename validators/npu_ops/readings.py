@@ -1,0 +1,94 @@
+"""Explicit switches for the device behaviours the documentation leaves open.
+
+See DOMAIN.md section 9. Each open question is a field of :class:`DeviceReadings`; the
+defaults are the readings the documented band rule and the upstream code rely on. The
+validators run the affected cases under every reading and report which ones the rendered
+code survives; only an NPU run can settle which reading the hardware implements.
+
+``band_at_single_query``
+    ``"honoured"`` (default): a request whose query length is 1 is masked like any other
+    request: causal modes 2/3, the band of mode 4, and the pre/next window of mode 0 with a
+    mask all apply. The upstream gpt-oss code relies on this (``sparse_mode=4`` plus
+    ``pre_tokens`` at decode over a paged cache whose out-of-window blocks are the null block).
+    ``"ignored"``: the op documents that ``sparse_mode`` (without rope inputs) and
+    ``pre_tokens``/``next_tokens`` have no effect when the query length is 1; under this
+    reading a single-token query sees every key up to its KV length (an explicit mode-0/1
+    mask is still applied). For the batch layouts the query length is the tensor's S axis;
+    for the packed (TND-like) layouts it is each request's own length.
+
+``window_pre_tokens``
+    ``"exclusive"`` (default, the documented band rule): ``pre_tokens`` counts keys strictly
+    before the query. Key ``j`` is visible to query ``i`` iff
+    ``i' - pre_tokens <= j <= i' + next_tokens`` with ``i' = i + kv_len - q_len`` (mode 4) or
+    ``i' = i`` (mode 0 with a mask); ``pre_tokens=W`` admits W+1 keys when ``next_tokens=0``.
+    ``"inclusive"``: ``pre_tokens`` counts the query itself, the lower bound becomes
+    ``i' - pre_tokens + 1`` and ``pre_tokens=W`` admits W keys (the Hugging Face / vLLM meaning
+    of a window of W).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Literal
+
+BandAtSingleQuery = Literal["honoured", "ignored"]
+WindowPreTokens = Literal["exclusive", "inclusive"]
+
+_ALLOWED = {
+    "band_at_single_query": ("honoured", "ignored"),
+    "window_pre_tokens": ("exclusive", "inclusive"),
+}
+
+
+@dataclass(frozen=True)
+class DeviceReadings:
+    """One choice for every open device question (defaults: the documented/upstream reading)."""
+
+    band_at_single_query: BandAtSingleQuery = "honoured"
+    window_pre_tokens: WindowPreTokens = "exclusive"
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value not in _ALLOWED[field.name]:
+                raise ValueError(f"{field.name} must be one of {_ALLOWED[field.name]}, got {value!r}")
+
+    @classmethod
+    def all(cls) -> list[DeviceReadings]:
+        """Every combination of readings, default first."""
+        names = list(_ALLOWED)
+        return [cls(**dict(zip(names, combo, strict=True))) for combo in itertools.product(*(_ALLOWED[n] for n in names))]
+
+    def label(self) -> str:
+        return f"band_at_single_query={self.band_at_single_query}, window_pre_tokens={self.window_pre_tokens}"
+
+
+DEFAULT_READINGS = DeviceReadings()
+_active: DeviceReadings = DEFAULT_READINGS
+
+
+def active_readings() -> DeviceReadings:
+    """The readings the emulated attention operators use right now."""
+    return _active
+
+
+def set_readings(readings: DeviceReadings) -> DeviceReadings:
+    """Make ``readings`` active; returns the previous value (prefer :func:`device_readings`)."""
+    global _active
+    if not isinstance(readings, DeviceReadings):
+        raise TypeError(f"expected DeviceReadings, got {type(readings).__name__}")
+    previous, _active = _active, readings
+    return previous
+
+
+@contextmanager
+def device_readings(readings: DeviceReadings) -> Iterator[DeviceReadings]:
+    """Run the enclosed code with ``readings`` active (module-level state, not thread-safe)."""
+    previous = set_readings(readings)
+    try:
+        yield readings
+    finally:
+        set_readings(previous)

@@ -1,0 +1,17 @@
+"""Static linter for silent KV-cache / fused-attention failure patterns (`kvcache lint`).
+
+Public API::
+
+    from validators.lint import lint_paths, lint_source, RULES
+    report = lint_paths(["models/"], manifest="manifest.json", select=None, ignore="KV701")
+    report.findings   # list[Finding]: rule, path, line, col, message, hint, severity
+    report.errors     # list[FileError]: files that could not be read or parsed
+    report.exit_code  # 0 clean, 1 findings, 2 file errors
+"""
+
+from validators.lint.engine import ManifestError, lint_paths, lint_source, load_manifest
+from validators.lint.finding import FileError, Finding, LintReport
+from validators.lint.registry import RULES, Rule, rule_ids
+
+__all__ = ["RULES", "FileError", "Finding", "LintReport", "ManifestError", "Rule", "lint_paths", "lint_source",
+           "load_manifest", "rule_ids"]

@@ -1,0 +1,411 @@
+"""The code-only rules (no manifest needed): one pass over a parsed file.
+
+Every rule reports only what is certain from the code: a value is followed to where it is set,
+per prefill/decode and sliding branch, and a rule fires on a branch only when the value there is
+known. Unknown values (parameters, attributes set elsewhere) never produce a finding.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass
+
+from validators.lint import ops
+from validators.lint.masks import ALLOWED_COMPRESSED_SHAPES, MaskFacts
+from validators.lint.registry import RULES
+from validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
+from validators.lint.values import Resolver, Variant, as_int, as_number, is_none
+
+MISSING = ast.Constant(value=Ellipsis)  # marker: argument not passed (the op default applies)
+OPAQUE = ast.Constant(value=NotImplemented)  # marker: may be passed through **kwargs
+
+_FRAMEWORK_NAMES = {"CacheEntry", "ModelCacheInfo", "LayerCacheInfo", "get_cache_info", "cache_entries"}
+_DICT_FIELDS = {"block_table": "KV301", "slot_mapping": "KV302"}
+_STRIP_METHODS = {"view", "reshape", "to", "int", "long", "contiguous", "flatten", "unsqueeze", "squeeze",
+                  "npu", "cuda", "clone"}
+_RAW_KV_HEAD_NAMES = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num",
+                      "num_key_value_heads_total"}
+_INPLACE_METHODS = {"add_", "sub_", "copy_", "fill_", "zero_", "mul_", "index_add_", "clamp_", "masked_fill_",
+                    "__iadd__", "__isub__"}
+_BATCH_NAME = re.compile(r"^(b|bs|bsz|batch|batch_size|batchsize|num_seqs|B)$|batch", re.IGNORECASE)
+_SEQ_NAME = re.compile(r"^(s|S|q_len|seq|seqlen|seq_len|seq_length|sequence_length|q_seq_len|kv_len)$")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One way an FA call runs: context plus the resolved sparse_mode / mask values."""
+
+    ctx: Ctx
+    sparse: int | None  # None: unknown
+    sparse_node: ast.AST  # where the sparse_mode value is written (MISSING when not passed)
+    mask: ast.AST  # MISSING / OPAQUE / expression
+    mask_at: ast.AST
+    certain: bool
+
+    @property
+    def no_mask(self) -> bool:
+        return self.mask is MISSING or is_none(self.mask)
+
+
+def _kwargs(call: ast.Call) -> tuple[dict[str, ast.keyword], bool]:
+    named = {kw.arg: kw for kw in call.keywords if kw.arg is not None}
+    return named, any(kw.arg is None for kw in call.keywords)
+
+
+def strip_methods(node: ast.AST) -> ast.AST:
+    """``x.view(-1, 1).int()`` -> ``x`` (shape/dtype methods do not change what the value is)."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _STRIP_METHODS:
+        node = node.func.value
+    return node
+
+
+def _terminal(node: ast.AST) -> str | None:
+    return ops.terminal_name(node)
+
+
+def _has_config_root(node: ast.AST) -> bool:
+    text = _ident_text(node).split(".")
+    return any("config" in part.lower() for part in text[:-1])
+
+
+class FileChecker:
+    def __init__(self, tree: ast.Module, path: str, manifest=None) -> None:
+        self.tree = tree
+        self.path = path
+        self.manifest = manifest
+        self.info = ModuleInfo(tree, path)
+        self.resolver = Resolver(self.info)
+        self.masks = MaskFacts(self.resolver)
+        self.names, self.attrs = ops.collect_aliases(tree)
+        self.framework = self._framework_mode()
+        self.raw: list[tuple[str, ast.AST, dict]] = []  # (rule id, node, message fields)
+        self._seen: set[tuple[str, int, int]] = set()
+        # calls the manifest checks revisit: (call, op or class name)
+        self.fa_calls: list[tuple[ast.Call, str]] = []
+        self.entry_calls: list[ast.Call] = []
+        self.cache_info_calls: list[ast.Call] = []
+        self.fa_fired: dict[int, set[str]] = {}  # id(call) -> rules its sparse/mask checks raised
+
+    # ------------------------------------------------------------ plumbing
+
+    def emit(self, rule_id: str, node: ast.AST, **fields) -> None:
+        key = (rule_id, getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.raw.append((rule_id, node, fields))
+
+    def _framework_mode(self) -> bool:
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("executor.core"):
+                return True
+            if isinstance(node, ast.Name) and node.id in _FRAMEWORK_NAMES:
+                return True
+            if isinstance(node, ast.Attribute) and node.attr in _FRAMEWORK_NAMES:
+                return True
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "get_cache_info":
+                return True
+        manifest = self.manifest
+        return bool(manifest is not None and manifest.deploy_mode.value == "framework")
+
+    def _is_runner_code(self, node: ast.AST) -> bool:
+        if os.path.basename(self.path).lower().startswith("runner"):
+            return True
+        cls = self.info.class_of(node)
+        while cls is not None:
+            if "runner" in cls.name.lower():
+                return True
+            cls = self.info.enclosing(cls, ast.ClassDef)
+        return False
+
+    # ------------------------------------------------------------ driver
+
+    def run(self) -> list[tuple[str, ast.AST, dict]]:
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Call):
+                self._call(node)
+            elif isinstance(node, (ast.AugAssign, ast.Assign)):
+                self._kv_len_assign(node)
+        if self.manifest is not None:
+            from validators.lint.manifest_checks import ManifestChecks
+
+            ManifestChecks(self).run()
+        return self.raw
+
+    def _call(self, call: ast.Call) -> None:
+        op = ops.call_op(call, self.names, self.attrs)
+        if op in ops.FA_OPS:
+            self.fa_calls.append((call, op))
+            self.fa_call(call, op)
+        elif op in ops.WRITER_OPS:
+            self.writer_call(call, op)
+        name = _terminal(call.func)
+        if name and name.endswith("CacheEntry") and "mamba" not in name.lower():
+            self.entry_calls.append(call)
+            self.cache_entry(call)
+        elif name and name.endswith("ModelCacheInfo"):
+            self.cache_info_calls.append(call)
+        if isinstance(call.func, ast.Attribute):
+            if call.func.attr in ("view", "reshape"):
+                self.hidden_view(call)
+            elif call.func.attr in _INPLACE_METHODS:
+                self.kv_len_inplace(call, call.func.value)
+        if name == "add" and any(kw.arg == "out" for kw in call.keywords):
+            out = next(kw.value for kw in call.keywords if kw.arg == "out")
+            self.kv_len_inplace(call, out)
+
+    # ------------------------------------------------------------ argument variants
+
+    def arg_variants(self, call: ast.Call, name: str, ctx: Ctx, star: bool) -> list[Variant]:
+        named, _ = _kwargs(call)
+        if name in named:
+            return self.resolver.variants(named[name].value, call, ctx)
+        return [Variant(ctx, OPAQUE if star else MISSING, True, call)]
+
+    def scenarios(self, call: ast.Call, ctx: Ctx, star: bool) -> list[Scenario]:
+        out = []
+        for sv in self.arg_variants(call, "sparse_mode", ctx, star):
+            sparse = 0 if sv.node is MISSING else as_int(sv.node)  # both ops default to 0
+            if sparse is None and sv.node is not MISSING and sv.node is not OPAQUE:
+                sparse = as_int(self._number_node(sv))
+            for mv in self.arg_variants(call, "atten_mask", sv.ctx, star):
+                out.append(Scenario(mv.ctx, sparse, sv.node, mv.node, mv.at, sv.certain and mv.certain))
+        return out
+
+    def _number_node(self, v: Variant):
+        value = self.resolver.number(v.node, v.at, v.ctx)
+        return ast.Constant(value=value) if isinstance(value, int) else None
+
+    def is_mla_call(self, call: ast.Call, named: dict[str, ast.keyword]) -> bool:
+        for rope in ("query_rope", "key_rope"):
+            if rope in named and not is_none(named[rope].value):
+                return True
+        if any("absorb" in n.lower() for n in self.info.function_names(call)):
+            return True
+        key = call.args[1] if len(call.args) > 1 else (named["key"].value if "key" in named else None)
+        return key is not None and "nope" in ast.unparse(key).lower()
+
+    # ------------------------------------------------------------ FA calls
+
+    def fa_call(self, call: ast.Call, op: str) -> None:
+        named, star = _kwargs(call)
+        wrong = ops.V1_ONLY if op == ops.FA_V2 else ops.V2_ONLY
+        wrong_id = "KV101" if op == ops.FA_V2 else "KV102"
+        accepted = ops.accepted_keywords(op)
+        for kw_name, kw in named.items():
+            if kw_name in wrong:
+                fix, default = wrong[kw_name]
+                self.emit(wrong_id, kw, kw=kw_name, fix=fix, default=default)
+            elif accepted is not None and kw_name not in accepted:
+                self.emit("KV103", kw, kw=kw_name, op=op, fix=_closest_hint(kw_name, accepted))
+
+        ctx = self.info.ctx_of(call)
+        is_mla = self.is_mla_call(call, named)
+        for sc in self.scenarios(call, ctx, star):
+            # report where the value is written (it may be set lines above the call)
+            anchor_sparse = sc.sparse_node if hasattr(sc.sparse_node, "lineno") else call
+            anchor_mask = sc.mask if hasattr(sc.mask, "lineno") else call
+            fired = self.fa_fired.setdefault(id(call), set())
+            if sc.certain and sc.sparse == 0:
+                if sc.ctx.phase == PREFILL and sc.no_mask and sc.mask is not OPAQUE:
+                    self.emit("KV201", anchor_sparse, mode=0)
+                    fired.add("KV201")
+                elif sc.ctx.sliding is True:
+                    self.emit("KV202", anchor_sparse)
+                    fired.add("KV202")
+            if sc.certain and is_mla and sc.ctx.phase == DECODE and sc.sparse == 3 and \
+                    not self.info.in_mtp_branch(call):
+                self.emit("KV203", anchor_sparse)
+                fired.add("KV203")
+            if sc.mask in (MISSING, OPAQUE) or is_none(sc.mask):
+                continue
+            dtype = self.masks.dtype(sc.mask, sc.mask_at, sc.ctx)
+            if dtype == "float":
+                self.emit("KV204", anchor_mask, dtype="a floating-point tensor")
+            if sc.certain and sc.sparse in (2, 3, 4):
+                shape = self.masks.shape(sc.mask, sc.mask_at, sc.ctx)
+                if shape is not None and shape not in ALLOWED_COMPRESSED_SHAPES:
+                    self.emit("KV205", anchor_mask, shape=shape, mode=sc.sparse)
+
+        if "block_table" in named:
+            self.dict_whole(named["block_table"].value, call, ctx, "block_table", op)
+        if is_mla:
+            self.mla_kv_heads(call, named, star, ctx)
+
+    def mla_kv_heads(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
+        if "num_key_value_heads" not in named:
+            if not star:
+                self.emit("KV502", call, what="omits num_key_value_heads (default 0 means one KV head per "
+                                              "query head)")
+            return
+        node = named["num_key_value_heads"].value
+        for v in self.resolver.certain_variants(node, call, ctx):
+            value = as_int(v.node)
+            if value is None:
+                value = self.resolver.number(v.node, v.at, v.ctx)
+            if isinstance(value, int) and value != 1:
+                self.emit("KV502", node, what=f"passes num_key_value_heads={value}")
+                return
+            term = _terminal(v.node) or ""
+            if value is None and ("num_key_value_heads" in term or "num_kv_heads" in term or term == "num_heads"):
+                self.emit("KV502", node, what=f"passes num_key_value_heads=`{ast.unparse(node)}`")
+                return
+
+    # ------------------------------------------------------------ writers
+
+    def writer_call(self, call: ast.Call, op: str) -> None:
+        named, star = _kwargs(call)
+        accepted = ops.accepted_keywords(op)
+        if accepted is not None:
+            for kw_name, kw in named.items():
+                if kw_name not in accepted:
+                    self.emit("KV103", kw, kw=kw_name, op=op, fix=_closest_hint(kw_name, accepted))
+        ctx = self.info.ctx_of(call)
+        if op in ops.WRITER_INDEX_ARG:
+            kw_name, pos = ops.WRITER_INDEX_ARG[op]
+            index = named[kw_name].value if kw_name in named else (call.args[pos] if len(call.args) > pos else None)
+            if index is not None:
+                self.dict_whole(index, call, ctx, "slot_mapping", op)
+        if op in ops.RMSNORM_OPS:
+            self.epsilon(call, named, star, ctx, op)
+
+    def epsilon(self, call: ast.Call, named, star: bool, ctx: Ctx, op: str) -> None:
+        if "epsilon" not in named:
+            if not star:
+                self.emit("KV601", call, op=op, what="omits epsilon, so the op default 1e-5 is used")
+            return
+        node = named["epsilon"].value
+        for v in self.resolver.certain_variants(node, call, ctx):
+            value = as_number(v.node)
+            if value is not None:
+                self.emit("KV601", node, op=op, what=f"passes a literal epsilon ({value!r})")
+                return
+
+    # ------------------------------------------------------------ index dicts
+
+    def dict_whole(self, node: ast.AST, call: ast.Call, ctx: Ctx, field: str, op: str, depth: int = 0) -> None:
+        if depth > 4:
+            return
+        base = strip_methods(node)
+        if self._is_dict_source(base, call, field):
+            self.emit(_DICT_FIELDS[field], node, expr=ast.unparse(base), op=op)
+            return
+        if isinstance(base, (ast.Name, ast.Attribute)):
+            at = call if depth == 0 else node
+            for v in self.resolver.certain_variants(base, at, ctx):
+                if v.node is base:
+                    continue
+                inner = strip_methods(v.node)
+                if self._is_dict_source(inner, v.at, field):
+                    self.emit(_DICT_FIELDS[field], node, expr=ast.unparse(inner), op=op)
+                    return
+
+    def _is_dict_source(self, node: ast.AST, at: ast.AST, field: str) -> bool:
+        if isinstance(node, ast.Attribute) and node.attr == field and self.framework:
+            return "metadata" in _ident_text(node.value).lower()
+        if isinstance(node, ast.Name):
+            func = self.info.function_of(at)
+            param = self.info.parameter(func, node.id)
+            if param is None:
+                return False
+            if param.annotation is not None and re.search(r"\b(dict|Dict|Mapping)\b", ast.unparse(param.annotation)):
+                return True
+            doc = ast.get_docstring(func) if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            if doc:
+                for line in doc.splitlines():
+                    if re.search(rf"\b{re.escape(node.id)}\b", line) and re.search(r"\bdict\b", line, re.IGNORECASE) \
+                            and not re.search(r"\bnot\b[^.]*\bdict\b", line, re.IGNORECASE):
+                        return True
+        return False
+
+    # ------------------------------------------------------------ kv_len
+
+    def _kv_len_scope(self, node: ast.AST) -> str | None:
+        names = self.info.function_names(node)
+        if not names or self._is_runner_code(node):
+            return None
+        inner = names[0]
+        low = inner.lower()
+        if "forward" in low or "attn" in low or "attention" in low or "cache" in low:
+            cls = self.info.class_of(node)
+            return f"{cls.name}.{inner}" if cls is not None else inner
+        return None
+
+    @staticmethod
+    def _is_kv_len(node: ast.AST) -> bool:
+        return _terminal(node) == "kv_len" and isinstance(node, (ast.Name, ast.Attribute))
+
+    def _kv_len_assign(self, node: ast.AST) -> None:
+        if isinstance(node, ast.AugAssign):
+            if self._is_kv_len(node.target) and isinstance(node.op, (ast.Add, ast.Sub)):
+                where = self._kv_len_scope(node)
+                if where:
+                    self.emit("KV401", node, expr=ast.unparse(node), where=where)
+            return
+        if len(node.targets) != 1 or not self._is_kv_len(node.targets[0]):
+            return
+        target = ast.unparse(node.targets[0])
+        value = node.value
+        if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Add, ast.Sub)) and \
+                target in (ast.unparse(value.left), ast.unparse(value.right)):
+            where = self._kv_len_scope(node)
+            if where:
+                self.emit("KV401", node, expr=ast.unparse(node), where=where)
+
+    def kv_len_inplace(self, call: ast.Call, receiver: ast.AST) -> None:
+        if self._is_kv_len(receiver):
+            where = self._kv_len_scope(call)
+            if where:
+                self.emit("KV401", call, expr=ast.unparse(call), where=where)
+
+    # ------------------------------------------------------------ cache entries
+
+    def cache_entry(self, call: ast.Call) -> None:
+        named, _ = _kwargs(call)
+        node = named["num_head"].value if "num_head" in named else (call.args[3] if len(call.args) > 3 else None)
+        if node is None:
+            return
+        ctx = self.info.ctx_of(call)
+        for v in self.resolver.certain_variants(node, call, ctx):
+            target = v.node
+            if isinstance(target, ast.Attribute) and target.attr in _RAW_KV_HEAD_NAMES and _has_config_root(target):
+                self.emit("KV501", node, expr=ast.unparse(node))
+                return
+            if isinstance(target, ast.Call) and _terminal(target.func) == "getattr" and len(target.args) >= 2 \
+                    and isinstance(target.args[1], ast.Constant) and target.args[1].value in _RAW_KV_HEAD_NAMES:
+                self.emit("KV501", node, expr=ast.unparse(node))
+                return
+
+    # ------------------------------------------------------------ packed hidden states
+
+    def hidden_view(self, call: ast.Call) -> None:
+        if not self.framework:
+            return
+        receiver = call.func.value
+        term = (_terminal(strip_methods(receiver)) or "").lower()
+        if "hidden" not in term and term != "inputs_embeds":
+            return
+        if not any("forward" in n.lower() for n in self.info.function_names(call)[:1]):
+            return
+        args = call.args
+        if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
+            args = args[0].elts
+        if len(args) != 3 or any(isinstance(a, ast.Starred) for a in args) or call.keywords:
+            return
+        first, second = _terminal(args[0]) or "", _terminal(args[1]) or ""
+        if _BATCH_NAME.search(first) or _SEQ_NAME.match(second):
+            self.emit("KV701", call, expr=ast.unparse(call))
+
+
+def _closest_hint(name: str, accepted: frozenset[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(accepted), n=1)
+    return f"did you mean `{close[0]}=`?" if close else "remove it or use a documented argument of the op"
+
+
+def format_fields(rule_id: str, fields: dict) -> tuple[str, str]:
+    rule = RULES[rule_id]
+    return rule.message.format(**fields), rule.hint.format(**fields)

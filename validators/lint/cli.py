@@ -1,0 +1,81 @@
+"""`kvcache lint` / `python -m validators lint`: static check for silent KV-cache and FA failures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from validators.lint.engine import ManifestError, lint_paths
+from validators.lint.registry import RULES, parse_id_list
+
+EPILOG = "exit status: 0 clean, 1 findings, 2 usage error or a file that cannot be read or parsed.\n" \
+         "silence one line with `# kvcache: ignore[KV201]` (or ignore[KV201,KV204]).\n" \
+         "rules: `kvcache lint --list-rules`."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcache lint",
+        description="Find the KV-cache / fused-attention mistakes that raise no error on Ascend "
+                    "(wrong FA argument names, missing causal mask, dict block tables, kv_len mutation...).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("paths", nargs="*", metavar="PATH",
+                        help="Python files or directories (e.g. models/qwen3/modeling_qwen3.py)")
+    parser.add_argument("--manifest", metavar="M",
+                        help="selection manifest JSON from `kvcache analyze`: also check the code against it "
+                             "(FA version, layout, sparse modes, pre_tokens, block size, scale)")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
+    parser.add_argument("--select", metavar="IDS", help="only these rules, comma-separated (e.g. KV101,KV201)")
+    parser.add_argument("--ignore", metavar="IDS", help="skip these rules, comma-separated (e.g. KV701)")
+    parser.add_argument("--list-rules", action="store_true", help="print every rule ID with its title and exit")
+    return parser
+
+
+def _list_rules() -> str:
+    lines = []
+    for rule in RULES.values():
+        extra = " [needs --manifest]" if rule.needs_manifest else ""
+        lines.append(f"{rule.id}  {rule.name:<32} {rule.title}{extra}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if args.list_rules:
+        sys.stdout.write(_list_rules())
+        return 0
+    if not args.paths:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write("kvcache lint: error: give at least one PATH\n")
+        return 2
+    try:
+        parse_id_list(args.select)
+        parse_id_list(args.ignore)
+    except ValueError as exc:
+        sys.stderr.write(f"kvcache lint: error: {exc}\n")
+        return 2
+    try:
+        report = lint_paths(args.paths, manifest=args.manifest, select=args.select, ignore=args.ignore)
+    except ManifestError as exc:
+        sys.stderr.write(f"kvcache lint: error: {exc}\n")
+        return 2
+    if args.format == "json":
+        sys.stdout.write(report.to_json())
+    else:
+        for finding in report.findings:
+            sys.stdout.write(finding.to_text() + "\n")
+    for error in report.errors:
+        sys.stderr.write(f"kvcache lint: {error.to_text()}\n")
+    if args.format == "text" and not report.findings and not report.errors:
+        sys.stderr.write(f"kvcache lint: {len(report.files)} file(s) clean\n")
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Run the rules over sources, files and directories; suppression comments; rule selection."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from validators.lint.checks import FileChecker, format_fields
+from validators.lint.finding import FileError, Finding, LintReport
+from validators.lint.registry import RULES, parse_id_list
+
+_SUPPRESS = re.compile(r"#\s*kvcache:\s*ignore\[([A-Za-z0-9_,\s]+)\]")
+_SKIP_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
+              ".ruff_cache", "build", "dist", ".tox"}
+
+
+class ManifestError(ValueError):
+    """The --manifest file is missing or is not a valid SelectionManifest."""
+
+
+def load_manifest(path: str | os.PathLike):
+    from pydantic import ValidationError
+
+    from analyzer.manifest import SelectionManifest
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"cannot read manifest {path}: {exc}") from exc
+    try:
+        return SelectionManifest.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
+        raise ManifestError(
+            f"{path} is not a valid selection manifest ({exc.error_count()} error(s); first at {where}: "
+            f"{first.get('msg', exc)})"
+        ) from exc
+
+
+def suppressions(source: str) -> dict[int, set[str]]:
+    """Line number -> rule IDs silenced there by ``# kvcache: ignore[ID1,ID2]``."""
+    out: dict[int, set[str]] = {}
+    if "kvcache:" not in source:
+        return out
+    for number, line in enumerate(source.splitlines(), start=1):
+        match = _SUPPRESS.search(line)
+        if match:
+            out[number] = {part.strip().upper() for part in match.group(1).split(",") if part.strip()}
+    return out
+
+
+def _selected(select: Iterable[str] | str | None, ignore: Iterable[str] | str | None) -> set[str]:
+    def as_set(value) -> set[str]:
+        if value is None:
+            return set()
+        if isinstance(value, str):
+            return parse_id_list(value)
+        return parse_id_list(",".join(value))
+
+    chosen = as_set(select) or set(RULES)
+    return chosen - as_set(ignore)
+
+
+def lint_source(source: str, path: str = "<string>", manifest=None, select=None, ignore=None) -> list[Finding]:
+    """Lint one module's source text. Raises SyntaxError when it does not parse."""
+    tree = ast.parse(source, filename=path)
+    return _lint_tree(tree, source, path, manifest, _selected(select, ignore))
+
+
+def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set[str]) -> list[Finding]:
+    checker = FileChecker(tree, path, manifest)
+    raw = checker.run()
+    quiet = suppressions(source)
+    findings = []
+    for rule_id, node, fields in raw:
+        if rule_id not in selected:
+            continue
+        line = getattr(node, "lineno", 1)
+        stmt_line = getattr(checker.info.statement_of(node), "lineno", line)
+        if rule_id in quiet.get(line, ()) or rule_id in quiet.get(stmt_line, ()):
+            continue
+        message, hint = format_fields(rule_id, fields)
+        rule = RULES[rule_id]
+        findings.append(Finding(path, line, getattr(node, "col_offset", 0) + 1, rule_id, message, hint,
+                                rule.severity))
+    findings.sort(key=lambda f: (f.line, f.col, f.rule))
+    return findings
+
+
+def iter_python_files(paths: Iterable[str | os.PathLike]) -> tuple[list[str], list[FileError]]:
+    """Expand directories to their ``*.py`` files (sorted); name paths that do not exist."""
+    files: list[str] = []
+    errors: list[FileError] = []
+    for raw in paths:
+        path = str(raw)
+        if os.path.isdir(path):
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
+                files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".py"))
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            errors.append(FileError(path, "no such file or directory"))
+    return files, errors
+
+
+def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, ignore=None) -> LintReport:
+    """Lint files and directories. ``manifest`` is a SelectionManifest or a path to one.
+
+    Unreadable or unparsable files are reported in ``errors`` (the others are still linted).
+    Raises ManifestError for a bad manifest and ValueError for unknown rule IDs.
+    """
+    if manifest is not None and not hasattr(manifest, "fa"):
+        manifest = load_manifest(manifest)
+    selected = _selected(select, ignore)
+    files, errors = iter_python_files(paths)
+    report = LintReport(errors=errors)
+    for path in files:
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+            source = data.decode("utf-8-sig")
+        except (OSError, UnicodeDecodeError) as exc:
+            report.errors.append(FileError(path, f"cannot read: {exc}"))
+            continue
+        try:
+            tree = ast.parse(source, filename=path)
+        except SyntaxError as exc:
+            report.errors.append(FileError(path, f"syntax error: {exc.msg}", exc.lineno, exc.offset))
+            continue
+        except ValueError as exc:  # e.g. null bytes
+            report.errors.append(FileError(path, f"cannot parse: {exc}"))
+            continue
+        report.files.append(path)
+        report.findings.extend(_lint_tree(tree, source, path, manifest, selected))
+    return report

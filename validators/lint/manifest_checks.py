@@ -1,0 +1,280 @@
+"""Rules that compare the code with a SelectionManifest (``kvcache lint --manifest M``): KV8xx."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from analyzer.config_loader import yarn_mscale
+from validators.lint import ops
+from validators.lint.checks import _kwargs
+from validators.lint.scope import DECODE, PREFILL, Ctx, _ident_text, is_self_attr
+from validators.lint.values import MAX_DEPTH, as_int, as_str
+
+_YARN_WORDS = re.compile(r"mscale|yarn|attention_factor|attn_factor|attention_scaling", re.IGNORECASE)
+_NUMERIC_FUNCS = {"sqrt", "pow", "float", "int", "max", "min", "getattr", "log", "exp"}
+_DEFAULT_PRE_TOKENS = 2147483647
+_WINDOW_NAMES = ("sliding_window", "window_size", "window")
+
+
+class ManifestChecks:
+    def __init__(self, checker) -> None:
+        self.c = checker
+        self.m = checker.manifest
+        self.resolver = checker.resolver
+        self.info = checker.info
+
+    def run(self) -> None:
+        for call, op in self.c.fa_calls:
+            self.fa_call(call, op)
+        m = self.m
+        gen = m.framework_api if m.deploy_mode.value == "framework" else None
+        for call in self.c.entry_calls:
+            self.block_size_value(call)
+            if gen:
+                self.entry_generation(call, gen)
+        for call in self.c.cache_info_calls:
+            self.block_size_value(call)
+            if gen:
+                self.cache_info_generation(call, gen)
+        if m.mixed_attn_types:
+            self.constant_attn_type()
+
+    # ------------------------------------------------------------ FA calls
+
+    def fa_call(self, call: ast.Call, op: str) -> None:
+        m = self.m
+        named, star = _kwargs(call)
+        expected_op = ops.FA_V1 if m.fa.version == "v1" else ops.FA_V2
+        if op != expected_op:
+            self.c.emit("KV803", call, op=op, expected=m.fa.version, fix=f"torch_npu.{expected_op}")
+        ctx = self.info.ctx_of(call)
+        if "input_layout" in named:
+            node = named["input_layout"].value
+            for v in self.resolver.certain_variants(node, call, ctx):
+                value = as_str(v.node)
+                if value is not None and value != m.fa.input_layout:
+                    self.c.emit("KV804", node, value=value, expected=m.fa.input_layout)
+                    break
+        self.scale(call, named, star, ctx)
+        self.block_size_value(call)
+        self.sparse_and_window(call, named, star, ctx)
+
+    def scale(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
+        m = self.m
+        expected = m.fa.softmax_scale
+        key = "softmax_scale" if "softmax_scale" in named else ("scale" if "scale" in named else None)
+        if key is None:
+            if not star:
+                self.c.emit("KV802", call, value="not passed (op default 1.0)", expected=expected)
+            return
+        node = named[key].value
+        rope = m.model.rope
+        needs_yarn = rope.rope_type == "yarn" and yarn_mscale(rope.factor, rope.mscale_all_dim) != 1.0
+        for v in self.resolver.certain_variants(node, call, ctx):
+            number = self.resolver.number(v.node, v.at, v.ctx)
+            if number is not None:
+                if abs(number - expected) > 1e-6 * abs(expected) + 1e-12:
+                    self.c.emit("KV802", node, value=f"{number:.6g}", expected=expected)
+                return
+            if needs_yarn:
+                idents: set[str] = set()
+                complete = self._closure(v.node, v.at, v.ctx, idents, 0)
+                if complete and not any(_YARN_WORDS.search(i) for i in idents):
+                    self.c.emit("KV801", node, expr=ast.unparse(node), expected=expected)
+                    return
+
+    def _closure(self, node: ast.AST, at: ast.AST, ctx: Ctx, idents: set[str], depth: int) -> bool:
+        """Collect identifiers the value is built from; False when part of it cannot be seen."""
+        if depth > MAX_DEPTH:
+            return False
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, str):
+                idents.add(node.value)
+            return True
+        if isinstance(node, ast.Name) or is_self_attr(node):
+            idents.add(node.id if isinstance(node, ast.Name) else node.attr)
+            found = self.resolver.variants(node, at, ctx)
+            complete = True
+            for v in found:
+                if v.node is node:
+                    # unresolved: a config object is a fact source; anything else is unknown
+                    complete &= isinstance(node, ast.Name) and "config" in node.id.lower()
+                else:
+                    complete &= self._closure(v.node, v.at, v.ctx, idents, depth + 1)
+            return complete
+        if isinstance(node, ast.Attribute):
+            idents.add(node.attr)
+            root = _ident_text(node).split(".")
+            return any("config" in part.lower() for part in root[:-1])
+        if isinstance(node, ast.BinOp):
+            return self._closure(node.left, at, ctx, idents, depth + 1) & \
+                self._closure(node.right, at, ctx, idents, depth + 1)
+        if isinstance(node, ast.UnaryOp):
+            return self._closure(node.operand, at, ctx, idents, depth + 1)
+        if isinstance(node, ast.IfExp):
+            parts = [self._closure(n, at, ctx, idents, depth + 1) for n in (node.test, node.body, node.orelse)]
+            return all(parts)
+        if isinstance(node, ast.Subscript):
+            return self._closure(node.value, at, ctx, idents, depth + 1) & \
+                self._closure(node.slice, at, ctx, idents, depth + 1)
+        if isinstance(node, ast.Call):
+            name = ops.terminal_name(node.func) or ""
+            idents.add(name)
+            parts = [self._closure(a, at, ctx, idents, depth + 1) for a in node.args]
+            return name in _NUMERIC_FUNCS and all(parts)
+        return False
+
+    def sparse_and_window(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
+        m = self.m
+        sliding_layers = [layer for layer in m.layers if layer.attn_type == "SlidingWindow"]
+        already = bool(self.c.fa_fired.get(id(call)))
+        mtp = self.info.in_mtp_branch(call)
+        for sc in self.c.scenarios(call, ctx, star):
+            if not sc.certain:
+                continue
+            layers = m.layers
+            if sc.ctx.sliding is True:
+                layers = sliding_layers
+            elif sc.ctx.sliding is False:
+                layers = [layer for layer in m.layers if layer.attn_type != "SlidingWindow"]
+            anchor = sc.sparse_node if hasattr(sc.sparse_node, "lineno") else call
+            if sc.sparse is not None and layers and not already and not (mtp and sc.ctx.phase != PREFILL):
+                phases = [sc.ctx.phase] if sc.ctx.phase else [PREFILL, DECODE]
+                allowed = sorted({getattr(layer.sparse_mode, p) for layer in layers for p in phases})
+                if sc.sparse not in allowed:
+                    self.c.emit("KV805", anchor, path=_path_words(sc.ctx), value=sc.sparse,
+                                expected=" or ".join(map(str, allowed)))
+            if sliding_layers and (sc.ctx.sliding is True or (sc.sparse == 4 and sc.ctx.sliding is not False)):
+                self.pre_tokens(call, named, star, sc.ctx, sliding_layers)
+
+    def pre_tokens(self, call: ast.Call, named, star: bool, ctx: Ctx, sliding_layers) -> None:
+        expected = sorted({layer.pre_tokens for layer in sliding_layers})
+        windows = {layer.sliding_window for layer in sliding_layers}
+        window = windows.pop() if len(windows) == 1 else None
+        if "pre_tokens" not in named:
+            if not star:
+                self.c.emit("KV806", call, value=f"{_DEFAULT_PRE_TOKENS} (not passed)",
+                            expected=" or ".join(map(str, expected)))
+            return
+        node = named["pre_tokens"].value
+        for v in self.resolver.certain_variants(node, call, ctx):
+            value = self._window_number(v.node, v.at, v.ctx, window, 0)
+            if isinstance(value, int) and value not in expected:
+                self.c.emit("KV806", node, value=value, expected=" or ".join(map(str, expected)))
+                return
+
+    def _window_number(self, node, at, ctx, window, depth):
+        """Integer value with the manifest's window substituted for ``*.sliding_window`` references."""
+        if depth > MAX_DEPTH:
+            return None
+        term = ops.terminal_name(node)
+        if term is not None and window is not None and any(w == term for w in _WINDOW_NAMES):
+            return window
+        value = as_int(node)
+        if value is not None:
+            return value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            left = self._window_number(node.left, at, ctx, window, depth + 1)
+            right = self._window_number(node.right, at, ctx, window, depth + 1)
+            if isinstance(left, int) and isinstance(right, int):
+                return left + right if isinstance(node.op, ast.Add) else left - right
+            return None
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            v = self.resolver.single(node, at, ctx)
+            if v is not None and v.node is not node:
+                return self._window_number(v.node, v.at, v.ctx, window, depth + 1)
+        return None
+
+    # ------------------------------------------------------------ cache declarations
+
+    def block_size_value(self, call: ast.Call) -> None:
+        named, _ = _kwargs(call)
+        if "block_size" not in named:
+            return
+        node = named["block_size"].value
+        ctx = self.info.ctx_of(call)
+        for v in self.resolver.certain_variants(node, call, ctx):
+            value = self.resolver.number(v.node, v.at, v.ctx)
+            if isinstance(value, int) and value != self.m.block_size:
+                self.c.emit("KV807", node, value=value, expected=self.m.block_size)
+                return
+
+    def entry_generation(self, call: ast.Call, gen: str) -> None:
+        named, star = _kwargs(call)
+        has = "block_size" in named or len(call.args) > 6
+        if gen in ("G0", "G1") and "block_size" in named:
+            self.c.emit("KV808", named["block_size"], gen=gen,
+                        what="CacheEntry has no block_size field before G2 (TypeError at init)",
+                        fix="move block_size to ModelCacheInfo(block_size=...) in get_cache_info()")
+        if gen == "G2" and not has and not star:
+            needs = named.get("needs_block")
+            if needs is not None and isinstance(needs.value, ast.Constant) and needs.value.value is False:
+                return
+            self.c.emit("KV808", call, gen=gen,
+                        what="CacheEntry with needs_block has no block_size (required per entry in G2)",
+                        fix="pass block_size=self.block_size on every paged CacheEntry")
+
+    def cache_info_generation(self, call: ast.Call, gen: str) -> None:
+        named, star = _kwargs(call)
+        m = self.m
+        if gen in ("G0", "G1") and "block_size" not in named and len(call.args) < 2 and not star:
+            self.c.emit("KV808", call, gen=gen,
+                        what="ModelCacheInfo has no block_size (required in G0/G1: init fails)",
+                        fix="pass block_size=self.block_size to ModelCacheInfo in get_cache_info()")
+        if gen == "G2" and "block_size" in named:
+            self.c.emit("KV808", named["block_size"], gen=gen,
+                        what="ModelCacheInfo has no block_size field in G2 (TypeError at init)",
+                        fix="pass block_size on each CacheEntry instead")
+        flag = named.get("is_mla_backend")
+        if gen == "G0":
+            if flag is not None:
+                self.c.emit("KV809", flag, gen=gen, what="ModelCacheInfo has no is_mla_backend field in G0",
+                            fix="drop is_mla_backend (G0 has no MLA replication flag)")
+            return
+        positional = len(call.args) > (3 if gen == "G1" else 2)
+        value = flag.value if flag is not None else None
+        is_false = isinstance(value, ast.Constant) and value.value is False
+        is_true = isinstance(value, ast.Constant) and value.value is True
+        if m.mla.enabled and (is_false or (flag is None and not positional and not star)):
+            self.c.emit("KV809", flag if flag is not None else call, gen=gen,
+                        what="MLA model's ModelCacheInfo does not set is_mla_backend=True (latent cache "
+                             "sized as if split across attention TP)",
+                        fix="pass is_mla_backend=True")
+        elif not m.mla.enabled and is_true:
+            self.c.emit("KV809", flag, gen=gen, what="is_mla_backend=True on a model that is not MLA",
+                        fix="drop is_mla_backend (default False)")
+
+    def constant_attn_type(self) -> None:
+        sites: list[tuple[ast.AST, object]] = []
+        for node in ast.walk(self.c.tree):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if is_self_attr(target) and target.attr == "attn_type":
+                        sites.append((node.value, _const(node.value)))
+        for call in self.c.entry_calls:
+            named, _ = _kwargs(call)
+            value = named["attn_type"].value if "attn_type" in named else (call.args[1] if len(call.args) > 1 else None)
+            if value is None or (is_self_attr(value) and value.attr == "attn_type"):
+                continue
+            sites.append((value, _const(value)))
+        if not sites:
+            return
+        values = {value for _, value in sites}
+        if len(values) == 1 and None not in values:
+            kinds = sorted({layer.attn_type for layer in self.m.layers})
+            self.c.emit("KV810", sites[0][0], value=values.pop(), expected=" and ".join(kinds))
+
+
+def _const(node: ast.AST):
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _path_words(ctx: Ctx) -> str:
+    words = []
+    if ctx.sliding is True:
+        words.append("sliding-window")
+    elif ctx.sliding is False:
+        words.append("full-attention")
+    words.append(ctx.phase or "prefill/decode")
+    return " ".join(words)

@@ -1,0 +1,272 @@
+"""Follow a value to where it was set, per branch, and read what is certain about it.
+
+``Resolver.variants(expr, at, ctx)`` returns the values ``expr`` may have at ``at``, each with
+the context under which it holds and whether that is certain. It follows local names (reaching
+assignments in the function, split by ``if is_prefill`` / sliding branches), ``self.<attr>``
+assignments in the class's methods, module constants, and conditional expressions. Anything it
+cannot see through (a parameter, an unknown attribute) comes back as the expression itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from dataclasses import dataclass, replace
+
+from validators.lint.scope import Ctx, ModuleInfo, _negate, branch_constraints, is_self_attr
+
+MAX_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Variant:
+    ctx: Ctx
+    node: ast.AST
+    certain: bool
+    at: ast.AST  # position used to resolve names inside ``node``
+
+
+def as_int(node: ast.AST | None) -> int | None:
+    value = as_number(node)
+    return value if isinstance(value, int) else None
+
+
+def as_number(node: ast.AST | None) -> int | float | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = as_number(node.operand)
+        if inner is not None:
+            return -inner if isinstance(node.op, ast.USub) else inner
+    return None
+
+
+def as_str(node: ast.AST | None) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def is_none(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow, ast.Mod: operator.mod}
+_MATH_FUNCS = {"sqrt": math.sqrt, "log": math.log, "exp": math.exp}
+
+
+class Resolver:
+    def __init__(self, info: ModuleInfo) -> None:
+        self.info = info
+
+    # ------------------------------------------------------------ variants
+
+    def variants(self, expr: ast.AST, at: ast.AST, ctx: Ctx, depth: int = 0) -> list[Variant]:
+        if depth > MAX_DEPTH:
+            return [Variant(ctx, expr, False, at)]
+        if isinstance(expr, ast.IfExp):
+            return self._ifexp(expr, at, ctx, depth)
+        if isinstance(expr, ast.NamedExpr):
+            return self.variants(expr.value, at, ctx, depth + 1)
+        if isinstance(expr, ast.Name):
+            return self._name(expr, at, ctx, depth)
+        if is_self_attr(expr):
+            return self._self_attr(expr, at, ctx, depth)
+        return [Variant(ctx, expr, True, at)]
+
+    def certain_variants(self, expr: ast.AST, at: ast.AST, ctx: Ctx) -> list[Variant]:
+        return [v for v in self.variants(expr, at, ctx) if v.certain]
+
+    def single(self, expr: ast.AST, at: ast.AST, ctx: Ctx) -> Variant | None:
+        """The one certain value of ``expr``, or None when it has several or is uncertain."""
+        found = self.variants(expr, at, ctx)
+        if len(found) == 1 and found[0].certain:
+            return found[0]
+        return None
+
+    def _ifexp(self, expr: ast.IfExp, at: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
+        body, orelse = branch_constraints(expr.test)
+        out: list[Variant] = []
+        for branch, cons in ((expr.body, body), (expr.orelse, orelse)):
+            if cons is None:
+                out += [replace(v, certain=False) for v in self.variants(branch, at, ctx, depth + 1)]
+                continue
+            refined = ctx.refine(cons)
+            if refined is not None:
+                out += self.variants(branch, at, refined, depth + 1)
+        return out
+
+    def _name(self, expr: ast.Name, at: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
+        info = self.info
+        func = info.function_of(at)
+        if func is not None:
+            defs = info.local_defs(func).get(expr.id, [])
+            use_stmt = info.statement_of(at)
+            before = [d for d in defs if _precedes(d, use_stmt, info)]
+            if before:
+                return self._reaching(expr, before, info.branch_path(at), ctx, depth)
+            if info.is_parameter(func, expr.id):
+                return [Variant(ctx, expr, True, at)]
+            # a name from an enclosing function or the module
+            outer = info.function_of(func)
+            if outer is not None and info.local_defs(outer).get(expr.id):
+                return self.variants(expr, func, ctx, depth + 1)
+        module_defs = info.module_defs().get(expr.id, [])
+        if len(module_defs) == 1 and isinstance(module_defs[0], ast.Assign) and len(module_defs[0].targets) == 1 \
+                and isinstance(module_defs[0].targets[0], ast.Name):
+            return self.variants(module_defs[0].value, module_defs[0], ctx, depth + 1)
+        return [Variant(ctx, expr, True, at)]
+
+    def _self_attr(self, expr: ast.Attribute, at: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
+        info = self.info
+        cls = info.class_of(at)
+        if cls is None:
+            return [Variant(ctx, expr, True, at)]
+        defs = info.class_attr_defs(cls).get(expr.attr, [])
+        if not defs:
+            return [Variant(ctx, expr, True, at)]
+        method = _method_of(info, at, cls)
+        same = [stmt for m, stmt in defs if m is method and _precedes(stmt, info.statement_of(at), info)]
+        if same:
+            return self._reaching(expr, same, info.branch_path(at), ctx, depth)
+        methods = {id(m) for m, _ in defs}
+        if len(methods) == 1:
+            return self._reaching(expr, [stmt for _, stmt in defs], (), ctx, depth)
+        # set in several methods: any of them may be current
+        out: list[Variant] = []
+        for _, stmt in defs:
+            for v in self._def_value(stmt, expr, ctx, depth):
+                out.append(replace(v, certain=False))
+        return out
+
+    def _reaching(self, expr, defs, use_path, ctx: Ctx, depth: int) -> list[Variant]:
+        """Reaching definitions of ``expr`` at a use whose branch path is ``use_path``."""
+        info = self.info
+        # (constraints, certain, stmt or None for the value on entry)
+        reaching: list[tuple[dict, bool, ast.stmt | None]] = [({}, True, None)]
+        for stmt in defs:
+            def_path = info.branch_path(stmt)
+            common = 0
+            while common < len(def_path) and common < len(use_path) and def_path[common] == use_path[common]:
+                common += 1
+            if common == len(def_path):
+                reaching = [({}, True, stmt)]
+                continue
+            if common < len(use_path) and def_path[common][0] is use_path[common][0]:
+                continue  # the other branch of an `if` that leads to the use: never reaches it
+            cons: dict = {}
+            understood = True
+            for item, branch in def_path[common:]:
+                body, orelse = branch_constraints(item.test)
+                part = body if branch == "body" else orelse
+                if part is None:
+                    understood = False
+                    break
+                for dim, value in part.items():
+                    if cons.get(dim, value) != value:
+                        understood = False
+                    cons[dim] = value
+            neg = _negate(cons) if understood else None
+            updated = []
+            for r_cons, r_certain, r_stmt in reaching:
+                if neg is not None:
+                    merged = dict(r_cons)
+                    clash = any(merged.get(d, v) != v for d, v in neg.items())
+                    if clash:
+                        continue
+                    merged.update(neg)
+                    updated.append((merged, r_certain, r_stmt))
+                else:
+                    updated.append((r_cons, False, r_stmt))
+            reaching = updated + [(cons if understood else {}, understood, stmt)]
+        out: list[Variant] = []
+        for cons, certain, stmt in reaching:
+            refined = ctx.refine(cons)
+            if refined is None:
+                continue
+            if stmt is None:
+                out.append(Variant(refined, expr, certain, expr))
+                continue
+            for v in self._def_value(stmt, expr, refined, depth):
+                out.append(replace(v, certain=v.certain and certain))
+        return out
+
+    def _def_value(self, stmt: ast.stmt, expr: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
+        """Value a definition statement gives ``expr`` (its target), resolved further."""
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and \
+                isinstance(stmt.targets[0], (ast.Name, ast.Attribute)):
+            return self.variants(stmt.value, stmt, ctx, depth + 1)
+        if isinstance(stmt, ast.Assign) and all(isinstance(t, (ast.Name, ast.Attribute)) for t in stmt.targets):
+            return self.variants(stmt.value, stmt, ctx, depth + 1)  # chained `a = b = value`
+        if isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            return self.variants(stmt.value, stmt, ctx, depth + 1)
+        if isinstance(stmt, ast.AugAssign):
+            # `x *= m` -> `x * m`, with `x` read before this statement
+            synth = ast.BinOp(left=stmt.target, op=stmt.op, right=stmt.value)
+            ast.copy_location(synth, stmt)
+            return [Variant(ctx, synth, True, stmt)]
+        return [Variant(ctx, expr, False, stmt)]
+
+    # ------------------------------------------------------------ literal evaluation
+
+    def number(self, expr: ast.AST, at: ast.AST, ctx: Ctx, depth: int = 0) -> float | int | None:
+        """Value of a literal-only arithmetic expression (names followed), else None."""
+        if depth > MAX_DEPTH:
+            return None
+        value = as_number(expr)
+        if value is not None:
+            return value
+        if isinstance(expr, (ast.Name, ast.Attribute, ast.IfExp)):
+            v = self.single(expr, at, ctx)
+            if v is None or v.node is expr:
+                return None
+            return self.number(v.node, v.at, v.ctx, depth + 1)
+        if isinstance(expr, ast.BinOp) and type(expr.op) in _BINOPS:
+            left = self.number(expr.left, at, ctx, depth + 1)
+            right = self.number(expr.right, at, ctx, depth + 1)
+            if left is None or right is None:
+                return None
+            try:
+                return _BINOPS[type(expr.op)](left, right)
+            except (ArithmeticError, ValueError, OverflowError):
+                return None
+        if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
+            inner = self.number(expr.operand, at, ctx, depth + 1)
+            return -inner if inner is not None else None
+        if isinstance(expr, ast.Call) and len(expr.args) == 1 and not expr.keywords:
+            name = expr.func.attr if isinstance(expr.func, ast.Attribute) else getattr(expr.func, "id", None)
+            if name in _MATH_FUNCS or name in ("float", "int"):
+                arg = self.number(expr.args[0], at, ctx, depth + 1)
+                if arg is None:
+                    return None
+                try:
+                    return {"float": float, "int": int, **_MATH_FUNCS}[name](arg)
+                except (ArithmeticError, ValueError):
+                    return None
+        return None
+
+
+def _precedes(stmt: ast.AST, use_stmt: ast.AST, info: ModuleInfo) -> bool:
+    if stmt is use_stmt:
+        return False
+    # a compound statement holding the use (e.g. a `for` whose target is the name) still precedes it
+    return (stmt.lineno, stmt.col_offset) < (use_stmt.lineno, use_stmt.col_offset) or \
+        _contains(stmt, use_stmt, info)
+
+
+def _contains(outer: ast.AST, inner: ast.AST, info: ModuleInfo) -> bool:
+    cur = info.parents.get(inner)
+    while cur is not None:
+        if cur is outer:
+            return True
+        cur = info.parents.get(cur)
+    return False
+
+
+def _method_of(info: ModuleInfo, node: ast.AST, cls: ast.ClassDef):
+    cur = info.enclosing(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    while cur is not None and info.parents.get(cur) is not cls:
+        cur = info.enclosing(cur, (ast.FunctionDef, ast.AsyncFunctionDef))
+    return cur

@@ -266,7 +266,7 @@ def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, s
     detected = checkout.generation if checkout else None
     if req.framework_api:
         if detected and detected != req.framework_api:
-            raise InputError("--framework-api", f"{req.framework_api} contradicts the checkout "
+            raise InputError("--framework-api", f"{req.framework_api} contradicts the checkout's {detected} "
                                                 f"({checkout.generation_evidence})")
         return req.framework_api, "--framework-api"
     if detected:

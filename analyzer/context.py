@@ -14,7 +14,7 @@ from analyzer.errors import InputError
 
 _COLON = r"[:：]"
 # The value runs to the end of the line; alternatives inside it are split by _ALTERNATIVES.
-_DEPLOY_LINE = re.compile(rf"部署模式[ \t\u3000]*{_COLON}[ \t\u3000]*(?P<value>[^\r\n]*)")
+_DEPLOY_LINE = re.compile(rf"部署模式[*`_ \t\u3000]*{_COLON}[ \t\u3000]*(?P<value>[^\r\n]*)")
 _ALTERNATIVES = re.compile(r"[|/，,;；、]|还是|或者|或|\bor\b", re.IGNORECASE)
 # Values that say the mode is not decided yet: no statement, not an unknown wording.
 _UNDECIDED = ("待定", "未定", "未知", "不确定", "tbd", "todo", "unknown", "n/a", "none", "无", "-", "?", "？")

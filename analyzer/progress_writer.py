@@ -14,8 +14,15 @@ def markers(section: str) -> tuple[str, str]:
 
 
 def _defuse(body: str) -> str:
-    # A body that carried a marker (e.g. from a hostile model_type) would corrupt the next upsert.
-    return body.replace("<!--", "&lt;!--")
+    # A body that carried a marker (e.g. from a hostile model_type) would corrupt the next upsert;
+    # stray CR/CRLF in it would change the file's detected line ending on the next run.
+    return body.replace("<!--", "&lt;!--").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _newline(outside: str) -> str:
+    """CRLF only when every line ending outside our block is CRLF (so our own bytes never flip it)."""
+    n = outside.count("\n")
+    return "\r\n" if n and outside.count("\r\n") == n else "\n"
 
 
 def upsert_section(text: str, section: str, body: str, where: str = "progress.md") -> str:
@@ -24,17 +31,20 @@ def upsert_section(text: str, section: str, body: str, where: str = "progress.md
     Every byte outside the markers is kept as is; the body takes the file's line ending.
     """
     begin, end = markers(section)
-    newline = "\r\n" if "\r\n" in text else "\n"
-    block = begin + newline + _defuse(body).strip("\n").replace("\n", newline) + newline + end
     b, e = text.count(begin), text.count(end)
     if b != e or b > 1:
         raise InputError(where, f"damaged kvcache section markers for '{section}' "
                                 f"({b} begin, {e} end): fix them by hand", field=begin)
+    start = stop = None
     if b == 1:
-        start, stop = text.index(begin), text.index(end)
-        if stop < start:
+        start, stop = text.index(begin), text.index(end) + len(end)
+        if stop - len(end) < start:
             raise InputError(where, f"end marker before begin marker for '{section}'", field=end)
-        return text[:start] + block + text[stop + len(end):]
+    outside = text if start is None else text[:start] + text[stop:]
+    newline = _newline(outside)
+    block = begin + newline + _defuse(body).strip("\n").replace("\n", newline) + newline + end
+    if start is not None:
+        return text[:start] + block + text[stop:]
     if not text:
         sep = ""
     elif text.endswith("\n"):

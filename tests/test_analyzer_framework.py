@@ -1,0 +1,223 @@
+"""--framework-root: API generation detection, registration / runner self-check, deploy-mode priority.
+
+The fake checkouts under tests/fixtures/framework_g{0,1,2} carry cache_info.py dataclasses with the
+fields each generation has (DOMAIN.md §5), a support_models.py and models/<x>/runner_<x>.py files.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from analyzer.build import AnalyzeRequest, analyze
+from analyzer.errors import InputError
+from analyzer.framework_checkout import (
+    dataclass_fields,
+    detect_generation,
+    inspect_checkout,
+    names_match,
+    runner_is_standalone,
+)
+
+FIX = Path(__file__).parent / "fixtures"
+CONFIGS = FIX / "configs"
+G0, G1, G2 = (str(FIX / f"framework_g{i}") for i in range(3))
+
+
+def run(config: str, **kw):
+    return analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"), **kw))
+
+
+# ---------------------------------------------------------------- generation detection
+
+
+@pytest.mark.parametrize("root, generation, words", [
+    (G0, "G0", "model-level block_size, no is_mla_backend"),
+    (G1, "G1", "model-level block_size + is_mla_backend"),
+    (G2, "G2", "per-entry block_size, no model-level block_size"),
+])
+def test_generation_from_dataclass_fields(root, generation, words):
+    source = (Path(root) / "executor/core/kv_cache/cache_info.py").read_text(encoding="utf-8")
+    gen, evidence = detect_generation(source)
+    assert gen == generation and words in evidence
+
+
+def test_fields_read_without_import_including_inherited_ones():
+    source = textwrap.dedent("""
+        import torch_npu  # would fail to import on CPU: the analyzer only parses
+        from dataclasses import dataclass
+
+        @dataclass
+        class _Base:
+            cache_name: str
+            attn_type: str
+
+        @dataclass
+        class CacheEntry(_Base):
+            dim: int
+            block_size: int = 128
+            manager_key: str = None
+
+        @dataclass
+        class ModelCacheInfo:
+            num_layers: int
+            layer_infos: list
+            is_mla_backend: bool = False
+    """)
+    assert dataclass_fields(source, "CacheEntry") == ["cache_name", "attn_type", "dim", "block_size", "manager_key"]
+    assert detect_generation(source)[0] == "G2"
+    assert dataclass_fields(source, "Missing") is None
+    assert detect_generation("class CacheEntry:\n    x: int\n")[0] is None
+    unknown = "class CacheEntry:\n    x: int\nclass ModelCacheInfo:\n    y: int\n"
+    gen, why = detect_generation(unknown)
+    assert gen is None and "unrecognised" in why
+
+
+def test_checkout_facts_g0_registered_framework_runner():
+    c = inspect_checkout(G0, "qwen3", "qwen3", ["Qwen3ForCausalLM"])
+    assert c.generation == "G0"
+    assert c.registered and "class Qwen3ForCausalLM" in c.registered_evidence
+    by_key = inspect_checkout(G0, "qwen3", "qwen3")  # no architectures: the key "qwen3_8b" names it
+    assert by_key.registered and "'qwen3_8b'" in by_key.registered_evidence
+    assert not inspect_checkout(G0, "mistral", "mistral", ["MistralForCausalLM"]).registered
+    assert c.runner_files == ["models/qwen3_8b/runner_qwen3_8b.py"]
+    assert not c.standalone_runner and "derives from a framework base" in c.runner_evidence
+
+
+def test_checkout_facts_registration_by_class_name():
+    # DeepSeek-V3 sits under the key "deepseek_r1": its class DeepseekV3ForCausalLM is the evidence.
+    c = inspect_checkout(G1, "deepseek_v3", "deepseek_v3", ["DeepseekV3ForCausalLM"])
+    assert c.generation == "G1" and c.registered
+    assert "DeepseekV3ForCausalLM" in c.registered_evidence
+
+
+def test_checkout_facts_standalone_runner():
+    c = inspect_checkout(G1, "llama", "llama", ["LlamaForCausalLM"])
+    assert not c.registered
+    assert c.standalone_runner and c.runner_files == ["models/llama/runner_llama.py"]
+    assert "own loop" in c.runner_evidence
+
+
+def test_checkout_g2_support_models_under_entrypoints_and_attribute_base():
+    c = inspect_checkout(G2, "qwen3_moe", "qwen3", ["Qwen3MoeForCausalLM"])
+    assert c.generation == "G2" and c.registered
+    assert c.registered_evidence.startswith("executor/core/entrypoints/support_models.py")
+    assert c.runner_files == ["models/qwen3_moe/runner_qwen3_moe.py"]
+    assert not c.standalone_runner  # derives from executor.model_runner.ModelRunner
+
+
+def test_names_match_whole_tokens():
+    assert names_match("qwen3_moe", "qwen3-moe")
+    assert names_match("qwen3", "qwen3_8b")
+    assert names_match("gpt_oss", "gpt-oss")
+    assert not names_match("llama", "llama4")
+    assert not names_match("llama4_text", "llama")
+    assert not names_match("qwen2", "qwen25_7b_instruct")
+    assert not names_match("", "anything")
+
+
+@pytest.mark.parametrize("source, standalone, words", [
+    ("class MyRunner:\n    def run(self):\n        while True:\n            self.model.decode()\n", True, "own loop"),
+    ("class MyRunner:\n    def run(self, xs):\n        for x in xs:\n            self.model.forward(x)\n", True, "own loop"),
+    ("class MyRunner:\n    def run(self):\n        return 1\n", False, "inconclusive"),
+    ("from executor.model_runner import ModelRunner as Base\nclass MyRunner(Base):\n"
+     "    def run(self):\n        while True:\n            pass\n", False, "derives from a framework base"),
+    ("def helper():\n    pass\n", False, "no runner class"),
+    ("class R(:\n", False, "unparsable"),
+])
+def test_runner_self_check(source, standalone, words):
+    got, why = runner_is_standalone(source)
+    assert got == standalone and words in why
+
+
+# ---------------------------------------------------------------- bad roots
+
+
+def test_bad_framework_roots(tmp_path):
+    with pytest.raises(InputError) as err:
+        inspect_checkout(tmp_path / "missing", "qwen3", "qwen3")
+    assert err.value.field == "--framework-root" and "not a directory" in err.value.message
+    with pytest.raises(InputError) as err:
+        inspect_checkout(tmp_path, "qwen3", "qwen3")
+    assert err.value.where.endswith("executor/core/kv_cache/cache_info.py")
+    info = tmp_path / "executor/core/kv_cache/cache_info.py"
+    info.parent.mkdir(parents=True)
+    info.write_text("class CacheEntry(:\n", encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        inspect_checkout(tmp_path, "qwen3", "qwen3")
+    assert "cannot parse" in err.value.message and err.value.where == str(info)
+
+
+# ---------------------------------------------------------------- deploy-mode priority end to end
+
+
+def test_self_check_registration_beats_default_and_sets_the_generation():
+    m = run("qwen3_8b", framework_root=G0)
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("framework", "self_check")
+    assert "support_models" in m.deploy_mode.evidence[0]
+    assert m.framework_api == "G0" and "cache_info.py" in m.framework_api_evidence
+    assert m.inputs.framework_root == G0
+    assert m.inputs.runner_files == ["models/qwen3_8b/runner_qwen3_8b.py"]
+    assert not any("generation unknown" in q.message for q in m.open_questions)
+
+
+def test_self_check_standalone_runner_means_no_framework_api():
+    m = run("llama31_8b", framework_root=G1)
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("standalone", "self_check")
+    assert m.framework_api is None and "standalone" in m.framework_api_evidence
+
+
+def test_registration_outranks_a_standalone_runner_and_the_loser_is_recorded():
+    m = run("llama31_8b", framework_root=G2)
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("framework", "self_check")
+    assert [(e.value, e.source) for e in m.deploy_mode.overridden] == [("standalone", "self_check")]
+    assert "own runner loop" in m.deploy_mode.overridden[0].detail
+    assert any("overridden by framework" in w.message for w in m.warnings)
+    assert m.framework_api == "G2"
+
+
+def test_user_flag_beats_self_check():
+    m = run("qwen3_8b", framework_root=G0, deploy_mode="standalone")
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("standalone", "user")
+    assert [(e.value, e.source) for e in m.deploy_mode.overridden] == [("framework", "self_check")]
+    assert any("from self_check" in w.message and "overridden by standalone" in w.message for w in m.warnings)
+
+
+def test_dispatch_beats_user_and_self_check():
+    m = run("qwen3_8b", framework_root=G0, deploy_mode="framework", dispatch="部署模式：独立部署")
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("standalone", "dispatch")
+    assert m.deploy_mode.evidence == ["dispatch line '部署模式：独立部署'"]
+    assert [(e.value, e.source) for e in m.deploy_mode.overridden] == [("framework", "user"),
+                                                                        ("framework", "self_check")]
+    assert m.inputs.dispatch == "部署模式：独立部署"
+
+
+def test_agreeing_sources_are_recorded_without_warnings():
+    m = run("qwen3_8b", framework_root=G0, dispatch="部署模式: 框架部署",
+            progress=str(FIX / "progress" / "qwen3_framework.md"))
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("framework", "dispatch")
+    assert [e.source for e in m.deploy_mode.overridden] == ["self_check", "self_check"]
+    assert not any("overridden" in w.message for w in m.warnings)
+
+
+def test_progress_wording_is_self_check_evidence():
+    m = run("llama31_8b", progress=str(FIX / "progress" / "llama_standalone.md"))
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("standalone", "self_check")
+    assert "llama_standalone.md:8" in m.deploy_mode.evidence[0]
+
+
+def test_default_is_framework_and_says_so():
+    m = run("qwen3_8b")
+    assert (m.deploy_mode.value, m.deploy_mode.source) == ("framework", "default")
+    assert m.framework_api is None
+    assert any("generation unknown" in q.message for q in m.open_questions)
+
+
+def test_framework_api_flag_must_agree_with_the_checkout():
+    assert run("qwen3_8b", framework_api="G1").framework_api == "G1"
+    assert run("qwen3_8b", framework_root=G1, framework_api="G1").framework_api == "G1"
+    with pytest.raises(InputError) as err:
+        run("qwen3_8b", framework_root=G0, framework_api="G2")
+    assert err.value.where == "--framework-api" and "G0" in err.value.message

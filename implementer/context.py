@@ -81,6 +81,12 @@ class KindPlan:
     def same_paths(self) -> bool:
         return self.prefill == self.decode
 
+    @property
+    def pre_tokens_offset(self) -> int:
+        """W - pre_tokens of the band: 1 under the 'exclusive' reading, 0 under 'inclusive'."""
+        band = self.prefill if self.prefill.sparse_mode == 4 else self.decode
+        return int(self.window - band.pre_tokens)
+
 
 @dataclass(frozen=True)
 class CacheCtx:

@@ -1,0 +1,136 @@
+"""Framework mode: drive the rendered code through the framework contract (harness or a real checkout).
+
+Init link: get_cache_info() against the manifest, then allocation. Runtime link: what each
+layer saw around the FA call. Numeric link: per-step logits against transformers with freed
+blocks and null blocks poisoned between steps. Release link: the pool and the tensors after
+the stream and after many sequential requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.host import HostModel
+from validators.numeric import NumericTracker
+from validators.report import Report
+from validators.scenario import Scenario
+
+
+def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers: int, api: str,
+                     cache_dtype: torch.dtype) -> None:
+    expected = manifest.layers[:n_layers]
+    layer_infos = list(info.layer_infos)
+    report.add("get_cache_info layer count", "init", len(layer_infos) == len(expected),
+               expected=len(expected), got=len(layer_infos))
+    mismatches = []
+    model_bs = getattr(info, "block_size", None)
+    for plan, layer in zip(expected, layer_infos, strict=False):
+        got = {e.cache_name: e for e in layer.caches}
+        want = {c.name: c for c in plan.caches}
+        if set(got) != set(want):
+            mismatches.append(f"layer {plan.index}: entries {sorted(got)} != {sorted(want)}")
+            continue
+        for name, entry in got.items():
+            c = want[name]
+            dims = (entry.attn_type, entry.dim, entry.num_head, entry.dtype, entry.sliding_window)
+            wanted = (plan.attn_type, c.dim, c.num_head, cache_dtype,
+                      plan.sliding_window if plan.attn_type == "SlidingWindow" else None)
+            if entry.attn_type == "SlidingWindow" and plan.sliding_window and entry.sliding_window:
+                wanted = wanted[:4] + (entry.sliding_window,)  # window may be shrunk for CPU (noted)
+            if dims != wanted:
+                mismatches.append(f"layer {plan.index} {name}: (attn_type, dim, num_head, dtype, window) "
+                                  f"{dims} != {wanted}")
+            block_size = getattr(entry, "block_size", None) if api == "G2" else model_bs
+            if block_size != manifest.block_size:
+                mismatches.append(f"layer {plan.index} {name}: block_size {block_size} != {manifest.block_size}")
+    report.add("cache entries match the manifest", "init", not mismatches,
+               detail="; ".join(mismatches[:4]), mismatches=len(mismatches))
+    if api != "G0":
+        want_mla = bool(manifest.mla.enabled)
+        got_mla = bool(getattr(info, "is_mla_backend", False))
+        report.add("is_mla_backend", "init", got_mla == want_mla, expected=want_mla, got=got_mla)
+
+
+def check_allocation(report: Report, host: HostModel, sched) -> None:
+    problems = []
+    for a in host.attentions:
+        for c in ("k_cache", "v_cache", "nope_cache", "rope_cache"):
+            t = getattr(a, c, None)
+            if t is None:
+                continue
+            if t.numel() == 0:
+                problems.append(f"layer {a.layer_idx} {c}: placeholder not replaced")
+            elif t.dim() != 4:
+                problems.append(f"layer {a.layer_idx} {c}: shape {tuple(t.shape)} is not 4-D")
+    shapes = {f"{a.layer_idx}.{c}": tuple(getattr(a, c).shape) for a in host.attentions
+              for c in ("k_cache", "v_cache", "nope_cache", "rope_cache") if hasattr(a, c)}
+    report.add("placeholders replaced by [num_blocks, block_size, num_head, dim]", "init", not problems,
+               detail="; ".join(problems[:4]), shapes=dict(list(shapes.items())[:4]),
+               blocks=dict(sched.block_num_by_key))
+
+
+def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, ref_model, api_module,
+                  generation: str, scenario: Scenario, seed: int, cache_dtype: torch.dtype) -> None:
+    from validators.harness import Scheduler
+
+    info = host.get_cache_info()
+    check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype)
+    sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,
+                      api=api_module, generation=generation)
+    check_allocation(report, host, sched)
+    start_usage = sched.usage()
+    start_bytes = _cache_bytes(sched)
+
+    tracker = NumericTracker(ref_model, host)
+    prompts = scenario.prompts(seed)
+    first = len(scenario.first)
+    for ids, new in prompts[:first]:
+        sched.add_request(ids, max_new_tokens=new)
+    late_pending = list(prompts[first:])
+    keys_missing: list[str] = []
+    prompt_len = {}
+    while sched.has_work():
+        if late_pending and any(r.status == "finished" for r in sched.requests.values()):
+            for ids, new in late_pending:
+                sched.add_request(ids, max_new_tokens=new)
+            late_pending = []
+        sched.poison()  # freed blocks + null blocks hold NaN before every step
+        step = sched.next_step()
+        fm = step.forward_metadata
+        for a in host.attentions:
+            for table in ("block_table", "slot_mapping"):
+                d = getattr(fm, table)
+                if not isinstance(d, dict) or a.attn_type not in d:
+                    keys_missing.append(f"step {step.index} layer {a.layer_idx}: {table}[{a.attn_type!r}]")
+        if step.is_prefill:
+            for rid, q in zip(step.request_ids, step.q_lens, strict=False):
+                prompt_len[rid] = q
+        n_before = len(host.probe.records)
+        logits = host.forward(step.input_ids, step.position_ids, fm)
+        tracker.record_step(step, logits, host.probe.records[n_before:])
+        sched.complete_step(step, logits[step.last_token_rows()].argmax(-1))
+    report.add("block_table/slot_mapping hold every layer's key", "runtime", not keys_missing,
+               detail="; ".join(keys_missing[:3]), missing=len(keys_missing))
+    tracker.check_runtime(report, manifest, prompt_len)
+    tracker.check_numeric(report, {rid: r.all_token_ids() for rid, r in sched.requests.items()})
+
+    end_usage = sched.usage()
+    report.add("all blocks back in the pool after the stream", "release",
+               all(u["used"] == 0 for u in end_usage.values()), usage=end_usage)
+    # Many sequential requests: the pool and the allocated tensors end where they started.
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(scenario.release_requests):
+        sched.add_request(torch.randint(0, scenario.vocab, (8 + i % 24,), generator=g).tolist(), max_new_tokens=2)
+        while sched.has_work():
+            step = sched.next_step()
+            logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+            sched.complete_step(step, logits[step.last_token_rows()].argmax(-1))
+    report.add(f"{scenario.release_requests} sequential requests leave the pool and memory unchanged", "release",
+               sched.usage() == start_usage and _cache_bytes(sched) == start_bytes,
+               usage_before=start_usage, usage_after=sched.usage(), bytes_before=start_bytes,
+               bytes_after=_cache_bytes(sched))
+
+
+def _cache_bytes(sched) -> int:
+    return sum(t.numel() * t.element_size() for ts in sched.cache_tensors.values() for t in ts)

@@ -1,0 +1,232 @@
+"""Host the rendered attention inside a transformers model, shared by every family.
+
+GQA/MHA families (Qwen, Llama, Mistral, gpt-oss...) need no per-family code: the host registers
+an attention implementation with transformers, which hands it the post-RoPE q/k/v of each layer;
+the rendered ``kv_cache_attention`` does the cache write and the FA call. MLA families
+(DeepSeek-V2/V3, Kimi-K2) replace the attention forward once, because the rendered code needs
+the latent before its norm and the query split into nope/rope parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ATTN_IMPL = "kvcache_rendered"
+_counter = itertools.count()
+_CURRENT: list = []  # the ForwardMetaData of the step being run (a stack: steps never nest)
+
+
+@dataclass
+class RenderedCode:
+    attention: types.ModuleType
+    runner: types.ModuleType | None
+
+    def attention_mixin(self) -> type:
+        return _class_with(self.attention, "init_kv_cache")
+
+    def model_mixin(self) -> type | None:
+        try:
+            return _class_with(self.attention, "get_cache_info")
+        except LookupError:
+            return None
+
+    def runner_mixin(self) -> type | None:
+        return _class_with(self.runner, "_init_kvcache") if self.runner else None
+
+
+def _class_with(module: types.ModuleType, method: str) -> type:
+    for value in vars(module).values():
+        if isinstance(value, type) and value.__module__ == module.__name__ and method in vars(value):
+            return value
+    raise LookupError(f"{module.__file__}: no class defines {method}()")
+
+
+def import_rendered(rendered_dir: str | Path) -> RenderedCode:
+    """Import the rendered files (call inside the emulation/framework contexts they import from)."""
+    root = Path(rendered_dir)
+    tag = next(_counter)
+
+    def load(name: str) -> types.ModuleType | None:
+        path = root / name
+        if not path.is_file():
+            return None
+        mod_name = f"_kvcache_rendered_{tag}_{path.stem}"
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    attention = load("kvcache_attention.py")
+    if attention is None:
+        raise FileNotFoundError(f"{root}: no kvcache_attention.py (render first)")
+    return RenderedCode(attention, load("kvcache_runner.py"))
+
+
+@contextlib.contextmanager
+def current_metadata(forward_metadata):
+    _CURRENT.append(forward_metadata)
+    try:
+        yield
+    finally:
+        _CURRENT.pop()
+
+
+def _metadata():
+    if not _CURRENT:
+        raise RuntimeError("rendered attention called outside a validation step")
+    return _CURRENT[-1]
+
+
+class _Probe:
+    """Records what each layer saw around the FA call (runtime-link evidence)."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def record(self, **kw) -> None:
+        self.records.append(kw)
+
+
+def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface -> rendered kv_cache_attention on packed TND tensors."""
+    host = module._kvcache_host
+    fm = _metadata()
+    q = query[0].transpose(0, 1).contiguous()  # [T, N, D]
+    k = key[0].transpose(0, 1).contiguous()
+    v = value[0].transpose(0, 1).contiguous()
+    host.probe.record(layer=host.layer_idx, attn_type=host.attn_type, is_prefill=fm.is_prefill,
+                      q=tuple(q.shape), k=tuple(k.shape), dtype=q.dtype, hf_scaling=scaling,
+                      kv_lens=_as_list(fm.actual_seq_lengths_kv))
+    out = host.kv_cache_attention(q, k, v, fm)
+    return out.reshape(q.shape[0], q.shape[1], -1)[None], None
+
+
+def _as_list(x):
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x) if x is not None else None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL, _gqa_attention)
+    try:
+        from transformers import AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+    except ImportError:  # older transformers derive the mask from the implementation name
+        pass
+
+
+def _interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the fused MLA writer's convention: de-interleave even/odd lanes, then rotate half."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1, x2), dim=-1) * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _cos_sin(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, rope] cos/sin in rotate-half layout from either transformers convention."""
+    if isinstance(position_embeddings, (tuple, list)):
+        cos, sin = position_embeddings
+        return cos[0], sin[0]
+    freqs = position_embeddings[0]  # complex [T, rope/2] (DeepSeek-V2), magnitude = attention scaling
+    return torch.cat((freqs.real, freqs.real), -1).float(), torch.cat((freqs.imag, freqs.imag), -1).float()
+
+
+def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden_states[0]
+    t = x.shape[0]
+    q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    q = q.view(t, -1, self.qk_head_dim)
+    q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    compressed_kv = self.kv_a_proj_with_mqa(x)
+    cos, sin = _cos_sin(position_embeddings)
+    q_rot = _interleaved_rope(q_rot, cos[:, None, :], sin[:, None, :])
+    host.probe.record(layer=host.layer_idx, attn_type=host.attn_type, is_prefill=fm.is_prefill,
+                      q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
+                      hf_scaling=getattr(self, "scaling", None), kv_lens=_as_list(fm.actual_seq_lengths_kv))
+    out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, cos, sin, fm)
+    out = self.o_proj(out.reshape(t, -1))[None]
+    return out, None
+
+
+def make_host_attention(mixin: type) -> type:
+    class HostAttention(mixin):
+        """A rendered attention mixin bound to one transformers attention module."""
+
+        def __init__(self, hf_attention, layer_idx: int, probe: _Probe):
+            self.hf = hf_attention
+            self.probe = probe
+            self.layer_idx = layer_idx
+            if hasattr(hf_attention, "sinks"):
+                self.sinks = hf_attention.sinks.float()
+            for name in ("kv_a_layernorm", "kv_b_proj"):
+                if hasattr(hf_attention, name):
+                    setattr(self, name, getattr(hf_attention, name))
+
+    return HostAttention
+
+
+class HostModel:
+    """The tiny transformers model with its attention routed through the rendered code."""
+
+    def __init__(self, hf_model, rendered: RenderedCode, *, is_mla: bool, cache_dtype=torch.float32,
+                 window: int | None = None, block_size: int = 128):
+        self.hf_model = hf_model
+        self.rendered = rendered
+        self.probe = _Probe()
+        if window is not None and hasattr(rendered.attention, "SLIDING_WINDOW"):
+            # The only knob the validator turns: a window a CPU can cross (recorded in the report).
+            rendered.attention.SLIDING_WINDOW = window
+        host_cls = make_host_attention(rendered.attention_mixin())
+        self.attentions = []
+        for idx, layer in enumerate(hf_model.model.layers):
+            hf_attn = layer.self_attn
+            host = host_cls(hf_attn, idx, self.probe)
+            host.init_kv_cache(idx, cache_dtype)
+            hf_attn._kvcache_host = host
+            if is_mla:
+                hf_attn.forward = types.MethodType(_mla_forward, hf_attn)
+            self.attentions.append(host)
+        if not is_mla:
+            _register_attention()
+            hf_model.config._attn_implementation = ATTN_IMPL
+            for module in hf_model.modules():
+                if hasattr(module, "config") and module.config is not hf_model.config:
+                    module.config._attn_implementation = ATTN_IMPL
+        # What get_cache_info() walks: model.layers[i].<attn_attr>, plus the model-level block size.
+        self.block_size = block_size
+        self.model = types.SimpleNamespace(
+            layers=[types.SimpleNamespace(self_attn=a) for a in self.attentions]
+        )
+
+    def get_cache_info(self):
+        mixin = self.rendered.model_mixin()
+        if mixin is None:
+            raise LookupError("rendered code has no get_cache_info (standalone or legacy mode)")
+        return mixin.get_cache_info(self)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
+        """Packed [T] ids/positions -> logits [T, vocab]."""
+        with current_metadata(forward_metadata):
+            out = self.hf_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        return out.logits[0].float()
+
+
+@torch.no_grad()
+def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
+    """transformers eager forward over one whole sequence: logits [L, vocab] (float64 compare later)."""
+    ids = torch.tensor(token_ids, dtype=torch.long)[None]
+    return ref_model(input_ids=ids, use_cache=False).logits[0].float()

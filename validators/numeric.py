@@ -1,0 +1,101 @@
+"""Per-step logits of the model under test against transformers, plus what the layers saw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.host import reference_logits
+from validators.report import Report
+
+ATOL_FP32 = 1e-4
+
+
+@dataclass
+class _Rows:
+    step: int
+    is_prefill: bool
+    positions: list[int]
+    logits: torch.Tensor
+
+
+@dataclass
+class NumericTracker:
+    ref_model: object
+    host: object
+    atol: float = ATOL_FP32
+    rows: dict[int, list[_Rows]] = field(default_factory=dict)
+    probes: list[tuple[int, bool, list[int], list[dict]]] = field(default_factory=list)
+
+    def record_step(self, step, logits: torch.Tensor, probe_records: list[dict]) -> None:
+        slices = step.token_slices()
+        for rid in step.request_ids:
+            sl = slices[rid]
+            pos = step.position_ids[sl].tolist()
+            self.rows.setdefault(rid, []).append(_Rows(step.index, step.is_prefill, pos, logits[sl].clone()))
+        self.probes.append((step.index, step.is_prefill, list(step.request_ids), probe_records))
+
+    # ------------------------------------------------------------------ runtime link
+    def check_runtime(self, report: Report, manifest: SelectionManifest, prompt_len: dict[int, int]) -> None:
+        n_q = manifest.parallel.num_q_heads_per_rank
+        mla = manifest.model.mla
+        bad_shapes, bad_scale = [], []
+        want_scale = getattr(self.host.rendered.attention, "SOFTMAX_SCALE", None)
+        for index, _, _, records in self.probes:
+            for r in records:
+                if mla:
+                    want_q, want_k = (n_q, mla.qk_nope_head_dim), (mla.kv_lora_rank + mla.qk_rope_head_dim,)
+                else:
+                    want_q = (n_q, manifest.model.head_dim)
+                    want_k = (manifest.parallel.num_kv_heads_per_rank, manifest.model.head_dim)
+                if tuple(r["q"][1:]) != want_q or tuple(r["k"][1:]) != want_k:
+                    bad_shapes.append(f"step {index} layer {r['layer']}: q {r['q']} k {r['k']}")
+                hf = r.get("hf_scaling")
+                if hf is not None and want_scale is not None and abs(hf - want_scale) > 1e-9 * max(1.0, hf):
+                    bad_scale.append(f"layer {r['layer']}: rendered {want_scale:.8g} vs model {hf:.8g}")
+        report.add("shapes around the FA call match the entries", "runtime", not bad_shapes,
+                   detail="; ".join(bad_shapes[:3]), mismatches=len(bad_shapes))
+        report.add("softmax scale equals the model's attention scaling", "runtime", not bad_scale,
+                   detail="; ".join(sorted(set(bad_scale))[:2]), rendered=want_scale)
+        # First decode after a prefill of L reads L + 1 keys.
+        seen_decode, wrong = set(), []
+        for index, is_prefill, rids, records in self.probes:
+            if is_prefill or not records:
+                continue
+            kv = records[0]["kv_lens"]
+            for i, rid in enumerate(rids):
+                if rid in seen_decode or rid not in prompt_len or kv is None or i >= len(kv):
+                    continue
+                seen_decode.add(rid)
+                if kv[i] != prompt_len[rid] + 1:
+                    wrong.append(f"request {rid} step {index}: {kv[i]} != {prompt_len[rid]} + 1")
+        report.add("first decode reads prompt length + 1", "runtime", not wrong and bool(seen_decode),
+                   detail="; ".join(wrong[:3]), requests=len(seen_decode))
+
+    # ------------------------------------------------------------------ numeric link
+    def check_numeric(self, report: Report, sequences: dict[int, list[int]]) -> None:
+        worst, worst_at, nonfinite, greedy_bad, steps = 0.0, "", [], [], set()
+        for rid, chunks in self.rows.items():
+            ref = reference_logits(self.ref_model, sequences[rid])
+            for chunk in chunks:
+                steps.add(chunk.step)
+                got = chunk.logits
+                want = ref[chunk.positions]
+                if not torch.isfinite(got).all():
+                    nonfinite.append(f"step {chunk.step} request {rid}")
+                    continue
+                diff = (got - want).abs().max().item()
+                if diff > worst:
+                    worst, worst_at = diff, f"step {chunk.step} request {rid} position {chunk.positions[-1]}"
+                last = chunk.positions[-1]
+                if last + 1 < len(sequences[rid]) and int(got[-1].argmax()) != int(want[-1].argmax()):
+                    greedy_bad.append(f"step {chunk.step} request {rid}")
+        report.add("outputs finite with freed and null blocks poisoned (NaN)", "release", not nonfinite,
+                   detail="; ".join(nonfinite[:3]), nonfinite_chunks=len(nonfinite))
+        report.add(f"logits vs transformers max |diff| <= {self.atol:g}", "numeric",
+                   not nonfinite and worst <= self.atol, max_abs_diff=worst, worst_at=worst_at,
+                   steps=len(steps), requests=len(self.rows))
+        report.add("greedy tokens identical to transformers", "numeric", not nonfinite and not greedy_bad,
+                   detail="; ".join(greedy_bad[:3]), mismatches=len(greedy_bad))

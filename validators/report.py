@@ -1,0 +1,99 @@
+"""Validation report: checks with measured values, as JSON (machines) and Markdown (progress.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Link = Literal["init", "runtime", "numeric", "release"]
+SECTION_ID = "validate"
+
+
+@dataclass
+class Check:
+    name: str
+    link: Link
+    passed: bool
+    measured: dict[str, Any] = field(default_factory=dict)
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    backend: str
+    deploy_mode: str
+    model_type: str
+    manifest_hash: str
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    readings: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def add(self, name: str, link: Link, passed: bool, detail: str = "", **measured) -> Check:
+        check = Check(name, link, bool(passed), _plain(measured), detail)
+        self.checks.append(check)
+        return check
+
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "backend": self.backend,
+            "deploy_mode": self.deploy_mode,
+            "model_type": self.model_type,
+            "manifest_hash": self.manifest_hash,
+            "readings": self.readings,
+            "seconds": round(self.seconds, 2),
+            "notes": self.notes,
+            "checks": [asdict(c) for c in self.checks],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    def to_markdown(self) -> str:
+        verdict = "通过" if self.passed else "未通过"
+        lines = [
+            "### 自验证结果",
+            "",
+            f"- 模型: `{self.model_type}`,部署模式: {self.deploy_mode},后端: **{self.backend}**"
+            + (" (CPU 仿真算子 + 框架契约 harness)" if self.backend == "emulated" else ""),
+            f"- manifest hash: `{self.manifest_hash}`,结论: **{verdict}**"
+            f"({sum(c.passed for c in self.checks)}/{len(self.checks)} 项通过,用时 {self.seconds:.1f}s)",
+        ]
+        if self.readings:
+            lines.append("- 设备行为读法: " + ", ".join(f"{k}={v}" for k, v in self.readings.items()))
+        lines += ["", "| 链路 | 检查项 | 结果 | 实测 |", "|---|---|---|---|"]
+        for c in self.checks:
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in c.measured.items())
+            if c.detail:
+                shown = f"{shown}; {c.detail}" if shown else c.detail
+            lines.append(f"| {c.link} | {c.name} | {'✅' if c.passed else '❌'} | {shown.replace('|', '/')} |")
+        if self.notes:
+            lines += ["", "说明:", ""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in values.items():
+        if hasattr(v, "tolist"):
+            v = v.tolist()
+        elif isinstance(v, (set, frozenset, tuple)):
+            v = sorted(v) if isinstance(v, (set, frozenset)) else list(v)
+        out[k] = v
+    return out

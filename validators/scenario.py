@@ -1,0 +1,30 @@
+"""The request stream every validation drives: mixed prompt lengths, early finishes, late admits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Scenario:
+    # (prompt length, new tokens): some longer than a 128 block, some crossing a 128..160 window,
+    # one finishing early so the late requests are admitted into its freed blocks.
+    first: tuple[tuple[int, int], ...] = ((150, 17), (40, 5), (300, 17), (129, 17))
+    late: tuple[tuple[int, int], ...] = ((200, 8), (60, 8))
+    max_concurrency: int = 4
+    release_requests: int = 50
+    vocab: int = 512
+
+    def prompts(self, seed: int) -> list[tuple[list[int], int]]:
+        g = torch.Generator().manual_seed(seed)
+        return [(torch.randint(0, self.vocab, (n,), generator=g).tolist(), new) for n, new in self.first + self.late]
+
+    @property
+    def max_model_len(self) -> int:
+        return max(n + new for n, new in self.first + self.late) + 8
+
+
+DEFAULT = Scenario()
+QUICK = Scenario(first=((150, 9), (40, 3), (140, 9)), late=((60, 4),), max_concurrency=3, release_requests=10)

@@ -1,0 +1,126 @@
+"""A tiny transformers model of the same architecture as a real config (random weights, no hub).
+
+What the rendered code hard-codes is kept (heads, KV heads, head_dim, MLA dims, scale inputs,
+layer-kind pattern, window when a CPU can cross it); what only costs time shrinks (layers to
+the shortest prefix holding every layer kind, hidden size, MLP, experts, vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+
+# Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
+_HEAD_DIM_FROM_HIDDEN = {"phi3", "falcon"}
+# model_type -> the transformers model_type that implements it.
+_HF_TYPE = {"kimi_k2": "deepseek_v3"}
+# Fields of a published config that describe weights/packaging, not the architecture.
+_DROP = ("architectures", "auto_map", "quantization_config", "torch_dtype", "dtype", "transformers_version",
+         "_name_or_path", "text_config", "vision_config", "bos_token_id", "eos_token_id", "pad_token_id")
+MAX_CPU_WINDOW = 256  # windows above this are shrunk so test sequences can cross them
+SHRUNK_WINDOW = 160
+
+
+@dataclass(frozen=True)
+class TinyPlan:
+    hf_model_type: str
+    num_layers: int
+    window: int | None  # the window the tiny model (and the rendered code under test) uses
+    real_window: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def window_shrunk(self) -> bool:
+        return self.window != self.real_window
+
+
+def _layer_prefix(manifest: SelectionManifest) -> int:
+    """Shortest decoder-layer prefix (>= 2) that holds every attn_type of the manifest."""
+    kinds_needed = {layer.attn_type for layer in manifest.layers}
+    seen: set[str] = set()
+    for layer in manifest.layers:
+        seen.add(layer.attn_type)
+        if seen == kinds_needed and layer.decoder_layer + 1 >= 2:
+            return layer.decoder_layer + 1
+    return max(layer.decoder_layer for layer in manifest.layers) + 1
+
+
+def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple[dict[str, Any], TinyPlan]:
+    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    d = {k: v for k, v in {**real, **src}.items() if k not in _DROP}
+    model_type = manifest.model.model_type
+    hf_type = _HF_TYPE.get(model_type, model_type)
+    d["model_type"] = hf_type
+    notes = []
+    n = _layer_prefix(manifest)
+    m = manifest.model
+    d["num_hidden_layers"] = n
+    if isinstance(d.get("layer_types"), list):
+        d["layer_types"] = d["layer_types"][:n]
+    if hf_type in _HEAD_DIM_FROM_HIDDEN:
+        d["hidden_size"] = m.num_attention_heads * m.head_dim
+    else:
+        d["hidden_size"] = 128
+        if not m.mla:
+            d["head_dim"] = m.head_dim
+    d["num_attention_heads"] = m.num_attention_heads
+    if m.mla:
+        d["num_key_value_heads"] = m.num_attention_heads
+        if d.get("q_lora_rank") is not None:
+            d["q_lora_rank"] = 64
+        d["rope_interleave"] = False  # see validators.host: q_pe uses the fused writer's rope convention
+    else:
+        d["num_key_value_heads"] = m.num_key_value_heads
+    d["intermediate_size"] = 128
+    d["vocab_size"] = 512
+    for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
+                       ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),
+                       ("n_shared_experts", 1), ("first_k_dense_replace", 1)):
+        if key in d:
+            d[key] = value
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        d.pop(key, None)
+    d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    real_window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
+    window = real_window
+    if real_window and real_window > MAX_CPU_WINDOW:
+        window = SHRUNK_WINDOW
+        notes.append(f"sliding window {real_window} shrunk to {window} so CPU test sequences cross it")
+    if real_window:
+        d["sliding_window"] = window
+    if m.num_mtp_layers:
+        notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
+    notes.append(f"{n} of {m.num_layers} decoder layers (shortest prefix with every layer kind)")
+    return d, TinyPlan(hf_type, n, window, real_window, notes)
+
+
+def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: int = 0):
+    """(model, plan): a float32 eager transformers model with random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d, plan = tiny_config_dict(real, manifest)
+    hf_type = d.pop("model_type")
+    config = AutoConfig.for_model(hf_type, **d)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    model.eval()
+    return model, plan
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights big enough that attention patterns matter (default init is nearly uniform)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1]) ** 0.5)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif "norm" in name or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))

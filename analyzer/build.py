@@ -162,6 +162,7 @@ def assemble(
             qk_head_dim=facts.qk_head_dim,
             dtype=facts.dtype.value,
             vocab_size=facts.vocab_size,
+            max_position_embeddings=facts.max_position_embeddings.value,
             rms_norm_eps=facts.rms_norm_eps.value,
             mla=facts.mla.value,
             rope=facts.rope.value,
@@ -322,44 +323,60 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         else:
             groups.append(memory.FullAttentionGroup(key, len(members), per_token, req.block_size))
     total = sum(g.per_token_bytes for g in groups)
+    derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
+
     hbm = req.hbm_gb
     if hbm is None and progress.hbm_gb:
         hbm = float(progress.hbm_gb.value)
-        warnings.append(Finding(message=f"HBM {hbm:g} GB taken from {progress.path}:{progress.hbm_gb.line}",
-                                fields=["单卡 HBM"]))
+        warnings.append(Finding(
+            message=f"HBM {hbm:g} GB taken from {progress.path}:{progress.hbm_gb.line} as the KV budget: that is "
+                    "the card's whole HBM (weights and activations live there too), so blocks are an upper bound; "
+                    "pass --hbm-gb with the memory left for the KV cache",
+            fields=["单卡 HBM", "--hbm-gb"]))
     ratio = req.kv_mem_ratio if req.kv_mem_ratio is not None else (DEFAULT_KV_MEM_RATIO if hbm else None)
-    legacy = None
-    if req.max_len and req.max_concurrency:
-        legacy = total * req.max_len * req.max_concurrency
+
+    max_len, concurrency = req.max_len, req.max_concurrency
     plan = None
-    derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
     if hbm:
-        has_fixed = any(g.fixed for g in groups)
-        concurrency = req.max_concurrency or 1
-        if has_fixed and not req.max_concurrency:
-            questions.append(Finding(message="sliding groups reserve blocks per request: pass --max-concurrency "
-                                             "(assumed 1)", fields=["--max-concurrency"]))
+        budget = hbm * memory.GIB * ratio
         if req.kv_mem_ratio is None:
             derivation.append(f"kv_mem_ratio default {DEFAULT_KV_MEM_RATIO}")
-        plan = memory.plan_budget(groups, hbm * memory.GIB * ratio, concurrency, req.max_len)
-    elif req.max_len and req.max_concurrency:
-        plan = memory.plan_offline(groups, req.max_len, req.max_concurrency)
+        if max_len is None and facts.max_position_embeddings.value:
+            max_len = facts.max_position_embeddings.value
+            derivation.append(f"max_len = {max_len} from {facts.max_position_embeddings.source} (no --max-len)")
+        if concurrency is None and max_len:
+            concurrency = memory.max_concurrency_at(groups, budget, max_len)
+            derivation.append(f"max_concurrency = {concurrency}: the most requests of {max_len} tokens that fit "
+                              "(no --max-concurrency)")
+            if concurrency == 0:
+                warnings.append(Finding(message=f"not one request of {max_len} tokens fits in the KV budget",
+                                        fields=["--hbm-gb", "--max-len"]))
+        if concurrency is None:
+            questions.append(Finding(message="KV budget given without --max-len / --max-concurrency (and no "
+                                             "max_position_embeddings): sliding reservations assume 1 request",
+                                     fields=["--max-len", "--max-concurrency"]))
+        plan = memory.plan_budget(groups, budget, concurrency if concurrency is not None else 1, max_len)
+    elif max_len and concurrency:
+        plan = memory.plan_offline(groups, max_len, concurrency)
         plan.derivation.append(f"pools need {memory.plan_bytes(groups, plan.blocks)} B on one rank")
-    if legacy is not None:
-        derivation.append(f"legacy reservation = {total} x max_len {req.max_len} x concurrency "
-                          f"{req.max_concurrency} = {legacy} B")
+
+    legacy = None
+    if max_len and concurrency:
+        legacy = total * max_len * concurrency
+        derivation.append(f"legacy reservation = {total} x max_len {max_len} x concurrency {concurrency} = {legacy} B")
     if plan:
         derivation += plan.derivation
     return MemoryPlan(
         per_token_bytes=total,
+        per_layer_token_bytes=[rules.cache_token_bytes(layer.caches) for layer in layers],
         groups=[GroupMemory(group_key=g.group_key, attn_type="SlidingWindow" if g.fixed else "FullAttention",
                             num_layers=g.num_layers, per_token_bytes=g.per_token_bytes, fixed_blocks=g.fixed,
                             blocks=plan.blocks.get(g.group_key) if plan else None) for g in groups],
         legacy_reservation_bytes=legacy,
         hbm_gb=hbm,
         kv_mem_ratio=ratio,
-        max_concurrency=req.max_concurrency,
-        max_len=req.max_len,
+        max_concurrency=concurrency,
+        max_len=max_len,
         blocks=plan.blocks if plan else None,
         max_tokens=plan.max_tokens if plan else None,
         max_concurrency_at_max_len=plan.max_concurrency_at_max_len if plan else None,

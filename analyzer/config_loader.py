@@ -105,6 +105,7 @@ class ModelFacts:
     sublayers_per_layer: Sourced[int]
     query_pre_attn_scalar: Sourced[float | None]
     notes: list[str] = field(default_factory=list)
+    max_position_embeddings: Sourced[int | None] = Sourced(None, "default: not in config")
 
     @property
     def is_mla(self) -> bool:
@@ -136,6 +137,7 @@ class ModelFacts:
                 "has_sinks",
                 "num_mtp_layers",
                 "sublayers_per_layer",
+                "max_position_embeddings",
             )
         }
 
@@ -297,6 +299,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     if qpas.value is not None and qpas.value <= 0:
         raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1)
+    max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+                       kind=int, minimum=1) or Sourced(None, "default: not in config")
 
     return ModelFacts(
         path=where,
@@ -323,6 +327,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         sublayers_per_layer=sublayers,
         query_pre_attn_scalar=qpas,
         notes=notes,
+        max_position_embeddings=max_pos,
     )
 
 

@@ -66,6 +66,7 @@ class ModelInfo(_Model):
     qk_head_dim: int = Field(description="query/key head dim used by the score (MLA: nope + rope)")
     dtype: CacheDtype
     vocab_size: int | None = None
+    max_position_embeddings: int | None = None
     rms_norm_eps: float | None = None
     mla: MlaDims | None = None
     rope: RopeInfo
@@ -184,14 +185,20 @@ class GroupMemory(_Model):
 
 class MemoryPlan(_Model):
     per_token_bytes: int = Field(description="all layers, one rank")
+    per_layer_token_bytes: list[int] = Field(
+        default_factory=list, description="per-token bytes of each cache layer, in layers[] order, one rank"
+    )
     groups: list[GroupMemory]
     legacy_reservation_bytes: int | None = Field(
         default=None, description="contiguous cache for max_concurrency x max_len (Legacy)"
     )
     hbm_gb: float | None = None
     kv_mem_ratio: float | None = None
-    max_concurrency: int | None = None
-    max_len: int | None = None
+    max_concurrency: int | None = Field(
+        default=None, description="requests the plan is sized for: --max-concurrency, else (with HBM) the most "
+                                  "requests of max_len that fit"
+    )
+    max_len: int | None = Field(default=None, description="--max-len, else (with HBM) max_position_embeddings")
     blocks: dict[str, int] | None = None
     max_tokens: int | None = None
     max_concurrency_at_max_len: int | None = Field(

@@ -84,6 +84,8 @@ def test_memory_plan_from_flags_and_from_progress(capsys):
     # 10 GiB x 0.9 / 147456 B per token = 65536 tokens = 512 blocks; (512 - 1) // 64 = 7 requests of 8192
     assert (mem["max_tokens"], mem["blocks"], mem["max_concurrency_at_max_len"]) == (65536, {"FullAttention": 512}, 7)
     assert mem["kv_mem_ratio"] == 0.9
+    assert mem["max_concurrency"] == 7  # no --max-concurrency: the most requests of max_len that fit
+    assert mem["per_layer_token_bytes"] == [2 * 128 * 8 * 2] * 36
     rc, out, _ = invoke(["--config", QWEN3, "--max-len", "8192", "--max-concurrency", "4"], capsys)
     mem = json.loads(out)["memory"]
     assert mem["blocks"] == {"FullAttention": 257} and mem["max_tokens"] is None
@@ -92,10 +94,16 @@ def test_memory_plan_from_flags_and_from_progress(capsys):
     m = json.loads(out)
     # progress.md: attn_tp_size 4 (line 14), 单卡 HBM 64GB, 8 cards, Atlas 800I A2, Legacy cache_unit start
     assert m["parallel"]["attn_tp_size"] == 4 and m["parallel"]["attn_tp_source"].endswith("qwen3_framework.md:14")
-    assert m["memory"]["hbm_gb"] == 64.0 and m["memory"]["blocks"]["FullAttention"] > 0
+    # budget 64 GiB x 0.9 = 61847529062.4 B over 147456 / 4 = 36864 B per token (TP 4):
+    # max_tokens = floor(1677721.6) = 1677721, blocks = 1677721 // 128 = 13107;
+    # no --max-len: max_position_embeddings 40960 -> (13107 - 1) // 320 = 40 requests
+    mem = m["memory"]
+    assert mem["hbm_gb"] == 64.0 and mem["per_token_bytes"] == 36864
+    assert (mem["max_tokens"], mem["blocks"]) == (1677721, {"FullAttention": 13107})
+    assert (mem["max_len"], mem["max_concurrency"], mem["max_concurrency_at_max_len"]) == (40960, 40, 40)
     assert m["inputs"]["npu_model"] == "Atlas 800I A2" and m["inputs"]["num_cards"] == 8
     assert m["inputs"]["starting_point"] == ["legacy_cache_unit"]
-    assert any("HBM 64 GB taken from" in w["message"] for w in m["warnings"])
+    assert any("HBM 64 GB taken from" in w["message"] and "upper bound" in w["message"] for w in m["warnings"])
 
 
 def test_tp_from_progress_and_cards_without_tp(tmp_path, capsys):

@@ -69,6 +69,7 @@ def test_qwen3_8b_standard_paged_and_tp4_heads():
     assert (m.model.num_attention_heads, m.model.num_key_value_heads, m.model.head_dim) == (32, 8, 128)
     assert m.model.sources["head_dim"] == "head_dim"
     assert m.model.sources["layer_kinds"] == "use_sliding_window=false"
+    assert m.model.max_position_embeddings == 40960
     # 36 layers x (k + v) x 128 x 8 heads x 2 bytes
     assert m.memory.per_token_bytes == 36 * 2 * 128 * 8 * 2
     tp4 = run("qwen3_8b", attn_tp_size=4)
@@ -265,6 +266,7 @@ def test_qwen3_next_linear_layers_block_paged_and_hold_no_kv():
             assert [(c.name, c.dim, c.num_head) for c in layer.caches] == [("k_cache", 512, 1), ("v_cache", 512, 1)]
     # only the 12 full-attention layers hold per-token KV: 12 x 2 x (2 x 256) x 2 B
     assert m.memory.per_token_bytes == 12 * 2 * 512 * 2
+    assert m.memory.per_layer_token_bytes == [0 if i % 4 != 3 else 2048 for i in range(48)]
     assert only(g.num_layers for g in m.memory.groups) == 12
 
 
@@ -351,3 +353,14 @@ def test_every_fixture_round_trips_and_renders_the_table(name):
     assert (m.kv_mode.value == "legacy") == bool(m.blockers)
     for b in m.blockers:
         assert b.fields and all(b.fields), b
+
+
+def test_gpt_oss_budget_sizes_the_sliding_reservation_for_the_concurrency_that_fits():
+    m = run("gpt_oss_20b", hbm_gb=1.0, kv_mem_ratio=1.0, max_len=4096)
+    # Both groups: 12 layers x k,v x 64 x 8 x 2 B = 24576 B/token, 3 MiB per 128-token block; 1 GiB = 341.33 blocks.
+    # c requests hold 2c + 1 sliding blocks and need 32c + 1 full blocks of the 340 - 2c left: c = 9.
+    # Sliding 9 x 2 + 1 = 19 blocks (57 MiB); full floor(floor((1 GiB - 57 MiB) / 24576) / 128) = 322.
+    assert m.memory.max_concurrency == 9 and m.memory.max_concurrency_at_max_len == 9
+    assert m.memory.blocks == {"SlidingWindow": 19, "FullAttention": 322}
+    assert [(g.group_key, g.fixed_blocks, g.blocks) for g in m.memory.groups] == [
+        ("FullAttention", False, 322), ("SlidingWindow", True, 19)]

@@ -8,6 +8,13 @@ SECTION_ID = "analyze"
 SECTION_TITLE = "### KVCache 选型决策"
 
 
+_LAYOUT_REASON = {
+    "TND": "Paged 用 packed TND(变长 batch 拼成一维,与框架 1-D 输入一致)",
+    "TND_NTD": "MLA absorb: query 为 packed TND,输出 NTD 供 W_UV 反投影",
+    "BSH": "Legacy 连续缓存 [batch, seq, heads*dim]",
+}
+
+
 def _ranges(indices: list[int]) -> str:
     out, start, prev = [], None, None
     for i in indices:
@@ -60,7 +67,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         ("混合 attn_type", "是" if m.mixed_attn_types else "否", "各层在 __init__ 按层号设置 attn_type"
          if m.mixed_attn_types else "所有层同一 attn_type"),
         ("FA 版本", m.fa.version, m.fa.reason),
-        ("input_layout", m.fa.input_layout, "Paged 用 packed TND" if m.kv_mode.value == "paged" else "Legacy BSH"),
+        ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, "")),
         ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
         ("MLA absorb", "是" if m.mla.absorb else "否", m.mla.reason),
         ("写入算子", m.layers[0].write_op if m.layers else "-", "slot_mapping 驱动写入" if m.kv_mode.value == "paged"

@@ -1,0 +1,71 @@
+"""`kvcache validate` (and `python -m validators`): thin layer over validators.validate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from analyzer.cli import guarded
+from analyzer.errors import InputError
+from implementer.files import atomic_write_text
+from validators.validate import ValidateRequest, validate
+
+EXAMPLES = """examples:
+  kvcache validate --manifest manifest.json --rendered rendered/ --config config.json
+  kvcache validate --manifest manifest.json --rendered rendered/ --config config.json \\
+      --report report.json --markdown report.md
+  kvcache validate ... --backend npu --framework-root /path/to/cann-recipes-infer
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcache validate",
+        description="Three-link checks (init/runtime/release) and numeric equivalence against transformers.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--manifest", required=True, metavar="FILE", help="manifest the code was rendered from")
+    p.add_argument("--rendered", required=True, metavar="DIR", help="directory written by `kvcache render`")
+    p.add_argument("--config", required=True, metavar="FILE", help="the model's config.json (tiny model is built from it)")
+    p.add_argument("--backend", choices=("auto", "emulated", "npu"), default="auto",
+                   help="emulated = CPU reference ops; npu = real torch_npu (auto picks npu when present)")
+    p.add_argument("--framework-root", metavar="DIR",
+                   help="cann-recipes-infer checkout: use its executor.core.kv_cache instead of the harness")
+    p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
+                   help="harness generation when the manifest names none (default G2)")
+    p.add_argument("--report", metavar="FILE", help="write the JSON report here")
+    p.add_argument("--markdown", metavar="FILE", help="write the Markdown report (自验证结果) here")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of weights and prompts (default 0)")
+    p.add_argument("--no-sweep", action="store_true",
+                   help="skip re-running under the alternative device readings (DOMAIN §9)")
+    return p
+
+
+def _progress(msg: str) -> None:
+    print(f"[kvcache validate] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag in ("report", "markdown"):
+        target = getattr(args, flag)
+        if target and not Path(target).resolve().parent.is_dir():
+            raise InputError(target, "directory does not exist", field=f"--{flag}")
+    report = validate(ValidateRequest(
+        manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
+        framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
+        framework_api=args.framework_api,
+    ), progress=_progress)
+    if args.report:
+        atomic_write_text(Path(args.report), report.to_json())
+    if args.markdown:
+        atomic_write_text(Path(args.markdown), report.to_markdown())
+    print(report.to_markdown())
+    for check in report.failed():
+        print(f"FAILED [{check.link}] {check.name}: {check.detail or check.measured}", file=sys.stderr)
+    return 0 if report.passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return guarded(run, build_parser().parse_args(argv))

@@ -1,0 +1,164 @@
+"""Standalone mode: drive the rendered runner (static arange block table, runner-owned kv_len)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.numeric import NumericTracker
+from validators.report import Report
+from validators.scenario import Scenario
+
+CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
+
+
+@dataclass
+class _Step:
+    index: int
+    is_prefill: bool
+    request_ids: list[int]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    q_lens: list[int]
+
+    def token_slices(self) -> dict[int, slice]:
+        out, start = {}, 0
+        for rid, n in zip(self.request_ids, self.q_lens, strict=True):
+            out[rid] = slice(start, start + n)
+            start += n
+        return out
+
+    def last_token_rows(self) -> torch.Tensor:
+        return torch.cumsum(torch.tensor(self.q_lens), 0) - 1
+
+
+def _caches(host) -> list[torch.Tensor]:
+    return [getattr(a, c) for a in host.attentions for c in CACHE_NAMES if hasattr(a, c)]
+
+
+def _poison_row(host, runner, row: int) -> None:
+    """A finished request's rows of every cache become NaN: a new request there must not read them."""
+    blocks = runner.block_table[row].long()
+    with torch.no_grad():
+        for t in _caches(host):
+            t[blocks] = float("nan")
+
+
+def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model, scenario: Scenario, seed: int,
+                   cache_dtype: torch.dtype) -> None:
+    runner_cls = host.rendered.runner_mixin()
+    if runner_cls is None:
+        report.add("rendered runner present", "init", False, detail="no kvcache_runner.py with _init_kvcache")
+        return
+    runner = type("ValidationRunner", (runner_cls,), {})()
+    rows_n = scenario.max_concurrency
+    runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, cache_dtype=cache_dtype)
+    _check_init(report, manifest, host, runner, rows_n)
+    start_bytes = sum(t.numel() * t.element_size() for t in _caches(host))
+    start_ids = [id(t) for t in _caches(host)]
+
+    tracker = NumericTracker(ref_model, host)
+    prompts = scenario.prompts(seed)
+    first = len(scenario.first)
+    waiting = list(range(first))
+    late = list(range(first, len(prompts)))
+    tokens = {rid: list(prompts[rid][0]) for rid in range(len(prompts))}
+    budget = {rid: prompts[rid][1] for rid in range(len(prompts))}
+    row_of: dict[int, int] = {}
+    free_rows = list(range(rows_n))
+    prompt_len: dict[int, int] = {}
+    slot_errors: list[str] = []
+    step_index = 0
+
+    def run_step(rids, is_prefill):
+        nonlocal step_index
+        rows = [row_of[r] for r in rids]
+        if is_prefill:
+            lens = [len(tokens[r]) for r in rids]
+            fm = runner._build_forward_metadata(rows, lens)
+            ids = torch.tensor([t for r in rids for t in tokens[r]])
+            pos = torch.cat([torch.arange(n) for n in lens])
+        else:
+            lens = [1] * len(rids)
+            fm = runner._build_forward_metadata(rows)
+            ids = torch.tensor([tokens[r][-1] for r in rids])
+            pos = runner.kv_len[torch.tensor(rows)].clone()
+        want_slots = torch.cat([row * runner.max_seq_len + p.view(-1) for row, p in
+                                zip(rows, torch.split(pos, lens), strict=True)])
+        if not torch.equal(fm.slot_mapping.view(-1).long(), want_slots.long()):
+            slot_errors.append(f"step {step_index}")
+        step = _Step(step_index, is_prefill, list(rids), ids, pos, lens)
+        n_before = len(host.probe.records)
+        logits = host.forward(ids, pos, fm)
+        runner._advance_kv_len(rows, fm)
+        tracker.record_step(step, logits, host.probe.records[n_before:])
+        step_index += 1
+        return logits[step.last_token_rows()].argmax(-1).tolist()
+
+    running: list[int] = []
+    while waiting or running or late:
+        if late and len(running) + len(waiting) < first:  # someone finished: admit the late requests
+            waiting += late
+            late = []
+        admit = []
+        while waiting and free_rows:
+            rid = waiting.pop(0)
+            row_of[rid] = free_rows.pop(0)
+            admit.append(rid)
+        if admit:
+            for rid in admit:
+                prompt_len[rid] = len(tokens[rid])
+            new = run_step(admit, True)
+            for rid, tok in zip(admit, new, strict=True):
+                tokens[rid].append(tok)
+                budget[rid] -= 1
+            running += admit
+        elif running:
+            new = run_step(list(running), False)
+            for rid, tok in zip(list(running), new, strict=True):
+                tokens[rid].append(tok)
+                budget[rid] -= 1
+        for rid in [r for r in running if budget[r] <= 0]:
+            running.remove(rid)
+            _poison_row(host, runner, row_of[rid])
+            free_rows.append(row_of[rid])
+        if not admit and not running and not waiting and late:
+            continue
+    report.add("slot_mapping = row * max_seq_len + position", "runtime", not slot_errors,
+               detail="; ".join(slot_errors[:3]), steps=step_index)
+    tracker.check_runtime(report, manifest, prompt_len)
+    sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
+    tracker.check_numeric(report, sequences)
+
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(scenario.release_requests):
+        rid = 10_000 + i
+        tokens[rid] = torch.randint(0, scenario.vocab, (8 + i % 24,), generator=g).tolist()
+        row_of[rid] = 0
+        nxt = run_step([rid], True)
+        tokens[rid].append(nxt[0])
+        run_step([rid], False)
+        _poison_row(host, runner, 0)
+    end_bytes = sum(t.numel() * t.element_size() for t in _caches(host))
+    report.add(f"{scenario.release_requests} sequential requests leave memory unchanged", "release",
+               end_bytes == start_bytes and [id(t) for t in _caches(host)] == start_ids,
+               bytes_before=start_bytes, bytes_after=end_bytes)
+
+
+def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_n: int) -> None:
+    problems = []
+    blocks = runner.block_table.numel()
+    want = {c.name: c for c in manifest.layers[0].caches}
+    for a in host.attentions:
+        for name, c in want.items():
+            t = getattr(a, name, None)
+            shape = (blocks, manifest.block_size, c.num_head, c.dim)
+            if t is None or tuple(t.shape) != shape:
+                problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != {shape}")
+    table_ok = torch.equal(runner.block_table.view(-1).long(), torch.arange(blocks))
+    report.add("_init_kvcache caches are [num_blocks, block_size, num_head, dim]", "init", not problems,
+               detail="; ".join(problems[:3]), rows=rows_n, blocks=blocks)
+    report.add("static block table is arange(batch * blocks_per_seq)", "init", table_ok,
+               shape=tuple(runner.block_table.shape))

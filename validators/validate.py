@@ -1,0 +1,138 @@
+"""`kvcache validate`: run rendered code against transformers on CPU (emulated) or an NPU."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from analyzer.config_loader import read_config_file
+from analyzer.errors import InputError
+from analyzer.manifest import SelectionManifest
+from implementer.render import load_manifest
+from validators.report import Report
+from validators.scenario import DEFAULT, QUICK, Scenario
+
+# transformers imports these lazily; import them before torch_npu is emulated, because
+# transformers probes for torch_npu and the emulation module has no import spec.
+_TRANSFORMERS_EAGER = ("transformers.integrations.flash_attention", "transformers.masking_utils")
+
+
+@dataclass(frozen=True)
+class ValidateRequest:
+    manifest: str
+    rendered: str
+    config: str
+    backend: str = "auto"
+    framework_root: str | None = None
+    seed: int = 0
+    scenario: Scenario = DEFAULT
+    sweep_readings: bool = True
+    framework_api: str | None = None
+
+
+def resolve_backend(requested: str) -> str:
+    from validators.npu_ops import npu_available
+
+    if requested == "emulated":
+        return "emulated"
+    available, why = npu_available()
+    if requested == "npu":
+        if not available:
+            raise InputError("--backend", f"npu requested but unavailable ({why})")
+        return "npu"
+    return "npu" if available else "emulated"
+
+
+def validate(req: ValidateRequest, progress=None) -> Report:
+    manifest = load_manifest(req.manifest)
+    _, real_config = read_config_file(req.config)
+    rendered_dir = Path(req.rendered)
+    if not (rendered_dir / "kvcache_attention.py").is_file():
+        raise InputError(str(rendered_dir), "no kvcache_attention.py: run `kvcache render` first", field="--rendered")
+    if manifest.parallel.attn_tp_size != 1:
+        raise InputError(req.manifest, f"attn_tp_size {manifest.parallel.attn_tp_size}: single-rank validation "
+                                       "needs a TP 1 manifest (multi-rank validation is separate)",
+                         field="parallel.attn_tp_size")
+    backend = resolve_backend(req.backend)
+    say = progress or (lambda msg: None)
+    started = time.perf_counter()
+
+    import importlib
+
+    for name in _TRANSFORMERS_EAGER:
+        importlib.import_module(name)
+    from validators.tiny import build_tiny_model
+
+    say("building the tiny transformers model")
+    pristine, plan = build_tiny_model(real_config, manifest, seed=req.seed)
+    report = Report(backend=backend, deploy_mode=manifest.deploy_mode.value, model_type=manifest.model.model_type,
+                    manifest_hash=manifest.content_hash())
+    report.notes += plan.notes
+    if manifest.kv_mode.value != "paged":
+        raise InputError(req.manifest, "Legacy manifests are not validated numerically yet (paged only)",
+                         field="kv_mode")
+
+    from validators.npu_ops import DeviceReadings
+
+    report.readings = {"band_at_single_query": "honoured", "window_pre_tokens": "exclusive"}
+    say(f"running the {manifest.deploy_mode.value}-mode checks on the {backend} backend")
+    _run(report, manifest, req, pristine, plan, backend, DeviceReadings(), req.scenario)
+
+    if req.sweep_readings and backend == "emulated":
+        for dep in manifest.device_dependencies:
+            if dep.question not in ("band_at_single_query", "window_pre_tokens"):
+                continue
+            say(f"device reading sweep: {dep.question}={dep.alternative}")
+            readings = replace(DeviceReadings(), **{dep.question: dep.alternative})
+            sweep = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
+                           manifest_hash=report.manifest_hash)
+            try:
+                _run(sweep, manifest, req, pristine, plan, backend, readings, QUICK)
+                verdict = "survives" if sweep.passed else "fails: " + ", ".join(c.name for c in sweep.failed())
+            except Exception as exc:  # an op rejecting the call under that reading is a result too
+                verdict = f"fails: {type(exc).__name__}: {exc}"
+            report.notes.append(f"under {dep.question}={dep.alternative} the render {verdict}")
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pristine, plan, backend: str,
+         readings, scenario: Scenario) -> None:
+    from validators.host import HostModel, import_rendered
+    from validators.npu_ops import device_readings, install_emulation
+
+    model = copy.deepcopy(pristine)
+    ref = copy.deepcopy(pristine)
+    ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
+    cache_dtype = torch.float32
+    with ops, device_readings(readings), _framework(manifest, req) as handle:
+        rendered = import_rendered(req.rendered)
+        host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, window=plan.window,
+                         block_size=manifest.block_size)
+        if manifest.deploy_mode.value == "framework":
+            from validators.framework_run import run_framework
+
+            generation = handle.generation if handle else (req.framework_api or manifest.framework_api or "G2")
+            run_framework(report, manifest, host, ref, handle.api(), generation, scenario, req.seed, cache_dtype)
+        else:
+            from validators.standalone_run import run_standalone
+
+            run_standalone(report, manifest, host, ref, scenario, req.seed, cache_dtype)
+
+
+@contextlib.contextmanager
+def _framework(manifest: SelectionManifest, req: ValidateRequest):
+    if manifest.deploy_mode.value != "framework":
+        yield None
+        return
+    from validators.harness import install_framework
+
+    generation = req.framework_api or manifest.framework_api or "G2"
+    with install_framework(generation, req.framework_root,
+                           fallback_to_harness=["executor.utils.common_utils"]) as handle:
+        yield handle

@@ -39,8 +39,9 @@ class Scenario:
 
     ctx: Ctx
     sparse: int | None  # None: unknown
-    sparse_node: ast.AST  # where the sparse_mode value is written (MISSING when not passed)
+    sparse_origin: ast.AST | None  # where the sparse_mode value is written (None when not passed)
     mask: ast.AST  # MISSING / OPAQUE / expression
+    mask_origin: ast.AST | None
     mask_at: ast.AST
     certain: bool
 
@@ -78,7 +79,7 @@ class FileChecker:
         self.info = ModuleInfo(tree, path)
         self.resolver = Resolver(self.info)
         self.masks = MaskFacts(self.resolver)
-        self.names, self.attrs = ops.collect_aliases(tree)
+        self.names, self.attrs = ops.collect_aliases(self.info.nodes)
         self.framework = self._framework_mode()
         self.raw: list[tuple[str, ast.AST, dict]] = []  # (rule id, node, message fields)
         self._seen: set[tuple[str, int, int]] = set()
@@ -98,7 +99,7 @@ class FileChecker:
         self.raw.append((rule_id, node, fields))
 
     def _framework_mode(self) -> bool:
-        for node in ast.walk(self.tree):
+        for node in self.info.nodes:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("executor.core"):
                 return True
             if isinstance(node, ast.Name) and node.id in _FRAMEWORK_NAMES:
@@ -123,7 +124,7 @@ class FileChecker:
     # ------------------------------------------------------------ driver
 
     def run(self) -> list[tuple[str, ast.AST, dict]]:
-        for node in ast.walk(self.tree):
+        for node in self.info.nodes:
             if isinstance(node, ast.Call):
                 self._call(node)
             elif isinstance(node, (ast.AugAssign, ast.Assign)):
@@ -171,7 +172,8 @@ class FileChecker:
             if sparse is None and sv.node is not MISSING and sv.node is not OPAQUE:
                 sparse = as_int(self._number_node(sv))
             for mv in self.arg_variants(call, "atten_mask", sv.ctx, star):
-                out.append(Scenario(mv.ctx, sparse, sv.node, mv.node, mv.at, sv.certain and mv.certain))
+                out.append(Scenario(mv.ctx, sparse, sv.origin, mv.node, mv.origin, mv.at,
+                                    sv.certain and mv.certain))
         return out
 
     def _number_node(self, v: Variant):
@@ -205,8 +207,8 @@ class FileChecker:
         is_mla = self.is_mla_call(call, named)
         for sc in self.scenarios(call, ctx, star):
             # report where the value is written (it may be set lines above the call)
-            anchor_sparse = sc.sparse_node if hasattr(sc.sparse_node, "lineno") else call
-            anchor_mask = sc.mask if hasattr(sc.mask, "lineno") else call
+            anchor_sparse = sc.sparse_origin or call
+            anchor_mask = sc.mask_origin or call
             fired = self.fa_fired.setdefault(id(call), set())
             if sc.certain and sc.sparse == 0:
                 if sc.ctx.phase == PREFILL and sc.no_mask and sc.mask is not OPAQUE:
@@ -285,22 +287,48 @@ class FileChecker:
 
     # ------------------------------------------------------------ index dicts
 
-    def dict_whole(self, node: ast.AST, call: ast.Call, ctx: Ctx, field: str, op: str, depth: int = 0) -> None:
-        if depth > 4:
-            return
+    def dict_whole(self, node: ast.AST, call: ast.Call, ctx: Ctx, field: str, op: str) -> None:
+        found = self._find_dict(node, call, ctx, field, 0)
+        if found is not None:
+            site, base = found
+            self.emit(_DICT_FIELDS[field], site, expr=ast.unparse(base), op=op)
+
+    def _find_dict(self, node: ast.AST, at: ast.AST, ctx: Ctx, field: str, depth: int):
+        """(where the dict is passed on, the dict expression) if ``node`` is the whole index dict.
+
+        Follows local names and ``self`` attributes, and a helper's parameter back to the
+        helper's call sites in the same class or module (``self.paged_attention(q, block_table)``).
+        """
+        if depth > 3:
+            return None
         base = strip_methods(node)
-        if self._is_dict_source(base, call, field):
-            self.emit(_DICT_FIELDS[field], node, expr=ast.unparse(base), op=op)
-            return
-        if isinstance(base, (ast.Name, ast.Attribute)):
-            at = call if depth == 0 else node
-            for v in self.resolver.certain_variants(base, at, ctx):
-                if v.node is base:
-                    continue
-                inner = strip_methods(v.node)
-                if self._is_dict_source(inner, v.at, field):
-                    self.emit(_DICT_FIELDS[field], node, expr=ast.unparse(inner), op=op)
-                    return
+        if self._is_dict_source(base, at, field):
+            return node, base
+        if not isinstance(base, (ast.Name, ast.Attribute)):
+            return None
+        for v in self.resolver.certain_variants(base, at, ctx):
+            if v.node is base:
+                continue
+            inner = strip_methods(v.node)
+            if self._is_dict_source(inner, v.at, field):
+                return node, inner
+            if isinstance(inner, ast.Name):
+                found = self._dict_through_callers(inner, v.at, field, depth)
+                if found is not None:
+                    return found
+        if isinstance(base, ast.Name):
+            return self._dict_through_callers(base, at, field, depth)
+        return None
+
+    def _dict_through_callers(self, name: ast.Name, at: ast.AST, field: str, depth: int):
+        func = self.info.function_of(at)
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or self.info.parameter(func, name.id) is None:
+            return None
+        for call, arg in self.info.call_site_args(func, name.id):
+            found = self._find_dict(arg, call, self.info.ctx_of(call), field, depth + 1)
+            if found is not None:
+                return found
+        return None
 
     def _is_dict_source(self, node: ast.AST, at: ast.AST, field: str) -> bool:
         if isinstance(node, ast.Attribute) and node.attr == field and self.framework:

@@ -54,7 +54,7 @@ class ManifestChecks:
             for v in self.resolver.certain_variants(node, call, ctx):
                 value = as_str(v.node)
                 if value is not None and value != m.fa.input_layout:
-                    self.c.emit("KV804", node, value=value, expected=m.fa.input_layout)
+                    self.c.emit("KV804", _origin(v, node), value=value, expected=m.fa.input_layout)
                     break
         self.scale(call, named, star, ctx)
         self.block_size_value(call)
@@ -75,13 +75,13 @@ class ManifestChecks:
             number = self.resolver.number(v.node, v.at, v.ctx)
             if number is not None:
                 if abs(number - expected) > 1e-6 * abs(expected) + 1e-12:
-                    self.c.emit("KV802", node, value=f"{number:.6g}", expected=expected)
+                    self.c.emit("KV802", _origin(v, node), value=f"{number:.6g}", expected=expected)
                 return
             if needs_yarn:
                 idents: set[str] = set()
                 complete = self._closure(v.node, v.at, v.ctx, idents, 0)
                 if complete and not any(_YARN_WORDS.search(i) for i in idents):
-                    self.c.emit("KV801", node, expr=ast.unparse(node), expected=expected)
+                    self.c.emit("KV801", _origin(v, node), expr=ast.unparse(v.node), expected=expected)
                     return
 
     def _closure(self, node: ast.AST, at: ast.AST, ctx: Ctx, idents: set[str], depth: int) -> bool:
@@ -138,7 +138,7 @@ class ManifestChecks:
                 layers = sliding_layers
             elif sc.ctx.sliding is False:
                 layers = [layer for layer in m.layers if layer.attn_type != "SlidingWindow"]
-            anchor = sc.sparse_node if hasattr(sc.sparse_node, "lineno") else call
+            anchor = sc.sparse_origin or call
             if sc.sparse is not None and layers and not already and not (mtp and sc.ctx.phase != PREFILL):
                 phases = [sc.ctx.phase] if sc.ctx.phase else [PREFILL, DECODE]
                 allowed = sorted({getattr(layer.sparse_mode, p) for layer in layers for p in phases})
@@ -161,7 +161,7 @@ class ManifestChecks:
         for v in self.resolver.certain_variants(node, call, ctx):
             value = self._window_number(v.node, v.at, v.ctx, window, 0)
             if isinstance(value, int) and value not in expected:
-                self.c.emit("KV806", node, value=value, expected=" or ".join(map(str, expected)))
+                self.c.emit("KV806", _origin(v, node), value=value, expected=" or ".join(map(str, expected)))
                 return
 
     def _window_number(self, node, at, ctx, window, depth):
@@ -197,7 +197,7 @@ class ManifestChecks:
         for v in self.resolver.certain_variants(node, call, ctx):
             value = self.resolver.number(v.node, v.at, v.ctx)
             if isinstance(value, int) and value != self.m.block_size:
-                self.c.emit("KV807", node, value=value, expected=self.m.block_size)
+                self.c.emit("KV807", _origin(v, node), value=value, expected=self.m.block_size)
                 return
 
     def entry_generation(self, call: ast.Call, gen: str) -> None:
@@ -247,7 +247,7 @@ class ManifestChecks:
 
     def constant_attn_type(self) -> None:
         sites: list[tuple[ast.AST, object]] = []
-        for node in ast.walk(self.c.tree):
+        for node in self.c.info.nodes:
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if is_self_attr(target) and target.attr == "attn_type":
@@ -264,6 +264,11 @@ class ManifestChecks:
         if len(values) == 1 and None not in values:
             kinds = sorted({layer.attn_type for layer in self.m.layers})
             self.c.emit("KV810", sites[0][0], value=values.pop(), expected=" and ".join(kinds))
+
+
+def _origin(variant, fallback: ast.AST) -> ast.AST:
+    """Where a value is written (possibly lines above its use): the place to fix it."""
+    return variant.origin or fallback
 
 
 def _const(node: ast.AST):

@@ -101,14 +101,12 @@ class MaskFacts:
                 return "float"  # torch's default dtype
             if name == "full" and len(node.args) >= 2:
                 fill = node.args[1]
-                if isinstance(fill, ast.Constant):
-                    if isinstance(fill.value, bool):
-                        return "bool"
-                    if isinstance(fill.value, float):
-                        return "float"
-                    if isinstance(fill.value, int):
-                        return "int"
-                return None
+                if isinstance(fill, ast.Constant) and isinstance(fill.value, bool):
+                    return "bool"
+                value = as_number(fill)
+                if isinstance(value, float) or (isinstance(fill, ast.Call) and _func_name(fill) == "float"):
+                    return "float"
+                return "int" if isinstance(value, int) else None
             if name in ("tril", "triu", "ones_like", "zeros_like", "empty_like", "clone") and node.args:
                 return self.dtype(node.args[0], at, ctx, depth + 1)
             if name in ("logical_not", "logical_and", "logical_or", "eq", "ne", "gt", "lt", "ge", "le"):

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
+import sys
 from functools import cache
+from pathlib import Path
 
 FA_V1 = "npu_fused_infer_attention_score"
 FA_V2 = "npu_fused_infer_attention_score_v2"
@@ -36,15 +40,40 @@ WRITER_INDEX_ARG = {SCATTER_ND: ("indices", 1), SCATTER_ND_OUT: ("indices", 1),
 
 
 @cache
+def _schema_module():
+    """``validators.npu_ops.schemas`` without running ``validators/npu_ops/__init__.py``.
+
+    The package's ``__init__`` imports torch and the emulation (seconds); its ``schemas`` module
+    is stdlib-only. When the package is already imported (a validation process), use it as is.
+    """
+    name = "validators.npu_ops.schemas"
+    if "validators.npu_ops" in sys.modules:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            return None
+    path = Path(__file__).resolve().parent.parent / "npu_ops" / "schemas.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("_kvcache_lint_op_schemas", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception:  # a broken sibling module must not take the linter down; KV103 goes quiet
+        return None
+    return module
+
+
+@cache
 def accepted_keywords(op: str) -> frozenset[str] | None:
     """Argument names of the real torch_npu 2.9.0 op, from the pinned schemas; None if unavailable.
 
-    Imported lazily: the schemas belong to ``validators.npu_ops`` and the linter must still run
-    (without rule KV103) where that package or its JSON is missing.
+    The schemas belong to ``validators.npu_ops`` (``op_schemas.json``); the linter still runs,
+    without rule KV103, where that module or its JSON is missing.
     """
-    try:
-        from validators.npu_ops.schemas import accepted_keywords as schema_keywords
-    except ImportError:
+    module = _schema_module()
+    schema_keywords = getattr(module, "accepted_keywords", None)
+    if schema_keywords is None:
         return None
     try:
         names = schema_keywords(op)
@@ -74,7 +103,7 @@ def op_of_expr(node: ast.AST) -> str | None:
     return name if name in ALL_OPS else None
 
 
-def collect_aliases(tree: ast.Module) -> tuple[dict[str, str], dict[str, str]]:
+def collect_aliases(nodes) -> tuple[dict[str, str], dict[str, str]]:
     """Names and ``self.<attr>`` attributes bound to an operator in this file.
 
     Covers ``from torch_npu import op as fa``, ``fa = torch_npu.op`` (any scope) and
@@ -82,7 +111,7 @@ def collect_aliases(tree: ast.Module) -> tuple[dict[str, str], dict[str, str]]:
     """
     names: dict[str, str] = {}
     attrs: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 if alias.name in ALL_OPS:

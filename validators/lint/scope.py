@@ -151,14 +151,12 @@ class ModuleInfo:
     def __init__(self, tree: ast.Module, path: str = "<string>") -> None:
         self.tree = tree
         self.path = path
-        self.parents: dict[ast.AST, ast.AST] = {}
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                self.parents[child] = node
+        self.parents, self.nodes = _index(tree)
         self._func_defs: dict[ast.AST, dict[str, list[ast.stmt]]] = {}
         self._class_defs: dict[ast.ClassDef, dict[str, list[tuple[ast.AST, ast.stmt]]]] = {}
         self._class_ctx: dict[ast.ClassDef, Ctx] = {}
         self._module_defs: dict[str, list[ast.stmt]] | None = None
+        self._calls_by_name: dict[str, list[ast.Call]] | None = None
 
     # ------------------------------------------------------------ scopes
 
@@ -312,30 +310,82 @@ class ModuleInfo:
         return self._module_defs
 
     def class_attr_defs(self, cls: ast.ClassDef) -> dict[str, list[tuple[ast.AST, ast.stmt]]]:
-        """``self.<attr> = ...`` assignments in the class's methods: attr -> [(method, stmt)]."""
-        if cls in self._class_defs:
-            return self._class_defs[cls]
-        defs: dict[str, list[tuple[ast.AST, ast.stmt]]] = {}
-        for item in cls.body:
-            if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        """``self.<attr> = ...`` assignments in the class's methods: attr -> [(method, stmt)].
+
+        Class-body constants (``sparse_mode = 3`` under ``class``) are included with the class
+        as their "method". Built for every class in one pass over the file.
+        """
+        if not self._class_defs:
+            self._build_class_defs()
+        return self._class_defs.get(cls, {})
+
+    def _build_class_defs(self) -> None:
+        index: dict[ast.ClassDef, dict[str, list[tuple[ast.AST, ast.stmt]]]] = {}
+        for node in self.nodes:
+            if isinstance(node, ast.ClassDef):
+                defs = index.setdefault(node, {})
+                for item in node.body:
+                    if isinstance(item, ast.Assign):
+                        for target in item.targets:
+                            if isinstance(target, ast.Name):
+                                defs.setdefault(target.id, []).append((node, item))
                 continue
-            for node in ast.walk(item):
-                if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    for target in targets:
-                        for sub in _flatten_targets(target):
-                            if _is_self_attr(sub):
-                                defs.setdefault(sub.attr, []).append((item, node))
-            # class-level constants: `sparse_mode = 3` in the class body
-        for item in cls.body:
-            if isinstance(item, ast.Assign):
-                for target in item.targets:
-                    if isinstance(target, ast.Name):
-                        defs.setdefault(target.id, []).append((cls, item))
-        for stmts in defs.values():
-            stmts.sort(key=lambda pair: (pair[1].lineno, pair[1].col_offset))
-        self._class_defs[cls] = defs
-        return defs
+            if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            attrs = [sub.attr for target in targets for sub in _flatten_targets(target) if _is_self_attr(sub)]
+            if not attrs:
+                continue
+            # the method: the function directly under a class, holding this statement
+            cur, method, cls = self.parents.get(node), None, None
+            while cur is not None:
+                parent = self.parents.get(cur)
+                if isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef)) and isinstance(parent, ast.ClassDef):
+                    method, cls = cur, parent
+                    break
+                cur = parent
+            if cls is None:
+                continue
+            defs = index.setdefault(cls, {})
+            for attr in attrs:
+                defs.setdefault(attr, []).append((method, node))
+        for defs in index.values():
+            for stmts in defs.values():
+                stmts.sort(key=lambda pair: (pair[1].lineno, pair[1].col_offset))
+        index.setdefault(None, {})  # marks the index as built even for files without classes
+        self._class_defs = index
+
+    def call_site_args(self, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.AST]]:
+        """Calls of ``func`` in this file (``self.f(...)`` within its class, ``f(...)`` for module
+        functions) and the argument each passes for ``param``."""
+        if self._calls_by_name is None:
+            index: dict[str, list[ast.Call]] = {}
+            for node in self.nodes:
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    if isinstance(f, ast.Name):
+                        index.setdefault(f.id, []).append(node)
+                    elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                        index.setdefault("self." + f.attr, []).append(node)
+            self._calls_by_name = index
+        parent = self.parents.get(func)
+        is_method = isinstance(parent, ast.ClassDef)
+        key = ("self." if is_method else "") + func.name
+        params = [a.arg for a in func.args.posonlyargs + func.args.args]
+        if is_method and params:
+            params = params[1:]  # bound `self`
+        position = params.index(param) if param in params else None
+        out = []
+        for call in self._calls_by_name.get(key, []):
+            if is_method and self.class_of(call) is not parent:
+                continue
+            arg = next((kw.value for kw in call.keywords if kw.arg == param), None)
+            if arg is None and position is not None and position < len(call.args) and \
+                    not any(isinstance(a, ast.Starred) for a in call.args[:position + 1]):
+                arg = call.args[position]
+            if arg is not None:
+                out.append((call, arg))
+        return out
 
     def is_parameter(self, func: ast.AST, name: str) -> bool:
         if func is None or not isinstance(func, _FUNC_TYPES):
@@ -353,6 +403,29 @@ class ModuleInfo:
             if a.arg == name:
                 return a
         return None
+
+
+def _index(tree: ast.AST) -> tuple[dict[ast.AST, ast.AST], list[ast.AST]]:
+    """Parent of every node and a flat list of all nodes, in one traversal (the linter's hot path)."""
+    parents: dict[ast.AST, ast.AST] = {}
+    nodes: list[ast.AST] = []
+    stack = [tree]
+    skip = (ast.expr_context, ast.boolop, ast.operator, ast.unaryop, ast.cmpop)  # shared singletons
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if isinstance(value, ast.AST):
+                if not isinstance(value, skip):
+                    parents[value] = node
+                    stack.append(value)
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, ast.AST) and not isinstance(item, skip):
+                        parents[item] = node
+                        stack.append(item)
+    return parents, nodes
 
 
 def _flatten_targets(target: ast.AST):

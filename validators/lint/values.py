@@ -25,6 +25,14 @@ class Variant:
     node: ast.AST
     certain: bool
     at: ast.AST  # position used to resolve names inside ``node``
+    site: ast.AST | None = None  # outermost assignment the value came through (None: used directly)
+
+    @property
+    def origin(self) -> ast.AST | None:
+        """Where to fix the value: a literal/expression where it is written, else the assignment."""
+        if hasattr(self.node, "lineno") and not isinstance(self.node, (ast.Name, ast.Attribute)):
+            return self.node
+        return self.site
 
 
 def as_int(node: ast.AST | None) -> int | None:
@@ -195,19 +203,17 @@ class Resolver:
 
     def _def_value(self, stmt: ast.stmt, expr: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
         """Value a definition statement gives ``expr`` (its target), resolved further."""
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and \
-                isinstance(stmt.targets[0], (ast.Name, ast.Attribute)):
-            return self.variants(stmt.value, stmt, ctx, depth + 1)
         if isinstance(stmt, ast.Assign) and all(isinstance(t, (ast.Name, ast.Attribute)) for t in stmt.targets):
-            return self.variants(stmt.value, stmt, ctx, depth + 1)  # chained `a = b = value`
+            # also chained `a = b = value`
+            return [replace(v, site=stmt) for v in self.variants(stmt.value, stmt, ctx, depth + 1)]
         if isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
-            return self.variants(stmt.value, stmt, ctx, depth + 1)
+            return [replace(v, site=stmt) for v in self.variants(stmt.value, stmt, ctx, depth + 1)]
         if isinstance(stmt, ast.AugAssign):
             # `x *= m` -> `x * m`, with `x` read before this statement
             synth = ast.BinOp(left=stmt.target, op=stmt.op, right=stmt.value)
             ast.copy_location(synth, stmt)
-            return [Variant(ctx, synth, True, stmt)]
-        return [Variant(ctx, expr, False, stmt)]
+            return [Variant(ctx, synth, True, stmt, stmt)]
+        return [Variant(ctx, expr, False, stmt, stmt)]
 
     # ------------------------------------------------------------ literal evaluation
 

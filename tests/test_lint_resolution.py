@@ -1,0 +1,336 @@
+"""How the linter decides what is certain: operator aliases, prefill/decode and sliding branches,
+values followed through assignments, and the conservative cases where it must stay silent."""
+
+from __future__ import annotations
+
+import textwrap
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from validators.lint import lint_source
+
+CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+
+
+def rules(source: str, manifest=None, path: str = "modeling_x.py") -> list[tuple[str, int]]:
+    return [(f.rule, f.line) for f in lint_source(textwrap.dedent(source), path, manifest=manifest)]
+
+
+def line_of(source: str, text: str, nth: int = 1) -> int:
+    """1-based line of the nth line containing ``text``."""
+    hits = [i for i, line in enumerate(textwrap.dedent(source).splitlines(), start=1) if text in line]
+    return hits[nth - 1]
+
+
+@cache
+def manifest(config: str, gen: str = "G2", deploy: str | None = None):
+    from analyzer.build import AnalyzeRequest, analyze
+
+    return analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"), framework_api=gen, deploy_mode=deploy))
+
+
+# ---------------------------------------------------------------- operator aliases
+
+@pytest.mark.parametrize("prelude, callee", [
+    ("import torch_npu as tnpu", "tnpu.npu_fused_infer_attention_score_v2"),
+    ("import torch", "torch.ops.npu.npu_fused_infer_attention_score_v2"),
+    ("import torch", "torch.ops.npu.npu_fused_infer_attention_score_v2.default"),
+    ("from torch_npu import npu_fused_infer_attention_score_v2 as fa2", "fa2"),
+    ("from torch_npu import npu_fused_infer_attention_score_v2", "npu_fused_infer_attention_score_v2"),
+    ("import torch_npu\nfused = torch_npu.npu_fused_infer_attention_score_v2", "fused"),
+    ("", "self.fa_ops.npu_fused_infer_attention_score_v2"),
+    ("", "self.attention_op"),
+])
+def test_operator_recognised_however_reached(prelude, callee):
+    source = f"""\
+{prelude}
+import torch_npu
+
+
+class Attn:
+    def __init__(self):
+        self.attention_op = torch_npu.npu_fused_infer_attention_score_v2
+
+    def forward(self, q, k, v):
+        return {callee}(q, k, v, scale=0.1)
+"""
+    assert rules(source) == [("KV101", line_of(source, "scale=0.1"))]
+
+
+def test_unrelated_call_with_same_keyword_is_ignored():
+    assert rules("""\
+        def forward(self, x):
+            return self.some_other_attention(x, scale=0.1, sparse_mode=0)
+    """) == []
+
+
+# ---------------------------------------------------------------- prefill / decode branches
+
+FA = "torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=8, scale=0.1, sparse_mode={mode})"
+
+
+def test_else_of_not_is_prefill_is_prefill():
+    assert rules(f"""\
+        import torch_npu
+
+        def forward(self, q, k, v, forward_metadata):
+            if not forward_metadata.is_prefill:
+                return {FA.format(mode=3)}
+            else:
+                return {FA.format(mode=0)}
+    """) == [("KV201", 7)]
+
+
+def test_function_name_gives_the_phase():
+    src = f"""\
+        import torch_npu
+
+        class Attn:
+            def forward_prefill(self, q, k, v):
+                return {FA.format(mode=0)}
+
+            def forward_decode(self, q, k, v):
+                return {FA.format(mode=0)}
+    """
+    assert rules(src) == [("KV201", 5)]
+
+
+def test_conditional_expression_reported_where_the_value_is_written():
+    assert rules(f"""\
+        import torch_npu
+
+        def forward(self, q, k, v, forward_metadata):
+            sparse_mode = 0 if forward_metadata.is_prefill else 3
+            return {FA.format(mode="sparse_mode")}
+    """) == [("KV201", 4)]
+
+
+def test_reaching_assignments_split_by_branch():
+    override_in_prefill = f"""\
+        import torch_npu
+
+        def forward(self, q, k, v, forward_metadata):
+            sparse_mode = 0
+            if forward_metadata.is_prefill:
+                sparse_mode = 3
+            return {FA.format(mode="sparse_mode")}
+    """
+    assert rules(override_in_prefill) == []
+    zero_in_prefill = override_in_prefill.replace("sparse_mode = 3", "sparse_mode = 0").replace(
+        "sparse_mode = 0\n", "sparse_mode = 3\n", 1)
+    assert rules(zero_in_prefill) == [("KV201", 6)]
+
+
+def test_unknown_phase_is_not_reported():
+    # a helper used by both paths: whether it runs at prefill is not known statically
+    assert rules(f"""\
+        import torch_npu
+
+        class Attn:
+            def _attend(self, q, k, v):
+                return {FA.format(mode=0)}
+    """) == []
+
+
+def test_unknown_condition_is_not_certain():
+    assert rules(f"""\
+        import torch_npu
+
+        def forward(self, q, k, v, forward_metadata):
+            if forward_metadata.is_prefill:
+                sparse_mode = 0 if self.use_legacy_kernel else 3
+                return {FA.format(mode="sparse_mode")}
+    """) == []
+
+
+def test_kwargs_passthrough_is_not_missing():
+    assert rules("""\
+        import torch_npu
+
+        def forward(self, q, k, v, forward_metadata, **fa_kwargs):
+            if forward_metadata.is_prefill:
+                return torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=8, **fa_kwargs)
+    """) == []
+
+
+def test_omitted_sparse_mode_defaults_to_0():
+    assert rules("""\
+        import torch_npu
+
+        def forward(self, q, k, v, forward_metadata):
+            if forward_metadata.is_prefill:
+                return torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=8, scale=0.1)
+    """) == [("KV201", 5)]
+
+
+# ---------------------------------------------------------------- sliding layers and MLA
+
+def test_sliding_class_by_name():
+    src = f"""\
+        import torch_npu
+
+        class MistralSlidingWindowAttention:
+            def forward(self, q, k, v, forward_metadata):
+                if forward_metadata.is_prefill:
+                    return {FA.format(mode=4)}
+                return {FA.format(mode=0)}
+    """
+    assert rules(src) == [("KV202", 7)]
+    assert rules(src.replace("MistralSlidingWindowAttention", "MistralAttention")) == []
+
+
+def test_sliding_branch_by_attn_type_comparison():
+    assert rules(f"""\
+        import torch_npu
+
+        class Attn:
+            def forward(self, q, k, v):
+                if self.attn_type == "SlidingWindow":
+                    return {FA.format(mode=0)}
+                return {FA.format(mode=0)}
+    """) == [("KV202", 6)]
+
+
+def test_mla_decode_mode_3_in_mtp_branch_is_allowed():
+    src = """\
+        import torch_npu
+
+        class Attn:
+            def forward_absorb(self, q, k, v, q_pe, k_pe, forward_metadata):
+                if forward_metadata.is_prefill:
+                    mode = 3
+                elif self.next_n > 0:
+                    mode = 3
+                else:
+                    mode = 0
+                return torch_npu.npu_fused_infer_attention_score_v2(
+                    q, k, v, query_rope=q_pe, key_rope=k_pe, num_key_value_heads=1, sparse_mode=mode)
+    """
+    assert rules(src) == []
+    no_mtp = src.replace("elif self.next_n > 0:", "elif True:")
+    assert rules(no_mtp) == []  # `elif True` is not understood: the decode 3 is not certain
+    plain = src.replace("""                elif self.next_n > 0:
+                    mode = 3
+                else:
+                    mode = 0""", """                else:
+                    mode = 3""")
+    assert rules(plain) == [("KV203", line_of(plain, "mode = 3", 2))]
+
+
+# ---------------------------------------------------------------- masks
+
+@pytest.mark.parametrize("mask, expected", [
+    ("torch.ones(2048, 2048, dtype=torch.bool).triu(1)", []),
+    ("~torch.tril(torch.ones(2048, 2048, dtype=torch.bool))", []),
+    ("torch.triu(torch.ones(2048, 2048), diagonal=1).to(torch.int8)", []),
+    ("torch.triu(torch.ones(2048, 2048), diagonal=1)", ["KV204"]),
+    ("torch.full((2048, 2048), float('-inf')).triu(1)", ["KV204"]),
+    ("torch.ones(2048, 2048, dtype=torch.bool).triu(1).half()", ["KV204"]),
+    ("torch.ones((1, 1, 2048, 2048), dtype=torch.bool)", []),
+    ("torch.ones(2048, 2048, dtype=torch.bool).unsqueeze(0)", []),
+    ("torch.ones(4096, 4096, dtype=torch.bool)", ["KV205"]),
+    ("torch.ones(1, 2048, 4096, dtype=torch.bool)", ["KV205"]),
+    ("torch.ones(2048, 2048, dtype=torch.bool).view(1, 2048, -1)", []),
+    ("torch.ones(self.max_len, self.max_len, dtype=torch.bool)", []),
+])
+def test_mask_dtype_and_shape(mask, expected):
+    src = f"""\
+        import torch
+        import torch_npu
+
+        class Attn:
+            def __init__(self):
+                self.attn_mask = {mask}
+
+            def forward(self, q, k, v):
+                return torch_npu.npu_fused_infer_attention_score(
+                    q, k, v, num_heads=8, scale=0.1, atten_mask=self.attn_mask, sparse_mode=3)
+    """
+    assert [rule for rule, _ in rules(src)] == expected
+
+
+# ---------------------------------------------------------------- deployment mode
+
+STANDALONE_FA = """\
+    import torch_npu
+
+    class Attn:
+        def forward(self, q, k, v, forward_metadata):
+            return torch_npu.npu_fused_infer_attention_score(
+                q, k, v, num_heads=32, num_key_value_heads=8, input_layout="TND", scale=self.head_dim ** -0.5,
+                atten_mask=forward_metadata.attention_mask, sparse_mode=3,
+                block_table=forward_metadata.block_table, block_size=128)
+"""
+
+
+def test_whole_block_table_is_fine_in_standalone_mode():
+    # the standalone runner's ForwardMetaData holds one tensor, not a dict
+    assert rules(STANDALONE_FA) == []
+    assert rules(STANDALONE_FA, manifest("qwen3_8b", deploy="standalone")) == []
+
+
+def test_whole_block_table_flagged_when_manifest_says_framework():
+    assert rules(STANDALONE_FA, manifest("qwen3_8b")) == [("KV301", 8)]
+
+
+def test_block_table_followed_into_helper_parameter():
+    assert rules("""\
+        import torch_npu
+        from executor.core.kv_cache import CacheEntry
+
+        class Attn:
+            def attend(self, q, k, v, table):
+                return torch_npu.npu_fused_infer_attention_score(q, k, v, sparse_mode=3, block_table=table)
+
+            def forward(self, q, k, v, forward_metadata):
+                tables = forward_metadata.block_table
+                return self.attend(q, k, v, tables)
+    """) == [("KV301", 10)]
+
+
+# ---------------------------------------------------------------- kv_len ownership
+
+KV_LEN_BUMP = """\
+    class Model:
+        def forward(self, input_ids, kv_len):
+            kv_len += 1
+            kv_len_offset = kv_len + 1
+            return kv_len_offset
+
+        def prepare_inputs(self, kv_len):
+            kv_len += 1
+            return kv_len
+"""
+
+
+def test_kv_len_only_in_model_forward_or_cache_code():
+    assert rules(KV_LEN_BUMP) == [("KV401", 3)]
+
+
+def test_kv_len_in_runner_file_or_class_is_fine():
+    assert rules(KV_LEN_BUMP, path="runner_qwen3.py") == []
+    assert rules(KV_LEN_BUMP.replace("class Model:", "class Qwen3Runner:")) == []
+
+
+# ---------------------------------------------------------------- manifest: window arithmetic
+
+def test_pre_tokens_window_expression_uses_manifest_window():
+    src = """\
+        import torch_npu
+
+        class GptOssSlidingAttention:
+            def __init__(self, config):
+                self.sliding_window = config.sliding_window
+                self.pre_tokens = self.sliding_window {op}
+
+            def forward(self, q, k, v, forward_metadata):
+                return torch_npu.npu_fused_infer_attention_score_v2(
+                    q, k, v, num_query_heads=64, num_key_value_heads=8, input_layout="TND", softmax_scale=0.125,
+                    atten_mask=forward_metadata.attention_mask, sparse_mode=4, pre_tokens=self.pre_tokens,
+                    next_tokens=0, block_table=forward_metadata.block_table[self.attn_type], block_size=128)
+    """
+    m = manifest("gpt_oss_20b")
+    assert rules(src.format(op="- 1"), m) == []
+    assert rules(src.format(op="+ 0"), m) == [("KV806", 6)]

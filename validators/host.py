@@ -185,6 +185,7 @@ class HostModel:
                  window: int | None = None, block_size: int = 128):
         self.hf_model = hf_model
         self.rendered = rendered
+        self.step_index = -1  # forward calls so far, for failure locations
         self.probe = _Probe()
         if window is not None and hasattr(rendered.attention, "SLIDING_WINDOW"):
             # The only knob the validator turns: a window a CPU can cross (recorded in the report).
@@ -220,6 +221,7 @@ class HostModel:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
         """Packed [T] ids/positions -> logits [T, vocab]."""
+        self.step_index += 1
         with current_metadata(forward_metadata):
             out = self.hf_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
         return out.logits[0].float()

@@ -114,15 +114,23 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
         rendered = import_rendered(req.rendered)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, window=plan.window,
                          block_size=manifest.block_size)
-        if manifest.deploy_mode.value == "framework":
-            from validators.framework_run import run_framework
+        try:
+            if manifest.deploy_mode.value == "framework":
+                from validators.framework_run import run_framework
 
-            generation = handle.generation if handle else (req.framework_api or manifest.framework_api or "G2")
-            run_framework(report, manifest, host, ref, handle.api(), generation, scenario, req.seed, cache_dtype)
-        else:
-            from validators.standalone_run import run_standalone
+                run_framework(report, manifest, host, ref, handle.api(), handle.generation, scenario, req.seed,
+                              cache_dtype)
+            else:
+                from validators.standalone_run import run_standalone
 
-            run_standalone(report, manifest, host, ref, scenario, req.seed, cache_dtype)
+                run_standalone(report, manifest, host, ref, scenario, req.seed, cache_dtype)
+        except Exception as exc:  # the rendered code or an operator rejected a call: a finding, not a crash
+            last = host.probe.records[-1] if host.probe.records else {}
+            where = f"step {host.step_index}, layer {last.get('layer', '?')}"
+            report.add("rendered code runs without operator errors", "runtime", False,
+                       detail=f"{where}: {type(exc).__name__}: {exc}")
+            return
+        report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1)
 
 
 @contextlib.contextmanager

@@ -334,3 +334,34 @@ def test_pre_tokens_window_expression_uses_manifest_window():
     m = manifest("gpt_oss_20b")
     assert rules(src.format(op="- 1"), m) == []
     assert rules(src.format(op="+ 0"), m) == [("KV806", 6)]
+
+
+# ---------------------------------------------------------------- packed hidden states
+
+HIDDEN_3D = """\
+    {prelude}
+
+    class DecoderLayer:
+        def forward(self, hidden_states, forward_metadata, bsz, q_len):
+            hidden_states = hidden_states.view(bsz, q_len, -1)
+            {extra}
+            return hidden_states
+"""
+
+
+@pytest.mark.parametrize("prelude, extra, expected", [
+    ("from executor.core.kv_cache import CacheEntry", "", [("KV701", 5)]),
+    # standalone code (no framework cache API) keeps its own [B, S, H] layout
+    ("from executor.utils.forward_metadata import ForwardMetaData", "", []),
+    # framework mode on the Legacy (BSH) cache: the documented [B, S] shim
+    ("from executor.core.kv_cache import CacheEntry",
+     "torch_npu.scatter_update_(self.k_cache, forward_metadata.kv_len, hidden_states, 1)", []),
+])
+def test_hidden_states_view_only_in_packed_framework_code(prelude, extra, expected):
+    assert rules(HIDDEN_3D.format(prelude=prelude, extra=extra)) == expected
+
+
+def test_hidden_states_view_legacy_manifest():
+    src = HIDDEN_3D.format(prelude="import torch", extra="")
+    assert rules(src, manifest("qwen3_8b")) == [("KV701", 5)]
+    assert rules(src, manifest("gemma2_9b")) == []  # soft-capping keeps gemma2 on the Legacy cache

@@ -80,7 +80,7 @@ class FileChecker:
         self.resolver = Resolver(self.info)
         self.masks = MaskFacts(self.resolver)
         self.names, self.attrs = ops.collect_aliases(self.info.nodes)
-        self.framework = self._framework_mode()
+        self.framework, self.packed = self._framework_mode()
         self.raw: list[tuple[str, ast.AST, dict]] = []  # (rule id, node, message fields)
         self._seen: set[tuple[str, int, int]] = set()
         # calls the manifest checks revisit: (call, op or class name)
@@ -98,18 +98,31 @@ class FileChecker:
         self._seen.add(key)
         self.raw.append((rule_id, node, fields))
 
-    def _framework_mode(self) -> bool:
+    def _framework_mode(self) -> tuple[bool, bool]:
+        """(framework KV-cache code, framework *paged* code with packed [T, H] hidden states).
+
+        Framework mode shows in the file itself (CacheEntry / cache_entries / get_cache_info /
+        ModelCacheInfo, or an import from executor.core.kv_cache) or comes from the manifest.
+        Legacy code (``scatter_update_``, ``cache_unit``, or a Legacy manifest) keeps [B, S, H].
+        """
+        framework = legacy = False
         for node in self.info.nodes:
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("executor.core"):
-                return True
-            if isinstance(node, ast.Name) and node.id in _FRAMEWORK_NAMES:
-                return True
-            if isinstance(node, ast.Attribute) and node.attr in _FRAMEWORK_NAMES:
-                return True
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "get_cache_info":
-                return True
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("executor.core.kv_cache"):
+                framework = True
+            elif isinstance(node, ast.Name) and node.id in _FRAMEWORK_NAMES:
+                framework = True
+            elif isinstance(node, ast.Attribute):
+                if node.attr in _FRAMEWORK_NAMES:
+                    framework = True
+                elif node.attr in (ops.SCATTER_LEGACY, ops.SCATTER_LEGACY_OUT, "cache_unit"):
+                    legacy = True
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "get_cache_info":
+                framework = True
         manifest = self.manifest
-        return bool(manifest is not None and manifest.deploy_mode.value == "framework")
+        if manifest is not None:
+            framework = framework or manifest.deploy_mode.value == "framework"
+            legacy = legacy or manifest.kv_mode.value == "legacy"
+        return framework, framework and not legacy
 
     def _is_runner_code(self, node: ast.AST) -> bool:
         if os.path.basename(self.path).lower().startswith("runner"):
@@ -409,7 +422,7 @@ class FileChecker:
     # ------------------------------------------------------------ packed hidden states
 
     def hidden_view(self, call: ast.Call) -> None:
-        if not self.framework:
+        if not self.packed:
             return
         receiver = call.func.value
         term = (_terminal(strip_methods(receiver)) or "").lower()

@@ -1,17 +1,20 @@
 """The attention kernel: softmax(scale * q.k^T [+ rope term], masked) @ v, with optional sinks.
 
-Inputs are already validated and canonical. Work is tiled so memory stays bounded and
-fully-masked regions are skipped:
+Inputs are already validated and canonical. Two strategies, same arithmetic:
 
-* query rows are processed in chunks; for each chunk the union of visible keys across the
-  batch is computed from the mask rule and only that key range is touched (causal and band
-  patterns skip most of the upper triangle / out-of-window blocks);
-* inside a chunk, keys are gathered in block-aligned pieces (one ``index_select`` each), the
-  scores for every KV head are produced with one batched matmul per head, the softmax is
-  done once over the whole range, and ``P @ V`` is accumulated piece by piece.
+* request-major (prefill, non-paged, any layout): query rows are processed in chunks; for
+  each chunk the union of visible keys across the batch is computed from the mask rule and
+  only that key range is touched (causal and band patterns skip most of the upper triangle
+  and out-of-window blocks). Keys arrive as head-major chunks and every chunk costs one
+  batched matmul for the scores and one for ``P @ V``.
+* block-major (paged, short queries - decode and MTP): each *physical* cache block that some
+  request needs is multiplied in place by its owner's queries, so the KV working set is
+  read once and never gathered into a per-request copy. A block referenced by several
+  requests (shared prefix, the null block) is processed once per reference ("rounds").
 
-There is no per-token or per-request Python loop; the loops are over row chunks, key chunks
-and KV heads only. Arithmetic is in the compute dtype (float32, or float64 for float64 inputs).
+There is no per-token or per-request Python loop; the loops run over row chunks, key chunks,
+block chunks and rounds. Arithmetic is in the compute dtype (float32, or float64 for
+float64 inputs).
 """
 
 from __future__ import annotations
@@ -20,22 +23,13 @@ import math
 
 import torch
 
-from validators.npu_ops.fa_kv import KVSource
+from validators.npu_ops.fa_kv import KVSource, PagedKV
 from validators.npu_ops.fa_masks import MaskSpec, visible_keys
 
-SCORE_BUDGET_BYTES = 32 << 20  # score tile of one row chunk
-KV_CHUNK_BYTES = 8 << 20  # one gathered key (or value) piece
-
-
-def _row_chunk(batch: int, num_q_heads: int, num_keys: int, itemsize: int, total_rows: int) -> int:
-    per_row = max(1, batch * num_q_heads * num_keys * itemsize)
-    return max(1, min(total_rows, SCORE_BUDGET_BYTES // per_row))
-
-
-def _key_chunk(batch: int, num_kv_heads: int, head_dim: int, itemsize: int, granularity: int) -> int:
-    per_key = max(1, batch * num_kv_heads * head_dim * itemsize)
-    keys = max(granularity, KV_CHUNK_BYTES // per_key)
-    return max(granularity, keys // granularity * granularity)
+SCORE_BUDGET_BYTES = 16 << 20  # score tile of one row chunk (request-major)
+KV_CHUNK_BYTES = 8 << 20  # one gathered key (or value) piece (request-major)
+BLOCK_CHUNK_BYTES = 8 << 20  # physical blocks per step (block-major)
+BLOCK_MAJOR_MAX_ROWS = 16  # longest query handled block-major (decode, MTP)
 
 
 def attend(
@@ -50,78 +44,217 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention for canonical inputs.
 
-    ``q``/``q_rope``: ``[B, N_kv, S, G, D]`` already multiplied by the softmax scale (query head
-    ``h * G + g`` uses KV head ``h``). ``sinks``: ``[N_kv, G]`` logits or None.
+    ``q``/``q_rope``: contiguous ``[B, N_kv, S, G, D]`` already multiplied by the softmax scale
+    (query head ``h * G + g`` uses KV head ``h``). ``sinks``: ``[N_kv, G]`` logits or None.
     Returns ``out [B, N_kv, S, G, Dv]`` and ``lse [B, N_kv, S, G]`` in the compute dtype; rows
     that see no key (and have no sink) get zeros and ``-inf``.
     """
-    dtype = q.dtype
-    batch, n_kv, rows_total, group, head_dim = q.shape
-    out = torch.zeros(batch, n_kv, rows_total, group, value_dim, dtype=dtype)
-    lse = torch.full((batch, n_kv, rows_total, group), -math.inf, dtype=dtype)
-    n_keys = kv.num_keys
-    if n_keys == 0 or rows_total == 0 or batch == 0:
+    batch, n_kv, rows_total, group, _ = q.shape
+    out = torch.zeros(batch, n_kv, rows_total, group, value_dim, dtype=q.dtype)
+    lse = torch.full((batch, n_kv, rows_total, group), -math.inf, dtype=q.dtype)
+    if kv.num_keys == 0 or rows_total == 0 or batch == 0:
+        if sinks is not None and rows_total and batch:
+            lse.copy_(sinks.view(1, n_kv, 1, group).expand_as(lse))
         return out, lse
+    if isinstance(kv, PagedKV) and rows_total <= BLOCK_MAJOR_MAX_ROWS:
+        _block_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, lse)
+    else:
+        _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, lse)
+    return out, lse
 
+
+def _masked_softmax_(scores: torch.Tensor, vis: torch.Tensor, sinks: torch.Tensor | None):
+    """In place on ``scores [B, N_kv, R, G, L]``: mask, subtract the row max, exponentiate.
+
+    Returns (row max used, denominator), both ``[B, N_kv, R, G, 1]``; the sink (if any) takes
+    part in the max and the denominator but has no value row.
+    """
+    # Only columns where some row is hidden need the fill (for causal chunks: the diagonal tile).
+    hidden_cols = (~vis).any(dim=1).any(dim=0).nonzero()
+    if hidden_cols.numel():
+        c0, c1 = int(hidden_cols[0]), int(hidden_cols[-1]) + 1
+        scores[..., c0:c1].masked_fill_(~vis[:, None, :, None, c0:c1], -math.inf)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    sink_b = sinks.view(1, sinks.shape[0], 1, sinks.shape[1], 1) if sinks is not None else None
+    if sink_b is not None:
+        row_max = torch.maximum(row_max, sink_b)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    scores.sub_(row_max).exp_()
+    denom = scores.sum(dim=-1, keepdim=True)
+    if sink_b is not None:
+        denom = denom + torch.exp(sink_b - row_max)
+    return row_max, denom
+
+
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor, key_seen: torch.Tensor) -> torch.Tensor:
+    """``probs @ values`` where keys no row of the request can see contribute exactly zero.
+
+    Masked keys already have probability 0, but ``0 * NaN`` is NaN: a poisoned null block or
+    stale slots past the KV length would leak into the output. Data is normally finite, so
+    the product is checked once and recomputed with the unseen value rows zeroed only when
+    needed. ``key_seen`` broadcasts against ``values[..., :1]`` (one flag per key row).
+    """
+    result = torch.matmul(probs, values)
+    if bool(torch.isfinite(result).all()):
+        return result
+    return torch.matmul(probs, values.masked_fill(~key_seen, 0.0))
+
+
+def _finish(acc, row_max, denom, out_slice, lse_slice) -> None:
+    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+    out_slice.copy_(acc / safe)
+    lse_slice.copy_((row_max + torch.log(denom)).squeeze(-1))
+
+
+# --------------------------------------------------------------------------- request-major
+def _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, lse) -> None:
+    batch, n_kv, rows_total, group, head_dim = q.shape
     itemsize = q.element_size()
-    gran = kv.granularity
-    row_step = _row_chunk(batch, n_kv * group, n_keys, itemsize, rows_total)
-    key_step = _key_chunk(batch, n_kv, max(head_dim, value_dim), itemsize, gran)
-    sink_b = sinks.view(1, n_kv, 1, group, 1) if sinks is not None else None
+    n_keys, gran = kv.num_keys, kv.granularity
+    per_row = max(1, batch * n_kv * group * n_keys * itemsize)
+    row_step = max(1, min(rows_total, SCORE_BUDGET_BYTES // per_row))
+    per_key = max(1, batch * n_kv * max(head_dim, value_dim) * itemsize)
+    key_step = max(gran, KV_CHUNK_BYTES // per_key // gran * gran)
 
     for r0 in range(0, rows_total, row_step):
         r1 = min(rows_total, r0 + row_step)
         n_rows = r1 - r0
-        rows = torch.arange(r0, r1, dtype=torch.int64)
-        vis = visible_keys(mask, rows, 0, n_keys, q_lens, kv_lens)  # [B, R, n_keys]
+        vis = visible_keys(mask, torch.arange(r0, r1, dtype=torch.int64), 0, n_keys, q_lens, kv_lens)
         used = vis.any(dim=1).any(dim=0).nonzero()
-        if used.numel() == 0 and sink_b is None:
-            continue
         if used.numel() == 0:
-            lo, hi = 0, 0
-        else:
-            lo = int(used[0]) // gran * gran
-            hi = min(n_keys, -(-(int(used[-1]) + 1) // gran) * gran)
-        span = hi - lo
+            if sinks is not None:
+                lse[:, :, r0:r1] = sinks.view(1, n_kv, 1, group)
+            continue
+        lo = int(used[0]) // gran * gran
+        hi = min(n_keys, -(-(int(used[-1]) + 1) // gran) * gran)
         pieces = [(a, min(hi, a + key_step)) for a in range(lo, hi, key_step)]
 
-        scores = torch.empty(batch, n_kv, n_rows * group, span, dtype=dtype)
-        q_heads = [q[:, h, r0:r1].reshape(batch, n_rows * group, head_dim) for h in range(n_kv)]
-        qr_heads = (
-            [q_rope[:, h, r0:r1].reshape(batch, n_rows * group, q_rope.shape[-1]) for h in range(n_kv)]
-            if q_rope is not None else None
-        )
-        kept_keys = []
+        qc = q[:, :, r0:r1].reshape(batch, n_kv, n_rows * group, head_dim)
+        qrc = q_rope[:, :, r0:r1].reshape(batch, n_kv, n_rows * group, -1) if q_rope is not None else None
+        scores = torch.empty(batch, n_kv, n_rows * group, hi - lo, dtype=q.dtype)
+        kept = []
         for a, b in pieces:
             k = kv.keys(a, b)
             if kv.same_kv:
-                kept_keys.append(k)
-            kr = kv.key_rope(a, b) if qr_heads is not None else None
-            for h in range(n_kv):
-                dst = scores[:, h, :, a - lo:b - lo]
-                torch.bmm(q_heads[h], k[:, :, h, :].transpose(1, 2), out=dst)
-                if kr is not None:
-                    dst.baddbmm_(qr_heads[h], kr[:, :, h, :].transpose(1, 2))
+                kept.append(k)
+            part = torch.matmul(qc, k.transpose(-1, -2))
+            if qrc is not None:
+                part.add_(torch.matmul(qrc, kv.key_rope(a, b).transpose(-1, -2)))
+            scores[..., a - lo:b - lo] = part
+        view = scores.view(batch, n_kv, n_rows, group, hi - lo)
+        row_max, denom = _masked_softmax_(view, vis[:, :, lo:hi], sinks)
 
-        view = scores.view(batch, n_kv, n_rows, group, span)
-        view.masked_fill_(~vis[:, None, :, None, lo:hi], -math.inf)
-        row_max = view.amax(dim=-1, keepdim=True) if span else torch.full(
-            (batch, n_kv, n_rows, group, 1), -math.inf, dtype=dtype)
-        if sink_b is not None:
-            row_max = torch.maximum(row_max, sink_b)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        view.sub_(row_max).exp_()
-        denom = view.sum(dim=-1, keepdim=True)
-        if sink_b is not None:
-            denom = denom + torch.exp(sink_b - row_max)
-
-        acc = torch.zeros(batch, n_kv, n_rows * group, value_dim, dtype=dtype)
+        acc = torch.zeros(batch, n_kv, n_rows * group, value_dim, dtype=q.dtype)
         for i, (a, b) in enumerate(pieces):
-            v = kept_keys[i] if kv.same_kv else kv.values(a, b)
-            for h in range(n_kv):
-                acc[:, h].baddbmm_(scores[:, h, :, a - lo:b - lo], v[:, :, h, :value_dim])
+            v = kept[i] if kv.same_kv else kv.values(a, b)
+            seen = vis[:, :, a:b].any(dim=1).view(batch, 1, b - a, 1)
+            acc.add_(_weighted_values(scores[..., a - lo:b - lo], v[..., :value_dim], seen))
         acc = acc.view(batch, n_kv, n_rows, group, value_dim)
-        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-        out[:, :, r0:r1] = acc / safe
-        lse[:, :, r0:r1] = (row_max + torch.log(denom)).squeeze(-1)
-    return out, lse
+        _finish(acc, row_max, denom, out[:, :, r0:r1], lse[:, :, r0:r1])
+
+
+# --------------------------------------------------------------------------- block-major
+def _block_plan(kv: PagedKV, phys: torch.Tensor, block_bytes: int) -> list[tuple]:
+    """Split one round's physical blocks into steps.
+
+    Each step is ``(range_or_ids, positions, entries)``: the blocks to load (a ``(a, b)``
+    range of the cache, or a tensor of ids), the position of each entry's block inside the
+    loaded chunk, and the indices of those entries within ``phys``. Dense rounds read cache
+    ranges in place; sparse ones gather only the listed blocks.
+    """
+    step = max(1, BLOCK_CHUNK_BYTES // max(1, block_bytes))
+    order = torch.argsort(phys, stable=True)
+    sorted_phys = phys[order]
+    lo, hi = int(sorted_phys[0]), int(sorted_phys[-1]) + 1
+    plan = []
+    if hi - lo <= 2 * phys.numel():
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            i0 = int(torch.searchsorted(sorted_phys, a))
+            i1 = int(torch.searchsorted(sorted_phys, b))
+            if i1 > i0:
+                plan.append(((a, b), sorted_phys[i0:i1] - a, order[i0:i1]))
+    else:
+        for i0 in range(0, phys.numel(), step):
+            ids = sorted_phys[i0:i0 + step]
+            plan.append((ids, torch.arange(ids.numel()), order[i0:i0 + step]))
+    return plan
+
+
+def _load(kv: PagedKV, which: str, where, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(where, tuple):
+        return kv.block_range(which, *where, buffer=buffer)
+    return kv.block_list(which, where, buffer=buffer)
+
+
+def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim, out, lse) -> None:
+    batch, n_kv, rows, group, head_dim = q.shape
+    bs, n_keys = kv.block_size, kv.num_keys
+    n_cols = n_keys // bs
+    vis = visible_keys(mask, torch.arange(rows, dtype=torch.int64), 0, n_keys, q_lens, kv_lens)
+    # A (request, block column) entry is computed only if some row sees some key in it.
+    key_seen = vis.view(batch, rows, n_cols, bs).any(dim=1)  # [B, n_cols, bs]
+    entries = key_seen.any(dim=2)
+    eb, ec = entries.nonzero(as_tuple=True)
+    width = rows * group
+    scores = torch.full((batch, n_kv, width, n_cols * bs), -math.inf, dtype=q.dtype)
+    scores5 = scores.view(batch, n_kv, width, n_cols, bs)
+    q_flat = q.view(batch, n_kv, width, head_dim)
+    qr_flat = q_rope.view(batch, n_kv, width, -1) if q_rope is not None else None
+
+    rounds = []
+    if eb.numel():
+        phys = kv.ids[eb, ec]
+        order = torch.argsort(phys, stable=True)
+        sorted_phys = phys[order]
+        rank = torch.empty_like(phys)
+        rank[order] = torch.arange(phys.numel()) - torch.searchsorted(sorted_phys, sorted_phys)
+        block_bytes = n_kv * bs * max(head_dim, value_dim) * q.element_size()
+        for r in range(int(rank.max()) + 1):
+            sel = (rank == r).nonzero().squeeze(1)
+            rounds.append((eb[sel], ec[sel], _block_plan(kv, phys[sel], block_bytes)))
+
+    def spread(values: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """Per-entry rows -> one row per loaded block (zeros for blocks nobody needs here)."""
+        if pos.numel() == n_blocks:  # positions are sorted and unique: every block is used, in order
+            return values
+        full = values.new_zeros(n_blocks, *values.shape[1:])
+        full[pos] = values
+        return full
+
+    def pick(values: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        return values if pos.numel() == n_blocks else values[pos]
+
+    # One reusable conversion buffer (page-faulting a fresh one per chunk costs as much as the copy).
+    step_blocks = max((p[0][1] - p[0][0]) if isinstance(p[0], tuple) else p[0].numel()
+                      for _, _, plan in rounds for p in plan) if rounds else 0
+    buffer = None if kv.same_kv else torch.empty(
+        step_blocks * n_kv * bs * max(head_dim, value_dim), dtype=q.dtype)
+    kept: dict[tuple[int, int], torch.Tensor] = {}
+    for r, (r_b, r_c, plan) in enumerate(rounds):
+        for s, (where, pos, ent) in enumerate(plan):
+            blocks = _load(kv, "k", where, buffer)
+            if kv.same_kv:
+                kept[(r, s)] = blocks
+            owners = r_b[ent]
+            n_blocks = blocks.shape[0]
+            part = torch.matmul(spread(q_flat[owners], pos, n_blocks), blocks.transpose(-1, -2))
+            if qr_flat is not None:
+                rope_blocks = _load(kv, "kr", where)  # small (rope dim 64): no buffer
+                part.add_(torch.matmul(spread(qr_flat[owners], pos, n_blocks), rope_blocks.transpose(-1, -2)))
+            scores5[owners, :, :, r_c[ent], :] = pick(part, pos, n_blocks)
+
+    view = scores.view(batch, n_kv, rows, group, n_cols * bs)
+    row_max, denom = _masked_softmax_(view, vis, sinks)
+
+    acc = torch.zeros(batch, n_kv, width, value_dim, dtype=q.dtype)
+    for r, (r_b, r_c, plan) in enumerate(rounds):
+        for s, (where, pos, ent) in enumerate(plan):
+            blocks = kept[(r, s)] if kv.same_kv else _load(kv, "v", where, buffer)
+            owners = r_b[ent]
+            n_blocks = blocks.shape[0]
+            probs = spread(scores5[owners, :, :, r_c[ent], :], pos, n_blocks)
+            seen = spread(key_seen[owners, r_c[ent]], pos, n_blocks).view(n_blocks, 1, bs, 1)
+            weighted = _weighted_values(probs, blocks[..., :value_dim], seen)
+            acc.index_add_(0, owners, pick(weighted, pos, n_blocks))
+    _finish(acc.view(batch, n_kv, rows, group, value_dim), row_max, denom, out, lse)

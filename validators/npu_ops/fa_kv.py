@@ -1,20 +1,29 @@
 """Key/value sources for the attention kernel: dense batch, packed (TND), and paged caches.
 
-Every source hands out token-major chunks ``[B, L, N_kv, D]`` in the compute dtype for a key
-range ``[t0, t1)`` of the *per-request* key axis. Paged sources gather whole blocks through
-``block_table`` with one ``index_select`` per chunk (no per-token Python loops); chunks are
-aligned to ``granularity`` (the block size) so a gather never splits a block.
+Every source hands out *head-major* chunks ``[B, N_kv, L, D]`` (contiguous, compute dtype)
+for a key range ``[t0, t1)`` of the per-request key axis. Paged sources gather whole blocks
+through ``block_table`` with one ``index_select`` per chunk (no per-token Python loops);
+chunks are aligned to ``granularity`` (the block size) so a gather never splits a block.
+
+``PagedKV`` can also hand out *physical* blocks ``[n, N_kv, bs, D]`` (a range of the cache,
+a view when the cache already is head-major in the compute dtype, or an explicit list of
+block ids) for the block-major decode path, which never copies the whole KV working set.
 """
 
 from __future__ import annotations
 
 import torch
 
-from validators.npu_ops.nz import nz_to_token_major
+
+def _head_major(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, L, N, D]`` (any strides) -> contiguous ``[B, N, L, D]`` in ``dtype`` (one copy)."""
+    out = torch.empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=dtype)
+    out.copy_(t.transpose(1, 2))
+    return out
 
 
 class KVSource:
-    """Interface: ``num_keys``, ``granularity``, ``keys``, ``values``, ``key_rope``."""
+    """Interface: ``num_keys``, ``granularity``, ``same_kv`` and the three chunk getters."""
 
     num_keys: int
     granularity: int
@@ -41,13 +50,13 @@ class DenseBatchKV(KVSource):
         self._dtype = dtype
 
     def keys(self, t0, t1):
-        return self._k[:, t0:t1].to(self._dtype)
+        return _head_major(self._k[:, t0:t1], self._dtype)
 
     def values(self, t0, t1):
-        return self._v[:, t0:t1].to(self._dtype)
+        return _head_major(self._v[:, t0:t1], self._dtype)
 
     def key_rope(self, t0, t1):
-        return self._kr[:, t0:t1].to(self._dtype)
+        return _head_major(self._kr[:, t0:t1], self._dtype)
 
 
 class PackedKV(KVSource):
@@ -65,9 +74,9 @@ class PackedKV(KVSource):
 
     def _gather(self, t: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
         # Rows past a request's length are clamped; the mask hides them.
-        idx = (self._starts + torch.arange(t0, t1, dtype=torch.int64).view(1, -1)).clamp_(0, self._rows - 1)
-        out = t.index_select(0, idx.reshape(-1))
-        return out.view(self._batch, t1 - t0, *t.shape[1:]).to(self._dtype)
+        idx = (self._starts + torch.arange(t0, t1, dtype=torch.int64).view(1, -1)).clamp_(0, max(self._rows - 1, 0))
+        rows = t.index_select(0, idx.reshape(-1))
+        return _head_major(rows.view(self._batch, t1 - t0, *t.shape[1:]), self._dtype)
 
     def keys(self, t0, t1):
         return self._gather(self._k, t0, t1)
@@ -77,6 +86,33 @@ class PackedKV(KVSource):
 
     def key_rope(self, t0, t1):
         return self._gather(self._kr, t0, t1)
+
+
+def _blocks_head_major(blocks: torch.Tensor, cache_dim: int, n_kv: int, dtype: torch.dtype,
+                       buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """Physical cache blocks in their stored form -> contiguous ``[n, N_kv, bs, D]`` in ``dtype``.
+
+    Stored forms: 3-D ``[n, bs, N*D]``, 4-D ``[n, N, bs, D]``, NZ ``[n, N, D/c0, bs, c0]``.
+    ``buffer`` (flat, large enough) is reused for the converted copy when given.
+    """
+    n = blocks.shape[0]
+    if cache_dim == 3:
+        bs = blocks.shape[1]
+        src = blocks.view(n, bs, n_kv, -1).transpose(1, 2)
+    elif cache_dim == 4:
+        if blocks.dtype == dtype and blocks.is_contiguous():
+            return blocks
+        src = blocks
+    else:
+        # NZ tile (d // c0, pos, d % c0) -> (pos, d // c0, d % c0) = (pos, d)
+        src = blocks.permute(0, 1, 3, 2, 4)
+    numel = src.numel()
+    if buffer is not None and buffer.numel() >= numel and buffer.dtype == dtype:
+        out = buffer[:numel].view(src.shape)
+    else:
+        out = torch.empty(src.shape, dtype=dtype)
+    out.copy_(src)
+    return out.view(n, src.shape[1], src.shape[2], -1)
 
 
 class PagedKV(KVSource):
@@ -90,9 +126,10 @@ class PagedKV(KVSource):
 
     def __init__(self, k, v, k_rope, block_ids: torch.Tensor, block_size: int, num_heads: int,
                  num_keys: int, dtype: torch.dtype) -> None:
-        self._k, self._v, self._kr = k, v, k_rope
-        self._ids = block_ids
-        self._bs = block_size
+        self._caches = {"k": k, "v": v, "kr": k_rope}
+        self.ids = block_ids
+        self.block_size = block_size
+        self.num_blocks = int(k.shape[0])
         self._n = num_heads
         self._batch = block_ids.shape[0]
         self.num_keys = num_keys
@@ -100,28 +137,34 @@ class PagedKV(KVSource):
         self.same_kv = k is v
         self._dtype = dtype
 
-    def _gather(self, cache: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        bs = self._bs
+    # request-major chunks -------------------------------------------------------------
+    def _gather(self, which: str, t0: int, t1: int) -> torch.Tensor:
+        bs = self.block_size
         c0, c1 = t0 // bs, -(-t1 // bs)
-        ids = self._ids[:, c0:c1].reshape(-1)
-        blocks = cache.index_select(0, ids)
+        cache = self._caches[which]
+        blocks = _blocks_head_major(cache.index_select(0, self.ids[:, c0:c1].reshape(-1)), cache.dim(), self._n,
+                                    self._dtype)
         nb = c1 - c0
-        if cache.dim() == 3:  # [bn, bs, N*D]
-            out = blocks.view(self._batch, nb * bs, self._n, -1)
-        elif cache.dim() == 4:  # [bn, N, bs, D]
-            out = blocks.view(self._batch, nb, self._n, bs, -1).transpose(2, 3)
-            out = out.reshape(self._batch, nb * bs, self._n, -1)
-        else:  # NZ [bn, N, D/c0, bs, c0]
-            out = nz_to_token_major(blocks.view(self._batch, nb, *cache.shape[1:]))
-            out = out.reshape(self._batch, nb * bs, self._n, -1)
+        hm = blocks.view(self._batch, nb, self._n, bs, -1).transpose(1, 2).reshape(self._batch, self._n, nb * bs, -1)
         start = t0 - c0 * bs
-        return out[:, start:start + (t1 - t0)].to(self._dtype)
+        return hm[:, :, start:start + (t1 - t0)]
 
     def keys(self, t0, t1):
-        return self._gather(self._k, t0, t1)
+        return self._gather("k", t0, t1)
 
     def values(self, t0, t1):
-        return self._gather(self._v, t0, t1)
+        return self._gather("v", t0, t1)
 
     def key_rope(self, t0, t1):
-        return self._gather(self._kr, t0, t1)
+        return self._gather("kr", t0, t1)
+
+    # physical blocks -----------------------------------------------------------------
+    def block_range(self, which: str, a: int, b: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Physical blocks ``a..b-1`` as ``[n, N_kv, bs, D]`` (a view when no conversion is needed)."""
+        cache = self._caches[which]
+        return _blocks_head_major(cache[a:b], cache.dim(), self._n, self._dtype, buffer)
+
+    def block_list(self, which: str, ids: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The listed physical blocks as ``[len(ids), N_kv, bs, D]``."""
+        cache = self._caches[which]
+        return _blocks_head_major(cache.index_select(0, ids), cache.dim(), self._n, self._dtype, buffer)

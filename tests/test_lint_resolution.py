@@ -314,6 +314,24 @@ def test_kv_len_in_runner_file_or_class_is_fine():
     assert rules(KV_LEN_BUMP.replace("class Model:", "class Qwen3Runner:")) == []
 
 
+def test_kv_len_owner_that_is_not_a_model_component():
+    # a test driver standing in for the framework: it owns kv_len like a runner does
+    assert rules("""\
+        class FrameworkStandIn:
+            def _build_forward_metadata(self, prompt_len):
+                self.kv_len.zero_()
+                return self.kv_len
+
+            def _advance_kv_len(self, fm):
+                self.kv_len.copy_(fm.actual_seq_lengths_kv)
+    """) == []
+    assert rules("""\
+        class DeepseekMLA(nn.Module):
+            def forward_absorb(self, q, forward_metadata):
+                forward_metadata.kv_len.copy_(forward_metadata.kv_len + 1)
+    """) == [("KV401", 3)]
+
+
 # ---------------------------------------------------------------- manifest: window arithmetic
 
 def test_pre_tokens_window_expression_uses_manifest_window():

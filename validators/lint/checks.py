@@ -264,7 +264,9 @@ class FileChecker:
                 self.emit("KV502", node, what=f"passes num_key_value_heads={value}")
                 return
             term = _terminal(v.node) or ""
-            if value is None and ("num_key_value_heads" in term or "num_kv_heads" in term or term == "num_heads"):
+            # a head count read from the model config (directly or via self.<attr> = config.<...>)
+            if value is None and _has_config_root(v.node) and \
+                    ("num_key_value_heads" in term or "num_kv_heads" in term or term == "num_attention_heads"):
                 self.emit("KV502", node, what=f"passes num_key_value_heads=`{ast.unparse(node)}`")
                 return
 
@@ -345,7 +347,9 @@ class FileChecker:
 
     def _is_dict_source(self, node: ast.AST, at: ast.AST, field: str) -> bool:
         if isinstance(node, ast.Attribute) and node.attr == field and self.framework:
-            return "metadata" in _ident_text(node.value).lower()
+            # the framework's ForwardMetaData (forward_metadata, get_forward_metadata(), metadata)
+            owner = _ident_text(node.value).lower()
+            return "forward_meta" in owner or owner.rsplit(".", 1)[-1] in ("metadata", "fwd_metadata", "fwd_meta")
         if isinstance(node, ast.Name):
             func = self.info.function_of(at)
             param = self.info.parameter(func, node.id)
@@ -364,15 +368,26 @@ class FileChecker:
     # ------------------------------------------------------------ kv_len
 
     def _kv_len_scope(self, node: ast.AST) -> str | None:
+        """``Class.method`` when ``node`` is in model code that must only read kv_len, else None.
+
+        Model code: a forward (``forward``, ``forward_*``, ``_forward*``) or an attention/cache
+        helper of a model component (an ``nn.Module``-like class, a mixin, or a class named like
+        an attention / layer / model), or a free attention helper. The runner, which owns kv_len,
+        is never model code.
+        """
         names = self.info.function_names(node)
         if not names or self._is_runner_code(node):
             return None
         inner = names[0]
         low = inner.lower()
-        if "forward" in low or "attn" in low or "attention" in low or "cache" in low:
-            cls = self.info.class_of(node)
-            return f"{cls.name}.{inner}" if cls is not None else inner
-        return None
+        forward_like = low == "forward" or low.startswith(("forward_", "_forward"))
+        helper_like = "attn" in low or "attention" in low or "cache" in low
+        cls = self.info.class_of(node)
+        if cls is None:
+            return inner if (helper_like or forward_like) else None
+        if not _is_model_class(cls):
+            return None
+        return f"{cls.name}.{inner}" if (forward_like or helper_like) else None
 
     @staticmethod
     def _is_kv_len(node: ast.AST) -> bool:
@@ -438,6 +453,15 @@ class FileChecker:
         first, second = _terminal(args[0]) or "", _terminal(args[1]) or ""
         if _BATCH_NAME.search(first) or _SEQ_NAME.match(second):
             self.emit("KV701", call, expr=ast.unparse(call))
+
+
+_MODEL_CLASS_WORDS = re.compile(r"attention|attn|layer|model|decoder|block|mla|mlp|moe|mixin|module", re.IGNORECASE)
+
+
+def _is_model_class(cls: ast.ClassDef) -> bool:
+    """A model component: nn.Module-like base (``*Module``, ``*Model``, ``*Layer``, ``*Mixin``) or named so."""
+    bases = [ast.unparse(base) for base in cls.bases]
+    return bool(_MODEL_CLASS_WORDS.search(cls.name) or any(_MODEL_CLASS_WORDS.search(b) for b in bases))
 
 
 def _closest_hint(name: str, accepted: frozenset[str]) -> str:

@@ -46,6 +46,7 @@ class AnalyzeRequest:
     max_concurrency: int | None = None
     max_len: int | None = None
     fa_version: str | None = None
+    kv_mode: str | None = None
     window_reading: str = "exclusive"
 
 
@@ -96,7 +97,7 @@ def assemble(
         tp, tp_source = 1, f"1 (stated {tp} at {tp_source} cannot split the heads: see blockers)"
     parallel = rules.decide_parallel(facts, tp, tp_source)
 
-    kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point])
+    kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
     kv_mode = kv.value
     fa_version = rules.decide_fa_version(facts, req.fa_version)
     layout = rules.decide_input_layout(kv_mode, facts.is_mla)
@@ -132,7 +133,7 @@ def assemble(
                     "get_cache_info must walk them (model.layers may be a dict)",
             fields=[facts.num_mtp_layers.source],
         ))
-    if kv_mode == "legacy" and blockers:
+    if kv_mode == "legacy":
         warnings.append(Finding(message="Legacy is offline only: online serving / PD / dataset evaluation "
                                         "need Paged", fields=[]))
     if facts.dtype.is_default:

@@ -61,6 +61,8 @@ def add_analyze_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. --kv-mem-ratio 0.8")
     p.add_argument("--max-concurrency", type=int, metavar="N", help="concurrent requests (batch per DP rank), e.g. --max-concurrency 32")
     p.add_argument("--max-len", type=int, metavar="N", help="max sequence length per request, e.g. --max-len 8192")
+    p.add_argument("--kv-mode", choices=("paged", "legacy"),
+                   help="keep Legacy on purpose (offline only), e.g. --kv-mode legacy; a blocker forces Legacy anyway")
     p.add_argument("--fa-version", choices=("v1", "v2"), help="override the FA version default (sinks force v2), e.g. --fa-version v2")
     p.add_argument("--window-reading", choices=("exclusive", "inclusive"), default="exclusive",
                    help="device reading of pre_tokens for sliding windows (DOMAIN §9.2): 'exclusive' = "
@@ -123,6 +125,7 @@ def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
         max_concurrency=args.max_concurrency,
         max_len=args.max_len,
         fa_version=args.fa_version,
+        kv_mode=args.kv_mode,
         window_reading=args.window_reading,
     )
 

@@ -78,8 +78,11 @@ def find_blockers(facts: ModelFacts) -> list[Finding]:
     return out
 
 
-def decide_kv_mode(blockers: list[Finding], starting_point: list[str]) -> Decision:
+def decide_kv_mode(blockers: list[Finding], starting_point: list[str], requested: str | None = None) -> Decision:
     evidence = [f"progress.md starting point: {s}" for s in starting_point]
+    if requested == "legacy" and not blockers:
+        return Decision("legacy", "Legacy kept on the user's request (--kv-mode legacy): offline only; online "
+                                  "serving, PD disaggregation and dataset evaluation need Paged", evidence + ["--kv-mode"])
     if blockers:
         reason = "Legacy kept: " + "; ".join(b.message for b in blockers)
         return Decision("legacy", reason, evidence + [f for b in blockers for f in b.fields])

@@ -97,17 +97,19 @@ class _Probe:
 
 
 def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention interface -> rendered kv_cache_attention on packed TND tensors."""
+    """transformers attention interface -> rendered kv_cache_attention (packed TND, or BSH for Legacy)."""
     host = module._kvcache_host
     fm = _metadata()
-    q = query[0].transpose(0, 1).contiguous()  # [T, N, D]
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
-    host.probe.record(layer=host.layer_idx, attn_type=host.attn_type, is_prefill=fm.is_prefill,
-                      q=tuple(q.shape), k=tuple(k.shape), dtype=q.dtype, hf_scaling=scaling,
+    b, n, s, d = query.shape
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (query, key, value))  # [B, S, N, D]
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                      q=(b * s, n, d), k=(b * s, k.shape[2], d), dtype=q.dtype, hf_scaling=scaling,
                       kv_lens=_as_list(fm.actual_seq_lengths_kv))
-    out = host.kv_cache_attention(q, k, v, fm)
-    return out.reshape(q.shape[0], q.shape[1], -1)[None], None
+    if host.bsh:
+        out = host.kv_cache_attention(q.reshape(b, s, n * d), k.reshape(b, s, -1), v.reshape(b, s, -1), fm)
+    else:
+        out = host.kv_cache_attention(q[0], k[0], v[0], fm)
+    return out.reshape(b, s, n, -1), None
 
 
 def _as_list(x):
@@ -153,7 +155,7 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     compressed_kv = self.kv_a_proj_with_mqa(x)
     cos, sin = _cos_sin(position_embeddings)
     q_rot = _interleaved_rope(q_rot, cos[:, None, :], sin[:, None, :])
-    host.probe.record(layer=host.layer_idx, attn_type=host.attn_type, is_prefill=fm.is_prefill,
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
                       q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
                       hf_scaling=getattr(self, "scaling", None), kv_lens=_as_list(fm.actual_seq_lengths_kv))
     out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, cos, sin, fm)
@@ -168,6 +170,7 @@ def make_host_attention(mixin: type) -> type:
         def __init__(self, hf_attention, layer_idx: int, probe: _Probe):
             self.hf = hf_attention
             self.probe = probe
+            self.bsh = hasattr(self, "legacy_attention")  # Legacy renders take BSH [B, S, N*D]
             self.layer_idx = layer_idx
             if hasattr(hf_attention, "sinks"):
                 self.sinks = hf_attention.sinks.float()
@@ -221,10 +224,15 @@ class HostModel:
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
         """Packed [T] ids/positions -> logits [T, vocab]."""
+        return self.forward_batch(input_ids[None], position_ids[None], forward_metadata)[0]
+
+    @torch.no_grad()
+    def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
+        """[B, S] ids/positions -> logits [B, S, vocab] (B = 1 for packed paged steps)."""
         self.step_index += 1
         with current_metadata(forward_metadata):
-            out = self.hf_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
-        return out.logits[0].float()
+            out = self.hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return out.logits.float()
 
 
 @torch.no_grad()

@@ -92,7 +92,7 @@ class NumericTracker:
                 last = chunk.positions[-1]
                 if last + 1 < len(sequences[rid]) and int(got[-1].argmax()) != int(want[-1].argmax()):
                     greedy_bad.append(f"step {chunk.step} request {rid}")
-        report.add("outputs finite with freed and null blocks poisoned (NaN)", "release", not nonfinite,
+        report.add("outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)", "release", not nonfinite,
                    detail="; ".join(nonfinite[:3]), nonfinite_chunks=len(nonfinite))
         report.add(f"logits vs transformers max |diff| <= {self.atol:g}", "numeric",
                    not nonfinite and worst <= self.atol, max_abs_diff=worst, worst_at=worst_at,

@@ -15,7 +15,7 @@ CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
 
 
 @dataclass
-class _Step:
+class SimpleStep:
     index: int
     is_prefill: bool
     request_ids: list[int]
@@ -89,7 +89,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
                                 zip(rows, torch.split(pos, lens), strict=True)])
         if not torch.equal(fm.slot_mapping.view(-1).long(), want_slots.long()):
             slot_errors.append(f"step {step_index}")
-        step = _Step(step_index, is_prefill, list(rids), ids, pos, lens)
+        step = SimpleStep(step_index, is_prefill, list(rids), ids, pos, lens)
         n_before = len(host.probe.records)
         logits = host.forward(ids, pos, fm)
         runner._advance_kv_len(rows, fm)

@@ -73,9 +73,6 @@ def validate(req: ValidateRequest, progress=None) -> Report:
     report = Report(backend=backend, deploy_mode=manifest.deploy_mode.value, model_type=manifest.model.model_type,
                     manifest_hash=manifest.content_hash())
     report.notes += plan.notes
-    if manifest.kv_mode.value != "paged":
-        raise InputError(req.manifest, "Legacy manifests are not validated numerically yet (paged only)",
-                         field="kv_mode")
 
     from validators.npu_ops import DeviceReadings
 
@@ -115,7 +112,12 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, window=plan.window,
                          block_size=manifest.block_size)
         try:
-            if manifest.deploy_mode.value == "framework":
+            if manifest.kv_mode.value == "legacy":
+                from validators.legacy_run import run_legacy
+
+                run_legacy(report, manifest, host, ref, req.seed, cache_dtype,
+                           framework=manifest.deploy_mode.value == "framework")
+            elif manifest.deploy_mode.value == "framework":
                 from validators.framework_run import run_framework
 
                 run_framework(report, manifest, host, ref, handle.api(), handle.generation, scenario, req.seed,

@@ -1,0 +1,87 @@
+"""Legacy (contiguous BSH cache written at kv_len): a static batch, prefill then decode.
+
+Standalone mode uses the rendered runner (mode 1); framework mode preallocates
+``[batch, max_seq_len, *cache_unit]`` per cache the way the framework does for Legacy layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.numeric import NumericTracker
+from validators.report import Report
+from validators.standalone_run import SimpleStep
+
+ROWS = 3
+PROMPT = 150
+NEW_TOKENS = 9
+
+
+class _FrameworkLegacy:
+    """What the framework does for Legacy layers: preallocate by cache_unit, own kv_len and metadata."""
+
+    def __init__(self, attentions, batch: int, max_seq_len: int, cache_dtype):
+        from executor.utils.common_utils import get_init_attn_mask
+        from executor.utils.forward_metadata import ForwardMetaData
+
+        self._meta = ForwardMetaData
+        for a in attentions:
+            for name in ("k_cache", "v_cache"):
+                setattr(a, name, torch.zeros(batch, max_seq_len, *a.cache_unit, dtype=cache_dtype))
+        self.kv_len = torch.zeros(batch, dtype=torch.int64)
+        self.mask = get_init_attn_mask(2048, "cpu")
+
+    def _build_forward_metadata(self, prompt_len=None):
+        is_prefill = prompt_len is not None
+        if is_prefill:
+            self.kv_len.zero_()
+        q = torch.full_like(self.kv_len, prompt_len if is_prefill else 1)
+        return self._meta(is_prefill=is_prefill, attention_mask=self.mask, kv_len=self.kv_len.clone(),
+                          actual_seq_lengths_kv=self.kv_len + q, actual_seq_lengths_q=q)
+
+    def _advance_kv_len(self, fm):
+        self.kv_len.copy_(fm.actual_seq_lengths_kv)
+
+
+def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, seed: int, cache_dtype,
+               framework: bool) -> None:
+    max_seq = PROMPT + NEW_TOKENS + 7
+    if framework:
+        units = {tuple(a.cache_unit) for a in host.attentions}
+        want = {(c.dim,) for c in manifest.layers[0].caches}
+        report.add("cache_unit matches the manifest", "init", units == want, got=sorted(units), expected=sorted(want))
+        runner = _FrameworkLegacy(host.attentions, ROWS, max_seq, cache_dtype)
+    else:
+        runner = type("ValidationRunner", (host.rendered.runner_mixin(),), {})()
+        runner._init_kvcache(host.attentions, ROWS, max_seq, cache_dtype=cache_dtype)
+    caches = [t for a in host.attentions for t in (a.k_cache, a.v_cache)]
+    shape = (ROWS, max_seq, manifest.layers[0].caches[0].dim)
+    report.add("contiguous caches are [batch, max_seq_len, N_kv*D]", "init",
+               all(tuple(t.shape) == shape for t in caches), expected=shape, got=tuple(caches[0].shape))
+    with torch.no_grad():
+        for t in caches:
+            t.fill_(float("nan"))  # never-written positions must never be read
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 512, (ROWS, PROMPT), generator=g)
+    tracker = NumericTracker(ref_model, host)
+    fm = runner._build_forward_metadata(PROMPT)
+    pos = torch.arange(PROMPT).expand(ROWS, -1)
+    seqs = [row.tolist() for row in tokens]
+    for step_index in range(NEW_TOKENS):
+        n_before = len(host.probe.records)
+        logits = host.forward_batch(tokens, pos, fm)  # [B, S, V]
+        s = tokens.shape[1]
+        step = SimpleStep(step_index, fm.is_prefill, list(range(ROWS)), tokens.reshape(-1), pos.reshape(-1),
+                          [s] * ROWS)
+        tracker.record_step(step, logits.reshape(ROWS * s, -1), host.probe.records[n_before:])
+        runner._advance_kv_len(fm)
+        nxt = logits[:, -1].argmax(-1)
+        for b in range(ROWS):
+            seqs[b].append(int(nxt[b]))
+        tokens = nxt[:, None]
+        pos = (runner.kv_len.clone())[:, None]
+        fm = runner._build_forward_metadata()
+    tracker.check_runtime(report, manifest, dict.fromkeys(range(ROWS), PROMPT))
+    tracker.check_numeric(report, {b: seqs[b][:-1] for b in range(ROWS)})

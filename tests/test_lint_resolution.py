@@ -383,3 +383,37 @@ def test_hidden_states_view_legacy_manifest():
     src = HIDDEN_3D.format(prelude="import torch", extra="")
     assert rules(src, manifest("qwen3_8b")) == [("KV701", 5)]
     assert rules(src, manifest("gemma2_9b")) == []  # soft-capping keeps gemma2 on the Legacy cache
+
+
+# ---------------------------------------------------------------- MLA absorb vs expanded
+
+MLA_PREFILL = """\
+    import torch
+
+    class LongcatFlashMLA(nn.Module):
+        def __init__(self, config, tp):
+            self.num_heads_per_rank = config.num_attention_heads // tp
+            self.num_key_value_heads = config.num_key_value_heads
+
+        def _forward_prefill(self, q_nope, q_pe, k_nope_out, v_out, k_rope, forward_metadata):
+            return torch.ops.npu.npu_fused_infer_attention_score(
+                q_nope, {key}, {value}, query_rope=q_pe, key_rope=k_rope,
+                num_heads=self.num_heads_per_rank, {kv_heads}
+                input_layout="NTD_TND", atten_mask=forward_metadata.attention_mask, sparse_mode=3)
+"""
+
+
+def test_mla_non_absorb_prefill_has_per_head_kv():
+    # expanded K/V (kv_b_proj applied): num_key_value_heads = query heads is right, layout is its own
+    for kv_heads in ("num_key_value_heads=self.num_heads_per_rank,", ""):
+        src = MLA_PREFILL.format(key="k_nope_out", value="v_out", kv_heads=kv_heads)
+        assert rules(src) == []
+        # against DeepSeek-V3's manifest: v1 instead of v2 and no scale, but no layout (KV804) complaint
+        assert rules(src, manifest("deepseek_v3")) == [("KV802", 9), ("KV803", 9)]
+
+
+def test_mla_absorb_call_needs_one_kv_head():
+    src = MLA_PREFILL.format(key="self.nope_cache", value="self.nope_cache",
+                             kv_heads="num_key_value_heads=self.num_key_value_heads,")
+    assert rules(src) == [("KV502", 11)]
+    assert rules(src.replace("num_key_value_heads=self.num_key_value_heads,", "num_key_value_heads=1,")) == []

@@ -193,14 +193,22 @@ class FileChecker:
         value = self.resolver.number(v.node, v.at, v.ctx)
         return ast.Constant(value=value) if isinstance(value, int) else None
 
-    def is_mla_call(self, call: ast.Call, named: dict[str, ast.keyword]) -> bool:
-        for rope in ("query_rope", "key_rope"):
-            if rope in named and not is_none(named[rope].value):
-                return True
-        if any("absorb" in n.lower() for n in self.info.function_names(call)):
-            return True
+    def mla_kind(self, call: ast.Call, named: dict[str, ast.keyword]) -> str | None:
+        """'absorb' (key = value = the latent cache), 'expanded' (MLA with per-head K/V), or None.
+
+        MLA shows as query_rope/key_rope, an ``absorb`` function, or a ``nope`` key. Only the absorb
+        form reads the single-head latent cache; the non-absorb prefill expands K/V per head
+        (num_key_value_heads = query heads, its own layout), which the absorb rules must not judge.
+        """
         key = call.args[1] if len(call.args) > 1 else (named["key"].value if "key" in named else None)
-        return key is not None and "nope" in ast.unparse(key).lower()
+        value = call.args[2] if len(call.args) > 2 else (named["value"].value if "value" in named else None)
+        absorb_name = any("absorb" in n.lower() for n in self.info.function_names(call))
+        rope = any(r in named and not is_none(named[r].value) for r in ("query_rope", "key_rope"))
+        nope_key = key is not None and "nope" in ast.unparse(key).lower()
+        if not (rope or absorb_name or nope_key):
+            return None
+        same_kv = key is not None and value is not None and ast.dump(key) == ast.dump(value)
+        return "absorb" if (same_kv or absorb_name) else "expanded"
 
     # ------------------------------------------------------------ FA calls
 
@@ -217,7 +225,7 @@ class FileChecker:
                 self.emit("KV103", kw, kw=kw_name, op=op, fix=_closest_hint(kw_name, accepted))
 
         ctx = self.info.ctx_of(call)
-        is_mla = self.is_mla_call(call, named)
+        is_absorb = self.mla_kind(call, named) == "absorb"
         for sc in self.scenarios(call, ctx, star):
             # report where the value is written (it may be set lines above the call)
             anchor_sparse = sc.sparse_origin or call
@@ -230,7 +238,7 @@ class FileChecker:
                 elif sc.ctx.sliding is True:
                     self.emit("KV202", anchor_sparse)
                     fired.add("KV202")
-            if sc.certain and is_mla and sc.ctx.phase == DECODE and sc.sparse == 3 and \
+            if sc.certain and is_absorb and sc.ctx.phase == DECODE and sc.sparse == 3 and \
                     not self.info.in_mtp_branch(call):
                 self.emit("KV203", anchor_sparse)
                 fired.add("KV203")
@@ -246,7 +254,7 @@ class FileChecker:
 
         if "block_table" in named:
             self.dict_whole(named["block_table"].value, call, ctx, "block_table", op)
-        if is_mla:
+        if is_absorb:
             self.mla_kv_heads(call, named, star, ctx)
 
     def mla_kv_heads(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:

@@ -49,7 +49,8 @@ class ManifestChecks:
         if op != expected_op:
             self.c.emit("KV803", call, op=op, expected=m.fa.version, fix=f"torch_npu.{expected_op}")
         ctx = self.info.ctx_of(call)
-        if "input_layout" in named:
+        # the manifest's layout is the absorb path's; an MLA non-absorb prefill has its own
+        if "input_layout" in named and self.c.mla_kind(call, named) != "expanded":
             node = named["input_layout"].value
             for v in self.resolver.certain_variants(node, call, ctx):
                 value = as_str(v.node)

@@ -154,6 +154,17 @@ def test_list_rules_names_every_rule(capsys):
     code, out, _ = _run(["--list-rules"], capsys)
     assert code == 0
     assert [line.split()[0] for line in out.splitlines()] == list(RULES)
+    code, out, _ = _run(["--list-rules", "--format", "json"], capsys)
+    rows = json.loads(out)
+    assert [row["id"] for row in rows] == list(RULES)
+    assert all(row["hint"] and row["message"] and row["title"] for row in rows)
+    assert {row["id"] for row in rows if row["needs_manifest"]} == {i for i in RULES if i.startswith("KV8")}
+
+
+def test_registry_ids_are_stable_and_unique():
+    assert all(re.fullmatch(r"KV[1-8]\d\d", rule_id) for rule_id in RULES)
+    assert len({rule.name for rule in RULES.values()}) == len(RULES)
+    assert list(RULES) == sorted(RULES)
 
 
 def test_kvcache_entry_point_routes_to_lint(capsys):
@@ -184,3 +195,11 @@ def test_validators_main_without_validate_cli(monkeypatch, capsys):
     monkeypatch.setattr(validators_main.importlib, "import_module", missing)
     assert validators_main.main(["validate"]) == 2
     assert "only `lint` is available" in capsys.readouterr().err
+
+
+def test_readme_rule_table_matches_registry():
+    readme = (ROOT / "validators" / "lint" / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (KV\d{3}) \| (.+?) \| (yes)? ?\|$", readme, flags=re.MULTILINE)
+    assert [(i, title, bool(m)) for i, title, m in rows] == [
+        (r.id, r.title, r.needs_manifest) for r in RULES.values()
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from validators.lint.engine import ManifestError, lint_paths
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     parser.add_argument("--select", metavar="IDS", help="only these rules, comma-separated (e.g. KV101,KV201)")
     parser.add_argument("--ignore", metavar="IDS", help="skip these rules, comma-separated (e.g. KV701)")
-    parser.add_argument("--list-rules", action="store_true", help="print every rule ID with its title and exit")
+    parser.add_argument("--list-rules", action="store_true",
+                        help="print every rule (ID, name, title; all fields with --format json) and exit")
     return parser
 
 
@@ -48,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     if args.list_rules:
-        sys.stdout.write(_list_rules())
+        if args.format == "json":
+            rows = [{"id": r.id, "name": r.name, "title": r.title, "message": r.message, "hint": r.hint,
+                     "severity": r.severity, "needs_manifest": r.needs_manifest} for r in RULES.values()]
+            sys.stdout.write(json.dumps(rows, indent=2, ensure_ascii=False) + "\n")
+        else:
+            sys.stdout.write(_list_rules())
         return 0
     if not args.paths:
         parser.print_usage(sys.stderr)

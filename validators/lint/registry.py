@@ -119,7 +119,7 @@ _RULES = (
     ),
     Rule(
         "KV502", "mla-kv-heads-not-1",
-        "MLA FA call with num_key_value_heads other than 1",
+        "MLA absorb FA call with num_key_value_heads other than 1",
         "MLA absorb FA call (key = value = latent cache) {what}: the latent cache has exactly one KV head "
         "(GQA ratio error)",
         "pass num_key_value_heads=1 on MLA absorb calls",

@@ -417,3 +417,18 @@ def test_mla_absorb_call_needs_one_kv_head():
                              kv_heads="num_key_value_heads=self.num_key_value_heads,")
     assert rules(src) == [("KV502", 11)]
     assert rules(src.replace("num_key_value_heads=self.num_key_value_heads,", "num_key_value_heads=1,")) == []
+
+
+def test_phase_words_not_substrings():
+    # "decoder" is not the decode phase: MLA absorb with mode 3 is only wrong at decode
+    src = """\
+        import torch_npu
+
+        class Attn:
+            def {name}(self, q, cache, q_pe, k_pe):
+                return torch_npu.npu_fused_infer_attention_score_v2(
+                    q, cache, cache, query_rope=q_pe, key_rope=k_pe, num_key_value_heads=1,
+                    atten_mask=self.mask, sparse_mode=3)
+    """
+    assert rules(src.format(name="decoder_block_attention")) == []
+    assert rules(src.format(name="forward_decode")) == [("KV203", 7)]

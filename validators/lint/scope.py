@@ -63,10 +63,11 @@ def _ident_text(node: ast.AST) -> str:
 
 
 def _phase_of_ident(text: str) -> str | None:
-    last = text.rsplit(".", 1)[-1].lower()
-    if "prefill" in last:
+    """Phase named by an identifier's words: ``is_prefill``, ``forward_decode`` (not ``decoder``)."""
+    words = set(text.rsplit(".", 1)[-1].lower().split("_"))
+    if words & {"prefill", "prefilling"}:
         return PREFILL
-    if "decode" in last:
+    if words & {"decode", "decoding"}:
         return DECODE
     return None
 

@@ -44,7 +44,7 @@ def _rendered(config: str, deploy: str, gen: str | None) -> dict[str, str]:
 
 
 def test_bundle_code_is_clean():
-    paths = [ROOT / p for p in ("analyzer", "implementer", "validators", "templates", "benchmarks",
+    paths = [ROOT / p for p in ("analyzer", "implementer", "validators", "templates", "benchmarks", "examples",
                                 "kvcache_cli.py") if (ROOT / p).exists()]
     report = lint_paths(paths)
     assert not report.errors, report.errors

@@ -7,14 +7,25 @@ numbers come from typed manifest fields, strings are rendered with ``repr``.
 from __future__ import annotations
 
 import keyword
+import math
+import re
 from dataclasses import dataclass
 
 from analyzer.errors import InputError
 from analyzer.manifest import LayerPlan, SelectionManifest
+from analyzer.rules import VALID_BLOCK_SIZES
 from analyzer.version import __version__
 
 DEFAULT_API = "G2"
 NO_LIMIT = 2147483647
+SPARSE_MODES = (0, 1, 2, 3, 4)
+MASKED_MODES = (2, 3, 4)  # compressed 2048x2048 causal mask required
+# Cache names the templates know, by attention family: they become attribute names in generated code.
+CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")}
+# Layouts each template implements (the FA output shape depends on it).
+LAYOUTS = {("paged", False): ("TND",), ("paged", True): ("TND", "TND_NTD"), ("legacy", False): ("BSH",)}
+NZ_C0 = 16  # NZ fractal width of 16-bit caches (the rendered KV_CACHE_NZ_DIM)
+_MODEL_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
                 "int8": "torch.int8"}
@@ -24,6 +35,15 @@ def check_identifier(value: str, flag: str) -> str:
     if not value.isidentifier() or keyword.iskeyword(value) or not value.isascii():
         raise InputError(flag, f"{value!r} is not a valid Python identifier")
     return value
+
+
+def one_line(text: str) -> str:
+    """Free text from the manifest made safe for a ``#`` comment or a table cell: one printable line."""
+    return " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
+
+
+def _bad(field: str, message: str) -> InputError:
+    return InputError("--manifest", message, field=field)
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,10 @@ class KindPlan:
     @property
     def same_paths(self) -> bool:
         return self.prefill == self.decode
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.attn_type == "SlidingWindow"
 
     @property
     def pre_tokens_offset(self) -> int:
@@ -155,26 +179,117 @@ class RenderContext:
 
 
 def _path(layer: LayerPlan, prefill: bool) -> PathPlan:
+    name = "prefill" if prefill else "decode"
     mode = layer.sparse_mode.prefill if prefill else layer.sparse_mode.decode
     mask = (layer.mask.prefill if prefill else layer.mask.decode) != "none"
-    return PathPlan(mode, mask, layer.pre_tokens if mode == 4 else NO_LIMIT, layer.next_tokens if mode == 4 else 0)
+    where = f"layers[{layer.index}]"
+    if mode not in SPARSE_MODES:
+        raise _bad(f"{where}.sparse_mode.{name}", f"sparse_mode {mode} is not one of {SPARSE_MODES}")
+    if mode in MASKED_MODES and not mask:
+        raise _bad(f"{where}.mask.{name}", f"sparse_mode {mode} needs the 2048x2048 causal mask, the manifest "
+                                           "says none")
+    if mode == 4:
+        if layer.sliding_window is None or not 0 <= layer.pre_tokens <= layer.sliding_window:
+            raise _bad(f"{where}.pre_tokens", f"band pre_tokens {layer.pre_tokens} must lie in "
+                                              f"[0, sliding_window {layer.sliding_window}]")
+        if layer.next_tokens < 0:
+            raise _bad(f"{where}.next_tokens", f"next_tokens {layer.next_tokens} must be >= 0")
+        return PathPlan(mode, mask, layer.pre_tokens, layer.next_tokens)
+    return PathPlan(mode, mask, NO_LIMIT, 0)
+
+
+def _check_layers(m: SelectionManifest) -> None:
+    """Refuse manifests the templates cannot render faithfully, naming the layers and why."""
+    if not m.layers:
+        raise _bad("layers", "manifest has no layers")
+    uncached = [layer for layer in m.layers if not layer.caches]
+    if uncached:
+        kinds = sorted({layer.layer_kind for layer in uncached})
+        raise _bad(f"layers[{uncached[0].index}].caches",
+                   f"{len(uncached)} layer(s) ({', '.join(kinds)}: e.g. linear attention / recurrent state) hold no "
+                   "KV cache; the templates render attention KV caches only, so this model is outside the "
+                   "standard path (see the manifest's blockers)")
+    chunked = [layer.index for layer in m.layers if layer.layer_kind == "chunked"]
+    if chunked:
+        raise _bad(f"layers[{chunked[0]}].layer_kind",
+                   f"{len(chunked)} layer(s) use chunked local attention; no template renders chunk-boundary "
+                   "masks (a causal or band mask would be silently wrong)")
+    first = m.layers[0]
+    for layer in m.layers[1:]:
+        if layer.caches != first.caches:
+            raise _bad(f"layers[{layer.index}].caches",
+                       f"cache entries {[c.name for c in layer.caches]} differ from layer {first.index}'s "
+                       f"{[c.name for c in first.caches]} (names, dims, heads or dtypes); the templates give every "
+                       "layer the same entries")
+    for layer in m.layers:
+        if layer.group_key != layer.attn_type:
+            raise _bad(f"layers[{layer.index}].group_key",
+                       f"group key {layer.group_key!r} differs from attn_type {layer.attn_type!r}; the rendered "
+                       "code indexes block_table/slot_mapping by attn_type (no manager_key support)")
+        if layer.attn_type == "SlidingWindow" and not layer.sliding_window:
+            raise _bad(f"layers[{layer.index}].sliding_window", "a SlidingWindow layer needs a positive window")
+    want = CACHE_NAMES[m.mla.enabled]
+    names = tuple(c.name for c in first.caches)
+    if m.kv_mode.value == "paged" and names != want:
+        raise _bad(f"layers[{first.index}].caches", f"cache names {list(names)} must be {list(want)} for "
+                                                    f"{'MLA' if m.mla.enabled else 'GQA/MHA'} paged caches")
+    if m.kv_mode.value == "legacy" and (m.mla.enabled or names != CACHE_NAMES[False]):
+        raise _bad(f"layers[{first.index}].caches", "the Legacy template renders GQA/MHA k_cache/v_cache only")
+    for i, c in enumerate(first.caches):
+        if c.dim <= 0 or c.num_head <= 0:
+            raise _bad(f"layers[{first.index}].caches[{i}]", f"dim {c.dim} and num_head {c.num_head} must be > 0")
+
+
+def _check_numbers(m: SelectionManifest) -> None:
+    layouts = LAYOUTS.get((m.kv_mode.value, m.mla.enabled), ())
+    if m.fa.input_layout not in layouts:
+        raise _bad("fa.input_layout", f"{m.fa.input_layout!r} is not rendered for this design "
+                                      f"(supported: {', '.join(layouts) or 'none'})")
+    if not (math.isfinite(m.fa.softmax_scale) and m.fa.softmax_scale > 0):
+        raise _bad("fa.softmax_scale", f"{m.fa.softmax_scale} must be a finite positive number")
+    if m.kv_mode.value == "paged" and m.block_size not in VALID_BLOCK_SIZES:
+        raise _bad("block_size", f"{m.block_size} is not one of {VALID_BLOCK_SIZES}")
+    counts = {"parallel.num_q_heads_per_rank": m.parallel.num_q_heads_per_rank,
+              "parallel.num_kv_heads_per_rank": m.parallel.num_kv_heads_per_rank,
+              "parallel.attn_tp_size": m.parallel.attn_tp_size, "model.head_dim": m.model.head_dim,
+              "model.sublayers_per_layer": m.model.sublayers_per_layer}
+    for field, value in counts.items():
+        if value <= 0:
+            raise _bad(field, f"{value} must be > 0")
+    if m.mla.enabled:
+        if m.model.mla is None:
+            raise _bad("model.mla", "mla.enabled but the model has no MLA dimensions")
+        if m.mixed_attn_types or any(layer.attn_type != "FullAttention" for layer in m.layers):
+            raise _bad("layers", "MLA with sliding-window layers is not rendered")
+        if not m.mla.absorb:
+            raise _bad("mla.absorb", "only the absorb form of MLA is rendered (latent cache, kv_b_proj absorbed)")
+        if m.mla.cache_mode not in (None, "PA_NZ"):
+            raise _bad("mla.cache_mode", f"{m.mla.cache_mode!r}: the MLA template writes and reads PA_NZ")
+        for field in ("kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(m.model.mla, field)
+            if value <= 0 or value % NZ_C0:
+                raise _bad(f"model.mla.{field}", f"{value} must be a positive multiple of {NZ_C0} (NZ tiles)")
+        for field in ("qk_nope_head_dim", "v_head_dim"):
+            if getattr(m.model.mla, field) <= 0:
+                raise _bad(f"model.mla.{field}", f"{getattr(m.model.mla, field)} must be > 0")
+    elif m.parallel.num_q_heads_per_rank % m.parallel.num_kv_heads_per_rank:
+        raise _bad("parallel.num_kv_heads_per_rank", f"{m.parallel.num_kv_heads_per_rank} KV heads do not divide "
+                                                     f"{m.parallel.num_q_heads_per_rank} query heads per rank")
+    if not _MODEL_TYPE.fullmatch(m.model.model_type):
+        raise _bad("model.model_type", f"{m.model.model_type!r} is not a plain model type ([A-Za-z0-9_.-])")
 
 
 def build_context(m: SelectionManifest, names: Names, api_override: str | None = None) -> RenderContext:
-    if not m.layers:
-        raise InputError("--manifest", "manifest has no layers", field="layers")
+    _check_layers(m)
+    _check_numbers(m)
     kinds: dict[str, KindPlan] = {}
     for layer in m.layers:
         plan = KindPlan(layer.attn_type, layer.sliding_window, _path(layer, True), _path(layer, False),
-                        layer.window_derivation)
+                        one_line(layer.window_derivation) if layer.window_derivation else None)
         seen = kinds.setdefault(layer.attn_type, plan)
         if seen != plan:
-            raise InputError("--manifest", f"layer {layer.index}: {layer.attn_type} layers disagree on their "
-                                           "window/sparse plan; the renderer needs one plan per attn_type",
-                             field=f"layers[{layer.index}]")
-    caches = {tuple(c for c in layer.caches) for layer in m.layers}
-    if len(caches) != 1:
-        raise InputError("--manifest", "layers declare different cache entries", field="layers[].caches")
+            raise _bad(f"layers[{layer.index}]", f"{layer.attn_type} layers disagree on their window/sparse plan; "
+                                                 "the renderer needs one plan per attn_type")
     first = m.layers[0]
     api = api_override or m.framework_api or DEFAULT_API
     if api_override and m.framework_api and api_override != m.framework_api:
@@ -192,7 +307,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         fa_version=m.fa.version,
         layout=m.fa.input_layout,
         scale=float(m.fa.softmax_scale),
-        scale_derivation=m.fa.scale_derivation,
+        scale_derivation=one_line(m.fa.scale_derivation),
         block_size=int(m.block_size),
         num_heads_per_rank=int(m.parallel.num_q_heads_per_rank),
         num_kv_heads_per_rank=int(m.parallel.num_kv_heads_per_rank),
@@ -204,8 +319,8 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         qk_nope_head_dim=mla.qk_nope_head_dim if mla else 0,
         v_head_dim=mla.v_head_dim if mla else 0,
         has_sinks=m.model.has_sinks,
-        mixed=m.mixed_attn_types,
-        kinds=tuple(kinds.values()),
+        mixed=len(kinds) > 1,
+        kinds=tuple(sorted(kinds.values(), key=lambda k: k.attn_type)),
         sliding_layers=tuple(layer.index for layer in m.layers if layer.attn_type == "SlidingWindow"),
         caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head)) for c in first.caches),
         cache_dtype=_TORCH_DTYPE[first.caches[0].dtype],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import jinja2
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from analyzer.report import decision_rows
-from implementer.context import Names, RenderContext, build_context
+from implementer.context import Names, RenderContext, build_context, one_line
 from implementer.files import atomic_write_text
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -57,7 +58,7 @@ def render_manifest(
     c = build_context(manifest, names or Names(), framework_api)
     env = _environment()
     out = {name: env.get_template(t).render(c=c) for name, t in plan_files(c).items()}
-    rows = [(a, b, r.replace("|", "\\|")) for a, b, r in decision_rows(manifest)]
+    rows = [tuple(one_line(str(cell)).replace("|", "\\|") for cell in row) for row in decision_rows(manifest)]
     out[INTEGRATION_FILE] = env.get_template("integration.md.j2").render(
         c=c, files=sorted(out), decisions=rows, out_hint="<render dir>"
     )
@@ -85,28 +86,59 @@ def load_manifest(path: str | Path) -> SelectionManifest:
         raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
 
 
-def write_rendered(rendered: Rendered, out_dir: str | Path, force: bool = False) -> list[Path]:
-    """Write every file or none: all targets are checked before the first write."""
-    root = Path(out_dir)
+def _check_targets(rendered: Rendered, root: Path, force: bool) -> list[tuple[str, Path]]:
+    """Every target resolved and checked before anything is written."""
     if root.exists() and not root.is_dir():
         raise InputError(str(root), "exists and is not a directory", field="--out")
+    base = root.resolve()
     targets = []
     for rel in sorted(rendered.files):
-        target = (root / rel).resolve()
-        if root.resolve() not in target.parents:
+        target = (root / rel).resolve()  # symlinks resolved: a link pointing outside escapes too
+        if base not in target.parents:
             raise InputError(str(root / rel), "output path escapes --out", field="--out")
+        if target.is_dir():
+            raise InputError(str(target), "is a directory", field="--out")
         if target.exists() and not force:
             raise InputError(str(target), "exists: pass --force to overwrite", field="--force")
         targets.append((rel, target))
-    root.mkdir(parents=True, exist_ok=True)
-    written = []
+    return targets
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its missing ancestors, outermost first (what mkdir(parents=True) would create)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    return missing[::-1]
+
+
+def write_rendered(rendered: Rendered, out_dir: str | Path, force: bool = False) -> list[Path]:
+    """Write every file or none.
+
+    All targets are checked first; then each file is written atomically. If a later write
+    fails, the files this call replaced get their old bytes back, the files it created are
+    removed, and so are the directories it created.
+    """
+    root = Path(out_dir)
+    targets = _check_targets(rendered, root, force)
+    created_dirs: list[Path] = []
+    previous: list[tuple[Path, bytes | None]] = []
     try:
         for rel, target in targets:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            for folder in _missing_dirs(target.parent):
+                folder.mkdir()
+                created_dirs.append(folder)
+            previous.append((target, target.read_bytes() if target.exists() else None))
             atomic_write_text(target, rendered.files[rel])
-            written.append(target)
     except BaseException:
-        for path in written:  # all-or-nothing: a later failure removes what this call wrote
-            path.unlink(missing_ok=True)
+        for target, old in reversed(previous):
+            if old is None:
+                target.unlink(missing_ok=True)
+            else:
+                target.write_bytes(old)
+        for folder in reversed(created_dirs):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
-    return written
+    return [target for _, target in targets]

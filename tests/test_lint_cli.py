@@ -203,3 +203,15 @@ def test_readme_rule_table_matches_registry():
     assert [(i, title, bool(m)) for i, title, m in rows] == [
         (r.id, r.title, r.needs_manifest) for r in RULES.values()
     ]
+
+
+def test_lint_reads_real_schemas_without_importing_torch():
+    """KV103 uses the committed torch_npu schemas; loading them must not pull in torch (speed)."""
+    code = (
+        "import sys; from validators.lint import lint_paths, ops; "
+        f"r = lint_paths([{str(FIXTURES / 'kv103_unknown_keyword_bad.py')!r}]); "
+        "print(sorted({f.rule for f in r.findings}), ops.schemas_available(), 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['KV103'] True False"

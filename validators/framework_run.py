@@ -113,6 +113,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     report.add("block_table/slot_mapping hold every layer's key", "runtime", not keys_missing,
                detail="; ".join(keys_missing[:3]), missing=len(keys_missing))
     tracker.check_runtime(report, manifest, prompt_len)
+    tracker.check_fa_calls(report, manifest, host.window)
     tracker.check_numeric(report, {rid: r.all_token_ids() for rid, r in sched.requests.items()})
 
     end_usage = sched.usage()

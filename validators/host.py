@@ -91,9 +91,39 @@ class _Probe:
 
     def __init__(self):
         self.records: list[dict] = []
+        self.fa_calls: list[dict] = []
+        self.step = -1
 
     def record(self, **kw) -> None:
         self.records.append(kw)
+
+
+_FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
+_FA_RECORDED = ("sparse_mode", "pre_tokens", "next_tokens", "scale", "softmax_scale", "num_heads",
+                "num_query_heads", "num_key_value_heads", "input_layout", "block_size")
+
+
+class _RecordingOps:
+    """Stands in for ``torch_npu`` inside the rendered module: records each FA call's arguments."""
+
+    def __init__(self, ops, probe: _Probe):
+        self._ops = ops
+        self._probe = probe
+
+    def __getattr__(self, name):
+        target = getattr(self._ops, name)
+        if name not in _FA_OPS:
+            return target
+
+        def call(*args, **kwargs):
+            last = self._probe.records[-1] if self._probe.records else {}
+            self._probe.fa_calls.append({"op": name, "step": self._probe.step, "layer": last.get("layer"),
+                                         "is_prefill": last.get("is_prefill"),
+                                         **{k: kwargs[k] for k in _FA_RECORDED if k in kwargs},
+                                         "has_mask": kwargs.get("atten_mask") is not None})
+            return target(*args, **kwargs)
+
+        return call
 
 
 def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -189,10 +219,13 @@ class HostModel:
         self.hf_model = hf_model
         self.rendered = rendered
         self.step_index = -1  # forward calls so far, for failure locations
+        self.window = window
         self.probe = _Probe()
         if window is not None and hasattr(rendered.attention, "SLIDING_WINDOW"):
             # The only knob the validator turns: a window a CPU can cross (recorded in the report).
             rendered.attention.SLIDING_WINDOW = window
+        if hasattr(rendered.attention, "torch_npu"):
+            rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         host_cls = make_host_attention(rendered.attention_mixin())
         self.attentions = []
         for idx, layer in enumerate(hf_model.model.layers):
@@ -230,6 +263,7 @@ class HostModel:
     def forward_batch(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
         """[B, S] ids/positions -> logits [B, S, vocab] (B = 1 for packed paged steps)."""
         self.step_index += 1
+        self.probe.step = self.step_index
         with current_metadata(forward_metadata):
             out = self.hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         return out.logits.float()

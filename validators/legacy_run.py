@@ -84,4 +84,5 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
         pos = (runner.kv_len.clone())[:, None]
         fm = runner._build_forward_metadata()
     tracker.check_runtime(report, manifest, dict.fromkeys(range(ROWS), PROMPT))
+    tracker.check_fa_calls(report, manifest, host.window)
     tracker.check_numeric(report, {b: seqs[b][:-1] for b in range(ROWS)})

@@ -74,6 +74,46 @@ class NumericTracker:
         report.add("first decode reads prompt length + 1", "runtime", not wrong and bool(seen_decode),
                    detail="; ".join(wrong[:3]), requests=len(seen_decode))
 
+    def check_fa_calls(self, report: Report, manifest: SelectionManifest, window: int | None) -> None:
+        """Every FA call passes what the manifest decided for its layer and path."""
+        want_op = {"v1": "npu_fused_infer_attention_score", "v2": "npu_fused_infer_attention_score_v2"}
+        bad = []
+        for call in self.host.probe.fa_calls:
+            plan = manifest.layers[call["layer"]]
+            path = "prefill" if call["is_prefill"] else "decode"
+            where = f"step {call['step']} layer {call['layer']} ({path})"
+            mode = getattr(plan.sparse_mode, path)
+            got = {
+                "op": call["op"],
+                "sparse_mode": call.get("sparse_mode", 0),
+                "mask": call["has_mask"],
+                "layout": call.get("input_layout", "BSH"),
+                "scale": call.get("scale", call.get("softmax_scale", 1.0)),
+                "q_heads": call.get("num_heads", call.get("num_query_heads", 1)),
+                "kv_heads": call.get("num_key_value_heads", 0),
+            }
+            want = {
+                "op": want_op[manifest.fa.version],
+                "sparse_mode": mode,
+                "mask": getattr(plan.mask, path) != "none",
+                "layout": manifest.fa.input_layout,
+                "scale": manifest.fa.softmax_scale,
+                "q_heads": manifest.parallel.num_q_heads_per_rank,
+                "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
+            }
+            if mode == 4:
+                # The band follows the layer's window; the validator may have shrunk the window for CPU.
+                w = window or plan.sliding_window
+                got["pre_tokens"] = call.get("pre_tokens", 2147483647)
+                want["pre_tokens"] = w - (plan.sliding_window - plan.pre_tokens)
+                got["next_tokens"], want["next_tokens"] = call.get("next_tokens", 2147483647), plan.next_tokens
+            diff = [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
+                    if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]
+            if diff:
+                bad.append(f"{where}: " + ", ".join(diff))
+        report.add("FA call arguments match the manifest", "runtime", bool(self.host.probe.fa_calls) and not bad,
+                   detail="; ".join(bad[:3]), calls=len(self.host.probe.fa_calls), mismatches=len(bad))
+
     # ------------------------------------------------------------------ numeric link
     def check_numeric(self, report: Report, sequences: dict[int, list[int]]) -> None:
         worst, worst_at, nonfinite, greedy_bad, steps = 0.0, "", [], [], set()

@@ -432,3 +432,29 @@ def test_phase_words_not_substrings():
     """
     assert rules(src.format(name="decoder_block_attention")) == []
     assert rules(src.format(name="forward_decode")) == [("KV203", 7)]
+
+
+def test_nested_branches_sliding_then_phase():
+    # Legacy mixed model: sliding layers band 4; full layers 3 at prefill, 0 without mask at decode
+    src = """\
+        import torch_npu
+
+        class Gemma2Attention:
+            def legacy_attention(self, q, forward_metadata):
+                if self.attn_type == "SlidingWindow":
+                    sparse_mode = {sliding}
+                    atten_mask = forward_metadata.attention_mask
+                else:
+                    if forward_metadata.is_prefill:
+                        sparse_mode = {prefill}
+                        atten_mask = {prefill_mask}
+                    else:
+                        sparse_mode = 0
+                        atten_mask = None
+                return torch_npu.npu_fused_infer_attention_score(
+                    q, self.k_cache, self.v_cache, atten_mask=atten_mask, sparse_mode=sparse_mode)
+    """
+    good = dict(sliding=4, prefill=3, prefill_mask="forward_metadata.attention_mask")
+    assert rules(src.format(**good)) == []
+    assert rules(src.format(**{**good, "prefill": 0, "prefill_mask": "None"})) == [("KV201", 10)]
+    assert rules(src.format(**{**good, "sliding": 0})) == [("KV202", 6)]

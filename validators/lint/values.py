@@ -176,18 +176,22 @@ class Resolver:
                     if cons.get(dim, value) != value:
                         understood = False
                     cons[dim] = value
-            neg = _negate(cons) if understood else None
             updated = []
             for r_cons, r_certain, r_stmt in reaching:
-                if neg is not None:
-                    merged = dict(r_cons)
-                    clash = any(merged.get(d, v) != v for d, v in neg.items())
-                    if clash:
-                        continue
-                    merged.update(neg)
-                    updated.append((merged, r_certain, r_stmt))
-                else:
+                if not understood:
+                    updated.append((r_cons, False, r_stmt))  # may or may not be overwritten
+                    continue
+                if any(r_cons.get(d, v) != v for d, v in cons.items()):
+                    updated.append((r_cons, r_certain, r_stmt))  # the new value never happens there
+                    continue
+                residual = {d: v for d, v in cons.items() if d not in r_cons}
+                if not residual:
+                    continue  # always overwritten where this value held
+                neg = _negate(residual)
+                if neg is None:
                     updated.append((r_cons, False, r_stmt))
+                else:
+                    updated.append(({**r_cons, **neg}, r_certain, r_stmt))
             reaching = updated + [(cons if understood else {}, understood, stmt)]
         out: list[Variant] = []
         for cons, certain, stmt in reaching:

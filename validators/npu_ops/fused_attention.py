@@ -65,6 +65,9 @@ from validators.npu_ops.readings import active_readings
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MLA_ROPE_DIM = 64
 MAX_GQA_RATIO = 64
+# MLA (query_rope/key_rope given, one latent KV head): the absorb path takes up to 128 query heads
+# (DeepSeek-V3/R1 at attention TP 1); the 64 cap above is the GQA rule.
+MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,10 @@ def fused_infer_attention(
     if num_heads % n_kv:
         chk.fail("num_key_value_heads", f"{names.num_heads}={num_heads} is not a multiple of "
                                         f"num_key_value_heads={n_kv}")
-    if num_heads // n_kv > MAX_GQA_RATIO:
+    if query_rope is not None and key_rope is not None and n_kv == 1:
+        if num_heads not in MLA_QUERY_HEADS:
+            chk.fail(names.num_heads, f"MLA takes {MLA_QUERY_HEADS} query heads, got {num_heads}")
+    elif num_heads // n_kv > MAX_GQA_RATIO:
         chk.fail("num_key_value_heads", f"query/KV head ratio {num_heads // n_kv} exceeds {MAX_GQA_RATIO}")
     group = num_heads // n_kv
     q_axis_heads = heads_axis_size(query, layout.query)

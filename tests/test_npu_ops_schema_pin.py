@@ -1,0 +1,119 @@
+"""Pin the emulated callables to the real torch-npu 2.9.0 schemas (op_schemas.json)."""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from validators.npu_ops import emulated
+from validators.npu_ops.extract_schemas import extract
+from validators.npu_ops.schemas import (
+    EMULATED_OPS,
+    accepted_keywords,
+    count_returns,
+    load_schemas,
+    parse_func_schema,
+    schema_default_to_python,
+)
+
+
+def test_schema_file_covers_every_emulated_op():
+    doc = load_schemas()
+    assert doc["source"].startswith("torch-npu==2.9.0")
+    assert set(doc["ops"]) == set(EMULATED_OPS) == set(emulated.OPS)
+
+
+@pytest.mark.parametrize("op", EMULATED_OPS)
+def test_signature_matches_schema(op):
+    schema = load_schemas()["ops"][op]
+    params = list(inspect.signature(emulated.OPS[op]).parameters.values())
+    assert [p.name for p in params] == [a["name"] for a in schema["args"]]
+    for param, arg in zip(params, schema["args"], strict=True):
+        expected_kind = inspect.Parameter.KEYWORD_ONLY if arg["kwarg_only"] else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert param.kind == expected_kind, param.name
+        if arg["default"] is None:
+            assert param.default is inspect.Parameter.empty, param.name
+        else:
+            assert param.default == schema_default_to_python(arg["default"]), param.name
+            assert type(param.default) is type(schema_default_to_python(arg["default"])), param.name
+
+
+@pytest.mark.parametrize("op", EMULATED_OPS)
+def test_json_args_are_the_parse_of_the_raw_func_string(op):
+    schema = load_schemas()["ops"][op]
+    parsed = parse_func_schema(schema["func"])
+    assert parsed["name"] == op
+    assert parsed["args"] == schema["args"] and parsed["returns"] == schema["returns"]
+
+
+def _minimal_call(op):
+    q = torch.randn(2, 2, 16)
+    if op.startswith("npu_fused_infer_attention_score"):
+        heads = {"num_heads": 2} if op.endswith("score") else {"num_query_heads": 2}
+        lens = {"actual_seq_lengths": [2]} if op.endswith("score") else {"actual_seq_qlen": [2]}
+        kv = {"actual_seq_lengths_kv": [2]} if op.endswith("score") else {"actual_seq_kvlen": [2]}
+        return emulated.OPS[op](q, q, q, input_layout="TND", **heads, **lens, **kv)
+    if "scatter_nd" in op:
+        return emulated.OPS[op](torch.zeros(3, 2), torch.tensor([[1]]), torch.ones(1, 2))
+    if "scatter_update" in op:
+        return emulated.OPS[op](torch.zeros(2, 4, 2), torch.tensor([0, 1]), torch.ones(2, 1, 2), 1)
+    kv = torch.randn(1, 1, 1, 48)
+    return emulated.OPS[op](kv, torch.ones(32), torch.ones(1, 1, 1, 16), torch.zeros(1, 1, 1, 16),
+                            torch.tensor([0]), torch.zeros(1, 16, 1, 16), torch.zeros(1, 16, 1, 32), cache_mode="PA")
+
+
+@pytest.mark.parametrize("op", EMULATED_OPS)
+def test_return_arity_matches_schema(op):
+    result = _minimal_call(op)
+    expected = count_returns(load_schemas()["ops"][op]["returns"])
+    if expected == 1:
+        assert isinstance(result, torch.Tensor)
+    else:
+        assert isinstance(result, tuple) and len(result) == expected
+
+
+def test_version_specific_keyword_names():
+    v1 = accepted_keywords("npu_fused_infer_attention_score")
+    v2 = accepted_keywords("npu_fused_infer_attention_score_v2")
+    assert {"scale", "num_heads", "actual_seq_lengths", "actual_seq_lengths_kv", "softmax_lse_flag"} <= v1
+    assert {"softmax_scale", "num_query_heads", "actual_seq_qlen", "actual_seq_kvlen", "learnable_sink",
+            "return_softmax_lse"} <= v2
+    assert not {"softmax_scale", "num_query_heads", "learnable_sink"} & v1
+    assert not {"scale", "num_heads", "actual_seq_lengths"} & v2
+    assert {"epsilon", "cache_mode", "is_output_kv"} <= accepted_keywords("npu_kv_rmsnorm_rope_cache")
+    with pytest.raises(KeyError):
+        accepted_keywords("npu_not_an_op")
+
+
+def test_extractor_on_a_yaml_fragment():
+    fragment = {
+        "custom": [{"func": load_schemas()["ops"][op]["func"]} for op in EMULATED_OPS],
+        "symint": [{"func": load_schemas()["ops"]["npu_fused_infer_attention_score"]["func"]}],
+    }
+    ops = extract(yaml.safe_dump(fragment))
+    assert ops == load_schemas()["ops"]
+    conflicting = dict(fragment, symint=[{"func": "npu_scatter_nd_update(Tensor self) -> Tensor"}])
+    with pytest.raises(ValueError, match="conflicting"):
+        extract(yaml.safe_dump(conflicting))
+    with pytest.raises(ValueError, match="not found"):
+        extract(yaml.safe_dump({"custom": fragment["custom"][:2]}))
+
+
+def _local_wheel():
+    candidates = [os.environ.get("TORCH_NPU_WHEEL", "")] + glob.glob("/tmp/tnpu/torch_npu-2.9.0-*.whl")
+    return next((c for c in candidates if c and os.path.exists(c)), None)
+
+
+@pytest.mark.skipif(_local_wheel() is None, reason="no torch-npu 2.9.0 wheel on disk (set TORCH_NPU_WHEEL)")
+def test_committed_json_equals_fresh_extraction_from_wheel(tmp_path):
+    from validators.npu_ops.extract_schemas import main
+
+    out = tmp_path / "schemas.json"
+    assert main([_local_wheel(), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["ops"] == load_schemas()["ops"]

@@ -72,7 +72,6 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         d["num_key_value_heads"] = m.num_attention_heads
         if d.get("q_lora_rank") is not None:
             d["q_lora_rank"] = 64
-        d["rope_interleave"] = False  # see validators.host: q_pe uses the fused writer's rope convention
     else:
         d["num_key_value_heads"] = m.num_key_value_heads
     d["intermediate_size"] = 128

@@ -1,0 +1,49 @@
+"""Shared helpers for the end-to-end validation tests: analyze -> render -> (mutate) -> validate."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from analyzer.build import AnalyzeRequest, analyze
+from implementer.render import render_manifest, write_rendered
+from validators.scenario import DEFAULT, QUICK, Scenario
+from validators.validate import ValidateRequest, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+
+
+def render_case(tmp: Path, config: str, **analyze_kw) -> tuple[Path, Path, Path]:
+    """(manifest, rendered dir, config path) for a fixture config and analyzer options."""
+    config_path = CONFIGS / f"{config}.json"
+    manifest = analyze(AnalyzeRequest(config=str(config_path), **analyze_kw))
+    manifest_path = tmp / "manifest.json"
+    manifest_path.write_text(manifest.to_json(), encoding="utf-8")
+    rendered = tmp / "rendered"
+    write_rendered(render_manifest(manifest, allow_blocked=True), rendered)
+    return manifest_path, rendered, config_path
+
+
+def mutate(rendered: Path, pattern: str, replacement: str, count: int = 0) -> None:
+    """Break the rendered attention on purpose (negative controls); the pattern must be found."""
+    path = rendered / "kvcache_attention.py"
+    text = path.read_text(encoding="utf-8")
+    new, n = re.subn(pattern, replacement, text, count=count)
+    assert n, f"mutation pattern {pattern!r} not found in {path}"
+    path.write_text(new, encoding="utf-8")
+
+
+def run_validate(manifest: Path, rendered: Path, config: Path, scenario: Scenario = QUICK,
+                 sweep: bool = False):
+    return validate(ValidateRequest(manifest=str(manifest), rendered=str(rendered), config=str(config),
+                                    backend="emulated", scenario=scenario, sweep_readings=sweep))
+
+
+def check(report, name_prefix: str):
+    matches = [c for c in report.checks if c.name.startswith(name_prefix)]
+    assert matches, f"no check named {name_prefix!r} in {[c.name for c in report.checks]}"
+    return matches[0]
+
+
+__all__ = ["DEFAULT", "QUICK", "check", "mutate", "render_case", "run_validate"]

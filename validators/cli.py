@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cann-recipes-infer checkout: use its executor.core.kv_cache instead of the harness")
     p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
                    help="harness generation when the manifest names none (default G2)")
+    p.add_argument("--attn-tp-size", type=int, metavar="N",
+                   help="attention TP ranks to launch (must equal the manifest's attn_tp_size; gloo on CPU)")
     p.add_argument("--report", metavar="FILE", help="write the JSON report here")
     p.add_argument("--markdown", metavar="FILE", help="write the Markdown report (自验证结果) here")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of weights and prompts (default 0)")
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     report = validate(ValidateRequest(
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
-        framework_api=args.framework_api,
+        framework_api=args.framework_api, attn_tp_size=args.attn_tp_size,
     ), progress=_progress)
     if args.report:
         atomic_write_text(Path(args.report), report.to_json())

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     config_file = str(Path(config) / "config.json") if Path(config).is_dir() else config
     report = validate(ValidateRequest(manifest=str(out / "manifest.json"), rendered=str(out / "rendered"),
-                                      config=config_file, backend=args.backend, framework_api=args.framework_api),
+                                      config=config_file, backend=args.backend, framework_api=args.framework_api,
+                                      attn_tp_size=args.attn_tp_size),
                       progress=lambda m: _say(m, t0))
     atomic_write_text(out / "report.json", report.to_json())
     atomic_write_text(out / "report.md", report.to_markdown())

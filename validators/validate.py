@@ -33,6 +33,7 @@ class ValidateRequest:
     scenario: Scenario = DEFAULT
     sweep_readings: bool = True
     framework_api: str | None = None
+    attn_tp_size: int | None = None
 
 
 def resolve_backend(requested: str) -> str:
@@ -48,17 +49,25 @@ def resolve_backend(requested: str) -> str:
     return "npu" if available else "emulated"
 
 
-def validate(req: ValidateRequest, progress=None) -> Report:
+def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
+    """Validate on one rank; a manifest with attention TP > 1 launches that many ranks (validators.tp)."""
     manifest = load_manifest(req.manifest)
     _, real_config = read_config_file(req.config)
     rendered_dir = Path(req.rendered)
     if not (rendered_dir / "kvcache_attention.py").is_file():
         raise InputError(str(rendered_dir), "no kvcache_attention.py: run `kvcache render` first", field="--rendered")
-    if manifest.parallel.attn_tp_size != 1:
-        raise InputError(req.manifest, f"attn_tp_size {manifest.parallel.attn_tp_size}: single-rank validation "
-                                       "needs a TP 1 manifest (multi-rank validation is separate)",
-                         field="parallel.attn_tp_size")
+    tp = manifest.parallel.attn_tp_size
+    if req.attn_tp_size is not None and req.attn_tp_size != tp:
+        raise InputError("--attn-tp-size", f"{req.attn_tp_size} differs from the manifest's attn_tp_size {tp} "
+                                           "(re-analyze with --attn-tp-size and re-render)")
     backend = resolve_backend(req.backend)
+    if tp > 1 and world == 1:
+        if backend != "emulated":
+            raise InputError("--backend", "multi-rank validation runs on the emulated backend (gloo) here; "
+                                          "on NPU clusters launch one process per card with hccl")
+        from validators.tp import validate_multi_rank
+
+        return validate_multi_rank(replace(req, sweep_readings=False), tp, manifest, progress)
     say = progress or (lambda msg: None)
     started = time.perf_counter()
 
@@ -78,7 +87,7 @@ def validate(req: ValidateRequest, progress=None) -> Report:
 
     report.readings = {"band_at_single_query": "honoured", "window_pre_tokens": "exclusive"}
     say(f"running the {manifest.deploy_mode.value}-mode checks on the {backend} backend")
-    _run(report, manifest, req, pristine, plan, backend, DeviceReadings(), req.scenario)
+    _run(report, manifest, req, pristine, plan, backend, DeviceReadings(), req.scenario, rank, world)
 
     if req.sweep_readings and backend == "emulated":
         for dep in manifest.device_dependencies:
@@ -99,12 +108,16 @@ def validate(req: ValidateRequest, progress=None) -> Report:
 
 
 def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pristine, plan, backend: str,
-         readings, scenario: Scenario) -> None:
+         readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
     from validators.host import HostModel, import_rendered
     from validators.npu_ops import device_readings, install_emulation
 
     model = copy.deepcopy(pristine)
-    ref = copy.deepcopy(pristine)
+    ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP
+    if world > 1:
+        from validators.tp import shard_attention
+
+        shard_attention(model, manifest, rank, world)
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
     cache_dtype = torch.float32
     with ops, device_readings(readings), _framework(manifest, req) as handle:

@@ -1,0 +1,151 @@
+"""Attention tensor parallelism: N ranks over torch.distributed, each with its share of heads.
+
+Every rank builds the same tiny model (same seed), keeps its query heads (column split of Q, and
+of K/V when there are at least as many KV heads as ranks, else the replicated KV head it maps
+to; MLA: its query heads, the whole latent), row-splits O with an all-reduce, and runs the
+rendered code with its own cache and block tables over the same request stream. Each rank
+compares its (all-reduced) logits with the single-rank transformers reference.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from validators.report import Check, Report
+
+COLLECTIVE_TIMEOUT_S = 120
+RANK_TIMEOUT_S = 900
+
+
+def _rows(weight: torch.Tensor, start: int, stop: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(weight.data[start:stop].clone(), requires_grad=False)
+
+
+def kv_head_of_rank(rank: int, tp: int, kv_heads: int) -> tuple[int, int]:
+    """[first, last) KV heads a rank holds: a split when kv >= tp, else the one replicated head."""
+    if kv_heads >= tp:
+        per = kv_heads // tp
+        return rank * per, (rank + 1) * per
+    head = rank // (tp // kv_heads)
+    return head, head + 1
+
+
+def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
+    """Keep this rank's heads in every attention module and all-reduce the O projection output."""
+    import torch.distributed as dist
+
+    m = manifest.model
+    nq = m.num_attention_heads // tp
+    heads = slice(rank * nq, (rank + 1) * nq)
+
+    def all_reduce(_module, _inputs, output):
+        dist.all_reduce(output, group=group)
+        return output
+
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if m.mla:
+            qk, per_head = m.qk_head_dim, m.mla.qk_nope_head_dim + m.mla.v_head_dim
+            q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+            q.weight = _rows(q.weight, heads.start * qk, heads.stop * qk)
+            attn.kv_b_proj.weight = _rows(attn.kv_b_proj.weight, heads.start * per_head, heads.stop * per_head)
+            v_dim = m.mla.v_head_dim
+        else:
+            d = m.head_dim
+            attn.q_proj.weight = _rows(attn.q_proj.weight, heads.start * d, heads.stop * d)
+            if attn.q_proj.bias is not None:
+                attn.q_proj.bias = _rows(attn.q_proj.bias, heads.start * d, heads.stop * d)
+            lo, hi = kv_head_of_rank(rank, tp, m.num_key_value_heads)
+            for proj in (attn.k_proj, attn.v_proj):
+                proj.weight = _rows(proj.weight, lo * d, hi * d)
+                if proj.bias is not None:
+                    proj.bias = _rows(proj.bias, lo * d, hi * d)
+            if hasattr(attn, "sinks"):
+                attn.sinks = torch.nn.Parameter(attn.sinks.data[heads].clone(), requires_grad=False)
+            v_dim = d
+        o = attn.o_proj
+        o.weight = torch.nn.Parameter(o.weight.data[:, heads.start * v_dim:heads.stop * v_dim].clone(),
+                                      requires_grad=False)
+        if o.bias is not None and rank != 0:
+            o.bias = torch.nn.Parameter(torch.zeros_like(o.bias), requires_grad=False)  # added once
+        o.register_forward_hook(all_reduce)
+
+
+def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dict) -> None:
+    """One rank: join the group (bounded timeout), validate with sharded attention, write a report."""
+    import torch.distributed as dist
+
+    from validators.validate import ValidateRequest, validate
+
+    torch.set_num_threads(1)
+    result = Path(out_dir) / f"rank{rank}.json"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        req = ValidateRequest(**req_fields)
+        report = validate(req, rank=rank, world=tp)
+        data = report.to_dict()
+    except Exception as exc:  # reported with the rank id by the parent
+        data = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    result.write_text(json.dumps(data), encoding="utf-8")
+
+
+def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
+    """Launch ``tp`` ranks, gather their reports into one (checks prefixed with the rank id)."""
+    say = progress or (lambda msg: None)
+    started = time.perf_counter()
+    fields = {k: getattr(req, k) for k in req.__dataclass_fields__}
+    with tempfile.TemporaryDirectory(prefix="kvcache-tp-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(r, tp, init_file, tmp, fields), daemon=True)
+                 for r in range(tp)]
+        say(f"launching {tp} ranks (gloo)")
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        merged = Report(backend="emulated", deploy_mode=manifest.deploy_mode.value,
+                        model_type=manifest.model.model_type, manifest_hash=manifest.content_hash())
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+                merged.add(f"rank {r}: finished", "runtime", False,
+                           detail=f"no result within {RANK_TIMEOUT_S}s (hung peer or collective timeout)")
+                continue
+            path = Path(tmp) / f"rank{r}.json"
+            if not path.is_file():
+                merged.add(f"rank {r}: finished", "runtime", False, detail=f"exited with code {p.exitcode}")
+                continue
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("error"):
+                merged.add(f"rank {r}: finished", "runtime", False, detail=data["error"])
+                continue
+            merged.backend = data["backend"]
+            merged.readings = data.get("readings", {})
+            for c in data["checks"]:
+                merged.checks.append(Check(f"rank {r}: {c['name']}", c["link"], c["passed"], c["measured"],
+                                           c["detail"]))
+            merged.notes += [f"rank {r}: {n}" for n in data.get("notes", []) if r == 0 or "rank" in n]
+    merged.notes.insert(0, f"attention TP {tp}: {manifest.parallel.num_q_heads_per_rank} query / "
+                           f"{manifest.parallel.num_kv_heads_per_rank} KV heads per rank"
+                           + ("; KV heads replicated" if manifest.parallel.kv_heads_replicated else "")
+                           + ("; MLA latent replicated" if manifest.parallel.latent_replicated else ""))
+    merged.seconds = time.perf_counter() - started
+    return merged

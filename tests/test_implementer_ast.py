@@ -1,0 +1,418 @@
+"""AST checks of the rendered code against the manifest it came from (every golden case).
+
+The golden files equal a fresh render (tests/test_implementer_golden.py), so these checks hold
+for what ``kvcache render`` produces. Each check reads the manifest, not the template: a
+template that drifts from the manifest's decisions fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from analyzer.build import AnalyzeRequest, analyze
+from implementer.render import load_manifest, render_manifest
+from validators.npu_ops.schemas import accepted_keywords, op_schema
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_LIMIT = 2147483647
+FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
+WRITE_OPS = ("npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache", "scatter_update_")
+# The keyword each version spells for scale / query heads / Q lengths / KV lengths (DOMAIN §7).
+VERSION_NAMES = {
+    "v1": {"scale", "num_heads", "actual_seq_lengths", "actual_seq_lengths_kv"},
+    "v2": {"softmax_scale", "num_query_heads", "actual_seq_qlen", "actual_seq_kvlen"},
+}
+
+
+def _golden_module():
+    """tests/golden/regenerate.py (the case table), loaded once by path: tests/ is not a package."""
+    if "golden_regenerate" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("golden_regenerate", ROOT / "tests" / "golden" / "regenerate.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["golden_regenerate"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["golden_regenerate"]
+
+
+golden = _golden_module()
+CASES = {case.id: case for case in golden.CASES}
+PY_FILES = [(case.id, p.name) for case in golden.CASES for p in sorted(case.dir.glob("*.py"))]
+
+
+@cache
+def manifest(case_id: str):
+    return load_manifest(CASES[case_id].dir / golden.MANIFEST_FILE)
+
+
+@cache
+def tree(case_id: str, name: str = "kvcache_attention.py") -> ast.Module:
+    path = CASES[case_id].dir / name
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def constants(module: ast.Module) -> dict[str, object]:
+    """Module-level NAME = <literal> assignments."""
+    out = {}
+    for node in module.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return out
+
+
+def npu_calls(module: ast.Module, ops=None) -> list[ast.Call]:
+    """Calls of ``torch_npu.<op>``."""
+    return [n for n in ast.walk(module) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == "torch_npu"
+            and (ops is None or n.func.attr in ops)]
+
+
+def kwargs(call: ast.Call) -> dict[str, ast.expr]:
+    assert all(k.arg for k in call.keywords), f"line {call.lineno}: **kwargs hides argument names"
+    return {k.arg: k.value for k in call.keywords}
+
+
+def functions(module: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in ast.walk(module) if isinstance(n, ast.FunctionDef)}
+
+
+def layer_plan(m, attn_type: str):
+    return next(layer for layer in m.layers if layer.attn_type == attn_type)
+
+
+def paths(m):
+    """(attn_type, is_prefill) of every kind/path the manifest has."""
+    return [(kind, prefill) for kind in sorted({layer.attn_type for layer in m.layers}) for prefill in (True, False)]
+
+
+# ----------------------------------------------------------------------------- symbolic walk of the branches
+
+
+def _condition(test: ast.expr, attn_type: str, is_prefill: bool) -> bool:
+    text = ast.unparse(test)
+    if text == "forward_metadata.is_prefill":
+        return is_prefill
+    if (isinstance(test, ast.Compare) and ast.unparse(test.left) == "self.attn_type" and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.Eq) and isinstance(test.comparators[0], ast.Constant)):
+        return attn_type == test.comparators[0].value
+    raise AssertionError(f"line {test.lineno}: branch on {text!r} is not a layer-kind or prefill/decode branch")
+
+
+def fa_arguments_on_path(func: ast.FunctionDef, attn_type: str, is_prefill: bool) -> dict[str, ast.expr]:
+    """The FA call's keyword values on one path, local names replaced by what that path assigned."""
+    env: dict[str, ast.expr] = {}
+    found: list[dict[str, ast.expr]] = []
+
+    def run(body):
+        for stmt in body:
+            if isinstance(stmt, ast.If):
+                run(stmt.body if _condition(stmt.test, attn_type, is_prefill) else stmt.orelse)
+                continue
+            calls = npu_calls(stmt, FA_OPS)
+            if calls:
+                found.append({k: env.get(v.id, v) if isinstance(v, ast.Name) else v
+                              for k, v in kwargs(calls[0]).items()})
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                env[stmt.targets[0].id] = stmt.value
+
+    run(func.body)
+    assert len(found) == 1, f"{func.name}: {len(found)} FA calls on the {attn_type}/{is_prefill} path"
+    return found[0]
+
+
+def fa_function(module: ast.Module) -> ast.FunctionDef:
+    owners = [f for f in functions(module).values() if npu_calls(f, FA_OPS)]
+    assert len(owners) == 1, [f.name for f in owners]
+    return owners[0]
+
+
+# ----------------------------------------------------------------------------- compile, ruff, imports
+
+
+@pytest.mark.parametrize("case_id, name", PY_FILES, ids=[f"{c}/{n}" for c, n in PY_FILES])
+def test_rendered_code_compiles_and_uses_every_import(case_id, name):
+    path = CASES[case_id].dir / name
+    compile(path.read_text(encoding="utf-8"), str(path), "exec")
+    module = tree(case_id, name)
+    imported = {}
+    for node in ast.walk(module):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                imported[alias.asname or alias.name.split(".")[0]] = node.lineno
+    used = {n.id for n in ast.walk(module) if isinstance(n, ast.Name)}
+    unused = {name: line for name, line in imported.items() if name not in used}
+    assert not unused, f"{case_id}/{name}: unused imports {unused}"
+
+
+def _ruff() -> list[str] | None:
+    if shutil.which("ruff"):
+        return ["ruff"]
+    if importlib.util.find_spec("ruff") is not None:
+        return [sys.executable, "-m", "ruff"]
+    return None
+
+
+def test_fresh_renders_pass_ruff_with_the_project_rules(tmp_path):
+    ruff = _ruff()
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install ruff): the generated code's lint check cannot run")
+    for case in golden.CASES:
+        rendered = render_manifest(manifest(case.id), allow_blocked=case.model.allow_blocked)
+        folder = tmp_path / case.model.name / case.mode
+        folder.mkdir(parents=True)
+        for name, text in rendered.files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+    files = sorted(str(p) for p in tmp_path.rglob("*.py"))
+    assert len(files) == len(PY_FILES)
+    result = subprocess.run([*ruff, "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), *files],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------- operator calls
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_every_npu_call_uses_real_schema_names(case_id):
+    module = tree(case_id)
+    calls = npu_calls(module)
+    assert calls
+    for call in calls:
+        op = call.func.attr
+        schema = op_schema(op)
+        assert set(kwargs(call)) <= accepted_keywords(op), (op, set(kwargs(call)) - accepted_keywords(op))
+        positional = [a for a in schema["args"] if not a["kwarg_only"]]
+        assert len(call.args) <= len(positional), f"{op}: {len(call.args)} positional arguments"
+        # A keyword must not repeat an argument already given by position.
+        assert not {a["name"] for a in positional[: len(call.args)]} & set(kwargs(call)), op
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_fa_call_uses_only_its_versions_argument_names(case_id):
+    m = manifest(case_id)
+    module = tree(case_id)
+    calls = npu_calls(module, FA_OPS)
+    assert len(calls) == 1
+    call = calls[0]
+    want_op = FA_OPS[1] if m.fa.version == "v2" else FA_OPS[0]
+    assert call.func.attr == want_op
+    names = set(kwargs(call))
+    v1_only = accepted_keywords(FA_OPS[0]) - accepted_keywords(FA_OPS[1])
+    v2_only = accepted_keywords(FA_OPS[1]) - accepted_keywords(FA_OPS[0])
+    assert VERSION_NAMES["v1"] <= v1_only and VERSION_NAMES["v2"] | {"learnable_sink"} <= v2_only  # schema facts
+    if m.fa.version == "v2":
+        assert not names & v1_only, names & v1_only
+    else:
+        assert not names & v2_only, names & v2_only
+    assert VERSION_NAMES[m.fa.version] <= names, VERSION_NAMES[m.fa.version] - names
+    assert ("learnable_sink" in names) == m.model.has_sinks
+    assert len(call.args) == 3  # query, key, value
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
+    m = manifest(case_id)
+    module = tree(case_id)
+    consts = constants(module)
+    kw = kwargs(npu_calls(module, FA_OPS)[0])
+    scale_kw, heads_kw = ("softmax_scale", "num_query_heads") if m.fa.version == "v2" else ("scale", "num_heads")
+    assert ast.unparse(kw[scale_kw]) == "SOFTMAX_SCALE" and consts["SOFTMAX_SCALE"] == m.fa.softmax_scale
+    assert ast.unparse(kw[heads_kw]) == "NUM_HEADS_PER_RANK"
+    assert consts["NUM_HEADS_PER_RANK"] == m.parallel.num_q_heads_per_rank
+    layout = kw["input_layout"].value
+    assert layout == ("BSH" if m.kv_mode.value == "legacy" else m.fa.input_layout)
+    if m.mla.enabled:
+        assert isinstance(kw["num_key_value_heads"], ast.Constant) and kw["num_key_value_heads"].value == 1
+        assert {"query_rope", "key_rope"} <= set(kw)
+    else:
+        assert ast.unparse(kw["num_key_value_heads"]) == "NUM_KV_HEADS_PER_RANK"
+        assert consts["NUM_KV_HEADS_PER_RANK"] == m.parallel.num_kv_heads_per_rank
+        assert consts["HEAD_DIM"] == m.model.head_dim
+    if m.kv_mode.value == "paged":
+        q_lens = "actual_seq_qlen" if m.fa.version == "v2" else "actual_seq_lengths"
+        kv_lens = "actual_seq_kvlen" if m.fa.version == "v2" else "actual_seq_lengths_kv"
+        # TND: cumulative Q lengths, per-request paged KV lengths (DOMAIN §6).
+        assert ast.unparse(kw[q_lens]) == "forward_metadata.actual_seq_lengths_cu_q"
+        assert ast.unparse(kw[kv_lens]) == "forward_metadata.actual_seq_lengths_kv"
+        assert consts["BLOCK_SIZE"] == m.block_size
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_prefill_and_decode_pass_the_manifests_sparse_modes_per_layer_kind(case_id):
+    m = manifest(case_id)
+    func = fa_function(tree(case_id))
+    for attn_type, prefill in paths(m):
+        plan = layer_plan(m, attn_type)
+        mode = plan.sparse_mode.prefill if prefill else plan.sparse_mode.decode
+        mask = plan.mask.prefill if prefill else plan.mask.decode
+        got = fa_arguments_on_path(func, attn_type, prefill)
+        where = f"{attn_type} {'prefill' if prefill else 'decode'}"
+        assert isinstance(got["sparse_mode"], ast.Constant) and got["sparse_mode"].value == mode, where
+        want_mask = "forward_metadata.attention_mask" if mask != "none" else "None"
+        assert ast.unparse(got["atten_mask"]) == want_mask, where
+        if mode == 4:
+            assert ast.unparse(got["pre_tokens"]) == "self.window_pre_tokens", where
+            assert ast.literal_eval(got["next_tokens"]) == plan.next_tokens, where
+        else:
+            assert ast.literal_eval(got["pre_tokens"]) == NO_LIMIT, where
+            assert ast.literal_eval(got["next_tokens"]) == 0, where
+
+
+# ----------------------------------------------------------------------------- index tensors
+
+
+def _parents(module: ast.Module) -> dict[ast.AST, ast.AST]:
+    return {child: parent for parent in ast.walk(module) for child in ast.iter_child_nodes(parent)}
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_block_table_and_slot_mapping_are_indexed_by_the_layers_key(case_id):
+    m = manifest(case_id)
+    module = tree(case_id)
+    parents = _parents(module)
+    reads = [n for n in ast.walk(module) if isinstance(n, ast.Attribute) and n.attr in ("block_table", "slot_mapping")
+             and ast.unparse(n.value) == "forward_metadata"]
+    if m.kv_mode.value == "legacy":
+        assert not reads and "block_table" not in kwargs(npu_calls(module, FA_OPS)[0])
+        return
+    assert {n.attr for n in reads} == {"block_table", "slot_mapping"}
+    for node in reads:
+        parent = parents[node]
+        if m.deploy_mode.value == "framework":
+            # A dict keyed by the layer's group: attn_type, which init_kv_cache sets per layer.
+            assert isinstance(parent, ast.Subscript) and parent.value is node, f"line {node.lineno}: not indexed"
+            assert ast.unparse(parent.slice) == "self.attn_type", f"line {node.lineno}: {ast.unparse(parent)}"
+        else:
+            assert not isinstance(parent, ast.Subscript), f"line {node.lineno}: standalone tables are tensors"
+    assert {layer.group_key for layer in m.layers} == {layer.attn_type for layer in m.layers}
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+MLA_CASES = [cid for cid in CASES if manifest(cid).mla.enabled]
+
+
+@pytest.mark.parametrize("case_id", MLA_CASES)
+def test_mla_writer_takes_epsilon_and_gamma_from_the_norm_module(case_id):
+    m = manifest(case_id)
+    calls = npu_calls(tree(case_id), ("npu_kv_rmsnorm_rope_cache",))
+    assert len(calls) == 1
+    call = calls[0]
+    kw = kwargs(call)
+    eps = kw["epsilon"]
+    assert isinstance(eps, ast.Attribute) and eps.attr in ("variance_epsilon", "eps"), ast.unparse(eps)
+    gamma = call.args[1]
+    assert isinstance(gamma, ast.Attribute) and gamma.attr == "weight"
+    assert ast.unparse(eps.value) == ast.unparse(gamma.value) == "self.kv_a_layernorm"
+    assert not [n for n in ast.walk(call) if isinstance(n, ast.Constant) and isinstance(n.value, float)]
+    assert kw["cache_mode"].value == m.mla.cache_mode == "PA_NZ"
+
+
+@pytest.mark.parametrize("case_id", MLA_CASES)
+def test_mla_fa_reads_the_latent_as_key_and_value_through_nz_views(case_id):
+    module = tree(case_id)
+    func = fa_function(module)
+    call = npu_calls(func, FA_OPS)[0]
+    key, value = (ast.unparse(a) for a in call.args[1:])
+    assert key == value
+    views = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            views[node.targets[0].id] = node.value
+    for name, cache_attr, dim in ((key, "nope_cache", "KV_LORA_RANK"),
+                                  (ast.unparse(kwargs(call)["key_rope"]), "rope_cache", "QK_ROPE_HEAD_DIM")):
+        view = views[name]
+        assert ast.unparse(view.func) == f"self.{cache_attr}.view", ast.unparse(view)
+        assert len(view.args) == 5 and ast.unparse(view.args[2]) == f"{dim} // KV_CACHE_NZ_DIM"
+    assert constants(module)["KV_CACHE_NZ_DIM"] == 16
+
+
+# ----------------------------------------------------------------------------- cache entries per generation
+
+
+def _entries_and_info(module: ast.Module):
+    calls = [n for n in ast.walk(module) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    return ([c for c in calls if c.func.id == "CacheEntry"], [c for c in calls if c.func.id == "ModelCacheInfo"])
+
+
+def _check_generation(module: ast.Module, m, api: str) -> None:
+    entries, infos = _entries_and_info(module)
+    assert [kwargs(e)["cache_name"].value for e in entries] == [c.name for c in m.layers[0].caches]
+    assert len(infos) == 1
+    info = kwargs(infos[0])
+    for entry in entries:
+        kw = kwargs(entry)
+        assert ("block_size" in kw) == (api == "G2"), api
+        assert ast.unparse(kw["num_head"]) == ("1" if m.mla.enabled else "NUM_KV_HEADS_PER_RANK")
+        assert ast.unparse(kw["attn_type"]) == "self.attn_type"
+    assert ("block_size" in info) == (api != "G2"), api
+    if api != "G2":
+        assert ast.unparse(info["block_size"]) == "self.block_size"
+    want_mla = m.mla.enabled and api != "G0"
+    assert ("is_mla_backend" in info) == want_mla
+    if want_mla:
+        assert info["is_mla_backend"].value is True
+
+
+@pytest.mark.parametrize("case_id", [cid for cid in CASES if manifest(cid).kv_mode.value == "paged"])
+def test_cache_entries_follow_the_framework_generation(case_id):
+    m = manifest(case_id)
+    module = tree(case_id)
+    if m.deploy_mode.value == "standalone":
+        assert _entries_and_info(module) == ([], [])
+        assert not [n for n in ast.walk(module) if isinstance(n, ast.ImportFrom) and "executor" in (n.module or "")]
+        return
+    _check_generation(module, m, m.framework_api)
+
+
+@pytest.mark.parametrize("config", ["qwen3_8b", "deepseek_v3", "gpt_oss_20b"])
+def test_g0_renders_have_model_level_block_size_and_no_mla_flag(config):
+    m = analyze(AnalyzeRequest(config=str(ROOT / "tests" / "fixtures" / "configs" / f"{config}.json"),
+                               deploy_mode="framework", framework_api="G0"))
+    text = render_manifest(m).files["kvcache_attention.py"]
+    _check_generation(ast.parse(text), m, "G0")
+
+
+# ----------------------------------------------------------------------------- per-layer kind at init
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_init_sets_each_layers_kind_window_and_band_from_the_manifest(case_id):
+    from validators.harness import install_framework
+    from validators.host import import_rendered
+    from validators.npu_ops import install_emulation
+
+    m = manifest(case_id)
+    framework = install_framework(m.framework_api) if m.deploy_mode.value == "framework" else None
+    with install_emulation():
+        if framework is not None:
+            with framework:
+                code = import_rendered(CASES[case_id].dir)
+        else:
+            code = import_rendered(CASES[case_id].dir)
+        cls = type("Probe", (code.attention_mixin(),), {})
+        for plan in m.layers:
+            attn = cls()
+            if framework is not None and m.kv_mode.value == "paged":
+                with install_framework(m.framework_api):
+                    attn.init_kv_cache(plan.index)
+                assert {e.cache_name for e in attn.cache_entries} == {c.name for c in plan.caches}
+                assert all(e.attn_type == plan.attn_type and e.sliding_window == plan.sliding_window
+                           for e in attn.cache_entries)
+            else:
+                attn.init_kv_cache(plan.index)
+            assert attn.attn_type == plan.attn_type == plan.group_key, plan.index
+            assert attn.sliding_window == plan.sliding_window, plan.index
+            if plan.attn_type == "SlidingWindow":
+                assert attn.window_pre_tokens == plan.pre_tokens, plan.index

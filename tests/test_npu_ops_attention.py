@@ -211,10 +211,13 @@ def test_paged_decode_sparse_cache_uses_gather_plan():
     check(case, layout="TND", mode=0, paged=paged)
 
 
-def test_request_major_chunking_matches(monkeypatch):
-    # Force many row chunks and key pieces through the request-major path.
+@pytest.mark.parametrize("materialize", [True, False])
+def test_request_major_chunking_matches(monkeypatch, materialize):
+    # Force many row chunks and key pieces through the request-major path, with the keys
+    # converted once up front or gathered piece by piece.
     monkeypatch.setattr(fa_core, "SCORE_BUDGET_BYTES", 4096)
     monkeypatch.setattr(fa_core, "KV_CHUNK_BYTES", 2048)
+    monkeypatch.setattr(fa_core, "MATERIALIZE_BYTES", 1 << 40 if materialize else 0)
     case = make_case([9, 17], [20, 17], 4, 2, 16, seed=6)
     check(case, layout="TND", mode=3)
     check(case, layout="TND", mode=4, pre=5, nxt=2)
@@ -286,8 +289,9 @@ def test_lse_not_requested_is_empty():
     assert lse.numel() == 0 and lse.dtype == torch.float32
 
 
-def test_sdpa_cross_check_causal_tnd():
-    case = make_case([6, 9, 4], [6, 9, 4], 8, 2, 32, seed=19)
+@pytest.mark.parametrize("lens", [[6, 9, 4], [7, 7, 7]])  # ragged, and equal (gather-free views)
+def test_sdpa_cross_check_causal_tnd(lens):
+    case = make_case(lens, lens, 8, 2, 32, seed=19)
     q, cum = pack(case.q)
     k, _ = pack(case.k)
     v, _ = pack(case.v)

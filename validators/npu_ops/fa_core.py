@@ -24,12 +24,13 @@ import math
 import torch
 
 from validators.npu_ops.fa_kv import KVSource, PagedKV
-from validators.npu_ops.fa_masks import MaskSpec, visible_keys
+from validators.npu_ops.fa_masks import MaskSpec, fully_visible_columns, visible_bounds, visible_keys
 
-SCORE_BUDGET_BYTES = 16 << 20  # score tile of one row chunk (request-major)
+SCORE_BUDGET_BYTES = 32 << 20  # score tile of one row chunk (request-major)
 KV_CHUNK_BYTES = 8 << 20  # one gathered key (or value) piece (request-major)
 BLOCK_CHUNK_BYTES = 8 << 20  # physical blocks per step (block-major)
 BLOCK_MAJOR_MAX_ROWS = 16  # longest query handled block-major (decode, MTP)
+MATERIALIZE_BYTES = 512 << 20  # request-major: convert all keys/values up front when they fit
 
 
 def attend(
@@ -63,17 +64,16 @@ def attend(
     return out, lse
 
 
-def _masked_softmax_(scores: torch.Tensor, vis: torch.Tensor, sinks: torch.Tensor | None):
+def _masked_softmax_(scores: torch.Tensor, hide, sinks: torch.Tensor | None):
     """In place on ``scores [B, N_kv, R, G, L]``: mask, subtract the row max, exponentiate.
 
-    Returns (row max used, denominator), both ``[B, N_kv, R, G, 1]``; the sink (if any) takes
-    part in the max and the denominator but has no value row.
+    ``hide`` is a list of ``(c0, c1, hidden [B, R, c1 - c0])`` column ranges to fill with
+    -inf (columns outside them are visible to every valid row). Returns (row max used,
+    denominator), both ``[B, N_kv, R, G, 1]``; the sink (if any) takes part in the max and the
+    denominator but has no value row.
     """
-    # Only columns where some row is hidden need the fill (for causal chunks: the diagonal tile).
-    hidden_cols = (~vis).any(dim=1).any(dim=0).nonzero()
-    if hidden_cols.numel():
-        c0, c1 = int(hidden_cols[0]), int(hidden_cols[-1]) + 1
-        scores[..., c0:c1].masked_fill_(~vis[:, None, :, None, c0:c1], -math.inf)
+    for c0, c1, hidden in hide:
+        scores[..., c0:c1].masked_fill_(hidden[:, None, :, None, :], -math.inf)
     row_max = scores.amax(dim=-1, keepdim=True)
     sink_b = sinks.view(1, sinks.shape[0], 1, sinks.shape[1], 1) if sinks is not None else None
     if sink_b is not None:
@@ -86,27 +86,57 @@ def _masked_softmax_(scores: torch.Tensor, vis: torch.Tensor, sinks: torch.Tenso
     return row_max, denom
 
 
-def _weighted_values(probs: torch.Tensor, values: torch.Tensor, key_seen: torch.Tensor) -> torch.Tensor:
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor, key_seen) -> torch.Tensor:
     """``probs @ values`` where keys no row of the request can see contribute exactly zero.
 
     Masked keys already have probability 0, but ``0 * NaN`` is NaN: a poisoned null block or
     stale slots past the KV length would leak into the output. Data is normally finite, so
     the product is checked once and recomputed with the unseen value rows zeroed only when
-    needed. ``key_seen`` broadcasts against ``values[..., :1]`` (one flag per key row).
+    needed. ``key_seen()`` returns one flag per key row, broadcastable against ``values``.
     """
     result = torch.matmul(probs, values)
-    if bool(torch.isfinite(result).all()):
+    if math.isfinite(float(result.sum())):  # a NaN/inf anywhere reaches the sum; no big temporaries
         return result
-    return torch.matmul(probs, values.masked_fill(~key_seen, 0.0))
+    return torch.matmul(probs, values.masked_fill(~key_seen(), 0.0))
 
 
-def _finish(acc, row_max, denom, out_slice, lse_slice) -> None:
+def _finish(acc, row_max, denom, valid, out_slice, lse_slice) -> None:
+    """Normalize and store; rows outside a request's query length stay zero / -inf."""
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    out_slice.copy_(acc / safe)
-    lse_slice.copy_((row_max + torch.log(denom)).squeeze(-1))
+    rows_ok = valid[:, None, :, None]
+    out_slice.copy_(torch.where(rows_ok.unsqueeze(-1), acc / safe, torch.zeros((), dtype=acc.dtype)))
+    lse_slice.copy_(torch.where(rows_ok, (row_max + torch.log(denom)).squeeze(-1),
+                                torch.full((), -math.inf, dtype=acc.dtype)))
+
+
+def _hidden_ranges(mask: MaskSpec, rows, bounds, q_lens, lo: int, hi: int) -> list:
+    """Column ranges of ``[lo, hi)`` that need masking, relative to ``lo``, with their masks."""
+    full_a, full_b = fully_visible_columns(mask, bounds, q_lens, rows)
+    full_a, full_b = max(full_a, lo), min(full_b, hi)
+    spans = [(lo, hi)] if full_a >= full_b else [(lo, full_a), (full_b, hi)]
+    return [(a - lo, b - lo, ~visible_keys(mask, rows, a, b, bounds)) for a, b in spans if b > a]
 
 
 # --------------------------------------------------------------------------- request-major
+class _Materialized(KVSource):
+    """Head-major copies of the whole key range, made once and sliced per row chunk."""
+
+    def __init__(self, kv: KVSource, with_rope: bool) -> None:
+        self.num_keys, self.granularity, self.same_kv = kv.num_keys, kv.granularity, kv.same_kv
+        self._k = kv.keys(0, kv.num_keys)
+        self._v = self._k if kv.same_kv else kv.values(0, kv.num_keys)
+        self._kr = kv.key_rope(0, kv.num_keys) if with_rope else None
+
+    def keys(self, t0, t1):
+        return self._k[:, :, t0:t1]
+
+    def values(self, t0, t1):
+        return self._v[:, :, t0:t1]
+
+    def key_rope(self, t0, t1):
+        return self._kr[:, :, t0:t1]
+
+
 def _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, lse) -> None:
     batch, n_kv, rows_total, group, head_dim = q.shape
     itemsize = q.element_size()
@@ -115,42 +145,59 @@ def _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, 
     row_step = max(1, min(rows_total, SCORE_BUDGET_BYTES // per_row))
     per_key = max(1, batch * n_kv * max(head_dim, value_dim) * itemsize)
     key_step = max(gran, KV_CHUNK_BYTES // per_key // gran * gran)
+    if rows_total > row_step and 2 * per_key * n_keys <= MATERIALIZE_BYTES:
+        # Several row chunks would gather overlapping key ranges again: convert K/V once.
+        kv = _Materialized(kv, q_rope is not None)
+        key_step = max(key_step, n_keys)
 
     for r0 in range(0, rows_total, row_step):
         r1 = min(rows_total, r0 + row_step)
         n_rows = r1 - r0
-        vis = visible_keys(mask, torch.arange(r0, r1, dtype=torch.int64), 0, n_keys, q_lens, kv_lens)
-        used = vis.any(dim=1).any(dim=0).nonzero()
-        if used.numel() == 0:
+        rows = torch.arange(r0, r1, dtype=torch.int64)
+        bounds = visible_bounds(mask, rows, q_lens, kv_lens)
+        valid = rows.view(1, -1) < q_lens.view(-1, 1)
+        some = bounds[0] < bounds[1]
+        if not bool(some.any()):
             if sinks is not None:
-                lse[:, :, r0:r1] = sinks.view(1, n_kv, 1, group)
+                lse[:, :, r0:r1] = torch.where(valid[:, None, :, None], sinks.view(1, n_kv, 1, group), -math.inf)
             continue
-        lo = int(used[0]) // gran * gran
-        hi = min(n_keys, -(-(int(used[-1]) + 1) // gran) * gran)
+        lo = int(bounds[0][some].min()) // gran * gran
+        hi = min(n_keys, -(-int(bounds[1][some].max()) // gran) * gran)
         pieces = [(a, min(hi, a + key_step)) for a in range(lo, hi, key_step)]
 
         qc = q[:, :, r0:r1].reshape(batch, n_kv, n_rows * group, head_dim)
         qrc = q_rope[:, :, r0:r1].reshape(batch, n_kv, n_rows * group, -1) if q_rope is not None else None
-        scores = torch.empty(batch, n_kv, n_rows * group, hi - lo, dtype=q.dtype)
         kept = []
-        for a, b in pieces:
-            k = kv.keys(a, b)
-            if kv.same_kv:
-                kept.append(k)
-            part = torch.matmul(qc, k.transpose(-1, -2))
+        if len(pieces) == 1:
+            k = kv.keys(lo, hi)
+            kept.append(k)
+            scores = torch.matmul(qc, k.transpose(-1, -2))
             if qrc is not None:
-                part.add_(torch.matmul(qrc, kv.key_rope(a, b).transpose(-1, -2)))
-            scores[..., a - lo:b - lo] = part
+                scores.add_(torch.matmul(qrc, kv.key_rope(lo, hi).transpose(-1, -2)))
+        else:
+            scores = torch.empty(batch, n_kv, n_rows * group, hi - lo, dtype=q.dtype)
+            for a, b in pieces:
+                k = kv.keys(a, b)
+                if kv.same_kv:
+                    kept.append(k)
+                part = torch.matmul(qc, k.transpose(-1, -2))
+                if qrc is not None:
+                    part.add_(torch.matmul(qrc, kv.key_rope(a, b).transpose(-1, -2)))
+                scores[..., a - lo:b - lo] = part
         view = scores.view(batch, n_kv, n_rows, group, hi - lo)
-        row_max, denom = _masked_softmax_(view, vis[:, :, lo:hi], sinks)
+        row_max, denom = _masked_softmax_(view, _hidden_ranges(mask, rows, bounds, q_lens, lo, hi), sinks)
 
-        acc = torch.zeros(batch, n_kv, n_rows * group, value_dim, dtype=q.dtype)
+        acc = None
         for i, (a, b) in enumerate(pieces):
             v = kept[i] if kv.same_kv else kv.values(a, b)
-            seen = vis[:, :, a:b].any(dim=1).view(batch, 1, b - a, 1)
-            acc.add_(_weighted_values(scores[..., a - lo:b - lo], v[..., :value_dim], seen))
+
+            def seen(a=a, b=b, rows=rows, bounds=bounds):
+                return visible_keys(mask, rows, a, b, bounds).any(dim=1).view(batch, 1, b - a, 1)
+
+            part = _weighted_values(scores[..., a - lo:b - lo], v[..., :value_dim], seen)
+            acc = part if acc is None else acc.add_(part)
         acc = acc.view(batch, n_kv, n_rows, group, value_dim)
-        _finish(acc, row_max, denom, out[:, :, r0:r1], lse[:, :, r0:r1])
+        _finish(acc, row_max, denom, valid, out[:, :, r0:r1], lse[:, :, r0:r1])
 
 
 # --------------------------------------------------------------------------- block-major
@@ -191,7 +238,9 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
     batch, n_kv, rows, group, head_dim = q.shape
     bs, n_keys = kv.block_size, kv.num_keys
     n_cols = n_keys // bs
-    vis = visible_keys(mask, torch.arange(rows, dtype=torch.int64), 0, n_keys, q_lens, kv_lens)
+    row_ids = torch.arange(rows, dtype=torch.int64)
+    bounds = visible_bounds(mask, row_ids, q_lens, kv_lens)
+    vis = visible_keys(mask, row_ids, 0, n_keys, bounds)  # [B, S, n_keys]; S <= 16 here
     # A (request, block column) entry is computed only if some row sees some key in it.
     key_seen = vis.view(batch, rows, n_cols, bs).any(dim=1)  # [B, n_cols, bs]
     entries = key_seen.any(dim=2)
@@ -245,7 +294,7 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
             scores5[owners, :, :, r_c[ent], :] = pick(part, pos, n_blocks)
 
     view = scores.view(batch, n_kv, rows, group, n_cols * bs)
-    row_max, denom = _masked_softmax_(view, vis, sinks)
+    row_max, denom = _masked_softmax_(view, [(0, n_cols * bs, ~vis)], sinks)
 
     acc = torch.zeros(batch, n_kv, width, value_dim, dtype=q.dtype)
     for r, (r_b, r_c, plan) in enumerate(rounds):
@@ -254,7 +303,10 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
             owners = r_b[ent]
             n_blocks = blocks.shape[0]
             probs = spread(scores5[owners, :, :, r_c[ent], :], pos, n_blocks)
-            seen = spread(key_seen[owners, r_c[ent]], pos, n_blocks).view(n_blocks, 1, bs, 1)
+            def seen(owners=owners, ent=ent, pos=pos, n_blocks=n_blocks, r_c=r_c):
+                return spread(key_seen[owners, r_c[ent]], pos, n_blocks).view(n_blocks, 1, bs, 1)
+
             weighted = _weighted_values(probs, blocks[..., :value_dim], seen)
             acc.index_add_(0, owners, pick(weighted, pos, n_blocks))
-    _finish(acc.view(batch, n_kv, rows, group, value_dim), row_max, denom, out, lse)
+    valid = row_ids.view(1, -1) < q_lens.view(-1, 1)
+    _finish(acc.view(batch, n_kv, rows, group, value_dim), row_max, denom, valid, out, lse)

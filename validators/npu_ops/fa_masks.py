@@ -3,6 +3,10 @@
 Convention everywhere: a mask value of ``True`` means *masked out*; ``visible`` is its negation.
 The compressed 2048x2048 mask of modes 2/3/4 only carries the shape of the causal template;
 the visibility itself comes from the mode's rule, as on the device.
+
+Every rule of modes 0/2/3/4 makes the visible keys of one query row a contiguous interval,
+so visibility is first computed as per-row bounds ``[lo, hi)`` (cheap, ``[B, R]``) and only
+expanded to a ``[B, R, L]`` boolean where needed. An explicit mode-0/1 mask is applied on top.
 """
 
 from __future__ import annotations
@@ -40,41 +44,58 @@ class MaskSpec:
     user_mask: torch.Tensor | None = None
 
 
-def visible_keys(
-    spec: MaskSpec,
-    rows: torch.Tensor,
-    key_start: int,
-    key_stop: int,
-    q_lens: torch.Tensor,
-    kv_lens: torch.Tensor,
-) -> torch.Tensor:
+def visible_bounds(spec: MaskSpec, rows: torch.Tensor, q_lens: torch.Tensor,
+                   kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (request, row) the interval ``[lo, hi)`` of keys the band/causal rule admits.
+
+    ``lo >= hi`` means no key; rows at or beyond a request's query length get ``[0, 0)``.
+    The explicit mode-0/1 mask is *not* included (see :func:`visible_keys`).
+    """
+    r = rows.view(1, -1)
+    ql = q_lens.view(-1, 1)
+    kl = kv_lens.view(-1, 1)
+    zero = torch.zeros((), dtype=torch.int64)
+    lo = torch.zeros(q_lens.numel(), rows.numel(), dtype=torch.int64)
+    hi = kl.expand_as(lo).clone()
+    banded = spec.mode in (2, 3, 4) or (spec.mode == 0 and spec.user_mask is not None)
+    if banded:
+        if spec.mode == 2:  # left-up causal: origin at the first query/key
+            band_lo, band_hi = lo, r + 1
+        elif spec.mode == 3:  # right-down causal: the last query is aligned with the last key
+            band_lo, band_hi = lo, r + (kl - ql) + 1
+        else:  # band; mode 4 takes the right-down origin, mode 0 with a mask the left-up one
+            origin = r + (kl - ql) if spec.mode == 4 else r.expand_as(lo)
+            band_lo = origin - spec.pre_tokens + (1 if spec.inclusive_pre_tokens else 0)
+            band_hi = origin + spec.next_tokens + 1
+        keep = spec.band_ignored.view(-1, 1)
+        lo = torch.where(keep, lo, torch.maximum(band_lo, zero))
+        hi = torch.where(keep, hi, torch.minimum(band_hi, kl))
+    valid = r < ql
+    return torch.where(valid, lo, zero), torch.where(valid, hi, zero)
+
+
+def visible_keys(spec: MaskSpec, rows: torch.Tensor, key_start: int, key_stop: int,
+                 bounds: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Bool ``[B, R, L]``: may query row ``rows[r]`` of request b see key ``key_start + l``?
 
-    Built with broadcast comparisons only (no per-token loops). Rows at or beyond a request's
-    query length and keys at or beyond its KV length are never visible.
+    Built with broadcast comparisons only (no per-token loops) from ``visible_bounds``.
     """
-    r = rows.view(1, -1, 1)
+    lo, hi = bounds
     k = torch.arange(key_start, key_stop, dtype=torch.int64).view(1, 1, -1)
-    ql = q_lens.view(-1, 1, 1)
-    kl = kv_lens.view(-1, 1, 1)
-    vis = (k < kl) & (r < ql)
-
-    band: torch.Tensor | None = None
-    if spec.mode == 2:  # left-up causal: origin at the first query/key
-        band = k <= r
-    elif spec.mode == 3:  # right-down causal: the last query is aligned with the last key
-        band = k <= r + (kl - ql)
-    elif spec.mode == 4 or (spec.mode == 0 and spec.user_mask is not None):
-        # Band: mode 4 takes the right-down origin; mode 0 with a mask takes the left-up one.
-        origin = r + (kl - ql) if spec.mode == 4 else r
-        lower = origin - spec.pre_tokens + (1 if spec.inclusive_pre_tokens else 0)
-        band = (k >= lower) & (k <= origin + spec.next_tokens)
-    if band is not None:
-        if bool(spec.band_ignored.any()):
-            band = band | spec.band_ignored.view(-1, 1, 1)
-        vis &= band
-
+    vis = (k >= lo.unsqueeze(-1)) & (k < hi.unsqueeze(-1))
     if spec.user_mask is not None and spec.mode in (0, 1):
-        user = spec.user_mask[:, rows][:, :, key_start:key_stop]
-        vis &= ~user
+        vis &= ~spec.user_mask[:, rows][:, :, key_start:key_stop]
     return vis
+
+
+def fully_visible_columns(spec: MaskSpec, bounds, q_lens: torch.Tensor, rows: torch.Tensor) -> tuple[int, int]:
+    """Key interval every valid row of the chunk sees (``(0, 0)`` when there is none)."""
+    if spec.user_mask is not None:
+        return 0, 0
+    lo, hi = bounds
+    valid = rows.view(1, -1) < q_lens.view(-1, 1)
+    if not bool(valid.any()):
+        return 0, 0
+    a = int(lo[valid].max())
+    b = int(hi[valid].min())
+    return (a, b) if a < b else (0, 0)

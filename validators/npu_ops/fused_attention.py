@@ -491,6 +491,8 @@ def fused_infer_attention(
         if not layout.packed:
             return batch_view(t, layout.query, num_heads)
         t3 = packed_view(t, layout.query)
+        if batch and all(n == q_s for n in q_lens) and t3.shape[0] == batch * q_s:
+            return t3.reshape(batch, q_s, t3.shape[1], t3.shape[2])  # equal lengths: no gather
         starts = torch.tensor([0] + aq[:-1], dtype=torch.int64).view(-1, 1)
         idx = (starts + torch.arange(q_s, dtype=torch.int64).view(1, -1)).clamp_(0, max(t3.shape[0] - 1, 0))
         if t3.shape[0] == 0:

@@ -79,6 +79,9 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,
                       api=api_module, generation=generation)
     check_allocation(report, host, sched)
+    if any(not c.passed for c in report.checks if c.link == "init"):
+        report.notes.append("init link failed: runtime, numeric and release checks not run")
+        return
     start_usage = sched.usage()
     start_bytes = _cache_bytes(sched)
 

@@ -56,6 +56,9 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     rows_n = scenario.max_concurrency
     runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, cache_dtype=cache_dtype)
     _check_init(report, manifest, host, runner, rows_n)
+    if any(not c.passed for c in report.checks if c.link == "init"):
+        report.notes.append("init link failed: runtime, numeric and release checks not run")
+        return
     start_bytes = sum(t.numel() * t.element_size() for t in _caches(host))
     start_ids = [id(t) for t in _caches(host)]
 

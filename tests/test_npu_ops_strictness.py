@@ -233,6 +233,14 @@ def test_mla_rope_rules():
            **mla_kwargs(num_key_value_heads=2))
 
 
+def test_mla_query_head_counts():
+    k, kr = torch.randn(5, 16, 512), torch.randn(5, 16, 64)
+    V2(torch.randn(2, 128, 512), k, k, query_rope=torch.randn(2, 128, 64), key_rope=kr,
+       **mla_kwargs(num_query_heads=128))  # 128 heads over one latent head: beyond the GQA cap of 64
+    expect("num_query_heads", V2, torch.randn(2, 3, 512), k, k, query_rope=torch.randn(2, 3, 64), key_rope=kr,
+           **mla_kwargs(num_query_heads=3))
+
+
 def test_mla_sparse_mode_and_head_dim_128_paging():
     b, br = torch.randn(1, 2, 2, 512), torch.randn(1, 2, 2, 64)
     expect("sparse_mode", V1, b, b[:, :, :1], b[:, :, :1], query_rope=br, key_rope=br[:, :, :1], num_heads=2,

@@ -7,7 +7,8 @@ Rules enforced, each paraphrasing the torch_npu 2.9.0 op documentation:
 
 * ``input_layout`` must be one the operator knows; the query rank must match it.
 * Heads: ``num_heads``/``num_query_heads`` > 0; ``num_key_value_heads`` 0 means "same as
-  query heads"; query heads must be a multiple of KV heads, ratio at most 64; for layouts
+  query heads"; query heads must be a multiple of KV heads, ratio at most 64 (MLA with one
+  latent KV head: 1/2/4/8/16/32/64/128 query heads instead); for layouts
   with an N axis the head count must equal that axis ("otherwise the call fails").
 * ``atten_mask`` dtype bool/int8/uint8 only. Modes 2/3/4 take the compressed 2048x2048 mask
   ((2048,2048), (1,2048,2048) or (1,1,2048,2048)); it is required, and it must be the causal
@@ -34,7 +35,7 @@ Rules enforced, each paraphrasing the torch_npu 2.9.0 op documentation:
 
 Not enforced (documented device limits that need no emulation or would reject valid
 framework setups): the total block count versus the sum of per-request blocks (sliding-window
-pools are smaller), per-shape size limits (B <= 65536 etc.), the MLA head-count lists.
+pools are smaller), per-shape size limits (B <= 65536 etc.), the MLA query-length limit (1-16).
 """
 
 from __future__ import annotations

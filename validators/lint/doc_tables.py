@@ -1,0 +1,545 @@
+"""Tables in SKILL.md / references/ that are generated from the code, and the doc-vs-code checks.
+
+The agent-facing docs carry a few tables whose every cell is a decision the code makes: the
+model-kind quick selection, the FA v1/v2 keyword map, the sparse_mode per path, the framework API
+generations, the lint rule index. Each lives between markers
+
+    <!-- kvcache:generated NAME -->
+    ...table...
+    <!-- /kvcache:generated NAME -->
+
+and is produced here from the analyzer rules, ``implementer.context.FA_ARGS``, the pinned
+torch_npu schemas, the harness generations and the lint registry. ``check_generated`` reports
+every block whose text differs from what the code produces now (a rule changed without its
+table, or a table edited by hand); ``write_generated`` rewrites them.
+
+Other doc-vs-code checks that compare hand-written prose tables with the code (manifest fields
+against the JSON Schema, validation check names against the validators, rule IDs against the
+registry) are here too, so a test can run them on an edited copy of the docs.
+
+    python -m validators.lint.doc_tables --check     # exit 1 and list drift
+    python -m validators.lint.doc_tables --write     # regenerate the blocks in place
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Docs that may hold generated blocks, and the blocks each must hold.
+DOC_GLOBS = ("SKILL.md", "references/*.md")
+REQUIRED_BLOCKS = {
+    "SKILL.md": ("model-kinds", "fa-args", "sparse-paths"),
+    "references/fa_operators.md": ("fa-args", "fa-keyword-sets", "sparse-paths"),
+    "references/framework.md": ("framework-generations",),
+    "references/errors.md": ("lint-rules",),
+}
+
+_BLOCK = re.compile(
+    r"<!-- kvcache:generated (?P<name>[a-z0-9-]+) -->\n(?P<body>.*?)<!-- /kvcache:generated (?P=name) -->",
+    re.DOTALL,
+)
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [_row(header), "|" + "---|" * len(header)]
+    lines += [_row(r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- model kinds
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    key: str
+    label: str
+    examples: str
+    config: dict
+    kv_mode: str | None = None  # --kv-mode of the request (None: the analyzer decides)
+
+
+_BASE = {
+    "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "num_hidden_layers": 4, "torch_dtype": "bfloat16", "vocab_size": 1000, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+}
+
+# Minimal configs, one per model kind the docs name. They go through the real loader and the real
+# analyzer, so the table shows what `kvcache analyze` decides for such a model today.
+MODEL_KINDS: tuple[ModelKind, ...] = (
+    ModelKind("gqa", "标准 MHA / GQA / MQA(含 MoE)", "Qwen3、Llama-3.1、GLM-4.5",
+              {**_BASE, "model_type": "qwen3"}),
+    ModelKind("sliding", "所有层都是滑窗", "Mistral-7B-v0.1、Phi-3-mini",
+              {**_BASE, "model_type": "mistral", "sliding_window": 4096}),
+    ModelKind("mixed_sinks", "滑窗 + 全注意力交替,带 sinks", "gpt-oss",
+              {**_BASE, "model_type": "gpt_oss", "sliding_window": 128,
+               "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    ModelKind("mixed", "滑窗 + 全注意力交替,无 sinks", "Gemma-3、Qwen2/3 开启 use_sliding_window",
+              {**_BASE, "model_type": "qwen3", "sliding_window": 1024,
+               "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    ModelKind("mla", "MLA(latent cache),含 YaRN 与 MTP", "DeepSeek-V3/R1、Kimi-K2、LongCat-Flash",
+              {**_BASE, "model_type": "deepseek_v3", "num_key_value_heads": 8, "kv_lora_rank": 512,
+               "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+               "num_nextn_predict_layers": 1,
+               "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096}}),
+    ModelKind("softcap", "attention logit soft-capping", "Gemma-2",
+              {**_BASE, "model_type": "gemma2", "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "query_pre_attn_scalar": 256}),
+    ModelKind("alibi", "ALiBi 位置偏置", "Falcon(alibi=true)、BLOOM",
+              {**_BASE, "model_type": "falcon", "alibi": True}),
+    ModelKind("chunked", "chunked local attention", "Llama-4",
+              {**_BASE, "model_type": "llama4_text", "attention_chunk_size": 8192}),
+    ModelKind("linear", "线性注意力 / 循环层混合", "Qwen3-Next",
+              {**_BASE, "model_type": "qwen3_next", "full_attention_interval": 4}),
+    ModelKind("legacy_request", "标准 GQA,用户要求保留 Legacy(--kv-mode legacy)", "仅离线推理",
+              {**_BASE, "model_type": "qwen3"}, kv_mode="legacy"),
+)
+
+
+def kind_manifest(key: str, framework_api: str | None = "G2", deploy_mode: str | None = None):
+    """SelectionManifest the analyzer builds for one of MODEL_KINDS (used by the docs and their tests)."""
+    from analyzer.build import AnalyzeRequest, assemble
+    from analyzer.config_loader import normalize_config
+    from analyzer.context import ProgressFacts, parse_dispatch
+
+    kind = next(k for k in MODEL_KINDS if k.key == key)
+    facts = normalize_config(kind.config, f"<doc kind {key}>")
+    req = AnalyzeRequest(config=facts.path, kv_mode=kind.kv_mode, framework_api=framework_api,
+                         deploy_mode=deploy_mode)
+    return assemble(facts, ProgressFacts(), parse_dispatch(None), None, req)
+
+
+def model_kinds_table() -> str:
+    rows = []
+    for kind in MODEL_KINDS:
+        m = kind_manifest(kind.key)
+        attn = " + ".join(sorted({layer.attn_type for layer in m.layers}))
+        rows.append([kind.label, kind.examples, m.kv_mode.value, attn, m.fa.version, m.fa.input_layout,
+                     "是" if m.mla.absorb else "否", "是" if m.mixed_attn_types else "否",
+                     f"`{m.layers[0].write_op}`"])
+    return _table(["模型形态", "例子", "KV 模式", "attn_type", "FA", "input_layout", "MLA absorb",
+                   "混合 attn_type", "写入算子"], rows)
+
+
+# --------------------------------------------------------------------------- FA v1 / v2
+
+
+# Meaning of each FaArgs field; a new field without a label fails generation (and so the test).
+_FA_MEANING = {
+    "op": "算子名",
+    "scale": "softmax 缩放系数",
+    "num_heads": "每卡 query 头数",
+    "q_lens": "Q 实际长度",
+    "kv_lens": "KV 实际长度",
+}
+_SHARED_KEYWORDS = (("num_key_value_heads", "每卡 KV 头数"),)
+
+
+def _schema_default(op: str, name: str) -> str | None:
+    from validators.npu_ops.schemas import op_schema
+
+    for arg in op_schema(op)["args"]:
+        if arg["name"] == name:
+            return arg["default"]
+    raise KeyError(f"{name!r} is not an argument of {op}")
+
+
+def fa_args_table() -> str:
+    from dataclasses import fields
+
+    from implementer.context import FA_ARGS
+
+    v1, v2 = FA_ARGS["v1"], FA_ARGS["v2"]
+    rows = []
+    for f in fields(v1):
+        a, b = getattr(v1, f.name), getattr(v2, f.name)
+        if f.name == "op":
+            rows.append([_FA_MEANING[f.name], f"`{a}`", f"`{b}`", "—"])
+            continue
+        da, db = _schema_default(v1.op, a), _schema_default(v2.op, b)
+        default = f"`{da}`" if da == db else f"v1 `{da}` / v2 `{db}`"
+        rows.append([_FA_MEANING[f.name], f"`{a}`", f"`{b}`", default])
+    for name, meaning in _SHARED_KEYWORDS:
+        da, db = _schema_default(v1.op, name), _schema_default(v2.op, name)
+        default = f"`{da}`" if da == db else f"v1 `{da}` / v2 `{db}`"
+        rows.append([meaning, f"`{name}`", f"`{name}`", default])
+    return _table(["含义", "FA v1", "FA v2", "漏传或名字写错时算子用的默认值"], rows)
+
+
+def fa_keyword_sets() -> str:
+    from implementer.context import FA_ARGS
+    from validators.npu_ops.schemas import accepted_keywords
+
+    v1 = accepted_keywords(FA_ARGS["v1"].op)
+    v2 = accepted_keywords(FA_ARGS["v2"].op)
+
+    def names(items) -> str:
+        return "、".join(f"`{n}`" for n in sorted(items))
+
+    return (f"- 两版共有:{names(v1 & v2)}\n"
+            f"- 只有 v1 接受:{names(v1 - v2)}\n"
+            f"- 只有 v2 接受:{names(v2 - v1)}\n")
+
+
+# --------------------------------------------------------------------------- sparse mode per path
+
+_PROBE_WINDOW = 1000  # any window works: the table shows pre_tokens as W minus a constant
+
+
+def _band_text(attn_type: str) -> str:
+    from analyzer.rules import decide_window_tokens
+
+    if attn_type != "SlidingWindow":
+        pre, nxt, _ = decide_window_tokens(None)
+        return f"{pre} / {nxt}"
+    out = []
+    for reading in ("exclusive", "inclusive"):
+        pre, nxt, _ = decide_window_tokens(_PROBE_WINDOW, reading)
+        offset = _PROBE_WINDOW - pre
+        out.append(f"{'W' if offset == 0 else f'W-{offset}' if offset > 0 else f'W+{-offset}'} / {nxt}"
+                   f"({reading})")
+    return ";".join(out)
+
+
+def sparse_paths_table() -> str:
+    from analyzer.config_loader import normalize_config
+    from analyzer.rules import decide_mtp, decide_sparse
+
+    paths = (
+        ("标准 GQA/MHA/MQA,Paged TND", "FullAttention", False, "paged"),
+        ("滑窗层,Paged TND", "SlidingWindow", False, "paged"),
+        ("MLA absorb,Paged TND_NTD", "FullAttention", True, "paged"),
+        ("非滑窗层,Legacy BSH", "FullAttention", False, "legacy"),
+        ("滑窗层,Legacy BSH", "SlidingWindow", False, "legacy"),
+    )
+    rows = []
+    for label, attn_type, is_mla, kv_mode in paths:
+        sparse, mask, _ = decide_sparse(attn_type, is_mla, kv_mode)
+        rows.append([label, f"{sparse.prefill} / {mask.prefill}", f"{sparse.decode} / {mask.decode}",
+                     _band_text(attn_type)])
+    mla = next(k for k in MODEL_KINDS if k.key == "mla")
+    mtp = decide_mtp(normalize_config(mla.config, "<doc kind mla>"))
+    rows.append(["MTP 推测解码的 decode(q_len = 1 + next_n,非滑窗层)", "同所在路径",
+                 f"{mtp.decode_sparse_mode} / {mtp.decode_mask}", _band_text("FullAttention")])
+    return _table(["路径", "prefill sparse_mode / mask", "decode sparse_mode / mask",
+                   "pre_tokens / next_tokens"], rows)
+
+
+# --------------------------------------------------------------------------- framework generations
+
+
+def framework_generations_table() -> str:
+    from validators.harness.generations import GENERATIONS, field_names, get_generation
+
+    rows = []
+    for name in GENERATIONS:
+        g = get_generation(name)
+        rows.append([name, ", ".join(f"`{f}`" for f in field_names(g.CacheEntry)),
+                     ", ".join(f"`{f}`" for f in field_names(g.ModelCacheInfo)),
+                     "是" if g.model_level_block_size else "否(在每个 CacheEntry 上)",
+                     "是" if g.has_is_mla_backend else "否",
+                     f"`{g.table_key}`"])
+    return _table(["代际", "CacheEntry 字段", "ModelCacheInfo 字段", "模型级 block_size",
+                   "有 is_mla_backend", "block_table / slot_mapping 的键"], rows)
+
+
+# --------------------------------------------------------------------------- lint rules
+
+
+def lint_rules_table() -> str:
+    from validators.lint.registry import RULES
+
+    rows = [[f"[{r.id}](#{r.id.lower()})", f"`{r.name}`", r.title, "是" if r.needs_manifest else ""]
+            for r in RULES.values()]
+    return _table(["ID", "name", "查什么", "需要 --manifest"], rows)
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "model-kinds": model_kinds_table,
+    "fa-args": fa_args_table,
+    "fa-keyword-sets": fa_keyword_sets,
+    "sparse-paths": sparse_paths_table,
+    "framework-generations": framework_generations_table,
+    "lint-rules": lint_rules_table,
+}
+
+
+# --------------------------------------------------------------------------- block check / write
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    out: list[Path] = []
+    for pattern in DOC_GLOBS:
+        out += sorted(root.glob(pattern))
+    return out
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(name, body) of every generated block in ``text``, in order."""
+    return [(m.group("name"), m.group("body")) for m in _BLOCK.finditer(text)]
+
+
+def check_generated(root: Path = ROOT, generators: dict[str, Callable[[], str]] | None = None) -> list[str]:
+    """Every generated block that differs from the code, every unknown or missing block (empty: no drift)."""
+    generators = generators or GENERATORS
+    cache: dict[str, str] = {}
+    problems: list[str] = []
+    for path in doc_files(root):
+        rel = path.relative_to(root).as_posix()
+        found = blocks(path.read_text(encoding="utf-8"))
+        names = [name for name, _ in found]
+        for want in REQUIRED_BLOCKS.get(rel, ()):
+            if want not in names:
+                problems.append(f"{rel}: missing generated block {want!r}")
+        for name, body in found:
+            if name not in generators:
+                problems.append(f"{rel}: unknown generated block {name!r}")
+                continue
+            if name not in cache:
+                cache[name] = generators[name]()
+            if body != cache[name]:
+                problems.append(f"{rel}: block {name!r} differs from the code:\n{_first_diff(body, cache[name])}")
+    for rel in REQUIRED_BLOCKS:
+        if not (root / rel).is_file():
+            problems.append(f"{rel}: file missing")
+    return problems
+
+
+def _first_diff(doc: str, code: str) -> str:
+    a, b = doc.splitlines(), code.splitlines()
+    for i in range(max(len(a), len(b))):
+        left = a[i] if i < len(a) else "<none>"
+        right = b[i] if i < len(b) else "<none>"
+        if left != right:
+            return f"  doc : {left}\n  code: {right}"
+    return "  (whitespace only)"
+
+
+def write_generated(root: Path = ROOT) -> list[Path]:
+    """Rewrite every generated block from the code; returns the files that changed."""
+    changed = []
+    for path in doc_files(root):
+        text = path.read_text(encoding="utf-8")
+
+        def fill(m: re.Match) -> str:
+            name = m.group("name")
+            if name not in GENERATORS:
+                return m.group(0)
+            return (f"<!-- kvcache:generated {name} -->\n{GENERATORS[name]()}"
+                    f"<!-- /kvcache:generated {name} -->")
+
+        new = _BLOCK.sub(fill, text)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
+# --------------------------------------------------------------------------- manifest fields
+
+
+def _deref(node: dict, defs: dict) -> dict:
+    if "$ref" in node:
+        return defs[node["$ref"].rsplit("/", 1)[-1]]
+    return node
+
+
+def _type_text(node: dict, defs: dict) -> str:
+    options = node.get("anyOf", [node])
+    nullable = any(o.get("type") == "null" for o in options)
+    texts = []
+    for o in options:
+        if o.get("type") == "null":
+            continue
+        if "$ref" in o:
+            texts.append("object")
+        elif "enum" in o:
+            texts.append("enum(" + ", ".join(str(v) for v in o["enum"]) + ")")
+        elif "const" in o:
+            texts.append(f"const({o['const']})")
+        elif o.get("type") == "array":
+            item = o.get("items", {})
+            texts.append("array<" + ("object" if "$ref" in item else _type_text(item, defs)) + ">")
+        elif o.get("type") == "object":
+            texts.append("object")
+        else:
+            texts.append(o.get("type", "any"))
+    text = " or ".join(texts) or "any"
+    return text + ("?" if nullable else "")
+
+
+def manifest_fields(schema: dict) -> list[tuple[str, str, bool]]:
+    """(dotted path, type text, required) of every field of the manifest JSON Schema, depth first.
+
+    Array items are written ``name[]``; ``?`` marks a nullable type.
+    """
+    defs = schema.get("$defs", {})
+    out: list[tuple[str, str, bool]] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        node = _deref(node, defs)
+        required = set(node.get("required", ()))
+        for name, prop in node.get("properties", {}).items():
+            path = f"{prefix}{name}"
+            out.append((path, _type_text(prop, defs), name in required))
+            for option in prop.get("anyOf", [prop]):
+                if "$ref" in option:
+                    walk(option, path + ".")
+                elif option.get("type") == "array" and "$ref" in option.get("items", {}):
+                    walk(option["items"], path + "[].")
+
+    walk(schema, "")
+    return out
+
+
+_FIELD_ROW = re.compile(r"^\|\s*`(?P<path>[a-z_][a-z0-9_.\[\]]*)`\s*\|\s*(?P<type>[^|]+?)\s*\|\s*(?P<req>[^|]*?)\s*\|")
+
+
+def documented_fields(text: str) -> dict[str, tuple[str, str]]:
+    """Field rows of references/manifest.md: path -> (type text, required cell)."""
+    out = {}
+    for line in text.splitlines():
+        m = _FIELD_ROW.match(line)
+        if m:
+            out[m.group("path")] = (m.group("type").replace("\\|", "|").strip("` "), m.group("req"))
+    return out
+
+
+def check_manifest_doc(root: Path = ROOT) -> list[str]:
+    schema = json.loads((root / "references" / "manifest.schema.json").read_text(encoding="utf-8"))
+    doc = documented_fields((root / "references" / "manifest.md").read_text(encoding="utf-8"))
+    problems = []
+    for path, type_text, required in manifest_fields(schema):
+        if path not in doc:
+            problems.append(f"references/manifest.md: field `{path}` is not documented")
+            continue
+        got_type, got_req = doc[path]
+        if got_type != type_text:
+            problems.append(f"references/manifest.md: `{path}` type {got_type!r}, schema says {type_text!r}")
+        if (got_req == "是") != required:
+            problems.append(f"references/manifest.md: `{path}` required {got_req!r}, schema says "
+                            f"{'是' if required else '否'}")
+    known = {p for p, _, _ in manifest_fields(schema)}
+    problems += [f"references/manifest.md: `{p}` is not a manifest field" for p in doc if p not in known]
+    return problems
+
+
+# --------------------------------------------------------------------------- validation checks
+
+
+def _template(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "<N>" for v in node.values)
+    return None
+
+
+def validation_checks(validators_dir: Path | None = None) -> set[tuple[str, str]]:
+    """(link, name template) of every ``report.add(name, link, ...)`` in validators/*.py.
+
+    Names built with f-strings show each formatted value as ``<N>``.
+    """
+    validators_dir = validators_dir or ROOT / "validators"
+    out = set()
+    for path in sorted(validators_dir.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add"
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in ("init", "runtime", "numeric", "release")):
+                name = _template(node.args[0])
+                if name is not None:
+                    out.add((node.args[1].value, name))
+    return out
+
+
+_CHECK_ROW = re.compile(r"^\|\s*(?P<link>init|runtime|numeric|release)\s*\|\s*`(?P<name>(?:[^`])+)`\s*\|")
+
+
+def documented_checks(text: str) -> set[tuple[str, str]]:
+    """(link, name template) of the check rows in references/validation.md (``\\|`` unescaped)."""
+    return {(m.group("link"), m.group("name").replace("\\|", "|"))
+            for m in map(_CHECK_ROW.match, text.splitlines()) if m}
+
+
+def check_validation_doc(root: Path = ROOT, validators_dir: Path | None = None) -> list[str]:
+    code = validation_checks(validators_dir or root / "validators")
+    doc = documented_checks((root / "references" / "validation.md").read_text(encoding="utf-8"))
+    problems = [f"references/validation.md: check [{link}] `{name}` is not documented"
+                for link, name in sorted(code - doc)]
+    problems += [f"references/validation.md: documents [{link}] `{name}`, which no validator reports"
+                 for link, name in sorted(doc - code)]
+    return problems
+
+
+# --------------------------------------------------------------------------- rule IDs
+
+_RULE_ID = re.compile(r"\bKV[1-8][0-9]{2}\b")
+_RULE_HEADING = re.compile(r"^### (KV[0-9]{3})\b", re.MULTILINE)
+
+
+def skill_error_table_ids(skill_text: str) -> list[str]:
+    """Rule IDs named in SKILL.md's common-errors table (the table under a heading with 常见错误)."""
+    section = re.search(r"^## [^\n]*常见错误[^\n]*\n(?P<body>.*?)(?=^## |\Z)", skill_text, re.MULTILINE | re.DOTALL)
+    if not section:
+        return []
+    rows = [line for line in section.group("body").splitlines() if line.startswith("|")]
+    return [rid for line in rows for rid in _RULE_ID.findall(line)]
+
+
+def check_rule_book(root: Path = ROOT, rule_ids: list[str] | None = None) -> list[str]:
+    from validators.lint.registry import RULES
+
+    ids = list(rule_ids if rule_ids is not None else RULES)
+    book = (root / "references" / "errors.md").read_text(encoding="utf-8")
+    headings = _RULE_HEADING.findall(book)
+    problems = [f"references/errors.md: no section for rule {rid}" for rid in ids if rid not in headings]
+    problems += [f"references/errors.md: section {rid} names no registered rule" for rid in headings if rid not in ids]
+    skill = (root / "SKILL.md").read_text(encoding="utf-8")
+    named = skill_error_table_ids(skill)
+    if not named:
+        problems.append("SKILL.md: the 常见错误 table names no rule ID")
+    problems += [f"SKILL.md: error table names unknown rule {rid}" for rid in named if rid not in ids]
+    for rel in [p.relative_to(root).as_posix() for p in doc_files(root)]:
+        text = (root / rel).read_text(encoding="utf-8")
+        problems += [f"{rel}: names unknown rule {rid}" for rid in sorted(set(_RULE_ID.findall(text))) if rid not in ids]
+    return problems
+
+
+def check_all(root: Path = ROOT) -> list[str]:
+    return check_generated(root) + check_manifest_doc(root) + check_validation_doc(root) + check_rule_book(root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m validators.lint.doc_tables",
+                                description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
+    p.add_argument("--write", action="store_true", help="rewrite the generated blocks in place")
+    p.add_argument("--root", default=str(ROOT), help="bundle root (default: this checkout)")
+    args = p.parse_args(argv)
+    root = Path(args.root)
+    if args.write:
+        for path in write_generated(root):
+            print(f"rewrote {path}")
+    problems = check_all(root)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

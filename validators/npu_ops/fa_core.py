@@ -201,31 +201,30 @@ def _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, 
 
 
 # --------------------------------------------------------------------------- block-major
-def _block_plan(kv: PagedKV, phys: torch.Tensor, block_bytes: int) -> list[tuple]:
-    """Split one round's physical blocks into steps.
+class _Round:
+    """One round of the block-major path: distinct physical blocks, each needed by one entry.
 
-    Each step is ``(range_or_ids, positions, entries)``: the blocks to load (a ``(a, b)``
-    range of the cache, or a tensor of ids), the position of each entry's block inside the
-    loaded chunk, and the indices of those entries within ``phys``. Dense rounds read cache
-    ranges in place; sparse ones gather only the listed blocks.
+    Blocks are addressed through *slots*: in a dense round slot ``i`` is cache block
+    ``lo + i`` (read in place, a range at a time); in a sparse round slot ``i`` is the i-th
+    listed block (gathered). ``slot[e]`` is the slot of entry ``e``; ``steps`` are consecutive
+    slot ranges with what to load for them.
     """
-    step = max(1, BLOCK_CHUNK_BYTES // max(1, block_bytes))
-    order = torch.argsort(phys, stable=True)
-    sorted_phys = phys[order]
-    lo, hi = int(sorted_phys[0]), int(sorted_phys[-1]) + 1
-    plan = []
-    if hi - lo <= 2 * phys.numel():
-        for a in range(lo, hi, step):
-            b = min(hi, a + step)
-            i0 = int(torch.searchsorted(sorted_phys, a))
-            i1 = int(torch.searchsorted(sorted_phys, b))
-            if i1 > i0:
-                plan.append(((a, b), sorted_phys[i0:i1] - a, order[i0:i1]))
-    else:
-        for i0 in range(0, phys.numel(), step):
-            ids = sorted_phys[i0:i0 + step]
-            plan.append((ids, torch.arange(ids.numel()), order[i0:i0 + step]))
-    return plan
+
+    def __init__(self, phys: torch.Tensor, block_bytes: int) -> None:
+        step = max(1, BLOCK_CHUNK_BYTES // max(1, block_bytes))
+        lo, hi = int(phys.min()), int(phys.max()) + 1
+        if hi - lo <= 2 * phys.numel():
+            self.num_slots = hi - lo
+            self.slot = phys - lo
+            self.steps = [(a - lo, min(hi, a + step) - lo, (a, min(hi, a + step))) for a in range(lo, hi, step)]
+        else:
+            order = torch.argsort(phys)
+            listed = phys[order]
+            self.num_slots = phys.numel()
+            self.slot = torch.empty_like(phys)
+            self.slot[order] = torch.arange(phys.numel())
+            self.steps = [(a, min(self.num_slots, a + step), listed[a:a + step])
+                          for a in range(0, self.num_slots, step)]
 
 
 def _load(kv: PagedKV, which: str, where, buffer: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,15 +242,14 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
     vis = visible_keys(mask, row_ids, 0, n_keys, bounds)  # [B, S, n_keys]; S <= 16 here
     # A (request, block column) entry is computed only if some row sees some key in it.
     key_seen = vis.view(batch, rows, n_cols, bs).any(dim=1)  # [B, n_cols, bs]
-    entries = key_seen.any(dim=2)
-    eb, ec = entries.nonzero(as_tuple=True)
+    eb, ec = key_seen.any(dim=2).nonzero(as_tuple=True)
     width = rows * group
     scores = torch.full((batch, n_kv, width, n_cols * bs), -math.inf, dtype=q.dtype)
     scores5 = scores.view(batch, n_kv, width, n_cols, bs)
     q_flat = q.view(batch, n_kv, width, head_dim)
     qr_flat = q_rope.view(batch, n_kv, width, -1) if q_rope is not None else None
 
-    rounds = []
+    rounds = []  # (entry request ids, entry block columns, _Round)
     if eb.numel():
         phys = kv.ids[eb, ec]
         order = torch.argsort(phys, stable=True)
@@ -261,52 +259,50 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
         block_bytes = n_kv * bs * max(head_dim, value_dim) * q.element_size()
         for r in range(int(rank.max()) + 1):
             sel = (rank == r).nonzero().squeeze(1)
-            rounds.append((eb[sel], ec[sel], _block_plan(kv, phys[sel], block_bytes)))
+            rounds.append((eb[sel], ec[sel], _Round(phys[sel], block_bytes)))
 
-    def spread(values: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        """Per-entry rows -> one row per loaded block (zeros for blocks nobody needs here)."""
-        if pos.numel() == n_blocks:  # positions are sorted and unique: every block is used, in order
-            return values
-        full = values.new_zeros(n_blocks, *values.shape[1:])
-        full[pos] = values
-        return full
-
-    def pick(values: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        return values if pos.numel() == n_blocks else values[pos]
-
-    # One reusable conversion buffer (page-faulting a fresh one per chunk costs as much as the copy).
-    step_blocks = max((p[0][1] - p[0][0]) if isinstance(p[0], tuple) else p[0].numel()
-                      for _, _, plan in rounds for p in plan) if rounds else 0
-    buffer = None if kv.same_kv else torch.empty(
-        step_blocks * n_kv * bs * max(head_dim, value_dim), dtype=q.dtype)
+    # One reusable conversion buffer (page-faulting a fresh one per step costs as much as the copy).
+    step_blocks = max((b - a for _, _, rnd in rounds for a, b, _ in rnd.steps), default=0)
+    buffer = None if kv.same_kv else torch.empty(step_blocks * n_kv * bs * max(head_dim, value_dim),
+                                                 dtype=q.dtype)
     kept: dict[tuple[int, int], torch.Tensor] = {}
-    for r, (r_b, r_c, plan) in enumerate(rounds):
-        for s, (where, pos, ent) in enumerate(plan):
+    for r, (r_b, r_c, rnd) in enumerate(rounds):
+        q_slots = q_flat.new_zeros(rnd.num_slots, n_kv, width, head_dim)
+        q_slots[rnd.slot] = q_flat[r_b]
+        qr_slots = None
+        if qr_flat is not None:
+            qr_slots = qr_flat.new_zeros(rnd.num_slots, n_kv, width, qr_flat.shape[-1])
+            qr_slots[rnd.slot] = qr_flat[r_b]
+        s_slots = torch.empty(rnd.num_slots, n_kv, width, bs, dtype=q.dtype)
+        for i, (a, b, where) in enumerate(rnd.steps):
             blocks = _load(kv, "k", where, buffer)
             if kv.same_kv:
-                kept[(r, s)] = blocks
-            owners = r_b[ent]
-            n_blocks = blocks.shape[0]
-            part = torch.matmul(spread(q_flat[owners], pos, n_blocks), blocks.transpose(-1, -2))
-            if qr_flat is not None:
-                rope_blocks = _load(kv, "kr", where)  # small (rope dim 64): no buffer
-                part.add_(torch.matmul(spread(qr_flat[owners], pos, n_blocks), rope_blocks.transpose(-1, -2)))
-            scores5[owners, :, :, r_c[ent], :] = pick(part, pos, n_blocks)
+                kept[(r, i)] = blocks
+            torch.matmul(q_slots[a:b], blocks.transpose(-1, -2), out=s_slots[a:b])
+            if qr_slots is not None:
+                s_slots[a:b].add_(torch.matmul(qr_slots[a:b], _load(kv, "kr", where).transpose(-1, -2)))
+        scores5[r_b, :, :, r_c, :] = s_slots[rnd.slot]
 
     view = scores.view(batch, n_kv, rows, group, n_cols * bs)
     row_max, denom = _masked_softmax_(view, [(0, n_cols * bs, ~vis)], sinks)
 
     acc = torch.zeros(batch, n_kv, width, value_dim, dtype=q.dtype)
-    for r, (r_b, r_c, plan) in enumerate(rounds):
-        for s, (where, pos, ent) in enumerate(plan):
-            blocks = kept[(r, s)] if kv.same_kv else _load(kv, "v", where, buffer)
-            owners = r_b[ent]
-            n_blocks = blocks.shape[0]
-            probs = spread(scores5[owners, :, :, r_c[ent], :], pos, n_blocks)
-            def seen(owners=owners, ent=ent, pos=pos, n_blocks=n_blocks, r_c=r_c):
-                return spread(key_seen[owners, r_c[ent]], pos, n_blocks).view(n_blocks, 1, bs, 1)
+    for r, (r_b, r_c, rnd) in enumerate(rounds):
+        p_slots = scores.new_zeros(rnd.num_slots, n_kv, width, bs)
+        p_slots[rnd.slot] = scores5[r_b, :, :, r_c, :]
+        o_slots = torch.empty(rnd.num_slots, n_kv, width, value_dim, dtype=q.dtype)
+        seen_slots = None
+        for i, (a, b, where) in enumerate(rnd.steps):
+            blocks = kept[(r, i)] if kv.same_kv else _load(kv, "v", where, buffer)
 
-            weighted = _weighted_values(probs, blocks[..., :value_dim], seen)
-            acc.index_add_(0, owners, pick(weighted, pos, n_blocks))
+            def seen(a=a, b=b, r_b=r_b, r_c=r_c, rnd=rnd):
+                nonlocal seen_slots
+                if seen_slots is None:
+                    seen_slots = torch.zeros(rnd.num_slots, bs, dtype=torch.bool)
+                    seen_slots[rnd.slot] = key_seen[r_b, r_c]
+                return seen_slots[a:b].view(b - a, 1, bs, 1)
+
+            o_slots[a:b] = _weighted_values(p_slots[a:b], blocks[..., :value_dim], seen)
+        acc.index_add_(0, r_b, o_slots[rnd.slot])
     valid = row_ids.view(1, -1) < q_lens.view(-1, 1)
     _finish(acc.view(batch, n_kv, rows, group, value_dim), row_max, denom, valid, out, lse)

@@ -291,18 +291,20 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
         p_slots = scores.new_zeros(rnd.num_slots, n_kv, width, bs)
         p_slots[rnd.slot] = scores5[r_b, :, :, r_c, :]
         o_slots = torch.empty(rnd.num_slots, n_kv, width, value_dim, dtype=q.dtype)
-        seen_slots = None
         for i, (a, b, where) in enumerate(rnd.steps):
             blocks = kept[(r, i)] if kv.same_kv else _load(kv, "v", where, buffer)
-
-            def seen(a=a, b=b, r_b=r_b, r_c=r_c, rnd=rnd):
-                nonlocal seen_slots
-                if seen_slots is None:
-                    seen_slots = torch.zeros(rnd.num_slots, bs, dtype=torch.bool)
-                    seen_slots[rnd.slot] = key_seen[r_b, r_c]
-                return seen_slots[a:b].view(b - a, 1, bs, 1)
-
-            o_slots[a:b] = _weighted_values(p_slots[a:b], blocks[..., :value_dim], seen)
-        acc.index_add_(0, r_b, o_slots[rnd.slot])
+            torch.matmul(p_slots[a:b], blocks[..., :value_dim], out=o_slots[a:b])
+        picked = o_slots[rnd.slot]
+        if not math.isfinite(float(picked.sum())):
+            # 0 * NaN: some value row no query may see is poisoned (null block, stale slot).
+            # Redo this round with those rows zeroed; a NaN that survives is a visible one.
+            seen_slots = torch.zeros(rnd.num_slots, bs, dtype=torch.bool)
+            seen_slots[rnd.slot] = key_seen[r_b, r_c]
+            for i, (a, b, where) in enumerate(rnd.steps):
+                blocks = kept[(r, i)] if kv.same_kv else _load(kv, "v", where, buffer)
+                clean = blocks[..., :value_dim].masked_fill(~seen_slots[a:b].view(b - a, 1, bs, 1), 0.0)
+                torch.matmul(p_slots[a:b], clean, out=o_slots[a:b])
+            picked = o_slots[rnd.slot]
+        acc.index_add_(0, r_b, picked)
     valid = row_ids.view(1, -1) < q_lens.view(-1, 1)
     _finish(acc.view(batch, n_kv, rows, group, value_dim), row_max, denom, valid, out, lse)

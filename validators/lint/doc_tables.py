@@ -525,12 +525,17 @@ def check_all(root: Path = ROOT) -> list[str]:
     return check_generated(root) + check_manifest_doc(root) + check_validation_doc(root) + check_rule_book(root)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m validators.lint.doc_tables",
                                 description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
-    p.add_argument("--write", action="store_true", help="rewrite the generated blocks in place")
+    p.add_argument("--check", action="store_true", help="only check (the default; exit 1 on drift)")
+    p.add_argument("--write", action="store_true", help="rewrite the generated blocks in place, then check")
     p.add_argument("--root", default=str(ROOT), help="bundle root (default: this checkout)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     root = Path(args.root)
     if args.write:
         for path in write_generated(root):

@@ -3,7 +3,10 @@
 Cases (float32, 32 query heads / 8 KV heads, head dim 128):
 
 * ``decode``: paged FA decode, batch 16, KV length 2048, block size 128, cache passed as
-  ``[block_num, block_size, N_kv * D]`` with a shuffled block table (TND, sparse_mode 3).
+  ``[block_num, block_size, N_kv * D]`` (the form the rendered GQA code uses) with a shuffled
+  block table (TND, sparse_mode 3).
+* ``decode_hm``: the same decode with the cache passed head-major, ``[block_num, N_kv, block_size, D]``
+  (the form the op documentation recommends for speed).
 * ``prefill_paged``: TND prefill of 4 x 1024 tokens reading the same kind of paged cache.
 * ``prefill``: TND prefill of 4 x 1024 tokens with packed (non-paged) K/V.
 
@@ -24,10 +27,10 @@ import torch.nn.functional as F
 from validators.npu_ops import emulated
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 128
-TARGETS = {"decode": 1.5, "prefill_paged": 2.0, "prefill": 2.0}
+TARGETS = {"decode": 1.5, "decode_hm": 1.5, "prefill_paged": 2.0, "prefill": 2.0}
 
 
-def _paged_cache(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
+def _paged_cache(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator, head_major: bool = False):
     """Scatter contiguous ``[B, S, N_kv, D]`` K/V into a shuffled paged cache (block 0 = null)."""
     b, s, n, d = k.shape
     per_seq = s // BLOCK
@@ -37,13 +40,16 @@ def _paged_cache(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
     v_cache = torch.zeros(num_blocks, BLOCK, n * d)
     k_cache[table.long().view(-1)] = k.reshape(b * per_seq, BLOCK, n * d)
     v_cache[table.long().view(-1)] = v.reshape(b * per_seq, BLOCK, n * d)
+    if head_major:
+        k_cache = k_cache.view(num_blocks, BLOCK, n, d).transpose(1, 2).contiguous()
+        v_cache = v_cache.view(num_blocks, BLOCK, n, d).transpose(1, 2).contiguous()
     return k_cache, v_cache, table
 
 
 def _case(name: str, gen: torch.Generator):
     mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
     scale = HEAD_DIM ** -0.5
-    if name == "decode":
+    if name.startswith("decode"):
         b, s_kv, s_q = 16, 2048, 1
     else:
         b, s_kv, s_q = 4, 1024, 1024
@@ -63,7 +69,7 @@ def _case(name: str, gen: torch.Generator):
                 actual_seq_lengths_kv=[s_kv * (i + 1) for i in range(b)], num_heads=HEADS,
                 num_key_value_heads=KV_HEADS, scale=scale, input_layout="TND", sparse_mode=3)[0]
     else:
-        k_cache, v_cache, table = _paged_cache(k, v, gen)
+        k_cache, v_cache, table = _paged_cache(k, v, gen, head_major=name == "decode_hm")
 
         def emu():
             return emulated.npu_fused_infer_attention_score(

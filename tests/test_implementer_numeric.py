@@ -121,7 +121,9 @@ class Model:
                 weight=self._rand(self.heads * (self.nope + self.vdim), self.lora, scale=0.05))
 
     # ---- one step of one layer: run the rendered code and the reference
-    def step(self, layer: Layer, rids: list[int], positions: torch.Tensor, q_lens: list[int], fm) -> float:
+    def step(self, layer: Layer, rids: list[int], positions: torch.Tensor, q_lens: list[int], fm,
+             bsh: bool = False) -> float:
+        """``bsh``: Legacy call, every request has the same q_len and tensors are [B, S, heads * D]."""
         t = positions.numel()
         if self.mla:
             q_nope = self._rand(t, self.heads, self.nope, scale=0.5)
@@ -134,7 +136,11 @@ class Model:
             q = self._rand(t, self.heads, self.dim, scale=0.5)
             k = self._rand(t, self.kv_heads, self.dim, scale=0.5)
             v = self._rand(t, self.kv_heads, self.dim)
-            got = layer.attn.kv_cache_attention(q, k, v, fm)
+            if bsh:
+                batch = len(rids)
+                got = layer.attn.kv_cache_attention(*(x.reshape(batch, t // batch, -1) for x in (q, k, v)), fm)
+            else:
+                got = layer.attn.kv_cache_attention(q, k, v, fm)
         want = self._reference(layer, rids, positions, q_lens, q.double(), k.double(), v.double())
         got = got.reshape(want.shape).double()
         assert torch.isfinite(got).all(), "rendered attention produced non-finite values"
@@ -352,5 +358,42 @@ def test_framework_sliding_prefill_of_two_long_prompts_in_one_step():
             assert table[:, 0].tolist() == [null, null], (table[:, :2], null)
 
     errors = run_framework(_case("gpt_oss", "framework_g2"), TWO_LONG, check=both_tables_start_with_the_null_block)
+    worst = max(errors, key=lambda e: e[1])
+    assert worst[1] <= TOL, worst
+
+
+def test_legacy_standalone_runner_matches_dense_reference():
+    """Mode 1 (contiguous BSH cache, scatter_update_ at the runner's kv_len) with per-kind bands."""
+    from implementer.render import load_manifest
+    from validators.host import import_rendered
+    from validators.npu_ops import install_emulation
+
+    case = _case("gemma2_legacy", "standalone")
+    manifest = load_manifest(case.dir / golden.MANIFEST_FILE)
+    batch, prompt = 2, 70  # 70 > WINDOW: the sliding layer's band cuts the prefill and every decode
+    errors = []
+    with install_emulation():
+        code = import_rendered(case.dir)
+        model = Model(manifest)
+        layers = _layers(code, model, manifest)
+        assert sorted(layer.sliding for layer in layers) == [False, True]
+        runner = type("RunnerUnderTest", (code.runner_mixin(),), {})()
+        runner._init_kvcache([layer.attn for layer in layers], batch, MAX_LEN, cache_dtype=torch.float32)
+        for layer in layers:
+            layer.attn.k_cache.fill_(math.nan)
+            layer.attn.v_cache.fill_(math.nan)
+        rows = list(range(batch))
+        for index in range(DECODE_STEPS + 1):
+            prefill = index == 0
+            fm = runner._build_forward_metadata(prompt) if prefill else runner._build_forward_metadata()
+            if prefill:
+                positions, q_lens = torch.arange(prompt).repeat(batch), [prompt] * batch
+            else:
+                positions, q_lens = runner.kv_len.clone(), [1] * batch
+            for i, layer in enumerate(layers):
+                err = model.step(layer, rows, positions, q_lens, fm, bsh=True)
+                errors.append((f"step {index} layer {i}", err))
+            runner._advance_kv_len(fm)
+        assert runner.kv_len.tolist() == [prompt + DECODE_STEPS] * batch
     worst = max(errors, key=lambda e: e[1])
     assert worst[1] <= TOL, worst

@@ -1,5 +1,5 @@
-"""Each golden PAGED attention module, run on CPU with the emulated torch_npu operators, against a
-dense float64 attention written here.
+"""Each golden paged attention module (and the Legacy standalone one), run on CPU with the emulated
+torch_npu operators, against a dense float64 attention written here.
 
 Framework mode goes through the framework harness (get_cache_info -> Scheduler -> block tables,
 slot mappings, freed and null blocks poisoned with NaN before every step); standalone mode

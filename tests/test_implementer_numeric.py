@@ -397,3 +397,21 @@ def test_legacy_standalone_runner_matches_dense_reference():
         assert runner.kv_len.tolist() == [prompt + DECODE_STEPS] * batch
     worst = max(errors, key=lambda e: e[1])
     assert worst[1] <= TOL, worst
+
+
+@pytest.mark.parametrize("reading", ["exclusive", "inclusive"])
+def test_window_offset_follows_the_manifests_reading(tmp_path, reading):
+    """pre_tokens = W - WINDOW_PRE_TOKENS_OFFSET admits W keys under the reading the manifest was made for."""
+    from analyzer.build import AnalyzeRequest, analyze
+    from implementer.render import render_manifest, write_rendered
+    from validators.npu_ops import DeviceReadings, device_readings
+
+    m = analyze(AnalyzeRequest(config=str(ROOT / "tests" / "fixtures" / "configs" / "gpt_oss_20b.json"),
+                               deploy_mode="standalone", window_reading=reading))
+    (tmp_path / golden.MANIFEST_FILE).write_text(m.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(m), tmp_path)
+    offset = {"exclusive": 1, "inclusive": 0}[reading]
+    assert f"WINDOW_PRE_TOKENS_OFFSET = {offset}" in (tmp_path / "kvcache_attention.py").read_text()
+    with device_readings(DeviceReadings(window_pre_tokens=reading)):
+        errors = run_standalone(types.SimpleNamespace(dir=tmp_path, id=f"gpt_oss/{reading}"))
+    assert max(e for _, e in errors) <= TOL

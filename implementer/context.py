@@ -1,7 +1,9 @@
 """Manifest -> the small, typed context the templates see (never the raw dict).
 
-Everything that reaches generated code passes through here: names are checked identifiers,
-numbers come from typed manifest fields, strings are rendered with ``repr``.
+Everything that reaches generated code passes through here: names are checked identifiers that
+shadow nothing, numbers come from typed and range-checked manifest fields, free text (derivations)
+is flattened to one printable line for comments, and designs no template renders faithfully are
+refused with the manifest field that says why.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")
 # Layouts each template implements (the FA output shape depends on it).
 LAYOUTS = {("paged", False): ("TND",), ("paged", True): ("TND", "TND_NTD"), ("legacy", False): ("BSH",)}
 NZ_C0 = 16  # NZ fractal width of 16-bit caches (the rendered KV_CACHE_NZ_DIM)
+# Module-level names of the rendered files (imports, helpers); UPPER_CASE names are their constants.
+RESERVED_NAMES = frozenset({"torch", "torch_npu", "math", "dataclass", "CacheEntry", "LayerCacheInfo",
+                            "ModelCacheInfo", "ForwardMetaData", "attention_modules"})
 _MODEL_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
@@ -54,9 +59,19 @@ class Names:
     attn_attr: str = "self_attn"
 
     def checked(self) -> Names:
-        for flag, value in (("--attention-class", self.attention_mixin), ("--model-class", self.model_mixin),
-                            ("--runner-class", self.runner_mixin), ("--attn-attr", self.attn_attr)):
+        classes = (("--attention-class", self.attention_mixin), ("--model-class", self.model_mixin),
+                   ("--runner-class", self.runner_mixin))
+        for flag, value in (*classes, ("--attn-attr", self.attn_attr)):
             check_identifier(value, flag)
+        for flag, value in classes:
+            # A class named like a module-level name of the rendered files would shadow it.
+            if value in RESERVED_NAMES or value.isupper():
+                raise InputError(flag, f"{value!r} would shadow a name the rendered module uses; pick another")
+        seen: dict[str, str] = {}
+        for flag, value in classes:
+            if value in seen:
+                raise InputError(flag, f"{value!r} is also the {seen[value]} name: each class needs its own")
+            seen[value] = flag
         return self
 
 

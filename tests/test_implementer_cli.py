@@ -103,6 +103,19 @@ def test_invalid_identifier_is_refused(tmp_path, capsys, flag, value):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (("--attention-class", "torch"), "shadow"),
+    (("--model-class", "CacheEntry"), "shadow"),
+    (("--runner-class", "BLOCK_SIZE"), "shadow"),
+    (("--attention-class", "Same", "--model-class", "Same"), "each class needs its own"),
+])
+def test_class_names_that_would_break_the_module_are_refused(tmp_path, capsys, argv, needle):
+    out = tmp_path / "out"
+    code, stdout, err = _run(capsys, "--manifest", GPT_OSS, "--out", out, *argv)
+    _assert_one_error_line(code, stdout, err, needle)
+    assert not out.exists()
+
+
 def test_valid_names_reach_the_code(tmp_path, capsys):
     out = tmp_path / "out"
     code, _, _ = _run(capsys, "--manifest", DEEPSEEK, "--out", out, "--attention-class", "DeepseekKV",

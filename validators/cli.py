@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention TP ranks to launch (must equal the manifest's attn_tp_size; gloo on CPU)")
     p.add_argument("--report", metavar="FILE", help="write the JSON report here")
     p.add_argument("--markdown", metavar="FILE", help="write the Markdown report (自验证结果) here")
+    p.add_argument("--write-progress", metavar="FILE",
+                   help="upsert the Markdown report as the 自验证结果 section of this progress.md (idempotent)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of weights and prompts (default 0)")
     p.add_argument("--no-sweep", action="store_true",
                    help="skip re-running under the alternative device readings (DOMAIN §9)")
@@ -63,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
         atomic_write_text(Path(args.report), report.to_json())
     if args.markdown:
         atomic_write_text(Path(args.markdown), report.to_markdown())
+    if args.write_progress:
+        from analyzer.progress_writer import write_section
+        from validators.report import SECTION_ID
+
+        write_section(args.write_progress, SECTION_ID, report.to_markdown())
     print(report.to_markdown())
     for check in report.failed():
         print(f"FAILED [{check.link}] {check.name}: {check.detail or check.measured}", file=sys.stderr)

@@ -67,6 +67,14 @@ def test_compressed_mask_required_and_must_be_causal_template():
     V1(q, paged(), paged(), **decode_kwargs(atten_mask=MASK.view(1, 1, 2048, 2048).to(torch.int8)))
 
 
+def test_mask_modified_in_place_after_a_good_call_is_rechecked():
+    q = tnd(2)
+    mask = MASK.clone()
+    V1(q, paged(), paged(), **decode_kwargs(atten_mask=mask))
+    mask[0, 1] = False  # no longer the causal template
+    expect("atten_mask", V1, q, paged(), paged(), **decode_kwargs(atten_mask=mask))
+
+
 def test_mode1_requires_full_mask():
     b = torch.randn(1, 2, 4, 16)
     expect("atten_mask", V1, b, b, b, num_heads=4, input_layout="BSND", sparse_mode=1)

@@ -40,6 +40,7 @@ pools are smaller), per-shape size limits (B <= 65536 etc.), the MLA query-lengt
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ from validators.npu_ops.readings import active_readings
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MLA_ROPE_DIM = 64
 MAX_GQA_RATIO = 64
+_CHECKED_MASKS: dict[int, tuple] = {}
 # MLA (query_rope/key_rope given, one latent KV head): the absorb path takes up to 128 query heads
 # (DeepSeek-V3/R1 at attention TP 1); the 64 cap above is the GQA rule.
 MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -151,9 +153,17 @@ def _check_compressed_mask(chk: _Checker, mask: torch.Tensor | None, mode: int) 
     if tuple(mask.shape) not in ((2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)):
         chk.fail("atten_mask", f"sparse_mode {mode} needs shape (2048,2048), (1,2048,2048) or (1,1,2048,2048), "
                                f"got {tuple(mask.shape)}")
+    # Every layer passes the same mask tensor: remember the tensor objects already found equal
+    # to the template, with their in-place version counter (any later write invalidates).
+    seen = _CHECKED_MASKS.get(id(mask))
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return
     if not torch.equal(mask.reshape(2048, 2048).to(torch.bool), causal_template()):
         chk.fail("atten_mask", "the compressed mask must be the causal template ~tril(ones(2048, 2048)) "
                                "(True above the diagonal); the device computes undefined results otherwise")
+    if len(_CHECKED_MASKS) > 64:
+        _CHECKED_MASKS.clear()
+    _CHECKED_MASKS[id(mask)] = (weakref.ref(mask), mask._version)
 
 
 def _user_mask(chk: _Checker, mask: torch.Tensor, batch: int, q_s: int, need_keys: int) -> torch.Tensor:

@@ -261,11 +261,32 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
             sel = (rank == r).nonzero().squeeze(1)
             rounds.append((eb[sel], ec[sel], _Round(phys[sel], block_bytes)))
 
+    # Token-major [bn, bs, N*D] caches in the compute dtype are used in place, one strided
+    # batched matmul per KV head; other forms are converted to head-major per step.
+    in_place = kv.token_major_ok(q.dtype)
     # One reusable conversion buffer (page-faulting a fresh one per step costs as much as the copy).
     step_blocks = max((b - a for _, _, rnd in rounds for a, b, _ in rnd.steps), default=0)
-    buffer = None if kv.same_kv else torch.empty(step_blocks * n_kv * bs * max(head_dim, value_dim),
-                                                 dtype=q.dtype)
-    kept: dict[tuple[int, int], torch.Tensor] = {}
+    buffer = None if in_place else torch.empty(step_blocks * n_kv * bs * max(head_dim, value_dim), dtype=q.dtype)
+
+    def load(which: str, where, keep: bool = False) -> torch.Tensor:
+        if in_place:
+            return kv.token_major(which, where)  # [n, bs, N_kv, D]
+        return _load(kv, which, where, None if keep else buffer)  # [n, N_kv, bs, D]
+
+    def product(lhs: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor, keys: bool, clean=None) -> None:
+        """``out = lhs @ K^T`` (keys) or ``lhs @ V`` for one step (``lhs``/``out``: slot slices)."""
+        if in_place:
+            if clean is not None:
+                blocks = blocks.masked_fill(~clean.view(-1, bs, 1, 1), 0.0)
+            for h in range(n_kv):
+                rhs = blocks[:, :, h, :].transpose(1, 2) if keys else blocks[:, :, h, :value_dim]
+                torch.bmm(lhs[:, h], rhs, out=out[:, h])
+            return
+        if clean is not None:
+            blocks = blocks.masked_fill(~clean.view(-1, 1, bs, 1), 0.0)
+        torch.matmul(lhs, blocks.transpose(-1, -2) if keys else blocks[..., :value_dim], out=out)
+
+    kept: dict[tuple[int, int], torch.Tensor] = {}  # MLA: the latent blocks serve as values too
     for r, (r_b, r_c, rnd) in enumerate(rounds):
         q_slots = q_flat.new_zeros(rnd.num_slots, n_kv, width, head_dim)
         q_slots[rnd.slot] = q_flat[r_b]
@@ -275,12 +296,14 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
             qr_slots[rnd.slot] = qr_flat[r_b]
         s_slots = torch.empty(rnd.num_slots, n_kv, width, bs, dtype=q.dtype)
         for i, (a, b, where) in enumerate(rnd.steps):
-            blocks = _load(kv, "k", where, buffer)
+            blocks = load("k", where, keep=kv.same_kv)
             if kv.same_kv:
                 kept[(r, i)] = blocks
-            torch.matmul(q_slots[a:b], blocks.transpose(-1, -2), out=s_slots[a:b])
+            product(q_slots[a:b], blocks, s_slots[a:b], keys=True)
             if qr_slots is not None:
-                s_slots[a:b].add_(torch.matmul(qr_slots[a:b], _load(kv, "kr", where).transpose(-1, -2)))
+                rope = torch.empty(b - a, n_kv, width, bs, dtype=q.dtype)
+                product(qr_slots[a:b], load("kr", where, keep=True), rope, keys=True)
+                s_slots[a:b].add_(rope)
         scores5[r_b, :, :, r_c, :] = s_slots[rnd.slot]
 
     view = scores.view(batch, n_kv, rows, group, n_cols * bs)
@@ -291,9 +314,12 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
         p_slots = scores.new_zeros(rnd.num_slots, n_kv, width, bs)
         p_slots[rnd.slot] = scores5[r_b, :, :, r_c, :]
         o_slots = torch.empty(rnd.num_slots, n_kv, width, value_dim, dtype=q.dtype)
+
+        def values(i: int, where, r: int = r) -> torch.Tensor:
+            return kept[(r, i)] if kv.same_kv else load("v", where)
+
         for i, (a, b, where) in enumerate(rnd.steps):
-            blocks = kept[(r, i)] if kv.same_kv else _load(kv, "v", where, buffer)
-            torch.matmul(p_slots[a:b], blocks[..., :value_dim], out=o_slots[a:b])
+            product(p_slots[a:b], values(i, where), o_slots[a:b], keys=False)
         picked = o_slots[rnd.slot]
         if not math.isfinite(float(picked.sum())):
             # 0 * NaN: some value row no query may see is poisoned (null block, stale slot).
@@ -301,9 +327,7 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
             seen_slots = torch.zeros(rnd.num_slots, bs, dtype=torch.bool)
             seen_slots[rnd.slot] = key_seen[r_b, r_c]
             for i, (a, b, where) in enumerate(rnd.steps):
-                blocks = kept[(r, i)] if kv.same_kv else _load(kv, "v", where, buffer)
-                clean = blocks[..., :value_dim].masked_fill(~seen_slots[a:b].view(b - a, 1, bs, 1), 0.0)
-                torch.matmul(p_slots[a:b], clean, out=o_slots[a:b])
+                product(p_slots[a:b], values(i, where), o_slots[a:b], keys=False, clean=seen_slots[a:b])
             picked = o_slots[rnd.slot]
         acc.index_add_(0, r_b, picked)
     valid = row_ids.view(1, -1) < q_lens.view(-1, 1)

@@ -169,6 +169,16 @@ class PagedKV(KVSource):
         cache = self._caches[which]
         return _blocks_head_major(cache[a:b], cache.dim(), self._n, self._dtype, buffer)
 
+    def token_major_ok(self, dtype: torch.dtype) -> bool:
+        """True when every cache is ``[bn, bs, N*D]`` in ``dtype``: blocks can be used in place."""
+        return all(c is None or (c.dim() == 3 and c.dtype == dtype) for c in self._caches.values())
+
+    def token_major(self, which: str, where) -> torch.Tensor:
+        """Blocks of a ``[bn, bs, N*D]`` cache as ``[n, bs, N_kv, D]``: a view for a range, a gather for ids."""
+        cache = self._caches[which]
+        blocks = cache[where[0]:where[1]] if isinstance(where, tuple) else cache.index_select(0, where)
+        return blocks.view(blocks.shape[0], blocks.shape[1], self._n, -1)
+
     def block_list(self, which: str, ids: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The listed physical blocks as ``[len(ids), N_kv, bs, D]``."""
         cache = self._caches[which]

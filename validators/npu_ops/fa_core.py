@@ -286,22 +286,31 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
             blocks = blocks.masked_fill(~clean.view(-1, 1, bs, 1), 0.0)
         torch.matmul(lhs, blocks.transpose(-1, -2) if keys else blocks[..., :value_dim], out=out)
 
+    def slot_tensor(num_slots: int, last: int, zeros: bool = False) -> torch.Tensor:
+        """``[slots, N_kv, W, last]``; head-major storage on the in-place path so that each
+        per-head matmul reads and writes contiguous matrices (strided ones fall back to a
+        slow per-matrix loop inside ``bmm``)."""
+        make = torch.zeros if zeros else torch.empty
+        if in_place:
+            return make(n_kv, num_slots, width, last, dtype=q.dtype).permute(1, 0, 2, 3)
+        return make(num_slots, n_kv, width, last, dtype=q.dtype)
+
     kept: dict[tuple[int, int], torch.Tensor] = {}  # MLA: the latent blocks serve as values too
     for r, (r_b, r_c, rnd) in enumerate(rounds):
-        q_slots = q_flat.new_zeros(rnd.num_slots, n_kv, width, head_dim)
+        q_slots = slot_tensor(rnd.num_slots, head_dim, zeros=True)
         q_slots[rnd.slot] = q_flat[r_b]
         qr_slots = None
         if qr_flat is not None:
-            qr_slots = qr_flat.new_zeros(rnd.num_slots, n_kv, width, qr_flat.shape[-1])
+            qr_slots = slot_tensor(rnd.num_slots, qr_flat.shape[-1], zeros=True)
             qr_slots[rnd.slot] = qr_flat[r_b]
-        s_slots = torch.empty(rnd.num_slots, n_kv, width, bs, dtype=q.dtype)
+        s_slots = slot_tensor(rnd.num_slots, bs)
         for i, (a, b, where) in enumerate(rnd.steps):
             blocks = load("k", where, keep=kv.same_kv)
             if kv.same_kv:
                 kept[(r, i)] = blocks
             product(q_slots[a:b], blocks, s_slots[a:b], keys=True)
             if qr_slots is not None:
-                rope = torch.empty(b - a, n_kv, width, bs, dtype=q.dtype)
+                rope = slot_tensor(b - a, bs)
                 product(qr_slots[a:b], load("kr", where, keep=True), rope, keys=True)
                 s_slots[a:b].add_(rope)
         scores5[r_b, :, :, r_c, :] = s_slots[rnd.slot]
@@ -311,9 +320,9 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
 
     acc = torch.zeros(batch, n_kv, width, value_dim, dtype=q.dtype)
     for r, (r_b, r_c, rnd) in enumerate(rounds):
-        p_slots = scores.new_zeros(rnd.num_slots, n_kv, width, bs)
+        p_slots = slot_tensor(rnd.num_slots, bs, zeros=True)
         p_slots[rnd.slot] = scores5[r_b, :, :, r_c, :]
-        o_slots = torch.empty(rnd.num_slots, n_kv, width, value_dim, dtype=q.dtype)
+        o_slots = slot_tensor(rnd.num_slots, value_dim)
 
         def values(i: int, where, r: int = r) -> torch.Tensor:
             return kept[(r, i)] if kv.same_kv else load("v", where)

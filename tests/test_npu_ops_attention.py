@@ -225,10 +225,12 @@ def test_request_major_chunking_matches(monkeypatch, materialize):
     check(paged_case, layout="TND", mode=3, paged=build_paged(paged_case, 128, "nz"))
 
 
-def test_block_major_chunking_matches(monkeypatch):
+@pytest.mark.parametrize("form", ["3d", "4d"])  # read in place / converted per step
+def test_block_major_chunking_matches(monkeypatch, form):
     monkeypatch.setattr(fa_core, "BLOCK_CHUNK_BYTES", 1)  # one block per step
+    monkeypatch.setattr(fa_core, "IN_PLACE_STEP_BYTES", 1)
     case = make_case([1, 2, 1], [133, 300, 16], 8, 2, 16, seed=8)  # MTP-like 2-token query
-    paged = build_paged(case, 128, "3d", seed=8)
+    paged = build_paged(case, 128, form, seed=8)
     check(case, layout="TND", mode=3, paged=paged)
 
 

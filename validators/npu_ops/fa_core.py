@@ -30,6 +30,7 @@ SCORE_BUDGET_BYTES = 32 << 20  # score tile of one row chunk (request-major)
 KV_CHUNK_BYTES = 8 << 20  # one gathered key (or value) piece (request-major)
 BLOCK_CHUNK_BYTES = 8 << 20  # physical blocks per step (block-major)
 BLOCK_MAJOR_MAX_ROWS = 16  # longest query handled block-major (decode, MTP)
+IN_PLACE_STEP_BYTES = 256 << 20  # block-major, cache read in place: blocks per batched matmul
 MATERIALIZE_BYTES = 512 << 20  # request-major: convert all keys/values up front when they fit
 
 
@@ -210,8 +211,8 @@ class _Round:
     slot ranges with what to load for them.
     """
 
-    def __init__(self, phys: torch.Tensor, block_bytes: int) -> None:
-        step = max(1, BLOCK_CHUNK_BYTES // max(1, block_bytes))
+    def __init__(self, phys: torch.Tensor, block_bytes: int, budget: int) -> None:
+        step = max(1, budget // max(1, block_bytes))
         lo, hi = int(phys.min()), int(phys.max()) + 1
         if hi - lo <= 2 * phys.numel():
             self.num_slots = hi - lo
@@ -256,14 +257,17 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
         sorted_phys = phys[order]
         rank = torch.empty_like(phys)
         rank[order] = torch.arange(phys.numel()) - torch.searchsorted(sorted_phys, sorted_phys)
-        block_bytes = n_kv * bs * max(head_dim, value_dim) * q.element_size()
-        for r in range(int(rank.max()) + 1):
-            sel = (rank == r).nonzero().squeeze(1)
-            rounds.append((eb[sel], ec[sel], _Round(phys[sel], block_bytes)))
 
     # Token-major [bn, bs, N*D] caches in the compute dtype are used in place, one strided
-    # batched matmul per KV head; other forms are converted to head-major per step.
+    # batched matmul per KV head; other forms are converted to head-major per step (bounded
+    # steps keep the conversion buffer small; in place, bigger steps mean fewer calls).
     in_place = kv.token_major_ok(q.dtype)
+    if eb.numel():
+        block_bytes = n_kv * bs * max(head_dim, value_dim) * q.element_size()
+        budget = IN_PLACE_STEP_BYTES if in_place else BLOCK_CHUNK_BYTES
+        for r in range(int(rank.max()) + 1):
+            sel = (rank == r).nonzero().squeeze(1)
+            rounds.append((eb[sel], ec[sel], _Round(phys[sel], block_bytes, budget)))
     # One reusable conversion buffer (page-faulting a fresh one per step costs as much as the copy).
     step_blocks = max((b - a for _, _, rnd in rounds for a, b, _ in rnd.steps), default=0)
     buffer = None if in_place else torch.empty(step_blocks * n_kv * bs * max(head_dim, value_dim), dtype=q.dtype)

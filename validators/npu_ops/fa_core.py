@@ -48,21 +48,31 @@ def attend(
 
     ``q``/``q_rope``: contiguous ``[B, N_kv, S, G, D]`` already multiplied by the softmax scale
     (query head ``h * G + g`` uses KV head ``h``). ``sinks``: ``[N_kv, G]`` logits or None.
-    Returns ``out [B, N_kv, S, G, Dv]`` and ``lse [B, N_kv, S, G]`` in the compute dtype; rows
-    that see no key (and have no sink) get zeros and ``-inf``.
+    Returns ``out [B, S, N_kv, G, Dv]`` and ``lse [B, S, N_kv, G]`` (token-major, so the
+    operator's output layouts are views of them) in the compute dtype; rows that see no key
+    (and have no sink) get zeros and ``-inf``.
     """
     batch, n_kv, rows_total, group, _ = q.shape
-    out = torch.zeros(batch, n_kv, rows_total, group, value_dim, dtype=q.dtype)
-    lse = torch.full((batch, n_kv, rows_total, group), -math.inf, dtype=q.dtype)
+    out_tm = torch.empty(batch, rows_total, n_kv, group, value_dim, dtype=q.dtype)
+    lse_tm = torch.empty(batch, rows_total, n_kv, group, dtype=q.dtype)
+    out, lse = out_tm.permute(0, 2, 1, 3, 4), lse_tm.permute(0, 2, 1, 3)  # head-major views
     if kv.num_keys == 0 or rows_total == 0 or batch == 0:
-        if sinks is not None and rows_total and batch:
-            lse.copy_(sinks.view(1, n_kv, 1, group).expand_as(lse))
-        return out, lse
-    if isinstance(kv, PagedKV) and rows_total <= BLOCK_MAJOR_MAX_ROWS:
+        _no_keys(out, lse, torch.arange(rows_total), q_lens, sinks)
+    elif isinstance(kv, PagedKV) and rows_total <= BLOCK_MAJOR_MAX_ROWS:
         _block_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, lse)
     else:
         _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, lse)
-    return out, lse
+    return out_tm, lse_tm
+
+
+def _no_keys(out_slice, lse_slice, rows, q_lens, sinks) -> None:
+    """Rows that see no key: output 0; lse is the sink logit when there is one, else -inf."""
+    out_slice.zero_()
+    lse_slice.fill_(-math.inf)
+    if sinks is not None and lse_slice.numel():
+        valid = (rows.view(1, -1) < q_lens.view(-1, 1))[:, None, :, None]
+        n_kv, group = sinks.shape
+        lse_slice.copy_(torch.where(valid, sinks.view(1, n_kv, 1, group), lse_slice))
 
 
 def _masked_softmax_(scores: torch.Tensor, hide, sinks: torch.Tensor | None):
@@ -102,12 +112,15 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor, key_seen) -> tor
 
 
 def _finish(acc, row_max, denom, valid, out_slice, lse_slice) -> None:
-    """Normalize and store; rows outside a request's query length stay zero / -inf."""
-    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    rows_ok = valid[:, None, :, None]
-    out_slice.copy_(torch.where(rows_ok.unsqueeze(-1), acc / safe, torch.zeros((), dtype=acc.dtype)))
-    lse_slice.copy_(torch.where(rows_ok, (row_max + torch.log(denom)).squeeze(-1),
-                                torch.full((), -math.inf, dtype=acc.dtype)))
+    """Normalize and store; rows outside a request's query length get zero / -inf."""
+    acc.div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
+    lse = (row_max + torch.log(denom)).squeeze(-1)
+    if not bool(valid.all()):
+        rows_ok = valid[:, None, :, None]
+        acc.masked_fill_(~rows_ok.unsqueeze(-1), 0.0)
+        lse.masked_fill_(~rows_ok, -math.inf)
+    out_slice.copy_(acc)
+    lse_slice.copy_(lse)
 
 
 def _hidden_ranges(mask: MaskSpec, rows, bounds, q_lens, lo: int, hi: int) -> list:
@@ -159,8 +172,7 @@ def _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, 
         valid = rows.view(1, -1) < q_lens.view(-1, 1)
         some = bounds[0] < bounds[1]
         if not bool(some.any()):
-            if sinks is not None:
-                lse[:, :, r0:r1] = torch.where(valid[:, None, :, None], sinks.view(1, n_kv, 1, group), -math.inf)
+            _no_keys(out[:, :, r0:r1], lse[:, :, r0:r1], rows, q_lens, sinks)
             continue
         lo = int(bounds[0][some].min()) // gran * gran
         hi = min(n_keys, -(-int(bounds[1][some].max()) // gran) * gran)

@@ -517,20 +517,23 @@ def fused_infer_attention(
     qhm = heads_major(padded(query))
     qrhm = heads_major(padded(query_rope)) if rope else None
     out5, lse4 = attend(qhm, qrhm, source, q_lens_t, kv_lens_t, spec, sinks, dv)
-    out_b = out5.permute(0, 2, 1, 3, 4).reshape(batch, q_s, num_heads, dv)
-    lse_b = lse4.permute(0, 2, 1, 3).reshape(batch, q_s, num_heads)
+    out_b = out5.reshape(batch, q_s, num_heads, dv)  # token-major: a view
+    lse_b = lse4.reshape(batch, q_s, num_heads)
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
 
     if layout.packed:
         total = int(packed_view(query, layout.query).shape[0])
         used = sum(q_lens)
-        bidx = torch.repeat_interleave(torch.arange(batch), q_lens_t)
-        ridx = torch.arange(used) - torch.tensor([0] + aq[:-1], dtype=torch.int64)[bidx]
-        out3 = out_b.new_zeros(total, num_heads, dv)
-        out3[:used] = out_b[bidx, ridx]
+        if used == total == batch * q_s:  # equal lengths tiling every token: views
+            out3, lse3 = out_b.reshape(total, num_heads, dv), lse_b.reshape(total, num_heads)
+        else:
+            bidx = torch.repeat_interleave(torch.arange(batch), q_lens_t)
+            ridx = torch.arange(used) - torch.tensor([0] + aq[:-1], dtype=torch.int64)[bidx]
+            out3 = out_b.new_zeros(total, num_heads, dv)
+            out3[:used] = out_b[bidx, ridx]
+            lse3 = lse_b.new_full((total, num_heads), float("-inf"))
+            lse3[:used] = lse_b[bidx, ridx]
         out = packed_output(out3, layout.out)
-        lse3 = lse_b.new_full((total, num_heads), float("-inf"))
-        lse3[:used] = lse_b[bidx, ridx]
         lse = lse3.unsqueeze(-1)
     else:
         out = batch_output(out_b, layout.out)

@@ -3,18 +3,22 @@
 Inputs are already validated and canonical. Two strategies, same arithmetic:
 
 * request-major (prefill, non-paged, any layout): query rows are processed in chunks; for
-  each chunk the union of visible keys across the batch is computed from the mask rule and
-  only that key range is touched (causal and band patterns skip most of the upper triangle
-  and out-of-window blocks). Keys arrive as head-major chunks and every chunk costs one
-  batched matmul for the scores and one for ``P @ V``.
+  each chunk the per-row visible key intervals give the key range to touch (causal and
+  band patterns skip most of the upper triangle and out-of-window blocks), and only the
+  columns some row cannot see are masked. Keys are converted to head-major once when
+  several chunks need them; each chunk costs one batched matmul for the scores and one
+  for ``P @ V``.
 * block-major (paged, short queries - decode and MTP): each *physical* cache block that some
-  request needs is multiplied in place by its owner's queries, so the KV working set is
-  read once and never gathered into a per-request copy. A block referenced by several
-  requests (shared prefix, the null block) is processed once per reference ("rounds").
+  request needs is multiplied by its owner's queries. A ``[bn, bs, N*D]`` cache in the
+  compute dtype is read in place (one strided batched matmul per KV head, no copy); other
+  forms are converted a bounded step at a time. A block referenced by several requests
+  (shared prefix, the null block) is processed once per reference ("rounds").
 
-There is no per-token or per-request Python loop; the loops run over row chunks, key chunks,
-block chunks and rounds. Arithmetic is in the compute dtype (float32, or float64 for
-float64 inputs).
+Masked keys get probability exactly 0; if a masked value row holds NaN/inf (poisoned null
+block, stale slots) the affected product is redone with those rows zeroed, so only keys a
+query may see can reach its output. There is no per-token or per-request Python loop; the
+loops run over row chunks, key pieces, block steps, rounds and (in place) KV heads.
+Arithmetic is in the compute dtype (float32, or float64 for float64 inputs).
 """
 
 from __future__ import annotations

@@ -30,10 +30,3 @@ def nz_view(cache: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"NZ needs D ({d}) to be a multiple of {c0} for {cache.dtype}")
     return cache.view(bn, n, d // c0, bs, c0)
 
-
-def nz_to_token_major(blocks: torch.Tensor) -> torch.Tensor:
-    """``[..., N, D/c0, bs, c0]`` NZ blocks -> ``[..., bs, N, D]`` (a copy)."""
-    *lead, n, dt, bs, c0 = blocks.shape
-    k = len(lead)
-    perm = list(range(k)) + [k + 2, k, k + 1, k + 3]
-    return blocks.permute(*perm).reshape(*lead, bs, n, dt * c0)

@@ -314,3 +314,18 @@ def test_scale_is_applied_and_v1_v2_agree():
     c, _ = run(case, version=2, scale=1.0, mode=3, lse=False)
     assert max_err(a, [t.double() for t in b]) == 0.0
     assert max_err(a, [t.double() for t in c]) > 1e-3
+
+
+def test_packed_tokens_past_the_last_cumulative_length_are_zero():
+    case = make_case([2, 3], [2, 3], 2, 1, 16, seed=22)
+    q, cum = pack(case.q)
+    k, _ = pack(case.k)
+    v, _ = pack(case.v)
+    pad_rows = torch.randn(2, 2, 16)
+    out, lse = emulated.npu_fused_infer_attention_score_v2(
+        torch.cat([q, pad_rows]), torch.cat([k, pad_rows[:, :1]]), torch.cat([v, pad_rows[:, :1]]),
+        atten_mask=MASK_2048, actual_seq_qlen=cum, actual_seq_kvlen=cum, num_query_heads=2, num_key_value_heads=1,
+        input_layout="TND", sparse_mode=3, return_softmax_lse=True)
+    assert out.shape == (7, 2, 16) and torch.count_nonzero(out[5:]) == 0 and torch.isinf(lse[5:]).all()
+    ref, _ = case.reference(scale=1.0, mode=3)
+    assert max_err(split_packed(out[:5], case.q_lens), ref) <= TOL

@@ -271,6 +271,74 @@ def _paged_source(chk, layout: Layout, key, value, key_rope, block_table, block_
     return PagedKV(key, value, key_rope, ids, bs, n_kv, num_keys, cdt), dv, width, bs
 
 
+def _dense_source(chk, layout: Layout, key, value, key_rope, akv, batch: int, n_kv: int, q_dim: int,
+                  cdt) -> tuple[KVSource, list[int], int, int]:
+    """Validate the non-paged path; returns (source, KV lengths, value head dim, mask key extent)."""
+    names = chk.names
+    if layout.packed:
+        k3 = packed_view(key, layout.query)
+        v3 = value if value is key else packed_view(value, layout.query)
+        for name, t in (("key", k3), ("value", v3)):
+            if t.dim() != 3 or t.shape[1] != n_kv:
+                chk.fail(name if t.dim() != 3 else "num_key_value_heads",
+                         f"{name} {tuple(t.shape)} must be packed with N={n_kv} KV heads")
+        if v3.shape[0] != k3.shape[0]:
+            chk.fail("value", "value and key hold different numbers of tokens")
+        if akv is None:
+            chk.fail(names.kv_lens, f"is required for {layout.name}: cumulative KV lengths per request")
+        if len(akv) != batch:
+            chk.fail(names.kv_lens, f"has {len(akv)} values for {batch} requests")
+        kv_lens = chk.cumulative(akv, names.kv_lens, int(k3.shape[0]), "key tokens")
+        kr_view = packed_view(key_rope, layout.query) if key_rope is not None else None
+        starts = torch.tensor([0] + akv[:-1], dtype=torch.int64)
+        source = PackedKV(k3, v3, kr_view, starts, max(kv_lens, default=0), cdt)
+        dk, dv, mask_keys = int(k3.shape[2]), int(v3.shape[2]), int(k3.shape[0])
+    else:
+        kb = batch_view(key, layout.query, n_kv)
+        vb = kb if value is key else batch_view(value, layout.query, n_kv)
+        for name, t in (("key", kb), ("value", vb)):
+            if t.shape[0] != batch:
+                chk.fail(name, f"batch {t.shape[0]} differs from the query batch {batch}")
+            if t.shape[2] != n_kv:
+                chk.fail("num_key_value_heads", f"is {n_kv} but {name} has {t.shape[2]} heads")
+        if vb.shape[1] != kb.shape[1]:
+            chk.fail("value", "value and key hold different sequence lengths")
+        s_kv = int(kb.shape[1])
+        kv_lens = [s_kv] * batch if akv is None else chk.per_request(akv, batch, names.kv_lens, s_kv, "key S")
+        kr_view = batch_view(key_rope, layout.query, n_kv) if key_rope is not None else None
+        source = DenseBatchKV(kb, vb, kr_view, max(kv_lens, default=0), cdt)
+        dk, dv, mask_keys = int(kb.shape[3]), int(vb.shape[3]), s_kv
+    if dk != q_dim:
+        chk.fail("key", f"head dim {dk} does not match the query head dim {q_dim}")
+    if kr_view is not None and int(kr_view.shape[-1]) != MLA_ROPE_DIM:
+        chk.fail("key_rope", f"rope head dim must be {MLA_ROPE_DIM}, got {int(kr_view.shape[-1])}")
+    return source, kv_lens, dv, mask_keys
+
+
+def _assemble(layout: Layout, out_b: torch.Tensor, lse_b: torch.Tensor, q_lens: list[int],
+              total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, S, N, Dv]`` results -> the operator's output layout and its lse shape.
+
+    Packed layouts return ``[T, N, Dv]``-based tensors (tokens past the last cumulative length
+    stay zero / -inf) and lse ``[T, N, 1]``; batch layouts return lse ``[B, N, S, 1]``.
+    """
+    if not layout.packed:
+        return batch_output(out_b, layout.out), lse_b.permute(0, 2, 1).unsqueeze(-1)
+    batch, q_s, num_heads, dv = out_b.shape
+    used = sum(q_lens)
+    if used == total == batch * q_s:  # equal lengths tiling every token: views
+        out3, lse3 = out_b.reshape(total, num_heads, dv), lse_b.reshape(total, num_heads)
+    else:
+        lens = torch.tensor(q_lens, dtype=torch.int64)
+        bidx = torch.repeat_interleave(torch.arange(batch), lens)
+        ridx = torch.arange(used) - (torch.cumsum(lens, 0) - lens)[bidx]
+        out3 = out_b.new_zeros(total, num_heads, dv)
+        out3[:used] = out_b[bidx, ridx]
+        lse3 = lse_b.new_full((total, num_heads), float("-inf"))
+        lse3[:used] = lse_b[bidx, ridx]
+    return packed_output(out3, layout.out), lse3.unsqueeze(-1)
+
+
 def fused_infer_attention(
     names: ArgNames,
     query: torch.Tensor,
@@ -391,7 +459,6 @@ def fused_infer_attention(
 
     # Keys/values.
     akv = chk.int_list(actual_kv, names.kv_lens)
-    kr_view = None
     if paged:
         if akv is None:
             chk.fail(names.kv_lens, "is required on the paged path (per-request KV lengths)")
@@ -409,47 +476,8 @@ def fused_infer_attention(
                                               kv_lens, n_kv, q_dim, mla512, q_max, sparse_mode, cdt)
         mask_keys = width * bs
     else:
-        if layout.packed:
-            k3 = packed_view(key, layout.query)
-            v3 = value if value is key else packed_view(value, layout.query)
-            for name, t in (("key", k3), ("value", v3)):
-                if t.dim() != 3 or t.shape[1] != n_kv:
-                    chk.fail(name if t.dim() != 3 else "num_key_value_heads",
-                             f"{name} {tuple(t.shape)} must be packed with N={n_kv} KV heads")
-            if v3.shape[0] != k3.shape[0]:
-                chk.fail("value", "value and key hold different numbers of tokens")
-            if akv is None:
-                chk.fail(names.kv_lens, f"is required for {layout.name}: cumulative KV lengths per request")
-            if len(akv) != batch:
-                chk.fail(names.kv_lens, f"has {len(akv)} values for {batch} requests")
-            kv_lens = chk.cumulative(akv, names.kv_lens, int(k3.shape[0]), "key tokens")
-            if rope:
-                kr_view = packed_view(key_rope, layout.query)
-            starts = torch.tensor([0] + akv[:-1], dtype=torch.int64)
-            source = PackedKV(k3, v3, kr_view, starts, max(kv_lens, default=0), cdt)
-            dk, dv = int(k3.shape[2]), int(v3.shape[2])
-            mask_keys = int(k3.shape[0])
-        else:
-            kb = batch_view(key, layout.query, n_kv)
-            vb = kb if value is key else batch_view(value, layout.query, n_kv)
-            for name, t in (("key", kb), ("value", vb)):
-                if t.shape[0] != batch:
-                    chk.fail(name, f"batch {t.shape[0]} differs from the query batch {batch}")
-                if t.shape[2] != n_kv:
-                    chk.fail("num_key_value_heads", f"is {n_kv} but {name} has {t.shape[2]} heads")
-            if vb.shape[1] != kb.shape[1]:
-                chk.fail("value", "value and key hold different sequence lengths")
-            s_kv = int(kb.shape[1])
-            kv_lens = [s_kv] * batch if akv is None else chk.per_request(akv, batch, names.kv_lens, s_kv, "key S")
-            if rope:
-                kr_view = batch_view(key_rope, layout.query, n_kv)
-            source = DenseBatchKV(kb, vb, kr_view, max(kv_lens, default=0), cdt)
-            dk, dv = int(kb.shape[3]), int(vb.shape[3])
-            mask_keys = s_kv
-        if dk != q_dim:
-            chk.fail("key", f"head dim {dk} does not match the query head dim {q_dim}")
-        if rope and int(kr_view.shape[-1]) != MLA_ROPE_DIM:
-            chk.fail("key_rope", f"rope head dim must be {MLA_ROPE_DIM}, got {int(kr_view.shape[-1])}")
+        source, kv_lens, dv, mask_keys = _dense_source(chk, layout, key, value, key_rope, akv, batch, n_kv,
+                                                       q_dim, cdt)
 
     # Packed-layout interception rules.
     if layout.packed and sparse_mode == 3:
@@ -519,25 +547,9 @@ def fused_infer_attention(
     out5, lse4 = attend(qhm, qrhm, source, q_lens_t, kv_lens_t, spec, sinks, dv)
     out_b = out5.reshape(batch, q_s, num_heads, dv)  # token-major: a view
     lse_b = lse4.reshape(batch, q_s, num_heads)
+    total = int(packed_view(query, layout.query).shape[0]) if layout.packed else 0
+    out, lse = _assemble(layout, out_b, lse_b, q_lens, total)
     lse_dtype = torch.float64 if cdt == torch.float64 else torch.float32
-
-    if layout.packed:
-        total = int(packed_view(query, layout.query).shape[0])
-        used = sum(q_lens)
-        if used == total == batch * q_s:  # equal lengths tiling every token: views
-            out3, lse3 = out_b.reshape(total, num_heads, dv), lse_b.reshape(total, num_heads)
-        else:
-            bidx = torch.repeat_interleave(torch.arange(batch), q_lens_t)
-            ridx = torch.arange(used) - torch.tensor([0] + aq[:-1], dtype=torch.int64)[bidx]
-            out3 = out_b.new_zeros(total, num_heads, dv)
-            out3[:used] = out_b[bidx, ridx]
-            lse3 = lse_b.new_full((total, num_heads), float("-inf"))
-            lse3[:used] = lse_b[bidx, ridx]
-        out = packed_output(out3, layout.out)
-        lse = lse3.unsqueeze(-1)
-    else:
-        out = batch_output(out_b, layout.out)
-        lse = lse_b.permute(0, 2, 1).unsqueeze(-1)
     out = out.to(query.dtype).contiguous()
     lse = lse.to(lse_dtype).contiguous() if return_lse else torch.empty(0, dtype=lse_dtype)
     return out, lse

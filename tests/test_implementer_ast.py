@@ -130,10 +130,24 @@ def fa_arguments_on_path(func: ast.FunctionDef, attn_type: str, is_prefill: bool
     return found[0]
 
 
-def fa_function(module: ast.Module) -> ast.FunctionDef:
-    owners = [f for f in functions(module).values() if npu_calls(f, FA_OPS)]
-    assert len(owners) == 1, [f.name for f in owners]
-    return owners[0]
+def fa_function(module: ast.Module, attn_type: str = "FullAttention", is_prefill: bool = False) -> ast.FunctionDef:
+    """The function whose FA call serves this layer kind on this path.
+
+    Sliding layers prefill over the step's own K/V (``prefill_window_attention``); every other path
+    reads the cache (``paged_attention`` / ``legacy_attention``).
+    """
+    owners = {f.name: f for f in functions(module).values() if npu_calls(f, FA_OPS)}
+    if attn_type == "SlidingWindow" and is_prefill and "prefill_window_attention" in owners:
+        return owners["prefill_window_attention"]
+    cache_readers = [f for name, f in owners.items() if name != "prefill_window_attention"]
+    assert len(cache_readers) == 1, list(owners)
+    return cache_readers[0]
+
+
+def expected_fa_calls(m) -> int:
+    """One cache-reading FA call, plus the fresh-K/V prefill call when a paged model has sliding layers."""
+    sliding = any(layer.attn_type == "SlidingWindow" for layer in m.layers)
+    return 2 if sliding and m.kv_mode.value == "paged" else 1
 
 
 # ----------------------------------------------------------------------------- compile, ruff, imports
@@ -202,21 +216,21 @@ def test_fa_call_uses_only_its_versions_argument_names(case_id):
     m = manifest(case_id)
     module = tree(case_id)
     calls = npu_calls(module, FA_OPS)
-    assert len(calls) == 1
-    call = calls[0]
-    want_op = FA_OPS[1] if m.fa.version == "v2" else FA_OPS[0]
-    assert call.func.attr == want_op
-    names = set(kwargs(call))
-    v1_only = accepted_keywords(FA_OPS[0]) - accepted_keywords(FA_OPS[1])
-    v2_only = accepted_keywords(FA_OPS[1]) - accepted_keywords(FA_OPS[0])
-    assert VERSION_NAMES["v1"] <= v1_only and VERSION_NAMES["v2"] | {"learnable_sink"} <= v2_only  # schema facts
-    if m.fa.version == "v2":
-        assert not names & v1_only, names & v1_only
-    else:
-        assert not names & v2_only, names & v2_only
-    assert VERSION_NAMES[m.fa.version] <= names, VERSION_NAMES[m.fa.version] - names
-    assert ("learnable_sink" in names) == m.model.has_sinks
-    assert len(call.args) == 3  # query, key, value
+    assert len(calls) == expected_fa_calls(m)
+    for call in calls:
+        want_op = FA_OPS[1] if m.fa.version == "v2" else FA_OPS[0]
+        assert call.func.attr == want_op
+        names = set(kwargs(call))
+        v1_only = accepted_keywords(FA_OPS[0]) - accepted_keywords(FA_OPS[1])
+        v2_only = accepted_keywords(FA_OPS[1]) - accepted_keywords(FA_OPS[0])
+        assert VERSION_NAMES["v1"] <= v1_only and VERSION_NAMES["v2"] | {"learnable_sink"} <= v2_only  # schema
+        if m.fa.version == "v2":
+            assert not names & v1_only, names & v1_only
+        else:
+            assert not names & v2_only, names & v2_only
+        assert VERSION_NAMES[m.fa.version] <= names, VERSION_NAMES[m.fa.version] - names
+        assert ("learnable_sink" in names) == m.model.has_sinks
+        assert len(call.args) == 3  # query, key, value
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -224,7 +238,16 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
     m = manifest(case_id)
     module = tree(case_id)
     consts = constants(module)
-    kw = kwargs(npu_calls(module, FA_OPS)[0])
+    calls = npu_calls(module, FA_OPS)
+    cache_calls = [c for c in calls if m.kv_mode.value == "legacy" or "block_table" in kwargs(c)]
+    assert len(cache_calls) == 1
+    kw = kwargs(cache_calls[0])
+    for fresh in (c for c in calls if c not in cache_calls):  # sliding prefill over this step's K/V
+        fkw = kwargs(fresh)
+        kv_lens_name = "actual_seq_kvlen" if m.fa.version == "v2" else "actual_seq_lengths_kv"
+        # No block table: the KV is packed like the query, so its lengths are cumulative too.
+        assert ast.unparse(fkw[kv_lens_name]) == "forward_metadata.actual_seq_lengths_cu_kv"
+        assert "block_size" not in fkw
     scale_kw, heads_kw = ("softmax_scale", "num_query_heads") if m.fa.version == "v2" else ("scale", "num_heads")
     assert ast.unparse(kw[scale_kw]) == "SOFTMAX_SCALE" and consts["SOFTMAX_SCALE"] == m.fa.softmax_scale
     assert ast.unparse(kw[heads_kw]) == "NUM_HEADS_PER_RANK"
@@ -250,8 +273,9 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_prefill_and_decode_pass_the_manifests_sparse_modes_per_layer_kind(case_id):
     m = manifest(case_id)
-    func = fa_function(tree(case_id))
+    module = tree(case_id)
     for attn_type, prefill in paths(m):
+        func = fa_function(module, attn_type, prefill)
         plan = layer_plan(m, attn_type)
         mode = plan.sparse_mode.prefill if prefill else plan.sparse_mode.decode
         mask = plan.mask.prefill if prefill else plan.mask.decode

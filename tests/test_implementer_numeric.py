@@ -340,14 +340,8 @@ def test_standalone_sliding_prefill_of_two_long_prompts_matches():
     assert max(e for _, e in errors) <= TOL
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "framework layout, not the emulator: at prefill the SlidingWindowManager maps each request's leading "
-    "logical blocks (tokens older than the window at the end of the prompt) to the pool's shared null block; "
-    "slot_mapping sends those tokens' K/V into the null block and the sliding layer's prefill FA reads them "
-    "back through block_table, so two such prompts in one prefill overwrite each other's early keys "
-    "(error ~3.7 on the first prefill of the sliding layer). Needs a design decision: prefill attention over "
-    "the fresh K/V (no block_table), or one long prompt per prefill."))
 def test_framework_sliding_prefill_of_two_long_prompts_in_one_step():
+    """Both prompts' slid-out blocks map to the shared null block: the sliding prefill must not read them."""
     def both_tables_start_with_the_null_block(sched, step):
         if step.is_prefill:
             table = step.forward_metadata.block_table["SlidingWindow"]

@@ -9,9 +9,10 @@ import torch
 
 @dataclass(frozen=True)
 class Scenario:
-    # (prompt length, new tokens): some longer than a 128 block, some crossing a 128..160 window,
-    # one finishing early so the late requests are admitted into its freed blocks.
-    first: tuple[tuple[int, int], ...] = ((150, 17), (40, 5), (300, 17), (129, 17))
+    # (prompt length, new tokens): some longer than a 128 block, some crossing a 128..160 window
+    # (two of them by more than a block, in one prefill step, so a window's slid-out prompt blocks
+    # share the null block), one finishing early so the late requests are admitted into its blocks.
+    first: tuple[tuple[int, int], ...] = ((150, 17), (40, 5), (300, 17), (290, 17))
     late: tuple[tuple[int, int], ...] = ((200, 8), (60, 8))
     max_concurrency: int = 4
     release_requests: int = 50
@@ -27,4 +28,4 @@ class Scenario:
 
 
 DEFAULT = Scenario()
-QUICK = Scenario(first=((150, 9), (40, 3), (140, 9)), late=((60, 4),), max_concurrency=3, release_requests=10)
+QUICK = Scenario(first=((150, 9), (40, 3), (300, 9)), late=((60, 4),), max_concurrency=3, release_requests=10)

@@ -110,7 +110,33 @@ class KVCacheAttentionMixin:
         slot_mapping = forward_metadata.slot_mapping[self.attn_type]
         block_table = forward_metadata.block_table[self.attn_type]
         self.update_cache(key_states, value_states, slot_mapping)
+        if forward_metadata.is_prefill and self.attn_type == "SlidingWindow":
+            return self.prefill_window_attention(query_states, key_states, value_states, forward_metadata)
         return self.paged_attention(query_states, forward_metadata, block_table)
+
+    def prefill_window_attention(self, query_states, key_states, value_states, forward_metadata):
+        """Sliding-layer prefill over this step's own K/V (TND, cumulative KV lengths, no block table).
+
+        The framework maps prompt blocks that already slid out of the window to the shared null
+        block, so those keys cannot be read back through block_table inside the prefill step.
+        """
+        attn_output, _ = torch_npu.npu_fused_infer_attention_score_v2(
+            query_states,
+            key_states.reshape(-1, NUM_KV_HEADS_PER_RANK, HEAD_DIM),
+            value_states.reshape(-1, NUM_KV_HEADS_PER_RANK, HEAD_DIM),
+            num_query_heads=NUM_HEADS_PER_RANK,
+            num_key_value_heads=NUM_KV_HEADS_PER_RANK,
+            input_layout="TND",
+            softmax_scale=SOFTMAX_SCALE,
+            atten_mask=forward_metadata.attention_mask,
+            sparse_mode=4,
+            pre_tokens=self.window_pre_tokens,
+            next_tokens=0,
+            actual_seq_qlen=forward_metadata.actual_seq_lengths_cu_q,
+            actual_seq_kvlen=forward_metadata.actual_seq_lengths_cu_kv,
+            learnable_sink=self.sinks,
+        )
+        return attn_output
 
 
 def attention_modules(decoder_layer):

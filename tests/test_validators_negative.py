@@ -64,3 +64,13 @@ def test_window_pre_tokens_off_by_one_is_caught(tmp_path):
     assert json.loads(manifest.read_text())["layers"][0]["pre_tokens"] == 128
     report = run_validate(manifest, rendered, cfg)
     assert not check(report, "logits vs transformers").passed
+
+
+def test_sliding_prefill_through_the_shared_null_block(tmp_path):
+    """Reading a sliding layer's prefill back through block_table mixes two long prompts' early keys."""
+    from validators_support import DEFAULT
+
+    manifest, rendered, cfg = render_case(tmp_path, "gpt_oss_20b", framework_api="G2")
+    mutate(rendered, r'if forward_metadata\.is_prefill and self\.attn_type == "SlidingWindow":', "if False:")
+    report = run_validate(manifest, rendered, cfg, scenario=DEFAULT)
+    assert not check(report, "logits vs transformers").passed

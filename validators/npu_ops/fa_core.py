@@ -34,7 +34,7 @@ SCORE_BUDGET_BYTES = 32 << 20  # score tile of one row chunk (request-major)
 KV_CHUNK_BYTES = 8 << 20  # one gathered key (or value) piece (request-major)
 BLOCK_CHUNK_BYTES = 8 << 20  # physical blocks per step (block-major)
 BLOCK_MAJOR_MAX_ROWS = 16  # longest query handled block-major (decode, MTP)
-IN_PLACE_STEP_BYTES = 256 << 20  # block-major, cache read in place: blocks per batched matmul
+IN_PLACE_STEP_BYTES = 256 << 20  # block-major, no conversion needed: blocks per batched matmul
 MATERIALIZE_BYTES = 512 << 20  # request-major: convert all keys/values up front when they fit
 
 
@@ -280,7 +280,8 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
     in_place = kv.token_major_ok(q.dtype)
     if eb.numel():
         block_bytes = n_kv * bs * max(head_dim, value_dim) * q.element_size()
-        budget = IN_PLACE_STEP_BYTES if in_place else BLOCK_CHUNK_BYTES
+        no_conversion = in_place or kv.head_major_ok(q.dtype)
+        budget = IN_PLACE_STEP_BYTES if no_conversion else BLOCK_CHUNK_BYTES
         for r in range(int(rank.max()) + 1):
             sel = (rank == r).nonzero().squeeze(1)
             rounds.append((eb[sel], ec[sel], _Round(phys[sel], block_bytes, budget)))

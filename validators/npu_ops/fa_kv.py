@@ -173,6 +173,11 @@ class PagedKV(KVSource):
         """True when every cache is ``[bn, bs, N*D]`` in ``dtype``: blocks can be used in place."""
         return all(c is None or (c.dim() == 3 and c.dtype == dtype) for c in self._caches.values())
 
+    def head_major_ok(self, dtype: torch.dtype) -> bool:
+        """True when every cache is a contiguous ``[bn, N, bs, D]`` in ``dtype``: ranges are views."""
+        return all(c is None or (c.dim() == 4 and c.dtype == dtype and c.is_contiguous())
+                   for c in self._caches.values())
+
     def token_major(self, which: str, where) -> torch.Tensor:
         """Blocks of a ``[bn, bs, N*D]`` cache as ``[n, bs, N_kv, D]``: a view for a range, a gather for ids."""
         cache = self._caches[which]

@@ -24,7 +24,8 @@ def test_prefill_without_causal_mask(tmp_path):
     mutate(rendered, r"sparse_mode = 3", "sparse_mode = 0")
     mutate(rendered, r"atten_mask = forward_metadata.attention_mask", "atten_mask = None")
     report = run_validate(manifest, rendered, cfg)
-    assert not check(report, "logits vs transformers").passed
+    numeric = check(report, "logits vs transformers")
+    assert not numeric.passed and "step 0 request" in numeric.detail and "first diverging layer 0" in numeric.detail
     args = check(report, "FA call arguments match the manifest")
     assert not args.passed and "sparse_mode=0 (manifest 3)" in args.detail and "(prefill)" in args.detail
 

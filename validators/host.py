@@ -242,6 +242,10 @@ class HostModel:
             for module in hf_model.modules():
                 if hasattr(module, "config") and module.config is not hf_model.config:
                     module.config._attn_implementation = ATTN_IMPL
+        # Each decoder layer's output of the last step, to name the first diverging layer on failure.
+        self.layer_outputs: list[torch.Tensor | None] = [None] * len(self.attentions)
+        for idx, layer in enumerate(hf_model.model.layers):
+            layer.register_forward_hook(_store_output(self.layer_outputs, idx))
         # What get_cache_info() walks: model.layers[i].<attn_attr>, plus the model-level block size.
         self.block_size = block_size
         self.model = types.SimpleNamespace(
@@ -269,8 +273,28 @@ class HostModel:
         return out.logits.float()
 
 
+def _store_output(outputs: list, idx: int):
+    def hook(_module, _inputs, output):
+        outputs[idx] = (output[0] if isinstance(output, tuple) else output).detach()
+
+    return hook
+
+
 @torch.no_grad()
 def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     """transformers eager forward over one whole sequence: logits [L, vocab] (float64 compare later)."""
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
     return ref_model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+@torch.no_grad()
+def reference_layer_outputs(ref_model, token_ids: list[int]) -> list[torch.Tensor]:
+    """Each decoder layer's output [L, hidden] over one whole sequence (to locate a divergence)."""
+    outputs: list = [None] * len(ref_model.model.layers)
+    handles = [layer.register_forward_hook(_store_output(outputs, i)) for i, layer in enumerate(ref_model.model.layers)]
+    try:
+        reference_logits(ref_model, token_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return [o[0].float() for o in outputs]

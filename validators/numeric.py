@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.host import reference_logits
+from validators.host import reference_layer_outputs, reference_logits
 from validators.report import Report
 
 ATOL_FP32 = 1e-4
@@ -19,6 +19,7 @@ class _Rows:
     is_prefill: bool
     positions: list[int]
     logits: torch.Tensor
+    layers: list[torch.Tensor]  # each decoder layer's output rows of this request in this step
 
 
 @dataclass
@@ -31,10 +32,12 @@ class NumericTracker:
 
     def record_step(self, step, logits: torch.Tensor, probe_records: list[dict]) -> None:
         slices = step.token_slices()
+        flat = [o.reshape(-1, o.shape[-1]) for o in self.host.layer_outputs]
         for rid in step.request_ids:
             sl = slices[rid]
             pos = step.position_ids[sl].tolist()
-            self.rows.setdefault(rid, []).append(_Rows(step.index, step.is_prefill, pos, logits[sl].clone()))
+            self.rows.setdefault(rid, []).append(
+                _Rows(step.index, step.is_prefill, pos, logits[sl].clone(), [o[sl].float().clone() for o in flat]))
         self.probes.append((step.index, step.is_prefill, list(step.request_ids), probe_records))
 
     # ------------------------------------------------------------------ runtime link
@@ -115,8 +118,18 @@ class NumericTracker:
                    detail="; ".join(bad[:3]), calls=len(self.host.probe.fa_calls), mismatches=len(bad))
 
     # ------------------------------------------------------------------ numeric link
+    def _first_bad_layer(self, sequence: list[int], chunk: _Rows) -> str:
+        """Name the first decoder layer whose output leaves the reference on this chunk."""
+        ref = reference_layer_outputs(self.ref_model, sequence)
+        for i, (got, want) in enumerate(zip(chunk.layers, ref, strict=False)):
+            want = want[chunk.positions]
+            if not torch.isfinite(got).all() or (got - want).abs().max().item() > self.atol:
+                return f", first diverging layer {i}"
+        return ""
+
     def check_numeric(self, report: Report, sequences: dict[int, list[int]]) -> None:
         worst, worst_at, nonfinite, greedy_bad, steps = 0.0, "", [], [], set()
+        first_bad: tuple[int, _Rows] | None = None
         for rid, chunks in self.rows.items():
             ref = reference_logits(self.ref_model, sequences[rid])
             for chunk in chunks:
@@ -124,9 +137,14 @@ class NumericTracker:
                 got = chunk.logits
                 want = ref[chunk.positions]
                 if not torch.isfinite(got).all():
-                    nonfinite.append(f"step {chunk.step} request {rid}")
+                    where = f"step {chunk.step} request {rid}"
+                    if not nonfinite:
+                        where += self._first_bad_layer(sequences[rid], chunk)
+                    nonfinite.append(where)
                     continue
                 diff = (got - want).abs().max().item()
+                if diff > self.atol and (first_bad is None or chunk.step < first_bad[1].step):
+                    first_bad = (rid, chunk)
                 if diff > worst:
                     worst, worst_at = diff, f"step {chunk.step} request {rid} position {chunk.positions[-1]}"
                 last = chunk.positions[-1]
@@ -134,8 +152,13 @@ class NumericTracker:
                     greedy_bad.append(f"step {chunk.step} request {rid}")
         report.add("outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)", "release", not nonfinite,
                    detail="; ".join(nonfinite[:3]), nonfinite_chunks=len(nonfinite))
+        first = ""
+        if first_bad is not None:
+            rid, chunk = first_bad
+            first = (f"first failure at step {chunk.step} request {rid}"
+                     + self._first_bad_layer(sequences[rid], chunk))
         report.add(f"logits vs transformers max |diff| <= {self.atol:g}", "numeric",
-                   not nonfinite and worst <= self.atol, max_abs_diff=worst, worst_at=worst_at,
+                   not nonfinite and worst <= self.atol, detail=first, max_abs_diff=worst, worst_at=worst_at,
                    steps=len(steps), requests=len(self.rows))
         report.add("greedy tokens identical to transformers", "numeric", not nonfinite and not greedy_bad,
                    detail="; ".join(greedy_bad[:3]), mismatches=len(greedy_bad))

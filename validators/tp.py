@@ -23,6 +23,14 @@ from validators.report import Check, Report
 
 COLLECTIVE_TIMEOUT_S = 120
 RANK_TIMEOUT_S = 900
+# Fault injection for the hung-peer test: this rank never joins the group.
+HANG_RANK_ENV = "KVCACHE_TP_HANG_RANK"
+
+
+def _timeouts() -> tuple[float, float]:
+    """(collective, whole-rank) timeouts in seconds; the environment may shorten them (tests)."""
+    return (float(os.environ.get("KVCACHE_TP_COLLECTIVE_TIMEOUT_S", COLLECTIVE_TIMEOUT_S)),
+            float(os.environ.get("KVCACHE_TP_RANK_TIMEOUT_S", RANK_TIMEOUT_S)))
 
 
 def _rows(weight: torch.Tensor, start: int, stop: int) -> torch.nn.Parameter:
@@ -87,9 +95,11 @@ def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dic
 
     torch.set_num_threads(1)
     result = Path(out_dir) / f"rank{rank}.json"
+    if os.environ.get(HANG_RANK_ENV) == str(rank):
+        time.sleep(10**6)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                timeout=datetime.timedelta(seconds=_timeouts()[0]))
         req = ValidateRequest(**req_fields)
         report = validate(req, rank=rank, world=tp)
         data = report.to_dict()
@@ -117,7 +127,8 @@ def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
         say(f"launching {tp} ranks (gloo)")
         for p in procs:
             p.start()
-        deadline = time.monotonic() + RANK_TIMEOUT_S
+        rank_timeout = _timeouts()[1]
+        deadline = time.monotonic() + rank_timeout
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
         merged = Report(backend="emulated", deploy_mode=manifest.deploy_mode.value,
@@ -127,7 +138,7 @@ def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
                 p.terminate()
                 p.join(5)
                 merged.add(f"rank {r}: finished", "runtime", False,
-                           detail=f"no result within {RANK_TIMEOUT_S}s (hung peer or collective timeout)")
+                           detail=f"no result within {rank_timeout:g}s (hung peer or collective timeout)")
                 continue
             path = Path(tmp) / f"rank{r}.json"
             if not path.is_file():

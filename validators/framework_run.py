@@ -77,7 +77,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     info = host.get_cache_info()
     check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype)
     sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,
-                      api=api_module, generation=generation)
+                      api=api_module, generation=generation, device=host.device)
     check_allocation(report, host, sched)
     if any(not c.passed for c in report.checks if c.link == "init"):
         report.notes.append("init link failed: runtime, numeric and release checks not run")
@@ -85,7 +85,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     start_usage = sched.usage()
     start_bytes = _cache_bytes(sched)
 
-    tracker = NumericTracker(ref_model, host)
+    tracker = NumericTracker(ref_model, host, atol=host.atol)
     prompts = scenario.prompts(seed)
     first = len(scenario.first)
     for ids, new in prompts[:first]:

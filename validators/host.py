@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 ATTN_IMPL = "kvcache_rendered"
+ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
+ATOL_BF16 = 5e-2  # NPU backend: bf16 model under test vs the float32 reference (untested in CI)
 _counter = itertools.count()
 _CURRENT: list = []  # the ForwardMetaData of the step being run (a stack: steps never nest)
 
@@ -215,10 +217,12 @@ class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
     def __init__(self, hf_model, rendered: RenderedCode, *, is_mla: bool, cache_dtype=torch.float32,
-                 window: int | None = None, block_size: int = 128):
+                 window: int | None = None, block_size: int = 128, device: torch.device | None = None):
         self.hf_model = hf_model
         self.rendered = rendered
         self.step_index = -1  # forward calls so far, for failure locations
+        self.device = device or torch.device("cpu")
+        self.atol = ATOL_FP32 if self.device.type == "cpu" else ATOL_BF16
         self.window = window
         self.probe = _Probe()
         if window is not None and hasattr(rendered.attention, "SLIDING_WINDOW"):
@@ -269,8 +273,9 @@ class HostModel:
         self.step_index += 1
         self.probe.step = self.step_index
         with current_metadata(forward_metadata):
-            out = self.hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return out.logits.float()
+            out = self.hf_model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
+                                use_cache=False)
+        return out.logits.float().cpu()
 
 
 def _store_output(outputs: list, idx: int):

@@ -21,16 +21,16 @@ NEW_TOKENS = 9
 class _FrameworkLegacy:
     """What the framework does for Legacy layers: preallocate by cache_unit, own kv_len and metadata."""
 
-    def __init__(self, attentions, batch: int, max_seq_len: int, cache_dtype):
+    def __init__(self, attentions, batch: int, max_seq_len: int, cache_dtype, device):
         from executor.utils.common_utils import get_init_attn_mask
         from executor.utils.forward_metadata import ForwardMetaData
 
         self._meta = ForwardMetaData
         for a in attentions:
             for name in ("k_cache", "v_cache"):
-                setattr(a, name, torch.zeros(batch, max_seq_len, *a.cache_unit, dtype=cache_dtype))
-        self.kv_len = torch.zeros(batch, dtype=torch.int64)
-        self.mask = get_init_attn_mask(2048, "cpu")
+                setattr(a, name, torch.zeros(batch, max_seq_len, *a.cache_unit, dtype=cache_dtype, device=device))
+        self.kv_len = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.mask = get_init_attn_mask(2048, device)
 
     def _build_forward_metadata(self, prompt_len=None):
         is_prefill = prompt_len is not None
@@ -51,10 +51,10 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
         units = {tuple(a.cache_unit) for a in host.attentions}
         want = {(c.dim,) for c in manifest.layers[0].caches}
         report.add("cache_unit matches the manifest", "init", units == want, got=sorted(units), expected=sorted(want))
-        runner = _FrameworkLegacy(host.attentions, ROWS, max_seq, cache_dtype)
+        runner = _FrameworkLegacy(host.attentions, ROWS, max_seq, cache_dtype, host.device)
     else:
         runner = type("ValidationRunner", (host.rendered.runner_mixin(),), {})()
-        runner._init_kvcache(host.attentions, ROWS, max_seq, cache_dtype=cache_dtype)
+        runner._init_kvcache(host.attentions, ROWS, max_seq, device=host.device, cache_dtype=cache_dtype)
     caches = [t for a in host.attentions for t in (a.k_cache, a.v_cache)]
     shape = (ROWS, max_seq, manifest.layers[0].caches[0].dim)
     report.add("contiguous caches are [batch, max_seq_len, N_kv*D]", "init",
@@ -65,7 +65,7 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 512, (ROWS, PROMPT), generator=g)
-    tracker = NumericTracker(ref_model, host)
+    tracker = NumericTracker(ref_model, host, atol=host.atol)
     fm = runner._build_forward_metadata(PROMPT)
     pos = torch.arange(PROMPT).expand(ROWS, -1)
     seqs = [row.tolist() for row in tokens]

@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.host import reference_layer_outputs, reference_logits
+from validators.host import ATOL_FP32, reference_layer_outputs, reference_logits
 from validators.report import Report
-
-ATOL_FP32 = 1e-4
 
 
 @dataclass
@@ -32,12 +30,12 @@ class NumericTracker:
 
     def record_step(self, step, logits: torch.Tensor, probe_records: list[dict]) -> None:
         slices = step.token_slices()
-        flat = [o.reshape(-1, o.shape[-1]) for o in self.host.layer_outputs]
+        flat = [o.reshape(-1, o.shape[-1]).float().cpu() for o in self.host.layer_outputs]
         for rid in step.request_ids:
             sl = slices[rid]
             pos = step.position_ids[sl].tolist()
             self.rows.setdefault(rid, []).append(
-                _Rows(step.index, step.is_prefill, pos, logits[sl].clone(), [o[sl].float().clone() for o in flat]))
+                _Rows(step.index, step.is_prefill, pos, logits[sl].clone(), [o[sl].clone() for o in flat]))
         self.probes.append((step.index, step.is_prefill, list(step.request_ids), probe_records))
 
     # ------------------------------------------------------------------ runtime link

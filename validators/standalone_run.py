@@ -54,7 +54,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
         return
     runner = type("ValidationRunner", (runner_cls,), {})()
     rows_n = scenario.max_concurrency
-    runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, cache_dtype=cache_dtype)
+    runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, device=host.device, cache_dtype=cache_dtype)
     _check_init(report, manifest, host, runner, rows_n)
     if any(not c.passed for c in report.checks if c.link == "init"):
         report.notes.append("init link failed: runtime, numeric and release checks not run")
@@ -62,7 +62,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     start_bytes = sum(t.numel() * t.element_size() for t in _caches(host))
     start_ids = [id(t) for t in _caches(host)]
 
-    tracker = NumericTracker(ref_model, host)
+    tracker = NumericTracker(ref_model, host, atol=host.atol)
     prompts = scenario.prompts(seed)
     first = len(scenario.first)
     waiting = list(range(first))

@@ -119,10 +119,17 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
 
         shard_attention(model, manifest, rank, world)
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
-    cache_dtype = torch.float32
+    # emulated: everything float32 on CPU. npu: the model under test in the manifest's dtype on the
+    # device (bf16 tolerances); the transformers reference stays float32 on CPU.
+    on_npu = backend == "npu"
+    device = torch.device("npu") if on_npu else torch.device("cpu")
+    cache_dtype = getattr(torch, manifest.model.dtype) if on_npu else torch.float32
+    if on_npu:
+        model.to(device=device, dtype=cache_dtype)
     with ops, device_readings(readings), _framework(manifest, req) as handle:
         rendered = import_rendered(req.rendered)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, window=plan.window,
+                         device=device,
                          block_size=manifest.block_size)
         try:
             if manifest.kv_mode.value == "legacy":

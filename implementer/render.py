@@ -10,9 +10,9 @@ import jinja2
 
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
+from analyzer.progress_writer import atomic_write_text
 from analyzer.report import decision_rows
 from implementer.context import Names, RenderContext, build_context, one_line
-from implementer.files import atomic_write_text
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 ATTENTION_FILE = "kvcache_attention.py"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from analyzer.cli import guarded
 from analyzer.errors import InputError
-from implementer.files import atomic_write_text
+from analyzer.progress_writer import atomic_write_text
 from validators.validate import ValidateRequest, validate
 
 EXAMPLES = """examples:

@@ -10,7 +10,7 @@ from pathlib import Path
 from analyzer.build import AnalyzeRequest, analyze
 from analyzer.cli import guarded
 from analyzer.errors import InputError
-from implementer.files import atomic_write_text
+from analyzer.progress_writer import atomic_write_text
 from implementer.render import render_manifest, write_rendered
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_qwen3" / "config.json"

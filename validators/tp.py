@@ -153,7 +153,8 @@ def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
             for c in data["checks"]:
                 merged.checks.append(Check(f"rank {r}: {c['name']}", c["link"], c["passed"], c["measured"],
                                            c["detail"]))
-            merged.notes += [f"rank {r}: {n}" for n in data.get("notes", []) if r == 0 or "rank" in n]
+            if r == 0:  # every rank runs the same tiny model and stream: one copy of the notes
+                merged.notes += data.get("notes", [])
     merged.notes.insert(0, f"attention TP {tp}: {manifest.parallel.num_q_heads_per_rank} query / "
                            f"{manifest.parallel.num_kv_heads_per_rank} KV heads per rank"
                            + ("; KV heads replicated" if manifest.parallel.kv_heads_replicated else "")

@@ -213,6 +213,16 @@ def make_host_attention(mixin: type) -> type:
     return HostAttention
 
 
+class _DecoderLayer:
+    """A decoder layer as get_cache_info() sees it: any attribute is its attention module."""
+
+    def __init__(self, attention):
+        self._attention = attention
+
+    def __getattr__(self, name):
+        return self._attention
+
+
 class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
@@ -250,11 +260,10 @@ class HostModel:
         self.layer_outputs: list[torch.Tensor | None] = [None] * len(self.attentions)
         for idx, layer in enumerate(hf_model.model.layers):
             layer.register_forward_hook(_store_output(self.layer_outputs, idx))
-        # What get_cache_info() walks: model.layers[i].<attn_attr>, plus the model-level block size.
+        # What get_cache_info() walks: model.layers[i].<attn_attr> (whatever --attn-attr the render
+        # used), plus the model-level block size.
         self.block_size = block_size
-        self.model = types.SimpleNamespace(
-            layers=[types.SimpleNamespace(self_attn=a) for a in self.attentions]
-        )
+        self.model = types.SimpleNamespace(layers=[_DecoderLayer(a) for a in self.attentions])
 
     def get_cache_info(self):
         mixin = self.rendered.model_mixin()

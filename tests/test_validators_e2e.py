@@ -53,3 +53,12 @@ def test_sliding_model_reports_the_device_readings_it_depends_on(tmp_path):
     sweep = [n for n in report.notes if n.startswith("under ")]
     assert any("band_at_single_query=ignored" in n for n in sweep)
     assert any("window_pre_tokens=inclusive" in n and "fails" in n for n in sweep)
+
+
+@pytest.mark.slow
+def test_kimi_k2_mla_with_fa_v1(tmp_path):
+    """Kimi-K2 follows DeepSeek-V3's MLA (64 heads, YaRN factor 32) and runs FA v1 upstream."""
+    manifest, rendered, cfg = render_case(tmp_path, "kimi_k2", framework_api="G2", fa_version="v1")
+    report = run_validate(manifest, rendered, cfg)
+    assert report.passed, [(c.name, c.detail or c.measured) for c in report.failed()]
+    assert check(report, "FA call arguments match the manifest").measured["calls"] > 0

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="kvcache-out", metavar="DIR",
                    help="directory for manifest.json, rendered/, report.json, report.md (default kvcache-out)")
     p.add_argument("--force", action="store_true", help="overwrite an earlier run in --out")
+    p.add_argument("--allow-blocked", action="store_true",
+                   help="render and validate even when the manifest lists blockers (Legacy path)")
     return p
 
 
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     manifest = analyze(AnalyzeRequest(config=config, progress=args.progress, dispatch=args.dispatch,
                                       deploy_mode=args.deploy_mode, framework_api=args.framework_api,
                                       attn_tp_size=args.attn_tp_size))
-    rendered = render_manifest(manifest, framework_api=args.framework_api)
+    rendered = render_manifest(manifest, framework_api=args.framework_api, allow_blocked=args.allow_blocked)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "manifest.json", manifest.to_json())
     write_rendered(rendered, out / "rendered", force=args.force)

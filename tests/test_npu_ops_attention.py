@@ -6,36 +6,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from validators.npu_ops import emulated, fa_core
+# tests/ is not a package: pytest puts its directory on sys.path.
+from test_npu_ops_reference import (
+    INT_MAX,
+    MASK_2048,
+    build_paged,
+    from_out_layout,
+    make_case,
+    max_err,
+    pack,
+    pad,
+    split_packed,
+    split_padded,
+    to_batch_layout,
+)
 
-try:
-    from tests.test_npu_ops_reference import (
-        INT_MAX,
-        MASK_2048,
-        build_paged,
-        from_out_layout,
-        make_case,
-        max_err,
-        pack,
-        pad,
-        split_packed,
-        split_padded,
-        to_batch_layout,
-    )
-except ImportError:  # tests/ is not a package: pytest put its directory on sys.path
-    from test_npu_ops_reference import (  # type: ignore[no-redef]
-        INT_MAX,
-        MASK_2048,
-        build_paged,
-        from_out_layout,
-        make_case,
-        max_err,
-        pack,
-        pad,
-        split_packed,
-        split_padded,
-        to_batch_layout,
-    )
+from validators.npu_ops import emulated, fa_core
 
 TOL = 1e-5
 PACKED = {"TND": ("TND", "TND"), "NTD": ("NTD", "NTD"), "NTD_TND": ("NTD", "TND"), "TND_NTD": ("TND", "NTD")}

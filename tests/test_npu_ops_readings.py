@@ -6,13 +6,14 @@ import math
 
 import pytest
 import torch
+from test_npu_ops_reference import (  # tests/ is on sys.path (not a package)
+    MASK_2048,
+    build_paged,
+    make_case,
+    ref_attention,
+)
 
 from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, active_readings, device_readings, emulated
-
-try:
-    from tests.test_npu_ops_reference import MASK_2048, build_paged, make_case, ref_attention
-except ImportError:  # tests/ is not a package: pytest put its directory on sys.path
-    from test_npu_ops_reference import MASK_2048, build_paged, make_case, ref_attention  # type: ignore[no-redef]
 
 EXCLUSIVE_HONOURED = DeviceReadings()
 INCLUSIVE = DeviceReadings(window_pre_tokens="inclusive")

@@ -6,13 +6,9 @@ import math
 
 import pytest
 import torch
+from test_npu_ops_reference import MASK_2048, ref_attention  # tests/ is on sys.path (not a package)
 
 from validators.npu_ops import NotEmulatedError, NpuOpError, emulated, nz_view
-
-try:
-    from tests.test_npu_ops_reference import MASK_2048, ref_attention
-except ImportError:  # tests/ is not a package: pytest put its directory on sys.path
-    from test_npu_ops_reference import MASK_2048, ref_attention  # type: ignore[no-redef]
 
 
 def expect(argument, fn, *args, **kwargs):

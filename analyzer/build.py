@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from analyzer import memory, rules
 from analyzer.config_loader import ModelFacts, load_model_facts
-from analyzer.context import DispatchFacts, ProgressFacts, load_progress, parse_dispatch
+from analyzer.context import FACT_LABELS, DispatchFacts, ProgressFacts, load_progress, parse_dispatch
 from analyzer.errors import InputError
 from analyzer.framework_checkout import CheckoutFacts, inspect_checkout
 from analyzer.manifest import (
@@ -89,12 +89,12 @@ def assemble(
     tp, tp_source = _tp_size(req, progress, warnings)
     blockers = rules.find_blockers(facts)
     problems = rules.tp_problems(facts, tp)
-    if problems and req.attn_tp_size is not None:
-        raise InputError("--attn-tp-size", "; ".join(problems), field=facts.num_attention_heads.source)
-    blockers += [Finding(message=p, fields=[tp_source, facts.num_attention_heads.source]) for p in problems]
     if problems:
-        # Keep the per-rank arithmetic meaningful; the blocker says why the stated size is unusable.
-        tp, tp_source = 1, f"1 (stated {tp} at {tp_source} cannot split the heads: see blockers)"
+        # A size stated in progress.md is refused exactly like the same size given as the flag.
+        stated = progress.attn_tp_size
+        where = progress.where(stated) if req.attn_tp_size is None and stated else "--attn-tp-size"
+        raise InputError(where, "; ".join(problems),
+                         field="attn_tp_size" if where != "--attn-tp-size" else facts.num_attention_heads.source)
     parallel = rules.decide_parallel(facts, tp, tp_source)
 
     kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
@@ -107,6 +107,7 @@ def assemble(
     layers = _layers(facts, parallel, kv_mode, req.window_reading)
     mixed = len({layer.attn_type for layer in layers}) > 1
     memory_plan = _memory(facts, layers, req, progress, questions, warnings)
+    _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
 
     absorb = facts.is_mla and kv_mode == "paged"
     if not facts.is_mla:
@@ -149,6 +150,7 @@ def assemble(
             num_cards=int(progress.num_cards.value) if progress.num_cards else None,
             starting_point=sorted({s.value for s in progress.starting_point}),
             runner_files=sorted(set(progress.runner_files) | set(checkout.runner_files if checkout else [])),
+            progress_sources=_progress_sources(progress, req, deploy),
         ),
         model=ModelInfo(
             model_type=facts.model_type,
@@ -217,13 +219,16 @@ def _deploy_mode(dispatch, req, progress, checkout, warnings) -> DeployModeDecis
         self_checks.append(("standalone", f"own runner loop ({checkout.runner_evidence})"))
     if progress.deploy_mode:
         s = progress.deploy_mode
-        self_checks.append((s.value, f"{progress.path}:{s.line}: {s.text}"))
+        self_checks.append((s.value, f"{progress.where(s)}: {s.text!r}"))
 
-    if dispatch.deploy_mode and progress.deploy_mode and progress.deploy_mode.value != dispatch.deploy_mode:
-        s = progress.deploy_mode
+    s = progress.deploy_mode
+    # An explicit `部署模式:` statement that contradicts the dispatch is an error; prose is weaker
+    # evidence and only shows up as overridden.
+    if dispatch.deploy_mode and s and s.kind in ("key", "table") and s.value != dispatch.deploy_mode:
         raise InputError(
             progress.path or "progress.md",
-            f"line {s.line} says {s.value} but the dispatch line {dispatch.line!r} says {dispatch.deploy_mode}",
+            f"line {s.line} says {s.value} ({s.text!r}) but the dispatch line {dispatch.line!r} says "
+            f"{dispatch.deploy_mode}",
             field="部署模式",
         )
     value, source, evidence, losers = rules.decide_deploy_mode(
@@ -245,21 +250,69 @@ def _tp_size(req: AnalyzeRequest, progress: ProgressFacts, warnings: list[Findin
     if req.attn_tp_size is not None:
         if stated and stated.value != req.attn_tp_size:
             warnings.append(Finding(
-                message=f"--attn-tp-size {req.attn_tp_size} overrides {progress.path}:{stated.line} ({stated.text})",
+                message=f"--attn-tp-size {req.attn_tp_size} overrides {progress.where(stated)} ({stated.text})",
                 fields=["--attn-tp-size", "attn_tp_size"],
             ))
         return req.attn_tp_size, "--attn-tp-size"
     if stated:
-        return int(stated.value), f"{progress.path}:{stated.line}"
+        return int(stated.value), f"{progress.where(stated)}"
     cards = progress.num_cards
     if cards and int(cards.value) > 1:
         warnings.append(Finding(
-            message=f"{progress.path}:{cards.line} states {cards.value} cards but no attention TP size: "
+            message=f"{progress.where(cards)} states {cards.value} cards but no attention TP size: "
                     "assumed attn_tp_size 1 (attention data-parallel); pass --attn-tp-size if attention is split",
             fields=["--attn-tp-size", "attn_tp_size", "部署卡数"],
         ))
         return 1, f"default: 1 ({cards.value} cards stated, attention TP not stated)"
     return 1, "default: 1 (no --attn-tp-size, none in progress.md)"
+
+
+def _progress_sources(progress: ProgressFacts, req: AnalyzeRequest, deploy: DeployModeDecision) -> dict[str, str]:
+    """Every progress.md value the manifest uses -> 'file:line: quoted phrase'."""
+    used = {
+        "deploy_mode": deploy.source == "self_check" and progress.deploy_mode is not None
+        and any(progress.where(progress.deploy_mode) in e for e in deploy.evidence),
+        "attn_tp_size": req.attn_tp_size is None,
+        "num_cards": True,
+        "npu_model": True,
+        "hbm_gb": req.hbm_gb is None,
+    }
+    out = {}
+    for name, wanted in used.items():
+        stated = getattr(progress, name)
+        if stated is not None and wanted:
+            out[FACT_LABELS[name]] = f"{progress.where(stated)}: {stated.text}"
+    return out
+
+
+def _progress_conflicts(progress: ProgressFacts, req: AnalyzeRequest, dispatch: DispatchFacts,
+                        deploy: DeployModeDecision, tp_source: str, questions: list[Finding],
+                        warnings: list[Finding]) -> None:
+    """A fact progress.md states in contradicting ways: no value picked, the fallback said, the user asked."""
+    settled = {
+        "deploy_mode": dispatch.deploy_mode is not None or req.deploy_mode is not None,
+        "attn_tp_size": req.attn_tp_size is not None,
+        "hbm_gb": req.hbm_gb is not None,
+    }
+    fallback = {
+        "deploy_mode": f"deployment mode {deploy.value} from {deploy.source}",
+        "attn_tp_size": f"attn_tp_size from {tp_source}",
+        "hbm_gb": "no HBM budget (pass --hbm-gb)",
+        "num_cards": "card count left out of the manifest",
+        "npu_model": "NPU model left out of the manifest",
+    }
+    for name, statements in progress.conflicts.items():
+        label = FACT_LABELS[name]
+        stated = " vs ".join(f"{progress.where(s)} {s.text!r} ({s.value})" for s in statements)
+        if settled.get(name):
+            warnings.append(Finding(message=f"progress.md states {label} in contradicting ways: {stated}; "
+                                            "a flag or the dispatch line decided instead", fields=[label]))
+            continue
+        questions.append(Finding(
+            message=f"progress.md states {label} in contradicting ways: {stated}; none of them is used, "
+                    f"{fallback[name]} instead: read progress.md and confirm the value with the user",
+            fields=[label, *(progress.where(s) for s in statements)],
+        ))
 
 
 def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, str]:
@@ -330,7 +383,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
     if hbm is None and progress.hbm_gb:
         hbm = float(progress.hbm_gb.value)
         warnings.append(Finding(
-            message=f"HBM {hbm:g} GB taken from {progress.path}:{progress.hbm_gb.line} as the KV budget: that is "
+            message=f"HBM {hbm:g} GB taken from {progress.where(progress.hbm_gb)} as the KV budget: that is "
                     "the card's whole HBM (weights and activations live there too), so blocks are an upper bound; "
                     "pass --hbm-gb with the memory left for the KV cache",
             fields=["单卡 HBM", "--hbm-gb"]))

@@ -66,7 +66,9 @@ def parse_dispatch(text: str | None, where: str = "--dispatch") -> DispatchFacts
                 f"unknown deployment wording {_short(value)!r} (expected 部署模式: 框架部署 or 部署模式: 独立部署)",
                 field="部署模式",
             )
-        found.append((mode, m.group(0).strip()))
+        # Quote the statement itself, not the rest of a (possibly one-line) prompt.
+        first = _ALTERNATIVES.split(m.group("value"))[0]
+        found.append((mode, _short((text[m.start():m.start("value")] + first).strip(), 40)))
     if not found:
         return DispatchFacts(None, None)
     modes = {mode for mode, _ in found}
@@ -160,7 +162,7 @@ def _quote(text: str, low: str, m: re.Match) -> str:
 
 
 def _fact_of_key(key: str) -> str | None:
-    k = re.sub(r"[\s`*_]+", "_", key).strip("_").replace("-", "_")
+    k = re.sub(r"[\s`*_]+", "_", _norm(key)).strip("_").replace("-", "_")
     k = re.sub(r"_(?=[\u4e00-\u9fff])|(?<=[\u4e00-\u9fff])_", "", k)  # 单卡 HBM -> 单卡hbm
     for pattern, name in _KEYS:
         if pattern.match(k) or pattern.match(k.replace("_", "")):

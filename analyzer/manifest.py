@@ -228,6 +228,9 @@ class Inputs(_Model):
         default_factory=list, description="migrator output found: legacy_cache_unit | kv_list | paged"
     )
     runner_files: list[str] = Field(default_factory=list, description="runner_*.py named in progress.md or found")
+    progress_sources: dict[str, str] = Field(
+        default_factory=dict, description="each progress.md value the manifest uses -> 'file:line: quoted phrase'"
+    )
 
 
 class Generator(_Model):

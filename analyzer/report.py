@@ -8,11 +8,15 @@ SECTION_ID = "analyze"
 SECTION_TITLE = "### KVCache 选型决策"
 
 
+# Reasons are English in every table (like the manifest's own reasons); labels stay in the
+# progress.md section's Chinese.
 _LAYOUT_REASON = {
-    "TND": "Paged 用 packed TND(变长 batch 拼成一维,与框架 1-D 输入一致)",
-    "TND_NTD": "MLA absorb: query 为 packed TND,输出 NTD 供 W_UV 反投影",
-    "BSH": "Legacy 连续缓存 [batch, seq, heads*dim]",
+    "TND": "paged: packed TND (the variable-length batch as one token axis, like the framework's 1-D inputs)",
+    "TND_NTD": "MLA absorb: query packed TND, output NTD for the W_UV projection",
+    "BSH": "Legacy contiguous cache [batch, seq, heads*dim]",
 }
+# What a default-sourced decision tells the agent: nothing stated it, so ask before building on it.
+CONFIRM_DEFAULT = "DEFAULT, nothing stated it: read progress.md yourself and confirm with the user"
 
 
 def _ranges(indices: list[int]) -> str:
@@ -43,9 +47,17 @@ def _layer_groups(m: SelectionManifest) -> list[tuple[LayerPlan, list[int]]]:
     return list(groups.values())
 
 
+def _deploy_reason(m: SelectionManifest) -> str:
+    d = m.deploy_mode
+    reason = f"source {d.source}: " + "; ".join(d.evidence)
+    if d.source == "default":
+        reason += f" — {CONFIRM_DEFAULT} (then pass --deploy-mode or a 部署模式 dispatch line)"
+    return reason
+
+
 def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     rows = [
-        ("部署模式", m.deploy_mode.value, f"来源 {m.deploy_mode.source}: " + "; ".join(m.deploy_mode.evidence)),
+        ("部署模式", m.deploy_mode.value, _deploy_reason(m)),
         ("KV 模式", m.kv_mode.value, m.kv_mode.reason),
     ]
     if m.deploy_mode.value == "framework":
@@ -58,26 +70,29 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         rows.append((f"sparse_mode / mask (层 {_ranges(idx)})",
                      f"prefill {layer.sparse_mode.prefill}/{layer.mask.prefill}, "
                      f"decode {layer.sparse_mode.decode}/{layer.mask.decode}",
-                     layer.window_derivation or "按路径表"))
+                     layer.window_derivation or "per the FA path table"))
         if layer.sliding_window:
             rows.append((f"pre_tokens / next_tokens (层 {_ranges(idx)})",
                          f"{layer.pre_tokens} / {layer.next_tokens}", layer.window_derivation or ""))
     cached = next((layer for layer in m.layers if layer.caches), None)
     rows += [
-        ("混合 attn_type", "是" if m.mixed_attn_types else "否", "各层在 __init__ 按层号设置 attn_type"
-         if m.mixed_attn_types else "所有层同一 attn_type"),
+        ("混合 attn_type", "是" if m.mixed_attn_types else "否", "each layer sets its attn_type from its index "
+         "in __init__" if m.mixed_attn_types else "every layer has the same attn_type"),
         ("FA 版本", m.fa.version, m.fa.reason),
         ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, "")),
         ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
         ("MLA absorb", "是" if m.mla.absorb else "否", m.mla.reason),
-        ("写入算子", m.layers[0].write_op if m.layers else "-", "slot_mapping 驱动写入" if m.kv_mode.value == "paged"
-         else "kv_len 驱动写入"),
+        ("写入算子", m.layers[0].write_op if m.layers else "-", "writes addressed by slot_mapping"
+         if m.kv_mode.value == "paged" else "writes addressed by kv_len"),
         ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in cached.caches)
-         if cached else "-", "num_head 为每卡 KV heads" if not m.mla.enabled else "latent 不按 TP 切分"),
+         if cached else "-", "num_head = KV heads per rank" if not m.mla.enabled
+         else "the latent is not split by attention TP"),
         ("每卡 heads", f"Q {m.parallel.num_q_heads_per_rank} / KV {m.parallel.num_kv_heads_per_rank}",
          f"attn_tp_size={m.parallel.attn_tp_size} ({m.parallel.attn_tp_source})"
-         + ("; KV heads 复制" if m.parallel.kv_heads_replicated else "")),
-        ("block_size", str(m.block_size), "Paged FA 路径要求 128..512 且为 128 的倍数"),
+         + ("; KV heads replicated" if m.parallel.kv_heads_replicated else "")
+         + (f" — {CONFIRM_DEFAULT} (then pass --attn-tp-size)" if m.parallel.attn_tp_source.startswith("default")
+            else "")),
+        ("block_size", str(m.block_size), "the paged FA path needs 128..512, a multiple of 128"),
         ("每 token KV 字节(单卡)", str(m.memory.per_token_bytes), m.memory.derivation[0] if m.memory.derivation
          else ""),
     ]

@@ -109,12 +109,11 @@ def test_memory_plan_from_flags_and_from_progress(capsys):
 def test_tp_from_progress_and_cards_without_tp(tmp_path, capsys):
     p = tmp_path / "progress.md"
     p.write_text("## 模型信息\n\n### 运行环境\n\n- 部署卡数: 8\n- attn_tp_size: 3\n", encoding="utf-8")
-    rc, out, _ = invoke(["--config", QWEN3, "--progress", p], capsys)
-    m = json.loads(out)
-    # a stated TP that cannot split 32 heads is a blocker (not an input error: the flag was not given)
-    assert rc == 0 and m["kv_mode"]["value"] == "legacy"
-    assert any("not divisible by attn_tp_size 3" in b["message"] for b in m["blockers"])
-    assert m["parallel"]["attn_tp_size"] == 1 and "cannot split" in m["parallel"]["attn_tp_source"]
+    rc, out, err = invoke(["--config", QWEN3, "--progress", p], capsys)
+    # a stated TP that cannot split 32 heads is refused like `--attn-tp-size 3`, naming file:line
+    assert rc == 2 and out == ""
+    assert err.startswith(f"error: {p}:6: attn_tp_size: 32 query heads are not divisible by attn_tp_size 3")
+    assert err.count("\n") == 1
     p.write_text("### 运行环境\n\n- 部署卡数: 8\n", encoding="utf-8")
     rc, out, _ = invoke(["--config", QWEN3, "--progress", p], capsys)
     m = json.loads(out)
@@ -137,7 +136,7 @@ def test_write_progress_is_idempotent_and_touches_no_other_byte(tmp_path, capsys
     assert first.startswith(original)  # appended; nothing before moved
     added = first[len(original):].decode("utf-8")
     assert added.startswith("\n" + BEGIN) and added.endswith(END + "\n")
-    assert "### KVCache 选型决策" in added and "| 部署模式 | framework | 来源 dispatch" in added
+    assert "### KVCache 选型决策" in added and "| 部署模式 | framework | source dispatch" in added
     assert "| 每卡 heads | Q 8 / KV 2 |" in added  # attn_tp_size 4 from progress.md
     rc, _, _ = invoke(args, capsys)
     assert rc == 0 and progress.read_bytes() == first  # second run: identical file

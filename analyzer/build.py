@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from analyzer import memory, rules
 from analyzer.config_loader import ModelFacts, load_model_facts
-from analyzer.context import FACT_LABELS, DispatchFacts, ProgressFacts, load_progress, parse_dispatch
+from analyzer.context import (
+    FACT_LABELS,
+    DispatchFacts,
+    ProgressFacts,
+    load_progress,
+    parse_dispatch,
+    parse_progress,
+)
 from analyzer.errors import InputError
 from analyzer.framework_checkout import CheckoutFacts, inspect_checkout
 from analyzer.manifest import (
@@ -25,6 +33,7 @@ from analyzer.manifest import (
     ModelInfo,
     SelectionManifest,
 )
+from analyzer.progress_writer import plan_section, same_file, upsert_section
 from analyzer.version import __version__
 
 DEFAULT_KV_MEM_RATIO = 0.9
@@ -50,14 +59,36 @@ class AnalyzeRequest:
     window_reading: str = "exclusive"
 
 
-def analyze(req: AnalyzeRequest) -> SelectionManifest:
+def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionManifest:
+    """The manifest; ``progress_text`` stands for the content of ``req.progress`` when given."""
     _check_numbers(req)
     facts = load_model_facts(req.config)
-    progress = load_progress(req.progress) if req.progress else ProgressFacts()
+    if req.progress and progress_text is not None:
+        progress = parse_progress(progress_text, req.progress)
+    else:
+        progress = load_progress(req.progress) if req.progress else ProgressFacts()
     dispatch = parse_dispatch(req.dispatch, req.dispatch_source)
     checkout = (inspect_checkout(req.framework_root, facts.model_type, facts.family, facts.architectures)
                 if req.framework_root else None)
     return assemble(facts, progress, dispatch, checkout, req)
+
+
+def analyze_into_progress(req: AnalyzeRequest, target: str, section: str,
+                          render: Callable[[SelectionManifest], str]) -> tuple[SelectionManifest, str, str]:
+    """(manifest, current text, new text) of ``target`` with ``render(manifest)`` upserted as ``section``.
+
+    When ``target`` is also the progress.md read, the manifest quotes line numbers of the file as
+    written: our section's new length can shift the foreign lines after it, so a second pass reads
+    the planned text. The body's line count does not depend on line numbers, so the second pass is
+    a fixed point and a repeat run writes the same bytes.
+    """
+    manifest = analyze(req)
+    old, new = plan_section(target, section, render(manifest))
+    if req.progress and new != old and same_file(req.progress, target):
+        again = analyze(req, progress_text=new)
+        if again != manifest:
+            manifest, new = again, upsert_section(old, section, render(again), target)
+    return manifest, old, new
 
 
 def _check_numbers(req: AnalyzeRequest) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import yaml
 
-from analyzer.build import AnalyzeRequest, analyze
+from analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
 from analyzer.errors import InputError
 from analyzer.manifest import manifest_json_schema
-from analyzer.progress_writer import atomic_write_text, check_writable, plan_section
+from analyzer.progress_writer import atomic_write_text, check_writable
 from analyzer.report import SECTION_ID, decisions_markdown
 from analyzer.rules import VALID_BLOCK_SIZES
 
@@ -156,13 +156,15 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can fail on input runs before the first byte is written.
     if args.out and args.write_progress and _same_file(args.out, args.write_progress):
         raise InputError(args.out, "--out and --write-progress name the same file", field="--out")
-    manifest = analyze(request_from_args(args))
-    text = format_manifest(manifest, args.format)
     progress_update = None
     if args.write_progress:
-        old, new = plan_section(args.write_progress, SECTION_ID, decisions_markdown(manifest))
+        manifest, old, new = analyze_into_progress(request_from_args(args), args.write_progress, SECTION_ID,
+                                                   decisions_markdown)
         check_writable(args.write_progress)
         progress_update = None if new == old else new
+    else:
+        manifest = analyze(request_from_args(args))
+    text = format_manifest(manifest, args.format)
     if args.out:
         check_writable(args.out)
     if progress_update is not None:

@@ -336,9 +336,9 @@ def parse_progress(text: str, where: str = "progress.md") -> ProgressFacts:
             key_fact = _fact_of_key(cells[0]) if len(cells) >= 2 and 0 not in header else None
             for col, cell in enumerate(cells):
                 if col in header:
-                    reader.add(header[col], cell, lineno, f"{cells[0]} | {cell}", "table")
+                    reader.add(header[col], cell, lineno, f"{cells[0]}: {cell}", "table")
                 elif key_fact and col == 1:
-                    reader.add(key_fact, cell, lineno, f"{cells[0]} | {cell}", "table")
+                    reader.add(key_fact, cell, lineno, f"{cells[0]}: {cell}", "table")
                 elif not (key_fact and col == 0):
                     reader.inline(cell, lineno, prose=not in_code)
         else:

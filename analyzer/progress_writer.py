@@ -107,6 +107,14 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (existing or not yet)."""
+    pa, pb = Path(a), Path(b)
+    if pa.exists() and pb.exists():
+        return pa.samefile(pb)
+    return pa.resolve() == pb.resolve()
+
+
 def plan_section(path: str | Path, section: str, body: str) -> tuple[str, str]:
     """(current text, new text) of ``path`` with ``section`` upserted; nothing is written."""
     text = read_text(path)

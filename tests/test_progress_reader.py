@@ -13,7 +13,6 @@ import pytest
 
 from analyzer import cli
 from analyzer.context import parse_progress
-from analyzer.errors import InputError
 from analyzer.progress_writer import markers
 
 ROOT = Path(__file__).resolve().parents[1]

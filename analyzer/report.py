@@ -51,7 +51,7 @@ def _deploy_reason(m: SelectionManifest) -> str:
     d = m.deploy_mode
     reason = f"source {d.source}: " + "; ".join(d.evidence)
     if d.source == "default":
-        reason += f" — {CONFIRM_DEFAULT} (then pass --deploy-mode or a 部署模式 dispatch line)"
+        reason += f" — {CONFIRM_DEFAULT} (then pass --deploy-mode, or a dispatch line '部署模式: 框架部署' or '部署模式: 独立部署')"
     return reason
 
 

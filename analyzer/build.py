@@ -319,7 +319,8 @@ def _progress_sources(progress: ProgressFacts, req: AnalyzeRequest, deploy: Depl
 def _progress_conflicts(progress: ProgressFacts, req: AnalyzeRequest, dispatch: DispatchFacts,
                         deploy: DeployModeDecision, tp_source: str, questions: list[Finding],
                         warnings: list[Finding]) -> None:
-    """A fact progress.md states in contradicting ways: no value picked, the fallback said, the user asked."""
+    """progress.md that cannot be read as it stands: an unclosed kvcache section (warned), a fact stated in
+    contradicting ways (no value picked, the fallback said, the user asked)."""
     settled = {
         "deploy_mode": dispatch.deploy_mode is not None or req.deploy_mode is not None,
         "attn_tp_size": req.attn_tp_size is not None,
@@ -332,6 +333,10 @@ def _progress_conflicts(progress: ProgressFacts, req: AnalyzeRequest, dispatch: 
         "num_cards": "card count left out of the manifest",
         "npu_model": "NPU model left out of the manifest",
     }
+    if progress.unclosed_section:
+        warnings.append(Finding(
+            message=f"{progress.path}:{progress.unclosed_section} opens a kvcache section that never ends: the "
+                    "lines after it were not read (restore the end marker)", fields=["progress.md"]))
     for name, statements in progress.conflicts.items():
         label = FACT_LABELS[name]
         stated = " vs ".join(f"{progress.where(s)} {s.text!r} ({s.value})" for s in statements)

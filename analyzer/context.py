@@ -110,6 +110,7 @@ class ProgressFacts:
     conflicts: dict[str, list[Stated]] = field(default_factory=dict)
     starting_point: list[Stated] = field(default_factory=list)  # legacy_cache_unit | kv_list | paged
     runner_files: list[str] = field(default_factory=list)
+    unclosed_section: int | None = None  # line of a kvcache begin marker with no end: the rest is not read
 
     def where(self, stated: Stated) -> str:
         return f"{self.path or 'progress.md'}:{stated.line}"
@@ -175,22 +176,24 @@ def _undecided(value: str) -> bool:
     return v in _UNDECIDED_EXACT or v.startswith(_UNDECIDED_WORDS)
 
 
-def _foreign_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, line) of everything outside our own kvcache sections: what we wrote is never evidence."""
+def _foreign_lines(text: str) -> tuple[list[tuple[int, str]], int | None]:
+    """(line number, line) of everything outside our own kvcache sections (what we wrote is never
+    evidence), and the line of a begin marker that never ends (None when every section is closed)."""
     out: list[tuple[int, str]] = []
     inside: str | None = None
+    opened = None
     for n, raw in enumerate(text.split("\n"), start=1):
         raw = raw.rstrip("\r")
         m = _OWN_MARKER.search(raw)
         if inside is None:
             if m and m.group("edge") == "begin":
-                inside = m.group("section")
+                inside, opened = m.group("section"), n
                 raw = raw[: m.start()]
             out.append((n, raw))
         elif m and m.group("edge") == "end" and m.group("section") == inside:
             inside = None
             out.append((n, raw[m.end():]))
-    return out
+    return out, opened if inside is not None else None
 
 
 class _Reader:
@@ -317,7 +320,7 @@ def parse_progress(text: str, where: str = "progress.md") -> ProgressFacts:
     """
     facts = ProgressFacts(path=where)
     reader = _Reader(where)
-    lines = _foreign_lines(text)
+    lines, facts.unclosed_section = _foreign_lines(text)
     in_code = False
     header: dict[int, str] = {}  # column -> fact, for the Markdown table being read
     for i, (lineno, raw) in enumerate(lines):

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from test_analyzer_cli import invoke
 
-from analyzer import cli
 from analyzer.context import parse_progress
 from analyzer.progress_writer import markers
 
@@ -19,15 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
 QWEN3 = str(FIX / "configs" / "qwen3_8b.json")
 BEGIN, END = markers("analyze")
-
-
-def invoke(argv, capsys) -> tuple[int, str, str]:
-    try:
-        rc = cli.main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def analyze(tmp_path: Path, progress_text: str, capsys, *flags) -> dict:
@@ -221,3 +212,9 @@ def test_hostile_statements_inside_our_sections_are_ignored():
     p = parse_progress(text, "p.md")
     assert (p.attn_tp_size.value, p.num_cards.value, p.num_cards.line) == (4, 8, 16)
     assert p.deploy_mode is None and p.conflicts == {} and p.runner_files == [] and p.starting_point == []
+
+
+def test_a_section_that_never_ends_is_not_read_and_is_reported(tmp_path, capsys):
+    m = analyze(tmp_path, f"- attn_tp_size: 2\n{BEGIN}\n- attn_tp_size: 3\n- 部署卡数: -8\n", capsys)
+    assert m["parallel"]["attn_tp_size"] == 2
+    assert any(":2 opens a kvcache section that never ends" in w["message"] for w in m["warnings"])

@@ -137,7 +137,7 @@ _CARDS = re.compile(r"(?<![a-z0-9_])(?:world_?size|num_?cards|部署卡数)\s*[=
 # Deployment mode stated in prose; a negation just before the phrase states the other mode.
 _PROSE_MODES = [
     ("framework", re.compile(r"框架部署|框架模式|接入框架|框架接入|framework[ -](?:mode|deployment)")),
-    ("standalone", re.compile(r"独立部署|独立模式|(?<![a-z_])standalone(?:[ -](?:mode|deployment))?(?![a-z_])")),
+    ("standalone", re.compile(r"独立部署|独立模式|(?<![a-z_/.-])standalone(?:[ -](?:mode|deployment))?(?![a-z_/-]|\.[a-z])")),
 ]
 _NEGATION = re.compile(r"(不|非(?!常)|没有|没|无需|无须|未|并非|勿|\bnot\b|\bno\b|\bwithout\b|instead of|rather than|non-?)")
 _CLAUSE_END = re.compile(r"[,.;!?()\[\]{}|、。;:「」『』【】]")

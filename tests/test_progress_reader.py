@@ -43,6 +43,8 @@ def analyze(tmp_path: Path, progress_text: str, capsys, *flags) -> dict:
     ("该模型不使用独立部署。", "framework"),  # a negated mode is not that mode
     ("接入框架，注册到 support_models", "framework"),
     ("Runs in standalone mode with its own loop", "standalone"),
+    ("Runs standalone.", "standalone"),
+    ("见 references/standalone.md 与 runner_standalone.py", None),  # file names state nothing
     ("| 阶段 | 部署模式 | 状态 |\n|---|---|---|\n| 模型迁移 | 独立部署 | 完成 |", "standalone"),
     ("| 项 | 值 |\n|---|---|\n| 部署模式 | 框架部署 |", "framework"),
     ("## 框架部署与独立部署的区别", None),  # a heading names topics, it states nothing

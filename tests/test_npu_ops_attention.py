@@ -104,7 +104,8 @@ def check(case, *, scale=0.25, mode=0, pre=INT_MAX, nxt=INT_MAX, tol=TOL, user_m
 @pytest.mark.parametrize("mode", [0, 3, 4])
 def test_packed_layouts_non_paged(layout, mode):
     # GQA 4 (8 query heads, 2 KV heads); chunked prefill: q shorter than kv for every request.
-    case = make_case([3, 5, 1], [7, 5, 4], 8, 2, 16, seed=hash((layout, mode)) % 1000)
+    # a seed fixed per case (hash() of a str differs per process: failures would not reproduce)
+    case = make_case([3, 5, 1], [7, 5, 4], 8, 2, 16, seed=sorted(PACKED).index(layout) * 10 + mode)
     check(case, layout=layout, mode=mode, pre=3, nxt=1, version=1)
 
 

@@ -369,8 +369,10 @@ HIDDEN_3D = """\
 
 @pytest.mark.parametrize("prelude, extra, expected", [
     ("from executor.core.kv_cache import CacheEntry", "", [("KV701", 5)]),
-    # standalone code (no framework cache API) keeps its own [B, S, H] layout
-    ("from executor.utils.forward_metadata import ForwardMetaData", "", []),
+    # the framework's ForwardMetaData (any `executor.` import) is framework code too
+    ("from executor.utils.forward_metadata import ForwardMetaData", "", [("KV701", 5)]),
+    # standalone code (its own ForwardMetaData with one tensor per field) keeps its own [B, S, H] layout
+    ("class ForwardMetaData: block_table: torch.Tensor", "", []),
     # framework mode on the Legacy (BSH) cache: the documented [B, S] shim
     ("from executor.core.kv_cache import CacheEntry",
      "torch_npu.scatter_update_(self.k_cache, forward_metadata.kv_len, hidden_states, 1)", []),

@@ -267,12 +267,37 @@ class ModuleInfo:
             scopes.append(scope)
             scope = self.scope_of(scope)
         for target in reversed(scopes):
+            for cons in self._early_exit_constraints(target):
+                ctx = ctx.override(cons)
             for item, branch in self.branch_path(target):
                 body, orelse = branch_constraints(item.test)
                 cons = body if branch == "body" else orelse
                 if cons:
                     ctx = ctx.override(cons)
         return ctx
+
+    def _early_exit_constraints(self, node: ast.AST) -> list[dict]:
+        """``if is_prefill: ...; return x`` then code below it: that code runs only in the other branch."""
+        out: list[dict] = []
+        # walk up the blocks holding ``node``'s statement: earlier siblings that exit early
+        stmt = self.statement_of(node)
+        block_owner = self.parents.get(stmt)
+        while stmt is not None and block_owner is not None:
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(block_owner, field, None)
+                if isinstance(block, list) and any(s is stmt for s in block):
+                    for sibling in block[:[i for i, s in enumerate(block) if s is stmt][0]]:
+                        if isinstance(sibling, ast.If):
+                            body, orelse = branch_constraints(sibling.test)
+                            if _exits(sibling.body) and not _exits(sibling.orelse) and orelse:
+                                out.append(orelse)
+                            elif _exits(sibling.orelse) and not _exits(sibling.body) and body:
+                                out.append(body)
+            if isinstance(block_owner, _SCOPE_TYPES):
+                break
+            stmt, block_owner = block_owner, self.parents.get(block_owner)
+        out.reverse()  # outermost first, the innermost block overrides
+        return out
 
     # ------------------------------------------------------------ assignment indexes
 
@@ -404,6 +429,11 @@ class ModuleInfo:
             if a.arg == name:
                 return a
         return None
+
+
+def _exits(block: list[ast.stmt]) -> bool:
+    """A block that always leaves the function (its last statement returns or raises)."""
+    return bool(block) and isinstance(block[-1], (ast.Return, ast.Raise))
 
 
 def _index(tree: ast.AST) -> tuple[dict[ast.AST, ast.AST], list[ast.AST]]:

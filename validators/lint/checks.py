@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 from validators.lint import ops
 from validators.lint.hidden_layout import HiddenLayout
+from validators.lint.kwargs_dicts import expand_star_kwargs
 from validators.lint.masks import ALLOWED_COMPRESSED_SHAPES, MaskFacts
 from validators.lint.registry import RULES
 from validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
-from validators.lint.values import Resolver, Variant, as_int, as_number, is_none
+from validators.lint.values import Resolver, Variant, as_int, as_number, dict_item_key, is_none
 
 MISSING = ast.Constant(value=Ellipsis)  # marker: argument not passed (the op default applies)
 OPAQUE = ast.Constant(value=NotImplemented)  # marker: may be passed through **kwargs
@@ -79,6 +80,9 @@ class FileChecker:
         self.resolver = Resolver(self.info)
         self.masks = MaskFacts(self.resolver)
         self.layout = HiddenLayout(self.info, self.resolver)
+        for node in self.info.nodes:
+            if isinstance(node, ast.Call):
+                expand_star_kwargs(self.info, self.resolver, node)  # `**fa_kwargs` of a visible dict
         self.names, self.attrs = ops.collect_aliases(self.info.nodes)
         self.framework, self.packed = self._framework_mode()
         self.raw: list[tuple[str, ast.AST, dict]] = []  # (rule id, node, message fields)
@@ -196,6 +200,8 @@ class FileChecker:
             if sparse is None and sv.node is not MISSING and sv.node is not OPAQUE:
                 sparse = as_int(self._number_node(sv))
             for mv in self.arg_variants(call, "atten_mask", sv.ctx, star):
+                if sv.via is not None and mv.via is not None and sv.via is not mv.via:
+                    continue  # values from two different helper calls never meet
                 out.append(Scenario(mv.ctx, sparse, sv.origin, mv.node, mv.origin, mv.at,
                                     sv.certain and mv.certain))
         return out
@@ -338,14 +344,21 @@ class FileChecker:
         base = strip_methods(node)
         if self._is_dict_source(base, at, field):
             return node, base
-        if not isinstance(base, (ast.Name, ast.Attribute)):
+        if not isinstance(base, (ast.Name, ast.Attribute)) and dict_item_key(base) is None:
             return None
         for v in self.resolver.certain_variants(base, at, ctx):
             if v.node is base:
                 continue
             inner = strip_methods(v.node)
+            if v.via is not None:
+                if isinstance(base, ast.Name) and self.info.is_parameter(self.info.function_of(at), base.id):
+                    continue  # the helper's own parameter: followed below to the argument at each call site
+                if self._is_dict_source(inner, v.at, field):
+                    return v.via, inner  # passed in through a helper call (a **kwargs entry): report that call
+                continue
             if self._is_dict_source(inner, v.at, field):
-                return node, inner
+                # a `**kwargs` dict entry is reported where it is written, a local name at its use
+                return (inner if dict_item_key(base) is not None else node), inner
             if isinstance(inner, ast.Name):
                 found = self._dict_through_callers(inner, v.at, field, depth)
                 if found is not None:

@@ -381,9 +381,16 @@ class ModuleInfo:
         index.setdefault(None, {})  # marks the index as built even for files without classes
         self._class_defs = index
 
-    def call_site_args(self, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.AST]]:
-        """Calls of ``func`` in this file (``self.f(...)`` within its class, ``f(...)`` for module
-        functions) and the argument each passes for ``param``."""
+    def calls_of(self, func: ast.AST) -> list[ast.Call]:
+        """Calls of ``func`` in this file: ``self.f(...)`` within its class, ``f(...)`` for module functions."""
+        self._index_calls()
+        parent = self.parents.get(func)
+        is_method = isinstance(parent, ast.ClassDef)
+        key = ("self." if is_method else "") + func.name
+        return [call for call in self._calls_by_name.get(key, [])
+                if not is_method or self.class_of(call) is parent]
+
+    def _index_calls(self) -> None:
         if self._calls_by_name is None:
             index: dict[str, list[ast.Call]] = {}
             for node in self.nodes:
@@ -394,17 +401,16 @@ class ModuleInfo:
                     elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
                         index.setdefault("self." + f.attr, []).append(node)
             self._calls_by_name = index
-        parent = self.parents.get(func)
-        is_method = isinstance(parent, ast.ClassDef)
-        key = ("self." if is_method else "") + func.name
+
+    def call_site_args(self, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.AST]]:
+        """Calls of ``func`` in this file and the argument each passes for ``param``."""
+        is_method = isinstance(self.parents.get(func), ast.ClassDef)
         params = [a.arg for a in func.args.posonlyargs + func.args.args]
         if is_method and params:
             params = params[1:]  # bound `self`
         position = params.index(param) if param in params else None
         out = []
-        for call in self._calls_by_name.get(key, []):
-            if is_method and self.class_of(call) is not parent:
-                continue
+        for call in self.calls_of(func):
             arg = next((kw.value for kw in call.keywords if kw.arg == param), None)
             if arg is None and position is not None and position < len(call.args) and \
                     not any(isinstance(a, ast.Starred) for a in call.args[:position + 1]):

@@ -16,8 +16,8 @@ from validators.lint.scope import ModuleInfo
 from validators.lint.values import Resolver, _precedes, as_str, dict_literal_items
 
 
-def _keys(info: ModuleInfo, resolver: Resolver, name: ast.Name, call: ast.Call) -> list[str] | None:
-    """Every key ``name`` may hold at ``call`` (None when they cannot all be listed)."""
+def _keys(info: ModuleInfo, resolver: Resolver, name: ast.Name, call: ast.Call) -> dict[str, ast.AST] | None:
+    """Every key ``name`` may hold at ``call`` and where it is written (None when they cannot all be listed)."""
     func = info.function_of(call)
     if func is None:
         return None
@@ -25,12 +25,13 @@ def _keys(info: ModuleInfo, resolver: Resolver, name: ast.Name, call: ast.Call) 
     defs = [d for d in info.local_defs(func).get(name.id, []) if _precedes(d, use_stmt, info)]
     if not defs or not all(isinstance(d, ast.Assign) and len(d.targets) == 1 for d in defs):
         return None
-    keys: list[str] = []
+    keys: dict[str, ast.AST] = {}  # key -> where it is first written (findings on the keyword point there)
     for d in defs:
         items = dict_literal_items(d.value)
         if items is None:
             return None
-        keys += [k for k, _ in items if k not in keys]
+        for k, value in items:
+            keys.setdefault(k, value)
     for node in ast.walk(func):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 isinstance(node.func.value, ast.Name) and node.func.value.id == name.id and \
@@ -42,8 +43,7 @@ def _keys(info: ModuleInfo, resolver: Resolver, name: ast.Name, call: ast.Call) 
             key = as_str(node.targets[0].slice)
             if key is None:
                 return None
-            if key not in keys:
-                keys.append(key)
+            keys.setdefault(key, node.targets[0])
     return keys
 
 
@@ -57,12 +57,12 @@ def expand_star_kwargs(info: ModuleInfo, resolver: Resolver, call: ast.Call) -> 
         if keys is None:
             keywords.append(kw)
             continue
-        for key in keys:
+        for key, written in keys.items():
             item = ast.Subscript(value=ast.Name(id=kw.value.id, ctx=ast.Load()), slice=ast.Constant(value=key),
                                  ctx=ast.Load())
             synth = ast.keyword(arg=key, value=item)
             for node in (synth, item, item.value, item.slice):
-                ast.copy_location(node, kw.value)
+                ast.copy_location(node, written)
             info.parents[synth], info.parents[item] = call, synth
             info.parents[item.value] = info.parents[item.slice] = item
             keywords.append(synth)

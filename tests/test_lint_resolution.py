@@ -460,3 +460,75 @@ def test_nested_branches_sliding_then_phase():
     assert rules(src.format(**good)) == []
     assert rules(src.format(**{**good, "prefill": 0, "prefill_mask": "None"})) == [("KV201", 10)]
     assert rules(src.format(**{**good, "sliding": 0})) == [("KV202", 6)]
+
+
+# ---------------------------------------------------------------- values through helpers, dicts, early exits
+
+HELPER = """\
+    import torch_npu
+
+    class Attn:
+        def forward(self, q, k, v, forward_metadata):
+            {body}
+
+        def _fa(self, q, k, v, mode{default}, mask{mask_default}):
+            return torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=8, input_layout="TND",
+                                                             atten_mask=mask, sparse_mode=mode)
+"""
+
+
+@pytest.mark.parametrize("body, default, mask_default, expected", [
+    # prefill call site passes mode 0 and no mask: reported at the call site
+    ("if forward_metadata.is_prefill:\n                return self._fa(q, k, v, 0, None)\n"
+     "            return self._fa(q, k, v, 0, None)", "", "", [("KV201", 6)]),
+    # the defaults apply when the call site does not pass them
+    ("if forward_metadata.is_prefill:\n                return self._fa(q, k, v)\n"
+     "            return self._fa(q, k, v, 0, None)", "=0", "=None", [("KV201", 9)]),
+    # values of two different calls are never combined: (0 with a mask) and (3 without) are both legal
+    ("if forward_metadata.is_prefill:\n                a = self._fa(q, k, v, 0, forward_metadata.mask)\n"
+     "                return self._fa(q, k, v, 3, None)\n            return self._fa(q, k, v, 0, None)",
+     "", "", []),
+    # decode-only call sites: mode 0 without a mask is right there
+    ("if not forward_metadata.is_prefill:\n                return self._fa(q, k, v, 0, None)\n"
+     "            return self._fa(q, k, v, 3, forward_metadata.mask)", "", "", []),
+])
+def test_values_follow_helper_arguments_per_call(body, default, mask_default, expected):
+    assert rules(HELPER.format(body=body, default=default, mask_default=mask_default)) == expected
+
+
+def test_code_after_an_early_return_runs_in_the_other_phase():
+    src = """\
+        import torch_npu
+
+        class Attn:
+            def forward(self, q, k, v, forward_metadata):
+                if not forward_metadata.is_prefill:
+                    return self.decode(q, k, v)
+                return torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=8, input_layout="TND",
+                                                                 sparse_mode=0)
+    """
+    assert rules(src) == [("KV201", 8)]  # at the literal
+    # an early return under a condition the linter does not understand decides nothing
+    assert rules(src.replace("not forward_metadata.is_prefill", "self.fast_path")) == []
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("", [("KV202", 7)]),
+    # the dict is changed in a way not followed: its keys are unknown, nothing is reported
+    ("kw.update(self.extra)", []),
+    # a later write on the decode branch overrides the literal there
+    ("if not forward_metadata.is_prefill:\n                    kw['sparse_mode'] = 4", []),
+])
+def test_star_kwargs_dict_is_opened(extra, expected):
+    src = f"""\
+        import torch_npu
+
+        class SlidingAttn:
+            def forward(self, q, k, v, forward_metadata):
+                kw = dict(num_heads=8, input_layout="TND", atten_mask=forward_metadata.mask, pre_tokens=127,
+                          next_tokens=0)
+                kw["sparse_mode"] = 4 if forward_metadata.is_prefill else 0
+                {extra}
+                return torch_npu.npu_fused_infer_attention_score(q, k, v, **kw)
+    """
+    assert rules(src) == expected

@@ -82,7 +82,7 @@ class FileChecker:
         self.layout = HiddenLayout(self.info, self.resolver)
         for node in self.info.nodes:
             if isinstance(node, ast.Call):
-                expand_star_kwargs(self.info, self.resolver, node)  # `**fa_kwargs` of a visible dict
+                expand_star_kwargs(self.info, node)  # `**fa_kwargs` of a visible dict
         self.names, self.attrs = ops.collect_aliases(self.info.nodes)
         self.framework, self.packed = self._framework_mode()
         self.raw: list[tuple[str, ast.AST, dict]] = []  # (rule id, node, message fields)

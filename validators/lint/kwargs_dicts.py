@@ -13,10 +13,10 @@ from __future__ import annotations
 import ast
 
 from validators.lint.scope import ModuleInfo
-from validators.lint.values import Resolver, _precedes, as_str, dict_literal_items
+from validators.lint.values import _precedes, as_str, dict_literal_items
 
 
-def _keys(info: ModuleInfo, resolver: Resolver, name: ast.Name, call: ast.Call) -> dict[str, ast.AST] | None:
+def _keys(info: ModuleInfo, name: ast.Name, call: ast.Call) -> dict[str, ast.AST] | None:
     """Every key ``name`` may hold at ``call`` and where it is written (None when they cannot all be listed)."""
     func = info.function_of(call)
     if func is None:
@@ -47,13 +47,13 @@ def _keys(info: ModuleInfo, resolver: Resolver, name: ast.Name, call: ast.Call) 
     return keys
 
 
-def expand_star_kwargs(info: ModuleInfo, resolver: Resolver, call: ast.Call) -> None:
+def expand_star_kwargs(info: ModuleInfo, call: ast.Call) -> None:
     """Replace each ``**name`` of ``call`` whose keys are all visible by ``key=name["key"]`` keywords."""
     if not any(kw.arg is None for kw in call.keywords):
         return
     keywords: list[ast.keyword] = []
     for kw in call.keywords:
-        keys = _keys(info, resolver, kw.value, call) if kw.arg is None and isinstance(kw.value, ast.Name) else None
+        keys = _keys(info, kw.value, call) if kw.arg is None and isinstance(kw.value, ast.Name) else None
         if keys is None:
             keywords.append(kw)
             continue

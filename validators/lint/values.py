@@ -184,7 +184,7 @@ class Resolver:
                 if written == key:
                     defs.append(node)
         if not defs:
-            return [Variant(ctx, expr, False, at)]
+            return [Variant(ctx, expr, True, at)]  # not a local dict: the expression itself
         defs.sort(key=lambda d: (d.lineno, d.col_offset))
         return self._reaching(expr, defs, info.branch_path(at), ctx, depth)
 

@@ -532,3 +532,69 @@ def test_star_kwargs_dict_is_opened(extra, expected):
                 return torch_npu.npu_fused_infer_attention_score(q, k, v, **kw)
     """
     assert rules(src) == expected
+
+
+# ---------------------------------------------------------------- every value pattern, every route to the call
+
+# (rule, class name, phase test the call runs under, fixed keywords, the argument, its bad value)
+VALUE_PATTERNS = [
+    ("KV201", "Attn", "forward_metadata.is_prefill", 'num_heads=8, input_layout="TND", atten_mask=None',
+     "sparse_mode", "0"),
+    ("KV202", "SlidingAttn", "not forward_metadata.is_prefill",
+     'num_heads=8, input_layout="TND", atten_mask=forward_metadata.mask, pre_tokens=127, next_tokens=0',
+     "sparse_mode", "0"),
+    ("KV203", "MLAAttn", "not forward_metadata.is_prefill",
+     'query_rope=q_pe, key_rope=k_pe, num_heads=16, num_key_value_heads=1, input_layout="TND", atten_mask=None',
+     "sparse_mode", "3"),
+    ("KV204", "Attn", "forward_metadata.is_prefill", 'num_heads=8, input_layout="TND", sparse_mode=3',
+     "atten_mask", "torch.ones(2048, 2048, dtype=torch.float16)"),
+    ("KV205", "Attn", "forward_metadata.is_prefill", 'num_heads=8, input_layout="TND", sparse_mode=3',
+     "atten_mask", "torch.ones(4096, 4096, dtype=torch.bool)"),
+    ("KV301", "Attn", "forward_metadata.is_prefill",
+     'num_heads=8, input_layout="TND", sparse_mode=3, atten_mask=forward_metadata.mask',
+     "block_table", "forward_metadata.block_table"),
+    ("KV502", "MLAAttn", "not forward_metadata.is_prefill",
+     'query_rope=q_pe, key_rope=k_pe, num_heads=16, input_layout="TND", sparse_mode=0',
+     "num_key_value_heads", "16"),
+]
+
+_CALL = "torch_npu.npu_fused_infer_attention_score(q, kv, kv, {fixed}, {arg})"
+ROUTES = {
+    "direct": ("{call_direct}", ""),
+    "local": ("value = {value}\n            return {call_local}", ""),
+    "helper": ("return self._fa(q, q_pe, kv, k_pe, forward_metadata, {value})",
+               "\n    def _fa(self, q, q_pe, kv, k_pe, forward_metadata, value):\n        return {call_local}\n"),
+    "kwargs": ('kw = {{"{name}": {value}}}\n            return {call_kwargs}', ""),
+}
+
+
+def _route_source(rule, cls, test, fixed, name, value, route) -> str:
+    body, helper = ROUTES[route]
+    calls = {
+        "call_direct": "return " + _CALL.format(fixed=fixed, arg=f"{name}={value}"),
+        "call_local": _CALL.format(fixed=fixed, arg=f"{name}=value"),
+        "call_kwargs": _CALL.format(fixed=fixed, arg="**kw"),
+    }
+    return (
+        "import torch\nimport torch_npu\nfrom executor.core.kv_cache import CacheEntry\n\n\n"
+        f"class {cls}:\n"
+        "    def forward(self, q, q_pe, kv, k_pe, forward_metadata):\n"
+        f"        if {test}:\n"
+        "            " + body.format(value=value, name=name, **calls) + "\n"
+        "        return None\n" + helper.format(**calls)
+    )
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("pattern", VALUE_PATTERNS, ids=lambda p: p[0])
+def test_pattern_caught_whatever_route_the_value_takes(pattern, route):
+    rule = pattern[0]
+    source = _route_source(*pattern, route)
+    found = {r for r, _ in rules(source)}
+    assert rule in found, source
+    # the same source with the value fixed (the rule's own corrected value) is clean of that rule
+    good = {"KV201": "3", "KV202": "4", "KV203": "0", "KV204": "torch.ones(2048, 2048, dtype=torch.bool)",
+            "KV205": "torch.ones(2048, 2048, dtype=torch.bool)",
+            "KV301": "forward_metadata.block_table[self.attn_type]", "KV502": "1"}[rule]
+    fixed_source = _route_source(*pattern[:5], good, route)
+    assert rule not in {r for r, _ in rules(fixed_source)}, fixed_source

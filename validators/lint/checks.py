@@ -286,7 +286,8 @@ class FileChecker:
             if value is None:
                 value = self.resolver.number(v.node, v.at, v.ctx)
             if isinstance(value, int) and value != 1:
-                self.emit("KV502", v.origin if v.via is not None else node, what=f"passes num_key_value_heads={value}")
+                at = v.origin if v.via is not None else node  # a helper's value: where the caller writes it
+                self.emit("KV502", at, what=f"passes num_key_value_heads={value}")
                 return
             term = _terminal(v.node) or ""
             # a head count read from the model config (directly or via self.<attr> = config.<...>)
@@ -322,7 +323,8 @@ class FileChecker:
         for v in self.resolver.certain_variants(node, call, ctx):
             value = as_number(v.node)
             if value is not None:
-                self.emit("KV601", v.origin if v.via is not None else node, op=op, what=f"passes a literal epsilon ({value!r})")
+                at = v.origin if v.via is not None else node  # a helper's value: where the caller writes it
+                self.emit("KV601", at, op=op, what=f"passes a literal epsilon ({value!r})")
                 return
 
     # ------------------------------------------------------------ index dicts

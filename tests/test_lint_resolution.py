@@ -369,8 +369,10 @@ HIDDEN_3D = """\
 
 @pytest.mark.parametrize("prelude, extra, expected", [
     ("from executor.core.kv_cache import CacheEntry", "", [("KV701", 5)]),
-    # standalone code (no framework cache API) keeps its own [B, S, H] layout
-    ("from executor.utils.forward_metadata import ForwardMetaData", "", []),
+    # the framework's ForwardMetaData (any `executor.` import) is framework code too
+    ("from executor.utils.forward_metadata import ForwardMetaData", "", [("KV701", 5)]),
+    # standalone code (its own ForwardMetaData with one tensor per field) keeps its own [B, S, H] layout
+    ("class ForwardMetaData: block_table: torch.Tensor", "", []),
     # framework mode on the Legacy (BSH) cache: the documented [B, S] shim
     ("from executor.core.kv_cache import CacheEntry",
      "torch_npu.scatter_update_(self.k_cache, forward_metadata.kv_len, hidden_states, 1)", []),
@@ -458,3 +460,141 @@ def test_nested_branches_sliding_then_phase():
     assert rules(src.format(**good)) == []
     assert rules(src.format(**{**good, "prefill": 0, "prefill_mask": "None"})) == [("KV201", 10)]
     assert rules(src.format(**{**good, "sliding": 0})) == [("KV202", 6)]
+
+
+# ---------------------------------------------------------------- values through helpers, dicts, early exits
+
+HELPER = """\
+    import torch_npu
+
+    class Attn:
+        def forward(self, q, k, v, forward_metadata):
+            {body}
+
+        def _fa(self, q, k, v, mode{default}, mask{mask_default}):
+            return torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=8, input_layout="TND",
+                                                             atten_mask=mask, sparse_mode=mode)
+"""
+
+
+@pytest.mark.parametrize("body, default, mask_default, expected", [
+    # prefill call site passes mode 0 and no mask: reported at the call site
+    ("if forward_metadata.is_prefill:\n                return self._fa(q, k, v, 0, None)\n"
+     "            return self._fa(q, k, v, 0, None)", "", "", [("KV201", 6)]),
+    # the defaults apply when the call site does not pass them
+    ("if forward_metadata.is_prefill:\n                return self._fa(q, k, v)\n"
+     "            return self._fa(q, k, v, 0, None)", "=0", "=None", [("KV201", 9)]),
+    # values of two different calls are never combined: (0 with a mask) and (3 without) are both legal
+    ("if forward_metadata.is_prefill:\n                a = self._fa(q, k, v, 0, forward_metadata.mask)\n"
+     "                return self._fa(q, k, v, 3, None)\n            return self._fa(q, k, v, 0, None)",
+     "", "", []),
+    # decode-only call sites: mode 0 without a mask is right there
+    ("if not forward_metadata.is_prefill:\n                return self._fa(q, k, v, 0, None)\n"
+     "            return self._fa(q, k, v, 3, forward_metadata.mask)", "", "", []),
+])
+def test_values_follow_helper_arguments_per_call(body, default, mask_default, expected):
+    assert rules(HELPER.format(body=body, default=default, mask_default=mask_default)) == expected
+
+
+def test_code_after_an_early_return_runs_in_the_other_phase():
+    src = """\
+        import torch_npu
+
+        class Attn:
+            def forward(self, q, k, v, forward_metadata):
+                if not forward_metadata.is_prefill:
+                    return self.decode(q, k, v)
+                return torch_npu.npu_fused_infer_attention_score(q, k, v, num_heads=8, input_layout="TND",
+                                                                 sparse_mode=0)
+    """
+    assert rules(src) == [("KV201", 8)]  # at the literal
+    # an early return under a condition the linter does not understand decides nothing
+    assert rules(src.replace("not forward_metadata.is_prefill", "self.fast_path")) == []
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("", [("KV202", 7)]),
+    # the dict is changed in a way not followed: its keys are unknown, nothing is reported
+    ("kw.update(self.extra)", []),
+    # a later write on the decode branch overrides the literal there
+    ("if not forward_metadata.is_prefill:\n                    kw['sparse_mode'] = 4", []),
+])
+def test_star_kwargs_dict_is_opened(extra, expected):
+    src = f"""\
+        import torch_npu
+
+        class SlidingAttn:
+            def forward(self, q, k, v, forward_metadata):
+                kw = dict(num_heads=8, input_layout="TND", atten_mask=forward_metadata.mask, pre_tokens=127,
+                          next_tokens=0)
+                kw["sparse_mode"] = 4 if forward_metadata.is_prefill else 0
+                {extra}
+                return torch_npu.npu_fused_infer_attention_score(q, k, v, **kw)
+    """
+    assert rules(src) == expected
+
+
+# ---------------------------------------------------------------- every value pattern, every route to the call
+
+# (rule, class name, phase test the call runs under, fixed keywords, the argument, its bad value)
+VALUE_PATTERNS = [
+    ("KV201", "Attn", "forward_metadata.is_prefill", 'num_heads=8, input_layout="TND", atten_mask=None',
+     "sparse_mode", "0"),
+    ("KV202", "SlidingAttn", "not forward_metadata.is_prefill",
+     'num_heads=8, input_layout="TND", atten_mask=forward_metadata.mask, pre_tokens=127, next_tokens=0',
+     "sparse_mode", "0"),
+    ("KV203", "MLAAttn", "not forward_metadata.is_prefill",
+     'query_rope=q_pe, key_rope=k_pe, num_heads=16, num_key_value_heads=1, input_layout="TND", atten_mask=None',
+     "sparse_mode", "3"),
+    ("KV204", "Attn", "forward_metadata.is_prefill", 'num_heads=8, input_layout="TND", sparse_mode=3',
+     "atten_mask", "torch.ones(2048, 2048, dtype=torch.float16)"),
+    ("KV205", "Attn", "forward_metadata.is_prefill", 'num_heads=8, input_layout="TND", sparse_mode=3',
+     "atten_mask", "torch.ones(4096, 4096, dtype=torch.bool)"),
+    ("KV301", "Attn", "forward_metadata.is_prefill",
+     'num_heads=8, input_layout="TND", sparse_mode=3, atten_mask=forward_metadata.mask',
+     "block_table", "forward_metadata.block_table"),
+    ("KV502", "MLAAttn", "not forward_metadata.is_prefill",
+     'query_rope=q_pe, key_rope=k_pe, num_heads=16, input_layout="TND", sparse_mode=0',
+     "num_key_value_heads", "16"),
+]
+
+_CALL = "torch_npu.npu_fused_infer_attention_score(q, kv, kv, {fixed}, {arg})"
+ROUTES = {
+    "direct": ("{call_direct}", ""),
+    "local": ("value = {value}\n            return {call_local}", ""),
+    "helper": ("return self._fa(q, q_pe, kv, k_pe, forward_metadata, {value})",
+               "\n    def _fa(self, q, q_pe, kv, k_pe, forward_metadata, value):\n        return {call_local}\n"),
+    "kwargs": ('kw = {{"{name}": {value}}}\n            return {call_kwargs}', ""),
+}
+
+
+def _route_source(rule, cls, test, fixed, name, value, route) -> str:
+    body, helper = ROUTES[route]
+    calls = {
+        "call_direct": "return " + _CALL.format(fixed=fixed, arg=f"{name}={value}"),
+        "call_local": _CALL.format(fixed=fixed, arg=f"{name}=value"),
+        "call_kwargs": _CALL.format(fixed=fixed, arg="**kw"),
+    }
+    return (
+        "import torch\nimport torch_npu\nfrom executor.core.kv_cache import CacheEntry\n\n\n"
+        f"class {cls}:\n"
+        "    def forward(self, q, q_pe, kv, k_pe, forward_metadata):\n"
+        f"        if {test}:\n"
+        "            " + body.format(value=value, name=name, **calls) + "\n"
+        "        return None\n" + helper.format(**calls)
+    )
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("pattern", VALUE_PATTERNS, ids=lambda p: p[0])
+def test_pattern_caught_whatever_route_the_value_takes(pattern, route):
+    rule = pattern[0]
+    source = _route_source(*pattern, route)
+    found = {r for r, _ in rules(source)}
+    assert rule in found, source
+    # the same source with the value fixed (the rule's own corrected value) is clean of that rule
+    good = {"KV201": "3", "KV202": "4", "KV203": "0", "KV204": "torch.ones(2048, 2048, dtype=torch.bool)",
+            "KV205": "torch.ones(2048, 2048, dtype=torch.bool)",
+            "KV301": "forward_metadata.block_table[self.attn_type]", "KV502": "1"}[rule]
+    fixed_source = _route_source(*pattern[:5], good, route)
+    assert rule not in {r for r, _ in rules(fixed_source)}, fixed_source

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import glob
+import ast
 import inspect
 import json
-import os
+import re
 
 import pytest
 import torch
 import yaml
+from shared_dirs import torch_npu_files
 
 from validators.npu_ops import emulated
 from validators.npu_ops.extract_schemas import extract
@@ -105,15 +106,56 @@ def test_extractor_on_a_yaml_fragment():
         extract(yaml.safe_dump({"custom": fragment["custom"][:2]}))
 
 
-def _local_wheel():
-    candidates = [os.environ.get("TORCH_NPU_WHEEL", "")] + glob.glob("/tmp/tnpu/torch_npu-2.9.0-*.whl")
-    return next((c for c in candidates if c and os.path.exists(c)), None)
+def _wheel_files():
+    """Root of the torch-npu 2.9.0 wheel layout in the shared folder (skips when absent)."""
+    return torch_npu_files().parent
 
 
-@pytest.mark.skipif(_local_wheel() is None, reason="no torch-npu 2.9.0 wheel on disk (set TORCH_NPU_WHEEL)")
-def test_committed_json_equals_fresh_extraction_from_wheel(tmp_path):
+def test_committed_json_equals_fresh_extraction_from_wheel_yaml(tmp_path):
     from validators.npu_ops.extract_schemas import main
 
     out = tmp_path / "schemas.json"
-    assert main([_local_wheel(), "--out", str(out)]) == 0
+    assert main([str(_wheel_files()), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["ops"] == load_schemas()["ops"]
+
+
+def _meta_registrations() -> dict[str, list[ast.FunctionDef]]:
+    """op name -> the functions the wheel's meta file registers for it (``@impl(m, "<op>")``)."""
+    tree = ast.parse((torch_npu_files() / "op_plugin" / "meta" / "_meta_registrations.py").read_text("utf-8"))
+    found: dict[str, list[ast.FunctionDef]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for deco in node.decorator_list:
+                if isinstance(deco, ast.Call) and len(deco.args) == 2 and isinstance(deco.args[1], ast.Constant):
+                    found.setdefault(deco.args[1].value, []).append(node)
+    return found
+
+
+@pytest.mark.parametrize("op", EMULATED_OPS)
+def test_meta_registration_has_the_schema_arguments(op):
+    # The meta function is what torch.compile / fake tensors call: same names, same keyword-only split.
+    functions = _meta_registrations().get(op)
+    assert functions, f"{op} has no meta registration in the wheel"
+    args = load_schemas()["ops"][op]["args"]
+    for func in functions:
+        positional = [a.arg for a in func.args.posonlyargs + func.args.args]
+        keyword_only = [a.arg for a in func.args.kwonlyargs]
+        assert positional == [a["name"] for a in args if not a["kwarg_only"]], func.name
+        # v1's meta function lists the keyword-only arguments in another order: compare as sets
+        assert sorted(keyword_only) == sorted(a["name"] for a in args if a["kwarg_only"]), func.name
+
+
+@pytest.mark.parametrize("op", EMULATED_OPS)
+def test_documented_signature_has_the_schema_keywords(op):
+    docs = (torch_npu_files() / "_op_plugin_docs.py").read_text("utf-8")
+    lines = re.findall(rf"^torch_npu\.({re.escape(op)}\(.*\) -> .*)$", docs, re.M)
+    if not lines:
+        assert op in ("npu_kv_rmsnorm_rope_cache", "npu_kv_rmsnorm_rope_cache_v2"), f"{op} undocumented"
+        return  # the 2.9.0 docs have no signature line for the rmsnorm-rope-cache writers
+    schema = load_schemas()["ops"][op]["args"]
+    for line in lines:
+        documented = parse_func_schema(line)["args"]
+        # every keyword users can pass is documented with the schema's name; positional names differ
+        # in the docs (`input`/`data` for the schema's `self`) and cannot be passed by keyword anyway
+        assert {a["name"] for a in documented if a["kwarg_only"]} == {a["name"] for a in schema if a["kwarg_only"]}
+        assert len([a for a in documented if not a["kwarg_only"]]) == len([a for a in schema if not a["kwarg_only"]])

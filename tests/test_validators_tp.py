@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from validators_support import ROOT, mutate, render_case
@@ -77,7 +79,12 @@ def test_unsplit_kv_head_count_is_named(tmp_path):
     assert not report.passed
     bad = [c for c in report.failed() if "cache entries match the manifest" in c.name]
     assert {c.name.split(":")[0] for c in bad} == {"rank 0", "rank 1"}
-    assert "num_head" in bad[0].detail or "8" in bad[0].detail
+    # the detail names the entry's num_head (8, un-split) against the manifest's per-rank count (4)
+    found = re.search(r"\(attn_type, dim, num_head, dtype, window\) \('\w+', (\d+), (\d+), .*?\) != "
+                      r"\('\w+', (\d+), (\d+), ", bad[0].detail)
+    assert found, bad[0].detail
+    dim_got, heads_got, dim_want, heads_want = map(int, found.groups())
+    assert (heads_got, heads_want) == (8, 4) and dim_got == dim_want, bad[0].detail
 
 
 @pytest.mark.slow

@@ -25,9 +25,10 @@ def render_case(tmp: Path, config: str, **analyze_kw) -> tuple[Path, Path, Path]
     return manifest_path, rendered, config_path
 
 
-def mutate(rendered: Path, pattern: str, replacement: str, count: int = 0) -> None:
-    """Break the rendered attention on purpose (negative controls); the pattern must be found."""
-    path = rendered / "kvcache_attention.py"
+def mutate(rendered: Path, pattern: str, replacement: str, count: int = 0,
+           name: str = "kvcache_attention.py") -> None:
+    """Break a rendered file on purpose (negative controls); the pattern must be found."""
+    path = rendered / name
     text = path.read_text(encoding="utf-8")
     new, n = re.subn(pattern, replacement, text, count=count)
     assert n, f"mutation pattern {pattern!r} not found in {path}"

@@ -13,10 +13,12 @@ import re
 from dataclasses import dataclass
 
 from validators.lint import ops
+from validators.lint.hidden_layout import HiddenLayout
+from validators.lint.kwargs_dicts import expand_star_kwargs
 from validators.lint.masks import ALLOWED_COMPRESSED_SHAPES, MaskFacts
 from validators.lint.registry import RULES
 from validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
-from validators.lint.values import Resolver, Variant, as_int, as_number, is_none
+from validators.lint.values import Resolver, Variant, as_int, as_number, dict_item_key, is_none
 
 MISSING = ast.Constant(value=Ellipsis)  # marker: argument not passed (the op default applies)
 OPAQUE = ast.Constant(value=NotImplemented)  # marker: may be passed through **kwargs
@@ -29,8 +31,6 @@ _RAW_KV_HEAD_NAMES = {"num_key_value_heads", "num_kv_heads", "n_kv_heads", "mult
                       "num_key_value_heads_total"}
 _INPLACE_METHODS = {"add_", "sub_", "copy_", "fill_", "zero_", "mul_", "index_add_", "clamp_", "masked_fill_",
                     "__iadd__", "__isub__"}
-_BATCH_NAME = re.compile(r"^(b|bs|bsz|batch|batch_size|batchsize|num_seqs|B)$|batch", re.IGNORECASE)
-_SEQ_NAME = re.compile(r"^(s|S|q_len|seq|seqlen|seq_len|seq_length|sequence_length|q_seq_len|kv_len)$")
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,10 @@ class FileChecker:
         self.info = ModuleInfo(tree, path)
         self.resolver = Resolver(self.info)
         self.masks = MaskFacts(self.resolver)
+        self.layout = HiddenLayout(self.info, self.resolver)
+        for node in self.info.nodes:
+            if isinstance(node, ast.Call):
+                expand_star_kwargs(self.info, node)  # `**fa_kwargs` of a visible dict
         self.names, self.attrs = ops.collect_aliases(self.info.nodes)
         self.framework, self.packed = self._framework_mode()
         self.raw: list[tuple[str, ast.AST, dict]] = []  # (rule id, node, message fields)
@@ -106,9 +110,18 @@ class FileChecker:
         Legacy code (``scatter_update_``, ``cache_unit``, or a Legacy manifest) keeps [B, S, H].
         """
         framework = legacy = False
+        local_meta = None  # a ForwardMetaData class defined in this file (standalone runners define one)
         for node in self.info.nodes:
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("executor.core.kv_cache"):
+            if isinstance(node, ast.ClassDef) and node.name == "ForwardMetaData":
+                local_meta = node
+        for node in self.info.nodes:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "executor":
+                framework = True  # cann-recipes-infer's framework package (kv_cache, forward_metadata...)
+            elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "executor" for a in node.names):
                 framework = True
+            elif isinstance(node, ast.arg) and node.annotation is not None and local_meta is None and \
+                    "ForwardMetaData" in ast.unparse(node.annotation):
+                framework = True  # the framework's ForwardMetaData: block_table / slot_mapping are dicts
             elif isinstance(node, ast.Name) and node.id in _FRAMEWORK_NAMES:
                 framework = True
             elif isinstance(node, ast.Attribute):
@@ -118,6 +131,8 @@ class FileChecker:
                     legacy = True
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "get_cache_info":
                 framework = True
+        if local_meta is not None and _dict_fields(local_meta):
+            framework = True
         manifest = self.manifest
         if manifest is not None:
             framework = framework or manifest.deploy_mode.value == "framework"
@@ -185,6 +200,8 @@ class FileChecker:
             if sparse is None and sv.node is not MISSING and sv.node is not OPAQUE:
                 sparse = as_int(self._number_node(sv))
             for mv in self.arg_variants(call, "atten_mask", sv.ctx, star):
+                if sv.via is not None and mv.via is not None and sv.via is not mv.via:
+                    continue  # values from two different helper calls never meet
                 out.append(Scenario(mv.ctx, sparse, sv.origin, mv.node, mv.origin, mv.at,
                                     sv.certain and mv.certain))
         return out
@@ -269,7 +286,8 @@ class FileChecker:
             if value is None:
                 value = self.resolver.number(v.node, v.at, v.ctx)
             if isinstance(value, int) and value != 1:
-                self.emit("KV502", node, what=f"passes num_key_value_heads={value}")
+                at = v.origin if v.via is not None else node  # a helper's value: where the caller writes it
+                self.emit("KV502", at, what=f"passes num_key_value_heads={value}")
                 return
             term = _terminal(v.node) or ""
             # a head count read from the model config (directly or via self.<attr> = config.<...>)
@@ -305,7 +323,8 @@ class FileChecker:
         for v in self.resolver.certain_variants(node, call, ctx):
             value = as_number(v.node)
             if value is not None:
-                self.emit("KV601", node, op=op, what=f"passes a literal epsilon ({value!r})")
+                at = v.origin if v.via is not None else node  # a helper's value: where the caller writes it
+                self.emit("KV601", at, op=op, what=f"passes a literal epsilon ({value!r})")
                 return
 
     # ------------------------------------------------------------ index dicts
@@ -327,14 +346,21 @@ class FileChecker:
         base = strip_methods(node)
         if self._is_dict_source(base, at, field):
             return node, base
-        if not isinstance(base, (ast.Name, ast.Attribute)):
+        if not isinstance(base, (ast.Name, ast.Attribute)) and dict_item_key(base) is None:
             return None
         for v in self.resolver.certain_variants(base, at, ctx):
             if v.node is base:
                 continue
             inner = strip_methods(v.node)
+            if v.via is not None:
+                if isinstance(base, ast.Name) and self.info.is_parameter(self.info.function_of(at), base.id):
+                    continue  # the helper's own parameter: followed below to the argument at each call site
+                if self._is_dict_source(inner, v.at, field):
+                    return v.via, inner  # passed in through a helper call (a **kwargs entry): report that call
+                continue
             if self._is_dict_source(inner, v.at, field):
-                return node, inner
+                # a `**kwargs` dict entry is reported where it is written, a local name at its use
+                return (inner if dict_item_key(base) is not None else node), inner
             if isinstance(inner, ast.Name):
                 found = self._dict_through_callers(inner, v.at, field, depth)
                 if found is not None:
@@ -445,21 +471,7 @@ class FileChecker:
     # ------------------------------------------------------------ packed hidden states
 
     def hidden_view(self, call: ast.Call) -> None:
-        if not self.packed:
-            return
-        receiver = call.func.value
-        term = (_terminal(strip_methods(receiver)) or "").lower()
-        if "hidden" not in term and term != "inputs_embeds":
-            return
-        if not any("forward" in n.lower() for n in self.info.function_names(call)[:1]):
-            return
-        args = call.args
-        if len(args) == 1 and isinstance(args[0], (ast.Tuple, ast.List)):
-            args = args[0].elts
-        if len(args) != 3 or any(isinstance(a, ast.Starred) for a in args) or call.keywords:
-            return
-        first, second = _terminal(args[0]) or "", _terminal(args[1]) or ""
-        if _BATCH_NAME.search(first) or _SEQ_NAME.match(second):
+        if self.packed and self.layout.judge(call):
             self.emit("KV701", call, expr=ast.unparse(call))
 
 
@@ -470,6 +482,15 @@ def _is_model_class(cls: ast.ClassDef) -> bool:
     """A model component: nn.Module-like base (``*Module``, ``*Model``, ``*Layer``, ``*Mixin``) or named so."""
     bases = [ast.unparse(base) for base in cls.bases]
     return bool(_MODEL_CLASS_WORDS.search(cls.name) or any(_MODEL_CLASS_WORDS.search(b) for b in bases))
+
+
+def _dict_fields(cls: ast.ClassDef) -> bool:
+    """A ForwardMetaData class whose block_table / slot_mapping fields are annotated as dicts."""
+    for item in cls.body:
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and \
+                item.target.id in _DICT_FIELDS and re.search(r"\b(dict|Dict|Mapping)\b", ast.unparse(item.annotation)):
+            return True
+    return False
 
 
 def _closest_hint(name: str, accepted: frozenset[str]) -> str:

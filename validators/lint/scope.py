@@ -267,12 +267,37 @@ class ModuleInfo:
             scopes.append(scope)
             scope = self.scope_of(scope)
         for target in reversed(scopes):
+            for cons in self._early_exit_constraints(target):
+                ctx = ctx.override(cons)
             for item, branch in self.branch_path(target):
                 body, orelse = branch_constraints(item.test)
                 cons = body if branch == "body" else orelse
                 if cons:
                     ctx = ctx.override(cons)
         return ctx
+
+    def _early_exit_constraints(self, node: ast.AST) -> list[dict]:
+        """``if is_prefill: ...; return x`` then code below it: that code runs only in the other branch."""
+        out: list[dict] = []
+        # walk up the blocks holding ``node``'s statement: earlier siblings that exit early
+        stmt = self.statement_of(node)
+        block_owner = self.parents.get(stmt)
+        while stmt is not None and block_owner is not None:
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(block_owner, field, None)
+                if isinstance(block, list) and any(s is stmt for s in block):
+                    for sibling in block[:[i for i, s in enumerate(block) if s is stmt][0]]:
+                        if isinstance(sibling, ast.If):
+                            body, orelse = branch_constraints(sibling.test)
+                            if _exits(sibling.body) and not _exits(sibling.orelse) and orelse:
+                                out.append(orelse)
+                            elif _exits(sibling.orelse) and not _exits(sibling.body) and body:
+                                out.append(body)
+            if isinstance(block_owner, _SCOPE_TYPES):
+                break
+            stmt, block_owner = block_owner, self.parents.get(block_owner)
+        out.reverse()  # outermost first, the innermost block overrides
+        return out
 
     # ------------------------------------------------------------ assignment indexes
 
@@ -356,9 +381,16 @@ class ModuleInfo:
         index.setdefault(None, {})  # marks the index as built even for files without classes
         self._class_defs = index
 
-    def call_site_args(self, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.AST]]:
-        """Calls of ``func`` in this file (``self.f(...)`` within its class, ``f(...)`` for module
-        functions) and the argument each passes for ``param``."""
+    def calls_of(self, func: ast.AST) -> list[ast.Call]:
+        """Calls of ``func`` in this file: ``self.f(...)`` within its class, ``f(...)`` for module functions."""
+        self._index_calls()
+        parent = self.parents.get(func)
+        is_method = isinstance(parent, ast.ClassDef)
+        key = ("self." if is_method else "") + func.name
+        return [call for call in self._calls_by_name.get(key, [])
+                if not is_method or self.class_of(call) is parent]
+
+    def _index_calls(self) -> None:
         if self._calls_by_name is None:
             index: dict[str, list[ast.Call]] = {}
             for node in self.nodes:
@@ -369,17 +401,16 @@ class ModuleInfo:
                     elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
                         index.setdefault("self." + f.attr, []).append(node)
             self._calls_by_name = index
-        parent = self.parents.get(func)
-        is_method = isinstance(parent, ast.ClassDef)
-        key = ("self." if is_method else "") + func.name
+
+    def call_site_args(self, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.AST]]:
+        """Calls of ``func`` in this file and the argument each passes for ``param``."""
+        is_method = isinstance(self.parents.get(func), ast.ClassDef)
         params = [a.arg for a in func.args.posonlyargs + func.args.args]
         if is_method and params:
             params = params[1:]  # bound `self`
         position = params.index(param) if param in params else None
         out = []
-        for call in self._calls_by_name.get(key, []):
-            if is_method and self.class_of(call) is not parent:
-                continue
+        for call in self.calls_of(func):
             arg = next((kw.value for kw in call.keywords if kw.arg == param), None)
             if arg is None and position is not None and position < len(call.args) and \
                     not any(isinstance(a, ast.Starred) for a in call.args[:position + 1]):
@@ -404,6 +435,11 @@ class ModuleInfo:
             if a.arg == name:
                 return a
         return None
+
+
+def _exits(block: list[ast.stmt]) -> bool:
+    """A block that always leaves the function (its last statement returns or raises)."""
+    return bool(block) and isinstance(block[-1], (ast.Return, ast.Raise))
 
 
 def _index(tree: ast.AST) -> tuple[dict[ast.AST, ast.AST], list[ast.AST]]:

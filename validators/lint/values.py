@@ -26,6 +26,7 @@ class Variant:
     certain: bool
     at: ast.AST  # position used to resolve names inside ``node``
     site: ast.AST | None = None  # outermost assignment the value came through (None: used directly)
+    via: ast.Call | None = None  # the helper call site a parameter's value came from (None: not a parameter)
 
     @property
     def origin(self) -> ast.AST | None:
@@ -82,6 +83,8 @@ class Resolver:
             return self._name(expr, at, ctx, depth)
         if is_self_attr(expr):
             return self._self_attr(expr, at, ctx, depth)
+        if dict_item_key(expr) is not None:
+            return self._dict_item(expr, at, ctx, depth)
         return [Variant(ctx, expr, True, at)]
 
     def certain_variants(self, expr: ast.AST, at: ast.AST, ctx: Ctx) -> list[Variant]:
@@ -116,7 +119,7 @@ class Resolver:
             if before:
                 return self._reaching(expr, before, info.branch_path(at), ctx, depth)
             if info.is_parameter(func, expr.id):
-                return [Variant(ctx, expr, True, at)]
+                return self._parameter(expr, func, at, ctx, depth)
             # a name from an enclosing function or the module
             outer = info.function_of(func)
             if outer is not None and info.local_defs(outer).get(expr.id):
@@ -126,6 +129,64 @@ class Resolver:
                 and isinstance(module_defs[0].targets[0], ast.Name):
             return self.variants(module_defs[0].value, module_defs[0], ctx, depth + 1)
         return [Variant(ctx, expr, True, at)]
+
+    def _parameter(self, expr: ast.Name, func: ast.AST, at: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
+        """A helper's parameter: the argument each call site in this file passes (or the default).
+
+        Without call sites in the file (a ``forward`` the framework calls) the value is unknown.
+        Each value keeps its call site (``via``) so that values of two arguments are only combined
+        when they come from the same call.
+        """
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return [Variant(ctx, expr, True, at)]
+        passed = {id(call): arg for call, arg in self.info.call_site_args(func, expr.id)}
+        calls = self.info.calls_of(func)
+        if not calls:
+            return [Variant(ctx, expr, True, at)]
+        default = _default_of(func, expr.id)
+        out: list[Variant] = []
+        for call in calls:
+            call_ctx = self.info.ctx_of(call)
+            refined = ctx.refine({d: getattr(call_ctx, d) for d in ("phase", "sliding")
+                                  if getattr(call_ctx, d) is not None})
+            if refined is None:
+                continue  # this call site never reaches the code at hand
+            arg = passed.get(id(call))
+            if arg is None and (default is None or any(kw.arg is None for kw in call.keywords) or
+                                any(isinstance(a, ast.Starred) for a in call.args)):
+                out.append(Variant(refined, expr, False, at, via=call))  # passed in a way not seen
+                continue
+            value, where = (arg, call) if arg is not None else (default, func)
+            for v in self.variants(value, where, refined, depth + 1):
+                out.append(v if v.via is not None else replace(v, via=call))
+        return out
+
+    def _dict_item(self, expr: ast.Subscript, at: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
+        """``kw["sparse_mode"]`` of a local dict: the literal's entry or a later ``kw["..."] = v``, per branch."""
+        info = self.info
+        func = info.function_of(at)
+        name, key = expr.value.id, dict_item_key(expr)
+        if func is None:
+            return [Variant(ctx, expr, False, at)]
+        use_stmt = info.statement_of(at)
+        defs = [d for d in info.local_defs(func).get(name, []) if _precedes(d, use_stmt, info)]
+        for node in ast.walk(func):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == name and \
+                    node.func.attr in ("update", "pop", "setdefault", "clear", "popitem"):
+                return [Variant(ctx, expr, False, at)]  # changed in ways not followed
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                    isinstance(node.targets[0], ast.Subscript) and isinstance(node.targets[0].value, ast.Name) and \
+                    node.targets[0].value.id == name and _precedes(node, use_stmt, info):
+                written = as_str(node.targets[0].slice)
+                if written is None:
+                    return [Variant(ctx, expr, False, at)]  # a computed key may be this one
+                if written == key:
+                    defs.append(node)
+        if not defs:
+            return [Variant(ctx, expr, True, at)]  # not a local dict: the expression itself
+        defs.sort(key=lambda d: (d.lineno, d.col_offset))
+        return self._reaching(expr, defs, info.branch_path(at), ctx, depth)
 
     def _self_attr(self, expr: ast.Attribute, at: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
         info = self.info
@@ -207,6 +268,14 @@ class Resolver:
 
     def _def_value(self, stmt: ast.stmt, expr: ast.AST, ctx: Ctx, depth: int) -> list[Variant]:
         """Value a definition statement gives ``expr`` (its target), resolved further."""
+        key = dict_item_key(expr)
+        if key is not None:  # one entry of a local dict: from its literal or a `d["key"] = v` write
+            value = stmt.value if isinstance(stmt, ast.Assign) else None
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+                value = dict(dict_literal_items(stmt.value) or ()).get(key)
+            if value is None:
+                return [Variant(ctx, expr, False, stmt, stmt)]
+            return [replace(v, site=stmt) for v in self.variants(value, stmt, ctx, depth + 1)]
         if isinstance(stmt, ast.Assign) and all(isinstance(t, (ast.Name, ast.Attribute)) for t in stmt.targets):
             # also chained `a = b = value`
             return [replace(v, site=stmt) for v in self.variants(stmt.value, stmt, ctx, depth + 1)]
@@ -256,6 +325,41 @@ class Resolver:
                 except (ArithmeticError, ValueError):
                     return None
         return None
+
+
+def dict_item_key(node: ast.AST) -> str | None:
+    """``"k"`` for ``name["k"]`` (a local dict's entry), else None."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        return as_str(node.slice)
+    return None
+
+
+def dict_literal_items(node: ast.AST) -> list[tuple[str, ast.AST]] | None:
+    """(key, value) pairs of a dict literal / ``dict(k=v)`` call with only literal string keys."""
+    if isinstance(node, ast.Dict):
+        items = []
+        for key, value in zip(node.keys, node.values, strict=True):
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                return None  # `**other` (key None) or a computed key
+            items.append((key.value, value))
+        return items
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args:
+        if any(kw.arg is None for kw in node.keywords):
+            return None
+        return [(kw.arg, kw.value) for kw in node.keywords]
+    return None
+
+
+def _default_of(func: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> ast.AST | None:
+    args = func.args
+    positional = args.posonlyargs + args.args
+    for arg, default in zip(positional[len(positional) - len(args.defaults):], args.defaults, strict=True):
+        if arg.arg == name:
+            return default
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        if arg.arg == name:
+            return default
+    return None
 
 
 def _precedes(stmt: ast.AST, use_stmt: ast.AST, info: ModuleInfo) -> bool:

@@ -457,6 +457,16 @@ def fused_infer_attention(
         else:
             q_lens = chk.per_request(aq, batch, names.q_lens, q_s, "query S")
 
+    # Rope (MLA) at Q_S 1: the op docs list the only supported combinations ("Q_S等于1时支持sparse=0且不传mask
+    # 或sparse=4且传入mask, Q_S大于1时支持sparse=3或sparse=4且传入mask"). The device does not intercept
+    # mode 3 here and deviates heavily; the rightDownCausal formula would mask nothing at q_len 1, so
+    # emulating it would hide the bug: refuse it like any other unsupported argument combination.
+    if rope and q_s == 1 and not ((sparse_mode == 0 and atten_mask is None) or
+                                  (sparse_mode == 4 and atten_mask is not None)):
+        chk.fail("sparse_mode", f"with query_rope and Q_S 1 (MLA decode) the op supports sparse_mode 0 without a "
+                                f"mask or 4 with a mask; got {sparse_mode} "
+                                f"{'with' if atten_mask is not None else 'without'} a mask (Q_S > 1: 3 or 4)")
+
     # Keys/values.
     akv = chk.int_list(actual_kv, names.kv_lens)
     if paged:

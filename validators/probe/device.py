@@ -84,8 +84,8 @@ def cann_version() -> str | None:
         root = os.environ.get(var)
         if not root:
             continue
-        for name in ("version.cfg", "ascend_toolkit_install.info"):
-            for path in Path(root).glob(f"**/{name}"):
+        for name in ("version.cfg", "ascend_toolkit_install.info", "*/ascend_toolkit_install.info"):
+            for path in Path(root).glob(name):
                 for line in path.read_text(errors="replace").splitlines():
                     if "version" in line.lower() and "=" in line:
                         return line.split("=", 1)[1].strip().strip('"')

@@ -50,6 +50,13 @@ class ReadingsFile(_Model):
         """Question -> measured reading, for the questions the measurement settled (not 'unknown')."""
         return {q: r.reading for q, r in self.questions.items() if r.reading != UNKNOWN}
 
+    def as_device_readings(self):
+        """The emulator switches set to the measured readings (settled switch questions only)."""
+        from validators.npu_ops.readings import DeviceReadings
+
+        settled = self.settled()
+        return DeviceReadings(**{q: settled[q] for q, spec in QUESTIONS.items() if spec.switch and q in settled})
+
     def where(self) -> str:
         """Provenance in one line: file-independent (the caller adds the path)."""
         parts = [f"backend {self.backend}", f"soc {self.soc or '?'}", f"torch_npu {self.torch_npu_version or '-'}",

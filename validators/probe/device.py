@@ -15,7 +15,9 @@ import torch
 
 from validators.npu_ops import OpSet, active_readings, load, npu_available
 
-DTYPE = torch.bfloat16  # the cache dtype of the designs; the emulation computes in float32 either way
+# The designs' cache dtype on the device; the emulation computes in float32 anyway and its
+# bfloat16 matmuls are slow on CPU, so the dry run keeps float32 (same calls otherwise).
+NPU_DTYPE = torch.bfloat16
 
 
 class NoDeviceError(RuntimeError):
@@ -28,6 +30,7 @@ class ProbeDevice:
     ops: OpSet
     device: torch.device
     index: int | None = None
+    dtype: torch.dtype = torch.float32
 
     def put(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
@@ -95,7 +98,7 @@ def cann_version() -> str | None:
 def open_device(backend: str, index: int | None) -> ProbeDevice:
     """The probe device; ``NoDeviceError`` (one line) when the NPU backend is unusable here."""
     if backend == "emulated":
-        return ProbeDevice("emulated", load("emulated"), torch.device("cpu"), index)
+        return ProbeDevice("emulated", load("emulated"), torch.device("cpu"), index, torch.float32)
     ok, why = npu_available()
     if not ok:
         raise NoDeviceError(why)
@@ -106,4 +109,4 @@ def open_device(backend: str, index: int | None) -> ProbeDevice:
     if not 0 <= idx < count:
         raise NoDeviceError(f"--device {idx} is not one of the {count} visible NPU(s)")
     torch_npu.npu.set_device(idx)
-    return ProbeDevice("npu", load("npu"), torch.device(f"npu:{idx}"), idx)
+    return ProbeDevice("npu", load("npu"), torch.device(f"npu:{idx}"), idx, NPU_DTYPE)

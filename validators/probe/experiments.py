@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from validators.npu_ops.fa_masks import causal_template
-from validators.probe.device import DTYPE, ProbeDevice
+from validators.probe.device import ProbeDevice
 from validators.probe.questions import QUESTIONS, UNKNOWN
 
 HEADS = 8  # FA packed layouts on the device want Q_N = KV_N in 8/16/32/64/128
@@ -65,8 +65,8 @@ def _fa(dev: ProbeDevice, version: str, q, k, v, *, q_lens, kv_lens, **kw):
 
 
 def _onehot(n_keys: int, lanes: int, heads: int = HEADS) -> torch.Tensor:
-    """``[n_keys, heads, lanes]``: key j is the basis vector j in every head."""
-    return torch.eye(lanes)[:n_keys].unsqueeze(1).expand(n_keys, heads, lanes).to(DTYPE).contiguous()
+    """``[n_keys, heads, lanes]`` float32: key j is the basis vector j in every head."""
+    return torch.eye(lanes)[:n_keys].unsqueeze(1).expand(n_keys, heads, lanes).contiguous()
 
 
 def _rows(dev: ProbeDevice, out: torch.Tensor) -> list[list[int] | None]:
@@ -112,8 +112,8 @@ def classify_window(rows: list[list[int] | None] | None) -> str | None:
 def window_experiment(dev: ProbeDevice) -> Outcome:
     """Prefill rows (q_len 4 > 1, so the band surely applies) of a non-paged TND sparse_mode 4 call."""
     mask = dev.put(causal_template())
-    q = dev.put(torch.zeros(WINDOW_Q, HEADS, HEAD_DIM, dtype=DTYPE))
-    kv = dev.put(_onehot(WINDOW_KV, HEAD_DIM))
+    q = dev.put(torch.zeros(WINDOW_Q, HEADS, HEAD_DIM, dtype=dev.dtype))
+    kv = dev.put(_onehot(WINDOW_KV, HEAD_DIM).to(dev.dtype))
     variants: dict[str, dict] = {}
     readings = []
     for version in ("v1", "v2"):
@@ -144,13 +144,13 @@ def classify_band(visible: list[int] | None, window_reading: str) -> str | None:
 
 def band_experiment(dev: ProbeDevice, window_reading: str) -> Outcome:
     """Paged TND decode (q_len 1) with sparse_mode 4 + pre_tokens, as the sliding-window designs call it."""
-    blocks = torch.zeros(4 * BLOCK, HEADS, HEAD_DIM, dtype=DTYPE)
+    blocks = torch.zeros(4 * BLOCK, HEADS, HEAD_DIM)
     for pos in range(BAND_KV):
         blocks[BAND_TABLE[pos // BLOCK] * BLOCK + pos % BLOCK] = _onehot(BAND_KV, HEAD_DIM)[pos]
-    cache = dev.put(blocks.view(4, BLOCK, HEADS * HEAD_DIM))
+    cache = dev.put(blocks.view(4, BLOCK, HEADS * HEAD_DIM).to(dev.dtype))
     table = dev.put(torch.tensor([BAND_TABLE], dtype=torch.int32))
     mask = dev.put(causal_template())
-    q = dev.put(torch.zeros(1, HEADS, HEAD_DIM, dtype=DTYPE))
+    q = dev.put(torch.zeros(1, HEADS, HEAD_DIM, dtype=dev.dtype))
     variants: dict[str, dict] = {}
     readings = []
     for version in ("v1", "v2"):
@@ -183,8 +183,8 @@ def classify_null(block: torch.Tensor) -> tuple[str, dict]:
 def null_block_experiment(dev: ProbeDevice) -> Outcome:
     """Allocate a cache like the framework (torch.empty), write block 1 only, read the never-written block 0."""
     bn, n, d = 2, 1, 16
-    cache = dev.never_written((bn, BLOCK, n, d), DTYPE, NULL_SENTINEL)
-    rows = dev.put(torch.ones(4, n, d, dtype=DTYPE))
+    cache = dev.never_written((bn, BLOCK, n, d), dev.dtype, NULL_SENTINEL)
+    rows = dev.put(torch.ones(4, n, d, dtype=dev.dtype))
     slots = dev.put(torch.arange(BLOCK, BLOCK + 4, dtype=torch.int64).view(-1, 1))
     _, err = _call(lambda: dev.ops.npu_scatter_nd_update_(cache.view(bn * BLOCK, n, d), slots, rows))
     if err:
@@ -210,8 +210,8 @@ def classify_slots(slot0: torch.Tensor, rows: torch.Tensor, others_ok: bool) -> 
 
 def _scatter_variant(dev: ProbeDevice, slots: list[int]) -> tuple[dict, str | None]:
     n, d, fill = 1, 16, -7.0
-    cache = dev.put(torch.full((2 * BLOCK, n, d), fill, dtype=DTYPE))
-    rows = torch.arange(1, len(slots) + 1, dtype=torch.float32).view(-1, 1, 1).expand(-1, n, d).to(DTYPE)
+    cache = dev.put(torch.full((2 * BLOCK, n, d), fill, dtype=dev.dtype))
+    rows = torch.arange(1, len(slots) + 1, dtype=torch.float32).view(-1, 1, 1).expand(-1, n, d).to(dev.dtype)
     index = dev.put(torch.tensor(slots, dtype=torch.int64).view(-1, 1))
     _, err = _call(lambda: dev.ops.npu_scatter_nd_update_(cache, index, dev.put(rows.contiguous())))
     if err:
@@ -229,11 +229,12 @@ def _mla_writer_variant(dev: ProbeDevice, slots: list[int]) -> tuple[dict, str |
     dv, dk, bs, fill = 512, 64, 128, -7.0
     tokens = len(slots)
     gen = torch.Generator().manual_seed(0)
-    kv = dev.put(torch.randn(tokens, 1, 1, dv + dk, generator=gen).to(DTYPE))
-    gamma = dev.put(torch.ones(dv, dtype=DTYPE))
-    cos, sin = dev.put(torch.ones(tokens, 1, 1, dk, dtype=DTYPE)), dev.put(torch.zeros(tokens, 1, 1, dk, dtype=DTYPE))
-    k_cache = dev.put(torch.full((2, bs, 1, dk), fill, dtype=DTYPE))
-    ckv_cache = dev.put(torch.full((2, bs, 1, dv), fill, dtype=DTYPE))
+    kv = dev.put(torch.randn(tokens, 1, 1, dv + dk, generator=gen).to(dev.dtype))
+    gamma = dev.put(torch.ones(dv, dtype=dev.dtype))
+    cos = dev.put(torch.ones(tokens, 1, 1, dk, dtype=dev.dtype))
+    sin = dev.put(torch.zeros(tokens, 1, 1, dk, dtype=dev.dtype))
+    k_cache = dev.put(torch.full((2, bs, 1, dk), fill, dtype=dev.dtype))
+    ckv_cache = dev.put(torch.full((2, bs, 1, dv), fill, dtype=dev.dtype))
     index = dev.put(torch.tensor(slots, dtype=torch.int64))
     result, err = _call(lambda: dev.ops.npu_kv_rmsnorm_rope_cache_v2(
         kv, gamma, cos, sin, index, k_cache, ckv_cache, cache_mode="PA", is_output_kv=True))
@@ -270,7 +271,7 @@ def repeated_slots_experiment(dev: ProbeDevice) -> Outcome:
 
 
 # --------------------------------------------------------------------------- mla_decode_sparse_mode3
-MLA_KV, MLA_BS, MLA_DV, MLA_DR = 8, 128, 512, 64
+MLA_KV, MLA_BS, MLA_DV, MLA_DR = 8, 16, 512, 64  # block 16: allowed for an ND MLA cache
 
 
 def classify_mla(mode0_visible, mode3_visible, max_diff: float | None, scale: float, mode3_error: str | None) -> str:
@@ -302,11 +303,12 @@ def mla_experiment(dev: ProbeDevice) -> Outcome:
         else:
             latent[1, :MLA_KV] = torch.randn(MLA_KV, MLA_DV, generator=gen)
             rope[1, :MLA_KV] = torch.randn(MLA_KV, MLA_DR, generator=gen)
-        return dev.put(latent.to(DTYPE)), dev.put(rope.to(DTYPE))
+        return dev.put(latent.to(dev.dtype)), dev.put(rope.to(dev.dtype))
 
-    zeros_q = dev.put(torch.zeros(1, HEADS, MLA_DV, dtype=DTYPE)), dev.put(torch.zeros(1, HEADS, MLA_DR, dtype=DTYPE))
-    rand_q = (dev.put(torch.randn(1, HEADS, MLA_DV, generator=gen).mul(0.05).to(DTYPE)),
-              dev.put(torch.randn(1, HEADS, MLA_DR, generator=gen).mul(0.05).to(DTYPE)))
+    zeros_q = (dev.put(torch.zeros(1, HEADS, MLA_DV, dtype=dev.dtype)),
+               dev.put(torch.zeros(1, HEADS, MLA_DR, dtype=dev.dtype)))
+    rand_q = (dev.put(torch.randn(1, HEADS, MLA_DV, generator=gen).mul(0.05).to(dev.dtype)),
+              dev.put(torch.randn(1, HEADS, MLA_DR, generator=gen).mul(0.05).to(dev.dtype)))
     onehot, random = caches(True), caches(False)
     evidence: dict[str, Any] = {}
     vis: dict[int, Any] = {}

@@ -31,8 +31,9 @@ code survives; only an NPU run can settle which reading the hardware implements.
     PA modes) receive the same slot several times. The docs only say repeats are "not
     guaranteed correct"; upstream relies on the device accepting them. ``"last_wins"``
     (default): the slot holds the last row written to it; ``"first_wins"``: the first row;
-    ``"error"``: the writer rejects any repeated slot. Repeats outside the null block (block 0)
-    are a race between live tokens and are refused under every reading.
+    ``"error"``: the writer rejects any repeated slot. ``npu_kv_rmsnorm_rope_cache`` knows the
+    block size and refuses repeats outside the null block (block 0: a race between live tokens)
+    under every reading; ``npu_scatter_nd_update`` cannot tell blocks apart in a flat cache.
 """
 
 from __future__ import annotations

@@ -79,8 +79,12 @@ def scatter_nd_update_(op: str, self: torch.Tensor, indices: torch.Tensor, updat
                                             f"{tuple(self.shape)}")
     rows = updates.reshape(-1, *self.shape[depth:])
     strides = torch.tensor([math.prod(self.shape[i + 1:depth]) for i in range(depth)], dtype=torch.int64)
-    # The null block is leading index 0: slot 0 of a flat [slots, ...] cache, block 0 of [blocks, bs, ...].
-    keep = _single_writer_rows(op, "indices", (idx * strides).sum(1), idx[:, 0] == 0) if idx.numel() else None
+    # The op does not know the block size of a flat [slots, ...] cache, so it cannot tell the null
+    # block from live blocks: every repeat follows the reading (sliding-window prefill also sends
+    # out-of-window tokens to null-block offsets). The fused MLA writer knows and is stricter.
+    targets = (idx * strides).sum(1)
+    keep = _single_writer_rows(op, "indices", targets, torch.ones_like(targets, dtype=torch.bool)) \
+        if idx.numel() else None
     if keep is not None:
         idx, rows = idx[keep], rows[keep]
     self.index_put_(tuple(idx.unbind(1)), rows)

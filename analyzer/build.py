@@ -9,7 +9,6 @@ from analyzer.config_loader import ModelFacts, load_model_facts
 from analyzer.context import DispatchFacts, ProgressFacts, load_progress, parse_dispatch
 from analyzer.errors import InputError
 from analyzer.framework_checkout import CheckoutFacts, inspect_checkout
-from analyzer.measured import apply_readings, resolve_window_reading
 from analyzer.manifest import (
     DeployModeDecision,
     DeviceDependency,
@@ -26,6 +25,7 @@ from analyzer.manifest import (
     ModelInfo,
     SelectionManifest,
 )
+from analyzer.measured import apply_readings, resolve_window_reading
 from analyzer.version import __version__
 
 DEFAULT_KV_MEM_RATIO = 0.9

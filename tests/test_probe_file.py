@@ -12,7 +12,7 @@ import kvcache_cli
 from analyzer.build import AnalyzeRequest, analyze
 from analyzer.errors import InputError
 from analyzer.report import decisions_markdown
-from validators.npu_ops import DeviceReadings, device_readings
+from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
 from validators.probe.device import open_device
 from validators.probe.questions import QUESTIONS
 from validators.probe.readings_file import PROBE_VERSION, load_readings
@@ -23,7 +23,7 @@ GPT_OSS = str(CONFIGS / "gpt_oss_20b.json")
 _CACHE: dict[DeviceReadings, dict] = {}
 
 
-def measured(readings: DeviceReadings = DeviceReadings()) -> dict:
+def measured(readings: DeviceReadings = DEFAULT_READINGS) -> dict:
     """A readings file (as JSON data) measured on the emulator set to ``readings``."""
     if readings not in _CACHE:
         with device_readings(readings):

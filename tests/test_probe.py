@@ -138,8 +138,29 @@ def test_a_failing_control_call_blames_the_probe_not_the_device():
         raise RuntimeError("wrong probe call")
 
     outcome = experiments.repeated_slots_experiment(_device_with(npu_scatter_nd_update_=broken))
-    assert outcome.reading == UNKNOWN
-    assert outcome.evidence["variants"]["npu_scatter_nd_update_"] == {"control_error": "RuntimeError: wrong probe call"}
+    assert outcome.reading == "last_wins"  # from the writer whose control call passed
+    assert outcome.evidence["variants"]["npu_scatter_nd_update_"] == {
+        "error": "control call failed: RuntimeError: wrong probe call"}
+    assert "rejected by the device: npu_scatter_nd_update_" in outcome.summary
+
+    def refusing(*args, **kw):
+        raise RuntimeError("writer broken")
+
+    both = experiments.repeated_slots_experiment(_device_with(npu_scatter_nd_update_=broken,
+                                                              npu_kv_rmsnorm_rope_cache_v2=refusing))
+    assert both.reading == UNKNOWN and both.summary.endswith(
+        "every variant was rejected; rejected by the device: npu_scatter_nd_update_, npu_kv_rmsnorm_rope_cache_v2 PA")
+
+
+def test_a_variant_the_device_rejects_is_left_out_of_the_verdict():
+    def no_v1(*args, **kw):
+        raise RuntimeError("EZ9999: TND with sparse_mode 4 is not supported by v1")
+
+    data = probe(_device_with(npu_fused_infer_attention_score=no_v1))
+    for q in ("window_pre_tokens", "band_at_single_query"):
+        assert data.questions[q].reading == ("exclusive" if q == "window_pre_tokens" else "honoured")
+        assert "rejected by the device: v1 TND" in data.questions[q].summary
+        assert any("EZ9999" in ev.get("error", "") for ev in data.questions[q].evidence["variants"].values())
 
 
 def test_visible_keys_reads_uniform_mixtures_only():

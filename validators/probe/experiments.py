@@ -90,12 +90,19 @@ def band_sets(q_len: int, kv_len: int, pre: int, reading: str) -> list[list[int]
 
 
 def _agree(variants: dict[str, dict], readings: list[str | None]) -> tuple[str, str]:
-    measured = {r for r in readings if r is not None}
-    if len(measured) == 1 and None not in readings:
-        return measured.pop(), "all variants agree"
-    if not measured:
-        return UNKNOWN, "no variant matched a known reading"
-    return UNKNOWN, f"variants disagree or some matched nothing: {dict(zip(variants, readings, strict=True))}"
+    """One reading when every variant that ran shows the same one; variants the device rejected
+    are left out of the verdict (their error is in the evidence)."""
+    ran = {name: r for (name, ev), r in zip(variants.items(), readings, strict=True) if "error" not in ev}
+    rejected = [name for name in variants if name not in ran]
+    note = f"; rejected by the device: {', '.join(rejected)}" if rejected else ""
+    if not ran:
+        return UNKNOWN, "every variant was rejected" + note
+    measured = set(ran.values())
+    if len(measured) == 1 and None not in measured:
+        return measured.pop(), f"{', '.join(ran)} agree" + note
+    if measured == {None}:
+        return UNKNOWN, "no variant matched a known reading" + note
+    return UNKNOWN, f"variants disagree or some matched nothing: {ran}" + note
 
 
 # --------------------------------------------------------------------------- window_pre_tokens
@@ -258,12 +265,12 @@ def repeated_slots_experiment(dev: ProbeDevice) -> Outcome:
                                  ("npu_kv_rmsnorm_rope_cache_v2 PA", _mla_writer_variant, 129)):
         control, control_reading = run(dev, list(range(1, PAD_ROWS + 1)) + [real_slot])
         if "error" in control:  # unique slots failed: the probe's call is wrong, not the device
-            variants[name] = {"control_error": control["error"]}
+            variants[name] = {"error": f"control call failed: {control['error']}"}
             readings.append(None)
             continue
         evidence, reading = run(dev, [0] * PAD_ROWS + [real_slot])
-        if "error" in evidence:
-            reading = "error"
+        if "error" in evidence:  # the control passed: refusing the repeats is the reading
+            evidence, reading = {"rejected_repeats": evidence["error"]}, "error"
         variants[name] = evidence
         readings.append(reading)
     reading, why = _agree(variants, readings)

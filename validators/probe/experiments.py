@@ -243,8 +243,10 @@ def _mla_writer_variant(dev: ProbeDevice, slots: list[int]) -> tuple[dict, str |
     k_cache = dev.put(torch.full((2, bs, 1, dk), fill, dtype=dev.dtype))
     ckv_cache = dev.put(torch.full((2, bs, 1, dv), fill, dtype=dev.dtype))
     index = dev.put(torch.tensor(slots, dtype=torch.int64))
-    result, err = _call(lambda: dev.ops.npu_kv_rmsnorm_rope_cache_v2(
-        kv, gamma, cos, sin, index, k_cache, ckv_cache, cache_mode="PA", is_output_kv=True))
+    # No model here: the epsilon only has to be the same for every row (the rows are compared with
+    # the op's own outputs).
+    result, err = _call(lambda: dev.ops.npu_kv_rmsnorm_rope_cache_v2(  # kvcache: ignore[KV601]
+        kv, gamma, cos, sin, index, k_cache, ckv_cache, epsilon=1e-6, cache_mode="PA", is_output_kv=True))
     if err:
         return {"error": err}, None
     c_kv = dev.fetch(result[1]).view(tokens, dv)

@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   kvcache analyze --config config.json --hbm-gb 64 --max-concurrency 32 --max-len 8192 --out manifest.json
   kvcache analyze --config config.json --progress progress.md --write-progress progress.md
   kvcache analyze --config config.json --framework-root ~/cann-recipes-infer --dispatch-file dispatch.txt
+  kvcache analyze --config config.json --device-readings device_readings.json   (from `kvcache probe`)
 
 Bad input (missing/invalid file, missing or non-positive sizes, heads not divisible by
 --attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad

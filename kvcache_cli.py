@@ -13,6 +13,7 @@ commands:
   lint      static check of modeling/runner files for silent KV-cache / FA failure patterns
   validate  three-link checks + numeric equivalence against transformers (emulated ops or NPU)
   run       analyze -> render -> validate in one go (default: the bundled example)
+  probe     measure the open device questions on an NPU host -> readings file (--backend emulated: dry run)
 
 Run `kvcache <command> --help` for the options of each command.
 """
@@ -50,7 +51,13 @@ def _commands():
 
         return main(argv)
 
-    return {"analyze": analyze, "schema": schema, "render": render, "lint": lint, "validate": validate, "run": run}
+    def probe(argv):
+        from validators.probe.cli import main
+
+        return main(argv)
+
+    return {"analyze": analyze, "schema": schema, "render": render, "lint": lint, "validate": validate, "run": run,
+            "probe": probe}
 
 
 def main(argv: list[str] | None = None) -> int:

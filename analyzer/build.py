@@ -33,6 +33,7 @@ from analyzer.manifest import (
     ModelInfo,
     SelectionManifest,
 )
+from analyzer.measured import apply_readings, resolve_window_reading
 from analyzer.progress_writer import plan_section, same_file, upsert_section
 from analyzer.version import __version__
 
@@ -56,12 +57,18 @@ class AnalyzeRequest:
     max_len: int | None = None
     fa_version: str | None = None
     kv_mode: str | None = None
-    window_reading: str = "exclusive"
+    window_reading: str | None = None  # None: not stated (the measured reading, else "exclusive")
+    device_readings: str | None = None  # readings file written by `kvcache probe`
 
 
 def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionManifest:
     """The manifest; ``progress_text`` stands for the content of ``req.progress`` when given."""
     _check_numbers(req)
+    readings = None
+    if req.device_readings:
+        from validators.probe.readings_file import load_readings
+
+        readings = load_readings(req.device_readings)
     facts = load_model_facts(req.config)
     if req.progress and progress_text is not None:
         progress = parse_progress(progress_text, req.progress)
@@ -70,7 +77,7 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
     dispatch = parse_dispatch(req.dispatch, req.dispatch_source)
     checkout = (inspect_checkout(req.framework_root, facts.model_type, facts.family, facts.architectures)
                 if req.framework_root else None)
-    return assemble(facts, progress, dispatch, checkout, req)
+    return assemble(facts, progress, dispatch, checkout, req, readings)
 
 
 def analyze_into_progress(req: AnalyzeRequest, target: str, section: str,
@@ -112,9 +119,11 @@ def assemble(
     dispatch: DispatchFacts,
     checkout: CheckoutFacts | None,
     req: AnalyzeRequest,
+    readings=None,
 ) -> SelectionManifest:
     warnings: list[Finding] = []
     questions: list[Finding] = []
+    window_reading, _ = resolve_window_reading(req.window_reading, readings, req.device_readings)
 
     deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)
     tp, tp_source = _tp_size(req, progress, warnings)
@@ -135,7 +144,7 @@ def assemble(
     scale, scale_txt = rules.decide_scale(facts)
 
     framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
-    layers = _layers(facts, parallel, kv_mode, req.window_reading)
+    layers = _layers(facts, parallel, kv_mode, window_reading)
     mixed = len({layer.attn_type for layer in layers}) > 1
     memory_plan = _memory(facts, layers, req, progress, questions, warnings)
     _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
@@ -171,6 +180,11 @@ def assemble(
     if facts.dtype.is_default:
         questions.append(Finding(message="config states no dtype: cache dtype assumed bfloat16",
                                  fields=["torch_dtype", "dtype"]))
+    dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value)
+    measured_source = None
+    if readings is not None:
+        dependencies, measured_source = apply_readings(dependencies, readings, req.device_readings, warnings,
+                                                       questions)
 
     return SelectionManifest(
         generator=Generator(version=__version__),
@@ -224,7 +238,8 @@ def assemble(
         parallel=parallel,
         block_size=req.block_size,
         memory=memory_plan,
-        device_dependencies=_device_dependencies(layers, kv_mode, req.window_reading),
+        device_dependencies=dependencies,
+        device_readings=measured_source,
         open_questions=questions,
         warnings=warnings,
         blockers=blockers,
@@ -505,7 +520,8 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
         ))
 
 
-def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str) -> list[DeviceDependency]:
+def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
+                         deploy_mode: str = "standalone") -> list[DeviceDependency]:
     if kv_mode != "paged":
         return []
     sliding = [layer.index for layer in layers if layer.attn_type == "SlidingWindow"]
@@ -534,4 +550,13 @@ def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str) ->
         consequence="a design that reads the null block is wrong even if zeros hide it",
         layers=[],
     ))
+    if deploy_mode == "framework":
+        out.append(DeviceDependency(
+            question="repeated_slots",
+            assumed="last_wins",
+            alternative="error",
+            consequence="the engine pads decode batches (every padded row writes the null block's slot 0); "
+                        "if the writer rejects repeated slots, padded decode steps fail",
+            layers=[],
+        ))
     return out

@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   kvcache analyze --config config.json --hbm-gb 64 --max-concurrency 32 --max-len 8192 --out manifest.json
   kvcache analyze --config config.json --progress progress.md --write-progress progress.md
   kvcache analyze --config config.json --framework-root ~/cann-recipes-infer --dispatch-file dispatch.txt
+  kvcache analyze --config config.json --device-readings device_readings.json   (from `kvcache probe`)
 
 Bad input (missing/invalid file, missing or non-positive sizes, heads not divisible by
 --attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad
@@ -64,10 +65,13 @@ def add_analyze_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mode", choices=("paged", "legacy"),
                    help="keep Legacy on purpose (offline only), e.g. --kv-mode legacy; a blocker forces Legacy anyway")
     p.add_argument("--fa-version", choices=("v1", "v2"), help="override the FA version default (sinks force v2), e.g. --fa-version v2")
-    p.add_argument("--window-reading", choices=("exclusive", "inclusive"), default="exclusive",
+    p.add_argument("--window-reading", choices=("exclusive", "inclusive"),
                    help="device reading of pre_tokens for sliding windows (DOMAIN §9.2): 'exclusive' = "
                         "pre_tokens counts keys before the query (default), 'inclusive' = counts the query too; "
                         "e.g. --window-reading inclusive")
+    p.add_argument("--device-readings", metavar="FILE",
+                   help="readings file written by `kvcache probe` on the NPU host: the design follows the measured "
+                        "readings and the manifest records them, e.g. --device-readings device_readings.json")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,6 +131,7 @@ def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
         fa_version=args.fa_version,
         kv_mode=args.kv_mode,
         window_reading=args.window_reading,
+        device_readings=args.device_readings,
     )
 
 

@@ -210,11 +210,29 @@ class MemoryPlan(_Model):
 class DeviceDependency(_Model):
     """An open device behaviour (DOMAIN §9) this design relies on; settled only by an NPU run."""
 
-    question: Literal["band_at_single_query", "window_pre_tokens", "null_block_contents"]
+    question: Literal["band_at_single_query", "window_pre_tokens", "null_block_contents", "repeated_slots"]
     assumed: str
     alternative: str
     consequence: str
     layers: list[int] = Field(default_factory=list)
+    status: Literal["assumed", "confirmed", "contradicted", "unknown"] = Field(
+        default="assumed", description="assumed: no measurement; confirmed / contradicted: the readings file "
+                                       "(device_readings) measured a reading the design survives / does not; "
+                                       "unknown: the probe's output matched no known reading")
+    measured: str | None = Field(default=None, description="the reading `kvcache probe` measured, if any")
+
+
+class DeviceReadingsSource(_Model):
+    """Where the measured device readings came from (`kvcache analyze --device-readings FILE`)."""
+
+    file: str
+    backend: Literal["npu", "emulated"] = Field(description="emulated: a CPU dry run, it settles nothing")
+    soc: str | None = None
+    torch_npu_version: str | None = None
+    cann_version: str | None = None
+    probe_version: int
+    settled: dict[str, str] = Field(default_factory=dict, description="question -> measured reading")
+    unknown: list[str] = Field(default_factory=list, description="questions whose output matched no reading")
 
 
 class Inputs(_Model):
@@ -256,6 +274,8 @@ class SelectionManifest(_Model):
     block_size: int
     memory: MemoryPlan
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
+    device_readings: DeviceReadingsSource | None = Field(
+        default=None, description="the readings file the device questions were settled from; None: all assumed")
     open_questions: list[Finding] = Field(default_factory=list)
     warnings: list[Finding] = Field(default_factory=list)
     blockers: list[Finding] = Field(default_factory=list)

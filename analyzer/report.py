@@ -113,7 +113,26 @@ def decisions_markdown(m: SelectionManifest) -> str:
             lines += ["", f"**{title}**", ""]
             lines += [f"- {i.message}" + (f"(字段: {', '.join(i.fields)})" if i.fields else "") for i in items]
     if m.device_dependencies:
-        lines += ["", "**依赖的设备行为(需 NPU 实测确认)**", ""]
-        lines += [f"- {d.question}: 假设 {d.assumed},另一读法 {d.alternative} — {d.consequence}"
-                  for d in m.device_dependencies]
+        src = m.device_readings
+        title = "**依赖的设备行为(需 NPU 实测确认)**" if src is None else "**依赖的设备行为(读法文件实测)**"
+        lines += ["", title, ""]
+        if src is not None:
+            lines.append(f"读法文件 `{src.file}`:backend {src.backend}"
+                         + ("(CPU 仿真 dry run,不代表设备)" if src.backend == "emulated" else "")
+                         + f",SoC {src.soc or '?'},torch_npu {src.torch_npu_version or '-'},"
+                         f"CANN {src.cann_version or '?'},probe v{src.probe_version}")
+            others = {q: r for q, r in src.settled.items() if q not in {d.question for d in m.device_dependencies}}
+            if others:
+                lines.append("设计不依赖、但已实测:" + ", ".join(f"{q}={r}" for q, r in others.items()))
+            lines.append("")
+        lines += [f"- {d.question}: {_dependency_status(d)} — {d.consequence}" for d in m.device_dependencies]
     return "\n".join(lines) + "\n"
+
+
+_STATUS = {"confirmed": "实测确认", "contradicted": "实测否定", "unknown": "实测输出不符合任何已知读法"}
+
+
+def _dependency_status(d) -> str:
+    if d.status == "assumed":
+        return f"假设 {d.assumed}(未实测),另一读法 {d.alternative}"
+    return f"{_STATUS[d.status]}:实测 {d.measured},设计按 {d.assumed}"

@@ -40,8 +40,9 @@ def test_defaults_are_the_documented_readings():
     assert active_readings() == DEFAULT_READINGS == EXCLUSIVE_HONOURED
     assert EXCLUSIVE_HONOURED.band_at_single_query == "honoured"
     assert EXCLUSIVE_HONOURED.window_pre_tokens == "exclusive"
+    assert EXCLUSIVE_HONOURED.repeated_slots == "last_wins"
     combos = DeviceReadings.all()
-    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 4
+    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 2 * 2 * 3
 
 
 def test_invalid_reading_rejected_and_context_restores():

@@ -199,7 +199,7 @@ def test_kv_rmsnorm_rope_cache_rejections():
     expect("kv", fn, kv.expand(2, 2, 1, 48), gamma, cos, sin, idx, kc, cc, cache_mode="PA")  # N must be 1
     expect("kv", fn, kv, gamma[:16], cos, sin, idx, kc, cc, cache_mode="PA")  # Dv + Dk != D
     expect("index", fn, kv, gamma, cos, sin, idx.int(), kc, cc, cache_mode="PA")
-    expect("index", fn, kv, gamma, cos, sin, torch.tensor([3, 3]), kc, cc, cache_mode="PA")  # repeated
+    expect("index", fn, kv, gamma, cos, sin, torch.tensor([19, 19]), kc, cc, cache_mode="PA")  # repeated outside block 0
     expect("index", fn, kv, gamma, cos, sin, torch.tensor([0, 32]), kc, cc, cache_mode="PA")  # past the cache
     expect("cache_mode", fn, kv, gamma, cos, sin, idx, kc, cc, cache_mode="PA_ND")
     expect("k_cache", fn, kv, gamma, cos, sin, idx, kc.half(), cc, cache_mode="PA")

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-progress", metavar="FILE",
                    help="upsert the Markdown report as the 自验证结果 section of this progress.md (idempotent)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of weights and prompts (default 0)")
+    p.add_argument("--device-readings", metavar="FILE",
+                   help="readings file of `kvcache probe`: run the emulator under the measured readings and skip the "
+                        "sweep for the questions it settles")
     p.add_argument("--no-sweep", action="store_true",
                    help="skip re-running under the alternative device readings (DOMAIN §9)")
     return p
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     report = validate(ValidateRequest(
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
-        framework_api=args.framework_api, attn_tp_size=args.attn_tp_size,
+        framework_api=args.framework_api, attn_tp_size=args.attn_tp_size, device_readings=args.device_readings,
     ), progress=_progress)
     if args.report:
         atomic_write_text(Path(args.report), report.to_json())

@@ -35,6 +35,7 @@ class ValidateRequest:
     sweep_readings: bool = True
     framework_api: str | None = None
     attn_tp_size: int | None = None
+    device_readings: str | None = None  # readings file of `kvcache probe`: run under the measured readings
 
 
 def resolve_backend(requested: str) -> str:
@@ -52,6 +53,11 @@ def resolve_backend(requested: str) -> str:
 
 def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
     """Validate on one rank; a manifest with attention TP > 1 launches that many ranks (validators.tp)."""
+    measured = None
+    if req.device_readings:
+        from validators.probe.readings_file import load_readings
+
+        measured = load_readings(req.device_readings)
     manifest = load_manifest(req.manifest)
     _, real_config = read_config_file(req.config)
     rendered_dir = Path(req.rendered)
@@ -86,16 +92,26 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
 
     from validators.npu_ops import DeviceReadings
 
-    report.readings = dataclasses.asdict(DeviceReadings())
+    base = measured.as_device_readings() if measured else DeviceReadings()
+    settled = measured.settled() if measured else {}
+    if measured:
+        report.notes.append(f"device readings measured in {req.device_readings} ({measured.where()}): "
+                            + ", ".join(f"{q}={a.reading}" for q, a in measured.questions.items())
+                            + ("; 'unknown' settles nothing (default reading used)" if len(settled) < len(
+                                measured.questions) else ""))
+    report.readings = dataclasses.asdict(base)
     say(f"running the {manifest.deploy_mode.value}-mode checks on the {backend} backend")
-    _run(report, manifest, req, pristine, plan, backend, DeviceReadings(), req.scenario, rank, world)
+    _run(report, manifest, req, pristine, plan, backend, base, req.scenario, rank, world)
 
     if req.sweep_readings and backend == "emulated":
         for dep in manifest.device_dependencies:
             if dep.question not in ("band_at_single_query", "window_pre_tokens"):
                 continue
+            if dep.question in settled:
+                report.notes.append(f"{dep.question} settled by measurement ({settled[dep.question]}): sweep skipped")
+                continue
             say(f"device reading sweep: {dep.question}={dep.alternative}")
-            readings = replace(DeviceReadings(), **{dep.question: dep.alternative})
+            readings = replace(base, **{dep.question: dep.alternative})
             sweep = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
                            manifest_hash=report.manifest_hash)
             try:

@@ -24,6 +24,16 @@ code survives; only an NPU run can settle which reading the hardware implements.
     ``"inclusive"``: ``pre_tokens`` counts the query itself, the lower bound becomes
     ``i' - pre_tokens + 1`` and ``pre_tokens=W`` admits W keys (the Hugging Face / vLLM meaning
     of a window of W).
+
+``repeated_slots``
+    The real engine pads decode batches; every padded row maps to the null block's slot 0, so
+    the cache writers (``npu_scatter_nd_update(_)``, ``npu_kv_rmsnorm_rope_cache(_v2)`` in the
+    PA modes) receive the same slot several times. The docs only say repeats are "not
+    guaranteed correct"; upstream relies on the device accepting them. ``"last_wins"``
+    (default): the slot holds the last row written to it; ``"first_wins"``: the first row;
+    ``"error"``: the writer rejects any repeated slot. ``npu_kv_rmsnorm_rope_cache`` knows the
+    block size and refuses repeats outside the null block (block 0: a race between live tokens)
+    under every reading; ``npu_scatter_nd_update`` cannot tell blocks apart in a flat cache.
 """
 
 from __future__ import annotations
@@ -36,10 +46,12 @@ from typing import Literal
 
 BandAtSingleQuery = Literal["honoured", "ignored"]
 WindowPreTokens = Literal["exclusive", "inclusive"]
+RepeatedSlots = Literal["last_wins", "first_wins", "error"]
 
 _ALLOWED = {
     "band_at_single_query": ("honoured", "ignored"),
     "window_pre_tokens": ("exclusive", "inclusive"),
+    "repeated_slots": ("last_wins", "first_wins", "error"),
 }
 
 
@@ -49,6 +61,7 @@ class DeviceReadings:
 
     band_at_single_query: BandAtSingleQuery = "honoured"
     window_pre_tokens: WindowPreTokens = "exclusive"
+    repeated_slots: RepeatedSlots = "last_wins"
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -63,7 +76,7 @@ class DeviceReadings:
         return [cls(**dict(zip(names, combo, strict=True))) for combo in itertools.product(*(_ALLOWED[n] for n in names))]
 
     def label(self) -> str:
-        return f"band_at_single_query={self.band_at_single_query}, window_pre_tokens={self.window_pre_tokens}"
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
 
 DEFAULT_READINGS = DeviceReadings()

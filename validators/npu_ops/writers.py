@@ -6,14 +6,44 @@ All writes are vectorized ``index_put_``/advanced-index assignments into the cal
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from validators.npu_ops.errors import NotEmulatedError, NpuOpError
 from validators.npu_ops.nz import nz_c0
+from validators.npu_ops.readings import active_readings
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CACHE_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")
+
+
+# --------------------------------------------------------------------------- repeated slots
+def _single_writer_rows(op: str, name: str, targets: torch.Tensor, in_null: torch.Tensor) -> torch.Tensor | None:
+    """Which rows write, when several rows target the same place (``None``: all of them).
+
+    ``targets`` is one integer per row naming where it goes, ``in_null`` whether that place is in
+    the null block (block 0), where padded decode rows land. Repeats elsewhere are a race between
+    live tokens and always refused; repeats in the null block follow the ``repeated_slots``
+    device reading (see ``readings``).
+    """
+    uniq, inverse, counts = torch.unique(targets, return_inverse=True, return_counts=True)
+    if uniq.numel() == targets.numel():
+        return None
+    repeated = counts[inverse] > 1
+    racing = repeated & ~in_null
+    if bool(racing.any()):
+        raise NpuOpError(op, name, f"target {int(targets[racing][0])} is written more than once outside the null "
+                                   f"block (block 0): two live tokens race for one slot")
+    reading = active_readings().repeated_slots
+    if reading == "error":
+        raise NpuOpError(op, name, "slots must not repeat (device reading repeated_slots='error'; padded decode "
+                                   "rows all write the null block's slot 0)")
+    rows = torch.arange(targets.numel(), dtype=torch.int64)
+    winner = torch.full((uniq.numel(),), -1 if reading == "last_wins" else targets.numel(), dtype=torch.int64)
+    winner.scatter_reduce_(0, inverse, rows, reduce="amax" if reading == "last_wins" else "amin")
+    return rows == winner[inverse]
 
 
 # --------------------------------------------------------------------------- scatter_nd_update
@@ -47,7 +77,17 @@ def scatter_nd_update_(op: str, self: torch.Tensor, indices: torch.Tensor, updat
             row = int(bad.any(dim=1).nonzero()[0])
             raise NpuOpError(op, "indices", f"index {idx[row].tolist()} is out of range for self shape "
                                             f"{tuple(self.shape)}")
-    self.index_put_(tuple(idx.unbind(1)), updates.reshape(-1, *self.shape[depth:]))
+    rows = updates.reshape(-1, *self.shape[depth:])
+    strides = torch.tensor([math.prod(self.shape[i + 1:depth]) for i in range(depth)], dtype=torch.int64)
+    # The op does not know the block size of a flat [slots, ...] cache, so it cannot tell the null
+    # block from live blocks: every repeat follows the reading (sliding-window prefill also sends
+    # out-of-window tokens to null-block offsets). The fused MLA writer knows and is stricter.
+    targets = (idx * strides).sum(1)
+    keep = _single_writer_rows(op, "indices", targets, torch.ones_like(targets, dtype=torch.bool)) \
+        if idx.numel() else None
+    if keep is not None:
+        idx, rows = idx[keep], rows[keep]
+    self.index_put_(tuple(idx.unbind(1)), rows)
     return self
 
 
@@ -266,11 +306,11 @@ def _write_pa_mode(op, k_cache, ckv_cache, index, rope_out, norm_out, dk, dv, ca
     else:
         if flat.numel() != batch * seq:
             raise NpuOpError(op, "index", f"{cache_mode} needs {batch * seq} slots (B*S), got {flat.numel()}")
-        valid = flat[flat >= 0]
-        if valid.numel() != torch.unique(valid).numel():
-            raise NpuOpError(op, "index", "slots must not repeat")
         slots = flat
     keep = slots >= 0
+    single = _single_writer_rows(op, "index", slots[keep], slots[keep] < block_size)
+    if single is not None:
+        keep[keep.clone()] = single
     tokens_rope = rope_out.reshape(batch * seq, dk)[keep]
     tokens_norm = norm_out.reshape(batch * seq, dv)[keep]
     _write_paged(op, "k_cache", k_cache, tokens_rope, slots[keep], nz)

@@ -1,0 +1,182 @@
+"""`kvcache probe` on the emulated backend: it measures exactly the readings the emulator is set to.
+
+The emulator's reading switches play the device: for every combination the probe must report
+the configured reading of every switch question. Outputs that match no reading (a device that
+behaves in a way nobody predicted) must come out as "unknown" with the evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from validators.npu_ops import DeviceReadings, NpuOpError, OpSet, device_readings, emulated
+from validators.npu_ops.fa_masks import causal_template
+from validators.npu_ops.readings import _ALLOWED
+from validators.probe import experiments
+from validators.probe.device import ProbeDevice, open_device
+from validators.probe.questions import QUESTIONS, UNKNOWN
+from validators.probe.run import markdown, probe, table_text
+
+
+def _emulator_refuses_mla_mode3_decode() -> bool:
+    """What the emulator does with MLA decode + sparse_mode 3, asked with a call unlike the probe's."""
+    bs, kv_len, heads = 16, 5, 2
+    latent, rope = torch.randn(2, bs, 512), torch.randn(2, bs, 64)
+    try:
+        emulated.npu_fused_infer_attention_score_v2(
+            torch.randn(1, heads, 512), latent, latent, query_rope=torch.randn(1, heads, 64), key_rope=rope,
+            actual_seq_qlen=[1], actual_seq_kvlen=[kv_len], block_table=torch.tensor([[1]], dtype=torch.int32),
+            num_query_heads=heads, num_key_value_heads=1, input_layout="TND_NTD", block_size=bs, sparse_mode=3,
+            atten_mask=causal_template())
+    except NpuOpError:
+        return True
+    return False
+
+
+def test_question_registry_matches_the_emulator_switches():
+    switches = {f.name for f in dataclasses.fields(DeviceReadings)}
+    assert switches == {q for q, spec in QUESTIONS.items() if spec.switch}
+    for name in switches:
+        assert set(QUESTIONS[name].readings) == set(_ALLOWED[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("configured", DeviceReadings.all(), ids=lambda r: r.label().replace(", ", "|"))
+def test_probe_reports_every_configured_reading(configured):
+    with device_readings(configured):
+        data = probe(open_device("emulated", None))
+    switches = {f.name: getattr(configured, f.name) for f in dataclasses.fields(DeviceReadings)}
+    measured = {q: a.reading for q, a in data.questions.items()}
+    assert {q: measured[q] for q in switches} == switches, {q: data.questions[q].evidence for q in switches}
+    assert data.emulated_readings == switches
+    # Not switches: fixed properties of the emulated device.
+    assert measured["null_block_contents"] == "poisoned"  # never-written emulated memory is NaN
+    mla = "rejected" if _emulator_refuses_mla_mode3_decode() else "same_as_mode0"
+    assert measured["mla_decode_sparse_mode3"] == mla
+    assert list(data.questions) == list(QUESTIONS)
+
+
+# --------------------------------------------------------------------------- unknown outputs
+def _device_with(**replaced) -> ProbeDevice:
+    ops = dict(emulated.OPS)
+    ops.update(replaced)
+    return ProbeDevice("emulated", OpSet("emulated", ops), torch.device("cpu"))
+
+
+def test_a_window_no_reading_predicts_is_unknown_with_the_evidence():
+    def wider_v2(*args, pre_tokens=2147483647, **kw):  # a device that admits one key more than either reading
+        return emulated.npu_fused_infer_attention_score_v2(*args, pre_tokens=pre_tokens + 1, **kw)
+
+    data = probe(_device_with(npu_fused_infer_attention_score_v2=wider_v2))
+    window = data.questions["window_pre_tokens"]
+    assert window.reading == UNKNOWN
+    rows = window.evidence["variants"]["v2 TND"]["visible_per_row"]
+    assert rows[-1] == [4, 5, 6, 7]  # 4 keys visible: neither W+1 = 3 nor W = 2
+    assert window.evidence["variants"]["v1 TND"]["visible_per_row"][-1] == [5, 6, 7]
+    # the band question cannot be matched either: its v2 suffix has 4 keys
+    assert data.questions["band_at_single_query"].reading == UNKNOWN
+    assert "window_pre_tokens" in markdown(data) and "unknown" in table_text(data)
+
+
+def test_variants_that_disagree_are_unknown():
+    def ignoring_v1(*args, **kw):  # v1 ignores the band at q_len 1, v2 honours it
+        kw["sparse_mode"], kw["atten_mask"] = 0, None
+        return emulated.npu_fused_infer_attention_score(*args, **kw)
+
+    data = probe(_device_with(npu_fused_infer_attention_score=ignoring_v1))
+    band = data.questions["band_at_single_query"]
+    assert band.reading == UNKNOWN
+    assert band.evidence["variants"]["v1 TND paged"]["visible"] == list(range(experiments.BAND_KV))
+    assert band.evidence["variants"]["v2 TND paged"]["visible"] == [21, 22, 23]
+
+
+def test_a_writer_that_accumulates_repeats_is_unknown():
+    def accumulating(cache, indices, updates):
+        cache.index_put_(tuple(indices.to(torch.int64).unbind(1)), updates, accumulate=True)
+        return cache
+
+    data = probe(_device_with(npu_scatter_nd_update_=accumulating))
+    slots = data.questions["repeated_slots"]
+    assert slots.reading == UNKNOWN
+    # slot 0 started at -7 and received rows 1, 2 and 3
+    assert slots.evidence["variants"]["npu_scatter_nd_update_"]["slot0_row_value"] == -7 + 1 + 2 + 3
+
+
+@pytest.mark.parametrize(("fill", "reading"), [(0.0, "zeros"), (experiments.NULL_SENTINEL, "stale"),
+                                               (0.5, UNKNOWN)])
+def test_null_block_contents_are_read_off_the_never_written_block(fill, reading, monkeypatch):
+    dev = open_device("emulated", None)
+    monkeypatch.setattr(dev, "never_written", lambda shape, dtype, sentinel: torch.full(shape, fill, dtype=dtype))
+    outcome = experiments.null_block_experiment(dev)
+    assert outcome.reading == reading
+    assert outcome.evidence["block0"]["total"] == experiments.BLOCK * 16
+
+
+def test_mla_mode3_deviation_and_rejection_are_told_apart():
+    def mode3(behaviour):
+        def fa(*args, sparse_mode=0, **kw):
+            out = emulated.npu_fused_infer_attention_score_v2(*args, sparse_mode=sparse_mode, **kw)
+            if sparse_mode != 3:
+                return out
+            if behaviour == "reject":
+                raise RuntimeError("EZ1001: sparse_mode 3 is not supported when Q_S is 1")
+            return out[0] * 0.5, out[1]
+        return fa
+
+    rejected = experiments.mla_experiment(_device_with(npu_fused_infer_attention_score_v2=mode3("reject")))
+    assert rejected.reading == "rejected" and "EZ1001" in rejected.evidence["sparse_mode 3"]["error"]
+    deviates = experiments.mla_experiment(_device_with(npu_fused_infer_attention_score_v2=mode3("halve")))
+    assert deviates.reading == "deviates"
+    assert deviates.evidence["random_inputs"]["max_abs_diff"] > 0
+
+
+def test_a_failing_control_call_blames_the_probe_not_the_device():
+    def broken(*args, **kw):
+        raise RuntimeError("wrong probe call")
+
+    outcome = experiments.repeated_slots_experiment(_device_with(npu_scatter_nd_update_=broken))
+    assert outcome.reading == "last_wins"  # from the writer whose control call passed
+    assert outcome.evidence["variants"]["npu_scatter_nd_update_"] == {
+        "error": "control call failed: RuntimeError: wrong probe call"}
+    assert "rejected by the device: npu_scatter_nd_update_" in outcome.summary
+
+    def refusing(*args, **kw):
+        raise RuntimeError("writer broken")
+
+    both = experiments.repeated_slots_experiment(_device_with(npu_scatter_nd_update_=broken,
+                                                              npu_kv_rmsnorm_rope_cache_v2=refusing))
+    assert both.reading == UNKNOWN and both.summary.endswith(
+        "every variant was rejected; rejected by the device: npu_scatter_nd_update_, npu_kv_rmsnorm_rope_cache_v2 PA")
+
+
+def test_a_variant_the_device_rejects_is_left_out_of_the_verdict():
+    def no_v1(*args, **kw):
+        raise RuntimeError("EZ9999: TND with sparse_mode 4 is not supported by v1")
+
+    data = probe(_device_with(npu_fused_infer_attention_score=no_v1))
+    for q in ("window_pre_tokens", "band_at_single_query"):
+        assert data.questions[q].reading == ("exclusive" if q == "window_pre_tokens" else "honoured")
+        assert "rejected by the device: v1 TND" in data.questions[q].summary
+        assert any("EZ9999" in ev.get("error", "") for ev in data.questions[q].evidence["variants"].values())
+
+
+def test_visible_keys_reads_uniform_mixtures_only():
+    row = torch.zeros(16)
+    row[[3, 5, 9]] = 1 / 3
+    assert experiments.visible_keys(row) == [3, 5, 9]
+    row[3] = 0.5  # not a uniform mixture: no key set to read
+    assert experiments.visible_keys(row) is None
+    assert experiments.visible_keys(torch.zeros(4)) == []
+
+
+@pytest.mark.parametrize("reading", _ALLOWED["repeated_slots"])
+def test_mla_writer_repeats_outside_the_null_block_are_a_race_under_every_reading(reading):
+    with device_readings(DeviceReadings(repeated_slots=reading)):
+        kv, gamma = torch.randn(2, 1, 1, 48), torch.ones(32)
+        cos, sin = torch.ones(2, 1, 1, 16), torch.zeros(2, 1, 1, 16)
+        with pytest.raises(NpuOpError, match="outside the null block"):
+            emulated.npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, torch.tensor([19, 19]), torch.zeros(2, 16, 1, 16),
+                                               torch.zeros(2, 16, 1, 32), cache_mode="PA")

@@ -1,0 +1,5 @@
+import sys
+
+from validators.probe.cli import main
+
+sys.exit(main())

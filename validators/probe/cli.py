@@ -1,0 +1,64 @@
+"""`kvcache probe` (and `python -m validators.probe`): measure the open device questions."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from analyzer.cli import guarded
+from analyzer.errors import InputError
+from analyzer.progress_writer import atomic_write_text
+
+EXAMPLES = """examples:
+  kvcache probe --out device_readings.json --markdown device_readings.md   (on an NPU host)
+  kvcache probe --device 1 --out device_readings.json
+  kvcache probe --backend emulated                                         (dry run on CPU)
+
+Then: kvcache analyze ... --device-readings device_readings.json
+      kvcache validate ... --device-readings device_readings.json
+Run it once per torch_npu / CANN version and keep the readings file with the checkout.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from analyzer.cli import _Parser
+
+    p = _Parser(prog="kvcache probe", description="Micro-experiments on the FA and cache-writer operators that "
+                "settle the open device questions (references/device_questions.md).", epilog=EXAMPLES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", metavar="FILE", help="write the readings file (JSON) here, e.g. --out readings.json")
+    p.add_argument("--markdown", metavar="FILE", help="write a Markdown report ready to paste into an issue")
+    p.add_argument("--device", type=int, metavar="N", help="NPU index (default 0)")
+    p.add_argument("--backend", choices=("npu", "emulated"), default="npu",
+                   help="npu (default): the real torch_npu operators; emulated: a dry run on the CPU emulation")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag in ("out", "markdown"):
+        target = getattr(args, flag)
+        if target and not Path(target).resolve().parent.is_dir():
+            raise InputError(target, "directory does not exist", field=f"--{flag}")
+    if args.device is not None and args.device < 0:
+        raise InputError("--device", f"must be >= 0, got {args.device}")
+    from validators.probe.device import NoDeviceError, open_device
+    from validators.probe.run import markdown, probe, table_text
+
+    try:
+        dev = open_device(args.backend, args.device)
+    except NoDeviceError as exc:
+        print(f"error: --backend npu: no NPU here ({exc}); for a dry run on the CPU emulation use "
+              f"`kvcache probe --backend emulated`", file=sys.stderr)
+        return 2
+    data = probe(dev)
+    if args.out:
+        atomic_write_text(Path(args.out), data.to_json())
+    if args.markdown:
+        atomic_write_text(Path(args.markdown), markdown(data))
+    sys.stdout.write(table_text(data))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return guarded(run, build_parser().parse_args(argv))

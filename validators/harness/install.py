@@ -239,6 +239,7 @@ def install_framework(
     """
     saved_modules = {name: mod for name, mod in sys.modules.items() if _is_executor_module(name)}
     saved_path = list(sys.path)
+    saved_bytecode = sys.dont_write_bytecode
     for name in saved_modules:
         del sys.modules[name]
     try:
@@ -254,6 +255,7 @@ def install_framework(
             if extra_window_keys:
                 raise ValueError("extra_window_keys only applies to the harness managers, not a real checkout")
             root = Path(framework_root).resolve()
+            sys.dont_write_bytecode = True  # nothing (not even __pycache__) is written into the checkout
             sys.path.insert(0, str(root))
             importlib.invalidate_caches()
             modules, fallbacks, detected = _load_real_modules(root, fallback_to_harness)
@@ -265,6 +267,7 @@ def install_framework(
             del sys.modules[name]
         sys.modules.update(saved_modules)
         sys.path[:] = saved_path
+        sys.dont_write_bytecode = saved_bytecode
         importlib.invalidate_caches()
         _forward_metadata.reset_forward_metadata()
 

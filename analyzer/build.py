@@ -8,7 +8,7 @@ from analyzer import memory, rules
 from analyzer.config_loader import ModelFacts, load_model_facts
 from analyzer.context import DispatchFacts, ProgressFacts, load_progress, parse_dispatch
 from analyzer.errors import InputError
-from analyzer.framework_checkout import CheckoutFacts, inspect_checkout
+from analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
 from analyzer.manifest import (
     DeployModeDecision,
     DeviceDependency,
@@ -265,7 +265,8 @@ def _tp_size(req: AnalyzeRequest, progress: ProgressFacts, warnings: list[Findin
 def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, str]:
     if deploy != "framework":
         return None, "standalone mode: no framework API"
-    detected = checkout.generation if checkout else None
+    # A HEAD-era (G3) checkout takes G2 renders; its evidence still names G3.
+    detected = render_api(checkout.generation) if checkout else None
     if req.framework_api:
         if detected and detected != req.framework_api:
             raise InputError("--framework-api", f"{req.framework_api} contradicts the checkout's {detected} "

@@ -209,7 +209,10 @@ def _load_real_modules(root: Path, fallback: Iterable[str]) -> tuple[dict[str, t
         ) from exc
 
     cache_info = modules["executor.core.kv_cache.cache_info"]
-    generation = detect_generation_from_classes(cache_info.CacheEntry, cache_info.ModelCacheInfo)
+    try:
+        generation = detect_generation_from_classes(cache_info.CacheEntry, cache_info.ModelCacheInfo, cache_info)
+    except ValueError as exc:
+        raise FrameworkImportError(f"{root}: {exc}") from None
     if failed:
         harness = build_harness_modules(generation)
         for name in failed:

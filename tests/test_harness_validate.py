@@ -13,7 +13,7 @@ from validators.harness import (
 )
 
 G1 = get_generation("G1")
-G2 = get_generation("G2")
+G2 = get_generation("G3")  # the G2 contract with the HEAD-era fields (compress_ratio, cache_layout)
 
 
 def _g2_entry(name="k_cache", attn="FullAttention", **kw):

@@ -58,7 +58,14 @@ class FrameworkAPI:
 
     @property
     def keyed_by_group_key(self) -> bool:
-        return self.generation == "G2"
+        return self.generation in ("G2", "G3")
+
+    @property
+    def decode_admission(self) -> str:
+        """"stop" (G0: the decode batch ends at the first request that cannot grow) or "skip"."""
+        from .generations import get_generation
+
+        return get_generation(self.generation).decode_admission
 
     # ---------------------------------------------------------------- managers
     def build_manager(self, cache_info, block_num_by_key: dict[str, int], max_model_len: int):
@@ -79,12 +86,16 @@ class FrameworkAPI:
         }
 
     # ---------------------------------------------------------------- tables
-    def block_tables(self, requests, kv_cache_manager, max_model_len: int, device, batch_size: int):
+    def block_tables(self, requests, kv_cache_manager, max_model_len: int, device, batch_size: int,
+                     is_prefill: bool = False):
         widths = self.block_table_widths(kv_cache_manager, max_model_len)
         if self.keyed_by_group_key:
             width = widths
         else:
             width = max(widths.values())  # G0/G1: one model-level block size, one width
+        if self.generation == "G3":  # Mamba state tables are narrower at prefill
+            return self.kv_cache.prepare_block_tables(requests, kv_cache_manager, width, device, batch_size,
+                                                      is_prefill=is_prefill)
         return self.kv_cache.prepare_block_tables(requests, kv_cache_manager, width, device, batch_size)
 
     def slot_mappings(self, position_ids, cu_q, kv_cache_manager, block_tables):

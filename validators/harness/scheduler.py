@@ -13,6 +13,12 @@ Conventions taken from the framework (scheduler + execution engine):
   the write position and ``position_ids``; ``actual_seq_lengths_kv = kv_len + 1``
   (the first decode after a prefill of L reads L + 1); ``actual_seq_lengths_q`` = ones;
 * prefill and decode are never mixed in one step; prefill goes first when it can;
+* decode batches are padded to ``max_concurrency`` rows (the engine pads to
+  ``batch_size_per_dp_rank``): pad token 0, position 0, KV length 1, and a block-table row
+  of null blocks, so every padded row writes slot 0 of the null block
+  (``pad_decode_to=0`` turns padding off);
+* a running request that cannot grow is skipped and the rest still decode (G1 on);
+  G0 ends the decode batch at the first such request;
 * ``attention_mask`` is the 2048x2048 ``~tril`` bool mask on every step;
 * prefill ``kv_len`` is the framework's legacy per-token value
   (``slot * max_model_len + arange(L)``, meaningless for paged caches, kept for fidelity).
@@ -28,6 +34,7 @@ import torch
 from .api import FrameworkAPI
 from .cache_utils import allocate_cache_tensors, calculate_block_num, validate_cache_info
 from .errors import SchedulerStall
+from .managers import ATTN_TYPE_MANAGER_MAP_G3
 from .poison import (
     assert_pool_invariants,
     block_is_poisoned,
@@ -141,12 +148,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_concurrency = max_concurrency
         self.max_prefill_tokens = max_prefill_tokens
-        self.pad_decode_to = pad_decode_to
+        # The real engine pads every decode batch to its per-DP-rank batch size.
+        self.pad_decode_to = max_concurrency if pad_decode_to is None else pad_decode_to
         self.graph_mode_lists = graph_mode_lists
         self.device = torch.device(device)
         self.poison_value = poison_value
 
-        validate_cache_info(cache_info)
+        validate_cache_info(cache_info, manager_map=ATTN_TYPE_MANAGER_MAP_G3 if api.generation == "G3" else None)
         if block_num_by_key is None:
             block_num_by_key = calculate_block_num(
                 cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len
@@ -277,10 +285,12 @@ class Scheduler:
 
     def _decode(self) -> Step | None:
         selected, deferred = [], []
+        stop_at_first = self.api.decode_admission == "stop"
         for rid in self._running[: self.max_concurrency]:
             request = self.requests[rid]
-            if deferred or not self.kv_cache_manager.allocate_slots(rid, request.computed_len + 1, 1):
-                # The framework stops at the first request that cannot grow.
+            if (deferred and stop_at_first) or not self.kv_cache_manager.allocate_slots(
+                    rid, request.computed_len + 1, 1):
+                # G0 stops at the first request that cannot grow; later generations skip it.
                 deferred.append(rid)
                 continue
             selected.append(rid)
@@ -332,7 +342,8 @@ class Scheduler:
     def _assemble(self, rids, requests, *, is_prefill, input_ids, position_ids, q_lens, kv_lens, kv_len,
                   batch_rows, prompt_tokens, cu_q, cu_kv, seq_q, seq_kv, padded_rows=0) -> Step:
         manager = self.kv_cache_manager
-        tables = self.api.block_tables(requests, manager, self.max_model_len, self.device, batch_rows)
+        tables = self.api.block_tables(requests, manager, self.max_model_len, self.device, batch_rows,
+                                       is_prefill=is_prefill)
         slots = self.api.slot_mappings(position_ids, cu_q, manager, tables)
         lists = {}
         if self.graph_mode_lists and not is_prefill:

@@ -454,6 +454,20 @@ def build_slot_mappings(
 # --------------------------------------------------------------------------- framework-signature wrappers
 
 
+def prepare_block_tables_g0(requests, kv_cache_manager, max_block_num: int, device, batch_size: int = 0):
+    """G0 ``prepare_block_tables``: as G1, but a batch with requests must have exactly their rows.
+
+    G0 viewed the request rows as ``[batch_size, -1]``, so a padded decode batch (fewer requests
+    than ``batch_size``) failed there; the harness refuses it the same way.
+    """
+    if requests is not None and len(requests) != batch_size:
+        raise ValueError(
+            f"G0 prepare_block_tables builds exactly one row per request: {len(requests)} requests, "
+            f"batch_size={batch_size} (G0 cannot pad a decode batch)"
+        )
+    return prepare_block_tables_g01(requests, kv_cache_manager, max_block_num, device, batch_size)
+
+
 def prepare_block_tables_g01(requests, kv_cache_manager, max_block_num: int, device, batch_size: int = 0):
     """G0/G1 ``prepare_block_tables``: keys = attn_type, one width for all groups."""
     return build_block_tables(requests, kv_cache_manager, max_block_num, device, batch_size, key_attr="attn_type")
@@ -599,6 +613,7 @@ __all__ = [
     "framework_calculate_block_num",
     "group_specs",
     "kv_cache_bytes",
+    "prepare_block_tables_g0",
     "prepare_block_tables_g01",
     "prepare_block_tables_g2",
     "prepare_block_tables_g3",

@@ -95,7 +95,9 @@ def build_harness_modules(
         prepare_tables = _cache_utils.prepare_block_tables_g3 if g3 else _cache_utils.prepare_block_tables_g2
         prepare_slots = _cache_utils.prepare_slot_mapping_g3 if g3 else _cache_utils.prepare_slot_mapping_g2
     else:
-        prepare_tables, prepare_slots = _cache_utils.prepare_block_tables_g01, _cache_utils.prepare_slot_mapping_g01
+        prepare_tables = (_cache_utils.prepare_block_tables_g0 if gen.name == "G0"
+                          else _cache_utils.prepare_block_tables_g01)
+        prepare_slots = _cache_utils.prepare_slot_mapping_g01
     utils = {
         "FIXED_BLOCK_ATTN_TYPES": _cache_utils.FIXED_BLOCK_ATTN_TYPES,
         "dtype_itemsize": _cache_utils.dtype_itemsize,

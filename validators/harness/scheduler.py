@@ -16,7 +16,7 @@ Conventions taken from the framework (scheduler + execution engine):
 * decode batches are padded to ``max_concurrency`` rows (the engine pads to
   ``batch_size_per_dp_rank``): pad token 0, position 0, KV length 1, and a block-table row
   of null blocks, so every padded row writes slot 0 of the null block
-  (``pad_decode_to=0`` turns padding off);
+  (``pad_decode_to=0`` turns padding off; G0 is unpadded: its tables could not pad);
 * a running request that cannot grow is skipped and the rest still decode (G1 on);
   G0 ends the decode batch at the first such request;
 * ``attention_mask`` is the 2048x2048 ``~tril`` bool mask on every step;
@@ -148,8 +148,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_concurrency = max_concurrency
         self.max_prefill_tokens = max_prefill_tokens
-        # The real engine pads every decode batch to its per-DP-rank batch size.
-        self.pad_decode_to = max_concurrency if pad_decode_to is None else pad_decode_to
+        # The real engine pads every decode batch to its per-DP-rank batch size (G1 on: G0's
+        # prepare_block_tables could not build a padded batch, so G0 runs unpadded).
+        if pad_decode_to is None:
+            pad_decode_to = 0 if api.generation == "G0" else max_concurrency
+        self.pad_decode_to = pad_decode_to
         self.graph_mode_lists = graph_mode_lists
         self.device = torch.device(device)
         self.poison_value = poison_value

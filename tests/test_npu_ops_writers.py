@@ -199,7 +199,7 @@ def test_kv_rmsnorm_rope_cache_rejections():
     expect("kv", fn, kv.expand(2, 2, 1, 48), gamma, cos, sin, idx, kc, cc, cache_mode="PA")  # N must be 1
     expect("kv", fn, kv, gamma[:16], cos, sin, idx, kc, cc, cache_mode="PA")  # Dv + Dk != D
     expect("index", fn, kv, gamma, cos, sin, idx.int(), kc, cc, cache_mode="PA")
-    expect("index", fn, kv, gamma, cos, sin, torch.tensor([3, 3]), kc, cc, cache_mode="PA")  # repeated
+    expect("index", fn, kv, gamma, cos, sin, torch.tensor([19, 19]), kc, cc, cache_mode="PA")  # repeated
     expect("index", fn, kv, gamma, cos, sin, torch.tensor([0, 32]), kc, cc, cache_mode="PA")  # past the cache
     expect("cache_mode", fn, kv, gamma, cos, sin, idx, kc, cc, cache_mode="PA_ND")
     expect("k_cache", fn, kv, gamma, cos, sin, idx, kc.half(), cc, cache_mode="PA")
@@ -262,3 +262,18 @@ def test_gqa_scatter_nd_update_then_paged_decode():
         scale=0.25, input_layout="TND", sparse_mode=3)
     ref, _ = ref_attention(q, keys, values, scale=0.25, mode=3)
     assert float((out.double() - ref).abs().max()) <= 1e-5
+
+
+def test_repeated_slots_only_in_the_null_block():
+    # Padded decode rows all write slot 0 of the null block (block 0): legal; repeats elsewhere are not.
+    from validators.npu_ops.writers import repeats_outside_null_block
+
+    assert repeats_outside_null_block(torch.tensor([0, 0, 0, 17]), 16) == []
+    assert repeats_outside_null_block(torch.tensor([3, 3, 17]), 16) == []  # still inside block 0
+    assert repeats_outside_null_block(torch.tensor([17, 17, 0, 0, 40, 40]), 16) == [17, 40]
+    kv, gamma, cos, sin = mla_inputs(3)
+    kc, cc = torch.zeros(2, 16, 1, 16), torch.zeros(2, 16, 1, 32)
+    emulated.npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, torch.tensor([17, 0, 0]), kc, cc, cache_mode="PA")
+    assert torch.count_nonzero(kc[1, 1]) > 0  # the real row was written
+    expect("index", emulated.npu_kv_rmsnorm_rope_cache, kv, gamma, cos, sin, torch.tensor([17, 17, 0]), kc, cc,
+           cache_mode="PA")

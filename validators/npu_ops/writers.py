@@ -16,6 +16,22 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 CACHE_MODES = ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ")
 
 
+# --------------------------------------------------------------------------- repeated slots
+NULL_BLOCK = 0  # the framework's BlockPool reserves its first block id as the null block
+
+
+def repeats_outside_null_block(slots: torch.Tensor, block_size: int, null_block: int = NULL_BLOCK) -> list[int]:
+    """Slots written more than once that are not in the null block (sorted; empty = legal).
+
+    The engine pads every decode batch with rows whose table row is all null blocks, so each
+    padded row writes slot ``null_block * block_size`` (position 0): those repeats are legal,
+    the null block holds no data. A repeat anywhere else means two tokens share a cache row.
+    """
+    values, counts = torch.unique(slots.reshape(-1).to(torch.int64), return_counts=True)
+    repeated = values[counts > 1]
+    return sorted(int(v) for v in repeated if int(v) // block_size != null_block)
+
+
 # --------------------------------------------------------------------------- scatter_nd_update
 def scatter_nd_update_(op: str, self: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
     """``self[tuple(indices[..., i])] = updates`` for the leading ``a = indices.shape[-1]`` dims.
@@ -257,8 +273,10 @@ def _write_pa_mode(op, k_cache, ckv_cache, index, rope_out, norm_out, dk, dv, ca
             raise NpuOpError(op, "index", f"{cache_mode} needs {batch}x{per_seq} block start slots, got {flat.numel()}")
         starts = flat.view(batch, per_seq)
         valid_blocks = starts[starts >= 0]
-        if valid_blocks.numel() != torch.unique(valid_blocks // block_size).numel():
-            raise NpuOpError(op, "index", "block start slots must not share a block")
+        shared = repeats_outside_null_block(valid_blocks // block_size, 1)
+        if shared:
+            raise NpuOpError(op, "index", f"block start slots must not share a block (blocks {shared[:4]}; "
+                                          "only padded rows may share the null block)")
         s = torch.arange(seq, dtype=torch.int64)
         start = starts[:, s // block_size]  # [B, S]
         slots = torch.where(start >= 0, start + (s % block_size).view(1, -1), torch.full_like(start, -1))
@@ -266,9 +284,10 @@ def _write_pa_mode(op, k_cache, ckv_cache, index, rope_out, norm_out, dk, dv, ca
     else:
         if flat.numel() != batch * seq:
             raise NpuOpError(op, "index", f"{cache_mode} needs {batch * seq} slots (B*S), got {flat.numel()}")
-        valid = flat[flat >= 0]
-        if valid.numel() != torch.unique(valid).numel():
-            raise NpuOpError(op, "index", "slots must not repeat")
+        repeated = repeats_outside_null_block(flat[flat >= 0], block_size)
+        if repeated:
+            raise NpuOpError(op, "index", f"slots must not repeat outside the null block (slots {repeated[:4]}; "
+                                          "only padded decode rows may repeat, in the null block)")
         slots = flat
     keep = slots >= 0
     tokens_rope = rope_out.reshape(batch * seq, dk)[keep]

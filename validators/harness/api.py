@@ -25,6 +25,9 @@ class FrameworkAPI:
     forward_metadata: types.ModuleType
     common_utils: types.ModuleType
     extra_window_keys: int = 0
+    # Set by build_manager: G0's KVCacheManager keeps no cache_info, but G0/G1 slot mappings need
+    # the model-level block size.
+    cache_info: object = None
 
     @classmethod
     def from_handle(cls, handle) -> FrameworkAPI:
@@ -69,9 +72,12 @@ class FrameworkAPI:
 
     # ---------------------------------------------------------------- managers
     def build_manager(self, cache_info, block_num_by_key: dict[str, int], max_model_len: int):
+        self.cache_info = cache_info
         managers = self.kv_cache.create_single_type_managers(
             cache_info=cache_info, block_num_by_type=block_num_by_key, max_model_len=max_model_len
         )
+        if self.real and self.generation == "G0":  # G0's KVCacheManager(max_model_len, single_type_managers)
+            return self.kv_cache.KVCacheManager(max_model_len=max_model_len, single_type_managers=managers)
         return self.kv_cache.KVCacheManager(
             max_model_len=max_model_len, single_type_managers=managers, cache_info=cache_info
         )
@@ -101,8 +107,8 @@ class FrameworkAPI:
     def slot_mappings(self, position_ids, cu_q, kv_cache_manager, block_tables):
         if self.keyed_by_group_key:
             return self.kv_cache.prepare_slot_mapping(position_ids, cu_q, kv_cache_manager, block_tables)
-        block_size = kv_cache_manager.cache_info.block_size
-        return self.kv_cache.prepare_slot_mapping(position_ids, cu_q, block_tables, block_size)
+        info = getattr(kv_cache_manager, "cache_info", None) or self.cache_info
+        return self.kv_cache.prepare_slot_mapping(position_ids, cu_q, block_tables, info.block_size)
 
     # ---------------------------------------------------------------- metadata
     def attention_mask(self, device=None) -> torch.Tensor:

@@ -26,6 +26,7 @@ Conventions taken from the framework (scheduler + execution engine):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ import torch
 
 from .api import FrameworkAPI
 from .cache_utils import allocate_cache_tensors, calculate_block_num, validate_cache_info
+from .entries import group_key_of
 from .errors import SchedulerStall
 from .managers import ATTN_TYPE_MANAGER_MAP_G3
 from .poison import (
@@ -45,6 +47,14 @@ from .poison import (
 )
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+def _capturing(setter, captured: dict, key: str):
+    def capture(tensor):
+        captured.setdefault(key, []).append(tensor)
+        setter(tensor)
+
+    return capture
 
 
 @dataclass
@@ -157,18 +167,20 @@ class Scheduler:
         self.device = torch.device(device)
         self.poison_value = poison_value
 
-        validate_cache_info(cache_info, manager_map=ATTN_TYPE_MANAGER_MAP_G3 if api.generation == "G3" else None)
+        # Which implementation did each framework step: "checkout" or "harness" (+ why).
+        self.provenance: dict[str, str] = {}
+        self._validate(cache_info)
         if block_num_by_key is None:
-            block_num_by_key = calculate_block_num(
-                cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len
-            )
+            block_num_by_key = self._block_counts(cache_info, max_model_len, max_concurrency)
         self.block_num_by_key = dict(block_num_by_key)
         self.kv_cache_manager = api.build_manager(cache_info, self.block_num_by_key, max_model_len)
+        origin = "checkout" if api.real else "harness"
+        for name in ("KVCacheManager", "create_single_type_managers", "prepare_block_tables",
+                     "prepare_slot_mapping"):
+            self.provenance[name] = origin
         self.cache_tensors: dict[str, list[torch.Tensor]] = {}
         if allocate_tensors:
-            self.cache_tensors = allocate_cache_tensors(
-                self.device, cache_info, self.block_num_by_key, fill_value=fill_value
-            )
+            self.cache_tensors = self._allocate(cache_info, fill_value)
 
         self.requests: dict[int, Request] = {}
         self._waiting: list[int] = []
@@ -177,6 +189,53 @@ class Scheduler:
         self._prefilled_count = 0
         self._step_index = 0
         self._pending: Step | None = None
+
+    # ---------------------------------------------------------------- framework steps
+    def _validate(self, cache_info) -> None:
+        if self.api.real:
+            self.api.kv_cache.validate_cache_info(cache_info)
+            self.provenance["validate_cache_info"] = "checkout"
+            return
+        validate_cache_info(cache_info, manager_map=ATTN_TYPE_MANAGER_MAP_G3 if self.api.generation == "G3" else None)
+        self.provenance["validate_cache_info"] = "harness"
+
+    def _block_counts(self, cache_info, max_model_len: int, max_concurrency: int) -> dict[str, int]:
+        if self.api.real:
+            # The checkout's own offline math (its memory check reads the stand-in torch.npu figures).
+            infer_config = types.SimpleNamespace(
+                scheduler_config=types.SimpleNamespace(batch_size_per_dp_rank=max_concurrency,
+                                                       max_prefill_tokens=max_model_len, mem_fraction_static=0.9),
+                model_config=types.SimpleNamespace(next_n=0),
+                parallel_config=types.SimpleNamespace(offline_prefill_dp_group_size=1),
+            )
+            self.provenance["calculate_block_num"] = "checkout"
+            return self.api.kv_cache.calculate_block_num(infer_config, cache_info, max_model_len)
+        self.provenance["calculate_block_num"] = "harness"
+        return calculate_block_num(cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len)
+
+    def _allocate(self, cache_info, fill_value) -> dict[str, list[torch.Tensor]]:
+        if self.api.real and fill_value is None:
+            captured: dict[str, list[torch.Tensor]] = {}
+            originals = []
+            for layer_info in cache_info.layer_infos:
+                for entry in layer_info.caches:
+                    if entry.needs_block and entry.tensor_setter is not None:
+                        originals.append((entry, entry.tensor_setter))
+                        entry.tensor_setter = _capturing(entry.tensor_setter, captured, group_key_of(entry))
+            try:
+                self.api.kv_cache.allocate_cache_tensors(self.device, cache_info, self.block_num_by_key)
+                self.provenance["allocate_cache_tensors"] = "checkout"
+                return captured
+            except ImportError as exc:
+                # G2+ aligns cache tensors through executor.utils / the KV-transfer buffer module,
+                # which pull in the serving stack; the harness allocates the same shapes instead.
+                self.provenance["allocate_cache_tensors"] = f"harness (checkout's needs {exc.name or exc})"
+            finally:
+                for entry, setter in originals:
+                    entry.tensor_setter = setter
+        else:
+            self.provenance["allocate_cache_tensors"] = "harness"
+        return allocate_cache_tensors(self.device, cache_info, self.block_num_by_key, fill_value=fill_value)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from validators.npu_ops import install_emulation
+from validators.npu_ops import emulation_installed, install_emulation
 
 # Figures ``torch.npu.mem_get_info()`` returns unless the caller sets others: a 64 GiB
 # device with everything free (large enough that offline-mode checks never bind).
@@ -199,7 +199,11 @@ def device_standins(*, free_bytes: int | None = None, total_bytes: int | None = 
     saved_tensor_npu = torch.Tensor.__dict__.get("npu")
 
     handle_ref: list = [None]
-    with install_emulation() as fake_torch_npu:
+    # Inside a validation run the npu_ops emulation may already be torch_npu: extend it (and take
+    # the extensions off again) instead of installing a second one.
+    reuse = emulation_installed()
+    emulation = contextlib.nullcontext(sys.modules.get("torch_npu")) if reuse else install_emulation()
+    with emulation as fake_torch_npu:
         npu = _build_torch_npu_namespace(handle_ref)
         torchair_modules = _build_torchair()
         handle = StandinHandle(fake_torch_npu, torchair_modules["torchair"], npu)
@@ -221,6 +225,9 @@ def device_standins(*, free_bytes: int | None = None, total_bytes: int | None = 
             yield handle
         finally:
             _ACTIVE.clear()
+            if reuse:
+                for attr in ("npu", "empty_with_swapped_memory", "__getattr__"):
+                    fake_torch_npu.__dict__.pop(attr, None)
             for name in _MODULE_NAMES:
                 if name == "torch_npu":
                     continue  # install_emulation restores it

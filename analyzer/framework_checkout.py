@@ -24,6 +24,8 @@ class CheckoutFacts:
     runner_files: list[str] = field(default_factory=list)
     standalone_runner: bool = False
     runner_evidence: str = ""
+    # Non-empty when the checkout can hold recurrent (linear-attention) state: MambaCacheEntry (G3).
+    mamba_state_evidence: str = ""
 
 
 def dataclass_fields(source: str, class_name: str) -> list[str] | None:
@@ -214,7 +216,9 @@ def inspect_checkout(
         raise InputError(str(info), "not found: is --framework-root a cann-recipes-infer checkout?",
                          field="--framework-root")
     try:
-        generation, evidence = detect_generation(_read(info))
+        info_source = _read(info)
+        generation, evidence = detect_generation(info_source)
+        mamba = "MambaCacheEntry" in class_names(info_source)
     except SyntaxError as exc:
         raise InputError(str(info), f"cannot parse: {exc.msg} (line {exc.lineno})") from None
 
@@ -253,6 +257,7 @@ def inspect_checkout(
         runner_files=runners,
         standalone_runner=standalone,
         runner_evidence=runner_evidence,
+        mamba_state_evidence=f"{CACHE_INFO}: defines MambaCacheEntry" if mamba else "",
     )
 
 

@@ -276,3 +276,18 @@ def test_names_match_rejects_sibling_models():
     assert not names_match("deepseek_v3", "deepseek_v3_2_exp")
     assert names_match("qwen3_moe", "qwen3_moe_pd")
     assert names_match("qwen3", "qwen3_8b")
+
+
+@pytest.mark.parametrize("commit, said", [("HEAD", True), ("48a59dc", False)])
+def test_hybrid_recurrent_model_with_a_mamba_capable_checkout(commit, said):
+    m = run("qwen3_next", framework_root=str(_pinned(commit)), deploy_mode="framework")
+    says_warning = any("MambaCacheEntry" in w.message for w in m.warnings)
+    says_question = any("does not yet render or validate Mamba" in q.message for q in m.open_questions)
+    assert says_warning is said and says_question is said
+    # The Legacy blocker stays either way.
+    assert m.kv_mode.value == "legacy" and any("linear-attention" in b.message for b in m.blockers)
+
+
+def test_no_recurrent_note_for_models_without_linear_layers():
+    m = run("qwen3_8b", framework_root=str(_pinned("HEAD")), deploy_mode="framework")
+    assert not any("MambaCacheEntry" in w.message for w in m.warnings)

@@ -170,8 +170,8 @@ def _framework(manifest: SelectionManifest, req: ValidateRequest, backend: str =
 
     generation = req.framework_api or manifest.framework_api or "G2"
     # Without a checkout a G2 manifest is validated against the newest framework behaviour (G3:
-    # same model-side contract, HEAD's sliding layout and engine).
-    if req.framework_root is None and generation == "G2":
+    # same model-side contract, HEAD's sliding layout and engine); --framework-api G2 asks for 48a59dc's.
+    if req.framework_root is None and req.framework_api is None and generation == "G2":
         generation = "G3"
     # A checkout imports torch_npu / torchair / torch.npu: on CPU they are the stand-ins.
     standins = device_standins() if req.framework_root and backend == "emulated" else contextlib.nullcontext()

@@ -142,10 +142,10 @@ def _infer_config(concurrency: int, next_n: int, max_prefill_tokens: int, fracti
     )
 
 
-def _outcome(fn):
+def _outcome(fn, *args, **kwargs):
     """A call's result, or the kind of error it raised (MemoryError / ValueError family)."""
     try:
-        return ("ok", fn())
+        return ("ok", fn(*args, **kwargs))
     except MemoryError:
         return ("error", "MemoryError")
     except (ValueError, KeyError) as exc:
@@ -171,8 +171,8 @@ def test_block_counts_match(pair):
         kwargs = {}
         if pair.gen == "G3" and rng.random() < 0.5:
             kwargs["extra_reserved_memory_bytes"] = rng.randint(0, 2**15)
-        real = _outcome(lambda: pair.real.calculate_block_num(cfg, real_info, offline, None, **kwargs))
-        mine = _outcome(lambda: pair.harness.calculate_block_num(cfg, harness_info, offline, None, **kwargs))
+        real = _outcome(pair.real.calculate_block_num, cfg, real_info, offline, None, **kwargs)
+        mine = _outcome(pair.harness.calculate_block_num, cfg, harness_info, offline, None, **kwargs)
         assert mine == real, f"case {case}: offline={offline} free={free} total={total} {layers}"
         compared += 1
         errors += real[0] == "error"

@@ -47,7 +47,7 @@ def test_missing_attribute_names_itself_and_the_caller():
         import torch_npu
 
         with pytest.raises(NotStoodInError, match=r"torch_npu\.npu_no_such_op .*test_harness_standins\.py:\d+"):
-            torch_npu.npu_no_such_op
+            _ = torch_npu.npu_no_such_op
         with pytest.raises(NotStoodInError, match=r"torch\.npu\.no_such_call"):
             torch.npu.no_such_call()
 

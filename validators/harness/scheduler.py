@@ -191,16 +191,25 @@ class Scheduler:
         self._pending: Step | None = None
 
     # ---------------------------------------------------------------- framework steps
+    def _from_checkout(self, name: str) -> bool:
+        """True when the checkout provides ``name``; otherwise the harness's is used (and recorded)."""
+        if not self.api.real:
+            return False
+        if hasattr(self.api.kv_cache, name):
+            return True
+        self.provenance[name] = f"harness (the checkout has no {name})"
+        return False
+
     def _validate(self, cache_info) -> None:
-        if self.api.real:
+        if self._from_checkout("validate_cache_info"):
             self.api.kv_cache.validate_cache_info(cache_info)
             self.provenance["validate_cache_info"] = "checkout"
             return
         validate_cache_info(cache_info, manager_map=ATTN_TYPE_MANAGER_MAP_G3 if self.api.generation == "G3" else None)
-        self.provenance["validate_cache_info"] = "harness"
+        self.provenance.setdefault("validate_cache_info", "harness")
 
     def _block_counts(self, cache_info, max_model_len: int, max_concurrency: int) -> dict[str, int]:
-        if self.api.real:
+        if self._from_checkout("calculate_block_num"):
             # The checkout's own offline math (its memory check reads the stand-in torch.npu figures).
             infer_config = types.SimpleNamespace(
                 scheduler_config=types.SimpleNamespace(batch_size_per_dp_rank=max_concurrency,
@@ -210,11 +219,11 @@ class Scheduler:
             )
             self.provenance["calculate_block_num"] = "checkout"
             return self.api.kv_cache.calculate_block_num(infer_config, cache_info, max_model_len)
-        self.provenance["calculate_block_num"] = "harness"
+        self.provenance.setdefault("calculate_block_num", "harness")
         return calculate_block_num(cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len)
 
     def _allocate(self, cache_info, fill_value) -> dict[str, list[torch.Tensor]]:
-        if self.api.real and fill_value is None:
+        if fill_value is None and self._from_checkout("allocate_cache_tensors"):
             captured: dict[str, list[torch.Tensor]] = {}
             originals = []
             for layer_info in cache_info.layer_infos:
@@ -233,8 +242,7 @@ class Scheduler:
             finally:
                 for entry, setter in originals:
                     entry.tensor_setter = setter
-        else:
-            self.provenance["allocate_cache_tensors"] = "harness"
+        self.provenance.setdefault("allocate_cache_tensors", "harness")
         return allocate_cache_tensors(self.device, cache_info, self.block_num_by_key, fill_value=fill_value)
 
     # ---------------------------------------------------------------- requests

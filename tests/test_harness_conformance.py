@@ -349,3 +349,27 @@ def test_random_traces_match_step_by_step(pair):
 
 def test_departures_are_listed_once_with_reasons():
     assert all(isinstance(v, str) and len(v) > 40 for v in DEPARTURES.values())
+
+
+def test_the_comparison_has_teeth_old_sliding_layout_at_head(pair):
+    """HEAD's real code against the 48a59dc-era harness (prefill keeps from L - W): a difference must show."""
+    if pair.gen != "G3":
+        pytest.skip("only HEAD changed the sliding-window prefill layout (a9adc55)")
+    old = types.SimpleNamespace(**{**vars(pair), "harness": FrameworkAPI.harness(
+        "G3", recycle_skipped_on_failure=True).kv_cache})
+    # The G3 harness with G2's layout rule: build its managers with prefill_extra_tokens=0.
+    import functools
+
+    from validators.harness import managers
+
+    old.harness.create_single_type_managers = functools.partial(
+        managers.create_single_type_managers, prefill_extra_tokens=0, manager_map=managers.ATTN_TYPE_MANAGER_MAP_G3)
+    caught = 0
+    for seed in range(TRACES_PER_COMMIT):
+        trace = _Trace(old, random.Random(f"trace-{pair.commit}-{seed}"))
+        try:
+            trace.run(OPS_PER_TRACE)
+        except AssertionError as exc:
+            assert "SlidingWindow" in str(exc)
+            caught += 1
+    assert caught > 0

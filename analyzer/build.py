@@ -16,7 +16,7 @@ from analyzer.context import (
     parse_progress,
 )
 from analyzer.errors import InputError
-from analyzer.framework_checkout import CheckoutFacts, inspect_checkout
+from analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
 from analyzer.manifest import (
     DeployModeDecision,
     DeviceDependency,
@@ -144,6 +144,7 @@ def assemble(
     scale, scale_txt = rules.decide_scale(facts)
 
     framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
+    _recurrent_state(facts, checkout, warnings, questions)
     layers = _layers(facts, parallel, kv_mode, window_reading)
     mixed = len({layer.attn_type for layer in layers}) > 1
     memory_plan = _memory(facts, layers, req, progress, questions, warnings)
@@ -244,6 +245,24 @@ def assemble(
         warnings=warnings,
         blockers=blockers,
     )
+
+
+def _recurrent_state(facts: ModelFacts, checkout, warnings, questions) -> None:
+    """A checkout with MambaCacheEntry can hold linear-attention state; the bundle cannot render it yet."""
+    linear = facts.layer_kinds.value.count("linear")
+    if not linear or checkout is None or not checkout.mamba_state_evidence:
+        return
+    fields = [facts.layer_kinds.source, "--framework-root"]
+    warnings.append(Finding(
+        message=f"the checkout can hold the recurrent state of the {linear} linear-attention layers "
+                f"({checkout.mamba_state_evidence}: attn_type Mamba, one state block per request)",
+        fields=fields,
+    ))
+    questions.append(Finding(
+        message="the framework now has MambaCacheEntry, but this bundle does not yet render or validate Mamba "
+                "state entries: the linear-attention blocker (Legacy path) stays until it does",
+        fields=fields,
+    ))
 
 
 def _attention_kind(facts: ModelFacts) -> str:
@@ -369,7 +388,8 @@ def _progress_conflicts(progress: ProgressFacts, req: AnalyzeRequest, dispatch: 
 def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, str]:
     if deploy != "framework":
         return None, "standalone mode: no framework API"
-    detected = checkout.generation if checkout else None
+    # A HEAD-era (G3) checkout takes G2 renders; its evidence still names G3.
+    detected = render_api(checkout.generation) if checkout else None
     if req.framework_api:
         if detected and detected != req.framework_api:
             raise InputError("--framework-api", f"{req.framework_api} contradicts the checkout's {detected} "

@@ -24,6 +24,8 @@ class CheckoutFacts:
     runner_files: list[str] = field(default_factory=list)
     standalone_runner: bool = False
     runner_evidence: str = ""
+    # Non-empty when the checkout can hold recurrent (linear-attention) state: MambaCacheEntry (G3).
+    mamba_state_evidence: str = ""
 
 
 def dataclass_fields(source: str, class_name: str) -> list[str] | None:
@@ -48,20 +50,55 @@ def dataclass_fields(source: str, class_name: str) -> list[str] | None:
     return collect(class_name, frozenset({class_name})) if class_name in classes else None
 
 
-def detect_generation(source: str) -> tuple[str | None, str]:
-    """G0/G1/G2 from the CacheEntry / ModelCacheInfo fields (DOMAIN.md §5)."""
-    entry = dataclass_fields(source, "CacheEntry")
-    model = dataclass_fields(source, "ModelCacheInfo")
-    if entry is None or model is None:
-        return None, "cache_info.py defines no CacheEntry/ModelCacheInfo dataclass"
+# Fields that mark the HEAD-era framework (G3): physical allocator, compressed rows and the
+# tensor layout switch arrived together with the Mamba state entries and the sliding-window
+# prefill layout that keeps max(0, L - 1 - W) onwards.
+G3_ENTRY_FIELDS = ("allocator", "compress_ratio", "cache_layout")
+
+
+def classify_generation(entry_fields, model_fields, class_names=()) -> tuple[str | None, str]:
+    """The one generation rule (G0/G1/G2/G3 or None) from CacheEntry / ModelCacheInfo field names.
+
+    Used by the analyzer (fields parsed from source) and by the harness installer (fields of
+    imported classes), so both always agree. ``class_names``: other classes the module
+    defines (evidence only). None when the fields fit no generation.
+    """
+    entry, model = list(entry_fields), list(model_fields)
     desc = f"CacheEntry({', '.join(entry)}); ModelCacheInfo({', '.join(model)})"
     if "block_size" in entry and "block_size" not in model:
+        if "cache_layout" in entry:
+            extra = [f for f in G3_ENTRY_FIELDS if f in entry]
+            mamba = "; MambaCacheEntry defined" if "MambaCacheEntry" in class_names else ""
+            return "G3", (f"HEAD-era G2: per-entry block_size plus {', '.join(extra)}{mamba} "
+                          f"(renders use the G2 contract): {desc}")
         return "G2", f"per-entry block_size, no model-level block_size: {desc}"
+    if "block_size" in model and "block_size" in entry:
+        return None, f"block_size on both CacheEntry and ModelCacheInfo: {desc}"
     if "block_size" in model and "is_mla_backend" in model:
         return "G1", f"model-level block_size + is_mla_backend: {desc}"
     if "block_size" in model:
         return "G0", f"model-level block_size, no is_mla_backend: {desc}"
-    return None, f"unrecognised field set: {desc}"
+    if "is_mla_backend" in model:
+        return None, f"is_mla_backend without any block_size (neither G1 nor G2): {desc}"
+    return None, f"unrecognised field set (no block_size anywhere): {desc}"
+
+
+def render_api(generation: str | None) -> str | None:
+    """The model-side contract a generation's renders follow (G3 checkouts take G2 renders)."""
+    return "G2" if generation == "G3" else generation
+
+
+def class_names(source: str) -> list[str]:
+    return [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)]
+
+
+def detect_generation(source: str) -> tuple[str | None, str]:
+    """G0/G1/G2/G3 from the CacheEntry / ModelCacheInfo fields of a cache_info.py text (never imported)."""
+    entry = dataclass_fields(source, "CacheEntry")
+    model = dataclass_fields(source, "ModelCacheInfo")
+    if entry is None or model is None:
+        return None, "cache_info.py defines no CacheEntry/ModelCacheInfo dataclass"
+    return classify_generation(entry, model, class_names(source))
 
 
 def _norm(name: str) -> str:
@@ -72,14 +109,22 @@ def _tokens(name: str) -> list[str]:
     return [t for t in re.split(r"[^a-z0-9]+", name.lower()) if t]
 
 
-def names_match(model_name: str, key: str) -> bool:
-    """``key`` (a registry key or model dir) names the model: its leading tokens equal the model's.
+# Tokens a registry key or model directory may add after the model's own name without naming
+# a different model: sizes (8b, 7b, a22b, 1.5b), tuning/deployment variants.
+_VARIANT_TOKEN = re.compile(r"^(\d+(\.\d+)?[bmk]|a\d+b|instruct|chat|base|it|hf|pd|fp8|int8|w8a8)$")
 
-    ``qwen3_moe`` matches ``qwen3-moe`` and ``qwen3_moe_pd``; ``qwen3`` matches ``qwen3_8b``;
-    ``llama`` does not match ``llama4`` (tokens compare whole).
+
+def names_match(model_name: str, key: str) -> bool:
+    """``key`` (a registry key or model dir) names the model itself, not a sibling model.
+
+    The key's tokens equal the model's, or add only size/variant tokens: ``qwen3_moe`` matches
+    ``qwen3-moe`` and ``qwen3_moe_pd``; ``qwen3`` matches ``qwen3_8b`` but not ``qwen3-moe``;
+    ``deepseek_v3`` does not match ``deepseek_v3_2_exp``; ``llama`` does not match ``llama4``.
     """
     want, have = _tokens(model_name), _tokens(key)
-    return bool(want) and have[: len(want)] == want
+    if not want or have[: len(want)] != want:
+        return False
+    return all(_VARIANT_TOKEN.match(t) for t in have[len(want):])
 
 
 def _read(path: Path) -> str:
@@ -89,24 +134,75 @@ def _read(path: Path) -> str:
         raise InputError(str(path), f"cannot read: {exc}") from None
 
 
-def registration(source: str, names: Sequence[str], architectures: Sequence[str]) -> tuple[bool, str]:
-    """Is the model registered in support_models.py: a string key naming it, or its class imported/used."""
+def _class_names_in(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]  # pkg.mod.XForCausalLM: the class, not the package
+    if isinstance(node, ast.Constant):
+        # ("models.x.modeling_x", "XForCausalLM"): the class part (module paths contain dots)
+        return [node.value] if isinstance(node.value, str) and node.value.isidentifier() else []
+    return [name for child in ast.iter_child_nodes(node) for name in _class_names_in(child)]
+
+
+def read_registry(source: str) -> dict[str, list[str]]:
+    """Registry key -> class names, read the way the checkout's loader reads it.
+
+    Handles ``model_dict = {"key": (ClassA, ClassB)}`` (imported classes) and the lazy
+    ``_specs = {"key": [("module.path", "ClassName"), ...]}`` (class names as strings).
+    """
+    tree = ast.parse(source)
+    registry: dict[str, list[str]] = {}
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if not isinstance(value, ast.Dict):
+            continue
+        for key, item in zip(value.keys, value.values, strict=False):
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                continue
+            registry[key.value] = _class_names_in(item)
+    return registry
+
+
+def config_class_name(model_type: str) -> str | None:
+    """transformers' config class for a model_type (e.g. ``qwen3`` -> ``Qwen3Config``), if known."""
     try:
-        tree = ast.parse(source)
-        literals = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-        identifiers = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-        identifiers |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-    except SyntaxError:
-        literals = re.findall(r"[\"']([^\"'\n]+)[\"']", source)
-        identifiers = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", source))
-    for arch in architectures:
-        if arch in identifiers:
-            return True, f"class {arch} (config architectures) is registered"
-    for name in names:
-        for lit in literals:
-            if names_match(name, lit):
-                return True, f"key {lit!r} names {name}"
-    return False, f"no key for {'/'.join(names)} and no class of {list(architectures)}"
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except Exception:  # transformers missing or broken: name and class matching still work
+        return None
+    return CONFIG_MAPPING_NAMES.get(model_type)
+
+
+def registration(source: str, names: Sequence[str], architectures: Sequence[str],
+                 config_class: str | None = None) -> tuple[bool, str]:
+    """Is the model registered under a key of its own in support_models.py.
+
+    A key is the model's when its entry names the model's config class (the lazy registry
+    pairs each key with one), or, for an entry that names no config class, its ForCausalLM
+    class is one of the config's architectures, or the key itself names the model
+    (``names_match``). A sibling that reuses the modeling class under another config
+    (``deepseek_v3_2_exp``: DeepseekV3ForCausalLM with DeepseekV3IndexConfig) is not the model's key.
+    """
+    try:
+        registry = read_registry(source)
+    except SyntaxError as exc:
+        return False, f"cannot parse the registry: {exc.msg} (line {exc.lineno})"
+    if not registry:
+        return False, "no registry dict (model_dict / _specs) found"
+    hits = []
+    for key, classes in registry.items():
+        configs = [c for c in classes if c.endswith("Config")]
+        if config_class and config_class in configs:
+            hits.append(f"key {key!r} pairs its classes with {config_class}")
+        elif not configs and (arch := next((a for a in architectures if a in classes), None)):
+            hits.append(f"key {key!r} registers class {arch} (config architectures)")
+        elif (name := next((n for n in names if names_match(n, key)), None)) and (
+                not configs or not config_class or config_class in configs):
+            hits.append(f"key {key!r} names {name}")
+    if hits:
+        return True, "; ".join(hits)
+    return False, (f"no key of its own for {'/'.join(names)} (config class {config_class or '?'}, "
+                   f"architectures {list(architectures)}) among {sorted(registry)}")
 
 
 def inspect_checkout(
@@ -120,7 +216,9 @@ def inspect_checkout(
         raise InputError(str(info), "not found: is --framework-root a cann-recipes-infer checkout?",
                          field="--framework-root")
     try:
-        generation, evidence = detect_generation(_read(info))
+        info_source = _read(info)
+        generation, evidence = detect_generation(info_source)
+        mamba = "MambaCacheEntry" in class_names(info_source)
     except SyntaxError as exc:
         raise InputError(str(info), f"cannot parse: {exc.msg} (line {exc.lineno})") from None
 
@@ -129,7 +227,7 @@ def inspect_checkout(
     for rel in SUPPORT_MODELS:
         sm = base / rel
         if sm.is_file():
-            registered, why = registration(_read(sm), names, architectures)
+            registered, why = registration(_read(sm), names, architectures, config_class_name(model_type))
             reg_evidence = f"{rel}: {why}"
             break
 
@@ -159,6 +257,7 @@ def inspect_checkout(
         runner_files=runners,
         standalone_runner=standalone,
         runner_evidence=runner_evidence,
+        mamba_state_evidence=f"{CACHE_INFO}: defines MambaCacheEntry" if mamba else "",
     )
 
 

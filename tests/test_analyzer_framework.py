@@ -36,7 +36,7 @@ def run(config: str, **kw):
 @pytest.mark.parametrize("root, generation, words", [
     (G0, "G0", "model-level block_size, no is_mla_backend"),
     (G1, "G1", "model-level block_size + is_mla_backend"),
-    (G2, "G2", "per-entry block_size, no model-level block_size"),
+    (G2, "G3", "HEAD-era G2: per-entry block_size plus"),  # the G2 fixture carries the HEAD-era fields
 ])
 def test_generation_from_dataclass_fields(root, generation, words):
     source = (Path(root) / "executor/core/kv_cache/cache_info.py").read_text(encoding="utf-8")
@@ -102,7 +102,7 @@ def test_checkout_facts_standalone_runner():
 
 def test_checkout_g2_support_models_under_entrypoints_and_attribute_base():
     c = inspect_checkout(G2, "qwen3_moe", "qwen3", ["Qwen3MoeForCausalLM"])
-    assert c.generation == "G2" and c.registered
+    assert c.generation == "G3" and c.registered  # cache_layout/compress_ratio/allocator: HEAD era
     assert c.registered_evidence.startswith("executor/core/entrypoints/support_models.py")
     assert c.runner_files == ["models/qwen3_moe/runner_qwen3_moe.py"]
     assert not c.standalone_runner  # derives from executor.model_runner.ModelRunner
@@ -221,3 +221,73 @@ def test_framework_api_flag_must_agree_with_the_checkout():
     with pytest.raises(InputError) as err:
         run("qwen3_8b", framework_root=G0, framework_api="G2")
     assert err.value.where == "--framework-api" and "G0" in err.value.message
+
+
+# ---------------------------------------------------------------- the pinned public commits
+
+from tests.shared_dirs import upstream_head, upstream_history  # noqa: E402
+
+
+def _pinned(commit):
+    return upstream_head() if commit == "HEAD" else upstream_history(commit)
+
+
+@pytest.mark.parametrize("commit, generation", [
+    ("f0b0fde", "G0"), ("2c2336a", "G1"), ("48a59dc", "G2"), ("HEAD", "G3"),
+])
+def test_generation_of_each_pinned_commit(commit, generation):
+    root = _pinned(commit)
+    gen, evidence = detect_generation((root / "executor/core/kv_cache/cache_info.py").read_text(encoding="utf-8"))
+    assert gen == generation
+    if generation == "G3":
+        assert "cache_layout" in evidence and "MambaCacheEntry" in evidence
+
+
+@pytest.mark.parametrize("commit, model_type, architectures, registered, key_words, absent", [
+    # The old registry holds only qwen3-moe: dense Qwen3 is not registered through it.
+    ("2c2336a", "qwen3", ["Qwen3ForCausalLM"], False, "no key of its own", None),
+    ("2c2336a", "qwen3_moe", ["Qwen3MoeForCausalLM"], True, "'qwen3-moe'", None),
+    ("f0b0fde", "deepseek_v3", ["DeepseekV3ForCausalLM"], True, "'deepseek_r1'", None),
+    # HEAD's lazy registry names classes as strings; the key pairs them with the config class.
+    ("HEAD", "qwen3", ["Qwen3ForCausalLM"], True, "'qwen3_8b'", "'qwen3_moe'"),
+    ("HEAD", "qwen2", ["Qwen2ForCausalLM"], True, "'qwen25_7b_instruct'", "'qwen3_8b'"),
+    ("HEAD", "deepseek_v3", ["DeepseekV3ForCausalLM"], True, "'deepseek_r1'", "'deepseek_v3_2_exp'"),
+    ("HEAD", "gpt_oss", ["GptOssForCausalLM"], True, "'gpt_oss'", None),
+    ("HEAD", "llama", ["LlamaForCausalLM"], False, "no key of its own", None),
+])
+def test_registration_on_pinned_registries(commit, model_type, architectures, registered, key_words, absent):
+    facts = inspect_checkout(_pinned(commit), model_type, model_type, architectures)
+    assert facts.registered is registered, facts.registered_evidence
+    assert key_words in facts.registered_evidence
+    if absent:
+        assert absent not in facts.registered_evidence
+
+
+def test_registry_read_like_the_checkout():
+    lazy = 'import importlib\n_specs = {"a_b": [("models.a.m", "AForCausalLM"), ("models.a.c", "AConfig")]}\n'
+    eager = "from m import X, XConfig\nmodel_dict = {'x-1': (X, XConfig), 'y': m.Y}\n"
+    from analyzer.framework_checkout import read_registry
+    assert read_registry(lazy) == {"a_b": ["AForCausalLM", "AConfig"]}
+    assert read_registry(eager) == {"x-1": ["X", "XConfig"], "y": ["Y"]}
+
+
+def test_names_match_rejects_sibling_models():
+    assert not names_match("qwen3", "qwen3-moe")
+    assert not names_match("deepseek_v3", "deepseek_v3_2_exp")
+    assert names_match("qwen3_moe", "qwen3_moe_pd")
+    assert names_match("qwen3", "qwen3_8b")
+
+
+@pytest.mark.parametrize("commit, said", [("HEAD", True), ("48a59dc", False)])
+def test_hybrid_recurrent_model_with_a_mamba_capable_checkout(commit, said):
+    m = run("qwen3_next", framework_root=str(_pinned(commit)), deploy_mode="framework")
+    says_warning = any("MambaCacheEntry" in w.message for w in m.warnings)
+    says_question = any("does not yet render or validate Mamba" in q.message for q in m.open_questions)
+    assert says_warning is said and says_question is said
+    # The Legacy blocker stays either way.
+    assert m.kv_mode.value == "legacy" and any("linear-attention" in b.message for b in m.blockers)
+
+
+def test_no_recurrent_note_for_models_without_linear_layers():
+    m = run("qwen3_8b", framework_root=str(_pinned("HEAD")), deploy_mode="framework")
+    assert not any("MambaCacheEntry" in w.message for w in m.warnings)

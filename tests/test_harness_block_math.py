@@ -117,13 +117,19 @@ def test_g2_budget_shares_tokens_across_groups():
         calculate_block_num(info, max_concurrency=2, available_kv_memory=3 * MiB, max_prefill_tokens=1920)
 
 
-def test_needs_block_false_entries_are_not_sized():
+def test_needs_block_false_growing_entries_count_like_the_framework():
+    # The framework's budget loop iterates every entry of a growing group, needs_block or not
+    # (executor/core/kv_cache/cache_utils.py at all four pinned commits): the scratch entry's
+    # bytes shrink the token budget although it gets no blocks of its own.
     g = get_generation("G2")
     entries = _kv_entries(g, "FullAttention", block_size=128)
-    entries.append(g.CacheEntry("scratch", "FullAttention", 4096, 8, torch.float32, False))
-    info = g.ModelCacheInfo(1, [g.LayerCacheInfo(0, entries)])
-    # Only k/v count: 2 caches x 128 dim x 2 heads x 2 B = 1024 B/token; 1 MiB -> 1024 tokens -> 8 blocks.
+    info = g.ModelCacheInfo(1, [g.LayerCacheInfo(0, list(entries))])
+    # k/v: 2 caches x 128 dim x 2 heads x 2 B = 1024 B/token; 1 MiB -> 1024 tokens -> 8 blocks.
     assert calculate_block_num(info, max_concurrency=1, available_kv_memory=MiB) == {"FullAttention": 8}
+    entries.append(g.CacheEntry("scratch", "FullAttention", 4096, 8, torch.float32, False, block_size=128))
+    info = g.ModelCacheInfo(1, [g.LayerCacheInfo(0, entries)])
+    # + 4096 x 8 x 4 B = 131072 B/token: 64 MiB / 132096 B -> 508 tokens -> 3 blocks.
+    assert calculate_block_num(info, max_concurrency=1, available_kv_memory=64 * MiB) == {"FullAttention": 3}
 
 
 def test_framework_signature_wrapper():

@@ -49,8 +49,18 @@ def test_g1_adds_tensor_and_is_mla_backend():
     assert g.table_key == "attn_type"
 
 
-def test_g2_per_entry_block_size_and_group_key():
+def test_g2_has_the_eleven_fields_of_48a59dc():
     g = get_generation("g2")
+    assert field_names(g.CacheEntry) == [
+        "cache_name", "attn_type", "dim", "num_head", "dtype", "needs_block",
+        "block_size", "manager_key", "tensor_setter", "sliding_window", "tensor",
+    ]
+    assert g.sliding_prefill_extra_tokens == 0 and g.MambaCacheEntry is None and g.render_api == "G2"
+
+
+def test_g3_per_entry_block_size_and_group_key():
+    g = get_generation("g3")
+    assert g.render_api == "G2" and g.sliding_prefill_extra_tokens == 1 and g.decode_admission == "skip"
     assert field_names(g.CacheEntry) == [
         "cache_name", "attn_type", "dim", "num_head", "dtype", "needs_block",
         "block_size", "manager_key", "tensor_setter", "sliding_window",
@@ -73,10 +83,21 @@ def test_g2_per_entry_block_size_and_group_key():
 
 def test_unknown_generation_rejected():
     with pytest.raises(ValueError, match="G3"):
-        get_generation("G3")
+        get_generation("G4")
 
 
-@pytest.mark.parametrize("gen", ["G0", "G1", "G2"])
+def test_mamba_entry_rules():
+    g = get_generation("G3")
+    entry = g.MambaCacheEntry(cache_name="ssm", dtype=torch.float32, needs_block=True, shape=[4, 8])
+    assert entry.attn_type == "Mamba" and entry.block_size == 1 and entry.cache_dim_numel() == 32
+    for bad in ({"shape": []}, {"shape": [4, 0]}, {"shape": [2], "block_size": 2}, {"shape": [2], "next_n": -1}):
+        with pytest.raises(ValueError, match="ssm"):
+            g.MambaCacheEntry(cache_name="ssm", dtype=torch.float32, needs_block=True, **bad)
+    report = g.OffloadWorkspaceMemoryInfo([g.MemoryBudgetItem("w", 10), g.MemoryBudgetItem("h", 5, "host")])
+    assert report.npu_bytes == 10
+
+
+@pytest.mark.parametrize("gen", ["G0", "G1", "G2", "G3"])
 def test_detect_generation_from_classes(gen):
     g = get_generation(gen)
     assert detect_generation_from_classes(g.CacheEntry, g.ModelCacheInfo) == gen
@@ -104,8 +125,16 @@ def test_detect_generation_from_source_text():
     assert detect_generation_from_source(textwrap.dedent(g0)) == "G0"
     assert detect_generation_from_source(textwrap.dedent(g1)) == "G1"
     assert detect_generation_from_source(textwrap.dedent(g2)) == "G2"
+    g3 = g2.replace("block_size: int = None", "block_size: int = None\n            cache_layout: str = 'BnBsND'")
+    assert detect_generation_from_source(textwrap.dedent(g3)) == "G3"
     with pytest.raises(ValueError):
         detect_generation_from_source("x = 1\n")
+    # The disagreements the analyzer and the installer once had now fail the same way.
+    no_block_size = g0.replace("            block_size: int\n", "")
+    mla_only = g1.replace("            block_size: int\n", "")
+    for text, words in ((no_block_size, "no block_size anywhere"), (mla_only, "is_mla_backend without")):
+        with pytest.raises(ValueError, match=words):
+            detect_generation_from_source(textwrap.dedent(text))
 
 
 def test_merge_renumbers_layers_and_checks_block_size():

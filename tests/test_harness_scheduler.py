@@ -126,10 +126,12 @@ def test_wrong_table_consumer_is_caught_by_poisoning():
     step = sched.next_step()
     sched.poison()
     model.table_choice = "first"
-    assert torch.isnan(model(step.input_ids, step.position_ids, step.forward_metadata)).all()
+    real = len(step.request_ids)  # rows past these are decode padding (they read the null block)
+    assert step.padded_rows == 1
+    assert torch.isnan(model(step.input_ids, step.position_ids, step.forward_metadata)[:real]).all()
     sched.poison()  # the wrong run wrote nothing outside the request's own slots, but be strict
     model.table_choice = "by_key"
-    assert not torch.isnan(model(step.input_ids, step.position_ids, step.forward_metadata)).any()
+    assert not torch.isnan(model(step.input_ids, step.position_ids, step.forward_metadata)[:real]).any()
 
 
 def test_whole_dict_consumer_fails():
@@ -261,3 +263,29 @@ def test_prefill_reading_back_from_the_cache():
     # null-block slots that several positions overwrote (which write survives is not defined).
     assert torch.allclose(logits[12:], reference[12:], atol=1e-6)
     assert not torch.allclose(logits[:10], reference[:10], atol=1e-3)
+
+
+@pytest.mark.parametrize("gen, decoded", [("G0", [0]), ("G1", [0, 2]), ("G3", [0, 2])])
+def test_decode_admission_skips_a_request_that_cannot_grow_from_g1_on(gen, decoded):
+    # 5 blocks of 4 tokens (4 usable besides the null block), all taken by the prefill:
+    # request 0 (2 tokens) and request 2 (3 tokens) can decode within their block; request 1
+    # (8 tokens, two full blocks) needs a third block and cannot grow.
+    from validators.harness import get_generation
+
+    g = get_generation(gen)
+    kwargs = {"block_size": 4} if g.name in ("G2", "G3") else {}
+    entries = [g.CacheEntry("k_cache", "FullAttention", 4, 1, torch.float32, True, tensor_setter=lambda t: None,
+                            **kwargs)]
+    layers = [g.LayerCacheInfo(0, entries)]
+    info = g.ModelCacheInfo(1, layers) if g.name in ("G2", "G3") else g.ModelCacheInfo(1, 4, layers)
+    sched = Scheduler(info, max_model_len=16, max_concurrency=3, generation=gen,
+                      block_num_by_key={"FullAttention": 5})
+    for prompt in ([2, 2], [1] * 8, [3, 3, 3]):
+        sched.add_request(prompt, max_new_tokens=4)
+    step = sched.next_step()
+    assert step.is_prefill and step.request_ids == [0, 1, 2]
+    sched.complete_step(step, [5, 5, 5])
+    step = sched.next_step()
+    assert not step.is_prefill
+    assert step.request_ids == decoded  # G0 stops at request 1; later generations skip it
+    assert 1 in step.deferred

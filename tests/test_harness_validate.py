@@ -13,7 +13,7 @@ from validators.harness import (
 )
 
 G1 = get_generation("G1")
-G2 = get_generation("G2")
+G2 = get_generation("G3")  # the G2 contract with the HEAD-era fields (compress_ratio, cache_layout)
 
 
 def _g2_entry(name="k_cache", attn="FullAttention", **kw):
@@ -138,3 +138,29 @@ def test_manager_factory_rejects_unknown_group():
     info = _g2_info(_ok_layer())
     with pytest.raises(CacheInfoError, match="layer 0, entry 'k_cache'"):
         KVCacheManager.from_cache_info(info, {"Other": 4}, max_model_len=16)
+
+
+def test_g3_cache_layout_shapes_and_unknown_layouts_refused():
+    # "BnNBsD" puts heads before rows, as allocate_cache_tensors does at HEAD; other layouts are refused.
+    layer = _Layer()
+    info = _g2_info([_g2_entry("k_cache", cache_layout="BnNBsD", tensor_setter=lambda t: setattr(layer, "k", t)),
+                     _g2_entry("v_cache", compress_ratio=2, tensor_setter=lambda t: setattr(layer, "v", t))])
+    validate_cache_info(info)
+    allocate_cache_tensors("cpu", info, {"FullAttention": 3})
+    assert layer.k.shape == (3, 2, 4, 8)  # [blocks, heads, block_size, dim]
+    assert layer.v.shape == (3, 2, 2, 8)  # [blocks, block_size / compress_ratio, heads, dim]
+    with pytest.raises(CacheInfoError, match="unsupported cache_layout 'BSND'"):
+        validate_cache_info(_g2_info([_g2_entry("k_cache", cache_layout="BSND")]))
+
+
+def test_g3_mamba_entries_need_the_g3_manager_map():
+    from validators.harness.managers import ATTN_TYPE_MANAGER_MAP_G3
+
+    state = G2.MambaCacheEntry(cache_name="ssm", dtype=torch.float32, needs_block=True, shape=[2, 3],
+                               tensor_setter=lambda t: None)
+    info = _g2_info([state, _g2_entry("k_cache")])
+    validate_cache_info(info, manager_map=ATTN_TYPE_MANAGER_MAP_G3)
+    with pytest.raises(CacheInfoError, match="unsupported attn_type 'Mamba'"):
+        validate_cache_info(info)  # G0-G2 have no Mamba manager
+    blocks = calculate_block_num(info, max_concurrency=2, offline_max_len=8)
+    assert blocks == {"Mamba": 3, "FullAttention": 5}  # 2 x (1 + next_n) + 1; ceil(8/4) x 2 + 1

@@ -262,3 +262,13 @@ def test_gqa_scatter_nd_update_then_paged_decode():
         scale=0.25, input_layout="TND", sparse_mode=3)
     ref, _ = ref_attention(q, keys, values, scale=0.25, mode=3)
     assert float((out.double() - ref).abs().max()) <= 1e-5
+
+
+def test_repeated_slots_only_in_the_null_block():
+    # Padded decode rows all write slot 0 of the null block (block 0): legal; repeats elsewhere are not.
+    kv, gamma, cos, sin = mla_inputs(3)
+    kc, cc = torch.zeros(2, 16, 1, 16), torch.zeros(2, 16, 1, 32)
+    emulated.npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, torch.tensor([17, 0, 0]), kc, cc, cache_mode="PA")
+    assert torch.count_nonzero(kc[1, 1]) > 0  # the real row was written
+    expect("index", emulated.npu_kv_rmsnorm_rope_cache, kv, gamma, cos, sin, torch.tensor([17, 17, 0]), kc, cc,
+           cache_mode="PA")

@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="emulated = CPU reference ops; npu = real torch_npu (auto picks npu when present)")
     p.add_argument("--framework-root", metavar="DIR",
                    help="cann-recipes-infer checkout: use its executor.core.kv_cache instead of the harness")
-    p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
-                   help="harness generation when the manifest names none (default G2)")
+    p.add_argument("--framework-api", choices=("G0", "G1", "G2", "G3"),
+                   help="harness generation (default: the manifest's; a G2 manifest runs the HEAD-era G3 "
+                        "harness, --framework-api G2 the 48a59dc one)")
     p.add_argument("--attn-tp-size", type=int, metavar="N",
                    help="attention TP ranks to launch (must equal the manifest's attn_tp_size; gloo on CPU)")
     p.add_argument("--report", metavar="FILE", help="write the JSON report here")

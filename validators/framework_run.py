@@ -41,7 +41,7 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
             if dims != wanted:
                 mismatches.append(f"layer {plan.index} {name}: (attn_type, dim, num_head, dtype, window) "
                                   f"{dims} != {wanted}")
-            block_size = getattr(entry, "block_size", None) if api == "G2" else model_bs
+            block_size = getattr(entry, "block_size", None) if api in ("G2", "G3") else model_bs
             if block_size != manifest.block_size:
                 mismatches.append(f"layer {plan.index} {name}: block_size {block_size} != {manifest.block_size}")
     report.add("cache entries match the manifest", "init", not mismatches,
@@ -78,6 +78,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype)
     sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,
                       api=api_module, generation=generation, device=host.device)
+    report.notes.append(provenance_note(api_module, generation, sched))
     check_allocation(report, host, sched)
     if any(not c.passed for c in report.checks if c.link == "init"):
         report.notes.append("init link failed: runtime, numeric and release checks not run")
@@ -134,6 +135,14 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
                sched.usage() == start_usage and _cache_bytes(sched) == start_bytes,
                usage_before=start_usage, usage_after=sched.usage(), bytes_before=start_bytes,
                bytes_after=_cache_bytes(sched))
+
+
+def provenance_note(api_module, generation: str, sched) -> str:
+    """Which framework steps ran the checkout's code and which the harness's (one line)."""
+    where = "checkout" if api_module.real else "harness"
+    parts = [f"{name}={origin}" for name, origin in sched.provenance.items()]
+    parts.append(f"forward_metadata={where if api_module.real else 'harness'}")
+    return f"framework {generation} modules ({where}): " + ", ".join(parts)
 
 
 def _cache_bytes(sched) -> int:

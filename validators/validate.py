@@ -143,7 +143,7 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
     cache_dtype = getattr(torch, manifest.model.dtype) if on_npu else torch.float32
     if on_npu:
         model.to(device=device, dtype=cache_dtype)
-    with ops, device_readings(readings), _framework(manifest, req) as handle:
+    with ops, device_readings(readings), _framework(manifest, req, backend) as handle:
         rendered = import_rendered(req.rendered)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, window=plan.window,
                          device=device,
@@ -156,6 +156,10 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
                            framework=manifest.deploy_mode.value == "framework")
             elif manifest.deploy_mode.value == "framework":
                 from validators.framework_run import run_framework
+
+                if handle.real:
+                    report.notes.append(f"checkout {handle.root} (detected {handle.generation}); modules from the "
+                                        f"harness: {', '.join(handle.fallbacks) or 'none'}")
 
                 run_framework(report, manifest, host, ref, handle.api(), handle.generation, scenario, req.seed,
                               cache_dtype)
@@ -173,13 +177,20 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
 
 
 @contextlib.contextmanager
-def _framework(manifest: SelectionManifest, req: ValidateRequest):
+def _framework(manifest: SelectionManifest, req: ValidateRequest, backend: str = "emulated"):
     if manifest.deploy_mode.value != "framework":
         yield None
         return
     from validators.harness import install_framework
+    from validators.standins import device_standins
 
     generation = req.framework_api or manifest.framework_api or "G2"
-    with install_framework(generation, req.framework_root,
-                           fallback_to_harness=["executor.utils.common_utils"]) as handle:
+    # Without a checkout a G2 manifest is validated against the newest framework behaviour (G3:
+    # same model-side contract, HEAD's sliding layout and engine); --framework-api G2 asks for 48a59dc's.
+    if req.framework_root is None and req.framework_api is None and generation == "G2":
+        generation = "G3"
+    # A checkout imports torch_npu / torchair / torch.npu: on CPU they are the stand-ins.
+    standins = device_standins() if req.framework_root and backend == "emulated" else contextlib.nullcontext()
+    with standins, install_framework(generation, req.framework_root,
+                                     fallback_to_harness=["executor.utils.common_utils"]) as handle:
         yield handle

@@ -1,4 +1,4 @@
-"""CPU harness of the cann-recipes-infer KV-cache framework contract (API generations G0, G1, G2).
+"""CPU harness of the cann-recipes-infer KV-cache framework contract (API generations G0, G1, G2, G3).
 
 Entry points:
 
@@ -6,7 +6,7 @@ Entry points:
   ``executor.core.kv_cache`` (and its submodules), ``executor.utils.forward_metadata`` and
   ``executor.utils.common_utils`` resolve to the harness (or a real checkout);
 * ``get_generation(name)``: the CacheEntry / LayerCacheInfo / ModelCacheInfo classes of one generation;
-* ``BlockPool``, ``FullAttentionManager``, ``SlidingWindowManager``, ``KVCacheManager``;
+* ``BlockPool``, ``FullAttentionManager``, ``SlidingWindowManager``, ``MambaManager`` (G3), ``KVCacheManager``;
 * ``validate_cache_info``, ``calculate_block_num``, ``allocate_cache_tensors``,
   ``prepare_block_tables``, ``prepare_slot_mapping``, ``get_init_attn_mask``;
 * ``Scheduler`` / ``Step``: request life cycle producing the packed inputs and metadata;
@@ -46,6 +46,7 @@ from .kv_cache_manager import KVCacheManager
 from .managers import (
     ATTN_TYPE_MANAGER_MAP,
     FullAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
     create_single_type_managers,
@@ -77,6 +78,7 @@ __all__ = [
     "FullAttentionManager",
     "HarnessError",
     "KVCacheManager",
+    "MambaManager",
     "Request",
     "Scheduler",
     "SchedulerStall",

@@ -25,6 +25,9 @@ class FrameworkAPI:
     forward_metadata: types.ModuleType
     common_utils: types.ModuleType
     extra_window_keys: int = 0
+    # Set by build_manager: G0's KVCacheManager keeps no cache_info, but G0/G1 slot mappings need
+    # the model-level block size.
+    cache_info: object = None
 
     @classmethod
     def from_handle(cls, handle) -> FrameworkAPI:
@@ -58,13 +61,23 @@ class FrameworkAPI:
 
     @property
     def keyed_by_group_key(self) -> bool:
-        return self.generation == "G2"
+        return self.generation in ("G2", "G3")
+
+    @property
+    def decode_admission(self) -> str:
+        """"stop" (G0: the decode batch ends at the first request that cannot grow) or "skip"."""
+        from .generations import get_generation
+
+        return get_generation(self.generation).decode_admission
 
     # ---------------------------------------------------------------- managers
     def build_manager(self, cache_info, block_num_by_key: dict[str, int], max_model_len: int):
+        self.cache_info = cache_info
         managers = self.kv_cache.create_single_type_managers(
             cache_info=cache_info, block_num_by_type=block_num_by_key, max_model_len=max_model_len
         )
+        if self.real and self.generation == "G0":  # G0's KVCacheManager(max_model_len, single_type_managers)
+            return self.kv_cache.KVCacheManager(max_model_len=max_model_len, single_type_managers=managers)
         return self.kv_cache.KVCacheManager(
             max_model_len=max_model_len, single_type_managers=managers, cache_info=cache_info
         )
@@ -79,19 +92,23 @@ class FrameworkAPI:
         }
 
     # ---------------------------------------------------------------- tables
-    def block_tables(self, requests, kv_cache_manager, max_model_len: int, device, batch_size: int):
+    def block_tables(self, requests, kv_cache_manager, max_model_len: int, device, batch_size: int,
+                     is_prefill: bool = False):
         widths = self.block_table_widths(kv_cache_manager, max_model_len)
         if self.keyed_by_group_key:
             width = widths
         else:
             width = max(widths.values())  # G0/G1: one model-level block size, one width
+        if self.generation == "G3":  # Mamba state tables are narrower at prefill
+            return self.kv_cache.prepare_block_tables(requests, kv_cache_manager, width, device, batch_size,
+                                                      is_prefill=is_prefill)
         return self.kv_cache.prepare_block_tables(requests, kv_cache_manager, width, device, batch_size)
 
     def slot_mappings(self, position_ids, cu_q, kv_cache_manager, block_tables):
         if self.keyed_by_group_key:
             return self.kv_cache.prepare_slot_mapping(position_ids, cu_q, kv_cache_manager, block_tables)
-        block_size = kv_cache_manager.cache_info.block_size
-        return self.kv_cache.prepare_slot_mapping(position_ids, cu_q, block_tables, block_size)
+        info = getattr(kv_cache_manager, "cache_info", None) or self.cache_info
+        return self.kv_cache.prepare_slot_mapping(position_ids, cu_q, block_tables, info.block_size)
 
     # ---------------------------------------------------------------- metadata
     def attention_mask(self, device=None) -> torch.Tensor:

@@ -19,20 +19,23 @@ from dataclasses import dataclass
 import torch
 
 from .entries import (
+    compress_ratio_of,
     dtype_itemsize,
     entry_block_size,
     entry_dims,
     group_key_of,
     iter_entries,
     storage_block_size,
-    token_bytes,
     uses_model_block_size,
 )
 from .errors import CacheInfoError
 from .managers import ATTN_TYPE_MANAGER_MAP
 
-# Attention types whose block count does not grow with the sequence.
-FIXED_BLOCK_ATTN_TYPES = frozenset({"SlidingWindow"})
+# Attention types whose block count does not grow with the sequence (Mamba: G3).
+FIXED_BLOCK_ATTN_TYPES = frozenset({"SlidingWindow", "Mamba"})
+# Physical cache tensor layouts G3 knows; any other value is refused (earlier generations have
+# no cache_layout field and always allocate "BnBsND").
+SUPPORTED_CACHE_LAYOUTS = frozenset({"BnBsND", "BnNBsD"})
 
 
 # --------------------------------------------------------------------------- validation
@@ -46,14 +49,21 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def validate_cache_info(cache_info) -> None:
+def _is_hbm(entry) -> bool:
+    allocator = getattr(entry, "allocator", None)
+    return allocator is None or getattr(allocator, "value", allocator) == "hbm"
+
+
+def validate_cache_info(cache_info, manager_map=None) -> None:
     """Reject descriptions the framework would fail on, naming the layer and entry.
 
     Checks: layer count, non-empty layers, supported attn_type, positive heads/dims,
     a torch dtype, a positive block size (model-level in G0/G1, per entry in G2),
-    ``sliding_window`` on SlidingWindow entries, and per group: one attn_type, one
-    block size, one sliding window.
+    ``sliding_window`` on SlidingWindow entries, a known ``cache_layout`` (G3), Mamba
+    entries being MambaCacheEntry (G3), and per group: one attn_type, one block size, one
+    sliding window. ``manager_map``: the generation's attn types (default G0-G2's).
     """
+    manager_map = ATTN_TYPE_MANAGER_MAP if manager_map is None else manager_map
     if cache_info.num_layers != len(cache_info.layer_infos):
         raise CacheInfoError(
             f"ModelCacheInfo.num_layers mismatch: num_layers={cache_info.num_layers}, "
@@ -71,10 +81,19 @@ def validate_cache_info(cache_info) -> None:
             if not entry.needs_block:
                 continue
             where = _where(layer_info.layer_idx, entry)
-            if entry.attn_type not in ATTN_TYPE_MANAGER_MAP:
+            if entry.attn_type not in manager_map:
                 raise CacheInfoError(
-                    f"{where}: unsupported attn_type {entry.attn_type!r}; supported: {sorted(ATTN_TYPE_MANAGER_MAP)}"
+                    f"{where}: unsupported attn_type {entry.attn_type!r}; supported: {sorted(manager_map)}"
                 )
+            layout = getattr(entry, "cache_layout", "BnBsND")
+            if layout not in SUPPORTED_CACHE_LAYOUTS:
+                raise CacheInfoError(
+                    f"{where}: unsupported cache_layout {layout!r}; supported: {sorted(SUPPORTED_CACHE_LAYOUTS)}"
+                )
+            if entry.attn_type == "Mamba":
+                if not hasattr(entry, "shape"):
+                    raise CacheInfoError(f"{where}: attn_type 'Mamba' needs a MambaCacheEntry, got {type(entry).__name__}")
+                continue  # the entry validated its own shape on construction
             if not _positive_int(entry.num_head):
                 raise CacheInfoError(f"{where}: num_head must be a positive int, got {entry.num_head!r}")
             dims = entry_dims(entry)
@@ -123,23 +142,44 @@ class GroupSpec:
     attn_type: str
     block_size: int
     sliding_window: int | None
-    token_bytes: float  # all entries of the group together
+    token_bytes: float  # all HBM entries of the group together (per token; Mamba: per state block)
+    next_n: int = 0  # Mamba: speculative state blocks per request
 
 
-def group_specs(cache_info) -> dict[str, GroupSpec]:
-    """Per-group block size, window and bytes per token (paged entries only)."""
+def _entry_unit_bytes(entry) -> int:
+    """Bytes of one token of a paged entry (floored after compression), or of one Mamba state block."""
+    if entry.attn_type == "Mamba":
+        return math.prod(entry.shape) * dtype_itemsize(entry.dtype)
+    numel = math.prod(entry_dims(entry)) * entry.num_head * dtype_itemsize(entry.dtype)
+    if entry.attn_type in FIXED_BLOCK_ATTN_TYPES:
+        return numel  # the framework sizes fixed-block caches uncompressed
+    return int(numel // compress_ratio_of(entry))
+
+
+def group_specs(cache_info, *, include_unpaged: bool = False) -> dict[str, GroupSpec]:
+    """Per-group block size, window and bytes (HBM entries only count bytes).
+
+    ``include_unpaged``: also count ``needs_block=False`` entries, as the framework's block
+    math does for growing groups (it iterates every entry there).
+    """
     specs: dict[str, GroupSpec] = {}
-    for _, entry in iter_entries(cache_info, paged_only=True):
+    for _, entry in iter_entries(cache_info, paged_only=not include_unpaged):
         key = group_key_of(entry)
         block_size = entry_block_size(entry, cache_info)
         previous = specs.get(key)
-        added = token_bytes(entry)
+        if previous is not None and previous.block_size != block_size:
+            raise CacheInfoError(
+                f"cache {entry.cache_name!r}: block_size {block_size} differs from {previous.block_size} "
+                f"inside group '{key}'"
+            )
+        added = _entry_unit_bytes(entry) if _is_hbm(entry) else 0
         specs[key] = GroupSpec(
             key=key,
             attn_type=entry.attn_type,
             block_size=block_size,
             sliding_window=entry.sliding_window if entry.attn_type == "SlidingWindow" else None,
-            token_bytes=added + (previous.token_bytes if previous else 0.0),
+            token_bytes=added + (previous.token_bytes if previous else 0),
+            next_n=int(getattr(entry, "next_n", 0) or 0),
         )
     return specs
 
@@ -153,6 +193,31 @@ def fixed_blocks_per_request(sliding_window: int, block_size: int, next_n: int =
     return math.ceil((sliding_window + 2 * next_n) / block_size) + 1
 
 
+def _fixed_groups(cache_info, max_concurrency: int, next_n: int, needs_block_only: bool):
+    """(blocks per fixed group, bytes they take), the framework's reservation made first."""
+    counts: dict[str, int] = {}
+    total_bytes = 0
+    for layer_idx, entry in iter_entries(cache_info, paged_only=needs_block_only):
+        if entry.attn_type not in FIXED_BLOCK_ATTN_TYPES:
+            continue
+        key = group_key_of(entry)
+        if entry.attn_type == "Mamba":
+            count = max_concurrency * (1 + int(entry.next_n)) + 1
+            per_block = _entry_unit_bytes(entry)
+        else:
+            block_size = entry_block_size(entry, cache_info)
+            count = max_concurrency * fixed_blocks_per_request(entry.sliding_window, block_size, next_n) + 1
+            per_block = block_size * _entry_unit_bytes(entry)
+        if key in counts and counts[key] != count:
+            raise CacheInfoError(
+                f"{_where(layer_idx, entry)}: fixed-block caches sharing group '{key}' need different block "
+                f"counts ({counts[key]} vs {count})"
+            )
+        counts[key] = count
+        total_bytes += count * per_block if _is_hbm(entry) else 0
+    return counts, total_bytes
+
+
 def calculate_block_num(
     cache_info,
     *,
@@ -162,47 +227,58 @@ def calculate_block_num(
     kv_cache_mem_ratio: float = 1.0,
     next_n: int = 0,
     max_prefill_tokens: int | None = None,
+    extra_reserved_memory_bytes: int = 0,
+    free_memory: int | None = None,
+    fixed_needs_block_only: bool = True,
 ) -> dict[str, int]:
     """Blocks per group (keys as the generation keys its tables); block 0 of each pool is the null block.
 
-    Fixed-block groups (SlidingWindow): ``max_concurrency * fixed_blocks_per_request + 1``.
-    Paged groups, offline (``offline_max_len``): ``ceil(max_len / block_size) * max_concurrency + 1``.
-    Paged groups, budget (``available_kv_memory`` bytes): the fixed groups' bytes are
-    reserved first, then ``max_tokens = floor((available * ratio - fixed) / per_token_bytes)``
-    with ``per_token_bytes`` summed over every paged group, and each paged group gets
+    Fixed-block groups: SlidingWindow ``max_concurrency * fixed_blocks_per_request + 1``,
+    Mamba ``max_concurrency * (1 + next_n) + 1``; their HBM bytes are reserved first.
+    Growing groups, offline (``offline_max_len``): ``ceil(max_len / block_size) * max_concurrency + 1``;
+    with ``free_memory`` the total (plus ``extra_reserved_memory_bytes``) must fit in it.
+    Growing groups, budget (``available_kv_memory`` bytes): ``max_tokens = floor((available * ratio
+    - fixed - extra) / per_token_bytes)`` with ``per_token_bytes`` summed over every growing
+    entry (``needs_block=False`` ones too, as the framework counts them), and each group gets
     ``floor(max_tokens / block_size)`` blocks (the null block is inside that count).
     With ``max_prefill_tokens`` the budget result must hold one prefill, as the framework checks.
+    ``fixed_needs_block_only=False`` reproduces G0/G1, whose fixed-block reservation also
+    counted ``needs_block=False`` entries.
     """
     if max_concurrency <= 0:
         raise ValueError("max_concurrency must be positive")
-    specs = group_specs(cache_info)
-    result: dict[str, int] = {}
-    fixed_bytes = 0.0
-    for spec in specs.values():
-        if spec.attn_type not in FIXED_BLOCK_ATTN_TYPES:
-            continue
-        count = max_concurrency * fixed_blocks_per_request(spec.sliding_window, spec.block_size, next_n) + 1
-        result[spec.key] = count
-        fixed_bytes += count * spec.block_size * spec.token_bytes
+    result, fixed_bytes = _fixed_groups(cache_info, max_concurrency, next_n, fixed_needs_block_only)
 
-    paged = [s for s in specs.values() if s.attn_type not in FIXED_BLOCK_ATTN_TYPES]
+    paged = [s for s in group_specs(cache_info, include_unpaged=True).values()
+             if s.attn_type not in FIXED_BLOCK_ATTN_TYPES]
     if not paged:
         return result
 
     if offline_max_len:
         for spec in paged:
             result[spec.key] = math.ceil(offline_max_len / spec.block_size) * max_concurrency + 1
+        if free_memory is not None:
+            required = sum(result[s.key] * s.block_size * s.token_bytes for s in paged)
+            required += fixed_bytes + extra_reserved_memory_bytes
+            if required > free_memory:
+                raise MemoryError(
+                    f"offline cache allocation needs {required:.0f} bytes, more than the free {free_memory} "
+                    f"(extra_reserved={extra_reserved_memory_bytes})"
+                )
         return result
 
     if available_kv_memory is None:
         raise ValueError("give offline_max_len (offline sizing) or available_kv_memory (budget sizing)")
     per_token = sum(s.token_bytes for s in paged)
-    budget = available_kv_memory * kv_cache_mem_ratio - fixed_bytes
+    budget = available_kv_memory * kv_cache_mem_ratio - fixed_bytes - extra_reserved_memory_bytes
     if budget <= 0:
         raise MemoryError(
             f"no memory left for paged groups after fixed-block reservation: "
-            f"available={available_kv_memory}, ratio={kv_cache_mem_ratio}, fixed={fixed_bytes:.0f}"
+            f"available={available_kv_memory}, ratio={kv_cache_mem_ratio}, fixed={fixed_bytes:.0f}, "
+            f"extra_reserved={extra_reserved_memory_bytes}"
         )
+    if per_token <= 0:
+        raise MemoryError("no HBM-backed paged cache entry remains for budget sizing")
     max_tokens = int(budget // per_token)
     for spec in paged:
         result[spec.key] = max_tokens // spec.block_size
@@ -221,8 +297,7 @@ def kv_cache_bytes(cache_info, block_num_by_key: Mapping[str, int]) -> int:
     total = 0
     for _, entry in iter_entries(cache_info, paged_only=True):
         blocks = block_num_by_key[group_key_of(entry)]
-        rows = storage_block_size(entry, entry_block_size(entry, cache_info))
-        total += blocks * rows * entry.num_head * math.prod(entry_dims(entry)) * dtype_itemsize(entry.dtype)
+        total += math.prod(cache_tensor_shape(entry, cache_info, blocks)) * dtype_itemsize(entry.dtype)
     return total
 
 
@@ -230,8 +305,19 @@ def kv_cache_bytes(cache_info, block_num_by_key: Mapping[str, int]) -> int:
 
 
 def cache_tensor_shape(entry, cache_info, num_blocks: int) -> tuple[int, ...]:
-    """``[num_blocks, block_size, num_head, *dim]`` (block rows divided by compress_ratio)."""
+    """``[num_blocks, block_size, num_head, *dim]`` (rows divided by compress_ratio).
+
+    G3: ``cache_layout="BnNBsD"`` puts heads before rows (``[num_blocks, num_head, rows, *dim]``);
+    a Mamba entry is ``[num_blocks, *shape]``.
+    """
+    if entry.attn_type == "Mamba":
+        return (num_blocks, *entry.shape)
     rows = storage_block_size(entry, entry_block_size(entry, cache_info))
+    layout = getattr(entry, "cache_layout", "BnBsND")
+    if layout == "BnNBsD":
+        return (num_blocks, entry.num_head, rows, *entry_dims(entry))
+    if layout != "BnBsND":
+        raise CacheInfoError(f"cache {entry.cache_name!r}: unsupported cache_layout {layout!r}")
     return (num_blocks, rows, entry.num_head, *entry_dims(entry))
 
 
@@ -256,7 +342,7 @@ def allocate_cache_tensors(
         key = group_key_of(entry)
         if key not in block_num_by_type:
             raise KeyError(f"{where}: missing block count for group '{key}'")
-        if entry.attn_type not in ATTN_TYPE_MANAGER_MAP:
+        if entry.attn_type not in FIXED_BLOCK_ATTN_TYPES | {"FullAttention"}:
             raise CacheInfoError(f"{where}: cannot create a cache tensor for attn_type {entry.attn_type!r}")
         shape = cache_tensor_shape(entry, cache_info, block_num_by_type[key])
         if fill_value is None:
@@ -290,6 +376,7 @@ def build_block_tables(
     batch_size: int = 0,
     *,
     key_attr: str = "manager_key",
+    skip_attn_types: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
     """``[batch, max_blocks]`` int32 per group, padded with the group's null block.
 
@@ -300,6 +387,8 @@ def build_block_tables(
     rows = len(requests) if requests is not None else 0
     batch = max(batch_size, rows)
     for manager in kv_cache_manager.single_type_managers:
+        if manager.attn_type in skip_attn_types:
+            continue
         width = _width_for(manager, max_block_num)
         null_block = manager.block_pool.get_null_block()
         table = torch.zeros((batch, width), dtype=torch.int32, device=device)
@@ -365,6 +454,20 @@ def build_slot_mappings(
 # --------------------------------------------------------------------------- framework-signature wrappers
 
 
+def prepare_block_tables_g0(requests, kv_cache_manager, max_block_num: int, device, batch_size: int = 0):
+    """G0 ``prepare_block_tables``: as G1, but a batch with requests must have exactly their rows.
+
+    G0 viewed the request rows as ``[batch_size, -1]``, so a padded decode batch (fewer requests
+    than ``batch_size``) failed there; the harness refuses it the same way.
+    """
+    if requests is not None and len(requests) != batch_size:
+        raise ValueError(
+            f"G0 prepare_block_tables builds exactly one row per request: {len(requests)} requests, "
+            f"batch_size={batch_size} (G0 cannot pad a decode batch)"
+        )
+    return prepare_block_tables_g01(requests, kv_cache_manager, max_block_num, device, batch_size)
+
+
 def prepare_block_tables_g01(requests, kv_cache_manager, max_block_num: int, device, batch_size: int = 0):
     """G0/G1 ``prepare_block_tables``: keys = attn_type, one width for all groups."""
     return build_block_tables(requests, kv_cache_manager, max_block_num, device, batch_size, key_attr="attn_type")
@@ -381,6 +484,57 @@ def prepare_slot_mapping_g01(position_ids, actual_seq_lengths_cu_q, block_tables
 def prepare_block_tables_g2(requests, kv_cache_manager, max_block_num, device, batch_size: int = 0):
     """G2 ``prepare_block_tables``: keys = manager_key, width per key (dict) or shared (int)."""
     return build_block_tables(requests, kv_cache_manager, max_block_num, device, batch_size, key_attr="manager_key")
+
+
+def _mamba_block_table(requests, manager, device, batch_size: int, is_prefill: bool) -> torch.Tensor:
+    # One state block at prefill, 1 + next_n once decoding; padding rows (request_id < 0) and
+    # rows past the batch hold the null block; a real request missing blocks is an error.
+    width = 1 if is_prefill else 1 + manager.next_n
+    null_block = manager.block_pool.get_null_block()
+    table = torch.full((batch_size, width), null_block, dtype=torch.int32, device=device)
+    for row, request in enumerate(requests or []):
+        blocks = list(manager.req_to_blocks.get(request.request_id, []))[:width]
+        if len(blocks) < width:
+            if request.request_id >= 0:
+                raise ValueError(
+                    f"Mamba block table needs {width} blocks for request {request.request_id}, got {blocks}"
+                )
+            blocks += [null_block] * (width - len(blocks))
+        table[row] = torch.tensor(blocks, dtype=torch.int32, device=device)
+    return table
+
+
+def prepare_block_tables_g3(requests, kv_cache_manager, max_block_num, device, batch_size: int = 0,
+                            is_prefill: bool = False):
+    """G3 ``prepare_block_tables``: G2's tables plus Mamba state tables (width depends on ``is_prefill``)."""
+    paged = build_block_tables(requests, kv_cache_manager, max_block_num, device, batch_size,
+                               key_attr="manager_key", skip_attn_types=("Mamba",))
+    tables = {}
+    for manager in kv_cache_manager.single_type_managers:
+        key = manager.manager_key
+        if manager.attn_type == "Mamba":
+            tables[key] = _mamba_block_table(requests, manager, device, batch_size, is_prefill)
+        else:
+            tables[key] = paged[key]
+    return tables
+
+
+def prepare_slot_mapping_g3(position_ids, actual_seq_lengths_cu_q, kv_cache_manager, block_tables):
+    """G3 ``prepare_slot_mapping``: no entry for Mamba groups nor for compressed (ratio > 1) groups."""
+    result = {}
+    for manager in kv_cache_manager.single_type_managers:
+        key = manager.manager_key
+        if manager.attn_type == "Mamba":
+            continue
+        table = block_tables.get(key)
+        if table is None:
+            raise ValueError(f"block_table is required for manager_key={key}")
+        if table.shape[1] == 0:
+            raise ValueError(f"block_table for {key} must have non-zero width")
+        if getattr(manager, "compress_ratio", 1) > 1:
+            continue  # the model computes slots of compressed rows itself
+        result[key] = slot_mapping_for(position_ids, actual_seq_lengths_cu_q, table, manager.block_size, key=key)
+    return result
 
 
 def prepare_slot_mapping_g2(position_ids, actual_seq_lengths_cu_q, kv_cache_manager, block_tables):
@@ -405,32 +559,37 @@ def set_emulated_mem_info(free_bytes: int | None, total_bytes: int | None = None
     _EMULATED_MEM_INFO[0] = None if free_bytes is None else (int(free_bytes), int(total_bytes or free_bytes))
 
 
-def framework_calculate_block_num(infer_config, cache_info, offline_max_len=None, tp_group=None) -> dict[str, int]:
+def framework_calculate_block_num(infer_config, cache_info, offline_max_len=None, tp_group=None,
+                                  extra_reserved_memory_bytes: int = 0, *, offline_memory_check: bool = True,
+                                  fixed_needs_block_only: bool = True) -> dict[str, int]:
     """``calculate_block_num`` with the framework's signature, for installed modules.
 
     Reads ``infer_config.scheduler_config.batch_size_per_dp_rank``, ``.max_prefill_tokens``,
     ``.mem_fraction_static`` and ``infer_config.model_config.next_n``. Budget mode uses
-    ``total * mem_fraction_static - used`` from ``set_emulated_mem_info``.
+    ``total * mem_fraction_static - used`` from ``set_emulated_mem_info``; offline mode checks
+    the total against the free figure when one is set (G1 on; ``offline_memory_check``).
+    ``extra_reserved_memory_bytes`` (G3) is taken off the budget first.
     """
     scheduler_config = infer_config.scheduler_config
     model_config = getattr(infer_config, "model_config", None)
     next_n = int(getattr(model_config, "next_n", 0) or 0)
     concurrency = int(scheduler_config.batch_size_per_dp_rank)
-    if offline_max_len:
-        return calculate_block_num(
-            cache_info, max_concurrency=concurrency, offline_max_len=offline_max_len, next_n=next_n
-        )
     mem = _EMULATED_MEM_INFO[0]
+    common = {"max_concurrency": concurrency, "next_n": next_n,
+              "extra_reserved_memory_bytes": extra_reserved_memory_bytes,
+              "fixed_needs_block_only": fixed_needs_block_only}
+    if offline_max_len:
+        free = mem[0] if (mem is not None and offline_memory_check) else None
+        return calculate_block_num(cache_info, offline_max_len=offline_max_len, free_memory=free, **common)
     if mem is None:
         raise RuntimeError("budget-mode block math needs set_emulated_mem_info(free_bytes, total_bytes) first")
     free, total = mem
     available = total * float(scheduler_config.mem_fraction_static) - (total - free)
     return calculate_block_num(
         cache_info,
-        max_concurrency=concurrency,
         available_kv_memory=available,
-        next_n=next_n,
         max_prefill_tokens=getattr(scheduler_config, "max_prefill_tokens", None),
+        **common,
     )
 
 
@@ -441,6 +600,7 @@ def framework_allocate_cache_tensors(device, cache_info, block_num_by_type) -> N
 
 __all__ = [
     "FIXED_BLOCK_ATTN_TYPES",
+    "SUPPORTED_CACHE_LAYOUTS",
     "GroupSpec",
     "allocate_cache_tensors",
     "build_block_tables",
@@ -453,10 +613,13 @@ __all__ = [
     "framework_calculate_block_num",
     "group_specs",
     "kv_cache_bytes",
+    "prepare_block_tables_g0",
     "prepare_block_tables_g01",
     "prepare_block_tables_g2",
+    "prepare_block_tables_g3",
     "prepare_slot_mapping_g01",
     "prepare_slot_mapping_g2",
+    "prepare_slot_mapping_g3",
     "set_emulated_mem_info",
     "slot_mapping_for",
     "validate_cache_info",

@@ -6,10 +6,14 @@ Field names, order and defaults follow the public cann-recipes-infer history:
   model-level ``block_size``; tables keyed by ``attn_type``.
 * G1 (commit 2c2336ab..., 2026-04-30): G0 plus ``CacheEntry.tensor`` (filled by
   ``allocate_cache_tensors``) and ``ModelCacheInfo.is_mla_backend``.
-* G2 (commit 48a59dc0..., 2026-06-11 on): per-entry ``block_size`` and ``manager_key``
+* G2 (commit 48a59dc0..., 2026-06-11): per-entry ``block_size`` and ``manager_key``
   (``group_key`` = manager_key or attn_type), ModelCacheInfo without ``block_size``.
-  Later G2 commits append ``allocator``, ``compress_ratio`` and ``cache_layout``; this
-  harness carries those too (a superset), so code written for either G2 variant loads.
+* G3 (HEAD era): G2 plus ``allocator``, ``compress_ratio``, ``cache_layout``,
+  ``MambaCacheEntry`` / Mamba manager, ``MemoryBudgetItem``, and the sliding-window prefill
+  layout that keeps ``max(0, L - 1 - W)`` onwards (a9adc55). The model-side contract (what a
+  rendered ``get_cache_info`` writes) is G2's, so renders for G3 are G2 renders; only the
+  framework behaviour differs. The harness G2 entry class carries the G3 fields too (a
+  superset), so code written for either loads.
 
 The classes are written from the documented behaviour; ``get_generation`` returns a
 namespace holding one generation's classes plus a few facts about it.
@@ -27,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-GENERATIONS = ("G0", "G1", "G2")
+from analyzer.framework_checkout import classify_generation, dataclass_fields, detect_generation
+
+GENERATIONS = ("G0", "G1", "G2", "G3")
 
 
 def _dims_numel(dim) -> int:
@@ -151,14 +157,39 @@ class CacheEntryG2:
     manager_key: str | None = None
     tensor_setter: Callable[[torch.Tensor], None] | None = None
     sliding_window: int | None = None
-    allocator: CacheAllocator = CacheAllocator.HBM
-    compress_ratio: int = 1
     tensor: torch.Tensor | None = None
-    cache_layout: str = "BnBsND"
 
     @property
     def group_key(self) -> str:
         """Key of the manager (and of block_table / slot_mapping) this entry belongs to."""
+        return self.manager_key if self.manager_key is not None else self.attn_type
+
+    def cache_dim_numel(self) -> int:
+        return _dims_numel(self.dim)
+
+
+@dataclass
+class CacheEntryG3:
+    """One cache tensor of one layer (G3: G2 plus allocator, compressed rows and tensor layout)."""
+
+    cache_name: str
+    attn_type: str
+    dim: int | list[int]
+    num_head: int
+    dtype: torch.dtype
+    needs_block: bool
+    block_size: int | None = None
+    manager_key: str | None = None
+    tensor_setter: Callable[[torch.Tensor], None] | None = None
+    sliding_window: int | None = None
+    allocator: CacheAllocator = CacheAllocator.HBM
+    compress_ratio: int = 1
+    tensor: torch.Tensor | None = None
+    # "BnBsND" = [blocks, block_size, heads, dim]; "BnNBsD" = [blocks, heads, block_size, dim].
+    cache_layout: str = "BnBsND"
+
+    @property
+    def group_key(self) -> str:
         return self.manager_key if self.manager_key is not None else self.attn_type
 
     def cache_dim_numel(self) -> int:
@@ -172,6 +203,58 @@ class CacheEntryG2:
                 f"block_size={self.block_size}, compress_ratio={self.compress_ratio}."
             )
         return self.block_size // self.compress_ratio
+
+
+@dataclass
+class MambaCacheEntry(CacheEntryG3):
+    """A fixed-size recurrent state per request (G3): ``shape`` is the whole trailing shape.
+
+    ``dim``/``num_head`` are unused; the block size is always 1 (one state block per
+    request, plus ``next_n`` for speculative steps). Keyword construction only.
+    """
+
+    attn_type: str = dataclasses.field(default="Mamba", kw_only=True)
+    dim: int | list[int] | None = dataclasses.field(default=None, kw_only=True)
+    num_head: int | None = dataclasses.field(default=None, kw_only=True)
+    block_size: int = dataclasses.field(default=1, kw_only=True)
+    shape: list[int] = dataclasses.field(default_factory=list, kw_only=True)
+    next_n: int = dataclasses.field(default=0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        where = f"Mamba cache '{self.cache_name}'"
+        if self.attn_type != "Mamba":
+            raise ValueError(f"{where} must keep attn_type='Mamba', but got '{self.attn_type}'.")
+        if self.block_size != 1:
+            raise ValueError(f"{where} block_size must be 1, but got {self.block_size}.")
+        if not isinstance(self.shape, list) or not self.shape:
+            raise ValueError(f"{where} must define a non-empty shape list, but got {self.shape}.")
+        if any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 for d in self.shape):
+            raise ValueError(f"{where} shape dimensions must all be positive integers, but got {self.shape}.")
+        if self.next_n < 0:
+            raise ValueError(f"{where} next_n must be non-negative, but got {self.next_n}.")
+
+    def cache_dim_numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class MemoryBudgetItem:
+    """A memory item a model reports for cache/workspace budgeting (G3)."""
+
+    name: str
+    bytes: int
+    location: str = "npu"
+
+
+@dataclass
+class OffloadWorkspaceMemoryInfo:
+    """Offload workspace report (G3): the NPU-resident part counts against the KV budget."""
+
+    items: list
+
+    @property
+    def npu_bytes(self) -> int:
+        return sum(item.bytes for item in self.items if item.location == "npu")
 
 
 @dataclass
@@ -201,11 +284,20 @@ _CLASSES = {
     "G0": (CacheEntryG0, LayerCacheInfoG0, ModelCacheInfoG0),
     "G1": (CacheEntryG1, LayerCacheInfoG1, ModelCacheInfoG1),
     "G2": (CacheEntryG2, LayerCacheInfoG2, ModelCacheInfoG2),
+    "G3": (CacheEntryG3, LayerCacheInfoG2, ModelCacheInfoG2),
 }
+# Facts that change the framework's behaviour between generations (read from the real code):
+# tokens before the last one that a sliding-window prefill keeps (G0-G2: W - 1, i.e. the
+# first kept token is L - W; G3: W, i.e. max(0, L - 1 - W)) and what the scheduler does
+# when a running request cannot grow (G0 stops the decode batch there; G1+ skips it).
+SLIDING_PREFILL_EXTRA_TOKENS = {"G0": 0, "G1": 0, "G2": 0, "G3": 1}
+DECODE_ADMISSION = {"G0": "stop", "G1": "skip", "G2": "skip", "G3": "skip"}
 
 # Public names used by the framework module, so `from ... import CacheEntry` works on the namespace.
 for _gen, (_entry, _layer, _model) in _CLASSES.items():
     for _cls, _public in ((_entry, "CacheEntry"), (_layer, "LayerCacheInfo"), (_model, "ModelCacheInfo")):
+        if _gen == "G3" and _cls is not _entry:
+            continue  # G3 shares G2's layer/model classes
         _cls.__qualname__ = f"{_public}[{_gen}]"
 
 
@@ -214,21 +306,32 @@ def get_generation(name: str) -> types.SimpleNamespace:
 
     Attributes: ``name``, ``CacheEntry``, ``LayerCacheInfo``, ``ModelCacheInfo``,
     ``table_key`` ("attn_type" or "group_key"), ``model_level_block_size`` (bool),
-    ``has_is_mla_backend`` (bool), ``CacheAllocator`` (G2 only, else None).
+    ``has_is_mla_backend`` (bool), ``CacheAllocator`` (G2/G3, else None), ``MambaCacheEntry``,
+    ``MemoryBudgetItem``, ``OffloadWorkspaceMemoryInfo`` (G3, else None),
+    ``sliding_prefill_extra_tokens``, ``decode_admission`` ("stop" | "skip") and
+    ``render_api`` (the model-side contract renders use: G3 renders are G2 renders).
     """
     key = name.upper()
     if key not in _CLASSES:
         raise ValueError(f"unknown framework API generation {name!r}; expected one of {GENERATIONS}")
     entry, layer, model = _CLASSES[key]
+    per_entry = key in ("G2", "G3")
+    g3 = key == "G3"
     return types.SimpleNamespace(
         name=key,
         CacheEntry=entry,
         LayerCacheInfo=layer,
         ModelCacheInfo=model,
-        table_key="group_key" if key == "G2" else "attn_type",
-        model_level_block_size=key != "G2",
+        table_key="group_key" if per_entry else "attn_type",
+        model_level_block_size=not per_entry,
         has_is_mla_backend=key != "G0",
-        CacheAllocator=CacheAllocator if key == "G2" else None,
+        CacheAllocator=CacheAllocator if per_entry else None,
+        MambaCacheEntry=MambaCacheEntry if g3 else None,
+        MemoryBudgetItem=MemoryBudgetItem if g3 else None,
+        OffloadWorkspaceMemoryInfo=OffloadWorkspaceMemoryInfo if g3 else None,
+        sliding_prefill_extra_tokens=SLIDING_PREFILL_EXTRA_TOKENS[key],
+        decode_admission=DECODE_ADMISSION[key],
+        render_api="G2" if g3 else key,
     )
 
 
@@ -237,41 +340,32 @@ def field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def classify_fields(entry_fields, model_fields) -> str:
-    """Generation implied by the field names of CacheEntry and ModelCacheInfo."""
-    entry_fields, model_fields = set(entry_fields), set(model_fields)
-    if "block_size" in entry_fields and "block_size" not in model_fields:
-        return "G2"
-    if "is_mla_backend" in model_fields:
-        return "G1"
-    return "G0"
+def classify_fields(entry_fields, model_fields, class_names=()) -> str:
+    """Generation implied by the field names (the analyzer's rule); ValueError when none fits."""
+    generation, evidence = classify_generation(entry_fields, model_fields, class_names)
+    if generation is None:
+        raise ValueError(f"no framework API generation fits: {evidence}")
+    return generation
 
 
-def detect_generation_from_classes(cache_entry_cls, model_cache_info_cls) -> str:
-    """Generation of already-imported CacheEntry / ModelCacheInfo classes."""
-    return classify_fields(field_names(cache_entry_cls), field_names(model_cache_info_cls))
-
-
-def _annotated_fields(class_node: ast.ClassDef) -> list[str]:
-    return [
-        stmt.target.id
-        for stmt in class_node.body
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-    ]
+def detect_generation_from_classes(cache_entry_cls, model_cache_info_cls, module=None) -> str:
+    """Generation of already-imported CacheEntry / ModelCacheInfo classes (inherited fields included)."""
+    names = [n for n, v in vars(module).items() if isinstance(v, type)] if module is not None else ()
+    return classify_fields(field_names(cache_entry_cls), field_names(model_cache_info_cls), names)
 
 
 def read_fields_from_source(source: str) -> dict[str, list[str]]:
-    """Field names of every class in a cache_info.py source text (parsed, never imported)."""
+    """Field names of every class in a cache_info.py source text (parsed, never imported; bases included)."""
     tree = ast.parse(source)
-    return {node.name: _annotated_fields(node) for node in tree.body if isinstance(node, ast.ClassDef)}
+    return {node.name: dataclass_fields(source, node.name) for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
 def detect_generation_from_source(source: str) -> str:
     """Generation of a checkout's ``executor/core/kv_cache/cache_info.py`` text."""
-    fields = read_fields_from_source(source)
-    if "CacheEntry" not in fields or "ModelCacheInfo" not in fields:
-        raise ValueError("cache_info.py source defines no CacheEntry/ModelCacheInfo classes")
-    return classify_fields(fields["CacheEntry"], fields["ModelCacheInfo"])
+    generation, evidence = detect_generation(source)
+    if generation is None:
+        raise ValueError(evidence)
+    return generation
 
 
 __all__ = [
@@ -280,6 +374,10 @@ __all__ = [
     "CacheEntryG0",
     "CacheEntryG1",
     "CacheEntryG2",
+    "CacheEntryG3",
+    "MambaCacheEntry",
+    "MemoryBudgetItem",
+    "OffloadWorkspaceMemoryInfo",
     "LayerCacheInfoG0",
     "LayerCacheInfoG1",
     "LayerCacheInfoG2",

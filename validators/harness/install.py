@@ -60,15 +60,21 @@ def build_harness_modules(
 ) -> dict[str, types.ModuleType]:
     """Module objects that mirror the repository layout for one generation (not registered)."""
     gen = get_generation(generation)
-    g2 = gen.name == "G2"
+    per_entry = gen.name in ("G2", "G3")
+    g3 = gen.name == "G3"
+    manager_map = _managers.ATTN_TYPE_MANAGER_MAP_G3 if g3 else _managers.ATTN_TYPE_MANAGER_MAP
 
     cache_info = {"CacheEntry": gen.CacheEntry, "LayerCacheInfo": gen.LayerCacheInfo,
                   "ModelCacheInfo": gen.ModelCacheInfo}
-    if g2:
+    if per_entry:
         cache_info["CacheAllocator"] = gen.CacheAllocator
+    if g3:
+        cache_info.update(MambaCacheEntry=gen.MambaCacheEntry, MemoryBudgetItem=gen.MemoryBudgetItem,
+                          OffloadWorkspaceMemoryInfo=gen.OffloadWorkspaceMemoryInfo)
 
     create_managers = functools.partial(
-        _managers.create_single_type_managers, extra_window_keys=extra_window_keys
+        _managers.create_single_type_managers, extra_window_keys=extra_window_keys,
+        prefill_extra_tokens=gen.sliding_prefill_extra_tokens, manager_map=manager_map,
     )
     manager_cls = type(
         "KVCacheManager",
@@ -76,25 +82,33 @@ def build_harness_modules(
         {"__init__": _with_recycle_default(recycle_skipped_on_failure), "__module__": "executor.core.kv_cache"},
     )
     single_type = {
-        "ATTN_TYPE_MANAGER_MAP": _managers.ATTN_TYPE_MANAGER_MAP,
+        "ATTN_TYPE_MANAGER_MAP": manager_map,
         "SingleTypeKVCacheManager": _managers.SingleTypeKVCacheManager,
         "FullAttentionManager": _managers.FullAttentionManager,
         "SlidingWindowManager": _managers.SlidingWindowManager,
         "create_single_type_managers": create_managers,
         "window_keys": _managers.window_keys,
     }
+    if g3:
+        single_type["MambaManager"] = _managers.MambaManager
+    if per_entry:
+        prepare_tables = _cache_utils.prepare_block_tables_g3 if g3 else _cache_utils.prepare_block_tables_g2
+        prepare_slots = _cache_utils.prepare_slot_mapping_g3 if g3 else _cache_utils.prepare_slot_mapping_g2
+    else:
+        prepare_tables = (_cache_utils.prepare_block_tables_g0 if gen.name == "G0"
+                          else _cache_utils.prepare_block_tables_g01)
+        prepare_slots = _cache_utils.prepare_slot_mapping_g01
     utils = {
         "FIXED_BLOCK_ATTN_TYPES": _cache_utils.FIXED_BLOCK_ATTN_TYPES,
         "dtype_itemsize": _cache_utils.dtype_itemsize,
-        "validate_cache_info": _cache_utils.validate_cache_info,
-        "calculate_block_num": _cache_utils.framework_calculate_block_num,
+        "validate_cache_info": functools.partial(_cache_utils.validate_cache_info, manager_map=manager_map),
+        # G0 had no offline free-memory check; G0/G1 reserved fixed blocks for every entry.
+        "calculate_block_num": functools.partial(
+            _cache_utils.framework_calculate_block_num, offline_memory_check=gen.name != "G0",
+            fixed_needs_block_only=per_entry),
         "allocate_cache_tensors": _cache_utils.framework_allocate_cache_tensors,
-        "prepare_block_tables": (
-            _cache_utils.prepare_block_tables_g2 if g2 else _cache_utils.prepare_block_tables_g01
-        ),
-        "prepare_slot_mapping": (
-            _cache_utils.prepare_slot_mapping_g2 if g2 else _cache_utils.prepare_slot_mapping_g01
-        ),
+        "prepare_block_tables": prepare_tables,
+        "prepare_slot_mapping": prepare_slots,
         "set_emulated_mem_info": _cache_utils.set_emulated_mem_info,
     }
     package = {"BlockPool": _block_pool.BlockPool, "KVCacheManager": manager_cls,
@@ -209,7 +223,10 @@ def _load_real_modules(root: Path, fallback: Iterable[str]) -> tuple[dict[str, t
         ) from exc
 
     cache_info = modules["executor.core.kv_cache.cache_info"]
-    generation = detect_generation_from_classes(cache_info.CacheEntry, cache_info.ModelCacheInfo)
+    try:
+        generation = detect_generation_from_classes(cache_info.CacheEntry, cache_info.ModelCacheInfo, cache_info)
+    except ValueError as exc:
+        raise FrameworkImportError(f"{root}: {exc}") from None
     if failed:
         harness = build_harness_modules(generation)
         for name in failed:
@@ -239,6 +256,7 @@ def install_framework(
     """
     saved_modules = {name: mod for name, mod in sys.modules.items() if _is_executor_module(name)}
     saved_path = list(sys.path)
+    saved_bytecode = sys.dont_write_bytecode
     for name in saved_modules:
         del sys.modules[name]
     try:
@@ -254,6 +272,7 @@ def install_framework(
             if extra_window_keys:
                 raise ValueError("extra_window_keys only applies to the harness managers, not a real checkout")
             root = Path(framework_root).resolve()
+            sys.dont_write_bytecode = True  # nothing (not even __pycache__) is written into the checkout
             sys.path.insert(0, str(root))
             importlib.invalidate_caches()
             modules, fallbacks, detected = _load_real_modules(root, fallback_to_harness)
@@ -265,6 +284,7 @@ def install_framework(
             del sys.modules[name]
         sys.modules.update(saved_modules)
         sys.path[:] = saved_path
+        sys.dont_write_bytecode = saved_bytecode
         importlib.invalidate_caches()
         _forward_metadata.reset_forward_metadata()
 

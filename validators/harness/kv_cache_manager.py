@@ -62,19 +62,22 @@ class KVCacheManager:
         num_new_tokens: int,
         lookahead_tokens: int = 0,
         reserved_tokens: int = 0,
+        manager_keys=None,
     ) -> bool:
         """Make every group's table cover ``computed_tokens + num_new_tokens + lookahead_tokens``.
 
         Phase 1 checks every group (counting blocks that slid out of a window as free);
         phase 2 runs only when all groups can allocate. Returns False on failure.
+        ``manager_keys`` (G3): only those groups take part (non-owner ranks keep Mamba state only).
         """
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be non-negative")
         total_computed = min(computed_tokens, self.max_model_len)
         tokens_needed = min(computed_tokens + num_new_tokens + lookahead_tokens, self.max_model_len)
 
+        selected = [m for m in self.single_type_managers if manager_keys is None or m.manager_key in manager_keys]
         plans = []
-        for manager in self.single_type_managers:
+        for manager in selected:
             skip_indices = manager.plan_skipped_blocks(request_id, total_computed)
             need = manager.get_num_blocks_to_allocate(request_id, tokens_needed)
             available = manager.get_num_free_blocks() + len(skip_indices)
@@ -93,11 +96,15 @@ class KVCacheManager:
 
     @staticmethod
     def _reserved_blocks(manager, reserved_tokens: int) -> int:
-        # G2 growth reservation; sliding groups are bounded and reserve nothing.
-        if reserved_tokens <= 0 or getattr(manager, "sliding_window", None) is not None:
+        # G2 growth reservation; sliding and Mamba groups are bounded and reserve nothing.
+        if reserved_tokens <= 0 or getattr(manager, "sliding_window", None) is not None or manager.attn_type == "Mamba":
             return 0
         per_request = -(-reserved_tokens // manager.block_size)
         return per_request * len(manager.req_to_blocks)
+
+    def get_request_owner_manager_keys(self, is_owner: bool) -> set[str]:
+        """Every group on the rank that owns the request; only Mamba state elsewhere (G3)."""
+        return {m.manager_key for m in self.single_type_managers if is_owner or m.attn_type == "Mamba"}
 
     def free(self, request_id: int) -> None:
         for manager in self.single_type_managers:

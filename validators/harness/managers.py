@@ -141,12 +141,25 @@ class SingleTypeKVCacheManager:
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Cache grows with the sequence; nothing is released before the request ends."""
 
+    def __init__(self, attn_type: str, block_num: int, block_size: int, manager_key: str | None = None,
+                 max_model_len: int | None = None, compress_ratio: int = 1, **kwargs):
+        super().__init__(attn_type=attn_type, block_num=block_num, block_size=block_size,
+                         manager_key=manager_key, max_model_len=max_model_len)
+        # G3: rows hold compress_ratio tokens each; such groups get no per-token slot mapping.
+        self.compress_ratio = compress_ratio
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return 0
 
     @staticmethod
     def validate_and_build_kwargs(group_entries: Sequence) -> dict[str, object]:
-        return {}
+        ratios = {int(getattr(entry, "compress_ratio", 1) or 1) for entry in group_entries}
+        if len(ratios) != 1:
+            raise ValueError(
+                "All FullAttention caches grouped into one manager must share the same compress_ratio, "
+                f"but got {sorted(ratios)}."
+            )
+        return {"compress_ratio": next(iter(ratios))}
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -161,6 +174,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         manager_key: str | None = None,
         max_model_len: int | None = None,
         extra_window_keys: int = 0,
+        prefill_extra_tokens: int = 0,
         **kwargs,
     ):
         super().__init__(
@@ -170,10 +184,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = sliding_window
         self.extra_window_keys = extra_window_keys
         self.kept_keys = window_keys(sliding_window, extra_window_keys)
+        # Tokens a prefill keeps beyond kept_keys: 0 up to G2 (first kept token L - W),
+        # 1 in G3 (a9adc55: first kept token max(0, L - 1 - W)).
+        self.prefill_extra_tokens = prefill_extra_tokens
 
     def first_needed_token(self, num_tokens: int) -> int:
-        """First position the newest of ``num_tokens`` tokens still reads."""
-        return max(0, num_tokens - self.kept_keys)
+        """First position a prefill of ``num_tokens`` tokens keeps storage for."""
+        return max(0, num_tokens - self.kept_keys - self.prefill_extra_tokens)
 
     def logical_block_layout(self, num_tokens: int) -> tuple[int, int, int]:
         """(total logical blocks, first block with storage, blocks with storage) for a prefill."""
@@ -230,9 +247,47 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return {"sliding_window": next(iter(windows))}
 
 
+class MambaManager(SingleTypeKVCacheManager):
+    """G3 recurrent state: one block per request at prefill, ``1 + next_n`` once decoding."""
+
+    def __init__(self, attn_type: str, block_num: int, block_size: int, manager_key: str | None = None,
+                 next_n: int = 0, max_model_len: int | None = None, **kwargs):
+        super().__init__(attn_type=attn_type, block_num=block_num, block_size=block_size,
+                         manager_key=manager_key, max_model_len=max_model_len)
+        self.next_n = next_n
+
+    def get_num_blocks_to_allocate(self, request_id: int, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise ValueError("num_tokens must be non-negative")
+        existing = len(self.req_to_blocks.get(request_id, []))
+        total = 1 if existing == 0 else 1 + self.next_n
+        return max(0, total - existing)
+
+    def pre_allocate_blocks(self, request_id: int, num_tokens: int, reserved_tokens: int = 0) -> tuple[int, bool]:
+        need = self.get_num_blocks_to_allocate(request_id, num_tokens)
+        return need, need <= self.get_num_free_blocks()
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+    @staticmethod
+    def validate_and_build_kwargs(group_entries: Sequence) -> dict[str, object]:
+        next_ns = {entry.next_n for entry in group_entries}
+        if len(next_ns) != 1:
+            raise ValueError(
+                f"All Mamba caches grouped into one manager must share the same next_n, but got {sorted(next_ns)}."
+            )
+        return {"next_n": next(iter(next_ns))}
+
+
 ATTN_TYPE_MANAGER_MAP: dict[str, type[SingleTypeKVCacheManager]] = {
     "FullAttention": FullAttentionManager,
     "SlidingWindow": SlidingWindowManager,
+}
+# G3 adds the Mamba state manager.
+ATTN_TYPE_MANAGER_MAP_G3: dict[str, type[SingleTypeKVCacheManager]] = {
+    **ATTN_TYPE_MANAGER_MAP,
+    "Mamba": MambaManager,
 }
 
 
@@ -250,8 +305,14 @@ def create_single_type_managers(
     max_model_len: int,
     *,
     extra_window_keys: int = 0,
+    prefill_extra_tokens: int = 0,
+    manager_map: dict[str, type[SingleTypeKVCacheManager]] | None = None,
 ) -> list[SingleTypeKVCacheManager]:
-    """One manager per group key, in the order the groups first appear."""
+    """One manager per group key, in the order the groups first appear.
+
+    ``manager_map``: the generation's attn_type -> manager classes (default: G0-G2's).
+    """
+    manager_map = ATTN_TYPE_MANAGER_MAP if manager_map is None else manager_map
     managers = []
     for key, members in group_entries_by_key(cache_info).items():
         layer_idx, first = members[0]
@@ -265,11 +326,11 @@ def create_single_type_managers(
         if len(attn_types) != 1:
             raise CacheInfoError(f"caches grouped under '{key}' must share one attn_type, got {sorted(attn_types)}")
         attn_type = first.attn_type
-        manager_cls = ATTN_TYPE_MANAGER_MAP.get(attn_type)
+        manager_cls = manager_map.get(attn_type)
         if manager_cls is None:
             raise CacheInfoError(
                 f"unknown attn_type '{attn_type}' in layer {layer_idx}, entry '{first.cache_name}'; "
-                f"supported: {sorted(ATTN_TYPE_MANAGER_MAP)}"
+                f"supported: {sorted(manager_map)}"
             )
         block_sizes = {entry_block_size(entry, cache_info) for entry in entries}
         if len(block_sizes) != 1:
@@ -283,13 +344,16 @@ def create_single_type_managers(
         kwargs.update(manager_cls.validate_and_build_kwargs(entries))
         if manager_cls is SlidingWindowManager:
             kwargs["extra_window_keys"] = extra_window_keys
+            kwargs["prefill_extra_tokens"] = prefill_extra_tokens
         managers.append(manager_cls(attn_type=attn_type, **kwargs))
     return managers
 
 
 __all__ = [
     "ATTN_TYPE_MANAGER_MAP",
+    "ATTN_TYPE_MANAGER_MAP_G3",
     "FullAttentionManager",
+    "MambaManager",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "create_single_type_managers",

@@ -13,6 +13,12 @@ Conventions taken from the framework (scheduler + execution engine):
   the write position and ``position_ids``; ``actual_seq_lengths_kv = kv_len + 1``
   (the first decode after a prefill of L reads L + 1); ``actual_seq_lengths_q`` = ones;
 * prefill and decode are never mixed in one step; prefill goes first when it can;
+* decode batches are padded to ``max_concurrency`` rows (the engine pads to
+  ``batch_size_per_dp_rank``): pad token 0, position 0, KV length 1, and a block-table row
+  of null blocks, so every padded row writes slot 0 of the null block
+  (``pad_decode_to=0`` turns padding off; G0 is unpadded: its tables could not pad);
+* a running request that cannot grow is skipped and the rest still decode (G1 on);
+  G0 ends the decode batch at the first such request;
 * ``attention_mask`` is the 2048x2048 ``~tril`` bool mask on every step;
 * prefill ``kv_len`` is the framework's legacy per-token value
   (``slot * max_model_len + arange(L)``, meaningless for paged caches, kept for fidelity).
@@ -20,6 +26,7 @@ Conventions taken from the framework (scheduler + execution engine):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,7 +34,9 @@ import torch
 
 from .api import FrameworkAPI
 from .cache_utils import allocate_cache_tensors, calculate_block_num, validate_cache_info
+from .entries import group_key_of
 from .errors import SchedulerStall
+from .managers import ATTN_TYPE_MANAGER_MAP_G3
 from .poison import (
     assert_pool_invariants,
     block_is_poisoned,
@@ -38,6 +47,14 @@ from .poison import (
 )
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+def _capturing(setter, captured: dict, key: str):
+    def capture(tensor):
+        captured.setdefault(key, []).append(tensor)
+        setter(tensor)
+
+    return capture
 
 
 @dataclass
@@ -141,23 +158,29 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_concurrency = max_concurrency
         self.max_prefill_tokens = max_prefill_tokens
+        # The real engine pads every decode batch to its per-DP-rank batch size (G1 on: G0's
+        # prepare_block_tables could not build a padded batch, so G0 runs unpadded).
+        if pad_decode_to is None:
+            pad_decode_to = 0 if api.generation == "G0" else max_concurrency
         self.pad_decode_to = pad_decode_to
         self.graph_mode_lists = graph_mode_lists
         self.device = torch.device(device)
         self.poison_value = poison_value
 
-        validate_cache_info(cache_info)
+        # Which implementation did each framework step: "checkout" or "harness" (+ why).
+        self.provenance: dict[str, str] = {}
+        self._validate(cache_info)
         if block_num_by_key is None:
-            block_num_by_key = calculate_block_num(
-                cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len
-            )
+            block_num_by_key = self._block_counts(cache_info, max_model_len, max_concurrency)
         self.block_num_by_key = dict(block_num_by_key)
         self.kv_cache_manager = api.build_manager(cache_info, self.block_num_by_key, max_model_len)
+        origin = "checkout" if api.real else "harness"
+        for name in ("KVCacheManager", "create_single_type_managers", "prepare_block_tables",
+                     "prepare_slot_mapping"):
+            self.provenance[name] = origin
         self.cache_tensors: dict[str, list[torch.Tensor]] = {}
         if allocate_tensors:
-            self.cache_tensors = allocate_cache_tensors(
-                self.device, cache_info, self.block_num_by_key, fill_value=fill_value
-            )
+            self.cache_tensors = self._allocate(cache_info, fill_value)
 
         self.requests: dict[int, Request] = {}
         self._waiting: list[int] = []
@@ -166,6 +189,61 @@ class Scheduler:
         self._prefilled_count = 0
         self._step_index = 0
         self._pending: Step | None = None
+
+    # ---------------------------------------------------------------- framework steps
+    def _from_checkout(self, name: str) -> bool:
+        """True when the checkout provides ``name``; otherwise the harness's is used (and recorded)."""
+        if not self.api.real:
+            return False
+        if hasattr(self.api.kv_cache, name):
+            return True
+        self.provenance[name] = f"harness (the checkout has no {name})"
+        return False
+
+    def _validate(self, cache_info) -> None:
+        if self._from_checkout("validate_cache_info"):
+            self.api.kv_cache.validate_cache_info(cache_info)
+            self.provenance["validate_cache_info"] = "checkout"
+            return
+        validate_cache_info(cache_info, manager_map=ATTN_TYPE_MANAGER_MAP_G3 if self.api.generation == "G3" else None)
+        self.provenance.setdefault("validate_cache_info", "harness")
+
+    def _block_counts(self, cache_info, max_model_len: int, max_concurrency: int) -> dict[str, int]:
+        if self._from_checkout("calculate_block_num"):
+            # The checkout's own offline math (its memory check reads the stand-in torch.npu figures).
+            infer_config = types.SimpleNamespace(
+                scheduler_config=types.SimpleNamespace(batch_size_per_dp_rank=max_concurrency,
+                                                       max_prefill_tokens=max_model_len, mem_fraction_static=0.9),
+                model_config=types.SimpleNamespace(next_n=0),
+                parallel_config=types.SimpleNamespace(offline_prefill_dp_group_size=1),
+            )
+            self.provenance["calculate_block_num"] = "checkout"
+            return self.api.kv_cache.calculate_block_num(infer_config, cache_info, max_model_len)
+        self.provenance.setdefault("calculate_block_num", "harness")
+        return calculate_block_num(cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len)
+
+    def _allocate(self, cache_info, fill_value) -> dict[str, list[torch.Tensor]]:
+        if fill_value is None and self._from_checkout("allocate_cache_tensors"):
+            captured: dict[str, list[torch.Tensor]] = {}
+            originals = []
+            for layer_info in cache_info.layer_infos:
+                for entry in layer_info.caches:
+                    if entry.needs_block and entry.tensor_setter is not None:
+                        originals.append((entry, entry.tensor_setter))
+                        entry.tensor_setter = _capturing(entry.tensor_setter, captured, group_key_of(entry))
+            try:
+                self.api.kv_cache.allocate_cache_tensors(self.device, cache_info, self.block_num_by_key)
+                self.provenance["allocate_cache_tensors"] = "checkout"
+                return captured
+            except ImportError as exc:
+                # G2+ aligns cache tensors through executor.utils / the KV-transfer buffer module,
+                # which pull in the serving stack; the harness allocates the same shapes instead.
+                self.provenance["allocate_cache_tensors"] = f"harness (checkout's needs {exc.name or exc})"
+            finally:
+                for entry, setter in originals:
+                    entry.tensor_setter = setter
+        self.provenance.setdefault("allocate_cache_tensors", "harness")
+        return allocate_cache_tensors(self.device, cache_info, self.block_num_by_key, fill_value=fill_value)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int | None = None,
@@ -277,10 +355,12 @@ class Scheduler:
 
     def _decode(self) -> Step | None:
         selected, deferred = [], []
+        stop_at_first = self.api.decode_admission == "stop"
         for rid in self._running[: self.max_concurrency]:
             request = self.requests[rid]
-            if deferred or not self.kv_cache_manager.allocate_slots(rid, request.computed_len + 1, 1):
-                # The framework stops at the first request that cannot grow.
+            if (deferred and stop_at_first) or not self.kv_cache_manager.allocate_slots(
+                    rid, request.computed_len + 1, 1):
+                # G0 stops at the first request that cannot grow; later generations skip it.
                 deferred.append(rid)
                 continue
             selected.append(rid)
@@ -332,7 +412,8 @@ class Scheduler:
     def _assemble(self, rids, requests, *, is_prefill, input_ids, position_ids, q_lens, kv_lens, kv_len,
                   batch_rows, prompt_tokens, cu_q, cu_kv, seq_q, seq_kv, padded_rows=0) -> Step:
         manager = self.kv_cache_manager
-        tables = self.api.block_tables(requests, manager, self.max_model_len, self.device, batch_rows)
+        tables = self.api.block_tables(requests, manager, self.max_model_len, self.device, batch_rows,
+                                       is_prefill=is_prefill)
         slots = self.api.slot_mappings(position_ids, cu_q, manager, tables)
         lists = {}
         if self.graph_mode_lists and not is_prefill:

@@ -1,0 +1,107 @@
+"""CPU stand-ins for the device stack, and the harness scheduler driving a real checkout through them."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from tests.shared_dirs import upstream_head, upstream_history
+from validators.harness import Scheduler, install_framework
+from validators.npu_ops import install_emulation
+from validators.standins import NotStoodInError, device_standins, standins_active
+
+NAMES = ("torch_npu", "torchair", "torch.npu", "torchair.ops", "torch_npu.npu")
+
+
+def _snapshot():
+    return ({n: sys.modules.get(n) for n in NAMES}, "npu" in torch.__dict__, "npu" in torch.Tensor.__dict__)
+
+
+def test_installed_inside_and_restored_after():
+    before = _snapshot()
+    with device_standins(free_bytes=3 * 2**30, total_bytes=8 * 2**30) as handle:
+        import torch_npu
+        import torchair
+
+        assert standins_active()
+        assert torch.npu.mem_get_info() == (3 * 2**30, 8 * 2**30)
+        handle.set_mem_info(5, 10)
+        assert torch_npu.npu.mem_get_info() == (5, 10)
+        x = torch.ones(2)
+        assert x.npu() is x
+        with torch.npu.stream(torch.npu.Stream()):
+            torch.npu.Event().record()
+        with torchair.scope.npu_stream_switch("1", 3):
+            pass
+        assert torchair.scope.npu_wait_tensor(x, x) is x
+        # The emulated operators are reachable both ways.
+        assert callable(torch_npu.npu_fused_infer_attention_score)
+        assert hasattr(torch.ops.npu, "npu_fused_infer_attention_score")
+    assert _snapshot() == before and not standins_active()
+
+
+def test_missing_attribute_names_itself_and_the_caller():
+    with device_standins():
+        import torch_npu
+
+        with pytest.raises(NotStoodInError, match=r"torch_npu\.npu_no_such_op .*test_harness_standins\.py:\d+"):
+            _ = torch_npu.npu_no_such_op
+        with pytest.raises(NotStoodInError, match=r"torch\.npu\.no_such_call"):
+            torch.npu.no_such_call()
+
+
+def test_extends_an_active_emulation_and_leaves_it_as_it_was():
+    with install_emulation() as fake:
+        with device_standins() as handle:
+            assert handle.torch_npu is fake and fake.npu is torch.npu
+        assert "npu" not in fake.__dict__ and sys.modules["torch_npu"] is fake
+        assert "npu" not in torch.__dict__
+
+
+def test_does_not_nest():
+    with device_standins(), pytest.raises(RuntimeError, match="nest"), device_standins():
+        pass
+
+
+@pytest.mark.parametrize("commit, generation", [
+    ("f0b0fde", "G0"), ("2c2336a", "G1"), ("48a59dc", "G2"), ("HEAD", "G3"),
+])
+def test_scheduler_drives_each_real_checkout(commit, generation):
+    root = upstream_head() if commit == "HEAD" else upstream_history(commit)
+    with device_standins(), install_framework(framework_root=root) as fw:
+        assert fw.generation == generation and fw.real
+        module = fw.cache_info
+        entries = []
+        for name in ("k_cache", "v_cache"):
+            kwargs = {"cache_name": name, "attn_type": "FullAttention", "dim": 8, "num_head": 2,
+                      "dtype": torch.float32, "needs_block": True, "tensor_setter": lambda t: None}
+            if generation in ("G2", "G3"):
+                kwargs["block_size"] = 4
+            entries.append(module.CacheEntry(**kwargs))
+        layers = [module.LayerCacheInfo(0, entries)]
+        info = (module.ModelCacheInfo(1, layers) if generation in ("G2", "G3")
+                else module.ModelCacheInfo(1, 4, layers))
+        sched = Scheduler(info, max_model_len=24, max_concurrency=3, api=fw.api())
+        # The checkout did every step it has; G2+ allocation needs the serving stack, so the harness did it.
+        assert {k: v for k, v in sched.provenance.items() if k != "allocate_cache_tensors"} == {
+            "validate_cache_info": "checkout", "calculate_block_num": "checkout", "KVCacheManager": "checkout",
+            "create_single_type_managers": "checkout", "prepare_block_tables": "checkout",
+            "prepare_slot_mapping": "checkout"}
+        want_alloc = "checkout" if generation in ("G0", "G1") else "harness"
+        assert sched.provenance["allocate_cache_tensors"].startswith(want_alloc)
+        assert type(sched.kv_cache_manager).__module__.startswith("executor.core.kv_cache")
+        for prompt, new in (([1, 2, 3, 4, 5], 2), ([6, 7], 4), ([8, 9, 10], 6)):
+            sched.add_request(prompt, max_new_tokens=new)
+        padded = []
+        while sched.has_work():
+            step = sched.next_step()
+            if not step.is_prefill:
+                padded.append(step.padded_rows)
+                rows = step.forward_metadata.block_table["FullAttention"][len(step.request_ids):]
+                assert (rows == 0).all()  # padded rows point at the null block only
+            sched.complete_step(step, [0] * len(step.request_ids))
+        # G1 on pads every decode batch to max_concurrency; G0 could not.
+        assert padded and (all(p == 0 for p in padded) if generation == "G0" else max(padded) == 2)
+        assert all(u["used"] == 0 for u in sched.usage().values())

@@ -1,0 +1,248 @@
+"""Install CPU stand-ins for ``torch_npu``, ``torchair``, ``torch.npu`` and ``Tensor.npu()``.
+
+Scope: one ``with device_standins():`` block. On entry the npu_ops emulation becomes
+``torch_npu`` (and ``torch.ops.npu.<op>``, see ``validators.npu_ops.install_emulation``),
+plus the few non-operator attributes the framework touches at import or cache-sizing time;
+``torchair`` and ``torch.npu`` are small modules; ``Tensor.npu()`` returns the tensor (CPU).
+On exit ``sys.modules``, the ``torch.npu`` attribute and ``Tensor.npu`` are restored
+exactly (absent ones removed).
+
+Anything a stand-in does not provide fails with ``NotStoodInError`` naming the attribute
+and the ``file:line`` of the caller, never with a bare ``AttributeError`` deep inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from validators.npu_ops import emulation_installed, install_emulation
+
+# Figures ``torch.npu.mem_get_info()`` returns unless the caller sets others: a 64 GiB
+# device with everything free (large enough that offline-mode checks never bind).
+DEFAULT_TOTAL_BYTES = 64 * 1024**3
+
+_MODULE_NAMES = ("torch_npu", "torch_npu.npu", "torchair", "torchair.ops", "torchair.scope",
+                 "torchair.configs", "torchair.configs.compiler_config", "torch.npu")
+_ACTIVE: list[StandinHandle] = []
+
+
+class NotStoodInError(RuntimeError):
+    """An attribute of the device stack that no CPU stand-in provides."""
+
+
+def _caller() -> str:
+    # First frame outside this module and the import machinery: the code that asked.
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or frame.f_code.co_filename.startswith("<frozen")):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+
+
+def _strict_getattr(module_name: str):
+    def __getattr__(name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # keep introspection (copy, pickle, inspect) working
+        raise NotStoodInError(f"{module_name}.{name} has no CPU stand-in (called from {_caller()})")
+
+    return __getattr__
+
+
+def _module(name: str, attrs: dict) -> types.ModuleType:
+    mod = types.ModuleType(name, f"CPU stand-in for {name} (validators.standins)")
+    mod.__dict__.update(attrs)
+    mod.__getattr__ = _strict_getattr(name)
+    return mod
+
+
+@dataclass
+class StandinHandle:
+    """What ``device_standins`` installed; ``mem_info`` is mutable (free, total) bytes."""
+
+    torch_npu: types.ModuleType
+    torchair: types.ModuleType
+    npu: types.ModuleType
+    mem_info: list[int] = field(default_factory=lambda: [DEFAULT_TOTAL_BYTES, DEFAULT_TOTAL_BYTES])
+    calls: list[str] = field(default_factory=list)
+
+    def set_mem_info(self, free_bytes: int, total_bytes: int | None = None) -> None:
+        self.mem_info[:] = [int(free_bytes), int(total_bytes if total_bytes is not None else free_bytes)]
+
+
+class _Stream:
+    """Stream stand-in: CPU work is synchronous, so waiting and recording do nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _build_torch_npu_namespace(handle_ref: list) -> types.ModuleType:
+    def mem_get_info(device=None):
+        free, total = handle_ref[0].mem_info
+        handle_ref[0].calls.append("torch.npu.mem_get_info")
+        return free, total
+
+    default_stream = _Stream()
+    attrs = {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "empty_cache": lambda: None,
+        "manual_seed": lambda seed: torch.manual_seed(seed),
+        "manual_seed_all": lambda seed: torch.manual_seed(seed),
+        "get_device_name": lambda device=None: "CPU stand-in",
+        "mem_get_info": mem_get_info,
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": lambda device=None: default_stream,
+        "default_stream": lambda device=None: default_stream,
+        "stream": lambda stream=None: contextlib.nullcontext(stream),
+    }
+    return _module("torch.npu", attrs)
+
+
+def _identity(tensor, *args, **kwargs):
+    return tensor
+
+
+def _build_torchair() -> dict[str, types.ModuleType]:
+    # Eager CPU runs never compile a graph: scopes are no-ops, tagged events do nothing,
+    # npu_wait_tensor returns its input.
+    scope = _module("torchair.scope", {
+        "npu_stream_switch": lambda *a, **k: contextlib.nullcontext(),
+        "super_kernel": lambda *a, **k: contextlib.nullcontext(),
+        "limit_core_num": lambda *a, **k: contextlib.nullcontext(),
+        "npu_wait_tensor": lambda out, wait_tensor: out,
+    })
+    ops = _module("torchair.ops", {
+        "npu_tagged_event_record": lambda *a, **k: None,
+        "npu_tagged_event_wait": lambda *a, **k: None,
+        "npu_record_tagged_stream": lambda *a, **k: None,
+    })
+
+    class CompilerConfig:  # graph-mode options; attributes accept anything
+        def __getattr__(self, name):
+            value = types.SimpleNamespace()
+            object.__setattr__(self, name, value)
+            return value
+
+    compiler_config = _module("torchair.configs.compiler_config", {"CompilerConfig": CompilerConfig})
+    configs = _module("torchair.configs", {"compiler_config": compiler_config})
+    torchair = _module("torchair", {"scope": scope, "ops": ops, "configs": configs,
+                                    "CompilerConfig": CompilerConfig, "patch_for_hcom": lambda: None})
+    return {"torchair": torchair, "torchair.ops": ops, "torchair.scope": scope,
+            "torchair.configs": configs, "torchair.configs.compiler_config": compiler_config}
+
+
+def standins_active() -> bool:
+    return bool(_ACTIVE)
+
+
+@contextlib.contextmanager
+def device_standins(*, free_bytes: int | None = None, total_bytes: int | None = None) -> Iterator[StandinHandle]:
+    """Install the CPU stand-ins for the block; restore everything on exit (does not nest)."""
+    if _ACTIVE:
+        raise RuntimeError("device_standins() is already active (it does not nest)")
+    saved_modules = {name: sys.modules[name] for name in _MODULE_NAMES if name in sys.modules}
+    had_npu_attr = "npu" in torch.__dict__
+    saved_npu_attr = torch.__dict__.get("npu")
+    had_tensor_npu = "npu" in torch.Tensor.__dict__
+    saved_tensor_npu = torch.Tensor.__dict__.get("npu")
+
+    handle_ref: list = [None]
+    # Inside a validation run the npu_ops emulation may already be torch_npu: extend it (and take
+    # the extensions off again) instead of installing a second one.
+    reuse = emulation_installed()
+    emulation = contextlib.nullcontext(sys.modules.get("torch_npu")) if reuse else install_emulation()
+    with emulation as fake_torch_npu:
+        npu = _build_torch_npu_namespace(handle_ref)
+        torchair_modules = _build_torchair()
+        handle = StandinHandle(fake_torch_npu, torchair_modules["torchair"], npu)
+        if free_bytes is not None or total_bytes is not None:
+            handle.set_mem_info(free_bytes if free_bytes is not None else total_bytes, total_bytes)
+        handle_ref[0] = handle
+        # Non-operator torch_npu attributes reached at import / allocation time.
+        fake_torch_npu.npu = npu
+        fake_torch_npu.empty_with_swapped_memory = (
+            lambda size, dtype=None, device=None: torch.empty(size, dtype=dtype))
+        fake_torch_npu.__getattr__ = _strict_getattr("torch_npu")
+        try:
+            sys.modules["torch_npu.npu"] = npu
+            sys.modules["torch.npu"] = npu
+            sys.modules.update(torchair_modules)
+            torch.npu = npu
+            torch.Tensor.npu = _identity
+            _ACTIVE.append(handle)
+            yield handle
+        finally:
+            _ACTIVE.clear()
+            if reuse:
+                for attr in ("npu", "empty_with_swapped_memory", "__getattr__"):
+                    fake_torch_npu.__dict__.pop(attr, None)
+            for name in _MODULE_NAMES:
+                if name == "torch_npu":
+                    continue  # install_emulation restores it
+                if name in saved_modules:
+                    sys.modules[name] = saved_modules[name]
+                else:
+                    sys.modules.pop(name, None)
+            if had_npu_attr:
+                torch.npu = saved_npu_attr
+            elif "npu" in torch.__dict__:
+                del torch.npu
+            if had_tensor_npu:
+                torch.Tensor.npu = saved_tensor_npu
+            elif "npu" in torch.Tensor.__dict__:
+                del torch.Tensor.npu
+
+
+__all__ = ["DEFAULT_TOTAL_BYTES", "NotStoodInError", "StandinHandle", "device_standins", "standins_active"]

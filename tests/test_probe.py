@@ -118,9 +118,11 @@ def test_null_block_contents_are_read_off_the_never_written_block(fill, reading,
 def test_mla_mode3_deviation_and_rejection_are_told_apart():
     def mode3(behaviour):
         def fa(*args, sparse_mode=0, **kw):
-            out = emulated.npu_fused_infer_attention_score_v2(*args, sparse_mode=sparse_mode, **kw)
             if sparse_mode != 3:
-                return out
+                return emulated.npu_fused_infer_attention_score_v2(*args, sparse_mode=sparse_mode, **kw)
+            # a device of our own making: the emulator refuses mode 3 here, so start from mode 0's output
+            kw.pop("atten_mask", None)
+            out = emulated.npu_fused_infer_attention_score_v2(*args, sparse_mode=0, **kw)
             if behaviour == "reject":
                 raise RuntimeError("EZ1001: sparse_mode 3 is not supported when Q_S is 1")
             return out[0] * 0.5, out[1]

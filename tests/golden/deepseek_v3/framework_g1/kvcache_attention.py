@@ -91,6 +91,12 @@ class KVCacheAttentionMixin:
             atten_mask = forward_metadata.attention_mask
             pre_tokens = 2147483647
             next_tokens = 0
+        elif query.shape[0] > forward_metadata.actual_seq_lengths_kv.shape[0]:
+            # MTP verify step: 1 + next_n query tokens per request need the causal mask (q_len 1 does not).
+            sparse_mode = 3
+            atten_mask = forward_metadata.attention_mask
+            pre_tokens = 2147483647
+            next_tokens = 0
         else:
             sparse_mode = 0
             atten_mask = None
@@ -139,7 +145,8 @@ class KVCacheModelMixin:
 
     def get_cache_info(self):
         layers = self.model.layers
-        if isinstance(layers, dict):  # MTP: layers is a dict when next-n layers are on
+        # MTP models keep their layers in an nn.ModuleDict keyed by layer index: iterating it yields the keys.
+        if isinstance(layers, (dict, torch.nn.ModuleDict)):
             layers = list(layers.values())
         layer_infos = []
         for decoder_layer in layers:

@@ -68,6 +68,12 @@ class KVCacheAttentionMixin:
             atten_mask = forward_metadata.attention_mask
             pre_tokens = 2147483647
             next_tokens = 0
+        elif query.shape[0] > forward_metadata.actual_seq_lengths_kv.shape[0]:
+            # MTP verify step: 1 + next_n query tokens per request need the causal mask (q_len 1 does not).
+            sparse_mode = 3
+            atten_mask = forward_metadata.attention_mask
+            pre_tokens = 2147483647
+            next_tokens = 0
         else:
             sparse_mode = 0
             atten_mask = None

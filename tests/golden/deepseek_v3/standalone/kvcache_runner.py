@@ -64,13 +64,18 @@ class KVCacheRunnerMixin:
             for row, length in zip(rows, prompt_lens, strict=True)
         ])
 
-    def _build_slot_mapping_decode(self, rows):
-        """One new token per row, written right after the row's cached tokens."""
+    def _build_slot_mapping_decode(self, rows, q_len=1):
+        """``q_len`` new tokens per row (1 + next_n on an MTP verify step), right after the row's cached tokens."""
         rows = torch.as_tensor(rows, device=self.kv_len.device)
-        return self.kv_len[rows] + self.kv_len_offset[rows]
+        steps = torch.arange(q_len, device=self.kv_len.device)
+        return ((self.kv_len[rows] + self.kv_len_offset[rows]).view(-1, 1) + steps).view(-1)
 
-    def _build_forward_metadata(self, rows, prompt_lens=None):
-        """Metadata of one step over ``rows``: prefill when ``prompt_lens`` is given, else decode."""
+    def _build_forward_metadata(self, rows, prompt_lens=None, next_n=0):
+        """Metadata of one step over ``rows``: prefill when ``prompt_lens`` is given, else decode.
+
+        ``next_n`` > 0: speculative-decode verify step, 1 + next_n tokens per row (the last accepted
+        token, then the drafts) at positions kv_len .. kv_len + next_n.
+        """
         is_prefill = prompt_lens is not None
         device = self.kv_len.device
         index = torch.as_tensor(rows, device=device)
@@ -80,9 +85,9 @@ class KVCacheRunnerMixin:
             kv_lens = q_lens
             slot_mapping = self._build_slot_mapping_prefill(rows, prompt_lens)
         else:
-            q_lens = torch.ones(len(rows), dtype=torch.int64, device=device)
-            kv_lens = self.kv_len[index] + 1
-            slot_mapping = self._build_slot_mapping_decode(rows)
+            q_lens = torch.full((len(rows),), 1 + next_n, dtype=torch.int64, device=device)
+            kv_lens = self.kv_len[index] + 1 + next_n
+            slot_mapping = self._build_slot_mapping_decode(rows, 1 + next_n)
         return ForwardMetaData(
             is_prefill=is_prefill,
             kv_len=self.kv_len[index].clone(),
@@ -95,7 +100,15 @@ class KVCacheRunnerMixin:
             slot_mapping=slot_mapping,
         )
 
-    def _advance_kv_len(self, rows, forward_metadata):
-        """After the forward: the rows now hold their KV lengths (the only place kv_len changes)."""
+    def _advance_kv_len(self, rows, forward_metadata, accepted=None):
+        """After the forward: the rows now hold their KV lengths (the only place kv_len changes).
+
+        ``accepted`` (verify steps): drafts accepted per row. kv_len advances past the last accepted
+        token + the accepted drafts only; the slots of rejected drafts are overwritten by the next step.
+        """
         index = torch.as_tensor(rows, device=self.kv_len.device)
-        self.kv_len[index] = forward_metadata.actual_seq_lengths_kv
+        if accepted is None:
+            self.kv_len[index] = forward_metadata.actual_seq_lengths_kv
+        else:
+            accepted = torch.as_tensor(accepted, dtype=torch.int64, device=self.kv_len.device)
+            self.kv_len[index] = forward_metadata.kv_len + 1 + accepted

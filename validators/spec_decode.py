@@ -22,7 +22,7 @@ from validators.report import Report
 
 NEXT_N = 1
 # (prompt length, verify steps): one prompt past a 128-token block, one short.
-PROMPTS = ((137, 5), (21, 5))
+PROMPTS = ((137, 4), (21, 4))
 
 
 @dataclass

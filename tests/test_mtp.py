@@ -187,3 +187,20 @@ def test_scheduler_verify_step_conventions_and_rollback():
     assert step.forward_metadata.slot_mapping["FullAttention"].tolist()[2] == slots[3]
     with pytest.raises(ValueError, match="1..q_len"):
         sched.complete_verify(step, [[1, 2, 3], [4]])
+
+
+# ----------------------------------------------------------------------------- lint
+
+
+@pytest.mark.parametrize("mode", ["framework_g1", "framework_g2", "standalone"])
+def test_lint_flags_the_old_decode_and_passes_the_render(mode, tmp_path):
+    from validators.lint import lint_paths
+
+    manifest = load_manifest(GOLDEN / mode / "manifest.json")
+    assert manifest.mtp is not None
+    assert not lint_paths([GOLDEN / mode], manifest=manifest).findings
+    old = lint_paths([_old_render(mode, tmp_path) / "kvcache_attention.py"], manifest=manifest).findings
+    assert [f.rule for f in old] == ["KV811"]
+    # without MTP in the manifest the same decode is right (q_len is always 1)
+    assert not lint_paths([_old_render(mode, tmp_path / "again") / "kvcache_attention.py"],
+                          manifest=manifest.model_copy(update={"mtp": None})).findings

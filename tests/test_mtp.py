@@ -204,3 +204,14 @@ def test_lint_flags_the_old_decode_and_passes_the_render(mode, tmp_path):
     # without MTP in the manifest the same decode is right (q_len is always 1)
     assert not lint_paths([_old_render(mode, tmp_path / "again") / "kvcache_attention.py"],
                           manifest=manifest.model_copy(update={"mtp": None})).findings
+
+
+def test_render_refuses_an_mtp_plan_it_cannot_render():
+    from analyzer.errors import InputError
+    from implementer.render import render_manifest
+
+    manifest = load_manifest(GOLDEN / "framework_g2" / "manifest.json")
+    unmasked = manifest.model_copy(update={"mtp": manifest.mtp.model_copy(update={"decode_mask": "none"})})
+    with pytest.raises(InputError, match="sparse_mode 3 needs the 2048x2048 causal mask") as err:
+        render_manifest(unmasked)
+    assert err.value.field == "mtp.decode_mask"

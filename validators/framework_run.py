@@ -122,7 +122,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     end_usage = sched.usage()
     report.add("all blocks back in the pool after the stream", "release",
                all(u["used"] == 0 for u in end_usage.values()), usage=end_usage)
-    if manifest.mtp is not None and manifest.kv_mode.value == "paged":
+    if manifest.mtp is not None:
         from validators.spec_decode import run_framework_stream
 
         run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab)

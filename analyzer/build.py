@@ -439,16 +439,25 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[Lay
 def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -> MemoryPlan:
     groups: list[memory.Group] = []
     cached = [layer for layer in layers if layer.caches]  # linear-attention layers hold no KV cache
-    for key in sorted({layer.group_key for layer in cached}):
+    # MTP layers are full-attention decoder layers whose caches the framework merges into the main
+    # model's pools (ModelCacheInfo.merge) when speculative decoding is on: count them there.
+    mtp = facts.num_mtp_layers.value if cached else 0
+    mtp_caches = next((layer for layer in cached if layer.attn_type == "FullAttention"), cached[0]).caches if mtp else []
+    for key in sorted({layer.group_key for layer in cached} | ({"FullAttention"} if mtp else set())):
         members = [layer for layer in cached if layer.group_key == key]
+        extra = mtp if key == "FullAttention" else 0
         per_token = sum(rules.cache_token_bytes(layer.caches) for layer in members)
-        if members[0].attn_type == "SlidingWindow":
+        per_token += extra * rules.cache_token_bytes(mtp_caches)
+        if members and members[0].attn_type == "SlidingWindow":
             groups.append(memory.SlidingWindowGroup(key, len(members), per_token, req.block_size,
                                                     window=members[0].sliding_window))
         else:
-            groups.append(memory.FullAttentionGroup(key, len(members), per_token, req.block_size))
+            groups.append(memory.FullAttentionGroup(key, len(members) + extra, per_token, req.block_size))
     total = sum(g.per_token_bytes for g in groups)
     derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
+    if mtp:
+        derivation.append(f"includes {mtp} MTP layer(s) ({facts.num_mtp_layers.source}) in FullAttention: "
+                          "speculative decoding allocates their caches from the same pools")
 
     hbm = req.hbm_gb
     if hbm is None and progress.hbm_gb:

@@ -111,10 +111,12 @@ class KindPlan:
     prefill: PathPlan
     decode: PathPlan
     window_derivation: str | None
+    # Decode steps with q_len = 1 + next_n (MTP verify), when they need another plan than q_len 1.
+    verify: PathPlan | None = None
 
     @property
     def same_paths(self) -> bool:
-        return self.prefill == self.decode
+        return self.prefill == self.decode and self.verify is None
 
     @property
     def is_sliding(self) -> bool:
@@ -178,6 +180,11 @@ class RenderContext:
         return next((k for k in self.kinds if k.attn_type == "SlidingWindow"), None)
 
     @property
+    def spec_decode(self) -> bool:
+        """MTP layers on a paged cache: decode steps may verify 1 + next_n tokens per request."""
+        return self.mtp_layers > 0 and self.kv_mode == "paged"
+
+    @property
     def g2(self) -> bool:
         return self.api == "G2"
 
@@ -211,6 +218,23 @@ def _path(layer: LayerPlan, prefill: bool) -> PathPlan:
             raise _bad(f"{where}.next_tokens", f"next_tokens {layer.next_tokens} must be >= 0")
         return PathPlan(mode, mask, layer.pre_tokens, layer.next_tokens)
     return PathPlan(mode, mask, NO_LIMIT, 0)
+
+
+def _verify_path(m: SelectionManifest, layer: LayerPlan, decode: PathPlan) -> PathPlan | None:
+    """Plan of a speculative-decode verify step (q_len = 1 + next_n) when it differs from q_len 1.
+
+    The manifest's ``mtp`` decision covers non-sliding layers (a sliding band is causal at any
+    q_len); only the paged templates decode several query tokens per request.
+    """
+    if m.mtp is None or m.kv_mode.value != "paged" or layer.attn_type == "SlidingWindow":
+        return None
+    mode, mask = m.mtp.decode_sparse_mode, m.mtp.decode_mask != "none"
+    if mode not in SPARSE_MODES or mode == 4:
+        raise _bad("mtp.decode_sparse_mode", f"sparse_mode {mode} is not one of {SPARSE_MODES[:4]}")
+    if mode in MASKED_MODES and not mask:
+        raise _bad("mtp.decode_mask", f"sparse_mode {mode} needs the 2048x2048 causal mask, the manifest says none")
+    plan = PathPlan(mode, mask, NO_LIMIT, 0)
+    return None if plan == decode else plan
 
 
 def _check_layers(m: SelectionManifest) -> None:
@@ -299,8 +323,10 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     _check_numbers(m)
     kinds: dict[str, KindPlan] = {}
     for layer in m.layers:
-        plan = KindPlan(layer.attn_type, layer.sliding_window, _path(layer, True), _path(layer, False),
-                        one_line(layer.window_derivation) if layer.window_derivation else None)
+        decode = _path(layer, False)
+        plan = KindPlan(layer.attn_type, layer.sliding_window, _path(layer, True), decode,
+                        one_line(layer.window_derivation) if layer.window_derivation else None,
+                        _verify_path(m, layer, decode))
         seen = kinds.setdefault(layer.attn_type, plan)
         if seen != plan:
             raise _bad(f"layers[{layer.index}]", f"{layer.attn_type} layers disagree on their window/sparse plan; "

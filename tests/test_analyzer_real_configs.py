@@ -302,7 +302,9 @@ def test_deepseek_v3_mla_yarn_scale_mtp_and_tp16():
     assert math.isclose(m.fa.softmax_scale, 0.1352337, rel_tol=1e-6)
     assert "mscale^2" in m.fa.scale_derivation and "rope_scaling.type" in m.fa.scale_derivation
     assert m.mtp is not None and m.mtp.num_layers == 1 and m.mtp.decode_sparse_mode == 3
-    assert m.memory.per_token_bytes == 61 * (512 + 64) * 2
+    # the MTP layer's latent cache is allocated from the same pool as the 61 decoder layers'
+    assert m.memory.per_token_bytes == (61 + 1) * (512 + 64) * 2
+    assert [g.num_layers for g in m.memory.groups] == [62]
     tp16 = run("deepseek_v3", attn_tp_size=16)
     assert tp16.parallel.num_q_heads_per_rank == 8 and tp16.parallel.num_kv_heads_per_rank == 1
     assert tp16.parallel.latent_replicated and not tp16.parallel.kv_heads_replicated

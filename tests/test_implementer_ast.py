@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -98,25 +99,34 @@ def paths(m):
 # ----------------------------------------------------------------------------- symbolic walk of the branches
 
 
-def _condition(test: ast.expr, attn_type: str, is_prefill: bool) -> bool:
+_VERIFY_TEST = re.compile(r"(query|query_states)\.shape\[0\] > forward_metadata\.actual_seq_lengths_kv\.shape\[0\]")
+
+
+def _condition(test: ast.expr, attn_type: str, is_prefill: bool, verify: bool = False) -> bool:
     text = ast.unparse(test)
     if text == "forward_metadata.is_prefill":
         return is_prefill
+    if _VERIFY_TEST.fullmatch(text):  # more query tokens than requests: a speculative-decode verify step
+        return verify
     if (isinstance(test, ast.Compare) and ast.unparse(test.left) == "self.attn_type" and len(test.ops) == 1
             and isinstance(test.ops[0], ast.Eq) and isinstance(test.comparators[0], ast.Constant)):
         return attn_type == test.comparators[0].value
     raise AssertionError(f"line {test.lineno}: branch on {text!r} is not a layer-kind or prefill/decode branch")
 
 
-def fa_arguments_on_path(func: ast.FunctionDef, attn_type: str, is_prefill: bool) -> dict[str, ast.expr]:
-    """The FA call's keyword values on one path, local names replaced by what that path assigned."""
+def fa_arguments_on_path(func: ast.FunctionDef, attn_type: str, is_prefill: bool,
+                         verify: bool = False) -> dict[str, ast.expr]:
+    """The FA call's keyword values on one path, local names replaced by what that path assigned.
+
+    ``verify``: a decode step with q_len = 1 + next_n (MTP speculative decoding).
+    """
     env: dict[str, ast.expr] = {}
     found: list[dict[str, ast.expr]] = []
 
     def run(body):
         for stmt in body:
             if isinstance(stmt, ast.If):
-                run(stmt.body if _condition(stmt.test, attn_type, is_prefill) else stmt.orelse)
+                run(stmt.body if _condition(stmt.test, attn_type, is_prefill, verify) else stmt.orelse)
                 continue
             calls = npu_calls(stmt, FA_OPS)
             if calls:
@@ -290,6 +300,29 @@ def test_prefill_and_decode_pass_the_manifests_sparse_modes_per_layer_kind(case_
         else:
             assert ast.literal_eval(got["pre_tokens"]) == NO_LIMIT, where
             assert ast.literal_eval(got["next_tokens"]) == 0, where
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_verify_steps_pass_the_manifests_mtp_plan(case_id):
+    """Decode with q_len = 1 + next_n: non-sliding layers take the manifest's mtp sparse_mode and mask
+    (DeepSeek-V3: 3 + causal mask, where q_len 1 keeps 0 without mask); other manifests, or sliding
+    layers, run verify steps exactly like q_len 1 decode."""
+    m = manifest(case_id)
+    module = tree(case_id)
+    for attn_type in sorted({layer.attn_type for layer in m.layers}):
+        func = fa_function(module, attn_type, False)
+        plan = layer_plan(m, attn_type)
+        got = fa_arguments_on_path(func, attn_type, False, verify=True)
+        if m.mtp is not None and m.kv_mode.value == "paged" and attn_type != "SlidingWindow":
+            mode, mask = m.mtp.decode_sparse_mode, m.mtp.decode_mask
+        else:
+            mode, mask = plan.sparse_mode.decode, plan.mask.decode
+        assert isinstance(got["sparse_mode"], ast.Constant) and got["sparse_mode"].value == mode, attn_type
+        want_mask = "forward_metadata.attention_mask" if mask != "none" else "None"
+        assert ast.unparse(got["atten_mask"]) == want_mask, attn_type
+    if case_id.startswith("deepseek_v3/"):
+        q_len_1 = fa_arguments_on_path(fa_function(module), "FullAttention", False)
+        assert (q_len_1["sparse_mode"].value, ast.unparse(q_len_1["atten_mask"])) == (0, "None")
 
 
 # ----------------------------------------------------------------------------- index tensors

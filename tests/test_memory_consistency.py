@@ -19,15 +19,24 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def _cache_info(manifest):
+    """The main model's cache info, merged with the MTP model's (one full-attention layer each) as the
+    framework's execution engine does when speculative decoding is on."""
     g = get_generation("G2")
-    layers = []
-    for layer in manifest.layers:
-        entries = [g.CacheEntry(cache_name=c.name, attn_type=layer.attn_type, dim=c.dim, num_head=c.num_head,
-                                dtype=DTYPES[c.dtype], needs_block=True, block_size=manifest.block_size,
-                                sliding_window=layer.sliding_window) for c in layer.caches]
-        layers.append(g.LayerCacheInfo(layer_idx=layer.index, caches=entries))
-    return g.ModelCacheInfo(num_layers=len(layers), layer_infos=layers,
-                            is_mla_backend=manifest.mla.enabled)
+
+    def info(plans):
+        layers = []
+        for i, layer in enumerate(plans):
+            entries = [g.CacheEntry(cache_name=c.name, attn_type=layer.attn_type, dim=c.dim, num_head=c.num_head,
+                                    dtype=DTYPES[c.dtype], needs_block=True, block_size=manifest.block_size,
+                                    sliding_window=layer.sliding_window) for c in layer.caches]
+            layers.append(g.LayerCacheInfo(layer_idx=i, caches=entries))
+        return g.ModelCacheInfo(num_layers=len(layers), layer_infos=layers, is_mla_backend=manifest.mla.enabled)
+
+    main = info(manifest.layers)
+    if not manifest.model.num_mtp_layers:
+        return main
+    full = next(layer for layer in manifest.layers if layer.attn_type == "FullAttention")
+    return main.merge(info([full] * manifest.model.num_mtp_layers))
 
 
 @pytest.mark.parametrize("config", ["qwen3_8b", "gpt_oss_20b", "mistral_7b_v01", "deepseek_v3"])
@@ -37,7 +46,7 @@ def test_offline_blocks_agree(config):
     assert m.memory.blocks == harness
 
 
-@pytest.mark.parametrize("config", ["qwen3_8b", "gpt_oss_20b", "deepseek_v3"])
+@pytest.mark.parametrize("config", ["qwen3_8b", "gpt_oss_20b", "deepseek_v3", "glm4_moe"])
 def test_budget_blocks_agree(config):
     m = analyze(AnalyzeRequest(config=f"{CONFIGS}/{config}.json", hbm_gb=40, kv_mem_ratio=0.9,
                                max_concurrency=16, max_len=8192))

@@ -43,6 +43,9 @@ def test_family_mode_matches_transformers(tmp_path, family, mode):
     assert numeric.measured["max_abs_diff"] <= 1e-4
     assert numeric.measured["steps"] >= (17 if scenario is DEFAULT and family != "legacy" else 9)
     assert check(report, "FA call arguments match the manifest").measured["calls"] > 0
+    if family == "deepseek_v3":  # one MTP layer: verify steps (q_len 2) with accepted and rejected drafts
+        spec = check(report, "speculative decode").measured
+        assert spec["accepted"] > 0 and spec["rejected"] > 0 and spec["max_abs_diff"] <= 1e-4
 
 
 @pytest.mark.slow

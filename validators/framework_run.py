@@ -123,6 +123,10 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     end_usage = sched.usage()
     report.add("all blocks back in the pool after the stream", "release",
                all(u["used"] == 0 for u in end_usage.values()), usage=end_usage)
+    if manifest.mtp is not None:
+        from validators.spec_decode import run_framework_stream
+
+        run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab)
     # Many sequential requests: the pool and the allocated tensors end where they started.
     g = torch.Generator().manual_seed(seed + 1)
     for i in range(scenario.release_requests):

@@ -135,6 +135,10 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     tracker.check_fa_calls(report, manifest, host.window)
     sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
     tracker.check_numeric(report, sequences)
+    if manifest.mtp is not None:
+        from validators.spec_decode import run_standalone_stream
+
+        run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row)
 
     g = torch.Generator().manual_seed(seed + 1)
     for i in range(scenario.release_requests):

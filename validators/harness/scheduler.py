@@ -329,6 +329,64 @@ class Scheduler:
                 finished.append(rid)
         return finished
 
+    # ---------------------------------------------------------------- speculative decoding (MTP)
+    def verify_step(self, drafts: dict[int, Sequence[int]]) -> Step:
+        """A decode step that verifies draft tokens: per request its last token, then its drafts.
+
+        Engine conventions with next_n > 0 (MTP worker): q_len = 1 + next_n tokens per request at
+        positions ``computed + 1 .. computed + 1 + next_n``; ``kv_len`` is the last of them and
+        ``actual_seq_lengths_kv = kv_len + 1``; ``allocate_slots(rid, computed + 1, 1 + next_n)``.
+        """
+        if self._pending is not None:
+            raise RuntimeError("complete_step() the previous step first")
+        rids = [rid for rid in self._running[: self.max_concurrency] if rid in drafts]
+        widths = {len(drafts[rid]) for rid in rids}
+        if not rids or len(widths) != 1 or 0 in widths:
+            raise ValueError(f"verify_step needs the same number (> 0) of drafts per running request, got {drafts}")
+        next_n = widths.pop()
+        for rid in rids:
+            if not self.kv_cache_manager.allocate_slots(rid, self.requests[rid].computed_len + 1, 1 + next_n):
+                raise SchedulerStall(f"request {rid} cannot grow by {1 + next_n}: {self.kv_cache_manager.format_usage()}")
+        requests = [self.requests[r] for r in rids]
+        q_len = 1 + next_n
+        tokens = [t for r in requests for t in (r.output_ids[-1], *drafts[r.request_id])]
+        positions = [r.computed_len + 1 + i for r in requests for i in range(q_len)]
+        kv_len = self._long([r.computed_len + 1 + next_n for r in requests])
+        seq_kv = kv_len + 1
+        seq_q = torch.full((len(rids),), q_len, dtype=torch.long, device=self.device)
+        step = self._assemble(
+            rids, requests, is_prefill=False, input_ids=self._long(tokens), position_ids=self._long(positions),
+            q_lens=[q_len] * len(rids), kv_lens=seq_kv.tolist(), kv_len=kv_len, batch_rows=len(rids),
+            prompt_tokens=0, cu_q=seq_q.cumsum(0), cu_kv=seq_kv.cumsum(0), seq_q=seq_q, seq_kv=seq_kv,
+        )
+        self._pending = step
+        self._step_index += 1
+        return step
+
+    def complete_verify(self, step: Step, emitted: Sequence[Sequence[int]]) -> list[int]:
+        """Record a verify step: per request the accepted drafts, then the model's next token.
+
+        The cache now holds each request's tokens up to its last accepted one (computed_len
+        advances by ``len(emitted)``); slots of rejected drafts stay allocated and are overwritten
+        by the next step. Returns the ids that finished.
+        """
+        if step is not self._pending:
+            raise RuntimeError("this step is not the pending one")
+        if len(emitted) != len(step.request_ids) or \
+                any(not 1 <= len(e) <= q for e, q in zip(emitted, step.q_lens, strict=True)):
+            raise ValueError(f"expected 1..q_len tokens for each of {len(step.request_ids)} requests, got {emitted}")
+        self._pending = None
+        finished = []
+        for rid, tokens in zip(step.request_ids, emitted, strict=True):
+            request = self.requests[rid]
+            request.computed_len += len(tokens)
+            request.output_ids.extend(int(t) for t in tokens)
+            reason = self._finish_reason(request)
+            if reason:
+                self.finish(rid, reason)
+                finished.append(rid)
+        return finished
+
     def _finish_reason(self, request: Request) -> str | None:
         if request.max_new_tokens is not None and len(request.output_ids) >= request.max_new_tokens:
             return "length"

@@ -60,6 +60,7 @@ class ManifestChecks:
         self.scale(call, named, star, ctx)
         self.block_size_value(call)
         self.sparse_and_window(call, named, star, ctx)
+        self.mtp_verify_case(call, ctx, star)
 
     def scale(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
         m = self.m
@@ -148,6 +149,25 @@ class ManifestChecks:
                                 expected=" or ".join(map(str, allowed)))
             if sliding_layers and (sc.ctx.sliding is True or (sc.sparse == 4 and sc.ctx.sliding is not False)):
                 self.pre_tokens(call, named, star, sc.ctx, sliding_layers)
+
+    def mtp_verify_case(self, call: ast.Call, ctx: Ctx, star: bool) -> None:
+        """KV811: with MTP layers, a decode FA call of full-attention layers needs a q_len > 1 case.
+
+        The call is fine when its decode sparse_mode can be the manifest's MTP one (a branch on the
+        query length, or that mode for every decode step), or when it sits in a branch that tests
+        the query length / MTP itself (its sibling call handles the other case).
+        """
+        m = self.m
+        if m.mtp is None or m.kv_mode.value != "paged" or self.info.in_mtp_branch(call):
+            return
+        decode = [sc for sc in self.c.scenarios(call, ctx, star)
+                  if sc.ctx.phase == DECODE and sc.ctx.sliding is not True and sc.sparse is not None]
+        if any(sc.sparse == m.mtp.decode_sparse_mode for sc in decode):
+            return
+        wrong = next((sc for sc in decode if sc.certain), None)
+        if wrong is not None and any(layer.attn_type != "SlidingWindow" for layer in m.layers):
+            self.c.emit("KV811", wrong.sparse_origin or call, layers=m.mtp.num_layers, value=wrong.sparse,
+                        expected=m.mtp.decode_sparse_mode)
 
     def pre_tokens(self, call: ast.Call, named, star: bool, ctx: Ctx, sliding_layers) -> None:
         expected = sorted({layer.pre_tokens for layer in sliding_layers})

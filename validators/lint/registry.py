@@ -216,6 +216,19 @@ _RULES = (
     ),
 )
 
+_RULES += (
+    Rule(
+        "KV811", "mtp-decode-no-verify-case",
+        "decode FA call without a q_len > 1 (MTP verify) case",
+        "the manifest's model has {layers} MTP layer(s): a speculative-decode verify step carries 1 + next_n "
+        "query tokens per request, but this decode FA call always uses sparse_mode={value} (the first "
+        "tokens see the drafts after them)",
+        "branch on the query length (tokens > requests): q_len > 1 -> sparse_mode={expected} with the "
+        "2048x2048 causal mask; q_len 1 keeps sparse_mode={value}",
+        needs_manifest=True,
+    ),
+)
+
 RULES: dict[str, Rule] = {rule.id: rule for rule in _RULES}
 
 

@@ -143,7 +143,8 @@ class KVCacheModelMixin:
 
     def get_cache_info(self):
         layers = self.model.layers
-        if isinstance(layers, dict):  # MTP: layers is a dict when next-n layers are on
+        # MTP models keep their layers in an nn.ModuleDict keyed by layer index: iterating it yields the keys.
+        if isinstance(layers, (dict, torch.nn.ModuleDict)):
             layers = list(layers.values())
         layer_infos = []
         for decoder_layer in layers:

@@ -1,0 +1,188 @@
+"""Speculative decoding (MTP, next_n = 1) through the rendered code: verify steps with q_len = 2.
+
+Manifests with MTP layers decode 1 + next_n query tokens per request when speculation is on.
+The tiny transformers model has no MTP head, and none is needed: what the rendered code must get
+right is the main model's verify step. Each verify step feeds, per request, its last accepted
+token and one draft; the draft is the reference's greedy next token (it will be accepted) or
+another token (rejected), alternating over steps and requests. Both rows' logits are compared
+with a causal transformers forward over the request's tokens + the draft. After the step the
+cache keeps the accepted tokens only: kv_len advances by 1 + accepted, and the slot of a
+rejected draft is overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.host import reference_logits
+from validators.report import Report
+
+NEXT_N = 1
+# (prompt length, verify steps): one prompt past a 128-token block, one short.
+PROMPTS = ((137, 4), (21, 4))
+
+
+@dataclass
+class SpecStream:
+    """Draft choice, acceptance and the numeric comparison of one speculative-decode stream."""
+
+    ref_model: object
+    vocab: int
+    atol: float
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # accepted tokens; the last one is not cached yet
+    worst: float = 0.0
+    worst_at: str = ""
+    nonfinite: list[str] = field(default_factory=list)
+    wrong_verdicts: list[str] = field(default_factory=list)
+    accepted: int = 0
+    rejected: int = 0
+    steps: list[int] = field(default_factory=list)  # host step indices of the verify steps
+
+    def drafts(self, rids: list[int], verify_index: int) -> dict[int, list[int]]:
+        """One draft per request: the reference's greedy token, or another one (every other time)."""
+        out = {}
+        for i, rid in enumerate(rids):
+            greedy = int(reference_logits(self.ref_model, self.tokens[rid])[-1].argmax())
+            out[rid] = [greedy if (i + verify_index) % 2 == 0 else (greedy + 1) % self.vocab]
+        return out
+
+    def judge(self, step_index: int, rids: list[int], drafts: dict[int, list[int]], logits: torch.Tensor,
+              slices: dict[int, slice]) -> list[list[int]]:
+        """Compare the verify rows with transformers; per request the tokens the step emits."""
+        self.steps.append(step_index)
+        emitted = []
+        for rid in rids:
+            draft = drafts[rid][0]
+            got = logits[slices[rid]]
+            want = reference_logits(self.ref_model, self.tokens[rid] + [draft])[-1 - NEXT_N:]
+            where = f"step {step_index} request {rid}"
+            if not torch.isfinite(got).all():
+                self.nonfinite.append(where)
+            else:
+                diff = (got - want).abs().max().item()
+                if diff > self.worst:
+                    self.worst, self.worst_at = diff, where
+            main = int(got[0].argmax())
+            planned = int(want[0].argmax()) == draft
+            if (main == draft) != planned:
+                self.wrong_verdicts.append(f"{where}: draft {'rejected' if planned else 'accepted'}")
+            if main == draft:
+                self.accepted += 1
+                step_tokens = [draft, int(got[1].argmax())]
+            else:
+                self.rejected += 1
+                step_tokens = [main]
+            self.tokens[rid] += step_tokens
+            emitted.append(step_tokens)
+        return emitted
+
+    def report(self, report: Report, manifest: SelectionManifest, fa_calls: list[dict]) -> None:
+        verify = set(self.steps)
+        bad = []
+        for call in fa_calls:
+            if call["step"] not in verify:
+                continue
+            plan = manifest.layers[call["layer"]]
+            if plan.attn_type == "SlidingWindow" or manifest.mtp is None:
+                want = (plan.sparse_mode.decode, plan.mask.decode != "none")
+            else:
+                want = (manifest.mtp.decode_sparse_mode, manifest.mtp.decode_mask != "none")
+            got = (call.get("sparse_mode", 0), call["has_mask"])
+            if got != want:
+                bad.append(f"step {call['step']} layer {call['layer']}: (sparse_mode, mask) {got} != {want}")
+        report.add(f"speculative-decode verify steps (q_len {1 + NEXT_N}) pass the manifest's MTP sparse_mode/mask",
+                   "runtime", bool(verify) and not bad, detail="; ".join(bad[:3]), mismatches=len(bad))
+        both = self.accepted > 0 and self.rejected > 0
+        report.add(f"speculative decode (next_n={NEXT_N}): verify logits vs transformers max |diff| <= {self.atol:g}",
+                   "numeric", both and not self.nonfinite and self.worst <= self.atol and not self.wrong_verdicts,
+                   detail="; ".join((self.nonfinite + self.wrong_verdicts)[:3])
+                   or ("" if both else "the stream needs accepted and rejected drafts"),
+                   max_abs_diff=self.worst, worst_at=self.worst_at, verify_steps=len(self.steps),
+                   accepted=self.accepted, rejected=self.rejected)
+
+
+def _prompts(seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(seed + 7)
+    return [(torch.randint(0, vocab, (n,), generator=g).tolist(), steps) for n, steps in PROMPTS]
+
+
+def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_model, sched, seed: int,
+                         vocab: int) -> None:
+    """Prefill, then verify steps through the harness scheduler (the framework's MTP conventions)."""
+    stream = SpecStream(ref_model, vocab, host.atol)
+    prompts = _prompts(seed, vocab)
+    rids = [sched.add_request(ids) for ids, _ in prompts]
+    steps_of = {rid: n for rid, (_, n) in zip(rids, prompts, strict=True)}
+    fa_start = len(host.probe.fa_calls)
+    while sched.waiting_ids:
+        sched.poison()
+        step = sched.next_step()
+        logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+        first = logits[step.last_token_rows()].argmax(-1)
+        sched.complete_step(step, first)
+        for rid, token in zip(step.request_ids, first.tolist(), strict=True):
+            stream.tokens[rid] = sched.requests[rid].prompt_ids + [int(token)]
+    for j in range(max(n for _, n in prompts)):
+        live = [rid for rid in rids if j < steps_of[rid]]
+        drafts = stream.drafts(live, j)
+        sched.poison()  # freed and null blocks NaN; a rejected draft's slot keeps its stale K/V
+        step = sched.verify_step(drafts)
+        logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+        emitted = stream.judge(host.step_index, step.request_ids, drafts, logits, step.token_slices())
+        sched.complete_verify(step, emitted)
+        for rid in live:
+            if j + 1 == steps_of[rid]:
+                sched.finish(rid, "length")
+    stream.report(report, manifest, host.probe.fa_calls[fa_start:])
+    report.add("all blocks back in the pool after the speculative-decode stream", "release",
+               all(u["used"] == 0 for u in sched.usage().values()), usage=sched.usage())
+
+
+def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref_model, runner, seed: int,
+                          vocab: int, poison_row) -> None:
+    """Prefill, then verify steps through the rendered runner (``next_n`` / ``accepted`` arguments)."""
+    stream = SpecStream(ref_model, vocab, host.atol)
+    prompts = _prompts(seed, vocab)
+    rows = list(range(len(prompts)))
+    fa_start = len(host.probe.fa_calls)
+    lens = [len(ids) for ids, _ in prompts]
+    fm = runner._build_forward_metadata(rows, lens)
+    logits = host.forward(torch.tensor([t for ids, _ in prompts for t in ids]),
+                          torch.cat([torch.arange(n) for n in lens]), fm)
+    runner._advance_kv_len(rows, fm)
+    ends = torch.tensor(lens).cumsum(0) - 1
+    for row, (ids, _) in enumerate(prompts):
+        stream.tokens[row] = list(ids) + [int(logits[ends[row]].argmax())]
+    slot_errors, kv_errors = [], []
+    for j in range(max(n for _, n in prompts)):
+        live = [row for row, (_, n) in zip(rows, prompts, strict=True) if j < n]
+        drafts = stream.drafts(live, j)
+        try:
+            fm = runner._build_forward_metadata(live, next_n=NEXT_N)
+        except TypeError as exc:
+            report.add("rendered runner builds speculative-decode verify steps", "init", False,
+                       detail=f"_build_forward_metadata(rows, next_n={NEXT_N}): {exc}")
+            return
+        start = runner.kv_len[torch.tensor(live)].clone()
+        pos = (start.view(-1, 1) + torch.arange(1 + NEXT_N)).view(-1)
+        want_slots = (torch.tensor(live).view(-1, 1) * runner.max_seq_len + pos.view(len(live), -1)).view(-1)
+        if not torch.equal(fm.slot_mapping.view(-1).long(), want_slots.long()):
+            slot_errors.append(f"verify {j}")
+        ids = torch.tensor([t for row in live for t in (stream.tokens[row][-1], *drafts[row])])
+        logits = host.forward(ids, pos, fm)
+        slices = {row: slice(i * (1 + NEXT_N), (i + 1) * (1 + NEXT_N)) for i, row in enumerate(live)}
+        emitted = stream.judge(host.step_index, live, drafts, logits, slices)
+        runner._advance_kv_len(live, fm, accepted=[len(e) - 1 for e in emitted])
+        if runner.kv_len[torch.tensor(live)].tolist() != [s + len(e) for s, e in zip(start.tolist(), emitted,
+                                                                                      strict=True)]:
+            kv_errors.append(f"verify {j}")
+    for row in rows:
+        poison_row(host, runner, row)
+    report.add("verify-step slot_mapping = row * max_seq_len + position (1 + next_n per row)", "runtime",
+               not slot_errors, detail="; ".join(slot_errors[:3]))
+    report.add("kv_len advances by 1 + accepted drafts after a verify step", "runtime", not kv_errors,
+               detail="; ".join(kv_errors[:3]))
+    stream.report(report, manifest, host.probe.fa_calls[fa_start:])

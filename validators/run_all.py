@@ -137,18 +137,20 @@ def run(args: argparse.Namespace) -> int:
                          field="--out")
     check_out_dir(out)
     require_validation_deps()
+    from validators.validate import ValidateRequest, resolve_backend, validate
+
+    resolve_backend(args.backend)
     config = args.config or args.model_dir or str(EXAMPLE)
-    _say(f"analyze {config}", t0)
     manifest = analyze(AnalyzeRequest(config=config, progress=args.progress, dispatch=args.dispatch,
                                       deploy_mode=args.deploy_mode, framework_api=args.framework_api,
                                       attn_tp_size=args.attn_tp_size))
-    print_warnings(manifest)
     if manifest.blockers and not args.allow_blocked:
         raise InputError(config, "the analysis found blockers (" + "; ".join(b.message for b in manifest.blockers)
                          + "): pass --allow-blocked to render and validate the Legacy path anyway", field="blockers")
     rendered = render_manifest(manifest, framework_api=args.framework_api, allow_blocked=args.allow_blocked)
-    from validators.validate import ValidateRequest, validate
-
+    # Bad input ends above with one stderr line; progress lines start once the run is under way.
+    _say(f"analyzed {config}: {manifest.kv_mode.value}, {manifest.deploy_mode.value} mode", t0)
+    print_warnings(manifest)
     staging = _staging_dir(out)
     try:
         atomic_write_text(staging / "manifest.json", manifest.to_json())

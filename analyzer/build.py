@@ -69,6 +69,8 @@ def _check_numbers(req: AnalyzeRequest) -> None:
     for flag, value in (("--hbm-gb", req.hbm_gb), ("--kv-mem-ratio", req.kv_mem_ratio)):
         if value is not None and not (math.isfinite(value) and value > 0):  # nan/inf would reach the plan
             raise InputError(flag, f"must be a positive finite number, got {value}")
+    if req.hbm_gb is not None and not math.isfinite(req.hbm_gb * memory.GIB):
+        raise InputError("--hbm-gb", f"too large, got {req.hbm_gb}: give the GiB the KV cache may use")
     if req.kv_mem_ratio is not None and req.kv_mem_ratio > 1:
         raise InputError("--kv-mem-ratio", f"must be in (0, 1], got {req.kv_mem_ratio}")
     problem = rules.check_block_size(req.block_size)

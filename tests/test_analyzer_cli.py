@@ -106,6 +106,32 @@ def test_memory_plan_from_flags_and_from_progress(capsys):
     assert any("HBM 64 GB taken from" in w["message"] and "upper bound" in w["message"] for w in m["warnings"])
 
 
+def test_a_budget_with_no_usable_block_is_a_warning_in_the_manifest_and_on_stderr(capsys):
+    rc, out, err = invoke(["--config", QWEN3, "--hbm-gb", "0.001"], capsys)
+    assert rc == 0
+    m = SelectionManifest.model_validate_json(out)
+    assert max(m.memory.blocks.values()) <= 1  # block 0 is the null block: nothing can be served
+    starved = [w.message for w in m.warnings if "no usable block" in w.message]
+    assert len(starved) == 1 and "FullAttention" in starved[0]
+    assert f"warning: {starved[0]}\n" in err
+    rc, out, err = invoke(["--config", QWEN3, "--hbm-gb", "40"], capsys)
+    assert rc == 0 and "no usable block" not in out + err
+
+
+def test_fewer_fitting_requests_than_max_concurrency_is_a_warning(capsys):
+    args = ["--config", QWEN3, "--hbm-gb", "20", "--max-len", "8192"]
+    rc, out, err = invoke([*args, "--max-concurrency", "32"], capsys)
+    fit = SelectionManifest.model_validate_json(out).memory.max_concurrency_at_max_len
+    assert rc == 0 and 0 < fit < 32
+    expected = f"only {fit} requests of 8192 tokens fit in the KV budget, fewer than --max-concurrency 32"
+    assert expected in out and f"warning: {expected}\n" in err
+    # At the edge: exactly what fits is no warning, one more is.
+    rc, out, err = invoke([*args, "--max-concurrency", str(fit)], capsys)
+    assert rc == 0 and "fit in the KV budget" not in out + err
+    rc, out, err = invoke([*args, "--max-concurrency", str(fit + 1)], capsys)
+    assert rc == 0 and f"only {fit} requests" in err
+
+
 def test_tp_from_progress_and_cards_without_tp(tmp_path, capsys):
     p = tmp_path / "progress.md"
     p.write_text("## 模型信息\n\n### 运行环境\n\n- 部署卡数: 8\n- attn_tp_size: 3\n", encoding="utf-8")

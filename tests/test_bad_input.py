@@ -55,6 +55,7 @@ CASES = {
     "analyze hbm nan": (lambda t, i: ["analyze", "--config", EX, "--hbm-gb", "nan"], ["--hbm-gb", "nan"]),
     "analyze hbm inf": (lambda t, i: ["analyze", "--config", EX, "--hbm-gb", "inf"], ["--hbm-gb", "inf"]),
     "analyze hbm -inf": (lambda t, i: ["analyze", "--config", EX, "--hbm-gb=-inf"], ["--hbm-gb", "-inf"]),
+    "analyze hbm overflowing": (lambda t, i: ["analyze", "--config", EX, "--hbm-gb", "1e308"], ["--hbm-gb", "1e+308"]),
     "analyze hbm zero": (lambda t, i: ["analyze", "--config", EX, "--hbm-gb", "0"], ["--hbm-gb"]),
     "analyze hbm not a number": (lambda t, i: ["analyze", "--config", EX, "--hbm-gb", "lots"], ["--hbm-gb", "lots"]),
     "analyze ratio nan": (lambda t, i: ["analyze", "--config", EX, "--hbm-gb", "40", "--kv-mem-ratio", "nan"],

@@ -12,8 +12,11 @@ import re
 
 from analyzer.errors import InputError
 
-# `from_config(..., dtype=...)` (tiny.py) needs 4.56; keep equal to pyproject.toml's lower bound.
-MIN_TRANSFORMERS = "4.56"
+# The reference implementations validation compares against must be right: 5.15 is the first
+# release whose DeepSeek-V2 attention applies the YaRN mscale^2 to its softmax scale (with 4.56,
+# the first with `from_config(..., dtype=)`, correct DeepSeek-V2 renders fail the scale check).
+# Keep equal to pyproject.toml's lower bound.
+MIN_TRANSFORMERS = "5.15"
 REQUIRED = (("numpy", None), ("transformers", MIN_TRANSFORMERS))
 
 

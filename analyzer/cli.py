@@ -25,8 +25,10 @@ EXAMPLES = """examples:
 
 Bad input (missing/invalid file, missing or non-positive sizes, heads not divisible by
 --attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad
---block-size) prints one line `error: <file or flag>: <field>: <why>` and exits 2; nothing
-is written then.
+--block-size, non-finite --hbm-gb / --kv-mem-ratio, an unwritable --out) prints one line
+`error: <file or flag>: <field>: <why>` and exits 2; nothing is written then. A memory plan that
+cannot serve the request is a `warning:` line (and in the manifest's warnings), exit 0. Exit 3
+is an internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).
 """
 
 
@@ -176,7 +178,9 @@ def print_warnings(manifest) -> None:
 
 def schema_main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="kvcache schema", description="Print the SelectionManifest JSON Schema.",
-                                epilog="example:\n  kvcache schema > manifest.schema.json",
+                                epilog="example:\n  kvcache schema > manifest.schema.json\n\n"
+                                       "exit status: 0 ok, 2 bad input (e.g. an unwritable --out; nothing "
+                                       "written), 3 internal error",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     args = p.parse_args(argv)

@@ -80,7 +80,9 @@ def foreign_entry(out: Path) -> str | None:
     """
     if not out.exists():
         return None
-    if out.is_symlink() or not out.is_dir():
+    if out.is_symlink():
+        return f"{out} is a symbolic link"
+    if not out.is_dir():
         return f"{out} is not a directory"
     for entry in sorted(out.iterdir()):
         if entry.name not in RUN_ENTRIES or entry.is_symlink():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from analyzer.errors import EXIT_BAD_INPUT, guarded
+
 USAGE = """usage: kvcache <command> [options]
 
 commands:
@@ -16,6 +18,10 @@ commands:
   probe     measure the open device questions on an NPU host -> readings file (--backend emulated: dry run)
 
 Run `kvcache <command> --help` for the options of each command.
+
+exit status (every command): 0 ok, 1 checks failed (lint findings, failed validation),
+2 bad input (one stderr line naming the file or flag; nothing written), 3 internal error of
+kvcache itself (a bug: one stderr line; rerun with KVCACHE_DEBUG=1 for the traceback).
 """
 
 
@@ -27,7 +33,7 @@ def _commands():
         return main(argv)
 
     def schema(argv):
-        from analyzer.cli import guarded, schema_main
+        from analyzer.cli import schema_main
 
         return guarded(schema_main, argv)
 
@@ -63,14 +69,15 @@ def _commands():
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = _commands()
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         sys.stdout.write(USAGE)
-        return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in commands:
-        sys.stderr.write(f"error: unknown command {name!r}\n{USAGE}")
-        return 2
-    return commands[name](rest) or 0
+        return 0
+    if not argv or argv[0] not in commands:
+        what = f"unknown command {argv[0]!r}" if argv else "no command given"
+        sys.stderr.write(f"error: kvcache: {what}: use one of {', '.join(commands)} (see kvcache --help)\n")
+        return EXIT_BAD_INPUT
+    # Each command guards itself too; this catches what fails before it can (e.g. its imports).
+    return guarded(commands[argv[0]], argv[1:]) or 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,8 +105,10 @@ def _check_numbers(req: AnalyzeRequest) -> None:
         if value is not None and value <= 0:
             raise InputError(flag, f"must be a positive integer, got {value}")
     for flag, value in (("--hbm-gb", req.hbm_gb), ("--kv-mem-ratio", req.kv_mem_ratio)):
-        if value is not None and value <= 0:
-            raise InputError(flag, f"must be positive, got {value}")
+        if value is not None and not (math.isfinite(value) and value > 0):  # nan/inf would reach the plan
+            raise InputError(flag, f"must be a positive finite number, got {value}")
+    if req.hbm_gb is not None and not math.isfinite(req.hbm_gb * memory.GIB):
+        raise InputError("--hbm-gb", f"too large, got {req.hbm_gb}: give the GiB the KV cache may use")
     if req.kv_mem_ratio is not None and req.kv_mem_ratio > 1:
         raise InputError("--kv-mem-ratio", f"must be in (0, 1], got {req.kv_mem_ratio}")
     problem = rules.check_block_size(req.block_size)
@@ -490,6 +493,8 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
                                              "max_position_embeddings): sliding reservations assume 1 request",
                                      fields=["--max-len", "--max-concurrency"]))
         plan = memory.plan_budget(groups, budget, concurrency if concurrency is not None else 1, max_len)
+        warnings += [Finding(message=m, fields=["--hbm-gb", "--max-concurrency", "--max-len"])
+                     for m in memory.plan_warnings(plan, req.max_concurrency, max_len)]
     elif max_len and concurrency:
         plan = memory.plan_offline(groups, max_len, concurrency)
         plan.derivation.append(f"pools need {memory.plan_bytes(groups, plan.blocks)} B on one rank")

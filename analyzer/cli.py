@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
-from analyzer.errors import InputError
+from analyzer.errors import InputError, OneLineArgumentParser, guarded  # noqa: F401 - guarded: re-exported
 from analyzer.manifest import manifest_json_schema
 from analyzer.progress_writer import atomic_write_text, check_writable
 from analyzer.report import SECTION_ID, decisions_markdown
@@ -26,8 +26,10 @@ EXAMPLES = """examples:
 
 Bad input (missing/invalid file, missing or non-positive sizes, heads not divisible by
 --attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad
---block-size) prints one line `error: <file or flag>: <field>: <why>` and exits 2; nothing
-is written then.
+--block-size, non-finite --hbm-gb / --kv-mem-ratio, an unwritable --out) prints one line
+`error: <file or flag>: <field>: <why>` and exits 2; nothing is written then. A memory plan that
+cannot serve the request is a `warning:` line (and in the manifest's warnings), exit 0. Exit 3
+is an internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).
 """
 
 
@@ -84,11 +86,7 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
                         "atomic, other bytes untouched), e.g. --write-progress progress.md")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one stderr line (exit 2) like every other bad input."""
-
-    def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"error: {self.prog}: {' '.join(message.splitlines())} (see --help)\n")
+_Parser = OneLineArgumentParser
 
 
 def build_parser(prog: str = "kvcache analyze") -> argparse.ArgumentParser:
@@ -175,12 +173,21 @@ def run(args: argparse.Namespace) -> int:
     if progress_update is not None:
         atomic_write_text(args.write_progress, progress_update)
     write_output(text, args.out)
+    print_warnings(manifest)
     return 0
+
+
+def print_warnings(manifest) -> None:
+    """The manifest's warnings, one stderr line each: a plan that cannot serve must not pass unseen."""
+    for w in manifest.warnings:
+        print(f"warning: {' '.join(w.message.split())}", file=sys.stderr)
 
 
 def schema_main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="kvcache schema", description="Print the SelectionManifest JSON Schema.",
-                                epilog="example:\n  kvcache schema > manifest.schema.json",
+                                epilog="example:\n  kvcache schema > manifest.schema.json\n\n"
+                                       "exit status: 0 ok, 2 bad input (e.g. an unwritable --out; nothing "
+                                       "written), 3 internal error",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     args = p.parse_args(argv)
@@ -191,12 +198,3 @@ def schema_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return guarded(run, args)
-
-
-def guarded(fn, *args) -> int:
-    """Bad input -> one stderr line naming file and field, exit 2, no traceback."""
-    try:
-        return fn(*args)
-    except InputError as exc:
-        print(f"error: {exc.render()}", file=sys.stderr)
-        return 2

@@ -1,6 +1,22 @@
-"""The one error type for bad input: the CLI turns it into one stderr line and exit code 2."""
+"""The one error type for bad input, and the exit codes every `kvcache` command shares.
+
+Exit codes: 0 ok, 1 checks failed (lint findings, validation failures), 2 bad input (one
+stderr line naming the file or flag and field, nothing written), 3 internal error of the tool
+itself (a bug: one stderr line saying so; ``KVCACHE_DEBUG=1`` shows the traceback).
+"""
 
 from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+EXIT_OK = 0
+EXIT_CHECKS_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
+DEBUG_ENV = "KVCACHE_DEBUG"
 
 
 class InputError(Exception):
@@ -16,3 +32,35 @@ class InputError(Exception):
         location = f"{self.where}: {self.field}" if self.field else self.where
         # One line whatever the inputs hold: the CLI promises a single stderr line.
         return " ".join(f"{location}: {self.message}".splitlines())
+
+
+def internal_error_line(exc: BaseException) -> str:
+    """One line that blames the tool, names the exception and where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    what = " ".join(str(exc).split())
+    if len(what) > 200:
+        what = what[:200] + "..."
+    return (f"internal error (a bug in kvcache, not in your input): {type(exc).__name__}{where}: {what} "
+            f"-- rerun with {DEBUG_ENV}=1 for the traceback and report it with the command line")
+
+
+def guarded(fn, *args) -> int:
+    """Run a command: bad input -> exit 2 with one line; a bug -> exit 3 with one line; else fn's code."""
+    try:
+        return fn(*args)
+    except InputError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # anything else is the tool's fault, never "your checks failed"
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(internal_error_line(exc), file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one stderr line (exit 2) like every other bad input."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(EXIT_BAD_INPUT, f"error: {self.prog}: {' '.join(message.splitlines())} (see --help)\n")

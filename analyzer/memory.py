@@ -170,3 +170,23 @@ def plan_offline(groups: list[Group], max_len: int, concurrency: int) -> BudgetP
 def plan_bytes(groups: list[Group], blocks: dict[str, int]) -> int:
     """Bytes the pools take: blocks x block_size x per-token bytes of the group, summed."""
     return sum(blocks[g.group_key] * g.block_bytes for g in groups)
+
+
+def plan_warnings(plan: BudgetPlan, requested_concurrency: int | None, max_len: int | None) -> list[str]:
+    """Why a budget plan cannot serve the request it was asked for (empty when it can).
+
+    A pool of n blocks holds n - 1 usable ones (block 0 is the null block), so a pool of at most
+    one block serves nothing; and fewer requests of ``max_len`` fitting than asked is a plan that
+    the framework would start but could not fill.
+    """
+    out = []
+    starved = {key: n for key, n in sorted(plan.blocks.items()) if n <= 1}
+    if starved:
+        listed = ", ".join(f"{key} {n}" for key, n in starved.items())
+        out.append(f"the KV budget leaves no usable block (block 0 is the null block) in: {listed} block(s); "
+                   "no request can be served: raise --hbm-gb / --kv-mem-ratio or lower --max-concurrency")
+    fit = plan.max_concurrency_at_max_len
+    if requested_concurrency is not None and fit is not None and fit < requested_concurrency:
+        out.append(f"only {fit} requests of {max_len} tokens fit in the KV budget, fewer than "
+                   f"--max-concurrency {requested_concurrency}")
+    return out

@@ -73,8 +73,35 @@ def check_writable(path: str | Path) -> None:
         raise InputError(str(p), "directory does not exist")
     if p.exists() and not p.is_file():
         raise InputError(str(p), "not a regular file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(str(p), "directory is not writable")
+    check_dir_writable(parent, str(p))
+
+
+def check_dir_writable(folder: str | Path, where: str | None = None) -> None:
+    """Fail unless a file can be created in ``folder``: probed with a temp file (os.access lies to
+    root and on read-only mounts), removed at once."""
+    where = where or str(folder)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvcache-probe.", dir=folder)
+    except OSError as exc:
+        raise InputError(where, f"directory is not writable ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_out_dir(path: str | Path, field: str = "--out") -> None:
+    """Fail before anything is written unless ``path`` is, or can be created as, a writable directory."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise InputError(str(p), "exists and is not a directory", field=field)
+    base = p.absolute()
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise InputError(str(p), f"{base} is not a directory", field=field)
+    try:
+        check_dir_writable(base)
+    except InputError as exc:
+        raise InputError(str(p), exc.message, field=field) from None
 
 
 def _default_mode() -> int:
@@ -89,7 +116,10 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     p = Path(path)
     check_writable(p)
     parent = p.parent if str(p.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise InputError(str(p), f"cannot write: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(text.encode("utf-8"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from analyzer.cli import guarded
+from analyzer.errors import InputError, OneLineArgumentParser, guarded
+from analyzer.progress_writer import check_out_dir
 from implementer.context import Names
 from implementer.render import load_manifest, render_manifest, write_rendered
 
@@ -13,11 +14,14 @@ EXAMPLES = """examples:
   kvcache render --manifest manifest.json --out rendered/
   kvcache render --manifest manifest.json --out rendered/ --attention-class Qwen3KVCacheMixin --force
   kvcache render --manifest manifest.json --out rendered/ --framework-api G1
+
+exit status: 0 rendered, 2 bad input (one line naming the file or flag; nothing written),
+3 internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="kvcache render",
         description="Render framework-mode or standalone-mode KV-cache code from a selection manifest.",
         epilog=EXAMPLES,
@@ -45,7 +49,12 @@ def run(args: argparse.Namespace) -> int:
     manifest = load_manifest(args.manifest)
     names = Names(args.attention_class, args.model_class, args.runner_class, args.attn_attr)
     rendered = render_manifest(manifest, names, args.framework_api, args.allow_blocked)
-    for path in write_rendered(rendered, args.out, args.force):
+    check_out_dir(args.out)
+    try:
+        written = write_rendered(rendered, args.out, args.force)  # all files or none
+    except OSError as exc:
+        raise InputError(args.out, f"cannot write: {exc}", field="--out") from None
+    for path in written:
         print(path)
     return 0
 

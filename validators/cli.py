@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from analyzer.cli import guarded
-from analyzer.errors import InputError
-from analyzer.progress_writer import atomic_write_text
+from analyzer.errors import InputError, OneLineArgumentParser, guarded
+from analyzer.progress_writer import atomic_write_text, check_writable, plan_section
+from validators.runtime_deps import require_validation_deps
 from validators.validate import ValidateRequest, validate
 
 EXAMPLES = """examples:
@@ -16,11 +16,14 @@ EXAMPLES = """examples:
   kvcache validate --manifest manifest.json --rendered rendered/ --config config.json \\
       --report report.json --markdown report.md
   kvcache validate ... --backend npu --framework-root /path/to/cann-recipes-infer
+
+exit status: 0 every check passed, 1 a check failed, 2 bad input (one line naming the file or
+flag; nothing written), 3 internal error of kvcache itself (rerun with KVCACHE_DEBUG=1).
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="kvcache validate",
         description="Three-link checks (init/runtime/release) and numeric equivalence against transformers.",
         epilog=EXAMPLES,
@@ -56,10 +59,19 @@ def _progress(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("report", "markdown"):
+    # Every output is checked before the (long) run, so bad paths cost nothing and write nothing.
+    for flag in ("report", "markdown", "write_progress"):
         target = getattr(args, flag)
-        if target and not Path(target).resolve().parent.is_dir():
-            raise InputError(target, "directory does not exist", field=f"--{flag}")
+        if target:
+            try:
+                check_writable(target)
+            except InputError as exc:
+                raise InputError(target, exc.message, field=f"--{flag.replace('_', '-')}") from None
+    if args.write_progress:
+        from validators.report import SECTION_ID
+
+        plan_section(args.write_progress, SECTION_ID, "")  # damaged markers are refused now, not after
+    require_validation_deps()
     report = validate(ValidateRequest(
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,

@@ -6,16 +6,18 @@ import argparse
 import json
 import sys
 
+from analyzer.errors import OneLineArgumentParser, guarded
 from validators.lint.engine import ManifestError, lint_paths
 from validators.lint.registry import RULES, parse_id_list
 
-EPILOG = "exit status: 0 clean, 1 findings, 2 usage error or a file that cannot be read or parsed.\n" \
+EPILOG = "exit status: 0 clean, 1 findings, 2 usage error or a file that cannot be read or parsed,\n" \
+         "3 internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).\n" \
          "silence one line with `# kvcache: ignore[KV201]` (or ignore[KV201,KV204]).\n" \
          "rules: `kvcache lint --list-rules`."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="kvcache lint",
         description="Find the KV-cache / fused-attention mistakes that raise no error on Ascend "
                     "(wrong FA argument names, missing causal mask, dict block tables, kv_len mutation...).",
@@ -44,6 +46,10 @@ def _list_rules() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -58,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(_list_rules())
         return 0
     if not args.paths:
-        parser.print_usage(sys.stderr)
-        sys.stderr.write("kvcache lint: error: give at least one PATH\n")
+        sys.stderr.write("kvcache lint: error: give at least one PATH (see --help)\n")
         return 2
     try:
         parse_id_list(args.select)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analyzer import memory, rules
-from analyzer.config_loader import ModelFacts, load_model_facts
+from typing import Any
+
+from analyzer import arch_check, memory, rules
+from analyzer.config_loader import ModelFacts, normalize_config, read_config_file
 from analyzer.context import DispatchFacts, ProgressFacts, load_progress, parse_dispatch
 from analyzer.errors import InputError
 from analyzer.framework_checkout import CheckoutFacts, inspect_checkout
@@ -52,12 +54,13 @@ class AnalyzeRequest:
 
 def analyze(req: AnalyzeRequest) -> SelectionManifest:
     _check_numbers(req)
-    facts = load_model_facts(req.config)
+    where, config = read_config_file(req.config)
+    facts = normalize_config(config, where)
     progress = load_progress(req.progress) if req.progress else ProgressFacts()
     dispatch = parse_dispatch(req.dispatch, req.dispatch_source)
     checkout = (inspect_checkout(req.framework_root, facts.model_type, facts.family, facts.architectures)
                 if req.framework_root else None)
-    return assemble(facts, progress, dispatch, checkout, req)
+    return assemble(facts, progress, dispatch, checkout, req, config=config)
 
 
 def _check_numbers(req: AnalyzeRequest) -> None:
@@ -81,7 +84,9 @@ def assemble(
     dispatch: DispatchFacts,
     checkout: CheckoutFacts | None,
     req: AnalyzeRequest,
+    config: dict[str, Any] | None = None,
 ) -> SelectionManifest:
+    """``config`` (the raw config.json) enables the meta-device cross-check against transformers."""
     warnings: list[Finding] = []
     questions: list[Finding] = []
 
@@ -105,6 +110,19 @@ def assemble(
 
     framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
     layers = _layers(facts, parallel, kv_mode, req.window_reading)
+    full_by_context = [layer.index for layer in layers if layer.layer_kind == "full" and layer.window_derivation]
+    if full_by_context:
+        warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
+                                        f"{layers[full_by_context[0]].window_derivation}",
+                                fields=[facts.sliding_window.source, facts.max_position_embeddings.source]))
+    check = arch_check.cross_check(config, facts, layers, scale, scale_txt) if config is not None else None
+    if check and check.errors:
+        raise InputError(facts.path, "architecture cross-check against transformers' own attention modules "
+                                     "(meta device) failed: " + "; ".join(check.errors), field="model_type")
+    warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]
+    unknown = rules.unknown_family(facts, check.ships if check else arch_check.transformers_ships(facts.model_type))
+    if unknown:
+        warnings.append(unknown)
     mixed = len({layer.attn_type for layer in layers}) > 1
     memory_plan = _memory(facts, layers, req, progress, questions, warnings)
 
@@ -175,7 +193,9 @@ def assemble(
         deploy_mode=deploy,
         framework_api=framework_api,
         framework_api_evidence=api_evidence,
-        kv_mode=KvModeDecision(value=kv_mode, reason=kv.reason, evidence=kv.evidence),
+        kv_mode=KvModeDecision(value=kv_mode, evidence=kv.evidence, reason=kv.reason + (
+            f" in the config only: family {facts.model_type!r} is unknown (see warnings)" if unknown and not blockers
+            else "")),
         fa=FaDecision(
             version=fa_version.value,
             input_layout=layout.value,
@@ -287,11 +307,16 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[Lay
     out = []
     subs = facts.sublayers_per_layer.value
     for decoder_idx, kind in enumerate(facts.layer_kinds.value):
+        full_reason = rules.full_context_window(window, facts.max_position_embeddings.value) \
+            if kind == "sliding" else None
+        if full_reason:
+            kind = "full"
         attn_type = rules.decide_attn_type(kind)
         caches = rules.decide_caches(facts, parallel, kv_mode, kind)
         w = window if attn_type == "SlidingWindow" else None
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
+        derivation = derivation or full_reason
         for sub in range(subs):
             out.append(LayerPlan(
                 index=len(out),

@@ -101,6 +101,9 @@ def assemble(
         # Keep the per-rank arithmetic meaningful; the blocker says why the stated size is unusable.
         tp, tp_source = 1, f"1 (stated {tp} at {tp_source} cannot split the heads: see blockers)"
     parallel = rules.decide_parallel(facts, tp, tp_source)
+    ratio = rules.gqa_ratio_problem(facts, parallel)
+    if ratio:
+        blockers.append(ratio)
 
     kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
     kv_mode = kv.value

@@ -18,6 +18,7 @@ VALID_BLOCK_SIZES = (128, 256, 384, 512)
 DEFAULT_BLOCK_SIZE = 128
 FA_MAX_HEAD_DIM = 512
 FA_HEAD_DIM_ALIGN = 16
+FA_MAX_GQA_RATIO = 64  # torch_npu docs: num_heads / num_key_value_heads must not exceed 64
 MLA_ROPE_DIM = 64
 MLA_LATENT_DIMS = (512, 128)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
@@ -254,6 +255,22 @@ def decide_parallel(facts: ModelFacts, tp: int, tp_source: str) -> ParallelPlan:
         num_kv_heads_per_rank=kv_per_rank,
         kv_heads_replicated=(not facts.is_mla) and kv < tp,
         latent_replicated=facts.is_mla,
+    )
+
+
+def gqa_ratio_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | None:
+    """FA takes at most 64 query heads per KV head (GQA/MQA; MLA has its own head rule)."""
+    if facts.is_mla:
+        return None
+    q, kv = parallel.num_q_heads_per_rank, parallel.num_kv_heads_per_rank
+    if q // kv <= FA_MAX_GQA_RATIO:
+        return None
+    return Finding(
+        message=f"{q} query heads per {kv} KV head(s) on a rank: FA takes a query/KV head ratio of at most "
+                f"{FA_MAX_GQA_RATIO} (num_key_value_heads rule of the FA operator); one FA call cannot serve this "
+                "layer (replicating the KV heads in the cache or splitting the call by query-head groups is not "
+                "rendered by this skill)",
+        fields=[facts.num_attention_heads.source, facts.num_key_value_heads.source],
     )
 
 

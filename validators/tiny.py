@@ -21,7 +21,7 @@ _HEAD_DIM_FROM_HIDDEN = {"phi3", "falcon"}
 _DROP = ("architectures", "auto_map", "quantization_config", "torch_dtype", "dtype", "transformers_version",
          "_name_or_path", "text_config", "vision_config")
 TINY_VOCAB = 512
-# MLP widths some config classes derive from hidden_size when absent (Falcon: 4 x hidden).
+# MLP widths besides intermediate_size (Falcon derives ffn_hidden_size = 4 x hidden when absent).
 _DERIVED_MLP_WIDTHS = ("ffn_hidden_size", "n_inner", "ffn_dim")
 MAX_CPU_WINDOW = 256  # windows above this are shrunk so test sequences can cross them
 SHRUNK_WINDOW = 160
@@ -107,7 +107,7 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     hf_type = d.pop("model_type")
     class_defaults = AutoConfig.for_model(hf_type).to_dict()
     for key in _DERIVED_MLP_WIDTHS:
-        if key in class_defaults and key not in d:
+        if key in class_defaults or key in d:
             d[key] = 128
     moved = fit_token_ids(d, class_defaults, d["vocab_size"])
     if moved:

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from analyzer.arch_check import transformers_ships
 from analyzer.config_loader import HF_MODEL_TYPE
+from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
@@ -99,12 +101,24 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     return d, TinyPlan(hf_type, n, window, real_window, notes)
 
 
+def require_transformers_type(model_type: str) -> None:
+    """One-line refusal when transformers lacks the architecture (remote-code models: Baichuan...)."""
+    hf_type = HF_MODEL_TYPE.get(model_type, model_type)
+    if not transformers_ships(hf_type):
+        import transformers
+
+        raise InputError("--config", f"transformers {transformers.__version__} has no model type {hf_type!r}: validation "
+                                     "builds the architecture from transformers' own code, so it cannot run for this "
+                                     "model (analyze and render do not need it)", field="model_type")
+
+
 def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: int = 0):
     """(model, plan): a float32 eager transformers model with random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d, plan = tiny_config_dict(real, manifest)
     hf_type = d.pop("model_type")
+    require_transformers_type(hf_type)
     class_defaults = AutoConfig.for_model(hf_type).to_dict()
     for key in _DERIVED_MLP_WIDTHS:
         if key in class_defaults or key in d:

@@ -81,12 +81,17 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
 
 
 def _window_of(module, config) -> int | None:
-    """The module's own ``sliding_window``; modules without one that still pass the config's window
-    to the attention call (Mistral, Phi-3 style) apply ``config.sliding_window`` on every layer."""
+    """The window transformers applies on this module's layer.
+
+    A module's own ``sliding_window`` attribute is per layer (Qwen2/3, Gemma, gpt-oss). Otherwise,
+    when the modeling file uses sliding windows at all (Mistral, Phi-3, PhiMoE pass
+    ``config.sliding_window`` to the attention call or build the model's mask with it), the
+    config's window applies to every layer; a modeling file that never mentions one applies none.
+    """
     if hasattr(module, "sliding_window"):
         return module.sliding_window
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(inspect.getmodule(type(module)))
     except (OSError, TypeError):
         return None
     if "sliding_window" in source:

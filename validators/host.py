@@ -242,8 +242,9 @@ def attention_route(module, is_mla: bool) -> str | None:
     source = _forward_source(module)
     if "ALL_ATTENTION_FUNCTIONS" in source:
         return "interface"
-    if all(hasattr(module, a) for a in ("query_key_value", "_split_heads", "dense")) and "alibi" in source:
-        return "fused_qkv"
+    if all(hasattr(module, a) for a in ("query_key_value", "_split_heads", "dense")) and \
+            "position_embeddings" in inspect.signature(type(module).forward).parameters:
+        return "fused_qkv"  # Falcon's rotary path (Bloom's ALiBi-only attention has no position_embeddings)
     return None
 
 

@@ -18,7 +18,7 @@ from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
-_HEAD_DIM_FROM_HIDDEN = {"phi3", "falcon"}
+_HEAD_DIM_FROM_HIDDEN = {"falcon"}
 # Fields of a published config that describe weights/packaging, not the architecture.
 _DROP = ("architectures", "auto_map", "quantization_config", "torch_dtype", "dtype", "transformers_version",
          "_name_or_path", "text_config", "vision_config")

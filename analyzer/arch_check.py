@@ -119,7 +119,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     max_pos = facts.max_position_embeddings.value
     scale_off: list[tuple[LayerPlan, HfAttention]] = []
     window_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
-    for layer, mod in zip(layers, hf):
+    for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
             if layer.layer_kind != "linear":
                 result.errors.append(f"layer {layer.index}: analyzer plans {layer.attn_type}, transformers has no "

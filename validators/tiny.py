@@ -149,7 +149,7 @@ def fit_token_ids(d: dict[str, Any], class_defaults: dict[str, Any], vocab: int)
            if isinstance(i, int) and not isinstance(i, bool)}
     outside = sorted(i for i in ids if not 0 <= i < vocab)
     free = [i for i in range(vocab - 1, -1, -1) if i not in ids][:len(outside)]
-    moved = dict(zip(outside, free))
+    moved = dict(zip(outside, free, strict=True))
     for key, value in fields.items():
         if isinstance(value, list):
             d[key] = [moved.get(i, i) if isinstance(i, int) else i for i in value]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from analyzer import memory, rules
-from analyzer.config_loader import ModelFacts, load_model_facts
+from analyzer import arch_check, memory, rules
+from analyzer.config_loader import ModelFacts, normalize_config, read_config_file
 from analyzer.context import (
     FACT_LABELS,
     DispatchFacts,
@@ -70,7 +71,8 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
         from validators.probe.readings_file import load_readings
 
         readings = load_readings(req.device_readings)
-    facts = load_model_facts(req.config)
+    where, config = read_config_file(req.config)
+    facts = normalize_config(config, where)
     if req.progress and progress_text is not None:
         progress = parse_progress(progress_text, req.progress)
     else:
@@ -78,7 +80,7 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
     dispatch = parse_dispatch(req.dispatch, req.dispatch_source)
     checkout = (inspect_checkout(req.framework_root, facts.model_type, facts.family, facts.architectures)
                 if req.framework_root else None)
-    return assemble(facts, progress, dispatch, checkout, req, readings)
+    return assemble(facts, progress, dispatch, checkout, req, readings, config=config)
 
 
 def analyze_into_progress(req: AnalyzeRequest, target: str, section: str,
@@ -123,7 +125,9 @@ def assemble(
     checkout: CheckoutFacts | None,
     req: AnalyzeRequest,
     readings=None,
+    config: dict[str, Any] | None = None,
 ) -> SelectionManifest:
+    """``config`` (the raw config.json) enables the meta-device cross-check against transformers."""
     warnings: list[Finding] = []
     questions: list[Finding] = []
     window_reading, _ = resolve_window_reading(req.window_reading, readings, req.device_readings)
@@ -139,6 +143,9 @@ def assemble(
         raise InputError(where, "; ".join(problems),
                          field="attn_tp_size" if where != "--attn-tp-size" else facts.num_attention_heads.source)
     parallel = rules.decide_parallel(facts, tp, tp_source)
+    ratio = rules.gqa_ratio_problem(facts, parallel)
+    if ratio:
+        blockers.append(ratio)
 
     kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
     kv_mode = kv.value
@@ -149,6 +156,19 @@ def assemble(
     framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
     _recurrent_state(facts, checkout, warnings, questions)
     layers = _layers(facts, parallel, kv_mode, window_reading)
+    full_by_context = [layer.index for layer in layers if layer.layer_kind == "full" and layer.window_derivation]
+    if full_by_context:
+        warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
+                                        f"{layers[full_by_context[0]].window_derivation}",
+                                fields=[facts.sliding_window.source, facts.max_position_embeddings.source]))
+    check = arch_check.cross_check(config, facts, layers, scale, scale_txt) if config is not None else None
+    if check and check.errors:
+        raise InputError(facts.path, "architecture cross-check against transformers' own attention modules "
+                                     "(meta device) failed: " + "; ".join(check.errors), field="model_type")
+    warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]
+    unknown = rules.unknown_family(facts, check.ships if check else arch_check.transformers_ships(facts.model_type))
+    if unknown:
+        warnings.append(unknown)
     mixed = len({layer.attn_type for layer in layers}) > 1
     memory_plan = _memory(facts, layers, req, progress, questions, warnings)
     _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
@@ -226,7 +246,9 @@ def assemble(
         deploy_mode=deploy,
         framework_api=framework_api,
         framework_api_evidence=api_evidence,
-        kv_mode=KvModeDecision(value=kv_mode, reason=kv.reason, evidence=kv.evidence),
+        kv_mode=KvModeDecision(value=kv_mode, evidence=kv.evidence, reason=kv.reason + (
+            f" in the config only: family {facts.model_type!r} is unknown (see warnings)" if unknown and not blockers
+            else "")),
         fa=FaDecision(
             version=fa_version.value,
             input_layout=layout.value,
@@ -414,11 +436,16 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[Lay
     out = []
     subs = facts.sublayers_per_layer.value
     for decoder_idx, kind in enumerate(facts.layer_kinds.value):
+        full_reason = rules.full_context_window(window, facts.max_position_embeddings.value) \
+            if kind == "sliding" else None
+        if full_reason:
+            kind = "full"
         attn_type = rules.decide_attn_type(kind)
         caches = rules.decide_caches(facts, parallel, kv_mode, kind)
         w = window if attn_type == "SlidingWindow" else None
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
+        derivation = derivation or full_reason
         for sub in range(subs):
             out.append(LayerPlan(
                 index=len(out),

@@ -28,7 +28,15 @@ FAMILY_OF = {
     "llama4_text": "llama4",
     "gemma3_text": "gemma3",
     "mixtral": "mistral",
+    "granitemoe": "granite",
+    "granitemoeshared": "granite",
 }
+
+# model_type -> the transformers model_type that implements it (same code under another name).
+HF_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
+
+# Configs that nest the language model's fields (multimodal checkpoints).
+NESTED_SECTIONS = ("text_config", "language_config", "llm_config")
 
 # Layer kinds as configs name them in `layer_types`.
 _LAYER_TYPE_KIND = {
@@ -53,6 +61,7 @@ FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
     "qwen3_next": ("Qwen3NextConfig", {"full_attention_interval": 4}),
     "gpt_oss": ("GptOssConfig", {"sliding_window": 128}),
+    "granite": ("GraniteConfig", {"attention_multiplier": 1.0}),
 }
 
 _DTYPES = {
@@ -106,6 +115,7 @@ class ModelFacts:
     query_pre_attn_scalar: Sourced[float | None]
     notes: list[str] = field(default_factory=list)
     max_position_embeddings: Sourced[int | None] = Sourced(None, "default: not in config")
+    attention_multiplier: Sourced[float | None] = Sourced(None, "default: none")
 
     @property
     def is_mla(self) -> bool:
@@ -149,14 +159,7 @@ class _Reader:
         self.where = where
         self.outer = outer
         self.defaults: tuple[str, dict[str, Any]] = ("", {})
-        self.prefix = ""
-        self.cfg = outer
-        for nested in ("text_config", "language_config", "llm_config"):
-            inner = outer.get(nested)
-            if isinstance(inner, dict) and any(k in inner for k in ("hidden_size", "num_hidden_layers")):
-                self.cfg = inner
-                self.prefix = f"{nested}."
-                break
+        self.cfg, self.prefix = model_section(outer)
 
     def get(self, *names: str) -> tuple[Any, str] | None:
         """First present, non-null field among ``names`` (nested config first, then the outer one)."""
@@ -204,6 +207,15 @@ class _Reader:
         if minimum is not None and value < minimum:
             raise InputError(self.where, f"must be >= {minimum:g}, got {value!r}", field=src)
         return Sourced(kind(value), src)
+
+
+def model_section(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The language model's own fields: a nested text/language section when there is one."""
+    for nested in NESTED_SECTIONS:
+        inner = data.get(nested)
+        if isinstance(inner, dict) and any(k in inner for k in ("hidden_size", "num_hidden_layers")):
+            return inner, f"{nested}."
+    return data, ""
 
 
 def read_config_file(path: str | Path) -> tuple[str, dict[str, Any]]:
@@ -296,6 +308,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     mtp = r.number("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", kind=int,
                    minimum=0) or Sourced(0, "default: no MTP layers")
     qpas = r.number("query_pre_attn_scalar") or Sourced(None, "default: none")
+    multiplier = r.number("attention_multiplier") or Sourced(None, "default: none")
+    if multiplier.value is not None and multiplier.value <= 0:
+        raise InputError(where, f"must be positive, got {multiplier.value!r}", field=multiplier.source)
     if qpas.value is not None and qpas.value <= 0:
         raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1)
@@ -328,6 +343,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         query_pre_attn_scalar=qpas,
         notes=notes,
         max_position_embeddings=max_pos,
+        attention_multiplier=multiplier,
     )
 
 

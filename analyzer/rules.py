@@ -18,9 +18,21 @@ VALID_BLOCK_SIZES = (128, 256, 384, 512)
 DEFAULT_BLOCK_SIZE = 128
 FA_MAX_HEAD_DIM = 512
 FA_HEAD_DIM_ALIGN = 16
+FA_MAX_GQA_RATIO = 64  # torch_npu docs: num_heads / num_key_value_heads must not exceed 64
 MLA_ROPE_DIM = 64
 MLA_LATENT_DIMS = (512, 128)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
+
+# Softmax-scale rule of every family whose transformers attention code these rules were read from
+# (`self.scaling = ...` in modeling_<family>.py); MLA families add YaRN mscale² on top of head_dim.
+# A family missing here is unknown: its position encoding and attention variants are unverified.
+FAMILY_SCALE_RULE = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "gpt_oss", "llama4", "glm4", "glm4_moe",
+                     "phi3", "phimoe", "falcon", "deepseek_v2", "deepseek_v3", "longcat_flash"), "head_dim"),
+    "gemma2": "query_pre_attn_scalar",
+    "gemma3": "query_pre_attn_scalar",
+    "granite": "attention_multiplier",
+}
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,39 @@ def decide_attn_type(kind: str) -> str:
     return "SlidingWindow" if kind == "sliding" else "FullAttention"
 
 
+def full_context_window(window: int | None, max_positions: int | None) -> str | None:
+    """Why a sliding window is plain full attention (None when it is not).
+
+    A query at position q sees keys k > q - W; with q < max_position_embeddings <= W that is every
+    key from 0, so the band never excludes anything and FullAttention is exact (no device reading).
+    """
+    if window is None or max_positions is None or window < max_positions:
+        return None
+    return (f"sliding_window {window} >= max_position_embeddings {max_positions}: every query sees all earlier "
+            "keys, so the layer is full attention (exact)")
+
+
+def unknown_family(facts: ModelFacts, transformers_ships: bool | None) -> Finding | None:
+    """A warning when the family's attention code was never read: the config alone cannot rule out
+    position biases (ALiBi lives in modeling code, e.g. Baichuan2-13B) or other attention variants."""
+    if facts.family in FAMILY_SCALE_RULE:
+        return None
+    unverified = ["a custom softmax scale", "extra attention terms (soft-capping, sinks, biases)"]
+    if facts.alibi.is_default:
+        unverified.insert(0, "ALiBi / position biases (the config has no alibi or position_embedding_type field)")
+    if transformers_ships is False:
+        where = "transformers does not ship it, so nothing was cross-checked against its code"
+    elif transformers_ships:
+        where = "scale and windows were cross-checked against transformers on the meta device, nothing else"
+    else:
+        where = "transformers is not installed, so nothing was cross-checked"
+    return Finding(
+        message=f"unknown model family {facts.model_type!r} ({where}): the config alone cannot rule out "
+                f"{'; '.join(unverified)}; read the model's attention code before trusting 'no blocker found'",
+        fields=["model_type"],
+    )
+
+
 def decide_window_tokens(window: int | None, reading: str = "exclusive") -> tuple[int, int, str | None]:
     """FA ``pre_tokens`` / ``next_tokens`` for a layer, and the derivation.
 
@@ -171,9 +216,16 @@ def decide_input_layout(kv_mode: str, is_mla: bool) -> Decision:
 
 
 def decide_scale(facts: ModelFacts) -> tuple[float, str]:
-    """Softmax scale with its derivation (query_pre_attn_scalar, YaRN mscale² when mscale_all_dim set)."""
+    """Softmax scale with its derivation, by the family's own rule (FAMILY_SCALE_RULE): a config
+    multiplier (Granite ``attention_multiplier``), ``query_pre_attn_scalar^-0.5`` (Gemma 2/3), else
+    ``head_dim^-0.5``; YaRN mscale² on top when mscale_all_dim is set. Unknown families follow
+    whichever of those fields the config carries."""
+    rule = FAMILY_SCALE_RULE.get(facts.family)
     qpas = facts.query_pre_attn_scalar.value
-    if qpas:
+    multiplier = facts.attention_multiplier
+    if multiplier.value is not None and rule in ("attention_multiplier", None):
+        base, base_txt = multiplier.value, f"attention_multiplier = {multiplier.value:g} ({multiplier.source})"
+    elif qpas and rule in ("query_pre_attn_scalar", None):
         base, base_txt = qpas ** -0.5, f"query_pre_attn_scalar^-0.5 = {qpas:g}^-0.5"
     else:
         d = facts.qk_head_dim
@@ -203,6 +255,22 @@ def decide_parallel(facts: ModelFacts, tp: int, tp_source: str) -> ParallelPlan:
         num_kv_heads_per_rank=kv_per_rank,
         kv_heads_replicated=(not facts.is_mla) and kv < tp,
         latent_replicated=facts.is_mla,
+    )
+
+
+def gqa_ratio_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | None:
+    """FA takes at most 64 query heads per KV head (GQA/MQA; MLA has its own head rule)."""
+    if facts.is_mla:
+        return None
+    q, kv = parallel.num_q_heads_per_rank, parallel.num_kv_heads_per_rank
+    if q // kv <= FA_MAX_GQA_RATIO:
+        return None
+    return Finding(
+        message=f"{q} query heads per {kv} KV head(s) on a rank: FA takes a query/KV head ratio of at most "
+                f"{FA_MAX_GQA_RATIO} (num_key_value_heads rule of the FA operator); one FA call cannot serve this "
+                "layer (replicating the KV heads in the cache or splitting the call by query-head groups is not "
+                "rendered by this skill)",
+        fields=[facts.num_attention_heads.source, facts.num_key_value_heads.source],
     )
 
 

@@ -121,11 +121,14 @@ def test_falcon_7b_multi_query_one_kv_head():
     # no head_dim field: 4544 / 71 = 64
     assert m.model.head_dim == 64 and m.model.sources["head_dim"].startswith("default: hidden_size / ")
     assert m.model.sources["alibi"] == "alibi"  # alibi: false stated, not a blocker
-    assert_standard_gqa_paged(m, 32, 1, 64)
+    # 71 query heads on one KV head: FA takes a query/KV ratio of at most 64 (torch_npu docs).
+    assert [b.message.split(":")[0] for b in m.blockers] == ["71 query heads per 1 KV head(s) on a rank"]
+    assert m.kv_mode.value == "legacy"
     # 71 query heads split only by 71: one query head and a replicated KV head per rank.
     tp71 = run("falcon_7b", attn_tp_size=71)
     assert (tp71.parallel.num_q_heads_per_rank, tp71.parallel.num_kv_heads_per_rank) == (1, 1)
     assert tp71.parallel.kv_heads_replicated
+    assert_standard_gqa_paged(tp71, 32, 1, 64)  # ratio 1 per rank: the standard path again
     with pytest.raises(InputError) as err:
         run("falcon_7b", attn_tp_size=2)
     assert err.value.where == "--attn-tp-size" and err.value.field == "num_attention_heads"

@@ -147,8 +147,13 @@ def test_scale_plain_head_dim():
 
 
 def test_scale_query_pre_attn_scalar_wins_over_head_dim():
-    scale, why = rules.decide_scale(facts(query_pre_attn_scalar=144))
+    scale, why = rules.decide_scale(facts(model_type="gemma2", query_pre_attn_scalar=144))
     assert math.isclose(scale, 1 / 12) and why.startswith("query_pre_attn_scalar")
+
+
+def test_scale_query_pre_attn_scalar_is_ignored_by_a_family_that_does_not_read_it():
+    scale, why = rules.decide_scale(facts(query_pre_attn_scalar=144))  # Llama: self.scaling = head_dim**-0.5
+    assert math.isclose(scale, 64 ** -0.5) and why.startswith("head_dim")
 
 
 def test_scale_deepseek_v3_yarn():

@@ -1,16 +1,22 @@
 """Host the rendered attention inside a transformers model, shared by every family.
 
-GQA/MHA families (Qwen, Llama, Mistral, gpt-oss...) need no per-family code: the host registers
-an attention implementation with transformers, which hands it the post-RoPE q/k/v of each layer;
-the rendered ``kv_cache_attention`` does the cache write and the FA call. MLA families
-(DeepSeek-V2/V3, Kimi-K2) replace the attention forward once, because the rendered code needs
-the latent before its norm and the query split into nope/rope parts.
+The decoder layers and their attention modules are found by structure (analyzer.hf_layout), not
+by one naming scheme. How an attention module is routed depends on its own code:
+- its forward calls transformers' attention interface (Qwen, Llama, Mistral, Phi-3, GLM-4,
+  gpt-oss...): the host registers an attention implementation, which receives the post-RoPE
+  q/k/v of each layer; the rendered ``kv_cache_attention`` does the cache write and the FA call;
+- MLA (DeepSeek-V2/V3, Kimi-K2): the forward is replaced, because the rendered code needs the
+  latent before its norm and the query split into nope/rope parts;
+- a fused ``query_key_value`` split by the module's own ``_split_heads`` (Falcon): the forward is
+  replaced by one that reuses the module's projections, head split and rotary function.
+Anything else is refused with one line naming the module.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import itertools
 import sys
 import types
@@ -18,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from analyzer.errors import InputError
+from analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
@@ -195,6 +204,62 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     return out, None
 
 
+def _fused_qkv_forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None, layer_past=None,
+                       use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    """Falcon-style attention (modeling_falcon FalconAttention, rotary path) through the rendered code.
+
+    The module's own ``query_key_value`` + ``_split_heads`` give q/k/v as [B, S, heads, D]; with
+    ``new_decoder_architecture`` the KV heads come back broadcast to every query head, so the
+    distinct ones (every group-th, GQA order) are taken. RoPE uses the module's own
+    ``apply_rotary_pos_emb``; the output goes through ``dense`` like the original.
+    """
+    if alibi is not None:
+        raise NotImplementedError(f"{type(self).__name__} with ALiBi: the FA path takes no position bias")
+    q, k, v = self._split_heads(self.query_key_value(hidden_states))
+    b, s = q.shape[:2]
+    kv_heads = getattr(self, "num_kv_heads", k.shape[2])
+    if k.shape[2] != kv_heads:
+        group = k.shape[2] // kv_heads
+        k, v = k[:, :, ::group], v[:, :, ::group]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, heads, S, D]
+    cos, sin = position_embeddings
+    q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    out, _ = _gqa_attention(self, q, k, v, attention_mask, scaling=getattr(self, "inv_norm_factor", None))
+    return self.dense(out.reshape(b, s, -1)), None
+
+
+def _forward_source(module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def attention_route(module, is_mla: bool) -> str | None:
+    """How the host routes one transformers attention module: interface | mla | fused_qkv | None."""
+    if is_mla:
+        return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
+    source = _forward_source(module)
+    if "ALL_ATTENTION_FUNCTIONS" in source:
+        return "interface"
+    if all(hasattr(module, a) for a in ("query_key_value", "_split_heads", "dense")) and \
+            "position_embeddings" in inspect.signature(type(module).forward).parameters:
+        return "fused_qkv"  # Falcon's rotary path (Bloom's ALiBi-only attention has no position_embeddings)
+    return None
+
+
+_ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward}
+
+
+def decoder_layers(hf_model) -> tuple[str, torch.nn.ModuleList]:
+    """(path, layers) of the decoder stack; a model with none is refused in one line."""
+    try:
+        stack = find_decoder_stack(hf_model)
+    except LayoutError as exc:
+        raise InputError("--config", f"the validation host found no decoder layers: {exc}", field="model_type") from None
+    return stack.path, stack.layers
+
+
 def make_host_attention(mixin: type) -> type:
     class HostAttention(mixin):
         """A rendered attention mixin bound to one transformers attention module."""
@@ -242,15 +307,29 @@ class HostModel:
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         host_cls = make_host_attention(rendered.attention_mixin())
         self.attentions = []
-        for idx, layer in enumerate(hf_model.model.layers):
-            hf_attn = layer.self_attn
+        path, layers = decoder_layers(hf_model)
+        routes = set()
+        for idx, layer in enumerate(layers):
+            hits = find_attentions(layer)
+            if len(hits) != 1:
+                raise InputError("--config", f"the validation host routes one attention module per decoder layer, "
+                                             f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",
+                                 field="model_type")
+            name, hf_attn = hits[0]
+            route = attention_route(hf_attn, is_mla)
+            if route is None:
+                raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "
+                                             "understood by the validation host: its forward neither calls "
+                                             "transformers' attention interface nor is MLA or a fused "
+                                             "query_key_value split by _split_heads", field="model_type")
+            routes.add(route)
             host = host_cls(hf_attn, idx, self.probe)
             host.init_kv_cache(idx, cache_dtype)
             hf_attn._kvcache_host = host
-            if is_mla:
-                hf_attn.forward = types.MethodType(_mla_forward, hf_attn)
+            if route in _ROUTED_FORWARD:
+                hf_attn.forward = types.MethodType(_ROUTED_FORWARD[route], hf_attn)
             self.attentions.append(host)
-        if not is_mla:
+        if "interface" in routes:
             _register_attention()
             hf_model.config._attn_implementation = ATTN_IMPL
             for module in hf_model.modules():
@@ -258,7 +337,7 @@ class HostModel:
                     module.config._attn_implementation = ATTN_IMPL
         # Each decoder layer's output of the last step, to name the first diverging layer on failure.
         self.layer_outputs: list[torch.Tensor | None] = [None] * len(self.attentions)
-        for idx, layer in enumerate(hf_model.model.layers):
+        for idx, layer in enumerate(layers):
             layer.register_forward_hook(_store_output(self.layer_outputs, idx))
         # What get_cache_info() walks: model.layers[i].<attn_attr> (whatever --attn-attr the render
         # used), plus the model-level block size.
@@ -304,8 +383,9 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def reference_layer_outputs(ref_model, token_ids: list[int]) -> list[torch.Tensor]:
     """Each decoder layer's output [L, hidden] over one whole sequence (to locate a divergence)."""
-    outputs: list = [None] * len(ref_model.model.layers)
-    handles = [layer.register_forward_hook(_store_output(outputs, i)) for i, layer in enumerate(ref_model.model.layers)]
+    _, layers = decoder_layers(ref_model)
+    outputs: list = [None] * len(layers)
+    handles = [layer.register_forward_hook(_store_output(outputs, i)) for i, layer in enumerate(layers)]
     try:
         reference_logits(ref_model, token_ids)
     finally:

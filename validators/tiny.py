@@ -12,15 +12,19 @@ from typing import Any
 
 import torch
 
+from analyzer.arch_check import transformers_ships
+from analyzer.config_loader import HF_MODEL_TYPE
+from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
-_HEAD_DIM_FROM_HIDDEN = {"phi3", "falcon"}
-# model_type -> the transformers model_type that implements it.
-_HF_TYPE = {"kimi_k2": "deepseek_v3"}
+_HEAD_DIM_FROM_HIDDEN = {"falcon"}
 # Fields of a published config that describe weights/packaging, not the architecture.
 _DROP = ("architectures", "auto_map", "quantization_config", "torch_dtype", "dtype", "transformers_version",
-         "_name_or_path", "text_config", "vision_config", "bos_token_id", "eos_token_id", "pad_token_id")
+         "_name_or_path", "text_config", "vision_config")
+TINY_VOCAB = 512
+# MLP widths besides intermediate_size (Falcon derives ffn_hidden_size = 4 x hidden when absent).
+_DERIVED_MLP_WIDTHS = ("ffn_hidden_size", "n_inner", "ffn_dim")
 MAX_CPU_WINDOW = 256  # windows above this are shrunk so test sequences can cross them
 SHRUNK_WINDOW = 160
 
@@ -53,7 +57,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
     d = {k: v for k, v in {**real, **src}.items() if k not in _DROP}
     model_type = manifest.model.model_type
-    hf_type = _HF_TYPE.get(model_type, model_type)
+    hf_type = HF_MODEL_TYPE.get(model_type, model_type)
     d["model_type"] = hf_type
     notes = []
     n = _layer_prefix(manifest)
@@ -75,7 +79,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     else:
         d["num_key_value_heads"] = m.num_key_value_heads
     d["intermediate_size"] = 128
-    d["vocab_size"] = 512
+    d["vocab_size"] = TINY_VOCAB
     for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
                        ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),
                        ("n_shared_experts", 1), ("first_k_dense_replace", 1)):
@@ -97,12 +101,32 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     return d, TinyPlan(hf_type, n, window, real_window, notes)
 
 
+def require_transformers_type(model_type: str) -> None:
+    """One-line refusal when transformers lacks the architecture (remote-code models: Baichuan...)."""
+    hf_type = HF_MODEL_TYPE.get(model_type, model_type)
+    if not transformers_ships(hf_type):
+        import transformers
+
+        raise InputError("--config", f"transformers {transformers.__version__} has no model type {hf_type!r}: validation "
+                                     "builds the architecture from transformers' own code, so it cannot run for this "
+                                     "model (analyze and render do not need it)", field="model_type")
+
+
 def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: int = 0):
     """(model, plan): a float32 eager transformers model with random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d, plan = tiny_config_dict(real, manifest)
     hf_type = d.pop("model_type")
+    require_transformers_type(hf_type)
+    class_defaults = AutoConfig.for_model(hf_type).to_dict()
+    for key in _DERIVED_MLP_WIDTHS:
+        if key in class_defaults or key in d:
+            d[key] = 128
+    moved = fit_token_ids(d, class_defaults, d["vocab_size"])
+    if moved:
+        plan.notes.append("token ids moved into the tiny vocabulary: "
+                          + ", ".join(f"{old} -> {new}" for old, new in sorted(moved.items())))
     config = AutoConfig.for_model(hf_type, **d)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -110,6 +134,28 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     _randomize(model, seed)
     model.eval()
     return model, plan
+
+
+def fit_token_ids(d: dict[str, Any], class_defaults: dict[str, Any], vocab: int) -> dict[int, int]:
+    """Put every token id field (pad/bos/eos..., ints or lists, from the config or the class
+    defaults that come back when the config omits them) inside ``range(vocab)``, in place.
+
+    Ids already inside stay; the others map, in sorted order, onto the top of the vocabulary, so
+    ids that were equal stay equal and distinct ones stay distinct. Returns the mapping used.
+    """
+    fields = {k: d.get(k, class_defaults.get(k)) for k in {*class_defaults, *d}
+              if k.endswith(("token_id", "token_ids"))}
+    ids = {i for v in fields.values() for i in (v if isinstance(v, list) else [v])
+           if isinstance(i, int) and not isinstance(i, bool)}
+    outside = sorted(i for i in ids if not 0 <= i < vocab)
+    free = [i for i in range(vocab - 1, -1, -1) if i not in ids][:len(outside)]
+    moved = dict(zip(outside, free, strict=True))
+    for key, value in fields.items():
+        if isinstance(value, list):
+            d[key] = [moved.get(i, i) if isinstance(i, int) else i for i in value]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            d[key] = moved.get(value, value)
+    return moved
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:

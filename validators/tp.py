@@ -58,8 +58,11 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         dist.all_reduce(output, group=group)
         return output
 
-    for layer in model.model.layers:
-        attn = layer.self_attn
+    from analyzer.hf_layout import find_attentions
+    from validators.host import decoder_layers
+
+    for layer in decoder_layers(model)[1]:
+        attn = find_attentions(layer)[0][1]
         if m.mla:
             qk, per_head = m.qk_head_dim, m.mla.qk_nope_head_dim + m.mla.v_head_dim
             q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj

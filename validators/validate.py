@@ -17,6 +17,7 @@ from analyzer.manifest import SelectionManifest
 from implementer.render import load_manifest
 from validators.report import Report
 from validators.scenario import DEFAULT, QUICK, Scenario
+from validators.tiny import require_transformers_type
 
 # transformers imports these lazily; import them before torch_npu is emulated, because
 # transformers probes for torch_npu and the emulation module has no import spec.
@@ -60,6 +61,7 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
         measured = load_readings(req.device_readings)
     manifest = load_manifest(req.manifest)
     _, real_config = read_config_file(req.config)
+    require_transformers_type(manifest.model.model_type)
     rendered_dir = Path(req.rendered)
     if not (rendered_dir / "kvcache_attention.py").is_file():
         raise InputError(str(rendered_dir), "no kvcache_attention.py: run `kvcache render` first", field="--rendered")

@@ -1,0 +1,84 @@
+"""Find the decoder layers and attention modules of a transformers causal LM by structure.
+
+Layouts differ by family (``model.layers``, ``transformer.h``, ``model.decoder.layers``,
+``gpt_neox.layers``, ``language_model.layers``...), so nothing here trusts a name: the decoder
+stack is the longest ``nn.ModuleList`` of same-class blocks that hold an attention module, and an
+attention module is the outermost submodule of a block that owns query/key/value projections.
+Only torch is needed (the analyzer's meta-device check and the validation host both use it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+# Projections that make a module an attention module: separate q/k/v, a fused qkv, or MLA's
+# compressed KV projection. Each entry is a set of child names that must all be present.
+QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"query", "key", "value"}),
+    frozenset({"query_key_value"}),  # Falcon, GPT-NeoX, Bloom
+    frozenset({"qkv_proj"}),  # Phi-3
+    frozenset({"c_attn"}),  # GPT-2 family
+    frozenset({"W_pack"}),  # Baichuan (remote code)
+    frozenset({"Wqkv"}),  # MPT
+    frozenset({"kv_a_proj_with_mqa"}),  # MLA (DeepSeek-V2/V3, Kimi-K2, LongCat)
+)
+
+
+class LayoutError(LookupError):
+    """The model's module tree has no recognisable decoder stack / attention module."""
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    path: str  # dotted path of the ModuleList inside the model
+    layers: nn.ModuleList
+
+
+def is_attention(module: nn.Module) -> bool:
+    names = {name for name, _ in module.named_children()}
+    return any(need <= names for need in QKV_PROJECTIONS)
+
+
+def find_attentions(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(relative path, module) of each outermost attention module inside one decoder block, in
+    order (LongCat-Flash blocks hold two)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in block.named_modules():
+        if name and is_attention(module) and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, module))
+    return found
+
+
+def find_decoder_stack(model: nn.Module) -> DecoderStack:
+    """The longest ModuleList of same-class blocks holding attention modules (hybrids: some blocks).
+
+    Ties go to the shallowest path (a text decoder over a nested stack of the same length).
+    """
+    best: tuple[int, int, str, nn.ModuleList] | None = None
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(block) for block in module}) != 1 or not any(find_attentions(b) for b in module):
+            continue
+        key = (len(module), -path.count("."))
+        if best is None or key > best[:2]:
+            best = (*key, path, module)
+    if best is None:
+        raise LayoutError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks holding an attention module "
+                          f"(a child with one of {', '.join('+'.join(sorted(p)) for p in QKV_PROJECTIONS)})")
+    return DecoderStack(best[2], best[3])
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module | None]]:
+    """Every attention module in decoder order as (dotted path, module); a block without one
+    (linear-attention / recurrent layer of a hybrid stack) gives (path of the block, None)."""
+    stack = find_decoder_stack(model)
+    out: list[tuple[str, nn.Module | None]] = []
+    for i, block in enumerate(stack.layers):
+        where = f"{stack.path}.{i}"
+        hits = find_attentions(block)
+        out += [(f"{where}.{name}", module) for name, module in hits] if hits else [(where, None)]
+    return out

@@ -1,0 +1,224 @@
+"""Unknown and unusual architectures in the analyzer: unknown families, windows as long as the
+context, per-family softmax-scale rules, and the meta-device cross-check against transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analyzer import arch_check, rules
+from analyzer.build import AnalyzeRequest, analyze, assemble
+from analyzer.config_loader import normalize_config
+from analyzer.context import ProgressFacts, parse_dispatch
+from analyzer.errors import InputError
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+
+# ibm-granite/granite-3.0-2b-instruct (attention keys as published): Granite replaces
+# head_dim^-0.5 by `attention_multiplier` (modeling_granite: self.scaling = config.attention_multiplier).
+GRANITE_3_2B = {
+    "architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_dropout": 0.1,
+    "attention_multiplier": 0.015625, "bos_token_id": 0, "embedding_multiplier": 12.0, "eos_token_id": 0,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "logits_scaling": 8.0, "max_position_embeddings": 4096, "mlp_bias": False, "model_type": "granite",
+    "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "pad_token_id": 0,
+    "residual_multiplier": 0.22, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 49155,
+}
+
+
+def _config(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def _analyze(name: str, **kw):
+    return analyze(AnalyzeRequest(config=str(CONFIGS / f"{name}.json"), **kw))
+
+
+def _assemble_dict(config: dict, where: str = "config.json"):
+    facts = normalize_config(config, where)
+    return facts, assemble(facts, ProgressFacts(), parse_dispatch(None), None,
+                           AnalyzeRequest(config=where), config=config)
+
+
+# ---------------------------------------------------------------- unknown families
+
+
+def test_baichuan_unknown_family_warns_about_alibi_and_is_not_called_blocker_free():
+    m = _analyze("baichuan2_13b")
+    unknown = [w.message for w in m.warnings if "unknown model family 'baichuan'" in w.message]
+    assert len(unknown) == 1
+    assert "ALiBi" in unknown[0] and "transformers does not ship it" in unknown[0]
+    assert m.kv_mode.value == "paged" and not m.blockers
+    assert "family 'baichuan' is unknown" in m.kv_mode.reason
+
+
+def test_known_family_has_no_unknown_family_warning():
+    for name in ("qwen3_8b", "falcon_7b", "glm4_9b_0414", "gemma3_4b"):
+        m = _analyze(name)
+        assert not [w for w in m.warnings if "unknown model family" in w.message], name
+        assert "unknown" not in m.kv_mode.reason
+
+
+def test_unknown_family_with_an_explicit_alibi_field_does_not_claim_alibi_is_unverified():
+    config = {**_config("baichuan2_13b"), "alibi": False}
+    facts = normalize_config(config)
+    finding = rules.unknown_family(facts, False)
+    assert finding is not None and "ALiBi" not in finding.message and "custom softmax scale" in finding.message
+
+
+def test_analyze_works_without_transformers(monkeypatch):
+    """transformers is optional for the analyzer: an import failure skips the cross-check only."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    assert arch_check.transformers_ships("qwen3") is None
+    m = _analyze("baichuan2_13b")
+    assert any("transformers is not installed" in w.message for w in m.warnings)
+    assert _analyze("qwen3_8b").fa.softmax_scale == pytest.approx(128 ** -0.5)
+
+
+# ---------------------------------------------------------------- windows as long as the context
+
+
+def test_full_context_window_rule_boundary():
+    assert rules.full_context_window(4096, 4096) is not None
+    assert rules.full_context_window(5000, 4096) is not None
+    assert rules.full_context_window(4095, 4096) is None  # the query at 4095 no longer sees key 0
+    assert rules.full_context_window(None, 4096) is None
+    assert rules.full_context_window(4096, None) is None
+
+
+def test_phi35_moe_window_equal_to_context_is_full_attention_with_reason():
+    m = _analyze("phi35_moe")
+    assert len(m.layers) == 32
+    for layer in m.layers:
+        assert layer.attn_type == "FullAttention" and layer.layer_kind == "full" and layer.sliding_window is None
+        assert "131072 >= max_position_embeddings 131072" in layer.window_derivation
+        assert layer.sparse_mode.decode == 3 and layer.pre_tokens == 2147483647
+    assert {d.question for d in m.device_dependencies} == {"null_block_contents"}  # no open window readings
+    assert any("32 layer(s) planned as FullAttention" in w.message for w in m.warnings)
+
+
+def test_phi3_mini_window_shorter_than_context_stays_sliding():
+    m = _analyze("phi3_mini")
+    assert {layer.attn_type for layer in m.layers} == {"SlidingWindow"}
+    assert all(layer.sliding_window == 2047 for layer in m.layers)
+
+
+# ---------------------------------------------------------------- softmax scale per family
+
+
+@pytest.mark.parametrize("name, expected, derivation", [
+    ("qwen3_8b", 128 ** -0.5, "head_dim^-0.5"),
+    ("falcon_7b", 64 ** -0.5, "head_dim^-0.5"),
+    ("glm4_9b_0414", 128 ** -0.5, "head_dim^-0.5"),
+    ("gemma2_9b", 256 ** -0.5, "query_pre_attn_scalar^-0.5"),
+    ("gemma3_4b", 256 ** -0.5, "query_pre_attn_scalar^-0.5"),
+])
+def test_scale_rule_of_fixture_families(name, expected, derivation):
+    m = _analyze(name)
+    assert m.fa.softmax_scale == pytest.approx(expected, rel=1e-12)
+    assert m.fa.scale_derivation.startswith(derivation)
+
+
+def test_granite_scale_is_the_attention_multiplier_and_matches_transformers():
+    facts, m = _assemble_dict(GRANITE_3_2B)
+    assert m.fa.softmax_scale == 0.015625 and "attention_multiplier" in m.fa.scale_derivation
+    result = arch_check.cross_check(GRANITE_3_2B, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert result.ships and not result.errors and result.checked_layers == 40
+
+
+def test_granite_default_multiplier_comes_from_the_class_default():
+    config = {k: v for k, v in GRANITE_3_2B.items() if k != "attention_multiplier"}
+    facts, m = _assemble_dict(config)
+    assert m.fa.softmax_scale == 1.0
+    assert "GraniteConfig.attention_multiplier" in m.fa.scale_derivation
+
+
+def test_family_rule_wins_over_a_stray_field():
+    """A family whose code uses head_dim^-0.5 ignores an attention_multiplier it does not read."""
+    facts = normalize_config({**_config("qwen3_8b"), "attention_multiplier": 0.5})
+    assert rules.decide_scale(facts)[0] == pytest.approx(128 ** -0.5)
+
+
+# ---------------------------------------------------------------- meta-device cross-check
+
+CHECKED = ["qwen3_8b", "qwen3_30b_a3b", "qwen2_7b", "llama31_8b", "mistral_7b_v01", "gemma2_9b", "gemma3_4b",
+           "gpt_oss_20b", "deepseek_v3", "deepseek_v2_lite", "kimi_k2", "longcat_flash", "glm4_moe", "phi3_mini",
+           "falcon_7b", "falcon2_11b", "glm4_9b_0414", "qwen3_next", "llama4_scout"]
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_cross_check_agrees_on_every_fixture(name):
+    config = _config(name)
+    facts, m = _assemble_dict(config)
+    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert result.ships and not result.errors and not result.notes, (result.errors, result.notes)
+    assert result.checked_layers == sum(1 for layer in m.layers if layer.layer_kind != "linear") > 0
+
+
+def test_cross_check_confirms_phi35_moe_full_attention():
+    """transformers applies the 131072 window on every layer: equivalent to full over the context."""
+    config = _config("phi35_moe")
+    # The fixture omits the published 64-float longrope lists (see SOURCES.md); transformers needs them.
+    config["rope_scaling"] = {**config["rope_scaling"], "short_factor": [1.0] * 64, "long_factor": [1.0] * 64}
+    facts, m = _assemble_dict(config)
+    hf = arch_check.hf_attentions(config, "phimoe")
+    assert {a.window for a in hf} == {131072}
+    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert not result.errors and result.checked_layers == 32
+
+
+def test_phi35_moe_fixture_without_rope_lists_reports_the_check_skipped():
+    m = _analyze("phi35_moe")
+    assert any("cross-check skipped" in w.message and "phimoe" in w.message for w in m.warnings)
+
+
+def test_wrong_scale_is_an_error_with_both_values():
+    config = _config("qwen3_8b")
+    facts, m = _assemble_dict(config)
+    result = arch_check.cross_check(config, facts, m.layers, 1.0, "deliberately wrong")
+    assert len(result.errors) == 1
+    error = result.errors[0]
+    assert "analyzer 1 (deliberately wrong)" in error and "transformers 0.0883883476" in error
+    assert "Qwen3Attention.scaling" in error and "36 layer(s)" in error
+
+
+def test_wrong_window_is_an_error_with_both_values():
+    config = _config("gpt_oss_20b")
+    facts, m = _assemble_dict(config)
+    layers = [layer.model_copy(update={"sliding_window": 64}) if layer.attn_type == "SlidingWindow" else layer
+              for layer in m.layers]
+    result = arch_check.cross_check(config, facts, layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert len(result.errors) == 1
+    assert "analyzer 64 (SlidingWindow) vs transformers 128" in result.errors[0]
+    assert "12 layer(s)" in result.errors[0]
+
+
+def test_analyze_refuses_a_scale_rule_that_disagrees_with_transformers(monkeypatch):
+    """Without the Granite rule the analyzer would use head_dim^-0.5: the cross-check catches it."""
+    monkeypatch.setitem(rules.FAMILY_SCALE_RULE, "granite", "head_dim")
+    with pytest.raises(InputError) as err:
+        _assemble_dict(GRANITE_3_2B, "granite/config.json")
+    text = err.value.render()
+    assert "\n" not in text and text.startswith("granite/config.json: model_type:")
+    assert "analyzer 0.125 (head_dim^-0.5 = 64^-0.5)" in text
+    assert "transformers 0.015625 (GraniteAttention.scaling)" in text
+
+
+def test_cli_reports_a_cross_check_error_in_one_line_and_writes_nothing(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GRANITE_3_2B), encoding="utf-8")
+    out = tmp_path / "manifest.json"
+    code = ("import sys; from analyzer import rules; rules.FAMILY_SCALE_RULE['granite'] = 'head_dim'; "
+            "from kvcache_cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, "analyze", "--config", str(config), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "softmax scale" in lines[0] and "0.015625" in lines[0]
+    assert not out.exists()

@@ -1,0 +1,106 @@
+"""Decoder layers and attention modules found by structure, and config ids inside the tiny vocabulary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from analyzer.build import AnalyzeRequest, analyze
+from analyzer.errors import InputError
+from analyzer.hf_layout import LayoutError, attention_modules, find_decoder_stack
+from validators.host import attention_route, decoder_layers
+from validators.tiny import TINY_VOCAB, build_tiny_model, fit_token_ids
+
+CONFIGS = Path(__file__).resolve().parent / "fixtures" / "configs"
+SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 128,
+         "intermediate_size": 128}
+
+
+def _meta(model_type: str, **kw):
+    config = AutoConfig.for_model(model_type, **kw)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model_type, extra, path, attention", [
+    ("qwen3", {"num_key_value_heads": 2, "head_dim": 16}, "model.layers", "self_attn"),
+    ("falcon", {"multi_query": True, "new_decoder_architecture": False}, "transformer.h", "self_attention"),
+    ("gpt_neox", {}, "gpt_neox.layers", "attention"),
+    ("opt", {"ffn_dim": 128, "word_embed_proj_dim": 64}, "model.decoder.layers", "self_attn"),
+    ("gpt2", {"n_embd": 64, "n_head": 4, "n_layer": 3}, "transformer.h", "attn"),
+])
+def test_decoder_stack_is_found_in_every_layout(model_type, extra, path, attention):
+    model = _meta(model_type, **{**SMALL, **extra})
+    stack = find_decoder_stack(model)
+    assert stack.path == path and len(stack.layers) == 3
+    mods = attention_modules(model)
+    assert [p for p, _ in mods] == [f"{path}.{i}.{attention}" for i in range(3)]
+
+
+def test_multimodal_model_finds_the_text_decoder_not_the_vision_tower():
+    config = json.loads((CONFIGS / "gemma3_4b.json").read_text(encoding="utf-8"))
+    cfg = AutoConfig.for_model("gemma3", **{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    stack = find_decoder_stack(model)
+    assert stack.path == "model.language_model.layers" and len(stack.layers) == 34
+
+
+def test_two_attention_blocks_per_layer_are_both_listed():
+    config = json.loads((CONFIGS / "longcat_flash.json").read_text(encoding="utf-8"))
+    cfg = AutoConfig.for_model("longcat_flash", **{k: v for k, v in config.items() if k not in ("model_type", "auto_map")})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    paths = [p for p, _ in attention_modules(model)]
+    assert len(paths) == 56 and paths[:2] == ["model.layers.0.self_attn.0", "model.layers.0.self_attn.1"]
+
+
+def test_a_model_without_attention_is_a_layout_error():
+    with pytest.raises(LayoutError, match="no nn.ModuleList of decoder blocks"):
+        find_decoder_stack(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 3)))
+    with pytest.raises(InputError) as err:
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert "\n" not in err.value.render() and "found no decoder layers" in err.value.render()
+
+
+def test_attention_routes():
+    qwen = _meta("qwen3", **SMALL, num_key_value_heads=2, head_dim=16)
+    falcon = _meta("falcon", **SMALL, multi_query=True)
+    mpt = _meta("mpt", d_model=64, n_heads=4, n_layers=2, vocab_size=128)
+    bloom = _meta("bloom", hidden_size=64, n_head=4, n_layer=2, vocab_size=128)
+    assert attention_route(attention_modules(qwen)[0][1], is_mla=False) == "interface"
+    assert attention_route(attention_modules(falcon)[0][1], is_mla=False) == "fused_qkv"
+    assert attention_route(attention_modules(mpt)[0][1], is_mla=False) is None  # own forward, no interface
+    assert attention_route(attention_modules(bloom)[0][1], is_mla=False) is None  # ALiBi-only fused attention
+    assert attention_route(attention_modules(qwen)[0][1], is_mla=True) is None
+
+
+# ---------------------------------------------------------------- token ids in the tiny vocabulary
+
+
+def test_fit_token_ids_keeps_equal_ids_equal_and_distinct_ids_distinct():
+    d = {"pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "bos_token_id": 7}
+    moved = fit_token_ids(d, {"pad_token_id": 0, "sep_token_id": 200000}, 512)
+    ids = [d["pad_token_id"], *d["eos_token_id"], d["bos_token_id"], d["sep_token_id"]]
+    assert all(0 <= i < 512 for i in ids)
+    assert d["pad_token_id"] == d["eos_token_id"][0] and len(set(d["eos_token_id"])) == 3
+    assert d["bos_token_id"] == 7  # already inside: untouched
+    assert d["sep_token_id"] not in (*d["eos_token_id"], 7)  # a class default outside the vocabulary, moved
+    assert set(moved) == {151329, 151336, 151338, 200000}
+
+
+@pytest.mark.parametrize("name", ["glm4_9b_0414", "phi3_mini"])
+def test_tiny_model_builds_with_every_id_inside_the_vocabulary(name):
+    """GLM-4 and Phi-3 once failed here: 'Padding_idx must be within num_embeddings'."""
+    config = json.loads((CONFIGS / f"{name}.json").read_text(encoding="utf-8"))
+    manifest = analyze(AnalyzeRequest(config=str(CONFIGS / f"{name}.json")))
+    model, plan = build_tiny_model(config, manifest)
+    ids = {k: v for k, v in model.config.to_dict().items() if k.endswith("token_id") and v is not None}
+    flat = [i for v in ids.values() for i in (v if isinstance(v, list) else [v])]
+    assert flat and all(0 <= i < TINY_VOCAB for i in flat), ids
+    assert model.get_input_embeddings().num_embeddings == TINY_VOCAB
+    assert any(n.startswith("token ids moved") for n in plan.notes)

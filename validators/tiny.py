@@ -105,6 +105,8 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     hf_type = d.pop("model_type")
     config = AutoConfig.for_model(hf_type, **d)
     config._attn_implementation = "eager"
+    # The eager experts loop: grouped_mm kernels take no float64 (the default comparison dtype).
+    config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)

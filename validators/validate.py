@@ -15,6 +15,7 @@ from analyzer.config_loader import read_config_file
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from implementer.render import load_manifest
+from validators.numeric import TOLERANCE, float64_upcasts
 from validators.report import Report
 from validators.scenario import DEFAULT, QUICK, Scenario
 
@@ -35,6 +36,7 @@ class ValidateRequest:
     sweep_readings: bool = True
     framework_api: str | None = None
     attn_tp_size: int | None = None
+    dtype: str | None = None  # compute dtype of the comparison; None: float64 emulated, the model's on an NPU
 
 
 def resolve_backend(requested: str) -> str:
@@ -50,6 +52,22 @@ def resolve_backend(requested: str) -> str:
     return "npu" if available else "emulated"
 
 
+DEVICE_DTYPES = ("bfloat16", "float16", "float32")  # what the real operators take
+
+
+def resolve_dtype(requested: str | None, backend: str, manifest: SelectionManifest) -> str:
+    """float64 by default on the emulated backend (a validation mode: the device ops take 16/32-bit),
+    the manifest's dtype by default on an NPU."""
+    if requested is None:
+        return "float64" if backend == "emulated" else manifest.model.dtype
+    if requested not in TOLERANCE:
+        raise InputError("--dtype", f"{requested!r} is not one of {', '.join(TOLERANCE)}")
+    if backend == "npu" and requested not in DEVICE_DTYPES:
+        raise InputError("--dtype", f"{requested} is a CPU emulation mode; the device operators take "
+                                    f"{'/'.join(DEVICE_DTYPES)}")
+    return requested
+
+
 def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
     """Validate on one rank; a manifest with attention TP > 1 launches that many ranks (validators.tp)."""
     manifest = load_manifest(req.manifest)
@@ -62,6 +80,8 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
         raise InputError("--attn-tp-size", f"{req.attn_tp_size} differs from the manifest's attn_tp_size {tp} "
                                            "(re-analyze with --attn-tp-size and re-render)")
     backend = resolve_backend(req.backend)
+    dtype = resolve_dtype(req.dtype, backend, manifest)
+    req = replace(req, dtype=dtype)
     if tp > 1 and world == 1:
         if backend != "emulated":
             raise InputError("--backend", "multi-rank validation runs on the emulated backend (gloo) here; "
@@ -81,7 +101,7 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
     say("building the tiny transformers model")
     pristine, plan = build_tiny_model(real_config, manifest, seed=req.seed)
     report = Report(backend=backend, deploy_mode=manifest.deploy_mode.value, model_type=manifest.model.model_type,
-                    manifest_hash=manifest.content_hash())
+                    manifest_hash=manifest.content_hash(), dtype=dtype, tolerance=TOLERANCE[dtype])
     report.notes += plan.notes
 
     from validators.npu_ops import DeviceReadings
@@ -97,7 +117,7 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
             say(f"device reading sweep: {dep.question}={dep.alternative}")
             readings = replace(DeviceReadings(), **{dep.question: dep.alternative})
             sweep = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
-                           manifest_hash=report.manifest_hash)
+                           manifest_hash=report.manifest_hash, dtype=dtype, tolerance=TOLERANCE[dtype])
             try:
                 _run(sweep, manifest, req, pristine, plan, backend, readings, QUICK)
                 verdict = "survives" if sweep.passed else "fails: " + ", ".join(c.name for c in sweep.failed())
@@ -120,18 +140,20 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
 
         shard_attention(model, manifest, rank, world)
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
-    # emulated: everything float32 on CPU. npu: the model under test in the manifest's dtype on the
-    # device (bf16 tolerances); the transformers reference stays float32 on CPU.
+    # The model under test and its caches in the compute dtype (float64 by default on CPU, so that
+    # honest code differs by rounding only); the transformers reference in float64 for float64, else
+    # float32 on CPU.
     on_npu = backend == "npu"
     device = torch.device("npu") if on_npu else torch.device("cpu")
-    cache_dtype = getattr(torch, manifest.model.dtype) if on_npu else torch.float32
-    if on_npu:
-        model.to(device=device, dtype=cache_dtype)
-    with ops, device_readings(readings), _framework(manifest, req) as handle:
+    cache_dtype = getattr(torch, req.dtype)
+    model.to(device=device, dtype=cache_dtype)
+    ref.to(dtype=torch.float64 if cache_dtype == torch.float64 else torch.float32)
+    with ops, device_readings(readings), _framework(manifest, req) as handle, float64_upcasts():
         rendered = import_rendered(req.rendered)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, window=plan.window,
                          device=device,
                          block_size=manifest.block_size)
+        host.atol = TOLERANCE[req.dtype]
         try:
             if manifest.kv_mode.value == "legacy":
                 from validators.legacy_run import run_legacy

@@ -237,9 +237,6 @@ class HostModel:
         self.atol = ATOL_FP32 if self.device.type == "cpu" else ATOL_BF16
         self.window = window
         self.probe = _Probe()
-        if window is not None and hasattr(rendered.attention, "SLIDING_WINDOW"):
-            # The only knob the validator turns: a window a CPU can cross (recorded in the report).
-            rendered.attention.SLIDING_WINDOW = window
         if hasattr(rendered.attention, "torch_npu"):
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         host_cls = make_host_attention(rendered.attention_mixin())

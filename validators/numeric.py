@@ -119,8 +119,8 @@ class NumericTracker:
         report.add("first decode reads prompt length + 1", "runtime", not wrong and bool(seen_decode),
                    detail="; ".join(wrong[:3]), requests=len(seen_decode))
 
-    def check_fa_calls(self, report: Report, manifest: SelectionManifest, window: int | None) -> None:
-        """Every FA call passes what the manifest decided for its layer and path."""
+    def check_fa_calls(self, report: Report, manifest: SelectionManifest) -> None:
+        """Every FA call passes what the manifest decided for its layer and path (the code runs as written)."""
         want_op = {"v1": "npu_fused_infer_attention_score", "v2": "npu_fused_infer_attention_score_v2"}
         bad = []
         for call in self.host.probe.fa_calls:
@@ -147,10 +147,8 @@ class NumericTracker:
                 "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
             }
             if mode == 4:
-                # The band follows the layer's window; the validator may have shrunk the window for CPU.
-                w = window or plan.sliding_window
                 got["pre_tokens"] = call.get("pre_tokens", 2147483647)
-                want["pre_tokens"] = w - (plan.sliding_window - plan.pre_tokens)
+                want["pre_tokens"] = plan.pre_tokens
                 got["next_tokens"], want["next_tokens"] = call.get("next_tokens", 2147483647), plan.next_tokens
             diff = [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
                     if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]

@@ -24,13 +24,16 @@ def float64_upcasts():
     """Keep float64 tensors float64 where transformers upcasts "to at least float32".
 
     Its eager attention asks softmax for ``dtype=torch.float32``, its RMSNorms compute in
-    ``.to(torch.float32)``, DeepSeek-V2's RoPE in ``.float()``: upcasts meant for half precision, downcasts on float64 inputs. They put
-    float32 rounding (~1e-6) into the float64 reference wherever the rendered path computes the
-    same thing in the operator's precision (the fused MLA writer's RMSNorm, the FA softmax), and
-    the comparison could no longer tell rounding from a defect. Inside this context both stay
-    float64; tensors of other dtypes are untouched.
+    ``.to(torch.float32)``, DeepSeek-V2's RoPE in ``.float()``, the DeepSeek MoE router in
+    ``.type(torch.float32)`` and ``.softmax(dtype=torch.float32)``: upcasts meant for half
+    precision, downcasts on float64 inputs. They put float32 rounding (~1e-6) into the float64
+    comparison wherever the rendered path computes the same thing in the operator's precision
+    (the fused MLA writer's RMSNorm, the FA softmax) or a 1e-14 difference crosses a float32
+    rounding boundary (router scores), and rounding could no longer be told from a defect.
+    Inside this context float64 stays float64; tensors of other dtypes are untouched.
     """
     softmax, to, to_float = torch.nn.functional.softmax, torch.Tensor.to, torch.Tensor.float
+    tensor_softmax, to_type = torch.Tensor.softmax, torch.Tensor.type
 
     def softmax64(input, dim=None, _stacklevel=3, dtype=None):
         if dtype is not None and isinstance(input, torch.Tensor) and input.dtype == torch.float64:
@@ -48,11 +51,26 @@ def float64_upcasts():
     def float64(self, *args, **kwargs):
         return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
 
-    torch.nn.functional.softmax, torch.Tensor.to, torch.Tensor.float = softmax64, to64, float64
+    def tensor_softmax64(self, dim, dtype=None):
+        return tensor_softmax(self, dim, dtype=torch.float64 if dtype is not None and self.dtype == torch.float64
+                              else dtype)
+
+    def type64(self, dtype=None, *args, **kwargs):
+        if dtype is torch.float32 and self.dtype == torch.float64:
+            return self
+        return to_type(self, dtype, *args, **kwargs) if dtype is not None else to_type(self)
+
+    patched = {"softmax": tensor_softmax64, "to": to64, "float": float64, "type": type64}
+    saved = {name: getattr(torch.Tensor, name) for name in patched}
+    torch.nn.functional.softmax = softmax64
+    for name, fn in patched.items():
+        setattr(torch.Tensor, name, fn)
     try:
         yield
     finally:
-        torch.nn.functional.softmax, torch.Tensor.to, torch.Tensor.float = softmax, to, to_float
+        torch.nn.functional.softmax = softmax
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
 
 
 @dataclass

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = "1.0"
 
@@ -280,6 +282,13 @@ class SelectionManifest(_Model):
     warnings: list[Finding] = Field(default_factory=list)
     blockers: list[Finding] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> SelectionManifest:
+        problems = manifest_problems(self)
+        if problems:
+            raise ManifestInvariantError(*problems[0])
+        return self
+
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
 
@@ -291,6 +300,78 @@ class SelectionManifest(_Model):
     @property
     def group_keys(self) -> list[str]:
         return sorted({layer.group_key for layer in self.layers})
+
+
+class ManifestInvariantError(ValueError):
+    """A manifest whose fields contradict each other (a hand edit); ``field`` names the one to fix."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+# "... = 128^-0.5" and the YaRN factor "... = 1.234567 (" of FaDecision.scale_derivation (rules.decide_scale).
+_BASE = re.compile(r"= ([0-9.]+)\^-0\.5")
+_MSCALE = re.compile(r"mscale\^2.*= ([0-9.]+) \(")
+
+
+def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
+    """(field, why) for each invariant a manifest breaks: what a hand edit can desynchronise.
+
+    Heads vs per-rank heads vs cache entries, the layer list vs the layer count, the schema
+    version, and the softmax scale vs the derivation written next to it.
+    """
+    out: list[tuple[str, str]] = []
+    if m.schema_version != SCHEMA_VERSION:
+        out.append(("schema_version", f"{m.schema_version!r} is not the supported {SCHEMA_VERSION!r}"))
+    p, model = m.parallel, m.model
+    tp = p.attn_tp_size
+    if tp < 1 or model.num_attention_heads % tp or p.num_q_heads_per_rank != model.num_attention_heads // tp:
+        out.append(("parallel.num_q_heads_per_rank", f"{p.num_q_heads_per_rank} is not num_attention_heads "
+                                                     f"{model.num_attention_heads} / attn_tp_size {tp}"))
+    kv_per_rank = 1 if m.mla.enabled else max(model.num_key_value_heads // max(tp, 1), 1)
+    if p.num_kv_heads_per_rank != kv_per_rank:
+        out.append(("parallel.num_kv_heads_per_rank", f"{p.num_kv_heads_per_rank} is not {kv_per_rank} "
+                                                      f"(num_key_value_heads {model.num_key_value_heads}, "
+                                                      f"attn_tp_size {tp}{', MLA' if m.mla.enabled else ''})"))
+    want_layers = model.num_layers * model.sublayers_per_layer
+    with_mtp = (model.num_layers + model.num_mtp_layers) * model.sublayers_per_layer
+    if len(m.layers) not in (want_layers, with_mtp):
+        out.append(("layers", f"{len(m.layers)} entries for {model.num_layers} decoder layers x "
+                              f"{model.sublayers_per_layer} sublayer(s) = {want_layers}"))
+    for i, layer in enumerate(m.layers):
+        where = f"layers[{i}]"
+        if layer.index != i:
+            out.append((f"{where}.index", f"{layer.index} out of order (expected {i}: a layer is missing)"))
+            break
+        if (layer.attn_type == "SlidingWindow") != (layer.sliding_window is not None):
+            out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
+        for j, c in enumerate(layer.caches):
+            legacy_gqa = m.kv_mode.value == "legacy" and not m.mla.enabled
+            heads = 1 if (m.mla.enabled or legacy_gqa) else p.num_kv_heads_per_rank
+            dim = None
+            if not m.mla.enabled:
+                dim = model.head_dim * p.num_kv_heads_per_rank if legacy_gqa else model.head_dim
+            if c.num_head != heads:
+                out.append((f"{where}.caches[{j}].num_head", f"{c.num_head} is not {heads} "
+                                                             "(KV heads per rank; 1 for MLA and Legacy rows)"))
+            if dim is not None and c.dim != dim:
+                out.append((f"{where}.caches[{j}].dim", f"{c.dim} is not {dim}"))
+    scale = _derived_scale(m.fa.scale_derivation)
+    if scale is not None and not math.isclose(m.fa.softmax_scale, scale, rel_tol=1e-5):
+        out.append(("fa.softmax_scale", f"{m.fa.softmax_scale!r} contradicts its derivation "
+                                        f"'{m.fa.scale_derivation}' = {scale:.8g}"))
+    return out
+
+
+def _derived_scale(derivation: str) -> float | None:
+    base = _BASE.search(derivation)
+    if base is None:
+        return None
+    value = float(base.group(1)) ** -0.5
+    mscale = _MSCALE.search(derivation)
+    return value * float(mscale.group(1)) ** 2 if mscale else value
 
 
 def manifest_json_schema() -> dict:

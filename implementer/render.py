@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 
 from analyzer.errors import InputError
-from analyzer.manifest import SelectionManifest
+from analyzer.manifest import ManifestInvariantError, SelectionManifest
 from analyzer.progress_writer import atomic_write_text
 from analyzer.report import decision_rows
 from implementer.context import Names, RenderContext, build_context, one_line
@@ -83,6 +83,9 @@ def load_manifest(path: str | Path) -> SelectionManifest:
         first = getattr(exc, "errors", lambda: [])()
         field = ".".join(str(x) for x in first[0]["loc"]) if first else None
         msg = first[0]["msg"] if first else str(exc).splitlines()[0]
+        broken = first[0].get("ctx", {}).get("error") if first else None
+        if isinstance(broken, ManifestInvariantError):  # fields that contradict each other (hand edit)
+            field, msg = broken.field, broken.message
         raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
 
 

@@ -245,9 +245,14 @@ def test_linear_attention_layers_get_a_clear_message():
     (lambda d: d["layers"][4]["caches"][1].update(dim=32), "layers[4].caches"),
     (lambda d: d["model"].update(model_type='x"""\nimport os'), "model.model_type"),
 ])
-def test_manifest_values_that_would_reach_code_are_validated(edit, needle):
+def test_manifest_values_that_would_reach_code_are_validated(edit, needle, tmp_path):
+    # Refused on load (the manifest's own invariants) or by the render context: either way named.
+    data = json.loads(GPT_OSS.read_text(encoding="utf-8"))
+    edit(data)
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
     with pytest.raises(InputError) as info:
-        render_manifest(_manifest_with(GPT_OSS, edit))
+        render_manifest(load_manifest(path))
     assert needle in info.value.render()
 
 

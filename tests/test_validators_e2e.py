@@ -30,7 +30,7 @@ MODES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_mode_matches_transformers(tmp_path, family, mode):
+def test_family_mode_matches_transformers(tmp_path, family, mode, record_property):
     config, extra = FAMILIES[family]
     manifest, rendered, cfg = render_case(tmp_path, config, **extra, **MODES[mode])
     scenario = DEFAULT if mode == "framework_G2" else QUICK
@@ -40,7 +40,11 @@ def test_family_mode_matches_transformers(tmp_path, family, mode):
     links = {c.link for c in report.checks}
     assert {"init", "runtime", "numeric", "release"} <= links
     numeric = check(report, "logits vs transformers")
-    assert numeric.measured["max_abs_diff"] <= 1e-4
+    # float64 by default: honest code differs by rounding only (the measured figures are recorded
+    # as properties; see references/validation.md for the matrix).
+    assert report.dtype == "float64" and numeric.measured["max_abs_diff"] <= report.tolerance == 1e-9
+    record_property("max_abs_diff", numeric.measured["max_abs_diff"])
+    record_property("logit_max_abs", numeric.measured["logit_max_abs"])
     assert numeric.measured["steps"] >= (17 if scenario is DEFAULT and family != "legacy" else 9)
     assert check(report, "FA call arguments match the manifest").measured["calls"] > 0
     if family == "deepseek_v3":  # one MTP layer: verify steps (q_len 2) with accepted and rejected drafts

@@ -56,8 +56,10 @@ def test_missing_yarn_mscale_squared(tmp_path):
     assert data["fa"]["softmax_scale"] > base * 1.1  # the manifest carries mscale^2
     mutate(rendered, r"SOFTMAX_SCALE = [0-9.e-]+", f"SOFTMAX_SCALE = {base!r}", count=1)
     report = run_validate(manifest, rendered, cfg)
-    assert not check(report, "softmax scale equals the model's attention scaling").passed
-    assert not check(report, "logits vs transformers").passed
+    # Caught on the render as written, before anything runs (the init link stops the later links).
+    constants = check(report, "rendered constants match the manifest")
+    assert not constants.passed and f"SOFTMAX_SCALE = {base!r}" in constants.detail
+    assert "init link failed" in " ".join(report.notes)
 
 
 def test_window_pre_tokens_off_by_one_is_caught(tmp_path):

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "harness, --framework-api G2 the 48a59dc one)")
     p.add_argument("--attn-tp-size", type=int, metavar="N",
                    help="attention TP ranks to launch (must equal the manifest's attn_tp_size; gloo on CPU)")
+    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"),
+                   help="compute dtype of the comparison (default: float64 on the emulated backend, where honest "
+                        "code differs by rounding only; the model's dtype on an NPU). Tolerances: float64 1e-9, "
+                        "float32 1e-4, bfloat16/float16 5e-2")
     p.add_argument("--report", metavar="FILE", help="write the JSON report here")
     p.add_argument("--markdown", metavar="FILE", help="write the Markdown report (自验证结果) here")
     p.add_argument("--write-progress", metavar="FILE",
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
         framework_api=args.framework_api, attn_tp_size=args.attn_tp_size, device_readings=args.device_readings,
+        dtype=args.dtype,
     ), progress=_progress)
     if args.report:
         atomic_write_text(Path(args.report), report.to_json())

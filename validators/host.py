@@ -182,7 +182,7 @@ def _cos_sin(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = position_embeddings
         return cos[0], sin[0]
     freqs = position_embeddings[0]  # complex [T, rope/2] (DeepSeek-V2), magnitude = attention scaling
-    return torch.cat((freqs.real, freqs.real), -1).float(), torch.cat((freqs.imag, freqs.imag), -1).float()
+    return torch.cat((freqs.real, freqs.real), -1), torch.cat((freqs.imag, freqs.imag), -1)
 
 
 def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
@@ -194,7 +194,7 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     q = q.view(t, -1, self.qk_head_dim)
     q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
     compressed_kv = self.kv_a_proj_with_mqa(x)
-    cos, sin = _cos_sin(position_embeddings)
+    cos, sin = (t.to(x.dtype) for t in _cos_sin(position_embeddings))  # DeepSeek-V2's freqs stay float32
     q_rot = _interleaved_rope(q_rot, cos[:, None, :], sin[:, None, :])
     host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
                       q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
@@ -270,7 +270,9 @@ def make_host_attention(mixin: type) -> type:
             self.bsh = hasattr(self, "legacy_attention")  # Legacy renders take BSH [B, S, N*D]
             self.layer_idx = layer_idx
             if hasattr(hf_attention, "sinks"):
-                self.sinks = hf_attention.sinks.float()
+                # float32 as the device op takes it; float64 only in the float64 validation mode.
+                sinks = hf_attention.sinks.detach()
+                self.sinks = sinks if sinks.dtype == torch.float64 else sinks.float()
             for name in ("kv_a_layernorm", "kv_b_proj"):
                 if hasattr(hf_attention, name):
                     setattr(self, name, getattr(hf_attention, name))
@@ -300,9 +302,6 @@ class HostModel:
         self.atol = ATOL_FP32 if self.device.type == "cpu" else ATOL_BF16
         self.window = window
         self.probe = _Probe()
-        if window is not None and hasattr(rendered.attention, "SLIDING_WINDOW"):
-            # The only knob the validator turns: a window a CPU can cross (recorded in the report).
-            rendered.attention.SLIDING_WINDOW = window
         if hasattr(rendered.attention, "torch_npu"):
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         host_cls = make_host_attention(rendered.attention_mixin())
@@ -363,7 +362,7 @@ class HostModel:
         with current_metadata(forward_metadata):
             out = self.hf_model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
                                 use_cache=False)
-        return out.logits.float().cpu()
+        return out.logits.double().cpu()
 
 
 def _store_output(outputs: list, idx: int):
@@ -377,7 +376,7 @@ def _store_output(outputs: list, idx: int):
 def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     """transformers eager forward over one whole sequence: logits [L, vocab] (float64 compare later)."""
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
-    return ref_model(input_ids=ids, use_cache=False).logits[0].float()
+    return ref_model(input_ids=ids, use_cache=False).logits[0].double()
 
 
 @torch.no_grad()
@@ -391,4 +390,4 @@ def reference_layer_outputs(ref_model, token_ids: list[int]) -> list[torch.Tenso
     finally:
         for h in handles:
             h.remove()
-    return [o[0].float() for o in outputs]
+    return [o[0].double() for o in outputs]

@@ -44,9 +44,16 @@ class _FrameworkLegacy:
         self.kv_len.copy_(fm.actual_seq_lengths_kv)
 
 
+def prompt_length(manifest: SelectionManifest) -> int:
+    """PROMPT, or long enough that prefill and decode cross the window by two blocks."""
+    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
+    return max(PROMPT, window + 2 * manifest.block_size) if window else PROMPT
+
+
 def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, seed: int, cache_dtype,
                framework: bool) -> None:
-    max_seq = PROMPT + NEW_TOKENS + 7
+    prompt = prompt_length(manifest)
+    max_seq = prompt + NEW_TOKENS + 7
     if framework:
         units = {tuple(a.cache_unit) for a in host.attentions}
         want = {(c.dim,) for c in manifest.layers[0].caches}
@@ -64,10 +71,10 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
             t.fill_(float("nan"))  # never-written positions must never be read
 
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 512, (ROWS, PROMPT), generator=g)
+    tokens = torch.randint(0, 512, (ROWS, prompt), generator=g)
     tracker = NumericTracker(ref_model, host, atol=host.atol)
-    fm = runner._build_forward_metadata(PROMPT)
-    pos = torch.arange(PROMPT).expand(ROWS, -1)
+    fm = runner._build_forward_metadata(prompt)
+    pos = torch.arange(prompt).expand(ROWS, -1)
     seqs = [row.tolist() for row in tokens]
     for step_index in range(NEW_TOKENS):
         n_before = len(host.probe.records)
@@ -83,6 +90,6 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
         tokens = nxt[:, None]
         pos = (runner.kv_len.clone())[:, None]
         fm = runner._build_forward_metadata()
-    tracker.check_runtime(report, manifest, dict.fromkeys(range(ROWS), PROMPT))
-    tracker.check_fa_calls(report, manifest, host.window)
+    tracker.check_runtime(report, manifest, dict.fromkeys(range(ROWS), prompt))
+    tracker.check_fa_calls(report, manifest)
     tracker.check_numeric(report, {b: seqs[b][:-1] for b in range(ROWS)})

@@ -25,6 +25,8 @@ class Report:
     deploy_mode: str
     model_type: str
     manifest_hash: str
+    dtype: str = "float32"  # compute dtype of the model under test
+    tolerance: float = 1e-4  # logit tolerance of that dtype
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     readings: dict[str, str] = field(default_factory=dict)
@@ -49,6 +51,8 @@ class Report:
             "deploy_mode": self.deploy_mode,
             "model_type": self.model_type,
             "manifest_hash": self.manifest_hash,
+            "dtype": self.dtype,
+            "tolerance": self.tolerance,
             "readings": self.readings,
             "seconds": round(self.seconds, 2),
             "notes": self.notes,
@@ -64,7 +68,8 @@ class Report:
             "### 自验证结果",
             "",
             f"- 模型: `{self.model_type}`,部署模式: {self.deploy_mode},后端: **{self.backend}**"
-            + (" (CPU 仿真算子 + 框架契约 harness)" if self.backend == "emulated" else ""),
+            + (" (CPU 仿真算子 + 框架契约 harness)" if self.backend == "emulated" else "")
+            + f",计算精度: {self.dtype}(logits 容差 {self.tolerance:g})",
             f"- manifest hash: `{self.manifest_hash}`,结论: **{verdict}**"
             f"({sum(c.passed for c in self.checks)}/{len(self.checks)} 项通过,用时 {self.seconds:.1f}s)",
         ]

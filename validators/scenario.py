@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +21,16 @@ class Scenario:
     def prompts(self, seed: int) -> list[tuple[list[int], int]]:
         g = torch.Generator().manual_seed(seed)
         return [(torch.randint(0, self.vocab, (n,), generator=g).tolist(), new) for n, new in self.first + self.late]
+
+    def crossing(self, window: int, block_size: int) -> Scenario:
+        """This stream with its longest prompts stretched to cross ``window`` by two blocks on both paths."""
+        need = window + 2 * block_size
+        longest = max(n for n, _ in self.first)
+        if longest >= need:
+            return self
+        grow = need - longest + 8
+        first = tuple((n + grow, new) if n >= longest - 16 else (n, new) for n, new in self.first)
+        return replace(self, first=first)
 
     @property
     def max_model_len(self) -> int:

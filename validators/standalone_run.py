@@ -132,7 +132,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     report.add("slot_mapping = row * max_seq_len + position", "runtime", not slot_errors,
                detail="; ".join(slot_errors[:3]), steps=step_index)
     tracker.check_runtime(report, manifest, prompt_len)
-    tracker.check_fa_calls(report, manifest, host.window)
+    tracker.check_fa_calls(report, manifest)
     sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
     tracker.check_numeric(report, sequences)
     if manifest.mtp is not None:

@@ -152,6 +152,7 @@ def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
                 merged.add(f"rank {r}: finished", "runtime", False, detail=data["error"])
                 continue
             merged.backend = data["backend"]
+            merged.dtype, merged.tolerance = data.get("dtype", merged.dtype), data.get("tolerance", merged.tolerance)
             merged.readings = data.get("readings", {})
             for c in data["checks"]:
                 merged.checks.append(Check(f"rank {r}: {c['name']}", c["link"], c["passed"], c["measured"],

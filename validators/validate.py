@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,7 +15,9 @@ import torch
 from analyzer.config_loader import read_config_file
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
-from implementer.render import load_manifest
+from implementer.render import load_manifest, render_manifest, write_rendered
+from validators.numeric import TOLERANCE, float64_upcasts
+from validators.provenance import RENDERED_FILES, check_inputs_belong
 from validators.report import Report
 from validators.scenario import DEFAULT, QUICK, Scenario
 from validators.tiny import require_transformers_type
@@ -37,6 +40,7 @@ class ValidateRequest:
     framework_api: str | None = None
     attn_tp_size: int | None = None
     device_readings: str | None = None  # readings file of `kvcache probe`: run under the measured readings
+    dtype: str | None = None  # compute dtype of the comparison; None: float64 emulated, the model's on an NPU
 
 
 def resolve_backend(requested: str) -> str:
@@ -52,6 +56,22 @@ def resolve_backend(requested: str) -> str:
     return "npu" if available else "emulated"
 
 
+DEVICE_DTYPES = ("bfloat16", "float16", "float32")  # what the real operators take
+
+
+def resolve_dtype(requested: str | None, backend: str, manifest: SelectionManifest) -> str:
+    """float64 by default on the emulated backend (a validation mode: the device ops take 16/32-bit),
+    the manifest's dtype by default on an NPU."""
+    if requested is None:
+        return "float64" if backend == "emulated" else manifest.model.dtype
+    if requested not in TOLERANCE:
+        raise InputError("--dtype", f"{requested!r} is not one of {', '.join(TOLERANCE)}")
+    if backend == "npu" and requested not in DEVICE_DTYPES:
+        raise InputError("--dtype", f"{requested} is a CPU emulation mode; the device operators take "
+                                    f"{'/'.join(DEVICE_DTYPES)}")
+    return requested
+
+
 def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
     """Validate on one rank; a manifest with attention TP > 1 launches that many ranks (validators.tp)."""
     measured = None
@@ -65,11 +85,14 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
     rendered_dir = Path(req.rendered)
     if not (rendered_dir / "kvcache_attention.py").is_file():
         raise InputError(str(rendered_dir), "no kvcache_attention.py: run `kvcache render` first", field="--rendered")
+    header = check_inputs_belong(manifest, req.manifest, real_config, req.config, rendered_dir)
     tp = manifest.parallel.attn_tp_size
     if req.attn_tp_size is not None and req.attn_tp_size != tp:
         raise InputError("--attn-tp-size", f"{req.attn_tp_size} differs from the manifest's attn_tp_size {tp} "
                                            "(re-analyze with --attn-tp-size and re-render)")
     backend = resolve_backend(req.backend)
+    dtype = resolve_dtype(req.dtype, backend, manifest)
+    req = replace(req, dtype=dtype)
     if tp > 1 and world == 1:
         if backend != "emulated":
             raise InputError("--backend", "multi-rank validation runs on the emulated backend (gloo) here; "
@@ -84,14 +107,9 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
 
     for name in _TRANSFORMERS_EAGER:
         importlib.import_module(name)
-    from validators.tiny import build_tiny_model
 
-    say("building the tiny transformers model")
-    pristine, plan = build_tiny_model(real_config, manifest, seed=req.seed)
     report = Report(backend=backend, deploy_mode=manifest.deploy_mode.value, model_type=manifest.model.model_type,
-                    manifest_hash=manifest.content_hash())
-    report.notes += plan.notes
-
+                    manifest_hash=manifest.content_hash(), dtype=dtype, tolerance=TOLERANCE[dtype])
     from validators.npu_ops import DeviceReadings
 
     base = measured.as_device_readings() if measured else DeviceReadings()
@@ -102,10 +120,97 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
                             + ("; 'unknown' settles nothing (default reading used)" if len(settled) < len(
                                 measured.questions) else ""))
     report.readings = dataclasses.asdict(base)
-    say(f"running the {manifest.deploy_mode.value}-mode checks on the {backend} backend")
-    _run(report, manifest, req, pristine, plan, backend, base, req.scenario, rank, world)
+    _check_render_as_written(report, manifest, req, backend)
+    with tempfile.TemporaryDirectory(prefix="kvcache-validate-") as tmp:
+        runs = _plan_runs(report, manifest, req, header, Path(tmp))
+        for label, run_manifest, rendered, scenario in runs:
+            _validate_run(report, label, run_manifest, rendered, replace(req, scenario=scenario), real_config,
+                          backend, say, rank, world, sweep=req.sweep_readings and not label, base=base,
+                          settled=settled)
+    report.seconds = time.perf_counter() - started
+    return report
 
-    if req.sweep_readings and backend == "emulated":
+
+def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,
+                             backend: str) -> None:
+    """Init link on the user's render itself: its constants, and init_kv_cache of every real layer."""
+    from validators.host import import_rendered
+    from validators.npu_ops import install_emulation
+    from validators.render_check import check_constants, check_every_layer
+
+    ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
+    with ops, _framework(manifest, req, backend):
+        rendered = import_rendered(req.rendered)
+        check_constants(report, manifest, rendered.attention)
+        check_every_layer(report, manifest, rendered.attention_mixin(), getattr(torch, req.dtype))
+
+
+def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest, header, tmp: Path):
+    """(label, manifest, rendered dir, scenario) of each run. The code under test always runs as written.
+
+    A window a CPU can cross: the user's render. A longer one: the implementer's render of the same
+    manifest with a short window (tiny.shrink_windows) crosses it, and the user's render runs too,
+    at its real window, unless it is byte for byte the implementer's render of the manifest.
+    """
+    from validators.tiny import shrink_windows
+
+    tiny = shrink_windows(manifest)
+    if tiny is None:
+        return [("", manifest, req.rendered, _crossing(req.scenario, manifest))]
+    tiny_dir = tmp / "tiny-window"
+    write_rendered(render_manifest(tiny, framework_api=header.api if header else None, allow_blocked=True), tiny_dir)
+    real = next(layer.sliding_window for layer in manifest.layers if layer.sliding_window)
+    short = next(layer.sliding_window for layer in tiny.layers if layer.sliding_window)
+    runs = [("", tiny, str(tiny_dir), _crossing(req.scenario, tiny))]
+    if _is_implementer_render(manifest, req.rendered, header):
+        report.notes.append(f"window {real} is too long for CPU sequences: the checks ran on the implementer's "
+                            f"render of this manifest with window {short} (the given render is that render at "
+                            f"window {real}, byte for byte; its constants and every layer are checked above)")
+    else:
+        report.notes.append(f"window {real} is too long for CPU sequences: the window crossing ran on the "
+                            f"implementer's render with window {short}; the given render differs from the "
+                            f"implementer's and also ran as written at window {real} (checks 'as written: ...')")
+        runs.append(("as written: ", manifest, req.rendered, QUICK))
+    return runs
+
+
+def _is_implementer_render(manifest: SelectionManifest, rendered_dir: str, header) -> bool:
+    ours = render_manifest(manifest, framework_api=header.api if header else None, allow_blocked=True).files
+    for name in RENDERED_FILES:
+        path = Path(rendered_dir) / name
+        if path.is_file() != (name in ours) or (path.is_file() and path.read_text(encoding="utf-8") != ours[name]):
+            return False
+    return True
+
+
+def _crossing(scenario: Scenario, manifest: SelectionManifest) -> Scenario:
+    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
+    return scenario.crossing(window, manifest.block_size) if window else scenario
+
+
+def _validate_run(report: Report, label: str, manifest: SelectionManifest, rendered: str, req: ValidateRequest,
+                  real_config: dict, backend: str, say, rank: int, world: int, sweep: bool,
+                  base=None, settled: dict | None = None) -> None:
+    from validators.npu_ops import DeviceReadings
+    from validators.tiny import build_tiny_model
+
+    say("building the tiny transformers model" + (f" ({label.strip(': ')})" if label else ""))
+    pristine, plan = build_tiny_model(real_config, manifest, seed=req.seed)
+    run = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
+                 manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance,
+                 checks=[c for c in report.checks if c.link == "init" and not label])
+    start = len(run.checks)
+    say(f"running the {manifest.deploy_mode.value}-mode checks on the {backend} backend")
+    base = base or DeviceReadings()
+    settled = settled or {}
+    _run(run, manifest, rendered, req, pristine, backend, base, req.scenario, rank, world)
+    for c in run.checks[start:]:
+        c.name = label + c.name
+        report.checks.append(c)
+    if not label:
+        report.notes += plan.notes + run.notes
+        _note_coverage(report, manifest, run)
+    if sweep and backend == "emulated":
         for dep in manifest.device_dependencies:
             if dep.question not in ("band_at_single_query", "window_pre_tokens"):
                 continue
@@ -114,19 +219,32 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
                 continue
             say(f"device reading sweep: {dep.question}={dep.alternative}")
             readings = replace(base, **{dep.question: dep.alternative})
-            sweep = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
-                           manifest_hash=report.manifest_hash)
+            swept = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
+                           manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance)
             try:
-                _run(sweep, manifest, req, pristine, plan, backend, readings, QUICK)
-                verdict = "survives" if sweep.passed else "fails: " + ", ".join(c.name for c in sweep.failed())
+                _run(swept, manifest, rendered, req, pristine, backend, readings, QUICK)
+                verdict = "survives" if swept.passed else "fails: " + ", ".join(c.name for c in swept.failed())
             except Exception as exc:  # an op rejecting the call under that reading is a result too
                 verdict = f"fails: {type(exc).__name__}: {exc}"
             report.notes.append(f"under {dep.question}={dep.alternative} the render {verdict}")
-    report.seconds = time.perf_counter() - started
-    return report
 
 
-def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pristine, plan, backend: str,
+def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> None:
+    """The longest sequence per path, and whether it crossed the window by two blocks."""
+    numeric = next((c for c in run.checks if c.link == "numeric" and "max_abs_diff" in c.measured), None)
+    if numeric is None:
+        return
+    prefill, decode = numeric.measured["longest_prefill"], numeric.measured["longest_decode"]
+    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
+    report.notes.append(f"longest sequence: prefill {prefill}, decode {decode} tokens"
+                        + (f" (window {window}, block {manifest.block_size})" if window else ""))
+    if window:
+        need = window + 2 * manifest.block_size
+        report.add(f"request stream crosses the window by >= 2 blocks ({need} tokens) on both paths", "numeric",
+                   min(prefill, decode) >= need, longest_prefill=prefill, longest_decode=decode, window=window)
+
+
+def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
     from validators.host import HostModel, import_rendered
     from validators.npu_ops import device_readings, install_emulation
@@ -138,18 +256,19 @@ def _run(report: Report, manifest: SelectionManifest, req: ValidateRequest, pris
 
         shard_attention(model, manifest, rank, world)
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
-    # emulated: everything float32 on CPU. npu: the model under test in the manifest's dtype on the
-    # device (bf16 tolerances); the transformers reference stays float32 on CPU.
+    # The model under test and its caches in the compute dtype (float64 by default on CPU, so that
+    # honest code differs by rounding only); the transformers reference in float64 for float64, else
+    # float32 on CPU.
     on_npu = backend == "npu"
     device = torch.device("npu") if on_npu else torch.device("cpu")
-    cache_dtype = getattr(torch, manifest.model.dtype) if on_npu else torch.float32
-    if on_npu:
-        model.to(device=device, dtype=cache_dtype)
-    with ops, device_readings(readings), _framework(manifest, req, backend) as handle:
-        rendered = import_rendered(req.rendered)
-        host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, window=plan.window,
-                         device=device,
+    cache_dtype = getattr(torch, req.dtype)
+    model.to(device=device, dtype=cache_dtype)
+    ref.to(dtype=torch.float64 if cache_dtype == torch.float64 else torch.float32)
+    with ops, device_readings(readings), _framework(manifest, req, backend) as handle, float64_upcasts():
+        rendered = import_rendered(rendered_dir)
+        host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
                          block_size=manifest.block_size)
+        host.atol = TOLERANCE[req.dtype]
         try:
             if manifest.kv_mode.value == "legacy":
                 from validators.legacy_run import run_legacy

@@ -6,6 +6,9 @@ argument the real operator does not have raises ``TypeError`` here, exactly as a
 keyword does on the device build.
 
 Precision: arithmetic in float32 (float64 for float64 inputs); results in the input dtype.
+float64 is a CPU validation mode, not a device dtype (the real operators take fp16/bf16/fp32):
+``kvcache validate`` runs in it by default so that honest code differs from transformers by
+rounding only, and keeps float32/bf16 (``--dtype``) for device precision.
 """
 
 from __future__ import annotations

@@ -1,0 +1,86 @@
+"""Init link on the render as written: its constants and every layer of the real model.
+
+The numeric run builds a tiny prefix of the layers (and, for windows a CPU cannot cross, runs
+the implementer's render of the tiny window), so what the render decides for the other layers and
+at the real window is checked here: each module constant against the manifest the render
+claims, and ``init_kv_cache`` run for every layer index of the full model (placeholders only, no
+cache is allocated) against that layer's attn_type, window and cache entries.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.report import Report
+
+
+def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
+    """Module constant -> the value the manifest decided (names as the templates write them)."""
+    m, p = manifest.model, manifest.parallel
+    want: dict[str, object] = {"SOFTMAX_SCALE": manifest.fa.softmax_scale, "NUM_HEADS_PER_RANK": p.num_q_heads_per_rank,
+                               "CACHE_DTYPE": getattr(torch, m.dtype)}
+    if manifest.kv_mode.value == "paged":
+        want["BLOCK_SIZE"] = manifest.block_size
+    if m.mla:
+        want.update(KV_LORA_RANK=m.mla.kv_lora_rank, QK_ROPE_HEAD_DIM=m.mla.qk_rope_head_dim,
+                    QK_NOPE_HEAD_DIM=m.mla.qk_nope_head_dim, V_HEAD_DIM=m.mla.v_head_dim)
+    else:
+        want.update(NUM_KV_HEADS_PER_RANK=p.num_kv_heads_per_rank, HEAD_DIM=m.head_dim)
+    sliding = [layer for layer in manifest.layers if layer.attn_type == "SlidingWindow"]
+    if sliding:
+        want["SLIDING_WINDOW"] = sliding[0].sliding_window
+        band = sliding[0]
+        want["WINDOW_PRE_TOKENS_OFFSET"] = band.sliding_window - band.pre_tokens
+        if len(sliding) != len(manifest.layers):
+            want["SLIDING_LAYERS"] = frozenset(layer.index for layer in sliding)
+    return want
+
+
+def _same(got: object, want: object) -> bool:
+    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        return math.isclose(got, want, rel_tol=1e-12)
+    return got == want
+
+
+def check_constants(report: Report, manifest: SelectionManifest, module: types.ModuleType) -> None:
+    """Constants the render defines must equal the manifest's; a missing one is left to the runtime checks."""
+    want = expected_constants(manifest)
+    bad = [f"{name} = {getattr(module, name)!r} (manifest {value!r})" for name, value in want.items()
+           if hasattr(module, name) and not _same(getattr(module, name), value)]
+    checked = sorted(name for name in want if hasattr(module, name))
+    report.add("rendered constants match the manifest", "init", not bad, detail="; ".join(bad[:4]),
+               checked=checked)
+
+
+def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, cache_dtype: torch.dtype) -> None:
+    """``init_kv_cache`` for each of the model's layers: attn_type, window and entries per the manifest."""
+    bad: list[str] = []
+    for plan in manifest.layers:
+        attn = mixin.__new__(mixin)
+        try:
+            attn.init_kv_cache(plan.index, cache_dtype)
+        except Exception as exc:  # the render's own init failing is a finding, named by layer
+            bad.append(f"layer {plan.index}: init_kv_cache raised {type(exc).__name__}: {exc}")
+            continue
+        window = plan.sliding_window if plan.attn_type == "SlidingWindow" else None
+        got = (getattr(attn, "attn_type", None), getattr(attn, "sliding_window", None))
+        if got != (plan.attn_type, window):
+            bad.append(f"layer {plan.index}: (attn_type, window) {got} != {(plan.attn_type, window)}")
+            continue
+        entries = getattr(attn, "cache_entries", None)
+        if entries is None:  # standalone and Legacy renders declare no entries
+            continue
+        want = {c.name: (plan.attn_type, c.dim, c.num_head, window, manifest.block_size) for c in plan.caches}
+        have = {e.cache_name: (e.attn_type, e.dim, e.num_head, e.sliding_window,
+                               getattr(e, "block_size", manifest.block_size)) for e in entries}
+        if have != want:
+            diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+            bad.append(f"layer {plan.index} {diff[0]}: (attn_type, dim, num_head, window, block_size) "
+                       f"{have.get(diff[0])} != {want.get(diff[0])}")
+    report.add(f"every layer's attn_type, window and cache entries match the manifest ({len(manifest.layers)} "
+               "layers)", "init", not bad, detail="; ".join(bad[:3]), mismatches=len(bad),
+               layers=len(manifest.layers))

@@ -278,7 +278,8 @@ def _has_generation_loop(node: ast.AST) -> bool:
 
 def runner_is_standalone(source: str) -> tuple[bool, str]:
     """Standalone = a runner class not derived from a framework base (imported from ``executor``)
-    that runs its own generation loop (DOMAIN §1). Either half alone is not conclusive."""
+    that runs its own generation loop (SKILL.md, '开始前:部署模式与必要输入', point 3). Either half alone
+    is not conclusive."""
     try:
         tree = ast.parse(source)
     except SyntaxError:

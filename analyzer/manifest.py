@@ -208,7 +208,7 @@ class MemoryPlan(_Model):
 
 
 class DeviceDependency(_Model):
-    """An open device behaviour (DOMAIN §9) this design relies on; settled only by an NPU run."""
+    """An open device behaviour (references/device_questions.md) this design relies on; settled only by an NPU run."""
 
     question: Literal["band_at_single_query", "window_pre_tokens", "null_block_contents", "repeated_slots"]
     assumed: str

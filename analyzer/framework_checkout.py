@@ -101,10 +101,6 @@ def detect_generation(source: str) -> tuple[str | None, str]:
     return classify_generation(entry, model, class_names(source))
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
 def _tokens(name: str) -> list[str]:
     return [t for t in re.split(r"[^a-z0-9]+", name.lower()) if t]
 

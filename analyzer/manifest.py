@@ -288,10 +288,6 @@ class SelectionManifest(_Model):
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
-    @property
-    def group_keys(self) -> list[str]:
-        return sorted({layer.group_key for layer in self.layers})
-
 
 def manifest_json_schema() -> dict:
     return SelectionManifest.model_json_schema()

@@ -1,7 +1,7 @@
 """What the code cites lives in the repository.
 
 Comments, docstrings and ``--help`` texts point readers to ``references/*.md`` or ``SKILL.md``
-(optionally with a section heading, written ``references/x.md, 'heading'``). Every such path must
+(optionally with a section heading, written ``references/<file>.md, '<heading>'``). Every such path must
 exist and every cited heading must be a heading of that file; nothing may cite the design note
 kept outside the repository.
 """

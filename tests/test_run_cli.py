@@ -133,7 +133,7 @@ def test_an_unexpected_exception_is_exit_3_with_one_line(capsys, monkeypatch):
 
 def test_a_bug_in_any_command_is_exit_3_not_1(tmp_path):
     # Before: a traceback and exit 1, which reads as "your code failed validation".
-    prelude = "import analyzer.build as _b; _b.assemble = lambda *a: 1 / 0; "
+    prelude = "import analyzer.build as _b; _b.assemble = lambda *a, **k: 1 / 0; "
     proc = _kvcache("analyze", "--config", str(EXAMPLE), "--out", str(tmp_path / "m.json"), cwd=tmp_path,
                     prelude=prelude)
     assert proc.returncode == EXIT_INTERNAL and proc.stderr.count("\n") == 1, proc.stderr

@@ -301,7 +301,7 @@ def _attention_kind(facts: ModelFacts) -> str:
 
 
 def _deploy_mode(dispatch, req, progress, checkout, warnings) -> DeployModeDecision:
-    # Self-check evidence, strongest first (DOMAIN §1): registration, own runner loop, progress wording.
+    # Self-check evidence, strongest first (SKILL.md, '开始前:部署模式与必要输入'): registration, own runner loop, progress wording.
     self_checks: list[tuple[str, str]] = []
     if checkout and checkout.registered:
         self_checks.append(("framework", f"registered in support_models ({checkout.registered_evidence})"))

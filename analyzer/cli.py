@@ -68,7 +68,7 @@ def add_analyze_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep Legacy on purpose (offline only), e.g. --kv-mode legacy; a blocker forces Legacy anyway")
     p.add_argument("--fa-version", choices=("v1", "v2"), help="override the FA version default (sinks force v2), e.g. --fa-version v2")
     p.add_argument("--window-reading", choices=("exclusive", "inclusive"),
-                   help="device reading of pre_tokens for sliding windows (DOMAIN §9.2): 'exclusive' = "
+                   help="device reading of pre_tokens for sliding windows: 'exclusive' = "
                         "pre_tokens counts keys before the query (default), 'inclusive' = counts the query too; "
                         "e.g. --window-reading inclusive")
     p.add_argument("--device-readings", metavar="FILE",

@@ -449,7 +449,15 @@ def _alibi(r: _Reader, model_type: str) -> Sourced[bool]:
 
 
 def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
-    """Per-layer kind and the window, for every spelling of DOMAIN.md §3."""
+    """Per-layer kind and the window, for every spelling configs use, first match wins.
+
+    ``layer_types`` lists ``sliding_attention`` / ``full_attention`` per layer (gpt-oss, Gemma-2/3,
+    newer Qwen3); ``full_attention_interval`` marks the other layers linear attention (Qwen3-Next);
+    Qwen2/Qwen3 ``use_sliding_window`` gates the window (false: all full; true: layers from
+    ``max_window_layers`` on slide); ``sliding_window_pattern`` makes every Nth layer full
+    (Gemma-3); Gemma-2/3 without a pattern use their model's default; a bare ``sliding_window``
+    slides every layer (Mistral v0.1). ``sliding_window: null`` means no window.
+    """
     window_hit = r.get("sliding_window", "sliding_window_size")
     window = None
     if window_hit is not None:

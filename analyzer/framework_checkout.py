@@ -101,10 +101,6 @@ def detect_generation(source: str) -> tuple[str | None, str]:
     return classify_generation(entry, model, class_names(source))
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
 def _tokens(name: str) -> list[str]:
     return [t for t in re.split(r"[^a-z0-9]+", name.lower()) if t]
 
@@ -278,7 +274,8 @@ def _has_generation_loop(node: ast.AST) -> bool:
 
 def runner_is_standalone(source: str) -> tuple[bool, str]:
     """Standalone = a runner class not derived from a framework base (imported from ``executor``)
-    that runs its own generation loop (DOMAIN §1). Either half alone is not conclusive."""
+    that runs its own generation loop (SKILL.md, '开始前:部署模式与必要输入', point 3). Either half alone
+    is not conclusive."""
     try:
         tree = ast.parse(source)
     except SyntaxError:

@@ -210,7 +210,7 @@ class MemoryPlan(_Model):
 
 
 class DeviceDependency(_Model):
-    """An open device behaviour (DOMAIN §9) this design relies on; settled only by an NPU run."""
+    """An open device behaviour (references/device_questions.md) this design relies on; settled only by an NPU run."""
 
     question: Literal["band_at_single_query", "window_pre_tokens", "null_block_contents", "repeated_slots"]
     assumed: str
@@ -296,10 +296,6 @@ class SelectionManifest(_Model):
         """Stable hash of the manifest content (sorted keys), used in rendered-file headers."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
-
-    @property
-    def group_keys(self) -> list[str]:
-        return sorted({layer.group_key for layer in self.layers})
 
 
 class ManifestInvariantError(ValueError):

@@ -1,6 +1,6 @@
 """KV memory plan: one small frozen spec per kind of cache group, the arithmetic on the spec.
 
-Formulas are the framework's (DOMAIN.md §5): offline ``ceil(max_len/bs) * concurrency + 1``
+Formulas are the framework's (references/framework.md, 'block 的数量与 null block'): offline ``ceil(max_len/bs) * concurrency + 1``
 blocks per manager; budget-based: fixed-block groups (SlidingWindow) first, then the rest of
 the budget in tokens for the growing groups; block 0 of every pool is the null block.
 """

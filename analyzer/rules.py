@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from analyzer.config_loader import ModelFacts, yarn_mscale
 from analyzer.manifest import CacheSpec, Finding, MaskPerPath, MtpDecision, ParallelPlan, PerPath
 
-# Page-attention block sizes the FA paged path accepts for Q_S > 1 (DOMAIN §7).
+# Page-attention block sizes the FA paged path accepts for Q_S > 1 (references/fa_operators.md, '传给 FA 的 paged KV').
 VALID_BLOCK_SIZES = (128, 256, 384, 512)
 DEFAULT_BLOCK_SIZE = 128
 FA_MAX_HEAD_DIM = 512
@@ -47,7 +47,7 @@ class Decision:
 
 
 def find_blockers(facts: ModelFacts) -> list[Finding]:
-    """Config facts that make the standard Paged + FA path impossible (DOMAIN §2)."""
+    """Config facts that make the standard Paged + FA path impossible (SKILL.md, '第一层:快速选型')."""
     out: list[Finding] = []
     if facts.attn_logit_softcapping.value is not None:
         out.append(Finding(
@@ -165,7 +165,7 @@ def decide_window_tokens(window: int | None, reading: str = "exclusive") -> tupl
 
 
 def decide_sparse(attn_type: str, is_mla: bool, kv_mode: str) -> tuple[PerPath, MaskPerPath, str]:
-    """sparse_mode and mask per path (DOMAIN §7 path table).
+    """sparse_mode and mask per path (references/fa_operators.md, 'sparse_mode 与 atten_mask').
 
     A sliding layer needs the band (4 + pre_tokens) whatever the KV mode: any other mode lets the
     query see keys outside the window, silently, once the sequence outgrows it.
@@ -289,7 +289,8 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
 
 
 def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer_kind: str = "full") -> list[CacheSpec]:
-    """KV cache entries of one layer (DOMAIN §4); per rank, in the model dtype.
+    """KV cache entries of one layer (references/framework.md, 'cache_entries(每个 attention 层)'); per rank, in the
+    model dtype.
 
     Linear-attention layers keep a fixed-size recurrent state, not a per-token KV cache: no entries.
     """
@@ -330,7 +331,7 @@ def decide_deploy_mode(
     user: str | None,
     self_checks: Sequence[tuple[str, str]] = (),
 ) -> tuple[str, str, list[str], list[tuple[str, str, str]]]:
-    """Priority dispatch > user > self-check > default framework (DOMAIN §1).
+    """Priority dispatch > user > self-check > default framework (SKILL.md, '开始前:部署模式与必要输入').
 
     ``self_checks`` are (value, detail) pairs, strongest first (support_models registration, own
     runner loop, progress.md wording). Returns (value, source, evidence, losers) with every losing
@@ -350,7 +351,8 @@ def decide_deploy_mode(
 
 
 def mla_constraints(facts: ModelFacts) -> list[str]:
-    """What the MLA absorb path requires of the FA call and the fused writer (DOMAIN §7)."""
+    """What the MLA absorb path requires of the FA call and the fused writer (references/fa_operators.md,
+    'MLA absorb 的约束')."""
     mla = facts.mla.value
     if mla is None:
         return []

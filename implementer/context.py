@@ -119,10 +119,6 @@ class KindPlan:
         return self.prefill == self.decode and self.verify is None
 
     @property
-    def is_sliding(self) -> bool:
-        return self.attn_type == "SlidingWindow"
-
-    @property
     def pre_tokens_offset(self) -> int:
         """W - pre_tokens of the band: 1 under the 'exclusive' reading, 0 under 'inclusive'."""
         band = self.prefill if self.prefill.sparse_mode == 4 else self.decode

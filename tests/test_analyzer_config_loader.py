@@ -1,4 +1,5 @@
-"""Config normalization: every spelling of DOMAIN.md §3 and the issue's list, each fact with its source."""
+"""Config normalization: every spelling (analyzer.config_loader._layer_kinds) and the issue's list, each fact
+with its source."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """--framework-root: API generation detection, registration / runner self-check, deploy-mode priority.
 
 The fake checkouts under tests/fixtures/framework_g{0,1,2} carry cache_info.py dataclasses with the
-fields each generation has (DOMAIN.md §5), a support_models.py and models/<x>/runner_<x>.py files.
+fields each generation has (references/framework.md, 'API 代际'), a support_models.py and models/<x>/runner_<x>.py files.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Decisions the analyzer takes on published configs, checked against DOMAIN.md §1-§7.
+"""Decisions the analyzer takes on published configs, checked against SKILL.md and references/*.md.
 
 Every test asserts the decision itself (mode, per-layer types and indices, windows, sparse modes,
 FA version/reason, layout, scale, cache shapes, per-rank heads), not that something printed.

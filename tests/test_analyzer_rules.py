@@ -1,7 +1,7 @@
 """Unit tests for every decision rule (analyzer/rules.py) and the block math (analyzer/memory.py).
 
-Expected numbers are computed by hand in the comments, from DOMAIN.md §4-§7 and the framework's
-cache_utils formulas, never by calling the code under test.
+Expected numbers are computed by hand in the comments, from references/framework.md, references/fa_operators.md
+and the framework's cache_utils formulas, never by calling the code under test.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_LIMIT = 2147483647
 FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
 WRITE_OPS = ("npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache", "scatter_update_")
-# The keyword each version spells for scale / query heads / Q lengths / KV lengths (DOMAIN §7).
+# The keyword each version spells for scale / query heads / Q lengths / KV lengths
+# (references/fa_operators.md, 'v1 与 v2 的参数名').
 VERSION_NAMES = {
     "v1": {"scale", "num_heads", "actual_seq_lengths", "actual_seq_lengths_kv"},
     "v2": {"softmax_scale", "num_query_heads", "actual_seq_qlen", "actual_seq_kvlen"},
@@ -274,7 +275,7 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
     if m.kv_mode.value == "paged":
         q_lens = "actual_seq_qlen" if m.fa.version == "v2" else "actual_seq_lengths"
         kv_lens = "actual_seq_kvlen" if m.fa.version == "v2" else "actual_seq_lengths_kv"
-        # TND: cumulative Q lengths, per-request paged KV lengths (DOMAIN §6).
+        # TND: cumulative Q lengths, per-request paged KV lengths (references/fa_operators.md, '实际长度(actual_seq_lengths*)').
         assert ast.unparse(kw[q_lens]) == "forward_metadata.actual_seq_lengths_cu_q"
         assert ast.unparse(kw[kv_lens]) == "forward_metadata.actual_seq_lengths_kv"
         assert consts["BLOCK_SIZE"] == m.block_size

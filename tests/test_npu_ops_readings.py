@@ -1,4 +1,4 @@
-"""The two open device readings (DOMAIN.md §9) change results exactly as documented."""
+"""The two open device readings (references/device_questions.md) change results exactly as documented."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Independent float64 reference for the fused attention operators, plus input builders.
 
 Written separately from ``validators.npu_ops``: per-request, per-token Python loops over
-dense tensors, the visibility rule spelled out from the op documentation / DOMAIN.md §7.
+dense tensors, the visibility rule spelled out from the op documentation (references/fa_operators.md,
+'sparse_mode 与 atten_mask').
 Other ``test_npu_ops_*`` files import the helpers; the tests at the bottom check the
 reference itself against hand-computed values.
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 
@@ -12,17 +11,10 @@ def main(argv: list[str] | None = None) -> int:
         from validators.lint.cli import main as lint_main
 
         return lint_main(argv[1:])
-    try:
-        # Imported lazily: `validate` pulls in torch and the harness, `lint` must not pay for it.
-        cli = importlib.import_module("validators.cli")
-    except ModuleNotFoundError as exc:
-        if exc.name != "validators.cli":
-            raise
-        sys.stderr.write("python -m validators: only `lint` is available in this checkout "
-                         "(validators.cli, which provides `validate`, is not installed yet)\n"
-                         "usage: python -m validators lint PATH... [--manifest M] [--format text|json]\n")
-        return 2
-    return cli.main(argv) or 0
+    # Imported lazily: `validate` pulls in torch and the harness, `lint` must not pay for it.
+    from validators.cli import main as cli_main
+
+    return cli_main(argv) or 0
 
 
 if __name__ == "__main__":

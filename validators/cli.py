@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="readings file of `kvcache probe`: run the emulator under the measured readings and skip the "
                         "sweep for the questions it settles")
     p.add_argument("--no-sweep", action="store_true",
-                   help="skip re-running under the alternative device readings (DOMAIN §9)")
+                   help="skip re-running under the alternative device readings")
     return p
 
 

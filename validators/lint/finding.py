@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, order=True)
@@ -58,7 +58,3 @@ class LintReport:
 
     def to_json(self) -> str:
         return json.dumps([f.to_dict() for f in self.findings], indent=2, ensure_ascii=False) + "\n"
-
-    def as_dict(self) -> dict:
-        return {"findings": [f.to_dict() for f in self.findings], "errors": [asdict(e) for e in self.errors],
-                "files": list(self.files)}

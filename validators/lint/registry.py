@@ -1,4 +1,4 @@
-"""The linter's rule book: one registry of stable rule IDs (DOMAIN.md §8 and the FA facts of §7).
+"""The linter's rule book: one registry of stable rule IDs (documented in references/errors.md).
 
 Each rule has a fixed ID, a short title, a message template, a fix hint and a severity. The
 message templates take ``str.format`` fields filled by the check that fires. IDs never change

@@ -7,7 +7,7 @@ Public API:
 * :func:`install_emulation` - context manager exposing the emulation as ``torch_npu.<op>``
   and ``torch.ops.npu.<op>`` inside a validation process.
 * :class:`DeviceReadings`, :func:`device_readings`, :func:`active_readings` - the explicit
-  switches for the open device questions (DOMAIN.md section 9).
+  switches for the open device questions (see references/device_questions.md).
 * :mod:`validators.npu_ops.schemas` - the pinned real schemas (``op_schemas.json``).
 * :func:`nz_view` - view a ``[bn, bs, N, D]`` cache allocation in its NZ 5-D form.
 """

@@ -1,6 +1,6 @@
 """Explicit switches for the device behaviours the documentation leaves open.
 
-See DOMAIN.md section 9. Each open question is a field of :class:`DeviceReadings`; the
+See references/device_questions.md. Each open question is a field of :class:`DeviceReadings`; the
 defaults are the readings the documented band rule and the upstream code rely on. The
 validators run the affected cases under every reading and report which ones the rendered
 code survives; only an NPU run can settle which reading the hardware implements.

@@ -33,13 +33,8 @@ SHRUNK_WINDOW = 160
 class TinyPlan:
     hf_model_type: str
     num_layers: int
-    window: int | None  # the window the tiny model (and the rendered code under test) uses
-    real_window: int | None
+    window: int | None  # the manifest's window: the tiny model runs the render as written
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def window_shrunk(self) -> bool:
-        return self.window != self.real_window
 
 
 def _layer_prefix(manifest: SelectionManifest) -> int:
@@ -96,7 +91,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
     notes.append(f"{n} of {m.num_layers} decoder layers (shortest prefix with every layer kind)")
-    return d, TinyPlan(hf_type, n, window, window, notes)
+    return d, TinyPlan(hf_type, n, window, notes)
 
 
 def shrink_windows(manifest: SelectionManifest) -> SelectionManifest | None:

@@ -80,11 +80,12 @@ def test_unsplit_kv_head_count_is_named(tmp_path):
     bad = [c for c in report.failed() if "cache entries match the manifest" in c.name]
     assert {c.name.split(":")[0] for c in bad} == {"rank 0", "rank 1"}
     # the detail names the entry's num_head (8, un-split) against the manifest's per-rank count (4)
-    found = re.search(r"\(attn_type, dim, num_head, dtype, window\) \('\w+', (\d+), (\d+), .*?\) != "
-                      r"\('\w+', (\d+), (\d+), ", bad[0].detail)
+    found = re.search(r"\(([\w, ]+)\) \(([^)]*)\) != \(([^)]*)\)", bad[0].detail)
     assert found, bad[0].detail
-    dim_got, heads_got, dim_want, heads_want = map(int, found.groups())
-    assert (heads_got, heads_want) == (8, 4) and dim_got == dim_want, bad[0].detail
+    names = [n.strip() for n in found.group(1).split(",")]
+    got = dict(zip(names, (v.strip() for v in found.group(2).split(",")), strict=True))
+    want = dict(zip(names, (v.strip() for v in found.group(3).split(",")), strict=True))
+    assert (got["num_head"], want["num_head"]) == ("8", "4") and got["dim"] == want["dim"], bad[0].detail
 
 
 @pytest.mark.slow

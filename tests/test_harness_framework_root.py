@@ -34,7 +34,7 @@ def test_validate_against_the_real_checkout(tmp_path, commit, api, config, flags
                                       sweep_readings=False))
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     notes = " ".join(report.notes)
-    assert f"checkout {root}" in notes
+    assert f"checkout {root.resolve()}" in notes  # the report names the resolved checkout path
     for step in ("validate_cache_info=checkout", "calculate_block_num=checkout", "KVCacheManager=checkout",
                  "prepare_block_tables=checkout", "prepare_slot_mapping=checkout"):
         assert step in notes, notes

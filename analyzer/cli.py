@@ -33,8 +33,9 @@ is an internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the trace
 """
 
 
-def add_analyze_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = True) -> None:
+    """The analyze flags; `kvcache run` reuses them (its config source defaults to the bundled example)."""
+    src = p.add_mutually_exclusive_group(required=source_required)
     src.add_argument("--config", metavar="FILE", help="Hugging Face config.json (e.g. --config Qwen3-8B/config.json)")
     src.add_argument("--model-dir", metavar="DIR", help="model directory holding config.json (e.g. --model-dir /models/Qwen3-8B)")
     p.add_argument("--progress", metavar="FILE",

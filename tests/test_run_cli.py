@@ -159,3 +159,26 @@ def test_run_help_states_the_out_rule(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "holds only an earlier run's output (manifest.json, rendered/, report.json, report.md) is replaced" in text
     assert "refused unless --force" in text and "3 internal error" in text
+
+
+# ---------------------------------------------------------------- one flag surface with analyze
+def _options(parser) -> dict[str, tuple]:
+    return {opt: (action.choices and tuple(action.choices), action.default, action.type)
+            for action in parser._actions for opt in action.option_strings}
+
+
+def test_run_accepts_every_analyze_flag_with_analyzes_definition():
+    from analyzer.cli import build_parser as analyze_parser
+
+    output_only = {"--format", "--out", "--write-progress"}  # analyze's own outputs; run writes --out DIR
+    analyze = {k: v for k, v in _options(analyze_parser()).items() if k not in output_only}
+    run = _options(run_all.build_parser())
+    assert {k: run.get(k) for k in analyze} == analyze
+
+
+def test_run_refuses_a_bad_analyze_flag_before_writing(tmp_path, capsys):
+    # --block-size reaches the analysis through analyze's own request builder
+    assert kvcache_cli.main(["run", "--block-size", "100", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--block-size" in err[0]
+    assert not (tmp_path / "o").exists()

@@ -30,7 +30,9 @@ def shared_path(*parts: str) -> Path:
     """A path inside the shared folder; skips the calling test (with the reason) when absent."""
     root = shared_root()
     if root is None:
-        pytest.skip(f"{ENV} is not set and {ROOT.parent / 'shared'} does not exist")
+        named = os.environ.get(ENV)
+        pytest.skip(f"{ENV}={named} is not a folder" if named
+                    else f"{ENV} is not set and {ROOT.parent / 'shared'} does not exist")
     path = root.joinpath(*parts)
     if not path.exists():
         pytest.skip(f"{path} does not exist")

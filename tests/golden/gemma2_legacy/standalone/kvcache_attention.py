@@ -28,7 +28,7 @@ class KVCacheAttentionMixin:
         self.attn_type = "SlidingWindow" if layer_idx in SLIDING_LAYERS else "FullAttention"
         self.sliding_window = SLIDING_WINDOW if self.attn_type == "SlidingWindow" else None
         self.layer_idx = layer_idx
-        # Read SLIDING_WINDOW at init time, so that a caller may rebind it first (validators shrink it).
+        # pre_tokens from the window: the offset depends on what pre_tokens counts (WINDOW_PRE_TOKENS_OFFSET).
         self.window_pre_tokens = self.sliding_window - WINDOW_PRE_TOKENS_OFFSET if self.sliding_window else None
         self.cache_dtype = cache_dtype
         self.k_cache = torch.Tensor([])

@@ -12,7 +12,7 @@ import yaml
 from analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
 from analyzer.errors import InputError, OneLineArgumentParser, guarded  # noqa: F401 - guarded: re-exported
 from analyzer.manifest import manifest_json_schema
-from analyzer.progress_writer import atomic_write_text, check_writable
+from analyzer.progress_writer import atomic_write_text, check_writable, same_file
 from analyzer.report import SECTION_ID, decisions_markdown
 from analyzer.rules import VALID_BLOCK_SIZES
 
@@ -149,16 +149,9 @@ def write_output(text: str, out: str | None) -> None:
     atomic_write_text(Path(out), text)
 
 
-def _same_file(a: str, b: str) -> bool:
-    pa, pb = Path(a), Path(b)
-    if pa.exists() and pb.exists():
-        return pa.samefile(pb)
-    return pa.resolve() == pb.resolve()
-
-
 def run(args: argparse.Namespace) -> int:
     # Everything that can fail on input runs before the first byte is written.
-    if args.out and args.write_progress and _same_file(args.out, args.write_progress):
+    if args.out and args.write_progress and same_file(args.out, args.write_progress):
         raise InputError(args.out, "--out and --write-progress name the same file", field="--out")
     progress_update = None
     if args.write_progress:

@@ -53,7 +53,7 @@ def _commands():
         return main(argv)
 
     def run(argv):
-        from validators.run_all import main
+        from validators.end_to_end import main
 
         return main(argv)
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT))
 
 from analyzer.build import AnalyzeRequest, analyze  # noqa: E402
 from implementer.render import render_manifest, write_rendered  # noqa: E402
-from validators.scenario import DEFAULT, QUICK  # noqa: E402
-from validators.validate import ValidateRequest, validate  # noqa: E402
+from validators.pipeline.request_stream import DEFAULT, QUICK  # noqa: E402
+from validators.pipeline.validate import ValidateRequest, validate  # noqa: E402
 
 FAMILIES = {
     "qwen3": ("qwen3_8b", {}),

@@ -12,8 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from analyzer.build import AnalyzeRequest, analyze
 from analyzer.errors import InputError
 from analyzer.hf_layout import LayoutError, attention_modules, find_decoder_stack
-from validators.host import attention_route, decoder_layers
-from validators.tiny import TINY_VOCAB, build_tiny_model, fit_token_ids
+from validators.pipeline.host_model import attention_route, decoder_layers
+from validators.pipeline.tiny_model import TINY_VOCAB, build_tiny_model, fit_token_ids
 
 CONFIGS = Path(__file__).resolve().parent / "fixtures" / "configs"
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 128,

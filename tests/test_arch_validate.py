@@ -56,7 +56,7 @@ def test_baichuan_validate_is_one_line_exit_2(tmp_path):
 
 def test_unroutable_attention_is_refused_naming_the_module(tmp_path, monkeypatch):
     """A layout the host does not understand fails in one line naming the module (never a crash)."""
-    import validators.host as host
+    import validators.pipeline.host_model as host
 
     manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", framework_api="G2")
     monkeypatch.setattr(host, "attention_route", lambda module, is_mla: None)

@@ -18,7 +18,7 @@ import kvcache_cli
 from analyzer.build import AnalyzeRequest, analyze
 from analyzer.progress_writer import markers
 from implementer.render import render_manifest, write_rendered
-from validators.report import SECTION_ID as REPORT_SECTION
+from validators.pipeline.report import SECTION_ID as REPORT_SECTION
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_qwen3" / "config.json"
@@ -242,7 +242,7 @@ def test_run_without_transformers_writes_nothing(tmp_path):
 
 
 def test_minimum_transformers_matches_pyproject():
-    from validators.runtime_deps import MIN_TRANSFORMERS
+    from validators.pipeline.runtime_deps import MIN_TRANSFORMERS
 
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]  # the runtime list, not the [test] extra
@@ -252,7 +252,7 @@ def test_minimum_transformers_matches_pyproject():
 def test_too_old_transformers_is_named(monkeypatch):
     import transformers
 
-    from validators import runtime_deps
+    from validators.pipeline import runtime_deps as runtime_deps
 
     monkeypatch.setattr(transformers, "__version__", "4.40.0")
     why = runtime_deps.missing_dependency("transformers", runtime_deps.MIN_TRANSFORMERS)

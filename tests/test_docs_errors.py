@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from validators.lint import RULES, lint_source
-from validators.lint.doc_tables import MODEL_KINDS, kind_manifest
+from validators.docgen.doc_tables import MODEL_KINDS, kind_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "references" / "errors.md"

@@ -166,7 +166,7 @@ def test_lint_case_expects_exactly_what_the_linter_finds():
 
 
 def test_report_case_is_a_real_failing_validation_report():
-    from validators.lint.doc_tables import validation_checks
+    from validators.docgen.doc_tables import validation_checks
     from validators.lint.registry import RULES
 
     case = by_file("gpt_oss_failing_report.json")

@@ -448,7 +448,7 @@ def test_g0_renders_have_model_level_block_size_and_no_mla_flag(config):
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_init_sets_each_layers_kind_window_and_band_from_the_manifest(case_id):
     from validators.harness import install_framework
-    from validators.host import import_rendered
+    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
 
     m = manifest(case_id)

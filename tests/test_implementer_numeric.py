@@ -236,7 +236,7 @@ def default_prompts(manifest) -> tuple[int, ...]:
 def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
     from implementer.render import load_manifest
     from validators.harness import Scheduler, install_framework
-    from validators.host import import_rendered
+    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
 
     manifest = load_manifest(case.dir / golden.MANIFEST_FILE)
@@ -269,7 +269,7 @@ def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
 
 def run_standalone(case, prompts=None) -> list[tuple[str, float]]:
     from implementer.render import load_manifest
-    from validators.host import import_rendered
+    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
 
     manifest = load_manifest(case.dir / golden.MANIFEST_FILE)
@@ -356,7 +356,7 @@ def test_framework_sliding_prefill_of_two_long_prompts_in_one_step():
 def test_legacy_standalone_runner_matches_dense_reference():
     """Mode 1 (contiguous BSH cache, scatter_update_ at the runner's kv_len) with per-kind bands."""
     from implementer.render import load_manifest
-    from validators.host import import_rendered
+    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
 
     case = _case("gemma2_legacy", "standalone")

@@ -20,7 +20,7 @@ from torch import nn
 
 from analyzer.build import AnalyzeRequest, analyze
 from implementer.render import load_manifest
-from validators.report import Report
+from validators.pipeline.report import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "deepseek_v3"
@@ -47,11 +47,11 @@ def _old_render(mode: str, tmp_path: Path) -> Path:
 
 def _spec_stream(rendered: Path) -> Report:
     """Only the speculative-decode stream of `kvcache validate`, on the emulated backend."""
-    from validators import spec_decode
-    from validators.host import HostModel, import_rendered
+    from validators.pipeline import spec_decode as spec_decode
+    from validators.pipeline.host_model import HostModel, import_rendered
     from validators.npu_ops import install_emulation
-    from validators.tiny import build_tiny_model
-    from validators.validate import _TRANSFORMERS_EAGER, ValidateRequest, _framework
+    from validators.pipeline.tiny_model import build_tiny_model
+    from validators.pipeline.validate import _TRANSFORMERS_EAGER, ValidateRequest, _framework
 
     manifest = load_manifest(rendered / "manifest.json")
     for name in _TRANSFORMERS_EAGER:
@@ -71,7 +71,7 @@ def _spec_stream(rendered: Path) -> Report:
                               generation=handle.generation)
             spec_decode.run_framework_stream(report, manifest, host, ref, sched, 0, 512)
         else:
-            from validators.standalone_run import _poison_row
+            from validators.pipeline.standalone_run import _poison_row
 
             runner = type("Runner", (host.rendered.runner_mixin(),), {})()
             runner._init_kvcache(host.attentions, 4, 200, cache_dtype=torch.float32)
@@ -111,7 +111,7 @@ class _Layer(nn.Module):
 def test_get_cache_info_walks_every_layer_container(container):
     """Upstream's MTP model keeps its layers in nn.ModuleDict (keys "61", ...); iterating it yields keys."""
     from validators.harness import install_framework
-    from validators.host import import_rendered
+    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
 
     with install_emulation(), install_framework("G2", None) as handle:

@@ -17,7 +17,7 @@ from validators.probe.device import open_device
 from validators.probe.questions import QUESTIONS
 from validators.probe.readings_file import PROBE_VERSION, load_readings
 from validators.probe.run import probe
-from validators.validate import ValidateRequest, validate
+from validators.pipeline.validate import ValidateRequest, validate
 
 GPT_OSS = str(CONFIGS / "gpt_oss_20b.json")
 _CACHE: dict[DeviceReadings, dict] = {}

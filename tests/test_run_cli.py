@@ -13,7 +13,7 @@ import pytest
 
 import kvcache_cli
 from analyzer.errors import DEBUG_ENV, EXIT_INTERNAL, guarded
-from validators import run_all
+from validators import end_to_end as run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_qwen3" / "config.json"
@@ -34,7 +34,7 @@ def _tree(folder: Path) -> dict[str, bytes | None]:
 
 
 # A bug injected into validation: the run must stop with exit 3 and leave --out as it was.
-CRASH = ("import validators.validate as _v; "
+CRASH = ("import validators.pipeline.validate as _v; "
          "_v.validate = lambda *a, **k: (_ for _ in ()).throw(KeyError('injected bug')); ")
 
 

@@ -11,7 +11,7 @@ from validators_support import CONFIGS, QUICK, check, mutate, run_validate
 
 from analyzer.build import AnalyzeRequest, analyze
 from implementer.render import render_manifest, write_rendered
-from validators.validate import ValidateRequest, validate
+from validators.pipeline.validate import ValidateRequest, validate
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from validators_support import CONFIGS, ROOT, render_case
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from implementer.render import load_manifest
-from validators.report import Report
-from validators.validate import ValidateRequest, resolve_dtype, validate
+from validators.pipeline.report import Report
+from validators.pipeline.validate import ValidateRequest, resolve_dtype, validate
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -110,7 +110,7 @@ def test_dtype_defaults_and_device_limits(qwen3):
 
 def test_cache_info_check_compares_the_window_with_the_manifest(qwen3, tmp_path):
     """framework_run's init check compared the entry's window with itself: now a wrong window fails it."""
-    from validators.framework_run import check_cache_info
+    from validators.pipeline.framework_run import check_cache_info
 
     manifest, _, _ = render_case(tmp_path, "gpt_oss_20b", framework_api="G2")
     m = load_manifest(manifest)

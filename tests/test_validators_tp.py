@@ -10,9 +10,9 @@ from validators_support import ROOT, mutate, render_case
 
 from analyzer.build import AnalyzeRequest, analyze
 from implementer.render import render_manifest, write_rendered
-from validators.scenario import Scenario
-from validators.tp import kv_head_of_rank
-from validators.validate import ValidateRequest, validate
+from validators.pipeline.request_stream import Scenario
+from validators.pipeline.multi_rank import kv_head_of_rank
+from validators.pipeline.validate import ValidateRequest, validate
 
 # A short stream keeps N processes on 2 cores inside CI's time; it still crosses a block.
 TP_SCENARIO = Scenario(first=((140, 4), (40, 3)), late=((60, 2),), max_concurrency=2, release_requests=3)

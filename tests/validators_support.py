@@ -7,8 +7,8 @@ from pathlib import Path
 
 from analyzer.build import AnalyzeRequest, analyze
 from implementer.render import render_manifest, write_rendered
-from validators.scenario import DEFAULT, QUICK, Scenario
-from validators.validate import ValidateRequest, validate
+from validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
+from validators.pipeline.validate import ValidateRequest, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"

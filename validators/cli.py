@@ -1,4 +1,4 @@
-"""`kvcache validate` (and `python -m validators`): thin layer over validators.validate."""
+"""`kvcache validate` (and `python -m validators`): thin layer over validators.pipeline.validate."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
 from analyzer.progress_writer import atomic_write_text, check_writable, plan_section
-from validators.runtime_deps import require_validation_deps
-from validators.validate import ValidateRequest, validate
+from validators.pipeline.runtime_deps import require_validation_deps
+from validators.pipeline.validate import ValidateRequest, validate
 
 EXAMPLES = """examples:
   kvcache validate --manifest manifest.json --rendered rendered/ --config config.json
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             except InputError as exc:
                 raise InputError(target, exc.message, field=f"--{flag.replace('_', '-')}") from None
     if args.write_progress:
-        from validators.report import SECTION_ID
+        from validators.pipeline.report import SECTION_ID
 
         plan_section(args.write_progress, SECTION_ID, "")  # damaged markers are refused now, not after
     require_validation_deps()
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         atomic_write_text(Path(args.markdown), report.to_markdown())
     if args.write_progress:
         from analyzer.progress_writer import write_section
-        from validators.report import SECTION_ID
+        from validators.pipeline.report import SECTION_ID
 
         write_section(args.write_progress, SECTION_ID, report.to_markdown())
     print(report.to_markdown())

@@ -17,8 +17,8 @@ Other doc-vs-code checks that compare hand-written prose tables with the code (m
 against the JSON Schema, validation check names against the validators, rule IDs against the
 registry) are here too, so a test can run them on an edited copy of the docs.
 
-    python -m validators.lint.doc_tables --check     # exit 1 and list drift
-    python -m validators.lint.doc_tables --write     # regenerate the blocks in place
+    python -m validators.docgen.doc_tables --check     # exit 1 and list drift
+    python -m validators.docgen.doc_tables --write     # regenerate the blocks in place
 """
 
 from __future__ import annotations
@@ -453,13 +453,13 @@ def _template(node: ast.AST) -> str | None:
 
 
 def validation_checks(validators_dir: Path | None = None) -> set[tuple[str, str]]:
-    """(link, name template) of every ``report.add(name, link, ...)`` in validators/*.py.
+    """(link, name template) of every ``report.add(name, link, ...)`` under validators/.
 
     Names built with f-strings show each formatted value as ``<N>``.
     """
     validators_dir = validators_dir or ROOT / "validators"
     out = set()
-    for path in sorted(validators_dir.glob("*.py")):
+    for path in sorted(validators_dir.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add"
@@ -529,7 +529,7 @@ def check_all(root: Path = ROOT) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m validators.lint.doc_tables",
+    p = argparse.ArgumentParser(prog="python -m validators.docgen.doc_tables",
                                 description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
     p.add_argument("--check", action="store_true", help="only check (the default; exit 1 on drift)")
     p.add_argument("--write", action="store_true", help="rewrite the generated blocks in place, then check")

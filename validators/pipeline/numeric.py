@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.host import reference_layer_outputs, reference_logits
-from validators.report import Report
+from validators.pipeline.host_model import reference_layer_outputs, reference_logits
+from validators.pipeline.report import Report
 
 # Logit tolerance per compute dtype of the model under test (the reference runs in float64 for
 # float64, else float32). float64 is the CPU default: honest code then differs by rounding only

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.host import HostModel
-from validators.numeric import NumericTracker
-from validators.report import Report
-from validators.scenario import Scenario
+from validators.pipeline.host_model import HostModel
+from validators.pipeline.numeric import NumericTracker
+from validators.pipeline.report import Report
+from validators.pipeline.request_stream import Scenario
 
 
 def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers: int, api: str,
@@ -122,7 +122,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     report.add("all blocks back in the pool after the stream", "release",
                all(u["used"] == 0 for u in end_usage.values()), usage=end_usage)
     if manifest.mtp is not None:
-        from validators.spec_decode import run_framework_stream
+        from validators.pipeline.spec_decode import run_framework_stream
 
         run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab)
     # Many sequential requests: the pool and the allocated tensors end where they started.

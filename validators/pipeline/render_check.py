@@ -15,7 +15,7 @@ import types
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.report import Report
+from validators.pipeline.report import Report
 
 
 def expected_constants(manifest: SelectionManifest) -> dict[str, object]:

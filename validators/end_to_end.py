@@ -16,7 +16,7 @@ from analyzer.cli import add_analyze_arguments, print_warnings, request_from_arg
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
 from analyzer.progress_writer import atomic_write_text, check_out_dir
 from implementer.render import render_manifest, write_rendered
-from validators.runtime_deps import require_validation_deps
+from validators.pipeline.runtime_deps import require_validation_deps
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_qwen3" / "config.json"
 EXAMPLES = """examples:
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                          field="--out")
     check_out_dir(out)
     require_validation_deps()
-    from validators.validate import ValidateRequest, resolve_backend, validate
+    from validators.pipeline.validate import ValidateRequest, resolve_backend, validate
 
     resolve_backend(args.backend)
     request = request_from_args(args)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from validators.report import Check, Report
+from validators.pipeline.report import Check, Report
 
 COLLECTIVE_TIMEOUT_S = 120
 RANK_TIMEOUT_S = 900
@@ -59,7 +59,7 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         return output
 
     from analyzer.hf_layout import find_attentions
-    from validators.host import decoder_layers
+    from validators.pipeline.host_model import decoder_layers
 
     for layer in decoder_layers(model)[1]:
         attn = find_attentions(layer)[0][1]
@@ -94,7 +94,7 @@ def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dic
     """One rank: join the group (bounded timeout), validate with sharded attention, write a report."""
     import torch.distributed as dist
 
-    from validators.validate import ValidateRequest, validate
+    from validators.pipeline.validate import ValidateRequest, validate
 
     torch.set_num_threads(1)
     result = Path(out_dir) / f"rank{rank}.json"

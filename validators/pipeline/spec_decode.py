@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.host import reference_logits
-from validators.report import Report
+from validators.pipeline.host_model import reference_logits
+from validators.pipeline.report import Report
 
 NEXT_N = 1
 # (prompt length, verify steps): one prompt past a 128-token block, one short.

@@ -16,11 +16,11 @@ from analyzer.config_loader import read_config_file
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from implementer.render import load_manifest, render_manifest, write_rendered
-from validators.numeric import TOLERANCE, float64_upcasts
-from validators.provenance import RENDERED_FILES, check_inputs_belong
-from validators.report import Report
-from validators.scenario import DEFAULT, QUICK, Scenario
-from validators.tiny import require_transformers_type
+from validators.pipeline.numeric import TOLERANCE, float64_upcasts
+from validators.pipeline.provenance import RENDERED_FILES, check_inputs_belong
+from validators.pipeline.report import Report
+from validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
+from validators.pipeline.tiny_model import require_transformers_type
 
 # transformers imports these lazily; import them before torch_npu is emulated, because
 # transformers probes for torch_npu and the emulation module has no import spec.
@@ -73,7 +73,7 @@ def resolve_dtype(requested: str | None, backend: str, manifest: SelectionManife
 
 
 def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
-    """Validate on one rank; a manifest with attention TP > 1 launches that many ranks (validators.tp)."""
+    """Validate on one rank; a manifest with attention TP > 1 launches that many ranks (validators.pipeline.multi_rank)."""
     measured = None
     if req.device_readings:
         from validators.probe.readings_file import load_readings
@@ -97,7 +97,7 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
         if backend != "emulated":
             raise InputError("--backend", "multi-rank validation runs on the emulated backend (gloo) here; "
                                           "on NPU clusters launch one process per card with hccl")
-        from validators.tp import validate_multi_rank
+        from validators.pipeline.multi_rank import validate_multi_rank
 
         return validate_multi_rank(replace(req, sweep_readings=False), tp, manifest, progress)
     say = progress or (lambda msg: None)
@@ -134,9 +134,9 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
 def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,
                              backend: str) -> None:
     """Init link on the user's render itself: its constants, and init_kv_cache of every real layer."""
-    from validators.host import import_rendered
+    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
-    from validators.render_check import check_constants, check_every_layer
+    from validators.pipeline.render_check import check_constants, check_every_layer
 
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
     with ops, _framework(manifest, req, backend):
@@ -152,7 +152,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
     manifest with a short window (tiny.shrink_windows) crosses it, and the user's render runs too,
     at its real window, unless it is byte for byte the implementer's render of the manifest.
     """
-    from validators.tiny import shrink_windows
+    from validators.pipeline.tiny_model import shrink_windows
 
     tiny = shrink_windows(manifest)
     if tiny is None:
@@ -192,7 +192,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
                   real_config: dict, backend: str, say, rank: int, world: int, sweep: bool,
                   base=None, settled: dict | None = None) -> None:
     from validators.npu_ops import DeviceReadings
-    from validators.tiny import build_tiny_model
+    from validators.pipeline.tiny_model import build_tiny_model
 
     say("building the tiny transformers model" + (f" ({label.strip(': ')})" if label else ""))
     pristine, plan = build_tiny_model(real_config, manifest, seed=req.seed)
@@ -246,13 +246,13 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
-    from validators.host import HostModel, import_rendered
+    from validators.pipeline.host_model import HostModel, import_rendered
     from validators.npu_ops import device_readings, install_emulation
 
     model = copy.deepcopy(pristine)
     ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP
     if world > 1:
-        from validators.tp import shard_attention
+        from validators.pipeline.multi_rank import shard_attention
 
         shard_attention(model, manifest, rank, world)
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
@@ -271,12 +271,12 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
         host.atol = TOLERANCE[req.dtype]
         try:
             if manifest.kv_mode.value == "legacy":
-                from validators.legacy_run import run_legacy
+                from validators.pipeline.legacy_run import run_legacy
 
                 run_legacy(report, manifest, host, ref, req.seed, cache_dtype,
                            framework=manifest.deploy_mode.value == "framework")
             elif manifest.deploy_mode.value == "framework":
-                from validators.framework_run import run_framework
+                from validators.pipeline.framework_run import run_framework
 
                 if handle.real:
                     report.notes.append(f"checkout {handle.root} (detected {handle.generation}); modules from the "
@@ -285,7 +285,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
                 run_framework(report, manifest, host, ref, handle.api(), handle.generation, scenario, req.seed,
                               cache_dtype)
             else:
-                from validators.standalone_run import run_standalone
+                from validators.pipeline.standalone_run import run_standalone
 
                 run_standalone(report, manifest, host, ref, scenario, req.seed, cache_dtype)
         except Exception as exc:  # the rendered code or an operator rejected a call: a finding, not a crash

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.numeric import NumericTracker
-from validators.report import Report
-from validators.scenario import Scenario
+from validators.pipeline.numeric import NumericTracker
+from validators.pipeline.report import Report
+from validators.pipeline.request_stream import Scenario
 
 CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
 
@@ -136,7 +136,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
     tracker.check_numeric(report, sequences)
     if manifest.mtp is not None:
-        from validators.spec_decode import run_standalone_stream
+        from validators.pipeline.spec_decode import run_standalone_stream
 
         run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row)
 

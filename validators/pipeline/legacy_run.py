@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from analyzer.manifest import SelectionManifest
-from validators.numeric import NumericTracker
-from validators.report import Report
-from validators.standalone_run import SimpleStep
+from validators.pipeline.numeric import NumericTracker
+from validators.pipeline.report import Report
+from validators.pipeline.standalone_run import SimpleStep
 
 ROWS = 3
 PROMPT = 150

@@ -1,0 +1,1 @@
+"""Generators of the tables in ``references/`` (``python -m validators.docgen.doc_tables``)."""

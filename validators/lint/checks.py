@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from validators.lint import ops
 from validators.lint.hidden_layout import HiddenLayout
-from validators.lint.kwargs_dicts import expand_star_kwargs
+from validators.lint.kwargs_dicts import call_keywords, expand_star_kwargs
 from validators.lint.masks import ALLOWED_COMPRESSED_SHAPES, MaskFacts
 from validators.lint.registry import RULES
 from validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
@@ -34,7 +34,7 @@ _INPLACE_METHODS = {"add_", "sub_", "copy_", "fill_", "zero_", "mul_", "index_ad
 
 
 @dataclass(frozen=True)
-class Scenario:
+class FaCallCase:
     """One way an FA call runs: context plus the resolved sparse_mode / mask values."""
 
     ctx: Ctx
@@ -48,11 +48,6 @@ class Scenario:
     @property
     def no_mask(self) -> bool:
         return self.mask is MISSING or is_none(self.mask)
-
-
-def _kwargs(call: ast.Call) -> tuple[dict[str, ast.keyword], bool]:
-    named = {kw.arg: kw for kw in call.keywords if kw.arg is not None}
-    return named, any(kw.arg is None for kw in call.keywords)
 
 
 def strip_methods(node: ast.AST) -> ast.AST:
@@ -157,10 +152,6 @@ class FileChecker:
                 self._call(node)
             elif isinstance(node, (ast.AugAssign, ast.Assign)):
                 self._kv_len_assign(node)
-        if self.manifest is not None:
-            from validators.lint.manifest_checks import ManifestChecks
-
-            ManifestChecks(self).run()
         return self.raw
 
     def _call(self, call: ast.Call) -> None:
@@ -188,12 +179,12 @@ class FileChecker:
     # ------------------------------------------------------------ argument variants
 
     def arg_variants(self, call: ast.Call, name: str, ctx: Ctx, star: bool) -> list[Variant]:
-        named, _ = _kwargs(call)
+        named, _ = call_keywords(call)
         if name in named:
             return self.resolver.variants(named[name].value, call, ctx)
         return [Variant(ctx, OPAQUE if star else MISSING, True, call)]
 
-    def scenarios(self, call: ast.Call, ctx: Ctx, star: bool) -> list[Scenario]:
+    def call_cases(self, call: ast.Call, ctx: Ctx, star: bool) -> list[FaCallCase]:
         out = []
         for sv in self.arg_variants(call, "sparse_mode", ctx, star):
             sparse = 0 if sv.node is MISSING else as_int(sv.node)  # both ops default to 0
@@ -202,7 +193,7 @@ class FileChecker:
             for mv in self.arg_variants(call, "atten_mask", sv.ctx, star):
                 if sv.via is not None and mv.via is not None and sv.via is not mv.via:
                     continue  # values from two different helper calls never meet
-                out.append(Scenario(mv.ctx, sparse, sv.origin, mv.node, mv.origin, mv.at,
+                out.append(FaCallCase(mv.ctx, sparse, sv.origin, mv.node, mv.origin, mv.at,
                                     sv.certain and mv.certain))
         return out
 
@@ -230,7 +221,7 @@ class FileChecker:
     # ------------------------------------------------------------ FA calls
 
     def fa_call(self, call: ast.Call, op: str) -> None:
-        named, star = _kwargs(call)
+        named, star = call_keywords(call)
         wrong = ops.V1_ONLY if op == ops.FA_V2 else ops.V2_ONLY
         wrong_id = "KV101" if op == ops.FA_V2 else "KV102"
         accepted = ops.accepted_keywords(op)
@@ -243,7 +234,7 @@ class FileChecker:
 
         ctx = self.info.ctx_of(call)
         is_absorb = self.mla_kind(call, named) == "absorb"
-        for sc in self.scenarios(call, ctx, star):
+        for sc in self.call_cases(call, ctx, star):
             # report where the value is written (it may be set lines above the call)
             anchor_sparse = sc.sparse_origin or call
             anchor_mask = sc.mask_origin or call
@@ -299,7 +290,7 @@ class FileChecker:
     # ------------------------------------------------------------ writers
 
     def writer_call(self, call: ast.Call, op: str) -> None:
-        named, star = _kwargs(call)
+        named, star = call_keywords(call)
         accepted = ops.accepted_keywords(op)
         if accepted is not None:
             for kw_name, kw in named.items():
@@ -453,7 +444,7 @@ class FileChecker:
     # ------------------------------------------------------------ cache entries
 
     def cache_entry(self, call: ast.Call) -> None:
-        named, _ = _kwargs(call)
+        named, _ = call_keywords(call)
         node = named["num_head"].value if "num_head" in named else (call.args[3] if len(call.args) > 3 else None)
         if node is None:
             return

@@ -74,6 +74,10 @@ def lint_source(source: str, path: str = "<string>", manifest=None, select=None,
 def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set[str]) -> list[Finding]:
     checker = FileChecker(tree, path, manifest)
     raw = checker.run()
+    if manifest is not None:  # the manifest rules revisit the calls the code-only pass collected
+        from validators.lint.manifest_checks import ManifestChecks  # lazily: it imports the analyzer
+
+        ManifestChecks(checker).run()
     quiet = suppressions(source)
     findings = []
     for rule_id, node, fields in raw:

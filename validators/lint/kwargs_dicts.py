@@ -47,6 +47,12 @@ def _keys(info: ModuleInfo, name: ast.Name, call: ast.Call) -> dict[str, ast.AST
     return keys
 
 
+def call_keywords(call: ast.Call) -> tuple[dict[str, ast.keyword], bool]:
+    """(keyword name -> keyword, whether a ``**`` the linter could not open remains)."""
+    named = {kw.arg: kw for kw in call.keywords if kw.arg is not None}
+    return named, any(kw.arg is None for kw in call.keywords)
+
+
 def expand_star_kwargs(info: ModuleInfo, call: ast.Call) -> None:
     """Replace each ``**name`` of ``call`` whose keys are all visible by ``key=name["key"]`` keywords."""
     if not any(kw.arg is None for kw in call.keywords):

@@ -7,7 +7,7 @@ import re
 
 from analyzer.config_loader import yarn_mscale
 from validators.lint import ops
-from validators.lint.checks import _kwargs
+from validators.lint.kwargs_dicts import call_keywords
 from validators.lint.scope import DECODE, PREFILL, Ctx, _ident_text, is_self_attr
 from validators.lint.values import MAX_DEPTH, as_int, as_str
 
@@ -44,7 +44,7 @@ class ManifestChecks:
 
     def fa_call(self, call: ast.Call, op: str) -> None:
         m = self.m
-        named, star = _kwargs(call)
+        named, star = call_keywords(call)
         expected_op = ops.FA_V1 if m.fa.version == "v1" else ops.FA_V2
         if op != expected_op:
             self.c.emit("KV803", call, op=op, expected=m.fa.version, fix=f"torch_npu.{expected_op}")
@@ -132,7 +132,7 @@ class ManifestChecks:
         sliding_layers = [layer for layer in m.layers if layer.attn_type == "SlidingWindow"]
         already = bool(self.c.fa_fired.get(id(call)))
         mtp = self.info.in_mtp_branch(call)
-        for sc in self.c.scenarios(call, ctx, star):
+        for sc in self.c.call_cases(call, ctx, star):
             if not sc.certain:
                 continue
             layers = m.layers
@@ -160,7 +160,7 @@ class ManifestChecks:
         m = self.m
         if m.mtp is None or m.kv_mode.value != "paged" or self.info.in_mtp_branch(call):
             return
-        decode = [sc for sc in self.c.scenarios(call, ctx, star)
+        decode = [sc for sc in self.c.call_cases(call, ctx, star)
                   if sc.ctx.phase == DECODE and sc.ctx.sliding is not True and sc.sparse is not None]
         if any(sc.sparse == m.mtp.decode_sparse_mode for sc in decode):
             return
@@ -210,7 +210,7 @@ class ManifestChecks:
     # ------------------------------------------------------------ cache declarations
 
     def block_size_value(self, call: ast.Call) -> None:
-        named, _ = _kwargs(call)
+        named, _ = call_keywords(call)
         if "block_size" not in named:
             return
         node = named["block_size"].value
@@ -222,7 +222,7 @@ class ManifestChecks:
                 return
 
     def entry_generation(self, call: ast.Call, gen: str) -> None:
-        named, star = _kwargs(call)
+        named, star = call_keywords(call)
         has = "block_size" in named or len(call.args) > 6
         if gen in ("G0", "G1") and "block_size" in named:
             self.c.emit("KV808", named["block_size"], gen=gen,
@@ -237,7 +237,7 @@ class ManifestChecks:
                         fix="pass block_size=self.block_size on every paged CacheEntry")
 
     def cache_info_generation(self, call: ast.Call, gen: str) -> None:
-        named, star = _kwargs(call)
+        named, star = call_keywords(call)
         m = self.m
         if gen in ("G0", "G1") and "block_size" not in named and len(call.args) < 2 and not star:
             self.c.emit("KV808", call, gen=gen,
@@ -274,7 +274,7 @@ class ManifestChecks:
                     if is_self_attr(target) and target.attr == "attn_type":
                         sites.append((node.value, _const(node.value)))
         for call in self.c.entry_calls:
-            named, _ = _kwargs(call)
+            named, _ = call_keywords(call)
             value = named["attn_type"].value if "attn_type" in named else (call.args[1] if len(call.args) > 1 else None)
             if value is None or (is_self_attr(value) and value.attr == "attn_type"):
                 continue

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from validators.harness import FrameworkImportError, Scheduler, get_generation, install_framework
+from validators.harness import FrameworkAPI, FrameworkImportError, Scheduler, get_generation, install_framework
 
 
 def _executor_modules():
@@ -198,7 +198,7 @@ def test_real_checkout_with_fallback(fake_checkout):
         entries = [CacheEntry("k_cache", "FullAttention", 4, 1, torch.float32, True,
                               lambda t: setattr(layer, "k", t))]
         info = ModelCacheInfo(1, 4, [LayerCacheInfo(0, entries)])
-        sched = Scheduler(info, max_model_len=16, max_concurrency=1, api=handle.api())
+        sched = Scheduler(info, max_model_len=16, max_concurrency=1, api=FrameworkAPI.from_handle(handle))
         sched.add_request([1, 2, 3, 4, 5])
         step = sched.next_step()
         # The checkout's own ForwardMetaData class (fields it lacks are simply not set).

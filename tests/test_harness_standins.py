@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.shared_dirs import upstream_head, upstream_history
-from validators.harness import Scheduler, install_framework
+from validators.harness import FrameworkAPI, Scheduler, install_framework
 from validators.npu_ops import install_emulation
 from validators.standins import NotStoodInError, device_standins, standins_active
 
@@ -83,7 +83,7 @@ def test_scheduler_drives_each_real_checkout(commit, generation):
         layers = [module.LayerCacheInfo(0, entries)]
         info = (module.ModelCacheInfo(1, layers) if generation in ("G2", "G3")
                 else module.ModelCacheInfo(1, 4, layers))
-        sched = Scheduler(info, max_model_len=24, max_concurrency=3, api=fw.api())
+        sched = Scheduler(info, max_model_len=24, max_concurrency=3, api=FrameworkAPI.from_handle(fw))
         # The checkout did every step it has; G2+ allocation needs the serving stack, so the harness did it.
         assert {k: v for k, v in sched.provenance.items() if k != "allocate_cache_tensors"} == {
             "validate_cache_info": "checkout", "calculate_block_num": "checkout", "KVCacheManager": "checkout",

@@ -235,7 +235,7 @@ def default_prompts(manifest) -> tuple[int, ...]:
 
 def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
     from implementer.render import load_manifest
-    from validators.harness import Scheduler, install_framework
+    from validators.harness import FrameworkAPI, Scheduler, install_framework
     from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
 
@@ -251,7 +251,7 @@ def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
             layers=[types.SimpleNamespace(self_attn=layer.attn) for layer in layers]))
         info = code.model_mixin().get_cache_info(host)
         assert len(info.layer_infos) == len(layers)
-        sched = Scheduler(info, max_model_len=MAX_LEN, max_concurrency=len(prompts), api=handle.api(),
+        sched = Scheduler(info, max_model_len=MAX_LEN, max_concurrency=len(prompts), api=FrameworkAPI.from_handle(handle),
                           generation=generation)
         for n in prompts:
             sched.add_request(list(range(n)), max_new_tokens=DECODE_STEPS + 1)

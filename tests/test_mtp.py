@@ -65,9 +65,9 @@ def _spec_stream(rendered: Path) -> Report:
         host = HostModel(model, import_rendered(rendered), is_mla=True, window=plan.window,
                          block_size=manifest.block_size)
         if handle is not None:
-            from validators.harness import Scheduler
+            from validators.harness import FrameworkAPI, Scheduler
 
-            sched = Scheduler(host.get_cache_info(), max_model_len=200, max_concurrency=4, api=handle.api(),
+            sched = Scheduler(host.get_cache_info(), max_model_len=200, max_concurrency=4, api=FrameworkAPI.from_handle(handle),
                               generation=handle.generation)
             spec_decode.run_framework_stream(report, manifest, host, ref, sched, 0, 512)
         else:

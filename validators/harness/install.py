@@ -172,12 +172,6 @@ class FrameworkHandle:
     def common_utils(self) -> types.ModuleType:
         return self.modules["executor.utils.common_utils"]
 
-    def api(self):
-        """A ``FrameworkAPI`` over these modules (for the harness scheduler)."""
-        from .api import FrameworkAPI
-
-        return FrameworkAPI.from_handle(self)
-
 
 def _is_executor_module(name: str) -> bool:
     return name == "executor" or name.startswith("executor.")

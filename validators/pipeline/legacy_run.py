@@ -11,7 +11,7 @@ import torch
 from analyzer.manifest import SelectionManifest
 from validators.pipeline.numeric import NumericTracker
 from validators.pipeline.report import Report
-from validators.pipeline.standalone_run import SimpleStep
+from validators.pipeline.request_stream import SimpleStep
 
 ROWS = 3
 PROMPT = 150

@@ -1,10 +1,13 @@
-"""Attention tensor parallelism: N ranks over torch.distributed, each with its share of heads.
+"""Attention tensor parallelism: the validation pipeline run on N ranks over torch.distributed.
 
-Every rank builds the same tiny model (same seed), keeps its query heads (column split of Q, and
-of K/V when there are at least as many KV heads as ranks, else the replicated KV head it maps
-to; MLA: its query heads, the whole latent), row-splits O with an all-reduce, and runs the
-rendered code with its own cache and block tables over the same request stream. Each rank
-compares its (all-reduced) logits with the single-rank transformers reference.
+A way of running the pipeline, not a caller of it: ``run_ranks`` launches N gloo processes, each
+running the per-rank step it is handed (``validate.run_pipeline``), and merges their reports.
+In each rank the step calls ``shard_attention``: every rank builds the same tiny model (same
+seed), keeps its query heads (column split of Q, and of K/V when there are at least as many KV
+heads as ranks, else the replicated KV head it maps to; MLA: its query heads, the whole latent),
+row-splits O with an all-reduce, and runs the rendered code with its own cache and block tables
+over the same request stream. Each rank compares its (all-reduced) logits with the single-rank
+transformers reference.
 """
 
 from __future__ import annotations
@@ -90,22 +93,18 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         o.register_forward_hook(all_reduce)
 
 
-def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dict) -> None:
-    """One rank: join the group (bounded timeout), validate with sharded attention, write a report."""
+def _rank_main(step, payload, rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One rank: join the group (bounded timeout), run ``step`` on this rank, write its report."""
     import torch.distributed as dist
-
-    from validators.pipeline.validate import ValidateRequest, validate
 
     torch.set_num_threads(1)
     result = Path(out_dir) / f"rank{rank}.json"
     if os.environ.get(HANG_RANK_ENV) == str(rank):
         time.sleep(10**6)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp,
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=_timeouts()[0]))
-        req = ValidateRequest(**req_fields)
-        report = validate(req, rank=rank, world=tp)
-        data = report.to_dict()
+        data = step(payload, rank=rank, world=world).to_dict()
     except Exception as exc:  # reported with the rank id by the parent
         data = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}
     finally:
@@ -117,15 +116,18 @@ def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dic
     result.write_text(json.dumps(data), encoding="utf-8")
 
 
-def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
-    """Launch ``tp`` ranks, gather their reports into one (checks prefixed with the rank id)."""
+def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
+    """Run ``step(payload, rank=r, world=tp) -> Report`` in ``tp`` gloo processes; merge their reports.
+
+    ``step`` is the pipeline's per-rank run (a module-level function: it crosses the process
+    boundary by name) and ``payload`` its picklable inputs; the merged checks carry the rank id.
+    """
     say = progress or (lambda msg: None)
     started = time.perf_counter()
-    fields = {k: getattr(req, k) for k in req.__dataclass_fields__}
     with tempfile.TemporaryDirectory(prefix="kvcache-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, tp, init_file, tmp, fields), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(step, payload, r, tp, init_file, tmp), daemon=True)
                  for r in range(tp)]
         say(f"launching {tp} ranks (gloo)")
         for p in procs:

@@ -39,3 +39,25 @@ class Scenario:
 
 DEFAULT = Scenario()
 QUICK = Scenario(first=((150, 9), (40, 3), (300, 9)), late=((60, 4),), max_concurrency=3, release_requests=10)
+
+
+@dataclass
+class SimpleStep:
+    """One forward step of a stream the pipeline drives itself (standalone and Legacy runs)."""
+
+    index: int
+    is_prefill: bool
+    request_ids: list[int]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    q_lens: list[int]
+
+    def token_slices(self) -> dict[int, slice]:
+        out, start = {}, 0
+        for rid, n in zip(self.request_ids, self.q_lens, strict=True):
+            out[rid] = slice(start, start + n)
+            start += n
+        return out
+
+    def last_token_rows(self) -> torch.Tensor:
+        return torch.cumsum(torch.tensor(self.q_lens), 0) - 1

@@ -2,36 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from analyzer.manifest import SelectionManifest
 from validators.pipeline.numeric import NumericTracker
 from validators.pipeline.report import Report
-from validators.pipeline.request_stream import Scenario
+from validators.pipeline.request_stream import Scenario, SimpleStep
 
 CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
-
-
-@dataclass
-class SimpleStep:
-    index: int
-    is_prefill: bool
-    request_ids: list[int]
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    q_lens: list[int]
-
-    def token_slices(self) -> dict[int, slice]:
-        out, start = {}, 0
-        for rid, n in zip(self.request_ids, self.q_lens, strict=True):
-            out[rid] = slice(start, start + n)
-            start += n
-        return out
-
-    def last_token_rows(self) -> torch.Tensor:
-        return torch.cumsum(torch.tensor(self.q_lens), 0) - 1
 
 
 def _caches(host) -> list[torch.Tensor]:

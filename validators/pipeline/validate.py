@@ -17,10 +17,11 @@ from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from implementer.render import load_manifest, render_manifest, write_rendered
 from validators.pipeline.numeric import TOLERANCE, float64_upcasts
-from validators.pipeline.provenance import RENDERED_FILES, check_inputs_belong
+from validators.pipeline.provenance import RENDERED_FILES, RenderHeader, check_inputs_belong
 from validators.pipeline.report import Report
 from validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
 from validators.pipeline.tiny_model import require_transformers_type
+from validators.probe.readings_file import ReadingsFile
 
 # transformers imports these lazily; import them before torch_npu is emulated, because
 # transformers probes for torch_npu and the emulation module has no import spec.
@@ -72,8 +73,42 @@ def resolve_dtype(requested: str | None, backend: str, manifest: SelectionManife
     return requested
 
 
-def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
-    """Validate on one rank; a manifest with attention TP > 1 launches that many ranks (validators.pipeline.multi_rank)."""
+@dataclass(frozen=True)
+class ValidationInputs:
+    """The inputs stage's result: files read and checked to belong together, backend and dtype resolved.
+
+    Plain data (picklable): the multi-rank runner hands it to every rank's process as it is.
+    """
+
+    req: ValidateRequest  # with the resolved dtype
+    manifest: SelectionManifest
+    real_config: dict
+    header: RenderHeader | None
+    backend: str
+    measured: ReadingsFile | None = None  # readings measured by `kvcache probe` (--device-readings)
+
+    @property
+    def ranks(self) -> int:
+        return self.manifest.parallel.attn_tp_size
+
+
+def validate(req: ValidateRequest, progress=None) -> Report:
+    """The validation pipeline: inputs -> tiny model -> host with its backend -> request stream -> checks -> report.
+
+    The inputs are read once here; the rest (``run_pipeline``) runs on one rank, or, for a manifest
+    with attention TP > 1, on that many gloo ranks (``multi_rank.run_ranks``) whose reports merge.
+    """
+    inputs = load_inputs(req)
+    if inputs.ranks == 1:
+        return run_pipeline(inputs, progress)
+    from validators.pipeline.multi_rank import run_ranks
+
+    single_run = replace(inputs, req=replace(inputs.req, sweep_readings=False))
+    return run_ranks(run_pipeline, single_run, inputs.ranks, inputs.manifest, progress)
+
+
+def load_inputs(req: ValidateRequest) -> ValidationInputs:
+    """Read the manifest, config, render and readings; refuse (InputError) what does not belong together."""
     measured = None
     if req.device_readings:
         from validators.probe.readings_file import load_readings
@@ -92,14 +127,15 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
                                            "(re-analyze with --attn-tp-size and re-render)")
     backend = resolve_backend(req.backend)
     dtype = resolve_dtype(req.dtype, backend, manifest)
-    req = replace(req, dtype=dtype)
-    if tp > 1 and world == 1:
-        if backend != "emulated":
-            raise InputError("--backend", "multi-rank validation runs on the emulated backend (gloo) here; "
-                                          "on NPU clusters launch one process per card with hccl")
-        from validators.pipeline.multi_rank import validate_multi_rank
+    if tp > 1 and backend != "emulated":
+        raise InputError("--backend", "multi-rank validation runs on the emulated backend (gloo) here; "
+                                      "on NPU clusters launch one process per card with hccl")
+    return ValidationInputs(replace(req, dtype=dtype), manifest, real_config, header, backend, measured)
 
-        return validate_multi_rank(replace(req, sweep_readings=False), tp, manifest, progress)
+
+def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: int = 1) -> Report:
+    """Everything after the inputs, on one rank (``world`` > 1: this rank's share of the attention heads)."""
+    req, manifest, backend, measured = inputs.req, inputs.manifest, inputs.backend, inputs.measured
     say = progress or (lambda msg: None)
     started = time.perf_counter()
 
@@ -109,7 +145,7 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
         importlib.import_module(name)
 
     report = Report(backend=backend, deploy_mode=manifest.deploy_mode.value, model_type=manifest.model.model_type,
-                    manifest_hash=manifest.content_hash(), dtype=dtype, tolerance=TOLERANCE[dtype])
+                    manifest_hash=manifest.content_hash(), dtype=req.dtype, tolerance=TOLERANCE[req.dtype])
     from validators.npu_ops import DeviceReadings
 
     base = measured.as_device_readings() if measured else DeviceReadings()
@@ -122,9 +158,9 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
     report.readings = dataclasses.asdict(base)
     _check_render_as_written(report, manifest, req, backend)
     with tempfile.TemporaryDirectory(prefix="kvcache-validate-") as tmp:
-        runs = _plan_runs(report, manifest, req, header, Path(tmp))
+        runs = _plan_runs(report, manifest, req, inputs.header, Path(tmp))
         for label, run_manifest, rendered, scenario in runs:
-            _validate_run(report, label, run_manifest, rendered, replace(req, scenario=scenario), real_config,
+            _validate_run(report, label, run_manifest, rendered, replace(req, scenario=scenario), inputs.real_config,
                           backend, say, rank, world, sweep=req.sweep_readings and not label, base=base,
                           settled=settled)
     report.seconds = time.perf_counter() - started
@@ -134,8 +170,8 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
 def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,
                              backend: str) -> None:
     """Init link on the user's render itself: its constants, and init_kv_cache of every real layer."""
-    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
+    from validators.pipeline.host_model import import_rendered
     from validators.pipeline.render_check import check_constants, check_every_layer
 
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
@@ -246,8 +282,8 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
-    from validators.pipeline.host_model import HostModel, import_rendered
     from validators.npu_ops import device_readings, install_emulation
+    from validators.pipeline.host_model import HostModel, import_rendered
 
     model = copy.deepcopy(pristine)
     ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP
@@ -276,14 +312,15 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
                 run_legacy(report, manifest, host, ref, req.seed, cache_dtype,
                            framework=manifest.deploy_mode.value == "framework")
             elif manifest.deploy_mode.value == "framework":
+                from validators.harness import FrameworkAPI
                 from validators.pipeline.framework_run import run_framework
 
                 if handle.real:
                     report.notes.append(f"checkout {handle.root} (detected {handle.generation}); modules from the "
                                         f"harness: {', '.join(handle.fallbacks) or 'none'}")
 
-                run_framework(report, manifest, host, ref, handle.api(), handle.generation, scenario, req.seed,
-                              cache_dtype)
+                run_framework(report, manifest, host, ref, FrameworkAPI.from_handle(handle), handle.generation, scenario,
+                              req.seed, cache_dtype)
             else:
                 from validators.pipeline.standalone_run import run_standalone
 

@@ -68,7 +68,7 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
     _check_numbers(req)
     readings = None
     if req.device_readings:
-        from validators.probe.readings_file import load_readings
+        from analyzer.readings_file import load_readings
 
         readings = load_readings(req.device_readings)
     where, config = read_config_file(req.config)

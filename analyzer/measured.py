@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from analyzer.device_questions import QUESTIONS, UNKNOWN
 from analyzer.errors import InputError
 from analyzer.manifest import DeviceDependency, DeviceReadingsSource, Finding
-from validators.probe.questions import QUESTIONS, UNKNOWN
-from validators.probe.readings_file import ReadingsFile
+from analyzer.readings_file import ReadingsFile
 
 DEFAULT_WINDOW_READING = "exclusive"
 

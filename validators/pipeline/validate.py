@@ -15,13 +15,13 @@ import torch
 from analyzer.config_loader import read_config_file
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
+from analyzer.readings_file import ReadingsFile
 from implementer.render import load_manifest, render_manifest, write_rendered
 from validators.pipeline.numeric import TOLERANCE, float64_upcasts
 from validators.pipeline.provenance import RENDERED_FILES, RenderHeader, check_inputs_belong
 from validators.pipeline.report import Report
 from validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
 from validators.pipeline.tiny_model import require_transformers_type
-from validators.probe.readings_file import ReadingsFile
 
 # transformers imports these lazily; import them before torch_npu is emulated, because
 # transformers probes for torch_npu and the emulation module has no import spec.
@@ -111,7 +111,7 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
     """Read the manifest, config, render and readings; refuse (InputError) what does not belong together."""
     measured = None
     if req.device_readings:
-        from validators.probe.readings_file import load_readings
+        from analyzer.readings_file import load_readings
 
         measured = load_readings(req.device_readings)
     manifest = load_manifest(req.manifest)
@@ -148,7 +148,7 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
                     manifest_hash=manifest.content_hash(), dtype=req.dtype, tolerance=TOLERANCE[req.dtype])
     from validators.npu_ops import DeviceReadings
 
-    base = measured.as_device_readings() if measured else DeviceReadings()
+    base = _emulator_readings(measured) if measured else DeviceReadings()
     settled = measured.settled() if measured else {}
     if measured:
         report.notes.append(f"device readings measured in {req.device_readings} ({measured.where()}): "
@@ -165,6 +165,15 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
                           settled=settled)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _emulator_readings(measured: ReadingsFile):
+    """The emulator switches set to the readings the probe settled (the switch questions are
+    exactly the fields of DeviceReadings, tests/test_probe.py; an unsettled one keeps its default)."""
+    from validators.npu_ops import DeviceReadings
+
+    switches = {f.name for f in dataclasses.fields(DeviceReadings)}
+    return DeviceReadings(**{q: r for q, r in measured.settled().items() if q in switches})
 
 
 def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,

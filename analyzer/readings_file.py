@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from analyzer.device_questions import QUESTIONS, UNKNOWN, reading_ok
 from analyzer.errors import InputError
-from validators.probe.questions import QUESTIONS, UNKNOWN, reading_ok
 
 PROBE_VERSION = 1
 FILE_KIND = "kvcache-device-readings"
@@ -49,13 +49,6 @@ class ReadingsFile(_Model):
     def settled(self) -> dict[str, str]:
         """Question -> measured reading, for the questions the measurement settled (not 'unknown')."""
         return {q: r.reading for q, r in self.questions.items() if r.reading != UNKNOWN}
-
-    def as_device_readings(self):
-        """The emulator switches set to the measured readings (settled switch questions only)."""
-        from validators.npu_ops.readings import DeviceReadings
-
-        settled = self.settled()
-        return DeviceReadings(**{q: settled[q] for q, spec in QUESTIONS.items() if spec.switch and q in settled})
 
     def where(self) -> str:
         """Provenance in one line: file-independent (the caller adds the path)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from analyzer import arch_check, memory, rules
 from analyzer.config_loader import ModelFacts, normalize_config, read_config_file
-from analyzer.context import (
+from analyzer.deploy_context import (
     FACT_LABELS,
     DispatchFacts,
     ProgressFacts,

@@ -7,8 +7,8 @@ import sys
 
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
 from analyzer.progress_writer import check_out_dir
-from implementer.context import Names
 from implementer.render import load_manifest, render_manifest, write_rendered
+from implementer.template_context import Names
 
 EXAMPLES = """examples:
   kvcache render --manifest manifest.json --out rendered/

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import jinja2
 
+from analyzer.decisions_table import decision_rows
 from analyzer.errors import InputError
 from analyzer.manifest import ManifestInvariantError, SelectionManifest
 from analyzer.progress_writer import atomic_write_text
-from analyzer.report import decision_rows
-from implementer.context import Names, RenderContext, build_context, one_line
+from implementer.template_context import Names, RenderContext, build_context, one_line
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 ATTENTION_FILE = "kvcache_attention.py"

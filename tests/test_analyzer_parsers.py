@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from analyzer.build import AnalyzeRequest, assemble
 from analyzer.config_loader import load_model_facts
-from analyzer.context import FACT_LABELS, DispatchFacts, parse_dispatch, parse_progress
+from analyzer.deploy_context import FACT_LABELS, DispatchFacts, parse_dispatch, parse_progress
 from analyzer.errors import InputError
 from analyzer.progress_writer import markers, upsert_section
 

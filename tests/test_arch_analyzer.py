@@ -13,7 +13,7 @@ import pytest
 from analyzer import arch_check, rules
 from analyzer.build import AnalyzeRequest, analyze, assemble
 from analyzer.config_loader import normalize_config
-from analyzer.context import ProgressFacts, parse_dispatch
+from analyzer.deploy_context import ProgressFacts, parse_dispatch
 from analyzer.errors import InputError
 
 ROOT = Path(__file__).resolve().parent.parent

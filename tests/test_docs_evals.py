@@ -134,7 +134,7 @@ def test_choosing_case_has_distractors_and_out_of_scope_case_expects_a_refusal()
 
 def test_analyze_case_expects_what_the_analyzer_decides():
     from analyzer.build import AnalyzeRequest, analyze
-    from analyzer.report import decisions_markdown
+    from analyzer.decisions_table import decisions_markdown
 
     case = by_file("gpt_oss_20b_config.json")
     m = analyze(AnalyzeRequest(config=str(ROOT / case["files"][0]), dispatch="部署模式: 框架部署",

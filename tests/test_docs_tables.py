@@ -136,7 +136,7 @@ def test_blocker_rule_change_without_its_table_is_reported(monkeypatch):
 def test_fa_keyword_rename_without_its_table_is_reported(monkeypatch):
     import dataclasses
 
-    import implementer.context as ctx
+    import implementer.template_context as ctx
 
     renamed = dataclasses.replace(ctx.FA_ARGS["v2"], scale="scale")
     monkeypatch.setitem(ctx.FA_ARGS, "v2", renamed)
@@ -167,7 +167,7 @@ def test_generation_change_without_its_table_is_reported(monkeypatch):
 
 
 def test_every_fa_name_in_the_table_is_accepted_by_its_real_schema():
-    from implementer.context import FA_ARGS
+    from implementer.template_context import FA_ARGS
     from validators.npu_ops.schemas import accepted_keywords
 
     for version, args in FA_ARGS.items():

@@ -13,7 +13,7 @@ from analyzer.build import AnalyzeRequest, analyze
 from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.readings_file import PROBE_VERSION, load_readings
-from analyzer.report import decisions_markdown
+from analyzer.decisions_table import decisions_markdown
 from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
 from validators.pipeline.validate import ValidateRequest, validate
 from validators.probe.device import open_device

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from analyzer import cli
-from analyzer.context import FACT_LABELS, parse_progress
+from analyzer.deploy_context import FACT_LABELS, parse_progress
 from analyzer.progress_writer import markers
 
 ROOT = Path(__file__).resolve().parents[1]

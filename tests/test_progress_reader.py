@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_analyzer_cli import invoke
 
-from analyzer.context import parse_progress
+from analyzer.deploy_context import parse_progress
 from analyzer.progress_writer import markers
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ generations, the lint rule index. Each lives between markers
     ...table...
     <!-- /kvcache:generated NAME -->
 
-and is produced here from the analyzer rules, ``implementer.context.FA_ARGS``, the pinned
+and is produced here from the analyzer rules, ``implementer.template_context.FA_ARGS``, the pinned
 torch_npu schemas, the harness generations and the lint registry. ``check_generated`` reports
 every block whose text differs from what the code produces now (a rule changed without its
 table, or a table edited by hand); ``write_generated`` rewrites them.
@@ -117,7 +117,7 @@ def kind_manifest(key: str, framework_api: str | None = "G2", deploy_mode: str |
     """SelectionManifest the analyzer builds for one of MODEL_KINDS (used by the docs and their tests)."""
     from analyzer.build import AnalyzeRequest, assemble
     from analyzer.config_loader import normalize_config
-    from analyzer.context import ProgressFacts, parse_dispatch
+    from analyzer.deploy_context import ProgressFacts, parse_dispatch
 
     kind = next(k for k in MODEL_KINDS if k.key == key)
     facts = normalize_config(kind.config, f"<doc kind {key}>")
@@ -164,7 +164,7 @@ def _schema_default(op: str, name: str) -> str | None:
 def fa_args_table() -> str:
     from dataclasses import fields
 
-    from implementer.context import FA_ARGS
+    from implementer.template_context import FA_ARGS
 
     v1, v2 = FA_ARGS["v1"], FA_ARGS["v2"]
     rows = []
@@ -184,7 +184,7 @@ def fa_args_table() -> str:
 
 
 def fa_keyword_sets() -> str:
-    from implementer.context import FA_ARGS
+    from implementer.template_context import FA_ARGS
     from validators.npu_ops.schemas import accepted_keywords
 
     v1 = accepted_keywords(FA_ARGS["v1"].op)

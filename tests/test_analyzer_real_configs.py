@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from analyzer.build import AnalyzeRequest, analyze
+from analyzer.decisions_table import decisions_markdown
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
-from analyzer.decisions_table import decisions_markdown
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 NO_LIMIT = 2147483647  # pre_tokens of non-sliding layers: unbounded

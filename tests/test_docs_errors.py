@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from validators.lint import RULES, lint_source
 from validators.docgen.doc_tables import MODEL_KINDS, kind_manifest
+from validators.lint import RULES, lint_source
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "references" / "errors.md"

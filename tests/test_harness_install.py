@@ -7,7 +7,13 @@ import types
 import pytest
 import torch
 
-from validators.harness import FrameworkAPI, FrameworkImportError, Scheduler, get_generation, install_framework
+from validators.harness import (
+    FrameworkAPI,
+    FrameworkImportError,
+    Scheduler,
+    get_generation,
+    install_framework,
+)
 
 
 def _executor_modules():

@@ -448,8 +448,8 @@ def test_g0_renders_have_model_level_block_size_and_no_mla_flag(config):
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_init_sets_each_layers_kind_window_and_band_from_the_manifest(case_id):
     from validators.harness import install_framework
-    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
+    from validators.pipeline.host_model import import_rendered
 
     m = manifest(case_id)
     framework = install_framework(m.framework_api) if m.deploy_mode.value == "framework" else None

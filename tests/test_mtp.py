@@ -47,9 +47,9 @@ def _old_render(mode: str, tmp_path: Path) -> Path:
 
 def _spec_stream(rendered: Path) -> Report:
     """Only the speculative-decode stream of `kvcache validate`, on the emulated backend."""
+    from validators.npu_ops import install_emulation
     from validators.pipeline import spec_decode as spec_decode
     from validators.pipeline.host_model import HostModel, import_rendered
-    from validators.npu_ops import install_emulation
     from validators.pipeline.tiny_model import build_tiny_model
     from validators.pipeline.validate import _TRANSFORMERS_EAGER, ValidateRequest, _framework
 
@@ -111,8 +111,8 @@ class _Layer(nn.Module):
 def test_get_cache_info_walks_every_layer_container(container):
     """Upstream's MTP model keeps its layers in nn.ModuleDict (keys "61", ...); iterating it yields keys."""
     from validators.harness import install_framework
-    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
+    from validators.pipeline.host_model import import_rendered
 
     with install_emulation(), install_framework("G2", None) as handle:
         rendered = import_rendered(GOLDEN / "framework_g2")

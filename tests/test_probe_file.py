@@ -10,10 +10,10 @@ from validators_support import CONFIGS, render_case
 
 import kvcache_cli
 from analyzer.build import AnalyzeRequest, analyze
+from analyzer.decisions_table import decisions_markdown
 from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.readings_file import PROBE_VERSION, load_readings
-from analyzer.decisions_table import decisions_markdown
 from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
 from validators.pipeline.validate import ValidateRequest, validate
 from validators.probe.device import open_device

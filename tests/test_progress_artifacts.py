@@ -22,8 +22,8 @@ import torch
 
 from analyzer import cli
 from analyzer.build import AnalyzeRequest, analyze
-from analyzer.progress_writer import markers
 from analyzer.decisions_table import CONFIRM_DEFAULT, decision_rows, decisions_markdown
+from analyzer.progress_writer import markers
 from implementer.render import INTEGRATION_FILE, RUNNER_FILE, render_manifest, write_rendered
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ from validators_support import ROOT, mutate, render_case
 
 from analyzer.build import AnalyzeRequest, analyze
 from implementer.render import render_manifest, write_rendered
-from validators.pipeline.request_stream import Scenario
 from validators.pipeline.multi_rank import kv_head_of_rank
+from validators.pipeline.request_stream import Scenario
 from validators.pipeline.validate import ValidateRequest, validate
 
 # A short stream keeps N processes on 2 cores inside CI's time; it still crosses a block.

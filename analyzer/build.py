@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from analyzer import arch_check, memory, rules
+from analyzer import arch_check, kv_cache_spec, memory, rules
 from analyzer.config_loader import ModelFacts, normalize_config, read_config_file
 from analyzer.context import (
     FACT_LABELS,
@@ -479,10 +479,10 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         per_token = sum(rules.cache_token_bytes(layer.caches) for layer in members)
         per_token += extra * rules.cache_token_bytes(mtp_caches)
         if members and members[0].attn_type == "SlidingWindow":
-            groups.append(memory.SlidingWindowGroup(key, len(members), per_token, req.block_size,
-                                                    window=members[0].sliding_window))
+            groups.append(kv_cache_spec.SlidingWindowSpec(key, len(members), per_token, req.block_size,
+                                                          window=members[0].sliding_window))
         else:
-            groups.append(memory.FullAttentionGroup(key, len(members) + extra, per_token, req.block_size))
+            groups.append(kv_cache_spec.FullAttentionSpec(key, len(members) + extra, per_token, req.block_size))
     total = sum(g.per_token_bytes for g in groups)
     derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
     if mtp:
@@ -535,7 +535,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
     return MemoryPlan(
         per_token_bytes=total,
         per_layer_token_bytes=[rules.cache_token_bytes(layer.caches) for layer in layers],
-        groups=[GroupMemory(group_key=g.group_key, attn_type="SlidingWindow" if g.fixed else "FullAttention",
+        groups=[GroupMemory(group_key=g.group_key, attn_type=g.attn_type,
                             num_layers=g.num_layers, per_token_bytes=g.per_token_bytes, fixed_blocks=g.fixed,
                             blocks=plan.blocks.get(g.group_key) if plan else None) for g in groups],
         legacy_reservation_bytes=legacy,

@@ -17,6 +17,7 @@ from analyzer.context import (
     parse_dispatch,
     parse_progress,
 )
+from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
 from analyzer.manifest import (
@@ -588,16 +589,18 @@ def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
     sliding = [layer.index for layer in layers if layer.attn_type == "SlidingWindow"]
     out = []
     if sliding:
+        band = QUESTIONS["band_at_single_query"]
         out.append(DeviceDependency(
-            question="band_at_single_query",
-            assumed="honoured",
-            alternative="ignored",
+            question=band.name,
+            assumed=band.default,
+            alternative=band.alternatives(band.default)[0],
             consequence="if the band is ignored at q_len 1, decode reads the null block and out-of-window keys",
             layers=sliding,
         ))
-        other = "inclusive" if reading == "exclusive" else "exclusive"
+        window = QUESTIONS["window_pre_tokens"]
+        other = window.alternatives(reading)[0]
         out.append(DeviceDependency(
-            question="window_pre_tokens",
+            question=window.name,
             assumed=reading,
             alternative=other,
             consequence=f"under '{other}' the rendered pre_tokens admits one key too many or too few "
@@ -612,9 +615,10 @@ def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
         layers=[],
     ))
     if deploy_mode == "framework":
+        slots = QUESTIONS["repeated_slots"]
         out.append(DeviceDependency(
-            question="repeated_slots",
-            assumed="last_wins",
+            question=slots.name,
+            assumed=slots.default,
             alternative="error",
             consequence="the engine pads decode batches (every padded row writes the null block's slot 0); "
                         "if the writer rejects repeated slots, padded decode steps fail",

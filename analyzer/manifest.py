@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from analyzer.device_questions import DEPENDENCY_QUESTIONS, PROBE_BACKENDS, UNKNOWN
+
 SCHEMA_VERSION = "1.0"
 
 AttnType = Literal["FullAttention", "SlidingWindow"]
@@ -212,12 +214,12 @@ class MemoryPlan(_Model):
 class DeviceDependency(_Model):
     """An open device behaviour (references/device_questions.md) this design relies on; settled only by an NPU run."""
 
-    question: Literal["band_at_single_query", "window_pre_tokens", "null_block_contents", "repeated_slots"]
+    question: Literal[DEPENDENCY_QUESTIONS]
     assumed: str
     alternative: str
     consequence: str
     layers: list[int] = Field(default_factory=list)
-    status: Literal["assumed", "confirmed", "contradicted", "unknown"] = Field(
+    status: Literal["assumed", "confirmed", "contradicted", UNKNOWN] = Field(
         default="assumed", description="assumed: no measurement; confirmed / contradicted: the readings file "
                                        "(device_readings) measured a reading the design survives / does not; "
                                        "unknown: the probe's output matched no known reading")
@@ -228,7 +230,7 @@ class DeviceReadingsSource(_Model):
     """Where the measured device readings came from (`kvcache analyze --device-readings FILE`)."""
 
     file: str
-    backend: Literal["npu", "emulated"] = Field(description="emulated: a CPU dry run, it settles nothing")
+    backend: Literal[PROBE_BACKENDS] = Field(description="emulated: a CPU dry run, it settles nothing")
     soc: str | None = None
     torch_npu_version: str | None = None
     cann_version: str | None = None

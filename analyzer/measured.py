@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from analyzer.device_questions import QUESTIONS, UNKNOWN
 from analyzer.errors import InputError
 from analyzer.manifest import DeviceDependency, DeviceReadingsSource, Finding
-from validators.probe.questions import QUESTIONS, UNKNOWN
 from validators.probe.readings_file import ReadingsFile
 
-DEFAULT_WINDOW_READING = "exclusive"
+DEFAULT_WINDOW_READING = QUESTIONS["window_pre_tokens"].default
 
 
 def resolve_window_reading(stated: str | None, readings: ReadingsFile | None, file: str | None) -> tuple[str, str]:

@@ -12,12 +12,12 @@ import dataclasses
 import pytest
 import torch
 
+from analyzer.device_questions import QUESTIONS, UNKNOWN
 from validators.npu_ops import DeviceReadings, NpuOpError, OpSet, device_readings, emulated
 from validators.npu_ops.fa_masks import causal_template
 from validators.npu_ops.readings import _ALLOWED
 from validators.probe import experiments
 from validators.probe.device import ProbeDevice, open_device
-from validators.probe.questions import QUESTIONS, UNKNOWN
 from validators.probe.run import markdown, probe, table_text
 
 

@@ -10,14 +10,14 @@ from validators_support import CONFIGS, render_case
 
 import kvcache_cli
 from analyzer.build import AnalyzeRequest, analyze
+from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.report import decisions_markdown
 from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
+from validators.pipeline.validate import ValidateRequest, validate
 from validators.probe.device import open_device
-from validators.probe.questions import QUESTIONS
 from validators.probe.readings_file import PROBE_VERSION, load_readings
 from validators.probe.run import probe
-from validators.pipeline.validate import ValidateRequest, validate
 
 GPT_OSS = str(CONFIGS / "gpt_oss_20b.json")
 _CACHE: dict[DeviceReadings, dict] = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from analyzer.config_loader import read_config_file
+from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from implementer.render import load_manifest, render_manifest, write_rendered
@@ -134,8 +135,8 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
 def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,
                              backend: str) -> None:
     """Init link on the user's render itself: its constants, and init_kv_cache of every real layer."""
-    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
+    from validators.pipeline.host_model import import_rendered
     from validators.pipeline.render_check import check_constants, check_every_layer
 
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
@@ -212,7 +213,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
         _note_coverage(report, manifest, run)
     if sweep and backend == "emulated":
         for dep in manifest.device_dependencies:
-            if dep.question not in ("band_at_single_query", "window_pre_tokens"):
+            if not QUESTIONS[dep.question].swept:
                 continue
             if dep.question in settled:
                 report.notes.append(f"{dep.question} settled by measurement ({settled[dep.question]}): sweep skipped")
@@ -246,8 +247,8 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
-    from validators.pipeline.host_model import HostModel, import_rendered
     from validators.npu_ops import device_readings, install_emulation
+    from validators.pipeline.host_model import HostModel, import_rendered
 
     model = copy.deepcopy(pristine)
     ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from analyzer.cli import guarded
+from analyzer.device_questions import PROBE_BACKENDS
 from analyzer.errors import InputError
 from analyzer.progress_writer import atomic_write_text
 
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="write the readings file (JSON) here, e.g. --out readings.json")
     p.add_argument("--markdown", metavar="FILE", help="write a Markdown report ready to paste into an issue")
     p.add_argument("--device", type=int, metavar="N", help="NPU index (default 0)")
-    p.add_argument("--backend", choices=("npu", "emulated"), default="npu",
+    p.add_argument("--backend", choices=PROBE_BACKENDS, default=PROBE_BACKENDS[0],
                    help="npu (default): the real torch_npu operators; emulated: a dry run on the CPU emulation")
     return p
 

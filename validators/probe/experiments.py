@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from analyzer.device_questions import QUESTIONS, UNKNOWN
 from validators.npu_ops.fa_masks import causal_template
 from validators.probe.device import ProbeDevice
-from validators.probe.questions import QUESTIONS, UNKNOWN
 
 HEADS = 8  # FA packed layouts on the device want Q_N = KV_N in 8/16/32/64/128
 HEAD_DIM = 128

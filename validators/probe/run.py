@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
+from analyzer.device_questions import QUESTIONS, UNKNOWN
 from validators.probe.device import ProbeDevice
 from validators.probe.experiments import run_experiments
-from validators.probe.questions import QUESTIONS, UNKNOWN
 from validators.probe.readings_file import PROBE_VERSION, QuestionReading, ReadingsFile
 
 

@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
+from analyzer.manifest_io import load_manifest
 from analyzer.progress_writer import check_out_dir
 from implementer.context import Names
-from implementer.render import load_manifest, render_manifest, write_rendered
+from implementer.render import render_manifest, write_rendered
 
 EXAMPLES = """examples:
   kvcache render --manifest manifest.json --out rendered/

@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 
 from analyzer.errors import InputError
-from analyzer.manifest import ManifestInvariantError, SelectionManifest
+from analyzer.manifest import SelectionManifest
 from analyzer.progress_writer import atomic_write_text
 from analyzer.report import decision_rows
 from implementer.context import Names, RenderContext, build_context, one_line
@@ -63,30 +63,6 @@ def render_manifest(
         c=c, files=sorted(out), decisions=rows, out_hint="<render dir>"
     )
     return Rendered(out, c)
-
-
-def load_manifest(path: str | Path) -> SelectionManifest:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(str(p), "file not found")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(p), f"cannot read: {exc}") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            return SelectionManifest.model_validate(yaml.safe_load(text))
-        return SelectionManifest.model_validate_json(text)
-    except Exception as exc:  # pydantic ValidationError / yaml errors: name the first bad field
-        first = getattr(exc, "errors", lambda: [])()
-        field = ".".join(str(x) for x in first[0]["loc"]) if first else None
-        msg = first[0]["msg"] if first else str(exc).splitlines()[0]
-        broken = first[0].get("ctx", {}).get("error") if first else None
-        if isinstance(broken, ManifestInvariantError):  # fields that contradict each other (hand edit)
-            field, msg = broken.field, broken.message
-        raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
 
 
 def _check_targets(rendered: Rendered, root: Path, force: bool) -> list[tuple[str, Path]]:

@@ -16,7 +16,8 @@ from analyzer.config_loader import read_config_file
 from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
-from implementer.render import load_manifest, render_manifest, write_rendered
+from analyzer.manifest_io import load_manifest
+from implementer.render import render_manifest, write_rendered
 from validators.pipeline.numeric import TOLERANCE, float64_upcasts
 from validators.pipeline.provenance import RENDERED_FILES, check_inputs_belong
 from validators.pipeline.report import Report

@@ -19,6 +19,7 @@ from analyzer.context import (
 )
 from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
+from analyzer.files import same_file
 from analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
 from analyzer.manifest import (
     DeployModeDecision,
@@ -37,7 +38,7 @@ from analyzer.manifest import (
     SelectionManifest,
 )
 from analyzer.measured import apply_readings, resolve_window_reading
-from analyzer.progress_writer import plan_section, same_file, upsert_section
+from analyzer.progress_writer import plan_section, upsert_section
 from analyzer.version import __version__
 
 DEFAULT_KV_MEM_RATIO = 0.9

@@ -11,8 +11,8 @@ import yaml
 
 from analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
 from analyzer.errors import InputError, OneLineArgumentParser, guarded  # noqa: F401 - guarded: re-exported
+from analyzer.files import atomic_write_text, check_writable, same_file
 from analyzer.manifest import manifest_json_schema
-from analyzer.progress_writer import atomic_write_text, check_writable, same_file
 from analyzer.report import SECTION_ID, decisions_markdown
 from analyzer.rules import VALID_BLOCK_SIZES
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
+from analyzer.files import check_out_dir
 from analyzer.manifest_io import load_manifest
-from analyzer.progress_writer import check_out_dir
 from implementer.context import Names
 from implementer.render import render_manifest, write_rendered
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import jinja2
 
 from analyzer.errors import InputError
+from analyzer.files import atomic_write_bytes, atomic_write_text
 from analyzer.manifest import SelectionManifest
-from analyzer.progress_writer import atomic_write_text
 from analyzer.report import decision_rows
 from implementer.context import Names, RenderContext, build_context, one_line
 
@@ -115,7 +115,7 @@ def write_rendered(rendered: Rendered, out_dir: str | Path, force: bool = False)
             if old is None:
                 target.unlink(missing_ok=True)
             else:
-                target.write_bytes(old)
+                atomic_write_bytes(target, old)
         for folder in reversed(created_dirs):
             with contextlib.suppress(OSError):
                 folder.rmdir()

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.progress_writer import atomic_write_text, check_writable, plan_section
+from analyzer.files import atomic_write_text, check_writable
+from analyzer.progress_writer import plan_section
 from validators.pipeline.runtime_deps import require_validation_deps
 from validators.pipeline.validate import ValidateRequest, validate
 

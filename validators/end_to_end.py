@@ -14,7 +14,7 @@ from pathlib import Path
 from analyzer.build import analyze
 from analyzer.cli import add_analyze_arguments, print_warnings, request_from_args
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.progress_writer import atomic_write_text, check_out_dir
+from analyzer.files import atomic_write_text, check_out_dir, umask
 from implementer.render import render_manifest, write_rendered
 from validators.pipeline.runtime_deps import require_validation_deps
 
@@ -117,9 +117,7 @@ def _staging_dir(out: Path) -> Path:
     while not base.exists():
         base = base.parent
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvcache-run.", dir=base))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(staging, 0o777 & ~mask)  # mkdtemp's 0700 would become --out's mode on the move
+    os.chmod(staging, 0o777 & ~umask())  # mkdtemp's 0700 would become --out's mode on the move
     return staging
 
 

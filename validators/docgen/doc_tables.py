@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from analyzer.files import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Docs that may hold generated blocks, and the blocks each must hold.
@@ -347,7 +349,7 @@ def write_generated(root: Path = ROOT) -> list[Path]:
 
         new = _BLOCK.sub(fill, text)
         if new != text:
-            path.write_text(new, encoding="utf-8")
+            atomic_write_text(path, new)
             changed.append(path)
     return changed
 

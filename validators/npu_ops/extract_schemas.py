@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from analyzer.files import atomic_write_text
 from validators.npu_ops.schemas import EMULATED_OPS, SCHEMA_PATH, parse_func_schema
 
 YAML_IN_WHEEL = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "source": f"torch-npu=={args.version} ({origin})",
         "ops": extract(text),
     }
-    args.out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    atomic_write_text(args.out, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {len(doc['ops'])} operator schemas to {args.out}")
     return 0
 

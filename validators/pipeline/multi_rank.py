@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from analyzer.files import atomic_write_text
 from validators.pipeline.report import Check, Report
 
 COLLECTIVE_TIMEOUT_S = 120
@@ -114,7 +115,7 @@ def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dic
                 dist.destroy_process_group()
             except Exception:
                 pass
-    result.write_text(json.dumps(data), encoding="utf-8")
+    atomic_write_text(result, json.dumps(data))
 
 
 def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:

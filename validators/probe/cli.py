@@ -9,7 +9,7 @@ from pathlib import Path
 from analyzer.cli import guarded
 from analyzer.device_questions import PROBE_BACKENDS
 from analyzer.errors import InputError
-from analyzer.progress_writer import atomic_write_text
+from analyzer.files import atomic_write_text
 
 EXAMPLES = """examples:
   kvcache probe --out device_readings.json --markdown device_readings.md   (on an NPU host)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 UNKNOWN = "unknown"  # the probe's output matched none of the question's readings
-PROBE_BACKENDS = ("npu", "emulated")  # where a readings file was measured (emulated: a CPU dry run)
+# Where the operators run: the device, or the CPU emulation (a dry run that settles no device question).
+OP_BACKENDS = ("npu", "emulated")
+BACKEND_CHOICES = ("auto", *sorted(OP_BACKENDS))  # validation: auto picks npu when torch_npu is present
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ def dataclass_fields(source: str, class_name: str) -> list[str] | None:
     return collect(class_name, frozenset({class_name})) if class_name in classes else None
 
 
+# Every cache_info API generation the detector knows, oldest first; G3 checkouts take G2 renders, so
+# the manifest's FrameworkApi (what renders follow) stops at G2.
+GENERATIONS = ("G0", "G1", "G2", "G3")
+
 # Fields that mark the HEAD-era framework (G3): physical allocator, compressed rows and the
 # tensor layout switch arrived together with the Mamba state entries and the sliding-window
 # prefill layout that keeps max(0, L - 1 - W) onwards.

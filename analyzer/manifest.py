@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from analyzer.device_questions import DEPENDENCY_QUESTIONS, PROBE_BACKENDS, UNKNOWN
+from analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 
 SCHEMA_VERSION = "1.0"
 
@@ -230,7 +230,7 @@ class DeviceReadingsSource(_Model):
     """Where the measured device readings came from (`kvcache analyze --device-readings FILE`)."""
 
     file: str
-    backend: Literal[PROBE_BACKENDS] = Field(description="emulated: a CPU dry run, it settles nothing")
+    backend: Literal[OP_BACKENDS] = Field(description="emulated: a CPU dry run, it settles nothing")
     soc: str | None = None
     torch_npu_version: str | None = None
     cann_version: str | None = None

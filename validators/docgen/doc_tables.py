@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from analyzer.errors import OneLineArgumentParser
 from analyzer.files import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -531,8 +532,8 @@ def check_all(root: Path = ROOT) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m validators.docgen.doc_tables",
-                                description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
+    p = OneLineArgumentParser(prog="python -m validators.docgen.doc_tables",
+                              description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
     p.add_argument("--check", action="store_true", help="only check (the default; exit 1 on drift)")
     p.add_argument("--write", action="store_true", help="rewrite the generated blocks in place, then check")
     p.add_argument("--root", default=str(ROOT), help="bundle root (default: this checkout)")

@@ -52,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return _run(parser, parser.parse_args(argv))
+    except SystemExit as exc:  # usage errors (one line, exit 2) and --help (0) return their code
         return int(exc.code or 0)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.list_rules:
         if args.format == "json":
             rows = [{"id": r.id, "name": r.name, "title": r.title, "message": r.message, "hint": r.hint,
@@ -64,14 +67,12 @@ def _main(argv: list[str] | None) -> int:
             sys.stdout.write(_list_rules())
         return 0
     if not args.paths:
-        sys.stderr.write("kvcache lint: error: give at least one PATH (see --help)\n")
-        return 2
-    try:
-        parse_id_list(args.select)
-        parse_id_list(args.ignore)
-    except ValueError as exc:
-        sys.stderr.write(f"kvcache lint: error: {exc}\n")
-        return 2
+        parser.error("give at least one PATH")
+    for flag, value in (("--select", args.select), ("--ignore", args.ignore)):
+        try:
+            parse_id_list(value)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
     report = lint_paths(args.paths, manifest=args.manifest, select=args.select, ignore=args.ignore)
     if args.format == "json":
         sys.stdout.write(report.to_json())
@@ -79,7 +80,7 @@ def _main(argv: list[str] | None) -> int:
         for finding in report.findings:
             sys.stdout.write(finding.to_text() + "\n")
     for error in report.errors:
-        sys.stderr.write(f"kvcache lint: {error.to_text()}\n")
+        sys.stderr.write(f"error: {error.to_text()}\n")
     if args.format == "text" and not report.findings and not report.errors:
         sys.stderr.write(f"kvcache lint: {len(report.files)} file(s) clean\n")
     return report.exit_code

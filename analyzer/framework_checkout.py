@@ -92,6 +92,10 @@ def render_api(generation: str | None) -> str | None:
     return "G2" if generation == "G3" else generation
 
 
+# The contracts renders follow: the manifest's framework_api values.
+RENDER_APIS = tuple(g for g in GENERATIONS if render_api(g) == g)
+
+
 def class_names(source: str) -> list[str]:
     return [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)]
 

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
+from analyzer.framework_checkout import RENDER_APIS
 
 SCHEMA_VERSION = "1.0"
 
@@ -22,7 +23,7 @@ AttnType = Literal["FullAttention", "SlidingWindow"]
 LayerKind = Literal["full", "sliding", "chunked", "linear"]
 DeployMode = Literal["framework", "standalone"]
 DeploySource = Literal["dispatch", "user", "self_check", "default"]
-FrameworkApi = Literal["G0", "G1", "G2"]
+FrameworkApi = Literal[RENDER_APIS]
 KvMode = Literal["paged", "legacy"]
 FaVersion = Literal["v1", "v2"]
 MaskKind = Literal["causal_2048", "none"]

@@ -28,7 +28,7 @@ def _survives(dep: DeviceDependency) -> set[str]:
     if dep.question == "null_block_contents":  # the design never reads the null block: any contents do
         return set(QUESTIONS[dep.question].readings)
     if dep.question == "repeated_slots":  # padded rows are identical: whichever wins is the same row
-        return {"last_wins", "first_wins"}
+        return set(QUESTIONS[dep.question].alternatives("error"))
     return {dep.assumed}
 
 

@@ -207,13 +207,14 @@ _PROBE_WINDOW = 1000  # any window works: the table shows pre_tokens as W minus 
 
 
 def _band_text(attn_type: str) -> str:
+    from analyzer.device_questions import QUESTIONS
     from analyzer.rules import decide_window_tokens
 
     if attn_type != "SlidingWindow":
         pre, nxt, _ = decide_window_tokens(None)
         return f"{pre} / {nxt}"
     out = []
-    for reading in ("exclusive", "inclusive"):
+    for reading in QUESTIONS["window_pre_tokens"].readings:
         pre, nxt, _ = decide_window_tokens(_PROBE_WINDOW, reading)
         offset = _PROBE_WINDOW - pre
         out.append(f"{'W' if offset == 0 else f'W-{offset}' if offset > 0 else f'W+{-offset}'} / {nxt}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from analyzer.errors import EXIT_BAD_INPUT, guarded
+from analyzer.errors import dispatch, guarded
 
 USAGE = """usage: kvcache <command> [options]
 
@@ -67,17 +67,7 @@ def _commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = _commands()
-    if argv and argv[0] in ("-h", "--help"):
-        sys.stdout.write(USAGE)
-        return 0
-    if not argv or argv[0] not in commands:
-        what = f"unknown command {argv[0]!r}" if argv else "no command given"
-        sys.stderr.write(f"error: kvcache: {what}: use one of {', '.join(commands)} (see kvcache --help)\n")
-        return EXIT_BAD_INPUT
-    # Each command guards itself too; this catches what fails before it can (e.g. its imports).
-    return guarded(commands[argv[0]], argv[1:]) or 0
+    return dispatch("kvcache", _commands(), USAGE, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

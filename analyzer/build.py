@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from analyzer import arch_check, memory, rules
+from analyzer import arch_check, kv_cache_spec, memory, rules
 from analyzer.config_loader import ModelFacts, normalize_config, read_config_file
 from analyzer.deploy_context import (
     FACT_LABELS,
@@ -17,7 +17,9 @@ from analyzer.deploy_context import (
     parse_dispatch,
     parse_progress,
 )
+from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
+from analyzer.files import same_file
 from analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
 from analyzer.manifest import (
     DeployModeDecision,
@@ -36,7 +38,7 @@ from analyzer.manifest import (
     SelectionManifest,
 )
 from analyzer.measured import apply_readings, resolve_window_reading
-from analyzer.progress_writer import plan_section, same_file, upsert_section
+from analyzer.progress_writer import plan_section, upsert_section
 from analyzer.version import __version__
 
 DEFAULT_KV_MEM_RATIO = 0.9
@@ -479,10 +481,10 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         per_token = sum(rules.cache_token_bytes(layer.caches) for layer in members)
         per_token += extra * rules.cache_token_bytes(mtp_caches)
         if members and members[0].attn_type == "SlidingWindow":
-            groups.append(memory.SlidingWindowGroup(key, len(members), per_token, req.block_size,
-                                                    window=members[0].sliding_window))
+            groups.append(kv_cache_spec.SlidingWindowSpec(key, len(members), per_token, req.block_size,
+                                                          window=members[0].sliding_window))
         else:
-            groups.append(memory.FullAttentionGroup(key, len(members) + extra, per_token, req.block_size))
+            groups.append(kv_cache_spec.FullAttentionSpec(key, len(members) + extra, per_token, req.block_size))
     total = sum(g.per_token_bytes for g in groups)
     derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
     if mtp:
@@ -535,7 +537,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
     return MemoryPlan(
         per_token_bytes=total,
         per_layer_token_bytes=[rules.cache_token_bytes(layer.caches) for layer in layers],
-        groups=[GroupMemory(group_key=g.group_key, attn_type="SlidingWindow" if g.fixed else "FullAttention",
+        groups=[GroupMemory(group_key=g.group_key, attn_type=g.attn_type,
                             num_layers=g.num_layers, per_token_bytes=g.per_token_bytes, fixed_blocks=g.fixed,
                             blocks=plan.blocks.get(g.group_key) if plan else None) for g in groups],
         legacy_reservation_bytes=legacy,
@@ -588,16 +590,18 @@ def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
     sliding = [layer.index for layer in layers if layer.attn_type == "SlidingWindow"]
     out = []
     if sliding:
+        band = QUESTIONS["band_at_single_query"]
         out.append(DeviceDependency(
-            question="band_at_single_query",
-            assumed="honoured",
-            alternative="ignored",
+            question=band.name,
+            assumed=band.default,
+            alternative=band.alternatives(band.default)[0],
             consequence="if the band is ignored at q_len 1, decode reads the null block and out-of-window keys",
             layers=sliding,
         ))
-        other = "inclusive" if reading == "exclusive" else "exclusive"
+        window = QUESTIONS["window_pre_tokens"]
+        other = window.alternatives(reading)[0]
         out.append(DeviceDependency(
-            question="window_pre_tokens",
+            question=window.name,
             assumed=reading,
             alternative=other,
             consequence=f"under '{other}' the rendered pre_tokens admits one key too many or too few "
@@ -612,9 +616,10 @@ def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
         layers=[],
     ))
     if deploy_mode == "framework":
+        slots = QUESTIONS["repeated_slots"]
         out.append(DeviceDependency(
-            question="repeated_slots",
-            assumed="last_wins",
+            question=slots.name,
+            assumed=slots.default,
             alternative="error",
             consequence="the engine pads decode batches (every padded row writes the null block's slot 0); "
                         "if the writer rejects repeated slots, padded decode steps fail",

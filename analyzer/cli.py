@@ -6,14 +6,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import get_args
 
 import yaml
 
 from analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
+from analyzer.device_questions import QUESTIONS
+from analyzer.errors import InputError, OneLineArgumentParser, guarded
+from analyzer.files import atomic_write_text, check_writable, same_file
+from analyzer.manifest import DeployMode, FaVersion, FrameworkApi, KvMode, manifest_json_schema
 from analyzer.decisions_table import SECTION_ID, decisions_markdown
-from analyzer.errors import InputError, OneLineArgumentParser, guarded  # noqa: F401 - guarded: re-exported
-from analyzer.manifest import manifest_json_schema
-from analyzer.progress_writer import atomic_write_text, check_writable, same_file
 from analyzer.rules import VALID_BLOCK_SIZES
 
 EXAMPLES = """examples:
@@ -47,13 +49,13 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                         'e.g. --dispatch "部署模式: 框架部署"')
     d.add_argument("--dispatch-file", metavar="FILE",
                    help="file holding the dispatch prompt, e.g. --dispatch-file dispatch.txt")
-    p.add_argument("--deploy-mode", choices=("framework", "standalone"),
+    p.add_argument("--deploy-mode", choices=get_args(DeployMode),
                    help="deployment mode stated by the user (loses to the dispatch line), "
                         "e.g. --deploy-mode standalone")
     p.add_argument("--framework-root", metavar="DIR",
                    help="cann-recipes-infer checkout: detects the cache_info API generation (G0/G1/G2), "
                         "support_models registration and runner_*.py, e.g. --framework-root ~/cann-recipes-infer")
-    p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
+    p.add_argument("--framework-api", choices=get_args(FrameworkApi),
                    help="framework API generation when no checkout is at hand (e.g. --framework-api G1)")
     p.add_argument("--attn-tp-size", type=int, metavar="N", help="attention tensor-parallel size; must divide the query heads (e.g. --attn-tp-size 8)")
     p.add_argument("--block-size", type=int, default=128, metavar="N",
@@ -65,10 +67,10 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                         "e.g. --kv-mem-ratio 0.8")
     p.add_argument("--max-concurrency", type=int, metavar="N", help="concurrent requests (batch per DP rank), e.g. --max-concurrency 32")
     p.add_argument("--max-len", type=int, metavar="N", help="max sequence length per request, e.g. --max-len 8192")
-    p.add_argument("--kv-mode", choices=("paged", "legacy"),
+    p.add_argument("--kv-mode", choices=get_args(KvMode),
                    help="keep Legacy on purpose (offline only), e.g. --kv-mode legacy; a blocker forces Legacy anyway")
-    p.add_argument("--fa-version", choices=("v1", "v2"), help="override the FA version default (sinks force v2), e.g. --fa-version v2")
-    p.add_argument("--window-reading", choices=("exclusive", "inclusive"),
+    p.add_argument("--fa-version", choices=get_args(FaVersion), help="override the FA version default (sinks force v2), e.g. --fa-version v2")
+    p.add_argument("--window-reading", choices=QUESTIONS["window_pre_tokens"].readings,
                    help="device reading of pre_tokens for sliding windows: 'exclusive' = "
                         "pre_tokens counts keys before the query (default), 'inclusive' = counts the query too; "
                         "e.g. --window-reading inclusive")
@@ -87,11 +89,8 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
                         "atomic, other bytes untouched), e.g. --write-progress progress.md")
 
 
-_Parser = OneLineArgumentParser
-
-
 def build_parser(prog: str = "kvcache analyze") -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineArgumentParser(
         prog=prog,
         description="Decide the KV-cache design of a model: a typed, explained selection manifest.",
         epilog=EXAMPLES,
@@ -178,7 +177,7 @@ def print_warnings(manifest) -> None:
 
 
 def schema_main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="kvcache schema", description="Print the SelectionManifest JSON Schema.",
+    p = OneLineArgumentParser(prog="kvcache schema", description="Print the SelectionManifest JSON Schema.",
                                 epilog="example:\n  kvcache schema > manifest.schema.json\n\n"
                                        "exit status: 0 ok, 2 bad input (e.g. an unwritable --out; nothing "
                                        "written), 3 internal error",

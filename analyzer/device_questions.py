@@ -1,36 +1,71 @@
-"""The open device questions the probe answers, and the readings each one can have (torch-free).
+"""The device-readings vocabulary: the open device questions and the readings each can have (torch-free).
 
-Questions whose reading is an emulator switch (``validators.npu_ops.DeviceReadings``) use the
-same names and values; ``tests/test_probe.py`` checks that the two lists agree.
+references/device_questions.md explains the questions; this module is their one definition. The
+probe answers them (``validators.probe``), the readings file records the answers, the manifest lists
+the ones a design rests on (``DeviceDependency.question``), and the emulator's switches
+(``validators.npu_ops.DeviceReadings``) take the same names and values. Adding a question is one
+``Question(...)`` entry here (plus a field of ``DeviceReadings`` when it is an emulator switch;
+``tests/test_probe.py`` checks the two agree).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-UNKNOWN = "unknown"
+UNKNOWN = "unknown"  # the probe's output matched none of the question's readings
+# Where the operators run: the device, or the CPU emulation (a dry run that settles no device question).
+OP_BACKENDS = ("npu", "emulated")
+BACKEND_CHOICES = ("auto", *sorted(OP_BACKENDS))  # validation: auto picks npu when torch_npu is present
 
 
 @dataclass(frozen=True)
 class Question:
     name: str
-    readings: tuple[str, ...]
-    switch: bool  # an emulator switch: validate can run the emulator under the measured reading
+    readings: tuple[str, ...]  # readings[0]: the documented / upstream reading, assumed until measured
     asks: str
+    meaning: str  # what each reading means, one line
+    switch: bool = False  # an emulator switch: validate can run the emulator under the measured reading
+    dependency: bool = False  # a design can rest on it: the manifest lists it under device_dependencies
+    swept: bool = False  # validate re-runs a render under the alternative reading when not measured
+
+    @property
+    def default(self) -> str:
+        return self.readings[0]
+
+    def alternatives(self, reading: str) -> tuple[str, ...]:
+        return tuple(r for r in self.readings if r != reading)
 
 
 QUESTIONS: dict[str, Question] = {q.name: q for q in (
-    Question("band_at_single_query", ("honoured", "ignored"), True,
-             "is the sparse_mode 4 band (pre_tokens) applied to a query of length 1 (paged TND decode)?"),
-    Question("window_pre_tokens", ("exclusive", "inclusive"), True,
-             "does pre_tokens count only the keys before the query (W+1 visible) or the query too (W)?"),
-    Question("null_block_contents", ("zeros", "stale", "poisoned"), False,
-             "what does a never-written block of a cache allocated like the framework's (torch.empty) hold?"),
-    Question("repeated_slots", ("last_wins", "first_wins", "error"), True,
-             "do the cache writers accept padded decode rows that all write the null block's slot 0?"),
-    Question("mla_decode_sparse_mode3", ("same_as_mode0", "deviates", "rejected"), False,
-             "MLA absorb decode (q_len 1, rope inputs) with sparse_mode 3: same as mode 0, different, or refused?"),
+    Question("band_at_single_query", ("honoured", "ignored"),
+             "is the sparse_mode 4 band (pre_tokens) applied to a query of length 1 (paged TND decode)?",
+             "honoured: a q_len-1 request is masked like any other (causal modes, the mode-4 band, the mode-0 "
+             "window); ignored: sparse_mode and pre/next_tokens have no effect at q_len 1, as the op docs say",
+             switch=True, dependency=True, swept=True),
+    Question("window_pre_tokens", ("exclusive", "inclusive"),
+             "does pre_tokens count only the keys before the query (W+1 visible) or the query too (W)?",
+             "exclusive: the documented band rule i'-pre_tokens <= j <= i'+next_tokens (pre_tokens=W admits "
+             "W+1 keys); inclusive: pre_tokens counts the query itself (W keys, the HF / vLLM window)",
+             switch=True, dependency=True, swept=True),
+    Question("null_block_contents", ("zeros", "stale", "poisoned"),
+             "what does a never-written block of a cache allocated like the framework's (torch.empty) hold?",
+             "zeros / stale (what the memory held before) / poisoned (NaN, as validation fills never-written blocks)",
+             dependency=True),
+    Question("repeated_slots", ("last_wins", "first_wins", "error"),
+             "do the cache writers accept padded decode rows that all write the null block's slot 0?",
+             "last_wins / first_wins: the slot holds the last / first row written to it; error: the writer "
+             "rejects any repeated slot",
+             switch=True, dependency=True),
+    Question("mla_decode_sparse_mode3", ("same_as_mode0", "deviates", "rejected"),
+             "MLA absorb decode (q_len 1, rope inputs) with sparse_mode 3: same as mode 0, different, or refused?",
+             "same_as_mode0: sparse_mode 3 with the mask sees the keys mode 0 sees and gives its output; "
+             "deviates: it does not; rejected: the op refuses the call"),
 )}
+
+# The names as tuples, for Literal[...] fields and argparse choices.
+QUESTION_NAMES = tuple(QUESTIONS)
+DEPENDENCY_QUESTIONS = tuple(q.name for q in QUESTIONS.values() if q.dependency)
+SWITCH_QUESTIONS = tuple(q.name for q in QUESTIONS.values() if q.switch)
 
 
 def reading_ok(question: str, reading: str) -> bool:

@@ -59,6 +59,22 @@ def guarded(fn, *args) -> int:
         return EXIT_INTERNAL
 
 
+def dispatch(prog: str, commands: dict, usage: str, argv: list[str]) -> int:
+    """Run the subcommand ``argv[0]`` on the rest of ``argv`` (``commands``: name -> main(argv)).
+
+    ``-h``/``--help`` prints ``usage``; no command or an unknown one is one stderr line, exit 2.
+    """
+    if argv and argv[0] in ("-h", "--help"):
+        sys.stdout.write(usage)
+        return EXIT_OK
+    if not argv or argv[0] not in commands:
+        what = f"unknown command {argv[0]!r}" if argv else "no command given"
+        sys.stderr.write(f"error: {prog}: {what}: use one of {', '.join(commands)} (see {prog} --help)\n")
+        return EXIT_BAD_INPUT
+    # Each command guards itself too; this catches what fails before it can (e.g. its imports).
+    return guarded(commands[argv[0]], argv[1:]) or EXIT_OK
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one stderr line (exit 2) like every other bad input."""
 

@@ -50,6 +50,10 @@ def dataclass_fields(source: str, class_name: str) -> list[str] | None:
     return collect(class_name, frozenset({class_name})) if class_name in classes else None
 
 
+# Every cache_info API generation the detector knows, oldest first; G3 checkouts take G2 renders, so
+# the manifest's FrameworkApi (what renders follow) stops at G2.
+GENERATIONS = ("G0", "G1", "G2", "G3")
+
 # Fields that mark the HEAD-era framework (G3): physical allocator, compressed rows and the
 # tensor layout switch arrived together with the Mamba state entries and the sliding-window
 # prefill layout that keeps max(0, L - 1 - W) onwards.
@@ -86,6 +90,10 @@ def classify_generation(entry_fields, model_fields, class_names=()) -> tuple[str
 def render_api(generation: str | None) -> str | None:
     """The model-side contract a generation's renders follow (G3 checkouts take G2 renders)."""
     return "G2" if generation == "G3" else generation
+
+
+# The contracts renders follow: the manifest's framework_api values.
+RENDER_APIS = tuple(g for g in GENERATIONS if render_api(g) == g)
 
 
 def class_names(source: str) -> list[str]:

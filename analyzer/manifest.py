@@ -14,13 +14,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
+from analyzer.framework_checkout import RENDER_APIS
+
 SCHEMA_VERSION = "1.0"
 
 AttnType = Literal["FullAttention", "SlidingWindow"]
 LayerKind = Literal["full", "sliding", "chunked", "linear"]
 DeployMode = Literal["framework", "standalone"]
 DeploySource = Literal["dispatch", "user", "self_check", "default"]
-FrameworkApi = Literal["G0", "G1", "G2"]
+FrameworkApi = Literal[RENDER_APIS]
 KvMode = Literal["paged", "legacy"]
 FaVersion = Literal["v1", "v2"]
 MaskKind = Literal["causal_2048", "none"]
@@ -212,12 +215,12 @@ class MemoryPlan(_Model):
 class DeviceDependency(_Model):
     """An open device behaviour (references/device_questions.md) this design relies on; settled only by an NPU run."""
 
-    question: Literal["band_at_single_query", "window_pre_tokens", "null_block_contents", "repeated_slots"]
+    question: Literal[DEPENDENCY_QUESTIONS]
     assumed: str
     alternative: str
     consequence: str
     layers: list[int] = Field(default_factory=list)
-    status: Literal["assumed", "confirmed", "contradicted", "unknown"] = Field(
+    status: Literal["assumed", "confirmed", "contradicted", UNKNOWN] = Field(
         default="assumed", description="assumed: no measurement; confirmed / contradicted: the readings file "
                                        "(device_readings) measured a reading the design survives / does not; "
                                        "unknown: the probe's output matched no known reading")
@@ -228,7 +231,7 @@ class DeviceReadingsSource(_Model):
     """Where the measured device readings came from (`kvcache analyze --device-readings FILE`)."""
 
     file: str
-    backend: Literal["npu", "emulated"] = Field(description="emulated: a CPU dry run, it settles nothing")
+    backend: Literal[OP_BACKENDS] = Field(description="emulated: a CPU dry run, it settles nothing")
     soc: str | None = None
     torch_npu_version: str | None = None
     cann_version: str | None = None

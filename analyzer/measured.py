@@ -7,7 +7,7 @@ from analyzer.errors import InputError
 from analyzer.manifest import DeviceDependency, DeviceReadingsSource, Finding
 from analyzer.readings_file import ReadingsFile
 
-DEFAULT_WINDOW_READING = "exclusive"
+DEFAULT_WINDOW_READING = QUESTIONS["window_pre_tokens"].default
 
 
 def resolve_window_reading(stated: str | None, readings: ReadingsFile | None, file: str | None) -> tuple[str, str]:
@@ -28,7 +28,7 @@ def _survives(dep: DeviceDependency) -> set[str]:
     if dep.question == "null_block_contents":  # the design never reads the null block: any contents do
         return set(QUESTIONS[dep.question].readings)
     if dep.question == "repeated_slots":  # padded rows are identical: whichever wins is the same row
-        return {"last_wins", "first_wins"}
+        return set(QUESTIONS[dep.question].alternatives("error"))
     return {dep.assumed}
 
 

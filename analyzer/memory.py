@@ -1,55 +1,27 @@
-"""KV memory plan: one small frozen spec per kind of cache group, the arithmetic on the spec.
+"""KV memory plan of the manifest: block counts, budget fit and their derivation lines.
 
-Formulas are the framework's (references/framework.md, 'block 的数量与 null block'): offline ``ceil(max_len/bs) * concurrency + 1``
-blocks per manager; budget-based: fixed-block groups (SlidingWindow) first, then the rest of
-the budget in tokens for the growing groups; block 0 of every pool is the null block.
+The arithmetic lives on the group specs of ``analyzer.kv_cache_spec`` (shared with the framework
+harness): offline ``ceil(max_len/bs) * concurrency + 1`` blocks per manager; budget-based:
+fixed-block groups (SlidingWindow) first, then the rest of the budget in tokens for the growing
+groups; block 0 of every pool is the null block.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from analyzer.kv_cache_spec import (
+    NULL_BLOCKS,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    fixed_bytes,
+    max_tokens_in,
+    pool_bytes,
+)
 
 GIB = 1024**3
 
-
-@dataclass(frozen=True)
-class FullAttentionGroup:
-    """Layers whose cache grows with the sequence; one block pool."""
-
-    group_key: str
-    num_layers: int
-    per_token_bytes: int  # all layers of the group, one rank
-    block_size: int
-    fixed: bool = False
-
-    @property
-    def block_bytes(self) -> int:
-        return self.per_token_bytes * self.block_size
-
-    def blocks_offline(self, max_len: int, concurrency: int) -> int:
-        return math.ceil(max_len / self.block_size) * concurrency + 1
-
-    def blocks_per_request(self, seq_len: int) -> int:
-        return math.ceil(seq_len / self.block_size)
-
-
-@dataclass(frozen=True)
-class SlidingWindowGroup(FullAttentionGroup):
-    """Layers that keep only a window: a fixed number of blocks per request."""
-
-    window: int = 0
-    next_n: int = 0  # speculative (MTP) tokens per step
-    fixed: bool = True
-
-    def blocks_per_request(self, seq_len: int) -> int:
-        return math.ceil((self.window + 2 * self.next_n) / self.block_size) + 1
-
-    def fixed_blocks(self, concurrency: int) -> int:
-        return concurrency * self.blocks_per_request(0) + 1
-
-
-Group = FullAttentionGroup | SlidingWindowGroup
+Group = FullAttentionSpec | SlidingWindowSpec
 
 
 @dataclass(frozen=True)
@@ -60,19 +32,15 @@ class BudgetPlan:
     derivation: list[str]
 
 
-def _fixed_bytes(groups: list[Group], concurrency: int) -> int:
-    return sum(g.fixed_blocks(concurrency) * g.block_bytes for g in groups if g.fixed)
-
-
 def _growing_blocks(groups: list[Group], available_bytes: float, concurrency: int) -> tuple[int, int] | None:
     """(max_tokens, blocks) left for the growing groups once the fixed groups are reserved."""
     growing = [g for g in groups if not g.fixed]
     per_token = sum(g.per_token_bytes for g in growing)
-    left = available_bytes - _fixed_bytes(groups, concurrency)
+    left = available_bytes - fixed_bytes(groups, concurrency)
     if not growing or per_token <= 0 or left < 0:
         return None
-    max_tokens = math.floor(left / per_token)
-    return max_tokens, max_tokens // growing[0].block_size
+    max_tokens = max_tokens_in(left, per_token)
+    return max_tokens, growing[0].blocks_for_tokens(max_tokens)
 
 
 def max_concurrency_at(groups: list[Group], available_bytes: float, seq_len: int) -> int:
@@ -83,13 +51,13 @@ def max_concurrency_at(groups: list[Group], available_bytes: float, seq_len: int
     """
 
     def fits(c: int) -> bool:
-        if _fixed_bytes(groups, c) > available_bytes:
+        if fixed_bytes(groups, c) > available_bytes:
             return False
         growing = [g for g in groups if not g.fixed]
         if not growing:
             return True
         got = _growing_blocks(groups, available_bytes, c)
-        return got is not None and got[1] - 1 >= c * growing[0].blocks_per_request(seq_len)
+        return got is not None and growing[0].usable_blocks(got[1]) >= c * growing[0].blocks_per_request(seq_len)
 
     per_request = sum(g.blocks_per_request(seq_len) * g.block_bytes for g in groups)
     if per_request <= 0 or not fits(0):
@@ -116,7 +84,7 @@ def plan_budget(
     """
     lines: list[str] = [f"budget = {available_bytes:.0f} B"]
     blocks: dict[str, int] = {}
-    fixed_bytes = _fixed_bytes(groups, concurrency)
+    reserved = fixed_bytes(groups, concurrency)
     for g in groups:
         if g.fixed:
             blocks[g.group_key] = g.fixed_blocks(concurrency)
@@ -125,15 +93,15 @@ def plan_budget(
                 f"= {blocks[g.group_key]} blocks x {g.block_bytes} B"
             )
     growing = [g for g in groups if not g.fixed]
-    if fixed_bytes > available_bytes:
-        lines.append(f"fixed groups need {fixed_bytes} B > budget: nothing fits")
+    if reserved > available_bytes:
+        lines.append(f"fixed groups need {reserved} B > budget: nothing fits")
         return BudgetPlan({g.group_key: 0 for g in groups}, 0 if growing else None, 0, lines)
     max_tokens: int | None = None
     got = _growing_blocks(groups, available_bytes, concurrency)
     if got is not None:
         max_tokens, n_blocks = got
         per_token = sum(g.per_token_bytes for g in growing)
-        lines.append(f"max_tokens = floor(({available_bytes:.0f} - {fixed_bytes}) / {per_token}) = {max_tokens}")
+        lines.append(f"max_tokens = floor(({available_bytes:.0f} - {reserved}) / {per_token}) = {max_tokens}")
         for g in growing:
             blocks[g.group_key] = n_blocks
             lines.append(f"{g.group_key}: floor({max_tokens} / {g.block_size}) = {n_blocks} blocks "
@@ -169,7 +137,7 @@ def plan_offline(groups: list[Group], max_len: int, concurrency: int) -> BudgetP
 
 def plan_bytes(groups: list[Group], blocks: dict[str, int]) -> int:
     """Bytes the pools take: blocks x block_size x per-token bytes of the group, summed."""
-    return sum(blocks[g.group_key] * g.block_bytes for g in groups)
+    return pool_bytes(groups, blocks)
 
 
 def plan_warnings(plan: BudgetPlan, requested_concurrency: int | None, max_len: int | None) -> list[str]:
@@ -180,7 +148,7 @@ def plan_warnings(plan: BudgetPlan, requested_concurrency: int | None, max_len: 
     the framework would start but could not fill.
     """
     out = []
-    starved = {key: n for key, n in sorted(plan.blocks.items()) if n <= 1}
+    starved = {key: n for key, n in sorted(plan.blocks.items()) if n <= NULL_BLOCKS}
     if starved:
         listed = ", ".join(f"{key} {n}" for key, n in starved.items())
         out.append(f"the KV budget leaves no usable block (block 0 is the null block) in: {listed} block(s); "

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from analyzer.device_questions import QUESTIONS, UNKNOWN, reading_ok
+from analyzer.device_questions import OP_BACKENDS, QUESTIONS, UNKNOWN, reading_ok
 from analyzer.errors import InputError
 
 PROBE_VERSION = 1
@@ -36,7 +36,7 @@ class ReadingsFile(_Model):
     kind: Literal["kvcache-device-readings"] = FILE_KIND
     probe_version: int
     created_utc: str
-    backend: Literal["npu", "emulated"]
+    backend: Literal[OP_BACKENDS]
     device_index: int | None = None
     soc: str | None = Field(default=None, description="SoC / device name as torch_npu reports it")
     torch_version: str

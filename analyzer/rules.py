@@ -6,11 +6,11 @@ The tables in SKILL.md / references/ are generated from or checked against this 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from analyzer.config_loader import ModelFacts, yarn_mscale
+from analyzer.kv_cache_spec import token_bytes
 from analyzer.manifest import CacheSpec, Finding, MaskPerPath, MtpDecision, ParallelPlan, PerPath
 
 # Page-attention block sizes the FA paged path accepts for Q_S > 1 (references/fa_operators.md, '传给 FA 的 paged KV').
@@ -312,7 +312,7 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
 
 
 def cache_token_bytes(caches: list[CacheSpec]) -> int:
-    return sum(c.dim * c.num_head * DTYPE_BYTES[c.dtype] for c in caches)
+    return sum(token_bytes(c.dim, c.num_head, DTYPE_BYTES[c.dtype]) for c in caches)
 
 
 def check_block_size(value: int) -> str | None:
@@ -388,7 +388,3 @@ def decide_mtp(facts: ModelFacts) -> MtpDecision | None:
                "(sliding layers keep 4); get_cache_info must list the MTP layers' caches too",
     )
 
-
-def block_count_offline(max_len: int, block_size: int, concurrency: int) -> int:
-    """Blocks one paged manager needs offline: ceil(max_len / bs) per request, plus the null block."""
-    return math.ceil(max_len / block_size) * concurrency + 1

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import get_args
 
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.progress_writer import check_out_dir
-from implementer.render import load_manifest, render_manifest, write_rendered
+from analyzer.files import check_out_dir
+from analyzer.manifest import FrameworkApi
+from analyzer.manifest_io import load_manifest
 from implementer.template_context import Names
+from implementer.render import render_manifest, write_rendered
 
 EXAMPLES = """examples:
   kvcache render --manifest manifest.json --out rendered/
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"name of the standalone runner mixin (default {Names.runner_mixin})")
     p.add_argument("--attn-attr", default=Names.attn_attr, metavar="NAME",
                    help=f"attribute of a decoder layer holding its attention (default {Names.attn_attr})")
-    p.add_argument("--framework-api", choices=("G0", "G1", "G2"),
+    p.add_argument("--framework-api", choices=get_args(FrameworkApi),
                    help="framework API generation when the manifest names none (default G2)")
     p.add_argument("--allow-blocked", action="store_true",
                    help="render even when the manifest lists blockers (Legacy path)")

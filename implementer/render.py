@@ -10,8 +10,9 @@ import jinja2
 
 from analyzer.decisions_table import decision_rows
 from analyzer.errors import InputError
-from analyzer.manifest import ManifestInvariantError, SelectionManifest
-from analyzer.progress_writer import atomic_write_text
+from analyzer.files import atomic_write_bytes, atomic_write_text
+from analyzer.manifest import SelectionManifest
+from analyzer.decisions_table import decision_rows
 from implementer.template_context import Names, RenderContext, build_context, one_line
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -65,30 +66,6 @@ def render_manifest(
     return Rendered(out, c)
 
 
-def load_manifest(path: str | Path) -> SelectionManifest:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(str(p), "file not found")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(p), f"cannot read: {exc}") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            return SelectionManifest.model_validate(yaml.safe_load(text))
-        return SelectionManifest.model_validate_json(text)
-    except Exception as exc:  # pydantic ValidationError / yaml errors: name the first bad field
-        first = getattr(exc, "errors", lambda: [])()
-        field = ".".join(str(x) for x in first[0]["loc"]) if first else None
-        msg = first[0]["msg"] if first else str(exc).splitlines()[0]
-        broken = first[0].get("ctx", {}).get("error") if first else None
-        if isinstance(broken, ManifestInvariantError):  # fields that contradict each other (hand edit)
-            field, msg = broken.field, broken.message
-        raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
-
-
 def _check_targets(rendered: Rendered, root: Path, force: bool) -> list[tuple[str, Path]]:
     """Every target resolved and checked before anything is written."""
     if root.exists() and not root.is_dir():
@@ -139,7 +116,7 @@ def write_rendered(rendered: Rendered, out_dir: str | Path, force: bool = False)
             if old is None:
                 target.unlink(missing_ok=True)
             else:
-                target.write_bytes(old)
+                atomic_write_bytes(target, old)
         for folder in reversed(created_dirs):
             with contextlib.suppress(OSError):
                 folder.rmdir()

@@ -200,7 +200,7 @@ def test_write_progress_is_atomic_when_the_rename_fails(tmp_path, capsys, monkey
     def failing_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("analyzer.progress_writer.os.replace", failing_replace)
+    monkeypatch.setattr("analyzer.files.os.replace", failing_replace)
     rc, _, err = invoke(["--config", QWEN3, "--write-progress", progress], capsys)
     assert rc == 2 and "cannot write: disk full" in err and err.count("\n") == 1
     assert progress.read_bytes() == before

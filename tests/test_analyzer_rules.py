@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from analyzer import memory, rules
+from analyzer import kv_cache_spec, memory, rules
 from analyzer.config_loader import normalize_config, yarn_mscale
 from analyzer.manifest import CacheSpec, Finding
 
@@ -279,8 +279,8 @@ def test_deploy_mode_priority_and_losers():
 
 def test_offline_blocks_full_attention():
     # Qwen3-8B-like group: ceil(8192 / 128) = 64 blocks per request, x 4 requests, + 1 null block = 257
-    g = memory.FullAttentionGroup("FullAttention", 36, 147456, 128)
-    assert g.blocks_offline(8192, 4) == 257 == rules.block_count_offline(8192, 128, 4)
+    g = kv_cache_spec.FullAttentionSpec("FullAttention", 36, 147456, 128)
+    assert g.blocks_offline(8192, 4) == 257
     # a partial last block still costs a block: ceil(8193 / 128) = 65 -> 65 x 4 + 1 = 261
     assert g.blocks_offline(8193, 4) == 261
     plan = memory.plan_offline([g], 8192, 4)
@@ -291,8 +291,8 @@ def test_offline_blocks_full_attention():
 
 def test_offline_with_a_sliding_group_keeps_its_fixed_count():
     # gpt-oss-20b-like: 12 sliding + 12 full layers, each group 12 x (k+v) x 64 x 8 x 2 B = 24576 B/token
-    full = memory.FullAttentionGroup("FullAttention", 12, 24576, 128)
-    sw = memory.SlidingWindowGroup("SlidingWindow", 12, 24576, 128, window=128)
+    full = kv_cache_spec.FullAttentionSpec("FullAttention", 12, 24576, 128)
+    sw = kv_cache_spec.SlidingWindowSpec("SlidingWindow", 12, 24576, 128, window=128)
     plan = memory.plan_offline([full, sw], 4096, 4)
     # full: ceil(4096/128) = 32 x 4 + 1 = 129; sliding: 4 x (ceil(128/128) + 1) + 1 = 9, even offline
     assert plan.blocks == {"FullAttention": 129, "SlidingWindow": 9}
@@ -301,7 +301,7 @@ def test_offline_with_a_sliding_group_keeps_its_fixed_count():
 def test_sliding_fixed_blocks_with_next_n():
     # W = 4096, next_n = 1, bs = 128: ceil((4096 + 2) / 128) = 33, + 1 boundary block = 34 per request;
     # 8 requests -> 8 x 34 + 1 null block = 273
-    g = memory.SlidingWindowGroup("SlidingWindow", 32, 131072, 128, window=4096, next_n=1)
+    g = kv_cache_spec.SlidingWindowSpec("SlidingWindow", 32, 131072, 128, window=4096, next_n=1)
     assert g.blocks_per_request(10**6) == 34 and g.fixed_blocks(8) == 273
 
 
@@ -310,7 +310,7 @@ def test_budget_full_attention_only():
     # budget 10 GiB x 0.9 = 9663676416 B; max_tokens = floor(9663676416 / 147456) = 65536;
     # blocks = floor(65536 / 128) = 512 (block 0 is the null block).
     # requests of 8192 tokens: (512 - 1) // ceil(8192 / 128) = 511 // 64 = 7
-    g = memory.FullAttentionGroup("FullAttention", 36, 147456, 128)
+    g = kv_cache_spec.FullAttentionSpec("FullAttention", 36, 147456, 128)
     plan = memory.plan_budget([g], 10 * GIB * 0.9, 1, 8192)
     assert plan.max_tokens == 65536
     assert plan.blocks == {"FullAttention": 512}
@@ -322,8 +322,8 @@ def test_budget_with_sliding_group_reserved_first():
     # sliding fixed: 4 x (ceil(128/128) + 1) + 1 = 9 blocks = 27 MiB = 28311552 B
     # max_tokens = floor((1073741824 - 28311552) / 24576) = floor(42538.67) = 42538
     # full blocks = floor(42538 / 128) = 332
-    full = memory.FullAttentionGroup("FullAttention", 12, 24576, 128)
-    sw = memory.SlidingWindowGroup("SlidingWindow", 12, 24576, 128, window=128)
+    full = kv_cache_spec.FullAttentionSpec("FullAttention", 12, 24576, 128)
+    sw = kv_cache_spec.SlidingWindowSpec("SlidingWindow", 12, 24576, 128, window=128)
     plan = memory.plan_budget([full, sw], GIB, 4, 4096)
     assert plan.blocks == {"SlidingWindow": 9, "FullAttention": 332}
     assert plan.max_tokens == 42538
@@ -338,7 +338,7 @@ def test_budget_sliding_only():
     # Mistral-7B-like: 32 sliding layers x k,v x 128 x 8 x 2 B = 131072 B/token, block = 16 MiB.
     # W = 4096 -> ceil(4096/128) + 1 = 33 blocks per request; 2 requests -> 2 x 33 + 1 = 67 blocks.
     # 67 x 16 MiB = 1072 MiB fits in 2 GiB.
-    sw = memory.SlidingWindowGroup("SlidingWindow", 32, 131072, 128, window=4096)
+    sw = kv_cache_spec.SlidingWindowSpec("SlidingWindow", 32, 131072, 128, window=4096)
     plan = memory.plan_budget([sw], 2 * GIB, 2, 8192)
     assert plan.blocks == {"SlidingWindow": 67} and plan.max_tokens is None
     # 2 GiB = 128 blocks of 16 MiB: 33c + 1 <= 128 -> c = 3
@@ -349,8 +349,8 @@ def test_budget_sliding_only():
 
 
 def test_budget_too_small_for_the_fixed_reservation():
-    sw = memory.SlidingWindowGroup("SlidingWindow", 32, 131072, 128, window=4096)
-    full = memory.FullAttentionGroup("FullAttention", 4, 16384, 128)
+    sw = kv_cache_spec.SlidingWindowSpec("SlidingWindow", 32, 131072, 128, window=4096)
+    full = kv_cache_spec.FullAttentionSpec("FullAttention", 4, 16384, 128)
     plan = memory.plan_budget([full, sw], 100 * 2**20, 8, 4096)
     assert plan.blocks == {"FullAttention": 0, "SlidingWindow": 0}
     assert plan.max_concurrency_at_max_len == 0 and plan.max_tokens == 0

@@ -32,7 +32,7 @@ def test_falcon_7b_runs_through_the_rendered_code_and_meets_the_fa_head_ratio_li
     FA operator takes a ratio of at most 64, which the analyzer reports as a blocker and the
     emulated operator confirms on the first call."""
     manifest, rendered, cfg = render_case(tmp_path, "falcon_7b", framework_api="G2")
-    from implementer.render import load_manifest
+    from analyzer.manifest_io import load_manifest
 
     m = load_manifest(str(manifest))
     assert any("71 query heads per 1 KV head" in b.message for b in m.blockers)

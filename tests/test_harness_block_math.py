@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 
+from analyzer.kv_cache_spec import sliding_blocks_per_request
 from validators.harness import (
     calculate_block_num,
-    fixed_blocks_per_request,
     get_generation,
     kv_cache_bytes,
     set_emulated_mem_info,
@@ -57,9 +57,9 @@ def test_offline_with_sliding_group():
 
 
 def test_fixed_blocks_per_request_formula():
-    assert fixed_blocks_per_request(128, 128) == 2
-    assert fixed_blocks_per_request(129, 128) == 3  # 129 tokens span 2 blocks, +1 boundary
-    assert fixed_blocks_per_request(4096, 128, next_n=2) == 34  # ceil(4100/128)=33, +1
+    assert sliding_blocks_per_request(128, 128) == 2
+    assert sliding_blocks_per_request(129, 128) == 3  # 129 tokens span 2 blocks, +1 boundary
+    assert sliding_blocks_per_request(4096, 128, next_n=2) == 34  # ceil(4100/128)=33, +1
 
 
 def test_budget_full_only():

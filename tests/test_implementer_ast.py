@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from analyzer.build import AnalyzeRequest, analyze
-from implementer.render import load_manifest, render_manifest
+from analyzer.manifest_io import load_manifest
+from implementer.render import render_manifest
 from validators.npu_ops.schemas import accepted_keywords, op_schema
 
 ROOT = Path(__file__).resolve().parent.parent

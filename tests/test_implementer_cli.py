@@ -13,11 +13,12 @@ import pytest
 
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
+from analyzer.manifest_io import load_manifest
 from analyzer.version import __version__
 from implementer import cli as render_cli
 from implementer import render as render_mod
-from implementer.render import Rendered, load_manifest, render_manifest, write_rendered
 from implementer.template_context import Names, build_context
+from implementer.render import Rendered, render_manifest, write_rendered
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from implementer.render import load_manifest
+from analyzer.manifest_io import load_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 HINT = "if the change is intended, run `python tests/golden/regenerate.py` and review the diff"

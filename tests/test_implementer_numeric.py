@@ -234,7 +234,7 @@ def default_prompts(manifest) -> tuple[int, ...]:
 
 
 def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
-    from implementer.render import load_manifest
+    from analyzer.manifest_io import load_manifest
     from validators.harness import FrameworkAPI, Scheduler, install_framework
     from validators.npu_ops import install_emulation
     from validators.pipeline.host_model import import_rendered
@@ -268,7 +268,7 @@ def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
 
 
 def run_standalone(case, prompts=None) -> list[tuple[str, float]]:
-    from implementer.render import load_manifest
+    from analyzer.manifest_io import load_manifest
     from validators.npu_ops import install_emulation
     from validators.pipeline.host_model import import_rendered
 
@@ -355,7 +355,8 @@ def test_framework_sliding_prefill_of_two_long_prompts_in_one_step():
 
 def test_legacy_standalone_runner_matches_dense_reference():
     """Mode 1 (contiguous BSH cache, scatter_update_ at the runner's kv_len) with per-kind bands."""
-    from implementer.render import load_manifest
+    from analyzer.manifest_io import load_manifest
+    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
     from validators.pipeline.host_model import import_rendered
 

@@ -136,13 +136,14 @@ def test_mutated_rendered_code_is_caught(config, gen):
 
 def _golden_manifest(py: Path):
     """A manifest JSON next to a golden file (or in a parent under tests/golden/), if any."""
-    from validators.lint import ManifestError, load_manifest
+    from analyzer.errors import InputError
+    from analyzer.manifest_io import load_manifest
 
     for folder in [py.parent, *py.parent.parents]:
         for candidate in sorted(folder.glob("*.json")):
             try:
                 return load_manifest(candidate)
-            except ManifestError:
+            except InputError:
                 continue
         if folder == GOLDEN:
             break

@@ -179,13 +179,25 @@ def test_python_dash_m_validators_lint():
     assert [item["rule"] for item in json.loads(proc.stdout)] == ["KV201"]
 
 
-def test_validators_main_routes_other_commands(monkeypatch):
+def test_validators_main_routes_validate_with_its_own_arguments(monkeypatch):
     seen = {}
     fake = types.ModuleType("validators.cli")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "validators.cli", fake)
     assert validators_main.main(["validate", "--manifest", "m.json"]) == 0
-    assert seen["argv"] == ["validate", "--manifest", "m.json"]
+    assert seen["argv"] == ["--manifest", "m.json"]  # the subcommand name is consumed, not passed on
+
+
+@pytest.mark.parametrize("argv", [[], ["--manifest", "m.json"], ["lnit"]])
+def test_validators_main_refuses_a_missing_or_unknown_command(monkeypatch, capsys, argv):
+    """No implicit `validate`: whatever is not a known subcommand is one line, exit 2, and runs nothing."""
+    fake = types.ModuleType("validators.cli")
+    fake.main = lambda argv: pytest.fail("validate must not run")
+    monkeypatch.setitem(sys.modules, "validators.cli", fake)
+    assert validators_main.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: python -m validators: ")
+    assert "lint, validate, probe" in err
 
 
 def test_readme_rule_table_matches_registry():

@@ -1,8 +1,9 @@
 """The manifest's memory plan and the framework harness's block math agree on the same model.
 
 analyzer.memory plans from the manifest's groups; validators.harness reproduces the framework's
-calculate_block_num from a ModelCacheInfo. Two implementations of one formula: this test keeps
-them from drifting apart (offline and budget-based, with and without sliding groups).
+calculate_block_num from a ModelCacheInfo. Both size pools with analyzer.kv_cache_spec; this test
+checks the two paths to those specs (manifest groups vs cache entries, MTP merge included) land on
+the same blocks (offline and budget-based, with and without sliding groups).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from analyzer.build import AnalyzeRequest, analyze
-from implementer.render import load_manifest
+from analyzer.manifest_io import load_manifest
 from validators.pipeline.report import Report
 
 ROOT = Path(__file__).resolve().parent.parent

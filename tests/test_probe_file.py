@@ -17,6 +17,7 @@ from analyzer.readings_file import PROBE_VERSION, load_readings
 from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
 from validators.pipeline.validate import ValidateRequest, validate
 from validators.probe.device import open_device
+from analyzer.readings_file import PROBE_VERSION, load_readings
 from validators.probe.run import probe
 
 GPT_OSS = str(CONFIGS / "gpt_oss_20b.json")

@@ -14,7 +14,7 @@ from validators_support import CONFIGS, ROOT, render_case
 
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
-from implementer.render import load_manifest
+from analyzer.manifest_io import load_manifest
 from validators.pipeline.report import Report
 from validators.pipeline.validate import ValidateRequest, resolve_dtype, validate
 

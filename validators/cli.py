@@ -1,4 +1,4 @@
-"""`kvcache validate` (and `python -m validators`): thin layer over validators.pipeline.validate."""
+"""`kvcache validate` (and `python -m validators validate`): thin layer over validators.pipeline.validate."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from analyzer.device_questions import BACKEND_CHOICES
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.progress_writer import atomic_write_text, check_writable, plan_section
+from analyzer.files import atomic_write_text, check_writable
+from analyzer.framework_checkout import GENERATIONS
+from analyzer.progress_writer import plan_section
+from validators.pipeline.numeric import TOLERANCE
 from validators.pipeline.runtime_deps import require_validation_deps
 from validators.pipeline.validate import ValidateRequest, validate
 
@@ -32,16 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, metavar="FILE", help="manifest the code was rendered from")
     p.add_argument("--rendered", required=True, metavar="DIR", help="directory written by `kvcache render`")
     p.add_argument("--config", required=True, metavar="FILE", help="the model's config.json (tiny model is built from it)")
-    p.add_argument("--backend", choices=("auto", "emulated", "npu"), default="auto",
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="emulated = CPU reference ops; npu = real torch_npu (auto picks npu when present)")
     p.add_argument("--framework-root", metavar="DIR",
                    help="cann-recipes-infer checkout: use its executor.core.kv_cache instead of the harness")
-    p.add_argument("--framework-api", choices=("G0", "G1", "G2", "G3"),
+    p.add_argument("--framework-api", choices=GENERATIONS,
                    help="harness generation (default: the manifest's; a G2 manifest runs the HEAD-era G3 "
                         "harness, --framework-api G2 the 48a59dc one)")
     p.add_argument("--attn-tp-size", type=int, metavar="N",
                    help="attention TP ranks to launch (must equal the manifest's attn_tp_size; gloo on CPU)")
-    p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", choices=tuple(TOLERANCE),
                    help="compute dtype of the comparison (default: float64 on the emulated backend, where honest "
                         "code differs by rounding only; the model's dtype on an NPU). Tolerances: float64 1e-9, "
                         "float32 1e-4, bfloat16/float16 5e-2")

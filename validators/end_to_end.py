@@ -13,8 +13,9 @@ from pathlib import Path
 
 from analyzer.build import analyze
 from analyzer.cli import add_analyze_arguments, print_warnings, request_from_args
+from analyzer.device_questions import BACKEND_CHOICES
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.progress_writer import atomic_write_text, check_out_dir
+from analyzer.files import atomic_write_text, check_out_dir, umask
 from implementer.render import render_manifest, write_rendered
 from validators.pipeline.runtime_deps import require_validation_deps
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Every analyze flag, from analyze's own definitions; without --config/--model-dir: the bundled example.
     add_analyze_arguments(p, source_required=False)
-    p.add_argument("--backend", choices=("auto", "emulated", "npu"), default="auto", help="validation backend")
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto", help="validation backend")
     p.add_argument("--out", default="kvcache-out", metavar="DIR",
                    help="directory for manifest.json, rendered/, report.json, report.md (default kvcache-out); "
                         "an earlier run's output there is replaced, other content is refused (see --force)")
@@ -117,9 +118,7 @@ def _staging_dir(out: Path) -> Path:
     while not base.exists():
         base = base.parent
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.kvcache-run.", dir=base))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(staging, 0o777 & ~mask)  # mkdtemp's 0700 would become --out's mode on the move
+    os.chmod(staging, 0o777 & ~umask())  # mkdtemp's 0700 would become --out's mode on the move
     return staging
 
 

@@ -32,6 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from analyzer.errors import OneLineArgumentParser
+from analyzer.files import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Docs that may hold generated blocks, and the blocks each must hold.
@@ -204,13 +207,14 @@ _PROBE_WINDOW = 1000  # any window works: the table shows pre_tokens as W minus 
 
 
 def _band_text(attn_type: str) -> str:
+    from analyzer.device_questions import QUESTIONS
     from analyzer.rules import decide_window_tokens
 
     if attn_type != "SlidingWindow":
         pre, nxt, _ = decide_window_tokens(None)
         return f"{pre} / {nxt}"
     out = []
-    for reading in ("exclusive", "inclusive"):
+    for reading in QUESTIONS["window_pre_tokens"].readings:
         pre, nxt, _ = decide_window_tokens(_PROBE_WINDOW, reading)
         offset = _PROBE_WINDOW - pre
         out.append(f"{'W' if offset == 0 else f'W-{offset}' if offset > 0 else f'W+{-offset}'} / {nxt}"
@@ -347,7 +351,7 @@ def write_generated(root: Path = ROOT) -> list[Path]:
 
         new = _BLOCK.sub(fill, text)
         if new != text:
-            path.write_text(new, encoding="utf-8")
+            atomic_write_text(path, new)
             changed.append(path)
     return changed
 
@@ -529,8 +533,8 @@ def check_all(root: Path = ROOT) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m validators.docgen.doc_tables",
-                                description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
+    p = OneLineArgumentParser(prog="python -m validators.docgen.doc_tables",
+                              description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
     p.add_argument("--check", action="store_true", help="only check (the default; exit 1 on drift)")
     p.add_argument("--write", action="store_true", help="rewrite the generated blocks in place, then check")
     p.add_argument("--root", default=str(ROOT), help="bundle root (default: this checkout)")

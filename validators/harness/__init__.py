@@ -21,7 +21,7 @@ from .cache_utils import (
     build_block_tables,
     cache_tensor_shape,
     calculate_block_num,
-    fixed_blocks_per_request,
+    entry_spec,
     group_specs,
     kv_cache_bytes,
     set_emulated_mem_info,
@@ -31,7 +31,7 @@ from .cache_utils import (
 from .cache_utils import prepare_block_tables_g2 as prepare_block_tables
 from .cache_utils import prepare_slot_mapping_g2 as prepare_slot_mapping
 from .common_utils import MASK_SIZE, get_decode_mask, get_init_attn_mask
-from .entries import dtype_itemsize, entry_block_size, group_key_of, iter_entries, token_bytes
+from .entries import dtype_itemsize, entry_block_size, group_key_of, iter_entries
 from .errors import CacheInfoError, FrameworkImportError, HarnessError, SchedulerStall
 from .forward_metadata import ForwardMetaData
 from .generations import (
@@ -100,7 +100,7 @@ __all__ = [
     "detect_generation_from_source",
     "dtype_itemsize",
     "entry_block_size",
-    "fixed_blocks_per_request",
+    "entry_spec",
     "get_decode_mask",
     "get_generation",
     "get_init_attn_mask",
@@ -119,7 +119,6 @@ __all__ = [
     "set_emulated_mem_info",
     "slot_mapping_for",
     "slots_of",
-    "token_bytes",
     "validate_cache_info",
     "window_keys",
     "write_slots",

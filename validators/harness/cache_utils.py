@@ -14,9 +14,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
+
+from analyzer.kv_cache_spec import (
+    FIXED_BLOCK_ATTN_TYPES,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    Spec,
+    fixed_bytes,
+    max_tokens_in,
+    pool_bytes,
+    token_bytes,
+)
 
 from .entries import (
     compress_ratio_of,
@@ -31,8 +43,6 @@ from .entries import (
 from .errors import CacheInfoError
 from .managers import ATTN_TYPE_MANAGER_MAP
 
-# Attention types whose block count does not grow with the sequence (Mamba: G3).
-FIXED_BLOCK_ATTN_TYPES = frozenset({"SlidingWindow", "Mamba"})
 # Physical cache tensor layouts G3 knows; any other value is refused (earlier generations have
 # no cache_layout field and always allocate "BnBsND").
 SUPPORTED_CACHE_LAYOUTS = frozenset({"BnBsND", "BnNBsD"})
@@ -134,63 +144,60 @@ def validate_cache_info(cache_info, manager_map=None) -> None:
 # --------------------------------------------------------------------------- block math
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """Sizing facts of one group (one manager)."""
-
-    key: str
-    attn_type: str
-    block_size: int
-    sliding_window: int | None
-    token_bytes: float  # all HBM entries of the group together (per token; Mamba: per state block)
-    next_n: int = 0  # Mamba: speculative state blocks per request
-
-
 def _entry_unit_bytes(entry) -> int:
     """Bytes of one token of a paged entry (floored after compression), or of one Mamba state block."""
     if entry.attn_type == "Mamba":
         return math.prod(entry.shape) * dtype_itemsize(entry.dtype)
-    numel = math.prod(entry_dims(entry)) * entry.num_head * dtype_itemsize(entry.dtype)
-    if entry.attn_type in FIXED_BLOCK_ATTN_TYPES:
-        return numel  # the framework sizes fixed-block caches uncompressed
-    return int(numel // compress_ratio_of(entry))
+    ratio = 1 if entry.attn_type in FIXED_BLOCK_ATTN_TYPES else compress_ratio_of(entry)  # fixed: uncompressed
+    return token_bytes(math.prod(entry_dims(entry)), entry.num_head, dtype_itemsize(entry.dtype), ratio)
 
 
-def group_specs(cache_info, *, include_unpaged: bool = False) -> dict[str, GroupSpec]:
-    """Per-group block size, window and bytes (HBM entries only count bytes).
+def entry_spec(entry, cache_info, next_n: int = 0) -> Spec:
+    """The spec of one entry's kind of group, sized by this entry alone (its HBM bytes; 0 off HBM).
+
+    ``next_n``: the model's speculative tokens, which size SlidingWindow reservations (a Mamba
+    entry carries its own ``next_n``).
+    """
+    key = group_key_of(entry)
+    unit = _entry_unit_bytes(entry) if _is_hbm(entry) else 0
+    if entry.attn_type == "Mamba":
+        return MambaSpec(key, unit, int(entry.next_n or 0))
+    block_size = entry_block_size(entry, cache_info)
+    if entry.attn_type == "SlidingWindow":
+        return SlidingWindowSpec(key, 1, unit, block_size, window=entry.sliding_window, next_n=next_n)
+    return FullAttentionSpec(key, 1, unit, block_size)
+
+
+def _merged(previous: Spec, added: Spec, new_layer: bool) -> Spec:
+    if isinstance(previous, MambaSpec):
+        return replace(previous, state_bytes=previous.state_bytes + added.state_bytes)
+    return replace(previous, per_token_bytes=previous.per_token_bytes + added.per_token_bytes,
+                   num_layers=previous.num_layers + int(new_layer))
+
+
+def group_specs(cache_info, *, include_unpaged: bool = False, next_n: int = 0) -> dict[str, Spec]:
+    """One spec per group (table key): block size, window and the bytes of its HBM entries together.
 
     ``include_unpaged``: also count ``needs_block=False`` entries, as the framework's block
     math does for growing groups (it iterates every entry there).
     """
-    specs: dict[str, GroupSpec] = {}
-    for _, entry in iter_entries(cache_info, paged_only=not include_unpaged):
-        key = group_key_of(entry)
-        block_size = entry_block_size(entry, cache_info)
+    specs: dict[str, Spec] = {}
+    last_layer: dict[str, int] = {}
+    for layer_idx, entry in iter_entries(cache_info, paged_only=not include_unpaged):
+        spec = entry_spec(entry, cache_info, next_n)
+        key = spec.group_key
         previous = specs.get(key)
-        if previous is not None and previous.block_size != block_size:
+        if previous is None:
+            specs[key] = spec
+        elif getattr(previous, "block_size", None) != getattr(spec, "block_size", None):
             raise CacheInfoError(
-                f"cache {entry.cache_name!r}: block_size {block_size} differs from {previous.block_size} "
+                f"cache {entry.cache_name!r}: block_size {spec.block_size} differs from {previous.block_size} "
                 f"inside group '{key}'"
             )
-        added = _entry_unit_bytes(entry) if _is_hbm(entry) else 0
-        specs[key] = GroupSpec(
-            key=key,
-            attn_type=entry.attn_type,
-            block_size=block_size,
-            sliding_window=entry.sliding_window if entry.attn_type == "SlidingWindow" else None,
-            token_bytes=added + (previous.token_bytes if previous else 0),
-            next_n=int(getattr(entry, "next_n", 0) or 0),
-        )
+        else:
+            specs[key] = _merged(previous, spec, last_layer[key] != layer_idx)
+        last_layer[key] = layer_idx
     return specs
-
-
-def fixed_blocks_per_request(sliding_window: int, block_size: int, next_n: int = 0) -> int:
-    """Sliding-window blocks one request can hold at once.
-
-    ``ceil((W + 2*next_n) / block_size)`` for the window (plus MTP draft tokens), plus one
-    because a window generally straddles a block boundary.
-    """
-    return math.ceil((sliding_window + 2 * next_n) / block_size) + 1
 
 
 def _fixed_groups(cache_info, max_concurrency: int, next_n: int, needs_block_only: bool):
@@ -200,21 +207,16 @@ def _fixed_groups(cache_info, max_concurrency: int, next_n: int, needs_block_onl
     for layer_idx, entry in iter_entries(cache_info, paged_only=needs_block_only):
         if entry.attn_type not in FIXED_BLOCK_ATTN_TYPES:
             continue
-        key = group_key_of(entry)
-        if entry.attn_type == "Mamba":
-            count = max_concurrency * (1 + int(entry.next_n)) + 1
-            per_block = _entry_unit_bytes(entry)
-        else:
-            block_size = entry_block_size(entry, cache_info)
-            count = max_concurrency * fixed_blocks_per_request(entry.sliding_window, block_size, next_n) + 1
-            per_block = block_size * _entry_unit_bytes(entry)
+        spec = entry_spec(entry, cache_info, next_n)
+        count = spec.fixed_blocks(max_concurrency)
+        key = spec.group_key
         if key in counts and counts[key] != count:
             raise CacheInfoError(
                 f"{_where(layer_idx, entry)}: fixed-block caches sharing group '{key}' need different block "
                 f"counts ({counts[key]} vs {count})"
             )
         counts[key] = count
-        total_bytes += count * per_block if _is_hbm(entry) else 0
+        total_bytes += fixed_bytes([spec], max_concurrency)
     return counts, total_bytes
 
 
@@ -233,8 +235,9 @@ def calculate_block_num(
 ) -> dict[str, int]:
     """Blocks per group (keys as the generation keys its tables); block 0 of each pool is the null block.
 
-    Fixed-block groups: SlidingWindow ``max_concurrency * fixed_blocks_per_request + 1``,
-    Mamba ``max_concurrency * (1 + next_n) + 1``; their HBM bytes are reserved first.
+    The arithmetic is the group specs' (``analyzer.kv_cache_spec``, shared with the analyzer's
+    memory plan). Fixed-block groups: SlidingWindow ``max_concurrency * (ceil((W + 2 next_n) / bs)
+    + 1) + 1``, Mamba ``max_concurrency * (1 + next_n) + 1``; their HBM bytes are reserved first.
     Growing groups, offline (``offline_max_len``): ``ceil(max_len / block_size) * max_concurrency + 1``;
     with ``free_memory`` the total (plus ``extra_reserved_memory_bytes``) must fit in it.
     Growing groups, budget (``available_kv_memory`` bytes): ``max_tokens = floor((available * ratio
@@ -247,19 +250,17 @@ def calculate_block_num(
     """
     if max_concurrency <= 0:
         raise ValueError("max_concurrency must be positive")
-    result, fixed_bytes = _fixed_groups(cache_info, max_concurrency, next_n, fixed_needs_block_only)
+    result, reserved = _fixed_groups(cache_info, max_concurrency, next_n, fixed_needs_block_only)
 
-    paged = [s for s in group_specs(cache_info, include_unpaged=True).values()
-             if s.attn_type not in FIXED_BLOCK_ATTN_TYPES]
+    paged = [s for s in group_specs(cache_info, include_unpaged=True, next_n=next_n).values() if not s.fixed]
     if not paged:
         return result
 
     if offline_max_len:
         for spec in paged:
-            result[spec.key] = math.ceil(offline_max_len / spec.block_size) * max_concurrency + 1
+            result[spec.group_key] = spec.blocks_offline(offline_max_len, max_concurrency)
         if free_memory is not None:
-            required = sum(result[s.key] * s.block_size * s.token_bytes for s in paged)
-            required += fixed_bytes + extra_reserved_memory_bytes
+            required = pool_bytes(paged, result) + reserved + extra_reserved_memory_bytes
             if required > free_memory:
                 raise MemoryError(
                     f"offline cache allocation needs {required:.0f} bytes, more than the free {free_memory} "
@@ -269,22 +270,21 @@ def calculate_block_num(
 
     if available_kv_memory is None:
         raise ValueError("give offline_max_len (offline sizing) or available_kv_memory (budget sizing)")
-    per_token = sum(s.token_bytes for s in paged)
-    budget = available_kv_memory * kv_cache_mem_ratio - fixed_bytes - extra_reserved_memory_bytes
+    per_token = sum(s.per_token_bytes for s in paged)
+    budget = available_kv_memory * kv_cache_mem_ratio - reserved - extra_reserved_memory_bytes
     if budget <= 0:
         raise MemoryError(
             f"no memory left for paged groups after fixed-block reservation: "
-            f"available={available_kv_memory}, ratio={kv_cache_mem_ratio}, fixed={fixed_bytes:.0f}, "
+            f"available={available_kv_memory}, ratio={kv_cache_mem_ratio}, fixed={reserved:.0f}, "
             f"extra_reserved={extra_reserved_memory_bytes}"
         )
     if per_token <= 0:
         raise MemoryError("no HBM-backed paged cache entry remains for budget sizing")
-    max_tokens = int(budget // per_token)
+    max_tokens = max_tokens_in(budget, per_token)
     for spec in paged:
-        result[spec.key] = max_tokens // spec.block_size
+        result[spec.group_key] = spec.blocks_for_tokens(max_tokens)
     if max_prefill_tokens is not None:
-        # The null block holds no data, hence the -1 block.
-        supported = min((result[s.key] - 1) * s.block_size for s in paged)
+        supported = min(s.usable_tokens(result[s.group_key]) for s in paged)
         if supported - 1 < max_prefill_tokens:
             raise MemoryError(
                 f"budget supports {supported} tokens, which cannot hold a prefill of {max_prefill_tokens} tokens"
@@ -601,14 +601,13 @@ def framework_allocate_cache_tensors(device, cache_info, block_num_by_type) -> N
 __all__ = [
     "FIXED_BLOCK_ATTN_TYPES",
     "SUPPORTED_CACHE_LAYOUTS",
-    "GroupSpec",
     "allocate_cache_tensors",
     "build_block_tables",
     "build_slot_mappings",
     "cache_tensor_shape",
     "calculate_block_num",
     "dtype_itemsize",
-    "fixed_blocks_per_request",
+    "entry_spec",
     "framework_allocate_cache_tensors",
     "framework_calculate_block_num",
     "group_specs",

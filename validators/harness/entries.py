@@ -6,7 +6,6 @@ and on the classes of a real cann-recipes-infer checkout.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -50,12 +49,6 @@ def storage_block_size(entry, block_size: int) -> int:
 
 def dtype_itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def token_bytes(entry) -> float:
-    """Bytes one token occupies in this cache (dim x num_head x itemsize / compress_ratio)."""
-    numel = math.prod(entry_dims(entry)) * entry.num_head
-    return numel * dtype_itemsize(entry.dtype) / compress_ratio_of(entry)
 
 
 def iter_entries(cache_info, *, paged_only: bool = False) -> Iterator[tuple[int, object]]:

@@ -31,9 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from analyzer.framework_checkout import classify_generation, dataclass_fields, detect_generation
-
-GENERATIONS = ("G0", "G1", "G2", "G3")
+from analyzer.framework_checkout import GENERATIONS, classify_generation, dataclass_fields, detect_generation
 
 
 def _dims_numel(dim) -> int:

@@ -9,9 +9,8 @@ Public API::
     report.exit_code  # 0 clean, 1 findings, 2 file errors
 """
 
-from validators.lint.engine import ManifestError, lint_paths, lint_source, load_manifest
+from validators.lint.engine import lint_paths, lint_source
 from validators.lint.finding import FileError, Finding, LintReport
 from validators.lint.registry import RULES, Rule, rule_ids
 
-__all__ = ["RULES", "FileError", "Finding", "LintReport", "ManifestError", "Rule", "lint_paths", "lint_source",
-           "load_manifest", "rule_ids"]
+__all__ = ["RULES", "FileError", "Finding", "LintReport", "Rule", "lint_paths", "lint_source", "rule_ids"]

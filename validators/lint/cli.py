@@ -7,7 +7,7 @@ import json
 import sys
 
 from analyzer.errors import OneLineArgumentParser, guarded
-from validators.lint.engine import ManifestError, lint_paths
+from validators.lint.engine import lint_paths
 from validators.lint.registry import RULES, parse_id_list
 
 EPILOG = "exit status: 0 clean, 1 findings, 2 usage error or a file that cannot be read or parsed,\n" \
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("paths", nargs="*", metavar="PATH",
                         help="Python files or directories (e.g. models/qwen3/modeling_qwen3.py)")
     parser.add_argument("--manifest", metavar="M",
-                        help="selection manifest JSON from `kvcache analyze`: also check the code against it "
+                        help="selection manifest (JSON or YAML) from `kvcache analyze`: also check the code against it "
                              "(FA version, layout, sparse modes, pre_tokens, block size, scale)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     parser.add_argument("--select", metavar="IDS", help="only these rules, comma-separated (e.g. KV101,KV201)")
@@ -52,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return _run(parser, parser.parse_args(argv))
+    except SystemExit as exc:  # usage errors (one line, exit 2) and --help (0) return their code
         return int(exc.code or 0)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.list_rules:
         if args.format == "json":
             rows = [{"id": r.id, "name": r.name, "title": r.title, "message": r.message, "hint": r.hint,
@@ -64,26 +67,20 @@ def _main(argv: list[str] | None) -> int:
             sys.stdout.write(_list_rules())
         return 0
     if not args.paths:
-        sys.stderr.write("kvcache lint: error: give at least one PATH (see --help)\n")
-        return 2
-    try:
-        parse_id_list(args.select)
-        parse_id_list(args.ignore)
-    except ValueError as exc:
-        sys.stderr.write(f"kvcache lint: error: {exc}\n")
-        return 2
-    try:
-        report = lint_paths(args.paths, manifest=args.manifest, select=args.select, ignore=args.ignore)
-    except ManifestError as exc:
-        sys.stderr.write(f"kvcache lint: error: {exc}\n")
-        return 2
+        parser.error("give at least one PATH")
+    for flag, value in (("--select", args.select), ("--ignore", args.ignore)):
+        try:
+            parse_id_list(value)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+    report = lint_paths(args.paths, manifest=args.manifest, select=args.select, ignore=args.ignore)
     if args.format == "json":
         sys.stdout.write(report.to_json())
     else:
         for finding in report.findings:
             sys.stdout.write(finding.to_text() + "\n")
     for error in report.errors:
-        sys.stderr.write(f"kvcache lint: {error.to_text()}\n")
+        sys.stderr.write(f"error: {error.to_text()}\n")
     if args.format == "text" and not report.findings and not report.errors:
         sys.stderr.write(f"kvcache lint: {len(report.files)} file(s) clean\n")
     return report.exit_code

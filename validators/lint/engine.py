@@ -6,7 +6,6 @@ import ast
 import os
 import re
 from collections.abc import Iterable
-from pathlib import Path
 
 from validators.lint.checks import FileChecker, format_fields
 from validators.lint.finding import FileError, Finding, LintReport
@@ -15,30 +14,6 @@ from validators.lint.registry import RULES, parse_id_list
 _SUPPRESS = re.compile(r"#\s*kvcache:\s*ignore\[([A-Za-z0-9_,\s]+)\]")
 _SKIP_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
               ".ruff_cache", "build", "dist", ".tox"}
-
-
-class ManifestError(ValueError):
-    """The --manifest file is missing or is not a valid SelectionManifest."""
-
-
-def load_manifest(path: str | os.PathLike):
-    from pydantic import ValidationError
-
-    from analyzer.manifest import SelectionManifest
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"cannot read manifest {path}: {exc}") from exc
-    try:
-        return SelectionManifest.model_validate_json(text)
-    except ValidationError as exc:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
-        raise ManifestError(
-            f"{path} is not a valid selection manifest ({exc.error_count()} error(s); first at {where}: "
-            f"{first.get('msg', exc)})"
-        ) from exc
 
 
 def suppressions(source: str) -> dict[int, set[str]]:
@@ -116,9 +91,11 @@ def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, i
     """Lint files and directories. ``manifest`` is a SelectionManifest or a path to one.
 
     Unreadable or unparsable files are reported in ``errors`` (the others are still linted).
-    Raises ManifestError for a bad manifest and ValueError for unknown rule IDs.
+    Raises InputError (analyzer.errors) for a bad manifest and ValueError for unknown rule IDs.
     """
     if manifest is not None and not hasattr(manifest, "fa"):
+        from analyzer.manifest_io import load_manifest  # lazily: pydantic only when a manifest is given
+
         manifest = load_manifest(manifest)
     selected = _selected(select, ignore)
     files, errors = iter_python_files(paths)

@@ -35,7 +35,7 @@ class FileError:
 
     def to_text(self) -> str:
         where = f"{self.path}:{self.line}:{self.col or 1}" if self.line else self.path
-        return f"{where}: error: {self.message}"
+        return f"{where}: {self.message}"
 
 
 @dataclass

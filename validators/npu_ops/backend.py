@@ -19,10 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from analyzer.device_questions import BACKEND_CHOICES
 from validators.npu_ops import emulated
 from validators.npu_ops.schemas import load_schemas
 
-BACKENDS = ("auto", "emulated", "npu")
+BACKENDS = BACKEND_CHOICES
 EMULATION_MARKER = "__npu_ops_emulation__"
 
 

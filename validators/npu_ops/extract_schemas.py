@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from analyzer.errors import OneLineArgumentParser
+from analyzer.files import atomic_write_text
 from validators.npu_ops.schemas import EMULATED_OPS, SCHEMA_PATH, parse_func_schema
 
 YAML_IN_WHEEL = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -69,7 +71,7 @@ def extract(yaml_text: str, ops: tuple[str, ...] = EMULATED_OPS) -> dict[str, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="python -m validators.npu_ops.extract_schemas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="torch_npu wheel, unpacked wheel dir, or the yaml file")
     parser.add_argument("--version", default="2.9.0", help="torch-npu version recorded in 'source'")
     parser.add_argument("--out", type=Path, default=SCHEMA_PATH)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "source": f"torch-npu=={args.version} ({origin})",
         "ops": extract(text),
     }
-    args.out.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    atomic_write_text(args.out, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {len(doc['ops'])} operator schemas to {args.out}")
     return 0
 

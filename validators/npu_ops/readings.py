@@ -1,7 +1,9 @@
 """Explicit switches for the device behaviours the documentation leaves open.
 
-See references/device_questions.md. Each open question is a field of :class:`DeviceReadings`; the
-defaults are the readings the documented band rule and the upstream code rely on. The
+See references/device_questions.md. Each open question that is an emulator switch
+(``analyzer.device_questions``: the names, readings and defaults) is a field of
+:class:`DeviceReadings`; the defaults are the readings the documented band rule and the upstream
+code rely on. How the emulator implements each reading: The
 validators run the affected cases under every reading and report which ones the rendered
 code survives; only an NPU run can settle which reading the hardware implements.
 
@@ -42,28 +44,23 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Literal
 
-BandAtSingleQuery = Literal["honoured", "ignored"]
-WindowPreTokens = Literal["exclusive", "inclusive"]
-RepeatedSlots = Literal["last_wins", "first_wins", "error"]
+from analyzer.device_questions import QUESTIONS, SWITCH_QUESTIONS
 
-_ALLOWED = {
-    "band_at_single_query": ("honoured", "ignored"),
-    "window_pre_tokens": ("exclusive", "inclusive"),
-    "repeated_slots": ("last_wins", "first_wins", "error"),
-}
+_ALLOWED = {name: QUESTIONS[name].readings for name in SWITCH_QUESTIONS}
 
 
 @dataclass(frozen=True)
 class DeviceReadings:
     """One choice for every open device question (defaults: the documented/upstream reading)."""
 
-    band_at_single_query: BandAtSingleQuery = "honoured"
-    window_pre_tokens: WindowPreTokens = "exclusive"
-    repeated_slots: RepeatedSlots = "last_wins"
+    band_at_single_query: str = QUESTIONS["band_at_single_query"].default
+    window_pre_tokens: str = QUESTIONS["window_pre_tokens"].default
+    repeated_slots: str = QUESTIONS["repeated_slots"].default
 
     def __post_init__(self) -> None:
+        if {f.name for f in fields(self)} != set(_ALLOWED):  # a switch question without a field, or the reverse
+            raise TypeError(f"DeviceReadings fields {[f.name for f in fields(self)]} != switch questions {SWITCH_QUESTIONS}")
         for field in fields(self):
             value = getattr(self, field.name)
             if value not in _ALLOWED[field.name]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from analyzer.files import atomic_write_text
 from validators.pipeline.report import Check, Report
 
 COLLECTIVE_TIMEOUT_S = 120
@@ -113,7 +114,7 @@ def _rank_main(step, payload, rank: int, world: int, init_file: str, out_dir: st
                 dist.destroy_process_group()
             except Exception:
                 pass
-    result.write_text(json.dumps(data), encoding="utf-8")
+    atomic_write_text(result, json.dumps(data))
 
 
 def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:

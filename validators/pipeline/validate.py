@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 
 from analyzer.config_loader import read_config_file
+from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
+from analyzer.manifest_io import load_manifest
 from analyzer.readings_file import ReadingsFile
-from implementer.render import load_manifest, render_manifest, write_rendered
+from implementer.render import render_manifest, write_rendered
 from validators.pipeline.numeric import TOLERANCE, float64_upcasts
 from validators.pipeline.provenance import RENDERED_FILES, RenderHeader, check_inputs_belong
 from validators.pipeline.report import Report
@@ -257,7 +259,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
         _note_coverage(report, manifest, run)
     if sweep and backend == "emulated":
         for dep in manifest.device_dependencies:
-            if dep.question not in ("band_at_single_query", "window_pre_tokens"):
+            if not QUESTIONS[dep.question].swept:
                 continue
             if dep.question in settled:
                 report.notes.append(f"{dep.question} settled by measurement ({settled[dep.question]}): sweep skipped")

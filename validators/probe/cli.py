@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from analyzer.cli import guarded
-from analyzer.errors import InputError
-from analyzer.progress_writer import atomic_write_text
+from analyzer.device_questions import OP_BACKENDS
+from analyzer.errors import InputError, OneLineArgumentParser, guarded
+from analyzer.files import atomic_write_text
 
 EXAMPLES = """examples:
   kvcache probe --out device_readings.json --markdown device_readings.md   (on an NPU host)
@@ -22,15 +22,13 @@ Run it once per torch_npu / CANN version and keep the readings file with the che
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from analyzer.cli import _Parser
-
-    p = _Parser(prog="kvcache probe", description="Micro-experiments on the FA and cache-writer operators that "
+    p = OneLineArgumentParser(prog="kvcache probe", description="Micro-experiments on the FA and cache-writer operators that "
                 "settle the open device questions (references/device_questions.md).", epilog=EXAMPLES,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", metavar="FILE", help="write the readings file (JSON) here, e.g. --out readings.json")
     p.add_argument("--markdown", metavar="FILE", help="write a Markdown report ready to paste into an issue")
     p.add_argument("--device", type=int, metavar="N", help="NPU index (default 0)")
-    p.add_argument("--backend", choices=("npu", "emulated"), default="npu",
+    p.add_argument("--backend", choices=OP_BACKENDS, default=OP_BACKENDS[0],
                    help="npu (default): the real torch_npu operators; emulated: a dry run on the CPU emulation")
     return p
 
@@ -48,9 +46,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         dev = open_device(args.backend, args.device)
     except NoDeviceError as exc:
-        print(f"error: --backend npu: no NPU here ({exc}); for a dry run on the CPU emulation use "
-              f"`kvcache probe --backend emulated`", file=sys.stderr)
-        return 2
+        raise InputError("--backend npu", f"no NPU here ({exc}); for a dry run on the CPU emulation use "
+                                          "`kvcache probe --backend emulated`") from None
     data = probe(dev)
     if args.out:
         atomic_write_text(Path(args.out), data.to_json())

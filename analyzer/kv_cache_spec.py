@@ -1,0 +1,130 @@
+"""Cache-group kinds and their block arithmetic: the one definition of the framework's block math.
+
+One small frozen spec per kind of cache group (the manager the framework builds for it), the
+arithmetic on the spec. The analyzer's memory plan (``analyzer.memory``) and the framework harness
+(``validators.harness.cache_utils``) both size their pools with these, so they agree by
+construction. Formulas are the framework's (references/framework.md, 'block 的数量与 null block',
+cache_utils.calculate_block_num): block 0 of every pool is the null block; fixed-block groups
+(SlidingWindow, Mamba) are reserved first; growing groups take the rest of the budget in tokens.
+Torch-free: sizes are plain ints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+NULL_BLOCKS = 1  # block 0 of every pool: never holds data, every padded table entry points at it
+
+
+def token_bytes(numel_per_head: int, num_head: int, itemsize: int, compress_ratio: int = 1) -> int:
+    """Bytes one token of one cache occupies: ``dims x num_head x itemsize // compress_ratio``."""
+    return int(numel_per_head * num_head * itemsize // compress_ratio)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """A group whose cache grows with the sequence: blocks by tokens, one pool."""
+
+    group_key: str
+    num_layers: int  # reporting only: the layers whose caches the group pools
+    per_token_bytes: float  # every HBM cache of the group, one rank
+    block_size: int
+
+    attn_type: ClassVar[str] = "FullAttention"
+    fixed: ClassVar[bool] = False  # block count set by memory (False) or by attention semantics (True)
+
+    @property
+    def block_bytes(self) -> float:
+        return self.per_token_bytes * self.block_size
+
+    def blocks_per_request(self, seq_len: int) -> int:
+        return math.ceil(seq_len / self.block_size)
+
+    def blocks_offline(self, max_len: int, concurrency: int) -> int:
+        """``ceil(max_len / bs) x concurrency`` plus the null block."""
+        return self.blocks_per_request(max_len) * concurrency + NULL_BLOCKS
+
+    def blocks_for_tokens(self, max_tokens: int) -> int:
+        """Budget path: the pool of ``max_tokens`` tokens (the null block is inside the count)."""
+        return max_tokens // self.block_size
+
+    def usable_blocks(self, blocks: int) -> int:
+        """Blocks of a pool of ``blocks`` that can hold data (the null block holds none)."""
+        return blocks - NULL_BLOCKS
+
+    def usable_tokens(self, blocks: int) -> int:
+        return self.usable_blocks(blocks) * self.block_size
+
+
+def sliding_blocks_per_request(window: int, block_size: int, next_n: int = 0) -> int:
+    """Sliding-window blocks one request holds at once.
+
+    ``ceil((W + 2*next_n) / block_size)`` for the window plus the speculative (MTP) tokens the
+    main model verifies and the draft model adds, plus one: a window generally straddles a block
+    boundary.
+    """
+    return math.ceil((window + 2 * next_n) / block_size) + 1
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A group that keeps only a window: a fixed number of blocks per request."""
+
+    window: int = 0
+    next_n: int = 0  # speculative (MTP) tokens per step
+
+    attn_type: ClassVar[str] = "SlidingWindow"
+    fixed: ClassVar[bool] = True
+
+    def blocks_per_request(self, seq_len: int = 0) -> int:
+        return sliding_blocks_per_request(self.window, self.block_size, self.next_n)
+
+    def fixed_blocks(self, concurrency: int) -> int:
+        """Reserved up front (offline too): ``concurrency x blocks_per_request`` plus the null block."""
+        return concurrency * self.blocks_per_request() + NULL_BLOCKS
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A state-space group: one state block per request, plus one per speculative token."""
+
+    group_key: str
+    state_bytes: int  # one state block of every HBM cache of the group
+    next_n: int = 0
+
+    attn_type: ClassVar[str] = "Mamba"
+    fixed: ClassVar[bool] = True
+
+    @property
+    def block_bytes(self) -> int:
+        return self.state_bytes
+
+    def blocks_per_request(self, seq_len: int = 0) -> int:
+        return 1 + self.next_n
+
+    def fixed_blocks(self, concurrency: int) -> int:
+        return concurrency * self.blocks_per_request() + NULL_BLOCKS
+
+
+Spec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
+SPEC_BY_ATTN_TYPE: dict[str, type] = {kind.attn_type: kind for kind in (FullAttentionSpec, SlidingWindowSpec,
+                                                                        MambaSpec)}
+# Attention types whose block count does not grow with the sequence.
+FIXED_BLOCK_ATTN_TYPES = frozenset(name for name, kind in SPEC_BY_ATTN_TYPE.items() if kind.fixed)
+
+
+def fixed_bytes(specs, concurrency: int) -> float:
+    """Bytes the fixed-block groups reserve for ``concurrency`` requests."""
+    return sum(s.fixed_blocks(concurrency) * s.block_bytes for s in specs if s.fixed)
+
+
+def max_tokens_in(left_bytes: float, per_token_bytes: float) -> int:
+    """Tokens of every growing group together that ``left_bytes`` holds (the framework's floor division)."""
+    return int(left_bytes // per_token_bytes)
+
+
+def pool_bytes(specs, blocks: dict[str, int]) -> float:
+    """Bytes the pools take: blocks x block bytes of the group, summed."""
+    return sum(blocks[s.group_key] * s.block_bytes for s in specs)

@@ -1,0 +1,40 @@
+"""The one manifest loader: JSON or YAML from a file, with the manifest's invariants checked.
+
+Every command that reads a manifest (`kvcache render|validate|lint --manifest`) loads it here, so
+they accept the same files and refuse bad ones with the same one line: an ``InputError`` naming the
+file and the first bad field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from analyzer.errors import InputError
+from analyzer.manifest import ManifestInvariantError, SelectionManifest
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def load_manifest(path: str | Path) -> SelectionManifest:
+    """Read and validate a manifest (YAML by suffix, else JSON); every problem is one ``InputError``."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(str(p), "file not found")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(str(p), f"cannot read: {exc}") from None
+    try:
+        if p.suffix in YAML_SUFFIXES:
+            import yaml
+
+            return SelectionManifest.model_validate(yaml.safe_load(text))
+        return SelectionManifest.model_validate_json(text)
+    except Exception as exc:  # pydantic ValidationError / yaml errors: name the first bad field
+        first = getattr(exc, "errors", lambda: [])()
+        field = ".".join(str(x) for x in first[0]["loc"]) if first else None
+        msg = first[0]["msg"] if first else str(exc).splitlines()[0]
+        broken = first[0].get("ctx", {}).get("error") if first else None
+        if isinstance(broken, ManifestInvariantError):  # fields that contradict each other (hand edit)
+            field, msg = broken.field, broken.message
+        raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None

@@ -19,19 +19,16 @@ from pathlib import Path
 import pytest
 
 from analyzer.build import AnalyzeRequest, analyze
+from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, INT32_MAX
+from analyzer.operators.schemas import accepted_keywords, op_schema
 from implementer.render import load_manifest, render_manifest
-from validators.npu_ops.schemas import accepted_keywords, op_schema
 
 ROOT = Path(__file__).resolve().parent.parent
-NO_LIMIT = 2147483647
-FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
+FA_OPS = (FA_OPS["v1"], FA_OPS["v2"])
 WRITE_OPS = ("npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache", "scatter_update_")
-# The keyword each version spells for scale / query heads / Q lengths / KV lengths
-# (references/fa_operators.md, 'v1 与 v2 的参数名').
-VERSION_NAMES = {
-    "v1": {"scale", "num_heads", "actual_seq_lengths", "actual_seq_lengths_kv"},
-    "v2": {"softmax_scale", "num_query_heads", "actual_seq_qlen", "actual_seq_kvlen"},
-}
+# The keyword each version spells for the renamed arguments the templates pass: scale / query heads /
+# Q lengths / KV lengths (references/fa_operators.md, 'v1 与 v2 的参数名').
+VERSION_NAMES = {version: {kw.scale, kw.num_heads, kw.q_lens, kw.kv_lens} for version, kw in FA_KEYWORDS.items()}
 
 
 def _golden_module():
@@ -299,7 +296,7 @@ def test_prefill_and_decode_pass_the_manifests_sparse_modes_per_layer_kind(case_
             assert ast.unparse(got["pre_tokens"]) == "self.window_pre_tokens", where
             assert ast.literal_eval(got["next_tokens"]) == plan.next_tokens, where
         else:
-            assert ast.literal_eval(got["pre_tokens"]) == NO_LIMIT, where
+            assert ast.literal_eval(got["pre_tokens"]) == INT32_MAX, where
             assert ast.literal_eval(got["next_tokens"]) == 0, where
 
 
@@ -448,8 +445,8 @@ def test_g0_renders_have_model_level_block_size_and_no_mla_flag(config):
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_init_sets_each_layers_kind_window_and_band_from_the_manifest(case_id):
     from validators.harness import install_framework
-    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
+    from validators.pipeline.host_model import import_rendered
 
     m = manifest(case_id)
     framework = install_framework(m.framework_api) if m.deploy_mode.value == "framework" else None

@@ -12,9 +12,8 @@ import torch
 import yaml
 from shared_dirs import torch_npu_files
 
-from validators.npu_ops import emulated
-from validators.npu_ops.extract_schemas import extract
-from validators.npu_ops.schemas import (
+from analyzer.operators.extract_schemas import extract
+from analyzer.operators.schemas import (
     EMULATED_OPS,
     accepted_keywords,
     count_returns,
@@ -22,6 +21,7 @@ from validators.npu_ops.schemas import (
     parse_func_schema,
     schema_default_to_python,
 )
+from validators.npu_ops import emulated
 
 
 def test_schema_file_covers_every_emulated_op():
@@ -112,7 +112,7 @@ def _wheel_files():
 
 
 def test_committed_json_equals_fresh_extraction_from_wheel_yaml(tmp_path):
-    from validators.npu_ops.extract_schemas import main
+    from analyzer.operators.extract_schemas import main
 
     out = tmp_path / "schemas.json"
     assert main([str(_wheel_files()), "--out", str(out)]) == 0

@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from analyzer.operators.schemas import load_schemas
 from validators.npu_ops import emulated
-from validators.npu_ops.schemas import load_schemas
 
 BACKENDS = ("auto", "emulated", "npu")
 EMULATION_MARKER = "__npu_ops_emulation__"

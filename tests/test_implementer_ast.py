@@ -252,11 +252,10 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
     kw = kwargs(cache_calls[0])
     for fresh in (c for c in calls if c not in cache_calls):  # sliding prefill over this step's K/V
         fkw = kwargs(fresh)
-        kv_lens_name = "actual_seq_kvlen" if m.fa.version == "v2" else "actual_seq_lengths_kv"
         # No block table: the KV is packed like the query, so its lengths are cumulative too.
-        assert ast.unparse(fkw[kv_lens_name]) == "forward_metadata.actual_seq_lengths_cu_kv"
+        assert ast.unparse(fkw[FA_KEYWORDS[m.fa.version].kv_lens]) == "forward_metadata.actual_seq_lengths_cu_kv"
         assert "block_size" not in fkw
-    scale_kw, heads_kw = ("softmax_scale", "num_query_heads") if m.fa.version == "v2" else ("scale", "num_heads")
+    scale_kw, heads_kw = FA_KEYWORDS[m.fa.version].scale, FA_KEYWORDS[m.fa.version].num_heads
     assert ast.unparse(kw[scale_kw]) == "SOFTMAX_SCALE" and consts["SOFTMAX_SCALE"] == m.fa.softmax_scale
     assert ast.unparse(kw[heads_kw]) == "NUM_HEADS_PER_RANK"
     assert consts["NUM_HEADS_PER_RANK"] == m.parallel.num_q_heads_per_rank
@@ -270,8 +269,7 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
         assert consts["NUM_KV_HEADS_PER_RANK"] == m.parallel.num_kv_heads_per_rank
         assert consts["HEAD_DIM"] == m.model.head_dim
     if m.kv_mode.value == "paged":
-        q_lens = "actual_seq_qlen" if m.fa.version == "v2" else "actual_seq_lengths"
-        kv_lens = "actual_seq_kvlen" if m.fa.version == "v2" else "actual_seq_lengths_kv"
+        q_lens, kv_lens = FA_KEYWORDS[m.fa.version].q_lens, FA_KEYWORDS[m.fa.version].kv_lens
         # TND: cumulative Q lengths, per-request paged KV lengths (references/fa_operators.md, '实际长度(actual_seq_lengths*)').
         assert ast.unparse(kw[q_lens]) == "forward_metadata.actual_seq_lengths_cu_q"
         assert ast.unparse(kw[kv_lens]) == "forward_metadata.actual_seq_lengths_kv"

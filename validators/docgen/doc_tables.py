@@ -144,15 +144,11 @@ def model_kinds_table() -> str:
 # --------------------------------------------------------------------------- FA v1 / v2
 
 
-# Meaning of each FaKeywords field; a new field without a label fails generation (and so the test).
-_FA_MEANING = {
-    "op": "算子名",
-    "scale": "softmax 缩放系数",
-    "num_heads": "每卡 query 头数",
-    "q_lens": "Q 实际长度",
-    "kv_lens": "KV 实际长度",
-    "lse_flag": "是否输出 softmax_lse",
-}
+# Meaning of each FaKeywords field, in field order; a new field without a label fails generation
+# (zip strict) and so the test.
+_FA_MEANING = dict(zip(("op", *fa_facts.ROLES),
+                       ("算子名", "softmax 缩放系数", "每卡 query 头数", "Q 实际长度", "KV 实际长度", "是否输出 softmax_lse"),
+                       strict=True))
 _SHARED_KEYWORDS = (("num_key_value_heads", "每卡 KV 头数"),)
 
 

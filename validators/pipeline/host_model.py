@@ -112,8 +112,7 @@ class _Probe:
 
 # The arguments the call checks compare with the manifest, in either version's spelling.
 _FA_RECORDED = frozenset({"sparse_mode", "pre_tokens", "next_tokens", "num_key_value_heads", "input_layout",
-                          "block_size"} | {getattr(kw, role) for kw in FA_KEYWORDS.values()
-                                           for role in ("scale", "num_heads")})
+                          "block_size"} | {name for kw in FA_KEYWORDS.values() for name in (kw.scale, kw.num_heads)})
 
 
 class _RecordingOps:

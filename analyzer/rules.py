@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from analyzer.config_loader import ModelFacts, yarn_mscale
 from analyzer.kv_cache_spec import token_bytes
 from analyzer.manifest import CacheSpec, Finding, MaskPerPath, MtpDecision, ParallelPlan, PerPath
+from analyzer.operators.fa_facts import INT32_MAX, MAX_GQA_RATIO, MLA_ROPE_DIM
 
 # Page-attention block sizes the FA paged path accepts for Q_S > 1 (references/fa_operators.md, '传给 FA 的 paged KV').
 VALID_BLOCK_SIZES = (128, 256, 384, 512)
 DEFAULT_BLOCK_SIZE = 128
 FA_MAX_HEAD_DIM = 512
 FA_HEAD_DIM_ALIGN = 16
-FA_MAX_GQA_RATIO = 64  # torch_npu docs: num_heads / num_key_value_heads must not exceed 64
-MLA_ROPE_DIM = 64
 MLA_LATENT_DIMS = (512, 128)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
 
@@ -156,7 +155,7 @@ def decide_window_tokens(window: int | None, reading: str = "exclusive") -> tupl
     "inclusive"), it is ``W``. Validated by measurement against transformers (validators).
     """
     if window is None:
-        return 2147483647, 0, None
+        return INT32_MAX, 0, None
     if reading == "inclusive":
         return window, 0, (f"HF window W={window} sees W keys incl. the query; device reading 'inclusive' "
                            f"(pre_tokens counts the query) -> pre_tokens = W = {window}")
@@ -263,11 +262,11 @@ def gqa_ratio_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | No
     if facts.is_mla:
         return None
     q, kv = parallel.num_q_heads_per_rank, parallel.num_kv_heads_per_rank
-    if q // kv <= FA_MAX_GQA_RATIO:
+    if q // kv <= MAX_GQA_RATIO:
         return None
     return Finding(
         message=f"{q} query heads per {kv} KV head(s) on a rank: FA takes a query/KV head ratio of at most "
-                f"{FA_MAX_GQA_RATIO} (num_key_value_heads rule of the FA operator); one FA call cannot serve this "
+                f"{MAX_GQA_RATIO} (num_key_value_heads rule of the FA operator); one FA call cannot serve this "
                 "layer (replicating the KV heads in the cache or splitting the call by query-head groups is not "
                 "rendered by this skill)",
         fields=[facts.num_attention_heads.source, facts.num_key_value_heads.source],

@@ -15,13 +15,18 @@ from dataclasses import dataclass
 
 from analyzer.errors import InputError
 from analyzer.manifest import LayerPlan, SelectionManifest
+from analyzer.operators.fa_facts import (
+    BAND_MODE,
+    COMPRESSED_MASK_MODES,
+    FA_KEYWORDS,
+    INT32_MAX,
+    SPARSE_MODES,
+    FaKeywords,
+)
 from analyzer.rules import VALID_BLOCK_SIZES
 from analyzer.version import __version__
 
 DEFAULT_API = "G2"
-NO_LIMIT = 2147483647
-SPARSE_MODES = (0, 1, 2, 3, 4)
-MASKED_MODES = (2, 3, 4)  # compressed 2048x2048 causal mask required
 # Cache names the templates know, by attention family: they become attribute names in generated code.
 CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")}
 # Layouts each template implements (the FA output shape depends on it).
@@ -76,25 +81,6 @@ class Names:
 
 
 @dataclass(frozen=True)
-class FaArgs:
-    """Keyword names of one FA version: the only place the v1/v2 naming lives for the templates."""
-
-    op: str
-    scale: str
-    num_heads: str
-    q_lens: str
-    kv_lens: str
-
-
-FA_ARGS = {
-    "v1": FaArgs("npu_fused_infer_attention_score", "scale", "num_heads", "actual_seq_lengths",
-                 "actual_seq_lengths_kv"),
-    "v2": FaArgs("npu_fused_infer_attention_score_v2", "softmax_scale", "num_query_heads", "actual_seq_qlen",
-                 "actual_seq_kvlen"),
-}
-
-
-@dataclass(frozen=True)
 class PathPlan:
     """sparse_mode / mask / band of one layer kind on one path."""
 
@@ -121,7 +107,7 @@ class KindPlan:
     @property
     def pre_tokens_offset(self) -> int:
         """W - pre_tokens of the band: 1 under the 'exclusive' reading, 0 under 'inclusive'."""
-        band = self.prefill if self.prefill.sparse_mode == 4 else self.decode
+        band = self.prefill if self.prefill.sparse_mode == BAND_MODE else self.decode
         return int(self.window - band.pre_tokens)
 
 
@@ -141,7 +127,7 @@ class RenderContext:
     kv_mode: str
     api: str
     api_defaulted: bool
-    fa: FaArgs
+    fa: FaKeywords
     fa_version: str
     layout: str
     scale: float
@@ -203,17 +189,17 @@ def _path(layer: LayerPlan, prefill: bool) -> PathPlan:
     where = f"layers[{layer.index}]"
     if mode not in SPARSE_MODES:
         raise _bad(f"{where}.sparse_mode.{name}", f"sparse_mode {mode} is not one of {SPARSE_MODES}")
-    if mode in MASKED_MODES and not mask:
+    if mode in COMPRESSED_MASK_MODES and not mask:
         raise _bad(f"{where}.mask.{name}", f"sparse_mode {mode} needs the 2048x2048 causal mask, the manifest "
                                            "says none")
-    if mode == 4:
+    if mode == BAND_MODE:
         if layer.sliding_window is None or not 0 <= layer.pre_tokens <= layer.sliding_window:
             raise _bad(f"{where}.pre_tokens", f"band pre_tokens {layer.pre_tokens} must lie in "
                                               f"[0, sliding_window {layer.sliding_window}]")
         if layer.next_tokens < 0:
             raise _bad(f"{where}.next_tokens", f"next_tokens {layer.next_tokens} must be >= 0")
         return PathPlan(mode, mask, layer.pre_tokens, layer.next_tokens)
-    return PathPlan(mode, mask, NO_LIMIT, 0)
+    return PathPlan(mode, mask, INT32_MAX, 0)
 
 
 def _verify_path(m: SelectionManifest, layer: LayerPlan, decode: PathPlan) -> PathPlan | None:
@@ -225,11 +211,11 @@ def _verify_path(m: SelectionManifest, layer: LayerPlan, decode: PathPlan) -> Pa
     if m.mtp is None or m.kv_mode.value != "paged" or layer.attn_type == "SlidingWindow":
         return None
     mode, mask = m.mtp.decode_sparse_mode, m.mtp.decode_mask != "none"
-    if mode not in SPARSE_MODES or mode == 4:
+    if mode not in SPARSE_MODES or mode == BAND_MODE:
         raise _bad("mtp.decode_sparse_mode", f"sparse_mode {mode} is not one of {SPARSE_MODES[:4]}")
-    if mode in MASKED_MODES and not mask:
+    if mode in COMPRESSED_MASK_MODES and not mask:
         raise _bad("mtp.decode_mask", f"sparse_mode {mode} needs the 2048x2048 causal mask, the manifest says none")
-    plan = PathPlan(mode, mask, NO_LIMIT, 0)
+    plan = PathPlan(mode, mask, INT32_MAX, 0)
     return None if plan == decode else plan
 
 
@@ -340,7 +326,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         kv_mode=m.kv_mode.value,
         api=api,
         api_defaulted=m.framework_api is None and api_override is None,
-        fa=FA_ARGS[m.fa.version],
+        fa=FA_KEYWORDS[m.fa.version],
         fa_version=m.fa.version,
         layout=m.fa.input_layout,
         scale=float(m.fa.softmax_scale),

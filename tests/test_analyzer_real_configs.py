@@ -17,9 +17,9 @@ from analyzer.build import AnalyzeRequest, analyze
 from analyzer.decisions_table import decisions_markdown
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
+from analyzer.operators.fa_facts import INT32_MAX as NO_LIMIT  # pre_tokens of non-sliding layers
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
-NO_LIMIT = 2147483647  # pre_tokens of non-sliding layers: unbounded
 
 
 @cache  # manifests are frozen; each (config, options) pair is analyzed once per session

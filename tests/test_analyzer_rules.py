@@ -13,6 +13,7 @@ import pytest
 from analyzer import kv_cache_spec, memory, rules
 from analyzer.config_loader import normalize_config, yarn_mscale
 from analyzer.manifest import CacheSpec, Finding
+from analyzer.operators.fa_facts import INT32_MAX
 
 GIB = 1024**3
 
@@ -90,7 +91,7 @@ def test_attn_type_per_kind():
 
 
 def test_window_tokens_both_readings():
-    assert rules.decide_window_tokens(None) == (2147483647, 0, None)
+    assert rules.decide_window_tokens(None) == (INT32_MAX, 0, None)
     pre, nxt, why = rules.decide_window_tokens(128)
     assert (pre, nxt) == (127, 0) and "W-1 = 127" in why  # band admits pre+1 keys; HF sees W
     pre, nxt, why = rules.decide_window_tokens(128, "inclusive")

@@ -15,6 +15,7 @@ from analyzer.build import AnalyzeRequest, analyze, assemble
 from analyzer.config_loader import normalize_config
 from analyzer.deploy_context import ProgressFacts, parse_dispatch
 from analyzer.errors import InputError
+from analyzer.operators.fa_facts import INT32_MAX
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -98,7 +99,7 @@ def test_phi35_moe_window_equal_to_context_is_full_attention_with_reason():
     for layer in m.layers:
         assert layer.attn_type == "FullAttention" and layer.layer_kind == "full" and layer.sliding_window is None
         assert "131072 >= max_position_embeddings 131072" in layer.window_derivation
-        assert layer.sparse_mode.decode == 3 and layer.pre_tokens == 2147483647
+        assert layer.sparse_mode.decode == 3 and layer.pre_tokens == INT32_MAX
     # no open window readings (null-block and padded-row questions concern every paged design)
     assert {d.question for d in m.device_dependencies} == {"null_block_contents", "repeated_slots"}
     assert any("32 layer(s) planned as FullAttention" in w.message for w in m.warnings)

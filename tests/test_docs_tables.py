@@ -136,16 +136,16 @@ def test_blocker_rule_change_without_its_table_is_reported(monkeypatch):
 def test_fa_keyword_rename_without_its_table_is_reported(monkeypatch):
     import dataclasses
 
-    import implementer.template_context as ctx
+    from analyzer.operators import fa_facts
 
-    renamed = dataclasses.replace(ctx.FA_ARGS["v2"], scale="scale")
-    monkeypatch.setitem(ctx.FA_ARGS, "v2", renamed)
+    renamed = dataclasses.replace(fa_facts.FA_KEYWORDS["v2"], scale="scale")
+    monkeypatch.setitem(fa_facts.FA_KEYWORDS, "v2", renamed)
     with pytest.raises(KeyError):
         # `scale` is not an argument of the v2 schema: the generator refuses a name the op lacks
         dt.fa_args_table()
-    renamed = dataclasses.replace(ctx.FA_ARGS["v2"], kv_lens="actual_seq_lengths_kv")
-    monkeypatch.setitem(ctx.FA_ARGS, "v2", renamed)
-    monkeypatch.setattr(dt, "_schema_default", lambda op, name: "None")
+    renamed = dataclasses.replace(fa_facts.FA_KEYWORDS["v2"], kv_lens="actual_seq_lengths_kv")
+    monkeypatch.setitem(fa_facts.FA_KEYWORDS, "v2", renamed)
+    monkeypatch.setattr(dt, "default_text", lambda op, name: "None")
     problems = dt.check_generated(ROOT)
     assert _drift(problems, "SKILL.md", "fa-args")
     assert _drift(problems, "references/fa_operators.md", "fa-args")
@@ -167,13 +167,15 @@ def test_generation_change_without_its_table_is_reported(monkeypatch):
 
 
 def test_every_fa_name_in_the_table_is_accepted_by_its_real_schema():
-    from implementer.template_context import FA_ARGS
-    from validators.npu_ops.schemas import accepted_keywords
+    from dataclasses import fields
 
-    for version, args in FA_ARGS.items():
+    from analyzer.operators.fa_facts import FA_KEYWORDS
+    from analyzer.operators.schemas import accepted_keywords
+
+    for version, args in FA_KEYWORDS.items():
         accepted = accepted_keywords(args.op)
-        for name in (args.scale, args.num_heads, args.q_lens, args.kv_lens):
-            assert name in accepted, (version, name)
+        for f in fields(args)[1:]:
+            assert getattr(args, f.name) in accepted, (version, f.name)
 
 
 def test_model_kind_table_agrees_with_real_configs():

@@ -20,19 +20,16 @@ import pytest
 
 from analyzer.build import AnalyzeRequest, analyze
 from analyzer.manifest_io import load_manifest
+from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, INT32_MAX
+from analyzer.operators.schemas import accepted_keywords, op_schema
 from implementer.render import render_manifest
-from validators.npu_ops.schemas import accepted_keywords, op_schema
 
 ROOT = Path(__file__).resolve().parent.parent
-NO_LIMIT = 2147483647
-FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
+FA_OPS = (FA_OPS["v1"], FA_OPS["v2"])
 WRITE_OPS = ("npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache", "scatter_update_")
-# The keyword each version spells for scale / query heads / Q lengths / KV lengths
-# (references/fa_operators.md, 'v1 与 v2 的参数名').
-VERSION_NAMES = {
-    "v1": {"scale", "num_heads", "actual_seq_lengths", "actual_seq_lengths_kv"},
-    "v2": {"softmax_scale", "num_query_heads", "actual_seq_qlen", "actual_seq_kvlen"},
-}
+# The keyword each version spells for the renamed arguments the templates pass: scale / query heads /
+# Q lengths / KV lengths (references/fa_operators.md, 'v1 与 v2 的参数名').
+VERSION_NAMES = {version: {kw.scale, kw.num_heads, kw.q_lens, kw.kv_lens} for version, kw in FA_KEYWORDS.items()}
 
 
 def _golden_module():
@@ -256,11 +253,10 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
     kw = kwargs(cache_calls[0])
     for fresh in (c for c in calls if c not in cache_calls):  # sliding prefill over this step's K/V
         fkw = kwargs(fresh)
-        kv_lens_name = "actual_seq_kvlen" if m.fa.version == "v2" else "actual_seq_lengths_kv"
         # No block table: the KV is packed like the query, so its lengths are cumulative too.
-        assert ast.unparse(fkw[kv_lens_name]) == "forward_metadata.actual_seq_lengths_cu_kv"
+        assert ast.unparse(fkw[FA_KEYWORDS[m.fa.version].kv_lens]) == "forward_metadata.actual_seq_lengths_cu_kv"
         assert "block_size" not in fkw
-    scale_kw, heads_kw = ("softmax_scale", "num_query_heads") if m.fa.version == "v2" else ("scale", "num_heads")
+    scale_kw, heads_kw = FA_KEYWORDS[m.fa.version].scale, FA_KEYWORDS[m.fa.version].num_heads
     assert ast.unparse(kw[scale_kw]) == "SOFTMAX_SCALE" and consts["SOFTMAX_SCALE"] == m.fa.softmax_scale
     assert ast.unparse(kw[heads_kw]) == "NUM_HEADS_PER_RANK"
     assert consts["NUM_HEADS_PER_RANK"] == m.parallel.num_q_heads_per_rank
@@ -274,8 +270,7 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
         assert consts["NUM_KV_HEADS_PER_RANK"] == m.parallel.num_kv_heads_per_rank
         assert consts["HEAD_DIM"] == m.model.head_dim
     if m.kv_mode.value == "paged":
-        q_lens = "actual_seq_qlen" if m.fa.version == "v2" else "actual_seq_lengths"
-        kv_lens = "actual_seq_kvlen" if m.fa.version == "v2" else "actual_seq_lengths_kv"
+        q_lens, kv_lens = FA_KEYWORDS[m.fa.version].q_lens, FA_KEYWORDS[m.fa.version].kv_lens
         # TND: cumulative Q lengths, per-request paged KV lengths (references/fa_operators.md, '实际长度(actual_seq_lengths*)').
         assert ast.unparse(kw[q_lens]) == "forward_metadata.actual_seq_lengths_cu_q"
         assert ast.unparse(kw[kv_lens]) == "forward_metadata.actual_seq_lengths_kv"
@@ -300,7 +295,7 @@ def test_prefill_and_decode_pass_the_manifests_sparse_modes_per_layer_kind(case_
             assert ast.unparse(got["pre_tokens"]) == "self.window_pre_tokens", where
             assert ast.literal_eval(got["next_tokens"]) == plan.next_tokens, where
         else:
-            assert ast.literal_eval(got["pre_tokens"]) == NO_LIMIT, where
+            assert ast.literal_eval(got["pre_tokens"]) == INT32_MAX, where
             assert ast.literal_eval(got["next_tokens"]) == 0, where
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from analyzer.operators.fa_facts import FA_KEYWORDS
 from validators.lint import lint_paths, lint_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +119,7 @@ def test_mutated_rendered_code_is_caught(config, gen):
     manifest = _manifest(config, "framework", gen)
     text = _attention(config, gen)
     version = manifest.fa.version
-    scale_kw, wrong_kw = ("scale", "softmax_scale") if version == "v1" else ("softmax_scale", "scale")
+    scale_kw, wrong_kw = (FA_KEYWORDS[v].scale for v in (version, "v2" if version == "v1" else "v1"))
     cases = {
         "KV101" if version == "v2" else "KV102": _RenameKeyword(scale_kw, wrong_kw),
         "KV301": _UnindexDict("block_table"),

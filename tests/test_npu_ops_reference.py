@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from analyzer.operators.fa_facts import INT32_MAX as INT_MAX
+
 MASK_2048 = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
-INT_MAX = 2147483647
 
 
 # --------------------------------------------------------------------------- reference

@@ -12,9 +12,9 @@ import torch
 import yaml
 from shared_dirs import torch_npu_files
 
-from validators.npu_ops import emulated
-from validators.npu_ops.extract_schemas import extract
-from validators.npu_ops.schemas import (
+from analyzer.operators.extract_schemas import extract
+from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, ROLES, keywords_of
+from analyzer.operators.schemas import (
     EMULATED_OPS,
     accepted_keywords,
     count_returns,
@@ -22,6 +22,7 @@ from validators.npu_ops.schemas import (
     parse_func_schema,
     schema_default_to_python,
 )
+from validators.npu_ops import emulated
 
 
 def test_schema_file_covers_every_emulated_op():
@@ -56,10 +57,8 @@ def test_json_args_are_the_parse_of_the_raw_func_string(op):
 def _minimal_call(op):
     q = torch.randn(2, 2, 16)
     if op.startswith("npu_fused_infer_attention_score"):
-        heads = {"num_heads": 2} if op.endswith("score") else {"num_query_heads": 2}
-        lens = {"actual_seq_lengths": [2]} if op.endswith("score") else {"actual_seq_qlen": [2]}
-        kv = {"actual_seq_lengths_kv": [2]} if op.endswith("score") else {"actual_seq_kvlen": [2]}
-        return emulated.OPS[op](q, q, q, input_layout="TND", **heads, **lens, **kv)
+        kw = keywords_of(op)
+        return emulated.OPS[op](q, q, q, input_layout="TND", **{kw.num_heads: 2, kw.q_lens: [2], kw.kv_lens: [2]})
     if "scatter_nd" in op:
         return emulated.OPS[op](torch.zeros(3, 2), torch.tensor([[1]]), torch.ones(1, 2))
     if "scatter_update" in op:
@@ -80,13 +79,11 @@ def test_return_arity_matches_schema(op):
 
 
 def test_version_specific_keyword_names():
-    v1 = accepted_keywords("npu_fused_infer_attention_score")
-    v2 = accepted_keywords("npu_fused_infer_attention_score_v2")
-    assert {"scale", "num_heads", "actual_seq_lengths", "actual_seq_lengths_kv", "softmax_lse_flag"} <= v1
-    assert {"softmax_scale", "num_query_heads", "actual_seq_qlen", "actual_seq_kvlen", "learnable_sink",
-            "return_softmax_lse"} <= v2
-    assert not {"softmax_scale", "num_query_heads", "learnable_sink"} & v1
-    assert not {"scale", "num_heads", "actual_seq_lengths"} & v2
+    # Each renamed argument is accepted by its own version only (the v1/v2 table of analyzer.operators.fa_facts).
+    v1, v2 = (accepted_keywords(FA_OPS[version]) for version in ("v1", "v2"))
+    for role in ROLES:
+        assert getattr(FA_KEYWORDS["v1"], role) in v1 - v2 and getattr(FA_KEYWORDS["v2"], role) in v2 - v1, role
+    assert "learnable_sink" in v2 - v1
     assert {"epsilon", "cache_mode", "is_output_kv"} <= accepted_keywords("npu_kv_rmsnorm_rope_cache")
     with pytest.raises(KeyError):
         accepted_keywords("npu_not_an_op")
@@ -112,7 +109,7 @@ def _wheel_files():
 
 
 def test_committed_json_equals_fresh_extraction_from_wheel_yaml(tmp_path):
-    from validators.npu_ops.extract_schemas import main
+    from analyzer.operators.extract_schemas import main
 
     out = tmp_path / "schemas.json"
     assert main([str(_wheel_files()), "--out", str(out)]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from analyzer.operators.fa_facts import keywords_of
 from validators.npu_ops import NotEmulatedError, NpuOpError, emulated
 
 MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
@@ -287,7 +288,7 @@ def test_v1_names_on_v2_and_reverse_are_type_errors():
                                      (V2, "dequant_scale_key"), (V2, "quant_scale_out")])
 def test_unemulated_features_refuse(fn, name):
     q = tnd()
-    kw = {"num_heads": 4} if fn is V1 else {"num_query_heads": 4}
+    kw = {keywords_of(fn.__name__).num_heads: 4}
     with pytest.raises(NotEmulatedError) as info:
         fn(q, q, q, input_layout="TND", **{name: torch.zeros(1)}, **kw)
     assert info.value.argument == name

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from analyzer.device_questions import QUESTIONS, UNKNOWN
+from analyzer.operators.fa_facts import INT32_MAX
 from validators.npu_ops import DeviceReadings, NpuOpError, OpSet, device_readings, emulated
 from validators.npu_ops.fa_masks import causal_template
 from validators.npu_ops.readings import _ALLOWED
@@ -67,7 +68,7 @@ def _device_with(**replaced) -> ProbeDevice:
 
 
 def test_a_window_no_reading_predicts_is_unknown_with_the_evidence():
-    def wider_v2(*args, pre_tokens=2147483647, **kw):  # a device that admits one key more than either reading
+    def wider_v2(*args, pre_tokens=INT32_MAX, **kw):  # a device that admits one key more than either reading
         return emulated.npu_fused_infer_attention_score_v2(*args, pre_tokens=pre_tokens + 1, **kw)
 
     data = probe(_device_with(npu_fused_infer_attention_score_v2=wider_v2))

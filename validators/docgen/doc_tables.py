@@ -8,8 +8,8 @@ generations, the lint rule index. Each lives between markers
     ...table...
     <!-- /kvcache:generated NAME -->
 
-and is produced here from the analyzer rules, ``implementer.template_context.FA_ARGS``, the pinned
-torch_npu schemas, the harness generations and the lint registry. ``check_generated`` reports
+and is produced here from the analyzer rules, the operator facts of ``analyzer.operators`` (the pinned
+torch_npu schemas and the v1/v2 keyword table ``fa_facts.FA_KEYWORDS``), the harness generations and the lint registry. ``check_generated`` reports
 every block whose text differs from what the code produces now (a rule changed without its
 table, or a table edited by hand); ``write_generated`` rewrites them.
 
@@ -34,6 +34,8 @@ from pathlib import Path
 
 from analyzer.errors import OneLineArgumentParser
 from analyzer.files import atomic_write_text
+from analyzer.operators import fa_facts
+from analyzer.operators.schemas import accepted_keywords, default_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,54 +146,37 @@ def model_kinds_table() -> str:
 # --------------------------------------------------------------------------- FA v1 / v2
 
 
-# Meaning of each FaArgs field; a new field without a label fails generation (and so the test).
-_FA_MEANING = {
-    "op": "算子名",
-    "scale": "softmax 缩放系数",
-    "num_heads": "每卡 query 头数",
-    "q_lens": "Q 实际长度",
-    "kv_lens": "KV 实际长度",
-}
+# Meaning of each FaKeywords field, in field order; a new field without a label fails generation
+# (zip strict) and so the test.
+_FA_MEANING = dict(zip(("op", *fa_facts.ROLES),
+                       ("算子名", "softmax 缩放系数", "每卡 query 头数", "Q 实际长度", "KV 实际长度", "是否输出 softmax_lse"),
+                       strict=True))
 _SHARED_KEYWORDS = (("num_key_value_heads", "每卡 KV 头数"),)
-
-
-def _schema_default(op: str, name: str) -> str | None:
-    from validators.npu_ops.schemas import op_schema
-
-    for arg in op_schema(op)["args"]:
-        if arg["name"] == name:
-            return arg["default"]
-    raise KeyError(f"{name!r} is not an argument of {op}")
 
 
 def fa_args_table() -> str:
     from dataclasses import fields
 
-    from implementer.template_context import FA_ARGS
-
-    v1, v2 = FA_ARGS["v1"], FA_ARGS["v2"]
+    v1, v2 = fa_facts.FA_KEYWORDS["v1"], fa_facts.FA_KEYWORDS["v2"]
     rows = []
     for f in fields(v1):
         a, b = getattr(v1, f.name), getattr(v2, f.name)
         if f.name == "op":
             rows.append([_FA_MEANING[f.name], f"`{a}`", f"`{b}`", "—"])
             continue
-        da, db = _schema_default(v1.op, a), _schema_default(v2.op, b)
+        da, db = default_text(v1.op, a), default_text(v2.op, b)
         default = f"`{da}`" if da == db else f"v1 `{da}` / v2 `{db}`"
         rows.append([_FA_MEANING[f.name], f"`{a}`", f"`{b}`", default])
     for name, meaning in _SHARED_KEYWORDS:
-        da, db = _schema_default(v1.op, name), _schema_default(v2.op, name)
+        da, db = default_text(v1.op, name), default_text(v2.op, name)
         default = f"`{da}`" if da == db else f"v1 `{da}` / v2 `{db}`"
         rows.append([meaning, f"`{name}`", f"`{name}`", default])
     return _table(["含义", "FA v1", "FA v2", "漏传或名字写错时算子用的默认值"], rows)
 
 
 def fa_keyword_sets() -> str:
-    from implementer.template_context import FA_ARGS
-    from validators.npu_ops.schemas import accepted_keywords
-
-    v1 = accepted_keywords(FA_ARGS["v1"].op)
-    v2 = accepted_keywords(FA_ARGS["v2"].op)
+    v1 = accepted_keywords(fa_facts.FA_OPS["v1"])
+    v2 = accepted_keywords(fa_facts.FA_OPS["v2"])
 
     def names(items) -> str:
         return "、".join(f"`{n}`" for n in sorted(items))

@@ -12,10 +12,11 @@ import os
 import re
 from dataclasses import dataclass
 
+from analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SHAPES
 from validators.lint import ops
 from validators.lint.hidden_layout import HiddenLayout
 from validators.lint.kwargs_dicts import call_keywords, expand_star_kwargs
-from validators.lint.masks import ALLOWED_COMPRESSED_SHAPES, MaskFacts
+from validators.lint.masks import MaskFacts
 from validators.lint.registry import RULES
 from validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
 from validators.lint.values import Resolver, Variant, as_int, as_number, dict_item_key, is_none
@@ -222,7 +223,7 @@ class FileChecker:
 
     def fa_call(self, call: ast.Call, op: str) -> None:
         named, star = call_keywords(call)
-        wrong = ops.V1_ONLY if op == ops.FA_V2 else ops.V2_ONLY
+        wrong = ops.WRONG_VERSION_NAMES[op]
         wrong_id = "KV101" if op == ops.FA_V2 else "KV102"
         accepted = ops.accepted_keywords(op)
         for kw_name, kw in named.items():
@@ -255,9 +256,9 @@ class FileChecker:
             dtype = self.masks.dtype(sc.mask, sc.mask_at, sc.ctx)
             if dtype == "float":
                 self.emit("KV204", anchor_mask, dtype="a floating-point tensor")
-            if sc.certain and sc.sparse in (2, 3, 4):
+            if sc.certain and sc.sparse in COMPRESSED_MASK_MODES:
                 shape = self.masks.shape(sc.mask, sc.mask_at, sc.ctx)
-                if shape is not None and shape not in ALLOWED_COMPRESSED_SHAPES:
+                if shape is not None and shape not in COMPRESSED_MASK_SHAPES:
                     self.emit("KV205", anchor_mask, shape=shape, mode=sc.sparse)
 
         if "block_table" in named:

@@ -6,6 +6,7 @@ import ast
 import re
 
 from analyzer.config_loader import yarn_mscale
+from analyzer.operators import fa_facts, schemas
 from validators.lint import ops
 from validators.lint.kwargs_dicts import call_keywords
 from validators.lint.scope import DECODE, PREFILL, Ctx, _ident_text, is_self_attr
@@ -13,7 +14,6 @@ from validators.lint.values import MAX_DEPTH, as_int, as_str
 
 _YARN_WORDS = re.compile(r"mscale|yarn|attention_factor|attn_factor|attention_scaling", re.IGNORECASE)
 _NUMERIC_FUNCS = {"sqrt", "pow", "float", "int", "max", "min", "getattr", "log", "exp"}
-_DEFAULT_PRE_TOKENS = 2147483647
 _WINDOW_NAMES = ("sliding_window", "window_size", "window")
 
 
@@ -45,7 +45,7 @@ class ManifestChecks:
     def fa_call(self, call: ast.Call, op: str) -> None:
         m = self.m
         named, star = call_keywords(call)
-        expected_op = ops.FA_V1 if m.fa.version == "v1" else ops.FA_V2
+        expected_op = fa_facts.FA_OPS[m.fa.version]
         if op != expected_op:
             self.c.emit("KV803", call, op=op, expected=m.fa.version, fix=f"torch_npu.{expected_op}")
         ctx = self.info.ctx_of(call)
@@ -65,10 +65,13 @@ class ManifestChecks:
     def scale(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
         m = self.m
         expected = m.fa.softmax_scale
-        key = "softmax_scale" if "softmax_scale" in named else ("scale" if "scale" in named else None)
+        # Either version's spelling (v2 first): a wrong-version name is KV101/102's, its value still checked here.
+        scale_names = [kw.scale for kw in reversed(fa_facts.FA_KEYWORDS.values())]
+        key = next((name for name in scale_names if name in named), None)
         if key is None:
             if not star:
-                self.c.emit("KV802", call, value="not passed (op default 1.0)", expected=expected)
+                default = schemas.default_text(fa_facts.FA_OPS[m.fa.version], fa_facts.FA_KEYWORDS[m.fa.version].scale)
+                self.c.emit("KV802", call, value=f"not passed (op default {default})", expected=expected)
             return
         node = named[key].value
         rope = m.model.rope
@@ -175,7 +178,7 @@ class ManifestChecks:
         window = windows.pop() if len(windows) == 1 else None
         if "pre_tokens" not in named:
             if not star:
-                self.c.emit("KV806", call, value=f"{_DEFAULT_PRE_TOKENS} (not passed)",
+                self.c.emit("KV806", call, value=f"{fa_facts.INT32_MAX} (not passed)",
                             expected=" or ".join(map(str, expected)))
             return
         node = named["pre_tokens"].value

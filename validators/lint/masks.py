@@ -7,8 +7,6 @@ import ast
 from validators.lint.scope import Ctx
 from validators.lint.values import MAX_DEPTH, Resolver, as_number
 
-ALLOWED_COMPRESSED_SHAPES = {(2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)}
-
 _FLOAT_DTYPES = {"float16", "half", "bfloat16", "float32", "float", "float64", "double"}
 _INT_DTYPES = {"int8", "uint8", "int16", "short", "int32", "int", "int64", "long"}
 _CAST_METHODS = {"bool": "bool", "half": "float", "float": "float", "bfloat16": "float", "double": "float",

@@ -1,17 +1,15 @@
-"""Operator facts the linter needs: names, v1/v2 argument tables, and the pinned real schemas."""
+"""Operator facts the linter needs, read from their one home (``analyzer.operators``, torch-free)."""
 
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
-import sys
 from functools import cache
-from pathlib import Path
 
-FA_V1 = "npu_fused_infer_attention_score"
-FA_V2 = "npu_fused_infer_attention_score_v2"
-FA_OPS = frozenset({FA_V1, FA_V2})
+from analyzer.operators import fa_facts, schemas
+
+FA_V1 = fa_facts.FA_OPS["v1"]
+FA_V2 = fa_facts.FA_OPS["v2"]
+FA_OPS = fa_facts.FA_OP_NAMES
 SCATTER_ND = "npu_scatter_nd_update_"
 SCATTER_LEGACY = "scatter_update_"
 RMSNORM_ROPE_CACHE = "npu_kv_rmsnorm_rope_cache"
@@ -24,62 +22,22 @@ WRITER_OPS = frozenset({SCATTER_ND, SCATTER_LEGACY, RMSNORM_ROPE_CACHE, SCATTER_
                         RMSNORM_ROPE_CACHE_V2})
 ALL_OPS = FA_OPS | WRITER_OPS
 
-# (v1 name, v2 name, default the op falls back to when the other version's name is passed)
-VERSION_NAMES = (
-    ("scale", "softmax_scale", "1.0"),
-    ("num_heads", "num_query_heads", "1"),
-    ("actual_seq_lengths", "actual_seq_qlen", "None"),
-    ("actual_seq_lengths_kv", "actual_seq_kvlen", "None"),
-)
-V1_ONLY = {v1: (v2, default) for v1, v2, default in VERSION_NAMES}
-V2_ONLY = {v2: (v1, default) for v1, v2, default in VERSION_NAMES}
+# On a call of one FA version, the other version's keywords: {wrong name: (right name, op default)}.
+WRONG_VERSION_NAMES = {op: fa_facts.other_version_names(op) for op in FA_OPS}
 
-# Where a writer takes its slot index when passed positionally (keyword name, position).
-WRITER_INDEX_ARG = {SCATTER_ND: ("indices", 1), SCATTER_ND_OUT: ("indices", 1),
-                    RMSNORM_ROPE_CACHE: ("index", 4), RMSNORM_ROPE_CACHE_V2: ("index", 4)}
-
-
-@cache
-def _schema_module():
-    """``validators.npu_ops.schemas`` without running ``validators/npu_ops/__init__.py``.
-
-    The package's ``__init__`` imports torch and the emulation (seconds); its ``schemas`` module
-    is stdlib-only. When the package is already imported (a validation process), use it as is.
-    """
-    name = "validators.npu_ops.schemas"
-    if "validators.npu_ops" in sys.modules:
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            return None
-    path = Path(__file__).resolve().parent.parent / "npu_ops" / "schemas.py"
-    if not path.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("_kvcache_lint_op_schemas", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception:  # a broken sibling module must not take the linter down; KV103 goes quiet
-        return None
-    return module
+# Where a writer takes its slot index when passed positionally (keyword name, position in the schema).
+WRITER_INDEX_ARG = {op: (name, schemas.arg_position(op, name))
+                    for op, name in ((SCATTER_ND, "indices"), (SCATTER_ND_OUT, "indices"),
+                                     (RMSNORM_ROPE_CACHE, "index"), (RMSNORM_ROPE_CACHE_V2, "index"))}
 
 
 @cache
 def accepted_keywords(op: str) -> frozenset[str] | None:
-    """Argument names of the real torch_npu 2.9.0 op, from the pinned schemas; None if unavailable.
-
-    The schemas belong to ``validators.npu_ops`` (``op_schemas.json``); the linter still runs,
-    without rule KV103, where that module or its JSON is missing.
-    """
-    module = _schema_module()
-    schema_keywords = getattr(module, "accepted_keywords", None)
-    if schema_keywords is None:
-        return None
+    """Argument names of the real torch_npu 2.9.0 op, from the pinned schemas; None if not pinned."""
     try:
-        names = schema_keywords(op)
-    except (FileNotFoundError, KeyError, ValueError, OSError):
+        return schemas.accepted_keywords(op)
+    except KeyError:
         return None
-    return frozenset(names) if names else None
 
 
 def schemas_available() -> bool:

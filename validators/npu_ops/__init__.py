@@ -8,7 +8,7 @@ Public API:
   and ``torch.ops.npu.<op>`` inside a validation process.
 * :class:`DeviceReadings`, :func:`device_readings`, :func:`active_readings` - the explicit
   switches for the open device questions (see references/device_questions.md).
-* :mod:`validators.npu_ops.schemas` - the pinned real schemas (``op_schemas.json``).
+* The pinned real schemas live with the other operator facts in :mod:`analyzer.operators`.
 * :func:`nz_view` - view a ``[bn, bs, N, D]`` cache allocation in its NZ 5-D form.
 """
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from analyzer.device_questions import BACKEND_CHOICES
+from analyzer.operators.schemas import load_schemas
 from validators.npu_ops import emulated
-from validators.npu_ops.schemas import load_schemas
 
 BACKENDS = BACKEND_CHOICES
 EMULATION_MARKER = "__npu_ops_emulation__"

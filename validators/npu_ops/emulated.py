@@ -1,7 +1,7 @@
 """CPU emulations of the torch_npu operators, named and shaped exactly like the real ones.
 
 Signatures (argument names, order, the keyword-only ``*``, defaults) equal the pinned
-schemas in ``op_schemas.json``; ``tests/test_npu_ops_schema_pin.py`` enforces it. Passing an
+schemas in ``analyzer/operators/op_schemas.json``; ``tests/test_npu_ops_schema_pin.py`` enforces it. Passing an
 argument the real operator does not have raises ``TypeError`` here, exactly as a misspelt
 keyword does on the device build.
 
@@ -13,11 +13,10 @@ rounding only, and keeps float32/bf16 (``--dtype``) for device precision.
 
 from __future__ import annotations
 
+from analyzer.operators.fa_facts import INT32_MAX
 from validators.npu_ops import writers
 from validators.npu_ops.errors import NotEmulatedError
 from validators.npu_ops.fused_attention import V1_NAMES, V2_NAMES, fused_infer_attention
-
-INT_MAX = 2147483647
 
 
 def _refuse_unemulated(op: str, **tensors) -> None:
@@ -35,7 +34,7 @@ def npu_fused_infer_attention_score(
     value_antiquant_scale=None, value_antiquant_offset=None, block_table=None, query_padding_size=None,
     kv_padding_size=None, key_shared_prefix=None, value_shared_prefix=None, actual_shared_prefix_len=None,
     query_rope=None, key_rope=None, key_rope_antiquant_scale=None, num_heads=1, scale=1.0,
-    pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+    pre_tokens=INT32_MAX, next_tokens=INT32_MAX, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
     inner_precise=0, block_size=0, antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0,
     softmax_lse_flag=False,
 ):
@@ -65,7 +64,7 @@ def npu_fused_infer_attention_score_v2(
     actual_seq_kvlen=None, block_table=None, dequant_scale_query=None, dequant_scale_key=None,
     dequant_offset_key=None, dequant_scale_value=None, dequant_offset_value=None, dequant_scale_key_rope=None,
     quant_scale_out=None, quant_offset_out=None, learnable_sink=None, num_query_heads=1, num_key_value_heads=0,
-    softmax_scale=1.0, pre_tokens=INT_MAX, next_tokens=INT_MAX, input_layout="BSH", sparse_mode=0,
+    softmax_scale=1.0, pre_tokens=INT32_MAX, next_tokens=INT32_MAX, input_layout="BSH", sparse_mode=0,
     block_size=0, query_quant_mode=0, key_quant_mode=0, value_quant_mode=0, inner_precise=0,
     return_softmax_lse=False, query_dtype=None, key_dtype=None, value_dtype=None, query_rope_dtype=None,
     key_rope_dtype=None, key_shared_prefix_dtype=None, value_shared_prefix_dtype=None,

@@ -16,7 +16,8 @@ from functools import lru_cache
 
 import torch
 
-COMPRESSED_MASK_SIZE = 2048
+from analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SIZE
+
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 
 
@@ -57,7 +58,7 @@ def visible_bounds(spec: MaskSpec, rows: torch.Tensor, q_lens: torch.Tensor,
     zero = torch.zeros((), dtype=torch.int64)
     lo = torch.zeros(q_lens.numel(), rows.numel(), dtype=torch.int64)
     hi = kl.expand_as(lo).clone()
-    banded = spec.mode in (2, 3, 4) or (spec.mode == 0 and spec.user_mask is not None)
+    banded = spec.mode in COMPRESSED_MASK_MODES or (spec.mode == 0 and spec.user_mask is not None)
     if banded:
         if spec.mode == 2:  # left-up causal: origin at the first query/key
             band_lo, band_hi = lo, r + 1

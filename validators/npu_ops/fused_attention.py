@@ -41,11 +41,21 @@ pools are smaller), per-shape size limits (B <= 65536 etc.), the MLA query-lengt
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from analyzer.operators.fa_facts import (
+    COMPRESSED_MASK_MODES,
+    COMPRESSED_MASK_SHAPES,
+    COMPRESSED_MASK_SIZE,
+    FA_KEYWORDS,
+    INT32_MAX,
+    MAX_GQA_RATIO,
+    MLA_ROPE_DIM,
+    SPARSE_MODES,
+    FaKeywords,
+)
 from validators.npu_ops.errors import NpuOpError
 from validators.npu_ops.fa_core import attend
 from validators.npu_ops.fa_kv import DenseBatchKV, KVSource, PackedKV, PagedKV
@@ -65,34 +75,19 @@ from validators.npu_ops.nz import nz_c0
 from validators.npu_ops.readings import active_readings
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MLA_ROPE_DIM = 64
-MAX_GQA_RATIO = 64
 _CHECKED_MASKS: dict[int, tuple] = {}
 # MLA (query_rope/key_rope given, one latent KV head): the absorb path takes up to 128 query heads
 # (DeepSeek-V3/R1 at attention TP 1); the 64 cap above is the GQA rule.
 MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-@dataclass(frozen=True)
-class ArgNames:
-    """How one operator version spells the arguments that differ between v1 and v2."""
-
-    op: str
-    q_lens: str
-    kv_lens: str
-    num_heads: str
-    scale: str
-    lse_flag: str
-
-
-V1_NAMES = ArgNames("npu_fused_infer_attention_score", "actual_seq_lengths", "actual_seq_lengths_kv",
-                    "num_heads", "scale", "softmax_lse_flag")
-V2_NAMES = ArgNames("npu_fused_infer_attention_score_v2", "actual_seq_qlen", "actual_seq_kvlen",
-                    "num_query_heads", "softmax_scale", "return_softmax_lse")
+# How each version spells the renamed arguments (rejections name them in the operator's own spelling).
+V1_NAMES = FA_KEYWORDS["v1"]
+V2_NAMES = FA_KEYWORDS["v2"]
 
 
 class _Checker:
-    def __init__(self, names: ArgNames) -> None:
+    def __init__(self, names: FaKeywords) -> None:
         self.names = names
 
     def fail(self, argument: str, message: str) -> None:
@@ -150,7 +145,7 @@ def _check_compressed_mask(chk: _Checker, mask: torch.Tensor | None, mode: int) 
     if mask is None:
         chk.fail("atten_mask", f"sparse_mode {mode} requires the compressed 2048x2048 causal mask")
     _check_mask_dtype(chk, mask)
-    if tuple(mask.shape) not in ((2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)):
+    if tuple(mask.shape) not in COMPRESSED_MASK_SHAPES:
         chk.fail("atten_mask", f"sparse_mode {mode} needs shape (2048,2048), (1,2048,2048) or (1,1,2048,2048), "
                                f"got {tuple(mask.shape)}")
     # Every layer passes the same mask tensor: remember the tensor objects already found equal
@@ -158,7 +153,7 @@ def _check_compressed_mask(chk: _Checker, mask: torch.Tensor | None, mode: int) 
     seen = _CHECKED_MASKS.get(id(mask))
     if seen is not None and seen[0]() is mask and seen[1] == mask._version:
         return
-    if not torch.equal(mask.reshape(2048, 2048).to(torch.bool), causal_template()):
+    if not torch.equal(mask.reshape(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE).to(torch.bool), causal_template()):
         chk.fail("atten_mask", "the compressed mask must be the causal template ~tril(ones(2048, 2048)) "
                                "(True above the diagonal); the device computes undefined results otherwise")
     if len(_CHECKED_MASKS) > 64:
@@ -340,7 +335,7 @@ def _assemble(layout: Layout, out_b: torch.Tensor, lse_b: torch.Tensor, q_lens: 
 
 
 def fused_infer_attention(
-    names: ArgNames,
+    names: FaKeywords,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -403,7 +398,7 @@ def fused_infer_attention(
     # Sparse mode / layout combinations.
     if sparse_mode in (5, 6, 7, 8):
         chk.fail("sparse_mode", f"{sparse_mode} (prefix/global/dilated/block_local) is not supported")
-    if sparse_mode not in (0, 1, 2, 3, 4):
+    if sparse_mode not in SPARSE_MODES:
         chk.fail("sparse_mode", f"{sparse_mode} is not a sparse mode (0-4)")
     if layout.packed and (sparse_mode in (1, 2) or (sparse_mode == 0 and atten_mask is not None)):
         chk.fail("sparse_mode", f"{layout.name} supports sparse_mode 0 without a mask, 3 or 4 "
@@ -480,7 +475,7 @@ def fused_infer_attention(
             kv_lens = akv
         else:
             # The upper bound (table width x block size) is checked with the table itself.
-            kv_lens = chk.per_request(akv, batch, names.kv_lens, 2**31 - 1, "KV length")
+            kv_lens = chk.per_request(akv, batch, names.kv_lens, INT32_MAX, "KV length")
         q_max = max(q_lens, default=0) if layout.packed else q_s
         source, dv, width, bs = _paged_source(chk, layout, key, value, key_rope, block_table, block_size,
                                               kv_lens, n_kv, q_dim, mla512, q_max, sparse_mode, cdt)
@@ -505,7 +500,7 @@ def fused_infer_attention(
 
     # Masks.
     user_mask = None
-    if sparse_mode in (2, 3, 4):
+    if sparse_mode in COMPRESSED_MASK_MODES:
         _check_compressed_mask(chk, atten_mask, sparse_mode)
     elif sparse_mode == 1 and atten_mask is None:
         chk.fail("atten_mask", "sparse_mode 1 (allMask) requires the full mask")

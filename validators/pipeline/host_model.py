@@ -27,6 +27,7 @@ import torch
 
 from analyzer.errors import InputError
 from analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
+from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
@@ -109,9 +110,9 @@ class _Probe:
         self.records.append(kw)
 
 
-_FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
-_FA_RECORDED = ("sparse_mode", "pre_tokens", "next_tokens", "scale", "softmax_scale", "num_heads",
-                "num_query_heads", "num_key_value_heads", "input_layout", "block_size")
+# The arguments the call checks compare with the manifest, in either version's spelling.
+_FA_RECORDED = frozenset({"sparse_mode", "pre_tokens", "next_tokens", "num_key_value_heads", "input_layout",
+                          "block_size"} | {name for kw in FA_KEYWORDS.values() for name in (kw.scale, kw.num_heads)})
 
 
 class _RecordingOps:
@@ -123,7 +124,7 @@ class _RecordingOps:
 
     def __getattr__(self, name):
         target = getattr(self._ops, name)
-        if name not in _FA_OPS:
+        if name not in FA_OP_NAMES:
             return target
 
         def call(*args, **kwargs):

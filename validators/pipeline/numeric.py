@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from analyzer.manifest import SelectionManifest
+from analyzer.operators.fa_facts import BAND_MODE, FA_OPS, keywords_of, value_passed
 from validators.pipeline.host_model import reference_layer_outputs, reference_logits
 from validators.pipeline.report import Report
 
@@ -139,24 +141,26 @@ class NumericTracker:
 
     def check_fa_calls(self, report: Report, manifest: SelectionManifest) -> None:
         """Every FA call passes what the manifest decided for its layer and path (the code runs as written)."""
-        want_op = {"v1": "npu_fused_infer_attention_score", "v2": "npu_fused_infer_attention_score_v2"}
         bad = []
         for call in self.host.probe.fa_calls:
             plan = manifest.layers[call["layer"]]
             path = "prefill" if call["is_prefill"] else "decode"
             where = f"step {call['step']} layer {call['layer']} ({path})"
             mode = getattr(plan.sparse_mode, path)
+            op, kw = call["op"], keywords_of(call["op"])
+            # What the operator used: the recorded keyword, else its schema default.
+            passed = partial(value_passed, op, call)
             got = {
-                "op": call["op"],
-                "sparse_mode": call.get("sparse_mode", 0),
+                "op": op,
+                "sparse_mode": passed("sparse_mode"),
                 "mask": call["has_mask"],
-                "layout": call.get("input_layout", "BSH"),
-                "scale": call.get("scale", call.get("softmax_scale", 1.0)),
-                "q_heads": call.get("num_heads", call.get("num_query_heads", 1)),
-                "kv_heads": call.get("num_key_value_heads", 0),
+                "layout": passed("input_layout"),
+                "scale": passed(kw.scale),
+                "q_heads": passed(kw.num_heads),
+                "kv_heads": passed("num_key_value_heads"),
             }
             want = {
-                "op": want_op[manifest.fa.version],
+                "op": FA_OPS[manifest.fa.version],
                 "sparse_mode": mode,
                 "mask": getattr(plan.mask, path) != "none",
                 "layout": manifest.fa.input_layout,
@@ -164,10 +168,9 @@ class NumericTracker:
                 "q_heads": manifest.parallel.num_q_heads_per_rank,
                 "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
             }
-            if mode == 4:
-                got["pre_tokens"] = call.get("pre_tokens", 2147483647)
-                want["pre_tokens"] = plan.pre_tokens
-                got["next_tokens"], want["next_tokens"] = call.get("next_tokens", 2147483647), plan.next_tokens
+            if mode == BAND_MODE:
+                got["pre_tokens"], want["pre_tokens"] = passed("pre_tokens"), plan.pre_tokens
+                got["next_tokens"], want["next_tokens"] = passed("next_tokens"), plan.next_tokens
             diff = [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
                     if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]
             if diff:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from analyzer.device_questions import QUESTIONS, UNKNOWN
+from analyzer.operators.fa_facts import FA_KEYWORDS
 from validators.npu_ops.fa_masks import causal_template
 from validators.probe.device import ProbeDevice
 
@@ -55,13 +56,9 @@ def _call(fn: Callable[[], Any]) -> tuple[Any, str | None]:
 
 
 def _fa(dev: ProbeDevice, version: str, q, k, v, *, q_lens, kv_lens, **kw):
-    if version == "v1":
-        return dev.ops.npu_fused_infer_attention_score(
-            q, k, v, actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens, num_heads=kw.pop("heads"),
-            scale=1.0, **kw)[0]
-    return dev.ops.npu_fused_infer_attention_score_v2(
-        q, k, v, actual_seq_qlen=q_lens, actual_seq_kvlen=kv_lens, num_query_heads=kw.pop("heads"),
-        softmax_scale=1.0, **kw)[0]
+    names = FA_KEYWORDS[version]  # the version's spelling of the renamed arguments
+    renamed = {names.q_lens: q_lens, names.kv_lens: kv_lens, names.num_heads: kw.pop("heads"), names.scale: 1.0}
+    return getattr(dev.ops, names.op)(q, k, v, **renamed, **kw)[0]
 
 
 def _onehot(n_keys: int, lanes: int, heads: int = HEADS) -> torch.Tensor:

@@ -4,7 +4,7 @@ Not needed at test time: tests read the committed JSON. Run it by hand when the
 pinned torch-npu version changes::
 
     pip download torch-npu==2.9.0 --no-deps -d /tmp/tnpu
-    python -m validators.npu_ops.extract_schemas /tmp/tnpu/torch_npu-2.9.0-*.whl
+    python -m analyzer.operators.extract_schemas /tmp/tnpu/torch_npu-2.9.0-*.whl
 
 The argument may also be an unpacked wheel directory or the yaml file itself.
 """
@@ -21,7 +21,7 @@ import yaml
 
 from analyzer.errors import OneLineArgumentParser
 from analyzer.files import atomic_write_text
-from validators.npu_ops.schemas import EMULATED_OPS, SCHEMA_PATH, parse_func_schema
+from analyzer.operators.schemas import EMULATED_OPS, SCHEMA_PATH, parse_func_schema
 
 YAML_IN_WHEEL = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 

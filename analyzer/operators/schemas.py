@@ -1,9 +1,11 @@
 """Real ``torch_npu`` operator schemas, as extracted from the ``torch-npu`` wheel.
 
 The committed ``op_schemas.json`` is the single source of truth for the argument
-names, order, keyword-only marker and defaults of every operator this package
+names, order, keyword-only marker and defaults of every operator this bundle
 emulates. It is produced by ``extract_schemas.py`` from a downloaded wheel; tests
-and other parts of the bundle (e.g. the linter) read the JSON, never the wheel.
+and every part of the bundle (templates context, linter, emulator, validation checks,
+doc tables) read the JSON through this module, never the wheel. Stdlib only: the
+implementer and the linter import it without torch.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 SCHEMA_PATH = Path(__file__).with_name("op_schemas.json")
 
-# The operators this package emulates (and therefore pins).
+# The operators the bundle's emulator implements (and therefore pins); the loader below reads
+# whatever operators the JSON holds, so pinning one more is an entry here plus a re-extraction.
 EMULATED_OPS: tuple[str, ...] = (
     "npu_fused_infer_attention_score",
     "npu_fused_infer_attention_score_v2",
@@ -138,3 +141,26 @@ def op_schema(op_name: str) -> dict[str, Any]:
 def accepted_keywords(op_name: str) -> frozenset[str]:
     """Every argument name ``op_name`` accepts (positional ones can also be passed by keyword)."""
     return frozenset(arg["name"] for arg in op_schema(op_name)["args"])
+
+
+def op_arg(op_name: str, arg_name: str) -> dict[str, Any]:
+    """The schema entry of one argument (``name``, ``type``, ``default``, ``kwarg_only``)."""
+    for arg in op_schema(op_name)["args"]:
+        if arg["name"] == arg_name:
+            return arg
+    raise KeyError(f"{arg_name!r} is not an argument of {op_name}")
+
+
+def arg_position(op_name: str, arg_name: str) -> int:
+    """Index of ``arg_name`` in the operator's argument list (where a positional call passes it)."""
+    return [arg["name"] for arg in op_schema(op_name)["args"]].index(op_arg(op_name, arg_name)["name"])
+
+
+def default_text(op_name: str, arg_name: str) -> str | None:
+    """The schema's default literal of one argument (``"1.0"``, ``"None"``), None when it has none."""
+    return op_arg(op_name, arg_name)["default"]
+
+
+def default_value(op_name: str, arg_name: str) -> Any:
+    """The Python value the operator uses when ``arg_name`` is not passed."""
+    return schema_default_to_python(default_text(op_name, arg_name))

@@ -1,0 +1,92 @@
+"""What the fused-attention (FA) arguments mean across operator versions, and the FA constants.
+
+The pinned schemas (:mod:`analyzer.operators.schemas`) say which keywords each operator accepts
+and what it falls back to when one is missing. They cannot say that ``scale`` (v1) and
+``softmax_scale`` (v2) are the same argument: that cross-version meaning is the table
+``FA_KEYWORDS`` below, the only place it is written. The templates context, the linter, the
+emulator front ends, the validation call checks and the doc tables derive their views from it;
+``tests/test_one_home_ops.py`` fails if a copy comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from analyzer.operators import schemas
+
+# The schemas' "no limit" for pre_tokens / next_tokens (their default), and the non-sliding band.
+INT32_MAX = 2147483647
+
+# sparse_mode values the operators document as supported (5-8 are documented as unsupported), and
+# the ones that take the compressed causal template as atten_mask instead of a full mask.
+SPARSE_MODES = (0, 1, 2, 3, 4)
+COMPRESSED_MASK_MODES = (2, 3, 4)
+BAND_MODE = 4  # sparse_mode of a pre_tokens/next_tokens band (sliding window)
+COMPRESSED_MASK_SIZE = 2048
+COMPRESSED_MASK_SHAPES = tuple((1,) * lead + (COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE) for lead in range(3))
+
+MAX_GQA_RATIO = 64  # query heads / KV heads (num_key_value_heads rule of the op docs)
+MLA_ROPE_DIM = 64  # head dim of query_rope / key_rope
+
+
+@dataclass(frozen=True)
+class FaKeywords:
+    """How one FA version spells the arguments whose name differs between v1 and v2.
+
+    Each field but ``op`` is a role; the same role in two versions is the same argument.
+    """
+
+    op: str
+    scale: str
+    num_heads: str
+    q_lens: str
+    kv_lens: str
+    lse_flag: str
+
+
+FA_KEYWORDS: dict[str, FaKeywords] = {
+    "v1": FaKeywords("npu_fused_infer_attention_score", "scale", "num_heads", "actual_seq_lengths",
+                     "actual_seq_lengths_kv", "softmax_lse_flag"),
+    "v2": FaKeywords("npu_fused_infer_attention_score_v2", "softmax_scale", "num_query_heads", "actual_seq_qlen",
+                     "actual_seq_kvlen", "return_softmax_lse"),
+}
+FA_VERSIONS = tuple(FA_KEYWORDS)
+FA_OPS = {version: kw.op for version, kw in FA_KEYWORDS.items()}
+FA_OP_NAMES = frozenset(FA_OPS.values())
+ROLES = tuple(f.name for f in fields(FaKeywords) if f.name != "op")
+
+
+def version_of(op: str) -> str:
+    """``"v1"`` / ``"v2"`` for an FA operator name."""
+    for version, name in FA_OPS.items():
+        if name == op:
+            return version
+    raise KeyError(f"{op!r} is not a fused-attention operator; known: {sorted(FA_OP_NAMES)}")
+
+
+def keywords_of(op: str) -> FaKeywords:
+    return FA_KEYWORDS[version_of(op)]
+
+
+def renames() -> tuple[tuple[str, str], ...]:
+    """``(v1 keyword, v2 keyword)`` of every role, in role order."""
+    return tuple((getattr(FA_KEYWORDS["v1"], role), getattr(FA_KEYWORDS["v2"], role)) for role in ROLES)
+
+
+def other_version_names(op: str) -> dict[str, tuple[str, str | None]]:
+    """Keywords of the *other* FA version, each with ``op``'s own spelling and that argument's default.
+
+    ``{"scale": ("softmax_scale", "1.0"), ...}`` for v2: a v1 name on a v2 call is not read, and
+    the operator uses the schema default of the right name instead.
+    """
+    own = keywords_of(op)
+    other = next(kw for kw in FA_KEYWORDS.values() if kw.op != op)
+    return {getattr(other, role): (getattr(own, role), schemas.default_text(op, getattr(own, role)))
+            for role in ROLES}
+
+
+def value_passed(op: str, kwargs: Mapping[str, Any], name: str) -> Any:
+    """What ``op`` uses for argument ``name`` in a call made with ``kwargs`` (the schema default if absent)."""
+    return kwargs[name] if name in kwargs else schemas.default_value(op, name)

@@ -316,14 +316,14 @@ def _call(fn, argv, capsys) -> tuple[int, str, str]:
 
 def _every_command():
     from validators.docgen.doc_tables import main as doc_tables_main
-    from validators.npu_ops.extract_schemas import main as extract_main
+    from analyzer.operators.extract_schemas import main as extract_main
 
     out = [(f"kvcache {name}", lambda argv, name=name: kvcache_cli.main([name, *argv]))
            for name in kvcache_cli._commands()]
     out += [(f"python -m validators {name}", lambda argv, name=name: validators_main.main([name, *argv]))
             for name in validators_main._commands()]
     out += [("python -m validators.docgen.doc_tables", doc_tables_main),
-            ("python -m validators.npu_ops.extract_schemas", extract_main)]
+            ("python -m analyzer.operators.extract_schemas", extract_main)]
     return out
 
 

@@ -211,7 +211,7 @@ def test_value_passed_is_the_keyword_or_the_schema_default():
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_templates_context_uses_the_homes_keywords(version):
     from implementer.template_context import Names, build_context
-    from implementer.render import load_manifest
+    from analyzer.manifest_io import load_manifest
 
     manifest = load_manifest(ROOT / "tests" / "golden" / f"qwen3_{version}" / "framework_g2" / "manifest.json")
     assert manifest.fa.version == version
@@ -274,7 +274,7 @@ def test_emulator_names_the_argument_in_the_versions_spelling():
 
 def test_numeric_call_check_reads_each_version_through_the_home():
     """The FA call check compares scale / heads in the called op's spelling, defaults from the schema."""
-    from implementer.render import load_manifest
+    from analyzer.manifest_io import load_manifest
     from validators.pipeline import host_model
     from validators.pipeline.numeric import NumericTracker
     from validators.pipeline.report import Report

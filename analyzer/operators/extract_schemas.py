@@ -71,7 +71,7 @@ def extract(yaml_text: str, ops: tuple[str, ...] = EMULATED_OPS) -> dict[str, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineArgumentParser(prog="python -m validators.npu_ops.extract_schemas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="python -m analyzer.operators.extract_schemas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="torch_npu wheel, unpacked wheel dir, or the yaml file")
     parser.add_argument("--version", default="2.9.0", help="torch-npu version recorded in 'source'")
     parser.add_argument("--out", type=Path, default=SCHEMA_PATH)

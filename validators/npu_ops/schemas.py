@@ -25,6 +25,12 @@ EMULATED_OPS: tuple[str, ...] = (
     "scatter_update_",
     "npu_kv_rmsnorm_rope_cache",
     "npu_kv_rmsnorm_rope_cache_v2",
+    "npu_rms_norm",
+    "npu_add_rms_norm",
+    "npu_apply_rotary_pos_emb",
+    "npu_interleave_rope",
+    "npu_swiglu",
+    "npu_format_cast",
 )
 
 

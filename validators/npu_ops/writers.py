@@ -13,6 +13,7 @@ import torch
 from validators.npu_ops.errors import NotEmulatedError, NpuOpError
 from validators.npu_ops.nz import nz_c0
 from validators.npu_ops.readings import active_readings
+from validators.npu_ops.rotary import deinterleaved_rope
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -139,12 +140,6 @@ def scatter_update_(op: str, self: torch.Tensor, indices: torch.Tensor, updates:
 
 
 # --------------------------------------------------------------------------- kv_rmsnorm_rope_cache
-def _interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Documented formula: split even/odd lanes, then rotate-half on the de-interleaved vector.
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat((x1, x2), dim=-1) * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * gamma
 
@@ -240,7 +235,7 @@ def kv_rmsnorm_rope_cache(
         raise NpuOpError(op, "cos", f"shape {tuple(cos.shape)} must be [{batch}, 1, {seq} or 1, {dk}]")
 
     cdt = torch.float64 if kv.dtype == torch.float64 else torch.float32
-    rope_out = _interleaved_rope(rope_in.to(cdt), cos.to(cdt), sin.to(cdt))
+    rope_out = deinterleaved_rope(rope_in.to(cdt), cos.to(cdt), sin.to(cdt))
     norm_out = _rms_norm(norm_in.to(cdt), gamma.to(cdt), float(epsilon))
     rope_out, norm_out = rope_out.to(kv.dtype), norm_out.to(kv.dtype)
 

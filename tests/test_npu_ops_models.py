@@ -1,0 +1,222 @@
+"""Model-side operators (norms, rotary, activations, formats, MoE, matmuls) against independent
+references (transformers' own modeling code, or plain torch written from the op docs), their
+strictness, and the one-line failure of an operator that is not emulated."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as hf_rotary
+
+from validators.npu_ops import NotEmulatedError, NpuOpError, OpNotEmulatedError, emulated, install_emulation
+from validators.standins import NotStoodInError, device_standins
+
+GEN = torch.Generator().manual_seed(0)
+ops = SimpleNamespace(**emulated.OPS)
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=GEN).to(dtype)
+
+
+def expect(argument, fn, *args, error=NpuOpError, **kwargs):
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    assert info.value.argument == argument, str(info.value)
+    assert info.value.op in str(info.value)
+    return info.value
+
+
+def _hf_norm(x, weight, eps):
+    norm = Qwen3RMSNorm(weight.shape[-1], eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm(x)
+
+
+# --------------------------------------------------------------------------- norms
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-6, 0), (torch.bfloat16, 1e-2, 2e-2)])
+def test_rms_norm_matches_transformers(dtype, atol, rtol):
+    x, w = randn(5, 3, 16, dtype=dtype), randn(16, dtype=dtype)
+    y, rstd = ops.npu_rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert rstd.dtype == torch.float32 and rstd.shape == (5, 3, 1)  # meta: x.shape[:-g] + [1] * g
+    # transformers rounds the normalized value to bf16 before the weight: one extra rounding step
+    torch.testing.assert_close(y.double(), _hf_norm(x, w, 1e-6).double(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(rstd.double(), x.double().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_float64_validation_mode_is_exact_math():
+    x, w = randn(4, 2, 16, dtype=torch.float64), randn(2, 16, dtype=torch.float64)
+    y, rstd = ops.npu_rms_norm(x, w, 1e-6)  # gamma over the last two axes
+    want = x / (x.pow(2).mean((-2, -1), keepdim=True) + 1e-6).sqrt() * w
+    torch.testing.assert_close(y, want, atol=1e-12, rtol=0)
+    assert y.dtype == torch.float64 and rstd.shape == (4, 1, 1)
+
+
+def test_add_rms_norm_returns_normed_sum_and_sum():
+    x1, x2, w = randn(4, 16), randn(4, 16), randn(16)
+    y, rstd, total = ops.npu_add_rms_norm(x1, x2, w, 1e-5)
+    torch.testing.assert_close(total, x1 + x2)
+    torch.testing.assert_close(y, _hf_norm(x1 + x2, w, 1e-5), atol=1e-6, rtol=0)
+    assert rstd.shape == (4, 1)
+
+
+def test_norms_refuse_bad_arguments():
+    x = randn(4, 16)
+    expect("gamma", ops.npu_rms_norm, x, randn(16, dtype=torch.bfloat16))  # doc: gamma has self's dtype
+    expect("gamma", ops.npu_rms_norm, x, randn(8))
+    expect("self", ops.npu_rms_norm, x.int(), torch.ones(16, dtype=torch.int32))
+    expect("epsilon", ops.npu_rms_norm, x, randn(16), -1.0)
+    expect("x2", ops.npu_add_rms_norm, x, randn(4, 8), randn(16))
+    expect("x2", ops.npu_add_rms_norm, x, randn(4, 16, dtype=torch.float16), randn(16))
+    with pytest.raises(TypeError):
+        ops.npu_rms_norm(x, randn(16), eps=1e-6)  # the schema's name is epsilon
+
+
+# --------------------------------------------------------------------------- rotary
+def _cos_sin(tokens, dim, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = torch.outer(torch.arange(tokens, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos(), emb.sin()
+
+
+def test_apply_rotary_pos_emb_tnd_half_matches_transformers():
+    t, nq, nk, d = 6, 4, 2, 16
+    q, k = randn(t, nq, d), randn(t, nk, d)
+    cos, sin = _cos_sin(t, d)
+    q_out, k_out = ops.npu_apply_rotary_pos_emb(q, k, cos[:, None], sin[:, None], layout="TND")
+    # transformers works on [B, H, S, D] with cos [B, S, D]
+    q_ref, k_ref = hf_rotary(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), atol=1e-6, rtol=0)
+    assert not torch.equal(q_out, q)  # the rotation did something; the inputs are left as they were
+
+
+def test_apply_rotary_pos_emb_bsnd_and_interleave():
+    b, s, n, d = 2, 3, 2, 8
+    q, k = randn(b, s, n, d), randn(b, s, 1, d)
+    cos, sin = _cos_sin(s, d)
+    cos4, sin4 = cos[None, :, None].expand(b, s, 1, d), sin[None, :, None].expand(b, s, 1, d)
+    q_out, _ = ops.npu_apply_rotary_pos_emb(q, k, cos4, sin4)  # default layout 'BSH' = [B, S, N, D]
+    q_ref, _ = hf_rotary(q, q, cos[None], sin[None], unsqueeze_dim=2)
+    torch.testing.assert_close(q_out, q_ref, atol=1e-6, rtol=0)
+    # interleave (npu_rotary_mul doc): pairs (x0, x1) rotate together, written back in place
+    c, sn = cos4.clone(), sin4.clone()
+    q_int, _ = ops.npu_apply_rotary_pos_emb(q, k, c, sn, layout="BSND", rotary_mode="interleave")
+    x1, x2 = q[..., 0::2], q[..., 1::2]
+    want = torch.stack((x1 * c[..., 0::2] - x2 * sn[..., 0::2], x2 * c[..., 1::2] + x1 * sn[..., 1::2]), -1)
+    torch.testing.assert_close(q_int, want.flatten(-2), atol=1e-6, rtol=0)
+
+
+def test_apply_rotary_pos_emb_refuses_bad_arguments():
+    q, k, cs = randn(4, 2, 8), randn(4, 1, 8), randn(4, 1, 8)
+    f = ops.npu_apply_rotary_pos_emb
+    expect("layout", f, q, k, cs, cs, layout="NTD")
+    expect("rotary_mode", f, q, k, cs, cs, layout="TND", rotary_mode="quarter", error=NotEmulatedError)
+    expect("rotary_mode", f, q, k, cs, cs, layout="TND", rotary_mode="full")
+    expect("query", f, q, k, cs, cs)  # 3-D query under the default 4-D 'BSH' layout
+    expect("cos", f, q, k, randn(4, 2, 8), randn(4, 2, 8), layout="TND")  # cos must be 1 on the head axis
+    expect("sin", f, q, k, cs, randn(1, 1, 8), layout="TND")
+    expect("key", f, q, randn(3, 1, 8), cs, cs, layout="TND")
+    expect("cos", f, q, k, cs.double(), cs.double(), layout="TND")
+    expect("query", f, randn(4, 2, 7), randn(4, 1, 7), randn(4, 1, 7), randn(4, 1, 7), layout="TND")
+
+
+def test_interleave_rope_matches_transformers_deepseek():
+    n, s, d = 3, 5, 8
+    x = randn(1, n, s, d)
+    cos, sin = _cos_sin(s, d)
+    out = ops.npu_interleave_rope(x, cos[None, None], sin[None, None])
+    want, _ = apply_rotary_pos_emb_interleave(x, x, cos[None], sin[None])
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    expect("x", ops.npu_interleave_rope, x[0], cos[None], sin[None])
+    expect("cos", ops.npu_interleave_rope, x, randn(1, n, s, d), randn(1, n, s, d))
+
+
+# --------------------------------------------------------------------------- activations, formats
+def test_swiglu_is_silu_of_first_half_times_second():
+    x = randn(3, 4, 12)
+    a, b = x.chunk(2, -1)
+    torch.testing.assert_close(ops.npu_swiglu(x), F.silu(a) * b, atol=1e-6, rtol=0)
+    a, b = x.chunk(2, 1)
+    torch.testing.assert_close(ops.npu_swiglu(x, dim=1), F.silu(a) * b, atol=1e-6, rtol=0)
+    expect("dim", ops.npu_swiglu, randn(3, 5))
+    expect("dim", ops.npu_swiglu, x, dim=3)
+    expect("self", ops.npu_swiglu, x.long())
+
+
+def test_format_cast_keeps_values_in_new_storage():
+    w = randn(8, 4).t()
+    out = ops.npu_format_cast(w, 29)
+    assert torch.equal(out, w) and out.is_contiguous() and out.data_ptr() != w.data_ptr()
+    expect("acl_format", ops.npu_format_cast, w, 3, error=NotEmulatedError)  # NC1HWC0: documented
+    expect("acl_format", ops.npu_format_cast, w, 77)
+    expect("customize_dtype", ops.npu_format_cast, w, 29, customize_dtype=1, error=NotEmulatedError)
+
+
+# --------------------------------------------------------------------------- exposure
+def test_model_ops_reachable_as_torch_npu_and_torch_ops_npu():
+    x, w = randn(3, 16), randn(16)
+    with install_emulation() as torch_npu:
+        a = torch_npu.npu_rms_norm(x, w, 1e-6)[0]
+        b = torch.ops.npu.npu_rms_norm(x, w, 1e-6)[0]
+        q, k = randn(2, 2, 8), randn(2, 1, 8)
+        cs = randn(2, 1, 8)
+        r1 = torch.ops.npu.npu_apply_rotary_pos_emb(q, k, cs, cs, "TND")
+        r2 = torch_npu.npu_apply_rotary_pos_emb(q, k, cs, cs, "TND")
+        assert torch.equal(torch.ops.npu.npu_swiglu(x), torch_npu.npu_swiglu(x))
+    assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(r1, r2, strict=True))
+
+
+def _fake_checkout(tmp_path, body: str):
+    """A file at models/toy/models/modeling_toy.py of a folder that looks like a checkout."""
+    (tmp_path / "executor" / "core").mkdir(parents=True)
+    path = tmp_path / "models" / "toy" / "models" / "modeling_toy.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("modeling_toy_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("call, name", [("torch_npu.npu_moe_distribute_dispatch_v3(x)",
+                                         "torch_npu.npu_moe_distribute_dispatch_v3"),
+                                        ("torch.ops.npu.npu_dynamic_quant(x)", "torch.ops.npu.npu_dynamic_quant")])
+def test_not_emulated_op_fails_with_one_line_naming_the_model_line(tmp_path, call, name):
+    module = _fake_checkout(tmp_path, f"""
+        import torch
+
+
+        def forward(x):
+            import torch_npu
+            y = x + 1
+            return {call}
+    """)
+    with device_standins():
+        with pytest.raises(OpNotEmulatedError) as info:
+            module.forward(torch.ones(2))
+    message = str(info.value)
+    assert message == (f"{name} is not emulated on CPU (called at models/toy/models/modeling_toy.py:8); "
+                       f"emulated ops: references/emulated_ops.md")
+    assert "\n" not in message and isinstance(info.value, NotStoodInError)
+    assert info.value.op == name and info.value.location.endswith("modeling_toy.py:8")
+
+
+def test_non_operator_attributes_still_say_no_stand_in():
+    with device_standins():
+        import torch_npu
+
+        with pytest.raises(NotStoodInError) as info:
+            torch_npu.some_config_switch  # noqa: B018
+    assert not isinstance(info.value, OpNotEmulatedError)

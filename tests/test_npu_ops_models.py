@@ -220,3 +220,161 @@ def test_non_operator_attributes_still_say_no_stand_in():
         with pytest.raises(NotStoodInError) as info:
             torch_npu.some_config_switch  # noqa: B018
     assert not isinstance(info.value, OpNotEmulatedError)
+
+
+# --------------------------------------------------------------------------- MoE routing
+def test_gating_top_k_softmax_values_indices_and_row_layout():
+    x = randn(3, 6)
+    y, idx, row_idx = ops.npu_moe_gating_top_k_softmax(x, None, k=2)
+    probs = torch.softmax(x, -1)
+    torch.testing.assert_close(y, probs.gather(1, idx.long()), atol=1e-7, rtol=0)
+    assert (y[:, 0] >= y[:, 1]).all() and torch.equal(idx.long()[:, 0], probs.argmax(-1))
+    assert idx.dtype == row_idx.dtype == torch.int32
+    assert row_idx.tolist() == [[0, 3], [1, 4], [2, 5]]  # the doc example of npu_moe_init_routing
+    y3, _, r3 = ops.npu_moe_gating_top_k_softmax(randn(2, 2, 6), k=1)
+    assert y3.shape == (2, 2, 1) and r3.flatten().tolist() == [0, 1, 2, 3]
+    expect("k", ops.npu_moe_gating_top_k_softmax, x, k=7)
+    expect("finished", ops.npu_moe_gating_top_k_softmax, x, torch.zeros(3, dtype=torch.bool), k=2,
+           error=NotEmulatedError)
+
+
+def test_init_routing_follows_the_documented_program():
+    x = torch.tensor([[0.1] * 4, [0.2] * 4, [0.3] * 4])
+    row_idx = torch.tensor([[0, 3], [1, 4], [2, 5]], dtype=torch.int32)
+    expert_idx = torch.tensor([[1, 2], [0, 1], [0, 2]], dtype=torch.int32)
+    expanded_x, expanded_row_idx, expanded_expert_idx = ops.npu_moe_init_routing(x, row_idx, expert_idx, 3)
+    # stable sort of the row-major experts [1, 2, 0, 1, 0, 2] -> flat positions [2, 4, 0, 3, 1, 5]
+    assert expanded_expert_idx.tolist() == [0, 0, 1, 1, 2, 2]
+    sorted_rows = [1, 2, 0, 4, 3, 5]  # row_idx values at those positions
+    assert [expanded_row_idx[r].item() for r in sorted_rows] == list(range(6))
+    torch.testing.assert_close(expanded_x, x[[r % 3 for r in sorted_rows]])
+    assert ops.npu_moe_init_routing(x, row_idx, expert_idx, 1)[0].shape == (2, 4)  # min(N, active) * K rows
+    expect("row_idx", ops.npu_moe_init_routing, x, torch.zeros(3, 2, dtype=torch.int32), expert_idx, 3)
+    expect("expert_idx", ops.npu_moe_init_routing, x, row_idx, expert_idx.long(), 3)
+
+
+def test_compute_expert_tokens_doc_example():
+    out = ops.npu_moe_compute_expert_tokens(torch.tensor([3, 3, 4, 5, 6, 7], dtype=torch.int32), 5)
+    assert out.tolist() == [0, 0, 0, 2, 3] and out.dtype == torch.int32
+    expect("sorted_expert_for_source_row", ops.npu_moe_compute_expert_tokens,
+           torch.tensor([2, 1], dtype=torch.int32), 3)
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+def test_finalize_routing_matches_the_doc_formula(mode):
+    n, k, h, e = 5, 3, 4, 6
+    rows, scales = randn(n * k, h), randn(n, k)
+    skip1, skip2, bias = randn(n, h), randn(n, h), randn(e, h)
+    src = torch.randperm(n * k, generator=GEN).to(torch.int32)
+    experts = torch.randint(0, e, (n, k), generator=GEN, dtype=torch.int32)
+    out = ops.npu_moe_finalize_routing(rows, skip1, skip2, bias, scales, src, experts, drop_pad_mode=mode)
+    want = skip1 + skip2
+    for i in range(n):
+        for j in range(k):
+            dst = src[i + j * n] if mode == 0 else src[i * k + j]
+            want[i] += scales[i, j] * (rows[dst] + bias[experts[i, j]])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    f = ops.npu_moe_finalize_routing
+    expect("drop_pad_mode", f, rows, None, None, None, scales, src, None, drop_pad_mode=1, error=NotEmulatedError)
+    expect("scales", f, rows, None, None, None, None, src, None, error=NotEmulatedError)
+    expect("skip2", f, rows, skip1, None, None, scales, src, None)
+    expect("export_for_source_row", f, rows, None, None, bias, scales, src, None)
+    expect("expanded_src_to_dst_row", f, rows, None, None, None, scales, src[:-1], None)
+
+
+def _moe_reference(x, weights, experts, expert_fn):
+    """Per token: sum_k weight * expert_k(x) - the transformers MoE block's arithmetic."""
+    out = torch.zeros(x.shape[0], expert_fn(0, x[:1]).shape[-1])
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            out[t] += weights[t, j] * expert_fn(int(experts[t, j]), x[t:t + 1])[0]
+    return out
+
+
+def test_gpt_oss_routing_chain_equals_per_token_experts():
+    n, h, e, k, inter = 7, 8, 4, 2, 6
+    x, logits = randn(n, h), randn(n, e)
+    w_up, b_up = randn(e, h, inter), randn(e, inter)
+    topk, idx, row_idx = ops.npu_moe_gating_top_k_softmax(logits, None, k=k)
+    weights = topk / topk.sum(-1, keepdim=True)
+    expanded_x, expanded_row_idx, expanded_expert_idx = ops.npu_moe_init_routing(x, row_idx, idx, n)
+    tokens = ops.npu_moe_compute_expert_tokens(expanded_expert_idx, e).to(torch.int64)
+    y = ops.npu_grouped_matmul([expanded_x], [w_up], group_list=tokens, split_item=3, group_type=0,
+                               bias=[b_up])[0]
+    out = ops.npu_moe_finalize_routing(torch.tanh(y), None, None, None, weights, expanded_row_idx, idx)
+    want = _moe_reference(x, weights, idx, lambda ex, v: torch.tanh(v @ w_up[ex] + b_up[ex]))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+def test_qwen3_moe_routing_chain_equals_per_token_swiglu_experts():
+    n, h, e, k, inter = 6, 8, 5, 2, 4
+    x, logits = randn(n, h), randn(n, e)
+    w13, w2 = randn(e, h, 2 * inter), randn(e, inter, h)
+    topk, idx, _ = ops.npu_moe_gating_top_k_softmax(logits, None, k=k)
+    weights = topk / (topk.sum(-1, keepdim=True) + 1e-20)
+    expanded_x, expanded_row_idx, counts, _ = ops.npu_moe_init_routing_v2(
+        x, idx, active_num=n * k, expert_num=e, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+        active_expert_range=[0, e], quant_mode=-1)
+    assert counts.dtype == torch.int64 and counts.tolist() == torch.bincount(idx.flatten().long(), minlength=e).tolist()
+    mid = ops.npu_grouped_matmul([expanded_x], [w13], group_list=counts, group_type=0, group_list_type=1,
+                                 split_item=3)[0]
+    out = ops.npu_grouped_matmul([ops.npu_swiglu(mid)], [w2], group_list=counts, group_type=0, group_list_type=1,
+                                 split_item=3)[0]
+    out = ops.npu_moe_finalize_routing(out, None, None, None, weights, expanded_row_idx, None, drop_pad_mode=2)
+
+    def expert(ex, v):
+        gate, up = (v @ w13[ex]).chunk(2, -1)
+        return (F.silu(gate) * up) @ w2[ex]
+
+    torch.testing.assert_close(out, _moe_reference(x, weights, idx, expert), atol=1e-4, rtol=0)
+
+
+def test_init_routing_v2_refuses_what_it_does_not_emulate():
+    x, idx = randn(2, 8), torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
+    ok = dict(active_num=4, expert_num=3, expert_tokens_num_type=1, expert_tokens_num_flag=True, quant_mode=-1,
+              active_expert_range=[0, 3])
+    f = ops.npu_moe_init_routing_v2
+    expect("quant_mode", f, x, idx, **{**ok, "quant_mode": 1}, error=NotEmulatedError)
+    expect("quant_mode", f, x, idx, **{**ok, "quant_mode": 5})
+    expect("active_num", f, x, idx, **{**ok, "active_num": 3})
+    expect("active_expert_range", f, x, idx, **{**ok, "active_expert_range": [0, 2]}, error=NotEmulatedError)
+    expect("active_expert_range", f, x, idx, **{**ok, "active_expert_range": [2, 1]})
+    expect("expert_tokens_num_flag", f, x, idx, **{**ok, "expert_tokens_num_flag": False}, error=NotEmulatedError)
+    expect("expert_tokens_num_type", f, x, idx, **{**ok, "expert_tokens_num_type": 0}, error=NotEmulatedError)
+    expect("expert_idx", f, x, idx + 2, **ok)  # expert id 3 is not below expert_num 3
+
+
+# --------------------------------------------------------------------------- matmuls
+def test_grouped_matmul_groups_rows_and_poisons_uncovered_rows():
+    x, w = randn(6, 4), randn(3, 4, 5)
+    cum = ops.npu_grouped_matmul([x], [w], group_list=torch.tensor([2, 2, 5]), group_type=0, split_item=2)[0]
+    counts = ops.npu_grouped_matmul([x], [w], group_list=torch.tensor([2, 0, 3]), group_type=0,
+                                    group_list_type=1, split_item=2)[0]
+    want = torch.cat([x[:2] @ w[0], x[2:5] @ w[2]])
+    torch.testing.assert_close(cum[:5], want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(counts[:5], want, atol=1e-6, rtol=0)
+    assert torch.isnan(cum[5]).all()  # row 5 is in no group: undefined on the device
+    f = ops.npu_grouped_matmul
+    g = torch.tensor([2, 2, 5])
+    expect("group_list", f, [x], [w], group_list=torch.tensor([3, 2, 5]), group_type=0)
+    expect("group_list", f, [x], [w], group_list=torch.tensor([2, 5]), group_type=0)
+    expect("group_list", f, [x], [w], group_list=[2, 2, 5], group_type=0, error=NotEmulatedError)
+    expect("group_list", f, [x], [w], group_list=torch.tensor([2, 2, 7]), group_type=0)
+    expect("group_type", f, [x], [w], group_list=g, group_type=1, error=NotEmulatedError)
+    expect("scale", f, [x], [w], group_list=g, group_type=0, scale=[torch.ones(5)], error=NotEmulatedError)
+    expect("x", f, [x, x], [w], group_list=g, group_type=0, error=NotEmulatedError)
+    expect("weight", f, [x], [randn(3, 5, 5)], group_list=g, group_type=0)
+    expect("bias", f, [x], [w], group_list=g, group_type=0, bias=[randn(3, 4)])
+
+
+def test_transpose_batchmatmul_deepseek_absorb_form():
+    t, n, d, r = 5, 3, 4, 6
+    q, wk = randn(t, n, d), randn(n, d, r)
+    out = ops.npu_transpose_batchmatmul(q, wk, bias=None, scale=None, perm_x1=(1, 0, 2), perm_x2=(0, 1, 2),
+                                        perm_y=(1, 0, 2))
+    torch.testing.assert_close(out, torch.einsum("tnd,ndr->tnr", q, wk), atol=1e-6, rtol=0)
+    f = ops.npu_transpose_batchmatmul
+    expect("perm_x1", f, q, wk, perm_x1=(1, 1, 2))
+    expect("weight", f, q, wk)  # without perm_x1 the batch axes do not match
+    expect("bias", f, q, wk, bias=torch.ones(r), perm_x1=(1, 0, 2), error=NotEmulatedError)
+    expect("batch_split_factor", f, q, wk, perm_x1=(1, 0, 2), batch_split_factor=2, error=NotEmulatedError)

@@ -31,6 +31,13 @@ EMULATED_OPS: tuple[str, ...] = (
     "npu_interleave_rope",
     "npu_swiglu",
     "npu_format_cast",
+    "npu_moe_gating_top_k_softmax",
+    "npu_moe_init_routing",
+    "npu_moe_compute_expert_tokens",
+    "npu_moe_finalize_routing",
+    "npu_moe_init_routing_v2",
+    "npu_grouped_matmul",
+    "npu_transpose_batchmatmul",
 )
 
 
@@ -107,6 +114,8 @@ def schema_default_to_python(default: str | None) -> Any:
         return None
     if text in ("True", "False"):
         return text == "True"
+    if text == "[]":
+        return []
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     try:

@@ -378,3 +378,50 @@ def test_transpose_batchmatmul_deepseek_absorb_form():
     expect("weight", f, q, wk)  # without perm_x1 the batch axes do not match
     expect("bias", f, q, wk, bias=torch.ones(r), perm_x1=(1, 0, 2), error=NotEmulatedError)
     expect("batch_split_factor", f, q, wk, perm_x1=(1, 0, 2), batch_split_factor=2, error=NotEmulatedError)
+
+
+# --------------------------------------------------------------------------- EP = 1 communication
+def test_re_routing_goes_expert_major_and_its_index_inverts_by_argsort():
+    counts = torch.tensor([[1, 0, 2], [2, 1, 0]])  # rank 0: e0 x1, e2 x2; rank 1: e0 x2, e1 x1
+    tokens = torch.arange(6, dtype=torch.float32).view(6, 1).expand(6, 4).contiguous()
+    out, scales, idx, per_expert = ops.npu_moe_re_routing(tokens, counts)
+    # rank-major input rows: r0e0=[0], r0e2=[1, 2], r1e0=[3, 4], r1e1=[5]
+    assert idx.tolist() == [0, 3, 4, 5, 1, 2] and torch.equal(out[:, 0], idx.float())
+    assert per_expert.tolist() == [3, 1, 2] and torch.isnan(scales).all()
+    restored = out.index_select(0, idx.float().argsort().int())  # what the recipes do after the experts
+    assert torch.equal(restored, tokens)
+    expect("expert_token_num_per_rank", ops.npu_moe_re_routing, tokens, torch.tensor([[1, 1]]))
+    expect("idx_type", ops.npu_moe_re_routing, tokens, counts, idx_type=1, error=NotEmulatedError)
+
+
+def test_single_rank_dispatch_experts_combine_equals_per_token_experts():
+    n, h, e, k, inter = 5, 8, 4, 2, 3
+    x, logits = randn(n, h), randn(n, e)
+    w13, w2 = randn(e, h, 2 * inter), randn(e, inter, h)
+    topk, idx, _ = ops.npu_moe_gating_top_k_softmax(logits, None, k=k)
+    common = dict(ep_world_size=1, ep_rank_id=0, moe_expert_num=e, group_ep="ep", tp_world_size=1, tp_rank_id=0,
+                  shared_expert_num=0, shared_expert_rank_num=0, expert_shard_type=0, global_bs=0)
+    expand_x, _, expand_idx, tokens, ep_counts, tp_counts, _ = ops.npu_moe_distribute_dispatch_v2(
+        x=x, expert_ids=idx, x_active_mask=None, scales=None, quant_mode=0, comm_alg="fullmesh_v2", **common)
+    assert expand_x.shape == (n * k, h) and tokens.dtype == torch.int64 and tp_counts.tolist() == [n * k]
+    mid = ops.npu_grouped_matmul([expand_x], [w13], group_list=tokens, group_type=0, group_list_type=1,
+                                 split_item=3)[0]
+    y = ops.npu_grouped_matmul([ops.npu_swiglu(mid)], [w2], group_list=tokens, group_type=0, group_list_type=1,
+                               split_item=3)[0]
+    out = ops.npu_moe_distribute_combine_v2(expand_x=y, expert_ids=idx, assist_info_for_combine=expand_idx,
+                                            expert_scales=topk.float(), ep_send_counts=ep_counts,
+                                            tp_send_counts=tp_counts, x_active_mask=None, comm_quant_mode=0, **common)
+
+    def expert(ex, v):
+        gate, up = (v @ w13[ex]).chunk(2, -1)
+        return (F.silu(gate) * up) @ w2[ex]
+
+    torch.testing.assert_close(out, _moe_reference(x, topk, idx, expert), atol=1e-4, rtol=0)
+    f = ops.npu_moe_distribute_dispatch_v2
+    expect("ep_world_size", f, x, idx, "ep", 2, 0, e, error=NotEmulatedError)
+    expect("quant_mode", f, x, idx, "ep", 1, 0, e, quant_mode=2, error=NotEmulatedError)
+    expect("expert_scales", f, x, idx, "ep", 1, 0, e, expert_scales=topk.float(), error=NotEmulatedError)
+    expect("expert_ids", f, x, idx + e, "ep", 1, 0, e)
+    g = ops.npu_moe_distribute_combine_v2
+    expect("expert_scales", g, y, idx, expand_idx, ep_counts, topk.double(), "ep", 1, 0, e)  # must be float32
+    expect("assist_info_for_combine", g, y, idx, expand_idx[:3], ep_counts, topk.float(), "ep", 1, 0, e)

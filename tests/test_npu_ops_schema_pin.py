@@ -75,6 +75,13 @@ MODEL_OP_CALLS = {
                                       group_list=torch.tensor([1, 4]), split_item=3, group_type=0),
     "npu_transpose_batchmatmul": lambda f: f(torch.randn(4, 2, 8), torch.randn(2, 8, 5), perm_x1=[1, 0, 2],
                                              perm_y=[1, 0, 2]),
+    "npu_moe_re_routing": lambda f: f(torch.randn(3, 8), torch.tensor([[1, 2]])),
+    "npu_moe_distribute_dispatch_v2": lambda f: f(torch.randn(2, 8), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
+                                                  "ep", 1, 0, 2),
+    "npu_moe_distribute_combine_v2": lambda f: f(torch.randn(4, 8), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
+                                                 torch.tensor([0, 2, 3, 1], dtype=torch.int32),
+                                                 torch.tensor([2, 2], dtype=torch.int32), torch.ones(2, 2), "ep", 1, 0,
+                                                 2),
 }
 
 
@@ -157,10 +164,13 @@ META_RENAMES = {
     "npu_moe_finalize_routing": {"skip2_optional": "skip2", "expert_for_source_row": "export_for_source_row"},
     "npu_transpose_batchmatmul": {"input_": "input"},
 }
+META_ALL_POSITIONAL = {"npu_moe_re_routing", "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2",
+                       "npu_moe_gating_top_k"}
 # Operators without a `torch_npu.<op>(...)` signature line in the 2.9.0 docs (their schema and meta
 # function still pin them; npu_grouped_matmul's doc line has neither the prefix nor types).
 UNDOCUMENTED = {"npu_kv_rmsnorm_rope_cache", "npu_kv_rmsnorm_rope_cache_v2", "npu_add_rms_norm",
-                "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_grouped_matmul"}
+                "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_grouped_matmul", "npu_moe_re_routing",
+                "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"}
 
 
 def _meta_registrations() -> dict[str, list[ast.FunctionDef]]:
@@ -189,6 +199,9 @@ def test_meta_registration_has_the_schema_arguments(op):
         keyword_only = [a.arg for a in func.args.kwonlyargs]
         if op in META_RENAMES:  # the meta function renames positional arguments (same count and order)
             positional = [META_RENAMES[op].get(name, name) for name in positional]
+        if op in META_ALL_POSITIONAL:  # no keyword-only marker in the meta function: same names, same order
+            assert positional + keyword_only == [a["name"] for a in args], func.name
+            continue
         assert positional == [a["name"] for a in args if not a["kwarg_only"]], func.name
         # v1's meta function lists the keyword-only arguments in another order: compare as sets
         assert sorted(keyword_only) == sorted(a["name"] for a in args if a["kwarg_only"]), func.name

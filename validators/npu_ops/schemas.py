@@ -38,6 +38,9 @@ EMULATED_OPS: tuple[str, ...] = (
     "npu_moe_init_routing_v2",
     "npu_grouped_matmul",
     "npu_transpose_batchmatmul",
+    "npu_moe_re_routing",
+    "npu_moe_distribute_dispatch_v2",
+    "npu_moe_distribute_combine_v2",
 )
 
 

@@ -390,6 +390,9 @@ def test_re_routing_goes_expert_major_and_its_index_inverts_by_argsort():
     assert per_expert.tolist() == [3, 1, 2] and torch.isnan(scales).all()
     restored = out.index_select(0, idx.float().argsort().int())  # what the recipes do after the experts
     assert torch.equal(restored, tokens)
+    given = torch.arange(6, dtype=torch.float32)
+    assert torch.equal(ops.npu_moe_re_routing(tokens, counts, per_token_scales=given)[1], given[idx.long()])
+    expect("per_token_scales", ops.npu_moe_re_routing, tokens, counts, per_token_scales=given[:5])
     expect("expert_token_num_per_rank", ops.npu_moe_re_routing, tokens, torch.tensor([[1, 1]]))
     expect("idx_type", ops.npu_moe_re_routing, tokens, counts, idx_type=1, error=NotEmulatedError)
 

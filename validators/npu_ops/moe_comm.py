@@ -8,7 +8,8 @@ registration, and the semantics from how the recipes use them (qwen3-moe, DeepSe
 * ``npu_moe_re_routing(tokens, expert_token_num_per_rank [R, L])``: tokens arrive rank-major (rank
   ``r``'s tokens for its local experts ``0..L-1`` in order); the output is expert-major (expert ``e``:
   rank 0's tokens, rank 1's, ...). ``permute_token_idx[p]`` is the input row of output row ``p``
-  (the recipes invert it with ``argsort``); ``expert_token_num`` the per-expert totals.
+  (the recipes invert it with ``argsort``); ``expert_token_num`` the per-expert totals;
+  ``per_token_scales`` (when given) are permuted with the tokens.
 * ``npu_moe_distribute_dispatch_v2`` with ``ep_world_size == 1``: no other rank, so dispatch sorts the
   token copies by expert like ``npu_moe_init_routing_v2`` (stable over ``i * K + k``).
   ``expand_x [A, H]`` (``A = bs * min(experts, K)`` from the meta function; rows past ``bs * K`` are NaN),
@@ -37,7 +38,11 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
     chk.tensor(op, "tokens", tokens, dims=(2,))
     counts = chk.tensor(op, "expert_token_num_per_rank", expert_token_num_per_rank, dims=(2,),
                         dtypes=(torch.int32, torch.int64))
-    chk.absent(op, per_token_scales=per_token_scales)
+    if per_token_scales is not None:  # permuted with the tokens (DeepSeek passes init_routing_v2's scales)
+        chk.tensor(op, "per_token_scales", per_token_scales, dims=(1,), dtypes=(torch.float32,))
+        if per_token_scales.shape[0] != tokens.shape[0]:
+            raise NpuOpError(op, "per_token_scales", f"has {per_token_scales.shape[0]} entries for "
+                                                     f"{tokens.shape[0]} tokens")
     chk.choice(op, "expert_token_num_type", expert_token_num_type, (1,), documented=(0,))
     chk.choice(op, "idx_type", idx_type, (0,), documented=(1,))
     if bool((counts < 0).any()) or int(counts.sum()) != tokens.shape[0]:
@@ -48,7 +53,8 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
     pieces = [torch.arange(int(starts[r * local + e]), int(starts[r * local + e] + counts[r, e]))
               for e in range(local) for r in range(ranks)]
     order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-    scales = torch.full((tokens.shape[0],), float("nan"), dtype=torch.float32)  # undefined without scales
+    scales = (per_token_scales[order] if per_token_scales is not None
+              else torch.full((tokens.shape[0],), float("nan"), dtype=torch.float32))  # undefined without them
     return tokens[order], scales, order.to(torch.int32), counts.sum(0).to(counts.dtype)
 
 

@@ -428,3 +428,31 @@ def test_single_rank_dispatch_experts_combine_equals_per_token_experts():
     g = ops.npu_moe_distribute_combine_v2
     expect("expert_scales", g, y, idx, expand_idx, ep_counts, topk.double(), "ep", 1, 0, e)  # must be float32
     expect("assist_info_for_combine", g, y, idx, expand_idx[:3], ep_counts, topk.float(), "ep", 1, 0, e)
+
+
+def test_gating_top_k_matches_transformers_deepseek_v3_router():
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    e = 16
+    config = DeepseekV3Config(hidden_size=e, n_routed_experts=e, n_group=4, topk_group=2, num_experts_per_tok=3,
+                              norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(config)
+    logits, bias = randn(9, e), randn(e) * 0.3
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(e))  # the router's logits are then the input itself
+        router.e_score_correction_bias.copy_(bias)
+        _, want_w, want_idx = router(logits)
+    y, idx, norm = ops.npu_moe_gating_top_k(logits, k=3, bias=bias, k_group=2, group_count=4, group_select_mode=1,
+                                            renorm=0, norm_type=1, routed_scaling_factor=2.5, eps=1e-20)
+    order = want_idx.argsort(-1)  # transformers does not sort the chosen experts by score
+    assert torch.equal(idx.long().sort(-1).values, want_idx.gather(1, order).long())
+    torch.testing.assert_close(y.gather(1, idx.long().argsort(-1)), want_w.gather(1, order), atol=1e-6, rtol=0)
+    assert torch.isnan(norm).all()  # out_flag False: undefined
+    assert torch.equal(ops.npu_moe_gating_top_k(logits, 3, bias=bias, out_flag=True, norm_type=1)[2],
+                       torch.sigmoid(logits))
+    f = ops.npu_moe_gating_top_k
+    expect("group_count", f, logits, 3, group_count=8)  # 16 / 8 = 2 experts per group: not more than 2
+    expect("k", f, logits, 9, k_group=2, group_count=4)
+    expect("renorm", f, logits, 3, renorm=1, error=NotEmulatedError)
+    expect("bias", f, logits, 3, bias=bias.double())

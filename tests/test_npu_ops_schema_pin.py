@@ -63,6 +63,8 @@ MODEL_OP_CALLS = {
     "npu_swiglu": lambda f: f(torch.randn(3, 8)),
     "npu_format_cast": lambda f: f(torch.randn(3, 8), 29),
     "npu_moe_gating_top_k_softmax": lambda f: f(torch.randn(3, 4), None, k=2),
+    "npu_moe_gating_top_k": lambda f: f(torch.randn(3, 16), 2, bias=torch.zeros(16), k_group=2, group_count=4,
+                                        group_select_mode=1, norm_type=1),
     "npu_moe_init_routing": lambda f: f(torch.randn(3, 8), torch.tensor([[0, 3], [1, 4], [2, 5]], dtype=torch.int32),
                                         torch.tensor([[1, 2], [0, 1], [0, 2]], dtype=torch.int32), 3),
     "npu_moe_compute_expert_tokens": lambda f: f(torch.tensor([0, 1, 1], dtype=torch.int32), 3),
@@ -167,10 +169,11 @@ META_RENAMES = {
 META_ALL_POSITIONAL = {"npu_moe_re_routing", "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2",
                        "npu_moe_gating_top_k"}
 # Operators without a `torch_npu.<op>(...)` signature line in the 2.9.0 docs (their schema and meta
-# function still pin them; npu_grouped_matmul's doc line has neither the prefix nor types).
+# function still pin them; the doc lines of npu_grouped_matmul and npu_moe_gating_top_k have neither
+# the prefix nor types).
 UNDOCUMENTED = {"npu_kv_rmsnorm_rope_cache", "npu_kv_rmsnorm_rope_cache_v2", "npu_add_rms_norm",
                 "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_grouped_matmul", "npu_moe_re_routing",
-                "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2"}
+                "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_moe_gating_top_k"}
 
 
 def _meta_registrations() -> dict[str, list[ast.FunctionDef]]:

@@ -14,6 +14,12 @@
   flat index ``f = i * K + k``: ``expanded_row_idx[f] = position of f``, ``expanded_x[p] = x[f // K]``,
   and the token count of every expert of ``active_expert_range``.
 
+* ``npu_moe_gating_top_k`` (DeepSeek ``noaux_tc``): ``norm = sigmoid(x)`` (``norm_type=1``) or
+  ``softmax(x)`` (0); experts are chosen on ``norm + bias`` among the ``k_group`` best of
+  ``group_count`` groups (group score: max, or sum of the top 2 for ``group_select_mode=1``); the
+  weights are ``norm`` at the chosen experts, divided by their sum + ``eps`` for sigmoid, times
+  ``routed_scaling_factor`` (the doc's formula and equivalent program; ties keep the lower index).
+
 Quantization, drop/pad (capacity) modes and partial expert ranges (EP > 1) are refused
 (``NotEmulatedError``) rather than approximated.
 """
@@ -173,7 +179,48 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     return expanded_x, expanded_row_idx, counts, expanded_scale
 
 
+def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0, norm_type=0,
+                         out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+    """``(y, expert_idx, norm_out)``: grouped top-k on ``norm(x) + bias``, weights from ``norm(x)``."""
+    op = "npu_moe_gating_top_k"
+    chk.tensor(op, "x", x, dims=(2,), dtypes=chk.FLOAT_DTYPES)
+    experts = int(x.shape[1])
+    if experts > 2048:
+        raise NpuOpError(op, "x", f"{experts} experts: at most 2048")
+    chk.integer(op, "group_count", group_count, low=1)
+    if experts % group_count or experts // group_count <= 2:
+        raise NpuOpError(op, "group_count", f"{experts} experts must split into {group_count} groups of more than 2")
+    chk.integer(op, "k_group", k_group, low=1, high=group_count)
+    chk.integer(op, "k", k, low=1, high=experts // group_count * k_group)
+    chk.choice(op, "group_select_mode", group_select_mode, (0, 1))
+    chk.choice(op, "renorm", renorm, (0,), documented=(1,))
+    chk.choice(op, "norm_type", norm_type, (0, 1))
+    cdt = chk.compute_dtype(x.dtype)
+    norm = torch.sigmoid(x.to(cdt)) if norm_type == 1 else torch.softmax(x.to(cdt), dim=-1)
+    choice = norm
+    if bias is not None:
+        chk.tensor(op, "bias", bias, dims=(1,))
+        chk.same_dtype(op, "bias", bias, "x", x)
+        if bias.shape[0] != experts:
+            raise NpuOpError(op, "bias", f"has {bias.shape[0]} entries for {experts} experts")
+        choice = norm + bias.to(cdt)
+    if group_count > 1:
+        grouped = choice.view(x.shape[0], group_count, -1)
+        score = grouped.amax(-1) if group_select_mode == 0 else grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(score, dtype=torch.bool)
+        keep.scatter_(1, torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k_group], True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
+    idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    y = norm.gather(1, idx)
+    if norm_type == 1:
+        y = y / (y.sum(-1, keepdim=True) + float(eps))
+    y = y * float(routed_scaling_factor)
+    norm_out = norm.float() if out_flag else torch.full(x.shape, float("nan"), dtype=torch.float32)
+    return y.to(x.dtype), idx.to(torch.int32), norm_out
+
+
 OPS = {
+    "npu_moe_gating_top_k": npu_moe_gating_top_k,
     "npu_moe_gating_top_k_softmax": npu_moe_gating_top_k_softmax,
     "npu_moe_init_routing": npu_moe_init_routing,
     "npu_moe_compute_expert_tokens": npu_moe_compute_expert_tokens,

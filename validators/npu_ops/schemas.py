@@ -32,6 +32,7 @@ EMULATED_OPS: tuple[str, ...] = (
     "npu_swiglu",
     "npu_format_cast",
     "npu_moe_gating_top_k_softmax",
+    "npu_moe_gating_top_k",
     "npu_moe_init_routing",
     "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing",

@@ -33,9 +33,17 @@ code survives; only an NPU run can settle which reading the hardware implements.
     PA modes) receive the same slot several times. The docs only say repeats are "not
     guaranteed correct"; upstream relies on the device accepting them. ``"last_wins"``
     (default): the slot holds the last row written to it; ``"first_wins"``: the first row;
-    ``"error"``: the writer rejects any repeated slot. ``npu_kv_rmsnorm_rope_cache`` knows the
-    block size and refuses repeats outside the null block (block 0: a race between live tokens)
-    under every reading; ``npu_scatter_nd_update`` cannot tell blocks apart in a flat cache.
+    ``"error"``: the writer rejects any repeated slot. Repeats outside the null block are a race
+    between live tokens and are refused under every reading. Which rows are in the null block is
+    declared, not guessed: the validation driver declares its caches with
+    ``validators.npu_ops.paged_caches`` (the framework's null block is block 0 of every pool,
+    ``NULL_BLOCK_ID``), and after every write into a declared null block the emulator fills that
+    block with NaN: the device leaves its content undefined, so under ``last_wins`` and
+    ``first_wins`` a validation run sees the same poisoned block (the two readings differ only in
+    what the probe reads back from an undeclared cache). Undeclared caches: the fused MLA writer
+    reads the block size off its ``[block_num, block_size, 1, D]`` caches and uses block 0;
+    ``npu_scatter_nd_update`` cannot tell blocks apart in a flat cache and lets every repeat
+    follow the reading.
 """
 
 from __future__ import annotations
@@ -44,8 +52,10 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from analyzer.device_questions import QUESTIONS, SWITCH_QUESTIONS
+from validators.npu_ops.null_block import NULL_BLOCK_ID
 
 _ALLOWED = {name: QUESTIONS[name].readings for name in SWITCH_QUESTIONS}
 
@@ -57,6 +67,18 @@ class DeviceReadings:
     band_at_single_query: str = QUESTIONS["band_at_single_query"].default
     window_pre_tokens: str = QUESTIONS["window_pre_tokens"].default
     repeated_slots: str = QUESTIONS["repeated_slots"].default
+
+    # Fixed rules, not switches (no sweep, no probe question): padded decode rows may repeat slots
+    # only inside the null block (block NULL_BLOCK_ID of every cache declared with
+    # ``null_block.paged_caches``), and that block holds NaN after every write into it.
+    null_block_id: ClassVar[int] = NULL_BLOCK_ID
+    null_block_after_write: ClassVar[str] = "poisoned"
+
+    @classmethod
+    def fixed_rules(cls) -> dict[str, object]:
+        """The fixed null-block rules, for reports next to the switches."""
+        return {"null_block_id": cls.null_block_id, "null_block_after_write": cls.null_block_after_write,
+                "repeats_outside_null_block": "error"}
 
     def __post_init__(self) -> None:
         if {f.name for f in fields(self)} != set(_ALLOWED):  # a switch question without a field, or the reverse

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from validators.harness.poison import block_ownership, null_block_of, poison_free_blocks
+from validators.harness.poison import null_block_of, poison_free_blocks
 from validators.pipeline.request_stream import Scenario
 
 CPU_STANDINS = (
@@ -73,11 +73,10 @@ def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, b
 @contextlib.contextmanager
 def cpu_engine_patches(dtype: torch.dtype):
     """Apply CPU_STANDINS to the checkout's freshly imported modules (undone on exit)."""
-    import torch.distributed as dist
-
     import executor.core.config.comm_manager as comm_manager
     import executor.core.engine.execution_engine as engine_mod
     import executor.model_loader.default_loader as loader_mod
+    import torch.distributed as dist
 
     saved = [(comm_manager, "init_comm_group_by_ranks"), (engine_mod, "get_tokenizer"),
              (loader_mod, "set_default_torch_dtype"), (loader_mod.DefaultModelLoader, "load_model")]
@@ -154,7 +153,7 @@ def build_engine(infer_config, model_cls, config_cls):
     return engine
 
 
-def drive(engine, scenario: Scenario, seed: int, recorder, *, release_requests: int = 0) -> EngineRun:
+def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
     """The request stream through the real Scheduler: the first wave but its last request at once, the
     last one two decode steps later (a prefill between decodes, a later finish than the others), the
     late requests when the first wave finishes (admitted into the freed blocks, decoded beside the one
@@ -224,10 +223,24 @@ def drive(engine, scenario: Scenario, seed: int, recorder, *, release_requests: 
         for rid, req in sched.finished_requests.items():
             run.sequences[rid] = req.get_all_token_ids()
     finally:
+        recorder.step = -1  # later forwards (release run) are not the stream's
         engine.forward_batch = real_forward
         engine.main_worker.inference = real_inference
     return run
 
 
-def ownership(engine) -> dict:
-    return block_ownership(engine.kvcache_manager)
+
+def drive_sequential(engine, count: int, seed: int, vocab: int) -> int:
+    """``count`` requests one after another through a fresh Scheduler (the release link's long run)."""
+    from executor.core.scheduler import Scheduler
+
+    sched = Scheduler(tokenizer=None, config=engine.infer_config.scheduler_config,
+                      input_truncated_len=engine.infer_config.data_config.input_truncated_len)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        ids = torch.randint(0, vocab, (8 + (i * 37) % 120,), generator=g)
+        sched.add_request(prompt="", input_ids=ids)
+        while sched.has_work():
+            if not sched.run_step(engine):
+                raise RuntimeError("the Scheduler had work but scheduled no batch")
+    return count

@@ -91,9 +91,8 @@ def _raising_module(name: str, why: str) -> types.ModuleType:
 @contextlib.contextmanager
 def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
     """Import context for the checkout at ``root`` (see the module docstring); restores everything on exit."""
-    from validators.standins import device_standins
-
     from validators.pipeline.validate import _TRANSFORMERS_EAGER
+    from validators.standins import device_standins
 
     # transformers probes for torch_npu when these load; the emulation has no import spec.
     for name in (*_TRANSFORMERS_EAGER, *_TRANSFORMERS_FOR_CHECKOUT):

@@ -35,8 +35,23 @@ def _registry_modules() -> dict[str, list[tuple[str, str]]]:
     return dict(getattr(support_models, "_specs", {}))
 
 
-def registered_names(root: Path) -> list[str]:
-    return sorted(_registry_modules())
+def check_model_name(root: Path, name: str) -> None:
+    """Bad input (exit 2) before any work when NAME is neither registered nor a directory under models/.
+    Reads the registry's literal ``_specs`` keys without importing the checkout."""
+    import ast
+
+    keys: list[str] = []
+    tree = ast.parse((root / "executor" / "core" / "support_models.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "_specs" and isinstance(node.value, ast.Dict):
+            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+    if name in keys or (root / "models" / name / "models").is_dir() or not keys:
+        return
+    raise InputError(name, f"is neither a key of {root}/executor/core/support_models.py "
+                           f"({', '.join(sorted(keys)[:8])}, ...) nor a directory under {root}/models/",
+                     field="--model")
 
 
 def _load_override(module_name: str, path: Path) -> None:

@@ -76,6 +76,9 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     root = require_checkout(req.framework_root)
+    from validators.checkout_run.registry import check_model_name
+
+    check_model_name(root, req.model)
     _, real_config = read_config_file(req.config)
     if req.model_file and not Path(req.model_file).is_file():
         raise InputError(req.model_file, "does not exist", field="--model-file")

@@ -10,10 +10,15 @@ Public API:
   switches for the open device questions (see references/device_questions.md).
 * :mod:`validators.npu_ops.schemas` - the pinned real schemas (``op_schemas.json``).
 * :func:`nz_view` - view a ``[bn, bs, N, D]`` cache allocation in its NZ 5-D form.
+* :func:`paged_caches` - declare the caches and their null block (padded decode rows may repeat
+  slots there only; it is poisoned after every write into it).
+* :class:`OpNotEmulatedError` - a model called an operator the emulation lacks (one line, with
+  the calling ``file:line``); a :class:`NotStoodInError`.
 """
 
 from validators.npu_ops.backend import OpSet, emulation_installed, install_emulation, load, npu_available
-from validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from validators.npu_ops.errors import NotEmulatedError, NotStoodInError, NpuOpError, OpNotEmulatedError
+from validators.npu_ops.null_block import NULL_BLOCK_ID, paged_caches
 from validators.npu_ops.nz import nz_c0, nz_view
 from validators.npu_ops.readings import (
     DEFAULT_READINGS,
@@ -25,8 +30,11 @@ from validators.npu_ops.readings import (
 __all__ = [
     "DEFAULT_READINGS",
     "DeviceReadings",
+    "NULL_BLOCK_ID",
     "NotEmulatedError",
+    "NotStoodInError",
     "NpuOpError",
+    "OpNotEmulatedError",
     "OpSet",
     "active_readings",
     "device_readings",
@@ -36,4 +44,5 @@ __all__ = [
     "npu_available",
     "nz_c0",
     "nz_view",
+    "paged_caches",
 ]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from validators.npu_ops import emulated
+from validators.npu_ops.errors import OpNotEmulatedError, caller_location
 from validators.npu_ops.schemas import load_schemas
 
 BACKENDS = ("auto", "emulated", "npu")
@@ -105,7 +106,31 @@ def _fake_torch_npu() -> types.ModuleType:
         setattr(module, name, fn)
     module.__version__ = "2.9.0+cpu.emulated"
     setattr(module, EMULATION_MARKER, True)
+
+    def __getattr__(name: str):
+        # An operator the model calls that is not emulated: one line naming it and the model line.
+        if name.startswith("npu_"):
+            raise OpNotEmulatedError(f"torch_npu.{name}", caller_location(2))
+        raise AttributeError(f"module 'torch_npu' (CPU emulation) has no attribute {name!r}")
+
+    module.__getattr__ = __getattr__
     return module
+
+
+def _strict_npu_namespace():
+    """A ``torch.ops.npu`` whose missing operators raise :class:`OpNotEmulatedError`."""
+    from torch._ops import _OpNamespace
+
+    class StrictNpuNamespace(_OpNamespace):
+        def __getattr__(self, op_name: str):
+            try:
+                return super().__getattr__(op_name)
+            except AttributeError:
+                if op_name.startswith("__") or op_name in ("__origin__", "__self__"):
+                    raise
+                raise OpNotEmulatedError(f"torch.ops.npu.{op_name}", caller_location(2)) from None
+
+    return StrictNpuNamespace("npu")
 
 
 def _dispatching_kernel(name: str):
@@ -159,11 +184,20 @@ def install_emulation() -> Iterator[types.ModuleType]:
     sys.modules["torch_npu"] = fake
     _installed = True
     lib = None
+    import torch
+
+    had_namespace = "npu" in torch.ops.__dict__
+    saved_namespace = torch.ops.__dict__.get("npu")
     try:
         lib = _register_torch_ops()
+        torch.ops.__dict__["npu"] = _strict_npu_namespace()
         yield fake
     finally:
         _installed = False
+        if had_namespace:
+            torch.ops.__dict__["npu"] = saved_namespace
+        else:
+            torch.ops.__dict__.pop("npu", None)
         if lib is not None and hasattr(lib, "_destroy"):
             lib._destroy()
         if had_entry:

@@ -13,7 +13,7 @@ rounding only, and keeps float32/bf16 (``--dtype``) for device precision.
 
 from __future__ import annotations
 
-from validators.npu_ops import writers
+from validators.npu_ops import activations, formats, matmul, moe, moe_comm, norms, rotary, writers
 from validators.npu_ops.errors import NotEmulatedError
 from validators.npu_ops.fused_attention import V1_NAMES, V2_NAMES, fused_infer_attention
 
@@ -150,5 +150,8 @@ OPS = {
     "npu_kv_rmsnorm_rope_cache": npu_kv_rmsnorm_rope_cache,
     "npu_kv_rmsnorm_rope_cache_v2": npu_kv_rmsnorm_rope_cache_v2,
 }
+# Model-side operators (norms, rotary, activations, formats, MoE, matmuls): one module per family.
+for _family in (norms, rotary, activations, formats, moe, moe_comm, matmul):
+    OPS.update(_family.OPS)
 
 __all__ = list(OPS) + ["OPS"]

@@ -31,9 +31,17 @@ code survives; only an NPU run can settle which reading the hardware implements.
     PA modes) receive the same slot several times. The docs only say repeats are "not
     guaranteed correct"; upstream relies on the device accepting them. ``"last_wins"``
     (default): the slot holds the last row written to it; ``"first_wins"``: the first row;
-    ``"error"``: the writer rejects any repeated slot. ``npu_kv_rmsnorm_rope_cache`` knows the
-    block size and refuses repeats outside the null block (block 0: a race between live tokens)
-    under every reading; ``npu_scatter_nd_update`` cannot tell blocks apart in a flat cache.
+    ``"error"``: the writer rejects any repeated slot. Repeats outside the null block are a race
+    between live tokens and are refused under every reading. Which rows are in the null block is
+    declared, not guessed: the validation driver declares its caches with
+    ``validators.npu_ops.paged_caches`` (the framework's null block is block 0 of every pool,
+    ``NULL_BLOCK_ID``), and after every write into a declared null block the emulator fills that
+    block with NaN: the device leaves its content undefined, so under ``last_wins`` and
+    ``first_wins`` a validation run sees the same poisoned block (the two readings differ only in
+    what the probe reads back from an undeclared cache). Undeclared caches: the fused MLA writer
+    reads the block size off its ``[block_num, block_size, 1, D]`` caches and uses block 0;
+    ``npu_scatter_nd_update`` cannot tell blocks apart in a flat cache and lets every repeat
+    follow the reading.
 """
 
 from __future__ import annotations

@@ -25,6 +25,23 @@ EMULATED_OPS: tuple[str, ...] = (
     "scatter_update_",
     "npu_kv_rmsnorm_rope_cache",
     "npu_kv_rmsnorm_rope_cache_v2",
+    "npu_rms_norm",
+    "npu_add_rms_norm",
+    "npu_apply_rotary_pos_emb",
+    "npu_interleave_rope",
+    "npu_swiglu",
+    "npu_format_cast",
+    "npu_moe_gating_top_k_softmax",
+    "npu_moe_gating_top_k",
+    "npu_moe_init_routing",
+    "npu_moe_compute_expert_tokens",
+    "npu_moe_finalize_routing",
+    "npu_moe_init_routing_v2",
+    "npu_grouped_matmul",
+    "npu_transpose_batchmatmul",
+    "npu_moe_re_routing",
+    "npu_moe_distribute_dispatch_v2",
+    "npu_moe_distribute_combine_v2",
 )
 
 
@@ -101,6 +118,8 @@ def schema_default_to_python(default: str | None) -> Any:
         return None
     if text in ("True", "False"):
         return text == "True"
+    if text == "[]":
+        return []
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
     try:

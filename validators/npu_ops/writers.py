@@ -10,9 +10,11 @@ import math
 
 import torch
 
+from validators.npu_ops import null_block
 from validators.npu_ops.errors import NotEmulatedError, NpuOpError
 from validators.npu_ops.nz import nz_c0
 from validators.npu_ops.readings import active_readings
+from validators.npu_ops.rotary import deinterleaved_rope
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -24,9 +26,9 @@ def _single_writer_rows(op: str, name: str, targets: torch.Tensor, in_null: torc
     """Which rows write, when several rows target the same place (``None``: all of them).
 
     ``targets`` is one integer per row naming where it goes, ``in_null`` whether that place is in
-    the null block (block 0), where padded decode rows land. Repeats elsewhere are a race between
-    live tokens and always refused; repeats in the null block follow the ``repeated_slots``
-    device reading (see ``readings``).
+    the null block (see ``null_block``), where padded decode rows land. Repeats elsewhere are a
+    race between live tokens and always refused; repeats in the null block follow the
+    ``repeated_slots`` device reading (see ``readings``).
     """
     uniq, inverse, counts = torch.unique(targets, return_inverse=True, return_counts=True)
     if uniq.numel() == targets.numel():
@@ -35,7 +37,7 @@ def _single_writer_rows(op: str, name: str, targets: torch.Tensor, in_null: torc
     racing = repeated & ~in_null
     if bool(racing.any()):
         raise NpuOpError(op, name, f"target {int(targets[racing][0])} is written more than once outside the null "
-                                   f"block (block 0): two live tokens race for one slot")
+                                   f"block (block {null_block.NULL_BLOCK_ID}): two live tokens race for one slot")
     reading = active_readings().repeated_slots
     if reading == "error":
         raise NpuOpError(op, name, "slots must not repeat (device reading repeated_slots='error'; padded decode "
@@ -79,15 +81,18 @@ def scatter_nd_update_(op: str, self: torch.Tensor, indices: torch.Tensor, updat
                                             f"{tuple(self.shape)}")
     rows = updates.reshape(-1, *self.shape[depth:])
     strides = torch.tensor([math.prod(self.shape[i + 1:depth]) for i in range(depth)], dtype=torch.int64)
-    # The op does not know the block size of a flat [slots, ...] cache, so it cannot tell the null
-    # block from live blocks: every repeat follows the reading (sliding-window prefill also sends
-    # out-of-window tokens to null-block offsets). The fused MLA writer knows and is stricter.
     targets = (idx * strides).sum(1)
-    keep = _single_writer_rows(op, "indices", targets, torch.ones_like(targets, dtype=torch.bool)) \
-        if idx.numel() else None
+    # Where each row starts in the cache's storage: a declared cache (null_block.paged_caches) says
+    # which of those lie in its null block. Undeclared, the op cannot see the block size of a flat
+    # [slots, ...] cache: every repeat follows the reading (the fused MLA writer sees blocks).
+    offsets = self.storage_offset() + (idx * torch.tensor(self.stride()[:depth], dtype=torch.int64)).sum(1)
+    regions = null_block.declared(self)
+    in_null = null_block.in_null(regions, offsets) if regions else torch.ones_like(targets, dtype=torch.bool)
+    keep = _single_writer_rows(op, "indices", targets, in_null) if idx.numel() else None
     if keep is not None:
         idx, rows = idx[keep], rows[keep]
     self.index_put_(tuple(idx.unbind(1)), rows)
+    null_block.poison_touched(regions, offsets)
     return self
 
 
@@ -139,12 +144,6 @@ def scatter_update_(op: str, self: torch.Tensor, indices: torch.Tensor, updates:
 
 
 # --------------------------------------------------------------------------- kv_rmsnorm_rope_cache
-def _interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Documented formula: split even/odd lanes, then rotate-half on the de-interleaved vector.
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat((x1, x2), dim=-1) * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * gamma
 
@@ -240,7 +239,7 @@ def kv_rmsnorm_rope_cache(
         raise NpuOpError(op, "cos", f"shape {tuple(cos.shape)} must be [{batch}, 1, {seq} or 1, {dk}]")
 
     cdt = torch.float64 if kv.dtype == torch.float64 else torch.float32
-    rope_out = _interleaved_rope(rope_in.to(cdt), cos.to(cdt), sin.to(cdt))
+    rope_out = deinterleaved_rope(rope_in.to(cdt), cos.to(cdt), sin.to(cdt))
     norm_out = _rms_norm(norm_in.to(cdt), gamma.to(cdt), float(epsilon))
     rope_out, norm_out = rope_out.to(kv.dtype), norm_out.to(kv.dtype)
 
@@ -308,10 +307,22 @@ def _write_pa_mode(op, k_cache, ckv_cache, index, rope_out, norm_out, dk, dv, ca
             raise NpuOpError(op, "index", f"{cache_mode} needs {batch * seq} slots (B*S), got {flat.numel()}")
         slots = flat
     keep = slots >= 0
-    single = _single_writer_rows(op, "index", slots[keep], slots[keep] < block_size)
+    blocks = slots[keep] // block_size
+    # Per cache: (its declared null-block regions, where each written block starts in its storage).
+    declared = [(null_block.declared(cache), cache.storage_offset() + blocks * cache.stride(0))
+                for cache in (k_cache, ckv_cache)]
+    if any(regions for regions, _ in declared):  # declared caches: their own null block
+        in_null = torch.zeros_like(blocks, dtype=torch.bool)
+        for regions, starts in declared:
+            in_null |= null_block.in_null(regions, starts)
+    else:  # the framework's null block, read off the [block_num, block_size, 1, D] layout
+        in_null = blocks == null_block.NULL_BLOCK_ID
+    single = _single_writer_rows(op, "index", slots[keep], in_null)
     if single is not None:
         keep[keep.clone()] = single
     tokens_rope = rope_out.reshape(batch * seq, dk)[keep]
     tokens_norm = norm_out.reshape(batch * seq, dv)[keep]
     _write_paged(op, "k_cache", k_cache, tokens_rope, slots[keep], nz)
     _write_paged(op, "ckv_cache", ckv_cache, tokens_norm, slots[keep], nz)
+    for regions, starts in declared:
+        null_block.poison_touched(regions, starts)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from validators.npu_ops import emulation_installed, install_emulation
+from validators.npu_ops.errors import NotStoodInError, OpNotEmulatedError, caller_location
 
 # Figures ``torch.npu.mem_get_info()`` returns unless the caller sets others: a 64 GiB
 # device with everything free (large enough that offline-mode checks never bind).
@@ -30,10 +31,6 @@ DEFAULT_TOTAL_BYTES = 64 * 1024**3
 _MODULE_NAMES = ("torch_npu", "torch_npu.npu", "torchair", "torchair.ops", "torchair.scope",
                  "torchair.configs", "torchair.configs.compiler_config", "torch.npu")
 _ACTIVE: list[StandinHandle] = []
-
-
-class NotStoodInError(RuntimeError):
-    """An attribute of the device stack that no CPU stand-in provides."""
 
 
 def _caller() -> str:
@@ -49,6 +46,8 @@ def _strict_getattr(module_name: str):
     def __getattr__(name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)  # keep introspection (copy, pickle, inspect) working
+        if name.startswith("npu_") and module_name in ("torch_npu", "torchair.ops"):
+            raise OpNotEmulatedError(f"{module_name}.{name}", caller_location(2))
         raise NotStoodInError(f"{module_name}.{name} has no CPU stand-in (called from {_caller()})")
 
     return __getattr__

@@ -147,10 +147,25 @@ def pool_usage(manager) -> dict[str, dict[str, int]]:
 
 
 def build_engine(infer_config, model_cls, config_cls):
+    """The engine after ``init`` (model loaded, cache allocated); ``warm_up`` runs under ``declared_caches``."""
     engine = cpu_engine_class()(infer_config)
     engine.init(config_cls, model_cls, None)
-    engine.warm_up()
     return engine
+
+
+@contextlib.contextmanager
+def declared_caches(engine):
+    """Tell the emulated writers which tensors are paged caches and where each group's null block is:
+    the engine's padded decode rows (and warm-up) repeat slots there, which the device allows."""
+    from validators.npu_ops import paged_caches
+
+    manager = engine.kvcache_manager
+    groups = _tensors_by_group(manager.cache_info)
+    with contextlib.ExitStack() as stack:
+        for m in manager.single_type_managers:
+            key = getattr(m, "manager_key", None) or m.attn_type
+            stack.enter_context(paged_caches(groups.get(key, []), null_block=null_block_of(m)))
+        yield
 
 
 def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:

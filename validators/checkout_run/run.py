@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import traceback
 from pathlib import Path
@@ -48,9 +49,11 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size, max_new),
             global_rank=rank, local_rank=rank)
         try:
-            with engine_run.cpu_engine_patches(dtype):
+            with contextlib.ExitStack() as stack, engine_run.cpu_engine_patches(dtype):
                 engine = engine_run.build_engine(infer, classes.model_cls, classes.config_cls)
                 info = engine.kvcache_manager.cache_info
+                stack.enter_context(engine_run.declared_caches(engine))
+                engine.warm_up()
                 if full:
                     report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
                     _init_link(report, manifest, engine, classes, info, dtype)

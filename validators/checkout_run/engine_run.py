@@ -43,6 +43,7 @@ class StepRecord:
     block_table: dict  # group key -> table rows of the live requests (copy)
     slot_mapping: dict  # group key -> slots (copy)
     kv_lens: list[int]
+    cu_kv_lens: list[int] = field(default_factory=list)  # the same lengths as prefix sums (TND prefill form)
     poisoned: dict = field(default_factory=dict)
 
 
@@ -190,6 +191,7 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
             block_table={k: v.clone() for k, v in (fm.block_table or {}).items()},
             slot_mapping={k: v.clone() for k, v in (fm.slot_mapping or {}).items()},
             kv_lens=fm.actual_seq_lengths_kv.tolist() if fm.actual_seq_lengths_kv is not None else [],
+            cu_kv_lens=fm.actual_seq_lengths_cu_kv.tolist() if fm.actual_seq_lengths_cu_kv is not None else [],
             rows=int(model_inputs["input_ids"].shape[0]))
         return real_inference(model_inputs, is_prefill, is_mtp)
 
@@ -205,7 +207,7 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
         run.steps.append(StepRecord(
             len(run.steps), batch.is_prefill, ids, positions, logits[:n].detach().double().clone(),
             rows - n, captured.get("block_table", {}), captured.get("slot_mapping", {}),
-            captured.get("kv_lens", []), {k: len(v) for k, v in poisoned.items()}))
+            captured.get("kv_lens", []), captured.get("cu_kv_lens", []), {k: len(v) for k, v in poisoned.items()}))
         if batch.is_prefill:
             run.prompt_len.update({r.request_id: r.prompt_tokens for r in batch.requests})
         return out

@@ -29,6 +29,8 @@ CPU_STANDINS = (
     "DefaultModelLoader.load_model: parameters created in float32 instead of bfloat16 and the loaded model "
     "cast to float32 (the CPU comparison dtype); the checkpoint's weights are bfloat16-exact",
     "tokenizer (get_tokenizer): none; requests carry token ids (Scheduler.add_request(input_ids=...))",
+    "world size 1: a one-rank gloo default process group (MoE expert-parallel paths call collectives "
+    "even on one rank)",
 )
 
 
@@ -113,6 +115,24 @@ def cpu_engine_patches(dtype: torch.dtype):
             setattr(obj, attr, value)
 
 
+@contextlib.contextmanager
+def single_rank_group():
+    """A one-rank gloo default group for a single-process run (none is created when one exists)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="kvcache-gloo-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def cpu_engine_class():
     from executor.core.engine import execution_engine as engine_mod
 
@@ -152,6 +172,29 @@ def build_engine(infer_config, model_cls, config_cls):
     engine = cpu_engine_class()(infer_config)
     engine.init(config_cls, model_cls, None)
     return engine
+
+
+@contextlib.contextmanager
+def load_coverage(model_cls, into: dict):
+    """Record what the model's ``load_weights`` reports as loaded (``into['loaded']``) and the parameters
+    it has (``into['params']``): DefaultModelLoader ignores the difference, the init link does not."""
+    had = "load_weights" in model_cls.__dict__
+    real = model_cls.load_weights
+
+    def load_weights(self, weights):
+        loaded = real(self, weights)
+        into["loaded"] = set(loaded) if loaded is not None else None
+        into["params"] = {name for name, _ in self.named_parameters()}
+        return loaded
+
+    model_cls.load_weights = load_weights
+    try:
+        yield into
+    finally:
+        if had:
+            model_cls.load_weights = real
+        else:
+            del model_cls.load_weights
 
 
 @contextlib.contextmanager

@@ -51,6 +51,9 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                                              max_new),
                 global_rank=rank, local_rank=rank)
             with contextlib.ExitStack() as stack, engine_run.cpu_engine_patches(dtype):
+                if world == 1:
+                    stack.enter_context(engine_run.single_rank_group())
+                coverage = stack.enter_context(engine_run.load_coverage(classes.model_cls, {}))
                 engine = engine_run.build_engine(infer, classes.model_cls, classes.config_cls)
                 info = engine.kvcache_manager.cache_info
                 stack.enter_context(engine_run.declared_caches(engine))
@@ -58,6 +61,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 if full:
                     report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
                     _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config))
+                    _load_link(report, coverage)
                     if any(not c.passed for c in report.checks if c.link == "init"):
                         report.notes.append("init link failed: runtime, numeric and release checks not run")
                         return
@@ -148,6 +152,15 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
                  if getattr(e, "needs_block", True) and (getattr(e, "tensor", None) is None or not e.tensor.numel())]
     report.add("allocate_cache_tensors gave every entry a tensor", "init", not allocated,
                detail=", ".join(allocated[:4]))
+
+
+def _load_link(report: Report, coverage: dict) -> None:
+    if coverage.get("loaded") is None:
+        report.notes.append("the model's load_weights returns no loaded set: checkpoint coverage not checked")
+        return
+    missing = sorted(coverage["params"] - coverage["loaded"])
+    report.add("the checkout's loader filled every parameter from the checkpoint", "init", not missing,
+               detail=", ".join(missing[:4]), parameters=len(coverage["params"]), missing=len(missing))
 
 
 def _provenance(root: Path, commit: str | None, classes, info, scope) -> dict:

@@ -162,6 +162,7 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
                                            c["detail"]))
             if r == 0:  # every rank runs the same tiny model and stream: one copy of the notes
                 merged.notes += data.get("notes", [])
+                merged.provenance = data.get("provenance", {})
     merged.notes.insert(0, f"attention TP {tp}: {manifest.parallel.num_q_heads_per_rank} query / "
                            f"{manifest.parallel.num_kv_heads_per_rank} KV heads per rank"
                            + ("; KV heads replicated" if manifest.parallel.kv_heads_replicated else "")

@@ -13,6 +13,8 @@ from validators.pipeline.validate import ValidateRequest, validate
 
 EXAMPLES = """examples:
   kvcache validate --manifest manifest.json --rendered rendered/ --config config.json
+  kvcache validate --framework-root ~/cann-recipes-infer --model qwen3_8b --config Qwen3-8B/config.json
+  kvcache validate --framework-root ~/cann-recipes-infer --model qwen3_8b --config config.json --attn-tp-size 2
   kvcache validate --manifest manifest.json --rendered rendered/ --config config.json \\
       --report report.json --markdown report.md
   kvcache validate ... --backend npu --framework-root /path/to/cann-recipes-infer
@@ -29,18 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--manifest", required=True, metavar="FILE", help="manifest the code was rendered from")
-    p.add_argument("--rendered", required=True, metavar="DIR", help="directory written by `kvcache render`")
+    p.add_argument("--manifest", metavar="FILE",
+                   help="manifest the code was rendered from (with --model: the design to hold the model file to; "
+                        "without it the checkout's model is analyzed on the fly)")
+    p.add_argument("--rendered", metavar="DIR", help="directory written by `kvcache render` (rendered mode)")
+    p.add_argument("--model", metavar="NAME",
+                   help="checkout mode: validate the checkout's own model NAME (a key of executor/core/"
+                        "support_models.py or a directory under models/) in the checkout's engine; needs "
+                        "--framework-root")
+    p.add_argument("--model-file", metavar="FILE",
+                   help="checkout mode: a model file that replaces the registered one (e.g. your edited copy)")
     p.add_argument("--config", required=True, metavar="FILE", help="the model's config.json (tiny model is built from it)")
     p.add_argument("--backend", choices=("auto", "emulated", "npu"), default="auto",
                    help="emulated = CPU reference ops; npu = real torch_npu (auto picks npu when present)")
     p.add_argument("--framework-root", metavar="DIR",
-                   help="cann-recipes-infer checkout: use its executor.core.kv_cache instead of the harness")
+                   help="cann-recipes-infer checkout: use its executor.core.kv_cache instead of the harness "
+                        "(rendered mode), or run its model and engine (with --model)")
     p.add_argument("--framework-api", choices=("G0", "G1", "G2", "G3"),
                    help="harness generation (default: the manifest's; a G2 manifest runs the HEAD-era G3 "
                         "harness, --framework-api G2 the 48a59dc one)")
     p.add_argument("--attn-tp-size", type=int, metavar="N",
-                   help="attention TP ranks to launch (must equal the manifest's attn_tp_size; gloo on CPU)")
+                   help="attention TP ranks to launch (must equal the manifest's attn_tp_size; gloo on CPU); with "
+                        "--model and no --manifest: the TP the model is analyzed and run at")
     p.add_argument("--dtype", choices=("float64", "float32", "bfloat16", "float16"),
                    help="compute dtype of the comparison (default: float64 on the emulated backend, where honest "
                         "code differs by rounding only; the model's dtype on an NPU). Tolerances: float64 1e-9, "
@@ -62,7 +74,39 @@ def _progress(msg: str) -> None:
     print(f"[kvcache validate] {msg}", file=sys.stderr, flush=True)
 
 
+def check_mode(args: argparse.Namespace) -> None:
+    """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
+    if args.model:
+        if not args.framework_root:
+            raise InputError("--model", "validates a checkout's model: pass --framework-root CHECKOUT too")
+        for flag in ("rendered", "framework_api", "dtype"):
+            if getattr(args, flag):
+                raise InputError(f"--{flag.replace('_', '-')}", "applies to the rendered mode, not with --model "
+                                 "(the checkout's model runs in float32 in the checkout's own engine)")
+        if args.backend == "npu":
+            raise InputError("--backend", "the checkout mode runs on CPU (emulated operators); on an NPU run the "
+                                          "checkout's own launcher")
+        return
+    if args.model_file:
+        raise InputError("--model-file", "applies to the checkout mode (--model)")
+    for flag in ("manifest", "rendered"):
+        if not getattr(args, flag):
+            raise InputError(f"--{flag}", "is required (or validate a checkout's model with --framework-root and "
+                                          "--model)")
+
+
+def _checkout_report(args: argparse.Namespace):
+    from validators.checkout_run import CheckoutRequest, validate_checkout
+
+    return validate_checkout(CheckoutRequest(
+        framework_root=args.framework_root, model=args.model, config=args.config, manifest=args.manifest,
+        attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
+        sweep_readings=not args.no_sweep, device_readings=args.device_readings,
+    ), progress=_progress)
+
+
 def run(args: argparse.Namespace) -> int:
+    check_mode(args)
     # Every output is checked before the (long) run, so bad paths cost nothing and write nothing.
     for flag in ("report", "markdown", "write_progress"):
         target = getattr(args, flag)
@@ -76,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
         plan_section(args.write_progress, SECTION_ID, "")  # damaged markers are refused now, not after
     require_validation_deps()
-    report = validate(ValidateRequest(
+    report = _checkout_report(args) if args.model else validate(ValidateRequest(
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
         framework_api=args.framework_api, attn_tp_size=args.attn_tp_size, device_readings=args.device_readings,

@@ -23,6 +23,8 @@ EXAMPLES = """examples:
   kvcache run                                   # the bundled tiny Qwen3 example, results in ./kvcache-out
   kvcache run --config Qwen3-8B/config.json --dispatch "部署模式: 框架部署" --out out/
   kvcache run --model-dir /models/gpt-oss-20b --deploy-mode standalone --out out/
+  kvcache run --config Qwen3-8B/config.json --framework-root ~/cann-recipes-infer --model qwen3_8b --out out/
+                                                # validate the checkout's model file against the analysis
 
 --out: everything is built in a temporary folder beside --out and moved into place only when the
 run completes (checks passed or failed), so a run that stops early leaves --out as it was. An
@@ -52,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "report.json and report.md there, keep the rest")
     p.add_argument("--allow-blocked", action="store_true",
                    help="render and validate even when the manifest lists blockers (Legacy path)")
+    p.add_argument("--model", metavar="NAME",
+                   help="with --framework-root: validate the checkout's model NAME (support_models key or models/ "
+                        "directory) in the checkout's engine against this run's manifest, instead of the render")
+    p.add_argument("--model-file", metavar="FILE",
+                   help="with --model: a model file replacing the registered one (e.g. your edited copy)")
     return p
 
 
@@ -133,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
                                    "choose another --out, or pass --force to write beside the other files",
                          field="--out")
     check_out_dir(out)
+    if args.model and not args.framework_root:
+        raise InputError("--model", "validates a checkout's model: pass --framework-root CHECKOUT too")
+    if args.model_file and not args.model:
+        raise InputError("--model-file", "applies with --model")
     require_validation_deps()
     from validators.pipeline.validate import ValidateRequest, resolve_backend, validate
 
@@ -153,11 +164,20 @@ def run(args: argparse.Namespace) -> int:
         write_rendered(rendered, staging / "rendered")
         _say(f"rendered {len(rendered.files)} files", t0)
         config_file = str(Path(config) / "config.json") if Path(config).is_dir() else config
-        report = validate(ValidateRequest(manifest=str(staging / "manifest.json"), rendered=str(staging / "rendered"),
-                                          config=config_file, backend=args.backend,
-                                          framework_root=args.framework_root, framework_api=args.framework_api,
-                                          attn_tp_size=args.attn_tp_size, device_readings=args.device_readings),
-                          progress=lambda m: _say(m, t0))
+        if args.model:
+            from validators.checkout_run import CheckoutRequest, validate_checkout
+
+            report = validate_checkout(CheckoutRequest(
+                framework_root=args.framework_root, model=args.model, config=config_file,
+                manifest=str(staging / "manifest.json"), attn_tp_size=args.attn_tp_size, model_file=args.model_file,
+                device_readings=args.device_readings), progress=lambda m: _say(m, t0))
+        else:
+            report = validate(ValidateRequest(manifest=str(staging / "manifest.json"),
+                                              rendered=str(staging / "rendered"), config=config_file,
+                                              backend=args.backend, framework_root=args.framework_root,
+                                              framework_api=args.framework_api, attn_tp_size=args.attn_tp_size,
+                                              device_readings=args.device_readings),
+                              progress=lambda m: _say(m, t0))
         atomic_write_text(staging / "report.json", report.to_json())
         atomic_write_text(staging / "report.md", report.to_markdown())
         _publish(staging, out)

@@ -90,11 +90,19 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         o.register_forward_hook(all_reduce)
 
 
-def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dict) -> None:
+# What each rank runs: (module, request class, function(request, rank=, world=) -> Report).
+RENDERED_ENTRY = ("validators.pipeline.validate", "ValidateRequest", "validate")
+
+
+def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dict,
+               entry: tuple[str, str, str] = RENDERED_ENTRY) -> None:
     """One rank: join the group (bounded timeout), validate with sharded attention, write a report."""
+    import importlib
+
     import torch.distributed as dist
 
-    from validators.pipeline.validate import ValidateRequest, validate
+    module = importlib.import_module(entry[0])
+    ValidateRequest, validate = getattr(module, entry[1]), getattr(module, entry[2])  # noqa: N806
 
     torch.set_num_threads(1)
     result = Path(out_dir) / f"rank{rank}.json"
@@ -117,15 +125,18 @@ def _rank_main(rank: int, tp: int, init_file: str, out_dir: str, req_fields: dic
     result.write_text(json.dumps(data), encoding="utf-8")
 
 
-def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
-    """Launch ``tp`` ranks, gather their reports into one (checks prefixed with the rank id)."""
+def validate_multi_rank(req, tp: int, manifest, progress=None, entry: tuple[str, str, str] = RENDERED_ENTRY) -> Report:
+    """Launch ``tp`` ranks, gather their reports into one (checks prefixed with the rank id).
+
+    ``entry`` names what each rank runs (the rendered-mode validation by default; the checkout mode
+    passes its own), so both modes share the launch, the timeouts and the merge."""
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     fields = {k: getattr(req, k) for k in req.__dataclass_fields__}
     with tempfile.TemporaryDirectory(prefix="kvcache-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, tp, init_file, tmp, fields), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(r, tp, init_file, tmp, fields, entry), daemon=True)
                  for r in range(tp)]
         say(f"launching {tp} ranks (gloo)")
         for p in procs:
@@ -159,6 +170,7 @@ def validate_multi_rank(req, tp: int, manifest, progress=None) -> Report:
                                            c["detail"]))
             if r == 0:  # every rank runs the same tiny model and stream: one copy of the notes
                 merged.notes += data.get("notes", [])
+                merged.provenance = data.get("provenance", {})
     merged.notes.insert(0, f"attention TP {tp}: {manifest.parallel.num_q_heads_per_rank} query / "
                            f"{manifest.parallel.num_kv_heads_per_rank} KV heads per rank"
                            + ("; KV heads replicated" if manifest.parallel.kv_heads_replicated else "")

@@ -100,6 +100,11 @@ class NumericTracker:
                 _Rows(step.index, step.is_prefill, pos, logits[sl].clone(), [o[sl].clone() for o in flat]))
         self.probes.append((step.index, step.is_prefill, list(step.request_ids), probe_records))
 
+    def add_rows(self, rid: int, step: int, is_prefill: bool, positions: list[int], logits: torch.Tensor) -> None:
+        """Logits of one request in one step from a model whose layers are not observed (a checkout's
+        own model): the numeric check compares them like any other rows."""
+        self.rows.setdefault(rid, []).append(_Rows(step, is_prefill, list(positions), logits, []))
+
     # ------------------------------------------------------------------ runtime link
     def check_runtime(self, report: Report, manifest: SelectionManifest, prompt_len: dict[int, int]) -> None:
         n_q = manifest.parallel.num_q_heads_per_rank
@@ -138,42 +143,7 @@ class NumericTracker:
                    detail="; ".join(wrong[:3]), requests=len(seen_decode))
 
     def check_fa_calls(self, report: Report, manifest: SelectionManifest) -> None:
-        """Every FA call passes what the manifest decided for its layer and path (the code runs as written)."""
-        want_op = {"v1": "npu_fused_infer_attention_score", "v2": "npu_fused_infer_attention_score_v2"}
-        bad = []
-        for call in self.host.probe.fa_calls:
-            plan = manifest.layers[call["layer"]]
-            path = "prefill" if call["is_prefill"] else "decode"
-            where = f"step {call['step']} layer {call['layer']} ({path})"
-            mode = getattr(plan.sparse_mode, path)
-            got = {
-                "op": call["op"],
-                "sparse_mode": call.get("sparse_mode", 0),
-                "mask": call["has_mask"],
-                "layout": call.get("input_layout", "BSH"),
-                "scale": call.get("scale", call.get("softmax_scale", 1.0)),
-                "q_heads": call.get("num_heads", call.get("num_query_heads", 1)),
-                "kv_heads": call.get("num_key_value_heads", 0),
-            }
-            want = {
-                "op": want_op[manifest.fa.version],
-                "sparse_mode": mode,
-                "mask": getattr(plan.mask, path) != "none",
-                "layout": manifest.fa.input_layout,
-                "scale": manifest.fa.softmax_scale,
-                "q_heads": manifest.parallel.num_q_heads_per_rank,
-                "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
-            }
-            if mode == 4:
-                got["pre_tokens"] = call.get("pre_tokens", 2147483647)
-                want["pre_tokens"] = plan.pre_tokens
-                got["next_tokens"], want["next_tokens"] = call.get("next_tokens", 2147483647), plan.next_tokens
-            diff = [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
-                    if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]
-            if diff:
-                bad.append(f"{where}: " + ", ".join(diff))
-        report.add("FA call arguments match the manifest", "runtime", bool(self.host.probe.fa_calls) and not bad,
-                   detail="; ".join(bad[:3]), calls=len(self.host.probe.fa_calls), mismatches=len(bad))
+        check_fa_calls(report, manifest, self.host.probe.fa_calls)
 
     # ------------------------------------------------------------------ numeric link
     def _first_bad_layer(self, sequence: list[int], chunk: _Rows) -> str:
@@ -231,3 +201,45 @@ class NumericTracker:
                    longest_decode=longest["decode"])
         report.add("greedy tokens identical to transformers", "numeric", not nonfinite and not greedy_bad,
                    detail="; ".join(greedy_bad[:3]), mismatches=len(greedy_bad))
+
+def check_fa_calls(report: Report, manifest: SelectionManifest, fa_calls: list[dict]) -> None:
+    """Every FA call passes what the manifest decided for its layer and path (the code runs as written).
+
+    A call is a dict: ``op``, ``step``, ``layer``, ``is_prefill``, ``has_mask`` and the FA keywords it
+    was given (sparse_mode, scale/softmax_scale, heads, input_layout, pre/next_tokens)."""
+    want_op = {"v1": "npu_fused_infer_attention_score", "v2": "npu_fused_infer_attention_score_v2"}
+    bad = []
+    for call in fa_calls:
+        plan = manifest.layers[call["layer"]]
+        path = "prefill" if call["is_prefill"] else "decode"
+        where = f"step {call['step']} layer {call['layer']} ({path})"
+        mode = getattr(plan.sparse_mode, path)
+        got = {
+            "op": call["op"],
+            "sparse_mode": call.get("sparse_mode", 0),
+            "mask": call["has_mask"],
+            "layout": call.get("input_layout", "BSH"),
+            "scale": call.get("scale", call.get("softmax_scale", 1.0)),
+            "q_heads": call.get("num_heads", call.get("num_query_heads", 1)),
+            "kv_heads": call.get("num_key_value_heads", 0),
+        }
+        want = {
+            "op": want_op[manifest.fa.version],
+            "sparse_mode": mode,
+            "mask": getattr(plan.mask, path) != "none",
+            "layout": manifest.fa.input_layout,
+            "scale": manifest.fa.softmax_scale,
+            "q_heads": manifest.parallel.num_q_heads_per_rank,
+            "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
+        }
+        if mode == 4:
+            got["pre_tokens"] = call.get("pre_tokens", 2147483647)
+            want["pre_tokens"] = plan.pre_tokens
+            got["next_tokens"], want["next_tokens"] = call.get("next_tokens", 2147483647), plan.next_tokens
+        diff = [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
+                if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]
+        if diff:
+            bad.append(f"{where}: " + ", ".join(diff))
+    report.add("FA call arguments match the manifest", "runtime", bool(fa_calls) and not bad,
+               detail="; ".join(bad[:3]), calls=len(fa_calls), mismatches=len(bad))
+

@@ -31,6 +31,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     readings: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    # Where the code under test came from (checkout path/commit, API generation, model file, which
+    # modules are the checkout's and which stand-ins); empty when the run has nothing to declare.
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -57,6 +60,7 @@ class Report:
             "seconds": round(self.seconds, 2),
             "notes": self.notes,
             "checks": [asdict(c) for c in self.checks],
+            **({"provenance": self.provenance} if self.provenance else {}),
         }
 
     def to_json(self) -> str:
@@ -83,7 +87,15 @@ class Report:
             lines.append(f"| {c.link} | {c.name} | {'✅' if c.passed else '❌'} | {shown.replace('|', '/')} |")
         if self.notes:
             lines += ["", "说明:", ""] + [f"- {n}" for n in self.notes]
+        if self.provenance:
+            lines += ["", "来源 (provenance):", ""] + [f"- {k}: {_listed(v)}" for k, v in self.provenance.items()]
         return "\n".join(lines) + "\n"
+
+
+def _listed(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "; ".join(str(v) for v in value) if value else "(none)"
+    return str(value)
 
 
 def _short(value: Any) -> str:

@@ -35,6 +35,7 @@ class TinyPlan:
     num_layers: int
     window: int | None  # the manifest's window: the tiny model runs the render as written
     notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)  # the fields the tiny config was built from
 
 
 def _layer_prefix(manifest: SelectionManifest) -> int:
@@ -136,6 +137,7 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     if moved:
         plan.notes.append("token ids moved into the tiny vocabulary: "
                           + ", ".join(f"{old} -> {new}" for old, new in sorted(moved.items())))
+    plan.config.update(model_type=hf_type, **d)
     config = AutoConfig.for_model(hf_type, **d)
     config._attn_implementation = "eager"
     # The eager experts loop: grouped_mm kernels take no float64 (the default comparison dtype).

@@ -145,6 +145,8 @@ def _build_torch_npu_namespace(handle_ref: list) -> types.ModuleType:
         "current_stream": lambda device=None: default_stream,
         "default_stream": lambda device=None: default_stream,
         "stream": lambda stream=None: contextlib.nullcontext(stream),
+        # Module-level switches the framework sets at import (internal NZ formats); nothing reads them here.
+        "config": types.SimpleNamespace(allow_internal_format=False),
     }
     return _module("torch.npu", attrs)
 

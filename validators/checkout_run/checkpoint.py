@@ -1,0 +1,52 @@
+"""The tiny transformers model as a checkpoint the checkout's own loader reads.
+
+The layout is the published one: ``config.json`` (the real config with the sizes the tiny model
+shrank, and ``torch_dtype`` float32) beside ``model.safetensors`` holding transformers' own
+parameter names (``model.layers.N.self_attn.q_proj.weight`` ...), which is what the checkout's
+``load_weights`` maps (q/k/v into its merged projections, TP shards by rank).
+
+Every weight is rounded to a bfloat16-representable value first (in the reference model too):
+the checkout creates some parameters in bfloat16 explicitly (``VocabParallelEmbedding(...,
+torch.bfloat16)``), and a value that survives that storage exactly keeps the comparison a
+comparison of code, not of storage precision.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def round_to_bfloat16(model: torch.nn.Module) -> None:
+    """Make every floating parameter exactly representable in bfloat16 (in place). Buffers (rotary
+    frequencies) are derived, not stored: they stay as the model computes them."""
+    with torch.no_grad():
+        for t in model.parameters():
+            if t.is_floating_point() and t.dtype != torch.bfloat16:
+                t.copy_(t.to(torch.bfloat16).to(t.dtype))
+
+
+def checkpoint_config(real: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the checkpoint: the real config's fields, the tiny sizes, float32 weights."""
+    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    out = {**real, **src}
+    out.update({k: v for k, v in tiny.items() if k != "model_type"})
+    out.pop("quantization_config", None)  # the tiny weights are not quantized
+    out["torch_dtype"] = "float32"
+    return out
+
+
+def save_checkpoint(model: torch.nn.Module, config: dict[str, Any], directory: Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (transformers' parameter names) into ``directory``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().contiguous().clone() for name, t in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # published tied checkpoints store the embedding once
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
+    return directory

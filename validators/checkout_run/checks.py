@@ -1,0 +1,150 @@
+"""The runtime and release links on the checkout's real objects.
+
+Inputs are observations only: the recorder's FA / writer calls (which cache storage, which table,
+which slots, which kv lengths), each step's forward metadata as the engine built it, and the
+real KVCacheManager. The FA arguments themselves are judged by the check the rendered mode uses
+(``validators.pipeline.numeric.check_fa_calls``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.checkout_run.engine_run import EngineRun, pool_usage
+from validators.checkout_run.recorder import CacheMap, OpRecorder
+from validators.harness.poison import check_pool_invariants, null_block_of
+from validators.pipeline.numeric import check_fa_calls
+from validators.pipeline.report import Report
+
+
+def attributed_fa_calls(rec: OpRecorder, caches: CacheMap, run: EngineRun) -> tuple[list[dict], list[str]]:
+    """FA calls of the validation steps with the layer whose cache they read; calls on no known cache."""
+    steps = {s.index: s for s in run.steps}
+    out, unknown = [], []
+    for call in rec.fa_calls:
+        if call["step"] not in steps:
+            continue  # warm-up
+        slot = caches.slot(call["key_storage"]) or caches.slot(call["key_rope_storage"])
+        if slot is None:
+            unknown.append(f"step {call['step']}: FA key is no allocated cache tensor")
+            continue
+        out.append({**call, "layer": slot.layer, "group": slot.group, "is_prefill": steps[call["step"]].is_prefill})
+    return out, unknown
+
+
+def fa_version_judged(report: Report, manifest: SelectionManifest, calls: list[dict]) -> SelectionManifest:
+    """The manifest the FA calls are judged against. A version the analyzer took as the family default
+    (``fa.is_default``: either works) is no requirement: when every call uses the other one, the calls
+    are judged against that version (said in a note); a required version is judged as written."""
+    ops = {c["op"] for c in calls}
+    called = {"npu_fused_infer_attention_score": "v1", "npu_fused_infer_attention_score_v2": "v2"}
+    if manifest.fa.is_default and len(ops) == 1 and called.get(next(iter(ops))) not in (None, manifest.fa.version):
+        version = called[next(iter(ops))]
+        report.notes.append(f"FA {manifest.fa.version} was the analyzer's family default (not a requirement); "
+                            f"the model calls {version} in every layer: its calls are judged as {version} calls")
+        return manifest.model_copy(update={"fa": manifest.fa.model_copy(update={"version": version})})
+    return manifest
+
+
+def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
+                  run: EngineRun, n_layers: int) -> None:
+    calls, unknown = attributed_fa_calls(rec, caches, run)
+    check_fa_calls(report, fa_version_judged(report, manifest, calls), calls)
+    steps = {s.index: s for s in run.steps}
+
+    report.add("FA reads the allocated cache tensors", "runtime", not unknown and bool(calls),
+               detail="; ".join(unknown[:3]), calls=len(calls))
+
+    # Every layer attends once per step, with the kv lengths the engine set for the step.
+    per_step: dict[int, list[int]] = {}
+    changed = []
+    for c in calls:
+        per_step.setdefault(c["step"], []).append(c["layer"])
+        kv = c["kv_lens"].tolist() if isinstance(c["kv_lens"], torch.Tensor) else c["kv_lens"]
+        if kv is not None and list(kv) != steps[c["step"]].kv_lens:
+            changed.append(f"step {c['step']} layer {c['layer']}: {list(kv)[:6]} != {steps[c['step']].kv_lens[:6]}")
+    missing = [f"step {i}: layers {sorted(set(range(n_layers)) - set(per_step.get(i, [])))}"
+               for i in steps if sorted(per_step.get(i, [])) != list(range(n_layers))]
+    report.add("every layer calls FA once per step", "runtime", not missing, detail="; ".join(missing[:3]),
+               steps=len(steps))
+    report.add("kv_len reaches every layer as the engine set it (never changed inside a layer)", "runtime",
+               not changed, detail="; ".join(changed[:3]), mismatches=len(changed))
+
+    # Tables and slots: each layer uses its own group's (the one its cache entry was allocated in).
+    wrong_table = []
+    for c in calls:
+        want = steps[c["step"]].block_table.get(c["group"])
+        got = c["block_table"]
+        if want is None or got is None or got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
+            wrong_table.append(f"step {c['step']} layer {c['layer']}: block_table is not {c['group']!r}'s")
+    report.add("FA block_table is the layer's own group's", "runtime", not wrong_table and bool(calls),
+               detail="; ".join(wrong_table[:3]), mismatches=len(wrong_table))
+
+    written: dict[int, set[tuple[int, str]]] = {}
+    wrong_slots = []
+    for w in rec.writes:
+        slot = caches.slot(w["storage"])
+        if w["step"] not in steps or slot is None:
+            continue
+        written.setdefault(w["step"], set()).add((slot.layer, slot.cache_name))
+        want = steps[w["step"]].slot_mapping.get(slot.group)
+        got = w["index"]
+        if want is None or got is None or got.numel() != want.numel() or not torch.equal(
+                got.reshape(-1).to(want.dtype), want.reshape(-1)):
+            wrong_slots.append(f"step {w['step']} layer {slot.layer} {slot.cache_name}: slots are not "
+                               f"{slot.group!r}'s slot_mapping")
+    report.add("cache writes use the layer's own group's slot_mapping", "runtime", not wrong_slots and bool(written),
+               detail="; ".join(wrong_slots[:3]), mismatches=len(wrong_slots))
+    entries = {(s.layer, s.cache_name) for s in caches.by_storage.values()}
+    unwritten = [f"step {i}: {sorted(entries - written.get(i, set()))[:4]}" for i in steps
+                 if entries - written.get(i, set())]
+    report.add("every cache entry is written every step", "runtime", not unwritten, detail="; ".join(unwritten[:3]),
+               entries=len(entries))
+
+    # First decode after a prefill of L reads L + 1 keys (from the engine's kv lengths).
+    seen, wrong = set(), []
+    for s in run.steps:
+        if s.is_prefill:
+            continue
+        for i, rid in enumerate(s.request_ids):
+            if rid in seen:
+                continue
+            seen.add(rid)
+            if s.kv_lens[i] != run.prompt_len[rid] + 1:
+                wrong.append(f"request {rid} step {s.index}: {s.kv_lens[i]} != {run.prompt_len[rid]} + 1")
+    report.add("first decode reads prompt length + 1", "runtime", not wrong and bool(seen), detail="; ".join(wrong[:3]),
+               requests=len(seen))
+
+
+def check_padding(report: Report, run: EngineRun) -> None:
+    """Decode rows the engine padded write only into their group's null block."""
+    manager = run.engine.kvcache_manager
+    nulls = {(getattr(m, "manager_key", None) or m.attn_type): null_block_of(m) for m in manager.single_type_managers}
+    sizes = {(getattr(m, "manager_key", None) or m.attn_type): m.block_size for m in manager.single_type_managers}
+    padded_steps, outside = 0, []
+    for s in run.steps:
+        if s.is_prefill or not s.padded_rows:
+            continue
+        padded_steps += 1
+        live = len(s.request_ids)
+        for group, slots in s.slot_mapping.items():
+            if group not in nulls:
+                continue
+            pad = slots.reshape(-1)[live:]
+            lo, hi = nulls[group] * sizes[group], (nulls[group] + 1) * sizes[group]
+            if pad.numel() and not bool(((pad >= lo) & (pad < hi)).all()):
+                outside.append(f"step {s.index} {group}: padded slots {pad.tolist()[:4]} outside null block")
+    report.add("decode padded to the per-DP batch size; padded rows write only the null block", "runtime",
+               padded_steps > 0 and not outside, detail="; ".join(outside[:3]), padded_steps=padded_steps)
+
+
+def check_release(report: Report, run: EngineRun, start_usage: dict, start_bytes: int, cache_bytes) -> None:
+    manager = run.engine.kvcache_manager
+    usage = pool_usage(manager)
+    problems = [f"{r.key}: {p}" for r in check_pool_invariants(manager) for p in r.problems]
+    report.add("all blocks back in the pool after the stream", "release",
+               all(u["used"] == 0 for u in usage.values()) and usage == start_usage and not problems,
+               detail="; ".join(problems[:3]), usage=usage, usage_before=start_usage)
+    report.add("cache tensors unchanged by the stream (bytes)", "release", cache_bytes == start_bytes,
+               bytes_before=start_bytes, bytes_after=cache_bytes)

@@ -1,0 +1,246 @@
+"""Drive the checkout's own ExecutionEngine and Scheduler over the validation request stream, on CPU.
+
+Everything that decides what the model sees is the checkout's code: ``InferenceConfig.from_dict``,
+``ExecutionEngine.init`` (ModelWorker, CommManager, DefaultModelLoader + the model's
+``load_weights``, ``get_cache_info``, ``calculate_block_num``, ``allocate_cache_tensors``,
+``KVCacheManager``), ``warm_up``, ``Scheduler.add_request`` / ``run_step`` (packed prefill, decode
+padded to ``batch_size_per_dp_rank``, block allocation and freeing). What a CPU cannot run is stood
+in, each named in ``CPU_STANDINS`` (the report's provenance lists them).
+
+Observation only: before every forward the blocks no live request owns (free blocks and each
+group's null block) are filled with NaN, and the forward's metadata and logits are copied out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from validators.harness.poison import null_block_of, poison_free_blocks
+from validators.pipeline.request_stream import Scenario
+
+CPU_STANDINS = (
+    "ExecutionEngine._init_device: the npu:N device is the CPU (process group: gloo, set up by the validator)",
+    "executor.utils.hccl_utils.init_comm_group_by_ranks (as CommManager calls it): dist.new_group over the "
+    "same ranks on gloo",
+    "DefaultModelLoader.load_model: parameters created in float32 instead of bfloat16 and the loaded model "
+    "cast to float32 (the CPU comparison dtype); the checkpoint's weights are bfloat16-exact",
+    "tokenizer (get_tokenizer): none; requests carry token ids (Scheduler.add_request(input_ids=...))",
+)
+
+
+@dataclass
+class StepRecord:
+    index: int
+    is_prefill: bool
+    request_ids: list[int]
+    positions: list[int]  # the position whose logits each request got this step
+    logits: torch.Tensor  # [len(request_ids), vocab], the rows of live requests
+    padded_rows: int  # rows the engine added to reach batch_size_per_dp_rank
+    block_table: dict  # group key -> table rows of the live requests (copy)
+    slot_mapping: dict  # group key -> slots (copy)
+    kv_lens: list[int]
+    poisoned: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineRun:
+    engine: object
+    scheduler: object
+    steps: list[StepRecord] = field(default_factory=list)
+    sequences: dict[int, list[int]] = field(default_factory=dict)
+    prompt_len: dict[int, int] = field(default_factory=dict)
+
+
+def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, block_size: int,
+                      max_new_tokens: int) -> dict:
+    """The yaml dictionary of a tiny eager CPU run (the shape of models/*/config/*.yaml)."""
+    longest = max(n for n, _ in scenario.first + scenario.late)
+    return {
+        "model_config": {"model_name": name, "model_path": model_path, "exe_mode": "eager", "with_ckpt": True,
+                         "platform_version": "A3", "enable_weight_nz": False},
+        "data_config": {"dataset": "default", "input_truncated_len": longest},
+        "parallel_config": {"world_size": tp, "attn_tp_size": tp, "moe_tp_size": tp, "embed_tp_size": 1,
+                            "lmhead_tp_size": 1},
+        "scheduler_config": {"batch_size": scenario.max_concurrency, "max_new_tokens": max_new_tokens,
+                             "block_size": block_size},
+    }
+
+
+@contextlib.contextmanager
+def cpu_engine_patches(dtype: torch.dtype):
+    """Apply CPU_STANDINS to the checkout's freshly imported modules (undone on exit)."""
+    import executor.core.config.comm_manager as comm_manager
+    import executor.core.engine.execution_engine as engine_mod
+    import executor.model_loader.default_loader as loader_mod
+    import torch.distributed as dist
+
+    saved = [(comm_manager, "init_comm_group_by_ranks"), (engine_mod, "get_tokenizer"),
+             (loader_mod, "set_default_torch_dtype"), (loader_mod.DefaultModelLoader, "load_model")]
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr in saved]
+
+    def gloo_group(ranks, global_rank=0, group_name="", hccl_buffer_size=None, group_type=None,
+                   platform_version="A3", return_name=False):
+        group = dist.new_group(sorted(ranks), backend="gloo")
+        return (group, None) if return_name else group
+
+    @contextlib.contextmanager
+    def default_dtype(_ignored):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(old)
+
+    real_load = loader_mod.DefaultModelLoader.load_model
+
+    def load_model(self, *args, **kwargs):
+        return real_load(self, *args, **kwargs).to(dtype)
+
+    comm_manager.init_comm_group_by_ranks = gloo_group
+    engine_mod.get_tokenizer = lambda *a, **k: types.SimpleNamespace(eos_token_id=None, pad_token_id=None)
+    loader_mod.set_default_torch_dtype = default_dtype
+    loader_mod.DefaultModelLoader.load_model = load_model
+    try:
+        yield
+    finally:
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
+
+
+def cpu_engine_class():
+    from executor.core.engine import execution_engine as engine_mod
+
+    class CpuExecutionEngine(engine_mod.ExecutionEngine):
+        def _init_device(self):
+            self.device = torch.device("cpu")
+            self.sampler = engine_mod.Sampler(self.device)
+
+    return CpuExecutionEngine
+
+
+def _tensors_by_group(cache_info) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    for layer in cache_info.layer_infos:
+        for entry in layer.caches:
+            t = getattr(entry, "tensor", None)
+            if isinstance(t, torch.Tensor) and t.numel():
+                out.setdefault(entry.group_key, []).append(t)
+    return out
+
+
+def cache_bytes(cache_info) -> int:
+    return sum(t.numel() * t.element_size() for ts in _tensors_by_group(cache_info).values() for t in ts)
+
+
+def pool_usage(manager) -> dict[str, dict[str, int]]:
+    out = {}
+    for m in manager.single_type_managers:
+        key = getattr(m, "manager_key", None) or m.attn_type
+        owned = {b for blocks in m.req_to_blocks.values() for b in blocks if b != null_block_of(m)}
+        out[key] = {"total": m.block_pool.num_blocks, "free": m.block_pool.get_num_free_blocks(), "used": len(owned)}
+    return out
+
+
+def build_engine(infer_config, model_cls, config_cls):
+    engine = cpu_engine_class()(infer_config)
+    engine.init(config_cls, model_cls, None)
+    engine.warm_up()
+    return engine
+
+
+def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
+    """The request stream through the real Scheduler: the first wave but its last request at once, the
+    last one two decode steps later (a prefill between decodes, a later finish than the others), the
+    late requests when the first wave finishes (admitted into the freed blocks, decoded beside the one
+    still running, in batches the engine pads to ``batch_size_per_dp_rank``)."""
+    from executor.core.scheduler import Scheduler
+
+    sched = Scheduler(tokenizer=None, config=engine.infer_config.scheduler_config,
+                      input_truncated_len=engine.infer_config.data_config.input_truncated_len)
+    run = EngineRun(engine, sched)
+    cache_info = engine.kvcache_manager.cache_info
+    groups = _tensors_by_group(cache_info)
+    real_forward = engine.forward_batch
+    real_inference = engine.main_worker.inference
+    captured: dict = {}
+
+    def inference(model_inputs, is_prefill, is_mtp=False):
+        fm = model_inputs["forward_metadata"]
+        captured.update(
+            block_table={k: v.clone() for k, v in (fm.block_table or {}).items()},
+            slot_mapping={k: v.clone() for k, v in (fm.slot_mapping or {}).items()},
+            kv_lens=fm.actual_seq_lengths_kv.tolist() if fm.actual_seq_lengths_kv is not None else [],
+            rows=int(model_inputs["input_ids"].shape[0]))
+        return real_inference(model_inputs, is_prefill, is_mtp)
+
+    def forward_batch(batch):
+        recorder.step = len(run.steps)
+        poisoned = poison_free_blocks(engine.kvcache_manager, groups)
+        ids = [r.request_id for r in batch.requests]
+        positions = [(r.prompt_tokens if batch.is_prefill else r.get_seq_len()) - 1 for r in batch.requests]
+        out = real_forward(batch)
+        logits = out["logits"].reshape(out["logits"].shape[0], -1)
+        n = len(ids)
+        rows = logits.shape[0]
+        run.steps.append(StepRecord(
+            len(run.steps), batch.is_prefill, ids, positions, logits[:n].detach().double().clone(),
+            rows - n, captured.get("block_table", {}), captured.get("slot_mapping", {}),
+            captured.get("kv_lens", []), {k: len(v) for k, v in poisoned.items()}))
+        if batch.is_prefill:
+            run.prompt_len.update({r.request_id: r.prompt_tokens for r in batch.requests})
+        return out
+
+    engine.forward_batch = forward_batch
+    engine.main_worker.inference = inference
+    try:
+        prompts = scenario.prompts(seed)
+        first = len(scenario.first)
+        wave, held, late = prompts[:first - 1], prompts[first - 1:first], prompts[first:]
+        for ids, _ in wave:
+            sched.add_request(prompt="", input_ids=torch.tensor(ids, dtype=torch.long))
+        decodes = 0
+        while sched.has_work() or held or late:
+            if held and decodes >= 2:
+                for ids, _ in held:
+                    sched.add_request(prompt="", input_ids=torch.tensor(ids, dtype=torch.long))
+                held = []
+            if late and sched.finished_requests and not held:
+                for ids, _ in late:
+                    sched.add_request(prompt="", input_ids=torch.tensor(ids, dtype=torch.long))
+                late = []
+            if not sched.has_work():
+                continue
+            before = len(run.steps)
+            if not sched.run_step(engine):
+                raise RuntimeError("the Scheduler had work but scheduled no batch (the pool cannot hold the stream)")
+            if not run.steps[before].is_prefill:
+                decodes += 1
+        for rid, req in sched.finished_requests.items():
+            run.sequences[rid] = req.get_all_token_ids()
+    finally:
+        recorder.step = -1  # later forwards (release run) are not the stream's
+        engine.forward_batch = real_forward
+        engine.main_worker.inference = real_inference
+    return run
+
+
+
+def drive_sequential(engine, count: int, seed: int, vocab: int) -> int:
+    """``count`` requests one after another through a fresh Scheduler (the release link's long run)."""
+    from executor.core.scheduler import Scheduler
+
+    sched = Scheduler(tokenizer=None, config=engine.infer_config.scheduler_config,
+                      input_truncated_len=engine.infer_config.data_config.input_truncated_len)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        ids = torch.randint(0, vocab, (8 + (i * 37) % 120,), generator=g)
+        sched.add_request(prompt="", input_ids=ids)
+        while sched.has_work():
+            if not sched.run_step(engine):
+                raise RuntimeError("the Scheduler had work but scheduled no batch")
+    return count

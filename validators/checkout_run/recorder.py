@@ -1,0 +1,113 @@
+"""What the checkout's model passed to the emulated operators: the runtime link's evidence.
+
+``recording_ops()`` wraps the emulated FA and cache-writer operators (``validators.npu_ops.emulated``)
+for one scope, before the emulation is installed, so calls through ``torch_npu.<op>`` and through
+``torch.ops.npu.<op>`` are both seen. Each record names the cache tensor the call read or wrote by
+its storage (``data_ptr``), which ``CacheMap`` turns into (layer, cache entry, group): the model
+is observed, never modified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from validators.npu_ops import emulated
+
+FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
+# writer -> (cache argument position, index argument position or keyword)
+WRITERS = {
+    "npu_scatter_nd_update_": (0, 1),
+    "npu_scatter_nd_update": (0, 1),
+    "scatter_update_": (0, 1),
+    "scatter_update": (0, 1),
+}
+_FA_KW = ("sparse_mode", "pre_tokens", "next_tokens", "scale", "softmax_scale", "num_heads", "num_query_heads",
+          "num_key_value_heads", "input_layout", "block_size")
+
+
+def _storage(t) -> int | None:
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
+
+
+def _copy(t):
+    return t.detach().clone() if isinstance(t, torch.Tensor) else (list(t) if t is not None else None)
+
+
+@dataclass
+class OpRecorder:
+    step: int = -1
+    fa_calls: list[dict] = field(default_factory=list)
+    writes: list[dict] = field(default_factory=list)
+
+    def _fa(self, name, fn):
+        def call(query, key, value, **kwargs):
+            kv = kwargs.get("actual_seq_kvlen", kwargs.get("actual_seq_lengths_kv"))
+            self.fa_calls.append({
+                "op": name, "step": self.step, "key_storage": _storage(key), "value_storage": _storage(value),
+                "key_rope_storage": _storage(kwargs.get("key_rope")), "q_shape": tuple(query.shape),
+                "block_table": _copy(kwargs.get("block_table")), "kv_lens": _copy(kv),
+                "has_mask": kwargs.get("atten_mask") is not None,
+                **{k: kwargs[k] for k in _FA_KW if k in kwargs},
+            })
+            return fn(query, key, value, **kwargs)
+
+        return call
+
+    def _writer(self, name, fn):
+        cache_pos, index_pos = WRITERS[name]
+
+        def call(*args, **kwargs):
+            cache = args[cache_pos] if len(args) > cache_pos else None
+            index = args[index_pos] if len(args) > index_pos else None
+            self.writes.append({"op": name, "step": self.step, "storage": _storage(cache),
+                                "index": _copy(index)})
+            return fn(*args, **kwargs)
+
+        return call
+
+
+@contextlib.contextmanager
+def recording_ops() -> Iterator[OpRecorder]:
+    """Record FA and writer calls inside the block (enter before the emulation is installed)."""
+    rec = OpRecorder()
+    saved = dict(emulated.OPS)
+    try:
+        for name in FA_OPS:
+            if name in emulated.OPS:
+                emulated.OPS[name] = rec._fa(name, saved[name])
+        for name in WRITERS:
+            if name in emulated.OPS:
+                emulated.OPS[name] = rec._writer(name, saved[name])
+        yield rec
+    finally:
+        emulated.OPS.clear()
+        emulated.OPS.update(saved)
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    layer: int
+    cache_name: str
+    group: str
+    attn_type: str
+
+
+class CacheMap:
+    """Cache tensor storage -> the entry of ``get_cache_info()`` it was allocated for."""
+
+    def __init__(self, cache_info):
+        self.by_storage: dict[int, CacheSlot] = {}
+        for layer in cache_info.layer_infos:
+            for entry in layer.caches:
+                t = getattr(entry, "tensor", None)
+                if isinstance(t, torch.Tensor) and t.numel():
+                    self.by_storage[_storage(t)] = CacheSlot(layer.layer_idx, entry.cache_name,
+                                                             getattr(entry, "group_key", entry.attn_type),
+                                                             entry.attn_type)
+
+    def slot(self, storage: int | None) -> CacheSlot | None:
+        return self.by_storage.get(storage) if storage is not None else None

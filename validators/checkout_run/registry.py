@@ -1,0 +1,117 @@
+"""NAME -> the checkout's model and config classes, the way its launcher finds them.
+
+A key of ``executor/core/support_models.py`` resolves through the checkout's own
+``load_model_classes``; a directory under ``models/`` resolves to the ``*ForCausalLM`` class of its
+``models/modeling_*.py`` and the config class (``configuration_*.py``) whose ``model_type`` is the
+config's. ``--model-file`` replaces the registered model module by another file (an edited copy),
+imported under the registered module name so its relative imports still reach the checkout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from analyzer.errors import InputError
+
+
+@dataclass(frozen=True)
+class ModelClasses:
+    name: str
+    model_cls: type
+    config_cls: type
+    model_module: str
+    model_file: Path
+    registered: bool  # found in support_models (else: a directory under models/)
+
+
+def _registry_modules() -> dict[str, list[tuple[str, str]]]:
+    import executor.core.support_models as support_models
+
+    return dict(getattr(support_models, "_specs", {}))
+
+
+def check_model_name(root: Path, name: str) -> None:
+    """Bad input (exit 2) before any work when NAME is neither registered nor a directory under models/.
+    Reads the registry's literal ``_specs`` keys without importing the checkout."""
+    import ast
+
+    keys: list[str] = []
+    tree = ast.parse((root / "executor" / "core" / "support_models.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "_specs" and isinstance(node.value, ast.Dict):
+            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+    if name in keys or (root / "models" / name / "models").is_dir() or not keys:
+        return
+    raise InputError(name, f"is neither a key of {root}/executor/core/support_models.py "
+                           f"({', '.join(sorted(keys)[:8])}, ...) nor a directory under {root}/models/",
+                     field="--model")
+
+
+def _load_override(module_name: str, path: Path) -> None:
+    """Import ``path`` as ``module_name`` (its package is the checkout's) before anyone imports the original."""
+    package = module_name.rpartition(".")[0]
+    importlib.import_module(package)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = package
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+
+
+def resolve(root: Path, name: str, model_type: str, model_file: str | None = None) -> ModelClasses:
+    """The classes for NAME (inside ``checkout_scope``); bad input (exit 2) names --model / --model-file."""
+    specs = _registry_modules()
+    if name in specs:
+        modeling = next(m for m, a in specs[name] if "ForCausalLM" in a or a.endswith("LM"))
+        if model_file:
+            _load_override(modeling, _existing(model_file))
+        from executor.core.support_models import load_model_classes
+
+        classes = load_model_classes(name)
+        model_cls, config_cls = classes[0], classes[-1]
+        path = Path(model_file).resolve() if model_file else Path(inspect.getfile(model_cls)).resolve()
+        return ModelClasses(name, model_cls, config_cls, modeling, path, True)
+    directory = root / "models" / name / "models"
+    if not directory.is_dir():
+        raise InputError(name, f"is neither a key of {root}/executor/core/support_models.py "
+                               f"({', '.join(sorted(specs)[:8])}, ...) nor a directory under {root}/models/",
+                         field="--model")
+    modeling_files = sorted(directory.glob("modeling_*.py"))
+    config_files = sorted(directory.glob("configuration_*.py"))
+    if not modeling_files or not config_files:
+        raise InputError(str(directory), "holds no modeling_*.py / configuration_*.py", field="--model")
+    package = f"models.{name}.models"
+    modeling = f"{package}.{modeling_files[0].stem}"
+    if model_file:
+        _load_override(modeling, _existing(model_file))
+    module = importlib.import_module(modeling)
+    model_cls = next((c for n, c in vars(module).items() if n.endswith("ForCausalLM") and inspect.isclass(c)
+                      and c.__module__ == modeling), None)
+    config_cls = None
+    for f in config_files:
+        cmod = importlib.import_module(f"{package}.{f.stem}")
+        config_cls = next((c for c in vars(cmod).values() if inspect.isclass(c)
+                           and getattr(c, "model_type", None) == model_type), None) or config_cls
+    if model_cls is None or config_cls is None:
+        raise InputError(str(directory), f"no *ForCausalLM class in {modeling_files[0].name} or no config class "
+                                         f"with model_type {model_type!r}", field="--model")
+    path = Path(model_file).resolve() if model_file else modeling_files[0].resolve()
+    return ModelClasses(name, model_cls, config_cls, modeling, path, False)
+
+
+def _existing(path: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(path, "does not exist", field="--model-file")
+    return p.resolve()

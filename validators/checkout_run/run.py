@@ -1,0 +1,156 @@
+"""One run of the checkout's model in the checkout's engine: build, init link, stream, checks, release."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from pathlib import Path
+
+import torch
+
+from analyzer.manifest import SelectionManifest
+from validators.pipeline.report import Report
+from validators.pipeline.request_stream import Scenario
+
+# Modules of ours that a run puts between the checkout and the CPU (the provenance lists them).
+OURS = ("validators.npu_ops (torch_npu operators, emulated)", "validators.standins (torchair, torch.npu, Tensor.npu)",
+        "validators.checkout_run (driver: observes the engine, poisons unowned blocks, compares logits)")
+
+
+def _model_frame(exc: BaseException, model_file: Path) -> str:
+    """file:line of the innermost frame inside the model file (or the checkout), for the one-line failure."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if Path(frame.filename).resolve() == model_file:
+            return f"{model_file.name}:{frame.lineno}"
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, checkpoint: Path, ref_model,
+                 scenario: Scenario, readings, rank: int = 0, world: int = 1, *, full: bool = True) -> None:
+    """Append the checks of one run to ``report``; ``full`` adds provenance, the init link over the real
+    layer count and the sequential-release check (the reading sweep reruns without them)."""
+    from validators.checkout_run import checks, engine_run
+    from validators.checkout_run.recorder import CacheMap, recording_ops
+    from validators.checkout_run.registry import resolve
+    from validators.checkout_run.scope import checkout_commit, checkout_scope
+    from validators.npu_ops import device_readings
+
+    dtype = torch.float32
+    model_file = None
+    with recording_ops() as rec, checkout_scope(root) as scope, device_readings(readings):
+        classes = resolve(root, req.model, _config_model_type(checkpoint), req.model_file)
+        model_file = classes.model_file
+        from executor.core.config import InferenceConfig
+
+        max_new = max(new for _, new in scenario.first + scenario.late)
+        infer = InferenceConfig.from_dict(
+            engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size, max_new),
+            global_rank=rank, local_rank=rank)
+        try:
+            with engine_run.cpu_engine_patches(dtype):
+                engine = engine_run.build_engine(infer, classes.model_cls, classes.config_cls)
+                info = engine.kvcache_manager.cache_info
+                if full:
+                    report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
+                    _init_link(report, manifest, engine, classes, info, dtype)
+                    if any(not c.passed for c in report.checks if c.link == "init"):
+                        report.notes.append("init link failed: runtime, numeric and release checks not run")
+                        return
+                caches = CacheMap(info)
+                start_usage = engine_run.pool_usage(engine.kvcache_manager)
+                start_bytes = engine_run.cache_bytes(info)
+                run = engine_run.drive(engine, scenario, req.seed, rec)
+                if full and scenario.release_requests:
+                    seq = engine_run.drive_sequential(engine, scenario.release_requests, req.seed + 1,
+                                                      scenario.vocab)
+        except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
+            report.add("checkout model runs in the engine without errors", "runtime", False,
+                       detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else Path())}: "
+                              f"{type(exc).__name__}: {exc}")
+            return
+        report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
+        n_layers = len(info.layer_infos)
+        checks.check_runtime(report, manifest, rec, caches, run, n_layers)
+        checks.check_padding(report, run)
+        _numeric(report, ref_model, run)
+        checks.check_release(report, run, start_usage, start_bytes, engine_run.cache_bytes(info))
+        if full and scenario.release_requests:
+            usage = engine_run.pool_usage(engine.kvcache_manager)
+            after = engine_run.cache_bytes(info)
+            report.add(f"{seq} sequential requests leave the pool and memory unchanged", "release",
+                       usage == start_usage and after == start_bytes, usage_before=start_usage, usage_after=usage,
+                       bytes_before=start_bytes, bytes_after=after)
+
+
+def _config_model_type(checkpoint: Path) -> str:
+    import json
+
+    return json.loads((checkpoint / "config.json").read_text(encoding="utf-8")).get("model_type", "")
+
+
+def _numeric(report: Report, ref_model, run) -> None:
+    from validators.pipeline.numeric import NumericTracker
+
+    tracker = NumericTracker(ref_model, host=None, atol=report.tolerance)
+    for s in run.steps:
+        for i, rid in enumerate(s.request_ids):
+            tracker.add_rows(rid, s.index, s.is_prefill, [s.positions[i]], s.logits[i:i + 1])
+    with torch.no_grad():
+        tracker.check_numeric(report, run.sequences)
+    prefill = max((p for s in run.steps if s.is_prefill for p in s.positions), default=-1) + 1
+    decode = max((p for s in run.steps if not s.is_prefill for p in s.positions), default=-1) + 1
+    report.notes.append(f"longest sequence: prefill {prefill}, decode {decode} tokens; "
+                        f"{sum(1 for s in run.steps if s.padded_rows)} decode steps padded by the engine")
+
+
+def _init_link(report: Report, manifest: SelectionManifest, engine, classes, info, dtype) -> None:
+    """get_cache_info() of the engine's model, and of the same model class at the real layer count."""
+    import executor.core.kv_cache.cache_info as cache_info_mod
+
+    from validators.harness.generations import detect_generation_from_classes
+    from validators.pipeline.framework_run import check_cache_info
+
+    api = detect_generation_from_classes(cache_info_mod.CacheEntry, cache_info_mod.ModelCacheInfo, cache_info_mod)
+    full_layers = manifest.model.num_layers
+    full_info = info
+    if len(info.layer_infos) != full_layers:
+        cfg = copy.deepcopy(engine.main_worker.hf_config)
+        cfg.num_hidden_layers = full_layers
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            full_model = classes.model_cls(cfg, engine.infer_config, comm_manager=engine.comm_manager)
+        finally:
+            torch.set_default_dtype(prev)
+        full_info = full_model.get_cache_info()
+        del full_model
+    check_cache_info(report, manifest, full_info, full_layers, api, dtype)
+    report.notes.append(f"init link on {len(full_info.layer_infos)} layers (the real count; the stream ran "
+                        f"{len(info.layer_infos)})")
+    allocated = [f"{layer.layer_idx}.{e.cache_name}" for layer in info.layer_infos for e in layer.caches
+                 if getattr(e, "needs_block", True) and (getattr(e, "tensor", None) is None or not e.tensor.numel())]
+    report.add("allocate_cache_tensors gave every entry a tensor", "init", not allocated,
+               detail=", ".join(allocated[:4]))
+
+
+def _provenance(root: Path, commit: str | None, classes, info, scope) -> dict:
+    import executor.core.kv_cache.cache_info as cache_info_mod
+
+    from validators.checkout_run.engine_run import CPU_STANDINS
+    from validators.harness.generations import detect_generation_from_classes
+
+    api = detect_generation_from_classes(cache_info_mod.CacheEntry, cache_info_mod.ModelCacheInfo, cache_info_mod)
+    from_checkout = scope.modules_from_checkout()
+    return {
+        "checkout": str(root),
+        "commit": commit or "(not a git work tree)",
+        "api_generation": api,
+        "model": f"{classes.name} ({'support_models' if classes.registered else 'models/ directory'}): "
+                 f"{classes.model_cls.__module__}.{classes.model_cls.__name__} + {classes.config_cls.__name__}",
+        "model_file": str(classes.model_file),
+        "from_checkout": [m for m in from_checkout if m.startswith(("executor.core", "executor.model_loader",
+                                                                      "executor.utils", "models.", "module."))],
+        "stand_ins": [*scope.standins, *CPU_STANDINS],
+        "ours": list(OURS),
+    }

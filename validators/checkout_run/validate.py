@@ -1,0 +1,165 @@
+"""`kvcache validate --framework-root CHECKOUT --model NAME`: the checkout's model in the checkout's engine.
+
+The model file that ships (the checkout's, or ``model_file``: an edited copy standing in for it)
+is loaded by the checkout's registry and weight loader from a checkpoint of the tiny transformers
+model, driven by the checkout's Scheduler and ExecutionEngine on CPU, and compared step by step
+with transformers' own forward on the same weights. The links and the report are the rendered
+mode's (``validators.pipeline``): init (``get_cache_info`` of the real model vs the manifest),
+runtime (every FA call and cache write, observed), numeric, release.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from analyzer.config_loader import read_config_file
+from analyzer.errors import InputError
+from analyzer.manifest import SelectionManifest
+from validators.pipeline.numeric import TOLERANCE
+from validators.pipeline.report import Report
+from validators.pipeline.request_stream import Scenario
+
+# The stream in the engine. Offline scheduling gives every request the same number of new tokens
+# (Scheduler._should_finish counts decode steps against scheduler_config.max_new_tokens), so
+# early finishes come from admission times: see engine_run.drive.
+ENGINE_STREAM = Scenario(first=((150, 8), (40, 8), (300, 8), (290, 8)), late=((200, 8), (60, 8)),
+                         max_concurrency=4, release_requests=6)
+ENGINE_QUICK = Scenario(first=((150, 4), (40, 4), (300, 4)), late=((60, 4),), max_concurrency=3,
+                        release_requests=0)
+DTYPE = "float32"  # the device's widest dtype: what the checkout's float32 path computes in
+ENTRY = ("validators.checkout_run.validate", "CheckoutRequest", "validate_checkout")
+# The sweep re-runs the stream under the other reading of these questions (references/device_questions.md).
+SWEPT_QUESTIONS = ("band_at_single_query", "window_pre_tokens")
+
+
+@dataclass(frozen=True)
+class CheckoutRequest:
+    framework_root: str
+    model: str  # key of executor/core/support_models.py, or a directory under models/
+    config: str  # the model's config.json (the tiny model is built from it)
+    manifest: str | None = None  # None: analyzed on the fly from config + checkout
+    attn_tp_size: int | None = None  # None: the manifest's
+    model_file: str | None = None  # an edited copy standing in for the registered model file
+    seed: int = 0
+    scenario: Scenario = ENGINE_STREAM
+    sweep_readings: bool = True
+    device_readings: str | None = None  # readings file of `kvcache probe`
+
+
+def load_or_analyze(req: CheckoutRequest, root: Path) -> SelectionManifest:
+    if req.manifest:
+        from implementer.render import load_manifest
+
+        manifest = load_manifest(req.manifest)
+        if req.attn_tp_size is not None and req.attn_tp_size != manifest.parallel.attn_tp_size:
+            raise InputError("--attn-tp-size", f"{req.attn_tp_size} differs from the manifest's attn_tp_size "
+                                               f"{manifest.parallel.attn_tp_size} (re-analyze with --attn-tp-size)")
+        return manifest
+    from analyzer.build import AnalyzeRequest, analyze
+
+    return analyze(AnalyzeRequest(config=req.config, framework_root=str(root), attn_tp_size=req.attn_tp_size,
+                                  dispatch="部署模式: 框架部署", device_readings=req.device_readings))
+
+
+def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
+    """One rank; a manifest with attention TP > 1 launches that many ranks (gloo)."""
+    from validators.checkout_run.scope import require_checkout
+    from validators.pipeline.tiny_model import require_transformers_type
+
+    say = progress or (lambda msg: None)
+    started = time.perf_counter()
+    root = require_checkout(req.framework_root)
+    from validators.checkout_run.registry import check_model_name
+
+    check_model_name(root, req.model)
+    _, real_config = read_config_file(req.config)
+    if req.model_file and not Path(req.model_file).is_file():
+        raise InputError(req.model_file, "does not exist", field="--model-file")
+    manifest = load_or_analyze(req, root)
+    require_transformers_type(manifest.model.model_type)
+    tp = manifest.parallel.attn_tp_size
+    if tp > 1 and world == 1:
+        from validators.pipeline.multi_rank import validate_multi_rank
+
+        fields = replace(req, attn_tp_size=tp, sweep_readings=False)
+        if not req.manifest:  # every rank analyzes the same inputs; pass the result instead
+            tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvcache-manifest-", delete=False)
+            tmp.write(manifest.to_json())
+            tmp.close()
+            fields = replace(fields, manifest=tmp.name)
+        try:
+            report = validate_multi_rank(fields, tp, manifest, progress, entry=ENTRY)
+        finally:
+            if not req.manifest:
+                Path(fields.manifest).unlink(missing_ok=True)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    measured = None
+    if req.device_readings:
+        from validators.probe.readings_file import load_readings
+
+        measured = load_readings(req.device_readings)
+    from validators.npu_ops import DeviceReadings
+
+    base = measured.as_device_readings() if measured else DeviceReadings()
+    report = Report(backend="emulated", deploy_mode="framework", model_type=manifest.model.model_type,
+                    manifest_hash=manifest.content_hash(), dtype=DTYPE, tolerance=TOLERANCE[DTYPE])
+    report.readings = dataclasses.asdict(base)
+    scenario = _crossing(req.scenario, manifest)
+    say("building the tiny transformers model and its checkpoint")
+    with tempfile.TemporaryDirectory(prefix="kvcache-checkout-") as tmp:
+        ref, checkpoint, plan = _checkpoint(real_config, manifest, req.seed, Path(tmp))
+        report.notes += plan.notes
+        say(f"running {req.model} in the checkout's engine ({root})")
+        from validators.checkout_run.run import run_checkout
+
+        run_checkout(report, manifest, req, root, checkpoint, ref, scenario, base, rank, world, full=True)
+        if req.sweep_readings and world == 1:
+            _sweep(report, manifest, req, root, checkpoint, ref, base, measured, say)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _checkpoint(real_config: dict, manifest: SelectionManifest, seed: int, tmp: Path):
+    from validators.checkout_run.checkpoint import checkpoint_config, round_to_bfloat16, save_checkpoint
+    from validators.pipeline.tiny_model import build_tiny_model
+
+    model, plan = build_tiny_model(real_config, manifest, seed=seed)
+    round_to_bfloat16(model)
+    path = save_checkpoint(model, checkpoint_config(real_config, plan.config), tmp / "checkpoint")
+    ref = copy.deepcopy(model).to(torch.float32)
+    return ref, path, plan
+
+
+def _crossing(scenario: Scenario, manifest: SelectionManifest) -> Scenario:
+    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
+    return scenario.crossing(window, manifest.block_size) if window else scenario
+
+
+def _sweep(report: Report, manifest, req, root, checkpoint, ref, base, measured, say) -> None:
+    from validators.checkout_run.run import run_checkout
+
+    settled = measured.settled() if measured else {}
+    for dep in manifest.device_dependencies:
+        if dep.question not in SWEPT_QUESTIONS:
+            continue
+        if dep.question in settled:
+            report.notes.append(f"{dep.question} settled by measurement ({settled[dep.question]}): sweep skipped")
+            continue
+        say(f"device reading sweep: {dep.question}={dep.alternative}")
+        swept = Report(backend=report.backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
+                       manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance)
+        readings = replace(base, **{dep.question: dep.alternative})
+        run_checkout(swept, manifest, req, root, checkpoint, ref, _crossing(ENGINE_QUICK, manifest), readings,
+                     full=False)
+        verdict = "survives" if swept.passed else "fails: " + ", ".join(
+            f"{c.name} ({c.detail or c.measured})"[:200] for c in swept.failed()[:2])
+        report.notes.append(f"under {dep.question}={dep.alternative} the model {verdict}")

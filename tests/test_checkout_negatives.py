@@ -1,0 +1,213 @@
+"""Negative controls of checkout mode: integration mistakes in copies of the snapshot's model files.
+
+Each case copies a model file of the pinned cann-recipes-infer snapshot, makes one small textual
+edit an engineer could plausibly make while integrating the KV cache, validates the copy in the
+checkout's own engine (``CheckoutRequest.model_file``) and asserts that the check naming that
+mistake fails. The unedited copy of every family passes (positive control), so each failure is due
+to its edit. Every edit must apply exactly as written (the snapshot is pinned): an edit that no
+longer matches fails the test instead of silently validating the unedited file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+from shared_dirs import upstream_head
+
+from validators.pipeline.request_stream import Scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+
+# A short stream: one prompt over a 128-token block, a late admit into a finished request's
+# blocks, padded decode (fewer live requests than the batch size); no sequential-release tail.
+NEG_STREAM = Scenario(first=((140, 3), (7, 3), (40, 3)), late=((20, 3),), max_concurrency=3, release_requests=0)
+
+
+@dataclass(frozen=True)
+class Family:
+    model: str  # key of executor/core/support_models.py
+    config: str  # tests/fixtures/configs/<config>.json: the real config the tiny model is built from
+    model_file: str  # relative to the checkout root
+
+
+FAMILIES = {
+    "qwen": Family("qwen3_8b", "qwen3_8b", "models/qwen/models/modeling_qwen.py"),
+}
+
+
+@dataclass(frozen=True)
+class Mistake:
+    id: str
+    family: str
+    edits: tuple[tuple[str, str], ...]  # (old, new): ``old`` occurs exactly once in the file
+    check: str  # the failing check's name (prefix)
+    detail: str = ""  # a substring of the failing check's detail that names the mistake
+    tp: int | None = None
+    slow: bool = False
+
+
+# Edits of models/qwen/models/modeling_qwen.py (QwenAttention.exec_qkv and its cache entries).
+_ROPE = """        cos, sin = cos_sin
+        query_states, key_states = torch_npu.npu_apply_rotary_pos_emb(
+            query_states, key_states, cos, sin, layout="TND"
+        )
+"""
+_V_WRITE = """        torch_npu.npu_scatter_nd_update_(
+            v_cache.view(-1, self.num_key_value_heads_per_rank, self.head_dim),
+            tmp_slot_mapping.view(-1, 1),
+            value_states,
+        )
+"""
+_KV_LEN = "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv\n"
+_Q_LEN = "            actual_seq_qlen = forward_metadata.actual_seq_lengths_cu_q\n"
+
+MISTAKES = [
+    Mistake("cache-not-written", "qwen", ((_V_WRITE, ""),),
+            "every cache entry is written every step", "v_cache"),
+    Mistake("old-cache-write-left-in-place", "qwen",
+            ((_V_WRITE, _V_WRITE + """        if not is_prefill:  # the pre-migration write, at the position in the request
+            torch_npu.npu_scatter_nd_update_(
+                v_cache.view(-1, self.num_key_value_heads_per_rank, self.head_dim),
+                (forward_metadata.actual_seq_lengths_kv - 1).view(-1, 1),
+                value_states,
+            )
+"""),),
+            "cache writes use the layer's own group's slot_mapping", "v_cache: slots are not"),
+    Mistake("softmax-scale-without-sqrt", "qwen",
+            (("self.scale_fa = 1 / (self.head_dim ** 0.5)", "self.scale_fa = 1 / self.head_dim"),),
+            "FA call arguments match the manifest", "scale=0.0078125"),
+    Mistake("band-sparse-mode-on-a-causal-layer", "qwen", (("sparse_mode = 3\n", "sparse_mode = 4\n"),),
+            "FA call arguments match the manifest", "sparse_mode=4 (manifest 3)"),
+    Mistake("causal-mask-dropped", "qwen", (("atten_mask=attention_mask,", "atten_mask=None,"),),
+            "checkout model runs in the engine without errors", "argument 'atten_mask'"),
+    Mistake("v1-keyword-on-v2", "qwen", (("softmax_scale=self.scale_fa,", "scale=self.scale_fa,"),),
+            "checkout model runs in the engine without errors", "Unknown keyword argument 'scale'"),
+    Mistake("kv-len-mutated-in-layer", "qwen",
+            ((_KV_LEN, _KV_LEN + "            if not is_prefill:\n"
+                                 "                actual_seq_kvlen.add_(1)  # count the token written above\n"),),
+            "kv_len reaches every layer as the engine set it", "step 1 layer 1"),
+    Mistake("kv-len-before-the-write", "qwen",
+            ((_KV_LEN, "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv - 1"
+                       "  # tokens cached before this step\n"),),
+            "kv_len reaches every layer as the engine set it", "step 1 layer 0"),
+    Mistake("rope-after-cache-write", "qwen",
+            ((_ROPE, ""), ("        key_states, value_states = k_cache, v_cache\n",
+                           _ROPE + "        key_states, value_states = k_cache, v_cache\n")),
+            "logits vs transformers", "first failure at step 0"),
+    Mistake("packed-tnd-passed-as-bsnd", "qwen",
+            (('            input_layout="TND",\n', '            input_layout="BSND",\n'),
+             ("        attn_output, _ = fa_ops.npu_fused_infer_attention_score_v2(\n            query_states,\n",
+              "        attn_output, _ = fa_ops.npu_fused_infer_attention_score_v2(\n"
+              "            query_states.unsqueeze(0),\n")),
+            "checkout model runs in the engine without errors", "BSND"),
+    Mistake("cumulative-q-lengths-replaced-by-per-request", "qwen",
+            ((_Q_LEN, "            actual_seq_qlen = forward_metadata.actual_seq_lengths_q\n"),),
+            "checkout model runs in the engine without errors", "actual_seq_qlen"),
+    Mistake("cache-heads-are-query-heads", "qwen",
+            (("                num_head=self.num_key_value_heads_per_rank,\n                dtype=cache_dtype,\n"
+              "                block_size=self.block_size,\n                needs_block=True,\n"
+              "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"k_cache\", tensor),\n",
+              "                num_head=self.num_heads_per_rank,\n                dtype=cache_dtype,\n"
+              "                block_size=self.block_size,\n                needs_block=True,\n"
+              "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"k_cache\", tensor),\n"),),
+            "cache entries match the manifest", "k_cache"),
+    Mistake("cache-dtype-hard-coded", "qwen",
+            (("cache_dtype = torch.bfloat16 if config.torch_dtype is None else config.torch_dtype",
+              "cache_dtype = torch.float16"),),
+            "cache entries match the manifest", "torch.float16"),
+    Mistake("cache-tensor-copied-in-setter", "qwen",
+            (('setattr(layer, "v_cache", tensor)', 'setattr(layer, "v_cache", tensor.clone())'),),
+            "FA reads the allocated cache tensors"),
+    Mistake("prefill-attends-fresh-keys", "qwen",
+            (("        key_states, value_states = k_cache, v_cache\n",
+              "        if not is_prefill:  # prefill: the fresh keys are all there is\n"
+              "            key_states, value_states = k_cache, v_cache\n"),),
+            "checkout model runs in the engine without errors"),
+    Mistake("kv-heads-not-divided-by-tp", "qwen",
+            (("num_key_value_heads=self.num_key_value_heads_per_rank,", "num_key_value_heads=self.num_key_value_heads,"),),
+            "FA call arguments match the manifest", "kv_heads=", tp=2, slow=True),
+    Mistake("cache-heads-not-divided-by-tp", "qwen",
+            (("num_head=self.num_key_value_heads_per_rank,\n                dtype=cache_dtype,\n"
+              "                block_size=self.block_size,\n                needs_block=True,\n"
+              "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"v_cache\", tensor),",
+              "num_head=self.num_key_value_heads,\n                dtype=cache_dtype,\n"
+              "                block_size=self.block_size,\n                needs_block=True,\n"
+              "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"v_cache\", tensor),"),),
+            "cache entries match the manifest", "v_cache", tp=2, slow=True),
+]
+
+
+@cache
+def _manifest(family: str, tp: int | None, out: str) -> str:
+    """The manifest analyzed once per family (and TP) from the config and the checkout."""
+    from validators.checkout_run import CheckoutRequest
+    from validators.checkout_run.validate import load_or_analyze
+
+    fam = FAMILIES[family]
+    root = upstream_head()
+    req = CheckoutRequest(framework_root=str(root), model=fam.model, config=str(CONFIGS / f"{fam.config}.json"),
+                          attn_tp_size=tp)
+    path = Path(out) / f"{family}-tp{tp or 1}.json"
+    path.write_text(load_or_analyze(req, root).to_json(), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("manifests"))
+    return lambda family, tp=None: _manifest(family, tp, out)
+
+
+def edited_copy(family: str, edits, dest: Path) -> Path:
+    """A copy of the family's model file with ``edits`` applied (each must match exactly once)."""
+    src = upstream_head() / FAMILIES[family].model_file
+    text = src.read_text(encoding="utf-8")
+    for old, new in edits:
+        assert text.count(old) == 1, f"edit does not apply to {src.name}: {old[:80]!r} occurs {text.count(old)} times"
+        text = text.replace(old, new)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / src.name
+    if edits:
+        out.write_text(text, encoding="utf-8")
+    else:
+        shutil.copyfile(src, out)
+    return out
+
+
+def validate_copy(family: str, model_file: Path, manifest: str, tp: int | None = None):
+    from validators.checkout_run import CheckoutRequest, validate_checkout
+
+    fam = FAMILIES[family]
+    return validate_checkout(CheckoutRequest(
+        framework_root=str(upstream_head()), model=fam.model, config=str(CONFIGS / f"{fam.config}.json"),
+        manifest=manifest, attn_tp_size=tp, model_file=str(model_file), scenario=NEG_STREAM, sweep_readings=False))
+
+
+def _failures(report) -> str:
+    return "; ".join(f"[{c.link}] {c.name}: {c.detail}"[:300] for c in report.failed()) or "(none: the report passed)"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_unedited_copy_passes(family, tmp_path, manifests):
+    """Positive control: the copy itself validates, so a failure below is due to its edit."""
+    report = validate_copy(family, edited_copy(family, (), tmp_path), manifests(family))
+    assert report.passed, _failures(report)
+    assert report.provenance["model_file"] == str((tmp_path / Path(FAMILIES[family].model_file).name).resolve())
+
+
+@pytest.mark.parametrize("mistake", [pytest.param(m, id=m.id, marks=[pytest.mark.slow] if m.slow else [])
+                                     for m in MISTAKES])
+def test_mistake_is_caught_by_its_check(mistake: Mistake, tmp_path, manifests):
+    copy = edited_copy(mistake.family, mistake.edits, tmp_path)
+    report = validate_copy(mistake.family, copy, manifests(mistake.family, mistake.tp), mistake.tp)
+    assert not report.passed
+    named = [c for c in report.checks if c.name.startswith(mistake.check)]
+    assert named, f"no check named {mistake.check!r}; failures: {_failures(report)}"
+    assert any(not c.passed for c in named), f"{mistake.check!r} passed; failures: {_failures(report)}"
+    if mistake.detail:
+        assert any(mistake.detail in c.detail for c in named if not c.passed), _failures(report)

@@ -229,3 +229,21 @@ def test_documented_signature_has_the_schema_keywords(op):
         # in the docs (`input`/`data` for the schema's `self`) and cannot be passed by keyword anyway
         assert {a["name"] for a in documented if a["kwarg_only"]} == {a["name"] for a in schema if a["kwarg_only"]}
         assert len([a for a in documented if not a["kwarg_only"]]) == len([a for a in schema if not a["kwarg_only"]])
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("op", sorted(MODEL_OP_CALLS))
+def test_model_op_dispatches_through_torch_ops_npu_with_the_pinned_schema(op):
+    from validators.npu_ops import install_emulation
+
+    state = torch.random.get_rng_state()  # both calls draw the same random inputs
+    with install_emulation():
+        via_torch_ops = MODEL_OP_CALLS[op](getattr(torch.ops.npu, op))
+    torch.random.set_rng_state(state)
+    via_module = MODEL_OP_CALLS[op](emulated.OPS[op])
+    assert _same(via_torch_ops, via_module)

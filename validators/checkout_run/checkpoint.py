@@ -40,13 +40,12 @@ def checkpoint_config(real: dict[str, Any], tiny: dict[str, Any]) -> dict[str, A
 
 
 def save_checkpoint(model: torch.nn.Module, config: dict[str, Any], directory: Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (transformers' parameter names) into ``directory``."""
-    from safetensors.torch import save_file
-
+    """Write the weights with transformers' own ``save_pretrained`` (which writes the published layout:
+    it reverts its in-memory fusions, e.g. per-expert ``experts.E.gate_proj.weight`` of Qwen3-MoE) and
+    ``config.json`` from the real config (``checkpoint_config``) into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().contiguous().clone() for name, t in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # published tied checkpoints store the embedding once
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    model.save_pretrained(str(directory), safe_serialization=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
+    # Offline scheduling ignores EOS; without this file the engine takes EOS from the config alone.
+    (directory / "generation_config.json").unlink(missing_ok=True)
     return directory

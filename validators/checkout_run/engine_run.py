@@ -29,6 +29,8 @@ CPU_STANDINS = (
     "DefaultModelLoader.load_model: parameters created in float32 instead of bfloat16 and the loaded model "
     "cast to float32 (the CPU comparison dtype); the checkpoint's weights are bfloat16-exact",
     "tokenizer (get_tokenizer): none; requests carry token ids (Scheduler.add_request(input_ids=...))",
+    "world size 1: a one-rank gloo default process group (MoE expert-parallel paths call collectives "
+    "even on one rank)",
 )
 
 
@@ -43,6 +45,7 @@ class StepRecord:
     block_table: dict  # group key -> table rows of the live requests (copy)
     slot_mapping: dict  # group key -> slots (copy)
     kv_lens: list[int]
+    cu_kv_lens: list[int] = field(default_factory=list)  # the same lengths as prefix sums (TND prefill form)
     poisoned: dict = field(default_factory=dict)
 
 
@@ -112,6 +115,24 @@ def cpu_engine_patches(dtype: torch.dtype):
             setattr(obj, attr, value)
 
 
+@contextlib.contextmanager
+def single_rank_group():
+    """A one-rank gloo default group for a single-process run (none is created when one exists)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="kvcache-gloo-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def cpu_engine_class():
     from executor.core.engine import execution_engine as engine_mod
 
@@ -147,10 +168,48 @@ def pool_usage(manager) -> dict[str, dict[str, int]]:
 
 
 def build_engine(infer_config, model_cls, config_cls):
+    """The engine after ``init`` (model loaded, cache allocated); ``warm_up`` runs under ``declared_caches``."""
     engine = cpu_engine_class()(infer_config)
     engine.init(config_cls, model_cls, None)
-    engine.warm_up()
     return engine
+
+
+@contextlib.contextmanager
+def load_coverage(model_cls, into: dict):
+    """Record what the model's ``load_weights`` reports as loaded (``into['loaded']``) and the parameters
+    it has (``into['params']``): DefaultModelLoader ignores the difference, the init link does not."""
+    had = "load_weights" in model_cls.__dict__
+    real = model_cls.load_weights
+
+    def load_weights(self, weights):
+        loaded = real(self, weights)
+        into["loaded"] = set(loaded) if loaded is not None else None
+        into["params"] = {name for name, _ in self.named_parameters()}
+        return loaded
+
+    model_cls.load_weights = load_weights
+    try:
+        yield into
+    finally:
+        if had:
+            model_cls.load_weights = real
+        else:
+            del model_cls.load_weights
+
+
+@contextlib.contextmanager
+def declared_caches(engine):
+    """Tell the emulated writers which tensors are paged caches and where each group's null block is:
+    the engine's padded decode rows (and warm-up) repeat slots there, which the device allows."""
+    from validators.npu_ops import paged_caches
+
+    manager = engine.kvcache_manager
+    groups = _tensors_by_group(manager.cache_info)
+    with contextlib.ExitStack() as stack:
+        for m in manager.single_type_managers:
+            key = getattr(m, "manager_key", None) or m.attn_type
+            stack.enter_context(paged_caches(groups.get(key, []), null_block=null_block_of(m)))
+        yield
 
 
 def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
@@ -175,6 +234,7 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
             block_table={k: v.clone() for k, v in (fm.block_table or {}).items()},
             slot_mapping={k: v.clone() for k, v in (fm.slot_mapping or {}).items()},
             kv_lens=fm.actual_seq_lengths_kv.tolist() if fm.actual_seq_lengths_kv is not None else [],
+            cu_kv_lens=fm.actual_seq_lengths_cu_kv.tolist() if fm.actual_seq_lengths_cu_kv is not None else [],
             rows=int(model_inputs["input_ids"].shape[0]))
         return real_inference(model_inputs, is_prefill, is_mtp)
 
@@ -190,7 +250,7 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
         run.steps.append(StepRecord(
             len(run.steps), batch.is_prefill, ids, positions, logits[:n].detach().double().clone(),
             rows - n, captured.get("block_table", {}), captured.get("slot_mapping", {}),
-            captured.get("kv_lens", []), {k: len(v) for k, v in poisoned.items()}))
+            captured.get("kv_lens", []), captured.get("cu_kv_lens", []), {k: len(v) for k, v in poisoned.items()}))
         if batch.is_prefill:
             run.prompt_len.update({r.request_id: r.prompt_tokens for r in batch.requests})
         return out

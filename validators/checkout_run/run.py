@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import traceback
 from pathlib import Path
@@ -21,7 +22,7 @@ def _model_frame(exc: BaseException, model_file: Path) -> str:
     """file:line of the innermost frame inside the model file (or the checkout), for the one-line failure."""
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
-        if Path(frame.filename).resolve() == model_file:
+        if model_file is not None and Path(frame.filename).resolve() == model_file:
             return f"{model_file.name}:{frame.lineno}"
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
 
@@ -39,21 +40,28 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
     dtype = torch.float32
     model_file = None
     with recording_ops() as rec, checkout_scope(root) as scope, device_readings(readings):
-        classes = resolve(root, req.model, _config_model_type(checkpoint), req.model_file)
-        model_file = classes.model_file
-        from executor.core.config import InferenceConfig
-
-        max_new = max(new for _, new in scenario.first + scenario.late)
-        infer = InferenceConfig.from_dict(
-            engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size, max_new),
-            global_rank=rank, local_rank=rank)
         try:
-            with engine_run.cpu_engine_patches(dtype):
+            classes = resolve(root, req.model, _config_model_type(checkpoint), req.model_file)
+            model_file = classes.model_file
+            from executor.core.config import InferenceConfig
+
+            max_new = max(new for _, new in scenario.first + scenario.late)
+            infer = InferenceConfig.from_dict(
+                engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size,
+                                             max_new),
+                global_rank=rank, local_rank=rank)
+            with contextlib.ExitStack() as stack, engine_run.cpu_engine_patches(dtype):
+                if world == 1:
+                    stack.enter_context(engine_run.single_rank_group())
+                coverage = stack.enter_context(engine_run.load_coverage(classes.model_cls, {}))
                 engine = engine_run.build_engine(infer, classes.model_cls, classes.config_cls)
                 info = engine.kvcache_manager.cache_info
+                stack.enter_context(engine_run.declared_caches(engine))
+                engine.warm_up()
                 if full:
                     report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
-                    _init_link(report, manifest, engine, classes, info, dtype)
+                    _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config))
+                    _load_link(report, coverage)
                     if any(not c.passed for c in report.checks if c.link == "init"):
                         report.notes.append("init link failed: runtime, numeric and release checks not run")
                         return
@@ -66,7 +74,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                                                       scenario.vocab)
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
             report.add("checkout model runs in the engine without errors", "runtime", False,
-                       detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else Path())}: "
+                       detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else None)}: "
                               f"{type(exc).__name__}: {exc}")
             return
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
@@ -81,6 +89,15 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.add(f"{seq} sequential requests leave the pool and memory unchanged", "release",
                        usage == start_usage and after == start_bytes, usage_before=start_usage, usage_after=usage,
                        bytes_before=start_bytes, bytes_after=after)
+
+
+def _real_layer_types(config_path: str) -> list | None:
+    from analyzer.config_loader import read_config_file
+
+    _, real = read_config_file(config_path)
+    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    types = src.get("layer_types")
+    return list(types) if isinstance(types, list) else None
 
 
 def _config_model_type(checkpoint: Path) -> str:
@@ -104,7 +121,8 @@ def _numeric(report: Report, ref_model, run) -> None:
                         f"{sum(1 for s in run.steps if s.padded_rows)} decode steps padded by the engine")
 
 
-def _init_link(report: Report, manifest: SelectionManifest, engine, classes, info, dtype) -> None:
+def _init_link(report: Report, manifest: SelectionManifest, engine, classes, info, dtype,
+               real_layer_types: list | None) -> None:
     """get_cache_info() of the engine's model, and of the same model class at the real layer count."""
     import executor.core.kv_cache.cache_info as cache_info_mod
 
@@ -117,6 +135,8 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
     if len(info.layer_infos) != full_layers:
         cfg = copy.deepcopy(engine.main_worker.hf_config)
         cfg.num_hidden_layers = full_layers
+        if isinstance(getattr(cfg, "layer_types", None), list):  # the tiny config kept a prefix of the pattern
+            cfg.layer_types = list(real_layer_types or cfg.layer_types)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -132,6 +152,15 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
                  if getattr(e, "needs_block", True) and (getattr(e, "tensor", None) is None or not e.tensor.numel())]
     report.add("allocate_cache_tensors gave every entry a tensor", "init", not allocated,
                detail=", ".join(allocated[:4]))
+
+
+def _load_link(report: Report, coverage: dict) -> None:
+    if coverage.get("loaded") is None:
+        report.notes.append("the model's load_weights returns no loaded set: checkpoint coverage not checked")
+        return
+    missing = sorted(coverage["params"] - coverage["loaded"])
+    report.add("the checkout's loader filled every parameter from the checkpoint", "init", not missing,
+               detail=", ".join(missing[:4]), parameters=len(coverage["params"]), missing=len(missing))
 
 
 def _provenance(root: Path, commit: str | None, classes, info, scope) -> dict:

@@ -32,7 +32,15 @@ CHECKOUT_PACKAGES = ("executor", "models", "module")
 # Third-party modules the checkout imports at module level for paths a validation run never takes.
 # transformers modules the checkout's models import (loaded before torch_npu is emulated).
 _TRANSFORMERS_FOR_CHECKOUT = ("transformers.activations", "transformers.modeling_utils")
-_OPTIONAL_THIRD_PARTY = {"datasets": "LongBench prompt building (executor/utils/data_utils.py)"}
+_OPTIONAL_THIRD_PARTY = {
+    "datasets": "LongBench prompt building (executor/utils/data_utils.py)",
+    "compressed_tensors": "compressed-tensors quantized checkpoints (module/quantization/compressed_tensors)",
+}
+# transformers modules of the 4.x line that 5.x removed, with the names the checkout imports from them
+# (DeepSeek's modules.py imports a mask helper its eager paged path never calls).
+_REMOVED_TRANSFORMERS = {"transformers.modeling_attn_mask_utils": ("_prepare_4d_causal_attention_mask",)}
+# Submodules the checkout imports from them.
+_OPTIONAL_SUBMODULES = {"compressed_tensors": ("quantization",)}
 
 
 @dataclass
@@ -71,21 +79,53 @@ def checkout_commit(root: Path) -> str | None:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
+class _Unavailable:
+    """A name of a module that is not installed: importable, its attributes too (enum members read at
+    class definition), refusing only when used (called)."""
+
+    def __init__(self, path: str, why: str):
+        self._path, self._why = path, why
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{self._path}.{attr}", self._why)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._path} is not available in this validation run (not installed; it serves "
+                           f"{self._why})")
+
+    def __mro_entries__(self, bases):  # subclassed at import: an empty base
+        return (object,)
+
+
+def _refusing_function(path: str, why: str):
+    name = path.rpartition(".")[2]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{path} is not available in this validation run ({why})")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
+
+
 def _raising_module(name: str, why: str) -> types.ModuleType:
     mod = types.ModuleType(name, f"validation stand-in: {name} is not installed ({why})")
 
     def __getattr__(attr: str):
         if attr.startswith("__") and attr.endswith("__"):
             raise AttributeError(attr)
-
-        def unavailable(*args, **kwargs):  # importable by name, refuses when called
-            raise RuntimeError(f"{name}.{attr} is not available in this validation run ({name} is not "
-                               f"installed; it serves {why})")
-
-        return unavailable
+        return _Unavailable(f"{name}.{attr}", why)
 
     mod.__getattr__ = __getattr__
+    mod.__path__ = []  # a package: its listed submodules are registered beside it
     return mod
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 @contextlib.contextmanager
@@ -113,7 +153,19 @@ def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
                 if name not in sys.modules and importlib.util.find_spec(name) is None:
                     sys.modules[name] = _raising_module(name, why)
                     added_third_party.append(name)
+                    for sub in _OPTIONAL_SUBMODULES.get(name, ()):
+                        sys.modules[f"{name}.{sub}"] = _raising_module(f"{name}.{sub}", why)
+                        added_third_party.append(f"{name}.{sub}")
                     scope.standins.append(f"{name}: not installed; a module whose attributes raise when called ({why})")
+            for name, names in _REMOVED_TRANSFORMERS.items():
+                if name not in sys.modules and importlib.util.find_spec(name) is None:
+                    why = f"removed in transformers {_transformers_version()}"
+                    mod = types.ModuleType(name, f"validation stand-in: {name} ({why})")
+                    for attr in names:
+                        setattr(mod, attr, _refusing_function(f"{name}.{attr}", why))
+                    sys.modules[name] = mod
+                    added_third_party.append(name)
+                    scope.standins.append(f"{name}: {why}; {', '.join(names)} refuse when called")
             sys.dont_write_bytecode = True
             sys.path.insert(0, str(root))
             importlib.invalidate_caches()

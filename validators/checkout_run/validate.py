@@ -51,6 +51,7 @@ class CheckoutRequest:
     scenario: Scenario = ENGINE_STREAM
     sweep_readings: bool = True
     device_readings: str | None = None  # readings file of `kvcache probe`
+    readings: tuple[tuple[str, str], ...] = ()  # API: (question, reading) pairs the run assumes instead
 
 
 def load_or_analyze(req: CheckoutRequest, root: Path) -> SelectionManifest:
@@ -110,9 +111,14 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
     from validators.npu_ops import DeviceReadings
 
     base = measured.as_device_readings() if measured else DeviceReadings()
+    if req.readings:
+        base = replace(base, **dict(req.readings))
+        report_note = "readings set by the caller: " + ", ".join(f"{q}={r}" for q, r in req.readings)
     report = Report(backend="emulated", deploy_mode="framework", model_type=manifest.model.model_type,
                     manifest_hash=manifest.content_hash(), dtype=DTYPE, tolerance=TOLERANCE[DTYPE])
     report.readings = dataclasses.asdict(base)
+    if req.readings:
+        report.notes.append(report_note)
     scenario = _crossing(req.scenario, manifest)
     say("building the tiny transformers model and its checkpoint")
     with tempfile.TemporaryDirectory(prefix="kvcache-checkout-") as tmp:
@@ -151,8 +157,9 @@ def _sweep(report: Report, manifest, req, root, checkpoint, ref, base, measured,
     for dep in manifest.device_dependencies:
         if dep.question not in SWEPT_QUESTIONS:
             continue
-        if dep.question in settled:
-            report.notes.append(f"{dep.question} settled by measurement ({settled[dep.question]}): sweep skipped")
+        if dep.question in settled or dep.question in dict(req.readings):
+            how = f"measurement ({settled[dep.question]})" if dep.question in settled else "the caller"
+            report.notes.append(f"{dep.question} set by {how}: sweep skipped")
             continue
         say(f"device reading sweep: {dep.question}={dep.alternative}")
         swept = Report(backend=report.backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
@@ -163,3 +170,7 @@ def _sweep(report: Report, manifest, req, root, checkpoint, ref, base, measured,
         verdict = "survives" if swept.passed else "fails: " + ", ".join(
             f"{c.name} ({c.detail or c.measured})"[:200] for c in swept.failed()[:2])
         report.notes.append(f"under {dep.question}={dep.alternative} the model {verdict}")
+        if swept.passed != report.passed:
+            ok, bad = (dep.alternative, dep.assumed) if swept.passed else (dep.assumed, dep.alternative)
+            report.notes.append(f"the model depends on the device reading {dep.question}: it passes under "
+                                f"{ok} and fails under {bad} (references/device_questions.md)")

@@ -92,9 +92,9 @@ MISTAKES = [
                                  "                actual_seq_kvlen.add_(1)  # count the token written above\n"),),
             "kv_len reaches every layer as the engine set it", "step 1 layer 1"),
     Mistake("kv-len-before-the-write", "qwen",
-            ((_KV_LEN, "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv - 1"
-                       "  # tokens cached before this step\n"),),
-            "kv_len reaches every layer as the engine set it", "step 1 layer 0"),
+            ((_KV_LEN, "            # decode: the tokens cached before this step (the pre-migration convention)\n"
+                       "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv - (0 if is_prefill else 1)\n"),),
+            "checkout model runs in the engine without errors", "needs each query length <= its KV length"),
     Mistake("rope-after-cache-write", "qwen",
             ((_ROPE, ""), ("        key_states, value_states = k_cache, v_cache\n",
                            _ROPE + "        key_states, value_states = k_cache, v_cache\n")),
@@ -104,7 +104,7 @@ MISTAKES = [
              ("        attn_output, _ = fa_ops.npu_fused_infer_attention_score_v2(\n            query_states,\n",
               "        attn_output, _ = fa_ops.npu_fused_infer_attention_score_v2(\n"
               "            query_states.unsqueeze(0),\n")),
-            "checkout model runs in the engine without errors", "BSND"),
+            "checkout model runs in the engine without errors", "argument 'block_table': has 3 rows for a batch of 1"),
     Mistake("cumulative-q-lengths-replaced-by-per-request", "qwen",
             ((_Q_LEN, "            actual_seq_qlen = forward_metadata.actual_seq_lengths_q\n"),),
             "checkout model runs in the engine without errors", "actual_seq_qlen"),
@@ -121,13 +121,9 @@ MISTAKES = [
               "cache_dtype = torch.float16"),),
             "cache entries match the manifest", "torch.float16"),
     Mistake("cache-tensor-copied-in-setter", "qwen",
-            (('setattr(layer, "v_cache", tensor)', 'setattr(layer, "v_cache", tensor.clone())'),),
-            "FA reads the allocated cache tensors"),
-    Mistake("prefill-attends-fresh-keys", "qwen",
-            (("        key_states, value_states = k_cache, v_cache\n",
-              "        if not is_prefill:  # prefill: the fresh keys are all there is\n"
-              "            key_states, value_states = k_cache, v_cache\n"),),
-            "checkout model runs in the engine without errors"),
+            (('setattr(layer, "k_cache", tensor)', 'setattr(layer, "k_cache", tensor.clone())'),
+             ('setattr(layer, "v_cache", tensor)', 'setattr(layer, "v_cache", tensor.clone())')),
+            "each layer's FA", "FA key is no allocated cache tensor"),
     Mistake("kv-heads-not-divided-by-tp", "qwen",
             (("num_key_value_heads=self.num_key_value_heads_per_rank,", "num_key_value_heads=self.num_key_value_heads,"),),
             "FA call arguments match the manifest", "kv_heads=", tp=2, slow=True),

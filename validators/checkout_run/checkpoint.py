@@ -44,7 +44,12 @@ def save_checkpoint(model: torch.nn.Module, config: dict[str, Any], directory: P
     it reverts its in-memory fusions, e.g. per-expert ``experts.E.gate_proj.weight`` of Qwen3-MoE) and
     ``config.json`` from the real config (``checkpoint_config``) into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(directory), safe_serialization=True)
+    # Each TP rank writes its own copy into its own folder: transformers would write on rank 0 only.
+    model.should_save_on_this_rank = lambda is_main_process: True
+    try:
+        model.save_pretrained(str(directory), safe_serialization=True)
+    finally:
+        del model.should_save_on_this_rank
     (directory / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
     # Offline scheduling ignores EOS; without this file the engine takes EOS from the config alone.
     (directory / "generation_config.json").unlink(missing_ok=True)

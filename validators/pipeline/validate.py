@@ -134,8 +134,8 @@ def validate(req: ValidateRequest, progress=None, rank: int = 0, world: int = 1)
 def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,
                              backend: str) -> None:
     """Init link on the user's render itself: its constants, and init_kv_cache of every real layer."""
-    from validators.npu_ops import install_emulation
     from validators.pipeline.host_model import import_rendered
+    from validators.npu_ops import install_emulation
     from validators.pipeline.render_check import check_constants, check_every_layer
 
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
@@ -246,8 +246,8 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
-    from validators.npu_ops import device_readings, install_emulation
     from validators.pipeline.host_model import HostModel, import_rendered
+    from validators.npu_ops import device_readings, install_emulation
 
     model = copy.deepcopy(pristine)
     ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP

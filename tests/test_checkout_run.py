@@ -1,0 +1,189 @@
+"""The checkout mode: a cann-recipes-infer model file in the checkout's own engine, on CPU, vs transformers.
+
+Runs against the pinned public snapshot (``tests/shared_dirs.upstream_head``; skipped with the reason
+when it is absent). Each end-to-end test drives the checkout's registry, DefaultModelLoader + the
+model's ``load_weights``, Scheduler and ExecutionEngine; the assertions read the report the CLI prints.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.shared_dirs import ROOT, upstream_head
+
+CONFIGS = ROOT / "tests" / "fixtures" / "configs"
+
+
+def _validate(model: str, config: str, **kw):
+    from validators.checkout_run import CheckoutRequest, validate_checkout
+
+    return validate_checkout(CheckoutRequest(str(upstream_head()), model, str(CONFIGS / config), **kw))
+
+
+def _check(report, prefix: str):
+    return next(c for c in report.checks if c.name.startswith(prefix) or c.name.split(": ", 1)[-1].startswith(prefix))
+
+
+def _assert_end_to_end(report):
+    failed = [(c.name, c.detail or c.measured) for c in report.failed()]
+    assert report.passed, failed
+    for check in report.checks:
+        name = check.name.split(": ", 1)[-1]
+        if name.startswith("logits vs transformers"):
+            assert check.measured["max_abs_diff"] <= 1e-4
+            assert check.measured["steps"] >= 15 and check.measured["requests"] == 6
+        if name.startswith("decode padded"):
+            assert check.measured["padded_steps"] > 0  # the engine padded decode batches
+    assert report.dtype == "float32" and report.tolerance == 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen3_report():
+    return _validate("qwen3_8b", "qwen3_8b.json", sweep_readings=False)
+
+
+@pytest.mark.slow
+def test_qwen3_8b_in_the_real_engine(qwen3_report):
+    _assert_end_to_end(qwen3_report)
+    prov = qwen3_report.provenance
+    assert prov["checkout"] == str(upstream_head().resolve())
+    assert prov["api_generation"] == "G3"
+    assert prov["model_file"].endswith("models/qwen/models/modeling_qwen.py")
+    # The engine, scheduler, loader and kv_cache are the checkout's, not the harness's.
+    for module in ("executor.core.engine.execution_engine", "executor.core.scheduler.scheduler",
+                   "executor.model_loader.default_loader", "executor.core.kv_cache.kv_cache_manager",
+                   "models.qwen.models.modeling_qwen"):
+        assert module in prov["from_checkout"]
+    assert any("gloo" in s for s in prov["stand_ins"])
+    # The init link covers the real layer count (36), not only the tiny model's layers.
+    assert _check(qwen3_report, "get_cache_info layer count").measured == {"expected": 36, "got": 36}
+    assert _check(qwen3_report, "the checkout's loader filled every parameter").passed
+
+
+@pytest.mark.slow
+def test_scope_leaves_nothing_behind(qwen3_report):
+    """After a run: no checkout module imported, no torch_npu, sys.path as before, nothing written."""
+    import torch
+
+    assert not [m for m in sys.modules if m.split(".")[0] in ("executor", "models", "module")]
+    assert "torch_npu" not in sys.modules and "npu" not in torch.__dict__
+    assert str(upstream_head().resolve()) not in sys.path
+    assert not list(upstream_head().glob("models/qwen/**/__pycache__"))
+
+
+@pytest.mark.slow
+def test_qwen3_8b_attention_tp2():
+    report = _validate("qwen3_8b", "qwen3_8b.json", attn_tp_size=2)
+    _assert_end_to_end(report)
+    assert {c.name.split(":")[0] for c in report.checks} == {"rank 0", "rank 1"}
+    assert report.notes[0].startswith("attention TP 2: 16 query / 4 KV heads per rank")
+
+
+@pytest.mark.slow
+def test_qwen25_7b_instruct():
+    report = _validate("qwen25_7b_instruct", "qwen2_7b.json", sweep_readings=False)
+    _assert_end_to_end(report)
+    assert "Qwen2Config" in report.provenance["model"]
+
+
+@pytest.mark.slow
+def test_qwen3_moe_attention_tp2():
+    """Qwen3-MoE's MoE runs the TP path (moe_tp_size = attn TP); at one rank its EP path needs an EP group
+    the model registers only for EP > 1, so the tiny run is TP 2 (both ranks compared)."""
+    report = _validate("qwen3_moe", "qwen3_30b_a3b.json", attn_tp_size=2)
+    _assert_end_to_end(report)
+    assert _check(report, "the checkout's loader filled every parameter").passed  # per-expert checkpoint layout
+
+
+@pytest.mark.slow
+def test_gpt_oss_states_the_window_reading_it_depends_on():
+    """Upstream gpt-oss passes pre_tokens = W: it fails under the assumed (exclusive) reading and the
+    report says it passes under the inclusive one; run under that reading it validates end to end."""
+    report = _validate("gpt_oss", "gpt_oss_20b.json")
+    assert not report.passed
+    assert _check(report, "logits vs transformers").passed is False
+    assert any("depends on the device reading window_pre_tokens: it passes under inclusive" in n for n in report.notes)
+    inclusive = _validate("gpt_oss", "gpt_oss_20b.json", sweep_readings=False,
+                          readings=(("window_pre_tokens", "inclusive"),))
+    _assert_end_to_end(inclusive)
+    assert inclusive.readings["window_pre_tokens"] == "inclusive"
+
+
+def _edited_copy(tmp_path: Path, old: str, new: str) -> Path:
+    src = upstream_head() / "models" / "qwen" / "models" / "modeling_qwen.py"
+    text = src.read_text(encoding="utf-8")
+    assert old in text
+    copy = tmp_path / "modeling_qwen.py"
+    copy.write_text(text.replace(old, new, 1), encoding="utf-8")
+    return copy
+
+
+@pytest.mark.slow
+def test_unemulated_op_fails_in_one_line(tmp_path):
+    """An edited copy calling an op the emulation lacks: the CLI exits 1 with one line naming the op and
+    the model file:line, never a traceback."""
+    copy = _edited_copy(tmp_path, "torch_npu.npu_rms_norm(", "torch_npu.npu_rms_norm_v9(")
+    line = next(i for i, t in enumerate(copy.read_text().splitlines(), 1) if "npu_rms_norm_v9" in t)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcache_cli", "validate", "--framework-root", str(upstream_head()),
+         "--model", "qwen3_8b", "--config", str(CONFIGS / "qwen3_8b.json"), "--model-file", str(copy),
+         "--no-sweep"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    failed = [ln for ln in out.stderr.splitlines() if ln.startswith("FAILED")]
+    assert len(failed) == 1
+    assert "npu_rms_norm_v9" in failed[0] and f"modeling_qwen.py:{line}" in failed[0]
+
+
+def test_checkout_scope_restores_the_process():
+    from validators.checkout_run.scope import checkout_scope
+
+    root = upstream_head().resolve()
+    path_before = list(sys.path)
+    with checkout_scope(root) as scope:
+        from executor.core.support_models import load_model_classes
+
+        model_cls, config_cls = load_model_classes("qwen3_8b")
+        assert model_cls.__module__ == "models.qwen.models.modeling_qwen"
+        assert "executor.core.engine.execution_engine" in scope.modules_from_checkout()
+        assert "torch_npu" in sys.modules
+    assert sys.path == path_before
+    assert not [m for m in sys.modules if m.split(".")[0] in ("executor", "models", "module")]
+    assert "torch_npu" not in sys.modules
+
+
+def test_model_resolves_by_directory_and_by_key():
+    from validators.checkout_run.registry import resolve
+    from validators.checkout_run.scope import checkout_scope
+
+    root = upstream_head().resolve()
+    with checkout_scope(root):
+        by_key = resolve(root, "qwen25_7b_instruct", "qwen2")
+        by_dir = resolve(root, "qwen", "qwen3")
+        assert by_key.registered and not by_dir.registered
+        assert by_key.model_cls is by_dir.model_cls  # the same QwenForCausalLM
+        assert (by_key.config_cls.__name__, by_dir.config_cls.__name__) == ("Qwen2Config", "Qwen3Config")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--model", "qwen3_8b", "--config", "CFG"], "--model"),  # no --framework-root
+    (["--model", "nope", "--framework-root", "ROOT", "--config", "CFG"], "--model"),
+    (["--model", "qwen3_8b", "--framework-root", "ROOT", "--config", "CFG", "--rendered", "x"], "--rendered"),
+    (["--model", "qwen3_8b", "--framework-root", "ROOT", "--config", "CFG", "--model-file", "/no/such.py"],
+     "--model-file"),
+    (["--config", "CFG", "--model-file", "x.py"], "--model-file"),
+    (["--model", "qwen3_8b", "--framework-root", "/tmp", "--config", "CFG"], "--framework-root"),
+])
+def test_checkout_mode_bad_input_is_one_line_exit_2(argv, flag, tmp_path):
+    argv = [a.replace("ROOT", str(upstream_head())).replace("CFG", str(CONFIGS / "qwen3_8b.json")) for a in argv]
+    report = tmp_path / "r.json"
+    out = subprocess.run([sys.executable, "-m", "kvcache_cli", "validate", *argv, "--report", str(report)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr[-1500:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and flag in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and not report.exists()

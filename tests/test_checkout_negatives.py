@@ -33,10 +33,14 @@ class Family:
     model: str  # key of executor/core/support_models.py
     config: str  # tests/fixtures/configs/<config>.json: the real config the tiny model is built from
     model_file: str  # relative to the checkout root
+    # Device readings the unedited file needs (upstream gpt-oss passes pre_tokens = W: inclusive window).
+    readings: tuple[tuple[str, str], ...] = ()
 
 
 FAMILIES = {
     "qwen": Family("qwen3_8b", "qwen3_8b", "models/qwen/models/modeling_qwen.py"),
+    "gpt_oss": Family("gpt_oss", "gpt_oss_20b", "models/gpt_oss/models/modeling_gpt_oss.py",
+                      (("window_pre_tokens", "inclusive"),)),
 }
 
 
@@ -135,6 +139,39 @@ MISTAKES = [
               "                block_size=self.block_size,\n                needs_block=True,\n"
               "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"v_cache\", tensor),"),),
             "cache entries match the manifest", "v_cache", tp=2, slow=True),
+] + [
+    # Edits of models/gpt_oss/models/modeling_gpt_oss.py: sliding (even) and full (odd) layers, two groups.
+    Mistake("slots-of-the-other-group", "gpt_oss",
+            (('slot_mapping[self.attn_type].view(-1, 1),\n            key_states',
+              'slot_mapping["SlidingWindow"].view(-1, 1),\n            key_states'),
+             ('slot_mapping[self.attn_type].view(-1, 1),\n            value_states',
+              'slot_mapping["SlidingWindow"].view(-1, 1),\n            value_states')),
+            "cache writes use the layer's own group's slot_mapping", "layer 1 k_cache"),
+    Mistake("block-table-of-the-other-group", "gpt_oss",
+            (("block_table=block_table[self.attn_type],", 'block_table=block_table["SlidingWindow"],'),),
+            "FA block_table is the layer's own group's", "layer 1"),
+    Mistake("sliding-layer-parity-flipped", "gpt_oss",
+            (('if config.layer_types[layer_idx] == "sliding_attention" else None',
+              "if layer_idx % 2 == 1 else None"),),
+            "cache entries match the manifest", "layer 0 k_cache"),
+    Mistake("sliding-layers-from-the-wrong-config-field", "gpt_oss",
+            (('if config.layer_types[layer_idx] == "sliding_attention" else None',
+              'if getattr(config, "use_sliding_window", True) else None'),),
+            "cache entries match the manifest", "layer 1 k_cache"),
+    Mistake("window-off-by-one", "gpt_oss",
+            (("self.sliding_window = config.sliding_window if", "self.sliding_window = config.sliding_window - 1 if"),),
+            "cache entries match the manifest", "window"),
+    Mistake("decode-writes-after-attention", "gpt_oss",
+            (("""            self.update_cache(slot_mapping, key_states, value_states)
+            attn_output, attn_weights = torch.ops.npu.npu_fused_infer_attention_score_v2(""",
+              """            attn_output, attn_weights = torch.ops.npu.npu_fused_infer_attention_score_v2("""),
+             ("""                block_size=self.block_size,
+                )
+""", """                block_size=self.block_size,
+                )
+            self.update_cache(slot_mapping, key_states, value_states)
+""")),
+            "outputs finite with unowned cache"),
 ]
 
 
@@ -181,7 +218,8 @@ def validate_copy(family: str, model_file: Path, manifest: str, tp: int | None =
     fam = FAMILIES[family]
     return validate_checkout(CheckoutRequest(
         framework_root=str(upstream_head()), model=fam.model, config=str(CONFIGS / f"{fam.config}.json"),
-        manifest=manifest, attn_tp_size=tp, model_file=str(model_file), scenario=NEG_STREAM, sweep_readings=False))
+        manifest=manifest, attn_tp_size=tp, model_file=str(model_file), scenario=NEG_STREAM, sweep_readings=False,
+        readings=fam.readings))
 
 
 def _failures(report) -> str:

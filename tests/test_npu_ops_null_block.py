@@ -34,6 +34,16 @@ def test_framework_null_block_is_block_zero_of_the_block_pool():
     assert NULL_BLOCK_ID == 0
 
 
+def test_the_rule_is_recorded_with_the_device_readings():
+    import dataclasses
+
+    rules = DeviceReadings.fixed_rules()
+    assert rules == {"null_block_id": NULL_BLOCK_ID, "null_block_after_write": "poisoned",
+                     "repeats_outside_null_block": "error"}
+    # recorded, not swept: the switches (and the probe questions they mirror) are unchanged
+    assert "null_block_id" not in {f.name for f in dataclasses.fields(DeviceReadings)}
+
+
 def test_padded_rows_repeat_slot_zero_and_poison_the_null_block():
     kv = cache()
     with paged_caches([kv]):

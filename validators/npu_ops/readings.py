@@ -50,7 +50,9 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import ClassVar, Literal
+
+from validators.npu_ops.null_block import NULL_BLOCK_ID
 
 BandAtSingleQuery = Literal["honoured", "ignored"]
 WindowPreTokens = Literal["exclusive", "inclusive"]
@@ -70,6 +72,18 @@ class DeviceReadings:
     band_at_single_query: BandAtSingleQuery = "honoured"
     window_pre_tokens: WindowPreTokens = "exclusive"
     repeated_slots: RepeatedSlots = "last_wins"
+
+    # Fixed rules, not switches (no sweep, no probe question): padded decode rows may repeat slots
+    # only inside the null block (block NULL_BLOCK_ID of every cache declared with
+    # ``null_block.paged_caches``), and that block holds NaN after every write into it.
+    null_block_id: ClassVar[int] = NULL_BLOCK_ID
+    null_block_after_write: ClassVar[str] = "poisoned"
+
+    @classmethod
+    def fixed_rules(cls) -> dict[str, object]:
+        """The fixed null-block rules, for reports next to the switches."""
+        return {"null_block_id": cls.null_block_id, "null_block_after_write": cls.null_block_after_write,
+                "repeats_outside_null_block": "error"}
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -10,6 +10,7 @@ longer matches fails the test instead of silently validating the unedited file.
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from functools import cache
@@ -35,10 +36,14 @@ class Family:
     model_file: str  # relative to the checkout root
     # Device readings the unedited file needs (upstream gpt-oss passes pre_tokens = W: inclusive window).
     readings: tuple[tuple[str, str], ...] = ()
+    tp: int | None = None  # attention TP the family validates at (None: the manifest's)
 
 
 FAMILIES = {
     "qwen": Family("qwen3_8b", "qwen3_8b", "models/qwen/models/modeling_qwen.py"),
+    # At one rank Qwen3-MoE takes its expert-parallel path, which needs an EP group the model registers
+    # only for EP > 1: it validates at attention TP 2 (MoE TP 2).
+    "qwen3_moe": Family("qwen3_moe", "qwen3_30b_a3b", "models/qwen3_moe/models/modeling_qwen3_moe.py", tp=2),
     "gpt_oss": Family("gpt_oss", "gpt_oss_20b", "models/gpt_oss/models/modeling_gpt_oss.py",
                       (("window_pre_tokens", "inclusive"),)),
 }
@@ -140,6 +145,17 @@ MISTAKES = [
               "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"v_cache\", tensor),"),),
             "cache entries match the manifest", "v_cache", tp=2, slow=True),
 ] + [
+    # Edits of models/qwen3_moe/models/modeling_qwen3_moe.py (prefill on fresh K/V, decode on the cache), TP 2.
+    Mistake("prefill-kv-lengths-not-prefix-sums", "qwen3_moe",
+            (("actual_seq_kvlen = forward_metadata.actual_seq_lengths_cu_kv if is_prefill",
+              "actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv if is_prefill"),),
+            "checkout model runs in the engine without errors", "needs each query length <= its KV length",
+            slow=True),
+    Mistake("decode-attends-fresh-keys", "qwen3_moe",
+            (("            key_states, value_states, key_scale, value_scale = (\n",
+              "            _, _, key_scale, value_scale = (\n"),),
+            "checkout model runs in the engine without errors", "argument 'key'", slow=True),
+] + [
     # Edits of models/gpt_oss/models/modeling_gpt_oss.py: sliding (even) and full (odd) layers, two groups.
     Mistake("slots-of-the-other-group", "gpt_oss",
             (('slot_mapping[self.attn_type].view(-1, 1),\n            key_states',
@@ -222,6 +238,11 @@ def validate_copy(family: str, model_file: Path, manifest: str, tp: int | None =
         readings=fam.readings))
 
 
+def _plain_name(check) -> str:
+    """The check's name without the ``rank N: `` prefix of a multi-rank report."""
+    return re.sub(r"^rank \d+: ", "", check.name)
+
+
 def _failures(report) -> str:
     return "; ".join(f"[{c.link}] {c.name}: {c.detail}"[:300] for c in report.failed()) or "(none: the report passed)"
 
@@ -229,7 +250,8 @@ def _failures(report) -> str:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_unedited_copy_passes(family, tmp_path, manifests):
     """Positive control: the copy itself validates, so a failure below is due to its edit."""
-    report = validate_copy(family, edited_copy(family, (), tmp_path), manifests(family))
+    tp = FAMILIES[family].tp
+    report = validate_copy(family, edited_copy(family, (), tmp_path), manifests(family, tp), tp)
     assert report.passed, _failures(report)
     assert report.provenance["model_file"] == str((tmp_path / Path(FAMILIES[family].model_file).name).resolve())
 
@@ -238,9 +260,10 @@ def test_unedited_copy_passes(family, tmp_path, manifests):
                                      for m in MISTAKES])
 def test_mistake_is_caught_by_its_check(mistake: Mistake, tmp_path, manifests):
     copy = edited_copy(mistake.family, mistake.edits, tmp_path)
-    report = validate_copy(mistake.family, copy, manifests(mistake.family, mistake.tp), mistake.tp)
+    tp = mistake.tp or FAMILIES[mistake.family].tp
+    report = validate_copy(mistake.family, copy, manifests(mistake.family, tp), tp)
     assert not report.passed
-    named = [c for c in report.checks if c.name.startswith(mistake.check)]
+    named = [c for c in report.checks if _plain_name(c).startswith(mistake.check)]
     assert named, f"no check named {mistake.check!r}; failures: {_failures(report)}"
     assert any(not c.passed for c in named), f"{mistake.check!r} passed; failures: {_failures(report)}"
     if mistake.detail:

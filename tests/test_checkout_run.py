@@ -187,3 +187,12 @@ def test_checkout_mode_bad_input_is_one_line_exit_2(argv, flag, tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and flag in lines[0], out.stderr
     assert "Traceback" not in out.stderr and not report.exists()
+
+
+def test_run_passes_model_through_and_refuses_it_alone(tmp_path):
+    """`kvcache run --model` needs --framework-root (exit 2, one line, --out untouched)."""
+    out_dir = tmp_path / "out"
+    out = subprocess.run([sys.executable, "-m", "kvcache_cli", "run", "--model", "qwen3_8b", "--out", str(out_dir)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2 and "--model" in out.stderr and "Traceback" not in out.stderr
+    assert not out_dir.exists()

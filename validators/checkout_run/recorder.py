@@ -10,6 +10,7 @@ is observed, never modified.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -18,12 +19,14 @@ import torch
 from validators.npu_ops import emulated
 
 FA_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
-# writer -> (cache argument position, index argument position or keyword)
+# writer -> (the cache arguments it writes, the argument holding the slots), by parameter name
 WRITERS = {
-    "npu_scatter_nd_update_": (0, 1),
-    "npu_scatter_nd_update": (0, 1),
-    "scatter_update_": (0, 1),
-    "scatter_update": (0, 1),
+    "npu_scatter_nd_update_": (("self",), "indices"),
+    "npu_scatter_nd_update": (("self",), "indices"),
+    "scatter_update_": (("self",), "indices"),
+    "scatter_update": (("self",), "indices"),
+    "npu_kv_rmsnorm_rope_cache": (("k_cache", "ckv_cache"), "index"),
+    "npu_kv_rmsnorm_rope_cache_v2": (("k_cache", "ckv_cache"), "index"),
 }
 _FA_KW = ("sparse_mode", "pre_tokens", "next_tokens", "scale", "softmax_scale", "num_heads", "num_query_heads",
           "num_key_value_heads", "input_layout", "block_size")
@@ -58,13 +61,17 @@ class OpRecorder:
         return call
 
     def _writer(self, name, fn):
-        cache_pos, index_pos = WRITERS[name]
+        caches, index = WRITERS[name]
+        signature = inspect.signature(fn)
 
         def call(*args, **kwargs):
-            cache = args[cache_pos] if len(args) > cache_pos else None
-            index = args[index_pos] if len(args) > index_pos else None
-            self.writes.append({"op": name, "step": self.step, "storage": _storage(cache),
-                                "index": _copy(index)})
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+            except TypeError:  # the operator itself reports the bad call
+                return fn(*args, **kwargs)
+            for cache in caches:
+                self.writes.append({"op": name, "step": self.step, "storage": _storage(bound.get(cache)),
+                                    "index": _copy(bound.get(index))})
             return fn(*args, **kwargs)
 
         return call

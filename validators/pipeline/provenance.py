@@ -91,3 +91,23 @@ def check_inputs_belong(manifest: SelectionManifest, manifest_path: str, config:
         raise InputError(config_path, f"does not describe the model of {manifest_path}: " + "; ".join(bad[:3]),
                          field="--config")
     return header
+
+
+def rendered_provenance(rendered_dir: str, handle, backend: str) -> dict:
+    """Where the code of a rendered-mode run came from (the report's provenance section)."""
+    out: dict = {"code_under_test": f"the render in {Path(rendered_dir).resolve()}",
+                 "operators": "validators.npu_ops emulation" if backend == "emulated" else "torch_npu (device)"}
+    if handle is None:
+        out["framework"] = "none (standalone mode: the host model drives the render)"
+        return out
+    out["api_generation"] = handle.generation
+    if handle.real:
+        from validators.checkout_run.scope import checkout_commit
+
+        out["checkout"] = str(handle.root)
+        out["commit"] = checkout_commit(handle.root) or "(not a git work tree)"
+        out["from_checkout"] = sorted(set(handle.modules) - set(handle.fallbacks))
+        out["harness"] = list(handle.fallbacks) + ["Scheduler and model host (validators.harness, validators.pipeline)"]
+    else:
+        out["harness"] = sorted(handle.modules) + ["Scheduler and model host (validators.harness, validators.pipeline)"]
+    return out

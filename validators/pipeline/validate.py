@@ -207,6 +207,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
     for c in run.checks[start:]:
         c.name = label + c.name
         report.checks.append(c)
+    report.provenance = report.provenance or run.provenance
     if not label:
         report.notes += plan.notes + run.notes
         _note_coverage(report, manifest, run)
@@ -266,6 +267,10 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     ref.to(dtype=torch.float64 if cache_dtype == torch.float64 else torch.float32)
     with ops, device_readings(readings), _framework(manifest, req, backend) as handle, float64_upcasts():
         rendered = import_rendered(rendered_dir)
+        if not report.provenance:
+            from validators.pipeline.provenance import rendered_provenance
+
+            report.provenance = rendered_provenance(rendered_dir, handle, backend)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
                          block_size=manifest.block_size)
         host.atol = TOLERANCE[req.dtype]

@@ -28,14 +28,14 @@ def _check(report, prefix: str):
     return next(c for c in report.checks if c.name.startswith(prefix) or c.name.split(": ", 1)[-1].startswith(prefix))
 
 
-def _assert_end_to_end(report):
+def _assert_end_to_end(report, requests: int = 6):
     failed = [(c.name, c.detail or c.measured) for c in report.failed()]
     assert report.passed, failed
     for check in report.checks:
         name = check.name.split(": ", 1)[-1]
         if name.startswith("logits vs transformers"):
             assert check.measured["max_abs_diff"] <= 1e-4
-            assert check.measured["steps"] >= 15 and check.measured["requests"] == 6
+            assert check.measured["steps"] >= 8 and check.measured["requests"] == requests
         if name.startswith("decode padded"):
             assert check.measured["padded_steps"] > 0  # the engine padded decode batches
     assert report.dtype == "float32" and report.tolerance == 1e-4
@@ -83,10 +83,18 @@ def test_qwen3_8b_attention_tp2():
     assert report.notes[0].startswith("attention TP 2: 16 query / 4 KV heads per rank")
 
 
+def _short_stream():
+    from dataclasses import replace
+
+    from validators.checkout_run import ENGINE_QUICK
+
+    return replace(ENGINE_QUICK, release_requests=1)
+
+
 @pytest.mark.slow
 def test_qwen25_7b_instruct():
-    report = _validate("qwen25_7b_instruct", "qwen2_7b.json", sweep_readings=False)
-    _assert_end_to_end(report)
+    report = _validate("qwen25_7b_instruct", "qwen2_7b.json", sweep_readings=False, scenario=_short_stream())
+    _assert_end_to_end(report, requests=4)
     assert "Qwen2Config" in report.provenance["model"]
 
 
@@ -101,16 +109,29 @@ def test_qwen3_moe_attention_tp2():
 
 @pytest.mark.slow
 def test_gpt_oss_states_the_window_reading_it_depends_on():
-    """Upstream gpt-oss passes pre_tokens = W: it fails under the assumed (exclusive) reading and the
-    report says it passes under the inclusive one; run under that reading it validates end to end."""
+    """Upstream gpt-oss passes pre_tokens = W: under the assumed (exclusive) reading it attends one key too
+    many once a sequence crosses the window, and the report says it passes (every check of the sweep's
+    run, numeric included) under the inclusive reading."""
     report = _validate("gpt_oss", "gpt_oss_20b.json")
     assert not report.passed
-    assert _check(report, "logits vs transformers").passed is False
-    assert any("depends on the device reading window_pre_tokens: it passes under inclusive" in n for n in report.notes)
-    inclusive = _validate("gpt_oss", "gpt_oss_20b.json", sweep_readings=False,
-                          readings=(("window_pre_tokens", "inclusive"),))
-    _assert_end_to_end(inclusive)
-    assert inclusive.readings["window_pre_tokens"] == "inclusive"
+    numeric = _check(report, "logits vs transformers")
+    assert not numeric.passed and numeric.measured["longest_prefill"] > 128 + 2 * 128  # crossed the window
+    assert all(c.passed for c in report.checks if c.link == "init")
+    assert "under window_pre_tokens=inclusive the model survives" in report.notes
+    assert any("depends on the device reading window_pre_tokens: it passes under inclusive and fails under "
+               "exclusive" in n for n in report.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="validators.npu_ops refuses npu_moe_finalize_routing(skip1=x, skip2=None) "
+                   "as the torch-npu 2.9.0 doc says ('skip2为None时, skip1必须也为None'); upstream DeepSeek's "
+                   "prefill MoE passes exactly that (modeling_deepseek.py:712). With that rule relaxed the run "
+                   "passes (measured); strict: an XPASS says the marker must go")
+def test_deepseek_r1_attention_tp2():
+    """DeepSeek-V3 config at attention TP 2 (MoE TP path; at one rank its decode dispatch needs an HCCL
+    name of an EP group registered only for EP > 1)."""
+    report = _validate("deepseek_r1", "deepseek_v3.json", attn_tp_size=2, scenario=_short_stream())
+    _assert_end_to_end(report, requests=4)
 
 
 def _edited_copy(tmp_path: Path, old: str, new: str) -> Path:

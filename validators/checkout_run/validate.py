@@ -30,7 +30,7 @@ from validators.pipeline.request_stream import Scenario
 # (Scheduler._should_finish counts decode steps against scheduler_config.max_new_tokens), so
 # early finishes come from admission times: see engine_run.drive.
 ENGINE_STREAM = Scenario(first=((150, 8), (40, 8), (300, 8), (290, 8)), late=((200, 8), (60, 8)),
-                         max_concurrency=4, release_requests=6)
+                         max_concurrency=4, release_requests=3)
 ENGINE_QUICK = Scenario(first=((150, 4), (40, 4), (300, 4)), late=((60, 4),), max_concurrency=3,
                         release_requests=0)
 DTYPE = "float32"  # the device's widest dtype: what the checkout's float32 path computes in

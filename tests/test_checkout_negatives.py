@@ -56,7 +56,7 @@ class Mistake:
     edits: tuple[tuple[str, str], ...]  # (old, new): ``old`` occurs exactly once in the file
     check: str  # the failing check's name (prefix)
     detail: str = ""  # a substring of the failing check's detail that names the mistake
-    tp: int | None = None
+    tp: int | None = None  # None: the family's
     slow: bool = False
     xfail: str = ""  # why the driver does not (yet) fail the named check (strict: a pass is reported)
 
@@ -277,3 +277,11 @@ def test_mistake_is_caught_by_its_check(mistake: Mistake, tmp_path, manifests):
     assert any(not c.passed for c in named), f"{mistake.check!r} passed; failures: {_failures(report)}"
     if mistake.detail:
         assert any(mistake.detail in c.detail for c in named if not c.passed), _failures(report)
+
+
+def test_the_controls_cover_the_acceptance():
+    """At least 15 different mistakes caught by their named check, over every family with a positive control."""
+    assert len({m.id for m in MISTAKES}) == len(MISTAKES)
+    assert len({m.edits for m in MISTAKES}) == len(MISTAKES)
+    assert len([m for m in MISTAKES if not m.xfail]) >= 15
+    assert {m.family for m in MISTAKES} == set(FAMILIES)

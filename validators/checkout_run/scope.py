@@ -35,6 +35,8 @@ _TRANSFORMERS_FOR_CHECKOUT = ("transformers.activations", "transformers.modeling
 _OPTIONAL_THIRD_PARTY = {
     "datasets": "LongBench prompt building (executor/utils/data_utils.py)",
     "compressed_tensors": "compressed-tensors quantized checkpoints (module/quantization/compressed_tensors)",
+    # cache_utils imports executor.online.kv_transfer for one alignment constant; its package imports requests
+    "requests": "the disaggregated KV-transfer bootstrap client (executor/online/kv_transfer/transfer_manager.py)",
 }
 # transformers modules of the 4.x line that 5.x removed, with the names the checkout imports from them
 # (DeepSeek's modules.py imports a mask helper its eager paged path never calls).

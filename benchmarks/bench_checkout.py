@@ -1,0 +1,94 @@
+"""Wall time of checkout-mode validation per model, in one run.
+
+Each model: `kvcache validate --framework-root CHECKOUT --model NAME --config CONFIG` as the CLI runs
+it (analyze on the fly, tiny checkpoint, the checkout's engine over the full engine stream with the
+sequential-release tail, numeric comparison with transformers, the device-reading sweep where the
+manifest depends on a reading). Target: <= 90 s per model on 2 cores.
+
+Run: python benchmarks/bench_checkout.py [--checkout PATH] [--models qwen3_8b,gpt_oss]
+(CHECKOUT defaults to $KVCACHE_SHARED/upstream/cann-recipes-infer, else ../shared/upstream/...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from validators.checkout_run import CheckoutRequest, validate_checkout  # noqa: E402
+
+# registered model -> (the real config its tiny model is built from (tests/fixtures/configs), attention TP).
+# Qwen3-MoE at one rank takes its expert-parallel path, which needs an EP group the model registers only
+# for EP > 1: it runs at TP 2, as the acceptance runs it.
+MODELS = {
+    "qwen3_8b": ("qwen3_8b", None),
+    "qwen3_8b@tp2": ("qwen3_8b", 2),
+    "qwen25_7b_instruct": ("qwen2_7b", None),
+    "qwen3_moe@tp2": ("qwen3_30b_a3b", 2),
+    "gpt_oss": ("gpt_oss_20b", None),
+    "deepseek_r1": ("deepseek_v3", None),
+}
+TARGET_S = 90.0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children (the TP ranks): on a shared machine the
+    wall time grows with the load, the CPU time does not."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def default_checkout() -> Path:
+    shared = Path(os.environ.get("KVCACHE_SHARED") or ROOT.parent / "shared")
+    return shared / "upstream" / "cann-recipes-infer"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkout", default=str(default_checkout()), help="cann-recipes-infer checkout")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated names of MODELS (NAME@tp2: at TP 2)")
+    args = p.parse_args()
+    checkout = Path(args.checkout)
+    if not (checkout / "executor" / "core" / "support_models.py").is_file():
+        print(f"--checkout: {checkout} is not a cann-recipes-infer checkout", file=sys.stderr)
+        return 2
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        print(f"--models: {', '.join(unknown)} not benchmarked (known: {', '.join(MODELS)})", file=sys.stderr)
+        return 2
+    import transformers  # noqa: F401  (import cost is paid once, outside the per-model timings)
+
+    rows = []
+    for name in names:
+        config, tp = MODELS[name]
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        report = validate_checkout(CheckoutRequest(
+            framework_root=str(checkout), model=name.split("@")[0],
+            config=str(ROOT / "tests" / "fixtures" / "configs" / f"{config}.json"), attn_tp_size=tp))
+        dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        failed = report.failed()
+        verdict = "passed" if report.passed else f"FAILED: {failed[0].name} ({failed[0].detail[:80]})"
+        rows.append((name, dt, cpu, report.passed, [n for n in report.notes if "reading" in n]))
+        print(f"{name:20s} {dt:6.1f} s (CPU {cpu:6.1f} s)  {verdict}{'' if dt <= TARGET_S else '  ABOVE TARGET'}", flush=True)
+    print()
+    print("| model | config | attention TP | wall (s) | CPU (s) | result |")
+    print("|---|---|---|---|---|---|")
+    for name, dt, cpu, ok, reading in rows:
+        config, tp = MODELS[name]
+        result = "passed" if ok else "failed" + (f" ({reading[0][:120]})" if reading else "")
+        print(f"| `{name.split('@')[0]}` | {config} | {tp or 1} | {dt:.1f} | {cpu:.1f} | {result} |")
+    worst = max(r[1] for r in rows)
+    print(f"\n{len(rows)} models, {sum(r[1] for r in rows):.1f} s total, worst {worst:.1f} s "
+          f"(target <= {TARGET_S:.0f} s per model)")
+    return 0 if all(r[3] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,3 +314,13 @@ def runner_is_standalone(source: str) -> tuple[bool, str]:
         if _has_generation_loop(node):
             return True, f"class {node.name} does not derive from a framework base and runs its own loop"
     return False, "runner class neither derives from the framework nor runs its own loop (inconclusive)"
+
+
+def checkout_commit(root: Path) -> str | None:
+    """HEAD commit when ``root`` is inside a git work tree, else None."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None

@@ -76,9 +76,6 @@ _V_WRITE = """        torch_npu.npu_scatter_nd_update_(
 _KV_LEN = "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv\n"
 _Q_LEN = "            actual_seq_qlen = forward_metadata.actual_seq_lengths_cu_q\n"
 
-_WARM_UP_FIRST = ("the driver runs the engine's warm_up forward before the init link, so a cache entry that "
-                  "disagrees with the manifest fails the warm-up's operator call first and the init link is "
-                  "never reached (validators/checkout_run/run.py: engine.warm_up() before _init_link)")
 
 MISTAKES = [
     Mistake("cache-not-written", "qwen", ((_V_WRITE, ""),),
@@ -129,11 +126,11 @@ MISTAKES = [
               "                num_head=self.num_heads_per_rank,\n                dtype=cache_dtype,\n"
               "                block_size=self.block_size,\n                needs_block=True,\n"
               "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"k_cache\", tensor),\n"),),
-            "cache entries match the manifest", "k_cache", xfail=_WARM_UP_FIRST),
+            "cache entries match the manifest", "k_cache"),
     Mistake("cache-dtype-hard-coded", "qwen",
             (("cache_dtype = torch.bfloat16 if config.torch_dtype is None else config.torch_dtype",
               "cache_dtype = torch.float16"),),
-            "cache entries match the manifest", "torch.float16", xfail=_WARM_UP_FIRST),
+            "cache entries match the manifest", "torch.float16"),
     Mistake("cache-tensor-copied-in-setter", "qwen",
             (('setattr(layer, "k_cache", tensor)', 'setattr(layer, "k_cache", tensor.clone())'),
              ('setattr(layer, "v_cache", tensor)', 'setattr(layer, "v_cache", tensor.clone())')),
@@ -148,7 +145,7 @@ MISTAKES = [
               "num_head=self.num_key_value_heads,\n                dtype=cache_dtype,\n"
               "                block_size=self.block_size,\n                needs_block=True,\n"
               "                tensor_setter=lambda tensor, layer=self: setattr(layer, \"v_cache\", tensor),"),),
-            "cache entries match the manifest", "v_cache", tp=2, slow=True, xfail=_WARM_UP_FIRST),
+            "cache entries match the manifest", "v_cache", tp=2, slow=True),
 ] + [
     # Edits of models/qwen3_moe/models/modeling_qwen3_moe.py (prefill on fresh K/V, decode on the cache), TP 2.
     Mistake("prefill-kv-lengths-not-prefix-sums", "qwen3_moe",

@@ -279,8 +279,12 @@ def test_numeric_call_check_reads_each_version_through_the_home():
     from validators.pipeline.numeric import NumericTracker
     from validators.pipeline.report import Report
 
+    from analyzer.operators.fa_facts import RECORDED_KEYWORDS
+    from validators.checkout_run import recorder
+
+    assert host_model.RECORDED_KEYWORDS is RECORDED_KEYWORDS is recorder.RECORDED_KEYWORDS  # both modes record alike
     for kw in FA_KEYWORDS.values():
-        assert {kw.scale, kw.num_heads} <= host_model._FA_RECORDED
+        assert {kw.scale, kw.num_heads} <= RECORDED_KEYWORDS
     for version in ("v1", "v2"):
         m = load_manifest(ROOT / "tests" / "golden" / f"qwen3_{version}" / "framework_g2" / "manifest.json")
         kw = FA_KEYWORDS[version]

@@ -90,3 +90,8 @@ def other_version_names(op: str) -> dict[str, tuple[str, str | None]]:
 def value_passed(op: str, kwargs: Mapping[str, Any], name: str) -> Any:
     """What ``op`` uses for argument ``name`` in a call made with ``kwargs`` (the schema default if absent)."""
     return kwargs[name] if name in kwargs else schemas.default_value(op, name)
+
+
+# The FA arguments a validation run records and compares with the manifest, in either version's spelling.
+RECORDED_KEYWORDS = frozenset({"sparse_mode", "pre_tokens", "next_tokens", "num_key_value_heads", "input_layout",
+                               "block_size"} | {name for kw in FA_KEYWORDS.values() for name in (kw.scale, kw.num_heads)})

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from analyzer.files import atomic_write_text
+
 
 def round_to_bfloat16(model: torch.nn.Module) -> None:
     """Make every floating parameter exactly representable in bfloat16 (in place). Buffers (rotary
@@ -50,7 +52,7 @@ def save_checkpoint(model: torch.nn.Module, config: dict[str, Any], directory: P
         model.save_pretrained(str(directory), safe_serialization=True)
     finally:
         del model.should_save_on_this_rank
-    (directory / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
+    atomic_write_text(directory / "config.json", json.dumps(config, indent=2, default=str) + "\n")
     # Offline scheduling ignores EOS; without this file the engine takes EOS from the config alone.
     (directory / "generation_config.json").unlink(missing_ok=True)
     return directory

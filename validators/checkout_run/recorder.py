@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from analyzer.operators.fa_facts import FA_OP_NAMES
+from analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
 from validators.npu_ops import emulated
 
 # writer -> (the cache arguments it writes, the argument holding the slots), by parameter name
@@ -28,8 +28,6 @@ WRITERS = {
     "npu_kv_rmsnorm_rope_cache": (("k_cache", "ckv_cache"), "index"),
     "npu_kv_rmsnorm_rope_cache_v2": (("k_cache", "ckv_cache"), "index"),
 }
-_FA_KW = ("sparse_mode", "pre_tokens", "next_tokens", "scale", "softmax_scale", "num_heads", "num_query_heads",
-          "num_key_value_heads", "input_layout", "block_size")
 
 
 def _storage(t) -> int | None:
@@ -54,7 +52,7 @@ class OpRecorder:
                 "key_rope_storage": _storage(kwargs.get("key_rope")), "q_shape": tuple(query.shape),
                 "block_table": _copy(kwargs.get("block_table")), "kv_lens": _copy(kv),
                 "has_mask": kwargs.get("atten_mask") is not None,
-                **{k: kwargs[k] for k in _FA_KW if k in kwargs},
+                **{k: kwargs[k] for k in sorted(RECORDED_KEYWORDS) if k in kwargs},
             })
             return fn(query, key, value, **kwargs)
 

@@ -34,7 +34,8 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
     from validators.checkout_run import checks, engine_run
     from validators.checkout_run.recorder import CacheMap, recording_ops
     from validators.checkout_run.registry import resolve
-    from validators.checkout_run.scope import checkout_commit, checkout_scope
+    from analyzer.framework_checkout import checkout_commit
+    from validators.checkout_run.scope import checkout_scope
     from validators.npu_ops import device_readings
 
     dtype = torch.float32
@@ -57,7 +58,8 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 engine = engine_run.build_engine(infer, classes.model_cls, classes.config_cls)
                 info = engine.kvcache_manager.cache_info
                 stack.enter_context(engine_run.declared_caches(engine))
-                engine.warm_up()
+                # The init link judges the allocated caches before any forward: a wrong entry must fail
+                # there, by name, not as the warm-up's operator error.
                 if full:
                     report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
                     _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config))
@@ -65,6 +67,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                     if any(not c.passed for c in report.checks if c.link == "init"):
                         report.notes.append("init link failed: runtime, numeric and release checks not run")
                         return
+                engine.warm_up()
                 caches = CacheMap(info)
                 start_usage = engine_run.pool_usage(engine.kvcache_manager)
                 start_bytes = engine_run.cache_bytes(info)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -69,16 +68,6 @@ def require_checkout(root: str | Path) -> Path:
         raise InputError(str(root), "is not a cann-recipes-infer checkout (no executor/core/support_models.py)",
                          field="--framework-root")
     return path
-
-
-def checkout_commit(root: Path) -> str | None:
-    """HEAD commit when ``root`` is inside a git work tree, else None."""
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
 class _Unavailable:

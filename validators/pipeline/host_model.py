@@ -27,7 +27,7 @@ import torch
 
 from analyzer.errors import InputError
 from analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
-from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES
+from analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
@@ -110,9 +110,6 @@ class _Probe:
         self.records.append(kw)
 
 
-# The arguments the call checks compare with the manifest, in either version's spelling.
-_FA_RECORDED = frozenset({"sparse_mode", "pre_tokens", "next_tokens", "num_key_value_heads", "input_layout",
-                          "block_size"} | {name for kw in FA_KEYWORDS.values() for name in (kw.scale, kw.num_heads)})
 
 
 class _RecordingOps:
@@ -131,7 +128,7 @@ class _RecordingOps:
             last = self._probe.records[-1] if self._probe.records else {}
             self._probe.fa_calls.append({"op": name, "step": self._probe.step, "layer": last.get("layer"),
                                          "is_prefill": last.get("is_prefill"),
-                                         **{k: kwargs[k] for k in _FA_RECORDED if k in kwargs},
+                                         **{k: kwargs[k] for k in RECORDED_KEYWORDS if k in kwargs},
                                          "has_mask": kwargs.get("atten_mask") is not None})
             return target(*args, **kwargs)
 

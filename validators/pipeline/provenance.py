@@ -102,7 +102,7 @@ def rendered_provenance(rendered_dir: str, handle, backend: str) -> dict:
         return out
     out["api_generation"] = handle.generation
     if handle.real:
-        from validators.checkout_run.scope import checkout_commit
+        from analyzer.framework_checkout import checkout_commit
 
         out["checkout"] = str(handle.root)
         out["commit"] = checkout_commit(handle.root) or "(not a git work tree)"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from analyzer.errors import InputError
+from analyzer.files import read_input_text
 
 _COLON = r"[:：]"
 # The value runs to the end of the line; alternatives inside it are split by _ALTERNATIVES.
@@ -372,11 +373,5 @@ def _value_part(raw: str) -> str:
 
 
 def load_progress(path: str | Path) -> ProgressFacts:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(str(p), "file not found")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(p), f"cannot read: {exc}") from None
-    return parse_progress(text, str(p))
+    text = read_input_text(path)
+    return parse_progress(text, str(Path(path)))

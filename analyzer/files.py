@@ -26,6 +26,18 @@ def read_text(path: str | Path) -> str:
         raise InputError(str(p), f"cannot read: {exc}") from None
 
 
+def read_input_text(path: str | Path) -> str:
+    """An input file's text, newlines normalised (unlike ``read_text``, which keeps a file's bytes for
+    rewriting it); missing, unreadable or non-UTF-8 -> one InputError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(str(p), "file not found")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(str(p), f"cannot read: {exc}") from None
+
+
 def check_writable(path: str | Path) -> None:
     """Fail before anything is written when ``path`` cannot be replaced atomically."""
     p = Path(path)

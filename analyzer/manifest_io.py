@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from analyzer.errors import InputError
+from analyzer.files import read_input_text
 from analyzer.manifest import ManifestInvariantError, SelectionManifest
 
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -18,12 +19,7 @@ YAML_SUFFIXES = (".yaml", ".yml")
 def load_manifest(path: str | Path) -> SelectionManifest:
     """Read and validate a manifest (YAML by suffix, else JSON); every problem is one ``InputError``."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(str(p), "file not found")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(p), f"cannot read: {exc}") from None
+    text = read_input_text(p)
     try:
         if p.suffix in YAML_SUFFIXES:
             import yaml

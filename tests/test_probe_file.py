@@ -17,7 +17,6 @@ from analyzer.readings_file import PROBE_VERSION, load_readings
 from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
 from validators.pipeline.validate import ValidateRequest, validate
 from validators.probe.device import open_device
-from analyzer.readings_file import PROBE_VERSION, load_readings
 from validators.probe.run import probe
 
 GPT_OSS = str(CONFIGS / "gpt_oss_20b.json")
@@ -194,3 +193,18 @@ def test_validate_runs_under_the_measured_readings_and_skips_settled_sweeps(tmp_
     assert any("window_pre_tokens settled by measurement (inclusive): sweep skipped" in n for n in report.notes)
     assert any("band_at_single_query settled by measurement (honoured): sweep skipped" in n for n in report.notes)
     assert any(n.startswith(f"device readings measured in {path}") and "Ascend910B3" in n for n in report.notes)
+
+
+@pytest.mark.slow
+def test_checkout_mode_runs_under_the_measured_readings(tmp_path):
+    """The checkout mode takes --device-readings too: upstream gpt-oss (pre_tokens = W) passes on a device
+    measured to count the query inside pre_tokens, and the settled question is not swept."""
+    from tests.shared_dirs import upstream_head
+    from validators.checkout_run import CheckoutRequest, validate_checkout
+
+    path = write(tmp_path, as_device(measured(DeviceReadings(window_pre_tokens="inclusive"))))
+    report = validate_checkout(CheckoutRequest(str(upstream_head()), "gpt_oss", str(CONFIGS / "gpt_oss_20b.json"),
+                                               device_readings=path))
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert report.readings["window_pre_tokens"] == "inclusive"
+    assert any("window_pre_tokens set by measurement (inclusive): sweep skipped" in n for n in report.notes)

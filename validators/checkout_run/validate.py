@@ -113,7 +113,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
         measured = load_readings(req.device_readings)
     from validators.npu_ops import DeviceReadings
 
-    base = measured.as_device_readings() if measured else DeviceReadings()
+    base = DeviceReadings.from_settled(measured.settled()) if measured else DeviceReadings()
     if req.readings:
         base = replace(base, **dict(req.readings))
         report_note = "readings set by the caller: " + ", ".join(f"{q}={r}" for q, r in req.readings)

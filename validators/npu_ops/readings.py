@@ -89,6 +89,12 @@ class DeviceReadings:
                 raise ValueError(f"{field.name} must be one of {_ALLOWED[field.name]}, got {value!r}")
 
     @classmethod
+    def from_settled(cls, settled: dict[str, str]) -> DeviceReadings:
+        """The switches set to the readings a probe settled (``ReadingsFile.settled()``); questions that
+        are no emulator switch are ignored, an unsettled switch keeps its default."""
+        return cls(**{q: r for q, r in settled.items() if q in _ALLOWED})
+
+    @classmethod
     def all(cls) -> list[DeviceReadings]:
         """Every combination of readings, default first."""
         names = list(_ALLOWED)

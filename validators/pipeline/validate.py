@@ -150,7 +150,7 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
                     manifest_hash=manifest.content_hash(), dtype=req.dtype, tolerance=TOLERANCE[req.dtype])
     from validators.npu_ops import DeviceReadings
 
-    base = _emulator_readings(measured) if measured else DeviceReadings()
+    base = DeviceReadings.from_settled(measured.settled()) if measured else DeviceReadings()
     settled = measured.settled() if measured else {}
     if measured:
         report.notes.append(f"device readings measured in {req.device_readings} ({measured.where()}): "
@@ -167,15 +167,6 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
                           settled=settled)
     report.seconds = time.perf_counter() - started
     return report
-
-
-def _emulator_readings(measured: ReadingsFile):
-    """The emulator switches set to the readings the probe settled (the switch questions are
-    exactly the fields of DeviceReadings, tests/test_probe.py; an unsettled one keeps its default)."""
-    from validators.npu_ops import DeviceReadings
-
-    switches = {f.name for f in dataclasses.fields(DeviceReadings)}
-    return DeviceReadings(**{q: r for q, r in measured.settled().items() if q in switches})
 
 
 def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,

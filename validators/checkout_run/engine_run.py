@@ -265,11 +265,11 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
             sched.add_request(prompt="", input_ids=torch.tensor(ids, dtype=torch.long))
         decodes = 0
         while sched.has_work() or held or late:
-            if held and decodes >= 2:
+            if held and (decodes >= 2 or not sched.has_work()):  # never wait on an empty scheduler
                 for ids, _ in held:
                     sched.add_request(prompt="", input_ids=torch.tensor(ids, dtype=torch.long))
                 held = []
-            if late and sched.finished_requests and not held:
+            if late and (sched.finished_requests or not sched.has_work()) and not held:
                 for ids, _ in late:
                     sched.add_request(prompt="", input_ids=torch.tensor(ids, dtype=torch.long))
                 late = []

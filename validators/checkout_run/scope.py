@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from analyzer.errors import InputError
+from validators.harness.install import isolated_modules
 
 # Top-level packages of a cann-recipes-infer checkout.
 CHECKOUT_PACKAGES = ("executor", "models", "module")
@@ -128,15 +129,10 @@ def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
     # transformers probes for torch_npu when these load; the emulation has no import spec.
     for name in (*_TRANSFORMERS_EAGER, *_TRANSFORMERS_FOR_CHECKOUT):
         importlib.import_module(name)
-    saved_modules = {n: m for n, m in sys.modules.items() if _is_checkout_module(n)}
-    saved_path = list(sys.path)
-    saved_bytecode = sys.dont_write_bytecode
     added_third_party = []
-    for name in saved_modules:
-        del sys.modules[name]
     scope = CheckoutScope(root)
     try:
-        with device_standins() as handle:
+        with isolated_modules(_is_checkout_module), device_standins() as handle:
             scope.handle = handle
             scope.standins += ["torch_npu: validators.npu_ops emulation (also torch.ops.npu)",
                                "torchair, torch.npu, Tensor.npu: validators.standins"]
@@ -162,11 +158,5 @@ def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
             importlib.invalidate_caches()
             yield scope
     finally:
-        for name in [n for n in sys.modules if _is_checkout_module(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved_modules)
         for name in added_third_party:
             sys.modules.pop(name, None)
-        sys.path[:] = saved_path
-        sys.dont_write_bytecode = saved_bytecode
-        importlib.invalidate_caches()

@@ -17,7 +17,7 @@ import functools
 import importlib
 import sys
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,39 +248,57 @@ def install_framework(
     stands in (recorded in ``handle.fallbacks``). The handle's ``generation`` is the one
     detected from the checkout's dataclasses in that case.
     """
-    saved_modules = {name: mod for name, mod in sys.modules.items() if _is_executor_module(name)}
+    with isolated_modules(_is_executor_module):
+        try:
+            yield _install(generation, framework_root, fallback_to_harness, extra_window_keys,
+                           recycle_skipped_on_failure)
+        finally:
+            _forward_metadata.reset_forward_metadata()
+
+
+def _install(generation, framework_root, fallback_to_harness, extra_window_keys,
+             recycle_skipped_on_failure) -> FrameworkHandle:
+    """The harness modules of ``generation``, or the checkout's own, registered under ``executor.*``."""
+    if framework_root is None:
+        modules = build_harness_modules(
+            generation, extra_window_keys=extra_window_keys,
+            recycle_skipped_on_failure=recycle_skipped_on_failure,
+        )
+        sys.modules.update(modules)
+        handle = FrameworkHandle(get_generation(generation).name, False, None, modules,
+                                 extra_window_keys=extra_window_keys)
+    else:
+        if extra_window_keys:
+            raise ValueError("extra_window_keys only applies to the harness managers, not a real checkout")
+        root = Path(framework_root).resolve()
+        sys.dont_write_bytecode = True  # nothing (not even __pycache__) is written into the checkout
+        sys.path.insert(0, str(root))
+        importlib.invalidate_caches()
+        modules, fallbacks, detected = _load_real_modules(root, fallback_to_harness)
+        handle = FrameworkHandle(detected, True, root, modules, fallbacks)
+    _forward_metadata.reset_forward_metadata()
+    return handle
+
+
+@contextlib.contextmanager
+def isolated_modules(is_owned: Callable[[str], bool]) -> Iterator[None]:
+    """Import isolation for one validation scope: the modules ``is_owned`` names are taken out of
+    ``sys.modules`` (the process's own come back on exit, the scope's are dropped), and ``sys.path``
+    and ``sys.dont_write_bytecode`` are restored, so a checkout imported inside leaves no trace."""
+    saved_modules = {name: mod for name, mod in sys.modules.items() if is_owned(name)}
     saved_path = list(sys.path)
     saved_bytecode = sys.dont_write_bytecode
     for name in saved_modules:
         del sys.modules[name]
     try:
-        if framework_root is None:
-            modules = build_harness_modules(
-                generation, extra_window_keys=extra_window_keys,
-                recycle_skipped_on_failure=recycle_skipped_on_failure,
-            )
-            sys.modules.update(modules)
-            handle = FrameworkHandle(get_generation(generation).name, False, None, modules,
-                                     extra_window_keys=extra_window_keys)
-        else:
-            if extra_window_keys:
-                raise ValueError("extra_window_keys only applies to the harness managers, not a real checkout")
-            root = Path(framework_root).resolve()
-            sys.dont_write_bytecode = True  # nothing (not even __pycache__) is written into the checkout
-            sys.path.insert(0, str(root))
-            importlib.invalidate_caches()
-            modules, fallbacks, detected = _load_real_modules(root, fallback_to_harness)
-            handle = FrameworkHandle(detected, True, root, modules, fallbacks)
-        _forward_metadata.reset_forward_metadata()
-        yield handle
+        yield
     finally:
-        for name in [n for n in sys.modules if _is_executor_module(n)]:
+        for name in [n for n in sys.modules if is_owned(n)]:
             del sys.modules[name]
         sys.modules.update(saved_modules)
         sys.path[:] = saved_path
         sys.dont_write_bytecode = saved_bytecode
         importlib.invalidate_caches()
-        _forward_metadata.reset_forward_metadata()
 
 
 __all__ = ["REQUIRED_MODULES", "FrameworkHandle", "build_harness_modules", "install_framework"]

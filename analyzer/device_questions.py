@@ -21,12 +21,17 @@ BACKEND_CHOICES = ("auto", *sorted(OP_BACKENDS))  # validation: auto picks npu w
 @dataclass(frozen=True)
 class Question:
     name: str
-    readings: tuple[str, ...]  # readings[0]: the documented / upstream reading, assumed until measured
+    # readings[0]: assumed until measured; the documented reading, or what upstream code relies on
+    # where the two disagree (the sweep then reports the model's dependency on it)
+    readings: tuple[str, ...]
     asks: str
     meaning: str  # what each reading means, one line
     switch: bool = False  # an emulator switch: validate can run the emulator under the measured reading
     dependency: bool = False  # a design can rest on it: the manifest lists it under device_dependencies
-    swept: bool = False  # validate re-runs a render under the alternative reading when not measured
+    # validate re-runs under the other readings when not measured: a dependency question when the
+    # manifest lists it, an operator question (dependency=False) when the run consulted it (a call
+    # whose result depends on the reading: ``validators.npu_ops.readings.consult``)
+    swept: bool = False
 
     @property
     def default(self) -> str:
@@ -47,15 +52,21 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
              "exclusive: the documented band rule i'-pre_tokens <= j <= i'+next_tokens (pre_tokens=W admits "
              "W+1 keys); inclusive: pre_tokens counts the query itself (W keys, the HF / vLLM window)",
              switch=True, dependency=True, swept=True),
-    Question("null_block_contents", ("zeros", "stale", "poisoned"),
+    Question("null_block_contents", ("stale", "zeros", "poisoned"),
              "what does a never-written block of a cache allocated like the framework's (torch.empty) hold?",
-             "zeros / stale (what the memory held before) / poisoned (NaN, as validation fills never-written blocks)",
+             "stale (what the memory held before: torch.empty's contract) / zeros / poisoned (NaN, as validation "
+             "fills never-written blocks)",
              dependency=True),
     Question("repeated_slots", ("last_wins", "first_wins", "error"),
              "do the cache writers accept padded decode rows that all write the null block's slot 0?",
              "last_wins / first_wins: the slot holds the last / first row written to it; error: the writer "
              "rejects any repeated slot",
              switch=True, dependency=True),
+    Question("finalize_skip1_alone", ("added", "ignored", "rejected"),
+             "does npu_moe_finalize_routing add skip1 when skip2 is None (the doc requires skip1 None then)?",
+             "added: out = skip1 + the weighted expert rows (what upstream DeepSeek's prefill MoE relies on); "
+             "ignored: skip1 is dropped; rejected: the op refuses the call, as the torch-npu 2.9.0 doc says",
+             switch=True, swept=True),
     Question("mla_decode_sparse_mode3", ("same_as_mode0", "deviates", "rejected"),
              "MLA absorb decode (q_len 1, rope inputs) with sparse_mode 3: same as mode 0, different, or refused?",
              "same_as_mode0: sparse_mode 3 with the mask sees the keys mode 0 sees and gives its output; "

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from analyzer.device_questions import OP_BACKENDS, QUESTIONS, UNKNOWN, reading_ok
 from analyzer.errors import InputError
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: finalize_skip1_alone
 FILE_KIND = "kvcache-device-readings"
 
 

@@ -2,8 +2,8 @@
 
 Each model: `kvcache validate --framework-root CHECKOUT --model NAME --config CONFIG` as the CLI runs
 it (analyze on the fly, tiny checkpoint, the checkout's engine over the full engine stream with the
-sequential-release tail, numeric comparison with transformers, the device-reading sweep where the
-manifest depends on a reading). Target: <= 90 s per model on 2 cores.
+sequential-release tail, numeric comparison with transformers, the device-reading sweep over the
+manifest's dependencies and the operator questions the run consulted). Target: <= 90 s per model on 2 cores.
 
 Run: python benchmarks/bench_checkout.py [--checkout PATH] [--models qwen3_8b,gpt_oss]
 (CHECKOUT defaults to $KVCACHE_SHARED/upstream/cann-recipes-infer, else ../shared/upstream/...)
@@ -24,15 +24,15 @@ sys.path.insert(0, str(ROOT))
 from validators.checkout_run import CheckoutRequest, validate_checkout  # noqa: E402
 
 # registered model -> (the real config its tiny model is built from (tests/fixtures/configs), attention TP).
-# Qwen3-MoE at one rank takes its expert-parallel path, which needs an EP group the model registers only
-# for EP > 1: it runs at TP 2, as the acceptance runs it.
+# Qwen3-MoE and DeepSeek at one rank take their expert-parallel paths, which need an EP group the models
+# register only for EP > 1: they run at TP 2, as the tests run them.
 MODELS = {
     "qwen3_8b": ("qwen3_8b", None),
     "qwen3_8b@tp2": ("qwen3_8b", 2),
     "qwen25_7b_instruct": ("qwen2_7b", None),
     "qwen3_moe@tp2": ("qwen3_30b_a3b", 2),
     "gpt_oss": ("gpt_oss_20b", None),
-    "deepseek_r1": ("deepseek_v3", None),
+    "deepseek_r1@tp2": ("deepseek_v3", 2),
 }
 TARGET_S = 90.0
 

@@ -46,6 +46,9 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", "qwen3_30b_a3b", "models/qwen3_moe/models/modeling_qwen3_moe.py", tp=2),
     "gpt_oss": Family("gpt_oss", "gpt_oss_20b", "models/gpt_oss/models/modeling_gpt_oss.py",
                       (("window_pre_tokens", "inclusive"),)),
+    # DeepSeek-V3 config, MLA latent + rope caches; TP 2 for the same reason as Qwen3-MoE. Its MoE passes
+    # skip1 without skip2 to npu_moe_finalize_routing: the file needs finalize_skip1_alone=added (the default).
+    "deepseek": Family("deepseek_r1", "deepseek_v3", "models/deepseek_r1/models/modeling_deepseek.py", tp=2),
 }
 
 
@@ -190,6 +193,20 @@ MISTAKES = [
             self.update_cache(slot_mapping, key_states, value_states)
 """)),
             "outputs finite with unowned cache"),
+] + [
+    # Edits of models/deepseek_r1/models/modeling_deepseek.py (MLA, YaRN scale), TP 2.
+    Mistake("yarn-mscale-applied-once", "deepseek",
+            (("self.softmax_scale = self.softmax_scale * mscale * mscale",
+              "self.softmax_scale = self.softmax_scale * mscale"),),
+            "FA call arguments match the manifest", "scale", slow=True),
+    Mistake("mla-backend-flag-dropped", "deepseek", (("            is_mla_backend=True,\n", ""),),
+            "is_mla_backend", slow=True),
+    Mistake("rope-cache-sized-as-the-latent", "deepseek",
+            (("                cache_name=\"rope_cache\",\n                attn_type=self.attn_type,\n"
+              "                dim=self.config.qk_rope_head_dim,",
+              "                cache_name=\"rope_cache\",\n                attn_type=self.attn_type,\n"
+              "                dim=self.config.kv_lora_rank,"),),
+            "cache entries match the manifest", "rope_cache", slow=True),
 ]
 
 

@@ -7,6 +7,7 @@ model's ``load_weights``, Scheduler and ExecutionEngine; the assertions read the
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,16 +123,34 @@ def test_gpt_oss_states_the_window_reading_it_depends_on():
                "exclusive" in n for n in report.notes)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="validators.npu_ops refuses npu_moe_finalize_routing(skip1=x, skip2=None) "
-                   "as the torch-npu 2.9.0 doc says ('skip2为None时, skip1必须也为None'); upstream DeepSeek's "
-                   "prefill MoE passes exactly that (modeling_deepseek.py:712). With that rule relaxed the run "
-                   "passes (measured); strict: an XPASS says the marker must go")
-def test_deepseek_r1_attention_tp2():
+@pytest.fixture(scope="module")
+def deepseek_report():
     """DeepSeek-V3 config at attention TP 2 (MoE TP path; at one rank its decode dispatch needs an HCCL
-    name of an EP group registered only for EP > 1)."""
-    report = _validate("deepseek_r1", "deepseek_v3.json", attn_tp_size=2, scenario=_short_stream())
-    _assert_end_to_end(report, requests=4)
+    name of an EP group registered only for EP > 1), with the reading sweep over both ranks."""
+    return _validate("deepseek_r1", "deepseek_v3.json", attn_tp_size=2, scenario=_short_stream())
+
+
+@pytest.mark.slow
+def test_deepseek_r1_attention_tp2(deepseek_report):
+    _assert_end_to_end(deepseek_report, requests=4)
+    assert deepseek_report.readings["finalize_skip1_alone"] == "added"
+
+
+@pytest.mark.slow
+def test_deepseek_r1_states_the_finalize_reading_it_depends_on(deepseek_report):
+    """Upstream's three MoE paths call npu_moe_finalize_routing(skip1=shared experts, skip2=None)
+    (modeling_deepseek.py:565, 640, 712), which the torch-npu 2.9.0 doc forbids: the run consults that device
+    question, the sweep reruns both ranks under its other readings, and the report says the model needs
+    "added" (dropping skip1 loses the shared experts; refusing it stops the prefill)."""
+    assert deepseek_report.consulted == ["finalize_skip1_alone"]
+    notes = deepseek_report.notes
+    ignored = next(n for n in notes if n.startswith("under finalize_skip1_alone=ignored"))
+    assert "the model fails" in ignored and "logits vs transformers" in ignored
+    rejected = next(n for n in notes if n.startswith("under finalize_skip1_alone=rejected"))
+    # the TP path (attention TP 2) is the one that runs: named by the model's own file:line
+    assert re.search(r"modeling_deepseek\.py:640: NpuOpError: npu_moe_finalize_routing: argument 'skip2'", rejected)
+    assert ("the model depends on the device reading finalize_skip1_alone: it passes under added and fails "
+            "under ignored, rejected (references/device_questions.md)") in notes
 
 
 def _edited_copy(tmp_path: Path, old: str, new: str) -> Path:

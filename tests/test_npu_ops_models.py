@@ -15,7 +15,16 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_po
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as hf_rotary
 
-from validators.npu_ops import NotEmulatedError, NpuOpError, OpNotEmulatedError, emulated, install_emulation
+from validators.npu_ops import (
+    DeviceReadings,
+    NotEmulatedError,
+    NpuOpError,
+    OpNotEmulatedError,
+    consulted_questions,
+    device_readings,
+    emulated,
+    install_emulation,
+)
 from validators.standins import NotStoodInError, device_standins
 
 GEN = torch.Generator().manual_seed(0)
@@ -277,9 +286,29 @@ def test_finalize_routing_matches_the_doc_formula(mode):
     f = ops.npu_moe_finalize_routing
     expect("drop_pad_mode", f, rows, None, None, None, scales, src, None, drop_pad_mode=1, error=NotEmulatedError)
     expect("scales", f, rows, None, None, None, None, src, None, error=NotEmulatedError)
-    expect("skip2", f, rows, skip1, None, None, scales, src, None)
     expect("export_for_source_row", f, rows, None, None, bias, scales, src, None)
     expect("expanded_src_to_dst_row", f, rows, None, None, None, scales, src[:-1], None)
+
+
+@pytest.mark.parametrize("reading", ["added", "ignored", "rejected"])
+def test_finalize_skip1_without_skip2_follows_the_device_reading(reading):
+    """The doc forbids skip1 without skip2, upstream DeepSeek passes it: the emulator follows the switch and
+    notes the question as consulted (the checkout mode sweeps what a run consulted)."""
+    n, k, h = 4, 2, 8
+    rows, scales, skip1 = randn(n * k, h), randn(n, k), randn(n, h)
+    src = torch.randperm(n * k, generator=GEN).to(torch.int32)
+    f = ops.npu_moe_finalize_routing
+    with consulted_questions() as seen:
+        base = f(rows, None, None, None, scales, src, None)
+        assert not seen  # the documented forms consult nothing
+        with device_readings(DeviceReadings(finalize_skip1_alone=reading)):
+            if reading == "rejected":
+                expect("skip2", f, rows, skip1, None, None, scales, src, None)
+            else:
+                out = f(rows, skip1, None, None, scales, src, None)
+                torch.testing.assert_close(out, base + skip1 if reading == "added" else base, atol=1e-6, rtol=0)
+            expect("skip1", f, rows, skip1[:-1], None, None, scales, src, None)  # shape checked under every reading
+    assert seen == {"finalize_skip1_alone"}
 
 
 def _moe_reference(x, weights, experts, expert_fn):

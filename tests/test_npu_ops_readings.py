@@ -41,8 +41,9 @@ def test_defaults_are_the_documented_readings():
     assert EXCLUSIVE_HONOURED.band_at_single_query == "honoured"
     assert EXCLUSIVE_HONOURED.window_pre_tokens == "exclusive"
     assert EXCLUSIVE_HONOURED.repeated_slots == "last_wins"
+    assert EXCLUSIVE_HONOURED.finalize_skip1_alone == "added"  # what upstream DeepSeek relies on
     combos = DeviceReadings.all()
-    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 2 * 2 * 3
+    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 2 * 2 * 3 * 3
 
 
 def test_invalid_reading_rejected_and_context_restores():
@@ -158,3 +159,20 @@ def test_band_ignored_uses_query_s_axis_for_batch_layouts():
     assert honoured[:, 0, 0, 0].tolist() == [4.5, 2.5]
     assert ignored[:, 0, 0, 0].tolist() == [2.5, 1.5]
     assert not math.isclose(float(honoured.sum()), float(ignored.sum()))
+
+
+def test_the_questions_table_lists_every_question_with_its_readings_default_first():
+    """references/device_questions.md's table is the reader's view of analyzer.device_questions."""
+    import re
+    from pathlib import Path
+
+    from analyzer.device_questions import QUESTIONS
+
+    doc = (Path(__file__).resolve().parent.parent / "references" / "device_questions.md").read_text("utf-8")
+    rows = {m.group(1): [r.strip().strip("`") for r in m.group(2).split("/")]
+            for m in re.finditer(r"^\| `([a-z0-9_]+)` \| ([^|]+) \|", doc, re.M)}
+    for name, question in QUESTIONS.items():
+        assert name in rows, f"{name} has no row in device_questions.md"
+        readings = [r.split("(")[0].strip().strip("`") for r in rows[name]]
+        assert readings[0] == question.default, (name, readings)
+        assert set(readings) <= set(question.readings), (name, readings)

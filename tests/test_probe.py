@@ -136,6 +136,24 @@ def test_mla_mode3_deviation_and_rejection_are_told_apart():
     assert deviates.evidence["random_inputs"]["max_abs_diff"] > 0
 
 
+def test_finalize_skip1_alone_off_every_reading_is_unknown_and_a_bad_control_blames_the_probe():
+    real = emulated.OPS["npu_moe_finalize_routing"]
+
+    def doubling(rows, skip1, skip2, *args, **kw):  # a device that adds skip1 twice when skip2 is None
+        if skip1 is not None and skip2 is None:
+            return real(rows, None, None, *args, **kw) + 2 * skip1
+        return real(rows, skip1, skip2, *args, **kw)
+
+    odd = experiments.finalize_experiment(_device_with(npu_moe_finalize_routing=doubling))
+    assert odd.reading == UNKNOWN and odd.evidence == {"alone_minus_base": [32.0]}  # skip1 is 16
+
+    def no_skips(rows, skip1, skip2, *args, **kw):  # ignores both skips: the documented control fails
+        return real(rows, None, None, *args, **kw)
+
+    control = experiments.finalize_experiment(_device_with(npu_moe_finalize_routing=no_skips))
+    assert control.reading == UNKNOWN and "probe's call is wrong" in control.summary
+
+
 def test_a_failing_control_call_blames_the_probe_not_the_device():
     def broken(*args, **kw):
         raise RuntimeError("wrong probe call")

@@ -207,4 +207,4 @@ def test_checkout_mode_runs_under_the_measured_readings(tmp_path):
                                                device_readings=path))
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     assert report.readings["window_pre_tokens"] == "inclusive"
-    assert any("window_pre_tokens set by measurement (inclusive): sweep skipped" in n for n in report.notes)
+    assert any("window_pre_tokens settled by measurement (inclusive): sweep skipped" in n for n in report.notes)

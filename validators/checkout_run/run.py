@@ -36,11 +36,12 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
     from validators.checkout_run.registry import resolve
     from analyzer.framework_checkout import checkout_commit
     from validators.checkout_run.scope import checkout_scope
-    from validators.npu_ops import device_readings
+    from validators.npu_ops import consulted_questions, device_readings
 
     dtype = torch.float32
     model_file = None
-    with recording_ops() as rec, checkout_scope(root) as scope, device_readings(readings):
+    with recording_ops() as rec, checkout_scope(root) as scope, device_readings(readings), \
+            consulted_questions() as consulted:
         try:
             classes = resolve(root, req.model, _config_model_type(checkpoint), req.model_file)
             model_file = classes.model_file
@@ -76,10 +77,12 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                     seq = engine_run.drive_sequential(engine, scenario.release_requests, req.seed + 1,
                                                       scenario.vocab)
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
+            report.consulted = sorted(set(report.consulted) | consulted)
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else None)}: "
                               f"{type(exc).__name__}: {exc}")
             return
+        report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
         n_layers = len(info.layer_infos)
         checks.check_runtime(report, manifest, rec, caches, run, n_layers)

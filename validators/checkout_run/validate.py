@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from analyzer.config_loader import read_config_file
-from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from validators.pipeline.numeric import TOLERANCE
@@ -89,23 +88,6 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
     manifest = load_or_analyze(req, root)
     require_transformers_type(manifest.model.model_type)
     tp = manifest.parallel.attn_tp_size
-    if tp > 1 and world == 1:
-        from validators.pipeline.multi_rank import run_ranks
-
-        fields = replace(req, attn_tp_size=tp, sweep_readings=False)
-        if not req.manifest:  # every rank analyzes the same inputs; pass the result instead
-            tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvcache-manifest-", delete=False)
-            tmp.write(manifest.to_json())
-            tmp.close()
-            fields = replace(fields, manifest=tmp.name)
-        try:
-            report = run_ranks(_rank_step, fields, tp, manifest, progress)
-        finally:
-            if not req.manifest:
-                Path(fields.manifest).unlink(missing_ok=True)
-        report.seconds = time.perf_counter() - started
-        return report
-
     measured = None
     if req.device_readings:
         from analyzer.readings_file import load_readings
@@ -116,12 +98,16 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
     base = DeviceReadings.from_settled(measured.settled()) if measured else DeviceReadings()
     if req.readings:
         base = replace(base, **dict(req.readings))
-        report_note = "readings set by the caller: " + ", ".join(f"{q}={r}" for q, r in req.readings)
+    if tp > 1 and world == 1:
+        report = _validate_ranks(req, manifest, tp, base, measured, say)
+        report.seconds = time.perf_counter() - started
+        return report
+
     report = Report(backend="emulated", deploy_mode="framework", model_type=manifest.model.model_type,
                     manifest_hash=manifest.content_hash(), dtype=DTYPE, tolerance=TOLERANCE[DTYPE])
     report.readings = dataclasses.asdict(base)
     if req.readings:
-        report.notes.append(report_note)
+        report.notes.append("readings set by the caller: " + ", ".join(f"{q}={r}" for q, r in req.readings))
     scenario = _crossing(req.scenario, manifest)
     say("building the tiny transformers model and its checkpoint")
     with tempfile.TemporaryDirectory(prefix="kvcache-checkout-") as tmp:
@@ -132,8 +118,41 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
 
         run_checkout(report, manifest, req, root, checkpoint, ref, scenario, base, rank, world, full=True)
         if req.sweep_readings and world == 1:
-            _sweep(report, manifest, req, root, checkpoint, ref, base, measured, say)
+            def rerun(readings) -> Report:
+                swept = Report(backend=report.backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
+                               manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance)
+                run_checkout(swept, manifest, req, root, checkpoint, ref, _crossing(ENGINE_QUICK, manifest),
+                             readings, full=False)
+                return swept
+
+            _sweep(report, manifest, req, base, measured, rerun, say)
     report.seconds = time.perf_counter() - started
+    return report
+
+
+def _validate_ranks(req: CheckoutRequest, manifest: SelectionManifest, tp: int, base, measured, say) -> Report:
+    """Attention TP > 1: every rank runs this mode on its shard (gloo); the sweep reruns all ranks."""
+    from validators.pipeline.multi_rank import run_ranks
+
+    fields = replace(req, attn_tp_size=tp, sweep_readings=False)
+    if not req.manifest:  # every rank analyzes the same inputs; pass the result instead
+        tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="kvcache-manifest-", delete=False)
+        tmp.write(manifest.to_json())
+        tmp.close()
+        fields = replace(fields, manifest=tmp.name)
+    try:
+        report = run_ranks(_rank_step, fields, tp, manifest, say)
+        if req.sweep_readings:
+            quick = _crossing(ENGINE_QUICK, manifest)
+
+            def rerun(readings) -> Report:
+                pairs = tuple(dataclasses.asdict(readings).items())
+                return run_ranks(_rank_step, replace(fields, readings=pairs, scenario=quick), tp, manifest)
+
+            _sweep(report, manifest, req, base, measured, rerun, say)
+    finally:
+        if not req.manifest:
+            Path(fields.manifest).unlink(missing_ok=True)
     return report
 
 
@@ -153,27 +172,9 @@ def _crossing(scenario: Scenario, manifest: SelectionManifest) -> Scenario:
     return scenario.crossing(window, manifest.block_size) if window else scenario
 
 
-def _sweep(report: Report, manifest, req, root, checkpoint, ref, base, measured, say) -> None:
-    from validators.checkout_run.run import run_checkout
+def _sweep(report: Report, manifest, req, base, measured, rerun, say) -> None:
+    from validators.pipeline.sweep import sweep_readings
 
-    settled = measured.settled() if measured else {}
-    for dep in manifest.device_dependencies:
-        if not QUESTIONS[dep.question].swept:  # the sweep re-runs the stream under the other reading
-            continue
-        if dep.question in settled or dep.question in dict(req.readings):
-            how = f"measurement ({settled[dep.question]})" if dep.question in settled else "the caller"
-            report.notes.append(f"{dep.question} set by {how}: sweep skipped")
-            continue
-        say(f"device reading sweep: {dep.question}={dep.alternative}")
-        swept = Report(backend=report.backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
-                       manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance)
-        readings = replace(base, **{dep.question: dep.alternative})
-        run_checkout(swept, manifest, req, root, checkpoint, ref, _crossing(ENGINE_QUICK, manifest), readings,
-                     full=False)
-        verdict = "survives" if swept.passed else "fails: " + ", ".join(
-            f"{c.name} ({c.detail or c.measured})"[:200] for c in swept.failed()[:2])
-        report.notes.append(f"under {dep.question}={dep.alternative} the model {verdict}")
-        if swept.passed != report.passed:
-            ok, bad = (dep.alternative, dep.assumed) if swept.passed else (dep.assumed, dep.alternative)
-            report.notes.append(f"the model depends on the device reading {dep.question}: it passes under "
-                                f"{ok} and fails under {bad} (references/device_questions.md)")
+    questions = [dep.question for dep in manifest.device_dependencies] + report.consulted
+    sweep_readings(report, questions, base, rerun, settled=measured.settled() if measured else {},
+                   caller=dict(req.readings), subject="the model", say=say)

@@ -24,6 +24,7 @@ from validators.npu_ops.readings import (
     DEFAULT_READINGS,
     DeviceReadings,
     active_readings,
+    consulted_questions,
     device_readings,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "OpNotEmulatedError",
     "OpSet",
     "active_readings",
+    "consulted_questions",
     "device_readings",
     "emulation_installed",
     "install_emulation",

@@ -10,6 +10,7 @@
 * ``npu_moe_finalize_routing``: ``out[i] = skip1 + skip2 + sum_k scales[i, k] *
   (rows[src_to_dst[i + k * N]] + bias[expert[i, k]])``; ``drop_pad_mode`` 0 indexes ``src_to_dst``
   column-major (``i + k * N``), 2 row-major (``i * K + k``, the form ``npu_moe_init_routing_v2`` makes);
+  skip1 without skip2 (which the doc forbids) follows the device question ``finalize_skip1_alone``;
 * ``npu_moe_init_routing_v2`` (non-quantized, dropless, count mode): the same sort over the row-major
   flat index ``f = i * K + k``: ``expanded_row_idx[f] = position of f``, ``expanded_x[p] = x[f // K]``,
   and the token count of every expert of ``active_expert_range``.
@@ -30,6 +31,7 @@ import torch
 
 from validators.npu_ops import op_checks as chk
 from validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from validators.npu_ops.readings import consult
 
 INT32 = (torch.int32,)
 
@@ -115,17 +117,24 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
                                                         f"(got {src.numel()} and {rows.shape[0]})")
     if src.numel() and (int(src.min()) < 0 or int(src.max()) >= num_rows * k):
         raise NpuOpError(op, "expanded_src_to_dst_row", f"values must lie in [0, {num_rows * k - 1}]")
-    if skip2 is None and skip1 is not None:
-        raise NpuOpError(op, "skip2", "skip2 None requires skip1 None")
     hidden = int(rows.shape[1])
-    cdt = chk.compute_dtype(rows.dtype)
-    out = torch.zeros(num_rows, hidden, dtype=cdt)
     for name, skip in (("skip1", skip1), ("skip2", skip2)):
         if skip is not None:
             chk.tensor(op, name, skip, dims=(2,))
             chk.same_dtype(op, name, skip, "expanded_permuted_rows", rows)
             if tuple(skip.shape) != (num_rows, hidden):
                 raise NpuOpError(op, name, f"shape {tuple(skip.shape)} must be ({num_rows}, {hidden})")
+    if skip2 is None and skip1 is not None:  # the doc forbids it, upstream relies on it: a device question
+        reading = consult("finalize_skip1_alone")
+        if reading == "rejected":
+            raise NpuOpError(op, "skip2", "skip2 None requires skip1 None (the doc's rule; device question "
+                                          "finalize_skip1_alone=rejected)")
+        if reading == "ignored":
+            skip1 = None
+    cdt = chk.compute_dtype(rows.dtype)
+    out = torch.zeros(num_rows, hidden, dtype=cdt)
+    for skip in (skip1, skip2):
+        if skip is not None:
             out += skip.to(cdt)
     grid = src.long().view(k, num_rows).t() if drop_pad_mode == 0 else src.long().view(num_rows, k)
     gathered = rows.to(cdt)[grid]  # [N, K, H]

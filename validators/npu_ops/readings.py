@@ -44,6 +44,14 @@ code survives; only an NPU run can settle which reading the hardware implements.
     reads the block size off its ``[block_num, block_size, 1, D]`` caches and uses block 0;
     ``npu_scatter_nd_update`` cannot tell blocks apart in a flat cache and lets every repeat
     follow the reading.
+
+``finalize_skip1_alone``
+    ``npu_moe_finalize_routing(skip1=x, skip2=None)``: the torch-npu 2.9.0 doc says skip1 must be
+    None when skip2 is; upstream DeepSeek's prefill MoE passes the shared experts' output as skip1
+    alone and needs it added. ``"added"`` (default, the upstream reliance): ``out = skip1 + ...``;
+    ``"ignored"``: skip1 is dropped; ``"rejected"``: the call fails (the doc's rule). An operator
+    question, not a design one: the emulator notes it as consulted (:func:`consult`) when a call
+    passes skip1 alone, and the checkout mode sweeps the questions a run consulted.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ class DeviceReadings:
     band_at_single_query: str = QUESTIONS["band_at_single_query"].default
     window_pre_tokens: str = QUESTIONS["window_pre_tokens"].default
     repeated_slots: str = QUESTIONS["repeated_slots"].default
+    finalize_skip1_alone: str = QUESTIONS["finalize_skip1_alone"].default
 
     # Fixed rules, not switches (no sweep, no probe question): padded decode rows may repeat slots
     # only inside the null block (block NULL_BLOCK_ID of every cache declared with
@@ -106,6 +115,27 @@ class DeviceReadings:
 
 DEFAULT_READINGS = DeviceReadings()
 _active: DeviceReadings = DEFAULT_READINGS
+
+
+_collectors: list[set[str]] = []  # one live set per open consulted_questions() block
+
+
+def consult(question: str) -> str:
+    """The active reading of ``question``, noted as consulted: the calling operator's result depends on it."""
+    for seen in _collectors:
+        seen.add(question)
+    return getattr(_active, question)
+
+
+@contextmanager
+def consulted_questions() -> Iterator[set[str]]:
+    """A set that collects the switch questions consulted while the block runs (blocks may nest)."""
+    seen: set[str] = set()
+    _collectors.append(seen)
+    try:
+        yield seen
+    finally:
+        _collectors.remove(seen)
 
 
 def active_readings() -> DeviceReadings:

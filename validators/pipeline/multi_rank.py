@@ -157,6 +157,7 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
             merged.backend = data["backend"]
             merged.dtype, merged.tolerance = data.get("dtype", merged.dtype), data.get("tolerance", merged.tolerance)
             merged.readings = data.get("readings", {})
+            merged.consulted = sorted(set(merged.consulted) | set(data.get("consulted", [])))
             for c in data["checks"]:
                 merged.checks.append(Check(f"rank {r}: {c['name']}", c["link"], c["passed"], c["measured"],
                                            c["detail"]))

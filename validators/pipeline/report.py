@@ -30,6 +30,9 @@ class Report:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     readings: dict[str, str] = field(default_factory=dict)
+    # Operator questions (switches) whose reading decided some call of this run
+    # (``validators.npu_ops.consulted_questions``): the checkout mode sweeps them.
+    consulted: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # Where the code under test came from (checkout path/commit, API generation, model file, which
     # modules are the checkout's and which stand-ins); empty when the run has nothing to declare.
@@ -57,6 +60,7 @@ class Report:
             "dtype": self.dtype,
             "tolerance": self.tolerance,
             "readings": self.readings,
+            **({"consulted": self.consulted} if self.consulted else {}),
             "seconds": round(self.seconds, 2),
             "notes": self.notes,
             "checks": [asdict(c) for c in self.checks],
@@ -79,6 +83,8 @@ class Report:
         ]
         if self.readings:
             lines.append("- 设备行为读法: " + ", ".join(f"{k}={v}" for k, v in self.readings.items()))
+        if self.consulted:
+            lines.append("- 本次运行中结果取决于读法的算子问题: " + ", ".join(self.consulted))
         lines += ["", "| 链路 | 检查项 | 结果 | 实测 |", "|---|---|---|---|"]
         for c in self.checks:
             shown = ", ".join(f"{k}={_short(v)}" for k, v in c.measured.items())

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from analyzer.config_loader import read_config_file
-from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError
 from analyzer.manifest import SelectionManifest
 from analyzer.manifest_io import load_manifest
@@ -250,22 +249,16 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
         report.notes += plan.notes + run.notes
         _note_coverage(report, manifest, run)
     if sweep and backend == "emulated":
-        for dep in manifest.device_dependencies:
-            if not QUESTIONS[dep.question].swept:
-                continue
-            if dep.question in settled:
-                report.notes.append(f"{dep.question} settled by measurement ({settled[dep.question]}): sweep skipped")
-                continue
-            say(f"device reading sweep: {dep.question}={dep.alternative}")
-            readings = replace(base, **{dep.question: dep.alternative})
+        from validators.pipeline.sweep import sweep_readings
+
+        def rerun(readings) -> Report:
             swept = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
                            manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance)
-            try:
-                _run(swept, manifest, rendered, req, pristine, backend, readings, QUICK)
-                verdict = "survives" if swept.passed else "fails: " + ", ".join(c.name for c in swept.failed())
-            except Exception as exc:  # an op rejecting the call under that reading is a result too
-                verdict = f"fails: {type(exc).__name__}: {exc}"
-            report.notes.append(f"under {dep.question}={dep.alternative} the render {verdict}")
+            _run(swept, manifest, rendered, req, pristine, backend, readings, QUICK)
+            return swept
+
+        sweep_readings(report, [dep.question for dep in manifest.device_dependencies], base, rerun,
+                       settled=settled, say=say)
 
 
 def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> None:

@@ -339,6 +339,53 @@ def mla_experiment(dev: ProbeDevice) -> Outcome:
                             + (f" (max |diff| {diff:.3g})" if diff is not None else ""), evidence)
 
 
+# --------------------------------------------------------------------------- finalize_skip1_alone
+FIN_ROWS, FIN_K, FIN_H = 4, 2, 16
+
+
+def classify_finalize(alone, base, skip1, error: str | None) -> str:
+    """``alone``: the output with skip1 only; ``base``: with neither skip (both measured on the device)."""
+    if error is not None:
+        return "rejected"
+    if torch.equal(alone, base + skip1):
+        return "added"
+    if torch.equal(alone, base):
+        return "ignored"
+    return UNKNOWN
+
+
+def finalize_experiment(dev: ProbeDevice) -> Outcome:
+    """``npu_moe_finalize_routing`` with skip1 and no skip2, next to the documented forms (both skips,
+    neither). Small integers: every sum is exact in bfloat16, so the readings are told apart by equality."""
+    rows = torch.arange(FIN_ROWS * FIN_K * FIN_H).remainder(7).view(FIN_ROWS * FIN_K, FIN_H).float()
+    skip1 = torch.full((FIN_ROWS, FIN_H), 16.0)
+    skip2 = torch.full((FIN_ROWS, FIN_H), 32.0)
+    scales = torch.tensor([[1.0, 2.0]]).expand(FIN_ROWS, FIN_K).contiguous()
+    src = torch.arange(FIN_ROWS * FIN_K, dtype=torch.int32)
+
+    def call(s1, s2):
+        args = [dev.put(t.to(dev.dtype)) if t is not None else None for t in (rows, s1, s2)]
+        return dev.ops.npu_moe_finalize_routing(args[0], args[1], args[2], None, dev.put(scales.to(dev.dtype)),
+                                                dev.put(src), None, drop_pad_mode=0)
+
+    base, err = _call(lambda: call(None, None))
+    both, err2 = _call(lambda: call(skip1, skip2))
+    if err or err2:
+        return Outcome(UNKNOWN, f"a documented control call failed: {err or err2}", {"error": err or err2})
+    base = dev.fetch(base)
+    if not torch.equal(dev.fetch(both), base + skip1 + skip2):
+        return Outcome(UNKNOWN, "the documented call with both skips does not add them: the probe's call is wrong",
+                       {"both_minus_base": float((dev.fetch(both) - base).mean())})
+    alone, error = _call(lambda: call(skip1, None))
+    if error is None:
+        alone = dev.fetch(alone)
+        evidence = {"alone_minus_base": sorted({float(x) for x in (alone - base).flatten()})[:4]}
+    else:
+        evidence = {"error": error}
+    reading = classify_finalize(alone, base, skip1, error)
+    return Outcome(reading, f"skip1 (16) without skip2: {reading}", evidence)
+
+
 def run_experiments(dev: ProbeDevice) -> dict[str, Outcome]:
     """Every question's outcome, in ``QUESTIONS`` order (the band reads its prediction off the window)."""
     window = window_experiment(dev)
@@ -347,6 +394,7 @@ def run_experiments(dev: ProbeDevice) -> dict[str, Outcome]:
         "band_at_single_query": band_experiment(dev, window.reading),
         "null_block_contents": null_block_experiment(dev),
         "repeated_slots": repeated_slots_experiment(dev),
+        "finalize_skip1_alone": finalize_experiment(dev),
         "mla_decode_sparse_mode3": mla_experiment(dev),
     }
     return {q: done[q] for q in QUESTIONS}

@@ -60,6 +60,7 @@ def test_qwen3_8b_in_the_real_engine(qwen3_report):
                    "models.qwen.models.modeling_qwen"):
         assert module in prov["from_checkout"]
     assert any("gloo" in s for s in prov["stand_ins"])
+    assert "CPU 仿真算子 + 检出的真实框架与模型文件" in qwen3_report.to_markdown()  # not "our harness"
     # The init link covers the real layer count (36), not only the tiny model's layers.
     assert _check(qwen3_report, "get_cache_info layer count").measured == {"expected": 36, "got": 36}
     assert _check(qwen3_report, "the checkout's loader filled every parameter").passed

@@ -67,6 +67,12 @@ class Report:
             **({"provenance": self.provenance} if self.provenance else {}),
         }
 
+    def _host(self) -> str:
+        """What ran the code under test besides the emulated operators (for the report's first line)."""
+        if "ours" in self.provenance:  # checkout mode: the checkout's engine, scheduler and model file
+            return "检出的真实框架与模型文件"
+        return "框架契约 harness"
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
@@ -76,7 +82,7 @@ class Report:
             "### 自验证结果",
             "",
             f"- 模型: `{self.model_type}`,部署模式: {self.deploy_mode},后端: **{self.backend}**"
-            + (" (CPU 仿真算子 + 框架契约 harness)" if self.backend == "emulated" else "")
+            + (f" (CPU 仿真算子 + {self._host()})" if self.backend == "emulated" else "")
             + f",计算精度: {self.dtype}(logits 容差 {self.tolerance:g})",
             f"- manifest hash: `{self.manifest_hash}`,结论: **{verdict}**"
             f"({sum(c.passed for c in self.checks)}/{len(self.checks)} 项通过,用时 {self.seconds:.1f}s)",

@@ -180,6 +180,17 @@ def test_unemulated_op_fails_in_one_line(tmp_path):
     assert "npu_rms_norm_v9" in failed[0] and f"modeling_qwen.py:{line}" in failed[0]
 
 
+@pytest.mark.slow
+def test_moe_model_at_one_rank_fails_naming_the_upstream_group_and_the_way_out():
+    """Upstream Qwen3-MoE at world size 1 takes its expert-parallel MoE path, whose group it registers only
+    for EP > 1 (on an NPU too): the report names the missing group, the model's line, and --attn-tp-size 2."""
+    report = _validate("qwen3_moe", "qwen3_30b_a3b.json", sweep_readings=False, scenario=_short_stream())
+    failed = report.failed()
+    assert [c.name for c in failed] == ["checkout model runs in the engine without errors"]
+    assert re.match(r"modeling_qwen3_moe\.py:\d+: KeyError: .*'moe_ep_group' not found", failed[0].detail)
+    assert failed[0].detail.endswith("validate with --attn-tp-size 2, which runs its MoE tensor-parallel path)")
+
+
 def test_checkout_scope_restores_the_process():
     from validators.checkout_run.scope import checkout_scope
 

@@ -80,7 +80,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.consulted = sorted(set(report.consulted) | consulted)
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else None)}: "
-                              f"{type(exc).__name__}: {exc}")
+                              f"{type(exc).__name__}: {exc}{_hint(exc, world)}")
             return
         report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
@@ -95,6 +95,16 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.add(f"{seq} sequential requests leave the pool and memory unchanged", "release",
                        usage == start_usage and after == start_bytes, usage_before=start_usage, usage_after=usage,
                        bytes_before=start_bytes, bytes_after=after)
+
+
+def _hint(exc: BaseException, world: int) -> str:
+    """What to do about a failure the upstream model itself causes at this world size."""
+    if world == 1 and isinstance(exc, KeyError) and "Communication group" in str(exc):
+        # e.g. Qwen3-MoE / DeepSeek: with moe_tp_size 1 the MoE takes its expert-parallel path, whose group
+        # the model registers only for moe_ep_size > 1; the validator runs MoE TP = attention TP.
+        return (" (the model registers that group only with more than one rank: validate with --attn-tp-size 2, "
+                "which runs its MoE tensor-parallel path)")
+    return ""
 
 
 def _real_layer_types(config_path: str) -> list | None:

@@ -225,7 +225,7 @@ def test_framework_api_flag_must_agree_with_the_checkout():
 
 # ---------------------------------------------------------------- the pinned public commits
 
-from tests.shared_dirs import upstream_head, upstream_history  # noqa: E402
+from shared_dirs import upstream_head, upstream_history  # noqa: E402
 
 
 def _pinned(commit):

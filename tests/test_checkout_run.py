@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shared_dirs import ROOT, upstream_head
+from shared_dirs import ROOT, upstream_head
 
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from tests.shared_dirs import upstream_head, upstream_history
+from shared_dirs import upstream_head, upstream_history
 from validators.harness import FrameworkAPI, install_framework, set_emulated_mem_info
 from validators.standins import device_standins
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shared_dirs import upstream_head, upstream_history
-from tests.validators_support import QUICK, render_case
+from shared_dirs import upstream_head, upstream_history
+from validators_support import QUICK, render_case
 from validators.pipeline.validate import ValidateRequest, validate
 
 COMMITS = [("f0b0fde", "G0"), ("2c2336a", "G1"), ("48a59dc", "G2"), ("HEAD", "G2")]  # commit, render API

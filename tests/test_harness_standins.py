@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.shared_dirs import upstream_head, upstream_history
+from shared_dirs import upstream_head, upstream_history
 from validators.harness import FrameworkAPI, Scheduler, install_framework
 from validators.npu_ops import install_emulation
 from validators.standins import NotStoodInError, device_standins, standins_active

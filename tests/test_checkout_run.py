@@ -154,6 +154,19 @@ def test_deepseek_r1_states_the_finalize_reading_it_depends_on(deepseek_report):
             "under ignored, rejected (references/device_questions.md)") in notes
 
 
+@pytest.mark.slow
+def test_deepseek_v2_lite_through_the_deepseek_file():
+    """A registered key outside the acceptance list: support_models maps deepseek_v2_lite onto the
+    deepseek_r1 model file with a DeepSeek-V2-Lite config (no q LoRA, 64 softmax-gated experts, no YaRN,
+    no MTP); the reference is transformers' DeepseekV2. Same file, other config: it validates too."""
+    report = _validate("deepseek_v2_lite", "deepseek_v2_lite.json", attn_tp_size=2, sweep_readings=False,
+                       scenario=_short_stream())
+    _assert_end_to_end(report, requests=4)
+    assert report.provenance["model_file"].endswith("models/deepseek_r1/models/modeling_deepseek.py")
+    assert report.model_type == "deepseek_v2"  # the transformers reference is DeepseekV2
+    assert report.consulted == ["finalize_skip1_alone"]
+
+
 def _edited_copy(tmp_path: Path, old: str, new: str) -> Path:
     src = upstream_head() / "models" / "qwen" / "models" / "modeling_qwen.py"
     text = src.read_text(encoding="utf-8")

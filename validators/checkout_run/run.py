@@ -77,12 +77,12 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                     seq = engine_run.drive_sequential(engine, scenario.release_requests, req.seed + 1,
                                                       scenario.vocab)
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
-            report.consulted = sorted(set(report.consulted) | consulted)
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else None)}: "
                               f"{type(exc).__name__}: {exc}{_hint(exc, world)}")
             return
-        report.consulted = sorted(set(report.consulted) | consulted)
+        finally:
+            report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
         n_layers = len(info.layer_infos)
         checks.check_runtime(report, manifest, rec, caches, run, n_layers)

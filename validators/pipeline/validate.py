@@ -245,6 +245,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
         c.name = label + c.name
         report.checks.append(c)
     report.provenance = report.provenance or run.provenance
+    report.consulted = sorted(set(report.consulted) | set(run.consulted))
     if not label:
         report.notes += plan.notes + run.notes
         _note_coverage(report, manifest, run)
@@ -257,8 +258,8 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
             _run(swept, manifest, rendered, req, pristine, backend, readings, QUICK)
             return swept
 
-        sweep_readings(report, [dep.question for dep in manifest.device_dependencies], base, rerun,
-                       settled=settled, say=say)
+        questions = [dep.question for dep in manifest.device_dependencies] + run.consulted
+        sweep_readings(report, questions, base, rerun, settled=settled, say=say)
 
 
 def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> None:
@@ -278,7 +279,7 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
-    from validators.npu_ops import device_readings, install_emulation
+    from validators.npu_ops import consulted_questions, device_readings, install_emulation
     from validators.pipeline.host_model import HostModel, import_rendered
 
     model = copy.deepcopy(pristine)
@@ -296,7 +297,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     cache_dtype = getattr(torch, req.dtype)
     model.to(device=device, dtype=cache_dtype)
     ref.to(dtype=torch.float64 if cache_dtype == torch.float64 else torch.float32)
-    with ops, device_readings(readings), _framework(manifest, req, backend) as handle, float64_upcasts():
+    with ops, device_readings(readings), consulted_questions() as consulted, \
+            _framework(manifest, req, backend) as handle, float64_upcasts():
         rendered = import_rendered(rendered_dir)
         if not report.provenance:
             from validators.pipeline.provenance import rendered_provenance
@@ -331,6 +333,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             report.add("rendered code runs without operator errors", "runtime", False,
                        detail=f"{where}: {type(exc).__name__}: {exc}")
             return
+        finally:
+            report.consulted = sorted(set(report.consulted) | consulted)
         report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1)
 
 

@@ -11,11 +11,11 @@ from typing import get_args
 import yaml
 
 from analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
+from analyzer.decisions_table import SECTION_ID, decisions_markdown
 from analyzer.device_questions import QUESTIONS
 from analyzer.errors import InputError, OneLineArgumentParser, guarded
 from analyzer.files import atomic_write_text, check_writable, same_file
 from analyzer.manifest import DeployMode, FaVersion, FrameworkApi, KvMode, manifest_json_schema
-from analyzer.decisions_table import SECTION_ID, decisions_markdown
 from analyzer.rules import VALID_BLOCK_SIZES
 
 EXAMPLES = """examples:

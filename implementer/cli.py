@@ -10,8 +10,8 @@ from analyzer.errors import InputError, OneLineArgumentParser, guarded
 from analyzer.files import check_out_dir
 from analyzer.manifest import FrameworkApi
 from analyzer.manifest_io import load_manifest
-from implementer.template_context import Names
 from implementer.render import render_manifest, write_rendered
+from implementer.template_context import Names
 
 EXAMPLES = """examples:
   kvcache render --manifest manifest.json --out rendered/

@@ -12,7 +12,6 @@ from analyzer.decisions_table import decision_rows
 from analyzer.errors import InputError
 from analyzer.files import atomic_write_bytes, atomic_write_text
 from analyzer.manifest import SelectionManifest
-from analyzer.decisions_table import decision_rows
 from implementer.template_context import Names, RenderContext, build_context, one_line
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from shared_dirs import ROOT, upstream_head
 
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"

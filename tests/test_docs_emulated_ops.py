@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from shared_dirs import upstream_head
 
+from analyzer.operators.schemas import EMULATED_OPS
 from validators.npu_ops import emulated
 from validators.npu_ops.errors import OpNotEmulatedError
-from analyzer.operators.schemas import EMULATED_OPS
 
 DOC = Path(__file__).resolve().parent.parent / "references" / "emulated_ops.md"
 

@@ -16,8 +16,8 @@ import types
 
 import pytest
 import torch
-
 from shared_dirs import upstream_head, upstream_history
+
 from validators.harness import FrameworkAPI, install_framework, set_emulated_mem_info
 from validators.standins import device_standins
 

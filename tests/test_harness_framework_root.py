@@ -9,9 +9,9 @@ checkout.
 from __future__ import annotations
 
 import pytest
-
 from shared_dirs import upstream_head, upstream_history
 from validators_support import QUICK, render_case
+
 from validators.pipeline.validate import ValidateRequest, validate
 
 COMMITS = [("f0b0fde", "G0"), ("2c2336a", "G1"), ("48a59dc", "G2"), ("HEAD", "G2")]  # commit, render API
@@ -34,7 +34,6 @@ def test_validate_against_the_real_checkout(tmp_path, commit, api, config, flags
     for step in ("validate_cache_info=checkout", "calculate_block_num=checkout", "KVCacheManager=checkout",
                  "prepare_block_tables=checkout", "prepare_slot_mapping=checkout"):
         assert step in notes, notes
-    # G2+ allocation aligns through the serving stack: the harness allocates, and the report says why.
-    alloc = "allocate_cache_tensors=checkout" if commit in ("f0b0fde", "2c2336a") else \
-        "allocate_cache_tensors=harness (checkout's needs"
-    assert alloc in notes, notes
+    # G2+ allocation aligns through the serving stack (executor.utils, the KV-transfer package): under the
+    # device and third-party stand-ins it imports on CPU, so every commit allocates with its own code.
+    assert "allocate_cache_tensors=checkout" in notes, notes

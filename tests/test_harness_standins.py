@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-
 from shared_dirs import upstream_head, upstream_history
+
 from validators.harness import FrameworkAPI, Scheduler, install_framework
 from validators.npu_ops import install_emulation
 from validators.standins import NotStoodInError, device_standins, standins_active
@@ -105,3 +105,36 @@ def test_scheduler_drives_each_real_checkout(commit, generation):
         # G1 on pads every decode batch to max_concurrency; G0 could not.
         assert padded and (all(p == 0 for p in padded) if generation == "G0" else max(padded) == 2)
         assert all(u["used"] == 0 for u in sched.usage().values())
+
+
+def test_absent_third_party_stands_in_only_for_what_is_missing_and_leaves_no_trace(monkeypatch):
+    """Checkout-only imports of modules that are not installed: importable, subclassable, refusing when called;
+    an installed module is never replaced; everything registered is gone afterwards."""
+    import importlib.util
+
+    from validators.standins import third_party
+
+    monkeypatch.setattr(third_party, "OPTIONAL_THIRD_PARTY", {"kvcache_no_such_pkg": "a test feature",
+                                                               "json": "installed: never replaced"})
+    monkeypatch.setattr(third_party, "OPTIONAL_SUBMODULES", {"kvcache_no_such_pkg": ("sub",)})
+    assert importlib.util.find_spec("kvcache_no_such_pkg") is None
+    real_json = sys.modules.get("json")
+    with third_party.absent_third_party() as described:
+        import json
+
+        import kvcache_no_such_pkg
+        from kvcache_no_such_pkg.sub import Thing
+
+        assert json is real_json
+        assert described[0] == ("kvcache_no_such_pkg: not installed; a module whose attributes raise when "
+                                "called (a test feature)")
+        assert not any(d.startswith("json") for d in described)
+
+        class Local(Thing):  # module-level subclassing in the checkout must import
+            pass
+
+        assert Local.__mro__[1] is object
+        with pytest.raises(RuntimeError, match=r"kvcache_no_such_pkg\.load_dataset is not available .*a test feature"):
+            kvcache_no_such_pkg.load_dataset("x")
+    assert "kvcache_no_such_pkg" not in sys.modules and "kvcache_no_such_pkg.sub" not in sys.modules
+    assert sys.modules.get("json") is real_json

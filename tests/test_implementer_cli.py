@@ -17,8 +17,8 @@ from analyzer.manifest_io import load_manifest
 from analyzer.version import __version__
 from implementer import cli as render_cli
 from implementer import render as render_mod
-from implementer.template_context import Names, build_context
 from implementer.render import Rendered, render_manifest, write_rendered
+from implementer.template_context import Names, build_context
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"

@@ -356,7 +356,6 @@ def test_framework_sliding_prefill_of_two_long_prompts_in_one_step():
 def test_legacy_standalone_runner_matches_dense_reference():
     """Mode 1 (contiguous BSH cache, scatter_update_ at the runner's kv_len) with per-kind bands."""
     from analyzer.manifest_io import load_manifest
-    from validators.pipeline.host_model import import_rendered
     from validators.npu_ops import install_emulation
     from validators.pipeline.host_model import import_rendered
 

@@ -315,8 +315,8 @@ def _call(fn, argv, capsys) -> tuple[int, str, str]:
 
 
 def _every_command():
-    from validators.docgen.doc_tables import main as doc_tables_main
     from analyzer.operators.extract_schemas import main as extract_main
+    from validators.docgen.doc_tables import main as doc_tables_main
 
     out = [(f"kvcache {name}", lambda argv, name=name: kvcache_cli.main([name, *argv]))
            for name in kvcache_cli._commands()]

@@ -210,8 +210,8 @@ def test_value_passed_is_the_keyword_or_the_schema_default():
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_templates_context_uses_the_homes_keywords(version):
-    from implementer.template_context import Names, build_context
     from analyzer.manifest_io import load_manifest
+    from implementer.template_context import Names, build_context
 
     manifest = load_manifest(ROOT / "tests" / "golden" / f"qwen3_{version}" / "framework_g2" / "manifest.json")
     assert manifest.fa.version == version
@@ -275,12 +275,11 @@ def test_emulator_names_the_argument_in_the_versions_spelling():
 def test_numeric_call_check_reads_each_version_through_the_home():
     """The FA call check compares scale / heads in the called op's spelling, defaults from the schema."""
     from analyzer.manifest_io import load_manifest
+    from analyzer.operators.fa_facts import RECORDED_KEYWORDS
+    from validators.checkout_run import recorder
     from validators.pipeline import host_model
     from validators.pipeline.numeric import NumericTracker
     from validators.pipeline.report import Report
-
-    from analyzer.operators.fa_facts import RECORDED_KEYWORDS
-    from validators.checkout_run import recorder
 
     assert host_model.RECORDED_KEYWORDS is RECORDED_KEYWORDS is recorder.RECORDED_KEYWORDS  # both modes record alike
     for kw in FA_KEYWORDS.values():

@@ -200,6 +200,7 @@ def test_checkout_mode_runs_under_the_measured_readings(tmp_path):
     """The checkout mode takes --device-readings too: upstream gpt-oss (pre_tokens = W) passes on a device
     measured to count the query inside pre_tokens, and the settled question is not swept."""
     from shared_dirs import upstream_head
+
     from validators.checkout_run import CheckoutRequest, validate_checkout
 
     path = write(tmp_path, as_device(measured(DeviceReadings(window_pre_tokens="inclusive"))))

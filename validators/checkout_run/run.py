@@ -31,10 +31,10 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                  scenario: Scenario, readings, rank: int = 0, world: int = 1, *, full: bool = True) -> None:
     """Append the checks of one run to ``report``; ``full`` adds provenance, the init link over the real
     layer count and the sequential-release check (the reading sweep reruns without them)."""
+    from analyzer.framework_checkout import checkout_commit
     from validators.checkout_run import checks, engine_run
     from validators.checkout_run.recorder import CacheMap, recording_ops
     from validators.checkout_run.registry import resolve
-    from analyzer.framework_checkout import checkout_commit
     from validators.checkout_run.scope import checkout_scope
     from validators.npu_ops import consulted_questions, device_readings
 

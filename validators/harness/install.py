@@ -177,13 +177,25 @@ def _is_executor_module(name: str) -> bool:
     return name == "executor" or name.startswith("executor.")
 
 
-def _parent_stub(name: str, directory: Path) -> types.ModuleType:
+def _parent_stub(name: str, directory: Path, reexports: str | None = None) -> types.ModuleType:
     # A package whose __init__ is not run: the real executor/core/__init__.py imports the
     # engine (and torch_npu); the stub only lets the kv_cache / utils subpackages load.
     mod = types.ModuleType(name, f"harness stub over {directory}")
     mod.__path__ = [str(directory)]
     mod.__package__ = name
     mod.__file__ = str(directory / "__init__.py")
+    if reexports:
+        # The real executor/utils/__init__.py re-exports common_utils' helpers; G2+'s
+        # allocate_cache_tensors imports align_memory that way. Resolved on first use only.
+        def __getattr__(attr: str):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            try:
+                return getattr(importlib.import_module(reexports), attr)
+            except ImportError as exc:
+                raise AttributeError(f"{name}.{attr} ({reexports} does not import here: {exc})") from None
+
+        mod.__getattr__ = __getattr__
     return mod
 
 
@@ -193,12 +205,12 @@ def _load_real_modules(root: Path, fallback: Iterable[str]) -> tuple[dict[str, t
         raise FrameworkImportError(
             f"{root} is not a cann-recipes-infer checkout: executor/core/kv_cache/ is missing"
         )
-    for name, directory in (
-        ("executor", package_dir),
-        ("executor.core", package_dir / "core"),
-        ("executor.utils", package_dir / "utils"),
+    for name, directory, reexports in (
+        ("executor", package_dir, None),
+        ("executor.core", package_dir / "core", None),
+        ("executor.utils", package_dir / "utils", "executor.utils.common_utils"),
     ):
-        sys.modules[name] = _parent_stub(name, directory)
+        sys.modules[name] = _parent_stub(name, directory, reexports)
 
     fallback = set(fallback)
     modules: dict[str, types.ModuleType] = {}

@@ -236,8 +236,9 @@ class Scheduler:
                 self.provenance["allocate_cache_tensors"] = "checkout"
                 return captured
             except ImportError as exc:
-                # G2+ aligns cache tensors through executor.utils / the KV-transfer buffer module,
-                # which pull in the serving stack; the harness allocates the same shapes instead.
+                # G2+ aligns cache tensors through executor.utils / the KV-transfer buffer module, which
+                # pull in the serving stack: they import on CPU under the device and third-party stand-ins
+                # (what `validate --framework-root` installs); elsewhere the harness allocates the same shapes.
                 self.provenance["allocate_cache_tensors"] = f"harness (checkout's needs {exc.name or exc})"
             finally:
                 for entry, setter in originals:

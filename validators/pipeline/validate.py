@@ -345,14 +345,18 @@ def _framework(manifest: SelectionManifest, req: ValidateRequest, backend: str =
         return
     from validators.harness import install_framework
     from validators.standins import device_standins
+    from validators.standins.third_party import absent_third_party
 
     generation = req.framework_api or manifest.framework_api or "G2"
     # Without a checkout a G2 manifest is validated against the newest framework behaviour (G3:
     # same model-side contract, HEAD's sliding layout and engine); --framework-api G2 asks for 48a59dc's.
     if req.framework_root is None and req.framework_api is None and generation == "G2":
         generation = "G3"
-    # A checkout imports torch_npu / torchair / torch.npu: on CPU they are the stand-ins.
-    standins = device_standins() if req.framework_root and backend == "emulated" else contextlib.nullcontext()
-    with standins, install_framework(generation, req.framework_root,
-                                     fallback_to_harness=["executor.utils.common_utils"]) as handle:
+    # A checkout imports torch_npu / torchair / torch.npu: on CPU they are the stand-ins. Its G2+ allocation
+    # imports the KV-transfer package, whose client imports third-party modules a CPU run never calls.
+    on_cpu = req.framework_root and backend == "emulated"
+    standins = device_standins() if on_cpu else contextlib.nullcontext()
+    third_party = absent_third_party() if on_cpu else contextlib.nullcontext()
+    with standins, third_party, install_framework(generation, req.framework_root,
+                                                  fallback_to_harness=["executor.utils.common_utils"]) as handle:
         yield handle

@@ -6,9 +6,9 @@ import json
 from datetime import datetime, timezone
 
 from analyzer.device_questions import QUESTIONS, UNKNOWN
+from analyzer.readings_file import PROBE_VERSION, QuestionReading, ReadingsFile
 from validators.probe.device import ProbeDevice
 from validators.probe.experiments import run_experiments
-from analyzer.readings_file import PROBE_VERSION, QuestionReading, ReadingsFile
 
 
 def probe(dev: ProbeDevice) -> ReadingsFile:

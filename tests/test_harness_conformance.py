@@ -3,7 +3,8 @@
 For each pinned public commit (``f0b0fde`` G0, ``2c2336a`` G1, ``48a59dc`` G2, HEAD G3) the
 real ``executor.core.kv_cache`` is imported on CPU (``validators.standins`` for torch_npu and
 friends, nothing written into the checkout) and driven next to the harness of the matching
-generation: block counts (offline and budget), allocation results, per-request block lists,
+generation: block counts (offline and budget), the cache tensors ``allocate_cache_tensors`` gives
+every entry (shape, dtype), allocation results, per-request block lists,
 free-block counts, block tables (padded rows and, in G3, prefill/decode Mamba widths) and
 slot mappings are compared after every operation. Zero differences is the bar; what the
 harness does differently on purpose is listed in ``DEPARTURES`` and configured away here.
@@ -20,6 +21,7 @@ from shared_dirs import upstream_head, upstream_history
 
 from validators.harness import FrameworkAPI, install_framework, set_emulated_mem_info
 from validators.standins import device_standins
+from validators.standins.third_party import absent_third_party
 
 COMMITS = {"f0b0fde": "G0", "2c2336a": "G1", "48a59dc": "G2", "HEAD": "G3"}
 
@@ -54,7 +56,8 @@ def pair(request):
     """(generation, real kv_cache module, harness kv_cache module, stand-in handle) of one commit."""
     commit = request.param
     root = _root(commit)
-    with device_standins() as standins, install_framework(framework_root=root) as fw:
+    # absent_third_party: G2+'s allocate_cache_tensors imports the KV-transfer package (requests & co).
+    with device_standins() as standins, absent_third_party(), install_framework(framework_root=root) as fw:
         assert fw.real and fw.generation == COMMITS[commit] and not fw.fallbacks
         harness = FrameworkAPI.harness(fw.generation, recycle_skipped_on_failure=True).kv_cache
         yield types.SimpleNamespace(commit=commit, gen=fw.generation, real=fw.kv_cache, harness=harness,
@@ -177,6 +180,49 @@ def test_block_counts_match(pair):
         compared += 1
         errors += real[0] == "error"
     assert compared == 300 and 0 < errors < compared  # both outcomes were exercised
+
+
+# --------------------------------------------------------------------------- cache tensors
+
+
+def _allocated(module, gen: str, layers, model_bs: int, block_nums: dict):
+    """(layer, cache_name) -> (shape, dtype) of every tensor ``module.allocate_cache_tensors`` hands to the
+    entries' setters (and stores on ``entry.tensor`` where the class has it), or the error kind."""
+    info = _build(module, gen, layers, model_bs)
+    got = {}
+    for layer in info.layer_infos:
+        for entry in layer.caches:
+            entry.tensor_setter = (lambda t, key=(layer.layer_idx, entry.cache_name): got.__setitem__(key, t))
+    outcome = _outcome(module.allocate_cache_tensors, torch.device("cpu"), info, block_nums)
+    if outcome[0] == "error":
+        return outcome
+    stored = {(layer.layer_idx, e.cache_name): e.tensor for layer in info.layer_infos for e in layer.caches
+              if getattr(e, "tensor", None) is not None and e.tensor.numel()}
+    assert all(stored[k] is got[k] for k in stored), "entry.tensor is not the tensor given to the setter"
+    return ("ok", {k: (tuple(t.shape), t.dtype) for k, t in got.items()})
+
+
+def test_allocated_cache_tensors_match(pair):
+    """The checkout's allocate_cache_tensors (G2+: 2 MiB-aligned through executor.utils and the KV-transfer
+    package, importable under the stand-ins) and the harness's give every entry the same shape and dtype."""
+    rng = random.Random(f"alloc-{pair.commit}")
+    per_entry = pair.gen in ("G2", "G3")
+    compared = missing = 0
+    for case in range(120):
+        layers, model_bs = _random_layout(rng, pair.gen)
+        if any(spec["attn_type"] == "Mamba" for layer in layers for spec in layer):
+            continue  # Mamba state shapes are compared by the block-table traces (no KV tensor layout)
+        keys = {(spec.get("manager_key") or spec["attn_type"]) if per_entry else spec["attn_type"]
+                for layer in layers for spec in layer if spec["needs_block"]}
+        block_nums = {k: rng.randint(1, 5) for k in sorted(keys)}
+        if keys and rng.random() < 0.1:  # a group without a block count: both must refuse
+            block_nums.pop(sorted(keys)[0])
+            missing += 1
+        real = _allocated(pair.real, pair.gen, layers, model_bs, block_nums)
+        mine = _allocated(pair.harness, pair.gen, layers, model_bs, block_nums)
+        assert mine == real, f"case {case}: {block_nums} {layers}"
+        compared += 1
+    assert compared >= 60 and missing > 0
 
 
 # --------------------------------------------------------------------------- allocation traces

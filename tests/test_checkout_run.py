@@ -60,6 +60,7 @@ def test_qwen3_8b_in_the_real_engine(qwen3_report):
         assert module in prov["from_checkout"]
     assert any("gloo" in s for s in prov["stand_ins"])
     assert "CPU 仿真算子 + 检出的真实框架与模型文件" in qwen3_report.to_markdown()  # not "our harness"
+    assert not any("reads a config.json of model_type" in n for n in qwen3_report.notes)
     # The init link covers the real layer count (36), not only the tiny model's layers.
     assert _check(qwen3_report, "get_cache_info layer count").measured == {"expected": 36, "got": 36}
     assert _check(qwen3_report, "the checkout's loader filled every parameter").passed
@@ -164,6 +165,9 @@ def test_deepseek_v2_lite_through_the_deepseek_file():
     assert report.provenance["model_file"].endswith("models/deepseek_r1/models/modeling_deepseek.py")
     assert report.model_type == "deepseek_v2"  # the transformers reference is DeepseekV2
     assert report.consulted == ["finalize_skip1_alone"]
+    # legitimate here, and said: the registered config class reads another model type's config.json
+    assert "the checkout's DeepseekV3Config (model_type 'deepseek_v3') reads a config.json of model_type " \
+           "'deepseek_v2': check --model and --config belong together" in report.notes
 
 
 def _edited_copy(tmp_path: Path, old: str, new: str) -> Path:

@@ -63,6 +63,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 # there, by name, not as the warm-up's operator error.
                 if full:
                     report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
+                    _note_config_class(report, classes.config_cls, _config_model_type(checkpoint))
                     _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config))
                     _load_link(report, coverage)
                     if any(not c.passed for c in report.checks if c.link == "init"):
@@ -114,6 +115,16 @@ def _real_layer_types(config_path: str) -> list | None:
     src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
     types = src.get("layer_types")
     return list(types) if isinstance(types, list) else None
+
+
+def _note_config_class(report: Report, config_cls, model_type: str) -> None:
+    """Say when the registered config class reads a config.json of another model type: legitimate for
+    some keys (deepseek_v2_lite reads a deepseek_v2 config into DeepseekV3Config), a likely cause of
+    failures below for others (a Llama config under qwen3_8b leaves Qwen3's q/k norms unloaded)."""
+    expected = getattr(config_cls, "model_type", "") or ""
+    if expected and model_type and expected != model_type:
+        report.notes.append(f"the checkout's {config_cls.__name__} (model_type {expected!r}) reads a config.json "
+                            f"of model_type {model_type!r}: check --model and --config belong together")
 
 
 def _config_model_type(checkpoint: Path) -> str:

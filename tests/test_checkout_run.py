@@ -207,6 +207,15 @@ def test_moe_model_at_one_rank_fails_naming_the_upstream_group_and_the_way_out()
     assert failed[0].detail.endswith("validate with --attn-tp-size 2, which runs its MoE tensor-parallel path)")
 
 
+def test_a_model_file_that_does_not_parse_is_named_at_its_line(tmp_path):
+    copy = _edited_copy(tmp_path, "class QwenAttention(", "class QwenAttention(:")
+    line = next(i for i, t in enumerate(copy.read_text().splitlines(), 1) if "class QwenAttention(:" in t)
+    report = _validate("qwen3_8b", "qwen3_8b.json", model_file=str(copy), sweep_readings=False)
+    failed = report.failed()
+    assert [c.name for c in failed] == ["checkout model runs in the engine without errors"]
+    assert failed[0].detail.startswith(f"modeling_qwen.py:{line}: SyntaxError:"), failed[0].detail
+
+
 def test_checkout_scope_restores_the_process():
     from validators.checkout_run.scope import checkout_scope
 

@@ -20,6 +20,8 @@ OURS = ("validators.npu_ops (torch_npu operators, emulated)", "validators.standi
 
 def _model_frame(exc: BaseException, model_file: Path) -> str:
     """file:line of the innermost frame inside the model file (or the checkout), for the one-line failure."""
+    if isinstance(exc, SyntaxError) and exc.filename:  # the file that does not parse, not the importer's frame
+        return f"{Path(exc.filename).name}:{exc.lineno}"
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
         if model_file is not None and Path(frame.filename).resolve() == model_file:

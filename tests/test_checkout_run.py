@@ -249,6 +249,8 @@ def test_model_resolves_by_directory_and_by_key():
 @pytest.mark.parametrize("argv, flag", [
     (["--model", "qwen3_8b", "--config", "CFG"], "--model"),  # no --framework-root
     (["--model", "nope", "--framework-root", "ROOT", "--config", "CFG"], "--model"),
+    # registered in support_models.py, but models/glm_5/ is not in the snapshot
+    (["--model", "glm_5", "--framework-root", "ROOT", "--config", "CFG"], "--model"),
     (["--model", "qwen3_8b", "--framework-root", "ROOT", "--config", "CFG", "--rendered", "x"], "--rendered"),
     (["--model", "qwen3_8b", "--framework-root", "ROOT", "--config", "CFG", "--model-file", "/no/such.py"],
      "--model-file"),

@@ -40,14 +40,24 @@ def check_model_name(root: Path, name: str) -> None:
     Reads the registry's literal ``_specs`` keys without importing the checkout."""
     import ast
 
-    keys: list[str] = []
+    specs: dict[str, list[str]] = {}
     tree = ast.parse((root / "executor" / "core" / "support_models.py").read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         target = node.target if isinstance(node, ast.AnnAssign) else (
             node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
         if isinstance(target, ast.Name) and target.id == "_specs" and isinstance(node.value, ast.Dict):
-            keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
-    if name in keys or (root / "models" / name / "models").is_dir() or not keys:
+            specs = {k.value: [e.value for e in ast.walk(v) if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                               and e.value.startswith("models.")]
+                     for k, v in zip(node.value.keys, node.value.values, strict=True) if isinstance(k, ast.Constant)}
+    keys = list(specs)
+    if name in keys:
+        # A registry lists models a checkout may not carry (the public snapshot has five folders).
+        missing = sorted({m.split(".")[1] for m in specs[name] if not (root / "models" / m.split(".")[1]).is_dir()})
+        if missing:
+            raise InputError(name, f"is registered in executor/core/support_models.py but its code "
+                                   f"(models/{missing[0]}/) is not in the checkout {root}", field="--model")
+        return
+    if (root / "models" / name / "models").is_dir() or not keys:
         return
     raise InputError(name, f"is neither a key of {root}/executor/core/support_models.py "
                            f"({', '.join(sorted(keys)[:8])}, ...) nor a directory under {root}/models/",

@@ -39,6 +39,13 @@ def _parse(snippet: str) -> ast.Module:
     return ast.parse(textwrap.dedent(snippet))
 
 
+def copies_outside(home: str, finder) -> dict[str, list]:
+    """What ``finder`` reports in every module but ``home``; the home must hold the fact (else the
+    finder could be blind and the empty result would prove nothing)."""
+    assert finder(SOURCES[home]), f"{finder.__name__} finds nothing in its home {home}"
+    return {path: found for path, tree in SOURCES.items() if path != home and (found := finder(tree))}
+
+
 def _name(node: ast.AST) -> str:
     """The identifier a node reads (``x``, ``self.x``, ``f(...)`` -> ``f``), '' for anything else."""
     if isinstance(node, ast.Name):
@@ -104,10 +111,7 @@ def test_block_math_checker_finds_the_old_copies(kind):
 
 
 def test_block_math_has_one_home():
-    assert block_math_copies(SOURCES["analyzer/kv_cache_spec.py"])  # the home holds them all
-    copies = {path: found for path, tree in SOURCES.items()
-              if path != "analyzer/kv_cache_spec.py" and (found := block_math_copies(tree))}
-    assert copies == {}
+    assert copies_outside("analyzer/kv_cache_spec.py", block_math_copies) == {}
 
 
 def test_analyzer_and_harness_size_pools_with_the_same_specs():
@@ -160,10 +164,7 @@ def test_readings_checker_finds_the_old_copies(kind):
 
 
 def test_readings_vocabulary_has_one_home():
-    assert readings_copies(SOURCES["analyzer/device_questions.py"])
-    copies = {path: found for path, tree in SOURCES.items()
-              if path != "analyzer/device_questions.py" and (found := readings_copies(tree))}
-    assert copies == {}
+    assert copies_outside("analyzer/device_questions.py", readings_copies) == {}
 
 
 def test_readings_vocabulary_is_torch_free():
@@ -209,10 +210,7 @@ def test_manifest_loader_checker_finds_a_copy():
 
 
 def test_one_manifest_loader():
-    assert manifest_loaders(SOURCES["analyzer/manifest_io.py"])
-    copies = {path: found for path, tree in SOURCES.items()
-              if path != "analyzer/manifest_io.py" and (found := manifest_loaders(tree))}
-    assert copies == {}
+    assert copies_outside("analyzer/manifest_io.py", manifest_loaders) == {}
 
 
 # --------------------------------------------------------------------------- file writers

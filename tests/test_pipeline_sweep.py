@@ -81,3 +81,14 @@ def test_a_rerun_that_raises_is_a_failing_reading_not_a_crash():
                                "npu_moe_finalize_routing: argument 'skip2': refused")
     assert report.notes[-1].startswith("the render depends on the device reading finalize_skip1_alone: it passes "
                                        "under added and fails under ignored, rejected")
+
+
+def test_a_fresh_report_is_the_same_run_without_its_findings():
+    report = _report(False)
+    report.dtype, report.tolerance = "float64", 1e-9
+    report.notes.append("n")
+    report.consulted = ["finalize_skip1_alone"]
+    fresh = report.fresh(backend="npu")
+    assert (fresh.deploy_mode, fresh.model_type, fresh.manifest_hash, fresh.dtype, fresh.tolerance) == \
+        ("framework", "m", "h", "float64", 1e-9)
+    assert fresh.backend == "npu" and not fresh.checks and not fresh.notes and not fresh.consulted

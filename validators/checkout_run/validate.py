@@ -119,8 +119,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
         run_checkout(report, manifest, req, root, checkpoint, ref, scenario, base, rank, world, full=True)
         if req.sweep_readings and world == 1:
             def rerun(readings) -> Report:
-                swept = Report(backend=report.backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
-                               manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance)
+                swept = report.fresh()
                 run_checkout(swept, manifest, req, root, checkpoint, ref, _crossing(ENGINE_QUICK, manifest),
                              readings, full=False)
                 return swept

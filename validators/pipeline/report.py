@@ -42,6 +42,12 @@ class Report:
     def passed(self) -> bool:
         return bool(self.checks) and all(c.passed for c in self.checks)
 
+    def fresh(self, **changes) -> Report:
+        """An empty report of the same run (model, manifest, backend, dtype): for a rerun's own checks."""
+        return Report(**{"backend": self.backend, "deploy_mode": self.deploy_mode, "model_type": self.model_type,
+                         "manifest_hash": self.manifest_hash, "dtype": self.dtype, "tolerance": self.tolerance,
+                         **changes})
+
     def add(self, name: str, link: Link, passed: bool, detail: str = "", **measured) -> Check:
         check = Check(name, link, bool(passed), _plain(measured), detail)
         self.checks.append(check)

@@ -233,9 +233,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
 
     say("building the tiny transformers model" + (f" ({label.strip(': ')})" if label else ""))
     pristine, plan = build_tiny_model(real_config, manifest, seed=req.seed)
-    run = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
-                 manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance,
-                 checks=[c for c in report.checks if c.link == "init" and not label])
+    run = report.fresh(backend=backend, checks=[c for c in report.checks if c.link == "init" and not label])
     start = len(run.checks)
     say(f"running the {manifest.deploy_mode.value}-mode checks on the {backend} backend")
     base = base or DeviceReadings()
@@ -253,8 +251,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
         from validators.pipeline.sweep import sweep_readings
 
         def rerun(readings) -> Report:
-            swept = Report(backend=backend, deploy_mode=report.deploy_mode, model_type=report.model_type,
-                           manifest_hash=report.manifest_hash, dtype=report.dtype, tolerance=report.tolerance)
+            swept = report.fresh(backend=backend)
             _run(swept, manifest, rendered, req, pristine, backend, readings, QUICK)
             return swept
 

@@ -11,6 +11,7 @@ from shared_dirs import upstream_head, upstream_history
 from validators.harness import FrameworkAPI, Scheduler, install_framework
 from validators.npu_ops import install_emulation
 from validators.standins import NotStoodInError, device_standins, standins_active
+from validators.standins.third_party import absent_third_party
 
 NAMES = ("torch_npu", "torchair", "torch.npu", "torchair.ops", "torch_npu.npu")
 
@@ -65,32 +66,36 @@ def test_does_not_nest():
         pass
 
 
+def _one_layer_scheduler(fw, generation: str) -> Scheduler:
+    """A harness scheduler over one full-attention layer declared with the checkout's own cache_info types."""
+    module = fw.cache_info
+    entries = []
+    for name in ("k_cache", "v_cache"):
+        kwargs = {"cache_name": name, "attn_type": "FullAttention", "dim": 8, "num_head": 2,
+                  "dtype": torch.float32, "needs_block": True, "tensor_setter": lambda t: None}
+        if generation in ("G2", "G3"):
+            kwargs["block_size"] = 4
+        entries.append(module.CacheEntry(**kwargs))
+    layers = [module.LayerCacheInfo(0, entries)]
+    info = (module.ModelCacheInfo(1, layers) if generation in ("G2", "G3")
+            else module.ModelCacheInfo(1, 4, layers))
+    return Scheduler(info, max_model_len=24, max_concurrency=3, api=FrameworkAPI.from_handle(fw))
+
+
 @pytest.mark.parametrize("commit, generation", [
     ("f0b0fde", "G0"), ("2c2336a", "G1"), ("48a59dc", "G2"), ("HEAD", "G3"),
 ])
 def test_scheduler_drives_each_real_checkout(commit, generation):
     root = upstream_head() if commit == "HEAD" else upstream_history(commit)
-    with device_standins(), install_framework(framework_root=root) as fw:
+    # The third-party stand-ins too (what `validate --framework-root` installs): G2+ allocation imports the
+    # serving stack, whose packages this machine may or may not have; under them every step is the checkout's.
+    with device_standins(), absent_third_party(), install_framework(framework_root=root) as fw:
         assert fw.generation == generation and fw.real
-        module = fw.cache_info
-        entries = []
-        for name in ("k_cache", "v_cache"):
-            kwargs = {"cache_name": name, "attn_type": "FullAttention", "dim": 8, "num_head": 2,
-                      "dtype": torch.float32, "needs_block": True, "tensor_setter": lambda t: None}
-            if generation in ("G2", "G3"):
-                kwargs["block_size"] = 4
-            entries.append(module.CacheEntry(**kwargs))
-        layers = [module.LayerCacheInfo(0, entries)]
-        info = (module.ModelCacheInfo(1, layers) if generation in ("G2", "G3")
-                else module.ModelCacheInfo(1, 4, layers))
-        sched = Scheduler(info, max_model_len=24, max_concurrency=3, api=FrameworkAPI.from_handle(fw))
-        # The checkout did every step it has; G2+ allocation needs the serving stack, so the harness did it.
-        assert {k: v for k, v in sched.provenance.items() if k != "allocate_cache_tensors"} == {
+        sched = _one_layer_scheduler(fw, generation)
+        assert sched.provenance == {
             "validate_cache_info": "checkout", "calculate_block_num": "checkout", "KVCacheManager": "checkout",
             "create_single_type_managers": "checkout", "prepare_block_tables": "checkout",
-            "prepare_slot_mapping": "checkout"}
-        want_alloc = "checkout" if generation in ("G0", "G1") else "harness"
-        assert sched.provenance["allocate_cache_tensors"].startswith(want_alloc)
+            "prepare_slot_mapping": "checkout", "allocate_cache_tensors": "checkout"}
         assert type(sched.kv_cache_manager).__module__.startswith("executor.core.kv_cache")
         for prompt, new in (([1, 2, 3, 4, 5], 2), ([6, 7], 4), ([8, 9, 10], 6)):
             sched.add_request(prompt, max_new_tokens=new)
@@ -138,3 +143,16 @@ def test_absent_third_party_stands_in_only_for_what_is_missing_and_leaves_no_tra
             kvcache_no_such_pkg.load_dataset("x")
     assert "kvcache_no_such_pkg" not in sys.modules and "kvcache_no_such_pkg.sub" not in sys.modules
     assert sys.modules.get("json") is real_json
+
+
+@pytest.mark.parametrize("commit", ["48a59dc", "HEAD"])
+def test_allocation_falls_back_to_the_harness_when_the_serving_stack_does_not_import(commit, monkeypatch):
+    """G2+ allocate_cache_tensors imports the KV-transfer package, which imports requests. Where that import
+    fails (blocked here, so the test means the same on machines with and without requests), the harness
+    allocates the same shapes and the provenance names what was missing."""
+    monkeypatch.setitem(sys.modules, "requests", None)
+    root = upstream_head() if commit == "HEAD" else upstream_history(commit)
+    with device_standins(), install_framework(framework_root=root) as fw:
+        sched = _one_layer_scheduler(fw, fw.generation)
+        assert sched.provenance["allocate_cache_tensors"] == "harness (checkout's needs requests)"
+        assert sched.provenance["KVCacheManager"] == "checkout"

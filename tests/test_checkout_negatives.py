@@ -98,7 +98,7 @@ MISTAKES = [
     Mistake("band-sparse-mode-on-a-causal-layer", "qwen", (("sparse_mode = 3\n", "sparse_mode = 4\n"),),
             "FA call arguments match the manifest", "sparse_mode=4 (manifest 3)"),
     Mistake("causal-mask-dropped", "qwen", (("atten_mask=attention_mask,", "atten_mask=None,"),),
-            "checkout model runs in the engine without errors", "argument 'atten_mask'"),
+            "FA call arguments match the manifest", "mask=False (manifest True)"),
     Mistake("v1-keyword-on-v2", "qwen", (("softmax_scale=self.scale_fa,", "scale=self.scale_fa,"),),
             "checkout model runs in the engine without errors", "Unknown keyword argument 'scale'"),
     Mistake("kv-len-mutated-in-layer", "qwen",
@@ -108,7 +108,7 @@ MISTAKES = [
     Mistake("kv-len-before-the-write", "qwen",
             ((_KV_LEN, "            # decode: the tokens cached before this step (the pre-migration convention)\n"
                        "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv - (0 if is_prefill else 1)\n"),),
-            "checkout model runs in the engine without errors", "needs each query length <= its KV length"),
+            "kv_len reaches every layer as the engine set it", "!= [141, 141, 141]"),
     Mistake("rope-after-cache-write", "qwen",
             ((_ROPE, ""), ("        key_states, value_states = k_cache, v_cache\n",
                            _ROPE + "        key_states, value_states = k_cache, v_cache\n")),
@@ -118,7 +118,7 @@ MISTAKES = [
              ("        attn_output, _ = fa_ops.npu_fused_infer_attention_score_v2(\n            query_states,\n",
               "        attn_output, _ = fa_ops.npu_fused_infer_attention_score_v2(\n"
               "            query_states.unsqueeze(0),\n")),
-            "checkout model runs in the engine without errors", "argument 'block_table': has 3 rows for a batch of 1"),
+            "FA call arguments match the manifest", "layout='BSND' (manifest 'TND')"),
     Mistake("cumulative-q-lengths-replaced-by-per-request", "qwen",
             ((_Q_LEN, "            actual_seq_qlen = forward_metadata.actual_seq_lengths_q\n"),),
             "checkout model runs in the engine without errors", "actual_seq_qlen"),
@@ -140,7 +140,7 @@ MISTAKES = [
             "each layer's FA", "FA key is no allocated cache tensor"),
     Mistake("kv-heads-not-divided-by-tp", "qwen",
             (("num_key_value_heads=self.num_key_value_heads_per_rank,", "num_key_value_heads=self.num_key_value_heads,"),),
-            "checkout model runs in the engine without errors", "argument 'key': head dim 64", tp=2, slow=True),
+            "FA call arguments match the manifest", "kv_heads=8 (manifest 4)", tp=2, slow=True),
     Mistake("cache-heads-not-divided-by-tp", "qwen",
             (("num_head=self.num_key_value_heads_per_rank,\n                dtype=cache_dtype,\n"
               "                block_size=self.block_size,\n                needs_block=True,\n"
@@ -159,7 +159,7 @@ MISTAKES = [
     Mistake("decode-attends-fresh-keys", "qwen3_moe",
             (("            key_states, value_states, key_scale, value_scale = (\n",
               "            _, _, key_scale, value_scale = (\n"),),
-            "checkout model runs in the engine without errors", "argument 'key'", slow=True),
+            "each layer's FA", "(decode): FA key is no allocated cache tensor", slow=True),
 ] + [
     # Edits of models/gpt_oss/models/modeling_gpt_oss.py: sliding (even) and full (odd) layers, two groups.
     Mistake("slots-of-the-other-group", "gpt_oss",

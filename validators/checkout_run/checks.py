@@ -19,12 +19,26 @@ from validators.pipeline.numeric import check_fa_calls
 from validators.pipeline.report import Report
 
 
+def _attribute(calls: list[dict], caches: CacheMap, is_prefill: bool, where: str) -> tuple[list[dict], list[str]]:
+    """One forward's FA calls in call order, each with its layer (the k-th call is decoder layer k: layers
+    run in order, one attention each) and the cache it read (None: the fresh K/V of a prefill). Problems:
+    a call reading another layer's cache, a decode reading no cache."""
+    out, problems = [], []
+    for k, call in enumerate(calls):
+        slot = caches.slot(call["key_storage"]) or caches.slot(call["key_rope_storage"])
+        if slot is not None and slot.layer != k:
+            problems.append(f"{where}: layer {k} reads layer {slot.layer}'s {slot.cache_name}")
+        if slot is None and not is_prefill:
+            problems.append(f"{where} layer {k} (decode): FA key is no allocated cache tensor")
+        out.append({**call, "at": where, "layer": k, "cache": slot, "group": slot.group if slot else None,
+                    "is_prefill": is_prefill})
+    return out, problems
+
+
 def attributed_fa_calls(rec: OpRecorder, caches: CacheMap, run: EngineRun,
                         n_layers: int) -> tuple[list[dict], list[str]]:
-    """FA calls of the validation steps, each with its layer (the k-th call of a step is decoder layer k:
-    layers run in order, one attention each) and the cache it read (None: the fresh K/V of a prefill).
-    Problems: a call reading another layer's cache, a decode reading no cache, a step with a call count
-    other than the layer count."""
+    """FA calls of the validation steps attributed to their layers (``_attribute``), plus a step with a
+    call count other than the layer count as a problem."""
     steps = {s.index: s for s in run.steps}
     by_step: dict[int, list[dict]] = {}
     for call in rec.fa_calls:
@@ -35,14 +49,9 @@ def attributed_fa_calls(rec: OpRecorder, caches: CacheMap, run: EngineRun,
         calls = by_step.get(index, [])
         if len(calls) != n_layers:
             problems.append(f"step {index}: {len(calls)} FA calls for {n_layers} layers")
-        for k, call in enumerate(calls):
-            slot = caches.slot(call["key_storage"]) or caches.slot(call["key_rope_storage"])
-            if slot is not None and slot.layer != k:
-                problems.append(f"step {index}: layer {k} reads layer {slot.layer}'s {slot.cache_name}")
-            if slot is None and not step.is_prefill:
-                problems.append(f"step {index} layer {k} (decode): FA key is no allocated cache tensor")
-            out.append({**call, "layer": k, "cache": slot, "group": slot.group if slot else None,
-                        "is_prefill": step.is_prefill})
+        attributed, wrong = _attribute(calls, caches, step.is_prefill, f"step {index}")
+        out += attributed
+        problems += wrong
     return out, problems
 
 
@@ -60,63 +69,106 @@ def fa_version_judged(report: Report, manifest: SelectionManifest, calls: list[d
     return manifest
 
 
-def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
-                  run: EngineRun, n_layers: int) -> None:
-    calls, problems = attributed_fa_calls(rec, caches, run, n_layers)
+READS_OWN_CACHE = "each layer's FA (once per step) reads that layer's cache (prefill may read its fresh K/V)"
+
+
+def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
+                 calls: list[dict], problems: list[str], writes: list[dict], *, complete: bool) -> dict:
+    """The runtime checks of attributed FA calls and of cache writes, each judged against the metadata
+    of the forward it was made in. ``complete``: the calls of whole steps (a check without evidence
+    fails); otherwise the calls up to an operator error (checks without evidence are left out).
+    Returns the (layer, cache name) entries written per step."""
     # The manifest designs the attention over the paged cache. A prefill that attends over its own fresh
     # K/V (DeepSeek's decompressed-MHA prefill, gpt-oss's) is outside that design: the numeric link
     # judges it, and the note says what it called.
     on_cache = [c for c in calls if c["cache"] is not None]
     fresh = [c for c in calls if c["cache"] is None]
-    if fresh:
+    if fresh and complete:
         kinds = sorted({(c["op"], c.get("input_layout", "BSH"), c.get("sparse_mode", 0)) for c in fresh})
         report.notes.append(f"{len(fresh)} prefill FA calls attend over the step's fresh K/V, not the cache "
                             f"(judged by the numeric link): " + ", ".join(f"{o} layout={lay} sparse_mode={m}"
                                                                        for o, lay, m in kinds))
-    check_fa_calls(report, fa_version_judged(report, manifest, on_cache), on_cache,
-                   reading_dependent=_window_dependent_layers(manifest))
-    steps = {s.index: s for s in run.steps}
-    report.add("each layer's FA (once per step) reads that layer's cache (prefill may read its fresh K/V)",
-               "runtime", not problems and bool(calls), detail="; ".join(problems[:3]), calls=len(calls),
-               prefill_calls_on_fresh_kv=len(fresh))
+    if on_cache or complete:
+        check_fa_calls(report, fa_version_judged(report, manifest, on_cache), on_cache,
+                       reading_dependent=_window_dependent_layers(manifest))
+    if calls or complete:
+        report.add(READS_OWN_CACHE, "runtime", not problems and bool(calls), detail="; ".join(problems[:3]),
+                   calls=len(calls), prefill_calls_on_fresh_kv=len(fresh))
 
-    # kv lengths as the engine set them for the step, in every layer (per request, or as the prefix sums
-    # the packed TND layout takes).
+    # kv lengths as the engine set them for the forward, in every layer (per request, or as the prefix
+    # sums the packed TND layout takes).
     changed = []
     for c in calls:
+        seen = rec.forwards[c["forward"]]
         kv = c["kv_lens"].tolist() if isinstance(c["kv_lens"], torch.Tensor) else c["kv_lens"]
-        if kv is not None and list(kv) not in (steps[c["step"]].kv_lens, steps[c["step"]].cu_kv_lens):
-            changed.append(f"step {c['step']} layer {c['layer']}: {list(kv)[:6]} != {steps[c['step']].kv_lens[:6]}")
-    report.add("kv_len reaches every layer as the engine set it (never changed inside a layer)", "runtime",
-               not changed, detail="; ".join(changed[:3]), mismatches=len(changed))
+        if kv is not None and list(kv) not in (seen.kv_lens, seen.cu_kv_lens):
+            changed.append(f"{c['at']} layer {c['layer']}: {list(kv)[:6]} != {seen.kv_lens[:6]}")
+    if calls or complete:
+        report.add("kv_len reaches every layer as the engine set it (never changed inside a layer)", "runtime",
+                   not changed, detail="; ".join(changed[:3]), mismatches=len(changed))
 
     # Tables and slots: each layer uses its own group's (the one its cache entry was allocated in).
     wrong_table = []
-    for c in calls:
-        if c["cache"] is None:
-            continue  # a prefill on its fresh K/V reads no table
-        want = steps[c["step"]].block_table.get(c["group"])
+    for c in on_cache:  # a prefill on its fresh K/V reads no table
+        want = rec.forwards[c["forward"]].block_table.get(c["group"])
         got = c["block_table"]
         if want is None or got is None or got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
-            wrong_table.append(f"step {c['step']} layer {c['layer']}: block_table is not {c['group']!r}'s")
-    report.add("FA block_table is the layer's own group's", "runtime", not wrong_table and bool(calls),
-               detail="; ".join(wrong_table[:3]), mismatches=len(wrong_table))
+            wrong_table.append(f"{c['at']} layer {c['layer']}: block_table is not {c['group']!r}'s")
+    if on_cache or complete:
+        report.add("FA block_table is the layer's own group's", "runtime", not wrong_table and bool(calls),
+                   detail="; ".join(wrong_table[:3]), mismatches=len(wrong_table))
 
     written: dict[int, set[tuple[int, str]]] = {}
     wrong_slots = []
-    for w in rec.writes:
+    for w in writes:
         slot = caches.slot(w["storage"])
-        if w["step"] not in steps or slot is None:
+        if slot is None:
             continue
         written.setdefault(w["step"], set()).add((slot.layer, slot.cache_name))
-        want = steps[w["step"]].slot_mapping.get(slot.group)
+        want = rec.forwards[w["forward"]].slot_mapping.get(slot.group)
         got = w["index"]
         if want is None or got is None or got.numel() != want.numel() or not torch.equal(
                 got.reshape(-1).to(want.dtype), want.reshape(-1)):
-            wrong_slots.append(f"step {w['step']} layer {slot.layer} {slot.cache_name}: slots are not "
+            at = f"step {w['step']}" if w["step"] >= 0 else "warm-up"
+            wrong_slots.append(f"{at} layer {slot.layer} {slot.cache_name}: slots are not "
                                f"{slot.group!r}'s slot_mapping")
-    report.add("cache writes use the layer's own group's slot_mapping", "runtime", not wrong_slots and bool(written),
-               detail="; ".join(wrong_slots[:3]), mismatches=len(wrong_slots))
+    if written or complete:
+        report.add("cache writes use the layer's own group's slot_mapping", "runtime",
+                   not wrong_slots and bool(written), detail="; ".join(wrong_slots[:3]), mismatches=len(wrong_slots))
+    return written
+
+
+def check_calls_before_failure(report: Report, manifest: SelectionManifest, rec: OpRecorder,
+                               caches: CacheMap) -> None:
+    """A run an operator error stopped: judge the calls made up to it (warm-up included; a rejected
+    call is recorded before the operator runs) with the runtime checks that need no finished step, so
+    a mistake the operator refuses is also named by the check for it (a dropped mask, a packed layout
+    passed as BSND, unsplit heads, a decode on fresh keys, lengths changed in a layer). MTP forwards
+    are left out: their layers are not the decoder's."""
+    by_forward: dict[int, list[dict]] = {}
+    for call in rec.fa_calls:
+        if call["forward"] >= 0 and not rec.forwards[call["forward"]].is_mtp:
+            by_forward.setdefault(call["forward"], []).append(call)
+    calls, problems = [], []
+    for forward, group in by_forward.items():
+        at = f"step {group[0]['step']}" if group[0]["step"] >= 0 else "warm-up"
+        attributed, wrong = _attribute(group, caches, rec.forwards[forward].is_prefill, at)
+        calls += attributed
+        problems += wrong
+    writes = [w for w in rec.writes if w["forward"] >= 0 and not rec.forwards[w["forward"]].is_mtp]
+    if not calls and not writes:
+        return
+    report.notes.append(f"the run stopped at an operator error; the runtime checks judge what was called up to "
+                        f"it, warm-up included (FA calls: {len(calls)}, cache writes: {len(writes)})")
+    _judge_calls(report, manifest, rec, caches, calls, problems, writes, complete=False)
+
+
+def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
+                  run: EngineRun, n_layers: int) -> None:
+    calls, problems = attributed_fa_calls(rec, caches, run, n_layers)
+    steps = {s.index: s for s in run.steps}
+    written = _judge_calls(report, manifest, rec, caches, calls, problems,
+                           [w for w in rec.writes if w["step"] in steps], complete=True)
     entries = {(s.layer, s.cache_name) for s in caches.by_storage.values()}
     unwritten = [f"step {i}: {sorted(entries - written.get(i, set()))[:4]}" for i in steps
                  if entries - written.get(i, set())]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from validators.checkout_run.recorder import ForwardSeen
 from validators.harness.poison import null_block_of, poison_free_blocks
 from validators.pipeline.request_stream import Scenario
 
@@ -212,11 +213,42 @@ def declared_caches(engine):
         yield
 
 
+@contextlib.contextmanager
+def observed_forwards(engine, recorder):
+    """Record each of the model's forwards (warm-up, stream, release run) on ``recorder``: its kind and
+    the forward metadata the engine built, which the runtime checks judge the calls against."""
+    workers = [engine.main_worker]
+    mtp = getattr(getattr(engine, "mtp_worker", None), "mtp_model_worker", None)
+    if mtp is not None:
+        workers.append(mtp)
+    saved = [(w, w.inference) for w in workers]
+
+    def observing(real):
+        def inference(*args, **kwargs):  # (model_inputs, is_prefill, is_mtp=False), positional or keyword
+            def arg(i, name, default=None):
+                return kwargs[name] if name in kwargs else args[i] if len(args) > i else default
+
+            recorder.forwards.append(ForwardSeen.of(arg(0, "model_inputs"), arg(1, "is_prefill"),
+                                                    arg(2, "is_mtp", False)))
+            return real(*args, **kwargs)
+
+        return inference
+
+    try:
+        for worker, real in saved:
+            worker.inference = observing(real)
+        yield
+    finally:
+        for worker, real in saved:
+            worker.inference = real
+
+
 def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
     """The request stream through the real Scheduler: the first wave but its last request at once, the
     last one two decode steps later (a prefill between decodes, a later finish than the others), the
     late requests when the first wave finishes (admitted into the freed blocks, decoded beside the one
-    still running, in batches the engine pads to ``batch_size_per_dp_rank``)."""
+    still running, in batches the engine pads to ``batch_size_per_dp_rank``). ``recorder`` observes the
+    engine's forwards (``observed_forwards``): each step keeps its main forward's metadata."""
     from executor.core.scheduler import Scheduler
 
     sched = Scheduler(tokenizer=None, config=engine.infer_config.scheduler_config,
@@ -225,38 +257,28 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
     cache_info = engine.kvcache_manager.cache_info
     groups = _tensors_by_group(cache_info)
     real_forward = engine.forward_batch
-    real_inference = engine.main_worker.inference
-    captured: dict = {}
-
-    def inference(model_inputs, is_prefill, is_mtp=False):
-        fm = model_inputs["forward_metadata"]
-        captured.update(
-            block_table={k: v.clone() for k, v in (fm.block_table or {}).items()},
-            slot_mapping={k: v.clone() for k, v in (fm.slot_mapping or {}).items()},
-            kv_lens=fm.actual_seq_lengths_kv.tolist() if fm.actual_seq_lengths_kv is not None else [],
-            cu_kv_lens=fm.actual_seq_lengths_cu_kv.tolist() if fm.actual_seq_lengths_cu_kv is not None else [],
-            rows=int(model_inputs["input_ids"].shape[0]))
-        return real_inference(model_inputs, is_prefill, is_mtp)
-
     def forward_batch(batch):
         recorder.step = len(run.steps)
         poisoned = poison_free_blocks(engine.kvcache_manager, groups)
         ids = [r.request_id for r in batch.requests]
         positions = [(r.prompt_tokens if batch.is_prefill else r.get_seq_len()) - 1 for r in batch.requests]
+        first = len(recorder.forwards)
         out = real_forward(batch)
+        seen = next((f for f in recorder.forwards[first:] if not f.is_mtp), None)  # the main model's forward
+        if seen is None:
+            raise RuntimeError("drive() needs the engine's forwards observed (observed_forwards(engine, recorder))")
         logits = out["logits"].reshape(out["logits"].shape[0], -1)
         n = len(ids)
         rows = logits.shape[0]
         run.steps.append(StepRecord(
             len(run.steps), batch.is_prefill, ids, positions, logits[:n].detach().double().clone(),
-            rows - n, captured.get("block_table", {}), captured.get("slot_mapping", {}),
-            captured.get("kv_lens", []), captured.get("cu_kv_lens", []), {k: len(v) for k, v in poisoned.items()}))
+            rows - n, seen.block_table, seen.slot_mapping, seen.kv_lens, seen.cu_kv_lens,
+            {k: len(v) for k, v in poisoned.items()}))
         if batch.is_prefill:
             run.prompt_len.update({r.request_id: r.prompt_tokens for r in batch.requests})
         return out
 
     engine.forward_batch = forward_batch
-    engine.main_worker.inference = inference
     try:
         prompts = scenario.prompts(seed)
         first = len(scenario.first)
@@ -285,7 +307,6 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
     finally:
         recorder.step = -1  # later forwards (release run) are not the stream's
         engine.forward_batch = real_forward
-        engine.main_worker.inference = real_inference
     return run
 
 

@@ -38,17 +38,52 @@ def _copy(t):
     return t.detach().clone() if isinstance(t, torch.Tensor) else (list(t) if t is not None else None)
 
 
+@dataclass(frozen=True)
+class ForwardSeen:
+    """What the engine handed the model for one forward: its kind and the forward metadata (copies)."""
+
+    is_prefill: bool
+    is_mtp: bool
+    block_table: dict  # group key -> table (every row, padded ones included)
+    slot_mapping: dict  # group key -> slots
+    kv_lens: list[int]
+    cu_kv_lens: list[int]  # the same lengths as prefix sums (the packed TND prefill form)
+
+    @classmethod
+    def of(cls, model_inputs: dict, is_prefill: bool, is_mtp: bool) -> ForwardSeen:
+        fm = model_inputs["forward_metadata"]
+
+        def lengths(t):
+            return t.tolist() if t is not None else []
+
+        return cls(bool(is_prefill), bool(is_mtp),
+                   {k: v.clone() for k, v in (getattr(fm, "block_table", None) or {}).items()},
+                   {k: v.clone() for k, v in (getattr(fm, "slot_mapping", None) or {}).items()},
+                   lengths(getattr(fm, "actual_seq_lengths_kv", None)),
+                   lengths(getattr(fm, "actual_seq_lengths_cu_kv", None)))
+
+
 @dataclass
 class OpRecorder:
-    step: int = -1
+    step: int = -1  # the validation stream's step (-1: warm-up, release run)
+    # Every model forward (``engine_run.observed_forwards`` records them, warm-up included): a call names
+    # its forward, so the k-th FA call of a forward is decoder layer k and its lengths, table and slots
+    # are judged against that forward's metadata, also when an operator stops the run mid-forward.
+    forwards: list[ForwardSeen] = field(default_factory=list)
     fa_calls: list[dict] = field(default_factory=list)
     writes: list[dict] = field(default_factory=list)
+
+    @property
+    def forward(self) -> int:
+        return len(self.forwards) - 1
 
     def _fa(self, name, fn):
         def call(query, key, value, **kwargs):
             kv = kwargs.get("actual_seq_kvlen", kwargs.get("actual_seq_lengths_kv"))
+            # Recorded before the operator runs: a call the operator rejects is evidence too.
             self.fa_calls.append({
-                "op": name, "step": self.step, "key_storage": _storage(key), "value_storage": _storage(value),
+                "op": name, "step": self.step, "forward": self.forward, "key_storage": _storage(key),
+                "value_storage": _storage(value),
                 "key_rope_storage": _storage(kwargs.get("key_rope")), "q_shape": tuple(query.shape),
                 "block_table": _copy(kwargs.get("block_table")), "kv_lens": _copy(kv),
                 "has_mask": kwargs.get("atten_mask") is not None,
@@ -68,8 +103,8 @@ class OpRecorder:
             except TypeError:  # the operator itself reports the bad call
                 return fn(*args, **kwargs)
             for cache in caches:
-                self.writes.append({"op": name, "step": self.step, "storage": _storage(bound.get(cache)),
-                                    "index": _copy(bound.get(index))})
+                self.writes.append({"op": name, "step": self.step, "forward": self.forward,
+                                    "storage": _storage(bound.get(cache)), "index": _copy(bound.get(index))})
             return fn(*args, **kwargs)
 
         return call

@@ -41,7 +41,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
     from validators.npu_ops import consulted_questions, device_readings
 
     dtype = torch.float32
-    model_file = None
+    model_file = caches = None
     with recording_ops() as rec, checkout_scope(root) as scope, device_readings(readings), \
             consulted_questions() as consulted:
         try:
@@ -71,8 +71,9 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                     if any(not c.passed for c in report.checks if c.link == "init"):
                         report.notes.append("init link failed: runtime, numeric and release checks not run")
                         return
-                engine.warm_up()
                 caches = CacheMap(info)
+                stack.enter_context(engine_run.observed_forwards(engine, rec))
+                engine.warm_up()
                 start_usage = engine_run.pool_usage(engine.kvcache_manager)
                 start_bytes = engine_run.cache_bytes(info)
                 run = engine_run.drive(engine, scenario, req.seed, rec)
@@ -83,6 +84,8 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else None)}: "
                               f"{type(exc).__name__}: {exc}{_hint(exc, world)}")
+            if caches is not None:
+                checks.check_calls_before_failure(report, manifest, rec, caches)
             return
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)

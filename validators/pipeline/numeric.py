@@ -208,15 +208,15 @@ def check_fa_calls(report: Report, manifest: SelectionManifest, fa_calls: list[d
                    reading_dependent: set[int] = frozenset()) -> None:
     """Every FA call passes what the manifest decided for its layer and path (the code runs as written).
 
-    A call is a dict: ``op``, ``step``, ``layer``, ``is_prefill``, ``has_mask`` and the FA keywords it
-    was given (sparse_mode, scale/softmax_scale, heads, input_layout, pre/next_tokens). Layers in
-    ``reading_dependent`` keep their pre_tokens out of the comparison (the numeric link judges it under
-    each reading of the open window question)."""
+    A call is a dict: ``op``, ``step`` (or ``at``, where it was made, e.g. ``warm-up``), ``layer``,
+    ``is_prefill``, ``has_mask`` and the FA keywords it was given (sparse_mode, scale/softmax_scale,
+    heads, input_layout, pre/next_tokens). Layers in ``reading_dependent`` keep their pre_tokens out of
+    the comparison (the numeric link judges it under each reading of the open window question)."""
     bad = []
     for call in fa_calls:
         plan = manifest.layers[call["layer"]]
         path = "prefill" if call["is_prefill"] else "decode"
-        where = f"step {call['step']} layer {call['layer']} ({path})"
+        where = f"{call.get('at') or 'step ' + str(call['step'])} layer {call['layer']} ({path})"
         mode = getattr(plan.sparse_mode, path)
         op, kw = call["op"], keywords_of(call["op"])
         # What the operator used: the recorded keyword, else its schema default.

@@ -243,14 +243,17 @@ def test_validation_doc_drift_is_reported(docs_copy: Path, tmp_path: Path):
     validators = tmp_path / "validators_copy"
     shutil.copytree(ROOT / "validators", validators, ignore=shutil.ignore_patterns("__pycache__"))
     (validators / "extra_run.py").write_text(
-        "def run(report, n):\n    report.add(f'{n} blocks reused after free', 'release', True)\n", encoding="utf-8")
+        "def run(report, n):\n    report.add(f'{n} blocks reused after free', 'release', True)\n"
+        "SHARED = 'a check added from two places'\n"
+        "def partial(report):\n    report.add(SHARED, 'runtime', True)\n", encoding="utf-8")
     doc = docs_copy / "references" / "validation.md"
     _edit(doc, "| init | `is_mla_backend` |", "| init | `is_mla_backend_set` |")
     problems = dt.check_validation_doc(docs_copy, validators)
     assert "references/validation.md: check [release] `<N> blocks reused after free` is not documented" in problems
     assert "references/validation.md: check [init] `is_mla_backend` is not documented" in problems
     assert "references/validation.md: documents [init] `is_mla_backend_set`, which no validator reports" in problems
-    assert len(problems) == 3, problems
+    assert "references/validation.md: check [runtime] `a check added from two places` is not documented" in problems
+    assert len(problems) == 4, problems
 
 
 # --------------------------------------------------------------------------- rule IDs

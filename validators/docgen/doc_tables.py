@@ -433,28 +433,38 @@ def check_manifest_doc(root: Path = ROOT) -> list[str]:
 # --------------------------------------------------------------------------- validation checks
 
 
-def _template(node: ast.AST) -> str | None:
+def _template(node: ast.AST, constants: dict[str, str]) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
         return "".join(v.value if isinstance(v, ast.Constant) else "<N>" for v in node.values)
+    if isinstance(node, ast.Name):  # a module-level string constant of the same file
+        return constants.get(node.id)
     return None
+
+
+def _module_constants(tree: ast.Module) -> dict[str, str]:
+    return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for target in node.targets if isinstance(target, ast.Name)}
 
 
 def validation_checks(validators_dir: Path | None = None) -> set[tuple[str, str]]:
     """(link, name template) of every ``report.add(name, link, ...)`` under validators/.
 
-    Names built with f-strings show each formatted value as ``<N>``.
+    Names built with f-strings show each formatted value as ``<N>``; a name may also be a module-level
+    string constant of the same file (a check added from two places).
     """
     validators_dir = validators_dir or ROOT / "validators"
     out = set()
     for path in sorted(validators_dir.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = _module_constants(tree)
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add"
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
                     and node.args[1].value in ("init", "runtime", "numeric", "release")):
-                name = _template(node.args[0])
+                name = _template(node.args[0], constants)
                 if name is not None:
                     out.add((node.args[1].value, name))
     return out

@@ -93,7 +93,7 @@ MATRIX = [
         "lint", "KV203"),
     Row("KV203", "standalone paged MLA absorb",
         ((r"sparse_mode = 0\n(\s+)atten_mask = None", r"sparse_mode = 3\n\1atten_mask = forward_metadata.attention_mask"),),
-        "validate", "rendered code runs without operator errors", detail="argument 'sparse_mode'"),
+        "validate", "FA call arguments match the manifest", detail="(decode): sparse_mode=3 (manifest 0)"),
     # ------------------------------------------------------------ KV204 / KV205: mask dtype and shape
     Row("KV204", "framework paged GQA (FA v1)",
         ((r"atten_mask = forward_metadata\.attention_mask", "atten_mask = forward_metadata.attention_mask.half()"),),

@@ -17,6 +17,9 @@ def test_v1_scale_name_on_a_v2_call(tmp_path):
     assert not report.passed
     failed = check(report, "rendered code runs without operator errors")
     assert not failed.passed and "scale" in failed.detail
+    # The refused call is judged too: v2 reads its scale from softmax_scale, so it got the default 1.0.
+    args = check(report, "FA call arguments match the manifest")
+    assert not args.passed and "scale=1.0 (manifest" in args.detail
 
 
 def test_prefill_without_causal_mask(tmp_path):
@@ -47,6 +50,8 @@ def test_mla_decode_with_causal_sparse_mode(tmp_path):
     # the op docs support only mode 0 (no mask) or 4 with rope at Q_S 1: the emulator refuses mode 3
     ran = check(report, "rendered code runs without operator errors")
     assert not ran.passed and "argument 'sparse_mode'" in ran.detail and "Q_S 1" in ran.detail
+    args = check(report, "FA call arguments match the manifest")
+    assert not args.passed and "(decode): sparse_mode=3 (manifest 0)" in args.detail
 
 
 def test_missing_yarn_mscale_squared(tmp_path):

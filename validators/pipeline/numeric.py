@@ -204,6 +204,23 @@ class NumericTracker:
         report.add("greedy tokens identical to transformers", "numeric", not nonfinite and not greedy_bad,
                    detail="; ".join(greedy_bad[:3]), mismatches=len(greedy_bad))
 
+
+FA_ARGS_CHECK = "FA call arguments match the manifest"
+
+
+def check_fa_calls_before_failure(report: Report, manifest: SelectionManifest, fa_calls: list[dict]) -> None:
+    """A rendered run an operator error stopped before its FA calls were judged: judge the calls made up
+    to it (the probe records a call before the operator runs, so the refused call is judged too), so a
+    mistake the operator refuses is also named by the argument check. Calls of a later stream (MTP
+    verify steps, judged by their own check) come after the main stream's judgement: nothing to add."""
+    calls = [c for c in fa_calls if c.get("layer") is not None]
+    if not calls or any(c.name == FA_ARGS_CHECK for c in report.checks):
+        return
+    report.notes.append(f"the run stopped at an operator error; the FA argument check judges the {len(calls)} "
+                        f"FA calls made up to it")
+    check_fa_calls(report, manifest, calls)
+
+
 def check_fa_calls(report: Report, manifest: SelectionManifest, fa_calls: list[dict],
                    reading_dependent: set[int] = frozenset()) -> None:
     """Every FA call passes what the manifest decided for its layer and path (the code runs as written).
@@ -247,6 +264,6 @@ def check_fa_calls(report: Report, manifest: SelectionManifest, fa_calls: list[d
                 if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]
         if diff:
             bad.append(f"{where}: " + ", ".join(diff))
-    report.add("FA call arguments match the manifest", "runtime", bool(fa_calls) and not bad,
+    report.add(FA_ARGS_CHECK, "runtime", bool(fa_calls) and not bad,
                detail="; ".join(bad[:3]), calls=len(fa_calls), mismatches=len(bad))
 

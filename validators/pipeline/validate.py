@@ -18,7 +18,7 @@ from analyzer.manifest import SelectionManifest
 from analyzer.manifest_io import load_manifest
 from analyzer.readings_file import ReadingsFile
 from implementer.render import render_manifest, write_rendered
-from validators.pipeline.numeric import TOLERANCE, float64_upcasts
+from validators.pipeline.numeric import TOLERANCE, check_fa_calls_before_failure, float64_upcasts
 from validators.pipeline.provenance import RENDERED_FILES, RenderHeader, check_inputs_belong
 from validators.pipeline.report import Report
 from validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
@@ -329,6 +329,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             where = f"step {host.step_index}, layer {last.get('layer', '?')}"
             report.add("rendered code runs without operator errors", "runtime", False,
                        detail=f"{where}: {type(exc).__name__}: {exc}")
+            check_fa_calls_before_failure(report, manifest, host.probe.fa_calls)
             return
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)

@@ -141,8 +141,21 @@ class CacheAllocator(str, enum.Enum):
     SWAPPED_MEMORY = "swapped_memory"
 
 
+class _Grouped:
+    """What G2 and G3 entries share beyond their fields (each generation keeps the checkout's field order,
+    which positional construction relies on, so G3 does not extend G2)."""
+
+    @property
+    def group_key(self) -> str:
+        """Key of the manager (and of block_table / slot_mapping) this entry belongs to."""
+        return self.manager_key if self.manager_key is not None else self.attn_type
+
+    def cache_dim_numel(self) -> int:
+        return _dims_numel(self.dim)
+
+
 @dataclass
-class CacheEntryG2:
+class CacheEntryG2(_Grouped):
     """One cache tensor of one layer (G2: per-entry block size and manager grouping)."""
 
     cache_name: str
@@ -157,17 +170,9 @@ class CacheEntryG2:
     sliding_window: int | None = None
     tensor: torch.Tensor | None = None
 
-    @property
-    def group_key(self) -> str:
-        """Key of the manager (and of block_table / slot_mapping) this entry belongs to."""
-        return self.manager_key if self.manager_key is not None else self.attn_type
-
-    def cache_dim_numel(self) -> int:
-        return _dims_numel(self.dim)
-
 
 @dataclass
-class CacheEntryG3:
+class CacheEntryG3(_Grouped):
     """One cache tensor of one layer (G3: G2 plus allocator, compressed rows and tensor layout)."""
 
     cache_name: str
@@ -185,13 +190,6 @@ class CacheEntryG3:
     tensor: torch.Tensor | None = None
     # "BnBsND" = [blocks, block_size, heads, dim]; "BnNBsD" = [blocks, heads, block_size, dim].
     cache_layout: str = "BnBsND"
-
-    @property
-    def group_key(self) -> str:
-        return self.manager_key if self.manager_key is not None else self.attn_type
-
-    def cache_dim_numel(self) -> int:
-        return _dims_numel(self.dim)
 
     @property
     def storage_block_size(self) -> int:

@@ -311,6 +311,25 @@ def test_finalize_skip1_without_skip2_follows_the_device_reading(reading):
     assert seen == {"finalize_skip1_alone"}
 
 
+def test_consulted_questions_nest_and_each_block_keeps_its_own():
+    """An inner block sees only what was consulted inside it; the outer keeps collecting after the inner ends
+    (also when both sets hold the same questions when the inner one closes)."""
+    from validators.npu_ops.readings import consult
+
+    with consulted_questions() as outer:
+        consult("finalize_skip1_alone")
+        with consulted_questions() as inner:
+            consult("finalize_skip1_alone")
+        assert inner == {"finalize_skip1_alone"}
+        consult("repeated_slots")
+        assert outer == {"finalize_skip1_alone", "repeated_slots"}
+        with consulted_questions() as second:
+            pass
+        assert second == set()
+    consult("repeated_slots")  # no block open: nothing collects, nothing fails
+    assert outer == {"finalize_skip1_alone", "repeated_slots"} and inner == {"finalize_skip1_alone"}
+
+
 def _moe_reference(x, weights, experts, expert_fn):
     """Per token: sum_k weight * expert_k(x) - the transformers MoE block's arithmetic."""
     out = torch.zeros(x.shape[0], expert_fn(0, x[:1]).shape[-1])

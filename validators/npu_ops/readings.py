@@ -135,7 +135,8 @@ def consulted_questions() -> Iterator[set[str]]:
     try:
         yield seen
     finally:
-        _collectors.remove(seen)
+        # By identity: nested sets holding the same questions are equal, and list.remove would drop the outer one.
+        del _collectors[next(i for i, c in enumerate(_collectors) if c is seen)]
 
 
 def active_readings() -> DeviceReadings:

@@ -1,8 +1,9 @@
 """Real ``torch_npu`` operator schemas, as extracted from the ``torch-npu`` wheel.
 
-The committed ``op_schemas.json`` is the single source of truth for the argument
-names, order, keyword-only marker and defaults of every operator this bundle
-emulates. It is produced by ``extract_schemas.py`` from a downloaded wheel; tests
+The committed ``op_schemas.json`` (torch-npu 2.9.0, the pin) is the single source of truth for
+the argument names, order, keyword-only marker and defaults of every operator this bundle
+emulates; ``op_schemas-2.14.0.json`` holds the same operators from a newer release, so that lint
+can say in which release a keyword was added. It is produced by ``extract_schemas.py`` from a downloaded wheel; tests
 and every part of the bundle (templates context, linter, emulator, validation checks,
 doc tables) read the JSON through this module, never the wheel. Stdlib only: the
 implementer and the linter import it without torch.
@@ -16,6 +17,15 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_PATH = Path(__file__).with_name("op_schemas.json")
+# The release every part of the bundle emulates and validates against (SCHEMA_PATH).
+PINNED_RELEASE = "2.9.0"
+# Every release whose schemas are committed, oldest first: lint judges a keyword against the release a
+# model folder targets (``validators.lint.target_release``). Same operator list in each file.
+RELEASE_PATHS: dict[str, Path] = {
+    PINNED_RELEASE: SCHEMA_PATH,
+    "2.14.0": Path(__file__).with_name("op_schemas-2.14.0.json"),
+}
+RELEASES: tuple[str, ...] = tuple(RELEASE_PATHS)
 
 # The operators the bundle's emulator implements (and therefore pins); the loader below reads
 # whatever operators the JSON holds, so pinning one more is an entry here plus a re-extraction.
@@ -140,26 +150,38 @@ def count_returns(returns: str) -> int:
     return len(_split_top_level(inner)) if inner else 0
 
 
-@lru_cache(maxsize=1)
-def _load_cached() -> str:
-    return SCHEMA_PATH.read_text(encoding="utf-8")
+@lru_cache(maxsize=None)
+def _load_cached(release: str) -> str:
+    if release not in RELEASE_PATHS:
+        raise KeyError(f"no committed schemas for torch-npu {release}; known: {list(RELEASES)}")
+    return RELEASE_PATHS[release].read_text(encoding="utf-8")
 
 
-def load_schemas() -> dict[str, Any]:
-    """Return the committed schema document: ``{"source": str, "ops": {name: {...}}}``."""
-    return json.loads(_load_cached())
+def load_schemas(release: str = PINNED_RELEASE) -> dict[str, Any]:
+    """Return a committed schema document: ``{"source": str, "ops": {name: {...}}}``."""
+    return json.loads(_load_cached(release))
 
 
-def op_schema(op_name: str) -> dict[str, Any]:
-    ops = load_schemas()["ops"]
+@lru_cache(maxsize=None)
+def _ops(release: str) -> dict[str, Any]:
+    return load_schemas(release)["ops"]
+
+
+def op_schema(op_name: str, release: str = PINNED_RELEASE) -> dict[str, Any]:
+    ops = _ops(release)
     if op_name not in ops:
         raise KeyError(f"no pinned schema for operator {op_name!r}; known: {sorted(ops)}")
     return ops[op_name]
 
 
-def accepted_keywords(op_name: str) -> frozenset[str]:
+def accepted_keywords(op_name: str, release: str = PINNED_RELEASE) -> frozenset[str]:
     """Every argument name ``op_name`` accepts (positional ones can also be passed by keyword)."""
-    return frozenset(arg["name"] for arg in op_schema(op_name)["args"])
+    return frozenset(arg["name"] for arg in op_schema(op_name, release)["args"])
+
+
+def releases_accepting(op_name: str, keyword: str) -> tuple[str, ...]:
+    """The committed releases whose schema of ``op_name`` has ``keyword`` (oldest first)."""
+    return tuple(r for r in RELEASES if op_name in _ops(r) and keyword in accepted_keywords(op_name, r))
 
 
 def op_arg(op_name: str, arg_name: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from validators.lint.kwargs_dicts import call_keywords, expand_star_kwargs
 from validators.lint.masks import MaskFacts
 from validators.lint.registry import RULES
 from validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
+from validators.lint.target_release import Target
 from validators.lint.values import Resolver, Variant, as_int, as_number, dict_item_key, is_none
 
 MISSING = ast.Constant(value=Ellipsis)  # marker: argument not passed (the op default applies)
@@ -68,10 +69,11 @@ def _has_config_root(node: ast.AST) -> bool:
 
 
 class FileChecker:
-    def __init__(self, tree: ast.Module, path: str, manifest=None) -> None:
+    def __init__(self, tree: ast.Module, path: str, manifest=None, release: Target | None = None) -> None:
         self.tree = tree
         self.path = path
         self.manifest = manifest
+        self.release = release or Target(ops.PINNED_RELEASE, "the pinned release")
         self.info = ModuleInfo(tree, path)
         self.resolver = Resolver(self.info)
         self.masks = MaskFacts(self.resolver)
@@ -225,13 +227,13 @@ class FileChecker:
         named, star = call_keywords(call)
         wrong = ops.WRONG_VERSION_NAMES[op]
         wrong_id = "KV101" if op == ops.FA_V2 else "KV102"
-        accepted = ops.accepted_keywords(op)
+        accepted = ops.accepted_keywords(op, self.release.release)
         for kw_name, kw in named.items():
             if kw_name in wrong:
                 fix, default = wrong[kw_name]
                 self.emit(wrong_id, kw, kw=kw_name, fix=fix, default=default)
             elif accepted is not None and kw_name not in accepted:
-                self.emit("KV103", kw, kw=kw_name, op=op, fix=_closest_hint(kw_name, accepted))
+                self.unknown_keyword(kw, kw_name, op, accepted)
 
         ctx = self.info.ctx_of(call)
         is_absorb = self.mla_kind(call, named) == "absorb"
@@ -266,6 +268,13 @@ class FileChecker:
         if is_absorb:
             self.mla_kv_heads(call, named, star, ctx)
 
+    def unknown_keyword(self, kw: ast.keyword, name: str, op: str, accepted: frozenset[str]) -> None:
+        """KV103, naming the release judged, why that one, and the releases that do have the keyword."""
+        others = ops.releases_accepting(op, name)
+        fix = (f"the keyword exists in torch_npu {', '.join(others)}: install that release (and say so in the "
+               "folder's README) or drop the keyword" if others else _closest_hint(name, accepted))
+        self.emit("KV103", kw, kw=name, op=op, release=self.release.release, why=self.release.why, fix=fix)
+
     def mla_kv_heads(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
         if "num_key_value_heads" not in named:
             if not star:
@@ -292,11 +301,11 @@ class FileChecker:
 
     def writer_call(self, call: ast.Call, op: str) -> None:
         named, star = call_keywords(call)
-        accepted = ops.accepted_keywords(op)
+        accepted = ops.accepted_keywords(op, self.release.release)
         if accepted is not None:
             for kw_name, kw in named.items():
                 if kw_name not in accepted:
-                    self.emit("KV103", kw, kw=kw_name, op=op, fix=_closest_hint(kw_name, accepted))
+                    self.unknown_keyword(kw, kw_name, op, accepted)
         ctx = self.info.ctx_of(call)
         if op in ops.WRITER_INDEX_ARG:
             kw_name, pos = ops.WRITER_INDEX_ARG[op]
@@ -450,6 +459,8 @@ class FileChecker:
         if node is None:
             return
         ctx = self.info.ctx_of(call)
+        if self._kv_heads_replicated(call, node):
+            return
         for v in self.resolver.certain_variants(node, call, ctx):
             target = v.node
             if isinstance(target, ast.Attribute) and target.attr in _RAW_KV_HEAD_NAMES and _has_config_root(target):
@@ -459,6 +470,30 @@ class FileChecker:
                     and isinstance(target.args[1], ast.Constant) and target.args[1].value in _RAW_KV_HEAD_NAMES:
                 self.emit("KV501", node, expr=ast.unparse(node))
                 return
+
+    def _kv_heads_replicated(self, call: ast.Call, num_head: ast.AST) -> bool:
+        """The class projects K with a plain ``nn.Linear`` over the same head count: not tensor-parallel.
+
+        Attention whose K projection is an ordinary ``Linear(hidden, <heads> * head_dim)`` computes every
+        KV head on every rank, so a cache entry with all KV heads matches what the layer writes (Gemma-4
+        upstream). A sharded projection (``ColumnParallelLinear``, or a Linear sized by a per-rank count)
+        keeps the finding.
+        """
+        cls = self.info.class_of(call)
+        if cls is None:
+            return False
+        head = _terminal(num_head)
+        if not head:
+            return False
+        for node in ast.walk(cls):
+            if not (isinstance(node, ast.Call) and _terminal(node.func) == "Linear"):
+                continue
+            named = {kw.arg: kw.value for kw in node.keywords if kw.arg}
+            out = named.get("out_features", node.args[1] if len(node.args) > 1 else None)
+            if out is not None and any(_terminal(n) == head for n in ast.walk(out)
+                                       if isinstance(n, (ast.Name, ast.Attribute))):
+                return True
+        return False
 
     # ------------------------------------------------------------ packed hidden states
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from analyzer.errors import OneLineArgumentParser, guarded
+from analyzer.operators.schemas import RELEASES
 from validators.lint.engine import lint_paths
 from validators.lint.registry import RULES, parse_id_list
 
@@ -32,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     parser.add_argument("--select", metavar="IDS", help="only these rules, comma-separated (e.g. KV101,KV201)")
     parser.add_argument("--ignore", metavar="IDS", help="skip these rules, comma-separated (e.g. KV701)")
+    parser.add_argument("--torch-npu", metavar="RELEASE", choices=RELEASES,
+                        help="judge operator keywords (KV103) against this torch-npu release's schemas "
+                             f"({' or '.join(RELEASES)}); default: the release the file's folder names in its "
+                             "README.md / requirements*.txt, else the newest")
     parser.add_argument("--list-rules", action="store_true",
                         help="print every rule (ID, name, title; all fields with --format json) and exit")
     return parser
@@ -73,7 +78,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parse_id_list(value)
         except ValueError as exc:
             parser.error(f"{flag}: {exc}")
-    report = lint_paths(args.paths, manifest=args.manifest, select=args.select, ignore=args.ignore)
+    report = lint_paths(args.paths, manifest=args.manifest, select=args.select, ignore=args.ignore,
+                        torch_npu=args.torch_npu)
     if args.format == "json":
         sys.stdout.write(report.to_json())
     else:

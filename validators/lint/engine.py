@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from validators.lint.checks import FileChecker, format_fields
 from validators.lint.finding import FileError, Finding, LintReport
 from validators.lint.registry import RULES, parse_id_list
+from validators.lint.target_release import Target, chosen, target_for
 
 _SUPPRESS = re.compile(r"#\s*kvcache:\s*ignore\[([A-Za-z0-9_,\s]+)\]")
 _SKIP_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
@@ -40,14 +41,16 @@ def _selected(select: Iterable[str] | str | None, ignore: Iterable[str] | str | 
     return chosen - as_set(ignore)
 
 
-def lint_source(source: str, path: str = "<string>", manifest=None, select=None, ignore=None) -> list[Finding]:
+def lint_source(source: str, path: str = "<string>", manifest=None, select=None, ignore=None,
+                torch_npu: str | None = None) -> list[Finding]:
     """Lint one module's source text. Raises SyntaxError when it does not parse."""
     tree = ast.parse(source, filename=path)
-    return _lint_tree(tree, source, path, manifest, _selected(select, ignore))
+    return _lint_tree(tree, source, path, manifest, _selected(select, ignore), chosen(torch_npu))
 
 
-def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set[str]) -> list[Finding]:
-    checker = FileChecker(tree, path, manifest)
+def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set[str],
+               release: Target | None = None) -> list[Finding]:
+    checker = FileChecker(tree, path, manifest, release or target_for(path))
     raw = checker.run()
     if manifest is not None:  # the manifest rules revisit the calls the code-only pass collected
         from validators.lint.manifest_checks import ManifestChecks  # lazily: it imports the analyzer
@@ -87,12 +90,16 @@ def iter_python_files(paths: Iterable[str | os.PathLike]) -> tuple[list[str], li
     return files, errors
 
 
-def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, ignore=None) -> LintReport:
+def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, ignore=None,
+               torch_npu: str | None = None) -> LintReport:
     """Lint files and directories. ``manifest`` is a SelectionManifest or a path to one.
 
-    Unreadable or unparsable files are reported in ``errors`` (the others are still linted).
-    Raises InputError (analyzer.errors) for a bad manifest and ValueError for unknown rule IDs.
+    ``torch_npu`` names the committed schema release keywords are judged against; None: each file's
+    target release (``target_release.target_for``). Unreadable or unparsable files are reported in
+    ``errors`` (the others are still linted). Raises InputError (analyzer.errors) for a bad manifest
+    and ValueError for unknown rule IDs or an uncommitted release.
     """
+    release = chosen(torch_npu)
     if manifest is not None and not hasattr(manifest, "fa"):
         from analyzer.manifest_io import load_manifest  # lazily: pydantic only when a manifest is given
 
@@ -117,5 +124,5 @@ def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, i
             report.errors.append(FileError(path, f"cannot parse: {exc}"))
             continue
         report.files.append(path)
-        report.findings.extend(_lint_tree(tree, source, path, manifest, selected))
+        report.findings.extend(_lint_tree(tree, source, path, manifest, selected, release))
     return report

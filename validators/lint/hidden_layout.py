@@ -152,10 +152,42 @@ class HiddenLayout:
             return False  # [T, 1, H] / [-1, 1, H]: one token per row
         if first != "batch" and second != "seq":
             return False
+        if self._restores_own_shape(args, call):
+            return False
         for kind, where in self.kinds(call.func.value, call, ctx):
             if kind == PACKED and where.phase != DECODE:
                 return True
         return False
+
+    def _restores_own_shape(self, args: list[ast.AST], at: ast.AST) -> bool:
+        """The batch / seq dims are unpacked from a 3-D ``.shape`` in this function: the code is 3-D by design.
+
+        ``b, s, h = x.shape`` proves ``x`` already was ``[batch, seq, hidden]``; a later
+        ``view(b, s | -1, h)`` puts back a layout the value had on entry and splits nothing that was
+        packed (bailing_2_5's MoE). Which tensor is viewed does not matter: the layer's input was 3-D.
+        """
+        func = self.info.function_of(at)
+        if func is None:
+            return False
+        defs = self.info.local_defs(func)
+        dims = [a for a in args[:2] if as_int(a) is None]
+        return bool(dims) and all(_from_3d_shape(dim, defs) for dim in dims)
+
+
+def _from_3d_shape(dim: ast.AST, defs: dict[str, list[ast.stmt]]) -> bool:
+    """``dim`` is a name bound only by ``a, b, c = <value>.shape`` (or ``.size()``)."""
+    if not isinstance(dim, ast.Name) or not defs.get(dim.id):
+        return False
+    for stmt in defs[dim.id]:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)):
+            return False
+        target, value = stmt.targets[0], stmt.value
+        shape = (isinstance(value, ast.Attribute) and value.attr == "shape") or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "size"
+            and not value.args)
+        if not shape or len(target.elts) != 3 or any(isinstance(e, ast.Starred) for e in target.elts):
+            return False
+    return True
 
 
 def _flat_2d(call: ast.Call) -> bool:

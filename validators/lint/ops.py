@@ -31,13 +31,21 @@ WRITER_INDEX_ARG = {op: (name, schemas.arg_position(op, name))
                                      (RMSNORM_ROPE_CACHE, "index"), (RMSNORM_ROPE_CACHE_V2, "index"))}
 
 
+PINNED_RELEASE = schemas.PINNED_RELEASE
+
+
 @cache
-def accepted_keywords(op: str) -> frozenset[str] | None:
-    """Argument names of the real torch_npu 2.9.0 op, from the pinned schemas; None if not pinned."""
+def accepted_keywords(op: str, release: str = PINNED_RELEASE) -> frozenset[str] | None:
+    """Argument names of the real torch_npu op in ``release``, from the committed schemas; None if not there."""
     try:
-        return schemas.accepted_keywords(op)
+        return schemas.accepted_keywords(op, release)
     except KeyError:
         return None
+
+
+@cache
+def releases_accepting(op: str, keyword: str) -> tuple[str, ...]:
+    return schemas.releases_accepting(op, keyword)
 
 
 def schemas_available() -> bool:

@@ -44,7 +44,7 @@ _RULES = (
     Rule(
         "KV103", "unknown-op-keyword",
         "keyword the real operator schema does not have",
-        "`{kw}=` is not an argument of torch_npu.{op} (torch_npu 2.9.0 schema)",
+        "`{kw}=` is not an argument of torch_npu.{op} in torch_npu {release} ({why})",
         "{fix}",
     ),
     # ---------------------------------------------------------------- sparse_mode and masks

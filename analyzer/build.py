@@ -437,14 +437,10 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[Lay
     window = facts.sliding_window.value
     out = []
     subs = facts.sublayers_per_layer.value
-    for decoder_idx, kind in enumerate(facts.layer_kinds.value):
-        full_reason = rules.full_context_window(window, facts.max_position_embeddings.value) \
-            if kind == "sliding" else None
-        if full_reason:
-            kind = "full"
+    for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
+        kind, w, full_reason = rules.planned_layer_kind(config_kind, window, facts.max_position_embeddings.value)
         attn_type = rules.decide_attn_type(kind)
         caches = rules.decide_caches(facts, parallel, kv_mode, kind)
-        w = window if attn_type == "SlidingWindow" else None
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason

@@ -125,6 +125,18 @@ def full_context_window(window: int | None, max_positions: int | None) -> str | 
             "keys, so the layer is full attention (exact)")
 
 
+def planned_layer_kind(kind: str, window: int | None, max_positions: int | None) -> tuple[str, int | None, str | None]:
+    """(kind, window, reason) a config layer is planned as: the one definition of "decided from this config".
+
+    The analyzer plans each layer with it, and validate re-derives the plan from the config with it
+    before comparing with a manifest (a full-context window is planned as full attention, not refused).
+    """
+    reason = full_context_window(window, max_positions) if kind == "sliding" else None
+    if reason:
+        return "full", None, reason
+    return kind, (window if kind == "sliding" else None), None
+
+
 def unknown_family(facts: ModelFacts, transformers_ships: bool | None) -> Finding | None:
     """A warning when the family's attention code was never read: the config alone cannot rule out
     position biases (ALiBi lives in modeling code, e.g. Baichuan2-13B) or other attention variants."""

@@ -12,6 +12,7 @@ from analyzer.files import atomic_write_text, check_writable
 from analyzer.framework_checkout import GENERATIONS
 from analyzer.progress_writer import plan_section
 from validators.pipeline.numeric import TOLERANCE
+from validators.pipeline.request_stream import STEP_SECONDS
 from validators.pipeline.runtime_deps import require_validation_deps
 from validators.pipeline.validate import ValidateRequest, validate
 
@@ -71,7 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "sweep for the questions it settles")
     p.add_argument("--no-sweep", action="store_true",
                    help="skip re-running under the alternative device readings")
+    p.add_argument("--step-timeout", type=_positive_seconds, default=STEP_SECONDS, metavar="SECONDS",
+                   help=f"a forward step still running after this long fails the run (default {STEP_SECONDS:g}); "
+                        "the number of steps is bounded by the request stream itself")
     return p
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def _progress(msg: str) -> None:
@@ -105,7 +116,7 @@ def _checkout_report(args: argparse.Namespace):
     return validate_checkout(CheckoutRequest(
         framework_root=args.framework_root, model=args.model, config=args.config, manifest=args.manifest,
         attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
-        sweep_readings=not args.no_sweep, device_readings=args.device_readings,
+        sweep_readings=not args.no_sweep, device_readings=args.device_readings, step_seconds=args.step_timeout,
     ), progress=_progress)
 
 
@@ -128,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
         framework_api=args.framework_api, attn_tp_size=args.attn_tp_size, device_readings=args.device_readings,
-        dtype=args.dtype,
+        dtype=args.dtype, step_seconds=args.step_timeout,
     ), progress=_progress)
     if args.report:
         atomic_write_text(Path(args.report), report.to_json())

@@ -12,7 +12,7 @@ implementer and the linter import it without torch.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +150,7 @@ def count_returns(returns: str) -> int:
     return len(_split_top_level(inner)) if inner else 0
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_cached(release: str) -> str:
     if release not in RELEASE_PATHS:
         raise KeyError(f"no committed schemas for torch-npu {release}; known: {list(RELEASES)}")
@@ -162,7 +162,7 @@ def load_schemas(release: str = PINNED_RELEASE) -> dict[str, Any]:
     return json.loads(_load_cached(release))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _ops(release: str) -> dict[str, Any]:
     return load_schemas(release)["ops"]
 

@@ -21,7 +21,7 @@ import torch
 
 from validators.checkout_run.recorder import ForwardSeen
 from validators.harness.poison import null_block_of, poison_free_blocks
-from validators.pipeline.request_stream import Scenario
+from validators.pipeline.request_stream import Scenario, Watchdog
 
 CPU_STANDINS = (
     "ExecutionEngine._init_device: the npu:N device is the CPU (process group: gloo, set up by the validator)",
@@ -257,13 +257,16 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
     cache_info = engine.kvcache_manager.cache_info
     groups = _tensors_by_group(cache_info)
     real_forward = engine.forward_batch
+    dog = scenario.watchdog("checkout request stream")
+
     def forward_batch(batch):
         recorder.step = len(run.steps)
         poisoned = poison_free_blocks(engine.kvcache_manager, groups)
         ids = [r.request_id for r in batch.requests]
         positions = [(r.prompt_tokens if batch.is_prefill else r.get_seq_len()) - 1 for r in batch.requests]
         first = len(recorder.forwards)
-        out = real_forward(batch)
+        with dog.step(len(run.steps), ids):
+            out = real_forward(batch)
         seen = next((f for f in recorder.forwards[first:] if not f.is_mtp), None)  # the main model's forward
         if seen is None:
             raise RuntimeError("drive() needs the engine's forwards observed (observed_forwards(engine, recorder))")
@@ -311,7 +314,7 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
 
 
 
-def drive_sequential(engine, count: int, seed: int, vocab: int) -> int:
+def drive_sequential(engine, count: int, seed: int, vocab: int, dog: Watchdog) -> int:
     """``count`` requests one after another through a fresh Scheduler (the release link's long run)."""
     from executor.core.scheduler import Scheduler
 
@@ -322,6 +325,7 @@ def drive_sequential(engine, count: int, seed: int, vocab: int) -> int:
         ids = torch.randint(0, vocab, (8 + (i * 37) % 120,), generator=g)
         sched.add_request(prompt="", input_ids=ids)
         while sched.has_work():
-            if not sched.run_step(engine):
-                raise RuntimeError("the Scheduler had work but scheduled no batch")
+            with dog.step(f"release request {i}", [i]):
+                if not sched.run_step(engine):
+                    raise RuntimeError("the Scheduler had work but scheduled no batch")
     return count

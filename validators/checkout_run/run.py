@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from analyzer.manifest import SelectionManifest
 from validators.pipeline.report import Report
-from validators.pipeline.request_stream import Scenario
+from validators.pipeline.request_stream import STREAM_BUDGET_CHECK, Scenario, StreamStalled
 
 # Modules of ours that a run puts between the checkout and the CPU (the provenance lists them).
 OURS = ("validators.npu_ops (torch_npu operators, emulated)", "validators.standins (torchair, torch.npu, Tensor.npu)",
@@ -33,6 +34,8 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                  scenario: Scenario, readings, rank: int = 0, world: int = 1, *, full: bool = True) -> None:
     """Append the checks of one run to ``report``; ``full`` adds provenance, the init link over the real
     layer count and the sequential-release check (the reading sweep reruns without them)."""
+    if req.step_seconds is not None:
+        scenario = replace(scenario, step_seconds=req.step_seconds)
     from analyzer.framework_checkout import checkout_commit
     from validators.checkout_run import checks, engine_run
     from validators.checkout_run.recorder import CacheMap, recording_ops
@@ -79,7 +82,12 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 run = engine_run.drive(engine, scenario, req.seed, rec)
                 if full and scenario.release_requests:
                     seq = engine_run.drive_sequential(engine, scenario.release_requests, req.seed + 1,
-                                                      scenario.vocab)
+                                                      scenario.vocab, scenario.watchdog("release run"))
+        except StreamStalled as exc:  # the watchdog: a request that never finishes, a forward that never returns
+            report.add(STREAM_BUDGET_CHECK, "runtime", False, detail=str(exc))
+            if caches is not None:
+                checks.check_calls_before_failure(report, manifest, rec, caches)
+            return
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else None)}: "

@@ -49,6 +49,7 @@ class CheckoutRequest:
     sweep_readings: bool = True
     device_readings: str | None = None  # readings file of `kvcache probe`
     readings: tuple[tuple[str, str], ...] = ()  # API: (question, reading) pairs the run assumes instead
+    step_seconds: float | None = None  # the watchdog's allowance per forward step; None: the scenario's
 
 
 def load_or_analyze(req: CheckoutRequest, root: Path) -> SelectionManifest:

@@ -438,7 +438,7 @@ def _template(node: ast.AST, constants: dict[str, str]) -> str | None:
         return node.value
     if isinstance(node, ast.JoinedStr):
         return "".join(v.value if isinstance(v, ast.Constant) else "<N>" for v in node.values)
-    if isinstance(node, ast.Name):  # a module-level string constant of the same file
+    if isinstance(node, ast.Name):  # a module-level string constant (of this file, else imported by name)
         return constants.get(node.id)
     return None
 
@@ -453,13 +453,17 @@ def validation_checks(validators_dir: Path | None = None) -> set[tuple[str, str]
     """(link, name template) of every ``report.add(name, link, ...)`` under validators/.
 
     Names built with f-strings show each formatted value as ``<N>``; a name may also be a module-level
-    string constant of the same file (a check added from two places).
+    string constant of the same file or of another module under validators/ it imports (a check added
+    from two places or two modes).
     """
     validators_dir = validators_dir or ROOT / "validators"
     out = set()
-    for path in sorted(validators_dir.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        constants = _module_constants(tree)
+    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(validators_dir.rglob("*.py"))}
+    everywhere: dict[str, str] = {}
+    for tree in trees.values():
+        everywhere.update(_module_constants(tree))
+    for tree in trees.values():
+        constants = {**everywhere, **_module_constants(tree)}
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add"
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)

@@ -85,6 +85,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     start_bytes = _cache_bytes(sched)
 
     tracker = NumericTracker(ref_model, host, atol=host.atol)
+    dog = scenario.watchdog("framework request stream")
     prompts = scenario.prompts(seed)
     first = len(scenario.first)
     for ids, new in prompts[:first]:
@@ -109,7 +110,8 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
             for rid, q in zip(step.request_ids, step.q_lens, strict=False):
                 prompt_len[rid] = q
         n_before = len(host.probe.records)
-        logits = host.forward(step.input_ids, step.position_ids, fm)
+        with dog.step(step.index, step.request_ids):
+            logits = host.forward(step.input_ids, step.position_ids, fm)
         tracker.record_step(step, logits, host.probe.records[n_before:])
         sched.complete_step(step, logits[step.last_token_rows()].argmax(-1))
     report.add("block_table/slot_mapping hold every layer's key", "runtime", not keys_missing,
@@ -124,14 +126,15 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     if manifest.mtp is not None:
         from validators.pipeline.spec_decode import run_framework_stream
 
-        run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab)
+        run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab, dog)
     # Many sequential requests: the pool and the allocated tensors end where they started.
     g = torch.Generator().manual_seed(seed + 1)
     for i in range(scenario.release_requests):
         sched.add_request(torch.randint(0, scenario.vocab, (8 + i % 24,), generator=g).tolist(), max_new_tokens=2)
         while sched.has_work():
             step = sched.next_step()
-            logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+            with dog.step(step.index, step.request_ids):
+                logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
             sched.complete_step(step, logits[step.last_token_rows()].argmax(-1))
     report.add(f"{scenario.release_requests} sequential requests leave the pool and memory unchanged", "release",
                sched.usage() == start_usage and _cache_bytes(sched) == start_bytes,

@@ -11,7 +11,7 @@ import torch
 from analyzer.manifest import SelectionManifest
 from validators.pipeline.numeric import NumericTracker
 from validators.pipeline.report import Report
-from validators.pipeline.request_stream import SimpleStep
+from validators.pipeline.request_stream import Scenario, SimpleStep
 
 ROWS = 3
 PROMPT = 150
@@ -44,15 +44,16 @@ class _FrameworkLegacy:
         self.kv_len.copy_(fm.actual_seq_lengths_kv)
 
 
-def prompt_length(manifest: SelectionManifest) -> int:
-    """PROMPT, or long enough that prefill and decode cross the window by two blocks."""
-    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
-    return max(PROMPT, window + 2 * manifest.block_size) if window else PROMPT
+def prompt_length(scenario: Scenario) -> int:
+    """The scenario's longest prompt: a window-crossing scenario (``Scenario.crossing``) has stretched it
+    past the window by two blocks; a render run as written at a long real window keeps its short stream
+    (QUICK), as the paged drivers do, instead of an O(window^2) reference at the real window."""
+    return max(PROMPT, max(n for n, _ in scenario.first))
 
 
 def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, seed: int, cache_dtype,
-               framework: bool) -> None:
-    prompt = prompt_length(manifest)
+               framework: bool, scenario: Scenario) -> None:
+    prompt = prompt_length(scenario)
     max_seq = prompt + NEW_TOKENS + 7
     if framework:
         units = {tuple(a.cache_unit) for a in host.attentions}
@@ -73,17 +74,19 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 512, (ROWS, prompt), generator=g)
     tracker = NumericTracker(ref_model, host, atol=host.atol)
+    dog = scenario.watchdog("Legacy request stream")
     fm = runner._build_forward_metadata(prompt)
     pos = torch.arange(prompt).expand(ROWS, -1)
     seqs = [row.tolist() for row in tokens]
     for step_index in range(NEW_TOKENS):
         n_before = len(host.probe.records)
-        logits = host.forward_batch(tokens, pos, fm)  # [B, S, V]
+        with dog.step(step_index, range(ROWS)):
+            logits = host.forward_batch(tokens, pos, fm)  # [B, S, V]
+            runner._advance_kv_len(fm)
         s = tokens.shape[1]
         step = SimpleStep(step_index, fm.is_prefill, list(range(ROWS)), tokens.reshape(-1), pos.reshape(-1),
                           [s] * ROWS)
         tracker.record_step(step, logits.reshape(ROWS * s, -1), host.probe.records[n_before:])
-        runner._advance_kv_len(fm)
         nxt = logits[:, -1].argmax(-1)
         for b in range(ROWS):
             seqs[b].append(int(nxt[b]))

@@ -1,10 +1,24 @@
-"""The request stream every validation drives: mixed prompt lengths, early finishes, late admits."""
+"""The request stream every validation drives: mixed prompt lengths, early finishes, late admits.
+
+Every driver steps it under a ``Watchdog``: a step count derived from the stream (each request needs at
+most one prefill and one decode step per new token) and a wall-clock allowance per forward step. A run
+past either stops with ``StreamStalled`` naming the step and the requests it was serving, never a hang.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from dataclasses import dataclass, replace
 
 import torch
+
+# One forward step of a tiny model takes well under a second on CPU (DeepSeek-V3's 128 heads in float64:
+# about 2 s); a step still running after this many seconds is stuck (a render that never returns).
+STEP_SECONDS = 120.0
+# The check a stopped stream fails (rendered and checkout mode alike).
+STREAM_BUDGET_CHECK = "request stream finishes within its step budget"
 
 
 @dataclass(frozen=True)
@@ -17,6 +31,7 @@ class Scenario:
     max_concurrency: int = 4
     release_requests: int = 50
     vocab: int = 512
+    step_seconds: float = STEP_SECONDS  # wall-clock allowance of one forward step (Watchdog)
 
     def prompts(self, seed: int) -> list[tuple[list[int], int]]:
         g = torch.Generator().manual_seed(seed)
@@ -35,6 +50,16 @@ class Scenario:
     @property
     def max_model_len(self) -> int:
         return max(n + new for n, new in self.first + self.late) + 8
+
+    def max_steps(self) -> int:
+        """Forward steps the stream can take at most: one prefill per request, one decode per new token
+        (MTP verify steps and padded decode rows included: they advance at least one token), with room
+        for the release run's requests (one prefill and two decodes each)."""
+        requests = self.first + self.late
+        return len(requests) + sum(new for _, new in requests) + 3 * self.release_requests + 16
+
+    def watchdog(self, what: str) -> Watchdog:
+        return Watchdog(self.max_steps(), self.step_seconds, what)
 
 
 DEFAULT = Scenario()
@@ -61,3 +86,46 @@ class SimpleStep:
 
     def last_token_rows(self) -> torch.Tensor:
         return torch.cumsum(torch.tensor(self.q_lens), 0) - 1
+
+
+class StreamStalled(Exception):
+    """A request stream past its step budget: the message names the step and the requests it served."""
+
+
+@dataclass
+class Watchdog:
+    """Bounds a driver loop: at most ``max_steps`` forward steps, each within ``step_seconds`` of wall time.
+
+    The time limit interrupts Python code (a render looping forever) through SIGALRM, so it is armed only
+    in the main thread of a process (ranks of a multi-rank run are processes of their own).
+    """
+
+    max_steps: int
+    step_seconds: float
+    what: str = "request stream"
+    steps: int = 0
+
+    @contextlib.contextmanager
+    def step(self, index: int | str, request_ids) -> object:
+        self.steps += 1
+        requests = ", ".join(str(r) for r in list(request_ids)[:8])
+        if self.steps > self.max_steps:
+            raise StreamStalled(f"{self.what}: step {index} (requests {requests}) is past the stream's budget of "
+                                f"{self.max_steps} forward steps: a request never finishes")
+        timed = self.step_seconds > 0 and threading.current_thread() is threading.main_thread() and \
+            hasattr(signal, "setitimer")
+        if not timed:
+            yield
+            return
+
+        def expired(signum, frame):
+            raise StreamStalled(f"{self.what}: step {index} (requests {requests}) still running after "
+                                f"{self.step_seconds:g} s: the step never returns")
+
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, self.step_seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)

@@ -19,6 +19,7 @@ import torch
 from analyzer.manifest import SelectionManifest
 from validators.pipeline.host_model import reference_logits
 from validators.pipeline.report import Report
+from validators.pipeline.request_stream import Watchdog
 
 NEXT_N = 1
 # (prompt length, verify steps): one prompt past a 128-token block, one short.
@@ -109,18 +110,25 @@ def _prompts(seed: int, vocab: int) -> list[tuple[list[int], int]]:
     return [(torch.randint(0, vocab, (n,), generator=g).tolist(), steps) for n, steps in PROMPTS]
 
 
+def _watchdog(prompts, main: Watchdog) -> Watchdog:
+    """This stream's own step budget (a prefill per request, one verify step per round), the main one's time."""
+    return Watchdog(len(prompts) + max(n for _, n in prompts) + 4, main.step_seconds, "speculative-decode stream")
+
+
 def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_model, sched, seed: int,
-                         vocab: int) -> None:
+                         vocab: int, main: Watchdog) -> None:
     """Prefill, then verify steps through the harness scheduler (the framework's MTP conventions)."""
     stream = SpecStream(ref_model, vocab, host.atol)
     prompts = _prompts(seed, vocab)
+    dog = _watchdog(prompts, main)
     rids = [sched.add_request(ids) for ids, _ in prompts]
     steps_of = {rid: n for rid, (_, n) in zip(rids, prompts, strict=True)}
     fa_start = len(host.probe.fa_calls)
     while sched.waiting_ids:
         sched.poison()
         step = sched.next_step()
-        logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+        with dog.step(f"speculative prefill {step.index}", step.request_ids):
+            logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
         first = logits[step.last_token_rows()].argmax(-1)
         sched.complete_step(step, first)
         for rid, token in zip(step.request_ids, first.tolist(), strict=True):
@@ -130,7 +138,8 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
         drafts = stream.drafts(live, j)
         sched.poison()  # freed and null blocks NaN; a rejected draft's slot keeps its stale K/V
         step = sched.verify_step(drafts)
-        logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+        with dog.step(f"verify {j}", step.request_ids):
+            logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
         emitted = stream.judge(host.step_index, step.request_ids, drafts, logits, step.token_slices())
         sched.complete_verify(step, emitted)
         for rid in live:
@@ -142,16 +151,18 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
 
 
 def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref_model, runner, seed: int,
-                          vocab: int, poison_row) -> None:
+                          vocab: int, poison_row, main: Watchdog) -> None:
     """Prefill, then verify steps through the rendered runner (``next_n`` / ``accepted`` arguments)."""
     stream = SpecStream(ref_model, vocab, host.atol)
     prompts = _prompts(seed, vocab)
+    dog = _watchdog(prompts, main)
     rows = list(range(len(prompts)))
     fa_start = len(host.probe.fa_calls)
     lens = [len(ids) for ids, _ in prompts]
     fm = runner._build_forward_metadata(rows, lens)
-    logits = host.forward(torch.tensor([t for ids, _ in prompts for t in ids]),
-                          torch.cat([torch.arange(n) for n in lens]), fm)
+    with dog.step("speculative prefill", rows):
+        logits = host.forward(torch.tensor([t for ids, _ in prompts for t in ids]),
+                              torch.cat([torch.arange(n) for n in lens]), fm)
     runner._advance_kv_len(rows, fm)
     ends = torch.tensor(lens).cumsum(0) - 1
     for row, (ids, _) in enumerate(prompts):
@@ -172,7 +183,8 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
         if not torch.equal(fm.slot_mapping.view(-1).long(), want_slots.long()):
             slot_errors.append(f"verify {j}")
         ids = torch.tensor([t for row in live for t in (stream.tokens[row][-1], *drafts[row])])
-        logits = host.forward(ids, pos, fm)
+        with dog.step(f"verify {j}", live):
+            logits = host.forward(ids, pos, fm)
         slices = {row: slice(i * (1 + NEXT_N), (i + 1) * (1 + NEXT_N)) for i, row in enumerate(live)}
         emitted = stream.judge(host.step_index, live, drafts, logits, slices)
         runner._advance_kv_len(live, fm, accepted=[len(e) - 1 for e in emitted])

@@ -41,6 +41,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     start_ids = [id(t) for t in _caches(host)]
 
     tracker = NumericTracker(ref_model, host, atol=host.atol)
+    dog = scenario.watchdog("standalone request stream")
     prompts = scenario.prompts(seed)
     first = len(scenario.first)
     waiting = list(range(first))
@@ -72,8 +73,9 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
             slot_errors.append(f"step {step_index}")
         step = SimpleStep(step_index, is_prefill, list(rids), ids, pos, lens)
         n_before = len(host.probe.records)
-        logits = host.forward(ids, pos, fm)
-        runner._advance_kv_len(rows, fm)
+        with dog.step(step_index, rids):  # the runner's own step (forward and kv_len advance) is the render's
+            logits = host.forward(ids, pos, fm)
+            runner._advance_kv_len(rows, fm)
         tracker.record_step(step, logits, host.probe.records[n_before:])
         step_index += 1
         return logits[step.last_token_rows()].argmax(-1).tolist()
@@ -116,7 +118,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     if manifest.mtp is not None:
         from validators.pipeline.spec_decode import run_standalone_stream
 
-        run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row)
+        run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row, dog)
 
     g = torch.Generator().manual_seed(seed + 1)
     for i in range(scenario.release_requests):

@@ -21,7 +21,13 @@ from implementer.render import render_manifest, write_rendered
 from validators.pipeline.numeric import TOLERANCE, check_fa_calls_before_failure, float64_upcasts
 from validators.pipeline.provenance import RENDERED_FILES, RenderHeader, check_inputs_belong
 from validators.pipeline.report import Report
-from validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
+from validators.pipeline.request_stream import (
+    DEFAULT,
+    QUICK,
+    STREAM_BUDGET_CHECK,
+    Scenario,
+    StreamStalled,
+)
 from validators.pipeline.tiny_model import require_transformers_type
 
 # transformers imports these lazily; import them before torch_npu is emulated, because
@@ -43,6 +49,7 @@ class ValidateRequest:
     attn_tp_size: int | None = None
     device_readings: str | None = None  # readings file of `kvcache probe`: run under the measured readings
     dtype: str | None = None  # compute dtype of the comparison; None: float64 emulated, the model's on an NPU
+    step_seconds: float | None = None  # the watchdog's allowance per forward step; None: the scenario's
 
 
 def resolve_backend(requested: str) -> str:
@@ -279,6 +286,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     from validators.npu_ops import consulted_questions, device_readings, install_emulation
     from validators.pipeline.host_model import HostModel, import_rendered
 
+    if req.step_seconds is not None:
+        scenario = replace(scenario, step_seconds=req.step_seconds)
     model = copy.deepcopy(pristine)
     ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP
     if world > 1:
@@ -309,7 +318,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
                 from validators.pipeline.legacy_run import run_legacy
 
                 run_legacy(report, manifest, host, ref, req.seed, cache_dtype,
-                           framework=manifest.deploy_mode.value == "framework")
+                           framework=manifest.deploy_mode.value == "framework", scenario=scenario)
             elif manifest.deploy_mode.value == "framework":
                 from validators.harness import FrameworkAPI
                 from validators.pipeline.framework_run import run_framework
@@ -324,6 +333,10 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
                 from validators.pipeline.standalone_run import run_standalone
 
                 run_standalone(report, manifest, host, ref, scenario, req.seed, cache_dtype)
+        except StreamStalled as exc:  # the watchdog: a request that never finishes, a step that never returns
+            report.add(STREAM_BUDGET_CHECK, "runtime", False, detail=str(exc))
+            check_fa_calls_before_failure(report, manifest, host.probe.fa_calls)
+            return
         except Exception as exc:  # the rendered code or an operator rejected a call: a finding, not a crash
             last = host.probe.records[-1] if host.probe.records else {}
             where = f"step {host.step_index}, layer {last.get('layer', '?')}"

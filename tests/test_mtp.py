@@ -21,6 +21,7 @@ from torch import nn
 from analyzer.build import AnalyzeRequest, analyze
 from analyzer.manifest_io import load_manifest
 from validators.pipeline.report import Report
+from validators.pipeline.request_stream import QUICK
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "deepseek_v3"
@@ -69,13 +70,14 @@ def _spec_stream(rendered: Path) -> Report:
 
             sched = Scheduler(host.get_cache_info(), max_model_len=200, max_concurrency=4, api=FrameworkAPI.from_handle(handle),
                               generation=handle.generation)
-            spec_decode.run_framework_stream(report, manifest, host, ref, sched, 0, 512)
+            spec_decode.run_framework_stream(report, manifest, host, ref, sched, 0, 512, QUICK.watchdog("test"))
         else:
             from validators.pipeline.standalone_run import _poison_row
 
             runner = type("Runner", (host.rendered.runner_mixin(),), {})()
             runner._init_kvcache(host.attentions, 4, 200, cache_dtype=torch.float32)
-            spec_decode.run_standalone_stream(report, manifest, host, ref, runner, 0, 512, _poison_row)
+            spec_decode.run_standalone_stream(report, manifest, host, ref, runner, 0, 512, _poison_row,
+                                              QUICK.watchdog("test"))
     return report
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from analyzer.cli import main
+from model_infer_kvcache.analyzer.cli import main
 
 sys.exit(main())

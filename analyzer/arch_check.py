@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
-from analyzer.manifest import LayerPlan
+from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
+from model_infer_kvcache.analyzer.manifest import LayerPlan
 
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
 SCALE_ATTRS = ("scaling", "softmax_scale", "inv_norm_factor")
@@ -60,9 +60,8 @@ def hf_attentions(config: dict[str, Any], model_type: str) -> list[HfAttention]:
 @functools.lru_cache(maxsize=32)
 def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     import torch
+    from model_infer_kvcache.analyzer.hf_layout import attention_modules
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from analyzer.hf_layout import attention_modules
 
     config = AutoConfig.for_model(hf_type, **json.loads(section_json))
     config._attn_implementation = "eager"

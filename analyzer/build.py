@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from analyzer import arch_check, kv_cache_spec, memory, rules
-from analyzer.config_loader import ModelFacts, normalize_config, read_config_file
-from analyzer.deploy_context import (
+from model_infer_kvcache.analyzer import arch_check, kv_cache_spec, memory, rules
+from model_infer_kvcache.analyzer.config_loader import ModelFacts, normalize_config, read_config_file
+from model_infer_kvcache.analyzer.deploy_context import (
     FACT_LABELS,
     DispatchFacts,
     ProgressFacts,
@@ -17,11 +17,11 @@ from analyzer.deploy_context import (
     parse_dispatch,
     parse_progress,
 )
-from analyzer.device_questions import QUESTIONS
-from analyzer.errors import InputError
-from analyzer.files import same_file
-from analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
-from analyzer.manifest import (
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import same_file
+from model_infer_kvcache.analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
+from model_infer_kvcache.analyzer.manifest import (
     DeployModeDecision,
     DeviceDependency,
     Evidence,
@@ -37,9 +37,9 @@ from analyzer.manifest import (
     ModelInfo,
     SelectionManifest,
 )
-from analyzer.measured import apply_readings, resolve_window_reading
-from analyzer.progress_writer import plan_section, upsert_section
-from analyzer.version import __version__
+from model_infer_kvcache.analyzer.measured import apply_readings, resolve_window_reading
+from model_infer_kvcache.analyzer.progress_writer import plan_section, upsert_section
+from model_infer_kvcache.analyzer.version import __version__
 
 DEFAULT_KV_MEM_RATIO = 0.9
 
@@ -70,7 +70,7 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
     _check_numbers(req)
     readings = None
     if req.device_readings:
-        from analyzer.readings_file import load_readings
+        from model_infer_kvcache.analyzer.readings_file import load_readings
 
         readings = load_readings(req.device_readings)
     where, config = read_config_file(req.config)

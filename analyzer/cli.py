@@ -9,14 +9,19 @@ from pathlib import Path
 from typing import get_args
 
 import yaml
-
-from analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
-from analyzer.decisions_table import SECTION_ID, decisions_markdown
-from analyzer.device_questions import QUESTIONS
-from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.files import atomic_write_text, check_writable, same_file
-from analyzer.manifest import DeployMode, FaVersion, FrameworkApi, KvMode, manifest_json_schema
-from analyzer.rules import VALID_BLOCK_SIZES
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
+from model_infer_kvcache.analyzer.decisions_table import SECTION_ID, decisions_markdown
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
+from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
+from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, same_file
+from model_infer_kvcache.analyzer.manifest import (
+    DeployMode,
+    FaVersion,
+    FrameworkApi,
+    KvMode,
+    manifest_json_schema,
+)
+from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
 
 EXAMPLES = """examples:
   kvcache analyze --config examples/tiny_qwen3/config.json --dispatch "部署模式：框架部署"

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import yaml
-
-from analyzer.errors import InputError
-from analyzer.manifest import MlaDims, RopeInfo
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from analyzer.manifest import LayerPlan, SelectionManifest
+from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
 
 SECTION_ID = "analyze"
 SECTION_TITLE = "### KVCache 选型决策"

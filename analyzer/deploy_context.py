@@ -11,8 +11,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analyzer.errors import InputError
-from analyzer.files import read_input_text
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import read_input_text
 
 _COLON = r"[:：]"
 # The value runs to the end of the line; alternatives inside it are split by _ALTERNATIVES.

@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError
 
 
 def read_text(path: str | Path) -> str:

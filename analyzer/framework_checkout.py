@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError
 
 CACHE_INFO = Path("executor/core/kv_cache/cache_info.py")
 SUPPORT_MODELS = (Path("executor/core/support_models.py"), Path("executor/core/entrypoints/support_models.py"))

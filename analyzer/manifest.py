@@ -12,10 +12,9 @@ import math
 import re
 from typing import Literal
 
+from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
+from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
-from analyzer.framework_checkout import RENDER_APIS
 
 SCHEMA_VERSION = "1.0"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analyzer.errors import InputError
-from analyzer.files import read_input_text
-from analyzer.manifest import ManifestInvariantError, SelectionManifest
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import read_input_text
+from model_infer_kvcache.analyzer.manifest import ManifestInvariantError, SelectionManifest
 
 YAML_SUFFIXES = (".yaml", ".yml")
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from analyzer.device_questions import QUESTIONS, UNKNOWN
-from analyzer.errors import InputError
-from analyzer.manifest import DeviceDependency, DeviceReadingsSource, Finding
-from analyzer.readings_file import ReadingsFile
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS, UNKNOWN
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import DeviceDependency, DeviceReadingsSource, Finding
+from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 
 DEFAULT_WINDOW_READING = QUESTIONS["window_pre_tokens"].default
 

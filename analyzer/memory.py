@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analyzer.kv_cache_spec import (
+from model_infer_kvcache.analyzer.kv_cache_spec import (
     NULL_BLOCKS,
     FullAttentionSpec,
     SlidingWindowSpec,

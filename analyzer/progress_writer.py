@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analyzer.errors import InputError
-from analyzer.files import atomic_write_text, read_text
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import atomic_write_text, read_text
 
 
 def markers(section: str) -> tuple[str, str]:

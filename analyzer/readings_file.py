@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from model_infer_kvcache.analyzer.device_questions import OP_BACKENDS, QUESTIONS, UNKNOWN, reading_ok
+from model_infer_kvcache.analyzer.errors import InputError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from analyzer.device_questions import OP_BACKENDS, QUESTIONS, UNKNOWN, reading_ok
-from analyzer.errors import InputError
 
 PROBE_VERSION = 2  # 2: finalize_skip1_alone
 FILE_KIND = "kvcache-device-readings"

@@ -9,10 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from analyzer.config_loader import ModelFacts, yarn_mscale
-from analyzer.kv_cache_spec import token_bytes
-from analyzer.manifest import CacheSpec, Finding, MaskPerPath, MtpDecision, ParallelPlan, PerPath
-from analyzer.operators.fa_facts import INT32_MAX, MAX_GQA_RATIO, MLA_ROPE_DIM
+from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
+from model_infer_kvcache.analyzer.kv_cache_spec import token_bytes
+from model_infer_kvcache.analyzer.manifest import (
+    CacheSpec,
+    Finding,
+    MaskPerPath,
+    MtpDecision,
+    ParallelPlan,
+    PerPath,
+)
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX, MAX_GQA_RATIO, MLA_ROPE_DIM
 
 # Page-attention block sizes the FA paged path accepts for Q_S > 1 (references/fa_operators.md, '传给 FA 的 paged KV').
 VALID_BLOCK_SIZES = (128, 256, 384, 512)

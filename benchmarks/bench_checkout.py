@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from validators.checkout_run import CheckoutRequest, validate_checkout  # noqa: E402
+from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout  # noqa: E402
 
 # registered model -> (the real config its tiny model is built from (tests/fixtures/configs), attention TP).
 # Qwen3-MoE and DeepSeek at one rank take their expert-parallel paths, which need an EP group the models

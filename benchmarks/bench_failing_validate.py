@@ -17,11 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze  # noqa: E402
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered  # noqa: E402
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate  # noqa: E402
 from wrong_renders import CLEAN, CONFIG, MISTAKES, clean_case  # noqa: E402
-
-from analyzer.build import AnalyzeRequest, analyze  # noqa: E402
-from implementer.render import render_manifest, write_rendered  # noqa: E402
-from validators.pipeline.validate import ValidateRequest, validate  # noqa: E402
 
 GOAL = 2.0
 CONFIG_PATH = ROOT / "tests" / "fixtures" / "configs" / f"{CONFIG}.json"

@@ -166,8 +166,8 @@ def _time(fn, repeat: int) -> list[float]:
 
 
 def run(lines: int = 3000, repeat: int = 5) -> dict:
-    from analyzer.build import AnalyzeRequest, analyze
-    from validators.lint import lint_source
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.validators.lint import lint_source
 
     source = generate(lines)
     manifest = analyze(AnalyzeRequest(config=str(ROOT / "tests/fixtures/configs/gpt_oss_20b.json"),

@@ -23,8 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from validators.npu_ops import emulated
+from model_infer_kvcache.validators.npu_ops import emulated
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 128
 TARGETS = {"decode": 1.5, "decode_hm": 1.5, "prefill_paged": 2.0, "prefill": 2.0}

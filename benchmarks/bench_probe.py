@@ -13,9 +13,9 @@ import json
 import statistics
 import time
 
-from validators.probe import experiments
-from validators.probe.device import open_device
-from validators.probe.run import probe
+from model_infer_kvcache.validators.probe import experiments
+from model_infer_kvcache.validators.probe.device import open_device
+from model_infer_kvcache.validators.probe.run import probe
 
 STEPS = {
     "window_pre_tokens": experiments.window_experiment,

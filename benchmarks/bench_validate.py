@@ -16,10 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from analyzer.build import AnalyzeRequest, analyze  # noqa: E402
-from implementer.render import render_manifest, write_rendered  # noqa: E402
-from validators.pipeline.request_stream import DEFAULT, QUICK  # noqa: E402
-from validators.pipeline.validate import ValidateRequest, validate  # noqa: E402
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze  # noqa: E402
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered  # noqa: E402
+from model_infer_kvcache.validators.pipeline.request_stream import DEFAULT, QUICK  # noqa: E402
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate  # noqa: E402
 
 FAMILIES = {
     "qwen3": ("qwen3_8b", {}),

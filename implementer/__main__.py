@@ -1,5 +1,5 @@
 import sys
 
-from implementer.cli import main
+from model_infer_kvcache.implementer.cli import main
 
 sys.exit(main())

@@ -6,12 +6,12 @@ import argparse
 import sys
 from typing import get_args
 
-from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.files import check_out_dir
-from analyzer.manifest import FrameworkApi
-from analyzer.manifest_io import load_manifest
-from implementer.render import render_manifest, write_rendered
-from implementer.template_context import Names
+from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
+from model_infer_kvcache.analyzer.files import check_out_dir
+from model_infer_kvcache.analyzer.manifest import FrameworkApi
+from model_infer_kvcache.analyzer.manifest_io import load_manifest
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.implementer.template_context import Names
 
 EXAMPLES = """examples:
   kvcache render --manifest manifest.json --out rendered/

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
-
-from analyzer.decisions_table import decision_rows
-from analyzer.errors import InputError
-from analyzer.files import atomic_write_bytes, atomic_write_text
-from analyzer.manifest import SelectionManifest
-from implementer.template_context import Names, RenderContext, build_context, one_line
+from model_infer_kvcache.analyzer.decisions_table import decision_rows
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import atomic_write_bytes, atomic_write_text
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.implementer.template_context import Names, RenderContext, build_context, one_line
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 ATTENTION_FILE = "kvcache_attention.py"

@@ -13,9 +13,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from analyzer.errors import InputError
-from analyzer.manifest import LayerPlan, SelectionManifest
-from analyzer.operators.fa_facts import (
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
+from model_infer_kvcache.analyzer.operators.fa_facts import (
     BAND_MODE,
     COMPRESSED_MASK_MODES,
     FA_KEYWORDS,
@@ -23,8 +23,8 @@ from analyzer.operators.fa_facts import (
     SPARSE_MODES,
     FaKeywords,
 )
-from analyzer.rules import VALID_BLOCK_SIZES
-from analyzer.version import __version__
+from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
+from model_infer_kvcache.analyzer.version import __version__
 
 DEFAULT_API = "G2"
 # Cache names the templates know, by attention family: they become attribute names in generated code.

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from analyzer import cli
-from analyzer.manifest import SelectionManifest, manifest_json_schema
-from analyzer.progress_writer import markers
+from model_infer_kvcache.analyzer import cli
+from model_infer_kvcache.analyzer.manifest import SelectionManifest, manifest_json_schema
+from model_infer_kvcache.analyzer.progress_writer import markers
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
@@ -36,7 +35,7 @@ def invoke(argv: list[str], capsys) -> tuple[int, str, str]:
 
 
 def kvcache(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache_cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "model_infer_kvcache", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=60)
 
 
@@ -200,7 +199,7 @@ def test_write_progress_is_atomic_when_the_rename_fails(tmp_path, capsys, monkey
     def failing_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("analyzer.files.os.replace", failing_replace)
+    monkeypatch.setattr("model_infer_kvcache.analyzer.files.os.replace", failing_replace)
     rc, _, err = invoke(["--config", QWEN3, "--write-progress", progress], capsys)
     assert rc == 2 and "cannot write: disk full" in err and err.count("\n") == 1
     assert progress.read_bytes() == before
@@ -350,8 +349,8 @@ def test_example_manifest_validates_against_the_exported_schema():
     assert (m.model.num_attention_heads, m.model.num_key_value_heads) == (4, 2)
     assert m.kv_mode.value == "paged" and m.deploy_mode.source == "dispatch" and not m.blockers
     assert [c.num_head for c in m.layers[0].caches] == [2, 2]
-    # python -m analyzer is the same command
-    same = subprocess.run([sys.executable, "-m", "analyzer", "--config", str(EXAMPLE.relative_to(ROOT)),
+    # python -m model_infer_kvcache.analyzer is the same command
+    same = subprocess.run([sys.executable, "-m", "model_infer_kvcache.analyzer", "--config", str(EXAMPLE.relative_to(ROOT)),
                            "--dispatch", "部署模式：框架部署"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert same.returncode == 0 and same.stdout == proc.stdout
 

@@ -4,9 +4,8 @@ with its source."""
 from __future__ import annotations
 
 import pytest
-
-from analyzer.config_loader import normalize_config
-from analyzer.errors import InputError
+from model_infer_kvcache.analyzer.config_loader import normalize_config
+from model_infer_kvcache.analyzer.errors import InputError
 
 
 def norm(**cfg):

@@ -10,10 +10,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.errors import InputError
-from analyzer.framework_checkout import (
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.framework_checkout import (
     dataclass_fields,
     detect_generation,
     inspect_checkout,
@@ -266,7 +265,7 @@ def test_registration_on_pinned_registries(commit, model_type, architectures, re
 def test_registry_read_like_the_checkout():
     lazy = 'import importlib\n_specs = {"a_b": [("models.a.m", "AForCausalLM"), ("models.a.c", "AConfig")]}\n'
     eager = "from m import X, XConfig\nmodel_dict = {'x-1': (X, XConfig), 'y': m.Y}\n"
-    from analyzer.framework_checkout import read_registry
+    from model_infer_kvcache.analyzer.framework_checkout import read_registry
     assert read_registry(lazy) == {"a_b": ["AForCausalLM", "AConfig"]}
     assert read_registry(eager) == {"x-1": ["X", "XConfig"], "y": ["Y"]}
 

@@ -8,12 +8,16 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from analyzer.build import AnalyzeRequest, assemble
-from analyzer.config_loader import load_model_facts
-from analyzer.deploy_context import FACT_LABELS, DispatchFacts, parse_dispatch, parse_progress
-from analyzer.errors import InputError
-from analyzer.progress_writer import markers, upsert_section
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, assemble
+from model_infer_kvcache.analyzer.config_loader import load_model_facts
+from model_infer_kvcache.analyzer.deploy_context import (
+    FACT_LABELS,
+    DispatchFacts,
+    parse_dispatch,
+    parse_progress,
+)
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.progress_writer import markers, upsert_section
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

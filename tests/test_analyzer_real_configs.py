@@ -12,12 +12,13 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.decisions_table import decisions_markdown
-from analyzer.errors import InputError
-from analyzer.manifest import SelectionManifest
-from analyzer.operators.fa_facts import INT32_MAX as NO_LIMIT  # pre_tokens of non-sliding layers
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.operators.fa_facts import (
+    INT32_MAX as NO_LIMIT,  # pre_tokens of non-sliding layers
+)
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 

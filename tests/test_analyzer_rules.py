@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from analyzer import kv_cache_spec, memory, rules
-from analyzer.config_loader import normalize_config, yarn_mscale
-from analyzer.manifest import CacheSpec, Finding
-from analyzer.operators.fa_facts import INT32_MAX
+from model_infer_kvcache.analyzer import kv_cache_spec, memory, rules
+from model_infer_kvcache.analyzer.config_loader import normalize_config, yarn_mscale
+from model_infer_kvcache.analyzer.manifest import CacheSpec, Finding
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 
 GIB = 1024**3
 

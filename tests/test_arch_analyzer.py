@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from analyzer import arch_check, rules
-from analyzer.build import AnalyzeRequest, analyze, assemble
-from analyzer.config_loader import normalize_config
-from analyzer.deploy_context import ProgressFacts, parse_dispatch
-from analyzer.errors import InputError
-from analyzer.operators.fa_facts import INT32_MAX
+from model_infer_kvcache.analyzer import arch_check, rules
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze, assemble
+from model_infer_kvcache.analyzer.config_loader import normalize_config
+from model_infer_kvcache.analyzer.deploy_context import ProgressFacts, parse_dispatch
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -216,8 +215,8 @@ def test_cli_reports_a_cross_check_error_in_one_line_and_writes_nothing(tmp_path
     config = tmp_path / "config.json"
     config.write_text(json.dumps(GRANITE_3_2B), encoding="utf-8")
     out = tmp_path / "manifest.json"
-    code = ("import sys; from analyzer import rules; rules.FAMILY_SCALE_RULE['granite'] = 'head_dim'; "
-            "from kvcache_cli import main; sys.exit(main(sys.argv[1:]))")
+    code = ("import sys; from model_infer_kvcache.analyzer import rules; rules.FAMILY_SCALE_RULE['granite'] = 'head_dim'; "
+            "from model_infer_kvcache.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "analyze", "--config", str(config), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.hf_layout import LayoutError, attention_modules, find_decoder_stack
+from model_infer_kvcache.validators.pipeline.host_model import attention_route, decoder_layers
+from model_infer_kvcache.validators.pipeline.tiny_model import TINY_VOCAB, build_tiny_model, fit_token_ids
 from transformers import AutoConfig, AutoModelForCausalLM
-
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.errors import InputError
-from analyzer.hf_layout import LayoutError, attention_modules, find_decoder_stack
-from validators.pipeline.host_model import attention_route, decoder_layers
-from validators.pipeline.tiny_model import TINY_VOCAB, build_tiny_model, fit_token_ids
 
 CONFIGS = Path(__file__).resolve().parent / "fixtures" / "configs"
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 128,

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from model_infer_kvcache.analyzer.errors import InputError
 from validators_support import ROOT, check, render_case, run_validate
-
-from analyzer.errors import InputError
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ def test_falcon_7b_runs_through_the_rendered_code_and_meets_the_fa_head_ratio_li
     FA operator takes a ratio of at most 64, which the analyzer reports as a blocker and the
     emulated operator confirms on the first call."""
     manifest, rendered, cfg = render_case(tmp_path, "falcon_7b", framework_api="G2")
-    from analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
 
     m = load_manifest(str(manifest))
     assert any("71 query heads per 1 KV head" in b.message for b in m.blockers)
@@ -44,7 +43,7 @@ def test_falcon_7b_runs_through_the_rendered_code_and_meets_the_fa_head_ratio_li
 def test_baichuan_validate_is_one_line_exit_2(tmp_path):
     manifest, rendered, cfg = render_case(tmp_path, "baichuan2_13b", framework_api="G2")
     report_path = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "kvcache_cli", "validate", "--manifest", str(manifest),
+    proc = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "validate", "--manifest", str(manifest),
                            "--rendered", str(rendered), "--config", str(cfg), "--backend", "emulated",
                            "--report", str(report_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 2
@@ -56,8 +55,7 @@ def test_baichuan_validate_is_one_line_exit_2(tmp_path):
 
 def test_unroutable_attention_is_refused_naming_the_module(tmp_path, monkeypatch):
     """A layout the host does not understand fails in one line naming the module (never a crash)."""
-    import validators.pipeline.host_model as host
-
+    import model_infer_kvcache.validators.pipeline.host_model as host
     manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", framework_api="G2")
     monkeypatch.setattr(host, "attention_route", lambda module, is_mla: None)
     with pytest.raises(InputError) as err:

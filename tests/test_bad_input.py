@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.progress_writer import markers
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.report import SECTION_ID as REPORT_SECTION
 
-import kvcache_cli
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.progress_writer import markers
-from implementer.render import render_manifest, write_rendered
-from validators.pipeline.report import SECTION_ID as REPORT_SECTION
+from model_infer_kvcache import cli as kvcache_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_qwen3" / "config.json"
@@ -203,7 +203,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path,
 
 
 def _kvcache(*args: str, cwd: Path, env: dict | None = None, prelude: str = "") -> subprocess.CompletedProcess:
-    code = f"import sys; {prelude}import kvcache_cli; sys.exit(kvcache_cli.main(sys.argv[1:]))"
+    code = f"import sys; {prelude}from model_infer_kvcache import cli as kvcache_cli; sys.exit(kvcache_cli.main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
@@ -242,7 +242,7 @@ def test_run_without_transformers_writes_nothing(tmp_path):
 
 
 def test_minimum_transformers_matches_pyproject():
-    from validators.pipeline.runtime_deps import MIN_TRANSFORMERS
+    from model_infer_kvcache.validators.pipeline.runtime_deps import MIN_TRANSFORMERS
 
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]  # the runtime list, not the [test] extra
@@ -251,8 +251,7 @@ def test_minimum_transformers_matches_pyproject():
 
 def test_too_old_transformers_is_named(monkeypatch):
     import transformers
-
-    from validators.pipeline import runtime_deps as runtime_deps
+    from model_infer_kvcache.validators.pipeline import runtime_deps as runtime_deps
 
     monkeypatch.setattr(transformers, "__version__", "4.40.0")
     why = runtime_deps.missing_dependency("transformers", runtime_deps.MIN_TRANSFORMERS)

@@ -17,9 +17,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 from shared_dirs import upstream_head
-
-from validators.pipeline.request_stream import Scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -213,8 +212,8 @@ MISTAKES = [
 @cache
 def _manifest(family: str, tp: int | None, out: str) -> str:
     """The manifest analyzed once per family (and TP) from the config and the checkout."""
-    from validators.checkout_run import CheckoutRequest
-    from validators.checkout_run.validate import load_or_analyze
+    from model_infer_kvcache.validators.checkout_run import CheckoutRequest
+    from model_infer_kvcache.validators.checkout_run.validate import load_or_analyze
 
     fam = FAMILIES[family]
     root = upstream_head()
@@ -248,7 +247,7 @@ def edited_copy(family: str, edits, dest: Path) -> Path:
 
 
 def validate_copy(family: str, model_file: Path, manifest: str, tp: int | None = None):
-    from validators.checkout_run import CheckoutRequest, validate_checkout
+    from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
     fam = FAMILIES[family]
     return validate_checkout(CheckoutRequest(

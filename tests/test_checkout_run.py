@@ -19,7 +19,7 @@ CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 
 
 def _validate(model: str, config: str, **kw):
-    from validators.checkout_run import CheckoutRequest, validate_checkout
+    from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
     return validate_checkout(CheckoutRequest(str(upstream_head()), model, str(CONFIGS / config), **kw))
 
@@ -88,7 +88,7 @@ def test_qwen3_8b_attention_tp2():
 def _short_stream():
     from dataclasses import replace
 
-    from validators.checkout_run import ENGINE_QUICK
+    from model_infer_kvcache.validators.checkout_run import ENGINE_QUICK
 
     return replace(ENGINE_QUICK, release_requests=1)
 
@@ -186,7 +186,7 @@ def test_unemulated_op_fails_in_one_line(tmp_path):
     copy = _edited_copy(tmp_path, "torch_npu.npu_rms_norm(", "torch_npu.npu_rms_norm_v9(")
     line = next(i for i, t in enumerate(copy.read_text().splitlines(), 1) if "npu_rms_norm_v9" in t)
     out = subprocess.run(
-        [sys.executable, "-m", "kvcache_cli", "validate", "--framework-root", str(upstream_head()),
+        [sys.executable, "-m", "model_infer_kvcache", "validate", "--framework-root", str(upstream_head()),
          "--model", "qwen3_8b", "--config", str(CONFIGS / "qwen3_8b.json"), "--model-file", str(copy),
          "--no-sweep"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 1, out.stderr[-2000:]
@@ -217,7 +217,7 @@ def test_a_model_file_that_does_not_parse_is_named_at_its_line(tmp_path):
 
 
 def test_checkout_scope_restores_the_process():
-    from validators.checkout_run.scope import checkout_scope
+    from model_infer_kvcache.validators.checkout_run.scope import checkout_scope
 
     root = upstream_head().resolve()
     path_before = list(sys.path)
@@ -234,8 +234,8 @@ def test_checkout_scope_restores_the_process():
 
 
 def test_model_resolves_by_directory_and_by_key():
-    from validators.checkout_run.registry import resolve
-    from validators.checkout_run.scope import checkout_scope
+    from model_infer_kvcache.validators.checkout_run.registry import resolve
+    from model_infer_kvcache.validators.checkout_run.scope import checkout_scope
 
     root = upstream_head().resolve()
     with checkout_scope(root):
@@ -260,7 +260,7 @@ def test_model_resolves_by_directory_and_by_key():
 def test_checkout_mode_bad_input_is_one_line_exit_2(argv, flag, tmp_path):
     argv = [a.replace("ROOT", str(upstream_head())).replace("CFG", str(CONFIGS / "qwen3_8b.json")) for a in argv]
     report = tmp_path / "r.json"
-    out = subprocess.run([sys.executable, "-m", "kvcache_cli", "validate", *argv, "--report", str(report)],
+    out = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "validate", *argv, "--report", str(report)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 2, out.stderr[-1500:]
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
@@ -271,7 +271,7 @@ def test_checkout_mode_bad_input_is_one_line_exit_2(argv, flag, tmp_path):
 def test_run_passes_model_through_and_refuses_it_alone(tmp_path):
     """`kvcache run --model` needs --framework-root (exit 2, one line, --out untouched)."""
     out_dir = tmp_path / "out"
-    out = subprocess.run([sys.executable, "-m", "kvcache_cli", "run", "--model", "qwen3_8b", "--out", str(out_dir)],
+    out = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "run", "--model", "qwen3_8b", "--out", str(out_dir)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 2 and "--model" in out.stderr and "Traceback" not in out.stderr
     assert not out_dir.exists()

@@ -7,11 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
+from model_infer_kvcache.analyzer.operators.schemas import EMULATED_OPS
+from model_infer_kvcache.validators.npu_ops import emulated
+from model_infer_kvcache.validators.npu_ops.errors import OpNotEmulatedError
 from shared_dirs import upstream_head
-
-from analyzer.operators.schemas import EMULATED_OPS
-from validators.npu_ops import emulated
-from validators.npu_ops.errors import OpNotEmulatedError
 
 DOC = Path(__file__).resolve().parent.parent / "references" / "emulated_ops.md"
 
@@ -42,7 +41,7 @@ def test_every_listed_module_implements_the_op():
     import inspect
 
     for op, module, *_ in _rows("已仿真的算子"):
-        mod = importlib.import_module(f"validators.npu_ops.{module}")
+        mod = importlib.import_module(f"model_infer_kvcache.validators.npu_ops.{module}")
         fn = emulated.OPS[op]
         if fn.__module__ == mod.__name__:
             continue

@@ -12,9 +12,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
-from validators.docgen.doc_tables import MODEL_KINDS, kind_manifest
-from validators.lint import RULES, lint_source
+from model_infer_kvcache.validators.docgen.doc_tables import MODEL_KINDS, kind_manifest
+from model_infer_kvcache.validators.lint import RULES, lint_source
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "references" / "errors.md"

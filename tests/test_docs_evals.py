@@ -133,8 +133,8 @@ def test_choosing_case_has_distractors_and_out_of_scope_case_expects_a_refusal()
 
 
 def test_analyze_case_expects_what_the_analyzer_decides():
-    from analyzer.build import AnalyzeRequest, analyze
-    from analyzer.decisions_table import decisions_markdown
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
 
     case = by_file("gpt_oss_20b_config.json")
     m = analyze(AnalyzeRequest(config=str(ROOT / case["files"][0]), dispatch="部署模式: 框架部署",
@@ -152,7 +152,7 @@ def test_analyze_case_expects_what_the_analyzer_decides():
 
 
 def test_lint_case_expects_exactly_what_the_linter_finds():
-    from validators.lint import RULES, lint_paths
+    from model_infer_kvcache.validators.lint import RULES, lint_paths
 
     case = by_file("buggy_modeling_qwen3.py")
     report = lint_paths([ROOT / case["files"][0]])
@@ -166,8 +166,8 @@ def test_lint_case_expects_exactly_what_the_linter_finds():
 
 
 def test_report_case_is_a_real_failing_validation_report():
-    from validators.docgen.doc_tables import validation_checks
-    from validators.lint.registry import RULES
+    from model_infer_kvcache.validators.docgen.doc_tables import validation_checks
+    from model_infer_kvcache.validators.lint.registry import RULES
 
     case = by_file("gpt_oss_failing_report.json")
     report = json.loads((ROOT / "evals" / "files" / "gpt_oss_failing_report.json").read_text(encoding="utf-8"))

@@ -24,7 +24,7 @@ _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 _INLINE = re.compile(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)?)`(?!`)")
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 _COMMAND = re.compile(r"\bkvcache ([a-z][a-z-]*)")
-_DOC_TABLES = "python -m validators.docgen.doc_tables"
+_DOC_TABLES = "python -m model_infer_kvcache.validators.docgen.doc_tables"
 
 
 # --------------------------------------------------------------------------- front matter
@@ -126,7 +126,7 @@ def _usage_flags(help_text: str) -> set[str]:
 
 
 def _help_of(command: str) -> str:
-    import kvcache_cli
+    from model_infer_kvcache import cli as kvcache_cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -141,8 +141,9 @@ def _help_of(command: str) -> str:
 @cache
 def command_flags() -> dict[str, frozenset[str]]:
     """Flags of every `kvcache` command (from its --help usage), plus the doc-table checker's."""
-    import kvcache_cli
-    from validators.docgen.doc_tables import build_parser
+    from model_infer_kvcache.validators.docgen.doc_tables import build_parser
+
+    from model_infer_kvcache import cli as kvcache_cli
 
     flags = {name: frozenset(_usage_flags(_help_of(name))) for name in kvcache_cli._commands()}
     flags[_DOC_TABLES] = frozenset(_usage_flags(build_parser().format_help()))
@@ -176,7 +177,7 @@ def invocations(snippet: str) -> list[tuple[str, list[str]]]:
 def test_invocation_parser_reads_commands_flags_and_stops_at_the_next_command():
     snippet = "kvcache analyze --config c.json --out m.json && kvcache render --manifest m.json --out r/"
     assert invocations(snippet) == [("analyze", ["--config", "--out"]), ("render", ["--manifest", "--out"])]
-    assert invocations("python -m validators.docgen.doc_tables --write") == [(_DOC_TABLES, ["--write"])]
+    assert invocations("python -m model_infer_kvcache.validators.docgen.doc_tables --write") == [(_DOC_TABLES, ["--write"])]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())

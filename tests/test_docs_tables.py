@@ -11,9 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from analyzer.manifest import MaskPerPath, PerPath
-from validators.docgen import doc_tables as dt
+from model_infer_kvcache.analyzer.manifest import MaskPerPath, PerPath
+from model_infer_kvcache.validators.docgen import doc_tables as dt
 
 ROOT = dt.ROOT
 
@@ -41,7 +40,7 @@ def _drift(problems: list[str], rel: str, block: str) -> bool:
 
 def test_committed_generated_tables_equal_the_code():
     problems = dt.check_generated(ROOT)
-    assert not problems, "\n".join(problems) + "\n(regenerate: python -m validators.docgen.doc_tables --write)"
+    assert not problems, "\n".join(problems) + "\n(regenerate: python -m model_infer_kvcache.validators.docgen.doc_tables --write)"
 
 
 def test_every_required_block_is_present_where_the_agents_read_it():
@@ -85,8 +84,7 @@ def test_a_removed_or_unknown_block_is_reported(docs_copy: Path):
 
 def test_sparse_rule_change_without_its_table_is_reported(monkeypatch):
     """MLA absorb decode switched to mode 3 in the analyzer, tables untouched: both tables drift."""
-    import analyzer.rules as rules
-
+    import model_infer_kvcache.analyzer.rules as rules
     original = rules.decide_sparse
 
     def changed(attn_type, is_mla, kv_mode):
@@ -102,8 +100,7 @@ def test_sparse_rule_change_without_its_table_is_reported(monkeypatch):
 
 def test_window_rule_change_without_its_table_is_reported(monkeypatch):
     """pre_tokens = W under the default reading (the upstream value): the band column drifts."""
-    import analyzer.rules as rules
-
+    import model_infer_kvcache.analyzer.rules as rules
     original = rules.decide_window_tokens
 
     def upstream(window, reading="exclusive"):
@@ -115,8 +112,8 @@ def test_window_rule_change_without_its_table_is_reported(monkeypatch):
 
 
 def test_fa_version_rule_change_without_its_table_is_reported(monkeypatch):
-    import analyzer.rules as rules
-    from analyzer.rules import Decision
+    import model_infer_kvcache.analyzer.rules as rules
+    from model_infer_kvcache.analyzer.rules import Decision
 
     monkeypatch.setattr(rules, "decide_fa_version", lambda facts, requested=None: Decision("v1", "changed"))
     problems = dt.check_generated(ROOT)
@@ -125,8 +122,7 @@ def test_fa_version_rule_change_without_its_table_is_reported(monkeypatch):
 
 def test_blocker_rule_change_without_its_table_is_reported(monkeypatch):
     """Soft-capping no longer blocks Paged: the Gemma-2 row of the selection table drifts."""
-    import analyzer.rules as rules
-
+    import model_infer_kvcache.analyzer.rules as rules
     original = rules.find_blockers
     monkeypatch.setattr(rules, "find_blockers",
                         lambda facts: [b for b in original(facts) if "soft-capping" not in b.message])
@@ -136,7 +132,7 @@ def test_blocker_rule_change_without_its_table_is_reported(monkeypatch):
 def test_fa_keyword_rename_without_its_table_is_reported(monkeypatch):
     import dataclasses
 
-    from analyzer.operators import fa_facts
+    from model_infer_kvcache.analyzer.operators import fa_facts
 
     renamed = dataclasses.replace(fa_facts.FA_KEYWORDS["v2"], scale="scale")
     monkeypatch.setitem(fa_facts.FA_KEYWORDS, "v2", renamed)
@@ -152,8 +148,7 @@ def test_fa_keyword_rename_without_its_table_is_reported(monkeypatch):
 
 
 def test_generation_change_without_its_table_is_reported(monkeypatch):
-    import validators.harness.generations as gens
-
+    import model_infer_kvcache.validators.harness.generations as gens
     original = gens.get_generation
 
     def g1_keys_by_group(name):
@@ -169,8 +164,8 @@ def test_generation_change_without_its_table_is_reported(monkeypatch):
 def test_every_fa_name_in_the_table_is_accepted_by_its_real_schema():
     from dataclasses import fields
 
-    from analyzer.operators.fa_facts import FA_KEYWORDS
-    from analyzer.operators.schemas import accepted_keywords
+    from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
+    from model_infer_kvcache.analyzer.operators.schemas import accepted_keywords
 
     for version, args in FA_KEYWORDS.items():
         accepted = accepted_keywords(args.op)
@@ -180,7 +175,7 @@ def test_every_fa_name_in_the_table_is_accepted_by_its_real_schema():
 
 def test_model_kind_table_agrees_with_real_configs():
     """The synthetic kinds stand for real models: the analyzer decides the same for the real configs."""
-    from analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     configs = ROOT / "tests" / "fixtures" / "configs"
     pairs = {"gqa": "qwen3_8b", "sliding": "mistral_7b_v01", "mixed_sinks": "gpt_oss_20b", "mixed": "gemma3_4b",
@@ -205,7 +200,7 @@ def test_manifest_doc_documents_every_schema_field():
 
 
 def test_committed_schema_is_what_kvcache_schema_prints():
-    from analyzer.manifest import manifest_json_schema
+    from model_infer_kvcache.analyzer.manifest import manifest_json_schema
 
     committed = json.loads((ROOT / "references" / "manifest.schema.json").read_text(encoding="utf-8"))
     assert committed == manifest_json_schema()
@@ -260,7 +255,7 @@ def test_validation_doc_drift_is_reported(docs_copy: Path, tmp_path: Path):
 
 
 def test_rule_book_has_a_section_per_rule_and_skill_names_only_real_rules():
-    from validators.lint.registry import RULES
+    from model_infer_kvcache.validators.lint.registry import RULES
 
     assert dt.check_rule_book(ROOT) == []
     named = dt.skill_error_table_ids((ROOT / "SKILL.md").read_text(encoding="utf-8"))
@@ -268,7 +263,7 @@ def test_rule_book_has_a_section_per_rule_and_skill_names_only_real_rules():
 
 
 def test_new_rule_without_a_rule_book_entry_is_reported(monkeypatch):
-    from validators.lint.registry import RULES, Rule
+    from model_infer_kvcache.validators.lint.registry import RULES, Rule
 
     monkeypatch.setitem(RULES, "KV901", Rule("KV901", "new-rule", "a new rule", "m", "h"))
     problems = dt.check_rule_book(ROOT)

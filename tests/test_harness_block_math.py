@@ -7,15 +7,14 @@ import types
 
 import pytest
 import torch
-
-from analyzer.kv_cache_spec import sliding_blocks_per_request
-from validators.harness import (
+from model_infer_kvcache.analyzer.kv_cache_spec import sliding_blocks_per_request
+from model_infer_kvcache.validators.harness import (
     calculate_block_num,
     get_generation,
     kv_cache_bytes,
     set_emulated_mem_info,
 )
-from validators.harness.cache_utils import framework_calculate_block_num
+from model_infer_kvcache.validators.harness.cache_utils import framework_calculate_block_num
 
 MiB = 1024 * 1024
 

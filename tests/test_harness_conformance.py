@@ -17,11 +17,10 @@ import types
 
 import pytest
 import torch
+from model_infer_kvcache.validators.harness import FrameworkAPI, install_framework, set_emulated_mem_info
+from model_infer_kvcache.validators.standins import device_standins
+from model_infer_kvcache.validators.standins.third_party import absent_third_party
 from shared_dirs import upstream_head, upstream_history
-
-from validators.harness import FrameworkAPI, install_framework, set_emulated_mem_info
-from validators.standins import device_standins
-from validators.standins.third_party import absent_third_party
 
 COMMITS = {"f0b0fde": "G0", "2c2336a": "G1", "48a59dc": "G2", "HEAD": "G3"}
 
@@ -406,7 +405,7 @@ def test_the_comparison_has_teeth_old_sliding_layout_at_head(pair):
     # The G3 harness with G2's layout rule: build its managers with prefill_extra_tokens=0.
     import functools
 
-    from validators.harness import managers
+    from model_infer_kvcache.validators.harness import managers
 
     old.harness.create_single_type_managers = functools.partial(
         managers.create_single_type_managers, prefill_extra_tokens=0, manager_map=managers.ATTN_TYPE_MANAGER_MAP_G3)

@@ -9,10 +9,9 @@ checkout.
 from __future__ import annotations
 
 import pytest
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
 from shared_dirs import upstream_head, upstream_history
 from validators_support import QUICK, render_case
-
-from validators.pipeline.validate import ValidateRequest, validate
 
 COMMITS = [("f0b0fde", "G0"), ("2c2336a", "G1"), ("48a59dc", "G2"), ("HEAD", "G2")]  # commit, render API
 FAMILIES = ["qwen3_8b", "gpt_oss_20b", "deepseek_v3"]

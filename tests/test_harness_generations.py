@@ -5,20 +5,19 @@ import textwrap
 
 import pytest
 import torch
-
-from validators.harness import (
+from model_infer_kvcache.validators.harness import (
     ForwardMetaData,
     detect_generation_from_classes,
     detect_generation_from_source,
     get_generation,
     get_init_attn_mask,
 )
-from validators.harness.forward_metadata import (
+from model_infer_kvcache.validators.harness.forward_metadata import (
     get_forward_metadata,
     reset_forward_metadata,
     set_forward_metadata,
 )
-from validators.harness.generations import field_names
+from model_infer_kvcache.validators.harness.generations import field_names
 
 
 def _defaults(cls):

@@ -6,8 +6,7 @@ import types
 
 import pytest
 import torch
-
-from validators.harness import (
+from model_infer_kvcache.validators.harness import (
     FrameworkAPI,
     FrameworkImportError,
     Scheduler,
@@ -143,7 +142,7 @@ def fake_checkout(tmp_path):
     # The managers / utilities are borrowed from the harness so the checkout is runnable here.
     _write(root / "executor" / "core" / "kv_cache" / "__init__.py", """
         from .cache_info import CacheEntry, LayerCacheInfo, ModelCacheInfo
-        from validators.harness.install import build_harness_modules as _build
+        from model_infer_kvcache.validators.harness.install import build_harness_modules as _build
         _h = _build("G1")["executor.core.kv_cache"]
         KVCacheManager = _h.KVCacheManager
         create_single_type_managers = _h.create_single_type_managers

@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-
-from validators.harness import (
+from model_infer_kvcache.validators.harness import (
     BlockPool,
     FullAttentionManager,
     KVCacheManager,

@@ -7,9 +7,8 @@ the harness changes the generated tokens.
 
 import pytest
 import torch
-
-from validators.harness import Scheduler, SchedulerStall, read_positions
-from validators.harness.toy_model import ToyLayerSpec, ToyModel
+from model_infer_kvcache.validators.harness import Scheduler, SchedulerStall, read_positions
+from model_infer_kvcache.validators.harness.toy_model import ToyLayerSpec, ToyModel
 
 MIXED = [
     ToyLayerSpec("FullAttention", block_size=4),
@@ -270,7 +269,7 @@ def test_decode_admission_skips_a_request_that_cannot_grow_from_g1_on(gen, decod
     # 5 blocks of 4 tokens (4 usable besides the null block), all taken by the prefill:
     # request 0 (2 tokens) and request 2 (3 tokens) can decode within their block; request 1
     # (8 tokens, two full blocks) needs a third block and cannot grow.
-    from validators.harness import get_generation
+    from model_infer_kvcache.validators.harness import get_generation
 
     g = get_generation(gen)
     kwargs = {"block_size": 4} if g.name in ("G2", "G3") else {}

@@ -6,12 +6,11 @@ import sys
 
 import pytest
 import torch
+from model_infer_kvcache.validators.harness import FrameworkAPI, Scheduler, install_framework
+from model_infer_kvcache.validators.npu_ops import install_emulation
+from model_infer_kvcache.validators.standins import NotStoodInError, device_standins, standins_active
+from model_infer_kvcache.validators.standins.third_party import absent_third_party
 from shared_dirs import upstream_head, upstream_history
-
-from validators.harness import FrameworkAPI, Scheduler, install_framework
-from validators.npu_ops import install_emulation
-from validators.standins import NotStoodInError, device_standins, standins_active
-from validators.standins.third_party import absent_third_party
 
 NAMES = ("torch_npu", "torchair", "torch.npu", "torchair.ops", "torch_npu.npu")
 
@@ -117,7 +116,7 @@ def test_absent_third_party_stands_in_only_for_what_is_missing_and_leaves_no_tra
     an installed module is never replaced; everything registered is gone afterwards."""
     import importlib.util
 
-    from validators.standins import third_party
+    from model_infer_kvcache.validators.standins import third_party
 
     monkeypatch.setattr(third_party, "OPTIONAL_THIRD_PARTY", {"kvcache_no_such_pkg": "a test feature",
                                                                "json": "installed: never replaced"})

@@ -12,8 +12,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from validators.harness import KVCacheManager, check_pool_invariants, get_generation
+from model_infer_kvcache.validators.harness import KVCacheManager, check_pool_invariants, get_generation
 
 FULL_BS, SLIDING_BS, LATENT_BS = 4, 2, 8
 

@@ -5,8 +5,12 @@ import inspect
 
 import pytest
 import torch
-
-from validators.harness import Scheduler, get_generation, install_framework, slot_mapping_for
+from model_infer_kvcache.validators.harness import (
+    Scheduler,
+    get_generation,
+    install_framework,
+    slot_mapping_for,
+)
 
 
 def _entries(gen, attn, *, window=None, **g2):

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from validators.harness import (
+from model_infer_kvcache.validators.harness import (
     CacheInfoError,
     KVCacheManager,
     allocate_cache_tensors,
@@ -154,7 +153,7 @@ def test_g3_cache_layout_shapes_and_unknown_layouts_refused():
 
 
 def test_g3_mamba_entries_need_the_g3_manager_map():
-    from validators.harness.managers import ATTN_TYPE_MANAGER_MAP_G3
+    from model_infer_kvcache.validators.harness.managers import ATTN_TYPE_MANAGER_MAP_G3
 
     state = G2.MambaCacheEntry(cache_name="ssm", dtype=torch.float32, needs_block=True, shape=[2, 3],
                                tensor_setter=lambda t: None)

@@ -17,12 +17,11 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.manifest_io import load_manifest
-from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, INT32_MAX
-from analyzer.operators.schemas import accepted_keywords, op_schema
-from implementer.render import render_manifest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.manifest_io import load_manifest
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, INT32_MAX
+from model_infer_kvcache.analyzer.operators.schemas import accepted_keywords, op_schema
+from model_infer_kvcache.implementer.render import render_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 FA_OPS = (FA_OPS["v1"], FA_OPS["v2"])
@@ -443,9 +442,9 @@ def test_g0_renders_have_model_level_block_size_and_no_mla_flag(config):
 
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_init_sets_each_layers_kind_window_and_band_from_the_manifest(case_id):
-    from validators.harness import install_framework
-    from validators.npu_ops import install_emulation
-    from validators.pipeline.host_model import import_rendered
+    from model_infer_kvcache.validators.harness import install_framework
+    from model_infer_kvcache.validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 
     m = manifest(case_id)
     framework = install_framework(m.framework_api) if m.deploy_mode.value == "framework" else None

@@ -10,15 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from analyzer.errors import InputError
-from analyzer.manifest import SelectionManifest
-from analyzer.manifest_io import load_manifest
-from analyzer.version import __version__
-from implementer import cli as render_cli
-from implementer import render as render_mod
-from implementer.render import Rendered, render_manifest, write_rendered
-from implementer.template_context import Names, build_context
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.manifest_io import load_manifest
+from model_infer_kvcache.analyzer.version import __version__
+from model_infer_kvcache.implementer import cli as render_cli
+from model_infer_kvcache.implementer import render as render_mod
+from model_infer_kvcache.implementer.render import Rendered, render_manifest, write_rendered
+from model_infer_kvcache.implementer.template_context import Names, build_context
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -223,7 +222,7 @@ def _manifest_with(source: Path, edit) -> SelectionManifest:
 
 
 def test_linear_attention_layers_get_a_clear_message():
-    from analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     m = analyze(AnalyzeRequest(config=str(ROOT / "tests" / "fixtures" / "configs" / "qwen3_next.json")))
     with pytest.raises(InputError) as info:
@@ -292,7 +291,7 @@ def test_same_manifest_gives_byte_identical_files(tmp_path, capsys):
     assert _snapshot(tmp_path / "a") == _snapshot(tmp_path / "b")
     # Another process with another hash seed (set/dict order) gives the same bytes too.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    subprocess.run([sys.executable, "-m", "implementer", "--manifest", str(GPT_OSS), "--out", str(tmp_path / "c")],
+    subprocess.run([sys.executable, "-m", "model_infer_kvcache.implementer", "--manifest", str(GPT_OSS), "--out", str(tmp_path / "c")],
                    check=True, capture_output=True, cwd=ROOT, env=env, timeout=120)
     assert _run(capsys, "--manifest", GPT_OSS, "--out", tmp_path / "d")[0] == 0
     assert _snapshot(tmp_path / "c") == _snapshot(tmp_path / "d")

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from analyzer.manifest_io import load_manifest
+from model_infer_kvcache.analyzer.manifest_io import load_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 HINT = "if the change is intended, run `python tests/golden/regenerate.py` and review the diff"

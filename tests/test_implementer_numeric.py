@@ -234,10 +234,10 @@ def default_prompts(manifest) -> tuple[int, ...]:
 
 
 def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
-    from analyzer.manifest_io import load_manifest
-    from validators.harness import FrameworkAPI, Scheduler, install_framework
-    from validators.npu_ops import install_emulation
-    from validators.pipeline.host_model import import_rendered
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.validators.harness import FrameworkAPI, Scheduler, install_framework
+    from model_infer_kvcache.validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 
     manifest = load_manifest(case.dir / golden.MANIFEST_FILE)
     prompts = prompts or default_prompts(manifest)
@@ -268,9 +268,9 @@ def run_framework(case, prompts=None, check=None) -> list[tuple[str, float]]:
 
 
 def run_standalone(case, prompts=None) -> list[tuple[str, float]]:
-    from analyzer.manifest_io import load_manifest
-    from validators.npu_ops import install_emulation
-    from validators.pipeline.host_model import import_rendered
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 
     manifest = load_manifest(case.dir / golden.MANIFEST_FILE)
     prompts = prompts or default_prompts(manifest)
@@ -355,9 +355,9 @@ def test_framework_sliding_prefill_of_two_long_prompts_in_one_step():
 
 def test_legacy_standalone_runner_matches_dense_reference():
     """Mode 1 (contiguous BSH cache, scatter_update_ at the runner's kv_len) with per-kind bands."""
-    from analyzer.manifest_io import load_manifest
-    from validators.npu_ops import install_emulation
-    from validators.pipeline.host_model import import_rendered
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 
     case = _case("gemma2_legacy", "standalone")
     manifest = load_manifest(case.dir / golden.MANIFEST_FILE)
@@ -393,9 +393,9 @@ def test_legacy_standalone_runner_matches_dense_reference():
 @pytest.mark.parametrize("reading", ["inclusive"])  # 'exclusive' is the goldens' reading, tested above
 def test_window_offset_follows_the_manifests_reading(tmp_path, reading):
     """pre_tokens = W - WINDOW_PRE_TOKENS_OFFSET admits W keys under the reading the manifest was made for."""
-    from analyzer.build import AnalyzeRequest, analyze
-    from implementer.render import render_manifest, write_rendered
-    from validators.npu_ops import DeviceReadings, device_readings
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings, device_readings
 
     m = analyze(AnalyzeRequest(config=str(ROOT / "tests" / "fixtures" / "configs" / "gpt_oss_20b.json"),
                                deploy_mode="standalone", window_reading=reading))

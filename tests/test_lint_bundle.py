@@ -10,9 +10,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
-from analyzer.operators.fa_facts import FA_KEYWORDS
-from validators.lint import lint_paths, lint_source
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
+from model_infer_kvcache.validators.lint import lint_paths, lint_source
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
@@ -30,14 +29,14 @@ RENDER_MATRIX = [
 
 @cache
 def _manifest(config: str, deploy: str, gen: str | None):
-    from analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     return analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"), deploy_mode=deploy, framework_api=gen))
 
 
 @cache
 def _rendered(config: str, deploy: str, gen: str | None) -> dict[str, str]:
-    from implementer.render import render_manifest
+    from model_infer_kvcache.implementer.render import render_manifest
 
     files = render_manifest(_manifest(config, deploy, gen)).files
     return {name: text for name, text in files.items() if name.endswith(".py")}
@@ -45,7 +44,7 @@ def _rendered(config: str, deploy: str, gen: str | None) -> dict[str, str]:
 
 def test_bundle_code_is_clean():
     paths = [ROOT / p for p in ("analyzer", "implementer", "validators", "templates", "benchmarks", "examples",
-                                "kvcache_cli.py") if (ROOT / p).exists()]
+                                "model_infer_kvcache") if (ROOT / p).exists()]
     report = lint_paths(paths)
     assert not report.errors, report.errors
     assert [f.to_text() for f in report.findings] == []
@@ -137,8 +136,8 @@ def test_mutated_rendered_code_is_caught(config, gen):
 
 def _golden_manifest(py: Path):
     """A manifest JSON next to a golden file (or in a parent under tests/golden/), if any."""
-    from analyzer.errors import InputError
-    from analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
 
     for folder in [py.parent, *py.parent.parents]:
         for candidate in sorted(folder.glob("*.json")):

@@ -1,4 +1,4 @@
-"""`kvcache lint` / `python -m validators lint`: output formats, exit codes, suppression, selection."""
+"""`kvcache lint` / `python -m model_infer_kvcache.validators lint`: output formats, exit codes, suppression, selection."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 import types
 from pathlib import Path
 
+import model_infer_kvcache.validators.__main__ as validators_main
 import pytest
+from model_infer_kvcache.validators.lint import RULES, lint_paths, lint_source
+from model_infer_kvcache.validators.lint.cli import main as lint_main
 
-import kvcache_cli
-import validators.__main__ as validators_main
-from validators.lint import RULES, lint_paths, lint_source
-from validators.lint.cli import main as lint_main
+from model_infer_kvcache import cli as kvcache_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "lint"
@@ -173,7 +173,7 @@ def test_kvcache_entry_point_routes_to_lint(capsys):
 
 
 def test_python_dash_m_validators_lint():
-    proc = subprocess.run([sys.executable, "-m", "validators", "lint", str(BAD_201), "--format", "json"],
+    proc = subprocess.run([sys.executable, "-m", "model_infer_kvcache.validators", "lint", str(BAD_201), "--format", "json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert [item["rule"] for item in json.loads(proc.stdout)] == ["KV201"]
@@ -181,9 +181,9 @@ def test_python_dash_m_validators_lint():
 
 def test_validators_main_routes_validate_with_its_own_arguments(monkeypatch):
     seen = {}
-    fake = types.ModuleType("validators.cli")
+    fake = types.ModuleType("model_infer_kvcache.validators.cli")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(sys.modules, "validators.cli", fake)
+    monkeypatch.setitem(sys.modules, "model_infer_kvcache.validators.cli", fake)
     assert validators_main.main(["validate", "--manifest", "m.json"]) == 0
     assert seen["argv"] == ["--manifest", "m.json"]  # the subcommand name is consumed, not passed on
 
@@ -191,12 +191,12 @@ def test_validators_main_routes_validate_with_its_own_arguments(monkeypatch):
 @pytest.mark.parametrize("argv", [[], ["--manifest", "m.json"], ["lnit"]])
 def test_validators_main_refuses_a_missing_or_unknown_command(monkeypatch, capsys, argv):
     """No implicit `validate`: whatever is not a known subcommand is one line, exit 2, and runs nothing."""
-    fake = types.ModuleType("validators.cli")
+    fake = types.ModuleType("model_infer_kvcache.validators.cli")
     fake.main = lambda argv: pytest.fail("validate must not run")
-    monkeypatch.setitem(sys.modules, "validators.cli", fake)
+    monkeypatch.setitem(sys.modules, "model_infer_kvcache.validators.cli", fake)
     assert validators_main.main(argv) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.startswith("error: python -m validators: ")
+    assert out == "" and err.count("\n") == 1 and err.startswith("error: python -m model_infer_kvcache.validators: ")
     assert "lint, validate, probe" in err
 
 
@@ -211,7 +211,7 @@ def test_readme_rule_table_matches_registry():
 def test_lint_reads_real_schemas_without_importing_torch():
     """KV103 uses the committed torch_npu schemas; loading them must not pull in torch (speed)."""
     code = (
-        "import sys; from validators.lint import lint_paths, ops; "
+        "import sys; from model_infer_kvcache.validators.lint import lint_paths, ops; "
         f"r = lint_paths([{str(FIXTURES / 'kv103_unknown_keyword_bad.py')!r}]); "
         "print(sorted({f.rule for f in r.findings}), ops.schemas_available(), 'torch' in sys.modules)"
     )

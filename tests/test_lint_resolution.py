@@ -8,8 +8,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
-from validators.lint import lint_source
+from model_infer_kvcache.validators.lint import lint_source
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 
@@ -26,7 +25,7 @@ def line_of(source: str, text: str, nth: int = 1) -> int:
 
 @cache
 def manifest(config: str, gen: str = "G2", deploy: str | None = None):
-    from analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     return analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"), framework_api=gen, deploy_mode=deploy))
 

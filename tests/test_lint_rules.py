@@ -13,8 +13,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-
-from validators.lint import RULES, lint_paths
+from model_infer_kvcache.validators.lint import RULES, lint_paths
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lint"
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -26,7 +25,7 @@ BAD = sorted(FIXTURES.glob("*_bad.py"))
 
 @cache
 def manifest_for(config: str, gen: str):
-    from analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     return analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"), framework_api=gen))
 

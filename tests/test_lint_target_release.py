@@ -8,10 +8,9 @@ README / requirements name. Each case is a tiny model folder of our making.
 from __future__ import annotations
 
 import pytest
-
-from analyzer.operators.schemas import RELEASES, releases_accepting
-from validators.lint import lint_paths
-from validators.lint.target_release import nearest_committed, target_for
+from model_infer_kvcache.analyzer.operators.schemas import RELEASES, releases_accepting
+from model_infer_kvcache.validators.lint import lint_paths
+from model_infer_kvcache.validators.lint.target_release import nearest_committed, target_for
 
 CALL = '''import torch_npu
 

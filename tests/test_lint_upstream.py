@@ -8,9 +8,8 @@ is linted (the twelve of the pinned commit). Skips (with the path) when the shar
 from __future__ import annotations
 
 import pytest
+from model_infer_kvcache.validators.lint import lint_paths
 from shared_dirs import upstream_head
-
-from validators.lint import lint_paths
 
 MODELS = ["qwen", "qwen3_moe", "gpt_oss", "deepseek_r1", "pangu_7b", "kimi_k2_thinking", "deepseek_v3_2_exp",
           "bailing_2_5", "qwen3_5", "gemma_4", "hy3", "longcat_flash"]

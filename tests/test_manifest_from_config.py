@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.errors import InputError
-from validators.pipeline.provenance import config_mismatches
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.validators.pipeline.provenance import config_mismatches
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 ALL = sorted(p.stem for p in CONFIGS.glob("*.json"))
@@ -91,7 +90,7 @@ def test_kvcache_run_passes_when_the_window_covers_the_context(tmp_path):
     config = {**_config("mistral_7b_v01"), "sliding_window": 32768, "max_position_embeddings": 32768}
     path = tmp_path / "ministral.json"
     path.write_text(json.dumps(config), encoding="utf-8")
-    run = subprocess.run([sys.executable, "-m", "kvcache_cli", "run", "--config", str(path), "--out",
+    run = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "run", "--config", str(path), "--out",
                           str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.memory import GIB
-from validators.harness import calculate_block_num, get_generation
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.memory import GIB
+from model_infer_kvcache.validators.harness import calculate_block_num, get_generation
 
 CONFIGS = "tests/fixtures/configs"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

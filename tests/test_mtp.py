@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.manifest_io import load_manifest
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import QUICK
 from torch import nn
-
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.manifest_io import load_manifest
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import QUICK
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "deepseek_v3"
@@ -48,11 +47,15 @@ def _old_render(mode: str, tmp_path: Path) -> Path:
 
 def _spec_stream(rendered: Path) -> Report:
     """Only the speculative-decode stream of `kvcache validate`, on the emulated backend."""
-    from validators.npu_ops import install_emulation
-    from validators.pipeline import spec_decode as spec_decode
-    from validators.pipeline.host_model import HostModel, import_rendered
-    from validators.pipeline.tiny_model import build_tiny_model
-    from validators.pipeline.validate import _TRANSFORMERS_EAGER, ValidateRequest, _framework
+    from model_infer_kvcache.validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.pipeline import spec_decode as spec_decode
+    from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
+    from model_infer_kvcache.validators.pipeline.tiny_model import build_tiny_model
+    from model_infer_kvcache.validators.pipeline.validate import (
+        _TRANSFORMERS_EAGER,
+        ValidateRequest,
+        _framework,
+    )
 
     manifest = load_manifest(rendered / "manifest.json")
     for name in _TRANSFORMERS_EAGER:
@@ -66,13 +69,13 @@ def _spec_stream(rendered: Path) -> Report:
         host = HostModel(model, import_rendered(rendered), is_mla=True, window=plan.window,
                          block_size=manifest.block_size)
         if handle is not None:
-            from validators.harness import FrameworkAPI, Scheduler
+            from model_infer_kvcache.validators.harness import FrameworkAPI, Scheduler
 
             sched = Scheduler(host.get_cache_info(), max_model_len=200, max_concurrency=4, api=FrameworkAPI.from_handle(handle),
                               generation=handle.generation)
             spec_decode.run_framework_stream(report, manifest, host, ref, sched, 0, 512, QUICK.watchdog("test"))
         else:
-            from validators.pipeline.standalone_run import _poison_row
+            from model_infer_kvcache.validators.pipeline.standalone_run import _poison_row
 
             runner = type("Runner", (host.rendered.runner_mixin(),), {})()
             runner._init_kvcache(host.attentions, 4, 200, cache_dtype=torch.float32)
@@ -112,9 +115,9 @@ class _Layer(nn.Module):
 @pytest.mark.parametrize("container", ["ModuleDict", "ModuleList", "list", "dict"])
 def test_get_cache_info_walks_every_layer_container(container):
     """Upstream's MTP model keeps its layers in nn.ModuleDict (keys "61", ...); iterating it yields keys."""
-    from validators.harness import install_framework
-    from validators.npu_ops import install_emulation
-    from validators.pipeline.host_model import import_rendered
+    from model_infer_kvcache.validators.harness import install_framework
+    from model_infer_kvcache.validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 
     with install_emulation(), install_framework("G2", None) as handle:
         rendered = import_rendered(GOLDEN / "framework_g2")
@@ -163,8 +166,8 @@ def _write(config: dict) -> str:
 
 
 def test_scheduler_verify_step_conventions_and_rollback():
-    from validators.harness import Scheduler
-    from validators.harness.toy_model import ToyLayerSpec, ToyModel
+    from model_infer_kvcache.validators.harness import Scheduler
+    from model_infer_kvcache.validators.harness.toy_model import ToyLayerSpec, ToyModel
 
     model = ToyModel([ToyLayerSpec("FullAttention", block_size=4)], generation="G2")
     sched = Scheduler(model.get_cache_info(), max_model_len=40, max_concurrency=2)
@@ -196,7 +199,7 @@ def test_scheduler_verify_step_conventions_and_rollback():
 
 @pytest.mark.parametrize("mode", ["framework_g1", "framework_g2", "standalone"])
 def test_lint_flags_the_old_decode_and_passes_the_render(mode, tmp_path):
-    from validators.lint import lint_paths
+    from model_infer_kvcache.validators.lint import lint_paths
 
     manifest = load_manifest(GOLDEN / mode / "manifest.json")
     assert manifest.mtp is not None
@@ -209,8 +212,8 @@ def test_lint_flags_the_old_decode_and_passes_the_render(mode, tmp_path):
 
 
 def test_render_refuses_an_mtp_plan_it_cannot_render():
-    from analyzer.errors import InputError
-    from implementer.render import render_manifest
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.implementer.render import render_manifest
 
     manifest = load_manifest(GOLDEN / "framework_g2" / "manifest.json")
     unmasked = manifest.model_copy(update={"mtp": manifest.mtp.model_copy(update={"decode_mask": "none"})})

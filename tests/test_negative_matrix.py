@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from model_infer_kvcache.validators.lint import RULES, lint_paths
 from validators_support import ROOT, check, mutate, render_case, run_validate
-
-from validators.lint import RULES, lint_paths
 
 pytestmark = pytest.mark.slow
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from model_infer_kvcache.validators.npu_ops import emulated, fa_core
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError
 
 # tests/ is not a package: pytest puts its directory on sys.path.
 from test_npu_ops_reference import (
@@ -20,9 +22,6 @@ from test_npu_ops_reference import (
     split_padded,
     to_batch_layout,
 )
-
-from validators.npu_ops import emulated, fa_core
-from validators.npu_ops.errors import NpuOpError
 
 TOL = 1e-5
 PACKED = {"TND": ("TND", "TND"), "NTD": ("NTD", "NTD"), "NTD_TND": ("NTD", "TND"), "TND_NTD": ("TND", "NTD")}

@@ -6,11 +6,10 @@ import importlib
 import sys
 import textwrap
 
+import model_infer_kvcache.validators.npu_ops as npu_ops
 import pytest
 import torch
-
-import validators.npu_ops as npu_ops
-from validators.npu_ops import backend, emulated, install_emulation, load
+from model_infer_kvcache.validators.npu_ops import backend, emulated, install_emulation, load
 
 MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 

@@ -11,11 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as hf_rotary
-
-from validators.npu_ops import (
+from model_infer_kvcache.validators.npu_ops import (
     DeviceReadings,
     NotEmulatedError,
     NpuOpError,
@@ -25,7 +21,10 @@ from validators.npu_ops import (
     emulated,
     install_emulation,
 )
-from validators.standins import NotStoodInError, device_standins
+from model_infer_kvcache.validators.standins import NotStoodInError, device_standins
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as hf_rotary
 
 GEN = torch.Generator().manual_seed(0)
 ops = SimpleNamespace(**emulated.OPS)
@@ -314,7 +313,7 @@ def test_finalize_skip1_without_skip2_follows_the_device_reading(reading):
 def test_consulted_questions_nest_and_each_block_keeps_its_own():
     """An inner block sees only what was consulted inside it; the outer keeps collecting after the inner ends
     (also when both sets hold the same questions when the inner one closes)."""
-    from validators.npu_ops.readings import consult
+    from model_infer_kvcache.validators.npu_ops.readings import consult
 
     with consulted_questions() as outer:
         consult("finalize_skip1_alone")

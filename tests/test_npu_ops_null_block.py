@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from validators.npu_ops import DeviceReadings, NpuOpError, device_readings, emulated
-from validators.npu_ops.null_block import NULL_BLOCK_ID, declared, paged_caches
-from validators.npu_ops.readings import _ALLOWED
+from model_infer_kvcache.validators.npu_ops import DeviceReadings, NpuOpError, device_readings, emulated
+from model_infer_kvcache.validators.npu_ops.null_block import NULL_BLOCK_ID, declared, paged_caches
+from model_infer_kvcache.validators.npu_ops.readings import _ALLOWED
 
 BN, BS, N, D = 4, 4, 2, 8
 

@@ -6,14 +6,19 @@ import math
 
 import pytest
 import torch
+from model_infer_kvcache.validators.npu_ops import (
+    DEFAULT_READINGS,
+    DeviceReadings,
+    active_readings,
+    device_readings,
+    emulated,
+)
 from test_npu_ops_reference import (  # tests/ is on sys.path (not a package)
     MASK_2048,
     build_paged,
     make_case,
     ref_attention,
 )
-
-from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, active_readings, device_readings, emulated
 
 EXCLUSIVE_HONOURED = DeviceReadings()
 INCLUSIVE = DeviceReadings(window_pre_tokens="inclusive")
@@ -166,7 +171,7 @@ def test_the_questions_table_lists_every_question_with_its_readings_default_firs
     import re
     from pathlib import Path
 
-    from analyzer.device_questions import QUESTIONS
+    from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 
     doc = (Path(__file__).resolve().parent.parent / "references" / "device_questions.md").read_text("utf-8")
     rows = {m.group(1): [r.strip().strip("`") for r in m.group(2).split("/")]

@@ -14,8 +14,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-
-from analyzer.operators.fa_facts import INT32_MAX as INT_MAX
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX as INT_MAX
 
 MASK_2048 = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 

@@ -10,11 +10,9 @@ import re
 import pytest
 import torch
 import yaml
-from shared_dirs import torch_npu_files
-
-from analyzer.operators.extract_schemas import extract
-from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, ROLES, keywords_of
-from analyzer.operators.schemas import (
+from model_infer_kvcache.analyzer.operators.extract_schemas import extract
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, ROLES, keywords_of
+from model_infer_kvcache.analyzer.operators.schemas import (
     EMULATED_OPS,
     accepted_keywords,
     count_returns,
@@ -22,7 +20,8 @@ from analyzer.operators.schemas import (
     parse_func_schema,
     schema_default_to_python,
 )
-from validators.npu_ops import emulated
+from model_infer_kvcache.validators.npu_ops import emulated
+from shared_dirs import torch_npu_files
 
 
 def test_schema_file_covers_every_emulated_op():
@@ -148,7 +147,7 @@ def _wheel_files():
 
 
 def test_committed_json_equals_fresh_extraction_from_wheel_yaml(tmp_path):
-    from analyzer.operators.extract_schemas import main
+    from model_infer_kvcache.analyzer.operators.extract_schemas import main
 
     out = tmp_path / "schemas.json"
     assert main([str(_wheel_files()), "--out", str(out)]) == 0
@@ -236,7 +235,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("op", sorted(MODEL_OP_CALLS))
 def test_model_op_dispatches_through_torch_ops_npu_with_the_pinned_schema(op):
-    from validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.npu_ops import install_emulation
 
     state = torch.random.get_rng_state()  # both calls draw the same random inputs
     with install_emulation():

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from analyzer.operators.fa_facts import keywords_of
-from validators.npu_ops import NotEmulatedError, NpuOpError, emulated
+from model_infer_kvcache.analyzer.operators.fa_facts import keywords_of
+from model_infer_kvcache.validators.npu_ops import NotEmulatedError, NpuOpError, emulated
 
 MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 V1 = emulated.npu_fused_infer_attention_score

@@ -9,10 +9,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from model_infer_kvcache.validators.npu_ops import OpNotEmulatedError
+from model_infer_kvcache.validators.standins import device_standins
 from shared_dirs import upstream_head
-
-from validators.npu_ops import OpNotEmulatedError
-from validators.standins import device_standins
 
 
 @pytest.fixture

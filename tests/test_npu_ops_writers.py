@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
+from model_infer_kvcache.validators.npu_ops import NotEmulatedError, NpuOpError, emulated, nz_view
 from test_npu_ops_reference import MASK_2048, ref_attention  # tests/ is on sys.path (not a package)
-
-from validators.npu_ops import NotEmulatedError, NpuOpError, emulated, nz_view
 
 
 def expect(argument, fn, *args, **kwargs):

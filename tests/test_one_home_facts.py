@@ -14,19 +14,19 @@ import ast
 import textwrap
 from pathlib import Path
 
+import model_infer_kvcache.validators.__main__ as validators_main
 import pytest
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
+from model_infer_kvcache.analyzer.framework_checkout import GENERATIONS
 
-import kvcache_cli
-import validators.__main__ as validators_main
-from analyzer.device_questions import QUESTIONS
-from analyzer.framework_checkout import GENERATIONS
+from model_infer_kvcache import cli as kvcache_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("analyzer", "implementer", "validators")
 
 
 def _sources() -> dict[str, ast.Module]:
-    files = [p for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py"))] + [ROOT / "kvcache_cli.py"]
+    files = [p for d in SOURCE_DIRS for p in sorted((ROOT / d).rglob("*.py"))] + [ROOT / "model_infer_kvcache" / "cli.py"]
     trees = {p.relative_to(ROOT).as_posix(): ast.parse(p.read_text(encoding="utf-8")) for p in files}
     assert len(trees) > 50 and "analyzer/kv_cache_spec.py" in trees  # the walk really covered the packages
     return trees
@@ -115,12 +115,12 @@ def test_block_math_has_one_home():
 
 
 def test_analyzer_and_harness_size_pools_with_the_same_specs():
-    from analyzer import kv_cache_spec, memory
-    from validators.harness import cache_utils
+    from model_infer_kvcache.analyzer import kv_cache_spec, memory
+    from model_infer_kvcache.validators.harness import cache_utils
 
     for module in (memory, cache_utils):
-        imported = {alias.name for node in ast.walk(SOURCES[f"{module.__name__.replace('.', '/')}.py"])
-                    if isinstance(node, ast.ImportFrom) and node.module == "analyzer.kv_cache_spec"
+        imported = {alias.name for node in ast.walk(SOURCES[f"{module.__name__.removeprefix('model_infer_kvcache.').replace('.', '/')}.py"])
+                    if isinstance(node, ast.ImportFrom) and node.module == "model_infer_kvcache.analyzer.kv_cache_spec"
                     for alias in node.names}
         assert {"FullAttentionSpec", "SlidingWindowSpec", "fixed_bytes", "max_tokens_in"} <= imported, module
     assert cache_utils.FIXED_BLOCK_ATTN_TYPES is kv_cache_spec.FIXED_BLOCK_ATTN_TYPES
@@ -313,15 +313,15 @@ def _call(fn, argv, capsys) -> tuple[int, str, str]:
 
 
 def _every_command():
-    from analyzer.operators.extract_schemas import main as extract_main
-    from validators.docgen.doc_tables import main as doc_tables_main
+    from model_infer_kvcache.analyzer.operators.extract_schemas import main as extract_main
+    from model_infer_kvcache.validators.docgen.doc_tables import main as doc_tables_main
 
     out = [(f"kvcache {name}", lambda argv, name=name: kvcache_cli.main([name, *argv]))
            for name in kvcache_cli._commands()]
-    out += [(f"python -m validators {name}", lambda argv, name=name: validators_main.main([name, *argv]))
+    out += [(f"python -m model_infer_kvcache.validators {name}", lambda argv, name=name: validators_main.main([name, *argv]))
             for name in validators_main._commands()]
-    out += [("python -m validators.docgen.doc_tables", doc_tables_main),
-            ("python -m analyzer.operators.extract_schemas", extract_main)]
+    out += [("python -m model_infer_kvcache.validators.docgen.doc_tables", doc_tables_main),
+            ("python -m model_infer_kvcache.analyzer.operators.extract_schemas", extract_main)]
     return out
 
 
@@ -334,7 +334,7 @@ def test_every_command_usage_error_is_one_line_exit_2(prog, main, capsys):
     assert code == 0 and out.startswith("usage: ") and err == ""
 
 
-@pytest.mark.parametrize("main, prog", [(kvcache_cli.main, "kvcache"), (validators_main.main, "python -m validators")])
+@pytest.mark.parametrize("main, prog", [(kvcache_cli.main, "kvcache"), (validators_main.main, "python -m model_infer_kvcache.validators")])
 def test_dispatchers_list_every_subcommand_and_refuse_unknown_ones(main, prog, capsys):
     commands = (kvcache_cli if prog == "kvcache" else validators_main)._commands()
     code, out, _ = _call(main, ["--help"], capsys)
@@ -360,9 +360,8 @@ def test_lint_usage_errors_share_the_format(capsys):
 def test_lint_reads_a_yaml_manifest_as_it_reads_json(tmp_path, capsys):
     """Code rendered for FA v2, linted against a v1 manifest: the YAML copy must find what the JSON one does."""
     import yaml
-
-    from analyzer.build import AnalyzeRequest, analyze
-    from implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 
     config = str(ROOT / "tests" / "fixtures" / "configs" / "qwen3_8b.json")
     rendered_for = analyze(AnalyzeRequest(config=config, deploy_mode="framework", framework_api="G2",
@@ -387,6 +386,6 @@ def test_lint_reads_a_yaml_manifest_as_it_reads_json(tmp_path, capsys):
 def test_lint_refuses_a_bad_yaml_manifest_in_one_line(tmp_path, capsys):
     bad = tmp_path / "m.yaml"
     bad.write_text("schema_version: '1.0'\n", encoding="utf-8")
-    code, out, err = _call(kvcache_cli.main, ["lint", str(ROOT / "kvcache_cli.py"), "--manifest", str(bad)], capsys)
+    code, out, err = _call(kvcache_cli.main, ["lint", str(ROOT / "model_infer_kvcache" / "cli.py"), "--manifest", str(bad)], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith(f"error: {bad}: ") and "not a valid selection manifest" in err

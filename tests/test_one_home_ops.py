@@ -17,9 +17,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from analyzer.operators import fa_facts, schemas
-from analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, INT32_MAX, ROLES
+from model_infer_kvcache.analyzer.operators import fa_facts, schemas
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, INT32_MAX, ROLES
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = ROOT / "analyzer" / "operators"
@@ -32,7 +31,7 @@ KEYWORD_NAMES = FA_NAMES - set(FA_OPS.values())
 
 
 def python_sources() -> list[Path]:
-    files = [ROOT / "kvcache_cli.py"]
+    files = [ROOT / "model_infer_kvcache" / "cli.py"]
     for folder in (*PACKAGES, "tests", "benchmarks"):
         files += sorted((ROOT / folder).rglob("*.py"))
     return [f for f in files if f.is_file() and not any(f.is_relative_to(d) for d in EXEMPT_DIRS)]
@@ -163,7 +162,7 @@ def test_every_role_is_a_rename_the_real_schemas_show():
     """Each version's keyword of a role is accepted by its operator only (the rename is real)."""
     from typing import get_args
 
-    from analyzer.manifest import FaVersion
+    from model_infer_kvcache.analyzer.manifest import FaVersion
 
     v1, v2 = (schemas.accepted_keywords(FA_OPS[v]) for v in ("v1", "v2"))
     assert fa_facts.FA_VERSIONS == get_args(FaVersion) == ("v1", "v2")  # one entry per manifest fa.version
@@ -210,8 +209,8 @@ def test_value_passed_is_the_keyword_or_the_schema_default():
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_templates_context_uses_the_homes_keywords(version):
-    from analyzer.manifest_io import load_manifest
-    from implementer.template_context import Names, build_context
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.implementer.template_context import Names, build_context
 
     manifest = load_manifest(ROOT / "tests" / "golden" / f"qwen3_{version}" / "framework_g2" / "manifest.json")
     assert manifest.fa.version == version
@@ -221,7 +220,7 @@ def test_templates_context_uses_the_homes_keywords(version):
 
 
 def test_lint_views_are_the_homes():
-    from validators.lint import ops
+    from model_infer_kvcache.validators.lint import ops
 
     assert (ops.FA_V1, ops.FA_V2) == (FA_OPS["v1"], FA_OPS["v2"]) and ops.FA_OPS == frozenset(FA_OPS.values())
     for op in FA_OPS.values():
@@ -235,7 +234,7 @@ def test_lint_views_are_the_homes():
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_lint_reports_every_renamed_keyword_with_its_fix(version):
     """KV101/KV102 come from the home's table: each role's other-version name is named with the fix."""
-    from validators.lint import lint_source
+    from model_infer_kvcache.validators.lint import lint_source
 
     own, other = FA_KEYWORDS[version], FA_KEYWORDS["v2" if version == "v1" else "v1"]
     kwargs = ", ".join(f"{getattr(other, role)}=x" for role in ROLES)
@@ -250,7 +249,7 @@ def test_lint_reports_every_renamed_keyword_with_its_fix(version):
 def test_emulator_front_end_views_are_the_homes():
     import inspect
 
-    from validators.npu_ops import emulated, fused_attention
+    from model_infer_kvcache.validators.npu_ops import emulated, fused_attention
 
     assert fused_attention.V1_NAMES == FA_KEYWORDS["v1"] and fused_attention.V2_NAMES == FA_KEYWORDS["v2"]
     for kw in FA_KEYWORDS.values():
@@ -261,9 +260,8 @@ def test_emulator_front_end_views_are_the_homes():
 
 def test_emulator_names_the_argument_in_the_versions_spelling():
     import torch
-
-    from validators.npu_ops import emulated
-    from validators.npu_ops.errors import NpuOpError
+    from model_infer_kvcache.validators.npu_ops import emulated
+    from model_infer_kvcache.validators.npu_ops.errors import NpuOpError
 
     q = torch.zeros(2, 2, 16)
     for kw in FA_KEYWORDS.values():
@@ -274,12 +272,12 @@ def test_emulator_names_the_argument_in_the_versions_spelling():
 
 def test_numeric_call_check_reads_each_version_through_the_home():
     """The FA call check compares scale / heads in the called op's spelling, defaults from the schema."""
-    from analyzer.manifest_io import load_manifest
-    from analyzer.operators.fa_facts import RECORDED_KEYWORDS
-    from validators.checkout_run import recorder
-    from validators.pipeline import host_model
-    from validators.pipeline.numeric import NumericTracker
-    from validators.pipeline.report import Report
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.analyzer.operators.fa_facts import RECORDED_KEYWORDS
+    from model_infer_kvcache.validators.checkout_run import recorder
+    from model_infer_kvcache.validators.pipeline import host_model
+    from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
+    from model_infer_kvcache.validators.pipeline.report import Report
 
     assert host_model.RECORDED_KEYWORDS is RECORDED_KEYWORDS is recorder.RECORDED_KEYWORDS  # both modes record alike
     for kw in FA_KEYWORDS.values():
@@ -302,7 +300,7 @@ def test_numeric_call_check_reads_each_version_through_the_home():
 
 
 def test_doc_table_rows_follow_the_home():
-    from validators.docgen import doc_tables
+    from model_infer_kvcache.validators.docgen import doc_tables
 
     rows = [line for line in doc_tables.fa_args_table().splitlines()[2:]]
     names = [tuple(cell.strip(" `") for cell in row.split("|")[2:4]) for row in rows]
@@ -312,7 +310,7 @@ def test_doc_table_rows_follow_the_home():
 
 
 def test_analyzer_rules_use_the_homes_constants():
-    from analyzer import rules
+    from model_infer_kvcache.analyzer import rules
 
     assert rules.decide_window_tokens(None)[:2] == (INT32_MAX, 0)
     assert rules.MAX_GQA_RATIO is fa_facts.MAX_GQA_RATIO and rules.MLA_ROPE_DIM is fa_facts.MLA_ROPE_DIM

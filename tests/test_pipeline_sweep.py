@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from validators.npu_ops import DeviceReadings
-from validators.pipeline.report import Report
-from validators.pipeline.sweep import sweep_readings
+from model_infer_kvcache.validators.npu_ops import DeviceReadings
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
 
 
 def _report(passed: bool) -> Report:

@@ -11,15 +11,20 @@ import dataclasses
 
 import pytest
 import torch
-
-from analyzer.device_questions import QUESTIONS, UNKNOWN
-from analyzer.operators.fa_facts import INT32_MAX
-from validators.npu_ops import DeviceReadings, NpuOpError, OpSet, device_readings, emulated
-from validators.npu_ops.fa_masks import causal_template
-from validators.npu_ops.readings import _ALLOWED
-from validators.probe import experiments
-from validators.probe.device import ProbeDevice, open_device
-from validators.probe.run import markdown, probe, table_text
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS, UNKNOWN
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
+from model_infer_kvcache.validators.npu_ops import (
+    DeviceReadings,
+    NpuOpError,
+    OpSet,
+    device_readings,
+    emulated,
+)
+from model_infer_kvcache.validators.npu_ops.fa_masks import causal_template
+from model_infer_kvcache.validators.npu_ops.readings import _ALLOWED
+from model_infer_kvcache.validators.probe import experiments
+from model_infer_kvcache.validators.probe.device import ProbeDevice, open_device
+from model_infer_kvcache.validators.probe.run import markdown, probe, table_text
 
 
 def _emulator_refuses_mla_mode3_decode() -> bool:

@@ -6,18 +6,18 @@ import json
 from pathlib import Path
 
 import pytest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.readings_file import PROBE_VERSION, load_readings
+from model_infer_kvcache.validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
+from model_infer_kvcache.validators.probe.device import open_device
+from model_infer_kvcache.validators.probe.run import probe
 from validators_support import CONFIGS, render_case
 
-import kvcache_cli
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.decisions_table import decisions_markdown
-from analyzer.device_questions import QUESTIONS
-from analyzer.errors import InputError
-from analyzer.readings_file import PROBE_VERSION, load_readings
-from validators.npu_ops import DEFAULT_READINGS, DeviceReadings, device_readings
-from validators.pipeline.validate import ValidateRequest, validate
-from validators.probe.device import open_device
-from validators.probe.run import probe
+from model_infer_kvcache import cli as kvcache_cli
 
 GPT_OSS = str(CONFIGS / "gpt_oss_20b.json")
 _CACHE: dict[DeviceReadings, dict] = {}
@@ -199,9 +199,8 @@ def test_validate_runs_under_the_measured_readings_and_skips_settled_sweeps(tmp_
 def test_checkout_mode_runs_under_the_measured_readings(tmp_path):
     """The checkout mode takes --device-readings too: upstream gpt-oss (pre_tokens = W) passes on a device
     measured to count the query inside pre_tokens, and the settled question is not swept."""
+    from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
     from shared_dirs import upstream_head
-
-    from validators.checkout_run import CheckoutRequest, validate_checkout
 
     path = write(tmp_path, as_device(measured(DeviceReadings(window_pre_tokens="inclusive"))))
     report = validate_checkout(CheckoutRequest(str(upstream_head()), "gpt_oss", str(CONFIGS / "gpt_oss_20b.json"),

@@ -19,12 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from analyzer import cli
-from analyzer.build import AnalyzeRequest, analyze
-from analyzer.decisions_table import CONFIRM_DEFAULT, decision_rows, decisions_markdown
-from analyzer.progress_writer import markers
-from implementer.render import INTEGRATION_FILE, RUNNER_FILE, render_manifest, write_rendered
+from model_infer_kvcache.analyzer import cli
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.decisions_table import CONFIRM_DEFAULT, decision_rows, decisions_markdown
+from model_infer_kvcache.analyzer.progress_writer import markers
+from model_infer_kvcache.implementer.render import (
+    INTEGRATION_FILE,
+    RUNNER_FILE,
+    render_manifest,
+    write_rendered,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"

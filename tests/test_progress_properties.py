@@ -19,10 +19,9 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from analyzer import cli
-from analyzer.deploy_context import FACT_LABELS, parse_progress
-from analyzer.progress_writer import markers
+from model_infer_kvcache.analyzer import cli
+from model_infer_kvcache.analyzer.deploy_context import FACT_LABELS, parse_progress
+from model_infer_kvcache.analyzer.progress_writer import markers
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = str(ROOT / "tests" / "fixtures" / "configs" / "qwen3_8b.json")

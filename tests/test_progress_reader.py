@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+from model_infer_kvcache.analyzer.deploy_context import parse_progress
+from model_infer_kvcache.analyzer.progress_writer import markers
 from test_analyzer_cli import invoke
-
-from analyzer.deploy_context import parse_progress
-from analyzer.progress_writer import markers
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"

@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from model_infer_kvcache.analyzer.errors import DEBUG_ENV, EXIT_INTERNAL, guarded
+from model_infer_kvcache.validators import end_to_end as run_all
 
-import kvcache_cli
-from analyzer.errors import DEBUG_ENV, EXIT_INTERNAL, guarded
-from validators import end_to_end as run_all
+from model_infer_kvcache import cli as kvcache_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_qwen3" / "config.json"
 
 
 def _kvcache(*args: str, cwd: Path, prelude: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    code = f"import sys; {prelude}import kvcache_cli; sys.exit(kvcache_cli.main(sys.argv[1:]))"
+    code = f"import sys; {prelude}from model_infer_kvcache import cli as kvcache_cli; sys.exit(kvcache_cli.main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
@@ -34,7 +34,7 @@ def _tree(folder: Path) -> dict[str, bytes | None]:
 
 
 # A bug injected into validation: the run must stop with exit 3 and leave --out as it was.
-CRASH = ("import validators.pipeline.validate as _v; "
+CRASH = ("import model_infer_kvcache.validators.pipeline.validate as _v; "
          "_v.validate = lambda *a, **k: (_ for _ in ()).throw(KeyError('injected bug')); ")
 
 
@@ -133,14 +133,14 @@ def test_an_unexpected_exception_is_exit_3_with_one_line(capsys, monkeypatch):
 
 def test_a_bug_in_any_command_is_exit_3_not_1(tmp_path):
     # Before: a traceback and exit 1, which reads as "your code failed validation".
-    prelude = "import analyzer.build as _b; _b.assemble = lambda *a, **k: 1 / 0; "
+    prelude = "import model_infer_kvcache.analyzer.build as _b; _b.assemble = lambda *a, **k: 1 / 0; "
     proc = _kvcache("analyze", "--config", str(EXAMPLE), "--out", str(tmp_path / "m.json"), cwd=tmp_path,
                     prelude=prelude)
     assert proc.returncode == EXIT_INTERNAL and proc.stderr.count("\n") == 1, proc.stderr
     assert "ZeroDivisionError" in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []
-    lint = _kvcache("lint", str(ROOT / "kvcache_cli.py"), cwd=tmp_path,
-                    prelude="import validators.lint.cli as _l; _l.lint_paths = lambda *a, **k: None.x; ")
+    lint = _kvcache("lint", str(ROOT / "model_infer_kvcache" / "cli.py"), cwd=tmp_path,
+                    prelude="import model_infer_kvcache.validators.lint.cli as _l; _l.lint_paths = lambda *a, **k: None.x; ")
     assert lint.returncode == EXIT_INTERNAL and "AttributeError" in lint.stderr and "Traceback" not in lint.stderr
 
 
@@ -168,7 +168,7 @@ def _options(parser) -> dict[str, tuple]:
 
 
 def test_run_accepts_every_analyze_flag_with_analyzes_definition():
-    from analyzer.cli import build_parser as analyze_parser
+    from model_infer_kvcache.analyzer.cli import build_parser as analyze_parser
 
     output_only = {"--format", "--out", "--write-progress"}  # analyze's own outputs; run writes --out DIR
     analyze = {k: v for k, v in _options(analyze_parser()).items() if k not in output_only}

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
 from validators_support import CONFIGS, QUICK, check, mutate, run_validate
-
-from analyzer.build import AnalyzeRequest, analyze
-from implementer.render import render_manifest, write_rendered
-from validators.pipeline.validate import ValidateRequest, validate
 
 pytestmark = pytest.mark.slow
 

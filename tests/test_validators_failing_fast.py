@@ -9,11 +9,10 @@ ratio to the clean run is measured in benchmarks/bench_failing_validate.py, not 
 from __future__ import annotations
 
 import pytest
+from model_infer_kvcache.validators.pipeline.legacy_run import prompt_length
+from model_infer_kvcache.validators.pipeline.request_stream import QUICK
 from validators_support import check, mutate, render_case, run_validate
 from wrong_renders import CLEAN, CONFIG, MISTAKES
-
-from validators.pipeline.legacy_run import prompt_length
-from validators.pipeline.request_stream import QUICK
 
 
 @pytest.mark.parametrize("case, flags, name, pattern, replacement, named_by", MISTAKES, ids=[m[0] for m in MISTAKES])

@@ -10,17 +10,16 @@ import types
 
 import pytest
 import torch
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.manifest_io import load_manifest
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, resolve_dtype, validate
 from validators_support import CONFIGS, ROOT, render_case
-
-from analyzer.errors import InputError
-from analyzer.manifest import SelectionManifest
-from analyzer.manifest_io import load_manifest
-from validators.pipeline.report import Report
-from validators.pipeline.validate import ValidateRequest, resolve_dtype, validate
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache_cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "model_infer_kvcache", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=300)
 
 
@@ -62,7 +61,7 @@ def test_hand_edited_manifest_is_refused_with_the_field_named(tmp_path, qwen3, e
 
 def test_analyzer_manifests_hold_their_invariants():
     """Every fixture config analyzes into a manifest that passes its own invariants (TP 1 and 2, Legacy)."""
-    from analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     for name in ("qwen3_8b", "deepseek_v3", "gpt_oss_20b", "gemma3_27b", "longcat_flash"):
         for extra in ({}, {"attn_tp_size": 2}, {"kv_mode": "legacy"}):
@@ -110,7 +109,7 @@ def test_dtype_defaults_and_device_limits(qwen3):
 
 def test_cache_info_check_compares_the_window_with_the_manifest(qwen3, tmp_path):
     """framework_run's init check compared the entry's window with itself: now a wrong window fails it."""
-    from validators.pipeline.framework_run import check_cache_info
+    from model_infer_kvcache.validators.pipeline.framework_run import check_cache_info
 
     manifest, _, _ = render_case(tmp_path, "gpt_oss_20b", framework_api="G2")
     m = load_manifest(manifest)

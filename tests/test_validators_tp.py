@@ -6,13 +6,12 @@ import re
 
 import pytest
 import torch
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.multi_rank import kv_head_of_rank
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
 from validators_support import ROOT, mutate, render_case
-
-from analyzer.build import AnalyzeRequest, analyze
-from implementer.render import render_manifest, write_rendered
-from validators.pipeline.multi_rank import kv_head_of_rank
-from validators.pipeline.request_stream import Scenario
-from validators.pipeline.validate import ValidateRequest, validate
 
 # A short stream keeps N processes on 2 cores inside CI's time; it still crosses a block.
 TP_SCENARIO = Scenario(first=((140, 4), (40, 3)), late=((60, 2),), max_concurrency=2, release_requests=3)
@@ -99,7 +98,7 @@ def test_latent_divided_by_tp_is_named(tmp_path):
 
 
 def test_tp_flag_must_match_the_manifest(tmp_path):
-    from analyzer.errors import InputError
+    from model_infer_kvcache.analyzer.errors import InputError
 
     manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", framework_api="G2")
     with pytest.raises(InputError, match="attn_tp_size"):

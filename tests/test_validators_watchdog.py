@@ -10,9 +10,13 @@ import time
 from dataclasses import replace
 
 import pytest
+from model_infer_kvcache.validators.pipeline.request_stream import (
+    QUICK,
+    STREAM_BUDGET_CHECK,
+    StreamStalled,
+    Watchdog,
+)
 from validators_support import ROOT, check, mutate, render_case, run_validate
-
-from validators.pipeline.request_stream import QUICK, STREAM_BUDGET_CHECK, StreamStalled, Watchdog
 
 # A realistic runner mistake: kv_len advanced through a copy (advanced indexing copies), so the catch-up
 # loop never ends and the first request never finishes its prefill.
@@ -67,7 +71,7 @@ def test_cli_flag_sets_the_allowance_and_exits_1(tmp_path):
     manifest, rendered, config = render_case(tmp_path, "qwen3_8b", deploy_mode="standalone")
     _stuck(rendered)
     out = tmp_path / "report.json"
-    run = subprocess.run([sys.executable, "-m", "kvcache_cli", "validate", "--manifest", str(manifest),
+    run = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "validate", "--manifest", str(manifest),
                           "--rendered", str(rendered), "--config", str(config), "--backend", "emulated",
                           "--no-sweep", "--step-timeout", "1.5", "--report", str(out)],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -80,7 +84,7 @@ def test_cli_flag_sets_the_allowance_and_exits_1(tmp_path):
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf", "soon"])
 def test_cli_refuses_a_bad_allowance(tmp_path, value):
-    run = subprocess.run([sys.executable, "-m", "kvcache_cli", "validate", "--manifest", "m.json", "--rendered", "r",
+    run = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "validate", "--manifest", "m.json", "--rendered", "r",
                           "--config", "c.json", "--step-timeout", value], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert run.returncode == 2 and "--step-timeout" in run.stderr and len(run.stderr.strip().splitlines()) == 1

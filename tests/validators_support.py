@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from analyzer.build import AnalyzeRequest, analyze
-from implementer.render import render_manifest, write_rendered
-from validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
-from validators.pipeline.validate import ValidateRequest, validate
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"

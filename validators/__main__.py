@@ -1,19 +1,19 @@
-"""`python -m validators <command>`: the validators' commands without the `kvcache` entry point."""
+"""`python -m model_infer_kvcache.validators <command>`: the validators' commands without the `kvcache` entry point."""
 
 from __future__ import annotations
 
 import sys
 
-from analyzer.errors import dispatch
+from model_infer_kvcache.analyzer.errors import dispatch
 
-USAGE = """usage: python -m validators <command> [options]
+USAGE = """usage: python -m model_infer_kvcache.validators <command> [options]
 
 commands:
   lint      static check of modeling/runner files for silent KV-cache / FA failure patterns (= kvcache lint)
   validate  three-link checks + numeric equivalence against transformers (= kvcache validate)
   probe     measure the open device questions on an NPU host -> readings file (= kvcache probe)
 
-Run `python -m validators <command> --help` for the options of each command.
+Run `python -m model_infer_kvcache.validators <command> --help` for the options of each command.
 Exit status as for `kvcache`: 0 ok, 1 checks failed, 2 bad input (one stderr line), 3 internal error.
 """
 
@@ -21,17 +21,17 @@ Exit status as for `kvcache`: 0 ok, 1 checks failed, 2 bad input (one stderr lin
 def _commands():
     # Imported lazily: `validate` pulls in torch and the harness, `lint` must not pay for it.
     def lint(argv):
-        from validators.lint.cli import main
+        from model_infer_kvcache.validators.lint.cli import main
 
         return main(argv)
 
     def validate(argv):
-        from validators.cli import main
+        from model_infer_kvcache.validators.cli import main
 
         return main(argv)
 
     def probe(argv):
-        from validators.probe.cli import main
+        from model_infer_kvcache.validators.probe.cli import main
 
         return main(argv)
 
@@ -39,7 +39,7 @@ def _commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-    return dispatch("python -m validators", _commands(), USAGE, list(sys.argv[1:] if argv is None else argv))
+    return dispatch("python -m model_infer_kvcache.validators", _commands(), USAGE, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`kvcache validate` (and `python -m validators validate`): thin layer over validators.pipeline.validate."""
+"""`kvcache validate` (and `python -m model_infer_kvcache.validators validate`): thin layer over validators.pipeline.validate."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from analyzer.device_questions import BACKEND_CHOICES
-from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.files import atomic_write_text, check_writable
-from analyzer.framework_checkout import GENERATIONS
-from analyzer.progress_writer import plan_section
-from validators.pipeline.numeric import TOLERANCE
-from validators.pipeline.request_stream import STEP_SECONDS
-from validators.pipeline.runtime_deps import require_validation_deps
-from validators.pipeline.validate import ValidateRequest, validate
+from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
+from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
+from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable
+from model_infer_kvcache.analyzer.framework_checkout import GENERATIONS
+from model_infer_kvcache.analyzer.progress_writer import plan_section
+from model_infer_kvcache.validators.pipeline.numeric import TOLERANCE
+from model_infer_kvcache.validators.pipeline.request_stream import STEP_SECONDS
+from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
+from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
 
 EXAMPLES = """examples:
   kvcache validate --manifest manifest.json --rendered rendered/ --config config.json
@@ -111,7 +111,7 @@ def check_mode(args: argparse.Namespace) -> None:
 
 
 def _checkout_report(args: argparse.Namespace):
-    from validators.checkout_run import CheckoutRequest, validate_checkout
+    from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
     return validate_checkout(CheckoutRequest(
         framework_root=args.framework_root, model=args.model, config=args.config, manifest=args.manifest,
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             except InputError as exc:
                 raise InputError(target, exc.message, field=f"--{flag.replace('_', '-')}") from None
     if args.write_progress:
-        from validators.pipeline.report import SECTION_ID
+        from model_infer_kvcache.validators.pipeline.report import SECTION_ID
 
         plan_section(args.write_progress, SECTION_ID, "")  # damaged markers are refused now, not after
     require_validation_deps()
@@ -146,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         atomic_write_text(Path(args.markdown), report.to_markdown())
     if args.write_progress:
-        from analyzer.progress_writer import write_section
-        from validators.pipeline.report import SECTION_ID
+        from model_infer_kvcache.analyzer.progress_writer import write_section
+        from model_infer_kvcache.validators.pipeline.report import SECTION_ID
 
         write_section(args.write_progress, SECTION_ID, report.to_markdown())
     print(report.to_markdown())

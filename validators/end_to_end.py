@@ -11,13 +11,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from analyzer.build import analyze
-from analyzer.cli import add_analyze_arguments, print_warnings, request_from_args
-from analyzer.device_questions import BACKEND_CHOICES
-from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.files import atomic_write_text, check_out_dir, umask
-from implementer.render import render_manifest, write_rendered
-from validators.pipeline.runtime_deps import require_validation_deps
+from model_infer_kvcache.analyzer.build import analyze
+from model_infer_kvcache.analyzer.cli import add_analyze_arguments, print_warnings, request_from_args
+from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
+from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
+from model_infer_kvcache.analyzer.files import atomic_write_text, check_out_dir, umask
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_qwen3" / "config.json"
 EXAMPLES = """examples:
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model_file and not args.model:
         raise InputError("--model-file", "applies with --model")
     require_validation_deps()
-    from validators.pipeline.validate import ValidateRequest, resolve_backend, validate
+    from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, resolve_backend, validate
 
     resolve_backend(args.backend)
     request = request_from_args(args)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"rendered {len(rendered.files)} files", t0)
         config_file = str(Path(config) / "config.json") if Path(config).is_dir() else config
         if args.model:
-            from validators.checkout_run import CheckoutRequest, validate_checkout
+            from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
             report = validate_checkout(CheckoutRequest(
                 framework_root=args.framework_root, model=args.model, config=config_file,

@@ -4,7 +4,7 @@ Not needed at test time: tests read the committed JSON. Run it by hand when the
 pinned torch-npu version changes::
 
     pip download torch-npu==2.9.0 --no-deps -d /tmp/tnpu
-    python -m analyzer.operators.extract_schemas /tmp/tnpu/torch_npu-2.9.0-*.whl
+    python -m model_infer_kvcache.analyzer.operators.extract_schemas /tmp/tnpu/torch_npu-2.9.0-*.whl
 
 The argument may also be an unpacked wheel directory or the yaml file itself.
 """
@@ -18,10 +18,9 @@ import zipfile
 from pathlib import Path
 
 import yaml
-
-from analyzer.errors import OneLineArgumentParser
-from analyzer.files import atomic_write_text
-from analyzer.operators.schemas import EMULATED_OPS, SCHEMA_PATH, parse_func_schema
+from model_infer_kvcache.analyzer.errors import OneLineArgumentParser
+from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.operators.schemas import EMULATED_OPS, SCHEMA_PATH, parse_func_schema
 
 YAML_IN_WHEEL = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 
@@ -71,7 +70,7 @@ def extract(yaml_text: str, ops: tuple[str, ...] = EMULATED_OPS) -> dict[str, di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineArgumentParser(prog="python -m analyzer.operators.extract_schemas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="python -m model_infer_kvcache.analyzer.operators.extract_schemas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="torch_npu wheel, unpacked wheel dir, or the yaml file")
     parser.add_argument("--version", default="2.9.0", help="torch-npu version recorded in 'source'")
     parser.add_argument("--out", type=Path, default=SCHEMA_PATH)

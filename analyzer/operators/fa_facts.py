@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from analyzer.operators import schemas
+from model_infer_kvcache.analyzer.operators import schemas
 
 # The schemas' "no limit" for pre_tokens / next_tokens (their default), and the non-sliding band.
 INT32_MAX = 2147483647

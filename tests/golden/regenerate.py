@@ -64,8 +64,8 @@ CASES = tuple(Case(model, mode) for model in MODELS for mode in MODES)
 
 def analyze_case(case: Case):
     """The case's manifest, analyzed from the repo root (relative paths inside the manifest)."""
-    from analyzer.build import analyze
-    from analyzer.cli import build_parser, request_from_args
+    from model_infer_kvcache.analyzer.build import analyze
+    from model_infer_kvcache.analyzer.cli import build_parser, request_from_args
 
     previous = os.getcwd()
     os.chdir(ROOT)
@@ -76,7 +76,7 @@ def analyze_case(case: Case):
 
 
 def render_case(case: Case, manifest) -> dict[str, str]:
-    from implementer.render import render_manifest
+    from model_infer_kvcache.implementer.render import render_manifest
 
     return render_manifest(manifest, allow_blocked=case.model.allow_blocked).files
 

@@ -5,6 +5,11 @@ Scheduler, ExecutionEngine and kv_cache run the model file (or an edited copy, `
 over the validation request stream; see ``validators.checkout_run.validate``.
 """
 
-from validators.checkout_run.validate import ENGINE_QUICK, ENGINE_STREAM, CheckoutRequest, validate_checkout
+from model_infer_kvcache.validators.checkout_run.validate import (
+    ENGINE_QUICK,
+    ENGINE_STREAM,
+    CheckoutRequest,
+    validate_checkout,
+)
 
 __all__ = ["ENGINE_QUICK", "ENGINE_STREAM", "CheckoutRequest", "validate_checkout"]

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.files import atomic_write_text
 
 
 def round_to_bfloat16(model: torch.nn.Module) -> None:

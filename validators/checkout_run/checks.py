@@ -9,14 +9,13 @@ real KVCacheManager. The FA arguments themselves are judged by the check the ren
 from __future__ import annotations
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from analyzer.operators.fa_facts import FA_OPS
-from validators.checkout_run.engine_run import EngineRun, pool_usage
-from validators.checkout_run.recorder import CacheMap, OpRecorder
-from validators.harness.poison import check_pool_invariants, null_block_of
-from validators.pipeline.numeric import check_fa_calls
-from validators.pipeline.report import Report
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS
+from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, pool_usage
+from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
+from model_infer_kvcache.validators.harness.poison import check_pool_invariants, null_block_of
+from model_infer_kvcache.validators.pipeline.numeric import check_fa_calls
+from model_infer_kvcache.validators.pipeline.report import Report
 
 
 def _attribute(calls: list[dict], caches: CacheMap, is_prefill: bool, where: str) -> tuple[list[dict], list[str]]:

@@ -18,10 +18,9 @@ import types
 from dataclasses import dataclass, field
 
 import torch
-
-from validators.checkout_run.recorder import ForwardSeen
-from validators.harness.poison import null_block_of, poison_free_blocks
-from validators.pipeline.request_stream import Scenario, Watchdog
+from model_infer_kvcache.validators.checkout_run.recorder import ForwardSeen
+from model_infer_kvcache.validators.harness.poison import null_block_of, poison_free_blocks
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Watchdog
 
 CPU_STANDINS = (
     "ExecutionEngine._init_device: the npu:N device is the CPU (process group: gloo, set up by the validator)",
@@ -202,7 +201,7 @@ def load_coverage(model_cls, into: dict):
 def declared_caches(engine):
     """Tell the emulated writers which tensors are paged caches and where each group's null block is:
     the engine's padded decode rows (and warm-up) repeat slots there, which the device allows."""
-    from validators.npu_ops import paged_caches
+    from model_infer_kvcache.validators.npu_ops import paged_caches
 
     manager = engine.kvcache_manager
     groups = _tensors_by_group(manager.cache_info)

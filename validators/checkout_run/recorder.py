@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-
-from analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
-from validators.npu_ops import emulated
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
+from model_infer_kvcache.validators.npu_ops import emulated
 
 # writer -> (the cache arguments it writes, the argument holding the slots), by parameter name
 WRITERS = {

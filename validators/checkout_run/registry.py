@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import STREAM_BUDGET_CHECK, Scenario, StreamStalled
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import (
+    STREAM_BUDGET_CHECK,
+    Scenario,
+    StreamStalled,
+)
 
 # Modules of ours that a run puts between the checkout and the CPU (the provenance lists them).
 OURS = ("validators.npu_ops (torch_npu operators, emulated)", "validators.standins (torchair, torch.npu, Tensor.npu)",
@@ -36,12 +39,12 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
     layer count and the sequential-release check (the reading sweep reruns without them)."""
     if req.step_seconds is not None:
         scenario = replace(scenario, step_seconds=req.step_seconds)
-    from analyzer.framework_checkout import checkout_commit
-    from validators.checkout_run import checks, engine_run
-    from validators.checkout_run.recorder import CacheMap, recording_ops
-    from validators.checkout_run.registry import resolve
-    from validators.checkout_run.scope import checkout_scope
-    from validators.npu_ops import consulted_questions, device_readings
+    from model_infer_kvcache.analyzer.framework_checkout import checkout_commit
+    from model_infer_kvcache.validators.checkout_run import checks, engine_run
+    from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, recording_ops
+    from model_infer_kvcache.validators.checkout_run.registry import resolve
+    from model_infer_kvcache.validators.checkout_run.scope import checkout_scope
+    from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings
 
     dtype = torch.float32
     model_file = caches = None
@@ -122,7 +125,7 @@ def _hint(exc: BaseException, world: int) -> str:
 
 
 def _real_layer_types(config_path: str) -> list | None:
-    from analyzer.config_loader import read_config_file
+    from model_infer_kvcache.analyzer.config_loader import read_config_file
 
     _, real = read_config_file(config_path)
     src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
@@ -147,7 +150,7 @@ def _config_model_type(checkpoint: Path) -> str:
 
 
 def _numeric(report: Report, ref_model, run) -> None:
-    from validators.pipeline.numeric import NumericTracker
+    from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 
     tracker = NumericTracker(ref_model, host=None, atol=report.tolerance)
     for s in run.steps:
@@ -165,9 +168,8 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
                real_layer_types: list | None) -> None:
     """get_cache_info() of the engine's model, and of the same model class at the real layer count."""
     import executor.core.kv_cache.cache_info as cache_info_mod
-
-    from validators.harness.generations import detect_generation_from_classes
-    from validators.pipeline.framework_run import check_cache_info
+    from model_infer_kvcache.validators.harness.generations import detect_generation_from_classes
+    from model_infer_kvcache.validators.pipeline.framework_run import check_cache_info
 
     api = detect_generation_from_classes(cache_info_mod.CacheEntry, cache_info_mod.ModelCacheInfo, cache_info_mod)
     full_layers = manifest.model.num_layers
@@ -205,9 +207,8 @@ def _load_link(report: Report, coverage: dict) -> None:
 
 def _provenance(root: Path, commit: str | None, classes, info, scope) -> dict:
     import executor.core.kv_cache.cache_info as cache_info_mod
-
-    from validators.checkout_run.engine_run import CPU_STANDINS
-    from validators.harness.generations import detect_generation_from_classes
+    from model_infer_kvcache.validators.checkout_run.engine_run import CPU_STANDINS
+    from model_infer_kvcache.validators.harness.generations import detect_generation_from_classes
 
     api = detect_generation_from_classes(cache_info_mod.CacheEntry, cache_info_mod.ModelCacheInfo, cache_info_mod)
     from_checkout = scope.modules_from_checkout()

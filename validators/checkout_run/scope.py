@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analyzer.errors import InputError
-from validators.harness.install import isolated_modules
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.validators.harness.install import isolated_modules
 
 # Top-level packages of a cann-recipes-infer checkout.
 CHECKOUT_PACKAGES = ("executor", "models", "module")
@@ -60,9 +60,9 @@ def require_checkout(root: str | Path) -> Path:
 @contextlib.contextmanager
 def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
     """Import context for the checkout at ``root`` (see the module docstring); restores everything on exit."""
-    from validators.pipeline.validate import _TRANSFORMERS_EAGER
-    from validators.standins import device_standins
-    from validators.standins.third_party import absent_third_party
+    from model_infer_kvcache.validators.pipeline.validate import _TRANSFORMERS_EAGER
+    from model_infer_kvcache.validators.standins import device_standins
+    from model_infer_kvcache.validators.standins.third_party import absent_third_party
 
     # transformers probes for torch_npu when these load; the emulation has no import spec.
     for name in (*_TRANSFORMERS_EAGER, *_TRANSFORMERS_FOR_CHECKOUT):

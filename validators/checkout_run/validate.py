@@ -18,13 +18,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
-from analyzer.config_loader import read_config_file
-from analyzer.errors import InputError
-from analyzer.manifest import SelectionManifest
-from validators.pipeline.numeric import TOLERANCE
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import Scenario
+from model_infer_kvcache.analyzer.config_loader import read_config_file
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.numeric import TOLERANCE
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 
 # The stream in the engine. Offline scheduling gives every request the same number of new tokens
 # (Scheduler._should_finish counts decode steps against scheduler_config.max_new_tokens), so
@@ -54,14 +53,14 @@ class CheckoutRequest:
 
 def load_or_analyze(req: CheckoutRequest, root: Path) -> SelectionManifest:
     if req.manifest:
-        from analyzer.manifest_io import load_manifest
+        from model_infer_kvcache.analyzer.manifest_io import load_manifest
 
         manifest = load_manifest(req.manifest)
         if req.attn_tp_size is not None and req.attn_tp_size != manifest.parallel.attn_tp_size:
             raise InputError("--attn-tp-size", f"{req.attn_tp_size} differs from the manifest's attn_tp_size "
                                                f"{manifest.parallel.attn_tp_size} (re-analyze with --attn-tp-size)")
         return manifest
-    from analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     return analyze(AnalyzeRequest(config=req.config, framework_root=str(root), attn_tp_size=req.attn_tp_size,
                                   dispatch="部署模式: 框架部署", device_readings=req.device_readings))
@@ -74,13 +73,13 @@ def _rank_step(req: CheckoutRequest, rank: int, world: int) -> Report:
 
 def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
     """One rank; a manifest with attention TP > 1 launches that many ranks (gloo)."""
-    from validators.checkout_run.scope import require_checkout
-    from validators.pipeline.tiny_model import require_transformers_type
+    from model_infer_kvcache.validators.checkout_run.scope import require_checkout
+    from model_infer_kvcache.validators.pipeline.tiny_model import require_transformers_type
 
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     root = require_checkout(req.framework_root)
-    from validators.checkout_run.registry import check_model_name
+    from model_infer_kvcache.validators.checkout_run.registry import check_model_name
 
     check_model_name(root, req.model)
     _, real_config = read_config_file(req.config)
@@ -91,10 +90,10 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
     tp = manifest.parallel.attn_tp_size
     measured = None
     if req.device_readings:
-        from analyzer.readings_file import load_readings
+        from model_infer_kvcache.analyzer.readings_file import load_readings
 
         measured = load_readings(req.device_readings)
-    from validators.npu_ops import DeviceReadings
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings
 
     base = DeviceReadings.from_settled(measured.settled()) if measured else DeviceReadings()
     if req.readings:
@@ -115,7 +114,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
         ref, checkpoint, plan = _checkpoint(real_config, manifest, req.seed, Path(tmp))
         report.notes += plan.notes
         say(f"running {req.model} in the checkout's engine ({root})")
-        from validators.checkout_run.run import run_checkout
+        from model_infer_kvcache.validators.checkout_run.run import run_checkout
 
         run_checkout(report, manifest, req, root, checkpoint, ref, scenario, base, rank, world, full=True)
         if req.sweep_readings and world == 1:
@@ -132,7 +131,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
 
 def _validate_ranks(req: CheckoutRequest, manifest: SelectionManifest, tp: int, base, measured, say) -> Report:
     """Attention TP > 1: every rank runs this mode on its shard (gloo); the sweep reruns all ranks."""
-    from validators.pipeline.multi_rank import run_ranks
+    from model_infer_kvcache.validators.pipeline.multi_rank import run_ranks
 
     fields = replace(req, attn_tp_size=tp, sweep_readings=False)
     if not req.manifest:  # every rank analyzes the same inputs; pass the result instead
@@ -157,8 +156,12 @@ def _validate_ranks(req: CheckoutRequest, manifest: SelectionManifest, tp: int, 
 
 
 def _checkpoint(real_config: dict, manifest: SelectionManifest, seed: int, tmp: Path):
-    from validators.checkout_run.checkpoint import checkpoint_config, round_to_bfloat16, save_checkpoint
-    from validators.pipeline.tiny_model import build_tiny_model
+    from model_infer_kvcache.validators.checkout_run.checkpoint import (
+        checkpoint_config,
+        round_to_bfloat16,
+        save_checkpoint,
+    )
+    from model_infer_kvcache.validators.pipeline.tiny_model import build_tiny_model
 
     model, plan = build_tiny_model(real_config, manifest, seed=seed)
     round_to_bfloat16(model)
@@ -173,7 +176,7 @@ def _crossing(scenario: Scenario, manifest: SelectionManifest) -> Scenario:
 
 
 def _sweep(report: Report, manifest, req, base, measured, rerun, say) -> None:
-    from validators.pipeline.sweep import sweep_readings
+    from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
 
     questions = [dep.question for dep in manifest.device_dependencies] + report.consulted
     sweep_readings(report, questions, base, rerun, settled=measured.settled() if measured else {},

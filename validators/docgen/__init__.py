@@ -1,1 +1,1 @@
-"""Generators of the tables in ``references/`` (``python -m validators.docgen.doc_tables``)."""
+"""Generators of the tables in ``references/`` (``python -m model_infer_kvcache.validators.docgen.doc_tables``)."""

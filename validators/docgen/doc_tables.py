@@ -17,8 +17,8 @@ Other doc-vs-code checks that compare hand-written prose tables with the code (m
 against the JSON Schema, validation check names against the validators, rule IDs against the
 registry) are here too, so a test can run them on an edited copy of the docs.
 
-    python -m validators.docgen.doc_tables --check     # exit 1 and list drift
-    python -m validators.docgen.doc_tables --write     # regenerate the blocks in place
+    python -m model_infer_kvcache.validators.docgen.doc_tables --check     # exit 1 and list drift
+    python -m model_infer_kvcache.validators.docgen.doc_tables --write     # regenerate the blocks in place
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from analyzer.errors import OneLineArgumentParser
-from analyzer.files import atomic_write_text
-from analyzer.operators import fa_facts
-from analyzer.operators.schemas import accepted_keywords, default_text
+from model_infer_kvcache.analyzer.errors import OneLineArgumentParser
+from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.operators import fa_facts
+from model_infer_kvcache.analyzer.operators.schemas import accepted_keywords, default_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,9 +120,9 @@ MODEL_KINDS: tuple[ModelKind, ...] = (
 
 def kind_manifest(key: str, framework_api: str | None = "G2", deploy_mode: str | None = None):
     """SelectionManifest the analyzer builds for one of MODEL_KINDS (used by the docs and their tests)."""
-    from analyzer.build import AnalyzeRequest, assemble
-    from analyzer.config_loader import normalize_config
-    from analyzer.deploy_context import ProgressFacts, parse_dispatch
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, assemble
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+    from model_infer_kvcache.analyzer.deploy_context import ProgressFacts, parse_dispatch
 
     kind = next(k for k in MODEL_KINDS if k.key == key)
     facts = normalize_config(kind.config, f"<doc kind {key}>")
@@ -192,8 +192,8 @@ _PROBE_WINDOW = 1000  # any window works: the table shows pre_tokens as W minus 
 
 
 def _band_text(attn_type: str) -> str:
-    from analyzer.device_questions import QUESTIONS
-    from analyzer.rules import decide_window_tokens
+    from model_infer_kvcache.analyzer.device_questions import QUESTIONS
+    from model_infer_kvcache.analyzer.rules import decide_window_tokens
 
     if attn_type != "SlidingWindow":
         pre, nxt, _ = decide_window_tokens(None)
@@ -208,8 +208,8 @@ def _band_text(attn_type: str) -> str:
 
 
 def sparse_paths_table() -> str:
-    from analyzer.config_loader import normalize_config
-    from analyzer.rules import decide_mtp, decide_sparse
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+    from model_infer_kvcache.analyzer.rules import decide_mtp, decide_sparse
 
     paths = (
         ("标准 GQA/MHA/MQA,Paged TND", "FullAttention", False, "paged"),
@@ -235,7 +235,7 @@ def sparse_paths_table() -> str:
 
 
 def framework_generations_table() -> str:
-    from validators.harness.generations import GENERATIONS, field_names, get_generation
+    from model_infer_kvcache.validators.harness.generations import GENERATIONS, field_names, get_generation
 
     rows = []
     for name in GENERATIONS:
@@ -253,7 +253,7 @@ def framework_generations_table() -> str:
 
 
 def lint_rules_table() -> str:
-    from validators.lint.registry import RULES
+    from model_infer_kvcache.validators.lint.registry import RULES
 
     rows = [[f"[{r.id}](#{r.id.lower()})", f"`{r.name}`", r.title, "是" if r.needs_manifest else ""]
             for r in RULES.values()]
@@ -509,7 +509,7 @@ def skill_error_table_ids(skill_text: str) -> list[str]:
 
 
 def check_rule_book(root: Path = ROOT, rule_ids: list[str] | None = None) -> list[str]:
-    from validators.lint.registry import RULES
+    from model_infer_kvcache.validators.lint.registry import RULES
 
     ids = list(rule_ids if rule_ids is not None else RULES)
     book = (root / "references" / "errors.md").read_text(encoding="utf-8")
@@ -532,7 +532,7 @@ def check_all(root: Path = ROOT) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineArgumentParser(prog="python -m validators.docgen.doc_tables",
+    p = OneLineArgumentParser(prog="python -m model_infer_kvcache.validators.docgen.doc_tables",
                               description="Check (or regenerate) the code-derived tables of SKILL.md and references/.")
     p.add_argument("--check", action="store_true", help="only check (the default; exit 1 on drift)")
     p.add_argument("--write", action="store_true", help="rewrite the generated blocks in place, then check")

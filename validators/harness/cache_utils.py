@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
-
-from analyzer.kv_cache_spec import (
+from model_infer_kvcache.analyzer.kv_cache_spec import (
     FIXED_BLOCK_ATTN_TYPES,
     FullAttentionSpec,
     MambaSpec,

@@ -30,8 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from analyzer.framework_checkout import GENERATIONS, classify_generation, dataclass_fields, detect_generation
+from model_infer_kvcache.analyzer.framework_checkout import (
+    GENERATIONS,
+    classify_generation,
+    dataclass_fields,
+    detect_generation,
+)
 
 
 def _dims_numel(dim) -> int:

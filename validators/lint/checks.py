@@ -12,15 +12,22 @@ import os
 import re
 from dataclasses import dataclass
 
-from analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SHAPES
-from validators.lint import ops
-from validators.lint.hidden_layout import HiddenLayout
-from validators.lint.kwargs_dicts import call_keywords, expand_star_kwargs
-from validators.lint.masks import MaskFacts
-from validators.lint.registry import RULES
-from validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
-from validators.lint.target_release import Target
-from validators.lint.values import Resolver, Variant, as_int, as_number, dict_item_key, is_none
+from model_infer_kvcache.analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SHAPES
+from model_infer_kvcache.validators.lint import ops
+from model_infer_kvcache.validators.lint.hidden_layout import HiddenLayout
+from model_infer_kvcache.validators.lint.kwargs_dicts import call_keywords, expand_star_kwargs
+from model_infer_kvcache.validators.lint.masks import MaskFacts
+from model_infer_kvcache.validators.lint.registry import RULES
+from model_infer_kvcache.validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
+from model_infer_kvcache.validators.lint.target_release import Target
+from model_infer_kvcache.validators.lint.values import (
+    Resolver,
+    Variant,
+    as_int,
+    as_number,
+    dict_item_key,
+    is_none,
+)
 
 MISSING = ast.Constant(value=Ellipsis)  # marker: argument not passed (the op default applies)
 OPAQUE = ast.Constant(value=NotImplemented)  # marker: may be passed through **kwargs

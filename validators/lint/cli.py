@@ -1,4 +1,4 @@
-"""`kvcache lint` / `python -m validators lint`: static check for silent KV-cache and FA failures."""
+"""`kvcache lint` / `python -m model_infer_kvcache.validators lint`: static check for silent KV-cache and FA failures."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from analyzer.errors import OneLineArgumentParser, guarded
-from analyzer.operators.schemas import RELEASES
-from validators.lint.engine import lint_paths
-from validators.lint.registry import RULES, parse_id_list
+from model_infer_kvcache.analyzer.errors import OneLineArgumentParser, guarded
+from model_infer_kvcache.analyzer.operators.schemas import RELEASES
+from model_infer_kvcache.validators.lint.engine import lint_paths
+from model_infer_kvcache.validators.lint.registry import RULES, parse_id_list
 
 EPILOG = "exit status: 0 clean, 1 findings, 2 usage error or a file that cannot be read or parsed,\n" \
          "3 internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).\n" \

@@ -7,10 +7,10 @@ import os
 import re
 from collections.abc import Iterable
 
-from validators.lint.checks import FileChecker, format_fields
-from validators.lint.finding import FileError, Finding, LintReport
-from validators.lint.registry import RULES, parse_id_list
-from validators.lint.target_release import Target, chosen, target_for
+from model_infer_kvcache.validators.lint.checks import FileChecker, format_fields
+from model_infer_kvcache.validators.lint.finding import FileError, Finding, LintReport
+from model_infer_kvcache.validators.lint.registry import RULES, parse_id_list
+from model_infer_kvcache.validators.lint.target_release import Target, chosen, target_for
 
 _SUPPRESS = re.compile(r"#\s*kvcache:\s*ignore\[([A-Za-z0-9_,\s]+)\]")
 _SKIP_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
@@ -53,7 +53,9 @@ def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set
     checker = FileChecker(tree, path, manifest, release or target_for(path))
     raw = checker.run()
     if manifest is not None:  # the manifest rules revisit the calls the code-only pass collected
-        from validators.lint.manifest_checks import ManifestChecks  # lazily: it imports the analyzer
+        from model_infer_kvcache.validators.lint.manifest_checks import (
+            ManifestChecks,  # lazily: it imports the analyzer
+        )
 
         ManifestChecks(checker).run()
     quiet = suppressions(source)
@@ -101,7 +103,9 @@ def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, i
     """
     release = chosen(torch_npu)
     if manifest is not None and not hasattr(manifest, "fa"):
-        from analyzer.manifest_io import load_manifest  # lazily: pydantic only when a manifest is given
+        from model_infer_kvcache.analyzer.manifest_io import (
+            load_manifest,  # lazily: pydantic only when a manifest is given
+        )
 
         manifest = load_manifest(manifest)
     selected = _selected(select, ignore)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import ast
 import re
 
-from validators.lint.scope import DECODE, Ctx, ModuleInfo
-from validators.lint.values import Resolver, as_int
+from model_infer_kvcache.validators.lint.scope import DECODE, Ctx, ModuleInfo
+from model_infer_kvcache.validators.lint.values import Resolver, as_int
 
 PACKED, ROWS = "packed", "rows"
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ast
 
-from validators.lint.scope import ModuleInfo
-from validators.lint.values import _precedes, as_str, dict_literal_items
+from model_infer_kvcache.validators.lint.scope import ModuleInfo
+from model_infer_kvcache.validators.lint.values import _precedes, as_str, dict_literal_items
 
 
 def _keys(info: ModuleInfo, name: ast.Name, call: ast.Call) -> dict[str, ast.AST] | None:

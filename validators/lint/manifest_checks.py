@@ -5,12 +5,12 @@ from __future__ import annotations
 import ast
 import re
 
-from analyzer.config_loader import yarn_mscale
-from analyzer.operators import fa_facts, schemas
-from validators.lint import ops
-from validators.lint.kwargs_dicts import call_keywords
-from validators.lint.scope import DECODE, PREFILL, Ctx, _ident_text, is_self_attr
-from validators.lint.values import MAX_DEPTH, as_int, as_str
+from model_infer_kvcache.analyzer.config_loader import yarn_mscale
+from model_infer_kvcache.analyzer.operators import fa_facts, schemas
+from model_infer_kvcache.validators.lint import ops
+from model_infer_kvcache.validators.lint.kwargs_dicts import call_keywords
+from model_infer_kvcache.validators.lint.scope import DECODE, PREFILL, Ctx, _ident_text, is_self_attr
+from model_infer_kvcache.validators.lint.values import MAX_DEPTH, as_int, as_str
 
 _YARN_WORDS = re.compile(r"mscale|yarn|attention_factor|attn_factor|attention_scaling", re.IGNORECASE)
 _NUMERIC_FUNCS = {"sqrt", "pow", "float", "int", "max", "min", "getattr", "log", "exp"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ast
 
-from validators.lint.scope import Ctx
-from validators.lint.values import MAX_DEPTH, Resolver, as_number
+from model_infer_kvcache.validators.lint.scope import Ctx
+from model_infer_kvcache.validators.lint.values import MAX_DEPTH, Resolver, as_number
 
 _FLOAT_DTYPES = {"float16", "half", "bfloat16", "float32", "float", "float64", "double"}
 _INT_DTYPES = {"int8", "uint8", "int16", "short", "int32", "int", "int64", "long"}

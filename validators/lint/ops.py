@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from functools import cache
 
-from analyzer.operators import fa_facts, schemas
+from model_infer_kvcache.analyzer.operators import fa_facts, schemas
 
 FA_V1 = fa_facts.FA_OPS["v1"]
 FA_V2 = fa_facts.FA_OPS["v2"]

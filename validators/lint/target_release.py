@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-from analyzer.operators.schemas import RELEASES
+from model_infer_kvcache.analyzer.operators.schemas import RELEASES
 
 # `torch_npu-2.8.0.post4-cp311...whl`, `torch_npu==2.9.0`, `torch-npu 2.11.0rc1`; Ascend's own product
 # numbering (`torch_npu v26.0.0`) is not a torch-npu release and is not read.

@@ -14,7 +14,13 @@ import math
 import operator
 from dataclasses import dataclass, replace
 
-from validators.lint.scope import Ctx, ModuleInfo, _negate, branch_constraints, is_self_attr
+from model_infer_kvcache.validators.lint.scope import (
+    Ctx,
+    ModuleInfo,
+    _negate,
+    branch_constraints,
+    is_self_attr,
+)
 
 MAX_DEPTH = 8
 

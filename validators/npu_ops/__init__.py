@@ -16,11 +16,22 @@ Public API:
   the calling ``file:line``); a :class:`NotStoodInError`.
 """
 
-from validators.npu_ops.backend import OpSet, emulation_installed, install_emulation, load, npu_available
-from validators.npu_ops.errors import NotEmulatedError, NotStoodInError, NpuOpError, OpNotEmulatedError
-from validators.npu_ops.null_block import NULL_BLOCK_ID, paged_caches
-from validators.npu_ops.nz import nz_c0, nz_view
-from validators.npu_ops.readings import (
+from model_infer_kvcache.validators.npu_ops.backend import (
+    OpSet,
+    emulation_installed,
+    install_emulation,
+    load,
+    npu_available,
+)
+from model_infer_kvcache.validators.npu_ops.errors import (
+    NotEmulatedError,
+    NotStoodInError,
+    NpuOpError,
+    OpNotEmulatedError,
+)
+from model_infer_kvcache.validators.npu_ops.null_block import NULL_BLOCK_ID, paged_caches
+from model_infer_kvcache.validators.npu_ops.nz import nz_c0, nz_view
+from model_infer_kvcache.validators.npu_ops.readings import (
     DEFAULT_READINGS,
     DeviceReadings,
     active_readings,

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import torch
-
-from validators.npu_ops import op_checks as chk
-from validators.npu_ops.errors import NpuOpError
+from model_infer_kvcache.validators.npu_ops import op_checks as chk
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError
 
 
 def npu_swiglu(self, dim=-1):

@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from analyzer.device_questions import BACKEND_CHOICES
-from analyzer.operators.schemas import load_schemas
-from validators.npu_ops import emulated
-from validators.npu_ops.errors import OpNotEmulatedError, caller_location
+from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
+from model_infer_kvcache.analyzer.operators.schemas import load_schemas
+from model_infer_kvcache.validators.npu_ops import emulated
+from model_infer_kvcache.validators.npu_ops.errors import OpNotEmulatedError, caller_location
 
 BACKENDS = BACKEND_CHOICES
 EMULATION_MARKER = "__npu_ops_emulation__"

@@ -13,10 +13,19 @@ rounding only, and keeps float32/bf16 (``--dtype``) for device precision.
 
 from __future__ import annotations
 
-from analyzer.operators.fa_facts import INT32_MAX
-from validators.npu_ops import activations, formats, matmul, moe, moe_comm, norms, rotary, writers
-from validators.npu_ops.errors import NotEmulatedError
-from validators.npu_ops.fused_attention import V1_NAMES, V2_NAMES, fused_infer_attention
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
+from model_infer_kvcache.validators.npu_ops import (
+    activations,
+    formats,
+    matmul,
+    moe,
+    moe_comm,
+    norms,
+    rotary,
+    writers,
+)
+from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError
+from model_infer_kvcache.validators.npu_ops.fused_attention import V1_NAMES, V2_NAMES, fused_infer_attention
 
 
 def _refuse_unemulated(op: str, **tensors) -> None:

@@ -26,9 +26,13 @@ from __future__ import annotations
 import math
 
 import torch
-
-from validators.npu_ops.fa_kv import KVSource, PagedKV
-from validators.npu_ops.fa_masks import MaskSpec, fully_visible_columns, visible_bounds, visible_keys
+from model_infer_kvcache.validators.npu_ops.fa_kv import KVSource, PagedKV
+from model_infer_kvcache.validators.npu_ops.fa_masks import (
+    MaskSpec,
+    fully_visible_columns,
+    visible_bounds,
+    visible_keys,
+)
 
 SCORE_BUDGET_BYTES = 32 << 20  # score tile of one row chunk (request-major)
 KV_CHUNK_BYTES = 8 << 20  # one gathered key (or value) piece (request-major)

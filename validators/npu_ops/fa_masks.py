@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-
-from analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SIZE
+from model_infer_kvcache.analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SIZE
 
 MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 

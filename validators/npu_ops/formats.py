@@ -8,7 +8,7 @@ rather than passed through, and ``customize_dtype`` (a quantization feature) is 
 
 from __future__ import annotations
 
-from validators.npu_ops import op_checks as chk
+from model_infer_kvcache.validators.npu_ops import op_checks as chk
 
 ACL_FORMATS = {2: "ND", 29: "FRACTAL_NZ"}
 # Documented ACL formats the emulation does not accept (NCHW, NHWC, NC1HWC0, FRACTAL_Z, NDC1HWC0, ...).

@@ -44,8 +44,7 @@ import weakref
 from typing import Any
 
 import torch
-
-from analyzer.operators.fa_facts import (
+from model_infer_kvcache.analyzer.operators.fa_facts import (
     COMPRESSED_MASK_MODES,
     COMPRESSED_MASK_SHAPES,
     COMPRESSED_MASK_SIZE,
@@ -56,10 +55,10 @@ from analyzer.operators.fa_facts import (
     SPARSE_MODES,
     FaKeywords,
 )
-from validators.npu_ops.errors import NpuOpError
-from validators.npu_ops.fa_core import attend
-from validators.npu_ops.fa_kv import DenseBatchKV, KVSource, PackedKV, PagedKV
-from validators.npu_ops.fa_layouts import (
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError
+from model_infer_kvcache.validators.npu_ops.fa_core import attend
+from model_infer_kvcache.validators.npu_ops.fa_kv import DenseBatchKV, KVSource, PackedKV, PagedKV
+from model_infer_kvcache.validators.npu_ops.fa_layouts import (
     LAYOUTS,
     QUERY_DIMS,
     Layout,
@@ -70,9 +69,9 @@ from validators.npu_ops.fa_layouts import (
     packed_view,
     parse_layout,
 )
-from validators.npu_ops.fa_masks import MASK_DTYPES, MaskSpec, causal_template
-from validators.npu_ops.nz import nz_c0
-from validators.npu_ops.readings import active_readings
+from model_infer_kvcache.validators.npu_ops.fa_masks import MASK_DTYPES, MaskSpec, causal_template
+from model_infer_kvcache.validators.npu_ops.nz import nz_c0
+from model_infer_kvcache.validators.npu_ops.readings import active_readings
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CHECKED_MASKS: dict[int, tuple] = {}

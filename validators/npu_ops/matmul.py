@@ -16,9 +16,8 @@ are refused.
 from __future__ import annotations
 
 import torch
-
-from validators.npu_ops import op_checks as chk
-from validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops import op_checks as chk
+from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
 
 PERMUTATIONS = {(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)}
 

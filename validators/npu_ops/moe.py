@@ -28,10 +28,9 @@ Quantization, drop/pad (capacity) modes and partial expert ranges (EP > 1) are r
 from __future__ import annotations
 
 import torch
-
-from validators.npu_ops import op_checks as chk
-from validators.npu_ops.errors import NotEmulatedError, NpuOpError
-from validators.npu_ops.readings import consult
+from model_infer_kvcache.validators.npu_ops import op_checks as chk
+from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.readings import consult
 
 INT32 = (torch.int32,)
 

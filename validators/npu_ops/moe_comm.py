@@ -26,9 +26,8 @@ More than one EP rank, quantization, shared experts on their own ranks, masks an
 from __future__ import annotations
 
 import torch
-
-from validators.npu_ops import op_checks as chk
-from validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops import op_checks as chk
+from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
 
 
 def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1,

@@ -11,9 +11,8 @@ RMSNorm of ``x``; x1/x2/gamma one dtype, x1 and x2 one shape).
 from __future__ import annotations
 
 import torch
-
-from validators.npu_ops import op_checks as chk
-from validators.npu_ops.errors import NpuOpError
+from model_infer_kvcache.validators.npu_ops import op_checks as chk
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError
 
 
 def _check_gamma(op: str, x: torch.Tensor, gamma: torch.Tensor) -> int:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
 
 # Device dtypes of the float operators, plus float64: a CPU validation mode, not a device dtype.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -62,8 +62,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from analyzer.device_questions import QUESTIONS, SWITCH_QUESTIONS
-from validators.npu_ops.null_block import NULL_BLOCK_ID
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS, SWITCH_QUESTIONS
+from model_infer_kvcache.validators.npu_ops.null_block import NULL_BLOCK_ID
 
 _ALLOWED = {name: QUESTIONS[name].readings for name in SWITCH_QUESTIONS}
 

@@ -19,9 +19,8 @@ rotated with ``rotate_half``; the output keeps that de-interleaved order.
 from __future__ import annotations
 
 import torch
-
-from validators.npu_ops import op_checks as chk
-from validators.npu_ops.errors import NpuOpError
+from model_infer_kvcache.validators.npu_ops import op_checks as chk
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError
 
 # layout -> (rank, head axis): cos/sin have size 1 on the head axis.
 LAYOUTS = {"TND": (3, 1), "BSH": (4, 2), "BSND": (4, 2), "SBND": (4, 2), "BNSD": (4, 1)}

@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-
-from validators.npu_ops import null_block
-from validators.npu_ops.errors import NotEmulatedError, NpuOpError
-from validators.npu_ops.nz import nz_c0
-from validators.npu_ops.readings import active_readings
-from validators.npu_ops.rotary import deinterleaved_rope
+from model_infer_kvcache.validators.npu_ops import null_block
+from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.nz import nz_c0
+from model_infer_kvcache.validators.npu_ops.readings import active_readings
+from model_infer_kvcache.validators.npu_ops.rotary import deinterleaved_rope
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

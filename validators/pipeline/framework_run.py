@@ -9,12 +9,11 @@ the stream and after many sequential requests.
 from __future__ import annotations
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from validators.pipeline.host_model import HostModel
-from validators.pipeline.numeric import NumericTracker
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import Scenario
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.host_model import HostModel
+from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 
 
 def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers: int, api: str,
@@ -70,7 +69,7 @@ def check_allocation(report: Report, host: HostModel, sched) -> None:
 
 def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, ref_model, api_module,
                   generation: str, scenario: Scenario, seed: int, cache_dtype: torch.dtype) -> None:
-    from validators.harness import Scheduler
+    from model_infer_kvcache.validators.harness import Scheduler
 
     info = host.get_cache_info()
     check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype)
@@ -124,7 +123,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     report.add("all blocks back in the pool after the stream", "release",
                all(u["used"] == 0 for u in end_usage.values()), usage=end_usage)
     if manifest.mtp is not None:
-        from validators.pipeline.spec_decode import run_framework_stream
+        from model_infer_kvcache.validators.pipeline.spec_decode import run_framework_stream
 
         run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab, dog)
     # Many sequential requests: the pool and the allocated tensors end where they started.

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from analyzer.errors import InputError
-from analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
-from analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end

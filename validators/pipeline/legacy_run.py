@@ -7,11 +7,10 @@ Standalone mode uses the rendered runner (mode 1); framework mode preallocates
 from __future__ import annotations
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from validators.pipeline.numeric import NumericTracker
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import Scenario, SimpleStep
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
 
 ROWS = 3
 PROMPT = 150

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-
-from analyzer.files import atomic_write_text
-from validators.pipeline.report import Check, Report
+from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.validators.pipeline.report import Check, Report
 
 COLLECTIVE_TIMEOUT_S = 120
 RANK_TIMEOUT_S = 900
@@ -62,8 +61,8 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         dist.all_reduce(output, group=group)
         return output
 
-    from analyzer.hf_layout import find_attentions
-    from validators.pipeline.host_model import decoder_layers
+    from model_infer_kvcache.analyzer.hf_layout import find_attentions
+    from model_infer_kvcache.validators.pipeline.host_model import decoder_layers
 
     for layer in decoder_layers(model)[1]:
         attn = find_attentions(layer)[0][1]

@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from analyzer.operators.fa_facts import BAND_MODE, FA_OPS, keywords_of, value_passed
-from validators.pipeline.host_model import reference_layer_outputs, reference_logits
-from validators.pipeline.report import Report
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.operators.fa_facts import BAND_MODE, FA_OPS, keywords_of, value_passed
+from model_infer_kvcache.validators.pipeline.host_model import reference_layer_outputs, reference_logits
+from model_infer_kvcache.validators.pipeline.report import Report
 
 # Logit tolerance per compute dtype of the model under test (the reference runs in float64 for
 # float64, else float32). float64 is the CPU default: honest code then differs by rounding only

@@ -13,9 +13,8 @@ import math
 import types
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from validators.pipeline.report import Report
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.report import Report
 
 
 def expected_constants(manifest: SelectionManifest) -> dict[str, object]:

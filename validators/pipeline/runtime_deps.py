@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 
-from analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError
 
 # The reference implementations validation compares against must be right: 5.15 is the first
 # release whose DeepSeek-V2 attention applies the YaRN mscale^2 to its softmax scale (with 4.56,

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from validators.pipeline.host_model import reference_logits
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import Watchdog
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.host_model import reference_logits
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
 
 NEXT_N = 1
 # (prompt length, verify steps): one prompt past a 128-token block, one short.

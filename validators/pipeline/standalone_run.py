@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-
-from analyzer.manifest import SelectionManifest
-from validators.pipeline.numeric import NumericTracker
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import Scenario, SimpleStep
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
 
 CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
 
@@ -116,7 +115,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
     tracker.check_numeric(report, sequences)
     if manifest.mtp is not None:
-        from validators.pipeline.spec_decode import run_standalone_stream
+        from model_infer_kvcache.validators.pipeline.spec_decode import run_standalone_stream
 
         run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row, dog)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from analyzer.device_questions import QUESTIONS
-from validators.pipeline.report import Report
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
+from model_infer_kvcache.validators.pipeline.report import Report
 
 
 def sweep_readings(report: Report, questions: Iterable[str], base, rerun: Callable[[object], Report], *,

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from analyzer.arch_check import transformers_ships
-from analyzer.config_loader import HF_MODEL_TYPE
-from analyzer.errors import InputError
-from analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.arch_check import transformers_ships
+from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
 _HEAD_DIM_FROM_HIDDEN = {"falcon"}

@@ -11,24 +11,31 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
-from analyzer.config_loader import read_config_file
-from analyzer.errors import InputError
-from analyzer.manifest import SelectionManifest
-from analyzer.manifest_io import load_manifest
-from analyzer.readings_file import ReadingsFile
-from implementer.render import render_manifest, write_rendered
-from validators.pipeline.numeric import TOLERANCE, check_fa_calls_before_failure, float64_upcasts
-from validators.pipeline.provenance import RENDERED_FILES, RenderHeader, check_inputs_belong
-from validators.pipeline.report import Report
-from validators.pipeline.request_stream import (
+from model_infer_kvcache.analyzer.config_loader import read_config_file
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.manifest_io import load_manifest
+from model_infer_kvcache.analyzer.readings_file import ReadingsFile
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.numeric import (
+    TOLERANCE,
+    check_fa_calls_before_failure,
+    float64_upcasts,
+)
+from model_infer_kvcache.validators.pipeline.provenance import (
+    RENDERED_FILES,
+    RenderHeader,
+    check_inputs_belong,
+)
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.request_stream import (
     DEFAULT,
     QUICK,
     STREAM_BUDGET_CHECK,
     Scenario,
     StreamStalled,
 )
-from validators.pipeline.tiny_model import require_transformers_type
+from model_infer_kvcache.validators.pipeline.tiny_model import require_transformers_type
 
 # transformers imports these lazily; import them before torch_npu is emulated, because
 # transformers probes for torch_npu and the emulation module has no import spec.
@@ -53,7 +60,7 @@ class ValidateRequest:
 
 
 def resolve_backend(requested: str) -> str:
-    from validators.npu_ops import npu_available
+    from model_infer_kvcache.validators.npu_ops import npu_available
 
     if requested == "emulated":
         return "emulated"
@@ -109,7 +116,7 @@ def validate(req: ValidateRequest, progress=None) -> Report:
     inputs = load_inputs(req)
     if inputs.ranks == 1:
         return run_pipeline(inputs, progress)
-    from validators.pipeline.multi_rank import run_ranks
+    from model_infer_kvcache.validators.pipeline.multi_rank import run_ranks
 
     single_run = replace(inputs, req=replace(inputs.req, sweep_readings=False))
     return run_ranks(run_pipeline, single_run, inputs.ranks, inputs.manifest, progress)
@@ -119,7 +126,7 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
     """Read the manifest, config, render and readings; refuse (InputError) what does not belong together."""
     measured = None
     if req.device_readings:
-        from analyzer.readings_file import load_readings
+        from model_infer_kvcache.analyzer.readings_file import load_readings
 
         measured = load_readings(req.device_readings)
     manifest = load_manifest(req.manifest)
@@ -154,7 +161,7 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
 
     report = Report(backend=backend, deploy_mode=manifest.deploy_mode.value, model_type=manifest.model.model_type,
                     manifest_hash=manifest.content_hash(), dtype=req.dtype, tolerance=TOLERANCE[req.dtype])
-    from validators.npu_ops import DeviceReadings
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings
 
     base = DeviceReadings.from_settled(measured.settled()) if measured else DeviceReadings()
     settled = measured.settled() if measured else {}
@@ -178,9 +185,9 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
 def _check_render_as_written(report: Report, manifest: SelectionManifest, req: ValidateRequest,
                              backend: str) -> None:
     """Init link on the user's render itself: its constants, and init_kv_cache of every real layer."""
-    from validators.npu_ops import install_emulation
-    from validators.pipeline.host_model import import_rendered
-    from validators.pipeline.render_check import check_constants, check_every_layer
+    from model_infer_kvcache.validators.npu_ops import install_emulation
+    from model_infer_kvcache.validators.pipeline.host_model import import_rendered
+    from model_infer_kvcache.validators.pipeline.render_check import check_constants, check_every_layer
 
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
     with ops, _framework(manifest, req, backend):
@@ -196,7 +203,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
     manifest with a short window (tiny.shrink_windows) crosses it, and the user's render runs too,
     at its real window, unless it is byte for byte the implementer's render of the manifest.
     """
-    from validators.pipeline.tiny_model import shrink_windows
+    from model_infer_kvcache.validators.pipeline.tiny_model import shrink_windows
 
     tiny = shrink_windows(manifest)
     if tiny is None:
@@ -235,8 +242,8 @@ def _crossing(scenario: Scenario, manifest: SelectionManifest) -> Scenario:
 def _validate_run(report: Report, label: str, manifest: SelectionManifest, rendered: str, req: ValidateRequest,
                   real_config: dict, backend: str, say, rank: int, world: int, sweep: bool,
                   base=None, settled: dict | None = None) -> None:
-    from validators.npu_ops import DeviceReadings
-    from validators.pipeline.tiny_model import build_tiny_model
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings
+    from model_infer_kvcache.validators.pipeline.tiny_model import build_tiny_model
 
     say("building the tiny transformers model" + (f" ({label.strip(': ')})" if label else ""))
     pristine, plan = build_tiny_model(real_config, manifest, seed=req.seed)
@@ -255,7 +262,7 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
         report.notes += plan.notes + run.notes
         _note_coverage(report, manifest, run)
     if sweep and backend == "emulated":
-        from validators.pipeline.sweep import sweep_readings
+        from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
 
         def rerun(readings) -> Report:
             swept = report.fresh(backend=backend)
@@ -283,15 +290,15 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
-    from validators.npu_ops import consulted_questions, device_readings, install_emulation
-    from validators.pipeline.host_model import HostModel, import_rendered
+    from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings, install_emulation
+    from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
 
     if req.step_seconds is not None:
         scenario = replace(scenario, step_seconds=req.step_seconds)
     model = copy.deepcopy(pristine)
     ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP
     if world > 1:
-        from validators.pipeline.multi_rank import shard_attention
+        from model_infer_kvcache.validators.pipeline.multi_rank import shard_attention
 
         shard_attention(model, manifest, rank, world)
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
@@ -307,7 +314,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             _framework(manifest, req, backend) as handle, float64_upcasts():
         rendered = import_rendered(rendered_dir)
         if not report.provenance:
-            from validators.pipeline.provenance import rendered_provenance
+            from model_infer_kvcache.validators.pipeline.provenance import rendered_provenance
 
             report.provenance = rendered_provenance(rendered_dir, handle, backend)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
@@ -315,13 +322,13 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
         host.atol = TOLERANCE[req.dtype]
         try:
             if manifest.kv_mode.value == "legacy":
-                from validators.pipeline.legacy_run import run_legacy
+                from model_infer_kvcache.validators.pipeline.legacy_run import run_legacy
 
                 run_legacy(report, manifest, host, ref, req.seed, cache_dtype,
                            framework=manifest.deploy_mode.value == "framework", scenario=scenario)
             elif manifest.deploy_mode.value == "framework":
-                from validators.harness import FrameworkAPI
-                from validators.pipeline.framework_run import run_framework
+                from model_infer_kvcache.validators.harness import FrameworkAPI
+                from model_infer_kvcache.validators.pipeline.framework_run import run_framework
 
                 if handle.real:
                     report.notes.append(f"checkout {handle.root} (detected {handle.generation}); modules from the "
@@ -330,7 +337,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
                 run_framework(report, manifest, host, ref, FrameworkAPI.from_handle(handle), handle.generation, scenario,
                               req.seed, cache_dtype)
             else:
-                from validators.pipeline.standalone_run import run_standalone
+                from model_infer_kvcache.validators.pipeline.standalone_run import run_standalone
 
                 run_standalone(report, manifest, host, ref, scenario, req.seed, cache_dtype)
         except StreamStalled as exc:  # the watchdog: a request that never finishes, a step that never returns
@@ -354,9 +361,9 @@ def _framework(manifest: SelectionManifest, req: ValidateRequest, backend: str =
     if manifest.deploy_mode.value != "framework":
         yield None
         return
-    from validators.harness import install_framework
-    from validators.standins import device_standins
-    from validators.standins.third_party import absent_third_party
+    from model_infer_kvcache.validators.harness import install_framework
+    from model_infer_kvcache.validators.standins import device_standins
+    from model_infer_kvcache.validators.standins.third_party import absent_third_party
 
     generation = req.framework_api or manifest.framework_api or "G2"
     # Without a checkout a G2 manifest is validated against the newest framework behaviour (G3:

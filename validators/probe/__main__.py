@@ -1,5 +1,5 @@
 import sys
 
-from validators.probe.cli import main
+from model_infer_kvcache.validators.probe.cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""`kvcache probe` (and `python -m validators.probe`): measure the open device questions."""
+"""`kvcache probe` (and `python -m model_infer_kvcache.validators.probe`): measure the open device questions."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from analyzer.device_questions import OP_BACKENDS
-from analyzer.errors import InputError, OneLineArgumentParser, guarded
-from analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.device_questions import OP_BACKENDS
+from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
+from model_infer_kvcache.analyzer.files import atomic_write_text
 
 EXAMPLES = """examples:
   kvcache probe --out device_readings.json --markdown device_readings.md   (on an NPU host)
@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(target, "directory does not exist", field=f"--{flag}")
     if args.device is not None and args.device < 0:
         raise InputError("--device", f"must be >= 0, got {args.device}")
-    from validators.probe.device import NoDeviceError, open_device
-    from validators.probe.run import markdown, probe, table_text
+    from model_infer_kvcache.validators.probe.device import NoDeviceError, open_device
+    from model_infer_kvcache.validators.probe.run import markdown, probe, table_text
 
     try:
         dev = open_device(args.backend, args.device)

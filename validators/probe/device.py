@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from validators.npu_ops import OpSet, active_readings, load, npu_available
+from model_infer_kvcache.validators.npu_ops import OpSet, active_readings, load, npu_available
 
 # The designs' cache dtype on the device; the emulation computes in float32 anyway and its
 # bfloat16 matmuls are slow on CPU, so the dry run keeps float32 (same calls otherwise).

@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from analyzer.device_questions import QUESTIONS, UNKNOWN
-from analyzer.operators.fa_facts import FA_KEYWORDS
-from validators.npu_ops.fa_masks import causal_template
-from validators.probe.device import ProbeDevice
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS, UNKNOWN
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
+from model_infer_kvcache.validators.npu_ops.fa_masks import causal_template
+from model_infer_kvcache.validators.probe.device import ProbeDevice
 
 HEADS = 8  # FA packed layouts on the device want Q_N = KV_N in 8/16/32/64/128
 HEAD_DIM = 128

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from analyzer.device_questions import QUESTIONS, UNKNOWN
-from analyzer.readings_file import PROBE_VERSION, QuestionReading, ReadingsFile
-from validators.probe.device import ProbeDevice
-from validators.probe.experiments import run_experiments
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS, UNKNOWN
+from model_infer_kvcache.analyzer.readings_file import PROBE_VERSION, QuestionReading, ReadingsFile
+from model_infer_kvcache.validators.probe.device import ProbeDevice
+from model_infer_kvcache.validators.probe.experiments import run_experiments
 
 
 def probe(dev: ProbeDevice) -> ReadingsFile:

@@ -5,7 +5,7 @@
 exit. Nothing is written into the checkout.
 """
 
-from validators.standins.device import (
+from model_infer_kvcache.validators.standins.device import (
     NotStoodInError,
     StandinHandle,
     device_standins,

@@ -20,9 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-
-from validators.npu_ops import emulation_installed, install_emulation
-from validators.npu_ops.errors import NotStoodInError, OpNotEmulatedError, caller_location
+from model_infer_kvcache.validators.npu_ops import emulation_installed, install_emulation
+from model_infer_kvcache.validators.npu_ops.errors import NotStoodInError, OpNotEmulatedError, caller_location
 
 # Figures ``torch.npu.mem_get_info()`` returns unless the caller sets others: a 64 GiB
 # device with everything free (large enough that offline-mode checks never bind).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from analyzer.errors import dispatch, guarded
+from model_infer_kvcache.analyzer.errors import dispatch, guarded
 
 USAGE = """usage: kvcache <command> [options]
 
@@ -28,37 +28,37 @@ kvcache itself (a bug: one stderr line; rerun with KVCACHE_DEBUG=1 for the trace
 def _commands():
     # Imported lazily so `kvcache analyze` never pays for torch-heavy validators.
     def analyze(argv):
-        from analyzer.cli import main
+        from model_infer_kvcache.analyzer.cli import main
 
         return main(argv)
 
     def schema(argv):
-        from analyzer.cli import schema_main
+        from model_infer_kvcache.analyzer.cli import schema_main
 
         return guarded(schema_main, argv)
 
     def render(argv):
-        from implementer.cli import main
+        from model_infer_kvcache.implementer.cli import main
 
         return main(argv)
 
     def lint(argv):
-        from validators.lint.cli import main
+        from model_infer_kvcache.validators.lint.cli import main
 
         return main(argv)
 
     def validate(argv):
-        from validators.cli import main
+        from model_infer_kvcache.validators.cli import main
 
         return main(argv)
 
     def run(argv):
-        from validators.end_to_end import main
+        from model_infer_kvcache.validators.end_to_end import main
 
         return main(argv)
 
     def probe(argv):
-        from validators.probe.cli import main
+        from model_infer_kvcache.validators.probe.cli import main
 
         return main(argv)
 

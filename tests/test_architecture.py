@@ -256,7 +256,7 @@ def test_the_tables_are_read():
     parts = parse_parts(text)
     assert {"analyzer", "implementer", "npu_ops", "harness", "lint", "pipeline", "docgen"} <= set(parts)
     assert parts["analyzer"].may_import == frozenset() and "analyzer" in parts["implementer"].may_import
-    assert parse_layers(text)["report"] == 0 and parse_layers(text)["validate"] == max(parse_layers(text).values())
+    assert parse_layers(text)["check_ids"] == 0 and parse_layers(text)["report"] == 1 and parse_layers(text)["validate"] == max(parse_layers(text).values())
     edges = import_edges(ROOT)
     assert "validators.pipeline.multi_rank" in edges["validators.pipeline.validate"]  # a lazy import, seen
 
@@ -296,7 +296,7 @@ def test_an_injected_cycle_is_reported_with_its_lazy_edge(tree):
     problems = check_cycles(tree)
     assert any("validators.pipeline.report" in p and "validators.pipeline.validate" in p for p in problems), problems
     layer_problems = check_pipeline_layers(tree, (tree / "ARCHITECTURE.md").read_text(encoding="utf-8"))
-    assert any("report (layer 0) imports validators.pipeline.validate (layer 8)" in p for p in layer_problems)
+    assert any("report (layer 1) imports validators.pipeline.validate (layer 9)" in p for p in layer_problems)
 
 
 def test_a_cycle_between_two_parts_in_the_table_is_reported(tree):

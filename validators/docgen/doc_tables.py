@@ -24,7 +24,6 @@ registry) are here too, so a test can run them on an edited copy of the docs.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import re
 import sys
@@ -36,6 +35,7 @@ from model_infer_kvcache.analyzer.errors import OneLineArgumentParser
 from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.analyzer.operators import fa_facts
 from model_infer_kvcache.analyzer.operators.schemas import accepted_keywords, default_text
+from model_infer_kvcache.validators.pipeline.check_ids import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -433,63 +433,29 @@ def check_manifest_doc(root: Path = ROOT) -> list[str]:
 # --------------------------------------------------------------------------- validation checks
 
 
-def _template(node: ast.AST, constants: dict[str, str]) -> str | None:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else "<N>" for v in node.values)
-    if isinstance(node, ast.Name):  # a module-level string constant (of this file, else imported by name)
-        return constants.get(node.id)
-    return None
+def validation_checks() -> set[tuple[str, str]]:
+    """(link, name template) of every registered validation check (``validators/pipeline/check_ids.py``)."""
+    return {(c.link, c.name) for c in CHECKS}
 
 
-def _module_constants(tree: ast.Module) -> dict[str, str]:
-    return {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-            for target in node.targets if isinstance(target, ast.Name)}
+_CHECK_ROW = re.compile(r"^\|\s*(?P<id>V[0-9]{3})\s*\|\s*(?P<link>init|runtime|numeric|release)\s*\|"
+                        r"\s*`(?P<name>(?:[^`])+)`\s*\|")
 
 
-def validation_checks(validators_dir: Path | None = None) -> set[tuple[str, str]]:
-    """(link, name template) of every ``report.add(name, link, ...)`` under validators/.
-
-    Names built with f-strings show each formatted value as ``<N>``; a name may also be a module-level
-    string constant of the same file or of another module under validators/ it imports (a check added
-    from two places or two modes).
-    """
-    validators_dir = validators_dir or ROOT / "validators"
-    out = set()
-    trees = {path: ast.parse(path.read_text(encoding="utf-8")) for path in sorted(validators_dir.rglob("*.py"))}
-    everywhere: dict[str, str] = {}
-    for tree in trees.values():
-        everywhere.update(_module_constants(tree))
-    for tree in trees.values():
-        constants = {**everywhere, **_module_constants(tree)}
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add"
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                    and node.args[1].value in ("init", "runtime", "numeric", "release")):
-                name = _template(node.args[0], constants)
-                if name is not None:
-                    out.add((node.args[1].value, name))
-    return out
-
-
-_CHECK_ROW = re.compile(r"^\|\s*(?P<link>init|runtime|numeric|release)\s*\|\s*`(?P<name>(?:[^`])+)`\s*\|")
-
-
-def documented_checks(text: str) -> set[tuple[str, str]]:
-    """(link, name template) of the check rows in references/validation.md (``\\|`` unescaped)."""
-    return {(m.group("link"), m.group("name").replace("\\|", "|"))
+def documented_checks(text: str) -> set[tuple[str, str, str]]:
+    """(ID, link, name template) of the check rows in references/validation.md (``\\|`` unescaped)."""
+    return {(m.group("id"), m.group("link"), m.group("name").replace("\\|", "|"))
             for m in map(_CHECK_ROW.match, text.splitlines()) if m}
 
 
-def check_validation_doc(root: Path = ROOT, validators_dir: Path | None = None) -> list[str]:
-    code = validation_checks(validators_dir or root / "validators")
+def check_validation_doc(root: Path = ROOT, checks=None) -> list[str]:
+    """The doc's check table against the registry, row by row (ID, link and name)."""
+    code = {(c.id, c.link, c.name) for c in (CHECKS if checks is None else checks)}
     doc = documented_checks((root / "references" / "validation.md").read_text(encoding="utf-8"))
-    problems = [f"references/validation.md: check [{link}] `{name}` is not documented"
-                for link, name in sorted(code - doc)]
-    problems += [f"references/validation.md: documents [{link}] `{name}`, which no validator reports"
-                 for link, name in sorted(doc - code)]
+    problems = [f"references/validation.md: check {cid} [{link}] `{name}` is not documented"
+                for cid, link, name in sorted(code - doc)]
+    problems += [f"references/validation.md: documents {cid} [{link}] `{name}`, which is not registered"
+                 for cid, link, name in sorted(doc - code)]
     return problems
 
 

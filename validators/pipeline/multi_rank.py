@@ -159,7 +159,7 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
             merged.consulted = sorted(set(merged.consulted) | set(data.get("consulted", [])))
             for c in data["checks"]:
                 merged.checks.append(Check(f"rank {r}: {c['name']}", c["link"], c["passed"], c["measured"],
-                                           c["detail"]))
+                                           c["detail"], c["id"]))
             if r == 0:  # every rank runs the same tiny model and stream: one copy of the notes
                 merged.notes += data.get("notes", [])
                 merged.provenance = data.get("provenance", {})

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from model_infer_kvcache.validators.pipeline.check_ids import check_def
+
 Link = Literal["init", "runtime", "numeric", "release"]
 SECTION_ID = "validate"
 
@@ -17,6 +19,7 @@ class Check:
     passed: bool
     measured: dict[str, Any] = field(default_factory=dict)
     detail: str = ""
+    id: str = ""  # the registered check's stable ID (check_ids.CHECKS), set by Report.add
 
 
 @dataclass
@@ -49,7 +52,8 @@ class Report:
                          **changes})
 
     def add(self, name: str, link: Link, passed: bool, detail: str = "", **measured) -> Check:
-        check = Check(name, link, bool(passed), _plain(measured), detail)
+        # an unregistered name raises: every reported check carries its registered ID
+        check = Check(name, link, bool(passed), _plain(measured), detail, check_def(link, name).id)
         self.checks.append(check)
         return check
 
@@ -97,12 +101,12 @@ class Report:
             lines.append("- 设备行为读法: " + ", ".join(f"{k}={v}" for k, v in self.readings.items()))
         if self.consulted:
             lines.append("- 本次运行中结果取决于读法的算子问题: " + ", ".join(self.consulted))
-        lines += ["", "| 链路 | 检查项 | 结果 | 实测 |", "|---|---|---|---|"]
+        lines += ["", "| ID | 链路 | 检查项 | 结果 | 实测 |", "|---|---|---|---|---|"]
         for c in self.checks:
             shown = ", ".join(f"{k}={_short(v)}" for k, v in c.measured.items())
             if c.detail:
                 shown = f"{shown}; {c.detail}" if shown else c.detail
-            lines.append(f"| {c.link} | {c.name} | {'✅' if c.passed else '❌'} | {shown.replace('|', '/')} |")
+            lines.append(f"| {c.id} | {c.link} | {c.name} | {'✅' if c.passed else '❌'} | {shown.replace('|', '/')} |")
         if self.notes:
             lines += ["", "说明:", ""] + [f"- {n}" for n in self.notes]
         if self.provenance:

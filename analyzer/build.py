@@ -21,6 +21,7 @@ from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import same_file
 from model_infer_kvcache.analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
+from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION
 from model_infer_kvcache.analyzer.manifest import (
     DeployModeDecision,
     DeviceDependency,
@@ -470,13 +471,13 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
     # MTP layers are full-attention decoder layers whose caches the framework merges into the main
     # model's pools (ModelCacheInfo.merge) when speculative decoding is on: count them there.
     mtp = facts.num_mtp_layers.value if cached else 0
-    mtp_caches = next((layer for layer in cached if layer.attn_type == "FullAttention"), cached[0]).caches if mtp else []
-    for key in sorted({layer.group_key for layer in cached} | ({"FullAttention"} if mtp else set())):
+    mtp_caches = next((layer for layer in cached if layer.attn_type == FULL_ATTENTION), cached[0]).caches if mtp else []
+    for key in sorted({layer.group_key for layer in cached} | ({FULL_ATTENTION} if mtp else set())):
         members = [layer for layer in cached if layer.group_key == key]
-        extra = mtp if key == "FullAttention" else 0
+        extra = mtp if key == FULL_ATTENTION else 0
         per_token = sum(rules.cache_token_bytes(layer.caches) for layer in members)
         per_token += extra * rules.cache_token_bytes(mtp_caches)
-        if members and members[0].attn_type == "SlidingWindow":
+        if members and members[0].is_sliding:
             groups.append(kv_cache_spec.SlidingWindowSpec(key, len(members), per_token, req.block_size,
                                                           window=members[0].sliding_window))
         else:
@@ -558,7 +559,7 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                         "(SDPA/eager with tanh soft-cap); the fa/sparse_mode fields apply only if FA is used",
                 fields=[facts.attn_logit_softcapping.source],
             ))
-        sliding = [layer.index for layer in layers if layer.attn_type == "SlidingWindow"]
+        sliding = [layer.index for layer in layers if layer.is_sliding]
         if sliding:
             warnings.append(Finding(
                 message=f"Legacy sliding layers ({len(sliding)}): FA v1 on BSH ignores sparse_mode and pre_tokens "
@@ -583,7 +584,7 @@ def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
                          deploy_mode: str = "standalone") -> list[DeviceDependency]:
     if kv_mode != "paged":
         return []
-    sliding = [layer.index for layer in layers if layer.attn_type == "SlidingWindow"]
+    sliding = [layer.index for layer in layers if layer.is_sliding]
     out = []
     if sliding:
         band = QUESTIONS["band_at_single_query"]

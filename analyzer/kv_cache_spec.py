@@ -17,6 +17,12 @@ from typing import ClassVar
 
 NULL_BLOCKS = 1  # block 0 of every pool: never holds data, every padded table entry points at it
 
+# The framework's attn_type of each kind: the one place these strings are spelled outside the harness
+# (which mirrors upstream code). Everything else names a kind through these constants or asks its spec.
+FULL_ATTENTION = "FullAttention"
+SLIDING_WINDOW = "SlidingWindow"
+MAMBA = "Mamba"
+
 
 def token_bytes(numel_per_head: int, num_head: int, itemsize: int, compress_ratio: int = 1) -> int:
     """Bytes one token of one cache occupies: ``dims x num_head x itemsize // compress_ratio``."""
@@ -32,7 +38,9 @@ class FullAttentionSpec:
     per_token_bytes: float  # every HBM cache of the group, one rank
     block_size: int
 
-    attn_type: ClassVar[str] = "FullAttention"
+    attn_type: ClassVar[str] = FULL_ATTENTION
+    layer_kind: ClassVar[str] = "full"  # what a config calls a layer of this kind (config_loader's layer kinds)
+    windowed: ClassVar[bool] = False  # attends through a band of the last W keys (sparse_mode 4, pre_tokens)
     fixed: ClassVar[bool] = False  # block count set by memory (False) or by attention semantics (True)
 
     @property
@@ -75,7 +83,9 @@ class SlidingWindowSpec(FullAttentionSpec):
     window: int = 0
     next_n: int = 0  # speculative (MTP) tokens per step
 
-    attn_type: ClassVar[str] = "SlidingWindow"
+    attn_type: ClassVar[str] = SLIDING_WINDOW
+    layer_kind: ClassVar[str] = "sliding"
+    windowed: ClassVar[bool] = True
     fixed: ClassVar[bool] = True
 
     def blocks_per_request(self, seq_len: int = 0) -> int:
@@ -94,7 +104,9 @@ class MambaSpec:
     state_bytes: int  # one state block of every HBM cache of the group
     next_n: int = 0
 
-    attn_type: ClassVar[str] = "Mamba"
+    attn_type: ClassVar[str] = MAMBA
+    layer_kind: ClassVar[str] = "linear"
+    windowed: ClassVar[bool] = False
     fixed: ClassVar[bool] = True
 
     @property
@@ -113,6 +125,19 @@ SPEC_BY_ATTN_TYPE: dict[str, type] = {kind.attn_type: kind for kind in (FullAtte
                                                                         MambaSpec)}
 # Attention types whose block count does not grow with the sequence.
 FIXED_BLOCK_ATTN_TYPES = frozenset(name for name, kind in SPEC_BY_ATTN_TYPE.items() if kind.fixed)
+# The kinds the analyzer plans paged attention layers as (the manifest's attn_type values). Mamba state
+# groups exist in the framework (G3) but no layer plan carries them yet (linear layers hold no cache).
+PLANNED_ATTN_TYPES: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW)
+
+
+def spec_for_layer_kind(layer_kind: str) -> type:
+    """The spec of a config layer kind a paged layer is planned as (sliding -> SlidingWindow, else full)."""
+    return SlidingWindowSpec if layer_kind == SlidingWindowSpec.layer_kind else FullAttentionSpec
+
+
+def is_windowed(attn_type: str) -> bool:
+    """A layer of this attn_type attends through a window (band), not the whole prefix."""
+    return SPEC_BY_ATTN_TYPE[attn_type].windowed
 
 
 def fixed_bytes(specs, concurrency: int) -> float:

@@ -14,11 +14,12 @@ from typing import Literal
 
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
+from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES, is_windowed
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = "1.0"
 
-AttnType = Literal["FullAttention", "SlidingWindow"]
+AttnType = Literal[PLANNED_ATTN_TYPES]
 LayerKind = Literal["full", "sliding", "chunked", "linear"]
 DeployMode = Literal["framework", "standalone"]
 DeploySource = Literal["dispatch", "user", "self_check", "default"]
@@ -167,6 +168,11 @@ class LayerPlan(_Model):
     write_op: WriteOp
     caches: list[CacheSpec]
     window_derivation: str | None = None
+
+    @property
+    def is_sliding(self) -> bool:
+        """The layer attends through a window (its kind's spec says so; no string comparison)."""
+        return is_windowed(self.attn_type)
 
 
 class ParallelPlan(_Model):
@@ -343,7 +349,7 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         if layer.index != i:
             out.append((f"{where}.index", f"{layer.index} out of order (expected {i}: a layer is missing)"))
             break
-        if (layer.attn_type == "SlidingWindow") != (layer.sliding_window is not None):
+        if layer.is_sliding != (layer.sliding_window is not None):
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
         for j, c in enumerate(layer.caches):
             legacy_gqa = m.kv_mode.value == "legacy" and not m.mla.enabled

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
-from model_infer_kvcache.analyzer.kv_cache_spec import token_bytes
+from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed, spec_for_layer_kind, token_bytes
 from model_infer_kvcache.analyzer.manifest import (
     CacheSpec,
     Finding,
@@ -117,7 +117,7 @@ def decide_kv_mode(blockers: list[Finding], starting_point: list[str], requested
 
 def decide_attn_type(kind: str) -> str:
     """Framework attn_type of one layer kind (blocked kinds never reach the paged path)."""
-    return "SlidingWindow" if kind == "sliding" else "FullAttention"
+    return spec_for_layer_kind(kind).attn_type
 
 
 def full_context_window(window: int | None, max_positions: int | None) -> str | None:
@@ -188,7 +188,7 @@ def decide_sparse(attn_type: str, is_mla: bool, kv_mode: str) -> tuple[PerPath, 
     A sliding layer needs the band (4 + pre_tokens) whatever the KV mode: any other mode lets the
     query see keys outside the window, silently, once the sequence outgrows it.
     """
-    if attn_type == "SlidingWindow":
+    if is_windowed(attn_type):
         return (PerPath(prefill=4, decode=4), MaskPerPath(prefill="causal_2048", decode="causal_2048"),
                 "sliding layer: band 4 with pre_tokens on prefill and decode (0 would see outside the window)")
     if kv_mode == "legacy":

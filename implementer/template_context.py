@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import (
     BAND_MODE,
@@ -155,11 +156,11 @@ class RenderContext:
 
     @property
     def full(self) -> KindPlan | None:
-        return next((k for k in self.kinds if k.attn_type == "FullAttention"), None)
+        return next((k for k in self.kinds if not is_windowed(k.attn_type)), None)
 
     @property
     def sliding(self) -> KindPlan | None:
-        return next((k for k in self.kinds if k.attn_type == "SlidingWindow"), None)
+        return next((k for k in self.kinds if is_windowed(k.attn_type)), None)
 
     @property
     def spec_decode(self) -> bool:
@@ -208,7 +209,7 @@ def _verify_path(m: SelectionManifest, layer: LayerPlan, decode: PathPlan) -> Pa
     The manifest's ``mtp`` decision covers non-sliding layers (a sliding band is causal at any
     q_len); only the paged templates decode several query tokens per request.
     """
-    if m.mtp is None or m.kv_mode.value != "paged" or layer.attn_type == "SlidingWindow":
+    if m.mtp is None or m.kv_mode.value != "paged" or layer.is_sliding:
         return None
     mode, mask = m.mtp.decode_sparse_mode, m.mtp.decode_mask != "none"
     if mode not in SPARSE_MODES or mode == BAND_MODE:
@@ -247,7 +248,7 @@ def _check_layers(m: SelectionManifest) -> None:
             raise _bad(f"layers[{layer.index}].group_key",
                        f"group key {layer.group_key!r} differs from attn_type {layer.attn_type!r}; the rendered "
                        "code indexes block_table/slot_mapping by attn_type (no manager_key support)")
-        if layer.attn_type == "SlidingWindow" and not layer.sliding_window:
+        if layer.is_sliding and not layer.sliding_window:
             raise _bad(f"layers[{layer.index}].sliding_window", "a SlidingWindow layer needs a positive window")
     want = CACHE_NAMES[m.mla.enabled]
     names = tuple(c.name for c in first.caches)
@@ -280,7 +281,7 @@ def _check_numbers(m: SelectionManifest) -> None:
     if m.mla.enabled:
         if m.model.mla is None:
             raise _bad("model.mla", "mla.enabled but the model has no MLA dimensions")
-        if m.mixed_attn_types or any(layer.attn_type != "FullAttention" for layer in m.layers):
+        if m.mixed_attn_types or any(layer.is_sliding for layer in m.layers):
             raise _bad("layers", "MLA with sliding-window layers is not rendered")
         if not m.mla.absorb:
             raise _bad("mla.absorb", "only the absorb form of MLA is rendered (latent cache, kv_b_proj absorbed)")
@@ -344,7 +345,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         has_sinks=m.model.has_sinks,
         mixed=len(kinds) > 1,
         kinds=tuple(sorted(kinds.values(), key=lambda k: k.attn_type)),
-        sliding_layers=tuple(layer.index for layer in m.layers if layer.attn_type == "SlidingWindow"),
+        sliding_layers=tuple(layer.index for layer in m.layers if layer.is_sliding),
         caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head)) for c in first.caches),
         cache_dtype=_TORCH_DTYPE[first.caches[0].dtype],
         num_layers=len(m.layers),

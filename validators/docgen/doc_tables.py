@@ -33,6 +33,7 @@ from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import OneLineArgumentParser
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW, is_windowed
 from model_infer_kvcache.analyzer.operators import fa_facts
 from model_infer_kvcache.analyzer.operators.schemas import accepted_keywords, default_text
 from model_infer_kvcache.validators.pipeline.check_ids import CHECKS
@@ -195,7 +196,7 @@ def _band_text(attn_type: str) -> str:
     from model_infer_kvcache.analyzer.device_questions import QUESTIONS
     from model_infer_kvcache.analyzer.rules import decide_window_tokens
 
-    if attn_type != "SlidingWindow":
+    if not is_windowed(attn_type):
         pre, nxt, _ = decide_window_tokens(None)
         return f"{pre} / {nxt}"
     out = []
@@ -212,11 +213,11 @@ def sparse_paths_table() -> str:
     from model_infer_kvcache.analyzer.rules import decide_mtp, decide_sparse
 
     paths = (
-        ("标准 GQA/MHA/MQA,Paged TND", "FullAttention", False, "paged"),
-        ("滑窗层,Paged TND", "SlidingWindow", False, "paged"),
-        ("MLA absorb,Paged TND_NTD", "FullAttention", True, "paged"),
-        ("非滑窗层,Legacy BSH", "FullAttention", False, "legacy"),
-        ("滑窗层,Legacy BSH", "SlidingWindow", False, "legacy"),
+        ("标准 GQA/MHA/MQA,Paged TND", FULL_ATTENTION, False, "paged"),
+        ("滑窗层,Paged TND", SLIDING_WINDOW, False, "paged"),
+        ("MLA absorb,Paged TND_NTD", FULL_ATTENTION, True, "paged"),
+        ("非滑窗层,Legacy BSH", FULL_ATTENTION, False, "legacy"),
+        ("滑窗层,Legacy BSH", SLIDING_WINDOW, False, "legacy"),
     )
     rows = []
     for label, attn_type, is_mla, kv_mode in paths:
@@ -226,7 +227,7 @@ def sparse_paths_table() -> str:
     mla = next(k for k in MODEL_KINDS if k.key == "mla")
     mtp = decide_mtp(normalize_config(mla.config, "<doc kind mla>"))
     rows.append(["MTP 推测解码的 decode(q_len = 1 + next_n,非滑窗层)", "同所在路径",
-                 f"{mtp.decode_sparse_mode} / {mtp.decode_mask}", _band_text("FullAttention")])
+                 f"{mtp.decode_sparse_mode} / {mtp.decode_mask}", _band_text(FULL_ATTENTION)])
     return _table(["路径", "prefill sparse_mode / mask", "decode sparse_mode / mask",
                    "pre_tokens / next_tokens"], rows)
 

@@ -132,7 +132,7 @@ class ManifestChecks:
 
     def sparse_and_window(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
         m = self.m
-        sliding_layers = [layer for layer in m.layers if layer.attn_type == "SlidingWindow"]
+        sliding_layers = [layer for layer in m.layers if layer.is_sliding]
         already = bool(self.c.fa_fired.get(id(call)))
         mtp = self.info.in_mtp_branch(call)
         for sc in self.c.call_cases(call, ctx, star):
@@ -142,7 +142,7 @@ class ManifestChecks:
             if sc.ctx.sliding is True:
                 layers = sliding_layers
             elif sc.ctx.sliding is False:
-                layers = [layer for layer in m.layers if layer.attn_type != "SlidingWindow"]
+                layers = [layer for layer in m.layers if not layer.is_sliding]
             anchor = sc.sparse_origin or call
             if sc.sparse is not None and layers and not already and not (mtp and sc.ctx.phase != PREFILL):
                 phases = [sc.ctx.phase] if sc.ctx.phase else [PREFILL, DECODE]
@@ -168,7 +168,7 @@ class ManifestChecks:
         if any(sc.sparse == m.mtp.decode_sparse_mode for sc in decode):
             return
         wrong = next((sc for sc in decode if sc.certain), None)
-        if wrong is not None and any(layer.attn_type != "SlidingWindow" for layer in m.layers):
+        if wrong is not None and any(not layer.is_sliding for layer in m.layers):
             self.c.emit("KV811", wrong.sparse_origin or call, layers=m.mtp.num_layers, value=wrong.sparse,
                         expected=m.mtp.decode_sparse_mode)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -210,8 +212,8 @@ _RULES = (
         "constant attn_type in a mixed-attention model",
         "attn_type is always {value!r} in this file, but the manifest's model mixes {expected}: "
         "every layer lands in one manager with the wrong window",
-        "set attn_type per layer in __init__ (e.g. 'SlidingWindow' if the layer is sliding "
-        "else 'FullAttention')",
+        f"set attn_type per layer in __init__ (e.g. {SLIDING_WINDOW!r} if the layer is sliding "
+        f"else {FULL_ATTENTION!r})",
         needs_manifest=True,
     ),
 )

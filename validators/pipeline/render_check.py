@@ -29,7 +29,7 @@ def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
                     QK_NOPE_HEAD_DIM=m.mla.qk_nope_head_dim, V_HEAD_DIM=m.mla.v_head_dim)
     else:
         want.update(NUM_KV_HEADS_PER_RANK=p.num_kv_heads_per_rank, HEAD_DIM=m.head_dim)
-    sliding = [layer for layer in manifest.layers if layer.attn_type == "SlidingWindow"]
+    sliding = [layer for layer in manifest.layers if layer.is_sliding]
     if sliding:
         want["SLIDING_WINDOW"] = sliding[0].sliding_window
         band = sliding[0]
@@ -65,7 +65,7 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, 
         except Exception as exc:  # the render's own init failing is a finding, named by layer
             bad.append(f"layer {plan.index}: init_kv_cache raised {type(exc).__name__}: {exc}")
             continue
-        window = plan.sliding_window if plan.attn_type == "SlidingWindow" else None
+        window = plan.sliding_window if plan.is_sliding else None
         got = (getattr(attn, "attn_type", None), getattr(attn, "sliding_window", None))
         if got != (plan.attn_type, window):
             bad.append(f"layer {plan.index}: (attn_type, window) {got} != {(plan.attn_type, window)}")

@@ -86,7 +86,7 @@ class SpecStream:
             if call["step"] not in verify:
                 continue
             plan = manifest.layers[call["layer"]]
-            if plan.attn_type == "SlidingWindow" or manifest.mtp is None:
+            if plan.is_sliding or manifest.mtp is None:
                 want = (plan.sparse_mode.decode, plan.mask.decode != "none")
             else:
                 want = (manifest.mtp.decode_sparse_mode, manifest.mtp.decode_mask != "none")

@@ -300,6 +300,10 @@ class SelectionManifest(_Model):
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
 
+    def sliding_window(self) -> int | None:
+        """The window of the model's sliding layers (one per model), None without sliding layers."""
+        return next((layer.sliding_window for layer in self.layers if layer.sliding_window), None)
+
     def content_hash(self) -> str:
         """Stable hash of the manifest content (sorted keys), used in rendered-file headers."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, ensure_ascii=False)

@@ -26,6 +26,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
 )
 from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
+from model_infer_kvcache.implementer.header import design_line, generated_line
 
 DEFAULT_API = "G2"
 # Cache names the templates know, by attention family: they become attribute names in generated code.
@@ -161,6 +162,14 @@ class RenderContext:
     @property
     def sliding(self) -> KindPlan | None:
         return next((k for k in self.kinds if is_windowed(k.attn_type)), None)
+
+    @property
+    def generated_line(self) -> str:
+        return generated_line(self.version, self.manifest_hash)
+
+    @property
+    def design_line(self) -> str:
+        return design_line(self.model_type, self.deploy_mode, self.api, self.kv_mode, self.fa_version, self.layout)
 
     @property
     def spec_decode(self) -> bool:

@@ -10,7 +10,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from model_infer_kvcache.analyzer import kv_cache_spec as kinds
 from model_infer_kvcache.analyzer.manifest import LayerPlan, MaskPerPath, PerPath
 from model_infer_kvcache.analyzer.rules import decide_attn_type, decide_sparse

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from model_infer_kvcache.analyzer.operators.schemas import EMULATED_OPS
 from model_infer_kvcache.validators.npu_ops import emulated
-from model_infer_kvcache.validators.npu_ops.errors import OpNotEmulatedError
+from model_infer_kvcache.validators.npu_ops.errors import UnemulatedOperatorError
 from shared_dirs import upstream_head
 
 DOC = Path(__file__).resolve().parent.parent / "references" / "emulated_ops.md"
@@ -71,5 +71,5 @@ def test_survey_lines_call_the_op_in_the_snapshot(location, op):
 
 
 def test_not_emulated_message_points_here():
-    message = str(OpNotEmulatedError("torch_npu.npu_x", "models/a.py:1"))
+    message = str(UnemulatedOperatorError("torch_npu.npu_x", "models/a.py:1"))
     assert "references/emulated_ops.md" in message and DOC.is_file()

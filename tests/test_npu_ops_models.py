@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from model_infer_kvcache.validators.npu_ops import (
     DeviceReadings,
-    NotEmulatedError,
     NpuOpError,
-    OpNotEmulatedError,
+    UnemulatedFeatureError,
+    UnemulatedOperatorError,
     consulted_questions,
     device_readings,
     emulated,
@@ -130,7 +130,7 @@ def test_apply_rotary_pos_emb_refuses_bad_arguments():
     q, k, cs = randn(4, 2, 8), randn(4, 1, 8), randn(4, 1, 8)
     f = ops.npu_apply_rotary_pos_emb
     expect("layout", f, q, k, cs, cs, layout="NTD")
-    expect("rotary_mode", f, q, k, cs, cs, layout="TND", rotary_mode="quarter", error=NotEmulatedError)
+    expect("rotary_mode", f, q, k, cs, cs, layout="TND", rotary_mode="quarter", error=UnemulatedFeatureError)
     expect("rotary_mode", f, q, k, cs, cs, layout="TND", rotary_mode="full")
     expect("query", f, q, k, cs, cs)  # 3-D query under the default 4-D 'BSH' layout
     expect("cos", f, q, k, randn(4, 2, 8), randn(4, 2, 8), layout="TND")  # cos must be 1 on the head axis
@@ -167,9 +167,9 @@ def test_format_cast_keeps_values_in_new_storage():
     w = randn(8, 4).t()
     out = ops.npu_format_cast(w, 29)
     assert torch.equal(out, w) and out.is_contiguous() and out.data_ptr() != w.data_ptr()
-    expect("acl_format", ops.npu_format_cast, w, 3, error=NotEmulatedError)  # NC1HWC0: documented
+    expect("acl_format", ops.npu_format_cast, w, 3, error=UnemulatedFeatureError)  # NC1HWC0: documented
     expect("acl_format", ops.npu_format_cast, w, 77)
-    expect("customize_dtype", ops.npu_format_cast, w, 29, customize_dtype=1, error=NotEmulatedError)
+    expect("customize_dtype", ops.npu_format_cast, w, 29, customize_dtype=1, error=UnemulatedFeatureError)
 
 
 # --------------------------------------------------------------------------- exposure
@@ -212,7 +212,7 @@ def test_not_emulated_op_fails_with_one_line_naming_the_model_line(tmp_path, cal
             return {call}
     """)
     with device_standins():
-        with pytest.raises(OpNotEmulatedError) as info:
+        with pytest.raises(UnemulatedOperatorError) as info:
             module.forward(torch.ones(2))
     message = str(info.value)
     assert message == (f"{name} is not emulated on CPU (called at models/toy/models/modeling_toy.py:8); "
@@ -227,7 +227,7 @@ def test_non_operator_attributes_still_say_no_stand_in():
 
         with pytest.raises(NotStoodInError) as info:
             torch_npu.some_config_switch  # noqa: B018
-    assert not isinstance(info.value, OpNotEmulatedError)
+    assert not isinstance(info.value, UnemulatedOperatorError)
 
 
 # --------------------------------------------------------------------------- MoE routing
@@ -243,7 +243,7 @@ def test_gating_top_k_softmax_values_indices_and_row_layout():
     assert y3.shape == (2, 2, 1) and r3.flatten().tolist() == [0, 1, 2, 3]
     expect("k", ops.npu_moe_gating_top_k_softmax, x, k=7)
     expect("finished", ops.npu_moe_gating_top_k_softmax, x, torch.zeros(3, dtype=torch.bool), k=2,
-           error=NotEmulatedError)
+           error=UnemulatedFeatureError)
 
 
 def test_init_routing_follows_the_documented_program():
@@ -283,8 +283,8 @@ def test_finalize_routing_matches_the_doc_formula(mode):
             want[i] += scales[i, j] * (rows[dst] + bias[experts[i, j]])
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
     f = ops.npu_moe_finalize_routing
-    expect("drop_pad_mode", f, rows, None, None, None, scales, src, None, drop_pad_mode=1, error=NotEmulatedError)
-    expect("scales", f, rows, None, None, None, None, src, None, error=NotEmulatedError)
+    expect("drop_pad_mode", f, rows, None, None, None, scales, src, None, drop_pad_mode=1, error=UnemulatedFeatureError)
+    expect("scales", f, rows, None, None, None, None, src, None, error=UnemulatedFeatureError)
     expect("export_for_source_row", f, rows, None, None, bias, scales, src, None)
     expect("expanded_src_to_dst_row", f, rows, None, None, None, scales, src[:-1], None)
 
@@ -381,13 +381,13 @@ def test_init_routing_v2_refuses_what_it_does_not_emulate():
     ok = dict(active_num=4, expert_num=3, expert_tokens_num_type=1, expert_tokens_num_flag=True, quant_mode=-1,
               active_expert_range=[0, 3])
     f = ops.npu_moe_init_routing_v2
-    expect("quant_mode", f, x, idx, **{**ok, "quant_mode": 1}, error=NotEmulatedError)
+    expect("quant_mode", f, x, idx, **{**ok, "quant_mode": 1}, error=UnemulatedFeatureError)
     expect("quant_mode", f, x, idx, **{**ok, "quant_mode": 5})
     expect("active_num", f, x, idx, **{**ok, "active_num": 3})
-    expect("active_expert_range", f, x, idx, **{**ok, "active_expert_range": [0, 2]}, error=NotEmulatedError)
+    expect("active_expert_range", f, x, idx, **{**ok, "active_expert_range": [0, 2]}, error=UnemulatedFeatureError)
     expect("active_expert_range", f, x, idx, **{**ok, "active_expert_range": [2, 1]})
-    expect("expert_tokens_num_flag", f, x, idx, **{**ok, "expert_tokens_num_flag": False}, error=NotEmulatedError)
-    expect("expert_tokens_num_type", f, x, idx, **{**ok, "expert_tokens_num_type": 0}, error=NotEmulatedError)
+    expect("expert_tokens_num_flag", f, x, idx, **{**ok, "expert_tokens_num_flag": False}, error=UnemulatedFeatureError)
+    expect("expert_tokens_num_type", f, x, idx, **{**ok, "expert_tokens_num_type": 0}, error=UnemulatedFeatureError)
     expect("expert_idx", f, x, idx + 2, **ok)  # expert id 3 is not below expert_num 3
 
 
@@ -405,11 +405,11 @@ def test_grouped_matmul_groups_rows_and_poisons_uncovered_rows():
     g = torch.tensor([2, 2, 5])
     expect("group_list", f, [x], [w], group_list=torch.tensor([3, 2, 5]), group_type=0)
     expect("group_list", f, [x], [w], group_list=torch.tensor([2, 5]), group_type=0)
-    expect("group_list", f, [x], [w], group_list=[2, 2, 5], group_type=0, error=NotEmulatedError)
+    expect("group_list", f, [x], [w], group_list=[2, 2, 5], group_type=0, error=UnemulatedFeatureError)
     expect("group_list", f, [x], [w], group_list=torch.tensor([2, 2, 7]), group_type=0)
-    expect("group_type", f, [x], [w], group_list=g, group_type=1, error=NotEmulatedError)
-    expect("scale", f, [x], [w], group_list=g, group_type=0, scale=[torch.ones(5)], error=NotEmulatedError)
-    expect("x", f, [x, x], [w], group_list=g, group_type=0, error=NotEmulatedError)
+    expect("group_type", f, [x], [w], group_list=g, group_type=1, error=UnemulatedFeatureError)
+    expect("scale", f, [x], [w], group_list=g, group_type=0, scale=[torch.ones(5)], error=UnemulatedFeatureError)
+    expect("x", f, [x, x], [w], group_list=g, group_type=0, error=UnemulatedFeatureError)
     expect("weight", f, [x], [randn(3, 5, 5)], group_list=g, group_type=0)
     expect("bias", f, [x], [w], group_list=g, group_type=0, bias=[randn(3, 4)])
 
@@ -423,8 +423,8 @@ def test_transpose_batchmatmul_deepseek_absorb_form():
     f = ops.npu_transpose_batchmatmul
     expect("perm_x1", f, q, wk, perm_x1=(1, 1, 2))
     expect("weight", f, q, wk)  # without perm_x1 the batch axes do not match
-    expect("bias", f, q, wk, bias=torch.ones(r), perm_x1=(1, 0, 2), error=NotEmulatedError)
-    expect("batch_split_factor", f, q, wk, perm_x1=(1, 0, 2), batch_split_factor=2, error=NotEmulatedError)
+    expect("bias", f, q, wk, bias=torch.ones(r), perm_x1=(1, 0, 2), error=UnemulatedFeatureError)
+    expect("batch_split_factor", f, q, wk, perm_x1=(1, 0, 2), batch_split_factor=2, error=UnemulatedFeatureError)
 
 
 # --------------------------------------------------------------------------- EP = 1 communication
@@ -441,7 +441,7 @@ def test_re_routing_goes_expert_major_and_its_index_inverts_by_argsort():
     assert torch.equal(ops.npu_moe_re_routing(tokens, counts, per_token_scales=given)[1], given[idx.long()])
     expect("per_token_scales", ops.npu_moe_re_routing, tokens, counts, per_token_scales=given[:5])
     expect("expert_token_num_per_rank", ops.npu_moe_re_routing, tokens, torch.tensor([[1, 1]]))
-    expect("idx_type", ops.npu_moe_re_routing, tokens, counts, idx_type=1, error=NotEmulatedError)
+    expect("idx_type", ops.npu_moe_re_routing, tokens, counts, idx_type=1, error=UnemulatedFeatureError)
 
 
 def test_single_rank_dispatch_experts_combine_equals_per_token_experts():
@@ -468,9 +468,9 @@ def test_single_rank_dispatch_experts_combine_equals_per_token_experts():
 
     torch.testing.assert_close(out, _moe_reference(x, topk, idx, expert), atol=1e-4, rtol=0)
     f = ops.npu_moe_distribute_dispatch_v2
-    expect("ep_world_size", f, x, idx, "ep", 2, 0, e, error=NotEmulatedError)
-    expect("quant_mode", f, x, idx, "ep", 1, 0, e, quant_mode=2, error=NotEmulatedError)
-    expect("expert_scales", f, x, idx, "ep", 1, 0, e, expert_scales=topk.float(), error=NotEmulatedError)
+    expect("ep_world_size", f, x, idx, "ep", 2, 0, e, error=UnemulatedFeatureError)
+    expect("quant_mode", f, x, idx, "ep", 1, 0, e, quant_mode=2, error=UnemulatedFeatureError)
+    expect("expert_scales", f, x, idx, "ep", 1, 0, e, expert_scales=topk.float(), error=UnemulatedFeatureError)
     expect("expert_ids", f, x, idx + e, "ep", 1, 0, e)
     g = ops.npu_moe_distribute_combine_v2
     expect("expert_scales", g, y, idx, expand_idx, ep_counts, topk.double(), "ep", 1, 0, e)  # must be float32
@@ -501,5 +501,5 @@ def test_gating_top_k_matches_transformers_deepseek_v3_router():
     f = ops.npu_moe_gating_top_k
     expect("group_count", f, logits, 3, group_count=8)  # 16 / 8 = 2 experts per group: not more than 2
     expect("k", f, logits, 9, k_group=2, group_count=4)
-    expect("renorm", f, logits, 3, renorm=1, error=NotEmulatedError)
+    expect("renorm", f, logits, 3, renorm=1, error=UnemulatedFeatureError)
     expect("bias", f, logits, 3, bias=bias.double())

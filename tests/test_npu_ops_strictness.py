@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_infer_kvcache.analyzer.operators.fa_facts import keywords_of
-from model_infer_kvcache.validators.npu_ops import NotEmulatedError, NpuOpError, emulated
+from model_infer_kvcache.validators.npu_ops import NpuOpError, UnemulatedFeatureError, emulated
 
 MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 V1 = emulated.npu_fused_infer_attention_score
@@ -288,6 +288,6 @@ def test_v1_names_on_v2_and_reverse_are_type_errors():
 def test_unemulated_features_refuse(fn, name):
     q = tnd()
     kw = {keywords_of(fn.__name__).num_heads: 4}
-    with pytest.raises(NotEmulatedError) as info:
+    with pytest.raises(UnemulatedFeatureError) as info:
         fn(q, q, q, input_layout="TND", **{name: torch.zeros(1)}, **kw)
     assert info.value.argument == name

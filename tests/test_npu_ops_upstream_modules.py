@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from model_infer_kvcache.validators.npu_ops import OpNotEmulatedError
+from model_infer_kvcache.validators.npu_ops import UnemulatedOperatorError
 from model_infer_kvcache.validators.standins import device_standins
 from shared_dirs import upstream_head
 
@@ -68,7 +68,7 @@ def test_quantized_layer_fails_with_the_real_module_line(snapshot_modules):
 
     source = (upstream_head() / "module" / "linear.py").read_text("utf-8").splitlines()
     line = next(i for i, text in enumerate(source, 1) if "torch_npu.npu_dynamic_quant(x, smooth_scales" in text)
-    with pytest.raises(OpNotEmulatedError) as info:
+    with pytest.raises(UnemulatedOperatorError) as info:
         DynamicW8A8Linear(4, 4)(torch.ones(2, 4, dtype=torch.bfloat16))
     assert str(info.value) == (f"torch_npu.npu_dynamic_quant is not emulated on CPU (called at module/linear.py:"
                                f"{line}); emulated ops: references/emulated_ops.md")

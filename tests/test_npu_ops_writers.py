@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from model_infer_kvcache.validators.npu_ops import NotEmulatedError, NpuOpError, emulated, nz_view
+from model_infer_kvcache.validators.npu_ops import NpuOpError, UnemulatedFeatureError, emulated, nz_view
 from test_npu_ops_reference import MASK_2048, ref_attention  # tests/ is on sys.path (not a package)
 
 
@@ -75,7 +75,7 @@ def test_scatter_update_rejections():
     expect("indices", emulated.scatter_update_, data, torch.tensor([0, 5]), upd, 1)  # 5 + 2 > 6
     expect("updates", emulated.scatter_update_, data, torch.tensor([0, 1]), torch.ones(2, 2, 4, 1), 1)
     expect("indices", emulated.scatter_update_, data, torch.tensor([0, 1, 2]), upd, 1)
-    with pytest.raises(NotEmulatedError):
+    with pytest.raises(UnemulatedFeatureError):
         emulated.scatter_update_(data, torch.tensor([[0, 1], [1, 2]]), upd, 1)
 
 
@@ -203,7 +203,7 @@ def test_kv_rmsnorm_rope_cache_rejections():
     expect("cache_mode", fn, kv, gamma, cos, sin, idx, kc, cc, cache_mode="PA_ND")
     expect("k_cache", fn, kv, gamma, cos, sin, idx, kc.half(), cc, cache_mode="PA")
     expect("sin", fn, kv, gamma, cos, sin[..., :8], idx, kc, cc, cache_mode="PA")
-    with pytest.raises(NotEmulatedError) as info:
+    with pytest.raises(UnemulatedFeatureError) as info:
         fn(kv, gamma, cos, sin, idx, kc, cc, c_kv_scale=torch.ones(1), cache_mode="PA")
     assert info.value.argument == "c_kv_scale"
 

@@ -60,13 +60,12 @@ def require_checkout(root: str | Path) -> Path:
 @contextlib.contextmanager
 def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
     """Import context for the checkout at ``root`` (see the module docstring); restores everything on exit."""
-    from model_infer_kvcache.validators.pipeline.validate import _TRANSFORMERS_EAGER
+    from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers
     from model_infer_kvcache.validators.standins import device_standins
     from model_infer_kvcache.validators.standins.third_party import absent_third_party
 
     # transformers probes for torch_npu when these load; the emulation has no import spec.
-    for name in (*_TRANSFORMERS_EAGER, *_TRANSFORMERS_FOR_CHECKOUT):
-        importlib.import_module(name)
+    preload_transformers(_TRANSFORMERS_FOR_CHECKOUT)
     scope = CheckoutScope(root)
     with isolated_modules(_is_checkout_module), device_standins() as handle, absent_third_party() as third_party:
         scope.handle = handle

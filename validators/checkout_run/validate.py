@@ -108,7 +108,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
     report.readings = dataclasses.asdict(base)
     if req.readings:
         report.notes.append("readings set by the caller: " + ", ".join(f"{q}={r}" for q, r in req.readings))
-    scenario = _crossing(req.scenario, manifest)
+    scenario = req.scenario.crossing_window_of(manifest)
     say("building the tiny transformers model and its checkpoint")
     with tempfile.TemporaryDirectory(prefix="kvcache-checkout-") as tmp:
         ref, checkpoint, plan = _checkpoint(real_config, manifest, req.seed, Path(tmp))
@@ -120,7 +120,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
         if req.sweep_readings and world == 1:
             def rerun(readings) -> Report:
                 swept = report.fresh()
-                run_checkout(swept, manifest, req, root, checkpoint, ref, _crossing(ENGINE_QUICK, manifest),
+                run_checkout(swept, manifest, req, root, checkpoint, ref, ENGINE_QUICK.crossing_window_of(manifest),
                              readings, full=False)
                 return swept
 
@@ -142,7 +142,7 @@ def _validate_ranks(req: CheckoutRequest, manifest: SelectionManifest, tp: int, 
     try:
         report = run_ranks(_rank_step, fields, tp, manifest, say)
         if req.sweep_readings:
-            quick = _crossing(ENGINE_QUICK, manifest)
+            quick = ENGINE_QUICK.crossing_window_of(manifest)
 
             def rerun(readings) -> Report:
                 pairs = tuple(dataclasses.asdict(readings).items())
@@ -170,9 +170,6 @@ def _checkpoint(real_config: dict, manifest: SelectionManifest, seed: int, tmp: 
     return ref, path, plan
 
 
-def _crossing(scenario: Scenario, manifest: SelectionManifest) -> Scenario:
-    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
-    return scenario.crossing(window, manifest.block_size) if window else scenario
 
 
 def _sweep(report: Report, manifest, req, base, measured, rerun, say) -> None:

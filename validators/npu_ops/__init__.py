@@ -12,7 +12,7 @@ Public API:
 * :func:`nz_view` - view a ``[bn, bs, N, D]`` cache allocation in its NZ 5-D form.
 * :func:`paged_caches` - declare the caches and their null block (padded decode rows may repeat
   slots there only; it is poisoned after every write into it).
-* :class:`OpNotEmulatedError` - a model called an operator the emulation lacks (one line, with
+* :class:`UnemulatedOperatorError` - a model called an operator the emulation lacks (one line, with
   the calling ``file:line``); a :class:`NotStoodInError`.
 """
 
@@ -24,10 +24,10 @@ from model_infer_kvcache.validators.npu_ops.backend import (
     npu_available,
 )
 from model_infer_kvcache.validators.npu_ops.errors import (
-    NotEmulatedError,
     NotStoodInError,
     NpuOpError,
-    OpNotEmulatedError,
+    UnemulatedFeatureError,
+    UnemulatedOperatorError,
 )
 from model_infer_kvcache.validators.npu_ops.null_block import NULL_BLOCK_ID, paged_caches
 from model_infer_kvcache.validators.npu_ops.nz import nz_c0, nz_view
@@ -43,10 +43,10 @@ __all__ = [
     "DEFAULT_READINGS",
     "DeviceReadings",
     "NULL_BLOCK_ID",
-    "NotEmulatedError",
+    "UnemulatedFeatureError",
     "NotStoodInError",
     "NpuOpError",
-    "OpNotEmulatedError",
+    "UnemulatedOperatorError",
     "OpSet",
     "active_readings",
     "consulted_questions",

@@ -22,7 +22,7 @@ from typing import Any
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.operators.schemas import load_schemas
 from model_infer_kvcache.validators.npu_ops import emulated
-from model_infer_kvcache.validators.npu_ops.errors import OpNotEmulatedError, caller_location
+from model_infer_kvcache.validators.npu_ops.errors import UnemulatedOperatorError, caller_location
 
 BACKENDS = BACKEND_CHOICES
 EMULATION_MARKER = "__npu_ops_emulation__"
@@ -111,7 +111,7 @@ def _fake_torch_npu() -> types.ModuleType:
     def __getattr__(name: str):
         # An operator the model calls that is not emulated: one line naming it and the model line.
         if name.startswith("npu_"):
-            raise OpNotEmulatedError(f"torch_npu.{name}", caller_location(2))
+            raise UnemulatedOperatorError(f"torch_npu.{name}", caller_location(2))
         raise AttributeError(f"module 'torch_npu' (CPU emulation) has no attribute {name!r}")
 
     module.__getattr__ = __getattr__
@@ -119,7 +119,7 @@ def _fake_torch_npu() -> types.ModuleType:
 
 
 def _strict_npu_namespace():
-    """A ``torch.ops.npu`` whose missing operators raise :class:`OpNotEmulatedError`."""
+    """A ``torch.ops.npu`` whose missing operators raise :class:`UnemulatedOperatorError`."""
     from torch._ops import _OpNamespace
 
     class StrictNpuNamespace(_OpNamespace):
@@ -129,7 +129,7 @@ def _strict_npu_namespace():
             except AttributeError:
                 if op_name.startswith("__") or op_name in ("__origin__", "__self__"):
                     raise
-                raise OpNotEmulatedError(f"torch.ops.npu.{op_name}", caller_location(2)) from None
+                raise UnemulatedOperatorError(f"torch.ops.npu.{op_name}", caller_location(2)) from None
 
     return StrictNpuNamespace("npu")
 

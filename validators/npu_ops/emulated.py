@@ -24,14 +24,14 @@ from model_infer_kvcache.validators.npu_ops import (
     rotary,
     writers,
 )
-from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError
+from model_infer_kvcache.validators.npu_ops.errors import UnemulatedFeatureError
 from model_infer_kvcache.validators.npu_ops.fused_attention import V1_NAMES, V2_NAMES, fused_infer_attention
 
 
 def _refuse_unemulated(op: str, **tensors) -> None:
     for name, value in tensors.items():
         if value is not None:
-            raise NotEmulatedError(op, name, "this feature (quantization / pse / padding / shared prefix) "
+            raise UnemulatedFeatureError(op, name, "this feature (quantization / pse / padding / shared prefix) "
                                              "is not emulated; validate it on an NPU")
 
 

@@ -16,8 +16,9 @@ class NpuOpError(RuntimeError):
         super().__init__(f"{op}: argument '{argument}': {message}")
 
 
-class NotEmulatedError(NpuOpError):
-    """A feature the real operator has but this emulation does not implement (quantization, pse...).
+class UnemulatedFeatureError(NpuOpError):
+    """A feature (argument) of an emulated operator that the emulation does not implement (quantization,
+    pse...); an operator that is not emulated at all is ``UnemulatedOperatorError``.
 
     Raised instead of silently ignoring the argument, so a validation run never reports a
     result computed without it.
@@ -29,7 +30,7 @@ class NotStoodInError(RuntimeError):
     stand-in provides. The message is one line naming the attribute and its caller."""
 
 
-class OpNotEmulatedError(NotStoodInError):
+class UnemulatedOperatorError(NotStoodInError):
     """A ``torch_npu`` / ``torch.ops.npu`` operator that the CPU emulation does not provide.
 
     ``op`` is the qualified name (``torch_npu.npu_foo``), ``location`` the ``file:line`` of the

@@ -31,7 +31,7 @@ Rules enforced, each paraphrasing the torch_npu 2.9.0 op documentation:
   device does not check; an out-of-range id reads other memory).
 * ``learnable_sink`` (v2): shape (Q_N,), packed layouts TND / NTD_TND only, value head dim <= 128.
 * Quantization, pse, left padding and shared-prefix arguments are not emulated: passing one
-  raises :class:`NotEmulatedError` rather than being silently ignored.
+  raises :class:`UnemulatedFeatureError` rather than being silently ignored.
 
 Not enforced (documented device limits that need no emulation or would reject valid
 framework setups): the total block count versus the sum of per-request blocks (sliding-window

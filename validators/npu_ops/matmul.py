@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
-from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 
 PERMUTATIONS = {(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)}
 
@@ -26,7 +26,7 @@ def _one(op: str, name: str, value) -> torch.Tensor:
     if not isinstance(value, (list, tuple)):
         raise NpuOpError(op, name, f"must be a list of tensors, got {type(value).__name__}")
     if len(value) != 1:
-        raise NotEmulatedError(op, name, f"{len(value)} tensors: only the single-tensor (MoE) form is emulated")
+        raise UnemulatedFeatureError(op, name, f"{len(value)} tensors: only the single-tensor (MoE) form is emulated")
     return chk.tensor(op, name, value[0])
 
 
@@ -49,12 +49,12 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     chk.choice(op, "group_list_type", group_list_type, (0, 1))
     chk.choice(op, "act_type", act_type, (0,), documented=(1, 2, 4, 5))
     if output_dtype is not None and output_dtype != lhs.dtype:
-        raise NotEmulatedError(op, "output_dtype", f"{output_dtype} differs from x's {lhs.dtype} (a quantized output)")
+        raise UnemulatedFeatureError(op, "output_dtype", f"{output_dtype} differs from x's {lhs.dtype} (a quantized output)")
     experts, k, n = (int(s) for s in rhs.shape)
     if lhs.shape[1] != k:
         raise NpuOpError(op, "weight", f"shape {tuple(rhs.shape)} needs K = x's last dim {lhs.shape[1]}")
     if isinstance(group_list, (list, tuple)):
-        raise NotEmulatedError(op, "group_list", "the List[int] overload is not emulated; pass an int64 tensor")
+        raise UnemulatedFeatureError(op, "group_list", "the List[int] overload is not emulated; pass an int64 tensor")
     groups = chk.tensor(op, "group_list", group_list, dims=(1,), dtypes=(torch.int64,))
     if groups.numel() != experts:
         raise NpuOpError(op, "group_list", f"has {groups.numel()} entries for {experts} weights")
@@ -110,7 +110,7 @@ def npu_transpose_batchmatmul(input, weight, *, bias=None, scale=None, perm_x1=N
     chk.same_dtype(op, "weight", weight, "input", input)
     chk.absent(op, bias=bias, scale=scale)
     if batch_split_factor not in (1, None):
-        raise NotEmulatedError(op, "batch_split_factor", f"{batch_split_factor} is not emulated (only 1)")
+        raise UnemulatedFeatureError(op, "batch_split_factor", f"{batch_split_factor} is not emulated (only 1)")
     lhs = input.permute(_perm(op, "perm_x1", perm_x1))
     rhs = weight.permute(_perm(op, "perm_x2", perm_x2))
     if lhs.shape[0] != rhs.shape[0] or lhs.shape[2] != rhs.shape[1]:

@@ -22,14 +22,14 @@
   ``routed_scaling_factor`` (the doc's formula and equivalent program; ties keep the lower index).
 
 Quantization, drop/pad (capacity) modes and partial expert ranges (EP > 1) are refused
-(``NotEmulatedError``) rather than approximated.
+(``UnemulatedFeatureError``) rather than approximated.
 """
 
 from __future__ import annotations
 
 import torch
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
-from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 from model_infer_kvcache.validators.npu_ops.readings import consult
 
 INT32 = (torch.int32,)
@@ -106,7 +106,7 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     drop_pad_mode = 0 if drop_pad_mode is None else drop_pad_mode  # `int? drop_pad_mode=0`
     chk.choice(op, "drop_pad_mode", drop_pad_mode, (0, 2), documented=(1, 3))
     if scales is None:
-        raise NotEmulatedError(op, "scales", "finalize without scales (K from the attribute k) is not emulated")
+        raise UnemulatedFeatureError(op, "scales", "finalize without scales (K from the attribute k) is not emulated")
     chk.tensor(op, "scales", scales, dims=(2,))
     chk.same_dtype(op, "scales", scales, "expanded_permuted_rows", rows)
     num_rows, k = (int(s) for s in scales.shape)
@@ -162,7 +162,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
     chk.choice(op, "drop_pad_mode", drop_pad_mode, (0,), documented=(1,))
     chk.choice(op, "expert_tokens_num_type", expert_tokens_num_type, (1,), documented=(0, 2))
     if expert_tokens_num_flag is not True:
-        raise NotEmulatedError(op, "expert_tokens_num_flag", "only True (counts are output) is supported")
+        raise UnemulatedFeatureError(op, "expert_tokens_num_flag", "only True (counts are output) is supported")
     chk.choice(op, "row_idx_type", row_idx_type, (0,), documented=(1,))
     chk.integer(op, "expert_num", expert_num, low=1, high=10240)
     chk.integer(op, "expert_capacity", expert_capacity)
@@ -176,7 +176,7 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
         if len(active_expert_range) != 2 or not 0 <= active_expert_range[0] < active_expert_range[1] <= expert_num:
             raise NpuOpError(op, "active_expert_range", f"{list(active_expert_range)} is not [start, end] with "
                                                         f"0 <= start < end <= expert_num ({expert_num})")
-        raise NotEmulatedError(op, "active_expert_range", "a partial expert range (EP > 1) is not emulated; "
+        raise UnemulatedFeatureError(op, "active_expert_range", "a partial expert range (EP > 1) is not emulated; "
                                                           f"pass [0, {expert_num}]")
     order = torch.argsort(expert_idx.reshape(-1), stable=True)  # sorted position -> flat index i*K+k
     expanded_row_idx = torch.empty(num_rows * k, dtype=torch.int32)

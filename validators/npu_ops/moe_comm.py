@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
-from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 
 
 def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1,
@@ -61,7 +61,7 @@ def _single_rank(op: str, ep_world_size, ep_rank_id, tp_world_size, tp_rank_id, 
                  moe_expert_num, expert_shard_type, zero_expert_num, copy_expert_num, const_expert_num) -> None:
     chk.integer(op, "ep_world_size", ep_world_size, low=1)
     if ep_world_size != 1:
-        raise NotEmulatedError(op, "ep_world_size", f"{ep_world_size} ranks: only a single EP rank is emulated")
+        raise UnemulatedFeatureError(op, "ep_world_size", f"{ep_world_size} ranks: only a single EP rank is emulated")
     chk.integer(op, "ep_rank_id", ep_rank_id, low=0, high=ep_world_size - 1)
     chk.choice(op, "tp_world_size", tp_world_size, (0, 1), documented=(2,))
     chk.integer(op, "tp_rank_id", tp_rank_id, low=0, high=0)

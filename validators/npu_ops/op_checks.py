@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 
 # Device dtypes of the float operators, plus float64: a CPU validation mode, not a device dtype.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -47,7 +47,7 @@ def choice(op: str, name: str, value, supported: tuple, *, documented: tuple = (
     if value in supported:
         return value
     if value in documented:
-        raise NotEmulatedError(op, name, f"{value!r} is documented but not emulated (emulated: {list(supported)})")
+        raise UnemulatedFeatureError(op, name, f"{value!r} is documented but not emulated (emulated: {list(supported)})")
     raise NpuOpError(op, name, f"{value!r} is not one of {list(supported) + list(documented)}")
 
 
@@ -55,5 +55,5 @@ def absent(op: str, **values) -> None:
     """Quantization / unsupported-feature arguments must be None (or an empty list)."""
     for name, value in values.items():
         if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0):
-            raise NotEmulatedError(op, name, "this feature (quantization / activation / tuning) is not emulated; "
+            raise UnemulatedFeatureError(op, name, "this feature (quantization / activation / tuning) is not emulated; "
                                              "validate it on an NPU")

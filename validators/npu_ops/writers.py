@@ -10,7 +10,7 @@ import math
 
 import torch
 from model_infer_kvcache.validators.npu_ops import null_block
-from model_infer_kvcache.validators.npu_ops.errors import NotEmulatedError, NpuOpError
+from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 from model_infer_kvcache.validators.npu_ops.nz import nz_c0
 from model_infer_kvcache.validators.npu_ops.readings import active_readings
 from model_infer_kvcache.validators.npu_ops.rotary import deinterleaved_rope
@@ -113,7 +113,7 @@ def scatter_update_(op: str, self: torch.Tensor, indices: torch.Tensor, updates:
     if indices.dtype not in INDEX_DTYPES:
         raise NpuOpError(op, "indices", f"dtype must be int32 or int64, got {indices.dtype}")
     if indices.dim() == 2:
-        raise NotEmulatedError(op, "indices", "the 2-D indices form is not emulated (use 1-D batch offsets)")
+        raise UnemulatedFeatureError(op, "indices", "the 2-D indices form is not emulated (use 1-D batch offsets)")
     if indices.dim() > 2:
         raise NpuOpError(op, "indices", f"must be 1-D or 2-D, got {indices.dim()}-D")
     if not -self.dim() <= axis < self.dim():
@@ -194,7 +194,7 @@ def kv_rmsnorm_rope_cache(
     """
     for name, value in quant_args.items():
         if value is not None:
-            raise NotEmulatedError(op, name, "quantized cache writes are not emulated")
+            raise UnemulatedFeatureError(op, name, "quantized cache writes are not emulated")
     if cache_mode not in CACHE_MODES:
         raise NpuOpError(op, "cache_mode", f"{cache_mode!r} is not one of {CACHE_MODES}")
     if kv.dim() != 4:
@@ -212,7 +212,7 @@ def kv_rmsnorm_rope_cache(
             raise NpuOpError(op, name, f"dtype {t.dtype} differs from kv {kv.dtype}")
     for name, t in (("k_cache", k_cache), ("ckv_cache", ckv_cache)):
         if t.dtype == torch.int8:
-            raise NotEmulatedError(op, name, "int8 (quantized) caches are not emulated")
+            raise UnemulatedFeatureError(op, name, "int8 (quantized) caches are not emulated")
         if t.dtype != kv.dtype:
             raise NpuOpError(op, name, f"dtype {t.dtype} differs from kv {kv.dtype}")
     if index.dtype != torch.int64:

@@ -47,6 +47,11 @@ class Scenario:
         first = tuple((n + grow, new) if n >= longest - 16 else (n, new) for n, new in self.first)
         return replace(self, first=first)
 
+    def crossing_window_of(self, manifest) -> Scenario:
+        """This stream stretched past the manifest's sliding window by two blocks (itself without one)."""
+        window = manifest.sliding_window()
+        return self.crossing(window, manifest.block_size) if window else self
+
     @property
     def max_model_len(self) -> int:
         return max(n + new for n, new in self.first + self.late) + 8

@@ -45,3 +45,16 @@ def require_validation_deps() -> None:
             spec = f"{name}>={minimum}" if minimum else name
             raise InputError(name, f"{why}: validation needs it; install it with pip install '{spec}' "
                                    "(pip install -e . installs every runtime dependency)")
+
+
+# transformers imports these lazily; import them before torch_npu is emulated, because
+# transformers probes for torch_npu and the emulation module has no import spec.
+TRANSFORMERS_EAGER = ("transformers.integrations.flash_attention", "transformers.masking_utils")
+
+
+def preload_transformers(extra: tuple[str, ...] = ()) -> None:
+    """Import the transformers modules that probe for torch_npu, while the real import system is in place."""
+    import importlib
+
+    for name in (*TRANSFORMERS_EAGER, *extra):
+        importlib.import_module(name)

@@ -85,7 +85,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
     # The window of the manifest given: validate passes the tiny-window manifest (shrink_windows)
     # when the real window is too long for CPU sequences to cross, and renders that manifest too.
-    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
+    window = manifest.sliding_window()
     if window:
         d["sliding_window"] = window
     if m.num_mtp_layers:

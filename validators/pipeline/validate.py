@@ -35,11 +35,8 @@ from model_infer_kvcache.validators.pipeline.request_stream import (
     Scenario,
     StreamStalled,
 )
+from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers
 from model_infer_kvcache.validators.pipeline.tiny_model import require_transformers_type
-
-# transformers imports these lazily; import them before torch_npu is emulated, because
-# transformers probes for torch_npu and the emulation module has no import spec.
-_TRANSFORMERS_EAGER = ("transformers.integrations.flash_attention", "transformers.masking_utils")
 
 
 @dataclass(frozen=True)
@@ -154,10 +151,7 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
     say = progress or (lambda msg: None)
     started = time.perf_counter()
 
-    import importlib
-
-    for name in _TRANSFORMERS_EAGER:
-        importlib.import_module(name)
+    preload_transformers()
 
     report = Report(backend=backend, deploy_mode=manifest.deploy_mode.value, model_type=manifest.model.model_type,
                     manifest_hash=manifest.content_hash(), dtype=req.dtype, tolerance=TOLERANCE[req.dtype])
@@ -207,12 +201,11 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
 
     tiny = shrink_windows(manifest)
     if tiny is None:
-        return [("", manifest, req.rendered, _crossing(req.scenario, manifest))]
+        return [("", manifest, req.rendered, req.scenario.crossing_window_of(manifest))]
     tiny_dir = tmp / "tiny-window"
     write_rendered(render_manifest(tiny, framework_api=header.api if header else None, allow_blocked=True), tiny_dir)
-    real = next(layer.sliding_window for layer in manifest.layers if layer.sliding_window)
-    short = next(layer.sliding_window for layer in tiny.layers if layer.sliding_window)
-    runs = [("", tiny, str(tiny_dir), _crossing(req.scenario, tiny))]
+    real, short = manifest.sliding_window(), tiny.sliding_window()
+    runs = [("", tiny, str(tiny_dir), req.scenario.crossing_window_of(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
         report.notes.append(f"window {real} is too long for CPU sequences: the checks ran on the implementer's "
                             f"render of this manifest with window {short} (the given render is that render at "
@@ -234,9 +227,6 @@ def _is_implementer_render(manifest: SelectionManifest, rendered_dir: str, heade
     return True
 
 
-def _crossing(scenario: Scenario, manifest: SelectionManifest) -> Scenario:
-    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
-    return scenario.crossing(window, manifest.block_size) if window else scenario
 
 
 def _validate_run(report: Report, label: str, manifest: SelectionManifest, rendered: str, req: ValidateRequest,
@@ -279,7 +269,7 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
     if numeric is None:
         return
     prefill, decode = numeric.measured["longest_prefill"], numeric.measured["longest_decode"]
-    window = next((layer.sliding_window for layer in manifest.layers if layer.sliding_window), None)
+    window = manifest.sliding_window()
     report.notes.append(f"longest sequence: prefill {prefill}, decode {decode} tokens"
                         + (f" (window {window}, block {manifest.block_size})" if window else ""))
     if window:

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.validators.npu_ops import emulation_installed, install_emulation
-from model_infer_kvcache.validators.npu_ops.errors import NotStoodInError, OpNotEmulatedError, caller_location
+from model_infer_kvcache.validators.npu_ops.errors import (
+    NotStoodInError,
+    UnemulatedOperatorError,
+    caller_location,
+)
 
 # Figures ``torch.npu.mem_get_info()`` returns unless the caller sets others: a 64 GiB
 # device with everything free (large enough that offline-mode checks never bind).
@@ -46,7 +50,7 @@ def _strict_getattr(module_name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)  # keep introspection (copy, pickle, inspect) working
         if name.startswith("npu_") and module_name in ("torch_npu", "torchair.ops"):
-            raise OpNotEmulatedError(f"{module_name}.{name}", caller_location(2))
+            raise UnemulatedOperatorError(f"{module_name}.{name}", caller_location(2))
         raise NotStoodInError(f"{module_name}.{name} has no CPU stand-in (called from {_caller()})")
 
     return __getattr__

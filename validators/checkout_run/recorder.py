@@ -16,17 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
+from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 from model_infer_kvcache.validators.npu_ops import emulated
 
 # writer -> (the cache arguments it writes, the argument holding the slots), by parameter name
-WRITERS = {
-    "npu_scatter_nd_update_": (("self",), "indices"),
-    "npu_scatter_nd_update": (("self",), "indices"),
-    "scatter_update_": (("self",), "indices"),
-    "scatter_update": (("self",), "indices"),
-    "npu_kv_rmsnorm_rope_cache": (("k_cache", "ckv_cache"), "index"),
-    "npu_kv_rmsnorm_rope_cache_v2": (("k_cache", "ckv_cache"), "index"),
-}
+WRITERS = {op: (writer.caches, writer.index) for op, writer in CACHE_WRITERS.items()}
 
 
 def _storage(t) -> int | None:

@@ -6,6 +6,7 @@ import ast
 from functools import cache
 
 from model_infer_kvcache.analyzer.operators import fa_facts, schemas
+from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 
 FA_V1 = fa_facts.FA_OPS["v1"]
 FA_V2 = fa_facts.FA_OPS["v2"]
@@ -18,17 +19,14 @@ SCATTER_ND_OUT = "npu_scatter_nd_update"
 SCATTER_LEGACY_OUT = "scatter_update"
 RMSNORM_ROPE_CACHE_V2 = "npu_kv_rmsnorm_rope_cache_v2"
 RMSNORM_OPS = frozenset({RMSNORM_ROPE_CACHE, RMSNORM_ROPE_CACHE_V2})
-WRITER_OPS = frozenset({SCATTER_ND, SCATTER_LEGACY, RMSNORM_ROPE_CACHE, SCATTER_ND_OUT, SCATTER_LEGACY_OUT,
-                        RMSNORM_ROPE_CACHE_V2})
+WRITER_OPS = frozenset(CACHE_WRITERS)
 ALL_OPS = FA_OPS | WRITER_OPS
 
 # On a call of one FA version, the other version's keywords: {wrong name: (right name, op default)}.
 WRONG_VERSION_NAMES = {op: fa_facts.other_version_names(op) for op in FA_OPS}
 
 # Where a writer takes its slot index when passed positionally (keyword name, position in the schema).
-WRITER_INDEX_ARG = {op: (name, schemas.arg_position(op, name))
-                    for op, name in ((SCATTER_ND, "indices"), (SCATTER_ND_OUT, "indices"),
-                                     (RMSNORM_ROPE_CACHE, "index"), (RMSNORM_ROPE_CACHE_V2, "index"))}
+WRITER_INDEX_ARG = {op: (w.index, schemas.arg_position(op, w.index)) for op, w in CACHE_WRITERS.items() if w.paged}
 
 
 PINNED_RELEASE = schemas.PINNED_RELEASE

@@ -8,7 +8,6 @@ transformers forward; the same stream fails on the old decode (sparse_mode 0, no
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import shutil
 import types
@@ -50,16 +49,12 @@ def _spec_stream(rendered: Path) -> Report:
     from model_infer_kvcache.validators.npu_ops import install_emulation
     from model_infer_kvcache.validators.pipeline import spec_decode as spec_decode
     from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
+    from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers
     from model_infer_kvcache.validators.pipeline.tiny_model import build_tiny_model
-    from model_infer_kvcache.validators.pipeline.validate import (
-        _TRANSFORMERS_EAGER,
-        ValidateRequest,
-        _framework,
-    )
+    from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, _framework
 
     manifest = load_manifest(rendered / "manifest.json")
-    for name in _TRANSFORMERS_EAGER:
-        importlib.import_module(name)
+    preload_transformers()
     model, plan = build_tiny_model(json.loads(CONFIG.read_text()), manifest, seed=0)
     ref = copy.deepcopy(model)
     report = Report(backend="emulated", deploy_mode=manifest.deploy_mode.value, model_type="deepseek_v3",

@@ -15,7 +15,7 @@ from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
 
 def _report(passed: bool) -> Report:
     report = Report(backend="emulated", deploy_mode="framework", model_type="m", manifest_hash="h")
-    report.add("logits vs transformers", "numeric", passed, detail="" if passed else "diff 3.3")
+    report.add("logits vs transformers max |diff| <= 1e-09", "numeric", passed, detail="" if passed else "diff 3.3")
     return report
 
 
@@ -34,8 +34,8 @@ def test_every_other_reading_is_rerun_and_the_dependency_is_stated():
     assert [r.finalize_skip1_alone for r in calls] == ["ignored", "rejected"]
     assert all(replace(r, finalize_skip1_alone="added") == DeviceReadings() for r in calls)  # one switch moved
     assert report.notes == [
-        "under finalize_skip1_alone=ignored the model fails: logits vs transformers (diff 3.3)",
-        "under finalize_skip1_alone=rejected the model fails: logits vs transformers (diff 3.3)",
+        "under finalize_skip1_alone=ignored the model fails: logits vs transformers max |diff| <= 1e-09 (diff 3.3)",
+        "under finalize_skip1_alone=rejected the model fails: logits vs transformers max |diff| <= 1e-09 (diff 3.3)",
         "the model depends on the device reading finalize_skip1_alone: it passes under added and fails under "
         "ignored, rejected (references/device_questions.md)",
     ]

@@ -14,7 +14,6 @@ import operator
 import re
 from dataclasses import fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from model_infer_kvcache.analyzer.operators import fa_facts, schemas
@@ -276,7 +275,7 @@ def test_numeric_call_check_reads_each_version_through_the_home():
     from model_infer_kvcache.analyzer.operators.fa_facts import RECORDED_KEYWORDS
     from model_infer_kvcache.validators.checkout_run import recorder
     from model_infer_kvcache.validators.pipeline import host_model
-    from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
+    from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
     from model_infer_kvcache.validators.pipeline.report import Report
 
     assert host_model.RECORDED_KEYWORDS is RECORDED_KEYWORDS is recorder.RECORDED_KEYWORDS  # both modes record alike
@@ -291,9 +290,8 @@ def test_numeric_call_check_reads_each_version_through_the_home():
                 "num_key_value_heads": m.parallel.num_kv_heads_per_rank}
         outcomes = []
         for call in (good, {k: v for k, v in good.items() if k != kw.scale}):  # scale left to the default 1.0
-            tracker = SimpleNamespace(host=SimpleNamespace(probe=SimpleNamespace(fa_calls=[call])))
             report = Report(backend="emulated", deploy_mode="framework", model_type="qwen3", manifest_hash="")
-            NumericTracker.check_fa_calls(tracker, report, m)
+            check_fa_calls(report, m, [call])
             outcomes.append((report.checks[-1].passed, report.checks[-1].detail))
         assert outcomes[0] == (True, "")
         assert not outcomes[1][0] and "scale=1.0" in outcomes[1][1], outcomes[1]

@@ -11,7 +11,7 @@ from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParse
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable
 from model_infer_kvcache.analyzer.framework_checkout import GENERATIONS
 from model_infer_kvcache.analyzer.progress_writer import plan_section
-from model_infer_kvcache.validators.pipeline.numeric import TOLERANCE
+from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
 from model_infer_kvcache.validators.pipeline.request_stream import STEP_SECONDS
 from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
 from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate

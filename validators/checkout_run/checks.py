@@ -3,7 +3,7 @@
 Inputs are observations only: the recorder's FA / writer calls (which cache storage, which table,
 which slots, which kv lengths), each step's forward metadata as the engine built it, and the
 real KVCacheManager. The FA arguments themselves are judged by the check the rendered mode uses
-(``validators.pipeline.numeric.check_fa_calls``).
+(``validators.pipeline.fa_args.check_fa_calls``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS
 from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, pool_usage
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
 from model_infer_kvcache.validators.harness.poison import check_pool_invariants, null_block_of
-from model_infer_kvcache.validators.pipeline.numeric import check_fa_calls
+from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
 from model_infer_kvcache.validators.pipeline.report import Report
 
 

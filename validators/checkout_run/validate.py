@@ -21,7 +21,7 @@ import torch
 from model_infer_kvcache.analyzer.config_loader import read_config_file
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.pipeline.numeric import TOLERANCE
+from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 

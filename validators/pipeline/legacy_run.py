@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
@@ -93,5 +94,5 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
         pos = (runner.kv_len.clone())[:, None]
         fm = runner._build_forward_metadata()
     tracker.check_runtime(report, manifest, dict.fromkeys(range(ROWS), prompt))
-    tracker.check_fa_calls(report, manifest)
+    check_fa_calls(report, manifest, host.probe.fa_calls)
     tracker.check_numeric(report, {b: seqs[b][:-1] for b in range(ROWS)})

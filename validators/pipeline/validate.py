@@ -17,11 +17,8 @@ from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
-from model_infer_kvcache.validators.pipeline.numeric import (
-    TOLERANCE,
-    check_fa_calls_before_failure,
-    float64_upcasts,
-)
+from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls_before_failure
+from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.provenance import (
     RENDERED_FILES,
     RenderHeader,

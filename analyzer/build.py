@@ -34,7 +34,6 @@ from model_infer_kvcache.analyzer.manifest import (
     KvModeDecision,
     LayerPlan,
     MemoryPlan,
-    MlaDecision,
     ModelInfo,
     SelectionManifest,
 )
@@ -176,21 +175,7 @@ def assemble(
     memory_plan = _memory(facts, layers, req, progress, questions, warnings)
     _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
 
-    absorb = facts.is_mla and kv_mode == "paged"
-    if not facts.is_mla:
-        mla_reason = "not an MLA model"
-    elif absorb:
-        mla_reason = ("MLA: cache the latent (nope) + rope parts, absorb kv_b_proj into Q and the output; "
-                      "latent replicated across attention TP")
-    else:
-        mla_reason = "MLA on the Legacy path: no absorb (the FA absorb call needs the paged latent cache)"
-    mla = MlaDecision(
-        enabled=facts.is_mla,
-        absorb=absorb,
-        cache_mode="PA_NZ" if absorb else None,
-        reason=mla_reason,
-        constraints=rules.mla_constraints(facts) if absorb else [],
-    )
+    mla = rules.decide_mla(facts, kv_mode)
     _notes(facts, progress, layers, kv_mode, warnings, questions)
     if facts.is_mla and not facts.rms_norm_eps.value:
         questions.append(Finding(message="no rms_norm_eps in config: take epsilon from the kv_a_layernorm module",

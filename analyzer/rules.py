@@ -15,6 +15,7 @@ from model_infer_kvcache.analyzer.manifest import (
     CacheSpec,
     Finding,
     MaskPerPath,
+    MlaDecision,
     MtpDecision,
     ParallelPlan,
     PerPath,
@@ -366,6 +367,20 @@ def decide_deploy_mode(
         return "framework", "default", ["no dispatch line, flag or self-check evidence: repository default"], []
     value, source, detail = candidates[0]
     return value, source, [detail], candidates[1:]
+
+
+def decide_mla(facts: ModelFacts, kv_mode: str) -> MlaDecision:
+    """MLA: absorb on the paged path (latent nope + rope caches, kv_b_proj absorbed into Q and the output)."""
+    absorb = facts.is_mla and kv_mode == "paged"
+    if not facts.is_mla:
+        reason = "not an MLA model"
+    elif absorb:
+        reason = ("MLA: cache the latent (nope) + rope parts, absorb kv_b_proj into Q and the output; "
+                  "latent replicated across attention TP")
+    else:
+        reason = "MLA on the Legacy path: no absorb (the FA absorb call needs the paged latent cache)"
+    return MlaDecision(enabled=facts.is_mla, absorb=absorb, cache_mode="PA_NZ" if absorb else None, reason=reason,
+                       constraints=mla_constraints(facts) if absorb else [])
 
 
 def mla_constraints(facts: ModelFacts) -> list[str]:

@@ -133,4 +133,5 @@ class Watchdog:
             yield
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
+            # None: a handler installed outside Python, which signal.signal cannot put back
+            signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)

@@ -4,18 +4,32 @@ When transformers is installed and ships the model type, the model is built on t
 (real config, no weights, no memory) and each attention module reports its own scale and window.
 A disagreement means the analyzer's rules are wrong for this architecture: the caller refuses to
 write the manifest. transformers stays optional: without it nothing is checked.
+
+Importing transformers and building the meta model costs seconds, more than the rest of `kvcache analyze`
+together, yet its answer depends only on the installed transformers and the config's architecture section.
+What transformers reports (whether it ships the type, each module's scale and window, or why it could not
+build) is therefore kept in a user cache (``transformers_report``, folder ``cache_dir()``) keyed by exactly those; the comparison with the
+analyzer's plan runs on every call. A missing, corrupt or unwritable cache only costs the build.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.metadata
+import importlib.util
 import inspect
 import json
 import math
+import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.analyzer.manifest import LayerPlan
 
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
@@ -41,6 +55,23 @@ class CheckResult:
     checked_layers: int = 0
 
 
+# The user cache of what transformers reports. KVCACHE_CACHE_DIR names its folder (set and empty: no cache);
+# else $XDG_CACHE_HOME/model-infer-kvcache, else ~/.cache/model-infer-kvcache.
+CACHE_ENV = "KVCACHE_CACHE_DIR"
+CACHE_APP = "model-infer-kvcache"
+CACHE_SUBDIR = "arch_check"
+_CACHE_FORMAT = 1  # bump when an entry's layout or what the live build reads changes
+
+
+@dataclass(frozen=True)
+class TransformersReport:
+    """What the installed transformers says about one architecture section (the cached unit)."""
+
+    ships: bool | None  # None: transformers not installed
+    attentions: tuple[HfAttention, ...] | None = None  # None: not built (not shipped, or the build failed)
+    error: str | None = None  # why the meta build failed ("TypeError: ...")
+
+
 def transformers_ships(model_type: str) -> bool | None:
     """Whether the installed transformers implements ``model_type`` (None: transformers absent)."""
     try:
@@ -52,9 +83,137 @@ def transformers_ships(model_type: str) -> bool | None:
 
 def hf_attentions(config: dict[str, Any], model_type: str) -> list[HfAttention]:
     """Build the model on the meta device and read each attention module's scale and window."""
+    hf_type, section_json = _arch_key(config, model_type)
+    return list(_hf_attentions(hf_type, section_json))
+
+
+def _arch_key(config: dict[str, Any], model_type: str) -> tuple[str, str]:
+    """(transformers model type, the architecture section as canonical JSON): all the meta build reads.
+
+    The whole section, not a hand-picked list of attention fields: a field that looks irrelevant (a
+    ``layer_types`` list, a rope dict, a flag read by one family) can change what transformers builds,
+    and a key that misses one would let a cached answer outlive it.
+    """
     section, _ = model_section(config)
-    return list(_hf_attentions(HF_MODEL_TYPE.get(model_type, model_type),
-                               json.dumps({k: v for k, v in section.items() if k not in _NOT_ARCH}, sort_keys=True)))
+    return (HF_MODEL_TYPE.get(model_type, model_type),
+            json.dumps({k: v for k, v in section.items() if k not in _NOT_ARCH}, sort_keys=True))
+
+
+def transformers_report(config: dict[str, Any], model_type: str) -> TransformersReport:
+    """What transformers reports for this config, from the user cache when an entry for the installed
+    transformers and this exact architecture section is there (and intact), else built and stored."""
+    hf_type, section_json = _arch_key(config, model_type)
+    identity = _installed_identity()
+    if identity is None:  # transformers absent (or unreadable): nothing to key a cache entry by
+        return _live_report(hf_type, section_json)[0]
+    key = {"format": _CACHE_FORMAT, **identity, "model_type": hf_type, "config": section_json}
+    path = _entry_path(key)
+    cached = _load_entry(path, key) if path is not None else None
+    if cached is not None:
+        return cached
+    report, keep = _live_report(hf_type, section_json)
+    if path is not None and keep:
+        _store_entry(path, key, report)
+    return report
+
+
+def cache_dir() -> Path | None:
+    """The cache folder (None: turned off with an empty KVCACHE_CACHE_DIR)."""
+    named = os.environ.get(CACHE_ENV)
+    if named is not None:
+        return Path(named).expanduser() if named.strip() else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / CACHE_APP
+
+
+def _installed_identity() -> dict[str, str] | None:
+    """The installed transformers and torch (which builds the meta model), read without importing either."""
+    if "transformers" in sys.modules and sys.modules["transformers"] is None:  # its import is blocked
+        return None
+    try:
+        spec = importlib.util.find_spec("transformers")
+        if spec is None:
+            return None
+        return {"transformers": importlib.metadata.version("transformers"),
+                "transformers_at": str(spec.origin or list(spec.submodule_search_locations or [])),
+                "torch": importlib.metadata.version("torch")}
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        return None
+
+
+def _live_report(hf_type: str, section_json: str) -> tuple[TransformersReport, bool]:
+    """(what transformers reports, whether that answer may be kept: a rejection of the config is the
+    config's answer; a machine's trouble — memory, a file it could not read — is not)."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return TransformersReport(ships=None), False
+    if hf_type not in CONFIG_MAPPING:
+        return TransformersReport(ships=False), True
+    try:
+        return TransformersReport(ships=True, attentions=_hf_attentions(hf_type, section_json)), True
+    except Exception as exc:  # noqa: BLE001 - a config transformers rejects: the check is skipped, saying why
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        transient = isinstance(exc, (MemoryError, OSError, RecursionError))
+        return TransformersReport(ships=True, error=f"{type(exc).__name__}: {first}"), not transient
+
+
+def _entry_path(key: dict[str, Any]) -> Path | None:
+    folder = cache_dir()
+    if folder is None:
+        return None
+    return folder / CACHE_SUBDIR / f"{_digest(key)}.json"
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _payload(report: TransformersReport) -> dict[str, Any]:
+    attentions = None if report.attentions is None else [
+        [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window]
+        for a in report.attentions]
+    return {"ships": report.ships, "attentions": attentions, "error": report.error}
+
+
+def _store_entry(path: Path, key: dict[str, Any], report: TransformersReport) -> None:
+    """Write the entry atomically (analyzer.files); a cache that cannot be written is left as it was."""
+    payload = _payload(report)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "report": payload, "sha256": _digest(payload)},
+                                           sort_keys=True))
+    except (OSError, InputError):
+        pass
+
+
+def _load_entry(path: Path, key: dict[str, Any]) -> TransformersReport | None:
+    """The cached report, or None when the entry is missing, unreadable, for another key or damaged."""
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        payload = entry["report"]
+        if entry["key"] != key or entry["sha256"] != _digest(payload):
+            return None
+        return _report_of(payload)
+    except Exception:  # noqa: BLE001 - whatever is wrong with the entry, the live build answers instead
+        return None
+
+
+def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
+    ships, error, rows = payload["ships"], payload["error"], payload["attentions"]
+    if ships not in (True, False) or not (error is None or isinstance(error, str)):
+        return None
+    if rows is None:
+        return TransformersReport(ships=ships, error=error)
+    out = []
+    for path, cls, value, attr, window in rows:
+        if not (isinstance(path, str) and (cls is None or isinstance(cls, str))
+                and (window is None or (isinstance(window, int) and not isinstance(window, bool)))
+                and ((value is None and attr is None)
+                     or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))):
+            return None
+        out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window))
+    return TransformersReport(ships=ships, attentions=tuple(out), error=error)
 
 
 @functools.lru_cache(maxsize=32)
@@ -101,17 +260,15 @@ def _window_of(module, config) -> int | None:
 def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPlan], scale: float,
                 scale_txt: str) -> CheckResult:
     """Compare the planned scale and per-layer window with the architecture's attention modules."""
-    ships = transformers_ships(facts.model_type)
-    result = CheckResult(ships=ships)
-    if not ships:
+    report = transformers_report(config, facts.model_type)
+    result = CheckResult(ships=report.ships)
+    if not report.ships:
         return result
-    try:
-        hf = hf_attentions(config, facts.model_type)
-    except Exception as exc:  # noqa: BLE001 - a config transformers rejects: skip the check, say why
-        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    if report.attentions is None:
         result.notes.append(f"architecture cross-check skipped: transformers could not build {facts.model_type!r} "
-                            f"on the meta device ({type(exc).__name__}: {first})")
+                            f"on the meta device ({report.error})")
         return result
+    hf = report.attentions
     if len(hf) != len(layers):
         result.errors.append(f"attention layers: analyzer plans {len(layers)}, transformers builds {len(hf)}")
         return result

@@ -14,7 +14,9 @@ from model_infer_kvcache.analyzer.progress_writer import plan_section
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
 from model_infer_kvcache.validators.pipeline.request_stream import STEP_SECONDS
 from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
-from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
+
+# The pipeline (torch, transformers) is imported in run(), after the arguments parse: `--help` and bad flags
+# answer in a bare interpreter's time (benchmarks/bench_cli_startup.py).
 
 EXAMPLES = """examples:
   kvcache validate --manifest manifest.json --rendered rendered/ --config config.json
@@ -135,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
         plan_section(args.write_progress, SECTION_ID, "")  # damaged markers are refused now, not after
     require_validation_deps()
+    from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
+
     report = _checkout_report(args) if args.model else validate(ValidateRequest(
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,

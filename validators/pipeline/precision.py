@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
 # Logit tolerance per compute dtype of the model under test (the reference runs in float64 for
 # float64, else float32). float64 is the CPU default: honest code then differs by rounding only
 # (measured max 3e-13 over the validation matrix, see references/validation.md), so a limit
@@ -31,6 +29,8 @@ def float64_upcasts():
     rounding boundary (router scores), and rounding could no longer be told from a defect.
     Inside this context float64 stays float64; tensors of other dtypes are untouched.
     """
+    import torch  # here, not at module level: `kvcache validate --help` reads TOLERANCE without torch
+
     softmax, to, to_float = torch.nn.functional.softmax, torch.Tensor.to, torch.Tensor.float
     tensor_softmax, to_type = torch.Tensor.softmax, torch.Tensor.type
 

@@ -11,8 +11,10 @@ import contextlib
 import signal
 import threading
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: `kvcache validate --help` reads STEP_SECONDS
+    import torch
 
 # One forward step of a tiny model takes well under a second on CPU (DeepSeek-V3's 128 heads in float64:
 # about 2 s); a step still running after this many seconds is stuck (a render that never returns).
@@ -34,6 +36,8 @@ class Scenario:
     step_seconds: float = STEP_SECONDS  # wall-clock allowance of one forward step (Watchdog)
 
     def prompts(self, seed: int) -> list[tuple[list[int], int]]:
+        import torch
+
         g = torch.Generator().manual_seed(seed)
         return [(torch.randint(0, self.vocab, (n,), generator=g).tolist(), new) for n, new in self.first + self.late]
 
@@ -90,6 +94,8 @@ class SimpleStep:
         return out
 
     def last_token_rows(self) -> torch.Tensor:
+        import torch
+
         return torch.cumsum(torch.tensor(self.q_lens), 0) - 1
 
 

@@ -114,25 +114,30 @@ def decisions_markdown(m: SelectionManifest) -> str:
             lines += [f"- {i.message}" + (f"(字段: {', '.join(i.fields)})" if i.fields else "") for i in items]
     if m.device_dependencies:
         src = m.device_readings
-        title = "**依赖的设备行为(需 NPU 实测确认)**" if src is None else "**依赖的设备行为(读法文件实测)**"
+        # A dry run (emulated backend) measured nothing: its dependencies read as assumptions, whatever an
+        # older manifest recorded as their status.
+        dry = src is not None and src.backend != "npu"
+        title = ("**依赖的设备行为(需 NPU 实测确认)**" if src is None
+                 else "**依赖的设备行为(读法文件是 CPU 仿真 dry run,不算实测:仍需在 NPU 上跑 kvcache probe)**" if dry
+                 else "**依赖的设备行为(读法文件实测)**")
         lines += ["", title, ""]
         if src is not None:
             lines.append(f"读法文件 `{src.file}`:backend {src.backend}"
-                         + ("(CPU 仿真 dry run,不代表设备)" if src.backend == "emulated" else "")
+                         + ("(CPU 仿真 dry run,不代表设备)" if dry else "")
                          + f",SoC {src.soc or '?'},torch_npu {src.torch_npu_version or '-'},"
                          f"CANN {src.cann_version or '?'},probe v{src.probe_version}")
             others = {q: r for q, r in src.settled.items() if q not in {d.question for d in m.device_dependencies}}
-            if others:
+            if others and not dry:
                 lines.append("设计不依赖、但已实测:" + ", ".join(f"{q}={r}" for q, r in others.items()))
             lines.append("")
-        lines += [f"- {d.question}: {_dependency_status(d)} — {d.consequence}" for d in m.device_dependencies]
+        lines += [f"- {d.question}: {_dependency_status(d, dry)} — {d.consequence}" for d in m.device_dependencies]
     return "\n".join(lines) + "\n"
 
 
 _STATUS = {"confirmed": "实测确认", "contradicted": "实测否定", "unknown": "实测输出不符合任何已知读法"}
 
 
-def _dependency_status(d) -> str:
-    if d.status == "assumed":
+def _dependency_status(d, dry_run: bool = False) -> str:
+    if d.status == "assumed" or dry_run:
         return f"假设 {d.assumed}(未实测),另一读法 {d.alternative}"
     return f"{_STATUS[d.status]}:实测 {d.measured},设计按 {d.assumed}"

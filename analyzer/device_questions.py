@@ -32,6 +32,9 @@ class Question:
     # manifest lists it, an operator question (dependency=False) when the run consulted it (a call
     # whose result depends on the reading: ``validators.npu_ops.readings.consult``)
     swept: bool = False
+    # A dependency question validation does not sweep: why a rerun under its other readings could not tell the
+    # code apart (the report says this instead of a verdict; references/validation.md repeats it)
+    unswept: str = ""
 
     @property
     def default(self) -> str:
@@ -56,12 +59,20 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
              "what does a never-written block of a cache allocated like the framework's (torch.empty) hold?",
              "stale (what the memory held before: torch.empty's contract) / zeros / poisoned (NaN, as validation "
              "fills never-written blocks)",
-             dependency=True),
+             dependency=True,
+             unswept="not an emulator switch: validation poisons the null block and every freed or never-written "
+                     "block with NaN, the strictest contents (any read shows up), so stale or zero contents could "
+                     "only hide a read the poisoned run already fails"),
     Question("repeated_slots", ("last_wins", "first_wins", "error"),
              "do the cache writers accept padded decode rows that all write the null block's slot 0?",
              "last_wins / first_wins: the slot holds the last / first row written to it; error: the writer "
              "rejects any repeated slot",
-             switch=True, dependency=True),
+             switch=True, dependency=True,
+             unswept="the padded rows write only the null block, which is poisoned with NaN after every write, so "
+                     "last_wins and first_wins leave the same (poisoned) block; under 'error' every padded decode "
+                     "step fails whatever the code, since the engine pads the batch, not the model; repeats "
+                     "outside the null block are refused under every reading; only `kvcache probe` on the NPU "
+                     "settles it"),
     Question("finalize_skip1_alone", ("added", "ignored", "rejected"),
              "does npu_moe_finalize_routing add skip1 when skip2 is None (the doc requires skip1 None then)?",
              "added: out = skip1 + the weighted expert rows (what upstream DeepSeek's prefill MoE relies on); "

@@ -10,14 +10,32 @@ from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 DEFAULT_WINDOW_READING = QUESTIONS["window_pre_tokens"].default
 
 
+def device_settled(readings: ReadingsFile | None) -> dict[str, str]:
+    """Question -> reading a device measured: a file from the NPU backend settles its known readings; a dry
+    run on the emulated backend (``kvcache probe --backend emulated``) settles none, whatever it read."""
+    return readings.settled() if readings is not None and readings.backend == "npu" else {}
+
+
+def readings_label(readings: ReadingsFile, file: str | None) -> str:
+    """How a readings file's readings are named in reasons and reports: measured on a device, or read by a
+    dry run of the emulator (never called measured)."""
+    if readings.backend == "npu":
+        return f"measured ({file})"
+    return f"dry-run reading of the emulated backend ({file}; not a device measurement)"
+
+
 def resolve_window_reading(stated: str | None, readings: ReadingsFile | None, file: str | None) -> tuple[str, str]:
-    """(reading, where it came from): the measured reading wins over the default; a stated one must agree."""
-    measured = readings.questions["window_pre_tokens"].reading if readings else None
-    if measured and measured != UNKNOWN:
-        if stated and stated != measured:
-            raise InputError("--window-reading", f"{stated} contradicts the reading {measured!r} measured in {file} "
-                                                 "(drop the flag or re-run `kvcache probe`)")
-        return measured, f"measured ({file})"
+    """(reading, where it came from): the file's reading wins over the default (a dry run's too, so that
+    validate, which runs the emulator under the same file, agrees); a stated one must agree."""
+    read = readings.questions["window_pre_tokens"].reading if readings else None
+    if read and read != UNKNOWN:
+        label = readings_label(readings, file)
+        if stated and stated != read:
+            what = (f"the reading {read!r} measured in {file}" if readings.backend == "npu"
+                    else f"the dry-run reading {read!r} of the emulated backend in {file}")
+            raise InputError("--window-reading", f"{stated} contradicts {what} (drop the flag or re-run "
+                                                 "`kvcache probe`)")
+        return read, label
     if stated:
         return stated, "--window-reading"
     return DEFAULT_WINDOW_READING, "default (documented band rule)"
@@ -38,9 +56,13 @@ def apply_readings(deps: list[DeviceDependency], readings: ReadingsFile, file: s
     """Mark each dependency confirmed / contradicted / unknown by the measurement; say what it means."""
     where = f"{file} ({readings.where()})"
     if readings.backend == "emulated":
-        warnings.append(Finding(message=f"device readings from {file} were measured on the emulated backend "
-                                        "(a CPU dry run): they settle nothing about a device; run `kvcache probe` "
-                                        "on the NPU host", fields=["--device-readings"]))
+        # A dry run reads the emulator's own switches: every dependency stays an assumption (status
+        # 'assumed', nothing 'measured'), and the source settles nothing.
+        warnings.append(Finding(message=f"device readings from {file} come from the emulated backend "
+                                        "(a CPU dry run): they settle nothing about a device and every dependency "
+                                        "stays assumed; run `kvcache probe` on the NPU host",
+                                fields=["--device-readings"]))
+        return list(deps), _source(readings, file, settled={}, unknown=[])
     out = []
     for dep in deps:
         measured = readings.questions[dep.question].reading
@@ -56,8 +78,11 @@ def apply_readings(deps: list[DeviceDependency], readings: ReadingsFile, file: s
             warnings.append(Finding(message=f"{dep.question}: measured {measured!r} on {where}, the design assumes "
                                             f"{dep.assumed!r}: {dep.consequence}", fields=["--device-readings"]))
         out.append(dep.model_copy(update={"status": status, "measured": measured}))
-    source = DeviceReadingsSource(
+    return out, _source(readings, file, settled=readings.settled(),
+                        unknown=[q for q, a in readings.questions.items() if a.reading == UNKNOWN])
+
+
+def _source(readings: ReadingsFile, file: str, settled: dict[str, str], unknown: list[str]) -> DeviceReadingsSource:
+    return DeviceReadingsSource(
         file=file, backend=readings.backend, soc=readings.soc, torch_npu_version=readings.torch_npu_version,
-        cann_version=readings.cann_version, probe_version=readings.probe_version, settled=readings.settled(),
-        unknown=[q for q, a in readings.questions.items() if a.reading == UNKNOWN])
-    return out, source
+        cann_version=readings.cann_version, probe_version=readings.probe_version, settled=settled, unknown=unknown)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.validators.npu_ops import DeviceReadings
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
@@ -68,7 +69,22 @@ def test_settled_caller_set_unswept_and_repeated_questions():
                    settled={"window_pre_tokens": "inclusive"}, caller=["finalize_skip1_alone"])
     assert calls == []  # repeated_slots / null_block_contents are not swept questions
     assert report.notes == ["window_pre_tokens settled by measurement (inclusive): sweep skipped",
-                            "finalize_skip1_alone set by the caller: sweep skipped"]
+                            "finalize_skip1_alone set by the caller: sweep skipped",
+                            f"repeated_slots not swept: {QUESTIONS['repeated_slots'].unswept}",
+                            f"null_block_contents not swept: {QUESTIONS['null_block_contents'].unswept}"]
+
+
+def test_every_dependency_question_is_swept_or_says_why_not():
+    """A design's listed dependency never passes the sweep in silence (issue 26: repeated_slots did)."""
+    deps = [q for q in QUESTIONS.values() if q.dependency]
+    assert {q.name for q in deps} >= {"band_at_single_query", "window_pre_tokens", "null_block_contents",
+                                      "repeated_slots"}
+    for q in deps:
+        assert q.swept or len(q.unswept) > 40, q.name
+        report = _report(True)
+        sweep_readings(report, [q.name], DeviceReadings(), _rerun_passing_when(q.name, set(q.readings), []),
+                       settled={})
+        assert report.notes, q.name  # a verdict per other reading, or why there is none
 
 
 def test_a_rerun_that_raises_is_a_failing_reading_not_a_crash():

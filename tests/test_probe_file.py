@@ -178,6 +178,51 @@ def test_an_emulated_readings_file_is_flagged_as_a_dry_run(tmp_path):
     assert "CPU 仿真 dry run" in decisions_markdown(m)
 
 
+# Every way the table and the manifest can call a reading measured.
+MEASURED_LABELS = ("实测确认", "实测否定", "读法文件实测", "已实测", "实测输出", "measured (")
+
+
+def test_dry_run_readings_are_never_labelled_measured(tmp_path):
+    """A dry run (`kvcache probe --backend emulated`) reads the emulator's own switches: the manifest keeps
+    every dependency assumed and settles nothing, and no table line calls it measured (issue 26)."""
+    data = measured()
+    path = write(tmp_path, data)
+    m = analyze(AnalyzeRequest(config=GPT_OSS, framework_api="G2", deploy_mode="framework", device_readings=path))
+    deps = {d.question: d for d in m.device_dependencies}
+    assert set(deps) >= {"band_at_single_query", "window_pre_tokens", "repeated_slots"}
+    assert {(d.status, d.measured) for d in deps.values()} == {("assumed", None)}
+    assert m.device_readings.backend == "emulated" and m.device_readings.settled == {}
+    table, text = decisions_markdown(m), m.to_json()
+    assert [label for label in MEASURED_LABELS if label in table or label in text] == []
+    assert "不算实测" in table and "假设 honoured(未实测)" in table
+    # an older manifest that recorded a dry run's readings as confirmed still reads as assumed
+    old = m.model_copy(update={"device_dependencies": [d.model_copy(update={"status": "confirmed", "measured":
+                                                                            d.assumed}) for d in m.device_dependencies]})
+    assert not [label for label in MEASURED_LABELS if label in decisions_markdown(old)]
+    # negative control: the same readings from an NPU host are measured, and said so
+    device = analyze(AnalyzeRequest(config=GPT_OSS, framework_api="G2", deploy_mode="framework",
+                                    device_readings=write(tmp_path, as_device(data), "npu.json")))
+    assert {d.status for d in device.device_dependencies} == {"confirmed"}
+    assert "实测确认" in decisions_markdown(device)
+
+
+def test_a_dry_run_window_reading_is_named_a_dry_run(tmp_path, capsys):
+    path = write(tmp_path, measured(DeviceReadings(window_pre_tokens="inclusive")))
+    argv = ["analyze", "--config", GPT_OSS, "--window-reading", "exclusive", "--device-readings", path]
+    assert kvcache_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "contradicts the dry-run reading 'inclusive' of the emulated backend" in err and "measured" not in err
+
+
+def test_device_settled_is_empty_for_a_dry_run(tmp_path):
+    from model_infer_kvcache.analyzer.measured import device_settled
+
+    dry = load_readings(write(tmp_path, measured()))
+    device = load_readings(write(tmp_path, as_device(measured()), "npu.json"))
+    assert device_settled(dry) == {} and device_settled(None) == {}
+    assert device_settled(device) == device.settled() and "window_pre_tokens" in device_settled(device)
+
+
 # --------------------------------------------------------------------------- validate
 @pytest.mark.slow
 def test_validate_runs_under_the_measured_readings_and_skips_settled_sweeps(tmp_path):
@@ -193,6 +238,22 @@ def test_validate_runs_under_the_measured_readings_and_skips_settled_sweeps(tmp_
     assert any("window_pre_tokens settled by measurement (inclusive): sweep skipped" in n for n in report.notes)
     assert any("band_at_single_query settled by measurement (honoured): sweep skipped" in n for n in report.notes)
     assert any(n.startswith(f"device readings measured in {path}") and "Ascend910B3" in n for n in report.notes)
+
+
+def test_validate_calls_a_dry_run_a_dry_run_and_says_why_dependencies_are_not_swept(tmp_path):
+    """A dry-run file settles nothing (no 'settled by measurement'), and the framework design's dependencies
+    the sweep cannot tell apart (null block, padded rows' repeated slots) each get their reason."""
+    from model_infer_kvcache.validators.pipeline.request_stream import QUICK
+
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", framework_api="G2", deploy_mode="framework")
+    path = write(tmp_path, measured())
+    report = validate(ValidateRequest(manifest=str(manifest), rendered=str(rendered), config=str(cfg),
+                                      backend="emulated", scenario=QUICK, sweep_readings=True, device_readings=path))
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert any(n.startswith(f"dry-run readings of the emulated backend in {path}") for n in report.notes)
+    assert not [n for n in report.notes if "measured" in n or "settled by measurement" in n]
+    for question in ("repeated_slots", "null_block_contents"):
+        assert f"{question} not swept: {QUESTIONS[question].unswept}" in report.notes
 
 
 @pytest.mark.slow

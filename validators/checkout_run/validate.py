@@ -173,8 +173,9 @@ def _checkpoint(real_config: dict, manifest: SelectionManifest, seed: int, tmp: 
 
 
 def _sweep(report: Report, manifest, req, base, measured, rerun, say) -> None:
+    from model_infer_kvcache.analyzer.measured import device_settled
     from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
 
     questions = [dep.question for dep in manifest.device_dependencies] + report.consulted
-    sweep_readings(report, questions, base, rerun, settled=measured.settled() if measured else {},
+    sweep_readings(report, questions, base, rerun, settled=device_settled(measured),
                    caller=dict(req.readings), subject="the model", say=say)

@@ -4,7 +4,8 @@ The emulator runs under one reading of every open device question (references/de
 the sweep reruns the quick stream under every other reading of each question the code meets (the
 design's dependencies the manifest lists, and the operator questions a run consulted) and writes
 one note per rerun plus, when the verdict changes with the reading, which readings the code needs.
-Questions a probe measured, or the caller fixed, are not swept: the reading is known.
+Questions a probe measured on a device, or the caller fixed, are not swept: the reading is known. A listed
+dependency the sweep cannot tell apart (``Question.unswept``) gets a note saying why instead of a verdict.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def sweep_readings(report: Report, questions: Iterable[str], base, rerun: Callab
     caller = set(caller)
     for question in dict.fromkeys(questions):  # ordered, once each
         if not QUESTIONS[question].swept:
+            if QUESTIONS[question].unswept:
+                report.notes.append(f"{question} not swept: {QUESTIONS[question].unswept}")
             continue
         if question in settled or question in caller:
             how = f"settled by measurement ({settled[question]})" if question in settled else "set by the caller"

@@ -15,6 +15,7 @@ from model_infer_kvcache.analyzer.config_loader import read_config_file
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.manifest_io import load_manifest
+from model_infer_kvcache.analyzer.measured import device_settled
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls_before_failure
@@ -155,12 +156,16 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
     from model_infer_kvcache.validators.npu_ops import DeviceReadings
 
     base = DeviceReadings.from_settled(measured.settled()) if measured else DeviceReadings()
-    settled = measured.settled() if measured else {}
-    if measured:
+    settled = device_settled(measured)  # a dry run (emulated backend) settles nothing: its questions are swept
+    if measured and measured.backend == "npu":
         report.notes.append(f"device readings measured in {req.device_readings} ({measured.where()}): "
                             + ", ".join(f"{q}={a.reading}" for q, a in measured.questions.items())
                             + ("; 'unknown' settles nothing (default reading used)" if len(settled) < len(
                                 measured.questions) else ""))
+    elif measured:
+        report.notes.append(f"dry-run readings of the emulated backend in {req.device_readings} (not a device "
+                            "measurement: they settle nothing, the sweep still runs): "
+                            + ", ".join(f"{q}={a.reading}" for q, a in measured.questions.items()))
     report.readings = dataclasses.asdict(base)
     _check_render_as_written(report, manifest, req, backend)
     with tempfile.TemporaryDirectory(prefix="kvcache-validate-") as tmp:

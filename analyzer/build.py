@@ -151,7 +151,8 @@ def assemble(
 
     kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
     kv_mode = kv.value
-    fa_version = rules.decide_fa_version(facts, req.fa_version)
+    fa_version = rules.decide_fa_version(facts, req.fa_version, checkout.fa_version if checkout else None,
+                                         checkout.fa_evidence if checkout else "")
     layout = rules.decide_input_layout(kv_mode, facts.is_mla)
     scale, scale_txt = rules.decide_scale(facts)
 
@@ -401,7 +402,7 @@ def _progress_conflicts(progress: ProgressFacts, req: AnalyzeRequest, dispatch: 
 def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, str]:
     if deploy != "framework":
         return None, "standalone mode: no framework API"
-    # A HEAD-era (G3) checkout takes G2 renders; its evidence still names G3.
+    # A HEAD-era (G3) checkout takes G2 renders; its evidence names G3 (classify_generation), as validate does.
     detected = render_api(checkout.generation) if checkout else None
     if req.framework_api:
         if detected and detected != req.framework_api:

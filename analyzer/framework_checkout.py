@@ -27,6 +27,11 @@ class CheckoutFacts:
     runner_evidence: str = ""
     # Non-empty when the checkout can hold recurrent (linear-attention) state: MambaCacheEntry (G3).
     mamba_state_evidence: str = ""
+    # The model file(s) the registry loads for this model (relative to the root), and the FA version they
+    # already call: v1 / v2, or None when they call none or both (fa_evidence says which, with file:line).
+    model_files: list[str] = field(default_factory=list)
+    fa_version: str | None = None
+    fa_evidence: str = ""
 
 
 def dataclass_fields(source: str, class_name: str) -> list[str] | None:
@@ -74,8 +79,8 @@ def classify_generation(entry_fields, model_fields, class_names=()) -> tuple[str
         if "cache_layout" in entry:
             extra = [f for f in G3_ENTRY_FIELDS if f in entry]
             mamba = "; MambaCacheEntry defined" if "MambaCacheEntry" in class_names else ""
-            return "G3", (f"HEAD-era G2: per-entry block_size plus {', '.join(extra)}{mamba} "
-                          f"(renders use the G2 contract): {desc}")
+            return "G3", (f"G3 (HEAD era): per-entry block_size plus {', '.join(extra)}{mamba}; its model-side "
+                          f"CacheEntry keywords are G2's, so renders follow the G2 contract: {desc}")
         return "G2", f"per-entry block_size, no model-level block_size: {desc}"
     if "block_size" in model and "block_size" in entry:
         return None, f"block_size on both CacheEntry and ModelCacheInfo: {desc}"
@@ -188,13 +193,20 @@ def registration(source: str, names: Sequence[str], architectures: Sequence[str]
     (``names_match``). A sibling that reuses the modeling class under another config
     (``deepseek_v3_2_exp``: DeepseekV3ForCausalLM with DeepseekV3IndexConfig) is not the model's key.
     """
+    registered, why, _ = registered_keys(source, names, architectures, config_class)
+    return registered, why
+
+
+def registered_keys(source: str, names: Sequence[str], architectures: Sequence[str],
+                    config_class: str | None = None) -> tuple[bool, str, list[str]]:
+    """``registration`` plus the registry keys that are the model's own (see there)."""
     try:
         registry = read_registry(source)
     except SyntaxError as exc:
-        return False, f"cannot parse the registry: {exc.msg} (line {exc.lineno})"
+        return False, f"cannot parse the registry: {exc.msg} (line {exc.lineno})", []
     if not registry:
-        return False, "no registry dict (model_dict / _specs) found"
-    hits = []
+        return False, "no registry dict (model_dict / _specs) found", []
+    hits, keys = [], []
     for key, classes in registry.items():
         configs = [c for c in classes if c.endswith("Config")]
         if config_class and config_class in configs:
@@ -204,10 +216,77 @@ def registration(source: str, names: Sequence[str], architectures: Sequence[str]
         elif (name := next((n for n in names if names_match(n, key)), None)) and (
                 not configs or not config_class or config_class in configs):
             hits.append(f"key {key!r} names {name}")
+        else:
+            continue
+        keys.append(key)
     if hits:
-        return True, "; ".join(hits)
+        return True, "; ".join(hits), keys
     return False, (f"no key of its own for {'/'.join(names)} (config class {config_class or '?'}, "
-                   f"architectures {list(architectures)}) among {sorted(registry)}")
+                   f"architectures {list(architectures)}) among {sorted(registry)}"), []
+
+
+def registry_modules(source: str, key: str) -> list[str]:
+    """Dotted modules of the model classes (not the Config) a registry key loads.
+
+    The lazy ``_specs`` form names them (``("models.qwen.models.modeling_qwen", "Qwen3ForCausalLM")``); the
+    eager ``model_dict`` form names imported classes, resolved through the module's ``from X import Y``.
+    """
+    tree = ast.parse(source)
+    imported = {alias.asname or alias.name: node.module for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    out: list[str] = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if not isinstance(value, ast.Dict):
+            continue
+        for k, item in zip(value.keys, value.values, strict=False):
+            if not (isinstance(k, ast.Constant) and k.value == key):
+                continue
+            for sub in ast.walk(item):
+                if (isinstance(sub, ast.Tuple) and len(sub.elts) == 2
+                        and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in sub.elts)):
+                    module, cls = sub.elts[0].value, sub.elts[1].value
+                    if not cls.endswith("Config"):
+                        out.append(module)
+                elif isinstance(sub, ast.Name) and not sub.id.endswith("Config") and sub.id in imported:
+                    out.append(imported[sub.id])
+    return list(dict.fromkeys(out))
+
+
+def fa_calls(source: str) -> list[tuple[str, int, str]]:
+    """(version, line, operator) of every FA call in a model file (``torch.ops.npu.X(...)``, ``ops.X(...)``, ``X(...)``)."""
+    # Here, not at module level: `kvcache validate --help` imports this module for GENERATIONS.
+    from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, version_of
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name in FA_OP_NAMES:
+                out.append((version_of(name), node.lineno, name))
+    return sorted(out, key=lambda c: c[1])
+
+
+def checkout_fa_version(base: Path, files: Sequence[str]) -> tuple[str | None, str]:
+    """(the FA version the checkout's model file(s) already call, evidence naming file:line); None with the
+    reason when they call no FA operator, both versions, or cannot be parsed."""
+    seen: dict[str, list[str]] = {}
+    for rel in files:
+        try:
+            calls = fa_calls(_read(base / rel))
+        except SyntaxError as exc:
+            return None, f"{rel}: cannot parse ({exc.msg}, line {exc.lineno})"
+        for version, line, op in calls:
+            seen.setdefault(version, []).append(f"{rel}:{line} ({op})")
+    if not seen:
+        return None, f"{', '.join(files)}: no FA call" if files else "no model file found in the registry"
+    if len(seen) > 1:
+        return None, "the checkout's model calls both versions: " + "; ".join(
+            f"{v} at {', '.join(where[:2])}" for v, where in sorted(seen.items()))
+    (version, where), = seen.items()
+    more = f" and {len(where) - 1} more" if len(where) > 1 else ""
+    return version, f"the checkout's model already calls FA {version}: {where[0]}{more}"
 
 
 def inspect_checkout(
@@ -229,12 +308,20 @@ def inspect_checkout(
 
     names = list(dict.fromkeys(n for n in (model_type, family) if n))
     registered, reg_evidence = False, "support_models.py not found"
+    model_files: list[str] = []
     for rel in SUPPORT_MODELS:
         sm = base / rel
         if sm.is_file():
-            registered, why = registration(_read(sm), names, architectures, config_class_name(model_type))
+            sm_source = _read(sm)
+            registered, why, keys = registered_keys(sm_source, names, architectures, config_class_name(model_type))
             reg_evidence = f"{rel}: {why}"
+            for key in keys:
+                for module in registry_modules(sm_source, key):
+                    path = Path(*module.split(".")).with_suffix(".py")
+                    if (base / path).is_file() and str(path) not in model_files:
+                        model_files.append(str(path))
             break
+    fa_version, fa_evidence = checkout_fa_version(base, model_files) if model_files else (None, "")
 
     runners: list[str] = []
     standalone = False
@@ -263,6 +350,9 @@ def inspect_checkout(
         standalone_runner=standalone,
         runner_evidence=runner_evidence,
         mamba_state_evidence=f"{CACHE_INFO}: defines MambaCacheEntry" if mamba else "",
+        model_files=model_files,
+        fa_version=fa_version,
+        fa_evidence=fa_evidence,
     )
 
 

@@ -211,7 +211,11 @@ def decide_write_op(kv_mode: str, is_mla: bool) -> str:
 # ---------------------------------------------------------------- FA operator
 
 
-def decide_fa_version(facts: ModelFacts, requested: str | None = None) -> Decision:
+def decide_fa_version(facts: ModelFacts, requested: str | None = None, checkout_version: str | None = None,
+                      checkout_evidence: str = "") -> Decision:
+    """Sinks force v2; then the user's request; then the version the checkout's own model file already
+    calls (``--framework-root``: ``checkout_version`` with ``checkout_evidence`` naming file:line), so the
+    design and the file it edits agree; else the family default."""
     if facts.has_sinks.value:
         if requested == "v1":
             return Decision("v2", "learnable sinks exist only on FA v2 (requested v1 refused)",
@@ -219,10 +223,13 @@ def decide_fa_version(facts: ModelFacts, requested: str | None = None) -> Decisi
         return Decision("v2", "learnable sinks require FA v2 (learnable_sink)", [facts.has_sinks.source])
     if requested:
         return Decision(requested, f"requested {requested} by the user", ["--fa-version"])
+    if checkout_version:
+        return Decision(checkout_version, f"{checkout_evidence} (--framework-root)", ["--framework-root"])
+    unsettled = f"; --framework-root did not settle it ({checkout_evidence})" if checkout_evidence else ""
     if facts.is_mla:
-        return Decision("v2", "MLA default v2 (DeepSeek-R1 reference); v1 also works (Kimi-K2)",
+        return Decision("v2", "MLA default v2 (DeepSeek-R1 reference); v1 also works (Kimi-K2)" + unsettled,
                         [facts.mla.source], is_default=True)
-    return Decision("v1", "GQA/MHA default v1 (Qwen3 reference)", [facts.num_key_value_heads.source],
+    return Decision("v1", "GQA/MHA default v1 (Qwen3 reference)" + unsettled, [facts.num_key_value_heads.source],
                     is_default=True)
 
 

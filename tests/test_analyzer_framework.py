@@ -35,7 +35,7 @@ def run(config: str, **kw):
 @pytest.mark.parametrize("root, generation, words", [
     (G0, "G0", "model-level block_size, no is_mla_backend"),
     (G1, "G1", "model-level block_size + is_mla_backend"),
-    (G2, "G3", "HEAD-era G2: per-entry block_size plus"),  # the G2 fixture carries the HEAD-era fields
+    (G2, "G3", "G3 (HEAD era): per-entry block_size plus"),  # the G2 fixture carries the HEAD-era fields
 ])
 def test_generation_from_dataclass_fields(root, generation, words):
     source = (Path(root) / "executor/core/kv_cache/cache_info.py").read_text(encoding="utf-8")
@@ -290,3 +290,94 @@ def test_hybrid_recurrent_model_with_a_mamba_capable_checkout(commit, said):
 def test_no_recurrent_note_for_models_without_linear_layers():
     m = run("qwen3_8b", framework_root=str(_pinned("HEAD")), deploy_mode="framework")
     assert not any("MambaCacheEntry" in w.message for w in m.warnings)
+
+
+# ---------------------------------------------------------------- choices the checkout's model already made
+
+
+def _checkout_with_model(tmp_path: Path, body: str, eager: bool = True) -> Path:
+    """A G2 fixture copy whose registry loads models/qwen3_moe/modeling_qwen3_moe.py holding ``body``."""
+    import shutil
+
+    root = tmp_path / "checkout"
+    shutil.copytree(G2, root)
+    model = root / "models" / "qwen3_moe" / "modeling_qwen3_moe.py"
+    model.write_text(textwrap.dedent(body), encoding="utf-8")
+    if not eager:  # the lazy registry form of HEAD: ("module", "Class") pairs
+        (root / "executor/core/entrypoints/support_models.py").write_text(
+            '_specs = {"qwen3_moe": [("models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeForCausalLM"),\n'
+            '                        ("models.qwen3_moe.configuration_qwen3_moe", "Qwen3MoeConfig")]}\n',
+            encoding="utf-8")
+    return root
+
+
+V1_CALL = """
+    import torch
+    class Qwen3MoeAttention:
+        def forward(self, q, k, v):
+            out, _ = torch.ops.npu.npu_fused_infer_attention_score(q, k, v, num_heads=4)
+            return out
+"""
+V2_CALL = V1_CALL.replace("npu_fused_infer_attention_score(", "npu_fused_infer_attention_score_v2(")
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_fa_version_is_read_from_the_checkouts_model_file(tmp_path, eager):
+    root = _checkout_with_model(tmp_path, V2_CALL, eager)
+    c = inspect_checkout(root, "qwen3_moe", "qwen3", ["Qwen3MoeForCausalLM"])
+    assert c.model_files == ["models/qwen3_moe/modeling_qwen3_moe.py"]
+    assert (c.fa_version, c.fa_evidence) == (
+        "v2", "the checkout's model already calls FA v2: models/qwen3_moe/modeling_qwen3_moe.py:5 "
+              "(npu_fused_infer_attention_score_v2)")
+    m = run("qwen3_30b_a3b", framework_root=str(root))
+    assert m.fa.version == "v2" and not m.fa.is_default
+    assert "models/qwen3_moe/modeling_qwen3_moe.py:5" in m.fa.reason and "--framework-root" in m.fa.reason
+    # the same checkout with a v1 call: v1, the family default, but now read from the file
+    root_v1 = _checkout_with_model(tmp_path / "v1", V1_CALL, eager)
+    m1 = run("qwen3_30b_a3b", framework_root=str(root_v1))
+    assert m1.fa.version == "v1" and not m1.fa.is_default and "modeling_qwen3_moe.py:5" in m1.fa.reason
+
+
+def test_fa_version_the_checkout_does_not_settle_keeps_the_default_and_says_why(tmp_path):
+    both = V2_CALL + "            torch.ops.npu.npu_fused_infer_attention_score(q, k, v)\n"
+    m = run("qwen3_30b_a3b", framework_root=str(_checkout_with_model(tmp_path, both)))
+    assert m.fa.version == "v1" and m.fa.is_default
+    assert "did not settle it (the checkout's model calls both versions: v1 at" in m.fa.reason
+    # the user's flag and the sinks rule still win over the file
+    root = _checkout_with_model(tmp_path / "flag", V2_CALL)
+    assert run("qwen3_30b_a3b", framework_root=str(root), fa_version="v1").fa.version == "v1"
+    # no model file registered (a model being migrated): the default, no checkout words
+    plain = run("qwen3_30b_a3b", framework_root=G2)
+    assert plain.fa.version == "v1" and plain.fa.is_default and "framework-root" not in plain.fa.reason
+
+
+def test_upstream_qwen_manifest_from_the_checkout_lints_the_upstream_file_clean():
+    """Issue 26: the upstream qwen file calls FA v2; a manifest defaulted to v1 made lint report KV803 on the
+    unmodified file. With --framework-root the analyzer reads v2 from that file."""
+    from model_infer_kvcache.validators.lint import lint_paths
+    from shared_dirs import upstream_head
+
+    root = upstream_head()
+    m = run("qwen3_8b", framework_root=str(root))
+    assert m.fa.version == "v2" and "models/qwen/models/modeling_qwen.py:" in m.fa.reason
+    model_file = root / "models" / "qwen" / "models" / "modeling_qwen.py"
+    assert [f.rule for f in lint_paths([model_file], manifest=m).findings if f.rule == "KV803"] == []
+    defaulted = run("qwen3_8b", framework_api="G2")
+    assert defaulted.fa.version == "v1"  # negative control: the default manifest does report the mismatch
+    assert "KV803" in [f.rule for f in lint_paths([model_file], manifest=defaulted).findings]
+
+
+def test_a_head_checkout_is_named_g3_by_analyze_and_by_the_harness():
+    """One name per generation: analyze's evidence and validate's harness both call HEAD G3 (the manifest's
+    framework_api is the render contract, G2, which the evidence says)."""
+    from model_infer_kvcache.validators.harness.install import install_framework
+    from model_infer_kvcache.validators.standins import device_standins
+    from model_infer_kvcache.validators.standins.third_party import absent_third_party
+    from shared_dirs import upstream_head
+
+    m = run("qwen3_8b", framework_root=str(upstream_head()))
+    assert m.framework_api == "G2"
+    assert "cache_info.py: G3 (HEAD era)" in m.framework_api_evidence and "G2 contract" in m.framework_api_evidence
+    assert "HEAD-era G2" not in m.framework_api_evidence
+    with device_standins(), absent_third_party(), install_framework(framework_root=upstream_head()) as fw:
+        assert fw.real and fw.generation == "G3"

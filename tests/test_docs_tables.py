@@ -115,7 +115,7 @@ def test_fa_version_rule_change_without_its_table_is_reported(monkeypatch):
     import model_infer_kvcache.analyzer.rules as rules
     from model_infer_kvcache.analyzer.rules import Decision
 
-    monkeypatch.setattr(rules, "decide_fa_version", lambda facts, requested=None: Decision("v1", "changed"))
+    monkeypatch.setattr(rules, "decide_fa_version", lambda facts, *args, **kwargs: Decision("v1", "changed"))
     problems = dt.check_generated(ROOT)
     assert _drift(problems, "SKILL.md", "model-kinds")
 

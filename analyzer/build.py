@@ -63,6 +63,7 @@ class AnalyzeRequest:
     kv_mode: str | None = None
     window_reading: str | None = None  # None: not stated (the measured reading, else "exclusive")
     device_readings: str | None = None  # readings file written by `kvcache probe`
+    cache_dtype: str | None = None  # --cache-dtype: plan the cache in this dtype instead of the config's
 
 
 def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionManifest:
@@ -158,7 +159,8 @@ def assemble(
 
     framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
     _recurrent_state(facts, checkout, warnings, questions)
-    layers = _layers(facts, parallel, kv_mode, window_reading)
+    cache_dtype = rules.decide_cache_dtype(facts, req.cache_dtype)
+    layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None)
     full_by_context = [layer.index for layer in layers if layer.layer_kind == "full" and layer.window_derivation]
     if full_by_context:
         warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
@@ -190,7 +192,7 @@ def assemble(
     if kv_mode == "legacy":
         warnings.append(Finding(message="Legacy is offline only: online serving / PD / dataset evaluation "
                                         "need Paged", fields=[]))
-    if facts.dtype.is_default:
+    if facts.dtype.is_default and req.cache_dtype is None:
         questions.append(Finding(message="config states no dtype: cache dtype assumed bfloat16",
                                  fields=["torch_dtype", "dtype"]))
     dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value)
@@ -253,6 +255,7 @@ def assemble(
         parallel=parallel,
         block_size=req.block_size,
         memory=memory_plan,
+        cache_dtype=cache_dtype,
         device_dependencies=dependencies,
         device_readings=measured_source,
         open_questions=questions,
@@ -419,7 +422,7 @@ def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, s
     return None, "unknown: no --framework-root / --framework-api"
 
 
-def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[LayerPlan]:
+def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype: str | None = None) -> list[LayerPlan]:
     write_op = rules.decide_write_op(kv_mode, facts.is_mla)
     window = facts.sliding_window.value
     out = []
@@ -427,7 +430,7 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str) -> list[Lay
     for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
         kind, w, full_reason = rules.planned_layer_kind(config_kind, window, facts.max_position_embeddings.value)
         attn_type = rules.decide_attn_type(kind)
-        caches = rules.decide_caches(facts, parallel, kv_mode, kind)
+        caches = rules.decide_caches(facts, parallel, kv_mode, kind, cache_dtype)
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason

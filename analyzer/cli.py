@@ -15,6 +15,7 @@ from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, same_file
 from model_infer_kvcache.analyzer.manifest import (
+    PLANNED_CACHE_DTYPES,
     DeployMode,
     FaVersion,
     FrameworkApi,
@@ -82,6 +83,10 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
     p.add_argument("--device-readings", metavar="FILE",
                    help="readings file written by `kvcache probe` on the NPU host: the design follows the measured "
                         "readings and the manifest records them, e.g. --device-readings device_readings.json")
+    p.add_argument("--cache-dtype", choices=PLANNED_CACHE_DTYPES, metavar="DTYPE",
+                   type=lambda t: {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(t, t),
+                   help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
+                        "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,6 +140,7 @@ def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
         kv_mode=args.kv_mode,
         window_reading=args.window_reading,
         device_readings=args.device_readings,
+        cache_dtype=args.cache_dtype,
     )
 
 

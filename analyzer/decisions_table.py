@@ -101,6 +101,9 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     if m.memory.blocks:
         rows.append(("block 数", ", ".join(f"{k}={v}" for k, v in m.memory.blocks.items()),
                      "; ".join(m.memory.derivation[1:])))
+    if m.cache_dtype is not None:
+        rows.append(("cache dtype", f"{m.cache_dtype.value}(config: {m.cache_dtype.config_dtype})",
+                     m.cache_dtype.reason))
     return rows
 
 

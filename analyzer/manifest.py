@@ -15,7 +15,7 @@ from typing import Literal
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES, is_windowed
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 SCHEMA_VERSION = "1.0"
 
@@ -150,6 +150,18 @@ class CacheSpec(_Model):
     dtype: CacheDtype
 
 
+# The dtypes a cache can be planned in with --cache-dtype (int8 is a quantized path the bundle does not plan).
+PLANNED_CACHE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+class CacheDtypeDecision(_Model):
+    """The cache planned in another dtype than the config's (``kvcache analyze --cache-dtype``)."""
+
+    value: Literal[PLANNED_CACHE_DTYPES] = Field(description="dtype of every cache entry and of the memory plan")
+    config_dtype: str = Field(description="the config's torch_dtype (the model's dtype, model.dtype)")
+    reason: str
+
+
 class LayerPlan(_Model):
     index: int = Field(description="cache-layer index (sublayers flattened)")
     decoder_layer: int
@@ -266,6 +278,10 @@ class Generator(_Model):
     version: str
 
 
+# SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
+OMITTED_WHEN_UNSET = ("cache_dtype",)
+
+
 class SelectionManifest(_Model):
     schema_version: str = SCHEMA_VERSION
     generator: Generator
@@ -283,6 +299,10 @@ class SelectionManifest(_Model):
     parallel: ParallelPlan
     block_size: int
     memory: MemoryPlan
+    # Omitted from the JSON when None (_omit_unset): manifests without --cache-dtype keep their bytes and hash.
+    cache_dtype: CacheDtypeDecision | None = Field(
+        default=None, description="--cache-dtype: caches planned in this dtype instead of the config's; "
+                                  "absent: the config's dtype")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")
@@ -295,7 +315,21 @@ class SelectionManifest(_Model):
         problems = manifest_problems(self)
         if problems:
             raise ManifestInvariantError(*problems[0])
+        if self.cache_dtype is not None:
+            off = next((f"layers[{layer.index}].caches[{j}].dtype" for layer in self.layers
+                        for j, c in enumerate(layer.caches) if c.dtype != self.cache_dtype.value), None)
+            if off:
+                raise ManifestInvariantError(off, f"contradicts cache_dtype {self.cache_dtype.value}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """Optional decisions added after schema 1.0 are left out while unset (existing manifests unchanged)."""
+        data = handler(self)
+        for name in OMITTED_WHEN_UNSET:
+            if isinstance(data, dict) and data.get(name, 0) is None:
+                del data[name]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"

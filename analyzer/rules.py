@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
 from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed, spec_for_layer_kind, token_bytes
 from model_infer_kvcache.analyzer.manifest import (
+    CacheDtypeDecision,
     CacheSpec,
     Finding,
     MaskPerPath,
@@ -314,15 +315,16 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
     return out
 
 
-def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer_kind: str = "full") -> list[CacheSpec]:
+def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer_kind: str = "full",
+                  dtype: str | None = None) -> list[CacheSpec]:
     """KV cache entries of one layer (references/framework.md, 'cache_entries(每个 attention 层)'); per rank, in the
-    model dtype.
+    model dtype (``dtype``: the one --cache-dtype asked for instead).
 
     Linear-attention layers keep a fixed-size recurrent state, not a per-token KV cache: no entries.
     """
     if layer_kind == "linear":
         return []
-    dtype = facts.dtype.value
+    dtype = dtype or facts.dtype.value
     if facts.is_mla:
         mla = facts.mla.value
         # The latent is shared by all heads and never split by attention TP.
@@ -335,6 +337,19 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
                 CacheSpec(name="v_cache", dim=n * d, num_head=1, dtype=dtype)]
     return [CacheSpec(name="k_cache", dim=d, num_head=n, dtype=dtype),
             CacheSpec(name="v_cache", dim=d, num_head=n, dtype=dtype)]
+
+
+def decide_cache_dtype(facts: ModelFacts, requested: str | None) -> CacheDtypeDecision | None:
+    """--cache-dtype: plan the cache (entries, memory) in another dtype than the config's torch_dtype; None when
+    not asked for or equal to it (the manifest then says nothing new)."""
+    if requested is None or requested == facts.dtype.value:
+        return None
+    stated = (f"the config states {facts.dtype.value} ({facts.dtype.source})" if not facts.dtype.is_default
+              else f"the config states no dtype ({facts.dtype.value} assumed)")
+    return CacheDtypeDecision(
+        value=requested, config_dtype=facts.dtype.value,
+        reason=f"--cache-dtype {requested}: {stated}; every cache entry and the memory plan use {requested} "
+               f"({DTYPE_BYTES[requested]} B per element), the model's weights and compute dtype stay as deployed")
 
 
 def cache_token_bytes(caches: list[CacheSpec]) -> int:

@@ -21,7 +21,8 @@ def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
     """Module constant -> the value the manifest decided (names as the templates write them)."""
     m, p = manifest.model, manifest.parallel
     want: dict[str, object] = {"SOFTMAX_SCALE": manifest.fa.softmax_scale, "NUM_HEADS_PER_RANK": p.num_q_heads_per_rank,
-                               "CACHE_DTYPE": getattr(torch, m.dtype)}
+                               "CACHE_DTYPE": getattr(torch, manifest.cache_dtype.value if manifest.cache_dtype
+                                                      else m.dtype)}
     if manifest.kv_mode.value == "paged":
         want["BLOCK_SIZE"] = manifest.block_size
     if m.mla:

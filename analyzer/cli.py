@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import get_args
 
 import yaml
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
+from model_infer_kvcache.analyzer.cli_paths import STDOUT, PathArg, check_paths, config_file
 from model_infer_kvcache.analyzer.decisions_table import SECTION_ID, decisions_markdown
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
-from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, same_file
+from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, not_a_file
 from model_infer_kvcache.analyzer.manifest import (
     PLANNED_CACHE_DTYPES,
     DeployMode,
@@ -23,6 +25,8 @@ from model_infer_kvcache.analyzer.manifest import (
     manifest_json_schema,
 )
 from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
+
+_FILE_LINE = re.compile(r":\d+$")
 
 EXAMPLES = """examples:
   kvcache analyze --config examples/tiny_qwen3/config.json --dispatch "部署模式：框架部署"
@@ -93,7 +97,8 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("json", "yaml", "md"), default="json",
                    help="json (default) or yaml manifest, or md decisions table (e.g. --format md)")
     p.add_argument("--out", metavar="FILE",
-                   help="write the result here (atomically) instead of stdout, e.g. --out manifest.json")
+                   help="write the result here (atomically) instead of stdout ('-': stdout), e.g. --out manifest.json; "
+                        "never one of the inputs")
     p.add_argument("--write-progress", metavar="FILE",
                    help="upsert the decisions table into this progress.md between kvcache markers (idempotent, "
                         "atomic, other bytes untouched), e.g. --write-progress progress.md")
@@ -115,10 +120,11 @@ def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
     dispatch, dispatch_source = args.dispatch, "--dispatch"
     if args.dispatch_file:
         path = Path(args.dispatch_file)
-        if not path.is_file():
-            raise InputError(str(path), "file not found", field="--dispatch-file")
+        problem = not_a_file(path)
+        if problem:
+            raise InputError(str(path), problem, field="--dispatch-file")
         try:
-            dispatch = path.read_text(encoding="utf-8")
+            dispatch = path.read_text(encoding="utf-8-sig")
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(str(path), f"cannot read: {exc}") from None
         dispatch_source = str(path)
@@ -144,6 +150,18 @@ def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
     )
 
 
+def input_paths(args: argparse.Namespace) -> list[PathArg]:
+    """The files and folders an analyze call reads (`kvcache run` shares them)."""
+    return [
+        PathArg("--config", config_file(args.config)),
+        PathArg("--model-dir", config_file(args.model_dir)),
+        PathArg("--progress", args.progress),
+        PathArg("--dispatch-file", args.dispatch_file),
+        PathArg("--device-readings", args.device_readings),
+        PathArg("--framework-root", args.framework_root, is_dir=True, whole=False),
+    ]
+
+
 def format_manifest(manifest, fmt: str) -> str:
     if fmt == "md":
         return decisions_markdown(manifest)
@@ -153,7 +171,7 @@ def format_manifest(manifest, fmt: str) -> str:
 
 
 def write_output(text: str, out: str | None) -> None:
-    if out is None:
+    if out is None or out == STDOUT:
         sys.stdout.write(text)
         return
     atomic_write_text(Path(out), text)
@@ -161,8 +179,8 @@ def write_output(text: str, out: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Everything that can fail on input runs before the first byte is written.
-    if args.out and args.write_progress and same_file(args.out, args.write_progress):
-        raise InputError(args.out, "--out and --write-progress name the same file", field="--out")
+    check_paths(input_paths(args), [PathArg("--out", args.out), PathArg("--write-progress", args.write_progress)],
+                same_ok=frozenset({("--progress", "--write-progress")}), stdout_ok=frozenset({"--out"}))
     progress_update = None
     if args.write_progress:
         manifest, old, new = analyze_into_progress(request_from_args(args), args.write_progress, SECTION_ID,
@@ -172,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         manifest = analyze(request_from_args(args))
     text = format_manifest(manifest, args.format)
-    if args.out:
+    if args.out and args.out != STDOUT:
         check_writable(args.out)
     if progress_update is not None:
         atomic_write_text(args.write_progress, progress_update)
@@ -182,9 +200,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_warnings(manifest) -> None:
-    """The manifest's warnings, one stderr line each: a plan that cannot serve must not pass unseen."""
+    """The manifest's warnings, one stderr line each: a plan that cannot serve must not pass unseen. So are
+    the open questions about what the user's own files say (a fact stated both ways at file:line): the
+    value used instead must not hide inside the manifest."""
     for w in manifest.warnings:
         print(f"warning: {' '.join(w.message.split())}", file=sys.stderr)
+    for q in manifest.open_questions:
+        if any(_FILE_LINE.search(f) for f in q.fields):
+            print(f"open question: {' '.join(q.message.split())}", file=sys.stderr)
 
 
 def schema_main(argv: list[str] | None = None) -> int:
@@ -193,8 +216,9 @@ def schema_main(argv: list[str] | None = None) -> int:
                                        "exit status: 0 ok, 2 bad input (e.g. an unwritable --out; nothing "
                                        "written), 3 internal error",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
+    p.add_argument("--out", metavar="FILE", help="write here instead of stdout ('-': stdout)")
     args = p.parse_args(argv)
+    check_paths([], [PathArg("--out", args.out)], stdout_ok=frozenset({"--out"}))
     write_output(json.dumps(manifest_json_schema(), indent=2, ensure_ascii=False) + "\n", args.out)
     return 0
 

@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import not_a_file
 from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
 
 T = TypeVar("T")
@@ -62,6 +63,26 @@ FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", {"sliding_window": 128}),
     "granite": ("GraniteConfig", {"attention_multiplier": 1.0}),
 }
+
+# Upper bounds on sizes: far above every published model (the largest have ~200 layers, 128 query
+# heads, 256k vocabularies), low enough that a typo (2**64 heads, 1e12 layers) is refused instead of
+# planned: such a value would make every later figure (bytes per token, pool sizes) meaningless.
+LIMITS = {
+    "layers": 4096,
+    "heads": 4096,
+    "head_dim": 8192,
+    "hidden_size": 1 << 20,
+    "vocab_size": 1 << 24,
+    "mtp_layers": 64,
+    "mla_dim": 1 << 16,
+    "positions": 1 << 31,
+}
+
+# rope types transformers implements (``ROPE_INIT_FUNCTIONS`` plus 'default'), and the legacy
+# spellings it maps onto them ('mrope': multimodal sections over the default rotation; 'su': longrope).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional", "mrope", "su")
+# rope types that stretch the context by `factor` (transformers requires it there, >= 1).
+_SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
 
 _DTYPES = {
     "bfloat16": "bfloat16",
@@ -177,7 +198,7 @@ class _Reader:
     def has_key(self, name: str) -> bool:
         return name in self.cfg or name in self.outer
 
-    def positive_int(self, *names: str, required: bool = True) -> Sourced[int] | None:
+    def positive_int(self, *names: str, required: bool = True, maximum: int | None = None) -> Sourced[int] | None:
         hit = self.get(*names)
         if hit is None:
             if required:
@@ -185,27 +206,76 @@ class _Reader:
             return None
         value, src = hit
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InputError(self.where, f"must be a positive integer, got {value!r}", field=src)
+            raise InputError(self.where, f"must be a positive integer, got {_shown(value)}", field=src)
+        _check_maximum(self.where, src, value, maximum)
         return Sourced(value, src)
 
-    def number(self, *names: str, kind: type = float, minimum: float | None = None) -> Sourced | None:
+    def number(self, *names: str, kind: type = float, minimum: float | None = None,
+               maximum: float | None = None) -> Sourced | None:
         """Optional numeric field: None when absent, ``InputError`` when present but not a number.
 
-        ``kind=int`` also rejects fractional values; ``minimum`` is inclusive.
+        ``kind=int`` also rejects fractional values; ``minimum`` and ``maximum`` are inclusive.
         """
         hit = self.get(*names)
         if hit is None:
             return None
         value, src = hit
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if ok and kind is int:
-            ok = float(value).is_integer()
-        if not ok:
-            what = "an integer" if kind is int else "a number"
-            raise InputError(self.where, f"must be {what}, got {value!r}", field=src)
-        if minimum is not None and value < minimum:
-            raise InputError(self.where, f"must be >= {minimum:g}, got {value!r}", field=src)
-        return Sourced(kind(value), src)
+        return Sourced(kind(checked_number(self.where, src, value, kind, minimum, maximum)), src)
+
+    def flag(self, *names: str) -> tuple[bool, str] | None:
+        """Optional boolean field: a JSON ``true``/``false``; any other value (``"true"``, 1) is refused,
+        because reading it as either would change the design silently."""
+        hit = self.get(*names)
+        if hit is None:
+            return None
+        value, src = hit
+        if not isinstance(value, bool):
+            raise InputError(self.where, f"must be true or false, got {_shown(value)}", field=src)
+        return value, src
+
+    def mapping(self, *names: str) -> tuple[dict[str, Any], str] | None:
+        """Optional object field; a value of another JSON type is refused naming its path."""
+        hit = self.get(*names)
+        if hit is None:
+            return None
+        value, src = hit
+        if not isinstance(value, dict):
+            raise InputError(self.where, f"must be a JSON object, got {_json_type(value)} {_shown(value)}", field=src)
+        return value, src
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _check_maximum(where: str, src: str, value: float, maximum: float | None) -> None:
+    if maximum is not None and value > maximum:
+        raise InputError(where, f"must be at most {maximum:,} (far beyond any published model: a typo?), "
+                                f"got {_shown(value)}", field=src)
+
+
+def checked_number(where: str, src: str, value: Any, kind: type = float, minimum: float | None = None,
+                   maximum: float | None = None, above: float | None = None) -> float:
+    """``value`` if it is a finite number of ``kind`` within the bounds, else one ``InputError`` naming
+    ``src`` (its JSON path). ``minimum``/``maximum`` are inclusive, ``above`` exclusive. A number
+    written as a string ("40") is refused: reading it as absent would silently change the design."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and kind is int:
+        ok = float(value).is_integer()
+    if not ok:
+        what = "an integer" if kind is int else "a number"
+        raise InputError(where, f"must be {what}, got {_json_type(value)} {_shown(value)}", field=src)
+    if minimum is not None and value < minimum:
+        raise InputError(where, f"must be >= {minimum:g}, got {value!r}", field=src)
+    if above is not None and value <= above:
+        raise InputError(where, f"must be > {above:g}, got {value!r}", field=src)
+    _check_maximum(where, src, value, maximum)
+    return value
 
 
 def model_section(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -226,10 +296,11 @@ def read_config_file(path: str | Path) -> tuple[str, dict[str, Any]]:
     if p.is_dir():
         p = p / "config.json"
     where = str(p)
-    if not p.is_file():
-        raise InputError(where, "file not found")
+    problem = not_a_file(p)
+    if problem:
+        raise InputError(where, problem)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is not content
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(where, f"cannot read: {exc}") from None
     if p.suffix.lower() in (".yaml", ".yml"):
@@ -261,24 +332,24 @@ def load_model_facts(path: str | Path) -> ModelFacts:
 
 
 def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelFacts:
+    _check_sections(data, where)
     r = _Reader(where, data)
     notes: list[str] = []
-    model_type = str(r.cfg.get("model_type") or data.get("model_type") or "unknown")
+    model_type = _model_type(r)
     family = FAMILY_OF.get(model_type, model_type)
     r.defaults = FAMILY_DEFAULTS.get(family, ("", {}))
-    arch = data.get("architectures") or r.cfg.get("architectures") or []
-    architectures = [str(a) for a in (arch if isinstance(arch, list) else [arch])]
+    architectures = _architectures(r)
 
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
-        num_layers = r.positive_int("num_layers")
+        num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(2, "model_type longcat_flash (two attention sublayers per decoder layer)")
     else:
-        num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+        num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(1, "default: one attention per decoder layer")
 
-    hidden = r.positive_int("hidden_size", "n_embd", "d_model")
-    heads = r.positive_int("num_attention_heads", "n_head", "num_heads")
+    hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
+    heads = r.positive_int("num_attention_heads", "n_head", "num_heads", maximum=LIMITS["heads"])
     kv_heads = _kv_heads(r, heads)
     mla = _mla_dims(r)
     head_dim = _head_dim(r, hidden, heads, mla)
@@ -305,16 +376,16 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         else Sourced(False, "default: no sinks for this family")
     )
     mtp = r.number("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", kind=int,
-                   minimum=0) or Sourced(0, "default: no MTP layers")
+                   minimum=0, maximum=LIMITS["mtp_layers"]) or Sourced(0, "default: no MTP layers")
     qpas = r.number("query_pre_attn_scalar") or Sourced(None, "default: none")
     multiplier = r.number("attention_multiplier") or Sourced(None, "default: none")
     if multiplier.value is not None and multiplier.value <= 0:
         raise InputError(where, f"must be positive, got {multiplier.value!r}", field=multiplier.source)
     if qpas.value is not None and qpas.value <= 0:
         raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
-    vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1)
+    vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
-                       kind=int, minimum=1) or Sourced(None, "default: not in config")
+                       kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
 
     return ModelFacts(
         path=where,
@@ -348,12 +419,13 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
 
 def _kv_heads(r: _Reader, heads: Sourced[int]) -> Sourced[int]:
     explicit = r.positive_int(
-        "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", required=False
+        "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", required=False,
+        maximum=LIMITS["heads"],
     )
-    new_arch = r.get("new_decoder_architecture")
+    new_arch = r.flag("new_decoder_architecture")
     if new_arch and new_arch[0] is True and explicit:
         return explicit  # Falcon-40B style: num_kv_heads is authoritative
-    multi_query = r.get("multi_query")
+    multi_query = r.flag("multi_query")
     if multi_query and multi_query[0] is True and not (new_arch and new_arch[0] is True):
         return Sourced(1, f"{multi_query[1]}=true (one shared KV head)")
     if explicit:
@@ -367,10 +439,11 @@ def _mla_dims(r: _Reader) -> Sourced[MlaDims | None]:
         return Sourced(None, "default: no kv_lora_rank (not MLA)")
     need = {}
     for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        need[name] = r.positive_int(name).value
-    q_lora = r.number("q_lora_rank", kind=int, minimum=1)  # null: plain q_proj (DeepSeek-V2-Lite)
+        need[name] = r.positive_int(name, maximum=LIMITS["mla_dim"]).value
+    # null: plain q_proj (DeepSeek-V2-Lite)
+    q_lora = r.number("q_lora_rank", kind=int, minimum=1, maximum=LIMITS["mla_dim"])
     dims = MlaDims(
-        kv_lora_rank=r.positive_int("kv_lora_rank").value,
+        kv_lora_rank=r.positive_int("kv_lora_rank", maximum=LIMITS["mla_dim"]).value,
         q_lora_rank=q_lora.value if q_lora else None,
         **need,
     )
@@ -381,7 +454,7 @@ def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Source
     if mla.value is not None:
         d = mla.value.qk_nope_head_dim + mla.value.qk_rope_head_dim
         return Sourced(d, "qk_nope_head_dim + qk_rope_head_dim (MLA)")
-    explicit = r.positive_int("head_dim", required=False)
+    explicit = r.positive_int("head_dim", required=False, maximum=LIMITS["head_dim"])
     if explicit:
         return explicit
     if hidden.value % heads.value:
@@ -393,52 +466,153 @@ def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Source
     return Sourced(hidden.value // heads.value, f"default: {hidden.source} / {heads.source}")
 
 
+# torch dtypes a config may name that are not cache dtypes (quantized checkpoints, "auto"): the cache
+# plan falls back to bfloat16 and says so. Anything else is a typo and refused.
+_OTHER_DTYPES = ("auto", "fp8", "float8", "fp4", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "uint8",
+                 "float64", "double", "int4", "int32")
+
+
 def _dtype(r: _Reader) -> Sourced[str]:
     hit = r.get("torch_dtype", "dtype")
     if hit is None:
         return Sourced("bfloat16", "default: bfloat16 (config names no dtype)")
     raw, src = hit
-    value = _DTYPES.get(str(raw).replace("torch.", "").lower())
+    if not isinstance(raw, str):
+        raise InputError(r.where, f"must be a dtype name such as \"bfloat16\", got {_shown(raw)}", field=src)
+    name = raw.replace("torch.", "").lower()
+    value = _DTYPES.get(name)
     if value is None:
+        if name not in _OTHER_DTYPES:
+            raise InputError(r.where, f"unknown dtype {raw!r} (expected one of {', '.join(sorted(_DTYPES))})",
+                             field=src)
         return Sourced("bfloat16", f"default: bfloat16 ({src}={raw!r} is not a cache dtype)")
     return Sourced(value, src)
 
 
 def _rope(r: _Reader) -> Sourced[RopeInfo]:
+    """The rope of the full-attention layers, every nested field checked where it is read.
+
+    A malformed ``rope_scaling`` (a list, a string, ``"factor": "40"``, a factor <= 0) is refused
+    naming its JSON path: read as "no scaling" it would silently drop YaRN's mscale from the softmax
+    scale (DeepSeek-V3: 0.1352 -> 0.0722).
+    """
     hit = r.get("rope_scaling", "rope_parameters")
-    if hit is None or not isinstance(hit[0], dict):
+    if hit is None:
         return Sourced(RopeInfo(rope_type="default"), "default: no rope_scaling/rope_parameters")
     raw, src = hit
-    if "full_attention" in raw and isinstance(raw["full_attention"], dict):
-        raw = raw["full_attention"]  # per-layer-type rope parameters (transformers v5)
-        src = f"{src}.full_attention"
-    kind = raw.get("rope_type", raw.get("type", "default"))
-    key = "rope_type" if "rope_type" in raw else "type"
-
-    def num(name: str) -> float | None:
-        v = raw.get(name)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-    orig = raw.get("original_max_position_embeddings")
-    info = RopeInfo(
-        rope_type=str(kind),
-        factor=num("factor"),
-        mscale=num("mscale"),
-        mscale_all_dim=num("mscale_all_dim"),
-        original_max_position_embeddings=int(orig) if isinstance(orig, int) else None,
-    )
+    if not isinstance(raw, dict):
+        raise InputError(r.where, f"must be a JSON object (e.g. {{\"rope_type\": \"yarn\", \"factor\": 40}}) or "
+                                  f"null, got {_json_type(raw)} {_shown(raw)}", field=src)
+    per_layer_type = {k: v for k, v in raw.items() if k in _LAYER_TYPE_KIND}
+    if per_layer_type:  # transformers v5: one rope per layer type
+        for name, entry in per_layer_type.items():
+            if not isinstance(entry, dict):
+                raise InputError(r.where, f"must be a JSON object, got {_json_type(entry)} {_shown(entry)}",
+                                 field=f"{src}.{name}")
+            _rope_entry(r.where, entry, f"{src}.{name}")
+        if "full_attention" in per_layer_type:
+            raw, src = per_layer_type["full_attention"], f"{src}.full_attention"
+        else:
+            name = next(iter(per_layer_type))
+            raw, src = per_layer_type[name], f"{src}.{name}"
+    info, key = _rope_entry(r.where, raw, src)
     return Sourced(info, f"{src}.{key}")
 
 
+def _rope_entry(where: str, raw: dict[str, Any], src: str) -> tuple[RopeInfo, str]:
+    key = "rope_type" if "rope_type" in raw else "type"
+    kind = raw.get(key)
+    if kind is None:
+        kind = "default"
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
+        raise InputError(where, f"unknown rope type {_shown(kind)} (kvcache knows {', '.join(ROPE_TYPES)})",
+                         field=f"{src}.{key}")
+
+    def num(name: str, **bounds) -> float | None:
+        value = raw.get(name)
+        return None if value is None else float(checked_number(where, f"{src}.{name}", value, **bounds))
+
+    factor = num("factor", above=0)
+    if kind in _SCALED_ROPE:
+        if factor is None:
+            raise InputError(where, f"missing: rope type {kind!r} scales by a factor", field=f"{src}.factor")
+        if factor < 1:
+            raise InputError(where, f"must be >= 1 for rope type {kind!r} (transformers' rope validation), "
+                                    f"got {raw['factor']!r}", field=f"{src}.factor")
+    for name in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
+        num(name)
+    num("rope_theta", above=0)
+    num("attention_factor", above=0)
+    num("partial_rotary_factor", above=0, maximum=1)
+    for name, kind_of in (("short_factor", float), ("long_factor", float), ("mrope_section", int)):
+        values = raw.get(name)
+        if values is None:
+            continue
+        if not isinstance(values, list):
+            raise InputError(where, f"must be a list of numbers, got {_json_type(values)} {_shown(values)}",
+                             field=f"{src}.{name}")
+        for i, v in enumerate(values):
+            checked_number(where, f"{src}.{name}[{i}]", v, kind_of)
+    orig = raw.get("original_max_position_embeddings")
+    if orig is not None:
+        orig = int(checked_number(where, f"{src}.original_max_position_embeddings", orig, int, minimum=1,
+                                  maximum=LIMITS["positions"]))
+    info = RopeInfo(
+        rope_type=kind,
+        factor=factor,
+        mscale=num("mscale", minimum=0),
+        mscale_all_dim=num("mscale_all_dim", minimum=0),
+        original_max_position_embeddings=orig,
+    )
+    return info, key
+
+
+def _check_sections(data: dict[str, Any], where: str) -> None:
+    """A nested language-model section of the wrong type would be skipped and the outer fields read."""
+    for name in NESTED_SECTIONS:
+        value = data.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise InputError(where, f"must be a JSON object, got {_json_type(value)} {_shown(value)}", field=name)
+
+
+def _model_type(r: _Reader) -> str:
+    hit = r.get("model_type")
+    if hit is None:
+        return "unknown"
+    value, src = hit
+    if not isinstance(value, str) or not value.strip():
+        raise InputError(r.where, f"must be a non-empty string such as \"qwen3\", got {_shown(value)}", field=src)
+    return value
+
+
+def _architectures(r: _Reader) -> list[str]:
+    hit = r.get("architectures")
+    if hit is None:
+        return []
+    value, src = hit
+    names = value if isinstance(value, list) else [value]
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            field = f"{src}[{i}]" if isinstance(value, list) else src
+            raise InputError(r.where, f"must be a class name string, got {_shown(name)}", field=field)
+    return list(names)
+
+
 def _alibi(r: _Reader, model_type: str) -> Sourced[bool]:
-    hit = r.get("alibi", "use_alibi")
+    hit = r.flag("alibi", "use_alibi")
     if hit is not None and hit[0] is True:
         return Sourced(True, hit[1])
-    attn_cfg = r.get("attn_config")
-    if attn_cfg and isinstance(attn_cfg[0], dict) and attn_cfg[0].get("alibi"):
-        return Sourced(True, f"{attn_cfg[1]}.alibi")
+    attn_cfg = r.mapping("attn_config")
+    if attn_cfg and attn_cfg[0].get("alibi") is not None:
+        if not isinstance(attn_cfg[0]["alibi"], bool):
+            raise InputError(r.where, f"must be true or false, got {_shown(attn_cfg[0]['alibi'])}",
+                             field=f"{attn_cfg[1]}.alibi")
+        if attn_cfg[0]["alibi"]:
+            return Sourced(True, f"{attn_cfg[1]}.alibi")
     pos = r.get("position_embedding_type")
-    if pos and str(pos[0]).lower() == "alibi":
+    if pos and not isinstance(pos[0], str):
+        raise InputError(r.where, f"must be a string such as \"rope\", got {_shown(pos[0])}", field=pos[1])
+    if pos and pos[0].lower() == "alibi":
         return Sourced(True, pos[1])
     if model_type == "bloom":
         return Sourced(True, "model_type bloom (ALiBi by design)")
@@ -472,7 +646,7 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[
             raise InputError(r.where, f"must list one type per layer ({num_layers})", field=src)
         kinds = []
         for i, t in enumerate(raw):
-            kind = _LAYER_TYPE_KIND.get(str(t))
+            kind = _LAYER_TYPE_KIND.get(t) if isinstance(t, str) else None
             if kind is None:
                 raise InputError(r.where, f"unknown layer type {t!r}", field=f"{src}[{i}]")
             kinds.append(kind)
@@ -480,14 +654,14 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[
             raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
         return Sourced(tuple(kinds), src), _window_source(window, window_hit)
 
-    interval = r.get("full_attention_interval")
-    if interval is not None and isinstance(interval[0], int) and interval[0] > 0:
+    interval = r.positive_int("full_attention_interval", required=False)
+    if interval is not None:
         # Qwen3-Next: linear-attention layers, every interval-th layer full attention.
-        n = interval[0]
+        n = interval.value
         kinds = tuple("full" if (i + 1) % n == 0 else "linear" for i in range(num_layers))
-        return Sourced(kinds, f"{interval[1]}={n} (other layers linear attention)"), Sourced(None, "default: none")
+        return Sourced(kinds, f"{interval.source}={n} (other layers linear attention)"), Sourced(None, "default: none")
 
-    use_sw = r.get("use_sliding_window")
+    use_sw = r.flag("use_sliding_window")
     if use_sw is not None and use_sw[0] is False:
         # Qwen2/Qwen3: the window field is inert unless use_sliding_window is true.
         kinds = ("full",) * num_layers
@@ -506,11 +680,11 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[
         src = f"{use_sw[1]}=true, layers >= {mwl.source if mwl else 'max_window_layers (absent: 0)'}"
         return Sourced(kinds, src), _window_source(window, window_hit)
 
-    pattern = r.get("sliding_window_pattern")
-    if pattern is not None and isinstance(pattern[0], int) and pattern[0] > 0:
-        n = pattern[0]
+    pattern = r.positive_int("sliding_window_pattern", required=False)
+    if pattern is not None:
+        n = pattern.value
         kinds = tuple("sliding" if (i + 1) % n else "full" for i in range(num_layers))
-        return Sourced(kinds, f"{pattern[1]}={n} (every {n}th layer full)"), _window_source(window, window_hit)
+        return Sourced(kinds, f"{pattern.source}={n} (every {n}th layer full)"), _window_source(window, window_hit)
 
     fam = family_of(model_type)
     if fam == "gemma2":
@@ -533,10 +707,16 @@ def _llama4_kinds(r: _Reader, chunk_src: str, num_layers: int) -> Sourced[tuple[
     empty or absent it defaults to "every ``no_rope_layer_interval``-th layer is NoPE" (default 4).
     """
     listed = r.get("no_rope_layers")
-    if listed is not None and isinstance(listed[0], list) and listed[0]:
+    if listed is not None and not isinstance(listed[0], list):
+        raise InputError(r.where, f"must be a list of 0/1 flags, got {_shown(listed[0])}", field=listed[1])
+    if listed is not None and listed[0]:
         flags, src = listed
         if len(flags) != num_layers:
             raise InputError(r.where, f"must list one flag per layer ({num_layers})", field=src)
+        for i, flag in enumerate(flags):
+            if flag not in (0, 1) or isinstance(flag, float):
+                raise InputError(r.where, f"must be 0 or 1 (1 = the layer uses RoPE), got {_shown(flag)}",
+                                 field=f"{src}[{i}]")
         kinds = tuple("chunked" if flag else "full" for flag in flags)
         return Sourced(kinds, f"{chunk_src} + {src} (1 = RoPE = chunked)")
     interval_hit = r.number("no_rope_layer_interval", kind=int, minimum=1)

@@ -16,7 +16,10 @@ from model_infer_kvcache.analyzer.files import read_input_text
 
 _COLON = r"[:：]"
 # The value runs to the end of the line; alternatives inside it are split by _ALTERNATIVES.
-_DEPLOY_LINE = re.compile(rf"部署模式[*`_ \t\u3000]*{_COLON}[ \t\u3000]*(?P<value>[^\r\n]*)")
+# The key in the wordings prompts use (Chinese or English): a line in any of them states the mode, so
+# one that cannot be mapped is refused rather than dropped (the default mode would then win silently).
+_DEPLOY_KEY = r"(?:部署模式|部署方式|部署形态|\bdeploy(?:ment)?[ _-]?mode\b)"
+_DEPLOY_LINE = re.compile(rf"{_DEPLOY_KEY}[*`_ \t\u3000]*{_COLON}[ \t\u3000]*(?P<value>[^\r\n]*)", re.IGNORECASE)
 _ALTERNATIVES = re.compile(r"[|/，,;；、]|还是|或者|或|\bor\b", re.IGNORECASE)
 # Values that say the mode is not decided yet: no statement, not an unknown wording.
 _UNDECIDED = ("待定", "未定", "未知", "不确定", "tbd", "todo", "unknown", "n/a", "none", "无", "-", "?", "？")
@@ -24,7 +27,7 @@ _UNDECIDED = ("待定", "未定", "未知", "不确定", "tbd", "todo", "unknown
 _DECORATION = "`*_ \t\u3000\"'“”‘’「」『』【】[]()（）<>《》"
 _MODE_WORDS = {
     "framework": ("框架部署", "框架模式", "框架", "framework"),
-    "standalone": ("独立部署", "独立模式", "独立", "standalone"),
+    "standalone": ("独立部署", "独立模式", "独立", "standalone", "independent"),
 }
 
 

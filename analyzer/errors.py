@@ -1,21 +1,27 @@
 """The one error type for bad input, and the exit codes every `kvcache` command shares.
 
 Exit codes: 0 ok, 1 checks failed (lint findings, validation failures), 2 bad input (one
-stderr line naming the file or flag and field, nothing written), 3 internal error of the tool
-itself (a bug: one stderr line saying so; ``KVCACHE_DEBUG=1`` shows the traceback).
+stderr line naming the file or flag and field, nothing written; an operating-system error such as
+a full disk or a denied permission is reported the same way, naming the path), 3 internal error of
+the tool itself (a bug: one stderr line saying so; ``KVCACHE_DEBUG=1`` shows the traceback),
+130 / 143 interrupted by SIGINT / SIGTERM (one line; what the command was writing is cleaned up).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 
 EXIT_OK = 0
 EXIT_CHECKS_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
 DEBUG_ENV = "KVCACHE_DEBUG"
 
 
@@ -34,6 +40,23 @@ class InputError(Exception):
         return " ".join(f"{location}: {self.message}".splitlines())
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT, so the ``finally`` and
+    ``except BaseException`` blocks that remove staging files run (timeouts and agent tools send it)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an operating-system error: the path first when the error names one."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None:
+        return f"{exc.filename}: {what}"
+    return f"operating system: {what}"
+
+
 def internal_error_line(exc: BaseException) -> str:
     """One line that blames the tool, names the exception and where it was raised."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -46,17 +69,35 @@ def internal_error_line(exc: BaseException) -> str:
 
 
 def guarded(fn, *args) -> int:
-    """Run a command: bad input -> exit 2 with one line; a bug -> exit 3 with one line; else fn's code."""
+    """Run a command: bad input or an OS error -> exit 2 with one line; a bug -> exit 3 with one line;
+    SIGINT / SIGTERM -> 130 / 143 with one line; else fn's code."""
+    installed, previous = False, None
+    if threading.current_thread() is threading.main_thread():
+        previous, installed = signal.signal(signal.SIGTERM, _on_sigterm), True
     try:
         return fn(*args)
     except InputError as exc:
         print(f"error: {exc.render()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as exc:  # the environment (disk full, permissions, a path that vanished), not a bug
+        if os.environ.get(DEBUG_ENV):
+            raise
+        print(f"error: {' '.join(os_error_line(exc).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT): stopped, nothing half-written left behind", file=sys.stderr)
+        return EXIT_SIGINT
+    except Terminated:
+        print("terminated (SIGTERM): stopped, nothing half-written left behind", file=sys.stderr)
+        return EXIT_SIGTERM
     except Exception as exc:  # anything else is the tool's fault, never "your checks failed"
         if os.environ.get(DEBUG_ENV):
             raise
         print(internal_error_line(exc), file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if installed:  # None: the handler was set outside Python, the default is its nearest equal
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def dispatch(prog: str, commands: dict, usage: str, argv: list[str]) -> int:

@@ -8,7 +8,11 @@ reader never sees half a file and a failed write leaves the old one. Problems ar
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -26,12 +30,35 @@ def read_text(path: str | Path) -> str:
         raise InputError(str(p), f"cannot read: {exc}") from None
 
 
+def not_a_file(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as an input file, in the user's terms (None: a regular file).
+
+    "file not found" only when nothing is there: a directory, a symbolic link loop or a dangling link,
+    a FIFO (reading it would block) or a device (reading /dev/zero never ends) are named as such.
+    """
+    p = Path(path)
+    try:
+        mode = os.stat(p).st_mode
+    except OSError as exc:
+        if p.is_symlink():
+            return "symbolic link loop" if exc.errno == errno.ELOOP else f"broken symbolic link (to {os.readlink(p)!r})"
+        if os.path.lexists(p):
+            return f"cannot read: {exc.strerror}"
+        return "file not found"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a FIFO, socket or device): inputs are read from regular files"
+    return None
+
+
 def read_input_text(path: str | Path) -> str:
     """An input file's text, newlines normalised (unlike ``read_text``, which keeps a file's bytes for
     rewriting it); missing, unreadable or non-UTF-8 -> one InputError naming it."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(str(p), "file not found")
+    problem = not_a_file(p)
+    if problem:
+        raise InputError(str(p), problem)
     try:
         return p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -126,3 +153,40 @@ def same_file(a: str | Path, b: str | Path) -> bool:
     if pa.exists() and pb.exists():
         return pa.samefile(pb)
     return pa.resolve() == pb.resolve()
+
+
+@contextlib.contextmanager
+def exclusive_output(path: str | Path, flag: str):
+    """Hold ``path`` (an output folder) for one writer for the duration of the block.
+
+    A second writer of the same resolved path is refused at once (exit 2 naming ``flag`` and the
+    holder's pid) instead of racing it: two runs would both report success while one result
+    silently replaced the other. The lock is an advisory ``flock`` on a file in the system temp
+    folder, never beside ``path`` (nothing is left there); the kernel releases it when the process
+    dies, however it dies.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, as before
+        yield
+        return
+    key = hashlib.sha256(str(Path(os.path.abspath(path)).resolve()).encode()).hexdigest()[:32]
+    folder = Path(tempfile.gettempdir()) / "kvcache-locks"
+    try:
+        folder.mkdir(mode=0o1777, exist_ok=True)
+        fd = os.open(folder / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:  # no usable temp folder: run without the lock rather than refuse the work
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            raise InputError(str(path), f"another kvcache command (pid {holder}) is writing here now: wait for it "
+                                        "to finish or choose another folder", field=flag) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)

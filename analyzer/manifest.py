@@ -15,6 +15,7 @@ from typing import Literal
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES, is_windowed
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 SCHEMA_VERSION = "1.0"
@@ -400,6 +401,25 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
                                                              "(KV heads per rank; 1 for MLA and Legacy rows)"))
             if dim is not None and c.dim != dim:
                 out.append((f"{where}.caches[{j}].dim", f"{c.dim} is not {dim}"))
+        # The band arguments a render passes: a windowed layer's own, INT32_MAX/0 for every other layer
+        # (an edited value there would be accepted and silently ignored).
+        if layer.is_sliding:
+            if not 0 <= layer.pre_tokens <= (layer.sliding_window or 0):
+                out.append((f"{where}.pre_tokens", f"{layer.pre_tokens} must lie in [0, sliding_window "
+                                                   f"{layer.sliding_window}]"))
+        elif layer.pre_tokens != INT32_MAX:
+            out.append((f"{where}.pre_tokens", f"{layer.pre_tokens} on a layer without a window: FA's band is "
+                                               f"unused there and the render passes {INT32_MAX}"))
+        if layer.next_tokens != 0:
+            out.append((f"{where}.next_tokens", f"{layer.next_tokens} must be 0 (causal attention sees no key "
+                                                "after the query)"))
+    legacy = m.legacy_attention
+    if legacy is not None and m.kv_mode.value != "legacy":
+        out.append(("legacy_attention", f"set on a {m.kv_mode.value} manifest (Legacy only)"))
+    if legacy is not None and legacy.kernel == "fa" and (legacy.softcap is not None or legacy.alibi):
+        out.append(("legacy_attention.kernel", "fa cannot apply a soft-cap or an ALiBi bias: the kernel is 'model'"))
+    if legacy is not None and legacy.softcap is not None and not (math.isfinite(legacy.softcap) and legacy.softcap > 0):
+        out.append(("legacy_attention.softcap", f"{legacy.softcap} must be a finite positive number"))
     scale = _derived_scale(m.fa.scale_derivation)
     if scale is not None and not math.isclose(m.fa.softmax_scale, scale, rel_tol=1e-5):
         out.append(("fa.softmax_scale", f"{m.fa.softmax_scale!r} contradicts its derivation "

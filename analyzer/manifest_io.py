@@ -19,13 +19,24 @@ YAML_SUFFIXES = (".yaml", ".yml")
 def load_manifest(path: str | Path) -> SelectionManifest:
     """Read and validate a manifest (YAML by suffix, else JSON); every problem is one ``InputError``."""
     p = Path(path)
-    text = read_input_text(p)
+    text = read_input_text(p).removeprefix("\ufeff")  # an editor's byte-order mark is not content
     try:
         if p.suffix in YAML_SUFFIXES:
             import yaml
 
-            return SelectionManifest.model_validate(yaml.safe_load(text))
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+                raise InputError(str(p), f"not a valid selection manifest: invalid YAML{at}: "
+                                         f"{getattr(exc, 'problem', None) or exc}") from None
+            return SelectionManifest.model_validate(data)
         return SelectionManifest.model_validate_json(text)
+    except InputError:
+        raise
+    except RecursionError:
+        raise InputError(str(p), "not a valid selection manifest: nested too deeply") from None
     except Exception as exc:  # pydantic ValidationError / yaml errors: name the first bad field
         first = getattr(exc, "errors", lambda: [])()
         field = ".".join(str(x) for x in first[0]["loc"]) if first else None

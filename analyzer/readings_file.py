@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from model_infer_kvcache.analyzer.device_questions import OP_BACKENDS, QUESTIONS, UNKNOWN, reading_ok
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import not_a_file
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROBE_VERSION = 2  # 2: finalize_skip1_alone
@@ -83,10 +84,11 @@ def check_readings(data: ReadingsFile, where: str) -> ReadingsFile:
 def load_readings(path: str, flag: str = "--device-readings") -> ReadingsFile:
     """Read and check a readings file; every problem is an ``InputError`` naming the file and field."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(path, "file not found", field=flag)
+    problem = not_a_file(p)
+    if problem:
+        raise InputError(path, problem, field=flag)
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
+        raw = json.loads(p.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(path, f"not a readings JSON file: {exc}") from None
     if not isinstance(raw, dict):

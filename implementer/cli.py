@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import get_args
 
+from model_infer_kvcache.analyzer.cli_paths import PathArg, check_nonempty, check_paths
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import check_out_dir
 from model_infer_kvcache.analyzer.manifest import FrameworkApi
@@ -49,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_nonempty([PathArg("--manifest", args.manifest), PathArg("--out", args.out)])
     manifest = load_manifest(args.manifest)
     names = Names(args.attention_class, args.model_class, args.runner_class, args.attn_attr)
     rendered = render_manifest(manifest, names, args.framework_api, args.allow_blocked)
+    # The files it writes are known now: a manifest kept beside them in --out is not among them.
+    check_paths([PathArg("--manifest", args.manifest)],
+                [PathArg("--out", args.out, is_dir=True, entries=tuple(rendered.files))])
     check_out_dir(args.out)
     try:
         written = write_rendered(rendered, args.out, args.force)  # all files or none

@@ -11,6 +11,7 @@ from __future__ import annotations
 import keyword
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from model_infer_kvcache.analyzer.errors import InputError
@@ -44,8 +45,11 @@ _TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float
 
 
 def check_identifier(value: str, flag: str) -> str:
-    if not value.isidentifier() or keyword.iskeyword(value) or not value.isascii():
-        raise InputError(flag, f"{value!r} is not a valid Python identifier")
+    # Non-ASCII identifiers are Python (PEP 3131), but Python binds the NFKC form: a name that
+    # normalizes to another would not be the name the user's code refers to.
+    if not value.isidentifier() or keyword.iskeyword(value) or unicodedata.normalize("NFKC", value) != value:
+        raise InputError(flag, f"{value!r} is not a valid Python identifier"
+                         + (" (Python reads it as its NFKC form)" if value.isidentifier() else ""))
     return value
 
 

@@ -279,7 +279,7 @@ BAD_CASES = {
     "out directory missing": (lambda t: ["--config", QWEN3, "--out", t / "no" / "m.json"],
                               ["m.json: directory does not exist"]),
     "out is progress": (lambda t: ["--config", QWEN3, "--out", t / "same.md", "--write-progress", t / "same.md"],
-                        ["--out and --write-progress name the same file"]),
+                        ["--write-progress", "names the same file as --out"]),
 }
 
 

@@ -94,7 +94,7 @@ def test_blocked_manifest_needs_allow_blocked(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag, value", [
     ("--attention-class", "1abc"), ("--attention-class", "class"), ("--model-class", "my-model"),
-    ("--runner-class", "None"), ("--attn-attr", "self_attn; import os"), ("--attn-attr", "ünïcode"),
+    ("--runner-class", "None"), ("--attn-attr", "self_attn; import os"), ("--attn-attr", "\ufb01le"),
 ])
 def test_invalid_identifier_is_refused(tmp_path, capsys, flag, value):
     out = tmp_path / "out"

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from model_infer_kvcache.analyzer.cli_paths import PathArg, check_paths, config_file
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable
@@ -123,6 +124,12 @@ def _checkout_report(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_paths([PathArg("--manifest", args.manifest), PathArg("--rendered", args.rendered, is_dir=True),
+                 PathArg("--model-file", args.model_file), PathArg("--config", config_file(args.config)),
+                 PathArg("--device-readings", args.device_readings),
+                 PathArg("--framework-root", args.framework_root, is_dir=True, whole=False)],
+                [PathArg("--report", args.report), PathArg("--markdown", args.markdown),
+                 PathArg("--write-progress", args.write_progress)])
     check_mode(args)
     # Every output is checked before the (long) run, so bad paths cost nothing and write nothing.
     for flag in ("report", "markdown", "write_progress"):

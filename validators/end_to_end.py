@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -12,10 +14,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from model_infer_kvcache.analyzer.build import analyze
-from model_infer_kvcache.analyzer.cli import add_analyze_arguments, print_warnings, request_from_args
+from model_infer_kvcache.analyzer.cli import (
+    add_analyze_arguments,
+    input_paths,
+    print_warnings,
+    request_from_args,
+)
+from model_infer_kvcache.analyzer.cli_paths import PathArg, check_paths
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
-from model_infer_kvcache.analyzer.files import atomic_write_text, check_out_dir, umask
+from model_infer_kvcache.analyzer.files import atomic_write_text, check_out_dir, exclusive_output, umask
 from model_infer_kvcache.implementer.header import is_generated
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
@@ -119,6 +127,21 @@ def _publish(staging: Path, out: Path) -> None:
     shutil.rmtree(staging)
 
 
+@contextlib.contextmanager
+def signals_held():
+    """Defer SIGINT/SIGTERM until the block is done (delivered right after it)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here: run unprotected
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _staging_dir(out: Path) -> Path:
     """A fresh folder on the same file system as ``out`` (its nearest existing ancestor)."""
     base = out.absolute().parent
@@ -130,9 +153,16 @@ def _staging_dir(out: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_paths([*input_paths(args), PathArg("--model-file", args.model_file)],
+                [PathArg("--out", args.out, is_dir=True, entries=RUN_ENTRIES)])
+    with exclusive_output(args.out, "--out"):  # a second run into the same --out is refused, not raced
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    out = Path(args.out)
     # Everything that can fail on input is checked before the first byte is written.
+    out = Path(args.out)
     foreign = foreign_entry(out)
     if foreign and not (args.force and out.is_dir()):
         raise InputError(str(out), f"{foreign}: kvcache run replaces only an earlier run's own output; "
@@ -157,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
     # Bad input ends above with one stderr line; progress lines start once the run is under way.
     _say(f"analyzed {config}: {manifest.kv_mode.value}, {manifest.deploy_mode.value} mode", t0)
     print_warnings(manifest)
-    staging = _staging_dir(out)
+    staging = None
     try:
+        staging = _staging_dir(out)
         atomic_write_text(staging / "manifest.json", manifest.to_json())
         write_rendered(rendered, staging / "rendered")
         _say(f"rendered {len(rendered.files)} files", t0)
@@ -179,9 +210,11 @@ def run(args: argparse.Namespace) -> int:
                               progress=lambda m: _say(m, t0))
         atomic_write_text(staging / "report.json", report.to_json())
         atomic_write_text(staging / "report.md", report.to_markdown())
-        _publish(staging, out)
+        with signals_held():  # a SIGTERM/SIGINT mid-move would leave --out half old, half new
+            _publish(staging, out)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # a run that stops early leaves --out as it was
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)  # a run that stops early leaves --out as it was
         raise
     print(report.to_markdown())
     _say(f"{'PASSED' if report.passed else 'FAILED'}: report in {out / 'report.md'}", t0)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import io
 import os
 import re
+import stat
+import tokenize
 from collections.abc import Iterable
 
 from model_infer_kvcache.validators.lint.checks import FileChecker, format_fields
@@ -15,6 +18,9 @@ from model_infer_kvcache.validators.lint.target_release import Target, chosen, t
 _SUPPRESS = re.compile(r"#\s*kvcache:\s*ignore\[([A-Za-z0-9_,\s]+)\]")
 _SKIP_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache",
               ".ruff_cache", "build", "dist", ".tox"}
+# Model files are tens of kB; a source larger than this is not a model file (or is /dev/zero-like) and
+# is refused instead of read into memory.
+MAX_SOURCE_BYTES = 16 * 1024 * 1024
 
 
 def suppressions(source: str) -> dict[int, set[str]]:
@@ -75,21 +81,60 @@ def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set
     return findings
 
 
+def path_problem(path: str) -> str | None:
+    """Why ``path`` cannot be linted as a file (None: a regular file). Only regular files are read: a FIFO
+    would block, a device such as /dev/zero never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if os.path.islink(path):
+            return "symbolic link loop" if exc.errno == 40 else f"broken symbolic link to {os.readlink(path)!r}"
+        return "no such file or directory" if not os.path.lexists(path) else f"cannot read: {exc.strerror}"
+    if stat.S_ISDIR(mode):
+        return None
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+        return f"{kind}, not a regular file: lint reads source files only"
+    return None
+
+
 def iter_python_files(paths: Iterable[str | os.PathLike]) -> tuple[list[str], list[FileError]]:
-    """Expand directories to their ``*.py`` files (sorted); name paths that do not exist."""
+    """Expand directories to their ``*.py`` files (sorted); name paths that cannot be linted (missing,
+    not a regular file; no Python file under any of them)."""
+    paths = list(paths)
     files: list[str] = []
     errors: list[FileError] = []
     for raw in paths:
         path = str(raw)
-        if os.path.isdir(path):
+        problem = path_problem(path)
+        if problem:
+            errors.append(FileError(path, problem))
+        elif os.path.isdir(path):
+            found = []
             for root, dirs, names in os.walk(path):
                 dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
-                files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".py"))
-        elif os.path.exists(path):
-            files.append(path)
+                found.extend(os.path.join(root, n) for n in sorted(names)
+                             if n.endswith(".py") and path_problem(os.path.join(root, n)) is None)
+            files.extend(found)
         else:
-            errors.append(FileError(path, "no such file or directory"))
+            files.append(path)
+    if not files and not errors:  # "clean" would claim something was checked
+        given = ", ".join(str(p) for p in paths)
+        errors.append(FileError(given, "no Python files under this path" if "," not in given else
+                                "no Python files under these paths"))
     return files, errors
+
+
+def read_source(path: str) -> str:
+    """A source file's text in the encoding Python itself would use (BOM, PEP 263 coding line), at most
+    MAX_SOURCE_BYTES. Raises OSError / UnicodeDecodeError / SyntaxError / ValueError."""
+    with open(path, "rb") as handle:
+        data = handle.read(MAX_SOURCE_BYTES + 1)
+    if len(data) > MAX_SOURCE_BYTES:
+        raise ValueError(f"larger than {MAX_SOURCE_BYTES // (1024 * 1024)} MiB: not a model source file")
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    return data.decode(encoding)
 
 
 def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, ignore=None,
@@ -113,11 +158,10 @@ def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, i
     report = LintReport(errors=errors)
     for path in files:
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
-            source = data.decode("utf-8-sig")
-        except (OSError, UnicodeDecodeError) as exc:
-            report.errors.append(FileError(path, f"cannot read: {exc}"))
+            source = read_source(path)
+        except (OSError, UnicodeDecodeError, LookupError, SyntaxError, ValueError) as exc:
+            # SyntaxError here: a coding line naming an unknown encoding.
+            report.errors.append(FileError(path, f"cannot read: {getattr(exc, 'strerror', None) or exc}"))
             continue
         try:
             tree = ast.parse(source, filename=path)
@@ -127,6 +171,14 @@ def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, i
         except ValueError as exc:  # e.g. null bytes
             report.errors.append(FileError(path, f"cannot parse: {exc}"))
             continue
+        except (RecursionError, MemoryError):
+            report.errors.append(FileError(path, "cannot parse: nested too deeply for Python's parser"))
+            continue
+        try:
+            findings = _lint_tree(tree, source, path, manifest, selected, release)
+        except RecursionError:  # hostile nesting the parser accepted but a rule cannot walk
+            report.errors.append(FileError(path, "cannot lint: expressions nested too deeply"))
+            continue
         report.files.append(path)
-        report.findings.extend(_lint_tree(tree, source, path, manifest, selected, release))
+        report.findings.extend(findings)
     return report

@@ -130,6 +130,9 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
     rendered_dir = Path(req.rendered)
     if not (rendered_dir / "kvcache_attention.py").is_file():
         raise InputError(str(rendered_dir), "no kvcache_attention.py: run `kvcache render` first", field="--rendered")
+    if manifest.deploy_mode.value == "standalone" and not (rendered_dir / "kvcache_runner.py").is_file():
+        raise InputError(str(rendered_dir), "no kvcache_runner.py (standalone mode renders one): run `kvcache "
+                                            "render` again", field="--rendered")
     header = check_inputs_belong(manifest, req.manifest, real_config, req.config, rendered_dir)
     tp = manifest.parallel.attn_tp_size
     if req.attn_tp_size is not None and req.attn_tp_size != tp:

@@ -20,8 +20,11 @@ commands:
 Run `kvcache <command> --help` for the options of each command.
 
 exit status (every command): 0 ok, 1 checks failed (lint findings, failed validation),
-2 bad input (one stderr line naming the file or flag; nothing written), 3 internal error of
-kvcache itself (a bug: one stderr line; rerun with KVCACHE_DEBUG=1 for the traceback).
+2 bad input or an OS error (one stderr line naming the file, flag or JSON path; nothing written),
+3 internal error of kvcache itself (a bug: one stderr line; rerun with KVCACHE_DEBUG=1 for the
+traceback), 130 / 143 interrupted by SIGINT / SIGTERM (nothing half-written left behind).
+An output path never names an input or another output of the same call; '-' is stdout where
+a command offers it.
 """
 
 

@@ -111,7 +111,8 @@ class FaDecision(_Model):
     softmax_scale: float
     scale_derivation: str
     reason: str
-    is_default: bool = Field(description="True when the version came from the family default, not a requirement")
+    is_default: bool = Field(description="True when the version is no requirement (the family default, or the "
+                                         "version the --framework-root checkout's model already calls)")
 
 
 class MlaDecision(_Model):

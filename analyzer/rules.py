@@ -224,8 +224,9 @@ def decide_fa_version(facts: ModelFacts, requested: str | None = None, checkout_
         return Decision("v2", "learnable sinks require FA v2 (learnable_sink)", [facts.has_sinks.source])
     if requested:
         return Decision(requested, f"requested {requested} by the user", ["--fa-version"])
-    if checkout_version:
-        return Decision(checkout_version, f"{checkout_evidence} (--framework-root)", ["--framework-root"])
+    if checkout_version:  # a preference, not a requirement: either version computes the same attention
+        return Decision(checkout_version, f"{checkout_evidence} (--framework-root)", ["--framework-root"],
+                        is_default=True)
     unsettled = f"; --framework-root did not settle it ({checkout_evidence})" if checkout_evidence else ""
     if facts.is_mla:
         return Decision("v2", "MLA default v2 (DeepSeek-R1 reference); v1 also works (Kimi-K2)" + unsettled,

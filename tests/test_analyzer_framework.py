@@ -330,18 +330,18 @@ def test_fa_version_is_read_from_the_checkouts_model_file(tmp_path, eager):
         "v2", "the checkout's model already calls FA v2: models/qwen3_moe/modeling_qwen3_moe.py:5 "
               "(npu_fused_infer_attention_score_v2)")
     m = run("qwen3_30b_a3b", framework_root=str(root))
-    assert m.fa.version == "v2" and not m.fa.is_default
+    assert m.fa.version == "v2" and m.fa.is_default  # a preference read from the file, not a requirement
     assert "models/qwen3_moe/modeling_qwen3_moe.py:5" in m.fa.reason and "--framework-root" in m.fa.reason
     # the same checkout with a v1 call: v1, the family default, but now read from the file
     root_v1 = _checkout_with_model(tmp_path / "v1", V1_CALL, eager)
     m1 = run("qwen3_30b_a3b", framework_root=str(root_v1))
-    assert m1.fa.version == "v1" and not m1.fa.is_default and "modeling_qwen3_moe.py:5" in m1.fa.reason
+    assert m1.fa.version == "v1" and "already calls FA v1: models/qwen3_moe/modeling_qwen3_moe.py:5" in m1.fa.reason
 
 
 def test_fa_version_the_checkout_does_not_settle_keeps_the_default_and_says_why(tmp_path):
     both = V2_CALL + "            torch.ops.npu.npu_fused_infer_attention_score(q, k, v)\n"
     m = run("qwen3_30b_a3b", framework_root=str(_checkout_with_model(tmp_path, both)))
-    assert m.fa.version == "v1" and m.fa.is_default
+    assert m.fa.version == "v1" and m.fa.is_default and "GQA/MHA default v1" in m.fa.reason
     assert "did not settle it (the checkout's model calls both versions: v1 at" in m.fa.reason
     # the user's flag and the sinks rule still win over the file
     root = _checkout_with_model(tmp_path / "flag", V2_CALL)

@@ -40,6 +40,9 @@ FAMILY_SCALE_RULE = {
     "gemma2": "query_pre_attn_scalar",
     "gemma3": "query_pre_attn_scalar",
     "granite": "attention_multiplier",
+    # Gemma-4: q and k are RMS-normalised per head (q_norm / k_norm) and the scores are not scaled
+    # (transformers' Gemma4TextAttention.scaling = 1.0)
+    **dict.fromkeys(("gemma4", "gemma4_text"), "unit"),
 }
 
 
@@ -251,7 +254,9 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
     rule = FAMILY_SCALE_RULE.get(facts.family)
     qpas = facts.query_pre_attn_scalar.value
     multiplier = facts.attention_multiplier
-    if multiplier.value is not None and rule in ("attention_multiplier", None):
+    if rule == "unit":
+        base, base_txt = 1.0, f"1 (model family {facts.family}: q/k RMS-normalised per head, scores not scaled)"
+    elif multiplier.value is not None and rule in ("attention_multiplier", None):
         base, base_txt = multiplier.value, f"attention_multiplier = {multiplier.value:g} ({multiplier.source})"
     elif qpas and rule in ("query_pre_attn_scalar", None):
         base, base_txt = qpas ** -0.5, f"query_pre_attn_scalar^-0.5 = {qpas:g}^-0.5"

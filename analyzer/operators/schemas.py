@@ -55,6 +55,7 @@ EMULATED_OPS: tuple[str, ...] = (
     "npu_moe_re_routing",
     "npu_moe_distribute_dispatch_v2",
     "npu_moe_distribute_combine_v2",
+    "npu_mla_prolog_v3",
 )
 
 
@@ -205,3 +206,14 @@ def default_text(op_name: str, arg_name: str) -> str | None:
 def default_value(op_name: str, arg_name: str) -> Any:
     """The Python value the operator uses when ``arg_name`` is not passed."""
     return schema_default_to_python(default_text(op_name, arg_name))
+
+
+NAMES_PATH = Path(__file__).with_name("op_names.json")
+
+
+@cache
+def releases_defining(op: str) -> tuple[str, ...]:
+    """The committed releases whose torch-npu defines an operator named ``op`` (``op_names.json``: every op of
+    the wheel, not only the emulated ones); empty for a name no release has."""
+    releases = json.loads(NAMES_PATH.read_text(encoding="utf-8"))["releases"]
+    return tuple(release for release, names in releases.items() if op in names)

@@ -23,4 +23,5 @@ CACHE_WRITERS: dict[str, CacheWriter] = {
     "scatter_update": CacheWriter(("self",), "indices", paged=False),
     "npu_kv_rmsnorm_rope_cache": CacheWriter(("k_cache", "ckv_cache"), "index", paged=True),
     "npu_kv_rmsnorm_rope_cache_v2": CacheWriter(("k_cache", "ckv_cache"), "index", paged=True),
+    "npu_mla_prolog_v3": CacheWriter(("kv_cache", "kr_cache"), "cache_index", paged=True),
 }

@@ -51,6 +51,8 @@ def save_checkpoint(model: torch.nn.Module, config: dict[str, Any], directory: P
         model.save_pretrained(str(directory), safe_serialization=True)
     finally:
         del model.should_save_on_this_rank
+    if not config.get("architectures"):  # a config class's defaults carry none; a published file names its class
+        config = {**config, "architectures": [type(model).__name__]}
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2, default=str) + "\n")
     # Offline scheduling ignores EOS; without this file the engine takes EOS from the config alone.
     (directory / "generation_config.json").unlink(missing_ok=True)

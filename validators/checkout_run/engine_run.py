@@ -31,7 +31,37 @@ CPU_STANDINS = (
     "tokenizer (get_tokenizer): none; requests carry token ids (Scheduler.add_request(input_ids=...))",
     "world size 1: a one-rank gloo default process group (MoE expert-parallel paths call collectives "
     "even on one rank)",
+    "get_cache_info: an entry declared in the model's published dtype (a hard-coded bfloat16 cache) is "
+    "allocated in float32, the CPU comparison dtype, like the parameters; the init link judges the declared dtype",
 )
+
+
+@contextlib.contextmanager
+def cpu_cache_dtype(model_cls, dtype: torch.dtype, published: torch.dtype, into: list):
+    """While active, ``model_cls.get_cache_info()`` reports entries declared in ``published`` (the model's
+    own dtype, e.g. a hard-coded ``torch.bfloat16``) in ``dtype`` instead, so the engine allocates them in the
+    comparison dtype; each rewritten entry is appended to ``into`` as ``(layer, cache_name, declared)``.
+    Entries in any other dtype are left as declared (the init link judges them)."""
+    real = getattr(model_cls, "get_cache_info", None)
+    if real is None:  # a model that owns its caches (no framework cache info): nothing to rewrite
+        yield into
+        return
+
+    def get_cache_info(self, *args, **kwargs):
+        info = real(self, *args, **kwargs)
+        if published != dtype:
+            for layer in info.layer_infos:
+                for entry in layer.caches:
+                    if getattr(entry, "dtype", None) == published:
+                        into.append((layer.layer_idx, entry.cache_name, str(published).removeprefix("torch.")))
+                        entry.dtype = dtype
+        return info
+
+    model_cls.get_cache_info = get_cache_info
+    try:
+        yield into
+    finally:
+        model_cls.get_cache_info = real
 
 
 @dataclass

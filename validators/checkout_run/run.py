@@ -53,6 +53,11 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         try:
             classes = resolve(root, req.model, _config_model_type(checkpoint), req.model_file)
             model_file = classes.model_file
+            from model_infer_kvcache.validators.checkout_run.compat import fit_checkpoint_config
+
+            fitted = fit_checkpoint_config(checkpoint, classes.config_cls)
+            if full:
+                report.notes += fitted
             from executor.core.config import InferenceConfig
 
             max_new = max(new for _, new in scenario.first + scenario.late)
@@ -61,9 +66,15 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                                              max_new),
                 global_rank=rank, local_rank=rank)
             with contextlib.ExitStack() as stack, engine_run.cpu_engine_patches(dtype):
+                from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_scaling
+
+                stack.enter_context(legacy_rope_scaling(classes.config_cls))
                 if world == 1:
                     stack.enter_context(engine_run.single_rank_group())
                 coverage = stack.enter_context(engine_run.load_coverage(classes.model_cls, {}))
+                published = getattr(torch, manifest.model.dtype, dtype) if isinstance(manifest.model.dtype, str) \
+                    else dtype
+                declared = stack.enter_context(engine_run.cpu_cache_dtype(classes.model_cls, dtype, published, []))
                 engine = engine_run.build_engine(infer, classes.model_cls, classes.config_cls)
                 info = engine.kvcache_manager.cache_info
                 stack.enter_context(engine_run.declared_caches(engine))
@@ -72,7 +83,12 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 if full:
                     report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
                     _note_config_class(report, classes.config_cls, _config_model_type(checkpoint))
-                    _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config))
+                    _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config),
+                               _real_per_layer_lists(req.config))
+                    if declared:
+                        names = sorted({f"{name} ({dt})" for _, name, dt in declared})
+                        report.notes.append(f"the model declares its caches in its published dtype, not the "
+                                            f"config's: {', '.join(names)}; allocated in float32 for the comparison")
                     _load_link(report, coverage)
                     if any(not c.passed for c in report.checks if c.link == "init"):
                         report.notes.append("init link failed: runtime, numeric and release checks not run")
@@ -92,9 +108,14 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 checks.check_calls_before_failure(report, manifest, rec, caches)
             return
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
+            from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
+
+            frame = _model_frame(exc, Path(model_file).resolve() if model_file else None)
+            lacking = unsupported_operator(exc, frame)
+            if lacking is not None:  # kvcache lacks it: exit 2 naming it, not a failure of the model
+                raise lacking from None
             report.add("checkout model runs in the engine without errors", "runtime", False,
-                       detail=f"{_model_frame(exc, Path(model_file).resolve() if model_file else None)}: "
-                              f"{type(exc).__name__}: {exc}{_hint(exc, world)}")
+                       detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}")
             if caches is not None:
                 checks.check_calls_before_failure(report, manifest, rec, caches)
             return
@@ -122,6 +143,17 @@ def _hint(exc: BaseException, world: int) -> str:
         return (" (the model registers that group only with more than one rank: validate with --attn-tp-size 2, "
                 "which runs its MoE tensor-parallel path)")
     return ""
+
+
+def _real_per_layer_lists(config_path: str) -> dict[str, list]:
+    """The real config's per-layer lists (``mlp_layer_types``...: one entry per layer), which the tiny model
+    cut to its layers; the init link's full-depth model gets them back."""
+    from model_infer_kvcache.analyzer.config_loader import read_config_file
+
+    _, real = read_config_file(config_path)
+    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    layers = src.get("num_hidden_layers", src.get("num_layers"))
+    return {k: v for k, v in src.items() if "layer" in k and isinstance(v, list) and len(v) == layers}
 
 
 def _real_layer_types(config_path: str) -> list | None:
@@ -165,7 +197,7 @@ def _numeric(report: Report, ref_model, run) -> None:
 
 
 def _init_link(report: Report, manifest: SelectionManifest, engine, classes, info, dtype,
-               real_layer_types: list | None) -> None:
+               real_layer_types: list | None, real_per_layer: dict | None = None) -> None:
     """get_cache_info() of the engine's model, and of the same model class at the real layer count."""
     import executor.core.kv_cache.cache_info as cache_info_mod
     from model_infer_kvcache.validators.harness.generations import detect_generation_from_classes
@@ -173,12 +205,19 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
 
     api = detect_generation_from_classes(cache_info_mod.CacheEntry, cache_info_mod.ModelCacheInfo, cache_info_mod)
     full_layers = manifest.model.num_layers
+    # one layer info per attention (LongCat-Flash: 2 per decoder layer)
+    cache_layers = full_layers * getattr(manifest.model, "sublayers_per_layer", 1)
     full_info = info
-    if len(info.layer_infos) != full_layers:
+    if len(info.layer_infos) != cache_layers:
+        from model_infer_kvcache.validators.checkout_run.compat import set_config_field
+
         cfg = copy.deepcopy(engine.main_worker.hf_config)
-        cfg.num_hidden_layers = full_layers
+        set_config_field(cfg, "num_hidden_layers", full_layers)
         if isinstance(getattr(cfg, "layer_types", None), list):  # the tiny config kept a prefix of the pattern
             cfg.layer_types = list(real_layer_types or cfg.layer_types)
+        for key, value in (real_per_layer or {}).items():
+            if key != "layer_types" and isinstance(getattr(cfg, key, None), list):  # mlp_layer_types...
+                setattr(cfg, key, list(value))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -187,7 +226,12 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
             torch.set_default_dtype(prev)
         full_info = full_model.get_cache_info()
         del full_model
-    check_cache_info(report, manifest, full_info, full_layers, api, dtype)
+    from model_infer_kvcache.validators.checkout_run.compat import entries_named_by_the_manifest
+
+    full_info, renamed = entries_named_by_the_manifest(full_info, manifest)
+    if renamed:
+        report.notes.append(f"the model names its cache entries {renamed}: compared by width with the manifest's")
+    check_cache_info(report, manifest, full_info, cache_layers, api, dtype)
     report.notes.append(f"init link on {len(full_info.layer_infos)} layers (the real count; the stream ran "
                         f"{len(info.layer_infos)})")
     allocated = [f"{layer.layer_idx}.{e.cache_name}" for layer in info.layer_infos for e in layer.caches

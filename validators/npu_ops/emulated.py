@@ -18,6 +18,7 @@ from model_infer_kvcache.validators.npu_ops import (
     activations,
     formats,
     matmul,
+    mla_prolog,
     moe,
     moe_comm,
     norms,
@@ -159,7 +160,7 @@ OPS = {
     "npu_kv_rmsnorm_rope_cache_v2": npu_kv_rmsnorm_rope_cache_v2,
 }
 # Model-side operators (norms, rotary, activations, formats, MoE, matmuls): one module per family.
-for _family in (norms, rotary, activations, formats, moe, moe_comm, matmul):
+for _family in (norms, rotary, activations, formats, moe, moe_comm, matmul, mla_prolog):
     OPS.update(_family.OPS)
 
 __all__ = list(OPS) + ["OPS"]

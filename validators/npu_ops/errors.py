@@ -25,9 +25,13 @@ class UnemulatedFeatureError(NpuOpError):
     """
 
 
-class NotStoodInError(RuntimeError):
+class NotStoodInError(RuntimeError, AttributeError):
     """An attribute of the device stack (``torch_npu``, ``torchair``, ``torch.npu``) that no CPU
-    stand-in provides. The message is one line naming the attribute and its caller."""
+    stand-in provides. The message is one line naming the attribute and its caller.
+
+    Also an ``AttributeError``: feature probes answer like the real module answers for a name it
+    lacks (``hasattr`` is False, ``getattr(mod, name, default)`` is the default), so a model's own
+    fallback runs; code that uses the name unguarded still gets this one-line error."""
 
 
 class UnemulatedOperatorError(NotStoodInError):

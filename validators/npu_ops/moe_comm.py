@@ -19,8 +19,15 @@ registration, and the semantics from how the recipes use them (qwen3-moe, DeepSe
   ``i * K + k`` and the emulated combine reads exactly that.
 * ``npu_moe_distribute_combine_v2``: ``out[i] = sum_k expert_scales[i, k] * expand_x[row of (i, k)]``.
 
-More than one EP rank, quantization, shared experts on their own ranks, masks and the special
-(zero / copy / constant) experts are refused.
+* Copy experts (``copy_expert_num``, LongCat-Flash's identity "zero experts", ids
+  ``moe_expert_num .. moe_expert_num + copy_expert_num - 1``): no doc entry in 2.9.0 or 2.14.0 either; as
+  LongCat-Flash uses them (its prefill path adds ``moe_input * identity_weight``): dispatch sends
+  only the routed copies (``expand_x``, counts and ``ep_recv_counts`` cover ``moe_expert_num`` experts; a
+  copy expert's ``expand_idx`` entry is ``-1``), and combine adds ``expert_scales[i, k] * ori_x[i]`` for
+  each copy-expert choice, so ``ori_x`` is required with copy experts.
+
+More than one EP rank, quantization, shared experts on their own ranks, masks and the zero / constant
+experts are refused.
 """
 
 from __future__ import annotations
@@ -68,9 +75,9 @@ def _single_rank(op: str, ep_world_size, ep_rank_id, tp_world_size, tp_rank_id, 
     chk.choice(op, "shared_expert_rank_num", shared_expert_rank_num, (0,))
     chk.choice(op, "expert_shard_type", expert_shard_type, (0,))
     chk.integer(op, "moe_expert_num", moe_expert_num, low=1)
-    for name, value in (("zero_expert_num", zero_expert_num), ("copy_expert_num", copy_expert_num),
-                        ("const_expert_num", const_expert_num)):
+    for name, value in (("zero_expert_num", zero_expert_num), ("const_expert_num", const_expert_num)):
         chk.choice(op, name, value, (0,), documented=(value,) if value else ())
+    chk.integer(op, "copy_expert_num", copy_expert_num, low=0)
 
 
 def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *,
@@ -95,16 +102,21 @@ def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_ra
     chk.tensor(op, "expert_ids", expert_ids, dims=(2,), dtypes=(torch.int32,))
     if expert_ids.shape[0] != bs:
         raise NpuOpError(op, "expert_ids", f"has {expert_ids.shape[0]} rows, x has {bs}")
-    if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= moe_expert_num):
-        raise NpuOpError(op, "expert_ids", f"expert ids must lie in [0, {moe_expert_num})")
+    total = moe_expert_num + copy_expert_num
+    if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= total):
+        raise NpuOpError(op, "expert_ids", f"expert ids must lie in [0, {total}) ({moe_expert_num} routed + "
+                                           f"{copy_expert_num} copy experts)")
     k = int(expert_ids.shape[1])
     rows = bs * min(moe_expert_num, k) * max(tp_world_size, 1)
-    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    order = order[flat[order] < moe_expert_num]  # copy experts are not dispatched
+    sent = int(order.numel())
     expand_x = torch.full((rows, x.shape[1]), float("nan"), dtype=x.dtype)
-    expand_x[:bs * k] = x[order // k]
+    expand_x[:sent] = x[order // k]
     expand_idx = torch.full((max(bs * k, rows * 128),), -1, dtype=torch.int32)
-    expand_idx[order] = torch.arange(bs * k, dtype=torch.int32)
-    counts = torch.bincount(expert_ids.reshape(-1).long(), minlength=moe_expert_num)
+    expand_idx[order] = torch.arange(sent, dtype=torch.int32)
+    counts = torch.bincount(flat[flat < moe_expert_num].long(), minlength=moe_expert_num)
     expert_token_nums = (counts if expert_token_nums_type == 1 else torch.cumsum(counts, 0)).to(torch.int64)
     dynamic_scales = torch.full((rows,), float("nan"), dtype=torch.float32)
     ep_recv_counts = counts.to(torch.int32)
@@ -127,7 +139,7 @@ def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine,
     _single_rank(op, ep_world_size, ep_rank_id, tp_world_size, tp_rank_id, shared_expert_rank_num, moe_expert_num,
                  expert_shard_type, zero_expert_num, copy_expert_num, const_expert_num)
     chk.absent(op, x_active_mask=x_active_mask, expand_scales=expand_scales, shared_expert_x=shared_expert_x,
-               elastic_info=elastic_info, ori_x=ori_x, const_expert_alpha_1=const_expert_alpha_1,
+               elastic_info=elastic_info, const_expert_alpha_1=const_expert_alpha_1,
                const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
                performance_info=performance_info)
     chk.choice(op, "comm_quant_mode", comm_quant_mode, (0,), documented=(1, 2, 3))
@@ -140,13 +152,27 @@ def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine,
     if assist.numel() < bs * k:
         raise NpuOpError(op, "assist_info_for_combine", f"has {assist.numel()} entries, needs {bs * k} "
                                                         f"(dispatch's expand_idx)")
+    copy = expert_ids.reshape(-1).long() >= moe_expert_num  # copy experts: the token itself (ori_x)
+    if bool(copy.any()):
+        if ori_x is None:
+            raise NpuOpError(op, "ori_x", "required when tokens choose copy experts (copy_expert_num)")
+        chk.tensor(op, "ori_x", ori_x, dims=(2,))
+        chk.same_dtype(op, "ori_x", ori_x, "expand_x", expand_x)
+        if tuple(ori_x.shape) != (bs, expand_x.shape[1]):
+            raise NpuOpError(op, "ori_x", f"shape {tuple(ori_x.shape)} must be ({bs}, {expand_x.shape[1]})")
+    if bool((expert_ids.reshape(-1).long() >= moe_expert_num + copy_expert_num).any()):
+        raise NpuOpError(op, "expert_ids", f"expert ids must lie in [0, {moe_expert_num + copy_expert_num})")
     rows = assist[:bs * k].long()
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= expand_x.shape[0]):
+    routed = rows[~copy]
+    if routed.numel() and (int(routed.min()) < 0 or int(routed.max()) >= expand_x.shape[0]):
         raise NpuOpError(op, "assist_info_for_combine", "does not come from this dispatch (rows out of range)")
     chk.tensor(op, "ep_send_counts", ep_send_counts, dims=(1,), dtypes=(torch.int32,))
     cdt = chk.compute_dtype(expand_x.dtype)
-    gathered = expand_x.to(cdt)[rows].view(bs, k, -1)
-    out = (expert_scales.to(cdt).unsqueeze(-1) * gathered).sum(dim=1)
+    source = expand_x.to(cdt)[rows.clamp(min=0)]
+    if bool(copy.any()):
+        tokens = torch.arange(bs * k) // k
+        source[copy] = ori_x.to(cdt)[tokens[copy]]
+    out = (expert_scales.to(cdt).unsqueeze(-1) * source.view(bs, k, -1)).sum(dim=1)
     return out.to(expand_x.dtype)
 
 

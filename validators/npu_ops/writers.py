@@ -252,6 +252,16 @@ def kv_rmsnorm_rope_cache(
     return rope_out, norm_out
 
 
+def write_paged_latent(op: str, *, rope_cache: torch.Tensor, latent_cache: torch.Tensor, index: torch.Tensor,
+                       rope: torch.Tensor, latent: torch.Tensor, cache_mode: str) -> None:
+    """MLA's two paged caches written at slots ``index [T]`` from token rows ``rope [T, Dr]`` and
+    ``latent [T, Hckv]`` (``*_NZ``: the FRACTAL_NZ arrangement), with the same slot, null-block and
+    repeated-slot rules as ``npu_kv_rmsnorm_rope_cache``'s PA modes (``npu_mla_prolog_v3``)."""
+    tokens = int(index.numel())
+    _write_pa_mode(op, rope_cache, latent_cache, index, rope.reshape(1, 1, tokens, -1),
+                   latent.reshape(1, 1, tokens, -1), int(rope.shape[-1]), int(latent.shape[-1]), cache_mode)
+
+
 def _write_norm_mode(op, k_cache, ckv_cache, index, rope_out, norm_out, dk, dv) -> None:
     batch, _, seq, _ = rope_out.shape
     for name, cache, d in (("k_cache", k_cache, dk), ("ckv_cache", ckv_cache, dv)):

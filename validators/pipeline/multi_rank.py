@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.validators.pipeline.report import Check, Report
 
@@ -105,6 +106,8 @@ def _rank_main(step, payload, rank: int, world: int, init_file: str, out_dir: st
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=_timeouts()[0]))
         data = step(payload, rank=rank, world=world).to_dict()
+    except InputError as exc:  # bad input or something kvcache does not support: the parent raises it again
+        data = {"passed": False, "input_error": [exc.where, exc.message, exc.field], "checks": []}
     except Exception as exc:  # reported with the rank id by the parent
         data = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "checks": []}
     finally:
@@ -138,6 +141,7 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
             p.join(max(1.0, deadline - time.monotonic()))
         merged = Report(backend="emulated", deploy_mode=manifest.deploy_mode.value,
                         model_type=manifest.model.model_type, manifest_hash=manifest.content_hash())
+        input_error = None
         for r, p in enumerate(procs):
             if p.is_alive():
                 p.terminate()
@@ -150,6 +154,9 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
                 merged.add(f"rank {r}: finished", "runtime", False, detail=f"exited with code {p.exitcode}")
                 continue
             data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("input_error"):
+                input_error = input_error or data["input_error"]
+                continue
             if data.get("error"):
                 merged.add(f"rank {r}: finished", "runtime", False, detail=data["error"])
                 continue
@@ -163,6 +170,9 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
             if r == 0:  # every rank runs the same tiny model and stream: one copy of the notes
                 merged.notes += data.get("notes", [])
                 merged.provenance = data.get("provenance", {})
+    if input_error:
+        where, message, field = input_error
+        raise InputError(where, message, field=field)
     merged.notes.insert(0, f"attention TP {tp}: {manifest.parallel.num_q_heads_per_rank} query / "
                            f"{manifest.parallel.num_kv_heads_per_rank} KV heads per rank"
                            + ("; KV heads replicated" if manifest.parallel.kv_heads_replicated else "")

@@ -58,8 +58,11 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     n = _layer_prefix(manifest)
     m = manifest.model
     d["num_hidden_layers"] = n
-    if isinstance(d.get("layer_types"), list):
-        d["layer_types"] = d["layer_types"][:n]
+    if m.sublayers_per_layer > 1:  # transformers counts attention sublayers (LongCat-Flash: 2 per decoder layer)
+        d["num_hidden_layers"] = n * m.sublayers_per_layer
+        if "num_layers" in d:
+            d["num_layers"] = n
+    _trim_per_layer_fields(d, m.num_layers, n)
     if hf_type in _HEAD_DIM_FROM_HIDDEN:
         d["hidden_size"] = m.num_attention_heads * m.head_dim
     else:
@@ -77,7 +80,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     d["vocab_size"] = TINY_VOCAB
     for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
                        ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),
-                       ("n_shared_experts", 1), ("first_k_dense_replace", 1)):
+                       ("n_shared_experts", 1), ("first_k_dense_replace", 1),
+                       # LongCat-Flash spells them its own way: top-k, expert width, identity ("zero") experts
+                       ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2)):
         if key in d:
             d[key] = value
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
@@ -92,6 +97,19 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
     notes.append(f"{n} of {m.num_layers} decoder layers (shortest prefix with every layer kind)")
     return d, TinyPlan(hf_type, n, window, notes)
+
+
+def _trim_per_layer_fields(d: dict[str, Any], real_layers: int, n: int) -> None:
+    """Every per-layer field cut to the first ``n`` layers, in place: lists with one entry per layer whose
+    name says so (``layer_types``, ``mlp_layer_types``, ...) and dicts keyed by layer index
+    (transformers' ``per_layer_config``: ``{"05": {...}}``)."""
+    for key, value in list(d.items()):
+        if "layer" not in key:
+            continue
+        if isinstance(value, list) and len(value) == real_layers:
+            d[key] = value[:n]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            d[key] = {k: v for k, v in value.items() if int(k) < n}
 
 
 def shrink_windows(manifest: SelectionManifest) -> SelectionManifest | None:

@@ -187,6 +187,17 @@ def _build_torchair() -> dict[str, types.ModuleType]:
             "torchair.configs": configs, "torchair.configs.compiler_config": compiler_config}
 
 
+class _CustomOps(types.ModuleType):
+    """The checkout's own AscendC operators (``ops/ascendc``: ``import custom_ops`` / ``torch.ops.custom.<op>``),
+    none emulated yet: importable, and each operator answers like a missing one (``hasattr`` False; used, the
+    one-line ``UnemulatedOperatorError`` naming it and the caller), so a model's fallback still runs."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        raise UnemulatedOperatorError(f"{self.__name__}.{name}", caller_location(2))
+
+
 def standins_active() -> bool:
     return bool(_ACTIVE)
 
@@ -219,7 +230,15 @@ def device_standins(*, free_bytes: int | None = None, total_bytes: int | None = 
         fake_torch_npu.empty_with_swapped_memory = (
             lambda size, dtype=None, device=None: torch.empty(size, dtype=dtype))
         fake_torch_npu.__getattr__ = _strict_getattr("torch_npu")
+        had_custom = "custom_ops" in sys.modules
+        saved_custom = sys.modules.get("custom_ops")
+        had_custom_ns = "custom" in torch.ops.__dict__
+        saved_custom_ns = torch.ops.__dict__.get("custom")
         try:
+            if not had_custom:
+                sys.modules["custom_ops"] = _CustomOps("custom_ops", "CPU stand-in: the checkout's AscendC operators")
+            if not had_custom_ns:
+                torch.ops.__dict__["custom"] = _CustomOps("torch.ops.custom", "CPU stand-in")
             sys.modules["torch_npu.npu"] = npu
             sys.modules["torch.npu"] = npu
             sys.modules.update(torchair_modules)
@@ -229,6 +248,14 @@ def device_standins(*, free_bytes: int | None = None, total_bytes: int | None = 
             yield handle
         finally:
             _ACTIVE.clear()
+            if not had_custom:
+                sys.modules.pop("custom_ops", None)
+            elif saved_custom is not None:
+                sys.modules["custom_ops"] = saved_custom
+            if not had_custom_ns:
+                torch.ops.__dict__.pop("custom", None)
+            else:
+                torch.ops.__dict__["custom"] = saved_custom_ns
             if reuse:
                 for attr in ("npu", "empty_with_swapped_memory", "__getattr__"):
                     fake_torch_npu.__dict__.pop(attr, None)

@@ -21,12 +21,15 @@ OPTIONAL_THIRD_PARTY = {
     "compressed_tensors": "compressed-tensors quantized checkpoints (module/quantization/compressed_tensors)",
     # cache_utils imports executor.online.kv_transfer for one alignment constant; its package imports requests
     "requests": "the disaggregated KV-transfer bootstrap client (executor/online/kv_transfer/transfer_manager.py)",
+    # LongCat-Flash imports it at module level; only exe_mode "npugraph_ex" (graph capture) uses it
+    "npugraph_ex": "the npugraph_ex graph-capture mode (exe_mode: npugraph_ex; the validation runs eager)",
 }
 # Submodules the checkout imports from them.
 OPTIONAL_SUBMODULES = {"compressed_tensors": ("quantization",)}
 # transformers modules of the 4.x line that 5.x removed, with the names the checkout imports from them
-# (DeepSeek's modules.py imports a mask helper its eager paged path never calls).
-REMOVED_TRANSFORMERS = {"transformers.modeling_attn_mask_utils": ("_prepare_4d_causal_attention_mask",)}
+# (the DeepSeek-family modules.py files import the 4.x mask helpers; their eager paged paths never call them).
+REMOVED_TRANSFORMERS = {"transformers.modeling_attn_mask_utils": (
+    "_prepare_4d_causal_attention_mask", "_prepare_4d_attention_mask", "AttentionMaskConverter")}
 
 
 class Unavailable:
@@ -97,7 +100,10 @@ def absent_third_party() -> Iterator[list[str]]:
                 why = f"removed in transformers {_transformers_version()}"
                 mod = types.ModuleType(name, f"validation stand-in: {name} ({why})")
                 for attr in names:
-                    setattr(mod, attr, _refusing_function(f"{name}.{attr}", why))
+                    # a class (AttentionMaskConverter): importable, subclassable, refusing when used
+                    stand_in = Unavailable(f"{name}.{attr}", why) if attr[:1].isupper() else \
+                        _refusing_function(f"{name}.{attr}", why)
+                    setattr(mod, attr, stand_in)
                 sys.modules[name] = mod
                 added.append(name)
                 described.append(f"{name}: {why}; {', '.join(names)} refuse when called")

@@ -1,0 +1,205 @@
+"""Unit tests of what lets a checkout written for transformers 4.x and the device run on CPU under
+transformers 5 (issue 23): feature probes on the stand-ins, the removed mask helpers, the checkout config
+class as the authority on its config.json, per-layer fields cut with the layers, and the "not supported by
+kvcache" classification of operators. No snapshot needed."""
+
+from __future__ import annotations
+
+import pytest
+from transformers.configuration_utils import PretrainedConfig
+
+
+def test_feature_probes_answer_like_the_real_module():
+    """hasattr is False and getattr(default) gives the default for an operator the emulation lacks (a model's
+    own fallback runs); an unguarded use still raises the one-line UnemulatedOperatorError."""
+    import torch
+    from model_infer_kvcache.validators.npu_ops import UnemulatedOperatorError
+    from model_infer_kvcache.validators.standins import device_standins
+
+    with device_standins():
+        import torch_npu
+
+        assert hasattr(torch_npu, "npu_rms_norm")  # emulated: present
+        assert not hasattr(torch_npu, "npu_chunk_gated_delta_rule")
+        assert getattr(torch_npu, "npu_chunk_gated_delta_rule", "fallback") == "fallback"
+        assert not hasattr(torch.ops.npu, "npu_chunk_gated_delta_rule")
+        assert not hasattr(torch.npu, "no_such_call")
+        with pytest.raises(UnemulatedOperatorError, match=r"torch_npu\.npu_chunk_gated_delta_rule is not emulated"):
+            torch_npu.npu_chunk_gated_delta_rule  # noqa: B018
+
+
+def test_removed_transformers_mask_helpers_import_and_refuse_when_used():
+    from model_infer_kvcache.validators.standins.third_party import absent_third_party
+
+    with absent_third_party() as described:
+        from transformers.modeling_attn_mask_utils import (
+            AttentionMaskConverter,
+            _prepare_4d_attention_mask,
+            _prepare_4d_causal_attention_mask,
+        )
+
+        class Sub(AttentionMaskConverter):  # a checkout may subclass it at import
+            pass
+
+        for fn in (_prepare_4d_attention_mask, _prepare_4d_causal_attention_mask, AttentionMaskConverter,
+                   AttentionMaskConverter._unmask_unattended):
+            with pytest.raises(RuntimeError, match="not available in this validation run"):
+                fn()
+        assert any("AttentionMaskConverter" in d for d in described)
+
+
+class _Legacy(PretrainedConfig):
+    """A 4.x-style checkout config class (the shape of LongCat-Flash's and Kimi's): rope_theta taken, a
+    read-only num_hidden_layers alias, rope_scaling read."""
+
+    model_type = "kvcache_test_legacy"
+
+    def __init__(self, num_layers=61, rope_theta=10000.0, global_head_dim=512, rope_scaling=None, **kwargs):
+        self.num_layers = num_layers
+        self.rope_theta = rope_theta
+        self.global_head_dim = global_head_dim
+        self.rope_scaling = rope_scaling
+        super().__init__(**kwargs)
+
+    @property
+    def num_hidden_layers(self):
+        return self.num_layers
+
+    @property
+    def computed(self):
+        return 2 * self.num_layers
+
+
+def test_checkout_config_class_decides_what_its_config_json_holds():
+    from model_infer_kvcache.validators.checkout_run.compat import fit_to_config_class, set_config_field
+
+    written = {"num_hidden_layers": 2, "computed": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7},
+               "per_layer_config": {"05": {"head_dim": 384}}, "head_dim": 128}
+    fitted, notes = fit_to_config_class(written, _Legacy)
+    assert fitted["num_layers"] == 2 and "num_hidden_layers" not in fitted  # the alias's field
+    assert "computed" not in fitted  # computed, not an alias: dropped
+    assert fitted["rope_theta"] == 1e7  # 4.x top-level field from rope_parameters
+    assert fitted["global_head_dim"] == 384 and "per_layer_config" not in fitted
+    assert len(notes) == 4
+    config = _Legacy(**fitted)
+    assert (config.num_hidden_layers, config.rope_theta, config.global_head_dim) == (2, 1e7, 384)
+    # the file's own field wins over the alias
+    assert fit_to_config_class({"num_hidden_layers": 4, "num_layers": 2}, _Legacy)[0] == {"num_layers": 2}
+    set_config_field(config, "num_hidden_layers", 61)
+    assert config.num_layers == 61
+    with pytest.raises(AttributeError):
+        set_config_field(config, "computed", 1)
+    # negative control: transformers' own classes are left alone
+    from transformers import Qwen3Config
+
+    assert fit_to_config_class({"num_hidden_layers": 2}, Qwen3Config) == ({"num_hidden_layers": 2}, [])
+
+
+def test_legacy_rope_scaling_reads_none_for_unscaled_rope():
+    from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_scaling
+
+    config = _Legacy(rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert config.rope_scaling is not None  # transformers 5: an alias of rope_parameters
+    with legacy_rope_scaling(_Legacy) as installed:
+        assert installed and config.rope_scaling is None
+        yarn = _Legacy(max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "yarn", "factor": 32.0, "rope_theta": 1e4,
+                                        "original_max_position_embeddings": 4096})
+        assert yarn.rope_scaling["factor"] == 32.0
+    assert config.rope_scaling is not None and "rope_scaling" not in _Legacy.__dict__
+
+
+def test_per_layer_fields_are_cut_with_the_layers():
+    from model_infer_kvcache.validators.pipeline.tiny_model import _trim_per_layer_fields
+
+    d = {"layer_types": ["s"] * 5 + ["f"], "mlp_layer_types": ["dense"] + ["sparse"] * 5,
+         "per_layer_config": {"02": {"head_dim": 512}, "5": {"head_dim": 512}}, "eos_token_id": [1] * 6,
+         "layers_block_type": ["x"] * 3}
+    _trim_per_layer_fields(d, 6, 3)
+    assert d["layer_types"] == ["s"] * 3 and d["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+    assert d["per_layer_config"] == {"02": {"head_dim": 512}}
+    assert d["eos_token_id"] == [1] * 6  # not a per-layer field
+    assert d["layers_block_type"] == ["x"] * 3  # not one entry per real layer: left alone
+
+
+def test_operators_kvcache_lacks_are_not_supported_and_made_up_ones_are_the_models():
+    from model_infer_kvcache.analyzer.operators.schemas import releases_defining
+    from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
+    from model_infer_kvcache.validators.npu_ops.errors import (
+        NpuOpError,
+        UnemulatedFeatureError,
+        UnemulatedOperatorError,
+    )
+
+    assert releases_defining("npu_geglu") == ("2.9.0", "2.14.0")
+    assert releases_defining("npu_chunk_gated_delta_rule") == ("2.14.0",)
+    lacking = unsupported_operator(UnemulatedOperatorError("torch_npu.npu_chunk_gated_delta_rule", "m.py:3"), "m.py:3")
+    assert lacking.render() == ("m.py:3: torch_npu.npu_chunk_gated_delta_rule: not supported by kvcache: operator "
+                                "torch_npu.npu_chunk_gated_delta_rule (defined by torch-npu 2.14.0) is not emulated "
+                                "on CPU (references/emulated_ops.md)")
+    feature = unsupported_operator(UnemulatedFeatureError("npu_x", "quant_mode", "not emulated"), "m.py:4")
+    assert "not supported by kvcache: npu_x: argument 'quant_mode'" in feature.render()
+    assert unsupported_operator(UnemulatedOperatorError("torch_npu.npu_rms_norm_v9", "m.py:5"), "m.py:5") is None
+    assert unsupported_operator(NpuOpError("npu_x", "a", "bad"), "m.py:6") is None  # the operator refused the call
+
+
+def test_op_names_file_lists_every_func_of_the_yaml():
+    import json
+
+    import yaml
+    from model_infer_kvcache.analyzer.operators.extract_schemas import _iter_func_strings
+    from model_infer_kvcache.analyzer.operators.schemas import NAMES_PATH
+    from shared_dirs import shared_path
+
+    names = json.loads(NAMES_PATH.read_text())["releases"]
+    for release, listed in names.items():
+        text = shared_path(f"torch_npu-{release}", "torch_npu", "csrc", "aten",
+                           "npu_native_functions_by_codegen.yaml").read_text()
+        want = sorted({f.split("(", 1)[0].split(".", 1)[0].strip() for f in _iter_func_strings(yaml.safe_load(text))})
+        assert listed == want, release
+
+
+@pytest.mark.parametrize("fields, field, what", [
+    ({"layer_types": ["indexed_attention"] * 2}, "layer_types", "DSA"),
+    ({"index_topk": 2048}, "index_topk", "DSA"),
+    ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types", "linear-attention"),
+    ({"full_attention_interval": 4}, "full_attention_interval", "linear-attention"),
+    ({"head_dim": 256, "per_layer_config": {"5": {"head_dim": 512}}}, "per_layer_config", "per-layer head dims"),
+    ({"head_dim": 256, "global_head_dim": 512}, "global_head_dim", "per-layer head dims"),
+])
+def test_preflight_names_the_kind_and_field(fields, field, what):
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.validators.checkout_run.support import preflight
+
+    with pytest.raises(InputError) as info:
+        preflight("c.json", {"model_type": "x", **fields})
+    assert info.value.render().startswith(f"c.json: {field}: not supported by kvcache: ") and what in info.value.render()
+
+
+def test_preflight_lets_supported_configs_through():
+    from model_infer_kvcache.validators.checkout_run.support import preflight
+
+    for ok in ({"layer_types": ["sliding_attention", "full_attention"]}, {"head_dim": 128, "global_head_dim": 128},
+               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 256}}}, {}):
+        preflight("c.json", ok)
+
+
+def test_the_checkouts_own_operators_are_importable_and_named_when_used():
+    import sys
+
+    import torch
+    from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
+    from model_infer_kvcache.validators.npu_ops import UnemulatedOperatorError
+    from model_infer_kvcache.validators.standins import device_standins
+
+    with device_standins():
+        import custom_ops
+
+        assert not hasattr(custom_ops, "npu_swiglu_group_quant") and not hasattr(torch.ops.custom, "npu_x")
+        with pytest.raises(UnemulatedOperatorError) as info:
+            torch.ops.custom.npu_swiglu_group_quant  # noqa: B018
+    assert "custom_ops" not in sys.modules and "custom" not in torch.ops.__dict__  # taken off again
+    line = unsupported_operator(info.value, "m.py:9").render()
+    assert line == ("m.py:9: torch.ops.custom.npu_swiglu_group_quant: not supported by kvcache: operator "
+                    "torch.ops.custom.npu_swiglu_group_quant (the checkout's own AscendC operator, "
+                    "ops/ascendc/docs/custom-npu_swiglu_group_quant.md) is not emulated on CPU")

@@ -1,0 +1,143 @@
+"""The newer model folders of the snapshot in the real engine (issue 23): each runs to the numeric comparison,
+or stops with a precise line: the model's own file:line (exit 1), or "not supported by kvcache: <what>" (exit 2).
+
+Configs are transformers' own config classes at their defaults (the published architectures), written to a
+temporary config.json the way a user would save one. Needs the snapshot (``KVCACHE_SHARED``; skipped with the
+reason otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from shared_dirs import ROOT, upstream_head
+
+
+def _default_config(tmp_path: Path, cls_name: str, **overrides) -> Path:
+    import transformers
+
+    data = {**getattr(transformers, cls_name)().to_dict(), **overrides}
+    path = tmp_path / f"{cls_name}.json"
+    path.write_text(json.dumps(data, default=str), encoding="utf-8")
+    return path
+
+
+def _validate(model: str, config: Path, **kw):
+    from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
+
+    return validate_checkout(CheckoutRequest(str(upstream_head()), model, str(config), sweep_readings=False, **kw))
+
+
+def _cli(model: str, config: Path, *extra: str):
+    return subprocess.run([sys.executable, "-m", "model_infer_kvcache", "validate", "--framework-root",
+                           str(upstream_head()), "--model", model, "--config", str(config), "--no-sweep", *extra],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+
+
+def _numeric(report) -> list:
+    return [c for c in report.checks if "logits vs transformers" in c.name]
+
+
+@pytest.mark.slow
+def test_longcat_flash_passes_in_the_real_engine(tmp_path):
+    """LongcatFlashConfig() (28 decoder layers of two MLA sublayers, 512 routed + 256 identity experts): the
+    checkout's own config class reads num_layers (its num_hidden_layers is a read-only alias) and rope_theta
+    (4.x), and the decode MoE sends identity experts through dispatch/combine's copy experts."""
+    report = _validate("longcat_flash", _default_config(tmp_path, "LongcatFlashConfig"))
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    numeric = _numeric(report)
+    assert numeric and numeric[0].measured["max_abs_diff"] <= 1e-4 and numeric[0].measured["requests"] == 6
+    notes = "\n".join(report.notes)
+    assert "init link on 56 layers" in notes  # two attention sublayers per decoder layer
+    assert "reads num_hidden_layers as self.num_layers" in notes
+    assert "takes rope_theta (transformers 4.x): written from rope_parameters (1e+07)" in notes
+    # its entries are cache_nope/cache_rope: compared by width, not by the manifest's names
+    assert "'cache_nope': 'nope_cache'" in notes
+
+
+@pytest.mark.slow
+def test_kimi_k2_thinking_as_shipped_stops_at_its_decode_fa_call(tmp_path):
+    """DeepseekV3Config() under kimi_k2_thinking: everything up to attention runs (npu_mla_prolog_v3 included);
+    the decode FA call passes sparse_mode=3 with a mask at one query token per request, which the torch-npu
+    doc does not support for MLA (query_rope) at Q_S 1 (references/device_questions.md): the model's line."""
+    report = _validate("kimi_k2_thinking", _default_config(tmp_path, "DeepseekV3Config"))
+    failed = {c.name: c.detail for c in report.failed()}
+    src = (upstream_head() / "models/kimi_k2_thinking/models/modeling_deepseek.py").read_text().splitlines()
+    detail = failed["checkout model runs in the engine without errors"]
+    line = int(re.match(r"modeling_deepseek\.py:(\d+): NpuOpError: npu_fused_infer_attention_score: argument "
+                        r"'sparse_mode'", detail).group(1))
+    assert "npu_fused_infer_attention_score" in src[line - 1]
+    assert "(Q_S > 1: 3 or 4)" in detail and "got 3 with a mask" in detail
+    assert all(c.passed for c in report.checks if c.link == "init")  # the init link is clean
+
+
+def _kimi_with_decode_mode0(tmp_path: Path) -> Path:
+    src = (upstream_head() / "models/kimi_k2_thinking/models/modeling_deepseek.py").read_text(encoding="utf-8")
+    old = '            "sparse_mode": 3,\n            "atten_mask": attention_mask,'
+    assert src.count(old) == 1
+    copy = tmp_path / "modeling_deepseek.py"
+    copy.write_text(src.replace(old, '            "sparse_mode": 3 if is_prefill else 0,\n'
+                                     '            "atten_mask": attention_mask if is_prefill else None,'), "utf-8")
+    return copy
+
+
+@pytest.mark.slow
+def test_kimi_k2_thinking_with_the_documented_decode_call_passes_at_tp2(tmp_path):
+    """The same file with the decode call the doc supports (mode 0, no mask): it reaches and passes the numeric
+    comparison at attention TP 2 (its MoE TP path), so npu_mla_prolog_v3 (PA_NZ cache writes, interleaved RoPE,
+    W_uk absorb) computes what transformers' DeepseekV3 attention computes."""
+    report = _validate("kimi_k2_thinking", _default_config(tmp_path, "DeepseekV3Config"),
+                       model_file=str(_kimi_with_decode_mode0(tmp_path)), attn_tp_size=2)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    numeric = _numeric(report)
+    assert len(numeric) == 2 and all(c.measured["max_abs_diff"] <= 1e-4 for c in numeric)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, cls_name, field, what", [
+    ("gemma_4", "Gemma4TextConfig", "per_layer_config", "per-layer head dims"),
+    ("deepseek_v3_2_exp", "DeepseekV32Config", "layer_types", "DSA sparse attention"),
+    ("bailing_2_5", "BailingHybridConfig", "layer_types", "linear-attention layers"),
+    ("qwen3.5", "Qwen3_5MoeTextConfig", "layer_types", "linear-attention layers"),
+])
+def test_what_kvcache_cannot_validate_yet_is_exit_2_naming_it(tmp_path, model, cls_name, field, what):
+    config = _default_config(tmp_path, cls_name)
+    report = tmp_path / "report.json"
+    out = _cli(model, config, "--report", str(report))
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: {config}: {field}: not supported by kvcache: " + errors[0].split(
+        "not supported by kvcache: ", 1)[1]], out.stderr[-2000:]
+    assert what in errors[0] and "Traceback" not in out.stderr and not report.exists()
+
+
+@pytest.mark.slow
+def test_an_operator_kvcache_lacks_is_exit_2_naming_it_and_the_model_line(tmp_path):
+    """A real torch-npu operator the emulation lacks (npu_geglu, in both committed releases): exit 2, one line
+    naming the op and the model file:line; an operator no release defines stays the model's error (exit 1)."""
+    src = upstream_head() / "models" / "qwen" / "models" / "modeling_qwen.py"
+    text = src.read_text(encoding="utf-8")
+    assert "torch_npu.npu_rms_norm(" in text
+    copy = tmp_path / "modeling_qwen.py"
+    copy.write_text(text.replace("torch_npu.npu_rms_norm(", "torch_npu.npu_geglu(", 1), encoding="utf-8")
+    line = next(i for i, t in enumerate(copy.read_text().splitlines(), 1) if "npu_geglu" in t)
+    out = _cli("qwen3_8b", ROOT / "tests" / "fixtures" / "configs" / "qwen3_8b.json", "--model-file", str(copy))
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"modeling_qwen.py:{line}: torch_npu.npu_geglu: not supported by kvcache: " \
+        "operator torch_npu.npu_geglu (defined by the pinned release) is not emulated" in errors[0], errors
+
+
+@pytest.mark.slow
+def test_hy3_passes_against_transformers_hy_v3(tmp_path):
+    """transformers 5.24 ships HYV3 (model_type hy_v3): the reference exists. HYV3Config() carries no token ids
+    and the checkout's embedding compares its padding_idx with ints, so the config names them (as a saved
+    config.json does); per-layer mlp_layer_types are cut with the layers and restored for the init link."""
+    report = _validate("hy3", _default_config(tmp_path, "HYV3Config", pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert _numeric(report)[0].measured["max_abs_diff"] <= 1e-4

@@ -1,0 +1,86 @@
+"""What kvcache cannot validate yet, said as such: "not supported by kvcache: <what>" (exit 2), never a model failure.
+
+Two moments. Before any work, ``preflight(config_path, real_config)`` reads the config for the cache kinds and
+layouts the analyzer and the tiny reference cannot express yet (DSA's indexed attention, linear-attention /
+recurrent layers, per-layer head dims). During the run, ``unsupported_operator(exc, model_frame)`` turns an
+operator the emulation lacks into the same one line when the operator is real (a torch-npu release of
+``analyzer/operators/op_names.json`` defines it) or a feature of an emulated operator that is not emulated;
+an operator no release defines stays the model's own error (exit 1, at its file:line).
+"""
+
+from __future__ import annotations
+
+from model_infer_kvcache.analyzer.errors import InputError
+
+PREFIX = "not supported by kvcache: "
+# layer_types values of cache kinds the tool has no spec for yet (analyzer/kv_cache_spec.py)
+_DSA_LAYER_TYPES = ("indexed_attention", "sparse_attention")
+_LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "gated_delta_net", "recurrent")
+# config fields that only a DSA (lightning indexer) model carries
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
+# config fields that say some layers are linear attention without listing layer_types
+_LINEAR_FIELDS = ("full_attention_interval", "linear_num_value_heads", "linear_num_heads")
+
+
+class NotSupportedByKvcache(InputError):
+    """The tool lacks something this model needs (an operator, a cache kind, a config field's meaning):
+    exit 2 with one line naming it, nothing written."""
+
+    def __init__(self, where: str, what: str, field: str | None = None):
+        super().__init__(where, PREFIX + what, field=field)
+
+
+def _text(real: dict) -> dict:
+    return real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+
+
+def preflight(config_path: str, real: dict) -> None:
+    """Raise ``NotSupportedByKvcache`` naming the config field of a kind the tool cannot validate yet."""
+    src = _text(real)
+    types = src.get("layer_types") if isinstance(src.get("layer_types"), list) else []
+    dsa = sorted({t for t in types if t in _DSA_LAYER_TYPES})
+    fields = [f for f in _DSA_FIELDS if src.get(f) is not None]
+    if dsa or fields:
+        raise NotSupportedByKvcache(config_path, "DSA sparse attention (lightning indexer, its indexer key cache and "
+                                                 "top-k sparse FA) is not a cache kind kvcache validates yet",
+                                    field="layer_types" if dsa else fields[0])
+    linear = sorted({t for t in types if t in _LINEAR_LAYER_TYPES})
+    linear_fields = [f for f in _LINEAR_FIELDS if src.get(f) is not None]
+    if linear or linear_fields:
+        what = f"layer_types {linear}" if linear else linear_fields[0]
+        raise NotSupportedByKvcache(config_path, f"linear-attention layers ({what}: a recurrent state, "
+                                                 "MambaCacheEntry) are not a cache kind kvcache validates yet",
+                                    field="layer_types" if linear else linear_fields[0])
+    overrides = src.get("per_layer_config")
+    head_dims = sorted({int(v["head_dim"]) for v in overrides.values() if isinstance(v, dict) and "head_dim" in v}) \
+        if isinstance(overrides, dict) else []
+    if src.get("global_head_dim") not in (None, src.get("head_dim")):
+        head_dims = sorted({*head_dims, int(src["global_head_dim"])})
+    if any(d != src.get("head_dim") for d in head_dims):
+        field = "per_layer_config" if isinstance(overrides, dict) and overrides else "global_head_dim"
+        raise NotSupportedByKvcache(config_path, f"per-layer head dims (head_dim {src.get('head_dim')} with "
+                                                 f"{head_dims} on some layers): the manifest plans one head_dim "
+                                                 "for every layer", field=field)
+
+
+def unsupported_operator(exc: BaseException, where: str) -> NotSupportedByKvcache | None:
+    """The one line for an operator (or an operator's feature) the emulation lacks, or None when ``exc`` is
+    not that (a model error, an operator's refusal, an operator no torch-npu release defines)."""
+    from model_infer_kvcache.analyzer.operators.schemas import PINNED_RELEASE, releases_defining
+    from model_infer_kvcache.validators.npu_ops.errors import UnemulatedFeatureError, UnemulatedOperatorError
+
+    if isinstance(exc, UnemulatedFeatureError):
+        return NotSupportedByKvcache(where, f"{exc} (an emulated operator's feature)", field=f"{exc.op}")
+    if isinstance(exc, UnemulatedOperatorError) and exc.op.startswith(("custom_ops.", "torch.ops.custom.")):
+        name = exc.op.rsplit(".", 1)[-1]
+        return NotSupportedByKvcache(where, f"operator {exc.op} (the checkout's own AscendC operator, "
+                                            f"ops/ascendc/docs/custom-{name}.md) is not emulated on CPU", field=exc.op)
+    if isinstance(exc, UnemulatedOperatorError):
+        name = exc.op.rsplit(".", 1)[-1]
+        releases = releases_defining(name)
+        if not releases:
+            return None
+        doc = "the pinned release" if PINNED_RELEASE in releases else f"torch-npu {', '.join(releases)}"
+        return NotSupportedByKvcache(where, f"operator {exc.op} (defined by {doc}) is not emulated on CPU "
+                                            "(references/emulated_ops.md)", field=exc.op)
+    return None

@@ -89,7 +89,7 @@ def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, c
                                                                        for o, lay, m in kinds))
     if on_cache or complete:
         check_fa_calls(report, fa_version_judged(report, manifest, on_cache), on_cache,
-                       reading_dependent=_window_dependent_layers(manifest))
+                       reading_dependent=window_dependent_layers(manifest))
     if calls or complete:
         report.add(READS_OWN_CACHE, "runtime", not problems and bool(calls), detail="; ".join(problems[:3]),
                    calls=len(calls), prefill_calls_on_fresh_kv=len(fresh))
@@ -189,7 +189,7 @@ def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, 
                requests=len(seen))
 
 
-def _window_dependent_layers(manifest: SelectionManifest) -> set[int]:
+def window_dependent_layers(manifest: SelectionManifest) -> set[int]:
     """Layers whose pre_tokens depends on the open window_pre_tokens reading: their value is judged by
     the numeric link under each reading (the sweep), not by equality with the assumed reading's."""
     return {i for dep in manifest.device_dependencies if dep.question == "window_pre_tokens" for i in dep.layers}

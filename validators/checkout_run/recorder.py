@@ -65,6 +65,8 @@ class OpRecorder:
     forwards: list[ForwardSeen] = field(default_factory=list)
     fa_calls: list[dict] = field(default_factory=list)
     writes: list[dict] = field(default_factory=list)
+    # Localisation's replay: called as tap(op, arguments by name, result) after each FA and writer call.
+    tap: object = None
 
     @property
     def forward(self) -> int:
@@ -82,7 +84,10 @@ class OpRecorder:
                 "has_mask": kwargs.get("atten_mask") is not None,
                 **{k: kwargs[k] for k in sorted(RECORDED_KEYWORDS) if k in kwargs},
             })
-            return fn(query, key, value, **kwargs)
+            result = fn(query, key, value, **kwargs)
+            if self.tap is not None:
+                self.tap(name, {"query": query, "key": key, "value": value, **kwargs}, result)
+            return result
 
         return call
 
@@ -98,7 +103,10 @@ class OpRecorder:
             for cache in caches:
                 self.writes.append({"op": name, "step": self.step, "forward": self.forward,
                                     "storage": _storage(bound.get(cache)), "index": _copy(bound.get(index))})
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if self.tap is not None:
+                self.tap(name, bound, result)
+            return result
 
         return call
 

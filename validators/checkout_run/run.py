@@ -133,6 +133,11 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.add(f"{seq} sequential requests leave the pool and memory unchanged", "release",
                        usage == start_usage and after == start_bytes, usage_before=start_usage, usage_after=usage,
                        bytes_before=start_bytes, bytes_after=after)
+        if full and report.first_failure:  # where the numeric failure starts (a replay; failures only)
+            from model_infer_kvcache.validators.checkout_run.localise import localise_checkout
+
+            localise_checkout(report, manifest, engine, run, scenario, req.seed, rec, caches, ref_model,
+                              Path(model_file).resolve(), dtype, world)
 
 
 def _hint(exc: BaseException, world: int) -> str:

@@ -37,39 +37,45 @@ def check_fa_calls(report: Report, manifest: SelectionManifest, fa_calls: list[d
     the comparison (the numeric link judges it under each reading of the open window question)."""
     bad = []
     for call in fa_calls:
-        plan = manifest.layers[call["layer"]]
         path = "prefill" if call["is_prefill"] else "decode"
         where = f"{call.get('at') or 'step ' + str(call['step'])} layer {call['layer']} ({path})"
-        mode = getattr(plan.sparse_mode, path)
-        op, kw = call["op"], keywords_of(call["op"])
-        # What the operator used: the recorded keyword, else its schema default.
-        passed = partial(value_passed, op, call)
-        got = {
-            "op": op,
-            "sparse_mode": passed("sparse_mode"),
-            "mask": call["has_mask"],
-            "layout": passed("input_layout"),
-            "scale": passed(kw.scale),
-            "q_heads": passed(kw.num_heads),
-            "kv_heads": passed("num_key_value_heads"),
-        }
-        want = {
-            "op": FA_OPS[manifest.fa.version],
-            "sparse_mode": mode,
-            "mask": getattr(plan.mask, path) != "none",
-            "layout": manifest.fa.input_layout,
-            "scale": manifest.fa.softmax_scale,
-            "q_heads": manifest.parallel.num_q_heads_per_rank,
-            "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
-        }
-        if mode == BAND_MODE:
-            if call["layer"] not in reading_dependent:
-                got["pre_tokens"], want["pre_tokens"] = passed("pre_tokens"), plan.pre_tokens
-            got["next_tokens"], want["next_tokens"] = passed("next_tokens"), plan.next_tokens
-        diff = [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
-                if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]
+        diff = fa_call_mismatches(manifest, call, reading_dependent)
         if diff:
             bad.append(f"{where}: " + ", ".join(diff))
     report.add(FA_ARGS_CHECK, "runtime", bool(fa_calls) and not bad,
                detail="; ".join(bad[:3]), calls=len(fa_calls), mismatches=len(bad))
 
+
+def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependent: set[int] = frozenset()) -> list[str]:
+    """The arguments of one FA call (a dict as ``check_fa_calls`` takes) that differ from what the manifest
+    decided for its layer and path, each as ``name=value (manifest value)``."""
+    plan = manifest.layers[call["layer"]]
+    path = "prefill" if call["is_prefill"] else "decode"
+    mode = getattr(plan.sparse_mode, path)
+    op, kw = call["op"], keywords_of(call["op"])
+    # What the operator used: the recorded keyword, else its schema default.
+    passed = partial(value_passed, op, call)
+    got = {
+        "op": op,
+        "sparse_mode": passed("sparse_mode"),
+        "mask": call["has_mask"],
+        "layout": passed("input_layout"),
+        "scale": passed(kw.scale),
+        "q_heads": passed(kw.num_heads),
+        "kv_heads": passed("num_key_value_heads"),
+    }
+    want = {
+        "op": FA_OPS[manifest.fa.version],
+        "sparse_mode": mode,
+        "mask": getattr(plan.mask, path) != "none",
+        "layout": manifest.fa.input_layout,
+        "scale": manifest.fa.softmax_scale,
+        "q_heads": manifest.parallel.num_q_heads_per_rank,
+        "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
+    }
+    if mode == BAND_MODE:
+        if call["layer"] not in reading_dependent:
+            got["pre_tokens"], want["pre_tokens"] = passed("pre_tokens"), plan.pre_tokens
+        got["next_tokens"], want["next_tokens"] = passed("next_tokens"), plan.next_tokens
+    return [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
+            if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]

@@ -20,6 +20,7 @@ class _Rows:
     positions: list[int]
     logits: torch.Tensor
     layers: list[torch.Tensor]  # each decoder layer's output rows of this request in this step
+    rows: tuple[int, int] | None = None  # this request's rows [start, stop) in the step's tokens (None: unknown)
 
 
 @dataclass
@@ -37,7 +38,8 @@ class NumericTracker:
             sl = slices[rid]
             pos = step.position_ids[sl].tolist()
             self.rows.setdefault(rid, []).append(
-                _Rows(step.index, step.is_prefill, pos, logits[sl].clone(), [o[sl].clone() for o in flat]))
+                _Rows(step.index, step.is_prefill, pos, logits[sl].clone(), [o[sl].clone() for o in flat],
+                      (sl.start, sl.stop)))
         self.probes.append((step.index, step.is_prefill, list(step.request_ids), probe_records))
 
     def add_rows(self, rid: int, step: int, is_prefill: bool, positions: list[int], logits: torch.Tensor) -> None:
@@ -95,6 +97,7 @@ class NumericTracker:
     def check_numeric(self, report: Report, sequences: dict[int, list[int]]) -> None:
         worst, worst_at, nonfinite, greedy_bad, steps = 0.0, "", [], [], set()
         first_bad: tuple[int, _Rows] | None = None
+        first_any: tuple[int, _Rows] | None = None  # the earliest failing chunk, non-finite ones included
         ref_max, ref_sq, ref_n = 0.0, 0.0, 0
         longest = {"prefill": 0, "decode": 0}
         for rid, chunks in self.rows.items():
@@ -109,6 +112,8 @@ class NumericTracker:
                 got = chunk.logits
                 want = ref[chunk.positions]
                 if not torch.isfinite(got).all():
+                    if first_any is None or chunk.step < first_any[1].step:
+                        first_any = (rid, chunk)
                     where = f"step {chunk.step} request {rid}"
                     if not nonfinite:
                         where += self._first_bad_layer(sequences[rid], chunk)
@@ -117,6 +122,8 @@ class NumericTracker:
                 diff = (got - want).abs().max().item()
                 if diff > self.atol and (first_bad is None or chunk.step < first_bad[1].step):
                     first_bad = (rid, chunk)
+                if diff > self.atol and (first_any is None or chunk.step < first_any[1].step):
+                    first_any = (rid, chunk)
                 if diff > worst:
                     worst, worst_at = diff, f"step {chunk.step} request {rid} position {chunk.positions[-1]}"
                 last = chunk.positions[-1]
@@ -124,6 +131,11 @@ class NumericTracker:
                     greedy_bad.append(f"step {chunk.step} request {rid}")
         report.add("outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)", "release", not nonfinite,
                    detail="; ".join(nonfinite[:3]), nonfinite_chunks=len(nonfinite))
+        if first_any is not None:  # what localisation replays
+            rid, chunk = first_any
+            report.first_failure = {"step": chunk.step, "request": rid, "is_prefill": chunk.is_prefill,
+                                    "rows": chunk.rows, "positions": list(chunk.positions),
+                                    "tokens": list(sequences[rid][:chunk.positions[-1] + 1])}
         first = ""
         if first_bad is not None:
             rid, chunk = first_bad

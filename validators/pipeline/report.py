@@ -40,6 +40,12 @@ class Report:
     # Where the code under test came from (checkout path/commit, API generation, model file, which
     # modules are the checkout's and which stand-ins); empty when the run has nothing to declare.
     provenance: dict[str, Any] = field(default_factory=dict)
+    # Where a numeric failure starts (``localise.localise``: first diverging layer, sub-module, the operator
+    # calls with file:line); empty when the run passed numerically or was not localised.
+    localisation: dict[str, Any] = field(default_factory=dict)
+    # The numeric link's first failing chunk (step, request, rows, positions, tokens): what localisation
+    # replays; never written out.
+    first_failure: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -63,6 +69,7 @@ class Report:
     def to_dict(self) -> dict:
         return {
             "passed": self.passed,
+            **({"localisation": self.localisation} if self.localisation else {}),
             "backend": self.backend,
             "deploy_mode": self.deploy_mode,
             "model_type": self.model_type,
@@ -91,6 +98,7 @@ class Report:
         lines = [
             "### 自验证结果",
             "",
+            *_localisation_lines(self.localisation),
             f"- 模型: `{self.model_type}`,部署模式: {self.deploy_mode},后端: **{self.backend}**"
             + (f" (CPU 仿真算子 + {self._host()})" if self.backend == "emulated" else "")
             + f",计算精度: {self.dtype}(logits 容差 {self.tolerance:g})",
@@ -112,6 +120,24 @@ class Report:
         if self.provenance:
             lines += ["", "来源 (provenance):", ""] + [f"- {k}: {_listed(v)}" for k, v in self.provenance.items()]
         return "\n".join(lines) + "\n"
+
+
+SUBMODULE_LABELS = {"attention input": "注意力输入", "cache write": "缓存写入", "attention output": "注意力输出",
+                    "MLP": "MLP"}
+
+
+def _localisation_lines(loc: dict) -> list[str]:
+    """Where a numeric failure starts, first in the report: the layer and sub-module, then its calls."""
+    if not loc:
+        return []
+    head = f"- **定位(首个偏离)**: step {loc.get('step')} request {loc.get('request')}"
+    if loc.get("submodule"):
+        head += f",第 {loc['layer']} 层,子模块 {loc['submodule']}({SUBMODULE_LABELS.get(loc['submodule'], '')})"
+    lines = [f"{head} — {loc.get('headline', '')}"]
+    for c in loc.get("calls", []):
+        lines.append(f"  - `{c['at']}` {c['op']}" + (f" ({c['cache']})" if c.get("cache") else "")
+                     + (f": {c['finding']}" if c.get("finding") else ""))
+    return lines
 
 
 def _listed(value: Any) -> str:

@@ -248,6 +248,8 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
     base = base or DeviceReadings()
     settled = settled or {}
     _run(run, manifest, rendered, req, pristine, backend, base, req.scenario, rank, world)
+    if run.first_failure and not report.localisation and backend == "emulated":
+        _localise(report, run, label, manifest, rendered, req, pristine, base, world, say)
     for c in run.checks[start:]:
         c.name = label + c.name
         report.checks.append(c)
@@ -268,6 +270,50 @@ def _validate_run(report: Report, label: str, manifest: SelectionManifest, rende
         sweep_readings(report, questions, base, rerun, settled=settled, say=say)
 
 
+def _localise(report: Report, run: Report, label: str, manifest: SelectionManifest, rendered: str,
+              req: ValidateRequest, pristine, readings, world: int, say) -> None:
+    """A numeric failure of ``run``: replay its stream up to the first failing step with a capture on the
+    model under test, run transformers over the failing request, name the first diverging layer and
+    sub-module (``localise``) in ``report.localisation``."""
+    from model_infer_kvcache.validators.pipeline.fa_args import fa_call_mismatches
+    from model_infer_kvcache.validators.pipeline.localise import (
+        Capture,
+        cache_namer,
+        localise,
+        reference_activations,
+    )
+
+    failure = run.first_failure
+    if world > 1 or failure.get("rows") is None:
+        report.notes.append("numeric failure not localised: localisation replays a single-rank run")
+        return
+    say(f"localising the numeric failure: replaying the stream to step {failure['step']}")
+    captures: list[Capture] = []
+
+    def observe(host) -> None:
+        capture = Capture(host.hf_model, failure["step"], lambda: host.step_index, Path(rendered).glob("*.py"),
+                          cache_namer(lambda: host.attentions))
+        capture.install()  # on the replay's own model copy, discarded with it
+        host.rendered.attention.torch_npu = capture.tapping(host.rendered.attention.torch_npu)
+        captures.append(capture)
+
+    try:
+        _run(report.fresh(backend="emulated"), manifest, rendered, req, pristine, "emulated", readings, req.scenario,
+             observe=observe)
+        ref = copy.deepcopy(pristine).to(dtype=torch.float64 if req.dtype == "float64" else torch.float32)
+        with float64_upcasts():
+            acts = reference_activations(ref, failure["tokens"])
+        start, stop = failure["rows"]
+        loc = localise(captures[0], acts, list(range(start, stop)), failure["positions"], failure["tokens"],
+                       TOLERANCE[req.dtype],
+                       judge=lambda call: fa_call_mismatches(manifest, {**call, "is_prefill": failure["is_prefill"]}))
+    except Exception as exc:  # localisation explains a failure; it never turns the report into a crash
+        report.notes.append(f"numeric failure not localised: {type(exc).__name__}: {exc}")
+        return
+    report.localisation = {**({"run": label.strip(": ")} if label else {}), "step": failure["step"],
+                           "request": failure["request"], **loc}
+
+
 def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> None:
     """The longest sequence per path, and whether it crossed the window by two blocks."""
     numeric = next((c for c in run.checks if c.link == "numeric" and "max_abs_diff" in c.measured), None)
@@ -284,7 +330,7 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 
 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
-         readings, scenario: Scenario, rank: int = 0, world: int = 1) -> None:
+         readings, scenario: Scenario, rank: int = 0, world: int = 1, observe=None) -> None:
     from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings, install_emulation
     from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
 
@@ -315,6 +361,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
                          block_size=manifest.block_size)
         host.atol = TOLERANCE[req.dtype]
+        if observe is not None:  # localisation's replay: a capture on the model under test
+            observe(host)
         try:
             if manifest.kv_mode.value == "legacy":
                 from model_infer_kvcache.validators.pipeline.legacy_run import run_legacy

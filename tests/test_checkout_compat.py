@@ -203,3 +203,28 @@ def test_the_checkouts_own_operators_are_importable_and_named_when_used():
     assert line == ("m.py:9: torch.ops.custom.npu_swiglu_group_quant: not supported by kvcache: operator "
                     "torch.ops.custom.npu_swiglu_group_quant (the checkout's own AscendC operator, "
                     "ops/ascendc/docs/custom-npu_swiglu_group_quant.md) is not emulated on CPU")
+
+
+def _rank_step_lacking(payload, rank: int, world: int):
+    """A rank step for run_ranks: rank 1 meets something kvcache does not support, rank 0 passes."""
+    from model_infer_kvcache.validators.checkout_run.support import NotSupportedByKvcache
+    from model_infer_kvcache.validators.pipeline.report import Report
+
+    if rank == 1:
+        raise NotSupportedByKvcache("modeling_x.py:7", "operator torch_npu.npu_y is not emulated", field="torch_npu.npu_y")
+    return Report(backend="emulated", deploy_mode="framework", model_type="qwen3", manifest_hash="h")
+
+
+def test_a_rank_that_meets_something_unsupported_makes_the_whole_run_exit_2():
+    from pathlib import Path
+
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.validators.pipeline.multi_rank import run_ranks
+
+    cfg = Path(__file__).parent / "fixtures" / "configs" / "qwen3_8b.json"
+    manifest = analyze(AnalyzeRequest(config=str(cfg), attn_tp_size=2))
+    with pytest.raises(InputError) as info:
+        run_ranks(_rank_step_lacking, None, 2, manifest)
+    assert info.value.render() == ("modeling_x.py:7: torch_npu.npu_y: not supported by kvcache: operator "
+                                   "torch_npu.npu_y is not emulated")

@@ -214,6 +214,17 @@ def test_a_dry_run_window_reading_is_named_a_dry_run(tmp_path, capsys):
     assert "contradicts the dry-run reading 'inclusive' of the emulated backend" in err and "measured" not in err
 
 
+def test_the_probe_report_of_a_dry_run_says_dry_run(tmp_path):
+    from model_infer_kvcache.analyzer.readings_file import ReadingsFile
+    from model_infer_kvcache.validators.probe.run import markdown, table_text
+
+    dry = ReadingsFile.model_validate(measured())
+    for text in (table_text(dry), markdown(dry)):
+        assert "dry-run reading" in text and "measured" not in text.replace("not a device measurement", "")
+    device = ReadingsFile.model_validate(as_device(measured()))  # negative control: an NPU file is measured
+    assert "measured reading" in table_text(device) and "Device readings measured" in markdown(device)
+
+
 def test_device_settled_is_empty_for_a_dry_run(tmp_path):
     from model_infer_kvcache.analyzer.measured import device_settled
 

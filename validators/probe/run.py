@@ -37,9 +37,14 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _reading_label(data: ReadingsFile) -> str:
+    return "measured reading" if data.backend == "npu" else "dry-run reading"
+
+
 def table_text(data: ReadingsFile) -> str:
-    """Plain-text table for the terminal: question -> measured reading -> evidence."""
-    rows = [("question", "measured reading", "evidence")]
+    """Plain-text table for the terminal: question -> measured reading -> evidence (a dry run on the emulated
+    backend says 'dry-run reading': it measured nothing about a device)."""
+    rows = [("question", _reading_label(data), "evidence")]
     rows += [(q, a.reading, a.summary) for q, a in data.questions.items()]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
@@ -52,7 +57,8 @@ def markdown(data: ReadingsFile) -> str:
     """Ready to paste into an upstream issue: environment, readings table, raw evidence."""
     unknown = [q for q, a in data.questions.items() if a.reading == UNKNOWN]
     lines = [
-        "### Device readings measured by `kvcache probe`",
+        "### Device readings measured by `kvcache probe`" if data.backend == "npu" else
+        "### Dry-run readings of `kvcache probe --backend emulated` (CPU emulation, not a device measurement)",
         "",
         f"- SoC: `{data.soc or '?'}`" + (f" (device {data.device_index})" if data.device_index is not None else ""),
         f"- torch `{data.torch_version}`, torch_npu `{data.torch_npu_version or '-'}`, "
@@ -61,7 +67,7 @@ def markdown(data: ReadingsFile) -> str:
                                         if data.backend == "emulated" else ""),
         f"- probe version {data.probe_version}, {data.created_utc}",
         "",
-        "| question | what was asked | measured reading | evidence |",
+        f"| question | what was asked | {_reading_label(data)} | evidence |",
         "|---|---|---|---|",
     ]
     lines += [f"| `{q}` | {_cell(QUESTIONS[q].asks)} | **{a.reading}** | {_cell(a.summary)} |"

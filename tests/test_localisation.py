@@ -44,10 +44,16 @@ def _first_lines(report) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def qwen_manifest(tmp_path_factory):
+def manifests(tmp_path_factory):
     from test_checkout_negatives import _manifest
 
-    return _manifest("qwen", None, str(tmp_path_factory.mktemp("manifests")))
+    out = str(tmp_path_factory.mktemp("manifests"))
+    return lambda family: _manifest(family, None, out)
+
+
+@pytest.fixture(scope="module")
+def qwen_manifest(manifests):
+    return manifests("qwen")
 
 
 def test_checkout_keys_cached_before_rope_name_the_cache_write(tmp_path, qwen_manifest):
@@ -82,6 +88,26 @@ def test_checkout_mistake_in_layer_1_names_layer_1(tmp_path, qwen_manifest):
     assert (loc["layer"], loc["submodule"]) == (1, "cache write"), loc
     k_line = _line_of(copy.read_text(encoding="utf-8"), "torch_npu.npu_scatter_nd_update_(", "k_cache.view")
     assert loc["where"] == [f"modeling_qwen.py:{k_line} (exec_qkv)"]
+
+
+def test_checkout_decode_reading_before_its_write_names_the_fa_call_and_the_later_writes(tmp_path, manifests):
+    """gpt-oss with the decode cache write moved below the FA call: the first failure is a decode step; its
+    FA call read NaN (the token's slot not yet written) and the layer's writes come after it."""
+    mistake = next(m for m in MISTAKES if m.id == "decode-writes-after-attention")
+    copy = edited_copy("gpt_oss", mistake.edits, tmp_path)
+    report = validate_copy("gpt_oss", copy, manifests("gpt_oss"))
+    loc = report.localisation
+    assert not report.first_failure["is_prefill"]
+    assert (loc["layer"], loc["submodule"]) == (0, "attention output"), loc
+    text = copy.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    decode_fa = [i + 1 for i in range(len(lines) - 2) if "npu_fused_infer_attention_score_v2(" in lines[i]
+                 and "self.k_cache.view" in lines[i + 2]]  # the decode call reads the cache
+    assert len(decode_fa) == 1
+    fa_line = decode_fa[0]
+    (call,) = loc["calls"]
+    assert call["at"] == f"modeling_gpt_oss.py:{fa_line} (forward)"
+    assert "not finite" in call["finding"] and "cache writes come after this call" in call["finding"]
 
 
 def test_checkout_passing_run_reports_no_localisation(tmp_path, qwen_manifest):

@@ -422,8 +422,15 @@ def _attention_output(capture, i, got, want, scaling, total, rows, positions, at
         od = _max_diff(_select(c.get("output"), total, rows), core)
         if od is not None:
             c["max_abs_diff"] = od
-            if _differs(od, core, atol):
+            if od == float("inf"):
+                findings.append("its output is not finite: it read cache blocks no request owns or this step "
+                                "had not yet written (those hold NaN)")
+            elif _differs(od, core, atol):
                 findings.append(f"its output differs from the reference's attention by {od:.3g}")
+        at = next(k for k, call in enumerate(capture.calls) if call is c)
+        later = [w["at"] for w in capture.calls[at + 1:] if w["layer"] == i and w["kind"] == "write"]
+        if later and findings:
+            findings.append(f"this layer's cache writes come after this call ({', '.join(dict.fromkeys(later))})")
         if findings:
             c["finding"] = "; ".join(findings)
     return ("attention output", d, calls, "the attention module's output differs from the reference's "

@@ -19,7 +19,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
+from model_infer_kvcache.analyzer.operators.fa_facts import (
+    FA_KEYWORDS,
+    FA_OP_NAMES,
+    RECORDED_KEYWORDS,
+    version_of,
+)
 from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 
 SUBMODULES = ("attention input", "cache write", "attention output", "MLP")
@@ -183,9 +188,9 @@ class Capture:
             call["output"] = _rows(result[0] if isinstance(result, (tuple, list)) else result)
             call["keywords"] = {k: arguments[k] for k in RECORDED_KEYWORDS if k in arguments}
             call["has_mask"] = arguments.get("atten_mask") is not None
-            for name in ("softmax_scale", "scale"):
-                if name in arguments:
-                    call["scale_arg"], call["scale"] = name, float(arguments[name])
+            name = FA_KEYWORDS[version_of(op)].scale  # the scale keyword as this FA version spells it
+            if name in arguments:
+                call["scale_arg"], call["scale"] = name, float(arguments[name])
         elif op in CACHE_WRITERS:
             writer = CACHE_WRITERS[op]
             call["kind"] = "write"

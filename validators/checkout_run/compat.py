@@ -146,7 +146,9 @@ def fit_checkpoint_config(checkpoint, config_cls: type) -> list[str]:
     config = json.loads(path.read_text(encoding="utf-8"))
     fitted, notes = fit_to_config_class(config, config_cls)
     if fitted != config:
-        path.write_text(json.dumps(fitted, indent=2, default=str) + "\n", encoding="utf-8")
+        from model_infer_kvcache.analyzer.files import atomic_write_text
+
+        atomic_write_text(path, json.dumps(fitted, indent=2, default=str) + "\n")
     return notes
 
 

@@ -195,7 +195,9 @@ def assemble(
     if facts.dtype.is_default and req.cache_dtype is None:
         questions.append(Finding(message="config states no dtype: cache dtype assumed bfloat16",
                                  fields=["torch_dtype", "dtype"]))
-    dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value)
+    legacy_attention = rules.decide_legacy_attention(facts, kv_mode, blockers)
+    dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value,
+                                        legacy_fa=legacy_attention is not None and legacy_attention.kernel == "fa")
     measured_source = None
     if readings is not None:
         dependencies, measured_source = apply_readings(dependencies, readings, req.device_readings, warnings,
@@ -250,6 +252,7 @@ def assemble(
         ),
         mla=mla,
         mtp=rules.decide_mtp(facts),
+        legacy_attention=legacy_attention,
         mixed_attn_types=mixed,
         layers=layers,
         parallel=parallel,
@@ -544,15 +547,17 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
     if kv_mode == "legacy":
         if facts.attn_logit_softcapping.value is not None:
             warnings.append(Finding(
-                message="FA has no soft-capping: the Legacy path keeps the model's own attention "
-                        "(SDPA/eager with tanh soft-cap); the fa/sparse_mode fields apply only if FA is used",
+                message="FA has no soft-capping: the Legacy render keeps the model's own eager attention with the "
+                        "tanh soft-cap (legacy_attention.kernel 'model'); the fa/sparse_mode fields apply to no call",
                 fields=[facts.attn_logit_softcapping.source],
             ))
         sliding = [layer.index for layer in layers if layer.is_sliding]
         if sliding:
             warnings.append(Finding(
-                message=f"Legacy sliding layers ({len(sliding)}): FA v1 on BSH ignores sparse_mode and pre_tokens "
-                        "at q_len 1, so decode must bound the keys to the window itself (slice the cache or mask)",
+                message=f"Legacy sliding layers ({len(sliding)}): whether BSH FA honours sparse_mode 4 / pre_tokens "
+                        "at q_len 1 is open (band_at_single_query), so the rendered Legacy decode bounds the keys to "
+                        "the window itself (FA: the cache sliced to the last W keys; model attention: its window "
+                        "mask); hand-written decode code must do the same",
                 fields=[facts.sliding_window.source],
             ))
     linear = [layer.index for layer in layers if layer.layer_kind == "linear"]
@@ -569,11 +574,28 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
         ))
 
 
+def _window_dependency(reading: str, sliding: list[int], where: str = "") -> DeviceDependency:
+    window = QUESTIONS["window_pre_tokens"]
+    other = window.alternatives(reading)[0]
+    return DeviceDependency(
+        question=window.name,
+        assumed=reading,
+        alternative=other,
+        consequence=f"under '{other}' the rendered pre_tokens admits one key too many or too few{where} "
+                    "(re-analyze with --window-reading to switch)",
+        layers=sliding,
+    )
+
+
 def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
-                         deploy_mode: str = "standalone") -> list[DeviceDependency]:
-    if kv_mode != "paged":
-        return []
+                         deploy_mode: str = "standalone", legacy_fa: bool = False) -> list[DeviceDependency]:
     sliding = [layer.index for layer in layers if layer.is_sliding]
+    if kv_mode != "paged":
+        # Legacy: the model's own attention calls no FA; a Legacy FA call bands its sliding prefill (its decode
+        # slices the last W keys itself, so band_at_single_query is no dependency).
+        if legacy_fa and sliding:
+            return [_window_dependency(reading, sliding, " (Legacy prefill; decode where the band is honoured)")]
+        return []
     out = []
     if sliding:
         band = QUESTIONS["band_at_single_query"]
@@ -584,16 +606,7 @@ def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
             consequence="if the band is ignored at q_len 1, decode reads the null block and out-of-window keys",
             layers=sliding,
         ))
-        window = QUESTIONS["window_pre_tokens"]
-        other = window.alternatives(reading)[0]
-        out.append(DeviceDependency(
-            question=window.name,
-            assumed=reading,
-            alternative=other,
-            consequence=f"under '{other}' the rendered pre_tokens admits one key too many or too few "
-                        "(re-analyze with --window-reading to switch)",
-            layers=sliding,
-        ))
+        out.append(_window_dependency(reading, sliding))
     out.append(DeviceDependency(
         question="null_block_contents",
         assumed="undefined (poisoned in validation)",

@@ -60,6 +60,11 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         ("部署模式", m.deploy_mode.value, _deploy_reason(m)),
         ("KV 模式", m.kv_mode.value, m.kv_mode.reason),
     ]
+    legacy = m.legacy_attention
+    if legacy is not None:
+        value = ("模型自身的 eager 注意力(不调用 FA" + (f",soft-cap {legacy.softcap:g}" if legacy.softcap is not None
+                                                        else "") + ")") if legacy.kernel == "model" else "BSH FA 调用"
+        rows.append(("Legacy 注意力", value, legacy.reason))
     if m.deploy_mode.value == "framework":
         rows.append(("框架 API 代际", m.framework_api or "未知(渲染默认 G2)", m.framework_api_evidence))
     for layer, idx in _layer_groups(m):

@@ -135,6 +135,20 @@ class MtpDecision(_Model):
     reason: str
 
 
+class LegacyAttention(_Model):
+    """How the Legacy path attends over its contiguous cache (SKILL.md: the model's own attention where FA
+    cannot express it)."""
+
+    kernel: Literal["fa", "model"] = Field(
+        description="fa: one BSH FA call over the cache; model: the model's own eager attention over the cache "
+                    "(a blocker says FA cannot express it), the fa/sparse_mode fields then apply to no call")
+    softcap: float | None = Field(
+        default=None, description="attn_logit_softcapping of the model: scores = tanh(scores / cap) * cap "
+                                  "after the scale, before the mask (kernel model only)")
+    alibi: bool = Field(default=False, description="the model adds an ALiBi position bias (kernel model only)")
+    reason: str
+
+
 class PerPath(_Model):
     prefill: int
     decode: int
@@ -281,7 +295,7 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype",)
+OMITTED_WHEN_UNSET = ("cache_dtype", "legacy_attention")
 
 
 class SelectionManifest(_Model):
@@ -296,6 +310,8 @@ class SelectionManifest(_Model):
     fa: FaDecision
     mla: MlaDecision
     mtp: MtpDecision | None = None
+    legacy_attention: LegacyAttention | None = Field(
+        default=None, description="Legacy only: whether the render calls FA or keeps the model's own attention")
     mixed_attn_types: bool
     layers: list[LayerPlan]
     parallel: ParallelPlan

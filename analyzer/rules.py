@@ -15,6 +15,7 @@ from model_infer_kvcache.analyzer.manifest import (
     CacheDtypeDecision,
     CacheSpec,
     Finding,
+    LegacyAttention,
     MaskPerPath,
     MlaDecision,
     MtpDecision,
@@ -115,6 +116,32 @@ def decide_kv_mode(blockers: list[Finding], starting_point: list[str], requested
         evidence,
         is_default=True,
     )
+
+
+def decide_legacy_attention(facts: ModelFacts, kv_mode: str, blockers: list[Finding]) -> LegacyAttention | None:
+    """How the Legacy path attends (SKILL.md, '第一层:快速选型': Legacy keeps the model's own attention).
+
+    Every blocker is something the FA path cannot express (soft-capping, ALiBi, a head_dim or head ratio FA
+    refuses, chunk boundaries, recurrent layers): with one, the render keeps the model's own eager attention
+    over the contiguous cache (the soft-cap and window applied there); an FA call would silently drop it.
+    Without a blocker (Legacy on the user's request) one BSH FA call computes the same attention.
+    """
+    if kv_mode != "legacy":
+        return None
+    softcap = facts.attn_logit_softcapping.value
+    if not blockers:
+        return LegacyAttention(kernel="fa", reason="no blocker: FA expresses the model's attention, one BSH FA "
+                                                   "call over the contiguous cache")
+    terms = []
+    if softcap is not None:
+        terms.append(f"soft-cap tanh(scores / {softcap:g}) * {softcap:g}")
+    if facts.alibi.value:
+        terms.append("ALiBi bias")
+    return LegacyAttention(
+        kernel="model", softcap=softcap, alibi=bool(facts.alibi.value),
+        reason="FA cannot express this attention (" + "; ".join(b.message for b in blockers) + "): the Legacy "
+               "path keeps the model's own eager attention over the contiguous cache (scores x scale"
+               + "".join(f", {t}" for t in terms) + ", causal and window mask, softmax, x V); no FA call")
 
 
 # ---------------------------------------------------------------- per-layer attention

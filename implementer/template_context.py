@@ -158,6 +158,9 @@ class RenderContext:
     sublayers: int
     mtp_layers: int
     names: Names
+    # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
+    legacy_kernel: str = ""
+    softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")
 
     @property
     def full(self) -> KindPlan | None:
@@ -187,6 +190,10 @@ class RenderContext:
     @property
     def scale_literal(self) -> str:
         return repr(float(self.scale))
+
+    @property
+    def softcap_literal(self) -> str:
+        return repr(float(self.softcap)) if self.softcap is not None else "None"
 
     @property
     def standalone_mode(self) -> int:
@@ -314,9 +321,30 @@ def _check_numbers(m: SelectionManifest) -> None:
         raise _bad("model.model_type", f"{m.model.model_type!r} is not a plain model type ([A-Za-z0-9_.-])")
 
 
+def _legacy_kernel(m: SelectionManifest) -> tuple[str, float | None]:
+    """(kernel, softcap) of a Legacy manifest; refuses what no Legacy template renders faithfully."""
+    if m.kv_mode.value != "legacy":
+        return "", None
+    legacy = m.legacy_attention
+    if legacy is None:
+        if m.blockers:  # a manifest written before the decision: FA would silently drop what blocks it
+            raise _bad("legacy_attention", "a blocked Legacy manifest without legacy_attention (written by an older "
+                                           "kvcache): re-run kvcache analyze so it says how the model attends")
+        return "fa", None
+    if legacy.alibi:
+        raise _bad("legacy_attention.alibi", "the model adds an ALiBi bias, whose convention is the family's own "
+                                             "(Falcon scales it with the scores, BLOOM does not): no template renders "
+                                             "it (an FA call would drop it); keep the model's own attention forward "
+                                             "over a contiguous cache written at kv_len by hand")
+    if legacy.kernel == "fa" and legacy.softcap is not None:
+        raise _bad("legacy_attention.kernel", "an FA call cannot apply the soft-cap: the kernel must be 'model'")
+    return legacy.kernel, legacy.softcap
+
+
 def build_context(m: SelectionManifest, names: Names, api_override: str | None = None) -> RenderContext:
     _check_layers(m)
     _check_numbers(m)
+    legacy_kernel, softcap = _legacy_kernel(m)
     kinds: dict[str, KindPlan] = {}
     for layer in m.layers:
         decode = _path(layer, False)
@@ -365,4 +393,6 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         sublayers=int(m.model.sublayers_per_layer),
         mtp_layers=int(m.model.num_mtp_layers),
         names=names.checked(),
+        legacy_kernel=legacy_kernel,
+        softcap=softcap,
     )

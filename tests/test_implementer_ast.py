@@ -51,6 +51,15 @@ def manifest(case_id: str):
     return load_manifest(CASES[case_id].dir / golden.MANIFEST_FILE)
 
 
+def own_attention(m) -> bool:
+    """A Legacy render that keeps the model's own attention (FA cannot express it): no FA call to check."""
+    return m.legacy_attention is not None and m.legacy_attention.kernel == "model"
+
+
+FA_CASES = [cid for cid in CASES if not own_attention(manifest(cid))]
+OWN_ATTENTION_CASES = [cid for cid in CASES if own_attention(manifest(cid))]
+
+
 @cache
 def tree(case_id: str, name: str = "kvcache_attention.py") -> ast.Module:
     path = CASES[case_id].dir / name
@@ -104,6 +113,8 @@ def _condition(test: ast.expr, attn_type: str, is_prefill: bool, verify: bool = 
     text = ast.unparse(test)
     if text == "forward_metadata.is_prefill":
         return is_prefill
+    if text == "self.sliding_window and (not forward_metadata.is_prefill)":  # Legacy decode slices the window
+        return attn_type == "SlidingWindow" and not is_prefill
     if _VERIFY_TEST.fullmatch(text):  # more query tokens than requests: a speculative-decode verify step
         return verify
     if (isinstance(test, ast.Compare) and ast.unparse(test.left) == "self.attn_type" and len(test.ops) == 1
@@ -219,7 +230,7 @@ def test_every_npu_call_uses_real_schema_names(case_id):
         assert not {a["name"] for a in positional[: len(call.args)]} & set(kwargs(call)), op
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", FA_CASES)
 def test_fa_call_uses_only_its_versions_argument_names(case_id):
     m = manifest(case_id)
     module = tree(case_id)
@@ -241,7 +252,7 @@ def test_fa_call_uses_only_its_versions_argument_names(case_id):
         assert len(call.args) == 3  # query, key, value
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", FA_CASES)
 def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
     m = manifest(case_id)
     module = tree(case_id)
@@ -276,7 +287,7 @@ def test_fa_scale_heads_and_layout_come_from_the_manifest(case_id):
         assert consts["BLOCK_SIZE"] == m.block_size
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", FA_CASES)
 def test_prefill_and_decode_pass_the_manifests_sparse_modes_per_layer_kind(case_id):
     m = manifest(case_id)
     module = tree(case_id)
@@ -298,7 +309,7 @@ def test_prefill_and_decode_pass_the_manifests_sparse_modes_per_layer_kind(case_
             assert ast.literal_eval(got["next_tokens"]) == 0, where
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", FA_CASES)
 def test_verify_steps_pass_the_manifests_mtp_plan(case_id):
     """Decode with q_len = 1 + next_n: non-sliding layers take the manifest's mtp sparse_mode and mask
     (DeepSeek-V3: 3 + causal mask, where q_len 1 keeps 0 without mask); other manifests, or sliding
@@ -336,7 +347,7 @@ def test_block_table_and_slot_mapping_are_indexed_by_the_layers_key(case_id):
     reads = [n for n in ast.walk(module) if isinstance(n, ast.Attribute) and n.attr in ("block_table", "slot_mapping")
              and ast.unparse(n.value) == "forward_metadata"]
     if m.kv_mode.value == "legacy":
-        assert not reads and "block_table" not in kwargs(npu_calls(module, FA_OPS)[0])
+        assert not reads and all("block_table" not in kwargs(c) for c in npu_calls(module, FA_OPS))
         return
     assert {n.attr for n in reads} == {"block_table", "slot_mapping"}
     for node in reads:
@@ -467,5 +478,48 @@ def test_init_sets_each_layers_kind_window_and_band_from_the_manifest(case_id):
                 attn.init_kv_cache(plan.index)
             assert attn.attn_type == plan.attn_type == plan.group_key, plan.index
             assert attn.sliding_window == plan.sliding_window, plan.index
-            if plan.attn_type == "SlidingWindow":
+            if plan.attn_type == "SlidingWindow" and not own_attention(m):
                 assert attn.window_pre_tokens == plan.pre_tokens, plan.index
+            elif own_attention(m):  # the model's own attention masks the window itself: no FA band
+                assert not hasattr(attn, "window_pre_tokens"), plan.index
+
+
+# ----------------------------------------------------------------------------- Legacy attention
+
+
+@pytest.mark.parametrize("case_id", OWN_ATTENTION_CASES)
+def test_own_attention_render_calls_no_fa_and_applies_the_manifests_soft_cap(case_id):
+    """FA cannot express the model's attention (Gemma-2's soft-cap): the render reads the cache with the model's
+    own attention, capping the scaled scores with the manifest's value before the mask."""
+    m = manifest(case_id)
+    module = tree(case_id)
+    consts = constants(module)
+    assert npu_calls(module, FA_OPS) == []
+    assert consts["ATTN_LOGIT_SOFTCAPPING"] == m.legacy_attention.softcap
+    assert consts["SOFTMAX_SCALE"] == m.fa.softmax_scale
+    assert "WINDOW_PRE_TOKENS_OFFSET" not in consts  # no FA band: the window is masked by the render itself
+    func = functions(module)["legacy_attention"]
+    tanh = [n for n in ast.walk(func) if isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.tanh"]
+    assert len(tanh) == 1 and ast.unparse(tanh[0].args[0]) == "scores / ATTN_LOGIT_SOFTCAPPING"
+    source = ast.unparse(func)
+    assert "* SOFTMAX_SCALE" in source and "self.sliding_window" in source
+
+
+LEGACY_FA_SLIDING = [cid for cid in FA_CASES if manifest(cid).kv_mode.value == "legacy"
+                     and any(layer.is_sliding for layer in manifest(cid).layers)]
+
+
+@pytest.mark.parametrize("case_id", LEGACY_FA_SLIDING)
+def test_legacy_fa_decode_reads_only_the_window_it_slices(case_id):
+    """The Legacy BSH decode of a sliding layer bounds its keys itself (band_at_single_query is open): the FA
+    call reads the cache and KV lengths that the decode branch cut to the last W keys."""
+    func = functions(tree(case_id))["legacy_attention"]
+    branch = [n for n in ast.walk(func) if isinstance(n, ast.If)
+              and ast.unparse(n.test) == "self.sliding_window and (not forward_metadata.is_prefill)"]
+    assert len(branch) == 1
+    body = "\n".join(ast.unparse(stmt) for stmt in branch[0].body)
+    assert "start = max(int(kv_lens.min()) - self.sliding_window, 0)" in body
+    assert "k_cache, v_cache, kv_lens = (k_cache[:, start:], v_cache[:, start:], kv_lens - start)" in body
+    call = npu_calls(func, FA_OPS)[0]
+    assert [ast.unparse(a) for a in call.args[1:]] == ["k_cache", "v_cache"]
+    assert ast.unparse(kwargs(call)[FA_KEYWORDS[manifest(case_id).fa.version].kv_lens]) == "kv_lens"

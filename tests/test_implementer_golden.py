@@ -96,5 +96,9 @@ def test_cases_cover_the_acceptance_matrix():
         assert m.mla.enabled and m.mla.absorb and (m.model.mla.q_lora_rank is not None) == q_lora
     legacy = one("gemma2_legacy")
     assert legacy.kv_mode.value == "legacy" and legacy.blockers and kinds(legacy) == {"FullAttention", "SlidingWindow"}
-    assert all(m.kv_mode.value == "paged" and not m.blockers for n, modes in by_model.items()
-               for m in modes.values() if n != "gemma2_legacy")
+    assert legacy.legacy_attention.kernel == "model" and legacy.legacy_attention.softcap == 50.0
+    requested = one("gemma3_legacy")  # Legacy on the user's request: one BSH FA call
+    assert requested.kv_mode.value == "legacy" and not requested.blockers and requested.legacy_attention.kernel == "fa"
+    assert kinds(requested) == {"FullAttention", "SlidingWindow"}
+    assert all(m.kv_mode.value == "paged" and not m.blockers and m.legacy_attention is None
+               for n, modes in by_model.items() for m in modes.values() if not n.endswith("_legacy"))

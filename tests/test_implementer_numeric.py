@@ -101,6 +101,9 @@ class Model:
             d = manifest.model.mla
             self.lora, self.rope, self.nope, self.vdim = d.kv_lora_rank, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim
         self.sinks = self._rand(self.heads) if manifest.model.has_sinks else None
+        legacy = manifest.legacy_attention
+        # The model's own soft-cap (Gemma-2): the Legacy render keeps it, so the reference applies it too.
+        self.softcap = legacy.softcap if legacy is not None else None
 
     def _rand(self, *shape, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, dtype=torch.float32) * scale
@@ -128,7 +131,9 @@ class Model:
             got = layer.attn.kv_cache_attention(q_nope, q_pe, ckv, cos.float(), sin.float(), fm)
             q, k, v = self._expanded_mla(layer.attn, q_nope, q_pe, ckv, cos, sin)
         else:
-            q = self._rand(t, self.heads, self.dim, scale=0.5)
+            # Scores of the soft-cap's size (std ~ cap), so that dropping the cap shows; else O(1) scores.
+            q_scale = 0.5 if self.softcap is None else 2 * self.softcap / (self.scale * self.dim ** 0.5)
+            q = self._rand(t, self.heads, self.dim, scale=q_scale)
             k = self._rand(t, self.kv_heads, self.dim, scale=0.5)
             v = self._rand(t, self.kv_heads, self.dim)
             if bsh:
@@ -198,6 +203,8 @@ class Model:
                 keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
             vals = vals.transpose(0, 1)  # [N, K, Dv]
             scores = torch.einsum("qnd,knd->qnk", q[rows], keys) * self.scale
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
             out[rows] = self._attend(scores, self._visible(layer, pos, keys.shape[0]), vals)
         return out
 
@@ -220,8 +227,9 @@ def _layers(code, model: Model, manifest) -> list[Layer]:
         attn.init_kv_cache(idx, torch.float32)
         want = manifest.layers[idx]
         assert attn.attn_type == want.attn_type == want.group_key, (idx, attn.attn_type, want.attn_type)
-        if want.attn_type == "SlidingWindow":
-            # The band admits W keys including the query under the manifest's reading (exclusive).
+        if want.attn_type == "SlidingWindow" and hasattr(mod, "WINDOW_PRE_TOKENS_OFFSET"):
+            # The band admits W keys including the query under the manifest's reading (exclusive); a render
+            # with the model's own attention masks the window itself (no band).
             assert attn.window_pre_tokens == WINDOW - (want.sliding_window - want.pre_tokens)
         layers.append(Layer(attn, want.attn_type == "SlidingWindow"))
     return layers
@@ -353,21 +361,20 @@ def test_framework_sliding_prefill_of_two_long_prompts_in_one_step():
     assert worst[1] <= TOL, worst
 
 
-def test_legacy_standalone_runner_matches_dense_reference():
-    """Mode 1 (contiguous BSH cache, scatter_update_ at the runner's kv_len) with per-kind bands."""
+def run_legacy_standalone(case_dir: Path, batch: int = 2, prompt: int = 70) -> list[tuple[str, float]]:
+    """Mode 1 (contiguous BSH cache, scatter_update_ at the runner's kv_len): per step and layer, the largest
+    difference from the dense reference. ``prompt`` > WINDOW: the sliding layer's window cuts the prefill and
+    every decode."""
     from model_infer_kvcache.analyzer.manifest_io import load_manifest
     from model_infer_kvcache.validators.npu_ops import install_emulation
     from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 
-    case = _case("gemma2_legacy", "standalone")
-    manifest = load_manifest(case.dir / golden.MANIFEST_FILE)
-    batch, prompt = 2, 70  # 70 > WINDOW: the sliding layer's band cuts the prefill and every decode
+    manifest = load_manifest(case_dir / golden.MANIFEST_FILE)
     errors = []
     with install_emulation():
-        code = import_rendered(case.dir)
+        code = import_rendered(case_dir)
         model = Model(manifest)
         layers = _layers(code, model, manifest)
-        assert sorted(layer.sliding for layer in layers) == [False, True]
         runner = type("RunnerUnderTest", (code.runner_mixin(),), {})()
         runner._init_kvcache([layer.attn for layer in layers], batch, MAX_LEN, cache_dtype=torch.float32)
         for layer in layers:
@@ -386,8 +393,70 @@ def test_legacy_standalone_runner_matches_dense_reference():
                 errors.append((f"step {index} layer {i}", err))
             runner._advance_kv_len(fm)
         assert runner.kv_len.tolist() == [prompt + DECODE_STEPS] * batch
-    worst = max(errors, key=lambda e: e[1])
+    return errors
+
+
+def test_legacy_standalone_runner_matches_dense_reference():
+    """Gemma-2's Legacy render: the model's own attention (soft-cap, per-kind window) over the runner's cache."""
+    case = _case("gemma2_legacy", "standalone")
+    text = (case.dir / "kvcache_attention.py").read_text(encoding="utf-8")
+    assert "ATTN_LOGIT_SOFTCAPPING = 50.0" in text and "npu_fused_infer_attention_score" not in text
+    worst = max(run_legacy_standalone(case.dir), key=lambda e: e[1])
     assert worst[1] <= TOL, worst
+
+
+def test_legacy_render_without_the_soft_cap_leaves_the_reference(tmp_path):
+    """Negative control: the same render with its soft-cap switched off is far from the soft-capped model."""
+    import shutil
+
+    case = _case("gemma2_legacy", "standalone")
+    shutil.copytree(case.dir, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "kvcache_attention.py"
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("ATTN_LOGIT_SOFTCAPPING = 50.0", "ATTN_LOGIT_SOFTCAPPING = None"), encoding="utf-8")
+    worst = max(run_legacy_standalone(tmp_path, prompt=70), key=lambda e: e[1])
+    assert worst[1] > 100 * TOL, worst
+
+
+def _legacy_fa_sliding_render(tmp_path: Path) -> Path:
+    """Mistral kept Legacy on request (--kv-mode legacy): every layer sliding, one BSH FA call each."""
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    m = analyze(AnalyzeRequest(config=str(ROOT / "tests" / "fixtures" / "configs" / "mistral_7b_v01.json"),
+                               deploy_mode="standalone", kv_mode="legacy"))
+    assert m.legacy_attention.kernel == "fa" and all(layer.is_sliding for layer in m.layers)
+    (tmp_path / golden.MANIFEST_FILE).write_text(m.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(m), tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("band", ["honoured", "ignored"])
+def test_legacy_fa_decode_bounds_its_keys_whatever_the_band_reading(tmp_path, band):
+    """The Legacy BSH decode slices the last W keys itself: right whether or not FA honours the band at q_len 1."""
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings, device_readings
+
+    rendered = _legacy_fa_sliding_render(tmp_path)
+    with device_readings(DeviceReadings(band_at_single_query=band)):
+        worst = max(run_legacy_standalone(rendered, prompt=90), key=lambda e: e[1])
+    assert worst[1] <= TOL, worst
+
+
+def test_legacy_fa_decode_without_the_slice_needs_the_band(tmp_path):
+    """Negative control: the same decode reading the whole cache is wrong once the band is ignored at q_len 1."""
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings, device_readings
+
+    rendered = _legacy_fa_sliding_render(tmp_path)
+    path = rendered / "kvcache_attention.py"
+    text = path.read_text(encoding="utf-8")
+    sliced = "k_cache, v_cache, kv_lens = k_cache[:, start:], v_cache[:, start:], kv_lens - start"
+    assert sliced in text
+    path.write_text(text.replace(sliced, "pass"), encoding="utf-8")
+    with device_readings(DeviceReadings(band_at_single_query="honoured")):
+        assert max(e for _, e in run_legacy_standalone(rendered, prompt=90)) <= TOL
+    with device_readings(DeviceReadings(band_at_single_query="ignored")):
+        worst = max(run_legacy_standalone(rendered, prompt=90), key=lambda e: e[1])
+    assert worst[1] > 100 * TOL, worst
 
 
 @pytest.mark.parametrize("reading", ["inclusive"])  # 'exclusive' is the goldens' reading, tested above

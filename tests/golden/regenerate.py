@@ -52,7 +52,8 @@ MODELS = (
     Model("mistral", "tests/fixtures/configs/mistral_7b_v01.json"),
     Model("deepseek_v3", "tests/fixtures/configs/deepseek_v3.json"),
     Model("deepseek_v2_lite", "tests/fixtures/configs/deepseek_v2_lite.json"),
-    Model("gemma2_legacy", "tests/fixtures/configs/gemma2_9b.json", allow_blocked=True),  # soft-capping
+    Model("gemma2_legacy", "tests/fixtures/configs/gemma2_9b.json", allow_blocked=True),  # soft-capping: own attention
+    Model("gemma3_legacy", "tests/fixtures/configs/gemma3_4b.json", ("--kv-mode", "legacy")),  # Legacy FA (BSH)
 )
 MODES = {
     "framework_g1": ("--deploy-mode", "framework", "--framework-api", "G1"),

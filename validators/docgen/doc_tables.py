@@ -132,12 +132,27 @@ def kind_manifest(key: str, framework_api: str | None = "G2", deploy_mode: str |
     return assemble(facts, ProgressFacts(), parse_dispatch(None), None, req)
 
 
+def _attention_text(m) -> str:
+    """The FA cell: the version, or (Legacy kernel 'model') the model's own attention and whether it renders."""
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    legacy = m.legacy_attention
+    if legacy is None or legacy.kernel == "fa":
+        return m.fa.version
+    try:
+        render_manifest(m, allow_blocked=True)
+    except InputError:
+        return "不用 FA:模型自身注意力(模板不渲染,手写)"
+    return "不用 FA:模型自身 eager 注意力" + ("(含 soft-cap)" if legacy.softcap is not None else "") + ",已渲染"
+
+
 def model_kinds_table() -> str:
     rows = []
     for kind in MODEL_KINDS:
         m = kind_manifest(kind.key)
         attn = " + ".join(sorted({layer.attn_type for layer in m.layers}))
-        rows.append([kind.label, kind.examples, m.kv_mode.value, attn, m.fa.version, m.fa.input_layout,
+        rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), m.fa.input_layout,
                      "是" if m.mla.absorb else "否", "是" if m.mixed_attn_types else "否",
                      f"`{m.layers[0].write_op}`"])
     return _table(["模型形态", "例子", "KV 模式", "attn_type", "FA", "input_layout", "MLA absorb",

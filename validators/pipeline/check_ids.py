@@ -68,6 +68,7 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V217", "runtime", "cache writes use the layer's own group's slot_mapping"),
     CheckDef("V218", "runtime", "every cache entry is written every step"),
     CheckDef("V219", "runtime", "decode padded to the per-DP batch size; padded rows write only the null block"),
+    CheckDef("V220", "runtime", "the Legacy render keeps the model's own attention (no FA call)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

@@ -2,6 +2,8 @@
 
 Standalone mode uses the rendered runner (mode 1); framework mode preallocates
 ``[batch, max_seq_len, *cache_unit]`` per cache the way the framework does for Legacy layers.
+Where FA cannot express the model's attention (``legacy_attention.kernel`` 'model') the render reads the
+cache with the model's own attention: its calls are judged by the absence of FA, not by FA's arguments.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ class _FrameworkLegacy:
 
     def _advance_kv_len(self, fm):
         self.kv_len.copy_(fm.actual_seq_lengths_kv)
+
+
+MODEL_ATTENTION_CHECK = "the Legacy render keeps the model's own attention (no FA call)"
+
+
+def check_no_fa_call(report: Report, fa_calls: list[dict]) -> None:
+    """legacy_attention.kernel 'model': FA cannot express the model's attention (soft-cap, ...), so the render
+    must read its cache with the model's own attention; an FA call there drops what blocks FA."""
+    where = sorted({f"step {c['step']} layer {c['layer']}" for c in fa_calls})
+    report.add(MODEL_ATTENTION_CHECK, "runtime", not fa_calls,
+               detail=(f"{fa_calls[0]['op']} called at " + ", ".join(where[:3])) if fa_calls else "",
+               fa_calls=len(fa_calls))
 
 
 def prompt_length(scenario: Scenario) -> int:
@@ -94,5 +108,9 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
         pos = (runner.kv_len.clone())[:, None]
         fm = runner._build_forward_metadata()
     tracker.check_runtime(report, manifest, dict.fromkeys(range(ROWS), prompt))
-    check_fa_calls(report, manifest, host.probe.fa_calls)
+    legacy = manifest.legacy_attention
+    if legacy is not None and legacy.kernel == "model":
+        check_no_fa_call(report, host.probe.fa_calls)
+    else:
+        check_fa_calls(report, manifest, host.probe.fa_calls)
     tracker.check_numeric(report, {b: seqs[b][:-1] for b in range(ROWS)})

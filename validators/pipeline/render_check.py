@@ -25,6 +25,8 @@ def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
                                                       else m.dtype)}
     if manifest.kv_mode.value == "paged":
         want["BLOCK_SIZE"] = manifest.block_size
+    if manifest.legacy_attention is not None and manifest.legacy_attention.kernel == "model":
+        want["ATTN_LOGIT_SOFTCAPPING"] = manifest.legacy_attention.softcap
     if m.mla:
         want.update(KV_LORA_RANK=m.mla.kv_lora_rank, QK_ROPE_HEAD_DIM=m.mla.qk_rope_head_dim,
                     QK_NOPE_HEAD_DIM=m.mla.qk_nope_head_dim, V_HEAD_DIM=m.mla.v_head_dim)

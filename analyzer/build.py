@@ -259,6 +259,7 @@ def assemble(
         block_size=req.block_size,
         memory=memory_plan,
         cache_dtype=cache_dtype,
+        dsa=rules.decide_dsa(facts, parallel, cache_dtype.value if cache_dtype else None),
         device_dependencies=dependencies,
         device_readings=measured_source,
         open_questions=questions,
@@ -433,7 +434,7 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
     for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
         kind, w, full_reason = rules.planned_layer_kind(config_kind, window, facts.max_position_embeddings.value)
         attn_type = rules.decide_attn_type(kind)
-        caches = rules.decide_caches(facts, parallel, kv_mode, kind, cache_dtype)
+        caches = rules.decide_caches(facts, parallel, kv_mode, kind, cache_dtype, decoder_idx)
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason

@@ -23,6 +23,9 @@ T = TypeVar("T")
 # model_type -> the code family whose attention it follows.
 FAMILY_OF = {
     "kimi_k2": "deepseek_v3",
+    # DeepSeek sparse attention: DeepSeek's MLA (same scale rule) plus an indexer (ModelFacts.dsa).
+    "deepseek_v32": "deepseek_v3",
+    "glm_moe_dsa": "deepseek_v3",
     "qwen3_moe": "qwen3",
     "qwen2_moe": "qwen2",
     "llama4_text": "llama4",
@@ -42,6 +45,9 @@ NESTED_SECTIONS = ("text_config", "language_config", "llm_config")
 _LAYER_TYPE_KIND = {
     "full_attention": "full",
     "attention": "full",
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): full attention over the keys an indexer selects;
+    # the cache grows like full attention's (plus the indexer key cache, ModelFacts.dsa).
+    "indexed_attention": "full",
     "sliding_attention": "sliding",
     "chunked_attention": "chunked",
     "linear_attention": "linear",
@@ -109,6 +115,22 @@ class Sourced(Generic[T]):
 
 
 @dataclass(frozen=True)
+class DsaFacts:
+    """DeepSeek sparse attention: a lightning indexer picks ``index_topk`` cached keys per query.
+
+    ``own_indexer[i]``: decoder layer i runs its own indexer and so writes its own indexer keys; a
+    "shared" layer (GLM-5 ``indexer_types``) reuses the previous indexer layer's selection and keeps no
+    indexer key cache.
+    """
+
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    own_indexer: tuple[bool, ...]
+    sources: str
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     path: str
     model_type: str
@@ -136,6 +158,7 @@ class ModelFacts:
     notes: list[str] = field(default_factory=list)
     max_position_embeddings: Sourced[int | None] = Sourced(None, "default: not in config")
     attention_multiplier: Sourced[float | None] = Sourced(None, "default: none")
+    dsa: Sourced[DsaFacts | None] = Sourced(None, "default: no index_topk (dense attention)")
 
     @property
     def is_mla(self) -> bool:
@@ -383,6 +406,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         raise InputError(where, f"must be positive, got {multiplier.value!r}", field=multiplier.source)
     if qpas.value is not None and qpas.value <= 0:
         raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
+    dsa = _dsa(r, mla, num_layers.value)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
@@ -414,6 +438,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         notes=notes,
         max_position_embeddings=max_pos,
         attention_multiplier=multiplier,
+        dsa=dsa,
     )
 
 
@@ -448,6 +473,39 @@ def _mla_dims(r: _Reader) -> Sourced[MlaDims | None]:
         **need,
     )
     return Sourced(dims, f"{hit[1]} (+ qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)")
+
+
+def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int) -> Sourced[DsaFacts | None]:
+    """DSA from ``index_topk`` / ``index_n_heads`` / ``index_head_dim`` (+ GLM-5's ``indexer_types``)."""
+    topk = r.positive_int("index_topk", required=False, maximum=LIMITS["positions"])
+    if topk is None:
+        return Sourced(None, "default: no index_topk (dense attention)")
+    if mla.value is None:
+        raise InputError(r.where, "index_topk without kv_lora_rank: DeepSeek sparse attention is known over MLA "
+                                  "only (DeepSeek-V3.2, GLM-5); kvcache does not know this layout", field=topk.source)
+    heads = r.positive_int("index_n_heads", maximum=LIMITS["heads"])
+    dim = r.positive_int("index_head_dim", maximum=LIMITS["head_dim"])
+    rope = mla.value.qk_rope_head_dim
+    if dim.value < rope:
+        raise InputError(r.where, f"{dim.value} is smaller than qk_rope_head_dim {rope}: the indexer rotates the "
+                                  "first qk_rope_head_dim dims of its keys", field=dim.source)
+    own, how = (True,) * num_layers, "every layer runs its indexer"
+    hit = r.get("indexer_types")
+    if hit is not None:
+        raw, src = hit
+        if not isinstance(raw, list) or len(raw) != num_layers:
+            raise InputError(r.where, f"must list one indexer type per layer ({num_layers}), got {_shown(raw)}",
+                             field=src)
+        for i, t in enumerate(raw):
+            if t not in ("full", "shared"):
+                raise InputError(r.where, f"must be 'full' or 'shared', got {_shown(t)}", field=f"{src}[{i}]")
+        if raw[0] == "shared":
+            raise InputError(r.where, "the first layer cannot reuse a previous layer's selection", field=f"{src}[0]")
+        own = tuple(t == "full" for t in raw)
+        how = f"{src}: {sum(own)} layers run their indexer, {num_layers - sum(own)} reuse the previous selection"
+    facts = DsaFacts(index_topk=topk.value, index_n_heads=heads.value, index_head_dim=dim.value, own_indexer=own,
+                     sources=f"{topk.source}, {heads.source}, {dim.source}; {how}")
+    return Sourced(facts, topk.source)
 
 
 def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None]) -> Sourced[int]:

@@ -109,6 +109,12 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     if m.cache_dtype is not None:
         rows.append(("cache dtype", f"{m.cache_dtype.value}(config: {m.cache_dtype.config_dtype})",
                      m.cache_dtype.reason))
+    if m.dsa is not None:
+        d = m.dsa
+        shared = f", {len(d.shared_layers)} 层复用上一层的选择" if d.shared_layers else ""
+        rows.append(("DSA 稀疏注意力", f"index_topk={d.index_topk}, indexer_key_cache {d.indexer_cache.dim}x1 "
+                     f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
+                     f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}"))
     return rows
 
 

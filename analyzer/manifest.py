@@ -178,6 +178,32 @@ class CacheDtypeDecision(_Model):
     reason: str
 
 
+INDEXER_KEY_CACHE = "indexer_key_cache"
+
+
+class DsaDecision(_Model):
+    """DeepSeek sparse attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-5 ``glm_moe_dsa``): per query, a lightning
+    indexer scores every cached key of the request and attention reads only the top ``index_topk``.
+
+    Its own cache kind: the indexer key cache, one single-head row of ``index_head_dim`` per token, in the same
+    manager group and blocks as the layer's MLA caches (upstream ``CacheEntry("indexer_key_cache")``), written
+    every step by each layer that runs its indexer; a "shared" layer reuses the previous selection and keeps none.
+    """
+
+    index_topk: int = Field(ge=1, description="keys selected per query (sequences up to this length attend densely)")
+    index_n_heads: int = Field(ge=1, description="indexer query heads (all ranks)")
+    index_n_heads_per_rank: int = Field(ge=1, description="indexer query heads on one attention-TP rank")
+    index_head_dim: int = Field(ge=1)
+    indexer_cache: CacheSpec = Field(description="the indexer key cache entry of every layer that runs its indexer")
+    indexer_layers: list[int] = Field(description="decoder layers that run their own indexer (and cache its keys)")
+    shared_layers: list[int] = Field(default_factory=list,
+                                     description="decoder layers reusing the previous indexer layer's selection")
+    key_transform: str = Field(description="what an indexer key is before it is cached")
+    selection: str = Field(description="how the top-k keys are chosen")
+    source: str
+    reason: str
+
+
 class LayerPlan(_Model):
     index: int = Field(description="cache-layer index (sublayers flattened)")
     decoder_layer: int
@@ -295,7 +321,7 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "legacy_attention")
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention")
 
 
 class SelectionManifest(_Model):
@@ -321,6 +347,8 @@ class SelectionManifest(_Model):
     cache_dtype: CacheDtypeDecision | None = Field(
         default=None, description="--cache-dtype: caches planned in this dtype instead of the config's; "
                                   "absent: the config's dtype")
+    dsa: DsaDecision | None = Field(
+        default=None, description="DeepSeek sparse attention: the indexer key cache and top-k selection; absent: dense")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")
@@ -430,6 +458,7 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         if layer.next_tokens != 0:
             out.append((f"{where}.next_tokens", f"{layer.next_tokens} must be 0 (causal attention sees no key "
                                                 "after the query)"))
+    out.extend(_dsa_problems(m))
     legacy = m.legacy_attention
     if legacy is not None and m.kv_mode.value != "legacy":
         out.append(("legacy_attention", f"set on a {m.kv_mode.value} manifest (Legacy only)"))
@@ -442,6 +471,22 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         out.append(("fa.softmax_scale", f"{m.fa.softmax_scale!r} contradicts its derivation "
                                         f"'{m.fa.scale_derivation}' = {scale:.8g}"))
     return out
+
+
+def _dsa_problems(m: SelectionManifest) -> list[tuple[str, str]]:
+    """The indexer key cache sits on exactly the layers that run their indexer (a hand edit that drops it
+    leaves the indexer reading keys nobody wrote)."""
+    own = set(m.dsa.indexer_layers) if m.dsa else set()
+    for i, layer in enumerate(m.layers):
+        names = [c.name for c in layer.caches]
+        has = INDEXER_KEY_CACHE in names
+        if has != (layer.decoder_layer in own):
+            why = ("runs its indexer but has no indexer_key_cache entry" if not has
+                   else "has an indexer_key_cache entry but runs no indexer" + ("" if m.dsa else " (no dsa section)"))
+            return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} {why}")]
+        if has and m.dsa and layer.caches[names.index(INDEXER_KEY_CACHE)] != m.dsa.indexer_cache:
+            return [(f"layers[{i}].caches", "the indexer_key_cache entry differs from dsa.indexer_cache")]
+    return []
 
 
 def _derived_scale(derivation: str) -> float | None:

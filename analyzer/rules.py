@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
 from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed, spec_for_layer_kind, token_bytes
 from model_infer_kvcache.analyzer.manifest import (
+    INDEXER_KEY_CACHE,
     CacheDtypeDecision,
     CacheSpec,
+    DsaDecision,
     Finding,
     LegacyAttention,
     MaskPerPath,
@@ -340,6 +342,9 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
     out = []
     if heads % tp:
         out.append(f"{heads} query heads are not divisible by attn_tp_size {tp}")
+    dsa = facts.dsa.value
+    if dsa and dsa.index_n_heads % tp:
+        out.append(f"{dsa.index_n_heads} indexer heads (index_n_heads) are not divisible by attn_tp_size {tp}")
     if not facts.is_mla:
         if kv >= tp and kv % tp:
             out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
@@ -349,11 +354,12 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
 
 
 def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer_kind: str = "full",
-                  dtype: str | None = None) -> list[CacheSpec]:
+                  dtype: str | None = None, decoder_layer: int | None = None) -> list[CacheSpec]:
     """KV cache entries of one layer (references/framework.md, 'cache_entries(每个 attention 层)'); per rank, in the
     model dtype (``dtype``: the one --cache-dtype asked for instead).
 
-    Linear-attention layers keep a fixed-size recurrent state, not a per-token KV cache: no entries.
+    Linear-attention layers keep a fixed-size recurrent state, not a per-token KV cache: no entries. A DSA layer
+    that runs its indexer (``decoder_layer`` in the config's indexer layers) adds the indexer key cache.
     """
     if layer_kind == "linear":
         return []
@@ -361,8 +367,12 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
     if facts.is_mla:
         mla = facts.mla.value
         # The latent is shared by all heads and never split by attention TP.
-        return [CacheSpec(name="nope_cache", dim=mla.kv_lora_rank, num_head=1, dtype=dtype),
-                CacheSpec(name="rope_cache", dim=mla.qk_rope_head_dim, num_head=1, dtype=dtype)]
+        caches = [CacheSpec(name="nope_cache", dim=mla.kv_lora_rank, num_head=1, dtype=dtype),
+                  CacheSpec(name="rope_cache", dim=mla.qk_rope_head_dim, num_head=1, dtype=dtype)]
+        dsa = facts.dsa.value
+        if dsa and decoder_layer is not None and dsa.own_indexer[decoder_layer]:
+            caches.append(indexer_cache(dsa, dtype))
+        return caches
     n, d = parallel.num_kv_heads_per_rank, facts.head_dim.value
     if kv_mode == "legacy":
         # cache_unit = (num_kv_heads_per_rank * head_dim,): one BSH row per token.
@@ -370,6 +380,44 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
                 CacheSpec(name="v_cache", dim=n * d, num_head=1, dtype=dtype)]
     return [CacheSpec(name="k_cache", dim=d, num_head=n, dtype=dtype),
             CacheSpec(name="v_cache", dim=d, num_head=n, dtype=dtype)]
+
+
+def indexer_cache(dsa, dtype: str) -> CacheSpec:
+    """The indexer key cache entry (upstream deepseek_v3_2_exp: ``CacheEntry("indexer_key_cache", dim=index_head_dim,
+    num_head=1)`` in the nope cache's dtype, unquantized path): one key per token, shared by all indexer heads, so
+    attention TP never splits it."""
+    return CacheSpec(name=INDEXER_KEY_CACHE, dim=dsa.index_head_dim, num_head=1, dtype=dtype)
+
+
+def decide_dsa(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = None) -> DsaDecision | None:
+    """DeepSeek sparse attention: the indexer key cache and the top-k selection, from the config's index_* fields
+    (transformers ``deepseek_v32`` / ``glm_moe_dsa``: ``DeepseekV32Indexer``); None for dense attention."""
+    dsa = facts.dsa.value
+    if dsa is None:
+        return None
+    tp = parallel.attn_tp_size
+    rope = facts.mla.value.qk_rope_head_dim
+    own = [i for i, runs in enumerate(dsa.own_indexer) if runs]
+    shared = [i for i, runs in enumerate(dsa.own_indexer) if not runs]
+    return DsaDecision(
+        index_topk=dsa.index_topk,
+        index_n_heads=dsa.index_n_heads,
+        index_n_heads_per_rank=dsa.index_n_heads // tp,
+        index_head_dim=dsa.index_head_dim,
+        indexer_cache=indexer_cache(dsa, dtype or facts.dtype.value),
+        indexer_layers=own,
+        shared_layers=shared,
+        key_transform=f"k = LayerNorm(wk(hidden_states)) (eps 1e-6), then half-split (not interleaved, unlike the "
+                      f"MLA rope) RoPE on its first {rope} dims, then written at the token's slot: a key cached "
+                      "before its RoPE scores every later query wrongly",
+        selection=f"per query: score_t = sum over indexer heads of weight_h * relu(q_h . k_t) * "
+                  f"{dsa.index_head_dim}^-0.5, over that request's own causal keys only; the top "
+                  f"{dsa.index_topk} keys (all of them while the sequence is shorter) feed the MLA attention",
+        source=dsa.sources,
+        reason=f"index_topk {dsa.index_topk} in the config: dense attention would read every key and differ from "
+               f"the model for any sequence longer than {dsa.index_topk}; the indexer keys need their own cache "
+               f"entry ({dsa.index_head_dim} x 1 head per token) in the layer's blocks",
+    )
 
 
 def decide_cache_dtype(facts: ModelFacts, requested: str | None) -> CacheDtypeDecision | None:

@@ -45,6 +45,17 @@ class Rendered:
     context: RenderContext
 
 
+def check_renderable(manifest: SelectionManifest, flag: str = "--manifest") -> None:
+    """Refuse a manifest whose cache kinds no template renders (exit 2 "not supported by kvcache yet")."""
+    if manifest.dsa is not None:
+        # A dense render of a DSA manifest would attend over every key and leave the indexer cache unwritten:
+        # wrong for every sequence longer than index_topk, with no error. Refused until the templates exist.
+        raise InputError(flag, f"not supported by kvcache yet: DeepSeek sparse attention (index_topk "
+                         f"{manifest.dsa.index_topk}, indexer key cache) has no template; the manifest records the "
+                         "design (dsa section, references/manifest.md), the indexer write and top-k selection are "
+                         "not rendered", field="dsa")
+
+
 def render_manifest(
     manifest: SelectionManifest,
     names: Names | None = None,
@@ -54,6 +65,7 @@ def render_manifest(
     if manifest.blockers and not allow_blocked:
         raise InputError("--manifest", "manifest has blockers (" + "; ".join(b.message for b in manifest.blockers)
                          + "): pass --allow-blocked to render the Legacy path anyway", field="blockers")
+    check_renderable(manifest)
     c = build_context(manifest, names or Names(), framework_api)
     env = _environment()
     out = {name: env.get_template(t).render(c=c) for name, t in plan_files(c).items()}

@@ -104,6 +104,10 @@ MODEL_KINDS: tuple[ModelKind, ...] = (
                "num_nextn_predict_layers": 1,
                "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                                 "original_max_position_embeddings": 4096}}),
+    ModelKind("dsa", "MLA + DeepSeek 稀疏注意力(DSA,indexer key cache)", "DeepSeek-V3.2、GLM-5",
+              {**_BASE, "model_type": "deepseek_v32", "num_key_value_heads": 8, "kv_lora_rank": 512,
+               "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+               "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}),
     ModelKind("softcap", "attention logit soft-capping", "Gemma-2",
               {**_BASE, "model_type": "gemma2", "sliding_window": 4096, "max_position_embeddings": 8192,
                "attn_logit_softcapping": 50.0,
@@ -137,6 +141,8 @@ def _attention_text(m) -> str:
     from model_infer_kvcache.analyzer.errors import InputError
     from model_infer_kvcache.implementer.render import render_manifest
 
+    if m.dsa is not None:
+        return f"{m.fa.version}(DSA 的 indexer 与 top-k 尚无模板:render 拒绝,退出码 2)"
     legacy = m.legacy_attention
     if legacy is None or legacy.kernel == "fa":
         return m.fa.version

@@ -17,7 +17,7 @@ from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.measured import device_settled
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
-from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.implementer.render import check_renderable, render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls_before_failure
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.provenance import (
@@ -125,6 +125,7 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
 
         measured = load_readings(req.device_readings)
     manifest = load_manifest(req.manifest)
+    check_renderable(manifest)
     _, real_config = read_config_file(req.config)
     require_transformers_type(manifest.model.model_type)
     rendered_dir = Path(req.rendered)

@@ -1,0 +1,136 @@
+"""DeepSeek sparse attention in the analyzer: the indexer key cache is decided, counted and never rendered densely.
+
+Configs come from transformers' own config classes at their defaults (DeepSeek-V3.2 `deepseek_v32`, GLM-5
+`glm_moe_dsa`: the published architectures). The expected cache entry is upstream deepseek_v3_2_exp's
+`CacheEntry("indexer_key_cache", dim=index_head_dim, num_head=1)` beside the MLA nope/rope entries.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import INDEXER_KEY_CACHE, SelectionManifest
+from model_infer_kvcache.implementer.render import render_manifest
+
+from model_infer_kvcache import cli as kvcache_cli
+
+transformers = pytest.importorskip("transformers")
+
+
+def _config(model_type: str, tmp: Path, **changes) -> Path:
+    data = transformers.AutoConfig.for_model(model_type).to_dict()
+    data["torch_dtype"] = "bfloat16"
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path = tmp / f"{model_type}.json"
+    path.write_text(json.dumps(data, default=str), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("model_type,heads", [("deepseek_v32", 64), ("glm_moe_dsa", 32)])
+def test_dsa_configs_plan_mla_plus_an_indexer_key_cache(model_type, heads, tmp_path):
+    cfg = transformers.AutoConfig.for_model(model_type)
+    m = analyze(AnalyzeRequest(config=str(_config(model_type, tmp_path))))
+    assert m.kv_mode.value == "paged" and m.mla.enabled and not m.blockers
+    assert (m.dsa.index_topk, m.dsa.index_n_heads, m.dsa.index_head_dim) == (cfg.index_topk, heads, 128)
+    assert m.dsa.indexer_layers == list(range(cfg.num_hidden_layers)) and m.dsa.shared_layers == []
+    for layer in m.layers:
+        assert [(c.name, c.dim, c.num_head) for c in layer.caches] == [
+            ("nope_cache", cfg.kv_lora_rank, 1), ("rope_cache", cfg.qk_rope_head_dim, 1), (INDEXER_KEY_CACHE, 128, 1)]
+    # The memory plan counts the indexer keys: (512 + 64 + 128) x 2 bytes per token and layer.
+    per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim) * 2
+    assert m.memory.per_token_bytes == per_layer * (cfg.num_hidden_layers + m.model.num_mtp_layers)
+    assert m.dsa.source.startswith("index_topk")
+
+
+def test_a_hub_config_without_layer_types_is_recognised(tmp_path):
+    """The published DeepSeek-V3.2 config.json has index_* fields and no layer_types."""
+    m = analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path, layer_types=None))))
+    assert m.dsa is not None and len(m.dsa.indexer_layers) == m.model.num_layers
+
+
+def test_shared_indexer_layers_keep_no_indexer_cache(tmp_path):
+    n = transformers.AutoConfig.for_model("glm_moe_dsa").num_hidden_layers
+    types = ["full" if i % 4 == 0 else "shared" for i in range(n)]
+    m = analyze(AnalyzeRequest(config=str(_config("glm_moe_dsa", tmp_path, indexer_types=types))))
+    assert m.dsa.shared_layers == [i for i in range(n) if i % 4]
+    for layer in m.layers:
+        assert (INDEXER_KEY_CACHE in [c.name for c in layer.caches]) == (layer.decoder_layer % 4 == 0)
+
+
+def test_dense_mla_has_no_dsa_section(tmp_path):
+    m = analyze(AnalyzeRequest(config=str(_config("deepseek_v3", tmp_path))))
+    assert m.dsa is None and "dsa" not in json.loads(m.to_json())
+    assert all(INDEXER_KEY_CACHE not in [c.name for c in layer.caches] for layer in m.layers)
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"indexer_types": ["shared"] * 78}, ["indexer_types[0]", "first layer"]),
+    ({"indexer_types": ["full", "sparse"] + ["full"] * 76}, ["indexer_types[1]", "'full' or 'shared'"]),
+    ({"indexer_types": ["full"] * 3}, ["indexer_types", "one indexer type per layer"]),
+    ({"index_head_dim": 32}, ["index_head_dim", "qk_rope_head_dim"]),
+    ({"index_topk": "2048"}, ["index_topk", "positive integer"]),
+    ({"index_n_heads": None}, ["index_n_heads", "missing"]),
+])
+def test_malformed_dsa_fields_are_refused_by_name(changes, words, tmp_path):
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(_config("glm_moe_dsa", tmp_path, **changes))))
+    for word in words:
+        assert word in info.value.render()
+
+
+def test_index_topk_without_mla_is_not_guessed(tmp_path):
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(_config("qwen3", tmp_path, index_topk=2048))))
+    assert "index_topk" in info.value.render() and "MLA" in info.value.render()
+
+
+def test_indexer_heads_must_split_by_attention_tp(tmp_path):
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path, index_n_heads=48)), attn_tp_size=32))
+    assert "48 indexer heads" in info.value.render()
+    m = analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path)), attn_tp_size=8))
+    assert m.dsa.index_n_heads_per_rank == 8
+
+
+def test_a_manifest_that_drops_the_indexer_cache_is_refused(tmp_path):
+    """Negative control: a hand edit removing the indexer entry (the indexer would read keys nobody wrote)."""
+    m = json.loads(analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path)))).to_json())
+    m["layers"][3]["caches"] = m["layers"][3]["caches"][:2]
+    with pytest.raises(ValueError, match="decoder layer 3 runs its indexer but has no indexer_key_cache"):
+        SelectionManifest.model_validate(m)
+    m = json.loads(analyze(AnalyzeRequest(config=str(_config("deepseek_v3", tmp_path)))).to_json())
+    m["layers"][0]["caches"].append({"name": INDEXER_KEY_CACHE, "dim": 128, "num_head": 1, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="has an indexer_key_cache entry but runs no indexer"):
+        SelectionManifest.model_validate(m)
+
+
+def test_render_and_validate_refuse_dsa_instead_of_rendering_dense_attention(tmp_path, capsys, monkeypatch):
+    m = analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path))))
+    with pytest.raises(InputError) as info:
+        render_manifest(m)
+    assert "not supported by kvcache yet" in info.value.render() and "dsa" in info.value.render()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    (tmp_path / "r").mkdir()
+    for argv in (["render", "--manifest", "m.json", "--out", "out"],
+                 ["validate", "--manifest", "m.json", "--rendered", "r", "--config", "deepseek_v32.json"]):
+        assert kvcache_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not supported by kvcache yet: DeepSeek sparse attention" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_decisions_table_names_the_indexer_cache(tmp_path):
+    from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
+
+    text = decisions_markdown(analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path)))))
+    row = next(line for line in text.splitlines() if line.startswith("| DSA"))
+    assert "index_topk=2048" in row and "indexer_key_cache 128x1 bfloat16" in row

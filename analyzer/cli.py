@@ -45,6 +45,11 @@ is an internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the trace
 """
 
 
+def _dtype_name(text: str) -> str:
+    """--cache-dtype's short spellings (one function, so analyze and run share the flag's definition)."""
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(text, text)
+
+
 def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = True) -> None:
     """The analyze flags; `kvcache run` reuses them (its config source defaults to the bundled example)."""
     src = p.add_mutually_exclusive_group(required=source_required)
@@ -88,7 +93,7 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    help="readings file written by `kvcache probe` on the NPU host: the design follows the measured "
                         "readings and the manifest records them, e.g. --device-readings device_readings.json")
     p.add_argument("--cache-dtype", choices=PLANNED_CACHE_DTYPES, metavar="DTYPE",
-                   type=lambda t: {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(t, t),
+                   type=_dtype_name,
                    help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
                         "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
 

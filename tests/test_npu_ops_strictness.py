@@ -45,6 +45,15 @@ def test_valid_baseline_calls_pass():
        block_size=16, sparse_mode=3, atten_mask=MASK)
 
 
+def test_gqa_ratio_above_64_is_refused():
+    """Falcon-7B's 71 query heads on one KV head: one FA call cannot serve them (the Legacy path keeps the
+    model's own attention instead)."""
+    V1(tnd(2, n=64), paged(h=16), paged(h=16), **decode_kwargs(num_heads=64, num_key_value_heads=1))
+    err = expect("num_key_value_heads", V1, tnd(2, n=71), paged(h=16), paged(h=16),
+                 **decode_kwargs(num_heads=71, num_key_value_heads=1))
+    assert "query/KV head ratio 71 exceeds 64" in str(err)
+
+
 # --------------------------------------------------------------------------- masks
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_float_mask_rejected(dtype):

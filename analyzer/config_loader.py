@@ -248,22 +248,20 @@ class _Reader:
     def flag(self, *names: str) -> tuple[bool, str] | None:
         """Optional boolean field: a JSON ``true``/``false``; any other value (``"true"``, 1) is refused,
         because reading it as either would change the design silently."""
-        hit = self.get(*names)
-        if hit is None:
-            return None
-        value, src = hit
-        if not isinstance(value, bool):
-            raise InputError(self.where, f"must be true or false, got {_shown(value)}", field=src)
-        return value, src
+        return self._typed(names, bool, "true or false")
 
     def mapping(self, *names: str) -> tuple[dict[str, Any], str] | None:
         """Optional object field; a value of another JSON type is refused naming its path."""
+        return self._typed(names, dict, "a JSON object")
+
+    def _typed(self, names: tuple[str, ...], kind: type, what: str) -> tuple[Any, str] | None:
         hit = self.get(*names)
         if hit is None:
             return None
         value, src = hit
-        if not isinstance(value, dict):
-            raise InputError(self.where, f"must be a JSON object, got {_json_type(value)} {_shown(value)}", field=src)
+        if not isinstance(value, kind):
+            got = _shown(value) if kind is bool else f"{_json_type(value)} {_shown(value)}"
+            raise InputError(self.where, f"must be {what}, got {got}", field=src)
         return value, src
 
 

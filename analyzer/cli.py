@@ -7,24 +7,16 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import get_args
 
-import yaml
-from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze, analyze_into_progress
 from model_infer_kvcache.analyzer.cli_paths import STDOUT, PathArg, check_paths, config_file
-from model_infer_kvcache.analyzer.decisions_table import SECTION_ID, decisions_markdown
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, not_a_file
-from model_infer_kvcache.analyzer.manifest import (
-    PLANNED_CACHE_DTYPES,
-    DeployMode,
-    FaVersion,
-    FrameworkApi,
-    KvMode,
-    manifest_json_schema,
-)
-from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
+from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
+from model_infer_kvcache.analyzer.operators.fa_facts import VALID_BLOCK_SIZES
+from model_infer_kvcache.analyzer.vocabulary import DEPLOY_MODES, FA_VERSIONS, KV_MODES, PLANNED_CACHE_DTYPES
+
+# The manifest models (pydantic) and the analyzer are imported where a command runs, not for --help.
 
 _FILE_LINE = re.compile(r":\d+$")
 
@@ -64,13 +56,13 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                         'e.g. --dispatch "部署模式: 框架部署"')
     d.add_argument("--dispatch-file", metavar="FILE",
                    help="file holding the dispatch prompt, e.g. --dispatch-file dispatch.txt")
-    p.add_argument("--deploy-mode", choices=get_args(DeployMode),
+    p.add_argument("--deploy-mode", choices=DEPLOY_MODES,
                    help="deployment mode stated by the user (loses to the dispatch line), "
                         "e.g. --deploy-mode standalone")
     p.add_argument("--framework-root", metavar="DIR",
                    help="cann-recipes-infer checkout: detects the cache_info API generation (G0/G1/G2), "
                         "support_models registration and runner_*.py, e.g. --framework-root ~/cann-recipes-infer")
-    p.add_argument("--framework-api", choices=get_args(FrameworkApi),
+    p.add_argument("--framework-api", choices=RENDER_APIS,
                    help="framework API generation when no checkout is at hand (e.g. --framework-api G1)")
     p.add_argument("--attn-tp-size", type=int, metavar="N", help="attention tensor-parallel size; must divide the query heads (e.g. --attn-tp-size 8)")
     p.add_argument("--block-size", type=int, default=128, metavar="N",
@@ -82,9 +74,9 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                         "e.g. --kv-mem-ratio 0.8")
     p.add_argument("--max-concurrency", type=int, metavar="N", help="concurrent requests (batch per DP rank), e.g. --max-concurrency 32")
     p.add_argument("--max-len", type=int, metavar="N", help="max sequence length per request, e.g. --max-len 8192")
-    p.add_argument("--kv-mode", choices=get_args(KvMode),
+    p.add_argument("--kv-mode", choices=KV_MODES,
                    help="keep Legacy on purpose (offline only), e.g. --kv-mode legacy; a blocker forces Legacy anyway")
-    p.add_argument("--fa-version", choices=get_args(FaVersion), help="override the FA version default (sinks force v2), e.g. --fa-version v2")
+    p.add_argument("--fa-version", choices=FA_VERSIONS, help="override the FA version default (sinks force v2), e.g. --fa-version v2")
     p.add_argument("--window-reading", choices=QUESTIONS["window_pre_tokens"].readings,
                    help="device reading of pre_tokens for sliding windows: 'exclusive' = "
                         "pre_tokens counts keys before the query (default), 'inclusive' = counts the query too; "
@@ -121,7 +113,9 @@ def build_parser(prog: str = "kvcache analyze") -> argparse.ArgumentParser:
     return p
 
 
-def request_from_args(args: argparse.Namespace) -> AnalyzeRequest:
+def request_from_args(args: argparse.Namespace):
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest
+
     dispatch, dispatch_source = args.dispatch, "--dispatch"
     if args.dispatch_file:
         path = Path(args.dispatch_file)
@@ -168,9 +162,13 @@ def input_paths(args: argparse.Namespace) -> list[PathArg]:
 
 
 def format_manifest(manifest, fmt: str) -> str:
+    from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
+
     if fmt == "md":
         return decisions_markdown(manifest)
     if fmt == "yaml":
+        import yaml
+
         return yaml.safe_dump(manifest.model_dump(mode="json"), allow_unicode=True, sort_keys=False)
     return manifest.to_json()
 
@@ -186,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can fail on input runs before the first byte is written.
     check_paths(input_paths(args), [PathArg("--out", args.out), PathArg("--write-progress", args.write_progress)],
                 same_ok=frozenset({("--progress", "--write-progress")}), stdout_ok=frozenset({"--out"}))
+    from model_infer_kvcache.analyzer.build import analyze, analyze_into_progress
+    from model_infer_kvcache.analyzer.decisions_table import SECTION_ID, decisions_markdown
+
     progress_update = None
     if args.write_progress:
         manifest, old, new = analyze_into_progress(request_from_args(args), args.write_progress, SECTION_ID,
@@ -224,6 +225,8 @@ def schema_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout ('-': stdout)")
     args = p.parse_args(argv)
     check_paths([], [PathArg("--out", args.out)], stdout_ok=frozenset({"--out"}))
+    from model_infer_kvcache.analyzer.manifest import manifest_json_schema
+
     write_output(json.dumps(manifest_json_schema(), indent=2, ensure_ascii=False) + "\n", args.out)
     return 0
 

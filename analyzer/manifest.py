@@ -16,17 +16,18 @@ from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, 
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES, is_windowed
 from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
+from model_infer_kvcache.analyzer.vocabulary import DEPLOY_MODES, FA_VERSIONS, KV_MODES, PLANNED_CACHE_DTYPES
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 SCHEMA_VERSION = "1.0"
 
 AttnType = Literal[PLANNED_ATTN_TYPES]
 LayerKind = Literal["full", "sliding", "chunked", "linear"]
-DeployMode = Literal["framework", "standalone"]
+DeployMode = Literal[DEPLOY_MODES]
 DeploySource = Literal["dispatch", "user", "self_check", "default"]
 FrameworkApi = Literal[RENDER_APIS]
-KvMode = Literal["paged", "legacy"]
-FaVersion = Literal["v1", "v2"]
+KvMode = Literal[KV_MODES]
+FaVersion = Literal[FA_VERSIONS]
 MaskKind = Literal["causal_2048", "none"]
 WriteOp = Literal["npu_scatter_nd_update_", "npu_kv_rmsnorm_rope_cache", "scatter_update_"]
 CacheDtype = Literal["bfloat16", "float16", "float32", "int8"]
@@ -166,8 +167,6 @@ class CacheSpec(_Model):
     dtype: CacheDtype
 
 
-# The dtypes a cache can be planned in with --cache-dtype (int8 is a quantized path the bundle does not plan).
-PLANNED_CACHE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class CacheDtypeDecision(_Model):

@@ -24,10 +24,13 @@ from model_infer_kvcache.analyzer.manifest import (
     ParallelPlan,
     PerPath,
 )
-from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX, MAX_GQA_RATIO, MLA_ROPE_DIM
+from model_infer_kvcache.analyzer.operators.fa_facts import (
+    INT32_MAX,
+    MAX_GQA_RATIO,
+    MLA_ROPE_DIM,
+    VALID_BLOCK_SIZES,
+)
 
-# Page-attention block sizes the FA paged path accepts for Q_S > 1 (references/fa_operators.md, '传给 FA 的 paged KV').
-VALID_BLOCK_SIZES = (128, 256, 384, 512)
 DEFAULT_BLOCK_SIZE = 128
 FA_MAX_HEAD_DIM = 512
 FA_HEAD_DIM_ALIGN = 16

@@ -13,7 +13,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from model_infer_kvcache.analyzer.build import analyze
 from model_infer_kvcache.analyzer.cli import (
     add_analyze_arguments,
     input_paths,
@@ -25,7 +24,6 @@ from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_out_dir, exclusive_output, umask
 from model_infer_kvcache.implementer.header import is_generated
-from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_qwen3" / "config.json"
@@ -174,6 +172,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.model_file and not args.model:
         raise InputError("--model-file", "applies with --model")
     require_validation_deps()
+    # Imported here, not at module level: `kvcache run --help` stays free of pydantic and torch.
+    from model_infer_kvcache.analyzer.build import analyze
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, resolve_backend, validate
 
     resolve_backend(args.backend)

@@ -18,6 +18,8 @@ from model_infer_kvcache.analyzer.operators import schemas
 
 # The schemas' "no limit" for pre_tokens / next_tokens (their default), and the non-sliding band.
 INT32_MAX = 2147483647
+# Page-attention block sizes the FA paged path accepts for Q_S > 1 (references/fa_operators.md, '传给 FA 的 paged KV').
+VALID_BLOCK_SIZES = (128, 256, 384, 512)
 
 # sparse_mode values the operators document as supported (5-8 are documented as unsupported), and
 # the ones that take the compressed causal template as atten_mask instead of a full mask.

@@ -39,8 +39,12 @@ class PathArg:
     whole: bool = True
 
 
-def _resolved(path: str | os.PathLike) -> Path:
-    return Path(os.path.abspath(path)).resolve()
+def _resolved(path: str | os.PathLike, flag: str = "") -> Path:
+    try:
+        return Path(os.path.abspath(path)).resolve()
+    except (RuntimeError, OSError) as exc:  # a symbolic link loop (RuntimeError before Python 3.13)
+        raise InputError(str(path), f"cannot resolve: {'symbolic link loop' if isinstance(exc, RuntimeError) else exc}",
+                         field=flag or None) from None
 
 
 def _within(inner: Path, outer: Path) -> bool:
@@ -56,7 +60,7 @@ def _same_existing(a: Path, b: Path) -> bool:
 
 def _written(arg: PathArg) -> list[Path]:
     """The paths an output argument replaces."""
-    base = _resolved(arg.path)
+    base = _resolved(arg.path, arg.flag)
     if arg.is_dir and arg.entries is not None:
         return [base / entry for entry in arg.entries]
     return [base]
@@ -64,7 +68,7 @@ def _written(arg: PathArg) -> list[Path]:
 
 def _read(arg: PathArg) -> tuple[Path, bool]:
     """An input's resolved path and whether writing anywhere under it harms what is read."""
-    return _resolved(arg.path), (not arg.is_dir) or arg.whole
+    return _resolved(arg.path, arg.flag), (not arg.is_dir) or arg.whole
 
 
 def check_nonempty(args: list[PathArg]) -> None:
@@ -113,9 +117,9 @@ def check_paths(inputs: list[PathArg], outputs: list[PathArg], same_ok: frozense
 
 
 def _check_folder(out: PathArg, inputs: list[PathArg], same_ok: frozenset[tuple[str, str]]) -> None:
-    folder = _resolved(out.path)
+    folder = _resolved(out.path, out.flag)
     for inp in inputs:
-        if (inp.flag, out.flag) not in same_ok and _resolved(inp.path) == folder:
+        if (inp.flag, out.flag) not in same_ok and _resolved(inp.path, inp.flag) == folder:
             raise InputError(str(out.path), f"would overwrite the {inp.flag} input {str(inp.path)!r} (the folder "
                                             "it writes into): choose another output folder", field=out.flag)
 

@@ -406,6 +406,14 @@ def test_input_file_problems_are_named_not_file_not_found(scratch, capsys):
         (["analyze", "--config", "config.json", "--device-readings", "checkout"], ["checkout", "is a directory"]),
         (["render", "--manifest", "fifo.json", "--out", "r"], ["fifo.json", "not a regular file"]),
         (["lint", "model_file.py", "--manifest", "dangling.json"], ["dangling.json", "broken symbolic link"]),
+        # a loop on either side of the path rule (resolving it raised RuntimeError: exit 3 before)
+        (["analyze", "--config", "config.json", "--out", "loop_a"], ["loop_a", "--out", "symbolic link loop"]),
+        (["analyze", "--config", "loop_a", "--out", "m.json"], ["loop_a", "--config", "symbolic link loop"]),
+        (["render", "--manifest", "manifest.json", "--out", "loop_a"], ["loop_a", "--out", "symbolic link loop"]),
+        (["run", "--out", "loop_a"], ["loop_a", "--out", "symbolic link loop"]),
+        (["validate", "--manifest", "manifest.json", "--rendered", "rendered", "--config", "config.json",
+          "--framework-root", "loop_a", "--report", "r.json"], ["loop_a", "--framework-root", "symbolic link loop"]),
+        (["probe", "--backend", "emulated", "--markdown", "loop_b"], ["loop_b", "--markdown", "symbolic link loop"]),
     ]
     for argv, words in cases:
         _assert_refused(argv, words, scratch, capsys)

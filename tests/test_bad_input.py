@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_support import invoke, snapshot
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.progress_writer import markers
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.report import SECTION_ID as REPORT_SECTION
-
-from model_infer_kvcache import cli as kvcache_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_qwen3" / "config.json"
@@ -157,24 +156,6 @@ CASES = {
 }
 
 
-def _snapshot(*folders: Path) -> dict[str, bytes | None]:
-    """Every path under the folders (hidden ones too) with its bytes; None for a folder."""
-    out: dict[str, bytes | None] = {}
-    for folder in folders:
-        for p in folder.rglob("*"):
-            out[str(p)] = None if p.is_dir() else p.read_bytes()
-    return out
-
-
-def _invoke(argv, capsys) -> tuple[int, str, str]:
-    try:
-        rc = kvcache_cli.main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse usage errors
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def test_at_least_forty_cases_over_every_command():
     commands = {name.split()[0] for name in CASES}
     assert {"analyze", "schema", "render", "lint", "validate", "run"} <= commands
@@ -190,8 +171,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path,
     (scratch / "mine" / "notes.txt").write_text("the user's own file\n", encoding="utf-8")
     monkeypatch.chdir(scratch)
     argv = build(scratch, inputs)
-    before = _snapshot(scratch, next(iter(inputs.values())).parent)
-    rc, out, err = _invoke(argv, capsys)
+    before = snapshot(scratch, next(iter(inputs.values())).parent)
+    rc, out, err = invoke(argv, capsys)
     assert rc == 2, (rc, err)
     assert err.count("\n") == 1 and err.endswith("\n"), err
     assert "Traceback" not in err and "error" in err, err
@@ -199,7 +180,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path,
         assert word in err, (word, err)
     if argv and argv[0] == "run":
         assert "--manifest" not in err  # run has no --manifest flag to point at
-    assert _snapshot(scratch, next(iter(inputs.values())).parent) == before
+    assert snapshot(scratch, next(iter(inputs.values())).parent) == before
 
 
 def _kvcache(*args: str, cwd: Path, env: dict | None = None, prelude: str = "") -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_support import invoke, snapshot
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.cli import build_parser as analyze_parser
 from model_infer_kvcache.analyzer.errors import InputError
@@ -28,43 +29,19 @@ from model_infer_kvcache.validators.cli import build_parser as validate_parser
 from model_infer_kvcache.validators.end_to_end import build_parser as run_parser
 from model_infer_kvcache.validators.probe.cli import build_parser as probe_parser
 
-from model_infer_kvcache import cli as kvcache_cli
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_qwen3" / "config.json"
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 
 
-def _snapshot(folder: Path) -> dict[str, bytes | None]:
-    out: dict[str, bytes | None] = {}
-    for p in sorted(folder.rglob("*")):
-        key = str(p.relative_to(folder))
-        if p.is_symlink():
-            out[key] = f"-> {os.readlink(p)}".encode()
-        elif not p.is_dir() and not p.is_file():  # a FIFO: reading it would block the test
-            out[key] = b"<special>"
-        else:
-            out[key] = None if p.is_dir() else p.read_bytes()
-    return out
-
-
-def _invoke(argv, capsys) -> tuple[int, str, str]:
-    try:
-        rc = kvcache_cli.main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def _assert_refused(argv, words, scratch: Path, capsys) -> str:
-    before = _snapshot(scratch)
-    rc, out, err = _invoke(argv, capsys)
+    before = snapshot(scratch)
+    rc, out, err = invoke(argv, capsys)
     assert rc == 2, (argv, rc, err)
     assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
     for word in words:
         assert word in err, (word, err)
-    assert _snapshot(scratch) == before, "a refused command changed a file"
+    assert snapshot(scratch) == before, "a refused command changed a file"
     return err
 
 
@@ -181,7 +158,7 @@ def test_two_outputs_never_name_one_file(command, first, second, scratch, capsys
 
 def test_write_progress_may_update_the_progress_it_reads(scratch, capsys):
     (scratch / "sub").mkdir()
-    rc, _, err = _invoke(["analyze", "--config", "config.json", "--progress", "progress.md",
+    rc, _, err = invoke(["analyze", "--config", "config.json", "--progress", "progress.md",
                           "--write-progress", "sub/../progress.md"], capsys)
     assert rc == 0, err
     text = (scratch / "progress.md").read_text(encoding="utf-8")
@@ -192,7 +169,7 @@ def test_render_may_write_beside_its_manifest(scratch, capsys):
     """A dir output clashes only through the files it writes: a manifest kept in --out is not one."""
     (scratch / "out").mkdir()
     shutil.copy(scratch / "manifest.json", scratch / "out" / "manifest.json")
-    rc, _, err = _invoke(["render", "--manifest", "out/manifest.json", "--out", "out"], capsys)
+    rc, _, err = invoke(["render", "--manifest", "out/manifest.json", "--out", "out"], capsys)
     assert rc == 0, err
     assert (scratch / "out" / "manifest.json").read_bytes() == (scratch / "manifest.json").read_bytes()
 
@@ -207,10 +184,10 @@ def test_run_refuses_an_input_inside_the_entries_it_replaces(scratch, capsys):
 
 
 def test_dash_means_stdout_where_offered(scratch, capsys):
-    rc, out, err = _invoke(["analyze", "--config", "config.json", "--out", "-"], capsys)
+    rc, out, err = invoke(["analyze", "--config", "config.json", "--out", "-"], capsys)
     assert rc == 0 and json.loads(out)["model"]["model_type"] == "qwen3", err
     assert not (scratch / "-").exists()
-    rc, out, _ = _invoke(["schema", "--out", "-"], capsys)
+    rc, out, _ = invoke(["schema", "--out", "-"], capsys)
     assert rc == 0 and "properties" in json.loads(out) and not (scratch / "-").exists()
 
 
@@ -359,7 +336,7 @@ def test_deepseek_v3_mangled_rope_is_refused_never_scaled_by_0_0722(tmp_path):
     ("部署方式: 独立部署", "standalone"),
 ])
 def test_a_dispatch_line_in_another_wording_is_read(line, mode, scratch, capsys):
-    rc, out, err = _invoke(["analyze", "--config", "config.json", "--dispatch", f"Please migrate.\n{line}\n"], capsys)
+    rc, out, err = invoke(["analyze", "--config", "config.json", "--dispatch", f"Please migrate.\n{line}\n"], capsys)
     assert rc == 0, err
     decision = json.loads(out)["deploy_mode"]
     assert (decision["value"], decision["source"]) == (mode, "dispatch")
@@ -373,7 +350,7 @@ def test_a_dispatch_line_that_cannot_be_mapped_is_refused(line, scratch, capsys)
 
 def test_contradicting_progress_lines_reach_stderr(scratch, capsys):
     (scratch / "p.md").write_text("部署模式: 框架部署\n\n部署模式: 独立部署\n", encoding="utf-8")
-    rc, _, err = _invoke(["analyze", "--config", "config.json", "--progress", "p.md"], capsys)
+    rc, _, err = invoke(["analyze", "--config", "config.json", "--progress", "p.md"], capsys)
     assert rc == 0
     line = next(x for x in err.splitlines() if x.startswith("open question:"))
     assert "p.md:1" in line and "p.md:3" in line and "部署模式" in line
@@ -383,7 +360,7 @@ def test_contradicting_progress_lines_reach_stderr(scratch, capsys):
 
 
 def test_unicode_class_names_are_identifiers(scratch, capsys):
-    rc, _, err = _invoke(["render", "--manifest", "manifest.json", "--out", "r", "--attention-class", "注意力Mixin"],
+    rc, _, err = invoke(["render", "--manifest", "manifest.json", "--out", "r", "--attention-class", "注意力Mixin"],
                          capsys)
     assert rc == 0, err
     assert "class 注意力Mixin" in (scratch / "r" / "kvcache_attention.py").read_text(encoding="utf-8")
@@ -435,7 +412,7 @@ def test_lint_reads_only_regular_source_files(scratch, capsys):
 
 def test_lint_reads_a_latin1_file_by_its_coding_line(scratch, capsys):
     (scratch / "old.py").write_bytes(b"# -*- coding: latin-1 -*-\nNAME = '\xe9t\xe9'\n")
-    rc, _, err = _invoke(["lint", "old.py"], capsys)
+    rc, _, err = invoke(["lint", "old.py"], capsys)
     assert rc == 0 and "1 file(s) clean" in err, err
     (scratch / "bad.py").write_bytes(b"NAME = '\xe9t\xe9'\n")  # no coding line: not UTF-8, refused
     _assert_refused(["lint", "bad.py"], ["bad.py", "cannot read"], scratch, capsys)
@@ -443,7 +420,7 @@ def test_lint_reads_a_latin1_file_by_its_coding_line(scratch, capsys):
 
 def test_a_manifest_with_a_bom_is_read_and_yaml_errors_have_a_position(scratch, capsys):
     (scratch / "bom.json").write_bytes(b"\xef\xbb\xbf" + (scratch / "manifest.json").read_bytes())
-    rc, _, err = _invoke(["render", "--manifest", "bom.json", "--out", "r"], capsys)
+    rc, _, err = invoke(["render", "--manifest", "bom.json", "--out", "r"], capsys)
     assert rc == 0, err
     (scratch / "bad.yaml").write_text("schema_version: '1.0'\nfa: [\n  x: 1\n", encoding="utf-8")
     _assert_refused(["render", "--manifest", "bad.yaml", "--out", "r2"], ["bad.yaml", "invalid YAML at line 4 column 1"],
@@ -463,10 +440,10 @@ def test_a_hand_edited_band_argument_the_render_would_ignore_is_refused(field, v
 
 
 def test_a_standalone_render_without_its_runner_is_bad_input(scratch, capsys):
-    rc, _, err = _invoke(["analyze", "--config", "config.json", "--dispatch", "部署模式: 独立部署", "--out", "sa.json"],
+    rc, _, err = invoke(["analyze", "--config", "config.json", "--dispatch", "部署模式: 独立部署", "--out", "sa.json"],
                          capsys)
     assert rc == 0, err
-    assert _invoke(["render", "--manifest", "sa.json", "--out", "sa"], capsys)[0] == 0
+    assert invoke(["render", "--manifest", "sa.json", "--out", "sa"], capsys)[0] == 0
     (scratch / "sa" / "kvcache_runner.py").unlink()
     _assert_refused(["validate", "--manifest", "sa.json", "--rendered", "sa", "--config", "config.json"],
                     ["sa", "--rendered", "kvcache_runner.py"], scratch, capsys)
@@ -501,7 +478,7 @@ def test_a_signal_during_run_leaves_out_as_it_was(sig, code, word, tmp_path):
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "report.md").write_text("an earlier run's report\n", encoding="utf-8")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     proc = _start_run(tmp_path, "--out", "out")
     _wait_for_staging(tmp_path, proc)
     proc.send_signal(getattr(signal, sig))
@@ -509,7 +486,7 @@ def test_a_signal_during_run_leaves_out_as_it_was(sig, code, word, tmp_path):
     assert proc.returncode == code, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(word) and "Traceback" not in err, err
-    assert _snapshot(tmp_path) == before  # --out exactly as before, nothing beside it
+    assert snapshot(tmp_path) == before  # --out exactly as before, nothing beside it
 
 
 def test_a_second_run_into_the_same_out_is_refused(scratch, capsys):
@@ -518,9 +495,11 @@ def test_a_second_run_into_the_same_out_is_refused(scratch, capsys):
     with exclusive_output(scratch / "sub" / ".." / "out", "--out"):  # another run holds it
         err = _assert_refused(["run", "--out", "out"], ["out", "--out", "another kvcache command", str(os.getpid())],
                               scratch, capsys)
-    assert "wait for it" in err
-    rc, _, err = _invoke(["run", "--out", "out2", "--kv-mode", "bogus"], capsys)  # other folders are not held
-    assert rc == 2 and "another kvcache" not in err
+        assert "wait for it" in err
+        # Another folder is not held: the run gets past the lock to its own bad input (an analysis error,
+        # raised inside the locked section) instead of the lock's refusal.
+        rc, _, err = invoke(["run", "--out", "out2", "--attn-tp-size", "3"], capsys)
+    assert rc == 2 and "--attn-tp-size" in err and "another kvcache" not in err
 
 
 @pytest.mark.parametrize("errno_name", ["ENOSPC", "EACCES", "EROFS"])
@@ -531,7 +510,7 @@ def test_an_os_error_while_writing_is_exit_2_naming_the_path(errno_name, scratch
         raise OSError(getattr(errno, errno_name), os.strerror(getattr(errno, errno_name)), "manifest.json.tmp")
 
     monkeypatch.setattr(os, "fsync", full)
-    rc, _, err = _invoke(["analyze", "--config", "config.json", "--out", "m.json"], capsys)
+    rc, _, err = invoke(["analyze", "--config", "config.json", "--out", "m.json"], capsys)
     assert rc == 2 and err.count("\n") == 1 and "m.json" in err and os.strerror(getattr(errno, errno_name)) in err
     assert not (scratch / "m.json").exists() and not list(scratch.glob(".m.json.*"))
 

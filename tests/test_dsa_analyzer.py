@@ -134,3 +134,26 @@ def test_the_decisions_table_names_the_indexer_cache(tmp_path):
     text = decisions_markdown(analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path)))))
     row = next(line for line in text.splitlines() if line.startswith("| DSA"))
     assert "index_topk=2048" in row and "indexer_key_cache 128x1 bfloat16" in row
+
+
+def test_the_upstream_config_class_plans_the_upstream_cache_entries(tmp_path):
+    """Not developed against: deepseek_v3_2_exp's own config class (its defaults) gives the entries its model
+    declares (modeling_deepseek.py cache_entries, unquantized: nope_cache kv_lora_rank, indexer_key_cache
+    index_head_dim, rope_cache qk_rope_head_dim, each one head)."""
+    import importlib.util
+
+    from shared_dirs import shared_path
+
+    path = shared_path("upstream", "cann-recipes-infer", "models", "deepseek_v3_2_exp", "models",
+                       "configuration_deepseek.py")
+    spec = importlib.util.spec_from_file_location("upstream_dsv32_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.DeepseekV3IndexConfig()
+    data = {**cfg.to_dict(), "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(data, default=str), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(tmp_path / "config.json")))
+    want = {("nope_cache", cfg.kv_lora_rank, 1), (INDEXER_KEY_CACHE, cfg.index_head_dim, 1),
+            ("rope_cache", cfg.qk_rope_head_dim, 1)}
+    assert all({(c.name, c.dim, c.num_head) for c in layer.caches} == want for layer in m.layers)
+    assert m.dsa.index_topk == cfg.index_topk and not m.blockers

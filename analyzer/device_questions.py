@@ -80,8 +80,11 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
              switch=True, swept=True),
     Question("mla_decode_sparse_mode3", ("same_as_mode0", "deviates", "rejected"),
              "MLA absorb decode (q_len 1, rope inputs) with sparse_mode 3: same as mode 0, different, or refused?",
-             "same_as_mode0: sparse_mode 3 with the mask sees the keys mode 0 sees and gives its output; "
-             "deviates: it does not; rejected: the op refuses the call"),
+             "same_as_mode0: sparse_mode 3 with the mask sees the keys mode 0 sees and gives its output (what "
+             "upstream kimi_k2_thinking's decode relies on); deviates: it does not (the seed skill's report; "
+             "emulated as the mask read from its top-left corner); rejected: the op refuses the call, as the "
+             "op docs' supported combinations imply",
+             switch=True, swept=True),
 )}
 
 # The names as tuples, for Literal[...] fields and argparse choices.

@@ -35,7 +35,7 @@ MODELS = {
     "deepseek_r1@tp2": ("deepseek_v3", 2),
     # the newer folders (issue 23): transformers' own config class at its defaults, written to a config.json
     "longcat_flash": ("transformers:LongcatFlashConfig", None),
-    "kimi_k2_thinking@tp2": ("transformers:DeepseekV3Config", 2),  # as shipped: stops at its decode FA call
+    "kimi_k2_thinking@tp2": ("transformers:DeepseekV3Config", 2),  # as shipped; decode rests on mla_decode_sparse_mode3
     "hy3": ("transformers:HYV3Config", None),  # with token ids (the class defaults carry none)
 }
 # fields a saved config.json carries that a class's defaults leave out

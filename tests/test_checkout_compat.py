@@ -228,3 +228,49 @@ def test_a_rank_that_meets_something_unsupported_makes_the_whole_run_exit_2():
         run_ranks(_rank_step_lacking, None, 2, manifest)
     assert info.value.render() == ("modeling_x.py:7: torch_npu.npu_y: not supported by kvcache: operator "
                                    "torch_npu.npu_y is not emulated")
+
+
+def _deepseek_manifest():
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from shared_dirs import ROOT
+
+    return analyze(AnalyzeRequest(config=str(ROOT / "tests/fixtures/configs/deepseek_v3.json"),
+                                  framework_api="G2", deploy_mode="framework"))
+
+
+def _report():
+    from model_infer_kvcache.validators.pipeline.report import Report
+
+    return Report(backend="emulated", deploy_mode="framework", model_type="deepseek_v3", manifest_hash="")
+
+
+def _call(layer: int, prefill: bool, mode: int, mask: bool) -> dict:
+    return {"op": "npu_fused_infer_attention_score", "step": 1, "layer": layer, "is_prefill": prefill,
+            "has_mask": mask, "sparse_mode": mode}
+
+
+def test_mla_decode_mode3_is_judged_as_mode3_only_when_every_decode_call_makes_it():
+    """Checkout mode: an MLA model whose every decode call passes sparse_mode 3 with the mask (upstream Kimi-K2)
+    is judged against mode 3 (its result rests on a swept device question); a model that mixes modes, or a
+    manifest without MLA, is judged as the manifest says (the mismatch is still named)."""
+    from model_infer_kvcache.validators.checkout_run.checks import judged_manifest
+    from model_infer_kvcache.validators.pipeline.fa_args import fa_call_mismatches
+
+    m = _deepseek_manifest()
+    assert m.mla.enabled and m.layers[0].sparse_mode.decode == 0 and m.layers[0].mask.decode == "none"
+    uniform = [_call(0, True, 3, True), _call(0, False, 3, True), _call(1, False, 3, True)]
+    report = _report()
+    judged = judged_manifest(report, m, uniform)
+    def mode_and_mask(manifest, call):  # the synthetic calls carry only these two arguments
+        return [d for d in fa_call_mismatches(manifest, call) if d.startswith(("sparse_mode=", "mask="))]
+
+    assert [mode_and_mask(judged, c) for c in uniform if not c["is_prefill"]] == [[], []]
+    assert judged.layers[1].sparse_mode.decode == 3 and judged.layers[1].mask.decode == "causal_2048"
+    assert any("mla_decode_sparse_mode3" in n for n in report.notes)
+    mixed = [*uniform, _call(1, False, 0, False)]
+    report = _report()
+    assert judged_manifest(report, m, mixed).layers[1].sparse_mode.decode == 0
+    assert not any("mla_decode_sparse_mode3" in n for n in report.notes)
+    assert mode_and_mask(m, _call(1, False, 3, True)) == ["sparse_mode=3 (manifest 0)", "mask=True (manifest False)"]
+    no_mask = [_call(1, False, 3, False)]
+    assert judged_manifest(_report(), m, no_mask).layers[1].sparse_mode.decode == 0  # mode 3 alone: no reading

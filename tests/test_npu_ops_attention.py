@@ -232,15 +232,31 @@ def test_mla_absorb_decode_v2_nz_and_mtp():
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_mla_absorb_decode_mode3_is_an_unsupported_combination(version):
+def test_mla_absorb_decode_mode3_follows_its_device_question(version):
     # The op docs: with query_rope at Q_S 1 only sparse 0 without a mask or 4 with a mask is supported
-    # (mode 3 needs Q_S > 1). The rightDownCausal formula would mask nothing at q_len 1 and match mode 0,
-    # which would hide the device's deviation: the emulator refuses the combination instead.
+    # (mode 3 needs Q_S > 1); upstream kimi_k2_thinking passes mode 3 with the mask at decode. What the device
+    # does is the question mla_decode_sparse_mode3: each reading gives its own, distinct result.
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings, consulted_questions, device_readings
+
     case = make_case([1, 1], [130, 60], 4, 1, 512, rope=True, same_kv=True, seed=12)
     paged = build_paged(case, 128, "nz", seed=12)
-    with pytest.raises(NpuOpError) as err:
+    with consulted_questions() as seen:
+        mode0 = run(case, layout="TND_NTD", mode=0, paged=paged, version=version, scale=0.04)[0]
+    assert seen == set()  # the documented call depends on no reading
+    with consulted_questions() as seen:
+        same = run(case, layout="TND_NTD", mode=3, paged=paged, version=version, scale=0.04)[0]
+    assert seen == {"mla_decode_sparse_mode3"} and max_err(same, mode0) == 0  # default: same_as_mode0
+    with device_readings(DeviceReadings(mla_decode_sparse_mode3="deviates")):
+        off = run(case, layout="TND_NTD", mode=3, paged=paged, version=version, scale=0.04)[0]
+    assert max_err(off, mode0) > 1e-2  # the query saw key 0 only
+    with device_readings(DeviceReadings(mla_decode_sparse_mode3="rejected")), pytest.raises(NpuOpError) as err:
         run(case, layout="TND_NTD", mode=3, paged=paged, version=version, scale=0.04)
-    assert err.value.argument == "sparse_mode" and "Q_S 1" in str(err.value)
+    assert err.value.argument == "sparse_mode" and "Q_S 1" in str(err.value) and "=rejected" in str(err.value)
+    # a combination no reading covers stays refused under every reading: mode 0 with a mask
+    for reading in ("same_as_mode0", "deviates"):
+        with device_readings(DeviceReadings(mla_decode_sparse_mode3=reading)), \
+                pytest.raises(NpuOpError, match="got 0 with a mask"):
+            run(case, layout="TND_NTD", mode=0, paged=paged, version=version, scale=0.04, user_mask=MASK_2048)
     # one request in the step with two query tokens (an MTP verify) makes Q_S 2: mode 3 is supported
     mixed = make_case([1, 2], [130, 60], 4, 1, 512, rope=True, same_kv=True, seed=16)
     check(mixed, layout="TND_NTD", mode=3, paged=build_paged(mixed, 128, "nz", seed=16), version=version,

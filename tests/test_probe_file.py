@@ -131,8 +131,8 @@ def test_analyze_derives_pre_tokens_from_the_measured_window_reading(tmp_path):
     assert deps["window_pre_tokens"].assumed == "inclusive" and deps["window_pre_tokens"].status == "confirmed"
     assert {d.status for d in deps.values()} == {"confirmed"} and set(deps) >= {"repeated_slots"}
     assert m.device_readings.file == inclusive and m.device_readings.soc == "Ascend910B3"
-    # the emulator refuses MLA decode (rope, Q_S 1) with sparse_mode 3, the combination the op docs exclude
-    assert m.device_readings.settled["mla_decode_sparse_mode3"] == "rejected"
+    # MLA decode (rope, Q_S 1) with sparse_mode 3 follows its switch: the default reading, measured as such
+    assert m.device_readings.settled["mla_decode_sparse_mode3"] == "same_as_mode0"
     table = decisions_markdown(m)
     assert f"读法文件 `{inclusive}`" in table and "Ascend910B3" in table and "CANN 8.3.RC1" in table
     assert "- window_pre_tokens: 实测确认:实测 inclusive" in table

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.checkout_run import engine_run
-from model_infer_kvcache.validators.checkout_run.checks import fa_version_judged, window_dependent_layers
+from model_infer_kvcache.validators.checkout_run.checks import judged_manifest, window_dependent_layers
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
 from model_infer_kvcache.validators.pipeline.fa_args import fa_call_mismatches
 from model_infer_kvcache.validators.pipeline.localise import (
@@ -67,9 +67,12 @@ def localise_checkout(report: Report, manifest: SelectionManifest, engine, run: 
                 pass
         with torch.no_grad():
             acts = reference_activations(ref_model, tokens)
-        # FA arguments judged as the runtime check judges them (the FA version the model calls, when the
-        # manifest's was only the family default; window layers' pre_tokens left to the reading sweep)
-        judged = fa_version_judged(report.fresh(), manifest, [c for c in rec.fa_calls if c["step"] >= 0])
+        # FA arguments judged as the runtime check judges them (checks.judged_manifest: the choices the model may
+        # make differently, e.g. the FA version when the manifest's was only the family default; window layers'
+        # pre_tokens left to the reading sweep)
+        steps = {s.index: s for s in run.steps}
+        judged = judged_manifest(report.fresh(), manifest, [{**c, "is_prefill": steps[c["step"]].is_prefill}
+                                                            for c in rec.fa_calls if c["step"] in steps])
         dependent = window_dependent_layers(manifest)
 
         def judge(call: dict) -> list[str]:

@@ -71,7 +71,7 @@ from model_infer_kvcache.validators.npu_ops.fa_layouts import (
 )
 from model_infer_kvcache.validators.npu_ops.fa_masks import MASK_DTYPES, MaskSpec, causal_template
 from model_infer_kvcache.validators.npu_ops.nz import nz_c0
-from model_infer_kvcache.validators.npu_ops.readings import active_readings
+from model_infer_kvcache.validators.npu_ops.readings import active_readings, consult
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CHECKED_MASKS: dict[int, tuple] = {}
@@ -452,11 +452,21 @@ def fused_infer_attention(
             q_lens = chk.per_request(aq, batch, names.q_lens, q_s, "query S")
 
     # Rope (MLA) at Q_S 1: the op docs list the only supported combinations ("Q_S等于1时支持sparse=0且不传mask
-    # 或sparse=4且传入mask, Q_S大于1时支持sparse=3或sparse=4且传入mask"). The device does not intercept
-    # mode 3 here and deviates heavily; the rightDownCausal formula would mask nothing at q_len 1, so
-    # emulating it would hide the bug: refuse it like any other unsupported argument combination.
-    if rope and q_s == 1 and not ((sparse_mode == 0 and atten_mask is None) or
-                                  (sparse_mode == 4 and atten_mask is not None)):
+    # 或sparse=4且传入mask, Q_S大于1时支持sparse=3或sparse=4且传入mask"). Mode 3 with its mask is the one the
+    # upstream MLA models (kimi_k2_thinking) pass at decode: what the device does with it is the device question
+    # mla_decode_sparse_mode3 (same_as_mode0: the rightDownCausal rule masks nothing at q_len 1; deviates: the
+    # seed skill's report, emulated as the mask read from its top-left corner; rejected: the doc's rule).
+    mla_decode_mode = sparse_mode
+    if rope and q_s == 1 and sparse_mode == 3 and atten_mask is not None:
+        reading = consult("mla_decode_sparse_mode3")
+        if reading == "rejected":
+            chk.fail("sparse_mode", "with query_rope and Q_S 1 (MLA decode) the op supports sparse_mode 0 without "
+                                    "a mask or 4 with a mask; got 3 with a mask (Q_S > 1: 3 or 4; device reading "
+                                    "mla_decode_sparse_mode3=rejected)")
+        if reading == "deviates":
+            mla_decode_mode = 2
+    elif rope and q_s == 1 and not ((sparse_mode == 0 and atten_mask is None) or
+                                    (sparse_mode == 4 and atten_mask is not None)):
         chk.fail("sparse_mode", f"with query_rope and Q_S 1 (MLA decode) the op supports sparse_mode 0 without a "
                                 f"mask or 4 with a mask; got {sparse_mode} "
                                 f"{'with' if atten_mask is not None else 'without'} a mask (Q_S > 1: 3 or 4)")
@@ -524,7 +534,7 @@ def fused_infer_attention(
         band_ignored = (q_lens_t == 1) if layout.packed else torch.full((batch,), q_s == 1)
     else:
         band_ignored = torch.zeros(batch, dtype=torch.bool)
-    spec = MaskSpec(sparse_mode, int(pre_tokens), int(next_tokens),
+    spec = MaskSpec(mla_decode_mode, int(pre_tokens), int(next_tokens),
                     readings.window_pre_tokens == "inclusive", band_ignored, user_mask)
 
     # Canonical padded queries [B, S, N, D].

@@ -52,6 +52,15 @@ code survives; only an NPU run can settle which reading the hardware implements.
     ``"ignored"``: skip1 is dropped; ``"rejected"``: the call fails (the doc's rule). An operator
     question, not a design one: the emulator notes it as consulted (:func:`consult`) when a call
     passes skip1 alone, and the checkout mode sweeps the questions a run consulted.
+
+``mla_decode_sparse_mode3``
+    MLA absorb decode (``query_rope`` given, Q_S 1) with ``sparse_mode=3`` and the 2048x2048 mask: the op
+    docs support only mode 0 without a mask or mode 4 with one there; upstream kimi_k2_thinking passes mode 3
+    with the mask at decode, and the seed skill reports a large deviation for it. ``"same_as_mode0"``
+    (default, the upstream reliance: rightDownCausal masks nothing at q_len 1); ``"deviates"``: emulated as
+    the mask read from its top-left corner (the query sees key 0 only), one concrete deviation, so that a
+    model relying on mode 3 fails the comparison; ``"rejected"``: the call fails (the doc's rule). An
+    operator question: consulted only by such a call, swept like ``finalize_skip1_alone``.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class DeviceReadings:
     window_pre_tokens: str = QUESTIONS["window_pre_tokens"].default
     repeated_slots: str = QUESTIONS["repeated_slots"].default
     finalize_skip1_alone: str = QUESTIONS["finalize_skip1_alone"].default
+    mla_decode_sparse_mode3: str = QUESTIONS["mla_decode_sparse_mode3"].default
 
     # Fixed rules, not switches (no sweep, no probe question): padded decode rows may repeat slots
     # only inside the null block (block NULL_BLOCK_ID of every cache declared with

@@ -60,7 +60,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 1  # bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 2  # 2: K=V attention modules (hf_layout). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)

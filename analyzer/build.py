@@ -426,6 +426,19 @@ def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, s
     return None, "unknown: no --framework-root / --framework-api"
 
 
+def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, int]:
+    """A layer's own head_dim / KV heads per rank, written only where they differ from the model's."""
+    if facts.layer_heads.value is None:
+        return {}
+    out = {}
+    if facts.head_dim_at(decoder_idx) != facts.head_dim.value:
+        out["head_dim"] = facts.head_dim_at(decoder_idx)
+    kv = rules.kv_heads_per_rank(facts, parallel.attn_tp_size, decoder_idx)
+    if kv != parallel.num_kv_heads_per_rank:
+        out["num_kv_heads_per_rank"] = kv
+    return out
+
+
 def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype: str | None = None) -> list[LayerPlan]:
     write_op = rules.decide_write_op(kv_mode, facts.is_mla)
     window = facts.sliding_window.value
@@ -454,6 +467,7 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
                 write_op=write_op,
                 caches=caches,
                 window_derivation=derivation,
+                **_layer_shape(facts, parallel, decoder_idx),
             ))
     return out
 

@@ -30,6 +30,7 @@ FAMILY_OF = {
     "qwen2_moe": "qwen2",
     "llama4_text": "llama4",
     "gemma3_text": "gemma3",
+    "gemma4_text": "gemma4",
     "mixtral": "mistral",
     "granitemoe": "granite",
     "granitemoeshared": "granite",
@@ -131,6 +132,25 @@ class DsaFacts:
 
 
 @dataclass(frozen=True)
+class LayerHeads:
+    """One decoder layer's attention shape where layers differ (transformers' ``per_layer_config``, Gemma-4's
+    ``global_head_dim`` / ``num_global_key_value_heads`` on its full-attention layers)."""
+
+    head_dim: int
+    num_kv_heads: int
+
+
+# per_layer_config overrides kvcache reads per layer; any other attention field overridden per layer is refused
+# (a per-layer window, head count or rope would be planned wrongly, silently); the rest (MLP, MoE) does not
+# touch the cache and is left to the model.
+PER_LAYER_HEAD_FIELDS = ("head_dim", "num_key_value_heads")
+PER_LAYER_REFUSED = ("num_attention_heads", "sliding_window", "layer_types", "attention_chunk_size",
+                     "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
+                     "attn_logit_softcapping", "query_pre_attn_scalar", "use_sliding_window", "kv_lora_rank",
+                     "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "attention_k_eq_v")
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     path: str
     model_type: str
@@ -159,6 +179,21 @@ class ModelFacts:
     max_position_embeddings: Sourced[int | None] = Sourced(None, "default: not in config")
     attention_multiplier: Sourced[float | None] = Sourced(None, "default: none")
     dsa: Sourced[DsaFacts | None] = Sourced(None, "default: no index_topk (dense attention)")
+    # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
+    layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
+
+    def head_dim_at(self, decoder_layer: int | None) -> int:
+        heads = self.layer_heads.value
+        return heads[decoder_layer].head_dim if heads and decoder_layer is not None else self.head_dim.value
+
+    def kv_heads_at(self, decoder_layer: int | None) -> int:
+        heads = self.layer_heads.value
+        return heads[decoder_layer].num_kv_heads if heads and decoder_layer is not None \
+            else self.num_key_value_heads.value
+
+    def distinct_kv_heads(self) -> list[int]:
+        heads = self.layer_heads.value
+        return sorted({h.num_kv_heads for h in heads}) if heads else [self.num_key_value_heads.value]
 
     @property
     def is_mla(self) -> bool:
@@ -405,6 +440,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     if qpas.value is not None and qpas.value <= 0:
         raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
     dsa = _dsa(r, mla, num_layers.value)
+    layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
@@ -425,6 +461,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         mla=mla,
         rope=rope,
         layer_kinds=layer_kinds,
+        layer_heads=layer_heads,
         sliding_window=sliding_window,
         attn_logit_softcapping=softcap,
         alibi=alibi,
@@ -677,6 +714,68 @@ def _alibi(r: _Reader, model_type: str) -> Sourced[bool]:
     return Sourced(False, "default: no ALiBi field")
 
 
+def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: Sourced[int],
+                 kv_heads: Sourced[int], heads: Sourced[int],
+                 mla: Sourced[MlaDims | None]) -> Sourced[tuple[LayerHeads, ...] | None]:
+    """Per-layer head_dim / KV heads, from transformers' ``per_layer_config`` (a sparse map of layer index ->
+    overridden config fields, the HeterogeneousConfigMixin) or, in a config written without it, Gemma-4's
+    ``global_head_dim`` and ``num_global_key_value_heads`` on the full-attention layers (the latter only when
+    ``attention_k_eq_v`` is set or absent: Gemma4TextConfig's rule). None when every layer is alike."""
+    default = Sourced(None, "default: one head_dim and KV head count")
+    overrides: dict[int, dict[str, Any]] = {}
+    hit = r.mapping("per_layer_config")
+    if hit is not None and hit[0]:
+        raw, src = hit
+        for key, fields in raw.items():
+            index = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+            if index is None or not 0 <= index < num_layers:
+                raise InputError(r.where, f"key {key!r} is not a layer index below num_hidden_layers {num_layers}",
+                                 field=src)
+            if not isinstance(fields, dict):
+                raise InputError(r.where, f"must map to an object of overridden fields, got {_json_type(fields)}",
+                                 field=f"{src}.{key}")
+            refused = [f for f in fields if f in PER_LAYER_REFUSED]
+            if refused:
+                raise InputError(r.where, f"overrides {refused[0]} on layer {index}: kvcache plans one value of it "
+                                          "for every layer (not supported by kvcache yet)", field=f"{src}.{key}")
+            for name in PER_LAYER_HEAD_FIELDS:
+                if name in fields:
+                    checked_number(r.where, f"{src}.{key}.{name}", fields[name], int, 1, LIMITS["head_dim"]
+                                   if name == "head_dim" else LIMITS["heads"])
+            overrides[index] = {k: int(v) for k, v in fields.items() if k in PER_LAYER_HEAD_FIELDS}
+        source = src
+    else:
+        glob_dim = r.positive_int("global_head_dim", required=False, maximum=LIMITS["head_dim"])
+        glob_kv = r.positive_int("num_global_key_value_heads", required=False, maximum=LIMITS["heads"])
+        k_eq_v = r.flag("attention_k_eq_v")
+        if glob_kv is not None and k_eq_v is not None and not k_eq_v[0]:
+            glob_kv = None  # Gemma4TextConfig applies the global KV heads only with attention_k_eq_v
+        if glob_dim is None and glob_kv is None:
+            return default
+        full = {}
+        if glob_dim is not None:
+            full["head_dim"] = glob_dim.value
+        if glob_kv is not None:
+            full["num_key_value_heads"] = glob_kv.value
+        overrides = {i: dict(full) for i, kind in enumerate(kinds) if kind == "full"}
+        source = " + ".join(h.source for h in (glob_dim, glob_kv) if h is not None) + " (full-attention layers)"
+    if not overrides:
+        return default
+    if mla.value is not None:
+        raise InputError(r.where, "per-layer head_dim / KV heads on an MLA model: not supported by kvcache yet",
+                         field=source)
+    layers = tuple(LayerHeads(overrides.get(i, {}).get("head_dim", head_dim.value),
+                              overrides.get(i, {}).get("num_key_value_heads", kv_heads.value))
+                   for i in range(num_layers))
+    for i, layer in enumerate(layers):
+        if layer.num_kv_heads > heads.value or heads.value % layer.num_kv_heads:
+            raise InputError(r.where, f"layer {i}: {heads.value} query heads are not a multiple of "
+                                      f"{layer.num_kv_heads} KV heads", field=source)
+    if all(layer == LayerHeads(head_dim.value, kv_heads.value) for layer in layers):
+        return default
+    return Sourced(layers, source)
+
+
 def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
     """Per-layer kind and the window, for every spelling configs use, first match wins.
 
@@ -749,6 +848,10 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[
     if fam == "gemma3":
         kinds = tuple("sliding" if (i + 1) % 6 else "full" for i in range(num_layers))
         return Sourced(kinds, "model_type gemma3 (default pattern 6)"), _window_source(window, window_hit)
+    if fam == "gemma4":  # Gemma4TextConfig: pattern 6 (5:1), and the last layer is always full attention
+        kinds = tuple("sliding" if (i + 1) % 6 and i < num_layers - 1 else "full" for i in range(num_layers))
+        return Sourced(kinds, "model_type gemma4 (default pattern 6, last layer full)"), \
+            _window_source(window, window_hit)
 
     return (
         Sourced(("sliding",) * num_layers, f"{window_hit[1]} with no layer_types (every layer)"),

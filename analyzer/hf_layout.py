@@ -17,6 +17,7 @@ from torch import nn
 # compressed KV projection. Each entry is a set of child names that must all be present.
 QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"q_proj", "k_proj", "o_proj"}),  # values from the key projection (Gemma-4 attention_k_eq_v)
     frozenset({"query", "key", "value"}),
     frozenset({"query_key_value"}),  # Falcon, GPT-NeoX, Bloom
     frozenset({"qkv_proj"}),  # Phi-3

@@ -221,11 +221,25 @@ class LayerPlan(_Model):
     write_op: WriteOp
     caches: list[CacheSpec]
     window_derivation: str | None = None
+    # Set only on a layer whose attention shape differs from the model's (transformers' per_layer_config,
+    # Gemma-4's global_head_dim / num_global_key_value_heads): its head_dim and KV heads per rank.
+    head_dim: int | None = Field(default=None, description="this layer's head_dim where it differs from model.head_dim")
+    num_kv_heads_per_rank: int | None = Field(
+        default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
 
     @property
     def is_sliding(self) -> bool:
         """The layer attends through a window (its kind's spec says so; no string comparison)."""
         return is_windowed(self.attn_type)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """The per-layer shape fields are written only where a layer differs (existing manifests unchanged)."""
+        data = handler(self)
+        for name in ("head_dim", "num_kv_heads_per_rank"):
+            if isinstance(data, dict) and data.get(name, 0) is None:
+                del data[name]
+        return data
 
 
 class ParallelPlan(_Model):
@@ -434,12 +448,14 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             break
         if layer.is_sliding != (layer.sliding_window is not None):
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
+        layer_kv = layer.num_kv_heads_per_rank or p.num_kv_heads_per_rank
+        layer_dim = layer.head_dim or model.head_dim
         for j, c in enumerate(layer.caches):
             legacy_gqa = m.kv_mode.value == "legacy" and not m.mla.enabled
-            heads = 1 if (m.mla.enabled or legacy_gqa) else p.num_kv_heads_per_rank
+            heads = 1 if (m.mla.enabled or legacy_gqa) else layer_kv
             dim = None
             if not m.mla.enabled:
-                dim = model.head_dim * p.num_kv_heads_per_rank if legacy_gqa else model.head_dim
+                dim = layer_dim * layer_kv if legacy_gqa else layer_dim
             if c.num_head != heads:
                 out.append((f"{where}.caches[{j}].num_head", f"{c.num_head} is not {heads} "
                                                              "(KV heads per rank; 1 for MLA and Legacy rows)"))

@@ -90,12 +90,13 @@ def find_blockers(facts: ModelFacts) -> list[Finding]:
             fields=[facts.layer_kinds.source],
         ))
     if not facts.is_mla:
-        d = facts.head_dim.value
-        if d > FA_MAX_HEAD_DIM or d % FA_HEAD_DIM_ALIGN:
-            out.append(Finding(
-                message=f"head_dim {d} is unsupported by FA (must be <= {FA_MAX_HEAD_DIM} and a multiple of 16)",
-                fields=[facts.head_dim.source],
-            ))
+        per_layer = facts.layer_heads.value
+        for d in sorted({h.head_dim for h in per_layer} if per_layer else {facts.head_dim.value}):
+            if d > FA_MAX_HEAD_DIM or d % FA_HEAD_DIM_ALIGN:
+                out.append(Finding(
+                    message=f"head_dim {d} is unsupported by FA (must be <= {FA_MAX_HEAD_DIM} and a multiple of 16)",
+                    fields=[facts.head_dim.source if d == facts.head_dim.value else facts.layer_heads.source],
+                ))
     else:
         mla = facts.mla.value
         if mla.qk_rope_head_dim != MLA_ROPE_DIM:
@@ -323,11 +324,18 @@ def decide_parallel(facts: ModelFacts, tp: int, tp_source: str) -> ParallelPlan:
     )
 
 
+def kv_heads_per_rank(facts: ModelFacts, tp: int, decoder_layer: int | None = None) -> int:
+    """KV heads one rank holds for a layer (the model's count where layers are alike): split by attention TP,
+    replicated when there are fewer KV heads than ranks; MLA's latent is one head."""
+    return 1 if facts.is_mla else max(facts.kv_heads_at(decoder_layer) // tp, 1)
+
+
 def gqa_ratio_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | None:
-    """FA takes at most 64 query heads per KV head (GQA/MQA; MLA has its own head rule)."""
+    """FA takes at most 64 query heads per KV head (GQA/MQA; MLA has its own head rule), on every layer."""
     if facts.is_mla:
         return None
-    q, kv = parallel.num_q_heads_per_rank, parallel.num_kv_heads_per_rank
+    q = parallel.num_q_heads_per_rank
+    kv = min(max(k // parallel.attn_tp_size, 1) for k in facts.distinct_kv_heads())
     if q // kv <= MAX_GQA_RATIO:
         return None
     return Finding(
@@ -349,10 +357,11 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
     if dsa and dsa.index_n_heads % tp:
         out.append(f"{dsa.index_n_heads} indexer heads (index_n_heads) are not divisible by attn_tp_size {tp}")
     if not facts.is_mla:
-        if kv >= tp and kv % tp:
-            out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
-        if kv < tp and tp % kv:
-            out.append(f"attn_tp_size {tp} is not a multiple of {kv} KV heads (uneven replication)")
+        for kv in facts.distinct_kv_heads():
+            if kv >= tp and kv % tp:
+                out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
+            if kv < tp and tp % kv:
+                out.append(f"attn_tp_size {tp} is not a multiple of {kv} KV heads (uneven replication)")
     return out
 
 
@@ -376,7 +385,7 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
         if dsa and decoder_layer is not None and dsa.own_indexer[decoder_layer]:
             caches.append(indexer_cache(dsa, dtype))
         return caches
-    n, d = parallel.num_kv_heads_per_rank, facts.head_dim.value
+    n, d = kv_heads_per_rank(facts, parallel.attn_tp_size, decoder_layer), facts.head_dim_at(decoder_layer)
     if kv_mode == "legacy":
         # cache_unit = (num_kv_heads_per_rank * head_dim,): one BSH row per token.
         return [CacheSpec(name="k_cache", dim=n * d, num_head=1, dtype=dtype),

@@ -37,7 +37,10 @@ MODELS = {
     "longcat_flash": ("transformers:LongcatFlashConfig", None),
     "kimi_k2_thinking@tp2": ("transformers:DeepseekV3Config", 2),  # as shipped; decode rests on mla_decode_sparse_mode3
     "hy3": ("transformers:HYV3Config", None),  # with token ids (the class defaults carry none)
+    "gemma_4": ("gemma4_26b_a4b", None),  # the folder's gemma-4-26B-A4B; --uniform-prefill (UNIFORM_PREFILL)
 }
+# models whose own code refuses a prefill batch of unequal prompts: run as `validate --uniform-prefill`
+UNIFORM_PREFILL = {"gemma_4"}
 # fields a saved config.json carries that a class's defaults leave out
 OVERRIDES = {"HYV3Config": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}}
 
@@ -94,7 +97,8 @@ def main() -> int:
         path = config_path(config, tmp)
         t0, c0 = time.perf_counter(), cpu_seconds()
         report = validate_checkout(CheckoutRequest(
-            framework_root=str(checkout), model=name.split("@")[0], config=str(path), attn_tp_size=tp))
+            framework_root=str(checkout), model=name.split("@")[0], config=str(path), attn_tp_size=tp,
+            uniform_prefill=name in UNIFORM_PREFILL))
         dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         failed = report.failed()
         verdict = "passed" if report.passed else f"FAILED: {failed[0].name} ({failed[0].detail[:80]})"

@@ -54,6 +54,16 @@ def check_renderable(manifest: SelectionManifest, flag: str = "--manifest") -> N
                          f"{manifest.dsa.index_topk}, indexer key cache) has no template; the manifest records the "
                          "design (dsa section, references/manifest.md), the indexer write and top-k selection are "
                          "not rendered", field="dsa")
+    shaped = [layer for layer in manifest.layers if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None]
+    if shaped:
+        # The templates take one HEAD_DIM and one KV head count; a per-layer shape rendered with the model's would
+        # size the full layers' caches and projections wrongly.
+        first = shaped[0]
+        raise InputError(flag, f"not supported by kvcache yet: per-layer attention shapes ({len(shaped)} layer(s), "
+                         f"first layer {first.index}: head_dim {first.head_dim or manifest.model.head_dim}, "
+                         f"{first.num_kv_heads_per_rank or manifest.parallel.num_kv_heads_per_rank} KV heads per rank) "
+                         "have no template; the manifest records them, `kvcache validate --framework-root` judges a "
+                         "checkout model that implements them", field=f"layers[{first.index}].head_dim")
 
 
 def render_manifest(

@@ -164,8 +164,6 @@ def test_op_names_file_lists_every_func_of_the_yaml():
     ({"index_topk": 2048}, "index_topk", "DSA"),
     ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types", "linear-attention"),
     ({"full_attention_interval": 4}, "full_attention_interval", "linear-attention"),
-    ({"head_dim": 256, "per_layer_config": {"5": {"head_dim": 512}}}, "per_layer_config", "per-layer head dims"),
-    ({"head_dim": 256, "global_head_dim": 512}, "global_head_dim", "per-layer head dims"),
 ])
 def test_preflight_names_the_kind_and_field(fields, field, what):
     from model_infer_kvcache.analyzer.errors import InputError
@@ -180,7 +178,9 @@ def test_preflight_lets_supported_configs_through():
     from model_infer_kvcache.validators.checkout_run.support import preflight
 
     for ok in ({"layer_types": ["sliding_attention", "full_attention"]}, {"head_dim": 128, "global_head_dim": 128},
-               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 256}}}, {}):
+               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 256}}}, {},
+               # per-layer shapes (Gemma-4) are planned by the analyzer now (tests/test_per_layer_heads.py)
+               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 512}}}, {"head_dim": 256, "global_head_dim": 512}):
         preflight("c.json", ok)
 
 
@@ -274,3 +274,81 @@ def test_mla_decode_mode3_is_judged_as_mode3_only_when_every_decode_call_makes_i
     assert mode_and_mask(m, _call(1, False, 3, True)) == ["sparse_mode=3 (manifest 0)", "mask=True (manifest False)"]
     no_mask = [_call(1, False, 3, False)]
     assert judged_manifest(_report(), m, no_mask).layers[1].sparse_mode.decode == 0  # mode 3 alone: no reading
+
+
+def test_only_a_layer_shaped_unlike_the_model_keeps_its_own_layout(tmp_path):
+    """Checkout mode compares every FA call's layout with the manifest's, except on a layer whose shape the
+    manifest's one layout was not chosen for (Gemma-4's 512-wide full layers): a packed model that passes BSND
+    on an ordinary layer is still named (tests/test_checkout_negatives.py: packed-tnd-passed-as-bsnd)."""
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.validators.checkout_run.checks import own_layout_layers
+    from model_infer_kvcache.validators.pipeline.fa_args import fa_call_mismatches
+    from shared_dirs import ROOT
+
+    m = analyze(AnalyzeRequest(config=str(ROOT / "tests/fixtures/configs/gemma4_26b_a4b.json")))
+    calls = [{**_call(5, False, 0, False), "input_layout": "BSH"}, {**_call(4, False, 4, True), "input_layout": "BSH"}]
+    report = _report()
+    own = own_layout_layers(report, m, calls)
+    assert own == {5} and "FullAttention decode BSH (head_dim 512)" in report.notes[0]
+    assert not any(d.startswith("layout=") for d in fa_call_mismatches(m, calls[0], own_layout=own))
+    assert "layout='BSH' (manifest 'TND')" in fa_call_mismatches(m, calls[1], own_layout=own)
+    # the per-layer KV heads are the layer's: 2 on the full layer, 8 elsewhere
+    assert not any(d.startswith("kv_heads=") for d in fa_call_mismatches(m, {**calls[0], "num_key_value_heads": 2}))
+    assert "kv_heads=2 (manifest 8)" in fa_call_mismatches(m, {**calls[1], "num_key_value_heads": 2})
+
+
+def test_uniform_prefill_stream_gives_every_prompt_the_longest_length():
+    from model_infer_kvcache.validators.checkout_run.validate import ENGINE_STREAM
+    from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+
+    stream = Scenario(first=((150, 8), (40, 5)), late=((60, 3),))
+    uniform = stream.uniform_prefill()
+    assert uniform.first == ((150, 8), (150, 5)) and uniform.late == ((150, 3),)
+    assert uniform.max_concurrency == stream.max_concurrency and uniform.max_steps() >= stream.max_steps()
+    crossed = ENGINE_STREAM.crossing(160, 128).uniform_prefill()
+    assert {n for n, _ in crossed.first + crossed.late} == {max(n for n, _ in ENGINE_STREAM.crossing(160, 128).first)}
+
+
+def test_uniform_prefill_is_a_checkout_mode_flag(tmp_path, capsys):
+    from cli_support import invoke
+    from shared_dirs import ROOT
+
+    code, _, err = invoke(["validate", "--manifest", str(tmp_path / "m.json"), "--rendered", str(tmp_path),
+                           "--config", str(ROOT / "tests/fixtures/configs/qwen3_8b.json"), "--uniform-prefill"], capsys)
+    assert code == 2 and "--uniform-prefill: applies to the checkout mode (--model)" in err
+
+
+def test_float32_noise_is_measured_on_the_reference():
+    """A Qwen3 reference carries ~1e-6 of float32 rounding (the 1e-4 tolerance stands); the same model with
+    its attention made near-one-hot (huge q/k norms) carries far more: what raises a checkout's tolerance."""
+    import torch
+    import transformers
+    from model_infer_kvcache.validators.checkout_run.run import float32_noise
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    seqs = {0: list(range(40)), 1: list(range(5, 30))}
+    calm = float32_noise(model, seqs)
+    assert 0 < calm < 1e-5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(40.0)
+            layer.self_attn.k_norm.weight.mul_(40.0)
+    assert float32_noise(model, seqs) > 10 * calm
+
+
+def test_half_casts_made_while_building_become_the_comparison_dtype():
+    import torch
+    from model_infer_kvcache.validators.checkout_run.engine_run import _half_casts_as
+
+    x = torch.randn(4) / 3
+    with _half_casts_as(torch.float32):
+        kept = x.to(torch.bfloat16)
+        also = x.to(dtype=torch.float16)
+        other = x.to(torch.float64)
+    assert kept.dtype == torch.float32 and torch.equal(kept, x) and also.dtype == torch.float32
+    assert other.dtype == torch.float64
+    assert x.to(torch.bfloat16).dtype == torch.bfloat16  # undone on exit

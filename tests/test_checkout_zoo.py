@@ -110,9 +110,45 @@ def test_kimi_k2_thinking_with_the_documented_decode_call_passes_at_tp2(tmp_path
     assert not any("judged as mode 3 calls" in n for n in report.notes)
 
 
+GEMMA4 = ROOT / "tests" / "fixtures" / "configs" / "gemma4_26b_a4b.json"  # gemma-4-26B-A4B, the folder's model
+
+
+@pytest.mark.slow
+def test_gemma_4_refuses_variable_length_prefill_at_its_own_line(tmp_path):
+    """The folder's model raises on a prefill batch of unequal prompts (its own check, before its 4-D views):
+    the model's line, exit 1, not a kvcache gap."""
+    out = _cli("gemma_4", GEMMA4, "--report", str(tmp_path / "r.json"))
+    assert out.returncode == 1, out.stderr[-2000:]
+    src = (upstream_head() / "models/gemma_4/models/modeling_gemma4.py").read_text().splitlines()
+    report = json.loads((tmp_path / "r.json").read_text())
+    detail = next(c["detail"] for c in report["checks"] if c["name"] == "checkout model runs in the engine without errors")
+    line = int(re.match(r"modeling_gemma4\.py:(\d+): ValueError: variable-length prefill is not supported", detail)
+               .group(1))
+    assert "raise ValueError" in src[line - 1]
+
+
+@pytest.mark.slow
+def test_gemma_4_with_uniform_prefill_passes_under_the_window_reading_it_relies_on(tmp_path):
+    """gemma-4-26B-A4B with --uniform-prefill: per-layer shapes (full layers 2 KV heads of 512, K=V), the
+    window shrunk to cross on CPU, the full layers' BSH decode and mode-0 decode judged as the model's own
+    choices, bf16 rope tables made in float32. Its sliding layers pass pre_tokens = sliding_window, so it
+    passes under window_pre_tokens=inclusive and fails under the documented exclusive band rule (one key
+    too many), like upstream gpt-oss: the report names the dependency."""
+    report = _validate("gemma_4", GEMMA4, uniform_prefill=True, sweep_readings=True)
+    assert all(c.passed for c in report.checks if c.link in ("init", "runtime")), \
+        [(c.name, c.detail) for c in report.failed()]
+    assert {c.id for c in report.failed()} <= {"V301", "V302"}  # exclusive (the default): one key too many
+    notes = "\n".join(report.notes)
+    assert ("the model depends on the device reading window_pre_tokens: it passes under inclusive and fails "
+            "under exclusive") in notes
+    assert "under window_pre_tokens=inclusive the model survives" in notes
+    assert "--uniform-prefill: every prompt is" in notes and "window 1024 is too long for CPU sequences" in notes
+    assert "decode with sparse_mode 0 and no mask" in notes and "FullAttention decode BSH (head_dim 512)" in notes
+    assert report.localisation["layer"] == 0 and "modeling_gemma4.py" in report.localisation["headline"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model, cls_name, field, what", [
-    ("gemma_4", "Gemma4TextConfig", "per_layer_config", "per-layer head dims"),
     ("deepseek_v3_2_exp", "DeepseekV32Config", "layer_types", "DSA sparse attention"),
     ("bailing_2_5", "BailingHybridConfig", "layer_types", "linear-attention layers"),
     ("qwen3.5", "Qwen3_5MoeTextConfig", "layer_types", "linear-attention layers"),
@@ -130,19 +166,19 @@ def test_what_kvcache_cannot_validate_yet_is_exit_2_naming_it(tmp_path, model, c
 
 @pytest.mark.slow
 def test_an_operator_kvcache_lacks_is_exit_2_naming_it_and_the_model_line(tmp_path):
-    """A real torch-npu operator the emulation lacks (npu_geglu, in both committed releases): exit 2, one line
+    """A real torch-npu operator the emulation lacks (npu_fast_gelu, in both committed releases): exit 2, one line
     naming the op and the model file:line; an operator no release defines stays the model's error (exit 1)."""
     src = upstream_head() / "models" / "qwen" / "models" / "modeling_qwen.py"
     text = src.read_text(encoding="utf-8")
     assert "torch_npu.npu_rms_norm(" in text
     copy = tmp_path / "modeling_qwen.py"
-    copy.write_text(text.replace("torch_npu.npu_rms_norm(", "torch_npu.npu_geglu(", 1), encoding="utf-8")
-    line = next(i for i, t in enumerate(copy.read_text().splitlines(), 1) if "npu_geglu" in t)
+    copy.write_text(text.replace("torch_npu.npu_rms_norm(", "torch_npu.npu_fast_gelu(", 1), encoding="utf-8")
+    line = next(i for i, t in enumerate(copy.read_text().splitlines(), 1) if "npu_fast_gelu" in t)
     out = _cli("qwen3_8b", ROOT / "tests" / "fixtures" / "configs" / "qwen3_8b.json", "--model-file", str(copy))
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and f"modeling_qwen.py:{line}: torch_npu.npu_geglu: not supported by kvcache: " \
-        "operator torch_npu.npu_geglu (defined by the pinned release) is not emulated" in errors[0], errors
+    assert len(errors) == 1 and f"modeling_qwen.py:{line}: torch_npu.npu_fast_gelu: not supported by kvcache: " \
+        "operator torch_npu.npu_fast_gelu (defined by the pinned release) is not emulated" in errors[0], errors
 
 
 @pytest.mark.slow

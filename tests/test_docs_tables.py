@@ -179,7 +179,8 @@ def test_model_kind_table_agrees_with_real_configs():
 
     configs = ROOT / "tests" / "fixtures" / "configs"
     pairs = {"gqa": "qwen3_8b", "sliding": "mistral_7b_v01", "mixed_sinks": "gpt_oss_20b", "mixed": "gemma3_4b",
-             "mla": "deepseek_v3", "softcap": "gemma2_9b", "chunked": "llama4_scout", "linear": "qwen3_next"}
+             "mla": "deepseek_v3", "softcap": "gemma2_9b", "chunked": "llama4_scout", "linear": "qwen3_next",
+             "per_layer_shape": "gemma4_26b_a4b"}
 
     def summary(m):
         return (m.kv_mode.value, sorted({layer.attn_type for layer in m.layers}), m.fa.version, m.fa.input_layout,

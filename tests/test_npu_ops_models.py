@@ -151,6 +151,52 @@ def test_interleave_rope_matches_transformers_deepseek():
     expect("cos", ops.npu_interleave_rope, x, randn(1, n, s, d), randn(1, n, s, d))
 
 
+def test_rotary_mul_half_matches_transformers_and_interleave_the_doc():
+    """npu_rotary_mul (doc): half = cos * x + sin * cat(-x2, x1), transformers' rotate_half (Gemma-4 sliding
+    layers call it on [B, S, N, D] with [B, S, 1, D] tables); interleave = the doc's pairwise program."""
+    b, s, n, d = 2, 3, 4, 8
+    x = randn(b, s, n, d)
+    cos, sin = _cos_sin(s, d)
+    c4, s4 = cos[None, :, None].expand(b, s, 1, d), sin[None, :, None].expand(b, s, 1, d)
+    want, _ = hf_rotary(x, x, cos[None], sin[None], unsqueeze_dim=2)
+    torch.testing.assert_close(ops.npu_rotary_mul(x, c4, s4), want, atol=1e-6, rtol=0)
+    c1, s1 = cos[None, :, None], sin[None, :, None]  # 1S1D: interleave takes only S and D axes
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    pair = torch.stack((-x2, x1), -1).flatten(-2)
+    torch.testing.assert_close(ops.npu_rotary_mul(x, c1, s1, rotary_mode="interleave"), c1 * x + s1 * pair,
+                               atol=1e-6, rtol=0)
+    assert not torch.allclose(ops.npu_rotary_mul(x, c1, s1, rotary_mode="interleave"), ops.npu_rotary_mul(x, c1, s1))
+    f = ops.npu_rotary_mul
+    expect("rotary_mode", f, x, c4, s4, rotary_mode="quarter")
+    expect("input", f, x[0], c4[0], s4[0])  # 3-D input
+    expect("input", f, randn(1, 2, 2, 7), randn(1, 2, 1, 7), randn(1, 2, 1, 7))  # odd D
+    expect("input", f, randn(1, 1, 1, 896), randn(1, 1, 1, 896), randn(1, 1, 1, 896))  # D < 896
+    expect("r1", f, x, randn(b, s, 2, d), randn(b, s, 2, d))  # 2 heads do not broadcast over 4
+    expect("r1", f, x, c4, s4, rotary_mode="interleave")  # BS1D is a half-mode table
+    expect("r2", f, x, c4, s4[:1])
+    expect("r1", f, x, c4.double(), s4.double())
+
+
+def test_geglu_activates_the_half_activate_left_names():
+    """npu_geglu: gelu on one half times the other; (out, gelu of the activated half); approximate 1 = tanh."""
+    x = randn(3, 4, 12)
+    left, right = x.chunk(2, -1)
+    out, gelu = ops.npu_geglu(x)  # default: activate_left False -> the right half is activated
+    torch.testing.assert_close(out, F.gelu(right, approximate="tanh") * left, atol=1e-6, rtol=0)
+    torch.testing.assert_close(gelu, F.gelu(right, approximate="tanh"), atol=1e-6, rtol=0)
+    out, _ = ops.npu_geglu(x, dim=-1, approximate=1, activate_left=True)  # upstream gemma_4's call
+    torch.testing.assert_close(out, F.gelu(left, approximate="tanh") * right, atol=1e-6, rtol=0)
+    out, _ = ops.npu_geglu(x, approximate=0, activate_left=True)
+    torch.testing.assert_close(out, F.gelu(left) * right, atol=1e-6, rtol=0)
+    assert not torch.allclose(out, ops.npu_geglu(x, approximate=0)[0])  # the side matters
+    a, b = x.chunk(2, 1)
+    torch.testing.assert_close(ops.npu_geglu(x, dim=1)[0], F.gelu(b, approximate="tanh") * a, atol=1e-6, rtol=0)
+    expect("dim", ops.npu_geglu, randn(3, 5))
+    expect("dim", ops.npu_geglu, x, dim=3)
+    expect("approximate", ops.npu_geglu, x, approximate=2)
+    expect("self", ops.npu_geglu, x.long())
+
+
 # --------------------------------------------------------------------------- activations, formats
 def test_swiglu_is_silu_of_first_half_times_second():
     x = randn(3, 4, 12)

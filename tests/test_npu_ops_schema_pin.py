@@ -61,6 +61,8 @@ MODEL_OP_CALLS = {
                                             torch.zeros(4, 1, 8), "TND"),
     "npu_interleave_rope": lambda f: f(torch.randn(1, 2, 4, 8), torch.ones(1, 1, 4, 8), torch.zeros(1, 1, 4, 8)),
     "npu_swiglu": lambda f: f(torch.randn(3, 8)),
+    "npu_geglu": lambda f: f(torch.randn(3, 8)),
+    "npu_rotary_mul": lambda f: f(torch.randn(1, 4, 2, 8), torch.ones(1, 4, 1, 8), torch.zeros(1, 4, 1, 8)),
     "npu_format_cast": lambda f: f(torch.randn(3, 8), 29),
     "npu_moe_gating_top_k_softmax": lambda f: f(torch.randn(3, 4), None, k=2),
     "npu_moe_gating_top_k": lambda f: f(torch.randn(3, 16), 2, bias=torch.zeros(16), k_group=2, group_count=4,
@@ -167,6 +169,7 @@ def test_committed_json_equals_fresh_extraction_from_wheel_yaml(tmp_path):
 NO_META = {"npu_format_cast"}  # a storage-format op: no meta function in the 2.9.0 wheel
 META_RENAMES = {
     "npu_swiglu": {"x": "self"},
+    "npu_rotary_mul": {"embedding": "self", "cosine": "r1", "sine": "r2", "mode": "rotary_mode"},
     "npu_moe_compute_expert_tokens": {"sorted_experts": "sorted_expert_for_source_row", "num_experts": "num_expert"},
     "npu_moe_finalize_routing": {"skip2_optional": "skip2", "expert_for_source_row": "export_for_source_row"},
     "npu_transpose_batchmatmul": {"input_": "input"},
@@ -175,10 +178,11 @@ META_ALL_POSITIONAL = {"npu_moe_re_routing", "npu_moe_distribute_dispatch_v2", "
                        "npu_moe_gating_top_k"}
 # Operators without a `torch_npu.<op>(...)` signature line in the 2.9.0 docs (their schema and meta
 # function still pin them; the doc lines of npu_grouped_matmul and npu_moe_gating_top_k have neither
-# the prefix nor types).
+# the prefix nor types; npu_geglu's reads "torch_npu. npu_geglu(" and lacks activate_left).
 UNDOCUMENTED = {"npu_kv_rmsnorm_rope_cache", "npu_kv_rmsnorm_rope_cache_v2", "npu_add_rms_norm",
                 "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_grouped_matmul", "npu_moe_re_routing",
-                "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_moe_gating_top_k"}
+                "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_moe_gating_top_k",
+                "npu_geglu"}
 
 
 def _meta_registrations() -> dict[str, list[ast.FunctionDef]]:

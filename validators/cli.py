@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-readings", metavar="FILE",
                    help="readings file of `kvcache probe`: run the emulator under the measured readings and skip the "
                         "sweep for the questions it settles")
+    p.add_argument("--uniform-prefill", action="store_true",
+                   help="checkout mode: every prompt of the request stream as long as the longest, for a model that "
+                        "only supports equal-length prefill batches (its own check says so); the report notes that "
+                        "variable-length prefill was not exercised")
     p.add_argument("--no-sweep", action="store_true",
                    help="skip re-running under the alternative device readings")
     p.add_argument("--step-timeout", type=_positive_seconds, default=STEP_SECONDS, metavar="SECONDS",
@@ -105,8 +109,9 @@ def check_mode(args: argparse.Namespace) -> None:
             raise InputError("--backend", "the checkout mode runs on CPU (emulated operators); on an NPU run the "
                                           "checkout's own launcher")
         return
-    if args.model_file:
-        raise InputError("--model-file", "applies to the checkout mode (--model)")
+    for flag in ("model_file", "uniform_prefill"):
+        if getattr(args, flag):
+            raise InputError(f"--{flag.replace('_', '-')}", "applies to the checkout mode (--model)")
     for flag in ("manifest", "rendered"):
         if not getattr(args, flag):
             raise InputError(f"--{flag}", "is required (or validate a checkout's model with --framework-root and "
@@ -120,6 +125,7 @@ def _checkout_report(args: argparse.Namespace):
         framework_root=args.framework_root, model=args.model, config=args.config, manifest=args.manifest,
         attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
         sweep_readings=not args.no_sweep, device_readings=args.device_readings, step_seconds=args.step_timeout,
+        uniform_prefill=args.uniform_prefill,
     ), progress=_progress)
 
 

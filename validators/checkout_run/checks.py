@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS, value_passed
 from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, pool_usage
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
 from model_infer_kvcache.validators.harness.poison import check_pool_invariants, null_block_of
@@ -90,10 +90,54 @@ def mla_decode_mode_judged(report: Report, manifest: SelectionManifest, calls: l
     return manifest.model_copy(update={"layers": layers})
 
 
+def full_decode_mode_judged(report: Report, manifest: SelectionManifest, calls: list[dict]) -> SelectionManifest:
+    """A layer without a window or rope inputs whose every decode call passes ``sparse_mode=0`` without a mask
+    where the manifest plans mode 3 with the mask (upstream gemma_4's full layers): at one query token per
+    request (no MTP) the op docs make sparse_mode ineffective without rope, and rightDownCausal masks nothing
+    there, so the two calls see the same keys under every reading. Judged as mode 0 calls, said in a note."""
+    if manifest.mla.enabled or manifest.mtp is not None:
+        return manifest
+    by_layer: dict[int, list[dict]] = {}
+    for c in calls:
+        if not c["is_prefill"]:
+            by_layer.setdefault(c["layer"], []).append(c)
+    eligible = {i for i, cs in by_layer.items()
+                if not manifest.layers[i].is_sliding and manifest.layers[i].sparse_mode.decode == 3
+                and manifest.layers[i].mask.decode != "none"
+                and all(value_passed(c["op"], c, "sparse_mode") == 0 and not c["has_mask"] for c in cs)}
+    if not eligible:
+        return manifest
+    layers = [layer.model_copy(update={"sparse_mode": layer.sparse_mode.model_copy(update={"decode": 0}),
+                                       "mask": layer.mask.model_copy(update={"decode": "none"})})
+              if layer.index in eligible else layer for layer in manifest.layers]
+    report.notes.append(f"{len(eligible)} full-attention layer(s) decode with sparse_mode 0 and no mask where the "
+                        "manifest plans 3 with the mask: equivalent at one query token without rope (no MTP), "
+                        "judged as mode 0 calls")
+    return manifest.model_copy(update={"layers": layers})
+
+
+def own_layout_layers(report: Report, manifest: SelectionManifest, calls: list[dict]) -> set[int]:
+    """Layers whose FA layout is left to the operator's layout rules and the numeric link: those shaped unlike
+    the model (``LayerPlan.head_dim``: the manifest's one layout was chosen for the model's head_dim) that the
+    model lays out its own way (upstream gemma_4: BSH decode for its 512-wide full layers), said in a note.
+    Every other layer's layout is compared as decided."""
+    want = manifest.fa.input_layout
+    other = {c["layer"]: (manifest.layers[c["layer"]].attn_type, "prefill" if c["is_prefill"] else "decode",
+                          value_passed(c["op"], c, "input_layout")) for c in calls
+             if manifest.layers[c["layer"]].head_dim is not None and value_passed(c["op"], c, "input_layout") != want}
+    if other:
+        report.notes.append(f"{len(other)} layer(s) shaped unlike the model lay out FA calls other than the manifest's "
+                            f"{want} (judged by the operator's layout rules and the numeric link): "
+                            + ", ".join(sorted({f"{a} {p} {lay} (head_dim {manifest.layers[i].head_dim})"
+                                                for i, (a, p, lay) in other.items()})))
+    return set(other)
+
+
 def judged_manifest(report: Report, manifest: SelectionManifest, calls: list[dict]) -> SelectionManifest:
     """The manifest the checkout's FA calls are judged against: the analyzer's plan, with the choices the model
     may make differently without being wrong (each said in a note) taken from its calls."""
-    return mla_decode_mode_judged(report, fa_version_judged(report, manifest, calls), calls)
+    manifest = fa_version_judged(report, manifest, calls)
+    return full_decode_mode_judged(report, mla_decode_mode_judged(report, manifest, calls), calls)
 
 
 READS_OWN_CACHE = "each layer's FA (once per step) reads that layer's cache (prefill may read its fresh K/V)"
@@ -117,7 +161,8 @@ def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, c
                                                                        for o, lay, m in kinds))
     if on_cache or complete:
         check_fa_calls(report, judged_manifest(report, manifest, on_cache), on_cache,
-                       reading_dependent=window_dependent_layers(manifest))
+                       reading_dependent=window_dependent_layers(manifest),
+                       own_layout=own_layout_layers(report, manifest, on_cache))
     if calls or complete:
         report.add(READS_OWN_CACHE, "runtime", not problems and bool(calls), detail="; ".join(problems[:3]),
                    calls=len(calls), prefill_calls_on_fresh_kv=len(fresh))

@@ -27,7 +27,9 @@ CPU_STANDINS = (
     "executor.utils.hccl_utils.init_comm_group_by_ranks (as CommManager calls it): dist.new_group over the "
     "same ranks on gloo",
     "DefaultModelLoader.load_model: parameters created in float32 instead of bfloat16 and the loaded model "
-    "cast to float32 (the CPU comparison dtype); the checkpoint's weights are bfloat16-exact",
+    "cast to float32 (the CPU comparison dtype); the checkpoint's weights are bfloat16-exact; a tensor the model "
+    "casts to bfloat16/float16 while it is built (a rope table precomputed in the device dtype) is made in float32 "
+    "instead, as transformers' float32 reference computes it",
     "tokenizer (get_tokenizer): none; requests carry token ids (Scheduler.add_request(input_ids=...))",
     "world size 1: a one-rank gloo default process group (MoE expert-parallel paths call collectives "
     "even on one rank)",
@@ -103,6 +105,29 @@ def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, b
     }
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def _half_casts_as(dtype: torch.dtype):
+    """While the model is built, ``Tensor.to(bfloat16 | float16)`` gives ``dtype``: a table the model precomputes
+    in the device dtype (gemma_4's cos/sin buffers) would otherwise keep bfloat16 rounding after the loaded model
+    is cast to the comparison dtype, and differ from the float32 reference by that rounding, not by any code."""
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        args = tuple(dtype if a in HALF_DTYPES else a for a in args)
+        if kwargs.get("dtype") in HALF_DTYPES:
+            kwargs["dtype"] = dtype
+        return real_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    try:
+        yield
+    finally:
+        torch.Tensor.to = real_to
+
+
 @contextlib.contextmanager
 def cpu_engine_patches(dtype: torch.dtype):
     """Apply CPU_STANDINS to the checkout's freshly imported modules (undone on exit)."""
@@ -132,7 +157,9 @@ def cpu_engine_patches(dtype: torch.dtype):
     real_load = loader_mod.DefaultModelLoader.load_model
 
     def load_model(self, *args, **kwargs):
-        return real_load(self, *args, **kwargs).to(dtype)
+        with _half_casts_as(dtype):
+            model = real_load(self, *args, **kwargs)
+        return model.to(dtype)
 
     comm_manager.init_comm_group_by_ranks = gloo_group
     engine_mod.get_tokenizer = lambda *a, **k: types.SimpleNamespace(eos_token_id=None, pad_token_id=None)

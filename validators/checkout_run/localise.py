@@ -11,7 +11,12 @@ from pathlib import Path
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.checkout_run import engine_run
-from model_infer_kvcache.validators.checkout_run.checks import judged_manifest, window_dependent_layers
+from model_infer_kvcache.validators.checkout_run.checks import (
+    attributed_fa_calls,
+    judged_manifest,
+    own_layout_layers,
+    window_dependent_layers,
+)
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
 from model_infer_kvcache.validators.pipeline.fa_args import fa_call_mismatches
 from model_infer_kvcache.validators.pipeline.localise import (
@@ -45,6 +50,10 @@ def localise_checkout(report: Report, manifest: SelectionManifest, engine, run: 
         report.notes.append("numeric failure not localised: localisation replays a single-rank run")
         return
     try:
+        # How the runtime check judged the main run's FA calls (attributed before the replay adds its own)
+        stepped = [c for c in attributed_fa_calls(rec, caches, run, 0)[0] if c["cache"] is not None]
+        main_judgement = (judged_manifest(report.fresh(), manifest, stepped),
+                          own_layout_layers(report.fresh(), manifest, stepped))
         rows, positions = request_rows(run, failure["step"], failure["request"])
         tokens = list(run.sequences[failure["request"]][:positions[-1] + 1])
 
@@ -70,14 +79,12 @@ def localise_checkout(report: Report, manifest: SelectionManifest, engine, run: 
         # FA arguments judged as the runtime check judges them (checks.judged_manifest: the choices the model may
         # make differently, e.g. the FA version when the manifest's was only the family default; window layers'
         # pre_tokens left to the reading sweep)
-        steps = {s.index: s for s in run.steps}
-        judged = judged_manifest(report.fresh(), manifest, [{**c, "is_prefill": steps[c["step"]].is_prefill}
-                                                            for c in rec.fa_calls if c["step"] in steps])
+        judged, layouts = main_judgement
         dependent = window_dependent_layers(manifest)
 
         def judge(call: dict) -> list[str]:
             return fa_call_mismatches(judged, {**call, "is_prefill": run.steps[failure["step"]].is_prefill},
-                                      dependent)
+                                      dependent, layouts)
 
         loc = localise(capture, acts, rows, positions, tokens, report.tolerance, judge=judge)
     except Exception as exc:  # localisation explains a failure; it never turns the report into a crash

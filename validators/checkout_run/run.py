@@ -186,9 +186,35 @@ def _config_model_type(checkpoint: Path) -> str:
     return json.loads((checkpoint / "config.json").read_text(encoding="utf-8")).get("model_type", "")
 
 
+# The logits tolerance is never below the float32 one, and never below this many times the rounding noise the
+# architecture itself shows in float32 (measured on the reference: honest float32 code and the float32
+# reference each carry about that much, in independent directions).
+NOISE_MARGIN = 4.0
+
+
+def float32_noise(ref_model, sequences: dict[int, list[int]]) -> float:
+    """max |logits in float32 - logits in float64| of the reference over the stream's sequences: how much float32
+    rounding this architecture amplifies (scale 1.0 over a 512-wide normalised head, a near-one-hot softmax,
+    shows ~1e-4 where a Llama shows ~1e-6)."""
+    import copy
+
+    from model_infer_kvcache.validators.pipeline.host_model import reference_logits
+
+    wide = copy.deepcopy(ref_model).to(torch.float64)
+    with torch.no_grad():
+        return max((reference_logits(ref_model, seq) - reference_logits(wide, seq)).abs().max().item()
+                   for seq in sequences.values())
+
+
 def _numeric(report: Report, ref_model, run) -> None:
     from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 
+    noise = float32_noise(ref_model, run.sequences)
+    if NOISE_MARGIN * noise > report.tolerance:
+        report.notes.append(f"logits tolerance {NOISE_MARGIN * noise:.3g} = {NOISE_MARGIN:g} x the float32 rounding "
+                            f"noise of this architecture ({noise:.3g}: the reference in float32 vs float64 over the "
+                            f"stream's sequences), above the float32 default {report.tolerance:g}")
+        report.tolerance = float(f"{NOISE_MARGIN * noise:.3g}")
     tracker = NumericTracker(ref_model, host=None, atol=report.tolerance)
     for s in run.steps:
         for i, rid in enumerate(s.request_ids):
@@ -219,7 +245,10 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
         cfg = copy.deepcopy(engine.main_worker.hf_config)
         set_config_field(cfg, "num_hidden_layers", full_layers)
         if isinstance(getattr(cfg, "layer_types", None), list):  # the tiny config kept a prefix of the pattern
-            cfg.layer_types = list(real_layer_types or cfg.layer_types)
+            # a config without layer_types (the pattern is the class's default): the analyzer's per-layer plan
+            planned = [("sliding_attention" if layer.is_sliding else "full_attention")
+                       for layer in manifest.layers if layer.sublayer == 0][:full_layers]
+            cfg.layer_types = list(real_layer_types or planned)
         for key, value in (real_per_layer or {}).items():
             if key != "layer_types" and isinstance(getattr(cfg, key, None), list):  # mlp_layer_types...
                 setattr(cfg, key, list(value))

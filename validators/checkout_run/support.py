@@ -2,7 +2,7 @@
 
 Two moments. Before any work, ``preflight(config_path, real_config)`` reads the config for the cache kinds and
 layouts the analyzer and the tiny reference cannot express yet (DSA's indexed attention, linear-attention /
-recurrent layers, per-layer head dims). During the run, ``unsupported_operator(exc, model_frame)`` turns an
+recurrent layers). During the run, ``unsupported_operator(exc, model_frame)`` turns an
 operator the emulation lacks into the same one line when the operator is real (a torch-npu release of
 ``analyzer/operators/op_names.json`` defines it) or a feature of an emulated operator that is not emulated;
 an operator no release defines stays the model's own error (exit 1, at its file:line).
@@ -51,16 +51,6 @@ def preflight(config_path: str, real: dict) -> None:
         raise NotSupportedByKvcache(config_path, f"linear-attention layers ({what}: a recurrent state, "
                                                  "MambaCacheEntry) are not a cache kind kvcache validates yet",
                                     field="layer_types" if linear else linear_fields[0])
-    overrides = src.get("per_layer_config")
-    head_dims = sorted({int(v["head_dim"]) for v in overrides.values() if isinstance(v, dict) and "head_dim" in v}) \
-        if isinstance(overrides, dict) else []
-    if src.get("global_head_dim") not in (None, src.get("head_dim")):
-        head_dims = sorted({*head_dims, int(src["global_head_dim"])})
-    if any(d != src.get("head_dim") for d in head_dims):
-        field = "per_layer_config" if isinstance(overrides, dict) and overrides else "global_head_dim"
-        raise NotSupportedByKvcache(config_path, f"per-layer head dims (head_dim {src.get('head_dim')} with "
-                                                 f"{head_dims} on some layers): the manifest plans one head_dim "
-                                                 "for every layer", field=field)
 
 
 def unsupported_operator(exc: BaseException, where: str) -> NotSupportedByKvcache | None:

@@ -108,6 +108,9 @@ MODEL_KINDS: tuple[ModelKind, ...] = (
               {**_BASE, "model_type": "deepseek_v32", "num_key_value_heads": 8, "kv_lora_rank": 512,
                "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}),
+    ModelKind("per_layer_shape", "滑窗 + 全注意力混合,full 层 head_dim / KV 头数不同", "Gemma-4(26B-A4B)",
+              {**_BASE, "model_type": "gemma4_text", "sliding_window": 1024, "num_hidden_layers": 6,
+               "global_head_dim": 128, "num_global_key_value_heads": 1, "attention_k_eq_v": True}),
     ModelKind("softcap", "attention logit soft-capping", "Gemma-2",
               {**_BASE, "model_type": "gemma2", "sliding_window": 4096, "max_position_embeddings": 8192,
                "attn_logit_softcapping": 50.0,
@@ -143,6 +146,8 @@ def _attention_text(m) -> str:
 
     if m.dsa is not None:
         return f"{m.fa.version}(DSA 的 indexer 与 top-k 尚无模板:render 拒绝,退出码 2)"
+    if any(layer.head_dim is not None or layer.num_kv_heads_per_rank is not None for layer in m.layers):
+        return f"{m.fa.version}(逐层形状已规划;模板只有一个 head_dim:render 拒绝,退出码 2;检出模式可校验)"
     legacy = m.legacy_attention
     if legacy is None or legacy.kernel == "fa":
         return m.fa.version

@@ -1,10 +1,14 @@
-"""Rotary position embedding operators: ``npu_apply_rotary_pos_emb`` and ``npu_interleave_rope``.
+"""Rotary position embedding operators: ``npu_rotary_mul``, ``npu_apply_rotary_pos_emb`` and ``npu_interleave_rope``.
 
 Formulas: the ``npu_rotary_mul`` doc of torch-npu 2.9.0 (same kernel family):
 
 * ``half``: ``x1, x2 = chunk(x, 2, -1); out = cos * x + sin * cat(-x2, x1)``
   (transformers' ``rotate_half``, Llama/Qwen/GPT-OSS);
 * ``interleave``: ``out = cos * x + sin * stack(-x[..., 1::2], x[..., ::2]).flatten(-2)``.
+
+``npu_rotary_mul(input, r1, r2, rotary_mode)`` is that doc's own operator: 4-D input (BNSD, BSND or SBND),
+``r1``/``r2`` 4-D tables that broadcast over it (half mode: the head axis and/or the batch axis may be 1;
+interleave mode: only the S and D axes are full), D even and below 896, float16/bfloat16/float32.
 
 ``npu_apply_rotary_pos_emb`` has no doc entry in 2.9.0; its arguments come from the schema and
 the meta registration (outputs shaped like query and key). ``layout`` names how query/key are laid
@@ -94,6 +98,35 @@ def interleave_rope(op, x, cos, sin):
     return deinterleaved_rope(x.to(cdt), cos.to(cdt), sin.to(cdt)).to(x.dtype)
 
 
+ROTARY_MUL_MAX_D = 896  # the doc: D < 896
+
+
+def npu_rotary_mul(self, r1, r2, rotary_mode="half"):
+    """``r1 * self + r2 * rotate(self)``; the doc's formula for each mode (2.14.0's ``rotate`` is not emulated)."""
+    op, input = "npu_rotary_mul", self  # noqa: A001 - the doc calls it input
+    chk.choice(op, "rotary_mode", rotary_mode, ROTARY_MODES)
+    chk.tensor(op, "input", input, dims=(4,), dtypes=chk.FLOAT_DTYPES)
+    d = input.shape[-1]
+    if d % 2 or d >= ROTARY_MUL_MAX_D:
+        raise NpuOpError(op, "input", f"D {d} must be even and below {ROTARY_MUL_MAX_D}")
+    for name, t in (("r1", r1), ("r2", r2)):
+        chk.tensor(op, name, t, dims=(4,))
+        chk.same_dtype(op, name, t, "input", input)
+        if t.shape[-1] != d:
+            raise NpuOpError(op, name, f"last dim {t.shape[-1]} must equal the input's D {d}")
+        for got, full in zip(t.shape[:3], input.shape[:3], strict=True):
+            if got not in (1, full):
+                raise NpuOpError(op, name, f"shape {tuple(t.shape)} does not broadcast over {tuple(input.shape)}")
+        if rotary_mode == "interleave" and sum(1 for g in t.shape[:3] if g != 1) > 1:
+            raise NpuOpError(op, name, f"interleave mode takes 11SD / 1S1D / S11D tables, got {tuple(t.shape)}")
+    if r2.shape != r1.shape:
+        raise NpuOpError(op, "r2", f"shape {tuple(r2.shape)} must equal r1 {tuple(r1.shape)}")
+    rotate = rotate_half if rotary_mode == "half" else rotate_interleave
+    cdt = chk.compute_dtype(input.dtype)
+    x = input.to(cdt)
+    return (r1.to(cdt) * x + r2.to(cdt) * rotate(x)).to(input.dtype)
+
+
 def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSH", rotary_mode="half"):
     """``(query_out, key_out)``: rotary applied to both; the inputs are left unchanged."""
     return apply_rotary_pos_emb("npu_apply_rotary_pos_emb", query, key, cos, sin, layout, rotary_mode)
@@ -104,4 +137,5 @@ def npu_interleave_rope(x, cos, sin):
     return interleave_rope("npu_interleave_rope", x, cos, sin)
 
 
-OPS = {"npu_apply_rotary_pos_emb": npu_apply_rotary_pos_emb, "npu_interleave_rope": npu_interleave_rope}
+OPS = {"npu_rotary_mul": npu_rotary_mul, "npu_apply_rotary_pos_emb": npu_apply_rotary_pos_emb,
+       "npu_interleave_rope": npu_interleave_rope}

@@ -28,25 +28,28 @@ def check_fa_calls_before_failure(report: Report, manifest: SelectionManifest, f
 
 
 def check_fa_calls(report: Report, manifest: SelectionManifest, fa_calls: list[dict],
-                   reading_dependent: set[int] = frozenset()) -> None:
+                   reading_dependent: set[int] = frozenset(), own_layout: set[int] = frozenset()) -> None:
     """Every FA call passes what the manifest decided for its layer and path (the code runs as written).
 
     A call is a dict: ``op``, ``step`` (or ``at``, where it was made, e.g. ``warm-up``), ``layer``,
     ``is_prefill``, ``has_mask`` and the FA keywords it was given (sparse_mode, scale/softmax_scale,
     heads, input_layout, pre/next_tokens). Layers in ``reading_dependent`` keep their pre_tokens out of
-    the comparison (the numeric link judges it under each reading of the open window question)."""
+    the comparison (the numeric link judges it under each reading of the open window question); layers in
+    ``own_layout`` keep their layout out of it (a layer shaped unlike the model's, whose layout the manifest's
+    one choice did not consider: the operator's layout rules and the numeric link judge it)."""
     bad = []
     for call in fa_calls:
         path = "prefill" if call["is_prefill"] else "decode"
         where = f"{call.get('at') or 'step ' + str(call['step'])} layer {call['layer']} ({path})"
-        diff = fa_call_mismatches(manifest, call, reading_dependent)
+        diff = fa_call_mismatches(manifest, call, reading_dependent, own_layout)
         if diff:
             bad.append(f"{where}: " + ", ".join(diff))
     report.add(FA_ARGS_CHECK, "runtime", bool(fa_calls) and not bad,
                detail="; ".join(bad[:3]), calls=len(fa_calls), mismatches=len(bad))
 
 
-def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependent: set[int] = frozenset()) -> list[str]:
+def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependent: set[int] = frozenset(),
+                       own_layout: set[int] = frozenset()) -> list[str]:
     """The arguments of one FA call (a dict as ``check_fa_calls`` takes) that differ from what the manifest
     decided for its layer and path, each as ``name=value (manifest value)``."""
     plan = manifest.layers[call["layer"]]
@@ -71,8 +74,10 @@ def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependen
         "layout": manifest.fa.input_layout,
         "scale": manifest.fa.softmax_scale,
         "q_heads": manifest.parallel.num_q_heads_per_rank,
-        "kv_heads": 1 if manifest.mla.enabled else manifest.parallel.num_kv_heads_per_rank,
+        "kv_heads": 1 if manifest.mla.enabled else plan.num_kv_heads_per_rank or manifest.parallel.num_kv_heads_per_rank,
     }
+    if call["layer"] in own_layout:
+        del got["layout"], want["layout"]
     if mode == BAND_MODE:
         if call["layer"] not in reading_dependent:
             got["pre_tokens"], want["pre_tokens"] = passed("pre_tokens"), plan.pre_tokens

@@ -56,6 +56,15 @@ class Scenario:
         window = manifest.sliding_window()
         return self.crossing(window, manifest.block_size) if window else self
 
+    def uniform_prefill(self) -> Scenario:
+        """This stream with every prompt as long as its longest (new tokens and admission order kept): every
+        prefill batch then holds requests of one length, for a model that refuses variable-length prefill
+        batches (upstream gemma_4's check at its prefill entry). Decode still sees different KV lengths: the
+        late requests are admitted after the early finishes."""
+        longest = max(n for n, _ in self.first + self.late)
+        return replace(self, first=tuple((longest, new) for _, new in self.first),
+                       late=tuple((longest, new) for _, new in self.late))
+
     @property
     def max_model_len(self) -> int:
         return max(n + new for n, new in self.first + self.late) + 8

@@ -82,7 +82,8 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
                        ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),
                        ("n_shared_experts", 1), ("first_k_dense_replace", 1),
                        # LongCat-Flash spells them its own way: top-k, expert width, identity ("zero") experts
-                       ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2)):
+                       ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2),
+                       ("top_k_experts", 2)):  # Gemma-4
         if key in d:
             d[key] = value
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):

@@ -352,3 +352,25 @@ def test_half_casts_made_while_building_become_the_comparison_dtype():
     assert kept.dtype == torch.float32 and torch.equal(kept, x) and also.dtype == torch.float32
     assert other.dtype == torch.float64
     assert x.to(torch.bfloat16).dtype == torch.bfloat16  # undone on exit
+
+
+def test_a_full_layers_mode_0_decode_is_its_choice_but_a_sliding_layers_is_not():
+    """At one query token without rope, mode 0 without a mask sees what mode 3 with the mask sees on a layer
+    without a window (upstream gemma_4's full layers): judged as mode 0. On a sliding layer it drops the band
+    (keys outside the window become visible): still named. A manifest with MTP (q_len > 1) is judged as is."""
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.validators.checkout_run.checks import judged_manifest
+    from model_infer_kvcache.validators.pipeline.fa_args import fa_call_mismatches
+    from shared_dirs import ROOT
+
+    m = analyze(AnalyzeRequest(config=str(ROOT / "tests/fixtures/configs/gemma4_26b_a4b.json")))
+    assert m.layers[5].sparse_mode.decode == 3 and m.layers[4].sparse_mode.decode == 4
+    calls = [_call(5, False, 0, False), _call(4, False, 0, False)]
+    report = _report()
+    judged = judged_manifest(report, m, calls)
+    assert judged.layers[5].sparse_mode.decode == 0 and judged.layers[5].mask.decode == "none"
+    assert judged.layers[4].sparse_mode.decode == 4  # the sliding layer keeps its band
+    assert "sparse_mode=0 (manifest 4)" in fa_call_mismatches(judged, calls[1])
+    assert any("1 full-attention layer(s) decode with sparse_mode 0" in n for n in report.notes)
+    with_mtp = m.model_copy(update={"mtp": object()})
+    assert judged_manifest(_report(), with_mtp, calls[:1]).layers[5].sparse_mode.decode == 3

@@ -148,6 +148,25 @@ def test_gemma_4_with_uniform_prefill_passes_under_the_window_reading_it_relies_
 
 
 @pytest.mark.slow
+def test_gemma_4_values_cached_as_keys_fail_above_its_measured_tolerance(tmp_path):
+    """Negative control for the measured tolerance: the K = V full layers writing their keys into v_cache too
+    (values are v_norm(k_proj), keys are rope(k_norm(k_proj)): a plausible confusion) fail the numeric link by
+    far more than the noise-based tolerance, under the reading the model passes with, and the localisation
+    names the full layer's cache write."""
+    src = (upstream_head() / "models/gemma_4/models/modeling_gemma4.py").read_text(encoding="utf-8")
+    old = ("        else:\n            self._update_cache(inputs.slot_mapping, inputs.key, inputs.value)\n"
+           "            # Contiguous BSH view")
+    assert src.count(old) == 1
+    copy = tmp_path / "modeling_gemma4.py"
+    copy.write_text(src.replace(old, old.replace("inputs.key, inputs.value", "inputs.key, inputs.key")), "utf-8")
+    report = _validate("gemma_4", GEMMA4, uniform_prefill=True, model_file=str(copy),
+                       readings=(("window_pre_tokens", "inclusive"),))
+    numeric = _numeric(report)[0]
+    assert not numeric.passed and numeric.measured["max_abs_diff"] > 10 * report.tolerance
+    assert report.localisation["layer"] == 5 and "_update_cache" in report.localisation["headline"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model, cls_name, field, what", [
     ("deepseek_v3_2_exp", "DeepseekV32Config", "layer_types", "DSA sparse attention"),
     ("bailing_2_5", "BailingHybridConfig", "layer_types", "linear-attention layers"),

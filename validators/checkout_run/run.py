@@ -209,18 +209,28 @@ def float32_noise(ref_model, sequences: dict[int, list[int]]) -> float:
 def _numeric(report: Report, ref_model, run) -> None:
     from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 
-    noise = float32_noise(ref_model, run.sequences)
-    if NOISE_MARGIN * noise > report.tolerance:
-        report.notes.append(f"logits tolerance {NOISE_MARGIN * noise:.3g} = {NOISE_MARGIN:g} x the float32 rounding "
-                            f"noise of this architecture ({noise:.3g}: the reference in float32 vs float64 over the "
-                            f"stream's sequences), above the float32 default {report.tolerance:g}")
-        report.tolerance = float(f"{NOISE_MARGIN * noise:.3g}")
     tracker = NumericTracker(ref_model, host=None, atol=report.tolerance)
     for s in run.steps:
         for i, rid in enumerate(s.request_ids):
             tracker.add_rows(rid, s.index, s.is_prefill, [s.positions[i]], s.logits[i:i + 1])
+    judged = report.fresh()
     with torch.no_grad():
-        tracker.check_numeric(report, run.sequences)
+        tracker.check_numeric(judged, run.sequences)
+    logits = next(c for c in judged.checks if c.id == "V301")
+    if not logits.passed and not any(c.id == "V401" and not c.passed for c in judged.checks):
+        # Finite logits beyond the float32 tolerance: is it this architecture's own float32 rounding? (Measured
+        # only here: a passing comparison needs no wider tolerance.)
+        noise = float32_noise(ref_model, run.sequences)
+        if NOISE_MARGIN * noise > report.tolerance:
+            report.notes.append(f"logits tolerance {NOISE_MARGIN * noise:.3g} = {NOISE_MARGIN:g} x the float32 "
+                                f"rounding noise of this architecture ({noise:.3g}: the reference in float32 vs "
+                                f"float64 over the stream's sequences), above the float32 default {report.tolerance:g}")
+            report.tolerance = tracker.atol = float(f"{NOISE_MARGIN * noise:.3g}")
+            judged = report.fresh()
+            with torch.no_grad():
+                tracker.check_numeric(judged, run.sequences)
+    report.checks += judged.checks
+    report.first_failure = judged.first_failure
     prefill = max((p for s in run.steps if s.is_prefill for p in s.positions), default=-1) + 1
     decode = max((p for s in run.steps if not s.is_prefill for p in s.positions), default=-1) + 1
     report.notes.append(f"longest sequence: prefill {prefill}, decode {decode} tokens; "

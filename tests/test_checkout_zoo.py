@@ -66,7 +66,10 @@ def test_kimi_k2_thinking_as_shipped_passes_and_names_its_device_dependencies(tm
     """DeepseekV3Config() under kimi_k2_thinking at attention TP 2 (its MoE TP path): the decode FA call passes
     sparse_mode=3 with the mask at one query token per request, outside the op docs' supported combinations
     for MLA at Q_S 1 (references/device_questions.md). Under the reading upstream relies on (same as mode 0)
-    it passes; the sweep reruns it under the other two and the report names the dependency and its line."""
+    it passes; the sweep reruns it under the other two and the report names the dependency and its line. The
+    numeric pass also shows npu_mla_prolog_v3 (PA_NZ cache writes, interleaved RoPE, W_uk absorb) computing what
+    transformers' DeepseekV3 attention computes; that the documented mode-0 call consults no reading is
+    tests/test_npu_ops_attention.py's."""
     # finalize_skip1_alone (its MoE's other operator question) is fixed: deepseek_r1's test sweeps it
     report = _validate("kimi_k2_thinking", _default_config(tmp_path, "DeepseekV3Config"), attn_tp_size=2,
                        sweep_readings=True, readings=(("finalize_skip1_alone", "added"),))
@@ -85,30 +88,6 @@ def test_kimi_k2_thinking_as_shipped_passes_and_names_its_device_dependencies(tm
     assert "npu_fused_infer_attention_score" in src[line - 1]
     deviates = next(n for n in report.notes if n.startswith("under mla_decode_sparse_mode3=deviates"))
     assert "logits vs transformers" in deviates  # judged numerically, not by its arguments
-
-
-def _kimi_with_decode_mode0(tmp_path: Path) -> Path:
-    src = (upstream_head() / "models/kimi_k2_thinking/models/modeling_deepseek.py").read_text(encoding="utf-8")
-    old = '            "sparse_mode": 3,\n            "atten_mask": attention_mask,'
-    assert src.count(old) == 1
-    copy = tmp_path / "modeling_deepseek.py"
-    copy.write_text(src.replace(old, '            "sparse_mode": 3 if is_prefill else 0,\n'
-                                     '            "atten_mask": attention_mask if is_prefill else None,'), "utf-8")
-    return copy
-
-
-@pytest.mark.slow
-def test_kimi_k2_thinking_with_the_documented_decode_call_passes_at_tp2(tmp_path):
-    """The same file with the decode call the doc supports (mode 0, no mask): it reaches and passes the numeric
-    comparison at attention TP 2 (its MoE TP path), so npu_mla_prolog_v3 (PA_NZ cache writes, interleaved RoPE,
-    W_uk absorb) computes what transformers' DeepseekV3 attention computes."""
-    report = _validate("kimi_k2_thinking", _default_config(tmp_path, "DeepseekV3Config"),
-                       model_file=str(_kimi_with_decode_mode0(tmp_path)), attn_tp_size=2)
-    assert report.passed, [(c.name, c.detail) for c in report.failed()]
-    numeric = _numeric(report)
-    assert len(numeric) == 2 and all(c.measured["max_abs_diff"] <= 1e-4 for c in numeric)
-    assert "mla_decode_sparse_mode3" not in report.consulted  # the documented call rests on no reading
-    assert not any("judged as mode 3 calls" in n for n in report.notes)
 
 
 GEMMA4 = ROOT / "tests" / "fixtures" / "configs" / "gemma4_26b_a4b.json"  # gemma-4-26B-A4B, the folder's model

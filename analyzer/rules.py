@@ -313,7 +313,7 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
 
 def decide_parallel(facts: ModelFacts, tp: int, tp_source: str) -> ParallelPlan:
     heads, kv = facts.num_attention_heads.value, facts.num_key_value_heads.value
-    kv_per_rank = 1 if facts.is_mla else max(kv // tp, 1)
+    kv_per_rank = kv_heads_per_rank(facts, tp)
     return ParallelPlan(
         attn_tp_size=tp,
         attn_tp_source=tp_source,

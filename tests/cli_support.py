@@ -1,4 +1,5 @@
-"""Helpers for the bad-input suites: run the `kvcache` entry in-process, snapshot folders byte for byte."""
+"""Helpers shared by the test suites: run the `kvcache` entry in-process, snapshot folders byte for byte, save a
+transformers config as a config.json."""
 
 from __future__ import annotations
 
@@ -31,3 +32,20 @@ def invoke(argv, capsys) -> tuple[int, str, str]:
         rc = exc.code
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+def saved_config(config, tmp: Path, name: str, **changes) -> Path:
+    """``config`` (a transformers config object) saved the way a user saves a config.json, bfloat16, with
+    ``changes`` applied (a value of None drops the key)."""
+    import json
+
+    data = config.to_dict()
+    data["torch_dtype"] = "bfloat16"
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(data, default=str), encoding="utf-8")
+    return path

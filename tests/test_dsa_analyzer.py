@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_support import saved_config
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import INDEXER_KEY_CACHE, SelectionManifest
@@ -22,16 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _config(model_type: str, tmp: Path, **changes) -> Path:
-    data = transformers.AutoConfig.for_model(model_type).to_dict()
-    data["torch_dtype"] = "bfloat16"
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    path = tmp / f"{model_type}.json"
-    path.write_text(json.dumps(data, default=str), encoding="utf-8")
-    return path
+    return saved_config(transformers.AutoConfig.for_model(model_type), tmp, model_type, **changes)
 
 
 @pytest.mark.parametrize("model_type,heads", [("deepseek_v32", 64), ("glm_moe_dsa", 32)])

@@ -7,10 +7,10 @@ cannot plan per layer. The config is transformers' own Gemma4TextConfig with the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from cli_support import saved_config
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
@@ -28,16 +28,7 @@ GEMMA4_26B = dict(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30
 
 def gemma4_26b_config(tmp: Path, **changes) -> Path:
     """Gemma4TextConfig(**GEMMA4_26B) as saved by transformers (per_layer_config), then ``changes``."""
-    data = transformers.Gemma4TextConfig(**GEMMA4_26B).to_dict()
-    data["torch_dtype"] = "bfloat16"
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    path = tmp / "gemma4_26b.json"
-    path.write_text(json.dumps(data, default=str), encoding="utf-8")
-    return path
+    return saved_config(transformers.Gemma4TextConfig(**GEMMA4_26B), tmp, "gemma4_26b", **changes)
 
 
 def _full(m: SelectionManifest) -> list[int]:

@@ -75,7 +75,8 @@ def mla_decode_mode_judged(report: Report, manifest: SelectionManifest, calls: l
     model under its other readings, and the numeric link judges each). The calls are judged as mode 3 calls,
     said in a note; a model that mixes the two is judged as written."""
     decode = [c for c in calls if not c["is_prefill"]]
-    if not (manifest.mla.enabled and decode and all(c.get("sparse_mode") == 3 and c["has_mask"] for c in decode)):
+    if not (manifest.mla.enabled and decode and all(value_passed(c["op"], c, "sparse_mode") == 3 and c["has_mask"]
+                                                                for c in decode)):
         return manifest
     layers = [layer.model_copy(update={"sparse_mode": layer.sparse_mode.model_copy(update={"decode": 3}),
                                        "mask": layer.mask.model_copy(update={"decode": "causal_2048"})})

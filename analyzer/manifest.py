@@ -191,7 +191,8 @@ class DsaDecision(_Model):
 
     index_topk: int = Field(ge=1, description="keys selected per query (sequences up to this length attend densely)")
     index_n_heads: int = Field(ge=1, description="indexer query heads (all ranks)")
-    index_n_heads_per_rank: int = Field(ge=1, description="indexer query heads on one attention-TP rank")
+    index_n_heads_per_rank: int = Field(ge=1, description="indexer query heads on one attention-TP rank: all of "
+                                        "them (replicated; the top-k sums every head's score)")
     index_head_dim: int = Field(ge=1)
     indexer_cache: CacheSpec = Field(description="the indexer key cache entry of every layer that runs its indexer")
     indexer_layers: list[int] = Field(description="decoder layers that run their own indexer (and cache its keys)")

@@ -353,9 +353,6 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
     out = []
     if heads % tp:
         out.append(f"{heads} query heads are not divisible by attn_tp_size {tp}")
-    dsa = facts.dsa.value
-    if dsa and dsa.index_n_heads % tp:
-        out.append(f"{dsa.index_n_heads} indexer heads (index_n_heads) are not divisible by attn_tp_size {tp}")
     if not facts.is_mla:
         for kv in facts.distinct_kv_heads():
             if kv >= tp and kv % tp:
@@ -407,14 +404,16 @@ def decide_dsa(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = No
     dsa = facts.dsa.value
     if dsa is None:
         return None
-    tp = parallel.attn_tp_size
     rope = facts.mla.value.qk_rope_head_dim
     own = [i for i, runs in enumerate(dsa.own_indexer) if runs]
     shared = [i for i, runs in enumerate(dsa.own_indexer) if not runs]
     return DsaDecision(
         index_topk=dsa.index_topk,
         index_n_heads=dsa.index_n_heads,
-        index_n_heads_per_rank=dsa.index_n_heads // tp,
+        # Replicated, not split: the top-k needs each key's score summed over every indexer head, so split heads
+        # would all-reduce a [tokens, keys] matrix per layer (upstream deepseek_v3_2_exp: ReplicatedLinear wq_b
+        # over all index_n_heads on every attention-TP rank).
+        index_n_heads_per_rank=dsa.index_n_heads,
         index_head_dim=dsa.index_head_dim,
         indexer_cache=indexer_cache(dsa, dtype or facts.dtype.value),
         indexer_layers=own,
@@ -428,7 +427,8 @@ def decide_dsa(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = No
         source=dsa.sources,
         reason=f"index_topk {dsa.index_topk} in the config: dense attention would read every key and differ from "
                f"the model for any sequence longer than {dsa.index_topk}; the indexer keys need their own cache "
-               f"entry ({dsa.index_head_dim} x 1 head per token) in the layer's blocks",
+               f"entry ({dsa.index_head_dim} x 1 head per token) in the layer's blocks; every attention-TP rank "
+               f"runs all {dsa.index_n_heads} indexer heads (its top-k sums over them)",
     )
 
 

@@ -160,8 +160,6 @@ def test_op_names_file_lists_every_func_of_the_yaml():
 
 
 @pytest.mark.parametrize("fields, field, what", [
-    ({"layer_types": ["indexed_attention"] * 2}, "layer_types", "DSA"),
-    ({"index_topk": 2048}, "index_topk", "DSA"),
     ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types", "linear-attention"),
     ({"full_attention_interval": 4}, "full_attention_interval", "linear-attention"),
 ])
@@ -180,7 +178,9 @@ def test_preflight_lets_supported_configs_through():
     for ok in ({"layer_types": ["sliding_attention", "full_attention"]}, {"head_dim": 128, "global_head_dim": 128},
                {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 256}}}, {},
                # per-layer shapes (Gemma-4) are planned by the analyzer now (tests/test_per_layer_heads.py)
-               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 512}}}, {"head_dim": 256, "global_head_dim": 512}):
+               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 512}}}, {"head_dim": 256, "global_head_dim": 512},
+               # DSA runs in checkout mode (tests/test_checkout_dsa.py)
+               {"layer_types": ["indexed_attention"] * 2, "index_topk": 2048}):
         preflight("c.json", ok)
 
 

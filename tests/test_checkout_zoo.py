@@ -152,7 +152,6 @@ def test_gemma_4_values_cached_as_keys_fail_above_its_measured_tolerance(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, cls_name, field, what", [
-    ("deepseek_v3_2_exp", "DeepseekV32Config", "layer_types", "DSA sparse attention"),
     ("bailing_2_5", "BailingHybridConfig", "layer_types", "linear-attention layers"),
     ("qwen3.5", "Qwen3_5MoeTextConfig", "layer_types", "linear-attention layers"),
 ])

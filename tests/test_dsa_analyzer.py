@@ -84,12 +84,13 @@ def test_index_topk_without_mla_is_not_guessed(tmp_path):
     assert "index_topk" in info.value.render() and "MLA" in info.value.render()
 
 
-def test_indexer_heads_must_split_by_attention_tp(tmp_path):
-    with pytest.raises(InputError) as info:
-        analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path, index_n_heads=48)), attn_tp_size=32))
-    assert "48 indexer heads" in info.value.render()
+def test_indexer_heads_are_replicated_across_attention_tp(tmp_path):
+    """The top-k needs each key's score summed over all indexer heads: every rank runs all of them (upstream's
+    ReplicatedLinear), so a head count attention TP cannot divide is no blocker."""
+    m = analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path, index_n_heads=48)), attn_tp_size=32))
+    assert m.dsa.index_n_heads_per_rank == 48 and "all 48 indexer heads" in m.dsa.reason
     m = analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path)), attn_tp_size=8))
-    assert m.dsa.index_n_heads_per_rank == 8
+    assert m.dsa.index_n_heads_per_rank == 64
 
 
 def test_a_manifest_that_drops_the_indexer_cache_is_refused(tmp_path):

@@ -90,6 +90,10 @@ MODEL_OP_CALLS = {
                                      torch.randn(8, 576), torch.ones(4), torch.ones(512), torch.zeros(2, 64),
                                      torch.ones(2, 64), torch.zeros(1, 16, 1, 512), torch.zeros(1, 16, 1, 64),
                                      cache_index=torch.tensor([0, 1])),
+    "npu_lightning_indexer": lambda f: f(torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 2),
+                                         sparse_count=2),
+    "npu_sparse_flash_attention": lambda f: f(torch.randn(1, 2, 2, 8), *(torch.randn(1, 3, 1, 8),) * 2,
+                                              torch.tensor([[[[0, 1]], [[2, -1]]]], dtype=torch.int32), 0.5),
 }
 # Keywords of the schema that the doc's prototype line (接口原型) of the pinned release does not list yet, each
 # described in the same entry's parameter list (参数说明): npu_mla_prolog_v3's prototype predates them.
@@ -182,7 +186,9 @@ META_ALL_POSITIONAL = {"npu_moe_re_routing", "npu_moe_distribute_dispatch_v2", "
 UNDOCUMENTED = {"npu_kv_rmsnorm_rope_cache", "npu_kv_rmsnorm_rope_cache_v2", "npu_add_rms_norm",
                 "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_grouped_matmul", "npu_moe_re_routing",
                 "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_moe_gating_top_k",
-                "npu_geglu"}
+                "npu_geglu",
+                # "custom.npu_lightning_indexer(...)" / "custom.npu_sparse_flash_attention(...)": no torch_npu. prefix
+                "npu_lightning_indexer", "npu_sparse_flash_attention"}
 
 
 def _meta_registrations() -> dict[str, list[ast.FunctionDef]]:

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "support_models.py or a directory under models/) in the checkout's engine; needs "
                         "--framework-root")
     p.add_argument("--model-file", metavar="FILE",
-                   help="checkout mode: a model file that replaces the registered one (e.g. your edited copy)")
+                   help="checkout mode: a model file that replaces the registered one (e.g. your edited copy); a "
+                        "file named like another module of the model's folder (indexer.py) replaces that module")
     p.add_argument("--config", required=True, metavar="FILE", help="the model's config.json (tiny model is built from it)")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="emulated = CPU reference ops; npu = real torch_npu (auto picks npu when present)")

@@ -58,6 +58,8 @@ EMULATED_OPS: tuple[str, ...] = (
     "npu_moe_distribute_dispatch_v2",
     "npu_moe_distribute_combine_v2",
     "npu_mla_prolog_v3",
+    "npu_lightning_indexer",
+    "npu_sparse_flash_attention",
 )
 
 

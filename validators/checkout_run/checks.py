@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS, value_passed
+from model_infer_kvcache.validators.checkout_run import dsa_checks
 from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, pool_usage
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
 from model_infer_kvcache.validators.harness.poison import check_pool_invariants, null_block_of
@@ -34,13 +35,18 @@ def _attribute(calls: list[dict], caches: CacheMap, is_prefill: bool, where: str
     return out, problems
 
 
+def attention_calls(rec: OpRecorder, manifest: SelectionManifest) -> list[dict]:
+    """The calls that attend over each layer's cache: FA, or DSA's sparse FA (dsa_checks)."""
+    return dsa_checks.sparse_fa_calls(rec) if manifest.dsa is not None else rec.fa_calls
+
+
 def attributed_fa_calls(rec: OpRecorder, caches: CacheMap, run: EngineRun,
-                        n_layers: int) -> tuple[list[dict], list[str]]:
-    """FA calls of the validation steps attributed to their layers (``_attribute``), plus a step with a
-    call count other than the layer count as a problem."""
+                        n_layers: int, calls: list[dict] | None = None) -> tuple[list[dict], list[str]]:
+    """FA calls (``calls``: ``rec.fa_calls`` by default) of the validation steps attributed to their layers
+    (``_attribute``), plus a step with a call count other than the layer count as a problem."""
     steps = {s.index: s for s in run.steps}
     by_step: dict[int, list[dict]] = {}
-    for call in rec.fa_calls:
+    for call in rec.fa_calls if calls is None else calls:
         if call["step"] in steps:  # warm-up calls carry step -1
             by_step.setdefault(call["step"], []).append(call)
     out, problems = [], []
@@ -145,7 +151,8 @@ READS_OWN_CACHE = "each layer's FA (once per step) reads that layer's cache (pre
 
 
 def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
-                 calls: list[dict], problems: list[str], writes: list[dict], *, complete: bool) -> dict:
+                 calls: list[dict], problems: list[str], writes: list[dict], *, complete: bool,
+                 index_topk: int | None = None) -> dict:
     """The runtime checks of attributed FA calls and of cache writes, each judged against the metadata
     of the forward it was made in. ``complete``: the calls of whole steps (a check without evidence
     fails); otherwise the calls up to an operator error (checks without evidence are left out).
@@ -160,7 +167,10 @@ def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, c
         report.notes.append(f"{len(fresh)} prefill FA calls attend over the step's fresh K/V, not the cache "
                             f"(judged by the numeric link): " + ", ".join(f"{o} layout={lay} sparse_mode={m}"
                                                                        for o, lay, m in kinds))
-    if on_cache or complete:
+    if manifest.dsa is not None:
+        dsa_checks.check_sparse_args(report, manifest, calls, index_topk or manifest.dsa.index_topk,
+                                     complete=complete)
+    elif on_cache or complete:
         check_fa_calls(report, judged_manifest(report, manifest, on_cache), on_cache,
                        reading_dependent=window_dependent_layers(manifest),
                        own_layout=own_layout_layers(report, manifest, on_cache))
@@ -212,14 +222,14 @@ def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, c
 
 
 def check_calls_before_failure(report: Report, manifest: SelectionManifest, rec: OpRecorder,
-                               caches: CacheMap) -> None:
+                               caches: CacheMap, index_topk: int | None = None) -> None:
     """A run an operator error stopped: judge the calls made up to it (warm-up included; a rejected
     call is recorded before the operator runs) with the runtime checks that need no finished step, so
     a mistake the operator refuses is also named by the check for it (a dropped mask, a packed layout
     passed as BSND, unsplit heads, a decode on fresh keys, lengths changed in a layer). MTP forwards
     are left out: their layers are not the decoder's."""
     by_forward: dict[int, list[dict]] = {}
-    for call in rec.fa_calls:
+    for call in attention_calls(rec, manifest):
         if call["forward"] >= 0 and not rec.forwards[call["forward"]].is_mtp:
             by_forward.setdefault(call["forward"], []).append(call)
     calls, problems = [], []
@@ -233,15 +243,22 @@ def check_calls_before_failure(report: Report, manifest: SelectionManifest, rec:
         return
     report.notes.append(f"the run stopped at an operator error; the runtime checks judge what was called up to "
                         f"it, warm-up included (FA calls: {len(calls)}, cache writes: {len(writes)})")
-    _judge_calls(report, manifest, rec, caches, calls, problems, writes, complete=False)
+    _judge_calls(report, manifest, rec, caches, calls, problems, writes, complete=False, index_topk=index_topk)
+    if manifest.dsa is not None:
+        dsa_checks.check_indexer_calls(report, manifest, rec, caches, None, len(caches.layers()),
+                                       index_topk or manifest.dsa.index_topk)
 
 
 def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
-                  run: EngineRun, n_layers: int) -> None:
-    calls, problems = attributed_fa_calls(rec, caches, run, n_layers)
+                  run: EngineRun, n_layers: int, index_topk: int | None = None) -> None:
+    """``index_topk``: DSA's selection width in the run's config (the tiny config shrinks the manifest's)."""
+    calls, problems = attributed_fa_calls(rec, caches, run, n_layers, attention_calls(rec, manifest))
     steps = {s.index: s for s in run.steps}
     written = _judge_calls(report, manifest, rec, caches, calls, problems,
-                           [w for w in rec.writes if w["step"] in steps], complete=True)
+                           [w for w in rec.writes if w["step"] in steps], complete=True, index_topk=index_topk)
+    if manifest.dsa is not None:
+        dsa_checks.check_indexer_calls(report, manifest, rec, caches, set(steps), n_layers,
+                                       index_topk or manifest.dsa.index_topk)
     entries = {(s.layer, s.cache_name) for s in caches.by_storage.values()}
     unwritten = [f"step {i}: {sorted(entries - written.get(i, set()))[:4]}" for i in steps
                  if entries - written.get(i, set())]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -89,7 +90,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                         names = sorted({f"{name} ({dt})" for _, name, dt in declared})
                         report.notes.append(f"the model declares its caches in its published dtype, not the "
                                             f"config's: {', '.join(names)}; allocated in float32 for the comparison")
-                    _load_link(report, coverage)
+                    _load_link(report, coverage, classes.model_file)
                     if any(not c.passed for c in report.checks if c.link == "init"):
                         report.notes.append("init link failed: runtime, numeric and release checks not run")
                         return
@@ -105,7 +106,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         except StreamStalled as exc:  # the watchdog: a request that never finishes, a forward that never returns
             report.add(STREAM_BUDGET_CHECK, "runtime", False, detail=str(exc))
             if caches is not None:
-                checks.check_calls_before_failure(report, manifest, rec, caches)
+                checks.check_calls_before_failure(report, manifest, rec, caches, _index_topk(checkpoint))
             return
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
             from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
@@ -117,13 +118,13 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}")
             if caches is not None:
-                checks.check_calls_before_failure(report, manifest, rec, caches)
+                checks.check_calls_before_failure(report, manifest, rec, caches, _index_topk(checkpoint))
             return
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
         n_layers = len(info.layer_infos)
-        checks.check_runtime(report, manifest, rec, caches, run, n_layers)
+        checks.check_runtime(report, manifest, rec, caches, run, n_layers, _index_topk(checkpoint))
         checks.check_padding(report, run)
         _numeric(report, ref_model, run)
         checks.check_release(report, run, start_usage, start_bytes, engine_run.cache_bytes(info))
@@ -180,9 +181,13 @@ def _note_config_class(report: Report, config_cls, model_type: str) -> None:
                             f"of model_type {model_type!r}: check --model and --config belong together")
 
 
-def _config_model_type(checkpoint: Path) -> str:
-    import json
+def _index_topk(checkpoint: Path) -> int | None:
+    """DSA's selection width in the checkpoint's config.json (the tiny config shrinks the real one)."""
+    value = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8")).get("index_topk")
+    return value if isinstance(value, int) else None
 
+
+def _config_model_type(checkpoint: Path) -> str:
     return json.loads((checkpoint / "config.json").read_text(encoding="utf-8")).get("model_type", "")
 
 
@@ -284,11 +289,50 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
                detail=", ".join(allocated[:4]))
 
 
-def _load_link(report: Report, coverage: dict) -> None:
+# Calls that only allocate: a parameter made from one of them holds nothing until the loader fills it.
+_ALLOCATORS = {"empty", "zeros", "ones", "randn", "rand", "Tensor", "tensor", "empty_like", "zeros_like",
+               "ones_like", "full", "new_empty", "new_zeros", "new_ones"}
+
+
+def model_computed_parameters(model_file: Path) -> dict[str, str]:
+    """``{attribute: "file:line"}`` for parameters the model's own code fills when it is built
+    (``self.hadamard_matrix = nn.Parameter(get_had_pow2(128), requires_grad=False)``): no checkpoint carries
+    them, so the loader leaving them alone is no missing weight. Read from the model folder's sources."""
+    import ast
+
+    found: dict[str, str] = {}
+    for path in sorted(Path(model_file).parent.glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Attribute) and isinstance(node.value, ast.Call)):
+                continue
+            func = node.value.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name != "Parameter" or not node.value.args or not isinstance(node.value.args[0], ast.Call):
+                continue
+            inner = node.value.args[0].func
+            inner_name = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", "")
+            if inner_name not in _ALLOCATORS:
+                found[node.targets[0].attr] = f"{path.name}:{node.lineno}"
+    return found
+
+
+def _load_link(report: Report, coverage: dict, model_file: Path) -> None:
     if coverage.get("loaded") is None:
         report.notes.append("the model's load_weights returns no loaded set: checkpoint coverage not checked")
         return
     missing = sorted(coverage["params"] - coverage["loaded"])
+    computed = model_computed_parameters(model_file)
+    own = [m for m in missing if m.rsplit(".", 1)[-1] in computed]
+    if own:
+        kinds = sorted({m.rsplit(".", 1)[-1] for m in own})
+        report.notes.append(f"{len(own)} parameter(s) the model computes when it is built, not loaded: "
+                            + ", ".join(f"{k} ({computed[k]})" for k in kinds))
+        missing = [m for m in missing if m not in own]
     report.add("the checkout's loader filled every parameter from the checkpoint", "init", not missing,
                detail=", ".join(missing[:4]), parameters=len(coverage["params"]), missing=len(missing))
 

@@ -1,9 +1,8 @@
 """What kvcache cannot validate yet, said as such: "not supported by kvcache: <what>" (exit 2), never a model failure.
 
 Two moments. Before any work, ``preflight(config_path, real_config)`` reads the config for the cache kinds and
-layouts the analyzer and the tiny reference cannot express yet (DSA's indexed attention, linear-attention /
-recurrent layers). During the run, ``unsupported_operator(exc, model_frame)`` turns an
-operator the emulation lacks into the same one line when the operator is real (a torch-npu release of
+layouts the analyzer and the tiny reference cannot express yet (linear-attention / recurrent layers). During the
+run, ``unsupported_operator(exc, model_frame)`` turns an operator the emulation lacks into the same one line when the operator is real (a torch-npu release of
 ``analyzer/operators/op_names.json`` defines it) or a feature of an emulated operator that is not emulated;
 an operator no release defines stays the model's own error (exit 1, at its file:line).
 """
@@ -14,10 +13,7 @@ from model_infer_kvcache.analyzer.errors import InputError
 
 PREFIX = "not supported by kvcache: "
 # layer_types values of cache kinds the tool has no spec for yet (analyzer/kv_cache_spec.py)
-_DSA_LAYER_TYPES = ("indexed_attention", "sparse_attention")
 _LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "gated_delta_net", "recurrent")
-# config fields that only a DSA (lightning indexer) model carries
-_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")
 # config fields that say some layers are linear attention without listing layer_types
 _LINEAR_FIELDS = ("full_attention_interval", "linear_num_value_heads", "linear_num_heads")
 
@@ -38,12 +34,6 @@ def preflight(config_path: str, real: dict) -> None:
     """Raise ``NotSupportedByKvcache`` naming the config field of a kind the tool cannot validate yet."""
     src = _text(real)
     types = src.get("layer_types") if isinstance(src.get("layer_types"), list) else []
-    dsa = sorted({t for t in types if t in _DSA_LAYER_TYPES})
-    fields = [f for f in _DSA_FIELDS if src.get(f) is not None]
-    if dsa or fields:
-        raise NotSupportedByKvcache(config_path, "DSA sparse attention (lightning indexer, its indexer key cache and "
-                                                 "top-k sparse FA) is not a cache kind kvcache validates yet",
-                                    field="layer_types" if dsa else fields[0])
     linear = sorted({t for t in types if t in _LINEAR_LAYER_TYPES})
     linear_fields = [f for f in _LINEAR_FIELDS if src.get(f) is not None]
     if linear or linear_fields:

@@ -134,7 +134,10 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
                             "batch holds one length; variable-length prefill batches were not exercised")
     say("building the tiny transformers model and its checkpoint")
     with tempfile.TemporaryDirectory(prefix="kvcache-checkout-") as tmp:
-        ref, checkpoint, plan = _checkpoint(real_config, manifest, req.seed, Path(tmp))
+        from model_infer_kvcache.validators.checkout_run.registry import config_class_constants
+
+        fixed = config_class_constants(root, req.model, _model_type(real_config))
+        ref, checkpoint, plan = _checkpoint(real_config, manifest, req.seed, Path(tmp), fixed)
         report.notes += plan.notes
         say(f"running {req.model} in the checkout's engine ({root})")
         from model_infer_kvcache.validators.checkout_run.run import run_checkout
@@ -178,7 +181,12 @@ def _validate_ranks(req: CheckoutRequest, manifest: SelectionManifest, tp: int, 
     return report
 
 
-def _checkpoint(real_config: dict, manifest: SelectionManifest, seed: int, tmp: Path):
+def _model_type(real_config: dict) -> str:
+    src = real_config.get("text_config") if isinstance(real_config.get("text_config"), dict) else real_config
+    return str(src.get("model_type") or real_config.get("model_type") or "")
+
+
+def _checkpoint(real_config: dict, manifest: SelectionManifest, seed: int, tmp: Path, fixed: dict):
     from model_infer_kvcache.validators.checkout_run.checkpoint import (
         checkpoint_config,
         round_to_bfloat16,
@@ -186,7 +194,7 @@ def _checkpoint(real_config: dict, manifest: SelectionManifest, seed: int, tmp: 
     )
     from model_infer_kvcache.validators.pipeline.tiny_model import build_tiny_model
 
-    model, plan = build_tiny_model(real_config, manifest, seed=seed)
+    model, plan = build_tiny_model(real_config, manifest, seed=seed, fixed=fixed)
     round_to_bfloat16(model)
     path = save_checkpoint(model, checkpoint_config(real_config, plan.config), tmp / "checkpoint")
     ref = copy.deepcopy(model).to(torch.float32)

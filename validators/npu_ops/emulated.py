@@ -23,6 +23,7 @@ from model_infer_kvcache.validators.npu_ops import (
     moe_comm,
     norms,
     rotary,
+    sparse_attention,
     writers,
 )
 from model_infer_kvcache.validators.npu_ops.errors import UnemulatedFeatureError
@@ -160,7 +161,7 @@ OPS = {
     "npu_kv_rmsnorm_rope_cache_v2": npu_kv_rmsnorm_rope_cache_v2,
 }
 # Model-side operators (norms, rotary, activations, formats, MoE, matmuls): one module per family.
-for _family in (norms, rotary, activations, formats, moe, moe_comm, matmul, mla_prolog):
+for _family in (norms, rotary, activations, formats, moe, moe_comm, matmul, mla_prolog, sparse_attention):
     OPS.update(_family.OPS)
 
 __all__ = list(OPS) + ["OPS"]

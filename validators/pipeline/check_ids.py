@@ -69,6 +69,10 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V218", "runtime", "every cache entry is written every step"),
     CheckDef("V219", "runtime", "decode padded to the per-DP batch size; padded rows write only the null block"),
     CheckDef("V220", "runtime", "the Legacy render keeps the model's own attention (no FA call)"),
+    CheckDef("V221", "runtime", "sparse attention: scale, causal sparse_mode 3 and index_topk keys per query as the "
+                                "manifest"),
+    CheckDef("V222", "runtime", "each indexer layer's lightning indexer reads that layer's indexer key cache (own "
+                                "table, kv lengths, sparse_count = index_topk)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

@@ -26,6 +26,9 @@ TINY_VOCAB = 512
 _DERIVED_MLP_WIDTHS = ("ffn_hidden_size", "n_inner", "ffn_dim")
 MAX_CPU_WINDOW = 256  # windows above this are shrunk so test sequences can cross them
 SHRUNK_WINDOW = 160
+# DSA: the indexer keeps this many keys per query on CPU (the stream's prompts are 40..300 tokens), so the
+# selection drops keys on every request but the shortest; the real index_topk (2048) would keep them all.
+CPU_INDEX_TOPK = 64
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
                        ("top_k_experts", 2)):  # Gemma-4
         if key in d:
             d[key] = value
+    _dense_prefix_types(d, src)
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
         d.pop(key, None)
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
@@ -94,10 +98,26 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     window = manifest.sliding_window()
     if window:
         d["sliding_window"] = window
+    if isinstance(d.get("index_topk"), int) and d["index_topk"] > CPU_INDEX_TOPK:
+        notes.append(f"index_topk {d['index_topk']} -> {CPU_INDEX_TOPK}: the indexer's selection drops keys of "
+                     "every longer request")
+        d["index_topk"] = CPU_INDEX_TOPK
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
     notes.append(f"{n} of {m.num_layers} decoder layers (shortest prefix with every layer kind)")
     return d, TinyPlan(hf_type, n, window, notes)
+
+
+def _dense_prefix_types(d: dict[str, Any], src: dict[str, Any]) -> None:
+    """A per-layer MLP list that spells out ``first_k_dense_replace`` (transformers' DeepSeek-V3.2 / GLM-5:
+    ``mlp_layer_types``) follows the shrunk prefix, in place: transformers builds from the list, the checkout
+    from the number, and the two must agree on which tiny layers are MoE."""
+    types, real_k = src.get("mlp_layer_types"), src.get("first_k_dense_replace")
+    if not (isinstance(types, list) and isinstance(real_k, int) and "first_k_dense_replace" in d):
+        return
+    if types == ["dense" if i < real_k else "sparse" for i in range(len(types))]:
+        n = len(d.get("mlp_layer_types") or types)
+        d["mlp_layer_types"] = ["dense" if i < d["first_k_dense_replace"] else "sparse" for i in range(n)]
 
 
 def _trim_per_layer_fields(d: dict[str, Any], real_layers: int, n: int) -> None:
@@ -140,11 +160,14 @@ def require_transformers_type(model_type: str) -> None:
                                      "model (analyze and render do not need it)", field="model_type")
 
 
-def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: int = 0):
-    """(model, plan): a float32 eager transformers model with random weights."""
+def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: int = 0,
+                     fixed: dict[str, tuple[Any, str]] | None = None):
+    """(model, plan): a float32 eager transformers model with random weights. ``fixed``: fields the model
+    under test fixes whatever its config says (``registry.config_class_constants``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d, plan = tiny_config_dict(real, manifest)
+    keep_fixed(d, real, fixed or {}, plan.notes)
     hf_type = d.pop("model_type")
     require_transformers_type(hf_type)
     class_defaults = AutoConfig.for_model(hf_type).to_dict()
@@ -165,6 +188,23 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     _randomize(model, seed)
     model.eval()
     return model, plan
+
+
+def keep_fixed(d: dict[str, Any], real: dict[str, Any], fixed: dict[str, tuple[Any, str]], notes: list[str]) -> None:
+    """A size the tiny config shrank but the model under test fixes (its config class assigns a constant) goes
+    back to that constant, in place; when the real config itself disagrees with the constant the tiny config
+    keeps the real meaning and a note says the model ignores the field (the comparison then shows it)."""
+    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    for name, (value, where) in sorted(fixed.items()):
+        if name not in d or d[name] == value:
+            continue
+        if src.get(name) == value:
+            d[name] = value
+            notes.append(f"{name} kept at {value!r}: the checkout's config class fixes it ({where}), so the tiny "
+                         "model does not shrink it")
+        else:
+            notes.append(f"the checkout's config class fixes {name} = {value!r} ({where}); the config says "
+                         f"{src.get(name)!r}: the checkout ignores the config's value")
 
 
 def fit_token_ids(d: dict[str, Any], class_defaults: dict[str, Any], vocab: int) -> dict[int, int]:

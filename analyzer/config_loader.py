@@ -115,6 +115,14 @@ class Sourced(Generic[T]):
         return self.source.startswith("default")
 
 
+# DSA family -> the RoPE layout of its indexer's first qk_rope_head_dim dims, as transformers' indexer applies it
+# (the MLA part of both is interleaved; the indexer's is the family's own choice, no config field says it).
+INDEXER_ROPE = {
+    "deepseek_v32": ("half", "transformers DeepseekV32Indexer: apply_rotary_pos_emb (half-split)"),
+    "glm_moe_dsa": ("interleave", "transformers GlmMoeDsaIndexer: apply_rotary_pos_emb_interleave"),
+}
+
+
 @dataclass(frozen=True)
 class DsaFacts:
     """DeepSeek sparse attention: a lightning indexer picks ``index_topk`` cached keys per query.
@@ -129,6 +137,8 @@ class DsaFacts:
     index_head_dim: int
     own_indexer: tuple[bool, ...]
     sources: str
+    rope: str = "half"  # INDEXER_ROPE: "half" | "interleave"
+    rope_source: str = ""
 
 
 @dataclass(frozen=True)
@@ -439,7 +449,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         raise InputError(where, f"must be positive, got {multiplier.value!r}", field=multiplier.source)
     if qpas.value is not None and qpas.value <= 0:
         raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
-    dsa = _dsa(r, mla, num_layers.value)
+    dsa = _dsa(r, mla, num_layers.value, model_type)
     layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
@@ -510,7 +520,7 @@ def _mla_dims(r: _Reader) -> Sourced[MlaDims | None]:
     return Sourced(dims, f"{hit[1]} (+ qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)")
 
 
-def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int) -> Sourced[DsaFacts | None]:
+def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: str) -> Sourced[DsaFacts | None]:
     """DSA from ``index_topk`` / ``index_n_heads`` / ``index_head_dim`` (+ GLM-5's ``indexer_types``)."""
     topk = r.positive_int("index_topk", required=False, maximum=LIMITS["positions"])
     if topk is None:
@@ -518,6 +528,12 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int) -> Sourced[D
     if mla.value is None:
         raise InputError(r.where, "index_topk without kv_lora_rank: DeepSeek sparse attention is known over MLA "
                                   "only (DeepSeek-V3.2, GLM-5); kvcache does not know this layout", field=topk.source)
+    if model_type not in INDEXER_ROPE:
+        # The indexer's RoPE layout is the family's code, not a config field: guessing it would rotate the wrong
+        # pairs of every indexer query and key (a wrong selection, no error).
+        raise InputError(r.where, f"index_topk on model_type {model_type!r}: kvcache knows the DSA indexer of "
+                                  f"{', '.join(sorted(INDEXER_ROPE))} only (its RoPE layout is the family's code)",
+                         field="model_type")
     heads = r.positive_int("index_n_heads", maximum=LIMITS["heads"])
     dim = r.positive_int("index_head_dim", maximum=LIMITS["head_dim"])
     rope = mla.value.qk_rope_head_dim
@@ -538,8 +554,10 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int) -> Sourced[D
             raise InputError(r.where, "the first layer cannot reuse a previous layer's selection", field=f"{src}[0]")
         own = tuple(t == "full" for t in raw)
         how = f"{src}: {sum(own)} layers run their indexer, {num_layers - sum(own)} reuse the previous selection"
+    rope_layout, rope_source = INDEXER_ROPE[model_type]
     facts = DsaFacts(index_topk=topk.value, index_n_heads=heads.value, index_head_dim=dim.value, own_indexer=own,
-                     sources=f"{topk.source}, {heads.source}, {dim.source}; {how}")
+                     sources=f"{topk.source}, {heads.source}, {dim.source}; {how}", rope=rope_layout,
+                     rope_source=rope_source)
     return Sourced(facts, topk.source)
 
 

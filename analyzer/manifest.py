@@ -198,6 +198,9 @@ class DsaDecision(_Model):
     indexer_layers: list[int] = Field(description="decoder layers that run their own indexer (and cache its keys)")
     shared_layers: list[int] = Field(default_factory=list,
                                      description="decoder layers reusing the previous indexer layer's selection")
+    index_rope: Literal["half", "interleave"] = Field(
+        description="RoPE layout on the first qk_rope_head_dim dims of the indexer's queries and keys: half-split "
+                    "(DeepSeek-V3.2) or interleaved pairs (GLM-5)")
     key_transform: str = Field(description="what an indexer key is before it is cached")
     selection: str = Field(description="how the top-k keys are chosen")
     source: str

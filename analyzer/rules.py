@@ -418,9 +418,12 @@ def decide_dsa(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = No
         indexer_cache=indexer_cache(dsa, dtype or facts.dtype.value),
         indexer_layers=own,
         shared_layers=shared,
-        key_transform=f"k = LayerNorm(wk(hidden_states)) (eps 1e-6), then half-split (not interleaved, unlike the "
-                      f"MLA rope) RoPE on its first {rope} dims, then written at the token's slot: a key cached "
-                      "before its RoPE scores every later query wrongly",
+        index_rope=dsa.rope,
+        key_transform="k = LayerNorm(wk(hidden_states)) (eps 1e-6), then "
+                      + ("half-split (not interleaved, unlike the MLA rope)" if dsa.rope == "half" else
+                         "interleaved-pair (like the MLA rope)")
+                      + f" RoPE on its first {rope} dims ({dsa.rope_source}), then written at the token's slot: a key "
+                      "cached before its RoPE scores every later query wrongly",
         selection=f"per query: score_t = sum over indexer heads of weight_h * relu(q_h . k_t) * "
                   f"{dsa.index_head_dim}^-0.5, over that request's own causal keys only; the top "
                   f"{dsa.index_topk} keys (all of them while the sequence is shorter) feed the MLA attention",

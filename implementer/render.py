@@ -47,13 +47,6 @@ class Rendered:
 
 def check_renderable(manifest: SelectionManifest, flag: str = "--manifest") -> None:
     """Refuse a manifest whose cache kinds no template renders (exit 2 "not supported by kvcache yet")."""
-    if manifest.dsa is not None:
-        # A dense render of a DSA manifest would attend over every key and leave the indexer cache unwritten:
-        # wrong for every sequence longer than index_topk, with no error. Refused until the templates exist.
-        raise InputError(flag, f"not supported by kvcache yet: DeepSeek sparse attention (index_topk "
-                         f"{manifest.dsa.index_topk}, indexer key cache) has no template; the manifest records the "
-                         "design (dsa section, references/manifest.md), the indexer write and top-k selection are "
-                         "not rendered", field="dsa")
     shaped = [layer for layer in manifest.layers if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None]
     if shaped:
         # The templates take one HEAD_DIM and one KV head count; a per-layer shape rendered with the model's would

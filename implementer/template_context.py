@@ -32,12 +32,14 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 DEFAULT_API = "G2"
 # Cache names the templates know, by attention family: they become attribute names in generated code.
 CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")}
+# DSA (manifest.dsa): the MLA caches plus each layer's indexer key cache
+DSA_CACHE_NAMES = ("nope_cache", "rope_cache", "indexer_key_cache")
 # Layouts each template implements (the FA output shape depends on it).
 LAYOUTS = {("paged", False): ("TND",), ("paged", True): ("TND", "TND_NTD"), ("legacy", False): ("BSH",)}
 NZ_C0 = 16  # NZ fractal width of 16-bit caches (the rendered KV_CACHE_NZ_DIM)
 # Module-level names of the rendered files (imports, helpers); UPPER_CASE names are their constants.
 RESERVED_NAMES = frozenset({"torch", "torch_npu", "math", "dataclass", "CacheEntry", "LayerCacheInfo",
-                            "ModelCacheInfo", "ForwardMetaData", "attention_modules"})
+                            "ModelCacheInfo", "ForwardMetaData", "attention_modules", "as_int32"})
 _MODEL_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
@@ -123,6 +125,19 @@ class CacheCtx:
     dim: int
     num_head: int
 
+    # the rendered constant each cache's width is (one place for the attention module and the runner)
+    _DIM_CONSTANTS = {"nope_cache": "KV_LORA_RANK", "rope_cache": "QK_ROPE_HEAD_DIM",
+                      "indexer_key_cache": "INDEX_HEAD_DIM"}
+
+    @property
+    def dim_constant(self) -> str:
+        return self._DIM_CONSTANTS.get(self.name, "HEAD_DIM")
+
+    @property
+    def heads_constant(self) -> str:
+        """Per-token heads: one for the latent / rope / indexer caches, the KV heads for k/v caches."""
+        return "1" if self.name in self._DIM_CONSTANTS else "NUM_KV_HEADS_PER_RANK"
+
 
 @dataclass(frozen=True)
 class RenderContext:
@@ -158,6 +173,12 @@ class RenderContext:
     sublayers: int
     mtp_layers: int
     names: Names
+    # DSA (manifest.dsa): the indexer's selection width, heads (all on every rank), head dim and RoPE layout
+    is_dsa: bool = False
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope: str = ""
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
     legacy_kernel: str = ""
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")
@@ -256,6 +277,10 @@ def _check_layers(m: SelectionManifest) -> None:
         raise _bad(f"layers[{chunked[0]}].layer_kind",
                    f"{len(chunked)} layer(s) use chunked local attention; no template renders chunk-boundary "
                    "masks (a causal or band mask would be silently wrong)")
+    if m.dsa is not None and m.dsa.shared_layers:
+        raise _bad("dsa.shared_layers", f"{len(m.dsa.shared_layers)} layer(s) reuse the previous layer's top-k "
+                                        f"selection (first: {m.dsa.shared_layers[0]}); no template carries a "
+                                        "selection across layers")
     first = m.layers[0]
     for layer in m.layers[1:]:
         if layer.caches != first.caches:
@@ -270,11 +295,12 @@ def _check_layers(m: SelectionManifest) -> None:
                        "code indexes block_table/slot_mapping by attn_type (no manager_key support)")
         if layer.is_sliding and not layer.sliding_window:
             raise _bad(f"layers[{layer.index}].sliding_window", "a SlidingWindow layer needs a positive window")
-    want = CACHE_NAMES[m.mla.enabled]
+    want = DSA_CACHE_NAMES if m.dsa is not None else CACHE_NAMES[m.mla.enabled]
     names = tuple(c.name for c in first.caches)
     if m.kv_mode.value == "paged" and names != want:
+        kind = "DSA" if m.dsa is not None else "MLA" if m.mla.enabled else "GQA/MHA"
         raise _bad(f"layers[{first.index}].caches", f"cache names {list(names)} must be {list(want)} for "
-                                                    f"{'MLA' if m.mla.enabled else 'GQA/MHA'} paged caches")
+                                                    f"{kind} paged caches")
     if m.kv_mode.value == "legacy" and (m.mla.enabled or names != CACHE_NAMES[False]):
         raise _bad(f"layers[{first.index}].caches", "the Legacy template renders GQA/MHA k_cache/v_cache only")
     for i, c in enumerate(first.caches):
@@ -395,4 +421,13 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         names=names.checked(),
         legacy_kernel=legacy_kernel,
         softcap=softcap,
+        **_dsa_fields(m),
     )
+
+
+def _dsa_fields(m: SelectionManifest) -> dict:
+    if m.dsa is None:
+        return {}
+    d = m.dsa
+    return {"is_dsa": True, "index_topk": int(d.index_topk), "index_n_heads": int(d.index_n_heads_per_rank),
+            "index_head_dim": int(d.index_head_dim), "index_rope": d.index_rope}

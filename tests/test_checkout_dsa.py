@@ -48,7 +48,7 @@ def test_deepseek_v3_2_exp_passes_in_the_real_engine(tmp_path):
     dropped = [c.measured["keys_dropped"] for c in _by_id(report, "V222")]
     assert all(d > 0.3 for d in dropped), dropped
     notes = "\n".join(report.notes)
-    assert "index_topk 2048 -> 64" in notes and re.search(r"the indexer kept \d+ of the \d+ causal keys", notes)
+    assert "the manifest the run is judged by carry index_topk 64" in notes and re.search(r"the indexer kept \d+ of the \d+ causal keys", notes)
     # the checkout's config class pins q_lora_rank: the tiny model keeps it instead of failing the load
     assert "q_lora_rank kept at 1536: the checkout's config class fixes it (configuration_deepseek.py:" in notes
     assert "hadamard_matrix (indexer.py:" in notes  # computed by the model, not a missing weight

@@ -105,19 +105,23 @@ def test_a_manifest_that_drops_the_indexer_cache_is_refused(tmp_path):
         SelectionManifest.model_validate(m)
 
 
-def test_render_and_validate_refuse_dsa_instead_of_rendering_dense_attention(tmp_path, capsys, monkeypatch):
+def test_the_dsa_render_selects_keys_and_never_calls_dense_fa(tmp_path):
+    """Rendered DSA attends through the indexer's selection only (tests/test_dsa_render.py validates it)."""
     m = analyze(AnalyzeRequest(config=str(_config("deepseek_v32", tmp_path))))
-    with pytest.raises(InputError) as info:
-        render_manifest(m)
-    assert "not supported by kvcache yet" in info.value.render() and "dsa" in info.value.render()
+    attn = render_manifest(m).files["kvcache_attention.py"]
+    assert "npu_lightning_indexer(" in attn and "npu_sparse_flash_attention(" in attn
+    assert "npu_fused_infer_attention" not in attn
+    assert "INDEX_TOPK = 2048" in attn and "sparse_count=INDEX_TOPK," in attn and "npu_rotary_mul" in attn
+
+
+def test_render_refuses_shared_indexer_layers_in_one_line(tmp_path, capsys, monkeypatch):
+    """GLM-5 layers that reuse the previous selection have no template: exit 2, one line, nothing written."""
+    m = analyze(AnalyzeRequest(config=str(_config("glm_moe_dsa", tmp_path, indexer_types=["full", "shared"] * 39))))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
-    (tmp_path / "r").mkdir()
-    for argv in (["render", "--manifest", "m.json", "--out", "out"],
-                 ["validate", "--manifest", "m.json", "--rendered", "r", "--config", "deepseek_v32.json"]):
-        assert kvcache_cli.main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "not supported by kvcache yet: DeepSeek sparse attention" in err
+    assert kvcache_cli.main(["render", "--manifest", "m.json", "--out", "out"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dsa.shared_layers" in err and "reuse the previous layer's top-k" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -150,3 +154,19 @@ def test_the_upstream_config_class_plans_the_upstream_cache_entries(tmp_path):
             ("rope_cache", cfg.qk_rope_head_dim, 1)}
     assert all({(c.name, c.dim, c.num_head) for c in layer.caches} == want for layer in m.layers)
     assert m.dsa.index_topk == cfg.index_topk and not m.blockers
+
+
+@pytest.mark.parametrize("family, layout", [("deepseek_v32", "half"), ("glm_moe_dsa", "interleave")])
+def test_the_indexer_rope_layout_is_the_familys(tmp_path, family, layout):
+    """DeepSeek-V3.2's indexer rotates half-split pairs, GLM-5's interleaved ones (transformers' indexers): the
+    render applies the manifest's, and the other would select other keys."""
+    m = analyze(AnalyzeRequest(config=str(_config(family, tmp_path))))
+    assert m.dsa.index_rope == layout and ("half-split" if layout == "half" else "interleaved") in m.dsa.key_transform
+
+
+def test_an_indexer_of_an_unknown_family_is_not_guessed(tmp_path):
+    """index_topk on an MLA family whose indexer kvcache does not know: its RoPE layout is code, not config."""
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(_config("deepseek_v3", tmp_path, index_topk=2048, index_n_heads=64,
+                                                  index_head_dim=128))))
+    assert "model_type" in info.value.render() and "deepseek_v32" in info.value.render()

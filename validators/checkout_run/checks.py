@@ -15,6 +15,7 @@ from model_infer_kvcache.validators.checkout_run import dsa_checks
 from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, pool_usage
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
 from model_infer_kvcache.validators.harness.poison import check_pool_invariants, null_block_of
+from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
 from model_infer_kvcache.validators.pipeline.report import Report
 
@@ -151,8 +152,7 @@ READS_OWN_CACHE = "each layer's FA (once per step) reads that layer's cache (pre
 
 
 def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
-                 calls: list[dict], problems: list[str], writes: list[dict], *, complete: bool,
-                 index_topk: int | None = None) -> dict:
+                 calls: list[dict], problems: list[str], writes: list[dict], *, complete: bool) -> dict:
     """The runtime checks of attributed FA calls and of cache writes, each judged against the metadata
     of the forward it was made in. ``complete``: the calls of whole steps (a check without evidence
     fails); otherwise the calls up to an operator error (checks without evidence are left out).
@@ -168,8 +168,7 @@ def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, c
                             f"(judged by the numeric link): " + ", ".join(f"{o} layout={lay} sparse_mode={m}"
                                                                        for o, lay, m in kinds))
     if manifest.dsa is not None:
-        dsa_checks.check_sparse_args(report, manifest, calls, index_topk or manifest.dsa.index_topk,
-                                     complete=complete)
+        dsa_args.check_sparse_args(report, manifest, calls, complete=complete)
     elif on_cache or complete:
         check_fa_calls(report, judged_manifest(report, manifest, on_cache), on_cache,
                        reading_dependent=window_dependent_layers(manifest),
@@ -222,7 +221,7 @@ def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, c
 
 
 def check_calls_before_failure(report: Report, manifest: SelectionManifest, rec: OpRecorder,
-                               caches: CacheMap, index_topk: int | None = None) -> None:
+                               caches: CacheMap) -> None:
     """A run an operator error stopped: judge the calls made up to it (warm-up included; a rejected
     call is recorded before the operator runs) with the runtime checks that need no finished step, so
     a mistake the operator refuses is also named by the check for it (a dropped mask, a packed layout
@@ -243,22 +242,19 @@ def check_calls_before_failure(report: Report, manifest: SelectionManifest, rec:
         return
     report.notes.append(f"the run stopped at an operator error; the runtime checks judge what was called up to "
                         f"it, warm-up included (FA calls: {len(calls)}, cache writes: {len(writes)})")
-    _judge_calls(report, manifest, rec, caches, calls, problems, writes, complete=False, index_topk=index_topk)
+    _judge_calls(report, manifest, rec, caches, calls, problems, writes, complete=False)
     if manifest.dsa is not None:
-        dsa_checks.check_indexer_calls(report, manifest, rec, caches, None, len(caches.layers()),
-                                       index_topk or manifest.dsa.index_topk)
+        dsa_checks.check_indexer_calls(report, manifest, rec, caches, None, len(caches.layers()))
 
 
 def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
-                  run: EngineRun, n_layers: int, index_topk: int | None = None) -> None:
-    """``index_topk``: DSA's selection width in the run's config (the tiny config shrinks the manifest's)."""
+                  run: EngineRun, n_layers: int) -> None:
     calls, problems = attributed_fa_calls(rec, caches, run, n_layers, attention_calls(rec, manifest))
     steps = {s.index: s for s in run.steps}
     written = _judge_calls(report, manifest, rec, caches, calls, problems,
-                           [w for w in rec.writes if w["step"] in steps], complete=True, index_topk=index_topk)
+                           [w for w in rec.writes if w["step"] in steps], complete=True)
     if manifest.dsa is not None:
-        dsa_checks.check_indexer_calls(report, manifest, rec, caches, set(steps), n_layers,
-                                       index_topk or manifest.dsa.index_topk)
+        dsa_checks.check_indexer_calls(report, manifest, rec, caches, set(steps), n_layers)
     entries = {(s.layer, s.cache_name) for s in caches.by_storage.values()}
     unwritten = [f"step {i}: {sorted(entries - written.get(i, set()))[:4]}" for i in steps
                  if entries - written.get(i, set())]

@@ -18,11 +18,10 @@ import torch
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 from model_infer_kvcache.validators.npu_ops import emulated
+from model_infer_kvcache.validators.pipeline import dsa_args
 
 # writer -> (the cache arguments it writes, the argument holding the slots), by parameter name
 WRITERS = {op: (writer.caches, writer.index) for op, writer in CACHE_WRITERS.items()}
-# DSA: the indexer's top-k selection and the attention over the selected keys (npu_ops.sparse_attention)
-INDEXER_OP, SPARSE_FA_OP = "npu_lightning_indexer", "npu_sparse_flash_attention"
 
 
 def _storage(t) -> int | None:
@@ -67,7 +66,7 @@ class OpRecorder:
     forwards: list[ForwardSeen] = field(default_factory=list)
     fa_calls: list[dict] = field(default_factory=list)
     writes: list[dict] = field(default_factory=list)
-    # DSA calls (INDEXER_OP, SPARSE_FA_OP), recorded like FA calls: which cache, table, lengths, selection width
+    # DSA calls (dsa_args.DSA_OPS), recorded like FA calls: which cache, table, lengths, selection width
     sparse_calls: list[dict] = field(default_factory=list)
     # Localisation's replay: called as tap(op, arguments by name, result) after each FA and writer call.
     tap: object = None
@@ -96,28 +95,14 @@ class OpRecorder:
         return call
 
     def _sparse(self, name, fn):
-        signature = inspect.signature(fn)
-        defaults = {k: p.default for k, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
-
         def call(*args, **kwargs):
-            try:
-                bound = signature.bind(*args, **kwargs).arguments
-            except TypeError:  # the operator itself reports the bad call
+            bound = dsa_args.bind(fn, args, kwargs)
+            if bound is None:  # the operator itself reports the bad call
                 return fn(*args, **kwargs)
-            bound = {**defaults, **bound}
-            indices = bound.get("sparse_indices")
-            self.sparse_calls.append({
-                "op": name, "step": self.step, "forward": self.forward, "key_storage": _storage(bound.get("key")),
-                "key_rope_storage": _storage(bound.get("key_rope")), "block_table": _copy(bound.get("block_table")),
-                "kv_lens": _copy(bound.get("actual_seq_lengths_kv", bound.get("actual_seq_lengths_key"))),
-                "q_shape": tuple(bound["query"].shape) if isinstance(bound.get("query"), torch.Tensor) else None,
-                "sparse_mode": bound["sparse_mode"], "scale_value": bound.get("scale_value"),
-                "sparse_count": bound.get("sparse_count"),
-                "indices_width": indices.shape[-1] if isinstance(indices, torch.Tensor) else None,
-            })
+            self.sparse_calls.append({**dsa_args.describe(name, bound), "step": self.step, "forward": self.forward})
             result = fn(*args, **kwargs)
-            if name == INDEXER_OP:
-                self.sparse_calls[-1].update(_selection(bound, result[0]))
+            if name == dsa_args.INDEXER_OP:
+                self.sparse_calls[-1].update(dsa_args.selection(bound, result[0]))
             if self.tap is not None:
                 self.tap(name, bound, result)
             return result
@@ -144,21 +129,6 @@ class OpRecorder:
         return call
 
 
-def _selection(bound: dict, indices: torch.Tensor) -> dict:
-    """How many keys the indexer kept (valid indices) of the causal keys its queries could see: the measure of
-    how much the selection dropped (``visible - selected``). TND queries with per-request key lengths only."""
-    q, kv = bound.get("actual_seq_lengths_query"), bound.get("actual_seq_lengths_key")
-    if bound.get("layout_query") != "TND" or not isinstance(q, torch.Tensor) or not isinstance(kv, torch.Tensor):
-        return {}
-    cu = [0] + q.tolist()
-    visible = 0
-    for b, s2 in enumerate(kv.tolist()):
-        s1 = cu[b + 1] - cu[b]
-        visible += sum(min(s2, s2 - s1 + i + 1) for i in range(s1) if s2 - s1 + i + 1 > 0)
-    rows = cu[-1]
-    return {"selected": int((indices.reshape(-1, indices.shape[-1])[:rows] != -1).sum()), "visible": visible}
-
-
 @contextlib.contextmanager
 def recording_ops() -> Iterator[OpRecorder]:
     """Record FA and writer calls inside the block (enter before the emulation is installed)."""
@@ -171,7 +141,7 @@ def recording_ops() -> Iterator[OpRecorder]:
         for name in WRITERS:
             if name in emulated.OPS:
                 emulated.OPS[name] = rec._writer(name, saved[name])
-        for name in (INDEXER_OP, SPARSE_FA_OP):
+        for name in dsa_args.DSA_OPS:
             emulated.OPS[name] = rec._sparse(name, saved[name])
         yield rec
     finally:

@@ -106,7 +106,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         except StreamStalled as exc:  # the watchdog: a request that never finishes, a forward that never returns
             report.add(STREAM_BUDGET_CHECK, "runtime", False, detail=str(exc))
             if caches is not None:
-                checks.check_calls_before_failure(report, manifest, rec, caches, _index_topk(checkpoint))
+                checks.check_calls_before_failure(report, manifest, rec, caches)
             return
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
             from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
@@ -118,13 +118,13 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}")
             if caches is not None:
-                checks.check_calls_before_failure(report, manifest, rec, caches, _index_topk(checkpoint))
+                checks.check_calls_before_failure(report, manifest, rec, caches)
             return
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
         n_layers = len(info.layer_infos)
-        checks.check_runtime(report, manifest, rec, caches, run, n_layers, _index_topk(checkpoint))
+        checks.check_runtime(report, manifest, rec, caches, run, n_layers)
         checks.check_padding(report, run)
         _numeric(report, ref_model, run)
         checks.check_release(report, run, start_usage, start_bytes, engine_run.cache_bytes(info))
@@ -179,12 +179,6 @@ def _note_config_class(report: Report, config_cls, model_type: str) -> None:
     if expected and model_type and expected != model_type:
         report.notes.append(f"the checkout's {config_cls.__name__} (model_type {expected!r}) reads a config.json "
                             f"of model_type {model_type!r}: check --model and --config belong together")
-
-
-def _index_topk(checkpoint: Path) -> int | None:
-    """DSA's selection width in the checkpoint's config.json (the tiny config shrinks the real one)."""
-    value = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8")).get("index_topk")
-    return value if isinstance(value, int) else None
 
 
 def _config_model_type(checkpoint: Path) -> str:

@@ -120,10 +120,16 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
 
     short = shrink_windows(manifest)
     if short is not None:
-        # The tiny config carries the short window, so the checkout's model reads it like any config field
-        # (cache entries, FA band) and CPU sequences cross it; the manifest's offsets are kept (shrink_windows).
-        report.notes.append(f"window {manifest.sliding_window()} is too long for CPU sequences: the tiny config "
-                            f"and the manifest the run is judged by carry window {short.sliding_window()}")
+        # The tiny config carries the short window (and DSA's narrow selection), so the checkout's model reads it
+        # like any config field (cache entries, FA band, indexer top-k) and CPU sequences cross it; the manifest's
+        # offsets are kept (shrink_windows).
+        if short.sliding_window() != manifest.sliding_window():
+            report.notes.append(f"window {manifest.sliding_window()} is too long for CPU sequences: the tiny config "
+                                f"and the manifest the run is judged by carry window {short.sliding_window()}")
+        if manifest.dsa is not None and short.dsa.index_topk != manifest.dsa.index_topk:
+            report.notes.append(f"index_topk {manifest.dsa.index_topk} is wider than CPU prompts: the tiny config "
+                                f"and the manifest the run is judged by carry index_topk {short.dsa.index_topk}, so "
+                                "the indexer's selection drops keys")
         manifest = short
     report.readings = dataclasses.asdict(base)
     if req.readings:

@@ -145,7 +145,7 @@ def _attention_text(m) -> str:
     from model_infer_kvcache.implementer.render import render_manifest
 
     if m.dsa is not None:
-        return f"{m.fa.version}(DSA 的 indexer 与 top-k 尚无模板:render 拒绝,退出码 2)"
+        return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"
     if any(layer.head_dim is not None or layer.num_kv_heads_per_rank is not None for layer in m.layers):
         return f"{m.fa.version}(逐层形状已规划;模板只有一个 head_dim:render 拒绝,退出码 2;检出模式可校验)"
     legacy = m.legacy_attention
@@ -163,9 +163,10 @@ def model_kinds_table() -> str:
     for kind in MODEL_KINDS:
         m = kind_manifest(kind.key)
         attn = " + ".join(sorted({layer.attn_type for layer in m.layers}))
-        rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), m.fa.input_layout,
-                     "是" if m.mla.absorb else "否", "是" if m.mixed_attn_types else "否",
-                     f"`{m.layers[0].write_op}`"])
+        layout = "TND(缓存 PA_BSND)" if m.dsa is not None else m.fa.input_layout  # the sparse FA's, not FA's
+        write = f"`{m.layers[0].write_op}`" + (" + `npu_scatter_nd_update_`(indexer key)" if m.dsa is not None else "")
+        rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), layout,
+                     "是" if m.mla.absorb else "否", "是" if m.mixed_attn_types else "否", write])
     return _table(["模型形态", "例子", "KV 模式", "attn_type", "FA", "input_layout", "MLA absorb",
                    "混合 attn_type", "写入算子"], rows)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from model_infer_kvcache.analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SHAPES
 from model_infer_kvcache.validators.lint import ops
 from model_infer_kvcache.validators.lint.hidden_layout import HiddenLayout
-from model_infer_kvcache.validators.lint.kwargs_dicts import call_keywords, expand_star_kwargs
+from model_infer_kvcache.validators.lint.kwargs_dicts import call_keywords, dict_keys, expand_star_kwargs
 from model_infer_kvcache.validators.lint.masks import MaskFacts
 from model_infer_kvcache.validators.lint.registry import RULES
 from model_infer_kvcache.validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
@@ -25,6 +25,7 @@ from model_infer_kvcache.validators.lint.values import (
     Variant,
     as_int,
     as_number,
+    as_str,
     dict_item_key,
     is_none,
 )
@@ -171,6 +172,8 @@ class FileChecker:
             self.fa_call(call, op)
         elif op in ops.WRITER_OPS:
             self.writer_call(call, op)
+        elif op in ops.DSA_OPS:
+            self.dsa_call(call, op)
         name = _terminal(call.func)
         if name and name.endswith("CacheEntry") and "mamba" not in name.lower():
             self.entry_calls.append(call)
@@ -274,6 +277,61 @@ class FileChecker:
             self.dict_whole(named["block_table"].value, call, ctx, "block_table", op)
         if is_absorb:
             self.mla_kv_heads(call, named, star, ctx)
+
+    def dsa_call(self, call: ast.Call, op: str) -> None:
+        """KV103 on the keywords, KV206 (not causal), KV503 (absorb over two tensors), KV812 (with a manifest:
+        the indexer's width), and a whole block_table dict (KV301)."""
+        named, star = call_keywords(call)
+        accepted = ops.accepted_keywords(op, self.release.release)
+        if accepted is not None:
+            for kw_name, kw in named.items():
+                if kw_name not in accepted:
+                    self.unknown_keyword(kw, kw_name, op, accepted)
+        ctx = self.info.ctx_of(call)
+        for v in self.arg_variants(call, "sparse_mode", ctx, star):
+            mode = self._certain_int(v)
+            if mode is not None and mode != 3:
+                self.emit("KV206", v.origin or call, op=op, mode=mode)
+                break
+        if op == ops.SPARSE_FA:
+            self._absorb_key_value(call, named, star, ctx)
+        dsa = getattr(self.manifest, "dsa", None) if self.manifest is not None else None
+        if op == ops.INDEXER and dsa is not None:
+            for v in self.arg_variants(call, "sparse_count", ctx, star):
+                count = self._certain_int(v)
+                if count is not None and count != dsa.index_topk:
+                    self.emit("KV812", v.origin or call, value=count, expected=dsa.index_topk)
+                    break
+        if "block_table" in named:
+            self.dict_whole(named["block_table"].value, call, ctx, "block_table", op)
+
+    def _certain_int(self, v: Variant) -> int | None:
+        if not v.certain or v.node is MISSING or v.node is OPAQUE:
+            return None
+        value = as_int(v.node)
+        return value if value is not None else self.resolver.number(v.node, v.at, v.ctx)
+
+    def _absorb_key_value(self, call: ast.Call, named, star: bool, ctx: Ctx) -> None:
+        if not any(self._certain_int(v) == 2 for v in self.arg_variants(call, "attention_mode", ctx, star)):
+            return
+
+        def resolved(name: str, pos: int):
+            node = named[name].value if name in named else (call.args[pos] if len(call.args) > pos else None)
+            if node is None:
+                return None
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+                # a `**kwargs` dict's entry: the expression written into the dict (not resolved further: two
+                # caches both start as `torch.Tensor([])`)
+                written = dict_keys(self.info, node.value, call) or {}
+                key_text = as_str(node.slice)
+                if key_text in written:
+                    node = written[key_text]
+                    node = node.value if isinstance(node, ast.Assign) else node
+            return [ast.unparse(node)]
+
+        key, value = resolved("key", 1), resolved("value", 2)
+        if key and value and not set(key) & set(value):
+            self.emit("KV503", named["value"] if "value" in named else call, key=key[0], value=value[0])
 
     def unknown_keyword(self, kw: ast.keyword, name: str, op: str, accepted: frozenset[str]) -> None:
         """KV103, naming the release judged, why that one, and the releases that do have the keyword."""

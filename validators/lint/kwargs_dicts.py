@@ -16,7 +16,7 @@ from model_infer_kvcache.validators.lint.scope import ModuleInfo
 from model_infer_kvcache.validators.lint.values import _precedes, as_str, dict_literal_items
 
 
-def _keys(info: ModuleInfo, name: ast.Name, call: ast.Call) -> dict[str, ast.AST] | None:
+def dict_keys(info: ModuleInfo, name: ast.Name, call: ast.Call) -> dict[str, ast.AST] | None:
     """Every key ``name`` may hold at ``call`` and where it is written (None when they cannot all be listed)."""
     func = info.function_of(call)
     if func is None:
@@ -59,7 +59,7 @@ def expand_star_kwargs(info: ModuleInfo, call: ast.Call) -> None:
         return
     keywords: list[ast.keyword] = []
     for kw in call.keywords:
-        keys = _keys(info, kw.value, call) if kw.arg is None and isinstance(kw.value, ast.Name) else None
+        keys = dict_keys(info, kw.value, call) if kw.arg is None and isinstance(kw.value, ast.Name) else None
         if keys is None:
             keywords.append(kw)
             continue

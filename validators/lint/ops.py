@@ -20,7 +20,11 @@ SCATTER_LEGACY_OUT = "scatter_update"
 RMSNORM_ROPE_CACHE_V2 = "npu_kv_rmsnorm_rope_cache_v2"
 RMSNORM_OPS = frozenset({RMSNORM_ROPE_CACHE, RMSNORM_ROPE_CACHE_V2})
 WRITER_OPS = frozenset(CACHE_WRITERS)
-ALL_OPS = FA_OPS | WRITER_OPS
+# DeepSeek sparse attention: the indexer's top-k selection and the attention over the selected keys
+INDEXER = "npu_lightning_indexer"
+SPARSE_FA = "npu_sparse_flash_attention"
+DSA_OPS = frozenset({INDEXER, SPARSE_FA})
+ALL_OPS = FA_OPS | WRITER_OPS | DSA_OPS
 
 # On a call of one FA version, the other version's keywords: {wrong name: (right name, op default)}.
 WRONG_VERSION_NAMES = {op: fa_facts.other_version_names(op) for op in FA_OPS}

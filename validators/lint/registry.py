@@ -86,6 +86,13 @@ _RULES = (
         "(2048, 2048) mask (error on NPU)",
         "use get_init_attn_mask(2048, device): the size is fixed, not max_position_embeddings",
     ),
+    Rule(
+        "KV206", "dsa-not-causal",
+        "DSA indexer / sparse attention call with sparse_mode other than 3",
+        "{op} runs with sparse_mode={mode}: without rightDownCausal (3) a prefill query selects or attends keys "
+        "after its own position, and nothing fails",
+        "pass sparse_mode=3 (the default) on npu_lightning_indexer and npu_sparse_flash_attention",
+    ),
     # ---------------------------------------------------------------- index dicts
     Rule(
         "KV301", "block-table-dict-whole",
@@ -126,6 +133,13 @@ _RULES = (
         "MLA absorb FA call (key = value = latent cache) {what}: the latent cache has exactly one KV head "
         "(GQA ratio error)",
         "pass num_key_value_heads=1 on MLA absorb calls",
+    ),
+    Rule(
+        "KV503", "dsa-absorb-key-not-value",
+        "MLA absorb sparse attention with key and value from different tensors",
+        "npu_sparse_flash_attention with attention_mode=2 (MLA absorb) takes key `{key}` and value `{value}`: "
+        "absorb attends over one latent cache, key and value are the same tensor",
+        "pass the latent (nope) cache as both key and value; the rope part goes in key_rope",
     ),
     # ---------------------------------------------------------------- writers
     Rule(
@@ -228,6 +242,17 @@ _RULES += (
         "tokens see the drafts after them)",
         "branch on the query length (tokens > requests): q_len > 1 -> sparse_mode={expected} with the "
         "2048x2048 causal mask; q_len 1 keeps sparse_mode={value}",
+        needs_manifest=True,
+    ),
+)
+
+_RULES += (
+    Rule(
+        "KV812", "indexer-topk-not-manifest",
+        "lightning indexer sparse_count different from the manifest's index_topk",
+        "npu_lightning_indexer keeps sparse_count={value} keys per query; the manifest's model selects "
+        "index_topk={expected}: every sequence longer than that attends to other keys than the model",
+        "pass sparse_count=index_topk (the config's value, not a literal of another model)",
         needs_manifest=True,
     ),
 )

@@ -279,6 +279,9 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
         if bool(((idx < 0) & valid).any()) or bool(((idx >= s2) & valid).any()):
             bad = int(idx[valid & ((idx < 0) | (idx >= s2))][0])
             raise NpuOpError(op, "sparse_indices", f"request {b}: index {bad} is outside its {s2} keys")
+        # Valid entries come first in each row: the columns past the longest row's are all -1, read nothing.
+        width = max(int(valid.sum(-1).max()), 1)
+        idx, valid = idx[..., :width], valid[..., :width]
         limit = (s2 - s1 + torch.arange(s1)).view(s1, 1, 1)
         if sparse_mode == 3:
             valid = valid & (idx <= limit)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
+from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
 from model_infer_kvcache.validators.pipeline.host_model import HostModel
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -117,7 +117,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     report.add("block_table/slot_mapping hold every layer's key", "runtime", not keys_missing,
                detail="; ".join(keys_missing[:3]), missing=len(keys_missing))
     tracker.check_runtime(report, manifest, prompt_len)
-    check_fa_calls(report, manifest, host.probe.fa_calls)
+    check_attention_calls(report, manifest, host)
     tracker.check_numeric(report, {rid: r.all_token_ids() for rid, r in sched.requests.items()})
 
     end_usage = sched.usage()

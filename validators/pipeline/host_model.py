@@ -27,6 +27,7 @@ import torch
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
+from model_infer_kvcache.validators.pipeline import dsa_args
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
@@ -103,6 +104,7 @@ class _Probe:
     def __init__(self):
         self.records: list[dict] = []
         self.fa_calls: list[dict] = []
+        self.sparse_calls: list[dict] = []  # DSA's indexer and sparse-FA calls (dsa_args)
         self.step = -1
 
     def record(self, **kw) -> None:
@@ -120,6 +122,8 @@ class _RecordingOps:
 
     def __getattr__(self, name):
         target = getattr(self._ops, name)
+        if name in dsa_args.DSA_OPS:
+            return self._dsa_call(name, target)
         if name not in FA_OP_NAMES:
             return target
 
@@ -130,6 +134,23 @@ class _RecordingOps:
                                          **{k: kwargs[k] for k in RECORDED_KEYWORDS if k in kwargs},
                                          "has_mask": kwargs.get("atten_mask") is not None})
             return target(*args, **kwargs)
+
+        return call
+
+
+    def _dsa_call(self, name, target):
+        def call(*args, **kwargs):
+            a = dsa_args.bind(target, args, kwargs)
+            if a is None:  # the operator reports the bad call
+                return target(*args, **kwargs)
+            last = self._probe.records[-1] if self._probe.records else {}
+            # Recorded before the operator runs: a call it rejects is evidence too.
+            rec = {**dsa_args.rendered_call(name, a, _metadata(), last), "step": self._probe.step}
+            self._probe.sparse_calls.append(rec)
+            result = target(*args, **kwargs)
+            if name == dsa_args.INDEXER_OP:
+                rec.update(dsa_args.selection(a, result[0]))
+            return result
 
         return call
 
@@ -187,7 +208,8 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     fm = _metadata()
     x = hidden_states[0]
     t = x.shape[0]
-    q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+    q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
     q = q.view(t, -1, self.qk_head_dim)
     q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
     compressed_kv = self.kv_a_proj_with_mqa(x)
@@ -196,7 +218,9 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
                       q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
                       hf_scaling=getattr(self, "scaling", None), kv_lens=_as_list(fm.actual_seq_lengths_kv))
-    out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, cos, sin, fm)
+    # DSA (an indexer beside the MLA): the rendered code selects keys from the hidden states and the query residual
+    dsa = {"hidden_states": x, "q_resid": q_resid} if getattr(self, "indexer", None) is not None else {}
+    out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, cos, sin, fm, **dsa)
     out = self.o_proj(out.reshape(t, -1))[None]
     return out, None
 
@@ -230,6 +254,31 @@ def _forward_source(module) -> str:
         return inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return ""
+
+
+def _returned_values(module) -> int:
+    """How many values the module's own forward returns (GLM-5's attention adds its top-k indices: 3)."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(_forward_source(module)))
+    except SyntaxError:
+        return 2
+    returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]
+    return max((len(r.elts) for r in returns), default=2)
+
+
+def _padded(forward, count: int):
+    """``forward`` (returning ``(out, None)``) returning ``count`` values, the extra ones None: a decoder layer that
+    unpacks three (GLM-5's top-k for the next shared layer, unused: render refuses shared layers) gets three."""
+    if count <= 2:
+        return forward
+
+    def padded(self, *args, **kwargs):
+        return (*forward(self, *args, **kwargs), *([None] * (count - 2)))
+
+    return padded
 
 
 def attention_route(module, is_mla: bool) -> str | None:
@@ -270,8 +319,9 @@ def make_host_attention(mixin: type) -> type:
                 # float32 as the device op takes it; float64 only in the float64 validation mode.
                 sinks = hf_attention.sinks.detach()
                 self.sinks = sinks if sinks.dtype == torch.float64 else sinks.float()
-            for name in ("kv_a_layernorm", "kv_b_proj"):
-                if hasattr(hf_attention, name):
+            # the model's own modules the rendered MLA code reads (and DSA's indexer projections)
+            for name in ("kv_a_layernorm", "kv_b_proj", "indexer"):
+                if getattr(hf_attention, name, None) is not None:
                     setattr(self, name, getattr(hf_attention, name))
 
     return HostAttention
@@ -323,7 +373,8 @@ class HostModel:
             host.init_kv_cache(idx, cache_dtype)
             hf_attn._kvcache_host = host
             if route in _ROUTED_FORWARD:
-                hf_attn.forward = types.MethodType(_ROUTED_FORWARD[route], hf_attn)
+                hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
+                                                   hf_attn)
             self.attentions.append(host)
         if "interface" in routes:
             _register_attention()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
+from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
@@ -112,5 +112,5 @@ def run_legacy(report: Report, manifest: SelectionManifest, host, ref_model, see
     if legacy is not None and legacy.kernel == "model":
         check_no_fa_call(report, host.probe.fa_calls)
     else:
-        check_fa_calls(report, manifest, host.probe.fa_calls)
+        check_attention_calls(report, manifest, host)
     tracker.check_numeric(report, {b: seqs[b][:-1] for b in range(ROWS)})

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.dsa_args import CAUSAL
 from model_infer_kvcache.validators.pipeline.host_model import reference_logits
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
@@ -86,15 +87,19 @@ class SpecStream:
             if call["step"] not in verify:
                 continue
             plan = manifest.layers[call["layer"]]
-            if plan.is_sliding or manifest.mtp is None:
+            if manifest.dsa is not None:  # the indexer and the sparse FA: rightDownCausal, no mask, q_len 2 alike
+                want = (CAUSAL, False)
+            elif plan.is_sliding or manifest.mtp is None:
                 want = (plan.sparse_mode.decode, plan.mask.decode != "none")
             else:
                 want = (manifest.mtp.decode_sparse_mode, manifest.mtp.decode_mask != "none")
-            got = (call.get("sparse_mode", 0), call["has_mask"])
+            got = (call.get("sparse_mode", 0), call.get("has_mask", False))
             if got != want:
                 bad.append(f"step {call['step']} layer {call['layer']}: (sparse_mode, mask) {got} != {want}")
+        judged = [c for c in fa_calls if c["step"] in verify]
         report.add(f"speculative-decode verify steps (q_len {1 + NEXT_N}) pass the manifest's MTP sparse_mode/mask",
-                   "runtime", bool(verify) and not bad, detail="; ".join(bad[:3]), mismatches=len(bad))
+                   "runtime", bool(verify) and bool(judged) and not bad, detail="; ".join(bad[:3]),
+                   mismatches=len(bad), calls=len(judged))
         both = self.accepted > 0 and self.rejected > 0
         report.add(f"speculative decode (next_n={NEXT_N}): verify logits vs transformers max |diff| <= {self.atol:g}",
                    "numeric", both and not self.nonfinite and self.worst <= self.atol and not self.wrong_verdicts,
@@ -102,6 +107,11 @@ class SpecStream:
                    or ("" if both else "the stream needs accepted and rejected drafts"),
                    max_abs_diff=self.worst, worst_at=self.worst_at, verify_steps=len(self.steps),
                    accepted=self.accepted, rejected=self.rejected)
+
+
+def attention_calls(host, manifest: SelectionManifest) -> list[dict]:
+    """The recorded calls that attend: FA calls, or DSA's indexer and sparse-FA calls (no FA call there)."""
+    return host.probe.sparse_calls if manifest.dsa is not None else host.probe.fa_calls
 
 
 def _prompts(seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -122,7 +132,7 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
     dog = _watchdog(prompts, main)
     rids = [sched.add_request(ids) for ids, _ in prompts]
     steps_of = {rid: n for rid, (_, n) in zip(rids, prompts, strict=True)}
-    fa_start = len(host.probe.fa_calls)
+    fa_start = len(attention_calls(host, manifest))
     while sched.waiting_ids:
         sched.poison()
         step = sched.next_step()
@@ -144,7 +154,7 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
         for rid in live:
             if j + 1 == steps_of[rid]:
                 sched.finish(rid, "length")
-    stream.report(report, manifest, host.probe.fa_calls[fa_start:])
+    stream.report(report, manifest, attention_calls(host, manifest)[fa_start:])
     report.add("all blocks back in the pool after the speculative-decode stream", "release",
                all(u["used"] == 0 for u in sched.usage().values()), usage=sched.usage())
 
@@ -156,7 +166,7 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
     prompts = _prompts(seed, vocab)
     dog = _watchdog(prompts, main)
     rows = list(range(len(prompts)))
-    fa_start = len(host.probe.fa_calls)
+    fa_start = len(attention_calls(host, manifest))
     lens = [len(ids) for ids, _ in prompts]
     fm = runner._build_forward_metadata(rows, lens)
     with dog.step("speculative prefill", rows):
@@ -196,4 +206,4 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
                not slot_errors, detail="; ".join(slot_errors[:3]))
     report.add("kv_len advances by 1 + accepted drafts after a verify step", "runtime", not kv_errors,
                detail="; ".join(kv_errors[:3]))
-    stream.report(report, manifest, host.probe.fa_calls[fa_start:])
+    stream.report(report, manifest, attention_calls(host, manifest)[fa_start:])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
+from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
@@ -112,7 +112,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     report.add("slot_mapping = row * max_seq_len + position", "runtime", not slot_errors,
                detail="; ".join(slot_errors[:3]), steps=step_index)
     tracker.check_runtime(report, manifest, prompt_len)
-    check_fa_calls(report, manifest, host.probe.fa_calls)
+    check_attention_calls(report, manifest, host)
     sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
     tracker.check_numeric(report, sequences)
     if manifest.mtp is not None:

@@ -98,10 +98,8 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     window = manifest.sliding_window()
     if window:
         d["sliding_window"] = window
-    if isinstance(d.get("index_topk"), int) and d["index_topk"] > CPU_INDEX_TOPK:
-        notes.append(f"index_topk {d['index_topk']} -> {CPU_INDEX_TOPK}: the indexer's selection drops keys of "
-                     "every longer request")
-        d["index_topk"] = CPU_INDEX_TOPK
+    if manifest.dsa is not None:  # the manifest's selection width, like its window (shrink_windows)
+        d["index_topk"] = manifest.dsa.index_topk
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
     notes.append(f"{n} of {m.num_layers} decoder layers (shortest prefix with every layer kind)")
@@ -134,19 +132,35 @@ def _trim_per_layer_fields(d: dict[str, Any], real_layers: int, n: int) -> None:
 
 
 def shrink_windows(manifest: SelectionManifest) -> SelectionManifest | None:
-    """The manifest of the same model with a window CPU sequences can cross (None: already short).
+    """The manifest of the same model with the sizes CPU sequences can exercise (None: already small enough):
+    a window they can cross, and a DSA selection (``dsa.index_topk``) narrower than their prompts.
 
     Each band keeps its distance to the window (pre_tokens = window - offset), so the tiny render
     has the same reading of the band as the real one; the implementer renders it like any manifest.
     """
-    if not any(layer.sliding_window and layer.sliding_window > MAX_CPU_WINDOW for layer in manifest.layers):
+    long_window = any(layer.sliding_window and layer.sliding_window > MAX_CPU_WINDOW for layer in manifest.layers)
+    wide_topk = manifest.dsa is not None and manifest.dsa.index_topk > CPU_INDEX_TOPK
+    if not (long_window or wide_topk):
         return None
     data = manifest.model_dump(mode="json")
-    for layer in data["layers"]:
-        if layer["sliding_window"]:
-            layer["pre_tokens"] = SHRUNK_WINDOW - (layer["sliding_window"] - layer["pre_tokens"])
-            layer["sliding_window"] = SHRUNK_WINDOW
+    if long_window:
+        for layer in data["layers"]:
+            if layer["sliding_window"]:
+                layer["pre_tokens"] = SHRUNK_WINDOW - (layer["sliding_window"] - layer["pre_tokens"])
+                layer["sliding_window"] = SHRUNK_WINDOW
+    if wide_topk:
+        data["dsa"]["index_topk"] = CPU_INDEX_TOPK
     return SelectionManifest.model_validate(data)
+
+
+def shrunk_sizes(manifest: SelectionManifest, small: SelectionManifest) -> str:
+    """What ``shrink_windows`` changed, for a report note ("window 4096 -> 160, index_topk 2048 -> 64")."""
+    parts = []
+    if manifest.sliding_window() != small.sliding_window():
+        parts.append(f"window {manifest.sliding_window()} -> {small.sliding_window()}")
+    if manifest.dsa is not None and manifest.dsa.index_topk != small.dsa.index_topk:
+        parts.append(f"index_topk {manifest.dsa.index_topk} -> {small.dsa.index_topk}")
+    return ", ".join(parts)
 
 
 def require_transformers_type(model_type: str) -> None:

@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.measured import device_settled
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 from model_infer_kvcache.implementer.render import check_renderable, render_manifest, write_rendered
-from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls_before_failure
+from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.provenance import (
     RENDERED_FILES,
@@ -199,29 +199,57 @@ def _check_render_as_written(report: Report, manifest: SelectionManifest, req: V
 def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest, header, tmp: Path):
     """(label, manifest, rendered dir, scenario) of each run. The code under test always runs as written.
 
-    A window a CPU can cross: the user's render. A longer one: the implementer's render of the same
-    manifest with a short window (tiny.shrink_windows) crosses it, and the user's render runs too,
-    at its real window, unless it is byte for byte the implementer's render of the manifest.
+    Sizes a CPU can exercise: the user's render. A longer window or a DSA selection wider than CPU prompts:
+    the implementer's render of the same manifest at CPU sizes (tiny.shrink_windows) crosses the window and
+    drops keys, and the user's render runs too, at its real sizes, unless it is byte for byte the implementer's
+    render of the manifest.
     """
-    from model_infer_kvcache.validators.pipeline.tiny_model import shrink_windows
+    from model_infer_kvcache.validators.pipeline.tiny_model import shrink_windows, shrunk_sizes
 
     tiny = shrink_windows(manifest)
     if tiny is None:
         return [("", manifest, req.rendered, req.scenario.crossing_window_of(manifest))]
     tiny_dir = tmp / "tiny-window"
     write_rendered(render_manifest(tiny, framework_api=header.api if header else None, allow_blocked=True), tiny_dir)
-    real, short = manifest.sliding_window(), tiny.sliding_window()
+    sizes = shrunk_sizes(manifest, tiny)
+    what = ("window " + str(manifest.sliding_window()) + " is too long for CPU sequences"
+            if manifest.sliding_window() != tiny.sliding_window() else
+            f"index_topk {manifest.dsa.index_topk} is wider than CPU prompts")
     runs = [("", tiny, str(tiny_dir), req.scenario.crossing_window_of(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
-        report.notes.append(f"window {real} is too long for CPU sequences: the checks ran on the implementer's "
-                            f"render of this manifest with window {short} (the given render is that render at "
-                            f"window {real}, byte for byte; its constants and every layer are checked above)")
+        report.notes.append(f"{what}: the checks ran on the implementer's render of this manifest with {sizes} "
+                            f"(the given render is that render at the real sizes, byte for byte; its constants and "
+                            f"every layer are checked above)")
+    elif manifest.sliding_window() == tiny.sliding_window() and (narrowed := _narrowed_copy(req.rendered, tiny, tmp)):
+        # DSA only: at its real index_topk a CPU stream selects every key, so the given render's own selection
+        # code would go unexercised; with the one constant narrowed it runs as written otherwise.
+        report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
+                            f"render differs from the implementer's and also ran as written with only its "
+                            f"INDEX_TOPK set to {tiny.dsa.index_topk} (checks 'as written: ...')")
+        runs.append(("as written: ", tiny, str(narrowed), QUICK))
     else:
-        report.notes.append(f"window {real} is too long for CPU sequences: the window crossing ran on the "
-                            f"implementer's render with window {short}; the given render differs from the "
-                            f"implementer's and also ran as written at window {real} (checks 'as written: ...')")
+        report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
+                            f"render differs from the implementer's and also ran as written at its real sizes "
+                            f"(checks 'as written: ...')")
         runs.append(("as written: ", manifest, req.rendered, QUICK))
     return runs
+
+
+def _narrowed_copy(rendered: str, tiny: SelectionManifest, tmp: Path) -> Path | None:
+    """A copy of the given render with its module constant ``INDEX_TOPK`` set to the CPU run's (None: no such
+    single constant, e.g. a hand edit that inlined it)."""
+    import re
+    import shutil
+
+    source = Path(rendered) / "kvcache_attention.py"
+    text = source.read_text(encoding="utf-8")
+    new, n = re.subn(r"^INDEX_TOPK = \d+", f"INDEX_TOPK = {tiny.dsa.index_topk}", text, flags=re.M)
+    if n != 1:
+        return None
+    out = tmp / "as-written-narrowed"
+    shutil.copytree(rendered, out)
+    (out / "kvcache_attention.py").write_text(new, encoding="utf-8")
+    return out
 
 
 def _is_implementer_render(manifest: SelectionManifest, rendered_dir: str, header) -> bool:
@@ -386,14 +414,14 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
                 run_standalone(report, manifest, host, ref, scenario, req.seed, cache_dtype)
         except StreamStalled as exc:  # the watchdog: a request that never finishes, a step that never returns
             report.add(STREAM_BUDGET_CHECK, "runtime", False, detail=str(exc))
-            check_fa_calls_before_failure(report, manifest, host.probe.fa_calls)
+            check_attention_calls(report, manifest, host, before_failure=True)
             return
         except Exception as exc:  # the rendered code or an operator rejected a call: a finding, not a crash
             last = host.probe.records[-1] if host.probe.records else {}
             where = f"step {host.step_index}, layer {last.get('layer', '?')}"
             report.add("rendered code runs without operator errors", "runtime", False,
                        detail=f"{where}: {type(exc).__name__}: {exc}")
-            check_fa_calls_before_failure(report, manifest, host.probe.fa_calls)
+            check_attention_calls(report, manifest, host, before_failure=True)
             return
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)

@@ -38,6 +38,7 @@ MODELS = {
     "kimi_k2_thinking@tp2": ("transformers:DeepseekV3Config", 2),  # as shipped; decode rests on mla_decode_sparse_mode3
     "hy3": ("transformers:HYV3Config", None),  # with token ids (the class defaults carry none)
     "gemma_4": ("gemma4_26b_a4b", None),  # the folder's gemma-4-26B-A4B; --uniform-prefill (UNIFORM_PREFILL)
+    "deepseek_v3_2_exp@tp2": ("transformers:DeepseekV32Config", 2),  # DSA: index_topk narrowed to 64 on CPU
 }
 # models whose own code refuses a prefill batch of unequal prompts: run as `validate --uniform-prefill`
 UNIFORM_PREFILL = {"gemma_4"}

@@ -143,6 +143,21 @@ def test_operators_kvcache_lacks_are_not_supported_and_made_up_ones_are_the_mode
     assert unsupported_operator(NpuOpError("npu_x", "a", "bad"), "m.py:6") is None  # the operator refused the call
 
 
+def test_the_checkouts_own_operator_through_torch_npu_is_named_with_its_doc(tmp_path):
+    """DeepSeek-V3.2's KV-offload path calls the repository's AscendC npu_gather_selection_kv_cache as torch_npu.*:
+    exit 2 naming its doc in the checkout; without the doc the name stays the model's error."""
+    from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
+    from model_infer_kvcache.validators.npu_ops.errors import UnemulatedOperatorError
+
+    exc = UnemulatedOperatorError("torch_npu.npu_gather_selection_kv_cache", "m.py:7")
+    assert unsupported_operator(exc, "m.py:7", tmp_path) is None
+    (tmp_path / "ops" / "ascendc" / "docs").mkdir(parents=True)
+    (tmp_path / "ops" / "ascendc" / "docs" / "custom-npu_gather_selection_kv_cache.md").write_text("# doc\n")
+    line = unsupported_operator(exc, "m.py:7", tmp_path).render()
+    assert "not supported by kvcache: operator torch_npu.npu_gather_selection_kv_cache (the checkout's own AscendC " \
+           "operator, ops/ascendc/docs/custom-npu_gather_selection_kv_cache.md)" in line
+
+
 def test_op_names_file_lists_every_func_of_the_yaml():
     import json
 

@@ -112,7 +112,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
 
             frame = _model_frame(exc, Path(model_file).resolve() if model_file else None)
-            lacking = unsupported_operator(exc, frame)
+            lacking = unsupported_operator(exc, frame, root)
             if lacking is not None:  # kvcache lacks it: exit 2 naming it, not a failure of the model
                 raise lacking from None
             report.add("checkout model runs in the engine without errors", "runtime", False,

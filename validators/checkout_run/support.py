@@ -43,9 +43,10 @@ def preflight(config_path: str, real: dict) -> None:
                                     field="layer_types" if linear else linear_fields[0])
 
 
-def unsupported_operator(exc: BaseException, where: str) -> NotSupportedByKvcache | None:
+def unsupported_operator(exc: BaseException, where: str, root=None) -> NotSupportedByKvcache | None:
     """The one line for an operator (or an operator's feature) the emulation lacks, or None when ``exc`` is
-    not that (a model error, an operator's refusal, an operator no torch-npu release defines)."""
+    not that (a model error, an operator's refusal, an operator neither a torch-npu release nor the checkout
+    ``root`` (its ``ops/ascendc/docs/custom-<op>.md``) defines)."""
     from model_infer_kvcache.analyzer.operators.schemas import PINNED_RELEASE, releases_defining
     from model_infer_kvcache.validators.npu_ops.errors import UnemulatedFeatureError, UnemulatedOperatorError
 
@@ -58,6 +59,11 @@ def unsupported_operator(exc: BaseException, where: str) -> NotSupportedByKvcach
     if isinstance(exc, UnemulatedOperatorError):
         name = exc.op.rsplit(".", 1)[-1]
         releases = releases_defining(name)
+        doc = f"ops/ascendc/docs/custom-{name}.md"
+        if not releases and root is not None and (root / doc).is_file():
+            # the checkout's own operator reached through torch_npu (DeepSeek-V3.2's KV offload path)
+            return NotSupportedByKvcache(where, f"operator {exc.op} (the checkout's own AscendC operator, {doc}) is "
+                                                "not emulated on CPU", field=exc.op)
         if not releases:
             return None
         doc = "the pinned release" if PINNED_RELEASE in releases else f"torch-npu {', '.join(releases)}"

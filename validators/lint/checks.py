@@ -278,15 +278,21 @@ class FileChecker:
         if is_absorb:
             self.mla_kv_heads(call, named, star, ctx)
 
-    def dsa_call(self, call: ast.Call, op: str) -> None:
-        """KV103 on the keywords, KV206 (not causal), KV503 (absorb over two tensors), KV812 (with a manifest:
-        the indexer's width), and a whole block_table dict (KV301)."""
+    def checked_keywords(self, call: ast.Call, op: str) -> tuple[dict[str, ast.keyword], bool]:
+        """The call's keywords (and whether a ``**`` stays opaque), after KV103 on every name the op's schema
+        in the judged release lacks."""
         named, star = call_keywords(call)
         accepted = ops.accepted_keywords(op, self.release.release)
         if accepted is not None:
             for kw_name, kw in named.items():
                 if kw_name not in accepted:
                     self.unknown_keyword(kw, kw_name, op, accepted)
+        return named, star
+
+    def dsa_call(self, call: ast.Call, op: str) -> None:
+        """KV103 on the keywords, KV206 (not causal), KV503 (absorb over two tensors), KV812 (with a manifest:
+        the indexer's width), and a whole block_table dict (KV301)."""
+        named, star = self.checked_keywords(call, op)
         ctx = self.info.ctx_of(call)
         for v in self.arg_variants(call, "sparse_mode", ctx, star):
             mode = self._certain_int(v)
@@ -365,12 +371,7 @@ class FileChecker:
     # ------------------------------------------------------------ writers
 
     def writer_call(self, call: ast.Call, op: str) -> None:
-        named, star = call_keywords(call)
-        accepted = ops.accepted_keywords(op, self.release.release)
-        if accepted is not None:
-            for kw_name, kw in named.items():
-                if kw_name not in accepted:
-                    self.unknown_keyword(kw, kw_name, op, accepted)
+        named, star = self.checked_keywords(call, op)
         ctx = self.info.ctx_of(call)
         if op in ops.WRITER_INDEX_ARG:
             kw_name, pos = ops.WRITER_INDEX_ARG[op]

@@ -6,7 +6,7 @@ with the manifest) or ``validate`` (a named check fails on the quick scenario). 
 wherever it suffices (milliseconds); validate where only running the code shows the bug (the value
 is built in another file, or the code has no branch that tells lint the phase).
 
-The 15 patterns are the code rules of the lint registry (KV101-KV701). A pattern that cannot occur
+The 17 patterns are the code rules of the lint registry (KV101-KV701). A pattern that cannot occur
 in a render, or that neither tool sees there, is listed in ``NOT_IN_RENDERS`` with the reason; the
 same list is in references/validation.md (a test checks both agree).
 """
@@ -35,6 +35,8 @@ PATHS = {
     "standalone paged sliding": ("gpt_oss_20b", {"deploy_mode": "standalone"}),
     "standalone paged MLA absorb": ("deepseek_v2_lite", {"deploy_mode": "standalone"}),
     "standalone Legacy GQA": ("qwen3_8b", {"deploy_mode": "standalone", "kv_mode": "legacy"}),
+    "framework paged DSA": ("deepseek_v32", {"framework_api": "G2"}),
+    "standalone paged DSA": ("deepseek_v32", {"deploy_mode": "standalone"}),
 }
 
 ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
@@ -141,6 +143,15 @@ MATRIX = [
         "lint", "KV601"),
     Row("KV601", "standalone paged MLA absorb", ((r"\n\s*epsilon=self\.kv_a_layernorm\.variance_epsilon,", ""),),
         "lint", "KV601"),
+    # ------------------------------------------------------------ KV206 / KV503: DSA's indexer and sparse attention
+    Row("KV206", "framework paged DSA", ((r"sparse_count=INDEX_TOPK,\n(\s+)sparse_mode=3,", r"sparse_count=INDEX_TOPK,\n\1sparse_mode=0,"),),
+        "lint", "KV206"),
+    Row("KV206", "standalone paged DSA", ((r"sparse_mode=3,\n(\s+)attention_mode=2,", r"sparse_mode=0,\n\1attention_mode=2,"),),
+        "lint", "KV206"),
+    Row("KV503", "framework paged DSA", ((r"self\.nope_cache,\n(\s+)self\.nope_cache,\n(\s+)topk,",
+                                         r"self.nope_cache,\n\1self.rope_cache,\n\2topk,"),), "lint", "KV503"),
+    Row("KV503", "standalone paged DSA", ((r"self\.nope_cache,\n(\s+)self\.nope_cache,\n(\s+)topk,",
+                                          r"self.nope_cache,\n\1self.indexer_key_cache,\n\2topk,"),), "lint", "KV503"),
 ]
 
 # Patterns that cannot occur in a render (or that neither tool sees there), with the reason.
@@ -162,7 +173,7 @@ def _ids(row: Row) -> str:
 
 def test_matrix_covers_every_code_rule():
     code_rules = {rule_id for rule_id, rule in RULES.items() if not rule.needs_manifest}
-    assert len(code_rules) == 15
+    assert len(code_rules) == 17
     covered = {row.pattern for row in MATRIX}
     assert covered | set(NOT_IN_RENDERS) == code_rules, sorted(code_rules - covered - set(NOT_IN_RENDERS))
     assert not covered & set(NOT_IN_RENDERS)

@@ -94,10 +94,13 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         o.register_forward_hook(all_reduce)
 
 
-def _rank_main(step, payload, rank: int, world: int, init_file: str, out_dir: str) -> None:
-    """One rank: join the group (bounded timeout), run ``step`` on this rank, write its report."""
+def _rank_main(step, payload, rank: int, world: int, init_file: str, out_dir: str, environ: dict) -> None:
+    """One rank: join the group (bounded timeout), run ``step`` on this rank, write its report. ``environ``: the
+    launching process's environment (a forkserver's own is the one it started with)."""
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     result = Path(out_dir) / f"rank{rank}.json"
     if os.environ.get(HANG_RANK_ENV) == str(rank):
@@ -119,6 +122,20 @@ def _rank_main(step, payload, rank: int, world: int, init_file: str, out_dir: st
     atomic_write_text(result, json.dumps(data))
 
 
+# What every rank imports before it runs: the forkserver imports it once, each rank forks from it.
+_PRELOAD = ["torch", "transformers", "model_infer_kvcache.validators.pipeline.validate",
+            "model_infer_kvcache.validators.checkout_run.validate"]
+
+
+def _rank_context():
+    """Ranks fork from a forkserver that imported torch and the validators once (per validating process), not
+    from this process (whose thread pools may be busy: forking them is unsafe) nor as fresh interpreters that
+    each import everything again (spawn: seconds per rank per run)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
     """Run ``step(payload, rank=r, world=tp) -> Report`` in ``tp`` gloo processes; merge their reports.
 
@@ -129,8 +146,9 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvcache-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(step, payload, r, tp, init_file, tmp), daemon=True)
+        ctx = _rank_context()
+        procs = [ctx.Process(target=_rank_main, args=(step, payload, r, tp, init_file, tmp, dict(os.environ)),
+                             daemon=True)
                  for r in range(tp)]
         say(f"launching {tp} ranks (gloo)")
         for p in procs:

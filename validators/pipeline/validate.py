@@ -229,8 +229,9 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
         runs.append(("as written: ", tiny, str(narrowed), QUICK))
     else:
         report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
-                            f"render differs from the implementer's and also ran as written at its real sizes "
-                            f"(checks 'as written: ...')")
+                            f"render differs from the implementer's and also ran as written at "
+                            + ("window " + str(manifest.sliding_window()) if manifest.sliding_window()
+                               != tiny.sliding_window() else "its real sizes") + " (checks 'as written: ...')")
         runs.append(("as written: ", manifest, req.rendered, QUICK))
     return runs
 
@@ -246,9 +247,11 @@ def _narrowed_copy(rendered: str, tiny: SelectionManifest, tmp: Path) -> Path | 
     new, n = re.subn(r"^INDEX_TOPK = \d+", f"INDEX_TOPK = {tiny.dsa.index_topk}", text, flags=re.M)
     if n != 1:
         return None
+    from model_infer_kvcache.analyzer.files import atomic_write_text
+
     out = tmp / "as-written-narrowed"
     shutil.copytree(rendered, out)
-    (out / "kvcache_attention.py").write_text(new, encoding="utf-8")
+    atomic_write_text(out / "kvcache_attention.py", new)
     return out
 
 

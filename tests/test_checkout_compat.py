@@ -389,3 +389,42 @@ def test_a_full_layers_mode_0_decode_is_its_choice_but_a_sliding_layers_is_not()
     assert any("1 full-attention layer(s) decode with sparse_mode 0" in n for n in report.notes)
     with_mtp = m.model_copy(update={"mtp": object()})
     assert judged_manifest(_report(), with_mtp, calls[:1]).layers[5].sparse_mode.decode == 3
+
+
+def test_parameters_the_model_computes_are_told_from_weights_it_allocates(tmp_path):
+    """A parameter built from a function's result (the Hadamard matrix) is the model's own; one built by an
+    allocator (torch.empty) waits for the loader, and the load link still counts it as missing when unfilled."""
+    from model_infer_kvcache.validators.checkout_run.run import model_computed_parameters
+
+    (tmp_path / "indexer.py").write_text(
+        "import torch\nfrom torch import nn\nclass A(nn.Module):\n    def __init__(self):\n"
+        "        self.hadamard_matrix = nn.Parameter(get_had_pow2(128), requires_grad=False)\n"
+        "        self.wq_b = nn.Parameter(torch.empty(8, 8), requires_grad=False)\n"
+        "        self.bias = torch.nn.Parameter(torch.zeros(8))\n", encoding="utf-8")
+    found = model_computed_parameters(tmp_path / "modeling_x.py")
+    assert found == {"hadamard_matrix": "indexer.py:5"}
+
+
+def test_sizes_a_config_class_pins_are_kept_only_when_the_config_agrees(tmp_path):
+    """The checkout's config class fixes q_lora_rank = 1536: the tiny model keeps it when the real config says
+    1536 too; a real config saying otherwise is named (the checkout ignores it) and the shrink stays."""
+    from model_infer_kvcache.validators.checkout_run.registry import config_class_constants
+    from model_infer_kvcache.validators.pipeline.tiny_model import keep_fixed
+
+    folder = tmp_path / "models" / "m" / "models"
+    folder.mkdir(parents=True)
+    (folder / "configuration_m.py").write_text(
+        "class Base:\n    def __init__(self, q_lora_rank=64, **kw):\n        self.q_lora_rank = q_lora_rank\n"
+        "class MConfig(Base):\n    model_type = 'm_type'\n    def __init__(self, index_topk=2048, **kw):\n"
+        "        super().__init__(**kw)\n        self.index_topk = index_topk\n        self.q_lora_rank = 1536\n"
+        "class Other:\n    model_type = 'other'\n    def __init__(self):\n        self.vocab_size = 7\n",
+        encoding="utf-8")
+    fixed = config_class_constants(tmp_path, "m", "m_type")
+    assert fixed == {"q_lora_rank": (1536, "configuration_m.py:9")}  # not index_topk (a parameter), not Other's
+    notes: list[str] = []
+    tiny = {"q_lora_rank": 64}
+    keep_fixed(tiny, {"q_lora_rank": 1536}, fixed, notes)
+    assert tiny["q_lora_rank"] == 1536 and "kept at 1536" in notes[0]
+    tiny, notes = {"q_lora_rank": 64}, []
+    keep_fixed(tiny, {"q_lora_rank": 2048}, fixed, notes)
+    assert tiny["q_lora_rank"] == 64 and "the checkout ignores the config's value" in notes[0]

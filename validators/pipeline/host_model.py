@@ -137,7 +137,6 @@ class _RecordingOps:
 
         return call
 
-
     def _dsa_call(self, name, target):
         def call(*args, **kwargs):
             a = dsa_args.bind(target, args, kwargs)

@@ -12,7 +12,7 @@ import transformers
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
-from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+from model_infer_kvcache.validators.pipeline.request_stream import DEFAULT, QUICK, Scenario
 from validators_support import check, mutate, run_validate
 
 
@@ -45,10 +45,8 @@ def _case(tmp: Path, family: str, mode: str, manifest_edit=None, **changes):
     ("glm_moe_dsa", "framework", {}, False),
 ])
 def test_dsa_renders_and_validates(tmp_path, family, mode, changes, full):
-    from model_infer_kvcache.validators.pipeline.request_stream import QUICK
-
     manifest, rendered, config = _case(tmp_path, family, mode, **changes)
-    report = run_validate(manifest, rendered, config, scenario=_default() if full else QUICK)
+    report = run_validate(manifest, rendered, config, scenario=DEFAULT if full else QUICK)
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     assert check(report, "logits vs transformers").measured["max_abs_diff"] <= 1e-9
     indexer = check(report, "each indexer layer's lightning indexer")
@@ -58,12 +56,6 @@ def test_dsa_renders_and_validates(tmp_path, family, mode, changes, full):
     if changes:
         assert check(report, "speculative-decode verify steps").measured["calls"] > 0
         assert check(report, "speculative decode (next_n=1)").passed
-
-
-def _default():
-    from model_infer_kvcache.validators.pipeline.request_stream import DEFAULT
-
-    return DEFAULT
 
 
 def _narrow(manifest: SelectionManifest) -> SelectionManifest:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from model_infer_kvcache.analyzer.config_loader import model_section
 from model_infer_kvcache.analyzer.files import atomic_write_text
 
 
@@ -32,7 +33,7 @@ def round_to_bfloat16(model: torch.nn.Module) -> None:
 
 def checkpoint_config(real: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
     """config.json of the checkpoint: the real config's fields, the tiny sizes, float32 weights."""
-    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    src = model_section(real)[0]
     out = {**real, **src}
     out.update({k: v for k, v in tiny.items() if k != "model_type"})
     out.pop("quantization_config", None)  # the tiny weights are not quantized

@@ -13,7 +13,7 @@ from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS, value_passed
 from model_infer_kvcache.validators.checkout_run import dsa_checks
 from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, pool_usage
-from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
+from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder, lengths_of
 from model_infer_kvcache.validators.harness.poison import check_pool_invariants, null_block_of
 from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
@@ -182,9 +182,8 @@ def _judge_calls(report: Report, manifest: SelectionManifest, rec: OpRecorder, c
     changed = []
     for c in calls:
         seen = rec.forwards[c["forward"]]
-        kv = c["kv_lens"].tolist() if isinstance(c["kv_lens"], torch.Tensor) else c["kv_lens"]
-        if kv is not None and list(kv) not in (seen.kv_lens, seen.cu_kv_lens):
-            changed.append(f"{c['at']} layer {c['layer']}: {list(kv)[:6]} != {seen.kv_lens[:6]}")
+        if c["kv_lens"] is not None and not seen.engine_kv(c["kv_lens"]):
+            changed.append(f"{c['at']} layer {c['layer']}: {lengths_of(c['kv_lens'])[:6]} != {seen.kv_lens[:6]}")
     if calls or complete:
         report.add("kv_len reaches every layer as the engine set it (never changed inside a layer)", "runtime",
                    not changed, detail="; ".join(changed[:3]), mismatches=len(changed))

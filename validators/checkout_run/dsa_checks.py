@@ -9,9 +9,8 @@ DSA's own: the selection width, the causal mode, the scale, and which cache each
 
 from __future__ import annotations
 
-import torch
 from model_infer_kvcache.analyzer.manifest import INDEXER_KEY_CACHE, SelectionManifest
-from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
+from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder, lengths_of
 from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.report import Report
 
@@ -47,12 +46,11 @@ def check_indexer_calls(report: Report, manifest: SelectionManifest, rec: OpReco
                 wrong.append(f"{at} layer {layer}: the indexer reads {got}, not its own {INDEXER_KEY_CACHE}")
                 continue
             table = seen.block_table.get(slot.group)
-            got = c["block_table"]
-            if table is None or got is None or got.shape != table.shape or not torch.equal(got.to(table.dtype), table):
+            if table is None or not dsa_args.same(c["block_table"], table):
                 wrong.append(f"{at} layer {layer}: the indexer's block_table is not {slot.group!r}'s")
-            kv = c["kv_lens"].tolist() if isinstance(c["kv_lens"], torch.Tensor) else c["kv_lens"]
-            if kv is None or list(kv) not in (seen.kv_lens, seen.cu_kv_lens):
-                wrong.append(f"{at} layer {layer}: indexer kv lengths {kv and list(kv)[:6]} != {seen.kv_lens[:6]}")
+            if not seen.engine_kv(c["kv_lens"]):
+                kv = lengths_of(c["kv_lens"])
+                wrong.append(f"{at} layer {layer}: indexer kv lengths {kv and kv[:6]} != {seen.kv_lens[:6]}")
             wrong += dsa_args.indexer_problems({**c, "at": at, "layer": layer}, index_topk)
     calls = [c for v in by_forward.values() for c in v]
     dsa_args.report_indexer(report, calls, wrong, complete=steps is not None, notes=steps is not None)

@@ -18,6 +18,7 @@ from model_infer_kvcache.validators.checkout_run.checks import (
     window_dependent_layers,
 )
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder
+from model_infer_kvcache.validators.pipeline.evidence import storage
 from model_infer_kvcache.validators.pipeline.fa_args import fa_call_mismatches
 from model_infer_kvcache.validators.pipeline.localise import (
     Capture,
@@ -58,7 +59,7 @@ def localise_checkout(report: Report, manifest: SelectionManifest, engine, run: 
         tokens = list(run.sequences[failure["request"]][:positions[-1] + 1])
 
         def cache_name(t):
-            slot = caches.slot(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) and t.numel() else None
+            slot = caches.slot(storage(t))
             return slot.cache_name if slot is not None else None
 
         capture = Capture(engine.main_worker.model, failure["step"], lambda: rec.step, [model_file], cache_name)

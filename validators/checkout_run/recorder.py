@@ -19,17 +19,15 @@ from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDE
 from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 from model_infer_kvcache.validators.npu_ops import emulated
 from model_infer_kvcache.validators.pipeline import dsa_args
+from model_infer_kvcache.validators.pipeline.evidence import snapshot, storage
 
 # writer -> (the cache arguments it writes, the argument holding the slots), by parameter name
 WRITERS = {op: (writer.caches, writer.index) for op, writer in CACHE_WRITERS.items()}
 
 
-def _storage(t) -> int | None:
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
-
-
-def _copy(t):
-    return t.detach().clone() if isinstance(t, torch.Tensor) else (list(t) if t is not None else None)
+def lengths_of(kv) -> list[int] | None:
+    """Recorded lengths (a tensor or a list) as a list of ints."""
+    return kv.tolist() if isinstance(kv, torch.Tensor) else (list(kv) if kv is not None else None)
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,12 @@ class ForwardSeen:
     slot_mapping: dict  # group key -> slots
     kv_lens: list[int]
     cu_kv_lens: list[int]  # the same lengths as prefix sums (the packed TND prefill form)
+
+    def engine_kv(self, kv) -> bool:
+        """A call's kv lengths are this forward's as the engine set them (per request, or as the prefix sums the
+        packed TND layout takes)."""
+        kv = lengths_of(kv)
+        return kv is not None and kv in (self.kv_lens, self.cu_kv_lens)
 
     @classmethod
     def of(cls, model_inputs: dict, is_prefill: bool, is_mtp: bool) -> ForwardSeen:
@@ -80,10 +84,10 @@ class OpRecorder:
             kv = kwargs.get("actual_seq_kvlen", kwargs.get("actual_seq_lengths_kv"))
             # Recorded before the operator runs: a call the operator rejects is evidence too.
             self.fa_calls.append({
-                "op": name, "step": self.step, "forward": self.forward, "key_storage": _storage(key),
-                "value_storage": _storage(value),
-                "key_rope_storage": _storage(kwargs.get("key_rope")), "q_shape": tuple(query.shape),
-                "block_table": _copy(kwargs.get("block_table")), "kv_lens": _copy(kv),
+                "op": name, "step": self.step, "forward": self.forward, "key_storage": storage(key),
+                "value_storage": storage(value),
+                "key_rope_storage": storage(kwargs.get("key_rope")), "q_shape": tuple(query.shape),
+                "block_table": snapshot(kwargs.get("block_table")), "kv_lens": snapshot(kv),
                 "has_mask": kwargs.get("atten_mask") is not None,
                 **{k: kwargs[k] for k in sorted(RECORDED_KEYWORDS) if k in kwargs},
             })
@@ -120,7 +124,7 @@ class OpRecorder:
                 return fn(*args, **kwargs)
             for cache in caches:
                 self.writes.append({"op": name, "step": self.step, "forward": self.forward,
-                                    "storage": _storage(bound.get(cache)), "index": _copy(bound.get(index))})
+                                    "storage": storage(bound.get(cache)), "index": snapshot(bound.get(index))})
             result = fn(*args, **kwargs)
             if self.tap is not None:
                 self.tap(name, bound, result)
@@ -166,7 +170,7 @@ class CacheMap:
             for entry in layer.caches:
                 t = getattr(entry, "tensor", None)
                 if isinstance(t, torch.Tensor) and t.numel():
-                    self.by_storage[_storage(t)] = CacheSlot(layer.layer_idx, entry.cache_name,
+                    self.by_storage[storage(t)] = CacheSlot(layer.layer_idx, entry.cache_name,
                                                              getattr(entry, "group_key", entry.attn_type),
                                                              entry.attn_type)
 

@@ -154,19 +154,19 @@ def _hint(exc: BaseException, world: int) -> str:
 def _real_per_layer_lists(config_path: str) -> dict[str, list]:
     """The real config's per-layer lists (``mlp_layer_types``...: one entry per layer), which the tiny model
     cut to its layers; the init link's full-depth model gets them back."""
-    from model_infer_kvcache.analyzer.config_loader import read_config_file
+    from model_infer_kvcache.analyzer.config_loader import model_section, read_config_file
 
     _, real = read_config_file(config_path)
-    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    src = model_section(real)[0]
     layers = src.get("num_hidden_layers", src.get("num_layers"))
     return {k: v for k, v in src.items() if "layer" in k and isinstance(v, list) and len(v) == layers}
 
 
 def _real_layer_types(config_path: str) -> list | None:
-    from model_infer_kvcache.analyzer.config_loader import read_config_file
+    from model_infer_kvcache.analyzer.config_loader import model_section, read_config_file
 
     _, real = read_config_file(config_path)
-    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    src = model_section(real)[0]
     types = src.get("layer_types")
     return list(types) if isinstance(types, list) else None
 

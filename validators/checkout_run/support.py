@@ -9,6 +9,7 @@ an operator no release defines stays the model's own error (exit 1, at its file:
 
 from __future__ import annotations
 
+from model_infer_kvcache.analyzer.config_loader import model_section
 from model_infer_kvcache.analyzer.errors import InputError
 
 PREFIX = "not supported by kvcache: "
@@ -26,13 +27,9 @@ class NotSupportedByKvcache(InputError):
         super().__init__(where, PREFIX + what, field=field)
 
 
-def _text(real: dict) -> dict:
-    return real.get("text_config") if isinstance(real.get("text_config"), dict) else real
-
-
 def preflight(config_path: str, real: dict) -> None:
     """Raise ``NotSupportedByKvcache`` naming the config field of a kind the tool cannot validate yet."""
-    src = _text(real)
+    src = model_section(real)[0]
     types = src.get("layer_types") if isinstance(src.get("layer_types"), list) else []
     linear = sorted({t for t in types if t in _LINEAR_LAYER_TYPES})
     linear_fields = [f for f in _LINEAR_FIELDS if src.get(f) is not None]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from model_infer_kvcache.analyzer.config_loader import read_config_file
+from model_infer_kvcache.analyzer.config_loader import model_section, read_config_file
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
@@ -188,7 +188,7 @@ def _validate_ranks(req: CheckoutRequest, manifest: SelectionManifest, tp: int, 
 
 
 def _model_type(real_config: dict) -> str:
-    src = real_config.get("text_config") if isinstance(real_config.get("text_config"), dict) else real_config
+    src = model_section(real_config)[0]
     return str(src.get("model_type") or real_config.get("model_type") or "")
 
 

@@ -171,7 +171,7 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
         raise NpuOpError(op, "key", f"head dim {keys.dim} must equal query's {d}")
     if n1 % keys.heads:
         raise NpuOpError(op, "key", f"{keys.heads} heads do not divide the query's {n1}")
-    w_shape = (*query.shape[:-1],)
+    w_shape = tuple(query.shape[:-1])
     chk.tensor(op, "weights", weights, dtypes=dtypes)
     if tuple(weights.shape) != w_shape:
         raise NpuOpError(op, "weights", f"shape {tuple(weights.shape)} must be {w_shape} ([B,S1,N1] / [T,N1])")

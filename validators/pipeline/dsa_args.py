@@ -8,10 +8,12 @@ over those keys only). ``describe(op, arguments)`` turns one call into a record;
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.evidence import snapshot, storage
 from model_infer_kvcache.validators.pipeline.report import Report
 
 INDEXER_OP, SPARSE_FA_OP = "npu_lightning_indexer", "npu_sparse_flash_attention"
@@ -22,18 +24,15 @@ INDEXER_READS = ("each indexer layer's lightning indexer reads that layer's inde
 CAUSAL = 3  # rightDownCausal: a query selects / attends only keys up to its own position
 
 
-def storage(t) -> int | None:
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
-
-
-def _copy(t):
-    return t.detach().clone() if isinstance(t, torch.Tensor) else (list(t) if t is not None else None)
+@functools.cache
+def _signature(fn) -> inspect.Signature:
+    return inspect.signature(fn)
 
 
 def bind(fn, args: tuple, kwargs: dict) -> dict | None:
     """The call's arguments by name, defaults filled in; None when they do not bind (the op reports it)."""
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound = _signature(fn).bind(*args, **kwargs)
     except (TypeError, ValueError):  # a bad call, or an operator without a Python signature (the device build)
         return None
     bound.apply_defaults()
@@ -45,8 +44,8 @@ def describe(op: str, a: dict) -> dict:
     indices = a.get("sparse_indices")
     return {
         "op": op, "key_storage": storage(a.get("key")), "key_rope_storage": storage(a.get("key_rope")),
-        "block_table": _copy(a.get("block_table")),
-        "kv_lens": _copy(a.get("actual_seq_lengths_kv", a.get("actual_seq_lengths_key"))),
+        "block_table": snapshot(a.get("block_table")),
+        "kv_lens": snapshot(a.get("actual_seq_lengths_kv", a.get("actual_seq_lengths_key"))),
         "q_shape": tuple(a["query"].shape) if isinstance(a.get("query"), torch.Tensor) else None,
         "sparse_mode": a.get("sparse_mode"), "scale_value": a.get("scale_value"),
         "sparse_count": a.get("sparse_count"),
@@ -118,7 +117,8 @@ def report_indexer(report: Report, calls: list[dict], wrong: list[str], *, compl
                                "exercise it"))
 
 
-def _same(got, want) -> bool:
+def same(got, want) -> bool:
+    """Two tables / length lists hold the same integers (tensors or lists; None only equals None)."""
     if got is None or want is None:
         return got is None and want is None
     got, want = torch.as_tensor(got).reshape(-1).long(), torch.as_tensor(want).reshape(-1).long()
@@ -131,8 +131,8 @@ def rendered_call(op: str, a: dict, forward_metadata, layer_record: dict) -> dic
     rec = {**describe(op, a), "layer": layer_record.get("layer"), "is_prefill": layer_record.get("is_prefill")}
     tables = forward_metadata.block_table
     want = tables.get(layer_record.get("attn_type")) if isinstance(tables, dict) else tables
-    rec["table_ok"] = _same(a.get("block_table"), want)
-    rec["kv_ok"] = _same(rec["kv_lens"], forward_metadata.actual_seq_lengths_kv)
+    rec["table_ok"] = same(a.get("block_table"), want)
+    rec["kv_ok"] = same(rec["kv_lens"], forward_metadata.actual_seq_lengths_kv)
     return rec
 
 

@@ -9,6 +9,8 @@ from functools import partial
 
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import BAND_MODE, FA_OPS, keywords_of, value_passed
+from model_infer_kvcache.validators.pipeline import dsa_args
+from model_infer_kvcache.validators.pipeline.evidence import storage
 from model_infer_kvcache.validators.pipeline.report import Report
 
 FA_ARGS_CHECK = "FA call arguments match the manifest"
@@ -96,8 +98,6 @@ def check_attention_calls(report: Report, manifest: SelectionManifest, host, *, 
         else:
             check_fa_calls(report, manifest, host.probe.fa_calls)
         return
-    from model_infer_kvcache.validators.pipeline import dsa_args
-
     calls = [c for c in host.probe.sparse_calls if c.get("layer") is not None]
     if before_failure:
         if not calls or any(c.name in (dsa_args.SPARSE_ARGS, dsa_args.INDEXER_READS) for c in report.checks):
@@ -107,6 +107,6 @@ def check_attention_calls(report: Report, manifest: SelectionManifest, host, *, 
     complete = not before_failure
     dsa_args.check_sparse_args(report, manifest, [c for c in calls if c["op"] == dsa_args.SPARSE_FA_OP],
                                complete=complete)
-    own = {a.layer_idx: dsa_args.storage(getattr(a, "indexer_key_cache", None)) for a in host.attentions}
+    own = {a.layer_idx: storage(getattr(a, "indexer_key_cache", None)) for a in host.attentions}
     dsa_args.check_rendered_indexer(report, manifest, [c for c in calls if c["op"] == dsa_args.INDEXER_OP], own.get,
                                     complete=complete)

@@ -26,6 +26,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     version_of,
 )
 from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
+from model_infer_kvcache.validators.pipeline.evidence import storage
 
 SUBMODULES = ("attention input", "cache write", "attention output", "MLP")
 _ATTN_NAMES = ("self_attn", "attention", "self_attention", "attn")
@@ -79,17 +80,13 @@ def _hidden_input(args, kwargs):
     return kwargs.get("hidden_states", args[0] if args else None)
 
 
-def _storage(t) -> int | None:
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
-
-
 def cache_namer(holders: Callable[[], Iterable]) -> Callable[[torch.Tensor], str | None]:
     """Cache tensor -> its attribute name (k_cache, v_cache...) on the attention objects ``holders()`` gives."""
     def name(t) -> str | None:
-        ptr = _storage(t)
+        ptr = storage(t)
         for holder in holders():
             for attr in CACHE_ATTRS:
-                if ptr is not None and _storage(getattr(holder, attr, None)) == ptr:
+                if ptr is not None and storage(getattr(holder, attr, None)) == ptr:
                     return attr
         return None
 

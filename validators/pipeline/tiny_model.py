@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from model_infer_kvcache.analyzer.arch_check import transformers_ships
-from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE
+from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_section
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 
@@ -52,7 +52,7 @@ def _layer_prefix(manifest: SelectionManifest) -> int:
 
 
 def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple[dict[str, Any], TinyPlan]:
-    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    src = model_section(real)[0]
     d = {k: v for k, v in {**real, **src}.items() if k not in _DROP}
     model_type = manifest.model.model_type
     hf_type = HF_MODEL_TYPE.get(model_type, model_type)
@@ -208,7 +208,7 @@ def keep_fixed(d: dict[str, Any], real: dict[str, Any], fixed: dict[str, tuple[A
     """A size the tiny config shrank but the model under test fixes (its config class assigns a constant) goes
     back to that constant, in place; when the real config itself disagrees with the constant the tiny config
     keeps the real meaning and a note says the model ignores the field (the comparison then shows it)."""
-    src = real.get("text_config") if isinstance(real.get("text_config"), dict) else real
+    src = model_section(real)[0]
     for name, (value, where) in sorted(fixed.items()):
         if name not in d or d[name] == value:
             continue

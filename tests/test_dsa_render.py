@@ -60,9 +60,9 @@ def test_dsa_renders_and_validates(tmp_path, family, mode, changes, full):
 
 def _narrow(manifest: SelectionManifest) -> SelectionManifest:
     """The CPU-size manifest itself (index_topk 64): the mistake runs once, as written."""
-    from model_infer_kvcache.validators.pipeline.tiny_model import shrink_windows
+    from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized
 
-    return shrink_windows(manifest)
+    return cpu_sized(manifest)
 
 
 # prompts past index_topk (64) and one within it, a late admit into freed blocks, decode steps

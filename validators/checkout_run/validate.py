@@ -116,13 +116,13 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
 
     report = Report(backend="emulated", deploy_mode="framework", model_type=manifest.model.model_type,
                     manifest_hash=manifest.content_hash(), dtype=DTYPE, tolerance=TOLERANCE[DTYPE])
-    from model_infer_kvcache.validators.pipeline.tiny_model import shrink_windows
+    from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized
 
-    short = shrink_windows(manifest)
+    short = cpu_sized(manifest)
     if short is not None:
         # The tiny config carries the short window (and DSA's narrow selection), so the checkout's model reads it
         # like any config field (cache entries, FA band, indexer top-k) and CPU sequences cross it; the manifest's
-        # offsets are kept (shrink_windows).
+        # offsets are kept (cpu_sized).
         if short.sliding_window() != manifest.sliding_window():
             report.notes.append(f"window {manifest.sliding_window()} is too long for CPU sequences: the tiny config "
                                 f"and the manifest the run is judged by carry window {short.sliding_window()}")

@@ -75,7 +75,7 @@ def _where(c: dict) -> str:
 def check_sparse_args(report: Report, manifest: SelectionManifest, calls: list[dict], *, complete: bool = True) -> None:
     """V221: every sparse-FA call against the manifest: scale (``fa.softmax_scale``, the MLA scale with its
     mscale), ``sparse_mode`` 3, ``dsa.index_topk`` indices per query (the run's manifest: a CPU run's is narrowed,
-    ``tiny_model.shrink_windows``). ``complete``: a run without such a call fails (else the check is left out)."""
+    ``tiny_model.cpu_sized``). ``complete``: a run without such a call fails (else the check is left out)."""
     want_scale, index_topk = manifest.fa.softmax_scale, manifest.dsa.index_topk
     wrong = []
     for c in calls:

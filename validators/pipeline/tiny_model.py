@@ -93,12 +93,12 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
         d.pop(key, None)
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
-    # The window of the manifest given: validate passes the tiny-window manifest (shrink_windows)
+    # The window of the manifest given: validate passes the tiny-window manifest (cpu_sized)
     # when the real window is too long for CPU sequences to cross, and renders that manifest too.
     window = manifest.sliding_window()
     if window:
         d["sliding_window"] = window
-    if manifest.dsa is not None:  # the manifest's selection width, like its window (shrink_windows)
+    if manifest.dsa is not None:  # the manifest's selection width, like its window (cpu_sized)
         d["index_topk"] = manifest.dsa.index_topk
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
@@ -131,7 +131,7 @@ def _trim_per_layer_fields(d: dict[str, Any], real_layers: int, n: int) -> None:
             d[key] = {k: v for k, v in value.items() if int(k) < n}
 
 
-def shrink_windows(manifest: SelectionManifest) -> SelectionManifest | None:
+def cpu_sized(manifest: SelectionManifest) -> SelectionManifest | None:
     """The manifest of the same model with the sizes CPU sequences can exercise (None: already small enough):
     a window they can cross, and a DSA selection (``dsa.index_topk``) narrower than their prompts.
 
@@ -153,8 +153,8 @@ def shrink_windows(manifest: SelectionManifest) -> SelectionManifest | None:
     return SelectionManifest.model_validate(data)
 
 
-def shrunk_sizes(manifest: SelectionManifest, small: SelectionManifest) -> str:
-    """What ``shrink_windows`` changed, for a report note ("window 4096 -> 160, index_topk 2048 -> 64")."""
+def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str:
+    """What ``cpu_sized`` changed, for a report note ("window 4096 -> 160, index_topk 2048 -> 64")."""
     parts = []
     if manifest.sliding_window() != small.sliding_window():
         parts.append(f"window {manifest.sliding_window()} -> {small.sliding_window()}")

@@ -200,18 +200,18 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
     """(label, manifest, rendered dir, scenario) of each run. The code under test always runs as written.
 
     Sizes a CPU can exercise: the user's render. A longer window or a DSA selection wider than CPU prompts:
-    the implementer's render of the same manifest at CPU sizes (tiny.shrink_windows) crosses the window and
+    the implementer's render of the same manifest at CPU sizes (tiny.cpu_sized) crosses the window and
     drops keys, and the user's render runs too, at its real sizes, unless it is byte for byte the implementer's
     render of the manifest.
     """
-    from model_infer_kvcache.validators.pipeline.tiny_model import shrink_windows, shrunk_sizes
+    from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized, cpu_sizes_note
 
-    tiny = shrink_windows(manifest)
+    tiny = cpu_sized(manifest)
     if tiny is None:
         return [("", manifest, req.rendered, req.scenario.crossing_window_of(manifest))]
     tiny_dir = tmp / "tiny-window"
     write_rendered(render_manifest(tiny, framework_api=header.api if header else None, allow_blocked=True), tiny_dir)
-    sizes = shrunk_sizes(manifest, tiny)
+    sizes = cpu_sizes_note(manifest, tiny)
     what = ("window " + str(manifest.sliding_window()) + " is too long for CPU sequences"
             if manifest.sliding_window() != tiny.sliding_window() else
             f"index_topk {manifest.dsa.index_topk} is wider than CPU prompts")

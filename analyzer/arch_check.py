@@ -30,6 +30,7 @@ from typing import Any
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.linear_config import LINEAR_MODULE_SUFFIXES
 from model_infer_kvcache.analyzer.manifest import LayerPlan
 
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
@@ -257,9 +258,21 @@ def _window_of(module, config) -> int | None:
     return None
 
 
+def is_linear_module(cls: str | None) -> bool:
+    """A transformers module class of a linear-attention layer (a recurrent state, no softmax over keys)."""
+    return bool(cls) and cls.endswith(LINEAR_MODULE_SUFFIXES)
+
+
 def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPlan], scale: float,
                 scale_txt: str) -> CheckResult:
     """Compare the planned scale and per-layer window with the architecture's attention modules."""
+    lin = facts.linear.value
+    if lin is not None and lin.reference is None:
+        # Ling-2.5 publishes model_type bailing_hybrid, which transformers implements as another architecture
+        # (Ling-3.0 KDA): building it would compare against the wrong model.
+        return CheckResult(ships=False, notes=[
+            f"architecture cross-check skipped: transformers implements no {lin.family} model ({lin.source}); "
+            f"its model_type {facts.model_type!r} in transformers is another architecture"])
     report = transformers_report(config, facts.model_type)
     result = CheckResult(ships=report.ships)
     if not report.ships:
@@ -282,9 +295,12 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                                      f"attention module at {mod.path}")
             continue
         result.checked_layers += 1
-        if layer.layer_kind == "linear":
-            result.errors.append(f"layer {layer.index}: analyzer plans linear attention, transformers has "
+        if (layer.layer_kind == "linear") != is_linear_module(mod.cls):
+            planned = "linear attention" if layer.layer_kind == "linear" else layer.attn_type
+            result.errors.append(f"layer {layer.index}: analyzer plans {planned}, transformers has "
                                  f"{mod.cls} at {mod.path}")
+            continue
+        if layer.layer_kind == "linear":
             continue
         if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=_REL_TOL):
             scale_off.append((layer, mod))

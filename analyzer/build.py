@@ -21,7 +21,7 @@ from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import same_file
 from model_infer_kvcache.analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
-from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION
+from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.manifest import (
     DeployModeDecision,
     DeviceDependency,
@@ -150,15 +150,15 @@ def assemble(
     if ratio:
         blockers.append(ratio)
 
-    kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
-    kv_mode = kv.value
     fa_version = rules.decide_fa_version(facts, req.fa_version, checkout.fa_version if checkout else None,
                                          checkout.fa_evidence if checkout else "")
-    layout = rules.decide_input_layout(kv_mode, facts.is_mla)
     scale, scale_txt = rules.decide_scale(facts)
 
     framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
-    _recurrent_state(facts, checkout, warnings, questions)
+    _recurrent_state(facts, deploy.value, framework_api, checkout, blockers, questions)
+    kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
+    kv_mode = kv.value
+    layout = rules.decide_input_layout(kv_mode, facts.is_mla)
     cache_dtype = rules.decide_cache_dtype(facts, req.cache_dtype)
     layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None)
     full_by_context = [layer.index for layer in layers if layer.layer_kind == "full" and layer.window_derivation]
@@ -260,6 +260,7 @@ def assemble(
         memory=memory_plan,
         cache_dtype=cache_dtype,
         dsa=rules.decide_dsa(facts, parallel, cache_dtype.value if cache_dtype else None),
+        linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None),
         device_dependencies=dependencies,
         device_readings=measured_source,
         open_questions=questions,
@@ -268,22 +269,30 @@ def assemble(
     )
 
 
-def _recurrent_state(facts: ModelFacts, checkout, warnings, questions) -> None:
-    """A checkout with MambaCacheEntry can hold linear-attention state; the bundle cannot render it yet."""
+def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, checkout, blockers,
+                     questions) -> None:
+    """Framework mode registers linear layers' states as MambaCacheEntry, which only G3 frameworks define."""
     linear = facts.layer_kinds.value.count("linear")
-    if not linear or checkout is None or not checkout.mamba_state_evidence:
+    if not linear or facts.linear.value is None or deploy != "framework":
         return
     fields = [facts.layer_kinds.source, "--framework-root"]
-    warnings.append(Finding(
-        message=f"the checkout can hold the recurrent state of the {linear} linear-attention layers "
-                f"({checkout.mamba_state_evidence}: attn_type Mamba, one state block per request)",
-        fields=fields,
-    ))
-    questions.append(Finding(
-        message="the framework now has MambaCacheEntry, but this bundle does not yet render or validate Mamba "
-                "state entries: the linear-attention blocker (Legacy path) stays until it does",
-        fields=fields,
-    ))
+    if checkout is not None and not checkout.mamba_state_evidence:
+        blockers.append(Finding(
+            message=f"the checkout's framework ({checkout.generation or 'unknown generation'}) has no "
+                    f"MambaCacheEntry: the {linear} linear layers' states cannot be registered (framework mode needs "
+                    "a framework that defines it, fda5670 or later; or deploy standalone, where the runner owns the states)",
+            fields=fields))
+    elif checkout is None and framework_api in ("G0", "G1"):
+        blockers.append(Finding(
+            message=f"--framework-api {framework_api} has no MambaCacheEntry: the {linear} linear layers' states "
+                    "cannot be registered (framework mode needs a framework that defines it, fda5670 or later; or deploy "
+                    "standalone)",
+            fields=["--framework-api", facts.layer_kinds.source]))
+    elif checkout is None:
+        questions.append(Finding(
+            message=f"the {linear} linear layers register their states as MambaCacheEntry (attn_type Mamba), which "
+                    "only frameworks from fda5670 on define: pass --framework-root to check the checkout",
+            fields=fields))
 
 
 def _attention_kind(facts: ModelFacts) -> str:
@@ -446,8 +455,10 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
     subs = facts.sublayers_per_layer.value
     for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
         kind, w, full_reason = rules.planned_layer_kind(config_kind, window, facts.max_position_embeddings.value)
-        attn_type = rules.decide_attn_type(kind)
+        # A linear layer of an unknown family plans no state (a blocker says why): no Mamba entry without shapes.
+        attn_type = FULL_ATTENTION if kind == "linear" and facts.linear.value is None else rules.decide_attn_type(kind)
         caches = rules.decide_caches(facts, parallel, kv_mode, kind, cache_dtype, decoder_idx)
+        states = rules.linear_states(facts, parallel.attn_tp_size, cache_dtype) if attn_type == MAMBA else []
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
@@ -466,6 +477,7 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
                 mask=mask,
                 write_op=write_op,
                 caches=caches,
+                states=states,
                 window_derivation=derivation,
                 **_layer_shape(facts, parallel, decoder_idx),
             ))
@@ -491,6 +503,15 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
             groups.append(kv_cache_spec.FullAttentionSpec(key, len(members) + extra, per_token, req.block_size))
     total = sum(g.per_token_bytes for g in groups)
     derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
+    state_layers = [layer for layer in layers if layer.is_state]
+    if state_layers:
+        # One Mamba block holds one request's states of every linear layer (MambaCacheEntry: [num_blocks, *shape]).
+        per_block = sum(rules.state_bytes(layer.states) for layer in state_layers)
+        next_n = facts.num_mtp_layers.value
+        groups.append(kv_cache_spec.MambaSpec(MAMBA, per_block, next_n, len(state_layers)))
+        derivation.append(f"{MAMBA}: one state block per request (+ {next_n} speculative) = "
+                          f"{len(state_layers)} linear layers x {rules.state_bytes(state_layers[0].states)} B = "
+                          f"{per_block} B, fixed (does not grow with the sequence)")
     if mtp:
         derivation.append(f"includes {mtp} MTP layer(s) ({facts.num_mtp_layers.source}) in FullAttention: "
                           "speculative decoding allocates their caches from the same pools")
@@ -543,7 +564,8 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         per_layer_token_bytes=[rules.cache_token_bytes(layer.caches) for layer in layers],
         groups=[GroupMemory(group_key=g.group_key, attn_type=g.attn_type,
                             num_layers=g.num_layers, per_token_bytes=g.per_token_bytes, fixed_blocks=g.fixed,
-                            blocks=plan.blocks.get(g.group_key) if plan else None) for g in groups],
+                            blocks=plan.blocks.get(g.group_key) if plan else None,
+                            state_bytes=g.state_bytes if g.attn_type == MAMBA else None) for g in groups],
         legacy_reservation_bytes=legacy,
         hbm_gb=hbm,
         kv_mem_ratio=ratio,
@@ -575,11 +597,11 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                         "mask); hand-written decode code must do the same",
                 fields=[facts.sliding_window.source],
             ))
-    linear = [layer.index for layer in layers if layer.layer_kind == "linear"]
-    if linear:
+    unplanned = [layer.index for layer in layers if layer.layer_kind == "linear" and not layer.is_state]
+    if unplanned:
         warnings.append(Finding(
-            message=f"{len(linear)} linear-attention layers keep a fixed-size recurrent state, no KV cache: "
-                    "their caches are empty and they are left out of the memory plan",
+            message=f"{len(unplanned)} linear-attention layers of an unknown family: no state is planned for them "
+                    "and they are left out of the memory plan",
             fields=[facts.layer_kinds.source],
         ))
     if "paged" in {s.value for s in progress.starting_point} and kv_mode == "legacy":

@@ -16,6 +16,13 @@ from typing import Any, Generic, TypeVar
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import not_a_file
+from model_infer_kvcache.analyzer.linear_config import (
+    LinearFacts,
+    bailing_layer_kinds,
+    family_of_linear,
+    kimi_layer_kinds,
+    read_linear,
+)
 from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
 
 T = TypeVar("T")
@@ -27,6 +34,10 @@ FAMILY_OF = {
     "deepseek_v32": "deepseek_v3",
     "glm_moe_dsa": "deepseek_v3",
     "qwen3_moe": "qwen3",
+    # Qwen3.5: gated-delta-net linear layers beside gated full attention (scale head_dim^-0.5, as Qwen3's)
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
     "qwen2_moe": "qwen2",
     "llama4_text": "llama4",
     "gemma3_text": "gemma3",
@@ -56,6 +67,10 @@ _LAYER_TYPE_KIND = {
     "recurrent": "linear",
 }
 
+# Gated-delta-net sizes: the same defaults in Qwen3NextConfig, Qwen3_5TextConfig and Qwen3_5MoeTextConfig.
+_GDN_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                 "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+
 # Attention fields that published configs omit because they equal the transformers class defaults.
 # Used only when the config lacks the field; the source then names the class.
 FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -66,7 +81,8 @@ FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {
         "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
     }),
-    "qwen3_next": ("Qwen3NextConfig", {"full_attention_interval": 4}),
+    "qwen3_next": ("Qwen3NextConfig", {"full_attention_interval": 4, **_GDN_DEFAULTS}),
+    "qwen3_5": ("Qwen3_5MoeTextConfig", _GDN_DEFAULTS),
     "gpt_oss": ("GptOssConfig", {"sliding_window": 128}),
     "granite": ("GraniteConfig", {"attention_multiplier": 1.0}),
 }
@@ -189,6 +205,8 @@ class ModelFacts:
     max_position_embeddings: Sourced[int | None] = Sourced(None, "default: not in config")
     attention_multiplier: Sourced[float | None] = Sourced(None, "default: none")
     dsa: Sourced[DsaFacts | None] = Sourced(None, "default: no index_topk (dense attention)")
+    # the linear (recurrent-state) layers' family and sizes; None: no linear layers, or a family kvcache lacks
+    linear: Sourced[LinearFacts | None] = Sourced(None, "default: no linear-attention layers")
     # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
     layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
 
@@ -430,7 +448,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
         None, "default: not in config")
     rope = _rope(r)
-    layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value)
+    linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
+    layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family)
+    linear = _linear(r, linear_family, layer_kinds, heads, model_type)
 
     softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")
     alibi = _alibi(r, model_type)
@@ -484,7 +504,22 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         max_position_embeddings=max_pos,
         attention_multiplier=multiplier,
         dsa=dsa,
+        linear=linear,
     )
+
+
+def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],
+            model_type: str) -> Sourced[LinearFacts | None]:
+    """The linear layers' family and sizes (analyzer.linear_config), when the config has linear layers."""
+    if "linear" not in kinds.value:
+        return Sourced(None, "default: no linear-attention layers")
+    if family is None:
+        return Sourced(None, f"model_type {model_type}: no linear-attention family kvcache knows")
+    # Ling-3.0 (KDA bailing_hybrid) sizes its linear heads by the config's own head_dim (transformers copies it to
+    # linear_head_dim before overwriting head_dim with qk_rope_head_dim); Ling-2.5 the same field.
+    head_dim = r.get("head_dim") if model_type == "bailing_hybrid" else None
+    facts = read_linear(r, family[0], family[1], heads.value, head_dim, LIMITS)
+    return Sourced(facts, facts.source)
 
 
 def _kv_heads(r: _Reader, heads: Sourced[int]) -> Sourced[int]:
@@ -794,7 +829,8 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
     return Sourced(layers, source)
 
 
-def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
+def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tuple[str, str] | None = None
+                 ) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
     """Per-layer kind and the window, for every spelling configs use, first match wins.
 
     ``layer_types`` lists ``sliding_attention`` / ``full_attention`` per layer (gpt-oss, Gemma-2/3,
@@ -826,6 +862,16 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int) -> tuple[Sourced[
         if "sliding" in kinds and window is None:
             raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
         return Sourced(tuple(kinds), src), _window_source(window, window_hit)
+
+    kimi = kimi_layer_kinds(r, num_layers) if linear_family else None
+    if kimi is not None:
+        return Sourced(kimi[0], kimi[1]), Sourced(None, "default: none")
+    group = r.positive_int("layer_group_size", required=False) if model_type == "bailing_hybrid" else None
+    if group is not None and linear_family is not None:
+        # Ling: the last layer of every layer_group_size group is full attention (MLA), the others linear.
+        kinds = bailing_layer_kinds(group.value, num_layers, linear_family[0])
+        return Sourced(kinds, f"{group.source}={group.value} (last layer of each group full attention, "
+                              "the others linear)"), Sourced(None, "default: none")
 
     interval = r.positive_int("full_attention_interval", required=False)
     if interval is not None:

@@ -69,6 +69,11 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         rows.append(("框架 API 代际", m.framework_api or "未知(渲染默认 G2)", m.framework_api_evidence))
     for layer, idx in _layer_groups(m):
         window = f", sliding_window={layer.sliding_window}" if layer.sliding_window else ""
+        if layer.is_state:
+            rows.append((f"attn_type (层 {_ranges(idx)})", f"{layer.attn_type} (config: linear,循环状态)",
+                         f"group_key={layer.group_key}; states "
+                         + ", ".join(f"{s.name} {s.shape} {s.dtype}" for s in layer.states)))
+            continue
         kind = f" (config: {layer.layer_kind},见阻塞项)" if layer.layer_kind in ("chunked", "linear") else ""
         rows.append((f"attn_type (层 {_ranges(idx)})", f"{layer.attn_type}{window}{kind}",
                      f"group_key={layer.group_key}"))
@@ -109,6 +114,14 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     if m.cache_dtype is not None:
         rows.append(("cache dtype", f"{m.cache_dtype.value}(config: {m.cache_dtype.config_dtype})",
                      m.cache_dtype.reason))
+    lin = m.linear_attention
+    if lin is not None:
+        conv = f"conv kernel {lin.conv_kernel}, " if lin.conv_kernel else "无 short conv, "
+        rows.append(("线性注意力(循环状态)", f"{lin.family}, {len(lin.layers)} 层, {conv}每卡 heads K "
+                     f"{lin.num_k_heads_per_rank} / V {lin.num_v_heads_per_rank}, 每层每请求 "
+                     f"{lin.state_bytes_per_layer} B", f"{lin.reason}; 注册: {lin.framework_entry}; prefill: "
+                     f"{lin.operators['prefill']}; decode: {lin.operators['decode']}; 参考实现: "
+                     f"{lin.reference or 'transformers 无此架构'}"))
     if m.dsa is not None:
         d = m.dsa
         shared = f", {len(d.shared_layers)} 层复用上一层的选择" if d.shared_layers else ""

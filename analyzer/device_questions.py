@@ -85,6 +85,23 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
              "emulated as the mask read from its top-left corner); rejected: the op refuses the call, as the "
              "op docs' supported combinations imply",
              switch=True, swept=True),
+    Question("gdr_state_writes", ("every_token", "last_only"),
+             "npu_recurrent_gated_delta_rule: is every token's state written to its ssm_state_indices slot, or only "
+             "the request's final state?",
+             "every_token: the state after token i goes to state[ssm_state_indices[i]] (the doc's per-token wording, "
+             "vLLM's fused_recurrent kernel); last_only: only the final state is written, to the last token's slot",
+             switch=True, swept=True),
+    Question("gdr_accepted_start", ("accepted_slot", "first_slot"),
+             "npu_recurrent_gated_delta_rule with num_accepted_tokens: which slot does a request's recurrence start from?",
+             "accepted_slot: state[ssm_state_indices[start + num_accepted_tokens - 1]] (the slot the previous step "
+             "wrote for its last accepted token, vLLM's kernel); first_slot: the slot of its first token, whatever "
+             "num_accepted_tokens says",
+             switch=True, swept=True),
+    Question("gdr_head_grouping", ("consecutive", "strided"),
+             "gated delta rule ops with Nv > Nk: which query/key head serves value head h?",
+             "consecutive: key head h // (Nv/Nk) (repeat_interleave: transformers, FLA, vLLM, upstream qwen3_5's "
+             "torch fallback); strided: key head h % Nk (repeat/tile)",
+             switch=True, swept=True),
 )}
 
 # The names as tuples, for Literal[...] fields and argparse choices.

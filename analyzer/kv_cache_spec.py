@@ -95,6 +95,10 @@ class SlidingWindowSpec(FullAttentionSpec):
         """Reserved up front (offline too): ``concurrency x blocks_per_request`` plus the null block."""
         return concurrency * self.blocks_per_request() + NULL_BLOCKS
 
+    def fixed_formula(self, concurrency: int) -> str:
+        return (f"{concurrency} x (ceil(({self.window} + 2x{self.next_n})/{self.block_size}) + 1) + 1 "
+                f"= {self.fixed_blocks(concurrency)} blocks")
+
 
 @dataclass(frozen=True)
 class MambaSpec:
@@ -103,11 +107,13 @@ class MambaSpec:
     group_key: str
     state_bytes: int  # one state block of every HBM cache of the group
     next_n: int = 0
+    num_layers: int = 0  # reporting only: the linear layers whose states one block holds
 
     attn_type: ClassVar[str] = MAMBA
     layer_kind: ClassVar[str] = "linear"
     windowed: ClassVar[bool] = False
     fixed: ClassVar[bool] = True
+    per_token_bytes: ClassVar[int] = 0  # nothing grows with the sequence
 
     @property
     def block_bytes(self) -> int:
@@ -119,20 +125,24 @@ class MambaSpec:
     def fixed_blocks(self, concurrency: int) -> int:
         return concurrency * self.blocks_per_request() + NULL_BLOCKS
 
+    def fixed_formula(self, concurrency: int) -> str:
+        return f"{concurrency} x (1 + {self.next_n}) + 1 = {self.fixed_blocks(concurrency)} state blocks"
+
 
 Spec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
 SPEC_BY_ATTN_TYPE: dict[str, type] = {kind.attn_type: kind for kind in (FullAttentionSpec, SlidingWindowSpec,
                                                                         MambaSpec)}
 # Attention types whose block count does not grow with the sequence.
 FIXED_BLOCK_ATTN_TYPES = frozenset(name for name, kind in SPEC_BY_ATTN_TYPE.items() if kind.fixed)
-# The kinds the analyzer plans paged attention layers as (the manifest's attn_type values). Mamba state
-# groups exist in the framework (G3) but no layer plan carries them yet (linear layers hold no cache).
-PLANNED_ATTN_TYPES: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW)
+# The kinds the analyzer plans layers as (the manifest's attn_type values): paged attention layers and the
+# linear layers' recurrent states (Mamba group, G3 framework).
+PLANNED_ATTN_TYPES: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW, MAMBA)
 
 
 def spec_for_layer_kind(layer_kind: str) -> type:
-    """The spec of a config layer kind a paged layer is planned as (sliding -> SlidingWindow, else full)."""
-    return SlidingWindowSpec if layer_kind == SlidingWindowSpec.layer_kind else FullAttentionSpec
+    """The spec of a config layer kind (sliding -> SlidingWindow, linear -> Mamba, else full)."""
+    return {SlidingWindowSpec.layer_kind: SlidingWindowSpec, MambaSpec.layer_kind: MambaSpec}.get(
+        layer_kind, FullAttentionSpec)
 
 
 def is_windowed(attn_type: str) -> bool:

@@ -14,7 +14,8 @@ from typing import Literal
 
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
-from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES, is_windowed
+from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA, PLANNED_ATTN_TYPES, is_windowed
+from model_infer_kvcache.analyzer.linear_config import LINEAR_FAMILIES
 from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 from model_infer_kvcache.analyzer.vocabulary import DEPLOY_MODES, FA_VERSIONS, KV_MODES, PLANNED_CACHE_DTYPES
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
@@ -169,6 +170,49 @@ class CacheSpec(_Model):
 
 
 
+class StateSpec(_Model):
+    """One fixed-size state entry of a linear (recurrent) layer: one block per request in the framework's Mamba
+    group (upstream ``MambaCacheEntry(cache_name, dtype, shape)``), a tensor ``[num_blocks, *shape]``."""
+
+    name: str
+    shape: list[int] = Field(description="one request's state on one attention-TP rank")
+    dtype: Literal["bfloat16", "float16", "float32"]
+    layout: str = Field(description="what each dim of shape is")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class LinearAttentionDecision(_Model):
+    """Hybrid models' linear-attention layers (Qwen3-Next / Qwen3.5 gated delta net, Kimi-Linear / Ling-3.0 KDA,
+    Ling-2.5 lightning attention): a fixed-size recurrent state per request instead of a KV cache.
+
+    The framework keeps it in its Mamba group (attn_type Mamba, block size 1): a request owns one state block,
+    found at ``block_table["Mamba"][row, 0]``, across every linear layer. A block is reused by later requests after
+    its request finishes, so prefill starts from a zero state, never from what the block holds.
+    """
+
+    family: Literal[LINEAR_FAMILIES]
+    layers: list[int] = Field(description="decoder layers that are linear (hold states, no KV cache)")
+    num_k_heads: int = Field(ge=1, description="query/key heads (all ranks)")
+    num_v_heads: int = Field(ge=1, description="value heads = state heads (all ranks)")
+    head_k_dim: int = Field(ge=1)
+    head_v_dim: int = Field(ge=1)
+    num_k_heads_per_rank: int = Field(ge=1)
+    num_v_heads_per_rank: int = Field(ge=1)
+    conv_kernel: int | None = Field(description="short causal conv width; None: the family has none")
+    conv_channels_per_rank: int = Field(ge=0, description="channels of the fused q|k|v conv on one rank")
+    states: list[StateSpec] = Field(description="the state entries of every linear layer (one rank)")
+    state_bytes_per_layer: int = Field(description="one request's states of one linear layer, one rank")
+    framework_entry: str = Field(description="how the states register with the framework")
+    operators: dict[str, str] = Field(description="what computes the recurrence: prefill / decode")
+    reference: str | None = Field(description="the transformers code the validation compares against; None: "
+                                              "transformers implements no such model")
+    source: str
+    reason: str
+
+
 class CacheDtypeDecision(_Model):
     """The cache planned in another dtype than the config's (``kvcache analyze --cache-dtype``)."""
 
@@ -214,7 +258,8 @@ class LayerPlan(_Model):
     attn_type: AttnType
     layer_kind: LayerKind = Field(
         default="full",
-        description="what the config says the layer is; chunked/linear layers are blockers (no paged path)",
+        description="what the config says the layer is; chunked layers are blockers (no paged path); linear layers "
+                    "are attn_type Mamba: states, no caches, and the FA fields apply to no call",
     )
     sliding_window: int | None = None
     group_key: str = Field(description="key of block_table/slot_mapping dicts for this layer")
@@ -230,11 +275,18 @@ class LayerPlan(_Model):
     head_dim: int | None = Field(default=None, description="this layer's head_dim where it differs from model.head_dim")
     num_kv_heads_per_rank: int | None = Field(
         default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
+    states: list[StateSpec] = Field(default_factory=list,
+                                    description="a linear (attn_type Mamba) layer's state entries; empty otherwise")
 
     @property
     def is_sliding(self) -> bool:
         """The layer attends through a window (its kind's spec says so; no string comparison)."""
         return is_windowed(self.attn_type)
+
+    @property
+    def is_state(self) -> bool:
+        """The layer keeps a fixed-size recurrent state (attn_type Mamba), not a KV cache."""
+        return self.attn_type == MAMBA
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
@@ -243,6 +295,8 @@ class LayerPlan(_Model):
         for name in ("head_dim", "num_kv_heads_per_rank"):
             if isinstance(data, dict) and data.get(name, 0) is None:
                 del data[name]
+        if isinstance(data, dict) and data.get("states") == []:
+            del data["states"]
         return data
 
 
@@ -259,9 +313,18 @@ class GroupMemory(_Model):
     group_key: str
     attn_type: AttnType
     num_layers: int
-    per_token_bytes: int
+    per_token_bytes: int = Field(description="growing groups: bytes per token; a Mamba group: 0 (see state_bytes)")
     fixed_blocks: bool
     blocks: int | None = None
+    state_bytes: int | None = Field(default=None, description="a Mamba group: one block = one request's states of "
+                                                              "every linear layer, one rank")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        data = handler(self)
+        if isinstance(data, dict) and data.get("state_bytes", 0) is None:
+            del data["state_bytes"]
+        return data
 
 
 class MemoryPlan(_Model):
@@ -338,7 +401,7 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention")
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention")
 
 
 class SelectionManifest(_Model):
@@ -366,6 +429,8 @@ class SelectionManifest(_Model):
                                   "absent: the config's dtype")
     dsa: DsaDecision | None = Field(
         default=None, description="DeepSeek sparse attention: the indexer key cache and top-k selection; absent: dense")
+    linear_attention: LinearAttentionDecision | None = Field(
+        default=None, description="linear (recurrent-state) layers of a hybrid model; absent: none")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")
@@ -478,6 +543,7 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             out.append((f"{where}.next_tokens", f"{layer.next_tokens} must be 0 (causal attention sees no key "
                                                 "after the query)"))
     out.extend(_dsa_problems(m))
+    out.extend(_state_problems(m))
     legacy = m.legacy_attention
     if legacy is not None and m.kv_mode.value != "legacy":
         out.append(("legacy_attention", f"set on a {m.kv_mode.value} manifest (Legacy only)"))
@@ -505,6 +571,33 @@ def _dsa_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} {why}")]
         if has and m.dsa and layer.caches[names.index(INDEXER_KEY_CACHE)] != m.dsa.indexer_cache:
             return [(f"layers[{i}].caches", "the indexer_key_cache entry differs from dsa.indexer_cache")]
+    return []
+
+
+def _state_problems(m: SelectionManifest) -> list[tuple[str, str]]:
+    """Linear layers hold exactly the states of linear_attention and no KV cache; other layers hold no state (a
+    full layer given a state entry, or a linear layer given a KV cache, is planned memory no code uses)."""
+    lin = m.linear_attention
+    linear_layers = set(lin.layers) if lin else set()
+    for i, layer in enumerate(m.layers):
+        where = f"layers[{i}]"
+        if layer.is_state != (layer.decoder_layer in linear_layers):
+            why = "is attn_type Mamba but not in linear_attention.layers" if layer.is_state else \
+                "is a linear_attention layer but not attn_type Mamba"
+            return [(f"{where}.attn_type", f"decoder layer {layer.decoder_layer} {why}")]
+        if layer.is_state and layer.caches:
+            return [(f"{where}.caches", "a linear (Mamba) layer keeps states, not a KV cache")]
+        if layer.is_state and lin and layer.states != lin.states:
+            return [(f"{where}.states", "differ from linear_attention.states")]
+        if not layer.is_state and layer.states:
+            return [(f"{where}.states", f"a {layer.attn_type} layer keeps a KV cache, not states")]
+    if lin:
+        p = m.parallel
+        tp = p.attn_tp_size
+        for name, total, per_rank in (("num_k_heads", lin.num_k_heads, lin.num_k_heads_per_rank),
+                                      ("num_v_heads", lin.num_v_heads, lin.num_v_heads_per_rank)):
+            if total % tp or per_rank != total // tp:
+                return [(f"linear_attention.{name}_per_rank", f"{per_rank} is not {name} {total} / attn_tp_size {tp}")]
     return []
 
 

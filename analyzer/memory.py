@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     NULL_BLOCKS,
     FullAttentionSpec,
+    MambaSpec,
     SlidingWindowSpec,
     fixed_bytes,
     max_tokens_in,
@@ -21,7 +22,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
 
 GIB = 1024**3
 
-Group = FullAttentionSpec | SlidingWindowSpec
+Group = FullAttentionSpec | SlidingWindowSpec | MambaSpec
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,7 @@ def plan_budget(
     for g in groups:
         if g.fixed:
             blocks[g.group_key] = g.fixed_blocks(concurrency)
-            lines.append(
-                f"{g.group_key}: fixed {concurrency} x (ceil(({g.window} + 2x{g.next_n})/{g.block_size}) + 1) + 1 "
-                f"= {blocks[g.group_key]} blocks x {g.block_bytes} B"
-            )
+            lines.append(f"{g.group_key}: fixed {g.fixed_formula(concurrency)} x {g.block_bytes} B")
     growing = [g for g in groups if not g.fixed]
     if reserved > available_bytes:
         lines.append(f"fixed groups need {reserved} B > budget: nothing fits")
@@ -124,10 +122,7 @@ def plan_offline(groups: list[Group], max_len: int, concurrency: int) -> BudgetP
     for g in groups:
         if g.fixed:
             blocks[g.group_key] = g.fixed_blocks(concurrency)
-            lines.append(
-                f"{g.group_key}: fixed {concurrency} x (ceil(({g.window} + 2x{g.next_n})/{g.block_size}) + 1) + 1 "
-                f"= {blocks[g.group_key]} blocks (offline too)"
-            )
+            lines.append(f"{g.group_key}: fixed {g.fixed_formula(concurrency)} (offline too)")
         else:
             blocks[g.group_key] = g.blocks_offline(max_len, concurrency)
             lines.append(f"{g.group_key}: ceil({max_len} / {g.block_size}) x {concurrency} + 1 = "

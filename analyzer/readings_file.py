@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import not_a_file
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-PROBE_VERSION = 2  # 2: finalize_skip1_alone
+PROBE_VERSION = 3  # 2: finalize_skip1_alone; 3: the gated delta rule questions (gdr_*)
 FILE_KIND = "kvcache-device-readings"
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
 from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed, spec_for_layer_kind, token_bytes
+from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, KIMI_DELTA, LIGHTNING
 from model_infer_kvcache.analyzer.manifest import (
     INDEXER_KEY_CACHE,
     CacheDtypeDecision,
@@ -18,11 +19,13 @@ from model_infer_kvcache.analyzer.manifest import (
     DsaDecision,
     Finding,
     LegacyAttention,
+    LinearAttentionDecision,
     MaskPerPath,
     MlaDecision,
     MtpDecision,
     ParallelPlan,
     PerPath,
+    StateSpec,
 )
 from model_infer_kvcache.analyzer.operators.fa_facts import (
     INT32_MAX,
@@ -41,7 +44,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
 # (`self.scaling = ...` in modeling_<family>.py); MLA families add YaRN mscale² on top of head_dim.
 # A family missing here is unknown: its position encoding and attention variants are unverified.
 FAMILY_SCALE_RULE = {
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "gpt_oss", "llama4", "glm4", "glm4_moe",
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gpt_oss", "llama4", "glm4", "glm4_moe",
                      "phi3", "phimoe", "falcon", "deepseek_v2", "deepseek_v3", "longcat_flash"), "head_dim"),
     "gemma2": "query_pre_attn_scalar",
     "gemma3": "query_pre_attn_scalar",
@@ -83,10 +86,12 @@ def find_blockers(facts: ModelFacts) -> list[Finding]:
             fields=[facts.attention_chunk_size.source if not facts.attention_chunk_size.is_default
                     else facts.layer_kinds.source],
         ))
-    if "linear" in kinds:
+    if "linear" in kinds and facts.linear.value is None:
+        # A known family plans its states (decide_linear); an unknown one has no state shapes to plan.
         out.append(Finding(
-            message=f"{kinds.count('linear')} linear-attention/recurrent layers (framework attn_type Mamba) "
-                    "are outside this skill's standard path",
+            message=f"{kinds.count('linear')} linear-attention/recurrent layers of an unknown family "
+                    f"({facts.linear.source}): kvcache cannot plan their state (known: Qwen3-Next / Qwen3.5 gated "
+                    "delta net, Kimi-Linear / Ling-3.0 KDA, Ling-2.5 lightning attention)",
             fields=[facts.layer_kinds.source],
         ))
     if not facts.is_mla:
@@ -359,6 +364,12 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
                 out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
             if kv < tp and tp % kv:
                 out.append(f"attn_tp_size {tp} is not a multiple of {kv} KV heads (uneven replication)")
+    lin = facts.linear.value
+    if lin:
+        # Linear layers split their heads (and so their state) by attention TP like any head; no replication.
+        for what, n in (("key", lin.num_k_heads), ("value", lin.num_v_heads)):
+            if n % tp:
+                out.append(f"{n} linear-attention {what} heads are not divisible by attn_tp_size {tp}")
     return out
 
 
@@ -432,6 +443,91 @@ def decide_dsa(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = No
                f"the model for any sequence longer than {dsa.index_topk}; the indexer keys need their own cache "
                f"entry ({dsa.index_head_dim} x 1 head per token) in the layer's blocks; every attention-TP rank "
                f"runs all {dsa.index_n_heads} indexer heads (its top-k sums over them)",
+    )
+
+
+# The linear families' operators: what computes the recurrence on the NPU (or the pure-torch path upstream uses).
+LINEAR_OPERATORS = {
+    GATED_DELTA_NET: {"prefill": "torch_npu.npu_chunk_gated_delta_rule (2.14.0; else the model's torch chunk loop)",
+                      "decode": "torch_npu.npu_recurrent_gated_delta_rule (state updated in place through "
+                                "ssm_state_indices)",
+                      "conv": "causal conv1d over [conv state | new inputs]; the state keeps the last kernel-1 inputs"},
+    KIMI_DELTA: {"prefill": "the model's torch chunk_kimi_delta_attention (no torch-npu KDA operator)",
+                 "decode": "the model's torch recurrent_kimi_delta_attention",
+                 "conv": "causal conv1d over [conv state | new inputs]; the state keeps the last kernel-1 inputs"},
+    LIGHTNING: {"prefill": "the model's torch chunk simple-GLA (upstream bailing_2_5 simple_gla_torch.py)",
+                "decode": "the model's torch fused-recurrent simple-GLA"},
+}
+
+
+def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None) -> list[StateSpec]:
+    """One linear layer's state entries on one rank (empty without linear layers).
+
+    The conv state keeps ``kernel - 1`` inputs: the convolution of a new token reads exactly the previous
+    ``kernel - 1`` (transformers and upstream qwen3_5 keep ``kernel`` columns, the oldest never read). The
+    recurrent state is laid out as the code that updates it takes it: gated delta net ``[Nv, Dv, Dk]``
+    (npu_recurrent_gated_delta_rule, bfloat16 only), KDA / lightning ``[H, Dk, Dv]`` (their torch recurrences).
+    """
+    lin = facts.linear.value
+    if lin is None:
+        return []
+    dtype = dtype or facts.dtype.value
+    dtype = dtype if dtype in ("bfloat16", "float16", "float32") else facts.dtype.value
+    nv = lin.num_v_heads // tp
+    out = []
+    if lin.conv_kernel:
+        out.append(StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],
+                             dtype=dtype, layout="[q|k|v conv channels of this rank, kernel - 1 previous inputs]"))
+    if lin.family == GATED_DELTA_NET:
+        out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_v_dim, lin.head_k_dim], dtype="bfloat16",
+                             layout="[value heads, Dv, Dk] (npu_recurrent_gated_delta_rule's state, transposed from "
+                                    "transformers' [H, Dk, Dv])"))
+    else:
+        # KDA: transformers keeps its recurrent state in float32 (update_recurrent_state(... .to(float32))).
+        out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim, lin.head_v_dim],
+                             dtype="float32" if lin.family == KIMI_DELTA else dtype,
+                             layout="[heads, Dk, Dv] (the torch recurrence's state)"))
+    return out
+
+
+def state_bytes(states: list[StateSpec]) -> int:
+    """Bytes of one request's states of one layer."""
+    return sum(s.numel * DTYPE_BYTES[s.dtype] for s in states)
+
+
+def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = None
+                  ) -> LinearAttentionDecision | None:
+    """The recurrent-state plan of a hybrid model's linear layers; None without linear layers of a known family."""
+    lin = facts.linear.value
+    if lin is None:
+        return None
+    tp = parallel.attn_tp_size
+    states = linear_states(facts, tp, dtype)
+    layers = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == "linear"]
+    conv = (f"conv state [{lin.conv_channels_per_rank(tp)}, {lin.conv_kernel - 1}] and " if lin.conv_kernel else "")
+    return LinearAttentionDecision(
+        family=lin.family,
+        layers=layers,
+        num_k_heads=lin.num_k_heads,
+        num_v_heads=lin.num_v_heads,
+        head_k_dim=lin.head_k_dim,
+        head_v_dim=lin.head_v_dim,
+        num_k_heads_per_rank=lin.num_k_heads // tp,
+        num_v_heads_per_rank=lin.num_v_heads // tp,
+        conv_kernel=lin.conv_kernel,
+        conv_channels_per_rank=lin.conv_channels_per_rank(tp),
+        states=states,
+        state_bytes_per_layer=state_bytes(states),
+        framework_entry="MambaCacheEntry(cache_name=<state name>, dtype, shape=<state shape>, needs_block=True) "
+                        "per state, attn_type Mamba (block size 1, one block per request plus one per speculative "
+                        "token): frameworks from fda5670 on (executor/core/kv_cache/cache_info.py defines MambaCacheEntry)",
+        operators=LINEAR_OPERATORS[lin.family],
+        reference=lin.reference,
+        source=lin.source,
+        reason=f"{len(layers)} linear layers keep {conv}a recurrent state per request instead of a KV cache: the "
+               "state is found by the request's state block (block_table['Mamba'][row, 0]), read at the step's "
+               "start and written back after it; the framework never zeroes a block (torch.empty, reused FIFO after "
+               "its request finishes), so prefill starts from a zero state and never reads the block",
     )
 
 

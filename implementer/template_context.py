@@ -30,6 +30,8 @@ from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
 
 DEFAULT_API = "G2"
+# Linear-attention families whose states the templates render (templates/linear_state.py.j2).
+RENDERED_LINEAR = ("gated_delta_net",)
 # Cache names the templates know, by attention family: they become attribute names in generated code.
 CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")}
 # DSA (manifest.dsa): the MLA caches plus each layer's indexer key cache
@@ -39,7 +41,8 @@ LAYOUTS = {("paged", False): ("TND",), ("paged", True): ("TND", "TND_NTD"), ("le
 NZ_C0 = 16  # NZ fractal width of 16-bit caches (the rendered KV_CACHE_NZ_DIM)
 # Module-level names of the rendered files (imports, helpers); UPPER_CASE names are their constants.
 RESERVED_NAMES = frozenset({"torch", "torch_npu", "math", "dataclass", "CacheEntry", "LayerCacheInfo",
-                            "ModelCacheInfo", "ForwardMetaData", "attention_modules", "as_int32"})
+                            "ModelCacheInfo", "ForwardMetaData", "attention_modules", "as_int32",
+                            "MambaCacheEntry", "F", "l2norm", "KVCacheLinearStateMixin"})
 _MODEL_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
@@ -140,6 +143,21 @@ class CacheCtx:
 
 
 @dataclass(frozen=True)
+class LinearCtx:
+    """A gated-delta-net layer's sizes on one rank (manifest.linear_attention)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    conv_channels: int
+    conv_dtype: str
+    state_dtype: str
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RenderContext:
     version: str
     manifest_hash: str
@@ -179,6 +197,8 @@ class RenderContext:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_rope: str = ""
+    # Hybrid models (manifest.linear_attention): the gated-delta-net state mixin; None without linear layers.
+    linear: LinearCtx | None = None
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
     legacy_kernel: str = ""
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")
@@ -265,7 +285,18 @@ def _check_layers(m: SelectionManifest) -> None:
     """Refuse manifests the templates cannot render faithfully, naming the layers and why."""
     if not m.layers:
         raise _bad("layers", "manifest has no layers")
-    uncached = [layer for layer in m.layers if not layer.caches]
+    states = [layer for layer in m.layers if layer.is_state]
+    family = m.linear_attention.family if m.linear_attention else "unknown family"
+    if states and (family not in RENDERED_LINEAR or m.kv_mode.value != "paged"):
+        raise _bad(f"layers[{states[0].index}].states",
+                   f"{len(states)} linear layer(s) keep a recurrent state (attn_type Mamba, {family}"
+                   f"{'' if m.kv_mode.value == 'paged' else ', Legacy'}); the templates render the states of "
+                   f"{', '.join(RENDERED_LINEAR)} paged models only: implement them by hand from the manifest's "
+                   "linear_attention section (references/hybrid_linear.md)")
+    if states and m.mtp is not None:
+        raise _bad("mtp", "a hybrid model with MTP layers: the state templates do not render speculative state "
+                          "slots (1 + next_n per request) yet")
+    uncached = [layer for layer in m.layers if not layer.caches and not layer.is_state]
     if uncached:
         kinds = sorted({layer.layer_kind for layer in uncached})
         raise _bad(f"layers[{uncached[0].index}].caches",
@@ -281,8 +312,11 @@ def _check_layers(m: SelectionManifest) -> None:
         raise _bad("dsa.shared_layers", f"{len(m.dsa.shared_layers)} layer(s) reuse the previous layer's top-k "
                                         f"selection (first: {m.dsa.shared_layers[0]}); no template carries a "
                                         "selection across layers")
-    first = m.layers[0]
-    for layer in m.layers[1:]:
+    attention = [layer for layer in m.layers if not layer.is_state]
+    if not attention:
+        raise _bad("layers", "no attention layer: every layer is linear")
+    first = attention[0]
+    for layer in attention[1:]:
         if layer.caches != first.caches:
             raise _bad(f"layers[{layer.index}].caches",
                        f"cache entries {[c.name for c in layer.caches]} differ from layer {first.index}'s "
@@ -372,7 +406,8 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     _check_numbers(m)
     legacy_kernel, softcap = _legacy_kernel(m)
     kinds: dict[str, KindPlan] = {}
-    for layer in m.layers:
+    attention = [layer for layer in m.layers if not layer.is_state]  # linear layers: the state mixin
+    for layer in attention:
         decode = _path(layer, False)
         plan = KindPlan(layer.attn_type, layer.sliding_window, _path(layer, True), decode,
                         one_line(layer.window_derivation) if layer.window_derivation else None,
@@ -381,7 +416,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         if seen != plan:
             raise _bad(f"layers[{layer.index}]", f"{layer.attn_type} layers disagree on their window/sparse plan; "
                                                  "the renderer needs one plan per attn_type")
-    first = m.layers[0]
+    first = attention[0]
     api = api_override or m.framework_api or DEFAULT_API
     if api_override and m.framework_api and api_override != m.framework_api:
         raise InputError("--framework-api", f"{api_override} contradicts the manifest's {m.framework_api}")
@@ -422,7 +457,22 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         legacy_kernel=legacy_kernel,
         softcap=softcap,
         **_dsa_fields(m),
+        linear=_linear_ctx(m),
     )
+
+
+def _linear_ctx(m: SelectionManifest) -> LinearCtx | None:
+    lin = m.linear_attention
+    if lin is None:
+        return None
+    conv, rec = (next(s for s in lin.states if s.name == name) for name in ("conv_state", "recurrent_state"))
+    if conv.shape != [lin.conv_channels_per_rank, lin.conv_kernel - 1] or \
+            rec.shape != [lin.num_v_heads_per_rank, lin.head_v_dim, lin.head_k_dim]:
+        raise _bad("linear_attention.states", f"shapes {conv.shape} / {rec.shape} are not the gated delta net's "
+                                              "[channels, kernel - 1] / [value heads, Dv, Dk]")
+    return LinearCtx(int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank), int(lin.head_k_dim),
+                     int(lin.head_v_dim), int(lin.conv_kernel), int(lin.conv_channels_per_rank),
+                     _TORCH_DTYPE[conv.dtype], _TORCH_DTYPE[rec.dtype], tuple(lin.layers))
 
 
 def _dsa_fields(m: SelectionManifest) -> dict:

@@ -277,19 +277,26 @@ def test_names_match_rejects_sibling_models():
     assert names_match("qwen3", "qwen3_8b")
 
 
-@pytest.mark.parametrize("commit, said", [("HEAD", True), ("48a59dc", False)])
-def test_hybrid_recurrent_model_with_a_mamba_capable_checkout(commit, said):
+@pytest.mark.parametrize("commit, mamba", [("HEAD", True), ("48a59dc", False)])
+def test_hybrid_recurrent_model_needs_a_mamba_capable_checkout_in_framework_mode(commit, mamba):
+    """The linear layers' states register as MambaCacheEntry (fda5670+): HEAD pages with Mamba state layers, a
+    checkout without it is a blocker naming the checkout (Legacy), and standalone mode needs neither."""
     m = run("qwen3_next", framework_root=str(_pinned(commit)), deploy_mode="framework")
-    says_warning = any("MambaCacheEntry" in w.message for w in m.warnings)
-    says_question = any("does not yet render or validate Mamba" in q.message for q in m.open_questions)
-    assert says_warning is said and says_question is said
-    # The Legacy blocker stays either way.
-    assert m.kv_mode.value == "legacy" and any("linear-attention" in b.message for b in m.blockers)
+    assert sum(layer.is_state for layer in m.layers) == 36
+    blocked = [b for b in m.blockers if "MambaCacheEntry" in b.message]
+    if mamba:
+        assert m.kv_mode.value == "paged" and not m.blockers
+    else:
+        assert m.kv_mode.value == "legacy" and len(blocked) == 1 and "--framework-root" in blocked[0].fields
+        assert "48a59dc" not in blocked[0].message and "standalone" in blocked[0].message
+    standalone = run("qwen3_next", framework_root=str(_pinned(commit)), deploy_mode="standalone")
+    assert standalone.kv_mode.value == "paged" and not standalone.blockers
 
 
 def test_no_recurrent_note_for_models_without_linear_layers():
     m = run("qwen3_8b", framework_root=str(_pinned("HEAD")), deploy_mode="framework")
-    assert not any("MambaCacheEntry" in w.message for w in m.warnings)
+    assert not any("MambaCacheEntry" in f.message for f in m.warnings + m.open_questions + m.blockers)
+    assert m.linear_attention is None and not any(layer.states for layer in m.layers)
 
 
 # ---------------------------------------------------------------- choices the checkout's model already made

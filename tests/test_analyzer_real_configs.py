@@ -256,22 +256,49 @@ def test_llama4_scout_chunked_attention_blocks_paged():
     assert only(len(layer.caches) for layer in m.layers) == 2
 
 
-def test_qwen3_next_linear_layers_block_paged_and_hold_no_kv():
-    m = run("qwen3_next")
-    assert m.kv_mode.value == "legacy"
-    assert len(m.blockers) == 1 and m.blockers[0].fields[0].startswith("full_attention_interval")
-    assert "36 linear-attention" in m.blockers[0].message
+def test_qwen3_next_linear_layers_hold_recurrent_states_and_the_full_layers_page():
+    """Qwen3-Next (published config): 36 gated-delta-net layers keep a fixed state, 12 full layers page. Sizes by
+    hand from the config: conv channels 2 x 16 x 128 + 32 x 128 = 8192 (4096 per rank at TP 2) x (kernel 4 - 1);
+    recurrent state 32 / 2 value heads x 128 x 128 in bfloat16 (the NPU operator's only state dtype)."""
+    m = run("qwen3_next", attn_tp_size=2, max_len=4096, max_concurrency=8)
+    assert m.kv_mode.value == "paged" and not m.blockers
     full = [layer.index for layer in m.layers if layer.layer_kind == "full"]
     assert full == list(range(3, 48, 4))
+    lin = m.linear_attention
+    assert lin.family == "gated_delta_net" and lin.layers == [i for i in range(48) if i % 4 != 3]
+    assert (lin.num_k_heads_per_rank, lin.num_v_heads_per_rank, lin.conv_channels_per_rank) == (8, 16, 4096)
+    assert [(s.name, s.shape, s.dtype) for s in lin.states] == [
+        ("conv_state", [4096, 3], "bfloat16"), ("recurrent_state", [16, 128, 128], "bfloat16")]
+    assert lin.state_bytes_per_layer == 4096 * 3 * 2 + 16 * 128 * 128 * 2
     for layer in m.layers:
         if layer.layer_kind == "linear":
-            assert layer.caches == []
+            assert layer.attn_type == "Mamba" and layer.caches == [] and layer.states == lin.states
         else:
-            assert [(c.name, c.dim, c.num_head) for c in layer.caches] == [("k_cache", 512, 1), ("v_cache", 512, 1)]
-    # only the 12 full-attention layers hold per-token KV: 12 x 2 x (2 x 256) x 2 B
-    assert m.memory.per_token_bytes == 12 * 2 * 512 * 2
-    assert m.memory.per_layer_token_bytes == [0 if i % 4 != 3 else 2048 for i in range(48)]
-    assert only(g.num_layers for g in m.memory.groups) == 12
+            assert layer.attn_type == "FullAttention" and layer.states == []
+            assert [(c.name, c.dim, c.num_head) for c in layer.caches] == [("k_cache", 256, 1), ("v_cache", 256, 1)]
+    # per token only the 12 full layers grow: 12 x 2 x 256 x 1 head x 2 B
+    assert m.memory.per_token_bytes == 12 * 2 * 256 * 2
+    groups = {g.group_key: g for g in m.memory.groups}
+    assert groups["FullAttention"].num_layers == 12 and groups["Mamba"].num_layers == 36
+    assert groups["Mamba"].state_bytes == 36 * lin.state_bytes_per_layer and groups["Mamba"].fixed_blocks
+    # offline: ceil(4096 / 128) x 8 + 1 paged blocks; one state block per request + the null block
+    assert m.memory.blocks == {"FullAttention": 257, "Mamba": 9}
+    assert any("MambaCacheEntry" in q.message for q in m.open_questions)  # no checkout: G3 not verified
+
+
+def test_a_linear_family_kvcache_does_not_know_stays_blocked(tmp_path):
+    """layer_types naming linear layers on a model_type with no known linear family: no state shapes to plan."""
+    import json
+
+    cfg = json.loads((CONFIGS / "qwen3_8b.json").read_text())
+    cfg["layer_types"] = ["linear_attention" if i % 4 != 3 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    cfg["model_type"] = "acme_hybrid"  # no transformers class either (one would have refused the layer types)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = analyze(AnalyzeRequest(config=str(path)))
+    assert m.kv_mode.value == "legacy" and m.linear_attention is None
+    assert "unknown family" in m.blockers[0].message and m.blockers[0].fields == ["layer_types"]
+    assert all(layer.attn_type == "FullAttention" and not layer.states for layer in m.layers)
 
 
 # ---------------------------------------------------------------- MLA

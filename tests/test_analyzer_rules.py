@@ -85,7 +85,8 @@ def test_kv_mode_paged_by_default_legacy_only_with_a_blocker():
 
 def test_attn_type_per_kind():
     assert rules.decide_attn_type("sliding") == "SlidingWindow"
-    for kind in ("full", "chunked", "linear"):
+    assert rules.decide_attn_type("linear") == "Mamba"  # a recurrent state in the framework's Mamba group
+    for kind in ("full", "chunked"):
         assert rules.decide_attn_type(kind) == "FullAttention"
 
 

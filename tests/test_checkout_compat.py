@@ -20,12 +20,12 @@ def test_feature_probes_answer_like_the_real_module():
         import torch_npu
 
         assert hasattr(torch_npu, "npu_rms_norm")  # emulated: present
-        assert not hasattr(torch_npu, "npu_chunk_gated_delta_rule")
-        assert getattr(torch_npu, "npu_chunk_gated_delta_rule", "fallback") == "fallback"
-        assert not hasattr(torch.ops.npu, "npu_chunk_gated_delta_rule")
+        assert not hasattr(torch_npu, "npu_fused_causal_conv1d_v2")
+        assert getattr(torch_npu, "npu_fused_causal_conv1d_v2", "fallback") == "fallback"
+        assert not hasattr(torch.ops.npu, "npu_fused_causal_conv1d_v2")
         assert not hasattr(torch.npu, "no_such_call")
-        with pytest.raises(UnemulatedOperatorError, match=r"torch_npu\.npu_chunk_gated_delta_rule is not emulated"):
-            torch_npu.npu_chunk_gated_delta_rule  # noqa: B018
+        with pytest.raises(UnemulatedOperatorError, match=r"torch_npu\.npu_fused_causal_conv1d_v2 is not emulated"):
+            torch_npu.npu_fused_causal_conv1d_v2  # noqa: B018
 
 
 def test_removed_transformers_mask_helpers_import_and_refuse_when_used():
@@ -132,10 +132,10 @@ def test_operators_kvcache_lacks_are_not_supported_and_made_up_ones_are_the_mode
     )
 
     assert releases_defining("npu_geglu") == ("2.9.0", "2.14.0")
-    assert releases_defining("npu_chunk_gated_delta_rule") == ("2.14.0",)
-    lacking = unsupported_operator(UnemulatedOperatorError("torch_npu.npu_chunk_gated_delta_rule", "m.py:3"), "m.py:3")
-    assert lacking.render() == ("m.py:3: torch_npu.npu_chunk_gated_delta_rule: not supported by kvcache: operator "
-                                "torch_npu.npu_chunk_gated_delta_rule (defined by torch-npu 2.14.0) is not emulated "
+    assert releases_defining("npu_fused_causal_conv1d_v2") == ("2.14.0",)
+    lacking = unsupported_operator(UnemulatedOperatorError("torch_npu.npu_fused_causal_conv1d_v2", "m.py:3"), "m.py:3")
+    assert lacking.render() == ("m.py:3: torch_npu.npu_fused_causal_conv1d_v2: not supported by kvcache: operator "
+                                "torch_npu.npu_fused_causal_conv1d_v2 (defined by torch-npu 2.14.0) is not emulated "
                                 "on CPU (references/emulated_ops.md)")
     feature = unsupported_operator(UnemulatedFeatureError("npu_x", "quant_mode", "not emulated"), "m.py:4")
     assert "not supported by kvcache: npu_x: argument 'quant_mode'" in feature.render()

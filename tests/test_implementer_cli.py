@@ -228,7 +228,8 @@ def test_linear_attention_layers_get_a_clear_message():
     with pytest.raises(InputError) as info:
         render_manifest(m, allow_blocked=True)
     text = info.value.render()
-    assert "hold no KV cache" in text and "linear" in text and "layers[0].caches" in text
+    assert "recurrent state" in text and "gated_delta_net" in text and "layers[0].states" in text
+    assert "references/hybrid_linear.md" in text
 
 
 @pytest.mark.parametrize("edit, needle", [

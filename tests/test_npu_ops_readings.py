@@ -48,8 +48,11 @@ def test_defaults_are_the_documented_readings():
     assert EXCLUSIVE_HONOURED.repeated_slots == "last_wins"
     assert EXCLUSIVE_HONOURED.finalize_skip1_alone == "added"  # what upstream DeepSeek relies on
     assert EXCLUSIVE_HONOURED.mla_decode_sparse_mode3 == "same_as_mode0"  # what upstream Kimi-K2 relies on
+    assert EXCLUSIVE_HONOURED.gdr_state_writes == "every_token"  # the doc's per-token slots, vLLM's kernel
+    assert EXCLUSIVE_HONOURED.gdr_accepted_start == "accepted_slot"  # vLLM's kernel
+    assert EXCLUSIVE_HONOURED.gdr_head_grouping == "consecutive"  # transformers, FLA, upstream qwen3_5
     combos = DeviceReadings.all()
-    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 2 * 2 * 3 * 3 * 3
+    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 2 * 2 * 3 * 3 * 3 * 2 * 2 * 2
 
 
 def test_invalid_reading_rejected_and_context_restores():

@@ -14,25 +14,39 @@ from model_infer_kvcache.analyzer.operators.extract_schemas import extract
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OPS, ROLES, keywords_of
 from model_infer_kvcache.analyzer.operators.schemas import (
     EMULATED_OPS,
+    RELEASES,
     accepted_keywords,
     count_returns,
+    emulated_ops_in,
     load_schemas,
     parse_func_schema,
     schema_default_to_python,
+    schema_release,
 )
 from model_infer_kvcache.validators.npu_ops import emulated
-from shared_dirs import torch_npu_files
+from shared_dirs import shared_path, torch_npu_files
+
+# Emulated operators the pinned release (2.9.0) does not define: pinned to the release that adds them.
+NEWER_THAN_PIN = {"npu_chunk_gated_delta_rule": "2.14.0"}
+
+
+def _schema(op):
+    return load_schemas(schema_release(op))["ops"][op]
 
 
 def test_schema_file_covers_every_emulated_op():
     doc = load_schemas()
     assert doc["source"].startswith("torch-npu==2.9.0")
-    assert set(doc["ops"]) == set(EMULATED_OPS) == set(emulated.OPS)
+    assert set(EMULATED_OPS) == set(emulated.OPS)
+    assert set(doc["ops"]) == set(emulated_ops_in("2.9.0")) == set(EMULATED_OPS) - set(NEWER_THAN_PIN)
+    for release in RELEASES:  # every committed release holds exactly the emulated operators it defines
+        assert set(load_schemas(release)["ops"]) == set(emulated_ops_in(release)), release
+    assert {op: schema_release(op) for op in NEWER_THAN_PIN} == NEWER_THAN_PIN
 
 
 @pytest.mark.parametrize("op", EMULATED_OPS)
 def test_signature_matches_schema(op):
-    schema = load_schemas()["ops"][op]
+    schema = _schema(op)
     params = list(inspect.signature(emulated.OPS[op]).parameters.values())
     assert [p.name for p in params] == [a["name"] for a in schema["args"]]
     for param, arg in zip(params, schema["args"], strict=True):
@@ -47,7 +61,7 @@ def test_signature_matches_schema(op):
 
 @pytest.mark.parametrize("op", EMULATED_OPS)
 def test_json_args_are_the_parse_of_the_raw_func_string(op):
-    schema = load_schemas()["ops"][op]
+    schema = _schema(op)
     parsed = parse_func_schema(schema["func"])
     assert parsed["name"] == op
     assert parsed["args"] == schema["args"] and parsed["returns"] == schema["returns"]
@@ -94,6 +108,17 @@ MODEL_OP_CALLS = {
                                          sparse_count=2),
     "npu_sparse_flash_attention": lambda f: f(torch.randn(1, 2, 2, 8), *(torch.randn(1, 3, 1, 8),) * 2,
                                               torch.tensor([[[[0, 1]], [[2, -1]]]], dtype=torch.int32), 0.5),
+    "npu_recurrent_gated_delta_rule": lambda f: f(*(torch.randn(3, 1, 8, dtype=torch.float64),) * 2,
+                                                  torch.randn(3, 2, 4, dtype=torch.float64),
+                                                  torch.zeros(4, 2, 4, 8, dtype=torch.float64),
+                                                  beta=torch.rand(3, 2, dtype=torch.float64), scale=0.5,
+                                                  actual_seq_lengths=torch.tensor([1, 2], dtype=torch.int32),
+                                                  ssm_state_indices=torch.tensor([3, 0, 1], dtype=torch.int32)),
+    "npu_chunk_gated_delta_rule": lambda f: f(*(torch.randn(3, 1, 128, dtype=torch.float64),) * 2,
+                                              torch.randn(3, 2, 128, dtype=torch.float64),
+                                              beta=torch.rand(3, 2, dtype=torch.float64),
+                                              initial_state=torch.zeros(2, 2, 128, 128, dtype=torch.float64),
+                                              actual_seq_lengths=torch.tensor([1, 2], dtype=torch.int32), scale=0.5),
 }
 # Keywords of the schema that the doc's prototype line (接口原型) of the pinned release does not list yet, each
 # described in the same entry's parameter list (参数说明): npu_mla_prolog_v3's prototype predates them.
@@ -121,7 +146,7 @@ def _minimal_call(op):
 @pytest.mark.parametrize("op", EMULATED_OPS)
 def test_return_arity_matches_schema(op):
     result = _minimal_call(op)
-    returns = load_schemas()["ops"][op]["returns"]
+    returns = _schema(op)["returns"]
     expected = count_returns(returns)
     if returns == "Tensor[]":
         assert isinstance(result, list) and all(isinstance(t, torch.Tensor) for t in result)
@@ -144,16 +169,18 @@ def test_version_specific_keyword_names():
 
 def test_extractor_on_a_yaml_fragment():
     fragment = {
-        "custom": [{"func": load_schemas()["ops"][op]["func"]} for op in EMULATED_OPS],
+        "custom": [{"func": load_schemas()["ops"][op]["func"]} for op in emulated_ops_in("2.9.0")],
         "symint": [{"func": load_schemas()["ops"]["npu_fused_infer_attention_score"]["func"]}],
     }
-    ops = extract(yaml.safe_dump(fragment))
+    ops = extract(yaml.safe_dump(fragment), emulated_ops_in("2.9.0"))
     assert ops == load_schemas()["ops"]
+    with pytest.raises(ValueError, match="npu_chunk_gated_delta_rule"):  # all of EMULATED_OPS: one is 2.14.0's
+        extract(yaml.safe_dump(fragment))
     conflicting = dict(fragment, symint=[{"func": "npu_scatter_nd_update(Tensor self) -> Tensor"}])
     with pytest.raises(ValueError, match="conflicting"):
         extract(yaml.safe_dump(conflicting))
     with pytest.raises(ValueError, match="not found"):
-        extract(yaml.safe_dump({"custom": fragment["custom"][:2]}))
+        extract(yaml.safe_dump({"custom": fragment["custom"][:2]}), emulated_ops_in("2.9.0"))
 
 
 def _wheel_files():
@@ -188,12 +215,20 @@ UNDOCUMENTED = {"npu_kv_rmsnorm_rope_cache", "npu_kv_rmsnorm_rope_cache_v2", "np
                 "npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2", "npu_moe_gating_top_k",
                 "npu_geglu",
                 # "custom.npu_lightning_indexer(...)" / "custom.npu_sparse_flash_attention(...)": no torch_npu. prefix
-                "npu_lightning_indexer", "npu_sparse_flash_attention"}
+                "npu_lightning_indexer", "npu_sparse_flash_attention",
+                # prototype lines without the torch_npu. prefix ("npu_recurrent_gated_delta_rule(Tensor query, ...")
+                "npu_recurrent_gated_delta_rule", "npu_chunk_gated_delta_rule"}
 
 
-def _meta_registrations() -> dict[str, list[ast.FunctionDef]]:
+def _release_files(op):
+    """The wheel files of the release the operator is pinned to (2.9.0, or the newer release adding it)."""
+    release = schema_release(op)
+    return torch_npu_files() if release == "2.9.0" else shared_path(f"torch_npu-{release}", "torch_npu")
+
+
+def _meta_registrations(op) -> dict[str, list[ast.FunctionDef]]:
     """op name -> the functions the wheel's meta file registers for it (``@impl(m, "<op>")``)."""
-    tree = ast.parse((torch_npu_files() / "op_plugin" / "meta" / "_meta_registrations.py").read_text("utf-8"))
+    tree = ast.parse((_release_files(op) / "op_plugin" / "meta" / "_meta_registrations.py").read_text("utf-8"))
     found: dict[str, list[ast.FunctionDef]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef):
@@ -206,12 +241,12 @@ def _meta_registrations() -> dict[str, list[ast.FunctionDef]]:
 @pytest.mark.parametrize("op", EMULATED_OPS)
 def test_meta_registration_has_the_schema_arguments(op):
     # The meta function is what torch.compile / fake tensors call: same names, same keyword-only split.
-    functions = _meta_registrations().get(op)
+    functions = _meta_registrations(op).get(op)
     if op in NO_META:
         assert not functions, f"{op} now has a meta registration: check it and drop it from NO_META"
         return
     assert functions, f"{op} has no meta registration in the wheel"
-    args = load_schemas()["ops"][op]["args"]
+    args = _schema(op)["args"]
     for func in functions:
         positional = [a.arg for a in func.args.posonlyargs + func.args.args]
         keyword_only = [a.arg for a in func.args.kwonlyargs]
@@ -227,13 +262,13 @@ def test_meta_registration_has_the_schema_arguments(op):
 
 @pytest.mark.parametrize("op", EMULATED_OPS)
 def test_documented_signature_has_the_schema_keywords(op):
-    docs = (torch_npu_files() / "_op_plugin_docs.py").read_text("utf-8")
+    docs = (_release_files(op) / "_op_plugin_docs.py").read_text("utf-8")
     lines = re.findall(rf"^torch_npu\.({re.escape(op)}\(.*\) -> .*)$", docs, re.M)
     if not lines:
         assert op in UNDOCUMENTED, f"{op} undocumented"
         return
     assert op not in UNDOCUMENTED, f"{op} is documented now: drop it from UNDOCUMENTED"
-    schema = load_schemas()["ops"][op]["args"]
+    schema = _schema(op)["args"]
     for line in lines:
         untyped = re.fullmatch(r"\w+\(([\w, ]*)\) -> .*", line)
         if untyped:  # an untyped doc line (`npu_format_cast(self, acl_format)`): the required arguments

@@ -20,7 +20,8 @@ SCHEMA_PATH = Path(__file__).with_name("op_schemas.json")
 # The release every part of the bundle emulates and validates against (SCHEMA_PATH).
 PINNED_RELEASE = "2.9.0"
 # Every release whose schemas are committed, oldest first: lint judges a keyword against the release a
-# model folder targets (``validators.lint.target_release``). Same operator list in each file.
+# model folder targets (``validators.lint.target_release``). Each file holds the emulated operators its release
+# defines (``emulated_ops_in``): the same list, less an operator a release lacks (npu_chunk_gated_delta_rule: 2.14.0).
 RELEASE_PATHS: dict[str, Path] = {
     PINNED_RELEASE: SCHEMA_PATH,
     "2.14.0": Path(__file__).with_name("op_schemas-2.14.0.json"),
@@ -60,6 +61,8 @@ EMULATED_OPS: tuple[str, ...] = (
     "npu_mla_prolog_v3",
     "npu_lightning_indexer",
     "npu_sparse_flash_attention",
+    "npu_recurrent_gated_delta_rule",
+    "npu_chunk_gated_delta_rule",  # torch-npu 2.14.0 only: pinned from that release (schema_release)
 )
 
 
@@ -221,3 +224,21 @@ def releases_defining(op: str) -> tuple[str, ...]:
     the wheel, not only the emulated ones); empty for a name no release has."""
     releases = json.loads(NAMES_PATH.read_text(encoding="utf-8"))["releases"]
     return tuple(release for release, names in releases.items() if op in names)
+
+
+def emulated_ops_in(release: str) -> tuple[str, ...]:
+    """The emulated operators torch-npu ``release`` defines (``op_names.json``); every one for a release that
+    file does not list (a new wheel being extracted)."""
+    releases = json.loads(NAMES_PATH.read_text(encoding="utf-8"))["releases"]
+    if release not in releases:
+        return EMULATED_OPS
+    return tuple(op for op in EMULATED_OPS if op in releases[release])
+
+
+def schema_release(op: str) -> str:
+    """The committed release an emulated operator's signature is pinned to: the pinned release when it defines
+    the operator, else the oldest committed release that does (the operator is newer than the pin)."""
+    for release in (PINNED_RELEASE, *RELEASES):
+        if op in _ops(release):
+            return release
+    raise KeyError(f"no committed schema release defines {op!r}")

@@ -119,7 +119,8 @@ MODEL_KINDS: tuple[ModelKind, ...] = (
               {**_BASE, "model_type": "falcon", "alibi": True}),
     ModelKind("chunked", "chunked local attention", "Llama-4",
               {**_BASE, "model_type": "llama4_text", "attention_chunk_size": 8192}),
-    ModelKind("linear", "线性注意力 / 循环层混合", "Qwen3-Next",
+    ModelKind("linear", "线性注意力 / 循环层混合(gated delta net、KDA、lightning)",
+              "Qwen3-Next、Qwen3.5、Kimi-Linear、Ling-2.5",
               {**_BASE, "model_type": "qwen3_next", "full_attention_interval": 4}),
     ModelKind("legacy_request", "标准 GQA,用户要求保留 Legacy(--kv-mode legacy)", "仅离线推理",
               {**_BASE, "model_type": "qwen3"}, kv_mode="legacy"),
@@ -144,6 +145,9 @@ def _attention_text(m) -> str:
     from model_infer_kvcache.analyzer.errors import InputError
     from model_infer_kvcache.implementer.render import render_manifest
 
+    if m.linear_attention is not None:
+        return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):模板不渲染,render "
+                "拒绝(退出码 2),按 references/hybrid_linear.md 手写")
     if m.dsa is not None:
         return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"
     if any(layer.head_dim is not None or layer.num_kv_heads_per_rank is not None for layer in m.layers):

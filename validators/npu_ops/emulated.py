@@ -1,7 +1,8 @@
 """CPU emulations of the torch_npu operators, named and shaped exactly like the real ones.
 
 Signatures (argument names, order, the keyword-only ``*``, defaults) equal the pinned
-schemas in ``analyzer/operators/op_schemas.json``; ``tests/test_npu_ops_schema_pin.py`` enforces it. Passing an
+schemas in ``analyzer/operators/op_schemas.json`` (an operator newer than the pin, npu_chunk_gated_delta_rule:
+``op_schemas-2.14.0.json``); ``tests/test_npu_ops_schema_pin.py`` enforces it. Passing an
 argument the real operator does not have raises ``TypeError`` here, exactly as a misspelt
 keyword does on the device build.
 
@@ -17,6 +18,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 from model_infer_kvcache.validators.npu_ops import (
     activations,
     formats,
+    gated_delta,
     matmul,
     mla_prolog,
     moe,
@@ -160,8 +162,8 @@ OPS = {
     "npu_kv_rmsnorm_rope_cache": npu_kv_rmsnorm_rope_cache,
     "npu_kv_rmsnorm_rope_cache_v2": npu_kv_rmsnorm_rope_cache_v2,
 }
-# Model-side operators (norms, rotary, activations, formats, MoE, matmuls): one module per family.
-for _family in (norms, rotary, activations, formats, moe, moe_comm, matmul, mla_prolog, sparse_attention):
+# Model-side operators (norms, rotary, activations, formats, MoE, matmuls, gated delta rule): one module per family.
+for _family in (norms, rotary, activations, formats, moe, moe_comm, matmul, mla_prolog, sparse_attention, gated_delta):
     OPS.update(_family.OPS)
 
 __all__ = list(OPS) + ["OPS"]

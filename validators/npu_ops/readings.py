@@ -61,6 +61,16 @@ code survives; only an NPU run can settle which reading the hardware implements.
     the mask read from its top-left corner (the query sees key 0 only), one concrete deviation, so that a
     model relying on mode 3 fails the comparison; ``"rejected"``: the call fails (the doc's rule). An
     operator question: consulted only by such a call, swept like ``finalize_skip1_alone``.
+
+``gdr_state_writes``, ``gdr_accepted_start``, ``gdr_head_grouping``
+    The gated delta rule operators (``gated_delta``): which ``ssm_state_indices`` slots
+    ``npu_recurrent_gated_delta_rule`` writes (``"every_token"``, default: the state after token i goes to
+    ``state[ssm_state_indices[i]]``, the doc's per-token wording and vLLM's kernel; ``"last_only"``: only the
+    request's final state, to its last token's slot), which slot a request starts from when
+    ``num_accepted_tokens`` is given (``"accepted_slot"``, default: the slot of token ``num_accepted - 1``, vLLM's
+    kernel; ``"first_slot"``: its first token's), and which key head serves value head h when Nv > Nk
+    (``"consecutive"``, default: ``h // (Nv/Nk)``, transformers / FLA / upstream qwen3_5; ``"strided"``:
+    ``h % Nk``). Operator questions, consulted only by calls whose result depends on them.
 """
 
 from __future__ import annotations
@@ -86,6 +96,9 @@ class DeviceReadings:
     repeated_slots: str = QUESTIONS["repeated_slots"].default
     finalize_skip1_alone: str = QUESTIONS["finalize_skip1_alone"].default
     mla_decode_sparse_mode3: str = QUESTIONS["mla_decode_sparse_mode3"].default
+    gdr_state_writes: str = QUESTIONS["gdr_state_writes"].default
+    gdr_accepted_start: str = QUESTIONS["gdr_accepted_start"].default
+    gdr_head_grouping: str = QUESTIONS["gdr_head_grouping"].default
 
     # Fixed rules, not switches (no sweep, no probe question): padded decode rows may repeat slots
     # only inside the null block (block NULL_BLOCK_ID of every cache declared with

@@ -27,6 +27,9 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
     model_bs = getattr(info, "block_size", None)
     for plan, layer in zip(expected, layer_infos, strict=False):
         got = {e.cache_name: e for e in layer.caches}
+        if plan.is_state:
+            mismatches += _state_entry_problems(plan, got, cache_dtype)
+            continue
         want = {c.name: c for c in plan.caches}
         if set(got) != set(want):
             mismatches.append(f"layer {plan.index}: entries {sorted(got)} != {sorted(want)}")
@@ -50,9 +53,27 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
         report.add("is_mla_backend", "init", got_mla == want_mla, expected=want_mla, got=got_mla)
 
 
+def _state_entry_problems(plan, got: dict, cache_dtype: torch.dtype) -> list[str]:
+    """A linear layer's Mamba entries: the planned names and shapes, attn_type Mamba, block size 1, the run's dtype."""
+    want = {s.name: s for s in plan.states}
+    if set(got) != set(want):
+        return [f"layer {plan.index}: state entries {sorted(got)} != {sorted(want)}"]
+    out = []
+    for name, entry in got.items():
+        have = (entry.attn_type, list(getattr(entry, "shape", []) or []), entry.dtype, getattr(entry, "block_size", 1))
+        wanted = (plan.attn_type, list(want[name].shape), cache_dtype, 1)
+        if have != wanted:
+            out.append(f"layer {plan.index} {name}: (attn_type, shape, dtype, block_size) {have} != {wanted}")
+    return out
+
+
 def check_allocation(report: Report, host: HostModel, sched) -> None:
     problems = []
     for a in host.attentions:
+        for c in ("conv_state", "recurrent_state"):  # a linear layer's Mamba states: [blocks, *shape]
+            t = getattr(a, c, None)
+            if t is not None and t.numel() == 0:
+                problems.append(f"layer {a.layer_idx} {c}: placeholder not replaced")
         for c in ("k_cache", "v_cache", "nope_cache", "rope_cache"):
             t = getattr(a, c, None)
             if t is None:
@@ -102,7 +123,8 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
         step = sched.next_step()
         fm = step.forward_metadata
         for a in host.attentions:
-            for table in ("block_table", "slot_mapping"):
+            # A Mamba group has a block table and no slot mapping (a state block per request, no token slots).
+            for table in ("block_table",) if a.attn_type == "Mamba" else ("block_table", "slot_mapping"):
                 d = getattr(fm, table)
                 if not isinstance(d, dict) or a.attn_type not in d:
                     keys_missing.append(f"step {step.index} layer {a.layer_idx}: {table}[{a.attn_type!r}]")

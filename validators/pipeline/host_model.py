@@ -53,6 +53,13 @@ class RenderedCode:
     def runner_mixin(self) -> type | None:
         return _class_with(self.runner, "_init_kvcache") if self.runner else None
 
+    def linear_mixin(self) -> type | None:
+        """The state mixin of a hybrid model's linear layers (templates/linear_state.py.j2), None without one."""
+        try:
+            return _class_with(self.attention, "init_state_cache")
+        except LookupError:
+            return None
+
 
 def _class_with(module: types.ModuleType, method: str) -> type:
     for value in vars(module).values():
@@ -105,6 +112,7 @@ class _Probe:
         self.records: list[dict] = []
         self.fa_calls: list[dict] = []
         self.sparse_calls: list[dict] = []  # DSA's indexer and sparse-FA calls (dsa_args)
+        self.state_calls: list[dict] = []  # linear layers' state steps (state_args)
         self.step = -1
 
     def record(self, **kw) -> None:
@@ -296,6 +304,53 @@ def attention_route(module, is_mla: bool) -> str | None:
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward}
 
 
+def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
+    """The gated-delta-net module of a hybrid model's linear decoder layer (transformers' ``linear_attn``)."""
+    from model_infer_kvcache.analyzer.arch_check import is_linear_module
+
+    for name, module in layer.named_children():
+        if is_linear_module(type(module).__name__):
+            return name, module
+    return None
+
+
+def _gdn_forward(self, hidden_states, attention_mask=None, **kwargs):
+    """transformers' gated delta net (Qwen3-Next ``in_proj_qkvz``/``in_proj_ba``, Qwen3.5 ``in_proj_qkv``/``_z``/
+    ``_b``/``_a``) with the conv and the recurrence, and so the states, done by the rendered code: the model's own
+    projections, gates and output norm around ``linear_attention`` on the packed tokens."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden_states[0]
+    t = x.shape[0]
+    if hasattr(self, "in_proj_qkvz"):
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x)[None], self.in_proj_ba(x)[None])
+        mixed = torch.cat([u.reshape(1, t, -1) for u in (q, k, v)], dim=-1)[0]
+        z, b, a = z[0], b[0], a[0]
+    else:
+        mixed = self.in_proj_qkv(x)
+        z, b, a = self.in_proj_z(x).reshape(t, -1, self.head_v_dim), self.in_proj_b(x), self.in_proj_a(x)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)  # as transformers
+    host.probe.state_calls.append({"step": host.probe.step, "layer": host.layer_idx, "is_prefill": fm.is_prefill,
+                                   "tokens": t, "channels": mixed.shape[-1]})
+    core = host.linear_attention(mixed, beta, g.to(x.dtype), fm)
+    out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(1, t, -1)
+    return self.out_proj(out.to(x.dtype))
+
+
+def make_host_linear(mixin: type) -> type:
+    class HostLinear(mixin):
+        """A rendered state mixin bound to one transformers gated-delta-net module."""
+
+        def __init__(self, hf_linear, layer_idx: int, probe: _Probe):
+            self.hf = hf_linear
+            self.probe = probe
+            self.layer_idx = layer_idx
+            self.conv1d = hf_linear.conv1d  # the model's own conv weights
+
+    return HostLinear
+
+
 def decoder_layers(hf_model) -> tuple[str, torch.nn.ModuleList]:
     """(path, layers) of the decoder stack; a model with none is refused in one line."""
     try:
@@ -351,11 +406,24 @@ class HostModel:
         if hasattr(rendered.attention, "torch_npu"):
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         host_cls = make_host_attention(rendered.attention_mixin())
+        linear_mixin = rendered.linear_mixin()
+        linear_cls = make_host_linear(linear_mixin) if linear_mixin else None
         self.attentions = []
         path, layers = decoder_layers(hf_model)
         routes = set()
         for idx, layer in enumerate(layers):
             hits = find_attentions(layer)
+            linear = find_linear(layer) if not hits else None
+            if linear is not None:
+                if linear_cls is None:
+                    raise InputError("--config", f"{path}.{idx}.{linear[0]} ({type(linear[1]).__name__}) is a linear "
+                                                 "layer and the rendered code has no state mixin", field="model_type")
+                host = linear_cls(linear[1], idx, self.probe)
+                host.init_state_cache(idx, cache_dtype, cache_dtype)
+                linear[1]._kvcache_host = host
+                linear[1].forward = types.MethodType(_gdn_forward, linear[1])
+                self.attentions.append(host)
+                continue
             if len(hits) != 1:
                 raise InputError("--config", f"the validation host routes one attention module per decoder layer, "
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",

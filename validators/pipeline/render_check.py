@@ -32,6 +32,14 @@ def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
                     QK_NOPE_HEAD_DIM=m.mla.qk_nope_head_dim, V_HEAD_DIM=m.mla.v_head_dim)
     else:
         want.update(NUM_KV_HEADS_PER_RANK=p.num_kv_heads_per_rank, HEAD_DIM=m.head_dim)
+    lin = manifest.linear_attention
+    if lin is not None:
+        want.update(LINEAR_NUM_K_HEADS_PER_RANK=lin.num_k_heads_per_rank,
+                    LINEAR_NUM_V_HEADS_PER_RANK=lin.num_v_heads_per_rank, LINEAR_HEAD_K_DIM=lin.head_k_dim,
+                    LINEAR_HEAD_V_DIM=lin.head_v_dim, CONV_KERNEL=lin.conv_kernel,
+                    CONV_CHANNELS_PER_RANK=lin.conv_channels_per_rank, LINEAR_LAYERS=frozenset(lin.layers))
+        dtypes = {s.name: getattr(torch, s.dtype) for s in lin.states}
+        want.update(CONV_STATE_DTYPE=dtypes.get("conv_state"), STATE_DTYPE=dtypes.get("recurrent_state"))
     sliding = [layer for layer in manifest.layers if layer.is_sliding]
     if sliding:
         want["SLIDING_WINDOW"] = sliding[0].sliding_window
@@ -58,10 +66,15 @@ def check_constants(report: Report, manifest: SelectionManifest, module: types.M
                checked=checked)
 
 
-def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, cache_dtype: torch.dtype) -> None:
-    """``init_kv_cache`` for each of the model's layers: attn_type, window and entries per the manifest."""
+def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, cache_dtype: torch.dtype,
+                      linear_mixin: type | None = None) -> None:
+    """``init_kv_cache`` (``init_state_cache`` on a linear layer) for each of the model's layers: attn_type, window
+    and entries per the manifest."""
     bad: list[str] = []
     for plan in manifest.layers:
+        if plan.is_state:
+            bad += _state_layer_problems(plan, linear_mixin, cache_dtype)
+            continue
         attn = mixin.__new__(mixin)
         try:
             attn.init_kv_cache(plan.index, cache_dtype)
@@ -86,3 +99,26 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, 
     report.add(f"every layer's attn_type, window and cache entries match the manifest ({len(manifest.layers)} "
                "layers)", "init", not bad, detail="; ".join(bad[:3]), mismatches=len(bad),
                layers=len(manifest.layers))
+
+
+def _state_layer_problems(plan, linear_mixin: type | None, cache_dtype: torch.dtype) -> list[str]:
+    """A linear layer's ``init_state_cache``: attn_type Mamba and one MambaCacheEntry per planned state, with the
+    planned shape (the dtype is the run's, as for KV caches)."""
+    if linear_mixin is None:
+        return [f"layer {plan.index}: a linear (Mamba) layer and the render has no init_state_cache"]
+    layer = linear_mixin.__new__(linear_mixin)
+    try:
+        layer.init_state_cache(plan.index, cache_dtype, cache_dtype)
+    except Exception as exc:
+        return [f"layer {plan.index}: init_state_cache raised {type(exc).__name__}: {exc}"]
+    if getattr(layer, "attn_type", None) != plan.attn_type:
+        return [f"layer {plan.index}: attn_type {getattr(layer, 'attn_type', None)!r} != {plan.attn_type!r}"]
+    entries = getattr(layer, "cache_entries", None)
+    if entries is None:  # standalone: the runner allocates the states
+        return []
+    want = {s.name: (plan.attn_type, list(s.shape)) for s in plan.states}
+    have = {e.cache_name: (e.attn_type, list(getattr(e, "shape", []) or [])) for e in entries}
+    if have != want:
+        diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        return [f"layer {plan.index} {diff[0]}: (attn_type, shape) {have.get(diff[0])} != {want.get(diff[0])}"]
+    return []

@@ -193,7 +193,8 @@ def _check_render_as_written(report: Report, manifest: SelectionManifest, req: V
     with ops, _framework(manifest, req, backend):
         rendered = import_rendered(req.rendered)
         check_constants(report, manifest, rendered.attention)
-        check_every_layer(report, manifest, rendered.attention_mixin(), getattr(torch, req.dtype))
+        check_every_layer(report, manifest, rendered.attention_mixin(), getattr(torch, req.dtype),
+                          rendered.linear_mixin())
 
 
 def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest, header, tmp: Path):

@@ -385,6 +385,115 @@ def finalize_experiment(dev: ProbeDevice) -> Outcome:
     return Outcome(reading, f"skip1 (16) without skip2: {reading}", evidence)
 
 
+# --------------------------------------------------------------------------- gated delta rule (gdr_*)
+GDR_D = 16  # Dk = Dv, inside the documented <= 256
+GDR_DTYPE = torch.bfloat16  # the op's only documented dtype (small integers: exact)
+
+
+def _gdr(dev: ProbeDevice, *, q, k, v, beta, state, lens, slots, accepted=None):
+    """npu_recurrent_gated_delta_rule, scale 1, no decay; ``state`` is a device tensor updated in place."""
+    put = [dev.put(t.to(GDR_DTYPE)) for t in (q, k, v, beta)]
+    ints = {"actual_seq_lengths": dev.put(torch.tensor(lens, dtype=torch.int32)),
+            "ssm_state_indices": dev.put(torch.tensor(slots, dtype=torch.int32))}
+    if accepted is not None:
+        ints["num_accepted_tokens"] = dev.put(torch.tensor(accepted, dtype=torch.int32))
+    return dev.ops.npu_recurrent_gated_delta_rule(put[0], put[1], put[2], state, beta=put[3], scale=1.0, **ints)
+
+
+def _lane(i: int, value: float = 1.0) -> torch.Tensor:
+    out = torch.zeros(GDR_D)
+    out[i] = value
+    return out
+
+
+def classify_gdr_writes(slot1: torch.Tensor, slot2: torch.Tensor, after_first: torch.Tensor,
+                        final: torch.Tensor) -> str | None:
+    """Slot 1 (token 0's) holds the state after token 0, or was left alone (zeros); slot 2 must hold the final
+    state under either reading."""
+    if not torch.equal(slot2, final):
+        return None
+    for reading in QUESTIONS["gdr_state_writes"].readings:
+        if torch.equal(slot1, after_first if reading == "every_token" else torch.zeros_like(slot1)):
+            return reading
+    return None
+
+
+def gdr_writes_experiment(dev: ProbeDevice) -> Outcome:
+    """One request of 2 tokens on slots [1, 2], beta 1, q = k = lane 0: the state after token i is v_i e0^T."""
+    v = torch.stack([_lane(0, 1.0), _lane(1, 2.0)]).view(2, 1, GDR_D)
+    k = torch.stack([_lane(0)] * 2).view(2, 1, GDR_D)
+    state = dev.put(torch.zeros(3, 1, GDR_D, GDR_D, dtype=GDR_DTYPE))
+    _, error = _call(lambda: _gdr(dev, q=k, k=k, v=v, beta=torch.ones(2, 1), state=state, lens=[2], slots=[1, 2]))
+    if error is not None:
+        return Outcome(UNKNOWN, f"the call failed: {error}", {"error": error})
+    got = dev.fetch(state)
+    after_first = torch.zeros(1, GDR_D, GDR_D)
+    after_first[0, 0, 0] = 1.0
+    final = torch.zeros(1, GDR_D, GDR_D)
+    final[0, 1, 0] = 2.0
+    reading = classify_gdr_writes(got[1], got[2], after_first, final) or UNKNOWN
+    evidence = {"slot1_nonzero": got[1].nonzero().tolist()[:4], "slot2_nonzero": got[2].nonzero().tolist()[:4]}
+    return Outcome(reading, f"2 tokens on slots [1, 2]: slot 1 {'written' if got[1].any() else 'untouched'}",
+                   evidence)
+
+
+def classify_gdr_start(out_accepted: float, out_control: float) -> str | None:
+    """Token 0's output (beta 0: the initial state read by q = e0) is 3 from slot 2, 0 from slot 1."""
+    if out_control != 0.0:
+        return None
+    for reading in QUESTIONS["gdr_accepted_start"].readings:
+        if out_accepted == (3.0 if reading == "accepted_slot" else 0.0):
+            return reading
+    return None
+
+
+def gdr_start_experiment(dev: ProbeDevice) -> Outcome:
+    """2 tokens on slots [1, 2] with num_accepted_tokens [2]: slot 1 holds 0, slot 2 holds 3 e0 e0^T."""
+    q = torch.stack([_lane(0)] * 2).view(2, 1, GDR_D)
+    v = torch.zeros(2, 1, GDR_D)
+
+    def run(accepted):
+        state = torch.zeros(3, 1, GDR_D, GDR_D)
+        state[2, 0, 0, 0] = 3.0
+        out = _gdr(dev, q=q, k=q, v=v, beta=torch.zeros(2, 1), state=dev.put(state.to(GDR_DTYPE)), lens=[2],
+                   slots=[1, 2], accepted=accepted)
+        return float(dev.fetch(out)[0, 0, 0])
+
+    control, error = _call(lambda: run(None))
+    if error is not None:
+        return Outcome(UNKNOWN, f"the control call (no num_accepted_tokens) failed: {error}", {"error": error})
+    got, error = _call(lambda: run([2]))
+    if error is not None:
+        return Outcome(UNKNOWN, f"num_accepted_tokens [2] was rejected: {error}", {"error": error})
+    reading = classify_gdr_start(got, control) or UNKNOWN
+    return Outcome(reading, f"num_accepted_tokens [2]: token 0 reads {got:g} (slot 1 holds 0, slot 2 holds 3)",
+                   {"token0_lane0": got, "control_token0_lane0": control})
+
+
+def classify_gdr_grouping(per_value_head: list[float], factors: list[float]) -> str | None:
+    nk, nv = len(factors), len(per_value_head)
+    for reading in QUESTIONS["gdr_head_grouping"].readings:
+        heads = [h % nk if reading == "strided" else h // (nv // nk) for h in range(nv)]
+        if per_value_head == [factors[h] for h in heads]:
+            return reading
+    return None
+
+
+def gdr_grouping_experiment(dev: ProbeDevice) -> Outcome:
+    """Nk 2, Nv 4, one token, beta 1: value head h outputs q.k of the key head serving it (1 or 2) in lane 0."""
+    factors = [1.0, 2.0]
+    q = torch.stack([_lane(0, f) for f in factors]).view(1, 2, GDR_D)
+    k = torch.stack([_lane(0)] * 2).view(1, 2, GDR_D)
+    v = torch.stack([_lane(0)] * 4).view(1, 4, GDR_D)
+    state = dev.put(torch.zeros(1, 4, GDR_D, GDR_D, dtype=GDR_DTYPE))
+    out, error = _call(lambda: _gdr(dev, q=q, k=k, v=v, beta=torch.ones(1, 4), state=state, lens=[1], slots=[0]))
+    if error is not None:
+        return Outcome(UNKNOWN, f"the call failed: {error}", {"error": error})
+    per_head = [float(x) for x in dev.fetch(out)[0, :, 0]]
+    reading = classify_gdr_grouping(per_head, factors) or UNKNOWN
+    return Outcome(reading, f"Nk 2 (q.k 1, 2), Nv 4: value heads read {per_head}", {"per_value_head": per_head})
+
+
 def run_experiments(dev: ProbeDevice) -> dict[str, Outcome]:
     """Every question's outcome, in ``QUESTIONS`` order (the band reads its prediction off the window)."""
     window = window_experiment(dev)
@@ -395,5 +504,8 @@ def run_experiments(dev: ProbeDevice) -> dict[str, Outcome]:
         "repeated_slots": repeated_slots_experiment(dev),
         "finalize_skip1_alone": finalize_experiment(dev),
         "mla_decode_sparse_mode3": mla_experiment(dev),
+        "gdr_state_writes": gdr_writes_experiment(dev),
+        "gdr_accepted_start": gdr_start_experiment(dev),
+        "gdr_head_grouping": gdr_grouping_experiment(dev),
     }
     return {q: done[q] for q in QUESTIONS}

@@ -1,0 +1,203 @@
+"""Linear-attention (recurrent-state) layers of hybrid models: which family, and the sizes its state has.
+
+One home for what a config says about its linear layers. A linear layer keeps, per request, a fixed-size
+state instead of a growing KV cache: a recurrent state (one ``Dk x Dv`` matrix per value head) and, where the
+family runs a short causal convolution before it, the last ``kernel - 1`` inputs of that convolution. Families
+(their code is the source of truth, cited per family):
+
+* ``gated_delta_net`` -- Qwen3-Next, Qwen3.5 (transformers ``Qwen3NextGatedDeltaNet``,
+  ``Qwen3_5MoeGatedDeltaNet``): one fused conv over q|k|v (``2*Nk*Dk + Nv*Dv`` channels), ``Nv`` value heads
+  sharing ``Nk`` key heads; on the NPU ``npu_recurrent_gated_delta_rule`` keeps its state ``[Nv, Dv, Dk]``.
+* ``kimi_delta_attention`` -- Kimi-Linear, Ling-3.0 (transformers ``KimiLinearKimiDeltaAttention`` / model_type
+  ``bailing_hybrid``'s ``BailingHybridDeltaAttention``): one fused conv over q|k|v (``3*H*D`` channels), a
+  per-channel gate, state ``[H, Dk, Dv]`` (pure torch: no torch-npu operator).
+* ``lightning_attention`` -- Ling-2.5 / 2.6 (``BailingMoeV2_5ForCausalLM``, published under model_type
+  ``bailing_hybrid`` with remote code; upstream ``models/bailing_2_5``): simple gated linear attention with
+  fixed per-head decay slopes, no conv, state ``[H, D, D]``. transformers 5.x's own ``bailing_hybrid`` is the
+  KDA model above: the same model_type names two architectures, told apart by the fields only one has.
+
+Torch-free; sizes are plain ints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from model_infer_kvcache.analyzer.errors import InputError
+
+GATED_DELTA_NET = "gated_delta_net"
+KIMI_DELTA = "kimi_delta_attention"
+LIGHTNING = "lightning_attention"
+LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING)
+
+_GDN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# Fields only Ling-2.5's remote code reads (BailingMoeV2_5Config) / only the KDA model reads.
+_LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
+_KDA_FIELDS = ("short_conv_kernel_size", "kda_safe_gate", "kda_lower_bound")
+_LIGHTNING_ARCH = "BailingMoeV2_5ForCausalLM"
+
+# transformers class-name endings of linear-attention modules (Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
+# BailingHybridDeltaAttention): the cross-check tells them from softmax attention by these. Not "LinearAttention":
+# Kimi-Linear's full (MLA) layers are KimiLinearAttention.
+LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention")
+
+# Where each family's math lives (the validation reference; None: no transformers class implements it).
+REFERENCE = {
+    GATED_DELTA_NET: "transformers Qwen3NextGatedDeltaNet / Qwen3_5MoeGatedDeltaNet (torch_chunk_gated_delta_rule)",
+    KIMI_DELTA: "transformers KimiLinearKimiDeltaAttention / BailingHybridDeltaAttention (chunk_kimi_delta_attention)",
+    LIGHTNING: None,
+}
+
+
+@dataclass(frozen=True)
+class LinearFacts:
+    """What the config says about its linear layers (all ranks)."""
+
+    family: str
+    num_k_heads: int  # query/key heads
+    num_v_heads: int  # value heads (= state heads)
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int | None  # None: no short convolution
+    conv_channels: int  # channels of the fused short conv (0 without one)
+    source: str
+    reference: str | None
+
+    def conv_channels_per_rank(self, tp: int) -> int:
+        """Channels one attention-TP rank convolves: its share of every head (q|k|v alike)."""
+        if not self.conv_kernel:
+            return 0
+        nk, nv = self.num_k_heads // tp, self.num_v_heads // tp
+        if self.family == GATED_DELTA_NET:
+            return 2 * nk * self.head_k_dim + nv * self.head_v_dim
+        return nk * self.head_k_dim * 2 + nv * self.head_v_dim  # KDA: q|k of Dk, v of Dv per head
+
+
+def family_of_linear(get, model_type: str, architectures: list[str], where: str) -> tuple[str, str] | None:
+    """(family, why) of a config with linear layers, None for a model_type kvcache knows no linear family of.
+
+    ``get(name)`` looks a config field up (the reader's ``get``). ``bailing_hybrid`` is two architectures: the
+    fields decide, and a config with neither set of fields is refused (reading it as either plans the wrong state).
+    """
+    if model_type in _GDN_TYPES:
+        return GATED_DELTA_NET, f"model_type {model_type}"
+    if model_type == "kimi_linear":
+        return KIMI_DELTA, "model_type kimi_linear"
+    if model_type != "bailing_hybrid":
+        return None
+    lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
+    kda = [f for f in _KDA_FIELDS if get(f) is not None]
+    if _LIGHTNING_ARCH in architectures:
+        lightning.append(f"architectures {_LIGHTNING_ARCH}")
+    if lightning and kda:
+        raise InputError(where, f"model_type bailing_hybrid with both Ling-2.5 lightning fields ({lightning[0]}) "
+                                f"and Ling-3.0 KDA fields ({kda[0]}): kvcache cannot tell which state to plan",
+                         field="model_type")
+    if lightning:
+        return LIGHTNING, f"model_type bailing_hybrid with {lightning[0]} (Ling-2.5 lightning attention)"
+    if kda:
+        return KIMI_DELTA, f"model_type bailing_hybrid with {kda[0]} (Ling-3.0 KDA, transformers' bailing_hybrid)"
+    raise InputError(where, "model_type bailing_hybrid names two architectures (Ling-2.5 lightning attention: "
+                            f"{', '.join(_LIGHTNING_FIELDS)}; Ling-3.0 KDA: short_conv_kernel_size) and the config "
+                            "has the fields of neither", field="model_type")
+
+
+def bailing_layer_kinds(group: int, num_layers: int, family: str) -> tuple[str, ...]:
+    """Ling's ``layer_group_size``: the last layer of every group is full attention. Ling-2.5's code also makes the
+    layers past the last whole group full (upstream modeling_bailing_moe_v2_5.py, ``attention_layer_type``);
+    transformers' KDA ``bailing_hybrid`` only the last of each group."""
+    tail = num_layers // group * group if family == LIGHTNING else num_layers
+    return tuple("full" if (i + 1) % group == 0 or i >= tail else "linear" for i in range(num_layers))
+
+
+def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any, str] | None,
+                limits: dict[str, int]) -> LinearFacts:
+    """The family's sizes from the config (``r``: config_loader's reader; defaults named by their class)."""
+    if family == GATED_DELTA_NET:
+        nk = r.positive_int("linear_num_key_heads", maximum=limits["heads"])
+        nv = r.positive_int("linear_num_value_heads", maximum=limits["heads"])
+        dk = r.positive_int("linear_key_head_dim", maximum=limits["head_dim"])
+        dv = r.positive_int("linear_value_head_dim", maximum=limits["head_dim"])
+        kernel = r.positive_int("linear_conv_kernel_dim", maximum=64)
+        if nv.value % nk.value:
+            raise InputError(r.where, f"{nv.value} value heads are not a multiple of {nk.value} key heads "
+                                      "(each key head serves a group of value heads)", field=nv.source)
+        channels = 2 * nk.value * dk.value + nv.value * dv.value
+        src = f"{why}: {nk.source}, {nv.source}, {dk.source}, {dv.source}, {kernel.source}"
+        return LinearFacts(family, nk.value, nv.value, dk.value, dv.value, kernel.value, channels, src,
+                           REFERENCE[family])
+    if family == KIMI_DELTA:
+        section = r.mapping("linear_attn_config")
+        sub = section[0] if section else {}
+        h = _sub_int(r, sub, section, "num_heads") or r.positive_int("linear_num_heads", "num_attention_heads",
+                                                                      maximum=limits["heads"])
+        # linear_head_dim: a config transformers re-saved (it overwrote head_dim with the MLA rope dim); else the
+        # published file's head_dim (Ling-3.0), else the class default (Kimi-Linear).
+        d = (_sub_int(r, sub, section, "head_dim") or r.positive_int("linear_head_dim", required=False,
+                                                                      maximum=limits["head_dim"])
+             or (_positive(r, head_dim_field) if head_dim_field else None))
+        if d is None:
+            raise InputError(r.where, "missing (looked for linear_attn_config.head_dim, linear_head_dim, head_dim)",
+                             field="linear_head_dim")
+        kernel = _sub_int(r, sub, section, "short_conv_kernel_size") or r.positive_int(
+            "short_conv_kernel_size", "linear_conv_kernel_dim", maximum=64)
+        src = f"{why}: {h.source}, {d.source}, {kernel.source}"
+        return LinearFacts(family, h.value, h.value, d.value, d.value, kernel.value, 3 * h.value * d.value, src,
+                           REFERENCE[family])
+    d = _positive(r, head_dim_field) if head_dim_field else None
+    if d is None:
+        raise InputError(r.where, "missing: Ling-2.5's linear layers use head_dim per head", field="head_dim")
+    return LinearFacts(family, heads, heads, d.value, d.value, None, 0,
+                       f"{why}: num_attention_heads, {d.source} (state [H, D, D]; no short conv)", REFERENCE[family])
+
+
+@dataclass(frozen=True)
+class _Hit:
+    """A value and the config field it came from (the reader's Sourced, without importing the loader)."""
+
+    value: int
+    source: str
+
+
+def _int_at(where: str, src: str, value: Any) -> _Hit:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(where, f"must be a positive integer, got {value!r}", field=src)
+    return _Hit(value, src)
+
+
+def _sub_int(r, sub: dict, section, name: str) -> _Hit | None:
+    """A positive int from the ``linear_attn_config`` object (Kimi-Linear's checkpoint layout), None if absent."""
+    if name not in sub or sub[name] is None:
+        return None
+    return _int_at(r.where, f"{section[1]}.{name}", sub[name])
+
+
+def _positive(r, hit: tuple[Any, str]) -> _Hit:
+    return _int_at(r.where, hit[1], hit[0])
+
+
+def kimi_layer_kinds(r, num_layers: int) -> tuple[tuple[str, ...], str] | None:
+    """Kimi-Linear's checkpoint layout: ``linear_attn_config.full_attn_layers`` / ``kda_layers``, 1-indexed
+    (transformers KimiLinearConfig.__post_init__)."""
+    section = r.mapping("linear_attn_config")
+    if not section or "full_attn_layers" not in section[0] or "kda_layers" not in section[0]:
+        return None
+    raw, src = section
+    kinds: list[str | None] = [None] * num_layers
+    for name, kind in (("full_attn_layers", "full"), ("kda_layers", "linear")):
+        listed = raw[name]
+        if not isinstance(listed, list):
+            raise InputError(r.where, "must be a list of 1-based layer numbers", field=f"{src}.{name}")
+        for i, n in enumerate(listed):
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= num_layers:
+                raise InputError(r.where, f"must be a layer number in 1..{num_layers}, got {n!r}",
+                                 field=f"{src}.{name}[{i}]")
+            if kinds[n - 1] is not None:
+                raise InputError(r.where, f"layer {n} listed twice", field=f"{src}.{name}[{i}]")
+            kinds[n - 1] = kind
+    missing = [i + 1 for i, k in enumerate(kinds) if k is None]
+    if missing:
+        raise InputError(r.where, f"layers {missing[:5]} are in neither full_attn_layers nor kda_layers",
+                         field=src)
+    return tuple(kinds), f"{src}.full_attn_layers / kda_layers (1-based)"

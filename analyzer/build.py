@@ -198,6 +198,7 @@ def assemble(
     legacy_attention = rules.decide_legacy_attention(facts, kv_mode, blockers)
     dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value,
                                         legacy_fa=legacy_attention is not None and legacy_attention.kernel == "fa")
+    dependencies += _linear_dependencies(facts, layers)
     measured_source = None
     if readings is not None:
         dependencies, measured_source = apply_readings(dependencies, readings, req.device_readings, warnings,
@@ -622,6 +623,22 @@ def _window_dependency(reading: str, sliding: list[int], where: str = "") -> Dev
                     "(re-analyze with --window-reading to switch)",
         layers=sliding,
     )
+
+
+def _linear_dependencies(facts: ModelFacts, layers: list[LayerPlan]) -> list[DeviceDependency]:
+    """Gated-delta-net layers with more value heads than key heads feed the NPU operators q/k per key head: which
+    key head serves a value head is the operator's (gdr_head_grouping), and the model's is consecutive."""
+    lin = facts.linear.value
+    if lin is None or lin.family != "gated_delta_net" or lin.num_v_heads == lin.num_k_heads:
+        return []
+    q = QUESTIONS["gdr_head_grouping"]
+    other = q.alternatives(q.default)[0]
+    return [DeviceDependency(
+        question=q.name, assumed=q.default, alternative=other,
+        consequence=f"the model pairs value head h with key head h // {lin.num_v_heads // lin.num_k_heads} "
+                    f"(transformers' repeat_interleave); under '{other}' the operators pair other heads and every "
+                    "linear layer's output is wrong (validation sweeps both)",
+        layers=[layer.index for layer in layers if layer.is_state])]
 
 
 def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,

@@ -119,9 +119,9 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         conv = f"conv kernel {lin.conv_kernel}, " if lin.conv_kernel else "无 short conv, "
         rows.append(("线性注意力(循环状态)", f"{lin.family}, {len(lin.layers)} 层, {conv}每卡 heads K "
                      f"{lin.num_k_heads_per_rank} / V {lin.num_v_heads_per_rank}, 每层每请求 "
-                     f"{lin.state_bytes_per_layer} B", f"{lin.reason}; 注册: {lin.framework_entry}; prefill: "
-                     f"{lin.operators['prefill']}; decode: {lin.operators['decode']}; 参考实现: "
-                     f"{lin.reference or 'transformers 无此架构'}"))
+                     f"{lin.state_bytes_per_layer} B", f"{lin.reason}; registered as {lin.framework_entry}; prefill: "
+                     f"{lin.operators['prefill']}; decode: {lin.operators['decode']}; reference: "
+                     f"{lin.reference or 'none (transformers implements no such architecture)'}"))
     if m.dsa is not None:
         d = m.dsa
         shared = f", {len(d.shared_layers)} 层复用上一层的选择" if d.shared_layers else ""

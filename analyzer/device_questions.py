@@ -101,7 +101,7 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
              "gated delta rule ops with Nv > Nk: which query/key head serves value head h?",
              "consecutive: key head h // (Nv/Nk) (repeat_interleave: transformers, FLA, vLLM, upstream qwen3_5's "
              "torch fallback); strided: key head h % Nk (repeat/tile)",
-             switch=True, swept=True),
+             switch=True, swept=True, dependency=True),
 )}
 
 # The names as tuples, for Literal[...] fields and argparse choices.

@@ -36,7 +36,9 @@ def preflight(config_path: str, real: dict) -> None:
     if linear or linear_fields:
         what = f"layer_types {linear}" if linear else linear_fields[0]
         raise NotSupportedByKvcache(config_path, f"linear-attention layers ({what}: a recurrent state, "
-                                                 "MambaCacheEntry) are not a cache kind kvcache validates yet",
+                                                 "MambaCacheEntry) in a checkout's own engine are not validated yet "
+                                                 "(rendered gated-delta-net states are: kvcache render, then "
+                                                 "kvcache validate --rendered)",
                                     field="layer_types" if linear else linear_fields[0])
 
 

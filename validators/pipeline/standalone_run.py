@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
@@ -10,18 +11,25 @@ from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
 
 CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
+STATE_NAMES = ("conv_state", "recurrent_state")  # a linear layer's states: one slot per row
 
 
 def _caches(host) -> list[torch.Tensor]:
-    return [getattr(a, c) for a in host.attentions for c in CACHE_NAMES if hasattr(a, c)]
+    return [getattr(a, c) for a in host.attentions for c in (*CACHE_NAMES, *STATE_NAMES) if hasattr(a, c)]
 
 
 def _poison_row(host, runner, row: int) -> None:
-    """A finished request's rows of every cache become NaN: a new request there must not read them."""
+    """A finished request's rows of every cache and its state slot become NaN: a new request there must not read
+    them."""
     blocks = runner.block_table[row].long()
     with torch.no_grad():
-        for t in _caches(host):
-            t[blocks] = float("nan")
+        for a in host.attentions:
+            for c in CACHE_NAMES:
+                if hasattr(a, c):
+                    getattr(a, c)[blocks] = float("nan")
+            for c in STATE_NAMES:
+                if hasattr(a, c):
+                    getattr(a, c)[row] = float("nan")
 
 
 def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model, scenario: Scenario, seed: int,
@@ -32,7 +40,10 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
         return
     runner = type("ValidationRunner", (runner_cls,), {})()
     rows_n = scenario.max_concurrency
-    runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, device=host.device, cache_dtype=cache_dtype)
+    # The run's dtype for the states too, as for the caches (the manifest's bfloat16 state is the device's).
+    states = {"conv_dtype": cache_dtype, "state_dtype": cache_dtype} if manifest.linear_attention else {}
+    runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, device=host.device, cache_dtype=cache_dtype,
+                         **states)
     _check_init(report, manifest, host, runner, rows_n)
     if any(not c.passed for c in report.checks if c.link == "init"):
         report.notes.append("init link failed: runtime, numeric and release checks not run")
@@ -138,8 +149,16 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
 def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_n: int) -> None:
     problems = []
     blocks = runner.block_table.numel()
-    want = {c.name: c for c in manifest.layers[0].caches}
+    want = {c.name: c for c in next(layer for layer in manifest.layers if not layer.is_state).caches}
+    states = {s.name: s for s in manifest.linear_attention.states} if manifest.linear_attention else {}
     for a in host.attentions:
+        if getattr(a, "attn_type", None) == MAMBA:
+            for name, s in states.items():
+                t = getattr(a, name, None)
+                if t is None or list(t.shape) != [rows_n, *s.shape]:
+                    problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != "
+                                    f"{(rows_n, *s.shape)}")
+            continue
         for name, c in want.items():
             t = getattr(a, name, None)
             shape = (blocks, manifest.block_size, c.num_head, c.dim)

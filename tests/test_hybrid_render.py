@@ -1,0 +1,98 @@
+"""Hybrid gated-delta-net models (Qwen3-Next, Qwen3.5-MoE) rendered and validated against transformers in both
+deployment modes: conv and recurrent states by each request's state block beside paged full-attention layers,
+through a stream with early finishes, late admits into freed (poisoned) blocks and padded decode rows; and the
+realistic mistakes of a state port, each failing by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.request_stream import QUICK, Scenario
+from validators_support import check, mutate, run_validate
+
+CONFIGS = Path(__file__).resolve().parent / "fixtures" / "configs"
+NUMERIC, LAYERS = "logits vs transformers", "every layer's attn_type"
+# prompts in two blocks and one, a late admit into the first finished request's freed state block, decode steps
+# with a padding row once one request is left
+SHORT = Scenario(first=((120, 4), (40, 4)), late=((90, 4),), max_concurrency=2, release_requests=2)
+
+
+def _case(tmp: Path, config: str, mode: str):
+    cfg = CONFIGS / f"{config}.json"
+    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode))
+    path = tmp / "manifest.json"
+    path.write_text(manifest.to_json(), encoding="utf-8")
+    rendered = tmp / "rendered"
+    write_rendered(render_manifest(manifest), rendered)
+    return path, rendered, cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, mode", [("qwen3_next", "framework"), ("qwen3_5_moe", "standalone")])
+def test_gated_delta_net_hybrids_render_and_validate(tmp_path, config, mode):
+    manifest, rendered, cfg = _case(tmp_path, config, mode)
+    text = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
+    assert ("MambaCacheEntry(" in text) == (mode == "framework") and "npu_recurrent_gated_delta_rule(" in text
+    report = run_validate(manifest, rendered, cfg, scenario=QUICK)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert check(report, LAYERS).measured["layers"] == (48 if config == "qwen3_next" else 40)
+    if mode == "framework":
+        usage = check(report, "all blocks back in the pool").measured["usage"]
+        assert usage["Mamba"]["total"] == QUICK.max_concurrency + 1  # one state block per request + the null block
+
+
+ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
+ZEROS = (r"initial = query\.new_zeros\(len\(lengths\), LINEAR_NUM_V_HEADS_PER_RANK, LINEAR_HEAD_V_DIM,\n"
+         r"\s+LINEAR_HEAD_K_DIM\)\.to\(self\.recurrent_state\.dtype\)")
+MISTAKES = [
+    # prefill continues from what the state block holds (a reused block: the finished request's state)
+    ("prefill-reads-the-recurrent-state", "framework", ZEROS, "initial = self.recurrent_state[slots.long()]", NUMERIC),
+    # the conv history read on prefill too: a row's first request finds zeros, the next one its predecessor's inputs
+    ("prefill-reads-the-conv-state", "standalone",
+     r"            if is_prefill:\n                history = x\.new_zeros\(CONV_KERNEL - 1, CONV_CHANNELS_PER_RANK\)\n"
+     r"            else:\n                history", "            history", NUMERIC),
+    # the state written back before the step's update (the prefill's starting state, not its final one)
+    ("state-written-before-the-update", "framework", r"index_copy_\(0, slots\.long\(\), final\.",
+     "index_copy_(0, slots.long(), initial.", NUMERIC),
+    # the conv state keeps the oldest inputs of the window instead of the newest
+    ("conv-state-shifted-the-wrong-way", "standalone", r"window\[-\(CONV_KERNEL - 1\):\]", "window[:CONV_KERNEL - 1]",
+     NUMERIC),
+    # the row number used as the state block (a standalone habit in framework mode): another request's block
+    ("state-block-of-another-request", "framework",
+     r"return forward_metadata\.block_table\[self\.attn_type\]\[:, 0\]\.to\(torch\.int32\)",
+     "return torch.arange(forward_metadata.block_table[self.attn_type].shape[0], dtype=torch.int32)", NUMERIC),
+    # a linear layer registered as a full-attention layer
+    ("linear-layer-as-full-attention", "framework", r'        self\.attn_type = "Mamba"',
+     '        self.attn_type = "FullAttention"', LAYERS),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_state_render_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
+    manifest, rendered, cfg = _case(tmp_path, "qwen3_next", mode)
+    mutate(rendered, pattern, replacement, name=ATTN)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not report.passed
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+    if failing == NUMERIC:
+        assert check(report, LAYERS).passed  # the registration is right: the numbers name it
+    if case == "linear-layer-as-full-attention":
+        assert "('FullAttention', None) != ('Mamba'" in check(report, LAYERS).detail \
+            or "attn_type 'FullAttention' != 'Mamba'" in check(report, LAYERS).detail
+
+
+@pytest.mark.slow
+def test_the_short_stream_reuses_a_freed_state_block_with_padded_rows(tmp_path):
+    """The negative controls' stream really exercises reuse: without the fix the prefill-reads-state mistake would
+    pass a stream whose blocks are all fresh. Here the clean render passes it, and its late request lands on a
+    block a finished request freed (the harness hands blocks out FIFO after the null block)."""
+    manifest, rendered, cfg = _case(tmp_path, "qwen3_next", "framework")
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    usage = check(report, "all blocks back in the pool").measured["usage"]["Mamba"]
+    assert usage["total"] == SHORT.max_concurrency + 1 < len(SHORT.first) + len(SHORT.late) + 1

@@ -20,9 +20,9 @@ NUMERIC, LAYERS = "logits vs transformers", "every layer's attn_type"
 SHORT = Scenario(first=((120, 4), (40, 4)), late=((90, 4),), max_concurrency=2, release_requests=2)
 
 
-def _case(tmp: Path, config: str, mode: str):
+def _case(tmp: Path, config: str, mode: str, tp: int = 1):
     cfg = CONFIGS / f"{config}.json"
-    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode))
+    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode, attn_tp_size=tp))
     path = tmp / "manifest.json"
     path.write_text(manifest.to_json(), encoding="utf-8")
     rendered = tmp / "rendered"
@@ -96,3 +96,21 @@ def test_the_short_stream_reuses_a_freed_state_block_with_padded_rows(tmp_path):
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     usage = check(report, "all blocks back in the pool").measured["usage"]["Mamba"]
     assert usage["total"] == SHORT.max_concurrency + 1 < len(SHORT.first) + len(SHORT.late) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, mode", [("qwen3_next", "framework"), ("qwen3_5_moe", "standalone")])
+def test_attention_tp_splits_the_linear_heads_and_their_states(tmp_path, config, mode):
+    """At attention TP 2 each rank keeps its key heads, the value heads they serve and so half of every state
+    (16 -> 8 key, 32 -> 16 value heads); the gated full attention keeps its [query | gate] rows per head. Both
+    fused projection layouts (Qwen3-Next per key head, Qwen3.5 [q | k | v]) are cut per rank by the host."""
+    from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
+
+    manifest, rendered, cfg = _case(tmp_path, config, mode, tp=2)
+    text = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
+    assert "LINEAR_NUM_K_HEADS_PER_RANK = 8" in text and "CONV_CHANNELS_PER_RANK = 4096" in text
+    report = validate(ValidateRequest(manifest=str(manifest), rendered=str(rendered), config=str(cfg),
+                                      backend="emulated", scenario=SHORT, sweep_readings=False, attn_tp_size=2))
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    for rank in (0, 1):
+        assert check(report, f"rank {rank}: {NUMERIC}").measured["max_abs_diff"] <= 1e-9

@@ -63,10 +63,14 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         return output
 
     from model_infer_kvcache.analyzer.hf_layout import find_attentions
-    from model_infer_kvcache.validators.pipeline.host_model import decoder_layers
+    from model_infer_kvcache.validators.pipeline.host_model import decoder_layers, find_linear
 
     for layer in decoder_layers(model)[1]:
-        attn = find_attentions(layer)[0][1]
+        hits = find_attentions(layer)
+        if not hits:  # a hybrid's linear layer: its gated delta net holds this rank's key/value heads
+            _shard_gated_delta(find_linear(layer)[1], rank, tp).out_proj.register_forward_hook(all_reduce)
+            continue
+        attn = hits[0][1]
         if m.mla:
             qk, per_head = m.qk_head_dim, m.mla.qk_nope_head_dim + m.mla.v_head_dim
             q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
@@ -75,9 +79,11 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
             v_dim = m.mla.v_head_dim
         else:
             d = m.head_dim
-            attn.q_proj.weight = _rows(attn.q_proj.weight, heads.start * d, heads.stop * d)
+            # a gated attention (Qwen3-Next, Qwen3.5) projects [query | gate] per head: 2 x head_dim rows a head
+            per = attn.q_proj.out_features // m.num_attention_heads
+            attn.q_proj.weight = _rows(attn.q_proj.weight, heads.start * per, heads.stop * per)
             if attn.q_proj.bias is not None:
-                attn.q_proj.bias = _rows(attn.q_proj.bias, heads.start * d, heads.stop * d)
+                attn.q_proj.bias = _rows(attn.q_proj.bias, heads.start * per, heads.stop * per)
             lo, hi = kv_head_of_rank(rank, tp, m.num_key_value_heads)
             for proj in (attn.k_proj, attn.v_proj):
                 proj.weight = _rows(proj.weight, lo * d, hi * d)
@@ -92,6 +98,44 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
         if o.bias is not None and rank != 0:
             o.bias = torch.nn.Parameter(torch.zeros_like(o.bias), requires_grad=False)  # added once
         o.register_forward_hook(all_reduce)
+
+
+def _shard_gated_delta(mod, rank: int, tp: int):
+    """Keep this rank's key heads and the value heads they serve in a transformers gated delta net (consecutive
+    grouping: value head h uses key head h // (Nv / Nk), so a rank's value heads pair with its own key heads).
+
+    The conv and the fused projections lay channels out [q of every key head | k | v of every value head]
+    (Qwen3.5 ``in_proj_qkv``) or grouped per key head (Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba``); each keeps
+    its own order, cut to the rank's heads."""
+    nk, nv, dk, dv = mod.num_k_heads, mod.num_v_heads, mod.head_k_dim, mod.head_v_dim
+    nk_r, nv_r, ratio = nk // tp, nv // tp, nv // nk
+    ks, vs = slice(rank * nk_r, (rank + 1) * nk_r), slice(rank * nv_r, (rank + 1) * nv_r)
+
+    def qkv_rows(t: torch.Tensor) -> torch.Tensor:  # dim 0 laid out [q (nk*dk) | k (nk*dk) | v (nv*dv)]
+        return torch.cat([t[ks.start * dk:ks.stop * dk], t[nk * dk + ks.start * dk:nk * dk + ks.stop * dk],
+                          t[2 * nk * dk + vs.start * dv:2 * nk * dk + vs.stop * dv]])
+
+    def param(t: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(t.clone(), requires_grad=False)
+
+    if hasattr(mod, "in_proj_qkvz"):
+        per = 2 * dk + 2 * dv * ratio
+        mod.in_proj_qkvz.weight = _rows(mod.in_proj_qkvz.weight, ks.start * per, ks.stop * per)
+        mod.in_proj_ba.weight = _rows(mod.in_proj_ba.weight, ks.start * 2 * ratio, ks.stop * 2 * ratio)
+    else:
+        mod.in_proj_qkv.weight = param(qkv_rows(mod.in_proj_qkv.weight.data))
+        mod.in_proj_z.weight = _rows(mod.in_proj_z.weight, vs.start * dv, vs.stop * dv)
+        for proj in (mod.in_proj_b, mod.in_proj_a):
+            proj.weight = _rows(proj.weight, vs.start, vs.stop)
+    mod.conv1d.weight = param(qkv_rows(mod.conv1d.weight.data))
+    if mod.conv1d.bias is not None:
+        mod.conv1d.bias = param(qkv_rows(mod.conv1d.bias.data))
+    mod.A_log, mod.dt_bias = param(mod.A_log.data[vs]), param(mod.dt_bias.data[vs])
+    mod.out_proj.weight = param(mod.out_proj.weight.data[:, vs.start * dv:vs.stop * dv])
+    mod.num_k_heads, mod.num_v_heads = nk_r, nv_r
+    mod.key_dim, mod.value_dim = nk_r * dk, nv_r * dv
+    mod.conv_dim = 2 * mod.key_dim + mod.value_dim
+    return mod
 
 
 def _rank_main(step, payload, rank: int, world: int, init_file: str, out_dir: str, environ: dict) -> None:

@@ -598,6 +598,12 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                         "mask); hand-written decode code must do the same",
                 fields=[facts.sliding_window.source],
             ))
+    if facts.linear.value is not None and facts.num_mtp_layers.value:
+        warnings.append(Finding(
+            message=f"{facts.num_mtp_layers.value} MTP layer(s) beside linear layers: each request then holds 1 + "
+                    "next_n state blocks, one per verify token, and the next step starts from the last accepted "
+                    "token's block; kvcache render does not render that yet (references/hybrid_linear.md)",
+            fields=[facts.num_mtp_layers.source]))
     unplanned = [layer.index for layer in layers if layer.layer_kind == "linear" and not layer.is_state]
     if unplanned:
         warnings.append(Finding(

@@ -204,3 +204,18 @@ def test_cli_refuses_an_ambiguous_bailing_config_in_one_line(tmp_path):
     assert proc.returncode == 2 and not out.exists()
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: model_type:") and "group_norm_size" in lines[0]
+
+
+def test_a_hybrid_with_mtp_is_planned_with_its_speculative_state_blocks_and_said_unrendered(tmp_path):
+    """Published Qwen3.5 configs carry one MTP layer: a request then holds 1 + next_n state blocks (the framework's
+    Mamba group), the analyzer says the render does not do that yet, and render refuses by the mtp field."""
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    cfg = json.loads((CONFIGS / "qwen3_5_moe.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    m = run_config(tmp_path, cfg, max_len=4096, max_concurrency=4)
+    assert m.model.num_mtp_layers == 1 and m.memory.blocks["Mamba"] == 4 * (1 + 1) + 1
+    assert any("1 + next_n state blocks" in w.message for w in m.warnings)
+    with pytest.raises(InputError) as info:
+        render_manifest(m)
+    assert info.value.field == "mtp"

@@ -8,12 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
-from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.request_stream import QUICK, Scenario
-from validators_support import check, mutate, run_validate
+from validators_support import check, mutate, render_case, run_validate
 
-CONFIGS = Path(__file__).resolve().parent / "fixtures" / "configs"
 NUMERIC, LAYERS = "logits vs transformers", "every layer's attn_type"
 # prompts in two blocks and one, a late admit into the first finished request's freed state block, decode steps
 # with a padding row once one request is left
@@ -21,13 +18,7 @@ SHORT = Scenario(first=((120, 4), (40, 4)), late=((90, 4),), max_concurrency=2, 
 
 
 def _case(tmp: Path, config: str, mode: str, tp: int = 1):
-    cfg = CONFIGS / f"{config}.json"
-    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode, attn_tp_size=tp))
-    path = tmp / "manifest.json"
-    path.write_text(manifest.to_json(), encoding="utf-8")
-    rendered = tmp / "rendered"
-    write_rendered(render_manifest(manifest), rendered)
-    return path, rendered, cfg
+    return render_case(tmp, config, deploy_mode=mode, attn_tp_size=tp)
 
 
 @pytest.mark.slow

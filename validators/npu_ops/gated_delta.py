@@ -137,6 +137,16 @@ def key_head_of(nk: int, nv: int) -> torch.Tensor:
     return heads // group
 
 
+def _compute_inputs(query, key, value, beta, g, nk: int, nv: int):
+    """Both ops' inputs in the compute dtype, q/k expanded to the value heads they serve (gdr_head_grouping), and
+    a zero output ``(T, Nv, Dv)``: ``(q, k, v, beta, g, out)``."""
+    cdt = chk.compute_dtype(query.dtype)
+    heads = key_head_of(nk, nv)
+    q, k = (t.to(cdt)[:, heads] for t in (query, key))
+    gt = g.to(cdt) if g is not None else None
+    return q, k, value.to(cdt), beta.to(cdt), gt, torch.zeros(value.shape, dtype=cdt)
+
+
 def _run(q, k, v, beta, g, scale: float, state: torch.Tensor, on_token=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One request: q/k ``[L, Nv, Dk]`` (already expanded to value heads), v ``[L, Nv, Dv]``, beta/g ``[L, Nv]``,
     state ``[Nv, Dv, Dk]``, all in the compute dtype; ``(o [L, Nv, Dv], final state)``. ``on_token(i, S)``
@@ -204,12 +214,8 @@ def npu_recurrent_gated_delta_rule(query, key, value, state, *, beta=None, scale
         for s in set(slots[s0:s0 + n]):
             if owner.setdefault(s, b) != b:
                 raced.add(s)
-    cdt = chk.compute_dtype(query.dtype)
-    heads = key_head_of(nk, nv)
-    q, k = (t.to(cdt)[:, heads] for t in (query, key))
-    v, bt = value.to(cdt), beta.to(cdt)
-    gt = g.to(cdt) if g is not None else None
-    out = torch.zeros(tokens, nv, dv, dtype=cdt)
+    q, k, v, bt, gt, out = _compute_inputs(query, key, value, beta, g, nk, nv)
+    cdt = out.dtype
     # Read every request's start before any write (the requests' slots are disjoint, so order does not matter).
     plans = []
     for b, (s0, n) in enumerate(zip(starts, lens, strict=True)):
@@ -253,13 +259,8 @@ def npu_chunk_gated_delta_rule(query, key, value, *, beta=None, initial_state=No
                                               "no index argument, request b starts from initial_state[b]")
     _per_head(op, "beta", beta, tokens, nv, (query.dtype,))
     g = _gate(op, g, tokens, nv, query.dtype)
-    cdt = chk.compute_dtype(query.dtype)
-    heads = key_head_of(nk, nv)
-    q, k = (t.to(cdt)[:, heads] for t in (query, key))
-    v, bt = value.to(cdt), beta.to(cdt)
-    gt = g.to(cdt) if g is not None else None
-    out = torch.zeros(tokens, nv, dv, dtype=cdt)
-    final = initial_state.to(cdt).clone()
+    q, k, v, bt, gt, out = _compute_inputs(query, key, value, beta, g, nk, nv)
+    final = initial_state.to(out.dtype).clone()
     s0 = 0
     for b, n in enumerate(lens):
         rows = slice(s0, s0 + n)

@@ -598,6 +598,12 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                         "mask); hand-written decode code must do the same",
                 fields=[facts.sliding_window.source],
             ))
+    if facts.is_mla and facts.model_type in rules.MLA_WITHOUT_ROPE:
+        warnings.append(Finding(
+            message=f"MLA without positional encoding: {rules.MLA_WITHOUT_ROPE[facts.model_type]}; the fused MLA "
+                    "writer (npu_kv_rmsnorm_rope_cache) and the absorb path rotate the rope part, so cos/sin must be "
+                    "the identity (cos 1, sin 0) or the rope part written and read unrotated",
+            fields=["model_type", facts.mla.source]))
     if facts.linear.value is not None and facts.num_mtp_layers.value:
         warnings.append(Finding(
             message=f"{facts.num_mtp_layers.value} MTP layer(s) beside linear layers: each request then holds 1 + "

@@ -55,6 +55,13 @@ FAMILY_SCALE_RULE = {
 }
 
 
+# MLA families whose attention applies no RoPE to the qk_rope_head_dim part (the config still sizes it).
+MLA_WITHOUT_ROPE = {
+    "kimi_linear": "transformers KimiLinearAttention splits k_rot from the latent and never rotates it (the "
+                   "model builds no rotary embedding)",
+}
+
+
 @dataclass(frozen=True)
 class Decision:
     value: object

@@ -89,6 +89,9 @@ def test_kda_families_read_their_own_fields(tmp_path):
     assert again.states == lin.states and again.layers == lin.layers
     kimi = run("kimi_linear")
     assert kimi.linear_attention.family == "kimi_delta_attention"
+    # Kimi-Linear's MLA layers are NoPE: the RoPE the MLA writer applies would be wrong, said as a warning
+    assert any("MLA without positional encoding" in w.message for w in kimi.warnings)
+    assert not any("MLA without positional encoding" in w.message for w in m.warnings)  # Ling-3.0 rotates
     types = json.loads((CONFIGS / "kimi_linear.json").read_text())["layer_types"]  # KimiLinearConfig's own rule
     assert [i for i, layer in enumerate(kimi.layers) if not layer.is_state] == [
         i for i, t in enumerate(types) if t == "full_attention"] == [4, 8, 12, 16, 20, 24]

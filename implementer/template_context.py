@@ -25,13 +25,13 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     SPARSE_MODES,
     FaKeywords,
 )
-from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
+from model_infer_kvcache.analyzer.rules import MLA_WITHOUT_ROPE, VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
 
 DEFAULT_API = "G2"
 # Linear-attention families whose states the templates render (templates/linear_state.py.j2).
-RENDERED_LINEAR = ("gated_delta_net",)
+RENDERED_LINEAR = ("gated_delta_net", "kimi_delta_attention")
 # Cache names the templates know, by attention family: they become attribute names in generated code.
 CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")}
 # DSA (manifest.dsa): the MLA caches plus each layer's indexer key cache
@@ -144,8 +144,9 @@ class CacheCtx:
 
 @dataclass(frozen=True)
 class LinearCtx:
-    """A gated-delta-net layer's sizes on one rank (manifest.linear_attention)."""
+    """A linear layer's family and sizes on one rank (manifest.linear_attention)."""
 
+    family: str
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
@@ -361,10 +362,13 @@ def _check_numbers(m: SelectionManifest) -> None:
     if m.mla.enabled:
         if m.model.mla is None:
             raise _bad("model.mla", "mla.enabled but the model has no MLA dimensions")
-        if m.mixed_attn_types or any(layer.is_sliding for layer in m.layers):
+        if any(layer.is_sliding for layer in m.layers):  # linear (Mamba) layers beside MLA are rendered
             raise _bad("layers", "MLA with sliding-window layers is not rendered")
         if not m.mla.absorb:
             raise _bad("mla.absorb", "only the absorb form of MLA is rendered (latent cache, kv_b_proj absorbed)")
+        if m.model.model_type in MLA_WITHOUT_ROPE:
+            raise _bad("model.model_type", f"MLA without positional encoding ({MLA_WITHOUT_ROPE[m.model.model_type]}): "
+                                           "the MLA template rotates the rope part of every query and key")
         if m.mla.cache_mode not in (None, "PA_NZ"):
             raise _bad("mla.cache_mode", f"{m.mla.cache_mode!r}: the MLA template writes and reads PA_NZ")
         for field in ("kv_lora_rank", "qk_rope_head_dim"):
@@ -466,11 +470,13 @@ def _linear_ctx(m: SelectionManifest) -> LinearCtx | None:
     if lin is None:
         return None
     conv, rec = (next(s for s in lin.states if s.name == name) for name in ("conv_state", "recurrent_state"))
-    if conv.shape != [lin.conv_channels_per_rank, lin.conv_kernel - 1] or \
-            rec.shape != [lin.num_v_heads_per_rank, lin.head_v_dim, lin.head_k_dim]:
-        raise _bad("linear_attention.states", f"shapes {conv.shape} / {rec.shape} are not the gated delta net's "
-                                              "[channels, kernel - 1] / [value heads, Dv, Dk]")
-    return LinearCtx(int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank), int(lin.head_k_dim),
+    gdn = lin.family == "gated_delta_net"
+    # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA
+    want = [lin.num_v_heads_per_rank, *((lin.head_v_dim, lin.head_k_dim) if gdn else (lin.head_k_dim, lin.head_v_dim))]
+    if conv.shape != [lin.conv_channels_per_rank, lin.conv_kernel - 1] or rec.shape != want:
+        raise _bad("linear_attention.states", f"shapes {conv.shape} / {rec.shape} are not the {lin.family}'s "
+                                              f"[channels, kernel - 1] / {want}")
+    return LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank), int(lin.head_k_dim),
                      int(lin.head_v_dim), int(lin.conv_kernel), int(lin.conv_channels_per_rank),
                      _TORCH_DTYPE[conv.dtype], _TORCH_DTYPE[rec.dtype], tuple(lin.layers))
 

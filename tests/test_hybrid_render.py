@@ -105,3 +105,44 @@ def test_attention_tp_splits_the_linear_heads_and_their_states(tmp_path, config,
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     for rank in (0, 1):
         assert check(report, f"rank {rank}: {NUMERIC}").measured["max_abs_diff"] <= 1e-9
+
+
+def _ling3_case(tmp: Path, mode: str):
+    """Ling-3.0 (transformers' bailing_hybrid: KDA linear layers, gated MLA full layers) without its MTP layer:
+    the state templates do not render MTP verify steps yet."""
+    import json
+
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    cfg = json.loads((Path(__file__).resolve().parent / "fixtures" / "configs" / "bailing_hybrid_kda.json").read_text())
+    cfg["num_nextn_predict_layers"] = 0
+    config = tmp / "config.json"
+    config.write_text(json.dumps(cfg), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode))
+    path = tmp / "manifest.json"
+    path.write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp / "rendered")
+    return path, tmp / "rendered", config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework"])  # the standalone runner's state slots: the GDN tests above
+def test_kda_hybrid_renders_and_validates(tmp_path, mode):
+    """Kimi delta attention has no torch-npu operator (npu_recurrent_gated_delta_rule's per-channel gk is
+    unsupported): the render runs the recurrence in torch, float32 state [H, Dk, Dv], by each request's block."""
+    manifest, rendered, cfg = _ling3_case(tmp_path, mode)
+    text = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
+    assert "def kda_recurrence(" in text and "torch_npu.npu_recurrent_gated_delta_rule(" not in text
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+
+
+@pytest.mark.slow
+def test_a_kda_prefill_reading_the_state_block_fails(tmp_path):
+    """The KDA render's prefill continuing from its block (a reused one holds a finished request's state)."""
+    manifest, rendered, cfg = _ling3_case(tmp_path, "framework")
+    mutate(rendered, r"if is_prefill else self\.recurrent_state\[slot\]", "if False else self.recurrent_state[slot]")
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not check(report, NUMERIC).passed and check(report, LAYERS).passed

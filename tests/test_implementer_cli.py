@@ -222,19 +222,22 @@ def _manifest_with(source: Path, edit) -> SelectionManifest:
 
 
 def test_linear_attention_layers_get_a_clear_message():
-    """Gated-delta-net states render (templates/linear_state.py.j2); a family no template renders (KDA) is
-    refused naming the state field and the family."""
+    """Gated-delta-net and KDA states render (templates/linear_state.py.j2); lightning attention (Ling-2.5) is
+    refused naming the state field and the family; Kimi-Linear's NoPE MLA is refused by the MLA template."""
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     configs = ROOT / "tests" / "fixtures" / "configs"
     rendered = render_manifest(analyze(AnalyzeRequest(config=str(configs / "qwen3_next.json"))))
     assert "npu_recurrent_gated_delta_rule" in rendered.files["kvcache_attention.py"]
-    m = analyze(AnalyzeRequest(config=str(configs / "kimi_linear.json")))
+    m = analyze(AnalyzeRequest(config=str(configs / "ling_2_5.json")))
     with pytest.raises(InputError) as info:
         render_manifest(m, allow_blocked=True)
     text = info.value.render()
-    assert "recurrent state" in text and "kimi_delta_attention" in text and "layers[0].states" in text
+    assert "recurrent state" in text and "lightning_attention" in text and "layers[0].states" in text
     assert "references/hybrid_linear.md" in text
+    with pytest.raises(InputError) as info:
+        render_manifest(analyze(AnalyzeRequest(config=str(configs / "kimi_linear.json"))))
+    assert info.value.field == "model.model_type" and "without positional encoding" in info.value.render()
 
 
 @pytest.mark.parametrize("edit, needle", [

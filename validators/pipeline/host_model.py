@@ -228,6 +228,8 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     # DSA (an indexer beside the MLA): the rendered code selects keys from the hidden states and the query residual
     dsa = {"hidden_states": x, "q_resid": q_resid} if getattr(self, "indexer", None) is not None else {}
     out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, cos, sin, fm, **dsa)
+    if getattr(self, "g_proj", None) is not None:  # a gated MLA (Ling-3.0): one sigmoid gate per head, as the model
+        out = out * torch.sigmoid(self.g_proj(x).float()).to(out.dtype).unsqueeze(-1)
     out = self.o_proj(out.reshape(t, -1))[None]
     return out, None
 
@@ -338,6 +340,30 @@ def _gdn_forward(self, hidden_states, attention_mask=None, **kwargs):
     return self.out_proj(out.to(x.dtype))
 
 
+def _kda_forward(self, hidden_states, attention_mask=None, **kwargs):
+    """transformers' Kimi delta attention (Kimi-Linear, Ling-3.0's ``bailing_hybrid``) with the conv and the recurrence,
+    and so the states, done by the rendered code: the model's own projections, forget gate, beta, output gate
+    (Ling-3.0 ``g_proj``, Kimi ``g_b_proj(g_a_proj)``) and norm around ``linear_attention``."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden_states[0]
+    t = x.shape[0]
+    mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+    g = self.forget_gate(hidden_states)[0]  # [T, H, Dk]
+    beta = torch.sigmoid(self.b_proj(x))
+    host.probe.state_calls.append({"step": host.probe.step, "layer": host.layer_idx, "is_prefill": fm.is_prefill,
+                                   "tokens": t, "channels": mixed.shape[-1]})
+    core = host.linear_attention(mixed, beta, g, fm)
+    gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+    out = self.o_norm(core, gate.view(t, -1, self.head_dim)).reshape(1, t, -1)
+    return self.o_proj(out.to(x.dtype))
+
+
+def _linear_forward(module):
+    """The host forward of a transformers linear-attention module: KDA has a forget gate, the gated delta net not."""
+    return _kda_forward if hasattr(module, "forget_gate") else _gdn_forward
+
+
 def make_host_linear(mixin: type) -> type:
     class HostLinear(mixin):
         """A rendered state mixin bound to one transformers gated-delta-net module."""
@@ -412,8 +438,8 @@ class HostModel:
         path, layers = decoder_layers(hf_model)
         routes = set()
         for idx, layer in enumerate(layers):
-            hits = find_attentions(layer)
-            linear = find_linear(layer) if not hits else None
+            # A linear module first: KDA's has q/k/v projections and would pass for attention.
+            linear = find_linear(layer)
             if linear is not None:
                 if linear_cls is None:
                     raise InputError("--config", f"{path}.{idx}.{linear[0]} ({type(linear[1]).__name__}) is a linear "
@@ -421,9 +447,10 @@ class HostModel:
                 host = linear_cls(linear[1], idx, self.probe)
                 host.init_state_cache(idx, cache_dtype, cache_dtype)
                 linear[1]._kvcache_host = host
-                linear[1].forward = types.MethodType(_gdn_forward, linear[1])
+                linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
                 self.attentions.append(host)
                 continue
+            hits = find_attentions(layer)
             if len(hits) != 1:
                 raise InputError("--config", f"the validation host routes one attention module per decoder layer, "
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",

@@ -66,11 +66,11 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
     from model_infer_kvcache.validators.pipeline.host_model import decoder_layers, find_linear
 
     for layer in decoder_layers(model)[1]:
-        hits = find_attentions(layer)
-        if not hits:  # a hybrid's linear layer: its gated delta net holds this rank's key/value heads
-            _shard_gated_delta(find_linear(layer)[1], rank, tp).out_proj.register_forward_hook(all_reduce)
+        linear = find_linear(layer)
+        if linear is not None:  # a hybrid's linear layer: its gated delta net holds this rank's key/value heads
+            _shard_gated_delta(linear[1], rank, tp).out_proj.register_forward_hook(all_reduce)
             continue
-        attn = hits[0][1]
+        attn = find_attentions(layer)[0][1]
         if m.mla:
             qk, per_head = m.qk_head_dim, m.mla.qk_nope_head_dim + m.mla.v_head_dim
             q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
@@ -107,6 +107,11 @@ def _shard_gated_delta(mod, rank: int, tp: int):
     The conv and the fused projections lay channels out [q of every key head | k | v of every value head]
     (Qwen3.5 ``in_proj_qkv``) or grouped per key head (Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba``); each keeps
     its own order, cut to the rank's heads."""
+    if hasattr(mod, "forget_gate"):
+        from model_infer_kvcache.analyzer.errors import InputError
+
+        raise InputError("--attn-tp-size", f"{type(mod).__name__} (Kimi delta attention): multi-rank validation "
+                                           "shards gated delta nets only; validate KDA layers at attention TP 1")
     nk, nv, dk, dv = mod.num_k_heads, mod.num_v_heads, mod.head_k_dim, mod.head_v_dim
     nk_r, nv_r, ratio = nk // tp, nv // tp, nv // nk
     ks, vs = slice(rank * nk_r, (rank + 1) * nk_r), slice(rank * nv_r, (rank + 1) * nv_r)

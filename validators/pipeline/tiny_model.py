@@ -86,7 +86,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
                        ("n_shared_experts", 1), ("first_k_dense_replace", 1),
                        # LongCat-Flash spells them its own way: top-k, expert width, identity ("zero") experts
                        ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2),
-                       ("top_k_experts", 2)):  # Gemma-4
+                       ("top_k_experts", 2),  # Gemma-4
+                       # transformers' bailing_hybrid spells them its own way too (attribute_map)
+                       ("num_expert_group", 1), ("num_experts_per_token", 2), ("num_shared_experts", 1)):
         if key in d:
             d[key] = value
     _dense_prefix_types(d, src)

@@ -112,11 +112,12 @@ class _Probe:
         self.records: list[dict] = []
         self.fa_calls: list[dict] = []
         self.sparse_calls: list[dict] = []  # DSA's indexer and sparse-FA calls (dsa_args)
-        self.state_calls: list[dict] = []  # linear layers' state steps (state_args)
         self.step = -1
+        self.last_layer = None  # the layer that ran last (attention or linear), to place a failure
 
     def record(self, **kw) -> None:
         self.records.append(kw)
+        self.last_layer = kw.get("layer")
 
 
 
@@ -333,8 +334,7 @@ def _gdn_forward(self, hidden_states, attention_mask=None, **kwargs):
         z, b, a = self.in_proj_z(x).reshape(t, -1, self.head_v_dim), self.in_proj_b(x), self.in_proj_a(x)
     beta = b.sigmoid()
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)  # as transformers
-    host.probe.state_calls.append({"step": host.probe.step, "layer": host.layer_idx, "is_prefill": fm.is_prefill,
-                                   "tokens": t, "channels": mixed.shape[-1]})
+    host.probe.last_layer = host.layer_idx
     core = host.linear_attention(mixed, beta, g.to(x.dtype), fm)
     out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(1, t, -1)
     return self.out_proj(out.to(x.dtype))
@@ -351,8 +351,7 @@ def _kda_forward(self, hidden_states, attention_mask=None, **kwargs):
     mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
     g = self.forget_gate(hidden_states)[0]  # [T, H, Dk]
     beta = torch.sigmoid(self.b_proj(x))
-    host.probe.state_calls.append({"step": host.probe.step, "layer": host.layer_idx, "is_prefill": fm.is_prefill,
-                                   "tokens": t, "channels": mixed.shape[-1]})
+    host.probe.last_layer = host.layer_idx
     core = host.linear_attention(mixed, beta, g, fm)
     gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
     out = self.o_norm(core, gate.view(t, -1, self.head_dim)).reshape(1, t, -1)

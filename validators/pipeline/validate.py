@@ -421,8 +421,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             check_attention_calls(report, manifest, host, before_failure=True)
             return
         except Exception as exc:  # the rendered code or an operator rejected a call: a finding, not a crash
-            last = host.probe.records[-1] if host.probe.records else {}
-            where = f"step {host.step_index}, layer {last.get('layer', '?')}"
+            layer = host.probe.last_layer
+            where = f"step {host.step_index}, layer {'?' if layer is None else layer}"
             report.add("rendered code runs without operator errors", "runtime", False,
                        detail=f"{where}: {type(exc).__name__}: {exc}")
             check_attention_calls(report, manifest, host, before_failure=True)

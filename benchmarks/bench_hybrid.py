@@ -4,9 +4,11 @@ Rendered: the fixture configs (Qwen3-Next as published; Qwen3.5-MoE as transform
 -> analyze -> render -> `kvcache validate` as the CLI runs it (the full request stream, the reading sweep),
 framework and standalone mode. The tiny model keeps the published linear sizes (16 key / 32 value heads of 128:
 npu_chunk_gated_delta_rule takes head dims of 128 only), so each step runs 32 value heads of 128 x 128 states.
-Target on 2 idle cores: <= 60 s per deployment mode (issue #25).
+Target on 2 idle cores: <= 60 s per deployment mode (issue #25). Informational, no target: Ling-3.0 (transformers'
+bailing_hybrid, KDA linear layers, its MTP layer dropped) in framework mode at its published 32 x 128 linear heads,
+where transformers' own float64 reference (depthwise conv1d, chunk KDA) takes most of the time.
 
-Run: python benchmarks/bench_hybrid.py
+Run: python benchmarks/bench_hybrid.py [--skip-kda]
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ def rendered_case(config: Path, mode: str, tmp: Path):
                                     backend="emulated"))
 
 
+def _ling3_config(tmp: Path) -> Path:
+    import json
+
+    cfg = json.loads((ROOT / "tests" / "fixtures" / "configs" / "bailing_hybrid_kda.json").read_text())
+    cfg["num_nextn_predict_layers"] = 0  # the state templates do not render MTP verify steps
+    path = tmp / "ling3.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
 def _max_diff(report) -> str:
     values = [c.measured.get("max_abs_diff") for c in report.checks if c.id == "V301"]
     return f"{values[0]:.2g}" if values and values[0] is not None else "-"
@@ -48,22 +60,32 @@ def _max_diff(report) -> str:
 def main() -> int:
     import transformers  # noqa: F401  (import cost is paid once, outside the per-case timings)
 
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--skip-kda", action="store_true", help="the gated-delta-net cases only")
+    args = p.parse_args()
+    cases = [(f"{model} {mode}", lambda tmp, c=config, m=mode: c, mode, TARGET_S)
+             for model, config in CONFIGS.items() for mode in MODES]
+    if not args.skip_kda:
+        cases.append(("ling3 (KDA) framework", _ling3_config, "framework", None))
     rows = []
-    for model, config in CONFIGS.items():
-        for mode in MODES:
-            with tempfile.TemporaryDirectory() as tmp:
-                t0, c0 = time.perf_counter(), cpu_seconds()
-                report = rendered_case(config, mode, Path(tmp))
-                dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-            rows.append((f"{model} {mode}", dt, cpu, report.passed, _max_diff(report)))
-            print(f"{rows[-1][0]:28s} {dt:6.1f} s (CPU {cpu:6.1f} s)  {'passed' if report.passed else 'FAILED'}"
-                  f"  max |diff| {rows[-1][4]}{'' if dt <= TARGET_S else '  ABOVE TARGET'}", flush=True)
+    for name, config_of, mode, target in cases:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            report = rendered_case(config_of(Path(tmp)), mode, Path(tmp))
+            dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        rows.append((name, dt, cpu, report.passed, _max_diff(report), target))
+        above = target is not None and dt > target
+        print(f"{name:28s} {dt:6.1f} s (CPU {cpu:6.1f} s)  {'passed' if report.passed else 'FAILED'}"
+              f"  max |diff| {rows[-1][4]}{'  ABOVE TARGET' if above else ''}", flush=True)
     print()
     print("| case | wall (s) | CPU (s) | max abs diff | result | target (s) |")
     print("|---|---|---|---|---|---|")
-    for name, dt, cpu, ok, diff in rows:
-        print(f"| {name} | {dt:.1f} | {cpu:.1f} | {diff} | {'passed' if ok else 'FAILED'} | {TARGET_S:.0f} |")
-    return 0 if all(r[3] and r[1] <= TARGET_S for r in rows) else 1
+    for name, dt, cpu, ok, diff, target in rows:
+        print(f"| {name} | {dt:.1f} | {cpu:.1f} | {diff} | {'passed' if ok else 'FAILED'} | "
+              f"{'-' if target is None else f'{target:.0f}'} |")
+    return 0 if all(r[3] and (r[5] is None or r[1] <= r[5]) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -58,9 +58,9 @@ def _max_diff(report) -> str:
 
 
 def main() -> int:
-    import transformers  # noqa: F401  (import cost is paid once, outside the per-case timings)
-
     import argparse
+
+    import transformers  # noqa: F401  (import cost is paid once, outside the per-case timings)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-kda", action="store_true", help="the gated-delta-net cases only")

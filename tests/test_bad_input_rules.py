@@ -453,11 +453,17 @@ def test_a_standalone_render_without_its_runner_is_bad_input(scratch, capsys):
 
 
 def _start_run(cwd: Path, *args: str):
+    import signal
     import subprocess
     import sys
 
+    def default_signals():
+        # A run started from a terminal gets Ctrl-C; a test runner launched as a background job inherits SIGINT
+        # ignored (POSIX shells ignore it for asynchronous commands), and so would the run, which then never sees it.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     return subprocess.Popen([sys.executable, "-m", "model_infer_kvcache", "run", *args], cwd=cwd,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
 
 
 def _wait_for_staging(cwd: Path, proc, timeout: float = 120) -> None:

@@ -107,11 +107,12 @@ def _shard_gated_delta(mod, rank: int, tp: int):
     The conv and the fused projections lay channels out [q of every key head | k | v of every value head]
     (Qwen3.5 ``in_proj_qkv``) or grouped per key head (Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba``); each keeps
     its own order, cut to the rank's heads."""
-    if hasattr(mod, "forget_gate"):
-        from model_infer_kvcache.analyzer.errors import InputError
+    if hasattr(mod, "forget_gate"):  # a gap of kvcache's, said as such (never the model's failure)
+        from model_infer_kvcache.validators.checkout_run.support import NotSupportedByKvcache
 
-        raise InputError("--attn-tp-size", f"{type(mod).__name__} (Kimi delta attention): multi-rank validation "
-                                           "shards gated delta nets only; validate KDA layers at attention TP 1")
+        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (Kimi delta "
+                                                      "attention): it shards gated delta nets only; validate KDA "
+                                                      "layers at attention TP 1", field="attn_tp_size")
     nk, nv, dk, dv = mod.num_k_heads, mod.num_v_heads, mod.head_k_dim, mod.head_v_dim
     nk_r, nv_r, ratio = nk // tp, nv // tp, nv // nk
     ks, vs = slice(rank * nk_r, (rank + 1) * nk_r), slice(rank * nv_r, (rank + 1) * nv_r)

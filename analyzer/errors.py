@@ -40,13 +40,47 @@ class InputError(Exception):
         return " ".join(f"{location}: {self.message}".splitlines())
 
 
+class NotSupportedByKvcache(InputError):
+    """The tool lacks something this model needs (an operator, a cache kind, a config field's meaning): exit 2
+    with one line "not supported by kvcache: <what>", nothing written; a gap of kvcache's, never the model's."""
+
+    PREFIX = "not supported by kvcache: "
+
+    def __init__(self, where: str, what: str, field: str | None = None):
+        super().__init__(where, self.PREFIX + what, field=field)
+
+
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread like KeyboardInterrupt is for SIGINT, so the ``finally`` and
     ``except BaseException`` blocks that remove staging files run (timeouts and agent tools send it)."""
 
 
+# The signal this command received, recorded before raising: a library that calls back into Python (pydantic's
+# serializer) may wrap the KeyboardInterrupt / Terminated in its own error, which must still read as the signal.
+_received: list[int] = []
+
+
 def _on_sigterm(signum, frame):
+    _received.append(signum)
     raise Terminated()
+
+
+def _on_sigint(signum, frame):
+    _received.append(signum)
+    raise KeyboardInterrupt()
+
+
+def _interrupted() -> int | None:
+    """The exit code of a signal received during this command (whatever exception carried it out), or None."""
+    if not _received:
+        return None
+    return EXIT_SIGINT if _received[-1] == signal.SIGINT else EXIT_SIGTERM
+
+
+def _say_interrupted(code: int) -> int:
+    name = "interrupted (SIGINT)" if code == EXIT_SIGINT else "terminated (SIGTERM)"
+    print(f"{name}: stopped, nothing half-written left behind", file=sys.stderr)
+    return code
 
 
 def os_error_line(exc: OSError) -> str:
@@ -71,9 +105,13 @@ def internal_error_line(exc: BaseException) -> str:
 def guarded(fn, *args) -> int:
     """Run a command: bad input or an OS error -> exit 2 with one line; a bug -> exit 3 with one line;
     SIGINT / SIGTERM -> 130 / 143 with one line; else fn's code."""
-    installed, previous = False, None
+    installed, previous, previous_int = False, None, None
     if threading.current_thread() is threading.main_thread():
         previous, installed = signal.signal(signal.SIGTERM, _on_sigterm), True
+        previous_int = signal.getsignal(signal.SIGINT)
+        if previous_int is signal.default_int_handler:  # an ignored SIGINT (a background job's) stays ignored
+            signal.signal(signal.SIGINT, _on_sigint)
+    _received.clear()
     try:
         return fn(*args)
     except InputError as exc:
@@ -85,12 +123,12 @@ def guarded(fn, *args) -> int:
         print(f"error: {' '.join(os_error_line(exc).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("interrupted (SIGINT): stopped, nothing half-written left behind", file=sys.stderr)
-        return EXIT_SIGINT
+        return _say_interrupted(EXIT_SIGINT)
     except Terminated:
-        print("terminated (SIGTERM): stopped, nothing half-written left behind", file=sys.stderr)
-        return EXIT_SIGTERM
+        return _say_interrupted(EXIT_SIGTERM)
     except Exception as exc:  # anything else is the tool's fault, never "your checks failed"
+        if _interrupted() is not None:  # the signal, wrapped by a library on its way out
+            return _say_interrupted(_interrupted())
         if os.environ.get(DEBUG_ENV):
             raise
         print(internal_error_line(exc), file=sys.stderr)
@@ -98,6 +136,8 @@ def guarded(fn, *args) -> int:
     finally:
         if installed:  # None: the handler was set outside Python, the default is its nearest equal
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if previous_int is signal.default_int_handler:
+                signal.signal(signal.SIGINT, previous_int)
 
 
 def dispatch(prog: str, commands: dict, usage: str, argv: list[str]) -> int:

@@ -131,6 +131,38 @@ def test_an_unexpected_exception_is_exit_3_with_one_line(capsys, monkeypatch):
         guarded(buggy)
 
 
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_a_library_wraps_still_reads_as_the_signal(sig, code, capsys, monkeypatch):
+    # Seen in CI: SIGINT landed inside pydantic's serializer callback (model_dump of the manifest), which wrapped
+    # the KeyboardInterrupt in a PydanticSerializationError, and the run said "internal error", exit 3.
+    import os
+    import signal
+
+    import pydantic
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    # As from a terminal, even under a test runner that inherited SIGINT ignored (a background job).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    class Manifest(pydantic.BaseModel):
+        x: int = 1
+
+        @pydantic.model_serializer(mode="wrap")
+        def _omit(self, handler):
+            os.kill(os.getpid(), getattr(signal, sig))
+            return handler(self)
+
+    def dump():
+        return Manifest().model_dump_json()
+
+    try:
+        assert guarded(dump) == code
+    finally:
+        signal.signal(signal.SIGINT, before)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err, err
+
+
 def test_a_bug_in_any_command_is_exit_3_not_1(tmp_path):
     # Before: a traceback and exit 1, which reads as "your code failed validation".
     prelude = "import model_infer_kvcache.analyzer.build as _b; _b.assemble = lambda *a, **k: 1 / 0; "

@@ -10,21 +10,12 @@ an operator no release defines stays the model's own error (exit 1, at its file:
 from __future__ import annotations
 
 from model_infer_kvcache.analyzer.config_loader import model_section
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
-PREFIX = "not supported by kvcache: "
 # layer_types values of cache kinds the tool has no spec for yet (analyzer/kv_cache_spec.py)
 _LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "gated_delta_net", "recurrent")
 # config fields that say some layers are linear attention without listing layer_types
 _LINEAR_FIELDS = ("full_attention_interval", "linear_num_value_heads", "linear_num_heads")
-
-
-class NotSupportedByKvcache(InputError):
-    """The tool lacks something this model needs (an operator, a cache kind, a config field's meaning):
-    exit 2 with one line naming it, nothing written."""
-
-    def __init__(self, where: str, what: str, field: str | None = None):
-        super().__init__(where, PREFIX + what, field=field)
 
 
 def preflight(config_path: str, real: dict) -> None:

@@ -108,7 +108,7 @@ def _shard_gated_delta(mod, rank: int, tp: int):
     (Qwen3.5 ``in_proj_qkv``) or grouped per key head (Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba``); each keeps
     its own order, cut to the rank's heads."""
     if hasattr(mod, "forget_gate"):  # a gap of kvcache's, said as such (never the model's failure)
-        from model_infer_kvcache.validators.checkout_run.support import NotSupportedByKvcache
+        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (Kimi delta "
                                                       "attention): it shards gated delta nets only; validate KDA "

@@ -27,9 +27,15 @@ MODES = {
 }
 
 
+# DeepSeek-V3 (128 heads of MLA in float64: the costliest family) skips G1 here: its G1 render runs against the
+# real G1 checkout (tests/test_harness_framework_root.py, 2c2336a) and MLA under the G1 stand-ins runs here as
+# DeepSeek-V2-Lite. Its G2 (full stream, MTP verify) and standalone cases stay.
+CASES = [(family, mode) for family in sorted(FAMILIES) for mode in sorted(MODES)
+         if (family, mode) != ("deepseek_v3", "framework_G1")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family, mode", CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_family_mode_matches_transformers(tmp_path, family, mode, record_property):
     config, extra = FAMILIES[family]
     manifest, rendered, cfg = render_case(tmp_path, config, **extra, **MODES[mode])

@@ -124,27 +124,48 @@ def test_gpt_oss_states_the_window_reading_it_depends_on():
                "exclusive" in n for n in report.notes)
 
 
-@pytest.fixture(scope="module")
-def deepseek_report():
+@pytest.mark.slow
+def test_deepseek_r1_attention_tp2():
     """DeepSeek-V3 config at attention TP 2 (MoE TP path; at one rank its decode dispatch needs an HCCL
-    name of an EP group registered only for EP > 1), with the reading sweep over both ranks."""
-    return _validate("deepseek_r1", "deepseek_v3.json", attn_tp_size=2, scenario=_short_stream())
+    name of an EP group registered only for EP > 1). Its MoE's device question is fixed at the reading the
+    model needs; the sweep over it runs on the same file with DeepSeek-V2-Lite's 16 heads (below), at a
+    fraction of 128 heads' cost."""
+    report = _validate("deepseek_r1", "deepseek_v3.json", attn_tp_size=2, scenario=_short_stream(),
+                       sweep_readings=False, readings=(("finalize_skip1_alone", "added"),))
+    _assert_end_to_end(report, requests=4)
+    assert report.consulted == ["finalize_skip1_alone"] and report.readings["finalize_skip1_alone"] == "added"
+
+
+@pytest.fixture(scope="module")
+def deepseek_v2_lite_report():
+    """A registered key outside the acceptance list: support_models maps deepseek_v2_lite onto the
+    deepseek_r1 model file with a DeepSeek-V2-Lite config (no q LoRA, 64 softmax-gated experts, no YaRN,
+    no MTP); the reference is transformers' DeepseekV2. Attention TP 2, with the reading sweep over both ranks."""
+    return _validate("deepseek_v2_lite", "deepseek_v2_lite.json", attn_tp_size=2, scenario=_short_stream())
 
 
 @pytest.mark.slow
-def test_deepseek_r1_attention_tp2(deepseek_report):
-    _assert_end_to_end(deepseek_report, requests=4)
-    assert deepseek_report.readings["finalize_skip1_alone"] == "added"
+def test_deepseek_v2_lite_through_the_deepseek_file(deepseek_v2_lite_report):
+    """Same file as deepseek_r1, other config: it validates too."""
+    report = deepseek_v2_lite_report
+    _assert_end_to_end(report, requests=4)
+    assert report.readings["finalize_skip1_alone"] == "added"
+    assert report.provenance["model_file"].endswith("models/deepseek_r1/models/modeling_deepseek.py")
+    assert report.model_type == "deepseek_v2"  # the transformers reference is DeepseekV2
+    # legitimate here, and said: the registered config class reads another model type's config.json
+    assert "the checkout's DeepseekV3Config (model_type 'deepseek_v3') reads a config.json of model_type " \
+           "'deepseek_v2': check --model and --config belong together" in report.notes
 
 
 @pytest.mark.slow
-def test_deepseek_r1_states_the_finalize_reading_it_depends_on(deepseek_report):
+def test_the_deepseek_file_states_the_finalize_reading_it_depends_on(deepseek_v2_lite_report):
     """Upstream's three MoE paths call npu_moe_finalize_routing(skip1=shared experts, skip2=None)
     (modeling_deepseek.py:565, 640, 712), which the torch-npu 2.9.0 doc forbids: the run consults that device
     question, the sweep reruns both ranks under its other readings, and the report says the model needs
     "added" (dropping skip1 loses the shared experts; refusing it stops the prefill)."""
-    assert deepseek_report.consulted == ["finalize_skip1_alone"]
-    notes = deepseek_report.notes
+    report = deepseek_v2_lite_report
+    assert report.consulted == ["finalize_skip1_alone"]
+    notes = report.notes
     ignored = next(n for n in notes if n.startswith("under finalize_skip1_alone=ignored"))
     assert "the model fails" in ignored and "logits vs transformers" in ignored
     rejected = next(n for n in notes if n.startswith("under finalize_skip1_alone=rejected"))
@@ -152,22 +173,6 @@ def test_deepseek_r1_states_the_finalize_reading_it_depends_on(deepseek_report):
     assert re.search(r"modeling_deepseek\.py:640: NpuOpError: npu_moe_finalize_routing: argument 'skip2'", rejected)
     assert ("the model depends on the device reading finalize_skip1_alone: it passes under added and fails "
             "under ignored, rejected (references/device_questions.md)") in notes
-
-
-@pytest.mark.slow
-def test_deepseek_v2_lite_through_the_deepseek_file():
-    """A registered key outside the acceptance list: support_models maps deepseek_v2_lite onto the
-    deepseek_r1 model file with a DeepSeek-V2-Lite config (no q LoRA, 64 softmax-gated experts, no YaRN,
-    no MTP); the reference is transformers' DeepseekV2. Same file, other config: it validates too."""
-    report = _validate("deepseek_v2_lite", "deepseek_v2_lite.json", attn_tp_size=2, sweep_readings=False,
-                       scenario=_short_stream())
-    _assert_end_to_end(report, requests=4)
-    assert report.provenance["model_file"].endswith("models/deepseek_r1/models/modeling_deepseek.py")
-    assert report.model_type == "deepseek_v2"  # the transformers reference is DeepseekV2
-    assert report.consulted == ["finalize_skip1_alone"]
-    # legitimate here, and said: the registered config class reads another model type's config.json
-    assert "the checkout's DeepseekV3Config (model_type 'deepseek_v3') reads a config.json of model_type " \
-           "'deepseek_v2': check --model and --config belong together" in report.notes
 
 
 def _edited_copy(tmp_path: Path, old: str, new: str) -> Path:

@@ -60,6 +60,19 @@ def test_extends_an_active_emulation_and_leaves_it_as_it_was():
         assert "npu" not in torch.__dict__
 
 
+def test_the_npu_device_is_the_cpu_for_tensors_too():
+    # Upstream qwen3_5 builds its decode buffers with device=torch.npu.current_device(): an int, which CPU torch
+    # reads as CUDA ("Cannot access accelerator device when none is available") without the stand-in.
+    with device_standins():
+        made = [torch.zeros(2, device=torch.npu.current_device()), torch.arange(3, device="npu"),
+                torch.empty(1, dtype=torch.int32, device="npu:0"), torch.ones(1).to("npu:0"),
+                torch.ones(1).to(0, torch.float64), torch.zeros(1, device="cpu")]
+        assert all(t.device.type == "cpu" for t in made)
+        assert made[4].dtype == torch.float64  # the rest of the call is kept
+    with pytest.raises((RuntimeError, AssertionError)):  # off again on exit
+        torch.zeros(1, device=0)
+
+
 def test_does_not_nest():
     with device_standins(), pytest.raises(RuntimeError, match="nest"), device_standins():
         pass

@@ -70,7 +70,8 @@ def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
     with isolated_modules(_is_checkout_module), device_standins() as handle, absent_third_party() as third_party:
         scope.handle = handle
         scope.standins += ["torch_npu: validators.npu_ops emulation (also torch.ops.npu)",
-                           "torchair, torch.npu, Tensor.npu: validators.standins", *third_party]
+                           "torchair, torch.npu, Tensor.npu: validators.standins",
+                           "a device= naming the NPU (torch.npu.current_device(), 'npu:N'): the CPU", *third_party]
         sys.dont_write_bytecode = True
         sys.path.insert(0, str(root))
         importlib.invalidate_caches()

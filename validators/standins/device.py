@@ -3,7 +3,8 @@
 Scope: one ``with device_standins():`` block. On entry the npu_ops emulation becomes
 ``torch_npu`` (and ``torch.ops.npu.<op>``, see ``validators.npu_ops.install_emulation``),
 plus the few non-operator attributes the framework touches at import or cache-sizing time;
-``torchair`` and ``torch.npu`` are small modules; ``Tensor.npu()`` returns the tensor (CPU).
+``torchair`` and ``torch.npu`` are small modules; ``Tensor.npu()`` returns the tensor (CPU), and a
+``device=`` naming the NPU (an int from ``torch.npu.current_device()``, ``"npu:N"``) is the CPU.
 On exit ``sys.modules``, the ``torch.npu`` attribute and ``Tensor.npu`` are restored
 exactly (absent ones removed).
 
@@ -154,6 +155,27 @@ def _build_torch_npu_namespace(handle_ref: list) -> types.ModuleType:
     return _module("torch.npu", attrs)
 
 
+def _names_the_npu(device) -> bool:
+    """An NPU device as model code spells it: ``torch.npu.current_device()`` (an int, which CPU torch reads as
+    CUDA) or ``"npu"`` / ``"npu:N"``."""
+    return (isinstance(device, int) and not isinstance(device, bool)) or (
+        isinstance(device, str) and (device == "npu" or device.startswith("npu:")))
+
+
+class _NpuDeviceIsCpu(torch.overrides.TorchFunctionMode):
+    """Within the stand-ins the NPU is the CPU for tensors too: a ``device=`` argument naming the NPU (upstream
+    qwen3_5 builds its decode buffers with ``device=torch.npu.current_device()``), or ``Tensor.to`` given one,
+    becomes ``"cpu"``. Every other call passes through unchanged."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _names_the_npu(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        elif func is torch.Tensor.to and len(args) > 1 and _names_the_npu(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
 def _identity(tensor, *args, **kwargs):
     return tensor
 
@@ -245,7 +267,8 @@ def device_standins(*, free_bytes: int | None = None, total_bytes: int | None = 
             torch.npu = npu
             torch.Tensor.npu = _identity
             _ACTIVE.append(handle)
-            yield handle
+            with _NpuDeviceIsCpu():
+                yield handle
         finally:
             _ACTIVE.clear()
             if not had_custom:

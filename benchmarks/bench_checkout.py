@@ -39,9 +39,10 @@ MODELS = {
     "hy3": ("transformers:HYV3Config", None),  # with token ids (the class defaults carry none)
     "gemma_4": ("gemma4_26b_a4b", None),  # the folder's gemma-4-26B-A4B; --uniform-prefill (UNIFORM_PREFILL)
     "deepseek_v3_2_exp@tp2": ("transformers:DeepseekV32Config", 2),  # DSA: index_topk narrowed to 64 on CPU
+    "qwen3.5@tp2": ("transformers:Qwen3_5MoeTextConfig", 2),  # Legacy (owns its caches); --uniform-prefill
 }
 # models whose own code refuses a prefill batch of unequal prompts: run as `validate --uniform-prefill`
-UNIFORM_PREFILL = {"gemma_4"}
+UNIFORM_PREFILL = {"gemma_4", "qwen3.5@tp2"}
 # fields a saved config.json carries that a class's defaults leave out
 OVERRIDES = {"HYV3Config": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}}
 

@@ -152,8 +152,8 @@ def test_gemma_4_values_cached_as_keys_fail_above_its_measured_tolerance(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, cls_name, field, what", [
+    # framework-owned recurrent states (MambaCacheEntry); qwen3.5, which owns its caches, runs as Legacy (below)
     ("bailing_2_5", "BailingHybridConfig", "layer_types", "linear-attention layers"),
-    ("qwen3.5", "Qwen3_5MoeTextConfig", "layer_types", "linear-attention layers"),
 ])
 def test_what_kvcache_cannot_validate_yet_is_exit_2_naming_it(tmp_path, model, cls_name, field, what):
     config = _default_config(tmp_path, cls_name)
@@ -164,6 +164,46 @@ def test_what_kvcache_cannot_validate_yet_is_exit_2_naming_it(tmp_path, model, c
     assert errors == [f"error: {config}: {field}: not supported by kvcache: " + errors[0].split(
         "not supported by kvcache: ", 1)[1]], out.stderr[-2000:]
     assert what in errors[0] and "Traceback" not in out.stderr and not report.exists()
+
+
+def _qwen3_5(tmp_path, **kw):
+    from model_infer_kvcache.validators.checkout_run import ENGINE_QUICK
+
+    # attention TP 2: at one rank its MoE takes the expert-parallel path, whose group it registers only for EP > 1
+    return _validate("qwen3.5", _default_config(tmp_path, "Qwen3_5MoeTextConfig"), attn_tp_size=2,
+                     scenario=ENGINE_QUICK, **kw)
+
+
+@pytest.mark.slow
+def test_qwen3_5_runs_as_legacy_and_passes_with_uniform_prefill(tmp_path):
+    """Upstream qwen3_5 owns its caches (init_cache: contiguous K/V rows and per-row conv / recurrent states, no
+    get_cache_info): the engine makes no KVCacheManager, the stream is one batch prefilled together, and the
+    logits judge the model's own caches and gated-delta states against transformers' Qwen3.5-MoE. Its
+    device=torch.npu.current_device() buffers are CPU tensors and its bfloat16 casts run in float32."""
+    report = _qwen3_5(tmp_path, uniform_prefill=True)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    numeric = _numeric(report)
+    assert len(numeric) == 2 and all(c.measured["max_abs_diff"] <= report.tolerance for c in numeric)
+    assert numeric[0].measured["requests"] == 4 and numeric[0].measured["steps"] >= 4  # one batch, then decodes
+    assert not any(c.id == "V401" for c in report.checks)  # nothing poisoned: no pool, no freed rows
+    notes = "\n".join(report.notes)
+    assert "Legacy: Qwen3_5MoeForCausalLM owns its caches (init_cache, no get_cache_info)" in notes
+    assert "one batch of 4 requests prefilled together" in notes
+    assert report.provenance["model_file"].endswith("models/qwen3_5/models/modeling_qwen3_5_moe.py")
+
+
+@pytest.mark.slow
+def test_qwen3_5_mixes_up_a_prefill_batch_of_unequal_prompts(tmp_path):
+    """The same model with prompts of 150, 40, 300 and 60 tokens in its one prefill: the second request's logits
+    differ at once. Read from its prefill: token i's row is bucketize(i, cu_seq_lens[1:], right=False), so the
+    first token of every request but the first lands in the previous row, and the conv state is the padded tail
+    of each row (both right only when every prompt has the longest length, as --uniform-prefill makes them)."""
+    report = _qwen3_5(tmp_path)
+    assert not report.passed
+    logits = _numeric(report)[0]
+    assert not logits.passed and logits.detail.startswith("first failure at step 0 request 1"), logits.detail
+    src = (upstream_head() / "models/qwen3_5/models/modeling_qwen3_5_moe.py").read_text()
+    assert "torch.bucketize(token_idx, cu_seq_lens[1:], right=False)" in src
 
 
 @pytest.mark.slow

@@ -198,7 +198,11 @@ def test_required_inputs_and_dtypes():
     expect("actual_seq_lengths", REC, **rec_call(actual_seq_lengths=None))
     expect("ssm_state_indices", REC, **rec_call(ssm_state_indices=None))
     base = rec_call()
-    expect("query", REC, **rec_call(query=base["query"].float(), key=base["key"].float(), value=base["value"].float()))
+    half = {n: base[n].to(torch.float16) for n in ("query", "key", "value")}
+    expect("query", REC, **rec_call(**half))  # float16: not a dtype of these operators
+    # float32 is (a checkout run's comparison dtype), but every tensor in one dtype: the float64 state is refused
+    assert "must equal the query's torch.float32" in expect(
+        "state", REC, **rec_call(query=base["query"].float(), key=base["key"].float(), value=base["value"].float()))
     expect("g", REC, **rec_call(g=base["g"].to(torch.float16)))
     expect("num_accepted_tokens", REC, **rec_call(num_accepted_tokens=i32([1, 3])))  # request 1 has 2 tokens
 

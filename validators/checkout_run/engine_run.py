@@ -25,7 +25,7 @@ from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Wat
 CPU_STANDINS = (
     "ExecutionEngine._init_device: the npu:N device is the CPU (process group: gloo, set up by the validator)",
     "executor.utils.hccl_utils.init_comm_group_by_ranks (as CommManager calls it): dist.new_group over the "
-    "same ranks on gloo",
+    "same ranks on gloo; get_group_name: None (a gloo group has no HCCL name)",
     "DefaultModelLoader.load_model: parameters created in float32 instead of bfloat16 and the loaded model "
     "cast to float32 (the CPU comparison dtype); the checkpoint's weights are bfloat16-exact; a tensor the model "
     "casts to bfloat16/float16 while it is built (a rope table precomputed in the device dtype) is made in float32 "
@@ -128,6 +128,24 @@ def _half_casts_as(dtype: torch.dtype):
         torch.Tensor.to = real_to
 
 
+class HalfDtypesAs(torch.overrides.TorchFunctionMode):
+    """While active, every half dtype a call names (``dtype=torch.bfloat16`` of a factory, ``Tensor.to(bfloat16)``)
+    is ``dtype`` instead: a model that owns its caches (Legacy) allocates them, and casts for its operators, in the
+    device dtype by hand; the comparison runs them in the CPU comparison dtype like its parameters."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("dtype") in HALF_DTYPES:
+            kwargs = {**kwargs, "dtype": self.dtype}
+        if func is torch.Tensor.to and any(a in HALF_DTYPES for a in args[1:]):
+            args = tuple(self.dtype if a in HALF_DTYPES else a for a in args)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def cpu_engine_patches(dtype: torch.dtype):
     """Apply CPU_STANDINS to the checkout's freshly imported modules (undone on exit)."""
@@ -136,7 +154,7 @@ def cpu_engine_patches(dtype: torch.dtype):
     import executor.model_loader.default_loader as loader_mod
     import torch.distributed as dist
 
-    saved = [(comm_manager, "init_comm_group_by_ranks"), (engine_mod, "get_tokenizer"),
+    saved = [(comm_manager, "init_comm_group_by_ranks"), (comm_manager, "get_group_name"), (engine_mod, "get_tokenizer"),
              (loader_mod, "set_default_torch_dtype"), (loader_mod.DefaultModelLoader, "load_model")]
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr in saved]
 
@@ -162,6 +180,7 @@ def cpu_engine_patches(dtype: torch.dtype):
         return model.to(dtype)
 
     comm_manager.init_comm_group_by_ranks = gloo_group
+    comm_manager.get_group_name = lambda group, global_rank: None  # an HCCL name; gloo groups have none
     engine_mod.get_tokenizer = lambda *a, **k: types.SimpleNamespace(eos_token_id=None, pad_token_id=None)
     loader_mod.set_default_torch_dtype = default_dtype
     loader_mod.DefaultModelLoader.load_model = load_model
@@ -310,14 +329,14 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
     sched = Scheduler(tokenizer=None, config=engine.infer_config.scheduler_config,
                       input_truncated_len=engine.infer_config.data_config.input_truncated_len)
     run = EngineRun(engine, sched)
-    cache_info = engine.kvcache_manager.cache_info
-    groups = _tensors_by_group(cache_info)
+    manager = engine.kvcache_manager  # None: Legacy, the model owns its caches
+    groups = _tensors_by_group(manager.cache_info) if manager is not None else {}
     real_forward = engine.forward_batch
     dog = scenario.watchdog("checkout request stream")
 
     def forward_batch(batch):
         recorder.step = len(run.steps)
-        poisoned = poison_free_blocks(engine.kvcache_manager, groups)
+        poisoned = poison_free_blocks(manager, groups) if manager is not None else {}
         ids = [r.request_id for r in batch.requests]
         positions = [(r.prompt_tokens if batch.is_prefill else r.get_seq_len()) - 1 for r in batch.requests]
         first = len(recorder.forwards)
@@ -342,6 +361,8 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
         prompts = scenario.prompts(seed)
         first = len(scenario.first)
         wave, held, late = prompts[:first - 1], prompts[first - 1:first], prompts[first:]
+        if manager is None:  # Legacy: one prefill of the whole batch (its caches are rows of that batch)
+            wave, held, late = prompts, [], []
         for ids, _ in wave:
             sched.add_request(prompt="", input_ids=torch.tensor(ids, dtype=torch.long))
         decodes = 0

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import (
@@ -54,6 +55,16 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         try:
             classes = resolve(root, req.model, _config_model_type(checkpoint), req.model_file)
             model_file = classes.model_file
+            # Legacy: the model owns its caches (init_cache, no get_cache_info), so the engine makes no
+            # KVCacheManager; its cache rows are the batch's rows, never reused: one batch, prefilled together.
+            legacy = not hasattr(classes.model_cls, "get_cache_info")
+            if legacy:
+                scenario = scenario.one_batch()
+            else:  # framework-owned caches of a kind the checks cannot judge yet (recurrent states): exit 2
+                from model_infer_kvcache.analyzer.config_loader import read_config_file
+                from model_infer_kvcache.validators.checkout_run.support import preflight
+
+                preflight(req.config, read_config_file(req.config)[1])
             from model_infer_kvcache.validators.checkout_run.compat import fit_checkpoint_config
 
             fitted = fit_checkpoint_config(checkpoint, classes.config_cls)
@@ -76,16 +87,22 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 published = getattr(torch, manifest.model.dtype, dtype) if isinstance(manifest.model.dtype, str) \
                     else dtype
                 declared = stack.enter_context(engine_run.cpu_cache_dtype(classes.model_cls, dtype, published, []))
+                if legacy:  # its caches, and its casts for the operators, in the comparison dtype (HalfDtypesAs)
+                    stack.enter_context(engine_run.HalfDtypesAs(dtype))
                 engine = engine_run.build_engine(infer, classes.model_cls, classes.config_cls)
-                info = engine.kvcache_manager.cache_info
-                stack.enter_context(engine_run.declared_caches(engine))
+                info = None if legacy else engine.kvcache_manager.cache_info
+                if not legacy:
+                    stack.enter_context(engine_run.declared_caches(engine))
                 # The init link judges the allocated caches before any forward: a wrong entry must fail
                 # there, by name, not as the warm-up's operator error.
                 if full:
                     report.provenance = _provenance(root, checkout_commit(root), classes, info, scope)
                     _note_config_class(report, classes.config_cls, _config_model_type(checkpoint))
-                    _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config),
-                               _real_per_layer_lists(req.config))
+                    if legacy:
+                        report.notes.append(legacy_note(classes.model_cls.__name__, scenario))
+                    else:
+                        _init_link(report, manifest, engine, classes, info, dtype, _real_layer_types(req.config),
+                                   _real_per_layer_lists(req.config))
                     if declared:
                         names = sorted({f"{name} ({dt})" for _, name, dt in declared})
                         report.notes.append(f"the model declares its caches in its published dtype, not the "
@@ -94,13 +111,14 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                     if any(not c.passed for c in report.checks if c.link == "init"):
                         report.notes.append("init link failed: runtime, numeric and release checks not run")
                         return
-                caches = CacheMap(info)
+                caches = None if legacy else CacheMap(info)
                 stack.enter_context(engine_run.observed_forwards(engine, rec))
                 engine.warm_up()
-                start_usage = engine_run.pool_usage(engine.kvcache_manager)
-                start_bytes = engine_run.cache_bytes(info)
+                if not legacy:
+                    start_usage = engine_run.pool_usage(engine.kvcache_manager)
+                    start_bytes = engine_run.cache_bytes(info)
                 run = engine_run.drive(engine, scenario, req.seed, rec)
-                if full and scenario.release_requests:
+                if full and scenario.release_requests and not legacy:
                     seq = engine_run.drive_sequential(engine, scenario.release_requests, req.seed + 1,
                                                       scenario.vocab, scenario.watchdog("release run"))
         except StreamStalled as exc:  # the watchdog: a request that never finishes, a forward that never returns
@@ -108,6 +126,8 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             if caches is not None:
                 checks.check_calls_before_failure(report, manifest, rec, caches)
             return
+        except InputError:  # something kvcache does not support (exit 2), not the model's failure
+            raise
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
             from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
 
@@ -123,6 +143,11 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
+        if legacy:  # no framework entries to judge: the logits judge the model's own caches
+            _numeric(report, ref_model, run)
+            # nothing was poisoned (no pool, no freed rows): V401's claim does not hold; V301 fails on NaN logits
+            report.checks = [c for c in report.checks if c.id != "V401"]
+            return
         n_layers = len(info.layer_infos)
         checks.check_runtime(report, manifest, rec, caches, run, n_layers)
         checks.check_padding(report, run)
@@ -139,6 +164,16 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
 
             localise_checkout(report, manifest, engine, run, scenario, req.seed, rec, caches, ref_model,
                               Path(model_file).resolve(), dtype, world)
+
+
+def legacy_note(model_cls: str, scenario: Scenario) -> str:
+    n = len(scenario.first)
+    return (f"Legacy: {model_cls} owns its caches (init_cache, no get_cache_info), so the engine makes no "
+            f"KVCacheManager and its cache rows are the batch's rows, never reused: the stream is one batch of {n} "
+            "requests prefilled together (no late admits, no release run), and the init, runtime and release links, "
+            "which judge framework cache entries, blocks and pools, do not apply; the logits judge the model's own "
+            "caches and states. Its bfloat16 allocations and casts (init_cache in config.torch_dtype, operator "
+            "inputs) run in float32, the comparison dtype")
 
 
 def _hint(exc: BaseException, world: int) -> str:

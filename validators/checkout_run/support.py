@@ -1,7 +1,8 @@
 """What kvcache cannot validate yet, said as such: "not supported by kvcache: <what>" (exit 2), never a model failure.
 
-Two moments. Before any work, ``preflight(config_path, real_config)`` reads the config for the cache kinds and
-layouts the analyzer and the tiny reference cannot express yet (linear-attention / recurrent layers). During the
+Two moments. Once the model class is known, ``preflight(config_path, real_config)`` reads the config for the cache
+kinds the framework-cache checks cannot judge yet (linear-attention / recurrent layers in framework-owned caches; a
+Legacy model that owns them is validated by its logits). During the
 run, ``unsupported_operator(exc, model_frame)`` turns an operator the emulation lacks into the same one line when the operator is real (a torch-npu release of
 ``analyzer/operators/op_names.json`` defines it) or a feature of an emulated operator that is not emulated;
 an operator no release defines stays the model's own error (exit 1, at its file:line).
@@ -27,8 +28,9 @@ def preflight(config_path: str, real: dict) -> None:
     if linear or linear_fields:
         what = f"layer_types {linear}" if linear else linear_fields[0]
         raise NotSupportedByKvcache(config_path, f"linear-attention layers ({what}: a recurrent state, "
-                                                 "MambaCacheEntry) in a checkout's own engine are not validated yet "
-                                                 "(rendered gated-delta-net states are: kvcache render, then "
+                                                 "MambaCacheEntry) in framework-owned caches of a checkout's engine "
+                                                 "are not validated yet (a model that owns its caches, Legacy, is; "
+                                                 "rendered gated-delta-net states are too: kvcache render, then "
                                                  "kvcache validate --rendered)",
                                     field="layer_types" if linear else linear_fields[0])
 

@@ -91,9 +91,6 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
 
     check_model_name(root, req.model)
     _, real_config = read_config_file(req.config)
-    from model_infer_kvcache.validators.checkout_run.support import preflight
-
-    preflight(req.config, real_config)
     if req.model_file and not Path(req.model_file).is_file():
         raise InputError(req.model_file, "does not exist", field="--model-file")
     manifest = load_or_analyze(req, root)

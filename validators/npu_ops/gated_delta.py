@@ -35,7 +35,8 @@ state written, or only the last), ``gdr_accepted_start`` (the slot a request sta
 Fixed rules: every input is required where the doc says so (``beta``, ``scale``, ``actual_seq_lengths``,
 ``ssm_state_indices``, ``initial_state``); ``sum L_i == T``; a slot two requests share (they race on it) ends
 NaN, undefined -- the framework's padded decode rows all share the null block; ``gk`` (documented as not supported yet) is refused as not emulated. Dtypes: bfloat16 as
-documented, or float64 throughout (the CPU validation mode; g may then be float64 too).
+documented; float32 (a checkout run's comparison dtype: a model's bfloat16 casts for these operators run in
+float32 there); or float64 throughout (the CPU validation mode; g may then be float64 too).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ RECURRENT_MAX_LEN = 8  # doc: L_i <= 8
 RECURRENT_MAX_SIZE = 256  # doc: Nk, Nv, Dk, Dv <= 256
 CHUNK_MAX_HEADS = 64  # doc: Nk, Nv <= 64
 CHUNK_HEAD_DIM = 128  # doc: Dk = Dv = 128
-# bfloat16: the documented dtype; float64: the CPU validation mode (emulated.py), never a device dtype.
-DTYPES = (torch.bfloat16, torch.float64)
+# bfloat16: the documented dtype; float32: a checkout run's comparison dtype; float64: the CPU validation mode
+# (emulated.py). Neither float32 nor float64 is a device dtype of these operators.
+DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 
 def _required(op: str, **values) -> None:

@@ -41,6 +41,12 @@ class Scenario:
         g = torch.Generator().manual_seed(seed)
         return [(torch.randint(0, self.vocab, (n,), generator=g).tolist(), new) for n, new in self.first + self.late]
 
+    def one_batch(self) -> Scenario:
+        """Every request in the first wave, as many at once as there are requests, and no release run: a Legacy
+        model's cache rows are the batch's rows (the engine never hands a finished request's row to another)."""
+        every = self.first + self.late
+        return replace(self, first=every, late=(), max_concurrency=len(every), release_requests=0)
+
     def crossing(self, window: int, block_size: int) -> Scenario:
         """This stream with its longest prompts stretched to cross ``window`` by two blocks on both paths."""
         need = window + 2 * block_size

@@ -170,9 +170,9 @@ def legacy_note(model_cls: str, scenario: Scenario) -> str:
     n = len(scenario.first)
     return (f"Legacy: {model_cls} owns its caches (init_cache, no get_cache_info), so the engine makes no "
             f"KVCacheManager and its cache rows are the batch's rows, never reused: the stream is one batch of {n} "
-            "requests prefilled together (no late admits, no release run), and the init, runtime and release links, "
-            "which judge framework cache entries, blocks and pools, do not apply; the logits judge the model's own "
-            "caches and states. Its bfloat16 allocations and casts (init_cache in config.torch_dtype, operator "
+            "requests prefilled together (no late admits, no release run); the checks of framework cache entries, "
+            "blocks and pools (init link but the loader's, runtime, release) do not apply, and the logits judge the "
+            "model's own caches and states. Its bfloat16 allocations and casts (init_cache in config.torch_dtype, operator "
             "inputs) run in float32, the comparison dtype")
 
 

@@ -156,6 +156,8 @@ class LinearCtx:
     conv_dtype: str
     state_dtype: str
     layers: tuple[int, ...]
+    state_shape: str  # one request's recurrent state, as the rendered constants: the family's layout
+    state_layout: str  # which layout, and whose
 
 
 @dataclass(frozen=True)
@@ -470,15 +472,20 @@ def _linear_ctx(m: SelectionManifest) -> LinearCtx | None:
     if lin is None:
         return None
     conv, rec = (next(s for s in lin.states if s.name == name) for name in ("conv_state", "recurrent_state"))
-    gdn = lin.family == "gated_delta_net"
     # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA
-    want = [lin.num_v_heads_per_rank, *((lin.head_v_dim, lin.head_k_dim) if gdn else (lin.head_k_dim, lin.head_v_dim))]
+    if lin.family == "gated_delta_net":
+        dims, layout = ("V", "V", "K"), "[Nv, Dv, Dk]: npu_recurrent_gated_delta_rule's layout"
+    else:
+        dims, layout = ("V", "K", "V"), "[H, Dk, Dv]: the torch recurrence's layout"
+    sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim}
+    want = [lin.num_v_heads_per_rank, *(sizes[d] for d in dims[1:])]
     if conv.shape != [lin.conv_channels_per_rank, lin.conv_kernel - 1] or rec.shape != want:
         raise _bad("linear_attention.states", f"shapes {conv.shape} / {rec.shape} are not the {lin.family}'s "
                                               f"[channels, kernel - 1] / {want}")
+    shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM" for d in dims[1:])])
     return LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank), int(lin.head_k_dim),
                      int(lin.head_v_dim), int(lin.conv_kernel), int(lin.conv_channels_per_rank),
-                     _TORCH_DTYPE[conv.dtype], _TORCH_DTYPE[rec.dtype], tuple(lin.layers))
+                     _TORCH_DTYPE[conv.dtype], _TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout)
 
 
 def _dsa_fields(m: SelectionManifest) -> dict:

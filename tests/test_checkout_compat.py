@@ -357,15 +357,16 @@ def test_float32_noise_is_measured_on_the_reference():
 
 def test_half_casts_made_while_building_become_the_comparison_dtype():
     import torch
-    from model_infer_kvcache.validators.checkout_run.engine_run import _half_casts_as
+    from model_infer_kvcache.validators.checkout_run.engine_run import HalfDtypesAs
 
     x = torch.randn(4) / 3
-    with _half_casts_as(torch.float32):
+    with HalfDtypesAs(torch.float32):
         kept = x.to(torch.bfloat16)
         also = x.to(dtype=torch.float16)
         other = x.to(torch.float64)
+        made = torch.zeros(2, dtype=torch.bfloat16)  # a buffer allocated in the device dtype (Legacy init_cache)
     assert kept.dtype == torch.float32 and torch.equal(kept, x) and also.dtype == torch.float32
-    assert other.dtype == torch.float64
+    assert other.dtype == torch.float64 and made.dtype == torch.float32
     assert x.to(torch.bfloat16).dtype == torch.bfloat16  # undone on exit
 
 

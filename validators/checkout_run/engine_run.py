@@ -108,30 +108,12 @@ def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, b
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@contextlib.contextmanager
-def _half_casts_as(dtype: torch.dtype):
-    """While the model is built, ``Tensor.to(bfloat16 | float16)`` gives ``dtype``: a table the model precomputes
-    in the device dtype (gemma_4's cos/sin buffers) would otherwise keep bfloat16 rounding after the loaded model
-    is cast to the comparison dtype, and differ from the float32 reference by that rounding, not by any code."""
-    real_to = torch.Tensor.to
-
-    def to(self, *args, **kwargs):
-        args = tuple(dtype if a in HALF_DTYPES else a for a in args)
-        if kwargs.get("dtype") in HALF_DTYPES:
-            kwargs["dtype"] = dtype
-        return real_to(self, *args, **kwargs)
-
-    torch.Tensor.to = to
-    try:
-        yield
-    finally:
-        torch.Tensor.to = real_to
-
-
 class HalfDtypesAs(torch.overrides.TorchFunctionMode):
     """While active, every half dtype a call names (``dtype=torch.bfloat16`` of a factory, ``Tensor.to(bfloat16)``)
-    is ``dtype`` instead: a model that owns its caches (Legacy) allocates them, and casts for its operators, in the
-    device dtype by hand; the comparison runs them in the CPU comparison dtype like its parameters."""
+    is ``dtype`` instead. While any model is built: a table it precomputes in the device dtype (gemma_4's cos/sin
+    buffers) would otherwise keep bfloat16 rounding after the loaded model is cast to the comparison dtype, and
+    differ from the float32 reference by that rounding, not by any code. While a model that owns its caches
+    (Legacy) is built and runs: it allocates them, and casts for its operators, in the device dtype by hand."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()
@@ -175,7 +157,7 @@ def cpu_engine_patches(dtype: torch.dtype):
     real_load = loader_mod.DefaultModelLoader.load_model
 
     def load_model(self, *args, **kwargs):
-        with _half_casts_as(dtype):
+        with HalfDtypesAs(dtype):
             model = real_load(self, *args, **kwargs)
         return model.to(dtype)
 

@@ -174,29 +174,34 @@ def test_op_names_file_lists_every_func_of_the_yaml():
         assert listed == want, release
 
 
-@pytest.mark.parametrize("fields, field, what", [
-    ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types", "linear-attention"),
-    ({"full_attention_interval": 4}, "full_attention_interval", "linear-attention"),
-])
-def test_preflight_names_the_kind_and_field(fields, field, what):
+def _manifest(name: str):
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from shared_dirs import ROOT
+
+    return analyze(AnalyzeRequest(config=str(ROOT / "tests" / "fixtures" / "configs" / f"{name}.json")))
+
+
+def test_preflight_refuses_a_linear_family_without_a_transformers_reference():
+    """Ling-2.5's lightning attention: transformers implements no such model (its bailing_hybrid is Ling-3.0's
+    KDA), so a checkout run could compare the logits with nothing: exit 2 naming the family."""
     from model_infer_kvcache.analyzer.errors import InputError
     from model_infer_kvcache.validators.checkout_run.support import preflight
 
     with pytest.raises(InputError) as info:
-        preflight("c.json", {"model_type": "x", **fields})
-    assert info.value.render().startswith(f"c.json: {field}: not supported by kvcache: ") and what in info.value.render()
+        preflight("c.json", _manifest("ling_2_5"))
+    line = info.value.render()
+    assert line.startswith("c.json: model_type: not supported by kvcache: linear-attention layers of family "
+                           "lightning_attention"), line
+    assert "no reference" in line
 
 
-def test_preflight_lets_supported_configs_through():
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next", "kimi_linear", "bailing_hybrid_kda", "qwen3_8b"])
+def test_preflight_lets_configs_with_a_reference_through(name):
+    """Gated delta net and KDA hybrids (framework-owned states are judged by check_state_blocks) and every
+    attention-only config."""
     from model_infer_kvcache.validators.checkout_run.support import preflight
 
-    for ok in ({"layer_types": ["sliding_attention", "full_attention"]}, {"head_dim": 128, "global_head_dim": 128},
-               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 256}}}, {},
-               # per-layer shapes (Gemma-4) are planned by the analyzer now (tests/test_per_layer_heads.py)
-               {"head_dim": 256, "per_layer_config": {"5": {"head_dim": 512}}}, {"head_dim": 256, "global_head_dim": 512},
-               # DSA runs in checkout mode (tests/test_checkout_dsa.py)
-               {"layer_types": ["indexed_attention"] * 2, "index_topk": 2048}):
-        preflight("c.json", ok)
+    preflight("c.json", _manifest(name))
 
 
 def test_the_checkouts_own_operators_are_importable_and_named_when_used():

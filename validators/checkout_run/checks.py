@@ -21,11 +21,13 @@ from model_infer_kvcache.validators.pipeline.report import Report
 
 
 def _attribute(calls: list[dict], caches: CacheMap, is_prefill: bool, where: str) -> tuple[list[dict], list[str]]:
-    """One forward's FA calls in call order, each with its layer (the k-th call is decoder layer k: layers
-    run in order, one attention each) and the cache it read (None: the fresh K/V of a prefill). Problems:
-    a call reading another layer's cache, a decode reading no cache."""
+    """One forward's FA calls in call order, each with its layer (the k-th call is the k-th attention layer:
+    layers run in order, one attention each; a hybrid's linear layers call none) and the cache it read (None:
+    the fresh K/V of a prefill). Problems: a call reading another layer's cache, a decode reading no cache."""
     out, problems = [], []
-    for k, call in enumerate(calls):
+    order = caches.attention_layers()
+    for i, call in enumerate(calls):
+        k = order[i] if i < len(order) else i
         slot = caches.slot(call["key_storage"]) or caches.slot(call["key_rope_storage"])
         if slot is not None and slot.layer != k:
             problems.append(f"{where}: layer {k} reads layer {slot.layer}'s {slot.cache_name}")
@@ -248,13 +250,17 @@ def check_calls_before_failure(report: Report, manifest: SelectionManifest, rec:
 
 def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, caches: CacheMap,
                   run: EngineRun, n_layers: int) -> None:
-    calls, problems = attributed_fa_calls(rec, caches, run, n_layers, attention_calls(rec, manifest))
+    calls, problems = attributed_fa_calls(rec, caches, run, len(caches.attention_layers()) or n_layers,
+                                          attention_calls(rec, manifest))
     steps = {s.index: s for s in run.steps}
     written = _judge_calls(report, manifest, rec, caches, calls, problems,
                            [w for w in rec.writes if w["step"] in steps], complete=True)
     if manifest.dsa is not None:
         dsa_checks.check_indexer_calls(report, manifest, rec, caches, set(steps), n_layers)
-    entries = {(s.layer, s.cache_name) for s in caches.by_storage.values()}
+    if manifest.linear_attention is not None:
+        check_state_blocks(report, run)
+    # recurrent states are no written K/V (check_state_blocks judges them)
+    entries = {(s.layer, s.cache_name) for s in caches.by_storage.values() if s.attn_type != "Mamba"}
     unwritten = [f"step {i}: {sorted(entries - written.get(i, set()))[:4]}" for i in steps
                  if entries - written.get(i, set())]
     report.add("every cache entry is written every step", "runtime", not unwritten, detail="; ".join(unwritten[:3]),
@@ -273,6 +279,39 @@ def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, 
                 wrong.append(f"request {rid} step {s.index}: {s.kv_lens[i]} != {run.prompt_len[rid]} + 1")
     report.add("first decode reads prompt length + 1", "runtime", not wrong and bool(seen), detail="; ".join(wrong[:3]),
                requests=len(seen))
+
+
+STATE_BLOCKS = "each linear layer writes exactly its requests' state blocks every step (block_table Mamba)"
+
+
+def check_state_blocks(report: Report, run: EngineRun) -> None:
+    """Which blocks of each recurrent-state tensor a step changed (``StepRecord.state_writes``, observed around the
+    forward) against the blocks the step's live requests own (``block_table[group][row, 0]``): a block of another
+    request or a free one written (a wrong row, a stale slot), or a live request's state not updated (a prefill
+    that keeps no final state, a decode that drops its update). Rows the engine padded may write the null block."""
+    manager = run.engine.kvcache_manager
+    nulls = {(getattr(m, "manager_key", None) or m.attn_type): null_block_of(m)
+             for m in manager.single_type_managers if m.attn_type == "Mamba"}
+    problems, judged = [], 0
+    for s in run.steps:
+        for (layer, name, group), changed in s.state_writes.items():
+            table = s.block_table.get(group)
+            if table is None:
+                problems.append(f"step {s.index}: no {group!r} block table")
+                continue
+            owned = {int(b) for b in table.reshape(table.shape[0], -1)[:len(s.request_ids), 0].tolist()}
+            allowed = owned | ({nulls.get(group)} if s.padded_rows else set())
+            judged += 1
+            foreign = sorted(set(changed) - allowed)
+            stale = sorted(owned - set(changed))
+            if foreign:
+                problems.append(f"step {s.index} layer {layer} {name}: wrote block(s) {foreign[:4]} no live request "
+                                f"of the step owns (its requests own {sorted(owned)[:6]})")
+            if stale:
+                problems.append(f"step {s.index} layer {layer} {name}: left block(s) {stale[:4]} of live requests "
+                                "unchanged")
+    report.add(STATE_BLOCKS, "runtime", judged > 0 and not problems, detail="; ".join(problems[:3]),
+               judged=judged, problems=len(problems))
 
 
 def window_dependent_layers(manifest: SelectionManifest) -> set[int]:

@@ -79,6 +79,8 @@ class StepRecord:
     kv_lens: list[int]
     cu_kv_lens: list[int] = field(default_factory=list)  # the same lengths as prefix sums (TND prefill form)
     poisoned: dict = field(default_factory=dict)
+    # (layer, state entry name, group) -> the blocks of that recurrent-state tensor the forward changed
+    state_writes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -212,6 +214,19 @@ def _tensors_by_group(cache_info) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def state_entries(cache_info) -> list[tuple[int, str, str, torch.Tensor]]:
+    """(layer, entry name, group, tensor) of every recurrent-state entry (attn_type Mamba: [blocks, *shape])."""
+    return [(layer.layer_idx, e.cache_name, e.group_key, e.tensor) for layer in cache_info.layer_infos
+            for e in layer.caches if e.attn_type == "Mamba" and isinstance(getattr(e, "tensor", None), torch.Tensor)
+            and e.tensor.numel()]
+
+
+def changed_blocks(before: torch.Tensor, after: torch.Tensor) -> list[int]:
+    """Blocks (dim 0) whose contents differ; a poisoned (NaN) element left NaN is unchanged."""
+    same = (before == after) | (before.isnan() & after.isnan())
+    return torch.nonzero(~same.reshape(same.shape[0], -1).all(dim=1)).reshape(-1).tolist()
+
+
 def cache_bytes(cache_info) -> int:
     return sum(t.numel() * t.element_size() for ts in _tensors_by_group(cache_info).values() for t in ts)
 
@@ -313,6 +328,7 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
     run = EngineRun(engine, sched)
     manager = engine.kvcache_manager  # None: Legacy, the model owns its caches
     groups = _tensors_by_group(manager.cache_info) if manager is not None else {}
+    states = state_entries(manager.cache_info) if manager is not None else []
     real_forward = engine.forward_batch
     dog = scenario.watchdog("checkout request stream")
 
@@ -322,8 +338,10 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
         ids = [r.request_id for r in batch.requests]
         positions = [(r.prompt_tokens if batch.is_prefill else r.get_seq_len()) - 1 for r in batch.requests]
         first = len(recorder.forwards)
+        before = [t.clone() for *_, t in states]  # which state blocks the step writes (check_state_blocks)
         with dog.step(len(run.steps), ids):
             out = real_forward(batch)
+        state_writes = {(layer, name, group): changed_blocks(b, t) for (layer, name, group, t), b in zip(states, before)}
         seen = next((f for f in recorder.forwards[first:] if not f.is_mtp), None)  # the main model's forward
         if seen is None:
             raise RuntimeError("drive() needs the engine's forwards observed (observed_forwards(engine, recorder))")
@@ -333,7 +351,7 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
         run.steps.append(StepRecord(
             len(run.steps), batch.is_prefill, ids, positions, logits[:n].detach().double().clone(),
             rows - n, seen.block_table, seen.slot_mapping, seen.kv_lens, seen.cu_kv_lens,
-            {k: len(v) for k, v in poisoned.items()}))
+            {k: len(v) for k, v in poisoned.items()}, state_writes))
         if batch.is_prefill:
             run.prompt_len.update({r.request_id: r.prompt_tokens for r in batch.requests})
         return out

@@ -177,5 +177,9 @@ class CacheMap:
     def layers(self) -> set[int]:
         return {s.layer for s in self.by_storage.values()}
 
+    def attention_layers(self) -> list[int]:
+        """The layers that attend over a KV cache, in call order (a hybrid's linear layers keep states only)."""
+        return sorted({s.layer for s in self.by_storage.values() if s.attn_type != "Mamba"})
+
     def slot(self, storage: int | None) -> CacheSlot | None:
         return self.by_storage.get(storage) if storage is not None else None

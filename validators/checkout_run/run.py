@@ -60,11 +60,9 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             legacy = not hasattr(classes.model_cls, "get_cache_info")
             if legacy:
                 scenario = scenario.one_batch()
-            else:  # framework-owned caches of a kind the checks cannot judge yet (recurrent states): exit 2
-                from model_infer_kvcache.analyzer.config_loader import read_config_file
-                from model_infer_kvcache.validators.checkout_run.support import preflight
+            from model_infer_kvcache.validators.checkout_run.support import preflight
 
-                preflight(req.config, read_config_file(req.config)[1])
+            preflight(req.config, manifest)  # a linear-attention family without a transformers reference: exit 2
             from model_infer_kvcache.validators.checkout_run.compat import fit_checkpoint_config
 
             fitted = fit_checkpoint_config(checkpoint, classes.config_cls)

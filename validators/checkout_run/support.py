@@ -1,38 +1,27 @@
 """What kvcache cannot validate yet, said as such: "not supported by kvcache: <what>" (exit 2), never a model failure.
 
-Two moments. Once the model class is known, ``preflight(config_path, real_config)`` reads the config for the cache
-kinds the framework-cache checks cannot judge yet (linear-attention / recurrent layers in framework-owned caches; a
-Legacy model that owns them is validated by its logits). During the
-run, ``unsupported_operator(exc, model_frame)`` turns an operator the emulation lacks into the same one line when the operator is real (a torch-npu release of
-``analyzer/operators/op_names.json`` defines it) or a feature of an emulated operator that is not emulated;
-an operator no release defines stays the model's own error (exit 1, at its file:line).
+Two moments. Once the model class is known, ``preflight(config_path, manifest)`` refuses framework-owned caches the
+run cannot judge: linear-attention layers of a family transformers does not implement (Ling-2.5 lightning
+attention: no reference to compare the logits with; a model that owns its caches, Legacy, is judged the same way).
+During the run, ``unsupported_operator(exc, model_frame)`` turns an operator the emulation lacks into the same one
+line when the operator is real (a torch-npu release of ``analyzer/operators/op_names.json`` defines it) or a feature
+of an emulated operator that is not emulated; an operator no release defines stays the model's own error (exit 1,
+at its file:line).
 """
 
 from __future__ import annotations
 
-from model_infer_kvcache.analyzer.config_loader import model_section
 from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
-# layer_types values of cache kinds the tool has no spec for yet (analyzer/kv_cache_spec.py)
-_LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "gated_delta_net", "recurrent")
-# config fields that say some layers are linear attention without listing layer_types
-_LINEAR_FIELDS = ("full_attention_interval", "linear_num_value_heads", "linear_num_heads")
 
-
-def preflight(config_path: str, real: dict) -> None:
-    """Raise ``NotSupportedByKvcache`` naming the config field of a kind the tool cannot validate yet."""
-    src = model_section(real)[0]
-    types = src.get("layer_types") if isinstance(src.get("layer_types"), list) else []
-    linear = sorted({t for t in types if t in _LINEAR_LAYER_TYPES})
-    linear_fields = [f for f in _LINEAR_FIELDS if src.get(f) is not None]
-    if linear or linear_fields:
-        what = f"layer_types {linear}" if linear else linear_fields[0]
-        raise NotSupportedByKvcache(config_path, f"linear-attention layers ({what}: a recurrent state, "
-                                                 "MambaCacheEntry) in framework-owned caches of a checkout's engine "
-                                                 "are not validated yet (a model that owns its caches, Legacy, is; "
-                                                 "rendered gated-delta-net states are too: kvcache render, then "
-                                                 "kvcache validate --rendered)",
-                                    field="layer_types" if linear else linear_fields[0])
+def preflight(config_path: str, manifest) -> None:
+    """Raise ``NotSupportedByKvcache`` naming the config's linear-attention family when transformers has no
+    reference for it (``manifest.linear_attention.reference`` is None)."""
+    lin = manifest.linear_attention
+    if lin is not None and lin.reference is None:
+        raise NotSupportedByKvcache(config_path, f"linear-attention layers of family {lin.family} ({lin.source}): "
+                                                 "transformers implements no such model, so the logits have no "
+                                                 "reference to be compared with", field="model_type")
 
 
 def unsupported_operator(exc: BaseException, where: str, root=None) -> NotSupportedByKvcache | None:

@@ -73,6 +73,8 @@ CHECKS: tuple[CheckDef, ...] = (
                                 "manifest"),
     CheckDef("V222", "runtime", "each indexer layer's lightning indexer reads that layer's indexer key cache (own "
                                 "table, kv lengths, sparse_count = index_topk)"),
+    CheckDef("V223", "runtime", "each linear layer writes exactly its requests' state blocks every step (block_table "
+                                "Mamba)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

@@ -341,7 +341,8 @@ def drive(engine, scenario: Scenario, seed: int, recorder) -> EngineRun:
         before = [t.clone() for *_, t in states]  # which state blocks the step writes (check_state_blocks)
         with dog.step(len(run.steps), ids):
             out = real_forward(batch)
-        state_writes = {(layer, name, group): changed_blocks(b, t) for (layer, name, group, t), b in zip(states, before)}
+        state_writes = {(layer, name, group): changed_blocks(b, t)
+                        for (layer, name, group, t), b in zip(states, before, strict=True)}
         seen = next((f for f in recorder.forwards[first:] if not f.is_mtp), None)  # the main model's forward
         if seen is None:
             raise RuntimeError("drive() needs the engine's forwards observed (observed_forwards(engine, recorder))")

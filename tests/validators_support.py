@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,9 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 
 
-def render_case(tmp: Path, config: str, **analyze_kw) -> tuple[Path, Path, Path]:
-    """(manifest, rendered dir, config path) for a fixture config and analyzer options."""
+def render_case(tmp: Path, config: str, overrides: dict | None = None, **analyze_kw) -> tuple[Path, Path, Path]:
+    """(manifest, rendered dir, config path) for a fixture config (``overrides``: fields replaced, written beside
+    the run) and analyzer options."""
     config_path = CONFIGS / f"{config}.json"
+    if overrides:
+        data = {**json.loads(config_path.read_text(encoding="utf-8")), **overrides}
+        config_path = tmp / f"{config}.json"
+        config_path.write_text(json.dumps(data), encoding="utf-8")
     manifest = analyze(AnalyzeRequest(config=str(config_path), **analyze_kw))
     manifest_path = tmp / "manifest.json"
     manifest_path.write_text(manifest.to_json(), encoding="utf-8")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from model_infer_kvcache.analyzer import arch_check, kv_cache_spec, memory, rules
@@ -64,6 +64,7 @@ class AnalyzeRequest:
     window_reading: str | None = None  # None: not stated (the measured reading, else "exclusive")
     device_readings: str | None = None  # readings file written by `kvcache probe`
     cache_dtype: str | None = None  # --cache-dtype: plan the cache in this dtype instead of the config's
+    next_n: int | None = None  # --next-n: speculative tokens the deployment runs (0: off; None: the config's MTP)
 
 
 def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionManifest:
@@ -121,6 +122,25 @@ def _check_numbers(req: AnalyzeRequest) -> None:
         raise InputError("--block-size", problem)
 
 
+def _speculation(facts: ModelFacts, req: AnalyzeRequest, warnings: list[Finding]) -> ModelFacts:
+    """``--next-n``: the speculative tokens per decode step the deployment runs (the framework's
+    ``model_config.next_n``). 0 turns speculative decoding off: the config's MTP layers are then left unused
+    and planned as absent (no MTP caches, no verify steps, one state block per request); otherwise it must be
+    the config's MTP layer count, the only depth planned."""
+    n = req.next_n
+    mtp = facts.num_mtp_layers
+    if n is None or n == (mtp.value or 0):
+        return facts
+    if n != 0:
+        raise InputError("--next-n", f"{n} speculative tokens: only 0 (speculative decoding off) or the config's "
+                                     f"{mtp.value or 0} MTP layer(s) ({mtp.source}) are planned")
+    warnings.append(Finding(
+        message=f"--next-n 0: speculative decoding off, the config's {mtp.value} MTP layer(s) unused: no MTP "
+                "caches, no verify steps (run the framework with next_n 0; get_cache_info leaves the MTP layers out)",
+        fields=[mtp.source, "--next-n"]))
+    return replace(facts, num_mtp_layers=type(mtp)(0, f"--next-n 0 ({mtp.source}: {mtp.value}, unused)"))
+
+
 def assemble(
     facts: ModelFacts,
     progress: ProgressFacts,
@@ -133,6 +153,7 @@ def assemble(
     """``config`` (the raw config.json) enables the meta-device cross-check against transformers."""
     warnings: list[Finding] = []
     questions: list[Finding] = []
+    facts = _speculation(facts, req, warnings)
     window_reading, _ = resolve_window_reading(req.window_reading, readings, req.device_readings)
 
     deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)
@@ -608,7 +629,9 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
         warnings.append(Finding(
             message=f"{facts.num_mtp_layers.value} MTP layer(s) beside linear layers: each request then holds 1 + "
                     "next_n state blocks, one per verify token, and the next step starts from the last accepted "
-                    "token's block; kvcache render does not render that yet (references/hybrid_linear.md)",
+                    "token's block, which the framework's forward metadata does not name (no accepted count); "
+                    "kvcache render does not render that: analyze with --next-n 0 to serve without speculative "
+                    "decoding (references/hybrid_linear.md)",
             fields=[facts.num_mtp_layers.source]))
     unplanned = [layer.index for layer in layers if layer.layer_kind == "linear" and not layer.is_state]
     if unplanned:

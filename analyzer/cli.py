@@ -88,6 +88,10 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    type=_dtype_name,
                    help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
                         "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
+    p.add_argument("--next-n", type=int, metavar="N",
+                   help="speculative tokens per decode step the deployment runs (the framework's next_n): 0 turns "
+                        "speculative decoding off and leaves the config's MTP layers unused (a hybrid linear-attention "
+                        "model with MTP renders only so); default: the config's MTP layer count, e.g. --next-n 0")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,6 +150,7 @@ def request_from_args(args: argparse.Namespace):
         window_reading=args.window_reading,
         device_readings=args.device_readings,
         cache_dtype=args.cache_dtype,
+        next_n=args.next_n,
     )
 
 

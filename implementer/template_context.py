@@ -298,7 +298,8 @@ def _check_layers(m: SelectionManifest) -> None:
                    "linear_attention section (references/hybrid_linear.md)")
     if states and m.mtp is not None:
         raise _bad("mtp", "a hybrid model with MTP layers: the state templates do not render speculative state "
-                          "slots (1 + next_n per request) yet")
+                          "slots (1 + next_n per request; the framework's forward metadata names no accepted count "
+                          "to resume from): analyze with --next-n 0 to render it without speculative decoding")
     uncached = [layer for layer in m.layers if not layer.caches and not layer.is_state]
     if uncached:
         kinds = sorted({layer.layer_kind for layer in uncached})

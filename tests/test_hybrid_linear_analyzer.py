@@ -221,4 +221,43 @@ def test_a_hybrid_with_mtp_is_planned_with_its_speculative_state_blocks_and_said
     assert any("1 + next_n state blocks" in w.message for w in m.warnings)
     with pytest.raises(InputError) as info:
         render_manifest(m)
-    assert info.value.field == "mtp"
+    assert info.value.field == "mtp" and "--next-n 0" in info.value.render()
+
+
+def _rendered_code(manifest) -> dict[str, list[str]]:
+    """The rendered files without their first line (it names the manifest's hash)."""
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    return {name: text.splitlines()[1:] for name, text in render_manifest(manifest).files.items()}
+
+
+def test_next_n_0_serves_a_hybrid_with_mtp_without_speculative_decoding(tmp_path):
+    """--next-n 0 (the framework run with next_n 0): the MTP layer is left unused, so the plan and the render are
+    those of the same config without it (one state block per request, no verify steps), and the manifest says so."""
+    cfg = json.loads((CONFIGS / "qwen3_5_moe.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    off = run_config(tmp_path, cfg, max_len=4096, max_concurrency=4, next_n=0, deploy_mode="framework")
+    assert off.mtp is None and off.model.num_mtp_layers == 0 and off.memory.blocks["Mamba"] == 4 * 1 + 1
+    assert any(w.message.startswith("--next-n 0: speculative decoding off, the config's 1 MTP layer(s) unused")
+               for w in off.warnings)
+    del cfg["text_config"]["mtp_num_hidden_layers"]
+    (tmp_path / "plain").mkdir()
+    plain = run_config(tmp_path / "plain", cfg, max_len=4096, max_concurrency=4, deploy_mode="framework")
+    assert off.layers == plain.layers and off.memory.blocks == plain.memory.blocks
+    assert _rendered_code(off) == _rendered_code(plain)
+
+
+@pytest.mark.parametrize("next_n", [2, -1])
+def test_next_n_other_than_off_or_the_configs_depth_is_bad_input(tmp_path, next_n):
+    cfg = json.loads((CONFIGS / "qwen3_5_moe.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "analyze", "--config", str(path), "--next-n",
+                           str(next_n), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and not out.exists() and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: --next-n: ") and "only 0 (speculative decoding off) or the config's 1" in lines[0]
+    same = analyze(AnalyzeRequest(config=str(path), next_n=1))  # the config's depth: the default plan
+    assert same == analyze(AnalyzeRequest(config=str(path)))

@@ -31,7 +31,10 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 
 DEFAULT_API = "G2"
 # Linear-attention families whose states the templates render (templates/linear_state.py.j2).
-RENDERED_LINEAR = ("gated_delta_net", "kimi_delta_attention")
+RENDERED_LINEAR = ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
+# How the rendered code and INTEGRATION.md name each family.
+LINEAR_FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
+                       "lightning_attention": "lightning attention"}
 # Cache names the templates know, by attention family: they become attribute names in generated code.
 CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")}
 # DSA (manifest.dsa): the MLA caches plus each layer's indexer key cache
@@ -151,13 +154,17 @@ class LinearCtx:
     num_v_heads: int
     head_k_dim: int
     head_v_dim: int
-    conv_kernel: int
+    conv_kernel: int  # 0: the family has no short conv (lightning), so no conv state
     conv_channels: int
     conv_dtype: str
     state_dtype: str
     layers: tuple[int, ...]
     state_shape: str  # one request's recurrent state, as the rendered constants: the family's layout
     state_layout: str  # which layout, and whose
+
+    @property
+    def family_name(self) -> str:
+        return LINEAR_FAMILY_NAMES[self.family]
 
 
 @dataclass(frozen=True)
@@ -472,21 +479,24 @@ def _linear_ctx(m: SelectionManifest) -> LinearCtx | None:
     lin = m.linear_attention
     if lin is None:
         return None
-    conv, rec = (next(s for s in lin.states if s.name == name) for name in ("conv_state", "recurrent_state"))
-    # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA
+    rec = next(s for s in lin.states if s.name == "recurrent_state")
+    conv = next((s for s in lin.states if s.name == "conv_state"), None)  # None: no short conv (lightning)
+    # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA and lightning
     if lin.family == "gated_delta_net":
         dims, layout = ("V", "V", "K"), "[Nv, Dv, Dk]: npu_recurrent_gated_delta_rule's layout"
     else:
         dims, layout = ("V", "K", "V"), "[H, Dk, Dv]: the torch recurrence's layout"
     sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim}
     want = [lin.num_v_heads_per_rank, *(sizes[d] for d in dims[1:])]
-    if conv.shape != [lin.conv_channels_per_rank, lin.conv_kernel - 1] or rec.shape != want:
-        raise _bad("linear_attention.states", f"shapes {conv.shape} / {rec.shape} are not the {lin.family}'s "
-                                              f"[channels, kernel - 1] / {want}")
+    want_conv = None if lin.conv_kernel is None else [lin.conv_channels_per_rank, lin.conv_kernel - 1]
+    if (conv.shape if conv else None) != want_conv or rec.shape != want:
+        raise _bad("linear_attention.states", f"shapes {conv.shape if conv else 'no conv_state'} / {rec.shape} are "
+                                              f"not the {lin.family}'s {want_conv or 'no conv_state'} / {want}")
     shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM" for d in dims[1:])])
     return LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank), int(lin.head_k_dim),
-                     int(lin.head_v_dim), int(lin.conv_kernel), int(lin.conv_channels_per_rank),
-                     _TORCH_DTYPE[conv.dtype], _TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout)
+                     int(lin.head_v_dim), int(lin.conv_kernel or 0), int(lin.conv_channels_per_rank),
+                     _TORCH_DTYPE[conv.dtype] if conv else "None", _TORCH_DTYPE[rec.dtype], tuple(lin.layers),
+                     f"({shape})", layout)
 
 
 def _dsa_fields(m: SelectionManifest) -> dict:

@@ -222,18 +222,22 @@ def _manifest_with(source: Path, edit) -> SelectionManifest:
 
 
 def test_linear_attention_layers_get_a_clear_message():
-    """Gated-delta-net and KDA states render (templates/linear_state.py.j2); lightning attention (Ling-2.5) is
-    refused naming the state field and the family; Kimi-Linear's NoPE MLA is refused by the MLA template."""
+    """Gated-delta-net, KDA and lightning states render (templates/linear_state.py.j2; lightning: one recurrent
+    state, no conv); states of a Legacy (contiguous-cache) plan are refused naming the state field and the family;
+    Kimi-Linear's NoPE MLA is refused by the MLA template."""
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     configs = ROOT / "tests" / "fixtures" / "configs"
     rendered = render_manifest(analyze(AnalyzeRequest(config=str(configs / "qwen3_next.json"))))
     assert "npu_recurrent_gated_delta_rule" in rendered.files["kvcache_attention.py"]
-    m = analyze(AnalyzeRequest(config=str(configs / "ling_2_5.json")))
+    ling = render_manifest(analyze(AnalyzeRequest(config=str(configs / "ling_2_5.json")))).files["kvcache_attention.py"]
+    assert "def lightning_recurrence(" in ling and 'cache_name="recurrent_state"' in ling
+    assert "conv_state" not in ling and "CONV_KERNEL" not in ling
+    m = analyze(AnalyzeRequest(config=str(configs / "ling_2_5.json"), kv_mode="legacy"))
     with pytest.raises(InputError) as info:
         render_manifest(m, allow_blocked=True)
     text = info.value.render()
-    assert "recurrent state" in text and "lightning_attention" in text and "layers[0].states" in text
+    assert "recurrent state" in text and "lightning_attention, Legacy" in text and "layers[0].states" in text
     assert "references/hybrid_linear.md" in text
     with pytest.raises(InputError) as info:
         render_manifest(analyze(AnalyzeRequest(config=str(configs / "kimi_linear.json"))))

@@ -30,7 +30,7 @@ from typing import Any
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
-from model_infer_kvcache.analyzer.linear_config import LINEAR_MODULE_SUFFIXES
+from model_infer_kvcache.analyzer.linear_config import LINEAR_MODULE_SUFFIXES, NOT_IN_TRANSFORMERS
 from model_infer_kvcache.analyzer.manifest import LayerPlan
 
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
@@ -267,7 +267,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                 scale_txt: str) -> CheckResult:
     """Compare the planned scale and per-layer window with the architecture's attention modules."""
     lin = facts.linear.value
-    if lin is not None and lin.reference is None:
+    if lin is not None and lin.family in NOT_IN_TRANSFORMERS:
         # Ling-2.5 publishes model_type bailing_hybrid, which transformers implements as another architecture
         # (Ling-3.0 KDA): building it would compare against the wrong model.
         return CheckResult(ships=False, notes=[

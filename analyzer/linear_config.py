@@ -37,17 +37,27 @@ _LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
 _KDA_FIELDS = ("short_conv_kernel_size", "kda_safe_gate", "kda_lower_bound")
 _LIGHTNING_ARCH = "BailingMoeV2_5ForCausalLM"
 
-# transformers class-name endings of linear-attention modules (Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
-# BailingHybridDeltaAttention): the cross-check tells them from softmax attention by these. Not "LinearAttention":
+# Class-name endings of linear-attention modules (transformers' Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
+# BailingHybridDeltaAttention, MiniMaxLightningAttention; kvcache's Ling-2.5 reference LingLightningAttention): the
+# cross-check and the rendered-mode host tell them from softmax attention by these. Not "LinearAttention":
 # Kimi-Linear's full (MLA) layers are KimiLinearAttention.
-LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention")
+LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention", "LightningAttention")
 
-# Where each family's math lives (the validation reference; None: no transformers class implements it).
+# What the validation compares each family with. Gated delta net and KDA: transformers' own classes. Lightning
+# (Ling-2.5): transformers has no such model, so kvcache builds one from transformers' Ling-family code with a
+# plain-torch lightning attention (validators/pipeline/ling_lightning.py; references/hybrid_linear.md says what
+# that reference shares with the model under test).
 REFERENCE = {
     GATED_DELTA_NET: "transformers Qwen3NextGatedDeltaNet / Qwen3_5MoeGatedDeltaNet (torch_chunk_gated_delta_rule)",
     KIMI_DELTA: "transformers KimiLinearKimiDeltaAttention / BailingHybridDeltaAttention (chunk_kimi_delta_attention)",
-    LIGHTNING: None,
+    LIGHTNING: "kvcache's Ling-2.5 reference (validators/pipeline/ling_lightning.py): transformers' BailingHybrid "
+               "model, MLA (output gate removed) and MoE, with a plain-torch lightning attention in the linear layers "
+               "(MiniMaxLightningAttention's recurrence and slopes, Ling-2.5's layout, norms, gate and slope factor "
+               "from the upstream bailing_2_5 port)",
 }
+# Families transformers implements no model of: the architecture cross-check cannot build them (Ling-2.5's
+# model_type bailing_hybrid is, in transformers, the KDA model).
+NOT_IN_TRANSFORMERS = frozenset({LIGHTNING})
 
 
 @dataclass(frozen=True)

@@ -207,8 +207,10 @@ class LinearAttentionDecision(_Model):
     state_bytes_per_layer: int = Field(description="one request's states of one linear layer, one rank")
     framework_entry: str = Field(description="how the states register with the framework")
     operators: dict[str, str] = Field(description="what computes the recurrence: prefill / decode")
-    reference: str | None = Field(description="the transformers code the validation compares against; None: "
-                                              "transformers implements no such model")
+    reference: str | None = Field(description="what the validation compares against: transformers' own classes, "
+                                              "or for a family transformers lacks (Ling-2.5 lightning) kvcache's "
+                                              "reference built from transformers' code; None: none named (a "
+                                              "manifest of an older kvcache)")
     source: str
     reason: str
 

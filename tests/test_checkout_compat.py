@@ -181,23 +181,29 @@ def _manifest(name: str):
     return analyze(AnalyzeRequest(config=str(ROOT / "tests" / "fixtures" / "configs" / f"{name}.json")))
 
 
-def test_preflight_refuses_a_linear_family_without_a_transformers_reference():
-    """Ling-2.5's lightning attention: transformers implements no such model (its bailing_hybrid is Ling-3.0's
-    KDA), so a checkout run could compare the logits with nothing: exit 2 naming the family."""
+def test_preflight_refuses_a_manifest_naming_no_reference():
+    """No linear family is left without a reference (Ling-2.5's lightning attention has kvcache's own,
+    validators/pipeline/ling_lightning.py), so the refusal remains only for a manifest an older kvcache wrote with
+    linear_attention.reference null: exit 2 naming the family and what to do."""
     from model_infer_kvcache.analyzer.errors import InputError
     from model_infer_kvcache.validators.checkout_run.support import preflight
 
+    manifest = _manifest("ling_2_5")
+    old = manifest.model_copy(update={"linear_attention": manifest.linear_attention.model_copy(
+        update={"reference": None})})
     with pytest.raises(InputError) as info:
-        preflight("c.json", _manifest("ling_2_5"))
+        preflight("c.json", old)
     line = info.value.render()
     assert line.startswith("c.json: model_type: not supported by kvcache: linear-attention layers of family "
                            "lightning_attention"), line
-    assert "no reference" in line
+    assert "re-run kvcache analyze" in line
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next", "kimi_linear", "bailing_hybrid_kda", "qwen3_8b"])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next", "kimi_linear", "bailing_hybrid_kda", "ling_2_5",
+                                  "qwen3_8b"])
 def test_preflight_lets_configs_with_a_reference_through(name):
-    """Gated delta net and KDA hybrids (framework-owned states are judged by check_state_blocks) and every
+    """Gated delta net and KDA hybrids (transformers' classes), Ling-2.5's lightning attention (kvcache's reference
+    from transformers' Ling-family code), whose framework-owned states check_state_blocks judges, and every
     attention-only config."""
     from model_infer_kvcache.validators.checkout_run.support import preflight
 
@@ -434,3 +440,40 @@ def test_sizes_a_config_class_pins_are_kept_only_when_the_config_agrees(tmp_path
     tiny, notes = {"q_lora_rank": 64}, []
     keep_fixed(tiny, {"q_lora_rank": 2048}, fixed, notes)
     assert tiny["q_lora_rank"] == 64 and "the checkout ignores the config's value" in notes[0]
+
+
+def test_parallel_sizes_follow_the_model_s_own_launch_yamls_only_where_they_agree():
+    """bailing_2_5's yaml (attention TP over every rank) ties o_proj_tp_size to it and runs the MoE expert-parallel
+    over every rank; the other snapshot models' yamls disagree among themselves (or keep attention TP 1), so their
+    runs keep the defaults. The engine batch rounds the stream's concurrency up to a multiple of attention TP."""
+    from model_infer_kvcache.validators.checkout_run.engine_run import engine_batch_size, shipped_layout
+    from shared_dirs import upstream_head
+
+    models = upstream_head() / "models"
+    assert shipped_layout(models / "bailing_2_5" / "config", 2) == {"o_proj_tp_size": 2, "moe_tp_size": 1}
+    for other in ("qwen3_5", "qwen3_moe", "deepseek_r1", "deepseek_v3_2_exp", "kimi_k2_thinking", "longcat_flash",
+                  "gemma_4", "qwen"):
+        assert shipped_layout(models / other / "config", 2) == {}, other
+    assert [engine_batch_size(c, 2) for c in (2, 3, 4)] == [2, 4, 4] and engine_batch_size(3, 1) == 3
+
+
+def test_mla_decode_layout_is_judged_as_the_model_lays_it_out_only_at_one_token():
+    """BSND_NBSD at one query token per request is TND_NTD's rows and output order (upstream bailing_2_5's eager
+    decode); a longer query, a prefill on the cache or mixed layouts are judged as the manifest says."""
+    from model_infer_kvcache.validators.checkout_run.checks import mla_decode_layout_judged
+    from model_infer_kvcache.validators.pipeline.report import Report
+
+    manifest = _manifest("ling_2_5")
+    assert manifest.mla.enabled and manifest.fa.input_layout == "TND_NTD"
+
+    def call(layout="BSND_NBSD", q_shape=(4, 1, 8, 512), prefill=False):
+        return {"op": "npu_fused_infer_attention_score", "input_layout": layout, "q_shape": q_shape,
+                "is_prefill": prefill}
+
+    report = Report(backend="emulated", deploy_mode="framework", model_type="x", manifest_hash="0", dtype="float32",
+                    tolerance=1e-4)
+    judged = mla_decode_layout_judged(report, manifest, [call(), call()])
+    assert judged.fa.input_layout == "BSND_NBSD" and "judged as BSND_NBSD calls" in report.notes[-1]
+    for calls in ([call(q_shape=(4, 2, 8, 512))], [call(prefill=True)], [call(), call("TND_NTD", (4, 8, 512))],
+                  [call("BNSD_NBSD")]):
+        assert mla_decode_layout_judged(report, manifest, calls) is manifest

@@ -154,19 +154,22 @@ def test_gemma_4_values_cached_as_keys_fail_above_its_measured_tolerance(tmp_pat
 
 
 @pytest.mark.slow
-def test_bailing_2_5_without_a_reference_is_exit_2_naming_it(tmp_path):
-    """Ling-2.5 (the folder's own config class, saved as its hub config.json): its framework-owned lightning states
-    would run, but transformers implements no lightning attention (its bailing_hybrid is Ling-3.0's KDA), so
-    there is nothing to compare the logits with: exit 2 naming the family, before the engine is built."""
+def test_bailing_2_5_cannot_be_built_on_one_rank(tmp_path):
+    """Ling-2.5 (the folder's own config class, saved as its hub config.json) at one rank: the upstream file builds its
+    communication groups (hccl_comm_dict) only when the world size is above 1, and its MoE reads them
+    unconditionally (modeling_bailing_moe_v2_5.py:423), so the model cannot be built on one rank: exit 1 at that
+    line, the hint naming --attn-tp-size 2 (where it passes against kvcache's Ling-2.5 reference:
+    tests/test_checkout_lightning.py)."""
     config = ROOT / "tests" / "fixtures" / "configs" / "ling_2_5.json"
     report = tmp_path / "report.json"
     out = _cli("bailing_2_5", config, "--report", str(report))
-    assert out.returncode == 2, out.stderr[-2000:]
-    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(
-        f"error: {config}: model_type: not supported by kvcache: linear-attention layers of family "
-        "lightning_attention"), out.stderr[-2000:]
-    assert "Traceback" not in out.stderr and not report.exists()
+    assert out.returncode == 1, out.stderr[-2000:]
+    failed = [ln for ln in out.stderr.splitlines() if ln.startswith("FAILED")]
+    assert failed == ["FAILED [runtime] checkout model runs in the engine without errors: "
+                      "modeling_bailing_moe_v2_5.py:423: AttributeError: 'NoneType' object has no attribute 'get' "
+                      "(the model builds its communication groups only with more than one rank, and this line "
+                      "reads them: validate with --attn-tp-size 2)"], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and json.loads(report.read_text())["passed"] is False
 
 
 def _qwen3_5(tmp_path, **kw):

@@ -73,6 +73,21 @@ def test_the_npu_device_is_the_cpu_for_tensors_too():
         torch.zeros(1, device=0)
 
 
+def test_index_copy_takes_the_int32_index_the_npu_takes():
+    # torch_npu's index_copy_ goes to aclnnInplaceIndexCopy (INT32 or INT64 index); CPU torch wants int64. Upstream
+    # bailing_2_5 writes its lightning states back with int32 block ids.
+    index = torch.tensor([2, 0], dtype=torch.int32)
+    source = torch.arange(6.0).view(2, 3)
+    with device_standins():
+        got = torch.zeros(3, 3).index_copy_(0, index, source)
+        out = torch.index_copy(torch.zeros(3, 3), 0, index, source)
+        kw = torch.zeros(3, 3).index_copy(0, index=index, source=source)
+    want = torch.zeros(3, 3).index_copy_(0, index.long(), source)
+    assert torch.equal(got, want) and torch.equal(out, want) and torch.equal(kw, want)
+    with pytest.raises(RuntimeError, match="long"):  # off again on exit
+        torch.zeros(3, 3).index_copy_(0, index, source)
+
+
 def test_does_not_nest():
     with device_standins(), pytest.raises(RuntimeError, match="nest"), device_standins():
         pass

@@ -46,12 +46,14 @@ def test_qwen3_5_moe_nested_text_config_plans_gated_delta_states():
     assert not any("unknown model family" in w.message for w in m.warnings)  # qwen3_5: Qwen3's scale rule
 
 
-def test_ling_2_5_is_lightning_attention_with_mla_full_layers_and_no_transformers_reference():
+def test_ling_2_5_is_lightning_attention_with_mla_full_layers_and_kvcache_s_own_reference():
     """Ling-2.5 publishes model_type bailing_hybrid, which transformers implements as Ling-3.0 (KDA): the lightning
-    fields decide, the state is [H, D, D] without conv, and the cross-check against the wrong model is skipped."""
+    fields decide, the state is [H, D, D] without conv, the cross-check against the wrong model is skipped, and the
+    validation reference is kvcache's own (transformers' Ling-family code with a torch lightning attention)."""
     m = run("ling_2_5", attn_tp_size=2)
     lin = m.linear_attention
-    assert lin.family == LIGHTNING and lin.conv_kernel is None and lin.reference is None
+    assert lin.family == LIGHTNING and lin.conv_kernel is None
+    assert lin.reference.startswith("kvcache's Ling-2.5 reference (validators/pipeline/ling_lightning.py)")
     assert [(s.name, s.shape, s.dtype) for s in lin.states] == [("recurrent_state", [8, 128, 128], "bfloat16")]
     assert _linear_of(m) == [i for i in range(20) if (i + 1) % 5]
     assert m.mla.enabled and {c.name for layer in m.layers if not layer.is_state for c in layer.caches} == {

@@ -231,6 +231,18 @@ def test_mla_absorb_decode_v2_nz_and_mtp():
     check(mtp, layout="TND_NTD", mode=3, paged=build_paged(mtp, 128, "nz", seed=13), version=2, scale=0.04)
 
 
+def test_mla_absorb_decode_bsnd_takes_an_nz_cache():
+    """The MLA rope path's own section of the op docs: with NZ key/value the query layout may be BSH/BSND (not BNSD):
+    upstream bailing_2_5's eager decode calls v1 BSND_NBSD on its PA_NZ caches. Outside that path a BSND query
+    still takes only a [bn, bs, H] cache."""
+    case = make_case([1, 1], [130, 60], 4, 1, 512, rope=True, same_kv=True, seed=12)
+    check(case, layout="BSND_NBSD", mode=0, paged=build_paged(case, 128, "nz", seed=12), version=1, scale=0.04)
+    plain = make_case([1, 1], [130, 60], 4, 1, 64, seed=17)
+    with pytest.raises(NpuOpError, match="BSND queries only accept a") as err:
+        run(plain, layout="BSND", mode=0, paged=build_paged(plain, 128, "nz", seed=17), version=1)
+    assert err.value.argument == "key"
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_mla_absorb_decode_mode3_follows_its_device_question(version):
     # The op docs: with query_rope at Q_S 1 only sparse 0 without a mask or 4 with a mask is supported

@@ -523,6 +523,79 @@ def test_single_rank_dispatch_experts_combine_equals_per_token_experts():
     expect("assist_info_for_combine", g, y, idx, expand_idx[:3], ep_counts, topk.float(), "ep", 1, 0, e)
 
 
+def test_combine_adds_the_shared_experts_output_once():
+    """shared_expert_x (the model's own shared-expert output, upstream bailing_2_5): added to each token's weighted
+    sum once, unweighted (ops-transformer's combine kernel, AddSharedExpertX); its shape and dtype are checked."""
+    n, h, e, k = 4, 8, 4, 2
+    x, shared = randn(n, h), randn(n, h)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], dtype=torch.int32)
+    scales = torch.rand(n, k, generator=GEN) * 2  # not summing to 1: the shared output is still added once
+    expand_x, _, expand_idx, _, ep_counts, *_ = ops.npu_moe_distribute_dispatch_v2(x, idx, "ep", 1, 0, e)
+    y = expand_x * 3.0
+    plain = ops.npu_moe_distribute_combine_v2(y, idx, expand_idx, ep_counts, scales, "ep", 1, 0, e)
+    out = ops.npu_moe_distribute_combine_v2(y, idx, expand_idx, ep_counts, scales, "ep", 1, 0, e,
+                                            shared_expert_x=shared)
+    torch.testing.assert_close(out, plain + shared)
+    torch.testing.assert_close(plain, (scales.unsqueeze(-1) * 3.0 * x.unsqueeze(1)).sum(1))
+    g = ops.npu_moe_distribute_combine_v2
+    expect("shared_expert_x", g, y, idx, expand_idx, ep_counts, scales, "ep", 1, 0, e, shared_expert_x=shared[:3])
+    expect("shared_expert_x", g, y, idx, expand_idx, ep_counts, scales, "ep", 1, 0, e,
+           shared_expert_x=shared.double())
+
+
+def _two_rank_moe(rank: int, port: int) -> None:
+    """One of two gloo ranks: dispatch over EP 2 (each rank owns 2 of 4 experts), the local experts, combine;
+    each rank's tokens must come back as the per-token MoE computed from every expert's weights."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        n, h, e, k = 3, 8, 4, 2
+        weights = torch.randn(e, h, h, generator=g)  # expert j: x @ weights[j]
+        xs = [torch.randn(n, h, generator=g) for _ in range(2)]
+        ids = [torch.tensor([[0, 3], [2, 1], [3, 2]], dtype=torch.int32), torch.tensor([[1, 0], [0, 2], [3, 1]],
+                                                                                      dtype=torch.int32)]
+        scales = [torch.rand(n, k, generator=g) for _ in range(2)]
+        shared = [torch.randn(n, h, generator=g) for _ in range(2)]
+        x, idx = xs[rank], ids[rank]
+        expand_x, _, expand_idx, counts, recv, tp_recv, _ = ops.npu_moe_distribute_dispatch_v2(
+            x, idx, None, 2, rank, e, shared_expert_num=0)
+        assert expand_x.shape == (n * 2 * 2, h) and counts.tolist() == [
+            sum(int((t == 2 * rank + j).sum()) for t in ids) for j in range(2)]
+        out_rows = expand_x.clone()
+        start = 0
+        for j, c in enumerate(counts.tolist()):  # the local experts, rows grouped by expert
+            out_rows[start:start + c] = expand_x[start:start + c] @ weights[2 * rank + j]
+            start += c
+        out = ops.npu_moe_distribute_combine_v2(out_rows, idx, expand_idx, recv, scales[rank], None, 2, rank, e,
+                                                tp_send_counts=tp_recv, shared_expert_x=shared[rank],
+                                                shared_expert_num=0)
+        want = torch.stack([sum(scales[rank][i, j] * (x[i] @ weights[int(idx[i, j])]) for j in range(k))
+                            for i in range(n)]) + shared[rank]
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dispatch_and_combine_over_two_ep_ranks_return_each_token_its_experts():
+    """More than one EP rank (upstream bailing_2_5's MoE at moe_tp_size 1): the EP group is the default process
+    group; outside one (no process group here) the call is refused, naming ep_world_size."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_two_rank_moe, args=(port,), nprocs=2, join=True, start_method="fork")  # no re-import
+    x, idx = randn(3, 8), torch.tensor([[0, 1], [1, 2], [2, 3]], dtype=torch.int32)
+    expect("ep_world_size", ops.npu_moe_distribute_dispatch_v2, x, idx, "ep", 2, 0, 4, error=UnemulatedFeatureError)
+
+
 def test_gating_top_k_matches_transformers_deepseek_v3_router():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter

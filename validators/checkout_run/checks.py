@@ -126,6 +126,30 @@ def full_decode_mode_judged(report: Report, manifest: SelectionManifest, calls: 
     return manifest.model_copy(update={"layers": layers})
 
 
+# Query layouts that are TND_NTD itself when every request has one query token: [B, 1, N, D] (BSND) / [B, 1, N * D]
+# (BSH) are the T = B packed rows of TND, and the NBSD output [N, B, 1, D] is NTD's [N, T, D], in the same order.
+ONE_TOKEN_TND_NTD = ("BSND_NBSD", "BSH_NBSD")
+
+
+def mla_decode_layout_judged(report: Report, manifest: SelectionManifest, calls: list[dict]) -> SelectionManifest:
+    """An MLA model whose every FA call on the cache is a decode call with one query token per request, laid out
+    BSND_NBSD or BSH_NBSD where the manifest plans TND_NTD (upstream bailing_2_5's eager path; its npugraph_ex path
+    calls TND_NTD): at one token the two are the same query rows and the same output order, and the keys are read
+    through the block table and KV lengths either way (the op docs list BSH/BSND for the MLA rope path, with ND or NZ
+    caches). Judged as that layout, said in a note; mixed layouts, or a longer query, are judged as written."""
+    if not (manifest.mla.enabled and manifest.mtp is None and manifest.fa.input_layout == "TND_NTD" and calls):
+        return manifest
+    layouts = {value_passed(c["op"], c, "input_layout") for c in calls}
+    layout = next(iter(layouts))
+    if (len(layouts) != 1 or layout not in ONE_TOKEN_TND_NTD
+            or any(c["is_prefill"] or len(c["q_shape"]) < 2 or c["q_shape"][1] != 1 for c in calls)):
+        return manifest
+    report.notes.append(f"the model's MLA decode lays its FA calls out {layout} (one query token per request) where "
+                        "the manifest plans TND_NTD: the same query rows and output order at one token; judged as "
+                        f"{layout} calls")
+    return manifest.model_copy(update={"fa": manifest.fa.model_copy(update={"input_layout": layout})})
+
+
 def own_layout_layers(report: Report, manifest: SelectionManifest, calls: list[dict]) -> set[int]:
     """Layers whose FA layout is left to the operator's layout rules and the numeric link: those shaped unlike
     the model (``LayerPlan.head_dim``: the manifest's one layout was chosen for the model's head_dim) that the
@@ -146,7 +170,7 @@ def own_layout_layers(report: Report, manifest: SelectionManifest, calls: list[d
 def judged_manifest(report: Report, manifest: SelectionManifest, calls: list[dict]) -> SelectionManifest:
     """The manifest the checkout's FA calls are judged against: the analyzer's plan, with the choices the model
     may make differently without being wrong (each said in a note) taken from its calls."""
-    manifest = fa_version_judged(report, manifest, calls)
+    manifest = mla_decode_layout_judged(report, fa_version_judged(report, manifest, calls), calls)
     return full_decode_mode_judged(report, mla_decode_mode_judged(report, manifest, calls), calls)
 
 

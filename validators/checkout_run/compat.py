@@ -175,23 +175,27 @@ class _Renamed:
 
 def entries_named_by_the_manifest(info, manifest):
     """``(info, mapping)``: when a layer's entry names differ from the manifest's but pair one to one by
-    width (``dim``) with them, a view of ``info`` whose entries carry the manifest's names (the names are
-    the model's own choice; what is checked is what each entry holds), and the names paired, else
-    ``(info, {})``."""
+    width (``dim``; a recurrent state by its ``shape``) with them, a view of ``info`` whose entries carry the
+    manifest's names (the names are the model's own choice; what is checked is what each entry holds), and the
+    names paired, else ``(info, {})``."""
     import types
 
     mapping: dict[str, str] = {}
     layers = []
     for plan, layer in zip(manifest.layers, info.layer_infos, strict=False):
         got = {e.cache_name: e for e in layer.caches}
-        want = {c.name: c for c in plan.caches}
+        planned = plan.states if plan.is_state else plan.caches
+        want = {c.name: c for c in planned}
         pairs = {}
         if set(got) != set(want) and len(got) == len(want):
+            def width(e, state=plan.is_state):
+                return tuple(getattr(e, "shape", None) or ()) if state else getattr(e, "dim", None)
+
             by_dim = {}
-            for c in plan.caches:
-                by_dim.setdefault(c.dim, []).append(c.name)
+            for c in planned:
+                by_dim.setdefault(tuple(c.shape) if plan.is_state else c.dim, []).append(c.name)
             for name, e in got.items():
-                names = by_dim.get(getattr(e, "dim", None), [])
+                names = by_dim.get(width(e), [])
                 if len(names) == 1:
                     pairs[name] = names[0]
             if len(pairs) != len(got) or len(set(pairs.values())) != len(pairs):

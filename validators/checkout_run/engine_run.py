@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from model_infer_kvcache.validators.checkout_run.recorder import ForwardSeen
@@ -93,18 +94,56 @@ class EngineRun:
 
 
 def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, block_size: int,
-                      max_new_tokens: int) -> dict:
-    """The yaml dictionary of a tiny eager CPU run (the shape of models/*/config/*.yaml)."""
+                      max_new_tokens: int, layout: dict[str, int] | None = None) -> dict:
+    """The yaml dictionary of a tiny eager CPU run (the shape of models/*/config/*.yaml); ``layout``: parallel sizes
+    taken from the model's own yamls (``shipped_layout``)."""
     longest = max(n for n, _ in scenario.first + scenario.late)
     return {
         "model_config": {"model_name": name, "model_path": model_path, "exe_mode": "eager", "with_ckpt": True,
                          "platform_version": "A3", "enable_weight_nz": False},
         "data_config": {"dataset": "default", "input_truncated_len": longest},
         "parallel_config": {"world_size": tp, "attn_tp_size": tp, "moe_tp_size": tp, "embed_tp_size": 1,
-                            "lmhead_tp_size": 1},
-        "scheduler_config": {"batch_size": scenario.max_concurrency, "max_new_tokens": max_new_tokens,
+                            "lmhead_tp_size": 1, **(layout or {})},
+        "scheduler_config": {"batch_size": engine_batch_size(scenario.max_concurrency, tp),
+                             "max_new_tokens": max_new_tokens,
                              "block_size": block_size},
     }
+
+
+def engine_batch_size(concurrency: int, tp: int) -> int:
+    """The engine's ``batch_size`` (= ``batch_size_per_dp_rank``: attention TP spans every rank, one DP rank): the
+    stream's concurrency rounded up to a multiple of the attention TP, as every shipped launch yaml has it (a model
+    that shards its decode rows over the attention TP ranks refuses anything else: bailing_2_5's model_setting.py).
+    The driver, not this size, decides when requests arrive (``drive``), so the stream is the same; the pools hold
+    the extra rows' blocks."""
+    return -(-concurrency // tp) * tp
+
+
+def shipped_layout(config_dir: Path, tp: int) -> dict[str, int]:
+    """Parallel sizes the run takes from the model's own launch yamls (``config_dir``: the model folder's
+    ``config/``) instead of its defaults (``o_proj_tp_size`` 1, ``moe_tp_size`` = attention TP), read from the yamls
+    that run attention TP over every rank (``attn_tp_size == world_size > 1``, as the validator does), when all of
+    them agree: ``o_proj_tp_size`` equal to the attention TP (bailing_2_5's model_setting.py refuses anything else),
+    ``moe_tp_size`` 1, i.e. the MoE expert-parallel over every rank (bailing_2_5's prefill MoE exchanges tokens
+    over its expert-parallel group, which is no group at all when ``moe_tp_size`` is the world size). None of the
+    other snapshot models' yamls agree on either, so their runs keep the defaults."""
+    import yaml
+
+    layouts = []
+    for path in sorted(config_dir.glob("*.yaml")):
+        try:
+            parallel = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("parallel_config") or {}
+        except (yaml.YAMLError, OSError, AttributeError):
+            continue
+        world, attn = parallel.get("world_size", 1), parallel.get("attn_tp_size", 1)
+        if isinstance(world, int) and world > 1 and attn == world:
+            layouts.append(parallel)
+    out: dict[str, int] = {}
+    if layouts and all(p.get("o_proj_tp_size", 1) == p["attn_tp_size"] for p in layouts):
+        out["o_proj_tp_size"] = tp
+    if layouts and all(p.get("moe_tp_size", 1) == 1 for p in layouts):
+        out["moe_tp_size"] = 1
+    return out
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)

@@ -71,9 +71,19 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             from executor.core.config import InferenceConfig
 
             max_new = max(new for _, new in scenario.first + scenario.late)
+            folder = classes.model_module.split(".")[1]
+            layout = engine_run.shipped_layout(root / "models" / folder / "config", world) if world > 1 else {}
+            if full and engine_run.engine_batch_size(scenario.max_concurrency, world) != scenario.max_concurrency:
+                report.notes.append(f"engine batch size {engine_run.engine_batch_size(scenario.max_concurrency, world)}"
+                                    f": the stream's {scenario.max_concurrency} concurrent requests rounded up to a "
+                                    f"multiple of attention TP {world} (decode batches are padded to it)")
+            if full and layout:
+                report.notes.append(f"parallel sizes from the model's own launch yamls (models/{folder}/config/*.yaml "
+                                    "with attention TP over every rank): "
+                                    + ", ".join(f"{k} {v}" for k, v in sorted(layout.items())))
             infer = InferenceConfig.from_dict(
                 engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size,
-                                             max_new),
+                                             max_new, layout),
                 global_rank=rank, local_rank=rank)
             with contextlib.ExitStack() as stack, engine_run.cpu_engine_patches(dtype):
                 from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_scaling
@@ -181,6 +191,12 @@ def _hint(exc: BaseException, world: int) -> str:
         # the model registers only for moe_ep_size > 1; the validator runs MoE TP = attention TP.
         return (" (the model registers that group only with more than one rank: validate with --attn-tp-size 2, "
                 "which runs its MoE tensor-parallel path)")
+    frames = traceback.extract_tb(exc.__traceback__)
+    if world == 1 and isinstance(exc, AttributeError) and frames and "hccl_comm_dict" in (frames[-1].line or ""):
+        # bailing_2_5: its CausalLM builds hccl_comm_dict only when the world size is above 1, and its MoE reads it
+        # unconditionally (modeling_bailing_moe_v2_5.py:423)
+        return (" (the model builds its communication groups only with more than one rank, and this line reads "
+                "them: validate with --attn-tp-size 2)")
     return ""
 
 

@@ -71,7 +71,9 @@ def checkout_scope(root: Path) -> Iterator[CheckoutScope]:
         scope.handle = handle
         scope.standins += ["torch_npu: validators.npu_ops emulation (also torch.ops.npu)",
                            "torchair, torch.npu, Tensor.npu: validators.standins",
-                           "a device= naming the NPU (torch.npu.current_device(), 'npu:N'): the CPU", *third_party]
+                           "a device= naming the NPU (torch.npu.current_device(), 'npu:N'): the CPU",
+                           "index_copy(_) with an int32 index (torch_npu's aclnnIndexCopy takes INT32 and INT64; "
+                           "CPU torch int64 only): the index widened to int64", *third_party]
         sys.dont_write_bytecode = True
         sys.path.insert(0, str(root))
         importlib.invalidate_caches()

@@ -1,8 +1,10 @@
 """What kvcache cannot validate yet, said as such: "not supported by kvcache: <what>" (exit 2), never a model failure.
 
-Two moments. Once the model class is known, ``preflight(config_path, manifest)`` refuses framework-owned caches the
-run cannot judge: linear-attention layers of a family transformers does not implement (Ling-2.5 lightning
-attention: no reference to compare the logits with; a model that owns its caches, Legacy, is judged the same way).
+Two moments. Once the model class is known, ``preflight(config_path, manifest)`` refuses linear-attention layers the
+manifest names no validation reference for (``linear_attention.reference`` null). Every family the analyzer plans
+has one today (transformers' gated delta net and KDA classes; for Ling-2.5's lightning attention, which transformers
+lacks, kvcache's own reference: ``validators/pipeline/ling_lightning.py``), so only a manifest written by an older
+kvcache (which left Ling-2.5's null) meets it: re-analyze.
 During the run, ``unsupported_operator(exc, model_frame)`` turns an operator the emulation lacks into the same one
 line when the operator is real (a torch-npu release of ``analyzer/operators/op_names.json`` defines it) or a feature
 of an emulated operator that is not emulated; an operator no release defines stays the model's own error (exit 1,
@@ -15,13 +17,14 @@ from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
 
 def preflight(config_path: str, manifest) -> None:
-    """Raise ``NotSupportedByKvcache`` naming the config's linear-attention family when transformers has no
-    reference for it (``manifest.linear_attention.reference`` is None)."""
+    """Raise ``NotSupportedByKvcache`` naming the config's linear-attention family when the manifest names no
+    reference for it (``manifest.linear_attention.reference`` is None: a manifest of an older kvcache)."""
     lin = manifest.linear_attention
     if lin is not None and lin.reference is None:
         raise NotSupportedByKvcache(config_path, f"linear-attention layers of family {lin.family} ({lin.source}): "
-                                                 "transformers implements no such model, so the logits have no "
-                                                 "reference to be compared with", field="model_type")
+                                                 "the manifest names no reference to compare the logits with "
+                                                 "(linear_attention.reference is null; re-run kvcache analyze)",
+                                    field="model_type")
 
 
 def unsupported_operator(exc: BaseException, where: str, root=None) -> NotSupportedByKvcache | None:

@@ -24,8 +24,8 @@ Rules enforced, each paraphrasing the torch_npu 2.9.0 op documentation:
   non-decreasing, last value <= T); non-paged packed KV lengths are cumulative too.
 * Page attention (``block_table`` given): ``block_table`` int32, 2-D, one row per request,
   wide enough for the longest KV length; KV lengths required and per-request; ``block_size``
-  equal to the cache's block dim; BSH/BSND queries only take a ``[bn, bs, H]`` cache; an NZ
-  cache is not accepted with BNSD; block size: 128..512 in steps of 128 when any query is
+  equal to the cache's block dim; BSH/BSND queries only take a ``[bn, bs, H]`` cache (the MLA rope
+  path also an NZ one, its own section of the docs); an NZ cache is not accepted with BNSD; block size: 128..512 in steps of 128 when any query is
   longer than 1, otherwise 16-aligned (32 for int8) and at most 512; MLA rope path: 16 or
   128 (64 or 128 with sparse_mode 4); NZ never 16. Block ids must lie in the cache (the
   device does not check; an out-of-range id reads other memory).
@@ -212,8 +212,12 @@ def _paged_source(chk, layout: Layout, key, value, key_rope, block_table, block_
                         f"got shape {tuple(key.shape)}")
     if value.dim() != key.dim() or value.shape[0] != key.shape[0]:
         chk.fail("value", f"cache shape {tuple(value.shape)} does not match key cache {tuple(key.shape)}")
-    if layout.query in ("BSH", "BSND") and key.dim() != 3:
-        chk.fail("key", f"{layout.query} queries only accept a [block_num, block_size, H] cache")
+    # The MLA rope path (query head dim 512 with query_rope/key_rope) documents its own cache formats: ND or NZ
+    # [blockNum, KV_N, D/16, blockSize, 16], with BSH/BSND queries but not BNSD (2.9.0 docs, "query_rope和key_rope
+    # 参数约束": "当数据格式为NZ时input_layout不支持BNSD"); elsewhere BSH/BSND take only [bn, bs, H].
+    if layout.query in ("BSH", "BSND") and key.dim() != 3 and not (mla512 and key.dim() == 5):
+        chk.fail("key", f"{layout.query} queries only accept a [block_num, block_size, H] cache"
+                        + (" (or, on the MLA rope path, NZ [bn, N, D/c0, bs, c0])" if mla512 else ""))
     is_nz = key.dim() == 5
     if is_nz and layout.query == "BNSD":
         chk.fail("key", "an NZ cache is not supported with a BNSD query")

@@ -26,8 +26,22 @@ registration, and the semantics from how the recipes use them (qwen3-moe, DeepSe
   copy expert's ``expand_idx`` entry is ``-1``), and combine adds ``expert_scales[i, k] * ori_x[i]`` for
   each copy-expert choice, so ``ori_x`` is required with copy experts.
 
-More than one EP rank, quantization, shared experts on their own ranks, masks and the zero / constant
-experts are refused.
+* ``shared_expert_x`` (combine): the shared experts' output, computed by the model, added once to every token's
+  sum (ops-transformer ``mc2/moe_distribute_combine_v2`` kernel ``AddSharedExpertX``: an unweighted ``Add``; the
+  doc's formula writes it inside the ``expertScales`` sum, which is the same when a token's scales sum to 1).
+
+* More than one EP rank (``ep_world_size = W > 1``, upstream bailing_2_5 at ``moe_tp_size 1``): the EP group must
+  be the whole default process group (the validator's gloo ranks; ``group_ep`` names an HCCL domain, which a gloo
+  run does not have), every rank dispatching the same ``bs``. Expert ``e`` lives on rank ``e // (E / W)``. Dispatch
+  gathers every rank's tokens and keeps the copies of its local experts, ordered by local expert, then source rank,
+  then copy ``i * K + k``: ``expand_x`` rows (``A = bs * W * min(E / W, K)`` from the meta function, NaN past the
+  received ones), ``expert_token_nums`` per local expert. ``expand_idx`` and ``ep_recv_counts`` are opaque handles
+  on the device (the model hands them to combine unchanged); here ``expand_idx[p] = source rank * bs * K + copy``
+  for each received row ``p`` and ``ep_recv_counts[l * W + s]`` counts local expert ``l``'s copies from rank
+  ``s``. Combine sends each row back to its source rank (all-to-all) and sums as on one rank.
+
+Quantization, TP-domain communication (``tp_world_size 2``), shared experts on their own ranks, masks and the zero
+/ constant experts are refused; copy experts only on one EP rank.
 """
 
 from __future__ import annotations
@@ -66,10 +80,17 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
 
 def _single_rank(op: str, ep_world_size, ep_rank_id, tp_world_size, tp_rank_id, shared_expert_rank_num,
                  moe_expert_num, expert_shard_type, zero_expert_num, copy_expert_num, const_expert_num) -> None:
+    """The arguments every emulated call shares; more than one EP rank is emulated over the default process group
+    only (``_ep_group``)."""
     chk.integer(op, "ep_world_size", ep_world_size, low=1)
-    if ep_world_size != 1:
-        raise UnemulatedFeatureError(op, "ep_world_size", f"{ep_world_size} ranks: only a single EP rank is emulated")
     chk.integer(op, "ep_rank_id", ep_rank_id, low=0, high=ep_world_size - 1)
+    if ep_world_size > 1:
+        _ep_group(op, ep_world_size, ep_rank_id)
+        if moe_expert_num % ep_world_size:
+            raise NpuOpError(op, "moe_expert_num", f"{moe_expert_num} experts do not split over {ep_world_size} EP "
+                                                   "ranks (moe_expert_num % ep_world_size must be 0)")
+        if copy_expert_num:
+            raise UnemulatedFeatureError(op, "copy_expert_num", "copy experts are emulated on a single EP rank only")
     chk.choice(op, "tp_world_size", tp_world_size, (0, 1), documented=(2,))
     chk.integer(op, "tp_rank_id", tp_rank_id, low=0, high=0)
     chk.choice(op, "shared_expert_rank_num", shared_expert_rank_num, (0,))
@@ -78,6 +99,72 @@ def _single_rank(op: str, ep_world_size, ep_rank_id, tp_world_size, tp_rank_id, 
     for name, value in (("zero_expert_num", zero_expert_num), ("const_expert_num", const_expert_num)):
         chk.choice(op, name, value, (0,), documented=(value,) if value else ())
     chk.integer(op, "copy_expert_num", copy_expert_num, low=0)
+
+
+def _ep_group(op: str, ep_world_size: int, ep_rank_id: int) -> None:
+    """More than one EP rank: the emulation communicates over the default process group, which must be the EP group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UnemulatedFeatureError(op, "ep_world_size", f"{ep_world_size} ranks without a process group: more than "
+                                                          "one EP rank is emulated over the default process group only")
+    if dist.get_world_size() != ep_world_size or dist.get_rank() != ep_rank_id:
+        raise UnemulatedFeatureError(op, "ep_world_size", f"EP rank {ep_rank_id} of {ep_world_size} is not rank "
+                                                          f"{dist.get_rank()} of the {dist.get_world_size()}-rank "
+                                                          "default process group (the only EP group emulated)")
+
+
+def _gathered(t: torch.Tensor, world: int) -> torch.Tensor:
+    """``[world, *t.shape]``: every EP rank's ``t`` (the same shape on every rank)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.stack(parts)
+
+
+def _dispatch_many(op, x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, expert_token_nums_type):
+    """Dispatch over ``ep_world_size > 1`` ranks (the module docstring): this rank's local experts' copies."""
+    bs, k = (int(s) for s in expert_ids.shape)
+    world, local = ep_world_size, moe_expert_num // ep_world_size
+    sizes = _gathered(torch.tensor([bs]), world).reshape(-1).tolist()
+    if len(set(sizes)) != 1:
+        raise UnemulatedFeatureError(op, "x", f"EP ranks dispatch {sizes} tokens: only equal batch sizes are emulated")
+    xs = _gathered(x, world)  # [W, bs, H]
+    ids = _gathered(expert_ids, world).reshape(world, bs * k).long()  # [W, bs * K]
+    src = torch.arange(world).repeat_interleave(bs * k)
+    copy = torch.arange(bs * k).repeat(world)
+    expert = ids.reshape(-1)
+    mine = (expert // local) == ep_rank_id
+    key = (expert - ep_rank_id * local) * (world * bs * k) + src * (bs * k) + copy
+    order = torch.nonzero(mine).reshape(-1)
+    order = order[torch.argsort(key[order], stable=True)]
+    received = int(order.numel())
+    rows = bs * world * min(local, k)  # the meta function's A (global_bs = bs * W)
+    expand_x = torch.full((rows, x.shape[1]), float("nan"), dtype=x.dtype)
+    expand_x[:received] = xs[src[order], copy[order] // k]
+    expand_idx = torch.full((max(bs * k, rows * 128),), -1, dtype=torch.int32)
+    expand_idx[:received] = (src[order] * (bs * k) + copy[order]).to(torch.int32)
+    local_expert = expert[order] - ep_rank_id * local
+    counts = torch.bincount(local_expert, minlength=local)
+    expert_token_nums = (counts if expert_token_nums_type == 1 else torch.cumsum(counts, 0)).to(torch.int64)
+    per_source = torch.bincount(local_expert * world + src[order], minlength=local * world).to(torch.int32)
+    return (expand_x, torch.full((rows,), float("nan"), dtype=torch.float32), expand_idx, expert_token_nums,
+            per_source, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.float32))
+
+
+def _returned_rows(expand_x, assist, bs: int, k: int, world: int, cdt) -> torch.Tensor:
+    """Combine over ``world > 1`` EP ranks: ``[bs * K, H]``, row ``i * K + k`` the expert output of this rank's copy
+    ``(i, k)``, sent back by the rank that computed it."""
+    import torch.distributed as dist
+
+    send = torch.zeros(world, bs * k, expand_x.shape[1], dtype=cdt)
+    rows = assist[:expand_x.shape[0]].long()
+    held = torch.nonzero(rows >= 0).reshape(-1)
+    send[rows[held] // (bs * k), rows[held] % (bs * k)] = expand_x[held].to(cdt)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv.view(world * bs * k, -1), send.view(world * bs * k, -1))
+    return recv.sum(0)  # each copy comes from exactly one rank; the others sent zeros
 
 
 def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *,
@@ -106,6 +193,8 @@ def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_ra
     if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= total):
         raise NpuOpError(op, "expert_ids", f"expert ids must lie in [0, {total}) ({moe_expert_num} routed + "
                                            f"{copy_expert_num} copy experts)")
+    if ep_world_size > 1:
+        return _dispatch_many(op, x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, expert_token_nums_type)
     k = int(expert_ids.shape[1])
     rows = bs * min(moe_expert_num, k) * max(tp_world_size, 1)
     flat = expert_ids.reshape(-1)
@@ -138,7 +227,7 @@ def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine,
     chk.tensor(op, "expand_x", expand_x, dims=(2,), dtypes=chk.FLOAT_DTYPES)
     _single_rank(op, ep_world_size, ep_rank_id, tp_world_size, tp_rank_id, shared_expert_rank_num, moe_expert_num,
                  expert_shard_type, zero_expert_num, copy_expert_num, const_expert_num)
-    chk.absent(op, x_active_mask=x_active_mask, expand_scales=expand_scales, shared_expert_x=shared_expert_x,
+    chk.absent(op, x_active_mask=x_active_mask, expand_scales=expand_scales,
                elastic_info=elastic_info, const_expert_alpha_1=const_expert_alpha_1,
                const_expert_alpha_2=const_expert_alpha_2, const_expert_v=const_expert_v,
                performance_info=performance_info)
@@ -162,17 +251,28 @@ def npu_moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine,
             raise NpuOpError(op, "ori_x", f"shape {tuple(ori_x.shape)} must be ({bs}, {expand_x.shape[1]})")
     if bool((expert_ids.reshape(-1).long() >= moe_expert_num + copy_expert_num).any()):
         raise NpuOpError(op, "expert_ids", f"expert ids must lie in [0, {moe_expert_num + copy_expert_num})")
-    rows = assist[:bs * k].long()
-    routed = rows[~copy]
-    if routed.numel() and (int(routed.min()) < 0 or int(routed.max()) >= expand_x.shape[0]):
-        raise NpuOpError(op, "assist_info_for_combine", "does not come from this dispatch (rows out of range)")
+    if shared_expert_x is not None:
+        chk.tensor(op, "shared_expert_x", shared_expert_x, dims=(2,))
+        chk.same_dtype(op, "shared_expert_x", shared_expert_x, "expand_x", expand_x)
+        if tuple(shared_expert_x.shape) != (bs, expand_x.shape[1]):
+            raise NpuOpError(op, "shared_expert_x", f"shape {tuple(shared_expert_x.shape)} must be "
+                                                    f"({bs}, {expand_x.shape[1]})")
     chk.tensor(op, "ep_send_counts", ep_send_counts, dims=(1,), dtypes=(torch.int32,))
     cdt = chk.compute_dtype(expand_x.dtype)
-    source = expand_x.to(cdt)[rows.clamp(min=0)]
+    if ep_world_size > 1:
+        source = _returned_rows(expand_x, assist, bs, k, ep_world_size, cdt)
+    else:
+        rows = assist[:bs * k].long()
+        routed = rows[~copy]
+        if routed.numel() and (int(routed.min()) < 0 or int(routed.max()) >= expand_x.shape[0]):
+            raise NpuOpError(op, "assist_info_for_combine", "does not come from this dispatch (rows out of range)")
+        source = expand_x.to(cdt)[rows.clamp(min=0)]
     if bool(copy.any()):
         tokens = torch.arange(bs * k) // k
         source[copy] = ori_x.to(cdt)[tokens[copy]]
     out = (expert_scales.to(cdt).unsqueeze(-1) * source.view(bs, k, -1)).sum(dim=1)
+    if shared_expert_x is not None:  # added once, unweighted (the kernel's AddSharedExpertX)
+        out = out + shared_expert_x.to(cdt)
     return out.to(expand_x.dtype)
 
 

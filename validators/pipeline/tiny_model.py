@@ -14,6 +14,7 @@ import torch
 from model_infer_kvcache.analyzer.arch_check import transformers_ships
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_section
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
@@ -182,6 +183,12 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     under test fixes whatever its config says (``registry.config_class_constants``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    lin = manifest.linear_attention
+    lightning = lin is not None and lin.family == LIGHTNING
+    if lightning:  # the fields Ling-2.5's config omits mean its own class's defaults, not transformers' Ling-3.0's
+        from model_infer_kvcache.validators.pipeline.ling_lightning import with_ling_2_5_defaults
+
+        real = with_ling_2_5_defaults(real)
     d, plan = tiny_config_dict(real, manifest)
     keep_fixed(d, real, fixed or {}, plan.notes)
     hf_type = d.pop("model_type")
@@ -200,7 +207,14 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     # The eager experts loop: grouped_mm kernels take no float64 (the default comparison dtype).
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if lightning:
+        # transformers has no Ling-2.5: its Ling-family code with a plain-torch lightning attention (ling_lightning)
+        from model_infer_kvcache.validators.pipeline.ling_lightning import build_ling_lightning
+
+        model = build_ling_lightning(config)
+        plan.notes.append(f"reference: {lin.reference}")
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     model.eval()
     return model, plan

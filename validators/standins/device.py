@@ -3,8 +3,9 @@
 Scope: one ``with device_standins():`` block. On entry the npu_ops emulation becomes
 ``torch_npu`` (and ``torch.ops.npu.<op>``, see ``validators.npu_ops.install_emulation``),
 plus the few non-operator attributes the framework touches at import or cache-sizing time;
-``torchair`` and ``torch.npu`` are small modules; ``Tensor.npu()`` returns the tensor (CPU), and a
-``device=`` naming the NPU (an int from ``torch.npu.current_device()``, ``"npu:N"``) is the CPU.
+``torchair`` and ``torch.npu`` are small modules; ``Tensor.npu()`` returns the tensor (CPU), a
+``device=`` naming the NPU (an int from ``torch.npu.current_device()``, ``"npu:N"``) is the CPU, and an int32
+index of ``index_copy(_)`` (which torch_npu takes) is widened to int64 for the CPU kernel.
 On exit ``sys.modules``, the ``torch.npu`` attribute and ``Tensor.npu`` are restored
 exactly (absent ones removed).
 
@@ -162,10 +163,17 @@ def _names_the_npu(device) -> bool:
         isinstance(device, str) and (device == "npu" or device.startswith("npu:")))
 
 
+# torch_npu's index_copy / index_copy_ (op-plugin IndexCopyKernelNpuOpApi.cpp) go straight to aclnnIndexCopy /
+# aclnnInplaceIndexCopy, whose index may be INT32 or INT64 (CANN's aclnnIndexCopy page); CPU torch's kernel takes
+# int64 only ("Expected a long tensor for index"). Upstream bailing_2_5 writes its states back with int32 block ids.
+_INDEX_COPY = (torch.Tensor.index_copy_, torch.Tensor.index_copy, torch.index_copy)
+
+
 class _NpuDeviceIsCpu(torch.overrides.TorchFunctionMode):
     """Within the stand-ins the NPU is the CPU for tensors too: a ``device=`` argument naming the NPU (upstream
     qwen3_5 builds its decode buffers with ``device=torch.npu.current_device()``), or ``Tensor.to`` given one,
-    becomes ``"cpu"``. Every other call passes through unchanged."""
+    becomes ``"cpu"``; an int32 index of ``index_copy(_)``, which the NPU takes, is widened to the int64 the CPU
+    kernel requires. Every other call passes through unchanged."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -173,6 +181,11 @@ class _NpuDeviceIsCpu(torch.overrides.TorchFunctionMode):
             kwargs = {**kwargs, "device": "cpu"}
         elif func is torch.Tensor.to and len(args) > 1 and _names_the_npu(args[1]):
             args = (args[0], "cpu", *args[2:])
+        elif func in _INDEX_COPY:
+            if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].dtype == torch.int32:
+                args = (*args[:2], args[2].long(), *args[3:])
+            elif isinstance(kwargs.get("index"), torch.Tensor) and kwargs["index"].dtype == torch.int32:
+                kwargs = {**kwargs, "index": kwargs["index"].long()}
         return func(*args, **kwargs)
 
 

@@ -148,3 +148,47 @@ def test_a_kda_prefill_reading_the_state_block_fails(tmp_path):
     mutate(rendered, r"if is_prefill else self\.recurrent_state\[slot\]", "if False else self.recurrent_state[slot]")
     report = run_validate(manifest, rendered, cfg, scenario=SHORT)
     assert not check(report, NUMERIC).passed and check(report, LAYERS).passed
+
+
+def _ling25_case(tmp: Path, mode: str):
+    """Ling-2.5 (lightning attention linear layers, ungated MLA full layers; the folder's config class saved as its
+    hub config.json), validated against kvcache's Ling-2.5 reference (validators/pipeline/ling_lightning.py:
+    transformers has no such model)."""
+    return render_case(tmp, "ling_2_5", deploy_mode=mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_lightning_hybrid_renders_and_validates(tmp_path, mode):
+    """One recurrent state per request (no conv), the torch recurrence S <- exp(g) S + k^T v by each request's block
+    (framework) or row slot (standalone), beside MLA full layers."""
+    manifest, rendered, cfg = _ling25_case(tmp_path, mode)
+    text = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
+    assert "def lightning_recurrence(" in text and "conv_state" not in text
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert check(report, LAYERS).measured["layers"] == 20
+    assert any("kvcache's Ling-2.5 reference" in n for n in report.notes) or \
+        "Ling-2.5 reference" in manifest.read_text(encoding="utf-8")
+
+
+LIGHTNING_MISTAKES = [
+    # prefill continues from the block (a reused one holds a finished request's state, poisoned once freed)
+    ("prefill-reads-the-state-block", r"if forward_metadata\.is_prefill else self\.recurrent_state\[slot\]",
+     "if False else self.recurrent_state[slot]"),
+    # the decay applied after the step's k^T v instead of before it (the newest token decays once too often)
+    ("decay-after-the-update", r"state = state \* decay \+ key\[i\]\.unsqueeze\(-1\) \* value\[i\]\.unsqueeze\(-2\)",
+     "state = (state + key[i].unsqueeze(-1) * value[i].unsqueeze(-2)) * decay"),
+    # the query scale dropped (MiniMax's lightning attention has none; the Ling-2.5 port's simple GLA has Dk^-0.5)
+    ("query-scale-dropped", r"query = query \* LINEAR_HEAD_K_DIM \*\* -0\.5", "query = query"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, pattern, replacement", LIGHTNING_MISTAKES, ids=[m[0] for m in LIGHTNING_MISTAKES])
+def test_a_lightning_render_mistake_fails_by_name(tmp_path, case, pattern, replacement):
+    manifest, rendered, cfg = _ling25_case(tmp_path, "framework")
+    mutate(rendered, pattern, replacement, name=ATTN)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not check(report, NUMERIC).passed and check(report, LAYERS).passed

@@ -148,10 +148,11 @@ def _attention_text(m) -> str:
     if m.linear_attention is not None:
         from model_infer_kvcache.implementer.template_context import RENDERED_LINEAR
 
-        assert RENDERED_LINEAR == ("gated_delta_net", "kimi_delta_attention")  # the sentence below names them
+        # the sentence below names them
+        assert RENDERED_LINEAR == ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
         return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):gated delta net 已渲染"
-                "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA 已渲染(torch "
-                "递推);lightning render 拒绝(退出码 2),按 references/hybrid_linear.md 手写")
+                "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA 与 lightning "
+                "已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态)")
     if m.dsa is not None:
         return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"
     if any(layer.head_dim is not None or layer.num_kv_heads_per_rank is not None for layer in m.layers):

@@ -91,8 +91,9 @@ def import_rendered(rendered_dir: str | Path) -> RenderedCode:
 
 
 @contextlib.contextmanager
-def current_metadata(forward_metadata):
-    _CURRENT.append(forward_metadata)
+def current_metadata(forward_metadata, position_ids=None):
+    """The step's forward metadata (and its tokens' positions, [B, S]) for the routed modules of one forward."""
+    _CURRENT.append((forward_metadata, position_ids))
     try:
         yield
     finally:
@@ -102,7 +103,15 @@ def current_metadata(forward_metadata):
 def _metadata():
     if not _CURRENT:
         raise RuntimeError("rendered attention called outside a validation step")
-    return _CURRENT[-1]
+    return _CURRENT[-1][0]
+
+
+def _positions():
+    """The step's token positions [B, S]: for a routed module whose transformers forward gets none (Ling-2.5's
+    lightning layers rotate q and k themselves)."""
+    if not _CURRENT or _CURRENT[-1][1] is None:
+        raise RuntimeError("token positions asked outside a validation step")
+    return _CURRENT[-1][1]
 
 
 class _Probe:
@@ -358,8 +367,24 @@ def _kda_forward(self, hidden_states, attention_mask=None, **kwargs):
     return self.o_proj(out.to(x.dtype))
 
 
+def _lightning_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """kvcache's Ling-2.5 reference lightning module (validators/pipeline/ling_lightning.py) with the recurrence, and
+    so the state, done by the rendered code: the module's own projection, q/k norms and RoPE (at the step's
+    positions), group norm, gate and output projection around ``linear_attention``."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden_states[0]
+    q, k, v = (t[0] for t in self.project(hidden_states, _positions()))
+    host.probe.last_layer = host.layer_idx
+    core = host.linear_attention(q, k, v, self.slope.to(x.dtype), fm)
+    return self.finish(core[None], hidden_states)
+
+
 def _linear_forward(module):
-    """The host forward of a transformers linear-attention module: KDA has a forget gate, the gated delta net not."""
+    """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
+    neither."""
+    if hasattr(module, "slope"):
+        return _lightning_forward
     return _kda_forward if hasattr(module, "forget_gate") else _gdn_forward
 
 
@@ -371,7 +396,8 @@ def make_host_linear(mixin: type) -> type:
             self.hf = hf_linear
             self.probe = probe
             self.layer_idx = layer_idx
-            self.conv1d = hf_linear.conv1d  # the model's own conv weights
+            if hasattr(hf_linear, "conv1d"):  # the model's own conv weights (lightning has no short conv)
+                self.conv1d = hf_linear.conv1d
 
     return HostLinear
 
@@ -444,7 +470,9 @@ class HostModel:
                     raise InputError("--config", f"{path}.{idx}.{linear[0]} ({type(linear[1]).__name__}) is a linear "
                                                  "layer and the rendered code has no state mixin", field="model_type")
                 host = linear_cls(linear[1], idx, self.probe)
-                host.init_state_cache(idx, cache_dtype, cache_dtype)
+                # no short conv (lightning): the recurrent state only
+                host.init_state_cache(idx, state_dtype=cache_dtype,
+                                      **({"conv_dtype": cache_dtype} if hasattr(linear[1], "conv1d") else {}))
                 linear[1]._kvcache_host = host
                 linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
                 self.attentions.append(host)
@@ -500,7 +528,7 @@ class HostModel:
         """[B, S] ids/positions -> logits [B, S, vocab] (B = 1 for packed paged steps)."""
         self.step_index += 1
         self.probe.step = self.step_index
-        with current_metadata(forward_metadata):
+        with current_metadata(forward_metadata, position_ids.to(self.device)):
             out = self.hf_model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
                                 use_cache=False)
         return out.logits.double().cpu()

@@ -176,19 +176,30 @@ class LingLightningAttention(nn.Module):
         if cache is not None:
             raise ValueError("the Ling-2.5 reference computes each sequence from scratch (use_cache=False)")
         bsz, seq_len, _ = hidden_states.shape
+        # every sequence starts at position 0: the reference runs whole sequences (host_model.reference_logits)
+        positions = torch.arange(seq_len, device=hidden_states.device).expand(bsz, seq_len)
+        q, k, v = self.project(hidden_states, positions)
+        return self.finish(lightning_attention(q, k, v, self.slope, self.scale), hidden_states)  # :1395-:1441
+
+    def project(self, hidden_states: torch.Tensor, positions: torch.Tensor):
+        """(q, k, v) ``[B, S, H, D]`` of ``hidden_states [B, S, hidden]`` at ``positions [B, S]``: the fused
+        projection, the q/k norms and the partial RoPE (what surrounds the recurrence; rendered-mode validation
+        routes this module's recurrence through the rendered code and keeps these)."""
+        bsz, seq_len, _ = hidden_states.shape
         qkv = self.query_key_value(hidden_states).view(bsz, seq_len, 3 * self.num_heads, self.head_dim)
         q, k, v = qkv.split(self.num_heads, dim=2)
         if self.use_qk_norm:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
-        # every sequence starts at position 0: the reference runs whole sequences (host_model.reference_logits)
-        positions = torch.arange(seq_len, device=hidden_states.device, dtype=torch.float64)
-        freqs = positions[:, None] * self.inv_freq.to(torch.float64)[None, :]
+        freqs = positions.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
         emb = torch.cat((freqs, freqs), dim=-1)  # upstream BailingMoeV25RotaryEmbedding (:213, :238)
-        cos = emb.cos().to(q.dtype)[None, :, None, :]
-        sin = emb.sin().to(q.dtype)[None, :, None, :]
-        q, k = rotate_half_partial(q, cos, sin), rotate_half_partial(k, cos, sin)
-        out = lightning_attention(q, k, v, self.slope, self.scale)  # upstream :1395-:1441
-        out = self.g_norm(out.reshape(bsz, seq_len, -1))  # :1445-:1446
+        cos = emb.cos().to(q.dtype)[:, :, None, :]
+        sin = emb.sin().to(q.dtype)[:, :, None, :]
+        return rotate_half_partial(q, cos, sin), rotate_half_partial(k, cos, sin), v
+
+    def finish(self, core: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The recurrence's output ``[B, S, H, D]`` through the group norm, the gate and the output projection."""
+        bsz, seq_len, _ = hidden_states.shape
+        out = self.g_norm(core.reshape(bsz, seq_len, -1))  # :1445-:1446
         out = out * torch.sigmoid(self.g_proj(hidden_states))  # :1447-:1448
         return self.o_proj(out)  # :1449
 

@@ -36,10 +36,12 @@ def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
     if lin is not None:
         want.update(LINEAR_NUM_K_HEADS_PER_RANK=lin.num_k_heads_per_rank,
                     LINEAR_NUM_V_HEADS_PER_RANK=lin.num_v_heads_per_rank, LINEAR_HEAD_K_DIM=lin.head_k_dim,
-                    LINEAR_HEAD_V_DIM=lin.head_v_dim, CONV_KERNEL=lin.conv_kernel,
-                    CONV_CHANNELS_PER_RANK=lin.conv_channels_per_rank, LINEAR_LAYERS=frozenset(lin.layers))
+                    LINEAR_HEAD_V_DIM=lin.head_v_dim, LINEAR_LAYERS=frozenset(lin.layers))
         dtypes = {s.name: getattr(torch, s.dtype) for s in lin.states}
-        want.update(CONV_STATE_DTYPE=dtypes.get("conv_state"), STATE_DTYPE=dtypes.get("recurrent_state"))
+        want.update(STATE_DTYPE=dtypes.get("recurrent_state"))
+        if lin.conv_kernel is not None:  # lightning has no short conv, and so no conv constants
+            want.update(CONV_KERNEL=lin.conv_kernel, CONV_CHANNELS_PER_RANK=lin.conv_channels_per_rank,
+                        CONV_STATE_DTYPE=dtypes.get("conv_state"))
     sliding = [layer for layer in manifest.layers if layer.is_sliding]
     if sliding:
         want["SLIDING_WINDOW"] = sliding[0].sliding_window
@@ -101,6 +103,11 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, 
                layers=len(manifest.layers))
 
 
+def state_dtypes(states, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``init_state_cache``'s dtype arguments for the run's ``dtype``: a conv state's only where the family has one."""
+    return {"state_dtype": dtype, **({"conv_dtype": dtype} if any(s.name == "conv_state" for s in states) else {})}
+
+
 def _state_layer_problems(plan, linear_mixin: type | None, cache_dtype: torch.dtype) -> list[str]:
     """A linear layer's ``init_state_cache``: attn_type Mamba and one MambaCacheEntry per planned state, with the
     planned shape (the dtype is the run's, as for KV caches)."""
@@ -108,7 +115,7 @@ def _state_layer_problems(plan, linear_mixin: type | None, cache_dtype: torch.dt
         return [f"layer {plan.index}: a linear (Mamba) layer and the render has no init_state_cache"]
     layer = linear_mixin.__new__(linear_mixin)
     try:
-        layer.init_state_cache(plan.index, cache_dtype, cache_dtype)
+        layer.init_state_cache(plan.index, **state_dtypes(plan.states, cache_dtype))
     except Exception as exc:
         return [f"layer {plan.index}: init_state_cache raised {type(exc).__name__}: {exc}"]
     if getattr(layer, "attn_type", None) != plan.attn_type:

@@ -1,6 +1,7 @@
 """Wall time of hybrid linear-attention validation per model and mode, in one run.
 
-Rendered: the fixture configs (Qwen3-Next as published; Qwen3.5-MoE as transformers' Qwen3_5MoeConfig defaults)
+Rendered: the fixture configs (Qwen3-Next as published; Qwen3.5-MoE as transformers' Qwen3_5MoeConfig defaults;
+Ling-2.5 as the upstream folder's config class writes it, against kvcache's Ling-2.5 reference)
 -> analyze -> render -> `kvcache validate` as the CLI runs it (the full request stream, the reading sweep),
 framework and standalone mode. The tiny model keeps the published linear sizes (16 key / 32 value heads of 128:
 npu_chunk_gated_delta_rule takes head dims of 128 only), so each step runs 32 value heads of 128 x 128 states.
@@ -26,7 +27,9 @@ from bench_checkout import cpu_seconds  # noqa: E402
 
 TARGET_S = 60.0  # per deployment mode
 CONFIGS = {"qwen3_next": ROOT / "tests" / "fixtures" / "configs" / "qwen3_next.json",
-           "qwen3_5_moe": ROOT / "tests" / "fixtures" / "configs" / "qwen3_5_moe.json"}
+           "qwen3_5_moe": ROOT / "tests" / "fixtures" / "configs" / "qwen3_5_moe.json",
+           # Ling-2.5 (lightning attention, MLA full layers) against kvcache's Ling-2.5 reference
+           "ling_2_5": ROOT / "tests" / "fixtures" / "configs" / "ling_2_5.json"}
 MODES = ("framework", "standalone")
 
 

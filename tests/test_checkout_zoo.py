@@ -173,11 +173,14 @@ def test_bailing_2_5_cannot_be_built_on_one_rank(tmp_path):
 
 
 def _qwen3_5(tmp_path, **kw):
-    from model_infer_kvcache.validators.checkout_run import ENGINE_QUICK
+    from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 
-    # attention TP 2: at one rank its MoE takes the expert-parallel path, whose group it registers only for EP > 1
+    # attention TP 2: at one rank its MoE takes the expert-parallel path, whose group it registers only for EP > 1.
+    # Four prompts (Legacy: one batch, the engine's batch size, an even one at TP 2), two past a 64-token chunk of
+    # the gated-delta prefill and two within it.
+    stream = Scenario(first=((120, 3), (40, 3), (90, 3)), late=((60, 3),), max_concurrency=3, release_requests=0)
     return _validate("qwen3.5", _default_config(tmp_path, "Qwen3_5MoeTextConfig"), attn_tp_size=2,
-                     scenario=ENGINE_QUICK, **kw)
+                     scenario=stream, **kw)
 
 
 @pytest.mark.slow
@@ -190,7 +193,7 @@ def test_qwen3_5_runs_as_legacy_and_passes_with_uniform_prefill(tmp_path):
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     numeric = _numeric(report)
     assert len(numeric) == 2 and all(c.measured["max_abs_diff"] <= report.tolerance for c in numeric)
-    assert numeric[0].measured["requests"] == 4 and numeric[0].measured["steps"] >= 4  # one batch, then decodes
+    assert numeric[0].measured["requests"] == 4 and numeric[0].measured["steps"] >= 3  # one batch, then decodes
     assert not any(c.id == "V401" for c in report.checks)  # nothing poisoned: no pool, no freed rows
     notes = "\n".join(report.notes)
     assert "Legacy: Qwen3_5MoeForCausalLM owns its caches (init_cache, no get_cache_info)" in notes
@@ -200,14 +203,16 @@ def test_qwen3_5_runs_as_legacy_and_passes_with_uniform_prefill(tmp_path):
 
 @pytest.mark.slow
 def test_qwen3_5_mixes_up_a_prefill_batch_of_unequal_prompts(tmp_path):
-    """The same model with prompts of 150, 40, 300 and 60 tokens in its one prefill: the second request's logits
-    differ at once. Read from its prefill: token i's row is bucketize(i, cu_seq_lens[1:], right=False), so the
-    first token of every request but the first lands in the previous row, and the conv state is the padded tail
-    of each row (both right only when every prompt has the longest length, as --uniform-prefill makes them)."""
+    """The same model with prompts of 120, 40, 90 and 60 tokens in its one prefill: the first request's prefill
+    logits are right, a later request's differ at once. Read from its prefill: token i's row is bucketize(i,
+    cu_seq_lens[1:], right=False), so the first token of every request but the first lands in the previous row (how
+    far that moves a request's logits depends on its length: with 150, 40, 300, 60 the second request fails first,
+    here the third), and the conv state is the padded tail of each row (both right only when every prompt has the
+    longest length, as --uniform-prefill makes them)."""
     report = _qwen3_5(tmp_path)
     assert not report.passed
     logits = _numeric(report)[0]
-    assert not logits.passed and logits.detail.startswith("first failure at step 0 request 1"), logits.detail
+    assert not logits.passed and re.match(r"first failure at step 0 request [123]\b", logits.detail), logits.detail
     src = (upstream_head() / "models/qwen3_5/models/modeling_qwen3_5_moe.py").read_text()
     assert "torch.bucketize(token_idx, cu_seq_lens[1:], right=False)" in src
 

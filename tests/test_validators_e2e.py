@@ -75,8 +75,9 @@ def test_sliding_model_reports_the_device_readings_it_depends_on(tmp_path):
 
 @pytest.mark.slow
 def test_kimi_k2_mla_with_fa_v1(tmp_path):
-    """Kimi-K2 follows DeepSeek-V3's MLA (64 heads, YaRN factor 32) and runs FA v1 upstream."""
-    manifest, rendered, cfg = render_case(tmp_path, "kimi_k2", framework_api="G2", fa_version="v1")
+    """Kimi-K2 follows DeepSeek-V3's MLA (64 heads, YaRN factor 32) and runs FA v1 upstream; here with 16 of its
+    64 query heads (what is judged, the v1 call over the latent cache and YaRN's scale, does not depend on them)."""
+    manifest, rendered, cfg = render_case(tmp_path, "kimi_k2", NARROW, framework_api="G2", fa_version="v1")
     report = run_validate(manifest, rendered, cfg)
     assert report.passed, [(c.name, c.detail or c.measured) for c in report.failed()]
     assert check(report, "FA call arguments match the manifest").measured["calls"] > 0

@@ -59,6 +59,9 @@ MISTAKES = [
     # a linear layer registered as a full-attention layer
     ("linear-layer-as-full-attention", "framework", r'        self\.attn_type = "Mamba"',
      '        self.attn_type = "FullAttention"', LAYERS),
+    # the full-attention layers registered as state layers (Mamba group: a block per request, no token slots)
+    ("full-layer-as-state", "framework", r'        self\.attn_type = "FullAttention"',
+     '        self.attn_type = "Mamba"', LAYERS),
 ]
 
 
@@ -72,6 +75,8 @@ def test_a_state_render_mistake_fails_by_name(tmp_path, case, mode, pattern, rep
     assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
     if failing == NUMERIC:
         assert check(report, LAYERS).passed  # the registration is right: the numbers name it
+    if case == "full-layer-as-state":
+        assert "'Mamba'" in check(report, LAYERS).detail and "'FullAttention'" in check(report, LAYERS).detail
     if case == "linear-layer-as-full-attention":
         assert "('FullAttention', None) != ('Mamba'" in check(report, LAYERS).detail \
             or "attn_type 'FullAttention' != 'Mamba'" in check(report, LAYERS).detail

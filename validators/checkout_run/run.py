@@ -62,7 +62,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 scenario = scenario.one_batch()
             from model_infer_kvcache.validators.checkout_run.support import preflight
 
-            preflight(req.config, manifest)  # a linear-attention family without a transformers reference: exit 2
+            preflight(req.config, manifest)  # a manifest naming no reference for its linear family (older kvcache): exit 2
             from model_infer_kvcache.validators.checkout_run.compat import fit_checkpoint_config
 
             fitted = fit_checkpoint_config(checkpoint, classes.config_cls)

@@ -15,7 +15,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS, value_passed
 from model_infer_kvcache.validators.checkout_run import dsa_checks
 from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, pool_usage
 from model_infer_kvcache.validators.checkout_run.recorder import CacheMap, OpRecorder, lengths_of
-from model_infer_kvcache.validators.harness.poison import check_pool_invariants, null_block_of
+from model_infer_kvcache.validators.harness.poison import check_pool_invariants, manager_key, null_block_of
 from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -315,7 +315,7 @@ def check_state_blocks(report: Report, run: EngineRun) -> None:
     request or a free one written (a wrong row, a stale slot), or a live request's state not updated (a prefill
     that keeps no final state, a decode that drops its update). Rows the engine padded may write the null block."""
     manager = run.engine.kvcache_manager
-    nulls = {(getattr(m, "manager_key", None) or m.attn_type): null_block_of(m)
+    nulls = {manager_key(m): null_block_of(m)
              for m in manager.single_type_managers if m.attn_type == MAMBA}
     problems, judged = [], 0
     for s in run.steps:
@@ -348,8 +348,8 @@ def window_dependent_layers(manifest: SelectionManifest) -> set[int]:
 def check_padding(report: Report, run: EngineRun) -> None:
     """Decode rows the engine padded write only into their group's null block."""
     manager = run.engine.kvcache_manager
-    nulls = {(getattr(m, "manager_key", None) or m.attn_type): null_block_of(m) for m in manager.single_type_managers}
-    sizes = {(getattr(m, "manager_key", None) or m.attn_type): m.block_size for m in manager.single_type_managers}
+    nulls = {manager_key(m): null_block_of(m) for m in manager.single_type_managers}
+    sizes = {manager_key(m): m.block_size for m in manager.single_type_managers}
     padded_steps, outside = 0, []
     for s in run.steps:
         if s.is_prefill or not s.padded_rows:

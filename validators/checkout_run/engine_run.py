@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
 from model_infer_kvcache.validators.checkout_run.recorder import ForwardSeen
-from model_infer_kvcache.validators.harness.poison import null_block_of, poison_free_blocks
+from model_infer_kvcache.validators.harness.poison import manager_key, null_block_of, poison_free_blocks
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Watchdog
 
 CPU_STANDINS = (
@@ -274,7 +274,7 @@ def cache_bytes(cache_info) -> int:
 def pool_usage(manager) -> dict[str, dict[str, int]]:
     out = {}
     for m in manager.single_type_managers:
-        key = getattr(m, "manager_key", None) or m.attn_type
+        key = manager_key(m)
         owned = {b for blocks in m.req_to_blocks.values() for b in blocks if b != null_block_of(m)}
         out[key] = {"total": m.block_pool.num_blocks, "free": m.block_pool.get_num_free_blocks(), "used": len(owned)}
     return out
@@ -320,7 +320,7 @@ def declared_caches(engine):
     groups = _tensors_by_group(manager.cache_info)
     with contextlib.ExitStack() as stack:
         for m in manager.single_type_managers:
-            key = getattr(m, "manager_key", None) or m.attn_type
+            key = manager_key(m)
             stack.enter_context(paged_caches(groups.get(key, []), null_block=null_block_of(m)))
         yield
 

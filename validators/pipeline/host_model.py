@@ -388,6 +388,12 @@ def _linear_forward(module):
     return _kda_forward if hasattr(module, "forget_gate") else _gdn_forward
 
 
+def state_dtypes(dtype: torch.dtype, has_conv: bool) -> dict[str, torch.dtype]:
+    """``init_state_cache``'s dtype arguments for the run's ``dtype``: a conv state's only where the family has one
+    (lightning has no short conv)."""
+    return {"state_dtype": dtype, **({"conv_dtype": dtype} if has_conv else {})}
+
+
 def make_host_linear(mixin: type) -> type:
     class HostLinear(mixin):
         """A rendered state mixin bound to one transformers gated-delta-net module."""
@@ -470,9 +476,7 @@ class HostModel:
                     raise InputError("--config", f"{path}.{idx}.{linear[0]} ({type(linear[1]).__name__}) is a linear "
                                                  "layer and the rendered code has no state mixin", field="model_type")
                 host = linear_cls(linear[1], idx, self.probe)
-                # no short conv (lightning): the recurrent state only
-                host.init_state_cache(idx, state_dtype=cache_dtype,
-                                      **({"conv_dtype": cache_dtype} if hasattr(linear[1], "conv1d") else {}))
+                host.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d")))
                 linear[1]._kvcache_host = host
                 linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
                 self.attentions.append(host)

@@ -14,6 +14,7 @@ import types
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.report import Report
 
 
@@ -103,11 +104,6 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, 
                layers=len(manifest.layers))
 
 
-def state_dtypes(states, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """``init_state_cache``'s dtype arguments for the run's ``dtype``: a conv state's only where the family has one."""
-    return {"state_dtype": dtype, **({"conv_dtype": dtype} if any(s.name == "conv_state" for s in states) else {})}
-
-
 def _state_layer_problems(plan, linear_mixin: type | None, cache_dtype: torch.dtype) -> list[str]:
     """A linear layer's ``init_state_cache``: attn_type Mamba and one MambaCacheEntry per planned state, with the
     planned shape (the dtype is the run's, as for KV caches)."""
@@ -115,7 +111,7 @@ def _state_layer_problems(plan, linear_mixin: type | None, cache_dtype: torch.dt
         return [f"layer {plan.index}: a linear (Mamba) layer and the render has no init_state_cache"]
     layer = linear_mixin.__new__(linear_mixin)
     try:
-        layer.init_state_cache(plan.index, **state_dtypes(plan.states, cache_dtype))
+        layer.init_state_cache(plan.index, **state_dtypes(cache_dtype, any(s.name == "conv_state" for s in plan.states)))
     except Exception as exc:
         return [f"layer {plan.index}: init_state_cache raised {type(exc).__name__}: {exc}"]
     if getattr(layer, "attn_type", None) != plan.attn_type:

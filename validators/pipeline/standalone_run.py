@@ -6,8 +6,8 @@ import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
+from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
-from model_infer_kvcache.validators.pipeline.render_check import state_dtypes
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
 
@@ -42,7 +42,8 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     runner = type("ValidationRunner", (runner_cls,), {})()
     rows_n = scenario.max_concurrency
     # The run's dtype for the states too, as for the caches (the manifest's bfloat16 state is the device's).
-    states = state_dtypes(manifest.linear_attention.states, cache_dtype) if manifest.linear_attention else {}
+    lin = manifest.linear_attention
+    states = state_dtypes(cache_dtype, lin.conv_kernel is not None) if lin else {}
     runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, device=host.device, cache_dtype=cache_dtype,
                          **states)
     _check_init(report, manifest, host, runner, rows_n)

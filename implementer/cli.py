@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import get_args
 
 from model_infer_kvcache.analyzer.cli_paths import PathArg, check_nonempty, check_paths
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import check_out_dir
-from model_infer_kvcache.analyzer.manifest import FrameworkApi
-from model_infer_kvcache.analyzer.manifest_io import load_manifest
-from model_infer_kvcache.implementer.render import render_manifest, write_rendered
-from model_infer_kvcache.implementer.template_context import Names
+from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
+from model_infer_kvcache.implementer.names import Names
+
+# The manifest models (pydantic) and the templates are imported where the command runs, not for --help.
 
 EXAMPLES = """examples:
   kvcache render --manifest manifest.json --out rendered/
@@ -42,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"name of the standalone runner mixin (default {Names.runner_mixin})")
     p.add_argument("--attn-attr", default=Names.attn_attr, metavar="NAME",
                    help=f"attribute of a decoder layer holding its attention (default {Names.attn_attr})")
-    p.add_argument("--framework-api", choices=get_args(FrameworkApi),
+    p.add_argument("--framework-api", choices=RENDER_APIS,
                    help="framework API generation when the manifest names none (default G2)")
     p.add_argument("--allow-blocked", action="store_true",
                    help="render even when the manifest lists blockers (Legacy path)")
@@ -50,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
     check_nonempty([PathArg("--manifest", args.manifest), PathArg("--out", args.out)])
     manifest = load_manifest(args.manifest)
     names = Names(args.attention_class, args.model_class, args.runner_class, args.attn_attr)

@@ -8,10 +8,8 @@ refused with the manifest field that says why.
 
 from __future__ import annotations
 
-import keyword
 import math
 import re
-import unicodedata
 from dataclasses import dataclass
 
 from model_infer_kvcache.analyzer.errors import InputError
@@ -28,6 +26,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
 from model_infer_kvcache.analyzer.rules import MLA_WITHOUT_ROPE, VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
+from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
 DEFAULT_API = "G2"
 # Linear-attention families whose states the templates render (templates/linear_state.py.j2).
@@ -42,23 +41,10 @@ DSA_CACHE_NAMES = ("nope_cache", "rope_cache", "indexer_key_cache")
 # Layouts each template implements (the FA output shape depends on it).
 LAYOUTS = {("paged", False): ("TND",), ("paged", True): ("TND", "TND_NTD"), ("legacy", False): ("BSH",)}
 NZ_C0 = 16  # NZ fractal width of 16-bit caches (the rendered KV_CACHE_NZ_DIM)
-# Module-level names of the rendered files (imports, helpers); UPPER_CASE names are their constants.
-RESERVED_NAMES = frozenset({"torch", "torch_npu", "math", "dataclass", "CacheEntry", "LayerCacheInfo",
-                            "ModelCacheInfo", "ForwardMetaData", "attention_modules", "as_int32",
-                            "MambaCacheEntry", "F", "l2norm", "KVCacheLinearStateMixin"})
 _MODEL_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
                 "int8": "torch.int8"}
-
-
-def check_identifier(value: str, flag: str) -> str:
-    # Non-ASCII identifiers are Python (PEP 3131), but Python binds the NFKC form: a name that
-    # normalizes to another would not be the name the user's code refers to.
-    if not value.isidentifier() or keyword.iskeyword(value) or unicodedata.normalize("NFKC", value) != value:
-        raise InputError(flag, f"{value!r} is not a valid Python identifier"
-                         + (" (Python reads it as its NFKC form)" if value.isidentifier() else ""))
-    return value
 
 
 def one_line(text: str) -> str:
@@ -68,30 +54,6 @@ def one_line(text: str) -> str:
 
 def _bad(field: str, message: str) -> InputError:
     return InputError("--manifest", message, field=field)
-
-
-@dataclass(frozen=True)
-class Names:
-    attention_mixin: str = "KVCacheAttentionMixin"
-    model_mixin: str = "KVCacheModelMixin"
-    runner_mixin: str = "KVCacheRunnerMixin"
-    attn_attr: str = "self_attn"
-
-    def checked(self) -> Names:
-        classes = (("--attention-class", self.attention_mixin), ("--model-class", self.model_mixin),
-                   ("--runner-class", self.runner_mixin))
-        for flag, value in (*classes, ("--attn-attr", self.attn_attr)):
-            check_identifier(value, flag)
-        for flag, value in classes:
-            # A class named like a module-level name of the rendered files would shadow it.
-            if value in RESERVED_NAMES or value.isupper():
-                raise InputError(flag, f"{value!r} would shadow a name the rendered module uses; pick another")
-        seen: dict[str, str] = {}
-        for flag, value in classes:
-            if value in seen:
-                raise InputError(flag, f"{value!r} is also the {seen[value]} name: each class needs its own")
-            seen[value] = flag
-        return self
 
 
 @dataclass(frozen=True)

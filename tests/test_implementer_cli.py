@@ -151,8 +151,8 @@ def test_symlink_pointing_outside_out_is_refused(tmp_path):
 
 
 def test_escaping_path_through_the_cli_exits_2(tmp_path, capsys, monkeypatch):
-    real = render_cli.render_manifest
-    monkeypatch.setattr(render_cli, "render_manifest", lambda *a, **k: _escaping(real(*a, **k), "../evil.py"))
+    real = render_mod.render_manifest
+    monkeypatch.setattr(render_mod, "render_manifest", lambda *a, **k: _escaping(real(*a, **k), "../evil.py"))
     out = tmp_path / "out"
     code, stdout, err = _run(capsys, "--manifest", GPT_OSS, "--out", out)
     _assert_one_error_line(code, stdout, err, "escapes --out")

@@ -353,6 +353,44 @@ def test_pre_tokens_window_expression_uses_manifest_window():
     assert rules(src.format(op="+ 0"), m) == [("KV806", 6)]
 
 
+def _kv806(source: str, manifest) -> list[str]:
+    return [f.message for f in lint_source(textwrap.dedent(source), "modeling_x.py", manifest=manifest)
+            if f.rule == "KV806"]
+
+
+def test_pre_tokens_of_the_other_unmeasured_reading_names_the_device_question():
+    """Upstream gpt_oss passes pre_tokens = W, right under window_pre_tokens 'inclusive'. While no NPU has settled
+    the question the finding says which reading the code's value is right under; a value right under none of
+    them, or a manifest whose reading was measured, gets the plain finding."""
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+
+    src = """\
+        import torch_npu
+
+        def forward(q, k, v, forward_metadata, block_table):
+            return torch_npu.npu_fused_infer_attention_score_v2(
+                q, k, v, num_query_heads=64, num_key_value_heads=8, input_layout="TND", softmax_scale=0.125,
+                atten_mask=forward_metadata.attention_mask, sparse_mode=4, pre_tokens={pre},
+                next_tokens=0, block_table=block_table, block_size=128)
+    """
+    exclusive = manifest("gpt_oss_20b")
+    (window,) = {layer.sliding_window for layer in exclusive.layers if layer.sliding_window}
+    (said,) = _kv806(src.format(pre=window), exclusive)
+    assert f"reading 'exclusive' ({window} is right under 'inclusive'" in said and "kvcache probe" in said
+    (said,) = _kv806(src.format(pre=window + 5), exclusive)  # right under no reading
+    assert "inclusive" not in said
+    inclusive = analyze(AnalyzeRequest(config=str(CONFIGS / "gpt_oss_20b.json"), framework_api="G2",
+                                       window_reading="inclusive"))
+    assert _kv806(src.format(pre=window), inclusive) == []
+    (said,) = _kv806(src.format(pre=window - 1), inclusive)
+    assert f"({window - 1} is right under 'exclusive'" in said
+    measured = exclusive.model_copy(update={"device_dependencies": [
+        d.model_copy(update={"status": "confirmed", "measured": "exclusive"}) if d.question == "window_pre_tokens"
+        else d for d in exclusive.device_dependencies]})
+    (said,) = _kv806(src.format(pre=window), measured)  # the device said 'exclusive': the code is wrong
+    assert "inclusive" not in said
+
+
 # ---------------------------------------------------------------- packed hidden states
 
 HIDDEN_3D = """\

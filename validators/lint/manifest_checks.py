@@ -6,7 +6,9 @@ import ast
 import re
 
 from model_infer_kvcache.analyzer.config_loader import yarn_mscale
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.operators import fa_facts, schemas
+from model_infer_kvcache.analyzer.rules import decide_window_tokens
 from model_infer_kvcache.validators.lint import ops
 from model_infer_kvcache.validators.lint.kwargs_dicts import call_keywords
 from model_infer_kvcache.validators.lint.scope import DECODE, PREFILL, Ctx, _ident_text, is_self_attr
@@ -185,8 +187,23 @@ class ManifestChecks:
         for v in self.resolver.certain_variants(node, call, ctx):
             value = self._window_number(v.node, v.at, v.ctx, window, 0)
             if isinstance(value, int) and value not in expected:
-                self.c.emit("KV806", _origin(v, node), value=value, expected=" or ".join(map(str, expected)))
+                self.c.emit("KV806", _origin(v, node), value=value,
+                            expected=" or ".join(map(str, expected)) + self._other_reading(value, sliding_layers))
                 return
+
+    def _other_reading(self, value: int, sliding_layers) -> str:
+        """Where the manifest's pre_tokens rest on an unmeasured window_pre_tokens reading and the code's value is
+        the other reading's: say so. The code may be right (upstream gpt_oss and gemma_4 pass W, correct under
+        'inclusive'); only the device settles which."""
+        dep = next((d for d in self.m.device_dependencies if d.question == "window_pre_tokens"), None)
+        if dep is None or dep.status != "assumed":
+            return ""
+        for reading in QUESTIONS["window_pre_tokens"].alternatives(dep.assumed):
+            if value in {decide_window_tokens(layer.sliding_window, reading)[0] for layer in sliding_layers}:
+                return (f" under the assumed window_pre_tokens reading '{dep.assumed}' ({value} is right under "
+                        f"'{reading}', which no NPU has settled: run `kvcache probe`, or re-analyze with "
+                        f"--window-reading {reading} if the code's reading is the device's)")
+        return ""
 
     def _window_number(self, node, at, ctx, window, depth):
         """Integer value with the manifest's window substituted for ``*.sliding_window`` references."""

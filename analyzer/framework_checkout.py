@@ -268,10 +268,37 @@ def fa_calls(source: str) -> list[tuple[str, int, str]]:
     return sorted(out, key=lambda c: c[1])
 
 
+def relative_imports(source: str, rel: str) -> list[str]:
+    """Files (relative to the checkout, as ``rel`` is) of the modules a model file imports relatively: ``from .X
+    import ...``, ``from . import X``, ``from ..pkg.X import ...``. A migrated model calls FA from the rendered
+    ``kvcache_attention.py`` it imports this way (INTEGRATION.md), so its version is read there too."""
+    here = Path(rel).parent
+    out: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom) or node.level == 0:
+            continue
+        package = here
+        for _ in range(node.level - 1):
+            package = package.parent
+        if node.module:
+            out.append(str(package.joinpath(*node.module.split(".")).with_suffix(".py")))
+        else:
+            out += [str((package / alias.name).with_suffix(".py")) for alias in node.names]
+    return list(dict.fromkeys(out))
+
+
 def checkout_fa_version(base: Path, files: Sequence[str]) -> tuple[str | None, str]:
     """(the FA version the checkout's model file(s) already call, evidence naming file:line); None with the
-    reason when they call no FA operator, both versions, or cannot be parsed."""
+    reason when they call no FA operator, both versions, or cannot be parsed. The modules a model file imports
+    relatively (one level: the rendered kvcache_attention.py of a migrated model) count as the model's."""
     seen: dict[str, list[str]] = {}
+    files = list(files)
+    for rel in list(files):
+        try:
+            files += [f for f in relative_imports(_read(base / rel), rel)
+                      if f not in files and (base / f).is_file()]
+        except SyntaxError:
+            pass  # reported below, where the file is read for its calls
     for rel in files:
         try:
             calls = fa_calls(_read(base / rel))

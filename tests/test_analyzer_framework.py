@@ -16,7 +16,9 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     dataclass_fields,
     detect_generation,
     inspect_checkout,
+    checkout_fa_version,
     names_match,
+    relative_imports,
     runner_is_standalone,
 )
 
@@ -132,6 +134,36 @@ def test_runner_self_check(source, standalone, words):
 
 
 # ---------------------------------------------------------------- bad roots
+
+
+def test_relative_imports_name_the_sibling_files():
+    source = textwrap.dedent("""\
+        import torch
+        from module.linear import RowParallel  # absolute: another package of the checkout, not the model's
+        from . import kvcache_attention
+        from .kvcache_attention import KVCacheAttentionMixin
+        from ..utils.helpers import pad
+        from .. import common
+    """)
+    assert relative_imports(source, "models/m/models/modeling_m.py") == [
+        "models/m/models/kvcache_attention.py", "models/m/utils/helpers.py", "models/m/common.py"]
+
+
+def test_fa_version_read_from_the_file_a_migrated_model_imports(tmp_path):
+    """A migrated model calls FA only from the rendered file beside it; a file it does not import does not count."""
+    folder = tmp_path / "models" / "m" / "models"
+    folder.mkdir(parents=True)
+    (folder / "kvcache_attention.py").write_text("import torch_npu\n\n\ndef attend(q, k, v):\n"
+                                                 "    return torch_npu.npu_fused_infer_attention_score_v2(q, k, v)\n")
+    (folder / "stale_copy.py").write_text("import torch_npu\n\n\ndef attend(q, k, v):\n"
+                                          "    return torch_npu.npu_fused_infer_attention_score(q, k, v)\n")
+    model = folder / "modeling_m.py"
+    model.write_text("from .kvcache_attention import attend\n")
+    assert checkout_fa_version(tmp_path, ["models/m/models/modeling_m.py"]) == (
+        "v2", "the checkout's model already calls FA v2: models/m/models/kvcache_attention.py:5 "
+              "(npu_fused_infer_attention_score_v2)")
+    model.write_text("import torch\n")  # imports nothing of its own: no FA call found
+    assert checkout_fa_version(tmp_path, ["models/m/models/modeling_m.py"])[0] is None
 
 
 def test_bad_framework_roots(tmp_path):

@@ -121,3 +121,13 @@ def test_a_state_port_mistake_fails_by_name(tmp_path, migrated, config, mistake)
     assert check_id in failed, [(c.id, c.name, c.detail) for c in report.failed()]
     if check_id == "V223":
         assert "wrote block(s)" in next(c for c in report.failed() if c.id == "V223").detail
+
+
+def test_re_analysis_of_the_migrated_checkout_reads_the_fa_version_from_the_rendered_file(migrated, config):
+    """After the migration the model file calls no FA operator itself: the calls live in the kvcache_attention.py it
+    imports relatively. Re-analyzing the migrated checkout reads the version there instead of defaulting."""
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+
+    manifest = analyze(AnalyzeRequest(config=str(config), dispatch="部署模式：框架部署", attn_tp_size=2,
+                                      framework_root=str(migrated)))
+    assert manifest.fa.version == "v1" and f"already calls FA v1: {RENDERED}:" in manifest.fa.reason

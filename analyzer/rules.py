@@ -294,7 +294,7 @@ def decide_input_layout(kv_mode: str, is_mla: bool) -> Decision:
 def decide_scale(facts: ModelFacts) -> tuple[float, str]:
     """Softmax scale with its derivation, by the family's own rule (FAMILY_SCALE_RULE): a config
     multiplier (Granite ``attention_multiplier``), ``query_pre_attn_scalar^-0.5`` (Gemma 2/3), else
-    ``head_dim^-0.5``; YaRN mscale² on top when mscale_all_dim is set. Unknown families follow
+    ``head_dim^-0.5``; on MLA, YaRN mscale² on top when mscale_all_dim is set. Unknown families follow
     whichever of those fields the config carries."""
     rule = FAMILY_SCALE_RULE.get(facts.family)
     qpas = facts.query_pre_attn_scalar.value
@@ -310,7 +310,9 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
         label = "(qk_nope_head_dim + qk_rope_head_dim)" if facts.is_mla else "head_dim"
         base, base_txt = d ** -0.5, f"{label}^-0.5 = {d}^-0.5"
     rope = facts.rope.value
-    if rope.rope_type == "yarn" and rope.mscale_all_dim:
+    # transformers' yarn_apply_mscale: any rope_type but "default" with mscale_all_dim. Every family that calls it is
+    # MLA; elsewhere (Ministral 3) YaRN's attention factor scales cos/sin in the model's RoPE, not the softmax.
+    if facts.is_mla and rope.rope_type != "default" and rope.mscale_all_dim:
         m = yarn_mscale(rope.factor, rope.mscale_all_dim)
         if m != 1.0:
             return base * m * m, (

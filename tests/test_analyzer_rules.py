@@ -184,6 +184,18 @@ def test_scale_yarn_without_mscale_all_dim_or_without_stretch_is_plain():
     assert math.isclose(yarn_mscale(math.e, 0.5), 1.05)  # 0.1 x 0.5 x ln e + 1
 
 
+def test_scale_yarn_mscale_is_an_mla_rule_only():
+    """transformers applies yarn_apply_mscale (any rope_type but default) in MLA families only; Ministral 3 publishes
+    the same rope fields (yarn, mscale_all_dim 1, factor 16) on GQA attention and keeps head_dim^-0.5."""
+    yarn = {"rope_type": "yarn", "factor": 16.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 1e6,
+            "original_max_position_embeddings": 16384}
+    ministral3_like = facts(model_type="ministral3", rope_parameters=yarn)
+    scale, why = rules.decide_scale(ministral3_like)
+    assert scale == 64 ** -0.5 and "mscale" not in why
+    mla = facts(**MLA, rope_parameters=yarn)  # the same fields on MLA: mscale^2 applies
+    assert math.isclose(rules.decide_scale(mla)[0], 192 ** -0.5 * (0.1 * math.log(16) + 1) ** 2)
+
+
 # ---------------------------------------------------------------- parallel and caches
 
 

@@ -61,7 +61,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 2  # 2: K=V attention modules (hf_layout). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 3  # 2: K=V attention modules (hf_layout); 3: is_sliding False means no window. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -242,13 +242,16 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
 def _window_of(module, config) -> int | None:
     """The window transformers applies on this module's layer.
 
-    A module's own ``sliding_window`` attribute is per layer (Qwen2/3, Gemma, gpt-oss). Otherwise,
+    A module's own ``sliding_window`` attribute is per layer (Qwen2/3, Gemma, gpt-oss), unless the module says it
+    is not sliding (``is_sliding`` False). Otherwise,
     when the modeling file uses sliding windows at all (Mistral, Phi-3, PhiMoE pass
     ``config.sliding_window`` to the attention call or build the model's mask with it), the
     config's window applies to every layer; a modeling file that never mentions one applies none.
     """
     if hasattr(module, "sliding_window"):
-        return module.sliding_window
+        # Kolibri1 keeps the config's window on every layer and applies it where ``is_sliding`` (its full layers
+        # pass sliding_window=None to the attention call)
+        return None if getattr(module, "is_sliding", None) is False else module.sliding_window
     try:
         source = inspect.getsource(inspect.getmodule(type(module)))
     except (OSError, TypeError):

@@ -162,6 +162,36 @@ def test_cross_check_agrees_on_every_fixture(name):
     assert result.checked_layers == sum(1 for layer in m.layers if layer.layer_kind != "linear") > 0
 
 
+def _class_defaults(cls_name: str, **overrides) -> dict:
+    import transformers
+
+    return json.loads(json.dumps({**getattr(transformers, cls_name)(**overrides).to_dict()}, default=str))
+
+
+def test_kolibri1_full_layers_keep_the_window_attribute_but_apply_none():
+    """Kolibri1Attention stores config.sliding_window on every layer and passes it only where ``is_sliding``: the
+    cross-check reads the window the call applies, so the analyzer's full layers (every fifth) agree."""
+    config = _class_defaults("Kolibri1Config", num_hidden_layers=10)
+    facts, m = _assemble_dict(config)
+    hf = arch_check.hf_attentions(config, "kolibri1")
+    assert [a.window for a in hf] == [513, 513, 513, 513, None] * 2
+    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert not result.errors and result.checked_layers == 10
+    # the mistake this guards against: a full layer planned with the window fails by name
+    layers = [layer.model_copy(update={"sliding_window": 513}) for layer in m.layers]
+    wrong = arch_check.cross_check(config, facts, layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert "analyzer 513 (FullAttention) vs transformers None" in wrong.errors[0] and "2 layer(s)" in wrong.errors[0]
+
+
+def test_ministral3_yarn_fields_do_not_scale_its_softmax():
+    """Ministral3Config publishes yarn with mscale_all_dim on GQA attention: transformers keeps head_dim^-0.5."""
+    config = _class_defaults("Ministral3Config", num_hidden_layers=4)
+    facts, m = _assemble_dict(config)
+    assert m.fa.softmax_scale == config["head_dim"] ** -0.5 and "mscale" not in m.fa.scale_derivation
+    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert not result.errors and result.checked_layers == 4
+
+
 def test_cross_check_confirms_phi35_moe_full_attention():
     """transformers applies the 131072 window on every layer: equivalent to full over the context."""
     config = _config("phi35_moe")

@@ -13,10 +13,10 @@ import pytest
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.framework_checkout import (
+    checkout_fa_version,
     dataclass_fields,
     detect_generation,
     inspect_checkout,
-    checkout_fa_version,
     names_match,
     relative_imports,
     runner_is_standalone,

@@ -61,7 +61,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 3  # 2: K=V attention modules (hf_layout); 3: is_sliding False means no window. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 3  # 2: K=V attention modules (hf_layout); 3: is_sliding / per-layer windows (Kolibri1, Qwen2-MoE). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -228,14 +228,19 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     out = []
-    for path, module in attention_modules(model):
+    found = attention_modules(model)
+    # classes that set sliding_window on their sliding layers only (Qwen2-MoE): where it is missing, no window
+    per_layer = {type(module) for _, module in found if module is not None and hasattr(module, "sliding_window")}
+    for path, module in found:
         if module is None:
             out.append(HfAttention(path, None, None, None))
             continue
         scale = next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
                       if isinstance(getattr(module, a, None), (int, float))
                       and not isinstance(getattr(module, a), bool)), None)
-        out.append(HfAttention(path, type(module).__name__, scale, _window_of(module, config)))
+        window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
+            else _window_of(module, config)
+        out.append(HfAttention(path, type(module).__name__, scale, window))
     return tuple(out)
 
 
@@ -243,7 +248,8 @@ def _window_of(module, config) -> int | None:
     """The window transformers applies on this module's layer.
 
     A module's own ``sliding_window`` attribute is per layer (Qwen2/3, Gemma, gpt-oss), unless the module says it
-    is not sliding (``is_sliding`` False). Otherwise,
+    is not sliding (``is_sliding`` False); a class that sets it on some layers only applies none on the others
+    (the caller decides that, seeing every layer). Otherwise,
     when the modeling file uses sliding windows at all (Mistral, Phi-3, PhiMoE pass
     ``config.sliding_window`` to the attention call or build the model's mask with it), the
     config's window applies to every layer; a modeling file that never mentions one applies none.
@@ -307,7 +313,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             continue
         if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=_REL_TOL):
             scale_off.append((layer, mod))
-        hf_window = mod.window if mod.window is not None and (max_pos is None or mod.window < max_pos) else None
+        # a window of 0 is off (Qwen2-MoE's config writes 0 when use_sliding_window is false)
+        hf_window = mod.window if mod.window and (max_pos is None or mod.window < max_pos) else None
         if hf_window != layer.sliding_window:
             window_off.append((layer, mod, hf_window))
     if scale_off:

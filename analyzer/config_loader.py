@@ -838,15 +838,19 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
     Qwen2/Qwen3 ``use_sliding_window`` gates the window (false: all full; true: layers from
     ``max_window_layers`` on slide); ``sliding_window_pattern`` makes every Nth layer full
     (Gemma-3); Gemma-2/3 without a pattern use their model's default; a bare ``sliding_window``
-    slides every layer (Mistral v0.1). ``sliding_window: null`` means no window.
+    slides every layer (Mistral v0.1). ``sliding_window: null`` means no window (so does ``0`` beside
+    ``use_sliding_window: false``).
     """
     window_hit = r.get("sliding_window", "sliding_window_size")
     window = None
     if window_hit is not None:
         w = window_hit[0]
-        if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+        use_sw = r.flag("use_sliding_window")
+        # 0 beside use_sliding_window false: transformers' Qwen2-MoE config writes it so (the window is off)
+        inert_zero = w == 0 and not isinstance(w, bool) and use_sw is not None and use_sw[0] is False
+        if not inert_zero and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
             raise InputError(r.where, f"must be a positive integer or null, got {w!r}", field=window_hit[1])
-        window = w
+        window = w or None
 
     types_hit = r.get("layer_types")
     if types_hit is not None:

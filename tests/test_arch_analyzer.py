@@ -183,6 +183,20 @@ def test_kolibri1_full_layers_keep_the_window_attribute_but_apply_none():
     assert "analyzer 513 (FullAttention) vs transformers None" in wrong.errors[0] and "2 layer(s)" in wrong.errors[0]
 
 
+@pytest.mark.parametrize("overrides, sliding", [
+    ({"num_hidden_layers": 4}, []),  # the class writes sliding_window 0 beside use_sliding_window false
+    ({"num_hidden_layers": 4, "use_sliding_window": True, "max_window_layers": 4}, [0, 2]),
+])
+def test_qwen2_moe_window_off_as_zero_and_set_on_sliding_layers_only(overrides, sliding):
+    """Qwen2MoeConfig writes sliding_window 0 when the window is off, and Qwen2MoeAttention sets sliding_window on
+    its sliding layers only: both read as transformers applies them (no window elsewhere)."""
+    config = _class_defaults("Qwen2MoeConfig", **overrides)
+    facts, m = _assemble_dict(config)
+    assert [layer.index for layer in m.layers if layer.sliding_window] == sliding
+    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert not result.errors and result.checked_layers == 4
+
+
 def test_ministral3_yarn_fields_do_not_scale_its_softmax():
     """Ministral3Config publishes yarn with mscale_all_dim on GQA attention: transformers keeps head_dim^-0.5."""
     config = _class_defaults("Ministral3Config", num_hidden_layers=4)

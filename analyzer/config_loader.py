@@ -650,17 +650,18 @@ def _rope(r: _Reader) -> Sourced[RopeInfo]:
         raise InputError(r.where, f"must be a JSON object (e.g. {{\"rope_type\": \"yarn\", \"factor\": 40}}) or "
                                   f"null, got {_json_type(raw)} {_shown(raw)}", field=src)
     per_layer_type = {k: v for k, v in raw.items() if k in _LAYER_TYPE_KIND}
-    if per_layer_type:  # transformers v5: one rope per layer type
+    if per_layer_type:  # transformers v5: one rope per layer type; null: that layer type has none (Beam's NoPE)
         for name, entry in per_layer_type.items():
-            if not isinstance(entry, dict):
-                raise InputError(r.where, f"must be a JSON object, got {_json_type(entry)} {_shown(entry)}",
+            if not isinstance(entry, dict) and entry is not None:
+                raise InputError(r.where, f"must be a JSON object or null, got {_json_type(entry)} {_shown(entry)}",
                                  field=f"{src}.{name}")
-            _rope_entry(r.where, entry, f"{src}.{name}")
-        if "full_attention" in per_layer_type:
-            raw, src = per_layer_type["full_attention"], f"{src}.full_attention"
-        else:
-            name = next(iter(per_layer_type))
-            raw, src = per_layer_type[name], f"{src}.{name}"
+            if entry is not None:
+                _rope_entry(r.where, entry, f"{src}.{name}")
+        roped = [name for name, entry in per_layer_type.items() if entry is not None]
+        if not roped:
+            return Sourced(RopeInfo(rope_type="default"), f"{src}: null for every layer type (no RoPE)")
+        name = "full_attention" if "full_attention" in roped else roped[0]
+        raw, src = per_layer_type[name], f"{src}.{name}"
     info, key = _rope_entry(r.where, raw, src)
     return Sourced(info, f"{src}.{key}")
 

@@ -71,6 +71,10 @@ def test_dtype_spellings(cfg, dtype, source):
                           "sliding_attention": {"rope_type": "default"}}},
      "linear", "rope_parameters.full_attention.rope_type"),
     ({"rope_scaling": None}, "default", "default: no rope_scaling/rope_parameters"),
+    # Beam: its full-attention layers have no RoPE (NoPE), written as null
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}, "full_attention": None}},
+     "default", "rope_parameters.sliding_attention.rope_type"),
+    ({"rope_parameters": {"full_attention": None}}, "default", "rope_parameters: null for every layer type (no RoPE)"),
 ])
 def test_rope_spellings(cfg, rope_type, source):
     f = norm(**cfg)
@@ -83,6 +87,7 @@ def test_rope_spellings(cfg, rope_type, source):
     ({"sliding_window_size": 64}, "SSSS", 64),
     ({"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 64}, "SFSF", 64),
     ({"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 2}, "FFFF", None),
+    ({"use_sliding_window": False, "sliding_window": 0}, "FFFF", None),  # how transformers' Qwen2-MoE writes it
     ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}, "FFSS", 64),
     ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, "SSSS", 64),
     ({"sliding_window_pattern": 2, "sliding_window": 64}, "SFSF", 64),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed
@@ -72,7 +73,9 @@ class KindPlan:
     window: int | None
     prefill: PathPlan
     decode: PathPlan
-    window_derivation: str | None
+    # the why, not the plan: a layer planned full because its window covers the context (Olmo3Config's defaults) and
+    # a full layer share one plan
+    window_derivation: str | None = dataclass_field(compare=False)
     # Decode steps with q_len = 1 + next_n (MTP verify), when they need another plan than q_len 1.
     verify: PathPlan | None = None
 

@@ -327,3 +327,22 @@ def test_header_hash_changes_with_the_manifest():
     a = render_manifest(base).files["kvcache_attention.py"].splitlines()[0]
     b = render_manifest(other).files["kvcache_attention.py"].splitlines()[0]
     assert a != b and other.content_hash() in b
+
+
+def test_full_layers_planned_full_for_a_window_covering_the_context_share_the_full_plan(tmp_path):
+    """Olmo3Config's defaults: sliding_window 4096 >= max_position_embeddings 2048, so its sliding layers are planned
+    full attention with a reason (window_derivation) the true full layers lack. The reason is not the plan: they
+    render as one kind. Layers whose plans really differ are still refused."""
+    import transformers
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(transformers.Olmo3Config(num_hidden_layers=8).to_dict(), default=str))
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    assert {layer.attn_type for layer in m.layers} == {"FullAttention"}
+    assert len({layer.window_derivation for layer in m.layers}) == 2  # with and without the reason
+    assert "kvcache_attention.py" in render_manifest(m).files
+    layers = [layer.model_copy(update={"sparse_mode": layer.sparse_mode.model_copy(update={"decode": 0})})
+              if layer.index == 3 else layer for layer in m.layers]
+    with pytest.raises(InputError, match=r"layers\[3\]: FullAttention layers disagree"):
+        render_manifest(m.model_copy(update={"layers": layers}))

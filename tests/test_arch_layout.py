@@ -103,3 +103,22 @@ def test_tiny_model_builds_with_every_id_inside_the_vocabulary(name):
     assert flat and all(0 <= i < TINY_VOCAB for i in flat), ids
     assert model.get_input_embeddings().num_embeddings == TINY_VOCAB
     assert any(n.startswith("token ids moved") for n in plan.notes)
+
+
+@pytest.mark.parametrize("cls_name, hidden", [("HeliumConfig", 20 * 128), ("Qwen3Config", 128)])
+def test_tiny_model_keeps_hidden_equal_to_heads_x_head_dim_only_where_the_attention_needs_it(tmp_path, cls_name,
+                                                                                            hidden):
+    """Helium's o_proj maps hidden_size -> hidden_size: with hidden shrunk to 128 beside 20 x 128 attention outputs the
+    tiny model could not run, and the failure was reported against the render. Qwen3 projects from heads x head_dim
+    and keeps the cheap 128."""
+    import transformers
+
+    path = tmp_path / "config.json"
+    config = {**getattr(transformers, cls_name)().to_dict()}
+    path.write_text(json.dumps(config, default=str), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(path)))
+    model, plan = build_tiny_model(json.loads(path.read_text()), manifest)
+    assert model.config.hidden_size == hidden
+    assert any(n.startswith("hidden_size") for n in plan.notes) == (hidden != 128)
+    with torch.no_grad():
+        assert model(input_ids=torch.zeros(1, 3, dtype=torch.long)).logits.shape == (1, 3, TINY_VOCAB)

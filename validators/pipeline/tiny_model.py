@@ -201,23 +201,50 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     if moved:
         plan.notes.append("token ids moved into the tiny vocabulary: "
                           + ", ".join(f"{old} -> {new}" for old, new in sorted(moved.items())))
-    plan.config.update(model_type=hf_type, **d)
-    config = AutoConfig.for_model(hf_type, **d)
-    config._attn_implementation = "eager"
-    # The eager experts loop: grouped_mm kernels take no float64 (the default comparison dtype).
-    config._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    if lightning:
-        # transformers has no Ling-2.5: its Ling-family code with a plain-torch lightning attention (ling_lightning)
-        from model_infer_kvcache.validators.pipeline.ling_lightning import build_ling_lightning
+    def build(d: dict[str, Any]):
+        config = AutoConfig.for_model(hf_type, **d)
+        config._attn_implementation = "eager"
+        # The eager experts loop: grouped_mm kernels take no float64 (the default comparison dtype).
+        config._experts_implementation = "eager"
+        torch.manual_seed(seed)
+        if lightning:
+            # transformers has no Ling-2.5: its Ling-family code with a plain-torch lightning attention
+            from model_infer_kvcache.validators.pipeline.ling_lightning import build_ling_lightning
 
-        model = build_ling_lightning(config)
+            return build_ling_lightning(config)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    model = build(d)
+    tied = _hidden_tied_to_heads(model, d, manifest)
+    if tied is not None:
+        d["hidden_size"] = tied
+        model = build(d)
+        plan.notes.append(f"hidden_size {tied} (= heads x head_dim, not 128): transformers' {hf_type} attention "
+                          "projects its output from hidden_size, so the two must agree")
+    plan.config.update(model_type=hf_type, **d)
+    if lightning:
         plan.notes.append(f"reference: {lin.reference}")
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     model.eval()
     return model, plan
+
+
+def _hidden_tied_to_heads(model, d: dict[str, Any], manifest: SelectionManifest) -> int | None:
+    """heads x head_dim when the tiny model cannot run with hidden_size 128 because its attention needs the two equal
+    (Helium's o_proj is hidden_size -> hidden_size); None when it runs, or fails for another reason (reported as the
+    run's own failure)."""
+    m = manifest.model
+    width = m.num_attention_heads * m.head_dim
+    if m.mla or d.get("hidden_size") == width or manifest.linear_attention is not None:
+        return None
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except RuntimeError as exc:
+        if "shape" in str(exc) and str(width) in str(exc):
+            return width
+    return None
 
 
 def keep_fixed(d: dict[str, Any], real: dict[str, Any], fixed: dict[str, tuple[Any, str]], notes: list[str]) -> None:

@@ -167,9 +167,9 @@ def assemble(
         raise InputError(where, "; ".join(problems),
                          field="attn_tp_size" if where != "--attn-tp-size" else facts.num_attention_heads.source)
     parallel = rules.decide_parallel(facts, tp, tp_source)
-    ratio = rules.gqa_ratio_problem(facts, parallel)
-    if ratio:
-        blockers.append(ratio)
+    for problem in (rules.gqa_ratio_problem(facts, parallel), rules.mla_heads_problem(facts, parallel)):
+        if problem:
+            blockers.append(problem)
 
     fa_version = rules.decide_fa_version(facts, req.fa_version, checkout.fa_version if checkout else None,
                                          checkout.fa_evidence if checkout else "")

@@ -30,6 +30,7 @@ from model_infer_kvcache.analyzer.manifest import (
 from model_infer_kvcache.analyzer.operators.fa_facts import (
     INT32_MAX,
     MAX_GQA_RATIO,
+    MLA_QUERY_HEADS,
     MLA_ROPE_DIM,
     VALID_BLOCK_SIZES,
 )
@@ -358,6 +359,27 @@ def gqa_ratio_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | No
                 "layer (replicating the KV heads in the cache or splitting the call by query-head groups is not "
                 "rendered by this skill)",
         fields=[facts.num_attention_heads.source, facts.num_key_value_heads.source],
+    )
+
+
+def mla_heads_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | None:
+    """MLA absorb: FA takes MLA_QUERY_HEADS query heads per call (op docs); a rank's share outside them cannot run.
+    DSA attends through npu_sparse_flash_attention, whose rule this is not."""
+    if not facts.is_mla or facts.dsa.value is not None:
+        return None
+    q = parallel.num_q_heads_per_rank
+    if q in MLA_QUERY_HEADS:
+        return None
+    heads = facts.num_attention_heads.value
+    fits = [tp for tp in range(1, heads + 1) if heads % tp == 0 and heads // tp in MLA_QUERY_HEADS]
+    return Finding(
+        message=f"{q} query heads per rank at attn_tp_size {parallel.attn_tp_size}: MLA's FA call takes "
+                f"{'/'.join(map(str, MLA_QUERY_HEADS))} query heads (npu_fused_infer_attention_score_v2 doc, "
+                "query_rope); " + (f"re-analyze with --attn-tp-size {' / '.join(map(str, fits))} "
+                                   f"({' / '.join(str(heads // tp) for tp in fits)} heads per rank)"
+                                   if fits else "no attention TP divides the heads into such a count")
+                + " (padding the query heads with zeros is not rendered by this skill)",
+        fields=[facts.num_attention_heads.source, "attn_tp_size"],
     )
 
 

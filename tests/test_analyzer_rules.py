@@ -199,6 +199,31 @@ def test_scale_yarn_mscale_is_an_mla_rule_only():
 # ---------------------------------------------------------------- parallel and caches
 
 
+@pytest.mark.parametrize("heads, tp, fits", [
+    (20, 1, "5 / 10 / 20"),  # GLM-4.7-Flash (glm4_moe_lite): 20 MLA heads
+    (20, 5, None),
+    (128, 1, None),  # DeepSeek-V3
+    (96, 2, "3 / 6 / 12 / 24 / 48 / 96"),  # 48 per rank
+])
+def test_mla_query_heads_per_rank_must_be_a_count_fa_takes(heads, tp, fits):
+    f = facts(**{**MLA, "num_attention_heads": heads, "num_key_value_heads": heads})
+    problem = rules.mla_heads_problem(f, rules.decide_parallel(f, tp, "x"))
+    if fits is None:
+        assert problem is None
+    else:
+        assert f"{heads // tp} query heads per rank at attn_tp_size {tp}" in problem.message
+        assert f"--attn-tp-size {fits} (" in problem.message
+
+
+def test_mla_heads_rule_is_not_applied_to_gqa_or_dsa():
+    gqa = facts(num_attention_heads=20, num_key_value_heads=4)
+    assert rules.mla_heads_problem(gqa, rules.decide_parallel(gqa, 1, "x")) is None
+    dsa = facts(**{**MLA, "num_attention_heads": 20, "num_key_value_heads": 20, "model_type": "deepseek_v32"},
+                index_topk=2048, index_n_heads=64, index_head_dim=128)
+    assert dsa.dsa.value is not None
+    assert rules.mla_heads_problem(dsa, rules.decide_parallel(dsa, 1, "x")) is None
+
+
 def test_tp16_with_8_kv_heads_gives_one_per_rank_and_flags_replication():
     f = facts(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, head_dim=128)
     assert rules.tp_problems(f, 16) == []

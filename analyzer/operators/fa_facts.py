@@ -30,6 +30,10 @@ COMPRESSED_MASK_SIZE = 2048
 COMPRESSED_MASK_SHAPES = tuple((1,) * lead + (COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE) for lead in range(3))
 
 MAX_GQA_RATIO = 64  # query heads / KV heads (num_key_value_heads rule of the op docs)
+# MLA (query_rope/key_rope given, query D 512): the query head counts FA takes. torch_npu 2.14.0's
+# npu_fused_infer_attention_score_v2 doc: "query_rope配置时要求query的s为1-16、n为1/2/4/8/16/32/64/128"; the v1 doc of
+# both pinned releases still says "N为32、64、128" there (an older statement of the same kernel's rule).
+MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 MLA_ROPE_DIM = 64  # head dim of query_rope / key_rope
 
 

@@ -51,6 +51,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     FA_KEYWORDS,
     INT32_MAX,
     MAX_GQA_RATIO,
+    MLA_QUERY_HEADS,
     MLA_ROPE_DIM,
     SPARSE_MODES,
     FaKeywords,
@@ -75,9 +76,6 @@ from model_infer_kvcache.validators.npu_ops.readings import active_readings, con
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _CHECKED_MASKS: dict[int, tuple] = {}
-# MLA (query_rope/key_rope given, one latent KV head): the absorb path takes up to 128 query heads
-# (DeepSeek-V3/R1 at attention TP 1); the 64 cap above is the GQA rule.
-MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 # How each version spells the renamed arguments (rejections name them in the operator's own spelling).

@@ -46,6 +46,10 @@ class HfAttention:
     cls: str | None  # None: the block has no attention module (linear / recurrent layer)
     scale: tuple[float, str] | None  # (value, attribute) or None when the module keeps none
     window: int | None  # sliding window the module applies (None: full)
+    # (key head_dim, KV heads, value head dim) read from separate k_proj / v_proj and the module's head_dim; None
+    # where the module has no such projections (fused qkv, MLA); value dim None without v_proj (K=V)
+    kv_shape: tuple[int, int, int | None] | None = None
+    sinks: bool = False  # the module holds learnable attention sinks
 
 
 @dataclass
@@ -61,7 +65,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 3  # 2: K=V attention modules (hf_layout); 3: is_sliding / per-layer windows (Kolibri1, Qwen2-MoE). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 4  # 2: K=V attention modules (hf_layout); 3: is_sliding / per-layer windows; 4: KV shape, sinks. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,8 @@ def _digest(value: Any) -> str:
 
 def _payload(report: TransformersReport) -> dict[str, Any]:
     attentions = None if report.attentions is None else [
-        [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window]
+        [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window,
+         None if a.kv_shape is None else list(a.kv_shape), a.sinks]
         for a in report.attentions]
     return {"ships": report.ships, "attentions": attentions, "error": report.error}
 
@@ -207,14 +212,21 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
     if rows is None:
         return TransformersReport(ships=ships, error=error)
     out = []
-    for path, cls, value, attr, window in rows:
-        if not (isinstance(path, str) and (cls is None or isinstance(cls, str))
-                and (window is None or (isinstance(window, int) and not isinstance(window, bool)))
+    for path, cls, value, attr, window, kv_shape, sinks in rows:
+        if not (isinstance(path, str) and (cls is None or isinstance(cls, str)) and _int_or_none(window)
                 and ((value is None and attr is None)
-                     or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))):
+                     or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))
+                and (kv_shape is None or (isinstance(kv_shape, list) and len(kv_shape) == 3
+                                          and all(_int_or_none(x) for x in kv_shape)))
+                and isinstance(sinks, bool)):
             return None
-        out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window))
+        out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window,
+                               None if kv_shape is None else tuple(kv_shape), sinks))
     return TransformersReport(ships=ships, attentions=tuple(out), error=error)
+
+
+def _int_or_none(x: Any) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool))
 
 
 @functools.lru_cache(maxsize=32)
@@ -240,8 +252,22 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
                       and not isinstance(getattr(module, a), bool)), None)
         window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
             else _window_of(module, config)
-        out.append(HfAttention(path, type(module).__name__, scale, window))
+        out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
+                               getattr(module, "sinks", None) is not None))
     return tuple(out)
+
+
+def _kv_shape(module) -> tuple[int, int, int | None] | None:
+    """(key head_dim, KV heads, value head dim) from the module's own k_proj / v_proj and head_dim (MiMo-V2-Flash:
+    192 / 128 and twice the KV heads on its sliding layers), None where it keeps no such projections."""
+    from torch import nn
+
+    k, v, d = getattr(module, "k_proj", None), getattr(module, "v_proj", None), getattr(module, "head_dim", None)
+    if not (isinstance(k, nn.Linear) and isinstance(d, int) and d > 0 and k.out_features % d == 0):
+        return None
+    kv = k.out_features // d
+    vd = v.out_features // kv if isinstance(v, nn.Linear) and v.out_features % kv == 0 else None
+    return d, kv, vd
 
 
 def _window_of(module, config) -> int | None:
@@ -273,8 +299,9 @@ def is_linear_module(cls: str | None) -> bool:
 
 
 def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPlan], scale: float,
-                scale_txt: str) -> CheckResult:
-    """Compare the planned scale and per-layer window with the architecture's attention modules."""
+                scale_txt: str, attn_tp_size: int = 1, legacy: bool = False) -> CheckResult:
+    """Compare the planned scale, per-layer window, KV cache shape (per rank) and sinks with the architecture's
+    attention modules."""
     lin = facts.linear.value
     if lin is not None and lin.family in NOT_IN_TRANSFORMERS:
         # Ling-2.5 publishes model_type bailing_hybrid, which transformers implements as another architecture
@@ -297,6 +324,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     max_pos = facts.max_position_embeddings.value
     scale_off: list[tuple[LayerPlan, HfAttention]] = []
     window_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
+    kv_off: list[tuple[LayerPlan, HfAttention, tuple, tuple]] = []
+    sinks_off: list[tuple[LayerPlan, HfAttention]] = []
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
             if layer.layer_kind != "linear":
@@ -317,6 +346,17 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         hf_window = mod.window if mod.window and (max_pos is None or mod.window < max_pos) else None
         if hf_window != layer.sliding_window:
             window_off.append((layer, mod, hf_window))
+        shape = _planned_kv_shape(layer)
+        if mod.kv_shape is not None and shape is not None:
+            d, kv, vd = mod.kv_shape
+            kv = max(kv // attn_tp_size, 1)
+            vd = vd if vd is not None else d
+            # a Legacy cache row holds a rank's heads flattened: one "head" of heads x dim (BSH)
+            want = (kv * d, 1, kv * vd) if legacy else (d, kv, vd)
+            if want != shape:
+                kv_off.append((layer, mod, shape, want))
+        if mod.sinks != facts.has_sinks.value:
+            sinks_off.append((layer, mod))
     if scale_off:
         layer, mod = scale_off[0]
         result.errors.append(
@@ -328,4 +368,25 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             f"sliding window: analyzer {layer.sliding_window} ({layer.attn_type}) vs transformers {w} "
             f"({mod.cls}.sliding_window) on {len(window_off)} layer(s), "
             f"first layer {layer.index} at {mod.path}")
+    if kv_off:
+        layer, mod, shape, want = kv_off[0]
+        result.errors.append(
+            f"KV cache per rank (key dim, KV heads, value dim): analyzer {shape} vs transformers {want} "
+            f"({mod.cls}: k_proj / v_proj / head_dim at attn TP {attn_tp_size}) on {len(kv_off)} layer(s), first "
+            f"layer {layer.index} at {mod.path}")
+    if sinks_off:
+        layer, mod = sinks_off[0]
+        result.errors.append(
+            f"attention sinks: analyzer {'on every layer' if facts.has_sinks.value else 'none'} "
+            f"({facts.has_sinks.source}) vs transformers {'with' if mod.sinks else 'without'} "
+            f"{mod.cls}.sinks on {len(sinks_off)} layer(s), first layer {layer.index} at {mod.path}")
     return result
+
+
+def _planned_kv_shape(layer: LayerPlan) -> tuple[int, int, int] | None:
+    """(key dim, KV heads per rank, value dim) of a layer's k_cache / v_cache, None for other caches (MLA's latent)."""
+    caches = {c.name: c for c in layer.caches}
+    k, v = caches.get("k_cache"), caches.get("v_cache")
+    if k is None:
+        return None
+    return k.dim, k.num_head, v.dim if v is not None else k.dim  # K=V layers (Gemma-4) keep no v_cache

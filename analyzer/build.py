@@ -187,7 +187,8 @@ def assemble(
         warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
                                         f"{layers[full_by_context[0]].window_derivation}",
                                 fields=[facts.sliding_window.source, facts.max_position_embeddings.source]))
-    check = arch_check.cross_check(config, facts, layers, scale, scale_txt) if config is not None else None
+    check = (arch_check.cross_check(config, facts, layers, scale, scale_txt, parallel.attn_tp_size,
+                                    legacy=kv_mode == "legacy") if config is not None else None)
     if check and check.errors:
         raise InputError(facts.path, "architecture cross-check against transformers' own attention modules "
                                      "(meta device) failed: " + "; ".join(check.errors), field="model_type")

@@ -46,6 +46,14 @@ def _assemble_dict(config: dict, where: str = "config.json"):
                            AnalyzeRequest(config=where), config=config)
 
 
+def _check(config: dict, facts, m, layers=None, scale=None, scale_txt=None):
+    """arch_check.cross_check of a manifest's plan, at its attention TP and cache layout."""
+    return arch_check.cross_check(config, facts, m.layers if layers is None else layers,
+                                  m.fa.softmax_scale if scale is None else scale,
+                                  m.fa.scale_derivation if scale_txt is None else scale_txt,
+                                  m.parallel.attn_tp_size, legacy=m.kv_mode.value == "legacy")
+
+
 # ---------------------------------------------------------------- unknown families
 
 
@@ -129,7 +137,7 @@ def test_scale_rule_of_fixture_families(name, expected, derivation):
 def test_granite_scale_is_the_attention_multiplier_and_matches_transformers():
     facts, m = _assemble_dict(GRANITE_3_2B)
     assert m.fa.softmax_scale == 0.015625 and "attention_multiplier" in m.fa.scale_derivation
-    result = arch_check.cross_check(GRANITE_3_2B, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    result = _check(GRANITE_3_2B, facts, m)
     assert result.ships and not result.errors and result.checked_layers == 40
 
 
@@ -157,7 +165,7 @@ CHECKED = ["qwen3_8b", "qwen3_30b_a3b", "qwen2_7b", "llama31_8b", "mistral_7b_v0
 def test_cross_check_agrees_on_every_fixture(name):
     config = _config(name)
     facts, m = _assemble_dict(config)
-    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    result = _check(config, facts, m)
     assert result.ships and not result.errors and not result.notes, (result.errors, result.notes)
     assert result.checked_layers == sum(1 for layer in m.layers if layer.layer_kind != "linear") > 0
 
@@ -175,11 +183,11 @@ def test_kolibri1_full_layers_keep_the_window_attribute_but_apply_none():
     facts, m = _assemble_dict(config)
     hf = arch_check.hf_attentions(config, "kolibri1")
     assert [a.window for a in hf] == [513, 513, 513, 513, None] * 2
-    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    result = _check(config, facts, m)
     assert not result.errors and result.checked_layers == 10
     # the mistake this guards against: a full layer planned with the window fails by name
     layers = [layer.model_copy(update={"sliding_window": 513}) for layer in m.layers]
-    wrong = arch_check.cross_check(config, facts, layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    wrong = _check(config, facts, m, layers)
     assert "analyzer 513 (FullAttention) vs transformers None" in wrong.errors[0] and "2 layer(s)" in wrong.errors[0]
 
 
@@ -193,7 +201,7 @@ def test_qwen2_moe_window_off_as_zero_and_set_on_sliding_layers_only(overrides, 
     config = _class_defaults("Qwen2MoeConfig", **overrides)
     facts, m = _assemble_dict(config)
     assert [layer.index for layer in m.layers if layer.sliding_window] == sliding
-    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    result = _check(config, facts, m)
     assert not result.errors and result.checked_layers == 4
 
 
@@ -202,8 +210,40 @@ def test_ministral3_yarn_fields_do_not_scale_its_softmax():
     config = _class_defaults("Ministral3Config", num_hidden_layers=4)
     facts, m = _assemble_dict(config)
     assert m.fa.softmax_scale == config["head_dim"] ** -0.5 and "mscale" not in m.fa.scale_derivation
-    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    result = _check(config, facts, m)
     assert not result.errors and result.checked_layers == 4
+
+
+def test_kv_cache_shape_per_rank_is_checked_against_the_projections():
+    """The planned k_cache / v_cache (key dim, KV heads per rank, value dim) against k_proj / v_proj / head_dim: a value
+    cache sized like the keys, or the KV heads left unsplit at TP 4, fails by name."""
+    config = _config("qwen3_8b")
+    facts = normalize_config(config, "config.json")
+    m = _analyze("qwen3_8b", attn_tp_size=4)
+    assert not _check(config, facts, m).errors
+
+    def resized(**update):
+        return [layer.model_copy(update={"caches": [c.model_copy(update=update) for c in layer.caches]})
+                for layer in m.layers]
+
+    (error,) = _check(config, facts, m, resized(num_head=8)).errors  # 8 KV heads not split over 4 ranks
+    assert "analyzer (128, 8, 128) vs transformers (128, 2, 128)" in error and "at attn TP 4" in error
+    assert "on 36 layer(s)" in error
+
+
+def test_mimo_v2_flash_value_dim_and_sinks_are_refused_by_name(tmp_path):
+    """MiMo-V2-Flash: value heads of 128 beside 192-dim keys, twice the KV heads and learnable sinks on its sliding
+    layers. The config fields say none of it in a way the analyzer reads; transformers' modules do: refused, not
+    planned with a wrong cache."""
+    import transformers
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(transformers.MiMoV2FlashConfig(num_hidden_layers=4).to_dict(), default=str))
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(path)))
+    text = err.value.render()
+    assert "analyzer (192, 4, 192) vs transformers (192, 4, 128)" in text
+    assert "attention sinks: analyzer none" in text and "MiMoV2FlashAttention.sinks" in text
 
 
 def test_cross_check_confirms_phi35_moe_full_attention():
@@ -214,7 +254,7 @@ def test_cross_check_confirms_phi35_moe_full_attention():
     facts, m = _assemble_dict(config)
     hf = arch_check.hf_attentions(config, "phimoe")
     assert {a.window for a in hf} == {131072}
-    result = arch_check.cross_check(config, facts, m.layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    result = _check(config, facts, m)
     assert not result.errors and result.checked_layers == 32
 
 
@@ -226,7 +266,7 @@ def test_phi35_moe_fixture_without_rope_lists_reports_the_check_skipped():
 def test_wrong_scale_is_an_error_with_both_values():
     config = _config("qwen3_8b")
     facts, m = _assemble_dict(config)
-    result = arch_check.cross_check(config, facts, m.layers, 1.0, "deliberately wrong")
+    result = _check(config, facts, m, scale=1.0, scale_txt="deliberately wrong")
     assert len(result.errors) == 1
     error = result.errors[0]
     assert "analyzer 1 (deliberately wrong)" in error and "transformers 0.0883883476" in error
@@ -238,7 +278,7 @@ def test_wrong_window_is_an_error_with_both_values():
     facts, m = _assemble_dict(config)
     layers = [layer.model_copy(update={"sliding_window": 64}) if layer.attn_type == "SlidingWindow" else layer
               for layer in m.layers]
-    result = arch_check.cross_check(config, facts, layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    result = _check(config, facts, m, layers)
     assert len(result.errors) == 1
     assert "analyzer 64 (SlidingWindow) vs transformers 128" in result.errors[0]
     assert "12 layer(s)" in result.errors[0]

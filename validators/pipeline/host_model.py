@@ -426,7 +426,7 @@ def make_host_attention(mixin: type) -> type:
             self.probe = probe
             self.bsh = hasattr(self, "legacy_attention")  # Legacy renders take BSH [B, S, N*D]
             self.layer_idx = layer_idx
-            if hasattr(hf_attention, "sinks"):
+            if getattr(hf_attention, "sinks", None) is not None:  # MiMo-V2-Flash keeps sinks = None on full layers
                 # float32 as the device op takes it; float64 only in the float64 validation mode.
                 sinks = hf_attention.sinks.detach()
                 self.sinks = sinks if sinks.dtype == torch.float64 else sinks.float()

@@ -50,6 +50,8 @@ class HfAttention:
     # where the module has no such projections (fused qkv, MLA); value dim None without v_proj (K=V)
     kv_shape: tuple[int, int, int | None] | None = None
     sinks: bool = False  # the module holds learnable attention sinks
+    # a recurrent mixer in the same decoder block beside the attention (Falcon-H1's Mamba2): its class name
+    recurrent_beside: str | None = None
 
 
 @dataclass
@@ -65,7 +67,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 4  # 2: K=V attention modules (hf_layout); 3: is_sliding / per-layer windows; 4: KV shape, sinks. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 6  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ def _digest(value: Any) -> str:
 def _payload(report: TransformersReport) -> dict[str, Any]:
     attentions = None if report.attentions is None else [
         [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window,
-         None if a.kv_shape is None else list(a.kv_shape), a.sinks]
+         None if a.kv_shape is None else list(a.kv_shape), a.sinks, a.recurrent_beside]
         for a in report.attentions]
     return {"ships": report.ships, "attentions": attentions, "error": report.error}
 
@@ -212,16 +214,16 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
     if rows is None:
         return TransformersReport(ships=ships, error=error)
     out = []
-    for path, cls, value, attr, window, kv_shape, sinks in rows:
+    for path, cls, value, attr, window, kv_shape, sinks, beside in rows:
         if not (isinstance(path, str) and (cls is None or isinstance(cls, str)) and _int_or_none(window)
                 and ((value is None and attr is None)
                      or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))
                 and (kv_shape is None or (isinstance(kv_shape, list) and len(kv_shape) == 3
                                           and all(_int_or_none(x) for x in kv_shape)))
-                and isinstance(sinks, bool)):
+                and isinstance(sinks, bool) and (beside is None or isinstance(beside, str))):
             return None
         out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window,
-                               None if kv_shape is None else tuple(kv_shape), sinks))
+                               None if kv_shape is None else tuple(kv_shape), sinks, beside))
     return TransformersReport(ships=ships, attentions=tuple(out), error=error)
 
 
@@ -232,7 +234,7 @@ def _int_or_none(x: Any) -> bool:
 @functools.lru_cache(maxsize=32)
 def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     import torch
-    from model_infer_kvcache.analyzer.hf_layout import attention_modules
+    from model_infer_kvcache.analyzer.hf_layout import attention_modules, find_decoder_stack
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(hf_type, **json.loads(section_json))
@@ -241,20 +243,37 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         model = AutoModelForCausalLM.from_config(config)
     out = []
     found = attention_modules(model)
+    stack = find_decoder_stack(model)
+    mixers = {f"{stack.path}.{i}": recurrent_mixer(block) for i, block in enumerate(stack.layers)}
     # classes that set sliding_window on their sliding layers only (Qwen2-MoE): where it is missing, no window
     per_layer = {type(module) for _, module in found if module is not None and hasattr(module, "sliding_window")}
     for path, module in found:
-        if module is None:
-            out.append(HfAttention(path, None, None, None))
+        if module is None:  # a block without attention: the recurrent mixer it holds, if any (Bamba's BambaMixer)
+            out.append(HfAttention(path, None, None, None, recurrent_beside=mixers.get(path)))
             continue
         scale = next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
                       if isinstance(getattr(module, a, None), (int, float))
                       and not isinstance(getattr(module, a), bool)), None)
         window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
             else _window_of(module, config)
+        block = next((b for b in mixers if path.startswith(f"{b}.")), None)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
-                               getattr(module, "sinks", None) is not None))
+                               getattr(module, "sinks", None) is not None, mixers.get(block)))
     return tuple(out)
+
+
+def recurrent_mixer(block) -> str | None:
+    """Class name of a recurrent (state-space / linear-attention) mixer inside a decoder block, outside its attention
+    modules: a module owning ``A_log`` or ``dt_bias`` (Mamba / Mamba2 / gated delta net), None without one."""
+    from model_infer_kvcache.analyzer.hf_layout import find_attentions
+
+    skip = [name for name, _ in find_attentions(block)]
+    for name, module in block.named_modules():
+        if any(name == s or name.startswith(f"{s}.") for s in skip):
+            continue
+        if any(p in ("A_log", "dt_bias") for p, _ in module.named_parameters(recurse=False)):
+            return type(module).__name__
+    return None
 
 
 def _kv_shape(module) -> tuple[int, int, int | None] | None:
@@ -326,11 +345,12 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     window_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
     kv_off: list[tuple[LayerPlan, HfAttention, tuple, tuple]] = []
     sinks_off: list[tuple[LayerPlan, HfAttention]] = []
+    mixer_off: list[tuple[LayerPlan, HfAttention]] = []
+    no_attention: list[tuple[LayerPlan, HfAttention]] = []
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
             if layer.layer_kind != "linear":
-                result.errors.append(f"layer {layer.index}: analyzer plans {layer.attn_type}, transformers has no "
-                                     f"attention module at {mod.path}")
+                no_attention.append((layer, mod))
             continue
         result.checked_layers += 1
         if (layer.layer_kind == "linear") != is_linear_module(mod.cls):
@@ -339,6 +359,9 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                                  f"{mod.cls} at {mod.path}")
             continue
         if layer.layer_kind == "linear":
+            continue
+        if mod.recurrent_beside:
+            mixer_off.append((layer, mod))
             continue
         if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=_REL_TOL):
             scale_off.append((layer, mod))
@@ -357,6 +380,18 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                 kv_off.append((layer, mod, shape, want))
         if mod.sinks != facts.has_sinks.value:
             sinks_off.append((layer, mod))
+    if no_attention:
+        layer, mod = no_attention[0]
+        holds = f", a block holding {mod.recurrent_beside}" if mod.recurrent_beside else ""
+        result.errors.append(
+            f"analyzer plans attention ({layer.attn_type}) on {len(no_attention)} layer(s) where transformers' "
+            f"decoder block has no attention module, first layer {layer.index} at {mod.path}{holds}")
+    if mixer_off:
+        layer, mod = mixer_off[0]
+        result.errors.append(
+            f"transformers' decoder block holds a recurrent mixer ({mod.recurrent_beside}) beside its attention "
+            f"({mod.cls}) on {len(mixer_off)} layer(s), first layer {layer.index}: its state is not planned (kvcache "
+            "plans recurrent states only for layers without attention)")
     if scale_off:
         layer, mod = scale_off[0]
         result.errors.append(

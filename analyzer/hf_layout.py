@@ -2,7 +2,7 @@
 
 Layouts differ by family (``model.layers``, ``transformer.h``, ``model.decoder.layers``,
 ``gpt_neox.layers``, ``language_model.layers``...), so nothing here trusts a name: the decoder
-stack is the longest ``nn.ModuleList`` of same-class blocks that hold an attention module, and an
+stack is the longest ``nn.ModuleList`` of blocks that hold an attention module, and an
 attention module is the outermost submodule of a block that owns query/key/value projections.
 Only torch is needed (the analyzer's meta-device check and the validation host both use it).
 """
@@ -54,7 +54,8 @@ def find_attentions(block: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def find_decoder_stack(model: nn.Module) -> DecoderStack:
-    """The longest ModuleList of same-class blocks holding attention modules (hybrids: some blocks).
+    """The longest ModuleList of blocks holding attention modules (hybrids: some blocks, and their blocks may be of
+    several classes: Jamba / Bamba build a Mamba layer class beside an attention layer class).
 
     Ties go to the shallowest path (a text decoder over a nested stack of the same length).
     """
@@ -62,7 +63,7 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        if len({type(block) for block in module}) != 1 or not any(find_attentions(b) for b in module):
+        if not any(find_attentions(b) for b in module):
             continue
         key = (len(module), -path.count("."))
         if best is None or key > best[:2]:

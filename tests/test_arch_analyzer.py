@@ -246,6 +246,24 @@ def test_mimo_v2_flash_value_dim_and_sinks_are_refused_by_name(tmp_path):
     assert "attention sinks: analyzer none" in text and "MiMoV2FlashAttention.sinks" in text
 
 
+@pytest.mark.parametrize("cls_name, overrides, words", [
+    # Mamba layers beside attention layers, of another class each: the analyzer reads no mamba layer from the config
+    ("JambaConfig", {"num_hidden_layers": 8}, ["on 7 layer(s) where transformers' decoder block has no attention",
+                                               "a block holding JambaMambaMixer"]),
+    # a Mamba2 mixer in parallel with the attention of every layer
+    ("FalconH1Config", {"num_hidden_layers": 2}, ["recurrent mixer (FalconH1Mixer) beside its attention",
+                                                  "on 2 layer(s)"]),
+])
+def test_hybrids_whose_recurrent_state_kvcache_does_not_plan_are_refused_by_name(tmp_path, cls_name, overrides, words):
+    """Planned as attention only, their recurrent states would be dropped: the cross-check reads the decoder blocks
+    (of mixed classes too) and names the mixer."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_class_defaults(cls_name, **overrides)))
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(path)))
+    assert all(w in err.value.render() for w in words), err.value.render()
+
+
 def test_cross_check_confirms_phi35_moe_full_attention():
     """transformers applies the 131072 window on every layer: equivalent to full over the context."""
     config = _config("phi35_moe")

@@ -105,12 +105,16 @@ def test_tiny_model_builds_with_every_id_inside_the_vocabulary(name):
     assert any(n.startswith("token ids moved") for n in plan.notes)
 
 
-@pytest.mark.parametrize("cls_name, hidden", [("HeliumConfig", 20 * 128), ("Qwen3Config", 128)])
+@pytest.mark.parametrize("cls_name, hidden", [
+    ("HeliumConfig", 20 * 128),  # o_proj: hidden_size -> hidden_size
+    ("OlmoeConfig", 16 * 128),  # q_norm / k_norm over the whole hidden_size-wide projection
+    ("Qwen3Config", 128),
+])
 def test_tiny_model_keeps_hidden_equal_to_heads_x_head_dim_only_where_the_attention_needs_it(tmp_path, cls_name,
                                                                                             hidden):
-    """Helium's o_proj maps hidden_size -> hidden_size: with hidden shrunk to 128 beside 20 x 128 attention outputs the
-    tiny model could not run, and the failure was reported against the render. Qwen3 projects from heads x head_dim
-    and keeps the cheap 128."""
+    """Helium's o_proj maps hidden_size -> hidden_size and OLMoE norms q / k over hidden_size: with hidden shrunk to 128
+    beside heads x head_dim attention widths the tiny model could not run, and the failure was reported against the
+    render. Qwen3 projects from heads x head_dim and keeps the cheap 128."""
     import transformers
 
     path = tmp_path / "config.json"

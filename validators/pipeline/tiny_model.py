@@ -215,12 +215,14 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     model = build(d)
-    tied = _hidden_tied_to_heads(model, d, manifest)
-    if tied is not None:
-        d["hidden_size"] = tied
-        model = build(d)
-        plan.notes.append(f"hidden_size {tied} (= heads x head_dim, not 128): transformers' {hf_type} attention "
-                          "projects its output from hidden_size, so the two must agree")
+    width = _width_if_tied(model, d, manifest)
+    if width is not None:
+        tied = build({**d, "hidden_size": width})
+        if _runs(tied):
+            d["hidden_size"], model = width, tied
+            plan.notes.append(f"hidden_size {width} (= heads x head_dim, not 128): transformers' {hf_type} "
+                              "attention cannot run with the two apart (an output projection or q/k norm over "
+                              "hidden_size, a head_dim derived from it)")
     plan.config.update(model_type=hf_type, **d)
     if lightning:
         plan.notes.append(f"reference: {lin.reference}")
@@ -229,22 +231,25 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     return model, plan
 
 
-def _hidden_tied_to_heads(model, d: dict[str, Any], manifest: SelectionManifest) -> int | None:
-    """heads x head_dim when the tiny model cannot run with hidden_size 128 because its attention needs the two equal
-    (Helium's o_proj is hidden_size -> hidden_size); None when it runs, or fails for another reason (reported as the
-    run's own failure)."""
-    m = manifest.model
-    width = m.num_attention_heads * m.head_dim
-    if m.mla or d.get("hidden_size") == width or manifest.linear_attention is not None:
-        return None
+def _runs(model) -> bool:
     model.eval()
     try:
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 2, dtype=torch.long))
-    except RuntimeError as exc:
-        if "shape" in str(exc) and str(width) in str(exc):
-            return width
-    return None
+    except RuntimeError:
+        return False
+    return True
+
+
+def _width_if_tied(model, d: dict[str, Any], manifest: SelectionManifest) -> int | None:
+    """heads x head_dim when the tiny model does not run with hidden_size 128 (Helium's o_proj maps hidden -> hidden,
+    OLMoE's q_norm spans hidden_size, GPT-NeoX derives head_dim from it): the caller retries with the two equal and
+    keeps that only if it runs. None when the model runs (or the manifest is MLA / linear, sized otherwise)."""
+    m = manifest.model
+    width = m.num_attention_heads * m.head_dim
+    if m.mla or d.get("hidden_size") == width or manifest.linear_attention is not None:
+        return None
+    return None if _runs(model) else width
 
 
 def keep_fixed(d: dict[str, Any], real: dict[str, Any], fixed: dict[str, tuple[Any, str]], notes: list[str]) -> None:

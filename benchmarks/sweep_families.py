@@ -1,0 +1,109 @@
+"""Sweep: every causal-LM architecture the installed transformers ships, at its config class's defaults (the
+published architectures), through `kvcache analyze`, and optionally through `kvcache run` (analyze -> render ->
+validate, both deployment modes).
+
+What it measures is how the bundle meets architectures it was not developed against: each one ends planned, refused
+with a reason (exit 2: a blocker, or the cross-check against transformers' own modules naming what kvcache does not
+plan), or crashes (a bug in kvcache). The run sweep adds PASSED / FAILED per mode. Exit 1 when anything crashed
+(analyze raising anything but a one-line input error; run exiting 3). Nothing is downloaded: configs come from
+transformers' own classes, written to a temporary folder.
+
+Run: ``python benchmarks/sweep_families.py [--run llama,qwen3,...|--run all-planned] [--only a,b] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+
+def _configs(folder: Path, only: list[str] | None) -> dict[str, Path]:
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        if only and model_type not in only:
+            continue
+        try:
+            data = CONFIG_MAPPING[model_type]().to_dict()
+        except Exception:  # noqa: BLE001 - a config class without usable defaults is not an architecture to sweep
+            continue
+        path = folder / f"{model_type}.json"
+        path.write_text(json.dumps(data, default=str), encoding="utf-8")
+        out[model_type] = path
+    print(f"transformers {transformers.__version__}: {len(out)} causal-LM config classes", file=sys.stderr)
+    return out
+
+
+def _analyze(path: Path) -> tuple[str, str]:
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = analyze(AnalyzeRequest(config=str(path), dispatch="部署模式：框架部署"))
+    except InputError as exc:
+        why = exc.render().split(": ", 1)[-1].replace(
+            "architecture cross-check against transformers' own attention modules (meta device) failed", "cross-check")
+        return "refused", why[:240]
+    except Exception as exc:  # noqa: BLE001 - what the sweep is for: report it
+        return "crash", f"{type(exc).__name__}: {exc}"[:160]
+    return "planned", f"{m.kv_mode.value}" + (f", {len(m.blockers)} blocker(s)" if m.blockers else "")
+
+
+def _run(path: Path, mode: str, out: Path) -> tuple[str, str, float]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "run", "--config", str(path),
+                           "--dispatch", f"部署模式：{mode}", "--out", str(out), "--force"],
+                          capture_output=True, text=True, timeout=1800)
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    verdict = {0: "PASSED", 1: "FAILED", 2: "refused", 3: "crash"}.get(proc.returncode, f"exit {proc.returncode}")
+    return verdict, last[0][:160], time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", help="comma-separated model types (default: every causal-LM type)")
+    p.add_argument("--run", help="comma-separated model types to also run end to end, or 'all-planned'")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("KVCACHE_CACHE_DIR", "")  # every analyze pays its own transformers build: no stale entry
+    with tempfile.TemporaryDirectory(prefix="kvcache-sweep-") as tmp:
+        folder = Path(tmp)
+        configs = _configs(folder, args.only.split(",") if args.only else None)
+        analyzed = {t: _analyze(path) for t, path in configs.items()}
+        wanted = ([t for t, (v, _) in analyzed.items() if v == "planned"] if args.run == "all-planned"
+                  else [t for t in (args.run or "").split(",") if t])
+        runs = {f"{t}/{mode}": _run(configs[t], mode, folder / f"out-{t}-{mode}")
+                for t in wanted if t in configs for mode in ("框架部署", "独立部署")}
+    result = {"analyze": {t: {"verdict": v, "detail": d} for t, (v, d) in analyzed.items()},
+              "analyze_counts": dict(Counter(v for v, _ in analyzed.values())),
+              "run": {k: {"verdict": v, "detail": d, "seconds": round(s, 1)} for k, (v, d, s) in runs.items()},
+              "run_counts": dict(Counter(v for v, _, _ in runs.values()))}
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    else:
+        for t, (v, d) in analyzed.items():
+            print(f"analyze {t:28s} {v:8s} {d}")
+        for k, (v, d, s) in runs.items():
+            print(f"run     {k:28s} {v:8s} {s:6.1f}s {d}")
+        print(f"analyze: {result['analyze_counts']}; run: {result['run_counts']}")
+    crashed = [t for t, (v, _) in analyzed.items() if v == "crash"] + [k for k, (v, _, _) in runs.items() if v == "crash"]
+    return 1 if crashed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -108,6 +108,7 @@ def test_tiny_model_builds_with_every_id_inside_the_vocabulary(name):
 @pytest.mark.parametrize("cls_name, hidden", [
     ("HeliumConfig", 20 * 128),  # o_proj: hidden_size -> hidden_size
     ("OlmoeConfig", 16 * 128),  # q_norm / k_norm over the whole hidden_size-wide projection
+    ("GPT2Config", 12 * 64),  # refuses to build a hidden size its 12 heads do not divide
     ("Qwen3Config", 128),
 ])
 def test_tiny_model_keeps_hidden_equal_to_heads_x_head_dim_only_where_the_attention_needs_it(tmp_path, cls_name,

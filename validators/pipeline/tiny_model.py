@@ -214,15 +214,24 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
             return build_ling_lightning(config)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    model = build(d)
-    width = _width_if_tied(model, d, manifest)
+    try:
+        model, failed = build(d), None
+        width = _width_if_tied(model, d, manifest)
+    except (ValueError, RuntimeError) as exc:  # GPT-2 refuses a hidden size its head count does not divide
+        model, failed, width = None, exc, _tied_width(d, manifest)
     if width is not None:
-        tied = build({**d, "hidden_size": width})
-        if _runs(tied):
+        try:
+            tied = build({**d, "hidden_size": width})
+            runs = _runs(tied)
+        except (ValueError, RuntimeError):
+            runs = False
+        if runs:
             d["hidden_size"], model = width, tied
             plan.notes.append(f"hidden_size {width} (= heads x head_dim, not 128): transformers' {hf_type} "
                               "attention cannot run with the two apart (an output projection or q/k norm over "
                               "hidden_size, a head_dim derived from it)")
+    if model is None:
+        raise failed
     plan.config.update(model_type=hf_type, **d)
     if lightning:
         plan.notes.append(f"reference: {lin.reference}")
@@ -245,11 +254,17 @@ def _width_if_tied(model, d: dict[str, Any], manifest: SelectionManifest) -> int
     """heads x head_dim when the tiny model does not run with hidden_size 128 (Helium's o_proj maps hidden -> hidden,
     OLMoE's q_norm spans hidden_size, GPT-NeoX derives head_dim from it): the caller retries with the two equal and
     keeps that only if it runs. None when the model runs (or the manifest is MLA / linear, sized otherwise)."""
+    width = _tied_width(d, manifest)
+    return None if width is None or _runs(model) else width
+
+
+def _tied_width(d: dict[str, Any], manifest: SelectionManifest) -> int | None:
+    """heads x head_dim, the hidden size to retry with; None where it is already that, or for MLA / linear models."""
     m = manifest.model
     width = m.num_attention_heads * m.head_dim
     if m.mla or d.get("hidden_size") == width or manifest.linear_attention is not None:
         return None
-    return None if _runs(model) else width
+    return width
 
 
 def keep_fixed(d: dict[str, Any], real: dict[str, Any], fixed: dict[str, tuple[Any, str]], notes: list[str]) -> None:

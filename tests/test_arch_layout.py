@@ -109,6 +109,7 @@ def test_tiny_model_builds_with_every_id_inside_the_vocabulary(name):
     ("HeliumConfig", 20 * 128),  # o_proj: hidden_size -> hidden_size
     ("OlmoeConfig", 16 * 128),  # q_norm / k_norm over the whole hidden_size-wide projection
     ("GPT2Config", 12 * 64),  # refuses to build a hidden size its 12 heads do not divide
+    ("StableLmConfig", 32 * 80),  # runs at 128, but with head_dim 128 / 32 = 4 instead of the config's 80
     ("Qwen3Config", 128),
 ])
 def test_tiny_model_keeps_hidden_equal_to_heads_x_head_dim_only_where_the_attention_needs_it(tmp_path, cls_name,

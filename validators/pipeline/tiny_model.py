@@ -217,13 +217,14 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     try:
         model, failed = build(d), None
         width = _width_if_tied(model, d, manifest)
-    except (ValueError, RuntimeError) as exc:  # GPT-2 refuses a hidden size its head count does not divide
+    except Exception as exc:  # noqa: BLE001 - GPT-2 / CWM refuse a hidden size their heads do not divide (the
+        # config's own validation error class varies); re-raised below unless the tied width builds
         model, failed, width = None, exc, _tied_width(d, manifest)
     if width is not None:
         try:
             tied = build({**d, "hidden_size": width})
             runs = _runs(tied)
-        except (ValueError, RuntimeError):
+        except Exception:  # noqa: BLE001 - the retry failing too: the first error is the one to report
             runs = False
         if runs:
             d["hidden_size"], model = width, tied
@@ -252,10 +253,26 @@ def _runs(model) -> bool:
 
 def _width_if_tied(model, d: dict[str, Any], manifest: SelectionManifest) -> int | None:
     """heads x head_dim when the tiny model does not run with hidden_size 128 (Helium's o_proj maps hidden -> hidden,
-    OLMoE's q_norm spans hidden_size, GPT-NeoX derives head_dim from it): the caller retries with the two equal and
-    keeps that only if it runs. None when the model runs (or the manifest is MLA / linear, sized otherwise)."""
+    OLMoE's q_norm spans hidden_size) or runs with another head_dim than the manifest's (Persimmon, StableLM, GPT-NeoX
+    derive it from hidden_size): the caller retries with the two equal and keeps that only if it runs. None when the
+    model runs as planned (or the manifest is MLA / linear, sized otherwise)."""
     width = _tied_width(d, manifest)
-    return None if width is None or _runs(model) else width
+    if width is None:
+        return None
+    return None if _runs(model) and _head_dim_of(model) in (None, manifest.model.head_dim) else width
+
+
+def _head_dim_of(model) -> int | None:
+    """The head_dim the first attention module keeps (Persimmon and StableLM derive it from hidden_size / heads,
+    whatever the config's head_dim says), None where it keeps none."""
+    from model_infer_kvcache.analyzer.hf_layout import LayoutError, attention_modules
+
+    try:
+        module = next((m for _, m in attention_modules(model) if m is not None), None)
+    except LayoutError:
+        return None
+    d = getattr(module, "head_dim", None)
+    return d if isinstance(d, int) and not isinstance(d, bool) else None
 
 
 def _tied_width(d: dict[str, Any], manifest: SelectionManifest) -> int | None:

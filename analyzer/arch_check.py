@@ -1,7 +1,9 @@
-"""Cross-check the analyzer's softmax scale and per-layer window against the architecture's own code.
+"""Cross-check the analyzer's plan (softmax scale, per-layer window, KV cache shape, sinks, which layers attend)
+against the architecture's own code.
 
 When transformers is installed and ships the model type, the model is built on the meta device
-(real config, no weights, no memory) and each attention module reports its own scale and window.
+(real config, no weights, no memory) and each decoder block reports its attention module's scale, window, k/v
+projection shape and sinks, and any recurrent mixer beside it.
 A disagreement means the analyzer's rules are wrong for this architecture: the caller refuses to
 write the manifest. transformers stays optional: without it nothing is checked.
 

@@ -244,23 +244,25 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     out = []
-    found = attention_modules(model)
     stack = find_decoder_stack(model)
-    mixers = {f"{stack.path}.{i}": recurrent_mixer(block) for i, block in enumerate(stack.layers)}
+    found = attention_modules(model, stack)
+    mixers = [recurrent_mixer(block) for block in stack.layers]
+
+    def mixer_of(path: str) -> str | None:  # the mixer of the block a path lies in ("<stack>.<i>[.<attention>]")
+        return mixers[int(path[len(stack.path) + 1:].split(".")[0])]
     # classes that set sliding_window on their sliding layers only (Qwen2-MoE): where it is missing, no window
     per_layer = {type(module) for _, module in found if module is not None and hasattr(module, "sliding_window")}
     for path, module in found:
         if module is None:  # a block without attention: the recurrent mixer it holds, if any (Bamba's BambaMixer)
-            out.append(HfAttention(path, None, None, None, recurrent_beside=mixers.get(path)))
+            out.append(HfAttention(path, None, None, None, recurrent_beside=mixer_of(path)))
             continue
         scale = next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
                       if isinstance(getattr(module, a, None), (int, float))
                       and not isinstance(getattr(module, a), bool)), None)
         window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
             else _window_of(module, config)
-        block = next((b for b in mixers if path.startswith(f"{b}.")), None)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
-                               getattr(module, "sinks", None) is not None, mixers.get(block)))
+                               getattr(module, "sinks", None) is not None, mixer_of(path)))
     return tuple(out)
 
 

@@ -74,10 +74,11 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
     return DecoderStack(best[2], best[3])
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module | None]]:
+def attention_modules(model: nn.Module, stack: DecoderStack | None = None) -> list[tuple[str, nn.Module | None]]:
     """Every attention module in decoder order as (dotted path, module); a block without one
-    (linear-attention / recurrent layer of a hybrid stack) gives (path of the block, None)."""
-    stack = find_decoder_stack(model)
+    (linear-attention / recurrent layer of a hybrid stack) gives (path of the block, None). ``stack``: the model's
+    decoder stack when the caller has found it already."""
+    stack = stack or find_decoder_stack(model)
     out: list[tuple[str, nn.Module | None]] = []
     for i, block in enumerate(stack.layers):
         where = f"{stack.path}.{i}"

@@ -2,7 +2,7 @@
 
 The modeling files of the pinned HEAD run on NPUs upstream; a finding there is a false alarm unless
 it is a real defect, which is then listed here with its reason. Every model folder of the snapshot
-is linted (the twelve of the pinned commit). Skips (with the path) when the shared folder is absent.
+is linted (the thirteen of the pinned commit, deepseek_v4 with its compressed attention included). Skips (with the path) when the shared folder is absent.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from model_infer_kvcache.validators.lint import lint_paths
 from shared_dirs import upstream_head
 
 MODELS = ["qwen", "qwen3_moe", "gpt_oss", "deepseek_r1", "pangu_7b", "kimi_k2_thinking", "deepseek_v3_2_exp",
-          "bailing_2_5", "qwen3_5", "gemma_4", "hy3", "longcat_flash"]
+          "bailing_2_5", "qwen3_5", "gemma_4", "hy3", "longcat_flash", "deepseek_v4"]
 
 # Real defects the rules find in the snapshot, with the reason each is right (path suffix, rule).
 KNOWN_DEFECTS = {

@@ -11,7 +11,7 @@ from pathlib import Path
 from model_infer_kvcache.analyzer.cli_paths import STDOUT, PathArg, check_paths, config_file
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
-from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, not_a_file
+from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, not_a_file, read_input_text
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.operators.fa_facts import VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.vocabulary import DEPLOY_MODES, FA_VERSIONS, KV_MODES, PLANNED_CACHE_DTYPES
@@ -30,7 +30,8 @@ EXAMPLES = """examples:
 
 Bad input (missing/invalid file, missing or non-positive sizes, heads not divisible by
 --attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad
---block-size, non-finite --hbm-gb / --kv-mem-ratio, an unwritable --out) prints one line
+--block-size, non-finite --hbm-gb / --kv-mem-ratio, an unwritable --out, an --out whose .json/.yaml/.md
+suffix names another --format) prints one line
 `error: <file or flag>: <field>: <why>` and exits 2; nothing is written then. A memory plan that
 cannot serve the request is a `warning:` line (and in the manifest's warnings), exit 0. Exit 3
 is an internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).
@@ -88,10 +89,16 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    type=_dtype_name,
                    help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
                         "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
+    add_next_n_argument(p)
+
+
+def add_next_n_argument(p: argparse.ArgumentParser) -> None:
+    """The one MTP switch of every command that plans (analyze, run, validate's on-the-fly analysis)."""
     p.add_argument("--next-n", type=int, metavar="N",
                    help="speculative tokens per decode step the deployment runs (the framework's next_n): 0 turns "
                         "speculative decoding off and leaves the config's MTP layers unused (a hybrid linear-attention "
-                        "model with MTP renders only so); default: the config's MTP layer count, e.g. --next-n 0")
+                        "model with MTP renders only so; in a checkout run the model is built without them); default: "
+                        "the config's MTP layer count, e.g. --next-n 0")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,10 +133,7 @@ def request_from_args(args: argparse.Namespace):
         problem = not_a_file(path)
         if problem:
             raise InputError(str(path), problem, field="--dispatch-file")
-        try:
-            dispatch = path.read_text(encoding="utf-8-sig")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(str(path), f"cannot read: {exc}") from None
+        dispatch = read_input_text(path)
         dispatch_source = str(path)
     return AnalyzeRequest(
         config=args.config or args.model_dir,
@@ -185,10 +189,27 @@ def write_output(text: str, out: str | None) -> None:
     atomic_write_text(Path(out), text)
 
 
+# What an --out name's suffix promises; a name without one of these may hold any format.
+_FORMAT_OF_SUFFIX = {".json": "json", ".yaml": "yaml", ".yml": "yaml", ".md": "md"}
+
+
+def check_out_format(out: str | None, fmt: str) -> None:
+    """Refuse an --out whose suffix names another format than --format: `--format md --out manifest.json`
+    would write a Markdown table that every reader of manifest.json then refuses (or worse, a user trusts)."""
+    if not out or out == STDOUT:
+        return
+    suffix = Path(out).suffix.lower()
+    named = _FORMAT_OF_SUFFIX.get(suffix)
+    if named is not None and named != fmt:
+        raise InputError(out, f"a {suffix} file but --format is {fmt}: pass --format {named} or name the file "
+                              f"*.{fmt}", field="--out")
+
+
 def run(args: argparse.Namespace) -> int:
     # Everything that can fail on input runs before the first byte is written.
     check_paths(input_paths(args), [PathArg("--out", args.out), PathArg("--write-progress", args.write_progress)],
                 same_ok=frozenset({("--progress", "--write-progress")}), stdout_ok=frozenset({"--out"}))
+    check_out_format(args.out, args.format)  # after: an --out that would replace an input says so first
     from model_infer_kvcache.analyzer.build import analyze, analyze_into_progress
     from model_infer_kvcache.analyzer.decisions_table import SECTION_ID, decisions_markdown
 

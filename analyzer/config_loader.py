@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError
-from model_infer_kvcache.analyzer.files import not_a_file
+from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.linear_config import (
     LinearFacts,
     bailing_layer_kinds,
@@ -353,6 +353,8 @@ def checked_number(where: str, src: str, value: Any, kind: type = float, minimum
         ok = float(value).is_integer()
     if not ok:
         what = "an integer" if kind is int else "a number"
+        if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN / Infinity: "a number" misleads
+            raise InputError(where, f"must be a finite number, got {_shown(value)}", field=src)
         raise InputError(where, f"must be {what}, got {_json_type(value)} {_shown(value)}", field=src)
     if minimum is not None and value < minimum:
         raise InputError(where, f"must be >= {minimum:g}, got {value!r}", field=src)
@@ -380,13 +382,7 @@ def read_config_file(path: str | Path) -> tuple[str, dict[str, Any]]:
     if p.is_dir():
         p = p / "config.json"
     where = str(p)
-    problem = not_a_file(p)
-    if problem:
-        raise InputError(where, problem)
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is not content
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(where, f"cannot read: {exc}") from None
+    text = read_input_text(p)  # UTF-8, or UTF-16/32 by its byte-order mark (saved by Windows editors)
     if p.suffix.lower() in (".yaml", ".yml"):
         try:
             data = yaml.safe_load(text)
@@ -401,7 +397,7 @@ def read_config_file(path: str | Path) -> tuple[str, dict[str, Any]]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise InputError(where, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+            raise InputError(where, json_syntax_problem(exc)) from None
         except RecursionError:
             raise InputError(where, "invalid JSON: nested too deeply") from None
         kind = "JSON object"

@@ -8,9 +8,11 @@ reader never sees half a file and a failed write leaves the old one. Problems ar
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import stat
 import tempfile
@@ -18,16 +20,34 @@ from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import InputError
 
+# Byte-order marks editors write ("Unicode" in Windows Notepad is UTF-16 LE), UTF-32's first: its LE mark
+# starts with UTF-16 LE's. Each decodes with its mark kept as U+FEFF, as a UTF-8 file's mark does.
+_BOM_ENCODINGS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"),
+                  (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+
+
+def decode_text(data: bytes, where: str) -> str:
+    """``data`` as text: UTF-8, or the UTF-16/32 its byte-order mark names (a leading mark stays U+FEFF);
+    anything else is one InputError in the user's terms, not the codec's ("can't decode byte 0xff...")."""
+    encoding = next((enc for bom, enc in _BOM_ENCODINGS if data.startswith(bom)), "utf-8")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise InputError(where, f"not UTF-8 text at line {line}: save it as UTF-8") from None
+
 
 def read_text(path: str | Path) -> str:
-    """The file's text ('' when it does not exist yet); unreadable or non-UTF-8 -> InputError."""
+    """The file's text ('' when it does not exist yet); unreadable or not text -> InputError. A UTF-16/32
+    file (with its byte-order mark) is read too: whoever rewrites it writes UTF-8."""
     p = Path(path)
     if p.exists() and not p.is_file():
         raise InputError(str(p), "not a regular file")
     try:
-        return p.read_bytes().decode("utf-8") if p.exists() else ""
-    except (OSError, UnicodeDecodeError) as exc:
+        data = p.read_bytes() if p.exists() else b""
+    except OSError as exc:
         raise InputError(str(p), f"cannot read: {exc}") from None
+    return decode_text(data, str(p))
 
 
 def not_a_file(path: str | Path) -> str | None:
@@ -53,16 +73,41 @@ def not_a_file(path: str | Path) -> str | None:
 
 
 def read_input_text(path: str | Path) -> str:
-    """An input file's text, newlines normalised (unlike ``read_text``, which keeps a file's bytes for
-    rewriting it); missing, unreadable or non-UTF-8 -> one InputError naming it."""
+    """An input file's text, newlines normalised and a byte-order mark dropped (unlike ``read_text``, which
+    keeps a file's bytes for rewriting it); missing, unreadable or not text -> one InputError naming it.
+    Every user file read as text (config.json, progress.md, a dispatch file, a manifest) comes through here."""
     p = Path(path)
     problem = not_a_file(p)
     if problem:
         raise InputError(str(p), problem)
     try:
-        return p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = p.read_bytes()
+    except OSError as exc:
         raise InputError(str(p), f"cannot read: {exc}") from None
+    text = decode_text(data, str(p)).removeprefix("\ufeff")  # the mark is not content
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # what open()'s universal newlines gave
+
+
+def json_syntax_problem(exc: json.JSONDecodeError) -> str:
+    """A JSON syntax error as a whole sentence naming where: json's own text is a fragment meant to be
+    followed by the position ("Unterminated string starting at"), and a file cut short is said to be."""
+    if not exc.doc.strip():
+        return "invalid JSON: the file is empty"
+    at = f"invalid JSON at line {exc.lineno} column {exc.colno}"
+    if exc.msg.startswith("Unterminated string"):  # only the end of the text leaves a string open
+        return f"{at}: a string starts there and the file ends before it is closed (is it truncated?)"
+    what = _JSON_SAYS.get(exc.msg) or exc.msg.replace("Expecting", "expected")
+    if not exc.doc[exc.pos:].strip():
+        return f"{at}: {what}, where the file ends (is it truncated?)"
+    return f"{at}: {what}"
+
+
+# json's fragments that do not read as a clause once the position moves to the front.
+_JSON_SAYS = {"Expecting value": "expected a value",
+              "Invalid control character at": "a control character (a raw tab or line break) inside a string",
+              "Extra data": "more text after the JSON value",
+              "Invalid \\escape": "an invalid backslash escape",
+              "Invalid \\uXXXX escape": "an invalid \\uXXXX escape"}
 
 
 def check_writable(path: str | Path) -> None:

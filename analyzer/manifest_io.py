@@ -7,10 +7,11 @@ file and the first bad field.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import InputError
-from model_infer_kvcache.analyzer.files import read_input_text
+from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.manifest import ManifestInvariantError, SelectionManifest
 
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -39,9 +40,22 @@ def load_manifest(path: str | Path) -> SelectionManifest:
         raise InputError(str(p), "not a valid selection manifest: nested too deeply") from None
     except Exception as exc:  # pydantic ValidationError / yaml errors: name the first bad field
         first = getattr(exc, "errors", lambda: [])()
+        if first and first[0]["type"] == "json_invalid":
+            _refuse_json_syntax(p, text)
         field = ".".join(str(x) for x in first[0]["loc"]) if first else None
         msg = first[0]["msg"] if first else str(exc).splitlines()[0]
         broken = first[0].get("ctx", {}).get("error") if first else None
         if isinstance(broken, ManifestInvariantError):  # fields that contradict each other (hand edit)
             field, msg = broken.field, broken.message
         raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
+
+
+def _refuse_json_syntax(p: Path, text: str) -> None:
+    """The JSON syntax error in the words `kvcache analyze --config` uses (pydantic's own line reads
+    "Invalid JSON: EOF while parsing an object"); returns when json itself accepts the text."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(str(p), f"not a valid selection manifest: {json_syntax_problem(exc)}") from None
+    except RecursionError:
+        raise InputError(str(p), "not a valid selection manifest: nested too deeply") from None

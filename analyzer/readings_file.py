@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from model_infer_kvcache.analyzer.device_questions import OP_BACKENDS, QUESTIONS, UNKNOWN, reading_ok
 from model_infer_kvcache.analyzer.errors import InputError
-from model_infer_kvcache.analyzer.files import not_a_file
+from model_infer_kvcache.analyzer.files import json_syntax_problem, not_a_file, read_input_text
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PROBE_VERSION = 3  # 2: finalize_skip1_alone; 3: the gated delta rule questions (gdr_*)
@@ -88,9 +88,9 @@ def load_readings(path: str, flag: str = "--device-readings") -> ReadingsFile:
     if problem:
         raise InputError(path, problem, field=flag)
     try:
-        raw = json.loads(p.read_text(encoding="utf-8-sig"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(path, f"not a readings JSON file: {exc}") from None
+        raw = json.loads(read_input_text(p))
+    except json.JSONDecodeError as exc:
+        raise InputError(path, f"not a readings JSON file: {json_syntax_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise InputError(path, "not a readings file: top level must be a JSON object")
     if raw.get("kind") != FILE_KIND:

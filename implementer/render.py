@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jinja2
 from model_infer_kvcache.analyzer.decisions_table import decision_rows
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import atomic_write_bytes, atomic_write_text
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.template_context import Names, RenderContext, build_context, one_line
@@ -64,12 +64,33 @@ def render_manifest(
     names: Names | None = None,
     framework_api: str | None = None,
     allow_blocked: bool = False,
+    source: str = "--manifest",
 ) -> Rendered:
+    """The rendered files of ``manifest``; bad input raises InputError naming ``source``: the manifest flag,
+    or what the user gave where the manifest is an inner stage's (``kvcache run``: the config)."""
+    try:
+        return _render(manifest, names or Names(), framework_api, allow_blocked)
+    except InputError as exc:
+        if exc.where != "--manifest" or source == "--manifest":
+            raise
+        field = exc.field if exc.field in (None, "blockers") else f"its manifest's {exc.field}"
+        raise InputError(source, exc.message, field=field) from None
+
+
+def _render(manifest: SelectionManifest, names: Names, framework_api: str | None, allow_blocked: bool) -> Rendered:
     if manifest.blockers and not allow_blocked:
-        raise InputError("--manifest", "manifest has blockers (" + "; ".join(b.message for b in manifest.blockers)
-                         + "): pass --allow-blocked to render the Legacy path anyway", field="blockers")
+        blocked = "; ".join(b.message for b in manifest.blockers)
+        try:  # the hint must lead somewhere: --allow-blocked helps only where a template renders the model
+            check_renderable(manifest)
+            build_context(manifest, names, framework_api)
+        except InputError as exc:
+            raise NotSupportedByKvcache("--manifest", f"this model has blockers ({blocked}) and no template renders "
+                                        f"its Legacy path either ({exc.field}: {exc.message})",
+                                        field="blockers") from None
+        raise InputError("--manifest", f"manifest has blockers ({blocked}): pass --allow-blocked to render the "
+                                       "Legacy path anyway", field="blockers")
     check_renderable(manifest)
-    c = build_context(manifest, names or Names(), framework_api)
+    c = build_context(manifest, names, framework_api)
     env = _environment()
     out = {name: env.get_template(t).render(c=c) for name, t in plan_files(c).items()}
     rows = [tuple(one_line(str(cell)).replace("|", "\\|") for cell in row) for row in decision_rows(manifest)]

@@ -227,7 +227,7 @@ BAD_CASES = {
     "model dir without config": (lambda t: ["--model-dir", t], ["config.json", "file not found"]),
     "invalid json": (lambda t: ["--config", _bad(t, "c.json", '{"num_hidden_layers": 2,')],
                      ["c.json", "invalid JSON at line 1"]),
-    "not utf-8": (lambda t: ["--config", _bad(t, "c.json", b"\xff\xfe{}")], ["c.json", "cannot read"]),
+    "not utf-8": (lambda t: ["--config", _bad(t, "c.json", b'{"a": "\xe9"}')], ["c.json", "not UTF-8 text"]),
     "json not an object": (lambda t: ["--config", _bad(t, "c.json", "[1, 2]")], ["c.json", "JSON object"]),
     "invalid yaml": (lambda t: ["--config", _bad(t, "c.yaml", "num_hidden_layers: [2\n")],
                      ["c.yaml", "invalid YAML"]),

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from model_infer_kvcache.analyzer.cli import add_next_n_argument
 from model_infer_kvcache.analyzer.cli_paths import PathArg, check_paths, config_file
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkout mode: every prompt of the request stream as long as the longest, for a model that "
                         "only supports equal-length prefill batches (its own check says so); the report notes that "
                         "variable-length prefill was not exercised")
+    add_next_n_argument(p)
     p.add_argument("--no-sweep", action="store_true",
                    help="skip re-running under the alternative device readings")
     p.add_argument("--step-timeout", type=_positive_seconds, default=STEP_SECONDS, metavar="SECONDS",
@@ -126,7 +128,7 @@ def _checkout_report(args: argparse.Namespace):
         framework_root=args.framework_root, model=args.model, config=args.config, manifest=args.manifest,
         attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
         sweep_readings=not args.no_sweep, device_readings=args.device_readings, step_seconds=args.step_timeout,
-        uniform_prefill=args.uniform_prefill,
+        uniform_prefill=args.uniform_prefill, next_n=args.next_n,
     ), progress=_progress)
 
 
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
         framework_api=args.framework_api, attn_tp_size=args.attn_tp_size, device_readings=args.device_readings,
-        dtype=args.dtype, step_seconds=args.step_timeout,
+        dtype=args.dtype, step_seconds=args.step_timeout, next_n=args.next_n,
     ), progress=_progress)
     if args.report:
         atomic_write_text(Path(args.report), report.to_json())

@@ -150,6 +150,30 @@ def _staging_dir(out: Path) -> Path:
     return staging
 
 
+def relocate_paths(report, staging: Path, out: Path) -> None:
+    """Every path under ``staging`` the report names (the code under test, notes, details) rewritten to where
+    ``_publish`` moves it, in place: a report must not point at a folder that is gone once the run is over."""
+    moves = [(str(staging.resolve()), str(out.resolve())), (str(staging), str(out.resolve()))]
+
+    def fix(value):
+        if isinstance(value, str):
+            for old, new in moves:
+                value = value.replace(old, new)
+            return value
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(fix(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        return value
+
+    report.notes, report.provenance, report.localisation = fix(report.notes), fix(report.provenance), \
+        fix(report.localisation)
+    for check in report.checks:
+        check.detail, check.measured = fix(check.detail), fix(check.measured)
+
+
 def run(args: argparse.Namespace) -> int:
     check_paths([*input_paths(args), PathArg("--model-file", args.model_file)],
                 [PathArg("--out", args.out, is_dir=True, entries=RUN_ENTRIES)])
@@ -181,10 +205,9 @@ def _run(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     config = request.config or str(EXAMPLE)
     manifest = analyze(replace(request, config=config))
-    if manifest.blockers and not args.allow_blocked:
-        raise InputError(config, "the analysis found blockers (" + "; ".join(b.message for b in manifest.blockers)
-                         + "): pass --allow-blocked to render and validate the Legacy path anyway", field="blockers")
-    rendered = render_manifest(manifest, framework_api=args.framework_api, allow_blocked=args.allow_blocked)
+    # The manifest is this run's own: a render refusal names the config the user gave, not a --manifest flag.
+    rendered = render_manifest(manifest, framework_api=args.framework_api, allow_blocked=args.allow_blocked,
+                               source=config)
     # Bad input ends above with one stderr line; progress lines start once the run is under way.
     _say(f"analyzed {config}: {manifest.kv_mode.value}, {manifest.deploy_mode.value} mode", t0)
     print_warnings(manifest)
@@ -209,6 +232,7 @@ def _run(args: argparse.Namespace) -> int:
                                               framework_api=args.framework_api, attn_tp_size=args.attn_tp_size,
                                               device_readings=args.device_readings),
                               progress=lambda m: _say(m, t0))
+        relocate_paths(report, staging, out)  # the report names where its files are once published
         atomic_write_text(staging / "report.json", report.to_json())
         atomic_write_text(staging / "report.md", report.to_markdown())
         with signals_held():  # a SIGTERM/SIGINT mid-move would leave --out half old, half new

@@ -197,6 +197,10 @@ def _hint(exc: BaseException, world: int) -> str:
         # unconditionally (modeling_bailing_moe_v2_5.py:423)
         return (" (the model builds its communication groups only with more than one rank, and this line reads "
                 "them: validate with --attn-tp-size 2)")
+    if isinstance(exc, NotImplementedError) and any(w in str(exc) for w in ("MTP", "nextn", "next_n")):
+        # bailing_2_5: the folder serves no MTP yet (its README says so) and refuses a config with MTP layers
+        return (" (the model itself refuses MTP layers: serve it without speculative decoding, validate with "
+                "--next-n 0)")
     return ""
 
 

@@ -24,6 +24,7 @@ from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+from model_infer_kvcache.validators.pipeline.validate import check_next_n
 
 # The stream in the engine. Offline scheduling gives every request the same number of new tokens
 # (Scheduler._should_finish counts decode steps against scheduler_config.max_new_tokens), so
@@ -51,6 +52,7 @@ class CheckoutRequest:
     step_seconds: float | None = None  # the watchdog's allowance per forward step; None: the scenario's
     # every prompt as long as the longest: for a model that only supports equal-length prefill batches
     uniform_prefill: bool = False
+    next_n: int | None = None  # --next-n: analyze's MTP switch (0: the model is built and served without MTP)
 
 
 def stream_of(req: CheckoutRequest, scenario: Scenario, manifest: SelectionManifest) -> Scenario:
@@ -67,11 +69,13 @@ def load_or_analyze(req: CheckoutRequest, root: Path) -> SelectionManifest:
         if req.attn_tp_size is not None and req.attn_tp_size != manifest.parallel.attn_tp_size:
             raise InputError("--attn-tp-size", f"{req.attn_tp_size} differs from the manifest's attn_tp_size "
                                                f"{manifest.parallel.attn_tp_size} (re-analyze with --attn-tp-size)")
+        check_next_n(req.next_n, manifest)
         return manifest
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     return analyze(AnalyzeRequest(config=req.config, framework_root=str(root), attn_tp_size=req.attn_tp_size,
-                                  dispatch="部署模式: 框架部署", device_readings=req.device_readings))
+                                  dispatch="部署模式: 框架部署", device_readings=req.device_readings, next_n=req.next_n))
+
 
 
 def _rank_step(req: CheckoutRequest, rank: int, world: int) -> Report:

@@ -2,7 +2,7 @@
 
 What the rendered code hard-codes is kept (heads, KV heads, head_dim, MLA dims, scale inputs,
 layer-kind pattern, the window of the manifest given); what only costs time shrinks (layers to
-the shortest prefix holding every layer kind, hidden size, MLP, experts, vocabulary).
+the shortest prefix holding every distinct layer plan, hidden size, MLP, experts, vocabulary).
 """
 
 from __future__ import annotations
@@ -42,15 +42,52 @@ class TinyPlan:
     config: dict[str, Any] = field(default_factory=dict)  # the fields the tiny config was built from
 
 
-def _layer_prefix(manifest: SelectionManifest) -> int:
-    """Shortest decoder-layer prefix (>= 2) that holds every attn_type of the manifest."""
-    kinds_needed = {layer.attn_type for layer in manifest.layers}
-    seen: set[str] = set()
+# Per-layer config lists that shape the MLP, not the attention or its cache: a plan difference there needs no layer
+# of its own in the prefix (DeepSeek's dense-then-MoE list would otherwise lengthen every MLA run).
+_MLP_WORDS = ("mlp", "moe", "expert", "ffn", "intermediate", "sparsity")
+
+
+def _layer_plans(manifest: SelectionManifest, src: dict[str, Any]) -> list[tuple[tuple[str, str], ...]]:
+    """Each decoder layer's plan as (what, value) pairs: what the manifest decides for it (attn type, kind, window,
+    head dims, caches, states) and the attention's per-layer config entries the manifest does not carry (SmolLM3's
+    and Llama-4's ``no_rope_layers``: RoPE or NoPE; cross-layer KV sources)."""
+    n = manifest.model.num_layers
+    per_layer = {k: v for k, v in src.items() if isinstance(v, list) and len(v) == n and "layer" in k
+                 and not any(w in k.lower() for w in _MLP_WORDS)}
+    plans: dict[int, dict[str, str]] = {}
     for layer in manifest.layers:
-        seen.add(layer.attn_type)
-        if seen == kinds_needed and layer.decoder_layer + 1 >= 2:
-            return layer.decoder_layer + 1
-    return max(layer.decoder_layer for layer in manifest.layers) + 1
+        sub = f"[{layer.sublayer}]" if layer.sublayer else ""
+        plans.setdefault(layer.decoder_layer, {}).update({
+            f"attn_type{sub}": layer.attn_type, f"kind{sub}": layer.layer_kind,
+            f"window{sub}": str(layer.sliding_window), f"head_dim{sub}": str(layer.head_dim),
+            f"kv_heads_per_rank{sub}": str(layer.num_kv_heads_per_rank),
+            f"caches{sub}": ", ".join(f"{c.name} {c.num_head}x{c.dim} {c.dtype}" for c in layer.caches),
+            f"states{sub}": ", ".join(st.name for st in layer.states)})
+    for i, plan in plans.items():
+        plan.update({k: json.dumps(v[i], sort_keys=True) for k, v in sorted(per_layer.items())})
+    return [tuple(plans[i].items()) for i in sorted(plans)]
+
+
+def _plan_label(plan: tuple[tuple[str, str], ...], first: tuple[tuple[str, str], ...]) -> str:
+    """A short name for a layer plan: its attn type and kind, then what sets it apart from the first layer's."""
+    values = dict(plan)
+    differs = [f"{k}={v}" for k, v in plan if k not in ("attn_type", "kind") and (k, v) not in first]
+    return f"{values['attn_type']}/{values['kind']}" + (f" ({', '.join(differs)})" if differs else "")
+
+
+def _layer_prefix(manifest: SelectionManifest, src: dict[str, Any]) -> tuple[int, list[str]]:
+    """Shortest decoder-layer prefix (>= 2) that holds one layer of every distinct layer plan, and the plans
+    (first layer of each) it holds."""
+    plans = _layer_plans(manifest, src)
+    needed = set(plans)
+    seen: dict[tuple, int] = {}
+    n = len(plans)
+    for i, plan in enumerate(plans):
+        seen.setdefault(plan, i)
+        if len(seen) == len(needed) and i + 1 >= 2:
+            n = i + 1
+            break
+    return n, [f"layer {i}: {_plan_label(plan, plans[0])}" for plan, i in seen.items()]
 
 
 def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple[dict[str, Any], TinyPlan]:
@@ -60,7 +97,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     hf_type = HF_MODEL_TYPE.get(model_type, model_type)
     d["model_type"] = hf_type
     notes = []
-    n = _layer_prefix(manifest)
+    n, held = _layer_prefix(manifest, src)
     m = manifest.model
     d["num_hidden_layers"] = n
     if m.sublayers_per_layer > 1:  # transformers counts attention sublayers (LongCat-Flash: 2 per decoder layer)
@@ -95,7 +132,11 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
             d[key] = value
     _dense_prefix_types(d, src)
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
-        d.pop(key, None)
+        if d.get(key) and not m.num_mtp_layers:  # --next-n 0: a checkout model must not build its MTP layers,
+            d[key] = 0  # nor take its config class's default (Ling-2.5's refuses any)
+            notes.append(f"{key} {src[key]} set to 0 (--next-n 0: served without speculative decoding)")
+        else:
+            d.pop(key, None)
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
     # The window of the manifest given: validate passes the tiny-window manifest (cpu_sized)
     # when the real window is too long for CPU sequences to cross, and renders that manifest too.
@@ -106,7 +147,8 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         d["index_topk"] = manifest.dsa.index_topk
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
-    notes.append(f"{n} of {m.num_layers} decoder layers (shortest prefix with every layer kind)")
+    notes.append(f"{n} of {m.num_layers} decoder layers: the shortest prefix holding every distinct layer plan "
+                 f"({len(held)}: {'; '.join(held)})")
     return d, TinyPlan(hf_type, n, window, notes)
 
 

@@ -34,7 +34,7 @@ from model_infer_kvcache.validators.pipeline.request_stream import (
     StreamStalled,
 )
 from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers
-from model_infer_kvcache.validators.pipeline.tiny_model import require_transformers_type
+from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sizes_note, require_transformers_type
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class ValidateRequest:
     device_readings: str | None = None  # readings file of `kvcache probe`: run under the measured readings
     dtype: str | None = None  # compute dtype of the comparison; None: float64 emulated, the model's on an NPU
     step_seconds: float | None = None  # the watchdog's allowance per forward step; None: the scenario's
+    next_n: int | None = None  # --next-n, analyze's MTP switch: must be the manifest's
 
 
 def resolve_backend(requested: str) -> str:
@@ -126,6 +127,7 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
         measured = load_readings(req.device_readings)
     manifest = load_manifest(req.manifest)
     check_renderable(manifest)
+    check_next_n(req.next_n, manifest)
     _, real_config = read_config_file(req.config)
     require_transformers_type(manifest.model.model_type)
     rendered_dir = Path(req.rendered)
@@ -145,6 +147,13 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
         raise InputError("--backend", "multi-rank validation runs on the emulated backend (gloo) here; "
                                       "on NPU clusters launch one process per card with hccl")
     return ValidationInputs(replace(req, dtype=dtype), manifest, real_config, header, backend, measured)
+
+
+def check_next_n(next_n: int | None, manifest: SelectionManifest) -> None:
+    """A --next-n beside a manifest must be the one the manifest was analyzed with (its MTP depth, 0 when off)."""
+    if next_n is not None and next_n != manifest.model.num_mtp_layers:
+        raise InputError("--next-n", f"{next_n} differs from the manifest's {manifest.model.num_mtp_layers} "
+                                     f"speculative token(s) (re-analyze with --next-n {next_n})")
 
 
 def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: int = 1) -> Report:
@@ -178,6 +187,10 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
             _validate_run(report, label, run_manifest, rendered, replace(req, scenario=scenario), inputs.real_config,
                           backend, say, rank, world, sweep=req.sweep_readings and not label, base=base,
                           settled=settled)
+        if runs[0][2] != req.rendered:  # a CPU-size render in ``tmp``, gone when the run ends: say what it was
+            report.provenance["code_under_test"] = (
+                f"the render in {Path(req.rendered).resolve()}, and the implementer's render of its manifest at CPU "
+                f"sizes ({cpu_sizes_note(manifest, runs[0][1])}), written for the run and removed after it")
     report.seconds = time.perf_counter() - started
     return report
 

@@ -69,7 +69,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 6  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 7  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -237,12 +237,13 @@ def _int_or_none(x: Any) -> bool:
 def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     import torch
     from model_infer_kvcache.analyzer.hf_layout import attention_modules, find_decoder_stack
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(hf_type, **json.loads(section_json))
     config._attn_implementation = "eager"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = causal_lm_from_config(config)
     out = []
     stack = find_decoder_stack(model)
     found = attention_modules(model, stack)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from model_infer_kvcache.analyzer.arch_check import transformers_ships
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_section
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 
@@ -224,7 +224,8 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
                      fixed: dict[str, tuple[Any, str]] | None = None):
     """(model, plan): a float32 eager transformers model with random weights. ``fixed``: fields the model
     under test fixes whatever its config says (``registry.config_class_constants``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
+    from transformers import AutoConfig
 
     lin = manifest.linear_attention
     lightning = lin is not None and lin.family == LIGHTNING
@@ -255,7 +256,7 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
             from model_infer_kvcache.validators.pipeline.ling_lightning import build_ling_lightning
 
             return build_ling_lightning(config)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return causal_lm_from_config(config, dtype=torch.float32)
 
     try:
         model, failed = build(d), None
@@ -276,6 +277,7 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
                               "hidden_size, a head_dim derived from it)")
     if model is None:
         raise failed
+    _require_forward(model, hf_type, d)
     plan.config.update(model_type=hf_type, **d)
     if lightning:
         plan.notes.append(f"reference: {lin.reference}")
@@ -312,6 +314,27 @@ def _width_if_tied(model, d: dict[str, Any], manifest: SelectionManifest) -> int
 
 
 _RUNS_AS_PLANNED: set[str] = set()  # tiny configs whose hidden-128 model ran with the manifest's head_dim
+_REFERENCE_RUNS: set[str] = set()  # tiny configs whose reference ran one forward
+
+
+def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
+    """The reference must run before anything is judged against it: a transformers model that cannot run one
+    forward at the tiny config (GLM-4V's default text config: an M-RoPE section for another rotary width) would
+    otherwise surface as the render's operator error (V201). Exit 2 naming it, never the render's failure."""
+    key = json.dumps([hf_type, d], sort_keys=True, default=str)
+    if key in _REFERENCE_RUNS:
+        return
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the reference is unusable
+        raise NotSupportedByKvcache("--config", f"a reference: transformers' own "
+                                    f"{getattr(model, 'reference_name', type(model).__name__)} ({hf_type}) "
+                                    f"does not run one forward at the validation's tiny config "
+                                    f"({type(exc).__name__}: {exc}); check the config's own consistency (transformers' "
+                                    "class defaults included) before the render", field="model_type") from None
+    _REFERENCE_RUNS.add(key)
 
 
 def _head_dim_of(model) -> int | None:

@@ -20,7 +20,14 @@ from model_infer_kvcache.analyzer.deploy_context import (
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import same_file
-from model_infer_kvcache.analyzer.framework_checkout import CheckoutFacts, inspect_checkout, render_api
+from model_infer_kvcache.analyzer.framework_checkout import (
+    DEFAULT_RENDER_CONTRACT,
+    GENERATIONS,
+    CheckoutFacts,
+    frameworks_taking,
+    inspect_checkout,
+    render_api,
+)
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.manifest import (
     DeployModeDecision,
@@ -441,21 +448,33 @@ def _progress_conflicts(progress: ProgressFacts, req: AnalyzeRequest, dispatch: 
 def _framework_api(deploy: str, req, checkout, questions) -> tuple[str | None, str]:
     if deploy != "framework":
         return None, "standalone mode: no framework API"
-    # A HEAD-era (G3) checkout takes G2 renders; its evidence names G3 (classify_generation), as validate does.
-    detected = render_api(checkout.generation) if checkout else None
+    # The manifest names the framework's generation (G3 for a HEAD-era checkout, as validate's harness does);
+    # renders follow render_api of it (G3 frameworks take G2's model-side contract).
+    detected = checkout.generation if checkout else None
     if req.framework_api:
-        if detected and detected != req.framework_api:
+        if detected and render_api(detected) != render_api(req.framework_api):
             raise InputError("--framework-api", f"{req.framework_api} contradicts the checkout's {detected} "
                                                 f"({checkout.generation_evidence})")
-        return req.framework_api, "--framework-api"
+        if detected and detected != req.framework_api:  # same render contract: the checkout says which framework
+            return detected, (f"{checkout.generation_evidence} (--framework-api {req.framework_api} names the same "
+                              f"{render_api(detected)} render contract)")
+        return req.framework_api, "--framework-api" + _contract_note(req.framework_api)
     if detected:
         return detected, checkout.generation_evidence
     questions.append(Finding(
-        message="framework API generation unknown (pass --framework-root or --framework-api G0|G1|G2); "
-                "the renderer defaults to G2, the current one",
+        message=f"framework API generation unknown (pass --framework-root or --framework-api "
+                f"{'|'.join(GENERATIONS)}); the renderer defaults to the {DEFAULT_RENDER_CONTRACT} model-side "
+                f"contract, which {' and '.join(frameworks_taking(DEFAULT_RENDER_CONTRACT))} frameworks take "
+                "(an older framework needs its own generation named)",
         fields=["--framework-root", "--framework-api"],
     ))
     return None, "unknown: no --framework-root / --framework-api"
+
+
+def _contract_note(generation: str) -> str:
+    contract = render_api(generation)
+    return "" if contract == generation else f" ({generation} frameworks take the {contract} model-side contract: " \
+                                             f"renders follow {contract})"
 
 
 def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, int]:

@@ -61,7 +61,7 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    help="deployment mode stated by the user (loses to the dispatch line), "
                         "e.g. --deploy-mode standalone")
     p.add_argument("--framework-root", metavar="DIR",
-                   help="cann-recipes-infer checkout: detects the cache_info API generation (G0/G1/G2), "
+                   help="cann-recipes-infer checkout: detects the cache_info API generation (G0/G1/G2/G3), "
                         "support_models registration and runner_*.py, e.g. --framework-root ~/cann-recipes-infer")
     p.add_argument("--framework-api", choices=RENDER_APIS,
                    help="framework API generation when no checkout is at hand (e.g. --framework-api G1)")

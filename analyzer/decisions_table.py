@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from model_infer_kvcache.analyzer.framework_checkout import (
+    DEFAULT_RENDER_CONTRACT,
+    frameworks_taking,
+    render_api,
+)
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
+from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 
 SECTION_ID = "analyze"
 SECTION_TITLE = "### KVCache 选型决策"
@@ -66,7 +72,11 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                                                         else "") + ")") if legacy.kernel == "model" else "BSH FA 调用"
         rows.append(("Legacy 注意力", value, legacy.reason))
     if m.deploy_mode.value == "framework":
-        rows.append(("框架 API 代际", m.framework_api or "未知(渲染默认 G2)", m.framework_api_evidence))
+        rows.append(("框架 API 代际", _generation_value(m.framework_api), m.framework_api_evidence))
+    # Which attention call the layers make: FA (its version, layout and path table), DSA's sparse FA over the
+    # indexer's selection, or none (a Legacy model keeping its own eager attention).
+    dsa = m.dsa is not None
+    own_attention = legacy is not None and legacy.kernel == "model"
     for layer, idx in _layer_groups(m):
         window = f", sliding_window={layer.sliding_window}" if layer.sliding_window else ""
         if layer.is_state:
@@ -77,6 +87,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         kind = f" (config: {layer.layer_kind},见阻塞项)" if layer.layer_kind in ("chunked", "linear") else ""
         rows.append((f"attn_type (层 {_ranges(idx)})", f"{layer.attn_type}{window}{kind}",
                      f"group_key={layer.group_key}"))
+        if dsa or own_attention:  # the FA path table's sparse_mode / band apply to no call of theirs
+            continue
         rows.append((f"sparse_mode / mask (层 {_ranges(idx)})",
                      f"prefill {layer.sparse_mode.prefill}/{layer.mask.prefill}, "
                      f"decode {layer.sparse_mode.decode}/{layer.mask.decode}",
@@ -85,11 +97,17 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
             rows.append((f"pre_tokens / next_tokens (层 {_ranges(idx)})",
                          f"{layer.pre_tokens} / {layer.next_tokens}", layer.window_derivation or ""))
     cached = next((layer for layer in m.layers if layer.caches), None)
+    rows.append(("混合 attn_type", "是" if m.mixed_attn_types else "否", "each layer sets its attn_type from its "
+                 "index in __init__" if m.mixed_attn_types else "every layer has the same attn_type"))
+    if dsa:
+        rows.append(_sparse_call_row(m))
+    elif own_attention:
+        rows.append(("cache 布局", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, "")
+                     + "; the model's own attention reads it (no FA call: no FA version, sparse_mode or band)"))
+    else:
+        rows += [("FA 版本", m.fa.version, m.fa.reason),
+                 ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, ""))]
     rows += [
-        ("混合 attn_type", "是" if m.mixed_attn_types else "否", "each layer sets its attn_type from its index "
-         "in __init__" if m.mixed_attn_types else "every layer has the same attn_type"),
-        ("FA 版本", m.fa.version, m.fa.reason),
-        ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, "")),
         ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
         ("MLA absorb", "是" if m.mla.absorb else "否", m.mla.reason),
         ("写入算子", m.layers[0].write_op if m.layers else "-", "writes addressed by slot_mapping"
@@ -107,7 +125,9 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
          else ""),
     ]
     if m.mtp:
-        rows.append(("MTP", f"{m.mtp.num_layers} 层, decode sparse_mode {m.mtp.decode_sparse_mode}", m.mtp.reason))
+        mode = (f"verify 步同样经稀疏 FA,sparse_mode {SPARSE_FA.sparse_mode}" if dsa
+                else f"decode sparse_mode {m.mtp.decode_sparse_mode}")
+        rows.append(("MTP", f"{m.mtp.num_layers} 层, {mode}", m.mtp.reason))
     if m.memory.blocks:
         rows.append(("block 数", ", ".join(f"{k}={v}" for k, v in m.memory.blocks.items()),
                      "; ".join(m.memory.derivation[1:])))
@@ -129,6 +149,26 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                      f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
                      f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}"))
     return rows
+
+
+def _generation_value(generation: str | None) -> str:
+    """The framework generation as the table shows it: G3 says the contract its renders follow; unknown says what
+    the default render fits."""
+    if generation is None:
+        return (f"未知(按 {DEFAULT_RENDER_CONTRACT} 契约渲染,"
+                f"{'/'.join(frameworks_taking(DEFAULT_RENDER_CONTRACT))} 框架都接受)")
+    contract = render_api(generation)
+    return generation if contract == generation else f"{generation}(渲染按 {contract} 契约)"
+
+
+def _sparse_call_row(m: SelectionManifest) -> tuple[str, str, str]:
+    """DSA's attention call, in place of the FA version / input_layout / sparse_mode rows: no FA call is made."""
+    return ("稀疏注意力调用",
+            f"{SPARSE_FA.op}, layout_query {SPARSE_FA.layout_query} / layout_kv {SPARSE_FA.layout_kv}, "
+            f"sparse_mode {SPARSE_FA.sparse_mode}(prefill 与 decode), 每个 query 读 index_topk={m.dsa.index_topk} 个 key",
+            "DSA attends through the sparse FA over the lightning indexer's top-k keys (MLA absorb: query "
+            "q_nope x W_UK with q_pe, over the latent and rope caches); no FA call, so the FA version, FA input_layout "
+            "and the FA path table's sparse_mode / mask do not apply")
 
 
 def decisions_markdown(m: SelectionManifest) -> str:

@@ -56,8 +56,8 @@ def dataclass_fields(source: str, class_name: str) -> list[str] | None:
     return collect(class_name, frozenset({class_name})) if class_name in classes else None
 
 
-# Every cache_info API generation the detector knows, oldest first; G3 checkouts take G2 renders, so
-# the manifest's FrameworkApi (what renders follow) stops at G2.
+# Every cache_info API generation the detector knows, oldest first. G3 (HEAD era) frameworks take the
+# model-side contract of G2 renders (``render_api``): a flag or a manifest may name any of them.
 GENERATIONS = ("G0", "G1", "G2", "G3")
 
 # Fields that mark the HEAD-era framework (G3): physical allocator, compressed rows and the
@@ -94,12 +94,22 @@ def classify_generation(entry_fields, model_fields, class_names=()) -> tuple[str
 
 
 def render_api(generation: str | None) -> str | None:
-    """The model-side contract a generation's renders follow (G3 checkouts take G2 renders)."""
+    """The model-side contract a generation's renders follow (G3 frameworks take G2 renders)."""
     return "G2" if generation == "G3" else generation
 
 
-# The contracts renders follow: the manifest's framework_api values.
-RENDER_APIS = tuple(g for g in GENERATIONS if render_api(g) == g)
+# The generations a render can target: what --framework-api (analyze, render) and the manifest's
+# framework_api take. Every one the detector knows; a G3 render is the G2 contract's code.
+RENDER_APIS = GENERATIONS
+# The model-side contracts the rendered code follows (render_api of each generation).
+RENDER_CONTRACTS = tuple(g for g in GENERATIONS if render_api(g) == g)
+# What a render follows when the manifest names no generation: the contract G2 and G3 frameworks take.
+DEFAULT_RENDER_CONTRACT = "G2"
+
+
+def frameworks_taking(contract: str) -> tuple[str, ...]:
+    """The generations whose frameworks take ``contract``'s renders (G2: G2 and G3)."""
+    return tuple(g for g in GENERATIONS if render_api(g) == contract)
 
 
 def class_names(source: str) -> list[str]:

@@ -412,7 +412,9 @@ class SelectionManifest(_Model):
     inputs: Inputs
     model: ModelInfo
     deploy_mode: DeployModeDecision
-    framework_api: FrameworkApi | None
+    framework_api: FrameworkApi | None = Field(description="cache_info API generation of the target framework "
+                                               "(G3 renders follow G2's model-side contract); null when standalone "
+                                               "or unknown")
     framework_api_evidence: str
     kv_mode: KvModeDecision
     fa: FaDecision

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-attr", default=Names.attn_attr, metavar="NAME",
                    help=f"attribute of a decoder layer holding its attention (default {Names.attn_attr})")
     p.add_argument("--framework-api", choices=RENDER_APIS,
-                   help="framework API generation when the manifest names none (default G2)")
+                   help="framework API generation when the manifest names none or names one with the same render "
+                        "contract (default: the G2 contract, which G2 and G3 frameworks take; G3 renders the G2 code)")
     p.add_argument("--allow-blocked", action="store_true",
                    help="render even when the manifest lists blockers (Legacy path)")
     return p

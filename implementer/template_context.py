@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.framework_checkout import DEFAULT_RENDER_CONTRACT, render_api
 from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import (
@@ -21,15 +22,17 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     COMPRESSED_MASK_MODES,
     FA_KEYWORDS,
     INT32_MAX,
+    SPARSE_FA,
     SPARSE_MODES,
     FaKeywords,
+    SparseFaCall,
 )
 from model_infer_kvcache.analyzer.rules import MLA_WITHOUT_ROPE, VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
-DEFAULT_API = "G2"
+DEFAULT_API = DEFAULT_RENDER_CONTRACT
 # Linear-attention families whose states the templates render (templates/linear_state.py.j2).
 RENDERED_LINEAR = ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
 # How the rendered code and INTEGRATION.md name each family.
@@ -139,8 +142,9 @@ class RenderContext:
     model_type: str
     deploy_mode: str
     kv_mode: str
-    api: str
+    api: str  # the model-side contract the code follows (render_api of the generation: G3 renders G2's)
     api_defaulted: bool
+    generation: str  # the framework generation named (the manifest's or --framework-api), G0..G3
     fa: FaKeywords
     fa_version: str
     layout: str
@@ -198,6 +202,11 @@ class RenderContext:
     def spec_decode(self) -> bool:
         """MTP layers on a paged cache: decode steps may verify 1 + next_n tokens per request."""
         return self.mtp_layers > 0 and self.kv_mode == "paged"
+
+    @property
+    def sparse_fa(self) -> SparseFaCall:
+        """DSA's attention call (the sparse FA over the indexer's selection): its operator, layouts and mode."""
+        return SPARSE_FA
 
     @property
     def g2(self) -> bool:
@@ -396,8 +405,9 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
             raise _bad(f"layers[{layer.index}]", f"{layer.attn_type} layers disagree on their window/sparse plan; "
                                                  "the renderer needs one plan per attn_type")
     first = attention[0]
-    api = api_override or m.framework_api or DEFAULT_API
-    if api_override and m.framework_api and api_override != m.framework_api:
+    generation = api_override or m.framework_api or DEFAULT_API
+    # G3 frameworks take G2 renders: an override naming the manifest's render contract is no contradiction.
+    if api_override and m.framework_api and render_api(api_override) != render_api(m.framework_api):
         raise InputError("--framework-api", f"{api_override} contradicts the manifest's {m.framework_api}")
     mla = m.model.mla
     return RenderContext(
@@ -406,8 +416,9 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         model_type=m.model.model_type,
         deploy_mode=m.deploy_mode.value,
         kv_mode=m.kv_mode.value,
-        api=api,
+        api=render_api(generation),
         api_defaulted=m.framework_api is None and api_override is None,
+        generation=generation,
         fa=FA_KEYWORDS[m.fa.version],
         fa_version=m.fa.version,
         layout=m.fa.input_layout,

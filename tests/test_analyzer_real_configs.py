@@ -381,7 +381,13 @@ def test_every_fixture_round_trips_and_renders_the_table(name):
     md = decisions_markdown(m)
     assert "| 决策项 | 选择 | 理由 |" in md
     assert f"| KV 模式 | {m.kv_mode.value} |" in md
-    assert f"| FA 版本 | {m.fa.version} |" in md
+    # each attention kind shows its own call: FA, DSA's sparse FA, or the model's own eager attention (no call)
+    if m.dsa is not None:
+        assert "| 稀疏注意力调用 |" in md and "| FA 版本 |" not in md
+    elif m.legacy_attention is not None and m.legacy_attention.kernel == "model":
+        assert "| cache 布局 |" in md and "| FA 版本 |" not in md
+    else:
+        assert f"| FA 版本 | {m.fa.version} |" in md
     # blockers <-> legacy, one way and the other
     assert (m.kv_mode.value == "legacy") == bool(m.blockers)
     for b in m.blockers:

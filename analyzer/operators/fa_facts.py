@@ -59,6 +59,20 @@ FA_KEYWORDS: dict[str, FaKeywords] = {
                      "actual_seq_kvlen", "return_softmax_lse"),
 }
 FA_VERSIONS = tuple(FA_KEYWORDS)
+
+
+@dataclass(frozen=True)
+class SparseFaCall:
+    """DeepSeek sparse attention's attention call (``manifest.dsa``): MLA absorb over the lightning indexer's top-k
+    keys of each query, in place of any FA call. The rendered call passes these, the validation checks them."""
+
+    op: str
+    layout_query: str  # packed tokens, as the framework's 1-D inputs
+    layout_kv: str  # the paged latent / rope caches, [num_blocks, block_size, 1, dim]
+    sparse_mode: int  # rightDownCausal: a query attends only keys up to its own position, prefill and decode alike
+
+
+SPARSE_FA = SparseFaCall("npu_sparse_flash_attention", "TND", "PA_BSND", 3)
 FA_OPS = {version: kw.op for version, kw in FA_KEYWORDS.items()}
 FA_OP_NAMES = frozenset(FA_OPS.values())
 ROLES = tuple(f.name for f in fields(FaKeywords) if f.name != "op")

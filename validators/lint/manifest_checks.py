@@ -7,6 +7,7 @@ import re
 
 from model_infer_kvcache.analyzer.config_loader import yarn_mscale
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS
+from model_infer_kvcache.analyzer.framework_checkout import render_api
 from model_infer_kvcache.analyzer.operators import fa_facts, schemas
 from model_infer_kvcache.analyzer.rules import decide_window_tokens
 from model_infer_kvcache.validators.lint import ops
@@ -30,7 +31,8 @@ class ManifestChecks:
         for call, op in self.c.fa_calls:
             self.fa_call(call, op)
         m = self.m
-        gen = m.framework_api if m.deploy_mode.value == "framework" else None
+        # The model-side contract the code must follow (a G3 framework takes G2's CacheEntry/ModelCacheInfo keywords).
+        gen = render_api(m.framework_api) if m.deploy_mode.value == "framework" else None
         for call in self.c.entry_calls:
             self.block_size_value(call)
             if gen:

@@ -53,7 +53,7 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V203", "runtime", "request stream finishes within its step budget"),
     CheckDef("V204", "runtime", "rank <N>: finished"),
     CheckDef("V205", "runtime", "block_table/slot_mapping hold every layer's key"),
-    CheckDef("V206", "runtime", "shapes around the FA call match the entries"),
+    CheckDef("V206", "runtime", "shapes around the attention call (FA or sparse FA) match the entries"),
     CheckDef("V207", "runtime", "softmax scale equals the model's attention scaling"),
     CheckDef("V208", "runtime", "first decode reads prompt length + 1"),
     CheckDef("V209", "runtime", "FA call arguments match the manifest"),

@@ -13,15 +13,16 @@ import inspect
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 from model_infer_kvcache.validators.pipeline.evidence import snapshot, storage
 from model_infer_kvcache.validators.pipeline.report import Report
 
-INDEXER_OP, SPARSE_FA_OP = "npu_lightning_indexer", "npu_sparse_flash_attention"
+INDEXER_OP, SPARSE_FA_OP = "npu_lightning_indexer", SPARSE_FA.op
 DSA_OPS = (INDEXER_OP, SPARSE_FA_OP)
 SPARSE_ARGS = "sparse attention: scale, causal sparse_mode 3 and index_topk keys per query as the manifest"
 INDEXER_READS = ("each indexer layer's lightning indexer reads that layer's indexer key cache (own table, kv "
                  "lengths, sparse_count = index_topk)")
-CAUSAL = 3  # rightDownCausal: a query selects / attends only keys up to its own position
+CAUSAL = SPARSE_FA.sparse_mode  # rightDownCausal: a query selects / attends only keys up to its own position
 
 
 @functools.cache

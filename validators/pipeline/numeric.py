@@ -65,7 +65,7 @@ class NumericTracker:
                 hf = r.get("hf_scaling")
                 if hf is not None and want_scale is not None and abs(hf - want_scale) > 1e-9 * max(1.0, hf):
                     bad_scale.append(f"layer {r['layer']}: rendered {want_scale:.8g} vs model {hf:.8g}")
-        report.add("shapes around the FA call match the entries", "runtime", not bad_shapes,
+        report.add("shapes around the attention call (FA or sparse FA) match the entries", "runtime", not bad_shapes,
                    detail="; ".join(bad_shapes[:3]), mismatches=len(bad_shapes))
         report.add("softmax scale equals the model's attention scaling", "runtime", not bad_scale,
                    detail="; ".join(sorted(set(bad_scale))[:2]), rendered=want_scale)

@@ -137,10 +137,10 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         except InputError:  # something kvcache does not support (exit 2), not the model's failure
             raise
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
-            from model_infer_kvcache.validators.checkout_run.support import unsupported_operator
+            from model_infer_kvcache.validators.checkout_run.support import missing_package, unsupported_operator
 
             frame = _model_frame(exc, Path(model_file).resolve() if model_file else None)
-            lacking = unsupported_operator(exc, frame, root)
+            lacking = unsupported_operator(exc, frame, root) or missing_package(exc, root, req.model_file)
             if lacking is not None:  # kvcache lacks it: exit 2 naming it, not a failure of the model
                 raise lacking from None
             report.add("checkout model runs in the engine without errors", "runtime", False,

@@ -8,10 +8,17 @@ kvcache (which left Ling-2.5's null) meets it: re-analyze.
 During the run, ``unsupported_operator(exc, model_frame)`` turns an operator the emulation lacks into the same one
 line when the operator is real (a torch-npu release of ``analyzer/operators/op_names.json`` defines it) or a feature
 of an emulated operator that is not emulated; an operator no release defines stays the model's own error (exit 1,
-at its file:line).
+at its file:line). ``missing_package(exc, root, folders)`` does the same for a package the model imports that is
+not installed here and has no stand-in (a vendor operator package): exit 2 naming it, where the checkout imports it,
+and what the model files use of it, found statically; a model that cannot import on CPU has not failed.
 """
 
 from __future__ import annotations
+
+import ast
+import sys
+import traceback
+from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
@@ -54,3 +61,68 @@ def unsupported_operator(exc: BaseException, where: str, root=None) -> NotSuppor
         return NotSupportedByKvcache(where, f"operator {exc.op} (defined by {doc}) is not emulated on CPU "
                                             "(references/emulated_ops.md)", field=exc.op)
     return None
+
+
+def missing_package(exc: BaseException, root: Path, model_file: str | None = None) -> NotSupportedByKvcache | None:
+    """The one line for an import of a package that is not installed here and that kvcache stands in for nowhere,
+    made by a file of the checkout or by ``model_file`` (the user's edited copy); None otherwise (a module the
+    checkout itself lacks is its own error). Names the package, the importing file:line and what the model folder's
+    Python files (and ``model_file``) use of it."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    top = exc.name.split(".")[0]
+    if top in sys.modules or (root / top).exists() or (root / f"{top}.py").exists():
+        return None  # a stand-in's submodule, or a module of the checkout's own tree: not a missing package
+    checkout = root.resolve()
+    own = Path(model_file).resolve() if model_file else None
+
+    def ours(filename: str) -> bool:
+        path = Path(filename).resolve()
+        return path == own or checkout in path.parents
+
+    at = next((f for f in reversed(traceback.extract_tb(exc.__traceback__)) if ours(f.filename)), None)
+    if at is None:
+        return None
+    importer = Path(at.filename).resolve()
+    rel = importer.relative_to(checkout) if checkout in importer.parents else None
+    where = f"{rel or importer.name}:{at.lineno}"
+    folders = [checkout / "models" / rel.parts[1]] if rel is not None and rel.parts[0] == "models" else [importer]
+    used = sorted(package_uses(top, folders + ([own] if own else [])))
+    shown = ", ".join(used[:12]) + (f" (+{len(used) - 12} more)" if len(used) > 12 else "") if used else "none found"
+    return NotSupportedByKvcache(where, f"package {top} (imported at {where}: an operator or vendor package this "
+                                        f"machine lacks and kvcache has no stand-in for); what the model files use of "
+                                        f"it: {shown}", field=f"import {exc.name}")
+
+
+def package_uses(package: str, folders: list[Path]) -> set[str]:
+    """``package.name`` for every name the Python files under ``folders`` import from ``package`` or reach as an
+    attribute of it (``import package as p`` ... ``p.op(...)``; ``torch.ops.package.op``), read without running."""
+    out: set[str] = set()
+    files = sorted({f for folder in folders for f in ([folder] if folder.is_file() else folder.rglob("*.py"))})
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname or a.name for a in node.names if a.name.split(".")[0] == package}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
+                out |= {f"{node.module}.{a.name}" for a in node.names if a.name != "*"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                dotted = _dotted(node.value)
+                if dotted in aliases or dotted == f"torch.ops.{package}":
+                    out.add(f"{dotted}.{node.attr}")
+    return out
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])

@@ -1,0 +1,52 @@
+"""Gaps of kvcache in the real engine are said as such (issue 43): a package the model imports that this machine lacks
+and kvcache stands in for nowhere (a vendor operator package) is exit 2 naming it, where it is imported and what the
+model uses of it; never the model's runtime failure (V202, exit 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cli_support import invoke
+from model_infer_kvcache.validators.checkout_run.support import package_uses
+from shared_dirs import ROOT, shared_path
+
+CONFIG = ROOT / "tests" / "fixtures" / "configs" / "qwen3_8b.json"
+MODEL_FILE = Path("models") / "qwen" / "models" / "modeling_qwen.py"
+
+
+def _edited_copy(tmp_path: Path) -> tuple[Path, int]:
+    """modeling_qwen.py importing a vendor operator package and calling two of its ops (one through an alias)."""
+    src = shared_path("upstream", "cann-recipes-infer") / MODEL_FILE
+    lines = src.read_text(encoding="utf-8").splitlines()
+    at = lines.index("import torch_npu") + 1
+    lines[at:at] = ["import ascend_vendor_ops as avo", "from ascend_vendor_ops.fused import fused_rope"]
+    lines.append("")
+    lines.append("def _uses_vendor_ops(x):")
+    lines.append("    return avo.npu_fused_swiglu(x) + fused_rope(x) + avo.npu_fused_swiglu(x)")
+    out = tmp_path / "modeling_qwen.py"
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out, at + 1
+
+
+def test_a_vendor_package_the_machine_lacks_is_a_kvcache_gap(tmp_path, capsys):
+    root = shared_path("upstream", "cann-recipes-infer")
+    edited, line = _edited_copy(tmp_path)
+    rc, out, err = invoke(["validate", "--framework-root", root, "--model", "qwen3_8b", "--config", CONFIG,
+                           "--model-file", edited, "--no-sweep", "--report", tmp_path / "r.json"], capsys)
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert rc == 2 and len(lines) == 1, (rc, err[-1500:])
+    msg = lines[0]
+    assert "not supported by kvcache: package ascend_vendor_ops" in msg
+    assert f"modeling_qwen.py:{line}" in msg  # where the model imports it
+    assert "avo.npu_fused_swiglu" in msg and "ascend_vendor_ops.fused.fused_rope" in msg  # what it uses, statically
+    assert "V202" not in out and not (tmp_path / "r.json").exists()  # no model failure reported, nothing written
+
+
+def test_package_uses_are_read_statically(tmp_path):
+    (tmp_path / "a.py").write_text("import vendor_ops\nimport torch\n"
+                                   "y = vendor_ops.op_a(1)\nz = torch.ops.vendor_ops.op_b(2)\n", encoding="utf-8")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("from vendor_ops.x import op_c, op_d as e\nimport other\nother.op_z()\n",
+                                           encoding="utf-8")
+    assert package_uses("vendor_ops", [tmp_path]) == {"vendor_ops.op_a", "torch.ops.vendor_ops.op_b",
+                                                       "vendor_ops.x.op_c", "vendor_ops.x.op_d"}

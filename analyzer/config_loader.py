@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import yaml
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.linear_config import (
     LinearFacts,
@@ -66,6 +66,18 @@ _LAYER_TYPE_KIND = {
     "mamba": "linear",
     "recurrent": "linear",
 }
+
+# Layer types transformers ships that no cache kind of kvcache plans yet: refused by name as kvcache's gap (planned as
+# dense MLA they would be silently wrong: the compressed branch keeps one entry per group of tokens, not per token).
+_UNPLANNED_LAYER_TYPES = {
+    "compressed_sparse_attention": "DeepSeek-V4 compressed sparse attention (CSA: a sliding-window branch plus "
+                                   "entries compressing every 4 tokens, a lightning indexer's top-k over them)",
+    "heavily_compressed_attention": "DeepSeek-V4 heavily compressed attention (HCA: a sliding-window branch plus "
+                                    "entries compressing every 128 tokens, attended whole)",
+}
+# Fields that give each layer's compression ratio where a config lists no layer_types (DeepSeek-V4's legacy
+# ``compress_ratios``: 0 none, 4 CSA, 128 HCA; transformers' ``compress_rates`` per layer type).
+_COMPRESSION_FIELDS = ("compress_ratios", "compress_rates")
 
 # Gated-delta-net sizes: the same defaults in Qwen3NextConfig, Qwen3_5TextConfig and Qwen3_5MoeTextConfig.
 _GDN_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
@@ -419,6 +431,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     family = FAMILY_OF.get(model_type, model_type)
     r.defaults = FAMILY_DEFAULTS.get(family, ("", {}))
     architectures = _architectures(r)
+    _refuse_compressed_attention(r)
 
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
@@ -502,6 +515,27 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         dsa=dsa,
         linear=linear,
     )
+
+
+def _refuse_compressed_attention(r: _Reader) -> None:
+    """Compressed-KV attention (DeepSeek-V4's CSA / HCA) is a cache kind kvcache does not plan: one line naming it,
+    before any other field is read as if the layers were dense."""
+    types = r.get("layer_types")
+    if types is not None and isinstance(types[0], list):
+        hit = next(((i, t) for i, t in enumerate(types[0]) if t in _UNPLANNED_LAYER_TYPES), None)
+        if hit is not None:
+            raise NotSupportedByKvcache(r.where, f"layer type {hit[1]!r}: {_UNPLANNED_LAYER_TYPES[hit[1]]}; no cache "
+                                                 "kind of kvcache plans compressed KV yet", field=f"{types[1]}[{hit[0]}]")
+    for name in _COMPRESSION_FIELDS:
+        hit = r.get(name)
+        if hit is None:
+            continue
+        ratios = hit[0].values() if isinstance(hit[0], dict) else hit[0] if isinstance(hit[0], list) else [hit[0]]
+        if any(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 1 for x in ratios):
+            raise NotSupportedByKvcache(r.where, "compressed-KV attention (DeepSeek-V4 CSA / HCA: layers keep one "
+                                                 "cache entry per group of tokens, plus a sliding-window branch and a "
+                                                 "compressor state); no cache kind of kvcache plans compressed KV yet",
+                                        field=hit[1])
 
 
 def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],

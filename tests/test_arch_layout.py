@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import json
 from pathlib import Path
 
@@ -72,10 +74,37 @@ def test_attention_routes():
     mpt = _meta("mpt", d_model=64, n_heads=4, n_layers=2, vocab_size=128)
     bloom = _meta("bloom", hidden_size=64, n_head=4, n_layer=2, vocab_size=128)
     assert attention_route(attention_modules(qwen)[0][1], is_mla=False) == "interface"
-    assert attention_route(attention_modules(falcon)[0][1], is_mla=False) == "fused_qkv"
+    # transformers 5.25's Falcon calls the attention interface; earlier 5.x split its fused query_key_value itself
+    falcon_attn = attention_modules(falcon)[0][1]
+    interface = "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(falcon_attn).forward)
+    assert attention_route(falcon_attn, is_mla=False) == ("interface" if interface else "fused_qkv")
     assert attention_route(attention_modules(mpt)[0][1], is_mla=False) is None  # own forward, no interface
     assert attention_route(attention_modules(bloom)[0][1], is_mla=False) is None  # ALiBi-only fused attention
     assert attention_route(attention_modules(qwen)[0][1], is_mla=True) is None
+
+
+def test_a_fused_qkv_rotary_attention_takes_the_fused_route():
+    """The fused route whatever Falcon does in the installed transformers: a module that splits its own
+    query_key_value and takes position embeddings (Falcon before 5.25), not through the interface."""
+
+    class FusedRotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query_key_value, self.dense = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+        def _split_heads(self, fused):
+            return fused.chunk(3, dim=-1)
+
+        def forward(self, hidden_states, position_embeddings, attention_mask=None):
+            q, k, v = self._split_heads(self.query_key_value(hidden_states))
+            return self.dense(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+    class Alibi(FusedRotary):  # Bloom's shape: no position embeddings, so not routed
+        def forward(self, hidden_states, alibi, attention_mask=None):
+            return hidden_states
+
+    assert attention_route(FusedRotary(), is_mla=False) == "fused_qkv"
+    assert attention_route(Alibi(), is_mla=False) is None
 
 
 # ---------------------------------------------------------------- token ids in the tiny vocabulary

@@ -5,6 +5,8 @@ kvcache" classification of operators. No snapshot needed."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from transformers.configuration_utils import PretrainedConfig
 
@@ -28,10 +30,20 @@ def test_feature_probes_answer_like_the_real_module():
             torch_npu.npu_fused_causal_conv1d_v2  # noqa: B018
 
 
-def test_removed_transformers_mask_helpers_import_and_refuse_when_used():
-    from model_infer_kvcache.validators.standins.third_party import absent_third_party
+def test_removed_transformers_mask_helpers_import_and_refuse_when_used(monkeypatch):
+    """Where the installed transformers lacks the 4.x mask module (5.x before 5.25), the stand-in serves the
+    checkout's imports; 5.25 ships it again as a deprecation shim, so the same check runs with the module hidden."""
+    import importlib.util
 
-    with absent_third_party() as described:
+    from model_infer_kvcache.validators.standins import third_party
+
+    name = "transformers.modeling_attn_mask_utils"
+    if importlib.util.find_spec(name) is not None:  # shipped: hide it, as an installed 5.x before 5.25 would
+        real_find_spec = importlib.util.find_spec
+        monkeypatch.setattr(third_party.importlib.util, "find_spec",
+                            lambda n, *a: None if n == name else real_find_spec(n, *a))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with third_party.absent_third_party() as described:
         from transformers.modeling_attn_mask_utils import (
             AttentionMaskConverter,
             _prepare_4d_attention_mask,

@@ -326,8 +326,8 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
         return
     model.eval()
     try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+        with torch.no_grad():  # as the host and the reference call it: no transformers cache
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=False)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the reference is unusable
         raise NotSupportedByKvcache("--config", f"a reference: transformers' own "
                                     f"{getattr(model, 'reference_name', type(model).__name__)} ({hf_type}) "

@@ -102,10 +102,14 @@ def _absolute_paths(text: str) -> set[str]:
 
 
 def test_run_report_names_the_published_render_and_no_gone_folder(tmp_path, capsys):
-    """Mistral's window (4096) is longer than CPU sequences: the checks run on a CPU-size render written to a
-    temporary folder, and the run itself is staged beside --out; neither folder outlives the run."""
+    """A window (1024) longer than CPU sequences: the checks run on a CPU-size render written to a temporary
+    folder, and the run itself is staged beside --out; neither folder outlives the run."""
+    data = json.loads((ROOT / "examples" / "tiny_qwen3" / "config.json").read_text(encoding="utf-8"))
+    data.update(use_sliding_window=True, sliding_window=1024, max_window_layers=0, max_position_embeddings=8192)
+    config = tmp_path / "windowed.json"
+    config.write_text(json.dumps(data), encoding="utf-8")
     out = tmp_path / "out"
-    rc, _, _ = invoke(["run", "--config", CONFIGS / "mistral_7b_v01.json", "--out", out], capsys)
+    rc, _, _ = invoke(["run", "--config", config, "--out", out], capsys)
     assert rc == 0
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     code = report["provenance"]["code_under_test"]

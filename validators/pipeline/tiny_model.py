@@ -133,8 +133,8 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     _dense_prefix_types(d, src)
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
         if d.get(key) and not m.num_mtp_layers:  # --next-n 0: a checkout model must not build its MTP layers,
+            notes.append(f"{key} {d[key]} set to 0 (--next-n 0: served without speculative decoding)")
             d[key] = 0  # nor take its config class's default (Ling-2.5's refuses any)
-            notes.append(f"{key} {src[key]} set to 0 (--next-n 0: served without speculative decoding)")
         else:
             d.pop(key, None)
     d["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))

@@ -50,3 +50,21 @@ def test_package_uses_are_read_statically(tmp_path):
                                            encoding="utf-8")
     assert package_uses("vendor_ops", [tmp_path]) == {"vendor_ops.op_a", "torch.ops.vendor_ops.op_b",
                                                        "vendor_ops.x.op_c", "vendor_ops.x.op_d"}
+
+
+def test_a_config_field_no_class_supplies_is_bad_input_naming_field_and_line(tmp_path, capsys):
+    """The model reads a field neither the config.json nor the folder's own config class has: exit 2 naming the
+    field and the model's file:line (was: V202, the model's runtime failure)."""
+    src = shared_path("upstream", "cann-recipes-infer") / MODEL_FILE
+    lines = src.read_text(encoding="utf-8").splitlines()
+    at = next(i for i, x in enumerate(lines) if "self.use_qk_norm = getattr(config" in x)
+    indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+    lines.insert(at, f"{indent}self.qk_clip = config.qk_clip_threshold")
+    edited = tmp_path / "modeling_qwen.py"
+    edited.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    rc, out, err = invoke(["validate", "--framework-root", src.parents[3], "--model", "qwen3_8b", "--config", CONFIG,
+                           "--model-file", edited, "--no-sweep"], capsys)
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert rc == 2 and len(line) == 1 and "V202" not in out, (rc, err[-1500:])
+    assert f"qwen3_8b.json: qk_clip_threshold: missing: modeling_qwen.py:{at + 1} reads config.qk_clip_threshold" \
+        in line[0] and "Qwen3Config" in line[0], line[0]

@@ -53,6 +53,10 @@ def test_qwen3_8b_in_the_real_engine(qwen3_report):
     assert prov["checkout"] == str(upstream_head().resolve())
     assert prov["api_generation"] == "G3"
     assert prov["model_file"].endswith("models/qwen/models/modeling_qwen.py")
+    # The config.json has no use_qk_norm; the folder's Qwen3Config sets it (the model reads it with default False,
+    # so read through transformers' class the q/k norms would be off and V301 would fail): the report says which.
+    assert "use_qk_norm" not in (CONFIGS / "qwen3_8b.json").read_text(encoding="utf-8")
+    assert prov["config_class"].startswith("models.qwen.models.configuration_qwen.Qwen3Config: ")
     # The engine, scheduler, loader and kv_cache are the checkout's, not the harness's.
     for module in ("executor.core.engine.execution_engine", "executor.core.scheduler.scheduler",
                    "executor.model_loader.default_loader", "executor.core.kv_cache.kv_cache_manager",

@@ -137,11 +137,16 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         except InputError:  # something kvcache does not support (exit 2), not the model's failure
             raise
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
-            from model_infer_kvcache.validators.checkout_run.support import missing_package, unsupported_operator
+            from model_infer_kvcache.validators.checkout_run.support import (
+                missing_config_field,
+                missing_package,
+                unsupported_operator,
+            )
 
             frame = _model_frame(exc, Path(model_file).resolve() if model_file else None)
-            lacking = unsupported_operator(exc, frame, root) or missing_package(exc, root, req.model_file)
-            if lacking is not None:  # kvcache lacks it: exit 2 naming it, not a failure of the model
+            lacking = unsupported_operator(exc, frame, root) or missing_package(exc, root, req.model_file) \
+                or missing_config_field(exc, req.config, frame)
+            if lacking is not None:  # kvcache lacks it, or the config does: exit 2 naming it, not the model's failure
                 raise lacking from None
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}")
@@ -398,6 +403,8 @@ def _provenance(root: Path, commit: str | None, classes, info, scope) -> dict:
         "model": f"{classes.name} ({'support_models' if classes.registered else 'models/ directory'}): "
                  f"{classes.model_cls.__module__}.{classes.model_cls.__name__} + {classes.config_cls.__name__}",
         "model_file": str(classes.model_file),
+        "config_class": f"{classes.config_cls.__module__}.{classes.config_cls.__name__}: the config.json is read "
+                        "through the class the checkout registers (its defaults fill the fields the file lacks)",
         "from_checkout": [m for m in from_checkout if m.startswith(("executor.core", "executor.model_loader",
                                                                       "executor.utils", "models.", "module."))],
         "stand_ins": [*scope.standins, *CPU_STANDINS],

@@ -20,7 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 
 
 def preflight(config_path: str, manifest) -> None:
@@ -126,3 +126,25 @@ def _dotted(node: ast.AST) -> str | None:
     if not isinstance(node, ast.Name):
         return None
     return ".".join([node.id, *reversed(parts)])
+
+
+def missing_config_field(exc: BaseException, config_path: str, frame: str) -> InputError | None:
+    """The one line for a config attribute the model reads that neither the config.json nor the folder's own config
+    class supplies (``AttributeError`` on a ``PretrainedConfig``): bad input naming the field and the file:line
+    that reads it, exit 2; never the model's runtime failure. None for any other error."""
+    obj = getattr(exc, "obj", None)
+    name = getattr(exc, "name", None)
+    if not isinstance(exc, AttributeError) or not name or not _is_config(obj):
+        return None
+    return InputError(config_path, f"missing: {frame} reads config.{name}, and neither this config nor "
+                                   f"{type(obj).__name__} (the config class the checkout registers for the model, "
+                                   "which the run builds the config through) supplies it: add the field to the config",
+                      field=name)
+
+
+def _is_config(obj) -> bool:
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:
+        return False
+    return isinstance(obj, PretrainedConfig)

@@ -337,6 +337,17 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     result = CheckResult(ships=report.ships)
     if not report.ships:
         return result
+    if report.attentions is None and (report.error or "").startswith("LayoutError: ") \
+            and "no nn.ModuleList of decoder blocks holding an attention module" in report.error:
+        # Built, and no decoder block holds an attention module kvcache recognises: either none attends (xLSTM,
+        # Mamba2: an attention plan would be silently wrong) or its projections have names the host cannot route
+        # (CTRL, XLNet: validation could not run it either). Either way the plan is unchecked: refused.
+        result.errors.append(f"analyzer plans attention on {len(layers)} layer(s); transformers builds "
+                             f"{facts.model_type!r} with no decoder block holding an attention module kvcache "
+                             f"recognises ({report.error.split(': ', 1)[1].split(' (')[0]}): a model without "
+                             "attention (xLSTM, Mamba2) or with projections named otherwise; the plan cannot be "
+                             "checked or validated")
+        return result
     if report.attentions is None:
         result.notes.append(f"architecture cross-check skipped: transformers could not build {facts.model_type!r} "
                             f"on the meta device ({report.error})")

@@ -44,3 +44,12 @@ def test_upstream_deepseek_v4_in_the_real_engine_is_a_named_gap_not_a_model_fail
     rc, out, err = invoke(["validate", "--framework-root", root, "--model", "deepseek_v4", "--config",
                            _v4(tmp_path), "--no-sweep"], capsys)
     assert rc == 2 and "not supported by kvcache" in err and "V202" not in out
+
+
+def test_a_model_whose_blocks_hold_no_attention_is_refused_not_planned_as_attention(tmp_path, capsys):
+    """xLSTM (mLSTM blocks, no attention module): the cross-check used to be 'skipped' with a warning and the model
+    planned as FullAttention on every layer; transformers building it without attention now refuses the plan."""
+    path = tmp_path / "xlstm.json"
+    path.write_text(json.dumps(transformers.xLSTMConfig().to_dict(), default=str), encoding="utf-8")
+    rc, out, err = invoke(["analyze", "--config", path], capsys)
+    assert rc == 2 and out == "" and "no decoder block holding an attention module" in err and "xLSTMForCausalLM" in err

@@ -9,7 +9,11 @@ import pytest
 import torch
 import transformers
 from cli_support import invoke
-from model_infer_kvcache.analyzer.hf_models import TextBackboneForCausalLM, causal_lm_from_config, maps_to_causal_lm
+from model_infer_kvcache.analyzer.hf_models import (
+    TextBackboneForCausalLM,
+    causal_lm_from_config,
+    maps_to_causal_lm,
+)
 
 
 def _small_qwen3_vl(**text) -> transformers.Qwen3VLConfig:

@@ -8,9 +8,11 @@ kvcache (which left Ling-2.5's null) meets it: re-analyze.
 During the run, ``unsupported_operator(exc, model_frame)`` turns an operator the emulation lacks into the same one
 line when the operator is real (a torch-npu release of ``analyzer/operators/op_names.json`` defines it) or a feature
 of an emulated operator that is not emulated; an operator no release defines stays the model's own error (exit 1,
-at its file:line). ``missing_package(exc, root, folders)`` does the same for a package the model imports that is
+at its file:line). ``missing_package(exc, root, model_file)`` does the same for a package the model imports that is
 not installed here and has no stand-in (a vendor operator package): exit 2 naming it, where the checkout imports it,
 and what the model files use of it, found statically; a model that cannot import on CPU has not failed.
+``missing_config_field(exc, config_path, frame)``: a config attribute the model reads that neither the config nor
+the folder's config class supplies is bad input (exit 2) naming the field and the line that reads it.
 """
 
 from __future__ import annotations

@@ -286,11 +286,17 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     return model, plan
 
 
-def _runs(model) -> bool:
+def _forward_once(model) -> None:
+    """One forward of two tokens, as the host and the reference call the model: eval, no grad, no transformers
+    cache (Ling-2.5's reference refuses one)."""
     model.eval()
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+
+
+def _runs(model) -> bool:
     try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+        _forward_once(model)
     except RuntimeError:
         return False
     return True
@@ -324,10 +330,8 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
     key = json.dumps([hf_type, d], sort_keys=True, default=str)
     if key in _REFERENCE_RUNS:
         return
-    model.eval()
     try:
-        with torch.no_grad():  # as the host and the reference call it: no transformers cache
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+        _forward_once(model)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the reference is unusable
         raise NotSupportedByKvcache("--config", f"a reference: transformers' own "
                                     f"{getattr(model, 'reference_name', type(model).__name__)} ({hf_type}) "

@@ -107,6 +107,37 @@ def test_checkout_config_class_decides_what_its_config_json_holds():
     assert fit_to_config_class({"num_hidden_layers": 2}, Qwen3Config) == ({"num_hidden_layers": 2}, [])
 
 
+class _QwenBase(PretrainedConfig):
+    """Upstream qwen's configuration_qwen.py shape: the base takes rope_theta (default 1e6), the registered
+    subclass takes only its own fields and passes **kwargs on."""
+
+    model_type = "kvcache_test_qwen_base"
+
+    def __init__(self, rope_theta=1000000.0, **kwargs):
+        self.rope_theta = rope_theta
+        super().__init__(**kwargs)
+
+
+class _Qwen3(_QwenBase):
+    model_type = "kvcache_test_qwen3"
+
+    def __init__(self, head_dim=128, **kwargs):
+        super().__init__(head_dim=head_dim, **kwargs)
+
+
+def test_rope_theta_reaches_a_base_class_behind_kwargs():
+    """A transformers-5 config.json (Qwen3Config() defaults: rope_theta only inside rope_parameters) read by a
+    subclass whose own __init__ takes **kwargs: the base's rope_theta must come from the file, or the checkout runs
+    at its default 1e6 against transformers' 1e4 (found by `validate --all`: qwen3_8b failed at its cache write)."""
+    from model_infer_kvcache.validators.checkout_run.compat import fit_to_config_class
+
+    written = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    fitted, notes = fit_to_config_class(written, _Qwen3)
+    assert fitted["rope_theta"] == 10000.0 and _Qwen3(**fitted).rope_theta == 10000.0
+    assert notes == ["the checkout's _Qwen3 takes rope_theta (transformers 4.x): written from rope_parameters (10000)"]
+    assert _Qwen3(**written).rope_theta == 1e6  # what the checkout read before: its own default
+
+
 def test_legacy_rope_scaling_reads_none_for_unscaled_rope():
     from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_scaling
 

@@ -105,11 +105,20 @@ def test_qwen25_7b_instruct():
 
 
 @pytest.mark.slow
-def test_qwen3_moe_attention_tp2():
+def test_qwen3_moe_runs_at_attention_tp2_because_its_code_refuses_one_rank():
     """Qwen3-MoE's MoE runs the TP path (moe_tp_size = attn TP); at one rank its EP path needs an EP group
-    the model registers only for EP > 1, so the tiny run is TP 2 (both ranks compared)."""
-    report = _validate("qwen3_moe", "qwen3_30b_a3b.json", attn_tp_size=2)
+    the model registers only for EP > 1. Left to kvcache (no --attn-tp-size), the layout is chosen from what the
+    model's code refuses: the one-rank attempt stops at the model's own line, the judged run is TP 2 (both ranks
+    compared), and the report says which layout ran, why, and what the folder's yamls serve."""
+    report = _validate("qwen3_moe", "qwen3_30b_a3b.json")
     _assert_end_to_end(report)
+    assert re.match(r"layout: 2 gloo ranks \(attention TP 2, MoE TP 2, MoE EP 1\), chosen by kvcache: at one rank "
+                    r"the model refused, modeling_qwen3_moe\.py:\d+: KeyError: .*'moe_ep_group' not found.* \(the "
+                    r"model registers that group only with more than one rank\); its \d+ yamls serve world_size ",
+                    report.notes[0]), report.notes[0]
+    layout = report.provenance["layout"]
+    assert layout["attn_tp_size"] == 2 and layout["chosen_by"] == "kvcache"
+    assert layout["one_rank_refused_at"].startswith("modeling_qwen3_moe.py:")
     assert _check(report, "the checkout's loader filled every parameter").passed  # per-expert checkpoint layout
 
 
@@ -209,7 +218,8 @@ def test_unemulated_op_fails_in_one_line(tmp_path):
 def test_moe_model_at_one_rank_fails_naming_the_upstream_group_and_the_way_out():
     """Upstream Qwen3-MoE at world size 1 takes its expert-parallel MoE path, whose group it registers only
     for EP > 1 (on an NPU too): the report names the missing group, the model's line, and --attn-tp-size 2."""
-    report = _validate("qwen3_moe", "qwen3_30b_a3b.json", sweep_readings=False, scenario=_short_stream())
+    report = _validate("qwen3_moe", "qwen3_30b_a3b.json", sweep_readings=False, scenario=_short_stream(),
+                       attn_tp_size=1)  # the user's layout: kept, and the way out named
     failed = report.failed()
     assert [c.name for c in failed] == ["checkout model runs in the engine without errors"]
     assert re.match(r"modeling_qwen3_moe\.py:\d+: KeyError: .*'moe_ep_group' not found", failed[0].detail)

@@ -155,14 +155,15 @@ def test_gemma_4_values_cached_as_keys_fail_above_its_measured_tolerance(tmp_pat
 
 @pytest.mark.slow
 def test_bailing_2_5_cannot_be_built_on_one_rank(tmp_path):
-    """Ling-2.5 (the folder's own config class, saved as its hub config.json) at one rank: the upstream file builds its
+    """Ling-2.5 (the folder's own config class, saved as its hub config.json) at one rank (--attn-tp-size 1: the
+    user's layout, kept; left to kvcache it runs at TP 2, tests/test_checkout_layout.py): the upstream file builds its
     communication groups (hccl_comm_dict) only when the world size is above 1, and its MoE reads them
     unconditionally (modeling_bailing_moe_v2_5.py:423), so the model cannot be built on one rank: exit 1 at that
     line, the hint naming --attn-tp-size 2 (where it passes against kvcache's Ling-2.5 reference:
     tests/test_checkout_lightning.py)."""
     config = ROOT / "tests" / "fixtures" / "configs" / "ling_2_5.json"
     report = tmp_path / "report.json"
-    out = _cli("bailing_2_5", config, "--report", str(report))
+    out = _cli("bailing_2_5", config, "--report", str(report), "--attn-tp-size", "1")
     assert out.returncode == 1, out.stderr[-2000:]
     failed = [ln for ln in out.stderr.splitlines() if ln.startswith("FAILED")]
     assert failed == ["FAILED [runtime] checkout model runs in the engine without errors: "

@@ -78,6 +78,22 @@ def json_key(value) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+def _init_parameters(config_cls: type) -> set[str]:
+    """Every parameter an ``__init__`` of the class or its bases takes: a subclass passing ``**kwargs`` on
+    (upstream Qwen3Config(head_dim, attention_bias, **kwargs) over a base taking rope_theta) takes its base's."""
+    names: set[str] = set()
+    for klass in config_cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            names |= {n for n, p in inspect.signature(init).parameters.items()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        except (TypeError, ValueError):
+            continue
+    return names
+
+
 def fit_to_config_class(config: dict, config_cls: type) -> tuple[dict, list[str]]:
     """The checkpoint's config.json as the checkout's config class can read it: a field the class defines
     as a read-only property (``num_hidden_layers`` returning ``self.num_layers``) cannot be set from the
@@ -86,10 +102,7 @@ def fit_to_config_class(config: dict, config_cls: type) -> tuple[dict, list[str]
     out, notes = dict(config), []
     # transformers 4.x configs carried rope_theta at the top level; 5.x moved it into rope_parameters. A
     # checkout class that still takes rope_theta would otherwise fall back to its own default.
-    try:
-        takes = inspect.signature(config_cls.__init__).parameters
-    except (TypeError, ValueError):
-        takes = {}
+    takes = _init_parameters(config_cls)
     rope = out.get("rope_parameters")
     if "rope_theta" in takes and "rope_theta" not in out and isinstance(rope, dict) and "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]

@@ -172,6 +172,12 @@ def config_class_constants(root: Path, name: str, model_type: str) -> dict[str, 
     return found
 
 
+def model_folders(root: Path, name: str) -> list[str]:
+    """The ``models/<folder>`` directories NAME's code lives in (a registered key may reuse another's folder)."""
+    folders = sorted({m.split(".")[1] for m in _spec_modules(root).get(name, []) if m.count(".") >= 2})
+    return folders or [name]
+
+
 def _spec_modules(root: Path) -> dict[str, list[str]]:
     """``executor/core/support_models.py``'s literal ``_specs``: name -> the ``models.*`` modules it lists (read
     without importing the checkout); {} when the file or the literal is absent."""

@@ -143,11 +143,16 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 unsupported_operator,
             )
 
+            from model_infer_kvcache.validators.checkout_run.layout import RanksRefused, chosen_by_kvcache, rank_refusal
+
             frame = _model_frame(exc, Path(model_file).resolve() if model_file else None)
             lacking = unsupported_operator(exc, frame, root) or missing_package(exc, root, req.model_file) \
                 or missing_config_field(exc, req.config, frame)
             if lacking is not None:  # kvcache lacks it, or the config does: exit 2 naming it, not the model's failure
                 raise lacking from None
+            refusal = rank_refusal(exc, world)
+            if refusal and chosen_by_kvcache(req, world):  # kvcache's layout, not the user's: try the next one
+                raise RanksRefused(f"{frame}: {type(exc).__name__}: {exc}", refusal) from None
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}")
             if caches is not None:
@@ -191,17 +196,15 @@ def legacy_note(model_cls: str, scenario: Scenario) -> str:
 
 def _hint(exc: BaseException, world: int) -> str:
     """What to do about a failure the upstream model itself causes at this world size."""
-    if world == 1 and isinstance(exc, KeyError) and "Communication group" in str(exc):
+    from model_infer_kvcache.validators.checkout_run.layout import rank_refusal
+
+    refusal = rank_refusal(exc, world) if world == 1 else None
+    if refusal and isinstance(exc, KeyError):
         # e.g. Qwen3-MoE / DeepSeek: with moe_tp_size 1 the MoE takes its expert-parallel path, whose group
         # the model registers only for moe_ep_size > 1; the validator runs MoE TP = attention TP.
-        return (" (the model registers that group only with more than one rank: validate with --attn-tp-size 2, "
-                "which runs its MoE tensor-parallel path)")
-    frames = traceback.extract_tb(exc.__traceback__)
-    if world == 1 and isinstance(exc, AttributeError) and frames and "hccl_comm_dict" in (frames[-1].line or ""):
-        # bailing_2_5: its CausalLM builds hccl_comm_dict only when the world size is above 1, and its MoE reads it
-        # unconditionally (modeling_bailing_moe_v2_5.py:423)
-        return (" (the model builds its communication groups only with more than one rank, and this line reads "
-                "them: validate with --attn-tp-size 2)")
+        return f" ({refusal}: validate with --attn-tp-size 2, which runs its MoE tensor-parallel path)"
+    if refusal:  # bailing_2_5: hccl_comm_dict is built only above one rank and its MoE reads it (line 423)
+        return f" ({refusal}: validate with --attn-tp-size 2)"
     if isinstance(exc, NotImplementedError) and any(w in str(exc) for w in ("MTP", "nextn", "next_n")):
         # bailing_2_5: the folder serves no MTP yet (its README says so) and refuses a config with MTP layers
         return (" (the model itself refuses MTP layers: serve it without speculative decoding, validate with "

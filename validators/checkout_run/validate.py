@@ -84,7 +84,67 @@ def _rank_step(req: CheckoutRequest, rank: int, world: int) -> Report:
 
 
 def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
-    """One rank; a manifest with attention TP > 1 launches that many ranks (gloo)."""
+    """One rank; a manifest with attention TP > 1 launches that many ranks (gloo).
+
+    Where the user left the layout to kvcache (no --attn-tp-size, no manifest) and the model's own code refuses
+    one rank (``layout.rank_refusal``), the run starts again at attention TP 2; the report says which layout ran
+    and why, beside the layouts the folder's yamls serve."""
+    from model_infer_kvcache.validators.checkout_run import layout
+
+    if world > 1:
+        return _validate_checkout(req, progress, rank, world)
+    chosen = layout.chosen_by_kvcache(req, world)
+    refused = None
+    try:
+        report = _validate_checkout(req, progress, rank, world)
+    except layout.RanksRefused as exc:
+        if progress:
+            progress(f"one rank refused by the model ({exc.where}): running at attention TP {layout.TRY_NEXT}")
+        refused = exc
+        report = _validate_checkout(replace(req, attn_tp_size=layout.TRY_NEXT), progress, rank, world)
+        _refuse_both_layouts(req, report, exc)
+    _note_layout(report, req, refused, chosen)
+    return report
+
+
+def _note_layout(report: Report, req: CheckoutRequest, refused, chosen: bool) -> None:
+    """The first note (and ``provenance['layout']``): the layout that ran, who chose it, what the folder serves."""
+    from model_infer_kvcache.validators.checkout_run import layout
+    from model_infer_kvcache.validators.checkout_run.registry import model_folders
+
+    root = Path(req.framework_root)
+    served = layout.served_layouts(root, model_folders(root, req.model))
+    world = report.provenance.get("layout", {}).get("world_size", 1)
+    if refused is not None:
+        why = (f"chosen by kvcache: at one rank the model refused, {refused.where} ({refused.reason})")
+    elif chosen:
+        why = "kvcache's first layout (no --attn-tp-size; the model's code accepted it)"
+    else:
+        why = "--attn-tp-size" if req.attn_tp_size else "the manifest's attn_tp_size"
+    report.notes.insert(0, f"layout: {layout.layout_phrase(world)}, {why}; {layout.describe_served(served)}")
+    report.provenance["layout"] = {"attn_tp_size": world, "moe_tp_size": world,
+                                   "chosen_by": "kvcache" if chosen else "user",
+                                   **({"one_rank_refused_at": refused.where} if refused else {}),
+                                   "served": layout.describe_served(served)}
+
+
+def _refuse_both_layouts(req: CheckoutRequest, report: Report, refused) -> None:
+    """Exit 2 when the model's own size check refuses attention TP 2 as well: no layout kvcache validates runs
+    it (kvcache's gap: it runs attention TP = MoE TP, not the folder's EP or DP layouts), not the model's failure."""
+    import re
+
+    from model_infer_kvcache.validators.checkout_run import layout
+
+    for check in report.failed():
+        found = re.match(r"(\S+: )(\w+): (.*)", check.detail or "")
+        if check.link == "runtime" and found and layout.size_check(found.group(2), found.group(3)):
+            raise InputError(req.model, f"not supported by kvcache: no layout kvcache runs is accepted by the "
+                                        f"model: one rank ({refused.where}: {refused.reason}), attention TP "
+                                        f"{layout.TRY_NEXT} ({check.detail}); kvcache runs attention TP = MoE TP "
+                                        "only, not the folder's expert- or data-parallel layouts", field="--model")
+
+
+def _validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world: int = 1) -> Report:
     from model_infer_kvcache.validators.checkout_run.scope import require_checkout
     from model_infer_kvcache.validators.pipeline.tiny_model import require_transformers_type
 
@@ -113,6 +173,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
     if tp > 1 and world == 1:
         report = _validate_ranks(req, manifest, tp, base, measured, say)
         report.seconds = time.perf_counter() - started
+        report.provenance["layout"] = {"world_size": tp}
         return report
 
     report = Report(backend="emulated", deploy_mode="framework", model_type=manifest.model.model_type,
@@ -159,6 +220,7 @@ def validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world:
 
             _sweep(report, manifest, req, base, measured, rerun, say)
     report.seconds = time.perf_counter() - started
+    report.provenance["layout"] = {"world_size": world}
     return report
 
 

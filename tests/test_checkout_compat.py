@@ -138,6 +138,38 @@ def test_rope_theta_reaches_a_base_class_behind_kwargs():
     assert _Qwen3(**written).rope_theta == 1e6  # what the checkout read before: its own default
 
 
+class _Qwen3MoeV4(PretrainedConfig):
+    """Upstream qwen3_moe's configuration class shape: it takes transformers 4.x's num_experts."""
+
+    model_type = "kvcache_test_qwen3_moe"
+
+    def __init__(self, num_experts=128, **kwargs):
+        self.num_experts = num_experts
+        super().__init__(**kwargs)
+
+
+def test_a_field_transformers_5_renamed_is_written_under_the_name_the_checkout_takes():
+    """transformers 5's Qwen3MoeConfig writes num_local_experts (num_experts is an attribute_map alias); a checkout
+    class taking num_experts would build 128 experts for a 4-expert checkpoint (found by `validate --all`: the
+    loader refused a [4, 128] router weight for a [128, 128] parameter)."""
+    from model_infer_kvcache.validators.checkout_run.compat import fit_to_config_class
+    from transformers import Qwen3MoeConfig
+
+    written = {**Qwen3MoeConfig().to_dict(), "num_local_experts": 4}
+    assert "num_experts" not in written
+    fitted, notes = fit_to_config_class(written, _Qwen3MoeV4)
+    assert fitted["num_experts"] == 4 and _Qwen3MoeV4(**fitted).num_experts == 4
+    assert "the checkout's _Qwen3MoeV4 takes num_experts (transformers 4.x), transformers 5 writes " \
+           "num_local_experts: written as num_experts=4" in notes
+    assert _Qwen3MoeV4(**written).num_experts == 128  # what the checkout read before
+
+    class _TakesNewName(PretrainedConfig):  # a class taking the new name itself is left alone
+        def __init__(self, num_experts=128, num_local_experts=128, **kwargs):
+            super().__init__(**kwargs)
+
+    assert "num_experts" not in fit_to_config_class(written, _TakesNewName)[0]
+
+
 def test_legacy_rope_scaling_reads_none_for_unscaled_rope():
     from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_scaling
 

@@ -68,3 +68,48 @@ def test_a_config_field_no_class_supplies_is_bad_input_naming_field_and_line(tmp
     assert rc == 2 and len(line) == 1 and "V202" not in out, (rc, err[-1500:])
     assert f"qwen3_8b.json: qk_clip_threshold: missing: modeling_qwen.py:{at + 1} reads config.qk_clip_threshold" \
         in line[0] and "Qwen3Config" in line[0], line[0]
+
+
+class _Rope:
+    """The shape of upstream DeepSeek's modules._init_rope: YaRN keys read from config.rope_scaling."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def init_rope(self):
+        return {key: self.config.rope_scaling[key] for key in ["beta_fast", "mscale"] if key in self.config.rope_scaling}
+
+    def other_none(self):
+        table = None
+        return self.config.rope_theta * len(table)
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the exception under test
+        return exc
+    raise AssertionError("did not raise")
+
+
+def test_a_config_field_used_as_a_value_but_none_is_bad_input_naming_field_and_line():
+    """transformers' DeepseekV3Config() has no rope_scaling (None); the upstream DeepSeek folder always builds a
+    YaRN rotary embedding from it: exit 2 naming the field and the reading line, not the model's TypeError."""
+    from model_infer_kvcache.validators.checkout_run.support import none_config_field
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig()
+    config.rope_scaling, config.rope_theta = None, 10000.0
+    rope = _Rope(config)
+    found = none_config_field(_raised(rope.init_rope), "cfg.json")
+    line = next(i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1) if "if key in self.config.rope" in t)
+    assert found is not None and found.field == "rope_scaling"
+    assert found.message.startswith(f"test_checkout_gaps.py:{line} uses config.rope_scaling as a value, and it is None")
+    # transformers 5 keeps an unscaled rope as {"rope_type": "default"}; the run read it the 4.x way (None), and
+    # the check reads it so too after the run's scope is gone
+    config.rope_scaling = None
+    exc = _raised(rope.init_rope)
+    config.rope_scaling = {"rope_type": "default", "rope_theta": 10000.0}
+    assert none_config_field(exc, "cfg.json").field == "rope_scaling"
+    # negative control: the failing line reads a config field that is set (rope_theta); the None is the model's own
+    assert none_config_field(_raised(rope.other_none), "cfg.json") is None

@@ -69,7 +69,10 @@ def test_the_models_other_failures_are_not_layout_refusals():
 def test_the_models_own_size_check_refuses_two_ranks():
     assert layout.rank_refusal(_raised(_Moe().tp_check), 2) == \
         "the model's own check of its parallel sizes refuses this layout"
-    assert layout.rank_refusal(_raised(_Moe().tp_check), 1) is None  # one rank: only the group shapes count
+    # LongCat-Flash's AFD FFN (ffn.py) at one rank: its own check names world_size
+    afd = _raised(lambda: (_ for _ in ()).throw(ValueError(
+        "AFD is only supported when world_size % 2 == 0, but now world_size=1.")))
+    assert layout.rank_refusal(afd, 1) == "the model's own check of its parallel sizes refuses this layout"
 
 
 def test_kvcache_chooses_the_layout_only_when_the_user_did_not():

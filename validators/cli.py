@@ -27,9 +27,13 @@ EXAMPLES = """examples:
   kvcache validate --manifest manifest.json --rendered rendered/ --config config.json \\
       --report report.json --markdown report.md
   kvcache validate ... --backend npu --framework-root /path/to/cann-recipes-infer
+  kvcache validate --framework-root ~/cann-recipes-infer --all --markdown zoo.md
 
 exit status: 0 every check passed, 1 a check failed, 2 bad input (one line naming the file or
 flag; nothing written), 3 internal error of kvcache itself (rerun with KVCACHE_DEBUG=1).
+With --all: 0 no model failed (refused or absent ones are named gaps), 1 some model failed or
+hit an internal error.
+
 """
 
 
@@ -51,7 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-file", metavar="FILE",
                    help="checkout mode: a model file that replaces the registered one (e.g. your edited copy); a "
                         "file named like another module of the model's folder (indexer.py) replaces that module")
-    p.add_argument("--config", required=True, metavar="FILE", help="the model's config.json (tiny model is built from it)")
+    p.add_argument("--config", metavar="FILE", help="the model's config.json (tiny model is built from it); required "
+                                                  "but with --all")
+    p.add_argument("--all", action="store_true",
+                   help="checkout mode: validate every model of --framework-root (each key of executor/core/"
+                        "support_models.py and each model folder no key registers), one process each, and print one "
+                        "row per model: passed / failed (first failing check, file:line) / refused (what kvcache or "
+                        "the inputs lack) / absent; configs from --configs, else transformers' config class of the "
+                        "model's type at its defaults")
+    p.add_argument("--configs", metavar="DIR", help="with --all: NAME.json files used instead of the defaults")
+    p.add_argument("--only", metavar="NAMES", help="with --all: only these models, comma-separated")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="emulated = CPU reference ops; npu = real torch_npu (auto picks npu when present)")
     p.add_argument("--framework-root", metavar="DIR",
@@ -101,6 +114,20 @@ def _progress(msg: str) -> None:
 
 def check_mode(args: argparse.Namespace) -> None:
     """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
+    if args.all:
+        if not args.framework_root:
+            raise InputError("--all", "validates every model of a checkout: pass --framework-root CHECKOUT too")
+        for flag in ("model", "model_file", "manifest", "rendered", "config", "write_progress", "framework_api",
+                     "dtype", "attn_tp_size"):
+            if getattr(args, flag):
+                raise InputError(f"--{flag.replace('_', '-')}", "does not apply with --all (each model is analyzed "
+                                 "and run on its own; give configs with --configs DIR)")
+        return
+    for flag in ("configs", "only"):
+        if getattr(args, flag):
+            raise InputError(f"--{flag}", "applies with --all only")
+    if not args.config:
+        raise InputError("--config", "is required (the model's config.json)")
     if args.model:
         if not args.framework_root:
             raise InputError("--model", "validates a checkout's model: pass --framework-root CHECKOUT too")
@@ -132,7 +159,43 @@ def _checkout_report(args: argparse.Namespace):
     ), progress=_progress)
 
 
+def _run_all(args: argparse.Namespace) -> int:
+    """--all: one ``kvcache validate --model`` per model of the checkout, a table of the outcomes."""
+    check_paths([PathArg("--framework-root", args.framework_root, is_dir=True, whole=False),
+                 PathArg("--configs", args.configs, is_dir=True, whole=False),
+                 PathArg("--device-readings", args.device_readings)],
+                [PathArg("--report", args.report), PathArg("--markdown", args.markdown)])
+    for flag in ("report", "markdown"):
+        if getattr(args, flag):
+            try:
+                check_writable(getattr(args, flag))
+            except InputError as exc:
+                raise InputError(getattr(args, flag), exc.message, field=f"--{flag}") from None
+    from model_infer_kvcache.validators.checkout_run.scope import require_checkout
+    from model_infer_kvcache.validators.checkout_run.sweep_all import sweep, to_json, to_markdown
+
+    root = require_checkout(args.framework_root)
+    extra = (["--no-sweep"] if args.no_sweep else []) + ["--seed", str(args.seed), "--step-timeout",
+                                                          str(args.step_timeout)]
+    extra += ["--uniform-prefill"] if args.uniform_prefill else []
+    extra += ["--device-readings", str(Path(args.device_readings).resolve())] if args.device_readings else []
+    extra += ["--next-n", str(args.next_n)] if args.next_n is not None else []
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    rows = sweep(root, config_dir=Path(args.configs) if args.configs else None, extra=tuple(extra), only=only,
+                 say=_progress)
+    table = to_markdown(rows, root)
+    if args.report:
+        atomic_write_text(Path(args.report), to_json(rows))
+    if args.markdown:
+        atomic_write_text(Path(args.markdown), table)
+    print(table)
+    return 1 if any(r.outcome in ("failed", "internal") for r in rows) else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.all:
+        check_mode(args)
+        return _run_all(args)
     check_paths([PathArg("--manifest", args.manifest), PathArg("--rendered", args.rendered, is_dir=True),
                  PathArg("--model-file", args.model_file), PathArg("--config", config_file(args.config)),
                  PathArg("--device-readings", args.device_readings),

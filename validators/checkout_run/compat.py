@@ -94,6 +94,17 @@ def _init_parameters(config_cls: type) -> set[str]:
     return names
 
 
+def _transformers_aliases(model_type) -> dict[str, str]:
+    """transformers' ``attribute_map`` (old name -> field) of the config class of ``model_type``; {} without one."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
+    except ImportError:
+        cls = None
+    return dict(getattr(cls, "attribute_map", {}) or {})
+
+
 def fit_to_config_class(config: dict, config_cls: type) -> tuple[dict, list[str]]:
     """The checkpoint's config.json as the checkout's config class can read it: a field the class defines
     as a read-only property (``num_hidden_layers`` returning ``self.num_layers``) cannot be set from the
@@ -108,6 +119,13 @@ def fit_to_config_class(config: dict, config_cls: type) -> tuple[dict, list[str]
         out["rope_theta"] = rope["rope_theta"]
         notes.append(f"the checkout's {config_cls.__name__} takes rope_theta (transformers 4.x): written from "
                      f"rope_parameters ({rope['rope_theta']:g})")
+    # transformers 5 renamed fields and keeps the old name as an attribute_map alias (Qwen3MoeConfig: num_experts ->
+    # num_local_experts), and writes the new name; a checkout class taking the old name would read its own default.
+    for alias, real in _transformers_aliases(out.get("model_type")).items():
+        if alias in takes and real not in takes and real in out and alias not in out:
+            out[alias] = out[real]
+            notes.append(f"the checkout's {config_cls.__name__} takes {alias} (transformers 4.x), transformers 5 "
+                         f"writes {real}: written as {alias}={out[alias]!r}")
     overrides = out.get("per_layer_config")
     if isinstance(overrides, dict) and "per_layer_config" not in takes:
         # transformers 5's per-layer overrides (Gemma-4: the full-attention layers' head_dim and KV heads) of a

@@ -81,8 +81,9 @@ def rank_refusal(exc: BaseException, world: int) -> str | None:
 
     At one rank: a communication group the engine registers only with more than one rank (the executor's
     comm_manager: ``Communication group '<name>' not found``), or a None read where the model keeps its groups
-    (``hccl_comm_dict``, ``*_group``) built only for world_size > 1. At more ranks: the model's own check of its
-    parallel sizes (an assertion or error naming tp/ep/dp/world size)."""
+    (``hccl_comm_dict``, ``*_group``) built only for world_size > 1. At any world size: the model's own check of
+    its parallel sizes (an assertion or error naming tp/ep/dp/world size: LongCat-Flash's AFD path raises
+    "only supported when world_size % 2 == 0" at one rank)."""
     frames = traceback.extract_tb(exc.__traceback__)
     line = (frames[-1].line or "") if frames else ""
     if world == 1:
@@ -90,7 +91,6 @@ def rank_refusal(exc: BaseException, world: int) -> str | None:
             return "the model registers that group only with more than one rank"
         if isinstance(exc, AttributeError) and "NoneType" in str(exc) and re.search(r"hccl|comm|group", line):
             return "the model builds its communication groups only with more than one rank, and this line reads them"
-        return None
     return size_check(type(exc).__name__, f"{exc} {line}")
 
 

@@ -140,6 +140,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             from model_infer_kvcache.validators.checkout_run.support import (
                 missing_config_field,
                 missing_package,
+                none_config_field,
                 unsupported_operator,
             )
 
@@ -147,7 +148,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
 
             frame = _model_frame(exc, Path(model_file).resolve() if model_file else None)
             lacking = unsupported_operator(exc, frame, root) or missing_package(exc, root, req.model_file) \
-                or missing_config_field(exc, req.config, frame)
+                or missing_config_field(exc, req.config, frame) or none_config_field(exc, req.config)
             if lacking is not None:  # kvcache lacks it, or the config does: exit 2 naming it, not the model's failure
                 raise lacking from None
             refusal = rank_refusal(exc, world)

@@ -17,6 +17,8 @@ the folder's config class supplies is bad input (exit 2) naming the field and th
 
 from __future__ import annotations
 
+import re
+
 import ast
 import sys
 import traceback
@@ -142,6 +144,41 @@ def missing_config_field(exc: BaseException, config_path: str, frame: str) -> In
                                    f"{type(obj).__name__} (the config class the checkout registers for the model, "
                                    "which the run builds the config through) supplies it: add the field to the config",
                       field=name)
+
+
+_CONFIG_READ = re.compile(r"\bconfig\.(\w+)")
+
+
+def none_config_field(exc: BaseException, config_path: str) -> InputError | None:
+    """The one line for a config field the model uses as a value (``config.rope_scaling["factor"]``, ``key in
+    config.rope_scaling``) that is None in the config the run was given (unset, the class default): exit 2 naming
+    the field and the file:line that reads it. Only where the failing line reads that field and the config the
+    frame holds has it None; None for any other error."""
+    if not isinstance(exc, TypeError) or "NoneType" not in str(exc) or exc.__traceback__ is None:
+        return None
+    import linecache
+
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    frame, lineno = tb.tb_frame, tb.tb_lineno
+    line = linecache.getline(frame.f_code.co_filename, lineno)
+    holders = [frame.f_locals.get("config"), getattr(frame.f_locals.get("self"), "config", None)]
+    configs = [c for c in holders if _is_config(c)]
+    from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_value
+
+    def none(config, name: str) -> bool:
+        # the run read rope_scaling the 4.x way (compat.legacy_rope_scaling, undone by now): None when unscaled
+        value = getattr(config, name, 0)
+        return (legacy_rope_value(value) if name == "rope_scaling" else value) is None
+
+    for name in _CONFIG_READ.findall(line):
+        if any(none(c, name) for c in configs):
+            where = f"{Path(frame.f_code.co_filename).name}:{lineno}"
+            return InputError(config_path, f"{where} uses config.{name} as a value, and it is None in this config "
+                                           "(unset, or its class's default): give a config that sets it, as the "
+                                           "model's published config.json does", field=name)
+    return None
 
 
 def _is_config(obj) -> bool:

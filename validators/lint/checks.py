@@ -14,11 +14,20 @@ from dataclasses import dataclass
 
 from model_infer_kvcache.analyzer.operators.fa_facts import COMPRESSED_MASK_MODES, COMPRESSED_MASK_SHAPES
 from model_infer_kvcache.validators.lint import ops
+from model_infer_kvcache.validators.lint.deploy_mode import (
+    AUTO,
+    FRAMEWORK,
+    Decision,
+    FolderFacts,
+    decide,
+    file_facts,
+)
 from model_infer_kvcache.validators.lint.hidden_layout import HiddenLayout
 from model_infer_kvcache.validators.lint.kwargs_dicts import call_keywords, dict_keys, expand_star_kwargs
 from model_infer_kvcache.validators.lint.masks import MaskFacts
 from model_infer_kvcache.validators.lint.registry import RULES
 from model_infer_kvcache.validators.lint.scope import DECODE, PREFILL, Ctx, ModuleInfo, _ident_text
+from model_infer_kvcache.validators.lint.standalone_checks import StandaloneChecks
 from model_infer_kvcache.validators.lint.target_release import Target
 from model_infer_kvcache.validators.lint.values import (
     Resolver,
@@ -33,7 +42,6 @@ from model_infer_kvcache.validators.lint.values import (
 MISSING = ast.Constant(value=Ellipsis)  # marker: argument not passed (the op default applies)
 OPAQUE = ast.Constant(value=NotImplemented)  # marker: may be passed through **kwargs
 
-_FRAMEWORK_NAMES = {"CacheEntry", "ModelCacheInfo", "LayerCacheInfo", "get_cache_info", "cache_entries"}
 _DICT_FIELDS = {"block_table": "KV301", "slot_mapping": "KV302"}
 _STRIP_METHODS = {"view", "reshape", "to", "int", "long", "contiguous", "flatten", "unsqueeze", "squeeze",
                   "npu", "cuda", "clone"}
@@ -77,7 +85,8 @@ def _has_config_root(node: ast.AST) -> bool:
 
 
 class FileChecker:
-    def __init__(self, tree: ast.Module, path: str, manifest=None, release: Target | None = None) -> None:
+    def __init__(self, tree: ast.Module, path: str, manifest=None, release: Target | None = None, *,
+                 mode: str = AUTO, folder: FolderFacts | None = None) -> None:
         self.tree = tree
         self.path = path
         self.manifest = manifest
@@ -90,7 +99,8 @@ class FileChecker:
             if isinstance(node, ast.Call):
                 expand_star_kwargs(self.info, node)  # `**fa_kwargs` of a visible dict
         self.names, self.attrs = ops.collect_aliases(self.info.nodes)
-        self.framework, self.packed = self._framework_mode()
+        self.deploy, self.packed = self._deploy_mode(mode, folder)  # deploy_mode.Decision: (mode, reason)
+        self.framework = self.deploy.mode == FRAMEWORK
         self.raw: list[tuple[str, ast.AST, dict]] = []  # (rule id, node, message fields)
         self._seen: set[tuple[str, int, int]] = set()
         # calls the manifest checks revisit: (call, op or class name)
@@ -108,42 +118,23 @@ class FileChecker:
         self._seen.add(key)
         self.raw.append((rule_id, node, fields))
 
-    def _framework_mode(self) -> tuple[bool, bool]:
-        """(framework KV-cache code, framework *paged* code with packed [T, H] hidden states).
+    def _deploy_mode(self, forced: str, folder: FolderFacts | None) -> tuple[Decision, bool]:
+        """(the file's deployment mode and why, framework *paged* code with packed [T, H] hidden states).
 
-        Framework mode shows in the file itself (CacheEntry / cache_entries / get_cache_info /
-        ModelCacheInfo, or an import from executor.core.kv_cache) or comes from the manifest.
-        Legacy code (``scatter_update_``, ``cache_unit``, or a Legacy manifest) keeps [B, S, H].
+        The mode is ``deploy_mode.decide``'s (--mode, the manifest, the file's registration, a runner of
+        its own in the file or its folder). Legacy code (``scatter_update_``, ``cache_unit``, or a Legacy
+        manifest) keeps [B, S, H] even in framework mode.
         """
-        framework = legacy = False
-        local_meta = None  # a ForwardMetaData class defined in this file (standalone runners define one)
-        for node in self.info.nodes:
-            if isinstance(node, ast.ClassDef) and node.name == "ForwardMetaData":
-                local_meta = node
-        for node in self.info.nodes:
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "executor":
-                framework = True  # cann-recipes-infer's framework package (kv_cache, forward_metadata...)
-            elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "executor" for a in node.names):
-                framework = True
-            elif isinstance(node, ast.arg) and node.annotation is not None and local_meta is None and \
-                    "ForwardMetaData" in ast.unparse(node.annotation):
-                framework = True  # the framework's ForwardMetaData: block_table / slot_mapping are dicts
-            elif isinstance(node, ast.Name) and node.id in _FRAMEWORK_NAMES:
-                framework = True
-            elif isinstance(node, ast.Attribute):
-                if node.attr in _FRAMEWORK_NAMES:
-                    framework = True
-                elif node.attr in (ops.SCATTER_LEGACY, ops.SCATTER_LEGACY_OUT, "cache_unit"):
-                    legacy = True
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "get_cache_info":
-                framework = True
-        if local_meta is not None and _dict_fields(local_meta):
-            framework = True
         manifest = self.manifest
-        if manifest is not None:
-            framework = framework or manifest.deploy_mode.value == "framework"
-            legacy = legacy or manifest.kv_mode.value == "legacy"
-        return framework, framework and not legacy
+        decision = decide(forced, manifest.deploy_mode.value if manifest is not None else None,
+                          file_facts(self.tree, self.path), folder)
+        legacy = manifest is not None and manifest.kv_mode.value == "legacy"
+        for node in self.info.nodes:
+            if isinstance(node, ast.Attribute) and node.attr in (ops.SCATTER_LEGACY, ops.SCATTER_LEGACY_OUT,
+                                                                   "cache_unit"):
+                legacy = True
+                break
+        return decision, decision.mode == FRAMEWORK and not legacy
 
     def _is_runner_code(self, node: ast.AST) -> bool:
         if os.path.basename(self.path).lower().startswith("runner"):
@@ -163,6 +154,8 @@ class FileChecker:
                 self._call(node)
             elif isinstance(node, (ast.AugAssign, ast.Assign)):
                 self._kv_len_assign(node)
+        if self.deploy.mode != FRAMEWORK:  # the framework owns slots, cache allocation and lengths there
+            StandaloneChecks(self).run()
         return self.raw
 
     def _call(self, call: ast.Call) -> None:
@@ -575,15 +568,6 @@ def _is_model_class(cls: ast.ClassDef) -> bool:
     """A model component: nn.Module-like base (``*Module``, ``*Model``, ``*Layer``, ``*Mixin``) or named so."""
     bases = [ast.unparse(base) for base in cls.bases]
     return bool(_MODEL_CLASS_WORDS.search(cls.name) or any(_MODEL_CLASS_WORDS.search(b) for b in bases))
-
-
-def _dict_fields(cls: ast.ClassDef) -> bool:
-    """A ForwardMetaData class whose block_table / slot_mapping fields are annotated as dicts."""
-    for item in cls.body:
-        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and \
-                item.target.id in _DICT_FIELDS and re.search(r"\b(dict|Dict|Mapping)\b", ast.unparse(item.annotation)):
-            return True
-    return False
 
 
 def _closest_hint(name: str, accepted: frozenset[str]) -> str:

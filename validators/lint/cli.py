@@ -8,6 +8,7 @@ import sys
 
 from model_infer_kvcache.analyzer.errors import OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.operators.schemas import RELEASES
+from model_infer_kvcache.validators.lint.deploy_mode import AUTO, CHOICES
 from model_infer_kvcache.validators.lint.engine import lint_paths
 from model_infer_kvcache.validators.lint.registry import RULES, parse_id_list
 
@@ -37,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="judge operator keywords (KV103) against this torch-npu release's schemas "
                              f"({' or '.join(RELEASES)}); default: the release the file's folder names in its "
                              "README.md / requirements*.txt, else the newest")
+    parser.add_argument("--mode", choices=CHOICES, default=AUTO,
+                        help="deployment mode of the files: framework (registers with cann-recipes-infer's executor) "
+                             "or standalone (a runner of its own owns the cache); default auto: per file, from the "
+                             "manifest, the file and its folder. Framework-only rules (KV301/302, KV501, KV701...) "
+                             "are silent on standalone files, KV9xx on framework files")
+    parser.add_argument("--show-mode", action="store_true",
+                        help="print each file's deployment mode and why on stderr")
     parser.add_argument("--list-rules", action="store_true",
                         help="print every rule (ID, name, title; all fields with --format json) and exit")
     return parser
@@ -46,6 +54,7 @@ def _list_rules() -> str:
     lines = []
     for rule in RULES.values():
         extra = " [needs --manifest]" if rule.needs_manifest else ""
+        extra += f" [{rule.deploy} only]" if rule.deploy else ""
         lines.append(f"{rule.id}  {rule.name:<32} {rule.title}{extra}")
     return "\n".join(lines) + "\n"
 
@@ -66,7 +75,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.list_rules:
         if args.format == "json":
             rows = [{"id": r.id, "name": r.name, "title": r.title, "message": r.message, "hint": r.hint,
-                     "severity": r.severity, "needs_manifest": r.needs_manifest} for r in RULES.values()]
+                     "severity": r.severity, "needs_manifest": r.needs_manifest, "deploy": r.deploy}
+                    for r in RULES.values()]
             sys.stdout.write(json.dumps(rows, indent=2, ensure_ascii=False) + "\n")
         else:
             sys.stdout.write(_list_rules())
@@ -79,12 +89,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except ValueError as exc:
             parser.error(f"{flag}: {exc}")
     report = lint_paths(args.paths, manifest=args.manifest, select=args.select, ignore=args.ignore,
-                        torch_npu=args.torch_npu)
+                        torch_npu=args.torch_npu, mode=args.mode)
     if args.format == "json":
         sys.stdout.write(report.to_json())
     else:
         for finding in report.findings:
             sys.stdout.write(finding.to_text() + "\n")
+    if args.show_mode:
+        for path, decision in report.modes.items():
+            sys.stderr.write(f"{path}: mode {decision.mode} ({decision.reason})\n")
     for error in report.errors:
         sys.stderr.write(f"error: {error.to_text()}\n")
     if args.format == "text" and not report.findings and not report.errors:

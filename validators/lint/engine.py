@@ -11,6 +11,14 @@ import tokenize
 from collections.abc import Iterable
 
 from model_infer_kvcache.validators.lint.checks import FileChecker, format_fields
+from model_infer_kvcache.validators.lint.deploy_mode import (
+    AUTO,
+    CHOICES,
+    Decision,
+    FolderFacts,
+    applies,
+    folder_facts,
+)
 from model_infer_kvcache.validators.lint.finding import FileError, Finding, LintReport
 from model_infer_kvcache.validators.lint.registry import RULES, parse_id_list
 from model_infer_kvcache.validators.lint.target_release import Target, chosen, target_for
@@ -47,16 +55,32 @@ def _selected(select: Iterable[str] | str | None, ignore: Iterable[str] | str | 
     return chosen - as_set(ignore)
 
 
+def checked_mode(mode: str | None) -> str:
+    """``mode`` (None: auto) when it is one of CHOICES; ValueError naming the choices otherwise."""
+    mode = AUTO if mode is None else mode
+    if mode not in CHOICES:
+        raise ValueError(f"unknown mode {mode!r} (choose {', '.join(CHOICES)})")
+    return mode
+
+
 def lint_source(source: str, path: str = "<string>", manifest=None, select=None, ignore=None,
-                torch_npu: str | None = None) -> list[Finding]:
-    """Lint one module's source text. Raises SyntaxError when it does not parse."""
+                torch_npu: str | None = None, mode: str = AUTO) -> list[Finding]:
+    """Lint one module's source text. Raises SyntaxError when it does not parse.
+
+    ``mode``: "framework" / "standalone" force the deployment mode; "auto" decides it from the manifest,
+    the text and, when ``path`` is a file on disk, the folder around it (``deploy_mode``)."""
+    mode = checked_mode(mode)
     tree = ast.parse(source, filename=path)
-    return _lint_tree(tree, source, path, manifest, _selected(select, ignore), chosen(torch_npu))
+    findings, _ = _lint_tree(tree, source, path, manifest, _selected(select, ignore), chosen(torch_npu), mode,
+                             folder_facts(path))
+    return findings
 
 
 def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set[str],
-               release: Target | None = None) -> list[Finding]:
-    checker = FileChecker(tree, path, manifest, release or target_for(path))
+               release: Target | None = None, mode: str = AUTO,
+               folder: FolderFacts | None = None) -> tuple[list[Finding], Decision]:
+    checker = FileChecker(tree, path, manifest, release or target_for(path), mode=mode, folder=folder)
+    decision = checker.deploy
     raw = checker.run()
     if manifest is not None:  # the manifest rules revisit the calls the code-only pass collected
         from model_infer_kvcache.validators.lint.manifest_checks import (
@@ -67,7 +91,8 @@ def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set
     quiet = suppressions(source)
     findings = []
     for rule_id, node, fields in raw:
-        if rule_id not in selected:
+        # a rule of the other deployment mode is a contract this file does not have (Rule.deploy)
+        if rule_id not in selected or not applies(RULES[rule_id].deploy, decision.mode):
             continue
         line = getattr(node, "lineno", 1)
         stmt_line = getattr(checker.info.statement_of(node), "lineno", line)
@@ -76,9 +101,9 @@ def _lint_tree(tree: ast.Module, source: str, path: str, manifest, selected: set
         message, hint = format_fields(rule_id, fields)
         rule = RULES[rule_id]
         findings.append(Finding(path, line, getattr(node, "col_offset", 0) + 1, rule_id, message, hint,
-                                rule.severity))
+                                rule.severity, decision.mode, decision.reason))
     findings.sort(key=lambda f: (f.line, f.col, f.rule))
-    return findings
+    return findings, decision
 
 
 def path_problem(path: str) -> str | None:
@@ -138,14 +163,18 @@ def read_source(path: str) -> str:
 
 
 def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, ignore=None,
-               torch_npu: str | None = None) -> LintReport:
+               torch_npu: str | None = None, mode: str = AUTO) -> LintReport:
     """Lint files and directories. ``manifest`` is a SelectionManifest or a path to one.
+
+    ``mode`` ("auto", "framework", "standalone"): the deployment mode of every file, or "auto" to decide
+    it per file (``deploy_mode.decide``); ``report.modes`` maps each linted file to the mode and why.
 
     ``torch_npu`` names the committed schema release keywords are judged against; None: each file's
     target release (``target_release.target_for``). Unreadable or unparsable files are reported in
     ``errors`` (the others are still linted). Raises InputError (analyzer.errors) for a bad manifest
-    and ValueError for unknown rule IDs or an uncommitted release.
+    and ValueError for unknown rule IDs, an unknown mode or an uncommitted release.
     """
+    mode = checked_mode(mode)
     release = chosen(torch_npu)
     if manifest is not None and not hasattr(manifest, "fa"):
         from model_infer_kvcache.analyzer.manifest_io import (
@@ -156,6 +185,7 @@ def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, i
     selected = _selected(select, ignore)
     files, errors = iter_python_files(paths)
     report = LintReport(errors=errors)
+    folders: dict[str, FolderFacts] = {}  # one model folder's facts serve all its files
     for path in files:
         try:
             source = read_source(path)
@@ -175,10 +205,12 @@ def lint_paths(paths: Iterable[str | os.PathLike], manifest=None, select=None, i
             report.errors.append(FileError(path, "cannot parse: nested too deeply for Python's parser"))
             continue
         try:
-            findings = _lint_tree(tree, source, path, manifest, selected, release)
+            findings, decision = _lint_tree(tree, source, path, manifest, selected, release, mode,
+                                            folder_facts(path, folders))
         except RecursionError:  # hostile nesting the parser accepted but a rule cannot walk
             report.errors.append(FileError(path, "cannot lint: expressions nested too deeply"))
             continue
         report.files.append(path)
+        report.modes[path] = decision
         report.findings.extend(findings)
     return report

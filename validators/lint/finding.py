@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from model_infer_kvcache.validators.lint.deploy_mode import Decision
+
 
 @dataclass(frozen=True, order=True)
 class Finding:
@@ -15,13 +17,19 @@ class Finding:
     message: str
     hint: str
     severity: str = "error"
+    # the file's deployment mode and why (deploy_mode.decide); not part of what the finding is
+    mode: str | None = field(default=None, compare=False)
+    mode_reason: str | None = field(default=None, compare=False)
 
     def to_text(self) -> str:
         return f"{self.path}:{self.line}:{self.col}: {self.rule} {self.message} ({self.hint})"
 
     def to_dict(self) -> dict:
-        return {"rule": self.rule, "path": self.path, "line": self.line, "col": self.col,
-                "message": self.message, "hint": self.hint, "severity": self.severity}
+        out = {"rule": self.rule, "path": self.path, "line": self.line, "col": self.col,
+               "message": self.message, "hint": self.hint, "severity": self.severity}
+        if self.mode is not None:
+            out["mode"], out["mode_reason"] = self.mode, self.mode_reason
+        return out
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class LintReport:
     findings: list[Finding] = field(default_factory=list)
     errors: list[FileError] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    modes: dict[str, Decision] = field(default_factory=dict)  # each linted file's deployment mode and why
 
     def __iter__(self):
         return iter(self.findings)

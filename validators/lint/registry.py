@@ -25,8 +25,13 @@ class Rule:
     hint: str
     severity: str = "error"
     needs_manifest: bool = False
+    deploy: str | None = None  # "framework" / "standalone": silent on files of the other mode
 
 
+# No ``deploy``: the rule holds in either mode. Operator arguments, sparse modes, masks, MLA head counts and
+# writer arguments (KV1xx, KV2xx, KV502/503, KV601) are the operator's contract; kv_len is the runner's in both
+# modes, framework or standalone (KV401); KV801-807 and KV811/812 compare the code with the manifest's choices
+# whoever owns the cache.
 _RULES = (
     # ---------------------------------------------------------------- argument names
     Rule(
@@ -101,6 +106,8 @@ _RULES = (
         "passed whole to {op}",
         "index it with the layer's key: `block_table[self.attn_type]` "
         "(G2: the entry's manager_key when set)",
+        # The per-group dict is the executor's ForwardMetaData; a standalone runner builds one table tensor.
+        deploy="framework",
     ),
     Rule(
         "KV302", "slot-mapping-dict-whole",
@@ -109,6 +116,7 @@ _RULES = (
         "passed whole to {op}",
         "index it with the layer's key: `slot_mapping[self.attn_type]` "
         "(G2: the entry's manager_key when set)",
+        deploy="framework",  # as KV301
     ),
     # ---------------------------------------------------------------- kv_len
     Rule(
@@ -126,6 +134,7 @@ _RULES = (
         "CacheEntry num_head=`{expr}` is the model's total KV head count, not the per-rank count: "
         "cache shape mismatch once attention TP > 1",
         "use `max(config.num_key_value_heads // attn_tp_size, 1)` (num_key_value_heads_per_rank)",
+        deploy="framework",  # CacheEntry is the framework's registration; a runner sizes its own tensors
     ),
     Rule(
         "KV502", "mla-kv-heads-not-1",
@@ -155,6 +164,8 @@ _RULES = (
         "`{expr}` reshapes packed hidden states to 3-D [batch, seq, hidden]: framework mode "
         "packs variable-length requests as [TotalTokens, hidden]",
         "keep hidden states 2-D [TotalTokens, hidden] and take lengths from forward_metadata",
+        # The framework packs the batch; a standalone runner owns its layout and may keep [B, S, H].
+        deploy="framework",
     ),
     # ---------------------------------------------------------------- against the manifest
     Rule(
@@ -214,6 +225,7 @@ _RULES = (
         "{what} (framework API {gen})",
         "{fix}",
         needs_manifest=True,
+        deploy="framework",  # CacheEntry / ModelCacheInfo fields of a framework generation
     ),
     Rule(
         "KV809", "mla-backend-flag",
@@ -221,6 +233,7 @@ _RULES = (
         "{what} (framework API {gen})",
         "{fix}",
         needs_manifest=True,
+        deploy="framework",  # a ModelCacheInfo / CacheEntry field of a framework generation
     ),
     Rule(
         "KV810", "constant-attn-type-mixed-model",
@@ -230,6 +243,7 @@ _RULES = (
         f"set attn_type per layer in __init__ (e.g. {SLIDING_WINDOW!r} if the layer is sliding "
         f"else {FULL_ATTENTION!r})",
         needs_manifest=True,
+        deploy="framework",  # attn_type keys the framework's cache managers
     ),
 )
 
@@ -254,6 +268,41 @@ _RULES += (
         "index_topk={expected}: every sequence longer than that attends to other keys than the model",
         "pass sparse_count=index_topk (the config's value, not a literal of another model)",
         needs_manifest=True,
+    ),
+)
+
+# ---------------------------------------------------------------- a standalone runner's own lifecycle
+# The framework frees slots, allocates the cache once and derives every length from one place; a standalone
+# runner does all of it itself, so these are its contract (silent on framework files).
+_RULES += (
+    Rule(
+        "KV902", "slot-length-not-reset",
+        "recycled slot whose per-slot length is never reset",
+        "`{pool}` hands out slots that are given back and reused, but `{length}` is only ever advanced "
+        "(`{grow}`, line {line}) and never reset: a request admitted into a reused slot starts at the previous "
+        "request's length and attends over its stale keys",
+        "reset the slot's length where the slot is handed out or given back (e.g. `{length}[slot] = 0`, or the "
+        "prompt length at prefill)",
+        deploy="standalone",
+    ),
+    Rule(
+        "KV903", "cache-allocated-per-step",
+        "KV cache allocated inside a per-step function",
+        "`{expr}` allocates the KV cache in {where}, which {why}: every step starts from a new, empty cache and "
+        "the keys and values of the earlier tokens are lost",
+        "allocate the cache once (in __init__ / an init_cache method, or behind `if self.kv_cache is None:`) "
+        "and only write into it per step",
+        deploy="standalone",
+    ),
+    Rule(
+        "KV904", "host-lengths-other-counter",
+        "host-side sequence lengths from another counter than the slot mapping",
+        "`{length_kw}=` comes from the host-side `{length_src}` while `{slot_kw}=` comes from `{slot_src}`: two "
+        "counters kept in step by hand; once one is updated without the other, attention reads another number "
+        "of keys than the writer stored",
+        "derive both from one counter (e.g. `kv_lens = self.kv_len[rows] + 1` and "
+        "`slot_mapping = offset[rows] + self.kv_len[rows]`; `.tolist()` that tensor if a host list is needed)",
+        deploy="standalone",
     ),
 )
 

@@ -53,10 +53,14 @@ def test_class_defaults_are_written_with_the_token_ids_a_saved_config_carries(tm
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "hy3.json").write_text("{}")
     assert sweep_all.config_for(upstream_head(), "hy3", tmp_path / "mine", tmp_path)[0] == tmp_path / "mine" / "hy3.json"
-    missing, why = sweep_all.config_for(upstream_head(), "pangu_7b", None, tmp_path)
+    missing, why = sweep_all.config_for(upstream_head(), "pangu_7b", None, tmp_path)  # as a framework model
     assert missing is None and why.startswith("not supported by kvcache: a standalone folder (its own "
                                               "runner_openpangu_dense.py); transformers has no class for model_type "
                                               "'PanguEmbedded'")
+    missing, why = sweep_all.config_for(upstream_head(), "bailing_2_5", None, tmp_path)
+    assert missing is None and why == ("no config: transformers has no config class for its config class (which "
+                                       "declares no model_type) to take defaults from: give --configs DIR with "
+                                       "bailing_2_5.json (the model's published config.json)")
 
 
 def test_an_outcome_is_read_from_the_exit_status_and_the_one_line():
@@ -68,6 +72,9 @@ def test_an_outcome_is_read_from_the_exit_status_and_the_one_line():
                          "fails under exclusive (references/device_questions.md)"]}
     assert sweep_all._outcome(1, "FAILED [numeric] logits: first failure at step 2", gpt_oss) == \
         ("failed", "[numeric] logits: first failure at step 2 (device question window_pre_tokens: passes under inclusive)")
+    localised = {"localisation": {"headline": "first diverging layer 0, sub-module cache write; look at m.py:352"}}
+    assert sweep_all._outcome(1, "FAILED [numeric] logits: first failure", localised)[1] == \
+        "[numeric] logits: first failure; localised: first diverging layer 0, sub-module cache write; look at m.py:352"
     assert sweep_all._outcome(2, "error: cfg.json: layer_types[0]: not supported by kvcache\n", None) == \
         ("refused", "cfg.json: layer_types[0]: not supported by kvcache")
     assert sweep_all._outcome(3, "Traceback...\nRuntimeError: boom\n", None) == ("internal", "exit 3: RuntimeError: boom")
@@ -91,15 +98,18 @@ def test_bad_all_input_is_one_line_exit_2(args, flag):
     assert out.returncode == 2 and len(errors) == 1 and flag in errors[0], out.stderr[-1500:]
 
 
-def test_a_sweep_lists_refused_absent_and_standalone_rows_without_running_them(tmp_path):
+def test_a_sweep_lists_refused_absent_and_standalone_rows(tmp_path):
     """Three models, none of which runs the engine: DeepSeek-V4 (its compressed attention refused by name), a
-    registered key whose folder the snapshot lacks, and the standalone pangu_7b folder (no reference)."""
+    registered key whose folder the snapshot lacks, and the standalone pangu_7b folder, driven through its own
+    runner (`--runner-root`: the recompute oracle, no transformers class needed)."""
     table = tmp_path / "all.md"
     out = _cli("--framework-root", str(upstream_head()), "--all", "--only", "deepseek_v4,glm_5,pangu_7b",
                "--no-sweep", "--markdown", str(table), "--report", str(tmp_path / "all.json"))
     assert out.returncode == 0, out.stderr[-2000:]  # nothing failed: the rows name gaps
     rows = {r["model"]: r for r in json.loads((tmp_path / "all.json").read_text())}
-    assert [rows[n]["outcome"] for n in ("deepseek_v4", "glm_5", "pangu_7b")] == ["refused", "absent", "refused"]
+    assert [rows[n]["outcome"] for n in ("deepseek_v4", "glm_5", "pangu_7b")] == ["refused", "absent", "passed"]
+    assert rows["pangu_7b"]["detail"] == "standalone: its own runner, judged by the recompute oracle (--runner-root)"
     assert "heavily_compressed_attention" in rows["deepseek_v4"]["detail"] and rows["deepseek_v4"]["exit_code"] == 2
     assert rows["glm_5"]["detail"] == "registered, but models/glm_5/ is not in the checkout"
-    assert table.read_text().startswith(f"kvcache validate --all: 3 models of {upstream_head()} (2 refused, 1 absent)")
+    assert table.read_text().startswith(f"kvcache validate --all: 3 models of {upstream_head()} (1 passed, 1 refused, "
+                                        "1 absent)")

@@ -28,6 +28,7 @@ EXAMPLES = """examples:
       --report report.json --markdown report.md
   kvcache validate ... --backend npu --framework-root /path/to/cann-recipes-infer
   kvcache validate --framework-root ~/cann-recipes-infer --all --markdown zoo.md
+  kvcache validate --runner-root ~/cann-recipes-infer/models/pangu_7b
 
 exit status: 0 every check passed, 1 a check failed, 2 bad input (one line naming the file or
 flag; nothing written), 3 internal error of kvcache itself (rerun with KVCACHE_DEBUG=1).
@@ -64,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "the inputs lack) / absent; configs from --configs, else transformers' config class of the "
                         "model's type at its defaults")
     p.add_argument("--configs", metavar="DIR", help="with --all: NAME.json files used instead of the defaults")
+    p.add_argument("--runner-root", metavar="FOLDER",
+                   help="standalone mode: a model folder with a runner of its own (models/pangu_7b: runner_*.py, "
+                        "infer.py, config/*.yaml); its runner drives the tiny model on CPU as its entry script does, "
+                        "judged by the recompute oracle (no transformers class needed); --config optional (default: "
+                        "the folder's config class at its defaults)")
+    p.add_argument("--runner-file", metavar="FILE", help="with --runner-root: an edited copy standing in for the "
+                                                         "folder's runner_*.py")
+    p.add_argument("--yaml", metavar="FILE", help="with --runner-root: the yaml to take the settings from (default: "
+                                                  "the folder's eager, unquantized one)")
     p.add_argument("--only", metavar="NAMES", help="with --all: only these models, comma-separated")
     p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="emulated = CPU reference ops; npu = real torch_npu (auto picks npu when present)")
@@ -114,6 +124,16 @@ def _progress(msg: str) -> None:
 
 def check_mode(args: argparse.Namespace) -> None:
     """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
+    if args.runner_root:
+        for flag in ("model", "model_file", "manifest", "rendered", "framework_root", "framework_api", "dtype",
+                     "attn_tp_size", "all", "configs", "only", "device_readings", "uniform_prefill"):
+            if getattr(args, flag):
+                raise InputError(f"--{flag.replace('_', '-')}", "does not apply with --runner-root (the folder's own "
+                                 "runner, one rank, float32, judged by the recompute oracle)")
+        return
+    for flag in ("runner_file", "yaml"):
+        if getattr(args, flag):
+            raise InputError(f"--{flag.replace('_', '-')}", "applies with --runner-root only")
     if args.all:
         if not args.framework_root:
             raise InputError("--all", "validates every model of a checkout: pass --framework-root CHECKOUT too")
@@ -192,7 +212,35 @@ def _run_all(args: argparse.Namespace) -> int:
     return 1 if any(r.outcome in ("failed", "internal") for r in rows) else 0
 
 
+def _run_runner(args: argparse.Namespace) -> int:
+    """--runner-root: a standalone folder's own runner (validators.runner_run)."""
+    check_paths([PathArg("--runner-root", args.runner_root, is_dir=True, whole=False),
+                 PathArg("--runner-file", args.runner_file), PathArg("--yaml", args.yaml),
+                 PathArg("--config", config_file(args.config))],
+                [PathArg("--report", args.report), PathArg("--markdown", args.markdown),
+                 PathArg("--write-progress", args.write_progress)])
+    for flag in ("report", "markdown", "write_progress"):
+        if getattr(args, flag):
+            try:
+                check_writable(getattr(args, flag))
+            except InputError as exc:
+                raise InputError(getattr(args, flag), exc.message, field=f"--{flag.replace('_', '-')}") from None
+    if args.write_progress:
+        from model_infer_kvcache.validators.pipeline.report import SECTION_ID
+
+        plan_section(args.write_progress, SECTION_ID, "")  # damaged markers are refused now, not after
+    require_validation_deps()
+    from model_infer_kvcache.validators.runner_run import RunnerRequest, validate_runner
+
+    report = validate_runner(RunnerRequest(args.runner_root, args.runner_file, config_file(args.config), args.yaml),
+                             progress=_progress)
+    return _emit(args, report)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.runner_root:
+        check_mode(args)
+        return _run_runner(args)
     if args.all:
         check_mode(args)
         return _run_all(args)
@@ -224,6 +272,11 @@ def run(args: argparse.Namespace) -> int:
         framework_api=args.framework_api, attn_tp_size=args.attn_tp_size, device_readings=args.device_readings,
         dtype=args.dtype, step_seconds=args.step_timeout, next_n=args.next_n,
     ), progress=_progress)
+    return _emit(args, report)
+
+
+def _emit(args: argparse.Namespace, report) -> int:
+    """The report where the flags ask for it, the failures on stderr, the exit status."""
     if args.report:
         atomic_write_text(Path(args.report), report.to_json())
     if args.markdown:

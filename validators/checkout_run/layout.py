@@ -45,15 +45,17 @@ def served_layouts(root: Path, folders: list[str]) -> list[ServedLayout]:
                 continue
             par = data.get("parallel_config") if isinstance(data.get("parallel_config"), dict) else {}
 
-            def num(key: str) -> int | None:
-                value = par.get(key, data.get(key))
-                return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-            layout = ServedLayout(str(path.relative_to(root)), num("world_size"), num("attn_tp_size"),
-                                  num("moe_tp_size"))
+            layout = ServedLayout(str(path.relative_to(root)), _size(par, data, "world_size"),
+                                  _size(par, data, "attn_tp_size"), _size(par, data, "moe_tp_size"))
             if layout.world_size or layout.attn_tp_size or layout.moe_tp_size:
                 out.append(layout)
     return out
+
+
+def _size(parallel: dict, top: dict, key: str) -> int | None:
+    """``parallel_config.<key>``, else the yaml's top-level key (pangu_7b's world_size)."""
+    value = parallel.get(key, top.get(key))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def describe_served(served: list[ServedLayout]) -> str:

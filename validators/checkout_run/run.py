@@ -137,14 +137,17 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         except InputError:  # something kvcache does not support (exit 2), not the model's failure
             raise
         except Exception as exc:  # the model or an operator rejected a call: a finding, in one line
+            from model_infer_kvcache.validators.checkout_run.layout import (
+                RanksRefused,
+                chosen_by_kvcache,
+                rank_refusal,
+            )
             from model_infer_kvcache.validators.checkout_run.support import (
                 missing_config_field,
                 missing_package,
                 none_config_field,
                 unsupported_operator,
             )
-
-            from model_infer_kvcache.validators.checkout_run.layout import RanksRefused, chosen_by_kvcache, rank_refusal
 
             frame = _model_frame(exc, Path(model_file).resolve() if model_file else None)
             lacking = unsupported_operator(exc, frame, root) or missing_package(exc, root, req.model_file) \

@@ -17,9 +17,8 @@ the folder's config class supplies is bad input (exit 2) naming the field and th
 
 from __future__ import annotations
 
-import re
-
 import ast
+import re
 import sys
 import traceback
 from pathlib import Path

@@ -117,8 +117,15 @@ def config_for(root: Path, name: str, config_dir: Path | None, tmp: Path) -> tup
     return path, f"transformers {cls.__name__}() defaults" + (f" (+ {', '.join(filled)})" if filled else "")
 
 
+def _standalone(root: Path, name: str) -> bool:
+    """A model folder with a runner of its own (``runner_*.py``): `validate --runner-root` drives it."""
+    return any((root / "models" / name).glob("runner*.py"))
+
+
 def _outcome(rc: int, stderr: str, report: dict | None) -> tuple[str, str]:
     lines = stderr.splitlines()
+    if rc == 0 and (report or {}).get("deploy_mode") == "standalone":
+        return "passed", "standalone: its own runner, judged by the recompute oracle (--runner-root)"
     if rc == 0:
         layout = (report or {}).get("provenance", {}).get("layout", {})
         tp = layout.get("attn_tp_size", 1)
@@ -130,8 +137,9 @@ def _outcome(rc: int, stderr: str, report: dict | None) -> tuple[str, str]:
         # the reading sweep's verdict: a model failing only under the assumed device reading says so
         survives = [m.group(1) for n in (report or {}).get("notes", [])
                     for m in [re.match(r"the model depends on the device reading (\w+: it passes under \w+)", n)] if m]
-        return "failed", detail + "".join(f" (device question {v.replace(': it passes under', ': passes under')})"
-                                          for v in survives)
+        detail += "".join(f" (device question {v.replace(': it passes under', ': passes under')})" for v in survives)
+        where = (report or {}).get("localisation", {}).get("headline")
+        return "failed", detail + (f"; localised: {where}" if where else "")
     if rc == 2:
         error = next((ln for ln in lines if ln.startswith("error:")), "")
         return "refused", error.removeprefix("error: ") or "exit 2 (no error line)"
@@ -158,14 +166,20 @@ def sweep(root: Path, *, config_dir: Path | None = None, extra: tuple[str, ...] 
             if missing:
                 rows.append(Row(name, "absent", f"registered, but models/{missing[0]}/ is not in the checkout", "-"))
                 continue
-            config, source = config_for(root, name, config_dir, Path(tmp))
-            if config is None:
-                rows.append(Row(name, "refused", source, "-"))
-                continue
-            say(f"{name}: validating ({source})")
             report = Path(tmp) / f"report-{len(rows)}.json"
-            cmd = [sys.executable, "-m", "model_infer_kvcache", "validate", "--framework-root", str(root),
-                   "--model", name, "--config", str(config), "--report", str(report), *extra]
+            if name not in specs and _standalone(root, name):  # its own runner: validated as the folder runs it
+                given = config_dir / f"{name}.json" if config_dir and (config_dir / f"{name}.json").is_file() else None
+                source = f"--configs {name}.json" if given else "the folder's config class at its defaults"
+                cmd = [sys.executable, "-m", "model_infer_kvcache", "validate", "--runner-root",
+                       str(root / "models" / name), "--report", str(report)] + (["--config", str(given)] if given else [])
+            else:
+                config, source = config_for(root, name, config_dir, Path(tmp))
+                if config is None:
+                    rows.append(Row(name, "refused", source, "-"))
+                    continue
+                cmd = [sys.executable, "-m", "model_infer_kvcache", "validate", "--framework-root", str(root),
+                       "--model", name, "--config", str(config), "--report", str(report), *extra]
+            say(f"{name}: validating ({source})")
             started = time.perf_counter()
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -47,6 +47,8 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V112", "init", "cache_unit matches the manifest"),
     CheckDef("V113", "init", "contiguous caches are [batch, max_seq_len, N_kv*D]"),
     CheckDef("V114", "init", "rendered runner builds speculative-decode verify steps"),
+    CheckDef("V115", "init", "runner's own caches hold every layer's keys and values for the longest sequence "
+                             "(<N> layers)"),
     # ---------------------------------------------------------------- runtime: every step of the stream
     CheckDef("V201", "runtime", "rendered code runs without operator errors"),
     CheckDef("V202", "runtime", "checkout model runs in the engine without errors"),
@@ -75,11 +77,17 @@ CHECKS: tuple[CheckDef, ...] = (
                                 "table, kv lengths, sparse_count = index_topk)"),
     CheckDef("V223", "runtime", "each linear layer writes exactly its requests' state blocks every step (block_table "
                                 "Mamba)"),
+    CheckDef("V224", "runtime", "runner's own prefill and decode run without errors"),
+    CheckDef("V225", "runtime", "each decode step writes every row's cache at the new token's position only "
+                                "(<N> steps)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),
     CheckDef("V303", "numeric", "request stream crosses the window by >= 2 blocks (<N> tokens) on both paths"),
     CheckDef("V304", "numeric", "speculative decode (next_n=<N>): verify logits vs transformers max |diff| <= <N>"),
+    CheckDef("V305", "numeric", "logits vs recompute (the model's own forward over the whole prefix, no cache) max "
+                                "|diff| <= <N>"),
+    CheckDef("V306", "numeric", "greedy tokens identical to recompute"),
     # ---------------------------------------------------------------- release: back where it started
     CheckDef("V401", "release", "outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)"),
     CheckDef("V402", "release", "all blocks back in the pool after the stream"),
@@ -87,6 +95,8 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V404", "release", "<N> sequential requests leave memory unchanged"),
     CheckDef("V405", "release", "all blocks back in the pool after the speculative-decode stream"),
     CheckDef("V406", "release", "cache tensors unchanged by the stream (bytes)"),
+    CheckDef("V407", "release", "the runner's caches are allocated once and kept by every step and call "
+                                "(<N> steps)"),
 )
 BY_ID = {c.id: c for c in CHECKS}
 # A run's own prefixes on a check name: the as-written rerun of a long-window render, a rank of a TP run.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_checkout import default_checkout  # noqa: E402 - one home for the snapshot's default path
+
 TARGET_S = 20 * 60
 # registered model -> the published config the repository keeps for it (tests/fixtures/configs/NAME.json)
 PUBLISHED = {
@@ -29,11 +32,6 @@ PUBLISHED = {
     "deepseek_r1": "deepseek_v3", "deepseek_v2_lite": "deepseek_v2_lite", "kimi_k2": "kimi_k2",
     "gemma_4": "gemma4_26b_a4b", "bailing_2_5": "ling_2_5",
 }
-
-
-def default_checkout() -> Path:
-    shared = Path(os.environ.get("KVCACHE_SHARED") or ROOT.parent / "shared")
-    return shared / "upstream" / "cann-recipes-infer"
 
 
 def main() -> int:

@@ -122,14 +122,20 @@ def _progress(msg: str) -> None:
     print(f"[kvcache validate] {msg}", file=sys.stderr, flush=True)
 
 
+def _refuse(args: argparse.Namespace, flags: tuple[str, ...], why: str) -> None:
+    """Bad input naming the first of ``flags`` the user set: it does not apply in this mode (``why``)."""
+    for flag in flags:
+        if getattr(args, flag):
+            raise InputError(f"--{flag.replace('_', '-')}", why)
+
+
 def check_mode(args: argparse.Namespace) -> None:
     """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
     if args.runner_root:
-        for flag in ("model", "model_file", "manifest", "rendered", "framework_root", "framework_api", "dtype",
-                     "attn_tp_size", "all", "configs", "only", "device_readings", "uniform_prefill"):
-            if getattr(args, flag):
-                raise InputError(f"--{flag.replace('_', '-')}", "does not apply with --runner-root (the folder's own "
-                                 "runner, one rank, float32, judged by the recompute oracle)")
+        _refuse(args, ("model", "model_file", "manifest", "rendered", "framework_root", "framework_api", "dtype",
+                       "attn_tp_size", "all", "configs", "only", "device_readings", "uniform_prefill"),
+                "does not apply with --runner-root (the folder's own runner, one rank, float32, judged by the "
+                "recompute oracle)")
         return
     for flag in ("runner_file", "yaml"):
         if getattr(args, flag):
@@ -137,11 +143,9 @@ def check_mode(args: argparse.Namespace) -> None:
     if args.all:
         if not args.framework_root:
             raise InputError("--all", "validates every model of a checkout: pass --framework-root CHECKOUT too")
-        for flag in ("model", "model_file", "manifest", "rendered", "config", "write_progress", "framework_api",
-                     "dtype", "attn_tp_size"):
-            if getattr(args, flag):
-                raise InputError(f"--{flag.replace('_', '-')}", "does not apply with --all (each model is analyzed "
-                                 "and run on its own; give configs with --configs DIR)")
+        _refuse(args, ("model", "model_file", "manifest", "rendered", "config", "write_progress", "framework_api",
+                       "dtype", "attn_tp_size"),
+                "does not apply with --all (each model is analyzed and run on its own; give configs with --configs DIR)")
         return
     for flag in ("configs", "only"):
         if getattr(args, flag):
@@ -179,18 +183,24 @@ def _checkout_report(args: argparse.Namespace):
     ), progress=_progress)
 
 
+def _check_writable(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Every output is checked before the (long) run, so bad paths cost nothing and write nothing."""
+    for flag in flags:
+        target = getattr(args, flag)
+        if target:
+            try:
+                check_writable(target)
+            except InputError as exc:
+                raise InputError(target, exc.message, field=f"--{flag.replace('_', '-')}") from None
+
+
 def _run_all(args: argparse.Namespace) -> int:
     """--all: one ``kvcache validate --model`` per model of the checkout, a table of the outcomes."""
     check_paths([PathArg("--framework-root", args.framework_root, is_dir=True, whole=False),
                  PathArg("--configs", args.configs, is_dir=True, whole=False),
                  PathArg("--device-readings", args.device_readings)],
                 [PathArg("--report", args.report), PathArg("--markdown", args.markdown)])
-    for flag in ("report", "markdown"):
-        if getattr(args, flag):
-            try:
-                check_writable(getattr(args, flag))
-            except InputError as exc:
-                raise InputError(getattr(args, flag), exc.message, field=f"--{flag}") from None
+    _check_writable(args, ("report", "markdown"))
     from model_infer_kvcache.validators.checkout_run.scope import require_checkout
     from model_infer_kvcache.validators.checkout_run.sweep_all import sweep, to_json, to_markdown
 
@@ -219,12 +229,7 @@ def _run_runner(args: argparse.Namespace) -> int:
                  PathArg("--config", config_file(args.config))],
                 [PathArg("--report", args.report), PathArg("--markdown", args.markdown),
                  PathArg("--write-progress", args.write_progress)])
-    for flag in ("report", "markdown", "write_progress"):
-        if getattr(args, flag):
-            try:
-                check_writable(getattr(args, flag))
-            except InputError as exc:
-                raise InputError(getattr(args, flag), exc.message, field=f"--{flag.replace('_', '-')}") from None
+    _check_writable(args, ("report", "markdown", "write_progress"))
     if args.write_progress:
         from model_infer_kvcache.validators.pipeline.report import SECTION_ID
 
@@ -251,14 +256,7 @@ def run(args: argparse.Namespace) -> int:
                 [PathArg("--report", args.report), PathArg("--markdown", args.markdown),
                  PathArg("--write-progress", args.write_progress)])
     check_mode(args)
-    # Every output is checked before the (long) run, so bad paths cost nothing and write nothing.
-    for flag in ("report", "markdown", "write_progress"):
-        target = getattr(args, flag)
-        if target:
-            try:
-                check_writable(target)
-            except InputError as exc:
-                raise InputError(target, exc.message, field=f"--{flag.replace('_', '-')}") from None
+    _check_writable(args, ("report", "markdown", "write_progress"))
     if args.write_progress:
         from model_infer_kvcache.validators.pipeline.report import SECTION_ID
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import re
 
+from model_infer_kvcache.validators.lint.hidden_layout import _name
 from model_infer_kvcache.validators.lint.scope import is_self_attr
 
 # Per-slot length counters, by name: kv_len, seq_lens, cache_lens, context_lens, cur_pos, lengths...
@@ -49,12 +50,6 @@ _HOST_METHODS = {"tolist", "item", "cpu", "numpy"}
 _MAX_DEPTH = 6
 
 
-def _name(node: ast.AST) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return ""
 
 
 def _is_cache_name(name: str) -> bool:

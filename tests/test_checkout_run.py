@@ -86,7 +86,8 @@ def test_qwen3_8b_attention_tp2():
     report = _validate("qwen3_8b", "qwen3_8b.json", attn_tp_size=2)
     _assert_end_to_end(report)
     assert {c.name.split(":")[0] for c in report.checks} == {"rank 0", "rank 1"}
-    assert report.notes[0].startswith("attention TP 2: 16 query / 4 KV heads per rank")
+    assert report.notes[0].startswith("layout: 2 gloo ranks (attention TP 2, MoE TP 2, MoE EP 1), --attn-tp-size; ")
+    assert report.notes[1].startswith("attention TP 2: 16 query / 4 KV heads per rank")
 
 
 def _short_stream():

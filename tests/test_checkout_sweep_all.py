@@ -91,6 +91,7 @@ def _cli(*args: str):
     (["--all", "--framework-root", "{root}", "--config", "c.json"], "--config"),
     (["--framework-root", "{root}", "--model", "qwen3_8b", "--config", "c.json", "--only", "x"], "--only"),
     (["--all", "--framework-root", "{root}", "--only", "no_such_model"], "--only"),
+    (["--manifest", "m.json", "--rendered", "r", "--config", "c.json", "--oracle", "recompute"], "--oracle"),
 ])
 def test_bad_all_input_is_one_line_exit_2(args, flag):
     out = _cli(*[a.format(root=upstream_head()) for a in args])

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "row per model: passed / failed (first failing check, file:line) / refused (what kvcache or "
                         "the inputs lack) / absent; configs from --configs, else transformers' config class of the "
                         "model's type at its defaults")
+    p.add_argument("--oracle", choices=("both", "transformers", "recompute"), default="both",
+                   help="checkout mode: what the numeric link compares with: transformers' model on the same weights, "
+                        "the recompute oracle (the checkout's own model, every prefix prefilled from scratch: catches "
+                        "what the cache does wrong, not an error prefill and decode share), or both (default)")
     p.add_argument("--configs", metavar="DIR", help="with --all: NAME.json files used instead of the defaults")
     p.add_argument("--runner-root", metavar="FOLDER",
                    help="standalone mode: a model folder with a runner of its own (models/pangu_7b: runner_*.py, "
@@ -140,6 +144,9 @@ def check_mode(args: argparse.Namespace) -> None:
     for flag in ("runner_file", "yaml"):
         if getattr(args, flag):
             raise InputError(f"--{flag.replace('_', '-')}", "applies with --runner-root only")
+    if args.oracle != "both" and not (args.model or args.all):
+        raise InputError("--oracle", "applies to the checkout mode (--model or --all); the rendered mode compares "
+                                     "with transformers")
     if args.all:
         if not args.framework_root:
             raise InputError("--all", "validates every model of a checkout: pass --framework-root CHECKOUT too")
@@ -179,7 +186,7 @@ def _checkout_report(args: argparse.Namespace):
         framework_root=args.framework_root, model=args.model, config=args.config, manifest=args.manifest,
         attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
         sweep_readings=not args.no_sweep, device_readings=args.device_readings, step_seconds=args.step_timeout,
-        uniform_prefill=args.uniform_prefill, next_n=args.next_n,
+        uniform_prefill=args.uniform_prefill, next_n=args.next_n, oracle=args.oracle,
     ), progress=_progress)
 
 
@@ -210,6 +217,7 @@ def _run_all(args: argparse.Namespace) -> int:
     extra += ["--uniform-prefill"] if args.uniform_prefill else []
     extra += ["--device-readings", str(Path(args.device_readings).resolve())] if args.device_readings else []
     extra += ["--next-n", str(args.next_n)] if args.next_n is not None else []
+    extra += ["--oracle", args.oracle] if args.oracle != "both" else []
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     rows = sweep(root, config_dir=Path(args.configs) if args.configs else None, extra=tuple(extra), only=only,
                  say=_progress)

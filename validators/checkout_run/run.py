@@ -50,6 +50,8 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
 
     dtype = torch.float32
     model_file = caches = None
+    oracle = _oracle_for(report, getattr(req, "oracle", "both"), ref_model, full)
+    recomputed = None  # the recompute oracle's logits (framework runs; see recompute.py)
     with recording_ops() as rec, checkout_scope(root) as scope, device_readings(readings), \
             consulted_questions() as consulted:
         try:
@@ -129,6 +131,13 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 if full and scenario.release_requests and not legacy:
                     seq = engine_run.drive_sequential(engine, scenario.release_requests, req.seed + 1,
                                                       scenario.vocab, scenario.watchdog("release run"))
+                if not legacy:
+                    # The release link reads the pool now, so the oracle's prefills below are not what it judges.
+                    released = _release_checks(report, run, start_usage, start_bytes, info,
+                                               seq if full and scenario.release_requests else None)
+                if not legacy and _recompute_wanted(oracle, full):
+                    recomputed = _recompute(engine, run, scenario.step_seconds, req.uniform_prefill, rec,
+                                            Path(model_file).resolve())
         except StreamStalled as exc:  # the watchdog: a request that never finishes, a forward that never returns
             report.add(STREAM_BUDGET_CHECK, "runtime", False, detail=str(exc))
             if caches is not None:
@@ -166,6 +175,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
         if legacy:  # no framework entries to judge: the logits judge the model's own caches
+            _legacy_oracle(report, req, oracle, ref_model)
             _numeric(report, ref_model, run)
             # nothing was poisoned (no pool, no freed rows): V401's claim does not hold; V301 fails on NaN logits
             report.checks = [c for c in report.checks if c.id != "V401"]
@@ -173,15 +183,9 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         n_layers = len(info.layer_infos)
         checks.check_runtime(report, manifest, rec, caches, run, n_layers)
         checks.check_padding(report, run)
-        _numeric(report, ref_model, run)
-        checks.check_release(report, run, start_usage, start_bytes, engine_run.cache_bytes(info))
-        if full and scenario.release_requests:
-            usage = engine_run.pool_usage(engine.kvcache_manager)
-            after = engine_run.cache_bytes(info)
-            report.add(f"{seq} sequential requests leave the pool and memory unchanged", "release",
-                       usage == start_usage and after == start_bytes, usage_before=start_usage, usage_after=usage,
-                       bytes_before=start_bytes, bytes_after=after)
-        if full and report.first_failure:  # where the numeric failure starts (a replay; failures only)
+        _judge_numeric(report, ref_model, run, oracle, recomputed)
+        report.checks += released.checks
+        if full and report.first_failure and ref_model is not None:  # where it starts (a replay; failures only)
             from model_infer_kvcache.validators.checkout_run.localise import localise_checkout
 
             localise_checkout(report, manifest, engine, run, scenario, req.seed, rec, caches, ref_model,
@@ -270,7 +274,9 @@ def float32_noise(ref_model, sequences: dict[int, list[int]]) -> float:
                    for seq in sequences.values())
 
 
-def _numeric(report: Report, ref_model, run) -> None:
+def _numeric(report: Report, ref_model, run, noise: dict | None = None) -> None:
+    """V301/V302 (and V401) against transformers' model on the same weights; ``noise`` caches the measured
+    float32 rounding noise for the recompute oracle's tolerance."""
     from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 
     tracker = NumericTracker(ref_model, host=None, atol=report.tolerance)
@@ -284,21 +290,143 @@ def _numeric(report: Report, ref_model, run) -> None:
     if not logits.passed and not any(c.id == "V401" and not c.passed for c in judged.checks):
         # Finite logits beyond the float32 tolerance: is it this architecture's own float32 rounding? (Measured
         # only here: a passing comparison needs no wider tolerance.)
-        noise = float32_noise(ref_model, run.sequences)
-        if NOISE_MARGIN * noise > report.tolerance:
-            report.notes.append(f"logits tolerance {NOISE_MARGIN * noise:.3g} = {NOISE_MARGIN:g} x the float32 "
-                                f"rounding noise of this architecture ({noise:.3g}: the reference in float32 vs "
-                                f"float64 over the stream's sequences), above the float32 default {report.tolerance:g}")
-            report.tolerance = tracker.atol = float(f"{NOISE_MARGIN * noise:.3g}")
+        if _widen_tolerance(report, ref_model, run.sequences, noise if noise is not None else {}):
+            tracker.atol = report.tolerance
             judged = report.fresh()
             with torch.no_grad():
                 tracker.check_numeric(judged, run.sequences)
     report.checks += judged.checks
     report.first_failure = judged.first_failure
+    _note_longest(report, run)
+
+
+def _widen_tolerance(report: Report, ref_model, sequences: dict[int, list[int]], noise: dict) -> bool:
+    """Widen ``report.tolerance`` to NOISE_MARGIN x the float32 noise of the reference when that is wider, with a
+    note; True when it changed. ``noise`` keeps the measurement for a second oracle of the same run."""
+    if "value" not in noise:
+        noise["value"] = float32_noise(ref_model, sequences)
+    measured = noise["value"]
+    if NOISE_MARGIN * measured <= report.tolerance:
+        return False
+    report.notes.append(f"logits tolerance {NOISE_MARGIN * measured:.3g} = {NOISE_MARGIN:g} x the float32 "
+                        f"rounding noise of this architecture ({measured:.3g}: the reference in float32 vs "
+                        f"float64 over the stream's sequences), above the float32 default {report.tolerance:g}")
+    report.tolerance = float(f"{NOISE_MARGIN * measured:.3g}")
+    return True
+
+
+def _note_longest(report: Report, run) -> None:
     prefill = max((p for s in run.steps if s.is_prefill for p in s.positions), default=-1) + 1
     decode = max((p for s in run.steps if not s.is_prefill for p in s.positions), default=-1) + 1
     report.notes.append(f"longest sequence: prefill {prefill}, decode {decode} tokens; "
                         f"{sum(1 for s in run.steps if s.padded_rows)} decode steps padded by the engine")
+
+
+def _outputs_finite(report: Report, run) -> None:
+    """V401 without the transformers comparison (which otherwise reports it): the stream's own logits are finite
+    with every unowned block poisoned."""
+    nonfinite = [f"step {s.index} request {rid}" for s in run.steps for i, rid in enumerate(s.request_ids)
+                 if not torch.isfinite(s.logits[i]).all()]
+    report.add("outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)", "release", not nonfinite,
+               detail="; ".join(nonfinite[:3]), nonfinite_chunks=len(nonfinite))
+
+
+def _oracle_for(report: Report, oracle: str, ref_model, full: bool) -> str:
+    """The oracle(s) this run can use: without a transformers reference (no class for the architecture), "both"
+    is the recompute oracle alone, said in a note; "transformers" cannot run at all."""
+    if ref_model is not None or oracle == "recompute":
+        return oracle
+    if oracle == "transformers":
+        raise InputError("--oracle", "transformers: no transformers reference model for this architecture "
+                                     "(use the recompute oracle)")
+    if full:
+        report.notes.append("transformers oracle not run: no transformers reference for this architecture; the "
+                            "recompute oracle judges the numeric link alone")
+    return "recompute"
+
+
+def _recompute_wanted(oracle: str, full: bool) -> bool:
+    """The recompute oracle runs on the judged stream; the reading sweep's reruns need it only when it is the one
+    numeric judge (with both, transformers judges each reading)."""
+    return oracle == "recompute" or (oracle == "both" and full)
+
+
+def _recompute(engine, run, step_seconds: float, uniform: bool, rec, model_file: Path):
+    """The recompute oracle's prefills (recompute.py). Its forwards are no evidence of the judged run: their
+    recorded calls are dropped. A failure of its own is reported by V305, not as the judged run's."""
+    from model_infer_kvcache.validators.checkout_run.recompute import Recomputed, prefixes, recompute
+
+    marks = [(calls, len(calls)) for calls in (rec.forwards, rec.fa_calls, rec.writes, rec.sparse_calls)]
+    try:
+        return recompute(engine, run, step_seconds, uniform)
+    except Exception as exc:  # the model or an operator rejected a prefix the stream never prefilled
+        return Recomputed(prefills=len(prefixes(run)),
+                          error=f"{_model_frame(exc, model_file)}: {type(exc).__name__}: {exc}")
+    finally:
+        for calls, n in marks:
+            del calls[n:]
+
+
+def _release_checks(report: Report, run, start_usage: dict, start_bytes: int, info, seq: int | None) -> Report:
+    """The release link's checks, read right after the stream (and its sequential release run), before anything
+    else runs on the engine; appended to the report in their usual place."""
+    from model_infer_kvcache.validators.checkout_run import checks, engine_run
+
+    released = report.fresh()
+    checks.check_release(released, run, start_usage, start_bytes, engine_run.cache_bytes(info))
+    if seq is not None:
+        usage = engine_run.pool_usage(run.engine.kvcache_manager)
+        after = engine_run.cache_bytes(info)
+        released.add(f"{seq} sequential requests leave the pool and memory unchanged", "release",
+                     usage == start_usage and after == start_bytes, usage_before=start_usage, usage_after=usage,
+                     bytes_before=start_bytes, bytes_after=after)
+    return released
+
+
+def _legacy_oracle(report: Report, req, oracle: str, ref_model) -> None:
+    """A Legacy model owns its caches (one batch's rows, no cache manager to give a fresh prefix fresh blocks):
+    the recompute oracle does not run there; transformers judges it."""
+    if oracle == "transformers":
+        return
+    if ref_model is None:
+        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+        raise NotSupportedByKvcache(req.model, "the recompute oracle of a Legacy model (it owns its caches: "
+                                               "no cache manager gives a recomputed prefix fresh blocks)",
+                                    field="--oracle")
+    report.notes.append("recompute oracle not run: a Legacy model owns its caches (rows of one batch, no cache "
+                        "manager to give a recomputed prefix fresh blocks); judged against transformers only")
+
+
+def _judge_numeric(report: Report, ref_model, run, oracle: str, recomputed) -> None:
+    """The numeric link by the oracles asked for; with both, a note says which failed and what that locates."""
+    from model_infer_kvcache.validators.checkout_run.recompute import check_recompute, disagreement_note
+
+    noise: dict = {}
+    if oracle != "recompute":
+        _numeric(report, ref_model, run, noise)
+    else:
+        _outputs_finite(report, run)
+        _note_longest(report, run)
+        report.notes.append("oracle: recompute only (the model's own forward over each whole prefix, no cache): it "
+                            "judges what the cache holds and how it is read, not errors the prefill and the decode "
+                            "path share (softmax scale, RoPE, weights layout): those need the transformers oracle")
+    if recomputed is None:
+        return
+    judged = report.fresh()
+    passed = check_recompute(judged, run, recomputed, report.tolerance)
+    finite = not recomputed.error and all(torch.isfinite(t).all() for t in recomputed.logits.values()) and \
+        not any(c.id == "V401" and not c.passed for c in report.checks)
+    if not passed and finite and ref_model is not None and _widen_tolerance(report, ref_model, run.sequences, noise):
+        judged = report.fresh()
+        passed = check_recompute(judged, run, recomputed, report.tolerance)
+    report.checks += judged.checks
+    if oracle == "both":
+        transformers = all(c.passed for c in report.checks if c.id in ("V301", "V302"))
+        greedy = next(c for c in judged.checks if c.id == "V306").passed
+        note = disagreement_note(transformers, passed and greedy)
+        if note:
+            report.notes.append(note)
 
 
 def _init_link(report: Report, manifest: SelectionManifest, engine, classes, info, dtype,

@@ -53,6 +53,15 @@ class CheckoutRequest:
     # every prompt as long as the longest: for a model that only supports equal-length prefill batches
     uniform_prefill: bool = False
     next_n: int | None = None  # --next-n: analyze's MTP switch (0: the model is built and served without MTP)
+    # What the numeric link compares the cached run with: "transformers" (its model on the same weights),
+    # "recompute" (the checkout's own model over each whole prefix, no cache: needs no transformers class),
+    # "both" (framework runs; a note says which failed when they disagree). See checkout_run/recompute.py.
+    oracle: str = "both"
+
+    def __post_init__(self):
+        from model_infer_kvcache.validators.checkout_run.recompute import check_oracle
+
+        check_oracle(self.oracle)
 
 
 def stream_of(req: CheckoutRequest, scenario: Scenario, manifest: SelectionManifest) -> Scenario:

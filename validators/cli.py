@@ -13,6 +13,7 @@ from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParse
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable
 from model_infer_kvcache.analyzer.framework_checkout import GENERATIONS
 from model_infer_kvcache.analyzer.progress_writer import plan_section
+from model_infer_kvcache.analyzer.vocabulary import ORACLES
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
 from model_infer_kvcache.validators.pipeline.request_stream import STEP_SECONDS
 from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "row per model: passed / failed (first failing check, file:line) / refused (what kvcache or "
                         "the inputs lack) / absent; configs from --configs, else transformers' config class of the "
                         "model's type at its defaults")
-    p.add_argument("--oracle", choices=("both", "transformers", "recompute"), default="both",
+    p.add_argument("--oracle", choices=ORACLES, default="both",
                    help="checkout mode: what the numeric link compares with: transformers' model on the same weights, "
                         "the recompute oracle (the checkout's own model, every prefix prefilled from scratch: catches "
                         "what the cache does wrong, not an error prefill and decode share), or both (default)")
@@ -203,10 +204,6 @@ def _check_writable(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
 
 def _run_all(args: argparse.Namespace) -> int:
     """--all: one ``kvcache validate --model`` per model of the checkout, a table of the outcomes."""
-    check_paths([PathArg("--framework-root", args.framework_root, is_dir=True, whole=False),
-                 PathArg("--configs", args.configs, is_dir=True, whole=False),
-                 PathArg("--device-readings", args.device_readings)],
-                [PathArg("--report", args.report), PathArg("--markdown", args.markdown)])
     _check_writable(args, ("report", "markdown"))
     from model_infer_kvcache.validators.checkout_run.scope import require_checkout
     from model_infer_kvcache.validators.checkout_run.sweep_all import sweep, to_json, to_markdown
@@ -232,11 +229,6 @@ def _run_all(args: argparse.Namespace) -> int:
 
 def _run_runner(args: argparse.Namespace) -> int:
     """--runner-root: a standalone folder's own runner (validators.runner_run)."""
-    check_paths([PathArg("--runner-root", args.runner_root, is_dir=True, whole=False),
-                 PathArg("--runner-file", args.runner_file), PathArg("--yaml", args.yaml),
-                 PathArg("--config", config_file(args.config))],
-                [PathArg("--report", args.report), PathArg("--markdown", args.markdown),
-                 PathArg("--write-progress", args.write_progress)])
     _check_writable(args, ("report", "markdown", "write_progress"))
     if args.write_progress:
         from model_infer_kvcache.validators.pipeline.report import SECTION_ID
@@ -251,18 +243,22 @@ def _run_runner(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every path named, whatever the mode: an output never replaces any input of the command line.
+    check_paths([PathArg("--manifest", args.manifest), PathArg("--rendered", args.rendered, is_dir=True),
+                 PathArg("--model-file", args.model_file), PathArg("--config", config_file(args.config)),
+                 PathArg("--device-readings", args.device_readings),
+                 PathArg("--framework-root", args.framework_root, is_dir=True, whole=False),
+                 PathArg("--configs", args.configs, is_dir=True, whole=False),
+                 PathArg("--runner-root", args.runner_root, is_dir=True, whole=False),
+                 PathArg("--runner-file", args.runner_file), PathArg("--yaml", args.yaml)],
+                [PathArg("--report", args.report), PathArg("--markdown", args.markdown),
+                 PathArg("--write-progress", args.write_progress)])
     if args.runner_root:
         check_mode(args)
         return _run_runner(args)
     if args.all:
         check_mode(args)
         return _run_all(args)
-    check_paths([PathArg("--manifest", args.manifest), PathArg("--rendered", args.rendered, is_dir=True),
-                 PathArg("--model-file", args.model_file), PathArg("--config", config_file(args.config)),
-                 PathArg("--device-readings", args.device_readings),
-                 PathArg("--framework-root", args.framework_root, is_dir=True, whole=False)],
-                [PathArg("--report", args.report), PathArg("--markdown", args.markdown),
-                 PathArg("--write-progress", args.write_progress)])
     check_mode(args)
     _check_writable(args, ("report", "markdown", "write_progress"))
     if args.write_progress:

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.vocabulary import ORACLES
 from model_infer_kvcache.validators.checkout_run.engine_run import EngineRun, _tensors_by_group
 from model_infer_kvcache.validators.harness.poison import poison_free_blocks
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
 
 # CheckoutRequest.oracle: what the numeric link compares the cached run with.
-ORACLES = ("both", "transformers", "recompute")
 GREEDY_CHECK = "greedy tokens identical to recompute"
 
 

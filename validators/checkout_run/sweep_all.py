@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.validators.checkout_run.registry import _spec_modules, model_folders
 
 OUTCOMES = ("passed", "failed", "refused", "absent", "internal")
@@ -113,7 +114,7 @@ def config_for(root: Path, name: str, config_dir: Path | None, tmp: Path) -> tup
     filled = [k for k, v in TOKEN_IDS.items() if data.get(k, 0) is None]
     data.update({k: TOKEN_IDS[k] for k in filled})
     path = tmp / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.json"
-    path.write_text(json.dumps(data, default=str), encoding="utf-8")
+    atomic_write_text(path, json.dumps(data, default=str))
     return path, f"transformers {cls.__name__}() defaults" + (f" (+ {', '.join(filled)})" if filled else "")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import re
 
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
 from model_infer_kvcache.validators.lint.hidden_layout import _name
 from model_infer_kvcache.validators.lint.scope import is_self_attr
 
@@ -43,8 +44,9 @@ _LAYER_LOOP = re.compile(r"layer|module|attn|attention|block|head|cache", re.IGN
 _NOT_KV = {"cos", "sin", "rotary", "freq", "freqs", "mask", "position", "pos", "emb", "inv"}
 _SAME_VALUE_METHODS = {"to", "npu", "cuda", "contiguous"}
 
-_HOST_LENGTH_KEYS = ("actual_seq_lengths_kv", "actual_seq_lengths", "seq_lens", "kv_lens", "context_lens",
-                     "seq_lengths")
+# FA's length keywords (every version's, from their one home) and the names runners keep lengths under
+_HOST_LENGTH_KEYS = tuple(sorted({name for k in FA_KEYWORDS.values() for name in (k.q_lens, k.kv_lens)})) + (
+    "seq_lens", "kv_lens", "context_lens", "seq_lengths")
 _SLOT_KEYS = ("slot_mapping",)
 _HOST_METHODS = {"tolist", "item", "cpu", "numpy"}
 _MAX_DEPTH = 6

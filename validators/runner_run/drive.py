@@ -44,7 +44,6 @@ class Scenario:
 class Step:
     is_prefill: bool
     logits: torch.Tensor  # [batch, vocab]: the row's next-token logits
-    kv_len: list[int] | None  # what the runner passed (decode: the write position per row)
     # decode: per row, the sequence positions the step's cache writes target (a contiguous writer's indices; a
     # paged writer's: the positions whose cache changed)
     written: list[list[int]] | None = None
@@ -276,9 +275,7 @@ def drive_runner(sf: StandaloneFolder, scenario: Scenario, tmp: Path, config_jso
     settings = _settings(sf, scenario, tmp, drive)
     module = importlib.import_module(sf.runner_module)
     runner_cls = getattr(module, sf.runner_class)
-    stack = contextlib.ExitStack()
-    with stack:
-        stack.enter_context(legacy_rope_scaling(cls))
+    with legacy_rope_scaling(cls):
         with HalfDtypesAs(torch.float32):  # the runner's loader builds in bfloat16: the comparison runs float32
             runner = runner_cls(settings)
             runner.init_model()
@@ -305,10 +302,9 @@ def drive_runner(sf: StandaloneFolder, scenario: Scenario, tmp: Path, config_jso
             drive.step_writes = []
             out = real(model_inputs, is_prefill=is_prefill, warm_up=warm_up)
             logits = out[0] if isinstance(out, tuple) else out
-            kv = model_inputs.get("kv_len")
             ptrs = tuple(t.untyped_storage().data_ptr() for t in _cache_tensors(model_inputs.get("past_key_values")))
             step = Step(bool(is_prefill), logits.detach().reshape(logits.shape[0], -1, logits.shape[-1])[:, -1].double(),
-                        kv.tolist() if isinstance(kv, torch.Tensor) else None, cache_ptrs=ptrs)
+                        cache_ptrs=ptrs)
             if not is_prefill:
                 step.written = _targeted(drive.step_writes) or \
                     _written_positions(before, _cache_tensors(model_inputs.get("past_key_values")))

@@ -80,6 +80,10 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V224", "runtime", "runner's own prefill and decode run without errors"),
     CheckDef("V225", "runtime", "each decode step writes every row's cache at the new token's position only "
                                 "(<N> steps)"),
+    CheckDef("V226", "runtime", "each step feeds every request its own tokens at its own positions, in its own row "
+                                "(<N> rows over <N> steps)"),
+    CheckDef("V227", "runtime", "each step writes every request's keys and values in its own row's blocks at its own "
+                                "positions (<N> steps)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

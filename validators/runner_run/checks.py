@@ -18,18 +18,25 @@ from model_infer_kvcache.validators.runner_run.drive import Drive
 
 
 def check_init(report: Report, drive: Drive, longest: int) -> None:
+    """Contiguous caches ``[rows, positions, kv width]``, or paged ``[blocks, block size, kv heads, head dim]``
+    holding every row's longest sequence."""
     config = drive.config
     layers = int(config.get("num_hidden_layers", 0))
     kv_width = int(config.get("num_key_value_heads", 0)) * int(config.get("head_dim", 0) or 0)
     shapes = [shape for _, shape, _ in drive.caches]
-    rows = len(drive.prompts)
-    short = [(name, shape) for name, shape, _ in drive.caches
-             if len(shape) < 2 or shape[0] < rows or shape[1] < longest or (kv_width and shape[-1] != kv_width)]
-    passed = len(drive.caches) == 2 * layers and not short
+    rows = drive.rows if drive.serving else len(drive.prompts)
+
+    def short(shape) -> bool:
+        if len(shape) == 4:  # paged
+            return shape[0] * shape[1] < rows * longest or (kv_width and shape[2] * shape[3] != kv_width)
+        return len(shape) < 2 or shape[0] < rows or shape[1] < longest or bool(kv_width and shape[-1] != kv_width)
+
+    small = [(name, shape) for name, shape, _ in drive.caches if short(shape)]
+    passed = len(drive.caches) == 2 * layers and not small
+    need = (f"[>= {rows} x {longest} slots over blocks x block size, {kv_width} per slot]" if small and
+            len(small[0][1]) == 4 else f"[>= {rows} rows, >= {longest} positions, ..., {kv_width}]")
     detail = "" if passed else (f"{len(drive.caches)} cache tensors for {layers} layers (K and V each)" if
-                                len(drive.caches) != 2 * layers else
-                                f"{short[0][0]} is {list(short[0][1])}: needs [>= {rows} rows, >= {longest} positions, "
-                                f"..., {kv_width}]")
+                                len(drive.caches) != 2 * layers else f"{small[0][0]} is {list(small[0][1])}: needs {need}")
     report.add(f"runner's own caches hold every layer's keys and values for the longest sequence ({layers} layers)", "init", passed, detail=detail, shapes=[list(s) for s in shapes[:2]],
                dtypes=sorted({d for *_, d in drive.caches}), longest=longest)
 

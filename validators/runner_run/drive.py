@@ -26,6 +26,22 @@ from model_infer_kvcache.validators.runner_run.folder import StandaloneFolder
 # The tiny model: small enough for CPU, the published head grouping kept (GQA stays GQA).
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "intermediate_size": 128,
         "vocab_size": 512}
+# What a kvcache render in the folder bakes in as constants: kept at the config's values (as tiny_model keeps them).
+RENDERED_GEOMETRY = ("num_attention_heads", "head_dim", "num_key_value_heads")
+
+
+def rendered_files(folder: Path) -> list[Path]:
+    """The folder's files rendered by kvcache (its header line), e.g. a migrated runner's kvcache_attention.py."""
+    from model_infer_kvcache.validators.pipeline.provenance import read_header
+
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        try:
+            if read_header(path) is not None:
+                found.append(path)
+        except (OSError, UnicodeDecodeError):  # not a render: kvcache writes utf-8
+            continue
+    return found
 PAD_ID = 0
 
 
@@ -34,10 +50,15 @@ class Scenario:
     prompts: tuple[int, ...] = (40, 17, 48, 29)  # unequal lengths in one batch: the runner pads them
     max_new_tokens: int = 6
     seed: int = 0
+    # A runner serving requests (``model_generate(prompts, max_new_tokens=[one per prompt])``): more requests than
+    # rows and unequal budgets, so requests finish early and waiting ones take the freed rows.
+    stream_prompts: tuple[int, ...] = (40, 17, 48, 29, 23, 35)
+    stream_budgets: tuple[int, ...] = (6, 2, 5, 3, 4, 6)
+    stream_rows: int = 3
 
     @property
     def input_max_len(self) -> int:
-        return max(self.prompts)
+        return max(self.prompts + self.stream_prompts)
 
 
 @dataclass
@@ -48,6 +69,16 @@ class Step:
     # paged writer's: the positions whose cache changed)
     written: list[list[int]] | None = None
     cache_ptrs: tuple[int, ...] = ()  # storages of the caches the step used: allocated once, kept by every step
+    # a serving runner's step (Drive.serving): the rows it built the metadata for, the prompt lengths of a prefill,
+    # the packed token ids and positions it fed, the FA block table, each paged writer call's slots, and where in
+    # the runner the metadata was built
+    rows: list[int] | None = None
+    prompt_lens: list[int] | None = None
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    block_table: torch.Tensor | None = None
+    slots: list[list[int]] = field(default_factory=list)
+    site: str = ""
 
 
 @dataclass
@@ -63,6 +94,15 @@ class Drive:
     config: dict = field(default_factory=dict)
     kv_len_source: str = ""  # the runner function that sets the next step's kv_len
     cache_source: str = ""  # the runner function that allocates (or keeps) the caches
+    # A runner serving requests over rows of a runner-owned paged cache (the standalone render's
+    # KVCacheRunnerMixin): its model_generate takes one max_new_tokens per prompt.
+    serving: bool = False
+    budgets: list[int] = field(default_factory=list)
+    rows: int = 0  # the rows (batch_size) the runner serves
+    block_table: torch.Tensor | None = None  # the runner's whole table after the run: where each row's blocks are
+    block_size: int = 0
+    build_metadata: object = None  # the runner's own metadata builder, unwrapped (the oracle's fresh prefills)
+    input_keys: dict = field(default_factory=dict)  # model_inputs key -> "ids" / "positions" / "metadata" / value
 
 
 class _TokenIds:
@@ -101,11 +141,16 @@ def tiny_config(sf: StandaloneFolder, config_json: str | None) -> tuple[type, ob
     notes = [f"config: {sf.config_class} ({sf.config_file.name}) " + (f"reading {config_json}" if config_json
                                                                       else "at its defaults")]
     heads, kv = getattr(config, "num_attention_heads", 1), getattr(config, "num_key_value_heads", None)
+    rendered = rendered_files(sf.folder)
+    kept = RENDERED_GEOMETRY if rendered else ()
     for name, value in TINY.items():
-        if hasattr(config, name):
+        if hasattr(config, name) and name not in kept:
             setattr(config, name, value)
-    if kv is not None:  # keep the grouping: MHA stays MHA, GQA keeps fewer KV heads, MQA one
+    if kv is not None and not kept:  # keep the grouping: MHA stays MHA, GQA keeps fewer KV heads, MQA one
         config.num_key_value_heads = TINY["num_attention_heads"] if kv == heads else (1 if kv == 1 else 2)
+    if kept:
+        notes.append(f"attention geometry kept ({', '.join(kept)}): the folder's kvcache render "
+                     f"({', '.join(p.name for p in rendered)}) bakes it in")
     config.torch_dtype = "float32"
     notes.append("tiny model: " + ", ".join(f"{k}={getattr(config, k)}" for k in (*TINY, "num_key_value_heads")
                                             if hasattr(config, k)) + "; float32")
@@ -144,11 +189,16 @@ def runner_scope(sf: StandaloneFolder, drive: Drive):
                 base.ModelRunner.init_device, base.ModelRunner.init_tokenizer = saved
         finally:
             sys.modules.pop(sf.runner_module, None)
+            for name, mod in list(sys.modules.items()):  # the folder's own top-level modules (kvcache_runner.py)
+                if str(getattr(mod, "__file__", "") or "").startswith(str(sf.folder)):
+                    del sys.modules[name]
             if str(sf.folder) in sys.path:
                 sys.path.remove(str(sf.folder))
 
 
 def _settings(sf: StandaloneFolder, scenario: Scenario, model_path: Path, drive: Drive) -> dict:
+    rows = scenario.stream_rows if drive.serving else len(scenario.prompts)
+    new_tokens = max(scenario.stream_budgets) if drive.serving else scenario.max_new_tokens
     import yaml
 
     settings = yaml.safe_load(sf.yaml.read_text(encoding="utf-8"))
@@ -157,12 +207,10 @@ def _settings(sf: StandaloneFolder, scenario: Scenario, model_path: Path, drive:
     model_config = settings.setdefault("model_config", {})
     model_config.update(with_ckpt=False, tokenizer_mode="default", enable_profiler=False)
     data = settings.setdefault("data_config", {})
-    data.update(dataset="default", input_max_len=scenario.input_max_len, max_new_tokens=scenario.max_new_tokens,
-                batch_size=len(scenario.prompts))
+    data.update(dataset="default", input_max_len=scenario.input_max_len, max_new_tokens=new_tokens, batch_size=rows)
     drive.replaced.append(f"{sf.yaml.name}: model_path -> the tiny config's folder, exe_mode eager (graph mode is not "
                           f"validated here), with_ckpt False (the folder's DummyModelLoader builds the model), "
-                          f"input_max_len {scenario.input_max_len}, max_new_tokens {scenario.max_new_tokens}, "
-                          f"batch_size {len(scenario.prompts)}")
+                          f"input_max_len {scenario.input_max_len}, max_new_tokens {new_tokens}, batch_size {rows}")
     if sf.settings_hooks:
         setting = importlib.import_module("models.model_setting")
         for hook in sf.settings_hooks:  # in the entry script's order: check_vars, then update_vars
@@ -181,6 +229,17 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / max(p.shape[-1], 1) ** 0.5)
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def module_caches(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Caches a runner hands to the model's layers (the standalone render's ``k_cache`` / ``v_cache`` attributes):
+    every non-empty tensor attribute named ``*cache`` of a module, in module order."""
+    found = []
+    for name, module in model.named_modules():
+        for attr, value in sorted(vars(module).items()):
+            if attr.endswith("cache") and isinstance(value, torch.Tensor) and value.numel():
+                found.append((f"{name}.{attr}", value))
+    return found
 
 
 def _cache_tensors(past) -> list[torch.Tensor]:
@@ -218,6 +277,18 @@ def _targeted(writes: list[dict]) -> list[list[int]] | None:
     return [sorted(r) for r in rows]
 
 
+def _folder_frame(sf: StandaloneFolder, frame, depth: int):
+    """The innermost of ``depth`` frames from ``frame`` outwards whose code lies in the folder (or is the runner
+    copy). Frames are walked, not ``inspect.stack()``-ed: that reads every frame's source, at every cache write."""
+    folder, runner = str(sf.folder), str(sf.runner_file)
+    while frame is not None and depth > 0:
+        path = str(Path(frame.f_code.co_filename).resolve())
+        if path.startswith(folder) or path == runner:
+            return frame
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
 @contextlib.contextmanager
 def _write_sites(sf: StandaloneFolder, drive: Drive):
     """Every cache-writer call: its file:line inside the folder (what a wrong position is reported at) and, for a
@@ -233,10 +304,9 @@ def _write_sites(sf: StandaloneFolder, drive: Drive):
         signature = inspect.signature(fn)
 
         def call(*args, **kwargs):
-            for frame in inspect.stack()[1:8]:
-                if str(Path(frame.filename).resolve()).startswith(str(sf.folder)):
-                    drive.write_sites.add(f"{Path(frame.filename).name}:{frame.lineno}")
-                    break
+            site = _folder_frame(sf, sys._getframe(1), 7)
+            if site is not None:
+                drive.write_sites.add(f"{Path(site.f_code.co_filename).name}:{site.f_lineno}")
             try:
                 bound = signature.bind(*args, **kwargs).arguments
             except TypeError:  # the operator reports the bad call itself
@@ -244,7 +314,9 @@ def _write_sites(sf: StandaloneFolder, drive: Drive):
             index = bound.get(writer.index)
             drive.step_writes.append({"op": name, "paged": writer.paged,
                                       "indices": index.reshape(index.shape[0], -1).tolist()
-                                      if isinstance(index, torch.Tensor) and index.dim() >= 1 else None})
+                                      if isinstance(index, torch.Tensor) and index.dim() >= 1 else None,
+                                      "slots": index.reshape(-1).tolist()
+                                      if writer.paged and isinstance(index, torch.Tensor) else None})
             return fn(*args, **kwargs)
         return call
 
@@ -258,9 +330,48 @@ def _write_sites(sf: StandaloneFolder, drive: Drive):
         emulated.OPS.update(saved)
 
 
-def prompts_of(scenario: Scenario, vocab: int) -> list[list[int]]:
+def prompts_of(scenario: Scenario, vocab: int, serving: bool = False) -> list[list[int]]:
     g = torch.Generator().manual_seed(scenario.seed + 7)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in scenario.prompts]
+    return [torch.randint(2, vocab, (n,), generator=g).tolist()
+            for n in (scenario.stream_prompts if serving else scenario.prompts)]
+
+
+def serves_requests(runner_cls: type) -> bool:
+    """A runner whose ``model_generate`` takes ``max_new_tokens`` (one per prompt) and builds its steps with the
+    standalone render's ``_build_forward_metadata``: it admits and finishes requests over its rows."""
+    generate = inspect.signature(runner_cls.model_generate).parameters
+    return "max_new_tokens" in generate and callable(getattr(runner_cls, "_build_forward_metadata", None))
+
+
+def _caller_site(sf: StandaloneFolder) -> str:
+    """file:line (and function) of the innermost frame inside the folder calling into kvcache's spies."""
+    frame = _folder_frame(sf, sys._getframe(2), 8)
+    return "?" if frame is None else \
+        f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _spy_metadata(sf: StandaloneFolder, runner, drive: Drive) -> dict:
+    """Wrap the runner's metadata builder: each step's rows, prompt lengths, block table and call site."""
+    real = runner._build_forward_metadata
+    drive.build_metadata = real
+    pending: dict = {}
+
+    def spy(rows, prompt_lens=None):
+        meta = real(rows, prompt_lens)
+        pending.update(rows=[int(r) for r in rows], prompt_lens=None if prompt_lens is None else
+                       [int(n) for n in prompt_lens], block_table=meta.block_table.clone(), site=_caller_site(sf))
+        return meta
+    runner._build_forward_metadata = spy
+    return pending
+
+
+def _input_keys(model_inputs: dict) -> dict:
+    """How the oracle rebuilds the runner's model inputs for a fresh prefill: which key holds what."""
+    keys = {}
+    for key, value in model_inputs.items():
+        keys[key] = ("ids" if key == "input_ids" else "positions" if key == "position_ids" else
+                     "metadata" if hasattr(value, "slot_mapping") and hasattr(value, "block_table") else value)
+    return keys
 
 
 def drive_runner(sf: StandaloneFolder, scenario: Scenario, tmp: Path, config_json: str | None, drive: Drive):
@@ -272,9 +383,10 @@ def drive_runner(sf: StandaloneFolder, scenario: Scenario, tmp: Path, config_jso
     drive.replaced += notes
     config.save_pretrained(str(tmp))
     drive.config = config.to_dict()
-    settings = _settings(sf, scenario, tmp, drive)
     module = importlib.import_module(sf.runner_module)
     runner_cls = getattr(module, sf.runner_class)
+    drive.serving = serves_requests(runner_cls)
+    settings = _settings(sf, scenario, tmp, drive)
     with legacy_rope_scaling(cls):
         with HalfDtypesAs(torch.float32):  # the runner's loader builds in bfloat16: the comparison runs float32
             runner = runner_cls(settings)
@@ -292,20 +404,42 @@ def drive_runner(sf: StandaloneFolder, scenario: Scenario, tmp: Path, config_jso
             offset = next((i for i, t in enumerate(lines) if t.lstrip().startswith(f"def {fn}(")), 0)
             return f"{sf.runner_class}.{fn} ({Path(inspect.getsourcefile(code)).name}:{start + offset})"
 
-        drive.kv_len_source, drive.cache_source = where("model_output_process"), where("model_input_prepare")
-        drive.prompts = prompts_of(scenario, int(getattr(runner.model.config, "vocab_size", 512)))
+        drive.prompts = prompts_of(scenario, int(getattr(runner.model.config, "vocab_size", 512)), drive.serving)
+        if drive.serving:
+            drive.kv_len_source = drive.cache_source = where("model_generate")
+            drive.budgets, drive.rows = list(scenario.stream_budgets), scenario.stream_rows
+            pending = _spy_metadata(sf, runner, drive)
+        else:
+            drive.kv_len_source, drive.cache_source = where("model_output_process"), where("model_input_prepare")
         real = runner.model_inference
         current = drive.warm_steps  # the steps land where they belong as they run: a failure keeps the ones before it
 
+        def caches(model_inputs):
+            if drive.serving:
+                return [t for _, t in module_caches(runner.model)]
+            return _cache_tensors(model_inputs.get("past_key_values"))
+
         def spy(model_inputs, is_prefill=False, warm_up=False):
-            before = [t.clone() for t in _cache_tensors(model_inputs.get("past_key_values"))]
+            before = [t.clone() for t in caches(model_inputs)] if not drive.serving else []
             drive.step_writes = []
             out = real(model_inputs, is_prefill=is_prefill, warm_up=warm_up)
             logits = out[0] if isinstance(out, tuple) else out
-            ptrs = tuple(t.untyped_storage().data_ptr() for t in _cache_tensors(model_inputs.get("past_key_values")))
+            ptrs = tuple(t.untyped_storage().data_ptr() for t in caches(model_inputs))
             step = Step(bool(is_prefill), logits.detach().reshape(logits.shape[0], -1, logits.shape[-1])[:, -1].double(),
                         cache_ptrs=ptrs)
-            if not is_prefill:
+            if drive.serving:
+                step.rows, step.prompt_lens = pending.get("rows"), pending.get("prompt_lens")
+                step.block_table, step.site = pending.get("block_table"), pending.get("site", "?")
+                step.ids = model_inputs["input_ids"].reshape(-1).tolist() if "input_ids" in model_inputs else []
+                step.positions = model_inputs["position_ids"].reshape(-1).tolist() \
+                    if "position_ids" in model_inputs else []
+                step.slots = [w["slots"] for w in drive.step_writes if w["slots"] is not None]
+                pending.clear()
+                if not drive.caches:
+                    drive.input_keys = _input_keys(model_inputs)
+                    drive.caches = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                    for name, t in module_caches(runner.model)]
+            elif not is_prefill:
                 step.written = _targeted(drive.step_writes) or \
                     _written_positions(before, _cache_tensors(model_inputs.get("past_key_values")))
             elif not drive.caches:
@@ -315,9 +449,18 @@ def drive_runner(sf: StandaloneFolder, scenario: Scenario, tmp: Path, config_jso
             return out
 
         runner.model_inference = spy
-        runner.model_generate([list(p) for p in drive.prompts], warm_up=True)
+        extra = {"max_new_tokens": list(drive.budgets)} if drive.serving else {}
+        runner.model_generate([list(p) for p in drive.prompts], warm_up=True, **extra)
         current = drive.steps
-        runner.model_generate([list(p) for p in drive.prompts])
-        drive.driven.append(f"{sf.runner_class}.model_generate(prompts, warm_up=True), then model_generate(prompts) "
-                            "on the same runner (its model_input_prepare, model_inference, model_output_process)")
+        runner.model_generate([list(p) for p in drive.prompts], **extra)
+        if drive.serving:
+            drive.block_table = runner.block_table.clone()
+            drive.block_size = int(drive.caches[0][1][1]) if drive.caches else 0
+            drive.driven.append(f"{sf.runner_class}.model_generate(prompts, warm_up=True, max_new_tokens=budgets), "
+                                "then the same call on the same runner (its own admission, row bookkeeping, "
+                                "_build_forward_metadata, model_inference and _advance_kv_len)")
+        else:
+            drive.driven.append(f"{sf.runner_class}.model_generate(prompts, warm_up=True), then "
+                                "model_generate(prompts) on the same runner (its model_input_prepare, "
+                                "model_inference, model_output_process)")
         return runner, module

@@ -15,7 +15,7 @@ from pathlib import Path
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
 from model_infer_kvcache.validators.pipeline.report import Report
-from model_infer_kvcache.validators.runner_run import checks
+from model_infer_kvcache.validators.runner_run import checks, serving
 from model_infer_kvcache.validators.runner_run.drive import Drive, Scenario, drive_runner, runner_scope
 from model_infer_kvcache.validators.runner_run.folder import discover
 
@@ -66,16 +66,28 @@ def validate_runner(req: RunnerRequest, progress=None) -> Report:
                 raise lacking from None
             report.add("runner's own prefill and decode run without errors", "runtime", False,
                        detail=f"{where}: {type(exc).__name__}: {exc}")
-            if any(not s.is_prefill for s in drive.steps):  # the decode steps before the failure: where they wrote
+            if drive.serving and (drive.steps or drive.warm_steps):  # what the steps before the failure fed
+                serving.check_rows(report, drive, serving.read_requests(drive))
+            elif not drive.serving and any(not s.is_prefill for s in drive.steps):  # where the decodes before it wrote
                 checks.check_writes(report, drive)
             _describe(report, sf, drive, started)
             return report
         report.add("runner's own prefill and decode run without errors", "runtime", True, steps=len(drive.steps),
                    warm_up_steps=len(drive.warm_steps))
-        checks.check_init(report, drive, req.scenario.input_max_len + req.scenario.max_new_tokens)
-        checks.check_writes(report, drive)
-        say("recompute oracle: every prefix through a fresh prefill")
-        checks.check_recompute(report, drive, checks.recompute(runner, module, drive), report.tolerance)
+        if drive.serving:
+            longest = max(len(p) + b for p, b in zip(drive.prompts, drive.budgets, strict=True))
+            checks.check_init(report, drive, longest)
+            reading = serving.read_requests(drive)
+            serving.check_rows(report, drive, reading)
+            serving.check_slots(report, drive, reading, sorted(drive.write_sites))
+            say("recompute oracle: every request's prefix through a fresh prefill")
+            oracle = serving.recompute(runner, drive, reading)
+        else:
+            checks.check_init(report, drive, req.scenario.input_max_len + req.scenario.max_new_tokens)
+            checks.check_writes(report, drive)
+            say("recompute oracle: every prefix through a fresh prefill")
+            oracle = checks.recompute(runner, module, drive)
+        checks.check_recompute(report, drive, oracle, report.tolerance)
         checks.check_allocated_once(report, drive)
     _describe(report, sf, drive, started)
     return report
@@ -83,12 +95,24 @@ def validate_runner(req: RunnerRequest, progress=None) -> Report:
 
 def _describe(report: Report, sf, drive: Drive, started: float) -> None:
     lengths = ", ".join(str(len(p)) for p in drive.prompts)
+    entry = sf.entry_script.name if sf.entry_script else "its entry script"
+    if drive.serving:
+        budgets = ", ".join(str(b) for b in drive.budgets)
+        shape = [f"standalone runner {sf.runner_class} ({sf.runner_file.name}) driven as {entry} drives it, serving "
+                 f"{len(drive.prompts)} requests ({lengths} prompt tokens; {budgets} new tokens each) over its "
+                 f"{drive.rows} cache rows: {len(drive.steps)} steps; requests finish early and waiting ones are "
+                 "admitted into the freed rows",
+                 "which request each row serves is kvcache's reading (a prefill's packed prompts matched to the "
+                 "prompts, a decode row's token to its request), not the runner's bookkeeping"]
+    else:
+        shape = [f"standalone runner {sf.runner_class} ({sf.runner_file.name}) driven as {entry} drives it: one batch "
+                 f"of {len(drive.prompts)} prompts ({lengths} tokens, padded by the runner), {len(drive.steps)} steps "
+                 "(prefill + decodes)",
+                 "the runner serves one static batch per model_generate: no request finishes early or is admitted "
+                 "late, so reuse is judged across its two model_generate calls on the same caches (warm-up, then the "
+                 "run)"]
     report.notes += [
-        f"standalone runner {sf.runner_class} ({sf.runner_file.name}) driven as {sf.entry_script.name if sf.entry_script else 'its entry script'} "
-        f"drives it: one batch of {len(drive.prompts)} prompts ({lengths} tokens, padded by the runner), "
-        f"{len(drive.steps)} steps (prefill + decodes)",
-        "the runner serves one static batch per model_generate: no request finishes early or is admitted late, so "
-        "reuse is judged across its two model_generate calls on the same caches (warm-up, then the run)",
+        *shape,
         "oracle: recompute (the folder's own model and weights, each row's whole prefix in a fresh prefill; no "
         "transformers class is needed): it catches what the cache and the runner's bookkeeping do wrong, not an "
         "error the prefill and the decode path share",

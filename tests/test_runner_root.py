@@ -4,11 +4,15 @@ models/pangu_7b (openPangu has no transformers class: the recompute oracle is th
 
 Runner mistakes, each in a copy of the unmodified runner: the decode write position off by one (both ways) and the
 cache allocated again on every call.
+The config the folder reads (step 5): a config.json lacking fields is read through the folder's own config class; a
+field no class supplies is bad input naming the field and the model's file:line.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -116,3 +120,46 @@ def test_cli_exit_status_and_one_line_bad_input(tmp_path):
         bad = _cli(*args)
         lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
         assert bad.returncode == 2 and len(lines) == 1 and flag in lines[0], bad.stderr[-1000:]
+
+
+def _pangu_config() -> dict:
+    sys.path.insert(0, str(_folder()))
+    try:
+        from models.configuration_openpangu_dense import PanguEmbeddedConfig
+    finally:
+        sys.path.pop(0)
+        for name in [n for n in sys.modules if n == "models" or n.startswith("models.")]:
+            sys.modules.pop(name)
+    return PanguEmbeddedConfig().to_dict()
+
+
+def test_a_config_json_lacking_a_field_is_read_through_the_folders_config_class(tmp_path):
+    """rms_norm_eps and rope_theta left out of config.json: the folder's PanguEmbeddedConfig supplies its defaults,
+    and the report says which class read which file."""
+    from model_infer_kvcache.validators.runner_run import RunnerRequest, validate_runner
+
+    data = {k: v for k, v in _pangu_config().items() if k not in ("rms_norm_eps", "rope_theta")}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data, default=str), encoding="utf-8")
+    report = validate_runner(RunnerRequest(str(_folder()), config=str(path)))
+    assert report.passed, [(c.id, c.detail) for c in report.failed()]
+    assert f"config: PanguEmbeddedConfig (configuration_openpangu_dense.py) reading {path}" in \
+        report.provenance["replaced"]
+
+
+def test_a_field_no_config_class_supplies_is_exit_2_naming_field_and_line(tmp_path):
+    """The model reads config.qk_clip_threshold, which neither the config.json nor PanguEmbeddedConfig has: one
+    bad-input line naming the field and the model's file:line, not the model's runtime failure."""
+    root = tmp_path / "cann-recipes-infer"
+    shutil.copytree(upstream_head(), root)
+    model = root / "models" / "pangu_7b" / "models" / "modeling_openpangu_dense.py"
+    lines = model.read_text(encoding="utf-8").splitlines()
+    at = next(i for i, t in enumerate(lines) if t.strip() == "self.scale_fa = 1 / (self.head_dim ** 0.5)")
+    lines.insert(at, "        self.qk_clip = config.qk_clip_threshold")
+    model.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_pangu_config(), default=str), encoding="utf-8")
+    out = _cli("--runner-root", str(root / "models" / "pangu_7b"), "--config", str(path))
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-2000:]
+    assert "qk_clip_threshold" in errors[0] and f"modeling_openpangu_dense.py:{at + 1}" in errors[0], errors[0]

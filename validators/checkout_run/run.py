@@ -179,6 +179,11 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             _numeric(report, ref_model, run)
             # nothing was poisoned (no pool, no freed rows): V401's claim does not hold; V301 fails on NaN logits
             report.checks = [c for c in report.checks if c.id != "V401"]
+            if full and report.first_failure:  # where it starts (a replay of its one batch; failures only)
+                from model_infer_kvcache.validators.checkout_run.localise import localise_checkout
+
+                localise_checkout(report, manifest, engine, run, scenario, req.seed, rec, None, ref_model,
+                                  Path(model_file).resolve(), dtype, world)
             return
         n_layers = len(info.layer_infos)
         checks.check_runtime(report, manifest, rec, caches, run, n_layers)

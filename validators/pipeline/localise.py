@@ -7,7 +7,9 @@ call's arguments, output and ``file:line`` in the code under test (the model fil
 ``reference_activations`` runs transformers over the failing request with the same hooks, plus the keys and
 values its attention receives (after RoPE) and its scaling. ``localise`` compares them layer by layer, in the
 order a layer runs: attention input, cache write, attention output, MLP; the first sub-module that differs
-is named with its operator calls and the argument that differs from its expected value, where one does.
+is named with its operator calls and the argument that differs from its expected value, where one does,
+and with the first per-token map its code computed that contradicts the step's packing (``Capture.packing``:
+a token given the previous request's row, as a ``cu_seq_lens`` off by one does), where the driver knows it.
 """
 
 from __future__ import annotations
@@ -94,10 +96,16 @@ def cache_namer(holders: Callable[[], Iterable]) -> Callable[[torch.Tensor], str
 
 
 class Capture:
-    """What the model under test did at one step: each layer's sub-module rows and its operator calls."""
+    """What the model under test did at one step: each layer's sub-module rows and its operator calls.
+
+    ``packing``: the target step's packed rows as (request index within the step, position in its request) per
+    row, when the driver knows them (a packed prefill): while ``installed()``, every 1-D integer tensor of one
+    value per row that the code under test computes is held to them (``packing_finding``), so a per-token map
+    that is wrong only at request boundaries (a ``cu_seq_lens`` off by one) is named by its own line."""
 
     def __init__(self, model, target_step: int, current_step: Callable[[], int], code_files: Iterable,
-                 cache_name: Callable[[torch.Tensor], str | None], *, stop: bool = True):
+                 cache_name: Callable[[torch.Tensor], str | None], *, stop: bool = True,
+                 packing: tuple[list[int], list[int]] | None = None):
         self.blocks = decoder_blocks(model)
         self.model = model
         self.target = target_step
@@ -110,6 +118,7 @@ class Capture:
         self.calls: list[dict] = []
         self.input_ids: torch.Tensor | None = None
         self.done = False
+        self.packing = packing
 
     def active(self) -> bool:
         return not self.done and self.current_step() == self.target
@@ -118,7 +127,8 @@ class Capture:
     def installed(self):
         handles = self.install()
         try:
-            yield self
+            with _PackingMaps(self) if self.packing else contextlib.nullcontext():
+                yield self
         finally:
             for h in handles:
                 h.remove()
@@ -138,6 +148,7 @@ class Capture:
 
     def _model_input(self, _module, args, kwargs):
         if self.active():
+            self.layer = -1  # what runs before the first decoder layer (not the previous forward's last layer)
             ids = kwargs.get("input_ids", args[0] if args else None)
             self.input_ids = ids.detach().reshape(-1).cpu().clone() if isinstance(ids, torch.Tensor) else None
 
@@ -161,6 +172,18 @@ class Capture:
             self.done = True
             if self.stop:
                 raise ReplayDone()
+
+    def index_map(self, op: str, values: torch.Tensor) -> None:
+        """A 1-D integer tensor the code under test computed at the target step (``_PackingMaps``): recorded, with
+        its line, when it disagrees with the step's packing at request boundaries only; the first such map of a
+        layer only (the maps computed from it, ``token_idx - cu_seq_lens[batch_idx]``, repeat its mistake)."""
+        if not self.active() or values.numel() != len(self.packing[0]) or \
+                any(c["kind"] == "index" and c["layer"] == self.layer for c in self.calls):
+            return
+        finding = packing_finding(values.reshape(-1).tolist(), *self.packing)
+        at = self._where()
+        if finding is not None and at != "?":
+            self.calls.append({"op": op, "at": at, "layer": self.layer, "kind": "index", "finding": finding})
 
     def _where(self) -> str:
         """file:line (function) of the innermost frame in the code under test."""
@@ -202,6 +225,42 @@ class Capture:
     def tapping(self, ops):
         """A stand-in for a module's ``torch_npu`` that taps the FA and writer calls through it."""
         return _TappedOps(ops, self)
+
+
+class _PackingMaps(torch.overrides.TorchFunctionMode):
+    """Hands each 1-D integer tensor a torch function returns to ``Capture.index_map`` (the target step only)."""
+
+    def __init__(self, capture: Capture):
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and result.dim() == 1 and not result.is_floating_point() \
+                and not result.is_complex() and result.dtype != torch.bool and self.capture.active():
+            self.capture.index_map(f"torch.{getattr(func, '__name__', func)}", result)
+        return result
+
+
+def packing_finding(values: list[int], requests: list[int], positions: list[int]) -> str | None:
+    """What is wrong with a per-row map the model computed, when it is the step's request index or position of each
+    packed row everywhere but at some request boundaries (a request's first or last row); None otherwise (another
+    map altogether, or no row of any request lies inside it)."""
+    n = len(requests)
+    first = {r for r in range(n) if r == 0 or requests[r] != requests[r - 1]}
+    last = {r for r in range(n) if r == n - 1 or requests[r] != requests[r + 1]}
+    if not set(range(n)) - first - last:  # every row a boundary (decode rows, one-token prompts): nothing to tell
+        return None
+    for what, want in (("request index", requests), ("position", positions)):
+        bad = [r for r in range(n) if values[r] != want[r]]
+        if bad and all(r in first or r in last for r in bad):
+            shown = bad[:4]
+            rows = ", ".join(f"{r} (the {'first' if r in first else 'last'} token of request {requests[r]})"
+                             for r in shown) + (" ..." if len(bad) > len(shown) else "")
+            return (f"the {what} it gives each packed token is wrong at request boundaries: row(s) {rows} get "
+                    f"{', '.join(str(values[r]) for r in shown)} instead of {', '.join(str(want[r]) for r in shown)}; "
+                    f"its other {n - len(bad)} rows agree with the step's packing (each request's tokens in order)")
+    return None
 
 
 class _TappedOps:
@@ -349,6 +408,10 @@ def localise(capture: Capture, ref: ReferenceActivations, rows: list[int], posit
                 found = ("MLP", d, [], "the MLP's output (or the norm before it) differs from the reference's")
         if found is not None:
             submodule, diff, calls, why = found
+            if submodule != "attention input":  # a wrong per-token map of this layer's (or the model's) code
+                picked = {id(c) for c in calls} | {id(c) for c in capture.calls
+                                                   if c["kind"] == "index" and c["layer"] in (-1, i)}
+                calls = [c for c in capture.calls if id(c) in picked]  # in the order they ran
             where = [c["at"] for c in calls if c.get("finding")] or [c["at"] for c in calls]
             out.update(layer=i, submodule=submodule, max_abs_diff=diff, where=list(dict.fromkeys(where)),
                        calls=[_plain_call(c) for c in calls])

@@ -238,6 +238,7 @@ def run_ranks(step, payload, tp: int, manifest, progress=None) -> Report:
             if r == 0:  # every rank runs the same tiny model and stream: one copy of the notes
                 merged.notes += data.get("notes", [])
                 merged.provenance = data.get("provenance", {})
+                merged.localisation = data.get("localisation", {})  # rank 0's (checkout_run/localise.py)
     if input_error:
         where, message, field = input_error
         raise InputError(where, message, field=field)

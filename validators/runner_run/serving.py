@@ -107,7 +107,7 @@ def check_rows(report: Report, drive: Drive, reading: Reading) -> None:
     used = {r for step in drive.warm_steps for r in step.rows or []} if drive.steps else set()  # held before
     for s, step in enumerate(steps):
         offset = 0
-        for i, (q, want) in enumerate(zip(reading.served[s], reading.positions[s], strict=True)):
+        for q, want in zip(reading.served[s], reading.positions[s], strict=True):
             n = len(want) if step.is_prefill else 1
             got = step.positions[offset:offset + n]
             offset += n

@@ -642,8 +642,9 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
     if facts.is_mla and facts.model_type in rules.MLA_WITHOUT_ROPE:
         warnings.append(Finding(
             message=f"MLA without positional encoding: {rules.MLA_WITHOUT_ROPE[facts.model_type]}; the fused MLA "
-                    "writer (npu_kv_rmsnorm_rope_cache) and the absorb path rotate the rope part, so cos/sin must be "
-                    "the identity (cos 1, sin 0) or the rope part written and read unrotated",
+                    "writer (npu_kv_rmsnorm_rope_cache) rotates the rope part, so the render passes it cos 1 / sin 0 "
+                    "(the identity) and leaves the query's rope part unrotated; hand-written code must do the same, "
+                    "never the DeepSeek rotary (mla.rope false)",
             fields=["model_type", facts.mla.source]))
     if facts.linear.value is not None and facts.num_mtp_layers.value:
         warnings.append(Finding(

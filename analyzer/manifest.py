@@ -121,6 +121,9 @@ class MlaDecision(_Model):
     enabled: bool
     absorb: bool
     cache_mode: Literal["PA_NZ", "PA"] | None = None
+    rope: bool = Field(default=True, description="the qk_rope_head_dim part of queries and keys is rotated by "
+                                                 "position; False: position-free MLA (Kimi-Linear), that part is "
+                                                 "cached and attended unrotated")
     reason: str
     constraints: list[str] = Field(
         default_factory=list, description="what the absorb FA call and the fused writer require (MLA only)"

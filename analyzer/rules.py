@@ -624,11 +624,15 @@ def decide_mla(facts: ModelFacts, kv_mode: str) -> MlaDecision:
                   "latent replicated across attention TP")
     else:
         reason = "MLA on the Legacy path: no absorb (the FA absorb call needs the paged latent cache)"
-    return MlaDecision(enabled=facts.is_mla, absorb=absorb, cache_mode="PA_NZ" if absorb else None, reason=reason,
-                       constraints=mla_constraints(facts) if absorb else [])
+    rope = not (facts.is_mla and facts.model_type in MLA_WITHOUT_ROPE)
+    if not rope:
+        reason += f"; position-free: {MLA_WITHOUT_ROPE[facts.model_type]}, so the rope part is cached and attended " \
+                  "unrotated"
+    return MlaDecision(enabled=facts.is_mla, absorb=absorb, cache_mode="PA_NZ" if absorb else None, rope=rope,
+                       reason=reason, constraints=mla_constraints(facts, rope) if absorb else [])
 
 
-def mla_constraints(facts: ModelFacts) -> list[str]:
+def mla_constraints(facts: ModelFacts, rope: bool = True) -> list[str]:
     """What the MLA absorb path requires of the FA call and the fused writer (references/fa_operators.md,
     'MLA absorb 的约束')."""
     mla = facts.mla.value
@@ -648,6 +652,9 @@ def mla_constraints(facts: ModelFacts) -> list[str]:
     ]
     if mla.q_lora_rank is None:
         out.append("q_lora_rank is null: the query comes from a plain q_proj (no q_a_proj/q_b_proj)")
+    if not rope:
+        out.append("position-free: npu_kv_rmsnorm_rope_cache gets cos 1 / sin 0 (the identity: it writes k_rot as "
+                   "it is) and the query's rope part reaches FA unrotated")
     return out
 
 

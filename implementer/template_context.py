@@ -27,7 +27,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     FaKeywords,
     SparseFaCall,
 )
-from model_infer_kvcache.analyzer.rules import MLA_WITHOUT_ROPE, VALID_BLOCK_SIZES
+from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
@@ -156,6 +156,7 @@ class RenderContext:
     head_dim: int
     attn_tp_size: int
     is_mla: bool
+    mla_rope: bool  # False: position-free MLA (mla.rope), the rope part written and attended unrotated
     kv_lora_rank: int
     qk_rope_head_dim: int
     qk_nope_head_dim: int
@@ -350,9 +351,8 @@ def _check_numbers(m: SelectionManifest) -> None:
             raise _bad("layers", "MLA with sliding-window layers is not rendered")
         if not m.mla.absorb:
             raise _bad("mla.absorb", "only the absorb form of MLA is rendered (latent cache, kv_b_proj absorbed)")
-        if m.model.model_type in MLA_WITHOUT_ROPE:
-            raise _bad("model.model_type", f"MLA without positional encoding ({MLA_WITHOUT_ROPE[m.model.model_type]}): "
-                                           "the MLA template rotates the rope part of every query and key")
+        if not m.mla.rope and m.dsa is not None:
+            raise _bad("mla.rope", "position-free MLA with a DSA indexer is not rendered (the indexer rotates its keys)")
         if m.mla.cache_mode not in (None, "PA_NZ"):
             raise _bad("mla.cache_mode", f"{m.mla.cache_mode!r}: the MLA template writes and reads PA_NZ")
         for field in ("kv_lora_rank", "qk_rope_head_dim"):
@@ -430,6 +430,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         head_dim=int(m.model.head_dim),
         attn_tp_size=int(m.parallel.attn_tp_size),
         is_mla=m.mla.enabled,
+        mla_rope=m.mla.rope,
         kv_lora_rank=mla.kv_lora_rank if mla else 0,
         qk_rope_head_dim=mla.qk_rope_head_dim if mla else 0,
         qk_nope_head_dim=mla.qk_nope_head_dim if mla else 0,

@@ -224,7 +224,7 @@ def _manifest_with(source: Path, edit) -> SelectionManifest:
 def test_linear_attention_layers_get_a_clear_message():
     """Gated-delta-net, KDA and lightning states render (templates/linear_state.py.j2; lightning: one recurrent
     state, no conv); states of a Legacy (contiguous-cache) plan are refused naming the state field and the family;
-    Kimi-Linear's NoPE MLA is refused by the MLA template."""
+    Kimi-Linear's NoPE MLA renders position-free."""
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     configs = ROOT / "tests" / "fixtures" / "configs"
@@ -239,9 +239,9 @@ def test_linear_attention_layers_get_a_clear_message():
     text = info.value.render()
     assert "recurrent state" in text and "lightning_attention, Legacy" in text and "layers[0].states" in text
     assert "references/hybrid_linear.md" in text
-    with pytest.raises(InputError) as info:
-        render_manifest(analyze(AnalyzeRequest(config=str(configs / "kimi_linear.json"))))
-    assert info.value.field == "model.model_type" and "without positional encoding" in info.value.render()
+    # Kimi-Linear's position-free MLA renders (tests/test_position_free_mla.py): no cos/sin in its attention call
+    kimi = render_manifest(analyze(AnalyzeRequest(config=str(configs / "kimi_linear.json")))).files
+    assert "def kv_cache_attention(self, q_nope, q_pe, compressed_kv, forward_metadata):" in kimi["kvcache_attention.py"]
 
 
 @pytest.mark.parametrize("edit, needle", [

@@ -230,14 +230,16 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     q = q.view(t, -1, self.qk_head_dim)
     q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
     compressed_kv = self.kv_a_proj_with_mqa(x)
-    cos, sin = (t.to(x.dtype) for t in _cos_sin(position_embeddings))  # DeepSeek-V2's freqs stay float32
-    q_rot = _interleaved_rope(q_rot, cos[:, None, :], sin[:, None, :])
+    # position-free MLA (Kimi-Linear: no rotary, none passed): q_rot and k_rot stay unrotated, the render takes no cos/sin
+    rope = () if position_embeddings is None else tuple(t.to(x.dtype) for t in _cos_sin(position_embeddings))
+    if rope:  # DeepSeek-V2's freqs stay float32
+        q_rot = _interleaved_rope(q_rot, rope[0][:, None, :], rope[1][:, None, :])
     host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
                       q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
                       hf_scaling=getattr(self, "scaling", None), kv_lens=_as_list(fm.actual_seq_lengths_kv))
     # DSA (an indexer beside the MLA): the rendered code selects keys from the hidden states and the query residual
     dsa = {"hidden_states": x, "q_resid": q_resid} if getattr(self, "indexer", None) is not None else {}
-    out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, cos, sin, fm, **dsa)
+    out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, *rope, fm, **dsa)
     if getattr(self, "g_proj", None) is not None:  # a gated MLA (Ling-3.0): one sigmoid gate per head, as the model
         out = out * torch.sigmoid(self.g_proj(x).float()).to(out.dtype).unsqueeze(-1)
     out = self.o_proj(out.reshape(t, -1))[None]

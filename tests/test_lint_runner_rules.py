@@ -234,3 +234,36 @@ def test_kv904_fires(body):
 ], ids=["same-counter", "lengths-parameter", "slots-parameter", "device-lengths"])
 def test_kv904_silent(body):
     assert _rules(_runner(body, PAGED_HEAD), "KV904") == []
+
+
+SERVING_LOOP = '''\
+class Runner:
+    def __init__(self, batch_size):
+        self.batch_size = batch_size
+        self.row_len = [0] * batch_size
+
+    def generate(self, requests):
+        free_rows = list(range(self.batch_size))
+        running = {}
+        while requests or running:
+            while requests and free_rows:
+                row = free_rows.pop(0)
+                running[row] = requests.pop()
+            for row in sorted(running):
+                self.row_len[row] += 1
+            for row in [r for r, q in running.items() if q.done]:
+                self._finish(row, running, free_rows)
+
+    def _finish(self, row, running, free_rows):
+        del running[row]
+        self.row_len[row] = 0
+        free_rows.append(row)
+'''
+
+
+def test_kv902_follows_a_serving_loops_own_free_list_into_its_helpers():
+    """The free list a serving loop keeps in a local (handed to its finish helper by name) and a per-row length:
+    the migrated pangu runner's shape (examples/pangu_7b_standalone). Its finish helper resets the row's length;
+    without that line the rule fires at the row handed out."""
+    assert _rules(SERVING_LOOP, "KV902") == []
+    assert _rules(SERVING_LOOP.replace("        self.row_len[row] = 0\n", ""), "KV902") == [("KV902", 11)]

@@ -109,9 +109,15 @@ def test_the_migrated_runner_serves_requests_and_passes(migrated):
 def test_a_freed_row_reused_without_clearing_fails_by_name(tmp_path, migrated):
     """_finish frees the row but keeps its length: the next request in that row is fed positions continuing the
     previous one's (here past the rotary table: the run stops, and the steps before say why)."""
+    from model_infer_kvcache.validators.lint import lint_source
+
     site = _line(migrated, "forward_metadata = self._build_forward_metadata(rows, lengths)")
-    report = _validate(migrated, _mistake(migrated, tmp_path, "        del running[row]\n        self.row_len[row] = 0\n",
-                                          "        del running[row]\n"))
+    copy = _mistake(migrated, tmp_path, "        del running[row]\n        self.row_len[row] = 0\n", "        del running[row]\n")
+    # lint sees it statically too (KV902: the serving loop's free list, the row length only ever advanced)
+    assert [f.rule for f in lint_source((migrated / RUNNER).read_text(encoding="utf-8"), path="r.py",
+                                        select="KV902")] == []
+    assert [f.rule for f in lint_source(copy.read_text(encoding="utf-8"), path="r.py", select="KV902")] == ["KV902"]
+    report = _validate(migrated, copy)
     checks = _by_id(report)
     assert not report.passed and not checks["V226"].passed
     assert checks["V226"].detail.startswith("step 2 (prefill) request 3 admitted into row 1 at positions 18..46: a new "

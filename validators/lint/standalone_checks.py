@@ -1,6 +1,7 @@
 """KV9xx: what a standalone runner must get right itself (the framework does it for framework files).
 
-* KV902 a class hands slots out of a free list and takes them back, while a per-slot length attribute
+* KV902 a class hands slots out of a free list (an attribute, or a serving loop's local list handed to its helpers
+  by name) and takes them back, while a per-slot length attribute
   is only ever advanced (``+=``, ``add_``): nothing resets it, so a reused slot starts where the last
   request stopped. Any other write of the length (``= 0``, ``zero_()``, ``fill_``, a whole
   reassignment outside ``__init__`` and the methods only ``__init__`` calls, an alias or the whole
@@ -26,7 +27,7 @@ from model_infer_kvcache.validators.lint.hidden_layout import _name
 from model_infer_kvcache.validators.lint.scope import is_self_attr
 
 # Per-slot length counters, by name: kv_len, seq_lens, cache_lens, context_lens, cur_pos, lengths...
-_LEN_ATTR = re.compile(r"^_?(kv|seq|cache|cached|ctx|context|past|cur|computed|filled)_?"
+_LEN_ATTR = re.compile(r"^_?(kv|seq|cache|cached|ctx|context|past|cur|computed|filled|row|slot)_?"
                        r"(len|lens|length|lengths|pos|positions)$|^_?(lengths|positions|num_computed_tokens)$")
 _POOL_TAKE = {"pop", "popleft"}
 _POOL_GIVE = {"append", "appendleft", "add", "extend", "insert"}
@@ -81,6 +82,10 @@ class StandaloneChecks:
     def recycled_slots(self, cls: ast.ClassDef) -> None:
         defs = self.info.class_attr_defs(cls)
         pools = {attr for attr, sites in defs.items() if any(_is_slot_pool(attr, stmt) for _, stmt in sites)}
+        # a serving loop's own free list (``free_rows = list(range(self.batch_size))``), handed to its helpers
+        # under the same name: taken from and given back to by that name anywhere in the class
+        pools |= {t.id for node in ast.walk(cls) if isinstance(node, ast.Assign) for t in node.targets
+                  if isinstance(t, ast.Name) and _is_slot_pool(t.id, node)}
         if not pools:
             return
         takes: dict[str, ast.Call] = {}
@@ -104,7 +109,9 @@ class StandaloneChecks:
             grown = self._only_grown(nodes)
             if grown is not None:
                 pool = recycled[0]
-                self.c.emit("KV902", takes[pool], pool=f"self.{pool}", length=f"self.{attr}",
+                named = pool if any(isinstance(n, ast.Name) and n.id == pool for n in ast.walk(takes[pool])) \
+                    else f"self.{pool}"
+                self.c.emit("KV902", takes[pool], pool=named, length=f"self.{attr}",
                             grow=ast.unparse(grown), line=grown.lineno)
                 return
 
@@ -401,6 +408,8 @@ def _pool_of(call: ast.Call) -> str | None:
         return func.value.attr
     if _name(func) in ("heappop", "heappush") and call.args and is_self_attr(call.args[0]):
         return call.args[0].attr
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):  # a method's own free list
+        return func.value.id
     return None
 
 

@@ -68,23 +68,17 @@ def read_requests(drive: Drive) -> Reading:
                 q = occupant.get(row)
                 if q not in live or tokens[q][-1] != fed:
                     by_token = [p for p in live if tokens[p][-1] == fed and p not in served]
-                    if len(by_token) == 1:
-                        actual = by_token[0]
-                        held = "is free" if q not in live else f"holds request {q}"
+                    if len(by_token) == 1 or q not in live:
+                        actual = by_token[0] if len(by_token) == 1 else None
+                        held = (f"holds request {q}" if q in live else "is free") if actual is not None else \
+                            f"holds no live request (the live ones are in rows {sorted(reading.home[p] for p in live)})"
+                        whose = "" if actual is None else \
+                            f"; the token it feeds is request {actual}'s, whose cache row is {reading.home[actual]}"
                         reading.row_problems.append(
-                            f"decode step {s} batch row {i}: given the metadata of cache row {row}, which {held}; "
-                            f"the token it feeds is request {actual}'s, whose cache row is {reading.home[actual]}"
+                            f"decode step {s} batch row {i}: given the metadata of cache row {row}, which {held}{whose}"
                             + (": the batch row index was used as the cache row" if row == i else "")
                             + f" ({step.site})")
                         q = actual
-                    elif q not in live:
-                        rows_live = sorted(reading.home[p] for p in live)
-                        reading.row_problems.append(
-                            f"decode step {s} batch row {i}: given the metadata of cache row {row}, which holds no "
-                            f"live request (the live ones are in rows {rows_live})"
-                            + (": the batch row index was used as the cache row" if row == i else "")
-                            + f" ({step.site})")
-                        q = None
                 served.append(q)
                 prefixes.append(list(tokens[q]) if q is not None else None)
                 positions.append([len(tokens[q]) - 1] if q is not None else [])

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from checkout_support import ORACLE
 from shared_dirs import upstream_head
 
 MODEL = "deepseek_v3_2_exp"
@@ -34,11 +35,12 @@ def _validate(tmp_path: Path, overrides: dict | None = None, **kw):
     from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
     # attention TP 2: the model registers its MoE expert-parallel group only with more than one rank;
-    # finalize_skip1_alone (its MoE prefill's operator question) is deepseek_r1's test's to sweep
+    # finalize_skip1_alone (its MoE prefill's operator question) is deepseek_r1's test's to sweep; the transformers
+    # oracle alone: these tests are not about the recompute oracle (tests/checkout_support.py)
     config = _config(tmp_path, **(overrides or {}))
     return validate_checkout(CheckoutRequest(str(upstream_head()), MODEL, str(config), attn_tp_size=2,
                                              readings=(("finalize_skip1_alone", "added"),),
-                                             **{"sweep_readings": False, **kw}))
+                                             **{"sweep_readings": False, "oracle": ORACLE, **kw}))
 
 
 def _by_id(report, check_id: str) -> list:

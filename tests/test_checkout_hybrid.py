@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from checkout_support import ORACLE
 from shared_dirs import ROOT, upstream_head
 
 EXAMPLE = ROOT / "examples" / "qwen3_5_framework"
@@ -45,8 +46,9 @@ def _validate(root: Path, config: Path, **kw):
 
     # attention TP 2: the render is for TP 2, and at one rank the MoE needs an expert-parallel group it registers
     # only for EP > 1
+    # the transformers oracle alone: these tests are not about the recompute oracle (tests/checkout_support.py)
     return validate_checkout(CheckoutRequest(str(root), "qwen3.5", str(config), attn_tp_size=2,
-                                             **{"sweep_readings": False, **kw}))
+                                             **{"sweep_readings": False, "oracle": ORACLE, **kw}))
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from checkout_support import ORACLE
 from shared_dirs import ROOT, upstream_head
 
 CONFIG = ROOT / "tests" / "fixtures" / "configs" / "ling_2_5.json"
@@ -120,9 +121,12 @@ def _validate(**kw):
     from model_infer_kvcache.validators.checkout_run import ENGINE_QUICK, CheckoutRequest, validate_checkout
 
     # attention TP 2: at one rank the model builds no communication groups and its MoE reads them
-    # (modeling_bailing_moe_v2_5.py:423); its shipped yaml runs the MoE expert-parallel over every rank
+    # (modeling_bailing_moe_v2_5.py:423); its shipped yaml runs the MoE expert-parallel over every rank. The
+    # transformers oracle alone (here kvcache's Ling-2.5 reference): not a test of the recompute oracle
+    # (tests/checkout_support.py)
     return validate_checkout(CheckoutRequest(str(upstream_head()), "bailing_2_5", str(CONFIG), attn_tp_size=2,
-                                             **{"sweep_readings": False, "scenario": ENGINE_QUICK, **kw}))
+                                             **{"sweep_readings": False, "scenario": ENGINE_QUICK, "oracle": ORACLE,
+                                                **kw}))
 
 
 @pytest.mark.slow

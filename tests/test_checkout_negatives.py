@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from checkout_support import ORACLE
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 from shared_dirs import upstream_head
 
@@ -250,10 +251,12 @@ def validate_copy(family: str, model_file: Path, manifest: str, tp: int | None =
     from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
     fam = FAMILIES[family]
+    # the transformers oracle alone: what each mistake fails is named by its check, not by the recompute oracle,
+    # whose agreement on these edits is tests/test_checkout_recompute.py's (tests/checkout_support.py)
     return validate_checkout(CheckoutRequest(
         framework_root=str(upstream_head()), model=fam.model, config=str(CONFIGS / f"{fam.config}.json"),
         manifest=manifest, attn_tp_size=tp, model_file=str(model_file), scenario=NEG_STREAM, sweep_readings=False,
-        readings=fam.readings))
+        readings=fam.readings, oracle=ORACLE))
 
 
 def _plain_name(check) -> str:

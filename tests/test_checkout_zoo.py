@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkout_support import ORACLE
 from shared_dirs import ROOT, upstream_head
 
 
@@ -30,8 +31,9 @@ def _default_config(tmp_path: Path, cls_name: str, **overrides) -> Path:
 def _validate(model: str, config: Path, **kw):
     from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
+    # the transformers oracle alone: these tests are not about the recompute oracle (tests/checkout_support.py)
     return validate_checkout(CheckoutRequest(str(upstream_head()), model, str(config),
-                                             **{"sweep_readings": False, **kw}))
+                                             **{"sweep_readings": False, "oracle": ORACLE, **kw}))
 
 
 def _cli(model: str, config: Path, *extra: str):

@@ -271,12 +271,14 @@ def test_validate_calls_a_dry_run_a_dry_run_and_says_why_dependencies_are_not_sw
 def test_checkout_mode_runs_under_the_measured_readings(tmp_path):
     """The checkout mode takes --device-readings too: upstream gpt-oss (pre_tokens = W) passes on a device
     measured to count the query inside pre_tokens, and the settled question is not swept."""
+    from checkout_support import ORACLE
     from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
     from shared_dirs import upstream_head
 
     path = write(tmp_path, as_device(measured(DeviceReadings(window_pre_tokens="inclusive"))))
+    # the transformers oracle alone: not a test of the recompute oracle (tests/checkout_support.py)
     report = validate_checkout(CheckoutRequest(str(upstream_head()), "gpt_oss", str(CONFIGS / "gpt_oss_20b.json"),
-                                               device_readings=path))
+                                               device_readings=path, oracle=ORACLE))
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     assert report.readings["window_pre_tokens"] == "inclusive"
     assert any("window_pre_tokens settled by measurement (inclusive): sweep skipped" in n for n in report.notes)

@@ -42,6 +42,8 @@ def rendered_files(folder: Path) -> list[Path]:
         except (OSError, UnicodeDecodeError):  # not a render: kvcache writes utf-8
             continue
     return found
+
+
 PAD_ID = 0
 
 
@@ -70,13 +72,12 @@ class Step:
     written: list[list[int]] | None = None
     cache_ptrs: tuple[int, ...] = ()  # storages of the caches the step used: allocated once, kept by every step
     # a serving runner's step (Drive.serving): the rows it built the metadata for, the prompt lengths of a prefill,
-    # the packed token ids and positions it fed, the FA block table, each paged writer call's slots, and where in
+    # the packed token ids and positions it fed, each paged writer call's slots, and where in
     # the runner the metadata was built
     rows: list[int] | None = None
     prompt_lens: list[int] | None = None
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    block_table: torch.Tensor | None = None
     slots: list[list[int]] = field(default_factory=list)
     site: str = ""
 
@@ -351,7 +352,7 @@ def _caller_site(sf: StandaloneFolder) -> str:
 
 
 def _spy_metadata(sf: StandaloneFolder, runner, drive: Drive) -> dict:
-    """Wrap the runner's metadata builder: each step's rows, prompt lengths, block table and call site."""
+    """Wrap the runner's metadata builder: each step's rows, prompt lengths and call site."""
     real = runner._build_forward_metadata
     drive.build_metadata = real
     pending: dict = {}
@@ -359,7 +360,7 @@ def _spy_metadata(sf: StandaloneFolder, runner, drive: Drive) -> dict:
     def spy(rows, prompt_lens=None):
         meta = real(rows, prompt_lens)
         pending.update(rows=[int(r) for r in rows], prompt_lens=None if prompt_lens is None else
-                       [int(n) for n in prompt_lens], block_table=meta.block_table.clone(), site=_caller_site(sf))
+                       [int(n) for n in prompt_lens], site=_caller_site(sf))
         return meta
     runner._build_forward_metadata = spy
     return pending
@@ -429,7 +430,7 @@ def drive_runner(sf: StandaloneFolder, scenario: Scenario, tmp: Path, config_jso
                         cache_ptrs=ptrs)
             if drive.serving:
                 step.rows, step.prompt_lens = pending.get("rows"), pending.get("prompt_lens")
-                step.block_table, step.site = pending.get("block_table"), pending.get("site", "?")
+                step.site = pending.get("site", "?")
                 step.ids = model_inputs["input_ids"].reshape(-1).tolist() if "input_ids" in model_inputs else []
                 step.positions = model_inputs["position_ids"].reshape(-1).tolist() \
                     if "position_ids" in model_inputs else []

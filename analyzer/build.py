@@ -500,7 +500,8 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
         # A linear layer of an unknown family plans no state (a blocker says why): no Mamba entry without shapes.
         attn_type = FULL_ATTENTION if kind == "linear" and facts.linear.value is None else rules.decide_attn_type(kind)
         caches = rules.decide_caches(facts, parallel, kv_mode, kind, cache_dtype, decoder_idx)
-        states = rules.linear_states(facts, parallel.attn_tp_size, cache_dtype) if attn_type == MAMBA else []
+        states = (rules.linear_states(facts, parallel.attn_tp_size, cache_dtype, int(facts.num_mtp_layers.value or 0))
+                  if attn_type == MAMBA else [])
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
@@ -646,14 +647,6 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                     "(the identity) and leaves the query's rope part unrotated; hand-written code must do the same, "
                     "never the DeepSeek rotary (mla.rope false)",
             fields=["model_type", facts.mla.source]))
-    if facts.linear.value is not None and facts.num_mtp_layers.value:
-        warnings.append(Finding(
-            message=f"{facts.num_mtp_layers.value} MTP layer(s) beside linear layers: each request then holds 1 + "
-                    "next_n state blocks, one per verify token, and the next step starts from the last accepted "
-                    "token's block, which the framework's forward metadata does not name (no accepted count); "
-                    "kvcache render does not render that: analyze with --next-n 0 to serve without speculative "
-                    "decoding (references/hybrid_linear.md)",
-            fields=[facts.num_mtp_layers.source]))
     unplanned = [layer.index for layer in layers if layer.layer_kind == "linear" and not layer.is_state]
     if unplanned:
         warnings.append(Finding(

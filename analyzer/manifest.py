@@ -179,7 +179,7 @@ class StateSpec(_Model):
 
     name: str
     shape: list[int] = Field(description="one request's state on one attention-TP rank")
-    dtype: Literal["bfloat16", "float16", "float32"]
+    dtype: Literal["bfloat16", "float16", "float32", "int32"]
     layout: str = Field(description="what each dim of shape is")
 
     @property
@@ -210,6 +210,21 @@ class LinearAttentionDecision(_Model):
     state_bytes_per_layer: int = Field(description="one request's states of one linear layer, one rank")
     framework_entry: str = Field(description="how the states register with the framework")
     operators: dict[str, str] = Field(description="what computes the recurrence: prefill / decode")
+    state_blocks_per_request: int = Field(default=1, ge=1, description="state blocks one decoding request holds: "
+                                                                       "1 + next_n (one per verify token)")
+    speculative: str | None = Field(default=None, description="how a verify step keeps the states (one block per "
+                                                              "verify token, resumed from the last accepted one); "
+                                                              "None: no speculative decoding")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """Written only under speculative decoding: manifests without it keep their bytes and hash."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("speculative", "") is None:
+            del data["speculative"]
+            if data.get("state_blocks_per_request") == 1:
+                del data["state_blocks_per_request"]
+        return data
     reference: str | None = Field(description="what the validation compares against: transformers' own classes, "
                                               "or for a family transformers lacks (Ling-2.5 lightning) kvcache's "
                                               "reference built from transformers' code; None: none named (a "

@@ -40,6 +40,8 @@ FA_MAX_HEAD_DIM = 512
 FA_HEAD_DIM_ALIGN = 16
 MLA_LATENT_DIMS = (512, 128)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
+STATE_DTYPE_BYTES = {**DTYPE_BYTES, "int32": 4}  # a state entry may be an index (the speculative anchor)
+SPEC_ANCHOR = "state_anchor"  # the speculative state slots' anchor entry (one int32 per request's first block)
 
 # Softmax-scale rule of every family whose transformers attention code these rules were read from
 # (`self.scaling = ...` in modeling_<family>.py); MLA families add YaRN mscale² on top of head_dim.
@@ -491,13 +493,14 @@ LINEAR_OPERATORS = {
 }
 
 
-def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None) -> list[StateSpec]:
+def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: int = 0) -> list[StateSpec]:
     """One linear layer's state entries on one rank (empty without linear layers).
 
     The conv state keeps ``kernel - 1`` inputs: the convolution of a new token reads exactly the previous
     ``kernel - 1`` (transformers and upstream qwen3_5 keep ``kernel`` columns, the oldest never read). The
     recurrent state is laid out as the code that updates it takes it: gated delta net ``[Nv, Dv, Dk]``
     (npu_recurrent_gated_delta_rule, bfloat16 only), KDA / lightning ``[H, Dk, Dv]`` (their torch recurrences).
+    ``next_n`` > 0 (speculative decoding): one more entry, the anchor (decide_linear's ``speculative``).
     """
     lin = facts.linear.value
     if lin is None:
@@ -518,12 +521,33 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None) -> list[
         out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim, lin.head_v_dim],
                              dtype="float32" if lin.family == KIMI_DELTA else dtype,
                              layout="[heads, Dk, Dv] (the torch recurrence's state)"))
+    if next_n:
+        out.append(StateSpec(name=SPEC_ANCHOR, shape=[1], dtype="int32",
+                             layout="[the position whose state the request's first state block holds]: column c of "
+                                    "its 1 + next_n blocks holds the state after position anchor + c"))
     return out
 
 
 def state_bytes(states: list[StateSpec]) -> int:
     """Bytes of one request's states of one layer."""
-    return sum(s.numel * DTYPE_BYTES[s.dtype] for s in states)
+    return sum(s.numel * STATE_DTYPE_BYTES[s.dtype] for s in states)
+
+
+def decide_speculative_states(next_n: int, has_conv: bool) -> str | None:
+    """How a verify step (1 + next_n tokens per request) keeps recurrent states; None without speculation."""
+    if not next_n:
+        return None
+    conv = "its conv window and " if has_conv else ""
+    return (f"speculative decoding verifies 1 + {next_n} tokens per request, and a rejected draft must not advance "
+            "a recurrent state: each request holds 1 + next_n state blocks (the framework's Mamba table at decode, "
+            "MambaCacheEntry(next_n=...); cache_utils: width 1 + next_n once decoding) and token c of a verify step "
+            f"writes {conv}its state after that token to column c. The next step resumes from the column of the last "
+            "accepted token. The framework's ForwardMetaData names no accepted count, so each request's first block "
+            f"keeps an anchor ({SPEC_ANCHOR}, int32): column c holds the state after position anchor + c, and a step "
+            "starting at position s (actual_seq_lengths_kv - q_len) resumes from column s - anchor - 1, then sets "
+            "anchor = s. Decode runs the recurrence one token per call (each call reads and writes one slot), so no "
+            "device reading of num_accepted_tokens / every-token writes is relied on (gdr_accepted_start, "
+            "gdr_state_writes)")
 
 
 def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = None
@@ -533,7 +557,8 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
     if lin is None:
         return None
     tp = parallel.attn_tp_size
-    states = linear_states(facts, tp, dtype)
+    next_n = int(facts.num_mtp_layers.value or 0)
+    states = linear_states(facts, tp, dtype, next_n)
     layers = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == "linear"]
     conv = (f"conv state [{lin.conv_channels_per_rank(tp)}, {lin.conv_kernel - 1}] and " if lin.conv_kernel else "")
     return LinearAttentionDecision(
@@ -553,6 +578,8 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
                         "per state, attn_type Mamba (block size 1, one block per request plus one per speculative "
                         "token): frameworks from fda5670 on (executor/core/kv_cache/cache_info.py defines MambaCacheEntry)",
         operators=LINEAR_OPERATORS[lin.family],
+        state_blocks_per_request=1 + next_n,
+        speculative=decide_speculative_states(next_n, bool(lin.conv_kernel)),
         reference=lin.reference,
         source=lin.source,
         reason=f"{len(layers)} linear layers keep {conv}a recurrent state per request instead of a KV cache: the "

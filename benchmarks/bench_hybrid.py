@@ -9,7 +9,10 @@ Target on 2 idle cores: <= 60 s per deployment mode (issue #25). Informational, 
 bailing_hybrid, KDA linear layers, its MTP layer dropped) in framework mode at its published 32 x 128 linear heads,
 where transformers' own float64 reference (depthwise conv1d, chunk KDA) takes most of the time.
 
-Run: python benchmarks/bench_hybrid.py [--skip-kda]
+--mtp: the hybrids as published with their MTP layer (Qwen3.5-MoE `mtp_num_hidden_layers: 1`, Ling-2.5
+`num_nextn_predict_layers: 1`), speculative state slots and the verify-step stream included (issue #41); same target.
+
+Run: python benchmarks/bench_hybrid.py [--skip-kda] [--mtp]
 """
 
 from __future__ import annotations
@@ -49,8 +52,22 @@ def _ling3_config(tmp: Path) -> Path:
     import json
 
     cfg = json.loads((ROOT / "tests" / "fixtures" / "configs" / "bailing_hybrid_kda.json").read_text())
-    cfg["num_nextn_predict_layers"] = 0  # the state templates do not render MTP verify steps
+    cfg["num_nextn_predict_layers"] = 0  # the figure without MTP, as measured before speculative state slots
     path = tmp / "ling3.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _with_mtp(config: Path, tmp: Path) -> Path:
+    """The config with its published MTP layer (one)."""
+    import json
+
+    cfg = json.loads(config.read_text())
+    if "text_config" in cfg:
+        cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    else:
+        cfg["num_nextn_predict_layers"] = 1
+    path = tmp / f"mtp_{config.name}"
     path.write_text(json.dumps(cfg))
     return path
 
@@ -67,10 +84,15 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--skip-kda", action="store_true", help="the gated-delta-net cases only")
+    p.add_argument("--mtp", action="store_true", help="Qwen3.5-MoE and Ling-2.5 with their MTP layer, both modes")
     args = p.parse_args()
-    cases = [(f"{model} {mode}", lambda tmp, c=config, m=mode: c, mode, TARGET_S)
-             for model, config in CONFIGS.items() for mode in MODES]
-    if not args.skip_kda:
+    if args.mtp:
+        cases = [(f"{model}+mtp {mode}", lambda tmp, c=CONFIGS[model]: _with_mtp(c, tmp), mode, TARGET_S)
+                 for model in ("qwen3_5_moe", "ling_2_5") for mode in MODES]
+    else:
+        cases = [(f"{model} {mode}", lambda tmp, c=config, m=mode: c, mode, TARGET_S)
+                 for model, config in CONFIGS.items() for mode in MODES]
+    if not args.skip_kda and not args.mtp:
         cases.append(("ling3 (KDA) framework", _ling3_config, "framework", None))
     rows = []
     for name, config_of, mode, target in cases:

@@ -129,6 +129,7 @@ class LinearCtx:
     layers: tuple[int, ...]
     state_shape: str  # one request's recurrent state, as the rendered constants: the family's layout
     state_layout: str  # which layout, and whose
+    next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
 
     @property
     def family_name(self) -> str:
@@ -278,10 +279,6 @@ def _check_layers(m: SelectionManifest) -> None:
                    f"{'' if m.kv_mode.value == 'paged' else ', Legacy'}); the templates render the states of "
                    f"{', '.join(RENDERED_LINEAR)} paged models only: implement them by hand from the manifest's "
                    "linear_attention section (references/hybrid_linear.md)")
-    if states and m.mtp is not None:
-        raise _bad("mtp", "a hybrid model with MTP layers: the state templates do not render speculative state "
-                          "slots (1 + next_n per request; the framework's forward metadata names no accepted count "
-                          "to resume from): analyze with --next-n 0 to render it without speculative decoding")
     uncached = [layer for layer in m.layers if not layer.caches and not layer.is_state]
     if uncached:
         kinds = sorted({layer.layer_kind for layer in uncached})
@@ -473,7 +470,7 @@ def _linear_ctx(m: SelectionManifest) -> LinearCtx | None:
     return LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank), int(lin.head_k_dim),
                      int(lin.head_v_dim), int(lin.conv_kernel or 0), int(lin.conv_channels_per_rank),
                      _TORCH_DTYPE[conv.dtype] if conv else "None", _TORCH_DTYPE[rec.dtype], tuple(lin.layers),
-                     f"({shape})", layout)
+                     f"({shape})", layout, lin.state_blocks_per_request - 1)
 
 
 def _dsa_fields(m: SelectionManifest) -> dict:

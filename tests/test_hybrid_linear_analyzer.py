@@ -78,7 +78,8 @@ def test_kda_families_read_their_own_fields(tmp_path):
     lin = m.linear_attention
     assert lin.family == "kimi_delta_attention" and (lin.num_v_heads, lin.head_k_dim) == (32, 128)
     assert [(s.name, s.shape, s.dtype) for s in lin.states] == [
-        ("conv_state", [3 * 16 * 128, 3], "bfloat16"), ("recurrent_state", [16, 128, 128], "float32")]
+        ("conv_state", [3 * 16 * 128, 3], "bfloat16"), ("recurrent_state", [16, 128, 128], "float32"),
+        ("state_anchor", [1], "int32")]  # its MTP layer: speculative state slots and their anchor
     assert _linear_of(m) == [i for i in range(42) if (i + 1) % 6]
     # the same model re-saved by transformers (head_dim overwritten with qk_rope_head_dim, linear_* added)
     from transformers import BailingHybridConfig
@@ -211,19 +212,20 @@ def test_cli_refuses_an_ambiguous_bailing_config_in_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: model_type:") and "group_norm_size" in lines[0]
 
 
-def test_a_hybrid_with_mtp_is_planned_with_its_speculative_state_blocks_and_said_unrendered(tmp_path):
+def test_a_hybrid_with_mtp_is_planned_and_rendered_with_its_speculative_state_blocks(tmp_path):
     """Published Qwen3.5 configs carry one MTP layer: a request then holds 1 + next_n state blocks (the framework's
-    Mamba group), the analyzer says the render does not do that yet, and render refuses by the mtp field."""
+    Mamba group), the plan says how a verify step keeps them, and the render carries them (tests/test_hybrid_mtp.py
+    validates it)."""
     from model_infer_kvcache.implementer.render import render_manifest
 
     cfg = json.loads((CONFIGS / "qwen3_5_moe.json").read_text())
     cfg["text_config"]["mtp_num_hidden_layers"] = 1
     m = run_config(tmp_path, cfg, max_len=4096, max_concurrency=4)
     assert m.model.num_mtp_layers == 1 and m.memory.blocks["Mamba"] == 4 * (1 + 1) + 1
-    assert any("1 + next_n state blocks" in w.message for w in m.warnings)
-    with pytest.raises(InputError) as info:
-        render_manifest(m)
-    assert info.value.field == "mtp" and "--next-n 0" in info.value.render()
+    assert m.linear_attention.state_blocks_per_request == 2 and "last accepted" in m.linear_attention.speculative
+    assert not any("1 + next_n state blocks" in w.message for w in m.warnings)  # planned, nothing to warn of
+    text = render_manifest(m).files["kvcache_attention.py"]
+    assert "NEXT_N = 1" in text and "def resume_columns(" in text
 
 
 def _rendered_code(manifest) -> dict[str, list[str]]:

@@ -113,8 +113,8 @@ def test_attention_tp_splits_the_linear_heads_and_their_states(tmp_path, config,
 
 
 def _ling3_case(tmp: Path, mode: str):
-    """Ling-3.0 (transformers' bailing_hybrid: KDA linear layers, gated MLA full layers) without its MTP layer (the
-    state templates do not render MTP verify steps yet), at 8 heads of 64: the torch recurrence has no operator
+    """Ling-3.0 (transformers' bailing_hybrid: KDA linear layers, gated MLA full layers) without its MTP layer (with
+    it: tests/test_hybrid_mtp.py), at 8 heads of 64: the torch recurrence has no operator
     limit on its sizes, and transformers' float64 reference at the published 32 x 128 takes a minute a stream
     (benchmarks/bench_hybrid.py's figure in references/hybrid_linear.md)."""
     import json

@@ -29,7 +29,7 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
     for plan, layer in zip(expected, layer_infos, strict=False):
         got = {e.cache_name: e for e in layer.caches}
         if plan.is_state:
-            mismatches += _state_entry_problems(plan, got, cache_dtype)
+            mismatches += _state_entry_problems(plan, got, cache_dtype, manifest.linear_attention)
             continue
         want = {c.name: c for c in plan.caches}
         if set(got) != set(want):
@@ -54,24 +54,31 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
         report.add("is_mla_backend", "init", got_mla == want_mla, expected=want_mla, got=got_mla)
 
 
-def _state_entry_problems(plan, got: dict, cache_dtype: torch.dtype) -> list[str]:
-    """A linear layer's Mamba entries: the planned names and shapes, attn_type Mamba, block size 1, the run's dtype."""
+def _state_entry_problems(plan, got: dict, cache_dtype: torch.dtype, linear) -> list[str]:
+    """A linear layer's Mamba entries: the planned names and shapes, attn_type Mamba, block size 1, the run's dtype
+    (int32 for an index entry: the speculative anchor), and the planned speculative depth (``next_n``: the
+    framework reserves 1 + next_n blocks per request)."""
     want = {s.name: s for s in plan.states}
     if set(got) != set(want):
         return [f"layer {plan.index}: state entries {sorted(got)} != {sorted(want)}"]
     out = []
     for name, entry in got.items():
         have = (entry.attn_type, list(getattr(entry, "shape", []) or []), entry.dtype, getattr(entry, "block_size", 1))
-        wanted = (plan.attn_type, list(want[name].shape), cache_dtype, 1)
+        dtype = torch.int32 if want[name].dtype == "int32" else cache_dtype
+        wanted = (plan.attn_type, list(want[name].shape), dtype, 1)
         if have != wanted:
             out.append(f"layer {plan.index} {name}: (attn_type, shape, dtype, block_size) {have} != {wanted}")
+        next_n = (linear.state_blocks_per_request if linear is not None else 1) - 1
+        if int(getattr(entry, "next_n", 0) or 0) != next_n:
+            out.append(f"layer {plan.index} {name}: next_n {getattr(entry, 'next_n', 0)} != {next_n} (the manifest's "
+                       "1 + next_n state blocks per request)")
     return out
 
 
 def check_allocation(report: Report, host: HostModel, sched) -> None:
     problems = []
     for a in host.attentions:
-        for c in ("conv_state", "recurrent_state"):  # a linear layer's Mamba states: [blocks, *shape]
+        for c in ("conv_state", "recurrent_state", "state_anchor"):  # a linear layer's Mamba states: [blocks, *shape]
             t = getattr(a, c, None)
             if t is not None and t.numel() == 0:
                 problems.append(f"layer {a.layer_idx} {c}: placeholder not replaced")

@@ -28,9 +28,12 @@ def _poison_row(host, runner, row: int) -> None:
             for c in CACHE_NAMES:
                 if hasattr(a, c):
                     getattr(a, c)[blocks] = float("nan")
-            for c in STATE_NAMES:
+            for c in (*STATE_NAMES, "state_anchor"):
                 if hasattr(a, c):
-                    getattr(a, c)[row] = float("nan")
+                    t = getattr(a, c)
+                    per_row = t.shape[0] // runner.batch_size  # 1 + next_n slots per row under speculative decoding
+                    # the anchor is an index: a value no position has, so a prefill that leaves it unset fails
+                    t[row * per_row:(row + 1) * per_row] = float("nan") if t.is_floating_point() else -2 ** 30
 
 
 def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model, scenario: Scenario, seed: int,
@@ -153,13 +156,15 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
     blocks = runner.block_table.numel()
     want = {c.name: c for c in next(layer for layer in manifest.layers if not layer.is_state).caches}
     states = {s.name: s for s in manifest.linear_attention.states} if manifest.linear_attention else {}
+    # one state slot per row, 1 + next_n of them under speculative decoding (one per verify token)
+    slots_n = rows_n * (manifest.linear_attention.state_blocks_per_request if manifest.linear_attention else 1)
     for a in host.attentions:
         if getattr(a, "attn_type", None) == MAMBA:
             for name, s in states.items():
                 t = getattr(a, name, None)
-                if t is None or list(t.shape) != [rows_n, *s.shape]:
+                if t is None or list(t.shape) != [slots_n, *s.shape]:
                     problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != "
-                                    f"{(rows_n, *s.shape)}")
+                                    f"{(slots_n, *s.shape)}")
             continue
         for name, c in want.items():
             t = getattr(a, name, None)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+from shared_dirs import shared_path
 from validators_support import check, mutate, render_case, run_validate
 
 SPEC, NUMERIC = "speculative decode (next_n=1)", "logits vs transformers"
@@ -111,3 +112,21 @@ def test_a_speculative_state_mistake_fails_by_name(tmp_path, case, mode, edits):
     assert not check(report, SPEC).passed, [(c.name, c.detail) for c in report.failed()]
     # ordinary decode steps write and read column 0 only: the mistake is the speculative one
     assert check(report, NUMERIC).passed
+
+
+def test_a_checkout_run_says_the_engine_runs_without_speculation_as_the_folders_yamls_serve(tmp_path):
+    """Upstream serves qwen3_5 and bailing_2_5 without MTP (no yaml sets next_n: the framework's default 0), so a
+    checkout run of a config with MTP layers judges no verify step, and says so with the yamls' figures."""
+    from model_infer_kvcache.validators.checkout_run.layout import served_next_n, speculation_note
+
+    root = shared_path("upstream", "cann-recipes-infer")
+    served = served_next_n(root, ["qwen3_5", "bailing_2_5"])
+    assert len(served) >= 5 and set(served.values()) == {0}
+    note = speculation_note(served, 1)
+    assert "engine runs at next_n 0" in note and f"its {len(served)} yaml(s) serve next_n 0" in note
+    # a yaml that does set it is read
+    folder = tmp_path / "models" / "m" / "config"
+    folder.mkdir(parents=True)
+    (folder / "a.yaml").write_text("model_config:\n  next_n: 2\n", encoding="utf-8")
+    (folder / "b.yaml").write_text("model_config:\n  exe_mode: eager\n", encoding="utf-8")
+    assert served_next_n(tmp_path, ["m"]) == {"models/m/config/a.yaml": 2, "models/m/config/b.yaml": 0}

@@ -52,6 +52,34 @@ def served_layouts(root: Path, folders: list[str]) -> list[ServedLayout]:
     return out
 
 
+def served_next_n(root: Path, folders: list[str]) -> dict[str, int]:
+    """``model_config.next_n`` of every yaml of the folders (the framework's default 0 where a yaml sets none):
+    the speculative depth the folder is served at."""
+    import yaml
+
+    out = {}
+    for folder in folders:
+        for path in sorted((root / "models" / folder / "config").rglob("*.yaml")):
+            try:
+                data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                continue
+            model = data.get("model_config") if isinstance(data, dict) else None
+            value = model.get("next_n", 0) if isinstance(model, dict) else 0
+            out[str(path.relative_to(root))] = value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return out
+
+
+def speculation_note(next_n_by_yaml: dict[str, int], planned: int) -> str:
+    """What a checkout run says of a config with MTP layers: the engine runs at the framework's next_n 0."""
+    served = sorted(set(next_n_by_yaml.values()))
+    yamls = (f"its {len(next_n_by_yaml)} yaml(s) serve next_n {'/'.join(map(str, served))}" if next_n_by_yaml
+             else "its folder has no yaml")
+    return (f"speculative decoding not run in the engine: the config has {planned} MTP layer(s), the engine runs at "
+            f"next_n 0 (the framework's default; {yamls}), so no verify step is judged here; the rendered path "
+            "validates verify steps (kvcache run / validate --rendered)")
+
+
 def _size(parallel: dict, top: dict, key: str) -> int | None:
     """``parallel_config.<key>``, else the yaml's top-level key (pangu_7b's world_size)."""
     value = parallel.get(key, top.get(key))

@@ -202,6 +202,13 @@ def _validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world
                                 f"and the manifest the run is judged by carry index_topk {short.dsa.index_topk}, so "
                                 "the indexer's selection drops keys")
         manifest = short
+    if manifest.mtp is not None:
+        from model_infer_kvcache.validators.checkout_run import layout
+        from model_infer_kvcache.validators.checkout_run.registry import model_folders
+
+        root = Path(req.framework_root)
+        report.notes.append(layout.speculation_note(layout.served_next_n(root, model_folders(root, req.model)),
+                                                    manifest.mtp.num_layers))
     report.readings = dataclasses.asdict(base)
     if req.readings:
         report.notes.append("readings set by the caller: " + ", ".join(f"{q}={r}" for q, r in req.readings))

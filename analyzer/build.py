@@ -132,15 +132,20 @@ def _check_numbers(req: AnalyzeRequest) -> None:
 def _speculation(facts: ModelFacts, req: AnalyzeRequest, warnings: list[Finding]) -> ModelFacts:
     """``--next-n``: the speculative tokens per decode step the deployment runs (the framework's
     ``model_config.next_n``). 0 turns speculative decoding off: the config's MTP layers are then left unused
-    and planned as absent (no MTP caches, no verify steps, one state block per request); otherwise it must be
-    the config's MTP layer count, the only depth planned."""
+    and planned as absent (no MTP caches, no verify steps, one state block per request). Any other depth needs MTP
+    layers to draft with: the MTP worker runs them next_n times per step (upstream deepseek yamls serve next_n 3
+    with one MTP layer), so the depth is not the layer count (``speculative_tokens``)."""
     n = req.next_n
     mtp = facts.num_mtp_layers
     if n is None or n == (mtp.value or 0):
         return facts
-    if n != 0:
-        raise InputError("--next-n", f"{n} speculative tokens: only 0 (speculative decoding off) or the config's "
-                                     f"{mtp.value or 0} MTP layer(s) ({mtp.source}) are planned")
+    if n < 0:
+        raise InputError("--next-n", f"{n} speculative tokens: must be 0 (off) or more")
+    if n > 0 and not mtp.value:
+        raise InputError("--next-n", f"{n} speculative tokens: the config has no MTP layer to draft them "
+                                     f"({mtp.source}: {mtp.value or 0})")
+    if n > 0:
+        return facts
     warnings.append(Finding(
         message=f"--next-n 0: speculative decoding off, the config's {mtp.value} MTP layer(s) unused: no MTP "
                 "caches, no verify steps (run the framework with next_n 0; get_cache_info leaves the MTP layers out)",
@@ -188,7 +193,8 @@ def assemble(
     kv_mode = kv.value
     layout = rules.decide_input_layout(kv_mode, facts.is_mla)
     cache_dtype = rules.decide_cache_dtype(facts, req.cache_dtype)
-    layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None)
+    next_n = speculative_tokens(facts, req)
+    layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None, next_n)
     full_by_context = [layer.index for layer in layers if layer.layer_kind == "full" and layer.window_derivation]
     if full_by_context:
         warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
@@ -281,7 +287,7 @@ def assemble(
             is_default=fa_version.is_default,
         ),
         mla=mla,
-        mtp=rules.decide_mtp(facts),
+        mtp=rules.decide_mtp(facts, next_n),
         legacy_attention=legacy_attention,
         mixed_attn_types=mixed,
         layers=layers,
@@ -290,7 +296,7 @@ def assemble(
         memory=memory_plan,
         cache_dtype=cache_dtype,
         dsa=rules.decide_dsa(facts, parallel, cache_dtype.value if cache_dtype else None),
-        linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None),
+        linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
         device_dependencies=dependencies,
         device_readings=measured_source,
         open_questions=questions,
@@ -490,7 +496,15 @@ def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, int
     return out
 
 
-def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype: str | None = None) -> list[LayerPlan]:
+def speculative_tokens(facts: ModelFacts, req: AnalyzeRequest) -> int:
+    """The framework's next_n the plan serves: --next-n, else one per MTP layer; 0 without MTP layers."""
+    if not facts.num_mtp_layers.value:
+        return 0
+    return req.next_n if req.next_n is not None else int(facts.num_mtp_layers.value)
+
+
+def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype: str | None = None,
+            next_n: int = 0) -> list[LayerPlan]:
     write_op = rules.decide_write_op(kv_mode, facts.is_mla)
     window = facts.sliding_window.value
     out = []
@@ -500,8 +514,7 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
         # A linear layer of an unknown family plans no state (a blocker says why): no Mamba entry without shapes.
         attn_type = FULL_ATTENTION if kind == "linear" and facts.linear.value is None else rules.decide_attn_type(kind)
         caches = rules.decide_caches(facts, parallel, kv_mode, kind, cache_dtype, decoder_idx)
-        states = (rules.linear_states(facts, parallel.attn_tp_size, cache_dtype, int(facts.num_mtp_layers.value or 0))
-                  if attn_type == MAMBA else [])
+        states = rules.linear_states(facts, parallel.attn_tp_size, cache_dtype, next_n) if attn_type == MAMBA else []
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
@@ -541,7 +554,8 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         per_token += extra * rules.cache_token_bytes(mtp_caches)
         if members and members[0].is_sliding:
             groups.append(kv_cache_spec.SlidingWindowSpec(key, len(members), per_token, req.block_size,
-                                                          window=members[0].sliding_window))
+                                                          window=members[0].sliding_window,
+                                                          next_n=speculative_tokens(facts, req)))
         else:
             groups.append(kv_cache_spec.FullAttentionSpec(key, len(members) + extra, per_token, req.block_size))
     total = sum(g.per_token_bytes for g in groups)
@@ -550,7 +564,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
     if state_layers:
         # One Mamba block holds one request's states of every linear layer (MambaCacheEntry: [num_blocks, *shape]).
         per_block = sum(rules.state_bytes(layer.states) for layer in state_layers)
-        next_n = facts.num_mtp_layers.value
+        next_n = speculative_tokens(facts, req)
         groups.append(kv_cache_spec.MambaSpec(MAMBA, per_block, next_n, len(state_layers)))
         derivation.append(f"{MAMBA}: one state block per request (+ {next_n} speculative) = "
                           f"{len(state_layers)} linear layers x {rules.state_bytes(state_layers[0].states)} B = "

@@ -96,9 +96,10 @@ def add_next_n_argument(p: argparse.ArgumentParser) -> None:
     """The one MTP switch of every command that plans (analyze, run, validate's on-the-fly analysis)."""
     p.add_argument("--next-n", type=int, metavar="N",
                    help="speculative tokens per decode step the deployment runs (the framework's next_n): 0 turns "
-                        "speculative decoding off and leaves the config's MTP layers unused (a hybrid linear-attention "
-                        "model with MTP renders only so; in a checkout run the model is built without them); default: "
-                        "the config's MTP layer count, e.g. --next-n 0")
+                        "speculative decoding off and leaves the config's MTP layers unused (in a checkout run the "
+                        "model is built without them); more than the config's MTP layers: the MTP worker runs them "
+                        "next_n times (upstream deepseek yamls: next_n 3, one MTP layer); default: the config's MTP "
+                        "layer count, e.g. --next-n 0, --next-n 3")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:

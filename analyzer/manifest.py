@@ -134,10 +134,26 @@ class MtpDecision(_Model):
     """MTP (next-n) layers: extra cache holders, and decode steps with q_len > 1 when speculation is on."""
 
     num_layers: int
+    next_n: int | None = Field(default=None, description="speculative tokens per verify step (the framework's "
+                                                         "next_n) where not one per MTP layer (--next-n: the MTP "
+                                                         "worker runs its layers next_n times); None: num_layers")
     holds_caches: bool
     decode_sparse_mode: int = Field(description="sparse_mode of non-sliding layers when decode q_len > 1")
     decode_mask: MaskKind
     reason: str
+
+    @property
+    def speculative_tokens(self) -> int:
+        """The framework's next_n: tokens drafted per step, each verified in one q_len = 1 + next_n step."""
+        return self.num_layers if self.next_n is None else self.next_n
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """``next_n`` written only where it is not one per MTP layer: other manifests keep their bytes and hash."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("next_n", 0) is None:
+            del data["next_n"]
+        return data
 
 
 class LegacyAttention(_Model):

@@ -550,14 +550,13 @@ def decide_speculative_states(next_n: int, has_conv: bool) -> str | None:
             "gdr_state_writes)")
 
 
-def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = None
+def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = None, next_n: int = 0
                   ) -> LinearAttentionDecision | None:
     """The recurrent-state plan of a hybrid model's linear layers; None without linear layers of a known family."""
     lin = facts.linear.value
     if lin is None:
         return None
     tp = parallel.attn_tp_size
-    next_n = int(facts.num_mtp_layers.value or 0)
     states = linear_states(facts, tp, dtype, next_n)
     layers = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == "linear"]
     conv = (f"conv state [{lin.conv_channels_per_rank(tp)}, {lin.conv_kernel - 1}] and " if lin.conv_kernel else "")
@@ -685,13 +684,15 @@ def mla_constraints(facts: ModelFacts, rope: bool = True) -> list[str]:
     return out
 
 
-def decide_mtp(facts: ModelFacts) -> MtpDecision | None:
-    """MTP layers hold caches too, and speculative decode runs q_len = 1 + next_n: causal 3, not 0."""
+def decide_mtp(facts: ModelFacts, next_n: int | None = None) -> MtpDecision | None:
+    """MTP layers hold caches too, and speculative decode runs q_len = 1 + next_n: causal 3, not 0. ``next_n``
+    (--next-n) is recorded where it is not one token per MTP layer."""
     n = facts.num_mtp_layers.value
     if not n:
         return None
     return MtpDecision(
         num_layers=n,
+        next_n=None if next_n in (None, n) else next_n,
         holds_caches=True,
         decode_sparse_mode=3,
         decode_mask="causal_2048",

@@ -251,10 +251,12 @@ def test_next_n_0_serves_a_hybrid_with_mtp_without_speculative_decoding(tmp_path
     assert _rendered_code(off) == _rendered_code(plain)
 
 
-@pytest.mark.parametrize("next_n", [2, -1])
-def test_next_n_other_than_off_or_the_configs_depth_is_bad_input(tmp_path, next_n):
+@pytest.mark.parametrize("next_n, mtp, message", [(-1, 1, "must be 0 (off) or more"),
+                                                  (2, 0, "the config has no MTP layer to draft them")])
+def test_next_n_negative_or_without_mtp_layers_is_bad_input(tmp_path, next_n, mtp, message):
     cfg = json.loads((CONFIGS / "qwen3_5_moe.json").read_text())
-    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    if mtp:
+        cfg["text_config"]["mtp_num_hidden_layers"] = mtp
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "m.json"
@@ -262,6 +264,20 @@ def test_next_n_other_than_off_or_the_configs_depth_is_bad_input(tmp_path, next_
                            str(next_n), "--out", str(out)], capture_output=True, text=True, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and not out.exists() and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: --next-n: ") and "only 0 (speculative decoding off) or the config's 1" in lines[0]
+    assert lines[0].startswith("error: --next-n: ") and message in lines[0]
+
+
+def test_next_n_deeper_than_the_mtp_layers_is_planned_as_the_framework_serves_it(tmp_path):
+    """The MTP worker runs its layers next_n times (upstream deepseek yamls: next_n 3 with one MTP layer): the depth
+    is recorded where it is not one per layer and sizes the verify steps and the state blocks; the default plan
+    (one per layer) is unchanged, its JSON without the field."""
+    cfg = json.loads((CONFIGS / "qwen3_5_moe.json").read_text())
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    deep = analyze(AnalyzeRequest(config=str(path), next_n=3, max_concurrency=4, max_len=4096))
+    assert (deep.mtp.num_layers, deep.mtp.next_n, deep.mtp.speculative_tokens) == (1, 3, 3)
+    assert deep.linear_attention.state_blocks_per_request == 4 and deep.memory.blocks["Mamba"] == 4 * (1 + 3) + 1
     same = analyze(AnalyzeRequest(config=str(path), next_n=1))  # the config's depth: the default plan
-    assert same == analyze(AnalyzeRequest(config=str(path)))
+    assert same == analyze(AnalyzeRequest(config=str(path))) and same.mtp.next_n is None
+    assert '"next_n"' not in same.mtp.model_dump_json() and '"next_n":3' in deep.mtp.model_dump_json()

@@ -20,15 +20,16 @@ from validators_support import check, mutate, render_case, run_validate
 SPEC, NUMERIC = "speculative decode (next_n=1)", "logits vs transformers"
 ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
 # two requests and a late admit into freed state blocks (one prompt past a block: the verify stream needs 146
-# positions), then the verify stream that is judged
-SHORT = Scenario(first=((140, 3), (20, 3)), late=((30, 2),), max_concurrency=2, release_requests=1)
+# positions at next_n 2), then the verify stream that is judged
+SHORT = Scenario(first=((150, 3), (20, 3)), late=((30, 2),), max_concurrency=2, release_requests=1)
 
 
-def _qwen35_mtp(tmp: Path, mode: str):
+def _qwen35_mtp(tmp: Path, mode: str, **analyze_kw):
     """Qwen3.5-MoE at transformers' defaults plus its published MTP layer (``mtp_num_hidden_layers: 1``)."""
     cfg = json.loads((Path(__file__).resolve().parent / "fixtures" / "configs" / "qwen3_5_moe.json").read_text())
     cfg["text_config"]["mtp_num_hidden_layers"] = 1
-    return render_case(tmp, "qwen3_5_moe", overrides={"text_config": cfg["text_config"]}, deploy_mode=mode)
+    return render_case(tmp, "qwen3_5_moe", overrides={"text_config": cfg["text_config"]}, deploy_mode=mode,
+                       **analyze_kw)
 
 
 def _ling25_mtp(tmp: Path, mode: str):
@@ -37,9 +38,8 @@ def _ling25_mtp(tmp: Path, mode: str):
 
 
 def test_the_plan_keeps_one_state_block_per_verify_token_and_counts_them(tmp_path):
-    from model_infer_kvcache.analyzer.manifest import SelectionManifest
-
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+    from model_infer_kvcache.analyzer.manifest import SelectionManifest
 
     manifest, rendered, config = _qwen35_mtp(tmp_path, "framework")
     m = SelectionManifest.model_validate_json(manifest.read_text(encoding="utf-8"))
@@ -130,3 +130,26 @@ def test_a_checkout_run_says_the_engine_runs_without_speculation_as_the_folders_
     (folder / "a.yaml").write_text("model_config:\n  next_n: 2\n", encoding="utf-8")
     (folder / "b.yaml").write_text("model_config:\n  exe_mode: eager\n", encoding="utf-8")
     assert served_next_n(tmp_path, ["m"]) == {"models/m/config/a.yaml": 2, "models/m/config/b.yaml": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_two_drafts_per_step_accept_all_none_and_some(tmp_path, mode):
+    """--next-n 2 (the MTP layer run twice per step, as the framework's MTP worker does): three state columns, and
+    per request and step all, none or one of the two drafts accepted."""
+    manifest, rendered, cfg = _qwen35_mtp(tmp_path, mode, next_n=2)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    spec = check(report, "speculative decode (next_n=2)")
+    assert spec.measured["patterns"] == ["all", "none", "some"] and spec.measured["max_abs_diff"] <= 1e-9
+
+
+@pytest.mark.slow
+def test_resuming_one_column_late_fails_by_name(tmp_path):
+    """The resume column off by one (the state after the first unaccepted token, not after the last accepted one):
+    every decode step reads a column one late, so both comparisons name it."""
+    manifest, rendered, cfg = _qwen35_mtp(tmp_path, "framework", next_n=2)
+    mutate(rendered, r"self\.state_anchor\[first\]\.view\(-1\)\.long\(\) - 1\)", "self.state_anchor[first].view(-1).long())",
+           name=ATTN)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not check(report, "speculative decode (next_n=2)").passed and not check(report, NUMERIC).passed

@@ -1,13 +1,13 @@
-"""Speculative decoding (MTP, next_n = 1) through the rendered code: verify steps with q_len = 2.
+"""Speculative decoding (MTP) through the rendered code: verify steps with q_len = 1 + next_n.
 
-Manifests with MTP layers decode 1 + next_n query tokens per request when speculation is on.
-The tiny transformers model has no MTP head, and none is needed: what the rendered code must get
-right is the main model's verify step. Each verify step feeds, per request, its last accepted
-token and one draft; the draft is the reference's greedy next token (it will be accepted) or
-another token (rejected), alternating over steps and requests. Both rows' logits are compared
-with a causal transformers forward over the request's tokens + the draft. After the step the
-cache keeps the accepted tokens only: kv_len advances by 1 + accepted, and the slot of a
-rejected draft is overwritten by the next step.
+Manifests with MTP layers decode 1 + next_n query tokens per request when speculation is on (next_n: the
+manifest's ``mtp.speculative_tokens``). The tiny transformers model has no MTP head, and none is needed: what the
+rendered code must get right is the main model's verify step. Each verify step feeds, per request, its last
+accepted token and next_n drafts built for a planned acceptance: all drafts the reference's greedy continuation
+(all accepted), the first one wrong (none), or a greedy prefix then a wrong token (some, next_n >= 2), cycling
+over steps and requests. Every row's logits are compared with a causal transformers forward over the request's
+tokens + the drafts. After the step the cache keeps the accepted tokens only: kv_len advances by 1 + accepted,
+and the slots of rejected drafts are overwritten by the next step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from model_infer_kvcache.validators.pipeline.host_model import reference_logits
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
 
-NEXT_N = 1
 # (prompt length, verify steps): one prompt past a 128-token block, one short.
 PROMPTS = ((137, 4), (21, 4))
 
@@ -33,7 +32,10 @@ class SpecStream:
     ref_model: object
     vocab: int
     atol: float
+    next_n: int = 1
     tokens: dict[int, list[int]] = field(default_factory=dict)  # accepted tokens; the last one is not cached yet
+    planned: dict[int, int] = field(default_factory=dict)  # drafts each request's current step should accept
+    patterns: set[str] = field(default_factory=set)  # all / none / some, as they happened
     worst: float = 0.0
     worst_at: str = ""
     nonfinite: list[str] = field(default_factory=list)
@@ -42,12 +44,27 @@ class SpecStream:
     rejected: int = 0
     steps: list[int] = field(default_factory=list)  # host step indices of the verify steps
 
+    def planned_accepts(self, i: int, verify_index: int) -> int:
+        """Drafts request ``i`` of a step should accept: all, none, then (next_n >= 2) some, cycling."""
+        cycle = [self.next_n, 0] + ([self.next_n // 2] if self.next_n > 1 else [])
+        return cycle[(i + verify_index) % len(cycle)]
+
     def drafts(self, rids: list[int], verify_index: int) -> dict[int, list[int]]:
-        """One draft per request: the reference's greedy token, or another one (every other time)."""
+        """next_n drafts per request: the reference's greedy continuation up to the planned acceptance, then a
+        token it would not pick (the tokens after a rejected one are never judged)."""
         out = {}
         for i, rid in enumerate(rids):
-            greedy = int(reference_logits(self.ref_model, self.tokens[rid])[-1].argmax())
-            out[rid] = [greedy if (i + verify_index) % 2 == 0 else (greedy + 1) % self.vocab]
+            keep = self.planned[rid] = self.planned_accepts(i, verify_index)
+            seq, drafts = list(self.tokens[rid]), []
+            for j in range(self.next_n):
+                if j <= keep:
+                    greedy = int(reference_logits(self.ref_model, seq)[-1].argmax())
+                    token = greedy if j < keep else (greedy + 1) % self.vocab
+                else:
+                    token = (drafts[-1] + 1) % self.vocab
+                drafts.append(token)
+                seq.append(token)
+            out[rid] = drafts
         return out
 
     def judge(self, step_index: int, rids: list[int], drafts: dict[int, list[int]], logits: torch.Tensor,
@@ -56,9 +73,8 @@ class SpecStream:
         self.steps.append(step_index)
         emitted = []
         for rid in rids:
-            draft = drafts[rid][0]
             got = logits[slices[rid]]
-            want = reference_logits(self.ref_model, self.tokens[rid] + [draft])[-1 - NEXT_N:]
+            want = reference_logits(self.ref_model, self.tokens[rid] + drafts[rid])[-1 - self.next_n:]
             where = f"step {step_index} request {rid}"
             if not torch.isfinite(got).all():
                 self.nonfinite.append(where)
@@ -66,16 +82,16 @@ class SpecStream:
                 diff = (got - want).abs().max().item()
                 if diff > self.worst:
                     self.worst, self.worst_at = diff, where
-            main = int(got[0].argmax())
-            planned = int(want[0].argmax()) == draft
-            if (main == draft) != planned:
-                self.wrong_verdicts.append(f"{where}: draft {'rejected' if planned else 'accepted'}")
-            if main == draft:
-                self.accepted += 1
-                step_tokens = [draft, int(got[1].argmax())]
-            else:
-                self.rejected += 1
-                step_tokens = [main]
+            main = got.argmax(-1).tolist()
+            took = 0
+            while took < self.next_n and main[took] == drafts[rid][took]:
+                took += 1
+            if took != self.planned[rid]:
+                self.wrong_verdicts.append(f"{where}: {took} draft(s) accepted, {self.planned[rid]} planned")
+            self.accepted += took
+            self.rejected += self.next_n - took
+            self.patterns.add("all" if took == self.next_n else "none" if took == 0 else "some")
+            step_tokens = drafts[rid][:took] + [main[took]]
             self.tokens[rid] += step_tokens
             emitted.append(step_tokens)
         return emitted
@@ -97,16 +113,20 @@ class SpecStream:
             if got != want:
                 bad.append(f"step {call['step']} layer {call['layer']}: (sparse_mode, mask) {got} != {want}")
         judged = [c for c in fa_calls if c["step"] in verify]
-        report.add(f"speculative-decode verify steps (q_len {1 + NEXT_N}) pass the manifest's MTP sparse_mode/mask",
+        report.add(f"speculative-decode verify steps (q_len {1 + self.next_n}) pass the manifest's MTP "
+                   "sparse_mode/mask",
                    "runtime", bool(verify) and bool(judged) and not bad, detail="; ".join(bad[:3]),
                    mismatches=len(bad), calls=len(judged))
-        both = self.accepted > 0 and self.rejected > 0
-        report.add(f"speculative decode (next_n={NEXT_N}): verify logits vs transformers max |diff| <= {self.atol:g}",
+        wanted = {"all", "none"} | ({"some"} if self.next_n > 1 else set())
+        both = wanted <= self.patterns
+        report.add(f"speculative decode (next_n={self.next_n}): verify logits vs transformers max |diff| <= "
+                   f"{self.atol:g}",
                    "numeric", both and not self.nonfinite and self.worst <= self.atol and not self.wrong_verdicts,
                    detail="; ".join((self.nonfinite + self.wrong_verdicts)[:3])
-                   or ("" if both else "the stream needs accepted and rejected drafts"),
+                   or ("" if both else f"the stream needs {'/'.join(sorted(wanted))} acceptances, got "
+                                       f"{'/'.join(sorted(self.patterns)) or 'none'}"),
                    max_abs_diff=self.worst, worst_at=self.worst_at, verify_steps=len(self.steps),
-                   accepted=self.accepted, rejected=self.rejected)
+                   accepted=self.accepted, rejected=self.rejected, patterns=sorted(self.patterns))
 
 
 def attention_calls(host, manifest: SelectionManifest) -> list[dict]:
@@ -127,7 +147,7 @@ def _watchdog(prompts, main: Watchdog) -> Watchdog:
 def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_model, sched, seed: int,
                          vocab: int, main: Watchdog) -> None:
     """Prefill, then verify steps through the harness scheduler (the framework's MTP conventions)."""
-    stream = SpecStream(ref_model, vocab, host.atol)
+    stream = SpecStream(ref_model, vocab, host.atol, manifest.mtp.speculative_tokens)
     prompts = _prompts(seed, vocab)
     dog = _watchdog(prompts, main)
     rids = [sched.add_request(ids) for ids, _ in prompts]
@@ -162,7 +182,8 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
 def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref_model, runner, seed: int,
                           vocab: int, poison_row, main: Watchdog) -> None:
     """Prefill, then verify steps through the rendered runner (``next_n`` / ``accepted`` arguments)."""
-    stream = SpecStream(ref_model, vocab, host.atol)
+    next_n = manifest.mtp.speculative_tokens
+    stream = SpecStream(ref_model, vocab, host.atol, next_n)
     prompts = _prompts(seed, vocab)
     dog = _watchdog(prompts, main)
     rows = list(range(len(prompts)))
@@ -181,20 +202,20 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
         live = [row for row, (_, n) in zip(rows, prompts, strict=True) if j < n]
         drafts = stream.drafts(live, j)
         try:
-            fm = runner._build_forward_metadata(live, next_n=NEXT_N)
+            fm = runner._build_forward_metadata(live, next_n=next_n)
         except TypeError as exc:
             report.add("rendered runner builds speculative-decode verify steps", "init", False,
-                       detail=f"_build_forward_metadata(rows, next_n={NEXT_N}): {exc}")
+                       detail=f"_build_forward_metadata(rows, next_n={next_n}): {exc}")
             return
         start = runner.kv_len[torch.tensor(live)].clone()
-        pos = (start.view(-1, 1) + torch.arange(1 + NEXT_N)).view(-1)
+        pos = (start.view(-1, 1) + torch.arange(1 + next_n)).view(-1)
         want_slots = (torch.tensor(live).view(-1, 1) * runner.max_seq_len + pos.view(len(live), -1)).view(-1)
         if not torch.equal(fm.slot_mapping.view(-1).long(), want_slots.long()):
             slot_errors.append(f"verify {j}")
         ids = torch.tensor([t for row in live for t in (stream.tokens[row][-1], *drafts[row])])
         with dog.step(f"verify {j}", live):
             logits = host.forward(ids, pos, fm)
-        slices = {row: slice(i * (1 + NEXT_N), (i + 1) * (1 + NEXT_N)) for i, row in enumerate(live)}
+        slices = {row: slice(i * (1 + next_n), (i + 1) * (1 + next_n)) for i, row in enumerate(live)}
         emitted = stream.judge(host.step_index, live, drafts, logits, slices)
         runner._advance_kv_len(live, fm, accepted=[len(e) - 1 for e in emitted])
         if runner.kv_len[torch.tensor(live)].tolist() != [s + len(e) for s, e in zip(start.tolist(), emitted,

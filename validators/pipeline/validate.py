@@ -151,8 +151,9 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
 
 def check_next_n(next_n: int | None, manifest: SelectionManifest) -> None:
     """A --next-n beside a manifest must be the one the manifest was analyzed with (its MTP depth, 0 when off)."""
-    if next_n is not None and next_n != manifest.model.num_mtp_layers:
-        raise InputError("--next-n", f"{next_n} differs from the manifest's {manifest.model.num_mtp_layers} "
+    planned = manifest.mtp.speculative_tokens if manifest.mtp is not None else 0
+    if next_n is not None and next_n != planned:
+        raise InputError("--next-n", f"{next_n} differs from the manifest's {planned} "
                                      f"speculative token(s) (re-analyze with --next-n {next_n})")
 
 

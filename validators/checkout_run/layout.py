@@ -30,43 +30,40 @@ class ServedLayout:
 
 
 def served_layouts(root: Path, folders: list[str]) -> list[ServedLayout]:
-    """Every ``models/<folder>/config/**/*.yaml`` with a parallel layout (unparseable yamls are skipped: they
-    configure the device run, not ours)."""
+    """Every ``models/<folder>/config/**/*.yaml`` with a parallel layout."""
+    out = []
+    for name, data in _folder_yamls(root, folders):
+        par = data.get("parallel_config") if isinstance(data.get("parallel_config"), dict) else {}
+        layout = ServedLayout(name, _size(par, data, "world_size"), _size(par, data, "attn_tp_size"),
+                              _size(par, data, "moe_tp_size"))
+        if layout.world_size or layout.attn_tp_size or layout.moe_tp_size:
+            out.append(layout)
+    return out
+
+
+def _folder_yamls(root: Path, folders: list[str]):
+    """(path relative to the checkout, mapping) of every ``models/<folder>/config/**/*.yaml``; unparseable yamls
+    are skipped: they configure the device run, not ours."""
     import yaml
 
-    out = []
     for folder in folders:
         for path in sorted((root / "models" / folder / "config").rglob("*.yaml")):
             try:
                 data = yaml.safe_load(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, yaml.YAMLError):
                 continue
-            if not isinstance(data, dict):
-                continue
-            par = data.get("parallel_config") if isinstance(data.get("parallel_config"), dict) else {}
-
-            layout = ServedLayout(str(path.relative_to(root)), _size(par, data, "world_size"),
-                                  _size(par, data, "attn_tp_size"), _size(par, data, "moe_tp_size"))
-            if layout.world_size or layout.attn_tp_size or layout.moe_tp_size:
-                out.append(layout)
-    return out
+            if isinstance(data, dict):
+                yield str(path.relative_to(root)), data
 
 
 def served_next_n(root: Path, folders: list[str]) -> dict[str, int]:
     """``model_config.next_n`` of every yaml of the folders (the framework's default 0 where a yaml sets none):
     the speculative depth the folder is served at."""
-    import yaml
-
     out = {}
-    for folder in folders:
-        for path in sorted((root / "models" / folder / "config").rglob("*.yaml")):
-            try:
-                data = yaml.safe_load(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, yaml.YAMLError):
-                continue
-            model = data.get("model_config") if isinstance(data, dict) else None
-            value = model.get("next_n", 0) if isinstance(model, dict) else 0
-            out[str(path.relative_to(root))] = value if isinstance(value, int) and not isinstance(value, bool) else 0
+    for name, data in _folder_yamls(root, folders):
+        model = data.get("model_config")
+        value = model.get("next_n", 0) if isinstance(model, dict) else 0
+        out[name] = value if isinstance(value, int) and not isinstance(value, bool) else 0
     return out
 
 

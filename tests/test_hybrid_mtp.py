@@ -24,10 +24,14 @@ ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
 SHORT = Scenario(first=((150, 3), (20, 3)), late=((30, 2),), max_concurrency=2, release_requests=1)
 
 
-def _qwen35_mtp(tmp: Path, mode: str, **analyze_kw):
-    """Qwen3.5-MoE at transformers' defaults plus its published MTP layer (``mtp_num_hidden_layers: 1``)."""
+def _qwen35_mtp(tmp: Path, mode: str, small: bool = True, **analyze_kw):
+    """Qwen3.5-MoE at transformers' defaults plus its published MTP layer (``mtp_num_hidden_layers: 1``); ``small``:
+    4 key / 8 value linear heads and 8 query heads instead of 16 / 32 / 16 (the head dims, which the gated delta
+    rule operators fix at 128, and everything else as published), a quarter of the state to carry per token."""
     cfg = json.loads((Path(__file__).resolve().parent / "fixtures" / "configs" / "qwen3_5_moe.json").read_text())
     cfg["text_config"]["mtp_num_hidden_layers"] = 1
+    if small:
+        cfg["text_config"].update(linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=8)
     return render_case(tmp, "qwen3_5_moe", overrides={"text_config": cfg["text_config"]}, deploy_mode=mode,
                        **analyze_kw)
 
@@ -41,7 +45,7 @@ def test_the_plan_keeps_one_state_block_per_verify_token_and_counts_them(tmp_pat
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
     from model_infer_kvcache.analyzer.manifest import SelectionManifest
 
-    manifest, rendered, config = _qwen35_mtp(tmp_path, "framework")
+    manifest, rendered, config = _qwen35_mtp(tmp_path, "framework", small=False)
     m = SelectionManifest.model_validate_json(manifest.read_text(encoding="utf-8"))
     lin = m.linear_attention
     assert m.mtp is not None and lin.state_blocks_per_request == 2
@@ -70,7 +74,7 @@ CASES = {"qwen3_5_moe": _qwen35_mtp, "ling_2_5": _ling25_mtp, "ling_3_kda": _lin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, mode", [("qwen3_5_moe", "framework"), ("qwen3_5_moe", "standalone"),
+@pytest.mark.parametrize("model, mode", [("qwen3_5_moe", "framework"),  # standalone: the next_n 2 test below
                                          ("ling_2_5", "framework"), ("ling_2_5", "standalone"),
                                          ("ling_3_kda", "framework")])
 def test_hybrid_with_mtp_passes_accepted_and_rejected_drafts(tmp_path, model, mode):
@@ -142,14 +146,3 @@ def test_two_drafts_per_step_accept_all_none_and_some(tmp_path, mode):
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     spec = check(report, "speculative decode (next_n=2)")
     assert spec.measured["patterns"] == ["all", "none", "some"] and spec.measured["max_abs_diff"] <= 1e-9
-
-
-@pytest.mark.slow
-def test_resuming_one_column_late_fails_by_name(tmp_path):
-    """The resume column off by one (the state after the first unaccepted token, not after the last accepted one):
-    every decode step reads a column one late, so both comparisons name it."""
-    manifest, rendered, cfg = _qwen35_mtp(tmp_path, "framework", next_n=2)
-    mutate(rendered, r"self\.state_anchor\[first\]\.view\(-1\)\.long\(\) - 1\)", "self.state_anchor[first].view(-1).long())",
-           name=ATTN)
-    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
-    assert not check(report, "speculative decode (next_n=2)").passed and not check(report, NUMERIC).passed

@@ -8,6 +8,8 @@ realistic mistakes of such a port fail by name.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
@@ -47,7 +49,14 @@ def _validate(tmp_path, mode: str, edit=None):
     from model_infer_kvcache.validators.pipeline.request_stream import Scenario
     from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
 
-    manifest = analyze(AnalyzeRequest(config=str(KIMI), dispatch=DISPATCH[mode]))
+    # 8 MLA and 8 KDA heads of 64 instead of 32 of 128: the KDA layers' transformers reference (float64, torch
+    # chunk loops) is what costs; the MLA dims the mistakes below are about stay as published
+    config = tmp_path / "kimi_linear.json"
+    config.write_text(json.dumps(json.loads(KIMI.read_text(encoding="utf-8")) | {
+        "num_attention_heads": 8, "num_key_value_heads": 8, "linear_num_heads": 8, "linear_head_dim": 64}),
+        encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), dispatch=DISPATCH[mode]))
+    assert (manifest.linear_attention.num_v_heads, manifest.linear_attention.head_k_dim) == (8, 64)
     (tmp_path / "manifest.json").write_text(manifest.to_json(), encoding="utf-8")
     write_rendered(render_manifest(manifest), tmp_path / "rendered")
     if edit is not None:
@@ -56,10 +65,9 @@ def _validate(tmp_path, mode: str, edit=None):
         text = path.read_text(encoding="utf-8")
         assert text.count(old) == 1, old
         path.write_text(text.replace(old, new), encoding="utf-8")
-    # unequal prompts, a late admission, decode: the KDA layers' transformers reference (float64, torch chunk
-    # loops) is what costs, so the stream is short
+    # unequal prompts, a late admission, decode; a short stream for the same reason
     scenario = Scenario(first=((40, 3), (17, 3), (30, 3)), late=((20, 3),), max_concurrency=3, release_requests=4)
-    return validate(ValidateRequest(str(tmp_path / "manifest.json"), str(tmp_path / "rendered"), str(KIMI),
+    return validate(ValidateRequest(str(tmp_path / "manifest.json"), str(tmp_path / "rendered"), str(config),
                                     backend="emulated", scenario=scenario, sweep_readings=False))
 
 

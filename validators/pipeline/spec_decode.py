@@ -21,8 +21,9 @@ from model_infer_kvcache.validators.pipeline.host_model import reference_logits
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
 
-# (prompt length, verify steps): one prompt past a 128-token block, one short.
-PROMPTS = ((137, 4), (21, 4))
+# (prompt length, verify steps): one prompt past a 128-token block, one short; three steps each cycle every
+# acceptance pattern over the two requests (two patterns at next_n 1, three from 2 on).
+PROMPTS = ((137, 3), (21, 3))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
 DEFAULT_API = DEFAULT_RENDER_CONTRACT
-# Linear-attention families whose states the templates render (templates/linear_state.py.j2).
+# Linear-attention families whose states the templates render (templates/kinds/recurrent_state.py.j2).
 RENDERED_LINEAR = ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
 # How the rendered code and INTEGRATION.md name each family.
 LINEAR_FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",

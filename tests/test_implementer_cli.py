@@ -222,7 +222,7 @@ def _manifest_with(source: Path, edit) -> SelectionManifest:
 
 
 def test_linear_attention_layers_get_a_clear_message():
-    """Gated-delta-net, KDA and lightning states render (templates/linear_state.py.j2; lightning: one recurrent
+    """Gated-delta-net, KDA and lightning states render (templates/kinds/recurrent_state.py.j2; lightning: one recurrent
     state, no conv); states of a Legacy (contiguous-cache) plan are refused naming the state field and the family;
     Kimi-Linear's NoPE MLA renders position-free."""
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze

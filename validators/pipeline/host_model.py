@@ -54,7 +54,7 @@ class RenderedCode:
         return _class_with(self.runner, "_init_kvcache") if self.runner else None
 
     def linear_mixin(self) -> type | None:
-        """The state mixin of a hybrid model's linear layers (templates/linear_state.py.j2), None without one."""
+        """The state mixin of a hybrid model's linear layers (templates/kinds/recurrent_state.py.j2), None without one."""
         try:
             return _class_with(self.attention, "init_state_cache")
         except LookupError:

@@ -30,21 +30,11 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
 from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
+from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
+from model_infer_kvcache.implementer.kinds.recurrent import LinearCtx
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
 DEFAULT_API = DEFAULT_RENDER_CONTRACT
-# Linear-attention families whose states the templates render (templates/kinds/recurrent_state.py.j2).
-RENDERED_LINEAR = ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
-# How the rendered code and INTEGRATION.md name each family.
-LINEAR_FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
-                       "lightning_attention": "lightning attention"}
-# Cache names the templates know, by attention family: they become attribute names in generated code.
-CACHE_NAMES = {False: ("k_cache", "v_cache"), True: ("nope_cache", "rope_cache")}
-# DSA (manifest.dsa): the MLA caches plus each layer's indexer key cache
-DSA_CACHE_NAMES = ("nope_cache", "rope_cache", "indexer_key_cache")
-# Layouts each template implements (the FA output shape depends on it).
-LAYOUTS = {("paged", False): ("TND",), ("paged", True): ("TND", "TND_NTD"), ("legacy", False): ("BSH",)}
-NZ_C0 = 16  # NZ fractal width of 16-bit caches (the rendered KV_CACHE_NZ_DIM)
 _MODEL_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 _TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
@@ -98,42 +88,8 @@ class CacheCtx:
     name: str
     dim: int
     num_head: int
-
-    # the rendered constant each cache's width is (one place for the attention module and the runner)
-    _DIM_CONSTANTS = {"nope_cache": "KV_LORA_RANK", "rope_cache": "QK_ROPE_HEAD_DIM",
-                      "indexer_key_cache": "INDEX_HEAD_DIM"}
-
-    @property
-    def dim_constant(self) -> str:
-        return self._DIM_CONSTANTS.get(self.name, "HEAD_DIM")
-
-    @property
-    def heads_constant(self) -> str:
-        """Per-token heads: one for the latent / rope / indexer caches, the KV heads for k/v caches."""
-        return "1" if self.name in self._DIM_CONSTANTS else "NUM_KV_HEADS_PER_RANK"
-
-
-@dataclass(frozen=True)
-class LinearCtx:
-    """A linear layer's family and sizes on one rank (manifest.linear_attention)."""
-
-    family: str
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int  # 0: the family has no short conv (lightning), so no conv state
-    conv_channels: int
-    conv_dtype: str
-    state_dtype: str
-    layers: tuple[int, ...]
-    state_shape: str  # one request's recurrent state, as the rendered constants: the family's layout
-    state_layout: str  # which layout, and whose
-    next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
-
-    @property
-    def family_name(self) -> str:
-        return LINEAR_FAMILY_NAMES[self.family]
+    dim_constant: str  # the rendered constant its width is (its kind's CACHE_CONSTANTS)
+    heads_constant: str  # per-token heads: "1" for the latent / rope / indexer caches, the KV heads for k/v
 
 
 @dataclass(frozen=True)
@@ -156,12 +112,6 @@ class RenderContext:
     num_kv_heads_per_rank: int
     head_dim: int
     attn_tp_size: int
-    is_mla: bool
-    mla_rope: bool  # False: position-free MLA (mla.rope), the rope part written and attended unrotated
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    qk_nope_head_dim: int
-    v_head_dim: int
     has_sinks: bool
     mixed: bool
     kinds: tuple[KindPlan, ...]
@@ -172,6 +122,13 @@ class RenderContext:
     sublayers: int
     mtp_layers: int
     names: Names
+    # MLA (implementer/kinds/mla.py): False/0 for other attention kinds
+    is_mla: bool = False
+    mla_rope: bool = True  # False: position-free MLA (mla.rope), the rope part written and attended unrotated
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
     # DSA (manifest.dsa): the indexer's selection width, heads (all on every rank), head dim and RoPE layout
     is_dsa: bool = False
     index_topk: int = 0
@@ -271,14 +228,9 @@ def _check_layers(m: SelectionManifest) -> None:
     """Refuse manifests the templates cannot render faithfully, naming the layers and why."""
     if not m.layers:
         raise _bad("layers", "manifest has no layers")
-    states = [layer for layer in m.layers if layer.is_state]
-    family = m.linear_attention.family if m.linear_attention else "unknown family"
-    if states and (family not in RENDERED_LINEAR or m.kv_mode.value != "paged"):
-        raise _bad(f"layers[{states[0].index}].states",
-                   f"{len(states)} linear layer(s) keep a recurrent state (attn_type Mamba, {family}"
-                   f"{'' if m.kv_mode.value == 'paged' else ', Legacy'}); the templates render the states of "
-                   f"{', '.join(RENDERED_LINEAR)} paged models only: implement them by hand from the manifest's "
-                   "linear_attention section (references/hybrid_linear.md)")
+    kinds = kinds_of(m)
+    for kind in kinds[1:]:  # the recurrent state first, as before the attention kinds' own checks
+        kind.check_layers(m)
     uncached = [layer for layer in m.layers if not layer.caches and not layer.is_state]
     if uncached:
         kinds = sorted({layer.layer_kind for layer in uncached})
@@ -286,15 +238,8 @@ def _check_layers(m: SelectionManifest) -> None:
                    f"{len(uncached)} layer(s) ({', '.join(kinds)}: e.g. linear attention / recurrent state) hold no "
                    "KV cache; the templates render attention KV caches only, so this model is outside the "
                    "standard path (see the manifest's blockers)")
-    chunked = [layer.index for layer in m.layers if layer.layer_kind == "chunked"]
-    if chunked:
-        raise _bad(f"layers[{chunked[0]}].layer_kind",
-                   f"{len(chunked)} layer(s) use chunked local attention; no template renders chunk-boundary "
-                   "masks (a causal or band mask would be silently wrong)")
-    if m.dsa is not None and m.dsa.shared_layers:
-        raise _bad("dsa.shared_layers", f"{len(m.dsa.shared_layers)} layer(s) reuse the previous layer's top-k "
-                                        f"selection (first: {m.dsa.shared_layers[0]}); no template carries a "
-                                        "selection across layers")
+    check_unrendered(m)
+    kinds[0].check_layers(m)
     attention = [layer for layer in m.layers if not layer.is_state]
     if not attention:
         raise _bad("layers", "no attention layer: every layer is linear")
@@ -312,13 +257,12 @@ def _check_layers(m: SelectionManifest) -> None:
                        "code indexes block_table/slot_mapping by attn_type (no manager_key support)")
         if layer.is_sliding and not layer.sliding_window:
             raise _bad(f"layers[{layer.index}].sliding_window", "a SlidingWindow layer needs a positive window")
-    want = DSA_CACHE_NAMES if m.dsa is not None else CACHE_NAMES[m.mla.enabled]
+    kind = kinds[0]
     names = tuple(c.name for c in first.caches)
-    if m.kv_mode.value == "paged" and names != want:
-        kind = "DSA" if m.dsa is not None else "MLA" if m.mla.enabled else "GQA/MHA"
-        raise _bad(f"layers[{first.index}].caches", f"cache names {list(names)} must be {list(want)} for "
-                                                    f"{kind} paged caches")
-    if m.kv_mode.value == "legacy" and (m.mla.enabled or names != CACHE_NAMES[False]):
+    if m.kv_mode.value == "paged" and names != kind.CACHE_NAMES:
+        raise _bad(f"layers[{first.index}].caches", f"cache names {list(names)} must be {list(kind.CACHE_NAMES)} "
+                                                    f"for {kind.NAME} paged caches")
+    if m.kv_mode.value == "legacy" and ("legacy" not in kind.LAYOUTS or names != kind.CACHE_NAMES):
         raise _bad(f"layers[{first.index}].caches", "the Legacy template renders GQA/MHA k_cache/v_cache only")
     for i, c in enumerate(first.caches):
         if c.dim <= 0 or c.num_head <= 0:
@@ -326,7 +270,8 @@ def _check_layers(m: SelectionManifest) -> None:
 
 
 def _check_numbers(m: SelectionManifest) -> None:
-    layouts = LAYOUTS.get((m.kv_mode.value, m.mla.enabled), ())
+    kind = attention_kind(m)
+    layouts = kind.LAYOUTS.get(m.kv_mode.value, ())
     if m.fa.input_layout not in layouts:
         raise _bad("fa.input_layout", f"{m.fa.input_layout!r} is not rendered for this design "
                                       f"(supported: {', '.join(layouts) or 'none'})")
@@ -341,27 +286,7 @@ def _check_numbers(m: SelectionManifest) -> None:
     for field, value in counts.items():
         if value <= 0:
             raise _bad(field, f"{value} must be > 0")
-    if m.mla.enabled:
-        if m.model.mla is None:
-            raise _bad("model.mla", "mla.enabled but the model has no MLA dimensions")
-        if any(layer.is_sliding for layer in m.layers):  # linear (Mamba) layers beside MLA are rendered
-            raise _bad("layers", "MLA with sliding-window layers is not rendered")
-        if not m.mla.absorb:
-            raise _bad("mla.absorb", "only the absorb form of MLA is rendered (latent cache, kv_b_proj absorbed)")
-        if not m.mla.rope and m.dsa is not None:
-            raise _bad("mla.rope", "position-free MLA with a DSA indexer is not rendered (the indexer rotates its keys)")
-        if m.mla.cache_mode not in (None, "PA_NZ"):
-            raise _bad("mla.cache_mode", f"{m.mla.cache_mode!r}: the MLA template writes and reads PA_NZ")
-        for field in ("kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(m.model.mla, field)
-            if value <= 0 or value % NZ_C0:
-                raise _bad(f"model.mla.{field}", f"{value} must be a positive multiple of {NZ_C0} (NZ tiles)")
-        for field in ("qk_nope_head_dim", "v_head_dim"):
-            if getattr(m.model.mla, field) <= 0:
-                raise _bad(f"model.mla.{field}", f"{getattr(m.model.mla, field)} must be > 0")
-    elif m.parallel.num_q_heads_per_rank % m.parallel.num_kv_heads_per_rank:
-        raise _bad("parallel.num_kv_heads_per_rank", f"{m.parallel.num_kv_heads_per_rank} KV heads do not divide "
-                                                     f"{m.parallel.num_q_heads_per_rank} query heads per rank")
+    kind.check(m)
     if not _MODEL_TYPE.fullmatch(m.model.model_type):
         raise _bad("model.model_type", f"{m.model.model_type!r} is not a plain model type ([A-Za-z0-9_.-])")
 
@@ -406,7 +331,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     # G3 frameworks take G2 renders: an override naming the manifest's render contract is no contradiction.
     if api_override and m.framework_api and render_api(api_override) != render_api(m.framework_api):
         raise InputError("--framework-api", f"{api_override} contradicts the manifest's {m.framework_api}")
-    mla = m.model.mla
+    kind_fields = {name: value for kind in kinds_of(m) for name, value in kind.fields(m).items()}
     return RenderContext(
         version=__version__,
         manifest_hash=m.content_hash(),
@@ -426,17 +351,12 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         num_kv_heads_per_rank=int(m.parallel.num_kv_heads_per_rank),
         head_dim=int(m.model.head_dim),
         attn_tp_size=int(m.parallel.attn_tp_size),
-        is_mla=m.mla.enabled,
-        mla_rope=m.mla.rope,
-        kv_lora_rank=mla.kv_lora_rank if mla else 0,
-        qk_rope_head_dim=mla.qk_rope_head_dim if mla else 0,
-        qk_nope_head_dim=mla.qk_nope_head_dim if mla else 0,
-        v_head_dim=mla.v_head_dim if mla else 0,
         has_sinks=m.model.has_sinks,
         mixed=len(kinds) > 1,
         kinds=tuple(sorted(kinds.values(), key=lambda k: k.attn_type)),
         sliding_layers=tuple(layer.index for layer in m.layers if layer.is_sliding),
-        caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head)) for c in first.caches),
+        caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head), *attention_kind(m).CACHE_CONSTANTS[c.name])
+                     for c in first.caches),
         cache_dtype=_TORCH_DTYPE[first.caches[0].dtype],
         num_layers=len(m.layers),
         sublayers=int(m.model.sublayers_per_layer),
@@ -444,38 +364,5 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         names=names.checked(),
         legacy_kernel=legacy_kernel,
         softcap=softcap,
-        **_dsa_fields(m),
-        linear=_linear_ctx(m),
+        **kind_fields,
     )
-
-
-def _linear_ctx(m: SelectionManifest) -> LinearCtx | None:
-    lin = m.linear_attention
-    if lin is None:
-        return None
-    rec = next(s for s in lin.states if s.name == "recurrent_state")
-    conv = next((s for s in lin.states if s.name == "conv_state"), None)  # None: no short conv (lightning)
-    # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA and lightning
-    if lin.family == "gated_delta_net":
-        dims, layout = ("V", "V", "K"), "[Nv, Dv, Dk]: npu_recurrent_gated_delta_rule's layout"
-    else:
-        dims, layout = ("V", "K", "V"), "[H, Dk, Dv]: the torch recurrence's layout"
-    sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim}
-    want = [lin.num_v_heads_per_rank, *(sizes[d] for d in dims[1:])]
-    want_conv = None if lin.conv_kernel is None else [lin.conv_channels_per_rank, lin.conv_kernel - 1]
-    if (conv.shape if conv else None) != want_conv or rec.shape != want:
-        raise _bad("linear_attention.states", f"shapes {conv.shape if conv else 'no conv_state'} / {rec.shape} are "
-                                              f"not the {lin.family}'s {want_conv or 'no conv_state'} / {want}")
-    shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM" for d in dims[1:])])
-    return LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank), int(lin.head_k_dim),
-                     int(lin.head_v_dim), int(lin.conv_kernel or 0), int(lin.conv_channels_per_rank),
-                     _TORCH_DTYPE[conv.dtype] if conv else "None", _TORCH_DTYPE[rec.dtype], tuple(lin.layers),
-                     f"({shape})", layout, lin.state_blocks_per_request - 1)
-
-
-def _dsa_fields(m: SelectionManifest) -> dict:
-    if m.dsa is None:
-        return {}
-    d = m.dsa
-    return {"is_dsa": True, "index_topk": int(d.index_topk), "index_n_heads": int(d.index_n_heads_per_rank),
-            "index_head_dim": int(d.index_head_dim), "index_rope": d.index_rope}

@@ -146,7 +146,7 @@ def _attention_text(m) -> str:
     from model_infer_kvcache.implementer.render import render_manifest
 
     if m.linear_attention is not None:
-        from model_infer_kvcache.implementer.template_context import RENDERED_LINEAR
+        from model_infer_kvcache.implementer.kinds.recurrent import RENDERED as RENDERED_LINEAR
 
         # the sentence below names them
         assert RENDERED_LINEAR == ("gated_delta_net", "kimi_delta_attention", "lightning_attention")

@@ -1,0 +1,46 @@
+"""The render side of each cache kind: what its template partial (``templates/kinds/``) needs from the manifest
+and what it refuses to render.
+
+One module per kind: ``gqa`` (K/V caches, full and sliding groups), ``mla`` (the latent cache and its rope part),
+``dsa`` (MLA plus the indexer's key cache and the sparse FA), ``recurrent`` (the linear layers' states). Each
+exposes ``check(m)`` (raise the manifest field that makes the design unrenderable) and ``fields(m)`` (its
+``RenderContext`` fields). ``kinds_of`` is the one place that reads which kinds a manifest holds: the rest of the
+implementer asks the kinds, never the manifest's kind sections.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.implementer.kinds import dsa, gqa, mla, recurrent
+from model_infer_kvcache.implementer.kinds.common import bad
+
+# Layer kinds the analyzer may plan that no partial renders, and why a render of them would be wrong.
+UNRENDERED_LAYER_KINDS = {
+    "chunked": "chunked local attention; no template renders chunk-boundary masks (a causal or band mask would be "
+               "silently wrong)",
+}
+
+
+def attention_kind(m: SelectionManifest) -> ModuleType:
+    """The attention format every attention layer shares: DSA (MLA + indexer), MLA, or GQA/MHA."""
+    if m.dsa is not None:
+        return dsa
+    return mla if m.mla.enabled else gqa
+
+
+def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
+    """The kinds the manifest's layers hold: its attention format, then the recurrent state of linear layers."""
+    states = m.linear_attention is not None or any(layer.is_state for layer in m.layers)
+    return (attention_kind(m), *((recurrent,) if states else ()))
+
+
+def check_unrendered(m: SelectionManifest) -> None:
+    for kind, why in UNRENDERED_LAYER_KINDS.items():
+        layers = [layer.index for layer in m.layers if layer.layer_kind == kind]
+        if layers:
+            raise bad(f"layers[{layers[0]}].layer_kind", f"{len(layers)} layer(s) use {why}")
+
+
+__all__ = ["UNRENDERED_LAYER_KINDS", "attention_kind", "check_unrendered", "kinds_of"]

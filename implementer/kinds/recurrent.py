@@ -1,0 +1,76 @@
+"""The recurrent states of a hybrid model's linear layers: gated delta net, KDA, lightning
+(templates/kinds/recurrent_state.py.j2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model_infer_kvcache.implementer.kinds.common import bad
+
+NAME = "recurrent state"
+# Linear-attention families whose states the partial renders, and how the rendered code names each.
+FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
+                "lightning_attention": "lightning attention"}
+RENDERED = tuple(FAMILY_NAMES)
+_TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32"}
+
+
+@dataclass(frozen=True)
+class LinearCtx:
+    """A linear layer's family and sizes on one rank (manifest.linear_attention)."""
+
+    family: str
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int  # 0: the family has no short conv (lightning), so no conv state
+    conv_channels: int
+    conv_dtype: str
+    state_dtype: str
+    layers: tuple[int, ...]
+    state_shape: str  # one request's recurrent state, as the rendered constants: the family's layout
+    state_layout: str  # which layout, and whose
+    next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
+
+    @property
+    def family_name(self) -> str:
+        return FAMILY_NAMES[self.family]
+
+
+def check_layers(m) -> None:
+    states = [layer for layer in m.layers if layer.is_state]
+    family = m.linear_attention.family if m.linear_attention else "unknown family"
+    if states and (family not in RENDERED or m.kv_mode.value != "paged"):
+        raise bad(f"layers[{states[0].index}].states",
+                  f"{len(states)} linear layer(s) keep a recurrent state (attn_type Mamba, {family}"
+                  f"{'' if m.kv_mode.value == 'paged' else ', Legacy'}); the templates render the states of "
+                  f"{', '.join(RENDERED)} paged models only: implement them by hand from the manifest's "
+                  "linear_attention section (references/hybrid_linear.md)")
+
+
+def check(m) -> None:
+    """Nothing beyond check_layers: the states' shapes are checked where the context is built."""
+
+
+def fields(m) -> dict:
+    lin = m.linear_attention
+    rec = next(s for s in lin.states if s.name == "recurrent_state")
+    conv = next((s for s in lin.states if s.name == "conv_state"), None)  # None: no short conv (lightning)
+    # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA and lightning
+    if lin.family == "gated_delta_net":
+        dims, layout = ("V", "V", "K"), "[Nv, Dv, Dk]: npu_recurrent_gated_delta_rule's layout"
+    else:
+        dims, layout = ("V", "K", "V"), "[H, Dk, Dv]: the torch recurrence's layout"
+    sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim}
+    want = [lin.num_v_heads_per_rank, *(sizes[d] for d in dims[1:])]
+    want_conv = None if lin.conv_kernel is None else [lin.conv_channels_per_rank, lin.conv_kernel - 1]
+    if (conv.shape if conv else None) != want_conv or rec.shape != want:
+        raise bad("linear_attention.states", f"shapes {conv.shape if conv else 'no conv_state'} / {rec.shape} are "
+                                             f"not the {lin.family}'s {want_conv or 'no conv_state'} / {want}")
+    shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM" for d in dims[1:])])
+    return {"linear": LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank),
+                                int(lin.head_k_dim), int(lin.head_v_dim), int(lin.conv_kernel or 0),
+                                int(lin.conv_channels_per_rank), _TORCH_DTYPE[conv.dtype] if conv else "None",
+                                _TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
+                                lin.state_blocks_per_request - 1)}

@@ -1,0 +1,105 @@
+"""Kind branches live in the kinds' homes (issue 44): a ratchet over the source files that still branch on a kind.
+
+A *kind branch* is code that asks which cache kind a manifest or a layer holds instead of asking the kind: an
+attribute read of a kind section (``.mla``, ``.dsa``, ``.linear_attention``), a comparison with a layer's
+``attn_type`` / ``layer_kind``, or the framework's kind strings spelled out ("FullAttention", "SlidingWindow",
+"Mamba"). The homes are ``analyzer/kv_cache_spec.py`` (the specs and their block math) and ``implementer/kinds/``
+(each kind's render side). ``OUTSIDE`` lists the files that still branch elsewhere, as measured: a new file that
+branches fails, and a listed file that no longer does must leave the list, so the count only goes down.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from shared_dirs import ROOT
+
+SECTIONS = {"mla", "dsa", "linear_attention"}
+KIND_FIELDS = {"attn_type", "layer_kind"}
+KIND_STRINGS = {"FullAttention", "SlidingWindow", "Mamba"}
+KIND_CONSTANTS = {"FULL_ATTENTION", "SLIDING_WINDOW", "MAMBA"}  # analyzer/kv_cache_spec.py's names for them
+HOMES = ("analyzer/kv_cache_spec.py", "implementer/kinds/")
+PARTS = ("analyzer", "implementer", "validators")
+
+# Measured when the render side moved into implementer/kinds/: 31 files (32 with template_context.py before it).
+OUTSIDE = frozenset({
+    "analyzer/arch_check.py", "analyzer/build.py", "analyzer/config_loader.py", "analyzer/decisions_table.py",
+    "analyzer/manifest.py", "analyzer/rules.py",
+    "validators/checkout_run/checks.py", "validators/checkout_run/dsa_checks.py", "validators/checkout_run/recorder.py",
+    "validators/checkout_run/engine_run.py", "validators/checkout_run/support.py",
+    "validators/checkout_run/validate.py", "validators/docgen/doc_tables.py", "validators/harness/cache_utils.py",
+    "validators/harness/generations.py", "validators/harness/kv_cache_manager.py", "validators/harness/managers.py",
+    "validators/harness/toy_model.py", "validators/lint/manifest_checks.py", "validators/pipeline/dsa_args.py", "validators/pipeline/fa_args.py", "validators/pipeline/framework_run.py",
+    "validators/pipeline/host_model.py", "validators/pipeline/multi_rank.py",
+    "validators/pipeline/numeric.py", "validators/pipeline/provenance.py", "validators/pipeline/render_check.py",
+    "validators/pipeline/spec_decode.py", "validators/pipeline/standalone_run.py", "validators/pipeline/tiny_model.py",
+    "validators/pipeline/validate.py",
+})
+
+
+def kind_branches(source: str) -> list[int]:
+    """Line numbers of the kind branches in ``source`` (module docstring above)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in SECTIONS:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and _names_a_kind(node):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Constant) and node.value in KIND_STRINGS:
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def _is_kind(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        return (node.id if isinstance(node, ast.Name) else node.attr) in KIND_CONSTANTS
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_kind(e) for e in node.elts)
+    return False
+
+
+def _names_a_kind(node: ast.Compare) -> bool:
+    """A layer's attn_type / layer_kind compared with one kind (a string or a spec constant), not with another
+    field (``group_key != attn_type`` asks no kind)."""
+    sides = (node.left, *node.comparators)
+    fields = [s for s in sides if isinstance(s, ast.Attribute) and s.attr in KIND_FIELDS]
+    return bool(fields) and any(_is_kind(s) for s in sides if s not in fields)
+
+
+def _outside_homes() -> dict[str, list[int]]:
+    out = {}
+    for part in PARTS:
+        for path in sorted((ROOT / part).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(HOMES):
+                continue
+            found = kind_branches(path.read_text(encoding="utf-8"))
+            if found:
+                out[rel] = found
+    return out
+
+
+def test_no_new_file_branches_on_a_kind_and_the_list_only_shrinks():
+    found = _outside_homes()
+    new = {f: lines[:5] for f, lines in found.items() if f not in OUTSIDE}
+    assert not new, f"kind branches outside the kinds' homes (ask the kind instead, {HOMES}): {new}"
+    gone = sorted(OUTSIDE - set(found))
+    assert not gone, f"no longer branch on a kind: remove them from OUTSIDE: {gone}"
+
+
+def test_the_render_side_asks_its_kinds():
+    assert "implementer/template_context.py" not in _outside_homes()
+    homes = [p for p in (ROOT / "implementer" / "kinds").glob("*.py") if kind_branches(p.read_text(encoding="utf-8"))]
+    assert homes, "the kinds' own modules are where the branches went"
+
+
+def test_each_shape_of_kind_branch_is_found():
+    """Negative controls: the three shapes a port of a new kind would scatter."""
+    assert kind_branches("if m.dsa is not None:\n    pass\n") == [1]
+    assert kind_branches("x = 1\nok = layer.attn_type == MAMBA\n") == [2]
+    assert kind_branches('ok = layer.layer_kind in ("linear", "chunked")\n') == [1]
+    assert kind_branches("ok = layer.group_key != layer.attn_type\n") == []
+    assert kind_branches('entries = {"Mamba": 1}\n') == [1]
+    assert kind_branches("kind = plan.family\nif spec.windowed:\n    pass\n") == []

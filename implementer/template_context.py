@@ -129,6 +129,7 @@ class RenderContext:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    paged_standalone_mode: int = 2  # the standalone runner's paged mode: 2 (K/V, static arange table), MLA's 3
     # DSA (manifest.dsa): the indexer's selection width, heads (all on every rank), head dim and RoPE layout
     is_dsa: bool = False
     index_topk: int = 0
@@ -182,9 +183,7 @@ class RenderContext:
     @property
     def standalone_mode(self) -> int:
         """1: contiguous list of (k, v); 2: paged with a static arange table; 3: MLA latent on mode 2."""
-        if self.kv_mode == "legacy":
-            return 1
-        return 3 if self.is_mla else 2
+        return 1 if self.kv_mode == "legacy" else self.paged_standalone_mode
 
 
 def _path(layer: LayerPlan, prefill: bool) -> PathPlan:

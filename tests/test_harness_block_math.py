@@ -55,6 +55,18 @@ def test_offline_with_sliding_group():
                                offline_max_len=1000) == {"SlidingWindow": 9}
 
 
+def test_the_scheduler_reserves_the_speculative_tokens_the_engine_runs_at():
+    """The validation's pools are sized at the manifest's next_n, as the engine's calculate_block_num reads
+    model_config.next_n: the sliding group of a model served with MTP keeps 2 * next_n more tokens per request."""
+    from model_infer_kvcache.validators.harness import Scheduler
+
+    info = _g1_info(["SlidingWindow", "FullAttention"])
+    plain = Scheduler(info, max_model_len=1000, max_concurrency=4, generation="G1", allocate_tensors=False)
+    mtp = Scheduler(info, max_model_len=1000, max_concurrency=4, generation="G1", allocate_tensors=False, next_n=1)
+    assert plain.block_num_by_key["SlidingWindow"] == 9 and mtp.block_num_by_key["SlidingWindow"] == 13
+    assert plain.block_num_by_key["FullAttention"] == mtp.block_num_by_key["FullAttention"] == 33
+
+
 def test_fixed_blocks_per_request_formula():
     assert sliding_blocks_per_request(128, 128) == 2
     assert sliding_blocks_per_request(129, 128) == 3  # 129 tokens span 2 blocks, +1 boundary

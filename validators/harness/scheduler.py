@@ -148,6 +148,7 @@ class Scheduler:
         allocate_tensors: bool = True,
         fill_value: float | None = None,
         poison_value: float = float("nan"),
+        next_n: int = 0,
     ):
         if api is None:
             api = FrameworkAPI.harness(
@@ -166,6 +167,8 @@ class Scheduler:
         self.graph_mode_lists = graph_mode_lists
         self.device = torch.device(device)
         self.poison_value = poison_value
+        # the engine's model_config.next_n: sliding-window groups reserve 2 * next_n more tokens per request
+        self.next_n = next_n
 
         # Which implementation did each framework step: "checkout" or "harness" (+ why).
         self.provenance: dict[str, str] = {}
@@ -214,13 +217,14 @@ class Scheduler:
             infer_config = types.SimpleNamespace(
                 scheduler_config=types.SimpleNamespace(batch_size_per_dp_rank=max_concurrency,
                                                        max_prefill_tokens=max_model_len, mem_fraction_static=0.9),
-                model_config=types.SimpleNamespace(next_n=0),
+                model_config=types.SimpleNamespace(next_n=self.next_n),
                 parallel_config=types.SimpleNamespace(offline_prefill_dp_group_size=1),
             )
             self.provenance["calculate_block_num"] = "checkout"
             return self.api.kv_cache.calculate_block_num(infer_config, cache_info, max_model_len)
         self.provenance.setdefault("calculate_block_num", "harness")
-        return calculate_block_num(cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len)
+        return calculate_block_num(cache_info, max_concurrency=max_concurrency, offline_max_len=max_model_len,
+                                   next_n=self.next_n)
 
     def _allocate(self, cache_info, fill_value) -> dict[str, list[torch.Tensor]]:
         if fill_value is None and self._from_checkout("allocate_cache_tensors"):

@@ -103,8 +103,10 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
 
     info = host.get_cache_info()
     check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype)
+    # the framework's next_n, as the manifest plans it (sliding groups reserve 2 * next_n more tokens)
     sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,
-                      api=api_module, generation=generation, device=host.device)
+                      api=api_module, generation=generation, device=host.device,
+                      next_n=manifest.mtp.speculative_tokens if manifest.mtp is not None else 0)
     report.notes.append(provenance_note(api_module, generation, sched))
     check_allocation(report, host, sched)
     if any(not c.passed for c in report.checks if c.link == "init"):

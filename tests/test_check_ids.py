@@ -70,3 +70,23 @@ def test_every_call_site_names_a_registered_check():
                     continue
                 assert found.name == name, (path, node.lineno, name, found)
     assert unknown == [] and sites >= 45
+
+
+def test_a_non_finite_measurement_is_written_as_strict_json():
+    """A NaN logit gives max_abs_diff inf or nan: report.json must stay parseable by strict JSON readers (jq, JS),
+    so the value is the string "inf" / "nan", not the bare Infinity / NaN Python's json would write."""
+    import json
+
+    from model_infer_kvcache.validators.pipeline.report import Report
+
+    report = Report(backend="emulated", deploy_mode="framework", model_type="m", manifest_hash="h")
+    report.add("logits vs transformers max |diff| <= 1e-09", "numeric", False, max_abs_diff=float("inf"),
+               spread=[float("nan"), 1.5, float("-inf")])
+    text = report.to_json()
+
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    measured = json.loads(text, parse_constant=refuse)["checks"][0]["measured"]
+    assert measured == {"max_abs_diff": "inf", "spread": ["nan", 1.5, "-inf"]}
+    assert report.checks[0].measured["max_abs_diff"] == float("inf")  # the in-memory report keeps the number

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -91,7 +92,9 @@ class Report:
         return "框架契约 harness"
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+        """Strict JSON: a non-finite measurement (a NaN logit's diff, an inf bound) is written as the string
+        "inf" / "-inf" / "nan", never as the bare Infinity / NaN that JSON parsers other than Python's refuse."""
+        return json.dumps(_finite(self.to_dict()), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
     def to_markdown(self) -> str:
         verdict = "通过" if self.passed else "未通过"
@@ -151,6 +154,16 @@ def _short(value: Any) -> str:
         return f"{value:.3g}"
     text = str(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:

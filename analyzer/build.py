@@ -72,6 +72,7 @@ class AnalyzeRequest:
     device_readings: str | None = None  # readings file written by `kvcache probe`
     cache_dtype: str | None = None  # --cache-dtype: plan the cache in this dtype instead of the config's
     next_n: int | None = None  # --next-n: speculative tokens the deployment runs (0: off; None: the config's MTP)
+    exe_mode: str | None = None  # --exe-mode: eager | npugraph_ex | ge_graph (None: progress.md's, else eager)
 
 
 def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionManifest:
@@ -288,6 +289,7 @@ def assemble(
         ),
         mla=mla,
         mtp=rules.decide_mtp(facts, next_n),
+        exe_mode=rules.decide_exe_mode(*_exe_mode(req, progress), next_n),
         legacy_attention=legacy_attention,
         mixed_attn_types=mixed,
         layers=layers,
@@ -494,6 +496,15 @@ def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, int
     if kv != parallel.num_kv_heads_per_rank:
         out["num_kv_heads_per_rank"] = kv
     return out
+
+
+def _exe_mode(req: AnalyzeRequest, progress: ProgressFacts) -> tuple[str | None, str]:
+    """(mode, source): --exe-mode, else progress.md's exe_mode, else (None) not stated: eager."""
+    if req.exe_mode is not None:
+        return req.exe_mode, "--exe-mode"
+    if progress.exe_mode is not None:
+        return progress.exe_mode.value, progress.where(progress.exe_mode)
+    return None, ""
 
 
 def speculative_tokens(facts: ModelFacts, req: AnalyzeRequest) -> int:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from model_infer_kvcache.analyzer.cli_paths import STDOUT, PathArg, check_paths, config_file
+from model_infer_kvcache.analyzer.deploy_context import EXE_MODES
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable, not_a_file, read_input_text
@@ -90,6 +91,10 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
                         "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
     add_next_n_argument(p)
+    p.add_argument("--exe-mode", choices=EXE_MODES,
+                   help="the framework's execution mode for decode (the yaml's model_config.exe_mode; else "
+                        "progress.md's exe_mode, else eager): the graph modes are planned with their consequences "
+                        "and refused by render (its templates render eager decode), e.g. --exe-mode npugraph_ex")
 
 
 def add_next_n_argument(p: argparse.ArgumentParser) -> None:
@@ -156,6 +161,7 @@ def request_from_args(args: argparse.Namespace):
         device_readings=args.device_readings,
         cache_dtype=args.cache_dtype,
         next_n=args.next_n,
+        exe_mode=args.exe_mode,
     )
 
 

@@ -98,7 +98,10 @@ FACT_LABELS = {
     "num_cards": "部署卡数",
     "npu_model": "NPU 型号",
     "hbm_gb": "单卡 HBM",
+    "exe_mode": "exe_mode",
 }
+# The framework's execution modes (executor/core/config/inference_config.py: model_config.exe_mode).
+EXE_MODES = ("eager", "npugraph_ex", "ge_graph")
 
 
 @dataclass
@@ -109,6 +112,7 @@ class ProgressFacts:
     num_cards: Stated | None = None
     npu_model: Stated | None = None
     hbm_gb: Stated | None = None
+    exe_mode: Stated | None = None  # eager | npugraph_ex | ge_graph (the yaml's model_config.exe_mode)
     # fact -> one statement per distinct value, when progress.md states the fact in contradicting ways
     # (the fact itself is then None: no value is picked silently).
     conflicts: dict[str, list[Stated]] = field(default_factory=dict)
@@ -127,6 +131,7 @@ _KEYS = [
     (re.compile(r"^(部署卡数|卡数|总卡数|npu数量|npu卡数|world_?size|num_?cards|cards)$"), "num_cards"),
     (re.compile(r"^(npu型号|芯片型号|硬件型号|硬件|设备型号|npu|device)$"), "npu_model"),
     (re.compile(r"^(单卡hbm|hbm|单卡显存|显存|hbm容量|单卡hbm容量|每卡hbm|单卡内存)$"), "hbm_gb"),
+    (re.compile(r"^(exe_?mode|执行模式|运行模式|图模式)$"), "exe_mode"),
 ]
 # `key: value` / `key = value` anywhere a line starts: bullets, numbered items, headings, quotes, YAML.
 _KV = re.compile(r"^\s*(?:>\s*)*(?:#{1,6}\s+)?(?:[-*+]\s+|\d{1,3}[.)、]\s*)?"
@@ -222,6 +227,12 @@ class _Reader:
             return None
         if name == "npu_model":
             return _short(raw.strip().strip(_DECORATION), 80)
+        if name == "exe_mode":
+            mode = v.strip("'\"` ").replace("-", "_")
+            if mode not in EXE_MODES:
+                raise self.error(line, name, f"unknown execution mode {_short(raw.strip())!r} (expected one of "
+                                             f"{', '.join(EXE_MODES)}, as the yaml's model_config.exe_mode)")
+            return mode
         m = _NUMBER.search(v)
         if name == "hbm_gb":
             if not m:

@@ -156,6 +156,18 @@ class MtpDecision(_Model):
         return data
 
 
+class ExecModeDecision(_Model):
+    """The framework's execution mode for decode (``model_config.exe_mode``) and what it asks of the decode step.
+
+    Written only when stated (``--exe-mode`` or progress.md): a manifest without it is eager."""
+
+    value: Literal["eager", "npugraph_ex", "ge_graph"]
+    source: str = Field(description="where it was stated: --exe-mode or progress.md:line")
+    consequences: list[str] = Field(default_factory=list, description="what a captured decode step must do, each "
+                                                                      "with its source (empty for eager)")
+    reason: str
+
+
 class LegacyAttention(_Model):
     """How the Legacy path attends over its contiguous cache (SKILL.md: the model's own attention where FA
     cannot express it)."""
@@ -437,7 +449,7 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention")
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode")
 
 
 class SelectionManifest(_Model):
@@ -467,6 +479,9 @@ class SelectionManifest(_Model):
                                   "absent: the config's dtype")
     dsa: DsaDecision | None = Field(
         default=None, description="DeepSeek sparse attention: the indexer key cache and top-k selection; absent: dense")
+    exe_mode: ExecModeDecision | None = Field(
+        default=None, description="the framework's execution mode for decode and what a captured step must do; "
+                                  "absent: eager (not stated)")
     linear_attention: LinearAttentionDecision | None = Field(
         default=None, description="linear (recurrent-state) layers of a hybrid model; absent: none")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)

@@ -17,6 +17,7 @@ from model_infer_kvcache.analyzer.manifest import (
     CacheDtypeDecision,
     CacheSpec,
     DsaDecision,
+    ExecModeDecision,
     Finding,
     LegacyAttention,
     LinearAttentionDecision,
@@ -682,6 +683,41 @@ def mla_constraints(facts: ModelFacts, rope: bool = True) -> list[str]:
         out.append("position-free: npu_kv_rmsnorm_rope_cache gets cos 1 / sin 0 (the identity: it writes k_rot as "
                    "it is) and the query's rope part reaches FA unrotated")
     return out
+
+
+GRAPH_CONSEQUENCES = [
+    "decode batches padded to the scheduler's batch_size_per_dp_rank, the padded rows on the null block "
+    "(executor/core/engine/execution_engine.py: _pad_batch): one captured shape per batch size",
+    "block tables of one width, ceil(max_len / block_size) (cache_utils.prepare_block_tables' max_block_num)",
+    "no host synchronisation and no Python branching on tensor values inside the decode step: .item(), "
+    ".tolist() of device tensors and loops over the batch break the capture or bake one step's value into every "
+    "replay",
+]
+EXE_MODE_CONSEQUENCES = {
+    "npugraph_ex": ["FA sequence lengths as host lists: on decode the engine fills forward_metadata."
+                    "actual_seq_lengths_list_kv / actual_seq_lengths_cu_list_q (execution_engine.py, exe_mode "
+                    "npugraph_ex) and FA v2 types actual_seq_qlen / actual_seq_kvlen SymInt[] (the torch_npu "
+                    "schema); upstream qwen (models/qwen/models/modeling_qwen.py) passes those lists"],
+    "ge_graph": ["FA through torchair.ops on decode (upstream models/qwen/models/modeling_qwen.py: fa_ops = "
+                 "torchair.ops when enable_gegraph), the lengths as device tensors"],
+}
+
+
+def decide_exe_mode(mode: str | None, source: str, next_n: int = 0) -> ExecModeDecision | None:
+    """The decode step's execution mode, stated by --exe-mode or progress.md; None when not stated (eager)."""
+    if mode is None:
+        return None
+    if mode == "eager":
+        return ExecModeDecision(value=mode, source=source, reason="eager: every decode step runs op by op, nothing "
+                                                                  "is captured; the rendered code runs as written")
+    verify = ([f"speculative verify steps of a fixed 1 + {next_n} tokens per request (one capture per width)"]
+              if next_n else [])
+    return ExecModeDecision(
+        value=mode, source=source, consequences=[*GRAPH_CONSEQUENCES, *EXE_MODE_CONSEQUENCES[mode], *verify],
+        reason=f"{mode}: the framework captures the decode step once per batch size and replays it, so a length, a "
+               "slot or a table width computed on the host inside the step is captured as a constant and replayed "
+               "for every later step (wrong output, no error); kvcache render writes eager decode only (Python "
+               "loops over the step's requests, .tolist() of the metadata) and refuses this mode by name")
 
 
 def decide_mtp(facts: ModelFacts, next_n: int | None = None) -> MtpDecision | None:

@@ -37,6 +37,12 @@ def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
 
 
 def check_unrendered(m: SelectionManifest) -> None:
+    if m.exe_mode is not None and m.exe_mode.value != "eager":
+        raise bad("exe_mode", f"not supported by kvcache: {m.exe_mode.value} decode ({m.exe_mode.source}): the "
+                              "templates render eager decode only (Python loops over the step's requests, .tolist() "
+                              "of the metadata), which a captured step would break or replay with one step's values; "
+                              "serve decode eagerly (--exe-mode eager) or follow the manifest's "
+                              "exe_mode.consequences by hand")
     for kind, why in UNRENDERED_LAYER_KINDS.items():
         layers = [layer.index for layer in m.layers if layer.layer_kind == kind]
         if layers:

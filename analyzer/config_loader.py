@@ -340,6 +340,15 @@ class _Reader:
         return value, src
 
 
+# Families whose attention adds a learnable per-head sink logit to the softmax denominator (FA v2's
+# learnable_sink): no config field says so, their transformers modeling code does.
+SINK_FAMILIES = {
+    "gpt_oss": "GptOssAttention.sinks, an extra softmax logit",
+    "flint": "FlintAttention.sinks, an extra softmax logit",
+    "granite_swa": "GraniteSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
+    "granitemoe_swa": "GraniteMoeSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
+}
+
 def _json_type(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), "a number")
 
@@ -466,8 +475,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     chunk_hit = r.number("attention_chunk_size", kind=int, minimum=1)
     chunk = chunk_hit if chunk_hit and "chunked" in layer_kinds.value else Sourced(None, "default: none")
     sinks = (
-        Sourced(True, "model_type gpt_oss (learnable sinks in every attention layer)")
-        if family == "gpt_oss"
+        Sourced(True, f"model_type {model_type} (learnable sinks in every attention layer: {SINK_FAMILIES[family]})")
+        if family in SINK_FAMILIES
         else Sourced(False, "default: no sinks for this family")
     )
     mtp = r.number("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", kind=int,

@@ -42,6 +42,8 @@ FAMILY_OF = {
     "llama4_text": "llama4",
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
+    "gemma4_unified": "gemma4",
+    "gemma4_unified_text": "gemma4",
     "mixtral": "mistral",
     "granitemoe": "granite",
     "granitemoeshared": "granite",

@@ -1,7 +1,9 @@
-"""Families whose attention adds a learnable per-head sink to the softmax (issue 40): gpt-oss, and the three
-transformers ships without a config field saying so (Flint, Granite-SWA, GraniteMoE-SWA: their modeling code holds
-``self.sinks``; Granite's ``sigmoid(logsumexp - sink)`` scaling is the same extra softmax logit). They were refused by
-the cross-check ("attention sinks: analyzer none"); now planned with FA v2's learnable_sink and validated."""
+"""Families the family sweep refused that transformers' own code shows kvcache can plan (issue 40).
+
+Learnable sinks: gpt-oss, and the three transformers ships without a config field saying so (Flint, Granite-SWA,
+GraniteMoE-SWA: their modeling code holds ``self.sinks``; Granite's ``sigmoid(logsumexp - sink)`` scaling is the same
+extra softmax logit). They were refused by the cross-check ("attention sinks: analyzer none"); now planned with FA
+v2's learnable_sink and validated. Gemma-4 Unified: Gemma-4's attention under another model_type."""
 
 from __future__ import annotations
 
@@ -45,3 +47,19 @@ def test_granite_swa_validates_with_its_sinks_and_fails_without_them(tmp_path):
         report = run_validate(tmp_path / "m.json", rendered, config)
         numeric = check(report, "logits vs transformers")
         assert numeric.passed == (not drop), (name, [(c.name, c.detail) for c in report.failed()])
+
+
+def test_gemma4_unified_is_planned_as_the_gemma4_family(tmp_path):
+    """Gemma-4 Unified runs Gemma4's attention (q/k RMS-normed, scores unscaled: its module's scaling is 1, the
+    per-layer global head_dim): planned as the gemma4 family, which the cross-check against transformers' own
+    modules confirms (it refused the head_dim^-0.5 plan before); its per-layer shapes are recorded, and render
+    refuses them by name as it does Gemma-4's."""
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    for model_type in ("gemma4_unified", "gemma4_unified_text"):
+        m = analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
+        assert m.fa.softmax_scale == 1.0 and m.model.family == "gemma4"
+        assert any(layer.head_dim for layer in m.layers)  # the global layers' own head_dim
+        with pytest.raises(InputError, match="per-layer attention shapes"):
+            render_manifest(m)

@@ -345,10 +345,10 @@ class _Reader:
 # Families whose attention adds a learnable per-head sink logit to the softmax denominator (FA v2's
 # learnable_sink): no config field says so, their transformers modeling code does.
 SINK_FAMILIES = {
-    "gpt_oss": "GptOssAttention.sinks, an extra softmax logit",
-    "flint": "FlintAttention.sinks, an extra softmax logit",
-    "granite_swa": "GraniteSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
-    "granitemoe_swa": "GraniteMoeSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
+    "gpt_oss": "",  # the first one planned: its manifests' source text (and hashes) unchanged
+    "flint": ": FlintAttention.sinks, an extra softmax logit",
+    "granite_swa": ": GraniteSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
+    "granitemoe_swa": ": GraniteMoeSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
 }
 
 def _json_type(value: Any) -> str:
@@ -477,7 +477,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     chunk_hit = r.number("attention_chunk_size", kind=int, minimum=1)
     chunk = chunk_hit if chunk_hit and "chunked" in layer_kinds.value else Sourced(None, "default: none")
     sinks = (
-        Sourced(True, f"model_type {model_type} (learnable sinks in every attention layer: {SINK_FAMILIES[family]})")
+        Sourced(True, f"model_type {model_type} (learnable sinks in every attention layer{SINK_FAMILIES[family]})")
         if family in SINK_FAMILIES
         else Sourced(False, "default: no sinks for this family")
     )

@@ -38,6 +38,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _without_unset(data, *names: str):
+    """``data`` (a serialized model) without the named keys whose value is None: fields added after schema 1.0
+    stay out of the JSON while unset, so existing manifests keep their bytes and hash."""
+    if isinstance(data, dict):
+        for name in names:
+            if name in data and data[name] is None:
+                del data[name]
+    return data
+
+
 class Finding(_Model):
     """An open question, warning or blocker: one message and the input field(s) it concerns."""
 
@@ -150,10 +160,7 @@ class MtpDecision(_Model):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
         """``next_n`` written only where it is not one per MTP layer: other manifests keep their bytes and hash."""
-        data = handler(self)
-        if isinstance(data, dict) and data.get("next_n", 0) is None:
-            del data["next_n"]
-        return data
+        return _without_unset(handler(self), "next_n")
 
 
 class ExecModeDecision(_Model):
@@ -248,11 +255,9 @@ class LinearAttentionDecision(_Model):
     def _omit_unset(self, handler):
         """Written only under speculative decoding: manifests without it keep their bytes and hash."""
         data = handler(self)
-        if isinstance(data, dict) and data.get("speculative", "") is None:
-            del data["speculative"]
-            if data.get("state_blocks_per_request") == 1:
-                del data["state_blocks_per_request"]
-        return data
+        if isinstance(data, dict) and data.get("speculative", "") is None and data.get("state_blocks_per_request") == 1:
+            del data["state_blocks_per_request"]
+        return _without_unset(data, "speculative")
     reference: str | None = Field(description="what the validation compares against: transformers' own classes, "
                                               "or for a family transformers lacks (Ling-2.5 lightning) kvcache's "
                                               "reference built from transformers' code; None: none named (a "
@@ -339,10 +344,7 @@ class LayerPlan(_Model):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs (existing manifests unchanged)."""
-        data = handler(self)
-        for name in ("head_dim", "num_kv_heads_per_rank"):
-            if isinstance(data, dict) and data.get(name, 0) is None:
-                del data[name]
+        data = _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank")
         if isinstance(data, dict) and data.get("states") == []:
             del data["states"]
         return data
@@ -369,10 +371,7 @@ class GroupMemory(_Model):
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
-        data = handler(self)
-        if isinstance(data, dict) and data.get("state_bytes", 0) is None:
-            del data["state_bytes"]
-        return data
+        return _without_unset(handler(self), "state_bytes")
 
 
 class MemoryPlan(_Model):
@@ -506,11 +505,7 @@ class SelectionManifest(_Model):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
         """Optional decisions added after schema 1.0 are left out while unset (existing manifests unchanged)."""
-        data = handler(self)
-        for name in OMITTED_WHEN_UNSET:
-            if isinstance(data, dict) and data.get(name, 0) is None:
-                del data[name]
-        return data
+        return _without_unset(handler(self), *OMITTED_WHEN_UNSET)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"

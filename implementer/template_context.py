@@ -31,23 +31,18 @@ from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
+from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE
+from model_infer_kvcache.implementer.kinds.common import bad as _bad
 from model_infer_kvcache.implementer.kinds.recurrent import LinearCtx
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
 DEFAULT_API = DEFAULT_RENDER_CONTRACT
 _MODEL_TYPE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
-_TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
-                "int8": "torch.int8"}
-
 
 def one_line(text: str) -> str:
     """Free text from the manifest made safe for a ``#`` comment or a table cell: one printable line."""
     return " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
-
-
-def _bad(field: str, message: str) -> InputError:
-    return InputError("--manifest", message, field=field)
 
 
 @dataclass(frozen=True)
@@ -356,7 +351,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         sliding_layers=tuple(layer.index for layer in m.layers if layer.is_sliding),
         caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head), *attention_kind(m).CACHE_CONSTANTS[c.name])
                      for c in first.caches),
-        cache_dtype=_TORCH_DTYPE[first.caches[0].dtype],
+        cache_dtype=TORCH_DTYPE[first.caches[0].dtype],
         num_layers=len(m.layers),
         sublayers=int(m.model.sublayers_per_layer),
         mtp_layers=int(m.model.num_mtp_layers),

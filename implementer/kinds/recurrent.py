@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model_infer_kvcache.implementer.kinds.common import bad
+from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE, bad
 
 NAME = "recurrent state"
 # Linear-attention families whose states the partial renders, and how the rendered code names each.
 FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
                 "lightning_attention": "lightning attention"}
 RENDERED = tuple(FAMILY_NAMES)
-_TORCH_DTYPE = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,6 @@ def fields(m) -> dict:
     shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM" for d in dims[1:])])
     return {"linear": LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank),
                                 int(lin.head_k_dim), int(lin.head_v_dim), int(lin.conv_kernel or 0),
-                                int(lin.conv_channels_per_rank), _TORCH_DTYPE[conv.dtype] if conv else "None",
-                                _TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
+                                int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",
+                                TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
                                 lin.state_blocks_per_request - 1)}

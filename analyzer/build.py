@@ -28,6 +28,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     inspect_checkout,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.manifest import (
     DeployModeDecision,
@@ -195,7 +196,8 @@ def assemble(
     layout = rules.decide_input_layout(kv_mode, facts.is_mla)
     cache_dtype = rules.decide_cache_dtype(facts, req.cache_dtype)
     next_n = speculative_tokens(facts, req)
-    layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None, next_n)
+    layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None, next_n,
+                     req.block_size)
     full_by_context = [layer.index for layer in layers if layer.layer_kind == "full" and layer.window_derivation]
     if full_by_context:
         warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
@@ -231,6 +233,11 @@ def assemble(
     if facts.dtype.is_default and req.cache_dtype is None:
         questions.append(Finding(message="config states no dtype: cache dtype assumed bfloat16",
                                  fields=["torch_dtype", "dtype"]))
+    if facts.compressed.value is not None:
+        warnings.append(Finding(
+            message="fa.* describes no kernel of this model: every layer attends through "
+                    "custom.npu_sparse_attn_sharedkv (window and compressed branches in one call; compressed.operators)",
+            fields=[facts.compressed.source]))
     legacy_attention = rules.decide_legacy_attention(facts, kv_mode, blockers)
     dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value,
                                         legacy_fa=legacy_attention is not None and legacy_attention.kernel == "fa")
@@ -299,6 +306,10 @@ def assemble(
         cache_dtype=cache_dtype,
         dsa=rules.decide_dsa(facts, parallel, cache_dtype.value if cache_dtype else None),
         linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
+        compressed=compressed_kind.decide(facts.compressed.value, layers, parallel.num_q_heads_per_rank,
+                                          facts.head_dim.value, cache_dtype.value if cache_dtype else facts.dtype.value,
+                                          req.block_size, facts.num_mtp_layers.value, memory_plan.max_len or
+                                          facts.max_position_embeddings.value) if facts.compressed.value else None,
         device_dependencies=dependencies,
         device_readings=measured_source,
         open_questions=questions,
@@ -515,7 +526,7 @@ def speculative_tokens(facts: ModelFacts, req: AnalyzeRequest) -> int:
 
 
 def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype: str | None = None,
-            next_n: int = 0) -> list[LayerPlan]:
+            next_n: int = 0, block_size: int = 128) -> list[LayerPlan]:
     write_op = rules.decide_write_op(kv_mode, facts.is_mla)
     window = facts.sliding_window.value
     out = []
@@ -529,6 +540,9 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
         sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
+        comp = facts.compressed.value
+        branch = compressed_kind.branch(comp, decoder_idx, facts.head_dim_at(decoder_idx),
+                                        cache_dtype or facts.dtype.value, block_size) if comp else None
         for sub in range(subs):
             out.append(LayerPlan(
                 index=len(out),
@@ -537,7 +551,9 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
                 attn_type=attn_type,
                 layer_kind=kind,
                 sliding_window=w,
-                group_key=attn_type,
+                # upstream deepseek_v4 keys its window branch's manager by the entry (win_kv)
+                group_key=caches[0].name if comp else attn_type,
+                compressed=branch,
                 sparse_mode=sparse,
                 pre_tokens=pre,
                 next_tokens=nxt,
@@ -558,6 +574,11 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
     # model's pools (ModelCacheInfo.merge) when speculative decoding is on: count them there.
     mtp = facts.num_mtp_layers.value if cached else 0
     mtp_caches = next((layer for layer in cached if layer.attn_type == FULL_ATTENTION), cached[0]).caches if mtp else []
+    if facts.compressed.value is not None:
+        # the compressed kind's managers (window branch, compressed rows, compressor states): its own module
+        groups += compressed_kind.memory_groups(layers, lambda layer: rules.cache_token_bytes(layer.caches), mtp,
+                                                speculative_tokens(facts, req), req.block_size)
+        cached, mtp = [], 0
     for key in sorted({layer.group_key for layer in cached} | ({FULL_ATTENTION} if mtp else set())):
         members = [layer for layer in cached if layer.group_key == key]
         extra = mtp if key == FULL_ATTENTION else 0
@@ -570,7 +591,8 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         else:
             groups.append(kv_cache_spec.FullAttentionSpec(key, len(members) + extra, per_token, req.block_size))
     total = sum(g.per_token_bytes for g in groups)
-    derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"]
+    derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"
+                  + (" (// compress_ratio for a compressed entry)" if facts.compressed.value else "")]
     state_layers = [layer for layer in layers if layer.is_state]
     if state_layers:
         # One Mamba block holds one request's states of every linear layer (MambaCacheEntry: [num_blocks, *shape]).
@@ -583,6 +605,9 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
     if mtp:
         derivation.append(f"includes {mtp} MTP layer(s) ({facts.num_mtp_layers.source}) in FullAttention: "
                           "speculative decoding allocates their caches from the same pools")
+    elif facts.compressed.value is not None and facts.num_mtp_layers.value:
+        derivation.append(f"includes {facts.num_mtp_layers.value} MTP layer(s) ({facts.num_mtp_layers.source}) in "
+                          "win_kv: window branch only (upstream compress_ratio 1 on MTP layers)")
 
     hbm = req.hbm_gb
     if hbm is None and progress.hbm_gb:
@@ -633,7 +658,10 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         groups=[GroupMemory(group_key=g.group_key, attn_type=g.attn_type,
                             num_layers=g.num_layers, per_token_bytes=g.per_token_bytes, fixed_blocks=g.fixed,
                             blocks=plan.blocks.get(g.group_key) if plan else None,
-                            state_bytes=g.state_bytes if g.attn_type == MAMBA else None) for g in groups],
+                            state_bytes=g.state_bytes if g.attn_type == MAMBA else None,
+                            block_size=g.block_size if getattr(g, "block_size", req.block_size) != req.block_size
+                            else None,
+                            compress_ratio=getattr(g, "compress_ratio", None)) for g in groups],
         legacy_reservation_bytes=legacy,
         hbm_gb=hbm,
         kv_mem_ratio=ratio,

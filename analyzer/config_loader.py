@@ -23,6 +23,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     kimi_layer_kinds,
     read_linear,
 )
+from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
 
 T = TypeVar("T")
@@ -69,17 +70,9 @@ _LAYER_TYPE_KIND = {
     "recurrent": "linear",
 }
 
-# Layer types transformers ships that no cache kind of kvcache plans yet: refused by name as kvcache's gap (planned as
-# dense MLA they would be silently wrong: the compressed branch keeps one entry per group of tokens, not per token).
-_UNPLANNED_LAYER_TYPES = {
-    "compressed_sparse_attention": "DeepSeek-V4 compressed sparse attention (CSA: a sliding-window branch plus "
-                                   "entries compressing every 4 tokens, a lightning indexer's top-k over them)",
-    "heavily_compressed_attention": "DeepSeek-V4 heavily compressed attention (HCA: a sliding-window branch plus "
-                                    "entries compressing every 128 tokens, attended whole)",
-}
-# Fields that give each layer's compression ratio where a config lists no layer_types (DeepSeek-V4's legacy
-# ``compress_ratios``: 0 none, 4 CSA, 128 HCA; transformers' ``compress_rates`` per layer type).
-_COMPRESSION_FIELDS = ("compress_ratios", "compress_rates")
+# DeepSeek-V4's compressed layer types (analyzer/kinds/compressed.py): every such layer attends through a window
+# branch (planned as a sliding layer) and keeps a compressed branch beside it (ModelFacts.compressed).
+_LAYER_TYPE_KIND.update({name: "sliding" for name in compressed_kind.LAYER_TYPE_KIND})
 
 # Gated-delta-net sizes: the same defaults in Qwen3NextConfig, Qwen3_5TextConfig and Qwen3_5MoeTextConfig.
 _GDN_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
@@ -221,6 +214,8 @@ class ModelFacts:
     dsa: Sourced[DsaFacts | None] = Sourced(None, "default: no index_topk (dense attention)")
     # the linear (recurrent-state) layers' family and sizes; None: no linear layers, or a family kvcache lacks
     linear: Sourced[LinearFacts | None] = Sourced(None, "default: no linear-attention layers")
+    # DeepSeek-V4's compressed branches (analyzer/kinds/compressed.py); None: no compressed layers
+    compressed: Sourced[compressed_kind.CompressedFacts | None] = Sourced(None, "default: no compressed layers")
     # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
     layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
 
@@ -442,7 +437,6 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     family = FAMILY_OF.get(model_type, model_type)
     r.defaults = FAMILY_DEFAULTS.get(family, ("", {}))
     architectures = _architectures(r)
-    _refuse_compressed_attention(r)
 
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
@@ -469,7 +463,13 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         None, "default: not in config")
     rope = _rope(r)
     linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
-    layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family)
+    compressed = compressed_kind.read_facts(r.get, where, num_layers.value)
+    if compressed is None:
+        layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family)
+    else:
+        # every compressed-model layer attends through its window branch; the compressed branch rides beside it
+        layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
+        sliding_window = Sourced(compressed.window, compressed.window_source)
     linear = _linear(r, linear_family, layer_kinds, heads, model_type)
 
     softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")
@@ -479,6 +479,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     sinks = (
         Sourced(True, f"model_type {model_type} (learnable sinks in every attention layer{SINK_FAMILIES[family]})")
         if family in SINK_FAMILIES
+        else Sourced(True, "compressed attention (DeepSeek-V4): DeepseekV4Attention.sinks, upstream attn_sink")
+        if compressed is not None
         else Sourced(False, "default: no sinks for this family")
     )
     mtp = r.number("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", kind=int,
@@ -489,7 +491,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         raise InputError(where, f"must be positive, got {multiplier.value!r}", field=multiplier.source)
     if qpas.value is not None and qpas.value <= 0:
         raise InputError(where, f"must be positive, got {qpas.value!r}", field=qpas.source)
-    dsa = _dsa(r, mla, num_layers.value, model_type)
+    # a compressed model's index_* fields are its CSA indexer's (ModelFacts.compressed), not DSA's
+    dsa = _dsa(r, mla, num_layers.value, model_type) if compressed is None else Sourced(
+        None, "compressed attention: the indexer is CSA's")
     layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
@@ -525,28 +529,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         attention_multiplier=multiplier,
         dsa=dsa,
         linear=linear,
+        compressed=Sourced(compressed, compressed.source) if compressed else Sourced(
+            None, "default: no compressed layers"),
     )
-
-
-def _refuse_compressed_attention(r: _Reader) -> None:
-    """Compressed-KV attention (DeepSeek-V4's CSA / HCA) is a cache kind kvcache does not plan: one line naming it,
-    before any other field is read as if the layers were dense."""
-    types = r.get("layer_types")
-    if types is not None and isinstance(types[0], list):
-        hit = next(((i, t) for i, t in enumerate(types[0]) if t in _UNPLANNED_LAYER_TYPES), None)
-        if hit is not None:
-            raise NotSupportedByKvcache(r.where, f"layer type {hit[1]!r}: {_UNPLANNED_LAYER_TYPES[hit[1]]}; no cache "
-                                                 "kind of kvcache plans compressed KV yet", field=f"{types[1]}[{hit[0]}]")
-    for name in _COMPRESSION_FIELDS:
-        hit = r.get(name)
-        if hit is None:
-            continue
-        ratios = hit[0].values() if isinstance(hit[0], dict) else hit[0] if isinstance(hit[0], list) else [hit[0]]
-        if any(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 1 for x in ratios):
-            raise NotSupportedByKvcache(r.where, "compressed-KV attention (DeepSeek-V4 CSA / HCA: layers keep one "
-                                                 "cache entry per group of tokens, plus a sliding-window branch and a "
-                                                 "compressor state); no cache kind of kvcache plans compressed KV yet",
-                                        field=hit[1])
 
 
 def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],

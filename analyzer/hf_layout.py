@@ -25,6 +25,7 @@ QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"W_pack"}),  # Baichuan (remote code)
     frozenset({"Wqkv"}),  # MPT
     frozenset({"kv_a_proj_with_mqa"}),  # MLA (DeepSeek-V2/V3, Kimi-K2, LongCat)
+    frozenset({"q_a_proj", "kv_proj", "o_b_proj"}),  # DeepSeek-V4 shared-KV MQA (its compressors hold a kv_proj only)
 )
 
 

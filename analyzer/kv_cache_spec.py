@@ -66,6 +66,31 @@ class FullAttentionSpec:
         return self.usable_blocks(blocks) * self.block_size
 
 
+@dataclass(frozen=True)
+class CompressedSpec(FullAttentionSpec):
+    """A growing group of compressed entries (DeepSeek-V4's CSA / HCA branch): every ``compress_ratio`` tokens of a
+    request become one cache row, so a block spans ``block_size`` tokens in ``block_size / compress_ratio`` rows.
+
+    The framework keeps it a FullAttention manager of its own (upstream ``CacheEntry(compress_ratio=r,
+    block_size=bs * r)``, manager ``c{r}a_cmp_kv``): ``per_token_bytes`` is each entry's row bytes // r
+    (cache_utils.calculate_block_num), and its block count is ``max_tokens // block_size`` like any growing group,
+    a block here spanning r times the tokens.
+    """
+
+    compress_ratio: int = 1
+
+    def __post_init__(self):
+        if self.compress_ratio < 1 or self.block_size % self.compress_ratio:
+            # the framework's CacheEntry.storage_block_size refuses the same (block_size must divide into rows)
+            raise ValueError(f"{self.group_key}: block_size {self.block_size} is not a multiple of compress_ratio "
+                             f"{self.compress_ratio}")
+
+    @property
+    def rows_per_block(self) -> int:
+        """Physical rows of one block (the framework's storage_block_size)."""
+        return self.block_size // self.compress_ratio
+
+
 def sliding_blocks_per_request(window: int, block_size: int, next_n: int = 0) -> int:
     """Sliding-window blocks one request holds at once.
 
@@ -129,7 +154,7 @@ class MambaSpec:
         return f"{concurrency} x (1 + {self.next_n}) + 1 = {self.fixed_blocks(concurrency)} state blocks"
 
 
-Spec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
+Spec = FullAttentionSpec | CompressedSpec | SlidingWindowSpec | MambaSpec
 SPEC_BY_ATTN_TYPE: dict[str, type] = {kind.attn_type: kind for kind in (FullAttentionSpec, SlidingWindowSpec,
                                                                         MambaSpec)}
 # Attention types whose block count does not grow with the sequence.

@@ -304,6 +304,56 @@ class DsaDecision(_Model):
     reason: str
 
 
+class CompressedEntry(_Model):
+    """One cache entry of a layer's compressed branch (DeepSeek-V4), as upstream registers it (``CacheEntry``)."""
+
+    name: str
+    role: Literal["compressed_kv", "indexer_kv", "compressor_state", "indexer_state"]
+    dim: list[int] = Field(description="the entry's trailing dims per token row (upstream CacheEntry.dim)")
+    num_head: int = Field(ge=1, description="rows per token: 1 for a compressed entry, 2 for a state (the kv and "
+                                            "its gate score)")
+    dtype: Literal["bfloat16", "float16", "float32"]
+    manager_key: str = Field(description="the framework manager (block table) the entry's blocks come from")
+    block_size: int = Field(ge=1, description="tokens one block spans: block_size x compress_ratio for a compressed "
+                                              "entry, whose block holds block_size rows")
+    compress_ratio: int = Field(default=1, ge=1, description="tokens pooled into one row (1: one row per token)")
+    sliding_window: int | None = Field(default=None, description="a state entry: the tokens it keeps (coff x m)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        return _without_unset(handler(self), "sliding_window")
+
+
+class CompressedBranch(_Model):
+    """A DeepSeek-V4 layer's compressed branch beside its window branch: CSA (one entry per m tokens, an indexer's
+    top-k over them) or HCA (one entry per m' tokens, attended whole)."""
+
+    kind: Literal["csa", "hca"]
+    compress_ratio: int = Field(ge=2)
+    entries: list[CompressedEntry]
+    index_topk: int | None = Field(default=None, description="CSA: entries each query attends (the indexer's top-k)")
+
+
+class CompressedAttentionDecision(_Model):
+    """DeepSeek-V4 compressed attention: which layers compress at which rate, the indexer, the kernels, the device
+    constraints and the long-context figure (references/compressed.md)."""
+
+    csa_layers: list[int]
+    hca_layers: list[int]
+    window_only_layers: list[int] = Field(description="decoder layers with the window branch alone")
+    compress_rates: dict[str, int] = Field(description="branch -> tokens pooled into one entry")
+    sliding_window: int
+    index_topk: int = Field(ge=1)
+    index_n_heads: int = Field(ge=1)
+    index_head_dim: int = Field(ge=1)
+    mtp_layers: int = Field(default=0, description="MTP layers: the window branch only (upstream compress_ratio 1)")
+    operators: dict[str, str]
+    device_constraints: list[str] = Field(description="each fixed shape of the fused kernels, met or not")
+    long_context: str = Field(description="bytes one request of max_len tokens holds, beside uncompressed and MLA")
+    source: str
+    reason: str
+
+
 class LayerPlan(_Model):
     index: int = Field(description="cache-layer index (sublayers flattened)")
     decoder_layer: int
@@ -330,6 +380,8 @@ class LayerPlan(_Model):
         default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
     states: list[StateSpec] = Field(default_factory=list,
                                     description="a linear (attn_type Mamba) layer's state entries; empty otherwise")
+    compressed: CompressedBranch | None = Field(
+        default=None, description="a DeepSeek-V4 layer's compressed branch (CSA / HCA); absent: none")
 
     @property
     def is_sliding(self) -> bool:
@@ -344,7 +396,7 @@ class LayerPlan(_Model):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs (existing manifests unchanged)."""
-        data = _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank")
+        data = _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed")
         if isinstance(data, dict) and data.get("states") == []:
             del data["states"]
         return data
@@ -368,10 +420,13 @@ class GroupMemory(_Model):
     blocks: int | None = None
     state_bytes: int | None = Field(default=None, description="a Mamba group: one block = one request's states of "
                                                               "every linear layer, one rank")
+    block_size: int | None = Field(default=None, description="tokens one block spans where it is not the manifest's "
+                                                             "block_size (a compressed group: block_size x ratio)")
+    compress_ratio: int | None = Field(default=None, description="a compressed group: tokens pooled into one row")
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
-        return _without_unset(handler(self), "state_bytes")
+        return _without_unset(handler(self), "state_bytes", "block_size", "compress_ratio")
 
 
 class MemoryPlan(_Model):
@@ -448,7 +503,7 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode")
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed")
 
 
 class SelectionManifest(_Model):
@@ -483,6 +538,9 @@ class SelectionManifest(_Model):
                                   "absent: eager (not stated)")
     linear_attention: LinearAttentionDecision | None = Field(
         default=None, description="linear (recurrent-state) layers of a hybrid model; absent: none")
+    compressed: CompressedAttentionDecision | None = Field(
+        default=None, description="DeepSeek-V4 compressed attention (CSA / HCA branches beside every layer's window "
+                                  "branch); absent: none")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")
@@ -592,6 +650,7 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
                                                 "after the query)"))
     out.extend(_dsa_problems(m))
     out.extend(_state_problems(m))
+    out.extend(_compressed_problems(m))
     legacy = m.legacy_attention
     if legacy is not None and m.kv_mode.value != "legacy":
         out.append(("legacy_attention", f"set on a {m.kv_mode.value} manifest (Legacy only)"))
@@ -646,6 +705,25 @@ def _state_problems(m: SelectionManifest) -> list[tuple[str, str]]:
                                       ("num_v_heads", lin.num_v_heads, lin.num_v_heads_per_rank)):
             if total % tp or per_rank != total // tp:
                 return [(f"linear_attention.{name}_per_rank", f"{per_rank} is not {name} {total} / attn_tp_size {tp}")]
+    return []
+
+
+def _compressed_problems(m: SelectionManifest) -> list[tuple[str, str]]:
+    """Each layer's compressed branch is the one the compressed section lists for it, at its rate (a hand edit
+    that swaps a layer's branch or rate would size its blocks and its visibility for the other branch)."""
+    c = m.compressed
+    want = {i: "csa" for i in c.csa_layers} | {i: "hca" for i in c.hca_layers} if c else {}
+    for i, layer in enumerate(m.layers):
+        got = layer.compressed
+        if (got.kind if got else None) != want.get(layer.decoder_layer):
+            listed = want.get(layer.decoder_layer)
+            return [(f"layers[{i}].compressed", f"decoder layer {layer.decoder_layer} plans "
+                                                 f"{got.kind if got else 'no compressed branch'} but the compressed "
+                                                 f"section lists {listed or 'none'}" + ("" if c else
+                                                                                        " (no compressed section)"))]
+        if got and got.compress_ratio != c.compress_rates.get(got.kind):
+            return [(f"layers[{i}].compressed.compress_ratio", f"{got.compress_ratio} is not compressed.compress_rates"
+                                                                f"[{got.kind}] {c.compress_rates.get(got.kind)}")]
     return []
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     NULL_BLOCKS,
+    CompressedSpec,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -22,7 +23,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
 
 GIB = 1024**3
 
-Group = FullAttentionSpec | SlidingWindowSpec | MambaSpec
+Group = FullAttentionSpec | CompressedSpec | SlidingWindowSpec | MambaSpec
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,18 @@ class BudgetPlan:
     derivation: list[str]
 
 
-def _growing_blocks(groups: list[Group], available_bytes: float, concurrency: int) -> tuple[int, int] | None:
-    """(max_tokens, blocks) left for the growing groups once the fixed groups are reserved."""
+def _growing_blocks(groups: list[Group], available_bytes: float, concurrency: int
+                    ) -> tuple[int, dict[str, int]] | None:
+    """(max_tokens, blocks of each growing group) left once the fixed groups are reserved: one token budget over
+    every growing group, each group's blocks ``max_tokens // its block_size`` (a compressed group's block spans
+    more tokens; cache_utils.calculate_block_num)."""
     growing = [g for g in groups if not g.fixed]
     per_token = sum(g.per_token_bytes for g in growing)
     left = available_bytes - fixed_bytes(groups, concurrency)
     if not growing or per_token <= 0 or left < 0:
         return None
     max_tokens = max_tokens_in(left, per_token)
-    return max_tokens, growing[0].blocks_for_tokens(max_tokens)
+    return max_tokens, {g.group_key: g.blocks_for_tokens(max_tokens) for g in growing}
 
 
 def max_concurrency_at(groups: list[Group], available_bytes: float, seq_len: int) -> int:
@@ -58,7 +62,8 @@ def max_concurrency_at(groups: list[Group], available_bytes: float, seq_len: int
         if not growing:
             return True
         got = _growing_blocks(groups, available_bytes, c)
-        return got is not None and growing[0].usable_blocks(got[1]) >= c * growing[0].blocks_per_request(seq_len)
+        return got is not None and all(g.usable_blocks(got[1][g.group_key]) >= c * g.blocks_per_request(seq_len)
+                                       for g in growing)
 
     per_request = sum(g.blocks_per_request(seq_len) * g.block_bytes for g in groups)
     if per_request <= 0 or not fits(0):
@@ -101,8 +106,8 @@ def plan_budget(
         per_token = sum(g.per_token_bytes for g in growing)
         lines.append(f"max_tokens = floor(({available_bytes:.0f} - {reserved}) / {per_token}) = {max_tokens}")
         for g in growing:
-            blocks[g.group_key] = n_blocks
-            lines.append(f"{g.group_key}: floor({max_tokens} / {g.block_size}) = {n_blocks} blocks "
+            blocks[g.group_key] = n_blocks[g.group_key]
+            lines.append(f"{g.group_key}: floor({max_tokens} / {g.block_size}) = {n_blocks[g.group_key]} blocks "
                          "(block 0 is the null block)")
     concurrency_fit = None
     if max_len:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
+from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed, spec_for_layer_kind, token_bytes
 from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, KIMI_DELTA, LIGHTNING
 from model_infer_kvcache.analyzer.manifest import (
@@ -49,7 +50,8 @@ SPEC_ANCHOR = "state_anchor"  # the speculative state slots' anchor entry (one i
 # A family missing here is unknown: its position encoding and attention variants are unverified.
 FAMILY_SCALE_RULE = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gpt_oss", "llama4", "glm4", "glm4_moe",
-                     "phi3", "phimoe", "falcon", "deepseek_v2", "deepseek_v3", "longcat_flash"), "head_dim"),
+                     "phi3", "phimoe", "falcon", "deepseek_v2", "deepseek_v3", "longcat_flash",
+                     "deepseek_v4"), "head_dim"),
     "gemma2": "query_pre_attn_scalar",
     "gemma3": "query_pre_attn_scalar",
     "granite": "attention_multiplier",
@@ -418,6 +420,11 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
     if layer_kind == "linear":
         return []
     dtype = dtype or facts.dtype.value
+    if facts.compressed.value is not None:
+        # DeepSeek-V4 shared-KV MQA: one K=V row per token for the window branch (upstream win_kv); the compressed
+        # branch's entries ride on the layer's own plan (LayerPlan.compressed)
+        return [CacheSpec(name=compressed_kind.window_entry_name(), dim=facts.head_dim_at(decoder_layer),
+                          num_head=kv_heads_per_rank(facts, parallel.attn_tp_size, decoder_layer), dtype=dtype)]
     if facts.is_mla:
         mla = facts.mla.value
         # The latent is shared by all heads and never split by attention TP.

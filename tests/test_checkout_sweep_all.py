@@ -110,7 +110,8 @@ def test_a_sweep_lists_refused_absent_and_standalone_rows(tmp_path):
     rows = {r["model"]: r for r in json.loads((tmp_path / "all.json").read_text())}
     assert [rows[n]["outcome"] for n in ("deepseek_v4", "glm_5", "pangu_7b")] == ["refused", "absent", "passed"]
     assert rows["pangu_7b"]["detail"] == "standalone: its own runner, judged by the recompute oracle (--runner-root)"
-    assert "heavily_compressed_attention" in rows["deepseek_v4"]["detail"] and rows["deepseek_v4"]["exit_code"] == 2
+    assert "DeepSeek-V4 compressed attention in the engine" in rows["deepseek_v4"]["detail"] \
+        and rows["deepseek_v4"]["exit_code"] == 2
     assert rows["glm_5"]["detail"] == "registered, but models/glm_5/ is not in the checkout"
     assert table.read_text().startswith(f"kvcache validate --all: 3 models of {upstream_head()} (1 passed, 1 refused, "
                                         "1 absent)")

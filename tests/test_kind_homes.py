@@ -16,11 +16,11 @@ from shared_dirs import ROOT
 
 # manifest sections and the attention-format flags read from them (a layer's is_sliding / is_state ask its spec,
 # the approved way: ARCHITECTURE.md, "Adding a cache kind")
-SECTIONS = {"mla", "dsa", "linear_attention", "is_mla", "is_dsa"}
+SECTIONS = {"mla", "dsa", "linear_attention", "compressed", "is_mla", "is_dsa"}
 KIND_FIELDS = {"attn_type", "layer_kind"}
 KIND_STRINGS = {"FullAttention", "SlidingWindow", "Mamba"}
 KIND_CONSTANTS = {"FULL_ATTENTION", "SLIDING_WINDOW", "MAMBA"}  # analyzer/kv_cache_spec.py's names for them
-HOMES = ("analyzer/kv_cache_spec.py", "implementer/kinds/")
+HOMES = ("analyzer/kv_cache_spec.py", "analyzer/kinds/", "implementer/kinds/")
 PARTS = ("analyzer", "implementer", "validators")
 
 # Measured when the render side moved into implementer/kinds/: 24 files (25 with template_context.py before it).

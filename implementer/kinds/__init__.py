@@ -2,7 +2,8 @@
 and what it refuses to render.
 
 One module per kind: ``gqa`` (K/V caches, full and sliding groups), ``mla`` (the latent cache and its rope part),
-``dsa`` (MLA plus the indexer's key cache and the sparse FA), ``recurrent`` (the linear layers' states). Each
+``dsa`` (MLA plus the indexer's key cache and the sparse FA), ``recurrent`` (the linear layers' states),
+``compressed`` (DeepSeek-V4's CSA / HCA: planned, refused at render). Each
 exposes ``check(m)`` (raise the manifest field that makes the design unrenderable) and ``fields(m)`` (its
 ``RenderContext`` fields). ``kinds_of`` is the one place that reads which kinds a manifest holds: the rest of the
 implementer asks the kinds, never the manifest's kind sections.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.implementer.kinds import dsa, gqa, mla, recurrent
+from model_infer_kvcache.implementer.kinds import compressed, dsa, gqa, mla, recurrent
 from model_infer_kvcache.implementer.kinds.common import bad
 
 # Layer kinds the analyzer may plan that no partial renders, and why a render of them would be wrong.
@@ -37,6 +38,7 @@ def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
 
 
 def check_unrendered(m: SelectionManifest) -> None:
+    compressed.check(m)
     if m.exe_mode is not None and m.exe_mode.value != "eager":
         raise bad("exe_mode", f"not supported by kvcache: {m.exe_mode.value} decode ({m.exe_mode.source}): the "
                               "templates render eager decode only (Python loops over the step's requests, .tolist() "

@@ -1,0 +1,332 @@
+"""DeepSeek-V4 compressed attention (CSA / HCA): the compressed cache kind, analyzer side.
+
+Every V4 layer attends through a sliding-window branch over its last ``sliding_window`` tokens (one shared K=V
+row per token, the layer's ``win_kv``). A compressed layer adds a second branch: every ``m`` tokens of a request
+become one compressed entry (CSA: m = 4, and a lightning indexer keeps its own compressed keys and picks
+``index_topk`` entries per query; HCA: m = 128, attended whole). The tokens of an unfinished group wait in the
+compressor state, a window of ``coff x m`` tokens (CSA's two overlapping series: coff 2; HCA: 1).
+
+Sources of truth: transformers ``deepseek_v4`` (``DeepseekV4Config``, ``DeepseekV4CSACache`` /
+``DeepseekV4HCACache``: the oracle); upstream cann-recipes-infer ``models/deepseek_v4``'s ``_init_cache_entries``
+(entry names, managers, block sizes, state shapes); ``executor/core/kv_cache/cache_utils`` (how a FullAttention
+entry with ``compress_ratio`` r is sized: row bytes // r per token, a block spanning ``block_size = bs x r``
+tokens); the AscendC op docs ``ops/ascendc/docs/custom-npu_compressor.md`` and
+``custom-npu_sparse_attn_sharedkv.md`` (what the device kernels take). References: references/compressed.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from model_infer_kvcache.analyzer import kv_cache_spec
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.manifest import (
+    CompressedAttentionDecision,
+    CompressedBranch,
+    CompressedEntry,
+    LayerPlan,
+)
+
+CSA, HCA = "csa", "hca"
+# transformers' layer types of the two compressed branches (DEEPSEEK_V4_LAYER_TYPES; 'sliding_attention' is the
+# window branch alone, planned as any sliding layer)
+LAYER_TYPE_KIND = {"compressed_sparse_attention": CSA, "heavily_compressed_attention": HCA}
+KIND_LAYER_TYPE = {kind: name for name, kind in LAYER_TYPE_KIND.items()}
+# DeepseekV4Config.default_compress_rates, keyed by branch
+DEFAULT_RATES = {CSA: 4, HCA: 128}
+# legacy ``compress_ratios`` (one int per layer): transformers' _COMPRESS_RATIO_TO_LAYER_TYPE; 0 (upstream writes 1
+# for MTP layers) is the window branch alone
+LEGACY_RATIO_KIND = {4: CSA, 128: HCA}
+WINDOW_ONLY_RATIOS = (0, 1)
+# The ratio each branch runs at on the device: custom.compressor 'supports cmp_ratio 4/128: C4A D=512 coff=2, C4Li
+# D=128 coff=2, C128A D=512 coff=1'; npu_sparse_attn_sharedkv 'cmp_ratio 数据范围支持4/128'; upstream builds the
+# indexer (CSA) only where compress_ratio == 4. Other rates are planned for a torch path (device_constraints).
+DEVICE_RATIO = {CSA: 4, HCA: 128}
+# compressed series per token (the compressor's coff): CSA's entry w pools window w-1's Ca with window w's Cb
+COFF = {CSA: 2, HCA: 1}
+# DeepseekV4Config defaults of the fields a config may leave out
+CONFIG_DEFAULTS = {"sliding_window": 128, "index_topk": 512, "index_n_heads": 64, "index_head_dim": 128}
+# The fused kernels' fixed shapes (custom-npu_sparse_attn_sharedkv.md, 参数说明 / 约束说明)
+OP_HEAD_DIM = 512  # 'q中的D和ori_kv、cmp_kv的D值相等为512'
+OP_WINDOW = 128  # 'ori_win_left 仅支持默认值127': the query and the 127 tokens before it
+OP_TOPK = 512  # 'cmp_sparse_indices ... K2仅支持512'
+OP_Q_HEADS = 64  # 'layout_q为TND时 ... N1仅支持64'
+OP_MAX_ROWS_PER_BLOCK = 1024  # 'cmp_block_size取值为16的倍数，最大支持1024'
+STATE_DTYPE = "float32"  # upstream sfa_kv_state / li_kv_state: torch.float32 (state + score)
+MLA_LATENT = (512, 64)  # DeepSeek-V3's MLA latent per token and layer (kv_lora_rank, qk_rope_head_dim): the figure
+OPERATORS = {
+    "attention": "custom.npu_sparse_attn_sharedkv (+ _metadata): the window branch and the compressed branch in one "
+                 "call (ori_kv = win_kv, cmp_kv = the compressed entries, cmp_sparse_indices = CSA's top-k)",
+    "compressor": "custom.compressor: pools each complete group of m tokens into one entry, the unfinished group "
+                  "kept in the state cache",
+    "indexer": "custom.npu_quant_lightning_indexer (+ _metadata): CSA's top-k over the indexer's compressed keys",
+    "write": "custom.scatter_nd_update_asc: the compressed rows into their blocks",
+    "rotary": "custom.inplace_partial_rotary_mul: RoPE on the rope_head_dim tail only",
+}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
+_WHERE_DOC = "cann-recipes-infer ops/ascendc/docs/"
+
+
+@dataclass(frozen=True)
+class CompressedFacts:
+    """What a DeepSeek-V4 config says about its compressed branches."""
+
+    kinds: tuple[str | None, ...]  # per decoder layer: csa | hca | None (window branch only)
+    rates: dict[str, int]  # branch -> m
+    window: int
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    source: str  # the layer kinds and rates
+    window_source: str
+    index_source: str
+
+    def ratio_at(self, decoder_layer: int) -> int:
+        kind = self.kinds[decoder_layer]
+        return self.rates[kind] if kind else 0
+
+    def layers_of(self, kind: str | None) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == kind]
+
+
+Getter = Callable[..., "tuple[Any, str] | None"]
+
+
+def _positive_int(get: Getter, where: str, name: str) -> tuple[int, str]:
+    hit = get(name)
+    if hit is None:
+        return CONFIG_DEFAULTS[name], f"default: DeepseekV4Config.{name} = {CONFIG_DEFAULTS[name]}"
+    value, src = hit
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(where, f"must be a positive integer, got {value!r}", field=src)
+    return value, src
+
+
+def read_facts(get: Getter, where: str, num_layers: int) -> CompressedFacts | None:
+    """The compressed branches of a config, None when it has none.
+
+    Spellings, first match wins (as ``DeepseekV4Config.__post_init__`` folds them): ``layer_types`` naming
+    CSA / HCA with ``compress_rates`` (legacy ``compress_rate_csa`` / ``compress_rate_hca`` override it); else the
+    legacy per-layer ``compress_ratios`` (0: window only, 4: CSA, 128: HCA; upstream's own config writes 1 for
+    window-only layers and lists the MTP layers after the decoder layers). A ratio the device kernels do not take
+    is refused by name, with the op doc that says so.
+    """
+    types = get("layer_types")
+    ratios = get("compress_ratios")
+    if types is not None and isinstance(types[0], list) and any(t in LAYER_TYPE_KIND for t in types[0]):
+        kinds = tuple(LAYER_TYPE_KIND.get(t) if isinstance(t, str) else None for t in types[0][:num_layers])
+        rates, rates_src = _rates(get, where)
+        source = f"{types[1]} + {rates_src}"
+    elif ratios is not None and isinstance(ratios[0], list) and any(
+            isinstance(x, int) and not isinstance(x, bool) and x > 1 for x in ratios[0]):
+        raw, src = ratios
+        if len(raw) < num_layers:
+            raise InputError(where, f"lists {len(raw)} ratios for {num_layers} decoder layers", field=src)
+        kinds_list = []
+        for i, x in enumerate(raw[:num_layers]):
+            if isinstance(x, bool) or not isinstance(x, int) or (x not in LEGACY_RATIO_KIND and x not in
+                                                                  WINDOW_ONLY_RATIOS):
+                raise InputError(where, f"compress ratio {x!r}: a per-layer ratio names the layer's branch, 4 (CSA) "
+                                        "or 128 (HCA), or 0 / 1 for the window branch alone (transformers "
+                                        "DeepseekV4Config maps 0 / 4 / 128; upstream deepseek_v4 writes 1); give "
+                                        "other rates as layer_types + compress_rates", field=f"{src}[{i}]")
+            kinds_list.append(LEGACY_RATIO_KIND.get(x))
+        kinds = tuple(kinds_list)
+        rates = {kind: ratio for ratio, kind in LEGACY_RATIO_KIND.items()}
+        source = f"{src} (0/1: window only, 4: CSA, 128: HCA)"
+    else:
+        return None
+    window, window_src = _positive_int(get, where, "sliding_window")
+    topk, topk_src = _positive_int(get, where, "index_topk")
+    heads, heads_src = _positive_int(get, where, "index_n_heads")
+    dim, dim_src = _positive_int(get, where, "index_head_dim")
+    return CompressedFacts(kinds=kinds, rates=rates, window=window, index_topk=topk, index_n_heads=heads,
+                           index_head_dim=dim, source=source, window_source=window_src,
+                           index_source=f"{topk_src}, {heads_src}, {dim_src}")
+
+
+def _rates(get: Getter, where: str) -> tuple[dict[str, int], str]:
+    """Each branch's m: ``compress_rates`` keyed by layer type, legacy scalars folded in. A rate the device kernels
+    do not take (4 for CSA, 128 for HCA) is planned for a torch path and flagged in device_constraints, as CPU
+    validation shrinks it to cross group boundaries in short streams."""
+    rates = dict(DEFAULT_RATES)
+    sources = []
+    hit = get("compress_rates")
+    if hit is not None:
+        value, src = hit
+        if not isinstance(value, dict):
+            raise InputError(where, f"must be an object of layer type -> rate, got {value!r}", field=src)
+        for name, rate in value.items():
+            if name not in LAYER_TYPE_KIND:
+                raise InputError(where, f"unknown layer type {name!r} (known: {', '.join(LAYER_TYPE_KIND)})",
+                                 field=f"{src}.{name}")
+            rates[LAYER_TYPE_KIND[name]] = rate
+        sources.append(src)
+    for kind in (CSA, HCA):
+        legacy = get(f"compress_rate_{kind}")
+        if legacy is not None:
+            rates[kind] = legacy[0]
+            sources.append(legacy[1])
+    where_rates = sources[-1] if sources else "compress_rates"
+    for kind, rate in rates.items():
+        if isinstance(rate, bool) or not isinstance(rate, int) or rate < 2:
+            raise InputError(where, f"{KIND_LAYER_TYPE[kind]} at compress rate {rate!r}: a rate is an integer >= 2 "
+                                    "(tokens pooled into one entry)", field=where_rates)
+    if rates[CSA] == rates[HCA]:
+        # upstream names the managers c{m}a_cmp_kv / c{m}a_cmp_state: two branches at one m would share a state
+        # manager with two windows (coff x m), which the framework refuses
+        raise InputError(where, f"CSA and HCA at the same compress rate {rates[CSA]}: their managers "
+                                f"(c{rates[CSA]}a_cmp_kv / _cmp_state) would collide", field=where_rates)
+    return rates, " + ".join(sources) if sources else "default: DeepseekV4Config.default_compress_rates {csa: 4, hca: 128}"
+
+
+# ------------------------------------------------------------------------------------------------ cache entries
+
+def window_entry_name() -> str:
+    return "win_kv"
+
+
+def branch(facts: CompressedFacts, decoder_layer: int, head_dim: int, dtype: str, block_size: int
+           ) -> CompressedBranch | None:
+    """One layer's compressed branch and its cache entries, as upstream deepseek_v4 registers them (bf16 path:
+    ``kv_cache_quant_mode`` / ``li_cache_quant_mode`` unquantized); None for a window-only layer."""
+    kind = facts.kinds[decoder_layer]
+    if kind is None:
+        return None
+    m, coff = facts.rates[kind], COFF[kind]
+    compressed_key, state_key = f"c{m}a_cmp_kv", f"c{m}a_cmp_state"
+    entries = [CompressedEntry(name="sfa_cmp_kv", role="compressed_kv", dim=[head_dim], num_head=1, dtype=dtype,
+                               manager_key=compressed_key, block_size=block_size * m, compress_ratio=m)]
+    if kind == CSA:
+        entries.append(CompressedEntry(name="li_cmp_kv", role="indexer_kv", dim=[facts.index_head_dim], num_head=1,
+                                       dtype=dtype, manager_key=compressed_key, block_size=block_size * m,
+                                       compress_ratio=m))
+    # the state: per token of the last coff x m, the projected kv and its gate score (num_head 2: state + score)
+    entries.append(CompressedEntry(name="sfa_kv_state", role="compressor_state", dim=[coff, head_dim], num_head=2,
+                                   dtype=STATE_DTYPE, manager_key=state_key, block_size=block_size,
+                                   sliding_window=coff * m))
+    if kind == CSA:
+        entries.append(CompressedEntry(name="li_kv_state", role="indexer_state", dim=[coff, facts.index_head_dim],
+                                       num_head=2, dtype=STATE_DTYPE, manager_key=state_key, block_size=block_size,
+                                       sliding_window=coff * m))
+    return CompressedBranch(kind=kind, compress_ratio=m, entries=entries,
+                            index_topk=facts.index_topk if kind == CSA else None)
+
+
+def entry_token_bytes(entry: CompressedEntry) -> int:
+    """The framework's bytes per token of one entry: ``dims x num_head x itemsize // compress_ratio``."""
+    return kv_cache_spec.token_bytes(math.prod(entry.dim), entry.num_head, _DTYPE_BYTES[entry.dtype],
+                                     entry.compress_ratio)
+
+
+# ------------------------------------------------------------------------------------------------ memory groups
+
+def memory_groups(layers: list[LayerPlan], window_token_bytes: Callable[[LayerPlan], int], mtp_layers: int,
+                  next_n: int, block_size: int) -> list[kv_cache_spec.Spec]:
+    """The framework's managers of a compressed model, from the planned layers.
+
+    ``win_kv``: every layer's window branch and, when speculative decoding is on, each MTP layer's (upstream sets
+    compress_ratio 1 on MTP layers: window branch only, merged into the same manager). Each ``c{m}a_cmp_kv``: a
+    growing group of compressed rows (CompressedSpec); each ``c{m}a_cmp_state``: a fixed sliding group of
+    ``coff x m`` tokens (the compressor state is a SlidingWindow entry upstream).
+    """
+    window_layers = [layer for layer in layers if layer.caches]
+    per_token = sum(window_token_bytes(layer) for layer in window_layers)
+    per_token += mtp_layers * window_token_bytes(window_layers[0]) if window_layers else 0
+    groups: list[kv_cache_spec.Spec] = [kv_cache_spec.SlidingWindowSpec(
+        window_layers[0].group_key, len(window_layers) + mtp_layers, per_token, block_size,
+        window=window_layers[0].sliding_window, next_n=next_n)] if window_layers else []
+    by_key: dict[str, list[tuple[LayerPlan, CompressedEntry]]] = {}
+    for layer in layers:
+        for entry in layer.compressed.entries if layer.compressed else []:
+            by_key.setdefault(entry.manager_key, []).append((layer, entry))
+    for key in sorted(by_key):
+        members = by_key[key]
+        first = members[0][1]
+        n_layers = len({layer.index for layer, _ in members})
+        total = sum(entry_token_bytes(e) for _, e in members)
+        if first.sliding_window is not None:
+            groups.append(kv_cache_spec.SlidingWindowSpec(key, n_layers, total, first.block_size,
+                                                          window=first.sliding_window, next_n=next_n))
+        else:
+            groups.append(kv_cache_spec.CompressedSpec(key, n_layers, total, first.block_size,
+                                                       compress_ratio=first.compress_ratio))
+    return groups
+
+
+# ------------------------------------------------------------------------------------------------ the decision
+
+def decide(facts: CompressedFacts, layers: list[LayerPlan], q_heads_per_rank: int, head_dim: int, dtype: str,
+           block_size: int, mtp_layers: int, max_len: int | None) -> CompressedAttentionDecision:
+    csa, hca = facts.layers_of(CSA), facts.layers_of(HCA)
+    return CompressedAttentionDecision(
+        csa_layers=csa,
+        hca_layers=hca,
+        window_only_layers=facts.layers_of(None),
+        compress_rates=dict(sorted(facts.rates.items())),
+        sliding_window=facts.window,
+        index_topk=facts.index_topk,
+        index_n_heads=facts.index_n_heads,
+        index_head_dim=facts.index_head_dim,
+        mtp_layers=mtp_layers,
+        operators=dict(OPERATORS),
+        device_constraints=device_constraints(facts, q_heads_per_rank, head_dim, block_size),
+        long_context=long_context(layers, facts, head_dim, dtype, block_size, max_len),
+        source=f"{facts.source}; window {facts.window_source}; indexer {facts.index_source}",
+        reason=(f"{len(csa)} CSA layer(s) (one entry per {facts.rates[CSA]} tokens, the indexer's top "
+                f"{facts.index_topk}), {len(hca)} HCA layer(s) (one entry per {facts.rates[HCA]} tokens, attended "
+                f"whole), every layer a {facts.window}-token window branch (win_kv); the unfinished group of each "
+                "request waits in its compressor state (a window of coff x m tokens), written as an entry only "
+                "once complete" + (f"; {mtp_layers} MTP layer(s) keep the window branch only (upstream: "
+                                   "compress_ratio 1 on MTP layers)" if mtp_layers else "")),
+    )
+
+
+def device_constraints(facts: CompressedFacts, q_heads_per_rank: int, head_dim: int, block_size: int) -> list[str]:
+    """Each fixed shape of the fused kernels, and whether this plan meets it (a shape that does not is served by a
+    torch path, said here, not by the kernel)."""
+    doc = f"{_WHERE_DOC}custom-npu_sparse_attn_sharedkv.md"
+    rows = [
+        (all(facts.rates[k] == DEVICE_RATIO[k] for k in (CSA, HCA)),
+         f"compress rates CSA {facts.rates[CSA]} / HCA {facts.rates[HCA]}: the kernels take cmp_ratio 4 (CSA, with "
+         f"its indexer) and 128 (HCA) only ({_WHERE_DOC}custom-npu_compressor.md, {doc})"),
+        (head_dim == OP_HEAD_DIM, f"head_dim {head_dim}: the kernel takes D = {OP_HEAD_DIM} ({doc})"),
+        (facts.window == OP_WINDOW, f"sliding_window {facts.window}: the kernel's window is ori_win_left 127 + the "
+                                    f"query = {OP_WINDOW} ({doc})"),
+        (facts.index_topk == OP_TOPK or not facts.layers_of(CSA),
+         f"index_topk {facts.index_topk}: cmp_sparse_indices K2 = {OP_TOPK} only ({doc})"),
+        (q_heads_per_rank == OP_Q_HEADS, f"{q_heads_per_rank} query heads per rank: layout TND takes N1 = "
+                                         f"{OP_Q_HEADS} only ({doc})"),
+        (block_size % 16 == 0 and block_size <= OP_MAX_ROWS_PER_BLOCK,
+         f"block_size {block_size} rows per compressed block: a multiple of 16, at most {OP_MAX_ROWS_PER_BLOCK} "
+         f"({doc})"),
+    ]
+    return [("met: " if ok else "NOT met (torch path, not the fused kernel): ") + text for ok, text in rows]
+
+
+def long_context(layers: list[LayerPlan], facts: CompressedFacts, head_dim: int, dtype: str, block_size: int,
+                 max_len: int | None) -> str:
+    """One request of ``max_len`` tokens: the bytes the compressed plan holds for it (one rank), beside what the
+    same layers would hold uncompressed and what DeepSeek-V3's MLA latent would."""
+    if not max_len:
+        return "no max_len (no --max-len, no max_position_embeddings): no long-context figure"
+    itemsize = _DTYPE_BYTES[dtype]
+    window_rows = kv_cache_spec.sliding_blocks_per_request(facts.window, block_size) * block_size
+    held = 0
+    for layer in layers:
+        held += window_rows * head_dim * itemsize if layer.caches else 0
+        for entry in layer.compressed.entries if layer.compressed else []:
+            row = math.prod(entry.dim) * entry.num_head * _DTYPE_BYTES[entry.dtype]
+            if entry.sliding_window is not None:
+                held += kv_cache_spec.sliding_blocks_per_request(entry.sliding_window, block_size) * block_size * row
+            else:
+                held += math.ceil(max_len / entry.block_size) * (entry.block_size // entry.compress_ratio) * row
+    dense = len(layers) * max_len * head_dim * itemsize
+    mla = len(layers) * max_len * sum(MLA_LATENT) * itemsize
+    gib = 1024 ** 3
+    return (f"one request of {max_len} tokens holds {held / gib:.2f} GiB on one rank ({held} B: window blocks, "
+            f"compressed blocks rounded up, compressor states); the same {len(layers)} layers uncompressed "
+            f"({head_dim} x {itemsize} B per token and layer) would hold {dense / gib:.2f} GiB, an MLA latent "
+            f"({MLA_LATENT[0]} + {MLA_LATENT[1]} per token and layer, DeepSeek-V3) {mla / gib:.2f} GiB")

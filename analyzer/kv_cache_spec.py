@@ -17,8 +17,8 @@ from typing import ClassVar
 
 NULL_BLOCKS = 1  # block 0 of every pool: never holds data, every padded table entry points at it
 
-# The framework's attn_type of each kind: the one place these strings are spelled outside the harness
-# (which mirrors upstream code). Everything else names a kind through these constants or asks its spec.
+# The framework's attn_type of each kind: the one place these strings are spelled (the harness, which mirrors
+# upstream's managers, included). Everything else names a kind through these constants or asks its spec.
 FULL_ATTENTION = "FullAttention"
 SLIDING_WINDOW = "SlidingWindow"
 MAMBA = "Mamba"
@@ -42,6 +42,7 @@ class FullAttentionSpec:
     layer_kind: ClassVar[str] = "full"  # what a config calls a layer of this kind (config_loader's layer kinds)
     windowed: ClassVar[bool] = False  # attends through a band of the last W keys (sparse_mode 4, pre_tokens)
     fixed: ClassVar[bool] = False  # block count set by memory (False) or by attention semantics (True)
+    state: ClassVar[bool] = False  # a fixed-size state per request: block tables, no token slot mapping
 
     @property
     def block_bytes(self) -> float:
@@ -138,6 +139,7 @@ class MambaSpec:
     layer_kind: ClassVar[str] = "linear"
     windowed: ClassVar[bool] = False
     fixed: ClassVar[bool] = True
+    state: ClassVar[bool] = True
     per_token_bytes: ClassVar[int] = 0  # nothing grows with the sequence
 
     @property
@@ -170,9 +172,18 @@ def spec_for_layer_kind(layer_kind: str) -> type:
         layer_kind, FullAttentionSpec)
 
 
+def holds_state(attn_type: str) -> bool:
+    """A group of this attn_type keeps one fixed-size state block per request (no token slots, no KV rows); an
+    attn_type no spec defines is not one."""
+    kind = SPEC_BY_ATTN_TYPE.get(attn_type)
+    return bool(kind and kind.state)
+
+
 def is_windowed(attn_type: str) -> bool:
-    """A layer of this attn_type attends through a window (band), not the whole prefix."""
-    return SPEC_BY_ATTN_TYPE[attn_type].windowed
+    """A layer of this attn_type attends through a window (band), not the whole prefix; an attn_type no spec
+    defines does not."""
+    kind = SPEC_BY_ATTN_TYPE.get(attn_type)
+    return bool(kind and kind.windowed)
 
 
 def fixed_bytes(specs, concurrency: int) -> float:

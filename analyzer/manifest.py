@@ -14,7 +14,7 @@ from typing import Literal
 
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
-from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA, PLANNED_ATTN_TYPES, is_windowed
+from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES, holds_state, is_windowed
 from model_infer_kvcache.analyzer.linear_config import LINEAR_FAMILIES
 from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 from model_infer_kvcache.analyzer.vocabulary import DEPLOY_MODES, FA_VERSIONS, KV_MODES, PLANNED_CACHE_DTYPES
@@ -391,7 +391,7 @@ class LayerPlan(_Model):
     @property
     def is_state(self) -> bool:
         """The layer keeps a fixed-size recurrent state (attn_type Mamba), not a KV cache."""
-        return self.attn_type == MAMBA
+        return holds_state(self.attn_type)
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):

@@ -5,14 +5,16 @@ One module per kind: ``gqa`` (K/V caches, full and sliding groups), ``mla`` (the
 ``dsa`` (MLA plus the indexer's key cache and the sparse FA), ``recurrent`` (the linear layers' states),
 ``compressed`` (DeepSeek-V4's CSA / HCA: planned, refused at render). Each
 exposes ``check(m)`` (raise the manifest field that makes the design unrenderable) and ``fields(m)`` (its
-``RenderContext`` fields). ``kinds_of`` is the one place that reads which kinds a manifest holds: the rest of the
-implementer asks the kinds, never the manifest's kind sections.
+``RenderContext`` fields). ``kinds_of`` maps the kinds a manifest holds (``analyzer.kinds.attention_format``, the one
+place that reads them, shared with the validators) to these modules: the rest of the implementer asks the kinds,
+never the manifest's kind sections.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
+from model_infer_kvcache.analyzer.kinds import DSA, GQA, MLA, attention_format, holds_states
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.kinds import compressed, dsa, gqa, mla, recurrent
 from model_infer_kvcache.implementer.kinds.common import bad
@@ -24,17 +26,17 @@ UNRENDERED_LAYER_KINDS = {
 }
 
 
+_BY_FORMAT = {DSA: dsa, MLA: mla, GQA: gqa}
+
+
 def attention_kind(m: SelectionManifest) -> ModuleType:
     """The attention format every attention layer shares: DSA (MLA + indexer), MLA, or GQA/MHA."""
-    if m.dsa is not None:
-        return dsa
-    return mla if m.mla.enabled else gqa
+    return _BY_FORMAT[attention_format(m)]
 
 
 def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
     """The kinds the manifest's layers hold: its attention format, then the recurrent state of linear layers."""
-    states = m.linear_attention is not None or any(layer.is_state for layer in m.layers)
-    return (attention_kind(m), *((recurrent,) if states else ()))
+    return (attention_kind(m), *((recurrent,) if holds_states(m) else ()))
 
 
 def check_unrendered(m: SelectionManifest) -> None:

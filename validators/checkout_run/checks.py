@@ -9,7 +9,7 @@ real KVCacheManager. The FA arguments themselves are judged by the check the ren
 from __future__ import annotations
 
 import torch
-from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
+from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OPS, value_passed
 from model_infer_kvcache.validators.checkout_run import dsa_checks
@@ -285,7 +285,7 @@ def check_runtime(report: Report, manifest: SelectionManifest, rec: OpRecorder, 
     if manifest.linear_attention is not None:
         check_state_blocks(report, run)
     # recurrent states are no written K/V (check_state_blocks judges them)
-    entries = {(s.layer, s.cache_name) for s in caches.by_storage.values() if s.attn_type != MAMBA}
+    entries = {(s.layer, s.cache_name) for s in caches.by_storage.values() if not holds_state(s.attn_type)}
     unwritten = [f"step {i}: {sorted(entries - written.get(i, set()))[:4]}" for i in steps
                  if entries - written.get(i, set())]
     report.add("every cache entry is written every step", "runtime", not unwritten, detail="; ".join(unwritten[:3]),
@@ -316,7 +316,7 @@ def check_state_blocks(report: Report, run: EngineRun) -> None:
     that keeps no final state, a decode that drops its update). Rows the engine padded may write the null block."""
     manager = run.engine.kvcache_manager
     nulls = {manager_key(m): null_block_of(m)
-             for m in manager.single_type_managers if m.attn_type == MAMBA}
+             for m in manager.single_type_managers if holds_state(m.attn_type)}
     problems, judged = [], 0
     for s in run.steps:
         for (layer, name, group), changed in s.state_writes.items():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
+from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.validators.checkout_run.recorder import ForwardSeen
 from model_infer_kvcache.validators.harness.poison import manager_key, null_block_of, poison_free_blocks
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Watchdog
@@ -257,7 +257,7 @@ def _tensors_by_group(cache_info) -> dict[str, list[torch.Tensor]]:
 def state_entries(cache_info) -> list[tuple[int, str, str, torch.Tensor]]:
     """(layer, entry name, group, tensor) of every recurrent-state entry (attn_type Mamba: [blocks, *shape])."""
     return [(layer.layer_idx, e.cache_name, e.group_key, e.tensor) for layer in cache_info.layer_infos
-            for e in layer.caches if e.attn_type == MAMBA and isinstance(getattr(e, "tensor", None), torch.Tensor)
+            for e in layer.caches if holds_state(e.attn_type) and isinstance(getattr(e, "tensor", None), torch.Tensor)
             and e.tensor.numel()]
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
+from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 from model_infer_kvcache.validators.npu_ops import emulated
@@ -180,7 +180,7 @@ class CacheMap:
 
     def attention_layers(self) -> list[int]:
         """The layers that attend over a KV cache, in call order (a hybrid's linear layers keep states only)."""
-        return sorted({s.layer for s in self.by_storage.values() if s.attn_type != MAMBA})
+        return sorted({s.layer for s in self.by_storage.values() if not holds_state(s.attn_type)})
 
     def slot(self, storage: int | None) -> CacheSlot | None:
         return self.by_storage.get(storage) if storage is not None else None

@@ -21,6 +21,7 @@ import torch
 from model_infer_kvcache.analyzer.config_loader import model_section, read_config_file
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.kinds import kind_of
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
@@ -197,10 +198,7 @@ def _validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world
         if short.sliding_window() != manifest.sliding_window():
             report.notes.append(f"window {manifest.sliding_window()} is too long for CPU sequences: the tiny config "
                                 f"and the manifest the run is judged by carry window {short.sliding_window()}")
-        if manifest.dsa is not None and short.dsa.index_topk != manifest.dsa.index_topk:
-            report.notes.append(f"index_topk {manifest.dsa.index_topk} is wider than CPU prompts: the tiny config "
-                                f"and the manifest the run is judged by carry index_topk {short.dsa.index_topk}, so "
-                                "the indexer's selection drops keys")
+        report.notes += kind_of(manifest).shrink_notes(manifest, short)
         manifest = short
     if manifest.mtp is not None:
         from model_infer_kvcache.validators.checkout_run import layout

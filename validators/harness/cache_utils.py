@@ -19,11 +19,15 @@ from dataclasses import replace
 import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     FIXED_BLOCK_ATTN_TYPES,
+    MAMBA,
+    SPEC_BY_ATTN_TYPE,
     FullAttentionSpec,
     MambaSpec,
     SlidingWindowSpec,
     Spec,
     fixed_bytes,
+    holds_state,
+    is_windowed,
     max_tokens_in,
     pool_bytes,
     token_bytes,
@@ -99,7 +103,7 @@ def validate_cache_info(cache_info, manager_map=None) -> None:
                 raise CacheInfoError(
                     f"{where}: unsupported cache_layout {layout!r}; supported: {sorted(SUPPORTED_CACHE_LAYOUTS)}"
                 )
-            if entry.attn_type == "Mamba":
+            if holds_state(entry.attn_type):
                 if not hasattr(entry, "shape"):
                     raise CacheInfoError(f"{where}: attn_type 'Mamba' needs a MambaCacheEntry, got {type(entry).__name__}")
                 continue  # the entry validated its own shape on construction
@@ -118,7 +122,7 @@ def validate_cache_info(cache_info, manager_map=None) -> None:
             except ValueError as exc:
                 raise CacheInfoError(f"{where}: {exc}") from None
             window = entry.sliding_window
-            if entry.attn_type == "SlidingWindow" and not _positive_int(window):
+            if is_windowed(entry.attn_type) and not _positive_int(window):
                 raise CacheInfoError(f"{where}: SlidingWindow entry needs a positive sliding_window, got {window!r}")
             key = group_key_of(entry)
             if key not in groups:
@@ -134,7 +138,7 @@ def validate_cache_info(cache_info, manager_map=None) -> None:
                 raise CacheInfoError(
                     f"{where}: block_size {block_size} differs from {first_bs} ({first_where}) inside group '{key}'"
                 )
-            if entry.attn_type == "SlidingWindow" and window != first_window:
+            if is_windowed(entry.attn_type) and window != first_window:
                 raise CacheInfoError(
                     f"{where}: sliding_window {window} differs from {first_window} ({first_where}) inside group '{key}'"
                 )
@@ -145,7 +149,7 @@ def validate_cache_info(cache_info, manager_map=None) -> None:
 
 def _entry_unit_bytes(entry) -> int:
     """Bytes of one token of a paged entry (floored after compression), or of one Mamba state block."""
-    if entry.attn_type == "Mamba":
+    if holds_state(entry.attn_type):
         return math.prod(entry.shape) * dtype_itemsize(entry.dtype)
     ratio = 1 if entry.attn_type in FIXED_BLOCK_ATTN_TYPES else compress_ratio_of(entry)  # fixed: uncompressed
     return token_bytes(math.prod(entry_dims(entry)), entry.num_head, dtype_itemsize(entry.dtype), ratio)
@@ -159,10 +163,10 @@ def entry_spec(entry, cache_info, next_n: int = 0) -> Spec:
     """
     key = group_key_of(entry)
     unit = _entry_unit_bytes(entry) if _is_hbm(entry) else 0
-    if entry.attn_type == "Mamba":
+    if holds_state(entry.attn_type):
         return MambaSpec(key, unit, int(entry.next_n or 0))
     block_size = entry_block_size(entry, cache_info)
-    if entry.attn_type == "SlidingWindow":
+    if is_windowed(entry.attn_type):
         return SlidingWindowSpec(key, 1, unit, block_size, window=entry.sliding_window, next_n=next_n)
     return FullAttentionSpec(key, 1, unit, block_size)
 
@@ -309,7 +313,7 @@ def cache_tensor_shape(entry, cache_info, num_blocks: int) -> tuple[int, ...]:
     G3: ``cache_layout="BnNBsD"`` puts heads before rows (``[num_blocks, num_head, rows, *dim]``);
     a Mamba entry is ``[num_blocks, *shape]``.
     """
-    if entry.attn_type == "Mamba":
+    if holds_state(entry.attn_type):
         return (num_blocks, *entry.shape)
     rows = storage_block_size(entry, entry_block_size(entry, cache_info))
     layout = getattr(entry, "cache_layout", "BnBsND")
@@ -341,7 +345,7 @@ def allocate_cache_tensors(
         key = group_key_of(entry)
         if key not in block_num_by_type:
             raise KeyError(f"{where}: missing block count for group '{key}'")
-        if entry.attn_type not in FIXED_BLOCK_ATTN_TYPES | {"FullAttention"}:
+        if entry.attn_type not in SPEC_BY_ATTN_TYPE:
             raise CacheInfoError(f"{where}: cannot create a cache tensor for attn_type {entry.attn_type!r}")
         shape = cache_tensor_shape(entry, cache_info, block_num_by_type[key])
         if fill_value is None:
@@ -507,11 +511,11 @@ def prepare_block_tables_g3(requests, kv_cache_manager, max_block_num, device, b
                             is_prefill: bool = False):
     """G3 ``prepare_block_tables``: G2's tables plus Mamba state tables (width depends on ``is_prefill``)."""
     paged = build_block_tables(requests, kv_cache_manager, max_block_num, device, batch_size,
-                               key_attr="manager_key", skip_attn_types=("Mamba",))
+                               key_attr="manager_key", skip_attn_types=(MAMBA,))
     tables = {}
     for manager in kv_cache_manager.single_type_managers:
         key = manager.manager_key
-        if manager.attn_type == "Mamba":
+        if holds_state(manager.attn_type):
             tables[key] = _mamba_block_table(requests, manager, device, batch_size, is_prefill)
         else:
             tables[key] = paged[key]
@@ -523,7 +527,7 @@ def prepare_slot_mapping_g3(position_ids, actual_seq_lengths_cu_q, kv_cache_mana
     result = {}
     for manager in kv_cache_manager.single_type_managers:
         key = manager.manager_key
-        if manager.attn_type == "Mamba":
+        if holds_state(manager.attn_type):
             continue
         table = block_tables.get(key)
         if table is None:

@@ -36,6 +36,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     dataclass_fields,
     detect_generation,
 )
+from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA, holds_state
 
 
 def _dims_numel(dim) -> int:
@@ -213,7 +214,7 @@ class MambaCacheEntry(CacheEntryG3):
     request, plus ``next_n`` for speculative steps). Keyword construction only.
     """
 
-    attn_type: str = dataclasses.field(default="Mamba", kw_only=True)
+    attn_type: str = dataclasses.field(default=MAMBA, kw_only=True)
     dim: int | list[int] | None = dataclasses.field(default=None, kw_only=True)
     num_head: int | None = dataclasses.field(default=None, kw_only=True)
     block_size: int = dataclasses.field(default=1, kw_only=True)
@@ -222,7 +223,7 @@ class MambaCacheEntry(CacheEntryG3):
 
     def __post_init__(self) -> None:
         where = f"Mamba cache '{self.cache_name}'"
-        if self.attn_type != "Mamba":
+        if not holds_state(self.attn_type):
             raise ValueError(f"{where} must keep attn_type='Mamba', but got '{self.attn_type}'.")
         if self.block_size != 1:
             raise ValueError(f"{where} block_size must be 1, but got {self.block_size}.")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
+
 from .managers import SingleTypeKVCacheManager, create_single_type_managers
 
 
@@ -97,14 +99,14 @@ class KVCacheManager:
     @staticmethod
     def _reserved_blocks(manager, reserved_tokens: int) -> int:
         # G2 growth reservation; sliding and Mamba groups are bounded and reserve nothing.
-        if reserved_tokens <= 0 or getattr(manager, "sliding_window", None) is not None or manager.attn_type == "Mamba":
+        if reserved_tokens <= 0 or getattr(manager, "sliding_window", None) is not None or holds_state(manager.attn_type):
             return 0
         per_request = -(-reserved_tokens // manager.block_size)
         return per_request * len(manager.req_to_blocks)
 
     def get_request_owner_manager_keys(self, is_owner: bool) -> set[str]:
         """Every group on the rank that owns the request; only Mamba state elsewhere (G3)."""
-        return {m.manager_key for m in self.single_type_managers if is_owner or m.attn_type == "Mamba"}
+        return {m.manager_key for m in self.single_type_managers if is_owner or holds_state(m.attn_type)}
 
     def free(self, request_id: int) -> None:
         for manager in self.single_type_managers:

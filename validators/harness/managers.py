@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA, SLIDING_WINDOW
+
 from .block_pool import BlockPool
 from .entries import entry_block_size, group_key_of, iter_entries
 from .errors import CacheInfoError
@@ -281,13 +283,13 @@ class MambaManager(SingleTypeKVCacheManager):
 
 
 ATTN_TYPE_MANAGER_MAP: dict[str, type[SingleTypeKVCacheManager]] = {
-    "FullAttention": FullAttentionManager,
-    "SlidingWindow": SlidingWindowManager,
+    FULL_ATTENTION: FullAttentionManager,
+    SLIDING_WINDOW: SlidingWindowManager,
 }
 # G3 adds the Mamba state manager.
 ATTN_TYPE_MANAGER_MAP_G3: dict[str, type[SingleTypeKVCacheManager]] = {
     **ATTN_TYPE_MANAGER_MAP,
-    "Mamba": MambaManager,
+    MAMBA: MambaManager,
 }
 
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION
 
 from .generations import get_generation
 from .paged import read_positions, write_slots
@@ -25,7 +26,7 @@ from .paged import read_positions, write_slots
 
 @dataclass
 class ToyLayerSpec:
-    attn_type: str = "FullAttention"  # or "SlidingWindow"
+    attn_type: str = FULL_ATTENTION  # or SLIDING_WINDOW
     sliding_window: int | None = None
     block_size: int = 4  # per entry in G2; G0/G1 use ToyModel.block_size
     manager_key: str | None = None  # G2 only

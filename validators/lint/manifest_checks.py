@@ -279,12 +279,15 @@ class ManifestChecks:
         value = flag.value if flag is not None else None
         is_false = isinstance(value, ast.Constant) and value.value is False
         is_true = isinstance(value, ast.Constant) and value.value is True
-        if m.mla.enabled and (is_false or (flag is None and not positional and not star)):
+        # the framework's is_mla_backend: "latent KV replicated across TP ranks" (ModelCacheInfo), the manifest's
+        # parallel decision of the same name
+        mla_backend = m.parallel.latent_replicated
+        if mla_backend and (is_false or (flag is None and not positional and not star)):
             self.c.emit("KV809", flag if flag is not None else call, gen=gen,
                         what="MLA model's ModelCacheInfo does not set is_mla_backend=True (latent cache "
                              "sized as if split across attention TP)",
                         fix="pass is_mla_backend=True")
-        elif not m.mla.enabled and is_true:
+        elif not mla_backend and is_true:
             self.c.emit("KV809", flag, gen=gen, what="is_mla_backend=True on a model that is not MLA",
                         fix="drop is_mla_backend (default False)")
 

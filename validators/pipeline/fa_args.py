@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from functools import partial
 
+from model_infer_kvcache.analyzer.kinds import fa_kv_heads
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import BAND_MODE, FA_OPS, keywords_of, value_passed
-from model_infer_kvcache.validators.pipeline import dsa_args
-from model_infer_kvcache.validators.pipeline.evidence import storage
 from model_infer_kvcache.validators.pipeline.report import Report
 
 FA_ARGS_CHECK = "FA call arguments match the manifest"
@@ -76,7 +75,7 @@ def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependen
         "layout": manifest.fa.input_layout,
         "scale": manifest.fa.softmax_scale,
         "q_heads": manifest.parallel.num_q_heads_per_rank,
-        "kv_heads": 1 if manifest.mla.enabled else plan.num_kv_heads_per_rank or manifest.parallel.num_kv_heads_per_rank,
+        "kv_heads": fa_kv_heads(manifest, plan),
     }
     if call["layer"] in own_layout:
         del got["layout"], want["layout"]
@@ -86,27 +85,3 @@ def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependen
         got["next_tokens"], want["next_tokens"] = passed("next_tokens"), plan.next_tokens
     return [f"{k}={got[k]!r} (manifest {want[k]!r})" for k in want
             if (abs(got[k] - want[k]) > 1e-12 * max(1.0, abs(want[k])) if k == "scale" else got[k] != want[k])]
-
-
-def check_attention_calls(report: Report, manifest: SelectionManifest, host, *, before_failure: bool = False) -> None:
-    """A rendered run's attention calls: V209 for an FA design; for DSA (whose attention is the sparse FA over
-    the indexer's selection, no FA call) V221 and V222 (``dsa_args``). ``before_failure``: an operator error or
-    the watchdog stopped the run; the calls made up to it are judged (checks without evidence left out)."""
-    if manifest.dsa is None:
-        if before_failure:
-            check_fa_calls_before_failure(report, manifest, host.probe.fa_calls)
-        else:
-            check_fa_calls(report, manifest, host.probe.fa_calls)
-        return
-    calls = [c for c in host.probe.sparse_calls if c.get("layer") is not None]
-    if before_failure:
-        if not calls or any(c.name in (dsa_args.SPARSE_ARGS, dsa_args.INDEXER_READS) for c in report.checks):
-            return
-        report.notes.append(f"the run stopped at an operator error; the DSA argument checks judge the {len(calls)} "
-                            "indexer and sparse-attention calls made up to it")
-    complete = not before_failure
-    dsa_args.check_sparse_args(report, manifest, [c for c in calls if c["op"] == dsa_args.SPARSE_FA_OP],
-                               complete=complete)
-    own = {a.layer_idx: storage(getattr(a, "indexer_key_cache", None)) for a in host.attentions}
-    dsa_args.check_rendered_indexer(report, manifest, [c for c in calls if c["op"] == dsa_args.INDEXER_OP], own.get,
-                                    complete=complete)

@@ -9,9 +9,9 @@ the stream and after many sequential requests.
 from __future__ import annotations
 
 import torch
-from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
+from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
+from model_infer_kvcache.validators.kinds import check_attention_calls
 from model_infer_kvcache.validators.pipeline.host_model import HostModel
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -134,7 +134,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
         fm = step.forward_metadata
         for a in host.attentions:
             # A Mamba group has a block table and no slot mapping (a state block per request, no token slots).
-            for table in ("block_table",) if a.attn_type == MAMBA else ("block_table", "slot_mapping"):
+            for table in ("block_table",) if holds_state(a.attn_type) else ("block_table", "slot_mapping"):
                 d = getattr(fm, table)
                 if not isinstance(d, dict) or a.attn_type not in d:
                     keys_missing.append(f"step {step.index} layer {a.layer_idx}: {table}[{a.attn_type!r}]")

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.validators.kinds import kind_of
+from model_infer_kvcache.validators.kinds.sharding import keep_rows, kv_head_of_rank
 from model_infer_kvcache.validators.pipeline.report import Check, Report
 
 COLLECTIVE_TIMEOUT_S = 120
@@ -35,19 +37,6 @@ def _timeouts() -> tuple[float, float]:
     """(collective, whole-rank) timeouts in seconds; the environment may shorten them (tests)."""
     return (float(os.environ.get("KVCACHE_TP_COLLECTIVE_TIMEOUT_S", COLLECTIVE_TIMEOUT_S)),
             float(os.environ.get("KVCACHE_TP_RANK_TIMEOUT_S", RANK_TIMEOUT_S)))
-
-
-def _rows(weight: torch.Tensor, start: int, stop: int) -> torch.nn.Parameter:
-    return torch.nn.Parameter(weight.data[start:stop].clone(), requires_grad=False)
-
-
-def kv_head_of_rank(rank: int, tp: int, kv_heads: int) -> tuple[int, int]:
-    """[first, last) KV heads a rank holds: a split when kv >= tp, else the one replicated head."""
-    if kv_heads >= tp:
-        per = kv_heads // tp
-        return rank * per, (rank + 1) * per
-    head = rank // (tp // kv_heads)
-    return head, head + 1
 
 
 def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
@@ -71,27 +60,7 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
             _shard_gated_delta(linear[1], rank, tp).out_proj.register_forward_hook(all_reduce)
             continue
         attn = find_attentions(layer)[0][1]
-        if m.mla:
-            qk, per_head = m.qk_head_dim, m.mla.qk_nope_head_dim + m.mla.v_head_dim
-            q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
-            q.weight = _rows(q.weight, heads.start * qk, heads.stop * qk)
-            attn.kv_b_proj.weight = _rows(attn.kv_b_proj.weight, heads.start * per_head, heads.stop * per_head)
-            v_dim = m.mla.v_head_dim
-        else:
-            d = m.head_dim
-            # a gated attention (Qwen3-Next, Qwen3.5) projects [query | gate] per head: 2 x head_dim rows a head
-            per = attn.q_proj.out_features // m.num_attention_heads
-            attn.q_proj.weight = _rows(attn.q_proj.weight, heads.start * per, heads.stop * per)
-            if attn.q_proj.bias is not None:
-                attn.q_proj.bias = _rows(attn.q_proj.bias, heads.start * per, heads.stop * per)
-            lo, hi = kv_head_of_rank(rank, tp, m.num_key_value_heads)
-            for proj in (attn.k_proj, attn.v_proj):
-                proj.weight = _rows(proj.weight, lo * d, hi * d)
-                if proj.bias is not None:
-                    proj.bias = _rows(proj.bias, lo * d, hi * d)
-            if hasattr(attn, "sinks"):
-                attn.sinks = torch.nn.Parameter(attn.sinks.data[heads].clone(), requires_grad=False)
-            v_dim = d
+        v_dim = kind_of(manifest).shard_attention(attn, m, heads, rank, tp)  # this rank's heads (validators/kinds)
         o = attn.o_proj
         o.weight = torch.nn.Parameter(o.weight.data[:, heads.start * v_dim:heads.stop * v_dim].clone(),
                                       requires_grad=False)
@@ -126,13 +95,13 @@ def _shard_gated_delta(mod, rank: int, tp: int):
 
     if hasattr(mod, "in_proj_qkvz"):
         per = 2 * dk + 2 * dv * ratio
-        mod.in_proj_qkvz.weight = _rows(mod.in_proj_qkvz.weight, ks.start * per, ks.stop * per)
-        mod.in_proj_ba.weight = _rows(mod.in_proj_ba.weight, ks.start * 2 * ratio, ks.stop * 2 * ratio)
+        mod.in_proj_qkvz.weight = keep_rows(mod.in_proj_qkvz.weight, ks.start * per, ks.stop * per)
+        mod.in_proj_ba.weight = keep_rows(mod.in_proj_ba.weight, ks.start * 2 * ratio, ks.stop * 2 * ratio)
     else:
         mod.in_proj_qkv.weight = param(qkv_rows(mod.in_proj_qkv.weight.data))
-        mod.in_proj_z.weight = _rows(mod.in_proj_z.weight, vs.start * dv, vs.stop * dv)
+        mod.in_proj_z.weight = keep_rows(mod.in_proj_z.weight, vs.start * dv, vs.stop * dv)
         for proj in (mod.in_proj_b, mod.in_proj_a):
-            proj.weight = _rows(proj.weight, vs.start, vs.stop)
+            proj.weight = keep_rows(proj.weight, vs.start, vs.stop)
     mod.conv1d.weight = param(qkv_rows(mod.conv1d.weight.data))
     if mod.conv1d.bias is not None:
         mod.conv1d.bias = param(qkv_rows(mod.conv1d.bias.data))

@@ -14,6 +14,7 @@ import types
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.kinds import kinds_of
 from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.report import Report
 
@@ -28,21 +29,8 @@ def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
         want["BLOCK_SIZE"] = manifest.block_size
     if manifest.legacy_attention is not None and manifest.legacy_attention.kernel == "model":
         want["ATTN_LOGIT_SOFTCAPPING"] = manifest.legacy_attention.softcap
-    if m.mla:
-        want.update(KV_LORA_RANK=m.mla.kv_lora_rank, QK_ROPE_HEAD_DIM=m.mla.qk_rope_head_dim,
-                    QK_NOPE_HEAD_DIM=m.mla.qk_nope_head_dim, V_HEAD_DIM=m.mla.v_head_dim)
-    else:
-        want.update(NUM_KV_HEADS_PER_RANK=p.num_kv_heads_per_rank, HEAD_DIM=m.head_dim)
-    lin = manifest.linear_attention
-    if lin is not None:
-        want.update(LINEAR_NUM_K_HEADS_PER_RANK=lin.num_k_heads_per_rank,
-                    LINEAR_NUM_V_HEADS_PER_RANK=lin.num_v_heads_per_rank, LINEAR_HEAD_K_DIM=lin.head_k_dim,
-                    LINEAR_HEAD_V_DIM=lin.head_v_dim, LINEAR_LAYERS=frozenset(lin.layers))
-        dtypes = {s.name: getattr(torch, s.dtype) for s in lin.states}
-        want.update(STATE_DTYPE=dtypes.get("recurrent_state"))
-        if lin.conv_kernel is not None:  # lightning has no short conv, and so no conv constants
-            want.update(CONV_KERNEL=lin.conv_kernel, CONV_CHANNELS_PER_RANK=lin.conv_channels_per_rank,
-                        CONV_STATE_DTYPE=dtypes.get("conv_state"))
+    for kind in kinds_of(manifest):  # each kind's own constants (validators/kinds)
+        want.update(kind.expected_constants(manifest))
     sliding = [layer for layer in manifest.layers if layer.is_sliding]
     if sliding:
         want["SLIDING_WINDOW"] = sliding[0].sliding_window

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.pipeline.dsa_args import CAUSAL
+from model_infer_kvcache.validators.kinds import kind_of
 from model_infer_kvcache.validators.pipeline.host_model import reference_logits
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
@@ -103,13 +103,7 @@ class SpecStream:
         for call in fa_calls:
             if call["step"] not in verify:
                 continue
-            plan = manifest.layers[call["layer"]]
-            if manifest.dsa is not None:  # the indexer and the sparse FA: rightDownCausal, no mask, q_len 2 alike
-                want = (CAUSAL, False)
-            elif plan.is_sliding or manifest.mtp is None:
-                want = (plan.sparse_mode.decode, plan.mask.decode != "none")
-            else:
-                want = (manifest.mtp.decode_sparse_mode, manifest.mtp.decode_mask != "none")
+            want = kind_of(manifest).verify_expectation(manifest, manifest.layers[call["layer"]])
             got = (call.get("sparse_mode", 0), call.get("has_mask", False))
             if got != want:
                 bad.append(f"step {call['step']} layer {call['layer']}: (sparse_mode, mask) {got} != {want}")
@@ -132,7 +126,7 @@ class SpecStream:
 
 def attention_calls(host, manifest: SelectionManifest) -> list[dict]:
     """The recorded calls that attend: FA calls, or DSA's indexer and sparse-FA calls (no FA call there)."""
-    return host.probe.sparse_calls if manifest.dsa is not None else host.probe.fa_calls
+    return kind_of(manifest).attention_calls(host.probe)
 
 
 def _prompts(seed: int, vocab: int) -> list[tuple[list[int], int]]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from model_infer_kvcache.analyzer.kv_cache_spec import MAMBA
+from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
+from model_infer_kvcache.validators.kinds import check_attention_calls, recurrent
 from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -155,11 +155,11 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
     problems = []
     blocks = runner.block_table.numel()
     want = {c.name: c for c in next(layer for layer in manifest.layers if not layer.is_state).caches}
-    states = {s.name: s for s in manifest.linear_attention.states} if manifest.linear_attention else {}
+    states = recurrent.states(manifest)
     # one state slot per row, 1 + next_n of them under speculative decoding (one per verify token)
-    slots_n = rows_n * (manifest.linear_attention.state_blocks_per_request if manifest.linear_attention else 1)
+    slots_n = rows_n * recurrent.state_slots_per_row(manifest)
     for a in host.attentions:
-        if getattr(a, "attn_type", None) == MAMBA:
+        if holds_state(getattr(a, "attn_type", None)):
             for name, s in states.items():
                 t = getattr(a, name, None)
                 if t is None or list(t.shape) != [slots_n, *s.shape]:

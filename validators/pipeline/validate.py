@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.measured import device_settled
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 from model_infer_kvcache.implementer.render import check_renderable, render_manifest, write_rendered
-from model_infer_kvcache.validators.pipeline.fa_args import check_attention_calls
+from model_infer_kvcache.validators.kinds import check_attention_calls
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.provenance import (
     RENDERED_FILES,

@@ -1,0 +1,55 @@
+"""GQA / MHA / MQA: K/V caches per KV head, attended by FA calls (V209)."""
+
+from __future__ import annotations
+
+import torch
+from model_infer_kvcache.validators.kinds.sharding import keep_rows, kv_head_of_rank
+from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls, check_fa_calls_before_failure
+
+
+def expected_constants(manifest) -> dict[str, object]:
+    return {"NUM_KV_HEADS_PER_RANK": manifest.parallel.num_kv_heads_per_rank, "HEAD_DIM": manifest.model.head_dim}
+
+
+def attention_calls(probe) -> list[dict]:
+    return probe.fa_calls
+
+
+def verify_expectation(manifest, plan) -> tuple[int, bool]:
+    """(sparse_mode, mask) of an MTP verify step's call (q_len 1 + next_n): a sliding layer keeps its band, a full
+    layer takes the manifest's MTP decision."""
+    if plan.is_sliding or manifest.mtp is None:
+        return plan.sparse_mode.decode, plan.mask.decode != "none"
+    return manifest.mtp.decode_sparse_mode, manifest.mtp.decode_mask != "none"
+
+
+def shrink_notes(manifest, short) -> list[str]:
+    """What a CPU-sized copy of the manifest changed about this kind beyond the window (nothing)."""
+    return []
+
+
+def check_attention_calls(report, manifest, host, *, before_failure: bool = False) -> None:
+    """V209: every FA call passes what the manifest decided for its layer and path."""
+    if before_failure:
+        check_fa_calls_before_failure(report, manifest, host.probe.fa_calls)
+    else:
+        check_fa_calls(report, manifest, host.probe.fa_calls)
+
+
+def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
+    """Keep one attention-TP rank's query heads and KV heads in a transformers attention module (the multi-rank
+    run); returns the value head dim the output projection's columns are cut by."""
+    d = model.head_dim
+    # a gated attention (Qwen3-Next, Qwen3.5) projects [query | gate] per head: 2 x head_dim rows a head
+    per = attn.q_proj.out_features // model.num_attention_heads
+    attn.q_proj.weight = keep_rows(attn.q_proj.weight, heads.start * per, heads.stop * per)
+    if attn.q_proj.bias is not None:
+        attn.q_proj.bias = keep_rows(attn.q_proj.bias, heads.start * per, heads.stop * per)
+    lo, hi = kv_head_of_rank(rank, tp, model.num_key_value_heads)
+    for proj in (attn.k_proj, attn.v_proj):
+        proj.weight = keep_rows(proj.weight, lo * d, hi * d)
+        if proj.bias is not None:
+            proj.bias = keep_rows(proj.bias, lo * d, hi * d)
+    if hasattr(attn, "sinks"):
+        attn.sinks = torch.nn.Parameter(attn.sinks.data[heads].clone(), requires_grad=False)
+    return d

@@ -1,0 +1,31 @@
+"""MLA: one latent cache and its rope part, shared by every head (one KV head per rank), attended by FA calls."""
+
+from __future__ import annotations
+
+from model_infer_kvcache.validators.kinds.gqa import (
+    attention_calls,
+    check_attention_calls,
+    shrink_notes,
+    verify_expectation,
+)
+from model_infer_kvcache.validators.kinds.sharding import keep_rows
+
+
+def expected_constants(manifest) -> dict[str, object]:
+    mla = manifest.model.mla
+    return {"KV_LORA_RANK": mla.kv_lora_rank, "QK_ROPE_HEAD_DIM": mla.qk_rope_head_dim,
+            "QK_NOPE_HEAD_DIM": mla.qk_nope_head_dim, "V_HEAD_DIM": mla.v_head_dim}
+
+
+def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
+    """Keep one rank's query heads (q_b_proj / q_proj rows) and their slice of kv_b_proj; the latent stays whole."""
+    mla = model.mla
+    qk, per_head = model.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+    q.weight = keep_rows(q.weight, heads.start * qk, heads.stop * qk)
+    attn.kv_b_proj.weight = keep_rows(attn.kv_b_proj.weight, heads.start * per_head, heads.stop * per_head)
+    return mla.v_head_dim
+
+
+__all__ = ["attention_calls", "check_attention_calls", "expected_constants", "shard_attention",
+           "shrink_notes", "verify_expectation"]

@@ -39,20 +39,7 @@ CRASH = ("import model_infer_kvcache.validators.pipeline.validate as _v; "
 
 
 @pytest.mark.slow
-def test_plain_run_passes_twice_in_a_row(tmp_path):
-    first = _kvcache("run", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    out = tmp_path / "kvcache-out"
-    assert sorted(p.name for p in out.iterdir()) == sorted(run_all.RUN_ENTRIES) and _passed(out)
-    first_manifest = (out / "manifest.json").read_bytes()
-    second = _kvcache("run", cwd=tmp_path)
-    assert second.returncode == 0, second.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvcache-out"]  # no staging folder left behind
-    assert _passed(out) and (out / "manifest.json").read_bytes() == first_manifest
-
-
-@pytest.mark.slow
-def test_a_crashed_run_leaves_nothing_that_blocks_the_next(tmp_path):
+def test_a_crashed_run_leaves_nothing_that_blocks_the_next_and_a_plain_run_passes_twice(tmp_path):
     crashed = _kvcache("run", cwd=tmp_path, prelude=CRASH)
     assert crashed.returncode == EXIT_INTERNAL, crashed.stderr
     last = crashed.stderr.strip().splitlines()[-1]
@@ -62,6 +49,12 @@ def test_a_crashed_run_leaves_nothing_that_blocks_the_next(tmp_path):
     good = _kvcache("run", cwd=tmp_path)
     assert good.returncode == 0, good.stderr
     out = tmp_path / "kvcache-out"
+    assert sorted(p.name for p in out.iterdir()) == sorted(run_all.RUN_ENTRIES) and _passed(out)
+    first_manifest = (out / "manifest.json").read_bytes()
+    second = _kvcache("run", cwd=tmp_path)  # the same plain run again replaces its own output
+    assert second.returncode == 0, second.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvcache-out"]  # no staging folder left behind
+    assert _passed(out) and (out / "manifest.json").read_bytes() == first_manifest
     before = _tree(out)
     crashed_again = _kvcache("run", cwd=tmp_path, prelude=CRASH)
     assert crashed_again.returncode == EXIT_INTERNAL

@@ -169,6 +169,9 @@ def _validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world
         raise InputError(req.model_file, "does not exist", field="--model-file")
     manifest = load_or_analyze(req, root)
     require_transformers_type(manifest.model.model_type)
+    from model_infer_kvcache.validators.checkout_run.support import preflight
+
+    preflight(req.config, manifest)  # a kind the run cannot drive: said before a checkpoint is built for it
     tp = manifest.parallel.attn_tp_size
     measured = None
     if req.device_readings:

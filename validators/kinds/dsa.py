@@ -3,9 +3,31 @@ FA's over its selection (V221, V222: ``validators/pipeline/dsa_args.py``), no FA
 
 from __future__ import annotations
 
-from model_infer_kvcache.validators.kinds.mla import expected_constants, shard_attention
+from model_infer_kvcache.validators.kinds import mla
+from model_infer_kvcache.validators.kinds.mla import HIDDEN_CAN_TIE_TO_HEADS, expected_constants, shard_attention
 from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.evidence import storage
+
+
+# the indexer keeps this many keys per query on CPU (the stream's prompts are 40..300 tokens), so the selection
+# drops keys on every request but the shortest; the real index_topk (2048) would keep them all
+CPU_INDEX_TOPK = 64
+
+
+def tiny_attention_fields(d: dict, manifest, *, head_dim_from_hidden: bool) -> None:
+    """MLA's, and the manifest's selection width, like its window (``cpu_sized``)."""
+    mla.tiny_attention_fields(d, manifest, head_dim_from_hidden=head_dim_from_hidden)
+    d["index_topk"] = manifest.dsa.index_topk
+
+
+def cpu_narrowed(manifest) -> dict[str, dict]:
+    """A selection wider than CPU prompts is narrowed, so the indexer drops keys."""
+    return {"dsa": {"index_topk": CPU_INDEX_TOPK}} if manifest.dsa.index_topk > CPU_INDEX_TOPK else {}
+
+
+def cpu_size_changes(manifest, small) -> list[str]:
+    top, narrow = manifest.dsa.index_topk, small.dsa.index_topk
+    return [f"index_topk {top} -> {narrow}"] if top != narrow else []
 
 
 def attention_calls(probe) -> list[dict]:
@@ -41,5 +63,6 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
                                     complete=complete)
 
 
-__all__ = ["attention_calls", "check_attention_calls", "expected_constants", "shard_attention",
+__all__ = ["CPU_INDEX_TOPK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
+           "cpu_size_changes", "expected_constants", "tiny_attention_fields", "shard_attention",
            "shrink_notes", "verify_expectation"]

@@ -7,6 +7,28 @@ from model_infer_kvcache.validators.kinds.sharding import keep_rows, kv_head_of_
 from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls, check_fa_calls_before_failure
 
 
+# a tiny model's hidden size may be set to heads x head_dim (the retry of a model that ties them)
+HIDDEN_CAN_TIE_TO_HEADS = True
+
+
+def tiny_attention_fields(d: dict, manifest, *, head_dim_from_hidden: bool) -> None:
+    """The tiny config's attention shape, in place: the real head_dim (unless the family derives it from the
+    hidden size) and the real KV head count."""
+    if not head_dim_from_hidden:
+        d["head_dim"] = manifest.model.head_dim
+    d["num_key_value_heads"] = manifest.model.num_key_value_heads
+
+
+def cpu_narrowed(manifest) -> dict[str, dict]:
+    """Manifest sections to narrow so CPU prompts exercise the kind (section -> fields): none here."""
+    return {}
+
+
+def cpu_size_changes(manifest, small) -> list[str]:
+    """What ``cpu_narrowed`` changed, for a report note."""
+    return []
+
+
 def expected_constants(manifest) -> dict[str, object]:
     return {"NUM_KV_HEADS_PER_RANK": manifest.parallel.num_kv_heads_per_rank, "HEAD_DIM": manifest.model.head_dim}
 

@@ -5,10 +5,22 @@ from __future__ import annotations
 from model_infer_kvcache.validators.kinds.gqa import (
     attention_calls,
     check_attention_calls,
+    cpu_narrowed,
+    cpu_size_changes,
     shrink_notes,
     verify_expectation,
 )
 from model_infer_kvcache.validators.kinds.sharding import keep_rows
+
+
+HIDDEN_CAN_TIE_TO_HEADS = False  # the latent sets the widths, not heads x head_dim
+
+
+def tiny_attention_fields(d: dict, manifest, *, head_dim_from_hidden: bool) -> None:
+    """One KV head per query head as transformers' MLA builds them, and a narrow query LoRA where there is one."""
+    d["num_key_value_heads"] = manifest.model.num_attention_heads
+    if d.get("q_lora_rank") is not None:
+        d["q_lora_rank"] = 64
 
 
 def expected_constants(manifest) -> dict[str, object]:
@@ -27,5 +39,6 @@ def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
     return mla.v_head_dim
 
 
-__all__ = ["attention_calls", "check_attention_calls", "expected_constants", "shard_attention",
+__all__ = ["HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed", "cpu_size_changes",
+           "expected_constants", "tiny_attention_fields", "shard_attention",
            "shrink_notes", "verify_expectation"]

@@ -16,7 +16,9 @@ from model_infer_kvcache.analyzer.arch_check import transformers_ships
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_section
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.linear_config import LIGHTNING
+from model_infer_kvcache.analyzer.kinds import holds_states
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.validators.kinds import kind_of
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
 _HEAD_DIM_FROM_HIDDEN = {"falcon"}
@@ -28,9 +30,6 @@ TINY_VOCAB = 512
 _DERIVED_MLP_WIDTHS = ("ffn_hidden_size", "n_inner", "ffn_dim")
 MAX_CPU_WINDOW = 256  # windows above this are shrunk so test sequences can cross them
 SHRUNK_WINDOW = 160
-# DSA: the indexer keeps this many keys per query on CPU (the stream's prompts are 40..300 tokens), so the
-# selection drops keys on every request but the shortest; the real index_topk (2048) would keep them all.
-CPU_INDEX_TOPK = 64
 
 
 @dataclass(frozen=True)
@@ -105,19 +104,11 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
-    if hf_type in _HEAD_DIM_FROM_HIDDEN:
-        d["hidden_size"] = m.num_attention_heads * m.head_dim
-    else:
-        d["hidden_size"] = 128
-        if not m.mla:
-            d["head_dim"] = m.head_dim
+    kind = kind_of(manifest)
+    from_hidden = hf_type in _HEAD_DIM_FROM_HIDDEN
+    d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128
     d["num_attention_heads"] = m.num_attention_heads
-    if m.mla:
-        d["num_key_value_heads"] = m.num_attention_heads
-        if d.get("q_lora_rank") is not None:
-            d["q_lora_rank"] = 64
-    else:
-        d["num_key_value_heads"] = m.num_key_value_heads
+    kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
     d["intermediate_size"] = 128
     d["vocab_size"] = TINY_VOCAB
     for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
@@ -143,8 +134,6 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     window = manifest.sliding_window()
     if window:
         d["sliding_window"] = window
-    if manifest.dsa is not None:  # the manifest's selection width, like its window (cpu_sized)
-        d["index_topk"] = manifest.dsa.index_topk
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
     notes.append(f"{n} of {m.num_layers} decoder layers: the shortest prefix holding every distinct layer plan "
@@ -185,8 +174,8 @@ def cpu_sized(manifest: SelectionManifest) -> SelectionManifest | None:
     has the same reading of the band as the real one; the implementer renders it like any manifest.
     """
     long_window = any(layer.sliding_window and layer.sliding_window > MAX_CPU_WINDOW for layer in manifest.layers)
-    wide_topk = manifest.dsa is not None and manifest.dsa.index_topk > CPU_INDEX_TOPK
-    if not (long_window or wide_topk):
+    narrowed = kind_of(manifest).cpu_narrowed(manifest)  # a kind's own width CPU prompts cannot exercise
+    if not (long_window or narrowed):
         return None
     data = manifest.model_dump(mode="json")
     if long_window:
@@ -194,8 +183,8 @@ def cpu_sized(manifest: SelectionManifest) -> SelectionManifest | None:
             if layer["sliding_window"]:
                 layer["pre_tokens"] = SHRUNK_WINDOW - (layer["sliding_window"] - layer["pre_tokens"])
                 layer["sliding_window"] = SHRUNK_WINDOW
-    if wide_topk:
-        data["dsa"]["index_topk"] = CPU_INDEX_TOPK
+    for section, fields in narrowed.items():
+        data[section].update(fields)
     return SelectionManifest.model_validate(data)
 
 
@@ -204,8 +193,7 @@ def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str
     parts = []
     if manifest.sliding_window() != small.sliding_window():
         parts.append(f"window {manifest.sliding_window()} -> {small.sliding_window()}")
-    if manifest.dsa is not None and manifest.dsa.index_topk != small.dsa.index_topk:
-        parts.append(f"index_topk {manifest.dsa.index_topk} -> {small.dsa.index_topk}")
+    parts += kind_of(manifest).cpu_size_changes(manifest, small)
     return ", ".join(parts)
 
 
@@ -358,7 +346,7 @@ def _tied_width(d: dict[str, Any], manifest: SelectionManifest) -> int | None:
     """heads x head_dim, the hidden size to retry with; None where it is already that, or for MLA / linear models."""
     m = manifest.model
     width = m.num_attention_heads * m.head_dim
-    if m.mla or d.get("hidden_size") == width or manifest.linear_attention is not None:
+    if not kind_of(manifest).HIDDEN_CAN_TIE_TO_HEADS or d.get("hidden_size") == width or holds_states(manifest):
         return None
     return width
 

@@ -7,6 +7,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     frameworks_taking,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 
@@ -142,6 +143,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                      f"{lin.state_bytes_per_layer} B", f"{lin.reason}; registered as {lin.framework_entry}; prefill: "
                      f"{lin.operators['prefill']}; decode: {lin.operators['decode']}; reference: "
                      f"{lin.reference or 'none (transformers implements no such architecture)'}"))
+    if m.compressed is not None:  # its own rows (analyzer/kinds/compressed.py)
+        rows += compressed_kind.decision_rows(m)
     if m.dsa is not None:
         d = m.dsa
         shared = f", {len(d.shared_layers)} 层复用上一层的选择" if d.shared_layers else ""

@@ -259,3 +259,23 @@ def test_a_hand_edited_branch_is_refused_naming_the_field(tmp_path, capsys, edit
     (tmp_path / "m.json").write_text(json.dumps(data), encoding="utf-8")
     rc, out, err = invoke(["render", "--manifest", tmp_path / "m.json", "--out", tmp_path / "r"], capsys)
     assert rc == 2 and f"{field}:" in err and "compressed" in err, err
+
+
+def test_the_decisions_table_states_the_compressed_plan(tmp_path):
+    """progress.md's decisions table (what the skill writes for the user) names the branches, the entries the
+    framework registers, the kernels' constraints and the long-context figure, from the manifest."""
+    from model_infer_kvcache.analyzer.decisions_table import decision_rows, decisions_markdown
+
+    m = analyze(AnalyzeRequest(config=str(_v4(tmp_path, flash=True))))
+    rows = {label: (value, reason) for label, value, reason in decision_rows(m)}
+    assert rows["压缩注意力 (CSA / HCA)"][0].startswith("CSA 21 层 (m=4, top-512), HCA 20 层 (m=128), 仅窗口 2 层")
+    entries = rows["压缩分支 cache_entries"][0]
+    assert "li_cmp_kv [128]x1 bfloat16 (c4a_cmp_kv, block 512 token, ratio 4)" in entries
+    assert "sfa_kv_state [1, 512]x2 float32 (c128a_cmp_state, block 128 token, window 128)" in entries
+    assert rows["压缩算子设备约束"][0] == "全部满足" and "GiB" in rows["长上下文"][0]
+    assert "压缩注意力 (CSA / HCA)" in decisions_markdown(m)
+    shrunk = analyze(AnalyzeRequest(config=str(_v4(tmp_path, head_dim=64, sliding_window=8, index_topk=4,
+                                                   num_attention_heads=4, q_lora_rank=32, index_n_heads=2,
+                                                   index_head_dim=16, partial_rotary_factor=0.25))))
+    value, reason = {r[0]: r[1:] for r in decision_rows(shrunk)}["压缩算子设备约束"]
+    assert value == "4 项不满足(走 torch 路径)" and reason.count("NOT met") == 4

@@ -330,3 +330,29 @@ def long_context(layers: list[LayerPlan], facts: CompressedFacts, head_dim: int,
             f"compressed blocks rounded up, compressor states); the same {len(layers)} layers uncompressed "
             f"({head_dim} x {itemsize} B per token and layer) would hold {dense / gib:.2f} GiB, an MLA latent "
             f"({MLA_LATENT[0]} + {MLA_LATENT[1]} per token and layer, DeepSeek-V3) {mla / gib:.2f} GiB")
+
+
+# ------------------------------------------------------------------------------------------------ progress.md rows
+
+def decision_rows(m) -> list[tuple[str, str, str]]:
+    """The compressed kind's rows of the decisions table (analyzer/decisions_table.py): the branches per layer, the
+    entries each branch registers, the device constraints and the long-context figure."""
+    c = m.compressed
+    entries: dict[str, str] = {}
+    for layer in m.layers:
+        for e in layer.compressed.entries if layer.compressed else []:
+            entries.setdefault(e.name + e.manager_key, f"{e.name} {e.dim}x{e.num_head} {e.dtype} ({e.manager_key}, "
+                                                       f"block {e.block_size} token" +
+                                                       (f", ratio {e.compress_ratio}" if e.compress_ratio > 1 else
+                                                        f", window {e.sliding_window}") + ")")
+    unmet = [x for x in c.device_constraints if not x.startswith("met: ")]
+    return [
+        ("压缩注意力 (CSA / HCA)", f"CSA {len(c.csa_layers)} 层 (m={c.compress_rates[CSA]}, top-{c.index_topk}), "
+                                f"HCA {len(c.hca_layers)} 层 (m={c.compress_rates[HCA]}), 仅窗口 "
+                                f"{len(c.window_only_layers)} 层; 窗口 {c.sliding_window} (win_kv)",
+         f"{c.reason}; {c.source}"),
+        ("压缩分支 cache_entries", "; ".join(entries.values()) or "-", c.operators["attention"]),
+        ("压缩算子设备约束", "全部满足" if not unmet else f"{len(unmet)} 项不满足(走 torch 路径)",
+         "; ".join(unmet or c.device_constraints)),
+        ("长上下文", c.long_context.split(" (")[0], c.long_context),
+    ]

@@ -108,6 +108,11 @@ MODEL_KINDS: tuple[ModelKind, ...] = (
               {**_BASE, "model_type": "deepseek_v32", "num_key_value_heads": 8, "kv_lora_rank": 512,
                "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}),
+    ModelKind("compressed", "压缩注意力(窗口分支 + CSA / HCA 压缩分支,references/compressed.md)",
+              "DeepSeek-V4-Flash / Pro",
+              {**_BASE, "model_type": "deepseek_v4", "head_dim": 512, "num_key_value_heads": 1, "q_lora_rank": 1024,
+               "sliding_window": 128, "compress_ratios": [0, 0, 4, 128], "index_topk": 512, "index_n_heads": 64,
+               "index_head_dim": 128, "num_nextn_predict_layers": 1}),
     ModelKind("per_layer_shape", "滑窗 + 全注意力混合,full 层 head_dim / KV 头数不同", "Gemma-4(26B-A4B)",
               {**_BASE, "model_type": "gemma4_text", "sliding_window": 1024, "num_hidden_layers": 6,
                "global_head_dim": 128, "num_global_key_value_heads": 1, "attention_k_eq_v": True}),
@@ -155,6 +160,9 @@ def _attention_text(m) -> str:
                 "已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态)")
     if m.dsa is not None:
         return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"
+    if m.compressed is not None:
+        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用),只规划:render 与校验按名字"
+                "拒绝(exit 2)")
     if any(layer.head_dim is not None or layer.num_kv_heads_per_rank is not None for layer in m.layers):
         return f"{m.fa.version}(逐层形状已规划;模板只有一个 head_dim:render 拒绝,退出码 2;检出模式可校验)"
     legacy = m.legacy_attention
@@ -174,6 +182,8 @@ def model_kinds_table() -> str:
         attn = " + ".join(sorted({layer.attn_type for layer in m.layers}))
         layout = "TND(缓存 PA_BSND)" if m.dsa is not None else m.fa.input_layout  # the sparse FA's, not FA's
         write = f"`{m.layers[0].write_op}`" + (" + `npu_scatter_nd_update_`(indexer key)" if m.dsa is not None else "")
+        if m.compressed is not None:  # the sparse_attn_sharedkv's layouts; compressed rows by the compressor
+            layout, write = "TND(缓存 PA_ND)", f"`{m.layers[0].write_op}`(win_kv) + `custom.compressor`(压缩行)"
         rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), layout,
                      "是" if m.mla.absorb else "否", "是" if m.mixed_attn_types else "否", write])
     return _table(["模型形态", "例子", "KV 模式", "attn_type", "FA", "input_layout", "MLA absorb",

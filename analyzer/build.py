@@ -193,6 +193,8 @@ def assemble(
     _recurrent_state(facts, deploy.value, framework_api, checkout, blockers, questions)
     kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
     kv_mode = kv.value
+    if facts.compressed.value is not None:
+        compressed_kind.check_kv_mode(kv_mode, kv.reason, "--kv-mode" if req.kv_mode else facts.path)
     layout = rules.decide_input_layout(kv_mode, facts.is_mla)
     cache_dtype = rules.decide_cache_dtype(facts, req.cache_dtype)
     next_n = speculative_tokens(facts, req)

@@ -279,3 +279,11 @@ def test_the_decisions_table_states_the_compressed_plan(tmp_path):
                                                    index_head_dim=16, partial_rotary_factor=0.25))))
     value, reason = {r[0]: r[1:] for r in decision_rows(shrunk)}["压缩算子设备约束"]
     assert value == "4 项不满足(走 torch 路径)" and reason.count("NOT met") == 4
+
+
+def test_legacy_is_refused_for_compressed_attention(tmp_path, capsys):
+    """Negative control: asking a contiguous Legacy cache for a compressed model would plan a design nothing serves."""
+    rc, out, err = invoke(["analyze", "--config", _v4(tmp_path), "--kv-mode", "legacy", "--out", tmp_path / "m.json"],
+                          capsys)
+    assert rc == 2 and "--kv-mode: kv mode legacy" in err and "compressed attention" in err, err
+    assert not (tmp_path / "m.json").exists()

@@ -258,6 +258,16 @@ def memory_groups(layers: list[LayerPlan], window_token_bytes: Callable[[LayerPl
 
 # ------------------------------------------------------------------------------------------------ the decision
 
+def check_kv_mode(kv_mode: str, reason: str, where: str) -> None:
+    """Compressed attention is paged by design (window blocks, compressed rows, compressor states, each its own
+    manager): a Legacy contiguous cache has no compressed kind and no code path that serves it."""
+    if kv_mode != "paged":
+        raise InputError(where, f"kv mode {kv_mode} ({reason}) for compressed attention (DeepSeek-V4): its window "
+                                "branch, compressed rows and compressor states are paged managers of their own; a "
+                                "contiguous Legacy cache has no compressed kind (plan it Paged)",
+                         field=None if where.startswith("--") else "kv_mode")
+
+
 def decide(facts: CompressedFacts, layers: list[LayerPlan], q_heads_per_rank: int, head_dim: int, dtype: str,
            block_size: int, mtp_layers: int, max_len: int | None) -> CompressedAttentionDecision:
     csa, hca = facts.layers_of(CSA), facts.layers_of(HCA)

@@ -379,16 +379,16 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     no_attention: list[tuple[LayerPlan, HfAttention]] = []
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
-            if layer.layer_kind != "linear":
+            if not layer.is_recurrent:
                 no_attention.append((layer, mod))
             continue
         result.checked_layers += 1
-        if (layer.layer_kind == "linear") != is_linear_module(mod.cls):
-            planned = "linear attention" if layer.layer_kind == "linear" else layer.attn_type
+        if layer.is_recurrent != is_linear_module(mod.cls):
+            planned = "linear attention" if layer.is_recurrent else layer.attn_type
             result.errors.append(f"layer {layer.index}: analyzer plans {planned}, transformers has "
                                  f"{mod.cls} at {mod.path}")
             continue
-        if layer.layer_kind == "linear":
+        if layer.is_recurrent:
             continue
         if mod.recurrent_beside:
             mixer_off.append((layer, mod))

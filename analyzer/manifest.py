@@ -14,7 +14,12 @@ from typing import Literal
 
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
-from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES, holds_state, is_windowed
+from model_infer_kvcache.analyzer.kv_cache_spec import (
+    PLANNED_ATTN_TYPES,
+    holds_state,
+    is_windowed,
+    spec_for_layer_kind,
+)
 from model_infer_kvcache.analyzer.linear_config import LINEAR_FAMILIES
 from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 from model_infer_kvcache.analyzer.vocabulary import DEPLOY_MODES, FA_VERSIONS, KV_MODES, PLANNED_CACHE_DTYPES
@@ -387,6 +392,12 @@ class LayerPlan(_Model):
     def is_sliding(self) -> bool:
         """The layer attends through a window (its kind's spec says so; no string comparison)."""
         return is_windowed(self.attn_type)
+
+    @property
+    def is_recurrent(self) -> bool:
+        """The config makes this layer recurrent (linear attention), whether or not a state is planned for it (a
+        linear family kvcache does not know plans none): the layer kind's spec keeps a state."""
+        return spec_for_layer_kind(self.layer_kind).state
 
     @property
     def is_state(self) -> bool:

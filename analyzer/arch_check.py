@@ -72,7 +72,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 8  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 9  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -262,9 +262,9 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         if module is None:  # a block without attention: the recurrent mixer it holds, if any (Bamba's BambaMixer)
             out.append(HfAttention(path, None, None, None, recurrent_beside=mixer_of(path)))
             continue
-        scale = next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
-                      if isinstance(getattr(module, a, None), (int, float))
-                      and not isinstance(getattr(module, a), bool)), None)
+        scale = _prescaled(module) or next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
+                                            if isinstance(getattr(module, a, None), (int, float))
+                                            and not isinstance(getattr(module, a), bool)), None)
         window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
             else _window_of(module, config)
         compressor = getattr(module, "compressor", None)
@@ -273,6 +273,18 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
                                getattr(module, "sinks", None) is not None, mixer_of(path),
                                _int_attr(compressor, "compress_rate"), _int_attr(indexer, "index_topk")))
     return tuple(out)
+
+
+def _prescaled(module) -> tuple[float, str] | None:
+    """(1.0, why) for a module that scales its queries itself and calls attention with ``scaling=1.0`` (OPT: the
+    scale of the attention call over its queries is 1, not its ``scaling`` attribute), else None."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    if "scaling=1.0" in source and "* self.scaling" in source:
+        return 1.0, "scaling=1.0 in its attention call (queries pre-scaled by self.scaling)"
+    return None
 
 
 def _int_attr(module, name: str) -> int | None:

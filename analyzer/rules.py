@@ -58,6 +58,9 @@ FAMILY_SCALE_RULE = {
     # Gemma-4: q and k are RMS-normalised per head (q_norm / k_norm) and the scores are not scaled
     # (transformers' Gemma4TextAttention.scaling = 1.0)
     **dict.fromkeys(("gemma4", "gemma4_text"), "unit"),
+    # OPT: the module scales its queries itself (q_proj(x) * self.scaling) and calls attention with scaling=1.0,
+    # so the attention call over its queries scales by 1
+    "opt": "prescaled",
 }
 
 
@@ -307,6 +310,11 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
     multiplier = facts.attention_multiplier
     if rule == "unit":
         base, base_txt = 1.0, f"1 (model family {facts.family}: q/k RMS-normalised per head, scores not scaled)"
+    elif rule == "prescaled":
+        # no "D^-0.5" in the text: the manifest checks a scale against the head_dim^-0.5 its derivation states
+        base, base_txt = 1.0, (f"1 (model family {facts.family}: queries pre-scaled in the module, q_proj(x) x "
+                               f"1/sqrt(head_dim {facts.head_dim.value}), attention called with scaling=1.0; a port "
+                               "that drops the pre-scale passes 1/sqrt(head_dim) instead)")
     elif multiplier.value is not None and rule in ("attention_multiplier", None):
         base, base_txt = multiplier.value, f"attention_multiplier = {multiplier.value:g} ({multiplier.source})"
     elif qpas and rule in ("query_pre_attn_scalar", None):

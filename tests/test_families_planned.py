@@ -63,3 +63,44 @@ def test_gemma4_unified_is_planned_as_the_gemma4_family(tmp_path):
         assert any(layer.head_dim for layer in m.layers)  # the global layers' own head_dim
         with pytest.raises(InputError, match="per-layer attention shapes"):
             render_manifest(m)
+
+
+@pytest.mark.slow
+def test_opt_queries_prescaled_by_the_module_attend_at_scale_one(tmp_path):
+    """OPT scales its queries itself (``q_proj(x) * self.scaling``) and calls attention with ``scaling=1.0``: the
+    attention call over its queries scales by 1. Planned at head_dim^-0.5 it was scaled twice (V207 and the numeric
+    link failed in ``kvcache run``); now planned at 1, confirmed by the cross-check, and validated. Negative control:
+    the cross-check refuses a plan at head_dim^-0.5, naming the module's scaling=1.0 call."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    config = _config(tmp_path, "opt")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    assert manifest.fa.softmax_scale == 1.0 and "pre-scaled" in manifest.fa.scale_derivation
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "rendered")
+    report = run_validate(tmp_path / "m.json", tmp_path / "rendered", config)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    facts = normalize_config(raw, str(config))
+    errors = arch_check.cross_check(raw, facts, manifest.layers, 64 ** -0.5, "head_dim^-0.5 = 64^-0.5").errors
+    assert len(errors) == 1 and "softmax scale: analyzer 0.125" in errors[0] and "vs transformers 1 " in errors[0] \
+        and "scaling=1.0" in errors[0], errors
+
+
+def test_per_layer_lists_named_without_layer_follow_the_tiny_prefix(tmp_path):
+    """Ling-3.0 (transformers' bailing_hybrid) at its defaults crashed `kvcache run` (exit 3): its saved config holds
+    one swiglu limit per decoder layer under names without "layer" (expert_swiglu_limit_list), which the tiny model
+    kept at the real layer count and transformers refused. They follow the prefix now; the tiny config builds."""
+    import transformers
+    from model_infer_kvcache.validators.pipeline.tiny_model import tiny_config_dict
+
+    path = _config(tmp_path, "bailing_hybrid")
+    real = json.loads(path.read_text(encoding="utf-8"))
+    assert len(real["expert_swiglu_limit_list"]) == real["num_hidden_layers"]
+    d, plan = tiny_config_dict(real, analyze(AnalyzeRequest(config=str(path))))
+    assert len(d["expert_swiglu_limit_list"]) == len(d["share_expert_swiglu_limit_list"]) == plan.num_layers \
+        < real["num_hidden_layers"]
+    transformers.AutoConfig.for_model(**d)  # what raised "`swiglu_limits` must contain one limit per decoder layer"

@@ -153,12 +153,20 @@ def _dense_prefix_types(d: dict[str, Any], src: dict[str, Any]) -> None:
         d["mlp_layer_types"] = ["dense" if i < d["first_k_dense_replace"] else "sparse" for i in range(n)]
 
 
+# Lists a transformers config class requires one entry per decoder layer of, under names without "layer"
+# (BailingHybridConfig: "`swiglu_limits` must contain one limit per decoder layer"; its saved config.json spells them
+# expert_swiglu_limit_list / share_expert_swiglu_limit_list, the attribute_map's keys)
+PER_LAYER_LISTS = frozenset({"swiglu_limits", "swiglu_limits_shared", "expert_swiglu_limit_list",
+                             "share_expert_swiglu_limit_list"})
+
+
 def _trim_per_layer_fields(d: dict[str, Any], real_layers: int, n: int) -> None:
     """Every per-layer field cut to the first ``n`` layers, in place: lists with one entry per layer whose
-    name says so (``layer_types``, ``mlp_layer_types``, ...) and dicts keyed by layer index
-    (transformers' ``per_layer_config``: ``{"05": {...}}``)."""
+    name says so (``layer_types``, ``mlp_layer_types``, ...) or that a config class requires one per layer under
+    another name (``PER_LAYER_LISTS``), and dicts keyed by layer index (transformers' ``per_layer_config``:
+    ``{"05": {...}}``)."""
     for key, value in list(d.items()):
-        if "layer" not in key:
+        if "layer" not in key and key not in PER_LAYER_LISTS:
             continue
         if isinstance(value, list) and len(value) == real_layers:
             d[key] = value[:n]

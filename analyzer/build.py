@@ -215,7 +215,7 @@ def assemble(
     if unknown:
         warnings.append(unknown)
     mixed = len({layer.attn_type for layer in layers}) > 1
-    memory_plan = _memory(facts, layers, req, progress, questions, warnings)
+    memory_plan, groups = _memory(facts, layers, req, progress, questions, warnings)
     _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
 
     mla = rules.decide_mla(facts, kv_mode)
@@ -308,7 +308,7 @@ def assemble(
         cache_dtype=cache_dtype,
         dsa=rules.decide_dsa(facts, parallel, cache_dtype.value if cache_dtype else None),
         linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
-        compressed=compressed_kind.decide(facts.compressed.value, layers, parallel.num_q_heads_per_rank,
+        compressed=compressed_kind.decide(facts.compressed.value, layers, groups, parallel.num_q_heads_per_rank,
                                           facts.head_dim.value, cache_dtype.value if cache_dtype else facts.dtype.value,
                                           req.block_size, facts.num_mtp_layers.value, memory_plan.max_len or
                                           facts.max_position_embeddings.value) if facts.compressed.value else None,
@@ -569,7 +569,9 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
     return out
 
 
-def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -> MemoryPlan:
+def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
+            warnings) -> tuple[MemoryPlan, list[memory.Group]]:
+    """The memory plan and the group specs it was sized from."""
     groups: list[memory.Group] = []
     cached = [layer for layer in layers if layer.caches]  # linear-attention layers hold no KV cache
     # MTP layers are full-attention decoder layers whose caches the framework merges into the main
@@ -673,7 +675,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions, warnings) -
         max_tokens=plan.max_tokens if plan else None,
         max_concurrency_at_max_len=plan.max_concurrency_at_max_len if plan else None,
         derivation=derivation,
-    )
+    ), groups
 
 
 def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], kv_mode: str,

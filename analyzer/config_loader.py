@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import yaml
-from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
+from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.linear_config import (
     LinearFacts,
     bailing_layer_kinds,
@@ -23,7 +24,6 @@ from model_infer_kvcache.analyzer.linear_config import (
     kimi_layer_kinds,
     read_linear,
 )
-from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
 
 T = TypeVar("T")

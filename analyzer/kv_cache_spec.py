@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 NULL_BLOCKS = 1  # block 0 of every pool: never holds data, every padded table entry points at it
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}  # a cache dtype's itemsize
 
 # The framework's attn_type of each kind: the one place these strings are spelled (the harness, which mirrors
 # upstream's managers, included). Everything else names a kind through these constants or asks its spec.

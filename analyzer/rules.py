@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 
 from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
-from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed, spec_for_layer_kind, token_bytes
+from model_infer_kvcache.analyzer.kv_cache_spec import (
+    DTYPE_BYTES,
+    is_windowed,
+    spec_for_layer_kind,
+    token_bytes,
+)
 from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, KIMI_DELTA, LIGHTNING
 from model_infer_kvcache.analyzer.manifest import (
     INDEXER_KEY_CACHE,
@@ -41,7 +46,6 @@ DEFAULT_BLOCK_SIZE = 128
 FA_MAX_HEAD_DIM = 512
 FA_HEAD_DIM_ALIGN = 16
 MLA_LATENT_DIMS = (512, 128)
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
 STATE_DTYPE_BYTES = {**DTYPE_BYTES, "int32": 4}  # a state entry may be an index (the speculative anchor)
 SPEC_ANCHOR = "state_anchor"  # the speculative state slots' anchor entry (one int32 per request's first block)
 
@@ -431,7 +435,7 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
     if facts.compressed.value is not None:
         # DeepSeek-V4 shared-KV MQA: one K=V row per token for the window branch (upstream win_kv); the compressed
         # branch's entries ride on the layer's own plan (LayerPlan.compressed)
-        return [CacheSpec(name=compressed_kind.window_entry_name(), dim=facts.head_dim_at(decoder_layer),
+        return [CacheSpec(name=compressed_kind.WINDOW_ENTRY, dim=facts.head_dim_at(decoder_layer),
                           num_head=kv_heads_per_rank(facts, parallel.attn_tp_size, decoder_layer), dtype=dtype)]
     if facts.is_mla:
         mla = facts.mla.value

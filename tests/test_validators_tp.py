@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
-from model_infer_kvcache.validators.pipeline.multi_rank import kv_head_of_rank
+from model_infer_kvcache.validators.kinds.sharding import kv_head_of_rank
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
 from validators_support import ROOT, mutate, render_case

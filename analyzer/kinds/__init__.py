@@ -6,7 +6,6 @@ with stays in ``analyzer/kv_cache_spec.py``.
 
 from __future__ import annotations
 
-
 # The attention formats a manifest's attention layers share, as every tool names them: DeepSeek sparse attention
 # (MLA + an indexer), MLA (latent + rope part), GQA/MHA/MQA (K/V caches).
 DSA, MLA, GQA = "dsa", "mla", "gqa"

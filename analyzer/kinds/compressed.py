@@ -17,8 +17,9 @@ tokens); the AscendC op docs ``ops/ascendc/docs/custom-npu_compressor.md`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from model_infer_kvcache.analyzer import kv_cache_spec
 from model_infer_kvcache.analyzer.errors import InputError
@@ -30,6 +31,7 @@ from model_infer_kvcache.analyzer.manifest import (
 )
 
 CSA, HCA = "csa", "hca"
+WINDOW_ENTRY = "win_kv"  # every layer's window branch: one shared K=V row per token (upstream's name and manager)
 # transformers' layer types of the two compressed branches (DEEPSEEK_V4_LAYER_TYPES; 'sliding_attention' is the
 # window branch alone, planned as any sliding layer)
 LAYER_TYPE_KIND = {"compressed_sparse_attention": CSA, "heavily_compressed_attention": HCA}
@@ -65,7 +67,6 @@ OPERATORS = {
     "write": "custom.scatter_nd_update_asc: the compressed rows into their blocks",
     "rotary": "custom.inplace_partial_rotary_mul: RoPE on the rope_head_dim tail only",
 }
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}
 _WHERE_DOC = "cann-recipes-infer ops/ascendc/docs/"
 
 
@@ -82,10 +83,6 @@ class CompressedFacts:
     source: str  # the layer kinds and rates
     window_source: str
     index_source: str
-
-    def ratio_at(self, decoder_layer: int) -> int:
-        kind = self.kinds[decoder_layer]
-        return self.rates[kind] if kind else 0
 
     def layers_of(self, kind: str | None) -> list[int]:
         return [i for i, k in enumerate(self.kinds) if k == kind]
@@ -184,10 +181,6 @@ def _rates(get: Getter, where: str) -> tuple[dict[str, int], str]:
 
 # ------------------------------------------------------------------------------------------------ cache entries
 
-def window_entry_name() -> str:
-    return "win_kv"
-
-
 def branch(facts: CompressedFacts, decoder_layer: int, head_dim: int, dtype: str, block_size: int
            ) -> CompressedBranch | None:
     """One layer's compressed branch and its cache entries, as upstream deepseek_v4 registers them (bf16 path:
@@ -217,7 +210,7 @@ def branch(facts: CompressedFacts, decoder_layer: int, head_dim: int, dtype: str
 
 def entry_token_bytes(entry: CompressedEntry) -> int:
     """The framework's bytes per token of one entry: ``dims x num_head x itemsize // compress_ratio``."""
-    return kv_cache_spec.token_bytes(math.prod(entry.dim), entry.num_head, _DTYPE_BYTES[entry.dtype],
+    return kv_cache_spec.token_bytes(math.prod(entry.dim), entry.num_head, kv_cache_spec.DTYPE_BYTES[entry.dtype],
                                      entry.compress_ratio)
 
 
@@ -268,8 +261,9 @@ def check_kv_mode(kv_mode: str, reason: str, where: str) -> None:
                          field=None if where.startswith("--") else "kv_mode")
 
 
-def decide(facts: CompressedFacts, layers: list[LayerPlan], q_heads_per_rank: int, head_dim: int, dtype: str,
-           block_size: int, mtp_layers: int, max_len: int | None) -> CompressedAttentionDecision:
+def decide(facts: CompressedFacts, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec], q_heads_per_rank: int,
+           head_dim: int, dtype: str, block_size: int, mtp_layers: int,
+           max_len: int | None) -> CompressedAttentionDecision:
     csa, hca = facts.layers_of(CSA), facts.layers_of(HCA)
     return CompressedAttentionDecision(
         csa_layers=csa,
@@ -283,7 +277,7 @@ def decide(facts: CompressedFacts, layers: list[LayerPlan], q_heads_per_rank: in
         mtp_layers=mtp_layers,
         operators=dict(OPERATORS),
         device_constraints=device_constraints(facts, q_heads_per_rank, head_dim, block_size),
-        long_context=long_context(layers, facts, head_dim, dtype, block_size, max_len),
+        long_context=long_context(groups, len(layers), head_dim, dtype, max_len),
         source=f"{facts.source}; window {facts.window_source}; indexer {facts.index_source}",
         reason=(f"{len(csa)} CSA layer(s) (one entry per {facts.rates[CSA]} tokens, the indexer's top "
                 f"{facts.index_topk}), {len(hca)} HCA layer(s) (one entry per {facts.rates[HCA]} tokens, attended "
@@ -316,30 +310,23 @@ def device_constraints(facts: CompressedFacts, q_heads_per_rank: int, head_dim: 
     return [("met: " if ok else "NOT met (torch path, not the fused kernel): ") + text for ok, text in rows]
 
 
-def long_context(layers: list[LayerPlan], facts: CompressedFacts, head_dim: int, dtype: str, block_size: int,
+def long_context(groups: list[kv_cache_spec.Spec], num_layers: int, head_dim: int, dtype: str,
                  max_len: int | None) -> str:
-    """One request of ``max_len`` tokens: the bytes the compressed plan holds for it (one rank), beside what the
-    same layers would hold uncompressed and what DeepSeek-V3's MLA latent would."""
+    """One request of ``max_len`` tokens: the bytes the plan's groups hold for it (one rank: each group's blocks per
+    request x block bytes, the framework's arithmetic on the specs), beside what the same layers would hold
+    uncompressed and what DeepSeek-V3's MLA latent would."""
     if not max_len:
         return "no max_len (no --max-len, no max_position_embeddings): no long-context figure"
-    itemsize = _DTYPE_BYTES[dtype]
-    window_rows = kv_cache_spec.sliding_blocks_per_request(facts.window, block_size) * block_size
-    held = 0
-    for layer in layers:
-        held += window_rows * head_dim * itemsize if layer.caches else 0
-        for entry in layer.compressed.entries if layer.compressed else []:
-            row = math.prod(entry.dim) * entry.num_head * _DTYPE_BYTES[entry.dtype]
-            if entry.sliding_window is not None:
-                held += kv_cache_spec.sliding_blocks_per_request(entry.sliding_window, block_size) * block_size * row
-            else:
-                held += math.ceil(max_len / entry.block_size) * (entry.block_size // entry.compress_ratio) * row
-    dense = len(layers) * max_len * head_dim * itemsize
-    mla = len(layers) * max_len * sum(MLA_LATENT) * itemsize
+    itemsize = kv_cache_spec.DTYPE_BYTES[dtype]
+    held = int(sum(g.blocks_per_request(max_len) * g.block_bytes for g in groups))
+    dense = num_layers * max_len * head_dim * itemsize
+    mla = num_layers * max_len * sum(MLA_LATENT) * itemsize
     gib = 1024 ** 3
     return (f"one request of {max_len} tokens holds {held / gib:.2f} GiB on one rank ({held} B: window blocks, "
-            f"compressed blocks rounded up, compressor states); the same {len(layers)} layers uncompressed "
-            f"({head_dim} x {itemsize} B per token and layer) would hold {dense / gib:.2f} GiB, an MLA latent "
-            f"({MLA_LATENT[0]} + {MLA_LATENT[1]} per token and layer, DeepSeek-V3) {mla / gib:.2f} GiB")
+            f"compressed blocks rounded up, compressor states, MTP and speculative reservations included); the same "
+            f"{num_layers} layers uncompressed ({head_dim} x {itemsize} B per token and layer) would hold "
+            f"{dense / gib:.2f} GiB, an MLA latent ({MLA_LATENT[0]} + {MLA_LATENT[1]} per token and layer, "
+            f"DeepSeek-V3) {mla / gib:.2f} GiB")
 
 
 # ------------------------------------------------------------------------------------------------ progress.md rows

@@ -4,10 +4,13 @@ FA's over its selection (V221, V222: ``validators/pipeline/dsa_args.py``), no FA
 from __future__ import annotations
 
 from model_infer_kvcache.validators.kinds import mla
-from model_infer_kvcache.validators.kinds.mla import HIDDEN_CAN_TIE_TO_HEADS, expected_constants, shard_attention
+from model_infer_kvcache.validators.kinds.mla import (
+    HIDDEN_CAN_TIE_TO_HEADS,
+    expected_constants,
+    shard_attention,
+)
 from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.evidence import storage
-
 
 # the indexer keeps this many keys per query on CPU (the stream's prompts are 40..300 tokens), so the selection
 # drops keys on every request but the shortest; the real index_topk (2048) would keep them all

@@ -6,7 +6,6 @@ import torch
 from model_infer_kvcache.validators.kinds.sharding import keep_rows, kv_head_of_rank
 from model_infer_kvcache.validators.pipeline.fa_args import check_fa_calls, check_fa_calls_before_failure
 
-
 # a tiny model's hidden size may be set to heads x head_dim (the retry of a model that ties them)
 HIDDEN_CAN_TIE_TO_HEADS = True
 

@@ -12,7 +12,6 @@ from model_infer_kvcache.validators.kinds.gqa import (
 )
 from model_infer_kvcache.validators.kinds.sharding import keep_rows
 
-
 HIDDEN_CAN_TIE_TO_HEADS = False  # the latent sets the widths, not heads x head_dim
 
 

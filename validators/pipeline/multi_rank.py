@@ -24,7 +24,7 @@ import torch
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.validators.kinds import kind_of
-from model_infer_kvcache.validators.kinds.sharding import keep_rows, kv_head_of_rank
+from model_infer_kvcache.validators.kinds.sharding import keep_rows
 from model_infer_kvcache.validators.pipeline.report import Check, Report
 
 COLLECTIVE_TIMEOUT_S = 120

@@ -15,8 +15,8 @@ import torch
 from model_infer_kvcache.analyzer.arch_check import transformers_ships
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_section
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
-from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.kinds import holds_states
+from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import kind_of
 

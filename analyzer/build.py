@@ -29,6 +29,8 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     render_api,
 )
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
+from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
+from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.manifest import (
     DeployModeDecision,
@@ -181,9 +183,9 @@ def assemble(
         raise InputError(where, "; ".join(problems),
                          field="attn_tp_size" if where != "--attn-tp-size" else facts.num_attention_heads.source)
     parallel = rules.decide_parallel(facts, tp, tp_source)
-    for problem in (rules.gqa_ratio_problem(facts, parallel), rules.mla_heads_problem(facts, parallel)):
-        if problem:
-            blockers.append(problem)
+    problem = rules.heads_problem(facts, parallel)
+    if problem:
+        blockers.append(problem)
 
     fa_version = rules.decide_fa_version(facts, req.fa_version, checkout.fa_version if checkout else None,
                                          checkout.fa_evidence if checkout else "")
@@ -193,14 +195,14 @@ def assemble(
     _recurrent_state(facts, deploy.value, framework_api, checkout, blockers, questions)
     kv = rules.decide_kv_mode(blockers, [s.value for s in progress.starting_point], req.kv_mode)
     kv_mode = kv.value
-    if facts.compressed.value is not None:
-        compressed_kind.check_kv_mode(kv_mode, kv.reason, "--kv-mode" if req.kv_mode else facts.path)
-    layout = rules.decide_input_layout(kv_mode, facts.is_mla)
+    format_of(facts).check_kv_mode(kv_mode, kv.reason, "--kv-mode" if req.kv_mode else facts.path)
+    layout = rules.decide_input_layout(facts, kv_mode)
     cache_dtype = rules.decide_cache_dtype(facts, req.cache_dtype)
     next_n = speculative_tokens(facts, req)
     layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None, next_n,
                      req.block_size)
-    full_by_context = [layer.index for layer in layers if layer.layer_kind == "full" and layer.window_derivation]
+    # a window the context never outgrows plans the layer full (its derivation says so)
+    full_by_context = [layer.index for layer in layers if not layer.is_sliding and layer.window_derivation]
     if full_by_context:
         warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
                                         f"{layers[full_by_context[0]].window_derivation}",
@@ -220,9 +222,6 @@ def assemble(
 
     mla = rules.decide_mla(facts, kv_mode)
     _notes(facts, progress, layers, kv_mode, warnings, questions)
-    if facts.is_mla and not facts.rms_norm_eps.value:
-        questions.append(Finding(message="no rms_norm_eps in config: take epsilon from the kv_a_layernorm module",
-                                 fields=["rms_norm_eps"]))
     if facts.num_mtp_layers.value:
         warnings.append(Finding(
             message=f"{facts.num_mtp_layers.value} MTP layer(s) also hold caches when speculative decoding is on: "
@@ -235,11 +234,6 @@ def assemble(
     if facts.dtype.is_default and req.cache_dtype is None:
         questions.append(Finding(message="config states no dtype: cache dtype assumed bfloat16",
                                  fields=["torch_dtype", "dtype"]))
-    if facts.compressed.value is not None:
-        warnings.append(Finding(
-            message="fa.* describes no kernel of this model: every layer attends through "
-                    "custom.npu_sparse_attn_sharedkv (window and compressed branches in one call; compressed.operators)",
-            fields=[facts.compressed.source]))
     legacy_attention = rules.decide_legacy_attention(facts, kv_mode, blockers)
     dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value,
                                         legacy_fa=legacy_attention is not None and legacy_attention.kernel == "fa")
@@ -306,12 +300,12 @@ def assemble(
         block_size=req.block_size,
         memory=memory_plan,
         cache_dtype=cache_dtype,
-        dsa=rules.decide_dsa(facts, parallel, cache_dtype.value if cache_dtype else None),
+        dsa=dsa_kind.decide(facts, cache_dtype.value if cache_dtype else None),
         linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
         compressed=compressed_kind.decide(facts.compressed.value, layers, groups, parallel.num_q_heads_per_rank,
                                           facts.head_dim.value, cache_dtype.value if cache_dtype else facts.dtype.value,
                                           req.block_size, facts.num_mtp_layers.value, memory_plan.max_len or
-                                          facts.max_position_embeddings.value) if facts.compressed.value else None,
+                                          facts.max_position_embeddings.value),
         device_dependencies=dependencies,
         device_readings=measured_source,
         open_questions=questions,
@@ -347,13 +341,7 @@ def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, 
 
 
 def _attention_kind(facts: ModelFacts) -> str:
-    if facts.is_mla:
-        return "mla"
-    kinds = set(facts.layer_kinds.value)
-    if kinds & {"linear", "chunked"}:
-        return "hybrid"
-    kv, heads = facts.num_key_value_heads.value, facts.num_attention_heads.value
-    return "mha" if kv == heads else "mqa" if kv == 1 else "gqa"
+    return format_of(facts).attention_kind(facts)
 
 
 def _deploy_mode(dispatch, req, progress, checkout, warnings) -> DeployModeDecision:
@@ -529,7 +517,8 @@ def speculative_tokens(facts: ModelFacts, req: AnalyzeRequest) -> int:
 
 def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype: str | None = None,
             next_n: int = 0, block_size: int = 128) -> list[LayerPlan]:
-    write_op = rules.decide_write_op(kv_mode, facts.is_mla)
+    fmt = format_of(facts)
+    write_op = rules.decide_write_op(kv_mode, fmt.latent)
     window = facts.sliding_window.value
     out = []
     subs = facts.sublayers_per_layer.value
@@ -539,12 +528,10 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
         attn_type = FULL_ATTENTION if kind == "linear" and facts.linear.value is None else rules.decide_attn_type(kind)
         caches = rules.decide_caches(facts, parallel, kv_mode, kind, cache_dtype, decoder_idx)
         states = rules.linear_states(facts, parallel.attn_tp_size, cache_dtype, next_n) if attn_type == MAMBA else []
-        sparse, mask, _ = rules.decide_sparse(attn_type, facts.is_mla, kv_mode)
+        sparse, mask, _ = rules.decide_sparse(attn_type, fmt.latent, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
-        comp = facts.compressed.value
-        branch = compressed_kind.branch(comp, decoder_idx, facts.head_dim_at(decoder_idx),
-                                        cache_dtype or facts.dtype.value, block_size) if comp else None
+        branch = fmt.branch(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size)
         for sub in range(subs):
             out.append(LayerPlan(
                 index=len(out),
@@ -553,8 +540,7 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
                 attn_type=attn_type,
                 layer_kind=kind,
                 sliding_window=w,
-                # upstream deepseek_v4 keys its window branch's manager by the entry (win_kv)
-                group_key=caches[0].name if comp else attn_type,
+                group_key=fmt.group_key(attn_type, caches),
                 compressed=branch,
                 sparse_mode=sparse,
                 pre_tokens=pre,
@@ -572,31 +558,12 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
 def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
             warnings) -> tuple[MemoryPlan, list[memory.Group]]:
     """The memory plan and the group specs it was sized from."""
-    groups: list[memory.Group] = []
-    cached = [layer for layer in layers if layer.caches]  # linear-attention layers hold no KV cache
-    # MTP layers are full-attention decoder layers whose caches the framework merges into the main
-    # model's pools (ModelCacheInfo.merge) when speculative decoding is on: count them there.
-    mtp = facts.num_mtp_layers.value if cached else 0
-    mtp_caches = next((layer for layer in cached if layer.attn_type == FULL_ATTENTION), cached[0]).caches if mtp else []
-    if facts.compressed.value is not None:
-        # the compressed kind's managers (window branch, compressed rows, compressor states): its own module
-        groups += compressed_kind.memory_groups(layers, lambda layer: rules.cache_token_bytes(layer.caches), mtp,
-                                                speculative_tokens(facts, req), req.block_size)
-        cached, mtp = [], 0
-    for key in sorted({layer.group_key for layer in cached} | ({FULL_ATTENTION} if mtp else set())):
-        members = [layer for layer in cached if layer.group_key == key]
-        extra = mtp if key == FULL_ATTENTION else 0
-        per_token = sum(rules.cache_token_bytes(layer.caches) for layer in members)
-        per_token += extra * rules.cache_token_bytes(mtp_caches)
-        if members and members[0].is_sliding:
-            groups.append(kv_cache_spec.SlidingWindowSpec(key, len(members), per_token, req.block_size,
-                                                          window=members[0].sliding_window,
-                                                          next_n=speculative_tokens(facts, req)))
-        else:
-            groups.append(kv_cache_spec.FullAttentionSpec(key, len(members) + extra, per_token, req.block_size))
+    fmt = format_of(facts)
+    groups, group_notes = fmt.memory_groups(facts, layers, lambda layer: rules.cache_token_bytes(layer.caches),
+                                            speculative_tokens(facts, req), req.block_size)
     total = sum(g.per_token_bytes for g in groups)
     derivation = [f"per-token bytes (one rank) = {total} = sum over layers of dim x num_head x itemsize"
-                  + (" (// compress_ratio for a compressed entry)" if facts.compressed.value else "")]
+                  + fmt.per_token_note()]
     state_layers = [layer for layer in layers if layer.is_state]
     if state_layers:
         # One Mamba block holds one request's states of every linear layer (MambaCacheEntry: [num_blocks, *shape]).
@@ -606,12 +573,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         derivation.append(f"{MAMBA}: one state block per request (+ {next_n} speculative) = "
                           f"{len(state_layers)} linear layers x {rules.state_bytes(state_layers[0].states)} B = "
                           f"{per_block} B, fixed (does not grow with the sequence)")
-    if mtp:
-        derivation.append(f"includes {mtp} MTP layer(s) ({facts.num_mtp_layers.source}) in FullAttention: "
-                          "speculative decoding allocates their caches from the same pools")
-    elif facts.compressed.value is not None and facts.num_mtp_layers.value:
-        derivation.append(f"includes {facts.num_mtp_layers.value} MTP layer(s) ({facts.num_mtp_layers.source}) in "
-                          "win_kv: window branch only (upstream compress_ratio 1 on MTP layers)")
+    derivation += group_notes
 
     hbm = req.hbm_gb
     if hbm is None and progress.hbm_gb:
@@ -662,7 +624,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         groups=[GroupMemory(group_key=g.group_key, attn_type=g.attn_type,
                             num_layers=g.num_layers, per_token_bytes=g.per_token_bytes, fixed_blocks=g.fixed,
                             blocks=plan.blocks.get(g.group_key) if plan else None,
-                            state_bytes=g.state_bytes if g.attn_type == MAMBA else None,
+                            state_bytes=g.state_bytes if g.state else None,
                             block_size=g.block_size if getattr(g, "block_size", req.block_size) != req.block_size
                             else None,
                             compress_ratio=getattr(g, "compress_ratio", None)) for g in groups],
@@ -697,14 +659,7 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                         "mask); hand-written decode code must do the same",
                 fields=[facts.sliding_window.source],
             ))
-    if facts.is_mla and facts.model_type in rules.MLA_WITHOUT_ROPE:
-        warnings.append(Finding(
-            message=f"MLA without positional encoding: {rules.MLA_WITHOUT_ROPE[facts.model_type]}; the fused MLA "
-                    "writer (npu_kv_rmsnorm_rope_cache) rotates the rope part, so the render passes it cos 1 / sin 0 "
-                    "(the identity) and leaves the query's rope part unrotated; hand-written code must do the same, "
-                    "never the DeepSeek rotary (mla.rope false)",
-            fields=["model_type", facts.mla.source]))
-    unplanned = [layer.index for layer in layers if layer.layer_kind == "linear" and not layer.is_state]
+    unplanned = [layer.index for layer in layers if layer.is_recurrent and not layer.is_state]
     if unplanned:
         warnings.append(Finding(
             message=f"{len(unplanned)} linear-attention layers of an unknown family: no state is planned for them "
@@ -716,6 +671,9 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
             message="progress.md says the code is already paged, but a blocker keeps Legacy: review the blockers",
             fields=["progress.md"],
         ))
+    kind_warnings, kind_questions = format_of(facts).notes(facts)
+    warnings += kind_warnings
+    questions += kind_questions
 
 
 def _window_dependency(reading: str, sliding: list[int], where: str = "") -> DeviceDependency:

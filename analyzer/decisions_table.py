@@ -7,7 +7,9 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     frameworks_taking,
     render_api,
 )
-from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
+from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
+from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
+from model_infer_kvcache.analyzer.kv_cache_spec import serves_layer_kind
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 
@@ -23,6 +25,7 @@ _LAYOUT_REASON = {
     "BSH": "Legacy contiguous cache [batch, seq, heads*dim]",
 }
 # What a default-sourced decision tells the agent: nothing stated it, so ask before building on it.
+_YES_NO = {True: "是", False: "否"}
 CONFIRM_DEFAULT = "DEFAULT, nothing stated it: read progress.md yourself and confirm with the user"
 
 
@@ -76,7 +79,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         rows.append(("框架 API 代际", _generation_value(m.framework_api), m.framework_api_evidence))
     # Which attention call the layers make: FA (its version, layout and path table), DSA's sparse FA over the
     # indexer's selection, or none (a Legacy model keeping its own eager attention).
-    dsa = m.dsa is not None
+    fmt = format_of_manifest(m)
     own_attention = legacy is not None and legacy.kernel == "model"
     for layer, idx in _layer_groups(m):
         window = f", sliding_window={layer.sliding_window}" if layer.sliding_window else ""
@@ -85,10 +88,10 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                          f"group_key={layer.group_key}; states "
                          + ", ".join(f"{s.name} {s.shape} {s.dtype}" for s in layer.states)))
             continue
-        kind = f" (config: {layer.layer_kind},见阻塞项)" if layer.layer_kind in ("chunked", "linear") else ""
+        kind = "" if serves_layer_kind(layer.attn_type, layer.layer_kind) else f" (config: {layer.layer_kind},见阻塞项)"
         rows.append((f"attn_type (层 {_ranges(idx)})", f"{layer.attn_type}{window}{kind}",
                      f"group_key={layer.group_key}"))
-        if dsa or own_attention:  # the FA path table's sparse_mode / band apply to no call of theirs
+        if not fmt.fa_call or own_attention:  # the FA path table's sparse_mode / band apply to no call of theirs
             continue
         rows.append((f"sparse_mode / mask (层 {_ranges(idx)})",
                      f"prefill {layer.sparse_mode.prefill}/{layer.mask.prefill}, "
@@ -100,8 +103,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     cached = next((layer for layer in m.layers if layer.caches), None)
     rows.append(("混合 attn_type", "是" if m.mixed_attn_types else "否", "each layer sets its attn_type from its "
                  "index in __init__" if m.mixed_attn_types else "every layer has the same attn_type"))
-    if dsa:
-        rows.append(_sparse_call_row(m))
+    if not fmt.fa_call:
+        rows.append(dsa_kind.call_row(m))
     elif own_attention:
         rows.append(("cache 布局", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, "")
                      + "; the model's own attention reads it (no FA call: no FA version, sparse_mode or band)"))
@@ -110,12 +113,12 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                  ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, ""))]
     rows += [
         ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
-        ("MLA absorb", "是" if m.mla.absorb else "否", m.mla.reason),
+        ("MLA absorb", _YES_NO[m.mla.absorb], m.mla.reason),
         ("写入算子", m.layers[0].write_op if m.layers else "-", "writes addressed by slot_mapping"
          if m.kv_mode.value == "paged" else "writes addressed by kv_len"),
         ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in cached.caches)
-         if cached else "-", "num_head = KV heads per rank" if not m.mla.enabled
-         else "the latent is not split by attention TP"),
+         if cached else "-", "the latent is not split by attention TP" if fmt.latent
+         else "num_head = KV heads per rank"),
         ("每卡 heads", f"Q {m.parallel.num_q_heads_per_rank} / KV {m.parallel.num_kv_heads_per_rank}",
          f"attn_tp_size={m.parallel.attn_tp_size} ({m.parallel.attn_tp_source})"
          + ("; KV heads replicated" if m.parallel.kv_heads_replicated else "")
@@ -126,8 +129,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
          else ""),
     ]
     if m.mtp:
-        mode = (f"verify 步同样经稀疏 FA,sparse_mode {SPARSE_FA.sparse_mode}" if dsa
-                else f"decode sparse_mode {m.mtp.decode_sparse_mode}")
+        mode = (f"decode sparse_mode {m.mtp.decode_sparse_mode}" if fmt.fa_call
+                else f"verify 步同样经稀疏 FA,sparse_mode {SPARSE_FA.sparse_mode}")
         rows.append(("MTP", f"{m.mtp.num_layers} 层, {mode}", m.mtp.reason))
     if m.memory.blocks:
         rows.append(("block 数", ", ".join(f"{k}={v}" for k, v in m.memory.blocks.items()),
@@ -143,14 +146,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                      f"{lin.state_bytes_per_layer} B", f"{lin.reason}; registered as {lin.framework_entry}; prefill: "
                      f"{lin.operators['prefill']}; decode: {lin.operators['decode']}; reference: "
                      f"{lin.reference or 'none (transformers implements no such architecture)'}"))
-    if m.compressed is not None:  # its own rows (analyzer/kinds/compressed.py)
-        rows += compressed_kind.decision_rows(m)
-    if m.dsa is not None:
-        d = m.dsa
-        shared = f", {len(d.shared_layers)} 层复用上一层的选择" if d.shared_layers else ""
-        rows.append(("DSA 稀疏注意力", f"index_topk={d.index_topk}, indexer_key_cache {d.indexer_cache.dim}x1 "
-                     f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
-                     f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}"))
+    rows += fmt.decision_rows(m)  # the format's own section (analyzer/kinds/<format>.py)
     return rows
 
 
@@ -162,16 +158,6 @@ def _generation_value(generation: str | None) -> str:
                 f"{'/'.join(frameworks_taking(DEFAULT_RENDER_CONTRACT))} 框架都接受)")
     contract = render_api(generation)
     return generation if contract == generation else f"{generation}(渲染按 {contract} 契约)"
-
-
-def _sparse_call_row(m: SelectionManifest) -> tuple[str, str, str]:
-    """DSA's attention call, in place of the FA version / input_layout / sparse_mode rows: no FA call is made."""
-    return ("稀疏注意力调用",
-            f"{SPARSE_FA.op}, layout_query {SPARSE_FA.layout_query} / layout_kv {SPARSE_FA.layout_kv}, "
-            f"sparse_mode {SPARSE_FA.sparse_mode}(prefill 与 decode), 每个 query 读 index_topk={m.dsa.index_topk} 个 key",
-            "DSA attends through the sparse FA over the lightning indexer's top-k keys (MLA absorb: query "
-            "q_nope x W_UK with q_pe, over the latent and rope caches); no FA call, so the FA version, FA input_layout "
-            "and the FA path table's sparse_mode / mask do not apply")
 
 
 def decisions_markdown(m: SelectionManifest) -> str:

@@ -173,6 +173,14 @@ def spec_for_layer_kind(layer_kind: str) -> type:
         layer_kind, FullAttentionSpec)
 
 
+def serves_layer_kind(attn_type: str, layer_kind: str) -> bool:
+    """The planned attn_type is the spec of the config's layer kind (False for a kind planned as full attention
+    because kvcache does not plan it: chunked local attention, a linear family without state shapes; a blocker
+    says why)."""
+    kind = SPEC_BY_ATTN_TYPE.get(attn_type)
+    return bool(kind and kind.layer_kind == layer_kind)
+
+
 def holds_state(attn_type: str) -> bool:
     """A group of this attn_type keeps one fixed-size state block per request (no token slots, no KV rows); an
     attn_type no spec defines is not one."""

@@ -12,8 +12,10 @@ import math
 import re
 from typing import Literal
 
+from model_infer_kvcache.analyzer import kinds
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
+from model_infer_kvcache.analyzer.kinds import INDEXER_KEY_CACHE  # noqa: F401  (the manifest's entry name, re-exported)
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     PLANNED_ATTN_TYPES,
     holds_state,
@@ -277,9 +279,6 @@ class CacheDtypeDecision(_Model):
     value: Literal[PLANNED_CACHE_DTYPES] = Field(description="dtype of every cache entry and of the memory plan")
     config_dtype: str = Field(description="the config's torch_dtype (the model's dtype, model.dtype)")
     reason: str
-
-
-INDEXER_KEY_CACHE = "indexer_key_cache"
 
 
 class DsaDecision(_Model):
@@ -617,11 +616,9 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
     if tp < 1 or model.num_attention_heads % tp or p.num_q_heads_per_rank != model.num_attention_heads // tp:
         out.append(("parallel.num_q_heads_per_rank", f"{p.num_q_heads_per_rank} is not num_attention_heads "
                                                      f"{model.num_attention_heads} / attn_tp_size {tp}"))
-    kv_per_rank = 1 if m.mla.enabled else max(model.num_key_value_heads // max(tp, 1), 1)
+    kv_per_rank, why = kinds.kv_heads_per_rank(m, tp)
     if p.num_kv_heads_per_rank != kv_per_rank:
-        out.append(("parallel.num_kv_heads_per_rank", f"{p.num_kv_heads_per_rank} is not {kv_per_rank} "
-                                                      f"(num_key_value_heads {model.num_key_value_heads}, "
-                                                      f"attn_tp_size {tp}{', MLA' if m.mla.enabled else ''})"))
+        out.append(("parallel.num_kv_heads_per_rank", f"{p.num_kv_heads_per_rank} is not {kv_per_rank} ({why})"))
     want_layers = model.num_layers * model.sublayers_per_layer
     with_mtp = (model.num_layers + model.num_mtp_layers) * model.sublayers_per_layer
     if len(m.layers) not in (want_layers, with_mtp):
@@ -636,12 +633,8 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
         layer_kv = layer.num_kv_heads_per_rank or p.num_kv_heads_per_rank
         layer_dim = layer.head_dim or model.head_dim
+        heads, dim = kinds.cache_row_shape(m, layer_kv, layer_dim)
         for j, c in enumerate(layer.caches):
-            legacy_gqa = m.kv_mode.value == "legacy" and not m.mla.enabled
-            heads = 1 if (m.mla.enabled or legacy_gqa) else layer_kv
-            dim = None
-            if not m.mla.enabled:
-                dim = layer_dim * layer_kv if legacy_gqa else layer_dim
             if c.num_head != heads:
                 out.append((f"{where}.caches[{j}].num_head", f"{c.num_head} is not {heads} "
                                                              "(KV heads per rank; 1 for MLA and Legacy rows)"))
@@ -659,9 +652,7 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         if layer.next_tokens != 0:
             out.append((f"{where}.next_tokens", f"{layer.next_tokens} must be 0 (causal attention sees no key "
                                                 "after the query)"))
-    out.extend(_dsa_problems(m))
-    out.extend(_state_problems(m))
-    out.extend(_compressed_problems(m))
+    out.extend(kinds.kind_problems(m))
     legacy = m.legacy_attention
     if legacy is not None and m.kv_mode.value != "legacy":
         out.append(("legacy_attention", f"set on a {m.kv_mode.value} manifest (Legacy only)"))
@@ -674,68 +665,6 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         out.append(("fa.softmax_scale", f"{m.fa.softmax_scale!r} contradicts its derivation "
                                         f"'{m.fa.scale_derivation}' = {scale:.8g}"))
     return out
-
-
-def _dsa_problems(m: SelectionManifest) -> list[tuple[str, str]]:
-    """The indexer key cache sits on exactly the layers that run their indexer (a hand edit that drops it
-    leaves the indexer reading keys nobody wrote)."""
-    own = set(m.dsa.indexer_layers) if m.dsa else set()
-    for i, layer in enumerate(m.layers):
-        names = [c.name for c in layer.caches]
-        has = INDEXER_KEY_CACHE in names
-        if has != (layer.decoder_layer in own):
-            why = ("runs its indexer but has no indexer_key_cache entry" if not has
-                   else "has an indexer_key_cache entry but runs no indexer" + ("" if m.dsa else " (no dsa section)"))
-            return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} {why}")]
-        if has and m.dsa and layer.caches[names.index(INDEXER_KEY_CACHE)] != m.dsa.indexer_cache:
-            return [(f"layers[{i}].caches", "the indexer_key_cache entry differs from dsa.indexer_cache")]
-    return []
-
-
-def _state_problems(m: SelectionManifest) -> list[tuple[str, str]]:
-    """Linear layers hold exactly the states of linear_attention and no KV cache; other layers hold no state (a
-    full layer given a state entry, or a linear layer given a KV cache, is planned memory no code uses)."""
-    lin = m.linear_attention
-    linear_layers = set(lin.layers) if lin else set()
-    for i, layer in enumerate(m.layers):
-        where = f"layers[{i}]"
-        if layer.is_state != (layer.decoder_layer in linear_layers):
-            why = "is attn_type Mamba but not in linear_attention.layers" if layer.is_state else \
-                "is a linear_attention layer but not attn_type Mamba"
-            return [(f"{where}.attn_type", f"decoder layer {layer.decoder_layer} {why}")]
-        if layer.is_state and layer.caches:
-            return [(f"{where}.caches", "a linear (Mamba) layer keeps states, not a KV cache")]
-        if layer.is_state and lin and layer.states != lin.states:
-            return [(f"{where}.states", "differ from linear_attention.states")]
-        if not layer.is_state and layer.states:
-            return [(f"{where}.states", f"a {layer.attn_type} layer keeps a KV cache, not states")]
-    if lin:
-        p = m.parallel
-        tp = p.attn_tp_size
-        for name, total, per_rank in (("num_k_heads", lin.num_k_heads, lin.num_k_heads_per_rank),
-                                      ("num_v_heads", lin.num_v_heads, lin.num_v_heads_per_rank)):
-            if total % tp or per_rank != total // tp:
-                return [(f"linear_attention.{name}_per_rank", f"{per_rank} is not {name} {total} / attn_tp_size {tp}")]
-    return []
-
-
-def _compressed_problems(m: SelectionManifest) -> list[tuple[str, str]]:
-    """Each layer's compressed branch is the one the compressed section lists for it, at its rate (a hand edit
-    that swaps a layer's branch or rate would size its blocks and its visibility for the other branch)."""
-    c = m.compressed
-    want = {i: "csa" for i in c.csa_layers} | {i: "hca" for i in c.hca_layers} if c else {}
-    for i, layer in enumerate(m.layers):
-        got = layer.compressed
-        if (got.kind if got else None) != want.get(layer.decoder_layer):
-            listed = want.get(layer.decoder_layer)
-            return [(f"layers[{i}].compressed", f"decoder layer {layer.decoder_layer} plans "
-                                                 f"{got.kind if got else 'no compressed branch'} but the compressed "
-                                                 f"section lists {listed or 'none'}" + ("" if c else
-                                                                                        " (no compressed section)"))]
-        if got and got.compress_ratio != c.compress_rates.get(got.kind):
-            return [(f"layers[{i}].compressed.compress_ratio", f"{got.compress_ratio} is not compressed.compress_rates"
-                                                                f"[{got.kind}] {c.compress_rates.get(got.kind)}")]
-    return []
 
 
 def _derived_scale(derivation: str) -> float | None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from model_infer_kvcache.analyzer.config_loader import ModelFacts, yarn_mscale
-from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
+from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     DTYPE_BYTES,
     is_windowed,
@@ -19,10 +19,8 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
 )
 from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, KIMI_DELTA, LIGHTNING
 from model_infer_kvcache.analyzer.manifest import (
-    INDEXER_KEY_CACHE,
     CacheDtypeDecision,
     CacheSpec,
-    DsaDecision,
     ExecModeDecision,
     Finding,
     LegacyAttention,
@@ -36,16 +34,10 @@ from model_infer_kvcache.analyzer.manifest import (
 )
 from model_infer_kvcache.analyzer.operators.fa_facts import (
     INT32_MAX,
-    MAX_GQA_RATIO,
-    MLA_QUERY_HEADS,
-    MLA_ROPE_DIM,
     VALID_BLOCK_SIZES,
 )
 
 DEFAULT_BLOCK_SIZE = 128
-FA_MAX_HEAD_DIM = 512
-FA_HEAD_DIM_ALIGN = 16
-MLA_LATENT_DIMS = (512, 128)
 STATE_DTYPE_BYTES = {**DTYPE_BYTES, "int32": 4}  # a state entry may be an index (the speculative anchor)
 SPEC_ANCHOR = "state_anchor"  # the speculative state slots' anchor entry (one int32 per request's first block)
 
@@ -65,13 +57,6 @@ FAMILY_SCALE_RULE = {
     # OPT: the module scales its queries itself (q_proj(x) * self.scaling) and calls attention with scaling=1.0,
     # so the attention call over its queries scales by 1
     "opt": "prescaled",
-}
-
-
-# MLA families whose attention applies no RoPE to the qk_rope_head_dim part (the config still sizes it).
-MLA_WITHOUT_ROPE = {
-    "kimi_linear": "transformers KimiLinearAttention splits k_rot from the latent and never rotates it (the "
-                   "model builds no rotary embedding)",
 }
 
 
@@ -114,22 +99,7 @@ def find_blockers(facts: ModelFacts) -> list[Finding]:
                     "delta net, Kimi-Linear / Ling-3.0 KDA, Ling-2.5 lightning attention)",
             fields=[facts.layer_kinds.source],
         ))
-    if not facts.is_mla:
-        per_layer = facts.layer_heads.value
-        for d in sorted({h.head_dim for h in per_layer} if per_layer else {facts.head_dim.value}):
-            if d > FA_MAX_HEAD_DIM or d % FA_HEAD_DIM_ALIGN:
-                out.append(Finding(
-                    message=f"head_dim {d} is unsupported by FA (must be <= {FA_MAX_HEAD_DIM} and a multiple of 16)",
-                    fields=[facts.head_dim.source if d == facts.head_dim.value else facts.layer_heads.source],
-                ))
-    else:
-        mla = facts.mla.value
-        if mla.qk_rope_head_dim != MLA_ROPE_DIM:
-            out.append(Finding(message=f"MLA rope dim {mla.qk_rope_head_dim} != {MLA_ROPE_DIM} required by FA",
-                               fields=["qk_rope_head_dim"]))
-        if mla.kv_lora_rank not in MLA_LATENT_DIMS:
-            out.append(Finding(message=f"MLA latent dim {mla.kv_lora_rank} not in {MLA_LATENT_DIMS} (FA MLA query D)",
-                               fields=["kv_lora_rank"]))
+    out += format_of(facts).head_problems(facts)
     return out
 
 
@@ -289,19 +259,14 @@ def decide_fa_version(facts: ModelFacts, requested: str | None = None, checkout_
         return Decision(checkout_version, f"{checkout_evidence} (--framework-root)", ["--framework-root"],
                         is_default=True)
     unsettled = f"; --framework-root did not settle it ({checkout_evidence})" if checkout_evidence else ""
-    if facts.is_mla:
-        return Decision("v2", "MLA default v2 (DeepSeek-R1 reference); v1 also works (Kimi-K2)" + unsettled,
-                        [facts.mla.source], is_default=True)
-    return Decision("v1", "GQA/MHA default v1 (Qwen3 reference)" + unsettled, [facts.num_key_value_heads.source],
-                    is_default=True)
+    version, reason, evidence = format_of(facts).default_fa_version(facts)
+    return Decision(version, reason + unsettled, evidence, is_default=True)
 
 
-def decide_input_layout(kv_mode: str, is_mla: bool) -> Decision:
+def decide_input_layout(facts: ModelFacts, kv_mode: str) -> Decision:
     if kv_mode == "legacy":
         return Decision("BSH", "Legacy contiguous cache [batch, seq, heads*dim]")
-    if is_mla:
-        return Decision("TND_NTD", "MLA absorb: packed query TND, output NTD for the per-head V up-projection")
-    return Decision("TND", "packed variable-length batch [TotalTokens, N, D] matches the framework's 1-D inputs")
+    return Decision(*format_of(facts).paged_layout())
 
 
 def decide_scale(facts: ModelFacts) -> tuple[float, str]:
@@ -325,12 +290,11 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
         base, base_txt = qpas ** -0.5, f"query_pre_attn_scalar^-0.5 = {qpas:g}^-0.5"
     else:
         d = facts.qk_head_dim
-        label = "(qk_nope_head_dim + qk_rope_head_dim)" if facts.is_mla else "head_dim"
-        base, base_txt = d ** -0.5, f"{label}^-0.5 = {d}^-0.5"
+        base, base_txt = d ** -0.5, f"{format_of(facts).scale_label()}^-0.5 = {d}^-0.5"
     rope = facts.rope.value
     # transformers' yarn_apply_mscale: any rope_type but "default" with mscale_all_dim. Every family that calls it is
     # MLA; elsewhere (Ministral 3) YaRN's attention factor scales cos/sin in the model's RoPE, not the softmax.
-    if facts.is_mla and rope.rope_type != "default" and rope.mscale_all_dim:
+    if format_of(facts).yarn_scales_softmax() and rope.rope_type != "default" and rope.mscale_all_dim:
         m = yarn_mscale(rope.factor, rope.mscale_all_dim)
         if m != 1.0:
             return base * m * m, (
@@ -345,73 +309,36 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
 
 def decide_parallel(facts: ModelFacts, tp: int, tp_source: str) -> ParallelPlan:
     heads, kv = facts.num_attention_heads.value, facts.num_key_value_heads.value
-    kv_per_rank = kv_heads_per_rank(facts, tp)
+    latent = format_of(facts).latent
     return ParallelPlan(
         attn_tp_size=tp,
         attn_tp_source=tp_source,
         num_q_heads_per_rank=heads // tp,
-        num_kv_heads_per_rank=kv_per_rank,
-        kv_heads_replicated=(not facts.is_mla) and kv < tp,
-        latent_replicated=facts.is_mla,
+        num_kv_heads_per_rank=kv_heads_per_rank(facts, tp),
+        kv_heads_replicated=not latent and kv < tp,
+        latent_replicated=latent,
     )
 
 
 def kv_heads_per_rank(facts: ModelFacts, tp: int, decoder_layer: int | None = None) -> int:
     """KV heads one rank holds for a layer (the model's count where layers are alike): split by attention TP,
     replicated when there are fewer KV heads than ranks; MLA's latent is one head."""
-    return 1 if facts.is_mla else max(facts.kv_heads_at(decoder_layer) // tp, 1)
+    return format_of(facts).kv_heads_per_rank(facts, tp, decoder_layer)
 
 
-def gqa_ratio_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | None:
-    """FA takes at most 64 query heads per KV head (GQA/MQA; MLA has its own head rule), on every layer."""
-    if facts.is_mla:
-        return None
-    q = parallel.num_q_heads_per_rank
-    kv = min(max(k // parallel.attn_tp_size, 1) for k in facts.distinct_kv_heads())
-    if q // kv <= MAX_GQA_RATIO:
-        return None
-    return Finding(
-        message=f"{q} query heads per {kv} KV head(s) on a rank: FA takes a query/KV head ratio of at most "
-                f"{MAX_GQA_RATIO} (num_key_value_heads rule of the FA operator); one FA call cannot serve this "
-                "layer (replicating the KV heads in the cache or splitting the call by query-head groups is not "
-                "rendered by this skill)",
-        fields=[facts.num_attention_heads.source, facts.num_key_value_heads.source],
-    )
-
-
-def mla_heads_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | None:
-    """MLA absorb: FA takes MLA_QUERY_HEADS query heads per call (op docs); a rank's share outside them cannot run.
-    DSA attends through npu_sparse_flash_attention, whose rule this is not."""
-    if not facts.is_mla or facts.dsa.value is not None:
-        return None
-    q = parallel.num_q_heads_per_rank
-    if q in MLA_QUERY_HEADS:
-        return None
-    heads = facts.num_attention_heads.value
-    fits = [tp for tp in range(1, heads + 1) if heads % tp == 0 and heads // tp in MLA_QUERY_HEADS]
-    return Finding(
-        message=f"{q} query heads per rank at attn_tp_size {parallel.attn_tp_size}: MLA's FA call takes "
-                f"{'/'.join(map(str, MLA_QUERY_HEADS))} query heads (npu_fused_infer_attention_score_v2 doc, "
-                "query_rope); " + (f"re-analyze with --attn-tp-size {' / '.join(map(str, fits))} "
-                                   f"({' / '.join(str(heads // tp) for tp in fits)} heads per rank)"
-                                   if fits else "no attention TP divides the heads into such a count")
-                + " (padding the query heads with zeros is not rendered by this skill)",
-        fields=[facts.num_attention_heads.source, "attn_tp_size"],
-    )
+def heads_problem(facts: ModelFacts, parallel: ParallelPlan) -> Finding | None:
+    """Whether the attention call takes a rank's query heads: FA's query/KV head ratio (GQA), MLA's query-head
+    counts; DSA's sparse FA has neither rule."""
+    return format_of(facts).heads_problem(facts, parallel)
 
 
 def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
     """Why ``tp`` cannot split this model's attention (empty when it can)."""
-    heads, kv = facts.num_attention_heads.value, facts.num_key_value_heads.value
+    heads = facts.num_attention_heads.value
     out = []
     if heads % tp:
         out.append(f"{heads} query heads are not divisible by attn_tp_size {tp}")
-    if not facts.is_mla:
-        for kv in facts.distinct_kv_heads():
-            if kv >= tp and kv % tp:
-                out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
-            if kv < tp and tp % kv:
-                out.append(f"attn_tp_size {tp} is not a multiple of {kv} KV heads (uneven replication)")
+    out += format_of(facts).kv_tp_problems(facts, tp)
     lin = facts.linear.value
     if lin:
         # Linear layers split their heads (and so their state) by attention TP like any head; no replication.
@@ -431,72 +358,7 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
     """
     if layer_kind == "linear":
         return []
-    dtype = dtype or facts.dtype.value
-    if facts.compressed.value is not None:
-        # DeepSeek-V4 shared-KV MQA: one K=V row per token for the window branch (upstream win_kv); the compressed
-        # branch's entries ride on the layer's own plan (LayerPlan.compressed)
-        return [CacheSpec(name=compressed_kind.WINDOW_ENTRY, dim=facts.head_dim_at(decoder_layer),
-                          num_head=kv_heads_per_rank(facts, parallel.attn_tp_size, decoder_layer), dtype=dtype)]
-    if facts.is_mla:
-        mla = facts.mla.value
-        # The latent is shared by all heads and never split by attention TP.
-        caches = [CacheSpec(name="nope_cache", dim=mla.kv_lora_rank, num_head=1, dtype=dtype),
-                  CacheSpec(name="rope_cache", dim=mla.qk_rope_head_dim, num_head=1, dtype=dtype)]
-        dsa = facts.dsa.value
-        if dsa and decoder_layer is not None and dsa.own_indexer[decoder_layer]:
-            caches.append(indexer_cache(dsa, dtype))
-        return caches
-    n, d = kv_heads_per_rank(facts, parallel.attn_tp_size, decoder_layer), facts.head_dim_at(decoder_layer)
-    if kv_mode == "legacy":
-        # cache_unit = (num_kv_heads_per_rank * head_dim,): one BSH row per token.
-        return [CacheSpec(name="k_cache", dim=n * d, num_head=1, dtype=dtype),
-                CacheSpec(name="v_cache", dim=n * d, num_head=1, dtype=dtype)]
-    return [CacheSpec(name="k_cache", dim=d, num_head=n, dtype=dtype),
-            CacheSpec(name="v_cache", dim=d, num_head=n, dtype=dtype)]
-
-
-def indexer_cache(dsa, dtype: str) -> CacheSpec:
-    """The indexer key cache entry (upstream deepseek_v3_2_exp: ``CacheEntry("indexer_key_cache", dim=index_head_dim,
-    num_head=1)`` in the nope cache's dtype, unquantized path): one key per token, shared by all indexer heads, so
-    attention TP never splits it."""
-    return CacheSpec(name=INDEXER_KEY_CACHE, dim=dsa.index_head_dim, num_head=1, dtype=dtype)
-
-
-def decide_dsa(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None = None) -> DsaDecision | None:
-    """DeepSeek sparse attention: the indexer key cache and the top-k selection, from the config's index_* fields
-    (transformers ``deepseek_v32`` / ``glm_moe_dsa``: ``DeepseekV32Indexer``); None for dense attention."""
-    dsa = facts.dsa.value
-    if dsa is None:
-        return None
-    rope = facts.mla.value.qk_rope_head_dim
-    own = [i for i, runs in enumerate(dsa.own_indexer) if runs]
-    shared = [i for i, runs in enumerate(dsa.own_indexer) if not runs]
-    return DsaDecision(
-        index_topk=dsa.index_topk,
-        index_n_heads=dsa.index_n_heads,
-        # Replicated, not split: the top-k needs each key's score summed over every indexer head, so split heads
-        # would all-reduce a [tokens, keys] matrix per layer (upstream deepseek_v3_2_exp: ReplicatedLinear wq_b
-        # over all index_n_heads on every attention-TP rank).
-        index_n_heads_per_rank=dsa.index_n_heads,
-        index_head_dim=dsa.index_head_dim,
-        indexer_cache=indexer_cache(dsa, dtype or facts.dtype.value),
-        indexer_layers=own,
-        shared_layers=shared,
-        index_rope=dsa.rope,
-        key_transform="k = LayerNorm(wk(hidden_states)) (eps 1e-6), then "
-                      + ("half-split (not interleaved, unlike the MLA rope)" if dsa.rope == "half" else
-                         "interleaved-pair (like the MLA rope)")
-                      + f" RoPE on its first {rope} dims ({dsa.rope_source}), then written at the token's slot: a key "
-                      "cached before its RoPE scores every later query wrongly",
-        selection=f"per query: score_t = sum over indexer heads of weight_h * relu(q_h . k_t) * "
-                  f"{dsa.index_head_dim}^-0.5, over that request's own causal keys only; the top "
-                  f"{dsa.index_topk} keys (all of them while the sequence is shorter) feed the MLA attention",
-        source=dsa.sources,
-        reason=f"index_topk {dsa.index_topk} in the config: dense attention would read every key and differ from "
-               f"the model for any sequence longer than {dsa.index_topk}; the indexer keys need their own cache "
-               f"entry ({dsa.index_head_dim} x 1 head per token) in the layer's blocks; every attention-TP rank "
-               f"runs all {dsa.index_n_heads} indexer heads (its top-k sums over them)",
-    )
+    return format_of(facts).caches(facts, parallel.attn_tp_size, kv_mode, dtype or facts.dtype.value, decoder_layer)
 
 
 # The linear families' operators: what computes the recurrence on the NPU (or the pure-torch path upstream uses).
@@ -662,46 +524,7 @@ def decide_deploy_mode(
 
 def decide_mla(facts: ModelFacts, kv_mode: str) -> MlaDecision:
     """MLA: absorb on the paged path (latent nope + rope caches, kv_b_proj absorbed into Q and the output)."""
-    absorb = facts.is_mla and kv_mode == "paged"
-    if not facts.is_mla:
-        reason = "not an MLA model"
-    elif absorb:
-        reason = ("MLA: cache the latent (nope) + rope parts, absorb kv_b_proj into Q and the output; "
-                  "latent replicated across attention TP")
-    else:
-        reason = "MLA on the Legacy path: no absorb (the FA absorb call needs the paged latent cache)"
-    rope = not (facts.is_mla and facts.model_type in MLA_WITHOUT_ROPE)
-    if not rope:
-        reason += f"; position-free: {MLA_WITHOUT_ROPE[facts.model_type]}, so the rope part is cached and attended " \
-                  "unrotated"
-    return MlaDecision(enabled=facts.is_mla, absorb=absorb, cache_mode="PA_NZ" if absorb else None, rope=rope,
-                       reason=reason, constraints=mla_constraints(facts, rope) if absorb else [])
-
-
-def mla_constraints(facts: ModelFacts, rope: bool = True) -> list[str]:
-    """What the MLA absorb path requires of the FA call and the fused writer (references/fa_operators.md,
-    'MLA absorb 的约束')."""
-    mla = facts.mla.value
-    if mla is None:
-        return []
-    out = [
-        "FA call: key = value = nope_cache, query_rope with key_rope = rope_cache (both or neither), "
-        "num_key_value_heads = 1",
-        f"query D = kv_lora_rank = {mla.kv_lora_rank} (FA accepts {' or '.join(map(str, MLA_LATENT_DIMS))}); "
-        f"rope D = qk_rope_head_dim = {mla.qk_rope_head_dim} (FA requires {MLA_ROPE_DIM})",
-        "with query D 512 only sparse_mode 0/3/4; decode (q_len 1) uses 0 without mask",
-        "PA_NZ writes: view caches 5-D [blocks, 1, D/16, block_size, 16] (32 for int8) before the FA call; "
-        "block_size 16 unsupported",
-        "npu_kv_rmsnorm_rope_cache epsilon from the kv_a_layernorm module, never a literal",
-        f"absorb kv_b_proj: W_UK into the query ({mla.qk_nope_head_dim} -> {mla.kv_lora_rank}), "
-        f"W_UV after FA ({mla.kv_lora_rank} -> v_head_dim {mla.v_head_dim})",
-    ]
-    if mla.q_lora_rank is None:
-        out.append("q_lora_rank is null: the query comes from a plain q_proj (no q_a_proj/q_b_proj)")
-    if not rope:
-        out.append("position-free: npu_kv_rmsnorm_rope_cache gets cos 1 / sin 0 (the identity: it writes k_rot as "
-                   "it is) and the query's rope part reaches FA unrotated")
-    return out
+    return format_of(facts).mla(facts, kv_mode)
 
 
 GRAPH_CONSEQUENCES = [

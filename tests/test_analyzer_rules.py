@@ -11,6 +11,7 @@ import math
 import pytest
 from model_infer_kvcache.analyzer import kv_cache_spec, memory, rules
 from model_infer_kvcache.analyzer.config_loader import normalize_config, yarn_mscale
+from model_infer_kvcache.analyzer.kinds import mla as mla_kind
 from model_infer_kvcache.analyzer.manifest import CacheSpec, Finding
 from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 
@@ -137,9 +138,10 @@ def test_fa_version_defaults_and_overrides():
 
 
 def test_input_layout():
-    assert rules.decide_input_layout("paged", False).value == "TND"
-    assert rules.decide_input_layout("paged", True).value == "TND_NTD"
-    assert rules.decide_input_layout("legacy", False).value == "BSH"
+    assert rules.decide_input_layout(facts(), "paged").value == "TND"
+    assert rules.decide_input_layout(facts(**MLA), "paged").value == "TND_NTD"
+    assert rules.decide_input_layout(facts(), "legacy").value == "BSH"
+    assert rules.decide_input_layout(facts(**MLA), "legacy").value == "BSH"
 
 
 def test_scale_plain_head_dim():
@@ -207,7 +209,7 @@ def test_scale_yarn_mscale_is_an_mla_rule_only():
 ])
 def test_mla_query_heads_per_rank_must_be_a_count_fa_takes(heads, tp, fits):
     f = facts(**{**MLA, "num_attention_heads": heads, "num_key_value_heads": heads})
-    problem = rules.mla_heads_problem(f, rules.decide_parallel(f, tp, "x"))
+    problem = rules.heads_problem(f, rules.decide_parallel(f, tp, "x"))
     if fits is None:
         assert problem is None
     else:
@@ -216,12 +218,13 @@ def test_mla_query_heads_per_rank_must_be_a_count_fa_takes(heads, tp, fits):
 
 
 def test_mla_heads_rule_is_not_applied_to_gqa_or_dsa():
+    """Each format asks its own call's head rule: GQA's query/KV ratio (20 / 4 fits), none for DSA's sparse FA."""
     gqa = facts(num_attention_heads=20, num_key_value_heads=4)
-    assert rules.mla_heads_problem(gqa, rules.decide_parallel(gqa, 1, "x")) is None
+    assert rules.heads_problem(gqa, rules.decide_parallel(gqa, 1, "x")) is None
     dsa = facts(**{**MLA, "num_attention_heads": 20, "num_key_value_heads": 20, "model_type": "deepseek_v32"},
                 index_topk=2048, index_n_heads=64, index_head_dim=128)
     assert dsa.dsa.value is not None
-    assert rules.mla_heads_problem(dsa, rules.decide_parallel(dsa, 1, "x")) is None
+    assert rules.heads_problem(dsa, rules.decide_parallel(dsa, 1, "x")) is None
 
 
 def test_tp16_with_8_kv_heads_gives_one_per_rank_and_flags_replication():
@@ -286,8 +289,8 @@ def test_block_size(value, ok):
 
 
 def test_mla_constraints_and_mtp_decision():
-    assert rules.mla_constraints(facts()) == []
-    text = " ".join(rules.mla_constraints(facts(**{**MLA, "q_lora_rank": None})))
+    assert mla_kind.constraints(facts()) == []
+    text = " ".join(mla_kind.constraints(facts(**{**MLA, "q_lora_rank": None})))
     assert "num_key_value_heads = 1" in text and "rope D = qk_rope_head_dim = 64" in text
     assert "q_lora_rank is null" in text and "epsilon" in text
     assert rules.decide_mtp(facts()) is None

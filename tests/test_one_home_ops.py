@@ -309,6 +309,8 @@ def test_doc_table_rows_follow_the_home():
 
 def test_analyzer_rules_use_the_homes_constants():
     from model_infer_kvcache.analyzer import rules
+    from model_infer_kvcache.analyzer.kinds import gqa, mla
 
     assert rules.decide_window_tokens(None)[:2] == (INT32_MAX, 0)
-    assert rules.MAX_GQA_RATIO is fa_facts.MAX_GQA_RATIO and rules.MLA_ROPE_DIM is fa_facts.MLA_ROPE_DIM
+    # the formats' head rules (analyzer/kinds) take the operator's limits from the op facts, not a copy
+    assert gqa.MAX_GQA_RATIO is fa_facts.MAX_GQA_RATIO and mla.MLA_ROPE_DIM is fa_facts.MLA_ROPE_DIM

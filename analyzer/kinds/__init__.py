@@ -6,6 +6,8 @@ with stays in ``analyzer/kv_cache_spec.py``.
 
 from __future__ import annotations
 
+from model_infer_kvcache.analyzer.kinds.invariants import INDEXER_KEY_CACHE, kind_problems  # noqa: F401
+
 # The attention formats a manifest's attention layers share, as every tool names them: DeepSeek sparse attention
 # (MLA + an indexer), MLA (latent + rope part), GQA/MHA/MQA (K/V caches).
 DSA, MLA, GQA = "dsa", "mla", "gqa"
@@ -30,3 +32,24 @@ def fa_kv_heads(m, plan) -> int:
 def holds_states(m) -> bool:
     """The manifest plans recurrent states (a hybrid's linear layers)."""
     return m.linear_attention is not None or any(layer.is_state for layer in m.layers)
+
+
+def kv_heads_per_rank(m, tp: int) -> tuple[int, str]:
+    """KV heads a rank caches under the manifest's format, and why: MLA's latent is one head whole on every rank;
+    K/V heads split by attention TP, replicated below one per rank."""
+    model = m.model
+    if m.mla.enabled:
+        return 1, f"num_key_value_heads {model.num_key_value_heads}, attn_tp_size {tp}, MLA"
+    return (max(model.num_key_value_heads // max(tp, 1), 1),
+            f"num_key_value_heads {model.num_key_value_heads}, attn_tp_size {tp}")
+
+
+def cache_row_shape(m, layer_kv: int, layer_dim: int) -> tuple[int, int | None]:
+    """(num_head, dim) of every cache entry of a layer with ``layer_kv`` KV heads per rank of ``layer_dim``: MLA's
+    entries are one head of their own widths (dim None: latent and rope differ); Legacy K/V rows pack the heads
+    into one BSH row; paged K/V entries are per head."""
+    if m.mla.enabled:
+        return 1, None
+    if m.kv_mode.value == "legacy":
+        return 1, layer_dim * layer_kv
+    return layer_kv, layer_dim

@@ -23,10 +23,13 @@ from typing import Any
 
 from model_infer_kvcache.analyzer import kv_cache_spec
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.kinds.gqa import Facts, GqaFormat
 from model_infer_kvcache.analyzer.manifest import (
+    CacheSpec,
     CompressedAttentionDecision,
     CompressedBranch,
     CompressedEntry,
+    Finding,
     LayerPlan,
 )
 
@@ -261,9 +264,12 @@ def check_kv_mode(kv_mode: str, reason: str, where: str) -> None:
                          field=None if where.startswith("--") else "kv_mode")
 
 
-def decide(facts: CompressedFacts, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec], q_heads_per_rank: int,
-           head_dim: int, dtype: str, block_size: int, mtp_layers: int,
-           max_len: int | None) -> CompressedAttentionDecision:
+def decide(facts: CompressedFacts | None, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec],
+           q_heads_per_rank: int, head_dim: int, dtype: str, block_size: int, mtp_layers: int,
+           max_len: int | None) -> CompressedAttentionDecision | None:
+    """The manifest's compressed section (None for a model without compressed layers)."""
+    if facts is None:
+        return None
     csa, hca = facts.layers_of(CSA), facts.layers_of(HCA)
     return CompressedAttentionDecision(
         csa_layers=csa,
@@ -327,6 +333,51 @@ def long_context(groups: list[kv_cache_spec.Spec], num_layers: int, head_dim: in
             f"{num_layers} layers uncompressed ({head_dim} x {itemsize} B per token and layer) would hold "
             f"{dense / gib:.2f} GiB, an MLA latent ({MLA_LATENT[0]} + {MLA_LATENT[1]} per token and layer, "
             f"DeepSeek-V3) {mla / gib:.2f} GiB")
+
+
+# ------------------------------------------------------------------------------------------------ the format
+
+class CompressedFormat(GqaFormat):
+    """Shared-KV MQA over the window branch (``win_kv``), the compressed branches on each layer's own plan."""
+
+    name = "compressed"
+
+    def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
+        # one K=V row per token for the window branch (upstream win_kv); the compressed branch's entries ride on the
+        # layer's own plan (LayerPlan.compressed)
+        return [CacheSpec(name=WINDOW_ENTRY, dim=facts.head_dim_at(decoder_layer),
+                          num_head=self.kv_heads_per_rank(facts, tp, decoder_layer), dtype=dtype)]
+
+    def branch(self, facts: Facts, decoder_layer: int, dtype: str, block_size: int) -> CompressedBranch | None:
+        return branch(facts.compressed.value, decoder_layer, facts.head_dim_at(decoder_layer), dtype, block_size)
+
+    def group_key(self, attn_type: str, caches: list[CacheSpec]) -> str:
+        return caches[0].name  # upstream deepseek_v4 keys its window branch's manager by the entry (win_kv)
+
+    def memory_groups(self, facts: Facts, layers: list[LayerPlan], token_bytes: Callable[[LayerPlan], int],
+                      next_n: int, block_size: int) -> tuple[list[kv_cache_spec.Spec], list[str]]:
+        mtp = facts.num_mtp_layers.value
+        groups = memory_groups(layers, token_bytes, mtp if any(layer.caches for layer in layers) else 0, next_n,
+                               block_size)
+        return groups, [f"includes {mtp} MTP layer(s) ({facts.num_mtp_layers.source}) in {WINDOW_ENTRY}: window "
+                        "branch only (upstream compress_ratio 1 on MTP layers)"] if mtp else []
+
+    def per_token_note(self) -> str:
+        return " (// compress_ratio for a compressed entry)"
+
+    def decision_rows(self, m) -> list[tuple[str, str, str]]:
+        return decision_rows(m)
+
+    def check_kv_mode(self, kv_mode: str, reason: str, where: str) -> None:
+        check_kv_mode(kv_mode, reason, where)
+
+    def notes(self, facts: Facts) -> tuple[list[Finding], list[Finding]]:
+        return [Finding(message="fa.* describes no kernel of this model: every layer attends through "
+                                "custom.npu_sparse_attn_sharedkv (window and compressed branches in one call; "
+                                "compressed.operators)", fields=[facts.compressed.source])], []
+
+
+FORMAT = CompressedFormat()
 
 
 # ------------------------------------------------------------------------------------------------ progress.md rows

@@ -1,0 +1,92 @@
+"""DeepSeek sparse attention (MLA + a lightning indexer with its own key cache), analyzer side.
+
+The attention reads the latent and rope caches like MLA, but only at the top ``index_topk`` keys the indexer
+selects, through ``npu_sparse_flash_attention`` (not FA): FA's query-head rule does not apply, and each layer that
+runs its own indexer caches one indexer key per token.
+"""
+
+from __future__ import annotations
+
+from model_infer_kvcache.analyzer.kinds.gqa import Facts
+from model_infer_kvcache.analyzer.kinds.mla import MlaFormat
+from model_infer_kvcache.analyzer.manifest import INDEXER_KEY_CACHE, CacheSpec, DsaDecision, Finding
+from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
+
+
+class DsaFormat(MlaFormat):
+    name = "dsa"
+    fa_call = False  # the sparse FA over the indexer's top-k: no FA version, FA layout or FA path table
+
+    def decision_rows(self, m) -> list[tuple[str, str, str]]:
+        d = m.dsa
+        shared = f", {len(d.shared_layers)} 层复用上一层的选择" if d.shared_layers else ""
+        return [("DSA 稀疏注意力", f"index_topk={d.index_topk}, indexer_key_cache {d.indexer_cache.dim}x1 "
+                 f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
+                 f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}")]
+
+    def heads_problem(self, facts: Facts, parallel) -> Finding | None:
+        return None  # the sparse FA's query heads are not FA's MLA head rule
+
+    def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
+        caches = super().caches(facts, tp, kv_mode, dtype, decoder_layer)
+        dsa = facts.dsa.value
+        if decoder_layer is not None and dsa.own_indexer[decoder_layer]:
+            caches.append(indexer_cache(dsa, dtype))
+        return caches
+
+
+def indexer_cache(dsa, dtype: str) -> CacheSpec:
+    """The indexer key cache entry (upstream deepseek_v3_2_exp: ``CacheEntry("indexer_key_cache", dim=index_head_dim,
+    num_head=1)`` in the nope cache's dtype, unquantized path): one key per token, shared by all indexer heads, so
+    attention TP never splits it."""
+    return CacheSpec(name=INDEXER_KEY_CACHE, dim=dsa.index_head_dim, num_head=1, dtype=dtype)
+
+
+def decide(facts: Facts, dtype: str | None = None) -> DsaDecision | None:
+    """DeepSeek sparse attention: the indexer key cache and the top-k selection, from the config's index_* fields
+    (transformers ``deepseek_v32`` / ``glm_moe_dsa``: ``DeepseekV32Indexer``); None for dense attention."""
+    dsa = facts.dsa.value
+    if dsa is None:
+        return None
+    rope = facts.mla.value.qk_rope_head_dim
+    own = [i for i, runs in enumerate(dsa.own_indexer) if runs]
+    shared = [i for i, runs in enumerate(dsa.own_indexer) if not runs]
+    return DsaDecision(
+        index_topk=dsa.index_topk,
+        index_n_heads=dsa.index_n_heads,
+        # Replicated, not split: the top-k needs each key's score summed over every indexer head, so split heads
+        # would all-reduce a [tokens, keys] matrix per layer (upstream deepseek_v3_2_exp: ReplicatedLinear wq_b
+        # over all index_n_heads on every attention-TP rank).
+        index_n_heads_per_rank=dsa.index_n_heads,
+        index_head_dim=dsa.index_head_dim,
+        indexer_cache=indexer_cache(dsa, dtype or facts.dtype.value),
+        indexer_layers=own,
+        shared_layers=shared,
+        index_rope=dsa.rope,
+        key_transform="k = LayerNorm(wk(hidden_states)) (eps 1e-6), then "
+                      + ("half-split (not interleaved, unlike the MLA rope)" if dsa.rope == "half" else
+                         "interleaved-pair (like the MLA rope)")
+                      + f" RoPE on its first {rope} dims ({dsa.rope_source}), then written at the token's slot: a key "
+                      "cached before its RoPE scores every later query wrongly",
+        selection=f"per query: score_t = sum over indexer heads of weight_h * relu(q_h . k_t) * "
+                  f"{dsa.index_head_dim}^-0.5, over that request's own causal keys only; the top "
+                  f"{dsa.index_topk} keys (all of them while the sequence is shorter) feed the MLA attention",
+        source=dsa.sources,
+        reason=f"index_topk {dsa.index_topk} in the config: dense attention would read every key and differ from "
+               f"the model for any sequence longer than {dsa.index_topk}; the indexer keys need their own cache "
+               f"entry ({dsa.index_head_dim} x 1 head per token) in the layer's blocks; every attention-TP rank "
+               f"runs all {dsa.index_n_heads} indexer heads (its top-k sums over them)",
+    )
+
+
+def call_row(m) -> tuple[str, str, str]:
+    """DSA's attention call, in place of the FA version / input_layout / sparse_mode rows: no FA call is made."""
+    return ("稀疏注意力调用",
+            f"{SPARSE_FA.op}, layout_query {SPARSE_FA.layout_query} / layout_kv {SPARSE_FA.layout_kv}, "
+            f"sparse_mode {SPARSE_FA.sparse_mode}(prefill 与 decode), 每个 query 读 index_topk={m.dsa.index_topk} 个 key",
+            "DSA attends through the sparse FA over the lightning indexer's top-k keys (MLA absorb: query "
+            "q_nope x W_UK with q_pe, over the latent and rope caches); no FA call, so the FA version, FA input_layout "
+            "and the FA path table's sparse_mode / mask do not apply")
+
+
+FORMAT = DsaFormat()

@@ -1,0 +1,28 @@
+"""Which attention format a model's config facts hold: the one place the analyzer asks it.
+
+The decision rules and the plan builder ask the returned format (``analyzer/kinds/gqa.py`` and its refinements)
+instead of branching on the config's MLA / DSA / compressed facts; a new format is a module here and one line below.
+"""
+
+from __future__ import annotations
+
+from model_infer_kvcache.analyzer.kinds import DSA, MLA, attention_format, compressed, dsa, gqa, mla
+from model_infer_kvcache.analyzer.kinds.gqa import Facts, GqaFormat
+
+
+def format_of(facts: Facts) -> GqaFormat:
+    """The most specific format the facts name: compressed (DeepSeek-V4), DSA (MLA + indexer), MLA, else GQA."""
+    if facts.compressed.value is not None:
+        return compressed.FORMAT
+    if facts.dsa.value is not None:
+        return dsa.FORMAT
+    if facts.mla.value is not None:
+        return mla.FORMAT
+    return gqa.FORMAT
+
+
+def format_of_manifest(m) -> GqaFormat:
+    """The format a manifest plans, read from its sections the way ``format_of`` reads the facts."""
+    if m.compressed is not None:
+        return compressed.FORMAT
+    return {DSA: dsa.FORMAT, MLA: mla.FORMAT}.get(attention_format(m), gqa.FORMAT)

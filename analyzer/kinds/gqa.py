@@ -1,0 +1,159 @@
+"""GQA / MHA / MQA attention (per-head K and V caches), analyzer side: the attention format every other refines.
+
+An attention format answers what the decision rules and the plan builder would otherwise branch on: how many KV
+heads a rank caches, which cache entries a layer holds, what FA takes of its head shapes, its default FA version
+and layout, how its softmax scale is labelled, how its layers group into the framework's managers, and the notes a
+port must not miss. ``analyzer/kinds/formats.py`` picks the one a model's facts hold; MLA, DSA and the compressed
+kind subclass this and override what differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from model_infer_kvcache.analyzer import kv_cache_spec
+from model_infer_kvcache.analyzer.manifest import CacheSpec, Finding, LayerPlan, MlaDecision
+from model_infer_kvcache.analyzer.operators.fa_facts import MAX_GQA_RATIO
+
+FA_MAX_HEAD_DIM = 512
+FA_HEAD_DIM_ALIGN = 16
+
+Facts = Any  # analyzer.config_loader.ModelFacts (not imported: config_loader reads the compressed kind's facts)
+
+
+class GqaFormat:
+    """K/V caches of ``num_key_value_heads / attn_tp_size`` heads (replicated below one per rank)."""
+
+    name = "gqa"
+    latent = False  # one latent row shared by every query head (MLA), never split by attention TP
+
+    # ------------------------------------------------------------------ heads and the FA call's shape rules
+
+    def kv_heads_per_rank(self, facts: Facts, tp: int, decoder_layer: int | None = None) -> int:
+        """KV heads one rank holds for a layer: split by attention TP, replicated when fewer heads than ranks."""
+        return max(facts.kv_heads_at(decoder_layer) // tp, 1)
+
+    def head_problems(self, facts: Facts) -> list[Finding]:
+        per_layer = facts.layer_heads.value
+        out = []
+        for d in sorted({h.head_dim for h in per_layer} if per_layer else {facts.head_dim.value}):
+            if d > FA_MAX_HEAD_DIM or d % FA_HEAD_DIM_ALIGN:
+                out.append(Finding(
+                    message=f"head_dim {d} is unsupported by FA (must be <= {FA_MAX_HEAD_DIM} and a multiple of 16)",
+                    fields=[facts.head_dim.source if d == facts.head_dim.value else facts.layer_heads.source],
+                ))
+        return out
+
+    def heads_problem(self, facts: Facts, parallel) -> Finding | None:
+        """FA takes at most 64 query heads per KV head (GQA/MQA), on every layer."""
+        q = parallel.num_q_heads_per_rank
+        kv = min(max(k // parallel.attn_tp_size, 1) for k in facts.distinct_kv_heads())
+        if q // kv <= MAX_GQA_RATIO:
+            return None
+        return Finding(
+            message=f"{q} query heads per {kv} KV head(s) on a rank: FA takes a query/KV head ratio of at most "
+                    f"{MAX_GQA_RATIO} (num_key_value_heads rule of the FA operator); one FA call cannot serve this "
+                    "layer (replicating the KV heads in the cache or splitting the call by query-head groups is not "
+                    "rendered by this skill)",
+            fields=[facts.num_attention_heads.source, facts.num_key_value_heads.source],
+        )
+
+    def kv_tp_problems(self, facts: Facts, tp: int) -> list[str]:
+        out = []
+        for kv in facts.distinct_kv_heads():
+            if kv >= tp and kv % tp:
+                out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
+            if kv < tp and tp % kv:
+                out.append(f"attn_tp_size {tp} is not a multiple of {kv} KV heads (uneven replication)")
+        return out
+
+    def attention_kind(self, facts: Facts) -> str:
+        if set(facts.layer_kinds.value) & {"linear", "chunked"}:
+            return "hybrid"
+        kv, heads = facts.num_key_value_heads.value, facts.num_attention_heads.value
+        return "mha" if kv == heads else "mqa" if kv == 1 else "gqa"
+
+    # ------------------------------------------------------------------ FA defaults and the scale's wording
+
+    def default_fa_version(self, facts: Facts) -> tuple[str, str, list[str]]:
+        return "v1", "GQA/MHA default v1 (Qwen3 reference)", [facts.num_key_value_heads.source]
+
+    def paged_layout(self) -> tuple[str, str]:
+        return "TND", "packed variable-length batch [TotalTokens, N, D] matches the framework's 1-D inputs"
+
+    def scale_label(self) -> str:
+        return "head_dim"
+
+    def yarn_scales_softmax(self) -> bool:
+        """transformers' yarn_apply_mscale squares YaRN's mscale into the softmax scale: MLA families only."""
+        return False
+
+    # ------------------------------------------------------------------ caches and their managers
+
+    def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
+        n, d = self.kv_heads_per_rank(facts, tp, decoder_layer), facts.head_dim_at(decoder_layer)
+        if kv_mode == "legacy":
+            # cache_unit = (num_kv_heads_per_rank * head_dim,): one BSH row per token.
+            return [CacheSpec(name="k_cache", dim=n * d, num_head=1, dtype=dtype),
+                    CacheSpec(name="v_cache", dim=n * d, num_head=1, dtype=dtype)]
+        return [CacheSpec(name="k_cache", dim=d, num_head=n, dtype=dtype),
+                CacheSpec(name="v_cache", dim=d, num_head=n, dtype=dtype)]
+
+    def branch(self, facts: Facts, decoder_layer: int, dtype: str, block_size: int):
+        """A second branch of the layer's attention with caches of its own (None: the layer's caches are all)."""
+        return None
+
+    def group_key(self, attn_type: str, caches: list[CacheSpec]) -> str:
+        """The key of the layer's block table / slot mapping: its attn_type's manager."""
+        return attn_type
+
+    def memory_groups(self, facts: Facts, layers: list[LayerPlan], token_bytes: Callable[[LayerPlan], int],
+                      next_n: int, block_size: int) -> tuple[list[kv_cache_spec.Spec], list[str]]:
+        """The framework's growing / sliding managers of the layers' KV caches, and what the derivation says of
+        them. MTP layers are full-attention decoder layers whose caches the framework merges into the main
+        model's pools (ModelCacheInfo.merge) when speculative decoding is on: counted there."""
+        cached = [layer for layer in layers if layer.caches]  # recurrent layers hold no KV cache
+        mtp = facts.num_mtp_layers.value if cached else 0
+        mtp_layer = next((layer for layer in cached if not layer.is_sliding), cached[0]) if mtp else None
+        full = kv_cache_spec.FULL_ATTENTION
+        groups: list[kv_cache_spec.Spec] = []
+        for key in sorted({layer.group_key for layer in cached} | ({full} if mtp else set())):
+            members = [layer for layer in cached if layer.group_key == key]
+            extra = mtp if key == full else 0
+            per_token = sum(token_bytes(layer) for layer in members) + (extra * token_bytes(mtp_layer) if extra else 0)
+            if members and members[0].is_sliding:
+                groups.append(kv_cache_spec.SlidingWindowSpec(key, len(members), per_token, block_size,
+                                                              window=members[0].sliding_window, next_n=next_n))
+            else:
+                groups.append(kv_cache_spec.FullAttentionSpec(key, len(members) + extra, per_token, block_size))
+        notes = [f"includes {mtp} MTP layer(s) ({facts.num_mtp_layers.source}) in {full}: speculative decoding "
+                 "allocates their caches from the same pools"] if mtp else []
+        return groups, notes
+
+    def per_token_note(self) -> str:
+        return ""
+
+    # ------------------------------------------------------------------ what the decisions table says of a manifest
+
+    fa_call = True  # the layers attend through FA (its version, layout and path table apply)
+
+    def decision_rows(self, m) -> list[tuple[str, str, str]]:
+        """The format's own rows of progress.md's decisions table (analyzer/decisions_table.py)."""
+        return []
+
+    # ------------------------------------------------------------------ the MLA section and the notes
+
+    def mla(self, facts: Facts, kv_mode: str) -> MlaDecision:
+        return MlaDecision(enabled=False, absorb=False, cache_mode=None, rope=True, reason="not an MLA model",
+                           constraints=[])
+
+    def check_kv_mode(self, kv_mode: str, reason: str, where: str) -> None:
+        """Refuse a KV mode this format cannot be served in (every mode serves GQA)."""
+
+    def notes(self, facts: Facts) -> tuple[list[Finding], list[Finding]]:
+        """(warnings, open questions) a port of this format must not miss."""
+        return [], []
+
+
+FORMAT = GqaFormat()

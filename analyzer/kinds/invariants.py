@@ -1,0 +1,75 @@
+"""What a manifest's kind sections and its layers must agree on (the manifest's own invariant calls these).
+
+Read duck-typed from the manifest (this module imports nothing of ``analyzer/manifest.py``, which imports it): a
+hand edit that desynchronises a kind's section from the layers it plans is refused naming the field.
+"""
+
+from __future__ import annotations
+
+INDEXER_KEY_CACHE = "indexer_key_cache"  # the DSA indexer's key cache entry (upstream deepseek_v3_2_exp)
+
+
+def kind_problems(m) -> list[tuple[str, str]]:
+    return [*dsa_problems(m), *state_problems(m), *compressed_problems(m)]
+
+
+def dsa_problems(m) -> list[tuple[str, str]]:
+    """The indexer key cache sits on exactly the layers that run their indexer (a hand edit that drops it
+    leaves the indexer reading keys nobody wrote)."""
+    own = set(m.dsa.indexer_layers) if m.dsa else set()
+    for i, layer in enumerate(m.layers):
+        names = [c.name for c in layer.caches]
+        has = INDEXER_KEY_CACHE in names
+        if has != (layer.decoder_layer in own):
+            why = ("runs its indexer but has no indexer_key_cache entry" if not has
+                   else "has an indexer_key_cache entry but runs no indexer" + ("" if m.dsa else " (no dsa section)"))
+            return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} {why}")]
+        if has and m.dsa and layer.caches[names.index(INDEXER_KEY_CACHE)] != m.dsa.indexer_cache:
+            return [(f"layers[{i}].caches", "the indexer_key_cache entry differs from dsa.indexer_cache")]
+    return []
+
+
+def state_problems(m) -> list[tuple[str, str]]:
+    """Linear layers hold exactly the states of linear_attention and no KV cache; other layers hold no state (a
+    full layer given a state entry, or a linear layer given a KV cache, is planned memory no code uses)."""
+    lin = m.linear_attention
+    linear_layers = set(lin.layers) if lin else set()
+    for i, layer in enumerate(m.layers):
+        where = f"layers[{i}]"
+        if layer.is_state != (layer.decoder_layer in linear_layers):
+            why = "is attn_type Mamba but not in linear_attention.layers" if layer.is_state else \
+                "is a linear_attention layer but not attn_type Mamba"
+            return [(f"{where}.attn_type", f"decoder layer {layer.decoder_layer} {why}")]
+        if layer.is_state and layer.caches:
+            return [(f"{where}.caches", "a linear (Mamba) layer keeps states, not a KV cache")]
+        if layer.is_state and lin and layer.states != lin.states:
+            return [(f"{where}.states", "differ from linear_attention.states")]
+        if not layer.is_state and layer.states:
+            return [(f"{where}.states", f"a {layer.attn_type} layer keeps a KV cache, not states")]
+    if lin:
+        p = m.parallel
+        tp = p.attn_tp_size
+        for name, total, per_rank in (("num_k_heads", lin.num_k_heads, lin.num_k_heads_per_rank),
+                                      ("num_v_heads", lin.num_v_heads, lin.num_v_heads_per_rank)):
+            if total % tp or per_rank != total // tp:
+                return [(f"linear_attention.{name}_per_rank", f"{per_rank} is not {name} {total} / attn_tp_size {tp}")]
+    return []
+
+
+def compressed_problems(m) -> list[tuple[str, str]]:
+    """Each layer's compressed branch is the one the compressed section lists for it, at its rate (a hand edit
+    that swaps a layer's branch or rate would size its blocks and its visibility for the other branch)."""
+    c = m.compressed
+    want = {i: "csa" for i in c.csa_layers} | {i: "hca" for i in c.hca_layers} if c else {}
+    for i, layer in enumerate(m.layers):
+        got = layer.compressed
+        if (got.kind if got else None) != want.get(layer.decoder_layer):
+            listed = want.get(layer.decoder_layer)
+            return [(f"layers[{i}].compressed", f"decoder layer {layer.decoder_layer} plans "
+                                                 f"{got.kind if got else 'no compressed branch'} but the compressed "
+                                                 f"section lists {listed or 'none'}" + ("" if c else
+                                                                                        " (no compressed section)"))]
+        if got and got.compress_ratio != c.compress_rates.get(got.kind):
+            return [(f"layers[{i}].compressed.compress_ratio", f"{got.compress_ratio} is not compressed.compress_rates"
+                                                                f"[{got.kind}] {c.compress_rates.get(got.kind)}")]
+    return []

@@ -33,6 +33,7 @@ from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.manifest import (
+    AttentionLayerPlan,
     DeployModeDecision,
     DeviceDependency,
     Evidence,
@@ -46,6 +47,7 @@ from model_infer_kvcache.analyzer.manifest import (
     MemoryPlan,
     ModelInfo,
     SelectionManifest,
+    StateLayerPlan,
 )
 from model_infer_kvcache.analyzer.measured import apply_readings, resolve_window_reading
 from model_infer_kvcache.analyzer.progress_writer import plan_section, upsert_section
@@ -202,7 +204,7 @@ def assemble(
     layers = _layers(facts, parallel, kv_mode, window_reading, cache_dtype.value if cache_dtype else None, next_n,
                      req.block_size)
     # a window the context never outgrows plans the layer full (its derivation says so)
-    full_by_context = [layer.index for layer in layers if not layer.is_sliding and layer.window_derivation]
+    full_by_context = [layer.index for layer in layers if not (layer.is_state or layer.is_sliding) and layer.window_derivation]
     if full_by_context:
         warnings.append(Finding(message=f"{len(full_by_context)} layer(s) planned as FullAttention: "
                                         f"{layers[full_by_context[0]].window_derivation}",
@@ -532,26 +534,14 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
         branch = fmt.branch(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size)
+        attention = dict(sliding_window=w, compressed=branch, sparse_mode=sparse, pre_tokens=pre, next_tokens=nxt,
+                         mask=mask, write_op=write_op, caches=caches, window_derivation=derivation,
+                         **_layer_shape(facts, parallel, decoder_idx))
         for sub in range(subs):
-            out.append(LayerPlan(
-                index=len(out),
-                decoder_layer=decoder_idx,
-                sublayer=sub,
-                attn_type=attn_type,
-                layer_kind=kind,
-                sliding_window=w,
-                group_key=fmt.group_key(attn_type, caches),
-                compressed=branch,
-                sparse_mode=sparse,
-                pre_tokens=pre,
-                next_tokens=nxt,
-                mask=mask,
-                write_op=write_op,
-                caches=caches,
-                states=states,
-                window_derivation=derivation,
-                **_layer_shape(facts, parallel, decoder_idx),
-            ))
+            common = dict(index=len(out), decoder_layer=decoder_idx, sublayer=sub, attn_type=attn_type,
+                          layer_kind=kind, group_key=fmt.group_key(attn_type, caches))
+            # a state layer is its states (no KV cache, no FA call): the manifest's tagged layer plan
+            out.append(StateLayerPlan(**common, states=states) if states else AttentionLayerPlan(**common, **attention))
     return out
 
 

@@ -51,8 +51,9 @@ def _cell(text: str) -> str:
 def _layer_groups(m: SelectionManifest) -> list[tuple[LayerPlan, list[int]]]:
     groups: dict[tuple, tuple[LayerPlan, list[int]]] = {}
     for layer in m.layers:
-        key = (layer.attn_type, layer.layer_kind, layer.sliding_window, layer.sparse_mode, layer.pre_tokens,
-               layer.mask)
+        # a state layer has no FA fields: its kind and attn_type group it
+        key = (layer.attn_type, layer.layer_kind) + (() if layer.is_state else (
+            layer.sliding_window, layer.sparse_mode, layer.pre_tokens, layer.mask))
         groups.setdefault(key, (layer, []))[1].append(layer.index)
     return list(groups.values())
 
@@ -114,7 +115,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     rows += [
         ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
         ("MLA absorb", _YES_NO[m.mla.absorb], m.mla.reason),
-        ("写入算子", m.layers[0].write_op if m.layers else "-", "writes addressed by slot_mapping"
+        ("写入算子", m.attention_layers[0].write_op if m.attention_layers else "-", "writes addressed by slot_mapping"
          if m.kv_mode.value == "paged" else "writes addressed by kv_len"),
         ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in cached.caches)
          if cached else "-", "the latent is not split by attention TP" if fmt.latent

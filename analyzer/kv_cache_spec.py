@@ -188,6 +188,10 @@ def holds_state(attn_type: str) -> bool:
     return bool(kind and kind.state)
 
 
+def _planned(state: bool) -> tuple[str, ...]:
+    return tuple(t for t in PLANNED_ATTN_TYPES if holds_state(t) == state)
+
+
 def is_windowed(attn_type: str) -> bool:
     """A layer of this attn_type attends through a window (band), not the whole prefix; an attn_type no spec
     defines does not."""
@@ -208,3 +212,9 @@ def max_tokens_in(left_bytes: float, per_token_bytes: float) -> int:
 def pool_bytes(specs, blocks: dict[str, int]) -> float:
     """Bytes the pools take: blocks x block bytes of the group, summed."""
     return sum(blocks[s.group_key] * s.block_bytes for s in specs)
+
+
+# The manifest's two kinds of layer plan, tagged by attn_type: attention layers (a paged KV cache, an FA call) and
+# state layers (a fixed-size recurrent state per request).
+ATTENTION_ATTN_TYPES = _planned(state=False)
+STATE_ATTN_TYPES = _planned(state=True)

@@ -10,14 +10,16 @@ import hashlib
 import json
 import math
 import re
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from model_infer_kvcache.analyzer import kinds
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kinds import INDEXER_KEY_CACHE  # noqa: F401  (the manifest's entry name, re-exported)
 from model_infer_kvcache.analyzer.kv_cache_spec import (
+    ATTENTION_ATTN_TYPES,
     PLANNED_ATTN_TYPES,
+    STATE_ATTN_TYPES,
     holds_state,
     is_windowed,
     spec_for_layer_kind,
@@ -27,7 +29,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 from model_infer_kvcache.analyzer.vocabulary import DEPLOY_MODES, FA_VERSIONS, KV_MODES, PLANNED_CACHE_DTYPES
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "2.0"
 
 AttnType = Literal[PLANNED_ATTN_TYPES]
 LayerKind = Literal["full", "sliding", "chunked", "linear"]
@@ -358,34 +360,19 @@ class CompressedAttentionDecision(_Model):
     reason: str
 
 
-class LayerPlan(_Model):
+class _LayerBase(_Model):
+    """What every cache layer states, whatever its kind: where it sits, what the config calls it, its manager."""
+
     index: int = Field(description="cache-layer index (sublayers flattened)")
     decoder_layer: int
     sublayer: int = 0
-    attn_type: AttnType
+    attn_type: AttnType  # the tag: each kind of plan narrows it to its own attn_types
     layer_kind: LayerKind = Field(
         default="full",
         description="what the config says the layer is; chunked layers are blockers (no paged path); linear layers "
-                    "are attn_type Mamba: states, no caches, and the FA fields apply to no call",
+                    "are attn_type Mamba (a state layer) unless their family is unknown (a blocker)",
     )
-    sliding_window: int | None = None
     group_key: str = Field(description="key of block_table/slot_mapping dicts for this layer")
-    sparse_mode: PerPath
-    pre_tokens: int
-    next_tokens: int
-    mask: MaskPerPath
-    write_op: WriteOp
-    caches: list[CacheSpec]
-    window_derivation: str | None = None
-    # Set only on a layer whose attention shape differs from the model's (transformers' per_layer_config,
-    # Gemma-4's global_head_dim / num_global_key_value_heads): its head_dim and KV heads per rank.
-    head_dim: int | None = Field(default=None, description="this layer's head_dim where it differs from model.head_dim")
-    num_kv_heads_per_rank: int | None = Field(
-        default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
-    states: list[StateSpec] = Field(default_factory=list,
-                                    description="a linear (attn_type Mamba) layer's state entries; empty otherwise")
-    compressed: CompressedBranch | None = Field(
-        default=None, description="a DeepSeek-V4 layer's compressed branch (CSA / HCA); absent: none")
 
     @property
     def is_sliding(self) -> bool:
@@ -403,13 +390,62 @@ class LayerPlan(_Model):
         """The layer keeps a fixed-size recurrent state (attn_type Mamba), not a KV cache."""
         return holds_state(self.attn_type)
 
+
+class AttentionLayerPlan(_LayerBase):
+    """A layer that attends over a paged KV cache (full or sliding): its cache entries and its FA call's band,
+    sparse mode, mask and writer."""
+
+    attn_type: Literal[ATTENTION_ATTN_TYPES]
+    plans: ClassVar[str] = "an attention layer (a paged KV cache, an FA call)"
+    sliding_window: int | None = None
+    sparse_mode: PerPath
+    pre_tokens: int
+    next_tokens: int
+    mask: MaskPerPath
+    write_op: WriteOp
+    caches: list[CacheSpec]
+    window_derivation: str | None = None
+    # Set only on a layer whose attention shape differs from the model's (transformers' per_layer_config,
+    # Gemma-4's global_head_dim / num_global_key_value_heads): its head_dim and KV heads per rank.
+    head_dim: int | None = Field(default=None, description="this layer's head_dim where it differs from model.head_dim")
+    num_kv_heads_per_rank: int | None = Field(
+        default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
+    compressed: CompressedBranch | None = Field(
+        default=None, description="a DeepSeek-V4 layer's compressed branch (CSA / HCA); absent: none")
+
+    @property
+    def states(self) -> list[StateSpec]:
+        """An attention layer keeps no recurrent state."""
+        return []
+
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
-        """The per-layer shape fields are written only where a layer differs (existing manifests unchanged)."""
-        data = _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed")
-        if isinstance(data, dict) and data.get("states") == []:
-            del data["states"]
-        return data
+        """The per-layer shape fields are written only where a layer differs."""
+        return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed")
+
+
+class StateLayerPlan(_LayerBase):
+    """A recurrent layer (linear attention): one fixed-size state per request in its Mamba group; no KV cache and no
+    FA call, so none of the FA fields."""
+
+    attn_type: Literal[STATE_ATTN_TYPES]
+    plans: ClassVar[str] = "a state layer (a recurrent state, no KV cache)"
+    states: list[StateSpec] = Field(min_length=1, description="the layer's state entries (= linear_attention.states)")
+
+    # what a state layer answers where code walks every layer: no per-token KV cache, no window (a state summarises
+    # the whole prefix), no compressed branch, no per-layer attention shape
+    sliding_window: ClassVar[None] = None
+    compressed: ClassVar[None] = None
+    head_dim: ClassVar[None] = None
+    num_kv_heads_per_rank: ClassVar[None] = None
+
+    @property
+    def caches(self) -> list[CacheSpec]:
+        return []
+
+
+# One layer of the plan, tagged by its attn_type: a state layer carries no FA fields (schema 2.0).
+LayerPlan = Annotated[AttentionLayerPlan | StateLayerPlan, Field(discriminator="attn_type")]
 
 
 class ParallelPlan(_Model):
@@ -580,7 +616,12 @@ class SelectionManifest(_Model):
 
     def sliding_window(self) -> int | None:
         """The window of the model's sliding layers (one per model), None without sliding layers."""
-        return next((layer.sliding_window for layer in self.layers if layer.sliding_window), None)
+        return next((layer.sliding_window for layer in self.attention_layers if layer.sliding_window), None)
+
+    @property
+    def attention_layers(self) -> list[AttentionLayerPlan]:
+        """The layers that attend over a KV cache (a hybrid's state layers left out): the ones with FA fields."""
+        return [layer for layer in self.layers if not layer.is_state]
 
     def content_hash(self) -> str:
         """Stable hash of the manifest content (sorted keys), used in rendered-file headers."""
@@ -629,6 +670,8 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         if layer.index != i:
             out.append((f"{where}.index", f"{layer.index} out of order (expected {i}: a layer is missing)"))
             break
+        if layer.is_state:  # its states, checked with linear_attention (analyzer/kinds/invariants.py)
+            continue
         if layer.is_sliding != (layer.sliding_window is not None):
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
         layer_kv = layer.num_kv_heads_per_rank or p.num_kv_heads_per_rank

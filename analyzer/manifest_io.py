@@ -12,7 +12,16 @@ from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
-from model_infer_kvcache.analyzer.manifest import ManifestInvariantError, SelectionManifest
+from model_infer_kvcache.analyzer.kv_cache_spec import PLANNED_ATTN_TYPES
+from model_infer_kvcache.analyzer.manifest import (
+    SCHEMA_VERSION,
+    AttentionLayerPlan,
+    ManifestInvariantError,
+    SelectionManifest,
+    StateLayerPlan,
+)
+
+LAYER_PLANS = (AttentionLayerPlan, StateLayerPlan)
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -32,7 +41,12 @@ def load_manifest(path: str | Path) -> SelectionManifest:
                 at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
                 raise InputError(str(p), f"not a valid selection manifest: invalid YAML{at}: "
                                          f"{getattr(exc, 'problem', None) or exc}") from None
+            _refuse_other_version(p, data)
+            _refuse_mistagged_layer(p, data)
             return SelectionManifest.model_validate(data)
+        data = _json_or_none(text)
+        _refuse_other_version(p, data)
+        _refuse_mistagged_layer(p, data)
         return SelectionManifest.model_validate_json(text)
     except InputError:
         raise
@@ -42,12 +56,58 @@ def load_manifest(path: str | Path) -> SelectionManifest:
         first = getattr(exc, "errors", lambda: [])()
         if first and first[0]["type"] == "json_invalid":
             _refuse_json_syntax(p, text)
-        field = ".".join(str(x) for x in first[0]["loc"]) if first else None
+        field = ".".join(str(x) for x in _without_tags(first[0]["loc"])) if first else None
         msg = first[0]["msg"] if first else str(exc).splitlines()[0]
         broken = first[0].get("ctx", {}).get("error") if first else None
         if isinstance(broken, ManifestInvariantError):  # fields that contradict each other (hand edit)
             field, msg = broken.field, broken.message
         raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
+
+
+def _without_tags(loc: tuple) -> list:
+    """pydantic's error location without the tag of a layer plan (``layers.3.FullAttention.sparse_mode`` ->
+    ``layers.3.sparse_mode``): the user's file has no such key."""
+    return [x for i, x in enumerate(loc) if not (i and isinstance(loc[i - 1], int) and x in PLANNED_ATTN_TYPES)]
+
+
+def _refuse_mistagged_layer(p: Path, data) -> None:
+    """A layer whose fields are another kind's plan, complete, while its own kind's are missing: the attn_type is
+    what is wrong (pydantic would name the first missing field instead, e.g. a state layer retagged FullAttention
+    reported as missing sparse_mode)."""
+    layers = data.get("layers") if isinstance(data, dict) else None
+    for i, layer in enumerate(layers if isinstance(layers, list) else []):
+        tag = layer.get("attn_type") if isinstance(layer, dict) else None
+        own = next((k for k in LAYER_PLANS if tag in k.model_fields["attn_type"].annotation.__args__), None)
+        if own is None:
+            continue  # an unknown attn_type: pydantic names it
+        other = [k for k in LAYER_PLANS if k is not own and _required(k) <= layer.keys()]
+        if other and not _required(own) <= layer.keys():
+            kind = other[0].model_fields["attn_type"].annotation.__args__
+            raise InputError(str(p), f"not a valid selection manifest: attn_type {tag} plans {own.plans}, but "
+                                     f"the layer carries the fields of attn_type {'/'.join(kind)} and none of "
+                                     f"{', '.join(sorted(_required(own) - layer.keys()))}",
+                             field=f"layers.{i}.attn_type")
+
+
+def _required(kind) -> set[str]:
+    return {name for name, f in kind.model_fields.items() if f.is_required()}
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None  # the syntax error is reported by the full validation below, in its own words
+
+
+def _refuse_other_version(p: Path, data) -> None:
+    """A manifest of another schema version is refused by its version before any field of it is read (a 1.0
+    manifest's state layers carry FA fields 2.0 has not: the field error would hide the real cause)."""
+    version = data.get("schema_version", SCHEMA_VERSION) if isinstance(data, dict) else SCHEMA_VERSION
+    if version != SCHEMA_VERSION:
+        raise InputError(str(p), f"not a valid selection manifest: schema_version {version!r} is not the supported "
+                                 f"{SCHEMA_VERSION!r}: re-run kvcache analyze with the same inputs (references/"
+                                 "manifest.md, 'schema 版本与迁移')", field="schema_version")
 
 
 def _refuse_json_syntax(p: Path, text: str) -> None:

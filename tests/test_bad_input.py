@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import json
 import sys
 from pathlib import Path
 
 import pytest
 from cli_support import invoke, snapshot
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.manifest import SCHEMA_VERSION
 from model_infer_kvcache.analyzer.progress_writer import markers
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.report import SECTION_ID as REPORT_SECTION
@@ -36,7 +38,9 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     write_rendered(render_manifest(manifest), d / "rendered")
     (d / "empty").mkdir()
     (d / "bad.json").write_text('{"schema_version": ', encoding="utf-8")
-    (d / "not_manifest.json").write_text('{"schema_version": "1.0"}', encoding="utf-8")
+    (d / "not_manifest.json").write_text(f'{{"schema_version": "{SCHEMA_VERSION}"}}', encoding="utf-8")
+    old = json.loads(manifest.to_json()) | {"schema_version": "1.0"}  # a manifest of the schema before 2.0
+    (d / "old_manifest.json").write_text(json.dumps(old), encoding="utf-8")
     (d / "syntax.py").write_text("def broken(:\n", encoding="utf-8")
     begin, _ = markers(REPORT_SECTION)
     (d / "damaged.md").write_text(f"notes\n{begin}\n", encoding="utf-8")
@@ -112,6 +116,12 @@ CASES = {
     "lint missing manifest": (lambda t, i: ["lint", GOOD_PY, "--manifest", t / "m.json"], ["m.json"]),
     "lint invalid manifest": (lambda t, i: ["lint", GOOD_PY, "--manifest", i["not_manifest.json"]],
                               ["not_manifest.json", "not a valid selection manifest"]),
+    # a manifest of the schema before 2.0 (layer plans untagged): refused by its version, whatever else it holds
+    "render old schema": (lambda t, i: ["render", "--manifest", i["old_manifest.json"], "--out", t / "r"],
+                          ["old_manifest.json", "schema_version '1.0' is not the supported '2.0'", "re-run kvcache "
+                           "analyze"]),
+    "validate old schema": (lambda t, i: ["validate", "--manifest", i["old_manifest.json"], "--rendered",
+                                          i["rendered"], "--config", EX], ["old_manifest.json", "schema_version"]),
     "lint bad format": (lambda t, i: ["lint", GOOD_PY, "--format", "xml"], ["--format", "xml"]),
     # ---- validate
     "validate missing manifest": (

@@ -1,7 +1,7 @@
 """Cache kinds are types: the specs in analyzer/kv_cache_spec.py are the one home of each kind's facts.
 
 No code, the framework harness included (it mirrors upstream's managers, not their spelling), spells an attn_type:
-it names a kind through the constants or asks its spec (``LayerPlan.is_sliding``, ``is_windowed``,
+it names a kind through the constants or asks its spec (``AttentionLayerPlan.is_sliding``, ``is_windowed``,
 ``holds_state``, ``spec_for_layer_kind``).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from model_infer_kvcache.analyzer import kv_cache_spec as kinds
-from model_infer_kvcache.analyzer.manifest import LayerPlan, MaskPerPath, PerPath
+from model_infer_kvcache.analyzer.manifest import AttentionLayerPlan, MaskPerPath, PerPath
 from model_infer_kvcache.analyzer.rules import decide_attn_type, decide_sparse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,10 +49,10 @@ def test_the_spec_decides_the_kind(layer_kind, attn_type, windowed):
     spec = kinds.spec_for_layer_kind(layer_kind)
     assert decide_attn_type(layer_kind) == spec.attn_type == attn_type
     assert spec.windowed is windowed and kinds.is_windowed(attn_type) is windowed
-    layer = LayerPlan(index=0, decoder_layer=0, attn_type=attn_type, sliding_window=128 if windowed else None,
-                      group_key=attn_type, sparse_mode=PerPath(prefill=3, decode=3), pre_tokens=0, next_tokens=0,
-                      mask=MaskPerPath(prefill="causal_2048", decode="causal_2048"), write_op="npu_scatter_nd_update_",
-                      caches=[])
+    layer = AttentionLayerPlan(index=0, decoder_layer=0, attn_type=attn_type, sliding_window=128 if windowed else None,
+                               group_key=attn_type, sparse_mode=PerPath(prefill=3, decode=3), pre_tokens=0,
+                               next_tokens=0, mask=MaskPerPath(prefill="causal_2048", decode="causal_2048"),
+                               write_op="npu_scatter_nd_update_", caches=[])
     assert layer.is_sliding is windowed
     sparse, _, _ = decide_sparse(attn_type, is_mla=False, kv_mode="paged")
     assert (sparse.decode == 4) is windowed  # a windowed kind takes the band on both paths

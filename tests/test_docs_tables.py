@@ -184,7 +184,7 @@ def test_model_kind_table_agrees_with_real_configs():
 
     def summary(m):
         return (m.kv_mode.value, sorted({layer.attn_type for layer in m.layers}), m.fa.version, m.fa.input_layout,
-                m.mla.absorb, m.mixed_attn_types, m.layers[0].write_op)
+                m.mla.absorb, m.mixed_attn_types, m.attention_layers[0].write_op)
 
     for kind, config in pairs.items():
         real = analyze(AnalyzeRequest(config=str(configs / f"{config}.json"), framework_api="G2"))

@@ -183,9 +183,12 @@ def _first(data: dict, kind: str) -> dict:
     (lambda d: _first(d, "linear").update(caches=_first(d, "full")["caches"]), "caches"),
     # a linear layer's state differing from the plan (conv state keeping K columns, not K - 1)
     (lambda d: _first(d, "linear")["states"][0].update(shape=[4096, 4]), "states"),
-    # a linear layer planned as full attention
-    (lambda d: _first(d, "linear").update(attn_type="FullAttention", group_key="FullAttention", states=[]),
-     "attn_type"),
+    # a linear layer retagged as full attention (its plan is still a state layer's: named by its attn_type)
+    (lambda d: _first(d, "linear").update(attn_type="FullAttention", group_key="FullAttention"), "attn_type"),
+    # a full layer retagged as a state layer
+    (lambda d: _first(d, "full").update(attn_type="Mamba", group_key="Mamba"), "attn_type"),
+    # a state layer given FA fields (schema 2.0: a state layer has none)
+    (lambda d: _first(d, "linear").update(sparse_mode={"prefill": 3, "decode": 3}), "sparse_mode"),
     # per-rank heads not matching the TP split
     (lambda d: d["linear_attention"].update(num_v_heads_per_rank=32), "num_v_heads_per_rank"),
 ])

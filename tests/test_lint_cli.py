@@ -12,6 +12,7 @@ from pathlib import Path
 
 import model_infer_kvcache.validators.__main__ as validators_main
 import pytest
+from model_infer_kvcache.analyzer.manifest import SCHEMA_VERSION
 from model_infer_kvcache.validators.lint import RULES, lint_paths, lint_source
 from model_infer_kvcache.validators.lint.cli import main as lint_main
 
@@ -111,7 +112,7 @@ def test_bad_manifest_exit_2_naming_it(tmp_path, capsys):
     code, out, err = _run([str(GOOD_201), "--manifest", str(missing)], capsys)
     assert code == 2 and str(missing) in err and out == ""
     invalid = tmp_path / "invalid.json"
-    invalid.write_text('{"schema_version": "1.0"}', encoding="utf-8")
+    invalid.write_text(f'{{"schema_version": "{SCHEMA_VERSION}"}}', encoding="utf-8")
     code, _, err = _run([str(GOOD_201), "--manifest", str(invalid)], capsys)
     assert code == 2 and str(invalid) in err and "not a valid selection manifest" in err
     garbage = tmp_path / "garbage.json"

@@ -18,6 +18,7 @@ import model_infer_kvcache.validators.__main__ as validators_main
 import pytest
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.framework_checkout import GENERATIONS
+from model_infer_kvcache.analyzer.manifest import SCHEMA_VERSION
 
 from model_infer_kvcache import cli as kvcache_cli
 
@@ -385,7 +386,7 @@ def test_lint_reads_a_yaml_manifest_as_it_reads_json(tmp_path, capsys):
 
 def test_lint_refuses_a_bad_yaml_manifest_in_one_line(tmp_path, capsys):
     bad = tmp_path / "m.yaml"
-    bad.write_text("schema_version: '1.0'\n", encoding="utf-8")
+    bad.write_text(f"schema_version: '{SCHEMA_VERSION}'\n", encoding="utf-8")
     code, out, err = _call(kvcache_cli.main, ["lint", str(ROOT / "model_infer_kvcache" / "cli.py"), "--manifest", str(bad)], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith(f"error: {bad}: ") and "not a valid selection manifest" in err

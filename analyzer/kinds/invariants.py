@@ -30,8 +30,9 @@ def dsa_problems(m) -> list[tuple[str, str]]:
 
 
 def state_problems(m) -> list[tuple[str, str]]:
-    """Linear layers hold exactly the states of linear_attention and no KV cache; other layers hold no state (a
-    full layer given a state entry, or a linear layer given a KV cache, is planned memory no code uses)."""
+    """Linear layers are exactly linear_attention's layers and hold its states. (A state layer with a KV cache or FA
+    fields, or an attention layer with states, cannot be written since schema 2.0: the layer plan is tagged by its
+    attn_type, and each kind's plan has only its own fields.)"""
     lin = m.linear_attention
     linear_layers = set(lin.layers) if lin else set()
     for i, layer in enumerate(m.layers):
@@ -40,12 +41,8 @@ def state_problems(m) -> list[tuple[str, str]]:
             why = "is attn_type Mamba but not in linear_attention.layers" if layer.is_state else \
                 "is a linear_attention layer but not attn_type Mamba"
             return [(f"{where}.attn_type", f"decoder layer {layer.decoder_layer} {why}")]
-        if layer.is_state and layer.caches:
-            return [(f"{where}.caches", "a linear (Mamba) layer keeps states, not a KV cache")]
         if layer.is_state and lin and layer.states != lin.states:
             return [(f"{where}.states", "differ from linear_attention.states")]
-        if not layer.is_state and layer.states:
-            return [(f"{where}.states", f"a {layer.attn_type} layer keeps a KV cache, not states")]
     if lin:
         p = m.parallel
         tp = p.attn_tp_size

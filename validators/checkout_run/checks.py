@@ -90,7 +90,7 @@ def mla_decode_mode_judged(report: Report, manifest: SelectionManifest, calls: l
         return manifest
     layers = [layer.model_copy(update={"sparse_mode": layer.sparse_mode.model_copy(update={"decode": 3}),
                                        "mask": layer.mask.model_copy(update={"decode": "causal_2048"})})
-              if layer.sparse_mode.decode == 0 and layer.mask.decode == "none" else layer
+              if not layer.is_state and layer.sparse_mode.decode == 0 and layer.mask.decode == "none" else layer
               for layer in manifest.layers]
     if layers == list(manifest.layers):
         return manifest

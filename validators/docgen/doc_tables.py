@@ -181,9 +181,9 @@ def model_kinds_table() -> str:
         m = kind_manifest(kind.key)
         attn = " + ".join(sorted({layer.attn_type for layer in m.layers}))
         layout = "TND(缓存 PA_BSND)" if m.dsa is not None else m.fa.input_layout  # the sparse FA's, not FA's
-        write = f"`{m.layers[0].write_op}`" + (" + `npu_scatter_nd_update_`(indexer key)" if m.dsa is not None else "")
+        write = f"`{m.attention_layers[0].write_op}`" + (" + `npu_scatter_nd_update_`(indexer key)" if m.dsa is not None else "")
         if m.compressed is not None:  # the sparse_attn_sharedkv's layouts; compressed rows by the compressor
-            layout, write = "TND(缓存 PA_ND)", f"`{m.layers[0].write_op}`(win_kv) + `custom.compressor`(压缩行)"
+            layout, write = "TND(缓存 PA_ND)", f"`{m.attention_layers[0].write_op}`(win_kv) + `custom.compressor`(压缩行)"
         rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), layout,
                      "是" if m.mla.absorb else "否", "是" if m.mixed_attn_types else "否", write])
     return _table(["模型形态", "例子", "KV 模式", "attn_type", "FA", "input_layout", "MLA absorb",
@@ -412,7 +412,7 @@ def _type_text(node: dict, defs: dict) -> str:
             texts.append(f"const({o['const']})")
         elif o.get("type") == "array":
             item = o.get("items", {})
-            texts.append("array<" + ("object" if "$ref" in item else _type_text(item, defs)) + ">")
+            texts.append("array<" + ("object" if "$ref" in item or "oneOf" in item else _type_text(item, defs)) + ">")
         elif o.get("type") == "object":
             texts.append("object")
         else:
@@ -424,7 +424,9 @@ def _type_text(node: dict, defs: dict) -> str:
 def manifest_fields(schema: dict) -> list[tuple[str, str, bool]]:
     """(dotted path, type text, required) of every field of the manifest JSON Schema, depth first.
 
-    Array items are written ``name[]``; ``?`` marks a nullable type.
+    Array items are written ``name[]``; a field of one member of a tagged union of items ``name[<member>]`` (the
+    member's title without its common suffix: ``layers[attention]``, ``layers[state]``), a field all members share
+    alike ``name[]``; ``?`` marks a nullable type.
     """
     defs = schema.get("$defs", {})
     out: list[tuple[str, str, bool]] = []
@@ -440,9 +442,31 @@ def manifest_fields(schema: dict) -> list[tuple[str, str, bool]]:
                     walk(option, path + ".")
                 elif option.get("type") == "array" and "$ref" in option.get("items", {}):
                     walk(option["items"], path + "[].")
+                elif option.get("type") == "array" and "oneOf" in option.get("items", {}):
+                    union(option["items"]["oneOf"], path)
+
+    def union(members: list[dict], path: str) -> None:
+        """A field every member has alike is written once (``name[].field``), the rest per member."""
+        nonlocal out
+        outer, per_member = out, {}
+        for member in members:
+            out = []
+            walk(member, "\0")
+            per_member[_member_name(_deref(member, defs))] = out
+        out = outer
+        shared = set.intersection(*(set(rows) for rows in per_member.values()))
+        first = next(iter(per_member.values()))
+        out += [(row[0].replace("\0", f"{path}[]."), *row[1:]) for row in first if row in shared]
+        for name, rows in per_member.items():
+            out += [(row[0].replace("\0", f"{path}[{name}]."), *row[1:]) for row in rows if row not in shared]
 
     walk(schema, "")
     return out
+
+
+def _member_name(node: dict) -> str:
+    """``AttentionLayerPlan`` -> ``attention``: a union member's title without the ``LayerPlan`` it shares."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", node.get("title", "").removesuffix("LayerPlan")).lower()
 
 
 _FIELD_ROW = re.compile(r"^\|\s*`(?P<path>[a-z_][a-z0-9_.\[\]]*)`\s*\|\s*(?P<type>[^|]+?)\s*\|\s*(?P<req>[^|]*?)\s*\|")

@@ -142,11 +142,11 @@ class ManifestChecks:
         for sc in self.c.call_cases(call, ctx, star):
             if not sc.certain:
                 continue
-            layers = m.layers
+            layers = m.attention_layers
             if sc.ctx.sliding is True:
                 layers = sliding_layers
             elif sc.ctx.sliding is False:
-                layers = [layer for layer in m.layers if not layer.is_sliding]
+                layers = [layer for layer in m.attention_layers if not layer.is_sliding]
             anchor = sc.sparse_origin or call
             if sc.sparse is not None and layers and not already and not (mtp and sc.ctx.phase != PREFILL):
                 phases = [sc.ctx.phase] if sc.ctx.phase else [PREFILL, DECODE]

@@ -28,8 +28,6 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     inspect_checkout,
     render_api,
 )
-from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
-from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.manifest import (
@@ -302,12 +300,10 @@ def assemble(
         block_size=req.block_size,
         memory=memory_plan,
         cache_dtype=cache_dtype,
-        dsa=dsa_kind.decide(facts, cache_dtype.value if cache_dtype else None),
         linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
-        compressed=compressed_kind.decide(facts.compressed.value, layers, groups, parallel.num_q_heads_per_rank,
-                                          facts.head_dim.value, cache_dtype.value if cache_dtype else facts.dtype.value,
-                                          req.block_size, facts.num_mtp_layers.value, memory_plan.max_len or
-                                          facts.max_position_embeddings.value),
+        # the format's own section (dsa, compressed), from the plan built above
+        **format_of(facts).sections(facts, layers, groups, parallel, cache_dtype.value if cache_dtype else
+                                    facts.dtype.value, req.block_size, memory_plan.max_len),
         device_dependencies=dependencies,
         device_readings=measured_source,
         open_questions=questions,
@@ -533,10 +529,10 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
         sparse, mask, _ = rules.decide_sparse(attn_type, fmt.latent, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
-        branch = fmt.branch(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size)
-        attention = dict(sliding_window=w, compressed=branch, sparse_mode=sparse, pre_tokens=pre, next_tokens=nxt,
-                         mask=mask, write_op=write_op, caches=caches, window_derivation=derivation,
-                         **_layer_shape(facts, parallel, decoder_idx))
+        attention = dict(sliding_window=w, sparse_mode=sparse, pre_tokens=pre, next_tokens=nxt, mask=mask,
+                         write_op=write_op, caches=caches, window_derivation=derivation,
+                         **_layer_shape(facts, parallel, decoder_idx),
+                         **fmt.layer_fields(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size))
         for sub in range(subs):
             common = dict(index=len(out), decoder_layer=decoder_idx, sublayer=sub, attn_type=attn_type,
                           layer_kind=kind, group_key=fmt.group_key(attn_type, caches))

@@ -264,12 +264,9 @@ def check_kv_mode(kv_mode: str, reason: str, where: str) -> None:
                          field=None if where.startswith("--") else "kv_mode")
 
 
-def decide(facts: CompressedFacts | None, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec],
-           q_heads_per_rank: int, head_dim: int, dtype: str, block_size: int, mtp_layers: int,
-           max_len: int | None) -> CompressedAttentionDecision | None:
-    """The manifest's compressed section (None for a model without compressed layers)."""
-    if facts is None:
-        return None
+def decide(facts: CompressedFacts, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec], q_heads_per_rank: int,
+           head_dim: int, dtype: str, block_size: int, mtp_layers: int,
+           max_len: int | None) -> CompressedAttentionDecision:
     csa, hca = facts.layers_of(CSA), facts.layers_of(HCA)
     return CompressedAttentionDecision(
         csa_layers=csa,
@@ -348,8 +345,9 @@ class CompressedFormat(GqaFormat):
         return [CacheSpec(name=WINDOW_ENTRY, dim=facts.head_dim_at(decoder_layer),
                           num_head=self.kv_heads_per_rank(facts, tp, decoder_layer), dtype=dtype)]
 
-    def branch(self, facts: Facts, decoder_layer: int, dtype: str, block_size: int) -> CompressedBranch | None:
-        return branch(facts.compressed.value, decoder_layer, facts.head_dim_at(decoder_layer), dtype, block_size)
+    def layer_fields(self, facts: Facts, decoder_layer: int, dtype: str, block_size: int) -> dict[str, Any]:
+        return {"compressed": branch(facts.compressed.value, decoder_layer, facts.head_dim_at(decoder_layer), dtype,
+                                     block_size)}
 
     def group_key(self, attn_type: str, caches: list[CacheSpec]) -> str:
         return caches[0].name  # upstream deepseek_v4 keys its window branch's manager by the entry (win_kv)
@@ -365,8 +363,24 @@ class CompressedFormat(GqaFormat):
     def per_token_note(self) -> str:
         return " (// compress_ratio for a compressed entry)"
 
+    def sections(self, facts: Facts, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec], parallel,
+                 dtype: str, block_size: int, max_len: int | None) -> dict[str, Any]:
+        return {"compressed": decide(facts.compressed.value, layers, groups, parallel.num_q_heads_per_rank,
+                                     facts.head_dim.value, dtype, block_size, facts.num_mtp_layers.value,
+                                     max_len or facts.max_position_embeddings.value)}
+
     def decision_rows(self, m) -> list[tuple[str, str, str]]:
         return decision_rows(m)
+
+    def doc_attention(self, m) -> str:
+        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用),只规划:render 与校验按名字"
+                "拒绝(exit 2)")
+
+    def doc_layout(self, m) -> str:
+        return "TND(缓存 PA_ND)"  # the sparse_attn_sharedkv's layouts
+
+    def doc_write(self, m) -> str:
+        return f"{super().doc_write(m)}(win_kv) + `custom.compressor`(压缩行)"
 
     def check_kv_mode(self, kv_mode: str, reason: str, where: str) -> None:
         check_kv_mode(kv_mode, reason, where)

@@ -27,6 +27,19 @@ class DsaFormat(MlaFormat):
     def heads_problem(self, facts: Facts, parallel) -> Finding | None:
         return None  # the sparse FA's query heads are not FA's MLA head rule
 
+    def doc_attention(self, m) -> str:
+        return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"
+
+    def doc_layout(self, m) -> str:
+        return "TND(缓存 PA_BSND)"  # the sparse FA's, not FA's
+
+    def doc_write(self, m) -> str:
+        return super().doc_write(m) + " + `npu_scatter_nd_update_`(indexer key)"
+
+    def sections(self, facts: Facts, layers, groups, parallel, dtype: str, block_size: int,
+                 max_len: int | None) -> dict:
+        return {"dsa": decide(facts, dtype)}
+
     def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
         caches = super().caches(facts, tp, kv_mode, dtype, decoder_layer)
         dsa = facts.dsa.value

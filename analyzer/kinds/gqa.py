@@ -100,9 +100,9 @@ class GqaFormat:
         return [CacheSpec(name="k_cache", dim=d, num_head=n, dtype=dtype),
                 CacheSpec(name="v_cache", dim=d, num_head=n, dtype=dtype)]
 
-    def branch(self, facts: Facts, decoder_layer: int, dtype: str, block_size: int):
-        """A second branch of the layer's attention with caches of its own (None: the layer's caches are all)."""
-        return None
+    def layer_fields(self, facts: Facts, decoder_layer: int, dtype: str, block_size: int) -> dict[str, Any]:
+        """The format's own fields of an attention layer's plan (a second branch with caches of its own): none."""
+        return {}
 
     def group_key(self, attn_type: str, caches: list[CacheSpec]) -> str:
         """The key of the layer's block table / slot mapping: its attn_type's manager."""
@@ -134,6 +134,11 @@ class GqaFormat:
     def per_token_note(self) -> str:
         return ""
 
+    def sections(self, facts: Facts, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec], parallel,
+                 dtype: str, block_size: int, max_len: int | None) -> dict[str, Any]:
+        """The manifest sections this format adds (keyword -> decision), from the planned layers and groups."""
+        return {}
+
     # ------------------------------------------------------------------ what the decisions table says of a manifest
 
     fa_call = True  # the layers attend through FA (its version, layout and path table apply)
@@ -141,6 +146,17 @@ class GqaFormat:
     def decision_rows(self, m) -> list[tuple[str, str, str]]:
         """The format's own rows of progress.md's decisions table (analyzer/decisions_table.py)."""
         return []
+
+    # SKILL.md's model-kinds table (validators/docgen/doc_tables.py): the attention cell when no FA call is made,
+    # the layout and the writers
+    def doc_attention(self, m) -> str | None:
+        return None  # FA: its version (or the Legacy kernel) says it
+
+    def doc_layout(self, m) -> str:
+        return m.fa.input_layout
+
+    def doc_write(self, m) -> str:
+        return f"`{m.attention_layers[0].write_op}`"
 
     # ------------------------------------------------------------------ the MLA section and the notes
 

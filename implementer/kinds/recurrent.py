@@ -37,6 +37,17 @@ class LinearCtx:
         return FAMILY_NAMES[self.family]
 
 
+def doc_attention(m) -> str | None:
+    """SKILL.md's model-kinds cell of a hybrid's attention (None without recurrent layers)."""
+    if m.linear_attention is None:
+        return None
+    # the sentence below names them
+    assert RENDERED == ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
+    return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):gated delta net 已渲染"
+            "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA 与 lightning "
+            "已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态)")
+
+
 def check_layers(m) -> None:
     states = [layer for layer in m.layers if layer.is_state]
     family = m.linear_attention.family if m.linear_attention else "unknown family"

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import OneLineArgumentParser
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW, is_windowed
 from model_infer_kvcache.analyzer.operators import fa_facts
 from model_infer_kvcache.analyzer.operators.schemas import accepted_keywords, default_text
@@ -148,21 +149,12 @@ def kind_manifest(key: str, framework_api: str | None = "G2", deploy_mode: str |
 def _attention_text(m) -> str:
     """The FA cell: the version, or (Legacy kernel 'model') the model's own attention and whether it renders."""
     from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.implementer.kinds import recurrent
     from model_infer_kvcache.implementer.render import render_manifest
 
-    if m.linear_attention is not None:
-        from model_infer_kvcache.implementer.kinds.recurrent import RENDERED as RENDERED_LINEAR
-
-        # the sentence below names them
-        assert RENDERED_LINEAR == ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
-        return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):gated delta net 已渲染"
-                "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA 与 lightning "
-                "已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态)")
-    if m.dsa is not None:
-        return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"
-    if m.compressed is not None:
-        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用),只规划:render 与校验按名字"
-                "拒绝(exit 2)")
+    own = recurrent.doc_attention(m) or format_of_manifest(m).doc_attention(m)
+    if own:
+        return own
     if any(layer.head_dim is not None or layer.num_kv_heads_per_rank is not None for layer in m.layers):
         return f"{m.fa.version}(逐层形状已规划;模板只有一个 head_dim:render 拒绝,退出码 2;检出模式可校验)"
     legacy = m.legacy_attention
@@ -175,17 +167,17 @@ def _attention_text(m) -> str:
     return "不用 FA:模型自身 eager 注意力" + ("(含 soft-cap)" if legacy.softcap is not None else "") + ",已渲染"
 
 
+_YES_NO = {True: "是", False: "否"}
+
+
 def model_kinds_table() -> str:
     rows = []
     for kind in MODEL_KINDS:
         m = kind_manifest(kind.key)
         attn = " + ".join(sorted({layer.attn_type for layer in m.layers}))
-        layout = "TND(缓存 PA_BSND)" if m.dsa is not None else m.fa.input_layout  # the sparse FA's, not FA's
-        write = f"`{m.attention_layers[0].write_op}`" + (" + `npu_scatter_nd_update_`(indexer key)" if m.dsa is not None else "")
-        if m.compressed is not None:  # the sparse_attn_sharedkv's layouts; compressed rows by the compressor
-            layout, write = "TND(缓存 PA_ND)", f"`{m.attention_layers[0].write_op}`(win_kv) + `custom.compressor`(压缩行)"
-        rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), layout,
-                     "是" if m.mla.absorb else "否", "是" if m.mixed_attn_types else "否", write])
+        fmt = format_of_manifest(m)
+        rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), fmt.doc_layout(m),
+                     _YES_NO[m.mla.absorb], _YES_NO[m.mixed_attn_types], fmt.doc_write(m)])
     return _table(["模型形态", "例子", "KV 模式", "attn_type", "FA", "input_layout", "MLA absorb",
                    "混合 attn_type", "写入算子"], rows)
 

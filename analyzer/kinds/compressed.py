@@ -385,6 +385,15 @@ class CompressedFormat(GqaFormat):
     def check_kv_mode(self, kv_mode: str, reason: str, where: str) -> None:
         check_kv_mode(kv_mode, reason, where)
 
+    def checkout_refusal(self, m) -> tuple[str, str]:
+        # planned (analyze), not driven: none of the folder's compressed-attention operators is emulated on CPU and
+        # the run has no oracle for a compressed branch yet (issue 38); a run would fail inside them, not the model
+        c = m.compressed
+        return "compressed", (f"DeepSeek-V4 compressed attention in the engine ({len(c.csa_layers)} CSA, "
+                              f"{len(c.hca_layers)} HCA layer(s), {c.source}): the checkout run emulates none of its "
+                              "operators (custom.compressor, npu_sparse_attn_sharedkv, npu_quant_lightning_indexer) "
+                              "and compares no compressed branch yet")
+
     def notes(self, facts: Facts) -> tuple[list[Finding], list[Finding]]:
         return [Finding(message="fa.* describes no kernel of this model: every layer attends through "
                                 "custom.npu_sparse_attn_sharedkv (window and compressed branches in one call; "

@@ -164,6 +164,11 @@ class GqaFormat:
         return MlaDecision(enabled=False, absorb=False, cache_mode=None, rope=True, reason="not an MLA model",
                            constraints=[])
 
+    def checkout_refusal(self, m) -> tuple[str, str] | None:
+        """(manifest field, why) when the checkout run cannot drive this format on CPU yet: its operators not
+        emulated, no oracle for it (validators/checkout_run/support.py says it as "not supported by kvcache")."""
+        return None
+
     def check_kv_mode(self, kv_mode: str, reason: str, where: str) -> None:
         """Refuse a KV mode this format cannot be served in (every mode serves GQA)."""
 

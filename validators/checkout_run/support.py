@@ -1,7 +1,8 @@
 """What kvcache cannot validate yet, said as such: "not supported by kvcache: <what>" (exit 2), never a model failure.
 
-Two moments. Once the model class is known, ``preflight(config_path, manifest)`` refuses a compressed-attention plan
-(DeepSeek-V4: its operators are not emulated, its branch not compared yet) and linear-attention layers the
+Two moments. Once the model class is known, ``preflight(config_path, manifest)`` refuses a format the run cannot
+drive (the format's ``checkout_refusal``: DeepSeek-V4's compressed attention, its operators not emulated, its branch
+not compared yet) and linear-attention layers the
 manifest names no validation reference for (``linear_attention.reference`` null). Every family the analyzer plans
 has one today (transformers' gated delta net and KDA classes; for Ling-2.5's lightning attention, which transformers
 lacks, kvcache's own reference: ``validators/pipeline/ling_lightning.py``), so only a manifest written by an older
@@ -25,20 +26,16 @@ import traceback
 from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
 
 
 def preflight(config_path: str, manifest) -> None:
     """Raise ``NotSupportedByKvcache`` naming the config's linear-attention family when the manifest names no
     reference for it (``manifest.linear_attention.reference`` is None: a manifest of an older kvcache)."""
-    comp = manifest.compressed
-    if comp is not None:
-        # planned (analyze), not driven: none of the folder's compressed-attention operators is emulated on CPU and
-        # the run has no oracle for a compressed branch yet (issue 38); a run would fail inside them, not the model
-        raise NotSupportedByKvcache(config_path, f"DeepSeek-V4 compressed attention in the engine ({len(comp.csa_layers)}"
-                                                 f" CSA, {len(comp.hca_layers)} HCA layer(s), {comp.source}): the "
-                                                 "checkout run emulates none of its operators (custom.compressor, "
-                                                 "npu_sparse_attn_sharedkv, npu_quant_lightning_indexer) and compares "
-                                                 "no compressed branch yet", field="compressed")
+    refused = format_of_manifest(manifest).checkout_refusal(manifest)
+    if refused:  # a format the run cannot drive yet (its operators not emulated): the format says what and why
+        field, why = refused
+        raise NotSupportedByKvcache(config_path, why, field=field)
     lin = manifest.linear_attention
     if lin is not None and lin.reference is None:
         raise NotSupportedByKvcache(config_path, f"linear-attention layers of family {lin.family} ({lin.source}): "

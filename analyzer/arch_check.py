@@ -32,6 +32,7 @@ from typing import Any
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
 from model_infer_kvcache.analyzer.linear_config import LINEAR_MODULE_SUFFIXES, NOT_IN_TRANSFORMERS
 from model_infer_kvcache.analyzer.manifest import LayerPlan
 
@@ -54,9 +55,9 @@ class HfAttention:
     sinks: bool = False  # the module holds learnable attention sinks
     # a recurrent mixer in the same decoder block beside the attention (Falcon-H1's Mamba2): its class name
     recurrent_beside: str | None = None
-    # DeepSeek-V4: the compressor's tokens per entry (None: no compressed branch) and its indexer's top-k (CSA)
-    compress_rate: int | None = None
-    index_topk: int | None = None
+    # what the attention formats read off the module beyond the above (analyzer/kinds: each format's hf_facts), as
+    # sorted (name, value) pairs: DeepSeek-V4's compressor rate and indexer top-k
+    kind_facts: tuple[tuple[str, int | None], ...] = ()
 
 
 @dataclass
@@ -72,7 +73,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 9  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 10  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,8 @@ def _digest(value: Any) -> str:
 def _payload(report: TransformersReport) -> dict[str, Any]:
     attentions = None if report.attentions is None else [
         [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window,
-         None if a.kv_shape is None else list(a.kv_shape), a.sinks, a.recurrent_beside, a.compress_rate,
-         a.index_topk]
+         None if a.kv_shape is None else list(a.kv_shape), a.sinks, a.recurrent_beside,
+         [list(pair) for pair in a.kind_facts]]
         for a in report.attentions]
     return {"ships": report.ships, "attentions": attentions, "error": report.error}
 
@@ -220,17 +221,19 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
     if rows is None:
         return TransformersReport(ships=ships, error=error)
     out = []
-    for path, cls, value, attr, window, kv_shape, sinks, beside, rate, topk in rows:
+    for path, cls, value, attr, window, kv_shape, sinks, beside, kind_facts in rows:
         if not (isinstance(path, str) and (cls is None or isinstance(cls, str)) and _int_or_none(window)
                 and ((value is None and attr is None)
                      or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))
                 and (kv_shape is None or (isinstance(kv_shape, list) and len(kv_shape) == 3
                                           and all(_int_or_none(x) for x in kv_shape)))
                 and isinstance(sinks, bool) and (beside is None or isinstance(beside, str))
-                and _int_or_none(rate) and _int_or_none(topk)):
+                and isinstance(kind_facts, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                                         and _int_or_none(p[1]) for p in kind_facts)):
             return None
         out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window,
-                               None if kv_shape is None else tuple(kv_shape), sinks, beside, rate, topk))
+                               None if kv_shape is None else tuple(kv_shape), sinks, beside,
+                               tuple(tuple(p) for p in kind_facts)))
     return TransformersReport(ships=ships, attentions=tuple(out), error=error)
 
 
@@ -267,11 +270,8 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
                                             and not isinstance(getattr(module, a), bool)), None)
         window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
             else _window_of(module, config)
-        compressor = getattr(module, "compressor", None)
-        indexer = getattr(compressor, "indexer", None)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
-                               getattr(module, "sinks", None) is not None, mixer_of(path),
-                               _int_attr(compressor, "compress_rate"), _int_attr(indexer, "index_topk")))
+                               getattr(module, "sinks", None) is not None, mixer_of(path), hf_module_facts(module)))
     return tuple(out)
 
 
@@ -285,11 +285,6 @@ def _prescaled(module) -> tuple[float, str] | None:
     if "scaling=1.0" in source and "* self.scaling" in source:
         return 1.0, "scaling=1.0 in its attention call (queries pre-scaled by self.scaling)"
     return None
-
-
-def _int_attr(module, name: str) -> int | None:
-    value = getattr(module, name, None) if module is not None else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def recurrent_mixer(block) -> str | None:
@@ -386,7 +381,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     window_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
     kv_off: list[tuple[LayerPlan, HfAttention, tuple, tuple]] = []
     sinks_off: list[tuple[LayerPlan, HfAttention]] = []
-    compress_off: list[tuple[LayerPlan, HfAttention, str]] = []
+    fmt = format_of(facts)
+    format_off: list[tuple[LayerPlan, HfAttention, str]] = []
     mixer_off: list[tuple[LayerPlan, HfAttention]] = []
     no_attention: list[tuple[LayerPlan, HfAttention]] = []
     for layer, mod in zip(layers, hf, strict=True):
@@ -422,9 +418,9 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                 kv_off.append((layer, mod, shape, want))
         if mod.sinks != facts.has_sinks.value:
             sinks_off.append((layer, mod))
-        off = _compressed_off(layer, mod)
+        off = fmt.hf_off(layer, dict(mod.kind_facts), mod.cls)
         if off:
-            compress_off.append((layer, mod, off))
+            format_off.append((layer, mod, off))
     if no_attention:
         layer, mod = no_attention[0]
         holds = f", a block holding {mod.recurrent_beside}" if mod.recurrent_beside else ""
@@ -460,26 +456,10 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             f"attention sinks: analyzer {'on every layer' if facts.has_sinks.value else 'none'} "
             f"({facts.has_sinks.source}) vs transformers {'with' if mod.sinks else 'without'} "
             f"{mod.cls}.sinks on {len(sinks_off)} layer(s), first layer {layer.index} at {mod.path}")
-    if compress_off:
-        layer, mod, off = compress_off[0]
-        result.errors.append(f"compressed branch: {off} on {len(compress_off)} layer(s), first layer {layer.index} at "
-                             f"{mod.path}")
+    if format_off:
+        layer, mod, off = format_off[0]
+        result.errors.append(f"{off} on {len(format_off)} layer(s), first layer {layer.index} at {mod.path}")
     return result
-
-
-def _compressed_off(layer: LayerPlan, mod: HfAttention) -> str | None:
-    """Where a layer's planned compressed branch (rate, indexer top-k) differs from the module's compressor."""
-    planned = layer.compressed
-    rate = planned.compress_ratio if planned else None
-    if rate != mod.compress_rate:
-        return (f"analyzer {f'{planned.kind.upper()} at rate {rate}' if planned else 'none (window only)'} vs "
-                f"transformers {f'compress_rate {mod.compress_rate}' if mod.compress_rate else 'no compressor'} "
-                f"({mod.cls}.compressor)")
-    topk = planned.index_topk if planned else None
-    if topk != mod.index_topk:
-        return (f"indexer top-k: analyzer {topk or 'none'} vs transformers {mod.index_topk or 'no indexer'} "
-                f"({mod.cls}.compressor.indexer.index_topk)")
-    return None
 
 
 def _planned_kv_shape(layer: LayerPlan) -> tuple[int, int, int] | None:

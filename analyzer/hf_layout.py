@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_infer_kvcache.analyzer.kinds.formats import FORMATS
 from torch import nn
 
-# Projections that make a module an attention module: separate q/k/v, a fused qkv, or MLA's
-# compressed KV projection. Each entry is a set of child names that must all be present.
+# Projections that make a module an attention module: separate q/k/v, a fused qkv, or the projections an attention
+# format names as its own (analyzer/kinds: MLA's compressed KV projection, DeepSeek-V4's shared-KV MQA). Each entry
+# is a set of child names that must all be present.
 QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"q_proj", "k_proj", "v_proj"}),
     frozenset({"q_proj", "k_proj", "o_proj"}),  # values from the key projection (Gemma-4 attention_k_eq_v)
@@ -24,8 +26,7 @@ QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"c_attn"}),  # GPT-2 family
     frozenset({"W_pack"}),  # Baichuan (remote code)
     frozenset({"Wqkv"}),  # MPT
-    frozenset({"kv_a_proj_with_mqa"}),  # MLA (DeepSeek-V2/V3, Kimi-K2, LongCat)
-    frozenset({"q_a_proj", "kv_proj", "o_b_proj"}),  # DeepSeek-V4 shared-KV MQA (its compressors hold a kv_proj only)
+    *(projections for fmt in FORMATS for projections in fmt.hf_projections),
 )
 
 

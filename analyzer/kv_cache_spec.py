@@ -67,6 +67,10 @@ class FullAttentionSpec:
     def usable_tokens(self, blocks: int) -> int:
         return self.usable_blocks(blocks) * self.block_size
 
+    def reported(self, default_block_size: int) -> dict:
+        """What the manifest's memory group states beyond the common fields: a block size other than the plan's."""
+        return {"block_size": self.block_size} if self.block_size != default_block_size else {}
+
 
 @dataclass(frozen=True)
 class CompressedSpec(FullAttentionSpec):
@@ -91,6 +95,9 @@ class CompressedSpec(FullAttentionSpec):
     def rows_per_block(self) -> int:
         """Physical rows of one block (the framework's storage_block_size)."""
         return self.block_size // self.compress_ratio
+
+    def reported(self, default_block_size: int) -> dict:
+        return {**super().reported(default_block_size), "compress_ratio": self.compress_ratio}
 
 
 def sliding_blocks_per_request(window: int, block_size: int, next_n: int = 0) -> int:
@@ -155,6 +162,9 @@ class MambaSpec:
 
     def fixed_formula(self, concurrency: int) -> str:
         return f"{concurrency} x (1 + {self.next_n}) + 1 = {self.fixed_blocks(concurrency)} state blocks"
+
+    def reported(self, default_block_size: int) -> dict:
+        return {"state_bytes": self.state_bytes}
 
 
 Spec = FullAttentionSpec | CompressedSpec | SlidingWindowSpec | MambaSpec

@@ -287,3 +287,15 @@ def test_legacy_is_refused_for_compressed_attention(tmp_path, capsys):
                           capsys)
     assert rc == 2 and "--kv-mode: kv mode legacy" in err and "compressed attention" in err, err
     assert not (tmp_path / "m.json").exists()
+
+
+def test_a_module_holding_another_formats_parts_is_named_by_the_plans_format():
+    """The cross-check reads every format's module facts; a plan whose format has none of them names what the module
+    holds (negative control: a V4 attention module against a GQA plan), and a module holding none passes."""
+    from model_infer_kvcache.analyzer.kinds import compressed, gqa
+
+    layer = types.SimpleNamespace(compressed=None)
+    off = gqa.FORMAT.hf_off(layer, {"compress_rate": 4, "index_topk": 512}, "DeepseekV4Attention")
+    assert off and "compress_rate 4" in off and "index_topk 512" in off and off.startswith("gqa plan")
+    assert gqa.FORMAT.hf_off(layer, {"compress_rate": None}, "X") is None  # an attribute that is no int: nothing held
+    assert compressed.FORMAT.hf_off(layer, {}, "DeepseekV4Attention") is None  # a window-only layer: no compressor

@@ -334,10 +334,20 @@ def long_context(groups: list[kv_cache_spec.Spec], num_layers: int, head_dim: in
 
 # ------------------------------------------------------------------------------------------------ the format
 
+def _int_attr(module, name: str) -> int | None:
+    value = getattr(module, name, None) if module is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class CompressedFormat(GqaFormat):
     """Shared-KV MQA over the window branch (``win_kv``), the compressed branches on each layer's own plan."""
 
     name = "compressed"
+    hf_projections = (frozenset({"q_a_proj", "kv_proj", "o_b_proj"}),)  # shared-KV MQA (its compressors: kv_proj only)
+    doc_example = ("压缩注意力(窗口分支 + CSA / HCA 压缩分支,references/compressed.md)", "DeepSeek-V4-Flash / Pro",
+                   {"model_type": "deepseek_v4", "head_dim": 512, "num_key_value_heads": 1, "q_lora_rank": 1024,
+                    "sliding_window": 128, "compress_ratios": [0, 0, 4, 128], "index_topk": 512, "index_n_heads": 64,
+                    "index_head_dim": 128, "num_nextn_predict_layers": 1})
 
     def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
         # one K=V row per token for the window branch (upstream win_kv); the compressed branch's entries ride on the
@@ -362,6 +372,27 @@ class CompressedFormat(GqaFormat):
 
     def per_token_note(self) -> str:
         return " (// compress_ratio for a compressed entry)"
+
+    def hf_facts(self, module) -> dict[str, int | None]:
+        """transformers' DeepseekV4Attention: ``compressor.compress_rate`` and its CSA ``indexer.index_topk``."""
+        compressor = getattr(module, "compressor", None)
+        if compressor is None:
+            return {}
+        return {"compress_rate": _int_attr(compressor, "compress_rate"),
+                "index_topk": _int_attr(getattr(compressor, "indexer", None), "index_topk")}
+
+    def hf_off(self, layer: LayerPlan, module_facts: dict[str, int | None], cls: str) -> str | None:
+        """Where the layer's compressed branch (rate, indexer top-k) differs from the module's compressor."""
+        planned = layer.compressed
+        rate, got = (planned.compress_ratio if planned else None), module_facts.get("compress_rate")
+        if rate != got:
+            return (f"compressed branch: analyzer {f'{planned.kind.upper()} at rate {rate}' if planned else 'none (window only)'}"
+                    f" vs transformers {f'compress_rate {got}' if got else 'no compressor'} ({cls}.compressor)")
+        topk, got = (planned.index_topk if planned else None), module_facts.get("index_topk")
+        if topk != got:
+            return (f"compressed branch: indexer top-k: analyzer {topk or 'none'} vs transformers "
+                    f"{got or 'no indexer'} ({cls}.compressor.indexer.index_topk)")
+        return None
 
     def sections(self, facts: Facts, layers: list[LayerPlan], groups: list[kv_cache_spec.Spec], parallel,
                  dtype: str, block_size: int, max_len: int | None) -> dict[str, Any]:

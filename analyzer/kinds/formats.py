@@ -9,6 +9,17 @@ from __future__ import annotations
 from model_infer_kvcache.analyzer.kinds import DSA, MLA, attention_format, compressed, dsa, gqa, mla
 from model_infer_kvcache.analyzer.kinds.gqa import Facts, GqaFormat
 
+FORMATS: tuple[GqaFormat, ...] = (gqa.FORMAT, mla.FORMAT, dsa.FORMAT, compressed.FORMAT)
+
+
+def hf_module_facts(module) -> tuple[tuple[str, int | None], ...]:
+    """What every format reads off a transformers attention module (analyzer/arch_check.py's cross-check), as
+    sorted pairs: a model's module may hold parts of a format its plan lacks, which the plan's format then names."""
+    found: dict[str, int | None] = {}
+    for fmt in FORMATS:
+        found.update(fmt.hf_facts(module))
+    return tuple(sorted(found.items()))
+
 
 def format_of(facts: Facts) -> GqaFormat:
     """The most specific format the facts name: compressed (DeepSeek-V4), DSA (MLA + indexer), MLA, else GQA."""

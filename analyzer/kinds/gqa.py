@@ -139,6 +139,25 @@ class GqaFormat:
         """The manifest sections this format adds (keyword -> decision), from the planned layers and groups."""
         return {}
 
+    # ------------------------------------------------------------------ transformers' modules (analyzer/arch_check.py)
+
+    # child names that make a transformers module this format's attention, beyond the q/k/v layouts
+    # analyzer/hf_layout.py knows (each set must be present whole)
+    hf_projections: tuple[frozenset[str], ...] = ()
+
+    def hf_facts(self, module) -> dict[str, int | None]:
+        """What this format reads off a transformers attention module beyond its heads, scale, window and sinks
+        (empty where the module holds none of its parts)."""
+        return {}
+
+    def hf_off(self, layer: LayerPlan, module_facts: dict[str, int | None], cls: str) -> str | None:
+        """Where the layer's plan differs from those facts: a module holding another format's parts is planned
+        without them."""
+        held = ", ".join(f"{k} {v}" for k, v in sorted(module_facts.items()) if v is not None)
+        if held:
+            return f"{self.name} plan vs transformers {cls} holding {held} (another format's parts, none planned)"
+        return None
+
     # ------------------------------------------------------------------ what the decisions table says of a manifest
 
     fa_call = True  # the layers attend through FA (its version, layout and path table apply)
@@ -147,8 +166,11 @@ class GqaFormat:
         """The format's own rows of progress.md's decisions table (analyzer/decisions_table.py)."""
         return []
 
-    # SKILL.md's model-kinds table (validators/docgen/doc_tables.py): the attention cell when no FA call is made,
-    # the layout and the writers
+    # SKILL.md's model-kinds table (validators/docgen/doc_tables.py): the format's example row (label, models, the
+    # config fields over the table's base config; GQA's rows are the table's own), the attention cell when no FA call
+    # is made, the layout and the writers
+    doc_example: tuple[str, str, dict] | None = None
+
     def doc_attention(self, m) -> str | None:
         return None  # FA: its version (or the Legacy kernel) says it
 

@@ -23,6 +23,12 @@ MLA_WITHOUT_ROPE = {
 class MlaFormat(GqaFormat):
     name = "mla"
     latent = True
+    hf_projections = (frozenset({"kv_a_proj_with_mqa"}),)  # DeepSeek-V2/V3, Kimi-K2, LongCat
+    doc_example = ("MLA(latent cache),含 YaRN 与 MTP", "DeepSeek-V3/R1、Kimi-K2、LongCat-Flash",
+                   {"model_type": "deepseek_v3", "num_key_value_heads": 8, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_nextn_predict_layers": 1,
+                    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "original_max_position_embeddings": 4096}})
 
     def kv_heads_per_rank(self, facts: Facts, tp: int, decoder_layer: int | None = None) -> int:
         return 1  # the latent is one head, never split by attention TP

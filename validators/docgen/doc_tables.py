@@ -33,7 +33,7 @@ from pathlib import Path
 
 from model_infer_kvcache.analyzer.errors import OneLineArgumentParser
 from model_infer_kvcache.analyzer.files import atomic_write_text
-from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
+from model_infer_kvcache.analyzer.kinds.formats import FORMATS, format_of_manifest
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW, is_windowed
 from model_infer_kvcache.analyzer.operators import fa_facts
 from model_infer_kvcache.analyzer.operators.schemas import accepted_keywords, default_text
@@ -99,21 +99,9 @@ MODEL_KINDS: tuple[ModelKind, ...] = (
     ModelKind("mixed", "滑窗 + 全注意力混合,无 sinks", "Gemma-3、Qwen2/3 开启 use_sliding_window",
               {**_BASE, "model_type": "qwen3", "sliding_window": 1024,
                "layer_types": ["sliding_attention", "full_attention"] * 2}),
-    ModelKind("mla", "MLA(latent cache),含 YaRN 与 MTP", "DeepSeek-V3/R1、Kimi-K2、LongCat-Flash",
-              {**_BASE, "model_type": "deepseek_v3", "num_key_value_heads": 8, "kv_lora_rank": 512,
-               "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-               "num_nextn_predict_layers": 1,
-               "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                "original_max_position_embeddings": 4096}}),
-    ModelKind("dsa", "MLA + DeepSeek 稀疏注意力(DSA,indexer key cache)", "DeepSeek-V3.2、GLM-5",
-              {**_BASE, "model_type": "deepseek_v32", "num_key_value_heads": 8, "kv_lora_rank": 512,
-               "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-               "index_topk": 2048, "index_n_heads": 64, "index_head_dim": 128}),
-    ModelKind("compressed", "压缩注意力(窗口分支 + CSA / HCA 压缩分支,references/compressed.md)",
-              "DeepSeek-V4-Flash / Pro",
-              {**_BASE, "model_type": "deepseek_v4", "head_dim": 512, "num_key_value_heads": 1, "q_lora_rank": 1024,
-               "sliding_window": 128, "compress_ratios": [0, 0, 4, 128], "index_topk": 512, "index_n_heads": 64,
-               "index_head_dim": 128, "num_nextn_predict_layers": 1}),
+    # one row per attention format beyond GQA, from the format's own module (analyzer/kinds: doc_example)
+    *(ModelKind(fmt.name, *fmt.doc_example[:2], {**_BASE, **fmt.doc_example[2]}) for fmt in FORMATS
+      if fmt.doc_example),
     ModelKind("per_layer_shape", "滑窗 + 全注意力混合,full 层 head_dim / KV 头数不同", "Gemma-4(26B-A4B)",
               {**_BASE, "model_type": "gemma4_text", "sliding_window": 1024, "num_hidden_layers": 6,
                "global_head_dim": 128, "num_global_key_value_heads": 1, "attention_k_eq_v": True}),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.validators.npu_ops import emulation_installed, install_emulation
+from model_infer_kvcache.validators.npu_ops.custom_ops import CUSTOM_OPS
 from model_infer_kvcache.validators.npu_ops.errors import (
     NotStoodInError,
     UnemulatedOperatorError,
@@ -223,13 +224,16 @@ def _build_torchair() -> dict[str, types.ModuleType]:
 
 
 class _CustomOps(types.ModuleType):
-    """The checkout's own AscendC operators (``ops/ascendc``: ``import custom_ops`` / ``torch.ops.custom.<op>``),
-    none emulated yet: importable, and each operator answers like a missing one (``hasattr`` False; used, the
-    one-line ``UnemulatedOperatorError`` naming it and the caller), so a model's fallback still runs."""
+    """The checkout's own AscendC operators (``ops/ascendc``: ``import custom_ops`` / ``torch.ops.custom.<op>``):
+    the emulated ones (``validators/npu_ops/custom_ops.py``) answer with their emulation; every other answers like a
+    missing one (``hasattr`` False; used, the one-line ``UnemulatedOperatorError`` naming it and the caller), so a
+    model's fallback still runs."""
 
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
+        if name in CUSTOM_OPS:
+            return CUSTOM_OPS[name]
         raise UnemulatedOperatorError(f"{self.__name__}.{name}", caller_location(2))
 
 

@@ -24,6 +24,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 10  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 11  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def _live_report(hf_type: str, section_json: str) -> tuple[TransformersReport, b
     try:
         return TransformersReport(ships=True, attentions=_hf_attentions(hf_type, section_json)), True
     except Exception as exc:  # noqa: BLE001 - a config transformers rejects: the check is skipped, saying why
-        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        first = _stable_text(str(exc).splitlines()[0])[:200] if str(exc) else ""
         transient = isinstance(exc, (MemoryError, OSError, RecursionError))
         return TransformersReport(ships=True, error=f"{type(exc).__name__}: {first}"), not transient
 
@@ -235,6 +236,16 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
                                None if kv_shape is None else tuple(kv_shape), sinks, beside,
                                tuple(tuple(p) for p in kind_facts)))
     return TransformersReport(ships=ships, attentions=tuple(out), error=error)
+
+
+_SET_OF_STRINGS = re.compile(r"\{'[^'{}]*'(?:, '[^'{}]*')+\}")
+
+
+def _stable_text(message: str) -> str:
+    """An exception's text with each set of strings in sorted order: Python prints a set in an order that follows
+    the process's hash seed (transformers' "Missing required keys ...: {'long_factor', 'short_factor'}"), and the
+    text lands in the manifest, whose hash must not change from one run to the next."""
+    return _SET_OF_STRINGS.sub(lambda m: "{" + ", ".join(sorted(m.group(0)[1:-1].split(", "))) + "}", message)
 
 
 def _int_or_none(x: Any) -> bool:

@@ -96,6 +96,187 @@ def test_the_checkout_stand_ins_answer_with_the_emulations_and_name_the_rest():
 
     with device_standins():
         assert torch.ops.custom.scatter_nd_update_asc is scatter_nd_update_asc
-        assert not hasattr(torch.ops.custom, "compressor")  # a model's own fallback can probe it
-        with pytest.raises(UnemulatedOperatorError, match="torch.ops.custom.compressor"):
-            torch.ops.custom.compressor(None)
+        assert torch.ops.custom.compressor.__module__.endswith("custom_ops")
+        assert not hasattr(torch.ops.custom, "npu_sparse_attn_sharedkv")  # a model's own fallback can probe it
+        with pytest.raises(UnemulatedOperatorError, match="torch.ops.custom.npu_sparse_attn_sharedkv"):
+            torch.ops.custom.npu_sparse_attn_sharedkv(None)
+
+
+# ---------------------------------------------------------------- custom.compressor against transformers' compressors
+
+
+def _v4_compressor(kind: str):
+    """transformers' DeepseekV4{HCA,CSA}Compressor at the kernel's shapes (D 512, H 1024, rope 64), float64, every
+    parameter random (position_bias is allocated uninitialised, kv_norm starts at ones)."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    torch.manual_seed(0)
+    config = DeepseekV4Config(hidden_size=1024, head_dim=512, qk_rope_head_dim=64, num_attention_heads=8,
+                              num_key_value_heads=1, q_lora_rank=256, index_n_heads=4, index_head_dim=128,
+                              index_topk=8, num_hidden_layers=2, vocab_size=64)
+    module = (v4.DeepseekV4CSACompressor if kind == "csa" else v4.DeepseekV4HCACompressor)(config).double().eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.05)
+        module.position_bias.normal_(0, 1.0)
+        module.kv_norm.weight.normal_(1.0, 0.2)
+    return module, config
+
+
+def _oracle_entries(module, x):
+    """Every entry of the whole sequence in one stateless call (cache None: each complete window)."""
+    n = x.shape[1]
+    with torch.no_grad():
+        q_residual = torch.randn(1, n, 256, dtype=torch.float64)
+        kv, _ = module(x, q_residual, torch.arange(n)[None], None, 0)
+    return kv[0, 0]
+
+
+def _rope_rows(module, first_window: int, count: int):
+    """cos / sin rows for ``count`` entries from window ``first_window`` on, at each entry's position (its window's
+    first token, as transformers places it), expanded per lane (interleave layout)."""
+    m = module.compress_rate
+    positions = (torch.arange(first_window, first_window + count) * m)[None]
+    probe = torch.zeros(1, count, 512, dtype=torch.float64)
+    cos, sin = module.rotary_emb(probe, position_ids=positions, layer_type=module.rope_layer_type)
+    return cos[0].repeat_interleave(2, -1).double(), sin[0].repeat_interleave(2, -1).double()
+
+
+def _stream(module, x, chunks, *, shift: int = 0, block_size: int = 16):
+    """Feed ``x`` through custom.compressor chunk by chunk (one request; one-token chunks as decode, BSH; the
+    rest as prefill, TND), the states kept in a paged state cache; returns the entries in order."""
+    from model_infer_kvcache.validators.npu_ops.custom_ops import compressor
+
+    m, n = module.compress_rate, x.shape[1]
+    coff = 2 if m == 4 else 1
+    cols = -(-(n + shift) // block_size)
+    state = torch.zeros(cols + 1, block_size, 2 * coff * 512, dtype=torch.float64)
+    table = torch.arange(1, cols + 1, dtype=torch.int32)[None]
+    got, start = [], 0
+    for size in chunks:
+        part, at = x[0, start:start + size], start + shift
+        count = (at + size) // m - at // m
+        decode = size == 1
+        rows = 1 if decode else min(size, size // m + 1)
+        cos = torch.zeros(rows, 64, dtype=torch.float64)
+        sin = torch.zeros(rows, 64, dtype=torch.float64)
+        if count:
+            cos[:count], sin[:count] = _rope_rows(module, at // m, count)
+        kwargs = {"state_block_table": table, "start_pos": torch.tensor([at], dtype=torch.int32),
+                  "coff": coff, "norm_eps": module.kv_norm.variance_epsilon, "rotary_mode": 2}
+        with torch.no_grad():
+            out = _call(compressor, decode, part, module, state, sin, cos, m, size, kwargs)
+        assert torch.isnan(out[count:]).all()  # pad rows are poisoned, never a plausible entry
+        got.append(out[:count])
+        start += size
+    return torch.cat(got)
+
+
+def _call(compressor, decode, part, module, state, sin, cos, m, size, kwargs):
+    """One call: a decode step as upstream passes it (x [B, S, H], no cu_seqlens), a prefill chunk as TND."""
+    weights = (module.kv_proj.weight, module.gate_proj.weight, state, module.position_bias, module.kv_norm.weight)
+    if decode:
+        return compressor(part[None].contiguous(), *weights, sin[None], cos[None], 64, m, **kwargs)[0]
+    return compressor(part.contiguous(), *weights, sin, cos, 64, m,
+                      cu_seqlens=torch.tensor([0, size], dtype=torch.int32), **kwargs)
+
+
+@pytest.mark.parametrize("kind, n, chunks", [
+    ("csa", 23, [7, 1, 1, 5, 1, 8]),  # groups of 4 completed across prefill chunks and decode steps, overlap state
+    ("hca", 300, [130, 1, 100, 69]),  # groups of 128 straddling calls
+])
+def test_a_streamed_compressor_writes_the_entries_transformers_computes_in_one_pass(kind, n, chunks):
+    module, _ = _v4_compressor(kind)
+    x = torch.randn(1, n, 1024, dtype=torch.float64)
+    want = _oracle_entries(module, x)
+    got = _stream(module, x, chunks)
+    assert got.shape == want.shape == (n // module.compress_rate, 512)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    # negative control: a start_pos one token off (the runner's length counter late by one) is caught by the same
+    # comparison, not absorbed by it
+    if kind == "csa":
+        assert not torch.allclose(_stream(module, x, chunks, shift=1)[:3], want[:3], rtol=1e-5, atol=1e-6)
+
+
+def test_a_state_the_next_call_needs_but_that_was_never_stored_is_refused():
+    """Block id 0 marks "not stored": a window completed in a later call reads its first tokens from the state, and
+    a runner that left them unstored gets a refusal naming the table, not entries pooled from stale rows."""
+    from model_infer_kvcache.validators.npu_ops.custom_ops import compressor
+
+    module, _ = _v4_compressor("csa")
+    x = torch.randn(6, 1024, dtype=torch.float64)
+    state = torch.zeros(2, 16, 2 * 2 * 512, dtype=torch.float64)
+    zero_table = torch.zeros(1, 1, dtype=torch.int32)
+    args = (module.kv_proj.weight, module.gate_proj.weight, state, module.position_bias, module.kv_norm.weight)
+    rope = torch.zeros(2, 64, dtype=torch.float64)
+    compressor(x, *args, rope, rope, 64, 4, state_block_table=zero_table, cu_seqlens=torch.tensor([0, 6],
+               dtype=torch.int32), coff=2)
+    with pytest.raises(NpuOpError, match="never stored") as info:
+        compressor(x[:2], *args, rope[:1], rope[:1], 64, 4, state_block_table=zero_table,
+                   cu_seqlens=torch.tensor([0, 2], dtype=torch.int32), start_pos=torch.tensor([6], dtype=torch.int32),
+                   coff=2)
+    assert info.value.argument == "state_block_table"
+
+
+@pytest.mark.parametrize("change, argument, error", [
+    ({"cmp_ratio": 128}, "cmp_ratio", NpuOpError),  # coff 2 with ratio 128: no such kernel case
+    ({"rope_head_dim": 32}, "rope_head_dim", NpuOpError),
+    ({"cache_mode": 2}, "cache_mode", UnemulatedFeatureError),  # documented, "目前暂不支持"
+    ({"rotary_mode": 3}, "rotary_mode", NpuOpError),
+    ({"state_block_table": None}, "state_block_table", UnemulatedFeatureError),
+    ({"rope_sin": torch.zeros(3, 64, dtype=torch.float64)}, "rope_sin", NpuOpError),  # rows != min(T, T//m + B)
+    ({"cu_seqlens": torch.tensor([0, 5], dtype=torch.int32)}, "cu_seqlens", NpuOpError),  # does not end at T
+    ({"x": torch.randn(6, 1000, dtype=torch.float64)}, "x", NpuOpError),  # H not 512-aligned
+])
+def test_the_compressor_refuses_what_its_doc_rules_out(change, argument, error):
+    from model_infer_kvcache.validators.npu_ops.custom_ops import compressor
+
+    module, _ = _v4_compressor("csa")
+    args = {"x": torch.randn(6, 1024, dtype=torch.float64), "wkv": module.kv_proj.weight,
+            "wgate": module.gate_proj.weight, "state_cache": torch.zeros(2, 16, 2048, dtype=torch.float64),
+            "ape": module.position_bias, "norm_weight": module.kv_norm.weight,
+            "rope_sin": torch.zeros(2, 64, dtype=torch.float64), "rope_cos": torch.zeros(2, 64, dtype=torch.float64),
+            "rope_head_dim": 64, "cmp_ratio": 4, "state_block_table": torch.ones(1, 1, dtype=torch.int32),
+            "cu_seqlens": torch.tensor([0, 6], dtype=torch.int32), "coff": 2}
+    args.update(change)
+    with pytest.raises(error) as info:
+        compressor(**args)
+    assert info.value.argument == argument, info.value
+
+
+def test_two_requests_in_one_call_pack_their_entries_in_batch_order_and_keep_their_own_states():
+    """TND: request 0 and request 1 at different positions share each call; their entries are packed batch by batch
+    (then the pad), and each request's windows pool only its own tokens (its own state blocks)."""
+    from model_infer_kvcache.validators.npu_ops.custom_ops import compressor
+
+    module, _ = _v4_compressor("csa")
+    xs = [torch.randn(1, 14, 1024, dtype=torch.float64), torch.randn(1, 11, 1024, dtype=torch.float64)]
+    wants = [_oracle_entries(module, x) for x in xs]
+    state = torch.zeros(3, 16, 2048, dtype=torch.float64)
+    table = torch.tensor([[1], [2]], dtype=torch.int32)  # one block per request
+    weights = (module.kv_proj.weight, module.gate_proj.weight, state, module.position_bias, module.kv_norm.weight)
+    got, starts = [[], []], [0, 0]
+    for sizes in ([6, 3], [1, 1], [7, 7]):
+        counts = [(p + n) // 4 - p // 4 for p, n in zip(starts, sizes, strict=True)]
+        total = sum(sizes)
+        rows = min(total, total // 4 + 2)
+        cos = torch.zeros(rows, 64, dtype=torch.float64)
+        sin = torch.zeros(rows, 64, dtype=torch.float64)
+        at = 0
+        for b in range(2):
+            if counts[b]:
+                cos[at:at + counts[b]], sin[at:at + counts[b]] = _rope_rows(module, starts[b] // 4, counts[b])
+            at += counts[b]
+        x = torch.cat([xs[b][0, starts[b]:starts[b] + sizes[b]] for b in range(2)])
+        with torch.no_grad():
+            out = compressor(x, *weights, sin, cos, 64, 4, state_block_table=table, coff=2, rotary_mode=2,
+                             cu_seqlens=torch.tensor([0, sizes[0], total], dtype=torch.int32),
+                             start_pos=torch.tensor(starts, dtype=torch.int32),
+                             norm_eps=module.kv_norm.variance_epsilon)
+        assert torch.isnan(out[sum(counts):]).all()
+        got[0].append(out[:counts[0]])
+        got[1].append(out[counts[0]:sum(counts)])
+        starts = [p + n for p, n in zip(starts, sizes, strict=True)]
+    for b in range(2):
+        assert torch.allclose(torch.cat(got[b]), wants[b], rtol=1e-5, atol=1e-6), b

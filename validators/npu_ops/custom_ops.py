@@ -13,7 +13,11 @@ Emulated so far (DeepSeek-V4's cache writers and its partial RoPE; issue 38 name
   ``[b, 1, 1, slice]`` or ``[b, s, 1, slice]``; only ``"interleave"``; ``d <= 1024`` and even, the slice even;
   ``x`` and the tables may differ in dtype ("支持混合精度").
 
-Every operand must be contiguous ("不支持非连续"). The rest (``compressor``, ``npu_sparse_attn_sharedkv``,
+* ``compressor(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos, rope_head_dim, cmp_ratio, *,
+  state_block_table, cu_seqlens, seqused, start_pos, coff, norm_eps, rotary_mode, cache_mode)``: below
+  (``compressor``'s docstring says each reading and where it comes from).
+
+Every operand must be contiguous ("不支持非连续"). The rest (``npu_sparse_attn_sharedkv``,
 ``npu_quant_lightning_indexer``, ``indexer_compress_epilog``...) stay unemulated: used, they raise the one-line
 ``UnemulatedOperatorError`` naming them (``validators/standins/device.py``).
 """
@@ -23,12 +27,18 @@ from __future__ import annotations
 import torch
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
 from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
-from model_infer_kvcache.validators.npu_ops.rotary import rotate_interleave
+from model_infer_kvcache.validators.npu_ops.rotary import rotate_half, rotate_interleave
 
 SCATTER_ROW_WIDTHS = (1, 128, 512)  # custom-npu_scatter_nd_update_asc.md: "s 取值固定为:1或者128或者512"
 SCATTER_DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.float64)  # float64: the CPU validation mode
 INDEX_DTYPES = (torch.int32, torch.int64)
 ROTARY_MAX_DIM = 1024  # custom-inplace_partial_rotary_mul.md: "d轴必须小于等1024,且关于2对齐"
+# custom-npu_compressor.md, 约束说明: the three (D, coff, cmp_ratio) cases, H in 1K..10K and 512-aligned, rope 64
+COMPRESSOR_CASES = {(512, 2, 4): "C4A", (128, 2, 4): "C4Li", (512, 1, 128): "C128A"}
+COMPRESSOR_HIDDEN = (1024, 10240, 512)
+COMPRESSOR_ROPE_DIM = 64
+COMPRESSOR_X_DTYPES = (torch.bfloat16, torch.float16, torch.float64)
+STATE_DTYPES = (torch.float32, torch.float64)
 
 
 def _contiguous(op: str, **tensors: torch.Tensor) -> None:
@@ -96,7 +106,173 @@ def inplace_partial_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tens
     x[..., start:end] = out.to(x.dtype)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: int) -> torch.Tensor:
+    """RoPE on the trailing ``cos.shape[-1]`` lanes of each row (mode 1 half, 2 interleave: npu_rotary_mul's two
+    formulas, ``validators/npu_ops/rotary.py``); the leading lanes are the nope part, as upstream deepseek_v4 lays a
+    head out (``partial_slice = [head_dim - rope_head_dim, head_dim]`` on the rows the compressor wrote)."""
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    rotate = rotate_half if mode == 1 else rotate_interleave
+    return torch.cat([nope, rope * cos + rotate(rope) * sin], dim=-1)
+
+
+def compressor(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos, rope_head_dim, cmp_ratio, *,
+               state_block_table=None, cu_seqlens=None, seqused=None, start_pos=None, coff=1, norm_eps=1e-6,
+               rotary_mode=1, cache_mode=1) -> torch.Tensor:
+    """custom-npu_compressor.md, read as follows (each reading is also what transformers' DeepseekV4HCACompressor /
+    DeepseekV4CSACompressor compute, which the tests compare a streamed run with):
+
+    * every new token at absolute position ``p = start_pos[b] + j`` (``j < seqused[b]``) has ``kv = x @ wkv.T`` and
+      ``score = x @ wgate.T + ape[p % cmp_ratio]``; both are kept in ``state_cache[block, p % block_size]`` as
+      ``[kv | score]`` (float32), ``block = state_block_table[b, p // block_size]``, a block id 0 meaning "not
+      stored" (the doc: 当其中元素的值为0时,表示当前位置无需进行更新state_cache操作);
+    * window ``g`` (tokens ``[g·m, (g+1)·m)``) becomes one entry in the call its last token arrives in; its tokens
+      from earlier calls are read back from the state cache (the doc's read range starts one window before
+      ``start_pos``'s); a block id 0 there is refused: the state it needs was never stored;
+    * ``coff = 1``: softmax over the window's ``m`` tokens per lane, the weighted sum of ``kv``; ``coff = 2``
+      (overlap): the slots are the first ``D`` lanes of window ``g - 1`` and the last ``D`` of window ``g`` (window 0:
+      the latter only), softmax over them per lane;
+    * RMSNorm with ``norm_weight`` and ``norm_eps``, then RoPE on the trailing ``rope_head_dim`` lanes with output row
+      ``r``'s ``rope_cos[r]`` / ``rope_sin[r]`` (mode 1 half, 2 interleave);
+    * output rows: TND (``x [T, H]`` with ``cu_seqlens``) each batch's entries in order, packed, then pad rows up to
+      ``min(T, T // m + B)``; BSH (``x [B, S, H]``) ``[B, ceil(S / m), D]``, each batch's entries then pad. Pad rows
+      are NaN: the doc leaves them undefined, and a consumer that writes them into a cache shows up.
+    """
+    op = "custom.compressor"
+    chk.tensor(op, "x", x, dims=(2, 3), dtypes=COMPRESSOR_X_DTYPES)
+    for name, w in (("wkv", wkv), ("wgate", wgate)):
+        chk.tensor(op, name, w, dims=(2,))
+        chk.same_dtype(op, name, w, "x", x)
+    chk.tensor(op, "state_cache", state_cache, dims=(3,), dtypes=STATE_DTYPES)
+    for name, t in (("ape", ape), ("norm_weight", norm_weight), ("rope_sin", rope_sin), ("rope_cos", rope_cos)):
+        chk.tensor(op, name, t, dtypes=STATE_DTYPES)
+    _contiguous(op, x=x, wkv=wkv, wgate=wgate, state_cache=state_cache, ape=ape)
+    chk.integer(op, "rope_head_dim", rope_head_dim)
+    if rope_head_dim != COMPRESSOR_ROPE_DIM:
+        raise NpuOpError(op, "rope_head_dim", f"{rope_head_dim}: only {COMPRESSOR_ROPE_DIM} is supported")
+    chk.integer(op, "cmp_ratio", cmp_ratio)
+    chk.integer(op, "coff", coff)
+    chk.choice(op, "rotary_mode", rotary_mode, (1, 2))
+    chk.choice(op, "cache_mode", cache_mode, (1,), documented=(2,))
+    m, cd = cmp_ratio, wkv.shape[0]
+    if coff not in (1, 2) or cd % coff:
+        raise NpuOpError(op, "coff", f"{coff} must be 1 or 2 and divide wkv's {cd} rows")
+    d = cd // coff
+    if (d, coff, m) not in COMPRESSOR_CASES:
+        raise NpuOpError(op, "cmp_ratio", f"(D {d}, coff {coff}, cmp_ratio {m}) is none of the supported cases "
+                                          f"{', '.join(f'{v}: {k}' for k, v in COMPRESSOR_CASES.items())}")
+    h = x.shape[-1]
+    low, high, align = COMPRESSOR_HIDDEN
+    if not low <= h <= high or h % align:
+        raise NpuOpError(op, "x", f"hidden size H = {h} must lie in [{low}, {high}] and be a multiple of {align}")
+    for name, w in (("wkv", wkv), ("wgate", wgate)):
+        if tuple(w.shape) != (cd, h):
+            raise NpuOpError(op, name, f"shape {tuple(w.shape)} must be [coff*D, H] = [{cd}, {h}]")
+    if tuple(ape.shape) != (m, cd):
+        raise NpuOpError(op, "ape", f"shape {tuple(ape.shape)} must be [cmp_ratio, coff*D] = [{m}, {cd}]")
+    if tuple(norm_weight.shape) != (d,):
+        raise NpuOpError(op, "norm_weight", f"shape {tuple(norm_weight.shape)} must be [D] = [{d}]")
+    blocks, block_size, width = state_cache.shape
+    if blocks < 1 or width != 2 * cd:
+        raise NpuOpError(op, "state_cache", f"shape {tuple(state_cache.shape)} must be [block_num > 0, block_size, "
+                                            f"2*coff*D = {2 * cd}]")
+    if state_block_table is None:
+        raise UnemulatedFeatureError(op, "state_block_table", "None: the doc does not say where states are kept "
+                                                              "without a block table")
+    tnd = x.dim() == 2
+    if tnd:
+        chk.tensor(op, "cu_seqlens", cu_seqlens, dims=(1,), dtypes=(torch.int32,))
+        cu = [int(v) for v in cu_seqlens]
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:], strict=False)) or cu[-1] != x.shape[0]:
+            raise NpuOpError(op, "cu_seqlens", f"{cu} must start at 0, never decrease and end at T = {x.shape[0]}")
+        batch, lengths = len(cu) - 1, [b - a for a, b in zip(cu, cu[1:], strict=False)]
+        rows_of = [x[a:b] for a, b in zip(cu, cu[1:], strict=False)]
+        out_rows = min(x.shape[0], x.shape[0] // m + batch)
+    else:
+        if cu_seqlens is not None:
+            raise NpuOpError(op, "cu_seqlens", "must be None when x is [B, S, H]")
+        batch, s = x.shape[0], x.shape[1]
+        lengths, rows_of = [s] * batch, list(x)
+        per_batch = -(-s // m)
+    chk.tensor(op, "state_block_table", state_block_table, dims=(2,), dtypes=(torch.int32,))
+    if state_block_table.shape[0] != batch:
+        raise NpuOpError(op, "state_block_table", f"{state_block_table.shape[0]} rows for {batch} batch(es)")
+    used = lengths if seqused is None else [int(v) for v in chk.tensor(op, "seqused", seqused, dims=(1,),
+                                                                          dtypes=(torch.int32,))]
+    starts = [0] * batch if start_pos is None else [int(v) for v in chk.tensor(op, "start_pos", start_pos, dims=(1,),
+                                                                                  dtypes=(torch.int32,))]
+    if len(used) != batch or any(not 0 <= u <= n for u, n in zip(used, lengths, strict=False)):
+        raise NpuOpError(op, "seqused", f"{used} must hold one count per batch, each in [0, its length {lengths}]")
+    if len(starts) != batch or any(p < 0 for p in starts):
+        raise NpuOpError(op, "start_pos", f"{starts} must hold one non-negative position per batch")
+    want_rope = (out_rows, rope_head_dim) if tnd else (batch, per_batch, rope_head_dim)
+    for name, t in (("rope_sin", rope_sin), ("rope_cos", rope_cos)):
+        if tuple(t.shape) != want_rope:
+            raise NpuOpError(op, name, f"shape {tuple(t.shape)} must be {list(want_rope)}")
+
+    cdt = chk.compute_dtype(x.dtype)
+    table = state_block_table.tolist()
+
+    def block_of(b: int, p: int, reading: bool) -> int:
+        row = table[b]
+        if p // block_size >= len(row):
+            raise NpuOpError(op, "state_block_table", f"batch {b} position {p}: column {p // block_size} is past the "
+                                                      f"table's {len(row)}")
+        blk = row[p // block_size]
+        if not 0 <= blk < blocks:
+            raise NpuOpError(op, "state_block_table", f"batch {b}: block id {blk} outside the {blocks} blocks")
+        if reading and blk == 0:
+            raise NpuOpError(op, "state_block_table", f"batch {b} position {p}: the state of an earlier call is "
+                                                      "needed but its block id is 0 (never stored)")
+        return blk
+
+    out = torch.full((out_rows, d) if tnd else (batch, per_batch, d), float("nan"), dtype=x.dtype)
+    row = 0
+    for b in range(batch):
+        s0, n = starts[b], used[b]
+        xb = rows_of[b][:n].to(cdt)
+        kv_new = xb @ wkv.to(cdt).T
+        positions = torch.arange(s0, s0 + n)
+        score_new = xb @ wgate.to(cdt).T + ape.to(cdt)[positions % m]
+
+        def state(p: int, b=b, s0=s0, kv_new=kv_new, score_new=score_new):
+            if p >= s0:
+                return kv_new[p - s0], score_new[p - s0]
+            cached = state_cache[block_of(b, p, True), p % block_size].to(cdt)
+            return cached[:cd], cached[cd:]
+
+        entries = []
+        for g in range(s0 // m, (s0 + n) // m):
+            cur = [state(p) for p in range(g * m, (g + 1) * m)]
+            kv = torch.stack([c[0][cd - d:] for c in cur])
+            score = torch.stack([c[1][cd - d:] for c in cur])
+            if coff == 2 and g > 0:  # the previous window's first D lanes (the overlap series)
+                prev = [state(p) for p in range(g * m - m, g * m)]
+                kv = torch.cat([torch.stack([c[0][:d] for c in prev]), kv])
+                score = torch.cat([torch.stack([c[1][:d] for c in prev]), score])
+            pooled = (kv * score.softmax(dim=0)).sum(dim=0)
+            normed = norm_weight.to(cdt) * pooled * torch.rsqrt(pooled.pow(2).mean() + norm_eps)
+            entries.append(normed)
+        for j in range(n):  # the new tokens' states, where the table keeps them
+            p = s0 + j
+            blk = block_of(b, p, False)
+            if blk:
+                state_cache[blk, p % block_size] = torch.cat([kv_new[j], score_new[j]]).to(state_cache.dtype)
+        if not entries:
+            continue
+        pooled = torch.stack(entries)
+        if tnd:
+            cos, sin = rope_cos[row:row + len(entries)], rope_sin[row:row + len(entries)]
+            out[row:row + len(entries)] = _rope(pooled, cos.to(cdt), sin.to(cdt), rotary_mode).to(x.dtype)
+            row += len(entries)
+        else:
+            cos, sin = rope_cos[b, :len(entries)], rope_sin[b, :len(entries)]
+            out[b, :len(entries)] = _rope(pooled, cos.to(cdt), sin.to(cdt), rotary_mode).to(x.dtype)
+    return out
+
+
 CUSTOM_OPS = {
+    "compressor": compressor,
     "scatter_nd_update_asc": scatter_nd_update_asc,
     "inplace_partial_rotary_mul": inplace_partial_rotary_mul,
 }

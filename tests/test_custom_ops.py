@@ -6,6 +6,8 @@ lane pair; the scatter as plain row assignment), and each documented argument ru
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from model_infer_kvcache.validators.npu_ops.custom_ops import inplace_partial_rotary_mul, scatter_nd_update_asc
@@ -97,9 +99,9 @@ def test_the_checkout_stand_ins_answer_with_the_emulations_and_name_the_rest():
     with device_standins():
         assert torch.ops.custom.scatter_nd_update_asc is scatter_nd_update_asc
         assert torch.ops.custom.compressor.__module__.endswith("custom_ops")
-        assert not hasattr(torch.ops.custom, "npu_sparse_attn_sharedkv")  # a model's own fallback can probe it
-        with pytest.raises(UnemulatedOperatorError, match="torch.ops.custom.npu_sparse_attn_sharedkv"):
-            torch.ops.custom.npu_sparse_attn_sharedkv(None)
+        assert not hasattr(torch.ops.custom, "npu_quant_lightning_indexer")  # a model's fallback can probe it
+        with pytest.raises(UnemulatedOperatorError, match="torch.ops.custom.npu_quant_lightning_indexer"):
+            torch.ops.custom.npu_quant_lightning_indexer(None)
 
 
 # ---------------------------------------------------------------- custom.compressor against transformers' compressors
@@ -280,3 +282,104 @@ def test_two_requests_in_one_call_pack_their_entries_in_batch_order_and_keep_the
         starts = [p + n for p, n in zip(starts, sizes, strict=True)]
     for b in range(2):
         assert torch.allclose(torch.cat(got[b]), wants[b], rtol=1e-5, atol=1e-6), b
+
+
+# ---------------------------------------------------------------- custom.npu_sparse_attn_sharedkv against transformers
+
+
+def _paged(rows: torch.Tensor, block_size: int, gen: torch.Generator):
+    """``rows [n, D]`` in a paged cache ``[blocks, block_size, 1, D]`` at shuffled block ids, and its table row."""
+    n_blocks = -(-rows.shape[0] // block_size)
+    ids = torch.randperm(n_blocks, generator=gen) + 1
+    cache = torch.full((n_blocks + 1, block_size, 1, rows.shape[1]), float("nan"), dtype=rows.dtype)
+    for p in range(rows.shape[0]):
+        cache[ids[p // block_size], p % block_size, 0] = rows[p]
+    return cache, ids.to(torch.int32)
+
+
+def _oracle_attention(q, kv, cmp, visible_sets, sinks, scale):
+    """transformers' eager_attention_forward (DeepSeek-V4's: one KV head broadcast to every query head, sinks as an
+    extra logit column) over [window kv | compressed entries], the mask built from transformers' own rules: the
+    sliding window of 128 keys ending at the query, and the compressed entries each query may see."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    s, n_kv = q.shape[0], kv.shape[0]
+    keys = torch.cat([kv, cmp])[None, None]
+    mask = torch.full((1, 1, s, keys.shape[2]), float("-inf"), dtype=q.dtype)
+    for i in range(s):
+        t = n_kv - s + i
+        mask[0, 0, i, max(0, t - 127):t + 1] = 0
+        for w in visible_sets[i]:
+            mask[0, 0, i, n_kv + w] = 0
+    stub = types.SimpleNamespace(num_key_value_groups=q.shape[1], sinks=sinks, training=False)
+    out, _ = v4.eager_attention_forward(stub, q.permute(1, 0, 2)[None], keys, keys, mask, scale)
+    return out[0]
+
+
+@pytest.mark.parametrize("ratio, sparse", [(4, True), (128, False)])
+def test_sparse_shared_kv_attention_matches_transformers_over_window_and_compressed_entries(ratio, sparse):
+    """Two requests in one TND call (a prefill chunk and a decode step) over paged window and compressed caches at
+    shuffled block ids: each request's output equals transformers' attention with its own keys and masks (CSA: the
+    indexer's selection, -1 padded to 512; HCA: every causal entry)."""
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_sparse_attn_sharedkv
+
+    gen = torch.Generator().manual_seed(3)
+    # HCA: the decode query at 254 is the last that sees one entry fewer than its successor (a boundary)
+    lengths, q_lens = ([150, 37], [6, 1]) if ratio == 4 else ([300, 255], [5, 1])
+    sinks = torch.randn(64, dtype=torch.float64, generator=gen)
+    scale = 512 ** -0.5
+    qs, caches, wants, selections = [], [], [], []
+    for n_kv, n_q in zip(lengths, q_lens, strict=True):
+        kv = torch.randn(n_kv, 512, dtype=torch.float64, generator=gen)
+        cmp = torch.randn(n_kv // ratio, 512, dtype=torch.float64, generator=gen)
+        q = torch.randn(n_q, 64, 512, dtype=torch.float64, generator=gen)
+        visible = [list(range((n_kv - n_q + i + 1) // ratio)) for i in range(n_q)]
+        if sparse:  # the indexer keeps about half of what each query may see
+            visible = [sorted(torch.randperm(len(v), generator=gen)[:max(1, len(v) // 2)].tolist()) for v in visible]
+            selections += [v + [-1] * (512 - len(v)) for v in visible]
+        qs.append(q)
+        caches.append((_paged(kv, 16, gen), _paged(cmp, 16, gen)))
+        wants.append(_oracle_attention(q, kv, cmp, visible, sinks, scale))
+    width = max(len(c[0][1]) for c in caches), max(len(c[1][1]) for c in caches)
+    ori_kv = torch.cat([caches[0][0][0], caches[1][0][0][1:]])  # one pool: request 1's blocks after request 0's
+    cmp_kv = torch.cat([caches[0][1][0], caches[1][1][0][1:]])
+    shift = caches[0][0][0].shape[0] - 1, caches[0][1][0].shape[0] - 1
+    ori_table = torch.zeros(2, width[0], dtype=torch.int32)
+    cmp_table = torch.zeros(2, width[1], dtype=torch.int32)
+    for b in range(2):
+        ori_table[b, :len(caches[b][0][1])] = caches[b][0][1] + (shift[0] if b else 0)
+        cmp_table[b, :len(caches[b][1][1])] = caches[b][1][1] + (shift[1] if b else 0)
+    out, _ = npu_sparse_attn_sharedkv(
+        torch.cat(qs), ori_kv=ori_kv, cmp_kv=cmp_kv, ori_block_table=ori_table, cmp_block_table=cmp_table,
+        cmp_sparse_indices=torch.tensor(selections, dtype=torch.int32)[:, None] if sparse else None,
+        cu_seqlens_q=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32),
+        seqused_kv=torch.tensor(lengths, dtype=torch.int32), sinks=sinks, metadata=torch.zeros(1024, dtype=torch.int32),
+        softmax_scale=scale, cmp_ratio=ratio, layout_q="TND")
+    assert torch.allclose(out[:q_lens[0]], wants[0], atol=1e-12) and torch.allclose(out[q_lens[0]:], wants[1], atol=1e-12)
+
+
+def test_sparse_shared_kv_refuses_an_entry_the_query_may_not_see_and_what_its_doc_rules_out():
+    """Negative controls: top-k over another request's entries or the future (an index past what the query may see)
+    is refused by name; so are the arguments the doc rules out."""
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_sparse_attn_sharedkv
+
+    args = {"ori_kv": torch.zeros(2, 16, 1, 512, dtype=torch.float64), "cmp_kv": torch.zeros(2, 16, 1, 512,
+            dtype=torch.float64), "ori_block_table": torch.ones(1, 1, dtype=torch.int32),
+            "cmp_block_table": torch.ones(1, 1, dtype=torch.int32), "cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32),
+            "seqused_kv": torch.tensor([9], dtype=torch.int32), "metadata": torch.zeros(1024, dtype=torch.int32),
+            "softmax_scale": 0.04, "cmp_ratio": 4, "layout_q": "TND"}
+    q = torch.zeros(1, 64, 512, dtype=torch.float64)
+    future = torch.full((1, 1, 512), -1, dtype=torch.int32)
+    future[0, 0, 0] = 2  # query at position 8 sees entries 0 and 1 only
+    with pytest.raises(UnemulatedFeatureError, match="lists \\[2\\]"):
+        npu_sparse_attn_sharedkv(q, cmp_sparse_indices=future, **args)
+    for change, argument in (({"ori_win_left": 128}, "ori_win_left"), ({"softmax_scale": 0}, "softmax_scale"),
+                             ({"metadata": None}, "metadata"), ({"return_softmax_lse": True}, "return_softmax_lse"),
+                             ({"cmp_ratio": 8}, "cmp_ratio"), ({"seqused_q": torch.ones(1, dtype=torch.int32)},
+                                                               "seqused_q")):
+        with pytest.raises(NpuOpError) as info:
+            npu_sparse_attn_sharedkv(q, **{**args, **change})
+        assert info.value.argument == argument, (change, info.value)
+    with pytest.raises(NpuOpError) as info:
+        npu_sparse_attn_sharedkv(torch.zeros(1, 32, 512, dtype=torch.float64), **args)
+    assert info.value.argument == "q"  # TND takes 64 query heads

@@ -16,8 +16,10 @@ Emulated so far (DeepSeek-V4's cache writers and its partial RoPE; issue 38 name
 * ``compressor(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos, rope_head_dim, cmp_ratio, *,
   state_block_table, cu_seqlens, seqused, start_pos, coff, norm_eps, rotary_mode, cache_mode)``: below
   (``compressor``'s docstring says each reading and where it comes from).
+* ``npu_sparse_attn_sharedkv(q, *, ori_kv, cmp_kv, cmp_sparse_indices, ...)``: the window branch and the compressed
+  branch in one softmax with the sinks (its docstring).
 
-Every operand must be contiguous ("不支持非连续"). The rest (``npu_sparse_attn_sharedkv``,
+Every operand must be contiguous ("不支持非连续"). The rest (``npu_sparse_attn_sharedkv_metadata``,
 ``npu_quant_lightning_indexer``, ``indexer_compress_epilog``...) stay unemulated: used, they raise the one-line
 ``UnemulatedOperatorError`` naming them (``validators/standins/device.py``).
 """
@@ -271,7 +273,156 @@ def compressor(x, wkv, wgate, state_cache, ape, norm_weight, rope_sin, rope_cos,
     return out
 
 
+SHAREDKV_DIM = 512  # "参数q中的D和ori_kv、cmp_kv的D值相等为512"
+SHAREDKV_Q_HEADS = 64  # "layout_q为TND时shape为[T1,N1,D],其中N1仅支持64"
+SHAREDKV_TOPK = 512  # "K2仅支持512"
+SHAREDKV_WINDOW = (127, 0)  # ori_win_left / ori_win_right: "仅支持默认值"
+SHAREDKV_DTYPES = (torch.bfloat16, torch.float16, torch.float64)
+
+
+def _paged_rows(op: str, name: str, cache: torch.Tensor, table: list[int], count: int) -> torch.Tensor:
+    """Rows ``0 .. count-1`` of one request's paged cache ``[blocks, block_size, 1, D]``."""
+    block_size = cache.shape[1]
+    if count and (count - 1) // block_size >= len(table):
+        raise NpuOpError(op, name, f"{count} rows need {-(-count // block_size)} blocks; the table has {len(table)}")
+    rows = [cache[table[p // block_size], p % block_size, 0] for p in range(count)]
+    return torch.stack(rows) if rows else cache.new_zeros((0, cache.shape[-1]))
+
+
+def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
+                             ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                             cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, sinks=None, metadata=None,
+                             softmax_scale=0, cmp_ratio=0, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
+                             ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", return_softmax_lse=False):
+    """custom-npu_sparse_attn_sharedkv.md, read as follows (what transformers' DeepseekV4Attention computes over its
+    window cache and its compressor's entries, which the tests compare with):
+
+    * a request's queries are its last ``q_len`` tokens: query ``i`` sits at ``t = seqused_kv[b] - q_len + i``
+      (rightDownCausal, the doc's example: 128 queries over 4096 keys);
+    * window branch (ori_mask_mode 4, band ``ori_win_left`` 127 / ``ori_win_right`` 0): the ``ori_kv`` rows of
+      positions ``t - 127 .. t``, read through ``ori_block_table``;
+    * compressed branch (cmp_mask_mode 3 at ``cmp_ratio``): entry ``w`` (tokens ``[w·m, (w+1)·m)``) is visible to
+      ``t`` when ``w < (t + 1) // m``; with ``cmp_sparse_indices`` ``[T1, 1, 512]`` only the listed entries, a
+      negative index listing none. A listed entry the query may not see, or one listed twice, is refused: the doc
+      does not say whether the kernel masks or double-counts it;
+    * one softmax over both branches and the sinks (``exp(sinks[h])`` joins each head's denominator, as gpt-oss's),
+      ``K = V`` (shared KV), scaled by ``softmax_scale``;
+    * ``softmax_lse`` is not returned ("目前softmax_lse输出为无效值"): the second output is NaN.
+    """
+    op = "custom.npu_sparse_attn_sharedkv"
+    chk.choice(op, "layout_q", layout_q, ("TND", "BSND"))
+    chk.choice(op, "layout_kv", layout_kv, ("PA_ND",), documented=("TND",))
+    chk.choice(op, "ori_mask_mode", ori_mask_mode, (4,))
+    chk.choice(op, "cmp_mask_mode", cmp_mask_mode, (3,))
+    if (ori_win_left, ori_win_right) != SHAREDKV_WINDOW:
+        raise NpuOpError(op, "ori_win_left", f"({ori_win_left}, {ori_win_right}): only the defaults "
+                                             f"{SHAREDKV_WINDOW} are supported")
+    for name, value in (("ori_sparse_indices", ori_sparse_indices), ("seqused_q", seqused_q),
+                        ("cu_seqlens_ori_kv", cu_seqlens_ori_kv), ("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv)):
+        if value is not None:  # the doc: 设置此参数无效 / 目前暂不支持: a caller expecting an effect gets none
+            raise NpuOpError(op, name, "has no effect on the device (the doc: not supported yet): pass None")
+    if return_softmax_lse:
+        raise UnemulatedFeatureError(op, "return_softmax_lse", "True: the doc says the returned lse is invalid")
+    if metadata is None:
+        raise NpuOpError(op, "metadata", "required (the npu_sparse_attn_sharedkv_metadata result; 目前为必传参数)")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
+        raise UnemulatedFeatureError(op, "softmax_scale", f"{softmax_scale!r}: the signature's default 0 and the doc's "
+                                                          "None (1/sqrt(D)) disagree; pass the scale")
+    tnd = layout_q == "TND"
+    chk.tensor(op, "q", q, dims=(3,) if tnd else (4,), dtypes=SHAREDKV_DTYPES)
+    if ori_kv is None or ori_block_table is None or seqused_kv is None:
+        raise NpuOpError(op, "ori_kv", "ori_kv, ori_block_table and seqused_kv are required (every scene has the "
+                                       "window branch)")
+    chk.tensor(op, "ori_kv", ori_kv, dims=(4,))
+    chk.same_dtype(op, "ori_kv", ori_kv, "q", q)
+    _contiguous(op, q=q, ori_kv=ori_kv)
+    n1, d = q.shape[-2], q.shape[-1]
+    if d != SHAREDKV_DIM or ori_kv.shape[-1] != d or ori_kv.shape[2] != 1:
+        raise NpuOpError(op, "ori_kv", f"q D {d} / ori_kv {tuple(ori_kv.shape)}: D must be {SHAREDKV_DIM} on both, "
+                                       "KV_N 1")
+    if tnd and n1 != SHAREDKV_Q_HEADS:
+        raise NpuOpError(op, "q", f"{n1} query heads: layout TND takes N1 = {SHAREDKV_Q_HEADS}")
+    for name, cache in (("ori_kv", ori_kv), ("cmp_kv", cmp_kv)):
+        if cache is not None and (cache.shape[1] % 16 or cache.shape[1] > 1024):
+            raise NpuOpError(op, name, f"block size {cache.shape[1]} must be a multiple of 16, at most 1024")
+    if cmp_kv is not None:
+        chk.tensor(op, "cmp_kv", cmp_kv, dims=(4,))
+        chk.same_dtype(op, "cmp_kv", cmp_kv, "q", q)
+        _contiguous(op, cmp_kv=cmp_kv)
+        chk.choice(op, "cmp_ratio", cmp_ratio, (4, 128))
+        if cmp_block_table is None or cmp_kv.shape[-1] != d or cmp_kv.shape[2] != 1:
+            raise NpuOpError(op, "cmp_kv", f"shape {tuple(cmp_kv.shape)} must be [blocks, block_size, 1, {d}] with "
+                                           "cmp_block_table")
+    elif cmp_sparse_indices is not None:
+        raise NpuOpError(op, "cmp_sparse_indices", "given without cmp_kv")
+    if sinks is not None:
+        chk.tensor(op, "sinks", sinks, dims=(1,), dtypes=(torch.float32, torch.float64))
+        if sinks.shape[0] != n1:
+            raise NpuOpError(op, "sinks", f"shape {tuple(sinks.shape)} must be [N1] = [{n1}]")
+    if tnd:
+        chk.tensor(op, "cu_seqlens_q", cu_seqlens_q, dims=(1,), dtypes=(torch.int32,))
+        cu = [int(v) for v in cu_seqlens_q]
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:], strict=False)) or cu[-1] != q.shape[0]:
+            raise NpuOpError(op, "cu_seqlens_q", f"{cu} must start at 0, never decrease and end at T1 = {q.shape[0]}")
+        spans = list(zip(cu, cu[1:], strict=False))
+        queries = [q[a:b] for a, b in spans]
+    else:
+        queries = list(q)
+        spans = [(b * q.shape[1], (b + 1) * q.shape[1]) for b in range(q.shape[0])]
+    batch = len(queries)
+    kv_lens = [int(v) for v in chk.tensor(op, "seqused_kv", seqused_kv, dims=(1,), dtypes=(torch.int32,))]
+    if len(kv_lens) != batch or any(n < len(qb) for n, qb in zip(kv_lens, queries, strict=True)):
+        raise NpuOpError(op, "seqused_kv", f"{kv_lens}: one length per batch, each at least its query count")
+    for name, table in (("ori_block_table", ori_block_table), ("cmp_block_table", cmp_block_table)):
+        if table is not None:
+            chk.tensor(op, name, table, dims=(2,), dtypes=(torch.int32,))
+            if table.shape[0] != batch:
+                raise NpuOpError(op, name, f"{table.shape[0]} rows for {batch} batch(es)")
+    if cmp_sparse_indices is not None:
+        chk.tensor(op, "cmp_sparse_indices", cmp_sparse_indices, dims=(3,), dtypes=(torch.int32,))
+        if tuple(cmp_sparse_indices.shape) != (sum(len(qb) for qb in queries), 1, SHAREDKV_TOPK):
+            raise NpuOpError(op, "cmp_sparse_indices", f"shape {tuple(cmp_sparse_indices.shape)} must be [Q_T, 1, "
+                                                       f"{SHAREDKV_TOPK}]")
+
+    cdt = chk.compute_dtype(q.dtype)
+    left = SHAREDKV_WINDOW[0]
+    out = torch.empty_like(q)
+    flat_out = out.view(-1, n1, d)
+    sink = sinks.to(cdt) if sinks is not None else None
+    for b, qb in enumerate(queries):
+        n_q, n_kv = len(qb), kv_lens[b]
+        ori = _paged_rows(op, "ori_block_table", ori_kv, ori_block_table[b].tolist(), n_kv).to(cdt)
+        n_cmp = n_kv // cmp_ratio if cmp_kv is not None else 0
+        cmp = (_paged_rows(op, "cmp_block_table", cmp_kv, cmp_block_table[b].tolist(), n_cmp).to(cdt)
+               if n_cmp else None)
+        for i in range(n_q):
+            t = n_kv - n_q + i
+            keys = [ori[max(0, t - left):t + 1]]
+            if cmp is not None:
+                visible = (t + 1) // cmp_ratio
+                if cmp_sparse_indices is None:
+                    chosen = list(range(visible))
+                else:
+                    listed = [int(w) for w in cmp_sparse_indices[spans[b][0] + i, 0] if int(w) >= 0]
+                    if any(w >= visible for w in listed) or len(set(listed)) != len(listed):
+                        raise UnemulatedFeatureError(op, "cmp_sparse_indices", f"query {t} of batch {b} lists "
+                                                     f"{sorted(w for w in listed if w >= visible)[:4] or 'a repeated'} "
+                                                     f"entry (visible: {visible}): the doc does not say how the kernel "
+                                                     "treats it; list -1 instead")
+                    chosen = listed
+                keys.append(cmp[chosen])
+            k = torch.cat(keys)  # K = V (shared KV)
+            logits = (qb[i].to(cdt) @ k.T) * softmax_scale  # [N1, keys]
+            if sink is not None:
+                logits = torch.cat([logits, sink[:, None]], dim=-1)
+            probs = torch.softmax(logits, dim=-1)[:, :k.shape[0]]
+            flat_out[spans[b][0] + i] = (probs @ k).to(q.dtype)
+    lse = torch.full((1, flat_out.shape[0], n1), float("nan"), dtype=torch.float32)
+    return out, lse
+
+
 CUSTOM_OPS = {
+    "npu_sparse_attn_sharedkv": npu_sparse_attn_sharedkv,
     "compressor": compressor,
     "scatter_nd_update_asc": scatter_nd_update_asc,
     "inplace_partial_rotary_mul": inplace_partial_rotary_mul,

@@ -40,6 +40,8 @@ from model_infer_kvcache.analyzer.manifest import LayerPlan
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
 SCALE_ATTRS = ("scaling", "softmax_scale", "inv_norm_factor")
 _REL_TOL = 1e-9
+# the attribute names transformers gives a decoder block's attention over the encoder's states
+CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attention", "encoder_attention")
 # Configuration keys that would make transformers load remote code or are only bookkeeping.
 _NOT_ARCH = ("model_type", "auto_map", "architectures", "transformers_version", "_name_or_path")
 
@@ -384,6 +386,15 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                             f"on the meta device ({report.error})")
         return result
     hf = report.attentions
+    cross = [a for a in hf if a.path.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES]
+    if cross and len(hf) - len(cross) == len(layers):
+        # the decoder of an encoder-decoder family (BART / Whisper / TrOCR ForCausalLM): each block also attends over
+        # the encoder's states, a second cache kvcache does not plan (and a decoder-only run leaves it unused)
+        result.errors.append(f"transformers' {facts.model_type!r} decoder blocks hold a cross-attention module beside "
+                             f"their self-attention ({cross[0].cls} at {cross[0].path}, {len(cross)} layer(s)): the "
+                             "decoder of an encoder-decoder model, whose cross-attention over the encoder's states "
+                             "kvcache does not plan")
+        return result
     if len(hf) != len(layers):
         result.errors.append(f"attention layers: analyzer plans {len(layers)}, transformers builds {len(hf)}")
         return result

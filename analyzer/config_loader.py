@@ -443,11 +443,14 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(2, "model_type longcat_flash (two attention sublayers per decoder layer)")
     else:
-        num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", maximum=LIMITS["layers"])
+        # decoder_layers: a decoder-only use of an encoder-decoder family (BART's ForCausalLM), whose own stack it is
+        num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
+                                    maximum=LIMITS["layers"])
         sublayers = Sourced(1, "default: one attention per decoder layer")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
-    heads = r.positive_int("num_attention_heads", "n_head", "num_heads", maximum=LIMITS["heads"])
+    heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
+                           "decoder_attention_heads", maximum=LIMITS["heads"])
     kv_heads = _kv_heads(r, heads)
     mla = _mla_dims(r)
     head_dim = _head_dim(r, hidden, heads, mla)

@@ -104,3 +104,49 @@ def test_per_layer_lists_named_without_layer_follow_the_tiny_prefix(tmp_path):
     assert len(d["expert_swiglu_limit_list"]) == len(d["share_expert_swiglu_limit_list"]) == plan.num_layers \
         < real["num_hidden_layers"]
     transformers.AutoConfig.for_model(**d)  # what raised "`swiglu_limits` must contain one limit per decoder layer"
+
+
+def test_families_spelling_heads_and_layers_their_own_way_are_read_and_mpt_refused_by_its_alibi(tmp_path):
+    """MPT (``n_heads`` / ``n_layers``, ALiBi in its nested ``attn_config``) and XGLM (``attention_heads`` /
+    ``num_layers``) were refused for a field kvcache did not read; now MPT is planned Legacy with the device-side
+    blocker (the paged FA path takes no ALiBi bias), XGLM planned paged. The decoder of an encoder-decoder family
+    (BART's ForCausalLM) reads its own ``decoder_layers`` / ``decoder_attention_heads``, never the encoder's."""
+    mpt = analyze(AnalyzeRequest(config=str(_config(tmp_path, "mpt"))))
+    assert mpt.kv_mode.value == "legacy" and any("ALiBi" in b.message for b in mpt.blockers)
+    assert (mpt.model.num_layers, mpt.model.num_attention_heads) == (24, 16)
+    assert mpt.model.sources["num_attention_heads"] == "n_heads"
+    xglm = analyze(AnalyzeRequest(config=str(_config(tmp_path, "xglm"))))
+    assert xglm.kv_mode.value == "paged" and (xglm.model.num_layers, xglm.model.num_attention_heads) == (24, 16)
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+    from transformers import BartConfig
+
+    bart = BartConfig(encoder_layers=3, encoder_attention_heads=4, decoder_layers=5, decoder_attention_heads=8).to_dict()
+    facts = normalize_config(bart, "<bart>")
+    assert (facts.num_layers.value, facts.num_attention_heads.value) == (5, 8)
+    assert (facts.num_layers.source, facts.num_attention_heads.source) == ("decoder_layers", "decoder_attention_heads")
+
+
+def test_a_family_whose_tiny_config_transformers_rejects_is_refused_by_name_not_a_crash(tmp_path):
+    """DBRX: its nested attn_config does not survive kvcache's shrinking (transformers' DbrxAttentionConfig loses
+    rope_theta): `kvcache run` says so in one line, exit 2, where it crashed (exit 3)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "run", "--config",
+                           str(_config(tmp_path, "dbrx")), "--out", str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert "not supported by kvcache: a reference: transformers' dbrx does not build" in proc.stderr
+
+
+@pytest.mark.parametrize("model_type", ["bart", "whisper"])
+def test_an_encoder_decoder_families_decoder_is_refused_naming_its_cross_attention(tmp_path, model_type):
+    """Its decoder_layers now read, the plan meets transformers' blocks holding self- and cross-attention: refused
+    naming the cross-attention module (a second cache over the encoder's states, not planned), where it said only
+    that a field was missing."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
+    assert "cross-attention module beside their self-attention" in str(info.value)
+    assert "encoder_attn" in str(info.value)

@@ -25,7 +25,7 @@ _LAYOUT_REASON = {
     "BSH": "Legacy contiguous cache [batch, seq, heads*dim]",
 }
 # What a default-sourced decision tells the agent: nothing stated it, so ask before building on it.
-_YES_NO = {True: "是", False: "否"}
+YES_NO = {True: "是", False: "否"}  # a yes/no cell of the tables (SKILL.md's too)
 CONFIRM_DEFAULT = "DEFAULT, nothing stated it: read progress.md yourself and confirm with the user"
 
 
@@ -114,7 +114,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                  ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, ""))]
     rows += [
         ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
-        ("MLA absorb", _YES_NO[m.mla.absorb], m.mla.reason),
+        ("MLA absorb", YES_NO[m.mla.absorb], m.mla.reason),
         ("写入算子", m.attention_layers[0].write_op if m.attention_layers else "-", "writes addressed by slot_mapping"
          if m.kv_mode.value == "paged" else "writes addressed by kv_len"),
         ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in cached.caches)

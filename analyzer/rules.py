@@ -266,7 +266,7 @@ def decide_fa_version(facts: ModelFacts, requested: str | None = None, checkout_
 def decide_input_layout(facts: ModelFacts, kv_mode: str) -> Decision:
     if kv_mode == "legacy":
         return Decision("BSH", "Legacy contiguous cache [batch, seq, heads*dim]")
-    return Decision(*format_of(facts).paged_layout())
+    return Decision(*format_of(facts).paged_layout)
 
 
 def decide_scale(facts: ModelFacts) -> tuple[float, str]:
@@ -290,11 +290,11 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
         base, base_txt = qpas ** -0.5, f"query_pre_attn_scalar^-0.5 = {qpas:g}^-0.5"
     else:
         d = facts.qk_head_dim
-        base, base_txt = d ** -0.5, f"{format_of(facts).scale_label()}^-0.5 = {d}^-0.5"
+        base, base_txt = d ** -0.5, f"{format_of(facts).scale_label}^-0.5 = {d}^-0.5"
     rope = facts.rope.value
     # transformers' yarn_apply_mscale: any rope_type but "default" with mscale_all_dim. Every family that calls it is
     # MLA; elsewhere (Ministral 3) YaRN's attention factor scales cos/sin in the model's RoPE, not the softmax.
-    if format_of(facts).yarn_scales_softmax() and rope.rope_type != "default" and rope.mscale_all_dim:
+    if format_of(facts).yarn_scales_softmax and rope.rope_type != "default" and rope.mscale_all_dim:
         m = yarn_mscale(rope.factor, rope.mscale_all_dim)
         if m != 1.0:
             return base * m * m, (

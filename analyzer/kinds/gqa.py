@@ -79,15 +79,11 @@ class GqaFormat:
     def default_fa_version(self, facts: Facts) -> tuple[str, str, list[str]]:
         return "v1", "GQA/MHA default v1 (Qwen3 reference)", [facts.num_key_value_heads.source]
 
-    def paged_layout(self) -> tuple[str, str]:
-        return "TND", "packed variable-length batch [TotalTokens, N, D] matches the framework's 1-D inputs"
-
-    def scale_label(self) -> str:
-        return "head_dim"
-
-    def yarn_scales_softmax(self) -> bool:
-        """transformers' yarn_apply_mscale squares YaRN's mscale into the softmax scale: MLA families only."""
-        return False
+    # the paged FA layout and why; the head size the softmax scale is taken from, as the derivation writes it;
+    # whether transformers' yarn_apply_mscale squares YaRN's mscale into the softmax scale (MLA families only)
+    paged_layout = ("TND", "packed variable-length batch [TotalTokens, N, D] matches the framework's 1-D inputs")
+    scale_label = "head_dim"
+    yarn_scales_softmax = False
 
     # ------------------------------------------------------------------ caches and their managers
 

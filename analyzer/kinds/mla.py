@@ -70,14 +70,9 @@ class MlaFormat(GqaFormat):
     def default_fa_version(self, facts: Facts) -> tuple[str, str, list[str]]:
         return "v2", "MLA default v2 (DeepSeek-R1 reference); v1 also works (Kimi-K2)", [facts.mla.source]
 
-    def paged_layout(self) -> tuple[str, str]:
-        return "TND_NTD", "MLA absorb: packed query TND, output NTD for the per-head V up-projection"
-
-    def scale_label(self) -> str:
-        return "(qk_nope_head_dim + qk_rope_head_dim)"
-
-    def yarn_scales_softmax(self) -> bool:
-        return True
+    paged_layout = ("TND_NTD", "MLA absorb: packed query TND, output NTD for the per-head V up-projection")
+    scale_label = "(qk_nope_head_dim + qk_rope_head_dim)"
+    yarn_scales_softmax = True
 
     def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
         mla = facts.mla.value

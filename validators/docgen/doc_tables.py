@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from model_infer_kvcache.analyzer.decisions_table import YES_NO
 from model_infer_kvcache.analyzer.errors import OneLineArgumentParser
 from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.analyzer.kinds.formats import FORMATS, format_of_manifest
@@ -155,9 +156,6 @@ def _attention_text(m) -> str:
     return "不用 FA:模型自身 eager 注意力" + ("(含 soft-cap)" if legacy.softcap is not None else "") + ",已渲染"
 
 
-_YES_NO = {True: "是", False: "否"}
-
-
 def model_kinds_table() -> str:
     rows = []
     for kind in MODEL_KINDS:
@@ -165,7 +163,7 @@ def model_kinds_table() -> str:
         attn = " + ".join(sorted({layer.attn_type for layer in m.layers}))
         fmt = format_of_manifest(m)
         rows.append([kind.label, kind.examples, m.kv_mode.value, attn, _attention_text(m), fmt.doc_layout(m),
-                     _YES_NO[m.mla.absorb], _YES_NO[m.mixed_attn_types], fmt.doc_write(m)])
+                     YES_NO[m.mla.absorb], YES_NO[m.mixed_attn_types], fmt.doc_write(m)])
     return _table(["模型形态", "例子", "KV 模式", "attn_type", "FA", "input_layout", "MLA absorb",
                    "混合 attn_type", "写入算子"], rows)
 

@@ -136,6 +136,10 @@ class RenderContext:
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
     legacy_kernel: str = ""
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")
+    # exe_mode npugraph_ex: the captured decode passes FA the engine's host lists (fa_lengths), prefill the tensors
+    graph_lists: bool = False
+    # the paged FA call's (query, KV) length values: the metadata tensors, or fa_lengths()'s pick under npugraph_ex
+    fa_lengths: tuple[str, str] = ("forward_metadata.actual_seq_lengths_cu_q", "forward_metadata.actual_seq_lengths_kv")
 
     @property
     def full(self) -> KindPlan | None:
@@ -305,6 +309,10 @@ def _legacy_kernel(m: SelectionManifest) -> tuple[str, float | None]:
     return legacy.kernel, legacy.softcap
 
 
+def _graph_lists(m: SelectionManifest) -> bool:
+    return m.exe_mode is not None and m.exe_mode.value == "npugraph_ex"
+
+
 def build_context(m: SelectionManifest, names: Names, api_override: str | None = None) -> RenderContext:
     _check_layers(m)
     _check_numbers(m)
@@ -358,5 +366,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         names=names.checked(),
         legacy_kernel=legacy_kernel,
         softcap=softcap,
+        graph_lists=_graph_lists(m),
+        **({"fa_lengths": ("q_lens", "kv_lens")} if _graph_lists(m) else {}),
         **kind_fields,
     )

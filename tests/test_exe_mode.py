@@ -1,7 +1,8 @@
-"""The framework's execution mode for decode (issue 39, step 1): stated by --exe-mode or progress.md, planned with
-what a captured decode step must do (each with its source), and refused by name at render, whose templates write
-eager decode only: a graph-mode user never receives eager code that would break the capture or replay one step's
-lengths for every later step."""
+"""The framework's execution mode for decode (issue 39): stated by --exe-mode or progress.md, planned with what a
+captured decode step must do (each with its source). npugraph_ex decode is rendered for GQA/MHA and MLA (its capture
+is validated in test_graph_capture.py); everything the templates cannot capture is refused by name at render: a
+graph-mode user never receives eager code that would break the capture or replay one step's lengths for every later
+step."""
 
 from __future__ import annotations
 
@@ -59,20 +60,37 @@ def test_an_unstated_mode_leaves_the_manifest_as_it_was_and_eager_renders():
     assert code == render_manifest(plain).files["kvcache_attention.py"].splitlines()[1:]  # only the hash line differs
 
 
-@pytest.mark.parametrize("mode", ["npugraph_ex", "ge_graph"])
-def test_render_refuses_graph_mode_decode_by_name(mode):
+@pytest.mark.parametrize("config,options,why", [
+    ("qwen3_8b", {"exe_mode": "ge_graph"}, "torchair.ops"),
+    ("deepseek_v3", {"exe_mode": "npugraph_ex"}, "speculative verify steps"),  # its MTP layer plans next_n 1
+    ("deepseek_v32", {"exe_mode": "npugraph_ex"}, "DSA layers"),
+    ("qwen3_next", {"exe_mode": "npugraph_ex"}, "linear-attention states"),
+    ("qwen3_8b", {"exe_mode": "npugraph_ex", "kv_mode": "legacy"}, "Legacy"),
+])
+def test_render_refuses_what_it_cannot_capture_by_name(config, options, why):
     with pytest.raises(InputError) as err:
-        render_manifest(analyze(AnalyzeRequest(config=str(QWEN3), exe_mode=mode)))
-    assert err.value.field == "exe_mode" and f"{mode} decode" in err.value.render()
-    assert "eager decode only" in err.value.render()
+        render_manifest(analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"), **options)),
+                        allow_blocked=True)
+    assert err.value.field == "exe_mode" and f"{options['exe_mode']} decode" in err.value.render()
+    assert why in err.value.render() and "not supported by kvcache" in err.value.render()
 
 
-def test_run_with_a_graph_mode_exits_2_in_one_line_and_writes_nothing(tmp_path):
+def test_npugraph_ex_renders_gqa_and_mla_in_both_modes():
+    for config in ("qwen3_8b", "deepseek_v2_lite"):
+        for mode in ("framework", "standalone"):
+            files = render_manifest(analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"),
+                                                           exe_mode="npugraph_ex", deploy_mode=mode))).files
+            assert "def fa_lengths(forward_metadata):" in files["kvcache_attention.py"]
+            if mode == "standalone":
+                assert "def _padded_decode_metadata(" in files["kvcache_runner.py"]
+
+
+def test_run_with_ge_graph_exits_2_in_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
-    proc = _cli("run", "--config", str(QWEN3), "--exe-mode", "npugraph_ex", "--out", str(out))
+    proc = _cli("run", "--config", str(QWEN3), "--exe-mode", "ge_graph", "--out", str(out))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and not out.exists(), proc.stderr
-    assert lines[-1].startswith("error: ") and "not supported by kvcache: npugraph_ex decode" in lines[-1]
+    assert lines[-1].startswith("error: ") and "not supported by kvcache: ge_graph decode" in lines[-1]
     manifest = tmp_path / "m.json"
-    assert _cli("analyze", "--config", str(QWEN3), "--exe-mode", "npugraph_ex", "--out", str(manifest)).returncode == 0
-    assert json.loads(manifest.read_text(encoding="utf-8"))["exe_mode"]["value"] == "npugraph_ex"
+    assert _cli("analyze", "--config", str(QWEN3), "--exe-mode", "ge_graph", "--out", str(manifest)).returncode == 0
+    assert json.loads(manifest.read_text(encoding="utf-8"))["exe_mode"]["value"] == "ge_graph"

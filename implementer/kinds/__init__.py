@@ -39,18 +39,36 @@ def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
     return (attention_kind(m), *((recurrent,) if holds_states(m) else ()))
 
 
+def graph_mode_gap(m: SelectionManifest) -> str | None:
+    """Why a graph-mode decode of ``m`` is not rendered (None: it is, and validated by capture): the templates
+    render npugraph_ex decode (host-list FA lengths; the standalone runner pads decode to its batch and keeps a null
+    block) for GQA/MHA and MLA layers, in both deployment modes."""
+    if m.exe_mode.value == "ge_graph":
+        return ("with torchair.ops FA calls: the templates render npugraph_ex's (torch_npu FA with host-list "
+                "lengths), and the CPU capture has no torchair operators")
+    if m.kv_mode.value == "legacy":
+        return "for a Legacy (contiguous) cache: the engine's graph mode serves paged caches"
+    if attention_format(m) not in (GQA, MLA) or holds_states(m):
+        return (f"for {attention_format(m).upper()} layers{' with linear-attention states' if holds_states(m) else ''}"
+                ": the templates capture GQA/MHA and MLA decode only (the others convert lengths on the host inside "
+                "the step)")
+    if m.mtp is not None:
+        return "with speculative verify steps: their capture (one width per 1 + next_n) is not validated"
+    return None
+
+
 def check_unrendered(m: SelectionManifest) -> None:
     compressed.check(m)
     if m.exe_mode is not None and m.exe_mode.value != "eager":
-        raise bad("exe_mode", f"not supported by kvcache: {m.exe_mode.value} decode ({m.exe_mode.source}): the "
-                              "templates render eager decode only (Python loops over the step's requests, .tolist() "
-                              "of the metadata), which a captured step would break or replay with one step's values; "
-                              "serve decode eagerly (--exe-mode eager) or follow the manifest's "
-                              "exe_mode.consequences by hand")
+        why = graph_mode_gap(m)
+        if why:
+            raise bad("exe_mode", f"not supported by kvcache: {m.exe_mode.value} decode ({m.exe_mode.source}) {why}; "
+                                  "serve decode eagerly (--exe-mode eager) or follow the manifest's "
+                                  "exe_mode.consequences by hand")
     for kind, why in UNRENDERED_LAYER_KINDS.items():
         layers = [layer.index for layer in m.layers if layer.layer_kind == kind]
         if layers:
             raise bad(f"layers[{layers[0]}].layer_kind", f"{len(layers)} layer(s) use {why}")
 
 
-__all__ = ["UNRENDERED_LAYER_KINDS", "attention_kind", "check_unrendered", "kinds_of"]
+__all__ = ["UNRENDERED_LAYER_KINDS", "attention_kind", "check_unrendered", "graph_mode_gap", "kinds_of"]

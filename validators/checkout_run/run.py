@@ -265,18 +265,25 @@ def _config_model_type(checkpoint: Path) -> str:
 NOISE_MARGIN = 4.0
 
 
+# The noise is the rows' NOISE_QUANTILE quantile, not their maximum: a discrete flip on a few rows (an MoE routing
+# tie decided one way in float32 and the other in float64: Gemma-4 26B-A4B's tiny model flips 14 of 1716 rows, by up
+# to 0.83) is not rounding, and a tolerance widened to it would pass a cache bug's 0.27 (measured).
+NOISE_QUANTILE = 0.99
+
+
 def float32_noise(ref_model, sequences: dict[int, list[int]]) -> float:
-    """max |logits in float32 - logits in float64| of the reference over the stream's sequences: how much float32
-    rounding this architecture amplifies (scale 1.0 over a 512-wide normalised head, a near-one-hot softmax,
-    shows ~1e-4 where a Llama shows ~1e-6)."""
+    """How much float32 rounding this architecture amplifies: the NOISE_QUANTILE quantile over the stream's rows of
+    max |logits in float32 - logits in float64| of the reference (scale 1.0 over a 512-wide normalised head, a
+    near-one-hot softmax, shows ~1e-4 where a Llama shows ~1e-6)."""
     import copy
 
     from model_infer_kvcache.validators.pipeline.host_model import reference_logits
 
     wide = copy.deepcopy(ref_model).to(torch.float64)
     with torch.no_grad():
-        return max((reference_logits(ref_model, seq) - reference_logits(wide, seq)).abs().max().item()
-                   for seq in sequences.values())
+        rows = torch.cat([(reference_logits(ref_model, seq) - reference_logits(wide, seq)).abs().amax(-1)
+                          for seq in sequences.values()])
+    return float(torch.quantile(rows, NOISE_QUANTILE))
 
 
 def _numeric(report: Report, ref_model, run, noise: dict | None = None) -> None:
@@ -315,7 +322,8 @@ def _widen_tolerance(report: Report, ref_model, sequences: dict[int, list[int]],
         return False
     report.notes.append(f"logits tolerance {NOISE_MARGIN * measured:.3g} = {NOISE_MARGIN:g} x the float32 "
                         f"rounding noise of this architecture ({measured:.3g}: the reference in float32 vs "
-                        f"float64 over the stream's sequences), above the float32 default {report.tolerance:g}")
+                        f"float64, the {NOISE_QUANTILE:g} quantile of the stream's rows), above the float32 default "
+                        f"{report.tolerance:g}")
     report.tolerance = float(f"{NOISE_MARGIN * measured:.3g}")
     return True
 

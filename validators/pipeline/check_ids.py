@@ -84,6 +84,10 @@ CHECKS: tuple[CheckDef, ...] = (
                                 "(<N> rows over <N> steps)"),
     CheckDef("V227", "runtime", "each step writes every request's keys and values in its own row's blocks at its own "
                                 "positions (<N> steps)"),
+    CheckDef("V228", "runtime", "graph mode (<N>): the decode step captures as one graph"),
+    CheckDef("V229", "runtime", "graph mode: no capture after warm-up (<N> captures for <N> batch sizes over <N> "
+                                "replays)"),
+    CheckDef("V230", "runtime", "graph mode: no tensor inside the captured step is shaped or filled from a host length"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),
@@ -92,6 +96,7 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V305", "numeric", "logits vs recompute (the model's own forward over the whole prefix, no cache) max "
                                 "|diff| <= <N>"),
     CheckDef("V306", "numeric", "greedy tokens identical to recompute"),
+    CheckDef("V307", "numeric", "graph mode: replayed decode logits vs eager max |diff| <= <N>"),
     # ---------------------------------------------------------------- release: back where it started
     CheckDef("V401", "release", "outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)"),
     CheckDef("V402", "release", "all blocks back in the pool after the stream"),

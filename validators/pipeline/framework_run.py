@@ -12,6 +12,7 @@ import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import check_attention_calls
+from model_infer_kvcache.validators.pipeline.graph_capture import DecodeCapture, graph_mode
 from model_infer_kvcache.validators.pipeline.host_model import HostModel
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -104,9 +105,11 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     info = host.get_cache_info()
     check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype)
     # the framework's next_n, as the manifest plans it (sliding groups reserve 2 * next_n more tokens)
+    graph = graph_mode(manifest)
     sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,
                       api=api_module, generation=generation, device=host.device,
-                      next_n=manifest.mtp.speculative_tokens if manifest.mtp is not None else 0)
+                      next_n=manifest.mtp.speculative_tokens if manifest.mtp is not None else 0,
+                      graph_mode_lists=graph == "npugraph_ex")
     report.notes.append(provenance_note(api_module, generation, sched))
     check_allocation(report, host, sched)
     if any(not c.passed for c in report.checks if c.link == "init"):
@@ -116,6 +119,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     start_bytes = _cache_bytes(sched)
 
     tracker = NumericTracker(ref_model, host, atol=host.atol)
+    capture = DecodeCapture(host, graph, host.atol) if graph else None
     dog = scenario.watchdog("framework request stream")
     prompts = scenario.prompts(seed)
     first = len(scenario.first)
@@ -142,8 +146,9 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
             for rid, q in zip(step.request_ids, step.q_lens, strict=False):
                 prompt_len[rid] = q
         n_before = len(host.probe.records)
+        forward = capture.forward if capture is not None and not step.is_prefill else host.forward
         with dog.step(step.index, step.request_ids):
-            logits = host.forward(step.input_ids, step.position_ids, fm)
+            logits = forward(step.input_ids, step.position_ids, fm)
         tracker.record_step(step, logits, host.probe.records[n_before:])
         sched.complete_step(step, logits[step.last_token_rows()].argmax(-1))
     report.add("block_table/slot_mapping hold every layer's key", "runtime", not keys_missing,
@@ -165,9 +170,13 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
         sched.add_request(torch.randint(0, scenario.vocab, (8 + i % 24,), generator=g).tolist(), max_new_tokens=2)
         while sched.has_work():
             step = sched.next_step()
+            # graph mode: these decode steps replay the capture too (admission, release and block reuse)
+            forward = capture.forward if capture is not None and not step.is_prefill else host.forward
             with dog.step(step.index, step.request_ids):
-                logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+                logits = forward(step.input_ids, step.position_ids, step.forward_metadata)
             sched.complete_step(step, logits[step.last_token_rows()].argmax(-1))
+    if capture is not None:
+        capture.check(report, stream_steps=step.index + 1)
     report.add(f"{scenario.release_requests} sequential requests leave the pool and memory unchanged", "release",
                sched.usage() == start_usage and _cache_bytes(sched) == start_bytes,
                usage_before=start_usage, usage_after=sched.usage(), bytes_before=start_bytes,

@@ -139,6 +139,8 @@ class _RecordingOps:
         self._probe = probe
 
     def __getattr__(self, name):
+        if torch.compiler.is_compiling():  # a graph capture (graph_capture.py): the operator as one graph node
+            return _captured_op(name)
         target = getattr(self._ops, name)
         if name in dsa_args.DSA_OPS:
             return self._dsa_call(name, target)
@@ -172,15 +174,26 @@ class _RecordingOps:
         return call
 
 
+def _captured_op(name: str):
+    """``torch.ops.npu.<name>`` for a graph capture; an operator without a shape rule cannot be captured."""
+    from model_infer_kvcache.validators.npu_ops.fake_shapes import FAKE_SHAPES
+
+    if name not in FAKE_SHAPES:
+        raise NotImplementedError(f"not supported by kvcache: capturing torch_npu.{name} (no shape rule in "
+                                  "validators/npu_ops/fake_shapes.py)")
+    return getattr(torch.ops.npu, name)
+
+
 def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface -> rendered kv_cache_attention (packed TND, or BSH for Legacy)."""
     host = module._kvcache_host
     fm = _metadata()
     b, n, s, d = query.shape
     q, k, v = (x.transpose(1, 2).contiguous() for x in (query, key, value))  # [B, S, N, D]
-    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                      q=(b * s, n, d), k=(b * s, k.shape[2], d), dtype=q.dtype, hf_scaling=scaling,
-                      kv_lens=_as_list(fm.actual_seq_lengths_kv))
+    if not torch.compiler.is_compiling():  # a captured step's evidence is its eager rerun's (graph_capture.py)
+        host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                          q=(b * s, n, d), k=(b * s, k.shape[2], d), dtype=q.dtype, hf_scaling=scaling,
+                          kv_lens=_as_list(fm.actual_seq_lengths_kv))
     if host.bsh:
         out = host.kv_cache_attention(q.reshape(b, s, n * d), k.reshape(b, s, -1), v.reshape(b, s, -1), fm)
     else:
@@ -234,9 +247,10 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     rope = () if position_embeddings is None else tuple(t.to(x.dtype) for t in _cos_sin(position_embeddings))
     if rope:  # DeepSeek-V2's freqs stay float32
         q_rot = _interleaved_rope(q_rot, rope[0][:, None, :], rope[1][:, None, :])
-    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                      q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
-                      hf_scaling=getattr(self, "scaling", None), kv_lens=_as_list(fm.actual_seq_lengths_kv))
+    if not torch.compiler.is_compiling():  # a captured step's evidence is its eager rerun's (graph_capture.py)
+        host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                          q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
+                          hf_scaling=getattr(self, "scaling", None), kv_lens=_as_list(fm.actual_seq_lengths_kv))
     # DSA (an indexer beside the MLA): the rendered code selects keys from the hidden states and the query residual
     dsa = {"hidden_states": x, "q_resid": q_resid} if getattr(self, "indexer", None) is not None else {}
     out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, *rope, fm, **dsa)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import check_attention_calls, recurrent
+from model_infer_kvcache.validators.npu_ops import paged_caches
+from model_infer_kvcache.validators.pipeline.graph_capture import DecodeCapture, graph_mode
 from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -13,6 +17,7 @@ from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Sim
 
 CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
 STATE_NAMES = ("conv_state", "recurrent_state")  # a linear layer's states: one slot per row
+PADDING_CHECK = "decode padded to the per-DP batch size; padded rows write only the null block"
 
 
 def _caches(host) -> list[torch.Tensor]:
@@ -57,103 +62,155 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     start_ids = [id(t) for t in _caches(host)]
 
     tracker = NumericTracker(ref_model, host, atol=host.atol)
-    dog = scenario.watchdog("standalone request stream")
-    prompts = scenario.prompts(seed)
-    first = len(scenario.first)
-    waiting = list(range(first))
-    late = list(range(first, len(prompts)))
-    tokens = {rid: list(prompts[rid][0]) for rid in range(len(prompts))}
-    budget = {rid: prompts[rid][1] for rid in range(len(prompts))}
-    row_of: dict[int, int] = {}
-    free_rows = list(range(rows_n))
-    prompt_len: dict[int, int] = {}
-    slot_errors: list[str] = []
-    step_index = 0
+    graph = graph_mode(manifest)
+    capture = DecodeCapture(host, graph, host.atol) if graph else None
+    padding: list[str] = []  # graph mode: padded decode steps whose padded rows leave the null block
+    # graph mode: the runner's null block takes the padded rows' repeated writes (npu_ops.paged_caches)
+    regions = contextlib.ExitStack()
+    if graph and getattr(runner, "null_block", None) is not None:
+        regions.enter_context(paged_caches([getattr(a, c) for a in host.attentions for c in CACHE_NAMES
+                                            if hasattr(a, c)], null_block=runner.null_block))
+    with regions:
+        dog = scenario.watchdog("standalone request stream")
+        prompts = scenario.prompts(seed)
+        first = len(scenario.first)
+        waiting = list(range(first))
+        late = list(range(first, len(prompts)))
+        tokens = {rid: list(prompts[rid][0]) for rid in range(len(prompts))}
+        budget = {rid: prompts[rid][1] for rid in range(len(prompts))}
+        row_of: dict[int, int] = {}
+        free_rows = list(range(rows_n))
+        prompt_len: dict[int, int] = {}
+        slot_errors: list[str] = []
+        step_index = 0
 
-    def run_step(rids, is_prefill):
-        nonlocal step_index
-        rows = [row_of[r] for r in rids]
-        if is_prefill:
-            lens = [len(tokens[r]) for r in rids]
-            fm = runner._build_forward_metadata(rows, lens)
-            ids = torch.tensor([t for r in rids for t in tokens[r]])
-            pos = torch.cat([torch.arange(n) for n in lens])
-        else:
-            lens = [1] * len(rids)
-            fm = runner._build_forward_metadata(rows)
-            ids = torch.tensor([tokens[r][-1] for r in rids])
-            pos = runner.kv_len[torch.tensor(rows)].clone()
-        want_slots = torch.cat([row * runner.max_seq_len + p.view(-1) for row, p in
-                                zip(rows, torch.split(pos, lens), strict=True)])
-        if not torch.equal(fm.slot_mapping.view(-1).long(), want_slots.long()):
-            slot_errors.append(f"step {step_index}")
-        step = SimpleStep(step_index, is_prefill, list(rids), ids, pos, lens)
-        n_before = len(host.probe.records)
-        with dog.step(step_index, rids):  # the runner's own step (forward and kv_len advance) is the render's
-            logits = host.forward(ids, pos, fm)
-            runner._advance_kv_len(rows, fm)
-        tracker.record_step(step, logits, host.probe.records[n_before:])
-        step_index += 1
-        return logits[step.last_token_rows()].argmax(-1).tolist()
+        def run_step(rids, is_prefill):
+            nonlocal step_index
+            rows = [row_of[r] for r in rids]
+            if is_prefill:
+                lens = [len(tokens[r]) for r in rids]
+                fm = runner._build_forward_metadata(rows, lens)
+                ids = torch.tensor([t for r in rids for t in tokens[r]])
+                pos = torch.cat([torch.arange(n) for n in lens])
+            else:
+                lens = [1] * len(rids)
+                fm = runner._build_forward_metadata(rows)
+                ids = torch.tensor([tokens[r][-1] for r in rids])
+                pos = runner.kv_len[torch.tensor(rows)].clone()
+            want_slots = torch.cat([row * runner.max_seq_len + p.view(-1) for row, p in
+                                    zip(rows, torch.split(pos, lens), strict=True)])
+            if not torch.equal(fm.slot_mapping.view(-1)[:want_slots.numel()].long(), want_slots.long()):
+                slot_errors.append(f"step {step_index}")
+            forward = host.forward
+            if capture is not None and not is_prefill:  # graph mode: the runner padded the step to its batch
+                problems = _padded_rows_problems(runner, fm, len(rows), step_index)
+                if problems and not padding:  # reported now: the step may stop at an operator error
+                    report.add(PADDING_CHECK, "runtime", False, detail=problems[0], runner=_runner_line(runner))
+                padding.extend(problems)
+                pad = fm.slot_mapping.numel() - len(rows)
+                ids, pos, forward = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)]), \
+                    capture.forward
+            step = SimpleStep(step_index, is_prefill, list(rids), ids, pos, lens)
+            n_before = len(host.probe.records)
+            with dog.step(step_index, rids):  # the runner's own step (forward and kv_len advance) is the render's
+                logits = forward(ids, pos, fm)
+                runner._advance_kv_len(rows, fm)
+            tracker.record_step(step, logits, host.probe.records[n_before:])
+            step_index += 1
+            return logits[step.last_token_rows()].argmax(-1).tolist()
 
-    running: list[int] = []
-    while waiting or running or late:
-        if late and len(running) + len(waiting) < first:  # someone finished: admit the late requests
-            waiting += late
-            late = []
-        admit = []
-        while waiting and free_rows:
-            rid = waiting.pop(0)
-            row_of[rid] = free_rows.pop(0)
-            admit.append(rid)
-        if admit:
-            for rid in admit:
-                prompt_len[rid] = len(tokens[rid])
-            new = run_step(admit, True)
-            for rid, tok in zip(admit, new, strict=True):
-                tokens[rid].append(tok)
-                budget[rid] -= 1
-            running += admit
-        elif running:
-            new = run_step(list(running), False)
-            for rid, tok in zip(list(running), new, strict=True):
-                tokens[rid].append(tok)
-                budget[rid] -= 1
-        for rid in [r for r in running if budget[r] <= 0]:
-            running.remove(rid)
-            _poison_row(host, runner, row_of[rid])
-            free_rows.append(row_of[rid])
-        if not admit and not running and not waiting and late:
-            continue
-    report.add("slot_mapping = row * max_seq_len + position", "runtime", not slot_errors,
-               detail="; ".join(slot_errors[:3]), steps=step_index)
-    tracker.check_runtime(report, manifest, prompt_len)
-    check_attention_calls(report, manifest, host)
-    sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
-    tracker.check_numeric(report, sequences)
-    if manifest.mtp is not None:
-        from model_infer_kvcache.validators.pipeline.spec_decode import run_standalone_stream
+        running: list[int] = []
+        while waiting or running or late:
+            if late and len(running) + len(waiting) < first:  # someone finished: admit the late requests
+                waiting += late
+                late = []
+            admit = []
+            while waiting and free_rows:
+                rid = waiting.pop(0)
+                row_of[rid] = free_rows.pop(0)
+                admit.append(rid)
+            if admit:
+                for rid in admit:
+                    prompt_len[rid] = len(tokens[rid])
+                new = run_step(admit, True)
+                for rid, tok in zip(admit, new, strict=True):
+                    tokens[rid].append(tok)
+                    budget[rid] -= 1
+                running += admit
+            elif running:
+                new = run_step(list(running), False)
+                for rid, tok in zip(list(running), new, strict=True):
+                    tokens[rid].append(tok)
+                    budget[rid] -= 1
+            for rid in [r for r in running if budget[r] <= 0]:
+                running.remove(rid)
+                _poison_row(host, runner, row_of[rid])
+                free_rows.append(row_of[rid])
+            if not admit and not running and not waiting and late:
+                continue
+        report.add("slot_mapping = row * max_seq_len + position", "runtime", not slot_errors,
+                   detail="; ".join(slot_errors[:3]), steps=step_index)
+        tracker.check_runtime(report, manifest, prompt_len)
+        check_attention_calls(report, manifest, host)
+        sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
+        tracker.check_numeric(report, sequences)
+        if manifest.mtp is not None:
+            from model_infer_kvcache.validators.pipeline.spec_decode import run_standalone_stream
 
-        run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row, dog)
+            run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row, dog)
 
-    g = torch.Generator().manual_seed(seed + 1)
-    for i in range(scenario.release_requests):
-        rid = 10_000 + i
-        tokens[rid] = torch.randint(0, scenario.vocab, (8 + i % 24,), generator=g).tolist()
-        row_of[rid] = 0
-        nxt = run_step([rid], True)
-        tokens[rid].append(nxt[0])
-        run_step([rid], False)
-        _poison_row(host, runner, 0)
-    end_bytes = sum(t.numel() * t.element_size() for t in _caches(host))
-    report.add(f"{scenario.release_requests} sequential requests leave memory unchanged", "release",
-               end_bytes == start_bytes and [id(t) for t in _caches(host)] == start_ids,
-               bytes_before=start_bytes, bytes_after=end_bytes)
+        g = torch.Generator().manual_seed(seed + 1)
+        for i in range(scenario.release_requests):
+            rid = 10_000 + i
+            tokens[rid] = torch.randint(0, scenario.vocab, (8 + i % 24,), generator=g).tolist()
+            row_of[rid] = 0
+            nxt = run_step([rid], True)
+            tokens[rid].append(nxt[0])
+            run_step([rid], False)
+            _poison_row(host, runner, 0)
+        end_bytes = sum(t.numel() * t.element_size() for t in _caches(host))
+        if capture is not None:
+            if not padding:
+                report.add(PADDING_CHECK, "runtime", True, runner=_runner_line(runner))
+            capture.check(report, stream_steps=step_index)
+        report.add(f"{scenario.release_requests} sequential requests leave memory unchanged", "release",
+                   end_bytes == start_bytes and [id(t) for t in _caches(host)] == start_ids,
+                   bytes_before=start_bytes, bytes_after=end_bytes)
+
+
+def _padded_rows_problems(runner, fm, real: int, step: int) -> list[str]:
+    """A graph-mode decode step: ``batch_size`` rows, every padded row's slot and block-table row in the null block
+    (anywhere else it overwrites a live request's cache)."""
+    rows = fm.slot_mapping.numel()
+    if rows != runner.batch_size:
+        return [f"step {step}: {rows} rows, not the runner's batch of {runner.batch_size} (one captured shape)"]
+    null = getattr(runner, "null_block", None)
+    slots = fm.slot_mapping.view(-1)[real:].long()
+    tables = fm.block_table[real:].long()
+    if null is None or bool((slots // _block_size(runner) != null).any()) or bool((tables != null).any()):
+        return [f"step {step}: padded rows write slots {slots.tolist()[:4]} / read blocks "
+                f"{sorted(set(tables.view(-1).tolist()))[:4]}, not the null block {null}"]
+    return []
+
+
+def _block_size(runner) -> int:
+    return runner.max_seq_len // runner.block_table.shape[1]
+
+
+def _runner_line(runner) -> str:
+    import inspect
+
+    fn = getattr(type(runner), "_padded_decode_metadata", type(runner)._build_forward_metadata)
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return "?"
 
 
 def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_n: int) -> None:
     problems = []
-    blocks = runner.block_table.numel()
+    # graph mode: one null block past the rows' blocks, for the padded decode rows
+    blocks = runner.block_table.numel() + (1 if graph_mode(manifest) else 0)
     want = {c.name: c for c in next(layer for layer in manifest.layers if not layer.is_state).caches}
     states = recurrent.states(manifest)
     # one state slot per row, 1 + next_n of them under speculative decoding (one per verify token)
@@ -171,7 +228,7 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
             shape = (blocks, manifest.block_size, c.num_head, c.dim)
             if t is None or tuple(t.shape) != shape:
                 problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != {shape}")
-    table_ok = torch.equal(runner.block_table.view(-1).long(), torch.arange(blocks))
+    table_ok = torch.equal(runner.block_table.view(-1).long(), torch.arange(runner.block_table.numel()))
     report.add("_init_kvcache caches are [num_blocks, block_size, num_head, dim]", "init", not problems,
                detail="; ".join(problems[:3]), rows=rows_n, blocks=blocks)
     report.add("static block table is arange(batch * blocks_per_seq)", "init", table_ok,

@@ -1,0 +1,117 @@
+"""Graph-mode decode (issue 39): the rendered npugraph_ex decode captured once per batch size and replayed over the
+whole request stream, in both deployment modes, and four realistic graph-mode mistakes failing by name with the
+line that holds them.
+
+The capture is torch.compile(fullgraph=True) of the decode forward, the engine's own compile
+(executor/utils/graph_utils.py), with the emulated operators as single torch.ops.npu nodes
+(validators/npu_ops/fake_shapes.py). Each replayed step is compared with the eager step on the same state and its
+logits go to the transformers comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+from model_infer_kvcache.validators.pipeline.request_stream import DEFAULT
+from validators_support import check, mutate, render_case, run_validate
+
+pytestmark = pytest.mark.slow
+
+CAPTURE = "graph mode (npugraph_ex"
+NO_RECAPTURE = "graph mode: no capture after warm-up"
+HOST_SHAPED = "graph mode: no tensor inside the captured step is shaped or filled from a host length"
+VS_EAGER = "graph mode: replayed decode logits vs eager"
+PADDING = "decode padded to the per-DP batch size; padded rows write only the null block"
+
+
+def _line_of(path, needle: str) -> int:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return next(i for i, line in enumerate(lines, 1) if needle in line)
+
+
+@pytest.mark.parametrize("config,mode", [("qwen3_8b", "framework"), ("qwen3_8b", "standalone"),
+                                         ("deepseek_v2_lite", "framework"), ("deepseek_v2_lite", "standalone")])
+def test_rendered_graph_decode_captures_once_and_replays_the_stream_as_eager(tmp_path, config, mode):
+    manifest, rendered, cfg = render_case(tmp_path, config, exe_mode="npugraph_ex", deploy_mode=mode)
+    scenario = DEFAULT if config == "qwen3_8b" else None
+    report = run_validate(manifest, rendered, cfg, **({"scenario": scenario} if scenario else {}))
+    assert report.passed, report.failures()
+    capture, again = check(report, CAPTURE), check(report, NO_RECAPTURE)
+    assert capture.passed and capture.measured["captures"] == 1
+    # one batch size (the engine's padded decode batch), replayed over the stream with admission and release
+    assert again.passed and again.measured["batch_rows"] == [report_rows(report, mode)]
+    replays = check(report, VS_EAGER).measured["replays"]
+    assert replays >= (40 if scenario else 15), replays
+    assert check(report, VS_EAGER).measured["max_diff"] <= 1e-9
+    assert check(report, HOST_SHAPED).passed
+    if mode == "standalone":
+        assert check(report, PADDING).passed
+
+
+def report_rows(report, mode: str) -> int:
+    return check(report, NO_RECAPTURE).measured["batch_rows"][0]
+
+
+def test_the_render_passes_fa_host_lists_on_decode_only(tmp_path):
+    _, rendered, _ = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
+    code = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
+    assert "return forward_metadata.actual_seq_lengths_cu_list_q, forward_metadata.actual_seq_lengths_list_kv" in code
+    assert "actual_seq_lengths=q_lens," in code and "actual_seq_lengths_kv=kv_lens," in code
+
+
+# ------------------------------------------------------------------ the four mistakes, each named with its line
+def test_a_length_read_with_item_inside_decode_breaks_the_capture_at_its_line(tmp_path):
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
+    mutate(rendered, r"(\n(\s+)q_lens, kv_lens = fa_lengths\(forward_metadata\))",
+           r"\1\n\2kv_lens = [int(n.item()) for n in forward_metadata.actual_seq_lengths_kv]", count=1)
+    line = _line_of(rendered / "kvcache_attention.py", "n.item()")
+    report = run_validate(manifest, rendered, cfg)
+    broken = check(report, CAPTURE)
+    assert not broken.passed and f"kvcache_attention.py:{line}" in broken.detail, broken.detail
+    assert check(report, VS_EAGER).measured["replays"] <= 1  # the stream stops replaying at the broken capture
+    assert check(report, "logits vs transformers").passed  # the eager numbers are right: only the capture fails
+
+
+def test_a_block_table_cut_to_the_current_longest_request_is_named_at_its_line(tmp_path):
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
+    # "only the blocks the longest request needs": the width then follows the step's lengths, not the static width
+    mutate(rendered, r"(\n(\s+)q_lens, kv_lens = fa_lengths\(forward_metadata\))",
+           r"\1\n\2block_table = block_table[:, : (max(kv_lens) + block_size - 1) // block_size]", count=1)
+    line = _line_of(rendered / "kvcache_attention.py", "(max(kv_lens)")
+    report = run_validate(manifest, rendered, cfg)
+    shaped = check(report, HOST_SHAPED)
+    assert not shaped.passed and f"kvcache_attention.py:{line}" in shaped.detail, shaped.detail
+    assert "actual_seq_lengths_list_kv" in shaped.detail
+    assert check(report, "logits vs transformers").passed  # eager and CPU replay agree: only the shape is wrong
+
+
+def test_write_slots_computed_from_the_host_lengths_are_named_at_their_line(tmp_path):
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
+    # "the new token sits at kv_len - 1": right on every eager step and in the CPU trace, but a tensor made from the
+    # host lengths inside the step is copied once by the device capture and replayed with those values
+    mutate(rendered, r"(\n(\s+))self\.update_cache\(key_states, value_states, slot_mapping\)",
+           r"\1if not forward_metadata.is_prefill:"
+           r"\1    pos = torch.tensor(forward_metadata.actual_seq_lengths_list_kv, dtype=torch.int64) - 1"
+           r"\1    block = block_table.long().gather(1, (pos // self.k_cache.shape[1]).unsqueeze(1)).squeeze(1)"
+           r"\1    slot_mapping = block * self.k_cache.shape[1] + pos % self.k_cache.shape[1]"
+           r"\1self.update_cache(key_states, value_states, slot_mapping)", count=1)
+    line = _line_of(rendered / "kvcache_attention.py", "pos = torch.tensor(")
+    report = run_validate(manifest, rendered, cfg)
+    filled = check(report, HOST_SHAPED)
+    assert not filled.passed and f"kvcache_attention.py:{line}" in filled.detail, filled.detail
+    assert "values from" in filled.detail and "actual_seq_lengths_list_kv" in filled.detail
+    assert check(report, "logits vs transformers").passed  # right numbers on CPU: only the capture would replay them
+
+
+def test_padded_rows_pointed_at_a_live_row_instead_of_the_null_block_fail_by_name(tmp_path):
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex", deploy_mode="standalone")
+    # "pad with row 0": the padded rows write row 0's slot and read its blocks
+    mutate(rendered, r"null_rows = torch\.full\(\(pad, self\.block_table\.shape\[1\]\), self\.null_block",
+           "null_rows = self.block_table[:1].expand(pad, -1) + 0 * torch.full((pad, self.block_table.shape[1]), "
+           "self.null_block", name="kvcache_runner.py")
+    mutate(rendered, r"null_slots = torch\.full\(\(pad,\), self\.null_block \* BLOCK_SIZE",
+           "null_slots = torch.full((pad,), 0", name="kvcache_runner.py")
+    report = run_validate(manifest, rendered, cfg)
+    padding = check(report, PADDING)
+    assert not padding.passed and "not the null block" in padding.detail, padding
+    assert "kvcache_runner.py:" in padding.measured["runner"]
+    assert not report.passed

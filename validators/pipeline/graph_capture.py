@@ -1,0 +1,294 @@
+"""Graph-mode decode on CPU: the step captured once per batch size and replayed over the stream, as the engine does.
+
+The framework compiles only the decode forward (``executor/core/model_worker/model_worker.py``: prefill stays
+eager) with ``torch.compile(fullgraph=True)`` (``executor/utils/graph_utils.py``): ``npugraph_ex`` with
+``dynamic=enable_dynamic_graph`` (default True, ``inference_config.py``), ``ge_graph`` with ``dynamic=False``. The
+engine pads every decode batch to ``batch_size_per_dp_rank`` and warms up one step per batch size before serving.
+Here the same compile captures the rendered decode inside the transformers host, the emulated operators seen as
+single ``torch.ops.npu`` nodes (their shape rules: ``npu_ops/fake_shapes.py``), so that:
+
+* a graph break (``.item()``, ``.tolist()``, Python branching on tensor values) fails the capture, with the line;
+* a recapture after warm-up is named: a guard that failed (a host value the first capture took as a constant:
+  on the device the replay reuses it, wrong output and no error; with ``enable_cache_compile`` the framework
+  even skips the guards) or a captured input whose shape changed (the device graph holds its capture's shapes);
+* every replayed step is compared with the eager run of the same step on the same state (rerun right after it:
+  the step's cache writes are the same values at the same slots) and its logits go to the oracle comparison.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
+from model_infer_kvcache.validators.pipeline import host_model
+from model_infer_kvcache.validators.pipeline.precision import traceable_upcasts
+from model_infer_kvcache.validators.pipeline.report import Report
+
+# The engine's compile per execution mode (graph_utils.compile_model_forward; npugraph_ex's dynamic is the yaml's
+# enable_dynamic_graph, whose default is True).
+DYNAMIC = {"npugraph_ex": True, "ge_graph": False}
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def graph_mode(manifest) -> str | None:
+    """The manifest's captured execution mode (npugraph_ex / ge_graph), None for eager decode."""
+    mode = manifest.exe_mode.value if manifest.exe_mode is not None else "eager"
+    return None if mode == "eager" else mode
+
+
+class _Stop(Exception):
+    """Raised by the capture backend: a capture after warm-up (its reason is on the DecodeCapture)."""
+
+
+@dataclass
+class DecodeCapture:
+    host: object
+    exe_mode: str
+    atol: float
+    dynamic: bool | None = None
+    captures: list[tuple[int, int]] = field(default_factory=list)  # (step, batch rows) of each capture
+    replays: int = 0
+    broken: str | None = None  # the graph break, with its line
+    recaptured: str | None = None  # the first capture after warm-up, with its reason and line
+    host_shapes: list[str] = field(default_factory=list)  # tensors inside the graph shaped by a host value
+    max_diff: float = 0.0
+    worst_step: int | None = None
+    notes: list[str] = field(default_factory=list)
+    _shapes: dict[int, list] = field(default_factory=dict)  # batch rows -> the captured inputs' (name, shape)
+    _rows: int = 0
+    _step: int = 0
+
+    def __post_init__(self):
+        if self.dynamic is None:
+            self.dynamic = DYNAMIC[self.exe_mode]
+        self.notes += _capturable_experts(self.host.hf_model)
+        # A fresh cache (captures of an earlier run must not answer this one's steps), reset with torch's own tensor
+        # methods in place: Dynamo rebuilds its table of known functions from what it finds then.
+        with traceable_upcasts():
+            torch._dynamo.reset()
+            self._compiled = torch.compile(self._decode, fullgraph=True, dynamic=self.dynamic, backend=self._backend)
+
+    @property
+    def active(self) -> bool:
+        return self.broken is None and self.recaptured is None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
+        """One decode step: the captured graph (capturing it first for a new batch size), then the eager step on the
+        same inputs; returns the graph's logits [T, vocab] (the eager ones once the capture has failed)."""
+        graph = None
+        if self.active:
+            self._rows, self._step = int(input_ids.shape[0]), self.host.step_index + 1
+            try:
+                with torch.no_grad(), traceable_upcasts():
+                    graph = self._compiled(input_ids.to(self.host.device)[None],
+                                           position_ids.to(self.host.device)[None], forward_metadata)
+                self.replays += 1
+            except Exception as exc:  # noqa: BLE001 - a failed capture is this check's finding, not a crash
+                if self.recaptured is None:
+                    self.broken = _graph_break(exc, self._user_files())
+        eager = self.host.forward(input_ids, position_ids, forward_metadata)
+        if graph is None:
+            return eager
+        graph = graph[0].double().cpu()
+        # NaN where both are NaN is a padded row reading the poisoned null block, in both runs alike
+        both_nan = graph.isnan() & eager.isnan()
+        gap = (graph - eager).abs().masked_fill(both_nan, 0).nan_to_num(nan=float("inf"))
+        diff = float(gap.max()) if gap.numel() else 0.0
+        if diff > self.max_diff:
+            self.max_diff, self.worst_step = diff, self._step
+        return graph
+
+    def check(self, report: Report, stream_steps: int) -> None:
+        report.notes.extend(self.notes)
+        mode = f"{self.exe_mode}, dynamic={self.dynamic}"
+        report.add(f"graph mode ({mode}): the decode step captures as one graph", "runtime", self.broken is None,
+                   detail=self.broken or "", captures=len(self.captures))
+        rows = sorted({r for _, r in self.captures})
+        report.add(f"graph mode: no capture after warm-up ({len(self.captures)} captures for {len(rows)} batch sizes "
+                   f"over {self.replays} replays)", "runtime", self.recaptured is None and self.broken is None,
+                   detail=self.recaptured or ("" if self.broken is None else "not reached: the capture broke"),
+                   batch_rows=rows, stream_steps=stream_steps)
+        report.add("graph mode: no tensor inside the captured step is shaped or filled from a host length", "runtime",
+                   not self.host_shapes, detail="; ".join(self.host_shapes[:2]), findings=len(self.host_shapes))
+        ok = self.replays > 0 and self.max_diff <= self.atol
+        report.add(f"graph mode: replayed decode logits vs eager max |diff| <= {self.atol:g}", "numeric", ok,
+                   max_diff=self.max_diff, worst_step=self.worst_step, replays=self.replays,
+                   detail="" if self.replays else "no step replayed")
+
+    # ------------------------------------------------------------------ the captured function and its backend
+    def _decode(self, input_ids, position_ids, forward_metadata):
+        # The metadata stack is pushed inside the captured function, so that the graph reads the step's metadata
+        # as an input of the call, not as a global the first capture saw.
+        host_model._CURRENT.append((forward_metadata, position_ids))
+        logits = self.host.hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        host_model._CURRENT.pop()
+        return logits
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        if self._rows in self._shapes:  # this batch size was captured already: a recapture
+            self.recaptured = (f"step {self._step}: recompiled after warm-up ({self._rows} rows): "
+                               f"{_guard_failure(self._compiled, self._user_files())}")
+            raise _Stop(self.recaptured)
+        self.captures.append((self._step, self._rows))
+        self.host_shapes += [f for f in _host_shaped(gm, self._user_files()) if f not in self.host_shapes]
+        reads = _host_reads(gm, self._user_files())
+        if reads and self.broken is None:
+            self.broken = reads[0]
+        names = [_input_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
+        self._shapes[self._rows] = [(n, tuple(x.shape)) for n, x in zip(names, example_inputs, strict=False)
+                                    if isinstance(x, torch.Tensor)]
+        lines = _first_use_lines(gm)
+        rows = self._rows
+
+        def replay(*args):
+            shapes = [(n, tuple(x.shape)) for n, x in zip(names, args, strict=False) if isinstance(x, torch.Tensor)]
+            for (name, want), (_, got) in zip(self._shapes[rows], shapes, strict=False):
+                if want != got and self.recaptured is None:
+                    self.recaptured = (f"step {self._step}: captured input {name} changed shape {list(want)} -> "
+                                       f"{list(got)} after warm-up (the device graph replays its capture's shapes)"
+                                       f"{lines.get(name, '')}")
+            return gm.forward(*args)
+
+        return replay
+
+    def _user_files(self) -> tuple[str, ...]:
+        """The files a finding points into: the rendered code first, then the model's own."""
+        rendered = [getattr(m, "__file__", None) for m in (self.host.rendered.attention, self.host.rendered.runner)]
+        model = getattr(type(self.host.hf_model), "__module__", "")
+        module = __import__(model, fromlist=["_"]) if model else None
+        return tuple(f for f in (*rendered, getattr(module, "__file__", None)) if f)
+
+
+def _capturable_experts(model) -> list[str]:
+    """transformers' default MoE experts loop over the experts the router hit (data-dependent: no graph holds it),
+    where the device serves MoE through grouped-matmul operators: the model under test takes transformers' own
+    batched_mm experts instead, prefill and eager reruns included (the reference keeps its default)."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                          "_experts_implementation")}
+    changed = [c for c in configs.values() if c._experts_implementation in (None, "eager")]
+    for config in changed:
+        config._experts_implementation = "batched_mm"
+    return (["graph mode: the model under test runs transformers' batched_mm experts (its default experts loop is "
+             "data-dependent, which the device's grouped-matmul MoE is not)"] if changed else [])
+
+
+def _input_name(node) -> str:
+    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)  # a property in newer torch
+    name = name() if callable(name) else name
+    return name or node.name
+
+
+def _host_reads(gm, files: tuple[str, ...]) -> list[str]:
+    """Device values read on the host inside the captured step (``.item()``, ``.tolist()``, ``int(tensor)``): CPU
+    tracing keeps them as data-dependent (unbacked) symbols, but a device graph replays launches and cannot stop to
+    read a value back, so the capture breaks there or keeps the first step's value. (A Python float the tracer turned
+    into an input and reads back with ``.item()`` is backed, not a host read.)"""
+    out = []
+    for node in gm.graph.nodes:
+        values = node.meta.get("example_value")
+        values = values if isinstance(values, (list, tuple)) else [values]
+        if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and any(
+                str(sym).startswith("u") for sym in v.node.expr.free_symbols) for v in values):
+            where = _where(node.meta.get("stack_trace") or "", files)
+            what = f".{node.target}()" if node.op == "call_method" else str(node.target)
+            out.append(f"{what} reads a device value on the host inside the captured step (a sync the device "
+                       "graph cannot replay)" + (f" at {where}" if where else ""))
+    return out
+
+
+# The FA operators' SymInt[] lengths: what npugraph_ex gives a replay afresh (the engine's host lists per step).
+_REPLAYED_HOST_ARGS = {getattr(kw, role) for kw in FA_KEYWORDS.values() for role in ("q_lens", "kv_lens")}
+
+
+def _host_shaped(gm, files: tuple[str, ...]) -> list[str]:
+    """Tensors of the captured graph shaped or filled from a host value (an int input: a host-list length, a Python
+    int of the metadata): a block table cut to the step's longest request, slots or positions computed from the host
+    lengths. The trace here takes the value symbolically; the device graph keeps its capture's shapes and the values
+    it copied or passed to a kernel then. Only the FA operators' SymInt[] lengths are given afresh to every replay."""
+    host = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if node.op == "placeholder" and isinstance(value, torch.SymInt) and "TensorPropertySource" not in \
+                type(source).__name__:
+            host.update({str(sym): _input_name(node) for sym in value.node.expr.free_symbols})
+
+    def from_host(values) -> set[str]:
+        return {host[str(sym)] for v in values if isinstance(v, (torch.SymInt, torch.SymFloat))
+                for sym in v.node.expr.free_symbols if str(sym) in host}
+
+    out = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op not in ("call_function", "call_method") or not isinstance(value, (torch.Tensor, tuple, list)):
+            continue
+        tensors = [v for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, torch.Tensor)]
+        shaped = from_host([size for t in tensors for size in t.shape])
+        args = [a for a in node.args] + [a for k, a in node.kwargs.items() if k not in _REPLAYED_HOST_ARGS]
+        filled = from_host(_arg_values(args))
+        if shaped or filled:
+            where = _where(node.meta.get("stack_trace") or "", files)
+            how = (f"shape {list(tensors[0].shape)} from " if shaped else "values from ") + \
+                ", ".join(sorted(shaped or filled)[:3])
+            out.append(f"{node.name}: {how}" + (f" at {where}" if where else ""))
+    return out
+
+
+def _arg_values(args) -> list:
+    """The traced values of a node's arguments, nested lists flattened."""
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out += _arg_values(a)
+        elif isinstance(a, torch.fx.Node):
+            out.append(a.meta.get("example_value"))
+    return out
+
+
+def _first_use_lines(gm) -> dict[str, str]:
+    """input name -> ' (first used at file:line)' from the graph's own stack traces."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        for user in node.users:
+            frames = _FRAME.findall(user.meta.get("stack_trace") or "")
+            if frames:
+                out[_input_name(node)] = f" (first used at {frames[-1][0]}:{frames[-1][1]})"
+                break
+    return out
+
+
+def _where(text: str, files: tuple[str, ...]) -> str:
+    """The innermost frame of ``text`` in the rendered code or the model's file, else the innermost outside torch
+    and this package's pipeline; '' when none."""
+    frames = _FRAME.findall(text)
+    for f, line in reversed(frames):
+        if f in files:
+            return f"{f}:{line}"
+    for f, line in reversed(frames):
+        if "/torch/" not in f and "/validators/" not in f:
+            return f"{f}:{line}"
+    return ""
+
+
+def _graph_break(exc: Exception, files: tuple[str, ...]) -> str:
+    text = str(exc)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    where = _where(text, files)
+    return f"{type(exc).__name__}: {first[:300]}" + (f" at {where}" if where else "")
+
+
+def _guard_failure(compiled, files: tuple[str, ...]) -> str:
+    """The failed guard of the last recompilation, as Dynamo recorded it, with the line that read the value."""
+    failures = getattr(torch._dynamo.utils, "guard_failures", {})
+    texts = [t for reasons in failures.values() for t in reasons]
+    if not texts:
+        return "a guard of the first capture failed"
+    text = texts[-1]
+    guard = text.split("#", 1)[0].strip()
+    guard = re.sub(r"^\d+/\d+:\s*", "", guard)
+    where = _where(text, files)
+    return f"guard {guard!r} failed (a value the capture took as a constant)" + (f" read at {where}" if where else "")

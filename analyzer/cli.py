@@ -93,8 +93,9 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
     add_next_n_argument(p)
     p.add_argument("--exe-mode", choices=EXE_MODES,
                    help="the framework's execution mode for decode (the yaml's model_config.exe_mode; else "
-                        "progress.md's exe_mode, else eager): the graph modes are planned with their consequences "
-                        "and refused by render (its templates render eager decode), e.g. --exe-mode npugraph_ex")
+                        "progress.md's exe_mode, else eager): planned with their consequences; npugraph_ex is rendered "
+                        "for GQA/MHA and MLA and its decode captured by validate, ge_graph is refused by render, "
+                        "e.g. --exe-mode npugraph_ex")
 
 
 def add_next_n_argument(p: argparse.ArgumentParser) -> None:

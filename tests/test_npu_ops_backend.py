@@ -103,7 +103,7 @@ def test_install_emulation_exposes_module_and_torch_ops():
             import torch_npu
 
             assert torch_npu is module
-            assert torch_npu.npu_fused_infer_attention_score is emulated.npu_fused_infer_attention_score
+            assert torch_npu.npu_fused_infer_attention_score.__wrapped__ is emulated.npu_fused_infer_attention_score
             out, lse = torch.ops.npu.npu_fused_infer_attention_score(q, q, q, **kw)
             assert torch.equal(out, expected) and lse.numel() == 0
             cache = torch.zeros(4, 2)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from model_infer_kvcache.analyzer.cli import add_next_n_argument
 from model_infer_kvcache.analyzer.cli_paths import PathArg, check_paths, config_file
+from model_infer_kvcache.analyzer.deploy_context import EXE_MODES
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
 from model_infer_kvcache.analyzer.files import atomic_write_text, check_writable
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "only supports equal-length prefill batches (its own check says so); the report notes that "
                         "variable-length prefill was not exercised")
     add_next_n_argument(p)
+    # ge_graph compiles through torchair's GE backend, which the CPU capture does not stand in for
+    p.add_argument("--exe-mode", choices=[mode for mode in EXE_MODES if mode != "ge_graph"], default="eager",
+                   help="checkout mode: the engine's decode mode. npugraph_ex compiles decode as the engine does "
+                        "(torch.compile, fullgraph) and captures it on CPU: graph breaks, host reads, recaptures "
+                        "after warm-up and host-shaped tensors are named with their line (rendered mode: the "
+                        "manifest's exe_mode)")
     p.add_argument("--no-sweep", action="store_true",
                    help="skip re-running under the alternative device readings")
     p.add_argument("--step-timeout", type=_positive_seconds, default=STEP_SECONDS, metavar="SECONDS",
@@ -136,6 +143,8 @@ def _refuse(args: argparse.Namespace, flags: tuple[str, ...], why: str) -> None:
 
 def check_mode(args: argparse.Namespace) -> None:
     """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
+    if args.exe_mode != "eager" and (args.runner_root or args.all):
+        raise InputError("--exe-mode", "applies to one checkout model (--model), not with --runner-root or --all")
     if args.runner_root:
         _refuse(args, ("model", "model_file", "manifest", "rendered", "framework_root", "framework_api", "dtype",
                        "attn_tp_size", "all", "configs", "only", "device_readings", "uniform_prefill"),
@@ -174,6 +183,9 @@ def check_mode(args: argparse.Namespace) -> None:
     for flag in ("model_file", "uniform_prefill"):
         if getattr(args, flag):
             raise InputError(f"--{flag.replace('_', '-')}", "applies to the checkout mode (--model)")
+    if args.exe_mode != "eager":
+        raise InputError("--exe-mode", "applies to the checkout mode (--model); a render is validated in its "
+                                       "manifest's exe_mode")
     for flag in ("manifest", "rendered"):
         if not getattr(args, flag):
             raise InputError(f"--{flag}", "is required (or validate a checkout's model with --framework-root and "
@@ -187,7 +199,7 @@ def _checkout_report(args: argparse.Namespace):
         framework_root=args.framework_root, model=args.model, config=args.config, manifest=args.manifest,
         attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
         sweep_readings=not args.no_sweep, device_readings=args.device_readings, step_seconds=args.step_timeout,
-        uniform_prefill=args.uniform_prefill, next_n=args.next_n, oracle=args.oracle,
+        uniform_prefill=args.uniform_prefill, next_n=args.next_n, oracle=args.oracle, exe_mode=args.exe_mode,
     ), progress=_progress)
 
 

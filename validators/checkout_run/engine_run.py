@@ -95,13 +95,15 @@ class EngineRun:
 
 
 def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, block_size: int,
-                      max_new_tokens: int, layout: dict[str, int] | None = None) -> dict:
-    """The yaml dictionary of a tiny eager CPU run (the shape of models/*/config/*.yaml); ``layout``: parallel sizes
-    taken from the model's own yamls (``shipped_layout``)."""
+                      max_new_tokens: int, layout: dict[str, int] | None = None, exe_mode: str = "eager") -> dict:
+    """The yaml dictionary of a tiny CPU run (the shape of models/*/config/*.yaml); ``layout``: parallel sizes
+    taken from the model's own yamls (``shipped_layout``); ``exe_mode`` npugraph_ex: decode compiled as the engine
+    compiles it (its yaml defaults: dynamic graph, no cache compile), captured by ``graph_backend``."""
     longest = max(n for n, _ in scenario.first + scenario.late)
+    graph = {"enable_dynamic_graph": True, "enable_cache_compile": False} if exe_mode != "eager" else {}
     return {
-        "model_config": {"model_name": name, "model_path": model_path, "exe_mode": "eager", "with_ckpt": True,
-                         "platform_version": "A3", "enable_weight_nz": False},
+        "model_config": {"model_name": name, "model_path": model_path, "exe_mode": exe_mode, "with_ckpt": True,
+                         "platform_version": "A3", "enable_weight_nz": False, **graph},
         "data_config": {"dataset": "default", "input_truncated_len": longest},
         "parallel_config": {"world_size": tp, "attn_tp_size": tp, "moe_tp_size": tp, "embed_tp_size": 1,
                             "lmhead_tp_size": 1, **(layout or {})},
@@ -109,6 +111,31 @@ def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, b
                              "max_new_tokens": max_new_tokens,
                              "block_size": block_size},
     }
+
+
+@contextlib.contextmanager
+def graph_backend(recorder):
+    """The engine's ``torch.compile(..., backend="npugraph_ex")`` (executor/utils/graph_utils.py) reaches
+    ``recorder.backend`` (graph_capture.CaptureRecorder) inside the block; the Dynamo settings the engine changes
+    (``inline_inbuilt_nn_modules``) and its compile cache are restored on exit."""
+    from torch._dynamo.backends import registry
+
+    saved_inline = torch._dynamo.config.inline_inbuilt_nn_modules
+    had = {table: getattr(registry, table).get("npugraph_ex") for table in ("_BACKENDS", "_COMPILER_FNS")}
+    registry._lazy_import()  # torch's own backends first: the lazy import would not run once a name is known
+    registry._BACKENDS["npugraph_ex"] = None
+    registry._COMPILER_FNS["npugraph_ex"] = recorder.backend
+    torch._dynamo.reset()
+    try:
+        yield recorder
+    finally:
+        for table, value in had.items():
+            if value is None:
+                getattr(registry, table).pop("npugraph_ex", None)
+            else:
+                getattr(registry, table)["npugraph_ex"] = value
+        torch._dynamo.config.inline_inbuilt_nn_modules = saved_inline
+        torch._dynamo.reset()
 
 
 def engine_batch_size(concurrency: int, tp: int) -> int:

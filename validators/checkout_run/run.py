@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import (
@@ -49,7 +49,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
     from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings
 
     dtype = torch.float32
-    model_file = caches = None
+    model_file = caches = capture = None
     oracle = _oracle_for(report, getattr(req, "oracle", "both"), ref_model, full)
     recomputed = None  # the recompute oracle's logits (framework runs; see recompute.py)
     with recording_ops() as rec, checkout_scope(root) as scope, device_readings(readings), \
@@ -83,11 +83,17 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                 report.notes.append(f"parallel sizes from the model's own launch yamls (models/{folder}/config/*.yaml "
                                     "with attention TP over every rank): "
                                     + ", ".join(f"{k} {v}" for k, v in sorted(layout.items())))
+            exe_mode = getattr(req, "exe_mode", "eager")
             infer = InferenceConfig.from_dict(
                 engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size,
-                                             max_new, layout),
+                                             max_new, layout, exe_mode=exe_mode),
                 global_rank=rank, local_rank=rank)
             with contextlib.ExitStack() as stack, engine_run.cpu_engine_patches(dtype):
+                if exe_mode != "eager":  # the engine compiles decode: its npugraph_ex backend is the recorder
+                    from model_infer_kvcache.validators.pipeline.graph_capture import CaptureRecorder
+
+                    capture = stack.enter_context(engine_run.graph_backend(
+                        CaptureRecorder(exe_mode, files=(str(Path(model_file).resolve()),))))
                 from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_scaling
 
                 stack.enter_context(legacy_rope_scaling(classes.config_cls))
@@ -166,14 +172,27 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             refusal = rank_refusal(exc, world)
             if refusal and chosen_by_kvcache(req, world):  # kvcache's layout, not the user's: try the next one
                 raise RanksRefused(f"{frame}: {type(exc).__name__}: {exc}", refusal) from None
+            if capture is not None and capture.active and _from_dynamo(exc):  # the capture broke: named with its line
+                from model_infer_kvcache.validators.pipeline.graph_capture import capture_gap
+
+                gap = capture_gap(exc, capture.files)
+                if gap is not None:  # an operator the capture has no shape rule for: kvcache's gap, exit 2
+                    raise NotSupportedByKvcache(gap[1] or frame, gap[0].removeprefix("not supported by kvcache: "),
+                                                field="--exe-mode") from None
+                capture.failed_call(exc)
+                frame, exc = capture.broken, None
             report.add("checkout model runs in the engine without errors", "runtime", False,
-                       detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}")
+                       detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}" if exc is not None else frame)
+            if capture is not None:
+                capture.check(report, stream_steps=0)
             if caches is not None:
                 checks.check_calls_before_failure(report, manifest, rec, caches)
             return
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)
         report.add("checkout model runs in the engine without errors", "runtime", True, steps=len(run.steps))
+        if capture is not None:
+            capture.check(report, stream_steps=len(run.steps))
         if legacy:  # no framework entries to judge: the logits judge the model's own caches
             _legacy_oracle(report, req, oracle, ref_model)
             _numeric(report, ref_model, run)
@@ -195,6 +214,11 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
 
             localise_checkout(report, manifest, engine, run, scenario, req.seed, rec, caches, ref_model,
                               Path(model_file).resolve(), dtype, world)
+
+
+def _from_dynamo(exc: BaseException) -> bool:
+    """An exception the graph capture raised (a graph break under fullgraph, a backend failure)."""
+    return type(exc).__module__.startswith("torch._dynamo")
 
 
 def legacy_note(model_cls: str, scenario: Scenario) -> str:
@@ -402,8 +426,6 @@ def _legacy_oracle(report: Report, req, oracle: str, ref_model) -> None:
     if oracle == "transformers":
         return
     if ref_model is None:
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
         raise NotSupportedByKvcache(req.model, "the recompute oracle of a Legacy model (it owns its caches: "
                                                "no cache manager gives a recomputed prefix fresh blocks)",
                                     field="--oracle")

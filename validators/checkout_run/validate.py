@@ -58,6 +58,8 @@ class CheckoutRequest:
     # "recompute" (the checkout's own model over each whole prefix, no cache: needs no transformers class),
     # "both" (framework runs; a note says which failed when they disagree). See checkout_run/recompute.py.
     oracle: str = "both"
+    # --exe-mode: the engine's decode mode; npugraph_ex compiles and captures decode (graph_capture.CaptureRecorder)
+    exe_mode: str = "eager"
 
     def __post_init__(self):
         from model_infer_kvcache.validators.checkout_run.recompute import check_oracle

@@ -102,10 +102,30 @@ def emulation_installed() -> bool:
     return _installed
 
 
+def _capturable(name: str, fn):
+    """``torch_npu.<name>`` of the emulation: the emulation itself, and inside a graph capture (``torch.compile``,
+    as the framework's graph modes run decode) the ``torch.ops.npu`` operator, one node whose shape rule is in
+    fake_shapes.py and whose kernel is the emulation again when the graph replays."""
+    import torch
+
+    def op(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if name not in FAKE_SHAPES:
+                raise NotImplementedError(f"not supported by kvcache: capturing torch_npu.{name} in a graph (no shape "
+                                          "rule in validators/npu_ops/fake_shapes.py)")
+            return getattr(torch.ops.npu, name)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = fn.__doc__
+    op.__wrapped__ = fn  # the emulation's signature (inspect.signature follows it)
+    return op
+
+
 def _fake_torch_npu() -> types.ModuleType:
     module = types.ModuleType("torch_npu", "CPU emulation of torch_npu operators (validators.npu_ops)")
     for name, fn in emulated.OPS.items():
-        setattr(module, name, fn)
+        setattr(module, name, _capturable(name, fn))
     module.__version__ = "2.9.0+cpu.emulated"
     setattr(module, EMULATION_MARKER, True)
 

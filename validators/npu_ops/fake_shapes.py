@@ -77,6 +77,82 @@ def kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, v=N
             kv.new_empty((*kv.shape[:3], latent)))
 
 
+def _rstd(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm operators' rstd: x's leading dims, 1 over gamma's."""
+    return x.new_empty((*x.shape[:x.dim() - gamma.dim()], *([1] * gamma.dim())), dtype=torch.float32)
+
+
+def moe_init_routing_v2(x, expert_idx, *, quant_mode=0, expert_num=-1, expert_tokens_num_type=0,
+                        active_expert_range=(), **_):
+    rows = x.size(0) * expert_idx.size(1)
+    experts = (active_expert_range[1] - active_expert_range[0]) if len(active_expert_range) == 2 else expert_num
+    counts = (experts,) if expert_tokens_num_type in (0, 1) else (expert_num, 2)
+    return (x.new_empty((rows, x.size(1)), dtype=x.dtype if quant_mode == -1 else torch.int8),
+            x.new_empty((rows,), dtype=torch.int32), x.new_empty(counts, dtype=torch.int64),
+            x.new_empty((rows,), dtype=torch.float32))
+
+
+def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales=None,
+                               expert_scales=None, tp_world_size=0, shared_expert_num=1, shared_expert_rank_num=0,
+                               quant_mode=0, global_bs=0, **_):
+    """The meta registration's expert-parallel rows (shared experts in front, no elastic info)."""
+    bs, h, k = x.size(0), x.size(1), expert_ids.size(1)
+    global_bs = global_bs or bs * ep_world_size
+    if ep_rank_id < shared_expert_rank_num:
+        local = 1
+        per_shared = shared_expert_rank_num // shared_expert_num
+        rows = global_bs // ep_world_size * ((ep_world_size + per_shared - 1) // per_shared)
+    else:
+        local = moe_expert_num // (ep_world_size - shared_expert_rank_num)
+        rows = global_bs * min(local, k)
+    tp = max(tp_world_size, 1)
+    recv = ep_world_size * local * (tp_world_size if tp_world_size == 2 else 1)
+    dtype = torch.int8 if scales is not None or quant_mode != 0 else x.dtype
+    expand_scales = x.new_empty((0,), dtype=torch.float32)
+    if expert_scales is not None:
+        recv = ep_world_size * local + global_bs * 2 * k * (ep_world_size // 8)
+        expand_scales = x.new_empty((rows,), dtype=torch.float32)
+    return (x.new_empty((rows * tp, h), dtype=dtype), x.new_empty((rows * tp,), dtype=torch.float32),
+            x.new_empty((max(bs * k, rows * 128),), dtype=torch.int32), x.new_empty((local,), dtype=torch.int64),
+            x.new_empty((recv,), dtype=torch.int32), x.new_empty((tp_world_size,), dtype=torch.int32), expand_scales)
+
+
+def grouped_matmul(x, weight, *, split_item=0, output_dtype=None, group_list=None, **_):
+    """split_item 0: one output per x; 2 / 3: one output of all rows (1, per group_list, is data-dependent)."""
+    single = len(weight) == 1 and weight[0].dim() == 3
+    n = weight[0].shape[2] if single else weight[0].shape[1]
+    dtype = output_dtype if isinstance(output_dtype, torch.dtype) else x[0].dtype
+    if split_item == 0:
+        return [xi.new_empty((*xi.shape[:-1], n if single else wi.shape[1]), dtype=dtype)
+                for xi, wi in zip(x, weight * len(x) if single else weight, strict=False)]
+    if split_item in (2, 3):
+        rows = sum(xi.shape[0] for xi in x) if split_item == 2 else x[0].shape[0]
+        return [x[0].new_empty((rows, n), dtype=dtype)]
+    raise NotImplementedError("not supported by kvcache: capturing npu_grouped_matmul with split_item 1 (one output "
+                              "per group_list entry: data-dependent shapes)")
+
+
+def moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                         expert_for_source_row, drop_pad_mode=0, **_):
+    if scales is None:
+        return torch.empty_like(expanded_permuted_rows)
+    hidden = expanded_permuted_rows.size(2 if drop_pad_mode in (1, 3) else 1)
+    return expanded_permuted_rows.new_empty((scales.size(0), hidden))
+
+
+def moe_re_routing(tokens, expert_token_num_per_rank, per_token_scales=None, **_):
+    scales = (per_token_scales.new_empty(per_token_scales.shape) if per_token_scales is not None
+              else tokens.new_empty((tokens.size(0),), dtype=torch.float32))
+    return (torch.empty_like(tokens), scales, tokens.new_empty((tokens.size(0),), dtype=torch.int32),
+            expert_token_num_per_rank.new_empty((expert_token_num_per_rank.size(1),)))
+
+
+def _halved(x: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // 2
+    return x.new_empty(shape)
+
+
 # operator -> its shape rule (the operators the rendered decode steps call; extend with the op, never elsewhere)
 FAKE_SHAPES = {
     "npu_fused_infer_attention_score": fused_infer_attention_score,
@@ -85,6 +161,23 @@ FAKE_SHAPES = {
     "npu_scatter_nd_update": lambda self, indices, updates: torch.empty_like(self),
     "npu_interleave_rope": lambda x, cos, sin: torch.empty_like(x),
     "npu_kv_rmsnorm_rope_cache": kv_rmsnorm_rope_cache,
-    "npu_rms_norm": lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), x.new_empty(
-        (*x.shape[:x.dim() - gamma.dim()], *([1] * gamma.dim())), dtype=torch.float32)),
+    "npu_rms_norm": lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), _rstd(x, gamma)),
+    "npu_add_rms_norm": lambda x1, x2, gamma, epsilon=1e-6: (torch.empty_like(x1), _rstd(x1, gamma),
+                                                            torch.empty_like(x1)),
+    "npu_apply_rotary_pos_emb": lambda query, key, cos, sin, layout="BSH", rotary_mode="half": (
+        torch.empty_like(query), torch.empty_like(key)),
+    "npu_swiglu": lambda x, dim=-1: _halved(x, dim),
+    "npu_moe_gating_top_k_softmax": lambda x, finished=None, k=1: (
+        x.new_empty((*x.shape[:-1], k)), x.new_empty((*x.shape[:-1], k), dtype=torch.int32),
+        x.new_empty((*x.shape[:-1], k), dtype=torch.int32)),
+    "npu_moe_gating_top_k": lambda x, k=1, bias=None, *args, **kwargs: (
+        x.new_empty((x.size(0), k)), x.new_empty((x.size(0), k), dtype=torch.int32),
+        x.new_empty((x.size(0), x.size(1)), dtype=torch.float32)),
+    "npu_moe_init_routing_v2": moe_init_routing_v2,
+    "npu_moe_distribute_dispatch_v2": moe_distribute_dispatch_v2,
+    "npu_moe_distribute_combine_v2": lambda expand_x, expert_ids, *args, **kwargs: expand_x.new_empty(
+        (expert_ids.size(0), expand_x.size(1))),
+    "npu_grouped_matmul": grouped_matmul,
+    "npu_moe_finalize_routing": moe_finalize_routing,
+    "npu_moe_re_routing": moe_re_routing,
 }

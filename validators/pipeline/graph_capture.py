@@ -39,55 +39,119 @@ def graph_mode(manifest) -> str | None:
 
 
 class _Stop(Exception):
-    """Raised by the capture backend: a capture after warm-up (its reason is on the DecodeCapture)."""
+    """Raised by the capture backend: a capture after warm-up (its reason is on the recorder)."""
 
 
 @dataclass
-class DecodeCapture:
-    host: object
+class CaptureRecorder:
+    """The capture backend and what it saw: captures per batch size, graph breaks and host reads, recaptures after
+    warm-up, tensors shaped or filled from host values, replays. Serves the rendered host (``DecodeCapture``) and
+    the checkout's engine (registered as its ``npugraph_ex`` backend, ``checkout_run/engine_run.py``)."""
+
     exe_mode: str
-    atol: float
+    files: tuple[str, ...] = ()  # where a finding points: the rendered code, the model's file
     dynamic: bool | None = None
     captures: list[tuple[int, int]] = field(default_factory=list)  # (step, batch rows) of each capture
     replays: int = 0
-    broken: str | None = None  # the graph break, with its line
+    broken: str | None = None  # the graph break or host read, with its line
     recaptured: str | None = None  # the first capture after warm-up, with its reason and line
-    host_shapes: list[str] = field(default_factory=list)  # tensors inside the graph shaped by a host value
-    max_diff: float = 0.0
-    worst_step: int | None = None
+    host_shapes: list[str] = field(default_factory=list)  # tensors inside the graph shaped or filled by a host value
     notes: list[str] = field(default_factory=list)
+    rows: int = 0  # the batch rows of the step being run (0: one batch size, the engine's)
+    step: int = 0  # the step being run
     _shapes: dict[int, list] = field(default_factory=dict)  # batch rows -> the captured inputs' (name, shape)
-    _rows: int = 0
-    _step: int = 0
 
     def __post_init__(self):
         if self.dynamic is None:
             self.dynamic = DYNAMIC[self.exe_mode]
-        self.notes += _capturable_experts(self.host.hf_model)
-        # A fresh cache (captures of an earlier run must not answer this one's steps), reset with torch's own tensor
-        # methods in place: Dynamo rebuilds its table of known functions from what it finds then.
-        with traceable_upcasts():
-            torch._dynamo.reset()
-            self._compiled = torch.compile(self._decode, fullgraph=True, dynamic=self.dynamic, backend=self._backend)
 
     @property
     def active(self) -> bool:
         return self.broken is None and self.recaptured is None
 
+    def failed_call(self, exc: Exception) -> None:
+        """A compiled call raised: a graph break (fullgraph), unless it was this recorder's own recapture stop."""
+        if self.recaptured is None and self.broken is None:
+            self.broken = _graph_break(exc, self.files)
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs, **_options):
+        """The compile backend: records the capture and returns its replay (the graph run as captured)."""
+        if self.rows in self._shapes:  # this batch size was captured already: a recapture
+            self.recaptured = (f"step {self.step}: recompiled after warm-up"
+                               f"{f' ({self.rows} rows)' if self.rows else ''}: {_guard_failure(self.files)}")
+            raise _Stop(self.recaptured)
+        self.captures.append((self.step, self.rows))
+        self.host_shapes += [f for f in _host_shaped(gm, self.files) if f not in self.host_shapes]
+        reads = _host_reads(gm, self.files)
+        if reads and self.broken is None:
+            self.broken = reads[0]
+        names = [_input_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
+        self._shapes[self.rows] = [(n, tuple(x.shape)) for n, x in zip(names, example_inputs, strict=False)
+                                   if isinstance(x, torch.Tensor)]
+        lines = _first_use_lines(gm)
+        rows = self.rows
+
+        def replay(*args):
+            shapes = [(n, tuple(x.shape)) for n, x in zip(names, args, strict=False) if isinstance(x, torch.Tensor)]
+            for (name, want), (_, got) in zip(self._shapes[rows], shapes, strict=False):
+                if want != got and self.recaptured is None:
+                    self.recaptured = (f"step {self.step}: captured input {name} changed shape {list(want)} -> "
+                                       f"{list(got)} after warm-up (the device graph replays its capture's shapes)"
+                                       f"{lines.get(name, '')}")
+            self.replays += 1
+            return gm.forward(*args)
+
+        return replay
+
+    def check(self, report: Report, stream_steps: int) -> None:
+        report.notes.extend(self.notes)
+        mode = f"{self.exe_mode}, dynamic={self.dynamic}"
+        report.add(f"graph mode ({mode}): the decode step captures as one graph", "runtime",
+                   self.broken is None and bool(self.captures),
+                   detail=self.broken or ("" if self.captures else "nothing was captured: no decode step compiled"),
+                   captures=len(self.captures))
+        rows = sorted({r for _, r in self.captures})
+        report.add(f"graph mode: no capture after warm-up ({len(self.captures)} captures for {len(rows)} batch sizes "
+                   f"over {self.replays} replays)", "runtime", self.recaptured is None and self.broken is None,
+                   detail=self.recaptured or ("" if self.broken is None else "not reached: the capture broke"),
+                   batch_rows=rows, stream_steps=stream_steps)
+        report.add("graph mode: no tensor inside the captured step is shaped or filled from a host length", "runtime",
+                   not self.host_shapes, detail="; ".join(self.host_shapes[:2]), findings=len(self.host_shapes))
+
+
+@dataclass
+class DecodeCapture:
+    """The rendered code's decode step captured inside the transformers host and compared with eager every step."""
+
+    host: object
+    exe_mode: str
+    atol: float
+    recorder: CaptureRecorder = None
+    max_diff: float = 0.0
+    worst_step: int | None = None
+
+    def __post_init__(self):
+        self.recorder = CaptureRecorder(self.exe_mode, files=_host_files(self.host))
+        self.recorder.notes += _capturable_experts(self.host.hf_model)
+        # A fresh cache (captures of an earlier run must not answer this one's steps), reset with torch's own tensor
+        # methods in place: Dynamo rebuilds its table of known functions from what it finds then.
+        with traceable_upcasts():
+            torch._dynamo.reset()
+            self._compiled = torch.compile(self._decode, fullgraph=True, dynamic=self.recorder.dynamic,
+                                           backend=self.recorder.backend)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
         """One decode step: the captured graph (capturing it first for a new batch size), then the eager step on the
         same inputs; returns the graph's logits [T, vocab] (the eager ones once the capture has failed)."""
-        graph = None
-        if self.active:
-            self._rows, self._step = int(input_ids.shape[0]), self.host.step_index + 1
+        graph, rec = None, self.recorder
+        if rec.active:
+            rec.rows, rec.step = int(input_ids.shape[0]), self.host.step_index + 1
             try:
                 with torch.no_grad(), traceable_upcasts():
                     graph = self._compiled(input_ids.to(self.host.device)[None],
                                            position_ids.to(self.host.device)[None], forward_metadata)
-                self.replays += 1
             except Exception as exc:  # noqa: BLE001 - a failed capture is this check's finding, not a crash
-                if self.recaptured is None:
-                    self.broken = _graph_break(exc, self._user_files())
+                rec.failed_call(exc)
         eager = self.host.forward(input_ids, position_ids, forward_metadata)
         if graph is None:
             return eager
@@ -97,27 +161,16 @@ class DecodeCapture:
         gap = (graph - eager).abs().masked_fill(both_nan, 0).nan_to_num(nan=float("inf"))
         diff = float(gap.max()) if gap.numel() else 0.0
         if diff > self.max_diff:
-            self.max_diff, self.worst_step = diff, self._step
+            self.max_diff, self.worst_step = diff, rec.step
         return graph
 
     def check(self, report: Report, stream_steps: int) -> None:
-        report.notes.extend(self.notes)
-        mode = f"{self.exe_mode}, dynamic={self.dynamic}"
-        report.add(f"graph mode ({mode}): the decode step captures as one graph", "runtime", self.broken is None,
-                   detail=self.broken or "", captures=len(self.captures))
-        rows = sorted({r for _, r in self.captures})
-        report.add(f"graph mode: no capture after warm-up ({len(self.captures)} captures for {len(rows)} batch sizes "
-                   f"over {self.replays} replays)", "runtime", self.recaptured is None and self.broken is None,
-                   detail=self.recaptured or ("" if self.broken is None else "not reached: the capture broke"),
-                   batch_rows=rows, stream_steps=stream_steps)
-        report.add("graph mode: no tensor inside the captured step is shaped or filled from a host length", "runtime",
-                   not self.host_shapes, detail="; ".join(self.host_shapes[:2]), findings=len(self.host_shapes))
-        ok = self.replays > 0 and self.max_diff <= self.atol
-        report.add(f"graph mode: replayed decode logits vs eager max |diff| <= {self.atol:g}", "numeric", ok,
-                   max_diff=self.max_diff, worst_step=self.worst_step, replays=self.replays,
-                   detail="" if self.replays else "no step replayed")
+        self.recorder.check(report, stream_steps)
+        replays = self.recorder.replays
+        report.add(f"graph mode: replayed decode logits vs eager max |diff| <= {self.atol:g}", "numeric",
+                   replays > 0 and self.max_diff <= self.atol, max_diff=self.max_diff, worst_step=self.worst_step,
+                   replays=replays, detail="" if replays else "no step replayed")
 
-    # ------------------------------------------------------------------ the captured function and its backend
     def _decode(self, input_ids, position_ids, forward_metadata):
         # The metadata stack is pushed inside the captured function, so that the graph reads the step's metadata
         # as an input of the call, not as a global the first capture saw.
@@ -126,39 +179,14 @@ class DecodeCapture:
         host_model._CURRENT.pop()
         return logits
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
-        if self._rows in self._shapes:  # this batch size was captured already: a recapture
-            self.recaptured = (f"step {self._step}: recompiled after warm-up ({self._rows} rows): "
-                               f"{_guard_failure(self._compiled, self._user_files())}")
-            raise _Stop(self.recaptured)
-        self.captures.append((self._step, self._rows))
-        self.host_shapes += [f for f in _host_shaped(gm, self._user_files()) if f not in self.host_shapes]
-        reads = _host_reads(gm, self._user_files())
-        if reads and self.broken is None:
-            self.broken = reads[0]
-        names = [_input_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
-        self._shapes[self._rows] = [(n, tuple(x.shape)) for n, x in zip(names, example_inputs, strict=False)
-                                    if isinstance(x, torch.Tensor)]
-        lines = _first_use_lines(gm)
-        rows = self._rows
 
-        def replay(*args):
-            shapes = [(n, tuple(x.shape)) for n, x in zip(names, args, strict=False) if isinstance(x, torch.Tensor)]
-            for (name, want), (_, got) in zip(self._shapes[rows], shapes, strict=False):
-                if want != got and self.recaptured is None:
-                    self.recaptured = (f"step {self._step}: captured input {name} changed shape {list(want)} -> "
-                                       f"{list(got)} after warm-up (the device graph replays its capture's shapes)"
-                                       f"{lines.get(name, '')}")
-            return gm.forward(*args)
+def _host_files(host) -> tuple[str, ...]:
+    """The files a finding points into: the rendered code first, then the model's own."""
+    import sys
 
-        return replay
-
-    def _user_files(self) -> tuple[str, ...]:
-        """The files a finding points into: the rendered code first, then the model's own."""
-        rendered = [getattr(m, "__file__", None) for m in (self.host.rendered.attention, self.host.rendered.runner)]
-        model = getattr(type(self.host.hf_model), "__module__", "")
-        module = __import__(model, fromlist=["_"]) if model else None
-        return tuple(f for f in (*rendered, getattr(module, "__file__", None)) if f)
+    rendered = [getattr(m, "__file__", None) for m in (host.rendered.attention, host.rendered.runner)]
+    module = sys.modules.get(getattr(type(host.hf_model), "__module__", ""))
+    return tuple(f for f in (*rendered, getattr(module, "__file__", None)) if f)
 
 
 def _capturable_experts(model) -> list[str]:
@@ -277,11 +305,34 @@ def _where(text: str, files: tuple[str, ...]) -> str:
 def _graph_break(exc: Exception, files: tuple[str, ...]) -> str:
     text = str(exc)
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    gap = _unsupported(exc)
+    if gap:  # an operator the capture has no shape rule for: kvcache's gap, said so
+        first = gap
     where = _where(text, files)
     return f"{type(exc).__name__}: {first[:300]}" + (f" at {where}" if where else "")
 
 
-def _guard_failure(compiled, files: tuple[str, ...]) -> str:
+def capture_gap(exc: BaseException, files: tuple[str, ...]) -> tuple[str, str] | None:
+    """(message, file:line) when a capture stopped at an operator kvcache cannot capture (no shape rule): kvcache's
+    gap, not the model's; None for anything else."""
+    gap = _unsupported(exc)
+    return (gap, _where(str(exc), files)) if gap else None
+
+
+def _unsupported(exc: BaseException) -> str | None:
+    """The "not supported by kvcache" message an exception carries in its chain (Dynamo wraps the one an operator
+    wrapper raised while tracing), None without one."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found = re.search(r"not supported by kvcache: [^'\"\n]+", str(exc))  # also inside Dynamo's repr of it
+        if found:
+            return found.group(0).strip()
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _guard_failure(files: tuple[str, ...]) -> str:
     """The failed guard of the last recompilation, as Dynamo recorded it, with the line that read the value."""
     failures = getattr(torch._dynamo.utils, "guard_failures", {})
     texts = [t for reasons in failures.values() for t in reasons]

@@ -139,9 +139,9 @@ class _RecordingOps:
         self._probe = probe
 
     def __getattr__(self, name):
-        if torch.compiler.is_compiling():  # a graph capture (graph_capture.py): the operator as one graph node
-            return _captured_op(name)
         target = getattr(self._ops, name)
+        if torch.compiler.is_compiling():  # a graph capture (graph_capture.py): the operator, a node of the graph
+            return target
         if name in dsa_args.DSA_OPS:
             return self._dsa_call(name, target)
         if name not in FA_OP_NAMES:
@@ -172,16 +172,6 @@ class _RecordingOps:
             return result
 
         return call
-
-
-def _captured_op(name: str):
-    """``torch.ops.npu.<name>`` for a graph capture; an operator without a shape rule cannot be captured."""
-    from model_infer_kvcache.validators.npu_ops.fake_shapes import FAKE_SHAPES
-
-    if name not in FAKE_SHAPES:
-        raise NotImplementedError(f"not supported by kvcache: capturing torch_npu.{name} (no shape rule in "
-                                  "validators/npu_ops/fake_shapes.py)")
-    return getattr(torch.ops.npu, name)
 
 
 def _gqa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -216,11 +216,15 @@ def _build_torchair() -> dict[str, types.ModuleType]:
             return value
 
     compiler_config = _module("torchair.configs.compiler_config", {"CompilerConfig": CompilerConfig})
+    # graph modes: executor/utils/graph_utils.py imports the hcom patch before compiling (a no-op on one CPU rank)
+    patch = "torchair.ge_concrete_graph.ge_converter.experimental.patch_for_hcom_allreduce"
+    packages = {name: _module(name, {}) for name in ("torchair.ge_concrete_graph", "torchair.ge_concrete_graph.ge_converter",
+                                                     "torchair.ge_concrete_graph.ge_converter.experimental", patch)}
     configs = _module("torchair.configs", {"compiler_config": compiler_config})
     torchair = _module("torchair", {"scope": scope, "ops": ops, "configs": configs,
                                     "CompilerConfig": CompilerConfig, "patch_for_hcom": lambda: None})
     return {"torchair": torchair, "torchair.ops": ops, "torchair.scope": scope,
-            "torchair.configs": configs, "torchair.configs.compiler_config": compiler_config}
+            "torchair.configs": configs, "torchair.configs.compiler_config": compiler_config, **packages}
 
 
 class _CustomOps(types.ModuleType):

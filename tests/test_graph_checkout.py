@@ -1,0 +1,100 @@
+"""Upstream model folders' npugraph_ex decode in the real engine on CPU (issue 39, step 5): the checkout's engine
+compiles decode as it does on the device (executor/utils/graph_utils.py, backend "npugraph_ex"), the compile reaches
+kvcache's capture recorder, and the run reports what the capture found: a pass, a named finding with the model's
+line, or (exit 2) the operator kvcache cannot capture yet."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from checkout_support import ORACLE
+from shared_dirs import ROOT, upstream_head
+
+pytestmark = pytest.mark.slow
+
+QWEN3 = ROOT / "tests" / "fixtures" / "configs" / "qwen3_8b.json"
+
+
+def _validate(model: str, config, **kw):
+    from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
+
+    return validate_checkout(CheckoutRequest(str(upstream_head()), model, str(config), exe_mode="npugraph_ex",
+                                             **{"sweep_readings": False, "oracle": ORACLE, **kw}))
+
+
+def _by_id(report, check_id: str) -> list:
+    return [c for c in report.checks if c.id == check_id]
+
+
+def test_qwen_npugraph_ex_branch_captures_once_and_replays_the_stream():
+    report = _validate("qwen", QWEN3)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    capture, again = _by_id(report, "V228")[0], _by_id(report, "V229")[0]
+    assert capture.measured["captures"] == 1 and "npugraph_ex" in capture.name
+    replays = int(again.name.split(" over ")[1].split()[0])
+    assert replays >= 40, again.name  # the stream and the release run replay the warm-up's capture
+
+
+def test_qwen3_moe_at_attention_tp_2_captures_its_moe_decode(tmp_path):
+    import transformers
+
+    config = tmp_path / "config.json"
+    config.write_text(transformers.Qwen3MoeConfig().to_json_string(), encoding="utf-8")
+    report = _validate("qwen3_moe", config)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert [c.name.split(":")[0] for c in _by_id(report, "V228")] == ["rank 0", "rank 1"]
+
+
+def test_a_host_read_in_the_models_graph_branch_is_named_at_its_line(tmp_path):
+    """The npugraph_ex branch reading the KV lengths back from the device tensor (.tolist()) instead of taking the
+    engine's host list: right in eager, a sync the captured graph cannot replay."""
+    src = (upstream_head() / "models/qwen/models/modeling_qwen.py").read_text(encoding="utf-8")
+    old = "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_list_kv\n"
+    assert src.count(old) == 1
+    new = "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_kv.tolist()\n"
+    copy = tmp_path / "modeling_qwen.py"
+    copy.write_text(src.replace(old, new), encoding="utf-8")
+    line = next(i for i, text in enumerate(copy.read_text(encoding="utf-8").splitlines(), 1) if new.strip() in text)
+    report = _validate("qwen", QWEN3, model_file=str(copy))
+    capture = _by_id(report, "V228")[0]
+    assert not capture.passed and f"modeling_qwen.py:{line}" in capture.detail, capture.detail
+    assert "reads a device value on the host" in capture.detail
+
+
+def test_an_operator_without_a_shape_rule_is_kvcache_s_gap_exit_2(tmp_path):
+    """A capture that reaches an operator kvcache has no shape rule for stops with one line naming it (exit 2),
+    never blamed on the model: here the model's decode calls npu_geglu, which the emulation has and the capture
+    does not."""
+    src = (upstream_head() / "models/qwen/models/modeling_qwen.py").read_text(encoding="utf-8")
+    old = "        key_states, value_states = k_cache, v_cache\n"
+    assert src.count(old) == 1
+    copy = tmp_path / "modeling_qwen.py"
+    copy.write_text(src.replace(old, old + "        if not is_prefill:\n"
+                                          "            query_states = query_states + 0 * torch_npu.npu_geglu("
+                                          "query_states.repeat(1, 1, 2))[0]\n"), encoding="utf-8")
+    report = tmp_path / "r.json"
+    out = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "validate", "--framework-root",
+                          str(upstream_head()), "--model", "qwen", "--config", str(QWEN3), "--model-file", str(copy),
+                          "--exe-mode", "npugraph_ex", "--no-sweep", "--report", str(report)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert out.returncode == 2, out.stderr[-1500:]
+    last = [line for line in out.stderr.splitlines() if line.strip()][-1]
+    assert "not supported by kvcache: capturing torch_npu.npu_geglu" in last and "modeling_qwen.py:" in last, last
+    assert not report.exists()
+
+
+def test_exe_mode_applies_to_one_checkout_model_only(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "model_infer_kvcache", "validate", *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps({}), encoding="utf-8")
+    rendered = run("--manifest", str(manifest), "--rendered", str(tmp_path), "--config", str(QWEN3),
+                   "--exe-mode", "npugraph_ex")
+    assert rendered.returncode == 2 and "--exe-mode" in rendered.stderr and "checkout mode" in rendered.stderr
+    every = run("--framework-root", str(upstream_head()), "--all", "--exe-mode", "npugraph_ex")
+    assert every.returncode == 2 and "--exe-mode" in every.stderr

@@ -7,12 +7,17 @@ engine pads every decode batch to ``batch_size_per_dp_rank`` and warms up one st
 Here the same compile captures the rendered decode inside the transformers host, the emulated operators seen as
 single ``torch.ops.npu`` nodes (their shape rules: ``npu_ops/fake_shapes.py``), so that:
 
-* a graph break (``.item()``, ``.tolist()``, Python branching on tensor values) fails the capture, with the line;
+* a graph break (Python branching on tensor values, an untraceable call) or a device value read back on the host
+  inside the step (``.item()``, ``.tolist()``: symbolic in a CPU trace, a sync no device graph replays) fails the
+  capture, with the line;
+* a tensor inside the step shaped or filled from a host value is named with its line: only FA's ``SymInt[]``
+  lengths are given afresh to each replay (references/device_questions.md, 图模式回放);
 * a recapture after warm-up is named: a guard that failed (a host value the first capture took as a constant:
   on the device the replay reuses it, wrong output and no error; with ``enable_cache_compile`` the framework
   even skips the guards) or a captured input whose shape changed (the device graph holds its capture's shapes);
-* every replayed step is compared with the eager run of the same step on the same state (rerun right after it:
-  the step's cache writes are the same values at the same slots) and its logits go to the oracle comparison.
+* rendered mode: every replayed step is compared with the eager run of the same step on the same state (rerun right
+  after it: the step's cache writes are the same values at the same slots); in both modes the replayed logits go
+  to the oracle comparison.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,7 +121,9 @@ def graph_backend(recorder):
     (``inline_inbuilt_nn_modules``) and its compile cache are restored on exit."""
     from torch._dynamo.backends import registry
 
-    saved_inline = torch._dynamo.config.inline_inbuilt_nn_modules
+    with warnings.catch_warnings():  # newer torch ignores the flag and warns when it is read
+        warnings.simplefilter("ignore", FutureWarning)
+        saved_inline = torch._dynamo.config.inline_inbuilt_nn_modules
     had = {table: getattr(registry, table).get("npugraph_ex") for table in ("_BACKENDS", "_COMPILER_FNS")}
     registry._lazy_import()  # torch's own backends first: the lazy import would not run once a name is known
     registry._BACKENDS["npugraph_ex"] = None
@@ -134,7 +137,9 @@ def graph_backend(recorder):
                 getattr(registry, table).pop("npugraph_ex", None)
             else:
                 getattr(registry, table)["npugraph_ex"] = value
-        torch._dynamo.config.inline_inbuilt_nn_modules = saved_inline
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            torch._dynamo.config.inline_inbuilt_nn_modules = saved_inline
         torch._dynamo.reset()
 
 

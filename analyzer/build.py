@@ -76,6 +76,7 @@ class AnalyzeRequest:
     cache_dtype: str | None = None  # --cache-dtype: plan the cache in this dtype instead of the config's
     next_n: int | None = None  # --next-n: speculative tokens the deployment runs (0: off; None: the config's MTP)
     exe_mode: str | None = None  # --exe-mode: eager | npugraph_ex | ge_graph (None: progress.md's, else eager)
+    static_graph: bool = False  # --static-graph: the yaml's enable_dynamic_graph is False (else progress.md's)
 
 
 def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionManifest:
@@ -292,7 +293,7 @@ def assemble(
         ),
         mla=mla,
         mtp=rules.decide_mtp(facts, next_n),
-        exe_mode=rules.decide_exe_mode(*_exe_mode(req, progress), next_n),
+        exe_mode=rules.decide_exe_mode(*_exe_mode(req, progress), next_n, _dynamic_graph(req, progress)),
         legacy_attention=legacy_attention,
         mixed_attn_types=mixed,
         layers=layers,
@@ -495,6 +496,15 @@ def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, int
     if kv != parallel.num_kv_heads_per_rank:
         out["num_kv_heads_per_rank"] = kv
     return out
+
+
+def _dynamic_graph(req: AnalyzeRequest, progress: ProgressFacts) -> tuple[bool | None, str]:
+    """(enable_dynamic_graph, source): False by --static-graph, else progress.md's, else (None) not stated."""
+    if req.static_graph:
+        return False, "--static-graph"
+    if progress.dynamic_graph is not None:
+        return progress.dynamic_graph.value, progress.where(progress.dynamic_graph)
+    return None, ""
 
 
 def _exe_mode(req: AnalyzeRequest, progress: ProgressFacts) -> tuple[str | None, str]:

@@ -96,6 +96,11 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                         "progress.md's exe_mode, else eager): planned with their consequences; npugraph_ex is rendered "
                         "for GQA/MHA and MLA and its decode captured by validate, ge_graph is refused by render, "
                         "e.g. --exe-mode npugraph_ex")
+    p.add_argument("--static-graph", action="store_true",
+                   help="the yaml's model_config.enable_dynamic_graph is False (else progress.md's "
+                        "enable_dynamic_graph, else the framework's default True): npugraph_ex then compiles decode "
+                        "static, which bakes host-list FA lengths into the capture, e.g. --static-graph (with "
+                        "--exe-mode npugraph_ex)")
 
 
 def add_next_n_argument(p: argparse.ArgumentParser) -> None:
@@ -163,6 +168,7 @@ def request_from_args(args: argparse.Namespace):
         cache_dtype=args.cache_dtype,
         next_n=args.next_n,
         exe_mode=args.exe_mode,
+        static_graph=args.static_graph,
     )
 
 

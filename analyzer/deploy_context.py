@@ -99,9 +99,12 @@ FACT_LABELS = {
     "npu_model": "NPU 型号",
     "hbm_gb": "单卡 HBM",
     "exe_mode": "exe_mode",
+    "dynamic_graph": "enable_dynamic_graph",
 }
 # The framework's execution modes (executor/core/config/inference_config.py: model_config.exe_mode).
 EXE_MODES = ("eager", "npugraph_ex", "ge_graph")
+_BOOLEANS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False, "是": True, "否": False,
+             "开": True, "关": False}
 
 
 @dataclass
@@ -113,6 +116,7 @@ class ProgressFacts:
     npu_model: Stated | None = None
     hbm_gb: Stated | None = None
     exe_mode: Stated | None = None  # eager | npugraph_ex | ge_graph (the yaml's model_config.exe_mode)
+    dynamic_graph: Stated | None = None  # True | False (the yaml's model_config.enable_dynamic_graph)
     # fact -> one statement per distinct value, when progress.md states the fact in contradicting ways
     # (the fact itself is then None: no value is picked silently).
     conflicts: dict[str, list[Stated]] = field(default_factory=dict)
@@ -132,6 +136,7 @@ _KEYS = [
     (re.compile(r"^(npu型号|芯片型号|硬件型号|硬件|设备型号|npu|device)$"), "npu_model"),
     (re.compile(r"^(单卡hbm|hbm|单卡显存|显存|hbm容量|单卡hbm容量|每卡hbm|单卡内存)$"), "hbm_gb"),
     (re.compile(r"^(exe_?mode|执行模式|运行模式|图模式)$"), "exe_mode"),
+    (re.compile(r"^(enable_?dynamic_?graph|dynamic_?graph|动态图)$"), "dynamic_graph"),
 ]
 # `key: value` / `key = value` anywhere a line starts: bullets, numbered items, headings, quotes, YAML.
 _KV = re.compile(r"^\s*(?:>\s*)*(?:#{1,6}\s+)?(?:[-*+]\s+|\d{1,3}[.)、]\s*)?"
@@ -227,6 +232,12 @@ class _Reader:
             return None
         if name == "npu_model":
             return _short(raw.strip().strip(_DECORATION), 80)
+        if name == "dynamic_graph":
+            flag = v.strip("'\"` ").lower()
+            if flag not in _BOOLEANS:
+                raise self.error(line, name, f"not true or false: {_short(raw.strip())!r} (the yaml's "
+                                             "model_config.enable_dynamic_graph)")
+            return _BOOLEANS[flag]
         if name == "exe_mode":
             mode = v.strip("'\"` ").replace("-", "_")
             if mode not in EXE_MODES:

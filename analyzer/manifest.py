@@ -181,6 +181,11 @@ class ExecModeDecision(_Model):
     source: str = Field(description="where it was stated: --exe-mode or progress.md:line")
     consequences: list[str] = Field(default_factory=list, description="what a captured decode step must do, each "
                                                                       "with its source (empty for eager)")
+    dynamic_graph: bool | None = Field(None, description="whether the decode graph is compiled with dynamic shapes "
+                                                         "(the yaml's enable_dynamic_graph; npugraph_ex default True, "
+                                                         "ge_graph always False); None for eager")
+    dynamic_graph_source: str = Field("", description="where enable_dynamic_graph was stated: --static-graph or "
+                                                      "progress.md:line; empty for the framework's default")
     reason: str
 
 

@@ -545,8 +545,17 @@ EXE_MODE_CONSEQUENCES = {
 }
 
 
-def decide_exe_mode(mode: str | None, source: str, next_n: int = 0) -> ExecModeDecision | None:
-    """The decode step's execution mode, stated by --exe-mode or progress.md; None when not stated (eager)."""
+STATIC_GRAPH_CONSEQUENCE = ("enable_dynamic_graph False: the decode graph is compiled static "
+                            "(executor/utils/graph_utils.py: torch.compile(dynamic=enable_dynamic_graph)), so the "
+                            "host-list FA lengths become constants of the capture and every replay reuses the first "
+                            "step's lengths; only a dynamic graph takes them per replay")
+
+
+def decide_exe_mode(mode: str | None, source: str, next_n: int = 0,
+                    dynamic: tuple[bool | None, str] = (None, "")) -> ExecModeDecision | None:
+    """The decode step's execution mode, stated by --exe-mode or progress.md; None when not stated (eager).
+    ``dynamic``: enable_dynamic_graph as stated (value, source); the framework's default is True for npugraph_ex
+    and ge_graph compiles static whatever it says (inference_config.py, graph_utils.py)."""
     if mode is None:
         return None
     if mode == "eager":
@@ -554,12 +563,16 @@ def decide_exe_mode(mode: str | None, source: str, next_n: int = 0) -> ExecModeD
                                                                   "is captured; the rendered code runs as written")
     verify = ([f"speculative verify steps of a fixed 1 + {next_n} tokens per request (one capture per width)"]
               if next_n else [])
+    stated, where = dynamic
+    value = False if mode == "ge_graph" else (True if stated is None else stated)
+    static = ([STATIC_GRAPH_CONSEQUENCE] if mode == "npugraph_ex" and not value else [])
     return ExecModeDecision(
-        value=mode, source=source, consequences=[*GRAPH_CONSEQUENCES, *EXE_MODE_CONSEQUENCES[mode], *verify],
+        value=mode, source=source, consequences=[*GRAPH_CONSEQUENCES, *EXE_MODE_CONSEQUENCES[mode], *static, *verify],
+        dynamic_graph=value, dynamic_graph_source=where if stated is not None else "",
         reason=f"{mode}: the framework captures the decode step once per batch size and replays it, so a length, a "
                "slot or a table width computed on the host inside the step is captured as a constant and replayed "
-               "for every later step (wrong output, no error); kvcache render writes eager decode only (Python "
-               "loops over the step's requests, .tolist() of the metadata) and refuses this mode by name")
+               "for every later step (wrong output, no error); kvcache renders npugraph_ex decode for GQA/MHA and "
+               "MLA layers (host-list FA lengths) and validates its capture, and refuses the rest by name")
 
 
 def decide_mtp(facts: ModelFacts, next_n: int | None = None) -> MtpDecision | None:

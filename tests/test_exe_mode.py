@@ -94,3 +94,23 @@ def test_run_with_ge_graph_exits_2_in_one_line_and_writes_nothing(tmp_path):
     manifest = tmp_path / "m.json"
     assert _cli("analyze", "--config", str(QWEN3), "--exe-mode", "ge_graph", "--out", str(manifest)).returncode == 0
     assert json.loads(manifest.read_text(encoding="utf-8"))["exe_mode"]["value"] == "ge_graph"
+
+
+def test_enable_dynamic_graph_is_read_and_a_static_npugraph_ex_is_refused_by_name(tmp_path):
+    default = analyze(AnalyzeRequest(config=str(QWEN3), exe_mode="npugraph_ex")).exe_mode
+    assert default.dynamic_graph is True and default.dynamic_graph_source == ""  # the framework's default
+    assert analyze(AnalyzeRequest(config=str(QWEN3), exe_mode="ge_graph")).exe_mode.dynamic_graph is False
+    progress = tmp_path / "progress.md"
+    progress.write_text("- exe_mode: npugraph_ex\n- enable_dynamic_graph: False\n", encoding="utf-8")
+    stated = analyze(AnalyzeRequest(config=str(QWEN3), progress=str(progress))).exe_mode
+    assert stated.dynamic_graph is False and stated.dynamic_graph_source.endswith("progress.md:2")
+    assert any("enable_dynamic_graph False" in c for c in stated.consequences)
+    flag = analyze(AnalyzeRequest(config=str(QWEN3), exe_mode="npugraph_ex", static_graph=True)).exe_mode
+    assert flag.dynamic_graph is False and flag.dynamic_graph_source == "--static-graph"
+    with pytest.raises(InputError) as err:
+        render_manifest(analyze(AnalyzeRequest(config=str(QWEN3), progress=str(progress))))
+    assert "enable_dynamic_graph False" in err.value.render() and "progress.md:2" in err.value.render()
+    progress.write_text("- enable_dynamic_graph: sometimes\n", encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(QWEN3), progress=str(progress)))
+    assert "progress.md:1" in err.value.render() and "not true or false" in err.value.render()

@@ -95,3 +95,16 @@ def test_exe_mode_applies_to_one_checkout_model_only(tmp_path):
     assert rendered.returncode == 2 and "--exe-mode" in rendered.stderr and "checkout mode" in rendered.stderr
     every = run("--framework-root", str(upstream_head()), "--all", "--exe-mode", "npugraph_ex")
     assert every.returncode == 2 and "--exe-mode" in every.stderr
+
+
+def test_a_static_graph_bakes_the_host_lists_and_the_recapture_names_them():
+    """The same qwen branch under a yaml's enable_dynamic_graph False: the compile takes the host-list lengths as
+    constants, so the next step's lengths fail the first capture's guard (on the device, with the guards skipped by
+    enable_cache_compile, the first step's lengths would be replayed): V229 names the list and the model's line."""
+    report = _validate("qwen", QWEN3, static_graph=True)
+    again = _by_id(report, "V229")[0]
+    src = (upstream_head() / "models/qwen/models/modeling_qwen.py").read_text(encoding="utf-8").splitlines()
+    assert not again.passed and "actual_seq_lengths_list_kv" in again.detail, again.detail
+    line = int(again.detail.rsplit("modeling_qwen.py:", 1)[1].split()[0])
+    assert "npu_fused_infer_attention_score" in src[line - 1], src[line - 1]  # where the captured list is consumed
+    assert "dynamic=False" in _by_id(report, "V228")[0].name

@@ -114,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkout mode: the engine's decode mode. npugraph_ex compiles decode as the engine does "
                         "(torch.compile, fullgraph) and captures it on CPU: graph breaks, host reads, recaptures "
                         "after warm-up and host-shaped tensors are named with their line (rendered mode: the "
-                        "manifest's exe_mode)")
+                        "manifest's exe_mode), e.g. --exe-mode npugraph_ex")
+    p.add_argument("--static-graph", action="store_true",
+                   help="checkout mode with --exe-mode npugraph_ex: the engine's enable_dynamic_graph False, decode "
+                        "compiled static as such a yaml serves it, e.g. --static-graph (with --exe-mode npugraph_ex)")
     p.add_argument("--no-sweep", action="store_true",
                    help="skip re-running under the alternative device readings")
     p.add_argument("--step-timeout", type=_positive_seconds, default=STEP_SECONDS, metavar="SECONDS",
@@ -143,6 +146,8 @@ def _refuse(args: argparse.Namespace, flags: tuple[str, ...], why: str) -> None:
 
 def check_mode(args: argparse.Namespace) -> None:
     """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
+    if args.static_graph and args.exe_mode == "eager":
+        raise InputError("--static-graph", "applies with --exe-mode npugraph_ex (an eager decode compiles nothing)")
     if args.exe_mode != "eager" and (args.runner_root or args.all):
         raise InputError("--exe-mode", "applies to one checkout model (--model), not with --runner-root or --all")
     if args.runner_root:
@@ -200,6 +205,7 @@ def _checkout_report(args: argparse.Namespace):
         attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
         sweep_readings=not args.no_sweep, device_readings=args.device_readings, step_seconds=args.step_timeout,
         uniform_prefill=args.uniform_prefill, next_n=args.next_n, oracle=args.oracle, exe_mode=args.exe_mode,
+        static_graph=args.static_graph,
     ), progress=_progress)
 
 

@@ -46,6 +46,10 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
     if m.exe_mode.value == "ge_graph":
         return ("with torchair.ops FA calls: the templates render npugraph_ex's (torch_npu FA with host-list "
                 "lengths), and the CPU capture has no torchair operators")
+    if m.exe_mode.dynamic_graph is False:
+        where = m.exe_mode.dynamic_graph_source or "the manifest"
+        return (f"with enable_dynamic_graph False ({where}): a static graph takes the host-list FA lengths as "
+                "constants of the capture and replays the first step's lengths (serve it with a dynamic graph)")
     if m.kv_mode.value == "legacy":
         return "for a Legacy (contiguous) cache: the engine's graph mode serves paged caches"
     if attention_format(m) not in (GQA, MLA) or holds_states(m):

@@ -96,12 +96,13 @@ class EngineRun:
 
 
 def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, block_size: int,
-                      max_new_tokens: int, layout: dict[str, int] | None = None, exe_mode: str = "eager") -> dict:
+                      max_new_tokens: int, layout: dict[str, int] | None = None, exe_mode: str = "eager",
+                      dynamic_graph: bool = True) -> dict:
     """The yaml dictionary of a tiny CPU run (the shape of models/*/config/*.yaml); ``layout``: parallel sizes
     taken from the model's own yamls (``shipped_layout``); ``exe_mode`` npugraph_ex: decode compiled as the engine
     compiles it (its yaml defaults: dynamic graph, no cache compile), captured by ``graph_backend``."""
     longest = max(n for n, _ in scenario.first + scenario.late)
-    graph = {"enable_dynamic_graph": True, "enable_cache_compile": False} if exe_mode != "eager" else {}
+    graph = {"enable_dynamic_graph": dynamic_graph, "enable_cache_compile": False} if exe_mode != "eager" else {}
     return {
         "model_config": {"model_name": name, "model_path": model_path, "exe_mode": exe_mode, "with_ckpt": True,
                          "platform_version": "A3", "enable_weight_nz": False, **graph},

@@ -84,16 +84,17 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                                     "with attention TP over every rank): "
                                     + ", ".join(f"{k} {v}" for k, v in sorted(layout.items())))
             exe_mode = getattr(req, "exe_mode", "eager")
+            dynamic = not getattr(req, "static_graph", False)
             infer = InferenceConfig.from_dict(
                 engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size,
-                                             max_new, layout, exe_mode=exe_mode),
+                                             max_new, layout, exe_mode=exe_mode, dynamic_graph=dynamic),
                 global_rank=rank, local_rank=rank)
             with contextlib.ExitStack() as stack, engine_run.cpu_engine_patches(dtype):
                 if exe_mode != "eager":  # the engine compiles decode: its npugraph_ex backend is the recorder
                     from model_infer_kvcache.validators.pipeline.graph_capture import CaptureRecorder
 
                     capture = stack.enter_context(engine_run.graph_backend(
-                        CaptureRecorder(exe_mode, files=(str(Path(model_file).resolve()),))))
+                        CaptureRecorder(exe_mode, files=(str(Path(model_file).resolve()),), dynamic=dynamic)))
                 from model_infer_kvcache.validators.checkout_run.compat import legacy_rope_scaling
 
                 stack.enter_context(legacy_rope_scaling(classes.config_cls))
@@ -172,15 +173,16 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             refusal = rank_refusal(exc, world)
             if refusal and chosen_by_kvcache(req, world):  # kvcache's layout, not the user's: try the next one
                 raise RanksRefused(f"{frame}: {type(exc).__name__}: {exc}", refusal) from None
-            if capture is not None and capture.active and _from_dynamo(exc):  # the capture broke: named with its line
+            if capture is not None and _from_dynamo(exc):  # the capture broke or recaptured: named with its line
                 from model_infer_kvcache.validators.pipeline.graph_capture import capture_gap
 
                 gap = capture_gap(exc, capture.files)
                 if gap is not None:  # an operator the capture has no shape rule for: kvcache's gap, exit 2
                     raise NotSupportedByKvcache(gap[1] or frame, gap[0].removeprefix("not supported by kvcache: "),
                                                 field="--exe-mode") from None
-                capture.failed_call(exc)
-                frame, exc = capture.broken, None
+                if capture.active:
+                    capture.failed_call(exc)
+                frame, exc = capture.broken or capture.recaptured, None
             report.add("checkout model runs in the engine without errors", "runtime", False,
                        detail=f"{frame}: {type(exc).__name__}: {exc}{_hint(exc, world)}" if exc is not None else frame)
             if capture is not None:

@@ -60,6 +60,7 @@ class CheckoutRequest:
     oracle: str = "both"
     # --exe-mode: the engine's decode mode; npugraph_ex compiles and captures decode (graph_capture.CaptureRecorder)
     exe_mode: str = "eager"
+    static_graph: bool = False  # --static-graph: the engine's enable_dynamic_graph False (npugraph_ex only)
 
     def __post_init__(self):
         from model_infer_kvcache.validators.checkout_run.recompute import check_oracle

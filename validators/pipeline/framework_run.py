@@ -12,7 +12,7 @@ import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import check_attention_calls
-from model_infer_kvcache.validators.pipeline.graph_capture import DecodeCapture, graph_mode
+from model_infer_kvcache.validators.pipeline.graph_capture import decode_capture, graph_mode
 from model_infer_kvcache.validators.pipeline.host_model import HostModel
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -119,7 +119,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     start_bytes = _cache_bytes(sched)
 
     tracker = NumericTracker(ref_model, host, atol=host.atol)
-    capture = DecodeCapture(host, graph, host.atol) if graph else None
+    capture = decode_capture(manifest, host)
     dog = scenario.watchdog("framework request stream")
     prompts = scenario.prompts(seed)
     first = len(scenario.first)

@@ -43,6 +43,12 @@ def graph_mode(manifest) -> str | None:
     return None if mode == "eager" else mode
 
 
+def decode_capture(manifest, host) -> DecodeCapture | None:
+    """The capture of the manifest's graph-mode decode (its execution mode and enable_dynamic_graph), None eager."""
+    mode = graph_mode(manifest)
+    return DecodeCapture(host, mode, host.atol, dynamic=manifest.exe_mode.dynamic_graph) if mode else None
+
+
 class _Stop(Exception):
     """Raised by the capture backend: a capture after warm-up (its reason is on the recorder)."""
 
@@ -82,8 +88,8 @@ class CaptureRecorder:
     def backend(self, gm: torch.fx.GraphModule, example_inputs, **_options):
         """The compile backend: records the capture and returns its replay (the graph run as captured)."""
         if self.rows in self._shapes:  # this batch size was captured already: a recapture
-            self.recaptured = (f"step {self.step}: recompiled after warm-up"
-                               f"{f' ({self.rows} rows)' if self.rows else ''}: {_guard_failure(self.files)}")
+            when = f"step {self.step} ({self.rows} rows)" if self.rows else f"replay {self.replays + 1}"
+            self.recaptured = f"{when}: recompiled after warm-up: {_guard_failure(self.files)}"
             raise _Stop(self.recaptured)
         self.captures.append((self.step, self.rows))
         self.host_shapes += [f for f in _host_shaped(gm, self.files) if f not in self.host_shapes]
@@ -100,7 +106,8 @@ class CaptureRecorder:
             shapes = [(n, tuple(x.shape)) for n, x in zip(names, args, strict=False) if isinstance(x, torch.Tensor)]
             for (name, want), (_, got) in zip(self._shapes[rows], shapes, strict=False):
                 if want != got and self.recaptured is None:
-                    self.recaptured = (f"step {self.step}: captured input {name} changed shape {list(want)} -> "
+                    when = f"step {self.step}" if self.rows else f"replay {self.replays + 1}"
+                    self.recaptured = (f"{when}: captured input {name} changed shape {list(want)} -> "
                                        f"{list(got)} after warm-up (the device graph replays its capture's shapes)"
                                        f"{lines.get(name, '')}")
             self.replays += 1
@@ -131,12 +138,13 @@ class DecodeCapture:
     host: object
     exe_mode: str
     atol: float
+    dynamic: bool | None = None  # the manifest's exe_mode.dynamic_graph (None: the mode's default)
     recorder: CaptureRecorder = None
     max_diff: float = 0.0
     worst_step: int | None = None
 
     def __post_init__(self):
-        self.recorder = CaptureRecorder(self.exe_mode, files=_host_files(self.host))
+        self.recorder = CaptureRecorder(self.exe_mode, files=_host_files(self.host), dynamic=self.dynamic)
         self.recorder.notes += _capturable_experts(self.host.hf_model)
         # A fresh cache (captures of an earlier run must not answer this one's steps), reset with torch's own tensor
         # methods in place: Dynamo rebuilds its table of known functions from what it finds then.

@@ -9,7 +9,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import check_attention_calls, recurrent
 from model_infer_kvcache.validators.npu_ops import paged_caches
-from model_infer_kvcache.validators.pipeline.graph_capture import DecodeCapture, graph_mode
+from model_infer_kvcache.validators.pipeline.graph_capture import decode_capture, graph_mode
 from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -63,7 +63,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
 
     tracker = NumericTracker(ref_model, host, atol=host.atol)
     graph = graph_mode(manifest)
-    capture = DecodeCapture(host, graph, host.atol) if graph else None
+    capture = decode_capture(manifest, host)
     padding: list[str] = []  # graph mode: padded decode steps whose padded rows leave the null block
     # graph mode: the runner's null block takes the padded rows' repeated writes (npu_ops.paged_caches)
     regions = contextlib.ExitStack()

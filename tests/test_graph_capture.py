@@ -30,6 +30,18 @@ def _line_of(path, needle: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if needle in line)
 
 
+FA_LENGTHS_CALL = r"(\n(\s+)q_lens, kv_lens = fa_lengths\(forward_metadata\))"
+
+
+def _after_fa_lengths(tmp_path, added: str, marker: str):
+    """(report, line) of the Qwen3 npugraph_ex render with ``added`` right after its fa_lengths() call, ``marker``
+    locating the added line."""
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
+    mutate(rendered, FA_LENGTHS_CALL, r"\1\n\2" + added, count=1)
+    line = _line_of(rendered / "kvcache_attention.py", marker)
+    return run_validate(manifest, rendered, cfg), line
+
+
 @pytest.mark.parametrize("config,mode", [("qwen3_8b", "framework"), ("qwen3_8b", "standalone"),
                                          ("deepseek_v2_lite", "framework"), ("deepseek_v2_lite", "standalone")])
 def test_rendered_graph_decode_captures_once_and_replays_the_stream_as_eager(tmp_path, config, mode):
@@ -40,18 +52,15 @@ def test_rendered_graph_decode_captures_once_and_replays_the_stream_as_eager(tmp
     assert report.passed, report.failures()
     capture, again = check(report, CAPTURE), check(report, NO_RECAPTURE)
     assert capture.passed and capture.measured["captures"] == 1
-    # one batch size (the engine's padded decode batch), replayed over the stream with admission and release
-    assert again.passed and again.measured["batch_rows"] == [report_rows(report, mode)]
+    # one batch size, the padded decode batch (the engine's batch_size_per_dp_rank / the runner's rows: the stream's
+    # concurrency), replayed over the stream with admission and release
+    assert again.passed and again.measured["batch_rows"] == [QUICK.max_concurrency]
     replays = check(report, VS_EAGER).measured["replays"]
     assert replays >= (40 if long else 15), replays
     assert check(report, VS_EAGER).measured["max_diff"] <= 1e-9
     assert check(report, HOST_SHAPED).passed
     if mode == "standalone":
         assert check(report, PADDING).passed
-
-
-def report_rows(report, mode: str) -> int:
-    return check(report, NO_RECAPTURE).measured["batch_rows"][0]
 
 
 def test_the_render_passes_fa_host_lists_on_decode_only(tmp_path):
@@ -63,11 +72,8 @@ def test_the_render_passes_fa_host_lists_on_decode_only(tmp_path):
 
 # ------------------------------------------------------------------ the four mistakes, each named with its line
 def test_a_length_read_with_item_inside_decode_breaks_the_capture_at_its_line(tmp_path):
-    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
-    mutate(rendered, r"(\n(\s+)q_lens, kv_lens = fa_lengths\(forward_metadata\))",
-           r"\1\n\2kv_lens = [int(n.item()) for n in forward_metadata.actual_seq_lengths_kv]", count=1)
-    line = _line_of(rendered / "kvcache_attention.py", "n.item()")
-    report = run_validate(manifest, rendered, cfg)
+    report, line = _after_fa_lengths(
+        tmp_path, "kv_lens = [int(n.item()) for n in forward_metadata.actual_seq_lengths_kv]", "n.item()")
     broken = check(report, CAPTURE)
     assert not broken.passed and f"kvcache_attention.py:{line}" in broken.detail, broken.detail
     assert check(report, VS_EAGER).measured["replays"] <= 1  # the stream stops replaying at the broken capture
@@ -75,12 +81,9 @@ def test_a_length_read_with_item_inside_decode_breaks_the_capture_at_its_line(tm
 
 
 def test_a_block_table_cut_to_the_current_longest_request_is_named_at_its_line(tmp_path):
-    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
     # "only the blocks the longest request needs": the width then follows the step's lengths, not the static width
-    mutate(rendered, r"(\n(\s+)q_lens, kv_lens = fa_lengths\(forward_metadata\))",
-           r"\1\n\2block_table = block_table[:, : (max(kv_lens) + block_size - 1) // block_size]", count=1)
-    line = _line_of(rendered / "kvcache_attention.py", "(max(kv_lens)")
-    report = run_validate(manifest, rendered, cfg)
+    report, line = _after_fa_lengths(
+        tmp_path, "block_table = block_table[:, : (max(kv_lens) + block_size - 1) // block_size]", "(max(kv_lens)")
     shaped = check(report, HOST_SHAPED)
     assert not shaped.passed and f"kvcache_attention.py:{line}" in shaped.detail, shaped.detail
     assert "actual_seq_lengths_list_kv" in shaped.detail

@@ -88,8 +88,7 @@ class CaptureRecorder:
     def backend(self, gm: torch.fx.GraphModule, example_inputs, **_options):
         """The compile backend: records the capture and returns its replay (the graph run as captured)."""
         if self.rows in self._shapes:  # this batch size was captured already: a recapture
-            when = f"step {self.step} ({self.rows} rows)" if self.rows else f"replay {self.replays + 1}"
-            self.recaptured = f"{when}: recompiled after warm-up: {_guard_failure(self.files)}"
+            self.recaptured = f"{self._when()}: recompiled after warm-up: {_guard_failure(self.files)}"
             raise _Stop(self.recaptured)
         self.captures.append((self.step, self.rows))
         self.host_shapes += [f for f in _host_shaped(gm, self.files) if f not in self.host_shapes]
@@ -106,14 +105,17 @@ class CaptureRecorder:
             shapes = [(n, tuple(x.shape)) for n, x in zip(names, args, strict=False) if isinstance(x, torch.Tensor)]
             for (name, want), (_, got) in zip(self._shapes[rows], shapes, strict=False):
                 if want != got and self.recaptured is None:
-                    when = f"step {self.step}" if self.rows else f"replay {self.replays + 1}"
-                    self.recaptured = (f"{when}: captured input {name} changed shape {list(want)} -> "
+                    self.recaptured = (f"{self._when()}: captured input {name} changed shape {list(want)} -> "
                                        f"{list(got)} after warm-up (the device graph replays its capture's shapes)"
                                        f"{lines.get(name, '')}")
             self.replays += 1
             return gm.forward(*args)
 
         return replay
+
+    def _when(self) -> str:
+        """The step being run: its index and rows where the driver says (rendered mode), else the replay count."""
+        return f"step {self.step} ({self.rows} rows)" if self.rows else f"replay {self.replays + 1}"
 
     def check(self, report: Report, stream_steps: int) -> None:
         report.notes.extend(self.notes)

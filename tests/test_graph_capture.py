@@ -121,3 +121,18 @@ def test_padded_rows_pointed_at_a_live_row_instead_of_the_null_block_fail_by_nam
     assert not padding.passed and "not the null block" in padding.detail, padding
     assert "kvcache_runner.py:" in padding.measured["runner"]
     assert not report.passed
+
+
+def test_a_runner_block_table_cut_to_the_longest_request_recaptures_with_the_input_named(tmp_path):
+    # the same mistake made by the runner, outside the step: the captured input's width follows the longest request,
+    # so the capture's size guard fails when a request crosses a block boundary (the device graph would replay the
+    # capture's width)
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex", deploy_mode="standalone")
+    mutate(rendered, r"block_table=torch\.cat\(\[self\.block_table\[index\], null_rows\]\),",
+           "block_table=torch.cat([self.block_table[index], null_rows])"
+           "[:, : int((kv_lens.max() + BLOCK_SIZE - 1) // BLOCK_SIZE)],", name="kvcache_runner.py")
+    report = run_validate(manifest, rendered, cfg)
+    again = check(report, NO_RECAPTURE)
+    assert not again.passed and "'forward_metadata.block_table' size mismatch" in again.detail, again.detail
+    assert "changed shape" in again.detail and "kvcache_attention.py:" in again.detail  # where the step reads it
+    assert check(report, "logits vs transformers").passed  # eager numbers are right: only the replay would be wrong

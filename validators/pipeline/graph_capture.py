@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
 from model_infer_kvcache.validators.pipeline import host_model
-from model_infer_kvcache.validators.pipeline.precision import traceable_upcasts
+from contextlib import nullcontext as traceable_upcasts
 from model_infer_kvcache.validators.pipeline.report import Report
 
 # The engine's compile per execution mode (graph_utils.compile_model_forward; npugraph_ex's dynamic is the yaml's
@@ -71,6 +71,7 @@ class CaptureRecorder:
     rows: int = 0  # the batch rows of the step being run (0: one batch size, the engine's)
     step: int = 0  # the step being run
     _shapes: dict[int, list] = field(default_factory=dict)  # batch rows -> the captured inputs' (name, shape)
+    _lines: dict[str, str] = field(default_factory=dict)  # captured input -> ' (first used at file:line)'
 
     def __post_init__(self):
         if self.dynamic is None:
@@ -88,7 +89,7 @@ class CaptureRecorder:
     def backend(self, gm: torch.fx.GraphModule, example_inputs, **_options):
         """The compile backend: records the capture and returns its replay (the graph run as captured)."""
         if self.rows in self._shapes:  # this batch size was captured already: a recapture
-            self.recaptured = f"{self._when()}: recompiled after warm-up: {_guard_failure(self.files)}"
+            self.recaptured = f"{self._when()}: recompiled after warm-up: {_guard_failure(self.files, self._lines)}"
             raise _Stop(self.recaptured)
         self.captures.append((self.step, self.rows))
         self.host_shapes += [f for f in _host_shaped(gm, self.files) if f not in self.host_shapes]
@@ -98,7 +99,8 @@ class CaptureRecorder:
         names = [_input_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
         self._shapes[self.rows] = [(n, tuple(x.shape)) for n, x in zip(names, example_inputs, strict=False)
                                    if isinstance(x, torch.Tensor)]
-        lines = _first_use_lines(gm)
+        lines = _first_use_lines(gm, self.files)
+        self._lines.update({_plain(name): where for name, where in lines.items()})
         rows = self.rows
 
         def replay(*args):
@@ -161,10 +163,12 @@ class DecodeCapture:
         graph, rec = None, self.recorder
         if rec.active:
             rec.rows, rec.step = int(input_ids.shape[0]), self.host.step_index + 1
+            args = (input_ids.to(self.host.device)[None], position_ids.to(self.host.device)[None], forward_metadata)
+            if rec.rows not in rec._shapes:  # about to capture this batch size
+                _static_shapes((args, self.host.hf_model))
             try:
                 with torch.no_grad(), traceable_upcasts():
-                    graph = self._compiled(input_ids.to(self.host.device)[None],
-                                           position_ids.to(self.host.device)[None], forward_metadata)
+                    graph = self._compiled(*args)
             except Exception as exc:  # noqa: BLE001 - a failed capture is this check's finding, not a crash
                 rec.failed_call(exc)
         eager = self.host.forward(input_ids, position_ids, forward_metadata)
@@ -193,6 +197,27 @@ class DecodeCapture:
         logits = self.host.hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         host_model._CURRENT.pop()
         return logits
+
+
+def _static_shapes(inputs) -> None:
+    """Every tensor the step reads keeps its capture's shape: the engine allocates the caches once and pads decode
+    to one batch and a static block-table width, so only host ints (FA's lengths) vary between replays. Symbolic tensor sizes would cost the
+    trace about half its time and find nothing more: a tensor whose shape changes fails a size guard instead, a
+    recapture (V229) with the input named."""
+    seen, todo = set(), [inputs]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (int, float, str, bool, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            torch._dynamo.mark_static(obj)
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif hasattr(obj, "__dict__"):  # metadata objects; modules, whose attributes hold the caches
+            todo.extend(vars(obj).values())
 
 
 def _host_files(host) -> tuple[str, ...]:
@@ -290,16 +315,17 @@ def _arg_values(args) -> list:
     return out
 
 
-def _first_use_lines(gm) -> dict[str, str]:
-    """input name -> ' (first used at file:line)' from the graph's own stack traces."""
+def _first_use_lines(gm, files: tuple[str, ...]) -> dict[str, str]:
+    """input name -> ' (first used at file:line)' from the graph's own stack traces (the rendered code or the
+    model's file where the use is inside them)."""
     out = {}
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
         for user in node.users:
-            frames = _FRAME.findall(user.meta.get("stack_trace") or "")
-            if frames:
-                out[_input_name(node)] = f" (first used at {frames[-1][0]}:{frames[-1][1]})"
+            where = _where(user.meta.get("stack_trace") or "", files)
+            if where:
+                out[_input_name(node)] = f" (first used at {where})"
                 break
     return out
 
@@ -347,8 +373,9 @@ def _unsupported(exc: BaseException) -> str | None:
     return None
 
 
-def _guard_failure(files: tuple[str, ...]) -> str:
-    """The failed guard of the last recompilation, as Dynamo recorded it, with the line that read the value."""
+def _guard_failure(files: tuple[str, ...], lines: dict[str, str]) -> str:
+    """The failed guard of the last recompilation, as Dynamo recorded it, with the line that read the value (a
+    tensor's size guard: the line that first used the input)."""
     failures = getattr(torch._dynamo.utils, "guard_failures", {})
     texts = [t for reasons in failures.values() for t in reasons]
     if not texts:
@@ -356,5 +383,15 @@ def _guard_failure(files: tuple[str, ...]) -> str:
     text = texts[-1]
     guard = text.split("#", 1)[0].strip()
     guard = re.sub(r"^\d+/\d+:\s*", "", guard)
+    tensor = re.match(r"tensor '([^']+)' (size|stride)", guard)
+    if tensor:
+        return (f"guard {guard!r} failed (a captured input changed shape: the device graph replays its capture's "
+                f"shapes){lines.get(tensor.group(1), '')}")
     where = _where(text, files)
     return f"guard {guard!r} failed (a value the capture took as a constant)" + (f" read at {where}" if where else "")
+
+
+def _plain(source: str) -> str:
+    """A Dynamo source name as its guards print it: ``L['forward_metadata'].block_table`` -> ``forward_metadata.
+    block_table``."""
+    return re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", re.sub(r"^L\['([^']+)'\]", r"\1", source))

@@ -64,6 +64,25 @@ def test_a_host_read_in_the_models_graph_branch_is_named_at_its_line(tmp_path):
     assert "reads a device value on the host" in capture.detail
 
 
+def test_a_device_tensor_for_fa_host_lengths_is_named_at_the_models_line(tmp_path):
+    """gpt_oss (served eager by its yamls) gives FA its lengths as device tensors on decode: the operator's SymInt[]
+    reads them back on the host, fine in eager, a sync no captured graph replays. Named with the argument and the
+    model's line, with the note that graph mode is not how the folder is served."""
+    import transformers
+
+    config = tmp_path / "config.json"
+    config.write_text(transformers.GptOssConfig().to_json_string(), encoding="utf-8")
+    report = _validate("gpt_oss", config)
+    capture = _by_id(report, "V228")[0]
+    src = (upstream_head() / "models/gpt_oss/models/modeling_gpt_oss.py").read_text(encoding="utf-8").splitlines()
+    line = next(i for i, text in enumerate(src, 1) if "attn_output, attn_weights = torch.ops.npu.npu_fused_infer"
+                "_attention_score_v2(" in text and i > next(j for j, t in enumerate(src, 1) if "# decode phase" in t))
+    assert not capture.passed and f"modeling_gpt_oss.py:{line}" in capture.detail, capture.detail
+    assert "a device tensor given for host ints: actual_seq_qlen= of torch_npu.npu_fused_infer_attention_score_v2" \
+        in capture.detail
+    assert any("serve exe_mode eager; npugraph_ex is not among them" in n for n in report.notes), report.notes
+
+
 def test_an_operator_without_a_shape_rule_is_kvcache_s_gap_exit_2(tmp_path):
     """A capture that reaches an operator kvcache has no shape rule for stops with one line naming it (exit 2),
     never blamed on the model: here the model's decode calls npu_geglu, which the emulation has and the capture

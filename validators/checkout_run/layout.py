@@ -67,6 +67,26 @@ def served_next_n(root: Path, folders: list[str]) -> dict[str, int]:
     return out
 
 
+def served_exe_modes(root: Path, folders: list[str]) -> dict[str, str]:
+    """``model_config.exe_mode`` of every yaml of the folders that names one: how the folder is served."""
+    out = {}
+    for name, data in _folder_yamls(root, folders):
+        model = data.get("model_config")
+        value = model.get("exe_mode") if isinstance(model, dict) else data.get("exe_mode")
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def exe_mode_note(asked: str, by_yaml: dict[str, str]) -> str:
+    """What a checkout run in graph mode says of the folder's own execution modes."""
+    served = sorted(set(by_yaml.values()))
+    yamls = (f"its {len(by_yaml)} yaml(s) serve exe_mode {'/'.join(served)}" if by_yaml
+             else "its folder has no yaml naming an exe_mode")
+    tail = "" if asked in served else f"; {asked} is not among them, so a capture finding may be why"
+    return f"decode captured as exe_mode {asked} (--exe-mode): {yamls}{tail}"
+
+
 def speculation_note(next_n_by_yaml: dict[str, int], planned: int) -> str:
     """What a checkout run says of a config with MTP layers: the engine runs at the framework's next_n 0."""
     served = sorted(set(next_n_by_yaml.values()))

@@ -85,6 +85,10 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                                     + ", ".join(f"{k} {v}" for k, v in sorted(layout.items())))
             exe_mode = getattr(req, "exe_mode", "eager")
             dynamic = not getattr(req, "static_graph", False)
+            if full and exe_mode != "eager":
+                from model_infer_kvcache.validators.checkout_run.layout import exe_mode_note, served_exe_modes
+
+                report.notes.append(exe_mode_note(exe_mode, served_exe_modes(root, [folder])))
             infer = InferenceConfig.from_dict(
                 engine_run.infer_config_dict(req.model, str(checkpoint), world, scenario, manifest.block_size,
                                              max_new, layout, exe_mode=exe_mode, dynamic_graph=dynamic),

@@ -23,7 +23,7 @@ from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.operators.schemas import load_schemas, schema_release
 from model_infer_kvcache.validators.npu_ops import emulated
 from model_infer_kvcache.validators.npu_ops.errors import UnemulatedOperatorError, caller_location
-from model_infer_kvcache.validators.npu_ops.fake_shapes import FAKE_SHAPES
+from model_infer_kvcache.validators.npu_ops.fake_shapes import FAKE_SHAPES, checked
 
 BACKENDS = BACKEND_CHOICES
 EMULATION_MARKER = "__npu_ops_emulation__"
@@ -182,7 +182,7 @@ def _register_torch_ops():
         lib.define(load_schemas(schema_release(name))["ops"][name]["func"])
         lib.impl(name, _dispatching_kernel(name), "CompositeExplicitAutograd")
         if name in FAKE_SHAPES:  # what a graph capture traces instead of the emulation (fake_shapes.py)
-            torch.library.register_fake(f"npu::{name}", FAKE_SHAPES[name], lib=lib)
+            torch.library.register_fake(f"npu::{name}", checked(name, FAKE_SHAPES[name]), lib=lib)
     return lib
 
 

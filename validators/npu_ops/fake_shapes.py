@@ -154,6 +154,37 @@ def _halved(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 # operator -> its shape rule (the operators the rendered decode steps call; extend with the op, never elsewhere)
+# What a capture says when an operator's int-list argument was given a device tensor (graph_capture.py finds it).
+HOST_INTS = "a device tensor given for host ints"
+
+
+def checked(name: str, rule):
+    """The shape rule behind a check the device graph implies: an int-list (``SymInt[]``) argument given a device
+    tensor arrives here as data-dependent symbols (the tensor was read back element by element). Eager torch_npu
+    accepts that with a host sync; inside a captured step it is a read the device graph cannot replay."""
+
+    def fake(*args, **kwargs):
+        for key, value in [*enumerate(args), *kwargs.items()]:
+            if isinstance(value, (list, tuple)) and any(_read_for_this_call(v) for v in value):
+                where = f"{key}=" if isinstance(key, str) else f"argument {key}"
+                raise ValueError(f"{HOST_INTS}: {where} of torch_npu.{name} is SymInt[]; a tensor there is read "
+                                 "back on the host inside the captured step, a sync the device graph cannot replay "
+                                 "(pass a host list, as the engine fills actual_seq_lengths_list_kv)")
+        return rule(*args, **kwargs)
+
+    fake.__name__ = getattr(rule, "__name__", name)
+    return fake
+
+
+def _read_for_this_call(value) -> bool:
+    """A data-dependent symbol made for this call (pending: no graph node holds it yet), i.e. by converting a tensor
+    argument; one the model's own ``.tolist()`` made is a node already, found at its line by the capture."""
+    if not isinstance(value, torch.SymInt):
+        return False
+    pending = {str(s) for s in getattr(value.node.shape_env, "pending_fresh_unbacked_symbols", ())}
+    return any(str(s) in pending for s in value.node.expr.free_symbols)
+
+
 FAKE_SHAPES = {
     "npu_fused_infer_attention_score": fused_infer_attention_score,
     "npu_fused_infer_attention_score_v2": fused_infer_attention_score_v2,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
+from model_infer_kvcache.validators.npu_ops.fake_shapes import HOST_INTS
 from model_infer_kvcache.validators.pipeline import host_model
 from contextlib import nullcontext as traceable_upcasts
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -346,8 +347,8 @@ def _where(text: str, files: tuple[str, ...]) -> str:
 def _graph_break(exc: Exception, files: tuple[str, ...]) -> str:
     text = str(exc)
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
-    gap = _unsupported(exc)
-    if gap:  # an operator the capture has no shape rule for: kvcache's gap, said so
+    gap = _unsupported(exc) or _carried(exc, re.escape(HOST_INTS) + r": [^'\"\n]+")
+    if gap:  # an operator the capture has no shape rule for (kvcache's gap), or a device tensor for host ints
         first = gap
     where = _where(text, files)
     return f"{type(exc).__name__}: {first[:300]}" + (f" at {where}" if where else "")
@@ -363,10 +364,15 @@ def capture_gap(exc: BaseException, files: tuple[str, ...]) -> tuple[str, str] |
 def _unsupported(exc: BaseException) -> str | None:
     """The "not supported by kvcache" message an exception carries in its chain (Dynamo wraps the one an operator
     wrapper raised while tracing), None without one."""
+    return _carried(exc, r"not supported by kvcache: [^'\"\n]+")
+
+
+def _carried(exc: BaseException, pattern: str) -> str | None:
+    """The first match of ``pattern`` in the exception's chain (also inside Dynamo's repr of a wrapped one)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        found = re.search(r"not supported by kvcache: [^'\"\n]+", str(exc))  # also inside Dynamo's repr of it
+        found = re.search(pattern, str(exc))
         if found:
             return found.group(0).strip()
         exc = exc.__cause__ or exc.__context__

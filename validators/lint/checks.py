@@ -22,6 +22,7 @@ from model_infer_kvcache.validators.lint.deploy_mode import (
     decide,
     file_facts,
 )
+from model_infer_kvcache.validators.lint.graph_checks import GraphChecks
 from model_infer_kvcache.validators.lint.hidden_layout import HiddenLayout
 from model_infer_kvcache.validators.lint.kwargs_dicts import call_keywords, dict_keys, expand_star_kwargs
 from model_infer_kvcache.validators.lint.masks import MaskFacts
@@ -156,6 +157,7 @@ class FileChecker:
                 self._kv_len_assign(node)
         if self.deploy.mode != FRAMEWORK:  # the framework owns slots, cache allocation and lengths there
             StandaloneChecks(self).run()
+        GraphChecks(self).run()
         return self.raw
 
     def _call(self, call: ast.Call) -> None:

@@ -6,7 +6,8 @@ meaning; a retired rule keeps its number reserved. The docs list every ID (a tes
 
 Numbering: KV1xx argument names, KV2xx sparse_mode and masks, KV3xx block_table/slot_mapping
 dicts, KV4xx kv_len ownership, KV5xx head counts, KV6xx writer arguments, KV7xx packed layout,
-KV8xx checks against a selection manifest (``--manifest``).
+KV8xx checks against a selection manifest (``--manifest``), KV90x a standalone runner's slots, caches and
+lengths, KV95x graph-mode (captured) decode.
 """
 
 from __future__ import annotations
@@ -303,6 +304,35 @@ _RULES += (
         "derive both from one counter (e.g. `kv_lens = self.kv_len[rows] + 1` and "
         "`slot_mapping = offset[rows] + self.kv_len[rows]`; `.tolist()` that tensor if a host list is needed)",
         deploy="standalone",
+    ),
+)
+
+# Graph-mode decode (KV95x): code the file itself places in a captured decode branch (graph_checks.py). Either
+# deployment mode: the framework's engine and a standalone runner capture the same way.
+_RULES += (
+    Rule(
+        "KV951", "host-read-in-graph-decode",
+        "device value read back on the host in graph-mode decode",
+        "`{expr}.{method}()` in a graph-mode decode branch: a captured step cannot stop to read a device value back "
+        "(the capture breaks, or keeps the first step's value and replays it)",
+        "take the value as a host list the engine fills before the step (actual_seq_lengths_list_kv, "
+        "actual_seq_lengths_cu_list_q) or keep it on the device",
+    ),
+    Rule(
+        "KV952", "tensor-from-host-in-graph-decode",
+        "tensor built from host values in graph-mode decode",
+        "`torch.{fn}({expr})` in a graph-mode decode branch: the device graph copies the host values once, at "
+        "capture, and every replay uses them",
+        "compute it on the device from the step's tensors (kv_len, slot_mapping) or build it before the step, "
+        "outside the captured forward",
+    ),
+    Rule(
+        "KV953", "tensor-lengths-in-graph-decode",
+        "FA lengths given as device tensors in graph-mode decode",
+        "`{kw}=` of {op} takes host ints (SymInt[]) and gets the metadata tensor `{field}` in a graph-mode decode "
+        "branch: it is read back on the host inside the captured step",
+        "pass the host list the engine fills for graph decode (actual_seq_lengths_list_kv, "
+        "actual_seq_lengths_cu_list_q)",
     ),
 )
 

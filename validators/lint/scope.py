@@ -24,6 +24,7 @@ _SCOPE_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef,
 class Ctx:
     phase: str | None = None
     sliding: bool | None = None
+    graph: bool | None = None  # captured decode (exe_mode npugraph_ex / ge_graph), from the code's own tests
 
     def refine(self, cons: dict) -> Ctx | None:
         """Add constraints; None when they contradict what is already known."""
@@ -72,6 +73,33 @@ def _phase_of_ident(text: str) -> str | None:
     return None
 
 
+# Graph-mode flags as the upstream model files name them: enable_npugraph_ex, enable_gegraph,
+# is_npugraph_ex_decode (exe_mode is "npugraph_ex" or "ge_graph"; "eager" runs uncaptured).
+_GRAPH_WORDS = {"npugraph", "npugraphex", "gegraph"}
+GRAPH_MODES = ("npugraph_ex", "ge_graph")
+
+
+def _graph_of_ident(text: str) -> bool | None:
+    words = set(text.rsplit(".", 1)[-1].lower().split("_"))
+    return True if words & _GRAPH_WORDS else None
+
+
+def _graph_compare(left: ast.AST, op: ast.cmpop, right: ast.AST) -> dict | None:
+    """``exe_mode == "npugraph_ex"``, ``exe_mode != "eager"``, ``exe_mode in ("ge_graph", "npugraph_ex")``."""
+    if not _ident_text(left).rsplit(".", 1)[-1].lower().endswith("exe_mode"):
+        return None
+    if isinstance(right, ast.Constant) and isinstance(right.value, str) and isinstance(op, (ast.Eq, ast.NotEq)):
+        if right.value in GRAPH_MODES:
+            return {"graph": True} if isinstance(op, ast.Eq) else None  # != one graph mode may be the other
+        if right.value == "eager":
+            return {"graph": isinstance(op, ast.NotEq)}
+    if isinstance(right, (ast.Tuple, ast.List, ast.Set)) and isinstance(op, (ast.In, ast.NotIn)):
+        values = {e.value for e in right.elts if isinstance(e, ast.Constant)}
+        if values and values <= set(GRAPH_MODES):
+            return {"graph": isinstance(op, ast.In)}
+    return None
+
+
 def _atomic_constraint(test: ast.AST) -> dict | None:
     """Constraint implied when ``test`` is true, or None if it says nothing we understand."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
@@ -79,7 +107,9 @@ def _atomic_constraint(test: ast.AST) -> dict | None:
         return _negate(inner) if inner else None
     if isinstance(test, (ast.Name, ast.Attribute)):
         text = _ident_text(test)
-        phase = _phase_of_ident(text)
+        phase, graph = _phase_of_ident(text), _graph_of_ident(text)
+        if graph:  # is_npugraph_ex_decode: captured and decode
+            return {"graph": True, **({"phase": phase} if phase else {})}
         if phase:
             return {"phase": phase}
         if "sliding" in text.rsplit(".", 1)[-1].lower():
@@ -87,6 +117,9 @@ def _atomic_constraint(test: ast.AST) -> dict | None:
         return None
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         left, op, right = test.left, test.ops[0], test.comparators[0]
+        graph = _graph_compare(left, op, right)
+        if graph is not None:
+            return graph
         # `x == "SlidingWindow"`, `layer_types[i] != "sliding_attention"`, `attn_type == "FullAttention"`
         for b in (right, left):
             if isinstance(b, ast.Constant) and isinstance(b.value, str) and isinstance(op, (ast.Eq, ast.NotEq)):

@@ -23,13 +23,13 @@ single ``torch.ops.npu`` nodes (their shape rules: ``npu_ops/fake_shapes.py``), 
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext as traceable_upcasts
 from dataclasses import dataclass, field
 
 import torch
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
 from model_infer_kvcache.validators.npu_ops.fake_shapes import HOST_INTS
 from model_infer_kvcache.validators.pipeline import host_model
+from model_infer_kvcache.validators.pipeline.precision import traceable_upcasts
 from model_infer_kvcache.validators.pipeline.report import Report
 
 # The engine's compile per execution mode (graph_utils.compile_model_forward; npugraph_ex's dynamic is the yaml's

@@ -153,7 +153,6 @@ def _halved(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.new_empty(shape)
 
 
-# operator -> its shape rule (the operators the rendered decode steps call; extend with the op, never elsewhere)
 # What a capture says when an operator's int-list argument was given a device tensor (graph_capture.py finds it).
 HOST_INTS = "a device tensor given for host ints"
 
@@ -185,6 +184,7 @@ def _read_for_this_call(value) -> bool:
     return any(str(s) in pending for s in value.node.expr.free_symbols)
 
 
+# operator -> its shape rule (the operators the rendered decode steps call; extend with the op, never elsewhere)
 FAKE_SHAPES = {
     "npu_fused_infer_attention_score": fused_infer_attention_score,
     "npu_fused_infer_attention_score_v2": fused_infer_attention_score_v2,

@@ -202,9 +202,9 @@ class DecodeCapture:
 
 def _static_shapes(inputs) -> None:
     """Every tensor the step reads keeps its capture's shape: the engine allocates the caches once and pads decode
-    to one batch and a static block-table width, so only host ints (FA's lengths) vary between replays. Symbolic tensor sizes would cost the
-    trace about half its time and find nothing more: a tensor whose shape changes fails a size guard instead, a
-    recapture (V229) with the input named."""
+    to one batch and a static block-table width, so only host ints (FA's lengths) vary between replays. Symbolic
+    tensor sizes would cost the trace about half its time and find nothing more: a tensor whose shape changes fails
+    a size guard instead, a recapture (V229) with the input named."""
     seen, todo = set(), [inputs]
     while todo:
         obj = todo.pop()

@@ -21,8 +21,9 @@ QWEN3 = ROOT / "tests" / "fixtures" / "configs" / "qwen3_8b.json"
 def _validate(model: str, config, **kw):
     from model_infer_kvcache.validators.checkout_run import CheckoutRequest, validate_checkout
 
-    return validate_checkout(CheckoutRequest(str(upstream_head()), model, str(config), exe_mode="npugraph_ex",
-                                             **{"sweep_readings": False, "oracle": ORACLE, **kw}))
+    return validate_checkout(CheckoutRequest(str(upstream_head()), model, str(config),
+                                             **{"exe_mode": "npugraph_ex", "sweep_readings": False, "oracle": ORACLE,
+                                                **kw}))
 
 
 def _by_id(report, check_id: str) -> list:
@@ -36,6 +37,31 @@ def test_qwen_npugraph_ex_branch_captures_once_and_replays_the_stream():
     assert capture.measured["captures"] == 1 and "npugraph_ex" in capture.name
     replays = int(again.name.split(" over ")[1].split()[0])
     assert replays >= 40, again.name  # the stream and the release run replay the warm-up's capture
+
+
+def test_qwen_ge_graph_branch_captures_static_with_torchair_attention():
+    """ge_graph, as qwen's yamls serve it: decode compiled static through torchair's backend, FA from torchair.ops
+    with its lengths as tensors (read on the device: nothing host-side changes between replays)."""
+    report = _validate("qwen", QWEN3, exe_mode="ge_graph")
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    capture, again = _by_id(report, "V228")[0], _by_id(report, "V229")[0]
+    assert capture.measured["captures"] == 1 and "ge_graph, dynamic=False" in capture.name
+    assert int(again.name.split(" over ")[1].split()[0]) >= 40, again.name
+
+
+def test_torch_npu_attention_left_in_the_ge_graph_branch_is_named_at_its_line(tmp_path):
+    """qwen's ge_graph decode switched back to torch.ops.npu: its FA takes host ints, the branch hands it the length
+    tensors: read back on the host inside the static graph."""
+    src = (upstream_head() / "models/qwen/models/modeling_qwen.py").read_text(encoding="utf-8")
+    old = "            fa_ops = torchair.ops\n"
+    assert src.count(old) == 1
+    copy = tmp_path / "modeling_qwen.py"
+    copy.write_text(src.replace(old, "            fa_ops = torch.ops.npu\n"), encoding="utf-8")
+    lines = copy.read_text(encoding="utf-8").splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "attn_output, _ = fa_ops.npu_fused_infer_attention" in text)
+    capture = _by_id(_validate("qwen", QWEN3, exe_mode="ge_graph", model_file=str(copy)), "V228")[0]
+    assert not capture.passed and f"modeling_qwen.py:{line}" in capture.detail, capture.detail
+    assert "a device tensor given for host ints: actual_seq_qlen=" in capture.detail
 
 
 def test_qwen3_moe_at_attention_tp_2_captures_its_moe_decode(tmp_path):

@@ -183,3 +183,33 @@ def test_allocation_falls_back_to_the_harness_when_the_serving_stack_does_not_im
         sched = _one_layer_scheduler(fw, fw.generation)
         assert sched.provenance["allocate_cache_tensors"] == "harness (checkout's needs requests)"
         assert sched.provenance["KVCacheManager"] == "checkout"
+
+
+def test_torchair_attention_is_graph_only_and_takes_tensor_lengths():
+    """torchair.ops' fused attention (ge_graph decode): eagerly it refuses, as torchair's own kernels do; compiled it
+    is torch.ops.air's operator, torch_npu's schema with the FA lengths as tensors, and replays the emulation."""
+    from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
+    from model_infer_kvcache.validators.npu_ops.backend import air_schema
+
+    v2 = FA_KEYWORDS["v2"]
+    schema = air_schema(v2.op)
+    assert f"Tensor? {v2.q_lens}=None" in schema and f"Tensor? {v2.kv_lens}=None" in schema
+    assert "SymInt[]? actual_seq" not in schema
+    with device_standins():
+        import torchair
+
+        q = torch.randn(2, 2, 8, dtype=torch.float64)  # TND: two requests of one token
+        cache = torch.randn(2, 16, 2 * 8, dtype=torch.float64)  # [blocks, block_size, N_kv * D]
+        kwargs = dict(num_query_heads=2, num_key_value_heads=2, input_layout="TND", softmax_scale=0.35,
+                      sparse_mode=0, block_table=torch.tensor([[0], [1]], dtype=torch.int32), block_size=16)
+        lens = {v2.q_lens: torch.tensor([1, 2]), v2.kv_lens: torch.tensor([3, 2])}
+        with pytest.raises(NotImplementedError, match="does not support eager mode"):
+            getattr(torchair.ops, v2.op)(q, cache, cache, **kwargs, **lens)
+        import torch_npu
+
+        eager = getattr(torch_npu, v2.op)(q, cache, cache, **kwargs, **{k: v.tolist() for k, v in lens.items()})[0]
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda *a, **k: getattr(torchair.ops, v2.op)(*a, **k)[0], fullgraph=True,
+                                 dynamic=False, backend="eager")
+        assert torch.equal(compiled(q, cache, cache, **kwargs, **lens), eager)
+        torch._dynamo.reset()

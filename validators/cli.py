@@ -109,12 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "only supports equal-length prefill batches (its own check says so); the report notes that "
                         "variable-length prefill was not exercised")
     add_next_n_argument(p)
-    # ge_graph compiles through torchair's GE backend, which the CPU capture does not stand in for
-    p.add_argument("--exe-mode", choices=[mode for mode in EXE_MODES if mode != "ge_graph"], default="eager",
-                   help="checkout mode: the engine's decode mode. npugraph_ex compiles decode as the engine does "
-                        "(torch.compile, fullgraph) and captures it on CPU: graph breaks, host reads, recaptures "
-                        "after warm-up and host-shaped tensors are named with their line (rendered mode: the "
-                        "manifest's exe_mode), e.g. --exe-mode npugraph_ex")
+    p.add_argument("--exe-mode", choices=list(EXE_MODES), default="eager",
+                   help="checkout mode: the engine's decode mode. npugraph_ex / ge_graph compile decode as the engine "
+                        "does (torch.compile, fullgraph; ge_graph static, through torchair's backend) and capture it "
+                        "on CPU: graph breaks, host reads, recaptures after warm-up and host-shaped tensors are named "
+                        "with their line (rendered mode: the manifest's exe_mode), e.g. --exe-mode ge_graph")
     p.add_argument("--static-graph", action="store_true",
                    help="checkout mode with --exe-mode npugraph_ex: the engine's enable_dynamic_graph False, decode "
                         "compiled static as such a yaml serves it, e.g. --static-graph (with --exe-mode npugraph_ex)")
@@ -146,8 +145,9 @@ def _refuse(args: argparse.Namespace, flags: tuple[str, ...], why: str) -> None:
 
 def check_mode(args: argparse.Namespace) -> None:
     """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
-    if args.static_graph and args.exe_mode == "eager":
-        raise InputError("--static-graph", "applies with --exe-mode npugraph_ex (an eager decode compiles nothing)")
+    if args.static_graph and args.exe_mode != "npugraph_ex":
+        raise InputError("--static-graph", "applies with --exe-mode npugraph_ex (an eager decode compiles nothing; "
+                                           "ge_graph is always static)")
     if args.exe_mode != "eager" and (args.runner_root or args.all):
         raise InputError("--exe-mode", "applies to one checkout model (--model), not with --runner-root or --all")
     if args.runner_root:

@@ -117,8 +117,9 @@ def infer_config_dict(name: str, model_path: str, tp: int, scenario: Scenario, b
 
 @contextlib.contextmanager
 def graph_backend(recorder):
-    """The engine's ``torch.compile(..., backend="npugraph_ex")`` (executor/utils/graph_utils.py) reaches
-    ``recorder.backend`` (graph_capture.CaptureRecorder) inside the block; the Dynamo settings the engine changes
+    """The engine's ``torch.compile(..., backend="npugraph_ex")`` and its ge_graph backend
+    (``torchair.get_npu_backend``, executor/utils/graph_utils.py) reach ``recorder.backend``
+    (graph_capture.CaptureRecorder) inside the block; the Dynamo settings the engine changes
     (``inline_inbuilt_nn_modules``) and its compile cache are restored on exit."""
     from torch._dynamo.backends import registry
 
@@ -126,13 +127,17 @@ def graph_backend(recorder):
         warnings.simplefilter("ignore", FutureWarning)
         saved_inline = torch._dynamo.config.inline_inbuilt_nn_modules
     had = {table: getattr(registry, table).get("npugraph_ex") for table in ("_BACKENDS", "_COMPILER_FNS")}
+    from model_infer_kvcache.validators.standins.device import GRAPH_BACKENDS
+
     registry._lazy_import()  # torch's own backends first: the lazy import would not run once a name is known
     registry._BACKENDS["npugraph_ex"] = None
     registry._COMPILER_FNS["npugraph_ex"] = recorder.backend
+    GRAPH_BACKENDS.append(recorder.backend)  # ge_graph: torchair.get_npu_backend()
     torch._dynamo.reset()
     try:
         yield recorder
     finally:
+        GRAPH_BACKENDS.remove(recorder.backend)
         for table, value in had.items():
             if value is None:
                 getattr(registry, table).pop("npugraph_ex", None)

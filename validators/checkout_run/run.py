@@ -84,7 +84,8 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
                                     "with attention TP over every rank): "
                                     + ", ".join(f"{k} {v}" for k, v in sorted(layout.items())))
             exe_mode = getattr(req, "exe_mode", "eager")
-            dynamic = not getattr(req, "static_graph", False)
+            # npugraph_ex: the yaml's enable_dynamic_graph (default True); ge_graph always compiles static
+            dynamic = exe_mode == "npugraph_ex" and not getattr(req, "static_graph", False)
             if full and exe_mode != "eager":
                 from model_infer_kvcache.validators.checkout_run.layout import exe_mode_note, served_exe_modes
 

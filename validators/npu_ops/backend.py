@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, keywords_of
 from model_infer_kvcache.analyzer.operators.schemas import load_schemas, schema_release
 from model_infer_kvcache.validators.npu_ops import emulated
 from model_infer_kvcache.validators.npu_ops.errors import UnemulatedOperatorError, caller_location
@@ -170,8 +171,20 @@ def _dispatching_kernel(name: str):
     return kernel
 
 
-def _register_torch_ops():
-    """Define the pinned schemas under ``torch.ops.npu`` with emulated kernels; returns the Library."""
+def air_schema(name: str) -> str:
+    """``torchair.ops.<name>``'s schema: torch_npu's with the FA lengths taken as tensors (torchair
+    ``ops/_npu_fused_infer_attention_score_v2.py`` defines ``torch.ops.air.<name>`` with ``Tensor? actual_seq_qlen``,
+    ``Tensor? actual_seq_kvlen``: a ge_graph decode reads them on the device, no host list)."""
+    kw = keywords_of(name)
+    func = load_schemas(schema_release(name))["ops"][name]["func"]
+    for length in (kw.q_lens, kw.kv_lens):
+        func = func.replace(f"SymInt[]? {length}=", f"Tensor? {length}=")
+    return func
+
+
+def _register_torch_ops() -> list:
+    """Define the pinned schemas under ``torch.ops.npu`` (and torchair's fused attention under ``torch.ops.air``)
+    with emulated kernels; returns the Libraries."""
     import torch
 
     lib = torch.library.Library("npu", "FRAGMENT")  # noqa: TOR901 - deliberate, undone on exit
@@ -183,7 +196,15 @@ def _register_torch_ops():
         lib.impl(name, _dispatching_kernel(name), "CompositeExplicitAutograd")
         if name in FAKE_SHAPES:  # what a graph capture traces instead of the emulation (fake_shapes.py)
             torch.library.register_fake(f"npu::{name}", checked(name, FAKE_SHAPES[name]), lib=lib)
-    return lib
+    air = torch.library.Library("air", "FRAGMENT")  # noqa: TOR901 - deliberate, undone on exit
+    for name in FA_OP_NAMES:
+        if hasattr(torch.ops.air, name):
+            continue
+        air.define(air_schema(name))
+        # the kernel a replayed ge graph runs: the emulation, which reads tensor lengths as the device does
+        air.impl(name, _dispatching_kernel(name), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"air::{name}", FAKE_SHAPES[name], lib=air)
+    return [lib, air]
 
 
 @contextmanager
@@ -207,13 +228,13 @@ def install_emulation() -> Iterator[types.ModuleType]:
     had_entry = "torch_npu" in sys.modules
     sys.modules["torch_npu"] = fake
     _installed = True
-    lib = None
+    libs = []
     import torch
 
     had_namespace = "npu" in torch.ops.__dict__
     saved_namespace = torch.ops.__dict__.get("npu")
     try:
-        lib = _register_torch_ops()
+        libs = _register_torch_ops()
         torch.ops.__dict__["npu"] = _strict_npu_namespace()
         yield fake
     finally:
@@ -222,8 +243,9 @@ def install_emulation() -> Iterator[types.ModuleType]:
             torch.ops.__dict__["npu"] = saved_namespace
         else:
             torch.ops.__dict__.pop("npu", None)
-        if lib is not None and hasattr(lib, "_destroy"):
-            lib._destroy()
+        for library in libs:
+            if hasattr(library, "_destroy"):
+                library._destroy()
         if had_entry:
             sys.modules["torch_npu"] = current
         else:

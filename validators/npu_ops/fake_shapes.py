@@ -191,6 +191,7 @@ FAKE_SHAPES = {
     "npu_scatter_nd_update_": lambda self, indices, updates: self,
     "npu_scatter_nd_update": lambda self, indices, updates: torch.empty_like(self),
     "npu_interleave_rope": lambda x, cos, sin: torch.empty_like(x),
+    "npu_rotary_mul": lambda embedding, cosine, sine, mode="half", **_: torch.empty_like(embedding),
     "npu_kv_rmsnorm_rope_cache": kv_rmsnorm_rope_cache,
     "npu_rms_norm": lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), _rstd(x, gamma)),
     "npu_add_rms_norm": lambda x1, x2, gamma, epsilon=1e-6: (torch.empty_like(x1), _rstd(x1, gamma),

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES
 from model_infer_kvcache.validators.npu_ops import emulation_installed, install_emulation
 from model_infer_kvcache.validators.npu_ops.custom_ops import CUSTOM_OPS
 from model_infer_kvcache.validators.npu_ops.errors import (
@@ -194,6 +195,34 @@ def _identity(tensor, *args, **kwargs):
     return tensor
 
 
+# The ge_graph compile backend of a checkout run in graph mode: graph_capture's recorder, registered by
+# checkout_run.engine_run.graph_backend (innermost last).
+GRAPH_BACKENDS: list = []
+
+
+def _npu_backend(compiler_config=None):
+    """``torchair.get_npu_backend``: the GE backend the engine compiles a ge_graph decode with
+    (executor/utils/graph_utils.py); here kvcache's capture recorder."""
+    if not GRAPH_BACKENDS:
+        raise NotStoodInError(f"torchair.get_npu_backend has no CPU stand-in outside a graph-mode checkout run "
+                              f"(--exe-mode ge_graph) (called from {_caller()})")
+    return GRAPH_BACKENDS[-1]
+
+
+def _torchair_attention(name: str):
+    """``torchair.ops.<name>``: inside a graph, ``torch.ops.air.<name>`` (the emulated operator with tensor lengths,
+    npu_ops/backend.py); eagerly it refuses, as torchair's own CPU and NPU kernels do."""
+
+    def op(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            raise NotImplementedError(f"torchair.ops.{name} does not support eager mode (torchair registers it for "
+                                      f"graph mode only; eager code calls torch_npu.{name})")
+        return getattr(torch.ops.air, name)(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
 def _build_torchair() -> dict[str, types.ModuleType]:
     # Eager CPU runs never compile a graph: scopes are no-ops, tagged events do nothing,
     # npu_wait_tensor returns its input.
@@ -207,6 +236,7 @@ def _build_torchair() -> dict[str, types.ModuleType]:
         "npu_tagged_event_record": lambda *a, **k: None,
         "npu_tagged_event_wait": lambda *a, **k: None,
         "npu_record_tagged_stream": lambda *a, **k: None,
+        **{name: _torchair_attention(name) for name in sorted(FA_OP_NAMES)},
     })
 
     class CompilerConfig:  # graph-mode options; attributes accept anything
@@ -222,7 +252,8 @@ def _build_torchair() -> dict[str, types.ModuleType]:
                                                      "torchair.ge_concrete_graph.ge_converter.experimental", patch)}
     configs = _module("torchair.configs", {"compiler_config": compiler_config})
     torchair = _module("torchair", {"scope": scope, "ops": ops, "configs": configs,
-                                    "CompilerConfig": CompilerConfig, "patch_for_hcom": lambda: None})
+                                    "CompilerConfig": CompilerConfig, "patch_for_hcom": lambda: None,
+                                    "get_npu_backend": _npu_backend})
     return {"torchair": torchair, "torchair.ops": ops, "torchair.scope": scope,
             "torchair.configs": configs, "torchair.configs.compiler_config": compiler_config, **packages}
 

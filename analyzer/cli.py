@@ -93,8 +93,8 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
     add_next_n_argument(p)
     p.add_argument("--exe-mode", choices=EXE_MODES,
                    help="the framework's execution mode for decode (the yaml's model_config.exe_mode; else "
-                        "progress.md's exe_mode, else eager): planned with their consequences; npugraph_ex is rendered "
-                        "for GQA/MHA and MLA and its decode captured by validate, ge_graph is refused by render, "
+                        "progress.md's exe_mode, else eager): planned with their consequences; npugraph_ex and ge_graph "
+                        "are rendered for GQA/MHA and MLA and their decode captured by validate, "
                         "e.g. --exe-mode npugraph_ex")
     p.add_argument("--static-graph", action="store_true",
                    help="the yaml's model_config.enable_dynamic_graph is False (else progress.md's "

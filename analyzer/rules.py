@@ -541,7 +541,9 @@ EXE_MODE_CONSEQUENCES = {
                     "npugraph_ex) and FA v2 types actual_seq_qlen / actual_seq_kvlen SymInt[] (the torch_npu "
                     "schema); upstream qwen (models/qwen/models/modeling_qwen.py) passes those lists"],
     "ge_graph": ["FA through torchair.ops on decode (upstream models/qwen/models/modeling_qwen.py: fa_ops = "
-                 "torchair.ops when enable_gegraph), the lengths as device tensors"],
+                 "torchair.ops when enable_gegraph), the lengths as device tensors (torchair defines "
+                 "torch.ops.air.npu_fused_infer_attention_score(_v2) with Tensor? actual_seq_* and no eager kernel); "
+                 "prefill stays on torch_npu, and the graph is compiled static (graph_utils.py: dynamic=False)"],
 }
 
 
@@ -571,8 +573,9 @@ def decide_exe_mode(mode: str | None, source: str, next_n: int = 0,
         dynamic_graph=value, dynamic_graph_source=where if stated is not None else "",
         reason=f"{mode}: the framework captures the decode step once per batch size and replays it, so a length, a "
                "slot or a table width computed on the host inside the step is captured as a constant and replayed "
-               "for every later step (wrong output, no error); kvcache renders npugraph_ex decode for GQA/MHA and "
-               "MLA layers (host-list FA lengths) and validates its capture, and refuses the rest by name")
+               "for every later step (wrong output, no error); kvcache renders npugraph_ex (host-list FA lengths) and "
+               "ge_graph (torchair.ops FA) decode for GQA/MHA and MLA layers and validates its capture, and refuses "
+               "the rest by name")
 
 
 def decide_mtp(facts: ModelFacts, next_n: int | None = None) -> MtpDecision | None:

@@ -138,6 +138,10 @@ class RenderContext:
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")
     # exe_mode npugraph_ex: the captured decode passes FA the engine's host lists (fa_lengths), prefill the tensors
     graph_lists: bool = False
+    # any graph mode: the standalone runner pads decode to its batch and keeps a null block (captured shapes)
+    graph_padding: bool = False
+    # the module the paged FA call is reached through: torch_npu, or fa_ops()'s pick (ge_graph: torchair.ops on decode)
+    fa_module: str = "torch_npu"
     # the paged FA call's (query, KV) length values: the metadata tensors, or fa_lengths()'s pick under npugraph_ex
     fa_lengths: tuple[str, str] = ("forward_metadata.actual_seq_lengths_cu_q", "forward_metadata.actual_seq_lengths_kv")
 
@@ -309,8 +313,12 @@ def _legacy_kernel(m: SelectionManifest) -> tuple[str, float | None]:
     return legacy.kernel, legacy.softcap
 
 
+def _graph_mode(m: SelectionManifest) -> str | None:
+    return None if m.exe_mode is None or m.exe_mode.value == "eager" else m.exe_mode.value
+
+
 def _graph_lists(m: SelectionManifest) -> bool:
-    return m.exe_mode is not None and m.exe_mode.value == "npugraph_ex"
+    return _graph_mode(m) == "npugraph_ex"
 
 
 def build_context(m: SelectionManifest, names: Names, api_override: str | None = None) -> RenderContext:
@@ -367,6 +375,8 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         legacy_kernel=legacy_kernel,
         softcap=softcap,
         graph_lists=_graph_lists(m),
+        graph_padding=_graph_mode(m) is not None,
         **({"fa_lengths": ("q_lens", "kv_lens")} if _graph_lists(m) else {}),
+        **({"fa_module": "fa_ops(forward_metadata)"} if _graph_mode(m) == "ge_graph" else {}),
         **kind_fields,
     )

@@ -61,7 +61,7 @@ def test_an_unstated_mode_leaves_the_manifest_as_it_was_and_eager_renders():
 
 
 @pytest.mark.parametrize("config,options,why", [
-    ("qwen3_8b", {"exe_mode": "ge_graph"}, "torchair.ops"),
+    ("qwen3_next", {"exe_mode": "ge_graph"}, "linear-attention states"),
     ("deepseek_v3", {"exe_mode": "npugraph_ex"}, "speculative verify steps"),  # its MTP layer plans next_n 1
     ("deepseek_v32", {"exe_mode": "npugraph_ex"}, "DSA layers"),
     ("qwen3_next", {"exe_mode": "npugraph_ex"}, "linear-attention states"),
@@ -75,24 +75,32 @@ def test_render_refuses_what_it_cannot_capture_by_name(config, options, why):
     assert why in err.value.render() and "not supported by kvcache" in err.value.render()
 
 
-def test_npugraph_ex_renders_gqa_and_mla_in_both_modes():
+def test_graph_modes_render_gqa_and_mla_in_both_modes():
     for config in ("qwen3_8b", "deepseek_v2_lite"):
         for mode in ("framework", "standalone"):
-            files = render_manifest(analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"),
-                                                           exe_mode="npugraph_ex", deploy_mode=mode))).files
-            assert "def fa_lengths(forward_metadata):" in files["kvcache_attention.py"]
-            if mode == "standalone":
-                assert "def _padded_decode_metadata(" in files["kvcache_runner.py"]
+            for exe_mode in ("npugraph_ex", "ge_graph"):
+                files = render_manifest(analyze(AnalyzeRequest(config=str(CONFIGS / f"{config}.json"),
+                                                               exe_mode=exe_mode, deploy_mode=mode))).files
+                code = files["kvcache_attention.py"]
+                # npugraph_ex: host-list lengths through torch_npu; ge_graph: torchair.ops with the length tensors
+                assert ("def fa_lengths(forward_metadata):" in code) == (exe_mode == "npugraph_ex")
+                assert ("import torchair" in code and "= fa_ops(forward_metadata).npu_fused_infer_attention_score"
+                        in code) == (exe_mode == "ge_graph")
+                if mode == "standalone":
+                    runner = files["kvcache_runner.py"]
+                    assert "def _padded_decode_metadata(" in runner
+                    assert ("actual_seq_lengths_list_kv=kv_lens.tolist()" in runner) == (exe_mode == "npugraph_ex")
 
 
-def test_run_with_ge_graph_exits_2_in_one_line_and_writes_nothing(tmp_path):
+def test_run_of_a_graph_mode_it_cannot_capture_exits_2_in_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
-    proc = _cli("run", "--config", str(QWEN3), "--exe-mode", "ge_graph", "--out", str(out))
+    hybrid = CONFIGS / "qwen3_next.json"
+    proc = _cli("run", "--config", str(hybrid), "--exe-mode", "ge_graph", "--out", str(out))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and not out.exists(), proc.stderr
     assert lines[-1].startswith("error: ") and "not supported by kvcache: ge_graph decode" in lines[-1]
     manifest = tmp_path / "m.json"
-    assert _cli("analyze", "--config", str(QWEN3), "--exe-mode", "ge_graph", "--out", str(manifest)).returncode == 0
+    assert _cli("analyze", "--config", str(hybrid), "--exe-mode", "ge_graph", "--out", str(manifest)).returncode == 0
     assert json.loads(manifest.read_text(encoding="utf-8"))["exe_mode"]["value"] == "ge_graph"
 
 

@@ -18,7 +18,7 @@ from validators_support import check, mutate, render_case, run_validate
 
 pytestmark = pytest.mark.slow
 
-CAPTURE = "graph mode (npugraph_ex"
+CAPTURE = "graph mode ("  # V228, either graph mode
 NO_RECAPTURE = "graph mode: no capture after warm-up"
 HOST_SHAPED = "graph mode: no tensor inside the captured step is shaped or filled from a host length"
 VS_EAGER = "graph mode: replayed decode logits vs eager"
@@ -42,21 +42,25 @@ def _after_fa_lengths(tmp_path, added: str, marker: str):
     return run_validate(manifest, rendered, cfg), line
 
 
-@pytest.mark.parametrize("config,mode", [("qwen3_8b", "framework"), ("qwen3_8b", "standalone"),
-                                         ("deepseek_v2_lite", "framework"), ("deepseek_v2_lite", "standalone")])
-def test_rendered_graph_decode_captures_once_and_replays_the_stream_as_eager(tmp_path, config, mode):
-    manifest, rendered, cfg = render_case(tmp_path, config, exe_mode="npugraph_ex", deploy_mode=mode)
+@pytest.mark.parametrize("config,mode,exe_mode", [
+    ("qwen3_8b", "framework", "npugraph_ex"), ("qwen3_8b", "standalone", "npugraph_ex"),
+    ("deepseek_v2_lite", "framework", "npugraph_ex"), ("deepseek_v2_lite", "standalone", "npugraph_ex"),
+    # ge_graph: compiled static, decode FA through torchair.ops with the length tensors
+    ("qwen3_8b", "standalone", "ge_graph"), ("deepseek_v2_lite", "framework", "ge_graph")])
+def test_rendered_graph_decode_captures_once_and_replays_the_stream_as_eager(tmp_path, config, mode, exe_mode):
+    manifest, rendered, cfg = render_case(tmp_path, config, exe_mode=exe_mode, deploy_mode=mode)
     # Qwen3: the quick stream with 32 sequential requests after it, every one admitted into freed blocks or rows
-    long = config == "qwen3_8b"
+    long = config == "qwen3_8b" and exe_mode == "npugraph_ex"
     report = run_validate(manifest, rendered, cfg, scenario=replace(QUICK, release_requests=32) if long else QUICK)
     assert report.passed, report.failures()
-    capture, again = check(report, CAPTURE), check(report, NO_RECAPTURE)
+    capture, again = check(report, f"graph mode ({exe_mode}"), check(report, NO_RECAPTURE)
     assert capture.passed and capture.measured["captures"] == 1
     # one batch size, the padded decode batch (the engine's batch_size_per_dp_rank / the runner's rows: the stream's
     # concurrency), replayed over the stream with admission and release
     assert again.passed and again.measured["batch_rows"] == [QUICK.max_concurrency]
     replays = check(report, VS_EAGER).measured["replays"]
     assert replays >= (40 if long else 15), replays
+    assert ("dynamic=False" in capture.name) == (exe_mode == "ge_graph")
     assert check(report, VS_EAGER).measured["max_diff"] <= 1e-9
     assert check(report, HOST_SHAPED).passed
     if mode == "standalone":
@@ -136,3 +140,14 @@ def test_a_runner_block_table_cut_to_the_longest_request_recaptures_with_the_inp
     assert not again.passed and "'forward_metadata.block_table' size mismatch" in again.detail, again.detail
     assert "changed shape" in again.detail and "kvcache_attention.py:" in again.detail  # where the step reads it
     assert check(report, "logits vs transformers").passed  # eager numbers are right: only the replay would be wrong
+
+
+def test_torch_npu_attention_in_a_ge_graph_decode_is_named_at_its_line(tmp_path):
+    # ge_graph's decode FA called through torch_npu instead of torchair.ops: torch_npu takes host ints, the step hands
+    # it the metadata's length tensors, read back on the host inside the static graph
+    manifest, rendered, cfg = render_case(tmp_path, "qwen3_8b", exe_mode="ge_graph")
+    mutate(rendered, r"fa_ops\(forward_metadata\)\.npu_fused_infer_attention_score", "torch_npu.npu_fused_infer_attention_score")
+    line = _line_of(rendered / "kvcache_attention.py", "= torch_npu.npu_fused_infer_attention_score(")
+    broken = check(run_validate(manifest, rendered, cfg), CAPTURE)
+    assert not broken.passed and f"kvcache_attention.py:{line}" in broken.detail, broken.detail
+    assert "a device tensor given for host ints: actual_seq_lengths=" in broken.detail

@@ -106,9 +106,10 @@ def test_no_operator_fact_is_copied_outside_its_home():
 
 
 def _fa_call_texts(text: str) -> list[str]:
-    """Argument text of every ``torch_npu.{{ c.fa.op }}(...)`` call in a template (balanced parentheses)."""
+    """Argument text of every ``torch_npu.{{ c.fa.op }}(...)`` / ``{{ c.fa_module }}.{{ c.fa.op }}(...)`` call in a
+    template (balanced parentheses)."""
     calls = []
-    for m in re.finditer(r"torch_npu\.\{\{ c\.fa\.op \}\}\(", text):
+    for m in re.finditer(r"(?:torch_npu|\{\{ c\.fa_module \}\})\.\{\{ c\.fa\.op \}\}\(", text):
         depth, i = 1, m.end()
         while depth:
             depth += {"(": 1, ")": -1}.get(text[i], 0)

@@ -41,12 +41,10 @@ def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
 
 def graph_mode_gap(m: SelectionManifest) -> str | None:
     """Why a graph-mode decode of ``m`` is not rendered (None: it is, and validated by capture): the templates
-    render npugraph_ex decode (host-list FA lengths; the standalone runner pads decode to its batch and keeps a null
-    block) for GQA/MHA and MLA layers, in both deployment modes."""
-    if m.exe_mode.value == "ge_graph":
-        return ("with torchair.ops FA calls: the templates render npugraph_ex's (torch_npu FA with host-list "
-                "lengths), and the CPU capture has no torchair operators")
-    if m.exe_mode.dynamic_graph is False:
+    render npugraph_ex decode (host-list FA lengths) and ge_graph decode (torchair.ops FA with tensor lengths) for
+    GQA/MHA and MLA layers, in both deployment modes (the standalone runner pads decode to its batch and keeps a
+    null block)."""
+    if m.exe_mode.value == "npugraph_ex" and m.exe_mode.dynamic_graph is False:
         where = m.exe_mode.dynamic_graph_source or "the manifest"
         return (f"with enable_dynamic_graph False ({where}): a static graph takes the host-list FA lengths as "
                 "constants of the capture and replays the first step's lengths (serve it with a dynamic graph)")

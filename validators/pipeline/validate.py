@@ -204,7 +204,7 @@ def _check_render_as_written(report: Report, manifest: SelectionManifest, req: V
     from model_infer_kvcache.validators.pipeline.render_check import check_constants, check_every_layer
 
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
-    with ops, _framework(manifest, req, backend):
+    with ops, _framework(manifest, req, backend), _torchair(manifest, backend):
         rendered = import_rendered(req.rendered)
         check_constants(report, manifest, rendered.attention)
         check_every_layer(report, manifest, rendered.attention_mixin(), getattr(torch, req.dtype),
@@ -399,7 +399,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     model.to(device=device, dtype=cache_dtype)
     ref.to(dtype=torch.float64 if cache_dtype == torch.float64 else torch.float32)
     with ops, device_readings(readings), consulted_questions() as consulted, \
-            _framework(manifest, req, backend) as handle, float64_upcasts():
+            _framework(manifest, req, backend) as handle, _torchair(manifest, backend), float64_upcasts():
         rendered = import_rendered(rendered_dir)
         if not report.provenance:
             from model_infer_kvcache.validators.pipeline.provenance import rendered_provenance
@@ -444,6 +444,17 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)
         report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1)
+
+
+def _torchair(manifest: SelectionManifest, backend: str):
+    """A rendered ge_graph decode imports torchair (its decode FA is torchair.ops'): on CPU the stand-in."""
+    from model_infer_kvcache.validators.pipeline.graph_capture import graph_mode
+
+    if backend != "emulated" or graph_mode(manifest) != "ge_graph":
+        return contextlib.nullcontext()
+    from model_infer_kvcache.validators.standins import torchair_standin
+
+    return torchair_standin()
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from model_infer_kvcache.validators.standins.device import (
     StandinHandle,
     device_standins,
     standins_active,
+    torchair_standin,
 )
 
-__all__ = ["NotStoodInError", "StandinHandle", "device_standins", "standins_active"]
+__all__ = ["NotStoodInError", "StandinHandle", "device_standins", "standins_active", "torchair_standin"]

@@ -209,12 +209,18 @@ def _npu_backend(compiler_config=None):
     return GRAPH_BACKENDS[-1]
 
 
+# Rendered validation only: the eager twin of a captured ge_graph decode step (the V307 comparison, kvcache's own
+# run) computes torchair.ops' attention as the replayed graph does, instead of refusing.
+_EAGER_TWIN: list[bool] = []
+
+
 def _torchair_attention(name: str):
     """``torchair.ops.<name>``: inside a graph, ``torch.ops.air.<name>`` (the emulated operator with tensor lengths,
-    npu_ops/backend.py); eagerly it refuses, as torchair's own CPU and NPU kernels do."""
+    npu_ops/backend.py); eagerly it refuses, as torchair's own CPU and NPU kernels do (a model's eager path calling
+    it fails on the device too)."""
 
     def op(*args, **kwargs):
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and not _EAGER_TWIN:
             raise NotImplementedError(f"torchair.ops.{name} does not support eager mode (torchair registers it for "
                                       f"graph mode only; eager code calls torch_npu.{name})")
         return getattr(torch.ops.air, name)(*args, **kwargs)
@@ -274,6 +280,23 @@ class _CustomOps(types.ModuleType):
 
 def standins_active() -> bool:
     return bool(_ACTIVE)
+
+
+@contextlib.contextmanager
+def torchair_standin() -> Iterator[types.ModuleType]:
+    """The ``torchair`` stand-in for a rendered ge_graph validation (the render imports it; its fused attention is the
+    emulation's ``torch.ops.air`` operator), a torchair already importable (a checkout run's stand-ins) kept. Inside
+    the block the eager twin of each captured decode step, kvcache's own comparison run, may call torchair.ops'
+    attention eagerly."""
+    modules = {} if "torchair" in sys.modules else _build_torchair()
+    sys.modules.update(modules)
+    _EAGER_TWIN.append(True)
+    try:
+        yield sys.modules["torchair"]
+    finally:
+        _EAGER_TWIN.pop()
+        for name in modules:
+            sys.modules.pop(name, None)
 
 
 @contextlib.contextmanager

@@ -125,6 +125,12 @@ class _Probe:
         self.last_layer = None  # the layer that ran last (attention or linear), to place a failure
 
     def record(self, **kw) -> None:
+        """One layer's evidence; ``kv_lens`` as the metadata holds it (tensor or list). Inside a graph capture nothing
+        is recorded (and no tensor read back): a captured step's evidence is its eager rerun's (graph_capture.py)."""
+        if torch.compiler.is_compiling():
+            return
+        if "kv_lens" in kw:
+            kw["kv_lens"] = _as_list(kw["kv_lens"])
         self.records.append(kw)
         self.last_layer = kw.get("layer")
 
@@ -180,10 +186,9 @@ def _gqa_attention(module, query, key, value, attention_mask, scaling=None, drop
     fm = _metadata()
     b, n, s, d = query.shape
     q, k, v = (x.transpose(1, 2).contiguous() for x in (query, key, value))  # [B, S, N, D]
-    if not torch.compiler.is_compiling():  # a captured step's evidence is its eager rerun's (graph_capture.py)
-        host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                          q=(b * s, n, d), k=(b * s, k.shape[2], d), dtype=q.dtype, hf_scaling=scaling,
-                          kv_lens=_as_list(fm.actual_seq_lengths_kv))
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                      q=(b * s, n, d), k=(b * s, k.shape[2], d), dtype=q.dtype, hf_scaling=scaling,
+                      kv_lens=fm.actual_seq_lengths_kv)
     if host.bsh:
         out = host.kv_cache_attention(q.reshape(b, s, n * d), k.reshape(b, s, -1), v.reshape(b, s, -1), fm)
     else:
@@ -237,10 +242,9 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     rope = () if position_embeddings is None else tuple(t.to(x.dtype) for t in _cos_sin(position_embeddings))
     if rope:  # DeepSeek-V2's freqs stay float32
         q_rot = _interleaved_rope(q_rot, rope[0][:, None, :], rope[1][:, None, :])
-    if not torch.compiler.is_compiling():  # a captured step's evidence is its eager rerun's (graph_capture.py)
-        host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                          q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
-                          hf_scaling=getattr(self, "scaling", None), kv_lens=_as_list(fm.actual_seq_lengths_kv))
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                      q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
+                      hf_scaling=getattr(self, "scaling", None), kv_lens=fm.actual_seq_lengths_kv)
     # DSA (an indexer beside the MLA): the rendered code selects keys from the hidden states and the query residual
     dsa = {"hidden_states": x, "q_resid": q_resid} if getattr(self, "indexer", None) is not None else {}
     out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, *rope, fm, **dsa)

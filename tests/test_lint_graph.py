@@ -15,7 +15,7 @@ from model_infer_kvcache.validators.lint import lint_paths, lint_source
 from model_infer_kvcache.validators.lint.scope import DECODE, ModuleInfo
 from shared_dirs import upstream_head
 
-GRAPH_RULES = {"KV951", "KV952", "KV953"}
+GRAPH_RULES = {"KV951", "KV952", "KV953", "KV954"}
 QWEN_BRANCH = "            actual_seq_kvlen = forward_metadata.actual_seq_lengths_list_kv\n"
 
 

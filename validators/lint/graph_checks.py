@@ -21,6 +21,8 @@ from model_infer_kvcache.validators.lint.scope import DECODE, Ctx
 HOST_READS = ("item", "tolist", "cpu", "numpy")
 # Tensor constructors that copy their (host) data in.
 FROM_HOST = ("tensor", "as_tensor")
+# Reductions whose result, tested by Python, is a device value: the capture takes one branch for every replay.
+TENSOR_TESTS = ("any", "all", "equal", "allclose", "count_nonzero", "is_nonzero")
 # The framework metadata's length *tensors*; the host lists the engine fills for graph decode are the
 # ``actual_seq_lengths_cu_list_q`` / ``actual_seq_lengths_list_kv`` fields.
 _LENGTH_TENSOR = re.compile(r"^actual_seq_lengths(_cu)?_(q|kv)$")
@@ -45,6 +47,8 @@ class GraphChecks:
             if isinstance(node, ast.Call):
                 self.host_read(node)
                 self.from_host(node)
+            elif isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+                self.tensor_branch(node)
         for call, op in self.c.fa_calls:
             self.fa_lengths(call, op)
 
@@ -71,6 +75,17 @@ class GraphChecks:
             return
         if self.in_step(call):
             self.c.emit("KV952", call, fn=ops.terminal_name(call.func), expr=_short(call.args[0]))
+
+    # ------------------------------------------------------------ KV954
+    def tensor_branch(self, node: ast.AST) -> None:
+        """``if (kv_len > 0).any():`` / ``while torch.any(...)``: Python control flow on a device value."""
+        if not self.in_step(node):
+            return
+        for call in ast.walk(node.test):
+            # x.any() / torch.any(x); the builtins any() / all() over host values are fine
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in TENSOR_TESTS:
+                self.c.emit("KV954", node.test, expr=_short(call), stmt=type(node).__name__.lower())
+                return
 
     # ------------------------------------------------------------ KV953
     def fa_lengths(self, call: ast.Call, op: str) -> None:

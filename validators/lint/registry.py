@@ -334,6 +334,13 @@ _RULES += (
         "pass the host list the engine fills for graph decode (actual_seq_lengths_list_kv, "
         "actual_seq_lengths_cu_list_q)",
     ),
+    Rule(
+        "KV954", "tensor-branch-in-graph-decode",
+        "Python branch on a device value in graph-mode decode",
+        "`{expr}` decides a Python `{stmt}` in a graph-mode decode branch: the capture reads the value back and "
+        "keeps the branch it took (a recapture when it changes, or one branch replayed for every step)",
+        "compute both ways on the device and select with torch.where, or decide it before the step from host values",
+    ),
 )
 
 RULES: dict[str, Rule] = {rule.id: rule for rule in _RULES}

@@ -156,3 +156,18 @@ def test_tiny_model_keeps_hidden_equal_to_heads_x_head_dim_only_where_the_attent
     assert any(n.startswith("hidden_size") for n in plan.notes) == (hidden != 128)
     with torch.no_grad():
         assert model(input_ids=torch.zeros(1, 3, dtype=torch.long)).logits.shape == (1, 3, TINY_VOCAB)
+
+
+def test_every_mlp_width_a_family_names_is_shrunk(tmp_path):
+    """Qwen2-MoE's shared_expert_intermediate_size (5632) and Ergo's first_dense_ / shared_intermediate_size (32768 /
+    8192) are MLP widths besides intermediate_size: at a tied hidden size of heads x head_dim (Ergo: 64 x 128) an
+    unshrunk dense layer alone took gigabytes, and the sweep's Ergo run was killed for memory."""
+    import transformers
+
+    path = tmp_path / "config.json"
+    path.write_text(transformers.Qwen2MoeConfig().to_json_string(), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(path)))
+    model, _ = build_tiny_model(json.loads(path.read_text()), manifest)
+    assert model.config.shared_expert_intermediate_size == 128
+    widths = {p.shape for name, p in model.named_parameters() if "shared_expert." in name}
+    assert widths and all(max(shape) <= max(128, model.config.hidden_size) for shape in widths), widths

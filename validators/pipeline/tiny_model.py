@@ -237,6 +237,13 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     for key in _DERIVED_MLP_WIDTHS:
         if key in class_defaults or key in d:
             d[key] = 128
+    # Every other MLP width the family names (Ergo's first_dense_ / shared_intermediate_size 32768 / 8192, Qwen-MoE's
+    # shared_expert_intermediate_size): at a tied hidden size of heads x head_dim its dense layers alone would take
+    # gigabytes
+    for key in sorted({*class_defaults, *d} - {"intermediate_size", "moe_intermediate_size"}):
+        value = d.get(key, class_defaults.get(key))
+        if key.endswith("intermediate_size") and isinstance(value, int) and not isinstance(value, bool) and value > 128:
+            d[key] = 128
     moved = fit_token_ids(d, class_defaults, d["vocab_size"])
     if moved:
         plan.notes.append("token ids moved into the tiny vocabulary: "

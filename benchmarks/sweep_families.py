@@ -2,9 +2,10 @@
 published architectures), through `kvcache analyze`, and optionally through `kvcache run` (analyze -> render ->
 validate, both deployment modes).
 
-What it measures is how the bundle meets architectures it was not developed against: each one ends planned, refused
-with a reason (exit 2: a blocker, or the cross-check against transformers' own modules naming what kvcache does not
-plan), or crashes (a bug in kvcache). The run sweep adds PASSED / FAILED per mode. Exit 1 when anything crashed
+What it measures is how the bundle meets architectures it was not developed against: each one ends planned, blocked
+(a manifest with blockers: `kvcache run` refuses it, render needs --allow-blocked), refused with a reason (exit 2: the
+cross-check against transformers' own modules naming what kvcache does not plan, or a field it cannot read), or
+crashes (a bug in kvcache). The run sweep adds PASSED / FAILED per mode. Exit 1 when anything crashed
 (analyze raising anything but a one-line input error; run exiting 3). Nothing is downloaded: configs come from
 transformers' own classes, written to a temporary folder.
 
@@ -61,7 +62,9 @@ def _analyze(path: Path) -> tuple[str, str]:
         return "refused", why[:240]
     except Exception as exc:  # noqa: BLE001 - what the sweep is for: report it
         return "crash", f"{type(exc).__name__}: {exc}"[:160]
-    return "planned", f"{m.kv_mode.value}" + (f", {len(m.blockers)} blocker(s)" if m.blockers else "")
+    if m.blockers:  # a manifest kvcache run refuses (render needs --allow-blocked): not a plan it serves
+        return "blocked", f"{m.kv_mode.value}, {len(m.blockers)} blocker(s): {m.blockers[0].message}"[:240]
+    return "planned", m.kv_mode.value
 
 
 def _run(path: Path, mode: str, out: Path) -> tuple[str, str, float]:

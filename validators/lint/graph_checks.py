@@ -107,10 +107,10 @@ class GraphChecks:
 
 
 def _length_tensor(node: ast.AST) -> str | None:
-    """The metadata length tensor ``node`` is (through view/int/to...), None otherwise (a host list, ``.tolist()``)."""
-    from model_infer_kvcache.validators.lint.checks import strip_methods  # checks.py imports this module
-
-    node = strip_methods(node)
+    """The metadata length tensor ``node`` is (through view/int/to), None otherwise (a host list, ``.tolist()``)."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+            node.func.attr in ("view", "reshape", "int", "long", "to", "contiguous"):
+        node = node.func.value
     return node.attr if isinstance(node, ast.Attribute) and _LENGTH_TENSOR.match(node.attr) else None
 
 

@@ -191,6 +191,22 @@ def test_paged_shared_block_between_requests():
     check(case, layout="TND", mode=3, paged=paged)
 
 
+@pytest.mark.parametrize("form", ["3d", "4d", "nz"])
+def test_paged_block_shared_by_several_rows_with_poisoned_tails(form):
+    # Graph-mode decode pads rows onto one block: three rows read the same partial block (its slots past kv_len
+    # NaN-poisoned), one row its own blocks. The first reference is read in place, the other two gathered into a
+    # second round; the NaN tails are cleaned in both.
+    block = 128 if form == "nz" else 16  # NZ caches take block sizes 128/256/512 only
+    case = make_case([1, 1, 1, 1], [300, 5, 5, 5], 4, 2, 32, seed=31)
+    for b in (2, 3):
+        case.k[b][:] = case.k[1]
+        case.v[b][:] = case.v[1]
+    paged = build_paged(case, block, form, seed=31)
+    paged.table[2, 0] = paged.table[3, 0] = paged.table[1, 0]
+    outs = check(case, layout="TND", mode=3, paged=paged, version=2)
+    assert all(bool(torch.isfinite(o).all()) for o in outs)
+
+
 def test_paged_decode_sparse_cache_uses_gather_plan():
     # Far more cache blocks than used ones: the block-major path gathers the listed blocks.
     case = make_case([1, 1], [30, 50], 4, 4, 16, seed=2)

@@ -23,6 +23,7 @@ import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.validators.checkout_run.recorder import ForwardSeen
 from model_infer_kvcache.validators.harness.poison import manager_key, null_block_of, poison_free_blocks
+from model_infer_kvcache.validators.pipeline.graph_capture import quiet_side_effects
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Watchdog
 
 CPU_STANDINS = (
@@ -135,7 +136,8 @@ def graph_backend(recorder):
     GRAPH_BACKENDS.append(recorder.backend)  # ge_graph: torchair.get_npu_backend()
     torch._dynamo.reset()
     try:
-        yield recorder
+        with quiet_side_effects():
+            yield recorder
     finally:
         GRAPH_BACKENDS.remove(recorder.backend)
         for table, value in had.items():

@@ -12,7 +12,8 @@ Inputs are already validated and canonical. Two strategies, same arithmetic:
   request needs is multiplied by its owner's queries. A ``[bn, bs, N*D]`` cache in the
   compute dtype is read in place (one strided batched matmul per KV head, no copy); other
   forms are converted a bounded step at a time. A block referenced by several requests
-  (shared prefix, the null block) is processed once per reference ("rounds").
+  (shared prefix, the null block of padded decode rows) is read in place for its first
+  reference; the further references are gathered, one copy each, into a second round.
 
 Masked keys get probability exactly 0; if a masked value row holds NaN/inf (poisoned null
 block, stale slots) the affected product is redone with those rows zeroed, so only keys a
@@ -223,20 +224,22 @@ def _request_major(q, q_rope, kv, q_lens, kv_lens, mask, sinks, value_dim, out, 
 
 # --------------------------------------------------------------------------- block-major
 class _Round:
-    """One round of the block-major path: distinct physical blocks, each needed by one entry.
+    """One round of the block-major path: one slot per entry (a request's block column).
 
-    Blocks are addressed through *slots*: in a dense round slot ``i`` is cache block
-    ``lo + i`` (read in place, a range at a time); in a sparse round slot ``i`` is the i-th
-    listed block (gathered). ``slot[e]`` is the slot of entry ``e``; ``steps`` are consecutive
-    slot ranges with what to load for them.
+    Blocks are addressed through *slots*: in a dense round (distinct blocks) slot ``i`` is
+    cache block ``lo + i`` (read in place, a range at a time); in a sparse round slot ``i`` is
+    the i-th listed block (gathered: ``gathered`` rounds list a block once per entry that
+    needs it). ``slot[e]`` is the slot of entry ``e``; ``steps`` are consecutive slot ranges
+    with what to load for them.
     """
 
-    def __init__(self, phys: torch.Tensor, block_bytes: int, budget: int) -> None:
+    def __init__(self, phys: torch.Tensor, block_bytes: int, budget: int, gathered: bool = False) -> None:
         step = max(1, budget // max(1, block_bytes))
         lo, hi = int(phys.min()), int(phys.max()) + 1
-        if hi - lo <= 2 * phys.numel():
+        if not gathered and hi - lo <= 2 * phys.numel():
             self.num_slots = hi - lo
             self.slot = phys - lo
+            self.block = torch.arange(lo, hi)  # slot -> physical block
             self.steps = [(a - lo, min(hi, a + step) - lo, (a, min(hi, a + step))) for a in range(lo, hi, step)]
         else:
             order = torch.argsort(phys)
@@ -244,6 +247,7 @@ class _Round:
             self.num_slots = phys.numel()
             self.slot = torch.empty_like(phys)
             self.slot[order] = torch.arange(phys.numel())
+            self.block = listed
             self.steps = [(a, min(self.num_slots, a + step), listed[a:a + step])
                           for a in range(0, self.num_slots, step)]
 
@@ -286,9 +290,10 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
         block_bytes = n_kv * bs * max(head_dim, value_dim) * q.element_size()
         no_conversion = in_place or kv.head_major_ok(q.dtype)
         budget = IN_PLACE_STEP_BYTES if no_conversion else BLOCK_CHUNK_BYTES
-        for r in range(int(rank.max()) + 1):
-            sel = (rank == r).nonzero().squeeze(1)
-            rounds.append((eb[sel], ec[sel], _Round(phys[sel], block_bytes, budget)))
+        first, again = (rank == 0).nonzero().squeeze(1), (rank > 0).nonzero().squeeze(1)
+        rounds.append((eb[first], ec[first], _Round(phys[first], block_bytes, budget)))
+        if again.numel():  # further references of shared blocks: gathered, one slot each
+            rounds.append((eb[again], ec[again], _Round(phys[again], block_bytes, BLOCK_CHUNK_BYTES, gathered=True)))
     # One reusable conversion buffer (page-faulting a fresh one per step costs as much as the copy).
     step_blocks = max((b - a for _, _, rnd in rounds for a, b, _ in rnd.steps), default=0)
     buffer = None if in_place else torch.empty(step_blocks * n_kv * bs * max(head_dim, value_dim), dtype=q.dtype)
@@ -357,12 +362,18 @@ def _block_major(q, q_rope, kv: PagedKV, q_lens, kv_lens, mask, sinks, value_dim
         picked = o_slots[rnd.slot]
         if not math.isfinite(float(picked.sum())):
             # 0 * NaN: some value row no query may see is poisoned (null block, stale slot).
-            # Redo this round with those rows zeroed; a NaN that survives is a visible one.
-            seen_slots = torch.zeros(rnd.num_slots, bs, dtype=torch.bool)
-            seen_slots[rnd.slot] = key_seen[r_b, r_c]
-            for i, (a, b, where) in enumerate(rnd.steps):
-                product(p_slots[a:b], values(i, where), o_slots[a:b], keys=False, clean=seen_slots[a:b])
-            picked = o_slots[rnd.slot]
+            # Redo the blocks that hold such rows (a decode step's last, partial block per
+            # request) with those rows zeroed; a NaN that survives is a visible one.
+            partial = ~key_seen[r_b, r_c].all(dim=1)
+            redo = rnd.slot[partial]  # one entry per slot in a round
+            if redo.numel():
+                blocks = load("k" if kv.same_kv else "v", rnd.block[redo], keep=True)
+                p_redo = slot_tensor(redo.numel(), bs)
+                p_redo.copy_(p_slots[redo])
+                o_redo = slot_tensor(redo.numel(), value_dim)
+                product(p_redo, blocks, o_redo, keys=False, clean=key_seen[r_b, r_c][partial])
+                o_slots[redo] = o_redo
+                picked = o_slots[rnd.slot]
         acc.index_add_(0, r_b, picked)
     valid = row_ids.view(1, -1) < q_lens.view(-1, 1)
     _finish(acc.view(batch, n_kv, rows, group, value_dim), row_max, denom, valid, out, lse)

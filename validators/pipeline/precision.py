@@ -31,7 +31,8 @@ def float64_upcasts():
     Inside this context float64 stays float64; tensors of other dtypes are untouched.
 
     Eager runs patch the five functions (cheap); a graph capture, which refuses patched tensor
-    methods, takes the same rule as a torch function mode (``traceable_upcasts``).
+    methods, traces the unpatched ones (``traceable_upcasts``) and takes the same rule as a pass
+    over the captured graph (``upcast_graph``).
     """
     import torch  # here, not at module level: `kvcache validate --help` reads TOLERANCE without torch
 
@@ -47,20 +48,19 @@ def float64_upcasts():
 
 @contextlib.contextmanager
 def traceable_upcasts():
-    """The same rule for a traced region (a captured decode step): the unpatched functions under a torch function
-    mode that applies ``_upcast``. Outside ``float64_upcasts`` there is nothing to keep and nothing changes."""
+    """The same rule for a traced region (a captured decode step): the unpatched functions while Dynamo traces and
+    replays, the rule applied to the captured graph by its backend (``upcast_graph``). Outside ``float64_upcasts``
+    there is nothing to keep and nothing changes. (A torch function mode would carry the rule too, but Dynamo traces
+    its ``__torch_function__`` afresh for every torch call of the step: a sixth of the capture's time.)"""
     import torch
 
     if not _ACTIVE:
         yield
         return
-    originals = _ACTIVE[-1]
     patched = _originals(torch)
-    _install(torch, originals)
-    kinds = {(fn or getattr(torch.Tensor, kind)): kind for kind, fn in originals.items()}
+    _install(torch, _ACTIVE[-1])
     try:
-        with _mode_class()(kinds):
-            yield
+        yield
     finally:
         _install(torch, patched)
 
@@ -68,25 +68,67 @@ def traceable_upcasts():
 _ACTIVE: list[dict] = []  # the unpatched functions of each active float64_upcasts
 
 
+def upcast_graph(gm) -> None:
+    """``_upcast`` applied to a captured graph inside ``float64_upcasts`` (the graph traced with the unpatched
+    functions): a float64 tensor's cast to float32 keeps float64 (``.float()`` / ``.type(float32)`` of it become the
+    tensor itself), softmax's float32 dtype becomes float64. The graph is rerun on the trace's fake tensors, each
+    node on its inputs as the rule leaves them: a tensor the trace saw float32 only because an earlier cast rounded
+    it is float64 under the rule, and its own cast keeps it so."""
+    if not _ACTIVE or not any(_kind(n) for n in gm.graph.nodes):
+        return
+    placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    run = _upcaster()(gm, placeholders)
+    with run.mode:
+        run.run(*placeholders)
+    for node in run.dropped:  # the tensor itself: its users take its input
+        node.replace_all_uses_with(node.args[0] if node.args else node.kwargs["input"])
+        gm.graph.erase_node(node)
+    if run.changed or run.dropped:
+        gm.recompile()
+
+
+def _kind(node) -> str | None:
+    """The kind of ``_upcast`` a graph node is: Dynamo records the tensor methods as call_method by name and the
+    functional softmax as a call_function of its Python function."""
+    if node.op == "call_method" and node.target in ("to", "float", "type", "softmax"):
+        return node.target
+    return "F.softmax" if node.op == "call_function" and node.target is _ACTIVE[-1]["F.softmax"] else None
+
+
 @functools.cache
-def _mode_class():
-    """One class for every capture: a captured graph guards on the mode stack's types."""
+def _upcaster():
     import torch
 
-    class Float64Upcasts(torch.overrides.TorchFunctionMode):
-        def __init__(self, kinds: dict):
-            super().__init__()
-            self.kinds = kinds  # function -> its kind in _upcast
+    class Upcaster(torch.fx.Interpreter):
+        """The captured graph run on its trace's fake tensors (their own fake mode, not the fresh one Dynamo gives
+        its backend), rewriting each upcast node by ``_upcast`` on the values it gets."""
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kind = self.kinds.get(func)
+        def __init__(self, gm, placeholders: list):
+            super().__init__(gm)
+            self.mode = next((v.fake_mode for v in placeholders if hasattr(v, "fake_mode")), None) or \
+                torch._subclasses.fake_tensor.FakeTensorMode()
+            self.changed, self.dropped = False, []
+
+        def get_attr(self, target, args, kwargs):
+            value = super().get_attr(target, args, kwargs)
+            return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+        def run_node(self, n):
+            kind = _kind(n)
             if kind is not None:
-                args, kwargs, result = _upcast(kind, args, kwargs or {})
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                new_args, new_kwargs, result = _upcast(kind, args, kwargs)
                 if result is not None:
+                    self.dropped.append(n)
                     return result
-            return func(*args, **(kwargs or {}))
+                if new_args is not args or new_kwargs is not kwargs:  # a dtype argument replaced
+                    n.args = tuple(new if new is not old else arg
+                                   for arg, old, new in zip(n.args, args, new_args, strict=True))
+                    n.kwargs = {**n.kwargs, **{k: v for k, v in new_kwargs.items() if v is not kwargs.get(k)}}
+                    self.changed = True
+            return super().run_node(n)
 
-    return Float64Upcasts
+    return Upcaster
 
 
 def _originals(torch) -> dict:

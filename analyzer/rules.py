@@ -563,7 +563,8 @@ def decide_exe_mode(mode: str | None, source: str, next_n: int = 0,
     if mode == "eager":
         return ExecModeDecision(value=mode, source=source, reason="eager: every decode step runs op by op, nothing "
                                                                   "is captured; the rendered code runs as written")
-    verify = ([f"speculative verify steps of a fixed 1 + {next_n} tokens per request (one capture per width)"]
+    verify = ([f"speculative verify steps of a fixed 1 + {next_n} tokens per request, padded rows included (their "
+               f"1 + {next_n} slots in the null block): a capture of their own beside the decode step's"]
               if next_n else [])
     stated, where = dynamic
     value = False if mode == "ge_graph" else (True if stated is None else stated)

@@ -62,7 +62,6 @@ def test_an_unstated_mode_leaves_the_manifest_as_it_was_and_eager_renders():
 
 @pytest.mark.parametrize("config,options,why", [
     ("qwen3_next", {"exe_mode": "ge_graph"}, "linear-attention states"),
-    ("deepseek_v3", {"exe_mode": "npugraph_ex"}, "speculative verify steps"),  # its MTP layer plans next_n 1
     ("deepseek_v32", {"exe_mode": "npugraph_ex"}, "DSA layers"),
     ("qwen3_next", {"exe_mode": "npugraph_ex"}, "linear-attention states"),
     ("qwen3_8b", {"exe_mode": "npugraph_ex", "kv_mode": "legacy"}, "Legacy"),

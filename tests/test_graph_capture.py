@@ -67,6 +67,37 @@ def test_rendered_graph_decode_captures_once_and_replays_the_stream_as_eager(tmp
         assert check(report, PADDING).passed
 
 
+SPEC = "speculative decode (next_n="
+SPEC_CALLS = "speculative-decode verify steps"
+
+
+@pytest.mark.parametrize("mode,exe_mode", [("standalone", "npugraph_ex"), ("framework", "ge_graph")])
+def test_mtp_verify_steps_capture_a_width_of_their_own_and_replay_as_eager(tmp_path, mode, exe_mode):
+    # DeepSeek-V3 with its MTP layer (next_n 1): decode steps and verify steps (1 + next_n tokens per row, padded
+    # rows too) are two captured shapes, each replayed, and the verify logits still match transformers
+    manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", exe_mode=exe_mode, deploy_mode=mode)
+    report = run_validate(manifest, rendered, cfg)
+    assert report.passed, [c for c in report.checks if not c.passed]
+    rows = QUICK.max_concurrency
+    assert check(report, f"graph mode ({exe_mode}").measured["captures"] == 2
+    assert check(report, NO_RECAPTURE).measured["batch_rows"] == [rows, rows * 2]
+    assert check(report, VS_EAGER).measured["max_diff"] <= 1e-9
+    spec = check(report, SPEC)
+    assert spec.passed and spec.measured["verify_steps"] == 3 and {"all", "none"} <= set(spec.measured["patterns"])
+    assert check(report, SPEC_CALLS).measured["calls"] > 0  # the verify steps' FA calls, torchair.ops' included
+
+
+def test_padded_verify_rows_given_one_token_fail_by_name(tmp_path):
+    # The runner pads a verify step as a decode step (one token per padded row): the step is not the captured shape
+    # of batch x (1 + next_n) tokens
+    manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", exe_mode="npugraph_ex", deploy_mode="standalone")
+    mutate(rendered, r"slot_mapping, 1 \+ next_n\)", "slot_mapping)", name="kvcache_runner.py")
+    report = run_validate(manifest, rendered, cfg)
+    padding = check(report, PADDING)
+    assert not padding.passed and "x 2 token(s)" in padding.detail, padding
+    assert "kvcache_runner.py:" in padding.measured["runner"] and not report.passed
+
+
 def test_the_render_passes_fa_host_lists_on_decode_only(tmp_path):
     _, rendered, _ = render_case(tmp_path, "qwen3_8b", exe_mode="npugraph_ex")
     code = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
@@ -118,8 +149,8 @@ def test_padded_rows_pointed_at_a_live_row_instead_of_the_null_block_fail_by_nam
     mutate(rendered, r"null_rows = torch\.full\(\(pad, self\.block_table\.shape\[1\]\), self\.null_block",
            "null_rows = self.block_table[:1].expand(pad, -1) + 0 * torch.full((pad, self.block_table.shape[1]), "
            "self.null_block", name="kvcache_runner.py")
-    mutate(rendered, r"null_slots = torch\.full\(\(pad,\), self\.null_block \* BLOCK_SIZE",
-           "null_slots = torch.full((pad,), 0", name="kvcache_runner.py")
+    mutate(rendered, r"null_slots = \(self\.null_block \* BLOCK_SIZE", "null_slots = (0 * BLOCK_SIZE",
+           name="kvcache_runner.py")
     report = run_validate(manifest, rendered, cfg)
     padding = check(report, PADDING)
     assert not padding.passed and "not the null block" in padding.detail, padding

@@ -43,7 +43,7 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
     """Why a graph-mode decode of ``m`` is not rendered (None: it is, and validated by capture): the templates
     render npugraph_ex decode (host-list FA lengths) and ge_graph decode (torchair.ops FA with tensor lengths) for
     GQA/MHA and MLA layers, in both deployment modes (the standalone runner pads decode to its batch and keeps a
-    null block)."""
+    null block), MTP verify steps included (a second capture, 1 + next_n tokens per row)."""
     if m.exe_mode.value == "npugraph_ex" and m.exe_mode.dynamic_graph is False:
         where = m.exe_mode.dynamic_graph_source or "the manifest"
         return (f"with enable_dynamic_graph False ({where}): a static graph takes the host-list FA lengths as "
@@ -54,8 +54,6 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
         return (f"for {attention_format(m).upper()} layers{' with linear-attention states' if holds_states(m) else ''}"
                 ": the templates capture GQA/MHA and MLA decode only (the others convert lengths on the host inside "
                 "the step)")
-    if m.mtp is not None:
-        return "with speculative verify steps: their capture (one width per 1 + next_n) is not validated"
     return None
 
 

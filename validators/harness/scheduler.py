@@ -354,15 +354,21 @@ class Scheduler:
                 raise SchedulerStall(f"request {rid} cannot grow by {1 + next_n}: {self.kv_cache_manager.format_usage()}")
         requests = [self.requests[r] for r in rids]
         q_len = 1 + next_n
-        tokens = [t for r in requests for t in (r.output_ids[-1], *drafts[r.request_id])]
-        positions = [r.computed_len + 1 + i for r in requests for i in range(q_len)]
-        kv_len = self._long([r.computed_len + 1 + next_n for r in requests])
+        rows = max(len(rids), self.pad_decode_to or 0)
+        pad = rows - len(rids)
+        # Padding rows q_len tokens each: token 0 at positions 0 .. next_n (KV length q_len), on the null block.
+        # (execution_engine.py pads a verify batch at position 0 with kv_len 0: KV length 1 under q_len 1 + next_n,
+        # which FA's packed-layout rule for sparse_mode 3 rejects, q_len <= KV length; here the rows stay legal.)
+        tokens = [t for r in requests for t in (r.output_ids[-1], *drafts[r.request_id])] + [0] * (pad * q_len)
+        positions = [r.computed_len + 1 + i for r in requests for i in range(q_len)] + list(range(q_len)) * pad
+        kv_len = self._long([r.computed_len + 1 + next_n for r in requests] + [next_n] * pad)
         seq_kv = kv_len + 1
-        seq_q = torch.full((len(rids),), q_len, dtype=torch.long, device=self.device)
+        seq_q = torch.full((rows,), q_len, dtype=torch.long, device=self.device)
         step = self._assemble(
             rids, requests, is_prefill=False, input_ids=self._long(tokens), position_ids=self._long(positions),
-            q_lens=[q_len] * len(rids), kv_lens=seq_kv.tolist(), kv_len=kv_len, batch_rows=len(rids),
+            q_lens=[q_len] * len(rids), kv_lens=seq_kv[: len(rids)].tolist(), kv_len=kv_len, batch_rows=rows,
             prompt_tokens=0, cu_q=seq_q.cumsum(0), cu_kv=seq_kv.cumsum(0), seq_q=seq_q, seq_kv=seq_kv,
+            padded_rows=pad,
         )
         self._pending = step
         self._step_index += 1

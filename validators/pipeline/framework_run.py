@@ -163,7 +163,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     if manifest.mtp is not None:
         from model_infer_kvcache.validators.pipeline.spec_decode import run_framework_stream
 
-        run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab, dog)
+        run_framework_stream(report, manifest, host, ref_model, sched, seed, scenario.vocab, dog, capture=capture)
     # Many sequential requests: the pool and the allocated tensors end where they started.
     g = torch.Generator().manual_seed(seed + 1)
     for i in range(scenario.release_requests):

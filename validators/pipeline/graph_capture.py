@@ -229,6 +229,49 @@ def _static_shapes(inputs) -> None:
             todo.extend(vars(obj).values())
 
 
+PADDING_CHECK = "decode padded to the per-DP batch size; padded rows write only the null block"
+
+
+def check_runner_padding(report: Report, runner, fm, real: int, step: int, findings: list[str], q_len: int = 1) -> None:
+    """A standalone graph-mode step's padding findings (``runner_padding_problems``) added to ``findings``; the
+    first is reported at once, since the step may then stop at an operator error."""
+    problems = runner_padding_problems(runner, fm, real, step, q_len)
+    if problems and not findings:
+        report.add(PADDING_CHECK, "runtime", False, detail=problems[0], runner=runner_line(runner))
+    findings.extend(problems)
+
+
+def runner_padding_problems(runner, fm, real: int, step: int, q_len: int = 1) -> list[str]:
+    """A graph-mode decode step (``q_len`` tokens per row: 1 + next_n on a verify step): ``batch_size`` rows, every
+    padded row's slots and block-table row in the null block (anywhere else it overwrites a live request's cache)."""
+    rows = fm.block_table.shape[0]
+    if rows != runner.batch_size or fm.slot_mapping.numel() != rows * q_len:
+        return [f"step {step}: {rows} rows ({fm.slot_mapping.numel()} slots), not the runner's batch of "
+                f"{runner.batch_size} x {q_len} token(s) (one captured shape)"]
+    null = getattr(runner, "null_block", None)
+    slots = fm.slot_mapping.view(-1)[real * q_len:].long()
+    tables = fm.block_table[real:].long()
+    if null is None or bool((slots // _block_size(runner) != null).any()) or bool((tables != null).any()):
+        return [f"step {step}: padded rows write slots {slots.tolist()[:4]} / read blocks "
+                f"{sorted(set(tables.view(-1).tolist()))[:4]}, not the null block {null}"]
+    return []
+
+
+def _block_size(runner) -> int:
+    return runner.max_seq_len // runner.block_table.shape[1]
+
+
+def runner_line(runner) -> str:
+    """file:line of the runner's padding (its ``_padded_decode_metadata``), where a padding finding points."""
+    import inspect
+
+    fn = getattr(type(runner), "_padded_decode_metadata", type(runner)._build_forward_metadata)
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return "?"
+
+
 def _host_files(host) -> tuple[str, ...]:
     """The files a finding points into: the rendered code first, then the model's own."""
     import sys

@@ -137,6 +137,18 @@ class _Probe:
 
 
 
+class _RecordingTorchair:
+    """Stands in for ``torchair`` inside the rendered module: its ``ops`` record the FA calls of a ge_graph decode
+    (``torchair.ops``' attention) as ``_RecordingOps`` records torch_npu's."""
+
+    def __init__(self, torchair, probe: _Probe):
+        self._torchair = torchair
+        self.ops = _RecordingOps(torchair.ops, probe)
+
+    def __getattr__(self, name):
+        return getattr(self._torchair, name)
+
+
 class _RecordingOps:
     """Stands in for ``torch_npu`` inside the rendered module: records each FA call's arguments."""
 
@@ -472,6 +484,8 @@ class HostModel:
         self.probe = _Probe()
         if hasattr(rendered.attention, "torch_npu"):
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
+        if hasattr(rendered.attention, "torchair"):  # ge_graph decode calls torchair.ops' attention
+            rendered.attention.torchair = _RecordingTorchair(rendered.attention.torchair, self.probe)
         host_cls = make_host_attention(rendered.attention_mixin())
         linear_mixin = rendered.linear_mixin()
         linear_cls = make_host_linear(linear_mixin) if linear_mixin else None

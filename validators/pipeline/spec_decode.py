@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import kind_of
+from model_infer_kvcache.validators.pipeline.graph_capture import check_runner_padding
 from model_infer_kvcache.validators.pipeline.host_model import reference_logits
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
@@ -140,8 +141,10 @@ def _watchdog(prompts, main: Watchdog) -> Watchdog:
 
 
 def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_model, sched, seed: int,
-                         vocab: int, main: Watchdog) -> None:
-    """Prefill, then verify steps through the harness scheduler (the framework's MTP conventions)."""
+                         vocab: int, main: Watchdog, capture=None) -> None:
+    """Prefill, then verify steps through the harness scheduler (the framework's MTP conventions); in graph mode
+    (``capture``: graph_capture.DecodeCapture) the verify steps are captured, a width of their own, and replayed."""
+    verify = capture.forward if capture is not None else host.forward
     stream = SpecStream(ref_model, vocab, host.atol, manifest.mtp.speculative_tokens)
     prompts = _prompts(seed, vocab)
     dog = _watchdog(prompts, main)
@@ -163,7 +166,7 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
         sched.poison()  # freed and null blocks NaN; a rejected draft's slot keeps its stale K/V
         step = sched.verify_step(drafts)
         with dog.step(f"verify {j}", step.request_ids):
-            logits = host.forward(step.input_ids, step.position_ids, step.forward_metadata)
+            logits = verify(step.input_ids, step.position_ids, step.forward_metadata)
         emitted = stream.judge(host.step_index, step.request_ids, drafts, logits, step.token_slices())
         sched.complete_verify(step, emitted)
         for rid in live:
@@ -175,8 +178,10 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
 
 
 def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref_model, runner, seed: int,
-                          vocab: int, poison_row, main: Watchdog) -> None:
-    """Prefill, then verify steps through the rendered runner (``next_n`` / ``accepted`` arguments)."""
+                          vocab: int, poison_row, main: Watchdog, capture=None, padding: list | None = None) -> None:
+    """Prefill, then verify steps through the rendered runner (``next_n`` / ``accepted`` arguments); in graph mode
+    (``capture``) the runner pads each verify step to its batch, whose padded rows must stay in the null block
+    (findings appended to ``padding``), and the step is captured and replayed."""
     next_n = manifest.mtp.speculative_tokens
     stream = SpecStream(ref_model, vocab, host.atol, next_n)
     prompts = _prompts(seed, vocab)
@@ -205,11 +210,18 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
         start = runner.kv_len[torch.tensor(live)].clone()
         pos = (start.view(-1, 1) + torch.arange(1 + next_n)).view(-1)
         want_slots = (torch.tensor(live).view(-1, 1) * runner.max_seq_len + pos.view(len(live), -1)).view(-1)
-        if not torch.equal(fm.slot_mapping.view(-1).long(), want_slots.long()):
+        if not torch.equal(fm.slot_mapping.view(-1)[:want_slots.numel()].long(), want_slots.long()):
             slot_errors.append(f"verify {j}")
         ids = torch.tensor([t for row in live for t in (stream.tokens[row][-1], *drafts[row])])
+        forward = host.forward
+        if capture is not None:  # graph mode: padded rows of token 0 at positions 0 .. next_n
+            check_runner_padding(report, runner, fm, len(live), host.step_index + 1, padding, 1 + next_n)
+            pad = fm.block_table.shape[0] - len(live)
+            ids = torch.cat([ids, ids.new_zeros(pad * (1 + next_n))])
+            pos = torch.cat([pos, torch.arange(1 + next_n).repeat(pad)])
+            forward = capture.forward
         with dog.step(f"verify {j}", live):
-            logits = host.forward(ids, pos, fm)
+            logits = forward(ids, pos, fm)
         slices = {row: slice(i * (1 + next_n), (i + 1) * (1 + next_n)) for i, row in enumerate(live)}
         emitted = stream.judge(host.step_index, live, drafts, logits, slices)
         runner._advance_kv_len(live, fm, accepted=[len(e) - 1 for e in emitted])

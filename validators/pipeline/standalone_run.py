@@ -9,7 +9,13 @@ from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import check_attention_calls, recurrent
 from model_infer_kvcache.validators.npu_ops import paged_caches
-from model_infer_kvcache.validators.pipeline.graph_capture import decode_capture, graph_mode
+from model_infer_kvcache.validators.pipeline.graph_capture import (
+    PADDING_CHECK,
+    check_runner_padding,
+    decode_capture,
+    graph_mode,
+    runner_line,
+)
 from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -17,7 +23,6 @@ from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Sim
 
 CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
 STATE_NAMES = ("conv_state", "recurrent_state")  # a linear layer's states: one slot per row
-PADDING_CHECK = "decode padded to the per-DP batch size; padded rows write only the null block"
 
 
 def _caches(host) -> list[torch.Tensor]:
@@ -103,10 +108,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
                 slot_errors.append(f"step {step_index}")
             forward = host.forward
             if capture is not None and not is_prefill:  # graph mode: the runner padded the step to its batch
-                problems = _padded_rows_problems(runner, fm, len(rows), step_index)
-                if problems and not padding:  # reported now: the step may stop at an operator error
-                    report.add(PADDING_CHECK, "runtime", False, detail=problems[0], runner=_runner_line(runner))
-                padding.extend(problems)
+                check_runner_padding(report, runner, fm, len(rows), step_index, padding)
                 pad = fm.slot_mapping.numel() - len(rows)
                 ids, pos, forward = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)]), \
                     capture.forward
@@ -157,7 +159,8 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
         if manifest.mtp is not None:
             from model_infer_kvcache.validators.pipeline.spec_decode import run_standalone_stream
 
-            run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row, dog)
+            run_standalone_stream(report, manifest, host, ref_model, runner, seed, scenario.vocab, _poison_row, dog,
+                                  capture=capture, padding=padding)
 
         g = torch.Generator().manual_seed(seed + 1)
         for i in range(scenario.release_requests):
@@ -171,40 +174,11 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
         end_bytes = sum(t.numel() * t.element_size() for t in _caches(host))
         if capture is not None:
             if not padding:
-                report.add(PADDING_CHECK, "runtime", True, runner=_runner_line(runner))
+                report.add(PADDING_CHECK, "runtime", True, runner=runner_line(runner))
             capture.check(report, stream_steps=step_index)
         report.add(f"{scenario.release_requests} sequential requests leave memory unchanged", "release",
                    end_bytes == start_bytes and [id(t) for t in _caches(host)] == start_ids,
                    bytes_before=start_bytes, bytes_after=end_bytes)
-
-
-def _padded_rows_problems(runner, fm, real: int, step: int) -> list[str]:
-    """A graph-mode decode step: ``batch_size`` rows, every padded row's slot and block-table row in the null block
-    (anywhere else it overwrites a live request's cache)."""
-    rows = fm.slot_mapping.numel()
-    if rows != runner.batch_size:
-        return [f"step {step}: {rows} rows, not the runner's batch of {runner.batch_size} (one captured shape)"]
-    null = getattr(runner, "null_block", None)
-    slots = fm.slot_mapping.view(-1)[real:].long()
-    tables = fm.block_table[real:].long()
-    if null is None or bool((slots // _block_size(runner) != null).any()) or bool((tables != null).any()):
-        return [f"step {step}: padded rows write slots {slots.tolist()[:4]} / read blocks "
-                f"{sorted(set(tables.view(-1).tolist()))[:4]}, not the null block {null}"]
-    return []
-
-
-def _block_size(runner) -> int:
-    return runner.max_seq_len // runner.block_table.shape[1]
-
-
-def _runner_line(runner) -> str:
-    import inspect
-
-    fn = getattr(type(runner), "_padded_decode_metadata", type(runner)._build_forward_metadata)
-    try:
-        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-    except (OSError, TypeError):
-        return "?"
 
 
 def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_n: int) -> None:

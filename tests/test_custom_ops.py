@@ -383,3 +383,174 @@ def test_sparse_shared_kv_refuses_an_entry_the_query_may_not_see_and_what_its_do
     with pytest.raises(NpuOpError) as info:
         npu_sparse_attn_sharedkv(torch.zeros(1, 32, 512, dtype=torch.float64), **args)
     assert info.value.argument == "q"  # TND takes 64 query heads
+
+
+# --------------------------------------------------------------------------- npu_moe_gating_top_k (V4's router)
+def _v4_routers(experts: int = 16, top_k: int = 4, vocab: int = 50, seed: int = 3):
+    """transformers' DeepseekV4TopKRouter and DeepseekV4HashRouter (sqrt(softplus) scores), float64, random weights,
+    a random correction bias and a random token -> experts table."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
+
+    config = DeepseekV4Config(hidden_size=32, num_local_experts=experts, num_experts_per_tok=top_k, vocab_size=vocab)
+    g = torch.Generator().manual_seed(seed)
+    top, hashed = DeepseekV4TopKRouter(config).double(), DeepseekV4HashRouter(config).double()
+    with torch.no_grad():
+        for router in (top, hashed):
+            router.weight.copy_(torch.randn(router.weight.shape, generator=g, dtype=torch.float64))
+        top.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.5)
+        hashed.tid2eid.copy_(torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(vocab)]))
+    return config, top, hashed
+
+
+def test_gating_top_k_picks_and_weighs_as_transformers_v4_router():
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_moe_gating_top_k
+
+    config, router, _ = _v4_routers()
+    hidden = torch.randn(2, 5, 32, dtype=torch.float64)
+    logits, want_w, want_idx = router(hidden)
+    bias = router.e_score_correction_bias.double()
+    w, idx, _ = npu_moe_gating_top_k(logits.view(2, 5, -1), config.num_experts_per_tok, bias=bias, norm_type=2,
+                                     group_select_mode=1, routed_scaling_factor=config.routed_scaling_factor)
+    assert w.shape == idx.shape == (2, 5, 4) and idx.dtype == torch.int32
+    got = {tuple(sorted(zip(i.tolist(), x.tolist()))) for i, x in zip(idx.view(10, -1), w.view(10, -1))}
+    ref = {tuple(sorted(zip(i.tolist(), x.tolist()))) for i, x in zip(want_idx, want_w)}
+    assert len(got) == 10 and {tuple((e, round(v, 12)) for e, v in row) for row in got} == \
+        {tuple((e, round(v, 12)) for e, v in row) for row in ref}
+    # the bias steers the choice (a run without it picks other experts) and stays out of the weights (the doc
+    # formula's literal reading, weights from normOut + bias, differs from transformers by far more than rounding)
+    _, plain, _ = npu_moe_gating_top_k(logits, 4, norm_type=2, group_select_mode=1)
+    assert not torch.equal(plain.sort(-1).values, idx.view(10, -1).sort(-1).values)
+    scores = torch.nn.functional.softplus(logits).sqrt()
+    literal = (scores + bias).gather(1, idx.view(10, -1).long())
+    literal = literal / literal.sum(-1, keepdim=True) * config.routed_scaling_factor
+    assert (literal - w.view(10, -1)).abs().max() > 1e-3
+
+
+def test_gating_top_k_hash_routes_by_the_token_table_as_transformers():
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_moe_gating_top_k
+
+    config, _, router = _v4_routers()
+    hidden = torch.randn(7, 32, dtype=torch.float64)
+    ids = torch.randint(0, config.vocab_size, (7,))
+    logits, want_w, want_idx = router(hidden, ids)
+    w, idx, _ = npu_moe_gating_top_k(logits, 4, input_ids=ids, tid2eid=router.tid2eid.int(), norm_type=2,
+                                     routed_scaling_factor=config.routed_scaling_factor)
+    assert torch.equal(idx.long(), want_idx) and (w - want_w).abs().max() <= 1e-12
+
+
+def test_gating_top_k_groups_as_torch_npus_op_does():
+    # the grouped selection is one function for both operators; softmax scores, max-scored groups
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_moe_gating_top_k
+    from model_infer_kvcache.validators.npu_ops.moe import npu_moe_gating_top_k as torch_npu_op
+
+    x = torch.randn(6, 32, dtype=torch.float64)
+    bias = torch.randn(32, dtype=torch.float64) * 0.1
+    w, idx, _ = npu_moe_gating_top_k(x, 4, bias=bias, k_group=2, group_count=4, norm_type=1)
+    w_ref, idx_ref, _ = torch_npu_op(x, 4, bias=bias, k_group=2, group_count=4, norm_type=1)
+    assert torch.equal(idx, idx_ref) and (w - w_ref).abs().max() <= 1e-15
+    groups = (idx.long() // 8)  # every pick from the two best-scored groups of four
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+
+
+@pytest.mark.parametrize("change,error,field", [
+    ({"k": 65}, NpuOpError, "k"),  # k <= 64
+    ({"renorm": 1}, NpuOpError, "renorm"),  # renorm仅支持0
+    ({"norm_type": 3}, NpuOpError, "norm_type"),
+    ({"tid2eid": "table"}, NpuOpError, "input_ids"),  # 不允许只有一个为空
+    ({"bias": "float32"}, NpuOpError, "bias"),  # bias的dtype要和x相同
+    ({"input_ids": "out_of_table", "tid2eid": "table"}, NpuOpError, "input_ids"),
+    ({"out_flag": True, "bias": "same"}, UnemulatedFeatureError, "out_flag"),
+    ({"group_count": 3}, NpuOpError, "group_count"),
+])
+def test_gating_top_k_refuses_what_its_doc_rules_out(change, error, field):
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_moe_gating_top_k
+
+    x = torch.randn(4, 128, dtype=torch.float64)
+    values = {"table": torch.randint(0, 128, (10, 4), dtype=torch.int32), "float32": torch.zeros(128),
+              "same": torch.zeros(128, dtype=torch.float64), "out_of_table": torch.tensor([0, 1, 2, 10])}
+    kwargs = {"k": 4, **{k: values.get(v, v) if isinstance(v, str) else v for k, v in change.items()}}
+    with pytest.raises(error) as err:
+        npu_moe_gating_top_k(x, kwargs.pop("k"), **kwargs)
+    assert err.value.argument == field, str(err.value)
+
+
+# --------------------------------------------------------------------------- npu_hc_pre / npu_hc_post (mHC)
+def _hyper_connection(seed: int = 5):
+    """transformers' DeepseekV4HyperConnection at the docs' fixed shape (hc 4, d 4096), float64, random weights."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    config = DeepseekV4Config(hidden_size=4096, hc_mult=4)
+    hc = DeepseekV4HyperConnection(config).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g, dtype=torch.float64) * 0.02)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g, dtype=torch.float64) * 0.5)
+        hc.scale.copy_(torch.rand(3, generator=g, dtype=torch.float64) + 0.5)
+    return config, hc
+
+
+def test_hc_pre_collapses_the_streams_as_transformers_hyper_connection():
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_hc_pre
+
+    config, hc = _hyper_connection()
+    from model_infer_kvcache.validators.pipeline.precision import float64_upcasts
+
+    streams = torch.randn(2, 3, 4, 4096, dtype=torch.float64)
+    with float64_upcasts():  # its .float() upcasts keep float64, as in every validation run
+        want_post, want_comb, want_y = hc(streams)
+    y, post, comb = npu_hc_pre(streams, hc.fn.detach(), hc.scale.detach(), hc.base.detach(),
+                               norm_eps=config.rms_norm_eps, hc_eps=config.hc_eps)
+    assert y.shape == (2, 3, 4096) and post.shape == (2, 3, 4) and comb.shape == (2, 3, 4, 4)
+    for got, want in ((y, want_y), (post, want_post), (comb, want_comb)):
+        assert (got - want).abs().max() <= 1e-12
+    # doubly stochastic after the Sinkhorn iterations, and not symmetric: the direction of the mix matters
+    assert (comb.sum(-1) - 1).abs().max() < 1e-3 and (comb.sum(-2) - 1).abs().max() < 1e-5
+    assert (comb - comb.transpose(-1, -2)).abs().max() > 1e-3
+    y_flat, _, _ = npu_hc_pre(streams.view(6, 4, 4096), hc.fn.detach(), hc.scale.detach(), hc.base.detach(),
+                              norm_eps=config.rms_norm_eps, hc_eps=config.hc_eps)
+    assert torch.equal(y_flat, y.view(6, 4096))  # the [T, hc, d] form: the same rows
+
+
+def test_hc_post_expands_and_mixes_as_transformers_decoder_layer():
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_hc_post, npu_hc_pre
+
+    config, hc = _hyper_connection()
+    streams = torch.randn(2, 3, 4, 4096, dtype=torch.float64)
+    _, post, comb = npu_hc_pre(streams, hc.fn.detach(), hc.scale.detach(), hc.base.detach(),
+                               norm_eps=config.rms_norm_eps, hc_eps=config.hc_eps)
+    layer_out = torch.randn(2, 3, 4096, dtype=torch.float64)
+    got = npu_hc_post(layer_out, streams, post, comb)
+    # DeepseekV4DecoderLayer: post * out + comb^T @ streams
+    want = post.unsqueeze(-1) * layer_out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+    assert got.shape == streams.shape and (got - want).abs().max() <= 1e-12
+    untransposed = post.unsqueeze(-1) * layer_out.unsqueeze(-2) + torch.matmul(comb, streams)
+    assert (untransposed - got).abs().max() > 1e-3  # the other contraction is a different model
+
+
+@pytest.mark.parametrize("case,error,field", [
+    ("pre_d", NpuOpError, "x"),  # d 固定为 4096
+    ("pre_iters", NpuOpError, "hc_sinkhorn_iters"),  # 取值固定为 20
+    ("pre_fn", NpuOpError, "hc_fn"),  # [hc_mix, hc * d]
+    ("post_flat", UnemulatedFeatureError, "x"),  # the [T, ...] form's dim=2 is comb's other axis
+    ("post_dtype", NpuOpError, "residual"),  # x、residual和y的dtype要保持一致
+])
+def test_hc_ops_refuse_what_their_docs_rule_out(case, error, field):
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_hc_post, npu_hc_pre
+
+    fn, scale, base = torch.zeros(24, 16384, dtype=torch.float64), torch.ones(3, dtype=torch.float64), \
+        torch.zeros(24, dtype=torch.float64)
+    streams = torch.zeros(1, 2, 4, 4096, dtype=torch.float64)
+    post, comb = torch.full((1, 2, 4), 0.5, dtype=torch.float64), torch.full((1, 2, 4, 4), 0.25, dtype=torch.float64)
+    calls = {
+        "pre_d": lambda: npu_hc_pre(torch.zeros(1, 2, 4, 512, dtype=torch.float64), fn, scale, base),
+        "pre_iters": lambda: npu_hc_pre(streams, fn, scale, base, hc_sinkhorn_iters=10),
+        "pre_fn": lambda: npu_hc_pre(streams, fn[:, :4096].contiguous(), scale, base),
+        "post_flat": lambda: npu_hc_post(torch.zeros(2, 4096, dtype=torch.float64), streams.view(2, 4, 4096),
+                                         post.view(2, 4), comb.view(2, 4, 4)),
+        "post_dtype": lambda: npu_hc_post(torch.zeros(1, 2, 4096, dtype=torch.float64), streams.float(), post, comb),
+    }
+    with pytest.raises(error) as err:
+        calls[case]()
+    assert err.value.argument == field, str(err.value)

@@ -18,6 +18,8 @@ Emulated so far (DeepSeek-V4's cache writers and its partial RoPE; issue 38 name
   (``compressor``'s docstring says each reading and where it comes from).
 * ``npu_sparse_attn_sharedkv(q, *, ori_kv, cmp_kv, cmp_sparse_indices, ...)``: the window branch and the compressed
   branch in one softmax with the sinks (its docstring).
+* ``npu_moe_gating_top_k(x, k, *, bias, input_ids, tid2eid, ...)``: V4's router, top-k or hash (its docstring).
+* ``npu_hc_pre`` / ``npu_hc_post``: mHC's stream collapse and expansion (hc 4, d 4096 as the docs fix them).
 
 Every operand must be contiguous ("不支持非连续"). The rest (``npu_sparse_attn_sharedkv_metadata``,
 ``npu_quant_lightning_indexer``, ``indexer_compress_epilog``...) stay unemulated: used, they raise the one-line
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
 from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
+from model_infer_kvcache.validators.npu_ops.moe import grouped_top_k
 from model_infer_kvcache.validators.npu_ops.rotary import rotate_half, rotate_interleave
 
 SCATTER_ROW_WIDTHS = (1, 128, 512)  # custom-npu_scatter_nd_update_asc.md: "s 取值固定为:1或者128或者512"
@@ -421,8 +424,172 @@ def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=
     return out, lse
 
 
+GATING_MAX_K = 64  # custom-npu_moe_gating_top_k.md: "取值小于等于e,且必须小于等于64"
+
+
+def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                         routed_scaling_factor=1.0, eps=1e-20, group_select_mode=0, renorm=0, norm_type=0,
+                         out_flag=False):
+    """custom-npu_moe_gating_top_k.md: ``(y, expert_idx, norm_out)`` over ``x [T, e]`` or ``[b, s, e]``. The scores
+    are ``norm(x)`` (0 softmax, 1 sigmoid, 2 sqrt(softplus)); the experts are the grouped top-k of ``norm + bias``
+    (``moe.grouped_top_k``, shared with torch_npu's op), or in the hash case (``input_ids`` and ``tid2eid`` both given)
+    ``tid2eid[input_ids]``; ``y`` is their scores without the bias, ``y / (sum(y) + eps) * routed_scaling_factor``.
+
+    Readings (references/device_questions.md, DeepSeek-V4 section): the weights leave the bias out and norm_type 2 is
+    sqrt(softplus), as upstream deepseek_v4's own torch path (``gate_topk_native``, which maps "sqrtsoftplus" to 2)
+    and transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter compute; the doc's formula adds the bias to normOut
+    before the top-k and names norm_type 2 "Softplus". ``out_flag`` with a bias is refused: the doc does not say
+    whether the normalised output holds it."""
+    op = "custom.npu_moe_gating_top_k"
+    chk.tensor(op, "x", x, dims=(2, 3), dtypes=chk.FLOAT_DTYPES)
+    experts = int(x.shape[-1])
+    chk.integer(op, "k", k, low=1, high=min(experts, GATING_MAX_K))
+    chk.choice(op, "renorm", renorm, (0,))  # "renorm仅支持0"
+    chk.choice(op, "group_select_mode", group_select_mode, (0, 1))
+    chk.choice(op, "norm_type", norm_type, (0, 1, 2))
+    chk.integer(op, "group_count", group_count, low=1)
+    chk.integer(op, "k_group", k_group, low=1, high=group_count)
+    if experts % group_count or (group_select_mode == 1 and group_count > 1 and experts // group_count < 2):
+        raise NpuOpError(op, "group_count", f"{experts} experts must split evenly into {group_count} groups"
+                                            f"{' of at least 2 (group_select_mode 1 sums the top 2)' if group_select_mode else ''}")
+    if k > experts // group_count * k_group:
+        raise NpuOpError(op, "k", f"{k} experts cannot come from {k_group} of {group_count} groups of "
+                                  f"{experts // group_count}")
+    if bias is not None:
+        chk.tensor(op, "bias", bias, dims=(1,))
+        chk.same_dtype(op, "bias", bias, "x", x)  # "bias的dtype要和x相同"
+    if (input_ids is None) != (tid2eid is None):
+        raise NpuOpError(op, "input_ids" if input_ids is None else "tid2eid",
+                         "input_ids and tid2eid come together (hash) or not at all (top-k): 不允许只有一个为空")
+    if out_flag and bias is not None:
+        raise UnemulatedFeatureError(op, "out_flag", "with a bias the doc does not say whether the normalised output "
+                                                     "holds it (normOut is redefined as normOut + bias)")
+    rows = x.reshape(-1, experts)
+    cdt = chk.compute_dtype(x.dtype)
+    logits = rows.to(cdt)
+    norm = (torch.softmax(logits, dim=-1) if norm_type == 0 else torch.sigmoid(logits) if norm_type == 1
+            else torch.nn.functional.softplus(logits).sqrt())
+    if tid2eid is None:
+        idx = grouped_top_k(op, norm, k, bias, k_group, group_count, group_select_mode)
+    else:
+        chk.tensor(op, "tid2eid", tid2eid, dims=(2,), dtypes=(torch.int32,))
+        chk.tensor(op, "input_ids", input_ids, dims=(1,), dtypes=(torch.int64,))
+        n = int(tid2eid.shape[0])
+        if tuple(tid2eid.shape) != (n, k):
+            raise NpuOpError(op, "tid2eid", f"shape {tuple(tid2eid.shape)} must be (n, k) = (n, {k})")
+        if input_ids.shape[0] != rows.shape[0]:
+            raise NpuOpError(op, "input_ids", f"{input_ids.shape[0]} ids for {rows.shape[0]} tokens")
+        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < n:
+            raise NpuOpError(op, "input_ids", f"ids must index tid2eid's {n} rows, got {int(input_ids.min())}.."
+                                              f"{int(input_ids.max())}")
+        idx = tid2eid.long()[input_ids]
+        if idx.numel() and not 0 <= int(idx.min()) <= int(idx.max()) < experts:
+            raise NpuOpError(op, "tid2eid", f"expert ids must lie in [0, {experts}), got {int(idx.min())}.."
+                                            f"{int(idx.max())}")
+    y = norm.gather(1, idx)
+    y = y / (y.sum(-1, keepdim=True) + float(eps)) * float(routed_scaling_factor)
+    shape = (*x.shape[:-1], k)
+    norm_out = (norm.float() if out_flag else torch.full(rows.shape, float("nan"), dtype=torch.float32))
+    return y.to(x.dtype).view(shape), idx.to(torch.int32).view(shape), norm_out.view(x.shape)
+
+
+HC_MULT = 4  # custom-npu_hc_pre.md / custom-npu_hc_post.md 约束说明: hc 取值固定为 4, d 固定为 4096, hc_mix 固定为 24
+HC_DIM = 4096
+HC_MIX = (2 + HC_MULT) * HC_MULT
+HC_SINKHORN_ITERS = 20  # custom-npu_hc_pre.md: "hc_sinkhorn_iters 取值固定为20"
+HC_X_DTYPES = (torch.bfloat16, torch.float64)  # hc_pre's x: bfloat16 (float64: the CPU validation mode)
+HC_PARAM_DTYPES = (torch.float32, torch.float64)
+
+
+def _hc_streams(op: str, x: torch.Tensor, lead: int) -> None:
+    """``x [T, hc, d]`` / ``[b, s, hc, d]`` (``lead`` leading axes before hc) with hc and d as the docs fix them."""
+    if tuple(x.shape[lead:]) != (HC_MULT, HC_DIM):
+        raise NpuOpError(op, "x" if op.endswith("pre") else "residual",
+                         f"trailing shape {tuple(x.shape[lead:])} must be (hc, d) = ({HC_MULT}, {HC_DIM}) "
+                         "(the doc fixes hc 4 and d 4096)")
+
+
+def npu_hc_pre(x, hc_fn, hc_scale, hc_base, *, hc_mult=4, hc_sinkhorn_iters=20, norm_eps=1e-6, hc_eps=1e-6):
+    """custom-npu_hc_pre.md: ``(y [.., d], post [.., hc], comb [.., hc, hc])`` of mHC's pre-processing over the
+    streams ``x [T, hc, d]`` / ``[b, s, hc, d]``. The doc defers the arithmetic to its example test (not in the
+    snapshot); the emulation computes what upstream deepseek_v4's own torch path (``op_impls/mhc.py``:
+    ``hc_pre_native`` + ``hc_split_sinkhorn_torch``) and transformers' DeepseekV4HyperConnection compute: the streams'
+    RMS (``norm_eps``) scales ``x @ hc_fn^T``; pre = sigmoid(. * scale[0] + base) + hc_eps, post = 2 sigmoid(. *
+    scale[1] + base), comb = softmax(. * scale[2] + base) + hc_eps made doubly stochastic by ``hc_sinkhorn_iters``
+    column-then-row normalisations (columns first and last); ``y = sum_j pre[j] x[j]``."""
+    op = "custom.npu_hc_pre"
+    chk.tensor(op, "x", x, dims=(3, 4), dtypes=HC_X_DTYPES)
+    chk.tensor(op, "hc_fn", hc_fn, dims=(2,), dtypes=HC_PARAM_DTYPES)
+    chk.tensor(op, "hc_scale", hc_scale, dims=(1,), dtypes=HC_PARAM_DTYPES)
+    chk.tensor(op, "hc_base", hc_base, dims=(1,), dtypes=HC_PARAM_DTYPES)
+    _contiguous(op, x=x, hc_fn=hc_fn, hc_scale=hc_scale, hc_base=hc_base)
+    chk.choice(op, "hc_mult", hc_mult, (HC_MULT,))
+    chk.choice(op, "hc_sinkhorn_iters", hc_sinkhorn_iters, (HC_SINKHORN_ITERS,))
+    for name, value in (("norm_eps", norm_eps), ("hc_eps", hc_eps)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise NpuOpError(op, name, f"must be a float (a host double), got {type(value).__name__}")
+    lead = x.dim() - 2
+    _hc_streams(op, x, lead)
+    if tuple(hc_fn.shape) != (HC_MIX, HC_MULT * HC_DIM):
+        raise NpuOpError(op, "hc_fn", f"shape {tuple(hc_fn.shape)} must be [hc_mix, hc * d] = [{HC_MIX}, "
+                                      f"{HC_MULT * HC_DIM}]")
+    if tuple(hc_scale.shape) != (3,):
+        raise NpuOpError(op, "hc_scale", f"shape {tuple(hc_scale.shape)} must be [3]")
+    if tuple(hc_base.shape) != (HC_MIX,):
+        raise NpuOpError(op, "hc_base", f"shape {tuple(hc_base.shape)} must be [hc_mix] = [{HC_MIX}]")
+    cdt = chk.compute_dtype(x.dtype if x.dtype == torch.float64 else hc_fn.dtype)
+    hc = HC_MULT
+    flat = x.reshape(*x.shape[:lead], hc * HC_DIM).to(cdt)
+    mixes = torch.nn.functional.linear(flat, hc_fn.to(cdt)) * torch.rsqrt(
+        flat.square().mean(-1, keepdim=True) + float(norm_eps))
+    scale, base = hc_scale.to(cdt), hc_base.to(cdt)
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre = torch.sigmoid(pre_w * scale[0] + base[:hc]) + float(hc_eps)
+    post = 2 * torch.sigmoid(post_w * scale[1] + base[hc:2 * hc])
+    comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + \
+        float(hc_eps)
+    comb = comb / (comb.sum(-2, keepdim=True) + float(hc_eps))
+    for _ in range(hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + float(hc_eps))
+        comb = comb / (comb.sum(-2, keepdim=True) + float(hc_eps))
+    y = (pre.unsqueeze(-1) * x.to(cdt)).sum(dim=lead)
+    return y.to(x.dtype), post, comb
+
+
+def npu_hc_post(x, residual, post, comb):
+    """custom-npu_hc_post.md: ``post.unsqueeze(-1) * x.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) *
+    residual.unsqueeze(-2), dim=2)`` for ``[b, s, ...]`` operands: the streams mixed through comb's first axis
+    (``comb^T @ residual``, as transformers' DeepseekV4DecoderLayer mixes them). The ``[T, ...]`` form is refused: there
+    ``dim=2`` of the doc's formula is comb's other axis, and which one the kernel sums is not settled."""
+    op = "custom.npu_hc_post"
+    chk.tensor(op, "x", x, dims=(2, 3), dtypes=chk.FLOAT_DTYPES)
+    chk.tensor(op, "residual", residual, dims=(3, 4), dtypes=chk.FLOAT_DTYPES)
+    chk.tensor(op, "post", post, dims=(2, 3), dtypes=chk.FLOAT_DTYPES)
+    chk.tensor(op, "comb", comb, dims=(3, 4), dtypes=chk.FLOAT_DTYPES)
+    chk.same_dtype(op, "residual", residual, "x", x)  # "x、residual和y的dtype要保持一致"
+    chk.same_dtype(op, "comb", comb, "post", post)  # "post和comb的dtype要保持一致"
+    _contiguous(op, x=x, residual=residual, post=post, comb=comb)
+    if x.dim() == 2:
+        raise UnemulatedFeatureError(op, "x", "the [b * s, ...] form: the doc's formula sums dim=2, comb's second axis "
+                                              "there but its first in the [b, s, ...] form; pass [b, s, ...] operands")
+    b, s = x.shape[:2]
+    _hc_streams(op, residual, 2)
+    want = {"x": (b, s, HC_DIM), "residual": (b, s, HC_MULT, HC_DIM), "post": (b, s, HC_MULT),
+            "comb": (b, s, HC_MULT, HC_MULT)}
+    for name, value in (("x", x), ("residual", residual), ("post", post), ("comb", comb)):
+        if tuple(value.shape) != want[name]:
+            raise NpuOpError(op, name, f"shape {tuple(value.shape)} must be {list(want[name])}")
+    cdt = chk.compute_dtype(torch.float64 if torch.float64 in (x.dtype, post.dtype) else torch.float32)
+    out = post.to(cdt).unsqueeze(-1) * x.to(cdt).unsqueeze(-2) + torch.sum(
+        comb.to(cdt).unsqueeze(-1) * residual.to(cdt).unsqueeze(-2), dim=2)
+    return out.to(x.dtype)
+
+
 CUSTOM_OPS = {
     "npu_sparse_attn_sharedkv": npu_sparse_attn_sharedkv,
+    "npu_moe_gating_top_k": npu_moe_gating_top_k,
+    "npu_hc_pre": npu_hc_pre,
+    "npu_hc_post": npu_hc_post,
     "compressor": compressor,
     "scatter_nd_update_asc": scatter_nd_update_asc,
     "inplace_partial_rotary_mul": inplace_partial_rotary_mul,

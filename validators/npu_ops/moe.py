@@ -203,28 +203,38 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_sel
     chk.choice(op, "group_select_mode", group_select_mode, (0, 1))
     chk.choice(op, "renorm", renorm, (0,), documented=(1,))
     chk.choice(op, "norm_type", norm_type, (0, 1))
-    cdt = chk.compute_dtype(x.dtype)
-    norm = torch.sigmoid(x.to(cdt)) if norm_type == 1 else torch.softmax(x.to(cdt), dim=-1)
-    choice = norm
     if bias is not None:
         chk.tensor(op, "bias", bias, dims=(1,))
         chk.same_dtype(op, "bias", bias, "x", x)
-        if bias.shape[0] != experts:
-            raise NpuOpError(op, "bias", f"has {bias.shape[0]} entries for {experts} experts")
-        choice = norm + bias.to(cdt)
-    if group_count > 1:
-        grouped = choice.view(x.shape[0], group_count, -1)
-        score = grouped.amax(-1) if group_select_mode == 0 else grouped.topk(2, dim=-1).values.sum(-1)
-        keep = torch.zeros_like(score, dtype=torch.bool)
-        keep.scatter_(1, torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k_group], True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
-    idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
+    cdt = chk.compute_dtype(x.dtype)
+    norm = torch.sigmoid(x.to(cdt)) if norm_type == 1 else torch.softmax(x.to(cdt), dim=-1)
+    idx = grouped_top_k(op, norm, k, bias, k_group, group_count, group_select_mode)
     y = norm.gather(1, idx)
     if norm_type == 1:
         y = y / (y.sum(-1, keepdim=True) + float(eps))
     y = y * float(routed_scaling_factor)
     norm_out = norm.float() if out_flag else torch.full(x.shape, float("nan"), dtype=torch.float32)
     return y.to(x.dtype), idx.to(torch.int32), norm_out
+
+
+def grouped_top_k(op: str, norm: torch.Tensor, k: int, bias, k_group: int, group_count: int,
+                  group_select_mode: int) -> torch.Tensor:
+    """The experts a gating top-k picks per row of ``norm [T, e]`` (int64 ``[T, k]``, best first): the ``k_group``
+    best of ``group_count`` groups, each scored by its max (mode 0) or its two best (mode 1) of ``norm + bias``, then
+    the ``k`` best experts of those groups; ``bias`` steers the choice only. Ties go to the lower index."""
+    experts = int(norm.shape[1])
+    choice = norm
+    if bias is not None:  # (a 1-D tensor of x's dtype: the callers check it)
+        if bias.shape[0] != experts:
+            raise NpuOpError(op, "bias", f"has {bias.shape[0]} entries for {experts} experts")
+        choice = norm + bias.to(norm.dtype)
+    if group_count > 1:
+        grouped = choice.view(norm.shape[0], group_count, -1)
+        score = grouped.amax(-1) if group_select_mode == 0 else grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(score, dtype=torch.bool)
+        keep.scatter_(1, torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k_group], True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(norm.shape[0], -1)
+    return torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 OPS = {

@@ -6,6 +6,7 @@ lane pair; the scatter as plain row assignment), and each documented argument ru
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -353,9 +354,62 @@ def test_sparse_shared_kv_attention_matches_transformers_over_window_and_compres
         torch.cat(qs), ori_kv=ori_kv, cmp_kv=cmp_kv, ori_block_table=ori_table, cmp_block_table=cmp_table,
         cmp_sparse_indices=torch.tensor(selections, dtype=torch.int32)[:, None] if sparse else None,
         cu_seqlens_q=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32),
-        seqused_kv=torch.tensor(lengths, dtype=torch.int32), sinks=sinks, metadata=torch.zeros(1024, dtype=torch.int32),
-        softmax_scale=scale, cmp_ratio=ratio, layout_q="TND")
+        seqused_kv=torch.tensor(lengths, dtype=torch.int32), sinks=sinks,
+        metadata=_metadata(q_lens, lengths, ratio, sparse), softmax_scale=scale, cmp_ratio=ratio, layout_q="TND")
     assert torch.allclose(out[:q_lens[0]], wants[0], atol=1e-12) and torch.allclose(out[q_lens[0]:], wants[1], atol=1e-12)
+
+
+def _metadata(q_lens, kv_lens, ratio, sparse, **change):
+    """npu_sparse_attn_sharedkv_metadata for a TND call, as upstream deepseek_v4 builds it per scene
+    (calc_sas_metadata: cu_seqlens_q, seqused_kv, batch_size; c4a adds cmp_topk)."""
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_sparse_attn_sharedkv_metadata
+
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    kwargs = {"cu_seqlens_q": cu, "seqused_kv": torch.tensor(kv_lens, dtype=torch.int32), "batch_size": len(kv_lens),
+              "cmp_ratio": ratio, "cmp_topk": 512 if sparse else 0, "layout_q": "TND", "has_cmp_kv": True, **change}
+    return npu_sparse_attn_sharedkv_metadata(64, 1, 512, **kwargs)
+
+
+def test_sparse_shared_kv_refuses_metadata_built_for_another_call():
+    """Realistic mistakes: an HCA layer handed the CSA scene's metadata (upstream builds c1a / c4a / c128a per step),
+    metadata kept from the previous step (its lengths), and a tensor no metadata op made: each refused by name, where
+    the device would run the other call's task list."""
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_sparse_attn_sharedkv
+
+    args = {"ori_kv": torch.zeros(3, 16, 1, 512, dtype=torch.float64), "cmp_kv": torch.zeros(2, 16, 1, 512,
+            dtype=torch.float64), "ori_block_table": torch.tensor([[1, 2]], dtype=torch.int32),
+            "cmp_block_table": torch.ones(1, 1, dtype=torch.int32), "cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32),
+            "seqused_kv": torch.tensor([20], dtype=torch.int32), "softmax_scale": 0.04, "cmp_ratio": 128,
+            "layout_q": "TND"}
+    q = torch.zeros(1, 64, 512, dtype=torch.float64)
+    out, _ = npu_sparse_attn_sharedkv(q, metadata=_metadata([1], [20], 128, False), **args)  # the right one
+    assert torch.isfinite(out).all()
+    for metadata, needle in ((_metadata([1], [20], 4, True), "built for cmp_ratio 4, this call has 128"),
+                             (_metadata([1], [19], 128, False), "built for seqused_kv [19], this call has [20]"),
+                             (torch.zeros(64, dtype=torch.int32), "not a result of")):
+        with pytest.raises(NpuOpError, match=re.escape(needle)) as info:
+            npu_sparse_attn_sharedkv(q, metadata=metadata, **args)
+        assert info.value.argument == "metadata"
+
+
+@pytest.mark.parametrize("change,argument", [
+    ({"num_heads_q": 32}, "num_heads_q"),  # 目前仅支持64
+    ({"cu_seqlens_ori_kv": torch.tensor([0, 9], dtype=torch.int32)}, "cu_seqlens_ori_kv"),  # 设置此参数无效
+    ({"ori_topk": 64}, "ori_topk"),  # 目前暂不支持指定该参数
+    ({"cmp_topk": 256}, "cmp_topk"),  # 目前仅支持512
+    ({"cu_seqlens_q": None, "seqused_kv": None, "layout_q": "BSND"}, "cu_seqlens_q"),  # Tensor不能全传None
+    ({"batch_size": 3}, "batch_size"),
+    ({"cmp_ratio": 8}, "cmp_ratio"),
+])
+def test_sparse_shared_kv_metadata_refuses_what_its_doc_rules_out(change, argument):
+    from model_infer_kvcache.validators.npu_ops.custom_ops import npu_sparse_attn_sharedkv_metadata
+
+    kwargs = {"cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32), "seqused_kv": torch.tensor([9], dtype=torch.int32),
+              "batch_size": 1, "cmp_ratio": 4, "cmp_topk": 512, "layout_q": "TND"}
+    heads = change.pop("num_heads_q", 64)
+    with pytest.raises(NpuOpError) as info:
+        npu_sparse_attn_sharedkv_metadata(heads, 1, 512, **{**kwargs, **change})
+    assert info.value.argument == argument, str(info.value)
 
 
 def test_sparse_shared_kv_refuses_an_entry_the_query_may_not_see_and_what_its_doc_rules_out():
@@ -366,7 +420,7 @@ def test_sparse_shared_kv_refuses_an_entry_the_query_may_not_see_and_what_its_do
     args = {"ori_kv": torch.zeros(2, 16, 1, 512, dtype=torch.float64), "cmp_kv": torch.zeros(2, 16, 1, 512,
             dtype=torch.float64), "ori_block_table": torch.ones(1, 1, dtype=torch.int32),
             "cmp_block_table": torch.ones(1, 1, dtype=torch.int32), "cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32),
-            "seqused_kv": torch.tensor([9], dtype=torch.int32), "metadata": torch.zeros(1024, dtype=torch.int32),
+            "seqused_kv": torch.tensor([9], dtype=torch.int32), "metadata": _metadata([1], [9], 4, True),
             "softmax_scale": 0.04, "cmp_ratio": 4, "layout_q": "TND"}
     q = torch.zeros(1, 64, 512, dtype=torch.float64)
     future = torch.full((1, 1, 512), -1, dtype=torch.int32)

@@ -417,14 +417,13 @@ class CompressedFormat(GqaFormat):
         check_kv_mode(kv_mode, reason, where)
 
     def checkout_refusal(self, m) -> tuple[str, str]:
-        # planned (analyze), not driven: the folder's CSA indexer and metadata operators are not emulated on CPU and
+        # planned (analyze), not driven: the folder's CSA indexer operators are not emulated on CPU and
         # the run has no oracle for a compressed branch yet (issue 38); a run would fail inside them, not the model
         c = m.compressed
         return "compressed", (f"DeepSeek-V4 compressed attention in the engine ({len(c.csa_layers)} CSA, "
                               f"{len(c.hca_layers)} HCA layer(s), {c.source}): the checkout run does not emulate its "
-                              "indexer and metadata operators (npu_quant_lightning_indexer(+_metadata), "
-                              "npu_sparse_attn_sharedkv_metadata, indexer_compress_epilog) and compares no compressed "
-                              "branch yet")
+                              "indexer operators (npu_quant_lightning_indexer(+_metadata), indexer_compress_epilog) "
+                              "and compares no compressed branch yet")
 
     def notes(self, facts: Facts) -> tuple[list[Finding], list[Finding]]:
         return [Finding(message="fa.* describes no kernel of this model: every layer attends through "

@@ -1,7 +1,7 @@
 """The checkout's own AscendC operators (cann-recipes-infer ``ops/ascendc``, called as ``torch.ops.custom.<op>``),
 emulated from their docs (``ops/ascendc/docs/custom-<op>.md``), strict about every documented argument rule.
 
-Emulated so far (DeepSeek-V4's cache writers and its partial RoPE; issue 38 names the rest):
+Emulated so far (issue 38 names the rest):
 
 * ``scatter_nd_update_asc(var, indices, update)``: ``var [b, s]`` rows replaced in place, ``var[indices[i, 0]] =
   update[i]``; ``s`` in {1, 128, 512}, ``u <= b`` updates, indices int32 / int64 ``[u, 1]``; "索引不支持越界,负值会被直接
@@ -20,9 +20,11 @@ Emulated so far (DeepSeek-V4's cache writers and its partial RoPE; issue 38 name
   branch in one softmax with the sinks (its docstring).
 * ``npu_moe_gating_top_k(x, k, *, bias, input_ids, tid2eid, ...)``: V4's router, top-k or hash (its docstring).
 * ``npu_hc_pre`` / ``npu_hc_post``: mHC's stream collapse and expansion (hc 4, d 4096 as the docs fix them).
+* ``npu_sparse_attn_sharedkv_metadata``: the attention's task list, returned as the call it was built for, which
+  ``npu_sparse_attn_sharedkv`` checks (another scene's or a stale step's metadata is refused by name).
 
-Every operand must be contiguous ("不支持非连续"). The rest (``npu_sparse_attn_sharedkv_metadata``,
-``npu_quant_lightning_indexer``, ``indexer_compress_epilog``...) stay unemulated: used, they raise the one-line
+Every operand must be contiguous ("不支持非连续"). The rest (``npu_quant_lightning_indexer`` and its metadata,
+``indexer_compress_epilog``, the quantized variants...) stay unemulated: used, they raise the one-line
 ``UnemulatedOperatorError`` naming them (``validators/standins/device.py``).
 """
 
@@ -387,6 +389,12 @@ def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=
             raise NpuOpError(op, "cmp_sparse_indices", f"shape {tuple(cmp_sparse_indices.shape)} must be [Q_T, 1, "
                                                        f"{SHAREDKV_TOPK}]")
 
+    _check_metadata(op, metadata, {
+        "num_heads_q": n1, "head_dim": d, "layout_q": layout_q, "has_cmp_kv": cmp_kv is not None,
+        "cmp_ratio": cmp_ratio if cmp_kv is not None else None,
+        "cmp_topk": SHAREDKV_TOPK if cmp_sparse_indices is not None else 0, "batch_size": batch,
+        "cu_seqlens_q": [int(v) for v in cu_seqlens_q] if tnd else None, "seqused_kv": kv_lens})
+
     cdt = chk.compute_dtype(q.dtype)
     left = SHAREDKV_WINDOW[0]
     out = torch.empty_like(q)
@@ -422,6 +430,96 @@ def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=
             flat_out[spans[b][0] + i] = (probs @ k).to(q.dtype)
     lse = torch.full((1, flat_out.shape[0], n1), float("nan"), dtype=torch.float32)
     return out, lse
+
+
+# kvcache's encoding of what an npu_sparse_attn_sharedkv_metadata result was built for. The device's result is a
+# task list (per core: batch, head, Q / K block ranges) nobody reads; what matters is that the attention call it
+# serves is the call it was built for: upstream builds one per scene and step (c1a / c4a / c128a: window only, CSA,
+# HCA) and a layer handed another scene's or a stale step's list runs that list's tasks, silently.
+METADATA_TAG = 0x5A5
+METADATA_FIELDS = ("num_heads_q", "head_dim", "layout_q", "has_cmp_kv", "cmp_ratio", "cmp_topk", "batch_size")
+_LAYOUT_CODES = {"BSND": 0, "TND": 1}
+
+
+def npu_sparse_attn_sharedkv_metadata(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None,
+                                      cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None,
+                                      batch_size=0, max_seqlen_q=0, max_seqlen_kv=0, ori_topk=0, cmp_topk=0,
+                                      cmp_ratio=-1, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
+                                      ori_win_right=0, layout_q="BSND", layout_kv="PA_ND", has_ori_kv=True,
+                                      has_cmp_kv=True, device="npu:0"):
+    """custom-npu_sparse_attn_sharedkv_metadata.md: the task list ``npu_sparse_attn_sharedkv`` takes as ``metadata``,
+    its arguments held to the doc's rules (N1 64, KV_N 1, band and causal masks at their defaults, ``cmp_topk`` 512,
+    ``cmp_ratio`` 4 / 128, PA_ND keys, no ``ori_topk`` / ``seqused_q`` / kv prefix sums, not every tensor None). The
+    emulation returns the call it describes (``METADATA_TAG``, ``METADATA_FIELDS``, then the lengths), which the
+    attention call checks against its own."""
+    op = "custom.npu_sparse_attn_sharedkv_metadata"
+    chk.choice(op, "num_heads_q", num_heads_q, (SHAREDKV_Q_HEADS,))  # "目前仅支持64"
+    chk.choice(op, "num_heads_kv", num_heads_kv, (1,))  # "目前仅支持1"
+    chk.integer(op, "head_dim", head_dim, low=1)
+    chk.choice(op, "layout_q", layout_q, tuple(_LAYOUT_CODES))
+    chk.choice(op, "layout_kv", layout_kv, ("PA_ND",))
+    chk.choice(op, "ori_mask_mode", ori_mask_mode, (4,))
+    if (ori_win_left, ori_win_right) != SHAREDKV_WINDOW:
+        raise NpuOpError(op, "ori_win_left", f"({ori_win_left}, {ori_win_right}): only the defaults "
+                                             f"{SHAREDKV_WINDOW} are supported")
+    for name, value in (("cu_seqlens_ori_kv", cu_seqlens_ori_kv), ("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv),
+                        ("seqused_q", seqused_q)):
+        if value is not None:  # 设置此参数无效 / 目前暂不支持指定该参数
+            raise NpuOpError(op, name, "has no effect on the device (the doc: not supported yet): pass None")
+    if ori_topk not in (0, None):
+        raise NpuOpError(op, "ori_topk", f"{ori_topk}: not supported yet (the doc), leave it 0")
+    if has_ori_kv is not True:
+        raise NpuOpError(op, "has_ori_kv", "False: npu_sparse_attn_sharedkv always has the window branch")
+    if has_cmp_kv:
+        chk.choice(op, "cmp_ratio", cmp_ratio, (4, 128))
+        chk.choice(op, "cmp_mask_mode", cmp_mask_mode, (3,))
+    cmp_topk = cmp_topk or 0
+    chk.choice(op, "cmp_topk", cmp_topk, (0, SHAREDKV_TOPK))
+    if cmp_topk and not has_cmp_kv:
+        raise NpuOpError(op, "cmp_topk", "a top-k over compressed entries without cmp_kv (has_cmp_kv False)")
+    if cu_seqlens_q is None and seqused_kv is None:
+        raise NpuOpError(op, "cu_seqlens_q", "every length tensor is None (the doc: Tensor不能全传None)")
+    if layout_q == "TND" and cu_seqlens_q is None:
+        raise NpuOpError(op, "cu_seqlens_q", "required with layout_q TND")
+    cu = [int(v) for v in chk.tensor(op, "cu_seqlens_q", cu_seqlens_q, dims=(1,), dtypes=(torch.int32,))] \
+        if cu_seqlens_q is not None else []
+    used = [int(v) for v in chk.tensor(op, "seqused_kv", seqused_kv, dims=(1,), dtypes=(torch.int32,))] \
+        if seqused_kv is not None else []
+    chk.integer(op, "batch_size", batch_size, low=0)
+    if used and batch_size != len(used):
+        raise NpuOpError(op, "batch_size", f"{batch_size} for {len(used)} seqused_kv lengths")
+    values = {"num_heads_q": num_heads_q, "head_dim": head_dim, "layout_q": _LAYOUT_CODES[layout_q],
+              "has_cmp_kv": int(bool(has_cmp_kv)), "cmp_ratio": cmp_ratio if has_cmp_kv else -1,
+              "cmp_topk": cmp_topk, "batch_size": batch_size}
+    return torch.tensor([METADATA_TAG, *(values[f] for f in METADATA_FIELDS), len(cu), *cu, len(used), *used],
+                        dtype=torch.int32)
+
+
+def _check_metadata(op: str, metadata, call: dict) -> None:
+    """The attention call's ``metadata`` was built for this call (``npu_sparse_attn_sharedkv_metadata``): same
+    scene, batch and lengths; else the device runs another call's task list."""
+    if not (isinstance(metadata, torch.Tensor) and metadata.dtype == torch.int32 and metadata.dim() == 1
+            and metadata.numel() > len(METADATA_FIELDS) + 1 and int(metadata[0]) == METADATA_TAG):
+        raise NpuOpError(op, "metadata", "not a result of custom.npu_sparse_attn_sharedkv_metadata (build it for "
+                                         "this call)")
+    got = [int(v) for v in metadata]
+    built = dict(zip(METADATA_FIELDS, got[1:1 + len(METADATA_FIELDS)], strict=True))
+    rest = got[1 + len(METADATA_FIELDS):]
+    cu, rest = rest[1:1 + rest[0]], rest[1 + rest[0]:]
+    used = rest[1:1 + rest[0]]
+    want = {**call, "layout_q": _LAYOUT_CODES[call["layout_q"]], "has_cmp_kv": int(call["has_cmp_kv"]),
+            "cmp_ratio": -1 if call["cmp_ratio"] is None else call["cmp_ratio"]}
+    for field in METADATA_FIELDS:
+        if built[field] != want[field]:
+            raise NpuOpError(op, "metadata", f"built for {field} {built[field]}, this call has {want[field]}: the "
+                                             "device would run another call's task list (one metadata per scene "
+                                             "and step)")
+    if call["cu_seqlens_q"] is not None and cu and cu != call["cu_seqlens_q"]:
+        raise NpuOpError(op, "metadata", f"built for cu_seqlens_q {cu[:6]}, this call has {call['cu_seqlens_q'][:6]} "
+                                         "(a stale step's metadata)")
+    if used and used != call["seqused_kv"]:
+        raise NpuOpError(op, "metadata", f"built for seqused_kv {used[:6]}, this call has {call['seqused_kv'][:6]} "
+                                         "(a stale step's metadata)")
 
 
 GATING_MAX_K = 64  # custom-npu_moe_gating_top_k.md: "取值小于等于e,且必须小于等于64"
@@ -590,6 +688,7 @@ CUSTOM_OPS = {
     "npu_moe_gating_top_k": npu_moe_gating_top_k,
     "npu_hc_pre": npu_hc_pre,
     "npu_hc_post": npu_hc_post,
+    "npu_sparse_attn_sharedkv_metadata": npu_sparse_attn_sharedkv_metadata,
     "compressor": compressor,
     "scatter_nd_update_asc": scatter_nd_update_asc,
     "inplace_partial_rotary_mul": inplace_partial_rotary_mul,

@@ -468,6 +468,10 @@ def test_transpose_batchmatmul_deepseek_absorb_form():
     torch.testing.assert_close(out, torch.einsum("tnd,ndr->tnr", q, wk), atol=1e-6, rtol=0)
     f = ops.npu_transpose_batchmatmul
     expect("perm_x1", f, q, wk, perm_x1=(1, 1, 2))
+    # torch_npu's meta registration: perm_y only [1, 0, 2] (also its default), perm_x2 only [0, 1, 2]
+    expect("perm_y", f, q, wk, perm_x1=(1, 0, 2), perm_y=(0, 1, 2))
+    expect("perm_x2", f, q, wk.transpose(1, 2).contiguous(), perm_x1=(1, 0, 2), perm_x2=(0, 2, 1))
+    torch.testing.assert_close(f(q, wk, perm_x1=(1, 0, 2)), out, atol=0, rtol=0)  # perm_y None: [1, 0, 2]
     expect("weight", f, q, wk)  # without perm_x1 the batch axes do not match
     expect("bias", f, q, wk, bias=torch.ones(r), perm_x1=(1, 0, 2), error=UnemulatedFeatureError)
     expect("batch_split_factor", f, q, wk, perm_x1=(1, 0, 2), batch_split_factor=2, error=UnemulatedFeatureError)

@@ -147,6 +147,17 @@ def moe_re_routing(tokens, expert_token_num_per_rank, per_token_scales=None, **_
             expert_token_num_per_rank.new_empty((expert_token_num_per_rank.size(1),)))
 
 
+def transpose_batchmatmul(input, weight, *, scale=None, perm_x1=None, perm_x2=None, batch_split_factor=1, **_):  # noqa: A002
+    """npu_transpose_batchmatmul_meta: [M, B, N] (perm_y [1, 0, 2]); int8 [M, 1, B * N] with a scale."""
+    perm_x1, perm_x2 = list(perm_x1 or (0, 1, 2)), list(perm_x2 or (0, 1, 2))
+    m, batch, n = input.size(perm_x1.index(1)), input.size(perm_x1.index(0)), weight.size(perm_x2.index(2))
+    if scale is not None:
+        return input.new_empty((m, 1, batch * n), dtype=torch.int8)
+    if batch_split_factor and batch_split_factor > 1:
+        return input.new_empty((batch_split_factor, m, batch * n // batch_split_factor))
+    return input.new_empty((m, batch, n))
+
+
 def _halved(x: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = shape[dim] // 2
@@ -193,6 +204,8 @@ FAKE_SHAPES = {
     "npu_interleave_rope": lambda x, cos, sin: torch.empty_like(x),
     "npu_rotary_mul": lambda embedding, cosine, sine, mode="half", **_: torch.empty_like(embedding),
     "npu_kv_rmsnorm_rope_cache": kv_rmsnorm_rope_cache,
+    # v2 writes the caches in place and returns only k_rope and c_kv (npu_kv_rmsnorm_rope_cache_v2_meta)
+    "npu_kv_rmsnorm_rope_cache_v2": lambda *args, **kwargs: kv_rmsnorm_rope_cache(*args, **kwargs)[2:],
     "npu_rms_norm": lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), _rstd(x, gamma)),
     "npu_add_rms_norm": lambda x1, x2, gamma, epsilon=1e-6: (torch.empty_like(x1), _rstd(x1, gamma),
                                                             torch.empty_like(x1)),
@@ -210,6 +223,7 @@ FAKE_SHAPES = {
     "npu_moe_distribute_combine_v2": lambda expand_x, expert_ids, *args, **kwargs: expand_x.new_empty(
         (expert_ids.size(0), expand_x.size(1))),
     "npu_grouped_matmul": grouped_matmul,
+    "npu_transpose_batchmatmul": transpose_batchmatmul,
     "npu_moe_finalize_routing": moe_finalize_routing,
     "npu_moe_re_routing": moe_re_routing,
 }

@@ -19,8 +19,6 @@ import torch
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
 from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 
-PERMUTATIONS = {(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)}
-
 
 def _one(op: str, name: str, value) -> torch.Tensor:
     if not isinstance(value, (list, tuple)):
@@ -92,18 +90,25 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     return [out.to(lhs.dtype)]
 
 
+# torch_npu's meta registration of npu_transpose_batchmatmul (op_plugin/meta/_meta_registrations.py, both pinned
+# releases): the defaults of None and the only permutations it accepts (the op doc names no other)
+TRANSPOSE_BMM_PERMS = {"perm_x1": ((0, 1, 2), ((0, 1, 2), (1, 0, 2))), "perm_x2": ((0, 1, 2), ((0, 1, 2),)),
+                       "perm_y": ((1, 0, 2), ((1, 0, 2),))}
+
+
 def _perm(op: str, name: str, perm) -> tuple[int, ...]:
-    if perm is None:
-        return (0, 1, 2)
-    value = tuple(perm)
-    if value not in PERMUTATIONS:
-        raise NpuOpError(op, name, f"{list(value)} is not a permutation of [0, 1, 2]")
+    default, allowed = TRANSPOSE_BMM_PERMS[name]
+    value = default if perm is None else tuple(perm)
+    if value not in allowed:
+        raise NpuOpError(op, name, f"{list(value)} is not one of {[list(a) for a in allowed]} (torch_npu's meta "
+                                   "registration of the op)")
     return value
 
 
 def npu_transpose_batchmatmul(input, weight, *, bias=None, scale=None, perm_x1=None, perm_x2=None,  # noqa: A002
                               perm_y=None, batch_split_factor=1):
-    """``permute(permute(input, perm_x1) @ permute(weight, perm_x2), perm_y)``."""
+    """``permute(permute(input, perm_x1) @ permute(weight, perm_x2), perm_y)``; None takes the meta registration's
+    default (perm_y [1, 0, 2]: the output is [M, B, N])."""
     op = "npu_transpose_batchmatmul"
     chk.tensor(op, "input", input, dims=(3,), dtypes=chk.FLOAT_DTYPES)
     chk.tensor(op, "weight", weight, dims=(3,))

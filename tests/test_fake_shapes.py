@@ -1,0 +1,53 @@
+"""The shape rules a graph capture traces through (validators/npu_ops/fake_shapes.py) give the shapes and dtypes the
+emulated operators return when they run (the replay): a rule that disagrees would let a capture pass over a graph
+whose replay computes something else, or fail a correct one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_infer_kvcache.validators.npu_ops import emulated, install_emulation
+from model_infer_kvcache.validators.npu_ops.fake_shapes import FAKE_SHAPES
+from test_npu_ops_schema_pin import MODEL_OP_CALLS
+
+
+def _mla_cache_write(f):
+    # DeepSeek's decode write (upstream deepseek_r1): 5 tokens into PA caches, outputs kept (is_output_kv)
+    kv, gamma = torch.randn(5, 1, 1, 48), torch.rand(32) + 0.5
+    cos, sin = torch.rand(5, 1, 1, 16), torch.rand(5, 1, 1, 16)
+    k_cache, ckv_cache = torch.zeros(4, 16, 1, 16), torch.zeros(4, 16, 1, 32)
+    return f(kv, gamma, cos, sin, torch.tensor([17, 18, -1, 40, 3]), k_cache, ckv_cache, cache_mode="PA",
+             is_output_kv=True)
+
+
+# The operators with a rule and a sample call (the schema-pin test's model-style calls, and the MLA cache writers).
+CALLS = {**MODEL_OP_CALLS, "npu_kv_rmsnorm_rope_cache": _mla_cache_write,
+         "npu_kv_rmsnorm_rope_cache_v2": _mla_cache_write}
+SAMPLED = sorted(set(FAKE_SHAPES) & set(CALLS))
+
+
+def _leaves(value) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    if isinstance(value, torch.Tensor):
+        return [(tuple(value.shape), value.dtype)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return []
+
+
+def test_the_rules_cover_the_operators_of_the_rendered_and_upstream_decode_steps():
+    # a capture of one of these reaches the rule; the ones with a sample call are compared below
+    assert {"npu_fused_infer_attention_score_v2", "npu_transpose_batchmatmul", "npu_kv_rmsnorm_rope_cache_v2"} <= \
+        set(FAKE_SHAPES)
+    assert len(SAMPLED) >= 10, SAMPLED
+
+
+@pytest.mark.parametrize("op", SAMPLED)
+def test_a_rule_gives_the_shapes_and_dtypes_the_emulation_returns(op):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    state = torch.random.get_rng_state()
+    real = CALLS[op](emulated.OPS[op])
+    torch.random.set_rng_state(state)
+    with install_emulation(), FakeTensorMode(allow_non_fake_inputs=True):
+        fake = CALLS[op](getattr(torch.ops.npu, op))
+    assert _leaves(fake) == _leaves(real), (op, _leaves(fake), _leaves(real))

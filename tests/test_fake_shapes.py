@@ -51,3 +51,20 @@ def test_a_rule_gives_the_shapes_and_dtypes_the_emulation_returns(op):
     with install_emulation(), FakeTensorMode(allow_non_fake_inputs=True):
         fake = CALLS[op](getattr(torch.ops.npu, op))
     assert _leaves(fake) == _leaves(real), (op, _leaves(fake), _leaves(real))
+
+
+def test_the_checkout_names_a_gloo_group_with_a_str_as_the_dispatch_schema_takes():
+    """The checkout's stand-in for a group's HCCL name: a capture of an MoE dispatch checks its schema's `str group_ep`
+    (torch_npu's binding does too); None there stopped upstream longcat_flash's ge_graph capture as if the model
+    were wrong."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model_infer_kvcache.validators.checkout_run.engine_run import _gloo_name
+
+    assert _gloo_name(None) is None  # no group: None, as upstream's get_group_name
+    x, ids = torch.randn(4, 8), torch.randint(0, 8, (4, 2), dtype=torch.int32)
+    with install_emulation(), FakeTensorMode(allow_non_fake_inputs=True):
+        out = torch.ops.npu.npu_moe_distribute_dispatch_v2(x, ids, _gloo_name(object()), 1, 0, 8)
+        assert out[0].shape == (8, 8)
+        with pytest.raises(RuntimeError, match="Expected a value of type 'str'"):
+            torch.ops.npu.npu_moe_distribute_dispatch_v2(x, ids, None, 1, 0, 8)

@@ -26,10 +26,19 @@ from model_infer_kvcache.validators.harness.poison import manager_key, null_bloc
 from model_infer_kvcache.validators.pipeline.graph_capture import quiet_side_effects
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Watchdog
 
+
+def _gloo_name(group) -> str | None:
+    """The stand-in for a group's HCCL name: a gloo group has none, but the MoE communication operators' schemas take
+    ``str group_ep`` (a graph capture checks it; torch_npu's binding does too), so a group gets "gloo"; no group,
+    None, as upstream's get_group_name."""
+    return None if group is None else "gloo"
+
+
 CPU_STANDINS = (
     "ExecutionEngine._init_device: the npu:N device is the CPU (process group: gloo, set up by the validator)",
     "executor.utils.hccl_utils.init_comm_group_by_ranks (as CommManager calls it): dist.new_group over the "
-    "same ranks on gloo; get_group_name: None (a gloo group has no HCCL name)",
+    "same ranks on gloo; a group's HCCL name (get_group_name, init_comm_group_by_ranks(return_name=True)): 'gloo' "
+    "(it has none; a str, as the operators' schemas take)",
     "DefaultModelLoader.load_model: parameters created in float32 instead of bfloat16 and the loaded model "
     "cast to float32 (the CPU comparison dtype); the checkpoint's weights are bfloat16-exact; a tensor the model "
     "casts to bfloat16/float16 while it is built (a rope table precomputed in the device dtype) is made in float32 "
@@ -225,7 +234,7 @@ def cpu_engine_patches(dtype: torch.dtype):
     def gloo_group(ranks, global_rank=0, group_name="", hccl_buffer_size=None, group_type=None,
                    platform_version="A3", return_name=False):
         group = dist.new_group(sorted(ranks), backend="gloo")
-        return (group, None) if return_name else group
+        return (group, _gloo_name(group)) if return_name else group
 
     @contextlib.contextmanager
     def default_dtype(_ignored):
@@ -244,7 +253,7 @@ def cpu_engine_patches(dtype: torch.dtype):
         return model.to(dtype)
 
     comm_manager.init_comm_group_by_ranks = gloo_group
-    comm_manager.get_group_name = lambda group, global_rank: None  # an HCCL name; gloo groups have none
+    comm_manager.get_group_name = lambda group, global_rank: _gloo_name(group)
     engine_mod.get_tokenizer = lambda *a, **k: types.SimpleNamespace(eos_token_id=None, pad_token_id=None)
     loader_mod.set_default_torch_dtype = default_dtype
     loader_mod.DefaultModelLoader.load_model = load_model

@@ -158,6 +158,18 @@ def transpose_batchmatmul(input, weight, *, scale=None, perm_x1=None, perm_x2=No
     return input.new_empty((m, batch, n))
 
 
+def mla_prolog_v3(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rmsnorm_gamma_cq, rmsnorm_gamma_ckv,
+                  rope_sin, rope_cos, kv_cache, kr_cache, *, query_norm_flag=False, **_):
+    """npu_mla_prolog_v3_forward's shapes: query [.., N, Hckv], query_rope [.., N, Dr], the reserved scales (1,) (the
+    emulation's reading of the pre-8.5 CANN placeholders) and query_norm [.., Hcq] only with query_norm_flag; in
+    token_x's dtype, as the emulation returns them (the meta's bfloat16 query_rope is the device's compute dtype)."""
+    lead = tuple(token_x.shape[:-1])
+    n, hckv, dr = weight_uk.size(0), weight_uk.size(2), rope_sin.size(-1)
+    query_norm = token_x.new_empty((*lead, weight_dq.size(1))) if query_norm_flag else token_x.new_empty((1,))
+    return (token_x.new_empty((*lead, n, hckv)), token_x.new_empty((*lead, n, dr)),
+            token_x.new_empty((1,), dtype=torch.float32), query_norm, token_x.new_empty((1,), dtype=torch.float32))
+
+
 def _halved(x: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = shape[dim] // 2
@@ -204,6 +216,7 @@ FAKE_SHAPES = {
     "npu_interleave_rope": lambda x, cos, sin: torch.empty_like(x),
     "npu_rotary_mul": lambda embedding, cosine, sine, mode="half", **_: torch.empty_like(embedding),
     "npu_kv_rmsnorm_rope_cache": kv_rmsnorm_rope_cache,
+    "npu_mla_prolog_v3": mla_prolog_v3,
     # v2 writes the caches in place and returns only k_rope and c_kv (npu_kv_rmsnorm_rope_cache_v2_meta)
     "npu_kv_rmsnorm_rope_cache_v2": lambda *args, **kwargs: kv_rmsnorm_rope_cache(*args, **kwargs)[2:],
     "npu_rms_norm": lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), _rstd(x, gamma)),

@@ -170,6 +170,20 @@ def mla_prolog_v3(token_x, weight_dq, weight_uq_qr, weight_uk, weight_dkv_kr, rm
             token_x.new_empty((1,), dtype=torch.float32), query_norm, token_x.new_empty((1,), dtype=torch.float32))
 
 
+def lightning_indexer(query, key, weights, *, layout_query="BSND", layout_key="BSND", sparse_count=2048, **_):
+    """npu_lightning_indexer_forward: int32 indices [B, S1, N2, k] (BSND) or [T1, N2, k]; no values."""
+    n2 = key.size(1 if layout_key == "TND" else 2)
+    shape = (query.size(0), query.size(1), n2, sparse_count) if layout_query == "BSND" else \
+        (query.size(0), n2, sparse_count)
+    return query.new_empty(shape, dtype=torch.int32), query.new_empty((0,))
+
+
+def sparse_flash_attention(query, key, value, sparse_indices, scale_value, **_):
+    """npu_sparse_flash_attention_forward: the output takes the query's shape; no softmax max / sum."""
+    return (query.new_empty(query.shape), query.new_empty((0,), dtype=torch.float32),
+            query.new_empty((0,), dtype=torch.float32))
+
+
 def _halved(x: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = shape[dim] // 2
@@ -217,6 +231,13 @@ FAKE_SHAPES = {
     "npu_rotary_mul": lambda embedding, cosine, sine, mode="half", **_: torch.empty_like(embedding),
     "npu_kv_rmsnorm_rope_cache": kv_rmsnorm_rope_cache,
     "npu_mla_prolog_v3": mla_prolog_v3,
+    "npu_lightning_indexer": lightning_indexer,
+    # the gated delta rule: output shaped as value (the meta's bfloat16 is the device's dtype; the emulation keeps the
+    # run's), the chunked form also the final state
+    "npu_recurrent_gated_delta_rule": lambda query, key, value, state, **_: value.new_empty(value.shape),
+    "npu_chunk_gated_delta_rule": lambda query, key, value, *, initial_state=None, **_: (
+        value.new_empty(value.shape), initial_state.new_empty(initial_state.shape)),
+    "npu_sparse_flash_attention": sparse_flash_attention,
     # v2 writes the caches in place and returns only k_rope and c_kv (npu_kv_rmsnorm_rope_cache_v2_meta)
     "npu_kv_rmsnorm_rope_cache_v2": lambda *args, **kwargs: kv_rmsnorm_rope_cache(*args, **kwargs)[2:],
     "npu_rms_norm": lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), _rstd(x, gamma)),

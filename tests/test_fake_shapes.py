@@ -20,9 +20,16 @@ def _mla_cache_write(f):
              is_output_kv=True)
 
 
-# The operators with a rule and a sample call (the schema-pin test's model-style calls, and the MLA cache writers).
+def _state_write(f):
+    # a Legacy / state cache [B, S_max, H] written at each row's offset (qwen3.5's decode, modeling_qwen3_5_moe.py)
+    return f(torch.zeros(3, 10, 8), torch.tensor([0, 4, 7]), torch.randn(3, 2, 8), 1)
+
+
+# The operators with a rule and a sample call (the schema-pin test's model-style calls, the MLA cache writers, the
+# offset writers).
 CALLS = {**MODEL_OP_CALLS, "npu_kv_rmsnorm_rope_cache": _mla_cache_write,
-         "npu_kv_rmsnorm_rope_cache_v2": _mla_cache_write}
+         "npu_kv_rmsnorm_rope_cache_v2": _mla_cache_write, "scatter_update_": _state_write,
+         "scatter_update": _state_write}
 SAMPLED = sorted(set(FAKE_SHAPES) & set(CALLS))
 
 
@@ -68,3 +75,20 @@ def test_the_checkout_names_a_gloo_group_with_a_str_as_the_dispatch_schema_takes
         assert out[0].shape == (8, 8)
         with pytest.raises(RuntimeError, match="Expected a value of type 'str'"):
             torch.ops.npu.npu_moe_distribute_dispatch_v2(x, ids, None, 1, 0, 8)
+
+
+def test_the_checkouts_half_dtype_mode_lets_a_decode_step_capture():
+    """The checkout's HalfDtypesAs (models that cast to bfloat16 by hand compute in the comparison dtype) runs inside
+    the captured step too: its rule for ``Tensor.to`` must not compare a tensor with a dtype, which a capture refuses
+    (upstream qwen3.5's ``query.to(torch.bfloat16)`` stopped its ge_graph capture as if the model were wrong)."""
+    from model_infer_kvcache.validators.checkout_run.engine_run import HalfDtypesAs
+    from model_infer_kvcache.validators.standins.device import _NpuDeviceIsCpu
+
+    def step(x):
+        return x.to(torch.bfloat16) * 2
+
+    torch._dynamo.reset()
+    # as in a checkout run: the stand-ins' device mode below, the half-dtype mode above it
+    with _NpuDeviceIsCpu(), HalfDtypesAs(torch.float32):
+        out = torch.compile(step, fullgraph=True, backend="eager")(torch.ones(3))
+    assert out.dtype == torch.float32 and torch.equal(out, torch.full((3,), 2.0))

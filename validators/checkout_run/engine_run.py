@@ -214,9 +214,15 @@ class HalfDtypesAs(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if kwargs.get("dtype") in HALF_DTYPES:
             kwargs = {**kwargs, "dtype": self.dtype}
-        if func is torch.Tensor.to and any(a in HALF_DTYPES for a in args[1:]):
-            args = tuple(self.dtype if a in HALF_DTYPES else a for a in args)
+        if func is torch.Tensor.to and any(_half(a) for a in args[1:]):
+            # (a tensor argument is never compared with a dtype: `tensor in HALF_DTYPES` is a tensor comparison, which
+            # a graph capture of the step refuses)
+            args = tuple(self.dtype if _half(a) else a for a in args)
         return func(*args, **kwargs)
+
+
+def _half(value) -> bool:
+    return isinstance(value, torch.dtype) and value in HALF_DTYPES
 
 
 @contextlib.contextmanager

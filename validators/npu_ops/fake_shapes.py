@@ -227,6 +227,8 @@ FAKE_SHAPES = {
     "npu_fused_infer_attention_score_v2": fused_infer_attention_score_v2,
     "npu_scatter_nd_update_": lambda self, indices, updates: self,
     "npu_scatter_nd_update": lambda self, indices, updates: torch.empty_like(self),
+    "scatter_update_": lambda self, indices, updates, axis: self,
+    "scatter_update": lambda self, indices, updates, axis: torch.empty_like(self),
     "npu_interleave_rope": lambda x, cos, sin: torch.empty_like(x),
     "npu_rotary_mul": lambda embedding, cosine, sine, mode="half", **_: torch.empty_like(embedding),
     "npu_kv_rmsnorm_rope_cache": kv_rmsnorm_rope_cache,

@@ -69,6 +69,9 @@ def test_rendered_graph_decode_captures_once_and_replays_the_stream_as_eager(tmp
 
 SPEC = "speculative decode (next_n="
 SPEC_CALLS = "speculative-decode verify steps"
+# DeepSeek-V3's MTP cases: a shorter main stream (admission, a late request, two sequential ones) before the verify
+# steps, which are the point here
+MTP_STREAM = replace(QUICK, first=((150, 4), (40, 3), (60, 3)), late=((30, 2),), release_requests=2)
 
 
 @pytest.mark.parametrize("mode,exe_mode", [("standalone", "npugraph_ex"), ("framework", "ge_graph")])
@@ -76,7 +79,7 @@ def test_mtp_verify_steps_capture_a_width_of_their_own_and_replay_as_eager(tmp_p
     # DeepSeek-V3 with its MTP layer (next_n 1): decode steps and verify steps (1 + next_n tokens per row, padded
     # rows too) are two captured shapes, each replayed, and the verify logits still match transformers
     manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", exe_mode=exe_mode, deploy_mode=mode)
-    report = run_validate(manifest, rendered, cfg)
+    report = run_validate(manifest, rendered, cfg, scenario=MTP_STREAM)
     assert report.passed, [c for c in report.checks if not c.passed]
     rows = QUICK.max_concurrency
     assert check(report, f"graph mode ({exe_mode}").measured["captures"] == 2
@@ -92,7 +95,7 @@ def test_padded_verify_rows_given_one_token_fail_by_name(tmp_path):
     # of batch x (1 + next_n) tokens
     manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", exe_mode="npugraph_ex", deploy_mode="standalone")
     mutate(rendered, r"slot_mapping, 1 \+ next_n\)", "slot_mapping)", name="kvcache_runner.py")
-    report = run_validate(manifest, rendered, cfg)
+    report = run_validate(manifest, rendered, cfg, scenario=MTP_STREAM)
     padding = check(report, PADDING)
     assert not padding.passed and "x 2 token(s)" in padding.detail, padding
     assert "kvcache_runner.py:" in padding.measured["runner"] and not report.passed

@@ -294,6 +294,19 @@ def _paged_rows(op: str, name: str, cache: torch.Tensor, table: list[int], count
     return torch.stack(rows) if rows else cache.new_zeros((0, cache.shape[-1]))
 
 
+def _sharedkv_fixed(op: str, ori_mask_mode, ori_win_left, ori_win_right, **ineffective) -> None:
+    """The rules the shared-KV attention and its metadata op share: the window band at its defaults (mask mode 4,
+    127 / 0), and the arguments the docs say have no effect yet (设置此参数无效 / 目前暂不支持), refused when given: a
+    caller expecting an effect gets none."""
+    chk.choice(op, "ori_mask_mode", ori_mask_mode, (4,))
+    if (ori_win_left, ori_win_right) != SHAREDKV_WINDOW:
+        raise NpuOpError(op, "ori_win_left", f"({ori_win_left}, {ori_win_right}): only the defaults "
+                                             f"{SHAREDKV_WINDOW} are supported")
+    for name, value in ineffective.items():
+        if value is not None:
+            raise NpuOpError(op, name, "has no effect on the device (the doc: not supported yet): pass None")
+
+
 def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
                              ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
                              cu_seqlens_cmp_kv=None, seqused_q=None, seqused_kv=None, sinks=None, metadata=None,
@@ -317,15 +330,9 @@ def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=
     op = "custom.npu_sparse_attn_sharedkv"
     chk.choice(op, "layout_q", layout_q, ("TND", "BSND"))
     chk.choice(op, "layout_kv", layout_kv, ("PA_ND",), documented=("TND",))
-    chk.choice(op, "ori_mask_mode", ori_mask_mode, (4,))
     chk.choice(op, "cmp_mask_mode", cmp_mask_mode, (3,))
-    if (ori_win_left, ori_win_right) != SHAREDKV_WINDOW:
-        raise NpuOpError(op, "ori_win_left", f"({ori_win_left}, {ori_win_right}): only the defaults "
-                                             f"{SHAREDKV_WINDOW} are supported")
-    for name, value in (("ori_sparse_indices", ori_sparse_indices), ("seqused_q", seqused_q),
-                        ("cu_seqlens_ori_kv", cu_seqlens_ori_kv), ("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv)):
-        if value is not None:  # the doc: 设置此参数无效 / 目前暂不支持: a caller expecting an effect gets none
-            raise NpuOpError(op, name, "has no effect on the device (the doc: not supported yet): pass None")
+    _sharedkv_fixed(op, ori_mask_mode, ori_win_left, ori_win_right, ori_sparse_indices=ori_sparse_indices,
+                    seqused_q=seqused_q, cu_seqlens_ori_kv=cu_seqlens_ori_kv, cu_seqlens_cmp_kv=cu_seqlens_cmp_kv)
     if return_softmax_lse:
         raise UnemulatedFeatureError(op, "return_softmax_lse", "True: the doc says the returned lse is invalid")
     if metadata is None:
@@ -458,14 +465,8 @@ def npu_sparse_attn_sharedkv_metadata(num_heads_q, num_heads_kv, head_dim, *, cu
     chk.integer(op, "head_dim", head_dim, low=1)
     chk.choice(op, "layout_q", layout_q, tuple(_LAYOUT_CODES))
     chk.choice(op, "layout_kv", layout_kv, ("PA_ND",))
-    chk.choice(op, "ori_mask_mode", ori_mask_mode, (4,))
-    if (ori_win_left, ori_win_right) != SHAREDKV_WINDOW:
-        raise NpuOpError(op, "ori_win_left", f"({ori_win_left}, {ori_win_right}): only the defaults "
-                                             f"{SHAREDKV_WINDOW} are supported")
-    for name, value in (("cu_seqlens_ori_kv", cu_seqlens_ori_kv), ("cu_seqlens_cmp_kv", cu_seqlens_cmp_kv),
-                        ("seqused_q", seqused_q)):
-        if value is not None:  # 设置此参数无效 / 目前暂不支持指定该参数
-            raise NpuOpError(op, name, "has no effect on the device (the doc: not supported yet): pass None")
+    _sharedkv_fixed(op, ori_mask_mode, ori_win_left, ori_win_right, cu_seqlens_ori_kv=cu_seqlens_ori_kv,
+                    cu_seqlens_cmp_kv=cu_seqlens_cmp_kv, seqused_q=seqused_q)
     if ori_topk not in (0, None):
         raise NpuOpError(op, "ori_topk", f"{ori_topk}: not supported yet (the doc), leave it 0")
     if has_ori_kv is not True:

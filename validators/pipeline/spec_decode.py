@@ -183,6 +183,7 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
     (``capture``) the runner pads each verify step to its batch, whose padded rows must stay in the null block
     (findings appended to ``padding``), and the step is captured and replayed."""
     next_n = manifest.mtp.speculative_tokens
+    padding = [] if padding is None else padding
     stream = SpecStream(ref_model, vocab, host.atol, next_n)
     prompts = _prompts(seed, vocab)
     dog = _watchdog(prompts, main)

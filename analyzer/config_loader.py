@@ -22,6 +22,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     bailing_layer_kinds,
     family_of_linear,
     kimi_layer_kinds,
+    mamba_layer_kinds,
     read_linear,
 )
 from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
@@ -92,6 +93,16 @@ FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5MoeTextConfig", _GDN_DEFAULTS),
     "gpt_oss": ("GptOssConfig", {"sliding_window": 128}),
     "granite": ("GraniteConfig", {"attention_multiplier": 1.0}),
+    # the Mamba mixers' sizes (analyzer.linear_config): each config class's defaults
+    **{family: (cls, {"mamba_n_heads": 128, "mamba_d_head": heads_dim, "mamba_n_groups": 1, "mamba_d_state": 256,
+                      "mamba_d_conv": 4, "mamba_expand": 2, **extra})
+       for family, cls, heads_dim, extra in (
+           ("granitemoehybrid", "GraniteMoeHybridConfig", 64, {}), ("bamba", "BambaConfig", 64, {}),
+           ("falcon_h1", "FalconH1Config", 8, {"mamba_d_ssm": 1024}))},
+    "nemotron_h": ("NemotronHConfig", {"mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128,
+                                       "n_groups": 8, "conv_kernel": 4, "expand": 2}),
+    "jamba": ("JambaConfig", {"mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "attn_layer_period": 8,
+                              "attn_layer_offset": 4}),
 }
 
 # Upper bounds on sizes: far above every published model (the largest have ~200 layers, 128 query
@@ -473,7 +484,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         # every compressed-model layer attends through its window branch; the compressed branch rides beside it
         layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
         sliding_window = Sourced(compressed.window, compressed.window_source)
-    linear = _linear(r, linear_family, layer_kinds, heads, model_type)
+    linear = _linear(r, linear_family, layer_kinds, heads, model_type, hidden.value)
 
     softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")
     alibi = _alibi(r, model_type)
@@ -538,7 +549,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
 
 
 def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],
-            model_type: str) -> Sourced[LinearFacts | None]:
+            model_type: str, hidden: int) -> Sourced[LinearFacts | None]:
     """The linear layers' family and sizes (analyzer.linear_config), when the config has linear layers."""
     if "linear" not in kinds.value:
         return Sourced(None, "default: no linear-attention layers")
@@ -547,7 +558,7 @@ def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str
     # Ling-3.0 (KDA bailing_hybrid) sizes its linear heads by the config's own head_dim (transformers copies it to
     # linear_head_dim before overwriting head_dim with qk_rope_head_dim); Ling-2.5 the same field.
     head_dim = r.get("head_dim") if model_type == "bailing_hybrid" else None
-    facts = read_linear(r, family[0], family[1], heads.value, head_dim, LIMITS)
+    facts = read_linear(r, family[0], family[1], heads.value, head_dim, LIMITS, hidden, model_type)
     return Sourced(facts, facts.source)
 
 
@@ -897,6 +908,9 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
             raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
         return Sourced(tuple(kinds), src), _window_source(window, window_hit)
 
+    mamba = mamba_layer_kinds(r, model_type, num_layers) if linear_family else None
+    if mamba is not None:
+        return Sourced(mamba[0], mamba[1]), Sourced(None, "default: none")
     kimi = kimi_layer_kinds(r, num_layers) if linear_family else None
     if kimi is not None:
         return Sourced(kimi[0], kimi[1]), Sourced(None, "default: none")

@@ -15,6 +15,18 @@ family runs a short causal convolution before it, the last ``kernel - 1`` inputs
   ``bailing_hybrid`` with remote code; upstream ``models/bailing_2_5``): simple gated linear attention with
   fixed per-head decay slopes, no conv, state ``[H, D, D]``. transformers 5.x's own ``bailing_hybrid`` is the
   KDA model above: the same model_type names two architectures, told apart by the fields only one has.
+* ``mamba2`` -- Mamba-2 (SSD) mixers: Granite-4.0-H (``granitemoehybrid``), Bamba, Falcon-H1, Nemotron-H, Zamba2,
+  Mamba2 (transformers ``*Mixer`` / ``GraniteMoeHybridMambaLayer`` and their ``mamba2_scan_forward``): in_proj ->
+  gate | x|B|C | dt, one causal conv over x|B|C (``H*P + 2*G*N`` channels), then per head h the state
+  ``[P, N]`` <- exp(dt_h A_h) state + dt_h x_h B_g^T, y = state C_g + D_h x_h. The groups G play the key heads
+  (B and C are shared by H/G heads, as GQA shares keys), P the value dim, N the key dim: state ``[H, P, N]``, the
+  gated delta net's ``[Nv, Dv, Dk]``.
+* ``mamba`` -- Mamba-1 selective-scan mixers: Jamba, Mamba, FalconMamba, Zamba (transformers ``*MambaMixer`` and
+  their ``mamba_scan_forward``): the conv over the I = expand x hidden inner channels only (B, C and dt come from
+  ``x_proj`` after it), per channel a state ``[N]`` with its own A row: state ``[I, N]``.
+
+No torch-npu release pinned here has a selective-scan or SSD operator (the 2.14.0 op schemas list
+``npu_fused_causal_conv1d`` for the conv, nothing for the scan): the Mamba families run their recurrence in torch.
 
 Torch-free; sizes are plain ints.
 """
@@ -29,7 +41,11 @@ from model_infer_kvcache.analyzer.errors import InputError
 GATED_DELTA_NET = "gated_delta_net"
 KIMI_DELTA = "kimi_delta_attention"
 LIGHTNING = "lightning_attention"
-LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING)
+MAMBA2 = "mamba2"
+MAMBA = "mamba"
+LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA)
+# Families whose B/C groups (key heads) stay whole on every rank: Mamba-1 has one B/C for all channels.
+_REPLICATED_K_HEADS = frozenset({MAMBA})
 
 _GDN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # Fields only Ling-2.5's remote code reads (BailingMoeV2_5Config) / only the KDA model reads.
@@ -37,11 +53,29 @@ _LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
 _KDA_FIELDS = ("short_conv_kernel_size", "kda_safe_gate", "kda_lower_bound")
 _LIGHTNING_ARCH = "BailingMoeV2_5ForCausalLM"
 
+# The Mamba families' mixer fields, by model_type (each config class's own names): heads H, head dim P, state N,
+# groups G, conv width, expand (inner width I = expand x hidden unless the class names I itself).
+_MAMBA2_FIELDS = {
+    **dict.fromkeys(("granitemoehybrid", "bamba", "falcon_h1"), {
+        "heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state": "mamba_d_state", "groups": "mamba_n_groups",
+        "conv": "mamba_d_conv"}),
+    "nemotron_h": {"heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "state": "ssm_state_size",
+                   "groups": "n_groups", "conv": "conv_kernel"},
+    "mamba2": {"heads": "num_heads", "head_dim": "head_dim", "state": "state_size", "groups": "n_groups",
+               "conv": "conv_kernel"},
+}
+_MAMBA_FIELDS = {
+    "jamba": {"state": "mamba_d_state", "conv": "mamba_d_conv", "expand": "mamba_expand"},
+}
+
 # Class-name endings of linear-attention modules (transformers' Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
 # BailingHybridDeltaAttention, MiniMaxLightningAttention; kvcache's Ling-2.5 reference LingLightningAttention): the
 # cross-check and the rendered-mode host tell them from softmax attention by these. Not "LinearAttention":
 # Kimi-Linear's full (MLA) layers are KimiLinearAttention.
-LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention", "LightningAttention")
+LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention", "LightningAttention",
+                          # the Mamba mixers: JambaMambaMixer, BambaMixer, FalconH1Mixer, NemotronHMamba2Mixer,
+                          # GraniteMoeHybridMambaLayer
+                          "MambaMixer", "Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "MambaLayer")
 
 # What the validation compares each family with. Gated delta net and KDA: transformers' own classes. Lightning
 # (Ling-2.5): transformers has no such model, so kvcache builds one from transformers' Ling-family code with a
@@ -54,6 +88,8 @@ REFERENCE = {
                "model, MLA (output gate removed) and MoE, with a plain-torch lightning attention in the linear layers "
                "(MiniMaxLightningAttention's recurrence and slopes, Ling-2.5's layout, norms, gate and slope factor "
                "from the upstream bailing_2_5 port)",
+    MAMBA2: "transformers' own Mamba-2 mixer of the family (its mamba2_scan_forward: the SSD chunk scan)",
+    MAMBA: "transformers' own Mamba-1 mixer of the family (its mamba_scan_forward: the selective scan)",
 }
 # Families transformers implements no model of: the architecture cross-check cannot build them (Ling-2.5's
 # model_type bailing_hybrid is, in transformers, the KDA model).
@@ -74,13 +110,20 @@ class LinearFacts:
     source: str
     reference: str | None
 
+    def k_heads_per_rank(self, tp: int) -> int:
+        """Key heads (Mamba: B/C groups) one attention-TP rank holds; Mamba-1's single B/C stays whole."""
+        return self.num_k_heads if self.family in _REPLICATED_K_HEADS else self.num_k_heads // tp
+
     def conv_channels_per_rank(self, tp: int) -> int:
-        """Channels one attention-TP rank convolves: its share of every head (q|k|v alike)."""
+        """Channels one attention-TP rank convolves: its share of every head (q|k|v alike; Mamba-2's x|B|C,
+        Mamba-1's inner channels only)."""
         if not self.conv_kernel:
             return 0
         nk, nv = self.num_k_heads // tp, self.num_v_heads // tp
-        if self.family == GATED_DELTA_NET:
+        if self.family in (GATED_DELTA_NET, MAMBA2):
             return 2 * nk * self.head_k_dim + nv * self.head_v_dim
+        if self.family == MAMBA:
+            return nv * self.head_v_dim
         return nk * self.head_k_dim * 2 + nv * self.head_v_dim  # KDA: q|k of Dk, v of Dv per head
 
 
@@ -94,6 +137,10 @@ def family_of_linear(get, model_type: str, architectures: list[str], where: str)
         return GATED_DELTA_NET, f"model_type {model_type}"
     if model_type == "kimi_linear":
         return KIMI_DELTA, "model_type kimi_linear"
+    if model_type in _MAMBA2_FIELDS:
+        return MAMBA2, f"model_type {model_type} (Mamba-2 mixers)"
+    if model_type in _MAMBA_FIELDS:
+        return MAMBA, f"model_type {model_type} (Mamba-1 mixers)"
     if model_type != "bailing_hybrid":
         return None
     lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
@@ -122,7 +169,7 @@ def bailing_layer_kinds(group: int, num_layers: int, family: str) -> tuple[str, 
 
 
 def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any, str] | None,
-                limits: dict[str, int]) -> LinearFacts:
+                limits: dict[str, int], hidden: int = 0, model_type: str = "") -> LinearFacts:
     """The family's sizes from the config (``r``: config_loader's reader; defaults named by their class)."""
     if family == GATED_DELTA_NET:
         nk = r.positive_int("linear_num_key_heads", maximum=limits["heads"])
@@ -137,6 +184,10 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         src = f"{why}: {nk.source}, {nv.source}, {dk.source}, {dv.source}, {kernel.source}"
         return LinearFacts(family, nk.value, nv.value, dk.value, dv.value, kernel.value, channels, src,
                            REFERENCE[family])
+    if family == MAMBA2:
+        return _read_mamba2(r, why, hidden, limits, model_type)
+    if family == MAMBA:
+        return _read_mamba(r, why, hidden, limits, model_type)
     if family == KIMI_DELTA:
         section = r.mapping("linear_attn_config")
         sub = section[0] if section else {}
@@ -160,6 +211,43 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         raise InputError(r.where, "missing: Ling-2.5's linear layers use head_dim per head", field="head_dim")
     return LinearFacts(family, heads, heads, d.value, d.value, None, 0,
                        f"{why}: num_attention_heads, {d.source} (state [H, D, D]; no short conv)", REFERENCE[family])
+
+
+def _read_mamba2(r, why: str, hidden: int, limits: dict[str, int], model_type: str) -> LinearFacts:
+    """Mamba-2: H heads of P channels, G groups of B/C with N state channels; the inner width I = H x P is what
+    in_proj, the conv and out_proj are sized by (``expand x hidden`` or Falcon-H1's ``mamba_d_ssm``), refused when the
+    config's own width disagrees (transformers would build a mixer whose scan cannot view its input)."""
+    names = _MAMBA2_FIELDS[model_type]
+    h = r.positive_int(names["heads"], maximum=limits["heads"])
+    p = r.positive_int(names["head_dim"], maximum=limits["head_dim"])
+    n = r.positive_int(names["state"], maximum=limits["head_dim"])
+    g = r.positive_int(names["groups"], maximum=limits["heads"])
+    kernel = r.positive_int(names["conv"], maximum=64)
+    if h.value % g.value:
+        raise InputError(r.where, f"{h.value} Mamba heads are not a multiple of {g.value} groups (each B/C group "
+                                  "serves H/G heads)", field=g.source)
+    inner = r.get("mamba_d_ssm", "mamba_expand", "expand")
+    if inner is not None and isinstance(inner[0], (int, float)) and not isinstance(inner[0], bool):
+        width = inner[0] if inner[1].endswith("mamba_d_ssm") else int(inner[0] * hidden)
+        if hidden and width != h.value * p.value:
+            raise InputError(r.where, f"inner width {width} ({inner[1]}) is not heads x head_dim = {h.value} x "
+                                      f"{p.value}: the mixer's scan views its input as [heads, head_dim]",
+                             field=inner[1])
+    src = f"{why}: {h.source}, {p.source}, {n.source}, {g.source}, {kernel.source}"
+    return LinearFacts(MAMBA2, g.value, h.value, n.value, p.value, kernel.value,
+                       h.value * p.value + 2 * g.value * n.value, src, REFERENCE[MAMBA2])
+
+
+def _read_mamba(r, why: str, hidden: int, limits: dict[str, int], model_type: str) -> LinearFacts:
+    """Mamba-1: I = expand x hidden inner channels, each with an N-channel state; one B/C for all (a single
+    replicated "key head" of N), each channel a "value head" of width 1."""
+    names = _MAMBA_FIELDS[model_type]
+    n = r.positive_int(names["state"], maximum=limits["head_dim"])
+    kernel = r.positive_int(names["conv"], maximum=64)
+    expand = r.positive_int(names["expand"], maximum=1024)
+    inner = expand.value * hidden
+    src = f"{why}: {n.source}, {kernel.source}, {expand.source} x hidden_size = {inner} inner channels"
+    return LinearFacts(MAMBA, 1, inner, n.value, 1, kernel.value, inner, src, REFERENCE[MAMBA])
 
 
 @dataclass(frozen=True)
@@ -211,3 +299,30 @@ def kimi_layer_kinds(r, num_layers: int) -> tuple[tuple[str, ...], str] | None:
         raise InputError(r.where, f"layers {missing[:5]} are in neither full_attn_layers nor kda_layers",
                          field=src)
     return tuple(kinds), f"{src}.full_attn_layers / kda_layers (1-based)"
+
+
+def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, ...], str] | None:
+    """Where a Mamba hybrid without ``layer_types`` puts its attention layers: Jamba ``attn_layer_period`` /
+    ``attn_layer_offset`` (JambaConfig.layers_block_type: attention where i % period == offset), Bamba
+    ``attn_layer_indices`` (BambaConfig.layers_block_type; none: every layer Mamba). None for other model types."""
+    if model_type == "jamba":
+        period = r.positive_int("attn_layer_period")
+        offset_hit = r.get("attn_layer_offset")
+        offset = offset_hit[0] if offset_hit else None
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period.value:
+            raise InputError(r.where, f"must be an integer in 0..{period.value - 1} (below attn_layer_period), got "
+                                      f"{offset!r}", field=offset_hit[1] if offset_hit else "attn_layer_offset")
+        kinds = tuple("full" if i % period.value == offset else "linear" for i in range(num_layers))
+        return kinds, f"{period.source}={period.value}, {offset_hit[1]}={offset} (attention where i % period == offset)"
+    if model_type == "bamba":
+        hit = r.get("attn_layer_indices")
+        listed = hit[0] if hit else []
+        src = hit[1] if hit else "attn_layer_indices (absent: every layer Mamba)"
+        if not isinstance(listed, list):
+            raise InputError(r.where, "must be a list of layer indices", field=src)
+        for i, n in enumerate(listed):
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < num_layers:
+                raise InputError(r.where, f"must be a layer index in 0..{num_layers - 1}, got {n!r}",
+                                 field=f"{src}[{i}]")
+        return tuple("full" if i in listed else "linear" for i in range(num_layers)), f"{src} (the others Mamba)"
+    return None

@@ -17,7 +17,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
     spec_for_layer_kind,
     token_bytes,
 )
-from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, KIMI_DELTA, LIGHTNING
+from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA, MAMBA2
 from model_infer_kvcache.analyzer.manifest import (
     CacheDtypeDecision,
     CacheSpec,
@@ -372,6 +372,14 @@ LINEAR_OPERATORS = {
                  "conv": "causal conv1d over [conv state | new inputs]; the state keeps the last kernel-1 inputs"},
     LIGHTNING: {"prefill": "the model's torch chunk simple-GLA (upstream bailing_2_5 simple_gla_torch.py)",
                 "decode": "the model's torch fused-recurrent simple-GLA"},
+    # torch_npu 2.9.0 / 2.14.0 schemas have no selective-scan / SSD operator (npu_fused_causal_conv1d is the conv only)
+    MAMBA2: {"prefill": "torch SSD recurrence (no torch-npu selective-scan operator in the pinned releases)",
+             "decode": "torch SSD recurrence, one token per step (mamba2_selective_state_update's arithmetic)",
+             "conv": "causal conv1d over [conv state | new x|B|C inputs]; the state keeps the last kernel-1 inputs"},
+    MAMBA: {"prefill": "torch selective-scan recurrence (no torch-npu selective-scan operator in the pinned releases)",
+            "decode": "torch selective-scan recurrence, one token per step (selective_state_update's arithmetic)",
+            "conv": "causal conv1d over [conv state | new inner-channel inputs]; the state keeps the last kernel-1 "
+                    "inputs"},
 }
 
 
@@ -392,12 +400,21 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
     nv = lin.num_v_heads // tp
     out = []
     if lin.conv_kernel:
+        channels = {MAMBA2: "x|B|C", MAMBA: "inner"}.get(lin.family, "q|k|v")
         out.append(StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],
-                             dtype=dtype, layout="[q|k|v conv channels of this rank, kernel - 1 previous inputs]"))
+                             dtype=dtype, layout=f"[{channels} conv channels of this rank, kernel - 1 previous inputs]"))
     if lin.family == GATED_DELTA_NET:
         out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_v_dim, lin.head_k_dim], dtype="bfloat16",
                              layout="[value heads, Dv, Dk] (npu_recurrent_gated_delta_rule's state, transposed from "
                                     "transformers' [H, Dk, Dv])"))
+    elif lin.family == MAMBA2:
+        # float32: the scan accumulates in float32 (transformers' chunk scan returns a float32 final state; Nemotron-H
+        # names mamba_ssm_cache_dtype float32)
+        out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_v_dim, lin.head_k_dim], dtype="float32",
+                             layout="[heads, head_dim P, d_state N] (transformers' Mamba-2 recurrent state)"))
+    elif lin.family == MAMBA:
+        out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim], dtype="float32",
+                             layout="[inner channels, d_state N] (transformers' Mamba-1 recurrent state)"))
     else:
         # KDA: transformers keeps its recurrent state in float32 (update_recurrent_state(... .to(float32))).
         out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim, lin.head_v_dim],
@@ -449,7 +466,7 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         num_v_heads=lin.num_v_heads,
         head_k_dim=lin.head_k_dim,
         head_v_dim=lin.head_v_dim,
-        num_k_heads_per_rank=lin.num_k_heads // tp,
+        num_k_heads_per_rank=lin.k_heads_per_rank(tp),
         num_v_heads_per_rank=lin.num_v_heads // tp,
         conv_kernel=lin.conv_kernel,
         conv_channels_per_rank=lin.conv_channels_per_rank(tp),

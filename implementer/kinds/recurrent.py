@@ -1,4 +1,4 @@
-"""The recurrent states of a hybrid model's linear layers: gated delta net, KDA, lightning
+"""The recurrent states of a hybrid model's linear layers: gated delta net, KDA, lightning, Mamba-2, Mamba-1
 (templates/kinds/recurrent_state.py.j2)."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE, bad
 NAME = "recurrent state"
 # Linear-attention families whose states the partial renders, and how the rendered code names each.
 FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
-                "lightning_attention": "lightning attention"}
+                "lightning_attention": "lightning attention", "mamba2": "Mamba-2", "mamba": "Mamba-1"}
+# Families rendered without speculative decoding only (no published checkpoint of theirs has MTP layers)
+NO_SPECULATIVE = frozenset({"mamba2", "mamba"})
 RENDERED = tuple(FAMILY_NAMES)
 
 
@@ -42,10 +44,10 @@ def doc_attention(m) -> str | None:
     if m.linear_attention is None:
         return None
     # the sentence below names them
-    assert RENDERED == ("gated_delta_net", "kimi_delta_attention", "lightning_attention")
+    assert RENDERED == ("gated_delta_net", "kimi_delta_attention", "lightning_attention", "mamba2", "mamba")
     return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):gated delta net 已渲染"
-            "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA 与 lightning "
-            "已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态)")
+            "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA、lightning、"
+            "Mamba-2 与 Mamba-1 已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态)")
 
 
 def check_layers(m) -> None:
@@ -57,6 +59,10 @@ def check_layers(m) -> None:
                   f"{'' if m.kv_mode.value == 'paged' else ', Legacy'}); the templates render the states of "
                   f"{', '.join(RENDERED)} paged models only: implement them by hand from the manifest's "
                   "linear_attention section (references/hybrid_linear.md)")
+    if states and family in NO_SPECULATIVE and m.linear_attention.state_blocks_per_request > 1:
+        raise bad("linear_attention.state_blocks_per_request",
+                  f"not supported by kvcache: speculative decoding over {FAMILY_NAMES[family]} states (one state "
+                  "block per verify token); render with --next-n 0")
 
 
 def check(m) -> None:
@@ -70,6 +76,10 @@ def fields(m) -> dict:
     # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA and lightning
     if lin.family == "gated_delta_net":
         dims, layout = ("V", "V", "K"), "[Nv, Dv, Dk]: npu_recurrent_gated_delta_rule's layout"
+    elif lin.family == "mamba2":
+        dims, layout = ("V", "V", "K"), "[H, P, N] (heads, head_dim, d_state): transformers' Mamba-2 layout"
+    elif lin.family == "mamba":
+        dims, layout = ("V", "K"), "[I, N] (inner channels, d_state): transformers' Mamba-1 layout"
     else:
         dims, layout = ("V", "K", "V"), "[H, Dk, Dv]: the torch recurrence's layout"
     sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim}

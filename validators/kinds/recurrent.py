@@ -1,4 +1,5 @@
-"""Recurrent states of a hybrid's linear layers (gated delta net, KDA, lightning): one block per request."""
+"""Recurrent states of a hybrid's linear layers (gated delta net, KDA, lightning, Mamba-2, Mamba-1): one block per
+request."""
 
 from __future__ import annotations
 
@@ -31,3 +32,20 @@ def state_slots_per_row(manifest) -> int:
     """State slots one runner row holds: 1 + next_n under speculative decoding (one per verify token)."""
     lin = manifest.linear_attention
     return lin.state_blocks_per_request if lin else 1
+
+
+# The config field a Mamba family sizes its inner width by (expand x hidden_size), when it names no width itself
+_EXPAND_FIELDS = ("mamba_expand", "expand")
+
+
+def tiny_state_fields(d: dict, manifest) -> None:
+    """The tiny config's Mamba inner width, in place: the rendered code keeps the real heads x head_dim (Mamba-2)
+    or inner channels (Mamba-1), so at the tiny hidden size the expand factor grows to give the same width (a
+    family naming the width itself, Falcon-H1's ``mamba_d_ssm``, keeps it). Other families: nothing."""
+    lin = manifest.linear_attention
+    if lin is None or lin.family not in ("mamba2", "mamba") or d.get("mamba_d_ssm"):
+        return
+    inner = lin.num_v_heads * lin.head_v_dim
+    field = next((f for f in _EXPAND_FIELDS if f in d), None)
+    if field is not None and inner % d["hidden_size"] == 0:
+        d[field] = inner // d["hidden_size"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
@@ -402,6 +402,94 @@ def _lightning_forward(self, hidden_states, cache=None, attention_mask=None, **k
     return self.finish(core[None], hidden_states)
 
 
+# Mamba mixers (transformers 5.x): every family's mixer calls its modeling module's ``causal_conv1d_forward`` and
+# ``mamba2_scan_forward`` (Mamba-2) / ``mamba_scan_forward`` (Mamba-1), the functions transformers' ``kernelize``
+# swaps for "a runtime that manages the state itself". The host swaps them the same way: a mixer bound to the
+# rendered code (``_kvcache_host``) has its conv and scan, and so its states, done there around the model's own
+# projections, norms and gate; any other module (the reference model's) runs transformers' own functions.
+MAMBA_SCANS = {"mamba2_scan_forward": "mamba2_scan", "mamba_scan_forward": "mamba_scan"}  # -> the render's method
+_CONV = "causal_conv1d_forward"
+
+
+def mamba_scan_of(module) -> str | None:
+    """The scan function a Mamba mixer's forward calls (a key of MAMBA_SCANS), None for any other module."""
+    home = sys.modules.get(type(module).__module__)
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    if home is None or f"{_CONV}(" not in source or not hasattr(home, _CONV):
+        return None
+    return next((name for name in MAMBA_SCANS if f"{name}(" in source and hasattr(home, name)), None)
+
+
+def _host_conv(original):
+    def causal_conv1d_forward(conv1d, hidden_states, cache=None, layer_idx=None, activation=None, *args, **kwargs):
+        host = getattr(conv1d, "_kvcache_host", None)
+        if host is None:
+            # transformers' own conv, on a contiguous copy of the same values: torch's CPU float64 depthwise conv1d
+            # over the mixer's transposed split view takes 52 s where the contiguous input takes 0.06 s (8704
+            # channels x 300 tokens, measured); same operator, same values
+            return original(conv1d, hidden_states.contiguous(), cache, layer_idx, activation, *args, **kwargs)
+        if activation not in ("silu", "swish"):  # the rendered conv applies SiLU, as every Mamba config names
+            raise NotSupportedByKvcache("--config", f"a Mamba conv activation {activation!r} (the rendered conv "
+                                                    "applies SiLU)", field="hidden_act")
+        out = host.conv_step(hidden_states[0].transpose(0, 1), _metadata())  # [C, T] -> [T, C] packed tokens
+        return out.transpose(0, 1)[None]
+
+    causal_conv1d_forward._kvcache_original = original
+    return causal_conv1d_forward
+
+
+def _host_mamba2_scan(original):
+    def mamba2_scan_forward(module, hidden_states, B, C, dt, cache=None, **kwargs):  # noqa: N803 - transformers' names
+        host = getattr(module, "_kvcache_host", None)
+        if host is None:
+            return original(module, hidden_states, B, C, dt, cache, **kwargs)
+        t = hidden_states.shape[1]
+        groups = (t, module.n_groups, module.ssm_state_size)
+        host.probe.last_layer = host.layer_idx
+        out = host.mamba2_scan(hidden_states[0].reshape(t, module.num_heads, module.head_dim), dt[0],
+                               B[0].reshape(groups), C[0].reshape(groups), -torch.exp(module.A_log.float()), module.D,
+                               module.dt_bias, tuple(module.time_step_limit), _metadata())
+        return out.reshape(1, t, -1)
+
+    mamba2_scan_forward._kvcache_original = original
+    return mamba2_scan_forward
+
+
+def _host_mamba_scan(original):
+    def mamba_scan_forward(module, hidden_states, time_step, B, C, gate, cache=None, **kwargs):  # noqa: N803
+        host = getattr(module, "_kvcache_host", None)
+        if host is None:
+            return original(module, hidden_states, time_step, B, C, gate, cache, **kwargs)
+        host.probe.last_layer = host.layer_idx
+        out = host.mamba_scan(hidden_states[0].T, time_step[0].T, B[0], C[0], gate[0].T,
+                              -torch.exp(module.A_log.float()), module.D, module.dt_proj.bias, _metadata())
+        return out.T[None]
+
+    mamba_scan_forward._kvcache_original = original
+    return mamba_scan_forward
+
+
+_HOST_HOOKS = {_CONV: _host_conv, "mamba2_scan_forward": _host_mamba2_scan, "mamba_scan_forward": _host_mamba_scan}
+
+
+def bind_mamba(module, host, scan: str) -> None:
+    """Route a Mamba mixer's conv and scan through ``host`` (once per modeling module, the swap stays: it falls
+    through to transformers' own functions for every module not bound)."""
+    if not hasattr(host, MAMBA_SCANS[scan]):
+        raise InputError("--config", f"{type(module).__name__} calls {scan} and the rendered state mixin has no "
+                                     f"{MAMBA_SCANS[scan]} (its linear_attention family is another)", field="model_type")
+    home = sys.modules[type(module).__module__]
+    for name in (_CONV, scan):
+        current = getattr(home, name)
+        if not hasattr(current, "_kvcache_original"):
+            setattr(home, name, _HOST_HOOKS[name](current))
+    module._kvcache_host = host
+    module.conv1d._kvcache_host = host
+
+
 def _linear_forward(module):
     """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
     neither."""
@@ -501,8 +589,12 @@ class HostModel:
                                                  "layer and the rendered code has no state mixin", field="model_type")
                 host = linear_cls(linear[1], idx, self.probe)
                 host.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d")))
-                linear[1]._kvcache_host = host
-                linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
+                scan = mamba_scan_of(linear[1])
+                if scan is not None:
+                    bind_mamba(linear[1], host, scan)
+                else:
+                    linear[1]._kvcache_host = host
+                    linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
                 self.attentions.append(host)
                 continue
             hits = find_attentions(layer)

@@ -34,7 +34,12 @@ from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
-from model_infer_kvcache.analyzer.linear_config import LINEAR_MODULE_SUFFIXES, NOT_IN_TRANSFORMERS
+from model_infer_kvcache.analyzer.linear_config import (
+    LINEAR_MODULE_SUFFIXES,
+    NOT_IN_TRANSFORMERS,
+    mixer_facts,
+    mixer_off,
+)
 from model_infer_kvcache.analyzer.manifest import LayerPlan
 
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
@@ -76,7 +81,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 11  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 12  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -268,15 +273,22 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     out = []
     stack = find_decoder_stack(model)
     found = attention_modules(model, stack)
-    mixers = [recurrent_mixer(block) for block in stack.layers]
+    mixers = [recurrent_mixer_module(block) for block in stack.layers]
 
-    def mixer_of(path: str) -> str | None:  # the mixer of the block a path lies in ("<stack>.<i>[.<attention>]")
+    def mixer_module(path: str):  # the mixer of the block a path lies in ("<stack>.<i>[.<attention>]")
         return mixers[int(path[len(stack.path) + 1:].split(".")[0])]
+
+    def mixer_of(path: str) -> str | None:
+        mixer = mixer_module(path)
+        return None if mixer is None else type(mixer).__name__
     # classes that set sliding_window on their sliding layers only (Qwen2-MoE): where it is missing, no window
     per_layer = {type(module) for _, module in found if module is not None and hasattr(module, "sliding_window")}
     for path, module in found:
         if module is None:  # a block without attention: the recurrent mixer it holds, if any (Bamba's BambaMixer)
-            out.append(HfAttention(path, None, None, None, recurrent_beside=mixer_of(path)))
+            # with its sizes, which the planned state must match (analyzer/linear_config.mixer_facts)
+            mixer = mixer_module(path)
+            out.append(HfAttention(path, None, None, None, recurrent_beside=mixer_of(path),
+                                   kind_facts=tuple(sorted(mixer_facts(mixer).items())) if mixer is not None else ()))
             continue
         scale = _prescaled(module) or next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
                                             if isinstance(getattr(module, a, None), (int, float))
@@ -303,6 +315,12 @@ def _prescaled(module) -> tuple[float, str] | None:
 def recurrent_mixer(block) -> str | None:
     """Class name of a recurrent (state-space / linear-attention) mixer inside a decoder block, outside its attention
     modules: a module owning ``A_log`` or ``dt_bias`` (Mamba / Mamba2 / gated delta net), None without one."""
+    mixer = recurrent_mixer_module(block)
+    return None if mixer is None else type(mixer).__name__
+
+
+def recurrent_mixer_module(block):
+    """The recurrent mixer module of ``recurrent_mixer``, None without one."""
     from model_infer_kvcache.analyzer.hf_layout import find_attentions
 
     skip = [name for name, _ in find_attentions(block)]
@@ -310,7 +328,7 @@ def recurrent_mixer(block) -> str | None:
         if any(name == s or name.startswith(f"{s}.") for s in skip):
             continue
         if any(p in ("A_log", "dt_bias") for p, _ in module.named_parameters(recurse=False)):
-            return type(module).__name__
+            return module
     return None
 
 
@@ -405,12 +423,15 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     sinks_off: list[tuple[LayerPlan, HfAttention]] = []
     fmt = format_of(facts)
     format_off: list[tuple[LayerPlan, HfAttention, str]] = []
-    mixer_off: list[tuple[LayerPlan, HfAttention]] = []
+    beside_off: list[tuple[LayerPlan, HfAttention]] = []
     no_attention: list[tuple[LayerPlan, HfAttention]] = []
+    state_off: list[tuple[LayerPlan, HfAttention, str]] = []
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
             if not layer.is_recurrent:
                 no_attention.append((layer, mod))
+            elif lin is not None and mixer_off(lin, dict(mod.kind_facts)):
+                state_off.append((layer, mod, mixer_off(lin, dict(mod.kind_facts))))
             continue
         result.checked_layers += 1
         if layer.is_recurrent != is_linear_module(mod.cls):
@@ -421,7 +442,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         if layer.is_recurrent:
             continue
         if mod.recurrent_beside:
-            mixer_off.append((layer, mod))
+            beside_off.append((layer, mod))
             continue
         if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=_REL_TOL):
             scale_off.append((layer, mod))
@@ -449,11 +470,15 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         result.errors.append(
             f"analyzer plans attention ({layer.attn_type}) on {len(no_attention)} layer(s) where transformers' "
             f"decoder block has no attention module, first layer {layer.index} at {mod.path}{holds}")
-    if mixer_off:
-        layer, mod = mixer_off[0]
+    if state_off:
+        layer, mod, off = state_off[0]
+        result.errors.append(f"recurrent state (planned vs transformers' {mod.recurrent_beside}): {off} on "
+                             f"{len(state_off)} layer(s), first layer {layer.index} at {mod.path}")
+    if beside_off:
+        layer, mod = beside_off[0]
         result.errors.append(
             f"transformers' decoder block holds a recurrent mixer ({mod.recurrent_beside}) beside its attention "
-            f"({mod.cls}) on {len(mixer_off)} layer(s), first layer {layer.index}: its state is not planned (kvcache "
+            f"({mod.cls}) on {len(beside_off)} layer(s), first layer {layer.index}: its state is not planned (kvcache "
             "plans recurrent states only for layers without attention)")
     if scale_off:
         layer, mod = scale_off[0]

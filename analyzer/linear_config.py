@@ -326,3 +326,32 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
                                  field=f"{src}[{i}]")
         return tuple("full" if i in listed else "linear" for i in range(num_layers)), f"{src} (the others Mamba)"
     return None
+
+
+def mixer_facts(module) -> dict[str, int | None]:
+    """A transformers Mamba mixer's sizes as the architecture cross-check compares them (analyzer/arch_check.py):
+    heads, head dim, state size, groups and the conv's kernel and channels, read off the module built on the meta
+    device; empty for any other module."""
+    conv = getattr(module, "conv1d", None)
+    state = getattr(module, "ssm_state_size", None)
+    if conv is None or not isinstance(state, int) or not hasattr(module, "A_log"):
+        return {}
+    facts = {"mixer_state": state, "mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels":
+             int(conv.in_channels)}
+    if isinstance(getattr(module, "num_heads", None), int):  # Mamba-2: heads x head_dim, B/C groups
+        facts.update(mixer_heads=module.num_heads, mixer_head_dim=module.head_dim, mixer_groups=module.n_groups)
+    else:  # Mamba-1: one state row per inner channel
+        facts.update(mixer_heads=int(module.intermediate_size), mixer_head_dim=1, mixer_groups=1)
+    return facts
+
+
+def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
+    """Where the planned Mamba state differs from the transformers mixer's sizes (None: they agree, or the module
+    is not a Mamba mixer, or the plan is another family's)."""
+    if not facts.get("mixer_state") or lin.family not in (MAMBA2, MAMBA):
+        return None
+    planned = {"mixer_heads": lin.num_v_heads, "mixer_head_dim": lin.head_v_dim, "mixer_state": lin.head_k_dim,
+               "mixer_groups": lin.num_k_heads, "mixer_conv_kernel": lin.conv_kernel,
+               "mixer_conv_channels": lin.conv_channels}
+    off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+    return ", ".join(off) or None

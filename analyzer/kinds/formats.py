@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from model_infer_kvcache.analyzer.kinds import DSA, MLA, attention_format, compressed, dsa, gqa, mla
 from model_infer_kvcache.analyzer.kinds.gqa import Facts, GqaFormat
+from model_infer_kvcache.analyzer.linear_config import mixer_facts
 
 FORMATS: tuple[GqaFormat, ...] = (gqa.FORMAT, mla.FORMAT, dsa.FORMAT, compressed.FORMAT)
 
@@ -18,6 +19,7 @@ def hf_module_facts(module) -> tuple[tuple[str, int | None], ...]:
     found: dict[str, int | None] = {}
     for fmt in FORMATS:
         found.update(fmt.hf_facts(module))
+    found.update(mixer_facts(module))  # a Mamba mixer's sizes (the recurrent state's, analyzer/linear_config)
     return tuple(sorted(found.items()))
 
 

@@ -14,6 +14,9 @@ FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "K
 # Families rendered without speculative decoding only (no published checkpoint of theirs has MTP layers)
 NO_SPECULATIVE = frozenset({"mamba2", "mamba"})
 RENDERED = tuple(FAMILY_NAMES)
+# transformers' attribute of a decoder layer's state module (JambaMambaDecoderLayer.mamba, Bamba / Granite-4.0-H
+# .mamba; Qwen3-Next, Ling: .linear_attn)
+MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class LinearCtx:
     state_shape: str  # one request's recurrent state, as the rendered constants: the family's layout
     state_layout: str  # which layout, and whose
     next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
+
+    @property
+    def module_attr(self) -> str:
+        """The decoder layer's attribute holding the state module, as transformers names it."""
+        return MODULE_ATTR.get(self.family, "linear_attn")
 
     @property
     def family_name(self) -> str:

@@ -549,12 +549,17 @@ def make_host_attention(mixin: type) -> type:
 
 
 class _DecoderLayer:
-    """A decoder layer as get_cache_info() sees it: any attribute is its attention module."""
+    """A decoder layer as get_cache_info() sees it: any attribute is its attention module, except that a layer whose
+    state module transformers keeps under ``state_attr`` (Jamba's ``mamba``) answers that name only, as the model's
+    own layer does (a render looking the module up under another name finds none)."""
 
-    def __init__(self, attention):
+    def __init__(self, attention, state_attr: str | None = None):
         self._attention = attention
+        self._state_attr = state_attr
 
     def __getattr__(self, name):
+        if self._state_attr is not None and name != self._state_attr:
+            raise AttributeError(f"the decoder layer holds its state module as {self._state_attr!r}, not {name!r}")
         return self._attention
 
 
@@ -580,6 +585,7 @@ class HostModel:
         self.attentions = []
         path, layers = decoder_layers(hf_model)
         routes = set()
+        state_attrs: dict[int, str] = {}
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
@@ -592,6 +598,7 @@ class HostModel:
                 scan = mamba_scan_of(linear[1])
                 if scan is not None:
                     bind_mamba(linear[1], host, scan)
+                    state_attrs[len(self.attentions)] = linear[0]  # the layer answers its mixer's own name only
                 else:
                     linear[1]._kvcache_host = host
                     linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
@@ -630,7 +637,8 @@ class HostModel:
         # What get_cache_info() walks: model.layers[i].<attn_attr> (whatever --attn-attr the render
         # used), plus the model-level block size.
         self.block_size = block_size
-        self.model = types.SimpleNamespace(layers=[_DecoderLayer(a) for a in self.attentions])
+        self.model = types.SimpleNamespace(layers=[_DecoderLayer(a, state_attrs.get(i))
+                                                   for i, a in enumerate(self.attentions)])
 
     def get_cache_info(self):
         mixin = self.rendered.model_mixin()

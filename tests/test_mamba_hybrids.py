@@ -1,0 +1,156 @@
+"""Mamba hybrids (Jamba's Mamba-1 mixers; Granite-4.0-H's and Bamba's Mamba-2 mixers) planned as recurrent-state
+layers beside paged full attention, rendered and validated against transformers' own mixers in both deployment
+modes, and the realistic mistakes of a Mamba state port, each failing by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from model_infer_kvcache.analyzer.arch_check import cross_check
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.config_loader import load_model_facts
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.linear_config import MAMBA, MAMBA2, LinearFacts, mixer_off
+from validators_support import CONFIGS, check, mutate, render_case, run_validate
+
+from test_hybrid_render import LAYERS, NUMERIC, SHORT
+
+
+def _plan(config: str, **over):
+    path = CONFIGS / f"{config}.json"
+    return analyze(AnalyzeRequest(config=str(path), **over))
+
+
+def test_jamba_mamba1_layers_and_states_follow_the_attention_period():
+    """JambaConfig.layers_block_type: attention where i % attn_layer_period == attn_layer_offset (4, 12, 20, 28); the
+    other layers keep a conv state over the I = expand x hidden inner channels and a [I, d_state] state."""
+    m = _plan("jamba")
+    lin = m.linear_attention
+    assert lin.family == MAMBA
+    assert [layer.index for layer in m.layers if not layer.is_state] == [4, 12, 20, 28]
+    assert lin.layers == [i for i in range(32) if i % 8 != 4]
+    states = {s.name: s.shape for s in lin.states}
+    assert states == {"conv_state": [8192, 3], "recurrent_state": [8192, 16]}
+    assert "selective-scan" in lin.operators["prefill"]
+
+
+def test_granite_4_0_h_mamba2_states_are_heads_by_head_dim_by_state():
+    """Mamba-2: the conv runs over x|B|C (H x P + 2 x G x N channels), the state is [H, P, N]; the hub spelling of
+    layer_types ("mamba" / "attention") maps onto the kinds."""
+    m = _plan("granite_4_0_h")
+    lin = m.linear_attention
+    assert lin.family == MAMBA2
+    assert [layer.index for layer in m.layers if not layer.is_state] == [9, 19, 29]
+    states = {s.name: s.shape for s in lin.states}
+    assert states == {"conv_state": [128 * 64 + 2 * 1 * 256, 3], "recurrent_state": [128, 64, 256]}
+    assert lin.state_bytes_per_layer == (128 * 64 * 256 * 4) + (8704 * 3 * 2)  # float32 state, bfloat16 conv
+
+
+def test_bamba_attention_indices_place_the_attention_layers():
+    m = _plan("bamba")
+    assert [layer.index for layer in m.layers if not layer.is_state] == [9, 18, 27]
+    assert m.linear_attention.family == MAMBA2
+
+
+def test_a_mamba2_inner_width_that_is_not_heads_by_head_dim_is_refused(tmp_path):
+    """transformers would build a mixer whose scan cannot view its input as [heads, head_dim]."""
+    data = json.loads((CONFIGS / "granite_4_0_h.json").read_text(encoding="utf-8"))
+    data["mamba_expand"] = 3
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(bad)))
+    assert err.value.field == "mamba_expand" and "heads x head_dim" in str(err.value)
+
+
+@pytest.mark.parametrize("config", ["granite_4_0_h", "jamba"])
+def test_the_cross_check_compares_the_planned_state_with_the_mixer(config):
+    """The architecture cross-check reads each transformers mixer's sizes on the meta device; a reader that swapped
+    the state's dims (head_dim read as d_state: the easy slip of a [H, P, N] state) is refused by name."""
+    facts = load_model_facts(str(CONFIGS / f"{config}.json"))
+    m = _plan(config)
+    lin = facts.linear.value
+    ok = cross_check(json.loads((CONFIGS / f"{config}.json").read_text()), facts, m.layers, m.fa.softmax_scale, "")
+    assert ok.errors == [] and ok.ships
+    swapped = LinearFacts(lin.family, lin.num_k_heads, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim,
+                          lin.conv_kernel, lin.conv_channels, lin.source, lin.reference)
+    facts = dataclasses.replace(facts, linear=dataclasses.replace(facts.linear, value=swapped))
+    bad = cross_check(json.loads((CONFIGS / f"{config}.json").read_text()), facts, m.layers, m.fa.softmax_scale, "")
+    assert any(e.startswith("recurrent state (planned vs transformers'") and "state " in e for e in bad.errors), \
+        bad.errors
+
+
+def test_mixer_off_names_each_size_that_differs():
+    lin = LinearFacts(MAMBA2, 1, 128, 256, 64, 4, 8704, "", None)
+    sizes = {"mixer_heads": 128, "mixer_head_dim": 64, "mixer_state": 256, "mixer_groups": 1,
+             "mixer_conv_kernel": 4, "mixer_conv_channels": 8704}
+    assert mixer_off(lin, sizes) is None
+    assert mixer_off(lin, {**sizes, "mixer_groups": 8, "mixer_conv_channels": 12288}) == \
+        "groups 1 vs 8, conv_channels 8704 vs 12288"
+    assert mixer_off(lin, {}) is None  # not a Mamba mixer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, mode", [("granite_4_0_h", "framework"), ("jamba", "standalone"),
+                                          ("bamba", "standalone"), ("jamba", "framework")])
+def test_mamba_hybrids_render_and_validate(tmp_path, config, mode):
+    """The render's conv and scan, by each request's state block (framework) or slot (standalone), against
+    transformers' own mixers (their mamba(2)_scan_forward over the whole prefix) through a stream that reuses freed
+    state blocks and pads decode rows."""
+    manifest, rendered, cfg = render_case(tmp_path, config, OVERRIDES.get(config), deploy_mode=mode)
+    text = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
+    assert ("MambaCacheEntry(" in text) == (mode == "framework")
+    assert ("def ssd_chunk(" in text) == (config != "jamba") and ("def selective_recurrence(" in text) == \
+        (config == "jamba")
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+
+
+ATTN = "kvcache_attention.py"
+# Mamba-2 at 16 heads of 16 with d_state 64 (128 x 64 x 256 published) and 8 query heads at hidden 128: the published
+# [128, 64, 256] state takes the float64 reference's chunk scan minutes per stream on two cores, and no check below
+# depends on the width (the analyzer tests above keep the published sizes). Bamba also runs 8 B/C groups
+# (Nemotron-H's count), so each group serves 2 heads.
+SMALL_MAMBA2 = {"hidden_size": 128, "mamba_expand": 2, "mamba_n_heads": 16, "mamba_d_head": 16, "mamba_d_state": 64,
+                "num_attention_heads": 8, "num_key_value_heads": 4}
+OVERRIDES = {"granite_4_0_h": SMALL_MAMBA2, "bamba": {**SMALL_MAMBA2, "mamba_n_groups": 8}}
+MAMBA_MISTAKES = [
+    # the state not reset on a reused slot: prefill continues from what the block holds (a finished request's state)
+    ("prefill-reads-the-ssm-state", "granite_4_0_h", "framework",
+     r"if forward_metadata\.is_prefill \\\n\s+else self\.recurrent_state\[slots\[row\]\]\.to\(dtype\)",
+     "if False else self.recurrent_state[slots[row]].to(dtype)", NUMERIC),
+    ("prefill-reads-the-ssm-state", "jamba", "standalone",
+     r"if forward_metadata\.is_prefill \\\n\s+else self\.recurrent_state\[slots\[row\]\]\.to\(dtype\)",
+     "if False else self.recurrent_state[slots[row]].to(dtype)", NUMERIC),
+    # the conv history read on prefill too: the row's previous request's last inputs leak into the new one
+    ("prefill-reads-the-conv-state", "jamba", "framework",
+     r"            if is_prefill:\n                history = x\.new_zeros\(CONV_KERNEL - 1, CONV_CHANNELS_PER_RANK\)\n"
+     r"            else:\n                history", "            history", NUMERIC),
+    # B/C groups tiled over the heads (head h reads group h % G) instead of head h reading group h // (H / G)
+    ("b-c-groups-tiled", "bamba", "standalone",
+     r"B = B\.to\(dtype\)\.repeat_interleave\(group, dim=1\)\n(\s+)C = C\.to\(dtype\)\.repeat_interleave\(group, dim=1\)",
+     r"B = B.to(dtype).repeat(1, group, 1)\n\1C = C.to(dtype).repeat(1, group, 1)", NUMERIC),
+    # get_cache_info looking the mixer up as Qwen3-Next's linear_attn: a Jamba layer keeps it as `mamba`, so the
+    # render falls back to self_attn, which a Mamba layer does not have
+    ("mixer-looked-up-as-linear-attn", "jamba", "framework", r'getattr\(decoder_layer, "mamba", None\)',
+     'getattr(decoder_layer, "linear_attn", None)', "rendered code runs"),
+    # a Mamba layer given a KV cache: its mixin registered as a full-attention layer
+    ("mamba-layer-as-full-attention", "jamba", "framework", r'        self\.attn_type = "Mamba"',
+     '        self.attn_type = "FullAttention"', LAYERS),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, config, mode, pattern, replacement, failing", MAMBA_MISTAKES,
+                         ids=[f"{m[0]}-{m[1]}" for m in MAMBA_MISTAKES])
+def test_a_mamba_state_mistake_fails_by_name(tmp_path, case, config, mode, pattern, replacement, failing):
+    manifest, rendered, cfg = render_case(tmp_path, config, OVERRIDES.get(config), deploy_mode=mode)
+    mutate(rendered, pattern, replacement, name=ATTN)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not report.passed
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+    if failing == NUMERIC:
+        assert check(report, LAYERS).passed  # the registration is right: the numbers name it

@@ -71,9 +71,23 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
         if best is None or key > best[:2]:
             best = (*key, path, module)
     if best is None:
+        # a stack of Mamba blocks only (Granite-4.0-H / Bamba at their class defaults, Mamba2): blocks holding a mixer
+        for path, module in model.named_modules():
+            if isinstance(module, nn.ModuleList) and len(module) and all(_holds_mixer(b) for b in module):
+                key = (len(module), -path.count("."))
+                if best is None or key > best[:2]:
+                    best = (*key, path, module)
+    if best is None:
         raise LayoutError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks holding an attention module "
                           f"(a child with one of {', '.join('+'.join(sorted(p)) for p in QKV_PROJECTIONS)})")
     return DecoderStack(best[2], best[3])
+
+
+def _holds_mixer(block: nn.Module) -> bool:
+    """A decoder block holding a Mamba mixer (analyzer/linear_config.mixer_facts reads its sizes)."""
+    from model_infer_kvcache.analyzer.linear_config import mixer_facts
+
+    return any(mixer_facts(m) for m in block.modules())
 
 
 def attention_modules(model: nn.Module, stack: DecoderStack | None = None) -> list[tuple[str, nn.Module | None]]:

@@ -244,7 +244,10 @@ def _check_layers(m: SelectionManifest) -> None:
     kinds[0].check_layers(m)
     attention = [layer for layer in m.layers if not layer.is_state]
     if not attention:
-        raise _bad("layers", "no attention layer: every layer is linear")
+        raise _bad("layers", "not supported by kvcache: rendering a model without attention layers (every layer "
+                             "keeps a recurrent state, as a pure Mamba stack); the templates compose the state partial "
+                             "with an attention one: the manifest's linear_attention section is the design to "
+                             "implement by hand")
     first = attention[0]
     for layer in attention[1:]:
         if layer.caches != first.caches:

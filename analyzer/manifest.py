@@ -21,7 +21,9 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
     PLANNED_ATTN_TYPES,
     STATE_ATTN_TYPES,
     holds_state,
+    is_chunked,
     is_windowed,
+    manager_attn_type,
     spec_for_layer_kind,
 )
 from model_infer_kvcache.analyzer.linear_config import LINEAR_FAMILIES
@@ -374,8 +376,9 @@ class _LayerBase(_Model):
     attn_type: AttnType  # the tag: each kind of plan narrows it to its own attn_types
     layer_kind: LayerKind = Field(
         default="full",
-        description="what the config says the layer is; chunked layers are blockers (no paged path); linear layers "
-                    "are attn_type Mamba (a state layer) unless their family is unknown (a blocker)",
+        description="what the config says the layer is; chunked layers are attn_type ChunkedLocal (their chunk in "
+                    "attention_chunk_size); linear layers are attn_type Mamba (a state layer) unless their family is "
+                    "unknown (a blocker)",
     )
     group_key: str = Field(description="key of block_table/slot_mapping dicts for this layer")
 
@@ -383,6 +386,11 @@ class _LayerBase(_Model):
     def is_sliding(self) -> bool:
         """The layer attends through a window (its kind's spec says so; no string comparison)."""
         return is_windowed(self.attn_type)
+
+    @property
+    def is_chunked(self) -> bool:
+        """The layer attends within its chunk [floor(p / C) * C, p] (chunked local attention; its spec says so)."""
+        return is_chunked(self.attn_type)
 
     @property
     def is_recurrent(self) -> bool:
@@ -417,6 +425,9 @@ class AttentionLayerPlan(_LayerBase):
         default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
     compressed: CompressedBranch | None = Field(
         default=None, description="a DeepSeek-V4 layer's compressed branch (CSA / HCA); absent: none")
+    attention_chunk_size: int | None = Field(
+        default=None, ge=1, description="a ChunkedLocal layer's chunk C: a query at position p attends the keys in "
+                                        "[floor(p / C) * C, p]; absent: not chunked")
 
     @property
     def states(self) -> list[StateSpec]:
@@ -426,7 +437,8 @@ class AttentionLayerPlan(_LayerBase):
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs."""
-        return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed")
+        return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed",
+                              "attention_chunk_size")
 
 
 class StateLayerPlan(_LayerBase):
@@ -440,6 +452,7 @@ class StateLayerPlan(_LayerBase):
     # what a state layer answers where code walks every layer: no per-token KV cache, no window (a state summarises
     # the whole prefix), no compressed branch, no per-layer attention shape
     sliding_window: ClassVar[None] = None
+    attention_chunk_size: ClassVar[None] = None
     compressed: ClassVar[None] = None
     head_dim: ClassVar[None] = None
     num_kv_heads_per_rank: ClassVar[None] = None
@@ -679,6 +692,12 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             continue
         if layer.is_sliding != (layer.sliding_window is not None):
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
+        if layer.is_chunked != (layer.attention_chunk_size is not None):
+            out.append((f"{where}.attention_chunk_size", f"{layer.attention_chunk_size} does not fit attn_type "
+                                                         f"{layer.attn_type}"))
+        elif layer.is_chunked and layer.group_key != manager_attn_type(layer.attn_type):
+            out.append((f"{where}.group_key", f"{layer.group_key!r}: a {layer.attn_type} layer registers in the "
+                                              f"framework's {manager_attn_type(layer.attn_type)} manager"))
         layer_kv = layer.num_kv_heads_per_rank or p.num_kv_heads_per_rank
         layer_dim = layer.head_dim or model.head_dim
         heads, dim = kinds.cache_row_shape(m, layer_kv, layer_dim)

@@ -434,6 +434,14 @@ class AttentionLayerPlan(_LayerBase):
         """An attention layer keeps no recurrent state."""
         return []
 
+    @property
+    def registers_as(self) -> tuple[str, int | None]:
+        """(attn_type, sliding_window) of the layer's framework CacheEntry: its own attn_type and window, but a
+        chunked layer's manager (SlidingWindow, window = its chunk: kv_cache_spec.ChunkedLocalSpec)."""
+        if self.is_chunked:
+            return manager_attn_type(self.attn_type), self.attention_chunk_size
+        return self.attn_type, self.sliding_window if self.is_sliding else None
+
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs."""
@@ -635,6 +643,11 @@ class SelectionManifest(_Model):
     def sliding_window(self) -> int | None:
         """The window of the model's sliding layers (one per model), None without sliding layers."""
         return next((layer.sliding_window for layer in self.attention_layers if layer.sliding_window), None)
+
+    def attention_chunk_size(self) -> int | None:
+        """The chunk of the model's chunked local attention layers (one per model), None without them."""
+        return next((layer.attention_chunk_size for layer in self.attention_layers if layer.attention_chunk_size),
+                    None)
 
     @property
     def attention_layers(self) -> list[AttentionLayerPlan]:

@@ -705,7 +705,10 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             continue
         if layer.is_sliding != (layer.sliding_window is not None):
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
-        if layer.is_chunked != (layer.attention_chunk_size is not None):
+        if spec_for_layer_kind(layer.layer_kind).chunked != layer.is_chunked:
+            out.append((f"{where}.layer_kind", f"{layer.layer_kind} does not fit attn_type {layer.attn_type} (a chunked "
+                                               "layer is planned ChunkedLocal, only it)"))
+        elif layer.is_chunked != (layer.attention_chunk_size is not None):
             out.append((f"{where}.attention_chunk_size", f"{layer.attention_chunk_size} does not fit attn_type "
                                                          f"{layer.attn_type}"))
         elif layer.is_chunked and layer.group_key != manager_attn_type(layer.attn_type):

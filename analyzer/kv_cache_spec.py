@@ -160,6 +160,12 @@ class ChunkedLocalSpec(SlidingWindowSpec):
     fixed: ClassVar[bool] = True
     chunked: ClassVar[bool] = True
     manager: ClassVar[str] = SLIDING_WINDOW  # the upstream manager (CacheEntry attn_type) the layer registers in
+    manager_reason: ClassVar[str] = (
+        "upstream has no chunked manager; every key a chunk reads lies within the last C tokens, so its "
+        "SlidingWindowManager with sliding_window = C keeps them (get_num_skipped_tokens = num_computed - C + 1 "
+        "releases only blocks before the next token's chunk); FullAttention would be exact too but keep the whole "
+        "prefix. Reads: prefill splits each request at its chunk boundaries (virtual requests, causal), decode "
+        "shifts the block table by chunk_start // block_size with kv length p - chunk_start + 1")
 
     def fixed_formula(self, concurrency: int) -> str:
         return (f"{concurrency} x (ceil((chunk {self.window} + 2x{self.next_n})/{self.block_size}) + 1) + 1 "

@@ -232,7 +232,15 @@ def manager_attn_type(attn_type: str) -> str:
 def is_chunked(attn_type: str) -> bool:
     """A layer of this attn_type attends within its chunk (chunked local attention); an attn_type no spec defines
     does not."""
-    kind = SPEC_BY_ATTN_TYPE.get(attn_type)
+    return _chunked(SPEC_BY_ATTN_TYPE.get(attn_type))
+
+
+def layer_kind_is_chunked(layer_kind: str) -> bool:
+    """A config layer kind the ChunkedLocal spec plans (``chunked``)."""
+    return _chunked(spec_for_layer_kind(layer_kind))
+
+
+def _chunked(kind: type | None) -> bool:
     return bool(getattr(kind, "chunked", False))  # MambaSpec (no chunk) defines no flag
 
 

@@ -23,6 +23,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
     holds_state,
     is_chunked,
     is_windowed,
+    layer_kind_is_chunked,
     manager_attn_type,
     spec_for_layer_kind,
 )
@@ -705,7 +706,7 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             continue
         if layer.is_sliding != (layer.sliding_window is not None):
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
-        if spec_for_layer_kind(layer.layer_kind).chunked != layer.is_chunked:
+        if layer_kind_is_chunked(layer.layer_kind) != layer.is_chunked:
             out.append((f"{where}.layer_kind", f"{layer.layer_kind} does not fit attn_type {layer.attn_type} (a chunked "
                                                "layer is planned ChunkedLocal, only it)"))
         elif layer.is_chunked != (layer.attention_chunk_size is not None):

@@ -115,3 +115,15 @@ def test_a_chunk_mistake_fails_the_numeric_check(tmp_path, mistake):
     report = run_validate(manifest, rendered, cfg, scenario=SHORT)
     assert not report.passed
     assert not check(report, NUMERIC).passed, check(report, NUMERIC)
+
+
+def test_a_linear_layer_planned_full_is_no_chunk_question(tmp_path):
+    """A linear layer of an unknown family is planned FullAttention (a blocker says why): the chunk invariant asks its
+    layer kind's spec (Mamba, which has no chunk flag) and must not fail on it (the sweep's lara_mini / MiniMax)."""
+    manifest, _, _ = _render(tmp_path)
+    data = json.loads(manifest.read_text(encoding="utf-8"))
+    data["layers"][3]["layer_kind"] = "linear"
+    assert SelectionManifest.model_validate(data).layers[3].layer_kind == "linear"
+    data["layers"][3]["layer_kind"] = "chunked"  # a chunked config layer planned FullAttention is refused
+    with pytest.raises(ValueError, match=r"layers\[3\]\.layer_kind"):
+        SelectionManifest.model_validate(data)

@@ -86,7 +86,6 @@ def test_llama4_passes_against_transformers(tmp_path, mode):
 MISTAKES = {
     # the chunk start of a decode query taken from p - 1: floor((p - 1) / C) * C, one chunk late on a chunk's first
     # position (the late request whose prompt is exactly one chunk decodes there first)
-    # (standalone: its static table keeps the previous chunk's blocks, so the wrong keys are read, not refused)
     "decode chunk start off by one": (r"torch\.div\(kv_lens - 1, ", "torch.div(kv_lens - 2, "),
     # decode passes the chunk's KV length but the unshifted table: it reads the prefix's first blocks
     "decode table not shifted": (r"chunk_table = torch\.gather\(block_table, 1, columns\.clamp\(max=width - 1\)\)",
@@ -95,6 +94,15 @@ MISTAKES = {
     "prefill boundaries off by one": (r"bounds\.extend\(range\(start \+ chunk, end, chunk\)\)",
                                       "bounds.extend(range(start + chunk + 1, end, chunk))"),
 }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_the_negative_controls_stream_passes_unmutated(tmp_path, mode):
+    """The twin of every negative control below: the same render and stream without the mistake pass."""
+    manifest, rendered, cfg = _render(tmp_path, **({"deploy_mode": mode} if mode == "standalone" else {}))
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed and check(report, NUMERIC).passed, [c.name for c in report.checks if not c.passed]
 
 
 @pytest.mark.slow
@@ -110,7 +118,10 @@ def test_the_off_by_one_of_the_other_side_is_refused_by_the_operator(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_a_chunk_mistake_fails_the_numeric_check(tmp_path, mistake):
-    manifest, rendered, cfg = _render(tmp_path, **({"deploy_mode": "standalone"} if mistake != "decode table not shifted" else {}))
+    # framework mode for the unshifted table (its released blocks are the poisoned null block), standalone for the
+    # others (its static table keeps every block, so a wrong key is read as a value, not refused)
+    framework = mistake == "decode table not shifted"
+    manifest, rendered, cfg = _render(tmp_path, **({} if framework else {"deploy_mode": "standalone"}))
     mutate(rendered, *MISTAKES[mistake])
     report = run_validate(manifest, rendered, cfg, scenario=SHORT)
     assert not report.passed

@@ -175,7 +175,7 @@ def assemble(
 
     deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)
     tp, tp_source = _tp_size(req, progress, warnings)
-    blockers = rules.find_blockers(facts)
+    blockers = rules.find_blockers(facts, req.block_size)
     problems = rules.tp_problems(facts, tp)
     if problems:
         # A size stated in progress.md is refused exactly like the same size given as the flag.
@@ -539,7 +539,9 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
         sparse, mask, _ = rules.decide_sparse(attn_type, fmt.latent, kv_mode)
         pre, nxt, derivation = rules.decide_window_tokens(w, reading)
         derivation = derivation or full_reason
+        chunk = facts.attention_chunk_size.value if kv_cache_spec.is_chunked(attn_type) else None
         attention = dict(sliding_window=w, sparse_mode=sparse, pre_tokens=pre, next_tokens=nxt, mask=mask,
+                         **({"attention_chunk_size": chunk} if chunk else {}),
                          write_op=write_op, caches=caches, window_derivation=derivation,
                          **_layer_shape(facts, parallel, decoder_idx),
                          **fmt.layer_fields(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size))

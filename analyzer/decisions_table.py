@@ -9,7 +9,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
 )
 from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
-from model_infer_kvcache.analyzer.kv_cache_spec import serves_layer_kind
+from model_infer_kvcache.analyzer.kv_cache_spec import ChunkedLocalSpec, serves_layer_kind
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 
@@ -98,6 +98,9 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                      f"prefill {layer.sparse_mode.prefill}/{layer.mask.prefill}, "
                      f"decode {layer.sparse_mode.decode}/{layer.mask.decode}",
                      layer.window_derivation or "per the FA path table"))
+        if layer.attention_chunk_size:
+            rows.append((f"chunk (层 {_ranges(idx)})", f"attention_chunk_size={layer.attention_chunk_size}, manager "
+                         f"{layer.registers_as[0]} (window {layer.registers_as[1]})", ChunkedLocalSpec.manager_reason))
         if layer.sliding_window:
             rows.append((f"pre_tokens / next_tokens (层 {_ranges(idx)})",
                          f"{layer.pre_tokens} / {layer.next_tokens}", layer.window_derivation or ""))

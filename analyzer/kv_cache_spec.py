@@ -23,6 +23,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1}  # a cache 
 FULL_ATTENTION = "FullAttention"
 SLIDING_WINDOW = "SlidingWindow"
 MAMBA = "Mamba"
+# Chunked local attention (Llama-4): a kind of its own in the manifest. Upstream has no manager of that name (its
+# ATTN_TYPE_MANAGER_MAP holds FullAttention, SlidingWindow and Mamba), so the layer registers its CacheEntry in the
+# SlidingWindow manager with window C (``manager_attn_type``): see ChunkedLocalSpec.
+CHUNKED_LOCAL = "ChunkedLocal"
 
 
 def token_bytes(numel_per_head: int, num_head: int, itemsize: int, compress_ratio: int = 1) -> int:
@@ -44,6 +48,7 @@ class FullAttentionSpec:
     windowed: ClassVar[bool] = False  # attends through a band of the last W keys (sparse_mode 4, pre_tokens)
     fixed: ClassVar[bool] = False  # block count set by memory (False) or by attention semantics (True)
     state: ClassVar[bool] = False  # a fixed-size state per request: block tables, no token slot mapping
+    chunked: ClassVar[bool] = False  # attends within its chunk [floor(p / C) * C, p] (not a band)
 
     @property
     def block_bytes(self) -> float:
@@ -135,6 +140,39 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class ChunkedLocalSpec(SlidingWindowSpec):
+    """Chunked local attention (Llama-4's RoPE layers, ``attention_chunk_size`` C): a query at position p reads the
+    keys in [floor(p / C) * C, p], its own chunk. Not a band (the chunk start jumps by C, a window slides by one), so
+    it is a kind of its own; but every key it reads lies within the last C tokens (p - floor(p / C) * C < C), so the
+    blocks before ``p - C + 1`` are never read again and the request keeps at most the blocks of a window of C.
+
+    The framework keeps it in its SlidingWindow manager with ``sliding_window = C`` (upstream
+    single_type_kv_cache_manager.SlidingWindowManager: ``get_num_skipped_tokens = num_computed - C + 1`` releases
+    exactly the blocks before the chunk of the next token; its prefill maps the prompt blocks before
+    ``last_token - C`` to the null block). FullAttention would also be exact but keeps every block of the prefix: C
+    is the memory the chunk needs. Its block arithmetic is therefore the window's with ``window = C``
+    (calculate_fixed_block_memory_bytes); ``window`` here is C.
+    """
+
+    attn_type: ClassVar[str] = CHUNKED_LOCAL
+    layer_kind: ClassVar[str] = "chunked"
+    windowed: ClassVar[bool] = False
+    fixed: ClassVar[bool] = True
+    chunked: ClassVar[bool] = True
+    manager: ClassVar[str] = SLIDING_WINDOW  # the upstream manager (CacheEntry attn_type) the layer registers in
+    manager_reason: ClassVar[str] = (
+        "upstream has no chunked manager; every key a chunk reads lies within the last C tokens, so its "
+        "SlidingWindowManager with sliding_window = C keeps them (get_num_skipped_tokens = num_computed - C + 1 "
+        "releases only blocks before the next token's chunk); FullAttention would be exact too but keep the whole "
+        "prefix. Reads: prefill splits each request at its chunk boundaries (virtual requests, causal), decode "
+        "shifts the block table by chunk_start // block_size with kv length p - chunk_start + 1")
+
+    def fixed_formula(self, concurrency: int) -> str:
+        return (f"{concurrency} x (ceil((chunk {self.window} + 2x{self.next_n})/{self.block_size}) + 1) + 1 "
+                f"= {self.fixed_blocks(concurrency)} blocks (the SlidingWindow manager with window = chunk)")
+
+
+@dataclass(frozen=True)
 class MambaSpec:
     """A state-space group: one state block per request, plus one per speculative token."""
 
@@ -167,20 +205,43 @@ class MambaSpec:
         return {"state_bytes": self.state_bytes}
 
 
-Spec = FullAttentionSpec | CompressedSpec | SlidingWindowSpec | MambaSpec
+Spec = FullAttentionSpec | CompressedSpec | SlidingWindowSpec | ChunkedLocalSpec | MambaSpec
 SPEC_BY_ATTN_TYPE: dict[str, type] = {kind.attn_type: kind for kind in (FullAttentionSpec, SlidingWindowSpec,
-                                                                        MambaSpec)}
+                                                                        ChunkedLocalSpec, MambaSpec)}
 # Attention types whose block count does not grow with the sequence.
 FIXED_BLOCK_ATTN_TYPES = frozenset(name for name, kind in SPEC_BY_ATTN_TYPE.items() if kind.fixed)
 # The kinds the analyzer plans layers as (the manifest's attn_type values): paged attention layers and the
 # linear layers' recurrent states (Mamba group, G3 framework).
-PLANNED_ATTN_TYPES: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW, MAMBA)
+PLANNED_ATTN_TYPES: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW, MAMBA, CHUNKED_LOCAL)
 
 
 def spec_for_layer_kind(layer_kind: str) -> type:
-    """The spec of a config layer kind (sliding -> SlidingWindow, linear -> Mamba, else full)."""
-    return {SlidingWindowSpec.layer_kind: SlidingWindowSpec, MambaSpec.layer_kind: MambaSpec}.get(
-        layer_kind, FullAttentionSpec)
+    """The spec of a config layer kind (sliding -> SlidingWindow, chunked -> ChunkedLocal, linear -> Mamba, else
+    full)."""
+    return {SlidingWindowSpec.layer_kind: SlidingWindowSpec, ChunkedLocalSpec.layer_kind: ChunkedLocalSpec,
+            MambaSpec.layer_kind: MambaSpec}.get(layer_kind, FullAttentionSpec)
+
+
+def manager_attn_type(attn_type: str) -> str:
+    """The framework manager (``CacheEntry.attn_type``, the block_table / slot_mapping key) a layer of this
+    attn_type registers in: its own, but ChunkedLocal's, which upstream keeps in its SlidingWindow manager."""
+    kind = SPEC_BY_ATTN_TYPE.get(attn_type)
+    return getattr(kind, "manager", None) or attn_type
+
+
+def is_chunked(attn_type: str) -> bool:
+    """A layer of this attn_type attends within its chunk (chunked local attention); an attn_type no spec defines
+    does not."""
+    return _chunked(SPEC_BY_ATTN_TYPE.get(attn_type))
+
+
+def layer_kind_is_chunked(layer_kind: str) -> bool:
+    """A config layer kind the ChunkedLocal spec plans (``chunked``)."""
+    return _chunked(spec_for_layer_kind(layer_kind))
+
+
+def _chunked(kind: type | None) -> bool:
+    return bool(getattr(kind, "chunked", False))  # MambaSpec (no chunk) defines no flag
 
 
 def serves_layer_kind(attn_type: str, layer_kind: str) -> bool:

@@ -21,7 +21,10 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
     PLANNED_ATTN_TYPES,
     STATE_ATTN_TYPES,
     holds_state,
+    is_chunked,
     is_windowed,
+    layer_kind_is_chunked,
+    manager_attn_type,
     spec_for_layer_kind,
 )
 from model_infer_kvcache.analyzer.linear_config import LINEAR_FAMILIES
@@ -374,8 +377,9 @@ class _LayerBase(_Model):
     attn_type: AttnType  # the tag: each kind of plan narrows it to its own attn_types
     layer_kind: LayerKind = Field(
         default="full",
-        description="what the config says the layer is; chunked layers are blockers (no paged path); linear layers "
-                    "are attn_type Mamba (a state layer) unless their family is unknown (a blocker)",
+        description="what the config says the layer is; chunked layers are attn_type ChunkedLocal (their chunk in "
+                    "attention_chunk_size); linear layers are attn_type Mamba (a state layer) unless their family is "
+                    "unknown (a blocker)",
     )
     group_key: str = Field(description="key of block_table/slot_mapping dicts for this layer")
 
@@ -383,6 +387,11 @@ class _LayerBase(_Model):
     def is_sliding(self) -> bool:
         """The layer attends through a window (its kind's spec says so; no string comparison)."""
         return is_windowed(self.attn_type)
+
+    @property
+    def is_chunked(self) -> bool:
+        """The layer attends within its chunk [floor(p / C) * C, p] (chunked local attention; its spec says so)."""
+        return is_chunked(self.attn_type)
 
     @property
     def is_recurrent(self) -> bool:
@@ -417,16 +426,28 @@ class AttentionLayerPlan(_LayerBase):
         default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
     compressed: CompressedBranch | None = Field(
         default=None, description="a DeepSeek-V4 layer's compressed branch (CSA / HCA); absent: none")
+    attention_chunk_size: int | None = Field(
+        default=None, ge=1, description="a ChunkedLocal layer's chunk C: a query at position p attends the keys in "
+                                        "[floor(p / C) * C, p]; absent: not chunked")
 
     @property
     def states(self) -> list[StateSpec]:
         """An attention layer keeps no recurrent state."""
         return []
 
+    @property
+    def registers_as(self) -> tuple[str, int | None]:
+        """(attn_type, sliding_window) of the layer's framework CacheEntry: its own attn_type and window, but a
+        chunked layer's manager (SlidingWindow, window = its chunk: kv_cache_spec.ChunkedLocalSpec)."""
+        if self.is_chunked:
+            return manager_attn_type(self.attn_type), self.attention_chunk_size
+        return self.attn_type, self.sliding_window if self.is_sliding else None
+
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs."""
-        return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed")
+        return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed",
+                              "attention_chunk_size")
 
 
 class StateLayerPlan(_LayerBase):
@@ -440,6 +461,7 @@ class StateLayerPlan(_LayerBase):
     # what a state layer answers where code walks every layer: no per-token KV cache, no window (a state summarises
     # the whole prefix), no compressed branch, no per-layer attention shape
     sliding_window: ClassVar[None] = None
+    attention_chunk_size: ClassVar[None] = None
     compressed: ClassVar[None] = None
     head_dim: ClassVar[None] = None
     num_kv_heads_per_rank: ClassVar[None] = None
@@ -623,6 +645,11 @@ class SelectionManifest(_Model):
         """The window of the model's sliding layers (one per model), None without sliding layers."""
         return next((layer.sliding_window for layer in self.attention_layers if layer.sliding_window), None)
 
+    def attention_chunk_size(self) -> int | None:
+        """The chunk of the model's chunked local attention layers (one per model), None without them."""
+        return next((layer.attention_chunk_size for layer in self.attention_layers if layer.attention_chunk_size),
+                    None)
+
     @property
     def attention_layers(self) -> list[AttentionLayerPlan]:
         """The layers that attend over a KV cache (a hybrid's state layers left out): the ones with FA fields."""
@@ -679,6 +706,15 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             continue
         if layer.is_sliding != (layer.sliding_window is not None):
             out.append((f"{where}.sliding_window", f"{layer.sliding_window} does not fit attn_type {layer.attn_type}"))
+        if layer_kind_is_chunked(layer.layer_kind) != layer.is_chunked:
+            out.append((f"{where}.layer_kind", f"{layer.layer_kind} does not fit attn_type {layer.attn_type} (a chunked "
+                                               "layer is planned ChunkedLocal, only it)"))
+        elif layer.is_chunked != (layer.attention_chunk_size is not None):
+            out.append((f"{where}.attention_chunk_size", f"{layer.attention_chunk_size} does not fit attn_type "
+                                                         f"{layer.attn_type}"))
+        elif layer.is_chunked and layer.group_key != manager_attn_type(layer.attn_type):
+            out.append((f"{where}.group_key", f"{layer.group_key!r}: a {layer.attn_type} layer registers in the "
+                                              f"framework's {manager_attn_type(layer.attn_type)} manager"))
         layer_kv = layer.num_kv_heads_per_rank or p.num_kv_heads_per_rank
         layer_dim = layer.head_dim or model.head_dim
         heads, dim = kinds.cache_row_shape(m, layer_kv, layer_dim)

@@ -71,7 +71,7 @@ class Decision:
 # ---------------------------------------------------------------- blockers and KV mode
 
 
-def find_blockers(facts: ModelFacts) -> list[Finding]:
+def find_blockers(facts: ModelFacts, block_size: int = DEFAULT_BLOCK_SIZE) -> list[Finding]:
     """Config facts that make the standard Paged + FA path impossible (SKILL.md, '第一层:快速选型')."""
     out: list[Finding] = []
     if facts.attn_logit_softcapping.value is not None:
@@ -85,11 +85,22 @@ def find_blockers(facts: ModelFacts) -> list[Finding]:
             fields=[facts.alibi.source],
         ))
     kinds = facts.layer_kinds.value
-    if "chunked" in kinds:
+    chunk = facts.attention_chunk_size.value
+    if "chunked" in kinds and chunk is not None and chunk % block_size:
+        # The paged path reads a chunk through the block table shifted by chunk_start // block_size: a chunk start
+        # inside a block has no block-table expression (FA's pre_tokens band is one value for the whole batch).
         out.append(Finding(
-            message=f"chunked local attention on {kinds.count('chunked')} layers: chunk boundaries are not a band",
-            fields=[facts.attention_chunk_size.source if not facts.attention_chunk_size.is_default
-                    else facts.layer_kinds.source],
+            message=f"chunked local attention on {kinds.count('chunked')} layers: attention_chunk_size {chunk} is "
+                    f"not a multiple of block_size {block_size}, so a chunk starts inside a block and the decode "
+                    "step cannot read it through a shifted block table (choose a block size dividing the chunk)",
+            fields=[facts.attention_chunk_size.source, "--block-size"],
+        ))
+    if "chunked" in kinds and "sliding" in kinds:
+        # both would register in the framework's one SlidingWindow manager, whose window is one value
+        out.append(Finding(
+            message="chunked and sliding-window layers in one model: both are kept by the framework's SlidingWindow "
+                    "manager, which holds one window",
+            fields=[facts.layer_kinds.source],
         ))
     if "linear" in kinds and facts.linear.value is None:
         # A known family plans its states (decide_linear); an unknown one has no state shapes to plan.

@@ -15,7 +15,7 @@ from dataclasses import field as dataclass_field
 
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.framework_checkout import DEFAULT_RENDER_CONTRACT, render_api
-from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed
+from model_infer_kvcache.analyzer.kv_cache_spec import is_windowed, manager_attn_type
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import (
     BAND_MODE,
@@ -144,6 +144,10 @@ class RenderContext:
     fa_module: str = "torch_npu"
     # the paged FA call's (query, KV) length values: the metadata tensors, or fa_lengths()'s pick under npugraph_ex
     fa_lengths: tuple[str, str] = ("forward_metadata.actual_seq_lengths_cu_q", "forward_metadata.actual_seq_lengths_kv")
+    # chunked local attention (implementer/kinds/chunked.py): the chunk C (0: none), its layers and their plan
+    chunk_size: int = 0
+    chunked_layers: tuple[int, ...] = ()
+    chunked: KindPlan | None = None
 
     @property
     def full(self) -> KindPlan | None:
@@ -256,10 +260,11 @@ def _check_layers(m: SelectionManifest) -> None:
                        f"{[c.name for c in first.caches]} (names, dims, heads or dtypes); the templates give every "
                        "layer the same entries")
     for layer in m.layers:
-        if layer.group_key != layer.attn_type:
+        if layer.group_key != manager_attn_type(layer.attn_type):
             raise _bad(f"layers[{layer.index}].group_key",
-                       f"group key {layer.group_key!r} differs from attn_type {layer.attn_type!r}; the rendered "
-                       "code indexes block_table/slot_mapping by attn_type (no manager_key support)")
+                       f"group key {layer.group_key!r} differs from the manager of attn_type {layer.attn_type!r} "
+                       f"({manager_attn_type(layer.attn_type)!r}); the rendered code indexes block_table/slot_mapping "
+                       "by the attn_type it registers (no manager_key support)")
         if layer.is_sliding and not layer.sliding_window:
             raise _bad(f"layers[{layer.index}].sliding_window", "a SlidingWindow layer needs a positive window")
     kind = kinds[0]
@@ -329,16 +334,20 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     _check_numbers(m)
     legacy_kernel, softcap = _legacy_kernel(m)
     kinds: dict[str, KindPlan] = {}
+    chunked: dict[str, KindPlan] = {}  # the chunked layers' plan: their own calls (implementer/kinds/chunked.py)
     attention = [layer for layer in m.layers if not layer.is_state]  # linear layers: the state mixin
     for layer in attention:
         decode = _path(layer, False)
         plan = KindPlan(layer.attn_type, layer.sliding_window, _path(layer, True), decode,
                         one_line(layer.window_derivation) if layer.window_derivation else None,
                         _verify_path(m, layer, decode))
-        seen = kinds.setdefault(layer.attn_type, plan)
+        seen = (chunked if layer.is_chunked else kinds).setdefault(layer.attn_type, plan)
         if seen != plan:
             raise _bad(f"layers[{layer.index}]", f"{layer.attn_type} layers disagree on their window/sparse plan; "
                                                  "the renderer needs one plan per attn_type")
+    chunked_plan = next(iter(chunked.values()), None)
+    if not kinds:  # every attention layer chunked: the shared paged call takes their plan
+        kinds = dict(chunked)
     first = attention[0]
     generation = api_override or m.framework_api or DEFAULT_API
     # G3 frameworks take G2 renders: an override naming the manifest's render contract is no contradiction.
@@ -381,5 +390,6 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         graph_padding=_graph_mode(m) is not None,
         **({"fa_lengths": ("q_lens", "kv_lens")} if _graph_lists(m) else {}),
         **({"fa_module": "fa_ops(forward_metadata)"} if _graph_mode(m) == "ge_graph" else {}),
+        **({"chunked": chunked_plan} if chunked_plan else {}),
         **kind_fields,
     )

@@ -16,6 +16,7 @@ from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.kv_cache_spec import ChunkedLocalSpec
 from model_infer_kvcache.analyzer.operators.fa_facts import (
     INT32_MAX as NO_LIMIT,  # pre_tokens of non-sliding layers
 )
@@ -243,17 +244,25 @@ def test_gemma2_softcap_keeps_legacy_with_window_band():
 # ---------------------------------------------------------------- blocked hybrids
 
 
-def test_llama4_scout_chunked_attention_blocks_paged():
+def test_llama4_scout_chunked_attention_is_planned_paged():
+    """Llama-4 Scout: 36 RoPE layers attend within chunks of 8192 (ChunkedLocal, kept by the framework's SlidingWindow
+    manager with window 8192), every 4th layer is NoPE full attention. By hand: one rank holds 8 KV heads x 128 x 2
+    (K and V) x 2 B = 4096 B per token and layer; a chunked request keeps ceil(8192 / 128) + 1 = 65 blocks."""
     m = run("llama4_scout")
     assert m.model.model_type == "llama4_text" and m.model.attention_kind == "hybrid"
-    assert m.kv_mode.value == "legacy"
-    assert [b.fields for b in m.blockers] == [["text_config.attention_chunk_size"]]
-    assert "36 layers" in m.blockers[0].message
-    chunked = [layer.index for layer in m.layers if layer.layer_kind == "chunked"]
+    assert m.kv_mode.value == "paged" and m.blockers == []
+    chunked = [layer for layer in m.layers if layer.layer_kind == "chunked"]
     full = [layer.index for layer in m.layers if layer.layer_kind == "full"]
     assert full == list(range(3, 48, 4)) and len(chunked) == 36  # every 4th layer is NoPE / global
+    assert {(layer.attn_type, layer.group_key, layer.attention_chunk_size, layer.sliding_window, layer.pre_tokens)
+            for layer in chunked} == {("ChunkedLocal", "SlidingWindow", 8192, None, NO_LIMIT)}
     assert (m.model.num_attention_heads, m.model.num_key_value_heads, m.model.head_dim) == (40, 8, 128)
     assert only(len(layer.caches) for layer in m.layers) == 2
+    groups = {g.group_key: g for g in m.memory.groups}
+    assert groups["SlidingWindow"].attn_type == "ChunkedLocal" and groups["SlidingWindow"].fixed_blocks
+    assert groups["SlidingWindow"].per_token_bytes == 36 * 4096 and groups["FullAttention"].per_token_bytes == 12 * 4096
+    spec = ChunkedLocalSpec("SlidingWindow", 36, 36 * 4096, 128, window=8192)
+    assert spec.blocks_per_request(10 ** 6) == 65 and spec.fixed_blocks(4) == 4 * 65 + 1
 
 
 def test_qwen3_next_linear_layers_hold_recurrent_states_and_the_full_layers_page():

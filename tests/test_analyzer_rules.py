@@ -50,8 +50,9 @@ def test_no_blocker_for_plain_gqa():
     ({"alibi": True}, "alibi", "ALiBi"),
     ({"position_embedding_type": "alibi"}, "position_embedding_type", "ALiBi"),
     ({"attn_config": {"alibi": True}}, "attn_config.alibi", "ALiBi"),
-    ({"layer_types": ["chunked_attention", "full_attention"] * 2, "attention_chunk_size": 8192},
-     "attention_chunk_size", "chunked"),
+    # a chunk that starts inside a block (8200 is no multiple of block 128): no shifted block table reads it
+    ({"layer_types": ["chunked_attention", "full_attention"] * 2, "attention_chunk_size": 8200},
+     "attention_chunk_size", "not a multiple of block_size 128"),
     ({"layer_types": ["linear_attention", "full_attention"] * 2}, "layer_types", "linear-attention"),
     ({"head_dim": 576}, "head_dim", "head_dim 576"),
     ({"head_dim": 72}, "head_dim", "head_dim 72"),
@@ -59,7 +60,18 @@ def test_no_blocker_for_plain_gqa():
 def test_each_blocker_names_its_field(over, field, words):
     found = rules.find_blockers(facts(**over))
     assert len(found) == 1, found
-    assert found[0].fields == [field] and words in found[0].message
+    assert found[0].fields[0] == field and words in found[0].message
+
+
+def test_a_chunk_of_whole_blocks_is_no_blocker():
+    chunked = {"layer_types": ["chunked_attention", "full_attention"] * 2, "attention_chunk_size": 8192}
+    assert rules.find_blockers(facts(**chunked)) == []
+    assert rules.find_blockers(facts(**chunked), block_size=512) == []
+    assert "block_size 384" in rules.find_blockers(facts(**chunked), block_size=384)[0].message
+    both = {"layer_types": ["chunked_attention", "sliding_attention", "full_attention", "full_attention"],
+            "attention_chunk_size": 256,
+            "sliding_window": 128}
+    assert ["SlidingWindow manager" in b.message for b in rules.find_blockers(facts(**both))] == [True]
 
 
 def test_mla_blockers_on_rope_and_latent_dims():
@@ -87,8 +99,8 @@ def test_kv_mode_paged_by_default_legacy_only_with_a_blocker():
 def test_attn_type_per_kind():
     assert rules.decide_attn_type("sliding") == "SlidingWindow"
     assert rules.decide_attn_type("linear") == "Mamba"  # a recurrent state in the framework's Mamba group
-    for kind in ("full", "chunked"):
-        assert rules.decide_attn_type(kind) == "FullAttention"
+    assert rules.decide_attn_type("full") == "FullAttention"
+    assert rules.decide_attn_type("chunked") == "ChunkedLocal"  # its own kind, kept by the SlidingWindow manager
 
 
 def test_window_tokens_both_readings():

@@ -34,6 +34,11 @@ def holds_states(m) -> bool:
     return m.linear_attention is not None or any(layer.is_state for layer in m.layers)
 
 
+def holds_chunks(m) -> bool:
+    """The manifest plans chunked local attention layers (Llama-4's RoPE layers)."""
+    return any(layer.is_chunked for layer in m.layers if not layer.is_state)
+
+
 def kv_heads_per_rank(m, tp: int) -> tuple[int, str]:
     """KV heads a rank caches under the manifest's format, and why: MLA's latent is one head whole on every rank;
     K/V heads split by attention TP, replicated below one per rank."""

@@ -101,8 +101,9 @@ class GqaFormat:
         return {}
 
     def group_key(self, attn_type: str, caches: list[CacheSpec]) -> str:
-        """The key of the layer's block table / slot mapping: its attn_type's manager."""
-        return attn_type
+        """The key of the layer's block table / slot mapping: its attn_type's manager (a chunked layer's is the
+        SlidingWindow manager that keeps it, kv_cache_spec.ChunkedLocalSpec)."""
+        return kv_cache_spec.manager_attn_type(attn_type)
 
     def memory_groups(self, facts: Facts, layers: list[LayerPlan], token_bytes: Callable[[LayerPlan], int],
                       next_n: int, block_size: int) -> tuple[list[kv_cache_spec.Spec], list[str]]:
@@ -118,7 +119,10 @@ class GqaFormat:
             members = [layer for layer in cached if layer.group_key == key]
             extra = mtp if key == full else 0
             per_token = sum(token_bytes(layer) for layer in members) + (extra * token_bytes(mtp_layer) if extra else 0)
-            if members and members[0].is_sliding:
+            if members and members[0].is_chunked:
+                groups.append(kv_cache_spec.ChunkedLocalSpec(key, len(members), per_token, block_size,
+                                                             window=members[0].attention_chunk_size, next_n=next_n))
+            elif members and members[0].is_sliding:
                 groups.append(kv_cache_spec.SlidingWindowSpec(key, len(members), per_token, block_size,
                                                               window=members[0].sliding_window, next_n=next_n))
             else:

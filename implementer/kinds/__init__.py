@@ -3,7 +3,8 @@ and what it refuses to render.
 
 One module per kind: ``gqa`` (K/V caches, full and sliding groups), ``mla`` (the latent cache and its rope part),
 ``dsa`` (MLA plus the indexer's key cache and the sparse FA), ``recurrent`` (the linear layers' states),
-``compressed`` (DeepSeek-V4's CSA / HCA: planned, refused at render). Each
+``compressed`` (DeepSeek-V4's CSA / HCA: planned, refused at render), ``chunked`` (Llama-4's chunked local
+attention, inside the GQA partial). Each
 exposes ``check(m)`` (raise the manifest field that makes the design unrenderable) and ``fields(m)`` (its
 ``RenderContext`` fields). ``kinds_of`` maps the kinds a manifest holds (``analyzer.kinds.attention_format``, the one
 place that reads them, shared with the validators) to these modules: the rest of the implementer asks the kinds,
@@ -14,16 +15,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from model_infer_kvcache.analyzer.kinds import DSA, GQA, MLA, attention_format, holds_states
+from model_infer_kvcache.analyzer.kinds import DSA, GQA, MLA, attention_format, holds_chunks, holds_states
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.implementer.kinds import compressed, dsa, gqa, mla, recurrent
+from model_infer_kvcache.implementer.kinds import chunked, compressed, dsa, gqa, mla, recurrent
 from model_infer_kvcache.implementer.kinds.common import bad
 
 # Layer kinds the analyzer may plan that no partial renders, and why a render of them would be wrong.
-UNRENDERED_LAYER_KINDS = {
-    "chunked": "chunked local attention; no template renders chunk-boundary masks (a causal or band mask would be "
-               "silently wrong)",
-}
+UNRENDERED_LAYER_KINDS: dict[str, str] = {}
 
 
 _BY_FORMAT = {DSA: dsa, MLA: mla, GQA: gqa}
@@ -35,8 +33,9 @@ def attention_kind(m: SelectionManifest) -> ModuleType:
 
 
 def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
-    """The kinds the manifest's layers hold: its attention format, then the recurrent state of linear layers."""
-    return (attention_kind(m), *((recurrent,) if holds_states(m) else ()))
+    """The kinds the manifest's layers hold: its attention format, then the recurrent state of linear layers and the
+    chunked local attention of chunked layers."""
+    return (attention_kind(m), *((recurrent,) if holds_states(m) else ()), *((chunked,) if holds_chunks(m) else ()))
 
 
 def graph_mode_gap(m: SelectionManifest) -> str | None:
@@ -59,6 +58,8 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
 
 def check_unrendered(m: SelectionManifest) -> None:
     compressed.check(m)
+    if holds_chunks(m):
+        chunked.check(m)
     if m.exe_mode is not None and m.exe_mode.value != "eager":
         why = graph_mode_gap(m)
         if why:

@@ -39,8 +39,7 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
         for name, entry in got.items():
             c = want[name]
             dims = (entry.attn_type, entry.dim, entry.num_head, entry.dtype, entry.sliding_window)
-            wanted = (plan.attn_type, c.dim, c.num_head, cache_dtype,
-                      plan.sliding_window if plan.is_sliding else None)
+            wanted = (plan.registers_as[0], c.dim, c.num_head, cache_dtype, plan.registers_as[1])
             if dims != wanted:
                 mismatches.append(f"layer {plan.index} {name}: (attn_type, dim, num_head, dtype, window) "
                                   f"{dims} != {wanted}")

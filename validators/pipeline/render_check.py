@@ -72,15 +72,19 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, 
         except Exception as exc:  # the render's own init failing is a finding, named by layer
             bad.append(f"layer {plan.index}: init_kv_cache raised {type(exc).__name__}: {exc}")
             continue
-        window = plan.sliding_window if plan.is_sliding else None
+        attn_type, window = plan.registers_as  # a chunked layer: the SlidingWindow manager, window = chunk
         got = (getattr(attn, "attn_type", None), getattr(attn, "sliding_window", None))
-        if got != (plan.attn_type, window):
-            bad.append(f"layer {plan.index}: (attn_type, window) {got} != {(plan.attn_type, window)}")
+        if got != (attn_type, window):
+            bad.append(f"layer {plan.index}: (attn_type, window) {got} != {(attn_type, window)}")
+            continue
+        if plan.is_chunked and getattr(attn, "attention_chunk_size", None) != plan.attention_chunk_size:
+            bad.append(f"layer {plan.index}: attention_chunk_size {getattr(attn, 'attention_chunk_size', None)} != "
+                       f"{plan.attention_chunk_size}")
             continue
         entries = getattr(attn, "cache_entries", None)
         if entries is None:  # standalone and Legacy renders declare no entries
             continue
-        want = {c.name: (plan.attn_type, c.dim, c.num_head, window, manifest.block_size) for c in plan.caches}
+        want = {c.name: (attn_type, c.dim, c.num_head, window, manifest.block_size) for c in plan.caches}
         have = {e.cache_name: (e.attn_type, e.dim, e.num_head, e.sliding_window,
                                getattr(e, "block_size", manifest.block_size)) for e in entries}
         if have != want:

@@ -62,6 +62,15 @@ class Scenario:
         window = manifest.sliding_window()
         return self.crossing(window, manifest.block_size) if window else self
 
+    def crossing_chunks_of(self, manifest) -> Scenario:
+        """This stream with its late requests placed on the chunk boundaries of the manifest's chunked layers
+        (itself without them): one decodes across the boundary at 2 x chunk, one has a prompt of exactly one chunk
+        (its first decoded token starts a new chunk). The early prompts already cross chunks in prefill."""
+        chunk = manifest.attention_chunk_size()
+        if not chunk:
+            return self
+        return replace(self, late=((2 * chunk - 3, 8), (chunk, 8)))
+
     def uniform_prefill(self) -> Scenario:
         """This stream with every prompt as long as its longest (new tokens and admission order kept): every
         prefill batch then holds requests of one length, for a model that refuses variable-length prefill

@@ -135,6 +135,8 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     window = manifest.sliding_window()
     if window:
         d["sliding_window"] = window
+    if manifest.attention_chunk_size():  # the manifest's chunk, like its window (cpu_sized shrinks both)
+        d["attention_chunk_size"] = manifest.attention_chunk_size()
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
     notes.append(f"{n} of {m.num_layers} decoder layers: the shortest prefix holding every distinct layer plan "
@@ -184,9 +186,15 @@ def cpu_sized(manifest: SelectionManifest) -> SelectionManifest | None:
     """
     long_window = any(layer.sliding_window and layer.sliding_window > MAX_CPU_WINDOW for layer in manifest.layers)
     narrowed = kind_of(manifest).cpu_narrowed(manifest)  # a kind's own width CPU prompts cannot exercise
-    if not (long_window or narrowed):
+    # a chunk CPU prompts cross several times: one block (the chunk stays a multiple of the block size)
+    long_chunk = (manifest.attention_chunk_size() or 0) > manifest.block_size
+    if not (long_window or narrowed or long_chunk):
         return None
     data = manifest.model_dump(mode="json")
+    if long_chunk:
+        for layer in data["layers"]:
+            if layer.get("attention_chunk_size"):
+                layer["attention_chunk_size"] = manifest.block_size
     if long_window:
         for layer in data["layers"]:
             if layer["sliding_window"]:
@@ -202,6 +210,8 @@ def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str
     parts = []
     if manifest.sliding_window() != small.sliding_window():
         parts.append(f"window {manifest.sliding_window()} -> {small.sliding_window()}")
+    if manifest.attention_chunk_size() != small.attention_chunk_size():
+        parts.append(f"attention_chunk_size {manifest.attention_chunk_size()} -> {small.attention_chunk_size()}")
     parts += kind_of(manifest).cpu_size_changes(manifest, small)
     return ", ".join(parts)
 

@@ -111,20 +111,38 @@ class LinearFacts:
     reference: str | None
 
     def k_heads_per_rank(self, tp: int) -> int:
-        """Key heads (Mamba: B/C groups) one attention-TP rank holds; Mamba-1's single B/C stays whole."""
-        return self.num_k_heads if self.family in _REPLICATED_K_HEADS else self.num_k_heads // tp
+        """Key heads (Mamba: B/C groups) one attention-TP rank holds (``k_heads_per_rank``)."""
+        return k_heads_per_rank(self.family, self.num_k_heads, tp)
+
+    def k_heads_split_by(self, tp: int) -> bool:
+        """Whether attention TP ``tp`` splits (or, where ``k_heads_per_rank`` says so, replicates) the key heads."""
+        return k_heads_per_rank(self.family, self.num_k_heads, tp) is not None
 
     def conv_channels_per_rank(self, tp: int) -> int:
         """Channels one attention-TP rank convolves: its share of every head (q|k|v alike; Mamba-2's x|B|C,
         Mamba-1's inner channels only)."""
         if not self.conv_kernel:
             return 0
-        nk, nv = self.num_k_heads // tp, self.num_v_heads // tp
+        nk, nv = self.k_heads_per_rank(tp), self.num_v_heads // tp
         if self.family in (GATED_DELTA_NET, MAMBA2):
             return 2 * nk * self.head_k_dim + nv * self.head_v_dim
         if self.family == MAMBA:
             return nv * self.head_v_dim
         return nk * self.head_k_dim * 2 + nv * self.head_v_dim  # KDA: q|k of Dk, v of Dv per head
+
+
+def k_heads_per_rank(family: str, num_k_heads: int, tp: int) -> int | None:
+    """Key heads (Mamba: B/C groups) one attention-TP rank holds, None where ``tp`` can neither split nor replicate
+    them. Mamba-1's single B/C stays whole on every rank; Mamba-2 with fewer groups than ranks, the ranks a multiple
+    of them (Granite-4.0-H / Bamba: 1 group), gives each rank the one group its heads read (vLLM's MambaMixer2
+    replicates the groups over the ranks the same way); every other family splits them."""
+    if family in _REPLICATED_K_HEADS:
+        return num_k_heads
+    if not num_k_heads % tp:
+        return num_k_heads // tp
+    if family == MAMBA2 and not tp % num_k_heads:
+        return 1
+    return None
 
 
 def family_of_linear(get, model_type: str, architectures: list[str], where: str) -> tuple[str, str] | None:

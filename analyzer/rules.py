@@ -352,10 +352,12 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
     out += format_of(facts).kv_tp_problems(facts, tp)
     lin = facts.linear.value
     if lin:
-        # Linear layers split their heads (and so their state) by attention TP like any head; no replication.
-        for what, n in (("key", lin.num_k_heads), ("value", lin.num_v_heads)):
-            if n % tp:
-                out.append(f"{n} linear-attention {what} heads are not divisible by attn_tp_size {tp}")
+        # Linear layers split their heads (and so their state) by attention TP like any head; Mamba's B/C groups
+        # may be replicated instead (LinearFacts.k_heads_per_rank).
+        if not lin.k_heads_split_by(tp):
+            out.append(f"{lin.num_k_heads} linear-attention key heads are not divisible by attn_tp_size {tp}")
+        if lin.num_v_heads % tp:
+            out.append(f"{lin.num_v_heads} linear-attention value heads are not divisible by attn_tp_size {tp}")
     return out
 
 

@@ -154,3 +154,31 @@ def test_a_mamba_state_mistake_fails_by_name(tmp_path, case, config, mode, patte
     assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
     if failing == NUMERIC:
         assert check(report, LAYERS).passed  # the registration is right: the numbers name it
+
+
+@pytest.mark.parametrize("config, k_per_rank, conv, state", [
+    ("granite_4_0_h", 1, 64 * 64 + 2 * 256, [64, 64, 256]),  # one group, replicated: each rank's heads read it
+    ("jamba", 1, 4096, [4096, 16]),  # Mamba-1's single B/C stays whole; the inner channels split
+])
+def test_attention_tp_splits_the_mamba_heads_and_replicates_a_single_group(config, k_per_rank, conv, state):
+    lin = _plan(config, attn_tp_size=2).linear_attention
+    assert lin.num_k_heads_per_rank == k_per_rank
+    assert lin.conv_channels_per_rank == conv
+    assert next(s.shape for s in lin.states if s.name == "recurrent_state") == state
+
+
+def test_k_heads_per_rank_replicates_only_what_the_family_allows():
+    from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, k_heads_per_rank
+
+    assert k_heads_per_rank(MAMBA2, 8, 2) == 4 and k_heads_per_rank(MAMBA2, 2, 8) == 1
+    assert k_heads_per_rank(MAMBA2, 6, 4) is None  # neither divides: a rank's heads would read two groups
+    assert k_heads_per_rank(GATED_DELTA_NET, 2, 4) is None  # key heads are split, never replicated
+    assert k_heads_per_rank(MAMBA, 1, 8) == 1
+
+
+def test_multi_rank_validation_of_a_mamba_mixer_is_refused_by_name(tmp_path):
+    """Validation shards gated delta nets only: a Mamba layer at attention TP 2 is a gap of kvcache's, said so."""
+    manifest, rendered, cfg = render_case(tmp_path, "jamba", deploy_mode="standalone", attn_tp_size=2)
+    # the ranks' error comes back as the InputError it is (exit 2), its text kept
+    with pytest.raises(InputError, match="not supported by kvcache: multi-rank validation of JambaMambaMixer"):
+        run_validate(manifest, rendered, cfg, scenario=SHORT)

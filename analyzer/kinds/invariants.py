@@ -6,6 +6,8 @@ hand edit that desynchronises a kind's section from the layers it plans is refus
 
 from __future__ import annotations
 
+from model_infer_kvcache.analyzer.linear_config import k_heads_per_rank
+
 INDEXER_KEY_CACHE = "indexer_key_cache"  # the DSA indexer's key cache entry (upstream deepseek_v3_2_exp)
 
 
@@ -46,10 +48,14 @@ def state_problems(m) -> list[tuple[str, str]]:
     if lin:
         p = m.parallel
         tp = p.attn_tp_size
-        for name, total, per_rank in (("num_k_heads", lin.num_k_heads, lin.num_k_heads_per_rank),
-                                      ("num_v_heads", lin.num_v_heads, lin.num_v_heads_per_rank)):
-            if total % tp or per_rank != total // tp:
-                return [(f"linear_attention.{name}_per_rank", f"{per_rank} is not {name} {total} / attn_tp_size {tp}")]
+        k_want = k_heads_per_rank(lin.family, lin.num_k_heads, tp)
+        if k_want is None or lin.num_k_heads_per_rank != k_want:
+            return [("linear_attention.num_k_heads_per_rank", f"{lin.num_k_heads_per_rank} is not num_k_heads "
+                                                              f"{lin.num_k_heads} on attn_tp_size {tp} ({k_want} for "
+                                                              f"{lin.family})")]
+        if lin.num_v_heads % tp or lin.num_v_heads_per_rank != lin.num_v_heads // tp:
+            return [("linear_attention.num_v_heads_per_rank", f"{lin.num_v_heads_per_rank} is not num_v_heads "
+                                                              f"{lin.num_v_heads} / attn_tp_size {tp}")]
     return []
 
 

@@ -36,7 +36,9 @@ from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
 from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
+    MIXER_FACT,
     NOT_IN_TRANSFORMERS,
+    PARALLEL,
     mixer_facts,
     mixer_off,
 )
@@ -81,7 +83,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 12  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 13  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -295,8 +297,11 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
                                             and not isinstance(getattr(module, a), bool)), None)
         window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
             else _window_of(module, config)
+        # a mixer beside the attention (Falcon-H1): its sizes ride along, for a parallel hybrid's planned state
+        beside = mixer_module(path)
+        facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {})
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
-                               getattr(module, "sinks", None) is not None, mixer_of(path), hf_module_facts(module)))
+                               getattr(module, "sinks", None) is not None, mixer_of(path), tuple(sorted(facts.items()))))
     return tuple(out)
 
 
@@ -404,6 +409,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                             f"on the meta device ({report.error})")
         return result
     hf = report.attentions
+    # a parallel hybrid (Falcon-H1) plans each decoder layer's mixer state as a second sublayer: transformers' modules
+    # line up with the attention sublayers, and each one's mixer beside it with the state planned for that layer
+    parallel = PARALLEL in facts.layer_kinds.value
+    states_of = {layer.decoder_layer for layer in layers if layer.is_state} if parallel else set()
+    layers = [layer for layer in layers if not (parallel and layer.is_state)]
     cross = [a for a in hf if a.path.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES]
     if cross and len(hf) - len(cross) == len(layers):
         # the decoder of an encoder-decoder family (BART / Whisper / TrOCR ForCausalLM): each block also attends over
@@ -441,9 +451,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             continue
         if layer.is_recurrent:
             continue
-        if mod.recurrent_beside:
+        if mod.recurrent_beside and layer.decoder_layer not in states_of:
             beside_off.append((layer, mod))
             continue
+        if mod.recurrent_beside and mixer_off(lin, dict(mod.kind_facts)):
+            state_off.append((layer, mod, mixer_off(lin, dict(mod.kind_facts))))
         if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=_REL_TOL):
             scale_off.append((layer, mod))
         # a window of 0 is off (Qwen2-MoE's config writes 0 when use_sliding_window is false)
@@ -461,7 +473,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                 kv_off.append((layer, mod, shape, want))
         if mod.sinks != facts.has_sinks.value:
             sinks_off.append((layer, mod))
-        off = fmt.hf_off(layer, dict(mod.kind_facts), mod.cls)
+        off = fmt.hf_off(layer, {k: v for k, v in mod.kind_facts if not k.startswith(MIXER_FACT)}, mod.cls)
         if off:
             format_off.append((layer, mod, off))
     if no_attention:

@@ -30,6 +30,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
 )
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
+from model_infer_kvcache.analyzer.linear_config import holds_state, sublayer_kinds
 from model_infer_kvcache.analyzer.manifest import (
     AttentionLayerPlan,
     DeployModeDecision,
@@ -316,7 +317,7 @@ def assemble(
 def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, checkout, blockers,
                      questions) -> None:
     """Framework mode registers linear layers' states as MambaCacheEntry, which only G3 frameworks define."""
-    linear = facts.layer_kinds.value.count("linear")
+    linear = sum(holds_state(kind) for kind in facts.layer_kinds.value)
     if not linear or facts.linear.value is None or deploy != "framework":
         return
     fields = [facts.layer_kinds.source, "--framework-root"]
@@ -531,6 +532,16 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
     out = []
     subs = facts.sublayers_per_layer.value
     for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
+        out += _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window,
+                          decoder_idx, sublayer_kinds(config_kind, subs), len(out))
+    return out
+
+
+def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window, decoder_idx,
+               kinds: tuple[str, ...], start: int) -> list[LayerPlan]:
+    """The layer plans of one decoder layer, one per sublayer kind (a parallel hybrid's attention then its state)."""
+    out: list[LayerPlan] = []
+    for sub, config_kind in enumerate(kinds):
         kind, w, full_reason = rules.planned_layer_kind(config_kind, window, facts.max_position_embeddings.value)
         # A linear layer of an unknown family plans no state (a blocker says why): no Mamba entry without shapes.
         attn_type = FULL_ATTENTION if kind == "linear" and facts.linear.value is None else rules.decide_attn_type(kind)
@@ -545,11 +556,10 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
                          write_op=write_op, caches=caches, window_derivation=derivation,
                          **_layer_shape(facts, parallel, decoder_idx),
                          **fmt.layer_fields(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size))
-        for sub in range(subs):
-            common = dict(index=len(out), decoder_layer=decoder_idx, sublayer=sub, attn_type=attn_type,
-                          layer_kind=kind, group_key=fmt.group_key(attn_type, caches))
-            # a state layer is its states (no KV cache, no FA call): the manifest's tagged layer plan
-            out.append(StateLayerPlan(**common, states=states) if states else AttentionLayerPlan(**common, **attention))
+        common = dict(index=start + len(out), decoder_layer=decoder_idx, sublayer=sub, attn_type=attn_type,
+                      layer_kind=kind, group_key=fmt.group_key(attn_type, caches))
+        # a state layer is its states (no KV cache, no FA call): the manifest's tagged layer plan
+        out.append(StateLayerPlan(**common, states=states) if states else AttentionLayerPlan(**common, **attention))
     return out
 
 

@@ -18,9 +18,11 @@ from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.linear_config import (
+    PARALLEL_HYBRIDS,
     LinearFacts,
     bailing_layer_kinds,
     family_of_linear,
+    holds_state,
     kimi_layer_kinds,
     mamba_layer_kinds,
     read_linear,
@@ -70,6 +72,7 @@ _LAYER_TYPE_KIND = {
     "mamba": "linear",
     "recurrent": "linear",
 }
+_LAYER_KINDS_DOC = "full | sliding | chunked | linear | parallel (attention beside a Mamba mixer)"
 
 # DeepSeek-V4's compressed layer types (analyzer/kinds/compressed.py): every such layer attends through a window
 # branch (planned as a sliding layer) and keeps a compressed branch beside it (ModelFacts.compressed).
@@ -458,6 +461,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
                                     maximum=LIMITS["layers"])
         sublayers = Sourced(1, "default: one attention per decoder layer")
+        if model_type in PARALLEL_HYBRIDS:  # Falcon-H1: the attention's KV cache and the mixer's states
+            sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
+                                   "sublayers per decoder layer)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
     heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
@@ -551,7 +557,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
 def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],
             model_type: str, hidden: int) -> Sourced[LinearFacts | None]:
     """The linear layers' family and sizes (analyzer.linear_config), when the config has linear layers."""
-    if "linear" not in kinds.value:
+    if not any(holds_state(kind) for kind in kinds.value):
         return Sourced(None, "default: no linear-attention layers")
     if family is None:
         return Sourced(None, f"model_type {model_type}: no linear-attention family kvcache knows")

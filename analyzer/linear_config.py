@@ -44,6 +44,10 @@ LIGHTNING = "lightning_attention"
 MAMBA2 = "mamba2"
 MAMBA = "mamba"
 LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA)
+# A decoder layer of a parallel hybrid (Falcon-H1) runs attention and a Mamba mixer side by side on the same input:
+# its config layer kind, planned as two sublayers (the attention's KV cache, then the mixer's states).
+PARALLEL = "parallel"
+PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
 # Families whose B/C groups (key heads) stay whole on every rank: Mamba-1 has one B/C for all channels.
 _REPLICATED_K_HEADS = frozenset({MAMBA})
 
@@ -332,6 +336,11 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
                                       f"{offset!r}", field=offset_hit[1] if offset_hit else "attn_layer_offset")
         kinds = tuple("full" if i % period.value == offset else "linear" for i in range(num_layers))
         return kinds, f"{period.source}={period.value}, {offset_hit[1]}={offset} (attention where i % period == offset)"
+    if model_type == "mamba2":  # Mamba2ForCausalLM: a stack of Mamba-2 mixers, no attention
+        return ("linear",) * num_layers, "model_type mamba2 (every layer a Mamba-2 mixer)"
+    if model_type in PARALLEL_HYBRIDS:
+        return (PARALLEL,) * num_layers, f"model_type {model_type} (attention and a Mamba-2 mixer side by side in " \
+                                         "every decoder layer)"
     if model_type == "bamba":
         hit = r.get("attn_layer_indices")
         listed = hit[0] if hit else []
@@ -344,6 +353,9 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
                                  field=f"{src}[{i}]")
         return tuple("full" if i in listed else "linear" for i in range(num_layers)), f"{src} (the others Mamba)"
     return None
+
+
+MIXER_FACT = "mixer_"  # the prefix of mixer_facts' names
 
 
 def mixer_facts(module) -> dict[str, int | None]:
@@ -373,3 +385,14 @@ def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
                "mixer_conv_channels": lin.conv_channels}
     off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
     return ", ".join(off) or None
+
+
+def sublayer_kinds(config_kind: str, sublayers: int) -> tuple[str, ...]:
+    """The layer kind of each sublayer of a decoder layer: a parallel layer's attention, then its Mamba state; any
+    other kind repeated (LongCat-Flash's two attention sublayers)."""
+    return ("full", "linear") if config_kind == PARALLEL else (config_kind,) * sublayers
+
+
+def holds_state(config_kind: str) -> bool:
+    """A decoder layer of this config kind keeps a recurrent state (a linear layer, or a parallel one's mixer)."""
+    return config_kind in ("linear", PARALLEL)

@@ -17,7 +17,14 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
     spec_for_layer_kind,
     token_bytes,
 )
-from model_infer_kvcache.analyzer.linear_config import GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA, MAMBA2
+from model_infer_kvcache.analyzer.linear_config import (
+    GATED_DELTA_NET,
+    KIMI_DELTA,
+    LIGHTNING,
+    MAMBA,
+    MAMBA2,
+    holds_state,
+)
 from model_infer_kvcache.analyzer.manifest import (
     CacheDtypeDecision,
     CacheSpec,
@@ -100,6 +107,14 @@ def find_blockers(facts: ModelFacts, block_size: int = DEFAULT_BLOCK_SIZE) -> li
         out.append(Finding(
             message="chunked and sliding-window layers in one model: both are kept by the framework's SlidingWindow "
                     "manager, which holds one window",
+            fields=[facts.layer_kinds.source],
+        ))
+    if kinds and set(kinds) == {"linear"} and facts.linear.value is not None:
+        # analyze plans every state; the templates compose the state partial with an attention partial only
+        out.append(Finding(
+            message=f"every one of the {len(kinds)} layers keeps a recurrent state ({facts.linear.value.family}, no "
+                    "attention layer: a pure state stack): not supported by kvcache, whose templates render states "
+                    "beside attention layers only; the manifest's linear_attention section is the design",
             fields=[facts.layer_kinds.source],
         ))
     if "linear" in kinds and facts.linear.value is None:
@@ -470,7 +485,7 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         return None
     tp = parallel.attn_tp_size
     states = linear_states(facts, tp, dtype, next_n)
-    layers = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == "linear"]
+    layers = [i for i, kind in enumerate(facts.layer_kinds.value) if holds_state(kind)]
     conv = (f"conv state [{lin.conv_channels_per_rank(tp)}, {lin.conv_kernel - 1}] and " if lin.conv_kernel else "")
     return LinearAttentionDecision(
         family=lin.family,

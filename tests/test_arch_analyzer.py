@@ -247,12 +247,11 @@ def test_mimo_v2_flash_value_dim_and_sinks_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("cls_name, overrides, words", [
-    # Mamba layers beside attention layers, of another class each: the analyzer reads no mamba layer from the config
-    ("JambaConfig", {"num_hidden_layers": 8}, ["on 7 layer(s) where transformers' decoder block has no attention",
-                                               "a block holding JambaMambaMixer"]),
-    # a Mamba2 mixer in parallel with the attention of every layer
-    ("FalconH1Config", {"num_hidden_layers": 2}, ["recurrent mixer (FalconH1Mixer) beside its attention",
-                                                  "on 2 layer(s)"]),
+    # Zamba: Mamba layers, and hybrid layers with a shared attention block beside their mixer; kvcache reads neither
+    # from the config (its layers_block_type 'hybrid' is no layer kind it plans)
+    ("ZambaConfig", {"num_hidden_layers": 8}, ["on 6 layer(s) where transformers' decoder block has no attention",
+                                               "a block holding ZambaMambaMixer",
+                                               "recurrent mixer (ZambaMambaMixer) beside its attention"]),
 ])
 def test_hybrids_whose_recurrent_state_kvcache_does_not_plan_are_refused_by_name(tmp_path, cls_name, overrides, words):
     """Planned as attention only, their recurrent states would be dropped: the cross-check reads the decoder blocks
@@ -262,6 +261,28 @@ def test_hybrids_whose_recurrent_state_kvcache_does_not_plan_are_refused_by_name
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(path)))
     assert all(w in err.value.render() for w in words), err.value.render()
+
+
+def test_a_parallel_mixer_the_plan_misses_is_refused_by_name(tmp_path):
+    """Falcon-H1 is planned as attention plus its mixer's state per decoder layer; an analyzer that read its layers as
+    attention only (the mistake before the parallel kind) is caught by the cross-check naming the mixer."""
+    import dataclasses
+
+    from model_infer_kvcache.analyzer.arch_check import cross_check
+    from model_infer_kvcache.analyzer.config_loader import Sourced, load_model_facts
+
+    config = _class_defaults("FalconH1Config", num_hidden_layers=2)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    m = analyze(AnalyzeRequest(config=str(path)))
+    facts = load_model_facts(str(path))
+    assert cross_check(config, facts, m.layers, m.fa.softmax_scale, "").errors == []
+    attention_only = dataclasses.replace(facts, layer_kinds=Sourced(("full", "full"), "misread"),
+                                         sublayers_per_layer=Sourced(1, "misread"))
+    bad = cross_check(config, attention_only, [layer for layer in m.layers if not layer.is_state],
+                      m.fa.softmax_scale, "")
+    assert any("recurrent mixer (FalconH1Mixer) beside its attention" in e and "on 2 layer(s)" in e
+               for e in bad.errors), bad.errors
 
 
 def test_cross_check_confirms_phi35_moe_full_attention():

@@ -182,3 +182,67 @@ def test_multi_rank_validation_of_a_mamba_mixer_is_refused_by_name(tmp_path):
     # the ranks' error comes back as the InputError it is (exit 2), its text kept
     with pytest.raises(InputError, match="not supported by kvcache: multi-rank validation of JambaMambaMixer"):
         run_validate(manifest, rendered, cfg, scenario=SHORT)
+
+
+
+def test_falcon_h1_plans_attention_and_its_mixer_state_as_two_sublayers():
+    """Falcon-H1 runs attention and a Mamba-2 mixer side by side in every decoder layer: each decoder layer plans its
+    KV cache (sublayer 0) and its state (sublayer 1); the cross-check compares each mixer beside its attention."""
+    m = _plan("falcon_h1")
+    assert m.model.sublayers_per_layer == 2 and len(m.layers) == 64
+    assert [(layer.decoder_layer, layer.sublayer, layer.attn_type) for layer in m.layers[:4]] == [
+        (0, 0, "FullAttention"), (0, 1, "Mamba"), (1, 0, "FullAttention"), (1, 1, "Mamba")]
+    lin = m.linear_attention
+    assert lin.family == MAMBA2 and lin.layers == list(range(32))
+    assert {s.name: s.shape for s in lin.states} == {"conv_state": [1024 + 2 * 256, 3], "recurrent_state": [128, 8, 256]}
+    assert m.plan_of_module(5) is m.layers[10]  # an attention module's FA calls name its decoder layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_falcon_h1_renders_and_validates(tmp_path, mode):
+    manifest, rendered, cfg = render_case(tmp_path, "falcon_h1", deploy_mode=mode)
+    text = (rendered / ATTN).read_text(encoding="utf-8")
+    assert ("return [decoder_layer.self_attn, decoder_layer.mamba]" in text) == (mode == "framework")
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+
+
+FALCON_H1_MISTAKES = [
+    # the mixer's state reused across requests: prefill continues from the block
+    ("prefill-reads-the-ssm-state", "standalone",
+     r"if forward_metadata\.is_prefill \\\n\s+else self\.recurrent_state\[slots\[row\]\]\.to\(dtype\)",
+     "if False else self.recurrent_state[slots[row]].to(dtype)", NUMERIC),
+    # get_cache_info registering the attention only: the mixer's states never get blocks
+    ("mixer-states-not-registered", "framework",
+     r"return \[decoder_layer\.self_attn, decoder_layer\.mamba\]", "return [decoder_layer.self_attn]",
+     "get_cache_info layer count"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, pattern, replacement, failing", FALCON_H1_MISTAKES,
+                         ids=[m[0] for m in FALCON_H1_MISTAKES])
+def test_a_falcon_h1_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
+    manifest, rendered, cfg = render_case(tmp_path, "falcon_h1", deploy_mode=mode)
+    mutate(rendered, pattern, replacement, name=ATTN)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not report.passed
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+
+
+def test_a_pure_mamba_stack_is_planned_and_blocked_by_name(tmp_path):
+    """GraniteMoeHybridConfig() lists every layer Mamba: each state is planned, and a blocker says kvcache renders
+    states beside attention layers only (kvcache's gap, not the device's); render refuses it by name too."""
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    data = json.loads((CONFIGS / "granite_4_0_h.json").read_text(encoding="utf-8"))
+    data["layer_types"] = ["mamba"] * data["num_hidden_layers"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(path)))
+    assert m.linear_attention.layers == list(range(32)) and all(layer.is_state for layer in m.layers)
+    assert any("no attention layer: a pure state stack" in b.message for b in m.blockers)
+    with pytest.raises(InputError, match=r"32 linear layer\(s\) keep a recurrent state \(attn_type Mamba, mamba2, Legacy\)"):
+        render_manifest(m, allow_blocked=True)

@@ -69,7 +69,7 @@ class GqaFormat:
         return out
 
     def attention_kind(self, facts: Facts) -> str:
-        if set(facts.layer_kinds.value) & {"linear", "chunked"}:
+        if set(facts.layer_kinds.value) & {"linear", "chunked", "parallel"}:
             return "hybrid"
         kv, heads = facts.num_key_value_heads.value, facts.num_attention_heads.value
         return "mha" if kv == heads else "mqa" if kv == 1 else "gqa"

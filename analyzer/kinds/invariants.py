@@ -37,9 +37,12 @@ def state_problems(m) -> list[tuple[str, str]]:
     attn_type, and each kind's plan has only its own fields.)"""
     lin = m.linear_attention
     linear_layers = set(lin.layers) if lin else set()
+    # a parallel hybrid (Falcon-H1) plans a linear decoder layer's attention as sublayer 0 and its state as sublayer 1
+    with_state = {layer.decoder_layer for layer in m.layers if layer.is_state}
     for i, layer in enumerate(m.layers):
         where = f"layers[{i}]"
-        if layer.is_state != (layer.decoder_layer in linear_layers):
+        beside = not layer.is_state and layer.decoder_layer in with_state  # a parallel layer's attention sublayer
+        if not beside and layer.is_state != (layer.decoder_layer in linear_layers):
             why = "is attn_type Mamba but not in linear_attention.layers" if layer.is_state else \
                 "is a linear_attention layer but not attn_type Mamba"
             return [(f"{where}.attn_type", f"decoder layer {layer.decoder_layer} {why}")]

@@ -16,7 +16,7 @@ NO_SPECULATIVE = frozenset({"mamba2", "mamba"})
 RENDERED = tuple(FAMILY_NAMES)
 # transformers' attribute of a decoder layer's state module (JambaMambaDecoderLayer.mamba, Bamba / Granite-4.0-H
 # .mamba; Qwen3-Next, Ling: .linear_attn)
-MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba"}
+MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba"}  # Falcon-H1 too: self_attn and mamba side by side
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class LinearCtx:
     state_shape: str  # one request's recurrent state, as the rendered constants: the family's layout
     state_layout: str  # which layout, and whose
     next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
+    parallel: bool = False  # each state sits beside an attention in the same decoder layer (Falcon-H1)
 
     @property
     def module_attr(self) -> str:
@@ -101,4 +102,5 @@ def fields(m) -> dict:
                                 int(lin.head_k_dim), int(lin.head_v_dim), int(lin.conv_kernel or 0),
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",
                                 TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
-                                lin.state_blocks_per_request - 1)}
+                                lin.state_blocks_per_request - 1,
+                                any(layer.is_state and layer.sublayer for layer in m.layers))}

@@ -53,7 +53,7 @@ def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependen
                        own_layout: set[int] = frozenset()) -> list[str]:
     """The arguments of one FA call (a dict as ``check_fa_calls`` takes) that differ from what the manifest
     decided for its layer and path, each as ``name=value (manifest value)``."""
-    plan = manifest.layers[call["layer"]]
+    plan = manifest.plan_of_module(call["layer"])
     path = "prefill" if call["is_prefill"] else "decode"
     mode = getattr(plan.sparse_mode, path)
     op, kw = call["op"], keywords_of(call["op"])

@@ -553,11 +553,14 @@ class _DecoderLayer:
     state module transformers keeps under ``state_attr`` (Jamba's ``mamba``) answers that name only, as the model's
     own layer does (a render looking the module up under another name finds none)."""
 
-    def __init__(self, attention, state_attr: str | None = None):
+    def __init__(self, attention, state_attr: str | None = None, state=None):
         self._attention = attention
         self._state_attr = state_attr
+        self._state = state  # a parallel hybrid's mixer beside its attention (Falcon-H1), under state_attr
 
     def __getattr__(self, name):
+        if self._state is not None:
+            return self._state if name == self._state_attr else self._attention
         if self._state_attr is not None and name != self._state_attr:
             raise AttributeError(f"the decoder layer holds its state module as {self._state_attr!r}, not {name!r}")
         return self._attention
@@ -585,26 +588,29 @@ class HostModel:
         self.attentions = []
         path, layers = decoder_layers(hf_model)
         routes = set()
-        state_attrs: dict[int, str] = {}
+        views: list[_DecoderLayer] = []  # what get_cache_info() walks, one per decoder layer
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
+            state, state_attr = None, None
             if linear is not None:
                 if linear_cls is None:
                     raise InputError("--config", f"{path}.{idx}.{linear[0]} ({type(linear[1]).__name__}) is a linear "
                                                  "layer and the rendered code has no state mixin", field="model_type")
-                host = linear_cls(linear[1], idx, self.probe)
-                host.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d")))
+                state = linear_cls(linear[1], idx, self.probe)
+                state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d")))
                 scan = mamba_scan_of(linear[1])
                 if scan is not None:
-                    bind_mamba(linear[1], host, scan)
-                    state_attrs[len(self.attentions)] = linear[0]  # the layer answers its mixer's own name only
+                    bind_mamba(linear[1], state, scan)
+                    state_attr = linear[0]  # the layer answers its mixer's own name only
                 else:
-                    linear[1]._kvcache_host = host
+                    linear[1]._kvcache_host = state
                     linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
-                self.attentions.append(host)
+            hits = [hit for hit in find_attentions(layer) if linear is None or hit[1] is not linear[1]]
+            if linear is not None and not (hits and state_attr):  # a parallel hybrid's Mamba layer keeps attention
+                self.attentions.append(state)
+                views.append(_DecoderLayer(state, state_attr))
                 continue
-            hits = find_attentions(layer)
             if len(hits) != 1:
                 raise InputError("--config", f"the validation host routes one attention module per decoder layer, "
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",
@@ -623,7 +629,9 @@ class HostModel:
             if route in _ROUTED_FORWARD:
                 hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
                                                    hf_attn)
-            self.attentions.append(host)
+            # a parallel hybrid (Falcon-H1): the attention sublayer, then the mixer's states beside it
+            self.attentions += [host] if state is None else [host, state]
+            views.append(_DecoderLayer(host, state_attr, state))
         if "interface" in routes:
             _register_attention()
             hf_model.config._attn_implementation = ATTN_IMPL
@@ -631,14 +639,13 @@ class HostModel:
                 if hasattr(module, "config") and module.config is not hf_model.config:
                     module.config._attn_implementation = ATTN_IMPL
         # Each decoder layer's output of the last step, to name the first diverging layer on failure.
-        self.layer_outputs: list[torch.Tensor | None] = [None] * len(self.attentions)
+        self.layer_outputs: list[torch.Tensor | None] = [None] * len(layers)
         for idx, layer in enumerate(layers):
             layer.register_forward_hook(_store_output(self.layer_outputs, idx))
         # What get_cache_info() walks: model.layers[i].<attn_attr> (whatever --attn-attr the render
         # used), plus the model-level block size.
         self.block_size = block_size
-        self.model = types.SimpleNamespace(layers=[_DecoderLayer(a, state_attrs.get(i))
-                                                   for i, a in enumerate(self.attentions)])
+        self.model = types.SimpleNamespace(layers=views)
 
     def get_cache_info(self):
         mixin = self.rendered.model_mixin()

@@ -12,6 +12,7 @@ from typing import Any
 
 from model_infer_kvcache.analyzer.config_loader import normalize_config
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.linear_config import sublayer_kinds
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.rules import planned_layer_kind
 from model_infer_kvcache.implementer.header import RenderHeader
@@ -59,10 +60,11 @@ def config_mismatches(manifest: SelectionManifest, config: dict[str, Any], where
     ]
     out = [f"{name} {got!r} (config) vs {want!r} (manifest)" for name, got, want in pairs if got != want]
     if not out:  # the layer pattern and window as the analyzer plans them, decoder layer by decoder layer
-        windows = {layer.decoder_layer: layer.sliding_window for layer in manifest.layers}
-        kinds = {layer.decoder_layer: layer.layer_kind for layer in manifest.layers}
+        # a parallel hybrid's decoder layer: its attention sublayer (0) carries the window
+        windows = {layer.decoder_layer: layer.sliding_window for layer in manifest.layers if not layer.sublayer}
+        kinds = {layer.decoder_layer: layer.layer_kind for layer in manifest.layers if not layer.sublayer}
         for i, config_kind in enumerate(facts.layer_kinds.value):
-            kind, window, _ = planned_layer_kind(config_kind, facts.sliding_window.value,
+            kind, window, _ = planned_layer_kind(sublayer_kinds(config_kind, 1)[0], facts.sliding_window.value,
                                                  facts.max_position_embeddings.value)
             if i in kinds and (kinds[i], windows[i]) != (kind, window):
                 out.append(f"decoder layer {i}: config plans {kind} window {window}, manifest has {kinds[i]} "

@@ -104,7 +104,7 @@ class SpecStream:
         for call in fa_calls:
             if call["step"] not in verify:
                 continue
-            want = kind_of(manifest).verify_expectation(manifest, manifest.layers[call["layer"]])
+            want = kind_of(manifest).verify_expectation(manifest, manifest.plan_of_module(call["layer"]))
             got = (call.get("sparse_mode", 0), call.get("has_mask", False))
             if got != want:
                 bad.append(f"step {call['step']} layer {call['layer']}: (sparse_mode, mask) {got} != {want}")

@@ -70,16 +70,25 @@ MISTAKES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case, mode, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_a_state_render_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
-    manifest, rendered, cfg = render_case(tmp_path, "qwen3_next", SMALL_QWEN3_NEXT, deploy_mode=mode)
+def mistake_fails_by_name(case: tuple[Path, Path, Path], pattern: str, replacement: str, failing: str):
+    """A state port's mistake written into a render (``case``: render_case's paths) fails the check named
+    ``failing`` on the short stream; a numeric failure leaves the registration check passing (the numbers name
+    it). Returns the report."""
+    manifest, rendered, cfg = case
     mutate(rendered, pattern, replacement, name=ATTN)
     report = run_validate(manifest, rendered, cfg, scenario=SHORT)
     assert not report.passed
     assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
     if failing == NUMERIC:
-        assert check(report, LAYERS).passed  # the registration is right: the numbers name it
+        assert check(report, LAYERS).passed
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_state_render_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
+    report = mistake_fails_by_name(render_case(tmp_path, "qwen3_next", SMALL_QWEN3_NEXT, deploy_mode=mode), pattern,
+                                   replacement, failing)
     if case == "full-layer-as-state":
         assert "'Mamba'" in check(report, LAYERS).detail and "'FullAttention'" in check(report, LAYERS).detail
     if case == "linear-layer-as-full-attention":

@@ -13,9 +13,8 @@ from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.config_loader import load_model_facts
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.linear_config import MAMBA, MAMBA2, LinearFacts, mixer_off
-from validators_support import CONFIGS, check, mutate, render_case, run_validate
-
-from test_hybrid_render import LAYERS, NUMERIC, SHORT
+from test_hybrid_render import LAYERS, NUMERIC, SHORT, mistake_fails_by_name
+from validators_support import CONFIGS, check, render_case, run_validate
 
 
 def _plan(config: str, **over):
@@ -147,13 +146,8 @@ MAMBA_MISTAKES = [
 @pytest.mark.parametrize("case, config, mode, pattern, replacement, failing", MAMBA_MISTAKES,
                          ids=[f"{m[0]}-{m[1]}" for m in MAMBA_MISTAKES])
 def test_a_mamba_state_mistake_fails_by_name(tmp_path, case, config, mode, pattern, replacement, failing):
-    manifest, rendered, cfg = render_case(tmp_path, config, OVERRIDES.get(config), deploy_mode=mode)
-    mutate(rendered, pattern, replacement, name=ATTN)
-    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
-    assert not report.passed
-    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
-    if failing == NUMERIC:
-        assert check(report, LAYERS).passed  # the registration is right: the numbers name it
+    mistake_fails_by_name(render_case(tmp_path, config, OVERRIDES.get(config), deploy_mode=mode), pattern,
+                          replacement, failing)
 
 
 @pytest.mark.parametrize("config, k_per_rank, conv, state", [
@@ -225,11 +219,7 @@ FALCON_H1_MISTAKES = [
 @pytest.mark.parametrize("case, mode, pattern, replacement, failing", FALCON_H1_MISTAKES,
                          ids=[m[0] for m in FALCON_H1_MISTAKES])
 def test_a_falcon_h1_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
-    manifest, rendered, cfg = render_case(tmp_path, "falcon_h1", deploy_mode=mode)
-    mutate(rendered, pattern, replacement, name=ATTN)
-    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
-    assert not report.passed
-    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+    mistake_fails_by_name(render_case(tmp_path, "falcon_h1", deploy_mode=mode), pattern, replacement, failing)
 
 
 def test_a_pure_mamba_stack_is_planned_and_blocked_by_name(tmp_path):

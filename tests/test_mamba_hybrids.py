@@ -128,6 +128,9 @@ MAMBA_MISTAKES = [
     ("prefill-reads-the-conv-state", "jamba", "framework",
      r"            if is_prefill:\n                history = x\.new_zeros\(CONV_KERNEL - 1, CONV_CHANNELS_PER_RANK\)\n"
      r"            else:\n                history", "            history", NUMERIC),
+    # the conv state keeps the oldest inputs of the window instead of the newest (x|B|C history of the wrong tokens)
+    ("conv-state-shifted-the-wrong-way", "granite_4_0_h", "framework", r"window\[-\(CONV_KERNEL - 1\):\]",
+     "window[:CONV_KERNEL - 1]", NUMERIC),
     # B/C groups tiled over the heads (head h reads group h % G) instead of head h reading group h // (H / G)
     ("b-c-groups-tiled", "bamba", "standalone",
      r"B = B\.to\(dtype\)\.repeat_interleave\(group, dim=1\)\n(\s+)C = C\.to\(dtype\)\.repeat_interleave\(group, dim=1\)",

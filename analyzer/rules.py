@@ -156,7 +156,11 @@ def decide_legacy_attention(facts: ModelFacts, kv_mode: str, blockers: list[Find
     if kv_mode != "legacy":
         return None
     softcap = facts.attn_logit_softcapping.value
-    if not blockers:
+    # chunked local attention is planned paged (no blocker), but Legacy's one BSH FA call has one band for the batch
+    chunked = ["chunked local attention on {} layers: a chunk start jumps by attention_chunk_size, which the one "
+               "pre_tokens band of a BSH FA call cannot follow".format(facts.layer_kinds.value.count("chunked"))] \
+        if "chunked" in facts.layer_kinds.value else []
+    if not blockers and not chunked:
         return LegacyAttention(kernel="fa", reason="no blocker: FA expresses the model's attention, one BSH FA "
                                                    "call over the contiguous cache")
     terms = []
@@ -166,7 +170,7 @@ def decide_legacy_attention(facts: ModelFacts, kv_mode: str, blockers: list[Find
         terms.append("ALiBi bias")
     return LegacyAttention(
         kernel="model", softcap=softcap, alibi=bool(facts.alibi.value),
-        reason="FA cannot express this attention (" + "; ".join(b.message for b in blockers) + "): the Legacy "
+        reason="FA cannot express this attention (" + "; ".join([b.message for b in blockers] + chunked) + "): the Legacy "
                "path keeps the model's own eager attention over the contiguous cache (scores x scale"
                + "".join(f", {t}" for t in terms) + ", causal and window mask, softmax, x V); no FA call")
 

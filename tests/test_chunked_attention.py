@@ -138,3 +138,14 @@ def test_a_linear_layer_planned_full_is_no_chunk_question(tmp_path):
     data["layers"][3]["layer_kind"] = "chunked"  # a chunked config layer planned FullAttention is refused
     with pytest.raises(ValueError, match=r"layers\[3\]\.layer_kind"):
         SelectionManifest.model_validate(data)
+
+
+def test_legacy_on_chunked_layers_keeps_the_model_attention(tmp_path):
+    """Planned paged, chunked layers carry no blocker; forced Legacy, one BSH FA call has one band for the batch and
+    cannot follow a chunk start: the Legacy decision names the chunk and keeps the model's own attention (it said
+    'kernel fa, no blocker' before)."""
+    from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+
+    m = analyze(AnalyzeRequest(config=str(CONFIGS / "llama4_scout.json"), kv_mode="legacy"))
+    assert m.legacy_attention.kernel == "model"
+    assert "chunked local attention on 36 layers" in m.legacy_attention.reason

@@ -299,9 +299,10 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
             else _window_of(module, config)
         # a mixer beside the attention (Falcon-H1): its sizes ride along, for a parallel hybrid's planned state
         beside = mixer_module(path)
-        facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {})
+        module_facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {})
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
-                               getattr(module, "sinks", None) is not None, mixer_of(path), tuple(sorted(facts.items()))))
+                               getattr(module, "sinks", None) is not None, mixer_of(path),
+                               tuple(sorted(module_facts.items()))))
     return tuple(out)
 
 
@@ -440,8 +441,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         if mod.cls is None:
             if not layer.is_recurrent:
                 no_attention.append((layer, mod))
-            elif lin is not None and mixer_off(lin, dict(mod.kind_facts)):
-                state_off.append((layer, mod, mixer_off(lin, dict(mod.kind_facts))))
+            elif lin is not None and (off := mixer_off(lin, dict(mod.kind_facts))):
+                state_off.append((layer, mod, off))
             continue
         result.checked_layers += 1
         if layer.is_recurrent != is_linear_module(mod.cls):
@@ -454,8 +455,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         if mod.recurrent_beside and layer.decoder_layer not in states_of:
             beside_off.append((layer, mod))
             continue
-        if mod.recurrent_beside and mixer_off(lin, dict(mod.kind_facts)):
-            state_off.append((layer, mod, mixer_off(lin, dict(mod.kind_facts))))
+        if mod.recurrent_beside and (off := mixer_off(lin, dict(mod.kind_facts))):
+            state_off.append((layer, mod, off))
         if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=_REL_TOL):
             scale_off.append((layer, mod))
         # a window of 0 is off (Qwen2-MoE's config writes 0 when use_sliding_window is false)

@@ -72,7 +72,6 @@ _LAYER_TYPE_KIND = {
     "mamba": "linear",
     "recurrent": "linear",
 }
-_LAYER_KINDS_DOC = "full | sliding | chunked | linear | parallel (attention beside a Mamba mixer)"
 
 # DeepSeek-V4's compressed layer types (analyzer/kinds/compressed.py): every such layer attends through a window
 # branch (planned as a sliding layer) and keeps a compressed branch beside it (ModelFacts.compressed).
@@ -213,7 +212,7 @@ class ModelFacts:
     rms_norm_eps: Sourced[float | None]
     mla: Sourced[MlaDims | None]
     rope: Sourced[RopeInfo]
-    layer_kinds: Sourced[tuple[str, ...]]  # per decoder layer: full | sliding | chunked | linear
+    layer_kinds: Sourced[tuple[str, ...]]  # per decoder layer: full | sliding | chunked | linear | parallel
     sliding_window: Sourced[int | None]
     attn_logit_softcapping: Sourced[float | None]
     alibi: Sourced[bool]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_infer_kvcache.analyzer.kinds.formats import FORMATS
+from model_infer_kvcache.analyzer.linear_config import mixer_facts
 from torch import nn
 
 # Projections that make a module an attention module: separate q/k/v, a fused qkv, or the projections an attention
@@ -85,8 +86,6 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
 
 def _holds_mixer(block: nn.Module) -> bool:
     """A decoder block holding a Mamba mixer (analyzer/linear_config.mixer_facts reads its sizes)."""
-    from model_infer_kvcache.analyzer.linear_config import mixer_facts
-
     return any(mixer_facts(m) for m in block.modules())
 
 

@@ -645,11 +645,16 @@ class SelectionManifest(_Model):
         """The window of the model's sliding layers (one per model), None without sliding layers."""
         return next((layer.sliding_window for layer in self.attention_layers if layer.sliding_window), None)
 
+    def parallel_hybrid(self) -> bool:
+        """Decoder layers run attention and a recurrent mixer side by side (Falcon-H1): a state planned as a
+        decoder layer's second sublayer, beside its attention."""
+        return any(layer.is_state and layer.sublayer for layer in self.layers)
+
     def plan_of_module(self, layer_idx: int) -> LayerPlan:
         """The plan of the model's attention module of index ``layer_idx`` (the index the module keeps, as its FA
         calls are recorded): the plan of that index, except in a parallel hybrid (Falcon-H1), whose decoder layer i
         plans its attention as sublayer 0 beside its state."""
-        if any(layer.is_state and layer.sublayer for layer in self.layers):
+        if self.parallel_hybrid():
             return next(layer for layer in self.layers if layer.decoder_layer == layer_idx and not layer.is_state)
         return self.layers[layer_idx]
 

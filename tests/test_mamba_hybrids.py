@@ -77,8 +77,9 @@ def test_the_cross_check_compares_the_planned_state_with_the_mixer(config):
                           lin.conv_kernel, lin.conv_channels, lin.source, lin.reference)
     facts = dataclasses.replace(facts, linear=dataclasses.replace(facts.linear, value=swapped))
     bad = cross_check(json.loads((CONFIGS / f"{config}.json").read_text()), facts, m.layers, m.fa.softmax_scale, "")
-    assert any(e.startswith("recurrent state (planned vs transformers'") and "state " in e for e in bad.errors), \
-        bad.errors
+    assert any(e.startswith("recurrent state (planned vs transformers'")
+               and f"head_dim {lin.head_k_dim} vs {lin.head_v_dim}, state {lin.head_v_dim} vs {lin.head_k_dim}" in e
+               for e in bad.errors), bad.errors
 
 
 def test_mixer_off_names_each_size_that_differs():

@@ -103,4 +103,4 @@ def fields(m) -> dict:
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",
                                 TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
                                 lin.state_blocks_per_request - 1,
-                                any(layer.is_state and layer.sublayer for layer in m.layers))}
+                                m.parallel_hybrid())}

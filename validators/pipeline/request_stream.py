@@ -71,6 +71,10 @@ class Scenario:
             return self
         return replace(self, late=((2 * chunk - 3, 8), (chunk, 8)))
 
+    def crossing_of(self, manifest) -> Scenario:
+        """This stream past the manifest's sliding window and across its chunk boundaries (each where it has one)."""
+        return self.crossing_window_of(manifest).crossing_chunks_of(manifest)
+
     def uniform_prefill(self) -> Scenario:
         """This stream with every prompt as long as its longest (new tokens and admission order kept): every
         prefill batch then holds requests of one length, for a model that refuses variable-length prefill

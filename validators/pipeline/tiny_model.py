@@ -99,8 +99,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     n, held = _layer_prefix(manifest, src)
     m = manifest.model
     d["num_hidden_layers"] = n
-    parallel = any(layer.is_state and layer.sublayer for layer in manifest.layers)  # Falcon-H1: one layer, two plans
-    if m.sublayers_per_layer > 1 and not parallel:  # transformers counts attention sublayers (LongCat-Flash: 2 per layer)
+    if m.sublayers_per_layer > 1 and not manifest.parallel_hybrid():  # Falcon-H1: one layer, two plans  # transformers counts attention sublayers (LongCat-Flash: 2 per layer)
         d["num_hidden_layers"] = n * m.sublayers_per_layer
         if "num_layers" in d:
             d["num_layers"] = n

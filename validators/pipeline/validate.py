@@ -223,7 +223,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
 
     tiny = cpu_sized(manifest)
     if tiny is None:
-        return [("", manifest, req.rendered, req.scenario.crossing_window_of(manifest).crossing_chunks_of(manifest))]
+        return [("", manifest, req.rendered, req.scenario.crossing_of(manifest))]
     tiny_dir = tmp / "tiny-window"
     write_rendered(render_manifest(tiny, framework_api=header.api if header else None, allow_blocked=True), tiny_dir)
     sizes = cpu_sizes_note(manifest, tiny)
@@ -232,7 +232,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             f"attention_chunk_size {manifest.attention_chunk_size()} is too long for CPU sequences to cross"
             if manifest.attention_chunk_size() != tiny.attention_chunk_size() else
             f"index_topk {manifest.dsa.index_topk} is wider than CPU prompts")
-    runs = [("", tiny, str(tiny_dir), req.scenario.crossing_window_of(tiny).crossing_chunks_of(tiny))]
+    runs = [("", tiny, str(tiny_dir), req.scenario.crossing_of(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
         report.notes.append(f"{what}: the checks ran on the implementer's render of this manifest with {sizes} "
                             f"(the given render is that render at the real sizes, byte for byte; its constants and "

@@ -9,7 +9,10 @@ crashes (a bug in kvcache). The run sweep adds PASSED / FAILED per mode. Exit 1 
 (analyze raising anything but a one-line input error; run exiting 3). Nothing is downloaded: configs come from
 transformers' own classes, written to a temporary folder.
 
-Run: ``python benchmarks/sweep_families.py [--run llama,qwen3,...|--run all-planned] [--only a,b] [--json]``.
+Run: ``python benchmarks/sweep_families.py [--run llama,qwen3,...|--run all-planned] [--only a,b] [--jobs 2]
+[--table benchmarks/results/sweep_families.md] [--json]``. ``--jobs`` runs that many ``kvcache run`` processes at once
+(each one single-threaded: the wall time is for that many cores); ``--table`` writes the run table (family, plan,
+result and seconds per mode) as markdown.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -48,7 +52,16 @@ def _configs(folder: Path, only: list[str] | None) -> dict[str, Path]:
     return out
 
 
-def _analyze(path: Path) -> tuple[str, str]:
+def _plan_summary(m) -> str:
+    """What the manifest plans, in one cell: the KV mode and the layers per attn_type (and the branch kinds)."""
+    kinds = Counter(layer.attn_type.value if hasattr(layer.attn_type, "value") else str(layer.attn_type)
+                    for layer in m.layers)
+    extra = [name for name, on in (("MLA", m.mla.enabled),
+                                   ("DSA", m.dsa is not None), ("compressed", m.compressed is not None)) if on]
+    return " ".join([m.kv_mode.value, ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))] + extra)
+
+
+def _analyze(path: Path) -> tuple[str, str, str]:
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
     from model_infer_kvcache.analyzer.errors import InputError
 
@@ -59,12 +72,12 @@ def _analyze(path: Path) -> tuple[str, str]:
     except InputError as exc:
         why = exc.render().split(": ", 1)[-1].replace(
             "architecture cross-check against transformers' own attention modules (meta device) failed", "cross-check")
-        return "refused", why[:240]
+        return "refused", why[:240], ""
     except Exception as exc:  # noqa: BLE001 - what the sweep is for: report it
-        return "crash", f"{type(exc).__name__}: {exc}"[:160]
+        return "crash", f"{type(exc).__name__}: {exc}"[:160], ""
     if m.blockers:  # a manifest kvcache run refuses (render needs --allow-blocked): not a plan it serves
-        return "blocked", f"{m.kv_mode.value}, {len(m.blockers)} blocker(s): {m.blockers[0].message}"[:240]
-    return "planned", m.kv_mode.value
+        return "blocked", f"{m.kv_mode.value}, {len(m.blockers)} blocker(s): {m.blockers[0].message}"[:240], ""
+    return "planned", m.kv_mode.value, _plan_summary(m)
 
 
 def _run(path: Path, mode: str, out: Path) -> tuple[str, str, float]:
@@ -77,10 +90,36 @@ def _run(path: Path, mode: str, out: Path) -> tuple[str, str, float]:
     return verdict, last[0][:160], time.perf_counter() - start
 
 
+MODES = ("框架部署", "独立部署")
+
+
+def _table(analyzed: dict, runs: dict, wall: float, jobs: int) -> str:
+    """The run table: one row per family that was run, the modes side by side; the failures listed first."""
+    import transformers
+
+    rows = sorted({k.split("/")[0] for k in runs}, key=lambda t: (all(runs[f"{t}/{m}"][0] == "PASSED" for m in MODES), t))
+    counts = Counter(v for v, _, _ in runs.values())
+    lines = [f"# `kvcache run` over every planned family (transformers {transformers.__version__})", "",
+             f"Written by `benchmarks/sweep_families.py --run all-planned --jobs {jobs} --table ...`: each family's config "
+             "class at its defaults, `kvcache run` in framework mode (框架部署) and standalone mode (独立部署). "
+             f"{len(rows)} families, {len(runs)} runs: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+             + f"; wall {wall / 60:.1f} min with {jobs} run(s) at a time.", "",
+             "| family | plan | framework | s | standalone | s |", "|---|---|---|---:|---|---:|"]
+    for t in rows:
+        cells = []
+        for mode in MODES:
+            verdict, detail, seconds = runs[f"{t}/{mode}"]
+            cells += [verdict if verdict == "PASSED" else f"{verdict}: {detail}".replace("|", "/"), f"{seconds:.1f}"]
+        lines.append(f"| {t} | {analyzed[t][2] or analyzed[t][1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated model types (default: every causal-LM type)")
     p.add_argument("--run", help="comma-separated model types to also run end to end, or 'all-planned'")
+    p.add_argument("--jobs", type=int, default=1, help="kvcache run processes at once (default 1)")
+    p.add_argument("--table", type=Path, help="write the run table (markdown) to this file")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("KVCACHE_CACHE_DIR", "")  # every analyze pays its own transformers build: no stale entry
@@ -88,23 +127,38 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         configs = _configs(folder, args.only.split(",") if args.only else None)
         analyzed = {t: _analyze(path) for t, path in configs.items()}
-        wanted = ([t for t, (v, _) in analyzed.items() if v == "planned"] if args.run == "all-planned"
+        wanted = ([t for t, (v, _, _) in analyzed.items() if v == "planned"] if args.run == "all-planned"
                   else [t for t in (args.run or "").split(",") if t])
-        runs = {f"{t}/{mode}": _run(configs[t], mode, folder / f"out-{t}-{mode}")
-                for t in wanted if t in configs for mode in ("框架部署", "独立部署")}
-    result = {"analyze": {t: {"verdict": v, "detail": d} for t, (v, d) in analyzed.items()},
-              "analyze_counts": dict(Counter(v for v, _ in analyzed.values())),
+        keys = [(t, mode) for t in wanted if t in configs for mode in MODES]
+        start = time.perf_counter()
+
+        def one(key: tuple[str, str]) -> tuple[str, str, float]:
+            r = _run(configs[key[0]], key[1], folder / f"out-{key[0]}-{key[1]}")
+            print(f"run     {key[0]}/{key[1]} {r[0]} {r[2]:.1f}s {r[1]}", file=sys.stderr, flush=True)  # progress
+            return r
+
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # threads: each run is its own process
+            runs = {f"{t}/{mode}": r for (t, mode), r in zip(keys, pool.map(one, keys))}
+        wall = time.perf_counter() - start
+    result = {"analyze": {t: {"verdict": v, "detail": d, "plan": plan} for t, (v, d, plan) in analyzed.items()},
+              "analyze_counts": dict(Counter(v for v, _, _ in analyzed.values())),
               "run": {k: {"verdict": v, "detail": d, "seconds": round(s, 1)} for k, (v, d, s) in runs.items()},
-              "run_counts": dict(Counter(v for v, _, _ in runs.values()))}
+              "run_counts": dict(Counter(v for v, _, _ in runs.values())), "run_wall_seconds": round(wall, 1)}
     if args.json:
         print(json.dumps(result, indent=2, ensure_ascii=False))
     else:
-        for t, (v, d) in analyzed.items():
+        for t, (v, d, _) in analyzed.items():
             print(f"analyze {t:28s} {v:8s} {d}")
         for k, (v, d, s) in runs.items():
             print(f"run     {k:28s} {v:8s} {s:6.1f}s {d}")
-        print(f"analyze: {result['analyze_counts']}; run: {result['run_counts']}")
-    crashed = [t for t, (v, _) in analyzed.items() if v == "crash"] + [k for k, (v, _, _) in runs.items() if v == "crash"]
+        print(f"analyze: {result['analyze_counts']}; run: {result['run_counts']} in {wall / 60:.1f} min")
+    if args.table and runs:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        tmp_table = args.table.with_suffix(".tmp")
+        tmp_table.write_text(_table(analyzed, runs, wall, args.jobs), encoding="utf-8")
+        os.replace(tmp_table, args.table)  # atomic: a killed sweep leaves the last table whole
+    crashed = ([t for t, (v, _, _) in analyzed.items() if v == "crash"]
+               + [k for k, (v, _, _) in runs.items() if v == "crash"])
     return 1 if crashed else 0
 
 

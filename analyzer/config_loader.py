@@ -649,11 +649,11 @@ def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Source
     if explicit:
         return explicit
     if hidden.value % heads.value:
-        raise InputError(
-            r.where,
-            f"no head_dim and {hidden.source}={hidden.value} is not divisible by {heads.source}={heads.value}",
-            field="head_dim",
-        )
+        # transformers' modeling code computes `hidden_size // num_attention_heads` (floor) and builds projections of
+        # heads * that width, narrower than the hidden size: plan what it builds, say so; the FA head-dim rule judges it.
+        return Sourced(hidden.value // heads.value,
+                       f"default: {hidden.source} // {heads.source} = {hidden.value} // {heads.value} (floor, as "
+                       f"transformers' attention modules compute it; {hidden.value} is not a multiple of {heads.value})")
     return Sourced(hidden.value // heads.value, f"default: {hidden.source} / {heads.source}")
 
 

@@ -150,3 +150,22 @@ def test_an_encoder_decoder_families_decoder_is_refused_naming_its_cross_attenti
         analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
     assert "cross-attention module beside their self-attention" in str(info.value)
     assert "encoder_attn" in str(info.value)
+
+
+def test_minicpm5_moe_attention_is_found_by_its_fused_query_gate(tmp_path):
+    """MiniCPM5-MoE projects the query and its output gate in one ``q_gate_proj`` (no q_proj): the structural finder
+    knows that projection set, so the cross-check compares transformers' modules with the plan (it refused the
+    family as holding no attention module). Without the entry the same config is refused again."""
+    from model_infer_kvcache.analyzer import hf_layout
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    config = _config(tmp_path, "minicpm5_moe")
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert not m.blockers and m.kv_mode.value == "paged"
+    assert {layer.attn_type for layer in m.layers} == {"FullAttention"}
+    kept = tuple(p for p in hf_layout.QKV_PROJECTIONS if "q_gate_proj" not in p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_layout, "QKV_PROJECTIONS", kept)
+        mp.setenv("KVCACHE_CACHE_DIR", "")  # no cached cross-check entry: transformers' modules are read again
+        with pytest.raises(InputError, match="no decoder block holding an attention module"):
+            analyze(AnalyzeRequest(config=str(config)))

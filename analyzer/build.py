@@ -213,7 +213,8 @@ def assemble(
                                     legacy=kv_mode == "legacy") if config is not None else None)
     if check and check.errors:
         raise InputError(facts.path, "architecture cross-check against transformers' own attention modules "
-                                     "(meta device) failed: " + "; ".join(check.errors), field="model_type")
+                                     "(meta device) failed: " + "; ".join(check.errors),
+                         field="is_decoder" if check.bidirectional else "model_type")
     warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]
     unknown = rules.unknown_family(facts, check.ships if check else arch_check.transformers_ships(facts.model_type))
     if unknown:

@@ -645,6 +645,7 @@ class HostModel:
         # What get_cache_info() walks: model.layers[i].<attn_attr> (whatever --attn-attr the render
         # used), plus the model-level block size.
         self.block_size = block_size
+        self.position_offset = position_offset(hf_model)
         self.model = types.SimpleNamespace(layers=views)
 
     def get_cache_info(self):
@@ -664,9 +665,22 @@ class HostModel:
         self.step_index += 1
         self.probe.step = self.step_index
         with current_metadata(forward_metadata, position_ids.to(self.device)):
-            out = self.hf_model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
-                                use_cache=False)
+            out = self.hf_model(input_ids=input_ids.to(self.device),
+                                position_ids=position_ids.to(self.device) + self.position_offset, use_cache=False)
         return out.logits.double().cpu()
+
+
+def position_offset(hf_model) -> int:
+    """What the model adds to a token's 0-based position before its position embedding. The Roberta-style embeddings
+    (RobertaEmbeddings, XmodEmbeddings...) number positions from ``padding_idx + 1`` when they derive them from the
+    input ids (``create_position_ids_from_input_ids``), which is how transformers runs the reference; given explicit
+    position ids they use them as they are. The engine hands every model 0-based positions, so a port of such a model
+    adds this offset, and the host does too."""
+    for module in hf_model.modules():
+        if hasattr(type(module), "create_position_ids_from_input_ids") and isinstance(
+                getattr(module, "padding_idx", None), int):
+            return module.padding_idx + 1
+    return 0
 
 
 def _store_output(outputs: list, idx: int):

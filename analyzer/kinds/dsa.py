@@ -16,7 +16,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 class DsaFormat(MlaFormat):
     name = "dsa"
     hf_projections = ()  # MLA's, which the MLA format already names
-    doc_example = ("MLA + DeepSeek 稀疏注意力(DSA,indexer key cache)", "DeepSeek-V3.2、GLM-5",
+    doc_example = ("MLA + DeepSeek 稀疏注意力(DSA,indexer key cache)", "DeepSeek-V3.2、GLM-5、A.X-K2",
                    {"model_type": "deepseek_v32", "num_key_value_heads": 8, "kv_lora_rank": 512, "q_lora_rank": 1536,
                     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048,
                     "index_n_heads": 64, "index_head_dim": 128})

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import yaml
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.linear_config import (
@@ -157,21 +157,22 @@ class IndexerFamily:
 
     ``rope``: the layout of the indexer's rotation ("half": rotate-half, "interleave": even/odd pairs);
     ``rope_dims``: which qk_rope_head_dim dims of each indexer head it rotates ("first" | "last");
-    ``source``: the transformers file:function that fixes both; ``refusal``: why the device cannot serve the
-    family's attention around the indexer (with the op doc that says it), None when it can.
+    ``source``: the transformers file:function that fixes both; ``device_refusal``: why no pinned torch_npu op
+    can serve the family's selection or attention (with the op doc line that says it); ``kvcache_gap``: what the
+    ops could serve but kvcache does not plan or render yet. None when planned.
     """
 
     rope: str
     rope_dims: str
     source: str
-    refusal: str | None = None
+    device_refusal: str | None = None
+    kvcache_gap: str | None = None
 
 
 # DSA family -> its indexer's facts. Every family scores like DeepSeek-V3.2 (sum over indexer heads of
 # weight_h * n_heads^-0.5 * relu(q_h . k) * index_head_dim^-0.5, one LayerNorm'd key per token, causal, top
 # min(index_topk, keys)); they differ only in the RoPE layout and which dims it rotates (read off each file below).
 _TF = "transformers/models/"
-_SPARSE_FA_DOC = "torch_npu-2.14.0 _op_plugin_docs.py:1474 (2.9.0: :8854)"
 INDEXER_FAMILIES = {
     "deepseek_v32": IndexerFamily("half", "first", f"{_TF}deepseek_v32/modeling_deepseek_v32.py:"
                                   "DeepseekV32Indexer.forward (apply_rotary_pos_emb, half-split)"),
@@ -186,11 +187,13 @@ INDEXER_FAMILIES = {
     "hy_v4": IndexerFamily(
         "interleave", "last", f"{_TF}hy_v4/modeling_hy_v4.py:HYV4Indexer.forward (q/k split [pass, rot], "
         "apply_rotary_pos_emb_interleave on the last qk_rope_head_dim dims)",
-        refusal="its sparse attention adds a learnable sink logit per head to the softmax (transformers "
-                f"{_TF}hy_v4/modeling_hy_v4.py: HYV4Attention.sinks, eager_attention_forward s_aux) and "
-                "npu_sparse_flash_attention takes no sink input (its signature: query, key, value, sparse_indices, "
-                f"scale_value, sparse_block_size, block_table, lengths, query_rope, key_rope, layouts, sparse_mode; "
-                f"{_SPARSE_FA_DOC})"),
+        kvcache_gap="its sparse attention adds a learnable sink logit per head to the softmax (HYV4Attention.sinks, "
+                    "eager_attention_forward s_aux): torch_npu 2.14.0 declares npu_sparse_flash_attention(..., "
+                    "Tensor? sinks=None) (csrc/aten/npu_native_functions_by_codegen.yaml:978, meta "
+                    "_meta_registrations.py:288) without documenting it, 2.9.0 only return_softmax_lse to apply it "
+                    "after the call, and kvcache neither emulates nor renders either; its indexer_types 'shared' "
+                    "layers (3 of 4 by default) and its indexer RoPE on the last qk_rope_head_dim dims have no "
+                    "template either"),
 }
 
 
@@ -198,7 +201,7 @@ INDEXER_FAMILIES = {
 NON_MLA_INDEXERS = {
     "kolibri1_1": IndexerFamily(
         "none", "none", f"{_TF}kolibri1_1/modeling_kolibri1_1.py:Kolibri1_1Indexer",
-        refusal="its indexed layers (NoPE GQA) select over their own K cache with no indexer weights: NVFP4-rounded "
+        device_refusal="its indexed layers (NoPE GQA) select over their own K cache with no indexer weights: NVFP4-rounded "
                 "queries of the first index_num_heads heads against key head 0, first a pool of index_pool_size keys "
                 "from blocks of index_compression averaged keys (its index_layers; the other indexed layers reuse "
                 "it), then the top index_topk of that pool plus the first index_num_sink_tokens and last "
@@ -663,9 +666,12 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
     if topk is None:
         return Sourced(None, "default: no index_topk (dense attention)")
     family = INDEXER_FAMILIES.get(model_type) or NON_MLA_INDEXERS.get(model_type)
-    if family is not None and family.refusal:
-        raise InputError(r.where, f"index_topk on model_type {model_type!r}: the device cannot serve it: "
-                                  f"{family.refusal}", field="model_type")
+    if family is not None and family.device_refusal:
+        raise InputError(r.where, f"index_topk on model_type {model_type!r}: no pinned torch_npu op serves it: "
+                                  f"{family.device_refusal}", field="model_type")
+    if family is not None and family.kvcache_gap:
+        raise NotSupportedByKvcache(r.where, f"the sparse attention of model_type {model_type!r}: {family.kvcache_gap} "
+                                             f"(indexer: {family.source})", field="model_type")
     if mla.value is None:
         raise InputError(r.where, "index_topk without kv_lora_rank: DeepSeek sparse attention is known over MLA "
                                   "only (DeepSeek-V3.2, GLM-5); kvcache does not know this layout", field=topk.source)

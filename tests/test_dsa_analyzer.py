@@ -243,3 +243,24 @@ def test_the_indexer_family_table_matches_the_modeling_code():
         assert interleave == (fam.rope == "interleave"), model_type
         assert ("q_rot, q_pass = torch.split(q" in code) == (fam.rope_dims == "first"), model_type
         assert ("q_pass, q_rot = torch.split(q" in code) == (fam.rope_dims == "last"), model_type
+
+
+def test_the_indexed_refusals_cite_the_op_lines_that_say_it():
+    """The op lines the Kolibri-1.1 and HY-V4 refusals cite say what the refusals read off them."""
+    from model_infer_kvcache.analyzer.config_loader import INDEXER_FAMILIES, NON_MLA_INDEXERS
+    from shared_dirs import shared_path
+
+    def line(version: str, *parts: str, number: int) -> str:
+        return shared_path(f"torch_npu-{version}", "torch_npu", *parts).read_text(encoding="utf-8").splitlines()[
+            number - 1]
+
+    assert "_op_plugin_docs.py:1371, 2.9.0: :8752" in NON_MLA_INDEXERS["kolibri1_1"].device_refusal
+    for version, number in (("2.14.0", 1371), ("2.9.0", 8752)):
+        assert line(version, "_op_plugin_docs.py", number=number).startswith("custom.npu_lightning_indexer(query, key, "
+                                                                             "weights, *")
+    gap = INDEXER_FAMILIES["hy_v4"].kvcache_gap
+    assert "npu_native_functions_by_codegen.yaml:978" in gap and "_meta_registrations.py:288" in gap
+    schema = line("2.14.0", "csrc", "aten", "npu_native_functions_by_codegen.yaml", number=978)
+    assert "func: npu_sparse_flash_attention(" in schema and "Tensor? sinks=None" in schema
+    assert "return_softmax_lse=False, sinks=None" in line("2.14.0", "op_plugin", "meta", "_meta_registrations.py",
+                                                          number=288)

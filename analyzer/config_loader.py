@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import yaml
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.linear_config import (
@@ -151,11 +151,65 @@ class Sourced(Generic[T]):
         return self.source.startswith("default")
 
 
-# DSA family -> the RoPE layout of its indexer's first qk_rope_head_dim dims, as transformers' indexer applies it
-# (the MLA part of both is interleaved; the indexer's is the family's own choice, no config field says it).
-INDEXER_ROPE = {
-    "deepseek_v32": ("half", "transformers DeepseekV32Indexer: apply_rotary_pos_emb (half-split)"),
-    "glm_moe_dsa": ("interleave", "transformers GlmMoeDsaIndexer: apply_rotary_pos_emb_interleave"),
+@dataclass(frozen=True)
+class IndexerFamily:
+    """What a DSA family's lightning indexer does that no config field says (its modeling code decides).
+
+    ``rope``: the layout of the indexer's rotation ("half": rotate-half, "interleave": even/odd pairs);
+    ``rope_dims``: which qk_rope_head_dim dims of each indexer head it rotates ("first" | "last");
+    ``source``: the transformers file:function that fixes both; ``device_refusal``: why no pinned torch_npu op
+    can serve the family's selection or attention (with the op doc line that says it); ``kvcache_gap``: what the
+    ops could serve but kvcache does not plan or render yet. None when planned.
+    """
+
+    rope: str
+    rope_dims: str
+    source: str
+    device_refusal: str | None = None
+    kvcache_gap: str | None = None
+
+
+# DSA family -> its indexer's facts. Every family scores like DeepSeek-V3.2 (sum over indexer heads of
+# weight_h * n_heads^-0.5 * relu(q_h . k) * index_head_dim^-0.5, one LayerNorm'd key per token, causal, top
+# min(index_topk, keys)); they differ only in the RoPE layout and which dims it rotates (read off each file below).
+_TF = "transformers/models/"
+INDEXER_FAMILIES = {
+    "deepseek_v32": IndexerFamily("half", "first", f"{_TF}deepseek_v32/modeling_deepseek_v32.py:"
+                                  "DeepseekV32Indexer.forward (apply_rotary_pos_emb, half-split)"),
+    "glm_moe_dsa": IndexerFamily("interleave", "first", f"{_TF}glm_moe_dsa/modeling_glm_moe_dsa.py:"
+                                 "GlmMoeDsaIndexer.forward (apply_rotary_pos_emb_interleave)"),
+    # A.X-K2: the V3.2 indexer unchanged; its attention fuses q_b_proj into q_gate_proj and gates the output, both
+    # outside the cache (the model keeps them around kv_cache_attention)
+    "axk2": IndexerFamily("half", "first", f"{_TF}axk2/modeling_axk2.py:AXK2Indexer.forward "
+                          "(apply_rotary_pos_emb, half-split)"),
+    "dots3_note_text": IndexerFamily("interleave", "first", f"{_TF}dots3_note/modeling_dots3_note.py:"
+                                     "Dots3NoteTextIndexer.forward (apply_rotary_pos_emb_interleave)"),
+    "hy_v4": IndexerFamily(
+        "interleave", "last", f"{_TF}hy_v4/modeling_hy_v4.py:HYV4Indexer.forward (q/k split [pass, rot], "
+        "apply_rotary_pos_emb_interleave on the last qk_rope_head_dim dims)",
+        kvcache_gap="its sparse attention adds a learnable sink logit per head to the softmax (HYV4Attention.sinks, "
+                    "eager_attention_forward s_aux): torch_npu 2.14.0 declares npu_sparse_flash_attention(..., "
+                    "Tensor? sinks=None) (csrc/aten/npu_native_functions_by_codegen.yaml:978, meta "
+                    "_meta_registrations.py:288) without documenting it, 2.9.0 only return_softmax_lse to apply it "
+                    "after the call, and kvcache neither emulates nor renders either; its indexer_types 'shared' "
+                    "layers (3 of 4 by default) and its indexer RoPE on the last qk_rope_head_dim dims have no "
+                    "template either"),
+}
+
+
+# Families whose 'indexed_attention' is not DSA (no kv_lora_rank): refused with what the device lacks.
+NON_MLA_INDEXERS = {
+    "kolibri1_1": IndexerFamily(
+        "none", "none", f"{_TF}kolibri1_1/modeling_kolibri1_1.py:Kolibri1_1Indexer",
+        device_refusal="its indexed layers (NoPE GQA) select over their own K cache with no indexer weights: NVFP4-rounded "
+                "queries of the first index_num_heads heads against key head 0, first a pool of index_pool_size keys "
+                "from blocks of index_compression averaged keys (its index_layers; the other indexed layers reuse "
+                "it), then the top index_topk of that pool plus the first index_num_sink_tokens and last "
+                f"index_num_local_tokens keys always kept ({_TF}kolibri1_1/modeling_kolibri1_1.py: "
+                "Kolibri1_1Indexer.select_pool / select_tokens); npu_lightning_indexer returns the plain top "
+                "sparse_count of sum_h weights_h * relu(q_h . k) over one key per token (torch_npu-2.14.0 "
+                "_op_plugin_docs.py:1371, 2.9.0: :8752): no pool stage, no always-kept sink/local keys, no NVFP4 "
+                "rounding"),
 }
 
 
@@ -173,8 +227,12 @@ class DsaFacts:
     index_head_dim: int
     own_indexer: tuple[bool, ...]
     sources: str
-    rope: str = "half"  # INDEXER_ROPE: "half" | "interleave"
+    rope: str = "half"  # INDEXER_FAMILIES: "half" | "interleave"
     rope_source: str = ""
+    rope_dims: str = "first"  # INDEXER_FAMILIES: "first" | "last" qk_rope_head_dim dims of an indexer head
+    # decoder layers that attend densely (layer_types beside 'indexed_attention', e.g. dots.llm3's sliding layers):
+    # no indexer, no indexer key cache, no selection
+    dense: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -601,26 +659,42 @@ def _mla_dims(r: _Reader) -> Sourced[MlaDims | None]:
 
 
 def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: str) -> Sourced[DsaFacts | None]:
-    """DSA from ``index_topk`` / ``index_n_heads`` / ``index_head_dim`` (+ GLM-5's ``indexer_types``)."""
+    """DSA from ``index_topk`` / ``index_n_heads`` / ``index_head_dim`` (+ GLM-5's ``indexer_types``, and
+    ``layer_types``: only 'indexed_attention' layers run an indexer when dense layers sit beside them), with the
+    family's indexer facts from ``INDEXER_FAMILIES``."""
     topk = r.positive_int("index_topk", required=False, maximum=LIMITS["positions"])
     if topk is None:
         return Sourced(None, "default: no index_topk (dense attention)")
+    family = INDEXER_FAMILIES.get(model_type) or NON_MLA_INDEXERS.get(model_type)
+    if family is not None and family.device_refusal:
+        raise InputError(r.where, f"index_topk on model_type {model_type!r}: no pinned torch_npu op serves it: "
+                                  f"{family.device_refusal}", field="model_type")
+    if family is not None and family.kvcache_gap:
+        raise NotSupportedByKvcache(r.where, f"the sparse attention of model_type {model_type!r}: {family.kvcache_gap} "
+                                             f"(indexer: {family.source})", field="model_type")
     if mla.value is None:
         raise InputError(r.where, "index_topk without kv_lora_rank: DeepSeek sparse attention is known over MLA "
                                   "only (DeepSeek-V3.2, GLM-5); kvcache does not know this layout", field=topk.source)
-    if model_type not in INDEXER_ROPE:
+    if family is None:
         # The indexer's RoPE layout is the family's code, not a config field: guessing it would rotate the wrong
         # pairs of every indexer query and key (a wrong selection, no error).
         raise InputError(r.where, f"index_topk on model_type {model_type!r}: kvcache knows the DSA indexer of "
-                                  f"{', '.join(sorted(INDEXER_ROPE))} only (its RoPE layout is the family's code)",
-                         field="model_type")
+                                  f"{', '.join(sorted(INDEXER_FAMILIES))} only (its RoPE layout is the family's "
+                                  "code)", field="model_type")
     heads = r.positive_int("index_n_heads", maximum=LIMITS["heads"])
     dim = r.positive_int("index_head_dim", maximum=LIMITS["head_dim"])
     rope = mla.value.qk_rope_head_dim
     if dim.value < rope:
-        raise InputError(r.where, f"{dim.value} is smaller than qk_rope_head_dim {rope}: the indexer rotates the "
-                                  "first qk_rope_head_dim dims of its keys", field=dim.source)
-    own, how = (True,) * num_layers, "every layer runs its indexer"
+        raise InputError(r.where, f"{dim.value} is smaller than qk_rope_head_dim {rope}: the indexer rotates "
+                                  f"the {family.rope_dims} qk_rope_head_dim dims of its keys", field=dim.source)
+    dense: tuple[int, ...] = ()
+    types_hit = r.get("layer_types")
+    if types_hit is not None and isinstance(types_hit[0], list) and "indexed_attention" in types_hit[0]:
+        dense = tuple(i for i, t in enumerate(types_hit[0]) if t != "indexed_attention")
+    own, how = tuple(i not in dense for i in range(num_layers)), "every layer runs its indexer"
+    if dense:
+        how = (f"{types_hit[1]}: {num_layers - len(dense)} 'indexed_attention' layers run their indexer, "
+               f"{len(dense)} attend densely")
     hit = r.get("indexer_types")
     if hit is not None:
         raw, src = hit
@@ -632,12 +706,11 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
                 raise InputError(r.where, f"must be 'full' or 'shared', got {_shown(t)}", field=f"{src}[{i}]")
         if raw[0] == "shared":
             raise InputError(r.where, "the first layer cannot reuse a previous layer's selection", field=f"{src}[0]")
-        own = tuple(t == "full" for t in raw)
+        own = tuple(t == "full" and i not in dense for i, t in enumerate(raw))
         how = f"{src}: {sum(own)} layers run their indexer, {num_layers - sum(own)} reuse the previous selection"
-    rope_layout, rope_source = INDEXER_ROPE[model_type]
     facts = DsaFacts(index_topk=topk.value, index_n_heads=heads.value, index_head_dim=dim.value, own_indexer=own,
-                     sources=f"{topk.source}, {heads.source}, {dim.source}; {how}", rope=rope_layout,
-                     rope_source=rope_source)
+                     sources=f"{topk.source}, {heads.source}, {dim.source}; {how}", rope=family.rope,
+                     rope_source=family.source, rope_dims=family.rope_dims, dense=dense)
     return Sourced(facts, topk.source)
 
 

@@ -292,7 +292,8 @@ class CacheDtypeDecision(_Model):
 
 
 class DsaDecision(_Model):
-    """DeepSeek sparse attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-5 ``glm_moe_dsa``): per query, a lightning
+    """DeepSeek sparse attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-5 ``glm_moe_dsa``, A.X-K2 ``axk2``; the
+    families' indexer facts: ``config_loader.INDEXER_FAMILIES``): per query, a lightning
     indexer scores every cached key of the request and attention reads only the top ``index_topk``.
 
     Its own cache kind: the indexer key cache, one single-head row of ``index_head_dim`` per token, in the same
@@ -309,6 +310,10 @@ class DsaDecision(_Model):
     indexer_layers: list[int] = Field(description="decoder layers that run their own indexer (and cache its keys)")
     shared_layers: list[int] = Field(default_factory=list,
                                      description="decoder layers reusing the previous indexer layer's selection")
+    dense_layers: list[int] = Field(default_factory=list,
+                                    description="decoder layers whose layer_types entry is not 'indexed_attention' "
+                                                "(dense attention beside the indexed layers): no indexer, no "
+                                                "indexer key cache, no selection")
     index_rope: Literal["half", "interleave"] = Field(
         description="RoPE layout on the first qk_rope_head_dim dims of the indexer's queries and keys: half-split "
                     "(DeepSeek-V3.2) or interleaved pairs (GLM-5)")

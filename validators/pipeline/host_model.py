@@ -245,9 +245,15 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     fm = _metadata()
     x = hidden_states[0]
     t = x.shape[0]
-    q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
-    q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
-    q = q.view(t, -1, self.qk_head_dim)
+    q_a = None if self.q_lora_rank is None else self.q_a_proj(x)
+    q_resid = None if q_a is None else self.q_a_layernorm(q_a)
+    gate = None
+    if getattr(self, "q_gate_proj", None) is not None:  # A.X-K2: query and output gate from one fused projection
+        q, gate = self.q_gate_proj(torch.cat([q_resid, q_a], dim=-1)).view(
+            t, -1, self.qk_head_dim + self.v_head_dim).split([self.qk_head_dim, self.v_head_dim], dim=-1)
+    else:
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
+    q = q.reshape(t, -1, self.qk_head_dim)
     q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
     compressed_kv = self.kv_a_proj_with_mqa(x)
     # position-free MLA (Kimi-Linear: no rotary, none passed): q_rot and k_rot stay unrotated, the render takes no cos/sin
@@ -262,6 +268,8 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, *rope, fm, **dsa)
     if getattr(self, "g_proj", None) is not None:  # a gated MLA (Ling-3.0): one sigmoid gate per head, as the model
         out = out * torch.sigmoid(self.g_proj(x).float()).to(out.dtype).unsqueeze(-1)
+    if gate is not None:  # A.X-K2: one sigmoid gate per output lane, in float32 as the model
+        out = (out * torch.sigmoid(gate.float())).to(out.dtype)
     out = self.o_proj(out.reshape(t, -1))[None]
     return out, None
 

@@ -362,16 +362,19 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
 
 
 def _head_dim_of(model) -> int | None:
-    """The head_dim the first attention module keeps (Persimmon and StableLM derive it from hidden_size / heads,
-    whatever the config's head_dim says), None where it keeps none."""
+    """The head_dim the first attention module keeps (Persimmon, StableLM and the BERT-era families derive it from
+    hidden_size / heads, whatever the config's head_dim says), None where it keeps none."""
     from model_infer_kvcache.analyzer.hf_layout import LayoutError, attention_modules
 
     try:
         module = next((m for _, m in attention_modules(model) if m is not None), None)
     except LayoutError:
         return None
-    d = getattr(module, "head_dim", None)
-    return d if isinstance(d, int) and not isinstance(d, bool) else None
+    for name in ("head_dim", "attention_head_size"):  # the BERT-era modules name it attention_head_size
+        d = getattr(module, name, None)
+        if isinstance(d, int) and not isinstance(d, bool):
+            return d
+    return None
 
 
 def _tied_width(d: dict[str, Any], manifest: SelectionManifest) -> int | None:

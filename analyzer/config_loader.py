@@ -22,6 +22,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     LinearFacts,
     bailing_layer_kinds,
     family_of_linear,
+    attends,
     holds_state,
     kimi_layer_kinds,
     mamba_layer_kinds,
@@ -246,6 +247,11 @@ class ModelFacts:
         return sorted({h.num_kv_heads for h in heads}) if heads else [self.num_key_value_heads.value]
 
     @property
+    def attends(self) -> bool:
+        """Some layer attends (has a KV cache); False for a pure state stack, whose attention fields are not read."""
+        return any(attends(kind) for kind in self.layer_kinds.value)
+
+    @property
     def is_mla(self) -> bool:
         return self.mla.value is not None
 
@@ -465,12 +471,26 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
                                    "sublayers per decoder layer)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
-    heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                           "decoder_attention_heads", maximum=LIMITS["heads"])
-    kv_heads = _kv_heads(r, heads)
-    mla = _mla_dims(r)
-    head_dim = _head_dim(r, hidden, heads, mla)
-    if kv_heads.value > heads.value or heads.value % kv_heads.value:
+    linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
+    compressed = compressed_kind.read_facts(r.get, where, num_layers.value)
+    if compressed is None:
+        layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family)
+    else:
+        # every compressed-model layer attends through its window branch; the compressed branch rides beside it
+        layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
+        sliding_window = Sourced(compressed.window, compressed.window_source)
+    if not any(attends(kind) for kind in layer_kinds.value):
+        # a pure state stack (Mamba, Mamba2, ...): no layer attends, so no attention field is read (Mamba2Config's
+        # num_heads / head_dim are its mixer's, read by the linear family below)
+        heads = kv_heads = head_dim = Sourced(0, f"not read: no layer attends ({layer_kinds.source})")
+        mla = Sourced(None, "not read: no layer attends")
+    else:
+        heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
+                               "decoder_attention_heads", maximum=LIMITS["heads"])
+        kv_heads = _kv_heads(r, heads)
+        mla = _mla_dims(r)
+        head_dim = _head_dim(r, hidden, heads, mla)
+    if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
         raise InputError(
             where,
             f"{heads.value} query heads are not a multiple of {kv_heads.value} KV heads",
@@ -481,14 +501,6 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
         None, "default: not in config")
     rope = _rope(r)
-    linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
-    compressed = compressed_kind.read_facts(r.get, where, num_layers.value)
-    if compressed is None:
-        layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family)
-    else:
-        # every compressed-model layer attends through its window branch; the compressed branch rides beside it
-        layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
-        sliding_window = Sourced(compressed.window, compressed.window_source)
     linear = _linear(r, linear_family, layer_kinds, heads, model_type, hidden.value)
 
     softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")

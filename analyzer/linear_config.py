@@ -48,6 +48,10 @@ LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA)
 # its config layer kind, planned as two sublayers (the attention's KV cache, then the mixer's states).
 PARALLEL = "parallel"
 PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
+# A layer that holds no cache at all (Dory's and Nemotron-H's MLP-only blocks, Nemotron-H's MoE-only blocks): its
+# config layer kind, planned as a layer with neither a KV cache nor a state (transformers' cache keeps a "dummy" layer
+# there: cache_utils.get_layer_types_and_kwargs).
+NO_CACHE = "nocache"
 # Families whose B/C groups (key heads) stay whole on every rank: Mamba-1 has one B/C for all channels.
 _REPLICATED_K_HEADS = frozenset({MAMBA})
 
@@ -70,7 +74,12 @@ _MAMBA2_FIELDS = {
 }
 _MAMBA_FIELDS = {
     "jamba": {"state": "mamba_d_state", "conv": "mamba_d_conv", "expand": "mamba_expand"},
+    # MambaConfig / FalconMambaConfig: intermediate_size = expand x hidden_size (their __post_init__)
+    **dict.fromkeys(("mamba", "falcon_mamba"), {"state": "state_size", "conv": "conv_kernel", "expand": "expand"}),
 }
+# Pure Mamba stacks: every decoder layer one mixer, no attention (Mamba2ForCausalLM, MambaForCausalLM,
+# FalconMambaForCausalLM)
+_PURE_STACKS = ("mamba2", "mamba", "falcon_mamba")
 
 # Class-name endings of linear-attention modules (transformers' Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
 # BailingHybridDeltaAttention, MiniMaxLightningAttention; kvcache's Ling-2.5 reference LingLightningAttention): the
@@ -336,8 +345,8 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
                                       f"{offset!r}", field=offset_hit[1] if offset_hit else "attn_layer_offset")
         kinds = tuple("full" if i % period.value == offset else "linear" for i in range(num_layers))
         return kinds, f"{period.source}={period.value}, {offset_hit[1]}={offset} (attention where i % period == offset)"
-    if model_type == "mamba2":  # Mamba2ForCausalLM: a stack of Mamba-2 mixers, no attention
-        return ("linear",) * num_layers, "model_type mamba2 (every layer a Mamba-2 mixer)"
+    if model_type in _PURE_STACKS:  # Mamba2ForCausalLM, MambaForCausalLM ...: a stack of mixers, no attention
+        return ("linear",) * num_layers, f"model_type {model_type} (every layer a Mamba mixer, no attention)"
     if model_type in PARALLEL_HYBRIDS:
         return (PARALLEL,) * num_layers, f"model_type {model_type} (attention and a Mamba-2 mixer side by side in " \
                                          "every decoder layer)"
@@ -391,6 +400,12 @@ def sublayer_kinds(config_kind: str, sublayers: int) -> tuple[str, ...]:
     """The layer kind of each sublayer of a decoder layer: a parallel layer's attention, then its Mamba state; any
     other kind repeated (LongCat-Flash's two attention sublayers)."""
     return ("full", "linear") if config_kind == PARALLEL else (config_kind,) * sublayers
+
+
+def attends(config_kind: str) -> bool:
+    """A decoder layer of this config kind has an attention (and so a KV cache): neither a pure state layer nor a
+    layer without any cache."""
+    return config_kind not in ("linear", NO_CACHE)
 
 
 def holds_state(config_kind: str) -> bool:

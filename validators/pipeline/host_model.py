@@ -41,8 +41,12 @@ class RenderedCode:
     attention: types.ModuleType
     runner: types.ModuleType | None
 
-    def attention_mixin(self) -> type:
-        return _class_with(self.attention, "init_kv_cache")
+    def attention_mixin(self) -> type | None:
+        """The attention mixin, None in a pure state stack's render (no layer attends)."""
+        try:
+            return _class_with(self.attention, "init_kv_cache")
+        except LookupError:
+            return None
 
     def model_mixin(self) -> type | None:
         try:
@@ -582,7 +586,8 @@ class HostModel:
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         if hasattr(rendered.attention, "torchair"):  # ge_graph decode calls torchair.ops' attention
             rendered.attention.torchair = _RecordingTorchair(rendered.attention.torchair, self.probe)
-        host_cls = make_host_attention(rendered.attention_mixin())
+        attention_mixin = rendered.attention_mixin()
+        host_cls = make_host_attention(attention_mixin) if attention_mixin else None
         linear_mixin = rendered.linear_mixin()
         linear_cls = make_host_linear(linear_mixin) if linear_mixin else None
         self.attentions = []
@@ -616,6 +621,10 @@ class HostModel:
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",
                                  field="model_type")
             name, hf_attn = hits[0]
+            if host_cls is None:
+                raise InputError("--config", f"{path}.{idx}.{name} ({type(hf_attn).__name__}) attends and the rendered "
+                                             "code has no attention mixin (a pure state stack's render)",
+                                 field="model_type")
             route = attention_route(hf_attn, is_mla)
             if route is None:
                 raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "

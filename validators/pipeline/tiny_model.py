@@ -107,10 +107,11 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     kind = kind_of(manifest)
     from_hidden = hf_type in _HEAD_DIM_FROM_HIDDEN
     d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128
-    d["num_attention_heads"] = m.num_attention_heads
+    if m.num_attention_heads:  # a pure state stack has none (Mamba2Config's num_heads are its mixer's)
+        d["num_attention_heads"] = m.num_attention_heads
     kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
-    recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
     d["intermediate_size"] = 128
+    recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
     d["vocab_size"] = TINY_VOCAB
     for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
                        ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),

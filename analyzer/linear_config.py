@@ -364,6 +364,34 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
     return None
 
 
+# Nemotron-H's hybrid_override_pattern characters (NemotronHConfig._pattern_to_list)
+_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+# NemotronHConfig.__post_init__: neither layers_block_type nor hybrid_override_pattern given
+_NEMOTRON_DEFAULT_BLOCKS = ("linear_attention", "moe", "full_attention", "mlp")
+
+
+def block_types(r, model_type: str) -> tuple[list[str], str] | None:
+    """Nemotron-H's decoder blocks, one type each (the layer count is their number: NemotronHConfig.num_hidden_layers
+    is derived from the list, a config's own num_hidden_layers ignored): ``layers_block_type``, else the legacy
+    ``hybrid_override_pattern`` string (M Mamba-2, * attention, - MLP, E MoE), else the class default. None for
+    other model types."""
+    if model_type != "nemotron_h":
+        return None
+    hit = r.get("layers_block_type", "hybrid_override_pattern")
+    if hit is None:
+        return list(_NEMOTRON_DEFAULT_BLOCKS), "default: transformers NemotronHConfig.layers_block_type"
+    value, src = hit
+    if isinstance(value, str) and value:
+        for i, ch in enumerate(value):
+            if ch not in _NEMOTRON_PATTERN:
+                raise InputError(r.where, f"unknown block {ch!r} (M Mamba-2, * attention, - MLP, E MoE)",
+                                 field=f"{src}[{i}]")
+        return [_NEMOTRON_PATTERN[ch] for ch in value], f"{src} (M Mamba-2, * attention, - MLP, E MoE)"
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return list(value), src
+    raise InputError(r.where, "must be a non-empty list of block types or a pattern string", field=src)
+
+
 MIXER_FACT = "mixer_"  # the prefix of mixer_facts' names
 
 

@@ -54,7 +54,9 @@ SPEC_ANCHOR = "state_anchor"  # the speculative state slots' anchor entry (one i
 FAMILY_SCALE_RULE = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gpt_oss", "llama4", "glm4", "glm4_moe",
                      "phi3", "phimoe", "falcon", "deepseek_v2", "deepseek_v3", "longcat_flash",
-                     "deepseek_v4"), "head_dim"),
+                     "deepseek_v4",
+                     # NemotronHAttention.scaling = head_dim**-0.5 (no RoPE: the block attends position-free)
+                     "nemotron_h"), "head_dim"),
     "gemma2": "query_pre_attn_scalar",
     "gemma3": "query_pre_attn_scalar",
     "granite": "attention_multiplier",

@@ -133,6 +133,8 @@ class RenderContext:
     index_rope: str = ""
     # False: a pure state stack (every layer a Mamba mixer): the state partial alone, no attention mixin or KV cache
     attends: bool = True
+    # decoder blocks without any cache (Nemotron-H's MLP / MoE blocks): get_cache_info registers nothing for them
+    no_cache_blocks: tuple[int, ...] = ()
     # Hybrid models (manifest.linear_attention): the gated-delta-net state mixin; None without linear layers.
     linear: LinearCtx | None = None
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
@@ -383,6 +385,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
                      for c in first.caches) if first else (),
         cache_dtype=TORCH_DTYPE[first.caches[0].dtype] if first else "None",
         attends=first is not None,
+        no_cache_blocks=tuple(b.decoder_layer for b in m.no_cache_layers or ()),
         num_layers=len(m.layers),
         sublayers=int(m.model.sublayers_per_layer),
         mtp_layers=int(m.model.num_mtp_layers),

@@ -574,7 +574,8 @@ class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
     def __init__(self, hf_model, rendered: RenderedCode, *, is_mla: bool, cache_dtype=torch.float32,
-                 window: int | None = None, block_size: int = 128, device: torch.device | None = None):
+                 window: int | None = None, block_size: int = 128, device: torch.device | None = None,
+                 uncached: frozenset[int] = frozenset()):
         self.hf_model = hf_model
         self.rendered = rendered
         self.step_index = -1  # forward calls so far, for failure locations
@@ -597,6 +598,13 @@ class HostModel:
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
+            if idx in uncached:  # a block the manifest plans without any cache (an MLP / MoE block): left as it is
+                if linear is not None or find_attentions(layer):
+                    raise InputError("--config", f"{path}.{idx} ({type(layer).__name__}) is planned without a cache "
+                                                 "(manifest no_cache_layers) and holds an attention or a recurrent "
+                                                 "mixer", field="model_type")
+                views.append(_DecoderLayer(types.SimpleNamespace()))  # no module with cache entries
+                continue
             state, state_attr = None, None
             if linear is not None:
                 if linear_cls is None:

@@ -62,6 +62,8 @@ def _layer_plans(manifest: SelectionManifest, src: dict[str, Any]) -> list[tuple
             f"kv_heads_per_rank{sub}": str(layer.num_kv_heads_per_rank),
             f"caches{sub}": ", ".join(f"{c.name} {c.num_head}x{c.dim} {c.dtype}" for c in layer.caches),
             f"states{sub}": ", ".join(st.name for st in layer.states)})
+    for block in manifest.no_cache_layers or ():  # a block without a cache is a plan of its own (MLP, MoE)
+        plans[block.decoder_layer] = {"attn_type": "none", "kind": f"no cache ({block.block})"}
     for i, plan in plans.items():
         plan.update({k: json.dumps(v[i], sort_keys=True) for k, v in sorted(per_layer.items())})
     return [tuple(plans[i].items()) for i in sorted(plans)]
@@ -104,6 +106,8 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
+    if isinstance(d.get("hybrid_override_pattern"), str):  # Nemotron-H's legacy block string, one char a block
+        d["hybrid_override_pattern"] = d["hybrid_override_pattern"][:n]
     kind = kind_of(manifest)
     from_hidden = hf_type in _HEAD_DIM_FROM_HIDDEN
     d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128

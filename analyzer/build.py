@@ -32,7 +32,6 @@ from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.linear_config import NO_CACHE, holds_state, sublayer_kinds
 from model_infer_kvcache.analyzer.manifest import (
-    NoCacheLayer,
     AttentionLayerPlan,
     DeployModeDecision,
     DeviceDependency,
@@ -46,6 +45,7 @@ from model_infer_kvcache.analyzer.manifest import (
     LayerPlan,
     MemoryPlan,
     ModelInfo,
+    NoCacheLayer,
     SelectionManifest,
     StateLayerPlan,
 )

@@ -18,9 +18,9 @@ from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.linear_config import (
+    NO_CACHE,
     PARALLEL_HYBRIDS,
     LinearFacts,
-    NO_CACHE,
     attends,
     bailing_layer_kinds,
     block_types,

@@ -80,6 +80,8 @@ _MAMBA_FIELDS = {
 # Pure Mamba stacks: every decoder layer one mixer, no attention (Mamba2ForCausalLM, MambaForCausalLM,
 # FalconMambaForCausalLM)
 _PURE_STACKS = ("mamba2", "mamba", "falcon_mamba")
+# config classes whose saved intermediate_size is the Mamba-1 mixer's inner width
+INNER_IS_INTERMEDIATE = ("mamba", "falcon_mamba")
 
 # Class-name endings of linear-attention modules (transformers' Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
 # BailingHybridDeltaAttention, MiniMaxLightningAttention; kvcache's Ling-2.5 reference LingLightningAttention): the
@@ -278,6 +280,13 @@ def _read_mamba(r, why: str, hidden: int, limits: dict[str, int], model_type: st
     expand = r.positive_int(names["expand"], maximum=1024)
     inner = expand.value * hidden
     src = f"{why}: {n.source}, {kernel.source}, {expand.source} x hidden_size = {inner} inner channels"
+    saved = r.positive_int("intermediate_size", required=False, maximum=1 << 24) \
+        if model_type in INNER_IS_INTERMEDIATE else None
+    if saved is not None:
+        # MambaConfig / FalconMambaConfig derive intermediate_size from expand x hidden_size, but a saved one is set
+        # after that derivation (from_dict): the mixer is built at the saved width
+        inner = saved.value
+        src = f"{why}: {n.source}, {kernel.source}, {saved.source} = {inner} inner channels (the mixer's width)"
     return LinearFacts(MAMBA, 1, inner, n.value, 1, kernel.value, inner, src, REFERENCE[MAMBA])
 
 

@@ -4,6 +4,7 @@ request."""
 from __future__ import annotations
 
 import torch
+from model_infer_kvcache.analyzer.linear_config import INNER_IS_INTERMEDIATE
 
 
 def expected_constants(manifest) -> dict[str, object]:
@@ -36,9 +37,7 @@ def state_slots_per_row(manifest) -> int:
 
 # The config field a Mamba family sizes its inner width by (expand x hidden_size), when it names no width itself
 _EXPAND_FIELDS = ("mamba_expand", "expand")
-# Config classes whose intermediate_size is the mixer's inner width (MambaConfig / FalconMambaConfig derive it from
-# expand x hidden_size in __post_init__; a saved config carries it, and from_dict sets it after that derivation)
-_INNER_IS_INTERMEDIATE = frozenset({"mamba", "falcon_mamba"})
+
 
 
 def tiny_state_fields(d: dict, manifest) -> None:
@@ -52,5 +51,5 @@ def tiny_state_fields(d: dict, manifest) -> None:
     field = next((f for f in _EXPAND_FIELDS if f in d), None)
     if field is not None and inner % d["hidden_size"] == 0:
         d[field] = inner // d["hidden_size"]
-    if manifest.model.model_type in _INNER_IS_INTERMEDIATE:
+    if manifest.model.model_type in INNER_IS_INTERMEDIATE:  # the saved width the mixer is built at
         d["intermediate_size"] = inner

@@ -113,7 +113,8 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128
     if m.num_attention_heads:  # a pure state stack has none (Mamba2Config's num_heads are its mixer's)
         d["num_attention_heads"] = m.num_attention_heads
-    kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
+    if manifest.attention_layers:  # a pure state stack has no attention to size (Mamba2Config's head_dim is its mixer's)
+        kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
     d["intermediate_size"] = 128
     recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
     d["vocab_size"] = TINY_VOCAB

@@ -37,6 +37,7 @@ from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_fact
 from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
     MIXER_FACT,
+    NO_CACHE,
     NOT_IN_TRANSFORMERS,
     PARALLEL,
     mixer_facts,
@@ -448,6 +449,22 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     parallel = PARALLEL in facts.layer_kinds.value
     states_of = {layer.decoder_layer for layer in layers if layer.is_state} if parallel else set()
     layers = [layer for layer in layers if not (parallel and layer.is_state)]
+    uncached = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == NO_CACHE]
+    if uncached:
+        # blocks planned without any cache (Nemotron-H's MLP / MoE blocks): transformers' block there must hold
+        # neither attention nor a recurrent mixer; the cache layers line up with the other blocks
+        if len(hf) != len(facts.layer_kinds.value):
+            result.errors.append(f"decoder blocks: analyzer reads {len(facts.layer_kinds.value)} "
+                                 f"({facts.layer_kinds.source}), transformers builds {len(hf)}")
+            return result
+        cached_off = [(i, hf[i]) for i in uncached if hf[i].cls is not None or hf[i].recurrent_beside]
+        if cached_off:
+            i, mod = cached_off[0]
+            result.errors.append(f"analyzer plans no cache on {len(cached_off)} block(s) where transformers' block "
+                                 f"holds {mod.cls or mod.recurrent_beside}, first block {i} at {mod.path} "
+                                 f"({facts.layer_kinds.source})")
+            return result
+        hf = [mod for i, mod in enumerate(hf) if i not in set(uncached)]
     cross = [a for a in hf if a.path.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES]
     if cross and len(hf) - len(cross) == len(layers):
         # the decoder of an encoder-decoder family (BART / Whisper / TrOCR ForCausalLM): each block also attends over

@@ -30,7 +30,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
 )
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
-from model_infer_kvcache.analyzer.linear_config import holds_state, sublayer_kinds
+from model_infer_kvcache.analyzer.linear_config import NO_CACHE, holds_state, sublayer_kinds
 from model_infer_kvcache.analyzer.manifest import (
     AttentionLayerPlan,
     DeployModeDecision,
@@ -45,6 +45,7 @@ from model_infer_kvcache.analyzer.manifest import (
     LayerPlan,
     MemoryPlan,
     ModelInfo,
+    NoCacheLayer,
     SelectionManifest,
     StateLayerPlan,
 )
@@ -299,6 +300,7 @@ def assemble(
         legacy_attention=legacy_attention,
         mixed_attn_types=mixed,
         layers=layers,
+        no_cache_layers=no_cache_layers(facts),
         parallel=parallel,
         block_size=req.block_size,
         memory=memory_plan,
@@ -533,9 +535,26 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
     out = []
     subs = facts.sublayers_per_layer.value
     for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
+        if config_kind == NO_CACHE:  # no_cache_layers() lists it; the cache layers' index skips it
+            continue
         out += _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window,
                           decoder_idx, sublayer_kinds(config_kind, subs), len(out))
     return out
+
+
+def no_cache_layers(facts: ModelFacts) -> list[NoCacheLayer] | None:
+    """The decoder blocks that hold no cache (MLP-only / MoE-only), None when every block holds one."""
+    kinds = facts.layer_kinds.value
+    blocks = [i for i, kind in enumerate(kinds) if kind == NO_CACHE]
+    if not blocks:
+        return None
+    names = facts.block_names or {}
+    return [NoCacheLayer(decoder_layer=i, block=names.get(i, NO_CACHE),
+                         reason=f"{facts.layer_kinds.source}[{i}] = {names.get(i, NO_CACHE)!r}: a block without "
+                                "attention or a mixer state keeps no cache (transformers' cache keeps a dummy layer "
+                                "there; the framework refuses a layer without cache entries, so get_cache_info "
+                                "leaves it out)")
+            for i in blocks]
 
 
 def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window, decoder_idx,

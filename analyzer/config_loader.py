@@ -18,9 +18,12 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.linear_config import (
+    NO_CACHE,
     PARALLEL_HYBRIDS,
     LinearFacts,
+    attends,
     bailing_layer_kinds,
+    block_types,
     family_of_linear,
     holds_state,
     kimi_layer_kinds,
@@ -71,6 +74,10 @@ _LAYER_TYPE_KIND = {
     "linear_attention": "linear",
     "mamba": "linear",
     "recurrent": "linear",
+    # blocks with neither attention nor a mixer state (Nemotron-H's MLP-only and MoE-only blocks): no cache at all,
+    # as transformers' cache keeps a "dummy" layer for them (cache_utils.get_layer_types_and_kwargs)
+    "mlp": NO_CACHE,
+    "moe": NO_CACHE,
 }
 
 # DeepSeek-V4's compressed layer types (analyzer/kinds/compressed.py): every such layer attends through a window
@@ -287,6 +294,8 @@ class ModelFacts:
     linear: Sourced[LinearFacts | None] = Sourced(None, "default: no linear-attention layers")
     # DeepSeek-V4's compressed branches (analyzer/kinds/compressed.py); None: no compressed layers
     compressed: Sourced[compressed_kind.CompressedFacts | None] = Sourced(None, "default: no compressed layers")
+    # what the config calls each block that holds no cache (Nemotron-H's "mlp" / "moe"), by block index
+    block_names: dict[int, str] | None = None
     # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
     layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
 
@@ -302,6 +311,11 @@ class ModelFacts:
     def distinct_kv_heads(self) -> list[int]:
         heads = self.layer_heads.value
         return sorted({h.num_kv_heads for h in heads}) if heads else [self.num_key_value_heads.value]
+
+    @property
+    def attends(self) -> bool:
+        """Some layer attends (has a KV cache); False for a pure state stack, whose attention fields are not read."""
+        return any(attends(kind) for kind in self.layer_kinds.value)
 
     @property
     def is_mla(self) -> bool:
@@ -502,6 +516,7 @@ def load_model_facts(path: str | Path) -> ModelFacts:
 
 def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelFacts:
     _check_sections(data, where)
+    data = _dory_layers(data)
     r = _Reader(where, data)
     notes: list[str] = []
     model_type = _model_type(r)
@@ -509,10 +524,17 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     r.defaults = FAMILY_DEFAULTS.get(family, ("", {}))
     architectures = _architectures(r)
 
+    blocks = block_types(r, model_type)
+    if model_type == "dory":
+        _refuse_dory_loops(r)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(2, "model_type longcat_flash (two attention sublayers per decoder layer)")
+    elif blocks is not None:  # Nemotron-H: the layer count is the block list's length
+        num_layers = Sourced(len(blocks[0]), f"len({blocks[1]})")
+        _check_maximum(where, num_layers.source, num_layers.value, LIMITS["layers"])
+        sublayers = Sourced(1, "default: one mixer per decoder block")
     else:
         # decoder_layers: a decoder-only use of an encoder-decoder family (BART's ForCausalLM), whose own stack it is
         num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
@@ -523,12 +545,26 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
                                    "sublayers per decoder layer)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
-    heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                           "decoder_attention_heads", maximum=LIMITS["heads"])
-    kv_heads = _kv_heads(r, heads)
-    mla = _mla_dims(r)
-    head_dim = _head_dim(r, hidden, heads, mla)
-    if kv_heads.value > heads.value or heads.value % kv_heads.value:
+    linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
+    compressed = compressed_kind.read_facts(r.get, where, num_layers.value)
+    if compressed is None:
+        layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family, blocks)
+    else:
+        # every compressed-model layer attends through its window branch; the compressed branch rides beside it
+        layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
+        sliding_window = Sourced(compressed.window, compressed.window_source)
+    if not any(attends(kind) for kind in layer_kinds.value):
+        # a pure state stack (Mamba, Mamba2, ...): no layer attends, so no attention field is read (Mamba2Config's
+        # num_heads / head_dim are its mixer's, read by the linear family below)
+        heads = kv_heads = head_dim = Sourced(0, f"not read: no layer attends ({layer_kinds.source})")
+        mla = Sourced(None, "not read: no layer attends")
+    else:
+        heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
+                               "decoder_attention_heads", maximum=LIMITS["heads"])
+        kv_heads = _kv_heads(r, heads)
+        mla = _mla_dims(r)
+        head_dim = _head_dim(r, hidden, heads, mla)
+    if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
         raise InputError(
             where,
             f"{heads.value} query heads are not a multiple of {kv_heads.value} KV heads",
@@ -539,15 +575,10 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
         None, "default: not in config")
     rope = _rope(r)
-    linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
-    compressed = compressed_kind.read_facts(r.get, where, num_layers.value)
-    if compressed is None:
-        layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family)
-    else:
-        # every compressed-model layer attends through its window branch; the compressed branch rides beside it
-        layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
-        sliding_window = Sourced(compressed.window, compressed.window_source)
     linear = _linear(r, linear_family, layer_kinds, heads, model_type, hidden.value)
+    raw_types = blocks[0] if blocks else (r.get("layer_types") or (None,))[0]
+    block_names = ({i: t for i, (t, k) in enumerate(zip(raw_types, layer_kinds.value, strict=False)) if k == NO_CACHE}
+                   or None) if isinstance(raw_types, list) else None
 
     softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")
     alibi = _alibi(r, model_type)
@@ -606,9 +637,38 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         attention_multiplier=multiplier,
         dsa=dsa,
         linear=linear,
+        block_names=block_names,
         compressed=Sourced(compressed, compressed.source) if compressed else Sourced(
             None, "default: no compressed layers"),
     )
+
+
+def _dory_layers(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved Dory config lists an "mlp" block after every attention block and doubles its layer counts
+    (DoryConfig.to_dict); DoryConfig.__post_init__ reads every other entry and halves the counts: the same here."""
+    types = data.get("layer_types")
+    if data.get("model_type") != "dory" or not isinstance(types, list) or "mlp" not in types:
+        return data
+    out = {**data, "layer_types": types[::2]}
+    for key in ("num_hidden_layers", "n_input_layers", "n_output_layers", "n_recurrent_layers"):
+        if isinstance(data.get(key), int) and not isinstance(data.get(key), bool):
+            out[key] = data[key] // 2
+    return out
+
+
+def _refuse_dory_loops(r: _Reader) -> None:
+    """Dory (transformers DoryModel.forward) runs its recurrent section n_recurrent_loops times per forward, each loop
+    through the same attention modules with a cache of its own (per_loop: a copy of every recurrent layer's cache per
+    loop; last_loop: earlier loops read the cache without writing it). Its saved layer_types list an "mlp" block after
+    every attention block (DoryConfig.to_dict), which are not layers: DoryConfig.__post_init__ halves the list."""
+    loops = r.get("n_recurrent_loops") or (2, "default: transformers DoryConfig.n_recurrent_loops")
+    if isinstance(loops[0], int) and not isinstance(loops[0], bool) and loops[0] <= 1:
+        return
+    mode = r.get("recurrent_kv_cache_mode") or ("per_loop", "default: transformers DoryConfig.recurrent_kv_cache_mode")
+    raise InputError(r.where, f"{loops[0]!r}: Dory runs its recurrent layers {loops[0]} times per forward, each loop "
+                              f"with its own KV cache ({mode[1]} {mode[0]!r}; transformers DoryModel.forward's "
+                              "cache_offset), so one attention module keeps several caches: not supported by kvcache "
+                              "(one set of cache entries per attention module)", field=loops[1])
 
 
 def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],
@@ -948,8 +1008,8 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
     return Sourced(layers, source)
 
 
-def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tuple[str, str] | None = None
-                 ) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
+def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tuple[str, str] | None = None,
+                 blocks: tuple[list[str], str] | None = None) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
     """Per-layer kind and the window, for every spelling configs use, first match wins.
 
     ``layer_types`` lists ``sliding_attention`` / ``full_attention`` per layer (gpt-oss, Gemma-2/3,
@@ -971,7 +1031,7 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
             raise InputError(r.where, f"must be a positive integer or null, got {w!r}", field=window_hit[1])
         window = w or None
 
-    types_hit = r.get("layer_types")
+    types_hit = blocks or r.get("layer_types")  # Nemotron-H: its block list (linear_config.block_types)
     if types_hit is not None:
         raw, src = types_hit
         if not isinstance(raw, list) or len(raw) != num_layers:

@@ -48,6 +48,10 @@ LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA)
 # its config layer kind, planned as two sublayers (the attention's KV cache, then the mixer's states).
 PARALLEL = "parallel"
 PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
+# A layer that holds no cache at all (Dory's and Nemotron-H's MLP-only blocks, Nemotron-H's MoE-only blocks): its
+# config layer kind, planned as a layer with neither a KV cache nor a state (transformers' cache keeps a "dummy" layer
+# there: cache_utils.get_layer_types_and_kwargs).
+NO_CACHE = "nocache"
 # Families whose B/C groups (key heads) stay whole on every rank: Mamba-1 has one B/C for all channels.
 _REPLICATED_K_HEADS = frozenset({MAMBA})
 
@@ -70,7 +74,14 @@ _MAMBA2_FIELDS = {
 }
 _MAMBA_FIELDS = {
     "jamba": {"state": "mamba_d_state", "conv": "mamba_d_conv", "expand": "mamba_expand"},
+    # MambaConfig / FalconMambaConfig: intermediate_size = expand x hidden_size (their __post_init__)
+    **dict.fromkeys(("mamba", "falcon_mamba"), {"state": "state_size", "conv": "conv_kernel", "expand": "expand"}),
 }
+# Pure Mamba stacks: every decoder layer one mixer, no attention (Mamba2ForCausalLM, MambaForCausalLM,
+# FalconMambaForCausalLM)
+_PURE_STACKS = ("mamba2", "mamba", "falcon_mamba")
+# config classes whose saved intermediate_size is the Mamba-1 mixer's inner width
+INNER_IS_INTERMEDIATE = ("mamba", "falcon_mamba")
 
 # Class-name endings of linear-attention modules (transformers' Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
 # BailingHybridDeltaAttention, MiniMaxLightningAttention; kvcache's Ling-2.5 reference LingLightningAttention): the
@@ -269,6 +280,13 @@ def _read_mamba(r, why: str, hidden: int, limits: dict[str, int], model_type: st
     expand = r.positive_int(names["expand"], maximum=1024)
     inner = expand.value * hidden
     src = f"{why}: {n.source}, {kernel.source}, {expand.source} x hidden_size = {inner} inner channels"
+    saved = r.positive_int("intermediate_size", required=False, maximum=1 << 24) \
+        if model_type in INNER_IS_INTERMEDIATE else None
+    if saved is not None:
+        # MambaConfig / FalconMambaConfig derive intermediate_size from expand x hidden_size, but a saved one is set
+        # after that derivation (from_dict): the mixer is built at the saved width
+        inner = saved.value
+        src = f"{why}: {n.source}, {kernel.source}, {saved.source} = {inner} inner channels (the mixer's width)"
     return LinearFacts(MAMBA, 1, inner, n.value, 1, kernel.value, inner, src, REFERENCE[MAMBA])
 
 
@@ -336,8 +354,8 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
                                       f"{offset!r}", field=offset_hit[1] if offset_hit else "attn_layer_offset")
         kinds = tuple("full" if i % period.value == offset else "linear" for i in range(num_layers))
         return kinds, f"{period.source}={period.value}, {offset_hit[1]}={offset} (attention where i % period == offset)"
-    if model_type == "mamba2":  # Mamba2ForCausalLM: a stack of Mamba-2 mixers, no attention
-        return ("linear",) * num_layers, "model_type mamba2 (every layer a Mamba-2 mixer)"
+    if model_type in _PURE_STACKS:  # Mamba2ForCausalLM, MambaForCausalLM ...: a stack of mixers, no attention
+        return ("linear",) * num_layers, f"model_type {model_type} (every layer a Mamba mixer, no attention)"
     if model_type in PARALLEL_HYBRIDS:
         return (PARALLEL,) * num_layers, f"model_type {model_type} (attention and a Mamba-2 mixer side by side in " \
                                          "every decoder layer)"
@@ -353,6 +371,34 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
                                  field=f"{src}[{i}]")
         return tuple("full" if i in listed else "linear" for i in range(num_layers)), f"{src} (the others Mamba)"
     return None
+
+
+# Nemotron-H's hybrid_override_pattern characters (NemotronHConfig._pattern_to_list)
+_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+# NemotronHConfig.__post_init__: neither layers_block_type nor hybrid_override_pattern given
+_NEMOTRON_DEFAULT_BLOCKS = ("linear_attention", "moe", "full_attention", "mlp")
+
+
+def block_types(r, model_type: str) -> tuple[list[str], str] | None:
+    """Nemotron-H's decoder blocks, one type each (the layer count is their number: NemotronHConfig.num_hidden_layers
+    is derived from the list, a config's own num_hidden_layers ignored): ``layers_block_type``, else the legacy
+    ``hybrid_override_pattern`` string (M Mamba-2, * attention, - MLP, E MoE), else the class default. None for
+    other model types."""
+    if model_type != "nemotron_h":
+        return None
+    hit = r.get("layers_block_type", "hybrid_override_pattern")
+    if hit is None:
+        return list(_NEMOTRON_DEFAULT_BLOCKS), "default: transformers NemotronHConfig.layers_block_type"
+    value, src = hit
+    if isinstance(value, str) and value:
+        for i, ch in enumerate(value):
+            if ch not in _NEMOTRON_PATTERN:
+                raise InputError(r.where, f"unknown block {ch!r} (M Mamba-2, * attention, - MLP, E MoE)",
+                                 field=f"{src}[{i}]")
+        return [_NEMOTRON_PATTERN[ch] for ch in value], f"{src} (M Mamba-2, * attention, - MLP, E MoE)"
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return list(value), src
+    raise InputError(r.where, "must be a non-empty list of block types or a pattern string", field=src)
 
 
 MIXER_FACT = "mixer_"  # the prefix of mixer_facts' names
@@ -391,6 +437,12 @@ def sublayer_kinds(config_kind: str, sublayers: int) -> tuple[str, ...]:
     """The layer kind of each sublayer of a decoder layer: a parallel layer's attention, then its Mamba state; any
     other kind repeated (LongCat-Flash's two attention sublayers)."""
     return ("full", "linear") if config_kind == PARALLEL else (config_kind,) * sublayers
+
+
+def attends(config_kind: str) -> bool:
+    """A decoder layer of this config kind has an attention (and so a KV cache): neither a pure state layer nor a
+    layer without any cache."""
+    return config_kind not in ("linear", NO_CACHE)
 
 
 def holds_state(config_kind: str) -> bool:

@@ -476,6 +476,16 @@ class StateLayerPlan(_LayerBase):
         return []
 
 
+class NoCacheLayer(_Model):
+    """A decoder block that holds no cache at all (Nemotron-H's MLP-only and MoE-only blocks): no KV cache, no state,
+    no entry in ``layers`` (the framework refuses a layer without cache entries, so get_cache_info leaves it out and
+    the cache layers' ``index`` skips it while their ``decoder_layer`` keeps the block index)."""
+
+    decoder_layer: int = Field(ge=0, description="the block's index in the model's layer list")
+    block: str = Field(description="what the config calls the block (layers_block_type)")
+    reason: str
+
+
 # One layer of the plan, tagged by its attn_type: a state layer carries no FA fields (schema 2.0).
 LayerPlan = Annotated[AttentionLayerPlan | StateLayerPlan, Field(discriminator="attn_type")]
 
@@ -581,7 +591,8 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed")
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
+                      "no_cache_layers")
 
 
 class SelectionManifest(_Model):
@@ -602,6 +613,9 @@ class SelectionManifest(_Model):
         default=None, description="Legacy only: whether the render calls FA or keeps the model's own attention")
     mixed_attn_types: bool
     layers: list[LayerPlan]
+    no_cache_layers: list[NoCacheLayer] | None = Field(
+        default=None, description="decoder blocks without any cache (MLP-only / MoE-only blocks), left out of "
+                                  "layers; absent: every block holds a cache")
     parallel: ParallelPlan
     block_size: int
     memory: MemoryPlan
@@ -661,6 +675,8 @@ class SelectionManifest(_Model):
         plans its attention as sublayer 0 beside its state."""
         if self.parallel_hybrid():
             return next(layer for layer in self.layers if layer.decoder_layer == layer_idx and not layer.is_state)
+        if self.no_cache_layers:  # the cache layers skip the blocks without a cache: found by block index
+            return next(layer for layer in self.layers if layer.decoder_layer == layer_idx)
         return self.layers[layer_idx]
 
     def attention_chunk_size(self) -> int | None:
@@ -710,11 +726,18 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
     kv_per_rank, why = kinds.kv_heads_per_rank(m, tp)
     if p.num_kv_heads_per_rank != kv_per_rank:
         out.append(("parallel.num_kv_heads_per_rank", f"{p.num_kv_heads_per_rank} is not {kv_per_rank} ({why})"))
-    want_layers = model.num_layers * model.sublayers_per_layer
-    with_mtp = (model.num_layers + model.num_mtp_layers) * model.sublayers_per_layer
+    uncached = m.no_cache_layers or []
+    want_layers = model.num_layers * model.sublayers_per_layer - len(uncached)
+    with_mtp = want_layers + model.num_mtp_layers * model.sublayers_per_layer
     if len(m.layers) not in (want_layers, with_mtp):
         out.append(("layers", f"{len(m.layers)} entries for {model.num_layers} decoder layers x "
-                              f"{model.sublayers_per_layer} sublayer(s) = {want_layers}"))
+                              f"{model.sublayers_per_layer} sublayer(s) - {len(uncached)} block(s) without a cache "
+                              f"= {want_layers}"))
+    cached_blocks = {layer.decoder_layer for layer in m.layers}
+    for j, block in enumerate(uncached):
+        if block.decoder_layer in cached_blocks or block.decoder_layer >= model.num_layers:
+            out.append((f"no_cache_layers[{j}].decoder_layer", f"{block.decoder_layer} is a cache layer's block or "
+                                                               f"past the model's {model.num_layers} blocks"))
     for i, layer in enumerate(m.layers):
         where = f"layers[{i}]"
         if layer.index != i:

@@ -54,7 +54,9 @@ SPEC_ANCHOR = "state_anchor"  # the speculative state slots' anchor entry (one i
 FAMILY_SCALE_RULE = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gpt_oss", "llama4", "glm4", "glm4_moe",
                      "phi3", "phimoe", "falcon", "deepseek_v2", "deepseek_v3", "longcat_flash",
-                     "deepseek_v4"), "head_dim"),
+                     "deepseek_v4",
+                     # NemotronHAttention.scaling = head_dim**-0.5 (no RoPE: the block attends position-free)
+                     "nemotron_h"), "head_dim"),
     "gemma2": "query_pre_attn_scalar",
     "gemma3": "query_pre_attn_scalar",
     "granite": "attention_multiplier",
@@ -107,14 +109,6 @@ def find_blockers(facts: ModelFacts, block_size: int = DEFAULT_BLOCK_SIZE) -> li
         out.append(Finding(
             message="chunked and sliding-window layers in one model: both are kept by the framework's SlidingWindow "
                     "manager, which holds one window",
-            fields=[facts.layer_kinds.source],
-        ))
-    if kinds and set(kinds) == {"linear"} and facts.linear.value is not None:
-        # analyze plans every state; the templates compose the state partial with an attention partial only
-        out.append(Finding(
-            message=f"every one of the {len(kinds)} layers keeps a recurrent state ({facts.linear.value.family}, no "
-                    "attention layer: a pure state stack): not supported by kvcache, whose templates render states "
-                    "beside attention layers only; the manifest's linear_attention section is the design",
             fields=[facts.layer_kinds.source],
         ))
     if "linear" in kinds and facts.linear.value is None:
@@ -210,7 +204,7 @@ def planned_layer_kind(kind: str, window: int | None, max_positions: int | None)
 def unknown_family(facts: ModelFacts, transformers_ships: bool | None) -> Finding | None:
     """A warning when the family's attention code was never read: the config alone cannot rule out
     position biases (ALiBi lives in modeling code, e.g. Baichuan2-13B) or other attention variants."""
-    if facts.family in FAMILY_SCALE_RULE:
+    if facts.family in FAMILY_SCALE_RULE or not facts.attends:  # a pure state stack has no attention to read
         return None
     unverified = ["a custom softmax scale", "extra attention terms (soft-capping, sinks, biases)"]
     if facts.alibi.is_default:
@@ -307,6 +301,8 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
     rule = FAMILY_SCALE_RULE.get(facts.family)
     qpas = facts.query_pre_attn_scalar.value
     multiplier = facts.attention_multiplier
+    if not facts.attends:
+        return 1.0, "1 (no layer attends: a pure state stack has no softmax; not used)"
     if rule == "unit":
         base, base_txt = 1.0, f"1 (model family {facts.family}: q/k RMS-normalised per head, scores not scaled)"
     elif rule == "prescaled":

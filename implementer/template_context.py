@@ -131,6 +131,10 @@ class RenderContext:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_rope: str = ""
+    # False: a pure state stack (every layer a Mamba mixer): the state partial alone, no attention mixin or KV cache
+    attends: bool = True
+    # decoder blocks without any cache (Nemotron-H's MLP / MoE blocks): get_cache_info registers nothing for them
+    no_cache_blocks: tuple[int, ...] = ()
     # Hybrid models (manifest.linear_attention): the gated-delta-net state mixin; None without linear layers.
     linear: LinearCtx | None = None
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
@@ -247,11 +251,8 @@ def _check_layers(m: SelectionManifest) -> None:
     check_unrendered(m)
     kinds[0].check_layers(m)
     attention = [layer for layer in m.layers if not layer.is_state]
-    if not attention:
-        raise _bad("layers", "not supported by kvcache: rendering a model without attention layers (every layer "
-                             "keeps a recurrent state, as a pure Mamba stack); the templates compose the state partial "
-                             "with an attention one: the manifest's linear_attention section is the design to "
-                             "implement by hand")
+    if not attention:  # a pure state stack (Mamba, Mamba2): the state partial alone
+        return
     first = attention[0]
     for layer in attention[1:]:
         if layer.caches != first.caches:
@@ -293,10 +294,13 @@ def _check_numbers(m: SelectionManifest) -> None:
               "parallel.num_kv_heads_per_rank": m.parallel.num_kv_heads_per_rank,
               "parallel.attn_tp_size": m.parallel.attn_tp_size, "model.head_dim": m.model.head_dim,
               "model.sublayers_per_layer": m.model.sublayers_per_layer}
+    if not m.attention_layers:  # a pure state stack: no attention heads to count
+        counts = {k: v for k, v in counts.items() if k in ("parallel.attn_tp_size", "model.sublayers_per_layer")}
     for field, value in counts.items():
         if value <= 0:
             raise _bad(field, f"{value} must be > 0")
-    kind.check(m)
+    if m.attention_layers:
+        kind.check(m)
     if not _MODEL_TYPE.fullmatch(m.model.model_type):
         raise _bad("model.model_type", f"{m.model.model_type!r} is not a plain model type ([A-Za-z0-9_.-])")
 
@@ -348,7 +352,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     chunked_plan = next(iter(chunked.values()), None)
     if not kinds:  # every attention layer chunked: the shared paged call takes their plan
         kinds = dict(chunked)
-    first = attention[0]
+    first = attention[0] if attention else None  # None: a pure state stack, no KV cache entry
     generation = api_override or m.framework_api or DEFAULT_API
     # G3 frameworks take G2 renders: an override naming the manifest's render contract is no contradiction.
     if api_override and m.framework_api and render_api(api_override) != render_api(m.framework_api):
@@ -378,8 +382,10 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         kinds=tuple(sorted(kinds.values(), key=lambda k: k.attn_type)),
         sliding_layers=tuple(layer.index for layer in m.layers if layer.is_sliding),
         caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head), *attention_kind(m).CACHE_CONSTANTS[c.name])
-                     for c in first.caches),
-        cache_dtype=TORCH_DTYPE[first.caches[0].dtype],
+                     for c in first.caches) if first else (),
+        cache_dtype=TORCH_DTYPE[first.caches[0].dtype] if first else "None",
+        attends=first is not None,
+        no_cache_blocks=tuple(b.decoder_layer for b in m.no_cache_layers or ()),
         num_layers=len(m.layers),
         sublayers=int(m.model.sublayers_per_layer),
         mtp_layers=int(m.model.num_mtp_layers),

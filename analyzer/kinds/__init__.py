@@ -45,6 +45,8 @@ def kv_heads_per_rank(m, tp: int) -> tuple[int, str]:
     model = m.model
     if m.mla.enabled:
         return 1, f"num_key_value_heads {model.num_key_value_heads}, attn_tp_size {tp}, MLA"
+    if not m.attention_layers:
+        return 0, "no layer attends (a pure state stack)"
     return (max(model.num_key_value_heads // max(tp, 1), 1),
             f"num_key_value_heads {model.num_key_value_heads}, attn_tp_size {tp}")
 

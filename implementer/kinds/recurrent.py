@@ -17,6 +17,9 @@ RENDERED = tuple(FAMILY_NAMES)
 # transformers' attribute of a decoder layer's state module (JambaMambaDecoderLayer.mamba, Bamba / Granite-4.0-H
 # .mamba; Qwen3-Next, Ling: .linear_attn)
 MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba"}  # Falcon-H1 too: self_attn and mamba side by side
+# model types whose decoder blocks keep every mixer (Mamba, attention, MLP, MoE) as ``mixer``: Mamba2Block,
+# MambaBlock, FalconMambaBlock, NemotronHBlock
+MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer"}
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,12 @@ class LinearCtx:
     state_layout: str  # which layout, and whose
     next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
     parallel: bool = False  # each state sits beside an attention in the same decoder layer (Falcon-H1)
+    model_type: str = ""
 
     @property
     def module_attr(self) -> str:
         """The decoder layer's attribute holding the state module, as transformers names it."""
-        return MODULE_ATTR.get(self.family, "linear_attn")
+        return MIXER_ATTR.get(self.model_type) or MODULE_ATTR.get(self.family, "linear_attn")
 
     @property
     def family_name(self) -> str:
@@ -103,4 +107,4 @@ def fields(m) -> dict:
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",
                                 TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
                                 lin.state_blocks_per_request - 1,
-                                m.parallel_hybrid())}
+                                m.parallel_hybrid(), m.model.model_type)}

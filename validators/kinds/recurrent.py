@@ -4,6 +4,7 @@ request."""
 from __future__ import annotations
 
 import torch
+from model_infer_kvcache.analyzer.linear_config import INNER_IS_INTERMEDIATE
 
 
 def expected_constants(manifest) -> dict[str, object]:
@@ -38,6 +39,7 @@ def state_slots_per_row(manifest) -> int:
 _EXPAND_FIELDS = ("mamba_expand", "expand")
 
 
+
 def tiny_state_fields(d: dict, manifest) -> None:
     """The tiny config's Mamba inner width, in place: the rendered code keeps the real heads x head_dim (Mamba-2)
     or inner channels (Mamba-1), so at the tiny hidden size the expand factor grows to give the same width (a
@@ -49,3 +51,5 @@ def tiny_state_fields(d: dict, manifest) -> None:
     field = next((f for f in _EXPAND_FIELDS if f in d), None)
     if field is not None and inner % d["hidden_size"] == 0:
         d[field] = inner // d["hidden_size"]
+    if manifest.model.model_type in INNER_IS_INTERMEDIATE:  # the saved width the mixer is built at
+        d["intermediate_size"] = inner

@@ -41,8 +41,12 @@ class RenderedCode:
     attention: types.ModuleType
     runner: types.ModuleType | None
 
-    def attention_mixin(self) -> type:
-        return _class_with(self.attention, "init_kv_cache")
+    def attention_mixin(self) -> type | None:
+        """The attention mixin, None in a pure state stack's render (no layer attends)."""
+        try:
+            return _class_with(self.attention, "init_kv_cache")
+        except LookupError:
+            return None
 
     def model_mixin(self) -> type | None:
         try:
@@ -578,7 +582,8 @@ class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
     def __init__(self, hf_model, rendered: RenderedCode, *, is_mla: bool, cache_dtype=torch.float32,
-                 window: int | None = None, block_size: int = 128, device: torch.device | None = None):
+                 window: int | None = None, block_size: int = 128, device: torch.device | None = None,
+                 uncached: frozenset[int] = frozenset()):
         self.hf_model = hf_model
         self.rendered = rendered
         self.step_index = -1  # forward calls so far, for failure locations
@@ -590,7 +595,8 @@ class HostModel:
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         if hasattr(rendered.attention, "torchair"):  # ge_graph decode calls torchair.ops' attention
             rendered.attention.torchair = _RecordingTorchair(rendered.attention.torchair, self.probe)
-        host_cls = make_host_attention(rendered.attention_mixin())
+        attention_mixin = rendered.attention_mixin()
+        host_cls = make_host_attention(attention_mixin) if attention_mixin else None
         linear_mixin = rendered.linear_mixin()
         linear_cls = make_host_linear(linear_mixin) if linear_mixin else None
         self.attentions = []
@@ -600,6 +606,13 @@ class HostModel:
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
+            if idx in uncached:  # a block the manifest plans without any cache (an MLP / MoE block): left as it is
+                if linear is not None or find_attentions(layer):
+                    raise InputError("--config", f"{path}.{idx} ({type(layer).__name__}) is planned without a cache "
+                                                 "(manifest no_cache_layers) and holds an attention or a recurrent "
+                                                 "mixer", field="model_type")
+                views.append(_DecoderLayer(types.SimpleNamespace()))  # no module with cache entries
+                continue
             state, state_attr = None, None
             if linear is not None:
                 if linear_cls is None:
@@ -624,6 +637,10 @@ class HostModel:
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",
                                  field="model_type")
             name, hf_attn = hits[0]
+            if host_cls is None:
+                raise InputError("--config", f"{path}.{idx}.{name} ({type(hf_attn).__name__}) attends and the rendered "
+                                             "code has no attention mixin (a pure state stack's render)",
+                                 field="model_type")
             route = attention_route(hf_attn, is_mla)
             if route is None:
                 raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "

@@ -185,7 +185,8 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
     problems = []
     # graph mode: one null block past the rows' blocks, for the padded decode rows
     blocks = runner.block_table.numel() + (1 if graph_mode(manifest) else 0)
-    want = {c.name: c for c in next(layer for layer in manifest.layers if not layer.is_state).caches}
+    attending = manifest.attention_layers  # none in a pure state stack: states only
+    want = {c.name: c for c in attending[0].caches} if attending else {}
     states = recurrent.states(manifest)
     # one state slot per row, 1 + next_n of them under speculative decoding (one per verify token)
     slots_n = rows_n * recurrent.state_slots_per_row(manifest)

@@ -62,6 +62,8 @@ def _layer_plans(manifest: SelectionManifest, src: dict[str, Any]) -> list[tuple
             f"kv_heads_per_rank{sub}": str(layer.num_kv_heads_per_rank),
             f"caches{sub}": ", ".join(f"{c.name} {c.num_head}x{c.dim} {c.dtype}" for c in layer.caches),
             f"states{sub}": ", ".join(st.name for st in layer.states)})
+    for block in manifest.no_cache_layers or ():  # a block without a cache is a plan of its own (MLP, MoE)
+        plans[block.decoder_layer] = {"attn_type": "none", "kind": f"no cache ({block.block})"}
     for i, plan in plans.items():
         plan.update({k: json.dumps(v[i], sort_keys=True) for k, v in sorted(per_layer.items())})
     return [tuple(plans[i].items()) for i in sorted(plans)]
@@ -104,13 +106,17 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
+    if isinstance(d.get("hybrid_override_pattern"), str):  # Nemotron-H's legacy block string, one char a block
+        d["hybrid_override_pattern"] = d["hybrid_override_pattern"][:n]
     kind = kind_of(manifest)
     from_hidden = hf_type in _HEAD_DIM_FROM_HIDDEN
     d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128
-    d["num_attention_heads"] = m.num_attention_heads
-    kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
-    recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
+    if m.num_attention_heads:  # a pure state stack has none (Mamba2Config's num_heads are its mixer's)
+        d["num_attention_heads"] = m.num_attention_heads
+    if manifest.attention_layers:  # a pure state stack has no attention to size (Mamba2Config's head_dim is its mixer's)
+        kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
     d["intermediate_size"] = 128
+    recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
     d["vocab_size"] = TINY_VOCAB
     for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
                        ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),

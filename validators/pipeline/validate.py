@@ -408,7 +408,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
 
             report.provenance = rendered_provenance(rendered_dir, handle, backend)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
-                         block_size=manifest.block_size)
+                         block_size=manifest.block_size,
+                         uncached=frozenset(b.decoder_layer for b in manifest.no_cache_layers or ()))
         host.atol = TOLERANCE[req.dtype]
         if observe is not None:  # localisation's replay: a capture on the model under test
             observe(host)

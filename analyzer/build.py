@@ -28,6 +28,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     inspect_checkout,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.linear_config import holds_state, sublayer_kinds
@@ -177,6 +178,8 @@ def assemble(
     deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)
     tp, tp_source = _tp_size(req, progress, warnings)
     blockers = rules.find_blockers(facts, req.block_size)
+    if (unsized := cross_kind.blocker(facts)) is not None:
+        blockers.append(unsized)
     problems = rules.tp_problems(facts, tp)
     if problems:
         # A size stated in progress.md is refused exactly like the same size given as the flag.
@@ -219,7 +222,8 @@ def assemble(
     if unknown:
         warnings.append(unknown)
     mixed = len({layer.attn_type for layer in layers}) > 1
-    memory_plan, groups = _memory(facts, layers, req, progress, questions, warnings)
+    cross = cross_kind.decide(facts, parallel, cache_dtype.value if cache_dtype else None)
+    memory_plan, groups = _memory(facts, layers, req, progress, questions, warnings, cross)
     _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
 
     mla = rules.decide_mla(facts, kv_mode)
@@ -303,6 +307,7 @@ def assemble(
         memory=memory_plan,
         cache_dtype=cache_dtype,
         linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
+        cross_attention=cross,
         # the format's own section (dsa, compressed), from the plan built above
         **format_of(facts).sections(facts, layers, groups, parallel, cache_dtype.value if cache_dtype else
                                     facts.dtype.value, req.block_size, memory_plan.max_len),
@@ -564,7 +569,7 @@ def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_siz
 
 
 def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
-            warnings) -> tuple[MemoryPlan, list[memory.Group]]:
+            warnings, cross=None) -> tuple[MemoryPlan, list[memory.Group]]:
     """The memory plan and the group specs it was sized from."""
     fmt = format_of(facts)
     groups, group_notes = fmt.memory_groups(facts, layers, lambda layer: rules.cache_token_bytes(layer.caches),
@@ -581,6 +586,10 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         derivation.append(f"{MAMBA}: one state block per request (+ {next_n} speculative) = "
                           f"{len(state_layers)} linear layers x {rules.state_bytes(state_layers[0].states)} B = "
                           f"{per_block} B, fixed (does not grow with the sequence)")
+    if cross is not None:
+        # one slot per request holds its encoder K/V of every cross-attention layer (kv_cache_spec.CrossAttentionSpec)
+        groups.append(cross_kind.memory_group(cross))
+        derivation.append(cross_kind.memory_note(cross))
     derivation += group_notes
 
     hbm = req.hbm_gb

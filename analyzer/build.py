@@ -321,26 +321,33 @@ def assemble(
 
 def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, checkout, blockers,
                      questions) -> None:
-    """Framework mode registers linear layers' states as MambaCacheEntry, which only G3 frameworks define."""
+    """Framework mode registers linear layers' states (and cross-attention slots) as MambaCacheEntry, which only G3
+    frameworks define."""
     linear = sum(holds_state(kind) for kind in facts.layer_kinds.value)
-    if not linear or facts.linear.value is None or deploy != "framework":
+    if linear and facts.linear.value is not None:
+        what, fields = f"the {linear} linear layers' states", [facts.layer_kinds.source, "--framework-root"]
+    elif facts.cross.value is not None and facts.cross.value.max_encoder_len is not None:
+        what, fields = (f"the {facts.num_layers.value} cross-attention layers' encoder K/V slots",
+                        [facts.cross.source, "--framework-root"])
+    else:
         return
-    fields = [facts.layer_kinds.source, "--framework-root"]
+    if deploy != "framework":
+        return
     if checkout is not None and not checkout.mamba_state_evidence:
         blockers.append(Finding(
             message=f"the checkout's framework ({checkout.generation or 'unknown generation'}) has no "
-                    f"MambaCacheEntry: the {linear} linear layers' states cannot be registered (framework mode needs "
+                    f"MambaCacheEntry: {what} cannot be registered (framework mode needs "
                     "a framework that defines it, fda5670 or later; or deploy standalone, where the runner owns the states)",
             fields=fields))
     elif checkout is None and framework_api in ("G0", "G1"):
         blockers.append(Finding(
-            message=f"--framework-api {framework_api} has no MambaCacheEntry: the {linear} linear layers' states "
+            message=f"--framework-api {framework_api} has no MambaCacheEntry: {what} "
                     "cannot be registered (framework mode needs a framework that defines it, fda5670 or later; or deploy "
                     "standalone)",
-            fields=["--framework-api", facts.layer_kinds.source]))
+            fields=["--framework-api", fields[0]]))
     elif checkout is None:
         questions.append(Finding(
-            message=f"the {linear} linear layers register their states as MambaCacheEntry (attn_type Mamba), which "
+            message=f"{what} register as MambaCacheEntry (attn_type Mamba), which "
                     "only frameworks from fda5670 on define: pass --framework-root to check the checkout",
             fields=fields))
 

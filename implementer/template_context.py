@@ -133,6 +133,8 @@ class RenderContext:
     index_rope: str = ""
     # Hybrid models (manifest.linear_attention): the gated-delta-net state mixin; None without linear layers.
     linear: LinearCtx | None = None
+    # Encoder-decoder models (manifest.cross_attention): the cross-attention slots; None for a decoder-only model.
+    cross: CrossCtx | None = None
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
     legacy_kernel: str = ""
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")

@@ -410,6 +410,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
                          block_size=manifest.block_size)
         host.atol = TOLERANCE[req.dtype]
+        if host.encoder is not None:  # an encoder-decoder's decoder: the reference reads each request's own states
+            ref._kvcache_encoder = host.encoder
         if observe is not None:  # localisation's replay: a capture on the model under test
             observe(host)
         try:

@@ -33,6 +33,7 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE
 from model_infer_kvcache.implementer.kinds.common import bad as _bad
+from model_infer_kvcache.implementer.kinds.cross import CrossCtx
 from model_infer_kvcache.implementer.kinds.recurrent import LinearCtx
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from model_infer_kvcache.analyzer.kinds import DSA, GQA, MLA, attention_format, holds_chunks, holds_cross, holds_states
+from model_infer_kvcache.analyzer.kinds import (
+    DSA,
+    GQA,
+    MLA,
+    attention_format,
+    holds_chunks,
+    holds_cross,
+    holds_states,
+)
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.kinds import chunked, compressed, cross, dsa, gqa, mla, recurrent
 from model_infer_kvcache.implementer.kinds.common import bad

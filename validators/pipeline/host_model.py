@@ -801,7 +801,7 @@ class HostModel:
             return None, torch.full((1, 1, self.encoder.hidden), float("nan"), dtype=torch.float64)
         ids = input_ids.reshape(-1).tolist()
         cu = [int(x) for x in torch.as_tensor(forward_metadata.actual_seq_lengths_cu_q).tolist()]
-        states = [self.encoder.of(ids[a:b]) for a, b in zip([0] + cu[:-1], cu) if b > a]
+        states = [self.encoder.of(ids[a:b]) for a, b in zip([0] + cu[:-1], cu, strict=True) if b > a]
         return [len(x) for x in states], torch.cat(states)[None]
 
 

@@ -57,14 +57,14 @@ def check_cross_calls(report, manifest, host) -> None:
     bad = []
     for call in calls:
         mode = call.get("sparse_mode", 0)
-        kv = [int(n) for n in torch.as_tensor(call.get("actual_seq_lengths_kv", [])).reshape(-1).tolist()]
+        kv = [int(n) for n in (call.get("kv_lens") or [])]
         if call["has_mask"] or mode != 0:
             bad.append(f"step {call['step']} layer {call['layer']}: atten_mask {'given' if call['has_mask'] else 'None'}"
                        f", sparse_mode {mode} (want None, 0)")
         elif call["step"] in prefill_lens and kv != prefill_lens[call["step"]]:
             bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} != the requests' encoder lengths "
                        f"{prefill_lens[call['step']]}")
-        elif any(n < 1 or n > manifest.cross_attention.max_encoder_len for n in kv):
+        elif any(n < 1 or n > manifest.cross_attention.max_encoder_len for n in kv):  # padding rows: clamped too
             bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} outside 1.."
                        f"{manifest.cross_attention.max_encoder_len}")
     steps = {c["step"] for c in calls}

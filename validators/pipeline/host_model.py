@@ -28,13 +28,14 @@ import torch
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
-from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
 ATOL_BF16 = 5e-2  # NPU backend: bf16 model under test vs the float32 reference (untested in CI)
 _counter = itertools.count()
+CROSS_KV_LENS = tuple(kw.kv_lens for kw in FA_KEYWORDS.values())  # a cross-attention call's KV lengths, either version
 _ENCODER_SEED = 20  # the encoder states' seed (each request's own, by its first prompt tokens)
 _CURRENT: list = []  # the ForwardMetaData of the step being run (a stack: steps never nest)
 
@@ -174,8 +175,10 @@ class _RecordingOps:
         def call(*args, **kwargs):
             last = self._probe.records[-1] if self._probe.records else {}
             if self._probe.cross_layer is not None:  # a cross-attention read: judged by validators/kinds/cross.py
+                kv_lens = next((kwargs[k] for k in CROSS_KV_LENS if k in kwargs), None)
                 self._probe.cross_calls.append({"op": name, "step": self._probe.step, "layer": self._probe.cross_layer,
                                                 **{k: kwargs[k] for k in RECORDED_KEYWORDS if k in kwargs},
+                                                "kv_lens": _as_list(kv_lens),
                                                 "has_mask": kwargs.get("atten_mask") is not None})
                 return target(*args, **kwargs)
             self._probe.fa_calls.append({"op": name, "step": self._probe.step, "layer": last.get("layer"),

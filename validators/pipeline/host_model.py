@@ -365,10 +365,31 @@ def attention_route(module, is_mla: bool) -> str | None:
     if all(hasattr(module, a) for a in ("query_key_value", "_split_heads", "dense")) and \
             "position_embeddings" in inspect.signature(type(module).forward).parameters:
         return "fused_qkv"  # Falcon's rotary path (Bloom's ALiBi-only attention has no position_embeddings)
+    if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj", "scaling", "head_dim")) and \
+            "torch.bmm" in source and "key_value_states" in inspect.signature(type(module).forward).parameters:
+        return "eager_qkv"  # TrOCR, MVP: encoder-decoder attention computing its scores itself
     return None
 
 
-_ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward}
+def _eager_qkv_forward(self, hidden_states, key_value_states=None, *args, attn_prompt=None, **kwargs):
+    """An encoder-decoder attention that computes its scores itself (TrOCR, MVP: ``q_proj(x) * scaling``, then
+    ``torch.bmm``): its own q_proj / k_proj / v_proj / out_proj around the rendered attention, which applies the
+    module's scaling itself (the manifest's scale is the module's ``scaling``). ``key_value_states``: the
+    cross-attention's encoder states."""
+    if attn_prompt is not None:
+        raise NotSupportedByKvcache("--config", f"{type(self).__name__} with prompt tuning (attn_prompt: MVP's "
+                                                "use_prompt): the prompt keys are not in the rendered cache",
+                                    field="use_prompt")
+    b, s = hidden_states.shape[:2]
+    source = key_value_states if key_value_states is not None else hidden_states
+    q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+    k = self.k_proj(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+    v = self.v_proj(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=self.scaling)
+    return self.out_proj(out.reshape(b, s, -1)), None
+
+
+_ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -722,6 +743,9 @@ class HostModel:
                 cross_host.is_cross = True
                 cross_host.init_cross_cache(idx, cache_dtype)
                 crossed[0][1]._kvcache_host = cross_host
+                if attention_route(crossed[0][1], is_mla) == "eager_qkv":  # TrOCR, MVP: their own score code
+                    crossed[0][1].forward = types.MethodType(
+                        _padded(_eager_qkv_forward, _returned_values(crossed[0][1])), crossed[0][1])
                 self.cross_attentions.append(cross_host)
                 cross = (crossed[0][0].rsplit(".", 1)[-1], cross_host)
             if linear is not None and not (hits and state_attr):  # a parallel hybrid's Mamba layer keeps attention

@@ -73,3 +73,17 @@ def check_cross_calls(report, manifest, host) -> None:
         bad.append(f"{len(calls)} cross-attention FA calls over {len(steps)} steps, want one per cross layer per step "
                    f"({want})")
     report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls))
+
+
+def tiny_cross_fields(d: dict, manifest, layers: int) -> None:
+    """The tiny config of an encoder-decoder's decoder, in place: its own fields (BART family, Whisper, TrOCR name
+    the decoder's stack ``decoder_layers`` / ``decoder_attention_heads`` / ``decoder_ffn_dim``; the generic names the
+    tiny model writes map to the encoder's in their configs), shrunk like a decoder-only model's. A field map, not
+    per-family code; a decoder-only manifest: nothing."""
+    if manifest.cross_attention is None:
+        return
+    sizes = {"decoder_layers": layers, "decoder_attention_heads": manifest.model.num_attention_heads,
+             "decoder_ffn_dim": 128, "encoder_ffn_dim": 128, "encoder_layers": 1}
+    for key, value in sizes.items():
+        if key in d:
+            d[key] = value

@@ -87,6 +87,7 @@ def _case(tmp_path, mode: str):
     return render_case(tmp_path, "bart_large", SMALL_BART, dispatch=FRAMEWORK if mode == "framework" else STANDALONE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["framework", "standalone"])
 def test_bart_validates_against_transformers_in_both_modes(tmp_path, mode):
     manifest, rendered, cfg = _case(tmp_path, mode)
@@ -115,6 +116,7 @@ MISTAKES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, mode, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
 def test_a_cross_attention_render_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
     manifest, rendered, cfg = _case(tmp_path, mode)

@@ -33,6 +33,7 @@ from typing import Any
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
 from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
@@ -48,8 +49,7 @@ from model_infer_kvcache.analyzer.manifest import LayerPlan
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
 SCALE_ATTRS = ("scaling", "softmax_scale", "inv_norm_factor")
 _REL_TOL = 1e-9
-# the attribute names transformers gives a decoder block's attention over the encoder's states
-CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attention", "encoder_attention")
+CROSS_ATTENTION_NAMES = cross_kind.MODULE_NAMES  # a decoder block's attention over the encoder's states
 # Configuration keys that would make transformers load remote code or are only bookkeeping.
 _NOT_ARCH = ("model_type", "auto_map", "architectures", "transformers_version", "_name_or_path")
 
@@ -468,11 +468,19 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     cross = [a for a in hf if a.path.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES]
     if cross and len(hf) - len(cross) == len(layers):
         # the decoder of an encoder-decoder family (BART / Whisper / TrOCR ForCausalLM): each block also attends over
-        # the encoder's states, a second cache kvcache does not plan (and a decoder-only run leaves it unused)
-        result.errors.append(f"transformers' {facts.model_type!r} decoder blocks hold a cross-attention module beside "
-                             f"their self-attention ({cross[0].cls} at {cross[0].path}, {len(cross)} layer(s)): the "
-                             "decoder of an encoder-decoder model, whose cross-attention over the encoder's states "
-                             "kvcache does not plan")
+        # the encoder's states, planned as the cross_attention section (analyzer/kinds/cross.py); the self-attention
+        # modules are compared with the layers below
+        problems = cross_kind.hf_problems(facts, cross, scale)
+        if problems:
+            result.errors += problems
+            return result
+        hf = tuple(a for a in hf if a not in cross)
+        result.notes.append(f"cross-attention checked: {len(cross)} {cross[0].cls} module(s) at "
+                            f"{cross[0].path.rsplit('.', 3)[0]}.*.{cross[0].path.rsplit('.', 1)[-1]} (K/V heads, "
+                            "head_dim, scale) match the cross_attention plan")
+    elif facts.cross.value is not None:
+        result.errors.append(f"analyzer plans cross-attention ({facts.cross.source}) and transformers' "
+                             f"{facts.model_type!r} decoder blocks hold no cross-attention module")
         return result
     if len(hf) != len(layers):
         result.errors.append(f"attention layers: analyzer plans {len(layers)}, transformers builds {len(hf)}")

@@ -17,6 +17,7 @@ import yaml
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
     NO_CACHE,
     PARALLEL_HYBRIDS,
@@ -296,6 +297,8 @@ class ModelFacts:
     compressed: Sourced[compressed_kind.CompressedFacts | None] = Sourced(None, "default: no compressed layers")
     # what the config calls each block that holds no cache (Nemotron-H's "mlp" / "moe"), by block index
     block_names: dict[int, str] | None = None
+    # the decoder of an encoder-decoder model (analyzer/kinds/cross.py); None: decoder-only
+    cross: Sourced[cross_kind.CrossFacts | None] = Sourced(None, "default: decoder-only (no cross-attention)")
     # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
     layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
 
@@ -607,6 +610,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
 
+    cross = cross_kind.read_facts(r.get, r.cfg)
+
     return ModelFacts(
         path=where,
         model_type=model_type,
@@ -640,6 +645,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         block_names=block_names,
         compressed=Sourced(compressed, compressed.source) if compressed else Sourced(
             None, "default: no compressed layers"),
+        cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
     )
 
 

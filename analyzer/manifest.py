@@ -18,6 +18,7 @@ from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kinds import INDEXER_KEY_CACHE  # noqa: F401  (the manifest's entry name, re-exported)
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     ATTENTION_ATTN_TYPES,
+    GROUP_ATTN_TYPES,
     PLANNED_ATTN_TYPES,
     STATE_ATTN_TYPES,
     holds_state,
@@ -283,6 +284,32 @@ class LinearAttentionDecision(_Model):
     reason: str
 
 
+class CrossAttentionDecision(_Model):
+    """The decoder of an encoder-decoder model (BART family, Whisper, TrOCR): each decoder layer also attends over
+    the request's encoder states. Their K/V are computed once at the request's prefill and read by every decode
+    step with no causal mask, so they are kept in one slot per request (analyzer/kinds/cross.py), sized by the
+    longest encoder output; the framework registers them as MambaCacheEntry under manager_key CrossAttention."""
+
+    layers: list[int] = Field(description="decoder layers with a cross-attention module (beside their self-attention)")
+    module_attr: str = Field(description="transformers' attribute of the decoder layer's cross-attention module")
+    max_encoder_len: int = Field(ge=1, description="the longest encoder output a request may bring")
+    max_encoder_len_source: str
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    num_kv_heads_per_rank: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    slot_block_size: int = Field(ge=1, description="tokens of one FA block of a slot (the paged read's block_size)")
+    slot_tokens: int = Field(ge=1, description="encoder positions one slot holds: max_encoder_len rounded up to "
+                                               "whole blocks")
+    states: list[StateSpec] = Field(description="the slot entries of every cross-attention layer (one rank)")
+    slot_bytes_per_layer: int
+    slot_bytes: int = Field(description="one request's slot, every layer, one rank")
+    framework_entry: str
+    fa: str = Field(description="how the slot is written and read (FA arguments)")
+    source: str
+    reason: str
+
+
 class CacheDtypeDecision(_Model):
     """The cache planned in another dtype than the config's (``kvcache analyze --cache-dtype``)."""
 
@@ -501,7 +528,7 @@ class ParallelPlan(_Model):
 
 class GroupMemory(_Model):
     group_key: str
-    attn_type: AttnType
+    attn_type: Literal[GROUP_ATTN_TYPES]
     num_layers: int
     per_token_bytes: int = Field(description="growing groups: bytes per token; a Mamba group: 0 (see state_bytes)")
     fixed_blocks: bool
@@ -592,7 +619,7 @@ class Generator(_Model):
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
 OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
-                      "no_cache_layers")
+                      "no_cache_layers", "cross_attention")
 
 
 class SelectionManifest(_Model):
@@ -633,6 +660,9 @@ class SelectionManifest(_Model):
     compressed: CompressedAttentionDecision | None = Field(
         default=None, description="DeepSeek-V4 compressed attention (CSA / HCA branches beside every layer's window "
                                   "branch); absent: none")
+    cross_attention: CrossAttentionDecision | None = Field(
+        default=None, description="the decoder of an encoder-decoder model: a slot per request for the K/V of its "
+                                  "encoder states, beside the self-attention's paged cache; absent: decoder-only")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")

@@ -65,7 +65,8 @@ FAMILY_SCALE_RULE = {
     **dict.fromkeys(("gemma4", "gemma4_text"), "unit"),
     # OPT: the module scales its queries itself (q_proj(x) * self.scaling) and calls attention with scaling=1.0,
     # so the attention call over its queries scales by 1
-    "opt": "prescaled",
+    # Whisper: the same in self- and cross-attention (WhisperAttention: q_proj(x) * self.scaling, scaling=1.0)
+    **dict.fromkeys(("opt", "whisper"), "prescaled"),
 }
 
 

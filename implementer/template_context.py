@@ -33,6 +33,7 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE
 from model_infer_kvcache.implementer.kinds.common import bad as _bad
+from model_infer_kvcache.implementer.kinds.cross import CrossCtx
 from model_infer_kvcache.implementer.kinds.recurrent import LinearCtx
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
@@ -137,6 +138,8 @@ class RenderContext:
     no_cache_blocks: tuple[int, ...] = ()
     # Hybrid models (manifest.linear_attention): the gated-delta-net state mixin; None without linear layers.
     linear: LinearCtx | None = None
+    # Encoder-decoder models (manifest.cross_attention): the cross-attention slots; None for a decoder-only model.
+    cross: CrossCtx | None = None
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
     legacy_kernel: str = ""
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")

@@ -196,7 +196,7 @@ class DecodeCapture:
     def _decode(self, input_ids, position_ids, forward_metadata):
         # The metadata stack is pushed inside the captured function, so that the graph reads the step's metadata
         # as an input of the call, not as a global the first capture saw.
-        host_model._CURRENT.append((forward_metadata, position_ids))
+        host_model._CURRENT.append((forward_metadata, position_ids, None))
         logits = self.host.hf_model(input_ids=input_ids, position_ids=position_ids + self.host.position_offset,
                                     use_cache=False).logits
         host_model._CURRENT.pop()

@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.kinds import holds_states
 from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import kind_of, recurrent
+from model_infer_kvcache.validators.kinds import cross, kind_of, recurrent
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
 _HEAD_DIM_FROM_HIDDEN = {"falcon"}
@@ -115,6 +115,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         d["num_attention_heads"] = m.num_attention_heads
     if manifest.attention_layers:  # a pure state stack has no attention to size (Mamba2Config's head_dim is its mixer's)
         kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
+    cross.tiny_cross_fields(d, manifest, n)  # an encoder-decoder's decoder fields (validators/kinds/cross)
     d["intermediate_size"] = 128
     recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
     d["vocab_size"] = TINY_VOCAB

@@ -308,9 +308,16 @@ def _read_short_conv(r, why: str, hidden: int, model_type: str) -> LinearFacts:
 
 def short_conv_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, ...], str] | None:
     """An LFM2 config without ``layer_types``: ``full_attn_idxs`` lists the attention layers, the others are conv
-    (Lfm2Config.__post_init__; absent, every layer attends). None for other model types or without the field."""
+    (Lfm2Config.__post_init__; absent, every layer attends). None for other model types or without the field; LFM2-MoE
+    and LFM3 without ``layer_types`` are refused (bad input, the field named)."""
     if model_type not in _SHORT_CONV_KERNEL_DEFAULTS:
         return None
+    if model_type != "lfm2":
+        # Lfm2MoeConfig has no default (its decoder layers index config.layer_types: transformers cannot build the
+        # model without it); Lfm3Config derives a pattern with sliding layers kvcache does not rebuild here
+        raise InputError(r.where, f"missing: model_type {model_type} names its conv and attention layers in "
+                                  "layer_types (transformers' decoder layers read config.layer_types)",
+                         field="layer_types")
     hit = r.get("full_attn_idxs")
     if hit is None or hit[0] is None:
         return None

@@ -62,6 +62,19 @@ def test_an_lfm2_config_with_full_attn_idxs_only_plans_the_same_layers(tmp_path)
     assert err.value.field == "full_attn_idxs[1]"
 
 
+@pytest.mark.parametrize("config", ["lfm2_moe", "lfm3"])
+def test_lfm2_moe_and_lfm3_without_layer_types_are_refused_naming_the_field(tmp_path, config):
+    """Lfm2MoeConfig has no layer_types default (transformers cannot build the model without one); LFM3's default
+    pattern is not rebuilt: both refused as bad input, not planned as all attention."""
+    data = json.loads((CONFIGS / f"{config}.json").read_text())
+    del data["layer_types"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InputError, match=f"model_type {config} names its conv and attention layers") as err:
+        analyze(AnalyzeRequest(config=str(path)))
+    assert err.value.field == "layer_types"
+
+
 def test_attention_tp_splits_the_conv_channels():
     """A depthwise conv: each rank convolves its share of the hidden channels (in_proj's columns split with them)."""
     lin = _plan("lfm2_1_2b", attn_tp_size=2).linear_attention

@@ -43,6 +43,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     PARALLEL,
     mixer_facts,
     mixer_off,
+    short_conv_facts,
 )
 from model_infer_kvcache.analyzer.manifest import LayerPlan
 
@@ -352,6 +353,8 @@ def recurrent_mixer_module(block):
         if any(name == s or name.startswith(f"{s}.") for s in skip):
             continue
         if any(p in ("A_log", "dt_bias") for p, _ in module.named_parameters(recurse=False)):
+            return module
+        if short_conv_facts(module):  # LFM2's gated short conv: no A_log, a depthwise conv beside in/out_proj
             return module
     return None
 

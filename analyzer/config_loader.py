@@ -30,6 +30,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     kimi_layer_kinds,
     mamba_layer_kinds,
     read_linear,
+    short_conv_layer_kinds,
 )
 from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
 
@@ -67,6 +68,8 @@ NESTED_SECTIONS = ("text_config", "language_config", "llm_config")
 _LAYER_TYPE_KIND = {
     "full_attention": "full",
     "attention": "full",
+    # LFM2 / LFM2-MoE / LFM3's gated short-conv layers: a conv state per request (linear_config SHORT_CONV)
+    "conv": "linear",
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): full attention over the keys an indexer selects;
     # the cache grows like full attention's (plus the indexer key cache, ModelFacts.dsa).
     "indexed_attention": "full",
@@ -1058,6 +1061,9 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
     kimi = kimi_layer_kinds(r, num_layers) if linear_family else None
     if kimi is not None:
         return Sourced(kimi[0], kimi[1]), Sourced(None, "default: none")
+    lfm = short_conv_layer_kinds(r, model_type, num_layers) if linear_family else None
+    if lfm is not None:
+        return Sourced(lfm[0], lfm[1]), Sourced(None, "default: none")
     group = r.positive_int("layer_group_size", required=False) if model_type == "bailing_hybrid" else None
     if group is not None and linear_family is not None:
         # Ling: the last layer of every layer_group_size group is full attention (MLA), the others linear.

@@ -16,6 +16,7 @@ from model_infer_kvcache.analyzer import kinds
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kinds import INDEXER_KEY_CACHE  # noqa: F401  (the manifest's entry name, re-exported)
+from model_infer_kvcache.analyzer.kinds.invariants import RECURRENT_SIZES
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     ATTENTION_ATTN_TYPES,
     GROUP_ATTN_TYPES,
@@ -240,6 +241,10 @@ class StateSpec(_Model):
         return math.prod(self.shape)
 
 
+# LinearAttentionDecision's recurrent-state sizes: all set, or all absent (a conv-only family; kinds/invariants.py
+# checks it)
+
+
 class LinearAttentionDecision(_Model):
     """Hybrid models' linear-attention layers (Qwen3-Next / Qwen3.5 gated delta net, Kimi-Linear / Ling-3.0 KDA,
     Ling-2.5 lightning attention): a fixed-size recurrent state per request instead of a KV cache.
@@ -251,12 +256,15 @@ class LinearAttentionDecision(_Model):
 
     family: Literal[LINEAR_FAMILIES]
     layers: list[int] = Field(description="decoder layers that are linear (hold states, no KV cache)")
-    num_k_heads: int = Field(ge=1, description="query/key heads (all ranks)")
-    num_v_heads: int = Field(ge=1, description="value heads = state heads (all ranks)")
-    head_k_dim: int = Field(ge=1)
-    head_v_dim: int = Field(ge=1)
-    num_k_heads_per_rank: int = Field(ge=1)
-    num_v_heads_per_rank: int = Field(ge=1)
+    # None (left out of the JSON): a conv-only family (short_conv), whose layers keep no recurrent state
+    num_k_heads: int | None = Field(default=None, ge=1, description="query/key heads (all ranks); absent: no "
+                                                                      "recurrent state (a conv-only family)")
+    num_v_heads: int | None = Field(default=None, ge=1, description="value heads = state heads (all ranks); absent: "
+                                                                      "no recurrent state")
+    head_k_dim: int | None = Field(default=None, ge=1)
+    head_v_dim: int | None = Field(default=None, ge=1)
+    num_k_heads_per_rank: int | None = Field(default=None, ge=1)
+    num_v_heads_per_rank: int | None = Field(default=None, ge=1)
     conv_kernel: int | None = Field(description="short causal conv width; None: the family has none")
     conv_channels_per_rank: int = Field(ge=0, description="channels of the fused q|k|v conv on one rank")
     states: list[StateSpec] = Field(description="the state entries of every linear layer (one rank)")
@@ -275,7 +283,7 @@ class LinearAttentionDecision(_Model):
         data = handler(self)
         if isinstance(data, dict) and data.get("speculative", "") is None and data.get("state_blocks_per_request") == 1:
             del data["state_blocks_per_request"]
-        return _without_unset(data, "speculative")
+        return _without_unset(data, "speculative", *RECURRENT_SIZES)
     reference: str | None = Field(description="what the validation compares against: transformers' own classes, "
                                               "or for a family transformers lacks (Ling-2.5 lightning) kvcache's "
                                               "reference built from transformers' code; None: none named (a "

@@ -28,6 +28,7 @@ import torch
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
+from model_infer_kvcache.analyzer.linear_config import short_conv_facts
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
 
@@ -497,7 +498,11 @@ def _host_conv(original):
             # over the mixer's transposed split view takes 52 s where the contiguous input takes 0.06 s (8704
             # channels x 300 tokens, measured); same operator, same values
             return original(conv1d, hidden_states.contiguous(), cache, layer_idx, activation, *args, **kwargs)
-        if activation not in ("silu", "swish"):  # the rendered conv applies SiLU, as every Mamba config names
+        if getattr(conv1d, "_kvcache_no_activation", False):  # a short conv: none, as transformers' layer calls it
+            if activation is not None:
+                raise NotSupportedByKvcache("--config", f"a short conv with activation {activation!r} (the rendered "
+                                                        "conv applies none)", field="model_type")
+        elif activation not in ("silu", "swish"):  # the rendered conv applies SiLU, as every Mamba config names
             raise NotSupportedByKvcache("--config", f"a Mamba conv activation {activation!r} (the rendered conv "
                                                     "applies SiLU)", field="hidden_act")
         out = host.conv_step(hidden_states[0].transpose(0, 1), _metadata())  # [C, T] -> [T, C] packed tokens
@@ -556,6 +561,21 @@ def bind_mamba(module, host, scan: str) -> None:
     module.conv1d._kvcache_host = host
 
 
+def bind_short_conv(module, host) -> None:
+    """Route an LFM2-family short-conv layer's conv through ``host``: its modeling module's ``causal_conv1d_forward``
+    (the one transformers' ``kernelize`` swaps) is swapped once and falls through to transformers' own for every conv
+    not bound; in_proj, B * x, C * and out_proj stay the layer's own."""
+    if not hasattr(host, "conv_step"):
+        raise InputError("--config", f"{type(module).__name__} is a short-conv layer and the rendered state mixin has "
+                                     "no conv_step (its linear_attention family is another)", field="model_type")
+    home = sys.modules[type(module).__module__]
+    current = getattr(home, _CONV)
+    if not hasattr(current, "_kvcache_original"):
+        setattr(home, _CONV, _host_conv(current))
+    module.conv._kvcache_host = host
+    module.conv._kvcache_no_activation = True  # the layer convolves without an activation (C gates the output)
+
+
 def _linear_forward(module):
     """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
     neither."""
@@ -564,10 +584,10 @@ def _linear_forward(module):
     return _kda_forward if hasattr(module, "forget_gate") else _gdn_forward
 
 
-def state_dtypes(dtype: torch.dtype, has_conv: bool) -> dict[str, torch.dtype]:
+def state_dtypes(dtype: torch.dtype, has_conv: bool, recurrent: bool = True) -> dict[str, torch.dtype]:
     """``init_state_cache``'s dtype arguments for the run's ``dtype``: a conv state's only where the family has one
-    (lightning has no short conv)."""
-    return {"state_dtype": dtype, **({"conv_dtype": dtype} if has_conv else {})}
+    (lightning has no short conv), a recurrent state's only where it has one (short conv has none)."""
+    return {**({"state_dtype": dtype} if recurrent else {}), **({"conv_dtype": dtype} if has_conv else {})}
 
 
 def make_host_linear(mixin: type) -> type:
@@ -580,6 +600,8 @@ def make_host_linear(mixin: type) -> type:
             self.layer_idx = layer_idx
             if hasattr(hf_linear, "conv1d"):  # the model's own conv weights (lightning has no short conv)
                 self.conv1d = hf_linear.conv1d
+            elif short_conv_facts(hf_linear):  # LFM2's gated short conv keeps its depthwise conv as ``conv``
+                self.conv = hf_linear.conv
 
     return HostLinear
 
@@ -747,9 +769,14 @@ class HostModel:
                     raise InputError("--config", f"{path}.{idx}.{linear[0]} ({type(linear[1]).__name__}) is a linear "
                                                  "layer and the rendered code has no state mixin", field="model_type")
                 state = linear_cls(linear[1], idx, self.probe)
-                state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d")))
+                short_conv = bool(short_conv_facts(linear[1]))
+                state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d") or short_conv,
+                                                           recurrent=not short_conv))
                 scan = mamba_scan_of(linear[1])
-                if scan is not None:
+                if short_conv:
+                    bind_short_conv(linear[1], state)
+                    state_attr = linear[0]  # the layer answers its conv layer's own name only (LFM2: conv)
+                elif scan is not None:
                     bind_mamba(linear[1], state, scan)
                     state_attr = linear[0]  # the layer answers its mixer's own name only
                 else:

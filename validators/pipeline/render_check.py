@@ -106,7 +106,8 @@ def _state_layer_problems(plan, linear_mixin: type | None, cache_dtype: torch.dt
         return [f"layer {plan.index}: a linear (Mamba) layer and the render has no init_state_cache"]
     layer = linear_mixin.__new__(linear_mixin)
     try:
-        layer.init_state_cache(plan.index, **state_dtypes(cache_dtype, any(s.name == "conv_state" for s in plan.states)))
+        layer.init_state_cache(plan.index, **state_dtypes(cache_dtype, any(s.name == "conv_state" for s in plan.states),
+                                                           any(s.name == "recurrent_state" for s in plan.states)))
     except Exception as exc:
         return [f"layer {plan.index}: init_state_cache raised {type(exc).__name__}: {exc}"]
     if getattr(layer, "attn_type", None) != plan.attn_type:

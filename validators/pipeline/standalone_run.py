@@ -64,7 +64,8 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     rows_n = scenario.max_concurrency
     # The run's dtype for the states too, as for the caches (the manifest's bfloat16 state is the device's).
     lin = manifest.linear_attention
-    states = state_dtypes(cache_dtype, lin.conv_kernel is not None) if lin else {}
+    states = state_dtypes(cache_dtype, lin.conv_kernel is not None, recurrent=lin.num_v_heads is not None) if lin \
+        else {}
     runner._init_kvcache(host.attentions + host.cross_attentions, rows_n, scenario.max_model_len, device=host.device, cache_dtype=cache_dtype,
                          **states)
     _check_init(report, manifest, host, runner, rows_n)

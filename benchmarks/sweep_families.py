@@ -92,10 +92,20 @@ def _run(path: Path, mode: str, out: Path) -> tuple[str, str, float]:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "model_infer_kvcache", "run", "--config", str(path),
                            "--dispatch", f"部署模式：{mode}", "--out", str(out), "--force"],
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800, env=_run_env())
     last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     verdict = {0: "PASSED", 1: "FAILED", 2: "refused", 3: "crash"}.get(proc.returncode, f"exit {proc.returncode}")
     return verdict, last[0][:160], time.perf_counter() - start
+
+
+_JOBS = [1]  # the --jobs of this sweep (set by main)
+
+
+def _run_env() -> dict[str, str]:
+    """The cores shared out between the runs at once: each run with torch's default of one thread per core would
+    spin at OpenMP barriers beside the others (benchmarks/bench_threads.py: 5 s -> 30-40 s a run on 2 cores)."""
+    threads = max(1, (os.cpu_count() or 1) // _JOBS[0])
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
 
 
 MODES = ("框架部署", "独立部署")
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", type=Path, help="write the run table (markdown) to this file")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    _JOBS[0] = max(1, args.jobs)
     os.environ.setdefault("KVCACHE_CACHE_DIR", "")  # every analyze pays its own transformers build: no stale entry
     with tempfile.TemporaryDirectory(prefix="kvcache-sweep-") as tmp:
         folder = Path(tmp)

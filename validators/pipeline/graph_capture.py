@@ -166,7 +166,11 @@ class DecodeCapture:
         graph, rec = None, self.recorder
         if rec.active:
             rec.rows, rec.step = int(input_ids.shape[0]), self.host.step_index + 1
-            args = (input_ids.to(self.host.device)[None], position_ids.to(self.host.device)[None], forward_metadata)
+            positions = position_ids.to(self.host.device)[None]
+            # the model's own position ids (a Roberta-style offset added: host_model.position_offset) enter as an
+            # input of the call, so the captured step holds no op fed from a host value
+            args = (input_ids.to(self.host.device)[None], positions, positions + self.host.position_offset,
+                    forward_metadata)
             if rec.rows not in rec._shapes:  # about to capture this batch size
                 _static_shapes((args, self.host.hf_model))
             try:
@@ -193,15 +197,11 @@ class DecodeCapture:
                    replays > 0 and self.max_diff <= self.atol, max_diff=self.max_diff, worst_step=self.worst_step,
                    replays=replays, detail="" if replays else "no step replayed")
 
-    def _decode(self, input_ids, position_ids, forward_metadata):
+    def _decode(self, input_ids, position_ids, model_position_ids, forward_metadata):
         # The metadata stack is pushed inside the captured function, so that the graph reads the step's metadata
         # as an input of the call, not as a global the first capture saw.
         host_model._CURRENT.append((forward_metadata, position_ids, None))
-        # the Roberta-style offset (host_model.position_offset) is a Python int: added only where it is not 0, so the
-        # captured step of every other model holds no op fed from a host value
-        offset = self.host.position_offset
-        logits = self.host.hf_model(input_ids=input_ids, position_ids=position_ids + offset if offset else position_ids,
-                                    use_cache=False).logits
+        logits = self.host.hf_model(input_ids=input_ids, position_ids=model_position_ids, use_cache=False).logits
         host_model._CURRENT.pop()
         return logits
 

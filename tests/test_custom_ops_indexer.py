@@ -256,6 +256,18 @@ def test_the_small_call_is_accepted_and_bsnd_matches_tnd():
     assert tuple(bsnd.shape) == (1, 2, 1, 4) and torch.equal(bsnd[0], tnd)
 
 
+def test_equal_scores_rank_by_entry_and_sparse_mode_0_sees_every_entry():
+    """The doc fixes no tie order: equal scores come by ascending entry (a deterministic reading, device_questions.md);
+    defaultMask (sparse_mode 0) lets every query see all of its request's entries."""
+    args = _small()
+    args["key"][1, :3] = args["key"][1, 0]  # entries 0..2 identical, their scales too
+    args["key_dequant_scale"][1, :3] = args["key_dequant_scale"][1, 0]
+    out, _ = npu_quant_lightning_indexer(**args)
+    assert out[:, 0].tolist() == [[0, 1, -1, -1], [0, 1, 2, -1]]
+    out, _ = npu_quant_lightning_indexer(**{**args, "sparse_mode": 0})
+    assert out[:, 0].tolist() == [[0, 1, 2, -1], [0, 1, 2, -1]]
+
+
 @pytest.mark.parametrize("change, argument", [
     ({"query": torch.zeros(2, HEADS, DIM, dtype=torch.float16)}, "query"),  # int8 only
     ({"query": torch.zeros(2, 32, DIM, dtype=torch.int8)}, "query"),  # N1 仅支持64

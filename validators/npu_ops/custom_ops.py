@@ -1,7 +1,7 @@
 """The checkout's own AscendC operators (cann-recipes-infer ``ops/ascendc``, called as ``torch.ops.custom.<op>``),
 emulated from their docs (``ops/ascendc/docs/custom-<op>.md``), strict about every documented argument rule.
 
-Emulated so far (issue 38 names the rest):
+Emulated (issue 38):
 
 * ``scatter_nd_update_asc(var, indices, update)``: ``var [b, s]`` rows replaced in place, ``var[indices[i, 0]] =
   update[i]``; ``s`` in {1, 128, 512}, ``u <= b`` updates, indices int32 / int64 ``[u, 1]``; "索引不支持越界,负值会被直接
@@ -22,9 +22,14 @@ Emulated so far (issue 38 names the rest):
 * ``npu_hc_pre`` / ``npu_hc_post``: mHC's stream collapse and expansion (hc 4, d 4096 as the docs fix them).
 * ``npu_sparse_attn_sharedkv_metadata``: the attention's task list, returned as the call it was built for, which
   ``npu_sparse_attn_sharedkv`` checks (another scene's or a stale step's metadata is refused by name).
+* ``npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, *, ...)``: CSA's top-k
+  over the int8 compressed keys of a paged cache (its docstring), and ``npu_quant_lightning_indexer_metadata``, its
+  task list, recorded and checked as the attention's.
+* ``indexer_compress_epilog(cache, scale, x, slot_mapping, *, quant_mode, round_scale)``: fp8 quantization per 128
+  lanes and the scatter into the indexer's key cache and its scales (its docstring; d 4096 as the doc fixes it).
 
-Every operand must be contiguous ("不支持非连续"). The rest (``npu_quant_lightning_indexer`` and its metadata,
-``indexer_compress_epilog``, the quantized variants...) stay unemulated: used, they raise the one-line
+Every operand must be contiguous ("不支持非连续"). The rest (``quant_compressor``, ``kv_compress_epilog``, the
+hifloat8 ``cann_ops_transformer`` variants...) stay unemulated: used, they raise the one-line
 ``UnemulatedOperatorError`` naming them (``validators/standins/device.py``).
 """
 
@@ -756,7 +761,7 @@ def _digest(values: list[int] | None) -> tuple[int, int]:
     """(count, crc32) of a length list as passed (count -1 for None): what a metadata result remembers of it."""
     if values is None:
         return -1, 0
-    return len(values), zlib.crc32(",".join(map(str, values)).encode()) & 0x7FFFFFFF
+    return len(values), zlib.crc32(",".join(map(str, values)).encode()) >> 1  # 31 bits: an int32 element
 
 
 def npu_quant_lightning_indexer_metadata(num_heads_q, num_heads_k, head_dim, query_quant_mode, key_quant_mode, *,
@@ -826,6 +831,18 @@ def _check_qli_metadata(op: str, metadata, call: dict) -> None:
         if tuple(pair) != _digest(call[name]):
             raise NpuOpError(op, "metadata", f"built for other {name} than this call's {call[name] and call[name][:6]} "
                                              "(a stale step's metadata)")
+
+
+QLI_CHUNK = 256  # query rows scored at once: [rows, 64, entries] float64 stays small on long prefills
+
+
+def _qli_scores(q, w, q_scale, k, k_scale) -> torch.Tensor:
+    """The doc's formula in float64 for query rows ``q [rows, N1, D]`` (int8) against keys ``k [c, D]``:
+    ``sum_h W[h] * ReLU((Scale_Q[h] * Scale_K[w]) * (Q[h] . K[w]))`` -> ``[rows, c]``."""
+    cdt = torch.float64
+    dots = q.to(cdt) @ k.T  # [rows, N1, c], exact: |int8 . int8| over 128 lanes < 2^21
+    scale = q_scale.to(cdt)[..., None] * k_scale
+    return (w.to(cdt)[..., None] * (scale * dots).relu()).sum(dim=1)
 
 
 def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, *,
@@ -929,10 +946,9 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
                                             "的结果在float16的表示范围内)")
         k = _paged_rows(op, "block_table", key, table[b], c).to(cdt)  # [c, D]
         k_scale = _paged_rows(op, "block_table", key_dequant_scale, table[b], c).to(cdt)  # [c]
-        q = flat_q[rows].to(cdt)  # [s1, N1, D]
-        dots = q @ k.T  # [s1, N1, c], exact: |int8 . int8| over 128 lanes < 2^21
-        scale = query_dequant_scale.reshape(-1, n1)[rows].to(cdt)[..., None] * k_scale
-        scores = (weights.reshape(-1, n1)[rows].to(cdt)[..., None] * (scale * dots).relu()).sum(dim=1)  # [s1, c]
+        chunks = [slice(a, min(a + QLI_CHUNK, rows.stop)) for a in range(rows.start, rows.stop, QLI_CHUNK)]
+        scores = torch.cat([_qli_scores(flat_q[r], weights.reshape(-1, n1)[r], query_dequant_scale.reshape(-1, n1)[r],
+                                        k, k_scale) for r in chunks])  # [s1, c]
         for i in range(s1):
             seen = c if sparse_mode == 0 else min(c, _visible_entries(k_lens[b] - s1 + i, cmp_ratio))
             row = scores[i, :seen]

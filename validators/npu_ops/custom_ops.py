@@ -300,6 +300,14 @@ SHAREDKV_WINDOW = (127, 0)  # ori_win_left / ori_win_right: "仅支持默认值"
 SHAREDKV_DTYPES = (torch.bfloat16, torch.float16, torch.float64)
 
 
+def _visible_entries(t: int, cmp_ratio: int) -> int:
+    """How many compressed entries a query at absolute position ``t`` may see under rightDownCausal (sparse_mode 3):
+    entry ``w`` pools tokens ``[w·m, (w+1)·m)`` and is visible once its last token is, ``w < (t + 1) // m`` (the
+    threshold transformers' DeepseekV4Indexer masks with); the shared-KV attention's compressed branch and the
+    quantized indexer both read it here."""
+    return max(0, (t + 1) // cmp_ratio)
+
+
 def _paged_rows(op: str, name: str, cache: torch.Tensor, table: list[int], count: int) -> torch.Tensor:
     """Rows ``0 .. count-1`` of one request's paged cache ``[blocks, block_size, 1, D]``."""
     block_size = cache.shape[1]
@@ -432,7 +440,7 @@ def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=
             t = n_kv - n_q + i
             keys = [ori[max(0, t - left):t + 1]]
             if cmp is not None:
-                visible = (t + 1) // cmp_ratio
+                visible = _visible_entries(t, cmp_ratio)
                 if cmp_sparse_indices is None:
                     chosen = list(range(visible))
                 else:
@@ -739,13 +747,6 @@ def _qli_lengths(op: str, layout_query: str, actual_q, actual_k) -> tuple[list[i
     k_lens = _lengths(op, "actual_seq_lengths_key", actual_k, None, prefix_sum=False)
     q_lens = _lengths(op, "actual_seq_lengths_query", actual_q, len(k_lens), prefix_sum=layout_query == "TND")
     return q_lens, k_lens, len(k_lens)
-
-
-def _visible_entries(t: int, cmp_ratio: int) -> int:
-    """How many compressed entries a query at absolute position ``t`` may see under rightDownCausal (sparse_mode 3):
-    entry ``w`` pools tokens ``[w·m, (w+1)·m)`` and is visible once its last token is, ``w < (t + 1) // m`` (the
-    threshold transformers' DeepseekV4Indexer masks with, and npu_sparse_attn_sharedkv's compressed branch)."""
-    return max(0, (t + 1) // cmp_ratio)
 
 
 # kvcache's encoding of what an npu_quant_lightning_indexer_metadata result was built for (the device's [1024] int32

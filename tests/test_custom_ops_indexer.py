@@ -449,11 +449,8 @@ def _epilog_case(name):
 ])
 def test_the_epilog_refuses_what_its_doc_rules_out(case, argument, error):
     args = _epilog_case(case)
-    before = args["indexer_compress_cache"].clone() if args["indexer_compress_cache"].dim() == 2 else None
+    before = args["indexer_compress_cache"].clone()
     with pytest.raises(error) as info:
         indexer_compress_epilog(**args)
     assert info.value.argument == argument, str(info.value)
-    if before is not None and before.dtype == args["indexer_compress_cache"].dtype:
-        assert torch.equal(before.view(torch.uint8) if before.element_size() == 1 else before,
-                           args["indexer_compress_cache"].view(torch.uint8)
-                           if before.element_size() == 1 else args["indexer_compress_cache"])  # nothing written
+    assert torch.equal(before.float(), args["indexer_compress_cache"].float())  # a refused call writes nothing

@@ -100,9 +100,10 @@ def test_the_checkout_stand_ins_answer_with_the_emulations_and_name_the_rest():
     with device_standins():
         assert torch.ops.custom.scatter_nd_update_asc is scatter_nd_update_asc
         assert torch.ops.custom.compressor.__module__.endswith("custom_ops")
-        assert not hasattr(torch.ops.custom, "npu_quant_lightning_indexer")  # a model's fallback can probe it
-        with pytest.raises(UnemulatedOperatorError, match="torch.ops.custom.npu_quant_lightning_indexer"):
-            torch.ops.custom.npu_quant_lightning_indexer(None)
+        assert torch.ops.custom.npu_quant_lightning_indexer.__module__.endswith("custom_ops")
+        assert not hasattr(torch.ops.custom, "quant_compressor")  # a model's fallback can probe it
+        with pytest.raises(UnemulatedOperatorError, match="torch.ops.custom.quant_compressor"):
+            torch.ops.custom.quant_compressor(None)
 
 
 # ---------------------------------------------------------------- custom.compressor against transformers' compressors

@@ -1,7 +1,7 @@
 """The checkout's own AscendC operators (cann-recipes-infer ``ops/ascendc``, called as ``torch.ops.custom.<op>``),
 emulated from their docs (``ops/ascendc/docs/custom-<op>.md``), strict about every documented argument rule.
 
-Emulated so far (issue 38 names the rest):
+Emulated (issue 38):
 
 * ``scatter_nd_update_asc(var, indices, update)``: ``var [b, s]`` rows replaced in place, ``var[indices[i, 0]] =
   update[i]``; ``s`` in {1, 128, 512}, ``u <= b`` updates, indices int32 / int64 ``[u, 1]``; "索引不支持越界,负值会被直接
@@ -22,19 +22,34 @@ Emulated so far (issue 38 names the rest):
 * ``npu_hc_pre`` / ``npu_hc_post``: mHC's stream collapse and expansion (hc 4, d 4096 as the docs fix them).
 * ``npu_sparse_attn_sharedkv_metadata``: the attention's task list, returned as the call it was built for, which
   ``npu_sparse_attn_sharedkv`` checks (another scene's or a stale step's metadata is refused by name).
+* ``npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, *, ...)``: CSA's top-k
+  over the int8 compressed keys of a paged cache (its docstring), and ``npu_quant_lightning_indexer_metadata``, its
+  task list, recorded and checked as the attention's.
+* ``indexer_compress_epilog(cache, scale, x, slot_mapping, *, quant_mode, round_scale)``: fp8 quantization per 128
+  lanes and the scatter into the indexer's key cache and its scales (its docstring; d 4096 as the doc fixes it).
 
-Every operand must be contiguous ("不支持非连续"). The rest (``npu_quant_lightning_indexer`` and its metadata,
-``indexer_compress_epilog``, the quantized variants...) stay unemulated: used, they raise the one-line
+Every operand must be contiguous ("不支持非连续"). The rest (``quant_compressor``, ``kv_compress_epilog``, the
+hifloat8 ``cann_ops_transformer`` variants...) stay unemulated: used, they raise the one-line
 ``UnemulatedOperatorError`` naming them (``validators/standins/device.py``).
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
 from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 from model_infer_kvcache.validators.npu_ops.moe import grouped_top_k
 from model_infer_kvcache.validators.npu_ops.rotary import rotate_half, rotate_interleave
+from model_infer_kvcache.validators.npu_ops.sparse_attention import (
+    INT64_MAX,
+    INVALID,
+    SPARSE_COUNT_MAX,
+    SPARSE_MODES,
+    _lengths,
+    _query_rows,
+)
 
 SCATTER_ROW_WIDTHS = (1, 128, 512)  # custom-npu_scatter_nd_update_asc.md: "s 取值固定为:1或者128或者512"
 SCATTER_DTYPES = (torch.bfloat16, torch.float16, torch.int8, torch.float64)  # float64: the CPU validation mode
@@ -285,6 +300,14 @@ SHAREDKV_WINDOW = (127, 0)  # ori_win_left / ori_win_right: "仅支持默认值"
 SHAREDKV_DTYPES = (torch.bfloat16, torch.float16, torch.float64)
 
 
+def _visible_entries(t: int, cmp_ratio: int) -> int:
+    """How many compressed entries a query at absolute position ``t`` may see under rightDownCausal (sparse_mode 3):
+    entry ``w`` pools tokens ``[w·m, (w+1)·m)`` and is visible once its last token is, ``w < (t + 1) // m`` (the
+    threshold transformers' DeepseekV4Indexer masks with); the shared-KV attention's compressed branch and the
+    quantized indexer both read it here."""
+    return max(0, (t + 1) // cmp_ratio)
+
+
 def _paged_rows(op: str, name: str, cache: torch.Tensor, table: list[int], count: int) -> torch.Tensor:
     """Rows ``0 .. count-1`` of one request's paged cache ``[blocks, block_size, 1, D]``."""
     block_size = cache.shape[1]
@@ -417,7 +440,7 @@ def npu_sparse_attn_sharedkv(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=
             t = n_kv - n_q + i
             keys = [ori[max(0, t - left):t + 1]]
             if cmp is not None:
-                visible = (t + 1) // cmp_ratio
+                visible = _visible_entries(t, cmp_ratio)
                 if cmp_sparse_indices is None:
                     chosen = list(range(visible))
                 else:
@@ -684,6 +707,323 @@ def npu_hc_post(x, residual, post, comb):
     return out.to(x.dtype)
 
 
+# ------------------------------------------------------------------ the quantized lightning indexer and its metadata
+
+QLI_HEADS_Q = 64  # custom-npu_quant_lightning_indexer.md: "N1仅支持64"; its metadata: "num_heads_q ... 目前仅支持64"
+QLI_HEADS_K = 1  # custom-npu_quant_lightning_indexer_metadata.md: "num_heads_k ... 目前仅支持1"
+QLI_DIM = 128  # "参数query中的D和参数key中的D值相等为128"
+QLI_CMP_RATIOS = (1, 2, 4, 8, 16, 32, 64, 128)  # "cmp_ratio ... 支持1/2/4/8/16/32/64/128"
+QLI_QUANT_MODES = (0,)  # query_quant_mode / key_quant_mode: "当前支持Per-Token-Head量化模式,当前仅支持传入0"
+QLI_SCALE_DTYPES = (torch.float16,)  # weights / query_dequant_scale / key_dequant_scale: "数据类型支持float16"
+QLI_MAX_BLOCK_SIZE = 1024  # "block_size取值为16的整数倍,最大支持到1024"
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)  # "要求W ⊙ Scale_Q的结果在float16的表示范围内"
+
+
+def _qli_fixed(op: str, *, query_quant_mode, key_quant_mode, layout_query, layout_key, sparse_count, sparse_mode,
+               pre_tokens, next_tokens, cmp_ratio) -> None:
+    """The rules the quantized indexer and its metadata op share (each doc states them alike)."""
+    chk.choice(op, "query_quant_mode", query_quant_mode, QLI_QUANT_MODES)
+    chk.choice(op, "key_quant_mode", key_quant_mode, QLI_QUANT_MODES)
+    chk.choice(op, "layout_query", layout_query, tuple(_LAYOUT_CODES))
+    chk.choice(op, "layout_key", layout_key, ("PA_BSND",))  # "当前仅支持传入PA_BSND" (the signature's 'BSND' too)
+    chk.integer(op, "sparse_count", sparse_count, low=1, high=SPARSE_COUNT_MAX)  # "支持[1, 2048]"
+    chk.choice(op, "sparse_mode", sparse_mode, SPARSE_MODES)  # "支持0/3"
+    for name, value in (("pre_tokens", pre_tokens), ("next_tokens", next_tokens)):
+        if isinstance(value, bool) or value != INT64_MAX:
+            raise NpuOpError(op, name, f"{value!r}: only the default 2^63-1 is supported (the doc: 仅支持默认值)")
+    chk.choice(op, "cmp_ratio", cmp_ratio, QLI_CMP_RATIOS)
+
+
+def _qli_lengths(op: str, layout_query: str, actual_q, actual_k) -> tuple[list[int] | None, list[int], int]:
+    """(per-request query counts or None, per-request ORIGINAL key counts, batch) from the two length tensors:
+    ``actual_seq_lengths_query`` prefix sums for TND ("前缀和"), per request for BSND (None: every request has S1);
+    ``actual_seq_lengths_key`` per request, required (PA_BSND: "该入参必须传入")."""
+    if actual_q is None and actual_k is None:
+        raise NpuOpError(op, "actual_seq_lengths_key", "every length tensor is None (the doc: Tensor不能全传None)")
+    if layout_query == "TND" and actual_q is None:
+        raise NpuOpError(op, "actual_seq_lengths_query", "is required when layout_query is TND (该入参必须传入)")
+    if actual_k is None:
+        raise NpuOpError(op, "actual_seq_lengths_key", "is required when layout_key is PA_BSND (该入参必须传入)")
+    k_lens = _lengths(op, "actual_seq_lengths_key", actual_k, None, prefix_sum=False)
+    q_lens = _lengths(op, "actual_seq_lengths_query", actual_q, len(k_lens), prefix_sum=layout_query == "TND")
+    return q_lens, k_lens, len(k_lens)
+
+
+# kvcache's encoding of what an npu_quant_lightning_indexer_metadata result was built for (the device's [1024] int32
+# task list per core, which nobody reads): the scene's fields, then each length list's count (-1: None) and digest,
+# so the indexer refuses a metadata built for another call or a stale step, as npu_sparse_attn_sharedkv does.
+QLI_METADATA_TAG = 0x11D
+QLI_METADATA_SIZE = 1024  # custom-npu_quant_lightning_indexer.md, metadata: "shape大小为[1024]"
+QLI_METADATA_FIELDS = ("num_heads_q", "num_heads_k", "head_dim", "layout_query", "sparse_count", "sparse_mode",
+                       "cmp_ratio", "batch_size", "max_seqlen_q", "max_seqlen_k")
+
+
+def _digest(values: list[int] | None) -> tuple[int, int]:
+    """(count, crc32) of a length list as passed (count -1 for None): what a metadata result remembers of it."""
+    if values is None:
+        return -1, 0
+    return len(values), zlib.crc32(",".join(map(str, values)).encode()) >> 1  # 31 bits: an int32 element
+
+
+def npu_quant_lightning_indexer_metadata(num_heads_q, num_heads_k, head_dim, query_quant_mode, key_quant_mode, *,
+                                         actual_seq_lengths_query=None, actual_seq_lengths_key=None, batch_size=0,
+                                         max_seqlen_q=0, max_seqlen_k=0, layout_query="BSND", layout_key="BSND",
+                                         sparse_count=2048, sparse_mode=3, pre_tokens=INT64_MAX,
+                                         next_tokens=INT64_MAX, cmp_ratio=1, device="npu:0"):
+    """custom-npu_quant_lightning_indexer_metadata.md: the task list ``npu_quant_lightning_indexer`` takes as
+    ``metadata``, its arguments held to the doc's rules (N1 64, N2 1, quant modes 0, PA_BSND keys, the length tensors
+    int32 and not both None, prefix sums for TND, the indexer's shared rules). The emulation returns the call it
+    describes (``QLI_METADATA_TAG``, ``QLI_METADATA_FIELDS``, the length lists' digests) in an int32 ``[1024]``,
+    which the indexer checks against its own call.
+
+    Readings: ``batch_size`` 0 (the signature's default; the doc's "默认值为None") and ``max_seqlen_q`` /
+    ``max_seqlen_k`` 0 mean "not given", as upstream deepseek_v4 calls it (generate_li_metadata_kwargs passes none of
+    them); a value given must be the batch (the key lengths' count) and the largest per-request query / ORIGINAL key
+    count (the doc's example: ``actual_seq_lengths_*.max()``), else refused: the kernel's split would not cover the
+    call."""
+    op = "custom.npu_quant_lightning_indexer_metadata"
+    chk.choice(op, "num_heads_q", num_heads_q, (QLI_HEADS_Q,))
+    chk.choice(op, "num_heads_k", num_heads_k, (QLI_HEADS_K,))
+    chk.integer(op, "head_dim", head_dim, low=1)
+    _qli_fixed(op, query_quant_mode=query_quant_mode, key_quant_mode=key_quant_mode, layout_query=layout_query,
+               layout_key=layout_key, sparse_count=sparse_count, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+               next_tokens=next_tokens, cmp_ratio=cmp_ratio)
+    if not isinstance(device, str):
+        raise NpuOpError(op, "device", f"must be a str such as 'npu:0', got {type(device).__name__}")
+    q_lens, k_lens, batch = _qli_lengths(op, layout_query, actual_seq_lengths_query, actual_seq_lengths_key)
+    chk.integer(op, "batch_size", batch_size, low=0)
+    if batch_size and batch_size != batch:
+        raise NpuOpError(op, "batch_size", f"{batch_size} for {batch} actual_seq_lengths_key lengths")
+    chk.integer(op, "max_seqlen_q", max_seqlen_q, low=0)
+    chk.integer(op, "max_seqlen_k", max_seqlen_k, low=0)
+    for name, given, lens in (("max_seqlen_q", max_seqlen_q, q_lens), ("max_seqlen_k", max_seqlen_k, k_lens)):
+        if given and lens is not None and given != max(lens, default=0):
+            raise NpuOpError(op, name, f"{given} is not the largest per-request count {max(lens, default=0)}")
+    values = {"num_heads_q": num_heads_q, "num_heads_k": num_heads_k, "head_dim": head_dim,
+              "layout_query": _LAYOUT_CODES[layout_query], "sparse_count": sparse_count, "sparse_mode": sparse_mode,
+              "cmp_ratio": cmp_ratio, "batch_size": batch, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
+    raw_q = None if actual_seq_lengths_query is None else [int(v) for v in actual_seq_lengths_query]
+    head = [QLI_METADATA_TAG, *(values[f] for f in QLI_METADATA_FIELDS), *_digest(raw_q), *_digest(k_lens)]
+    out = torch.zeros(QLI_METADATA_SIZE, dtype=torch.int32)
+    out[:len(head)] = torch.tensor(head, dtype=torch.int32)
+    return out
+
+
+def _check_qli_metadata(op: str, metadata, call: dict) -> None:
+    """The indexer's ``metadata`` was built for this call (npu_quant_lightning_indexer_metadata): same scene, batch and
+    lengths; else the device runs another call's task list."""
+    n = len(QLI_METADATA_FIELDS)
+    if not (isinstance(metadata, torch.Tensor) and metadata.dtype == torch.int32 and metadata.dim() == 1
+            and metadata.numel() == QLI_METADATA_SIZE and int(metadata[0]) == QLI_METADATA_TAG):
+        raise NpuOpError(op, "metadata", "not a result of custom.npu_quant_lightning_indexer_metadata (build it for "
+                                         "this call)")
+    got = [int(v) for v in metadata[:1 + n + 4]]
+    built = dict(zip(QLI_METADATA_FIELDS, got[1:1 + n], strict=True))
+    want = {**call, "layout_query": _LAYOUT_CODES[call["layout_query"]]}
+    for field in QLI_METADATA_FIELDS:
+        if field.startswith("max_seqlen"):
+            if built[field] and built[field] != want[field]:
+                raise NpuOpError(op, "metadata", f"built for {field} {built[field]}, this call's largest count is "
+                                                 f"{want[field]} (a stale step's metadata)")
+        elif built[field] != want[field]:
+            raise NpuOpError(op, "metadata", f"built for {field} {built[field]}, this call has {want[field]}: the "
+                                             "device would run another call's task list")
+    for name, pair in (("actual_seq_lengths_query", got[1 + n:3 + n]), ("actual_seq_lengths_key", got[3 + n:5 + n])):
+        if tuple(pair) != _digest(call[name]):
+            raise NpuOpError(op, "metadata", f"built for other {name} than this call's {call[name] and call[name][:6]} "
+                                             "(a stale step's metadata)")
+
+
+QLI_CHUNK = 256  # query rows scored at once: [rows, 64, entries] float64 stays small on long prefills
+
+
+def _qli_scores(q, w, q_scale, k, k_scale) -> torch.Tensor:
+    """The doc's formula in float64 for query rows ``q [rows, N1, D]`` (int8) against keys ``k [c, D]``:
+    ``sum_h W[h] * ReLU((Scale_Q[h] * Scale_K[w]) * (Q[h] . K[w]))`` -> ``[rows, c]``."""
+    cdt = torch.float64
+    dots = q.to(cdt) @ k.T  # [rows, N1, c], exact: |int8 . int8| over 128 lanes < 2^21
+    scale = q_scale.to(cdt)[..., None] * k_scale
+    return (w.to(cdt)[..., None] * (scale * dots).relu()).sum(dim=1)
+
+
+def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, *,
+                                actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
+                                metadata=None, query_quant_mode=0, key_quant_mode=0, layout_query="BSND",
+                                layout_key="BSND", sparse_count=2048, sparse_mode=3, pre_tokens=INT64_MAX,
+                                next_tokens=INT64_MAX, cmp_ratio=1, return_value=False):
+    """custom-npu_quant_lightning_indexer.md: per query token, ``score_w = sum over the 64 query heads h of
+    W[h] * ReLU(Scale_Q[h] * Scale_K[w] * (Q_int8[h] . K_int8[w]))`` over the compressed keys of its request, and the
+    entries of the ``sparse_count`` largest scores; ``(sparse_indices int32 [T1, 1, k] / [B, S1, 1, k], sparse_values)``.
+    Read as follows (each also what transformers' DeepseekV4Indexer selects, which the tests compare with):
+
+    * request ``b``'s compressed keys are entries ``0 .. n // m - 1`` (``n = actual_seq_lengths_key[b]``, the
+      ORIGINAL token count; ``m = cmp_ratio``), entry ``w`` at ``key[block_table[b, w // bs], w % bs, 0]``, its scale
+      at ``key_dequant_scale[...same...]``;
+    * a request's queries are its last ``q_len`` tokens (``t = n - q_len + i``); sparse_mode 3 (rightDownCausal)
+      lets ``t`` see entries ``w < (t + 1) // m`` (``_visible_entries``), sparse_mode 0 every entry;
+    * the row: the visible entries by descending score, equal scores by ascending entry (the doc fixes no tie
+      order; a deterministic one), then -1 up to ``sparse_count`` (the doc does not say what fills a row with fewer
+      visible entries; -1 is what transformers' indexer writes and npu_sparse_attn_sharedkv reads as "no entry",
+      as the torch_npu indexer's emulation fills). Rows no request covers stay -1;
+    * the arithmetic in float64 (the int8 products exact); ``sparse_values`` is not returned (目前暂不支持): NaN.
+
+    Refused: what the doc rules out, a ``W ⊙ Scale_Q`` outside float16 ("要求...在float16的表示范围内"), a NaN score
+    ("对NAN排序是未定义行为"), and a ``metadata`` built for another call (the argument is optional)."""
+    op = "custom.npu_quant_lightning_indexer"
+    _qli_fixed(op, query_quant_mode=query_quant_mode, key_quant_mode=key_quant_mode, layout_query=layout_query,
+               layout_key=layout_key, sparse_count=sparse_count, sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+               next_tokens=next_tokens, cmp_ratio=cmp_ratio)
+    if return_value is not False:
+        raise NpuOpError(op, "return_value", f"{return_value!r}: only the default False is supported "
+                                             "(目前暂不支持返回sparse_values)")
+    tnd = layout_query == "TND"
+    chk.tensor(op, "query", query, dims=(3,) if tnd else (4,), dtypes=(torch.int8,))
+    chk.tensor(op, "key", key, dims=(4,), dtypes=(torch.int8,))
+    chk.tensor(op, "weights", weights, dtypes=QLI_SCALE_DTYPES)
+    chk.tensor(op, "query_dequant_scale", query_dequant_scale, dtypes=QLI_SCALE_DTYPES)
+    chk.tensor(op, "key_dequant_scale", key_dequant_scale, dims=(3,), dtypes=QLI_SCALE_DTYPES)
+    _contiguous(op, query=query, key=key, weights=weights, query_dequant_scale=query_dequant_scale,
+                key_dequant_scale=key_dequant_scale)
+    n1, d = query.shape[-2], query.shape[-1]
+    if n1 != QLI_HEADS_Q or d != QLI_DIM:
+        raise NpuOpError(op, "query", f"shape {tuple(query.shape)}: N1 must be {QLI_HEADS_Q} and D {QLI_DIM}")
+    blocks, block_size, n2, kd = key.shape
+    if n2 != QLI_HEADS_K or kd != QLI_DIM:
+        raise NpuOpError(op, "key", f"shape {tuple(key.shape)} must be [block_count, block_size, N2 {QLI_HEADS_K}, "
+                                    f"D {QLI_DIM}]")
+    if blocks < 1 or block_size % 16 or block_size > QLI_MAX_BLOCK_SIZE:
+        raise NpuOpError(op, "key", f"block size {block_size} must be a multiple of 16, at most {QLI_MAX_BLOCK_SIZE}")
+    for name, t in (("weights", weights), ("query_dequant_scale", query_dequant_scale)):
+        if tuple(t.shape) != tuple(query.shape[:-1]):
+            raise NpuOpError(op, name, f"shape {tuple(t.shape)} must be {list(query.shape[:-1])} ([B,S1,N1] / [T,N1])")
+    if tuple(key_dequant_scale.shape) != (blocks, block_size, n2):
+        raise NpuOpError(op, "key_dequant_scale", f"shape {tuple(key_dequant_scale.shape)} must be [block_count, "
+                                                  f"block_size, N2] = [{blocks}, {block_size}, {n2}]")
+    _, k_lens, batch = _qli_lengths(op, layout_query, actual_seq_lengths_query, actual_seq_lengths_key)
+    if not tnd and query.shape[0] != batch:
+        raise NpuOpError(op, "actual_seq_lengths_key", f"{batch} lengths for query's batch {query.shape[0]}")
+    q_lens, q_starts, _ = _query_rows(op, query, layout_query, actual_seq_lengths_query)  # per request, S1 if None
+    if block_table is None:
+        raise NpuOpError(op, "block_table", "is required when layout_key is PA_BSND")
+    chk.tensor(op, "block_table", block_table, dims=(2,), dtypes=(torch.int32,))
+    if block_table.shape[0] != batch:
+        raise NpuOpError(op, "block_table", f"{block_table.shape[0]} rows for {batch} batch(es) (第一维长度需要等于B)")
+    n_cmp = [n // cmp_ratio for n in k_lens]
+    need = max([-(-c // block_size) for c in n_cmp] + [0])
+    if block_table.shape[1] < need:
+        raise NpuOpError(op, "block_table", f"{block_table.shape[1]} columns; the longest request's "
+                                            f"{max(n_cmp)} compressed keys need {need} (maxBlockNumPerSeq)")
+    table = block_table.tolist()
+    for b, c in enumerate(n_cmp):
+        used = table[b][:-(-c // block_size)] if c else []
+        if any(not 0 <= blk < blocks for blk in used):
+            raise NpuOpError(op, "block_table", f"batch {b} names a block outside key's {blocks}: {used[:8]}")
+    if sparse_mode == 3:
+        for b, (s1, n) in enumerate(zip(q_lens, k_lens, strict=True)):
+            if n < s1:
+                raise NpuOpError(op, "actual_seq_lengths_key", f"batch {b}: {n} key tokens for {s1} queries "
+                                                               "(rightDownCausal: the queries are the last tokens)")
+    if metadata is not None:
+        _check_qli_metadata(op, metadata, {
+            "num_heads_q": n1, "num_heads_k": n2, "head_dim": d, "layout_query": layout_query,
+            "sparse_count": sparse_count, "sparse_mode": sparse_mode, "cmp_ratio": cmp_ratio, "batch_size": batch,
+            "max_seqlen_q": max(q_lens, default=0), "max_seqlen_k": max(k_lens, default=0),
+            "actual_seq_lengths_query": (None if actual_seq_lengths_query is None
+                                         else [int(v) for v in actual_seq_lengths_query]),
+            "actual_seq_lengths_key": k_lens})
+
+    cdt = torch.float64
+    flat_q = query.reshape(-1, n1, d)
+    w_q = weights.reshape(-1, n1).to(cdt) * query_dequant_scale.reshape(-1, n1).to(cdt)
+    out = torch.full((flat_q.shape[0], n2, sparse_count), INVALID, dtype=torch.int32)
+    for b in range(batch):
+        s1, c = q_lens[b], n_cmp[b]
+        rows = slice(q_starts[b], q_starts[b] + s1)
+        if s1 == 0 or c == 0:
+            continue
+        wq = w_q[rows]
+        if not bool(torch.isfinite(wq).all()) or bool((wq.abs() > FLOAT16_MAX).any()):
+            raise NpuOpError(op, "weights", f"batch {b}: W ⊙ Scale_Q leaves the float16 range (the doc: 要求W⊙Scale_Q"
+                                            "的结果在float16的表示范围内)")
+        k = _paged_rows(op, "block_table", key, table[b], c).to(cdt)  # [c, D]
+        k_scale = _paged_rows(op, "block_table", key_dequant_scale, table[b], c).to(cdt)  # [c]
+        chunks = [slice(a, min(a + QLI_CHUNK, rows.stop)) for a in range(rows.start, rows.stop, QLI_CHUNK)]
+        scores = torch.cat([_qli_scores(flat_q[r], weights.reshape(-1, n1)[r], query_dequant_scale.reshape(-1, n1)[r],
+                                        k, k_scale) for r in chunks])  # [s1, c]
+        for i in range(s1):
+            seen = c if sparse_mode == 0 else min(c, _visible_entries(k_lens[b] - s1 + i, cmp_ratio))
+            row = scores[i, :seen]
+            if bool(row.isnan().any()):
+                raise UnemulatedFeatureError(op, "key_dequant_scale", f"batch {b} query {i}: a NaN score (the doc: "
+                                                                      "TopK过程对NAN排序是未定义行为)")
+            order = torch.sort(row, descending=True, stable=True).indices[:sparse_count]
+            out[q_starts[b] + i, 0, :order.numel()] = order.to(torch.int32)
+    if not tnd:
+        out = out.view(query.shape[0], query.shape[1], n2, sparse_count)
+    return out, torch.full(out.shape, float("nan"), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------- indexer_compress_epilog
+
+EPILOG_DIM = 4096  # custom-npu_indexer_compress_epilog.md 约束说明: "d 取值固定为: 4096"
+EPILOG_GROUP = 128  # "两种量化均为每128个数进行一次量化"
+EPILOG_SCALES = -(-EPILOG_DIM // EPILOG_GROUP)  # "scale_factor 取值为d / 128向上取整,固定为32"
+EPILOG_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+EPILOG_SCALE_DTYPES = {1: torch.float32, 0: torch.float8_e8m0fnu}  # quant_mode 1: float32, 0 (Mx): float8_e8m0
+EPILOG_X_DTYPES = (torch.float16, torch.bfloat16, torch.float64)  # float64: the CPU validation mode
+
+
+def indexer_compress_epilog(indexer_compress_cache, indexer_compress_scale, x, slot_mapping, *, quant_mode=1,
+                            round_scale=True) -> None:
+    """custom-npu_indexer_compress_epilog.md: each row ``x[i]`` whose ``slot_mapping[i]`` is not -1 quantized per
+    group of 128 lanes and written in place, ``indexer_compress_cache[slot] = value``, ``indexer_compress_scale[slot]
+    = scale``. ``DynamicQuant`` read as torch_npu's ``npu_dynamic_quant`` formula per group: ``scale = max|x_g| /
+    DTYPE_MAX`` (448 for float8_e4m3fn, 57344 for float8_e5m2), ``value = x_g / scale`` cast to the cache dtype, so
+    ``value * scale`` is the dequantized row; computed in float32 (float64 for float64 ``x``).
+
+    Readings: ``slot_mapping``'s range ``[-1, T)`` bounds a slot by the cache's rows (the doc names both the cache's
+    and x's rows T). Refused: what the doc rules out (d 4096, scale_factor 32, the dtypes, 2-D operands, slots below
+    -1 or past the cache); quant_mode 0 (Mx, an e8m0 scale: the doc gives neither its exponent rule nor what
+    ``round_scale`` rounds); a slot written twice and an all-zero group (scale 0): the doc does not say which write
+    lands or what 0 / 0 quantizes to. A NaN row (the compressor's pad) written to a slot stays NaN there."""
+    op = "custom.indexer_compress_epilog"
+    chk.choice(op, "quant_mode", quant_mode, (1,), documented=(0,))
+    if not isinstance(round_scale, bool):
+        raise NpuOpError(op, "round_scale", f"must be a bool, got {type(round_scale).__name__}")
+    cache = chk.tensor(op, "indexer_compress_cache", indexer_compress_cache, dims=(2,), dtypes=EPILOG_CACHE_DTYPES)
+    scales = chk.tensor(op, "indexer_compress_scale", indexer_compress_scale, dims=(2,),
+                        dtypes=(EPILOG_SCALE_DTYPES[quant_mode],))
+    chk.tensor(op, "x", x, dims=(2,), dtypes=EPILOG_X_DTYPES)
+    chk.tensor(op, "slot_mapping", slot_mapping, dims=(1,), dtypes=(torch.int32,))
+    _contiguous(op, indexer_compress_cache=cache, indexer_compress_scale=scales, x=x, slot_mapping=slot_mapping)
+    t, d = x.shape
+    if d != EPILOG_DIM:
+        raise NpuOpError(op, "x", f"shape {tuple(x.shape)}: d must be {EPILOG_DIM} (the doc: d 取值固定为4096)")
+    if cache.shape[1] != d:
+        raise NpuOpError(op, "indexer_compress_cache", f"shape {tuple(cache.shape)} must be [slots, d = {d}]")
+    if tuple(scales.shape) != (cache.shape[0], EPILOG_SCALES):
+        raise NpuOpError(op, "indexer_compress_scale", f"shape {tuple(scales.shape)} must be [slots, scale_factor] = "
+                                                       f"[{cache.shape[0]}, {EPILOG_SCALES}]")
+    if slot_mapping.shape[0] != t:
+        raise NpuOpError(op, "slot_mapping", f"{slot_mapping.shape[0]} slots for x's {t} rows (shape [T])")
+    slots = slot_mapping.to(torch.int64)
+    if t and (int(slots.min()) < -1 or int(slots.max()) >= cache.shape[0]):
+        raise NpuOpError(op, "slot_mapping", f"values {int(slots.min())}..{int(slots.max())} leave [-1, "
+                                             f"{cache.shape[0]}) (the doc: 取值范围为[-1, T))")
+    keep = slots != -1  # "slot_mapping 的值为 -1 时,表示无效,不执行更新"
+    kept = slots[keep]
+    if kept.unique().numel() != kept.numel():
+        raise UnemulatedFeatureError(op, "slot_mapping", "two rows to one slot: the doc does not say which lands")
+    groups = x[keep].to(chk.compute_dtype(x.dtype)).view(-1, EPILOG_SCALES, EPILOG_GROUP)
+    absmax = groups.abs().amax(dim=-1)
+    if bool((absmax == 0).any()):
+        raise UnemulatedFeatureError(op, "x", "an all-zero group of 128: its scale is 0 and the doc does not say what "
+                                              "0 / 0 quantizes to")
+    scale = absmax / torch.finfo(cache.dtype).max
+    cache[kept] = (groups / scale[..., None]).view(-1, d).to(cache.dtype)
+    scales[kept] = scale.to(scales.dtype)
+
+
 CUSTOM_OPS = {
     "npu_sparse_attn_sharedkv": npu_sparse_attn_sharedkv,
     "npu_moe_gating_top_k": npu_moe_gating_top_k,
@@ -693,4 +1033,7 @@ CUSTOM_OPS = {
     "compressor": compressor,
     "scatter_nd_update_asc": scatter_nd_update_asc,
     "inplace_partial_rotary_mul": inplace_partial_rotary_mul,
+    "npu_quant_lightning_indexer": npu_quant_lightning_indexer,
+    "npu_quant_lightning_indexer_metadata": npu_quant_lightning_indexer_metadata,
+    "indexer_compress_epilog": indexer_compress_epilog,
 }

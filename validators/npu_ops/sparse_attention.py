@@ -23,8 +23,9 @@ there. A row without a valid key outputs 0 (as the FA emulation's keyless rows).
 of every input against each other, int32 lengths / tables / indices, prefix-sum lengths for TND, a block
 table for ``PA_BSND``, ``sparse_count`` 1..2048, ``sparse_mode`` 0/3, indices inside the request's keys.
 Refused as not emulated: ``pre_tokens`` / ``next_tokens`` other than their defaults, ``return_value`` /
-``return_softmax_lse``, ``sparse_block_size`` other than 1. The quantized variants
-(``npu_quant_lightning_indexer``, ``npu_kv_quant_sparse_flash_attention``) are not emulated at all.
+``return_softmax_lse``, ``sparse_block_size`` other than 1. torch_npu's quantized variants
+(``npu_quant_lightning_indexer``, ``npu_kv_quant_sparse_flash_attention``) are not emulated at all; the checkout's
+own ``custom.npu_quant_lightning_indexer`` (DeepSeek-V4) is, in ``custom_ops``, with this module's length rules.
 """
 
 from __future__ import annotations

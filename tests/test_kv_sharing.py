@@ -22,6 +22,9 @@ CONFIG = "gemma3n_text_10l"
 # two requests in the first batch, a late admit into freed blocks, the window (160 at CPU sizes) crossed
 SHORT = Scenario(first=((40, 3), (20, 2)), late=((30, 2),), max_concurrency=2, release_requests=2)
 NUMERIC, COUNT, STANDALONE_INIT = "logits vs transformers", "get_cache_info layer count", "_init_kvcache caches"
+# a window CPU sequences cross, so the render under test is the one the checks run (a longer one is re-rendered at
+# CPU size and the given render only runs as written)
+CPU_WINDOW = {"sliding_window": 160}
 SOURCES = "KV_SOURCE_LAYERS = {5: 3, 6: 3, 7: 3, 8: 3, 9: 4}"
 
 
@@ -98,7 +101,7 @@ def test_the_cross_check_names_a_wrong_source_layer(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["framework", "standalone"])
 def test_kv_sharing_renders_and_validates_against_transformers(tmp_path, mode):
-    manifest, rendered, cfg = render_case(tmp_path, CONFIG, deploy_mode=mode)
+    manifest, rendered, cfg = render_case(tmp_path, CONFIG, CPU_WINDOW, deploy_mode=mode)
     text = (rendered / "kvcache_attention.py").read_text(encoding="utf-8")
     assert SOURCES in text
     report = run_validate(manifest, rendered, cfg, scenario=SHORT)
@@ -129,7 +132,7 @@ MISTAKES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("case, mode, edits, failing", MISTAKES, ids=[f"{m[0]}-{m[1]}" for m in MISTAKES])
 def test_a_kv_sharing_mistake_fails_by_name(tmp_path, case, mode, edits, failing):
-    manifest, rendered, cfg = render_case(tmp_path, CONFIG, deploy_mode=mode)
+    manifest, rendered, cfg = render_case(tmp_path, CONFIG, CPU_WINDOW, deploy_mode=mode)
     for pattern, replacement in edits:
         mutate(rendered, pattern, replacement)
     report = run_validate(manifest, rendered, cfg, scenario=SHORT)

@@ -33,22 +33,24 @@ from typing import Any
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
 from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
     MIXER_FACT,
+    NO_CACHE,
     NOT_IN_TRANSFORMERS,
     PARALLEL,
     mixer_facts,
     mixer_off,
+    short_conv_facts,
 )
 from model_infer_kvcache.analyzer.manifest import LayerPlan
 
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
 SCALE_ATTRS = ("scaling", "softmax_scale", "inv_norm_factor")
 _REL_TOL = 1e-9
-# the attribute names transformers gives a decoder block's attention over the encoder's states
-CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attention", "encoder_attention")
+CROSS_ATTENTION_NAMES = cross_kind.MODULE_NAMES  # a decoder block's attention over the encoder's states
 # Configuration keys that would make transformers load remote code or are only bookkeeping.
 _NOT_ARCH = ("model_type", "auto_map", "architectures", "transformers_version", "_name_or_path")
 
@@ -68,6 +70,20 @@ class HfAttention:
     # what the attention formats read off the module beyond the above (analyzer/kinds: each format's hf_facts), as
     # sorted (name, value) pairs: DeepSeek-V4's compressor rate and indexer top-k
     kind_facts: tuple[tuple[str, int | None], ...] = ()
+    # the module attends to later positions too: the model is built as an encoder (``builds_encoder``)
+    bidirectional: bool = False
+
+
+def builds_encoder(model, config) -> bool:
+    """Whether transformers built this causal-LM class as a bidirectional encoder: BERT-era ForCausalLM classes
+    (Roberta, RemBert, BigBird...) attend causally only when ``config.is_decoder`` is true, and their own
+    ``__init__`` says so ("add `is_decoder=True`"). Read from that code, not from a list of families."""
+    if getattr(config, "is_decoder", None) is not False:
+        return False
+    try:
+        return "is_decoder=True" in inspect.getsource(type(model).__init__)
+    except (OSError, TypeError):
+        return False
 
 
 @dataclass
@@ -76,6 +92,7 @@ class CheckResult:
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     checked_layers: int = 0
+    bidirectional: bool = False  # refused as an encoder (is_decoder false): the error's field is is_decoder
 
 
 # The user cache of what transformers reports. KVCACHE_CACHE_DIR names its folder (set and empty: no cache);
@@ -83,7 +100,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 14  # 14: a KV-shared module's source layer (kv_source); 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 15  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -196,7 +213,7 @@ def _payload(report: TransformersReport) -> dict[str, Any]:
     attentions = None if report.attentions is None else [
         [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window,
          None if a.kv_shape is None else list(a.kv_shape), a.sinks, a.recurrent_beside,
-         [list(pair) for pair in a.kind_facts]]
+         [list(pair) for pair in a.kind_facts], a.bidirectional]
         for a in report.attentions]
     return {"ships": report.ships, "attentions": attentions, "error": report.error}
 
@@ -231,7 +248,7 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
     if rows is None:
         return TransformersReport(ships=ships, error=error)
     out = []
-    for path, cls, value, attr, window, kv_shape, sinks, beside, kind_facts in rows:
+    for path, cls, value, attr, window, kv_shape, sinks, beside, kind_facts, both_ways in rows:
         if not (isinstance(path, str) and (cls is None or isinstance(cls, str)) and _int_or_none(window)
                 and ((value is None and attr is None)
                      or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))
@@ -239,11 +256,12 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
                                           and all(_int_or_none(x) for x in kv_shape)))
                 and isinstance(sinks, bool) and (beside is None or isinstance(beside, str))
                 and isinstance(kind_facts, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                                         and _int_or_none(p[1]) for p in kind_facts)):
+                                                         and _int_or_none(p[1]) for p in kind_facts)
+                and isinstance(both_ways, bool)):
             return None
         out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window,
                                None if kv_shape is None else tuple(kv_shape), sinks, beside,
-                               tuple(tuple(p) for p in kind_facts)))
+                               tuple(tuple(p) for p in kind_facts), both_ways))
     return TransformersReport(ships=ships, attentions=tuple(out), error=error)
 
 
@@ -285,6 +303,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         return None if mixer is None else type(mixer).__name__
     # classes that set sliding_window on their sliding layers only (Qwen2-MoE): where it is missing, no window
     per_layer = {type(module) for _, module in found if module is not None and hasattr(module, "sliding_window")}
+    encoder = builds_encoder(model, config)
     for path, module in found:
         if module is None:  # a block without attention: the recurrent mixer it holds, if any (Bamba's BambaMixer)
             # with its sizes, which the planned state must match (analyzer/linear_config.mixer_facts)
@@ -303,7 +322,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
             | _kv_source(module, config)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
                                getattr(module, "sinks", None) is not None, mixer_of(path),
-                               tuple(sorted(module_facts.items()))))
+                               tuple(sorted(module_facts.items())), encoder))
     return tuple(out)
 
 
@@ -349,6 +368,8 @@ def recurrent_mixer_module(block):
         if any(name == s or name.startswith(f"{s}.") for s in skip):
             continue
         if any(p in ("A_log", "dt_bias") for p, _ in module.named_parameters(recurse=False)):
+            return module
+        if short_conv_facts(module):  # LFM2's gated short conv: no A_log, a depthwise conv beside in/out_proj
             return module
     return None
 
@@ -420,24 +441,64 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                              "attention (xLSTM, Mamba2) or with projections named otherwise; the plan cannot be "
                              "checked or validated")
         return result
+    if report.attentions is None and "is_decoder=True" in (report.error or ""):
+        # Reformer's LM head refuses to build at all without is_decoder (an AssertionError saying so)
+        result.errors.append(f"is_decoder is false: transformers refuses to build {facts.model_type!r} as a causal LM "
+                             f"without it ({report.error}); a causal LM of this family sets is_decoder: true")
+        result.bidirectional = True
+        return result
     if report.attentions is None:
         result.notes.append(f"architecture cross-check skipped: transformers could not build {facts.model_type!r} "
                             f"on the meta device ({report.error})")
         return result
     hf = report.attentions
+    attending = [a for a in hf if a.cls is not None]
+    if attending and all(a.bidirectional for a in attending):
+        # BERT-era families build their ForCausalLM as an encoder unless is_decoder is true: every position attends
+        # to later ones, so no cache of past keys can reproduce it (transformers itself warns "add is_decoder=True")
+        result.errors.append(f"is_decoder is false: transformers builds {facts.model_type!r} as a bidirectional encoder "
+                             f"(its causal-LM class attends causally only with is_decoder=True; {attending[0].cls} at "
+                             f"{attending[0].path} attends to later positions), which no KV cache can serve; a causal "
+                             "LM of this family sets is_decoder: true in its config")
+        result.bidirectional = True
+        return result
     # a parallel hybrid (Falcon-H1) plans each decoder layer's mixer state as a second sublayer: transformers' modules
     # line up with the attention sublayers, and each one's mixer beside it with the state planned for that layer
     parallel = PARALLEL in facts.layer_kinds.value
     states_of = {layer.decoder_layer for layer in layers if layer.is_state} if parallel else set()
     layers = [layer for layer in layers if not (parallel and layer.is_state)]
+    uncached = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == NO_CACHE]
+    if uncached:
+        # blocks planned without any cache (Nemotron-H's MLP / MoE blocks): transformers' block there must hold
+        # neither attention nor a recurrent mixer; the cache layers line up with the other blocks
+        if len(hf) != len(facts.layer_kinds.value):
+            result.errors.append(f"decoder blocks: analyzer reads {len(facts.layer_kinds.value)} "
+                                 f"({facts.layer_kinds.source}), transformers builds {len(hf)}")
+            return result
+        cached_off = [(i, hf[i]) for i in uncached if hf[i].cls is not None or hf[i].recurrent_beside]
+        if cached_off:
+            i, mod = cached_off[0]
+            result.errors.append(f"analyzer plans no cache on {len(cached_off)} block(s) where transformers' block "
+                                 f"holds {mod.cls or mod.recurrent_beside}, first block {i} at {mod.path} "
+                                 f"({facts.layer_kinds.source})")
+            return result
+        hf = [mod for i, mod in enumerate(hf) if i not in set(uncached)]
     cross = [a for a in hf if a.path.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES]
     if cross and len(hf) - len(cross) == len(layers):
         # the decoder of an encoder-decoder family (BART / Whisper / TrOCR ForCausalLM): each block also attends over
-        # the encoder's states, a second cache kvcache does not plan (and a decoder-only run leaves it unused)
-        result.errors.append(f"transformers' {facts.model_type!r} decoder blocks hold a cross-attention module beside "
-                             f"their self-attention ({cross[0].cls} at {cross[0].path}, {len(cross)} layer(s)): the "
-                             "decoder of an encoder-decoder model, whose cross-attention over the encoder's states "
-                             "kvcache does not plan")
+        # the encoder's states, planned as the cross_attention section (analyzer/kinds/cross.py); the self-attention
+        # modules are compared with the layers below
+        problems = cross_kind.hf_problems(facts, cross, scale)
+        if problems:
+            result.errors += problems
+            return result
+        hf = tuple(a for a in hf if a not in cross)
+        result.notes.append(f"cross-attention checked: {len(cross)} {cross[0].cls} module(s) at "
+                            f"{cross[0].path.rsplit('.', 3)[0]}.*.{cross[0].path.rsplit('.', 1)[-1]} (K/V heads, "
+                            "head_dim, scale) match the cross_attention plan")
+    elif facts.cross.value is not None:
+        result.errors.append(f"analyzer plans cross-attention ({facts.cross.source}) and transformers' "
+                             f"{facts.model_type!r} decoder blocks hold no cross-attention module")
         return result
     if len(hf) != len(layers):
         result.errors.append(f"attention layers: analyzer plans {len(layers)}, transformers builds {len(hf)}")

@@ -28,9 +28,10 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     inspect_checkout,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
-from model_infer_kvcache.analyzer.linear_config import holds_state, sublayer_kinds
+from model_infer_kvcache.analyzer.linear_config import NO_CACHE, holds_state, sublayer_kinds
 from model_infer_kvcache.analyzer.manifest import (
     AttentionLayerPlan,
     DeployModeDecision,
@@ -45,6 +46,7 @@ from model_infer_kvcache.analyzer.manifest import (
     LayerPlan,
     MemoryPlan,
     ModelInfo,
+    NoCacheLayer,
     SelectionManifest,
     StateLayerPlan,
 )
@@ -177,6 +179,8 @@ def assemble(
     deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)
     tp, tp_source = _tp_size(req, progress, warnings)
     blockers = rules.find_blockers(facts, req.block_size)
+    if (unsized := cross_kind.blocker(facts)) is not None:
+        blockers.append(unsized)
     problems = rules.tp_problems(facts, tp)
     if problems:
         # A size stated in progress.md is refused exactly like the same size given as the flag.
@@ -213,13 +217,15 @@ def assemble(
                                     legacy=kv_mode == "legacy") if config is not None else None)
     if check and check.errors:
         raise InputError(facts.path, "architecture cross-check against transformers' own attention modules "
-                                     "(meta device) failed: " + "; ".join(check.errors), field="model_type")
+                                     "(meta device) failed: " + "; ".join(check.errors),
+                         field="is_decoder" if check.bidirectional else "model_type")
     warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]
     unknown = rules.unknown_family(facts, check.ships if check else arch_check.transformers_ships(facts.model_type))
     if unknown:
         warnings.append(unknown)
     mixed = len({layer.attn_type for layer in layers}) > 1
-    memory_plan, groups = _memory(facts, layers, req, progress, questions, warnings)
+    cross = cross_kind.decide(facts, parallel, cache_dtype.value if cache_dtype else None)
+    memory_plan, groups = _memory(facts, layers, req, progress, questions, warnings, cross)
     _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
 
     mla = rules.decide_mla(facts, kv_mode)
@@ -298,11 +304,13 @@ def assemble(
         legacy_attention=legacy_attention,
         mixed_attn_types=mixed,
         layers=layers,
+        no_cache_layers=no_cache_layers(facts),
         parallel=parallel,
         block_size=req.block_size,
         memory=memory_plan,
         cache_dtype=cache_dtype,
         linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
+        cross_attention=cross,
         # the format's own section (dsa, compressed), from the plan built above
         **format_of(facts).sections(facts, layers, groups, parallel, cache_dtype.value if cache_dtype else
                                     facts.dtype.value, req.block_size, memory_plan.max_len),
@@ -316,26 +324,33 @@ def assemble(
 
 def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, checkout, blockers,
                      questions) -> None:
-    """Framework mode registers linear layers' states as MambaCacheEntry, which only G3 frameworks define."""
+    """Framework mode registers linear layers' states (and cross-attention slots) as MambaCacheEntry, which only G3
+    frameworks define."""
     linear = sum(holds_state(kind) for kind in facts.layer_kinds.value)
-    if not linear or facts.linear.value is None or deploy != "framework":
+    if linear and facts.linear.value is not None:
+        what, fields = f"the {linear} linear layers' states", [facts.layer_kinds.source, "--framework-root"]
+    elif facts.cross.value is not None and facts.cross.value.max_encoder_len is not None:
+        what, fields = (f"the {facts.num_layers.value} cross-attention layers' encoder K/V slots",
+                        [facts.cross.source, "--framework-root"])
+    else:
         return
-    fields = [facts.layer_kinds.source, "--framework-root"]
+    if deploy != "framework":
+        return
     if checkout is not None and not checkout.mamba_state_evidence:
         blockers.append(Finding(
             message=f"the checkout's framework ({checkout.generation or 'unknown generation'}) has no "
-                    f"MambaCacheEntry: the {linear} linear layers' states cannot be registered (framework mode needs "
+                    f"MambaCacheEntry: {what} cannot be registered (framework mode needs "
                     "a framework that defines it, fda5670 or later; or deploy standalone, where the runner owns the states)",
             fields=fields))
     elif checkout is None and framework_api in ("G0", "G1"):
         blockers.append(Finding(
-            message=f"--framework-api {framework_api} has no MambaCacheEntry: the {linear} linear layers' states "
+            message=f"--framework-api {framework_api} has no MambaCacheEntry: {what} "
                     "cannot be registered (framework mode needs a framework that defines it, fda5670 or later; or deploy "
                     "standalone)",
-            fields=["--framework-api", facts.layer_kinds.source]))
+            fields=["--framework-api", fields[0]]))
     elif checkout is None:
         questions.append(Finding(
-            message=f"the {linear} linear layers register their states as MambaCacheEntry (attn_type Mamba), which "
+            message=f"{what} register as MambaCacheEntry (attn_type Mamba), which "
                     "only frameworks from fda5670 on define: pass --framework-root to check the checkout",
             fields=fields))
 
@@ -538,9 +553,26 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
     out = []
     subs = facts.sublayers_per_layer.value
     for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
+        if config_kind == NO_CACHE:  # no_cache_layers() lists it; the cache layers' index skips it
+            continue
         out += _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window,
                           decoder_idx, sublayer_kinds(config_kind, subs), len(out))
     return out
+
+
+def no_cache_layers(facts: ModelFacts) -> list[NoCacheLayer] | None:
+    """The decoder blocks that hold no cache (MLP-only / MoE-only), None when every block holds one."""
+    kinds = facts.layer_kinds.value
+    blocks = [i for i, kind in enumerate(kinds) if kind == NO_CACHE]
+    if not blocks:
+        return None
+    names = facts.block_names or {}
+    return [NoCacheLayer(decoder_layer=i, block=names.get(i, NO_CACHE),
+                         reason=f"{facts.layer_kinds.source}[{i}] = {names.get(i, NO_CACHE)!r}: a block without "
+                                "attention or a mixer state keeps no cache (transformers' cache keeps a dummy layer "
+                                "there; the framework refuses a layer without cache entries, so get_cache_info "
+                                "leaves it out)")
+            for i in blocks]
 
 
 def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window, decoder_idx,
@@ -571,7 +603,7 @@ def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_siz
 
 
 def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
-            warnings) -> tuple[MemoryPlan, list[memory.Group]]:
+            warnings, cross=None) -> tuple[MemoryPlan, list[memory.Group]]:
     """The memory plan and the group specs it was sized from."""
     fmt = format_of(facts)
     groups, group_notes = fmt.memory_groups(facts, layers, lambda layer: rules.cache_token_bytes(layer.caches),
@@ -588,6 +620,10 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         derivation.append(f"{MAMBA}: one state block per request (+ {next_n} speculative) = "
                           f"{len(state_layers)} linear layers x {rules.state_bytes(state_layers[0].states)} B = "
                           f"{per_block} B, fixed (does not grow with the sequence)")
+    if cross is not None:
+        # one slot per request holds its encoder K/V of every cross-attention layer (kv_cache_spec.CrossAttentionSpec)
+        groups.append(cross_kind.memory_group(cross))
+        derivation.append(cross_kind.memory_note(cross))
     derivation += group_notes
     shared = [layer for layer in layers if layer.kv_source_layer is not None]
     if shared:

@@ -14,18 +14,23 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import yaml
-from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
+    NO_CACHE,
     PARALLEL_HYBRIDS,
     LinearFacts,
+    attends,
     bailing_layer_kinds,
+    block_types,
     family_of_linear,
     holds_state,
     kimi_layer_kinds,
     mamba_layer_kinds,
     read_linear,
+    short_conv_layer_kinds,
 )
 from model_infer_kvcache.analyzer.manifest import MlaDims, RopeInfo
 
@@ -64,6 +69,8 @@ NESTED_SECTIONS = ("text_config", "language_config", "llm_config")
 _LAYER_TYPE_KIND = {
     "full_attention": "full",
     "attention": "full",
+    # LFM2 / LFM2-MoE / LFM3's gated short-conv layers: a conv state per request (linear_config SHORT_CONV)
+    "conv": "linear",
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): full attention over the keys an indexer selects;
     # the cache grows like full attention's (plus the indexer key cache, ModelFacts.dsa).
     "indexed_attention": "full",
@@ -72,6 +79,10 @@ _LAYER_TYPE_KIND = {
     "linear_attention": "linear",
     "mamba": "linear",
     "recurrent": "linear",
+    # blocks with neither attention nor a mixer state (Nemotron-H's MLP-only and MoE-only blocks): no cache at all,
+    # as transformers' cache keeps a "dummy" layer for them (cache_utils.get_layer_types_and_kwargs)
+    "mlp": NO_CACHE,
+    "moe": NO_CACHE,
 }
 
 # DeepSeek-V4's compressed layer types (analyzer/kinds/compressed.py): every such layer attends through a window
@@ -152,11 +163,65 @@ class Sourced(Generic[T]):
         return self.source.startswith("default")
 
 
-# DSA family -> the RoPE layout of its indexer's first qk_rope_head_dim dims, as transformers' indexer applies it
-# (the MLA part of both is interleaved; the indexer's is the family's own choice, no config field says it).
-INDEXER_ROPE = {
-    "deepseek_v32": ("half", "transformers DeepseekV32Indexer: apply_rotary_pos_emb (half-split)"),
-    "glm_moe_dsa": ("interleave", "transformers GlmMoeDsaIndexer: apply_rotary_pos_emb_interleave"),
+@dataclass(frozen=True)
+class IndexerFamily:
+    """What a DSA family's lightning indexer does that no config field says (its modeling code decides).
+
+    ``rope``: the layout of the indexer's rotation ("half": rotate-half, "interleave": even/odd pairs);
+    ``rope_dims``: which qk_rope_head_dim dims of each indexer head it rotates ("first" | "last");
+    ``source``: the transformers file:function that fixes both; ``device_refusal``: why no pinned torch_npu op
+    can serve the family's selection or attention (with the op doc line that says it); ``kvcache_gap``: what the
+    ops could serve but kvcache does not plan or render yet. None when planned.
+    """
+
+    rope: str
+    rope_dims: str
+    source: str
+    device_refusal: str | None = None
+    kvcache_gap: str | None = None
+
+
+# DSA family -> its indexer's facts. Every family scores like DeepSeek-V3.2 (sum over indexer heads of
+# weight_h * n_heads^-0.5 * relu(q_h . k) * index_head_dim^-0.5, one LayerNorm'd key per token, causal, top
+# min(index_topk, keys)); they differ only in the RoPE layout and which dims it rotates (read off each file below).
+_TF = "transformers/models/"
+INDEXER_FAMILIES = {
+    "deepseek_v32": IndexerFamily("half", "first", f"{_TF}deepseek_v32/modeling_deepseek_v32.py:"
+                                  "DeepseekV32Indexer.forward (apply_rotary_pos_emb, half-split)"),
+    "glm_moe_dsa": IndexerFamily("interleave", "first", f"{_TF}glm_moe_dsa/modeling_glm_moe_dsa.py:"
+                                 "GlmMoeDsaIndexer.forward (apply_rotary_pos_emb_interleave)"),
+    # A.X-K2: the V3.2 indexer unchanged; its attention fuses q_b_proj into q_gate_proj and gates the output, both
+    # outside the cache (the model keeps them around kv_cache_attention)
+    "axk2": IndexerFamily("half", "first", f"{_TF}axk2/modeling_axk2.py:AXK2Indexer.forward "
+                          "(apply_rotary_pos_emb, half-split)"),
+    "dots3_note_text": IndexerFamily("interleave", "first", f"{_TF}dots3_note/modeling_dots3_note.py:"
+                                     "Dots3NoteTextIndexer.forward (apply_rotary_pos_emb_interleave)"),
+    "hy_v4": IndexerFamily(
+        "interleave", "last", f"{_TF}hy_v4/modeling_hy_v4.py:HYV4Indexer.forward (q/k split [pass, rot], "
+        "apply_rotary_pos_emb_interleave on the last qk_rope_head_dim dims)",
+        kvcache_gap="its sparse attention adds a learnable sink logit per head to the softmax (HYV4Attention.sinks, "
+                    "eager_attention_forward s_aux): torch_npu 2.14.0 declares npu_sparse_flash_attention(..., "
+                    "Tensor? sinks=None) (csrc/aten/npu_native_functions_by_codegen.yaml:978, meta "
+                    "_meta_registrations.py:288) without documenting it, 2.9.0 only return_softmax_lse to apply it "
+                    "after the call, and kvcache neither emulates nor renders either; its indexer_types 'shared' "
+                    "layers (3 of 4 by default) and its indexer RoPE on the last qk_rope_head_dim dims have no "
+                    "template either"),
+}
+
+
+# Families whose 'indexed_attention' is not DSA (no kv_lora_rank): refused with what the device lacks.
+NON_MLA_INDEXERS = {
+    "kolibri1_1": IndexerFamily(
+        "none", "none", f"{_TF}kolibri1_1/modeling_kolibri1_1.py:Kolibri1_1Indexer",
+        device_refusal="its indexed layers (NoPE GQA) select over their own K cache with no indexer weights: NVFP4-rounded "
+                "queries of the first index_num_heads heads against key head 0, first a pool of index_pool_size keys "
+                "from blocks of index_compression averaged keys (its index_layers; the other indexed layers reuse "
+                "it), then the top index_topk of that pool plus the first index_num_sink_tokens and last "
+                f"index_num_local_tokens keys always kept ({_TF}kolibri1_1/modeling_kolibri1_1.py: "
+                "Kolibri1_1Indexer.select_pool / select_tokens); npu_lightning_indexer returns the plain top "
+                "sparse_count of sum_h weights_h * relu(q_h . k) over one key per token (torch_npu-2.14.0 "
+                "_op_plugin_docs.py:1371, 2.9.0: :8752): no pool stage, no always-kept sink/local keys, no NVFP4 "
+                "rounding"),
 }
 
 
@@ -174,8 +239,12 @@ class DsaFacts:
     index_head_dim: int
     own_indexer: tuple[bool, ...]
     sources: str
-    rope: str = "half"  # INDEXER_ROPE: "half" | "interleave"
+    rope: str = "half"  # INDEXER_FAMILIES: "half" | "interleave"
     rope_source: str = ""
+    rope_dims: str = "first"  # INDEXER_FAMILIES: "first" | "last" qk_rope_head_dim dims of an indexer head
+    # decoder layers that attend densely (layer_types beside 'indexed_attention', e.g. dots.llm3's sliding layers):
+    # no indexer, no indexer key cache, no selection
+    dense: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -230,6 +299,10 @@ class ModelFacts:
     linear: Sourced[LinearFacts | None] = Sourced(None, "default: no linear-attention layers")
     # DeepSeek-V4's compressed branches (analyzer/kinds/compressed.py); None: no compressed layers
     compressed: Sourced[compressed_kind.CompressedFacts | None] = Sourced(None, "default: no compressed layers")
+    # what the config calls each block that holds no cache (Nemotron-H's "mlp" / "moe"), by block index
+    block_names: dict[int, str] | None = None
+    # the decoder of an encoder-decoder model (analyzer/kinds/cross.py); None: decoder-only
+    cross: Sourced[cross_kind.CrossFacts | None] = Sourced(None, "default: decoder-only (no cross-attention)")
     # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
     layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
     # per decoder layer: the earlier layer whose K/V cache it reads (None: it computes and caches its own), only
@@ -252,6 +325,11 @@ class ModelFacts:
     def distinct_kv_heads(self) -> list[int]:
         heads = self.layer_heads.value
         return sorted({h.num_kv_heads for h in heads}) if heads else [self.num_key_value_heads.value]
+
+    @property
+    def attends(self) -> bool:
+        """Some layer attends (has a KV cache); False for a pure state stack, whose attention fields are not read."""
+        return any(attends(kind) for kind in self.layer_kinds.value)
 
     @property
     def is_mla(self) -> bool:
@@ -452,6 +530,7 @@ def load_model_facts(path: str | Path) -> ModelFacts:
 
 def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelFacts:
     _check_sections(data, where)
+    data = _dory_layers(data)
     r = _Reader(where, data)
     notes: list[str] = []
     model_type = _model_type(r)
@@ -459,10 +538,17 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     r.defaults = FAMILY_DEFAULTS.get(family, ("", {}))
     architectures = _architectures(r)
 
+    blocks = block_types(r, model_type)
+    if model_type == "dory":
+        _refuse_dory_loops(r)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(2, "model_type longcat_flash (two attention sublayers per decoder layer)")
+    elif blocks is not None:  # Nemotron-H: the layer count is the block list's length
+        num_layers = Sourced(len(blocks[0]), f"len({blocks[1]})")
+        _check_maximum(where, num_layers.source, num_layers.value, LIMITS["layers"])
+        sublayers = Sourced(1, "default: one mixer per decoder block")
     else:
         # decoder_layers: a decoder-only use of an encoder-decoder family (BART's ForCausalLM), whose own stack it is
         num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
@@ -473,12 +559,26 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
                                    "sublayers per decoder layer)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
-    heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                           "decoder_attention_heads", maximum=LIMITS["heads"])
-    kv_heads = _kv_heads(r, heads)
-    mla = _mla_dims(r)
-    head_dim = _head_dim(r, hidden, heads, mla)
-    if kv_heads.value > heads.value or heads.value % kv_heads.value:
+    linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
+    compressed = compressed_kind.read_facts(r.get, where, num_layers.value)
+    if compressed is None:
+        layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family, blocks)
+    else:
+        # every compressed-model layer attends through its window branch; the compressed branch rides beside it
+        layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
+        sliding_window = Sourced(compressed.window, compressed.window_source)
+    if not any(attends(kind) for kind in layer_kinds.value):
+        # a pure state stack (Mamba, Mamba2, ...): no layer attends, so no attention field is read (Mamba2Config's
+        # num_heads / head_dim are its mixer's, read by the linear family below)
+        heads = kv_heads = head_dim = Sourced(0, f"not read: no layer attends ({layer_kinds.source})")
+        mla = Sourced(None, "not read: no layer attends")
+    else:
+        heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
+                               "decoder_attention_heads", maximum=LIMITS["heads"])
+        kv_heads = _kv_heads(r, heads)
+        mla = _mla_dims(r)
+        head_dim = _head_dim(r, hidden, heads, mla)
+    if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
         raise InputError(
             where,
             f"{heads.value} query heads are not a multiple of {kv_heads.value} KV heads",
@@ -489,15 +589,10 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
         None, "default: not in config")
     rope = _rope(r)
-    linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
-    compressed = compressed_kind.read_facts(r.get, where, num_layers.value)
-    if compressed is None:
-        layer_kinds, sliding_window = _layer_kinds(r, model_type, num_layers.value, linear_family)
-    else:
-        # every compressed-model layer attends through its window branch; the compressed branch rides beside it
-        layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
-        sliding_window = Sourced(compressed.window, compressed.window_source)
     linear = _linear(r, linear_family, layer_kinds, heads, model_type, hidden.value)
+    raw_types = blocks[0] if blocks else (r.get("layer_types") or (None,))[0]
+    block_names = ({i: t for i, (t, k) in enumerate(zip(raw_types, layer_kinds.value, strict=False)) if k == NO_CACHE}
+                   or None) if isinstance(raw_types, list) else None
 
     softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")
     alibi = _alibi(r, model_type)
@@ -526,6 +621,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
+
+    cross = cross_kind.read_facts(r.get, r.cfg)
 
     return ModelFacts(
         path=where,
@@ -558,9 +655,39 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         attention_multiplier=multiplier,
         dsa=dsa,
         linear=linear,
+        block_names=block_names,
         compressed=Sourced(compressed, compressed.source) if compressed else Sourced(
             None, "default: no compressed layers"),
+        cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
     )
+
+
+def _dory_layers(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved Dory config lists an "mlp" block after every attention block and doubles its layer counts
+    (DoryConfig.to_dict); DoryConfig.__post_init__ reads every other entry and halves the counts: the same here."""
+    types = data.get("layer_types")
+    if data.get("model_type") != "dory" or not isinstance(types, list) or "mlp" not in types:
+        return data
+    out = {**data, "layer_types": types[::2]}
+    for key in ("num_hidden_layers", "n_input_layers", "n_output_layers", "n_recurrent_layers"):
+        if isinstance(data.get(key), int) and not isinstance(data.get(key), bool):
+            out[key] = data[key] // 2
+    return out
+
+
+def _refuse_dory_loops(r: _Reader) -> None:
+    """Dory (transformers DoryModel.forward) runs its recurrent section n_recurrent_loops times per forward, each loop
+    through the same attention modules with a cache of its own (per_loop: a copy of every recurrent layer's cache per
+    loop; last_loop: earlier loops read the cache without writing it). Its saved layer_types list an "mlp" block after
+    every attention block (DoryConfig.to_dict), which are not layers: DoryConfig.__post_init__ halves the list."""
+    loops = r.get("n_recurrent_loops") or (2, "default: transformers DoryConfig.n_recurrent_loops")
+    if isinstance(loops[0], int) and not isinstance(loops[0], bool) and loops[0] <= 1:
+        return
+    mode = r.get("recurrent_kv_cache_mode") or ("per_loop", "default: transformers DoryConfig.recurrent_kv_cache_mode")
+    raise InputError(r.where, f"{loops[0]!r}: Dory runs its recurrent layers {loops[0]} times per forward, each loop "
+                              f"with its own KV cache ({mode[1]} {mode[0]!r}; transformers DoryModel.forward's "
+                              "cache_offset), so one attention module keeps several caches: not supported by kvcache "
+                              "(one set of cache entries per attention module)", field=loops[1])
 
 
 def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],
@@ -611,26 +738,42 @@ def _mla_dims(r: _Reader) -> Sourced[MlaDims | None]:
 
 
 def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: str) -> Sourced[DsaFacts | None]:
-    """DSA from ``index_topk`` / ``index_n_heads`` / ``index_head_dim`` (+ GLM-5's ``indexer_types``)."""
+    """DSA from ``index_topk`` / ``index_n_heads`` / ``index_head_dim`` (+ GLM-5's ``indexer_types``, and
+    ``layer_types``: only 'indexed_attention' layers run an indexer when dense layers sit beside them), with the
+    family's indexer facts from ``INDEXER_FAMILIES``."""
     topk = r.positive_int("index_topk", required=False, maximum=LIMITS["positions"])
     if topk is None:
         return Sourced(None, "default: no index_topk (dense attention)")
+    family = INDEXER_FAMILIES.get(model_type) or NON_MLA_INDEXERS.get(model_type)
+    if family is not None and family.device_refusal:
+        raise InputError(r.where, f"index_topk on model_type {model_type!r}: no pinned torch_npu op serves it: "
+                                  f"{family.device_refusal}", field="model_type")
+    if family is not None and family.kvcache_gap:
+        raise NotSupportedByKvcache(r.where, f"the sparse attention of model_type {model_type!r}: {family.kvcache_gap} "
+                                             f"(indexer: {family.source})", field="model_type")
     if mla.value is None:
         raise InputError(r.where, "index_topk without kv_lora_rank: DeepSeek sparse attention is known over MLA "
                                   "only (DeepSeek-V3.2, GLM-5); kvcache does not know this layout", field=topk.source)
-    if model_type not in INDEXER_ROPE:
+    if family is None:
         # The indexer's RoPE layout is the family's code, not a config field: guessing it would rotate the wrong
         # pairs of every indexer query and key (a wrong selection, no error).
         raise InputError(r.where, f"index_topk on model_type {model_type!r}: kvcache knows the DSA indexer of "
-                                  f"{', '.join(sorted(INDEXER_ROPE))} only (its RoPE layout is the family's code)",
-                         field="model_type")
+                                  f"{', '.join(sorted(INDEXER_FAMILIES))} only (its RoPE layout is the family's "
+                                  "code)", field="model_type")
     heads = r.positive_int("index_n_heads", maximum=LIMITS["heads"])
     dim = r.positive_int("index_head_dim", maximum=LIMITS["head_dim"])
     rope = mla.value.qk_rope_head_dim
     if dim.value < rope:
-        raise InputError(r.where, f"{dim.value} is smaller than qk_rope_head_dim {rope}: the indexer rotates the "
-                                  "first qk_rope_head_dim dims of its keys", field=dim.source)
-    own, how = (True,) * num_layers, "every layer runs its indexer"
+        raise InputError(r.where, f"{dim.value} is smaller than qk_rope_head_dim {rope}: the indexer rotates "
+                                  f"the {family.rope_dims} qk_rope_head_dim dims of its keys", field=dim.source)
+    dense: tuple[int, ...] = ()
+    types_hit = r.get("layer_types")
+    if types_hit is not None and isinstance(types_hit[0], list) and "indexed_attention" in types_hit[0]:
+        dense = tuple(i for i, t in enumerate(types_hit[0]) if t != "indexed_attention")
+    own, how = tuple(i not in dense for i in range(num_layers)), "every layer runs its indexer"
+    if dense:
+        how = (f"{types_hit[1]}: {num_layers - len(dense)} 'indexed_attention' layers run their indexer, "
+               f"{len(dense)} attend densely")
     hit = r.get("indexer_types")
     if hit is not None:
         raw, src = hit
@@ -642,12 +785,11 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
                 raise InputError(r.where, f"must be 'full' or 'shared', got {_shown(t)}", field=f"{src}[{i}]")
         if raw[0] == "shared":
             raise InputError(r.where, "the first layer cannot reuse a previous layer's selection", field=f"{src}[0]")
-        own = tuple(t == "full" for t in raw)
+        own = tuple(t == "full" and i not in dense for i, t in enumerate(raw))
         how = f"{src}: {sum(own)} layers run their indexer, {num_layers - sum(own)} reuse the previous selection"
-    rope_layout, rope_source = INDEXER_ROPE[model_type]
     facts = DsaFacts(index_topk=topk.value, index_n_heads=heads.value, index_head_dim=dim.value, own_indexer=own,
-                     sources=f"{topk.source}, {heads.source}, {dim.source}; {how}", rope=rope_layout,
-                     rope_source=rope_source)
+                     sources=f"{topk.source}, {heads.source}, {dim.source}; {how}", rope=family.rope,
+                     rope_source=family.source, rope_dims=family.rope_dims, dense=dense)
     return Sourced(facts, topk.source)
 
 
@@ -659,11 +801,11 @@ def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Source
     if explicit:
         return explicit
     if hidden.value % heads.value:
-        raise InputError(
-            r.where,
-            f"no head_dim and {hidden.source}={hidden.value} is not divisible by {heads.source}={heads.value}",
-            field="head_dim",
-        )
+        # transformers' modeling code computes `hidden_size // num_attention_heads` (floor) and builds projections of
+        # heads * that width, narrower than the hidden size: plan what it builds, say so; the FA head-dim rule judges it.
+        return Sourced(hidden.value // heads.value,
+                       f"default: {hidden.source} // {heads.source} = {hidden.value} // {heads.value} (floor, as "
+                       f"transformers' attention modules compute it; {hidden.value} is not a multiple of {heads.value})")
     return Sourced(hidden.value // heads.value, f"default: {hidden.source} / {heads.source}")
 
 
@@ -907,8 +1049,8 @@ def _kv_sources(r: _Reader, num_layers: int, kinds: tuple[str, ...]) -> Sourced[
                                    "last earlier layer of their type)")
 
 
-def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tuple[str, str] | None = None
-                 ) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
+def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tuple[str, str] | None = None,
+                 blocks: tuple[list[str], str] | None = None) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
     """Per-layer kind and the window, for every spelling configs use, first match wins.
 
     ``layer_types`` lists ``sliding_attention`` / ``full_attention`` per layer (gpt-oss, Gemma-2/3,
@@ -930,7 +1072,7 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
             raise InputError(r.where, f"must be a positive integer or null, got {w!r}", field=window_hit[1])
         window = w or None
 
-    types_hit = r.get("layer_types")
+    types_hit = blocks or r.get("layer_types")  # Nemotron-H: its block list (linear_config.block_types)
     if types_hit is not None:
         raw, src = types_hit
         if not isinstance(raw, list) or len(raw) != num_layers:
@@ -951,6 +1093,9 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
     kimi = kimi_layer_kinds(r, num_layers) if linear_family else None
     if kimi is not None:
         return Sourced(kimi[0], kimi[1]), Sourced(None, "default: none")
+    lfm = short_conv_layer_kinds(r, model_type, num_layers) if linear_family else None
+    if lfm is not None:
+        return Sourced(lfm[0], lfm[1]), Sourced(None, "default: none")
     group = r.positive_int("layer_group_size", required=False) if model_type == "bailing_hybrid" else None
     if group is not None and linear_family is not None:
         # Ling: the last layer of every layer_group_size group is full attention (MLA), the others linear.

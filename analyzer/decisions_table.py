@@ -145,8 +145,9 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     lin = m.linear_attention
     if lin is not None:
         conv = f"conv kernel {lin.conv_kernel}, " if lin.conv_kernel else "无 short conv, "
-        rows.append(("线性注意力(循环状态)", f"{lin.family}, {len(lin.layers)} 层, {conv}每卡 heads K "
-                     f"{lin.num_k_heads_per_rank} / V {lin.num_v_heads_per_rank}, 每层每请求 "
+        heads = (f"每卡 heads K {lin.num_k_heads_per_rank} / V {lin.num_v_heads_per_rank}" if lin.num_v_heads_per_rank
+                 else "只有 conv 状态(无循环状态)")
+        rows.append(("线性注意力(循环状态)", f"{lin.family}, {len(lin.layers)} 层, {conv}{heads}, 每层每请求 "
                      f"{lin.state_bytes_per_layer} B", f"{lin.reason}; registered as {lin.framework_entry}; prefill: "
                      f"{lin.operators['prefill']}; decode: {lin.operators['decode']}; reference: "
                      f"{lin.reference or 'none (transformers implements no such architecture)'}"))

@@ -21,6 +21,7 @@ from torch import nn
 QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"q_proj", "k_proj", "v_proj"}),
     frozenset({"q_proj", "k_proj", "o_proj"}),  # values from the key projection (Gemma-4 attention_k_eq_v)
+    frozenset({"q_gate_proj", "k_proj", "v_proj"}),  # query and output gate in one projection (MiniCPM5-MoE)
     frozenset({"query", "key", "value"}),
     frozenset({"query_key_value"}),  # Falcon, GPT-NeoX, Bloom
     frozenset({"qkv_proj"}),  # Phi-3

@@ -27,6 +27,11 @@ MAMBA = "Mamba"
 # ATTN_TYPE_MANAGER_MAP holds FullAttention, SlidingWindow and Mamba), so the layer registers its CacheEntry in the
 # SlidingWindow manager with window C (``manager_attn_type``): see ChunkedLocalSpec.
 CHUNKED_LOCAL = "ChunkedLocal"
+# Cross-attention (the decoder of an encoder-decoder model: BART, Whisper, TrOCR...): one slot per request holding the
+# K/V of its encoder states. Upstream has no manager of that name: the entries are MambaCacheEntry (a fixed shape per
+# request, block size 1) grouped under manager_key CrossAttention, so the framework's Mamba manager keeps them in a
+# pool of their own (see CrossAttentionSpec).
+CROSS_ATTENTION = "CrossAttention"
 
 
 def token_bytes(numel_per_head: int, num_head: int, itemsize: int, compress_ratio: int = 1) -> int:
@@ -205,7 +210,34 @@ class MambaSpec:
         return {"state_bytes": self.state_bytes}
 
 
-Spec = FullAttentionSpec | CompressedSpec | SlidingWindowSpec | ChunkedLocalSpec | MambaSpec
+@dataclass(frozen=True)
+class CrossAttentionSpec(MambaSpec):
+    """The cross-attention K/V of an encoder-decoder model's decoder: one slot per request, sized by the longest
+    encoder output (``slot_tokens``: the maximum encoder length rounded up to whole FA blocks).
+
+    The K/V of a request's encoder states are static: written once at its prefill (the decoder's k_proj / v_proj of
+    encoder_hidden_states), then read by every decode step without a causal mask. Nothing grows with the decoded
+    sequence, so the group is fixed like a Mamba group: one block per request (no speculative blocks: a verify step
+    reads the same encoder K/V), reserved up front. The framework registers the entries as MambaCacheEntry (block size
+    1, ``shape`` the slot) under ``manager_key = CrossAttention``: its Mamba manager, a pool of its own.
+    """
+
+    slot_tokens: int = 0  # encoder positions one slot holds (the maximum encoder length, rounded up to FA blocks)
+
+    attn_type: ClassVar[str] = CROSS_ATTENTION
+    layer_kind: ClassVar[str] = "cross"
+    manager: ClassVar[str] = MAMBA  # the upstream manager (CacheEntry attn_type) its entries register in
+
+    def fixed_formula(self, concurrency: int) -> str:
+        return (f"{concurrency} x 1 + 1 = {self.fixed_blocks(concurrency)} cross-attention slots of "
+                f"{self.slot_tokens} encoder positions")
+
+    def reported(self, default_block_size: int) -> dict:
+        return {"state_bytes": self.state_bytes}
+
+
+Spec = FullAttentionSpec | CompressedSpec | SlidingWindowSpec | ChunkedLocalSpec | MambaSpec | CrossAttentionSpec
+# The kinds a CacheEntry may name as its attn_type (CrossAttention's entries name Mamba: not among them).
 SPEC_BY_ATTN_TYPE: dict[str, type] = {kind.attn_type: kind for kind in (FullAttentionSpec, SlidingWindowSpec,
                                                                         ChunkedLocalSpec, MambaSpec)}
 # Attention types whose block count does not grow with the sequence.
@@ -213,6 +245,9 @@ FIXED_BLOCK_ATTN_TYPES = frozenset(name for name, kind in SPEC_BY_ATTN_TYPE.item
 # The kinds the analyzer plans layers as (the manifest's attn_type values): paged attention layers and the
 # linear layers' recurrent states (Mamba group, G3 framework).
 PLANNED_ATTN_TYPES: tuple[str, ...] = (FULL_ATTENTION, SLIDING_WINDOW, MAMBA, CHUNKED_LOCAL)
+# The kinds of a memory group: the planned layers' and the cross-attention slots (a manifest section of its own,
+# beside the layers: each decoder layer's self-attention is planned as a layer, its cross-attention in the section).
+GROUP_ATTN_TYPES: tuple[str, ...] = (*PLANNED_ATTN_TYPES, CROSS_ATTENTION)
 
 
 def spec_for_layer_kind(layer_kind: str) -> type:

@@ -21,6 +21,11 @@ family runs a short causal convolution before it, the last ``kernel - 1`` inputs
   ``[P, N]`` <- exp(dt_h A_h) state + dt_h x_h B_g^T, y = state C_g + D_h x_h. The groups G play the key heads
   (B and C are shared by H/G heads, as GQA shares keys), P the value dim, N the key dim: state ``[H, P, N]``, the
   gated delta net's ``[Nv, Dv, Dk]``.
+* ``short_conv`` -- LiquidAI LFM2 / LFM2-MoE / LFM3 (transformers ``Lfm2ShortConv`` / ``Lfm2MoeShortConv`` /
+  ``Lfm3ShortConv``, kept as the decoder layer's ``conv``): in_proj -> B | C | x, then ``B * x`` through a depthwise
+  causal conv of width ``conv_L_cache`` over the hidden_size channels (no activation), ``C *`` its output, out_proj.
+  Its only state is the conv's: the last ``conv_L_cache - 1`` inputs of hidden_size channels; no recurrent matrix
+  (LinearFacts keeps 0 heads and dims, the manifest none).
 * ``mamba`` -- Mamba-1 selective-scan mixers: Jamba, Mamba, FalconMamba, Zamba (transformers ``*MambaMixer`` and
   their ``mamba_scan_forward``): the conv over the I = expand x hidden inner channels only (B, C and dt come from
   ``x_proj`` after it), per channel a state ``[N]`` with its own A row: state ``[I, N]``.
@@ -43,14 +48,23 @@ KIMI_DELTA = "kimi_delta_attention"
 LIGHTNING = "lightning_attention"
 MAMBA2 = "mamba2"
 MAMBA = "mamba"
-LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA)
+SHORT_CONV = "short_conv"
+LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA, SHORT_CONV)
+# Families whose layers keep a conv state only (no recurrent state): planned without heads, dims or recurrent_state
+CONV_ONLY = frozenset({SHORT_CONV})
 # A decoder layer of a parallel hybrid (Falcon-H1) runs attention and a Mamba mixer side by side on the same input:
 # its config layer kind, planned as two sublayers (the attention's KV cache, then the mixer's states).
 PARALLEL = "parallel"
 PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
+# A layer that holds no cache at all (Dory's and Nemotron-H's MLP-only blocks, Nemotron-H's MoE-only blocks): its
+# config layer kind, planned as a layer with neither a KV cache nor a state (transformers' cache keeps a "dummy" layer
+# there: cache_utils.get_layer_types_and_kwargs).
+NO_CACHE = "nocache"
 # Families whose B/C groups (key heads) stay whole on every rank: Mamba-1 has one B/C for all channels.
 _REPLICATED_K_HEADS = frozenset({MAMBA})
 
+# LFM2-family model types (their conv width ``conv_L_cache``; the class default where a config omits it)
+_SHORT_CONV_KERNEL_DEFAULTS = {"lfm2": ("Lfm2Config", 3), "lfm2_moe": ("Lfm2MoeConfig", 3), "lfm3": ("Lfm3Config", 7)}
 _GDN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 # Fields only Ling-2.5's remote code reads (BailingMoeV2_5Config) / only the KDA model reads.
 _LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
@@ -70,7 +84,14 @@ _MAMBA2_FIELDS = {
 }
 _MAMBA_FIELDS = {
     "jamba": {"state": "mamba_d_state", "conv": "mamba_d_conv", "expand": "mamba_expand"},
+    # MambaConfig / FalconMambaConfig: intermediate_size = expand x hidden_size (their __post_init__)
+    **dict.fromkeys(("mamba", "falcon_mamba"), {"state": "state_size", "conv": "conv_kernel", "expand": "expand"}),
 }
+# Pure Mamba stacks: every decoder layer one mixer, no attention (Mamba2ForCausalLM, MambaForCausalLM,
+# FalconMambaForCausalLM)
+_PURE_STACKS = ("mamba2", "mamba", "falcon_mamba")
+# config classes whose saved intermediate_size is the Mamba-1 mixer's inner width
+INNER_IS_INTERMEDIATE = ("mamba", "falcon_mamba")
 
 # Class-name endings of linear-attention modules (transformers' Qwen3NextGatedDeltaNet, KimiLinearDeltaAttention,
 # BailingHybridDeltaAttention, MiniMaxLightningAttention; kvcache's Ling-2.5 reference LingLightningAttention): the
@@ -79,7 +100,9 @@ _MAMBA_FIELDS = {
 LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention", "LightningAttention",
                           # the Mamba mixers: JambaMambaMixer, BambaMixer, FalconH1Mixer, NemotronHMamba2Mixer,
                           # GraniteMoeHybridMambaLayer
-                          "MambaMixer", "Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "MambaLayer")
+                          "MambaMixer", "Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "MambaLayer",
+                          # LFM2 / LFM2-MoE / LFM3's gated short conv (Lfm2ShortConv ...)
+                          "ShortConv")
 
 # What the validation compares each family with. Gated delta net and KDA: transformers' own classes. Lightning
 # (Ling-2.5): transformers has no such model, so kvcache builds one from transformers' Ling-family code with a
@@ -94,6 +117,8 @@ REFERENCE = {
                "from the upstream bailing_2_5 port)",
     MAMBA2: "transformers' own Mamba-2 mixer of the family (its mamba2_scan_forward: the SSD chunk scan)",
     MAMBA: "transformers' own Mamba-1 mixer of the family (its mamba_scan_forward: the selective scan)",
+    SHORT_CONV: "transformers' own short-conv layer of the family (Lfm2ShortConv / Lfm2MoeShortConv / Lfm3ShortConv: "
+                "its causal_conv1d_forward over the whole prefix)",
 }
 # Families transformers implements no model of: the architecture cross-check cannot build them (Ling-2.5's
 # model_type bailing_hybrid is, in transformers, the KDA model).
@@ -105,8 +130,8 @@ class LinearFacts:
     """What the config says about its linear layers (all ranks)."""
 
     family: str
-    num_k_heads: int  # query/key heads
-    num_v_heads: int  # value heads (= state heads)
+    num_k_heads: int  # query/key heads (0: no recurrent state, a conv-only family)
+    num_v_heads: int  # value heads (= state heads; 0: no recurrent state)
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int | None  # None: no short convolution
@@ -127,6 +152,8 @@ class LinearFacts:
         Mamba-1's inner channels only)."""
         if not self.conv_kernel:
             return 0
+        if self.family in CONV_ONLY:  # depthwise over hidden_size: each rank its share of the channels
+            return self.conv_channels // tp
         nk, nv = self.k_heads_per_rank(tp), self.num_v_heads // tp
         if self.family in (GATED_DELTA_NET, MAMBA2):
             return 2 * nk * self.head_k_dim + nv * self.head_v_dim
@@ -163,6 +190,8 @@ def family_of_linear(get, model_type: str, architectures: list[str], where: str)
         return MAMBA2, f"model_type {model_type} (Mamba-2 mixers)"
     if model_type in _MAMBA_FIELDS:
         return MAMBA, f"model_type {model_type} (Mamba-1 mixers)"
+    if model_type in _SHORT_CONV_KERNEL_DEFAULTS:
+        return SHORT_CONV, f"model_type {model_type} (gated short-conv layers)"
     if model_type != "bailing_hybrid":
         return None
     lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
@@ -210,6 +239,8 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         return _read_mamba2(r, why, hidden, limits, model_type)
     if family == MAMBA:
         return _read_mamba(r, why, hidden, limits, model_type)
+    if family == SHORT_CONV:
+        return _read_short_conv(r, why, hidden, model_type)
     if family == KIMI_DELTA:
         section = r.mapping("linear_attn_config")
         sub = section[0] if section else {}
@@ -269,7 +300,52 @@ def _read_mamba(r, why: str, hidden: int, limits: dict[str, int], model_type: st
     expand = r.positive_int(names["expand"], maximum=1024)
     inner = expand.value * hidden
     src = f"{why}: {n.source}, {kernel.source}, {expand.source} x hidden_size = {inner} inner channels"
+    saved = r.positive_int("intermediate_size", required=False, maximum=1 << 24) \
+        if model_type in INNER_IS_INTERMEDIATE else None
+    if saved is not None:
+        # MambaConfig / FalconMambaConfig derive intermediate_size from expand x hidden_size, but a saved one is set
+        # after that derivation (from_dict): the mixer is built at the saved width
+        inner = saved.value
+        src = f"{why}: {n.source}, {kernel.source}, {saved.source} = {inner} inner channels (the mixer's width)"
     return LinearFacts(MAMBA, 1, inner, n.value, 1, kernel.value, inner, src, REFERENCE[MAMBA])
+
+
+def _read_short_conv(r, why: str, hidden: int, model_type: str) -> LinearFacts:
+    """LFM2 / LFM3: a depthwise conv of width conv_L_cache over the hidden_size channels (B * x), nothing else kept
+    across steps: no heads, no recurrent state (0 in LinearFacts)."""
+    kernel = r.positive_int("conv_L_cache", required=False, maximum=64)
+    if kernel is None:
+        cls, value = _SHORT_CONV_KERNEL_DEFAULTS[model_type]
+        kernel = _Hit(value, f"default: transformers {cls}.conv_L_cache")
+    if kernel.value < 2:
+        raise InputError(r.where, f"must be at least 2 (a conv of width {kernel.value} keeps no previous input)",
+                         field=kernel.source)
+    src = f"{why}: {kernel.source}, hidden_size = {hidden} conv channels (depthwise, no recurrent state)"
+    return LinearFacts(SHORT_CONV, 0, 0, 0, 0, kernel.value, hidden, src, REFERENCE[SHORT_CONV])
+
+
+def short_conv_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, ...], str] | None:
+    """An LFM2 config without ``layer_types``: ``full_attn_idxs`` lists the attention layers, the others are conv
+    (Lfm2Config.__post_init__; absent, every layer attends). None for other model types or without the field; LFM2-MoE
+    and LFM3 without ``layer_types`` are refused (bad input, the field named)."""
+    if model_type not in _SHORT_CONV_KERNEL_DEFAULTS:
+        return None
+    if model_type != "lfm2":
+        # Lfm2MoeConfig has no default (its decoder layers index config.layer_types: transformers cannot build the
+        # model without it); Lfm3Config derives a pattern with sliding layers kvcache does not rebuild here
+        raise InputError(r.where, f"missing: model_type {model_type} names its conv and attention layers in "
+                                  "layer_types (transformers' decoder layers read config.layer_types)",
+                         field="layer_types")
+    hit = r.get("full_attn_idxs")
+    if hit is None or hit[0] is None:
+        return None
+    listed, src = hit
+    if not isinstance(listed, list):
+        raise InputError(r.where, "must be a list of layer indices", field=src)
+    for i, n in enumerate(listed):
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < num_layers:
+            raise InputError(r.where, f"must be a layer index in 0..{num_layers - 1}, got {n!r}", field=f"{src}[{i}]")
+    return tuple("full" if i in listed else "linear" for i in range(num_layers)), f"{src} (the others short conv)"
 
 
 @dataclass(frozen=True)
@@ -336,8 +412,8 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
                                       f"{offset!r}", field=offset_hit[1] if offset_hit else "attn_layer_offset")
         kinds = tuple("full" if i % period.value == offset else "linear" for i in range(num_layers))
         return kinds, f"{period.source}={period.value}, {offset_hit[1]}={offset} (attention where i % period == offset)"
-    if model_type == "mamba2":  # Mamba2ForCausalLM: a stack of Mamba-2 mixers, no attention
-        return ("linear",) * num_layers, "model_type mamba2 (every layer a Mamba-2 mixer)"
+    if model_type in _PURE_STACKS:  # Mamba2ForCausalLM, MambaForCausalLM ...: a stack of mixers, no attention
+        return ("linear",) * num_layers, f"model_type {model_type} (every layer a Mamba mixer, no attention)"
     if model_type in PARALLEL_HYBRIDS:
         return (PARALLEL,) * num_layers, f"model_type {model_type} (attention and a Mamba-2 mixer side by side in " \
                                          "every decoder layer)"
@@ -355,6 +431,34 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
     return None
 
 
+# Nemotron-H's hybrid_override_pattern characters (NemotronHConfig._pattern_to_list)
+_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+# NemotronHConfig.__post_init__: neither layers_block_type nor hybrid_override_pattern given
+_NEMOTRON_DEFAULT_BLOCKS = ("linear_attention", "moe", "full_attention", "mlp")
+
+
+def block_types(r, model_type: str) -> tuple[list[str], str] | None:
+    """Nemotron-H's decoder blocks, one type each (the layer count is their number: NemotronHConfig.num_hidden_layers
+    is derived from the list, a config's own num_hidden_layers ignored): ``layers_block_type``, else the legacy
+    ``hybrid_override_pattern`` string (M Mamba-2, * attention, - MLP, E MoE), else the class default. None for
+    other model types."""
+    if model_type != "nemotron_h":
+        return None
+    hit = r.get("layers_block_type", "hybrid_override_pattern")
+    if hit is None:
+        return list(_NEMOTRON_DEFAULT_BLOCKS), "default: transformers NemotronHConfig.layers_block_type"
+    value, src = hit
+    if isinstance(value, str) and value:
+        for i, ch in enumerate(value):
+            if ch not in _NEMOTRON_PATTERN:
+                raise InputError(r.where, f"unknown block {ch!r} (M Mamba-2, * attention, - MLP, E MoE)",
+                                 field=f"{src}[{i}]")
+        return [_NEMOTRON_PATTERN[ch] for ch in value], f"{src} (M Mamba-2, * attention, - MLP, E MoE)"
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return list(value), src
+    raise InputError(r.where, "must be a non-empty list of block types or a pattern string", field=src)
+
+
 MIXER_FACT = "mixer_"  # the prefix of mixer_facts' names
 
 
@@ -365,7 +469,7 @@ def mixer_facts(module) -> dict[str, int | None]:
     conv = getattr(module, "conv1d", None)
     state = getattr(module, "ssm_state_size", None)
     if conv is None or not isinstance(state, int) or not hasattr(module, "A_log"):
-        return {}
+        return short_conv_facts(module)
     facts = {"mixer_state": state, "mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels":
              int(conv.in_channels)}
     if isinstance(getattr(module, "num_heads", None), int):  # Mamba-2: heads x head_dim, B/C groups
@@ -375,9 +479,22 @@ def mixer_facts(module) -> dict[str, int | None]:
     return facts
 
 
+def short_conv_facts(module) -> dict[str, int | None]:
+    """An LFM2-family short-conv layer's conv sizes (its depthwise ``conv`` beside ``in_proj`` / ``out_proj``), read off
+    the module built on the meta device; empty for any other module."""
+    conv = getattr(module, "conv", None)
+    if conv is None or not hasattr(module, "in_proj") or not hasattr(module, "out_proj") \
+            or getattr(conv, "groups", None) != getattr(conv, "in_channels", 0):
+        return {}
+    return {"mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels": int(conv.in_channels),
+            "mixer_short_conv": 1}
+
+
 def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
     """Where the planned Mamba state differs from the transformers mixer's sizes (None: they agree, or the module
     is not a Mamba mixer, or the plan is another family's)."""
+    if lin.family == SHORT_CONV or facts.get("mixer_short_conv"):
+        return _short_conv_off(lin, facts)
     if not facts.get("mixer_state") or lin.family not in (MAMBA2, MAMBA):
         return None
     planned = {"mixer_heads": lin.num_v_heads, "mixer_head_dim": lin.head_v_dim, "mixer_state": lin.head_k_dim,
@@ -387,10 +504,29 @@ def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
     return ", ".join(off) or None
 
 
+def _short_conv_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
+    """A short-conv plan against a transformers module: its conv's kernel and channels (None: they agree, or the
+    module is no mixer); a short-conv module under another family's plan, or a Mamba mixer under a short-conv plan,
+    is named."""
+    if not facts:
+        return None
+    if lin.family != SHORT_CONV or not facts.get("mixer_short_conv"):
+        return f"family {lin.family} vs transformers' {'short conv' if facts.get('mixer_short_conv') else 'Mamba mixer'}"
+    planned = {"mixer_conv_kernel": lin.conv_kernel, "mixer_conv_channels": lin.conv_channels}
+    off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+    return ", ".join(off) or None
+
+
 def sublayer_kinds(config_kind: str, sublayers: int) -> tuple[str, ...]:
     """The layer kind of each sublayer of a decoder layer: a parallel layer's attention, then its Mamba state; any
     other kind repeated (LongCat-Flash's two attention sublayers)."""
     return ("full", "linear") if config_kind == PARALLEL else (config_kind,) * sublayers
+
+
+def attends(config_kind: str) -> bool:
+    """A decoder layer of this config kind has an attention (and so a KV cache): neither a pure state layer nor a
+    layer without any cache."""
+    return config_kind not in ("linear", NO_CACHE)
 
 
 def holds_state(config_kind: str) -> bool:

@@ -16,8 +16,10 @@ from model_infer_kvcache.analyzer import kinds
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kinds import INDEXER_KEY_CACHE  # noqa: F401  (the manifest's entry name, re-exported)
+from model_infer_kvcache.analyzer.kinds.invariants import RECURRENT_SIZES
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     ATTENTION_ATTN_TYPES,
+    GROUP_ATTN_TYPES,
     PLANNED_ATTN_TYPES,
     STATE_ATTN_TYPES,
     holds_state,
@@ -239,6 +241,10 @@ class StateSpec(_Model):
         return math.prod(self.shape)
 
 
+# LinearAttentionDecision's recurrent-state sizes: all set, or all absent (a conv-only family; kinds/invariants.py
+# checks it)
+
+
 class LinearAttentionDecision(_Model):
     """Hybrid models' linear-attention layers (Qwen3-Next / Qwen3.5 gated delta net, Kimi-Linear / Ling-3.0 KDA,
     Ling-2.5 lightning attention): a fixed-size recurrent state per request instead of a KV cache.
@@ -250,12 +256,15 @@ class LinearAttentionDecision(_Model):
 
     family: Literal[LINEAR_FAMILIES]
     layers: list[int] = Field(description="decoder layers that are linear (hold states, no KV cache)")
-    num_k_heads: int = Field(ge=1, description="query/key heads (all ranks)")
-    num_v_heads: int = Field(ge=1, description="value heads = state heads (all ranks)")
-    head_k_dim: int = Field(ge=1)
-    head_v_dim: int = Field(ge=1)
-    num_k_heads_per_rank: int = Field(ge=1)
-    num_v_heads_per_rank: int = Field(ge=1)
+    # None (left out of the JSON): a conv-only family (short_conv), whose layers keep no recurrent state
+    num_k_heads: int | None = Field(default=None, ge=1, description="query/key heads (all ranks); absent: no "
+                                                                      "recurrent state (a conv-only family)")
+    num_v_heads: int | None = Field(default=None, ge=1, description="value heads = state heads (all ranks); absent: "
+                                                                      "no recurrent state")
+    head_k_dim: int | None = Field(default=None, ge=1)
+    head_v_dim: int | None = Field(default=None, ge=1)
+    num_k_heads_per_rank: int | None = Field(default=None, ge=1)
+    num_v_heads_per_rank: int | None = Field(default=None, ge=1)
     conv_kernel: int | None = Field(description="short causal conv width; None: the family has none")
     conv_channels_per_rank: int = Field(ge=0, description="channels of the fused q|k|v conv on one rank")
     states: list[StateSpec] = Field(description="the state entries of every linear layer (one rank)")
@@ -274,11 +283,37 @@ class LinearAttentionDecision(_Model):
         data = handler(self)
         if isinstance(data, dict) and data.get("speculative", "") is None and data.get("state_blocks_per_request") == 1:
             del data["state_blocks_per_request"]
-        return _without_unset(data, "speculative")
+        return _without_unset(data, "speculative", *RECURRENT_SIZES)
     reference: str | None = Field(description="what the validation compares against: transformers' own classes, "
                                               "or for a family transformers lacks (Ling-2.5 lightning) kvcache's "
                                               "reference built from transformers' code; None: none named (a "
                                               "manifest of an older kvcache)")
+    source: str
+    reason: str
+
+
+class CrossAttentionDecision(_Model):
+    """The decoder of an encoder-decoder model (BART family, Whisper, TrOCR): each decoder layer also attends over
+    the request's encoder states. Their K/V are computed once at the request's prefill and read by every decode
+    step with no causal mask, so they are kept in one slot per request (analyzer/kinds/cross.py), sized by the
+    longest encoder output; the framework registers them as MambaCacheEntry under manager_key CrossAttention."""
+
+    layers: list[int] = Field(description="decoder layers with a cross-attention module (beside their self-attention)")
+    module_attr: str = Field(description="transformers' attribute of the decoder layer's cross-attention module")
+    max_encoder_len: int = Field(ge=1, description="the longest encoder output a request may bring")
+    max_encoder_len_source: str
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    num_kv_heads_per_rank: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    slot_block_size: int = Field(ge=1, description="tokens of one FA block of a slot (the paged read's block_size)")
+    slot_tokens: int = Field(ge=1, description="encoder positions one slot holds: max_encoder_len rounded up to "
+                                               "whole blocks")
+    states: list[StateSpec] = Field(description="the slot entries of every cross-attention layer (one rank)")
+    slot_bytes_per_layer: int
+    slot_bytes: int = Field(description="one request's slot, every layer, one rank")
+    framework_entry: str
+    fa: str = Field(description="how the slot is written and read (FA arguments)")
     source: str
     reason: str
 
@@ -292,7 +327,8 @@ class CacheDtypeDecision(_Model):
 
 
 class DsaDecision(_Model):
-    """DeepSeek sparse attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-5 ``glm_moe_dsa``): per query, a lightning
+    """DeepSeek sparse attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-5 ``glm_moe_dsa``, A.X-K2 ``axk2``; the
+    families' indexer facts: ``config_loader.INDEXER_FAMILIES``): per query, a lightning
     indexer scores every cached key of the request and attention reads only the top ``index_topk``.
 
     Its own cache kind: the indexer key cache, one single-head row of ``index_head_dim`` per token, in the same
@@ -309,6 +345,10 @@ class DsaDecision(_Model):
     indexer_layers: list[int] = Field(description="decoder layers that run their own indexer (and cache its keys)")
     shared_layers: list[int] = Field(default_factory=list,
                                      description="decoder layers reusing the previous indexer layer's selection")
+    dense_layers: list[int] = Field(default_factory=list,
+                                    description="decoder layers whose layer_types entry is not 'indexed_attention' "
+                                                "(dense attention beside the indexed layers): no indexer, no "
+                                                "indexer key cache, no selection")
     index_rope: Literal["half", "interleave"] = Field(
         description="RoPE layout on the first qk_rope_head_dim dims of the indexer's queries and keys: half-split "
                     "(DeepSeek-V3.2) or interleaved pairs (GLM-5)")
@@ -476,6 +516,16 @@ class StateLayerPlan(_LayerBase):
         return []
 
 
+class NoCacheLayer(_Model):
+    """A decoder block that holds no cache at all (Nemotron-H's MLP-only and MoE-only blocks): no KV cache, no state,
+    no entry in ``layers`` (the framework refuses a layer without cache entries, so get_cache_info leaves it out and
+    the cache layers' ``index`` skips it while their ``decoder_layer`` keeps the block index)."""
+
+    decoder_layer: int = Field(ge=0, description="the block's index in the model's layer list")
+    block: str = Field(description="what the config calls the block (layers_block_type)")
+    reason: str
+
+
 # One layer of the plan, tagged by its attn_type: a state layer carries no FA fields (schema 2.0).
 LayerPlan = Annotated[AttentionLayerPlan | StateLayerPlan, Field(discriminator="attn_type")]
 
@@ -491,7 +541,7 @@ class ParallelPlan(_Model):
 
 class GroupMemory(_Model):
     group_key: str
-    attn_type: AttnType
+    attn_type: Literal[GROUP_ATTN_TYPES]
     num_layers: int
     per_token_bytes: int = Field(description="growing groups: bytes per token; a Mamba group: 0 (see state_bytes)")
     fixed_blocks: bool
@@ -581,7 +631,8 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed")
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
+                      "no_cache_layers", "cross_attention")
 
 
 class SelectionManifest(_Model):
@@ -602,6 +653,9 @@ class SelectionManifest(_Model):
         default=None, description="Legacy only: whether the render calls FA or keeps the model's own attention")
     mixed_attn_types: bool
     layers: list[LayerPlan]
+    no_cache_layers: list[NoCacheLayer] | None = Field(
+        default=None, description="decoder blocks without any cache (MLP-only / MoE-only blocks), left out of "
+                                  "layers; absent: every block holds a cache")
     parallel: ParallelPlan
     block_size: int
     memory: MemoryPlan
@@ -619,6 +673,9 @@ class SelectionManifest(_Model):
     compressed: CompressedAttentionDecision | None = Field(
         default=None, description="DeepSeek-V4 compressed attention (CSA / HCA branches beside every layer's window "
                                   "branch); absent: none")
+    cross_attention: CrossAttentionDecision | None = Field(
+        default=None, description="the decoder of an encoder-decoder model: a slot per request for the K/V of its "
+                                  "encoder states, beside the self-attention's paged cache; absent: decoder-only")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")
@@ -661,6 +718,8 @@ class SelectionManifest(_Model):
         plans its attention as sublayer 0 beside its state."""
         if self.parallel_hybrid():
             return next(layer for layer in self.layers if layer.decoder_layer == layer_idx and not layer.is_state)
+        if self.no_cache_layers:  # the cache layers skip the blocks without a cache: found by block index
+            return next(layer for layer in self.layers if layer.decoder_layer == layer_idx)
         return self.layers[layer_idx]
 
     def attention_chunk_size(self) -> int | None:
@@ -710,11 +769,18 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
     kv_per_rank, why = kinds.kv_heads_per_rank(m, tp)
     if p.num_kv_heads_per_rank != kv_per_rank:
         out.append(("parallel.num_kv_heads_per_rank", f"{p.num_kv_heads_per_rank} is not {kv_per_rank} ({why})"))
-    want_layers = model.num_layers * model.sublayers_per_layer
-    with_mtp = (model.num_layers + model.num_mtp_layers) * model.sublayers_per_layer
+    uncached = m.no_cache_layers or []
+    want_layers = model.num_layers * model.sublayers_per_layer - len(uncached)
+    with_mtp = want_layers + model.num_mtp_layers * model.sublayers_per_layer
     if len(m.layers) not in (want_layers, with_mtp):
         out.append(("layers", f"{len(m.layers)} entries for {model.num_layers} decoder layers x "
-                              f"{model.sublayers_per_layer} sublayer(s) = {want_layers}"))
+                              f"{model.sublayers_per_layer} sublayer(s) - {len(uncached)} block(s) without a cache "
+                              f"= {want_layers}"))
+    cached_blocks = {layer.decoder_layer for layer in m.layers}
+    for j, block in enumerate(uncached):
+        if block.decoder_layer in cached_blocks or block.decoder_layer >= model.num_layers:
+            out.append((f"no_cache_layers[{j}].decoder_layer", f"{block.decoder_layer} is a cache layer's block or "
+                                                               f"past the model's {model.num_layers} blocks"))
     for i, layer in enumerate(m.layers):
         where = f"layers[{i}]"
         if layer.index != i:

@@ -23,6 +23,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     LIGHTNING,
     MAMBA,
     MAMBA2,
+    SHORT_CONV,
     holds_state,
 )
 from model_infer_kvcache.analyzer.manifest import (
@@ -54,7 +55,9 @@ SPEC_ANCHOR = "state_anchor"  # the speculative state slots' anchor entry (one i
 FAMILY_SCALE_RULE = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "gpt_oss", "llama4", "glm4", "glm4_moe",
                      "phi3", "phimoe", "falcon", "deepseek_v2", "deepseek_v3", "longcat_flash",
-                     "deepseek_v4"), "head_dim"),
+                     "deepseek_v4",
+                     # NemotronHAttention.scaling = head_dim**-0.5 (no RoPE: the block attends position-free)
+                     "nemotron_h"), "head_dim"),
     "gemma2": "query_pre_attn_scalar",
     "gemma3": "query_pre_attn_scalar",
     "granite": "attention_multiplier",
@@ -65,7 +68,8 @@ FAMILY_SCALE_RULE = {
     "gemma3n": "unit",
     # OPT: the module scales its queries itself (q_proj(x) * self.scaling) and calls attention with scaling=1.0,
     # so the attention call over its queries scales by 1
-    "opt": "prescaled",
+    # Whisper: the same in self- and cross-attention (WhisperAttention: q_proj(x) * self.scaling, scaling=1.0)
+    **dict.fromkeys(("opt", "whisper"), "prescaled"),
 }
 
 
@@ -109,14 +113,6 @@ def find_blockers(facts: ModelFacts, block_size: int = DEFAULT_BLOCK_SIZE) -> li
         out.append(Finding(
             message="chunked and sliding-window layers in one model: both are kept by the framework's SlidingWindow "
                     "manager, which holds one window",
-            fields=[facts.layer_kinds.source],
-        ))
-    if kinds and set(kinds) == {"linear"} and facts.linear.value is not None:
-        # analyze plans every state; the templates compose the state partial with an attention partial only
-        out.append(Finding(
-            message=f"every one of the {len(kinds)} layers keeps a recurrent state ({facts.linear.value.family}, no "
-                    "attention layer: a pure state stack): not supported by kvcache, whose templates render states "
-                    "beside attention layers only; the manifest's linear_attention section is the design",
             fields=[facts.layer_kinds.source],
         ))
     if "linear" in kinds and facts.linear.value is None:
@@ -212,7 +208,7 @@ def planned_layer_kind(kind: str, window: int | None, max_positions: int | None)
 def unknown_family(facts: ModelFacts, transformers_ships: bool | None) -> Finding | None:
     """A warning when the family's attention code was never read: the config alone cannot rule out
     position biases (ALiBi lives in modeling code, e.g. Baichuan2-13B) or other attention variants."""
-    if facts.family in FAMILY_SCALE_RULE:
+    if facts.family in FAMILY_SCALE_RULE or not facts.attends:  # a pure state stack has no attention to read
         return None
     unverified = ["a custom softmax scale", "extra attention terms (soft-capping, sinks, biases)"]
     if facts.alibi.is_default:
@@ -309,6 +305,8 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
     rule = FAMILY_SCALE_RULE.get(facts.family)
     qpas = facts.query_pre_attn_scalar.value
     multiplier = facts.attention_multiplier
+    if not facts.attends:
+        return 1.0, "1 (no layer attends: a pure state stack has no softmax; not used)"
     if rule == "unit":
         base, base_txt = 1.0, f"1 (model family {facts.family}: q/k RMS-normalised per head, scores not scaled)"
     elif rule == "prescaled":
@@ -372,7 +370,11 @@ def tp_problems(facts: ModelFacts, tp: int) -> list[str]:
         out.append(f"{heads} query heads are not divisible by attn_tp_size {tp}")
     out += format_of(facts).kv_tp_problems(facts, tp)
     lin = facts.linear.value
-    if lin:
+    if lin and lin.family == SHORT_CONV:
+        # a depthwise conv: each rank convolves its share of the hidden channels (as in_proj's columns split)
+        if lin.conv_channels % tp:
+            out.append(f"{lin.conv_channels} short-conv channels (hidden_size) are not divisible by attn_tp_size {tp}")
+    elif lin:
         # Linear layers split their heads (and so their state) by attention TP like any head; Mamba's B/C groups
         # may be replicated instead (LinearFacts.k_heads_per_rank).
         if not lin.k_heads_split_by(tp):
@@ -415,6 +417,16 @@ LINEAR_OPERATORS = {
             "decode": "torch selective-scan recurrence, one token per step (selective_state_update's arithmetic)",
             "conv": "causal conv1d over [conv state | new inner-channel inputs]; the state keeps the last kernel-1 "
                     "inputs"},
+    # LFM2's layer has no recurrence: the conv is all it keeps. torch_npu 2.14.0's npu_fused_causal_conv1d takes a
+    # width-3 conv without bias or activation over [.., K-1, dim] states (dim % 128 == 0, Ascend 950 only, bias and
+    # activation "not yet supported"): LFM2's conv_L_cache 3 fits it, LFM3's 7 does not, so the render convolves in
+    # torch for every width
+    SHORT_CONV: {"prefill": "none: no recurrence (in_proj, B*x, the conv, C*, out_proj; the conv state is the only "
+                            "state)",
+                 "decode": "none: no recurrence",
+                 "conv": "depthwise causal conv1d of width conv_L_cache, no activation, over [conv state | new B*x "
+                         "inputs] in torch; the state keeps the last kernel-1 inputs (torch_npu 2.14.0 "
+                         "npu_fused_causal_conv1d takes width 3 only, on Ascend 950, states [K-1, dim])"},
 }
 
 
@@ -435,9 +447,11 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
     nv = lin.num_v_heads // tp
     out = []
     if lin.conv_kernel:
-        channels = {MAMBA2: "x|B|C", MAMBA: "inner"}.get(lin.family, "q|k|v")
+        channels = {MAMBA2: "x|B|C", MAMBA: "inner", SHORT_CONV: "hidden (B*x)"}.get(lin.family, "q|k|v")
         out.append(StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],
                              dtype=dtype, layout=f"[{channels} conv channels of this rank, kernel - 1 previous inputs]"))
+    if lin.family == SHORT_CONV:  # the conv state is all the layer keeps
+        return out
     if lin.family == GATED_DELTA_NET:
         out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_v_dim, lin.head_k_dim], dtype="bfloat16",
                              layout="[value heads, Dv, Dk] (npu_recurrent_gated_delta_rule's state, transposed from "
@@ -494,15 +508,15 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
     states = linear_states(facts, tp, dtype, next_n)
     layers = [i for i, kind in enumerate(facts.layer_kinds.value) if holds_state(kind)]
     conv = (f"conv state [{lin.conv_channels_per_rank(tp)}, {lin.conv_kernel - 1}] and " if lin.conv_kernel else "")
+    recurrent = lin.family != SHORT_CONV  # a short-conv layer keeps its conv state only
+    kept = f"{conv}a recurrent state" if recurrent else conv[:-len(" and ")] + " (no recurrent state)"
+    sizes = dict(num_k_heads=lin.num_k_heads, num_v_heads=lin.num_v_heads, head_k_dim=lin.head_k_dim,
+                 head_v_dim=lin.head_v_dim, num_k_heads_per_rank=lin.k_heads_per_rank(tp),
+                 num_v_heads_per_rank=lin.num_v_heads // tp) if recurrent else {}
     return LinearAttentionDecision(
         family=lin.family,
         layers=layers,
-        num_k_heads=lin.num_k_heads,
-        num_v_heads=lin.num_v_heads,
-        head_k_dim=lin.head_k_dim,
-        head_v_dim=lin.head_v_dim,
-        num_k_heads_per_rank=lin.k_heads_per_rank(tp),
-        num_v_heads_per_rank=lin.num_v_heads // tp,
+        **sizes,
         conv_kernel=lin.conv_kernel,
         conv_channels_per_rank=lin.conv_channels_per_rank(tp),
         states=states,
@@ -515,7 +529,7 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         speculative=decide_speculative_states(next_n, bool(lin.conv_kernel)),
         reference=lin.reference,
         source=lin.source,
-        reason=f"{len(layers)} linear layers keep {conv}a recurrent state per request instead of a KV cache: the "
+        reason=f"{len(layers)} linear layers keep {kept} per request instead of a KV cache: the "
                "state is found by the request's state block (block_table['Mamba'][row, 0]), read at the step's "
                "start and written back after it; the framework never zeroes a block (torch.empty, reused FIFO after "
                "its request finishes), so prefill starts from a zero state and never reads the block",

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -70,6 +71,13 @@ def _analyze(path: Path) -> tuple[str, str, str]:
             warnings.simplefilter("ignore")
             m = analyze(AnalyzeRequest(config=str(path), dispatch="部署模式：框架部署"))
     except InputError as exc:
+        if exc.field == "is_decoder" and not json.loads(path.read_text(encoding="utf-8")).get("is_decoder"):
+            # a BERT-era class whose defaults build an encoder: its causal LM is the same config with is_decoder true
+            # (what transformers' own warning asks for); the sweep plans that, and the plan cell says so
+            data = json.loads(path.read_text(encoding="utf-8")) | {"is_decoder": True}
+            path.write_text(json.dumps(data, default=str), encoding="utf-8")
+            verdict, detail, plan = _analyze(path)
+            return verdict, f"{detail} (is_decoder: true)", f"{plan} (is_decoder: true)" if plan else ""
         why = exc.render().split(": ", 1)[-1].replace(
             "architecture cross-check against transformers' own attention modules (meta device) failed", "cross-check")
         return "refused", why[:240], ""
@@ -93,17 +101,20 @@ def _run(path: Path, mode: str, out: Path) -> tuple[str, str, float]:
 MODES = ("框架部署", "独立部署")
 
 
-def _table(analyzed: dict, runs: dict, wall: float, jobs: int) -> str:
-    """The run table: one row per family that was run, the modes side by side; the failures listed first."""
+def _table(analyzed: dict, runs: dict, wall: float, jobs: int, pending: int = 0) -> str:
+    """The run table: one row per family whose two modes have run, side by side; the failures listed first.
+    ``pending``: runs not finished yet (the table is rewritten as runs finish, so a sweep cut short keeps its rows)."""
     import transformers
 
-    rows = sorted({k.split("/")[0] for k in runs}, key=lambda t: (all(runs[f"{t}/{m}"][0] == "PASSED" for m in MODES), t))
+    rows = sorted({k.split("/")[0] for k in runs if all(f"{k.split('/')[0]}/{m}" in runs for m in MODES)},
+                  key=lambda t: (all(runs[f"{t}/{m}"][0] == "PASSED" for m in MODES), t))
     counts = Counter(v for v, _, _ in runs.values())
     lines = [f"# `kvcache run` over every planned family (transformers {transformers.__version__})", "",
              f"Written by `benchmarks/sweep_families.py --run all-planned --jobs {jobs} --table ...`: each family's config "
              "class at its defaults, `kvcache run` in framework mode (框架部署) and standalone mode (独立部署). "
              f"{len(rows)} families, {len(runs)} runs: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
-             + f"; wall {wall / 60:.1f} min with {jobs} run(s) at a time.", "",
+             + f"; wall {wall / 60:.1f} min with {jobs} run(s) at a time"
+             + (f"; {pending} run(s) not finished when this was written." if pending else "."), "",
              "| family | plan | framework | s | standalone | s |", "|---|---|---|---:|---|---:|"]
     for t in rows:
         cells = []
@@ -112,6 +123,18 @@ def _table(analyzed: dict, runs: dict, wall: float, jobs: int) -> str:
             cells += [verdict if verdict == "PASSED" else f"{verdict}: {detail}".replace("|", "/"), f"{seconds:.1f}"]
         lines.append(f"| {t} | {analyzed[t][2] or analyzed[t][1]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+_TABLE_LOCK = threading.Lock()
+
+
+def _write_table(path: Path, text: str) -> None:
+    """Atomically (a killed sweep leaves the last table whole), one writer at a time."""
+    with _TABLE_LOCK:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,13 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         keys = [(t, mode) for t in wanted if t in configs for mode in MODES]
         start = time.perf_counter()
 
+        finished: dict[str, tuple[str, str, float]] = {}
+
         def one(key: tuple[str, str]) -> tuple[str, str, float]:
             r = _run(configs[key[0]], key[1], folder / f"out-{key[0]}-{key[1]}")
             print(f"run     {key[0]}/{key[1]} {r[0]} {r[2]:.1f}s {r[1]}", file=sys.stderr, flush=True)  # progress
+            finished[f"{key[0]}/{key[1]}"] = r
+            if args.table:
+                _write_table(args.table, _table(analyzed, dict(finished), time.perf_counter() - start, args.jobs,
+                                                len(keys) - len(finished)))
             return r
 
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # threads: each run is its own process
-            runs = {f"{t}/{mode}": r for (t, mode), r in zip(keys, pool.map(one, keys))}
+            runs = {f"{t}/{mode}": r for (t, mode), r in zip(keys, pool.map(one, keys), strict=True)}
         wall = time.perf_counter() - start
     result = {"analyze": {t: {"verdict": v, "detail": d, "plan": plan} for t, (v, d, plan) in analyzed.items()},
               "analyze_counts": dict(Counter(v for v, _, _ in analyzed.values())),
@@ -153,10 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run     {k:28s} {v:8s} {s:6.1f}s {d}")
         print(f"analyze: {result['analyze_counts']}; run: {result['run_counts']} in {wall / 60:.1f} min")
     if args.table and runs:
-        args.table.parent.mkdir(parents=True, exist_ok=True)
-        tmp_table = args.table.with_suffix(".tmp")
-        tmp_table.write_text(_table(analyzed, runs, wall, args.jobs), encoding="utf-8")
-        os.replace(tmp_table, args.table)  # atomic: a killed sweep leaves the last table whole
+        _write_table(args.table, _table(analyzed, runs, wall, args.jobs))
     crashed = ([t for t, (v, _, _) in analyzed.items() if v == "crash"]
                + [k for k, (v, _, _) in runs.items() if v == "crash"])
     return 1 if crashed else 0

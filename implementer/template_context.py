@@ -33,6 +33,7 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE
 from model_infer_kvcache.implementer.kinds.common import bad as _bad
+from model_infer_kvcache.implementer.kinds.cross import CrossCtx
 from model_infer_kvcache.implementer.kinds.recurrent import LinearCtx
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
@@ -131,8 +132,14 @@ class RenderContext:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_rope: str = ""
+    # False: a pure state stack (every layer a Mamba mixer): the state partial alone, no attention mixin or KV cache
+    attends: bool = True
+    # decoder blocks without any cache (Nemotron-H's MLP / MoE blocks): get_cache_info registers nothing for them
+    no_cache_blocks: tuple[int, ...] = ()
     # Hybrid models (manifest.linear_attention): the gated-delta-net state mixin; None without linear layers.
     linear: LinearCtx | None = None
+    # Encoder-decoder models (manifest.cross_attention): the cross-attention slots; None for a decoder-only model.
+    cross: CrossCtx | None = None
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
     legacy_kernel: str = ""
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")
@@ -250,11 +257,8 @@ def _check_layers(m: SelectionManifest) -> None:
     check_unrendered(m)
     kinds[0].check_layers(m)
     attention = [layer for layer in m.layers if not layer.is_state and layer.kv_source_layer is None]
-    if not attention:
-        raise _bad("layers", "not supported by kvcache: rendering a model without attention layers (every layer "
-                             "keeps a recurrent state, as a pure Mamba stack); the templates compose the state partial "
-                             "with an attention one: the manifest's linear_attention section is the design to "
-                             "implement by hand")
+    if not attention:  # a pure state stack (Mamba, Mamba2): the state partial alone
+        return
     first = attention[0]
     for layer in attention[1:]:
         if layer.caches != first.caches:
@@ -296,10 +300,13 @@ def _check_numbers(m: SelectionManifest) -> None:
               "parallel.num_kv_heads_per_rank": m.parallel.num_kv_heads_per_rank,
               "parallel.attn_tp_size": m.parallel.attn_tp_size, "model.head_dim": m.model.head_dim,
               "model.sublayers_per_layer": m.model.sublayers_per_layer}
+    if not m.attention_layers:  # a pure state stack: no attention heads to count
+        counts = {k: v for k, v in counts.items() if k in ("parallel.attn_tp_size", "model.sublayers_per_layer")}
     for field, value in counts.items():
         if value <= 0:
             raise _bad(field, f"{value} must be > 0")
-    kind.check(m)
+    if m.attention_layers:
+        kind.check(m)
     if not _MODEL_TYPE.fullmatch(m.model.model_type):
         raise _bad("model.model_type", f"{m.model.model_type!r} is not a plain model type ([A-Za-z0-9_.-])")
 
@@ -351,7 +358,8 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     chunked_plan = next(iter(chunked.values()), None)
     if not kinds:  # every attention layer chunked: the shared paged call takes their plan
         kinds = dict(chunked)
-    first = next((layer for layer in attention if layer.caches), attention[0])
+    # None: a pure state stack, no KV cache entry; a KV-shared layer holds none, so the first one that caches
+    first = next((layer for layer in attention if layer.caches), attention[0]) if attention else None
     generation = api_override or m.framework_api or DEFAULT_API
     # G3 frameworks take G2 renders: an override naming the manifest's render contract is no contradiction.
     if api_override and m.framework_api and render_api(api_override) != render_api(m.framework_api):
@@ -381,8 +389,10 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         kinds=tuple(sorted(kinds.values(), key=lambda k: k.attn_type)),
         sliding_layers=tuple(layer.index for layer in m.layers if layer.is_sliding),
         caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head), *attention_kind(m).CACHE_CONSTANTS[c.name])
-                     for c in first.caches),
-        cache_dtype=TORCH_DTYPE[first.caches[0].dtype],
+                     for c in first.caches) if first else (),
+        cache_dtype=TORCH_DTYPE[first.caches[0].dtype] if first else "None",
+        attends=first is not None,
+        no_cache_blocks=tuple(b.decoder_layer for b in m.no_cache_layers or ()),
         num_layers=len(m.layers),
         sublayers=int(m.model.sublayers_per_layer),
         mtp_layers=int(m.model.num_mtp_layers),

@@ -125,11 +125,17 @@ def test_mla_mtp_softcap_alibi_sinks():
     assert norm(model_type="longcat_flash", num_hidden_layers=None, num_layers=3).sublayers_per_layer.value == 2
 
 
+def test_head_dim_without_field_is_transformers_floor():
+    # Glm4MoeConfig() has no head_dim and 4096 / 96 heads: transformers' attention builds heads of 4096 // 96 = 42
+    f = norm(hidden_size=250)  # 8 heads
+    assert f.head_dim.value == 31 and "floor" in f.head_dim.source and "250 // 8" in f.head_dim.source
+    assert norm(hidden_size=256).head_dim.source == "default: hidden_size / num_attention_heads"
+
+
 @pytest.mark.parametrize("cfg, field", [
     ({"num_hidden_layers": None}, "num_hidden_layers"),
     ({"num_attention_heads": "8"}, "num_attention_heads"),
     ({"num_attention_heads": True}, "num_attention_heads"),
-    ({"hidden_size": 250}, "head_dim"),  # 250 / 8 is no integer and no head_dim given
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"layer_types": ["full_attention"] * 3}, "layer_types"),
     ({"layer_types": ["full_attention", "odd", "full_attention", "full_attention"]}, "layer_types[1]"),

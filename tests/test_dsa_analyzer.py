@@ -170,3 +170,97 @@ def test_an_indexer_of_an_unknown_family_is_not_guessed(tmp_path):
         analyze(AnalyzeRequest(config=str(_config("deepseek_v3", tmp_path, index_topk=2048, index_n_heads=64,
                                                   index_head_dim=128))))
     assert "model_type" in info.value.render() and "deepseek_v32" in info.value.render()
+
+
+# A.X-K2 at MLA's FA rope dim (its class default, rope 32, is held to MLA's FA dims: blocked); its latent 128 is kept
+AXK2_ROPE_64 = {"qk_rope_head_dim": 64}
+
+
+def test_axk2_plans_the_deepseek_v32_indexer(tmp_path):
+    """A.X-K2's AXK2Indexer is DeepSeek-V3.2's unchanged (half-split RoPE on the first qk_rope_head_dim dims)."""
+    cfg = transformers.AutoConfig.for_model("axk2")
+    m = analyze(AnalyzeRequest(config=str(_config("axk2", tmp_path, **AXK2_ROPE_64))))
+    assert m.kv_mode.value == "paged" and not m.blockers and m.dsa.index_rope == "half"
+    assert (m.dsa.index_topk, m.dsa.index_n_heads, m.dsa.index_head_dim) == (2048, 16, 128)
+    assert m.dsa.indexer_layers == list(range(cfg.num_hidden_layers)) and not m.dsa.dense_layers
+    assert "axk2/modeling_axk2.py:AXK2Indexer.forward" in m.dsa.key_transform
+    # the class defaults: MLA's dims rule, said to be the sparse-FA path's known dims (not an FA call)
+    m = analyze(AnalyzeRequest(config=str(_config("axk2", tmp_path))))
+    assert [f.fields for f in m.blockers] == [["qk_rope_head_dim"]]
+    assert all("sparse-FA path is known at MLA's FA dims only" in f.message for f in m.blockers)
+
+
+def test_dense_layer_types_beside_indexed_ones_are_planned_per_layer(tmp_path, capsys, monkeypatch):
+    """'full_attention' / 'sliding_attention' beside 'indexed_attention' (dots.llm3's layout): those layers run no
+    indexer and keep no indexer key cache; the render has no template mixing them and says so by field."""
+    n = transformers.AutoConfig.for_model("axk2").num_hidden_layers
+    types = ["full_attention" if i % 3 == 2 else "indexed_attention" for i in range(n)]
+    m = analyze(AnalyzeRequest(config=str(_config("axk2", tmp_path, layer_types=types, **AXK2_ROPE_64))))
+    dense = [i for i in range(n) if i % 3 == 2]
+    assert m.dsa.dense_layers == dense and m.dsa.shared_layers == []
+    assert m.dsa.indexer_layers == [i for i in range(n) if i not in dense]
+    for layer in m.layers:
+        assert (INDEXER_KEY_CACHE in [c.name for c in layer.caches]) == (layer.decoder_layer not in dense)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    assert kvcache_cli.main(["render", "--manifest", "m.json", "--out", "out"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dsa.dense_layers" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family, words", [
+    # learnable sinks in the sparse attention: torch_npu 2.14.0's sparse FA declares a sinks input (undocumented),
+    # 2.9.0 returns the softmax statistics to apply one after: kvcache's gap, not the device's
+    ("hy_v4", ["not supported by kvcache", "HYV4Attention.sinks", "Tensor? sinks=None",
+               "npu_native_functions_by_codegen.yaml:978", "'shared'"]),
+    # GQA with a weightless pool + top-k + sink/local selection: not the lightning indexer's top-k
+    ("kolibri1_1", ["no pinned torch_npu op serves it", "Kolibri1_1Indexer.select_pool", "npu_lightning_indexer",
+                    "_op_plugin_docs.py:1371", "no pool stage"]),
+    # its indexer is known (GLM-5's interleaved one); its per-layer MLA dims are what kvcache does not plan
+    ("dots3_note_text", ["per_layer_config", "not supported by kvcache"]),
+])
+def test_indexed_families_the_device_or_kvcache_cannot_serve_are_refused_by_name(tmp_path, family, words):
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(_config(family, tmp_path))))
+    for word in words:
+        assert word in info.value.render()
+
+
+def test_the_indexer_family_table_matches_the_modeling_code():
+    """Each INDEXER_FAMILIES row against the transformers function it cites: the RoPE helper it names is the one
+    the indexer calls, and the rotated dims are split off first ([rot, pass]) or last ([pass, rot])."""
+    import importlib
+    import inspect
+
+    from model_infer_kvcache.analyzer.config_loader import INDEXER_FAMILIES
+
+    for model_type, fam in INDEXER_FAMILIES.items():
+        path, func = fam.source.split(" ")[0].removeprefix("transformers/models/").split(":")
+        module = importlib.import_module(f"transformers.models.{path.removesuffix('.py').replace('/', '.')}")
+        cls, method = func.split(".")
+        code = inspect.getsource(getattr(getattr(module, cls), method))
+        interleave = "apply_rotary_pos_emb_interleave(q_rot" in code
+        assert interleave == (fam.rope == "interleave"), model_type
+        assert ("q_rot, q_pass = torch.split(q" in code) == (fam.rope_dims == "first"), model_type
+        assert ("q_pass, q_rot = torch.split(q" in code) == (fam.rope_dims == "last"), model_type
+
+
+def test_the_indexed_refusals_cite_the_op_lines_that_say_it():
+    """The op lines the Kolibri-1.1 and HY-V4 refusals cite say what the refusals read off them."""
+    from model_infer_kvcache.analyzer.config_loader import INDEXER_FAMILIES, NON_MLA_INDEXERS
+    from shared_dirs import shared_path
+
+    def line(version: str, *parts: str, number: int) -> str:
+        return shared_path(f"torch_npu-{version}", "torch_npu", *parts).read_text(encoding="utf-8").splitlines()[
+            number - 1]
+
+    assert "_op_plugin_docs.py:1371, 2.9.0: :8752" in NON_MLA_INDEXERS["kolibri1_1"].device_refusal
+    for version, number in (("2.14.0", 1371), ("2.9.0", 8752)):
+        assert line(version, "_op_plugin_docs.py", number=number).startswith("custom.npu_lightning_indexer(query, key, "
+                                                                             "weights, *")
+    gap = INDEXER_FAMILIES["hy_v4"].kvcache_gap
+    assert "npu_native_functions_by_codegen.yaml:978" in gap and "_meta_registrations.py:288" in gap
+    schema = line("2.14.0", "csrc", "aten", "npu_native_functions_by_codegen.yaml", number=978)
+    assert "func: npu_sparse_flash_attention(" in schema and "Tensor? sinks=None" in schema
+    assert "return_softmax_lse=False, sinks=None" in line("2.14.0", "op_plugin", "meta", "_meta_registrations.py",
+                                                          number=288)

@@ -101,16 +101,23 @@ MISTAKES = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case, mode, name, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_a_dsa_render_mistake_fails_by_name(tmp_path, case, mode, name, pattern, replacement, failing):
-    manifest, rendered, config = _case(tmp_path, "deepseek_v32", mode, _narrow, **NARROW_HEADS)
-    mutate(rendered, pattern, replacement, name=name)
+def _fails_by_name(manifest, rendered, config, failing: str):
+    """Validate a broken DSA render: it fails, by the named check; a numeric failure with the indexer and sparse
+    arguments right (the mistake is in the arithmetic, not the calls)."""
     report = run_validate(manifest, rendered, config, scenario=SHORT)
     assert not report.passed
     assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
     if failing == NUMERIC:
         assert all(c.passed for c in report.checks if c.name.startswith((INDEXER, SPARSE)))  # arguments are right
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, name, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_dsa_render_mistake_fails_by_name(tmp_path, case, mode, name, pattern, replacement, failing):
+    manifest, rendered, config = _case(tmp_path, "deepseek_v32", mode, _narrow, **NARROW_HEADS)
+    mutate(rendered, pattern, replacement, name=name)
+    report = _fails_by_name(manifest, rendered, config, failing)
     if case == "index-topk-off-by-one":
         assert "sparse_indices hold 63 keys per query, index_topk is 64" in check(report, SPARSE).detail
         assert "sparse_count 63 != index_topk 64" in check(report, INDEXER).detail
@@ -126,3 +133,65 @@ def test_a_users_render_runs_as_written_with_only_its_selection_narrowed(tmp_pat
     assert any("ran as written with only its INDEX_TOPK set to 64" in n for n in report.notes)
     assert check(report, "logits vs transformers").passed  # the implementer's render at CPU size
     assert not check(report, "as written: logits vs transformers").passed
+
+
+# A.X-K2 (transformers axk2): DeepSeek-V3.2's indexer unchanged behind a fused query/gate projection (q_gate_proj) and
+# a sigmoid output gate, both the model's own code around kv_cache_attention (the host runs them as AXK2Attention
+# does). At rope 64 (its class default 32 is held to MLA's FA dims, a blocker) and 16 of its 32 query heads; its
+# latent 128 and its indexer (16 heads x 128, top 2048 -> 64 on CPU) as published.
+AXK2 = {"qk_rope_head_dim": 64, **NARROW_HEADS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_axk2_renders_and_validates(tmp_path, mode):
+    manifest, rendered, config = _case(tmp_path, "axk2", mode, **AXK2)
+    assert "npu_rotary_mul(x.reshape(t, n, 1, r), cos, sin)" in (rendered / ATTN).read_text()  # half-split, as V3.2
+    report = run_validate(manifest, rendered, config, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert check(report, INDEXER).measured["keys_dropped"] > 0.1
+
+
+def _axk2_interleaved(monkeypatch):
+    """A mutated analyzer: A.X-K2's indexer row given GLM-5's interleaved RoPE (the other family's layout)."""
+    from dataclasses import replace
+
+    from model_infer_kvcache.analyzer import config_loader
+
+    families = dict(config_loader.INDEXER_FAMILIES)
+    families["axk2"] = replace(families["axk2"], rope="interleave")
+    monkeypatch.setattr(config_loader, "INDEXER_FAMILIES", families)
+
+
+AXK2_MISTAKES = [
+    # the indexer's RoPE layout swapped in the analyzer's family table: the render rotates interleaved pairs
+    ("analyzer-rope-layout-swapped", "framework", None, None, None, NUMERIC),
+    # the same swap in a hand-edited render
+    ("render-rope-layout-swapped", "standalone", ATTN,
+     r"torch_npu\.npu_rotary_mul\(x\.reshape\(t, n, 1, r\), cos, sin\)",
+     "torch_npu.npu_interleave_rope(x.reshape(t, n, 1, r).contiguous(), cos, sin)", NUMERIC),
+    # the top-k over the next request's keys too (prefix-sum key lengths)
+    ("topk-over-other-requests-keys", "standalone", ATTN,
+     r"actual_seq_lengths_key=as_int32\(forward_metadata\.actual_seq_lengths_kv\)",
+     "actual_seq_lengths_key=as_int32(forward_metadata.actual_seq_lengths_cu_kv)", INDEXER),
+    # the wrong top-k
+    ("wrong-index-topk", "framework", ATTN, r"sparse_count=INDEX_TOPK,", "sparse_count=INDEX_TOPK // 2,", SPARSE),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, name, pattern, replacement, failing", AXK2_MISTAKES,
+                         ids=[m[0] for m in AXK2_MISTAKES])
+def test_an_axk2_mistake_fails_by_name(tmp_path, monkeypatch, case, mode, name, pattern, replacement, failing):
+    if name is None:
+        _axk2_interleaved(monkeypatch)
+    manifest, rendered, config = _case(tmp_path, "axk2", mode, _narrow, **AXK2)
+    if name is None:
+        assert SelectionManifest.model_validate_json(manifest.read_text()).dsa.index_rope == "interleave"
+        monkeypatch.undo()  # judged against transformers' AXK2Indexer, which rotates half-split pairs
+    else:
+        mutate(rendered, pattern, replacement, name=name)
+    report = _fails_by_name(manifest, rendered, config, failing)
+    if case == "wrong-index-topk":
+        assert "sparse_count 32 != index_topk 64" in check(report, INDEXER).detail

@@ -139,14 +139,76 @@ def test_a_family_whose_tiny_config_transformers_rejects_is_refused_by_name_not_
     assert "not supported by kvcache: a reference: transformers' dbrx does not build" in proc.stderr
 
 
-@pytest.mark.parametrize("model_type", ["bart", "whisper"])
-def test_an_encoder_decoder_families_decoder_is_refused_naming_its_cross_attention(tmp_path, model_type):
-    """Its decoder_layers now read, the plan meets transformers' blocks holding self- and cross-attention: refused
-    naming the cross-attention module (a second cache over the encoder's states, not planned), where it said only
-    that a field was missing."""
+def test_minicpm5_moe_attention_is_found_by_its_fused_query_gate(tmp_path):
+    """MiniCPM5-MoE projects the query and its output gate in one ``q_gate_proj`` (no q_proj): the structural finder
+    knows that projection set, so the cross-check compares transformers' modules with the plan (it refused the
+    family as holding no attention module). Without the entry the same config is refused again."""
+    from model_infer_kvcache.analyzer import arch_check, hf_layout
     from model_infer_kvcache.analyzer.errors import InputError
 
-    with pytest.raises(InputError) as info:
-        analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
-    assert "cross-attention module beside their self-attention" in str(info.value)
-    assert "encoder_attn" in str(info.value)
+    config = _config(tmp_path, "minicpm5_moe")
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert not m.blockers and m.kv_mode.value == "paged"
+    assert {layer.attn_type for layer in m.layers} == {"FullAttention"}
+    kept = tuple(p for p in hf_layout.QKV_PROJECTIONS if "q_gate_proj" not in p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_layout, "QKV_PROJECTIONS", kept)
+        mp.setenv("KVCACHE_CACHE_DIR", "")  # no cached cross-check entry: transformers' modules are read again
+        arch_check._hf_attentions.cache_clear()  # nor the in-process memo of the first analyze
+        with pytest.raises(InputError, match="no decoder block holding an attention module"):
+            analyze(AnalyzeRequest(config=str(config)))
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "rembert", "big_bird"])
+def test_bert_era_class_defaults_are_encoders_and_refused_by_is_decoder(tmp_path, model_type):
+    """RobertaForCausalLM & co. attend causally only with is_decoder true (their own __init__ warns "add
+    `is_decoder=True`"); at the class defaults they are bidirectional encoders, which no KV cache can serve. The
+    paged plan kvcache gave them failed validation (roberta: FAILED in both modes, measured). Refused naming
+    is_decoder; the same config with is_decoder true is the causal LM and is planned."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    config = _config(tmp_path, model_type)
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert err.value.field == "is_decoder" and "bidirectional encoder" in err.value.message
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"is_decoder": True}), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert not m.blockers and m.kv_mode.value == "paged"
+
+
+def test_is_decoder_false_is_no_encoder_where_the_class_does_not_read_it(tmp_path):
+    """Decoder-only classes never read is_decoder (PretrainedConfig's default false): Llama stays planned."""
+    config = _config(tmp_path, "llama")
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"is_decoder": False}), encoding="utf-8")
+    assert not analyze(AnalyzeRequest(config=str(config))).blockers
+
+
+def test_reformer_that_will_not_build_without_is_decoder_is_refused_by_it(tmp_path):
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, "reformer"))))
+    assert err.value.field == "is_decoder" and "refuses to build" in err.value.message
+
+
+@pytest.mark.slow
+def test_roberta_decoder_validates_with_its_position_offset_and_fails_without(tmp_path, monkeypatch):
+    """RobertaEmbeddings number positions from padding_idx + 1 when they derive them from the ids (how transformers
+    runs the reference); the engine hands 0-based positions, so the host adds the model's offset as a port must.
+    Measured before the offset: roberta (is_decoder true) FAILED V301 from step 0, layer 0. Negative control: the
+    host without the offset fails the logits check again."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    config = _config(tmp_path, "roberta")
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
+                 is_decoder=True)
+    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    monkeypatch.setattr(host_model, "position_offset", lambda _model: 0)
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert not check(report, "logits vs transformers").passed

@@ -224,19 +224,3 @@ FALCON_H1_MISTAKES = [
                          ids=[m[0] for m in FALCON_H1_MISTAKES])
 def test_a_falcon_h1_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
     mistake_fails_by_name(render_case(tmp_path, "falcon_h1", deploy_mode=mode), pattern, replacement, failing)
-
-
-def test_a_pure_mamba_stack_is_planned_and_blocked_by_name(tmp_path):
-    """GraniteMoeHybridConfig() lists every layer Mamba: each state is planned, and a blocker says kvcache renders
-    states beside attention layers only (kvcache's gap, not the device's); render refuses it by name too."""
-    from model_infer_kvcache.implementer.render import render_manifest
-
-    data = json.loads((CONFIGS / "granite_4_0_h.json").read_text(encoding="utf-8"))
-    data["layer_types"] = ["mamba"] * data["num_hidden_layers"]
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
-    m = analyze(AnalyzeRequest(config=str(path)))
-    assert m.linear_attention.layers == list(range(32)) and all(layer.is_state for layer in m.layers)
-    assert any("no attention layer: a pure state stack" in b.message for b in m.blockers)
-    with pytest.raises(InputError, match=r"32 linear layer\(s\) keep a recurrent state \(attn_type Mamba, mamba2, Legacy\)"):
-        render_manifest(m, allow_blocked=True)

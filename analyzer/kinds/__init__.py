@@ -34,6 +34,11 @@ def holds_states(m) -> bool:
     return m.linear_attention is not None or any(layer.is_state for layer in m.layers)
 
 
+def holds_cross(m) -> bool:
+    """The manifest plans cross-attention slots (the decoder of an encoder-decoder model)."""
+    return getattr(m, "cross_attention", None) is not None
+
+
 def holds_chunks(m) -> bool:
     """The manifest plans chunked local attention layers (Llama-4's RoPE layers)."""
     return any(layer.is_chunked for layer in m.layers if not layer.is_state)
@@ -45,6 +50,8 @@ def kv_heads_per_rank(m, tp: int) -> tuple[int, str]:
     model = m.model
     if m.mla.enabled:
         return 1, f"num_key_value_heads {model.num_key_value_heads}, attn_tp_size {tp}, MLA"
+    if not m.attention_layers:
+        return 0, "no layer attends (a pure state stack)"
     return (max(model.num_key_value_heads // max(tp, 1), 1),
             f"num_key_value_heads {model.num_key_value_heads}, attn_tp_size {tp}")
 

@@ -16,7 +16,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 class DsaFormat(MlaFormat):
     name = "dsa"
     hf_projections = ()  # MLA's, which the MLA format already names
-    doc_example = ("MLA + DeepSeek 稀疏注意力(DSA,indexer key cache)", "DeepSeek-V3.2、GLM-5",
+    doc_example = ("MLA + DeepSeek 稀疏注意力(DSA,indexer key cache)", "DeepSeek-V3.2、GLM-5、A.X-K2",
                    {"model_type": "deepseek_v32", "num_key_value_heads": 8, "kv_lora_rank": 512, "q_lora_rank": 1536,
                     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048,
                     "index_n_heads": 64, "index_head_dim": 128})
@@ -25,9 +25,18 @@ class DsaFormat(MlaFormat):
     def decision_rows(self, m) -> list[tuple[str, str, str]]:
         d = m.dsa
         shared = f", {len(d.shared_layers)} 层复用上一层的选择" if d.shared_layers else ""
+        shared += f", {len(d.dense_layers)} 层为稠密注意力(无 indexer)" if d.dense_layers else ""
         return [("DSA 稀疏注意力", f"index_topk={d.index_topk}, indexer_key_cache {d.indexer_cache.dim}x1 "
                  f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
                  f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}")]
+
+    def head_problems(self, facts: Facts) -> list[Finding]:
+        """MLA's latent / rope dims, sourced as what they are here: the pinned npu_sparse_flash_attention doc
+        states no head dims, and the path is known at upstream deepseek_v3_2_exp's (latent 512, rope 64) only,
+        so it is held to MLA's FA dims rather than widened on no evidence."""
+        return [Finding(message=f"{f.message} (DSA: the sparse-FA path is known at MLA's FA dims only; the pinned "
+                                "npu_sparse_flash_attention doc states none)", fields=f.fields)
+                for f in super().head_problems(facts)]
 
     def heads_problem(self, facts: Facts, parallel) -> Finding | None:
         return None  # the sparse FA's query heads are not FA's MLA head rule
@@ -68,7 +77,7 @@ def decide(facts: Facts, dtype: str | None = None) -> DsaDecision | None:
         return None
     rope = facts.mla.value.qk_rope_head_dim
     own = [i for i, runs in enumerate(dsa.own_indexer) if runs]
-    shared = [i for i, runs in enumerate(dsa.own_indexer) if not runs]
+    shared = [i for i, runs in enumerate(dsa.own_indexer) if not runs and i not in dsa.dense]
     return DsaDecision(
         index_topk=dsa.index_topk,
         index_n_heads=dsa.index_n_heads,
@@ -80,11 +89,12 @@ def decide(facts: Facts, dtype: str | None = None) -> DsaDecision | None:
         indexer_cache=indexer_cache(dsa, dtype or facts.dtype.value),
         indexer_layers=own,
         shared_layers=shared,
+        dense_layers=list(dsa.dense),
         index_rope=dsa.rope,
         key_transform="k = LayerNorm(wk(hidden_states)) (eps 1e-6), then "
                       + ("half-split (not interleaved, unlike the MLA rope)" if dsa.rope == "half" else
                          "interleaved-pair (like the MLA rope)")
-                      + f" RoPE on its first {rope} dims ({dsa.rope_source}), then written at the token's slot: a key "
+                      + f" RoPE on its {dsa.rope_dims} {rope} dims ({dsa.rope_source}), then written at the token's slot: a key "
                       "cached before its RoPE scores every later query wrongly",
         selection=f"per query: score_t = sum over indexer heads of weight_h * relu(q_h . k_t) * "
                   f"{dsa.index_head_dim}^-0.5, over that request's own causal keys only; the top "

@@ -32,11 +32,13 @@ class GqaFormat:
 
     def kv_heads_per_rank(self, facts: Facts, tp: int, decoder_layer: int | None = None) -> int:
         """KV heads one rank holds for a layer: split by attention TP, replicated when fewer heads than ranks."""
-        return max(facts.kv_heads_at(decoder_layer) // tp, 1)
+        return max(facts.kv_heads_at(decoder_layer) // tp, 1) if facts.attends else 0
 
     def head_problems(self, facts: Facts) -> list[Finding]:
         per_layer = facts.layer_heads.value
         out = []
+        if not facts.attends:  # a pure state stack: no FA call
+            return out
         for d in sorted({h.head_dim for h in per_layer} if per_layer else {facts.head_dim.value}):
             if d > FA_MAX_HEAD_DIM or d % FA_HEAD_DIM_ALIGN:
                 out.append(Finding(
@@ -48,6 +50,8 @@ class GqaFormat:
     def heads_problem(self, facts: Facts, parallel) -> Finding | None:
         """FA takes at most 64 query heads per KV head (GQA/MQA), on every layer."""
         q = parallel.num_q_heads_per_rank
+        if not facts.attends:
+            return None
         kv = min(max(k // parallel.attn_tp_size, 1) for k in facts.distinct_kv_heads())
         if q // kv <= MAX_GQA_RATIO:
             return None
@@ -61,7 +65,7 @@ class GqaFormat:
 
     def kv_tp_problems(self, facts: Facts, tp: int) -> list[str]:
         out = []
-        for kv in facts.distinct_kv_heads():
+        for kv in facts.distinct_kv_heads() if facts.attends else ():
             if kv >= tp and kv % tp:
                 out.append(f"{kv} KV heads are not divisible by attn_tp_size {tp}")
             if kv < tp and tp % kv:

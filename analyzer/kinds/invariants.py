@@ -6,7 +6,11 @@ hand edit that desynchronises a kind's section from the layers it plans is refus
 
 from __future__ import annotations
 
-from model_infer_kvcache.analyzer.linear_config import k_heads_per_rank
+from model_infer_kvcache.analyzer.linear_config import CONV_ONLY, k_heads_per_rank
+
+# manifest.RECURRENT_SIZES (this module cannot import the manifest, which imports it)
+RECURRENT_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "num_k_heads_per_rank",
+                   "num_v_heads_per_rank")
 
 INDEXER_KEY_CACHE = "indexer_key_cache"  # the DSA indexer's key cache entry (upstream deepseek_v3_2_exp)
 
@@ -51,6 +55,12 @@ def state_problems(m) -> list[tuple[str, str]]:
     if lin:
         p = m.parallel
         tp = p.attn_tp_size
+        sizes = [name for name in RECURRENT_SIZES if getattr(lin, name) is not None]
+        if (lin.family in CONV_ONLY and sizes) or (lin.family not in CONV_ONLY and len(sizes) != len(RECURRENT_SIZES)):
+            want = "none (a conv-only family keeps no recurrent state)" if lin.family in CONV_ONLY else "all"
+            return [("linear_attention", f"{lin.family} has recurrent-state sizes {sizes or 'none'}, wants {want}")]
+        if lin.family in CONV_ONLY:
+            return []
         k_want = k_heads_per_rank(lin.family, lin.num_k_heads, tp)
         if k_want is None or lin.num_k_heads_per_rank != k_want:
             return [("linear_attention.num_k_heads_per_rank", f"{lin.num_k_heads_per_rank} is not num_k_heads "

@@ -15,9 +15,17 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from model_infer_kvcache.analyzer.kinds import DSA, GQA, MLA, attention_format, holds_chunks, holds_states
+from model_infer_kvcache.analyzer.kinds import (
+    DSA,
+    GQA,
+    MLA,
+    attention_format,
+    holds_chunks,
+    holds_cross,
+    holds_states,
+)
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.implementer.kinds import chunked, compressed, dsa, gqa, mla, recurrent
+from model_infer_kvcache.implementer.kinds import chunked, compressed, cross, dsa, gqa, mla, recurrent
 from model_infer_kvcache.implementer.kinds.common import bad
 
 # Layer kinds the analyzer may plan that no partial renders, and why a render of them would be wrong.
@@ -34,8 +42,9 @@ def attention_kind(m: SelectionManifest) -> ModuleType:
 
 def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
     """The kinds the manifest's layers hold: its attention format, then the recurrent state of linear layers and the
-    chunked local attention of chunked layers."""
-    return (attention_kind(m), *((recurrent,) if holds_states(m) else ()), *((chunked,) if holds_chunks(m) else ()))
+    chunked local attention of chunked layers, and the cross-attention slots of an encoder-decoder's decoder."""
+    return (attention_kind(m), *((recurrent,) if holds_states(m) else ()), *((chunked,) if holds_chunks(m) else ()),
+            *((cross,) if holds_cross(m) else ()))
 
 
 def graph_mode_gap(m: SelectionManifest) -> str | None:
@@ -49,6 +58,8 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
                 "constants of the capture and replays the first step's lengths (serve it with a dynamic graph)")
     if m.kv_mode.value == "legacy":
         return "for a Legacy (contiguous) cache: the engine's graph mode serves paged caches"
+    if holds_cross(m):
+        return "with cross-attention slots: the templates capture decoder-only decode"
     if attention_format(m) not in (GQA, MLA) or holds_states(m):
         return (f"for {attention_format(m).upper()} layers{' with linear-attention states' if holds_states(m) else ''}"
                 ": the templates capture GQA/MHA and MLA decode only (the others convert lengths on the host inside "

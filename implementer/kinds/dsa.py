@@ -14,6 +14,10 @@ LAYOUTS = mla.LAYOUTS
 
 
 def check_layers(m) -> None:
+    if m.dsa.dense_layers:
+        raise bad("dsa.dense_layers", f"{len(m.dsa.dense_layers)} layer(s) attend densely beside the indexed ones "
+                                      f"(first: {m.dsa.dense_layers[0]}); no template mixes MLA's FA layers with "
+                                      "sparse-FA layers")
     if m.dsa.shared_layers:
         raise bad("dsa.shared_layers", f"{len(m.dsa.shared_layers)} layer(s) reuse the previous layer's top-k "
                                        f"selection (first: {m.dsa.shared_layers[0]}); no template carries a "

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model_infer_kvcache.analyzer.linear_config import CONV_ONLY
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE, bad
 
 NAME = "recurrent state"
 # Linear-attention families whose states the partial renders, and how the rendered code names each.
 FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
-                "lightning_attention": "lightning attention", "mamba2": "Mamba-2", "mamba": "Mamba-1"}
+                "lightning_attention": "lightning attention", "mamba2": "Mamba-2", "mamba": "Mamba-1",
+                "short_conv": "short conv"}
 # Families rendered without speculative decoding only (no published checkpoint of theirs has MTP layers)
-NO_SPECULATIVE = frozenset({"mamba2", "mamba"})
+NO_SPECULATIVE = frozenset({"mamba2", "mamba", "short_conv"})
 RENDERED = tuple(FAMILY_NAMES)
 # transformers' attribute of a decoder layer's state module (JambaMambaDecoderLayer.mamba, Bamba / Granite-4.0-H
 # .mamba; Qwen3-Next, Ling: .linear_attn)
-MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba"}  # Falcon-H1 too: self_attn and mamba side by side
+MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba",  # Falcon-H1 too: self_attn and mamba side by side
+               "short_conv": "conv"}  # Lfm2DecoderLayer / Lfm3DecoderLayer .conv
+# model types whose decoder blocks keep every mixer (Mamba, attention, MLP, MoE) as ``mixer``: Mamba2Block,
+# MambaBlock, FalconMambaBlock, NemotronHBlock
+MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer"}
 
 
 @dataclass(frozen=True)
@@ -37,15 +43,21 @@ class LinearCtx:
     state_layout: str  # which layout, and whose
     next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
     parallel: bool = False  # each state sits beside an attention in the same decoder layer (Falcon-H1)
+    model_type: str = ""
 
     @property
     def module_attr(self) -> str:
         """The decoder layer's attribute holding the state module, as transformers names it."""
-        return MODULE_ATTR.get(self.family, "linear_attn")
+        return MIXER_ATTR.get(self.model_type) or MODULE_ATTR.get(self.family, "linear_attn")
 
     @property
     def family_name(self) -> str:
         return FAMILY_NAMES[self.family]
+
+    @property
+    def conv_only(self) -> bool:
+        """The layers keep a conv state only (short conv): no recurrent state, no recurrence."""
+        return self.family in CONV_ONLY
 
 
 def doc_attention(m) -> str | None:
@@ -53,10 +65,12 @@ def doc_attention(m) -> str | None:
     if m.linear_attention is None:
         return None
     # the sentence below names them
-    assert RENDERED == ("gated_delta_net", "kimi_delta_attention", "lightning_attention", "mamba2", "mamba")
+    assert RENDERED == ("gated_delta_net", "kimi_delta_attention", "lightning_attention", "mamba2", "mamba",
+                        "short_conv")
     return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):gated delta net 已渲染"
             "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA、lightning、"
-            "Mamba-2 与 Mamba-1 已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态)")
+            "Mamba-2 与 Mamba-1 已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态),short conv"
+            "(LFM2)只有 conv 状态")
 
 
 def check_layers(m) -> None:
@@ -80,6 +94,8 @@ def check(m) -> None:
 
 def fields(m) -> dict:
     lin = m.linear_attention
+    if lin.family in CONV_ONLY:
+        return _conv_only_fields(m)
     rec = next(s for s in lin.states if s.name == "recurrent_state")
     conv = next((s for s in lin.states if s.name == "conv_state"), None)  # None: no short conv (lightning)
     # the operator's [Nv, Dv, Dk] for the gated delta net, the torch recurrence's [H, Dk, Dv] for KDA and lightning
@@ -103,4 +119,18 @@ def fields(m) -> dict:
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",
                                 TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
                                 lin.state_blocks_per_request - 1,
-                                m.parallel_hybrid())}
+                                m.parallel_hybrid(), m.model.model_type)}
+
+
+def _conv_only_fields(m) -> dict:
+    """A short-conv family's context: its conv state alone (no heads, no recurrent state)."""
+    lin = m.linear_attention
+    conv = next((s for s in lin.states if s.name == "conv_state"), None)
+    want = [lin.conv_channels_per_rank, (lin.conv_kernel or 1) - 1]
+    if conv is None or conv.shape != want or len(lin.states) != 1:
+        raise bad("linear_attention.states", f"{[s.name for s in lin.states]} are not the {lin.family}'s one "
+                                             f"conv_state {want}")
+    return {"linear": LinearCtx(lin.family, 0, 0, 0, 0, int(lin.conv_kernel), int(lin.conv_channels_per_rank),
+                                TORCH_DTYPE[conv.dtype], "None", tuple(lin.layers), "()",
+                                "none: the layer keeps its conv state only", lin.state_blocks_per_request - 1,
+                                m.parallel_hybrid(), m.model.model_type)}

@@ -50,6 +50,7 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V115", "init", "runner's own caches hold every layer's keys and values for the longest sequence "
                              "(<N> layers)"),
     # ---------------------------------------------------------------- runtime: every step of the stream
+    CheckDef("V116", "init", "cross-attention slot entries match the manifest (<N> layers)"),
     CheckDef("V201", "runtime", "rendered code runs without operator errors"),
     CheckDef("V202", "runtime", "checkout model runs in the engine without errors"),
     CheckDef("V203", "runtime", "request stream finishes within its step budget"),
@@ -88,6 +89,8 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V229", "runtime", "graph mode: no capture after warm-up (<N> captures for <N> batch sizes over <N> "
                                 "replays)"),
     CheckDef("V230", "runtime", "graph mode: no tensor inside the captured step is shaped or filled from a host length"),
+    CheckDef("V231", "runtime", "cross-attention reads each request's encoder K/V unmasked (sparse_mode 0, KV length = "
+                                "its encoder length)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

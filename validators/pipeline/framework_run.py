@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import check_attention_calls
+from model_infer_kvcache.validators.kinds import check_attention_calls, cross
 from model_infer_kvcache.validators.pipeline.graph_capture import decode_capture, graph_mode
 from model_infer_kvcache.validators.pipeline.host_model import HostModel
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
@@ -28,8 +28,10 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
                expected=len(expected), got=len(layer_infos))
     mismatches = []
     model_bs = getattr(info, "block_size", None)
+    cross_problems = []
     for plan, layer in zip(expected, layer_infos, strict=False):
-        got = {e.cache_name: e for e in layer.caches}
+        got, got_cross = cross.split_entries({e.cache_name: e for e in layer.caches})
+        cross_problems += cross.entry_problems(manifest, plan.index, got_cross, cache_dtype)
         if plan.is_state:
             mismatches += _state_entry_problems(plan, got, cache_dtype, manifest.linear_attention)
             continue
@@ -49,6 +51,9 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
                 mismatches.append(f"layer {plan.index} {name}: block_size {block_size} != {manifest.block_size}")
     report.add("cache entries match the manifest", "init", not mismatches,
                detail="; ".join(mismatches[:4]), mismatches=len(mismatches))
+    if manifest.cross_attention is not None:
+        report.add(f"cross-attention slot entries match the manifest ({len(manifest.cross_attention.layers)} layers)",
+                   "init", not cross_problems, detail="; ".join(cross_problems[:4]), mismatches=len(cross_problems))
     if api != "G0":
         want_mla = bool(manifest.mla.enabled)
         got_mla = bool(getattr(info, "is_mla_backend", False))
@@ -155,6 +160,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
                detail="; ".join(keys_missing[:3]), missing=len(keys_missing))
     tracker.check_runtime(report, manifest, prompt_len)
     check_attention_calls(report, manifest, host)
+    cross.check_cross_calls(report, manifest, host)
     tracker.check_numeric(report, {rid: r.all_token_ids() for rid, r in sched.requests.items()})
 
     end_usage = sched.usage()

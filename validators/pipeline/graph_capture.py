@@ -196,8 +196,12 @@ class DecodeCapture:
     def _decode(self, input_ids, position_ids, forward_metadata):
         # The metadata stack is pushed inside the captured function, so that the graph reads the step's metadata
         # as an input of the call, not as a global the first capture saw.
-        host_model._CURRENT.append((forward_metadata, position_ids))
-        logits = self.host.hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        host_model._CURRENT.append((forward_metadata, position_ids, None))
+        # the Roberta-style offset (host_model.position_offset) is a Python int: added only where it is not 0, so the
+        # captured step of every other model holds no op fed from a host value
+        offset = self.host.position_offset
+        logits = self.host.hf_model(input_ids=input_ids, position_ids=position_ids + offset if offset else position_ids,
+                                    use_cache=False).logits
         host_model._CURRENT.pop()
         return logits
 

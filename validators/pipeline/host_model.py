@@ -20,19 +20,24 @@ import inspect
 import itertools
 import sys
 import types
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
-from model_infer_kvcache.analyzer.operators.fa_facts import FA_OP_NAMES, RECORDED_KEYWORDS
+from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
+from model_infer_kvcache.analyzer.linear_config import short_conv_facts
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
 ATOL_BF16 = 5e-2  # NPU backend: bf16 model under test vs the float32 reference (untested in CI)
 _counter = itertools.count()
+CROSS_KV_LENS = tuple(kw.kv_lens for kw in FA_KEYWORDS.values())  # a cross-attention call's KV lengths, either version
+_ENCODER_SEED = 20  # the encoder states' seed (each request's own, by its first prompt tokens)
 _CURRENT: list = []  # the ForwardMetaData of the step being run (a stack: steps never nest)
 
 
@@ -41,8 +46,12 @@ class RenderedCode:
     attention: types.ModuleType
     runner: types.ModuleType | None
 
-    def attention_mixin(self) -> type:
-        return _class_with(self.attention, "init_kv_cache")
+    def attention_mixin(self) -> type | None:
+        """The attention mixin, None in a pure state stack's render (no layer attends)."""
+        try:
+            return _class_with(self.attention, "init_kv_cache")
+        except LookupError:
+            return None
 
     def model_mixin(self) -> type | None:
         try:
@@ -91,9 +100,10 @@ def import_rendered(rendered_dir: str | Path) -> RenderedCode:
 
 
 @contextlib.contextmanager
-def current_metadata(forward_metadata, position_ids=None):
-    """The step's forward metadata (and its tokens' positions, [B, S]) for the routed modules of one forward."""
-    _CURRENT.append((forward_metadata, position_ids))
+def current_metadata(forward_metadata, position_ids=None, encoder_lens=None):
+    """The step's forward metadata (and its tokens' positions, [B, S]; a prefill's encoder lengths, one per request)
+    for the routed modules of one forward."""
+    _CURRENT.append((forward_metadata, position_ids, encoder_lens))
     try:
         yield
     finally:
@@ -121,6 +131,8 @@ class _Probe:
         self.records: list[dict] = []
         self.fa_calls: list[dict] = []
         self.sparse_calls: list[dict] = []  # DSA's indexer and sparse-FA calls (dsa_args)
+        self.cross_calls: list[dict] = []  # the FA calls of cross-attention modules (validators/kinds/cross.py)
+        self.cross_layer = None  # the cross-attention layer running now (its FA call goes to cross_calls)
         self.step = -1
         self.last_layer = None  # the layer that ran last (attention or linear), to place a failure
 
@@ -167,6 +179,13 @@ class _RecordingOps:
 
         def call(*args, **kwargs):
             last = self._probe.records[-1] if self._probe.records else {}
+            if self._probe.cross_layer is not None:  # a cross-attention read: judged by validators/kinds/cross.py
+                kv_lens = next((kwargs[k] for k in CROSS_KV_LENS if k in kwargs), None)
+                self._probe.cross_calls.append({"op": name, "step": self._probe.step, "layer": self._probe.cross_layer,
+                                                **{k: kwargs[k] for k in RECORDED_KEYWORDS if k in kwargs},
+                                                "kv_lens": _as_list(kv_lens),
+                                                "has_mask": kwargs.get("atten_mask") is not None})
+                return target(*args, **kwargs)
             self._probe.fa_calls.append({"op": name, "step": self._probe.step, "layer": last.get("layer"),
                                          "is_prefill": last.get("is_prefill"),
                                          **{k: kwargs[k] for k in RECORDED_KEYWORDS if k in kwargs},
@@ -196,6 +215,8 @@ def _gqa_attention(module, query, key, value, attention_mask, scaling=None, drop
     """transformers attention interface -> rendered kv_cache_attention (packed TND, or BSH for Legacy)."""
     host = module._kvcache_host
     fm = _metadata()
+    if getattr(host, "is_cross", False):
+        return _cross_attention(host, fm, query, key, value)
     b, n, s, d = query.shape
     q, k, v = (x.transpose(1, 2).contiguous() for x in (query, key, value))  # [B, S, N, D]
     host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
@@ -205,6 +226,23 @@ def _gqa_attention(module, query, key, value, attention_mask, scaling=None, drop
         out = host.kv_cache_attention(q.reshape(b, s, n * d), k.reshape(b, s, -1), v.reshape(b, s, -1), fm)
     else:
         out = host.kv_cache_attention(q[0], k[0], v[0], fm)
+    return out.reshape(b, s, n, -1), None
+
+
+def _cross_attention(host, fm, query, key, value):
+    """A decoder layer's cross-attention (the module's own q_proj / k_proj / v_proj ran): at prefill its K/V are the
+    step's requests' encoder states, packed, and go to the render with each request's encoder length; at decode the
+    host fed NaN encoder states (the module's K/V are NaN), so the render must read its slots and ignore them."""
+    b, n, s, d = query.shape
+    q = query.transpose(1, 2).reshape(b * s, n, d)
+    lens = _CURRENT[-1][2] if fm.is_prefill else None
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[3]) if fm.is_prefill else None
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3]) if fm.is_prefill else None
+    host.probe.cross_layer = host.layer_idx
+    try:
+        out = host.cross_attention(q, k, v, lens, fm)
+    finally:
+        host.probe.cross_layer = None
     return out.reshape(b, s, n, -1), None
 
 
@@ -245,9 +283,15 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     fm = _metadata()
     x = hidden_states[0]
     t = x.shape[0]
-    q_resid = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
-    q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
-    q = q.view(t, -1, self.qk_head_dim)
+    q_a = None if self.q_lora_rank is None else self.q_a_proj(x)
+    q_resid = None if q_a is None else self.q_a_layernorm(q_a)
+    gate = None
+    if getattr(self, "q_gate_proj", None) is not None:  # A.X-K2: query and output gate from one fused projection
+        q, gate = self.q_gate_proj(torch.cat([q_resid, q_a], dim=-1)).view(
+            t, -1, self.qk_head_dim + self.v_head_dim).split([self.qk_head_dim, self.v_head_dim], dim=-1)
+    else:
+        q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
+    q = q.reshape(t, -1, self.qk_head_dim)
     q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
     compressed_kv = self.kv_a_proj_with_mqa(x)
     # position-free MLA (Kimi-Linear: no rotary, none passed): q_rot and k_rot stay unrotated, the render takes no cos/sin
@@ -262,6 +306,8 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, *rope, fm, **dsa)
     if getattr(self, "g_proj", None) is not None:  # a gated MLA (Ling-3.0): one sigmoid gate per head, as the model
         out = out * torch.sigmoid(self.g_proj(x).float()).to(out.dtype).unsqueeze(-1)
+    if gate is not None:  # A.X-K2: one sigmoid gate per output lane, in float32 as the model
+        out = (out * torch.sigmoid(gate.float())).to(out.dtype)
     out = self.o_proj(out.reshape(t, -1))[None]
     return out, None
 
@@ -332,10 +378,31 @@ def attention_route(module, is_mla: bool) -> str | None:
     if all(hasattr(module, a) for a in ("query_key_value", "_split_heads", "dense")) and \
             "position_embeddings" in inspect.signature(type(module).forward).parameters:
         return "fused_qkv"  # Falcon's rotary path (Bloom's ALiBi-only attention has no position_embeddings)
+    if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj", "scaling", "head_dim")) and \
+            "torch.bmm" in source and "key_value_states" in inspect.signature(type(module).forward).parameters:
+        return "eager_qkv"  # TrOCR, MVP: encoder-decoder attention computing its scores itself
     return None
 
 
-_ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward}
+def _eager_qkv_forward(self, hidden_states, key_value_states=None, *args, attn_prompt=None, **kwargs):
+    """An encoder-decoder attention that computes its scores itself (TrOCR, MVP: ``q_proj(x) * scaling``, then
+    ``torch.bmm``): its own q_proj / k_proj / v_proj / out_proj around the rendered attention, which applies the
+    module's scaling itself (the manifest's scale is the module's ``scaling``). ``key_value_states``: the
+    cross-attention's encoder states."""
+    if attn_prompt is not None:
+        raise NotSupportedByKvcache("--config", f"{type(self).__name__} with prompt tuning (attn_prompt: MVP's "
+                                                "use_prompt): the prompt keys are not in the rendered cache",
+                                    field="use_prompt")
+    b, s = hidden_states.shape[:2]
+    source = key_value_states if key_value_states is not None else hidden_states
+    q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+    k = self.k_proj(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+    v = self.v_proj(source).view(b, source.shape[1], -1, self.head_dim).transpose(1, 2)
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=self.scaling)
+    return self.out_proj(out.reshape(b, s, -1)), None
+
+
+_ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -431,7 +498,11 @@ def _host_conv(original):
             # over the mixer's transposed split view takes 52 s where the contiguous input takes 0.06 s (8704
             # channels x 300 tokens, measured); same operator, same values
             return original(conv1d, hidden_states.contiguous(), cache, layer_idx, activation, *args, **kwargs)
-        if activation not in ("silu", "swish"):  # the rendered conv applies SiLU, as every Mamba config names
+        if getattr(conv1d, "_kvcache_no_activation", False):  # a short conv: none, as transformers' layer calls it
+            if activation is not None:
+                raise NotSupportedByKvcache("--config", f"a short conv with activation {activation!r} (the rendered "
+                                                        "conv applies none)", field="model_type")
+        elif activation not in ("silu", "swish"):  # the rendered conv applies SiLU, as every Mamba config names
             raise NotSupportedByKvcache("--config", f"a Mamba conv activation {activation!r} (the rendered conv "
                                                     "applies SiLU)", field="hidden_act")
         out = host.conv_step(hidden_states[0].transpose(0, 1), _metadata())  # [C, T] -> [T, C] packed tokens
@@ -490,6 +561,21 @@ def bind_mamba(module, host, scan: str) -> None:
     module.conv1d._kvcache_host = host
 
 
+def bind_short_conv(module, host) -> None:
+    """Route an LFM2-family short-conv layer's conv through ``host``: its modeling module's ``causal_conv1d_forward``
+    (the one transformers' ``kernelize`` swaps) is swapped once and falls through to transformers' own for every conv
+    not bound; in_proj, B * x, C * and out_proj stay the layer's own."""
+    if not hasattr(host, "conv_step"):
+        raise InputError("--config", f"{type(module).__name__} is a short-conv layer and the rendered state mixin has "
+                                     "no conv_step (its linear_attention family is another)", field="model_type")
+    home = sys.modules[type(module).__module__]
+    current = getattr(home, _CONV)
+    if not hasattr(current, "_kvcache_original"):
+        setattr(home, _CONV, _host_conv(current))
+    module.conv._kvcache_host = host
+    module.conv._kvcache_no_activation = True  # the layer convolves without an activation (C gates the output)
+
+
 def _linear_forward(module):
     """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
     neither."""
@@ -498,10 +584,10 @@ def _linear_forward(module):
     return _kda_forward if hasattr(module, "forget_gate") else _gdn_forward
 
 
-def state_dtypes(dtype: torch.dtype, has_conv: bool) -> dict[str, torch.dtype]:
+def state_dtypes(dtype: torch.dtype, has_conv: bool, recurrent: bool = True) -> dict[str, torch.dtype]:
     """``init_state_cache``'s dtype arguments for the run's ``dtype``: a conv state's only where the family has one
-    (lightning has no short conv)."""
-    return {"state_dtype": dtype, **({"conv_dtype": dtype} if has_conv else {})}
+    (lightning has no short conv), a recurrent state's only where it has one (short conv has none)."""
+    return {**({"state_dtype": dtype} if recurrent else {}), **({"conv_dtype": dtype} if has_conv else {})}
 
 
 def make_host_linear(mixin: type) -> type:
@@ -514,6 +600,8 @@ def make_host_linear(mixin: type) -> type:
             self.layer_idx = layer_idx
             if hasattr(hf_linear, "conv1d"):  # the model's own conv weights (lightning has no short conv)
                 self.conv1d = hf_linear.conv1d
+            elif short_conv_facts(hf_linear):  # LFM2's gated short conv keeps its depthwise conv as ``conv``
+                self.conv = hf_linear.conv
 
     return HostLinear
 
@@ -548,17 +636,84 @@ def make_host_attention(mixin: type) -> type:
     return HostAttention
 
 
+class EncoderStates:
+    """Each request's encoder output, as the validation feeds it to the model under test and to the reference: random,
+    fixed per request (seeded by the request's first prompt tokens, which every later prefix of it keeps), of a length
+    that varies across requests and stays below the slot's maximum."""
+
+    KEY_TOKENS = 8  # every stream prompt is at least this long
+
+    def __init__(self, hidden: int, max_len: int, seed: int):
+        self.hidden = hidden
+        self.max_len = max_len
+        self.seed = seed
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def of(self, token_ids) -> torch.Tensor:
+        """[S_enc, hidden] float64 of the request whose sequence starts with ``token_ids``."""
+        key = tuple(int(t) for t in list(token_ids)[:self.KEY_TOKENS])
+        if key not in self._cache:
+            g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, key)).encode()))
+            top = max(2, min(self.max_len - 1, 300))
+            length = int(torch.randint(max(1, top // 8), top + 1, (1,), generator=g))
+            self._cache[key] = torch.randn(length, self.hidden, generator=g, dtype=torch.float64)
+        return self._cache[key]
+
+
+def encoder_kwargs(model, states: torch.Tensor) -> dict:
+    """The keyword a ForCausalLM decoder takes its encoder output by: ``encoder_hidden_states`` (BART family,
+    TrOCR) or ``encoder_outputs`` (Whisper)."""
+    params = inspect.signature(model.forward).parameters
+    if "encoder_hidden_states" in params:
+        return {"encoder_hidden_states": states}
+    return {"encoder_outputs": (states,)}
+
+
+def _cross_hidden(layers, names) -> int | None:
+    """The encoder width the decoder's cross-attention projects (its k_proj's input), None without one."""
+    for layer in layers:
+        for name in names:
+            mod = getattr(layer, name, None)
+            if mod is not None and hasattr(mod, "k_proj"):
+                return int(mod.k_proj.in_features)
+    return None
+
+
+def _host_positions(original):
+    """A decoder's position embedding (BART family, Whisper, TrOCR) computes positions itself from the step's length
+    and the cache length (arange(S) + cache_length), which a packed step of several requests, or a decode step
+    without a transformers cache, does not have: the host asks the model's own embedding for positions 0..max and
+    picks each token's row by the step's real positions."""
+
+    def forward(self, first, *args, **kwargs):
+        if not _CURRENT or _CURRENT[-1][1] is None:
+            return original(first, *args, **kwargs)
+        pos = _CURRENT[-1][1]
+        length = int(pos.max()) + 1
+        probe = (1, length) if isinstance(first, (tuple, list, torch.Size)) else first.new_zeros(1, length)
+        kw = {"cache_length": 0} if "cache_length" in inspect.signature(original).parameters else {}
+        if "position_ids" in inspect.signature(original).parameters:
+            kw["position_ids"] = torch.arange(length, device=pos.device)[None]
+        table = original(probe, **kw)
+        return table.reshape(length, -1)[pos.long()]
+
+    return forward
+
+
 class _DecoderLayer:
     """A decoder layer as get_cache_info() sees it: any attribute is its attention module, except that a layer whose
     state module transformers keeps under ``state_attr`` (Jamba's ``mamba``) answers that name only, as the model's
     own layer does (a render looking the module up under another name finds none)."""
 
-    def __init__(self, attention, state_attr: str | None = None, state=None):
+    def __init__(self, attention, state_attr: str | None = None, state=None, cross=None):
         self._attention = attention
         self._state_attr = state_attr
         self._state = state  # a parallel hybrid's mixer beside its attention (Falcon-H1), under state_attr
+        self._cross = cross  # (attribute, host) of the layer's cross-attention module (an encoder-decoder's decoder)
 
     def __getattr__(self, name):
+        if self._cross is not None and name == self._cross[0]:
+            return self._cross[1]
         if self._state is not None:
             return self._state if name == self._state_attr else self._attention
         if self._state_attr is not None and name != self._state_attr:
@@ -570,7 +725,8 @@ class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
     def __init__(self, hf_model, rendered: RenderedCode, *, is_mla: bool, cache_dtype=torch.float32,
-                 window: int | None = None, block_size: int = 128, device: torch.device | None = None):
+                 window: int | None = None, block_size: int = 128, device: torch.device | None = None,
+                 uncached: frozenset[int] = frozenset()):
         self.hf_model = hf_model
         self.rendered = rendered
         self.step_index = -1  # forward calls so far, for failure locations
@@ -582,31 +738,64 @@ class HostModel:
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
         if hasattr(rendered.attention, "torchair"):  # ge_graph decode calls torchair.ops' attention
             rendered.attention.torchair = _RecordingTorchair(rendered.attention.torchair, self.probe)
-        host_cls = make_host_attention(rendered.attention_mixin())
+        attention_mixin = rendered.attention_mixin()
+        host_cls = make_host_attention(attention_mixin) if attention_mixin else None
         linear_mixin = rendered.linear_mixin()
         linear_cls = make_host_linear(linear_mixin) if linear_mixin else None
         self.attentions = []
+        self.cross_attentions = []  # an encoder-decoder's decoder: each layer's cross-attention module, routed
+        self.cross_prefill_lens: dict[int, list[int]] = {}  # step -> its requests' encoder lengths (prefill steps)
         path, layers = decoder_layers(hf_model)
+        cross_names = CROSS_MODULE_NAMES if hasattr(host_cls, "init_cross_cache") else ()
+        hidden = _cross_hidden(layers, cross_names)
+        # each request's encoder output (None: a decoder-only render); the pipeline hands the reference the same
+        self.encoder = EncoderStates(hidden, rendered.attention.CROSS_MAX_ENCODER_LEN, _ENCODER_SEED) \
+            if hidden else None
         routes = set()
         views: list[_DecoderLayer] = []  # what get_cache_info() walks, one per decoder layer
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
+            if idx in uncached:  # a block the manifest plans without any cache (an MLP / MoE block): left as it is
+                if linear is not None or find_attentions(layer):
+                    raise InputError("--config", f"{path}.{idx} ({type(layer).__name__}) is planned without a cache "
+                                                 "(manifest no_cache_layers) and holds an attention or a recurrent "
+                                                 "mixer", field="model_type")
+                views.append(_DecoderLayer(types.SimpleNamespace()))  # no module with cache entries
+                continue
             state, state_attr = None, None
             if linear is not None:
                 if linear_cls is None:
                     raise InputError("--config", f"{path}.{idx}.{linear[0]} ({type(linear[1]).__name__}) is a linear "
                                                  "layer and the rendered code has no state mixin", field="model_type")
                 state = linear_cls(linear[1], idx, self.probe)
-                state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d")))
+                short_conv = bool(short_conv_facts(linear[1]))
+                state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d") or short_conv,
+                                                           recurrent=not short_conv))
                 scan = mamba_scan_of(linear[1])
-                if scan is not None:
+                if short_conv:
+                    bind_short_conv(linear[1], state)
+                    state_attr = linear[0]  # the layer answers its conv layer's own name only (LFM2: conv)
+                elif scan is not None:
                     bind_mamba(linear[1], state, scan)
                     state_attr = linear[0]  # the layer answers its mixer's own name only
                 else:
                     linear[1]._kvcache_host = state
                     linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])
             hits = [hit for hit in find_attentions(layer) if linear is None or hit[1] is not linear[1]]
+            cross = None
+            crossed = [hit for hit in hits if hit[0].rsplit(".", 1)[-1] in cross_names]
+            if crossed:
+                hits = [hit for hit in hits if hit not in crossed]
+                cross_host = host_cls(crossed[0][1], idx, self.probe)
+                cross_host.is_cross = True
+                cross_host.init_cross_cache(idx, cache_dtype)
+                crossed[0][1]._kvcache_host = cross_host
+                if attention_route(crossed[0][1], is_mla) == "eager_qkv":  # TrOCR, MVP: their own score code
+                    crossed[0][1].forward = types.MethodType(
+                        _padded(_eager_qkv_forward, _returned_values(crossed[0][1])), crossed[0][1])
+                self.cross_attentions.append(cross_host)
+                cross = (crossed[0][0].rsplit(".", 1)[-1], cross_host)
             if linear is not None and not (hits and state_attr):  # a parallel hybrid's Mamba layer keeps attention
                 self.attentions.append(state)
                 views.append(_DecoderLayer(state, state_attr))
@@ -616,6 +805,10 @@ class HostModel:
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",
                                  field="model_type")
             name, hf_attn = hits[0]
+            if host_cls is None:
+                raise InputError("--config", f"{path}.{idx}.{name} ({type(hf_attn).__name__}) attends and the rendered "
+                                             "code has no attention mixin (a pure state stack's render)",
+                                 field="model_type")
             route = attention_route(hf_attn, is_mla)
             if route is None:
                 raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "
@@ -631,7 +824,11 @@ class HostModel:
                                                    hf_attn)
             # a parallel hybrid (Falcon-H1): the attention sublayer, then the mixer's states beside it
             self.attentions += [host] if state is None else [host, state]
-            views.append(_DecoderLayer(host, state_attr, state))
+            views.append(_DecoderLayer(host, state_attr, state, cross))
+        if self.encoder is not None:
+            for name, module in hf_model.named_modules():
+                if name.endswith("embed_positions") and not name.split(".")[-2:-1] == ["encoder"]:
+                    module.forward = types.MethodType(_host_positions(module.forward), module)
         if "interface" in routes:
             _register_attention()
             hf_model.config._attn_implementation = ATTN_IMPL
@@ -645,6 +842,7 @@ class HostModel:
         # What get_cache_info() walks: model.layers[i].<attn_attr> (whatever --attn-attr the render
         # used), plus the model-level block size.
         self.block_size = block_size
+        self.position_offset = position_offset(hf_model)
         self.model = types.SimpleNamespace(layers=views)
 
     def get_cache_info(self):
@@ -663,10 +861,42 @@ class HostModel:
         """[B, S] ids/positions -> logits [B, S, vocab] (B = 1 for packed paged steps)."""
         self.step_index += 1
         self.probe.step = self.step_index
-        with current_metadata(forward_metadata, position_ids.to(self.device)):
-            out = self.hf_model(input_ids=input_ids.to(self.device), position_ids=position_ids.to(self.device),
-                                use_cache=False)
+        lens, extra = None, {}
+        if self.encoder is not None:
+            lens, states = self.encoder_step(input_ids, forward_metadata)
+            if lens is not None:
+                self.cross_prefill_lens[self.step_index] = lens
+            extra = encoder_kwargs(self.hf_model, states.to(device=self.device, dtype=self.hf_model.dtype))
+        with current_metadata(forward_metadata, position_ids.to(self.device), lens):
+            out = self.hf_model(input_ids=input_ids.to(self.device),
+                                position_ids=position_ids.to(self.device) + self.position_offset, use_cache=False,
+                                **extra)
         return out.logits.double().cpu()
+
+    def encoder_step(self, input_ids: torch.Tensor, forward_metadata) -> tuple[list[int] | None, torch.Tensor]:
+        """(each request's encoder length, the encoder states [1, sum S_enc, hidden]) of a prefill: each request's
+        own, found by its prompt's first tokens (the packed ids split by the step's cumulative query lengths). A
+        decode step: (None, NaN states [1, 1, hidden]): a render that reads them instead of its slots turns NaN."""
+        if not forward_metadata.is_prefill:
+            return None, torch.full((1, 1, self.encoder.hidden), float("nan"), dtype=torch.float64)
+        ids = input_ids.reshape(-1).tolist()
+        cu = [int(x) for x in torch.as_tensor(forward_metadata.actual_seq_lengths_cu_q).tolist()]
+        states = [self.encoder.of(ids[a:b]) for a, b in zip([0] + cu[:-1], cu, strict=True) if b > a]
+        return [len(x) for x in states], torch.cat(states)[None]
+
+
+def position_offset(hf_model) -> int:
+    """What the model adds to a token's 0-based position before its position embedding. The Roberta-style embeddings
+    (RobertaEmbeddings, XmodEmbeddings...) number positions from ``padding_idx + 1`` when they derive them from the
+    input ids (``create_position_ids_from_input_ids``), which is how transformers runs the reference; given explicit
+    position ids they use them as they are. The engine hands every model 0-based positions, so a port of such a model
+    adds this offset, and the host does too."""
+    for module in hf_model.modules():
+        if hasattr(type(module), "create_position_ids_from_input_ids") and isinstance(
+                getattr(module, "padding_idx", None), int) and "position_ids" in inspect.signature(
+                    type(module).forward).parameters:  # TrOCR's sinusoidal table takes no position ids: nothing to add
+            return module.padding_idx + 1
+    return 0
 
 
 def _store_output(outputs: list, idx: int):
@@ -680,7 +910,9 @@ def _store_output(outputs: list, idx: int):
 def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     """transformers eager forward over one whole sequence: logits [L, vocab] (float64 compare later)."""
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
-    return ref_model(input_ids=ids, use_cache=False).logits[0].double()
+    encoder = getattr(ref_model, "_kvcache_encoder", None)  # an encoder-decoder's decoder: the request's own states
+    extra = encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype)) if encoder is not None else {}
+    return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
 
 
 @torch.no_grad()

@@ -84,6 +84,14 @@ def _shard_gated_delta(mod, rank: int, tp: int):
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a Mamba "
                                                       "mixer): it shards gated delta nets only; validate Mamba "
                                                       "layers at attention TP 1", field="attn_tp_size")
+    from model_infer_kvcache.analyzer.linear_config import short_conv_facts
+
+    if short_conv_facts(mod):  # LFM2's short conv: a gap of kvcache's, said as such
+        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a short "
+                                                      "conv): it shards gated delta nets only; validate short-conv "
+                                                      "layers at attention TP 1", field="attn_tp_size")
     if hasattr(mod, "forget_gate"):  # a gap of kvcache's, said as such (never the model's failure)
         from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 

@@ -49,6 +49,11 @@ class NumericTracker:
 
     # ------------------------------------------------------------------ runtime link
     def check_runtime(self, report: Report, manifest: SelectionManifest, prompt_len: dict[int, int]) -> None:
+        if not manifest.attention_layers:
+            report.notes.append("no layer attends (a pure state stack): the attention-call checks (shapes, scale, "
+                                "the first decode's KV length, FA arguments) have no call to judge; the states are "
+                                "judged by the init checks and the logits")
+            return
         n_q = manifest.parallel.num_q_heads_per_rank
         mla = manifest.model.mla
         bad_shapes, bad_scale = [], []

@@ -57,7 +57,7 @@ def check_constants(report: Report, manifest: SelectionManifest, module: types.M
                checked=checked)
 
 
-def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, cache_dtype: torch.dtype,
+def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type | None, cache_dtype: torch.dtype,
                       linear_mixin: type | None = None) -> None:
     """``init_kv_cache`` (``init_state_cache`` on a linear layer) for each of the model's layers: attn_type, window
     and entries per the manifest."""
@@ -65,6 +65,9 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type, 
     for plan in manifest.layers:
         if plan.is_state:
             bad += _state_layer_problems(plan, linear_mixin, cache_dtype)
+            continue
+        if mixin is None:
+            bad.append(f"layer {plan.index}: an attention layer and the render has no init_kv_cache")
             continue
         attn = mixin.__new__(mixin)
         try:
@@ -103,7 +106,8 @@ def _state_layer_problems(plan, linear_mixin: type | None, cache_dtype: torch.dt
         return [f"layer {plan.index}: a linear (Mamba) layer and the render has no init_state_cache"]
     layer = linear_mixin.__new__(linear_mixin)
     try:
-        layer.init_state_cache(plan.index, **state_dtypes(cache_dtype, any(s.name == "conv_state" for s in plan.states)))
+        layer.init_state_cache(plan.index, **state_dtypes(cache_dtype, any(s.name == "conv_state" for s in plan.states),
+                                                           any(s.name == "recurrent_state" for s in plan.states)))
     except Exception as exc:
         return [f"layer {plan.index}: init_state_cache raised {type(exc).__name__}: {exc}"]
     if getattr(layer, "attn_type", None) != plan.attn_type:

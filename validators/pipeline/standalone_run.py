@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import check_attention_calls, recurrent
+from model_infer_kvcache.validators.kinds import check_attention_calls, cross, recurrent
 from model_infer_kvcache.validators.npu_ops import paged_caches
 from model_infer_kvcache.validators.pipeline.graph_capture import (
     PADDING_CHECK,
@@ -29,6 +30,9 @@ def _caches(host) -> list[torch.Tensor]:
     return [getattr(a, c) for a in host.attentions for c in (*CACHE_NAMES, *STATE_NAMES) if hasattr(a, c)]
 
 
+CROSS_NAMES = (cross_kind.KEY, cross_kind.VALUE, cross_kind.LENGTH)
+
+
 def _poison_row(host, runner, row: int) -> None:
     """A finished request's rows of every cache and its state slot become NaN: a new request there must not read
     them."""
@@ -44,6 +48,10 @@ def _poison_row(host, runner, row: int) -> None:
                     per_row = t.shape[0] // runner.batch_size  # 1 + next_n slots per row under speculative decoding
                     # the anchor is an index: a value no position has, so a prefill that leaves it unset fails
                     t[row * per_row:(row + 1) * per_row] = float("nan") if t.is_floating_point() else -2 ** 30
+        for a in getattr(host, "cross_attentions", []):  # a row's cross slot: its next request's prefill rewrites it
+            for c in CROSS_NAMES:
+                t = getattr(a, c)
+                t[row] = float("nan") if t.is_floating_point() else -2 ** 30
 
 
 def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model, scenario: Scenario, seed: int,
@@ -56,8 +64,9 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
     rows_n = scenario.max_concurrency
     # The run's dtype for the states too, as for the caches (the manifest's bfloat16 state is the device's).
     lin = manifest.linear_attention
-    states = state_dtypes(cache_dtype, lin.conv_kernel is not None) if lin else {}
-    runner._init_kvcache(host.attentions, rows_n, scenario.max_model_len, device=host.device, cache_dtype=cache_dtype,
+    states = state_dtypes(cache_dtype, lin.conv_kernel is not None, recurrent=lin.num_v_heads is not None) if lin \
+        else {}
+    runner._init_kvcache(host.attentions + host.cross_attentions, rows_n, scenario.max_model_len, device=host.device, cache_dtype=cache_dtype,
                          **states)
     _check_init(report, manifest, host, runner, rows_n)
     if any(not c.passed for c in report.checks if c.link == "init"):
@@ -154,6 +163,7 @@ def run_standalone(report: Report, manifest: SelectionManifest, host, ref_model,
                    detail="; ".join(slot_errors[:3]), steps=step_index)
         tracker.check_runtime(report, manifest, prompt_len)
         check_attention_calls(report, manifest, host)
+        cross.check_cross_calls(report, manifest, host)
         sequences = {rid: tokens[rid][:-1] if budget[rid] <= 0 else tokens[rid] for rid in tokens}
         tracker.check_numeric(report, sequences)
         if manifest.mtp is not None:
@@ -185,7 +195,8 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
     problems = []
     # graph mode: one null block past the rows' blocks, for the padded decode rows
     blocks = runner.block_table.numel() + (1 if graph_mode(manifest) else 0)
-    want = {c.name: c for c in next(layer for layer in manifest.layers if not layer.is_state).caches}
+    attending = manifest.attention_layers  # none in a pure state stack: states only
+    want = {c.name: c for c in attending[0].caches} if attending else {}
     states = recurrent.states(manifest)
     # one state slot per row, 1 + next_n of them under speculative decoding (one per verify token)
     slots_n = rows_n * recurrent.state_slots_per_row(manifest)

@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.kinds import holds_states
 from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import kind_of, recurrent
+from model_infer_kvcache.validators.kinds import cross, kind_of, recurrent
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
 _HEAD_DIM_FROM_HIDDEN = {"falcon"}
@@ -63,6 +63,8 @@ def _layer_plans(manifest: SelectionManifest, src: dict[str, Any]) -> list[tuple
             f"kv_source{sub}": str(layer.kv_source_layer),
             f"caches{sub}": ", ".join(f"{c.name} {c.num_head}x{c.dim} {c.dtype}" for c in layer.caches),
             f"states{sub}": ", ".join(st.name for st in layer.states)})
+    for block in manifest.no_cache_layers or ():  # a block without a cache is a plan of its own (MLP, MoE)
+        plans[block.decoder_layer] = {"attn_type": "none", "kind": f"no cache ({block.block})"}
     for i, plan in plans.items():
         plan.update({k: json.dumps(v[i], sort_keys=True) for k, v in sorted(per_layer.items())})
     return [tuple(plans[i].items()) for i in sorted(plans)]
@@ -105,17 +107,22 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
+    if isinstance(d.get("hybrid_override_pattern"), str):  # Nemotron-H's legacy block string, one char a block
+        d["hybrid_override_pattern"] = d["hybrid_override_pattern"][:n]
     if d.get("num_kv_shared_layers"):
         # the prefix keeps the real first shared layer (and so every source): the shared ones are its tail
-        first_shared = next(layer.index for layer in manifest.layers if layer.kv_source_layer is not None)
+        first_shared = next(layer.decoder_layer for layer in manifest.layers if layer.kv_source_layer is not None)
         d["num_kv_shared_layers"] = max(n - first_shared, 0)
     kind = kind_of(manifest)
     from_hidden = hf_type in _HEAD_DIM_FROM_HIDDEN
     d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128
-    d["num_attention_heads"] = m.num_attention_heads
-    kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
-    recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
+    if m.num_attention_heads:  # a pure state stack has none (Mamba2Config's num_heads are its mixer's)
+        d["num_attention_heads"] = m.num_attention_heads
+    if manifest.attention_layers:  # a pure state stack has no attention to size (Mamba2Config's head_dim is its mixer's)
+        kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
+    cross.tiny_cross_fields(d, manifest, n)  # an encoder-decoder's decoder fields (validators/kinds/cross)
     d["intermediate_size"] = 128
+    recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
     d["vocab_size"] = TINY_VOCAB
     for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
                        ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),
@@ -374,16 +381,19 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
 
 
 def _head_dim_of(model) -> int | None:
-    """The head_dim the first attention module keeps (Persimmon and StableLM derive it from hidden_size / heads,
-    whatever the config's head_dim says), None where it keeps none."""
+    """The head_dim the first attention module keeps (Persimmon, StableLM and the BERT-era families derive it from
+    hidden_size / heads, whatever the config's head_dim says), None where it keeps none."""
     from model_infer_kvcache.analyzer.hf_layout import LayoutError, attention_modules
 
     try:
         module = next((m for _, m in attention_modules(model) if m is not None), None)
     except LayoutError:
         return None
-    d = getattr(module, "head_dim", None)
-    return d if isinstance(d, int) and not isinstance(d, bool) else None
+    for name in ("head_dim", "attention_head_size"):  # the BERT-era modules name it attention_head_size
+        d = getattr(module, name, None)
+        if isinstance(d, int) and not isinstance(d, bool):
+            return d
+    return None
 
 
 def _tied_width(d: dict[str, Any], manifest: SelectionManifest) -> int | None:

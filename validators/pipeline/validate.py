@@ -408,8 +408,11 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
 
             report.provenance = rendered_provenance(rendered_dir, handle, backend)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
-                         block_size=manifest.block_size)
+                         block_size=manifest.block_size,
+                         uncached=frozenset(b.decoder_layer for b in manifest.no_cache_layers or ()))
         host.atol = TOLERANCE[req.dtype]
+        if host.encoder is not None:  # an encoder-decoder's decoder: the reference reads each request's own states
+            ref._kvcache_encoder = host.encoder
         if observe is not None:  # localisation's replay: a capture on the model under test
             observe(host)
         try:

@@ -1,0 +1,193 @@
+"""Cross-attention, analyzer side: the decoder of an encoder-decoder model (BART, mBART, Marian, Pegasus,
+BigBird-Pegasus, Blenderbot, PLBart, MVP, Whisper, TrOCR), whose decoder blocks attend over the encoder's states
+beside their causal self-attention (transformers: ``<decoder layer>.encoder_attn``).
+
+Each request brings its own encoder states. Their K/V (the decoder's ``k_proj`` / ``v_proj`` of
+``encoder_hidden_states``) are computed once, at the request's prefill, and read by every later step with no causal
+mask: they do not grow with the decoded sequence. kvcache keeps them in one slot per request (a fixed-size state,
+like a Mamba block), sized by the longest encoder output the config allows; the self-attention keeps the normal paged
+KV cache (its layers in the manifest's ``layers``). The group's block math is ``kv_cache_spec.CrossAttentionSpec``.
+
+Here: the config facts (does the decoder attend over an encoder, how long an encoder output can be, and from which
+field), the manifest section (``cross_attention``), its memory group, the blocker when the length is unknown, and
+the comparison with transformers' cross-attention modules (analyzer.arch_check).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from model_infer_kvcache.analyzer import kv_cache_spec
+from model_infer_kvcache.analyzer.manifest import CrossAttentionDecision, Finding, StateSpec
+
+# Tokens of one FA block of a cross slot: the paged FA call takes a block size of 128..512 in steps of 128 when a
+# query is longer than one token (the prefill; torch_npu npu_fused_infer_attention_score, block_size), so a slot is
+# the maximum encoder length rounded up to whole 128-token blocks and read through a block table of its blocks.
+CROSS_BLOCK_SIZE = 128
+# transformers' attribute of a decoder block's cross-attention module, in every family this kind serves
+MODULE_ATTR = "encoder_attn"
+# the attribute names transformers gives a decoder block's attention over the encoder's states (the cross-check
+# recognises all of them; the host and the render route MODULE_ATTR)
+MODULE_NAMES = ("encoder_attn", "crossattention", "cross_attention", "encoder_attention")
+# Fields that give the longest encoder output a decoder attends over, first hit wins, with why that field is it.
+# A field map, not per-family code: Whisper names its encoder's positions (the audio frames after the conv stem),
+# the BART family (BART, mBART, Marian, Pegasus, BigBird-Pegasus, Blenderbot, PLBart, MVP) sizes the encoder's and
+# the decoder's position tables by one max_position_embeddings (BartEncoder / BartDecoder: embed_positions).
+ENCODER_LENGTH_FIELDS = (
+    ("max_source_positions", "the encoder's position table (WhisperEncoder.embed_positions: the audio frames after "
+                             "the conv stem)"),
+    ("encoder_max_position_embeddings", "the encoder's position table"),
+)
+SHARED_POSITIONS = ("max_position_embeddings", "one position table size for the encoder and the decoder of an "
+                                               "encoder-decoder config (BartEncoder and BartDecoder both size "
+                                               "embed_positions by config.max_position_embeddings)")
+# Cache entries of one cross-attention layer: the encoder K/V of a request, and how many encoder positions it holds.
+KEY, VALUE, LENGTH = "cross_key", "cross_value", "cross_len"
+
+
+@dataclass(frozen=True)
+class CrossFacts:
+    """A decoder whose blocks attend over encoder states: the longest encoder output (None: no field gives it)."""
+
+    max_encoder_len: int | None
+    length_source: str  # the field, or why none gives it
+    source: str  # why the config is an encoder-decoder's decoder
+
+
+def read_facts(get: Callable[..., tuple[Any, str] | None], cfg: dict[str, Any]) -> CrossFacts | None:
+    """The cross-attention facts of a config (None: a decoder-only model). ``get`` is the config reader's lookup
+    (first present, non-null field); ``cfg`` the model section, for keys whose presence alone says it (TrOCR keeps
+    ``cross_attention_hidden_size`` null when the encoder is as wide as the decoder)."""
+    enc_dec = get("is_encoder_decoder")
+    is_enc_dec = bool(enc_dec and enc_dec[0] is True)
+    if is_enc_dec:
+        source = f"{enc_dec[1]} true (an encoder-decoder config: its decoder blocks attend over the encoder)"
+    elif "cross_attention_hidden_size" in cfg:
+        source = ("cross_attention_hidden_size (a decoder built to attend over a separate encoder's states: "
+                  "TrOCRDecoderLayer.encoder_attn)")
+    else:
+        return None
+    for name, why in ENCODER_LENGTH_FIELDS + ((SHARED_POSITIONS,) if is_enc_dec else ()):
+        hit = get(name)
+        if hit is not None and isinstance(hit[0], int) and not isinstance(hit[0], bool) and hit[0] > 0:
+            return CrossFacts(hit[0], f"{hit[1]}: {why}", source)
+    return CrossFacts(None, "no field of the config gives the encoder's output length (max_source_positions, "
+                            "encoder_max_position_embeddings"
+                            + (", max_position_embeddings" if is_enc_dec else "; its max_position_embeddings sizes "
+                               "the decoder's own positions") + ")", source)
+
+
+def blocker(facts) -> Finding | None:
+    """A decoder over an encoder whose output length no field gives: the slot cannot be sized."""
+    cross = facts.cross.value
+    if cross is None or cross.max_encoder_len is not None:
+        return None
+    return Finding(message=f"not supported by kvcache: {facts.model_type!r} decoder blocks attend over an encoder's "
+                           f"states ({cross.source}) and {cross.length_source}: the cross-attention slot of a request "
+                           "cannot be sized; add max_source_positions (the encoder's longest output, e.g. the image "
+                           "patches + 1 of a ViT encoder) to the config",
+                   fields=["max_source_positions"])
+
+
+def slot_tokens(max_encoder_len: int) -> int:
+    return math.ceil(max_encoder_len / CROSS_BLOCK_SIZE) * CROSS_BLOCK_SIZE
+
+
+def entries(facts, kv_heads_per_rank: int, dtype: str) -> list[StateSpec]:
+    tokens = slot_tokens(facts.cross.value.max_encoder_len)
+    shape = [tokens, kv_heads_per_rank, facts.head_dim.value]
+    layout = (f"[encoder positions (max {facts.cross.value.max_encoder_len}, rounded up to {CROSS_BLOCK_SIZE}-token "
+              "FA blocks), KV heads of this rank, head_dim]")
+    return [StateSpec(name=KEY, shape=shape, dtype=dtype, layout=layout),
+            StateSpec(name=VALUE, shape=shape, dtype=dtype, layout=layout),
+            StateSpec(name=LENGTH, shape=[1], dtype="int32", layout="[1]: the request's encoder length (the FA "
+                                                                     "call's KV length)")]
+
+
+def slot_bytes(states: list[StateSpec]) -> int:
+    """One request's slot of one layer: its entries' bytes."""
+    return sum(math.prod(s.shape) * (4 if s.dtype == "int32" else kv_cache_spec.DTYPE_BYTES[s.dtype]) for s in states)
+
+
+def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
+    """The cross-attention plan of an encoder-decoder model's decoder; None for a decoder-only model or one whose
+    encoder length is unknown (a blocker says so)."""
+    cross = facts.cross.value
+    if cross is None or cross.max_encoder_len is None:
+        return None
+    tp = parallel.attn_tp_size
+    heads = facts.num_attention_heads.value
+    per_rank = max(heads // tp, 1)
+    states = entries(facts, per_rank, dtype or facts.dtype.value)
+    layers = list(range(facts.num_layers.value))
+    per_layer = slot_bytes(states)
+    return CrossAttentionDecision(
+        layers=layers,
+        module_attr=MODULE_ATTR,
+        max_encoder_len=cross.max_encoder_len,
+        max_encoder_len_source=cross.length_source,
+        num_heads=heads,
+        num_kv_heads=heads,
+        num_kv_heads_per_rank=per_rank,
+        head_dim=facts.head_dim.value,
+        slot_block_size=CROSS_BLOCK_SIZE,
+        slot_tokens=slot_tokens(cross.max_encoder_len),
+        states=states,
+        slot_bytes_per_layer=per_layer,
+        slot_bytes=per_layer * len(layers),
+        framework_entry=(f"MambaCacheEntry(cache_name, dtype, shape, needs_block=True, manager_key="
+                         f"'{kv_cache_spec.CROSS_ATTENTION}') per entry ({KEY}, {VALUE}, {LENGTH}) beside the layer's "
+                         "self-attention entries: the Mamba manager keeps one slot per request in a pool of its own "
+                         f"(block_table['{kv_cache_spec.CROSS_ATTENTION}'][row, 0]); frameworks from fda5670 on "
+                         "(MambaCacheEntry) with manager_key (48a59dc0 on)"),
+        fa=("prefill writes the request's encoder K/V into its slot, then prefill and decode read the slot through "
+            f"the paged FA call (block_table = the slot's {slot_tokens(cross.max_encoder_len) // CROSS_BLOCK_SIZE} "
+            f"blocks of {CROSS_BLOCK_SIZE}, actual_seq_lengths_kv = the request's encoder length) with sparse_mode 0 "
+            "and no atten_mask: every decoder position sees every encoder position (no causal mask)"),
+        source=cross.source,
+        reason=(f"{len(layers)} decoder layers attend over the request's encoder states (transformers "
+                f"<decoder layer>.{MODULE_ATTR}): their K/V are computed once from encoder_hidden_states at the "
+                "request's prefill and never change, so they are kept in one slot per request (a fixed reservation "
+                f"of {cross.max_encoder_len} encoder positions: {cross.length_source}) and overwritten by the next "
+                "request's prefill when the slot is reused; the self-attention keeps the paged cache"),
+    )
+
+
+def memory_group(decision: CrossAttentionDecision) -> kv_cache_spec.CrossAttentionSpec:
+    return kv_cache_spec.CrossAttentionSpec(kv_cache_spec.CROSS_ATTENTION, decision.slot_bytes, 0,
+                                            len(decision.layers), slot_tokens=decision.slot_tokens)
+
+
+def memory_note(decision: CrossAttentionDecision) -> str:
+    return (f"{kv_cache_spec.CROSS_ATTENTION}: one slot per request = {len(decision.layers)} layers x "
+            f"{decision.slot_bytes_per_layer} B (K and V of {decision.slot_tokens} encoder positions x "
+            f"{decision.num_kv_heads_per_rank} heads x {decision.head_dim}, + the length) = {decision.slot_bytes} B, "
+            "fixed (does not grow with the decoded sequence)")
+
+
+def hf_problems(facts, cross_modules: list, scale: float) -> list[str]:
+    """What transformers' cross-attention modules (analyzer.arch_check.HfAttention) say against the plan: one per
+    decoder layer, each with the planned heads, head_dim and softmax scale. Empty when they agree."""
+    cross = facts.cross.value
+    n = facts.num_layers.value
+    if cross is None:
+        # the realistic analyzer mistake: the decoder's cross-attention ignored, planned decoder-only
+        return [f"transformers' {facts.model_type!r} decoder blocks hold a cross-attention module beside their "
+                f"self-attention ({cross_modules[0].cls} at {cross_modules[0].path}, {len(cross_modules)} layer(s)) "
+                "and the analyzer plans none: the decoder of an encoder-decoder model, whose cross-attention over "
+                "the encoder's states a decoder-only plan would leave out"]
+    out = []
+    if len(cross_modules) != n:
+        out.append(f"cross-attention layers: analyzer plans {n}, transformers builds {len(cross_modules)}")
+    want = (facts.head_dim.value, facts.num_attention_heads.value)
+    for mod in cross_modules:
+        if mod.kv_shape is not None and mod.kv_shape[:2] != want:
+            out.append(f"{mod.path}: cross-attention K/V (head_dim, heads) {mod.kv_shape[:2]} != planned {want}")
+            break
+        if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=1e-9):
+            out.append(f"{mod.path}: cross-attention scale {mod.scale[0]!r} ({mod.scale[1]}) != planned {scale!r}")
+            break
+    return out

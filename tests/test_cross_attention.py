@@ -1,0 +1,126 @@
+"""The cross-attention kind (issue #40): the decoder of an encoder-decoder model keeps one slot per request for the
+K/V of its encoder states (analyzer/kinds/cross.py, kv_cache_spec.CrossAttentionSpec, templates/kinds/
+cross_attention.py.j2, validators/kinds/cross.py). Analyzer tests at published sizes; the render of both modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kv_cache_spec import CROSS_ATTENTION, MAMBA, CrossAttentionSpec
+from model_infer_kvcache.implementer.render import render_manifest
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+from validators_support import CONFIGS, check, mutate, render_case, run_validate
+
+FRAMEWORK, STANDALONE = "部署模式：框架部署", "部署模式：独立部署"
+
+
+def _plan(config: str, dispatch: str = FRAMEWORK, **over):
+    return analyze(AnalyzeRequest(config=str(CONFIGS / config), dispatch=dispatch, **over))
+
+
+def test_bart_plans_a_slot_per_request_sized_by_the_shared_position_table():
+    m = _plan("bart_large.json")
+    x = m.cross_attention
+    assert x.layers == list(range(12)) and x.module_attr == "encoder_attn"
+    assert x.max_encoder_len == 1024 and x.max_encoder_len_source.startswith("max_position_embeddings")
+    assert (x.num_kv_heads_per_rank, x.head_dim, x.slot_tokens, x.slot_block_size) == (16, 64, 1024, 128)
+    # K and V of 1024 positions x 16 heads x 64 in bfloat16, plus the int32 length, per layer
+    assert x.slot_bytes_per_layer == 2 * 1024 * 16 * 64 * 2 + 4 and x.slot_bytes == 12 * x.slot_bytes_per_layer
+    group = next(g for g in m.memory.groups if g.group_key == CROSS_ATTENTION)
+    assert group.fixed_blocks and group.state_bytes == x.slot_bytes
+    assert all(layer.attn_type == "FullAttention" for layer in m.layers)  # the self-attention keeps the paged cache
+
+
+def test_whisper_sizes_the_slot_by_max_source_positions():
+    x = _plan("whisper_tiny.json").cross_attention
+    assert x.max_encoder_len == 1500 and x.max_encoder_len_source.startswith("max_source_positions")
+    assert x.slot_tokens == 1536 and len(x.layers) == 4
+
+
+def test_trocr_without_an_encoder_length_is_blocked_by_name():
+    m = _plan("trocr_large.json")
+    assert m.cross_attention is None
+    assert any("max_source_positions" in b.message and "cross-attention slot" in b.message for b in m.blockers)
+
+
+def test_the_spec_reserves_one_slot_per_request_in_the_mamba_manager():
+    spec = CrossAttentionSpec(CROSS_ATTENTION, 1000, 0, 12, slot_tokens=1024)
+    assert spec.manager == MAMBA and spec.fixed and spec.state and spec.per_token_bytes == 0
+    assert spec.fixed_blocks(4) == 5 and spec.blocks_per_request(10 ** 6) == 1
+    assert "5 cross-attention slots" in spec.fixed_formula(4)
+
+
+def test_an_analyzer_that_ignores_the_cross_attention_is_refused_by_the_cross_check(monkeypatch):
+    # the realistic mistake: the encoder-decoder config read as decoder-only (no cross facts)
+    monkeypatch.setattr(cross_kind, "read_facts", lambda get, cfg: None)
+    with pytest.raises(InputError, match="hold a cross-attention module .* and the analyzer plans none"):
+        _plan("bart_large.json")
+
+
+@pytest.mark.parametrize("dispatch", [FRAMEWORK, STANDALONE])
+def test_both_modes_render_the_slot(dispatch):
+    files = render_manifest(_plan("bart_large.json", dispatch)).files
+    attention = files["kvcache_attention.py"]
+    assert "def init_cross_cache(" in attention and "sparse_mode=0" in attention and "atten_mask=None" in attention
+    if dispatch == FRAMEWORK:
+        assert 'manager_key=self.attn_type' in attention and 'block_table[self.attn_type][:rows, 0]' in attention
+    else:
+        assert "cross_slots=index.to(torch.int32)" in files["kvcache_runner.py"]
+
+
+# ---------------------------------------------------------------- validation (reduced sizes, short stream)
+# BART's decoder at reduced sizes (2 layers of 2 heads of 64, a 512-position table): the slot and its reads are the
+# published ones' in shape (whole 128-token blocks, several per slot), the run takes seconds.
+SMALL_BART = {"d_model": 128, "decoder_attention_heads": 2, "encoder_attention_heads": 2, "decoder_ffn_dim": 256,
+              "encoder_ffn_dim": 256, "decoder_layers": 2, "encoder_layers": 1, "vocab_size": 512,
+              "max_position_embeddings": 512}
+# prompts in two blocks and one, a late admit into the first finished request's freed slot
+SHORT = Scenario(first=((120, 4), (40, 4)), late=((90, 4),), max_concurrency=2, release_requests=2)
+NUMERIC, CROSS_ENTRIES, CROSS_CALLS = "logits vs transformers", "cross-attention slot entries", "cross-attention reads"
+
+
+def _case(tmp_path, mode: str):
+    return render_case(tmp_path, "bart_large", SMALL_BART, dispatch=FRAMEWORK if mode == "framework" else STANDALONE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_bart_validates_against_transformers_in_both_modes(tmp_path, mode):
+    manifest, rendered, cfg = _case(tmp_path, mode)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert check(report, CROSS_CALLS).measured["calls"] > 0
+    if mode == "framework":
+        assert check(report, CROSS_ENTRIES).passed
+        usage = check(report, "all blocks back in the pool").measured["usage"]
+        assert usage[CROSS_ATTENTION]["total"] == SHORT.max_concurrency + 1  # a slot per request + the null block
+
+
+MISTAKES = [
+    # (1) the slot not rewritten on reuse: a late request reads what the previous request (or the poison) left
+    ("slot-not-rewritten-on-reuse", "framework", r"        if forward_metadata\.is_prefill:\n"
+     r"            self\.write_cross\(encoder_key, encoder_value, encoder_lens, slots\)",
+     "        if forward_metadata.is_prefill and not bool((self.cross_len[slots] > 0).all()):\n"
+     "            self.write_cross(encoder_key, encoder_value, encoder_lens, slots)", NUMERIC),
+    # (2) a causal mask over the cross-attention (the self-attention's sparse_mode 3 copied)
+    ("causal-mask-on-cross-attention", "standalone", r"            atten_mask=None,\n            sparse_mode=0,",
+     "            atten_mask=forward_metadata.attention_mask,\n            sparse_mode=3,", CROSS_CALLS),
+    # (3) the slot index mixed up: every request reads the first request's slot (another request's encoder K/V)
+    ("slot-of-another-request", "framework", r"return forward_metadata\.block_table\[self\.attn_type\]\[:rows, 0\]"
+     r"\.long\(\)", "return forward_metadata.block_table[self.attn_type][:1, 0].long().expand(rows)", NUMERIC),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_cross_attention_render_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
+    manifest, rendered, cfg = _case(tmp_path, mode)
+    mutate(rendered, pattern, replacement)
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not report.passed
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]

@@ -1,0 +1,198 @@
+"""Pure state stacks and blocks without a cache (issue 40): Mamba / FalconMamba / Mamba2 (every layer a mixer, no
+attention: no attention field read, the state partial rendered alone), Nemotron-H (Mamba-2, attention, MLP-only and
+MoE-only blocks: the last two hold no cache, so the cache layers skip them while keeping their block index) and Dory
+(its saved layer_types' "mlp" entries are not layers; its recurrent loops are refused by name). Each mistake fails by
+name: a state not reset on slot reuse, an MLP block given a KV cache, the block list shifted, the blocks without a
+cache registered with the framework."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from model_infer_kvcache.analyzer import config_loader
+from model_infer_kvcache.analyzer.arch_check import cross_check
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.config_loader import normalize_config
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.linear_config import MAMBA, MAMBA2, NO_CACHE
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from test_hybrid_render import NUMERIC, SHORT, mistake_fails_by_name
+from validators_support import CONFIGS, check, render_case, run_validate
+
+ATTN = "kvcache_attention.py"
+
+
+def _data(config: str, **over) -> dict:
+    return {**json.loads((CONFIGS / f"{config}.json").read_text(encoding="utf-8")), **over}
+
+
+def _plan(tmp_path, config: str, **over):
+    path = tmp_path / f"{config}.json"
+    path.write_text(json.dumps(_data(config, **over)), encoding="utf-8")
+    return analyze(AnalyzeRequest(config=str(path)))
+
+
+@pytest.mark.parametrize("config, family, conv, state", [
+    ("mamba", MAMBA, [1536, 3], [1536, 16]),  # I = expand x hidden = 2 x 768 inner channels, d_state 16
+    ("falcon_mamba", MAMBA, [1536, 3], [1536, 16]),
+    ("mamba2", MAMBA2, [128 * 64 + 2 * 8 * 128, 3], [128, 64, 128]),  # x|B|C channels; [H, P, N]
+])
+def test_a_pure_state_stack_is_planned_without_attention_fields(tmp_path, config, family, conv, state):
+    """No layer attends: no attention field is read (MambaConfig has none; Mamba2Config's num_heads / head_dim are
+    its mixer's), nothing blocks, every layer is a state layer and the memory plan holds the state group only."""
+    m = _plan(tmp_path, config)
+    assert not m.blockers and m.kv_mode.value == "paged"
+    assert all(layer.is_state for layer in m.layers) and not m.attention_layers
+    assert m.model.num_attention_heads == 0 and "not read: no layer attends" in m.model.sources["num_attention_heads"]
+    lin = m.linear_attention
+    assert lin.family == family and lin.layers == list(range(m.model.num_layers))
+    assert {s.name: s.shape for s in lin.states} == {"conv_state": conv, "recurrent_state": state}
+    assert not any("unknown model family" in w.message for w in m.warnings)  # no attention code to read
+
+
+def test_an_all_mamba_granite_4_0_h_renders_the_state_partial_alone(tmp_path):
+    """GraniteMoeHybridConfig() lists every layer Mamba (was blocked: "a pure state stack"): planned and rendered
+    without an attention mixin; get_cache_info registers each mixer's states only."""
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    m = _plan(tmp_path, "granite_4_0_h", layer_types=["mamba"] * 32)
+    assert not m.blockers and all(layer.is_state for layer in m.layers)
+    text = render_manifest(m).files["kvcache_attention.py"]
+    assert "def init_kv_cache" not in text and not re.search(r"(?<!Mamba)CacheEntry\(", text)
+    assert "MambaCacheEntry(" in text
+    assert "return [decoder_layer.mamba]" in text
+
+
+def test_nemotron_h_blocks_without_a_cache_are_left_out_of_the_cache_layers(tmp_path):
+    """NemotronHConfig's default blocks (Mamba-2, MoE, attention, MLP): the MoE and MLP blocks hold no cache, so the
+    cache layers are the Mamba block (index 0, block 0) and the attention block (index 1, block 2); the memory plan
+    counts those two only."""
+    m = _plan(tmp_path, "nemotron_h")
+    assert [(layer.index, layer.decoder_layer, layer.attn_type) for layer in m.layers] == [
+        (0, 0, "Mamba"), (1, 2, "FullAttention")]
+    assert [(b.decoder_layer, b.block) for b in m.no_cache_layers] == [(1, "moe"), (3, "mlp")]
+    assert all("keeps no cache" in b.reason for b in m.no_cache_layers)
+    assert m.plan_of_module(2) is m.layers[1]  # the attention module keeps its block index 2
+    lin = m.linear_attention
+    assert lin.family == MAMBA2 and lin.layers == [0]
+    assert {s.name: s.shape for s in lin.states} == {"conv_state": [128 * 64 + 2 * 8 * 128, 3],
+                                                     "recurrent_state": [128, 64, 128]}
+    assert m.memory.derivation[0].startswith("per-token bytes (one rank) = 4096 ")  # one attention layer: 2 x 8 x 128 x 2
+    assert "1 linear layers" in m.memory.derivation[1]
+
+
+def test_nemotron_h_hybrid_override_pattern_reads_as_the_block_list(tmp_path):
+    data = _data("nemotron_h")
+    del data["layers_block_type"]
+    facts = normalize_config({**data, "hybrid_override_pattern": "M-M*E"})
+    assert facts.layer_kinds.value == ("linear", NO_CACHE, "linear", "full", NO_CACHE)
+    assert facts.num_layers.value == 5 and facts.block_names == {1: "mlp", 4: "moe"}
+    with pytest.raises(InputError, match=r"hybrid_override_pattern\[2\].*unknown block 'X'"):
+        normalize_config({**data, "hybrid_override_pattern": "M-X*"})
+
+
+def test_nemotron_h_block_list_shifted_fails_the_cross_check_by_name():
+    """An analyzer reading the block list one place off plans a state on the MoE block and no cache on the
+    attention block: the meta-device build of transformers' model names it."""
+    data = _data("nemotron_h")
+    shifted = normalize_config({**data, "layers_block_type": data["layers_block_type"][1:] + data["layers_block_type"][:1]})
+    m = analyze(AnalyzeRequest(config=str(CONFIGS / "nemotron_h.json")))
+    from model_infer_kvcache.analyzer.build import _layers
+    from model_infer_kvcache.analyzer.rules import decide_parallel
+
+    layers = _layers(shifted, decide_parallel(shifted, 1, "test"), "paged", "exclusive")
+    result = cross_check(data, shifted, layers, m.fa.softmax_scale, m.fa.scale_derivation)
+    assert any("analyzer plans no cache on 2 block(s) where transformers' block holds NemotronHMamba2Mixer, first block 0" in e
+               for e in result.errors), result.errors
+
+
+def test_an_mlp_block_given_a_kv_cache_fails_the_cross_check_by_name(monkeypatch):
+    """Nemotron-H's MLP block read as attention: transformers' block there has no attention module."""
+    monkeypatch.setitem(config_loader._LAYER_TYPE_KIND, "mlp", "full")
+    data = _data("nemotron_h")
+    facts = normalize_config(data)
+    from model_infer_kvcache.analyzer.build import _layers
+    from model_infer_kvcache.analyzer.rules import decide_parallel
+
+    layers = _layers(facts, decide_parallel(facts, 1, "test"), "paged", "exclusive")
+    result = cross_check(data, facts, layers, 128 ** -0.5, "head_dim^-0.5 = 128^-0.5")
+    assert any("where transformers' decoder block has no attention module" in e for e in result.errors), result.errors
+
+
+def test_a_hand_edit_giving_a_block_without_a_cache_a_layer_is_refused(tmp_path):
+    m = _plan(tmp_path, "nemotron_h")
+    data = json.loads(m.to_json())
+    data["no_cache_layers"] = data["no_cache_layers"][:1]  # the MLP block dropped from the list
+    with pytest.raises(ValueError, match="layers: 2 entries for 4 decoder layers"):
+        SelectionManifest.model_validate(data)
+    data = json.loads(m.to_json())
+    data["no_cache_layers"][0]["decoder_layer"] = 2  # the attention block listed as cacheless too
+    with pytest.raises(ValueError, match=r"no_cache_layers\[0\]\.decoder_layer"):
+        SelectionManifest.model_validate(data)
+
+
+def test_dory_reads_its_saved_layers_and_refuses_its_recurrent_loops(tmp_path):
+    """DoryConfig.to_dict writes an "mlp" entry after every attention block and doubles the layer counts (they are
+    not layers: __post_init__ halves them); its recurrent section runs n_recurrent_loops times through the same
+    attention modules, each loop with its own cache: refused by name. One loop is a plain sliding / full stack."""
+    from transformers import DoryConfig
+
+    data = DoryConfig().to_dict()
+    with pytest.raises(InputError, match=r"n_recurrent_loops: 2: Dory runs its recurrent layers 2 times"):
+        normalize_config(data)
+    facts = normalize_config({**data, "n_recurrent_loops": 1})
+    assert facts.num_layers.value == 36 and NO_CACHE not in facts.layer_kinds.value
+    assert facts.layer_kinds.value[:4] == ("sliding", "sliding", "sliding", "full")
+
+
+# Reduced sizes (the analyzer tests above keep the published ones): the float64 reference's chunk scan over a
+# [128, 64, 128] state takes minutes per stream on two cores, and no check below depends on the width.
+SMALL = {
+    "mamba": {"hidden_size": 64, "intermediate_size": 128},  # 128 inner channels (the saved width the mixer takes)
+    "mamba2": {"hidden_size": 128, "num_heads": 16, "head_dim": 16, "state_size": 32, "n_groups": 2},
+    # blocks Mamba, MLP, Mamba, attention, MoE: cache layers 0, 1, 2 sit on blocks 0, 2, 3
+    "nemotron_h": {"hidden_size": 128, "mamba_num_heads": 16, "mamba_head_dim": 16, "ssm_state_size": 32,
+                   "n_groups": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                   "moe_shared_expert_intermediate_size": 64,
+                   "layers_block_type": ["linear_attention", "mlp", "linear_attention", "full_attention", "moe"]},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, mode", [("mamba", "framework"), ("mamba2", "standalone"),
+                                          ("nemotron_h", "framework"), ("nemotron_h", "standalone")])
+def test_state_stacks_render_and_validate(tmp_path, config, mode):
+    manifest, rendered, cfg = render_case(tmp_path, config, SMALL[config], deploy_mode=mode)
+    text = (rendered / ATTN).read_text(encoding="utf-8")
+    assert ("def init_kv_cache" in text) == (config == "nemotron_h")
+    if config == "nemotron_h" and mode == "framework":
+        assert 'return [mixer] if hasattr(mixer, "cache_entries") else []' in text
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+
+
+STACK_MISTAKES = [
+    # a pure Mamba-2 stack whose state is not reset on slot reuse: prefill continues from the reused block
+    ("prefill-reads-the-ssm-state", "mamba2", "framework",
+     r"if forward_metadata\.is_prefill \\\n\s+else self\.recurrent_state\[slots\[row\]\]\.to\(dtype\)",
+     "if False else self.recurrent_state[slots[row]].to(dtype)", NUMERIC),
+    ("prefill-reads-the-ssm-state", "mamba", "standalone",
+     r"if forward_metadata\.is_prefill \\\n\s+else self\.recurrent_state\[slots\[row\]\]\.to\(dtype\)",
+     "if False else self.recurrent_state[slots[row]].to(dtype)", NUMERIC),
+    # Nemotron-H's blocks without a cache registered with the framework (layer indices by block): it refuses them
+    ("cacheless-blocks-registered", "nemotron_h", "framework",
+     r'return \[mixer\] if hasattr\(mixer, "cache_entries"\) else \[\]',
+     'return [mixer] if hasattr(mixer, "cache_entries") else [type("Block", (), {"cache_entries": []})()]',
+     "get_cache_info layer count"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, config, mode, pattern, replacement, failing", STACK_MISTAKES,
+                         ids=[f"{m[0]}-{m[1]}" for m in STACK_MISTAKES])
+def test_a_state_stack_mistake_fails_by_name(tmp_path, case, config, mode, pattern, replacement, failing):
+    mistake_fails_by_name(render_case(tmp_path, config, SMALL[config], deploy_mode=mode), pattern, replacement,
+                          failing)

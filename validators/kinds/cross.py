@@ -1,0 +1,89 @@
+"""Cross-attention slots of an encoder-decoder model's decoder: one slot per request holding its encoder K/V, written
+at its prefill and read by every step with no mask (manifest cross_attention; analyzer/kinds/cross.py)."""
+
+from __future__ import annotations
+
+import torch
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kv_cache_spec import CROSS_ATTENTION, MAMBA
+
+NAMES = (cross_kind.KEY, cross_kind.VALUE, cross_kind.LENGTH)
+CALLS_CHECK = ("cross-attention reads each request's encoder K/V unmasked (sparse_mode 0, KV length = its encoder "
+               "length)")
+
+
+def expected_constants(manifest) -> dict[str, object]:
+    x = manifest.cross_attention
+    if x is None:
+        return {}
+    return {"CROSS_MAX_ENCODER_LEN": x.max_encoder_len, "CROSS_BLOCK_SIZE": x.slot_block_size,
+            "CROSS_SLOT_TOKENS": x.slot_tokens, "CROSS_NUM_KV_HEADS_PER_RANK": x.num_kv_heads_per_rank,
+            "CROSS_HEAD_DIM": x.head_dim}
+
+
+def split_entries(got: dict) -> tuple[dict, dict]:
+    """(self-attention entries, cross-attention slot entries) of one layer's LayerCacheInfo."""
+    return ({k: v for k, v in got.items() if k not in NAMES}, {k: v for k, v in got.items() if k in NAMES})
+
+
+def entry_problems(manifest, index: int, got: dict, cache_dtype: torch.dtype) -> list[str]:
+    """A layer's cross slot entries against the manifest: its names, MambaCacheEntry in manager_key CrossAttention,
+    the planned slot shape, the run's dtype (int32 for the length), block size 1, no speculative blocks."""
+    x = manifest.cross_attention
+    if x is None:
+        return [f"layer {index}: cross-attention entries {sorted(got)} and the manifest plans none"] if got else []
+    want = {s.name: s for s in x.states}
+    if set(got) != set(want):
+        return [f"layer {index}: cross-attention entries {sorted(got)} != {sorted(want)}"]
+    out = []
+    for name, entry in got.items():
+        have = (entry.attn_type, getattr(entry, "manager_key", None), list(getattr(entry, "shape", []) or []),
+                entry.dtype, getattr(entry, "block_size", 1), int(getattr(entry, "next_n", 0) or 0))
+        dtype = torch.int32 if want[name].dtype == "int32" else cache_dtype
+        wanted = (MAMBA, CROSS_ATTENTION, list(want[name].shape), dtype, 1, 0)
+        if have != wanted:
+            out.append(f"layer {index} {name}: (attn_type, manager_key, shape, dtype, block_size, next_n) {have} != "
+                       f"{wanted}")
+    return out
+
+
+def check_cross_calls(report, manifest, host) -> None:
+    """Every cross-attention FA call: no mask, sparse_mode 0, and at a prefill the KV lengths the host's encoder
+    states have (each request's own); at decode lengths within 1..max_encoder_len (the slot's stored length)."""
+    if manifest.cross_attention is None:
+        return
+    calls = host.probe.cross_calls
+    prefill_lens = getattr(host, "cross_prefill_lens", {})
+    bad = []
+    for call in calls:
+        mode = call.get("sparse_mode", 0)
+        kv = [int(n) for n in (call.get("kv_lens") or [])]
+        if call["has_mask"] or mode != 0:
+            bad.append(f"step {call['step']} layer {call['layer']}: atten_mask {'given' if call['has_mask'] else 'None'}"
+                       f", sparse_mode {mode} (want None, 0)")
+        elif call["step"] in prefill_lens and kv != prefill_lens[call["step"]]:
+            bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} != the requests' encoder lengths "
+                       f"{prefill_lens[call['step']]}")
+        elif any(n < 1 or n > manifest.cross_attention.max_encoder_len for n in kv):  # padding rows: clamped too
+            bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} outside 1.."
+                       f"{manifest.cross_attention.max_encoder_len}")
+    steps = {c["step"] for c in calls}
+    want = len(steps) * len(host.cross_attentions)
+    if len(calls) != want:
+        bad.append(f"{len(calls)} cross-attention FA calls over {len(steps)} steps, want one per cross layer per step "
+                   f"({want})")
+    report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls))
+
+
+def tiny_cross_fields(d: dict, manifest, layers: int) -> None:
+    """The tiny config of an encoder-decoder's decoder, in place: its own fields (BART family, Whisper, TrOCR name
+    the decoder's stack ``decoder_layers`` / ``decoder_attention_heads`` / ``decoder_ffn_dim``; the generic names the
+    tiny model writes map to the encoder's in their configs), shrunk like a decoder-only model's. A field map, not
+    per-family code; a decoder-only manifest: nothing."""
+    if manifest.cross_attention is None:
+        return
+    sizes = {"decoder_layers": layers, "decoder_attention_heads": manifest.model.num_attention_heads,
+             "decoder_ffn_dim": 128, "encoder_ffn_dim": 128, "encoder_layers": 1}
+    for key, value in sizes.items():
+        if key in d:
+            d[key] = value

@@ -100,7 +100,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 14  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 15  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -318,11 +318,26 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
             else _window_of(module, config)
         # a mixer beside the attention (Falcon-H1): its sizes ride along, for a parallel hybrid's planned state
         beside = mixer_module(path)
-        module_facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {})
+        module_facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {}) \
+            | _kv_source(module, config)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
                                getattr(module, "sinks", None) is not None, mixer_of(path),
                                tuple(sorted(module_facts.items())), encoder))
     return tuple(out)
+
+
+KV_SOURCE_FACT = "kv_source"
+
+
+def _kv_source(module, config) -> dict[str, int]:
+    """{KV_SOURCE_FACT: j} on a KV-shared module (``is_kv_shared_layer``): the layer whose K/V it reads, by
+    transformers' own rule (the config's ``kv_sharing_modes``: the "store" layer of the module's ``layer_type``)."""
+    if getattr(module, "is_kv_shared_layer", False) is not True:
+        return {}
+    modes, types = getattr(config, "kv_sharing_modes", None), getattr(config, "layer_types", None)
+    kind = getattr(module, "layer_type", None)
+    stores = [j for j, mode in enumerate(modes or []) if mode == "store" and types and types[j] == kind]
+    return {KV_SOURCE_FACT: stores[-1] if stores else -1}
 
 
 def _prescaled(module) -> tuple[float, str] | None:
@@ -498,6 +513,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     beside_off: list[tuple[LayerPlan, HfAttention]] = []
     no_attention: list[tuple[LayerPlan, HfAttention]] = []
     state_off: list[tuple[LayerPlan, HfAttention, str]] = []
+    source_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
+    all_layers = layers
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
             if not layer.is_recurrent:
@@ -525,8 +542,13 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         if hf_window != layer.sliding_window:
             window_off.append((layer, mod, hf_window))
         shape = _planned_kv_shape(layer)
-        if mod.kv_shape is not None and shape is not None:
-            d, kv, vd = mod.kv_shape
+        if layer.kv_source_layer is not None and 0 <= layer.kv_source_layer < len(hf):
+            # a KV-shared layer's cache is its source's: the source module's k_proj / v_proj and the source's plan
+            shape, mod_kv = _planned_kv_shape(all_layers[layer.kv_source_layer]), hf[layer.kv_source_layer].kv_shape
+        else:
+            mod_kv = mod.kv_shape
+        if mod_kv is not None and shape is not None:
+            d, kv, vd = mod_kv
             kv = max(kv // attn_tp_size, 1)
             vd = vd if vd is not None else d
             # a Legacy cache row holds a rank's heads flattened: one "head" of heads x dim (BSH)
@@ -535,7 +557,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                 kv_off.append((layer, mod, shape, want))
         if mod.sinks != facts.has_sinks.value:
             sinks_off.append((layer, mod))
-        off = fmt.hf_off(layer, {k: v for k, v in mod.kind_facts if not k.startswith(MIXER_FACT)}, mod.cls)
+        module_facts = dict(mod.kind_facts)
+        hf_source = module_facts.pop(KV_SOURCE_FACT, None)
+        if hf_source != layer.kv_source_layer:
+            source_off.append((layer, mod, hf_source))
+        off = fmt.hf_off(layer, {k: v for k, v in module_facts.items() if not k.startswith(MIXER_FACT)}, mod.cls)
         if off:
             format_off.append((layer, mod, off))
     if no_attention:
@@ -577,6 +603,13 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             f"attention sinks: analyzer {'on every layer' if facts.has_sinks.value else 'none'} "
             f"({facts.has_sinks.source}) vs transformers {'with' if mod.sinks else 'without'} "
             f"{mod.cls}.sinks on {len(sinks_off)} layer(s), first layer {layer.index} at {mod.path}")
+    if source_off:
+        layer, mod, want = source_off[0]
+        planned = "its own K/V cache" if layer.kv_source_layer is None else f"layer {layer.kv_source_layer}'s cache"
+        hf_said = "its own K/V (k_proj / v_proj)" if want is None else f"layer {want}'s K/V ({mod.cls}" \
+            ".is_kv_shared_layer, config kv_sharing_modes)"
+        result.errors.append(f"KV sharing: analyzer plans layer {layer.index} reading {planned} vs transformers "
+                             f"{hf_said} on {len(source_off)} layer(s), first at {mod.path}")
     if format_off:
         layer, mod, off = format_off[0]
         result.errors.append(f"{off} on {len(format_off)} layer(s), first layer {layer.index} at {mod.path}")

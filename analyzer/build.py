@@ -514,6 +514,12 @@ def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, int
     return out
 
 
+def _kv_source(facts: ModelFacts, decoder_idx: int, subs: int) -> dict[str, int]:
+    """A KV-shared layer's source (the layer plan index of the decoder layer whose cache it reads), only there."""
+    source = facts.kv_source_at(decoder_idx)
+    return {} if source is None else {"kv_source_layer": source * subs}
+
+
 def _dynamic_graph(req: AnalyzeRequest, progress: ProgressFacts) -> tuple[bool | None, str]:
     """(enable_dynamic_graph, source): False by --static-graph, else progress.md's, else (None) not stated."""
     if req.static_graph:
@@ -587,6 +593,7 @@ def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_siz
                          **({"attention_chunk_size": chunk} if chunk else {}),
                          write_op=write_op, caches=caches, window_derivation=derivation,
                          **_layer_shape(facts, parallel, decoder_idx),
+                         **_kv_source(facts, decoder_idx, subs=len(kinds)),
                          **fmt.layer_fields(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size))
         common = dict(index=start + len(out), decoder_layer=decoder_idx, sublayer=sub, attn_type=attn_type,
                       layer_kind=kind, group_key=fmt.group_key(attn_type, caches))
@@ -618,6 +625,13 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         groups.append(cross_kind.memory_group(cross))
         derivation.append(cross_kind.memory_note(cross))
     derivation += group_notes
+    shared = [layer for layer in layers if layer.kv_source_layer is not None]
+    if shared:
+        sources = sorted({layer.kv_source_layer for layer in shared})
+        derivation.append(
+            f"{len(shared)} KV-shared layer(s) ({shared[0].index}..{shared[-1].index}) hold no cache (0 B per token): "
+            f"they read the caches of layer(s) {', '.join(map(str, sources))} through the same block table "
+            f"({facts.kv_sources.source}; transformers' is_kv_shared_layer computes no K/V there)")
 
     hbm = req.hbm_gb
     if hbm is None and progress.hbm_gb:

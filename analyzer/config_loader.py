@@ -51,6 +51,7 @@ FAMILY_OF = {
     "llama4_text": "llama4",
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
+    "gemma3n_text": "gemma3n",
     "gemma4_unified": "gemma4",
     "gemma4_unified_text": "gemma4",
     "mixtral": "mistral",
@@ -304,6 +305,13 @@ class ModelFacts:
     cross: Sourced[cross_kind.CrossFacts | None] = Sourced(None, "default: decoder-only (no cross-attention)")
     # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
     layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
+    # per decoder layer: the earlier layer whose K/V cache it reads (None: it computes and caches its own), only
+    # when the config shares caches across layers (Gemma-3n / Gemma-4 ``num_kv_shared_layers``)
+    kv_sources: Sourced[tuple[int | None, ...] | None] = Sourced(None, "default: every layer caches its own K/V")
+
+    def kv_source_at(self, decoder_layer: int | None) -> int | None:
+        sources = self.kv_sources.value
+        return sources[decoder_layer] if sources and decoder_layer is not None else None
 
     def head_dim_at(self, decoder_layer: int | None) -> int:
         heads = self.layer_heads.value
@@ -609,6 +617,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     dsa = _dsa(r, mla, num_layers.value, model_type) if compressed is None else Sourced(
         None, "compressed attention: the indexer is CSA's")
     layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla)
+    kv_sources = _kv_sources(r, num_layers.value, layer_kinds.value)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
@@ -632,6 +641,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         rope=rope,
         layer_kinds=layer_kinds,
         layer_heads=layer_heads,
+        kv_sources=kv_sources,
         sliding_window=sliding_window,
         attn_logit_softcapping=softcap,
         alibi=alibi,
@@ -1015,6 +1025,28 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
     if all(layer == LayerHeads(head_dim.value, kv_heads.value) for layer in layers):
         return default
     return Sourced(layers, source)
+
+
+def _kv_sources(r: _Reader, num_layers: int, kinds: tuple[str, ...]) -> Sourced[tuple[int | None, ...] | None]:
+    """Cross-layer KV sharing (Gemma-3n / Gemma-4 ``num_kv_shared_layers``): the last n layers compute no K/V and
+    read the cache of the last layer before them of the same layer type (transformers' ``kv_sharing_modes``: the
+    "store" layer of each type, read by every "reuse" layer of that type). None when no layer shares."""
+    hit = r.number("num_kv_shared_layers", kind=int, minimum=0, maximum=LIMITS["layers"])
+    if hit is None or not hit.value:
+        return Sourced(None, "default: every layer caches its own K/V")
+    first = num_layers - hit.value
+    if first <= 0:
+        raise InputError(r.where, f"{hit.value} shared layers leave no layer of the {num_layers} to compute K/V",
+                         field=hit.source)
+    sources: list[int | None] = [None] * num_layers
+    for i in range(first, num_layers):
+        owner = next((j for j in range(first - 1, -1, -1) if kinds[j] == kinds[i]), None)
+        if owner is None:
+            raise InputError(r.where, f"layer {i} ({kinds[i]}) shares the K/V of an earlier {kinds[i]} layer and "
+                                      f"none of the first {first} layers is one", field=hit.source)
+        sources[i] = owner
+    return Sourced(tuple(sources), f"{hit.source} = {hit.value} (the last {hit.value} layers read the cache of the "
+                                   "last earlier layer of their type)")
 
 
 def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tuple[str, str] | None = None,

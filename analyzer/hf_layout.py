@@ -44,7 +44,10 @@ class DecoderStack:
 
 def is_attention(module: nn.Module) -> bool:
     names = {name for name, _ in module.named_children()}
-    return any(need <= names for need in QKV_PROJECTIONS)
+    # a KV-shared attention (Gemma-3n / Gemma-4 is_kv_shared_layer): queries and output only, its K/V another
+    # layer's (transformers builds no k_proj / v_proj there)
+    shared = getattr(module, "is_kv_shared_layer", False) is True and {"q_proj", "o_proj"} <= names
+    return shared or any(need <= names for need in QKV_PROJECTIONS)
 
 
 def find_attentions(block: nn.Module) -> list[tuple[str, nn.Module]]:

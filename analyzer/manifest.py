@@ -469,6 +469,10 @@ class AttentionLayerPlan(_LayerBase):
     attention_chunk_size: int | None = Field(
         default=None, ge=1, description="a ChunkedLocal layer's chunk C: a query at position p attends the keys in "
                                         "[floor(p / C) * C, p]; absent: not chunked")
+    kv_source_layer: int | None = Field(
+        default=None, ge=0, description="a KV-shared layer (Gemma-3n / Gemma-4 num_kv_shared_layers): the index of the "
+                                        "earlier layer whose K/V cache it reads through the same block table; it "
+                                        "holds no cache of its own (caches empty) and writes none; absent: its own")
 
     @property
     def states(self) -> list[StateSpec]:
@@ -487,7 +491,7 @@ class AttentionLayerPlan(_LayerBase):
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs."""
         return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed",
-                              "attention_chunk_size")
+                              "attention_chunk_size", "kv_source_layer")
 
 
 class StateLayerPlan(_LayerBase):
@@ -505,6 +509,7 @@ class StateLayerPlan(_LayerBase):
     compressed: ClassVar[None] = None
     head_dim: ClassVar[None] = None
     num_kv_heads_per_rank: ClassVar[None] = None
+    kv_source_layer: ClassVar[None] = None
 
     @property
     def caches(self) -> list[CacheSpec]:
@@ -794,6 +799,8 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         elif layer.is_chunked and layer.group_key != manager_attn_type(layer.attn_type):
             out.append((f"{where}.group_key", f"{layer.group_key!r}: a {layer.attn_type} layer registers in the "
                                               f"framework's {manager_attn_type(layer.attn_type)} manager"))
+        if layer.kv_source_layer is not None:
+            out += _kv_source_problems(m, layer, where)
         layer_kv = layer.num_kv_heads_per_rank or p.num_kv_heads_per_rank
         layer_dim = layer.head_dim or model.head_dim
         heads, dim = kinds.cache_row_shape(m, layer_kv, layer_dim)
@@ -828,6 +835,27 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         out.append(("fa.softmax_scale", f"{m.fa.softmax_scale!r} contradicts its derivation "
                                         f"'{m.fa.scale_derivation}' = {scale:.8g}"))
     return out
+
+
+def _kv_source_problems(m: SelectionManifest, layer: AttentionLayerPlan, where: str) -> list[tuple[str, str]]:
+    """A KV-shared layer holds no cache and reads an earlier layer's, one that owns its cache, of its own attn_type
+    (same block table and window) and shape."""
+    src = layer.kv_source_layer
+    field = f"{where}.kv_source_layer"
+    if layer.caches:
+        return [(f"{where}.caches", f"{len(layer.caches)} entries on a KV-shared layer (kv_source_layer {src}): it "
+                                    "reads its source layer's cache and holds none")]
+    if src >= layer.index:
+        return [(field, f"{src} is not an earlier layer than {layer.index}")]
+    source = m.layers[src]
+    if source.is_state or not source.caches or source.kv_source_layer is not None:
+        return [(field, f"layer {src} holds no K/V cache of its own to read")]
+    if (source.attn_type, source.sliding_window, source.head_dim, source.num_kv_heads_per_rank) != \
+            (layer.attn_type, layer.sliding_window, layer.head_dim, layer.num_kv_heads_per_rank):
+        return [(field, f"layer {src} is {source.attn_type} (window {source.sliding_window}), layer {layer.index} "
+                        f"{layer.attn_type} (window {layer.sliding_window}): a shared cache is read through its "
+                        "source's block table and shape")]
+    return []
 
 
 def _derived_scale(derivation: str) -> float | None:

@@ -64,6 +64,8 @@ FAMILY_SCALE_RULE = {
     # Gemma-4: q and k are RMS-normalised per head (q_norm / k_norm) and the scores are not scaled
     # (transformers' Gemma4TextAttention.scaling = 1.0)
     **dict.fromkeys(("gemma4", "gemma4_text"), "unit"),
+    # Gemma-3n: the same (transformers' Gemma3nTextAttention.scaling = 1.0, q_norm / k_norm / v_norm)
+    "gemma3n": "unit",
     # OPT: the module scales its queries itself (q_proj(x) * self.scaling) and calls attention with scaling=1.0,
     # so the attention call over its queries scales by 1
     # Whisper: the same in self- and cross-attention (WhisperAttention: q_proj(x) * self.scaling, scaling=1.0)
@@ -390,7 +392,8 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
     Linear-attention layers keep a fixed-size recurrent state, not a per-token KV cache: no entries. A DSA layer
     that runs its indexer (``decoder_layer`` in the config's indexer layers) adds the indexer key cache.
     """
-    if layer_kind == "linear":
+    if layer_kind == "linear" or facts.kv_source_at(decoder_layer) is not None:
+        # a KV-shared layer reads its source layer's cache (ModelFacts.kv_sources): no entries of its own
         return []
     return format_of(facts).caches(facts, parallel.attn_tp_size, kv_mode, dtype or facts.dtype.value, decoder_layer)
 

@@ -47,6 +47,12 @@ class Rendered:
 
 def check_renderable(manifest: SelectionManifest, flag: str = "--manifest") -> None:
     """Refuse a manifest whose cache kinds no template renders (exit 2 "not supported by kvcache yet")."""
+    shared = [layer for layer in manifest.layers if layer.kv_source_layer is not None]
+    if shared and manifest.kv_mode.value != "paged":
+        raise InputError(flag, f"not supported by kvcache yet: KV-shared layers ({len(shared)}, first layer "
+                         f"{shared[0].index} reading layer {shared[0].kv_source_layer}'s cache) on a "
+                         f"{manifest.kv_mode.value} cache: only the paged templates read a source layer's cache",
+                         field=f"layers[{shared[0].index}].kv_source_layer")
     shaped = [layer for layer in manifest.layers if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None]
     if shaped:
         # The templates take one HEAD_DIM and one KV head count; a per-layer shape rendered with the model's would

@@ -155,6 +155,8 @@ class RenderContext:
     chunk_size: int = 0
     chunked_layers: tuple[int, ...] = ()
     chunked: KindPlan | None = None
+    # cross-layer KV sharing (layers[i].kv_source_layer): (shared layer, the layer whose cache it reads); () none
+    kv_sources: tuple[tuple[int, int], ...] = ()
 
     @property
     def full(self) -> KindPlan | None:
@@ -244,7 +246,8 @@ def _check_layers(m: SelectionManifest) -> None:
     kinds = kinds_of(m)
     for kind in kinds[1:]:  # the recurrent state first, as before the attention kinds' own checks
         kind.check_layers(m)
-    uncached = [layer for layer in m.layers if not layer.caches and not layer.is_state]
+    # a KV-shared layer holds none on purpose: it reads its source layer's (manifest invariants check the source)
+    uncached = [layer for layer in m.layers if not layer.caches and not layer.is_state and layer.kv_source_layer is None]
     if uncached:
         kinds = sorted({layer.layer_kind for layer in uncached})
         raise _bad(f"layers[{uncached[0].index}].caches",
@@ -253,7 +256,7 @@ def _check_layers(m: SelectionManifest) -> None:
                    "standard path (see the manifest's blockers)")
     check_unrendered(m)
     kinds[0].check_layers(m)
-    attention = [layer for layer in m.layers if not layer.is_state]
+    attention = [layer for layer in m.layers if not layer.is_state and layer.kv_source_layer is None]
     if not attention:  # a pure state stack (Mamba, Mamba2): the state partial alone
         return
     first = attention[0]
@@ -355,7 +358,8 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     chunked_plan = next(iter(chunked.values()), None)
     if not kinds:  # every attention layer chunked: the shared paged call takes their plan
         kinds = dict(chunked)
-    first = attention[0] if attention else None  # None: a pure state stack, no KV cache entry
+    # None: a pure state stack, no KV cache entry; a KV-shared layer holds none, so the first one that caches
+    first = next((layer for layer in attention if layer.caches), attention[0]) if attention else None
     generation = api_override or m.framework_api or DEFAULT_API
     # G3 frameworks take G2 renders: an override naming the manifest's render contract is no contradiction.
     if api_override and m.framework_api and render_api(api_override) != render_api(m.framework_api):
@@ -400,5 +404,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         **({"fa_lengths": ("q_lens", "kv_lens")} if _graph_lists(m) else {}),
         **({"fa_module": "fa_ops(forward_metadata)"} if _graph_mode(m) == "ge_graph" else {}),
         **({"chunked": chunked_plan} if chunked_plan else {}),
+        kv_sources=tuple((layer.index, layer.kv_source_layer) for layer in attention
+                         if layer.kv_source_layer is not None),
         **kind_fields,
     )

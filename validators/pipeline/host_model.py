@@ -900,8 +900,11 @@ def position_offset(hf_model) -> int:
 
 
 def _store_output(outputs: list, idx: int):
-    def hook(_module, _inputs, output):
-        outputs[idx] = (output[0] if isinstance(output, tuple) else output).detach()
+    def hook(module, _inputs, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if out.dim() == 4:  # Gemma-3n's AltUp stacks its predictions in front: [altup_num_inputs, batch, L, hidden]
+            out = out[getattr(getattr(module, "config", None), "altup_active_idx", 0)]  # the active one is the stream
+        outputs[idx] = out.detach()
 
     return hook
 

@@ -208,6 +208,11 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
                     problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != "
                                     f"{(slots_n, *s.shape)}")
             continue
+        if manifest.plan_of_module(a.layer_idx).kv_source_layer is not None:  # by block index (Nemotron-H skips blocks)
+            # a KV-shared layer reads its source layer's cache (linked by _init_kvcache) and allocates none
+            problems += [f"layer {a.layer_idx} {name}: a KV-shared layer holds a cache of its own"
+                         for name in want if name in vars(a)]
+            continue
         for name, c in want.items():
             t = getattr(a, name, None)
             shape = (blocks, manifest.block_size, c.num_head, c.dim)

@@ -60,6 +60,7 @@ def _layer_plans(manifest: SelectionManifest, src: dict[str, Any]) -> list[tuple
             f"attn_type{sub}": layer.attn_type, f"kind{sub}": layer.layer_kind,
             f"window{sub}": str(layer.sliding_window), f"head_dim{sub}": str(layer.head_dim),
             f"kv_heads_per_rank{sub}": str(layer.num_kv_heads_per_rank),
+            f"kv_source{sub}": str(layer.kv_source_layer),
             f"caches{sub}": ", ".join(f"{c.name} {c.num_head}x{c.dim} {c.dtype}" for c in layer.caches),
             f"states{sub}": ", ".join(st.name for st in layer.states)})
     for block in manifest.no_cache_layers or ():  # a block without a cache is a plan of its own (MLP, MoE)
@@ -108,6 +109,10 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     _trim_per_layer_fields(d, m.num_layers, n)
     if isinstance(d.get("hybrid_override_pattern"), str):  # Nemotron-H's legacy block string, one char a block
         d["hybrid_override_pattern"] = d["hybrid_override_pattern"][:n]
+    if d.get("num_kv_shared_layers"):
+        # the prefix keeps the real first shared layer (and so every source): the shared ones are its tail
+        first_shared = next(layer.decoder_layer for layer in manifest.layers if layer.kv_source_layer is not None)
+        d["num_kv_shared_layers"] = max(n - first_shared, 0)
     kind = kind_of(manifest)
     from_hidden = hf_type in _HEAD_DIM_FROM_HIDDEN
     d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128
@@ -126,9 +131,13 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
                        ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2),
                        ("top_k_experts", 2),  # Gemma-4
                        # transformers' bailing_hybrid spells them its own way too (attribute_map)
-                       ("num_expert_group", 1), ("num_experts_per_token", 2), ("num_shared_experts", 1)):
+                       ("num_expert_group", 1), ("num_experts_per_token", 2), ("num_shared_experts", 1),
+                       # Gemma-3n / Gemma-4: the per-layer input embeddings (a vocabulary x layers x width table)
+                       ("vocab_size_per_layer_input", TINY_VOCAB), ("laurel_rank", 8)):
         if key in d:
             d[key] = value
+    if d.get("hidden_size_per_layer_input"):
+        d["hidden_size_per_layer_input"] = 16
     _dense_prefix_types(d, src)
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
         if d.get(key) and not m.num_mtp_layers:  # --next-n 0: a checkout model must not build its MTP layers,
@@ -167,7 +176,10 @@ def _dense_prefix_types(d: dict[str, Any], src: dict[str, Any]) -> None:
 # (BailingHybridConfig: "`swiglu_limits` must contain one limit per decoder layer"; its saved config.json spells them
 # expert_swiglu_limit_list / share_expert_swiglu_limit_list, the attribute_map's keys)
 PER_LAYER_LISTS = frozenset({"swiglu_limits", "swiglu_limits_shared", "expert_swiglu_limit_list",
-                             "share_expert_swiglu_limit_list"})
+                             "share_expert_swiglu_limit_list",
+                             # Gemma3nTextConfig: "activation_sparsity_pattern must have an explicit activation
+                             # sparsity value for every layer"
+                             "activation_sparsity_pattern"})
 
 
 def _trim_per_layer_fields(d: dict[str, Any], real_layers: int, n: int) -> None:

@@ -417,13 +417,14 @@ class CompressedFormat(GqaFormat):
         check_kv_mode(kv_mode, reason, where)
 
     def checkout_refusal(self, m) -> tuple[str, str]:
-        # planned (analyze), not driven: the folder's CSA indexer operators are not emulated on CPU and
-        # the run has no oracle for a compressed branch yet (issue 38); a run would fail inside them, not the model
+        # planned (analyze), not driven: the folder's int8 indexer path quantizes with torch_npu.npu_dynamic_quant
+        # and its compressor has a quant_compressor variant, neither emulated on CPU, and the run has no oracle for a
+        # compressed branch yet (issue 38); a run would fail inside them, not the model
         c = m.compressed
         return "compressed", (f"DeepSeek-V4 compressed attention in the engine ({len(c.csa_layers)} CSA, "
-                              f"{len(c.hca_layers)} HCA layer(s), {c.source}): the checkout run does not emulate its "
-                              "indexer operators (npu_quant_lightning_indexer(+_metadata), indexer_compress_epilog) "
-                              "and compares no compressed branch yet")
+                              f"{len(c.hca_layers)} HCA layer(s), {c.source}): the checkout run does not emulate "
+                              "torch_npu.npu_dynamic_quant (its int8 indexer path) or custom.quant_compressor, and "
+                              "compares no compressed branch yet")
 
     def notes(self, facts: Facts) -> tuple[list[Finding], list[Finding]]:
         return [Finding(message="fa.* describes no kernel of this model: every layer attends through "

@@ -381,6 +381,10 @@ def attention_route(module, is_mla: bool) -> str | None:
     if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj", "scaling", "head_dim")) and \
             "torch.bmm" in source and "key_value_states" in inspect.signature(type(module).forward).parameters:
         return "eager_qkv"  # TrOCR, MVP: encoder-decoder attention computing its scores itself
+    if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("query", "key", "value")) and \
+            hasattr(module, "attention_head_size") and "torch.matmul(query_layer, key_layer.transpose" in source and \
+            "sinusoidal_pos" not in inspect.signature(type(module).forward).parameters:
+        return "bert_qkv"  # BigBird, RemBert, MegatronBert: a BERT-era self-attention computing its scores itself
     return None
 
 
@@ -402,7 +406,24 @@ def _eager_qkv_forward(self, hidden_states, key_value_states=None, *args, attn_p
     return self.out_proj(out.reshape(b, s, -1)), None
 
 
-_ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward}
+def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, *args, **kwargs):
+    """A BERT-era self-attention that computes its scores itself (BigBird's original_full, RemBert, MegatronBert:
+    ``query`` / ``key`` / ``value`` linears, scores over ``sqrt(attention_head_size)``): its own projections around the
+    rendered attention; the module's output projection is its parent's (``BertSelfOutput``), left to it. Returns
+    the context as the module does, [B, S, heads x head size]."""
+    if encoder_hidden_states is not None:
+        raise NotSupportedByKvcache("--config", f"{type(self).__name__} called as a cross-attention (add_cross_attention):"
+                                                " the validation host routes its self-attention only",
+                                    field="add_cross_attention")
+    b, s = hidden_states.shape[:2]
+    q, k, v = (getattr(self, name)(hidden_states).view(b, s, -1, self.attention_head_size).transpose(1, 2)
+               for name in ("query", "key", "value"))
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=self.attention_head_size ** -0.5)
+    return out.reshape(b, s, -1), None
+
+
+_ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
+                   "bert_qkv": _bert_qkv_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -813,8 +834,9 @@ class HostModel:
             if route is None:
                 raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "
                                              "understood by the validation host: its forward neither calls "
-                                             "transformers' attention interface nor is MLA or a fused "
-                                             "query_key_value split by _split_heads", field="model_type")
+                                             "transformers' attention interface nor is MLA, a fused "
+                                             "query_key_value split by _split_heads or a BERT-era query / key / "
+                                             "value self-attention", field="model_type")
             routes.add(route)
             host = host_cls(hf_attn, idx, self.probe)
             host.init_kv_cache(idx, cache_dtype)

@@ -240,3 +240,28 @@ def test_big_bird_decoder_routes_its_own_score_code_and_fails_with_the_wrong_sca
                                                                                   scaling=scaling, **kw))
     report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
     assert not check(report, "logits vs transformers").passed
+
+
+@pytest.mark.slow
+def test_roformer_decoder_rotates_each_token_at_its_own_position(tmp_path, monkeypatch):
+    """RoFormer (is_decoder true) rotates q / k inside its self-attention by sinusoidal angles its encoder computes for
+    positions 0..S-1 of the batch it is given: right for a whole request, wrong for the engine's packed step. The
+    host looks each token's angles up at its own position (host_model.sinusoidal_table), as a port must. Negative
+    control: the angles of the packed step's row numbers (what the encoder hands a packed batch) fail the logits."""
+    import torch
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    config = _config(tmp_path, "roformer")
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
+                 embedding_size=64, is_decoder=True)
+    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="standalone"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    own = host_model._positions
+    monkeypatch.setattr(host_model, "_positions", lambda: torch.arange(own().numel()))
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert not check(report, "logits vs transformers").passed

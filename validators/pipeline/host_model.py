@@ -382,9 +382,21 @@ def attention_route(module, is_mla: bool) -> str | None:
             "torch.bmm" in source and "key_value_states" in inspect.signature(type(module).forward).parameters:
         return "eager_qkv"  # TrOCR, MVP: encoder-decoder attention computing its scores itself
     if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("query", "key", "value")) and \
-            hasattr(module, "attention_head_size") and "torch.matmul(query_layer, key_layer.transpose" in source and \
-            "sinusoidal_pos" not in inspect.signature(type(module).forward).parameters:
-        return "bert_qkv"  # BigBird, RemBert, MegatronBert: a BERT-era self-attention computing its scores itself
+            hasattr(module, "attention_head_size") and "torch.matmul(query_layer, key_layer.transpose" in source:
+        return "bert_qkv"  # BigBird, RemBert, MegatronBert, RoFormer: BERT-era self-attention scoring by itself
+    return None
+
+
+def sinusoidal_table(hf_model) -> torch.Tensor | None:
+    """RoFormer's table of sinusoidal angles [max positions, head size] (its encoder's ``embed_positions``), None in a
+    model without one. The encoder hands every layer the angles of positions 0..S-1 of the batch it sees: right for
+    transformers' reference (each request whole), wrong for the engine's packed step, so the routed attention looks
+    its tokens' own positions up here, as a port of the model must."""
+    for module in hf_model.modules():
+        if type(module).__name__.endswith("SinusoidalPositionalEmbedding") and isinstance(
+                getattr(module, "weight", None), torch.Tensor) and "cache_length" in \
+                inspect.signature(type(module).forward).parameters:
+            return module.weight
     return None
 
 
@@ -418,6 +430,15 @@ def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
     b, s = hidden_states.shape[:2]
     q, k, v = (getattr(self, name)(hidden_states).view(b, s, -1, self.attention_head_size).transpose(1, 2)
                for name in ("query", "key", "value"))
+    if "sinusoidal_pos" in kwargs:  # RoFormer: its rotary at each token's own position (sinusoidal_table)
+        table = getattr(self, "_kvcache_sinusoidal", None)
+        if table is None:
+            raise NotSupportedByKvcache("--config", f"{type(self).__name__} rotates q / k by sinusoidal positions the "
+                                                    "host found no table of", field="model_type")
+        angles = table[_positions().reshape(-1).long()].to(q.dtype)[None, None]
+        rotated = self.apply_rotary_position_embeddings(angles, q, k, v if self.rotary_value else None)
+        q, k = rotated[0], rotated[1]
+        v = rotated[2] if self.rotary_value else v
     out, _ = _gqa_attention(self, q, k, v, None, scaling=self.attention_head_size ** -0.5)
     return out.reshape(b, s, -1), None
 
@@ -841,6 +862,8 @@ class HostModel:
             host = host_cls(hf_attn, idx, self.probe)
             host.init_kv_cache(idx, cache_dtype)
             hf_attn._kvcache_host = host
+            if route == "bert_qkv":
+                hf_attn._kvcache_sinusoidal = sinusoidal_table(hf_model)
             if route in _ROUTED_FORWARD:
                 hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
                                                    hf_attn)

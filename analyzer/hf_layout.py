@@ -28,6 +28,7 @@ QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"c_attn"}),  # GPT-2 family
     frozenset({"W_pack"}),  # Baichuan (remote code)
     frozenset({"Wqkv"}),  # MPT
+    frozenset({"Wq", "Wk", "Wv"}),  # CTRL
     *(projections for fmt in FORMATS for projections in fmt.hf_projections),
 )
 

@@ -265,3 +265,27 @@ def test_roformer_decoder_rotates_each_token_at_its_own_position(tmp_path, monke
     monkeypatch.setattr(host_model, "_positions", lambda: torch.arange(own().numel()))
     report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
     assert not check(report, "logits vs transformers").passed
+
+
+@pytest.mark.slow
+def test_ctrl_is_planned_and_its_stream_stays_within_its_256_positions(tmp_path, monkeypatch):
+    """CTRL names its projections Wq / Wk / Wv (analyzer/hf_layout.QKV_PROJECTIONS) and learns 256 positions
+    (n_positions): the validation stream's 300-token prompts are cut to fit them (Scenario.within_positions).
+    Before: refused at the cross-check ('no decoder block holding an attention module'), then, recognised, FAILED
+    V201 (IndexError: index 256 is out of bounds). Negative control: the uncut stream indexes past the table."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+
+    config = _config(tmp_path, "ctrl")
+    small = dict(n_layer=2, n_embd=64, n_head=4, dff=128, vocab_size=512)
+    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    assert manifest.model.max_position_embeddings == 256 and not manifest.blockers
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, "logits vs transformers").measured["longest_prefill"] <= 256
+    monkeypatch.setattr(Scenario, "within_positions", lambda self, _max: self)
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert "index 256 is out of bounds" in check(report, "rendered code runs").detail

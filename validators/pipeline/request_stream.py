@@ -72,8 +72,22 @@ class Scenario:
         return replace(self, late=((2 * chunk - 3, 8), (chunk, 8)))
 
     def crossing_of(self, manifest) -> Scenario:
-        """This stream past the manifest's sliding window and across its chunk boundaries (each where it has one)."""
-        return self.crossing_window_of(manifest).crossing_chunks_of(manifest)
+        """This stream past the manifest's sliding window and across its chunk boundaries (each where it has one),
+        every request within the model's positions."""
+        return self.crossing_window_of(manifest).crossing_chunks_of(manifest).within_positions(
+            manifest.model.max_position_embeddings)
+
+    def within_positions(self, max_positions: int | None) -> Scenario:
+        """This stream with each prompt cut so that prompt + new tokens fit ``max_positions`` (a learned position
+        table of that many rows: CTRL's 256 would be indexed past its end by the 300-token prompts)."""
+        requests = self.first + self.late
+        if not max_positions or all(n + new <= max_positions for n, new in requests):
+            return self
+
+        def fit(pairs):
+            return tuple((max(1, min(n, max_positions - new)), new) for n, new in pairs)
+
+        return replace(self, first=fit(self.first), late=fit(self.late))
 
     def uniform_prefill(self) -> Scenario:
         """This stream with every prompt as long as its longest (new tokens and admission order kept): every

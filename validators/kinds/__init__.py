@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from model_infer_kvcache.analyzer.kinds import DSA, GQA, MLA, attention_format, holds_states
-from model_infer_kvcache.validators.kinds import dsa, gqa, mla, recurrent
+from model_infer_kvcache.analyzer.kinds import COMPRESSED, DSA, GQA, MLA, attention_format, holds_states
+from model_infer_kvcache.validators.kinds import compressed, dsa, gqa, mla, recurrent
 
-_BY_FORMAT = {DSA: dsa, MLA: mla, GQA: gqa}
+_BY_FORMAT = {COMPRESSED: compressed, DSA: dsa, MLA: mla, GQA: gqa}
 
 
 def kind_of(manifest) -> ModuleType:

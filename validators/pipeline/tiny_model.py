@@ -62,7 +62,8 @@ def _layer_plans(manifest: SelectionManifest, src: dict[str, Any]) -> list[tuple
             f"kv_heads_per_rank{sub}": str(layer.num_kv_heads_per_rank),
             f"kv_source{sub}": str(layer.kv_source_layer),
             f"caches{sub}": ", ".join(f"{c.name} {c.num_head}x{c.dim} {c.dtype}" for c in layer.caches),
-            f"states{sub}": ", ".join(st.name for st in layer.states)})
+            f"states{sub}": ", ".join(st.name for st in layer.states),
+            f"compressed{sub}": layer.compressed.kind if layer.compressed else "none"})
     for block in manifest.no_cache_layers or ():  # a block without a cache is a plan of its own (MLP, MoE)
         plans[block.decoder_layer] = {"attn_type": "none", "kind": f"no cache ({block.block})"}
     for i, plan in plans.items():

@@ -977,8 +977,12 @@ def position_offset(hf_model) -> int:
 def _store_output(outputs: list, idx: int):
     def hook(module, _inputs, output):
         out = output[0] if isinstance(output, tuple) else output
-        if out.dim() == 4:  # Gemma-3n's AltUp stacks its predictions in front: [altup_num_inputs, batch, L, hidden]
-            out = out[getattr(getattr(module, "config", None), "altup_active_idx", 0)]  # the active one is the stream
+        config = getattr(module, "config", None)
+        if out.dim() == 4 and hasattr(config, "altup_active_idx"):
+            # Gemma-3n's AltUp stacks its predictions in front: [altup_num_inputs, batch, L, hidden]
+            out = out[config.altup_active_idx]  # the active one is the stream
+        elif out.dim() == 4:  # DeepSeek-V4's hyper-connection streams [batch, L, hc_mult, hidden]: all of them
+            out = out.flatten(2)
         outputs[idx] = out.detach()
 
     return hook

@@ -1,0 +1,87 @@
+"""DeepSeek-V4 compressed attention rendered and validated against transformers (issue 38, steps 3-4): window-only
+and HCA layers in standalone mode, at the fused kernels' real shapes (D 512, 64 heads, window 128, HCA rate 128:
+the emulated operators take no other), through a stream whose prompts cross the window and two HCA groups, with
+early finishes and a late admit into a freed (poisoned) row; the realistic mistakes of a V4 port, each failing by
+name. CSA layers and framework mode stay refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.implementer.render import render_manifest
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+from validators_support import CONFIGS, check, mutate, render_case, run_validate
+
+CONFIG = "deepseek_v4_hca"
+ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
+NUMERIC, SHAREDKV, OPS = "logits vs transformers", "shared-KV attention:", "rendered code runs without operator errors"
+# a prompt over two HCA groups and past the window; one whose decode completes its first group (the compressor reads
+# the group's earlier tokens back from the state slot its prefill wrote); a late admit into the first finished
+# request's row (its state slot poisoned) whose decode completes a group too; decode steps of two rows at different
+# positions
+STREAM = Scenario(first=((262, 3), (126, 4)), late=((125, 5),), max_concurrency=2, release_requests=1)
+
+
+def _case(tmp_path, **overrides):
+    return render_case(tmp_path, CONFIG, overrides or None, deploy_mode="standalone")
+
+
+def test_window_and_hca_layers_render_and_match_transformers(tmp_path):
+    manifest, rendered, cfg = _case(tmp_path)
+    text = (rendered / ATTN).read_text(encoding="utf-8")
+    for op in ("compressor(", "npu_sparse_attn_sharedkv(", "npu_sparse_attn_sharedkv_metadata(",
+               "scatter_nd_update_asc(", "inplace_partial_rotary_mul("):
+        assert f"torch.ops.custom.{op}" in text, op
+    report = run_validate(manifest, rendered, cfg, scenario=STREAM)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert check(report, SHAREDKV).measured["calls"] > 0
+
+
+# (id, file, pattern, replacement, the check that names the mistake)
+MISTAKES = [
+    # the unfinished group pooled as an entry: the op's pad rows (NaN) taken for entries, a request's entries
+    # shifted onto the next request's
+    ("partial-group-written-as-an-entry", ATTN, r"first, last = starts // HCA_RATIO, ends // HCA_RATIO",
+     "first, last = starts // HCA_RATIO, (ends + HCA_RATIO - 1) // HCA_RATIO", NUMERIC),
+    # a reused row's compressor position not reset: the late request's prefill is pooled as if it continued the
+    # finished request (its groups read the finished request's state back); the compressor refuses it, naming the
+    # state table its positions run past
+    ("compressor-state-not-reset-on-reuse", RUNNER, r"            self\.kv_len\[index\] = 0  # a reused row starts "
+                                                    r"empty\n", "", OPS),
+    # the window branch one token wider than the model's (ori_win_left = W instead of W - 1): the kernel's band is
+    # fixed (custom-npu_sparse_attn_sharedkv.md: ori_win_left 仅支持默认值127), its emulation refuses it by name
+    ("window-one-token-too-many", ATTN, r"ori_win_left=SLIDING_WINDOW - 1", "ori_win_left=SLIDING_WINDOW", OPS),
+]
+
+
+@pytest.mark.parametrize("case, name, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_v4_render_mistake_fails_by_name(tmp_path, case, name, pattern, replacement, failing):
+    manifest, rendered, cfg = _case(tmp_path)
+    mutate(rendered, pattern, replacement, name=name)
+    report = run_validate(manifest, rendered, cfg, scenario=STREAM)
+    assert not report.passed
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+    if failing == OPS:  # the operator refuses the call, naming the argument
+        assert {"window-one-token-too-many": "ori_win_left",
+                "compressor-state-not-reset-on-reuse": "custom.compressor"}[case] in check(report, OPS).detail
+
+
+@pytest.mark.parametrize("changes, mode, field, words", [
+    ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                      "sliding_attention"]}, "standalone", "layers[1].compressed", ("int8", "tie")),
+    ({}, "framework", "deploy_mode", ("c{m}a_cmp_kv",)),
+])
+def test_csa_layers_and_framework_mode_are_refused_by_name(tmp_path, changes, mode, field, words):
+    config = CONFIGS / f"{CONFIG}.json"
+    if changes:
+        config = tmp_path / "v4.json"
+        config.write_text(json.dumps({**json.loads((CONFIGS / f"{CONFIG}.json").read_text(encoding="utf-8")),
+                                      **changes}), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode))
+    with pytest.raises(InputError) as info:
+        render_manifest(m, allow_blocked=True)
+    assert info.value.field == field and all(w in str(info.value) for w in words), info.value

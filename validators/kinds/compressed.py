@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from model_infer_kvcache.validators.kinds.gqa import cpu_narrowed, cpu_size_changes, shrink_notes
 
+CALLS_CUSTOM_OPS = True  # the render calls the checkout's own operators (torch.ops.custom): CPU runs emulate them
 HIDDEN_CAN_TIE_TO_HEADS = False  # heads x head_dim (32768) is not the model's hidden size
 CHECK = "shared-KV attention: each layer's window branch, compressed branch and sinks as the manifest"
 # custom-npu_compressor.md: 'H 取值范围 1K~10K, 512 对齐' (the smallest hidden size the compressor takes)

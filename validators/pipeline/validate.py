@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.measured import device_settled
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 from model_infer_kvcache.implementer.render import check_renderable, render_manifest, write_rendered
-from model_infer_kvcache.validators.kinds import check_attention_calls
+from model_infer_kvcache.validators.kinds import check_attention_calls, kind_of
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.provenance import (
     RENDERED_FILES,
@@ -455,7 +455,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
 def _custom_ops(manifest: SelectionManifest, backend: str):
     """A DeepSeek-V4 render imports the checkout's own operators (``custom_ops``, ``torch.ops.custom``): on CPU their
     emulation (validators/npu_ops/custom_ops.py)."""
-    if backend != "emulated" or manifest.compressed is None:
+    if backend != "emulated" or not getattr(kind_of(manifest), "CALLS_CUSTOM_OPS", False):
         return contextlib.nullcontext()
     from model_infer_kvcache.validators.standins import custom_ops_standin
 

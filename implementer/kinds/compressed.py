@@ -45,6 +45,10 @@ def check(m) -> None:
         raise bad("deploy_mode", "not supported by kvcache: DeepSeek-V4 compressed attention in framework mode: the "
                                  "render registers no cache entries for the compressed managers (c{m}a_cmp_kv, "
                                  "c{m}a_cmp_state) yet; render it in standalone mode (部署模式: 独立部署)")
+    if m.model.num_mtp_layers:
+        raise bad("model.num_mtp_layers", f"not supported by kvcache: DeepSeek-V4 with {m.model.num_mtp_layers} MTP "
+                                          "layer(s): the render has no speculative-decode verify step for the "
+                                          "compressed branch; analyze with --next-n 0 to serve it without one")
     unmet = [x for x in c.device_constraints if not x.startswith("met: ")]
     if unmet:
         raise bad("compressed.device_constraints",

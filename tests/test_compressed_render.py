@@ -18,6 +18,7 @@ from validators_support import CONFIGS, check, mutate, render_case, run_validate
 CONFIG = "deepseek_v4_hca"
 ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
 NUMERIC, SHAREDKV, OPS = "logits vs transformers", "shared-KV attention:", "rendered code runs without operator errors"
+INIT = "_init_kvcache caches are"
 # a prompt over two HCA groups and past the window; one whose decode completes its first group (the compressor reads
 # the group's earlier tokens back from the state slot its prefill wrote); a late admit into the first finished
 # request's row (its state slot poisoned) whose decode completes a group too; decode steps of two rows at different
@@ -52,6 +53,9 @@ MISTAKES = [
     # state table its positions run past
     ("compressor-state-not-reset-on-reuse", RUNNER, r"            self\.kv_len\[index\] = 0  # a reused row starts "
                                                     r"empty\n", "", OPS),
+    # the state slots counted from 0 (slot 0 is the compressor's "not stored"): the last row has no slot
+    ("state-slot-zero-taken-by-a-row", RUNNER, r"attn\.sfa_kv_state = torch\.zeros\(batch_size \+ 1,",
+     "attn.sfa_kv_state = torch.zeros(batch_size,", INIT),
     # the window branch one token wider than the model's (ori_win_left = W instead of W - 1): the kernel's band is
     # fixed (custom-npu_sparse_attn_sharedkv.md: ori_win_left 仅支持默认值127), its emulation refuses it by name
     ("window-one-token-too-many", ATTN, r"ori_win_left=SLIDING_WINDOW - 1", "ori_win_left=SLIDING_WINDOW", OPS),

@@ -10,6 +10,8 @@ the real sizes, nothing shrunk.
 
 from __future__ import annotations
 
+import math
+
 from model_infer_kvcache.validators.kinds.gqa import cpu_narrowed, cpu_size_changes, shrink_notes
 
 CALLS_CUSTOM_OPS = True  # the render calls the checkout's own operators (torch.ops.custom): CPU runs emulate them
@@ -49,6 +51,31 @@ def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
                               "per rank: the kernel's N1)")
 
 
+def runner_cache_problems(manifest, host, runner, rows: int) -> list[str]:
+    """The standalone runner's HCA caches against the manifest's compressed entries (V110): per HCA layer the
+    compressed rows in blocks of BLOCK_SIZE rows, enough for every row's ``max_seq_len // m`` entries, and one state
+    slot of ``coff x m`` tokens x ``[kv | score]`` per row plus slot 0 (the compressor's "not stored")."""
+    problems = []
+    for a in host.attentions:
+        plan = manifest.plan_of_module(a.layer_idx)
+        branch = plan.compressed
+        if branch is None:
+            if getattr(a, "sfa_cmp_kv", None) is not None and a.sfa_cmp_kv.numel():
+                problems.append(f"layer {a.layer_idx}: a window-only layer holds compressed entries")
+            continue
+        entries = {e.role: e for e in branch.entries}
+        cmp_kv, state = entries["compressed_kv"], entries["compressor_state"]
+        m = branch.compress_ratio
+        per_row = max(1, -(-(runner.max_seq_len // m) // manifest.block_size))
+        want = {"sfa_cmp_kv": (rows * per_row, cmp_kv.block_size // m, cmp_kv.num_head, *cmp_kv.dim),
+                "sfa_kv_state": (rows + 1, state.sliding_window, state.num_head * math.prod(state.dim))}
+        for name, shape in want.items():
+            t = getattr(a, name, None)
+            if t is None or tuple(t.shape) != shape:
+                problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != {shape}")
+    return problems
+
+
 def check_attention_calls(report, manifest, host, *, before_failure: bool = False) -> None:
     """V232: every layer calls the shared-KV attention once per step, with the window the manifest plans
     (ori_win_left = window - 1), its compressed branch exactly where the manifest plans one (cmp_kv at the layer's
@@ -83,5 +110,5 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 
 
 __all__ = ["CHECK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
-           "cpu_size_changes", "expected_constants", "shard_attention", "shrink_notes", "tiny_attention_fields",
+           "cpu_size_changes", "expected_constants", "runner_cache_problems", "shard_attention", "shrink_notes", "tiny_attention_fields",
            "verify_expectation"]

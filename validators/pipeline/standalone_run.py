@@ -8,7 +8,7 @@ import torch
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import check_attention_calls, cross, recurrent
+from model_infer_kvcache.validators.kinds import check_attention_calls, cross, kind_of, recurrent
 from model_infer_kvcache.validators.npu_ops import paged_caches
 from model_infer_kvcache.validators.pipeline.graph_capture import (
     PADDING_CHECK,
@@ -225,6 +225,9 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
             shape = (blocks, manifest.block_size, c.num_head, c.dim)
             if t is None or tuple(t.shape) != shape:
                 problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != {shape}")
+    kind_problems = getattr(kind_of(manifest), "runner_cache_problems", None)  # a kind's own caches (V4's HCA)
+    if kind_problems is not None:
+        problems += kind_problems(manifest, host, runner, rows_n)
     table_ok = torch.equal(runner.block_table.view(-1).long(), torch.arange(runner.block_table.numel()))
     report.add("_init_kvcache caches are [num_blocks, block_size, num_head, dim]", "init", not problems,
                detail="; ".join(problems[:3]), rows=rows_n, blocks=blocks)

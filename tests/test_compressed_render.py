@@ -77,7 +77,7 @@ def test_a_v4_render_mistake_fails_by_name(tmp_path, case, name, pattern, replac
 @pytest.mark.parametrize("changes, mode, field, words", [
     ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                       "sliding_attention"]}, "standalone", "layers[1].compressed", ("int8", "tie")),
-    ({}, "framework", "deploy_mode", ("c{m}a_cmp_kv",)),
+    ({}, "framework", "deploy_mode", ("full_kv_cache", "null block")),
     ({"num_nextn_predict_layers": 1}, "standalone", "model.num_mtp_layers", ("--next-n 0",)),
 ])
 def test_csa_layers_and_framework_mode_are_refused_by_name(tmp_path, changes, mode, field, words):

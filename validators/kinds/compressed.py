@@ -51,6 +51,29 @@ def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
                               "per rank: the kernel's N1)")
 
 
+def split_entries(manifest, plan, got: dict) -> tuple[dict, list[str]]:
+    """A layer's registered entries (framework mode, V101): the window branch's, left to the shared comparison, and
+    what is wrong with an HCA layer's compressed entries against the manifest's (name, manager, block span in
+    tokens, compress ratio, window, per-token shape)."""
+    planned = {e.name: e for e in (plan.compressed.entries if plan.compressed else [])}
+    window = {name: e for name, e in got.items() if name not in planned}
+    problems = []
+    if set(planned) - set(got):
+        problems.append(f"layer {plan.index}: compressed entries {sorted(set(got) - set(window))} != {sorted(planned)}")
+    for name, want in planned.items():
+        entry = got.get(name)
+        if entry is None:
+            continue
+        dim = entry.dim if isinstance(entry.dim, list) else [entry.dim]
+        have = (entry.manager_key, entry.block_size, int(getattr(entry, "compress_ratio", 1) or 1),
+                entry.sliding_window, dim, entry.num_head)
+        wanted = (want.manager_key, want.block_size, want.compress_ratio, want.sliding_window, want.dim, want.num_head)
+        if have != wanted:
+            problems.append(f"layer {plan.index} {name}: (manager_key, block_size, compress_ratio, window, dim, "
+                            f"num_head) {have} != {wanted}")
+    return window, problems
+
+
 def runner_cache_problems(manifest, host, runner, rows: int) -> list[str]:
     """The standalone runner's HCA caches against the manifest's compressed entries (V110): per HCA layer the
     compressed rows in blocks of BLOCK_SIZE rows, enough for every row's ``max_seq_len // m`` entries, and one state
@@ -110,5 +133,5 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 
 
 __all__ = ["CHECK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
-           "cpu_size_changes", "expected_constants", "runner_cache_problems", "shard_attention", "shrink_notes", "tiny_attention_fields",
+           "cpu_size_changes", "expected_constants", "runner_cache_problems", "shard_attention", "split_entries", "shrink_notes", "tiny_attention_fields",
            "verify_expectation"]

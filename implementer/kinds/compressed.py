@@ -41,16 +41,6 @@ def check(m) -> None:
         raise bad(f"layers[{c.csa_layers[0]}].compressed",
                   f"not supported by kvcache: rendering DeepSeek-V4 CSA layers ({len(c.csa_layers)} of them, first "
                   f"{c.csa_layers[0]}): {CSA_GAP}; window-only and HCA layers render")
-    if m.deploy_mode.value == "framework":
-        # The framework pieces that do work are rendered behind this refusal: the entries of the three managers
-        # (win_kv, c{m}a_cmp_kv with compress_ratio, c{m}a_cmp_state) pass V101 / V107 against the manifest.
-        raise bad("deploy_mode", "not supported by kvcache: DeepSeek-V4 compressed attention in framework mode: the "
-                                 "engine's SlidingWindow manager gives a prompt's leading blocks no storage (their "
-                                 "slots are the null block), so a prefill cannot read its window branch back from "
-                                 "win_kv; upstream deepseek_v4 attends at prefill over a temporary full K=V cache "
-                                 "(attn_metadata full_kv_cache, slot_mapping / block_table 'full_kv', the tail then "
-                                 "gathered into win_kv), which the render does not build yet; render it in standalone "
-                                 "mode (部署模式: 独立部署)")
     if m.model.num_mtp_layers:
         raise bad("model.num_mtp_layers", f"not supported by kvcache: DeepSeek-V4 with {m.model.num_mtp_layers} MTP "
                                           "layer(s): the render has no speculative-decode verify step for the "

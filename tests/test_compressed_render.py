@@ -1,8 +1,9 @@
 """DeepSeek-V4 compressed attention rendered and validated against transformers (issue 38, steps 3-4): window-only
-and HCA layers in standalone mode, at the fused kernels' real shapes (D 512, 64 heads, window 128, HCA rate 128:
+and HCA layers in both deployment modes, at the fused kernels' real shapes (D 512, 64 heads, window 128, HCA rate 128:
 the emulated operators take no other), through a stream whose prompts cross the window and two HCA groups, with
 early finishes and a late admit into a freed (poisoned) row; the realistic mistakes of a V4 port, each failing by
-name. CSA layers and framework mode stay refused by name."""
+name. Framework mode too: the engine's SlidingWindow manager leaves a prompt's leading win_kv blocks without storage,
+so a prefill attends over a temporary K=V cache of its own rows. CSA layers and MTP stay refused by name."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ INIT = "_init_kvcache caches are"
 STREAM = Scenario(first=((262, 3), (126, 4)), late=((125, 5),), max_concurrency=2, release_requests=1)
 
 
-def _case(tmp_path, **overrides):
-    return render_case(tmp_path, CONFIG, overrides or None, deploy_mode="standalone")
+def _case(tmp_path, mode: str = "standalone", **overrides):
+    return render_case(tmp_path, CONFIG, overrides or None, deploy_mode=mode)
 
 
-def test_window_and_hca_layers_render_and_match_transformers(tmp_path):
-    manifest, rendered, cfg = _case(tmp_path)
+@pytest.mark.parametrize("mode", ["standalone", "framework"])
+def test_window_and_hca_layers_render_and_match_transformers(tmp_path, mode):
+    manifest, rendered, cfg = _case(tmp_path, mode)
     text = (rendered / ATTN).read_text(encoding="utf-8")
     for op in ("compressor(", "npu_sparse_attn_sharedkv(", "npu_sparse_attn_sharedkv_metadata(",
                "scatter_nd_update_asc(", "inplace_partial_rotary_mul("):
@@ -40,9 +42,12 @@ def test_window_and_hca_layers_render_and_match_transformers(tmp_path):
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
     assert check(report, SHAREDKV).measured["calls"] > 0
+    if mode == "framework":  # the three managers upstream deepseek_v4 keys its entries by
+        assert set(check(report, "all blocks back in the pool").measured["usage"]) == {
+            "win_kv", "c128a_cmp_kv", "c128a_cmp_state"}
 
 
-# (id, file, pattern, replacement, the check that names the mistake)
+# (id, file, pattern, replacement, the check that names the mistake): standalone mode
 MISTAKES = [
     # the unfinished group pooled as an entry: the op's pad rows (NaN) taken for entries, a request's entries
     # shifted onto the next request's
@@ -62,6 +67,32 @@ MISTAKES = [
 ]
 
 
+# framework mode: the engine's sliding manager leaves a prompt's leading win_kv blocks without storage
+FRAMEWORK_MISTAKES = [
+    # a prefill's window read back from win_kv (its leading blocks: the poisoned null block)
+    ("prefill-reads-its-window-from-win-kv", ATTN,
+     r"window_kv, window_table = self\.prefill_full_kv\(kv, forward_metadata\)", "pass  # read back, as at decode",
+     NUMERIC),
+    # the null block's slots written (a prompt's slid-out tokens, padded decode rows): one row written many times
+    ("null-block-slots-written", ATTN,
+     r"        slot_mapping = torch\.where\(slot_mapping // BLOCK_SIZE == NULL_BLOCK, torch\.full_like\(slot_mapping, "
+     r"-1\),\n\s+slot_mapping\)\n", "", OPS),
+    # the compressed entries registered with the window branch's manager (one group, one block size)
+    ("entries-under-the-window-manager", ATTN, r"manager_key=CMP_MANAGER", "manager_key=WINDOW_MANAGER",
+     "cache entries match the manifest"),
+]
+
+
+@pytest.mark.parametrize("case, name, pattern, replacement, failing", FRAMEWORK_MISTAKES,
+                         ids=[m[0] for m in FRAMEWORK_MISTAKES])
+def test_a_v4_framework_render_mistake_fails_by_name(tmp_path, case, name, pattern, replacement, failing):
+    manifest, rendered, cfg = _case(tmp_path, "framework")
+    mutate(rendered, pattern, replacement, name=name)
+    report = run_validate(manifest, rendered, cfg, scenario=STREAM)
+    assert not report.passed
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+
+
 @pytest.mark.parametrize("case, name, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
 def test_a_v4_render_mistake_fails_by_name(tmp_path, case, name, pattern, replacement, failing):
     manifest, rendered, cfg = _case(tmp_path)
@@ -77,10 +108,9 @@ def test_a_v4_render_mistake_fails_by_name(tmp_path, case, name, pattern, replac
 @pytest.mark.parametrize("changes, mode, field, words", [
     ({"layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                       "sliding_attention"]}, "standalone", "layers[1].compressed", ("int8", "tie")),
-    ({}, "framework", "deploy_mode", ("full_kv_cache", "null block")),
     ({"num_nextn_predict_layers": 1}, "standalone", "model.num_mtp_layers", ("--next-n 0",)),
 ])
-def test_csa_layers_and_framework_mode_are_refused_by_name(tmp_path, changes, mode, field, words):
+def test_csa_layers_and_mtp_are_refused_by_name(tmp_path, changes, mode, field, words):
     config = CONFIGS / f"{CONFIG}.json"
     if changes:
         config = tmp_path / "v4.json"

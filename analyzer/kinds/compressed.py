@@ -409,8 +409,8 @@ class CompressedFormat(GqaFormat):
         return decision_rows(m)
 
     def doc_attention(self, m) -> str:
-        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用);仅窗口层与 HCA 层在独立部署下"
-                "render 并校验,CSA 层与框架部署按名字拒绝(exit 2)")
+        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用);仅窗口层与 HCA 层 render 并校验"
+                "(两种部署模式),CSA 层按名字拒绝(exit 2)")
 
     def doc_layout(self, m) -> str:
         return "TND(缓存 PA_ND)"  # the sparse_attn_sharedkv's layouts

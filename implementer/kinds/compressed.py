@@ -3,8 +3,9 @@ branch (``win_kv``, one shared K=V row per token) and the HCA layers' compressed
 per-request state slot, entries written once their group completes), attended by ``custom.npu_sparse_attn_sharedkv``
 in one call. Planned by the analyzer (analyzer/kinds/compressed.py).
 
-Rendered: window-only and HCA layers, standalone mode. Refused by name: CSA layers (their indexer), framework mode
-(the compressed managers' cache entries), and shapes the fused kernels do not take."""
+Rendered: window-only and HCA layers, both deployment modes (framework mode: the entries of upstream's three
+managers, a prefill attending over a temporary K=V cache of its own rows). Refused by name: CSA layers (their
+indexer), MTP layers, and shapes the fused kernels do not take."""
 
 from __future__ import annotations
 

@@ -120,3 +120,15 @@ def test_csa_layers_and_mtp_are_refused_by_name(tmp_path, changes, mode, field, 
     with pytest.raises(InputError) as info:
         render_manifest(m, allow_blocked=True)
     assert info.value.field == field and all(w in str(info.value) for w in words), info.value
+
+
+def test_a_float32_run_is_refused_naming_the_dtype(tmp_path):
+    """The custom operators take no float32 (their docs): a float32 run is refused at its input, not reported as an
+    operator failure of the render."""
+    from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
+
+    manifest, rendered, cfg = _case(tmp_path)
+    with pytest.raises(InputError) as info:
+        validate(ValidateRequest(manifest=str(manifest), rendered=str(rendered), config=str(cfg), backend="emulated",
+                                 dtype="float32"))
+    assert "float32" in str(info.value) and "compressed" in str(info.value), info.value

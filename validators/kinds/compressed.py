@@ -14,6 +14,9 @@ import math
 
 from model_infer_kvcache.validators.kinds.gqa import cpu_narrowed, cpu_size_changes, shrink_notes
 
+# the dtypes a run may compute in: custom.scatter_nd_update_asc / npu_sparse_attn_sharedkv / compressor take
+# bfloat16, float16 (and float64, the CPU validation mode), no float32
+RUN_DTYPES = ("float64", "bfloat16", "float16")
 CALLS_CUSTOM_OPS = True  # the render calls the checkout's own operators (torch.ops.custom): CPU runs emulate them
 HIDDEN_CAN_TIE_TO_HEADS = False  # heads x head_dim (32768) is not the model's hidden size
 CHECK = "shared-KV attention: each layer's window branch, compressed branch and sinks as the manifest"

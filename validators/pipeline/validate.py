@@ -81,6 +81,10 @@ def resolve_dtype(requested: str | None, backend: str, manifest: SelectionManife
     if backend == "npu" and requested not in DEVICE_DTYPES:
         raise InputError("--dtype", f"{requested} is a CPU emulation mode; the device operators take "
                                     f"{'/'.join(DEVICE_DTYPES)}")
+    kind_dtypes = getattr(kind_of(manifest), "RUN_DTYPES", None)  # a kind whose operators take fewer (V4's custom ops)
+    if kind_dtypes is not None and requested not in kind_dtypes:
+        raise InputError("--dtype", f"{requested}: the {kind_of(manifest).__name__.rsplit('.', 1)[-1]} kind's operators "
+                                    f"take {'/'.join(kind_dtypes)} (float64: the CPU validation mode)")
     return requested
 
 

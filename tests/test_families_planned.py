@@ -212,3 +212,56 @@ def test_roberta_decoder_validates_with_its_position_offset_and_fails_without(tm
     monkeypatch.setattr(host_model, "position_offset", lambda _model: 0)
     report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
     assert not check(report, "logits vs transformers").passed
+
+
+@pytest.mark.slow
+def test_big_bird_decoder_routes_its_own_score_code_and_fails_with_the_wrong_scale(tmp_path, monkeypatch):
+    """BigBird's causal LM (is_decoder true; original_full, as transformers switches a decoder with a cache) computes
+    its scores inside BigBirdSelfAttention (query / key / value, then torch.matmul over sqrt(head size)), like RemBert
+    and MegatronBert: the host routes the module's own projections through the rendered attention. Measured before
+    the route: `kvcache run` refused it ('not understood by the validation host'). Negative control: the route's
+    scale taken as 1 / head size instead of 1 / sqrt(head size) fails the logits check."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    config = _config(tmp_path, "big_bird")
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
+                 is_decoder=True, attention_type="original_full")
+    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    assert host_model._ROUTED_FORWARD["bert_qkv"] is host_model._bert_qkv_forward
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    routed = host_model._gqa_attention
+    monkeypatch.setattr(host_model, "_gqa_attention",
+                        lambda module, q, k, v, mask, scaling=None, **kw: routed(module, q * scaling, k, v, mask,
+                                                                                  scaling=scaling, **kw))
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert not check(report, "logits vs transformers").passed
+
+
+@pytest.mark.slow
+def test_roformer_decoder_rotates_each_token_at_its_own_position(tmp_path, monkeypatch):
+    """RoFormer (is_decoder true) rotates q / k inside its self-attention by sinusoidal angles its encoder computes for
+    positions 0..S-1 of the batch it is given: right for a whole request, wrong for the engine's packed step. The
+    host looks each token's angles up at its own position (host_model.sinusoidal_table), as a port must. Negative
+    control: the angles of the packed step's row numbers (what the encoder hands a packed batch) fail the logits."""
+    import torch
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    config = _config(tmp_path, "roformer")
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
+                 embedding_size=64, is_decoder=True)
+    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="standalone"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    own = host_model._positions
+    monkeypatch.setattr(host_model, "_positions", lambda: torch.arange(own().numel()))
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert not check(report, "logits vs transformers").passed

@@ -453,6 +453,22 @@ def attention_route(module, is_mla: bool) -> str | None:
     if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj", "scaling", "head_dim")) and \
             "torch.bmm" in source and "key_value_states" in inspect.signature(type(module).forward).parameters:
         return "eager_qkv"  # TrOCR, MVP: encoder-decoder attention computing its scores itself
+    if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("query", "key", "value")) and \
+            hasattr(module, "attention_head_size") and "torch.matmul(query_layer, key_layer.transpose" in source:
+        return "bert_qkv"  # BigBird, RemBert, MegatronBert, RoFormer: BERT-era self-attention scoring by itself
+    return None
+
+
+def sinusoidal_table(hf_model) -> torch.Tensor | None:
+    """RoFormer's table of sinusoidal angles [max positions, head size] (its encoder's ``embed_positions``), None in a
+    model without one. The encoder hands every layer the angles of positions 0..S-1 of the batch it sees: right for
+    transformers' reference (each request whole), wrong for the engine's packed step, so the routed attention looks
+    its tokens' own positions up here, as a port of the model must."""
+    for module in hf_model.modules():
+        if type(module).__name__.endswith("SinusoidalPositionalEmbedding") and isinstance(
+                getattr(module, "weight", None), torch.Tensor) and "cache_length" in \
+                inspect.signature(type(module).forward).parameters:
+            return module.weight
     return None
 
 
@@ -474,8 +490,33 @@ def _eager_qkv_forward(self, hidden_states, key_value_states=None, *args, attn_p
     return self.out_proj(out.reshape(b, s, -1)), None
 
 
+def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, *args, **kwargs):
+    """A BERT-era self-attention that computes its scores itself (BigBird's original_full, RemBert, MegatronBert:
+    ``query`` / ``key`` / ``value`` linears, scores over ``sqrt(attention_head_size)``): its own projections around the
+    rendered attention; the module's output projection is its parent's (``BertSelfOutput``), left to it. Returns
+    the context as the module does, [B, S, heads x head size]."""
+    if encoder_hidden_states is not None:
+        raise NotSupportedByKvcache("--config", f"{type(self).__name__} called as a cross-attention (add_cross_attention):"
+                                                " the validation host routes its self-attention only",
+                                    field="add_cross_attention")
+    b, s = hidden_states.shape[:2]
+    q, k, v = (getattr(self, name)(hidden_states).view(b, s, -1, self.attention_head_size).transpose(1, 2)
+               for name in ("query", "key", "value"))
+    if "sinusoidal_pos" in kwargs:  # RoFormer: its rotary at each token's own position (sinusoidal_table)
+        table = getattr(self, "_kvcache_sinusoidal", None)
+        if table is None:
+            raise NotSupportedByKvcache("--config", f"{type(self).__name__} rotates q / k by sinusoidal positions the "
+                                                    "host found no table of", field="model_type")
+        angles = table[_positions().reshape(-1).long()].to(q.dtype)[None, None]
+        rotated = self.apply_rotary_position_embeddings(angles, q, k, v if self.rotary_value else None)
+        q, k = rotated[0], rotated[1]
+        v = rotated[2] if self.rotary_value else v
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=self.attention_head_size ** -0.5)
+    return out.reshape(b, s, -1), None
+
+
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
-                   "v4": _v4_forward}
+                   "bert_qkv": _bert_qkv_forward, "v4": _v4_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -888,12 +929,15 @@ class HostModel:
             if route is None:
                 raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "
                                              "understood by the validation host: its forward neither calls "
-                                             "transformers' attention interface nor is MLA or a fused "
-                                             "query_key_value split by _split_heads", field="model_type")
+                                             "transformers' attention interface nor is MLA, a fused "
+                                             "query_key_value split by _split_heads or a BERT-era query / key / "
+                                             "value self-attention", field="model_type")
             routes.add(route)
             host = host_cls(hf_attn, idx, self.probe)
             host.init_kv_cache(idx, cache_dtype)
             hf_attn._kvcache_host = host
+            if route == "bert_qkv":
+                hf_attn._kvcache_sinusoidal = sinusoidal_table(hf_model)
             if route in _ROUTED_FORWARD:
                 hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
                                                    hf_attn)

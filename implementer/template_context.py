@@ -132,6 +132,13 @@ class RenderContext:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_rope: str = ""
+    # DeepSeek-V4 compressed attention (implementer/kinds/compressed.py): the HCA layers and their rate
+    is_compressed: bool = False
+    hca_layers: tuple[int, ...] = ()
+    hca_ratio: int = 0
+    rope_head_dim: int = 0
+    rms_norm_eps: float = 0.0
+    cmp_state_dtype: str = ""
     # False: a pure state stack (every layer a Mamba mixer): the state partial alone, no attention mixin or KV cache
     attends: bool = True
     # decoder blocks without any cache (Nemotron-H's MLP / MoE blocks): get_cache_info registers nothing for them
@@ -266,8 +273,9 @@ def _check_layers(m: SelectionManifest) -> None:
                        f"cache entries {[c.name for c in layer.caches]} differ from layer {first.index}'s "
                        f"{[c.name for c in first.caches]} (names, dims, heads or dtypes); the templates give every "
                        "layer the same entries")
+    own_key = getattr(kinds[0], "GROUP_KEY", None)  # a kind whose manager is keyed by its entry (V4's win_kv)
     for layer in m.layers:
-        if layer.group_key != manager_attn_type(layer.attn_type):
+        if layer.group_key != (own_key or manager_attn_type(layer.attn_type)):
             raise _bad(f"layers[{layer.index}].group_key",
                        f"group key {layer.group_key!r} differs from the manager of attn_type {layer.attn_type!r} "
                        f"({manager_attn_type(layer.attn_type)!r}); the rendered code indexes block_table/slot_mapping "

@@ -3,8 +3,9 @@
 Sources the expectations come from, none of them kvcache's: transformers' ``DeepseekV4Config`` (its layer types and
 defaults: the published architecture), its attention modules on the meta device (the cross-check), upstream
 deepseek_v4's cache entries (names, managers, shapes written out here from ``_init_cache_entries``) and the real
-framework's ``calculate_block_num`` from the pinned snapshot (the block counts). Render, ``kvcache run`` and the
-checkout run refuse the kind by name until they implement it.
+framework's ``calculate_block_num`` from the pinned snapshot (the block counts). Render and ``kvcache run`` refuse CSA
+layers by name (window-only and HCA layers render: tests/test_compressed_render.py); the checkout run refuses the
+kind.
 """
 
 from __future__ import annotations

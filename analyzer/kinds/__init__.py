@@ -9,13 +9,16 @@ from __future__ import annotations
 from model_infer_kvcache.analyzer.kinds.invariants import INDEXER_KEY_CACHE, kind_problems  # noqa: F401
 
 # The attention formats a manifest's attention layers share, as every tool names them: DeepSeek sparse attention
-# (MLA + an indexer), MLA (latent + rope part), GQA/MHA/MQA (K/V caches).
-DSA, MLA, GQA = "dsa", "mla", "gqa"
+# (MLA + an indexer), MLA (latent + rope part), GQA/MHA/MQA (K/V caches), DeepSeek-V4's compressed attention (a
+# shared K=V window branch + CSA / HCA compressed branches).
+DSA, MLA, GQA, COMPRESSED = "dsa", "mla", "gqa", "compressed"
 
 
 def attention_format(m) -> str:
     """The one place that reads which attention format a manifest plans (the implementer's and the validators'
     kind modules are looked up by it)."""
+    if getattr(m, "compressed", None) is not None:
+        return COMPRESSED
     if m.dsa is not None:
         return DSA
     return MLA if m.mla.enabled else GQA

@@ -217,6 +217,11 @@ def entry_token_bytes(entry: CompressedEntry) -> int:
                                      entry.compress_ratio)
 
 
+def branch_kind(layer: LayerPlan) -> str:
+    """A layer's compressed branch as one word (csa | hca | none), for the tiny model's layer plans."""
+    return layer.compressed.kind if layer.compressed else "none"
+
+
 # ------------------------------------------------------------------------------------------------ memory groups
 
 def memory_groups(layers: list[LayerPlan], window_token_bytes: Callable[[LayerPlan], int], mtp_layers: int,
@@ -404,8 +409,8 @@ class CompressedFormat(GqaFormat):
         return decision_rows(m)
 
     def doc_attention(self, m) -> str:
-        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用),只规划:render 与校验按名字"
-                "拒绝(exit 2)")
+        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用);仅窗口层与 HCA 层 render 并校验"
+                "(两种部署模式),CSA 层按名字拒绝(exit 2)")
 
     def doc_layout(self, m) -> str:
         return "TND(缓存 PA_ND)"  # the sparse_attn_sharedkv's layouts

@@ -91,6 +91,8 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V230", "runtime", "graph mode: no tensor inside the captured step is shaped or filled from a host length"),
     CheckDef("V231", "runtime", "cross-attention reads each request's encoder K/V unmasked (sparse_mode 0, KV length = "
                                 "its encoder length)"),
+    CheckDef("V232", "runtime", "shared-KV attention: each layer's window branch, compressed branch and sinks as the "
+                                "manifest"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

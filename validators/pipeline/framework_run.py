@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import check_attention_calls, cross
+from model_infer_kvcache.validators.kinds import check_attention_calls, cross, kind_of
 from model_infer_kvcache.validators.pipeline.graph_capture import decode_capture, graph_mode
 from model_infer_kvcache.validators.pipeline.host_model import HostModel
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
@@ -29,8 +29,12 @@ def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers
     mismatches = []
     model_bs = getattr(info, "block_size", None)
     cross_problems = []
+    split_kind = getattr(kind_of(manifest), "split_entries", None)  # a kind's own entries beside the planned caches
     for plan, layer in zip(expected, layer_infos, strict=False):
         got, got_cross = cross.split_entries({e.cache_name: e for e in layer.caches})
+        if split_kind is not None:
+            got, kind_problems = split_kind(manifest, plan, got)
+            mismatches += kind_problems
         cross_problems += cross.entry_problems(manifest, plan.index, got_cross, cache_dtype)
         if plan.is_state:
             mismatches += _state_entry_problems(plan, got, cache_dtype, manifest.linear_attention)
@@ -145,8 +149,11 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
             # A Mamba group has a block table and no slot mapping (a state block per request, no token slots).
             for table in ("block_table",) if holds_state(a.attn_type) else ("block_table", "slot_mapping"):
                 d = getattr(fm, table)
-                if not isinstance(d, dict) or a.attn_type not in d:
-                    keys_missing.append(f"step {step.index} layer {a.layer_idx}: {table}[{a.attn_type!r}]")
+                # the layer's group: its attn_type, or the manager key it registers by (DeepSeek-V4's win_kv)
+                key = a.attn_type if isinstance(d, dict) and a.attn_type in d else \
+                    manifest.plan_of_module(a.layer_idx).group_key
+                if not isinstance(d, dict) or key not in d:
+                    keys_missing.append(f"step {step.index} layer {a.layer_idx}: {table}[{key!r}]")
         if step.is_prefill:
             for rid, q in zip(step.request_ids, step.q_lens, strict=False):
                 prompt_len[rid] = q

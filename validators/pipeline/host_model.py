@@ -9,6 +9,8 @@ by one naming scheme. How an attention module is routed depends on its own code:
   latent before its norm and the query split into nope/rope parts;
 - a fused ``query_key_value`` split by the module's own ``_split_heads`` (Falcon): the forward is
   replaced by one that reuses the module's projections, head split and rotary function.
+- DeepSeek-V4's shared-KV attention: the forward is replaced, because the rendered code needs the hidden states
+  (its compressor's input) beside the normed query and K=V row, and returns before the grouped output projection.
 Anything else is refused with one line naming the module.
 """
 
@@ -132,6 +134,7 @@ class _Probe:
         self.fa_calls: list[dict] = []
         self.sparse_calls: list[dict] = []  # DSA's indexer and sparse-FA calls (dsa_args)
         self.cross_calls: list[dict] = []  # the FA calls of cross-attention modules (validators/kinds/cross.py)
+        self.sharedkv_calls: list[dict] = []  # DeepSeek-V4's shared-KV attention calls (validators/kinds/compressed)
         self.cross_layer = None  # the cross-attention layer running now (its FA call goes to cross_calls)
         self.step = -1
         self.last_layer = None  # the layer that ran last (attention or linear), to place a failure
@@ -207,6 +210,47 @@ class _RecordingOps:
             if name == dsa_args.INDEXER_OP:
                 rec.update(dsa_args.selection(a, result[0]))
             return result
+
+        return call
+
+
+class _RecordingTorch:
+    """Stands in for ``torch`` inside a rendered module that calls the checkout's own operators
+    (``torch.ops.custom``, DeepSeek-V4): records each shared-KV attention call's arguments; everything else is
+    torch's."""
+
+    def __init__(self, probe: _Probe):
+        self._probe = probe
+
+    def __getattr__(self, name):
+        return _RecordingTorchOps(self._probe) if name == "ops" else getattr(torch, name)
+
+
+class _RecordingTorchOps:
+    def __init__(self, probe: _Probe):
+        self._probe = probe
+
+    def __getattr__(self, name):
+        return _RecordingCustom(self._probe) if name == "custom" else getattr(torch.ops, name)
+
+
+class _RecordingCustom:
+    def __init__(self, probe: _Probe):
+        self._probe = probe
+
+    def __getattr__(self, name):
+        target = getattr(torch.ops.custom, name)
+        if name != "npu_sparse_attn_sharedkv":
+            return target
+        probe = self._probe
+
+        def call(q, **kwargs):
+            last = probe.records[-1] if probe.records else {}
+            probe.sharedkv_calls.append({
+                "op": name, "step": probe.step, "layer": last.get("layer"), "has_cmp_kv": kwargs.get("cmp_kv") is not None,
+                "cmp_ratio": kwargs.get("cmp_ratio"), "ori_win_left": kwargs.get("ori_win_left", 127),
+                "softmax_scale": kwargs.get("softmax_scale"), "sinks": kwargs.get("sinks") is not None})
+            return target(q, **kwargs)
 
         return call
 
@@ -312,6 +356,32 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     return out, None
 
 
+def _v4_forward(self, hidden_states, position_embeddings=None, position_ids=None, attention_mask=None, cache=None,
+                **kwargs):
+    """DeepSeek-V4's attention (transformers DeepseekV4Attention) through the rendered code: the module's own
+    q_a / q_b projections and norms and kv_proj + kv_norm, then the render's RoPE, cache writes, compressor and
+    shared-KV attention (with the layer's sinks), then the module's grouped o_a / o_b output projection."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden_states[0]
+    t = x.shape[0]
+    cos, sin = position_embeddings[self.rope_layer_type]  # [1, T, rope / 2]: one angle per interleaved pair
+    q = self.q_b_norm(self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(t, -1, self.head_dim))
+    kv = self.kv_norm(self.kv_proj(x))
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                      q=tuple(q.shape), k=(t, 1, self.head_dim), dtype=q.dtype, hf_scaling=self.scaling,
+                      kv_lens=fm.actual_seq_lengths_kv)
+    compressor = self.compressor
+
+    def entry_rope(positions):  # the compressor's own RoPE (its rope type) at the entries' positions
+        c, s = compressor.rotary_emb(x, position_ids=positions[None], layer_type=compressor.rope_layer_type)
+        return c[0], s[0]
+
+    out = host.kv_cache_attention(q, kv, cos[0], sin[0], fm, x, entry_rope if compressor is not None else None)
+    grouped = self.o_a_proj(out.reshape(t, self.config.o_groups, -1)).flatten(1)
+    return self.o_b_proj(grouped)[None], None
+
+
 def _fused_qkv_forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None, layer_past=None,
                        use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
     """Falcon-style attention (modeling_falcon FalconAttention, rotary path) through the rendered code.
@@ -372,6 +442,8 @@ def attention_route(module, is_mla: bool) -> str | None:
     """How the host routes one transformers attention module: interface | mla | fused_qkv | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
+    if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):
+        return "v4"  # DeepSeek-V4's shared-KV attention (its forward calls the interface too, on the whole K=V)
     source = _forward_source(module)
     if "ALL_ATTENTION_FUNCTIONS" in source:
         return "interface"
@@ -444,7 +516,7 @@ def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
 
 
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
-                   "bert_qkv": _bert_qkv_forward}
+                   "bert_qkv": _bert_qkv_forward, "v4": _v4_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -671,7 +743,7 @@ def make_host_attention(mixin: type) -> type:
                 sinks = hf_attention.sinks.detach()
                 self.sinks = sinks if sinks.dtype == torch.float64 else sinks.float()
             # the model's own modules the rendered MLA code reads (and DSA's indexer projections)
-            for name in ("kv_a_layernorm", "kv_b_proj", "indexer"):
+            for name in ("kv_a_layernorm", "kv_b_proj", "indexer", "compressor"):
                 if getattr(hf_attention, name, None) is not None:
                     setattr(self, name, getattr(hf_attention, name))
 
@@ -778,6 +850,8 @@ class HostModel:
         self.probe = _Probe()
         if hasattr(rendered.attention, "torch_npu"):
             rendered.attention.torch_npu = _RecordingOps(rendered.attention.torch_npu, self.probe)
+        if hasattr(rendered.attention, "custom_ops"):  # the checkout's own operators (torch.ops.custom): DeepSeek-V4
+            rendered.attention.torch = _RecordingTorch(self.probe)
         if hasattr(rendered.attention, "torchair"):  # ge_graph decode calls torchair.ops' attention
             rendered.attention.torchair = _RecordingTorchair(rendered.attention.torchair, self.probe)
         attention_mixin = rendered.attention_mixin()
@@ -947,8 +1021,12 @@ def position_offset(hf_model) -> int:
 def _store_output(outputs: list, idx: int):
     def hook(module, _inputs, output):
         out = output[0] if isinstance(output, tuple) else output
-        if out.dim() == 4:  # Gemma-3n's AltUp stacks its predictions in front: [altup_num_inputs, batch, L, hidden]
-            out = out[getattr(getattr(module, "config", None), "altup_active_idx", 0)]  # the active one is the stream
+        config = getattr(module, "config", None)
+        if out.dim() == 4 and hasattr(config, "altup_active_idx"):
+            # Gemma-3n's AltUp stacks its predictions in front: [altup_num_inputs, batch, L, hidden]
+            out = out[config.altup_active_idx]  # the active one is the stream
+        elif out.dim() == 4:  # DeepSeek-V4's hyper-connection streams [batch, L, hc_mult, hidden]: all of them
+            out = out.flatten(2)
         outputs[idx] = out.detach()
 
     return hook

@@ -14,7 +14,7 @@ import types
 
 import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import kinds_of
+from model_infer_kvcache.validators.kinds import kind_of, kinds_of
 from model_infer_kvcache.validators.pipeline.host_model import state_dtypes
 from model_infer_kvcache.validators.pipeline.report import Report
 
@@ -87,9 +87,14 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type |
         entries = getattr(attn, "cache_entries", None)
         if entries is None:  # standalone and Legacy renders declare no entries
             continue
+        got_entries = {e.cache_name: e for e in entries}
+        split_kind = getattr(kind_of(manifest), "split_entries", None)  # a kind's own entries (V4's compressed)
+        if split_kind is not None:
+            got_entries, kind_problems = split_kind(manifest, plan, got_entries)
+            bad += kind_problems
         want = {c.name: (attn_type, c.dim, c.num_head, window, manifest.block_size) for c in plan.caches}
         have = {e.cache_name: (e.attn_type, e.dim, e.num_head, e.sliding_window,
-                               getattr(e, "block_size", manifest.block_size)) for e in entries}
+                               getattr(e, "block_size", manifest.block_size)) for e in got_entries.values()}
         if have != want:
             diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
             bad.append(f"layer {plan.index} {diff[0]}: (attn_type, dim, num_head, window, block_size) "

@@ -8,7 +8,7 @@ import torch
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import check_attention_calls, cross, recurrent
+from model_infer_kvcache.validators.kinds import check_attention_calls, cross, kind_of, recurrent
 from model_infer_kvcache.validators.npu_ops import paged_caches
 from model_infer_kvcache.validators.pipeline.graph_capture import (
     PADDING_CHECK,
@@ -22,12 +22,16 @@ from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
 
-CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache")
+CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache", "win_kv")
+# DeepSeek-V4 HCA layers: the compressed entries (the runner's cmp_block_table) and the compressor state slot of
+# each row (its state_block_table)
+COMPRESSED_NAMES = (("sfa_cmp_kv", "cmp_block_table"), ("sfa_kv_state", "state_block_table"))
 STATE_NAMES = ("conv_state", "recurrent_state")  # a linear layer's states: one slot per row
 
 
 def _caches(host) -> list[torch.Tensor]:
-    return [getattr(a, c) for a in host.attentions for c in (*CACHE_NAMES, *STATE_NAMES) if hasattr(a, c)]
+    return [getattr(a, c) for a in host.attentions for c in (*CACHE_NAMES, *STATE_NAMES,
+                                                             *(n for n, _ in COMPRESSED_NAMES)) if hasattr(a, c)]
 
 
 CROSS_NAMES = (cross_kind.KEY, cross_kind.VALUE, cross_kind.LENGTH)
@@ -42,6 +46,9 @@ def _poison_row(host, runner, row: int) -> None:
             for c in CACHE_NAMES:
                 if hasattr(a, c):
                     getattr(a, c)[blocks] = float("nan")
+            for c, table in COMPRESSED_NAMES:  # an HCA layer's entries and state slot of the row
+                if getattr(a, c, None) is not None and getattr(a, c).numel():
+                    getattr(a, c)[getattr(runner, table)[row].long().unique()] = float("nan")
             for c in (*STATE_NAMES, "state_anchor"):
                 if hasattr(a, c):
                     t = getattr(a, c)
@@ -218,6 +225,9 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
             shape = (blocks, manifest.block_size, c.num_head, c.dim)
             if t is None or tuple(t.shape) != shape:
                 problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != {shape}")
+    kind_problems = getattr(kind_of(manifest), "runner_cache_problems", None)  # a kind's own caches (V4's HCA)
+    if kind_problems is not None:
+        problems += kind_problems(manifest, host, runner, rows_n)
     table_ok = torch.equal(runner.block_table.view(-1).long(), torch.arange(runner.block_table.numel()))
     report.add("_init_kvcache caches are [num_blocks, block_size, num_head, dim]", "init", not problems,
                detail="; ".join(problems[:3]), rows=rows_n, blocks=blocks)

@@ -16,6 +16,7 @@ from model_infer_kvcache.analyzer.arch_check import transformers_ships
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_section
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.kinds import holds_states
+from model_infer_kvcache.analyzer.kinds.compressed import branch_kind as compressed_branch
 from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import cross, kind_of, recurrent
@@ -62,7 +63,8 @@ def _layer_plans(manifest: SelectionManifest, src: dict[str, Any]) -> list[tuple
             f"kv_heads_per_rank{sub}": str(layer.num_kv_heads_per_rank),
             f"kv_source{sub}": str(layer.kv_source_layer),
             f"caches{sub}": ", ".join(f"{c.name} {c.num_head}x{c.dim} {c.dtype}" for c in layer.caches),
-            f"states{sub}": ", ".join(st.name for st in layer.states)})
+            f"states{sub}": ", ".join(st.name for st in layer.states),
+            f"compressed{sub}": compressed_branch(layer)})
     for block in manifest.no_cache_layers or ():  # a block without a cache is a plan of its own (MLP, MoE)
         plans[block.decoder_layer] = {"attn_type": "none", "kind": f"no cache ({block.block})"}
     for i, plan in plans.items():

@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.measured import device_settled
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 from model_infer_kvcache.implementer.render import check_renderable, render_manifest, write_rendered
-from model_infer_kvcache.validators.kinds import check_attention_calls
+from model_infer_kvcache.validators.kinds import check_attention_calls, kind_of
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.provenance import (
     RENDERED_FILES,
@@ -81,6 +81,10 @@ def resolve_dtype(requested: str | None, backend: str, manifest: SelectionManife
     if backend == "npu" and requested not in DEVICE_DTYPES:
         raise InputError("--dtype", f"{requested} is a CPU emulation mode; the device operators take "
                                     f"{'/'.join(DEVICE_DTYPES)}")
+    kind_dtypes = getattr(kind_of(manifest), "RUN_DTYPES", None)  # a kind whose operators take fewer (V4's custom ops)
+    if kind_dtypes is not None and requested not in kind_dtypes:
+        raise InputError("--dtype", f"{requested}: the {kind_of(manifest).__name__.rsplit('.', 1)[-1]} kind's operators "
+                                    f"take {'/'.join(kind_dtypes)} (float64: the CPU validation mode)")
     return requested
 
 
@@ -204,7 +208,7 @@ def _check_render_as_written(report: Report, manifest: SelectionManifest, req: V
     from model_infer_kvcache.validators.pipeline.render_check import check_constants, check_every_layer
 
     ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
-    with ops, _framework(manifest, req, backend), _torchair(manifest, backend):
+    with ops, _framework(manifest, req, backend), _torchair(manifest, backend), _custom_ops(manifest, backend):
         rendered = import_rendered(req.rendered)
         check_constants(report, manifest, rendered.attention)
         check_every_layer(report, manifest, rendered.attention_mixin(), getattr(torch, req.dtype),
@@ -401,7 +405,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     model.to(device=device, dtype=cache_dtype)
     ref.to(dtype=torch.float64 if cache_dtype == torch.float64 else torch.float32)
     with ops, device_readings(readings), consulted_questions() as consulted, \
-            _framework(manifest, req, backend) as handle, _torchair(manifest, backend), float64_upcasts():
+            _framework(manifest, req, backend) as handle, _torchair(manifest, backend), \
+            _custom_ops(manifest, backend), float64_upcasts():
         rendered = import_rendered(rendered_dir)
         if not report.provenance:
             from model_infer_kvcache.validators.pipeline.provenance import rendered_provenance
@@ -449,6 +454,16 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)
         report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1)
+
+
+def _custom_ops(manifest: SelectionManifest, backend: str):
+    """A DeepSeek-V4 render imports the checkout's own operators (``custom_ops``, ``torch.ops.custom``): on CPU their
+    emulation (validators/npu_ops/custom_ops.py)."""
+    if backend != "emulated" or not getattr(kind_of(manifest), "CALLS_CUSTOM_OPS", False):
+        return contextlib.nullcontext()
+    from model_infer_kvcache.validators.standins import custom_ops_standin
+
+    return custom_ops_standin()
 
 
 def _torchair(manifest: SelectionManifest, backend: str):

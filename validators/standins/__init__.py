@@ -8,9 +8,11 @@ exit. Nothing is written into the checkout.
 from model_infer_kvcache.validators.standins.device import (
     NotStoodInError,
     StandinHandle,
+    custom_ops_standin,
     device_standins,
     standins_active,
     torchair_standin,
 )
 
-__all__ = ["NotStoodInError", "StandinHandle", "device_standins", "standins_active", "torchair_standin"]
+__all__ = ["NotStoodInError", "StandinHandle", "custom_ops_standin", "device_standins", "standins_active",
+           "torchair_standin"]

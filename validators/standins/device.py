@@ -278,6 +278,25 @@ class _CustomOps(types.ModuleType):
         raise UnemulatedOperatorError(f"{self.__name__}.{name}", caller_location(2))
 
 
+@contextlib.contextmanager
+def custom_ops_standin() -> Iterator[types.ModuleType]:
+    """``custom_ops`` and ``torch.ops.custom`` for a rendered module that calls the checkout's own operators (a
+    DeepSeek-V4 render) outside a checkout run: the emulations, as ``device_standins`` installs them; ones already
+    present (a checkout run's stand-ins) kept."""
+    had_module, had_namespace = "custom_ops" in sys.modules, "custom" in torch.ops.__dict__
+    module = sys.modules.get("custom_ops") or _CustomOps("custom_ops", "CPU stand-in: the checkout's AscendC operators")
+    sys.modules["custom_ops"] = module
+    if not had_namespace:
+        torch.ops.__dict__["custom"] = _CustomOps("torch.ops.custom", "CPU stand-in")
+    try:
+        yield module
+    finally:
+        if not had_module:
+            sys.modules.pop("custom_ops", None)
+        if not had_namespace:
+            torch.ops.__dict__.pop("custom", None)
+
+
 def standins_active() -> bool:
     return bool(_ACTIVE)
 
@@ -374,4 +393,5 @@ def device_standins(*, free_bytes: int | None = None, total_bytes: int | None = 
                 del torch.Tensor.npu
 
 
-__all__ = ["DEFAULT_TOTAL_BYTES", "NotStoodInError", "StandinHandle", "device_standins", "standins_active"]
+__all__ = ["DEFAULT_TOTAL_BYTES", "NotStoodInError", "StandinHandle", "custom_ops_standin", "device_standins",
+           "standins_active"]

@@ -1,0 +1,140 @@
+"""DeepSeek-V4 compressed attention: the window branch (win_kv) and an HCA layer's compressed entries, attended by
+``custom.npu_sparse_attn_sharedkv`` in one call (no FA call). What every call must pass is stated here from the
+manifest (V232), independently of the render.
+
+The tiny model keeps the fused kernels' fixed shapes (custom-npu_sparse_attn_sharedkv.md: D 512, 64 query heads,
+window 127 + 1; custom-npu_compressor.md: hidden 1024..10240, cmp_ratio 128 for HCA, rope 64): the emulated
+operators refuse any other, so CPU streams of up to 300 tokens cross the 128-token window and two HCA groups at
+the real sizes, nothing shrunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+from model_infer_kvcache.validators.kinds.gqa import cpu_narrowed, cpu_size_changes, shrink_notes
+
+# the dtypes a run may compute in: custom.scatter_nd_update_asc / npu_sparse_attn_sharedkv / compressor take
+# bfloat16, float16 (and float64, the CPU validation mode), no float32
+RUN_DTYPES = ("float64", "bfloat16", "float16")
+CALLS_CUSTOM_OPS = True  # the render calls the checkout's own operators (torch.ops.custom): CPU runs emulate them
+HIDDEN_CAN_TIE_TO_HEADS = False  # heads x head_dim (32768) is not the model's hidden size
+CHECK = "shared-KV attention: each layer's window branch, compressed branch and sinks as the manifest"
+# custom-npu_compressor.md: 'H 取值范围 1K~10K, 512 对齐' (the smallest hidden size the compressor takes)
+TINY_HIDDEN = 1024
+SHAREDKV_OP = "npu_sparse_attn_sharedkv"
+
+
+def tiny_attention_fields(d: dict, manifest, *, head_dim_from_hidden: bool) -> None:
+    """The kernels' shapes (the manifest's: D, 64 query heads, one KV head), the compressor's smallest hidden size,
+    and narrow low-rank query / output projections (q_lora_rank, o_lora_rank: widths inside the model, no cache)."""
+    d["head_dim"] = manifest.model.head_dim
+    d["num_key_value_heads"] = manifest.model.num_key_value_heads
+    d["hidden_size"] = TINY_HIDDEN
+    d["q_lora_rank"] = 64
+    d["o_lora_rank"] = 32
+
+
+def expected_constants(manifest) -> dict[str, object]:
+    c = manifest.compressed
+    return {"HEAD_DIM": manifest.model.head_dim, "HCA_LAYERS": frozenset(c.hca_layers),
+            "HCA_RATIO": c.compress_rates["hca"]}
+
+
+def attention_calls(probe) -> list[dict]:
+    return probe.sharedkv_calls
+
+
+def verify_expectation(manifest, plan) -> tuple[int, bool]:
+    raise NotImplementedError("speculative decoding of DeepSeek-V4 compressed attention is not rendered")
+
+
+def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
+    raise NotImplementedError("attention TP of DeepSeek-V4 compressed attention is not rendered (64 query heads "
+                              "per rank: the kernel's N1)")
+
+
+def split_entries(manifest, plan, got: dict) -> tuple[dict, list[str]]:
+    """A layer's registered entries (framework mode, V101): the window branch's, left to the shared comparison, and
+    what is wrong with an HCA layer's compressed entries against the manifest's (name, manager, block span in
+    tokens, compress ratio, window, per-token shape)."""
+    planned = {e.name: e for e in (plan.compressed.entries if plan.compressed else [])}
+    window = {name: e for name, e in got.items() if name not in planned}
+    problems = []
+    if set(planned) - set(got):
+        problems.append(f"layer {plan.index}: compressed entries {sorted(set(got) - set(window))} != {sorted(planned)}")
+    for name, want in planned.items():
+        entry = got.get(name)
+        if entry is None:
+            continue
+        dim = entry.dim if isinstance(entry.dim, list) else [entry.dim]
+        have = (entry.manager_key, entry.block_size, int(getattr(entry, "compress_ratio", 1) or 1),
+                entry.sliding_window, dim, entry.num_head)
+        wanted = (want.manager_key, want.block_size, want.compress_ratio, want.sliding_window, want.dim, want.num_head)
+        if have != wanted:
+            problems.append(f"layer {plan.index} {name}: (manager_key, block_size, compress_ratio, window, dim, "
+                            f"num_head) {have} != {wanted}")
+    return window, problems
+
+
+def runner_cache_problems(manifest, host, runner, rows: int) -> list[str]:
+    """The standalone runner's HCA caches against the manifest's compressed entries (V110): per HCA layer the
+    compressed rows in blocks of BLOCK_SIZE rows, enough for every row's ``max_seq_len // m`` entries, and one state
+    slot of ``coff x m`` tokens x ``[kv | score]`` per row plus slot 0 (the compressor's "not stored")."""
+    problems = []
+    for a in host.attentions:
+        plan = manifest.plan_of_module(a.layer_idx)
+        branch = plan.compressed
+        if branch is None:
+            if getattr(a, "sfa_cmp_kv", None) is not None and a.sfa_cmp_kv.numel():
+                problems.append(f"layer {a.layer_idx}: a window-only layer holds compressed entries")
+            continue
+        entries = {e.role: e for e in branch.entries}
+        cmp_kv, state = entries["compressed_kv"], entries["compressor_state"]
+        m = branch.compress_ratio
+        per_row = max(1, -(-(runner.max_seq_len // m) // manifest.block_size))
+        want = {"sfa_cmp_kv": (rows * per_row, cmp_kv.block_size // m, cmp_kv.num_head, *cmp_kv.dim),
+                "sfa_kv_state": (rows + 1, state.sliding_window, state.num_head * math.prod(state.dim))}
+        for name, shape in want.items():
+            t = getattr(a, name, None)
+            if t is None or tuple(t.shape) != shape:
+                problems.append(f"layer {a.layer_idx} {name}: {None if t is None else tuple(t.shape)} != {shape}")
+    return problems
+
+
+def check_attention_calls(report, manifest, host, *, before_failure: bool = False) -> None:
+    """V232: every layer calls the shared-KV attention once per step, with the window the manifest plans
+    (ori_win_left = window - 1), its compressed branch exactly where the manifest plans one (cmp_kv at the layer's
+    rate; none on a window-only layer), the manifest's softmax scale and the sinks."""
+    calls = [c for c in host.probe.sharedkv_calls if c.get("layer") is not None]
+    if before_failure and (not calls or any(c.name == CHECK for c in report.checks)):
+        return
+    problems = []
+    for call in calls:
+        plan = manifest.plan_of_module(call["layer"])
+        where = f"layer {call['layer']} step {call['step']}"
+        want = plan.compressed.compress_ratio if plan.compressed else None
+        got = call["cmp_ratio"] if call["has_cmp_kv"] else None
+        if got != want:
+            problems.append(f"{where}: compressed branch {got or 'none'} (manifest {want or 'none'})")
+        if call["ori_win_left"] + 1 != plan.sliding_window:
+            problems.append(f"{where}: window {call['ori_win_left'] + 1} (manifest {plan.sliding_window})")
+        if abs(call["softmax_scale"] - manifest.fa.softmax_scale) > 1e-12 * manifest.fa.softmax_scale:
+            problems.append(f"{where}: softmax_scale {call['softmax_scale']} (manifest {manifest.fa.softmax_scale})")
+        if manifest.model.has_sinks and not call["sinks"]:
+            problems.append(f"{where}: no sinks (the model's attention has them)")
+    layers = {a.layer_idx for a in host.attentions}  # the tiny model's layers (a prefix of the manifest's)
+    steps: dict[int, list[int]] = {}
+    for call in calls:
+        steps.setdefault(call["step"], []).append(call["layer"])
+    for step, seen in sorted(steps.items()):
+        if not before_failure and sorted(seen) != sorted(layers):
+            problems.append(f"step {step}: layers called {sorted(seen)} (each of {sorted(layers)} once)")
+    if not calls:
+        problems.append("no shared-KV attention call")
+    report.add(CHECK, "runtime", not problems, detail="; ".join(problems[:4]), calls=len(calls))
+
+
+__all__ = ["CHECK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
+           "cpu_size_changes", "expected_constants", "runner_cache_problems", "shard_attention", "split_entries", "shrink_notes", "tiny_attention_fields",
+           "verify_expectation"]

@@ -25,6 +25,29 @@ def _config(tmp: Path, model_type: str) -> Path:
     return path
 
 
+BERT_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
+                  is_decoder=True)
+
+
+def _small_case(tmp_path: Path, model_type: str, small: dict, mode: str):
+    """A family's class config with ``small`` over it, analyzed in ``mode`` and rendered: (manifest path, rendered
+    dir, config path, manifest)."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    config = _config(tmp_path, model_type)
+    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    return tmp_path / "m.json", tmp_path / "r", config, manifest
+
+
+def _passes(case):
+    report = run_validate(*case[:3])
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    return report
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_sink_families_are_planned_with_their_sinks(tmp_path, model_type):
     m = analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
@@ -197,21 +220,12 @@ def test_roberta_decoder_validates_with_its_position_offset_and_fails_without(tm
     runs the reference); the engine hands 0-based positions, so the host adds the model's offset as a port must.
     Measured before the offset: roberta (is_decoder true) FAILED V301 from step 0, layer 0. Negative control: the
     host without the offset fails the logits check again."""
-    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline import host_model
 
-    config = _config(tmp_path, "roberta")
-    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
-                 is_decoder=True)
-    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
-    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
-    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
-    write_rendered(render_manifest(manifest), tmp_path / "r")
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    case = _small_case(tmp_path, "roberta", BERT_SMALL, "framework")
+    _passes(case)
     monkeypatch.setattr(host_model, "position_offset", lambda _model: 0)
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert not check(report, "logits vs transformers").passed
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
 
 
 @pytest.mark.slow
@@ -221,25 +235,16 @@ def test_big_bird_decoder_routes_its_own_score_code_and_fails_with_the_wrong_sca
     and MegatronBert: the host routes the module's own projections through the rendered attention. Measured before
     the route: `kvcache run` refused it ('not understood by the validation host'). Negative control: the route's
     scale taken as 1 / head size instead of 1 / sqrt(head size) fails the logits check."""
-    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline import host_model
 
-    config = _config(tmp_path, "big_bird")
-    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
-                 is_decoder=True, attention_type="original_full")
-    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
-    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
-    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
-    write_rendered(render_manifest(manifest), tmp_path / "r")
+    case = _small_case(tmp_path, "big_bird", BERT_SMALL | {"attention_type": "original_full"}, "framework")
     assert host_model._ROUTED_FORWARD["bert_qkv"] is host_model._bert_qkv_forward
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    _passes(case)
     routed = host_model._gqa_attention
     monkeypatch.setattr(host_model, "_gqa_attention",
                         lambda module, q, k, v, mask, scaling=None, **kw: routed(module, q * scaling, k, v, mask,
                                                                                   scaling=scaling, **kw))
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert not check(report, "logits vs transformers").passed
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
 
 
 @pytest.mark.slow
@@ -249,22 +254,13 @@ def test_roformer_decoder_rotates_each_token_at_its_own_position(tmp_path, monke
     host looks each token's angles up at its own position (host_model.sinusoidal_table), as a port must. Negative
     control: the angles of the packed step's row numbers (what the encoder hands a packed batch) fail the logits."""
     import torch
-    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline import host_model
 
-    config = _config(tmp_path, "roformer")
-    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512,
-                 embedding_size=64, is_decoder=True)
-    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
-    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="standalone"))
-    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
-    write_rendered(render_manifest(manifest), tmp_path / "r")
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    case = _small_case(tmp_path, "roformer", BERT_SMALL | {"embedding_size": 64}, "standalone")
+    _passes(case)
     own = host_model._positions
     monkeypatch.setattr(host_model, "_positions", lambda: torch.arange(own().numel()))
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert not check(report, "logits vs transformers").passed
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
 
 
 @pytest.mark.slow
@@ -273,19 +269,11 @@ def test_ctrl_is_planned_and_its_stream_stays_within_its_256_positions(tmp_path,
     (n_positions): the validation stream's 300-token prompts are cut to fit them (Scenario.within_positions).
     Before: refused at the cross-check ('no decoder block holding an attention module'), then, recognised, FAILED
     V201 (IndexError: index 256 is out of bounds). Negative control: the uncut stream indexes past the table."""
-    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 
-    config = _config(tmp_path, "ctrl")
-    small = dict(n_layer=2, n_embd=64, n_head=4, dff=128, vocab_size=512)
-    config.write_text(json.dumps(json.loads(config.read_text()) | small), encoding="utf-8")
-    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
-    assert manifest.model.max_position_embeddings == 256 and not manifest.blockers
-    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
-    write_rendered(render_manifest(manifest), tmp_path / "r")
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    case = _small_case(tmp_path, "ctrl", dict(n_layer=2, n_embd=64, n_head=4, dff=128, vocab_size=512), "framework")
+    assert case[3].model.max_position_embeddings == 256 and not case[3].blockers
+    report = _passes(case)
     assert check(report, "logits vs transformers").measured["longest_prefill"] <= 256
     monkeypatch.setattr(Scenario, "within_positions", lambda self, _max: self)
-    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
-    assert "index 256 is out of bounds" in check(report, "rendered code runs").detail
+    assert "index 256 is out of bounds" in check(run_validate(*case[:3]), "rendered code runs").detail

@@ -9,6 +9,9 @@ by one naming scheme. How an attention module is routed depends on its own code:
   latent before its norm and the query split into nope/rope parts;
 - a fused ``query_key_value`` split by the module's own ``_split_heads`` (Falcon): the forward is
   replaced by one that reuses the module's projections, head split and rotary function.
+- an attention computing its scores itself: an encoder-decoder's ``q_proj``/``k_proj``/``v_proj`` + ``torch.bmm``
+  (TrOCR, MVP) or a BERT-era ``query``/``key``/``value`` self-attention (BigBird, RemBert, MegatronBert, RoFormer with
+  its rotary at each token's own position): the forward is replaced by one around the module's own projections;
 - DeepSeek-V4's shared-KV attention: the forward is replaced, because the rendered code needs the hidden states
   (its compressor's input) beside the normed query and K=V row, and returns before the grouped output projection.
 Anything else is refused with one line naming the module.
@@ -439,7 +442,8 @@ def _padded(forward, count: int):
 
 
 def attention_route(module, is_mla: bool) -> str | None:
-    """How the host routes one transformers attention module: interface | mla | fused_qkv | None."""
+    """How the host routes one transformers attention module: interface | mla | v4 | fused_qkv | eager_qkv | bert_qkv
+    | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
     if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):

@@ -136,6 +136,9 @@ class RenderContext:
     is_compressed: bool = False
     hca_layers: tuple[int, ...] = ()
     hca_ratio: int = 0
+    csa_layers: tuple[int, ...] = ()  # CSA layers (and their rate): the indexer's top-k over compressed entries
+    csa_ratio: int = 0
+    sparse_width: int = 0  # npu_sparse_attn_sharedkv's cmp_sparse_indices width (K2)
     rope_head_dim: int = 0
     rms_norm_eps: float = 0.0
     cmp_state_dtype: str = ""

@@ -3,9 +3,10 @@ branch (``win_kv``, one shared K=V row per token) and the HCA layers' compressed
 per-request state slot, entries written once their group completes), attended by ``custom.npu_sparse_attn_sharedkv``
 in one call. Planned by the analyzer (analyzer/kinds/compressed.py).
 
-Rendered: window-only and HCA layers, both deployment modes (framework mode: the entries of upstream's three
-managers, a prefill attending over a temporary K=V cache of its own rows). Refused by name: CSA layers (their
-indexer), MTP layers, and shapes the fused kernels do not take."""
+Rendered: window-only, CSA and HCA layers, both deployment modes (framework mode: the entries of upstream's
+managers, a prefill attending over a temporary K=V cache of its own rows). A CSA layer also compresses the
+lightning indexer's keys (``li_cmp_kv``) and selects its top-k entries per query with torch_npu's float
+``npu_lightning_indexer``. Refused by name: MTP layers, and shapes the fused kernels do not take."""
 
 from __future__ import annotations
 
@@ -22,12 +23,11 @@ LAYOUTS = {"paged": ("TND",)}
 ROPE_HEAD_DIM = 64
 STATE_DTYPE = "torch.float32"  # upstream sfa_kv_state: float32 (the pooled kv and its gate score per token)
 
-# Why a CSA layer is not rendered (issue 38): its top-k comes from an int8 indexer on the device and a float one in
-# transformers; the selections of the two can differ near a tie, and no validation design for that exists yet.
-CSA_GAP = ("its lightning indexer: the device's custom.npu_quant_lightning_indexer takes int8 query and key only "
-           "(cann-recipes-infer ops/ascendc/docs/custom-npu_quant_lightning_indexer.md: query / key int8), "
-           "transformers' DeepseekV4Indexer scores in floating point, so a top-k near a tie can select other entries "
-           "than the oracle and no validation design compares the two yet")
+# CSA layers' lightning indexer (issue 38): torch_npu's float ``npu_lightning_indexer`` over the indexer's own compressed
+# keys (li_cmp_kv), one query per batch row of the call so that each query sees only its visible entries; upstream
+# calls the int8 ``custom.npu_quant_lightning_indexer`` instead (references/compressed.md: why, and what differs).
+# custom-npu_sparse_attn_sharedkv.md: 'cmp_sparse_indices ... K2仅支持512' (a narrower top-k is padded with -1)
+SPARSE_WIDTH = 512
 
 
 def check_layers(m) -> None:
@@ -38,10 +38,6 @@ def check(m) -> None:
     c = m.compressed
     if c is None:
         return
-    if c.csa_layers:
-        raise bad(f"layers[{c.csa_layers[0]}].compressed",
-                  f"not supported by kvcache: rendering DeepSeek-V4 CSA layers ({len(c.csa_layers)} of them, first "
-                  f"{c.csa_layers[0]}): {CSA_GAP}; window-only and HCA layers render")
     if m.model.num_mtp_layers:
         raise bad("model.num_mtp_layers", f"not supported by kvcache: DeepSeek-V4 with {m.model.num_mtp_layers} MTP "
                                           "layer(s): the render has no speculative-decode verify step for the "
@@ -56,5 +52,8 @@ def check(m) -> None:
 def fields(m) -> dict:
     c = m.compressed
     return {"is_compressed": True, "hca_layers": tuple(c.hca_layers), "hca_ratio": int(c.compress_rates["hca"]),
+            "csa_layers": tuple(c.csa_layers), "csa_ratio": int(c.compress_rates["csa"]),
+            "index_topk": int(c.index_topk), "index_n_heads": int(c.index_n_heads),
+            "index_head_dim": int(c.index_head_dim), "sparse_width": SPARSE_WIDTH,
             "rope_head_dim": ROPE_HEAD_DIM, "rms_norm_eps": float(m.model.rms_norm_eps),
             "cmp_state_dtype": STATE_DTYPE}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-from model_infer_kvcache.validators.kinds.gqa import cpu_narrowed, cpu_size_changes, shrink_notes
 
 # the dtypes a run may compute in: custom.scatter_nd_update_asc / npu_sparse_attn_sharedkv / compressor take
 # bfloat16, float16 (and float64, the CPU validation mode), no float32
@@ -23,6 +22,9 @@ CHECK = "shared-KV attention: each layer's window branch, compressed branch and 
 # custom-npu_compressor.md: 'H 取值范围 1K~10K, 512 对齐' (the smallest hidden size the compressor takes)
 TINY_HIDDEN = 1024
 SHAREDKV_OP = "npu_sparse_attn_sharedkv"
+# CSA's indexer keeps this many entries per query on CPU: the stream's prompts (up to ~260 tokens, 65 entries of 4)
+# then drop entries on every request past 64 tokens; the real index_topk (512 entries: 2048 tokens) keeps them all
+CPU_INDEX_TOPK = 16
 
 
 def tiny_attention_fields(d: dict, manifest, *, head_dim_from_hidden: bool) -> None:
@@ -33,12 +35,39 @@ def tiny_attention_fields(d: dict, manifest, *, head_dim_from_hidden: bool) -> N
     d["hidden_size"] = TINY_HIDDEN
     d["q_lora_rank"] = 64
     d["o_lora_rank"] = 32
+    d["index_topk"] = manifest.compressed.index_topk  # CSA's selection width, as the run's manifest (cpu_narrowed)
+
+
+def _narrows(manifest) -> bool:
+    c = manifest.compressed
+    return bool(c is not None and c.csa_layers and c.index_topk > CPU_INDEX_TOPK)
+
+
+def cpu_narrowed(manifest) -> dict[str, dict]:
+    """A CSA selection wider than CPU prompts is narrowed, so the indexer drops entries."""
+    return {"compressed": {"index_topk": CPU_INDEX_TOPK}} if _narrows(manifest) else {}
+
+
+def cpu_size_changes(manifest, small) -> list[str]:
+    top, narrow = manifest.compressed.index_topk, small.compressed.index_topk
+    return [f"index_topk {top} -> {narrow}"] if top != narrow else []
+
+
+def shrink_notes(manifest, short) -> list[str]:
+    """What a CPU-sized copy of the manifest changed about this kind beyond the window: CSA's top-k."""
+    if short.compressed is None or short.compressed.index_topk == manifest.compressed.index_topk:
+        return []
+    return [f"index_topk {manifest.compressed.index_topk} is wider than CPU prompts: the tiny config and the manifest "
+            f"the run is judged by carry index_topk {short.compressed.index_topk}, so the indexer's selection drops "
+            "entries"]
 
 
 def expected_constants(manifest) -> dict[str, object]:
     c = manifest.compressed
     return {"HEAD_DIM": manifest.model.head_dim, "HCA_LAYERS": frozenset(c.hca_layers),
-            "HCA_RATIO": c.compress_rates["hca"]}
+            "HCA_RATIO": c.compress_rates["hca"], "CSA_LAYERS": frozenset(c.csa_layers),
+            "CSA_RATIO": c.compress_rates["csa"], "INDEX_TOPK": c.index_topk, "INDEX_N_HEADS": c.index_n_heads,
+            "INDEX_HEAD_DIM": c.index_head_dim}
 
 
 def attention_calls(probe) -> list[dict]:
@@ -78,23 +107,27 @@ def split_entries(manifest, plan, got: dict) -> tuple[dict, list[str]]:
 
 
 def runner_cache_problems(manifest, host, runner, rows: int) -> list[str]:
-    """The standalone runner's HCA caches against the manifest's compressed entries (V110): per HCA layer the
-    compressed rows in blocks of BLOCK_SIZE rows, enough for every row's ``max_seq_len // m`` entries, and one state
-    slot of ``coff x m`` tokens x ``[kv | score]`` per row plus slot 0 (the compressor's "not stored")."""
+    """The standalone runner's compressed caches against the manifest's entries (V110): per compressed layer each
+    entry of compressed rows (sfa_cmp_kv; a CSA layer's li_cmp_kv too) in blocks of BLOCK_SIZE rows, enough for
+    every row's ``max_seq_len // m`` entries, and each state (sfa_kv_state; li_kv_state) one slot of ``coff x m``
+    tokens x ``[kv | score]`` per row plus slot 0 (the compressor's "not stored")."""
     problems = []
     for a in host.attentions:
         plan = manifest.plan_of_module(a.layer_idx)
         branch = plan.compressed
         if branch is None:
-            if getattr(a, "sfa_cmp_kv", None) is not None and a.sfa_cmp_kv.numel():
-                problems.append(f"layer {a.layer_idx}: a window-only layer holds compressed entries")
+            for name in ("sfa_cmp_kv", "li_cmp_kv"):
+                if getattr(a, name, None) is not None and getattr(a, name).numel():
+                    problems.append(f"layer {a.layer_idx}: a window-only layer holds compressed entries ({name})")
             continue
-        entries = {e.role: e for e in branch.entries}
-        cmp_kv, state = entries["compressed_kv"], entries["compressor_state"]
         m = branch.compress_ratio
         per_row = max(1, -(-(runner.max_seq_len // m) // manifest.block_size))
-        want = {"sfa_cmp_kv": (rows * per_row, cmp_kv.block_size // m, cmp_kv.num_head, *cmp_kv.dim),
-                "sfa_kv_state": (rows + 1, state.sliding_window, state.num_head * math.prod(state.dim))}
+        want = {}
+        for e in branch.entries:
+            if e.sliding_window is None:  # compressed rows
+                want[e.name] = (rows * per_row, e.block_size // m, e.num_head, *e.dim)
+            else:  # a state slot per row, plus slot 0
+                want[e.name] = (rows + 1, e.sliding_window, e.num_head * math.prod(e.dim))
         for name, shape in want.items():
             t = getattr(a, name, None)
             if t is None or tuple(t.shape) != shape:

@@ -369,7 +369,8 @@ def _v4_forward(self, hidden_states, position_embeddings=None, position_ids=None
     x = hidden_states[0]
     t = x.shape[0]
     cos, sin = position_embeddings[self.rope_layer_type]  # [1, T, rope / 2]: one angle per interleaved pair
-    q = self.q_b_norm(self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(t, -1, self.head_dim))
+    q_residual = self.q_a_norm(self.q_a_proj(x))  # a CSA layer's indexer query input too
+    q = self.q_b_norm(self.q_b_proj(q_residual).view(t, -1, self.head_dim))
     kv = self.kv_norm(self.kv_proj(x))
     host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
                       q=tuple(q.shape), k=(t, 1, self.head_dim), dtype=q.dtype, hf_scaling=self.scaling,
@@ -380,7 +381,8 @@ def _v4_forward(self, hidden_states, position_embeddings=None, position_ids=None
         c, s = compressor.rotary_emb(x, position_ids=positions[None], layer_type=compressor.rope_layer_type)
         return c[0], s[0]
 
-    out = host.kv_cache_attention(q, kv, cos[0], sin[0], fm, x, entry_rope if compressor is not None else None)
+    out = host.kv_cache_attention(q, kv, cos[0], sin[0], fm, x, entry_rope if compressor is not None else None,
+                                  q_residual=q_residual)
     grouped = self.o_a_proj(out.reshape(t, self.config.o_groups, -1)).flatten(1)
     return self.o_b_proj(grouped)[None], None
 

@@ -23,9 +23,10 @@ from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
 
 CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache", "win_kv")
-# DeepSeek-V4 HCA layers: the compressed entries (the runner's cmp_block_table) and the compressor state slot of
-# each row (its state_block_table)
-COMPRESSED_NAMES = (("sfa_cmp_kv", "cmp_block_table"), ("sfa_kv_state", "state_block_table"))
+# DeepSeek-V4 compressed layers: the compressed entries (the runner's cmp_block_table; a CSA layer's and its
+# indexer's keys: csa_cmp_block_table) and the compressor state slots of each row (its state_block_table)
+COMPRESSED_NAMES = (("sfa_cmp_kv", "cmp_block_table"), ("sfa_kv_state", "state_block_table"),
+                    ("li_cmp_kv", "csa_cmp_block_table"), ("li_kv_state", "state_block_table"))
 STATE_NAMES = ("conv_state", "recurrent_state")  # a linear layer's states: one slot per row
 
 
@@ -46,8 +47,10 @@ def _poison_row(host, runner, row: int) -> None:
             for c in CACHE_NAMES:
                 if hasattr(a, c):
                     getattr(a, c)[blocks] = float("nan")
-            for c, table in COMPRESSED_NAMES:  # an HCA layer's entries and state slot of the row
+            for c, table in COMPRESSED_NAMES:  # a compressed layer's entries and state slots of the row
                 if getattr(a, c, None) is not None and getattr(a, c).numel():
+                    if getattr(a, "is_csa", False) and table == "cmp_block_table":
+                        table = "csa_cmp_block_table"  # a CSA layer's entries: the CSA table's blocks
                     getattr(a, c)[getattr(runner, table)[row].long().unique()] = float("nan")
             for c in (*STATE_NAMES, "state_anchor"):
                 if hasattr(a, c):

@@ -235,7 +235,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             if manifest.sliding_window() != tiny.sliding_window() else
             f"attention_chunk_size {manifest.attention_chunk_size()} is too long for CPU sequences to cross"
             if manifest.attention_chunk_size() != tiny.attention_chunk_size() else
-            f"index_topk {manifest.dsa.index_topk} is wider than CPU prompts")
+            f"index_topk {_index_topk(manifest)} is wider than CPU prompts")
     runs = [("", tiny, str(tiny_dir), req.scenario.crossing_of(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
         report.notes.append(f"{what}: the checks ran on the implementer's render of this manifest with {sizes} "
@@ -246,7 +246,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
         # code would go unexercised; with the one constant narrowed it runs as written otherwise.
         report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
                             f"render differs from the implementer's and also ran as written with only its "
-                            f"INDEX_TOPK set to {tiny.dsa.index_topk} (checks 'as written: ...')")
+                            f"INDEX_TOPK set to {_index_topk(tiny)} (checks 'as written: ...')")
         runs.append(("as written: ", tiny, str(narrowed), QUICK))
     else:
         report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
@@ -257,6 +257,12 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
     return runs
 
 
+def _index_topk(manifest: SelectionManifest) -> int | None:
+    """The selection width a CPU run narrows: DSA's indexer's, or DeepSeek-V4 CSA's."""
+    section = manifest.dsa or manifest.compressed
+    return section.index_topk if section is not None else None
+
+
 def _narrowed_copy(rendered: str, tiny: SelectionManifest, tmp: Path) -> Path | None:
     """A copy of the given render with its module constant ``INDEX_TOPK`` set to the CPU run's (None: no such
     single constant, e.g. a hand edit that inlined it)."""
@@ -265,7 +271,7 @@ def _narrowed_copy(rendered: str, tiny: SelectionManifest, tmp: Path) -> Path | 
 
     source = Path(rendered) / "kvcache_attention.py"
     text = source.read_text(encoding="utf-8")
-    new, n = re.subn(r"^INDEX_TOPK = \d+", f"INDEX_TOPK = {tiny.dsa.index_topk}", text, flags=re.M)
+    new, n = re.subn(r"^INDEX_TOPK = \d+", f"INDEX_TOPK = {_index_topk(tiny)}", text, flags=re.M)
     if n != 1:
         return None
     from model_infer_kvcache.analyzer.files import atomic_write_text

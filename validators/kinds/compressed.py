@@ -138,11 +138,14 @@ def runner_cache_problems(manifest, host, runner, rows: int) -> list[str]:
 def check_attention_calls(report, manifest, host, *, before_failure: bool = False) -> None:
     """V232: every layer calls the shared-KV attention once per step, with the window the manifest plans
     (ori_win_left = window - 1), its compressed branch exactly where the manifest plans one (cmp_kv at the layer's
-    rate; none on a window-only layer), the manifest's softmax scale and the sinks."""
+    rate; none on a window-only layer), the manifest's softmax scale and the sinks; a CSA layer (only) passes a
+    top-k selection listing ``min(index_topk, visible)`` entries per query (``entries_dropped``: the share of the
+    visible entries its selections left out)."""
     calls = [c for c in host.probe.sharedkv_calls if c.get("layer") is not None]
     if before_failure and (not calls or any(c.name == CHECK for c in report.checks)):
         return
     problems = []
+    visible_n = selected_n = 0  # CSA layers' visible and selected entries, over every query
     for call in calls:
         plan = manifest.plan_of_module(call["layer"])
         where = f"layer {call['layer']} step {call['step']}"
@@ -156,6 +159,19 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
             problems.append(f"{where}: softmax_scale {call['softmax_scale']} (manifest {manifest.fa.softmax_scale})")
         if manifest.model.has_sinks and not call["sinks"]:
             problems.append(f"{where}: no sinks (the model's attention has them)")
+        csa = plan.compressed is not None and plan.compressed.kind == "csa"
+        if csa != ("selected" in call):
+            problems.append(f"{where}: {'no' if csa else 'a'} top-k selection (cmp_sparse_indices) on a "
+                            f"{plan.compressed.kind if plan.compressed else 'window-only'} layer")
+        elif csa:
+            topk = manifest.compressed.index_topk
+            wrong = [i for i, (n, v) in enumerate(zip(call["selected"], call["visible"])) if n != min(topk, v)]
+            if wrong:
+                i = wrong[0]
+                problems.append(f"{where}: query {i} selects {call['selected'][i]} entries (index_topk {topk}, "
+                                f"{call['visible'][i]} visible)")
+            visible_n += sum(call["visible"])
+            selected_n += sum(call["selected"])
     layers = {a.layer_idx for a in host.attentions}  # the tiny model's layers (a prefix of the manifest's)
     steps: dict[int, list[int]] = {}
     for call in calls:
@@ -165,7 +181,8 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
             problems.append(f"step {step}: layers called {sorted(seen)} (each of {sorted(layers)} once)")
     if not calls:
         problems.append("no shared-KV attention call")
-    report.add(CHECK, "runtime", not problems, detail="; ".join(problems[:4]), calls=len(calls))
+    report.add(CHECK, "runtime", not problems, detail="; ".join(problems[:4]), calls=len(calls),
+               entries_dropped=(1 - selected_n / visible_n) if visible_n else None)
 
 
 __all__ = ["CHECK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",

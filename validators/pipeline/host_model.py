@@ -237,6 +237,20 @@ class _RecordingTorchOps:
         return _RecordingCustom(self._probe) if name == "custom" else getattr(torch.ops, name)
 
 
+def _selection(kwargs) -> dict:
+    """A CSA call's selection (cmp_sparse_indices): per query, the entries listed and the entries it could see
+    (``w < (t + 1) // cmp_ratio``, t its position), for V232; {} without indices."""
+    indices = kwargs.get("cmp_sparse_indices")
+    if indices is None or kwargs.get("cu_seqlens_q") is None or kwargs.get("seqused_kv") is None:
+        return {}
+    cu = [int(v) for v in kwargs["cu_seqlens_q"]]
+    kv = [int(v) for v in kwargs["seqused_kv"]]
+    ratio = int(kwargs.get("cmp_ratio") or 1)
+    visible = [(n - (b - a) + i + 1) // ratio for a, b, n in zip(cu, cu[1:], kv) for i in range(b - a)]
+    listed = (indices.reshape(indices.shape[0], -1) >= 0).sum(dim=-1).tolist()
+    return {"selected": [int(v) for v in listed], "visible": visible}
+
+
 class _RecordingCustom:
     def __init__(self, probe: _Probe):
         self._probe = probe
@@ -252,7 +266,8 @@ class _RecordingCustom:
             probe.sharedkv_calls.append({
                 "op": name, "step": probe.step, "layer": last.get("layer"), "has_cmp_kv": kwargs.get("cmp_kv") is not None,
                 "cmp_ratio": kwargs.get("cmp_ratio"), "ori_win_left": kwargs.get("ori_win_left", 127),
-                "softmax_scale": kwargs.get("softmax_scale"), "sinks": kwargs.get("sinks") is not None})
+                "softmax_scale": kwargs.get("softmax_scale"), "sinks": kwargs.get("sinks") is not None,
+                **_selection(kwargs)})
             return target(q, **kwargs)
 
         return call

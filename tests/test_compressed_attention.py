@@ -3,9 +3,8 @@
 Sources the expectations come from, none of them kvcache's: transformers' ``DeepseekV4Config`` (its layer types and
 defaults: the published architecture), its attention modules on the meta device (the cross-check), upstream
 deepseek_v4's cache entries (names, managers, shapes written out here from ``_init_cache_entries``) and the real
-framework's ``calculate_block_num`` from the pinned snapshot (the block counts). Render and ``kvcache run`` refuse CSA
-layers by name (window-only and HCA layers render: tests/test_compressed_render.py); the checkout run refuses the
-kind.
+framework's ``calculate_block_num`` from the pinned snapshot (the block counts). Window-only, HCA and CSA layers
+render (tests/test_compressed_render.py, tests/test_csa_render.py); the checkout run refuses the kind.
 """
 
 from __future__ import annotations
@@ -220,11 +219,13 @@ def test_uncompressed_ratios_leave_the_model_as_it_is(tmp_path, capsys):
     assert "compressed" not in m and m["mla"]["enabled"]
 
 
-def test_render_and_run_refuse_the_compressed_kind_by_name(tmp_path, capsys):
+def test_render_and_run_refuse_v4_with_its_mtp_layer_by_name(tmp_path, capsys):
+    """DeepseekV4Config's defaults carry one MTP layer: its verify step through the compressed branch is not
+    rendered (CSA / HCA layers are: tests/test_csa_render.py)."""
     path = _v4(tmp_path)
     assert invoke(["analyze", "--config", path, "--out", tmp_path / "m.json"], capsys)[0] == 0
     rc, out, err = invoke(["render", "--manifest", tmp_path / "m.json", "--out", tmp_path / "r"], capsys)
-    assert rc == 2 and "compressed: not supported by kvcache: rendering DeepSeek-V4" in err
+    assert rc == 2 and "num_mtp_layers: not supported by kvcache: DeepSeek-V4 with 1 MTP layer" in err
     assert not (tmp_path / "r").exists()
     rc, out, err = invoke(["run", "--config", path, "--out", tmp_path / "run"], capsys)
     assert rc == 2 and "not supported by kvcache" in err and "compressed" in err

@@ -66,7 +66,8 @@ OPERATORS = {
                  "call (ori_kv = win_kv, cmp_kv = the compressed entries, cmp_sparse_indices = CSA's top-k)",
     "compressor": "custom.compressor: pools each complete group of m tokens into one entry, the unfinished group "
                   "kept in the state cache",
-    "indexer": "custom.npu_quant_lightning_indexer (+ _metadata): CSA's top-k over the indexer's compressed keys",
+    "indexer": "torch_npu.npu_lightning_indexer (float; one batch row per query over the entries it may see): CSA's "
+               "top-k over the indexer's compressed keys (upstream: the int8 custom.npu_quant_lightning_indexer)",
     "write": "custom.scatter_nd_update_asc: the compressed rows into their blocks",
     "rotary": "custom.inplace_partial_rotary_mul: RoPE on the rope_head_dim tail only",
 }
@@ -409,8 +410,8 @@ class CompressedFormat(GqaFormat):
         return decision_rows(m)
 
     def doc_attention(self, m) -> str:
-        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用);仅窗口层与 HCA 层 render 并校验"
-                "(两种部署模式),CSA 层按名字拒绝(exit 2)")
+        return ("不用 FA:`custom.npu_sparse_attn_sharedkv`(窗口分支 + 压缩分支一次调用);窗口、CSA(浮点 "
+                "`npu_lightning_indexer` 取 top-k)与 HCA 层 render 并校验(两种部署模式)")
 
     def doc_layout(self, m) -> str:
         return "TND(缓存 PA_ND)"  # the sparse_attn_sharedkv's layouts

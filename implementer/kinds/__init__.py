@@ -3,7 +3,7 @@ and what it refuses to render.
 
 One module per kind: ``gqa`` (K/V caches, full and sliding groups), ``mla`` (the latent cache and its rope part),
 ``dsa`` (MLA plus the indexer's key cache and the sparse FA), ``recurrent`` (the linear layers' states),
-``compressed`` (DeepSeek-V4: window and HCA layers rendered, CSA refused), ``chunked`` (Llama-4's chunked local
+``compressed`` (DeepSeek-V4: window, CSA and HCA layers rendered), ``chunked`` (Llama-4's chunked local
 attention, inside the GQA partial). Each
 exposes ``check(m)`` (raise the manifest field that makes the design unrenderable) and ``fields(m)`` (its
 ``RenderContext`` fields). ``kinds_of`` maps the kinds a manifest holds (``analyzer.kinds.attention_format``, the one

@@ -2,7 +2,7 @@
 
 One module per kind, as ``implementer/kinds/`` on the render side: ``gqa`` (K/V caches, FA calls), ``mla`` (the
 latent cache, FA calls with one KV head), ``dsa`` (MLA plus the indexer: its calls are the indexer's and the sparse
-FA's, no FA call), ``compressed`` (DeepSeek-V4: one shared-KV attention call over the window and HCA branches, no FA
+FA's, no FA call), ``compressed`` (DeepSeek-V4: one shared-KV attention call over the window and CSA / HCA branches, no FA
 call), ``recurrent`` (the linear layers' states). Each states, independently of the implementer (a
 check must not take its expectation from the code it checks), the module constants a render must define
 (``expected_constants``); the attention kinds also what their calls must pass. ``kind_of`` / ``kinds_of`` map a

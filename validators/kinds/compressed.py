@@ -1,17 +1,17 @@
-"""DeepSeek-V4 compressed attention: the window branch (win_kv) and an HCA layer's compressed entries, attended by
-``custom.npu_sparse_attn_sharedkv`` in one call (no FA call). What every call must pass is stated here from the
+"""DeepSeek-V4 compressed attention: the window branch (win_kv) and a CSA / HCA layer's compressed entries (CSA: the
+indexer's top-k of them), attended by ``custom.npu_sparse_attn_sharedkv`` in one call (no FA call). What every call must pass is stated here from the
 manifest (V232), independently of the render.
 
 The tiny model keeps the fused kernels' fixed shapes (custom-npu_sparse_attn_sharedkv.md: D 512, 64 query heads,
 window 127 + 1; custom-npu_compressor.md: hidden 1024..10240, cmp_ratio 128 for HCA, rope 64): the emulated
 operators refuse any other, so CPU streams of up to 300 tokens cross the 128-token window and two HCA groups at
-the real sizes, nothing shrunk.
+the real sizes, nothing shrunk but CSA's selection: its index_topk (512 entries: 2048 tokens) is narrowed to
+CPU_INDEX_TOPK so the indexer drops entries (the tiny config and the manifest the run is judged by both carry it).
 """
 
 from __future__ import annotations
 
 import math
-
 
 # the dtypes a run may compute in: custom.scatter_nd_update_asc / npu_sparse_attn_sharedkv / compressor take
 # bfloat16, float16 (and float64, the CPU validation mode), no float32
@@ -165,7 +165,7 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
                             f"{plan.compressed.kind if plan.compressed else 'window-only'} layer")
         elif csa:
             topk = manifest.compressed.index_topk
-            wrong = [i for i, (n, v) in enumerate(zip(call["selected"], call["visible"])) if n != min(topk, v)]
+            wrong = [i for i, (n, v) in enumerate(zip(call["selected"], call["visible"], strict=True)) if n != min(topk, v)]
             if wrong:
                 i = wrong[0]
                 problems.append(f"{where}: query {i} selects {call['selected'][i]} entries (index_topk {topk}, "

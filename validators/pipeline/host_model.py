@@ -246,7 +246,7 @@ def _selection(kwargs) -> dict:
     cu = [int(v) for v in kwargs["cu_seqlens_q"]]
     kv = [int(v) for v in kwargs["seqused_kv"]]
     ratio = int(kwargs.get("cmp_ratio") or 1)
-    visible = [(n - (b - a) + i + 1) // ratio for a, b, n in zip(cu, cu[1:], kv) for i in range(b - a)]
+    visible = [(n - (b - a) + i + 1) // ratio for a, b, n in zip(cu, cu[1:], kv, strict=False) for i in range(b - a)]
     listed = (indices.reshape(indices.shape[0], -1) >= 0).sum(dim=-1).tolist()
     return {"selected": [int(v) for v in listed], "visible": visible}
 

@@ -48,6 +48,11 @@ def cpu_narrowed(manifest) -> dict[str, dict]:
     return {"compressed": {"index_topk": CPU_INDEX_TOPK}} if _narrows(manifest) else {}
 
 
+def selection_width(manifest) -> int:
+    """CSA's indexer top-k, the width ``cpu_narrowed`` narrows."""
+    return manifest.compressed.index_topk
+
+
 def cpu_size_changes(manifest, small) -> list[str]:
     top, narrow = manifest.compressed.index_topk, small.compressed.index_topk
     return [f"index_topk {top} -> {narrow}"] if top != narrow else []
@@ -185,6 +190,6 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
                entries_dropped=(1 - selected_n / visible_n) if visible_n else None)
 
 
-__all__ = ["CHECK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
-           "cpu_size_changes", "expected_constants", "runner_cache_problems", "shard_attention", "split_entries", "shrink_notes", "tiny_attention_fields",
-           "verify_expectation"]
+__all__ = ["CHECK", "CPU_INDEX_TOPK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls",
+           "cpu_narrowed", "cpu_size_changes", "expected_constants", "runner_cache_problems", "selection_width",
+           "shard_attention", "shrink_notes", "split_entries", "tiny_attention_fields", "verify_expectation"]

@@ -28,6 +28,11 @@ def cpu_narrowed(manifest) -> dict[str, dict]:
     return {"dsa": {"index_topk": CPU_INDEX_TOPK}} if manifest.dsa.index_topk > CPU_INDEX_TOPK else {}
 
 
+def selection_width(manifest) -> int:
+    """The indexer's top-k, the width ``cpu_narrowed`` narrows."""
+    return manifest.dsa.index_topk
+
+
 def cpu_size_changes(manifest, small) -> list[str]:
     top, narrow = manifest.dsa.index_topk, small.dsa.index_topk
     return [f"index_topk {top} -> {narrow}"] if top != narrow else []
@@ -67,5 +72,5 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 
 
 __all__ = ["CPU_INDEX_TOPK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
-           "cpu_size_changes", "expected_constants", "tiny_attention_fields", "shard_attention",
+           "cpu_size_changes", "expected_constants", "selection_width", "tiny_attention_fields", "shard_attention",
            "shrink_notes", "verify_expectation"]

@@ -258,9 +258,9 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
 
 
 def _index_topk(manifest: SelectionManifest) -> int | None:
-    """The selection width a CPU run narrows: DSA's indexer's, or DeepSeek-V4 CSA's."""
-    section = manifest.dsa or manifest.compressed
-    return section.index_topk if section is not None else None
+    """The selection width a CPU run narrows (a kind's ``selection_width``: DSA's indexer's, DeepSeek-V4 CSA's)."""
+    width = getattr(kind_of(manifest), "selection_width", None)
+    return width(manifest) if width else None
 
 
 def _narrowed_copy(rendered: str, tiny: SelectionManifest, tmp: Path) -> Path | None:

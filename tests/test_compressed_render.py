@@ -52,8 +52,8 @@ def test_window_and_hca_layers_render_and_match_transformers(tmp_path, mode):
 MISTAKES = [
     # the unfinished group pooled as an entry: the op's pad rows (NaN) taken for entries, a request's entries
     # shifted onto the next request's
-    ("partial-group-written-as-an-entry", ATTN, r"first, last = starts // HCA_RATIO, ends // HCA_RATIO",
-     "first, last = starts // HCA_RATIO, (ends + HCA_RATIO - 1) // HCA_RATIO", NUMERIC),
+    ("partial-group-written-as-an-entry", ATTN, r"first, last = starts // ratio, ends // ratio",
+     "first, last = starts // ratio, (ends + ratio - 1) // ratio", NUMERIC),
     # a reused row's compressor position not reset: the late request's prefill is pooled as if it continued the
     # finished request (its groups read the finished request's state back); the compressor refuses it, naming the
     # state table its positions run past

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((f"deepseek_v4 {name} {mode}", dt, cpu, rc, last))
             print(f"{rows[-1][0]:32s} {dt:6.1f} s (CPU {cpu:6.1f} s)  exit {rc}"
                   f"{'' if dt <= TARGET_S else '  ABOVE TARGET'}  {last}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
     print()
     print("| case | wall (s) | CPU (s) | result | target (s) |")
     print("|---|---|---|---|---|")

@@ -76,6 +76,21 @@ def test_a_csa_render_mistake_fails_by_name(tmp_path, monkeypatch, case, name, p
     assert not check(report, AS_WRITTEN + failing).passed, [(c.name, c.detail) for c in report.failed()]
 
 
+def test_csa_entries_under_the_hca_managers_fail_by_name(tmp_path, monkeypatch):
+    """Framework mode: a CSA layer's entries registered under the HCA branch's managers (c128a_*: the HCA code
+    copied for CSA): their block span and window are the HCA's, against the manifest's c4a entries (V101)."""
+    from model_infer_kvcache.validators.pipeline import validate
+
+    monkeypatch.setattr(validate, "_localise", lambda *args, **kwargs: None)
+    manifest, rendered, cfg = _case(tmp_path, "framework")
+    mutate(rendered, r"CMP_MANAGERS\[ratio\], STATE_MANAGERS\[ratio\]",
+           "CMP_MANAGERS[HCA_RATIO], STATE_MANAGERS[HCA_RATIO]", name=ATTN)
+    report = run_validate(manifest, rendered, cfg, scenario=STREAM)
+    assert not report.passed
+    assert not check(report, "cache entries match the manifest").passed
+    assert "c128a_cmp_kv" in check(report, "cache entries match the manifest").detail
+
+
 def test_swapped_csa_and_hca_ratios_fail_by_name(tmp_path, monkeypatch):
     """The two rates swapped in a render (CSA 128, HCA 4): the rendered constants against the manifest's (V108)."""
     from model_infer_kvcache.validators.pipeline import validate

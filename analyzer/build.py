@@ -244,7 +244,8 @@ def assemble(
                                  fields=["torch_dtype", "dtype"]))
     legacy_attention = rules.decide_legacy_attention(facts, kv_mode, blockers)
     dependencies = _device_dependencies(layers, kv_mode, window_reading, deploy.value,
-                                        legacy_fa=legacy_attention is not None and legacy_attention.kernel == "fa")
+                                        legacy_fa=legacy_attention is not None and legacy_attention.kernel == "fa",
+                                        fa_band=format_of(facts).fa_band)
     dependencies += _linear_dependencies(facts, layers)
     measured_source = None
     if readings is not None:
@@ -760,9 +761,11 @@ def _linear_dependencies(facts: ModelFacts, layers: list[LayerPlan]) -> list[Dev
         layers=[layer.index for layer in layers if layer.is_state])]
 
 
-def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str,
-                         deploy_mode: str = "standalone", legacy_fa: bool = False) -> list[DeviceDependency]:
-    sliding = [layer.index for layer in layers if layer.is_sliding]
+def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str, deploy_mode: str = "standalone",
+                         legacy_fa: bool = False, fa_band: bool = True) -> list[DeviceDependency]:
+    """The device readings the plan rests on; ``fa_band`` False: the sliding layers' band is not FA's (the kind
+    attends through a kernel of its own), so FA's band readings are none of them."""
+    sliding = [layer.index for layer in layers if layer.is_sliding] if fa_band else []
     if kv_mode != "paged":
         # Legacy: the model's own attention calls no FA; a Legacy FA call bands its sliding prefill (its decode
         # slices the last W keys itself, so band_at_single_query is no dependency).

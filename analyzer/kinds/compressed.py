@@ -349,6 +349,9 @@ class CompressedFormat(GqaFormat):
     """Shared-KV MQA over the window branch (``win_kv``), the compressed branches on each layer's own plan."""
 
     name = "compressed"
+    # no FA call: the window band is npu_sparse_attn_sharedkv's own, fixed by its doc (ori_win_left 127,
+    # ori_mask_mode 4, its emulation refuses any other), so FA's band readings are no dependency of the plan
+    fa_band = False
     hf_projections = (frozenset({"q_a_proj", "kv_proj", "o_b_proj"}),)  # shared-KV MQA (its compressors: kv_proj only)
     doc_example = ("压缩注意力(窗口分支 + CSA / HCA 压缩分支,references/compressed.md)", "DeepSeek-V4-Flash / Pro",
                    {"model_type": "deepseek_v4", "head_dim": 512, "num_key_value_heads": 1, "q_lora_rank": 1024,

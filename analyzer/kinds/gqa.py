@@ -27,6 +27,8 @@ class GqaFormat:
 
     name = "gqa"
     latent = False  # one latent row shared by every query head (MLA), never split by attention TP
+    # its sliding layers band FA (sparse_mode 4, pre_tokens): FA's band readings are device dependencies of the plan
+    fa_band = True
 
     # ------------------------------------------------------------------ heads and the FA call's shape rules
 

@@ -100,7 +100,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 15  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 16  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: fused-QKV modules' KV heads, cross_attn modules. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -380,7 +380,14 @@ def _kv_shape(module) -> tuple[int, int, int | None] | None:
     from torch import nn
 
     k, v, d = getattr(module, "k_proj", None), getattr(module, "v_proj", None), getattr(module, "head_dim", None)
-    if not (isinstance(k, nn.Linear) and isinstance(d, int) and d > 0 and k.out_features % d == 0):
+    if not isinstance(k, nn.Linear):
+        # a fused QKV projection (DBRX's Wqkv, Phi-3's qkv_proj) sizes K/V by the module's own head count: the KV
+        # heads it reshapes into, read where it keeps them (the value dim is its head_dim there)
+        kv = getattr(module, "num_key_value_heads", None)
+        if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0 and isinstance(d, int) and d > 0:
+            return d, kv, None
+        return None
+    if not (isinstance(d, int) and d > 0 and k.out_features % d == 0):
         return None
     kv = k.out_features // d
     vd = v.out_features // kv if isinstance(v, nn.Linear) and v.out_features % kv == 0 else None
@@ -496,6 +503,15 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         result.notes.append(f"cross-attention checked: {len(cross)} {cross[0].cls} module(s) at "
                             f"{cross[0].path.rsplit('.', 3)[0]}.*.{cross[0].path.rsplit('.', 1)[-1]} (K/V heads, "
                             "head_dim, scale) match the cross_attention plan")
+    elif cross:
+        # blocks that attend over another model's states instead of their own tokens (Mllama's
+        # MllamaCrossAttentionDecoderLayer over the vision encoder, config cross_attention_layers): a self-attention
+        # KV cache planned there would be sized for tokens the block never caches
+        result.errors.append(f"transformers' {facts.model_type!r} decoder holds {len(cross)} block(s) whose attention "
+                             f"is over another model's states ({cross[0].cls} at {cross[0].path}), not beside a "
+                             "self-attention: the analyzer plans a self-attention KV cache there (not supported by "
+                             "kvcache: cross-attention-only layers interleaved with self-attention layers)")
+        return result
     elif facts.cross.value is not None:
         result.errors.append(f"analyzer plans cross-attention ({facts.cross.source}) and transformers' "
                              f"{facts.model_type!r} decoder blocks hold no cross-attention module")

@@ -717,6 +717,12 @@ def _kv_heads(r: _Reader, heads: Sourced[int]) -> Sourced[int]:
         return Sourced(1, f"{multi_query[1]}=true (one shared KV head)")
     if explicit:
         return explicit
+    attn_cfg = r.mapping("attn_config")  # DBRX keeps its attention fields in a nested object
+    if attn_cfg and attn_cfg[0].get("kv_n_heads") is not None:
+        kv = attn_cfg[0]["kv_n_heads"]
+        if not (isinstance(kv, int) and not isinstance(kv, bool) and 0 < kv <= LIMITS["heads"]):
+            raise InputError(r.where, f"must be a positive integer, got {_shown(kv)}", field=f"{attn_cfg[1]}.kv_n_heads")
+        return Sourced(kv, f"{attn_cfg[1]}.kv_n_heads")
     return Sourced(heads.value, f"default: = {heads.source} (no KV-head field, MHA)")
 
 

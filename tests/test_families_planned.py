@@ -149,9 +149,10 @@ def test_families_spelling_heads_and_layers_their_own_way_are_read_and_mpt_refus
     assert (facts.num_layers.source, facts.num_attention_heads.source) == ("decoder_layers", "decoder_attention_heads")
 
 
-def test_a_family_whose_tiny_config_transformers_rejects_is_refused_by_name_not_a_crash(tmp_path):
-    """DBRX: its nested attn_config does not survive kvcache's shrinking (transformers' DbrxAttentionConfig loses
-    rope_theta): `kvcache run` says so in one line, exit 2, where it crashed (exit 3)."""
+def test_a_config_transformers_itself_cannot_build_is_refused_naming_transformers_not_kvcache(tmp_path):
+    """DBRX's class defaults: transformers' own DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig
+    does not default. `kvcache run` says transformers fails on the config as written, in one line, exit 2 (it
+    blamed kvcache's shrinking before)."""
     import subprocess
     import sys
 
@@ -159,7 +160,37 @@ def test_a_family_whose_tiny_config_transformers_rejects_is_refused_by_name_not_
                            str(_config(tmp_path, "dbrx")), "--out", str(tmp_path / "out")], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-500:]
-    assert "not supported by kvcache: a reference: transformers' dbrx does not build" in proc.stderr
+    assert "'s dbrx does not build from this config as written either (AttributeError" in proc.stderr
+    assert "kvcache does not shrink" not in proc.stderr
+
+
+# num_key_value_heads None: the published config.json has no top-level field (DbrxConfig.to_dict() writes one)
+DBRX_SMALL = dict(d_model=256, n_heads=4, n_layers=2, max_seq_len=2048, num_key_value_heads=None,
+                  attn_config={"clip_qkv": 8, "kv_n_heads": 2, "rope_theta": 500000},
+                  ffn_config={"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4})
+
+
+def test_dbrx_reads_its_kv_heads_from_attn_config_and_validates(tmp_path):
+    """DBRX keeps its KV heads in the nested attn_config (kv_n_heads) and its expert sizes in ffn_config: it was
+    planned MHA (one KV head per query head, 6x the cache of the published GQA-8 model) and its tiny model was built
+    at the published 10752-wide experts (the run was killed for memory). Now 2 KV heads from attn_config, the nested
+    widths shrunk, and the render validates against transformers."""
+    case = _small_case(tmp_path, "dbrx", DBRX_SMALL, "standalone")
+    manifest = case[3]
+    assert (manifest.model.num_key_value_heads, manifest.model.sources["num_key_value_heads"]) == (
+        2, "attn_config.kv_n_heads")
+    _passes(case)
+
+
+def test_a_fused_qkv_module_planned_with_the_wrong_kv_heads_is_refused_by_the_cross_check(tmp_path):
+    """Negative control for the cross-check of fused-QKV modules (DBRX's Wqkv): without kv_n_heads the analyzer's
+    MHA default meets transformers' DbrxAttentionConfig default of 1 KV head, and the plan is refused by name."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    small = {**DBRX_SMALL, "attn_config": {"clip_qkv": 8, "rope_theta": 500000}}
+    with pytest.raises(InputError, match=r"KV cache per rank \(key dim, KV heads, value dim\): analyzer \(64, 4, 64\) "
+                                         r"vs transformers \(64, 1, 64\) \(DbrxAttention"):
+        _small_case(tmp_path, "dbrx", small, "standalone")
 
 
 def test_minicpm5_moe_attention_is_found_by_its_fused_query_gate(tmp_path):
@@ -277,3 +308,37 @@ def test_ctrl_is_planned_and_its_stream_stays_within_its_256_positions(tmp_path,
     assert check(report, "logits vs transformers").measured["longest_prefill"] <= 256
     monkeypatch.setattr(Scenario, "within_positions", lambda self, _max: self)
     assert "index 256 is out of bounds" in check(run_validate(*case[:3]), "rendered code runs").detail
+
+
+def test_text_causal_lm_classes_the_auto_mappings_leave_out_are_built_and_validated(tmp_path):
+    """Emu3 / Mllama: transformers ships Emu3ForCausalLM on Emu3TextConfig, but neither auto mapping holds that
+    config class, so the tiny reference did not build (`kvcache run` refused a planned family). The config's own
+    modeling module supplies it now, and the render validates."""
+    from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
+    from transformers import Emu3TextConfig
+
+    small = Emu3TextConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert type(causal_lm_from_config(small)).__name__ == "Emu3ForCausalLM"
+    config = _config(tmp_path, "emu3")
+    data = json.loads(config.read_text())
+    data["text_config"] |= dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=128, vocab_size=512)
+    config.write_text(json.dumps(data), encoding="utf-8")
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="standalone"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    _passes((tmp_path / "m.json", tmp_path / "r", config))
+
+
+def test_mllama_cross_attention_only_layers_are_refused_not_planned_as_self_attention(tmp_path):
+    """Mllama's text decoder interleaves blocks that attend only over the vision encoder's states
+    (cross_attention_layers). The analyzer planned a self-attention KV cache on all 40 layers (a quarter of the
+    memory plan for tokens those blocks never cache); the cross-check now names the blocks and refuses."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    with pytest.raises(InputError, match=r"decoder holds 8 block\(s\) whose attention is over another model's states "
+                                         r"\(MllamaTextCrossAttention at model\.layers\.3\.cross_attn\)"):
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, "mllama"))))

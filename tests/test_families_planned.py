@@ -306,6 +306,7 @@ def test_ctrl_is_planned_and_its_stream_stays_within_its_256_positions(tmp_path,
     assert case[3].model.max_position_embeddings == 256 and not case[3].blockers
     report = _passes(case)
     assert check(report, "logits vs transformers").measured["longest_prefill"] <= 256
+    assert any(n.startswith("request stream cut to the model's 256 positions") for n in report.notes), report.notes
     monkeypatch.setattr(Scenario, "within_positions", lambda self, _max: self)
     assert "index 256 is out of bounds" in check(run_validate(*case[:3]), "rendered code runs").detail
 

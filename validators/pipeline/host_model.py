@@ -1046,6 +1046,23 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def reference_sensitivity(ref_model, token_ids: list[int], seed: int = 0) -> float:
+    """How far the reference's own logits move when its input embeddings change by one unit in the last place
+    (a fixed random sign per element): the rounding amplification of the model itself, which no port can beat."""
+    weight = ref_model.get_input_embeddings().weight
+    saved = weight.detach().clone()
+    eps = torch.finfo(weight.dtype).eps
+    signs = torch.randint(0, 2, weight.shape, generator=torch.Generator().manual_seed(seed)).to(weight.dtype) * 2 - 1
+    base = reference_logits(ref_model, token_ids)
+    try:
+        weight.data.mul_(1 + eps * signs)
+        moved = reference_logits(ref_model, token_ids)
+    finally:
+        weight.data.copy_(saved)
+    return (moved - base).abs().max().item()
+
+
+@torch.no_grad()
 def reference_layer_outputs(ref_model, token_ids: list[int]) -> list[torch.Tensor]:
     """Each decoder layer's output [L, hidden] over one whole sequence (to locate a divergence)."""
     _, layers = decoder_layers(ref_model)

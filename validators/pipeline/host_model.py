@@ -19,6 +19,8 @@ Anything else is refused with one line naming the module.
 
 from __future__ import annotations
 
+import copy
+
 import contextlib
 import importlib.util
 import inspect
@@ -847,6 +849,7 @@ class HostModel:
                  uncached: frozenset[int] = frozenset()):
         self.hf_model = hf_model
         self.rendered = rendered
+        self.cache_dtype = cache_dtype  # the compute dtype of the model under test
         self.step_index = -1  # forward calls so far, for failure locations
         self.device = device or torch.device("cpu")
         self.atol = ATOL_FP32 if self.device.type == "cpu" else ATOL_BF16
@@ -1060,6 +1063,17 @@ def reference_sensitivity(ref_model, token_ids: list[int], seed: int = 0) -> flo
     finally:
         weight.data.copy_(saved)
     return (moved - base).abs().max().item()
+
+
+@torch.no_grad()
+def reference_dtype_drift(ref_model, token_ids: list[int], dtype: torch.dtype) -> float:
+    """How far transformers' own model lands from the reference when it runs in ``dtype`` (bfloat16): the
+    low-precision error of the architecture itself, which no port at that dtype can be held below."""
+    low = copy.deepcopy(ref_model).to(dtype=dtype)
+    encoder = getattr(ref_model, "_kvcache_encoder", None)
+    if encoder is not None:
+        low._kvcache_encoder = encoder
+    return (reference_logits(low, token_ids) - reference_logits(ref_model, token_ids)).abs().max().item()
 
 
 @torch.no_grad()

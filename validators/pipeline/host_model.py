@@ -19,9 +19,8 @@ Anything else is refused with one line naming the module.
 
 from __future__ import annotations
 
-import copy
-
 import contextlib
+import copy
 import importlib.util
 import inspect
 import itertools

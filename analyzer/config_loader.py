@@ -7,6 +7,7 @@ value keeps the field it came from, or says it is a default, so the manifest can
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -374,6 +375,7 @@ class _Reader:
         self.outer = outer
         self.defaults: tuple[str, dict[str, Any]] = ("", {})
         self.cfg, self.prefix = model_section(outer)
+        self.aliases_of = ""
 
     def get(self, *names: str) -> tuple[Any, str] | None:
         """First present, non-null field among ``names`` (nested config first, then the outer one)."""
@@ -383,11 +385,31 @@ class _Reader:
                     return cfg[name], f"{prefix}{name}"
             if cfg is self.outer:
                 break
+        for name in names:  # a field the config class names otherwise (XLM's emb_dim for hidden_size)
+            alias = self.aliases.get(name)
+            if isinstance(alias, str) and alias not in names and self.cfg.get(alias) is not None:
+                return self.cfg[alias], f"{self.prefix}{alias} (transformers {self.aliases_of}.attribute_map {name!r})"
         cls, defaults = self.defaults
         for name in names:
             if name in defaults and not self.has_key(name):
                 return defaults[name], f"default: transformers {cls}.{name}"
         return None
+
+    @functools.cached_property
+    def aliases(self) -> dict[str, Any]:
+        """The config class's ``attribute_map`` (PretrainedConfig: a standard name -> the field this class keeps it
+        in), read from the installed transformers; empty without it or for a model type it does not ship."""
+        model_type = self.cfg.get("model_type") or self.outer.get("model_type")
+        if not isinstance(model_type, str):
+            return {}
+        try:
+            from transformers import CONFIG_MAPPING
+
+            cls = CONFIG_MAPPING[HF_MODEL_TYPE.get(model_type, model_type)]
+        except Exception:  # noqa: BLE001 - transformers absent, or a type it does not ship: no aliases
+            return {}
+        self.aliases_of = cls.__name__
+        return dict(getattr(cls, "attribute_map", None) or {})
 
     def has_key(self, name: str) -> bool:
         return name in self.cfg or name in self.outer
@@ -551,8 +573,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         sublayers = Sourced(1, "default: one mixer per decoder block")
     else:
         # decoder_layers: a decoder-only use of an encoder-decoder family (BART's ForCausalLM), whose own stack it is
+        _refuse_composite(r)
         num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
-                                    maximum=LIMITS["layers"])
+                                    "num_decoder_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(1, "default: one attention per decoder layer")
         if model_type in PARALLEL_HYBRIDS:  # Falcon-H1: the attention's KV cache and the mixer's states
             sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
@@ -574,10 +597,12 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         mla = Sourced(None, "not read: no layer attends")
     else:
         heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                               "decoder_attention_heads", maximum=LIMITS["heads"])
+                               "decoder_attention_heads", "num_decoder_attention_heads", maximum=LIMITS["heads"])
         kv_heads = _kv_heads(r, heads)
         mla = _mla_dims(r)
         head_dim = _head_dim(r, hidden, heads, mla)
+        if mla.value is None:
+            _refuse_value_dim(r, head_dim)
     if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
         raise InputError(
             where,
@@ -660,6 +685,43 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             None, "default: no compressed layers"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
     )
+
+
+def _refuse_composite(r: _Reader) -> None:
+    """A config with no layer count of its own whose nested sub-model sections hold one each (MusicGen: text_encoder,
+    audio_encoder, decoder; BLT: patcher, local encoder and decoder, global transformer): a composite model, several
+    stacks each with its own config, not one decoder kvcache can plan. Refused naming the sections (and, where the
+    decoder section says so, its num_codebooks parallel token streams per position)."""
+    if r.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers"):
+        return
+    layered = ("num_hidden_layers", "num_layers", "n_layers", "decoder_layers")
+    subs = [k for k, v in r.cfg.items() if isinstance(v, dict) and any(isinstance(v.get(n), int) for n in layered)]
+    if not subs:
+        return
+    codebooks = [f"{k}.num_codebooks = {r.cfg[k]['num_codebooks']}" for k in subs
+                 if isinstance(r.cfg[k].get("num_codebooks"), int) and r.cfg[k]["num_codebooks"] > 1]
+    streams = (f"; its decoder reads {codebooks[0]} parallel token streams per position (one embedding and one LM "
+               "head per codebook, input_ids of batch x num_codebooks rows), where kvcache's request stream and "
+               "validation feed one") if codebooks else ""
+    raise NotSupportedByKvcache(
+        r.where, f"no layer count at the top level: a composite model whose sub-model sections "
+                 f"{', '.join(subs)} each hold their own stack's config (several stacks, not one decoder kvcache "
+                 f"plans){streams}", field=f"{r.prefix}num_hidden_layers")
+
+
+def _refuse_value_dim(r: _Reader, head_dim: Sourced[int]) -> None:
+    """A GQA model whose value heads are narrower or wider than its key heads (MiMo-V2-Flash: ``v_head_dim`` 128 beside
+    ``head_dim`` 192, transformers' v_proj / o_proj sized by it): kvcache plans K and V caches of one head_dim."""
+    hit = r.positive_int("v_head_dim", required=False, maximum=LIMITS["head_dim"])
+    if hit is None or hit.value == head_dim.value:
+        return
+    raise NotSupportedByKvcache(
+        r.where, f"value heads of {hit.value} beside {head_dim.value}-dim query/key heads ({head_dim.source}): kvcache "
+                 "plans K and V caches of one head_dim and renders no FA call whose value D differs from the key's. "
+                 "npu_fused_infer_attention_score_v2 gives attention_out the D of value (torch_npu 2.14.0 "
+                 "_op_plugin_docs.py:8677, 2.9.0 :7245) but no pinned doc line states the GQA paged layouts where "
+                 "value D may differ from key D; zero-padding V to the key's D would be exact (zero columns of V give "
+                 "zero columns of the output, sliced off) and is not rendered", field=hit.source)
 
 
 def _dory_layers(data: dict[str, Any]) -> dict[str, Any]:

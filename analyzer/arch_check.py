@@ -391,7 +391,8 @@ def unread_attention(module) -> str | None:
     for sub in module.modules():
         cls = type(sub).__name__
         if cls.endswith("Attention") and not is_attention(sub) and any(isinstance(c, nn.Linear) for c in sub.children()):
-            children = ", ".join(sorted(n for n, _ in sub.named_children())[:6])
+            children = ", ".join(sorted(n for n, c in sub.named_children() if not isinstance(c, (nn.Dropout,
+                                                                                           nn.Softmax)))[:6])
             return f"{cls} projecting through {children}"
     return None
 

@@ -387,13 +387,36 @@ class _Reader:
                 break
         for name in names:  # a field the config class names otherwise (XLM's emb_dim for hidden_size)
             alias = self.aliases.get(name)
-            if isinstance(alias, str) and alias not in names and self.cfg.get(alias) is not None:
+            # an encoder-decoder class aliases the encoder's fields (WhisperConfig: num_key_value_heads ->
+            # encoder_attention_heads); its causal LM is the decoder, whose own fields are named above
+            if isinstance(alias, str) and alias not in names and not alias.startswith("encoder_") \
+                    and self.cfg.get(alias) is not None:
                 return self.cfg[alias], f"{self.prefix}{alias} (transformers {self.aliases_of}.attribute_map {name!r})"
         cls, defaults = self.defaults
         for name in names:
             if name in defaults and not self.has_key(name):
                 return defaults[name], f"default: transformers {cls}.{name}"
         return None
+
+    def derived(self, name: str) -> tuple[Any, str] | None:
+        """A field the config class computes rather than stores: ``attribute_map`` names a property of the class
+        (RecurrentGemmaConfig: layer_types -> layers_block_type, cycled from block_types). Read from the config class
+        built over this config's section; None without transformers, the alias, or a build."""
+        alias = self.aliases.get(name)
+        if not isinstance(alias, str) or alias in self.cfg:
+            return None
+        try:
+            from transformers import CONFIG_MAPPING
+
+            model_type = self.cfg.get("model_type") or self.outer.get("model_type")
+            cls = CONFIG_MAPPING[HF_MODEL_TYPE.get(model_type, model_type)]
+            if not isinstance(getattr(cls, alias, None), property):
+                return None
+            value = getattr(cls(**{k: v for k, v in self.cfg.items() if k != "model_type"}), alias)
+        except Exception:  # noqa: BLE001 - a config the class rejects derives nothing here
+            return None
+        return (list(value), f"{self.prefix}{alias} (derived by transformers {cls.__name__}.{alias})") \
+            if isinstance(value, (list, tuple)) else None
 
     @functools.cached_property
     def aliases(self) -> dict[str, Any]:
@@ -563,6 +586,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     blocks = block_types(r, model_type)
     if model_type == "dory":
         _refuse_dory_loops(r)
+    _refuse_cycled_stacks(r)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
@@ -685,6 +709,26 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             None, "default: no compressed layers"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
     )
+
+
+def _refuse_cycled_stacks(r: _Reader) -> None:
+    """HRM-text: ``num_layers_per_stack`` decoder layers in each of two stacks (H, L), run ``H_cycles`` x
+    (``L_cycles`` + 1) times per forward, each run with its own cache slot (transformers HrmTextModel.forward's
+    cycle_offset; HrmTextConfig rewrites num_hidden_layers to the slot count): one attention module keeps several
+    caches. Read from the config's cycle fields, whatever the model_type."""
+    per_stack = r.get("num_layers_per_stack")
+    high, low = r.get("H_cycles"), r.get("L_cycles")
+    if per_stack is None or high is None or low is None:
+        return
+    values = [v for v, _ in (per_stack, high, low)]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) or values[1] * (values[2] + 1) <= 1:
+        return
+    raise NotSupportedByKvcache(
+        r.where, f"num_hidden_layers counts cache slots, not attention modules: {per_stack[1]} = {values[0]} decoder "
+                 f"layers per stack run {high[1]} {values[1]} x ({low[1]} {values[2]} + 1) times per forward, each run "
+                 "with a KV cache slot of its own (transformers HrmTextModel.forward, cycle_offset), so one attention "
+                 "module keeps several caches: not supported by kvcache (one set of cache entries per attention "
+                 "module)", field=per_stack[1])
 
 
 def _refuse_composite(r: _Reader) -> None:
@@ -1097,7 +1141,16 @@ def _kv_sources(r: _Reader, num_layers: int, kinds: tuple[str, ...]) -> Sourced[
     if hit is None or not hit.value:
         return Sourced(None, "default: every layer caches its own K/V")
     first = num_layers - hit.value
-    if first <= 0:
+    if first == 0:
+        # Gemma-4 assistants (Gemma4UnifiedAssistantConfig sets num_kv_shared_layers = num_hidden_layers): a drafter
+        # whose every layer attends over the K/V its target model computed (its forward requires shared_kv_states)
+        raise NotSupportedByKvcache(
+            r.where, f"all {num_layers} layers share K/V computed elsewhere: no layer computes or caches K/V of its "
+                     "own, so this is a drafter attending over its target model's cache (transformers' Gemma-4 "
+                     "assistants take shared_kv_states from the target model in forward); plan the target model, "
+                     "whose cache it reads (a drafter over another model's cache is not planned by kvcache)",
+            field=hit.source)
+    if first < 0:
         raise InputError(r.where, f"{hit.value} shared layers leave no layer of the {num_layers} to compute K/V",
                          field=hit.source)
     sources: list[int | None] = [None] * num_layers
@@ -1135,7 +1188,7 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         window = w or None
 
     types_hit = blocks or r.get("layer_types")  # Nemotron-H: its block list (linear_config.block_types)
-    if types_hit is not None:
+    def listed(types_hit: tuple[Any, str]) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
         raw, src = types_hit
         if not isinstance(raw, list) or len(raw) != num_layers:
             raise InputError(r.where, f"must list one type per layer ({num_layers})", field=src)
@@ -1148,6 +1201,9 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         if "sliding" in kinds and window is None:
             raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
         return Sourced(tuple(kinds), src), _window_source(window, window_hit)
+
+    if types_hit is not None:
+        return listed(types_hit)
 
     mamba = mamba_layer_kinds(r, model_type, num_layers) if linear_family else None
     if mamba is not None:
@@ -1171,6 +1227,10 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         n = interval.value
         kinds = tuple("full" if (i + 1) % n == 0 else "linear" for i in range(num_layers))
         return Sourced(kinds, f"{interval.source}={n} (other layers linear attention)"), Sourced(None, "default: none")
+
+    derived = r.derived("layer_types")  # a config class that derives its layer types (RecurrentGemma's block_types)
+    if derived is not None:
+        return listed(derived)
 
     use_sw = r.flag("use_sliding_window")
     if use_sw is not None and use_sw[0] is False:

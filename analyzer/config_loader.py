@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
+from model_infer_kvcache.analyzer.hf_config_source import ConfigClassFacts, config_class_facts
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
@@ -375,7 +376,6 @@ class _Reader:
         self.outer = outer
         self.defaults: tuple[str, dict[str, Any]] = ("", {})
         self.cfg, self.prefix = model_section(outer)
-        self.aliases_of = ""
 
     def get(self, *names: str) -> tuple[Any, str] | None:
         """First present, non-null field among ``names`` (nested config first, then the outer one)."""
@@ -400,39 +400,41 @@ class _Reader:
 
     def derived(self, name: str) -> tuple[Any, str] | None:
         """A field the config class computes rather than stores: ``attribute_map`` names a property of the class
-        (RecurrentGemmaConfig: layer_types -> layers_block_type, cycled from block_types). Read from the config class
-        built over this config's section; None without transformers, the alias, or a build."""
+        (RecurrentGemma: layer_types -> layers_block_type, cycled from block_types). Read from the config class
+        built over this config's section (transformers is imported only then); None without transformers, the
+        alias, or a build."""
         alias = self.aliases.get(name)
-        if not isinstance(alias, str) or alias in self.cfg:
+        if not isinstance(alias, str) or alias in self.cfg or alias not in self._class.properties:
             return None
         try:
             from transformers import CONFIG_MAPPING
 
-            model_type = self.cfg.get("model_type") or self.outer.get("model_type")
-            cls = CONFIG_MAPPING[HF_MODEL_TYPE.get(model_type, model_type)]
-            if not isinstance(getattr(cls, alias, None), property):
-                return None
+            cls = CONFIG_MAPPING[self._model_type]
             value = getattr(cls(**{k: v for k, v in self.cfg.items() if k != "model_type"}), alias)
         except Exception:  # noqa: BLE001 - a config the class rejects derives nothing here
             return None
         return (list(value), f"{self.prefix}{alias} (derived by transformers {cls.__name__}.{alias})") \
             if isinstance(value, (list, tuple)) else None
 
-    @functools.cached_property
-    def aliases(self) -> dict[str, Any]:
-        """The config class's ``attribute_map`` (PretrainedConfig: a standard name -> the field this class keeps it
-        in), read from the installed transformers; empty without it or for a model type it does not ship."""
+    @property
+    def _model_type(self) -> str:
         model_type = self.cfg.get("model_type") or self.outer.get("model_type")
-        if not isinstance(model_type, str):
-            return {}
-        try:
-            from transformers import CONFIG_MAPPING
+        return HF_MODEL_TYPE.get(model_type, model_type) if isinstance(model_type, str) else ""
 
-            cls = CONFIG_MAPPING[HF_MODEL_TYPE.get(model_type, model_type)]
-        except Exception:  # noqa: BLE001 - transformers absent, or a type it does not ship: no aliases
-            return {}
-        self.aliases_of = cls.__name__
-        return dict(getattr(cls, "attribute_map", None) or {})
+    @functools.cached_property
+    def _class(self) -> ConfigClassFacts:
+        """The config class's declarations, from its source file (analyzer/hf_config_source: no import)."""
+        return config_class_facts(self._model_type)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """The config class's ``attribute_map`` (PretrainedConfig: a standard name -> the field this class keeps it
+        in); empty without transformers or for a model type it does not ship."""
+        return self._class.attribute_map
+
+    @property
+    def aliases_of(self) -> str:
+        return self._class.name
 
     def has_key(self, name: str) -> bool:
         return name in self.cfg or name in self.outer

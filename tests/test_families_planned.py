@@ -343,3 +343,233 @@ def test_mllama_cross_attention_only_layers_are_refused_not_planned_as_self_atte
     with pytest.raises(InputError, match=r"decoder holds 8 block\(s\) whose attention is over another model's states "
                                          r"\(MllamaTextCrossAttention at model\.layers\.3\.cross_attn\)"):
         analyze(AnalyzeRequest(config=str(_config(tmp_path, "mllama"))))
+
+
+def _fresh_cross_check(mp):
+    """No cached transformers report (the user cache and the in-process memo): what transformers builds is read
+    again, under whatever the test patched."""
+    from model_infer_kvcache.analyzer import arch_check
+
+    mp.setenv("KVCACHE_CACHE_DIR", "")
+    arch_check._hf_attentions.cache_clear()
+
+
+def test_git_text_decoder_is_found_beside_its_longer_vision_tower(tmp_path):
+    """GIT builds a 12-block vision encoder (GitVisionAttention, is_causal False) beside its 6-block text decoder: the
+    longest stack was the vision tower, and the cross-check refused ('analyzer plans 6, transformers builds 12'). A
+    stack whose every attention says it is not causal is now taken only when no other is there. Negative control:
+    without that rule the same config is refused again."""
+    from model_infer_kvcache.analyzer import hf_layout
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    config = _config(tmp_path, "git")
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert not m.blockers and m.kv_mode.value == "paged" and len(m.layers) == 6
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_layout, "noncausal_tower", lambda attentions: False)
+        _fresh_cross_check(mp)
+        with pytest.raises(InputError, match="attention layers: analyzer plans 6, transformers builds 12"):
+            analyze(AnalyzeRequest(config=str(config)))
+    with pytest.MonkeyPatch.context() as mp:  # the BERT-era encoder (every stack non-causal) is still found
+        _fresh_cross_check(mp)
+        roberta = _config(tmp_path, "roberta")
+        with pytest.raises(InputError) as err:
+            analyze(AnalyzeRequest(config=str(roberta)))
+        assert err.value.field == "is_decoder"
+
+
+@pytest.mark.slow
+def test_git_text_decoder_validates_through_the_bert_route(tmp_path):
+    """GIT's text decoder (GitSelfAttention: query / key / value, scores over sqrt(head size)) runs through the host's
+    BERT-era route and matches transformers in standalone mode (framework mode: the family sweep's kvcache run)."""
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=512)
+    case = _small_case(tmp_path, "git", small, "standalone")
+    assert len(case[3].layers) == 2
+    _passes(case)
+
+
+def test_config_class_aliases_are_read_and_xlm_refused_as_a_bidirectional_masked_lm(tmp_path, monkeypatch):
+    """XLM keeps hidden_size / heads / layers as emb_dim / n_heads / n_layers, which transformers' XLMConfig.attribute_map
+    aliases: read through any config class's attribute_map (not a per-model key). At its defaults (causal false) XLM is
+    a bidirectional masked LM: refused saying so. Negative control: without the aliases the field is missing again."""
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    data = json.loads(_config(tmp_path, "xlm").read_text())
+    facts = normalize_config(data, "<xlm>")
+    assert (facts.hidden_size.value, facts.num_layers.value) == (data["emb_dim"], data["n_layers"])
+    assert facts.hidden_size.source == "emb_dim (transformers XLMConfig.attribute_map 'hidden_size')"
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, "xlm"))))
+    assert "config causal is false" in err.value.message and "bidirectional masked LM" in err.value.message
+    monkeypatch.setattr(config_loader._Reader, "aliases", {})
+    with pytest.raises(InputError, match=r"missing \(looked for hidden_size"):
+        normalize_config(data, "<xlm>")
+
+
+@pytest.mark.parametrize("model_type, words", [
+    # a recurrence: its modeling file calls no softmax and no attention interface
+    ("rwkv", ["modeling_rwkv.py calls no softmax and no attention interface", "is a recurrence"]),
+    ("xlstm", ["modeling_xlstm.py calls no softmax and no attention interface", "is a recurrence"]),
+    # Transformer-XL relative attention caching hidden states
+    ("xlnet", ["XLNetRelativeAttention", "Transformer-XL relative attention", "mems"]),
+    # attention modules with projections kvcache does not read
+    ("jetmoe", ["JetMoeAttention projecting through experts, kv_proj"]),
+    ("prophetnet", ["ProphetNetNgramSelfAttention projecting through"]),
+])
+def test_families_without_a_kv_cache_kvcache_reads_are_refused_with_the_reason_from_transformers_code(
+        tmp_path, model_type, words):
+    """The generic 'no decoder block holding an attention module kvcache recognises' refusal now says why, from
+    transformers' own objects (analyzer/arch_check.why_no_kv_cache): no softmax anywhere in the modeling file (RWKV,
+    xLSTM), Transformer-XL relative-position biases (XLNet), an attention module whose projections kvcache does not
+    read (named with them). RWKV, which names no attention heads, is refused with that reason, not the missing
+    field."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
+    assert all(w in err.value.message for w in words), err.value.render()
+
+
+def test_why_no_kv_cache_gives_no_reason_for_an_attention_model():
+    """The diagnosis reads facts, never a family list: Llama (softmax in its file, recognised q/k/v projections) has no
+    reason to refuse."""
+    import torch
+    from model_infer_kvcache.analyzer.arch_check import why_no_kv_cache
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=64)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert why_no_kv_cache(model, config) is None
+
+
+def test_reformer_names_its_lsh_attention_where_the_plan_finds_none(tmp_path):
+    """Reformer (is_decoder true) alternates LocalSelfAttention (query / key / value) and LSHSelfAttention (one shared
+    query_key projection, attention within hash buckets): the cross-check's 'no attention module' names the latter."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    config = _config(tmp_path, "reformer")
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"is_decoder": True}), encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert "a block holding LSHSelfAttention projecting through query_key, value" in err.value.message
+
+
+@pytest.mark.parametrize("model_type, words", [
+    ("inkling_text", ["layer type 'hybrid_sliding'", "InklingAttention with per-request state beside its KV cache",
+                      "InklingShortConvolution", "InklingRelativeLogits adds a position bias"]),
+    ("zaya", ["layer type 'hybrid'", "ZayaAttention with per-request state beside its KV cache",
+              "ZayaCCAProjection"]),
+])
+def test_layer_types_kvcache_has_no_kind_for_name_what_transformers_block_holds(tmp_path, monkeypatch, model_type,
+                                                                               words):
+    """'hybrid' / 'hybrid_sliding' mean different things in Inkling (attention with four short-conv states and a
+    per-query relative bias), ZAYA (compressed convolutional attention: a q/k conv state and a delayed-value state)
+    and Zamba (a shared attention beside a Mamba mixer): the refusal says what transformers' block there holds.
+    Negative control: without the diagnosis the bare 'unknown layer type' bad-input line is back."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+
+    config = _config(tmp_path, model_type)
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert all(w in err.value.message for w in words), err.value.render()
+    monkeypatch.setattr(arch_check, "why_layer_type", lambda *args: None)
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert not isinstance(err.value, NotSupportedByKvcache) and "unknown layer type" in err.value.message
+
+
+@pytest.mark.parametrize("model_type, words", [
+    ("musicgen", ["sub-model sections text_encoder, decoder", "decoder.num_codebooks = 4 parallel token streams"]),
+    ("blt", ["sub-model sections patcher_config, encoder_config, decoder_config, global_config"]),
+])
+def test_composite_configs_are_refused_naming_their_sub_model_sections(tmp_path, model_type, words):
+    """MusicGen and BLT keep no layer count of their own: their sub-models each hold a stack's config. Refused naming
+    the sections (MusicGen's decoder: num_codebooks token streams per position), not 'num_hidden_layers missing'."""
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
+    assert err.value.field == "num_hidden_layers" and all(w in err.value.message for w in words), err.value.render()
+
+
+def test_hrm_cycled_stacks_are_refused_as_several_caches_per_module(tmp_path, monkeypatch):
+    """HRM-text runs each of its 2 x 16 attention modules several times per forward, each run with a cache slot of its
+    own (num_hidden_layers 128 counts the slots). Refused from its cycle fields; negative control: without the rule
+    the cross-check refuses the 128-layer plan against transformers' 16-block stack."""
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+
+    config = _config(tmp_path, "hrm_text")
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert err.value.field == "num_layers_per_stack" and "one attention module keeps several caches" in \
+        err.value.message
+    monkeypatch.setattr(config_loader, "_refuse_cycled_stacks", lambda r: None)
+    with pytest.raises(InputError, match="attention layers: analyzer plans 128, transformers builds 16"):
+        analyze(AnalyzeRequest(config=str(config)))
+
+
+def test_layer_types_a_config_class_derives_are_read_from_it(tmp_path, monkeypatch):
+    """RecurrentGemma stores block_types (recurrent, recurrent, attention) and derives its layer types by cycling them
+    (RecurrentGemmaConfig.layers_block_type, a property its attribute_map names for layer_types): read from the class,
+    its recurrent layers are linear layers of a family kvcache has no state for (a Legacy plan with that blocker, as
+    OLMo-hybrid's) and its attention layers slide over attention_window_size. It was refused: every layer planned as
+    attention. Negative control: without the derived types the cross-check refuses again."""
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    config = _config(tmp_path, "recurrent_gemma")
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert m.kv_mode.value == "legacy" and "of an unknown family" in m.blockers[0].message
+    assert [layer.index for layer in m.layers if layer.sliding_window == 2048] == list(range(2, 26, 3))
+    monkeypatch.setattr(config_loader._Reader, "derived", lambda self, name: None)
+    with pytest.raises(InputError, match="where transformers' decoder block has no attention module"):
+        analyze(AnalyzeRequest(config=str(config)))
+
+
+def test_a_drafter_whose_every_layer_reads_its_targets_kv_is_refused_as_such(tmp_path):
+    """Gemma-4 Unified's assistant shares K/V on all its layers (Gemma4UnifiedAssistantConfig sets num_kv_shared_layers
+    to num_hidden_layers; its forward takes the target model's shared_kv_states): a drafter with no cache of its own,
+    refused saying so (was: 'leave no layer to compute K/V', as if the config were mistyped). More shared layers than
+    layers is still bad input."""
+    from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+
+    config = _config(tmp_path, "gemma4_unified_assistant")
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert "drafter attending over its target model's cache" in err.value.message
+    data = json.loads(config.read_text())
+    data["text_config"]["num_kv_shared_layers"] = data["text_config"]["num_hidden_layers"] + 1
+    config.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert not isinstance(err.value, NotSupportedByKvcache) and "leave no layer" in err.value.message
+
+
+def test_config_class_declarations_are_read_without_importing_transformers(tmp_path):
+    """The aliases and derived-field properties come from the config class's source file (analyzer/hf_config_source,
+    ast): a warm `kvcache analyze` (cross-check report cached) still never imports transformers. The first version
+    imported transformers for every config without layer_types (measured: warm analyze of the bundled example 0.15 s
+    -> 5.6 s on a loaded machine)."""
+    import os
+    import subprocess
+    import sys
+
+    from model_infer_kvcache.analyzer.hf_config_source import config_class_facts
+
+    facts = config_class_facts("recurrent_gemma")
+    assert facts.name == "RecurrentGemmaConfig" and facts.attribute_map["layer_types"] == "layers_block_type"
+    assert "layers_block_type" in facts.properties
+    assert config_class_facts("inkling_text").name == "InklingTextConfig"  # found in models/inkling/
+    assert config_class_facts("no_such_type").name == ""
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny_qwen3" / "config.json"
+    env = {**os.environ, "KVCACHE_CACHE_DIR": str(tmp_path / "cache")}
+    code = ("import sys; from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze; "
+            f"analyze(AnalyzeRequest(config={str(example)!r})); print('transformers' in sys.modules)")
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr[-300:] for r in runs]

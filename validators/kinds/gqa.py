@@ -28,8 +28,21 @@ def cpu_size_changes(manifest, small) -> list[str]:
     return []
 
 
+def layer_shapes(manifest) -> dict[int, tuple[int, int]]:
+    """Layer -> (head_dim, KV heads per rank) of each layer whose shape differs from the model's (the render's
+    LAYER_SHAPES)."""
+    return {layer.index: (layer.head_dim or manifest.model.head_dim,
+                          layer.num_kv_heads_per_rank or manifest.parallel.num_kv_heads_per_rank)
+            for layer in manifest.attention_layers
+            if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None}
+
+
 def expected_constants(manifest) -> dict[str, object]:
-    return {"NUM_KV_HEADS_PER_RANK": manifest.parallel.num_kv_heads_per_rank, "HEAD_DIM": manifest.model.head_dim}
+    want = {"NUM_KV_HEADS_PER_RANK": manifest.parallel.num_kv_heads_per_rank, "HEAD_DIM": manifest.model.head_dim}
+    shapes = layer_shapes(manifest)
+    if shapes:
+        want["LAYER_SHAPES"] = shapes
+    return want
 
 
 def attention_calls(probe) -> list[dict]:

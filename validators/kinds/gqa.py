@@ -73,14 +73,20 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
     """Keep one attention-TP rank's query heads and KV heads in a transformers attention module (the multi-rank
     run); returns the value head dim the output projection's columns are cut by."""
-    d = model.head_dim
+    d, kv_heads = model.head_dim, model.num_key_value_heads
+    own = getattr(attn, "head_dim", None)
+    if attn.k_proj.out_features != kv_heads * d and isinstance(own, int) and attn.k_proj.out_features % own == 0:
+        # a layer with its own shape (Gemma-4's full layers: global_head_dim, num_global_key_value_heads)
+        d, kv_heads = own, attn.k_proj.out_features // own
     # a gated attention (Qwen3-Next, Qwen3.5) projects [query | gate] per head: 2 x head_dim rows a head
     per = attn.q_proj.out_features // model.num_attention_heads
     attn.q_proj.weight = keep_rows(attn.q_proj.weight, heads.start * per, heads.stop * per)
     if attn.q_proj.bias is not None:
         attn.q_proj.bias = keep_rows(attn.q_proj.bias, heads.start * per, heads.stop * per)
-    lo, hi = kv_head_of_rank(rank, tp, model.num_key_value_heads)
+    lo, hi = kv_head_of_rank(rank, tp, kv_heads)
     for proj in (attn.k_proj, attn.v_proj):
+        if proj is None:  # K = V (Gemma-4's attention_k_eq_v full layers): the values are the keys' projection
+            continue
         proj.weight = keep_rows(proj.weight, lo * d, hi * d)
         if proj.bias is not None:
             proj.bias = keep_rows(proj.bias, lo * d, hi * d)

@@ -52,6 +52,18 @@ def test_per_layer_shapes_render_and_validate(tmp_path, mode):
     assert "LAYER_SHAPES" in check(report, "rendered constants match").measured["checked"]
 
 
+@pytest.mark.slow
+def test_per_layer_shapes_validate_on_two_attention_tp_ranks(tmp_path):
+    """Attention TP 2: the sliding layers' 2 KV heads split (1 a rank), the full layer's single K = V head replicated
+    (1 a rank at head_dim 128); each rank keeps its heads of each layer at that layer's own head_dim."""
+    manifest_path, rendered, cfg = render_case(tmp_path, "gemma4_26b_a4b", SMALL, deploy_mode="framework",
+                                               attn_tp_size=2)
+    assert "LAYER_SHAPES = {5: (128, 1)}" in (rendered / ATTN).read_text(encoding="utf-8")
+    report = run_validate(manifest_path, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+
+
 INIT = r"self\.kv_head_dim, self\.kv_heads_per_rank = LAYER_SHAPES\.get\(layer_idx, \(HEAD_DIM, NUM_KV_HEADS_PER_RANK\)\)"
 MISTAKES = [
     # every layer given the first layer's (the model's) head_dim and KV heads: the full layers' entries, caches,

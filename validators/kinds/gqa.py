@@ -75,8 +75,9 @@ def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
     run); returns the value head dim the output projection's columns are cut by."""
     d, kv_heads = model.head_dim, model.num_key_value_heads
     own = getattr(attn, "head_dim", None)
-    if attn.k_proj.out_features != kv_heads * d and isinstance(own, int) and attn.k_proj.out_features % own == 0:
-        # a layer with its own shape (Gemma-4's full layers: global_head_dim, num_global_key_value_heads)
+    if isinstance(own, int) and not isinstance(own, bool) and own != d and attn.k_proj.out_features % own == 0:
+        # a layer with its own shape (Gemma-4's full layers: global_head_dim, num_global_key_value_heads); its KV
+        # head count from its own projection (the model's and its own may give the same width: 2 x 64 = 1 x 128)
         d, kv_heads = own, attn.k_proj.out_features // own
     # a gated attention (Qwen3-Next, Qwen3.5) projects [query | gate] per head: 2 x head_dim rows a head
     per = attn.q_proj.out_features // model.num_attention_heads

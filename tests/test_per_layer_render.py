@@ -53,6 +53,22 @@ def test_per_layer_shapes_render_and_validate(tmp_path, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_kv_shared_layers_read_their_sources_cache_at_its_shape(tmp_path, mode):
+    """Gemma-4 with num_kv_shared_layers (the E2B / E4B layout): the last 6 of 12 layers read the cache of the last
+    earlier layer of their type; the shared full layer 11 reads layer 5's [.., 1, 128] cache at that shape."""
+    manifest_path, rendered, cfg = render_case(tmp_path, "gemma4_26b_a4b", {**SMALL, "num_hidden_layers": 12,
+                                                                            "num_kv_shared_layers": 6},
+                                               deploy_mode=mode)
+    m = SelectionManifest.model_validate(json.loads(manifest_path.read_text(encoding="utf-8")))
+    assert (m.layers[11].kv_source_layer, m.layers[11].head_dim) == (5, 128)
+    assert "LAYER_SHAPES = {5: (128, 1), 11: (128, 1)}" in (rendered / ATTN).read_text(encoding="utf-8")
+    report = run_validate(manifest_path, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+
+
+@pytest.mark.slow
 def test_per_layer_shapes_validate_on_two_attention_tp_ranks(tmp_path):
     """Attention TP 2: the sliding layers' 2 KV heads split (1 a rank), the full layer's single K = V head replicated
     (1 a rank at head_dim 128); each rank keeps its heads of each layer at that layer's own head_dim."""
@@ -73,6 +89,8 @@ MISTAKES = [
      "self.kv_head_dim, self.kv_heads_per_rank = (HEAD_DIM, NUM_KV_HEADS_PER_RANK)", LAYERS),
     ("every-layer-at-the-first-layers-shape", "standalone", ATTN, INIT,
      "self.kv_head_dim, self.kv_heads_per_rank = (HEAD_DIM, NUM_KV_HEADS_PER_RANK)", RUNNER_CACHES),
+    ("every-layer-at-the-first-layers-shape-named-per-layer", "standalone", ATTN, INIT,
+     "self.kv_head_dim, self.kv_heads_per_rank = (HEAD_DIM, NUM_KV_HEADS_PER_RANK)", LAYERS),
     # the runner allocating every layer's cache at the model's shape while the layers write their own
     ("runner-allocates-the-models-shape", "standalone", RUNNER,
      r"attn\.kv_heads_per_rank, attn\.kv_head_dim,", "NUM_KV_HEADS_PER_RANK, HEAD_DIM,", RUNNER_CACHES),
@@ -92,5 +110,5 @@ def test_a_per_layer_shape_mistake_fails_by_name(tmp_path, case, mode, name, pat
         report = run_validate(manifest, rendered, cfg, scenario=SHORT)
     assert not report.passed
     assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
-    if failing == LAYERS:
+    if failing == LAYERS:  # named at the full layer, with its own shape
         assert "layer 5" in check(report, LAYERS).detail and "128" in check(report, LAYERS).detail

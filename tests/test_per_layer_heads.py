@@ -70,6 +70,16 @@ def test_the_published_global_fields_give_the_same_plan(tmp_path):
     assert [(c.dim, c.num_head) for c in full.caches] == [(512, 8), (512, 8)]
 
 
+def test_the_decisions_table_names_the_layers_with_their_own_cache_shape(tmp_path):
+    """The table the user confirms shows the full layers' caches beside the model's (it showed layer 0's only)."""
+    from model_infer_kvcache.analyzer.decisions_table import decision_rows
+
+    m = analyze(AnalyzeRequest(config=str(gemma4_26b_config(tmp_path))))
+    row = next(r for r in decision_rows(m) if r[0] == "cache_entries")
+    assert row[1] == ("k_cache: 256x8 bfloat16, v_cache: 256x8 bfloat16; 层 5,11,17,23,29: k_cache: 512x2 bfloat16, "
+                      "v_cache: 512x2 bfloat16")
+
+
 def test_attention_tp_splits_each_layers_kv_heads(tmp_path):
     m = analyze(AnalyzeRequest(config=str(gemma4_26b_config(tmp_path)), attn_tp_size=2))
     assert m.parallel.num_kv_heads_per_rank == 4

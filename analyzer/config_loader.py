@@ -1101,8 +1101,12 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
                                  field=f"{src}.{key}")
             refused = [f for f in fields if f in PER_LAYER_REFUSED]
             if refused:
-                raise InputError(r.where, f"overrides {refused[0]} on layer {index}: kvcache plans one value of it "
-                                          "for every layer (not supported by kvcache yet)", field=f"{src}.{key}")
+                # every refused field of the layer, so one message sizes the gap (Dots3-Note's sliding MLA layers:
+                # their own query heads, latent ranks and nope / rope split)
+                raise InputError(r.where, f"overrides {', '.join(refused)} on layer {index}: kvcache plans one value "
+                                          f"of {'it' if len(refused) == 1 else 'each'} for every layer (not "
+                                          "supported by kvcache yet; per-layer head_dim and num_key_value_heads of "
+                                          "GQA/MHA layers are)", field=f"{src}.{key}")
             for name in PER_LAYER_HEAD_FIELDS:
                 if name in fields:
                     checked_number(r.where, f"{src}.{key}.{name}", fields[name], int, 1, LIMITS["head_dim"]

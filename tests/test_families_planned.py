@@ -75,17 +75,17 @@ def test_granite_swa_validates_with_its_sinks_and_fails_without_them(tmp_path):
 def test_gemma4_unified_is_planned_as_the_gemma4_family(tmp_path):
     """Gemma-4 Unified runs Gemma4's attention (q/k RMS-normed, scores unscaled: its module's scaling is 1, the
     per-layer global head_dim): planned as the gemma4 family, which the cross-check against transformers' own
-    modules confirms (it refused the head_dim^-0.5 plan before); its per-layer shapes are recorded, and render
-    refuses them by name as it does Gemma-4's."""
-    from model_infer_kvcache.analyzer.errors import InputError
+    modules confirms (it refused the head_dim^-0.5 plan before); its per-layer shapes are recorded and rendered
+    per layer as Gemma-4's (tests/test_per_layer_render.py)."""
     from model_infer_kvcache.implementer.render import render_manifest
 
     for model_type in ("gemma4_unified", "gemma4_unified_text"):
         m = analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
         assert m.fa.softmax_scale == 1.0 and m.model.family == "gemma4"
-        assert any(layer.head_dim for layer in m.layers)  # the global layers' own head_dim
-        with pytest.raises(InputError, match="per-layer attention shapes"):
-            render_manifest(m)
+        shaped = [layer for layer in m.layers if layer.head_dim]  # the global layers' own head_dim
+        assert shaped
+        text = render_manifest(m).files["kvcache_attention.py"]
+        assert f"{shaped[0].index}: ({shaped[0].head_dim}, " in text.split("LAYER_SHAPES = ", 1)[1].split("\n")[0]
 
 
 @pytest.mark.slow

@@ -72,9 +72,12 @@ class NumericTracker:
             for r in records:
                 if mla:
                     want_q, want_k = (n_q, mla.qk_nope_head_dim), (mla.kv_lora_rank + mla.qk_rope_head_dim,)
-                else:
-                    want_q = (n_q, manifest.model.head_dim)
-                    want_k = (manifest.parallel.num_kv_heads_per_rank, manifest.model.head_dim)
+                else:  # the layer's own shape (layers[i].head_dim / num_kv_heads_per_rank), else the model's
+                    plan = manifest.plan_of_module(r["layer"]) if r.get("layer") is not None else None
+                    dim = (plan.head_dim if plan is not None else None) or manifest.model.head_dim
+                    kv = (plan.num_kv_heads_per_rank if plan is not None else None) or \
+                        manifest.parallel.num_kv_heads_per_rank
+                    want_q, want_k = (n_q, dim), (kv, dim)
                 if tuple(r["q"][1:]) != want_q or tuple(r["k"][1:]) != want_k:
                     bad_shapes.append(f"step {index} layer {r['layer']}: q {r['q']} k {r['k']}")
                 hf = r.get("hf_scaling")

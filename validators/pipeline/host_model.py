@@ -8,7 +8,8 @@ by one naming scheme. How an attention module is routed depends on its own code:
 - MLA (DeepSeek-V2/V3, Kimi-K2): the forward is replaced, because the rendered code needs the
   latent before its norm and the query split into nope/rope parts;
 - a fused ``query_key_value`` split by the module's own ``_split_heads`` (Falcon): the forward is
-  replaced by one that reuses the module's projections, head split and rotary function.
+  replaced by one that reuses the module's projections, head split and rotary function; one laid out head by head
+  and scored by the module itself (GPT-NeoX-Japanese: partial RoPE, a bias on the last layer's output) likewise.
 - an attention computing its scores itself: an encoder-decoder's ``q_proj``/``k_proj``/``v_proj`` + ``torch.bmm``
   (TrOCR, MVP) or a BERT-era ``query``/``key``/``value`` self-attention (BigBird, RemBert, MegatronBert, RoFormer with
   its rotary at each token's own position): the forward is replaced by one around the module's own projections;
@@ -409,6 +410,24 @@ def _fused_qkv_forward(self, hidden_states, alibi=None, attention_mask=None, pos
     return self.dense(out.reshape(b, s, -1)), None
 
 
+def _headwise_qkv_forward(self, hidden_states, attention_mask=None, position_ids=None, layer_past=None,
+                          use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    """GPT-NeoX-era attention scoring by itself (modeling_gpt_neox_japanese GPTNeoXJapaneseAttention): one fused
+    ``query_key_value`` laid out head by head ([heads, q | k | v] of ``head_size`` each), RoPE on the first
+    ``rotary_ndims`` lanes by the module's own ``apply_rotary_pos_emb``, scores over ``norm_factor`` (sqrt of the head
+    size), then ``dense``. Returns what the module does: the output, no weights, and its ``dense_bias`` (the last
+    layer's, which its decoder layer adds; None elsewhere)."""
+    b, s = hidden_states.shape[:2]
+    qkv = self.query_key_value(hidden_states).view(b, s, self.num_attention_heads, 3 * self.head_size)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split(self.head_size, dim=-1))  # [B, heads, S, D]
+    r = self.rotary_ndims
+    cos, sin = position_embeddings
+    q_rot, k_rot = sys.modules[type(self).__module__].apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin)
+    q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+    out, _ = _gqa_attention(self, q, k, v, attention_mask, scaling=1.0 / self.norm_factor)
+    return self.dense(out.reshape(b, s, -1)), None, getattr(self, "dense_bias", None)
+
+
 def _forward_source(module) -> str:
     try:
         return inspect.getsource(type(module).forward)
@@ -430,20 +449,22 @@ def _returned_values(module) -> int:
 
 
 def _padded(forward, count: int):
-    """``forward`` (returning ``(out, None)``) returning ``count`` values, the extra ones None: a decoder layer that
-    unpacks three (GLM-5's top-k for the next shared layer, unused: render refuses shared layers) gets three."""
+    """``forward`` (returning ``(out, None)``, or more) returning ``count`` values, the extra ones None: a decoder
+    layer that unpacks three (GLM-5's top-k for the next shared layer, unused: render refuses shared layers) gets
+    three."""
     if count <= 2:
         return forward
 
     def padded(self, *args, **kwargs):
-        return (*forward(self, *args, **kwargs), *([None] * (count - 2)))
+        out = forward(self, *args, **kwargs)
+        return (*out, *([None] * (count - len(out))))
 
     return padded
 
 
 def attention_route(module, is_mla: bool) -> str | None:
-    """How the host routes one transformers attention module: interface | mla | v4 | fused_qkv | eager_qkv | bert_qkv
-    | None."""
+    """How the host routes one transformers attention module: interface | mla | v4 | headwise_qkv | fused_qkv |
+    eager_qkv | bert_qkv | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
     if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):
@@ -451,6 +472,9 @@ def attention_route(module, is_mla: bool) -> str | None:
     source = _forward_source(module)
     if "ALL_ATTENTION_FUNCTIONS" in source:
         return "interface"
+    if all(hasattr(module, a) for a in ("query_key_value", "dense", "rotary_ndims", "norm_factor")) and \
+            "3 * self.head_size" in source and "_attn(" in source:
+        return "headwise_qkv"  # GPT-NeoX-Japanese: fused per-head q | k | v, partial RoPE, scoring by itself
     if all(hasattr(module, a) for a in ("query_key_value", "_split_heads", "dense")) and \
             "position_embeddings" in inspect.signature(type(module).forward).parameters:
         return "fused_qkv"  # Falcon's rotary path (Bloom's ALiBi-only attention has no position_embeddings)
@@ -520,7 +544,7 @@ def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
 
 
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
-                   "bert_qkv": _bert_qkv_forward, "v4": _v4_forward}
+                   "bert_qkv": _bert_qkv_forward, "v4": _v4_forward, "headwise_qkv": _headwise_qkv_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:

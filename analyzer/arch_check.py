@@ -102,7 +102,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 16  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: attention calls per forward (attention_calls). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 17  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: attention calls per forward (attention_calls); 17: GPT-Neo's unscaled _attn and local window_size. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -372,6 +372,21 @@ def _prescaled(module) -> tuple[float, str] | None:
         return None
     if "scaling=1.0" in source and "* self.scaling" in source:
         return 1.0, "scaling=1.0 in its attention call (queries pre-scaled by self.scaling)"
+    return unscaled_scores(module)
+
+
+def unscaled_scores(module) -> tuple[float, str] | None:
+    """(1.0, why) for a module scoring by itself in ``_attn`` with no scale at all (GPT-Neo: ``torch.matmul(query,
+    key.transpose(-1, -2))``, no 1/sqrt(head_dim), no scale attribute), else None."""
+    if any(hasattr(module, a) for a in SCALE_ATTRS) or not callable(getattr(module, "_attn", None)):
+        return None
+    try:
+        code = [line.split("#", 1)[0] for line in inspect.getsource(type(module)._attn).splitlines()[1:]]
+    except (OSError, TypeError):
+        return None
+    body = "\n".join(code)
+    if "torch.matmul(" in body and not any(w in body for w in ("scal", "sqrt", "norm_factor", "/", "alpha")):
+        return 1.0, "_attn (scores q k^T unscaled)"
     return None
 
 
@@ -420,6 +435,9 @@ def _window_of(module, config) -> int | None:
     ``config.sliding_window`` to the attention call or build the model's mask with it), the
     config's window applies to every layer; a modeling file that never mentions one applies none.
     """
+    if getattr(module, "attention_type", None) in ("local", "global") and \
+            isinstance(getattr(config, "window_size", None), int):  # GPT-Neo: its local layers' window_size
+        return config.window_size if module.attention_type == "local" else None
     if hasattr(module, "sliding_window"):
         # Kolibri1 keeps the config's window on every layer and applies it where ``is_sliding`` (its full layers
         # pass sliding_window=None to the attention call)

@@ -109,6 +109,10 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
+    if isinstance(d.get("attention_types"), list) and isinstance(d.get("attention_layers"), list):
+        # GPT-Neo's grouped spelling ([[types...], repeats] pairs) its config expands into attention_layers and checks
+        # against the layer count: one group per kept layer
+        d["attention_types"] = [[[t], 1] for t in d["attention_layers"]]
     if isinstance(d.get("hybrid_override_pattern"), str):  # Nemotron-H's legacy block string, one char a block
         d["hybrid_override_pattern"] = d["hybrid_override_pattern"][:n]
     if d.get("num_kv_shared_layers"):

@@ -432,7 +432,47 @@ def test_openai_gpt_routes_its_conv1d_qkv(tmp_path, monkeypatch):
         b, s = x.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in self.c_attn(x).view(b, s, self.n_head, -1).chunk(3, dim=-1))
         out, _ = host_model._gqa_attention(self, q, k, v, None, scaling=q.shape[-1] ** -0.5)
-        return self.c_proj(out.reshape(b, s, -1)), None
+        return [self.c_proj(out.reshape(b, s, -1))]
 
     monkeypatch.setitem(host_model._ROUTED_FORWARD, "conv1d_qkv", headwise)
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+
+
+GPT_NEO_SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, window_size=64,
+                     attention_types=[[["global", "local"], 1]])
+
+
+def test_gpt_neo_plans_its_local_layers_sliding_and_its_scores_unscaled(tmp_path):
+    """GPT-Neo alternates global and local layers (``attention_layers`` / ``attention_types``; the local ones mask keys
+    ``window_size`` or more back) and scores q k^T unscaled in its own ``_attn``. kvcache planned every layer full at
+    head_dim^-0.5 (the host then refused the module, 'not understood by the validation host'); now the local layers
+    slide over window_size and the scale is 1, both confirmed by the cross-check against GPTNeoSelfAttention.
+    Negative controls: the old plan's scale and its full local layers are each refused by the cross-check by name."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+
+    config = _config(tmp_path, "gpt_neo")
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert m.fa.softmax_scale == 1.0 and not m.blockers
+    assert [(layer.attn_type, layer.sliding_window) for layer in m.layers[:2]] == [("FullAttention", None),
+                                                                                   ("SlidingWindow", 256)]
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    facts = normalize_config(raw, str(config))
+    errors = arch_check.cross_check(raw, facts, m.layers, 128 ** -0.5, "head_dim^-0.5 = 128^-0.5").errors
+    assert len(errors) == 1 and "softmax scale" in errors[0] and "vs transformers 1 (GPTNeoSelfAttention._attn" \
+        in errors[0], errors
+    full = [layer.model_copy(update={"sliding_window": None}) for layer in m.layers]
+    errors = arch_check.cross_check(raw, facts, full, 1.0, "1").errors
+    assert len(errors) == 1 and "sliding window: analyzer None" in errors[0] and "vs transformers 256" in errors[0]
+
+
+@pytest.mark.slow
+def test_gpt_neo_validates_through_its_split_qkv_route(tmp_path):
+    """The host's split_qkv route (GPT-Neo's own q / k / v projections and _split_heads around the rendered attention,
+    windowed on its local layer) passes `kvcache run`'s checks on a small GPT-Neo. Negative control: the same render
+    with its local layer's window removed (served full, what the old plan did) fails the logits check."""
+    case = _small_case(tmp_path, "gpt_neo", GPT_NEO_SMALL, "framework")
+    assert [layer.sliding_window for layer in case[3].layers] == [None, 64]
+    _passes(case)
+    mutate(case[1], r"(?m)^SLIDING_WINDOW = 64$", "SLIDING_WINDOW = 2048")  # wider than any sequence: full
     assert not check(run_validate(*case[:3]), "logits vs transformers").passed

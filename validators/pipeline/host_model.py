@@ -434,11 +434,11 @@ def _headwise_qkv_forward(self, hidden_states, attention_mask=None, position_ids
 def _conv1d_qkv_forward(self, x, attention_mask=None, output_attentions=False, *args, **kwargs):
     """GPT-1-era attention scoring by itself (modeling_openai Attention): one ``Conv1D`` ``c_attn`` whose output is
     q | k | v of ``split_size`` each, split into ``n_head`` heads, scores over sqrt(head size) when the module's
-    ``scale`` flag is set (1 otherwise), then ``c_proj``. Returns the output and no weights, as the module's list."""
+    ``scale`` flag is set (1 otherwise), then ``c_proj``. Returns the output without weights, in a list as the module."""
     b, s = x.shape[:2]
     q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(self.split_size, dim=2))
     out, _ = _gqa_attention(self, q, k, v, None, scaling=q.shape[-1] ** -0.5 if self.scale else 1.0)
-    return self.c_proj(out.reshape(b, s, -1)), None
+    return [self.c_proj(out.reshape(b, s, -1))]  # a list, as the module's: its Block concatenates lists
 
 
 def _split_qkv_forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
@@ -1081,7 +1081,7 @@ def position_offset(hf_model) -> int:
 
 def _store_output(outputs: list, idx: int):
     def hook(module, _inputs, output):
-        out = output[0] if isinstance(output, tuple) else output
+        out = output[0] if isinstance(output, (tuple, list)) else output  # GPT-1's Block returns a list
         config = getattr(module, "config", None)
         if out.dim() == 4 and hasattr(config, "altup_active_idx"):
             # Gemma-3n's AltUp stacks its predictions in front: [altup_num_inputs, batch, L, hidden]

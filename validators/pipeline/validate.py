@@ -388,8 +388,9 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings, install_emulation
     from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
 
-    if req.step_seconds is not None:
-        scenario = replace(scenario, step_seconds=req.step_seconds)
+    parameters = sum(p.numel() for p in pristine.parameters())
+    scenario = scenario.sized_for(parameters) if req.step_seconds is None else \
+        replace(scenario, step_seconds=req.step_seconds)
     gc.collect()  # the last run's model and host (cycles: bound forwards) before this run's copies
     model = copy.deepcopy(pristine)
     if world > 1:
@@ -406,8 +407,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     model.to(device=device, dtype=cache_dtype)
     ref_dtype = torch.float64 if cache_dtype == torch.float64 else torch.float32
     # the single-rank reference, whatever the TP; a big tiny model's shares the model's weights (one copy in memory)
-    shared = world == 1 and not on_npu and ref_dtype == cache_dtype and \
-        sum(p.numel() for p in pristine.parameters()) > SHARED_WEIGHTS_ABOVE
+    shared = world == 1 and not on_npu and ref_dtype == cache_dtype and parameters > SHARED_WEIGHTS_ABOVE
     ref = sharing_weights(pristine, model) if shared else copy.deepcopy(pristine)
     ref.to(dtype=ref_dtype)
     fingerprint = weights_fingerprint(model) if shared else None

@@ -1187,17 +1187,19 @@ _NEO_KINDS = {"global": "full", "local": "sliding"}
 
 
 def _gpt_neo_kinds(r: _Reader, num_layers: int) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]] | None:
-    """GPT-Neo's spelling, None for a config without it: ``attention_layers`` lists "global" / "local" per layer
-    (``attention_types`` ``[[[types...], repeats], ...]`` is what it expands from), the local layers slide over
+    """GPT-Neo's spelling, None for a config without it: ``attention_types`` ``[[[types...], repeats], ...]`` expands
+    to "global" / "local" per layer (GPTNeoConfig rebuilds ``attention_layers`` from it; that list alone is read
+    where it is missing), the local layers slide over
     ``window_size`` keys, their own included (transformers GPTNeoSelfAttention: its causal mask minus
     ``tril(-window_size)``, the ``sliding_window`` convention)."""
-    hit = r.get("attention_layers")
-    if hit is None and (groups := r.get("attention_types")) is not None:
+    hit = None
+    if (groups := r.get("attention_types")) is not None:  # what GPTNeoConfig rebuilds attention_layers from
         raw, src = groups
         try:
             hit = [t for group, repeats in raw for _ in range(repeats) for t in group], f"{src} (expanded)"
         except (TypeError, ValueError):
             raise InputError(r.where, "must list [[layer types...], repeats] pairs (GPT-Neo)", field=src) from None
+    hit = hit or r.get("attention_layers")
     if hit is None:
         return None
     raw, src = hit

@@ -109,10 +109,11 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
-    if isinstance(d.get("attention_types"), list) and isinstance(d.get("attention_layers"), list):
-        # GPT-Neo's grouped spelling ([[types...], repeats] pairs) its config expands into attention_layers and checks
-        # against the layer count: one group per kept layer
-        d["attention_types"] = [[[t], 1] for t in d["attention_layers"]]
+    if isinstance(d.get("attention_types"), list):
+        # GPT-Neo's grouped spelling ([[types...], repeats] pairs), which its config expands into attention_layers and
+        # checks against the layer count: one group per kept layer (the analyzer read the same expansion)
+        kept = [t for group, repeats in d["attention_types"] for _ in range(repeats) for t in group][:n]
+        d["attention_types"], d["attention_layers"] = [[[t], 1] for t in kept], kept
     if isinstance(d.get("hybrid_override_pattern"), str):  # Nemotron-H's legacy block string, one char a block
         d["hybrid_override_pattern"] = d["hybrid_override_pattern"][:n]
     if d.get("num_kv_shared_layers"):
@@ -427,10 +428,14 @@ def _head_dim_of(model) -> int | None:
         module = next((m for _, m in attention_modules(model) if m is not None), None)
     except LayoutError:
         return None
-    for name in ("head_dim", "attention_head_size"):  # the BERT-era modules name it attention_head_size
+    # the BERT-era modules name it attention_head_size, GPT-NeoX-Japanese head_size
+    for name in ("head_dim", "attention_head_size", "head_size"):
         d = getattr(module, name, None)
         if isinstance(d, int) and not isinstance(d, bool):
             return d
+    split, heads = getattr(module, "split_size", None), getattr(module, "n_head", None)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in (split, heads)) and heads:
+        return split // heads  # GPT-1: its heads split split_size (n_embd) evenly
     return None
 
 

@@ -478,3 +478,18 @@ def test_gpt_neo_validates_through_its_split_qkv_route(tmp_path):
     mutate(case[1], r"self\.window_pre_tokens = self\.sliding_window - WINDOW_PRE_TOKENS_OFFSET",
            "self.window_pre_tokens = 2147483647")
     assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+
+
+def test_a_big_tiny_model_gets_a_step_allowance_grown_with_its_size():
+    """Ergo's tiny model (634M parameters: 64 heads x 128 at a tied hidden size) took over 120 s for its first
+    step (780 prompt tokens, float64, a shared core) and the watchdog failed V203 'the step never returns'. The
+    default allowance grows by STEP_SECONDS per STEP_PARAMETERS parameters; small models and a caller's own
+    allowance (--step-timeout) keep theirs. Negative control: the unsized stream keeps the 120 s that stopped it."""
+    from dataclasses import replace
+
+    from model_infer_kvcache.validators.pipeline.request_stream import DEFAULT, STEP_SECONDS
+
+    assert DEFAULT.step_seconds == STEP_SECONDS == 120.0  # what stopped Ergo's first step
+    assert DEFAULT.sized_for(633_766_912).step_seconds == 7 * STEP_SECONDS
+    assert DEFAULT.sized_for(40_000_000).step_seconds == STEP_SECONDS
+    assert replace(DEFAULT, step_seconds=5.0).sized_for(633_766_912).step_seconds == 5.0

@@ -72,6 +72,9 @@ class HfAttention:
     kind_facts: tuple[tuple[str, int | None], ...] = ()
     # the module attends to later positions too: the model is built as an encoder (``builds_encoder``)
     bidirectional: bool = False
+    # a block without a recognised attention module that holds one kvcache cannot read (Reformer's LSHSelfAttention,
+    # one query_key projection): its class and projections (``unread_attention``)
+    unread: str | None = None
 
 
 def builds_encoder(model, config) -> bool:
@@ -102,7 +105,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 17  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: attention calls per forward (attention_calls); 17: GPT-Neo's unscaled _attn and local window_size. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 18  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,8 @@ def _live_report(hf_type: str, section_json: str) -> tuple[TransformersReport, b
     try:
         return TransformersReport(ships=True, attentions=_hf_attentions(hf_type, section_json)), True
     except Exception as exc:  # noqa: BLE001 - a config transformers rejects: the check is skipped, saying why
-        first = _stable_text(str(exc).splitlines()[0])[:200] if str(exc) else ""
+        limit = 600 if isinstance(exc, NoKvCacheArchitecture) else 200  # the diagnosis is the refusal's reason
+        first = _stable_text(str(exc).splitlines()[0])[:limit] if str(exc) else ""
         transient = isinstance(exc, (MemoryError, OSError, RecursionError))
         return TransformersReport(ships=True, error=f"{type(exc).__name__}: {first}"), not transient
 
@@ -215,7 +219,7 @@ def _payload(report: TransformersReport) -> dict[str, Any]:
     attentions = None if report.attentions is None else [
         [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window,
          None if a.kv_shape is None else list(a.kv_shape), a.sinks, a.recurrent_beside,
-         [list(pair) for pair in a.kind_facts], a.bidirectional]
+         [list(pair) for pair in a.kind_facts], a.bidirectional, a.unread]
         for a in report.attentions]
     return {"ships": report.ships, "attentions": attentions, "error": report.error}
 
@@ -250,7 +254,7 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
     if rows is None:
         return TransformersReport(ships=ships, error=error)
     out = []
-    for path, cls, value, attr, window, kv_shape, sinks, beside, kind_facts, both_ways in rows:
+    for path, cls, value, attr, window, kv_shape, sinks, beside, kind_facts, both_ways, unread in rows:
         if not (isinstance(path, str) and (cls is None or isinstance(cls, str)) and _int_or_none(window)
                 and ((value is None and attr is None)
                      or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))
@@ -259,11 +263,11 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
                 and isinstance(sinks, bool) and (beside is None or isinstance(beside, str))
                 and isinstance(kind_facts, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
                                                          and _int_or_none(p[1]) for p in kind_facts)
-                and isinstance(both_ways, bool)):
+                and isinstance(both_ways, bool) and (unread is None or isinstance(unread, str))):
             return None
         out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window,
                                None if kv_shape is None else tuple(kv_shape), sinks, beside,
-                               tuple(tuple(p) for p in kind_facts), both_ways))
+                               tuple(tuple(p) for p in kind_facts), both_ways, unread))
     return TransformersReport(ships=ships, attentions=tuple(out), error=error)
 
 
@@ -284,7 +288,7 @@ def _int_or_none(x: Any) -> bool:
 @functools.lru_cache(maxsize=32)
 def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     import torch
-    from model_infer_kvcache.analyzer.hf_layout import attention_modules, find_decoder_stack
+    from model_infer_kvcache.analyzer.hf_layout import LayoutError, attention_modules, find_decoder_stack
     from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
     from transformers import AutoConfig
 
@@ -293,7 +297,10 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
     with torch.device("meta"):
         model = causal_lm_from_config(config)
     out = []
-    stack = find_decoder_stack(model)
+    try:
+        stack = find_decoder_stack(model)
+    except LayoutError as exc:
+        raise NoKvCacheArchitecture(why_no_kv_cache(model, config) or str(exc)) from None
     found = attention_modules(model, stack)
     mixers = [recurrent_mixer_module(block) for block in stack.layers]
 
@@ -311,7 +318,9 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
             # with its sizes, which the planned state must match (analyzer/linear_config.mixer_facts)
             mixer = mixer_module(path)
             out.append(HfAttention(path, None, None, None, recurrent_beside=mixer_of(path),
-                                   kind_facts=tuple(sorted(mixer_facts(mixer).items())) if mixer is not None else ()))
+                                   kind_facts=tuple(sorted(mixer_facts(mixer).items())) if mixer is not None else (),
+                                   unread=None if mixer is not None else unread_attention(
+                                       stack.layers[int(path[len(stack.path) + 1:].split(".")[0])])))
             continue
         scale = _prescaled(module) or next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
                                             if isinstance(getattr(module, a, None), (int, float))
@@ -326,6 +335,147 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
                                getattr(module, "sinks", None) is not None, mixer_of(path),
                                tuple(sorted(module_facts.items())), encoder))
     return tuple(out)
+
+
+class NoKvCacheArchitecture(LookupError):
+    """transformers' causal LM holds no decoder block with an attention module kvcache recognises, and its own code
+    says why (``why_no_kv_cache``)."""
+
+
+_SOFTMAX_CALL = re.compile(r"softmax\(|ALL_ATTENTION_FUNCTIONS|scaled_dot_product_attention")
+
+
+def why_no_kv_cache(model, config) -> str | None:
+    """Why a causal LM that holds no attention module kvcache recognises keeps no KV cache it could plan, read from
+    transformers' own objects (None when none of these facts holds: the caller says so generically):
+
+    - the config's ``causal`` is false (XLM / FlauBERT ``get_masks``): a bidirectional masked LM;
+    - its modeling file calls no softmax and no attention interface (RWKV, xLSTM): a recurrence whose per-request
+      state is no cache of past keys and values;
+    - a module with Transformer-XL relative-position biases (``r_w_bias`` / ``r_r_bias``, XLNet): its keys are
+      scored against relative-position embeddings and what it caches are the layers' input hidden states (``mems``);
+    - an attention module whose projections are none kvcache reads (a shared ``query_key``, per-expert ``experts``):
+      named with its projections."""
+    name = type(model).__name__
+    if getattr(config, "causal", None) is False:
+        return (f"config causal is false: transformers' {name} then builds a bidirectional masked LM (every "
+                f"position attends to later ones, {_source_of(model)}), which no KV cache can serve; a causal model of "
+                "this family sets causal: true")
+    source = _module_text(model)
+    if source is not None and not _SOFTMAX_CALL.search(source):
+        blocks = sorted({type(b).__name__ for m in model.modules() if isinstance(m, _module_list_type()) for b in m})
+        return (f"{_source_of(model)} calls no softmax and no attention interface: {name} is a recurrence "
+                f"({', '.join(blocks[:2]) or 'its blocks'}) whose per-request state is not a cache of past keys and "
+                "values (no attention, so nothing for a KV cache or FA to serve)")
+    for module in model.modules():
+        params = {p for p, _ in module.named_parameters(recurse=False)}
+        if {"r_w_bias", "r_r_bias"} <= params:
+            mem = getattr(config, "mem_len", None)
+            return (f"{type(module).__name__} ({_source_of(model)}) is Transformer-XL relative attention: its scores add "
+                    "relative-position terms (r_w_bias, r_r_bias over relative-position embeddings) and what it "
+                    f"caches between steps are each layer's input hidden states (mems, config mem_len {mem}), from "
+                    "which keys and values are recomputed: no cache of keys and values kvcache could plan")
+    unread = unread_attention(model)
+    if unread is not None:
+        return (f"its attention {unread} ({_source_of(model)}), none of the query / key / value projection sets "
+                "kvcache reads, so its cache shape cannot be checked against the plan nor its render validated (not "
+                "supported by kvcache yet)")
+    return None
+
+
+def unread_attention(module) -> str | None:
+    """The first submodule whose class names itself an attention (``...Attention``), owns linear projections and
+    none of the projection sets kvcache reads (analyzer/hf_layout.QKV_PROJECTIONS), as "<class> projecting through <its
+    children>"; None without one."""
+    from model_infer_kvcache.analyzer.hf_layout import is_attention
+    from torch import nn
+
+    for sub in module.modules():
+        cls = type(sub).__name__
+        if cls.endswith("Attention") and not is_attention(sub) and any(isinstance(c, nn.Linear) for c in sub.children()):
+            children = ", ".join(sorted(n for n, c in sub.named_children() if not isinstance(c, (nn.Dropout,
+                                                                                           nn.Softmax)))[:6])
+            return f"{cls} projecting through {children}"
+    return None
+
+
+def why_no_kv_cache_of(config: dict[str, Any]) -> str | None:
+    """``why_no_kv_cache`` for a config file's content, through the cached report of what transformers builds (None:
+    transformers absent, not shipping the type, building it otherwise, or giving no reason)."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not transformers_ships(model_type):
+        return None
+    report = transformers_report(config, model_type)
+    head = f"{NoKvCacheArchitecture.__name__}: "
+    if report.error is None or not report.error.startswith(head) or "no nn.ModuleList of decoder blocks" in report.error:
+        return None
+    return (f"transformers builds {model_type!r} with no decoder block holding an attention module kvcache "
+            f"recognises: {report.error[len(head):]}")
+
+
+def why_layer_type(config: dict[str, Any], index: int, layer_type: str) -> str | None:
+    """What transformers' decoder block ``index`` holds, for a config layer type kvcache has no kind for ("hybrid"
+    in Zamba, Inkling, ZAYA: three different things): its attention module(s) and the per-request states beside them
+    (a causal Conv1d keeps a conv state while decoding; a Mamba mixer its recurrent state), and a relative-position
+    module on the attention's logits. None when transformers is absent, does not ship the type, cannot build the
+    config or shows neither an attention nor a state there."""
+    from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
+    from torch import nn
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not transformers_ships(model_type):
+        return None
+    try:
+        model = _meta_model(*_arch_key(config, model_type))
+        block = find_decoder_stack(model).layers[index]
+    except (LayoutError, IndexError, Exception):  # noqa: BLE001 - no build, no reason to give: the caller's own
+        return None
+    attentions = find_attentions(block)
+    states = sorted({type(parent).__name__ for parent in block.modules() for child in parent.children()
+                     if isinstance(child, nn.Conv1d)} | ({recurrent_mixer(block)} - {None}))
+    if not attentions or not states:
+        return None
+    names = ", ".join(type(m).__name__ for _, m in attentions)
+    relative = sorted({type(sub).__name__ for _, m in attentions for sub in m.modules() if "Relative" in
+                       type(sub).__name__})
+    bias = f", and {relative[0]} adds a position bias computed per query to its logits" if relative else ""
+    return (f"layer type {layer_type!r}: transformers' {type(block).__name__} (decoder block {index}, "
+            f"{_source_of(model)}) holds {names} with per-request state beside its KV cache ({', '.join(states)}: "
+            f"a causal convolution's conv state or a recurrent state carried from token to token){bias}; kvcache "
+            "plans a state only for a layer without attention (or Falcon-H1's parallel Mamba-2 mixer), so this "
+            "layer's states would be dropped")
+
+
+def _meta_model(hf_type: str, section_json: str):
+    """transformers' causal LM for this architecture section, built on the meta device (eager attention)."""
+    import torch
+    from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(hf_type, **json.loads(section_json))
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        return causal_lm_from_config(config)
+
+
+def _module_list_type():
+    from torch import nn
+
+    return nn.ModuleList
+
+
+def _source_of(model) -> str:
+    """The transformers file a model's class is defined in, from the package on (``transformers/models/x/...``)."""
+    module = type(model).__module__
+    return module.replace(".", "/") + ".py" if module.startswith("transformers.") else module
+
+
+def _module_text(model) -> str | None:
+    """The code of the model's modeling file, without docstrings' prose mattering (a call is what is looked for)."""
+    try:
+        return inspect.getsource(inspect.getmodule(type(model)))
+    except (OSError, TypeError):
+        return None
 
 
 KV_SOURCE_FACT = "kv_source"
@@ -418,7 +568,14 @@ def _kv_shape(module) -> tuple[int, int, int | None] | None:
     from torch import nn
 
     k, v, d = getattr(module, "k_proj", None), getattr(module, "v_proj", None), getattr(module, "head_dim", None)
-    if not (isinstance(k, nn.Linear) and isinstance(d, int) and d > 0 and k.out_features % d == 0):
+    if not isinstance(k, nn.Linear):
+        # a fused QKV projection (DBRX's Wqkv, Phi-3's qkv_proj) sizes K/V by the module's own head count: the KV
+        # heads it reshapes into, read where it keeps them (the value dim is its head_dim there)
+        kv = getattr(module, "num_key_value_heads", None)
+        if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0 and isinstance(d, int) and d > 0:
+            return d, kv, None
+        return None
+    if not (isinstance(d, int) and d > 0 and k.out_features % d == 0):
         return None
     kv = k.out_features // d
     vd = v.out_features // kv if isinstance(v, nn.Linear) and v.out_features % kv == 0 else None
@@ -471,7 +628,14 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     result = CheckResult(ships=report.ships)
     if not report.ships:
         return result
-    if report.attentions is None and (report.error or "").startswith("LayoutError: ") \
+    if report.attentions is None and (report.error or "").startswith(f"{NoKvCacheArchitecture.__name__}: ") \
+            and "no nn.ModuleList of decoder blocks" not in report.error:
+        # built, and transformers' own code says why no block holds an attention kvcache could cache (a recurrence, a
+        # bidirectional masked LM, relative attention over cached hidden states): that reason, with its source
+        result.errors.append(why_no_kv_cache_of(config) or report.error)
+        return result
+    if report.attentions is None and (report.error or "").split(": ", 1)[0] in ("LayoutError",
+                                                                                NoKvCacheArchitecture.__name__) \
             and "no nn.ModuleList of decoder blocks holding an attention module" in report.error:
         # Built, and no decoder block holds an attention module kvcache recognises: either none attends (xLSTM,
         # Mamba2: an attention plan would be silently wrong) or its projections have names the host cannot route
@@ -537,6 +701,15 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         result.notes.append(f"cross-attention checked: {len(cross)} {cross[0].cls} module(s) at "
                             f"{cross[0].path.rsplit('.', 3)[0]}.*.{cross[0].path.rsplit('.', 1)[-1]} (K/V heads, "
                             "head_dim, scale) match the cross_attention plan")
+    elif cross:
+        # blocks that attend over another model's states instead of their own tokens (Mllama's
+        # MllamaCrossAttentionDecoderLayer over the vision encoder, config cross_attention_layers): a self-attention
+        # KV cache planned there would be sized for tokens the block never caches
+        result.errors.append(f"transformers' {facts.model_type!r} decoder holds {len(cross)} block(s) whose attention "
+                             f"is over another model's states ({cross[0].cls} at {cross[0].path}), not beside a "
+                             "self-attention: the analyzer plans a self-attention KV cache there (not supported by "
+                             "kvcache: cross-attention-only layers interleaved with self-attention layers)")
+        return result
     elif facts.cross.value is not None:
         result.errors.append(f"analyzer plans cross-attention ({facts.cross.source}) and transformers' "
                              f"{facts.model_type!r} decoder blocks hold no cross-attention module")
@@ -610,7 +783,9 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             format_off.append((layer, mod, off))
     if no_attention:
         layer, mod = no_attention[0]
-        holds = f", a block holding {mod.recurrent_beside}" if mod.recurrent_beside else ""
+        holds = f", a block holding {mod.recurrent_beside}" if mod.recurrent_beside else \
+            f", a block holding {mod.unread} (projections kvcache does not read: not supported by kvcache yet)" \
+            if mod.unread else ""
         result.errors.append(
             f"analyzer plans attention ({layer.attn_type}) on {len(no_attention)} layer(s) where transformers' "
             f"decoder block has no attention module, first layer {layer.index} at {mod.path}{holds}")

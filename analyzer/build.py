@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -91,7 +92,19 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
 
         readings = load_readings(req.device_readings)
     where, config = read_config_file(req.config)
-    facts = normalize_config(config, where)
+    try:
+        facts = normalize_config(config, where)
+    except InputError as exc:
+        # a field kvcache needs for attention is missing: where transformers' own code shows the model keeps no KV
+        # cache at all (RWKV names no attention heads: a recurrence), that is the refusal's reason, not the field
+        why = arch_check.why_no_kv_cache_of(config) if exc.message.startswith("missing") else None
+        layer_type = re.fullmatch(r"unknown layer type '([^']*)'", exc.message)
+        index = re.search(r"\[(\d+)\]$", exc.field or "")
+        if layer_type and index:  # what transformers' block of that layer holds (a state beside the attention)
+            why = arch_check.why_layer_type(config, int(index.group(1)), layer_type.group(1))
+        if why is None:
+            raise
+        raise NotSupportedByKvcache(where, why, field=exc.field) from None
     if req.progress and progress_text is not None:
         progress = parse_progress(progress_text, req.progress)
     else:

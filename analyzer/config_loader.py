@@ -7,6 +7,7 @@ value keeps the field it came from, or says it is a default, so the manifest can
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
+from model_infer_kvcache.analyzer.hf_config_source import ConfigClassFacts, config_class_facts
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
@@ -383,11 +385,56 @@ class _Reader:
                     return cfg[name], f"{prefix}{name}"
             if cfg is self.outer:
                 break
+        for name in names:  # a field the config class names otherwise (XLM's emb_dim for hidden_size)
+            alias = self.aliases.get(name)
+            # an encoder-decoder class aliases the encoder's fields (WhisperConfig: num_key_value_heads ->
+            # encoder_attention_heads); its causal LM is the decoder, whose own fields are named above
+            if isinstance(alias, str) and alias not in names and not alias.startswith("encoder_") \
+                    and self.cfg.get(alias) is not None:
+                return self.cfg[alias], f"{self.prefix}{alias} (transformers {self.aliases_of}.attribute_map {name!r})"
         cls, defaults = self.defaults
         for name in names:
             if name in defaults and not self.has_key(name):
                 return defaults[name], f"default: transformers {cls}.{name}"
         return None
+
+    def derived(self, name: str) -> tuple[Any, str] | None:
+        """A field the config class computes rather than stores: ``attribute_map`` names a property of the class
+        (RecurrentGemma: layer_types -> layers_block_type, cycled from block_types). Read from the config class
+        built over this config's section (transformers is imported only then); None without transformers, the
+        alias, or a build."""
+        alias = self.aliases.get(name)
+        if not isinstance(alias, str) or alias in self.cfg or alias not in self._class.properties:
+            return None
+        try:
+            from transformers import CONFIG_MAPPING
+
+            cls = CONFIG_MAPPING[self._model_type]
+            value = getattr(cls(**{k: v for k, v in self.cfg.items() if k != "model_type"}), alias)
+        except Exception:  # noqa: BLE001 - a config the class rejects derives nothing here
+            return None
+        return (list(value), f"{self.prefix}{alias} (derived by transformers {cls.__name__}.{alias})") \
+            if isinstance(value, (list, tuple)) else None
+
+    @property
+    def _model_type(self) -> str:
+        model_type = self.cfg.get("model_type") or self.outer.get("model_type")
+        return HF_MODEL_TYPE.get(model_type, model_type) if isinstance(model_type, str) else ""
+
+    @functools.cached_property
+    def _class(self) -> ConfigClassFacts:
+        """The config class's declarations, from its source file (analyzer/hf_config_source: no import)."""
+        return config_class_facts(self._model_type)
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """The config class's ``attribute_map`` (PretrainedConfig: a standard name -> the field this class keeps it
+        in); empty without transformers or for a model type it does not ship."""
+        return self._class.attribute_map
+
+    @property
+    def aliases_of(self) -> str:
+        return self._class.name
 
     def has_key(self, name: str) -> bool:
         return name in self.cfg or name in self.outer
@@ -541,6 +588,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     blocks = block_types(r, model_type)
     if model_type == "dory":
         _refuse_dory_loops(r)
+    _refuse_cycled_stacks(r)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
@@ -551,8 +599,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         sublayers = Sourced(1, "default: one mixer per decoder block")
     else:
         # decoder_layers: a decoder-only use of an encoder-decoder family (BART's ForCausalLM), whose own stack it is
+        _refuse_composite(r)
         num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
-                                    maximum=LIMITS["layers"])
+                                    "num_decoder_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(1, "default: one attention per decoder layer")
         if model_type in PARALLEL_HYBRIDS:  # Falcon-H1: the attention's KV cache and the mixer's states
             sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
@@ -574,10 +623,12 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         mla = Sourced(None, "not read: no layer attends")
     else:
         heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                               "decoder_attention_heads", maximum=LIMITS["heads"])
+                               "decoder_attention_heads", "num_decoder_attention_heads", maximum=LIMITS["heads"])
         kv_heads = _kv_heads(r, heads)
         mla = _mla_dims(r)
         head_dim = _head_dim(r, hidden, heads, mla)
+        if mla.value is None:
+            _refuse_value_dim(r, head_dim)
     if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
         raise InputError(
             where,
@@ -662,6 +713,63 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     )
 
 
+def _refuse_cycled_stacks(r: _Reader) -> None:
+    """HRM-text: ``num_layers_per_stack`` decoder layers in each of two stacks (H, L), run ``H_cycles`` x
+    (``L_cycles`` + 1) times per forward, each run with its own cache slot (transformers HrmTextModel.forward's
+    cycle_offset; HrmTextConfig rewrites num_hidden_layers to the slot count): one attention module keeps several
+    caches. Read from the config's cycle fields, whatever the model_type."""
+    per_stack = r.get("num_layers_per_stack")
+    high, low = r.get("H_cycles"), r.get("L_cycles")
+    if per_stack is None or high is None or low is None:
+        return
+    values = [v for v, _ in (per_stack, high, low)]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) or values[1] * (values[2] + 1) <= 1:
+        return
+    raise NotSupportedByKvcache(
+        r.where, f"num_hidden_layers counts cache slots, not attention modules: {per_stack[1]} = {values[0]} decoder "
+                 f"layers per stack run {high[1]} {values[1]} x ({low[1]} {values[2]} + 1) times per forward, each run "
+                 "with a KV cache slot of its own (transformers HrmTextModel.forward, cycle_offset), so one attention "
+                 "module keeps several caches: not supported by kvcache (one set of cache entries per attention "
+                 "module)", field=per_stack[1])
+
+
+def _refuse_composite(r: _Reader) -> None:
+    """A config with no layer count of its own whose nested sub-model sections hold one each (MusicGen: text_encoder,
+    audio_encoder, decoder; BLT: patcher, local encoder and decoder, global transformer): a composite model, several
+    stacks each with its own config, not one decoder kvcache can plan. Refused naming the sections (and, where the
+    decoder section says so, its num_codebooks parallel token streams per position)."""
+    if r.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers"):
+        return
+    layered = ("num_hidden_layers", "num_layers", "n_layers", "decoder_layers")
+    subs = [k for k, v in r.cfg.items() if isinstance(v, dict) and any(isinstance(v.get(n), int) for n in layered)]
+    if not subs:
+        return
+    codebooks = [f"{k}.num_codebooks = {r.cfg[k]['num_codebooks']}" for k in subs
+                 if isinstance(r.cfg[k].get("num_codebooks"), int) and r.cfg[k]["num_codebooks"] > 1]
+    streams = (f"; its decoder reads {codebooks[0]} parallel token streams per position (one embedding and one LM "
+               "head per codebook, input_ids of batch x num_codebooks rows), where kvcache's request stream and "
+               "validation feed one") if codebooks else ""
+    raise NotSupportedByKvcache(
+        r.where, f"no layer count at the top level: a composite model whose sub-model sections "
+                 f"{', '.join(subs)} each hold their own stack's config (several stacks, not one decoder kvcache "
+                 f"plans){streams}", field=f"{r.prefix}num_hidden_layers")
+
+
+def _refuse_value_dim(r: _Reader, head_dim: Sourced[int]) -> None:
+    """A GQA model whose value heads are narrower or wider than its key heads (MiMo-V2-Flash: ``v_head_dim`` 128 beside
+    ``head_dim`` 192, transformers' v_proj / o_proj sized by it): kvcache plans K and V caches of one head_dim."""
+    hit = r.positive_int("v_head_dim", required=False, maximum=LIMITS["head_dim"])
+    if hit is None or hit.value == head_dim.value:
+        return
+    raise NotSupportedByKvcache(
+        r.where, f"value heads of {hit.value} beside {head_dim.value}-dim query/key heads ({head_dim.source}): kvcache "
+                 "plans K and V caches of one head_dim and renders no FA call whose value D differs from the key's. "
+                 "npu_fused_infer_attention_score_v2 gives attention_out the D of value (torch_npu 2.14.0 "
+                 "_op_plugin_docs.py:8677, 2.9.0 :7245) but no pinned doc line states the GQA paged layouts where "
+                 "value D may differ from key D; zero-padding V to the key's D would be exact (zero columns of V give "
+                 "zero columns of the output, sliced off) and is not rendered", field=hit.source)
+
+
 def _dory_layers(data: dict[str, Any]) -> dict[str, Any]:
     """A saved Dory config lists an "mlp" block after every attention block and doubles its layer counts
     (DoryConfig.to_dict); DoryConfig.__post_init__ reads every other entry and halves the counts: the same here."""
@@ -717,6 +825,12 @@ def _kv_heads(r: _Reader, heads: Sourced[int]) -> Sourced[int]:
         return Sourced(1, f"{multi_query[1]}=true (one shared KV head)")
     if explicit:
         return explicit
+    attn_cfg = r.mapping("attn_config")  # DBRX keeps its attention fields in a nested object
+    if attn_cfg and attn_cfg[0].get("kv_n_heads") is not None:
+        kv = attn_cfg[0]["kv_n_heads"]
+        if not (isinstance(kv, int) and not isinstance(kv, bool) and 0 < kv <= LIMITS["heads"]):
+            raise InputError(r.where, f"must be a positive integer, got {_shown(kv)}", field=f"{attn_cfg[1]}.kv_n_heads")
+        return Sourced(kv, f"{attn_cfg[1]}.kv_n_heads")
     return Sourced(heads.value, f"default: = {heads.source} (no KV-head field, MHA)")
 
 
@@ -987,8 +1101,12 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
                                  field=f"{src}.{key}")
             refused = [f for f in fields if f in PER_LAYER_REFUSED]
             if refused:
-                raise InputError(r.where, f"overrides {refused[0]} on layer {index}: kvcache plans one value of it "
-                                          "for every layer (not supported by kvcache yet)", field=f"{src}.{key}")
+                # every refused field of the layer, so one message sizes the gap (Dots3-Note's sliding MLA layers:
+                # their own query heads, latent ranks and nope / rope split)
+                raise InputError(r.where, f"overrides {', '.join(refused)} on layer {index}: kvcache plans one value "
+                                          f"of {'it' if len(refused) == 1 else 'each'} for every layer (not "
+                                          "supported by kvcache yet; per-layer head_dim and num_key_value_heads of "
+                                          "GQA/MHA layers are)", field=f"{src}.{key}")
             for name in PER_LAYER_HEAD_FIELDS:
                 if name in fields:
                     checked_number(r.where, f"{src}.{key}.{name}", fields[name], int, 1, LIMITS["head_dim"]
@@ -1035,7 +1153,16 @@ def _kv_sources(r: _Reader, num_layers: int, kinds: tuple[str, ...]) -> Sourced[
     if hit is None or not hit.value:
         return Sourced(None, "default: every layer caches its own K/V")
     first = num_layers - hit.value
-    if first <= 0:
+    if first == 0:
+        # Gemma-4 assistants (Gemma4UnifiedAssistantConfig sets num_kv_shared_layers = num_hidden_layers): a drafter
+        # whose every layer attends over the K/V its target model computed (its forward requires shared_kv_states)
+        raise NotSupportedByKvcache(
+            r.where, f"all {num_layers} layers share K/V computed elsewhere: no layer computes or caches K/V of its "
+                     "own, so this is a drafter attending over its target model's cache (transformers' Gemma-4 "
+                     "assistants take shared_kv_states from the target model in forward); plan the target model, "
+                     "whose cache it reads (a drafter over another model's cache is not planned by kvcache)",
+            field=hit.source)
+    if first < 0:
         raise InputError(r.where, f"{hit.value} shared layers leave no layer of the {num_layers} to compute K/V",
                          field=hit.source)
     sources: list[int | None] = [None] * num_layers
@@ -1073,7 +1200,7 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         window = w or None
 
     types_hit = blocks or r.get("layer_types")  # Nemotron-H: its block list (linear_config.block_types)
-    if types_hit is not None:
+    def listed(types_hit: tuple[Any, str]) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]]:
         raw, src = types_hit
         if not isinstance(raw, list) or len(raw) != num_layers:
             raise InputError(r.where, f"must list one type per layer ({num_layers})", field=src)
@@ -1086,6 +1213,9 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         if "sliding" in kinds and window is None:
             raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
         return Sourced(tuple(kinds), src), _window_source(window, window_hit)
+
+    if types_hit is not None:
+        return listed(types_hit)
 
     neo = _gpt_neo_kinds(r, num_layers)
     if neo is not None:
@@ -1113,6 +1243,10 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         n = interval.value
         kinds = tuple("full" if (i + 1) % n == 0 else "linear" for i in range(num_layers))
         return Sourced(kinds, f"{interval.source}={n} (other layers linear attention)"), Sourced(None, "default: none")
+
+    derived = r.derived("layer_types")  # a config class that derives its layer types (RecurrentGemma's block_types)
+    if derived is not None:
+        return listed(derived)
 
     use_sw = r.flag("use_sliding_window")
     if use_sw is not None and use_sw[0] is False:

@@ -104,7 +104,14 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         if layer.sliding_window:
             rows.append((f"pre_tokens / next_tokens (层 {_ranges(idx)})",
                          f"{layer.pre_tokens} / {layer.next_tokens}", layer.window_derivation or ""))
-    cached = next((layer for layer in m.layers if layer.caches), None)
+    # the model's shape: the first cached layer without a shape of its own (layers[i].head_dim / num_kv_heads_per_rank)
+    cached = next((layer for layer in m.layers if layer.caches and layer.head_dim is None
+                   and layer.num_kv_heads_per_rank is None), next((layer for layer in m.layers if layer.caches), None))
+    shaped: dict[tuple, list[int]] = {}  # a per-layer shape's entries -> its layers (Gemma-4's full layers)
+    for layer in m.layers:
+        if layer.caches and layer is not cached and (layer.head_dim is not None
+                                                     or layer.num_kv_heads_per_rank is not None):
+            shaped.setdefault(tuple((c.name, c.dim, c.num_head, c.dtype) for c in layer.caches), []).append(layer.index)
     rows.append(("混合 attn_type", "是" if m.mixed_attn_types else "否", "each layer sets its attn_type from its "
                  "index in __init__" if m.mixed_attn_types else "every layer has the same attn_type"))
     if not fmt.fa_call:
@@ -121,8 +128,11 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         ("写入算子", m.attention_layers[0].write_op if m.attention_layers else "-", "writes addressed by slot_mapping"
          if m.kv_mode.value == "paged" else "writes addressed by kv_len"),
         ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in cached.caches)
+         + "".join(f"; 层 {_ranges(idx)}: " + ", ".join(f"{n}: {d}x{h} {t}" for n, d, h, t in entries)
+                   for entries, idx in shaped.items())
          if cached else "-", "the latent is not split by attention TP" if fmt.latent
-         else "num_head = KV heads per rank"),
+         else "num_head = KV heads per rank" + ("; layers with their own head_dim / KV heads (per-layer "
+                                                "attention shapes) hold caches of that shape" if shaped else "")),
         ("每卡 heads", f"Q {m.parallel.num_q_heads_per_rank} / KV {m.parallel.num_kv_heads_per_rank}",
          f"attn_tp_size={m.parallel.attn_tp_size} ({m.parallel.attn_tp_source})"
          + ("; KV heads replicated" if m.parallel.kv_heads_replicated else "")

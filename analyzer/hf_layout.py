@@ -65,28 +65,38 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
     """The longest ModuleList of blocks holding attention modules (hybrids: some blocks, and their blocks may be of
     several classes: Jamba / Bamba build a Mamba layer class beside an attention layer class).
 
-    Ties go to the shallowest path (a text decoder over a nested stack of the same length).
+    Ties go to the shallowest path (a text decoder over a nested stack of the same length). A stack whose every
+    attention module says it is not causal (``is_causal`` False: GIT's vision encoder, 12 blocks beside its 6-block
+    text decoder) is a tower the decoder reads from, not the decoder: it is chosen only when no other stack is
+    there (a BERT-era encoder built with is_decoder false, which the cross-check then refuses as bidirectional).
     """
-    best: tuple[int, int, str, nn.ModuleList] | None = None
+    best: tuple[int, int, int, str, nn.ModuleList] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        if not any(find_attentions(b) for b in module):
+        attentions = [m for b in module for _, m in find_attentions(b)]
+        if not attentions:
             continue
-        key = (len(module), -path.count("."))
-        if best is None or key > best[:2]:
+        key = (int(not noncausal_tower(attentions)), len(module), -path.count("."))
+        if best is None or key > best[:3]:
             best = (*key, path, module)
     if best is None:
         # a stack of Mamba blocks only (Granite-4.0-H / Bamba at their class defaults, Mamba2): blocks holding a mixer
         for path, module in model.named_modules():
             if isinstance(module, nn.ModuleList) and len(module) and all(_holds_mixer(b) for b in module):
-                key = (len(module), -path.count("."))
-                if best is None or key > best[:2]:
+                key = (1, len(module), -path.count("."))
+                if best is None or key > best[:3]:
                     best = (*key, path, module)
     if best is None:
         raise LayoutError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks holding an attention module "
                           f"(a child with one of {', '.join('+'.join(sorted(p)) for p in QKV_PROJECTIONS)})")
-    return DecoderStack(best[2], best[3])
+    return DecoderStack(best[3], best[4])
+
+
+def noncausal_tower(attentions: list[nn.Module]) -> bool:
+    """Every attention module of a stack says it is not causal (``is_causal`` False, GitVisionAttention): an encoder
+    tower beside the decoder. A module that sets no ``is_causal`` says nothing."""
+    return all(getattr(m, "is_causal", None) is False for m in attentions)
 
 
 def _holds_mixer(block: nn.Module) -> bool:

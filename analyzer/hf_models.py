@@ -75,6 +75,23 @@ def causal_lm_from_config(config, **kwargs: Any) -> nn.Module:
 
     if maps_to_causal_lm(config):
         return AutoModelForCausalLM.from_config(config, **kwargs)
+    own = _own_causal_lm(config)
+    if own is not None:  # Emu3 / Mllama: a text-only causal LM class the auto mappings leave out
+        return own._from_config(config, **kwargs)
     if type(config) not in MODEL_MAPPING:
         raise LookupError(f"transformers maps {type(config).__name__} to no causal LM and no backbone model")
     return TextBackboneForCausalLM(config, AutoModel.from_config(config, **kwargs))
+
+
+def _own_causal_lm(config):
+    """The ``*ForCausalLM`` class of the config's own modeling module built on exactly this config class, if any."""
+    import importlib
+
+    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    found = [cls for name, cls in vars(module).items()
+             if name.endswith("ForCausalLM") and getattr(cls, "config_class", None) is type(config)]
+    return found[0] if len(found) == 1 else None

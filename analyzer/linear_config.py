@@ -333,8 +333,12 @@ def short_conv_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[s
     if model_type != "lfm2":
         # Lfm2MoeConfig has no default (its decoder layers index config.layer_types: transformers cannot build the
         # model without it); Lfm3Config derives a pattern with sliding layers kvcache does not rebuild here
+        cls = _SHORT_CONV_KERNEL_DEFAULTS[model_type][0]
+        why = (f"; {cls} derives none when it is absent, and its decoder layers index config.layer_types: a config "
+               "without it does not build in transformers either") if model_type == "lfm2_moe" else \
+            f" ({cls} derives a pattern with sliding layers kvcache does not rebuild)"
         raise InputError(r.where, f"missing: model_type {model_type} names its conv and attention layers in "
-                                  "layer_types (transformers' decoder layers read config.layer_types)",
+                                  f"layer_types (transformers' decoder layers read config.layer_types){why}",
                          field="layer_types")
     hit = r.get("full_attn_idxs")
     if hit is None or hit[0] is None:

@@ -9,7 +9,7 @@ crashes (a bug in kvcache). The run sweep adds PASSED / FAILED per mode. Exit 1 
 (analyze raising anything but a one-line input error; run exiting 3). Nothing is downloaded: configs come from
 transformers' own classes, written to a temporary folder.
 
-Run: ``python benchmarks/sweep_families.py [--run llama,qwen3,...|--run all-planned] [--only a,b] [--jobs 2]
+Run: ``python benchmarks/sweep_families.py [--run llama,qwen3,...|--run all-planned|--keep T --run rest] [--only a,b] [--jobs 2]
 [--table benchmarks/results/sweep_families.md] [--json]``. ``--jobs`` runs that many ``kvcache run`` processes at once
 (each one single-threaded: the wall time is for that many cores); ``--table`` writes the run table (family, plan,
 result and seconds per mode) as markdown.
@@ -111,20 +111,28 @@ def _run_env() -> dict[str, str]:
 MODES = ("框架部署", "独立部署")
 
 
-def _table(analyzed: dict, runs: dict, wall: float, jobs: int, pending: int = 0) -> str:
+def _table(analyzed: dict, runs: dict, wall: float, jobs: int, pending: int = 0,
+           kept: dict[str, tuple[str, list[str]]] | None = None, kept_from: str = "") -> str:
     """The run table: one row per family whose two modes have run, side by side; the failures listed first.
-    ``pending``: runs not finished yet (the table is rewritten as runs finish, so a sweep cut short keeps its rows)."""
+    ``pending``: runs not finished yet (the table is rewritten as runs finish, so a sweep cut short keeps its rows).
+    ``kept``: rows of an earlier table (``--keep``) for planned families this sweep did not run, marked as such."""
     import transformers
 
+    kept = {t: row for t, row in (kept or {}).items() if f"{t}/{MODES[0]}" not in runs}
     rows = sorted({k.split("/")[0] for k in runs if all(f"{k.split('/')[0]}/{m}" in runs for m in MODES)},
                   key=lambda t: (all(runs[f"{t}/{m}"][0] == "PASSED" for m in MODES), t))
     counts = Counter(v for v, _, _ in runs.values())
+    kept_counts = Counter(v for _, verdicts in kept.values() for v in verdicts)
     lines = [f"# `kvcache run` over every planned family (transformers {transformers.__version__})", "",
-             f"Written by `benchmarks/sweep_families.py --run all-planned --jobs {jobs} --table ...`: each family's config "
+             f"Written by `benchmarks/sweep_families.py --run ... --jobs {jobs} --table ...`: each family's config "
              "class at its defaults, `kvcache run` in framework mode (框架部署) and standalone mode (独立部署). "
-             f"{len(rows)} families, {len(runs)} runs: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+             f"This run: {len(rows)} families, {len(runs)} runs: "
+             + ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
              + f"; wall {wall / 60:.1f} min with {jobs} run(s) at a time"
-             + (f"; {pending} run(s) not finished when this was written." if pending else "."), "",
+             + (f"; {pending} run(s) not finished when this was written." if pending else ".")
+             + (f" Kept from the earlier table {kept_from} (families this run did not rerun, marked *kept*): "
+                f"{len(kept)} families, " + ", ".join(f"{n} {v}" for v, n in sorted(kept_counts.items())) + "."
+                if kept else ""), "",
              "| family | plan | framework | s | standalone | s |", "|---|---|---|---:|---|---:|"]
     for t in rows:
         cells = []
@@ -132,7 +140,22 @@ def _table(analyzed: dict, runs: dict, wall: float, jobs: int, pending: int = 0)
             verdict, detail, seconds = runs[f"{t}/{mode}"]
             cells += [verdict if verdict == "PASSED" else f"{verdict}: {detail}".replace("|", "/"), f"{seconds:.1f}"]
         lines.append(f"| {t} | {analyzed[t][2] or analyzed[t][1]} | " + " | ".join(cells) + " |")
+    lines += [row.replace(f"| {t} |", f"| {t} *kept* |", 1) for t, (row, _) in sorted(kept.items())]
     return "\n".join(lines) + "\n"
+
+
+def _kept_rows(path: Path, planned: set[str]) -> dict[str, tuple[str, list[str]]]:
+    """The rows of an earlier table for families planned now: family -> (row, verdict per mode)."""
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 6 or cells[0] in ("family", "---"):
+            continue
+        family = cells[0].removesuffix(" *kept*")
+        if family in planned:
+            out[family] = (line.replace(f"| {cells[0]} |", f"| {family} |", 1),
+                           [cells[2].split(":")[0], cells[4].split(":")[0]])
+    return out
 
 
 _TABLE_LOCK = threading.Lock()
@@ -150,9 +173,13 @@ def _write_table(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated model types (default: every causal-LM type)")
-    p.add_argument("--run", help="comma-separated model types to also run end to end, or 'all-planned'")
+    p.add_argument("--run", help="comma-separated model types to also run end to end, 'all-planned', or 'rest' (with "
+                                  "--keep: the planned families the kept table lacks or did not pass)")
     p.add_argument("--jobs", type=int, default=1, help="kvcache run processes at once (default 1)")
     p.add_argument("--table", type=Path, help="write the run table (markdown) to this file")
+    p.add_argument("--keep", type=Path, help="an earlier run table: its rows for planned families this sweep does "
+                                             "not run are kept (marked); with --run rest, only the planned families "
+                                             "it lacks or did not pass in both modes run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     _JOBS[0] = max(1, args.jobs)
@@ -161,8 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         configs = _configs(folder, args.only.split(",") if args.only else None)
         analyzed = {t: _analyze(path) for t, path in configs.items()}
-        wanted = ([t for t, (v, _, _) in analyzed.items() if v == "planned"] if args.run == "all-planned"
-                  else [t for t in (args.run or "").split(",") if t])
+        planned = [t for t, (v, _, _) in analyzed.items() if v == "planned"]
+        kept = _kept_rows(args.keep, set(planned)) if args.keep else {}
+        if args.run == "rest":
+            wanted = [t for t in planned if t not in kept or kept[t][1] != ["PASSED", "PASSED"]]
+        else:
+            wanted = planned if args.run == "all-planned" else [t for t in (args.run or "").split(",") if t]
         keys = [(t, mode) for t in wanted if t in configs for mode in MODES]
         start = time.perf_counter()
 
@@ -174,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             finished[f"{key[0]}/{key[1]}"] = r
             if args.table:
                 _write_table(args.table, _table(analyzed, dict(finished), time.perf_counter() - start, args.jobs,
-                                                len(keys) - len(finished)))
+                                                len(keys) - len(finished), kept, str(args.keep)))
             return r
 
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # threads: each run is its own process
@@ -193,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run     {k:28s} {v:8s} {s:6.1f}s {d}")
         print(f"analyze: {result['analyze_counts']}; run: {result['run_counts']} in {wall / 60:.1f} min")
     if args.table and runs:
-        _write_table(args.table, _table(analyzed, runs, wall, args.jobs))
+        _write_table(args.table, _table(analyzed, runs, wall, args.jobs, kept=kept, kept_from=str(args.keep)))
     crashed = ([t for t, (v, _, _) in analyzed.items() if v == "crash"]
                + [k for k, (v, _, _) in runs.items() if v == "crash"])
     return 1 if crashed else 0

@@ -11,6 +11,7 @@ from model_infer_kvcache.analyzer.decisions_table import decision_rows
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import atomic_write_bytes, atomic_write_text
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.implementer.kinds import attention_kind, renders_layer_shapes
 from model_infer_kvcache.implementer.template_context import Names, RenderContext, build_context, one_line
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -54,15 +55,17 @@ def check_renderable(manifest: SelectionManifest, flag: str = "--manifest") -> N
                          f"{manifest.kv_mode.value} cache: only the paged templates read a source layer's cache",
                          field=f"layers[{shared[0].index}].kv_source_layer")
     shaped = [layer for layer in manifest.layers if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None]
-    if shaped:
-        # The templates take one HEAD_DIM and one KV head count; a per-layer shape rendered with the model's would
-        # size the full layers' caches and projections wrongly.
+    if shaped and not renders_layer_shapes(manifest):
+        # The paged GQA templates give each layer its own K/V shape (LAYER_SHAPES); the Legacy and the other kinds'
+        # templates take one HEAD_DIM and one KV head count, which would size the differing layers' caches wrongly.
         first = shaped[0]
+        what = f"a {manifest.kv_mode.value} cache" if manifest.kv_mode.value != "paged" else \
+            f"{attention_kind(manifest).NAME} layers"
         raise InputError(flag, f"not supported by kvcache yet: per-layer attention shapes ({len(shaped)} layer(s), "
                          f"first layer {first.index}: head_dim {first.head_dim or manifest.model.head_dim}, "
                          f"{first.num_kv_heads_per_rank or manifest.parallel.num_kv_heads_per_rank} KV heads per rank) "
-                         "have no template; the manifest records them, `kvcache validate --framework-root` judges a "
-                         "checkout model that implements them", field=f"layers[{first.index}].head_dim")
+                         f"on {what}: only the paged GQA/MHA templates render a shape per layer",
+                         field=f"layers[{first.index}].head_dim")
 
 
 def render_manifest(

@@ -31,6 +31,7 @@ from model_infer_kvcache.analyzer.rules import VALID_BLOCK_SIZES
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
+from model_infer_kvcache.implementer.kinds import gqa as gqa_kind
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE
 from model_infer_kvcache.implementer.kinds.common import bad as _bad
 from model_infer_kvcache.implementer.kinds.cross import CrossCtx
@@ -164,6 +165,16 @@ class RenderContext:
     chunked: KindPlan | None = None
     # cross-layer KV sharing (layers[i].kv_source_layer): (shared layer, the layer whose cache it reads); () none
     kv_sources: tuple[tuple[int, int], ...] = ()
+    # per-layer attention shapes (implementer/kinds/gqa.py): (layer, head_dim, KV heads per rank) of each layer whose
+    # shape differs from HEAD_DIM / NUM_KV_HEADS_PER_RANK; () when every layer has the model's
+    layer_shapes: tuple[tuple[int, int, int], ...] = ()
+
+    def own(self, constant: str, obj: str) -> str:
+        """How the code at ``obj`` (``self`` in the attention mixin, ``attn`` in the runner) reads a layer's value of
+        ``constant``: the module constant, or with per-layer shapes the attribute init_kv_cache set for its layer."""
+        if self.layer_shapes and constant in gqa_kind.LAYER_SHAPE_ATTRS:
+            return f"{obj}.{gqa_kind.LAYER_SHAPE_ATTRS[constant]}"
+        return constant
 
     @property
     def full(self) -> KindPlan | None:
@@ -266,9 +277,19 @@ def _check_layers(m: SelectionManifest) -> None:
     attention = [layer for layer in m.layers if not layer.is_state and layer.kv_source_layer is None]
     if not attention:  # a pure state stack (Mamba, Mamba2): the state partial alone
         return
-    first = attention[0]
-    for layer in attention[1:]:
-        if layer.caches != first.caches:
+    # a layer with its own shape (layers[i].head_dim / num_kv_heads_per_rank) is rendered per layer: its entries match
+    # the others' in names and dtypes, their dims and heads are its own (the manifest invariants tie them to it)
+    shaped = {layer.index for layer in attention if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None}
+    first = next((layer for layer in attention if layer.index not in shaped), attention[0])
+
+    def entries(layer) -> list:
+        if layer.index not in shaped:
+            return layer.caches
+        return [c.model_copy(update={"dim": d.dim, "num_head": d.num_head}) for c, d in
+                zip(layer.caches, first.caches, strict=False)] + layer.caches[len(first.caches):]
+
+    for layer in attention:
+        if entries(layer) != first.caches:
             raise _bad(f"layers[{layer.index}].caches",
                        f"cache entries {[c.name for c in layer.caches]} differ from layer {first.index}'s "
                        f"{[c.name for c in first.caches]} (names, dims, heads or dtypes); the templates give every "
@@ -367,7 +388,10 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
     if not kinds:  # every attention layer chunked: the shared paged call takes their plan
         kinds = dict(chunked)
     # None: a pure state stack, no KV cache entry; a KV-shared layer holds none, so the first one that caches
-    first = next((layer for layer in attention if layer.caches), attention[0]) if attention else None
+    # (a layer with its own shape is rendered per layer: the constants are the model's shape, an unshaped layer's)
+    first = next((layer for layer in attention if layer.caches and layer.head_dim is None
+                  and layer.num_kv_heads_per_rank is None),
+                 next((layer for layer in attention if layer.caches), attention[0])) if attention else None
     generation = api_override or m.framework_api or DEFAULT_API
     # G3 frameworks take G2 renders: an override naming the manifest's render contract is no contradiction.
     if api_override and m.framework_api and render_api(api_override) != render_api(m.framework_api):

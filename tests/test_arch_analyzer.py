@@ -231,14 +231,22 @@ def test_kv_cache_shape_per_rank_is_checked_against_the_projections():
     assert "on 36 layer(s)" in error
 
 
-def test_mimo_v2_flash_value_dim_and_sinks_are_refused_by_name(tmp_path):
-    """MiMo-V2-Flash: value heads of 128 beside 192-dim keys, twice the KV heads and learnable sinks on its sliding
-    layers. The config fields say none of it in a way the analyzer reads; transformers' modules do: refused, not
-    planned with a wrong cache."""
+def test_mimo_v2_flash_value_dim_and_sinks_are_refused_by_name(tmp_path, monkeypatch):
+    """MiMo-V2-Flash: value heads of 128 (v_head_dim) beside 192-dim keys, twice the KV heads and learnable sinks on its
+    sliding layers. The analyzer reads v_head_dim and refuses it by name (kvcache plans K and V of one head_dim; the
+    FA v2 doc line on the value's D is cited). Negative control: an analyzer that ignores v_head_dim is still caught
+    by the cross-check against transformers' modules (value dim 192 planned, 128 built; the sinks)."""
     import transformers
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(transformers.MiMoV2FlashConfig(num_hidden_layers=4).to_dict(), default=str))
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(path)))
+    assert err.value.field == "v_head_dim" and "value heads of 128 beside 192-dim" in err.value.message
+    assert "_op_plugin_docs.py:8677" in err.value.message
+    monkeypatch.setattr(config_loader, "_refuse_value_dim", lambda r, head_dim: None)
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(path)))
     text = err.value.render()
@@ -247,11 +255,12 @@ def test_mimo_v2_flash_value_dim_and_sinks_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("cls_name, overrides, words", [
-    # Zamba: Mamba layers, and hybrid layers with a shared attention block beside their mixer; kvcache reads neither
-    # from the config (its layers_block_type 'hybrid' is no layer kind it plans)
-    ("ZambaConfig", {"num_hidden_layers": 8}, ["on 6 layer(s) where transformers' decoder block has no attention",
-                                               "a block holding ZambaMambaMixer",
-                                               "recurrent mixer (ZambaMambaMixer) beside its attention"]),
+    # Zamba: Mamba layers, and hybrid layers with a shared attention block beside their mixer: its layers_block_type
+    # (read through ZambaConfig.attribute_map's layer_types) 'hybrid' is no layer kind kvcache plans, and what
+    # transformers' block there holds is named
+    ("ZambaConfig", {"num_hidden_layers": 8}, ["layer type 'hybrid'", "ZambaHybridLayer",
+                                               "holds ZambaAttention with per-request state beside its KV cache",
+                                               "ZambaMambaMixer"]),
 ])
 def test_hybrids_whose_recurrent_state_kvcache_does_not_plan_are_refused_by_name(tmp_path, cls_name, overrides, words):
     """Planned as attention only, their recurrent states would be dropped: the cross-check reads the decoder blocks

@@ -70,6 +70,16 @@ def test_the_published_global_fields_give_the_same_plan(tmp_path):
     assert [(c.dim, c.num_head) for c in full.caches] == [(512, 8), (512, 8)]
 
 
+def test_the_decisions_table_names_the_layers_with_their_own_cache_shape(tmp_path):
+    """The table the user confirms shows the full layers' caches beside the model's (it showed layer 0's only)."""
+    from model_infer_kvcache.analyzer.decisions_table import decision_rows
+
+    m = analyze(AnalyzeRequest(config=str(gemma4_26b_config(tmp_path))))
+    row = next(r for r in decision_rows(m) if r[0] == "cache_entries")
+    assert row[1] == ("k_cache: 256x8 bfloat16, v_cache: 256x8 bfloat16; 层 5,11,17,23,29: k_cache: 512x2 bfloat16, "
+                      "v_cache: 512x2 bfloat16")
+
+
 def test_attention_tp_splits_each_layers_kv_heads(tmp_path):
     m = analyze(AnalyzeRequest(config=str(gemma4_26b_config(tmp_path)), attn_tp_size=2))
     assert m.parallel.num_kv_heads_per_rank == 4
@@ -113,8 +123,14 @@ def test_a_hand_edited_layer_shape_breaks_the_manifest_invariants(tmp_path):
         SelectionManifest.model_validate(data)
 
 
-def test_render_refuses_per_layer_shapes_instead_of_rendering_one_head_dim(tmp_path):
+def test_render_gives_each_layer_its_shape_and_legacy_refuses_them(tmp_path):
+    """The paged render carries each differing layer's shape (LAYER_SHAPES, read by init_kv_cache); a Legacy cache
+    (one contiguous [batch, seq, N_kv * D] row per token, one shape in its template) refuses them by name instead of
+    rendering every layer at the model's head_dim."""
     m = analyze(AnalyzeRequest(config=str(gemma4_26b_config(tmp_path))))
+    text = render_manifest(m).files["kvcache_attention.py"]
+    assert "LAYER_SHAPES = {5: (512, 2), 11: (512, 2), 17: (512, 2), 23: (512, 2), 29: (512, 2)}" in text
+    legacy = analyze(AnalyzeRequest(config=str(gemma4_26b_config(tmp_path)), kv_mode="legacy"))
     with pytest.raises(InputError, match=r"not supported by kvcache yet: per-layer attention shapes \(5 layer") as err:
-        render_manifest(m)
-    assert err.value.field == "layers[5].head_dim"
+        render_manifest(legacy)
+    assert err.value.field == "layers[5].head_dim" and "on a legacy cache" in str(err.value)

@@ -31,7 +31,7 @@ CROSS_BLOCK_SIZE = 128
 MODULE_ATTR = "encoder_attn"
 # the attribute names transformers gives a decoder block's attention over the encoder's states (the cross-check
 # recognises all of them; the host and the render route MODULE_ATTR)
-MODULE_NAMES = ("encoder_attn", "crossattention", "cross_attention", "encoder_attention")
+MODULE_NAMES = ("encoder_attn", "crossattention", "cross_attention", "encoder_attention", "cross_attn")
 # Fields that give the longest encoder output a decoder attends over, first hit wins, with why that field is it.
 # A field map, not per-family code: Whisper names its encoder's positions (the audio frames after the conv stem),
 # the BART family (BART, mBART, Marian, Pegasus, BigBird-Pegasus, Blenderbot, PLBart, MVP) sizes the encoder's and

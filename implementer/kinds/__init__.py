@@ -48,6 +48,12 @@ def kinds_of(m: SelectionManifest) -> tuple[ModuleType, ...]:
             *((cross,) if holds_cross(m) else ()))
 
 
+def renders_layer_shapes(m: SelectionManifest) -> bool:
+    """Whether the templates give each layer its own K/V shape (layers[i].head_dim / num_kv_heads_per_rank): the
+    paged GQA/MHA partial does (implementer/kinds/gqa.py LAYER_SHAPE_ATTRS); Legacy and the other kinds take one."""
+    return m.kv_mode.value == "paged" and attention_kind(m) is gqa
+
+
 def graph_mode_gap(m: SelectionManifest) -> str | None:
     """Why a graph-mode decode of ``m`` is not rendered (None: it is, and validated by capture): the templates
     render npugraph_ex decode (host-list FA lengths) and ge_graph decode (torchair.ops FA with tensor lengths) for
@@ -84,4 +90,4 @@ def check_unrendered(m: SelectionManifest) -> None:
             raise bad(f"layers[{layers[0]}].layer_kind", f"{len(layers)} layer(s) use {why}")
 
 
-__all__ = ["UNRENDERED_LAYER_KINDS", "attention_kind", "check_unrendered", "graph_mode_gap", "kinds_of"]
+__all__ = ["UNRENDERED_LAYER_KINDS", "attention_kind", "renders_layer_shapes", "check_unrendered", "graph_mode_gap", "kinds_of"]

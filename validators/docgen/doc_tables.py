@@ -145,7 +145,7 @@ def _attention_text(m) -> str:
     if own:
         return own
     if any(layer.head_dim is not None or layer.num_kv_heads_per_rank is not None for layer in m.layers):
-        return f"{m.fa.version}(逐层形状已规划;模板只有一个 head_dim:render 拒绝,退出码 2;检出模式可校验)"
+        return f"{m.fa.version}(逐层形状:LAYER_SHAPES,每层按自己的 head_dim / KV 头数分配、写入、调 FA,两种部署模式已校验)"
     legacy = m.legacy_attention
     if legacy is None or legacy.kernel == "fa":
         return m.fa.version

@@ -28,8 +28,21 @@ def cpu_size_changes(manifest, small) -> list[str]:
     return []
 
 
+def layer_shapes(manifest) -> dict[int, tuple[int, int]]:
+    """Layer -> (head_dim, KV heads per rank) of each layer whose shape differs from the model's (the render's
+    LAYER_SHAPES)."""
+    return {layer.index: (layer.head_dim or manifest.model.head_dim,
+                          layer.num_kv_heads_per_rank or manifest.parallel.num_kv_heads_per_rank)
+            for layer in manifest.attention_layers
+            if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None}
+
+
 def expected_constants(manifest) -> dict[str, object]:
-    return {"NUM_KV_HEADS_PER_RANK": manifest.parallel.num_kv_heads_per_rank, "HEAD_DIM": manifest.model.head_dim}
+    want = {"NUM_KV_HEADS_PER_RANK": manifest.parallel.num_kv_heads_per_rank, "HEAD_DIM": manifest.model.head_dim}
+    shapes = layer_shapes(manifest)
+    if shapes:
+        want["LAYER_SHAPES"] = shapes
+    return want
 
 
 def attention_calls(probe) -> list[dict]:
@@ -60,14 +73,21 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
     """Keep one attention-TP rank's query heads and KV heads in a transformers attention module (the multi-rank
     run); returns the value head dim the output projection's columns are cut by."""
-    d = model.head_dim
+    d, kv_heads = model.head_dim, model.num_key_value_heads
+    own = getattr(attn, "head_dim", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own != d and attn.k_proj.out_features % own == 0:
+        # a layer with its own shape (Gemma-4's full layers: global_head_dim, num_global_key_value_heads); its KV
+        # head count from its own projection (the model's and its own may give the same width: 2 x 64 = 1 x 128)
+        d, kv_heads = own, attn.k_proj.out_features // own
     # a gated attention (Qwen3-Next, Qwen3.5) projects [query | gate] per head: 2 x head_dim rows a head
     per = attn.q_proj.out_features // model.num_attention_heads
     attn.q_proj.weight = keep_rows(attn.q_proj.weight, heads.start * per, heads.stop * per)
     if attn.q_proj.bias is not None:
         attn.q_proj.bias = keep_rows(attn.q_proj.bias, heads.start * per, heads.stop * per)
-    lo, hi = kv_head_of_rank(rank, tp, model.num_key_value_heads)
+    lo, hi = kv_head_of_rank(rank, tp, kv_heads)
     for proj in (attn.k_proj, attn.v_proj):
+        if proj is None:  # K = V (Gemma-4's attention_k_eq_v full layers): the values are the keys' projection
+            continue
         proj.weight = keep_rows(proj.weight, lo * d, hi * d)
         if proj.bias is not None:
             proj.bias = keep_rows(proj.bias, lo * d, hi * d)

@@ -85,9 +85,16 @@ def _state_entry_problems(plan, got: dict, cache_dtype: torch.dtype, linear) -> 
     return out
 
 
-def check_allocation(report: Report, host: HostModel, sched) -> None:
+def check_allocation(report: Report, host: HostModel, sched, manifest: SelectionManifest | None = None) -> None:
+    """V104: every placeholder replaced by a 4-D tensor; with the manifest, a K/V cache's [num_head, dim] are its
+    layer's (a layer with its own shape, layers[i].head_dim, holds caches of that shape)."""
     problems = []
     for a in host.attentions:
+        plan = manifest.plan_of_module(a.layer_idx) if manifest is not None and not holds_state(
+            getattr(a, "attn_type", None)) else None
+        # the K/V caches' per-token [num_head, dim] (an MLA latent's layout is its kind's to judge, V101 its entries)
+        own = {c.name: (c.num_head, c.dim) for c in plan.caches if c.name in ("k_cache", "v_cache")} \
+            if plan is not None else {}
         for c in ("conv_state", "recurrent_state", "state_anchor"):  # a linear layer's Mamba states: [blocks, *shape]
             t = getattr(a, c, None)
             if t is not None and t.numel() == 0:
@@ -100,6 +107,9 @@ def check_allocation(report: Report, host: HostModel, sched) -> None:
                 problems.append(f"layer {a.layer_idx} {c}: placeholder not replaced")
             elif t.dim() != 4:
                 problems.append(f"layer {a.layer_idx} {c}: shape {tuple(t.shape)} is not 4-D")
+            elif c in own and tuple(t.shape[2:]) != own[c]:
+                problems.append(f"layer {a.layer_idx} {c}: [num_head, dim] {list(t.shape[2:])} != the layer's "
+                                f"{list(own[c])}")
     shapes = {f"{a.layer_idx}.{c}": tuple(getattr(a, c).shape) for a in host.attentions
               for c in ("k_cache", "v_cache", "nope_cache", "rope_cache") if hasattr(a, c)}
     report.add("placeholders replaced by [num_blocks, block_size, num_head, dim]", "init", not problems,
@@ -120,7 +130,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
                       next_n=manifest.mtp.speculative_tokens if manifest.mtp is not None else 0,
                       graph_mode_lists=graph == "npugraph_ex")
     report.notes.append(provenance_note(api_module, generation, sched))
-    check_allocation(report, host, sched)
+    check_allocation(report, host, sched, manifest)
     if any(not c.passed for c in report.checks if c.link == "init"):
         report.notes.append("init link failed: runtime, numeric and release checks not run")
         return

@@ -23,6 +23,7 @@ Anything else is refused with one line naming the module.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import inspect
 import itertools
@@ -903,6 +904,7 @@ class HostModel:
                  uncached: frozenset[int] = frozenset()):
         self.hf_model = hf_model
         self.rendered = rendered
+        self.cache_dtype = cache_dtype  # the compute dtype of the model under test
         self.step_index = -1  # forward calls so far, for failure locations
         self.device = device or torch.device("cpu")
         self.atol = ATOL_FP32 if self.device.type == "cpu" else ATOL_BF16
@@ -1100,6 +1102,34 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     encoder = getattr(ref_model, "_kvcache_encoder", None)  # an encoder-decoder's decoder: the request's own states
     extra = encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype)) if encoder is not None else {}
     return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
+
+
+@torch.no_grad()
+def reference_sensitivity(ref_model, token_ids: list[int], seed: int = 0) -> float:
+    """How far the reference's own logits move when its input embeddings change by one unit in the last place
+    (a fixed random sign per element): the rounding amplification of the model itself, which no port can beat."""
+    weight = ref_model.get_input_embeddings().weight
+    saved = weight.detach().clone()
+    eps = torch.finfo(weight.dtype).eps
+    signs = torch.randint(0, 2, weight.shape, generator=torch.Generator().manual_seed(seed)).to(weight.dtype) * 2 - 1
+    base = reference_logits(ref_model, token_ids)
+    try:
+        weight.data.mul_(1 + eps * signs)
+        moved = reference_logits(ref_model, token_ids)
+    finally:
+        weight.data.copy_(saved)
+    return (moved - base).abs().max().item()
+
+
+@torch.no_grad()
+def reference_dtype_drift(ref_model, token_ids: list[int], dtype: torch.dtype) -> float:
+    """How far transformers' own model lands from the reference when it runs in ``dtype`` (bfloat16): the
+    low-precision error of the architecture itself, which no port at that dtype can be held below."""
+    low = copy.deepcopy(ref_model).to(dtype=dtype)
+    encoder = getattr(ref_model, "_kvcache_encoder", None)
+    if encoder is not None:
+        low._kvcache_encoder = encoder
+    return (reference_logits(low, token_ids) - reference_logits(ref_model, token_ids)).abs().max().item()
 
 
 @torch.no_grad()

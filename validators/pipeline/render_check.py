@@ -84,6 +84,15 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type |
             bad.append(f"layer {plan.index}: attention_chunk_size {getattr(attn, 'attention_chunk_size', None)} != "
                        f"{plan.attention_chunk_size}")
             continue
+        if getattr(attn, "kv_head_dim", None) is not None and plan.caches:
+            # a per-layer-shape render (LAYER_SHAPES): the shape the layer's writes, FA call and (standalone) the
+            # runner's allocation read is the layer's own
+            want_shape = (plan.head_dim or manifest.model.head_dim,
+                          plan.num_kv_heads_per_rank or manifest.parallel.num_kv_heads_per_rank)
+            got_shape = (attn.kv_head_dim, getattr(attn, "kv_heads_per_rank", None))
+            if got_shape != want_shape:
+                bad.append(f"layer {plan.index}: (kv_head_dim, kv_heads_per_rank) {got_shape} != {want_shape}")
+                continue
         entries = getattr(attn, "cache_entries", None)
         if entries is None:  # standalone and Legacy renders declare no entries
             continue

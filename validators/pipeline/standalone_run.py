@@ -220,7 +220,9 @@ def _check_init(report: Report, manifest: SelectionManifest, host, runner, rows_
             problems += [f"layer {a.layer_idx} {name}: a KV-shared layer holds a cache of its own"
                          for name in want if name in vars(a)]
             continue
-        for name, c in want.items():
+        # each layer's own entries: a layer with its own shape (layers[i].head_dim) holds caches of that shape
+        own = {c.name: c for c in manifest.plan_of_module(a.layer_idx).caches} or want
+        for name, c in own.items():
             t = getattr(a, name, None)
             shape = (blocks, manifest.block_size, c.num_head, c.dim)
             if t is None or tuple(t.shape) != shape:

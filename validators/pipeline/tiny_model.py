@@ -42,6 +42,20 @@ class TinyPlan:
     config: dict[str, Any] = field(default_factory=dict)  # the fields the tiny config was built from
 
 
+# Expert counts and widths, spelled each family's way, at sizes a CPU builds in a moment.
+_MOE_SIZES = (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
+              ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),
+              ("n_shared_experts", 1), ("first_k_dense_replace", 1),
+              # LongCat-Flash spells them its own way: top-k, expert width, identity ("zero") experts
+              ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2),
+              ("top_k_experts", 2),  # Gemma-4
+              ("moe_num_experts", 4), ("moe_top_k", 2),  # DBRX (in its nested ffn_config)
+              # transformers' bailing_hybrid spells them its own way too (attribute_map)
+              ("num_expert_group", 1), ("num_experts_per_token", 2), ("num_shared_experts", 1),
+              # Gemma-3n / Gemma-4: the per-layer input embeddings (a vocabulary x layers x width table)
+              ("vocab_size_per_layer_input", TINY_VOCAB), ("laurel_rank", 8))
+
+
 # Per-layer config lists that shape the MLP, not the attention or its cache: a plan difference there needs no layer
 # of its own in the prefix (DeepSeek's dense-then-MoE list would otherwise lengthen every MLA run).
 _MLP_WORDS = ("mlp", "moe", "expert", "ffn", "intermediate", "sparsity")
@@ -131,16 +145,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     d["intermediate_size"] = 128
     recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
     d["vocab_size"] = TINY_VOCAB
-    for key, value in (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_local_experts", 4),
-                       ("num_experts", 4), ("num_experts_per_tok", 2), ("n_group", 1), ("topk_group", 1),
-                       ("n_shared_experts", 1), ("first_k_dense_replace", 1),
-                       # LongCat-Flash spells them its own way: top-k, expert width, identity ("zero") experts
-                       ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2),
-                       ("top_k_experts", 2),  # Gemma-4
-                       # transformers' bailing_hybrid spells them its own way too (attribute_map)
-                       ("num_expert_group", 1), ("num_experts_per_token", 2), ("num_shared_experts", 1),
-                       # Gemma-3n / Gemma-4: the per-layer input embeddings (a vocabulary x layers x width table)
-                       ("vocab_size_per_layer_input", TINY_VOCAB), ("laurel_rank", 8)):
+    for key, value in _MOE_SIZES:
         if key in d:
             d[key] = value
     if d.get("hidden_size_per_layer_input"):
@@ -310,6 +315,9 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
         value = d.get(key, class_defaults.get(key))
         if key.endswith("intermediate_size") and isinstance(value, int) and not isinstance(value, bool) and value > 128:
             d[key] = 128
+    for key, value in list(d.items()):  # a nested section (DBRX's ffn_config): the same widths and expert counts
+        if isinstance(value, dict):
+            d[key] = _shrunk_section(value)
     shrunk = shrink_towers(d, class_defaults)
     if shrunk:
         plan.notes.append("encoder towers the text stream never runs cut to one layer: " + ", ".join(shrunk))
@@ -318,7 +326,7 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
         plan.notes.append("token ids moved into the tiny vocabulary: "
                           + ", ".join(f"{old} -> {new}" for old, new in sorted(moved.items())))
     def build(d: dict[str, Any]):
-        config = AutoConfig.for_model(hf_type, **d)
+        config = AutoConfig.for_model(hf_type, **_with_aliases(d, hf_type))
         config._attn_implementation = "eager"
         # The eager experts loop: grouped_mm kernels take no float64 (the default comparison dtype).
         config._experts_implementation = "eager"
@@ -348,20 +356,67 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
                               "attention cannot run with the two apart (an output projection or q/k norm over "
                               "hidden_size, a head_dim derived from it)")
     if model is None:
-        # transformers' own config class refuses the shrunk fields (DBRX's nested attn_config loses its rope_theta):
-        # kvcache's shrinking of this family, named, not a crash and not the model's failure
         first = str(failed).splitlines()[0][:200] if str(failed) else ""
+        if not _builds_as_given(real, hf_type):
+            # transformers' own code fails on the config as written (DBRX's class defaults: no attn_config.rope_theta,
+            # clip_qkv None): the reference cannot exist, whatever kvcache shrinks
+            import transformers
+
+            raise InputError("--config", f"transformers {transformers.__version__}'s {hf_type} does not build from "
+                                         f"this config as written either ({type(failed).__name__}: {first}): "
+                                         "validation builds the architecture from transformers' own code",
+                             field="model_type") from failed
+        # transformers' own config class refuses the shrunk fields: kvcache's shrinking of this family, named, not a
+        # crash and not the model's failure
         raise NotSupportedByKvcache("--config", f"a reference: transformers' {hf_type} does not build at the "
                                                 f"validation's tiny config ({type(failed).__name__}: {first}); "
                                                 "kvcache does not shrink this family's config yet",
                                     field="model_type") from failed
     _require_forward(model, hf_type, d)
-    plan.config.update(model_type=hf_type, **d)
+    plan.config.update(model_type=hf_type, **_with_aliases(d, hf_type))
     if lightning:
         plan.notes.append(f"reference: {lin.reference}")
     _randomize(model, seed)
     model.eval()
     return model, plan
+
+
+def _shrunk_section(section: dict[str, Any]) -> dict[str, Any]:
+    out = dict(section)
+    for key, value in section.items():
+        if (key.endswith("intermediate_size") or key in _DERIVED_MLP_WIDTHS) and isinstance(value, int) \
+                and not isinstance(value, bool) and value > 128:
+            out[key] = 128
+    out.update((key, value) for key, value in _MOE_SIZES if key in out)
+    return out
+
+
+def _with_aliases(d: dict[str, Any], hf_type: str) -> dict[str, Any]:
+    """A field the tiny config sets by its common name (hidden_size) goes under the name the family's config class
+    keeps (DBRX's d_model, through its attribute_map): passing both, the class keeps the published value."""
+    from transformers import CONFIG_MAPPING
+
+    out = dict(d)
+    for common, own in (getattr(CONFIG_MAPPING[hf_type], "attribute_map", None) or {}).items():
+        if common in out and own in out and common != own:
+            out[own] = out.pop(common)
+    return out
+
+
+def _builds_as_given(real: dict[str, Any], hf_type: str) -> bool:
+    """Whether transformers builds the config as written (on the meta device: no memory, no weights)."""
+    from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
+    from transformers import AutoConfig
+
+    src = model_section(real)[0]
+    fields = {k: v for k, v in {**real, **src}.items() if k not in _DROP and k != "model_type"}
+    try:
+        config = AutoConfig.for_model(hf_type, **fields)
+        with torch.device("meta"):
+            causal_lm_from_config(config)
+    except Exception:  # noqa: BLE001 - whichever error transformers raises, it is its own code failing
+        return False
+    return True
 
 
 def _forward_once(model) -> None:

@@ -226,9 +226,18 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
     """
     from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized, cpu_sizes_note
 
+    def crossing(m: SelectionManifest):
+        scenario = req.scenario.crossing_of(m)
+        uncut = req.scenario.crossing_window_of(m).crossing_chunks_of(m)
+        if scenario != uncut:  # a learned position table shorter than the stream (CTRL's 256 rows)
+            report.notes.append(f"request stream cut to the model's {m.model.max_position_embeddings} positions "
+                                f"(max_position_embeddings): longest request {scenario.max_model_len - 8} tokens, "
+                                f"{uncut.max_model_len - 8} uncut")
+        return scenario
+
     tiny = cpu_sized(manifest)
     if tiny is None:
-        return [("", manifest, req.rendered, req.scenario.crossing_of(manifest))]
+        return [("", manifest, req.rendered, crossing(manifest))]
     tiny_dir = tmp / "tiny-window"
     write_rendered(render_manifest(tiny, framework_api=header.api if header else None, allow_blocked=True), tiny_dir)
     sizes = cpu_sizes_note(manifest, tiny)
@@ -237,7 +246,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             f"attention_chunk_size {manifest.attention_chunk_size()} is too long for CPU sequences to cross"
             if manifest.attention_chunk_size() != tiny.attention_chunk_size() else
             f"index_topk {manifest.dsa.index_topk} is wider than CPU prompts")
-    runs = [("", tiny, str(tiny_dir), req.scenario.crossing_of(tiny))]
+    runs = [("", tiny, str(tiny_dir), crossing(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
         report.notes.append(f"{what}: the checks ran on the implementer's render of this manifest with {sizes} "
                             f"(the given render is that render at the real sizes, byte for byte; its constants and "
@@ -455,7 +464,7 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             layer = host.probe.last_layer
             where = f"step {host.step_index}, layer {'?' if layer is None else layer}"
             report.add("rendered code runs without operator errors", "runtime", False,
-                       detail=f"{where}: {type(exc).__name__}: {exc}")
+                       detail=f"{where}: {type(exc).__name__}: {exc}{_raised_outside_render(exc, rendered_dir)}")
             check_attention_calls(report, manifest, host, before_failure=True)
             return
         finally:
@@ -488,6 +497,20 @@ def weights_fingerprint(model: torch.nn.Module) -> torch.Tensor:
     """Each parameter's sum and sum of squares (float64): any write into the weights shows."""
     with torch.no_grad():
         return torch.stack([torch.stack((p.double().sum(), p.double().square().sum())) for p in model.parameters()])
+
+
+def _raised_outside_render(exc: BaseException, rendered_dir) -> str:
+    """Where an exception with no frame of the rendered code on its stack was raised. Such an error is either the
+    render's output failing downstream (a wrong shape reaching transformers' o_proj) or the validation's own failure
+    (the host, the emulation): the report says which file raised, so a kvcache bug does not read as a render's."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    root = str(Path(rendered_dir).resolve())
+    if not frames or any(str(Path(f.filename).resolve()).startswith(root) for f in frames):
+        return ""
+    last = frames[-1]
+    return f" (raised at {Path(last.filename).name}:{last.lineno} in {last.name}; no frame of the rendered code on the stack)"
 
 
 def _custom_ops(manifest: SelectionManifest, backend: str):

@@ -96,6 +96,8 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)
     checked_layers: int = 0
     bidirectional: bool = False  # refused as an encoder (is_decoder false): the error's field is is_decoder
+    # what kvcache cannot serve although the plan matches (DiffLlama's differential attention): not supported
+    unsupported: list[str] = field(default_factory=list)
 
 
 # The user cache of what transformers reports. KVCACHE_CACHE_DIR names its folder (set and empty: no cache);
@@ -103,7 +105,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 17  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 18  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         # a mixer beside the attention (Falcon-H1): its sizes ride along, for a parallel hybrid's planned state
         beside = mixer_module(path)
         module_facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {}) \
-            | _kv_source(module, config)
+            | _kv_source(module, config) | _attention_calls(module)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
                                getattr(module, "sinks", None) is not None, mixer_of(path),
                                tuple(sorted(module_facts.items())), encoder))
@@ -477,6 +479,27 @@ def _module_text(model) -> str | None:
 
 
 KV_SOURCE_FACT = "kv_source"
+CALLS_FACT = "attention_calls"
+
+
+def _attention_calls(module) -> dict[str, int]:
+    """{CALLS_FACT: n} on a module whose forward calls transformers' attention interface n > 1 times on every call
+    (statements outside any branch: a vision tower's ``if`` / ``else`` between two backends is one call). DiffLlama's
+    differential attention calls it twice over the same K with two regroupings of V made after the cache update:
+    ``softmax(Q K^T) V1 - lambda * softmax(Q K^T) V2``, each query head reading value heads other than its key
+    head's. A host that caches inside the interface overwrites the first call's V rows with the second's."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
+    calls = sum(1 for stmt in body if not isinstance(stmt, (ast.If, ast.For, ast.While, ast.Try, ast.With))
+                for node in ast.walk(stmt) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "attention_interface")
+    return {CALLS_FACT: calls} if calls > 1 else {}
 
 
 def _kv_source(module, config) -> dict[str, int]:
@@ -499,6 +522,21 @@ def _prescaled(module) -> tuple[float, str] | None:
         return None
     if "scaling=1.0" in source and "* self.scaling" in source:
         return 1.0, "scaling=1.0 in its attention call (queries pre-scaled by self.scaling)"
+    return unscaled_scores(module)
+
+
+def unscaled_scores(module) -> tuple[float, str] | None:
+    """(1.0, why) for a module scoring by itself in ``_attn`` with no scale at all (GPT-Neo: ``torch.matmul(query,
+    key.transpose(-1, -2))``, no 1/sqrt(head_dim), no scale attribute), else None."""
+    if any(hasattr(module, a) for a in SCALE_ATTRS) or not callable(getattr(module, "_attn", None)):
+        return None
+    try:
+        code = [line.split("#", 1)[0] for line in inspect.getsource(type(module)._attn).splitlines()[1:]]
+    except (OSError, TypeError):
+        return None
+    body = "\n".join(code)
+    if "torch.matmul(" in body and not any(w in body for w in ("scal", "sqrt", "norm_factor", "/", "alpha")):
+        return 1.0, "_attn (scores q k^T unscaled)"
     return None
 
 
@@ -554,6 +592,9 @@ def _window_of(module, config) -> int | None:
     ``config.sliding_window`` to the attention call or build the model's mask with it), the
     config's window applies to every layer; a modeling file that never mentions one applies none.
     """
+    if getattr(module, "attention_type", None) in ("local", "global") and \
+            isinstance(getattr(config, "window_size", None), int):  # GPT-Neo: its local layers' window_size
+        return config.window_size if module.attention_type == "local" else None
     if hasattr(module, "sliding_window"):
         # Kolibri1 keeps the config's window on every layer and applies it where ``is_sliding`` (its full layers
         # pass sliding_window=None to the attention call)
@@ -687,6 +728,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     no_attention: list[tuple[LayerPlan, HfAttention]] = []
     state_off: list[tuple[LayerPlan, HfAttention, str]] = []
     source_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
+    calls_off: list[tuple[LayerPlan, HfAttention, int]] = []
     all_layers = layers
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
@@ -732,6 +774,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             sinks_off.append((layer, mod))
         module_facts = dict(mod.kind_facts)
         hf_source = module_facts.pop(KV_SOURCE_FACT, None)
+        if (calls := module_facts.pop(CALLS_FACT, None)) is not None:
+            calls_off.append((layer, mod, calls))
         if hf_source != layer.kv_source_layer:
             source_off.append((layer, mod, hf_source))
         off = fmt.hf_off(layer, {k: v for k, v in module_facts.items() if not k.startswith(MIXER_FACT)}, mod.cls)
@@ -788,6 +832,16 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     if format_off:
         layer, mod, off = format_off[0]
         result.errors.append(f"{off} on {len(format_off)} layer(s), first layer {layer.index} at {mod.path}")
+    if calls_off:
+        layer, mod, calls = calls_off[0]
+        result.unsupported.append(
+            f"differential attention: transformers' {mod.cls}.forward calls the attention interface {calls} times "
+            f"over one K/V cache on {len(calls_off)} layer(s), first layer {layer.index} at {mod.path}, each call "
+            "with the value heads regrouped after the cache update (softmax(QK^T) V1 - lambda softmax(QK^T) V2, "
+            "then a group norm): a query head reads value heads other than its key head's, and the paged FA "
+            "operator pairs key head j with value head j only, its key and value caches of one shape (torch_npu "
+            "npu_fused_infer_attention_score, num_key_value_heads; with page attention its key and value shapes must match); "
+            "kvcache plans no second value layout for it")
     return result
 
 

@@ -232,6 +232,8 @@ def assemble(
         raise InputError(facts.path, "architecture cross-check against transformers' own attention modules "
                                      "(meta device) failed: " + "; ".join(check.errors),
                          field="is_decoder" if check.bidirectional else "model_type")
+    if check and check.unsupported:
+        raise NotSupportedByKvcache(facts.path, "; ".join(check.unsupported), field="model_type")
     warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]
     unknown = rules.unknown_family(facts, check.ships if check else arch_check.transformers_ships(facts.model_type))
     if unknown:

@@ -1217,6 +1217,10 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
     if types_hit is not None:
         return listed(types_hit)
 
+    neo = _gpt_neo_kinds(r, num_layers)
+    if neo is not None:
+        return neo
+
     mamba = mamba_layer_kinds(r, model_type, num_layers) if linear_family else None
     if mamba is not None:
         return Sourced(mamba[0], mamba[1]), Sourced(None, "default: none")
@@ -1311,6 +1315,38 @@ def _llama4_kinds(r: _Reader, chunk_src: str, num_layers: int) -> Sourced[tuple[
     kinds = tuple("full" if (i + 1) % interval == 0 else "chunked" for i in range(num_layers))
     how = interval_hit.source if interval_hit else "default: transformers Llama4TextConfig.no_rope_layer_interval"
     return Sourced(kinds, f"{chunk_src} + {how}={interval} (every {interval}th layer NoPE = full)")
+
+
+_NEO_KINDS = {"global": "full", "local": "sliding"}
+
+
+def _gpt_neo_kinds(r: _Reader, num_layers: int) -> tuple[Sourced[tuple[str, ...]], Sourced[int | None]] | None:
+    """GPT-Neo's spelling, None for a config without it: ``attention_types`` ``[[[types...], repeats], ...]`` expands
+    to "global" / "local" per layer (GPTNeoConfig rebuilds ``attention_layers`` from it; that list alone is read
+    where it is missing), the local layers slide over
+    ``window_size`` keys, their own included (transformers GPTNeoSelfAttention: its causal mask minus
+    ``tril(-window_size)``, the ``sliding_window`` convention)."""
+    hit = None
+    if (groups := r.get("attention_types")) is not None:  # what GPTNeoConfig rebuilds attention_layers from
+        raw, src = groups
+        try:
+            hit = [t for group, repeats in raw for _ in range(repeats) for t in group], f"{src} (expanded)"
+        except (TypeError, ValueError):
+            raise InputError(r.where, "must list [[layer types...], repeats] pairs (GPT-Neo)", field=src) from None
+    hit = hit or r.get("attention_layers")
+    if hit is None:
+        return None
+    raw, src = hit
+    if not (isinstance(raw, list) and raw and all(isinstance(t, str) and t in _NEO_KINDS for t in raw)):
+        raise InputError(r.where, f"must list 'global' / 'local' per layer (GPT-Neo), got {raw!r}"[:200], field=src)
+    if len(raw) != num_layers:
+        raise InputError(r.where, f"lists {len(raw)} layer types for {num_layers} layers", field=src)
+    kinds = tuple(_NEO_KINDS[t] for t in raw)
+    if "sliding" not in kinds:
+        return Sourced(kinds, f"{src} (global: full attention)"), Sourced(None, f"{src}: no local layer")
+    window = r.positive_int("window_size")
+    return Sourced(kinds, f"{src} (global: full attention, local: sliding over window_size)"), \
+        Sourced(window.value, window.source)
 
 
 def _window_source(window: int | None, hit: tuple[Any, str] | None) -> Sourced[int | None]:

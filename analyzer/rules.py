@@ -70,6 +70,8 @@ FAMILY_SCALE_RULE = {
     # so the attention call over its queries scales by 1
     # Whisper: the same in self- and cross-attention (WhisperAttention: q_proj(x) * self.scaling, scaling=1.0)
     **dict.fromkeys(("opt", "whisper"), "prescaled"),
+    # GPT-Neo: its own _attn scores matmul(query, key^T) with no 1/sqrt(head_dim) (transformers GPTNeoSelfAttention)
+    "gpt_neo": "unscaled",
 }
 
 
@@ -309,6 +311,9 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
         return 1.0, "1 (no layer attends: a pure state stack has no softmax; not used)"
     if rule == "unit":
         base, base_txt = 1.0, f"1 (model family {facts.family}: q/k RMS-normalised per head, scores not scaled)"
+    elif rule == "unscaled":
+        base, base_txt = 1.0, (f"1 (model family {facts.family}: the module scores q k^T unscaled, no 1/sqrt(head_dim) "
+                               "in its own score code)")
     elif rule == "prescaled":
         # no "D^-0.5" in the text: the manifest checks a scale against the head_dim^-0.5 its derivation states
         base, base_txt = 1.0, (f"1 (model family {facts.family}: queries pre-scaled in the module, q_proj(x) x "

@@ -8,6 +8,7 @@ v2's learnable_sink and validated. Gemma-4 Unified: Gemma-4's attention under an
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -309,6 +310,221 @@ def test_ctrl_is_planned_and_its_stream_stays_within_its_256_positions(tmp_path,
     assert any(n.startswith("request stream cut to the model's 256 positions") for n in report.notes), report.notes
     monkeypatch.setattr(Scenario, "within_positions", lambda self, _max: self)
     assert "index 256 is out of bounds" in check(run_validate(*case[:3]), "rendered code runs").detail
+
+
+DIFFLLAMA_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                       intermediate_size=128, vocab_size=512)
+
+
+def test_diffllama_differential_attention_is_refused_by_name_at_analyze(tmp_path):
+    """DiffLlama's attention calls transformers' attention interface twice per forward over one K, with V's heads
+    regrouped after the cache update (softmax(QK^T) V1 - lambda softmax(QK^T) V2): each query head reads value
+    heads other than its key head's, which the paged FA operator (one KV-head mapping, key and value caches of one
+    shape) cannot serve. Planned as plain GQA it FAILED V301 in both modes from the first decode step (the host's
+    interface route cached each call's V, the second overwriting the first). Refused at analyze, naming it."""
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, "diffllama"))))
+    assert err.value.field == "model_type"
+    assert "differential attention: transformers' DiffLlamaAttention.forward calls the attention interface 2 times" \
+        in err.value.message and "npu_fused_infer_attention_score" in err.value.message
+    # one call per forward (Llama) or two in branches of an if / else (a vision tower's backends): not counted
+    from model_infer_kvcache.analyzer import arch_check
+
+    assert arch_check._attention_calls(type("M", (), {"forward": _one_of_two_backends})()) == {}
+
+
+def _one_of_two_backends(self, x):
+    if x is None:
+        out = attention_interface(self, x)  # noqa: F821 - read as source only
+    else:
+        out = attention_interface(self, x, x)  # noqa: F821
+    return out
+
+
+@pytest.mark.slow
+def test_diffllama_planned_without_the_refusal_fails_the_logits(tmp_path, monkeypatch):
+    """Negative control: the analyzer that does not count the module's attention calls plans DiffLlama as GQA, and
+    `kvcache run`'s logits check fails (what the family sweep measured at the class defaults: V301, rel 0.99)."""
+    from model_infer_kvcache.analyzer import arch_check
+
+    monkeypatch.setattr(arch_check, "_attention_calls", lambda module: {})
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
+    arch_check._hf_attentions.cache_clear()
+    try:
+        case = _small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")
+        assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+    finally:
+        arch_check._hf_attentions.cache_clear()
+
+
+GPT_NEOX_JAPANESE_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
+                               rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                                "rope_type": "default"})
+
+
+@pytest.mark.slow
+def test_gpt_neox_japanese_routes_its_headwise_fused_qkv(tmp_path, monkeypatch):
+    """GPT-NeoX-Japanese scores inside its attention: one query_key_value laid out head by head ([heads, q | k | v]),
+    RoPE on the first rotary_ndims lanes, the last layer's dense_bias returned to its decoder layer. It has a
+    ``_split_heads`` of another signature than Falcon's, so the host took the fused_qkv route: `kvcache run` FAILED
+    V201 (TypeError: _split_heads() missing 2 required positional arguments) in both modes. The headwise_qkv route
+    serves it (partial RoPE here: factor 0.5). Negative control: the fused projection read as three contiguous
+    blocks (q, k, v of hidden each, Falcon's way) fails the logits check."""
+    import torch
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    case = _small_case(tmp_path, "gpt_neox_japanese", GPT_NEOX_JAPANESE_SMALL, "standalone")
+    _passes(case)
+
+    def blockwise(self, hidden_states, position_embeddings=None, **kwargs):
+        b, s = hidden_states.shape[:2]
+        q, k, v = (x.view(b, s, self.num_attention_heads, self.head_size).transpose(1, 2)
+                   for x in self.query_key_value(hidden_states).chunk(3, dim=-1))
+        r = self.rotary_ndims
+        q_rot, k_rot = sys.modules[type(self).__module__].apply_rotary_pos_emb(q[..., :r], k[..., :r],
+                                                                                *position_embeddings)
+        q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        out, _ = host_model._gqa_attention(self, q, k, v, None, scaling=1.0 / self.norm_factor)
+        return self.dense(out.reshape(b, s, -1)), None, self.dense_bias
+
+    monkeypatch.setitem(host_model._ROUTED_FORWARD, "headwise_qkv", blockwise)
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+
+
+def test_phi4_multimodal_towers_are_cut_to_one_layer_in_the_tiny_model():
+    """Phi-4-multimodal's causal LM builds its SigLIP vision and conformer audio towers (908M parameters at their
+    defaults), which a text stream never runs: the tiny model held 961M parameters, its float64 model under test and
+    reference ~19 GB (`kvcache run` framework mode killed, exit -9). Cut to one layer each (shrink_towers), measured
+    on the meta device. Negative control: the towers as the class builds them are the bulk of the model."""
+    import torch
+    from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
+    from model_infer_kvcache.validators.pipeline.tiny_model import shrink_towers
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    defaults = CONFIG_MAPPING["phi4_multimodal"]().to_dict()
+    small = dict(num_hidden_layers=2, vocab_size=512, intermediate_size=128, pad_token_id=0, bos_token_id=1)
+
+    def params(d):
+        with torch.device("meta"):
+            model = causal_lm_from_config(AutoConfig.for_model("phi4_multimodal", **d))
+        return sum(p.numel() for p in model.parameters())
+
+    d = {k: v for k, v in defaults.items() if k not in ("vision_config", "model_type")} | small
+    whole = params(d)  # the negative control: the towers at the class's depth
+    cut = shrink_towers(d, defaults)
+    assert cut == ["audio_config.num_blocks 24 -> 1", "vision_config.num_hidden_layers 27 -> 1"]
+    assert whole > 900_000_000 and whole - params(d) > 800_000_000, (whole, params(d))
+    # the text stream's own sub-models are no towers: BLT's encoder / decoder configs stay whole
+    blt = CONFIG_MAPPING["blt"]().to_dict()
+    assert shrink_towers(dict(blt), blt) == []
+
+
+@pytest.mark.slow
+def test_a_big_tiny_model_shares_its_weights_with_the_reference_and_may_not_write_them(tmp_path, monkeypatch):
+    """Ergo's tiny model keeps 64 heads x 128 at a tied hidden size (its head_dim is hidden / heads): 634M
+    parameters, two float64 copies (model under test, reference) beside the float32 original ~12.5 GB a run, and
+    `kvcache run` was killed (exit -9). Above SHARED_WEIGHTS_ABOVE the reference shares the model's weights
+    (validate.sharing_weights), fingerprinted around the stream. Forced on a small Llama here: it passes sharing.
+    Negative control: code that writes the model's weights in place (a scale folded into o_proj on each call)
+    fails V201 by name, where a shared reference would otherwise follow it."""
+    from model_infer_kvcache.validators.pipeline import host_model, validate
+
+    monkeypatch.setattr(validate, "SHARED_WEIGHTS_ABOVE", 0)
+    case = _small_case(tmp_path, "llama", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                               vocab_size=512), "framework")
+    report = _passes(case)
+    assert check(report, "rendered code runs").measured.get("shared_weights") is True
+    routed = host_model._gqa_attention
+
+    def folding(module, *args, **kwargs):
+        module.o_proj.weight.data.mul_(1.001)
+        return routed(module, *args, **kwargs)
+
+    monkeypatch.setattr(host_model, "_gqa_attention", folding)
+    runs = check(run_validate(*case[:3]), "rendered code runs")
+    assert not runs.passed and "the model's weights changed during the stream" in runs.detail
+
+
+@pytest.mark.slow
+def test_openai_gpt_routes_its_conv1d_qkv(tmp_path, monkeypatch):
+    """GPT-1 (openai-gpt) scores inside its ``Attention``: one Conv1D ``c_attn`` of q | k | v, scores over sqrt(head
+    size) (its ``scale`` flag), ``c_proj``. Before: `kvcache run` refused it ('not understood by the validation
+    host'). The conv1d_qkv route serves it. Negative control: the fused output read head by head (GPT-NeoX's
+    [heads, q | k | v] layout) fails the logits check."""
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    case = _small_case(tmp_path, "openai-gpt", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512), "framework")
+    assert not case[3].blockers and case[3].fa.softmax_scale == 16 ** -0.5
+    _passes(case)
+
+    def headwise(self, x, *args, **kwargs):
+        b, s = x.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in self.c_attn(x).view(b, s, self.n_head, -1).chunk(3, dim=-1))
+        out, _ = host_model._gqa_attention(self, q, k, v, None, scaling=q.shape[-1] ** -0.5)
+        return [self.c_proj(out.reshape(b, s, -1))]
+
+    monkeypatch.setitem(host_model._ROUTED_FORWARD, "conv1d_qkv", headwise)
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+
+
+GPT_NEO_SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=512, window_size=64,
+                     attention_types=[[["global", "local"], 1]])
+
+
+def test_gpt_neo_plans_its_local_layers_sliding_and_its_scores_unscaled(tmp_path):
+    """GPT-Neo alternates global and local layers (``attention_layers`` / ``attention_types``; the local ones mask keys
+    ``window_size`` or more back) and scores q k^T unscaled in its own ``_attn``. kvcache planned every layer full at
+    head_dim^-0.5 (the host then refused the module, 'not understood by the validation host'); now the local layers
+    slide over window_size and the scale is 1, both confirmed by the cross-check against GPTNeoSelfAttention.
+    Negative controls: the old plan's scale and its full local layers are each refused by the cross-check by name."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+
+    config = _config(tmp_path, "gpt_neo")
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert m.fa.softmax_scale == 1.0 and not m.blockers
+    assert [(layer.attn_type, layer.sliding_window) for layer in m.layers[:2]] == [("FullAttention", None),
+                                                                                   ("SlidingWindow", 256)]
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    facts = normalize_config(raw, str(config))
+    errors = arch_check.cross_check(raw, facts, m.layers, 128 ** -0.5, "head_dim^-0.5 = 128^-0.5").errors
+    assert len(errors) == 1 and "softmax scale" in errors[0] and "vs transformers 1 (GPTNeoSelfAttention._attn" \
+        in errors[0], errors
+    full = [layer.model_copy(update={"sliding_window": None}) for layer in m.layers]
+    errors = arch_check.cross_check(raw, facts, full, 1.0, "1").errors
+    assert len(errors) == 1 and "sliding window: analyzer None" in errors[0] and "vs transformers 256" in errors[0]
+
+
+@pytest.mark.slow
+def test_gpt_neo_validates_through_its_split_qkv_route(tmp_path):
+    """The host's split_qkv route (GPT-Neo's own q / k / v projections and _split_heads around the rendered attention,
+    windowed on its local layer) passes `kvcache run`'s checks on a small GPT-Neo. Negative control: the same render
+    with its local layer's window removed (served full, what the old plan did) fails the logits check."""
+    case = _small_case(tmp_path, "gpt_neo", GPT_NEO_SMALL, "framework")
+    assert [layer.sliding_window for layer in case[3].layers] == [None, 64]
+    _passes(case)
+    # the local layer's FA band as wide as any sequence: served full, as the old plan did
+    mutate(case[1], r"self\.window_pre_tokens = self\.sliding_window - WINDOW_PRE_TOKENS_OFFSET",
+           "self.window_pre_tokens = 2147483647")
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+
+
+def test_a_big_tiny_model_gets_a_step_allowance_grown_with_its_size():
+    """Ergo's tiny model (634M parameters: 64 heads x 128 at a tied hidden size) took over 120 s for its first
+    step (780 prompt tokens, float64, a shared core) and the watchdog failed V203 'the step never returns'. The
+    default allowance grows by STEP_SECONDS per STEP_PARAMETERS parameters; small models and a caller's own
+    allowance (--step-timeout) keep theirs. Negative control: the unsized stream keeps the 120 s that stopped it."""
+    from dataclasses import replace
+
+    from model_infer_kvcache.validators.pipeline.request_stream import DEFAULT, STEP_SECONDS
+
+    assert DEFAULT.step_seconds == STEP_SECONDS == 120.0  # what stopped Ergo's first step
+    assert DEFAULT.sized_for(633_766_912).step_seconds == 7 * STEP_SECONDS
+    assert DEFAULT.sized_for(40_000_000).step_seconds == STEP_SECONDS
+    assert replace(DEFAULT, step_seconds=5.0).sized_for(633_766_912).step_seconds == 5.0
 
 
 def test_text_causal_lm_classes_the_auto_mappings_leave_out_are_built_and_validated(tmp_path):

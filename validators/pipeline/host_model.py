@@ -8,7 +8,10 @@ by one naming scheme. How an attention module is routed depends on its own code:
 - MLA (DeepSeek-V2/V3, Kimi-K2): the forward is replaced, because the rendered code needs the
   latent before its norm and the query split into nope/rope parts;
 - a fused ``query_key_value`` split by the module's own ``_split_heads`` (Falcon): the forward is
-  replaced by one that reuses the module's projections, head split and rotary function.
+  replaced by one that reuses the module's projections, head split and rotary function; one laid out head by head
+  and scored by the module itself (GPT-NeoX-Japanese: partial RoPE, a bias on the last layer's output) likewise, and
+  GPT-1's ``Conv1D`` ``c_attn`` of q | k | v (openai-gpt) and GPT-Neo's q_proj / k_proj / v_proj split by its
+  ``_split_heads``, scored unscaled in its ``_attn``.
 - an attention computing its scores itself: an encoder-decoder's ``q_proj``/``k_proj``/``v_proj`` + ``torch.bmm``
   (TrOCR, MVP) or a BERT-era ``query``/``key``/``value`` self-attention (BigBird, RemBert, MegatronBert, RoFormer with
   its rotary at each token's own position): the forward is replaced by one around the module's own projections;
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from model_infer_kvcache.analyzer.arch_check import unscaled_scores
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
@@ -427,6 +431,46 @@ def _fused_qkv_forward(self, hidden_states, alibi=None, attention_mask=None, pos
     return self.dense(out.reshape(b, s, -1)), None
 
 
+def _headwise_qkv_forward(self, hidden_states, attention_mask=None, position_ids=None, layer_past=None,
+                          use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    """GPT-NeoX-era attention scoring by itself (modeling_gpt_neox_japanese GPTNeoXJapaneseAttention): one fused
+    ``query_key_value`` laid out head by head ([heads, q | k | v] of ``head_size`` each), RoPE on the first
+    ``rotary_ndims`` lanes by the module's own ``apply_rotary_pos_emb``, scores over ``norm_factor`` (sqrt of the head
+    size), then ``dense``. Returns what the module does: the output, no weights, and its ``dense_bias`` (the last
+    layer's, which its decoder layer adds; None elsewhere)."""
+    b, s = hidden_states.shape[:2]
+    qkv = self.query_key_value(hidden_states).view(b, s, self.num_attention_heads, 3 * self.head_size)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split(self.head_size, dim=-1))  # [B, heads, S, D]
+    r = self.rotary_ndims
+    cos, sin = position_embeddings
+    q_rot, k_rot = sys.modules[type(self).__module__].apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin)
+    q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+    out, _ = _gqa_attention(self, q, k, v, attention_mask, scaling=1.0 / self.norm_factor)
+    return self.dense(out.reshape(b, s, -1)), None, getattr(self, "dense_bias", None)
+
+
+def _conv1d_qkv_forward(self, x, attention_mask=None, output_attentions=False, *args, **kwargs):
+    """GPT-1-era attention scoring by itself (modeling_openai Attention): one ``Conv1D`` ``c_attn`` whose output is
+    q | k | v of ``split_size`` each, split into ``n_head`` heads, scores over sqrt(head size) when the module's
+    ``scale`` flag is set (1 otherwise), then ``c_proj``. Returns the output without weights, in a list as the module."""
+    b, s = x.shape[:2]
+    q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2) for t in self.c_attn(x).split(self.split_size, dim=2))
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=q.shape[-1] ** -0.5 if self.scale else 1.0)
+    return [self.c_proj(out.reshape(b, s, -1))]  # a list, as the module's: its Block concatenates lists
+
+
+def _split_qkv_forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
+                       output_attentions=False, **kwargs):
+    """GPT-Neo's attention (modeling_gpt_neo GPTNeoSelfAttention): ``q_proj`` / ``k_proj`` / ``v_proj`` split by the
+    module's own ``_split_heads``, scores unscaled in its ``_attn`` (arch_check.unscaled_scores: the manifest's scale 1),
+    its local layers' window the rendered code's (the manifest's per-layer plan), then ``out_proj``."""
+    q, k, v = (self._split_heads(getattr(self, name)(hidden_states), self.num_heads, self.head_dim)
+               for name in ("q_proj", "k_proj", "v_proj"))
+    b, s = hidden_states.shape[:2]
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=1.0)
+    return self.out_proj(out.reshape(b, s, -1)), None
+
+
 def _forward_source(module) -> str:
     try:
         return inspect.getsource(type(module).forward)
@@ -448,20 +492,22 @@ def _returned_values(module) -> int:
 
 
 def _padded(forward, count: int):
-    """``forward`` (returning ``(out, None)``) returning ``count`` values, the extra ones None: a decoder layer that
-    unpacks three (GLM-5's top-k for the next shared layer, unused: render refuses shared layers) gets three."""
+    """``forward`` (returning ``(out, None)``, or more) returning ``count`` values, the extra ones None: a decoder
+    layer that unpacks three (GLM-5's top-k for the next shared layer, unused: render refuses shared layers) gets
+    three."""
     if count <= 2:
         return forward
 
     def padded(self, *args, **kwargs):
-        return (*forward(self, *args, **kwargs), *([None] * (count - 2)))
+        out = forward(self, *args, **kwargs)
+        return (*out, *([None] * (count - len(out))))
 
     return padded
 
 
 def attention_route(module, is_mla: bool) -> str | None:
-    """How the host routes one transformers attention module: interface | mla | v4 | fused_qkv | eager_qkv | bert_qkv
-    | None."""
+    """How the host routes one transformers attention module: interface | mla | v4 | headwise_qkv | fused_qkv |
+    eager_qkv | split_qkv | conv1d_qkv | bert_qkv | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
     if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):
@@ -469,12 +515,21 @@ def attention_route(module, is_mla: bool) -> str | None:
     source = _forward_source(module)
     if "ALL_ATTENTION_FUNCTIONS" in source:
         return "interface"
+    if all(hasattr(module, a) for a in ("query_key_value", "dense", "rotary_ndims", "norm_factor")) and \
+            "3 * self.head_size" in source and "_attn(" in source:
+        return "headwise_qkv"  # GPT-NeoX-Japanese: fused per-head q | k | v, partial RoPE, scoring by itself
     if all(hasattr(module, a) for a in ("query_key_value", "_split_heads", "dense")) and \
             "position_embeddings" in inspect.signature(type(module).forward).parameters:
         return "fused_qkv"  # Falcon's rotary path (Bloom's ALiBi-only attention has no position_embeddings)
     if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "out_proj", "scaling", "head_dim")) and \
             "torch.bmm" in source and "key_value_states" in inspect.signature(type(module).forward).parameters:
         return "eager_qkv"  # TrOCR, MVP: encoder-decoder attention computing its scores itself
+    if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("q_proj", "k_proj", "v_proj", "out_proj")) \
+            and "self._split_heads(" in source and "self._attn(" in source and unscaled_scores(module) is not None:
+        return "split_qkv"  # GPT-Neo: its own head split, unscaled scores in _attn
+    if all(type(getattr(module, a, None)).__name__ == "Conv1D" for a in ("c_attn", "c_proj")) and \
+            all(hasattr(module, a) for a in ("split_size", "n_head", "scale")) and "self._attn(" in source:
+        return "conv1d_qkv"  # GPT-1 (openai-gpt): a Conv1D c_attn of q | k | v, scoring by itself
     if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("query", "key", "value")) and \
             hasattr(module, "attention_head_size") and "torch.matmul(query_layer, key_layer.transpose" in source:
         return "bert_qkv"  # BigBird, RemBert, MegatronBert, RoFormer: BERT-era self-attention scoring by itself
@@ -538,7 +593,8 @@ def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
 
 
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
-                   "bert_qkv": _bert_qkv_forward, "v4": _v4_forward}
+                   "bert_qkv": _bert_qkv_forward, "v4": _v4_forward, "headwise_qkv": _headwise_qkv_forward,
+                   "conv1d_qkv": _conv1d_qkv_forward, "split_qkv": _split_qkv_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -953,8 +1009,9 @@ class HostModel:
                 raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "
                                              "understood by the validation host: its forward neither calls "
                                              "transformers' attention interface nor is MLA, a fused "
-                                             "query_key_value split by _split_heads or a BERT-era query / key / "
-                                             "value self-attention", field="model_type")
+                                             "query_key_value (Falcon's, GPT-NeoX-Japanese's), GPT-1's Conv1D c_attn, "
+                                             "GPT-Neo's split q / k / v "
+                                             "or a BERT-era query / key / value self-attention", field="model_type")
             routes.add(route)
             host = host_cls(hf_attn, idx, self.probe)
             host.init_kv_cache(idx, cache_dtype)
@@ -1043,7 +1100,7 @@ def position_offset(hf_model) -> int:
 
 def _store_output(outputs: list, idx: int):
     def hook(module, _inputs, output):
-        out = output[0] if isinstance(output, tuple) else output
+        out = output[0] if isinstance(output, (tuple, list)) else output  # GPT-1's Block returns a list
         config = getattr(module, "config", None)
         if out.dim() == 4 and hasattr(config, "altup_active_idx"):
             # Gemma-3n's AltUp stacks its predictions in front: [altup_num_inputs, batch, L, hidden]

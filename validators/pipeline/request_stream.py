@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # torch is imported where a tensor is made: `kvcache validate
 # One forward step of a tiny model takes well under a second on CPU (DeepSeek-V3's 128 heads in float64:
 # about 2 s); a step still running after this many seconds is stuck (a render that never returns).
 STEP_SECONDS = 120.0
+STEP_PARAMETERS = 100_000_000  # a bigger tiny model gets STEP_SECONDS per this many parameters (Scenario.sized_for)
 # The check a stopped stream fails (rendered and checkout mode alike).
 STREAM_BUDGET_CHECK = "request stream finishes within its step budget"
 
@@ -108,6 +109,15 @@ class Scenario:
         for the release run's requests (one prefill and two decodes each)."""
         requests = self.first + self.late
         return len(requests) + sum(new for _, new in requests) + 3 * self.release_requests + 16
+
+    def sized_for(self, parameters: int) -> Scenario:
+        """This stream with the default step allowance grown with the tiny model's size: STEP_SECONDS per
+        STEP_PARAMETERS parameters (a step's cost is its tokens times the weights). Ergo's tiny model (64 heads x 128
+        at a tied hidden size: 634M parameters) took over 120 s for its first step, 780 prompt tokens in float64 on a
+        shared core: the watchdog called it stuck. An allowance set by the caller is kept."""
+        if self.step_seconds != STEP_SECONDS or parameters <= STEP_PARAMETERS:
+            return self
+        return replace(self, step_seconds=STEP_SECONDS * -(-parameters // STEP_PARAMETERS))
 
     def watchdog(self, what: str) -> Watchdog:
         return Watchdog(self.max_steps(), self.step_seconds, what)

@@ -123,6 +123,11 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
+    if isinstance(d.get("attention_types"), list):
+        # GPT-Neo's grouped spelling ([[types...], repeats] pairs), which its config expands into attention_layers and
+        # checks against the layer count: one group per kept layer (the analyzer read the same expansion)
+        kept = [t for group, repeats in d["attention_types"] for _ in range(repeats) for t in group][:n]
+        d["attention_types"], d["attention_layers"] = [[[t], 1] for t in kept], kept
     if isinstance(d.get("hybrid_override_pattern"), str):  # Nemotron-H's legacy block string, one char a block
         d["hybrid_override_pattern"] = d["hybrid_override_pattern"][:n]
     if d.get("num_kv_shared_layers"):
@@ -165,6 +170,35 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     notes.append(f"{n} of {m.num_layers} decoder layers: the shortest prefix holding every distinct layer plan "
                  f"({len(held)}: {'; '.join(held)})")
     return d, TinyPlan(hf_type, n, window, notes)
+
+
+# The nested configs of encoder towers beside the text backbone (not a BLT / MusicGen sub-model the text runs through)
+_TOWERS = ("vision_config", "audio_config")
+# Depth fields of a nested tower config
+_TOWER_DEPTHS = ("num_hidden_layers", "num_layers", "num_blocks", "depth", "encoder_layers")
+
+
+def shrink_towers(d: dict[str, Any], class_defaults: dict[str, Any]) -> list[str]:
+    """Each encoder tower's nested config (``_TOWERS``, a sub-config dict with its own ``model_type``: Phi-4-multimodal's
+    ``vision_config`` / ``audio_config``, built with the causal LM though text-only input never runs them) cut to one
+    layer, in place; the config's own tower when it has one, else its class's (what transformers would build).
+    Phi-4-multimodal's towers at their defaults held 908M of the tiny model's 961M parameters: the float64 model
+    under test and reference took ~19 GB (``kvcache run`` killed). Widths stay: a tower's own shape rules hold.
+    Returns "field: depth n -> 1" for each one cut."""
+    cut = []
+    for key in sorted({*class_defaults, *d}):
+        tower = d.get(key, class_defaults.get(key))
+        if key not in _TOWERS or not (isinstance(tower, dict) and tower.get("model_type")):
+            continue
+        tower = dict(tower)
+        for depth in _TOWER_DEPTHS:
+            value = tower.get(depth)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                cut.append(f"{key}.{depth} {value} -> 1")
+                tower[depth] = 1
+        if tower != d.get(key, class_defaults.get(key)):
+            d[key] = tower
+    return cut
 
 
 def _dense_prefix_types(d: dict[str, Any], src: dict[str, Any]) -> None:
@@ -284,6 +318,9 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     for key, value in list(d.items()):  # a nested section (DBRX's ffn_config): the same widths and expert counts
         if isinstance(value, dict):
             d[key] = _shrunk_section(value)
+    shrunk = shrink_towers(d, class_defaults)
+    if shrunk:
+        plan.notes.append("encoder towers the text stream never runs cut to one layer: " + ", ".join(shrunk))
     moved = fit_token_ids(d, class_defaults, d["vocab_size"])
     if moved:
         plan.notes.append("token ids moved into the tiny vocabulary: "
@@ -446,10 +483,14 @@ def _head_dim_of(model) -> int | None:
         module = next((m for _, m in attention_modules(model) if m is not None), None)
     except LayoutError:
         return None
-    for name in ("head_dim", "attention_head_size"):  # the BERT-era modules name it attention_head_size
+    # the BERT-era modules name it attention_head_size, GPT-NeoX-Japanese head_size
+    for name in ("head_dim", "attention_head_size", "head_size"):
         d = getattr(module, name, None)
         if isinstance(d, int) and not isinstance(d, bool):
             return d
+    split, heads = getattr(module, "split_size", None), getattr(module, "n_head", None)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in (split, heads)) and heads:
+        return split // heads  # GPT-1: its heads split split_size (n_embd) evenly
     return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -402,10 +403,11 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings, install_emulation
     from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
 
-    if req.step_seconds is not None:
-        scenario = replace(scenario, step_seconds=req.step_seconds)
+    parameters = sum(p.numel() for p in pristine.parameters())
+    scenario = scenario.sized_for(parameters) if req.step_seconds is None else \
+        replace(scenario, step_seconds=req.step_seconds)
+    gc.collect()  # the last run's model and host (cycles: bound forwards) before this run's copies
     model = copy.deepcopy(pristine)
-    ref = copy.deepcopy(pristine)  # the single-rank reference, whatever the TP
     if world > 1:
         from model_infer_kvcache.validators.pipeline.multi_rank import shard_attention
 
@@ -418,7 +420,12 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     device = torch.device("npu") if on_npu else torch.device("cpu")
     cache_dtype = getattr(torch, req.dtype)
     model.to(device=device, dtype=cache_dtype)
-    ref.to(dtype=torch.float64 if cache_dtype == torch.float64 else torch.float32)
+    ref_dtype = torch.float64 if cache_dtype == torch.float64 else torch.float32
+    # the single-rank reference, whatever the TP; a big tiny model's shares the model's weights (one copy in memory)
+    shared = world == 1 and not on_npu and ref_dtype == cache_dtype and parameters > SHARED_WEIGHTS_ABOVE
+    ref = sharing_weights(pristine, model) if shared else copy.deepcopy(pristine)
+    ref.to(dtype=ref_dtype)
+    fingerprint = weights_fingerprint(model) if shared else None
     with ops, device_readings(readings), consulted_questions() as consulted, \
             _framework(manifest, req, backend) as handle, _torchair(manifest, backend), \
             _custom_ops(manifest, backend), float64_upcasts():
@@ -468,7 +475,34 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             return
         finally:
             report.consulted = sorted(set(report.consulted) | consulted)
-        report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1)
+        if fingerprint is not None and not torch.equal(fingerprint, weights_fingerprint(model)):
+            report.add("rendered code runs without operator errors", "runtime", False,
+                       detail="the model's weights changed during the stream (the reference shares them: "
+                              "weights_fingerprint); the rendered code must not write the model's parameters")
+            return
+        report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1,
+                   **({"shared_weights": True} if shared else {}))
+
+
+# Above this many parameters (Ergo's tiny model: 64 heads x 128 at a tied hidden size, 634M) the reference shares
+# the float64 weights of the model under test instead of holding a copy: two float64 copies and the float32
+# original took ~12.5 GB a run (`kvcache run` killed, exit -9). What the rendered code could do to shared weights,
+# it may not: the weights are fingerprinted before and after the stream.
+SHARED_WEIGHTS_ABOVE = 200_000_000
+
+
+def sharing_weights(pristine: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``pristine`` (the reference: transformers' own forwards, untouched by the host) whose parameters are
+    ``model``'s own tensors, by name (its buffers stay its own)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    memo = {id(t): own[name] for name, t in pristine.named_parameters(remove_duplicate=False) if name in own}
+    return copy.deepcopy(pristine, memo)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> torch.Tensor:
+    """Each parameter's sum and sum of squares (float64): any write into the weights shows."""
+    with torch.no_grad():
+        return torch.stack([torch.stack((p.double().sum(), p.double().square().sum())) for p in model.parameters()])
 
 
 def _raised_outside_render(exc: BaseException, rendered_dir) -> str:

@@ -314,7 +314,7 @@ def test_bad_input_through_the_console_entry_has_no_traceback(tmp_path):
     proc = kvcache("analyze", "--config", str(bad))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"error: {bad}: num_hidden_layers: missing (looked for num_hidden_layers, n_layer, " \
-                          "num_layers, n_layers, decoder_layers)\n"
+                          "num_layers, n_layers, decoder_layers, num_decoder_layers)\n"
     usage = kvcache("analyze", "--config", QWEN3, "--block-size", "x")
     assert usage.returncode == 2 and usage.stderr.count("\n") == 1 and "Traceback" not in usage.stderr
 

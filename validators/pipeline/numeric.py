@@ -170,7 +170,9 @@ class NumericTracker:
         bound, extra = self.atol, {}
         dtype = str(getattr(self.host, "cache_dtype", "")).removeprefix("torch.")
         ceiling = CONDITIONED_CEILING if dtype == "float64" else DRIFT_CEILING
-        if not nonfinite and self.atol < worst <= ceiling and worst_rid is not None and dtype in TOLERANCE:
+        # (a float32 run's reference is float32 itself: no drift to measure)
+        if not nonfinite and self.atol < worst <= ceiling and worst_rid is not None and dtype in TOLERANCE \
+                and dtype != "float32":
             # over the bound by a rounding-sized amount: is transformers' own model that far off at this precision?
             if dtype == "float64":
                 own, what = reference_sensitivity(self.ref_model, sequences[worst_rid]), "one-ulp sensitivity"

@@ -406,7 +406,10 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     parameters = sum(p.numel() for p in pristine.parameters())
     scenario = scenario.sized_for(parameters) if req.step_seconds is None else \
         replace(scenario, step_seconds=req.step_seconds)
-    gc.collect()  # the last run's model and host (cycles: bound forwards) before this run's copies
+    if parameters > SHARED_WEIGHTS_ABOVE // 4:
+        # a big model: the last run's model and host (cycles: bound forwards) freed before this run's copies. Not for
+        # every run: a collection takes ~0.16 s with transformers loaded, minutes over the test suite's runs
+        gc.collect()
     model = copy.deepcopy(pristine)
     if world > 1:
         from model_infer_kvcache.validators.pipeline.multi_rank import shard_attention

@@ -15,7 +15,7 @@ from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.implementer.render import render_manifest
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
-from validators_support import CONFIGS, check, mutate, render_case, run_validate
+from validators_support import CONFIGS, check, mistaken_report, mutate, render_case, run_validate
 
 CONFIG = "deepseek_v4_hca"
 ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
@@ -99,15 +99,8 @@ def test_a_v4_framework_render_mistake_fails_by_name(tmp_path, monkeypatch, case
 
 
 @pytest.mark.parametrize("case, name, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_a_v4_render_mistake_fails_by_name(tmp_path, monkeypatch, case, name, pattern, replacement, failing):
-    from model_infer_kvcache.validators.pipeline import validate
-
-    # the check that fails is the point here, not the sub-module localisation's replay of it
-    monkeypatch.setattr(validate, "_localise", lambda *args, **kwargs: None)
-    manifest, rendered, cfg = _case(tmp_path)
-    mutate(rendered, pattern, replacement, name=name)
-    report = run_validate(manifest, rendered, cfg, scenario=STREAM)
-    assert not report.passed
+def test_a_v4_render_mistake_fails_by_name(tmp_path, case, name, pattern, replacement, failing):
+    report = mistaken_report(_case(tmp_path), pattern, replacement, STREAM, name=name)
     assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
     if failing == OPS:  # the operator refuses the call, naming the argument
         assert {"window-one-token-too-many": "ori_win_left",

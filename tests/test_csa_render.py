@@ -16,7 +16,7 @@ from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.implementer.render import render_manifest
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
-from validators_support import CONFIGS, check, mutate, render_case, run_validate
+from validators_support import CONFIGS, check, mistaken_report, mutate, render_case, run_validate
 
 CONFIG = "deepseek_v4"
 ATTN = "kvcache_attention.py"
@@ -61,15 +61,8 @@ MISTAKES = [
 
 
 @pytest.mark.parametrize("case, name, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_a_csa_render_mistake_fails_by_name(tmp_path, monkeypatch, case, name, pattern, replacement, failing):
-    from model_infer_kvcache.validators.pipeline import validate
-
-    # the check that fails is the point here, not the sub-module localisation's replay of it
-    monkeypatch.setattr(validate, "_localise", lambda *args, **kwargs: None)
-    manifest, rendered, cfg = _case(tmp_path)
-    mutate(rendered, pattern, replacement, name=name)
-    report = run_validate(manifest, rendered, cfg, scenario=STREAM)
-    assert not report.passed
+def test_a_csa_render_mistake_fails_by_name(tmp_path, case, name, pattern, replacement, failing):
+    report = mistaken_report(_case(tmp_path), pattern, replacement, STREAM, name=name)
     # the manifest's index_topk (512) is wider than CPU prompts: the given render runs as written with only its
     # INDEX_TOPK narrowed, its runtime checks named "as written: ..." (the implementer's own render passes)
     assert check(report, failing).passed

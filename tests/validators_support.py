@@ -47,10 +47,27 @@ def run_validate(manifest: Path, rendered: Path, config: Path, scenario: Scenari
                                     backend="emulated", scenario=scenario, sweep_readings=sweep))
 
 
+def mistaken_report(case: tuple[Path, Path, Path], pattern: str, replacement: str, scenario: Scenario = QUICK,
+                    name: str = "kvcache_attention.py"):
+    """The report of ``case``'s render (render_case's paths) with one mistake written in, which must fail it. The
+    sub-module localisation's replay is skipped: the check that fails is the point (tests/test_localisation.py
+    covers the replay)."""
+    from unittest import mock
+
+    from model_infer_kvcache.validators.pipeline import validate as pipeline
+
+    manifest, rendered, config = case
+    mutate(rendered, pattern, replacement, name=name)
+    with mock.patch.object(pipeline, "_localise", lambda *args, **kwargs: None):
+        report = run_validate(manifest, rendered, config, scenario=scenario)
+    assert not report.passed
+    return report
+
+
 def check(report, name_prefix: str):
     matches = [c for c in report.checks if c.name.startswith(name_prefix)]
     assert matches, f"no check named {name_prefix!r} in {[c.name for c in report.checks]}"
     return matches[0]
 
 
-__all__ = ["DEFAULT", "QUICK", "check", "mutate", "render_case", "run_validate"]
+__all__ = ["DEFAULT", "QUICK", "check", "mistaken_report", "mutate", "render_case", "run_validate"]

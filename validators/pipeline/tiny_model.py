@@ -393,11 +393,12 @@ def _shrunk_section(section: dict[str, Any]) -> dict[str, Any]:
 
 def _with_aliases(d: dict[str, Any], hf_type: str) -> dict[str, Any]:
     """A field the tiny config sets by its common name (hidden_size) goes under the name the family's config class
-    keeps (DBRX's d_model, through its attribute_map): passing both, the class keeps the published value."""
-    from transformers import CONFIG_MAPPING
+    keeps (DBRX's d_model, through its attribute_map): passing both, the class keeps the published value. The map
+    the analyzer reads too (analyzer/hf_config_source)."""
+    from model_infer_kvcache.analyzer.hf_config_source import config_class_facts
 
     out = dict(d)
-    for common, own in (getattr(CONFIG_MAPPING[hf_type], "attribute_map", None) or {}).items():
+    for common, own in config_class_facts(hf_type).attribute_map.items():
         if common in out and own in out and common != own:
             out[own] = out.pop(common)
     return out

@@ -770,7 +770,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             want = (kv * d, 1, kv * vd) if legacy else (d, kv, vd)
             if want != shape:
                 kv_off.append((layer, mod, shape, want))
-        if mod.sinks != facts.has_sinks.value:
+        if mod.sinks != facts.has_sinks_at(layer.decoder_layer):
             sinks_off.append((layer, mod))
         module_facts = dict(mod.kind_facts)
         hf_source = module_facts.pop(KV_SOURCE_FACT, None)
@@ -819,7 +819,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     if sinks_off:
         layer, mod = sinks_off[0]
         result.errors.append(
-            f"attention sinks: analyzer {'on every layer' if facts.has_sinks.value else 'none'} "
+            f"attention sinks: analyzer {'none' if not facts.has_sinks.value else 'on every layer' if facts.sink_layers.value is None else 'on layers ' + str(list(facts.sink_layers.value))} "
             f"({facts.has_sinks.source}) vs transformers {'with' if mod.sinks else 'without'} "
             f"{mod.cls}.sinks on {len(sinks_off)} layer(s), first layer {layer.index} at {mod.path}")
     if source_off:

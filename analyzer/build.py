@@ -262,6 +262,7 @@ def assemble(
                                         legacy_fa=legacy_attention is not None and legacy_attention.kernel == "fa",
                                         fa_band=format_of(facts).fa_band)
     dependencies += _linear_dependencies(facts, layers)
+    dependencies += _value_dim_dependencies(facts, layers, kv_mode)
     measured_source = None
     if readings is not None:
         dependencies, measured_source = apply_readings(dependencies, readings, req.device_readings, warnings,
@@ -299,6 +300,8 @@ def assemble(
             num_mtp_layers=facts.num_mtp_layers.value,
             sublayers_per_layer=facts.sublayers_per_layer.value,
             sources=facts.sources(),
+            v_head_dim=facts.v_head_dim.value,
+            sink_layers=list(facts.sink_layers.value) if facts.has_sinks.value and facts.sink_layers.value else None,
         ),
         deploy_mode=deploy,
         framework_api=framework_api,
@@ -774,6 +777,22 @@ def _linear_dependencies(facts: ModelFacts, layers: list[LayerPlan]) -> list[Dev
                     f"(transformers' repeat_interleave); under '{other}' the operators pair other heads and every "
                     "linear layer's output is wrong (validation sweeps both)",
         layers=[layer.index for layer in layers if layer.is_state])]
+
+
+def _value_dim_dependencies(facts: ModelFacts, layers: list[LayerPlan], kv_mode: str) -> list[DeviceDependency]:
+    """Value heads narrower than key heads (MiMo-V2-Flash): every FA call passes V caches of their own width, which
+    the op docs both list (TND pairs) and forbid (identical K/V shapes): value_head_dim."""
+    if facts.v_head_dim.value is None or kv_mode != "paged":
+        return []
+    q = QUESTIONS["value_head_dim"]
+    other = q.alternatives(q.default)[0]
+    return [DeviceDependency(
+        question=q.name, assumed=q.default, alternative=other,
+        consequence=f"K caches of {facts.head_dim.value} and V caches of {facts.v_head_dim.value} per head; under "
+                    f"'{other}' every FA call fails, and zero-padding V to {facts.head_dim.value} would leave the "
+                    "layers with learnable sinks without FA (learnable_sink needs value D <= 128, 2.14.0 "
+                    "_op_plugin_docs.py:8757)",
+        layers=[layer.index for layer in layers if layer.caches])]
 
 
 def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str, deploy_mode: str = "standalone",

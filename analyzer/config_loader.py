@@ -310,6 +310,11 @@ class ModelFacts:
     # per decoder layer: the earlier layer whose K/V cache it reads (None: it computes and caches its own), only
     # when the config shares caches across layers (Gemma-3n / Gemma-4 ``num_kv_shared_layers``)
     kv_sources: Sourced[tuple[int | None, ...] | None] = Sourced(None, "default: every layer caches its own K/V")
+    # value heads of another width than the key heads (MiMo-V2-Flash's v_head_dim 128 beside head_dim 192); None: equal
+    v_head_dim: Sourced[int | None] = Sourced(None, "default: value heads as wide as key heads")
+    # the layers whose attention keeps learnable sinks when only some do (MiMo-V2-Flash: its sliding layers); None:
+    # every attention layer when has_sinks
+    sink_layers: Sourced[tuple[int, ...] | None] = Sourced(None, "default: every attention layer when has_sinks")
 
     def kv_source_at(self, decoder_layer: int | None) -> int | None:
         sources = self.kv_sources.value
@@ -323,6 +328,14 @@ class ModelFacts:
         heads = self.layer_heads.value
         return heads[decoder_layer].num_kv_heads if heads and decoder_layer is not None \
             else self.num_key_value_heads.value
+
+    def v_head_dim_at(self, decoder_layer: int | None) -> int:
+        """The value head dim of a layer: v_head_dim where the model sets one, else its key head dim."""
+        return self.v_head_dim.value or self.head_dim_at(decoder_layer)
+
+    def has_sinks_at(self, decoder_layer: int | None) -> bool:
+        layers = self.sink_layers.value
+        return self.has_sinks.value and (layers is None or decoder_layer is None or decoder_layer in layers)
 
     def distinct_kv_heads(self) -> list[int]:
         heads = self.layer_heads.value
@@ -343,6 +356,9 @@ class ModelFacts:
         return mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else self.head_dim.value
 
     def sources(self) -> dict[str, str]:
+        # v_head_dim / sink_layers only where a model sets them: other manifests keep their bytes and hash
+        optional = {name: getattr(self, name).source for name in ("v_head_dim", "sink_layers")
+                    if getattr(self, name).value is not None}
         return {
             name: getattr(self, name).source
             for name in (
@@ -365,7 +381,7 @@ class ModelFacts:
                 "sublayers_per_layer",
                 "max_position_embeddings",
             )
-        }
+        } | optional
 
 
 class _Reader:
@@ -491,6 +507,14 @@ SINK_FAMILIES = {
     "granite_swa": ": GraniteSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
     "granitemoe_swa": ": GraniteMoeSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
 }
+
+# Families whose sliding-window layers differ from their full ones where no config field says so (their transformers
+# modeling code does): (factor on num_key_value_heads, learnable sinks on the sliding layers only, the source).
+SLIDING_LAYER_RULES = {
+    "mimo_v2_flash": (2, True, "transformers MiMoV2FlashAttention.__init__: is_swa -> num_key_value_heads * 2 and "
+                               "sinks, full layers num_key_value_heads and sinks None"),
+}
+
 
 def _json_type(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), "a number")
@@ -627,8 +651,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         kv_heads = _kv_heads(r, heads)
         mla = _mla_dims(r)
         head_dim = _head_dim(r, hidden, heads, mla)
-        if mla.value is None:
-            _refuse_value_dim(r, head_dim)
+    v_head_dim = _value_head_dim(r, head_dim) if heads.value and mla.value is None else Sourced(
+        None, "default: value heads as wide as key heads")
     if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
         raise InputError(
             where,
@@ -649,9 +673,13 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     alibi = _alibi(r, model_type)
     chunk_hit = r.number("attention_chunk_size", kind=int, minimum=1)
     chunk = chunk_hit if chunk_hit and "chunked" in layer_kinds.value else Sourced(None, "default: none")
+    sliding_rule = SLIDING_LAYER_RULES.get(family)
+    sliding_layers = tuple(i for i, kind in enumerate(layer_kinds.value) if kind == "sliding")
     sinks = (
         Sourced(True, f"model_type {model_type} (learnable sinks in every attention layer{SINK_FAMILIES[family]})")
         if family in SINK_FAMILIES
+        else Sourced(True, f"model_type {model_type} (learnable sinks on its sliding layers: {sliding_rule[2]})")
+        if sliding_rule and sliding_rule[1] and sliding_layers
         else Sourced(True, "compressed attention (DeepSeek-V4): DeepseekV4Attention.sinks, upstream attn_sink")
         if compressed is not None
         else Sourced(False, "default: no sinks for this family")
@@ -667,7 +695,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     # a compressed model's index_* fields are its CSA indexer's (ModelFacts.compressed), not DSA's
     dsa = _dsa(r, mla, num_layers.value, model_type) if compressed is None else Sourced(
         None, "compressed attention: the indexer is CSA's")
-    layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla)
+    layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla, sliding_rule)
+    sink_layers = Sourced(sliding_layers, sinks.source) if sliding_rule and sliding_rule[1] and sliding_layers \
+        else Sourced(None, "default: every attention layer when has_sinks")
     kv_sources = _kv_sources(r, num_layers.value, layer_kinds.value)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
@@ -692,6 +722,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         rope=rope,
         layer_kinds=layer_kinds,
         layer_heads=layer_heads,
+        v_head_dim=v_head_dim,
+        sink_layers=sink_layers,
         kv_sources=kv_sources,
         sliding_window=sliding_window,
         attn_logit_softcapping=softcap,
@@ -755,19 +787,14 @@ def _refuse_composite(r: _Reader) -> None:
                  f"plans){streams}", field=f"{r.prefix}num_hidden_layers")
 
 
-def _refuse_value_dim(r: _Reader, head_dim: Sourced[int]) -> None:
+def _value_head_dim(r: _Reader, head_dim: Sourced[int]) -> Sourced[int | None]:
     """A GQA model whose value heads are narrower or wider than its key heads (MiMo-V2-Flash: ``v_head_dim`` 128 beside
-    ``head_dim`` 192, transformers' v_proj / o_proj sized by it): kvcache plans K and V caches of one head_dim."""
+    ``head_dim`` 192, transformers' v_proj / o_proj sized by it): its V cache is that wide, and FA takes it where the op
+    docs list the pair (analyzer/kinds/gqa.py, fa_facts.VALUE_DIM_PAIRS). None where the two are equal."""
     hit = r.positive_int("v_head_dim", required=False, maximum=LIMITS["head_dim"])
     if hit is None or hit.value == head_dim.value:
-        return
-    raise NotSupportedByKvcache(
-        r.where, f"value heads of {hit.value} beside {head_dim.value}-dim query/key heads ({head_dim.source}): kvcache "
-                 "plans K and V caches of one head_dim and renders no FA call whose value D differs from the key's. "
-                 "npu_fused_infer_attention_score_v2 gives attention_out the D of value (torch_npu 2.14.0 "
-                 "_op_plugin_docs.py:8677, 2.9.0 :7245) but no pinned doc line states the GQA paged layouts where "
-                 "value D may differ from key D; zero-padding V to the key's D would be exact (zero columns of V give "
-                 "zero columns of the output, sliced off) and is not rendered", field=hit.source)
+        return Sourced(None, "default: value heads as wide as key heads")
+    return hit
 
 
 def _dory_layers(data: dict[str, Any]) -> dict[str, Any]:
@@ -1080,12 +1107,13 @@ def _alibi(r: _Reader, model_type: str) -> Sourced[bool]:
 
 
 def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: Sourced[int],
-                 kv_heads: Sourced[int], heads: Sourced[int],
-                 mla: Sourced[MlaDims | None]) -> Sourced[tuple[LayerHeads, ...] | None]:
+                 kv_heads: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None],
+                 sliding_rule: tuple[int, bool, str] | None = None) -> Sourced[tuple[LayerHeads, ...] | None]:
     """Per-layer head_dim / KV heads, from transformers' ``per_layer_config`` (a sparse map of layer index ->
     overridden config fields, the HeterogeneousConfigMixin) or, in a config written without it, Gemma-4's
     ``global_head_dim`` and ``num_global_key_value_heads`` on the full-attention layers (the latter only when
-    ``attention_k_eq_v`` is set or absent: Gemma4TextConfig's rule). None when every layer is alike."""
+    ``attention_k_eq_v`` is set or absent: Gemma4TextConfig's rule), or a family's sliding-layer rule (MiMo-V2-Flash:
+    ``SLIDING_LAYER_RULES``). None when every layer is alike."""
     default = Sourced(None, "default: one head_dim and KV head count")
     overrides: dict[int, dict[str, Any]] = {}
     hit = r.mapping("per_layer_config")
@@ -1113,6 +1141,11 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
                                    if name == "head_dim" else LIMITS["heads"])
             overrides[index] = {k: int(v) for k, v in fields.items() if k in PER_LAYER_HEAD_FIELDS}
         source = src
+    elif sliding_rule and sliding_rule[0] != 1 and "sliding" in kinds:
+        # MiMo-V2-Flash: its sliding layers' KV heads are a multiple of num_key_value_heads (SLIDING_LAYER_RULES)
+        overrides = {i: {"num_key_value_heads": kv_heads.value * sliding_rule[0]}
+                     for i, kind in enumerate(kinds) if kind == "sliding"}
+        source = f"{kv_heads.source} x {sliding_rule[0]} on the sliding layers ({sliding_rule[2]})"
     else:
         glob_dim = r.positive_int("global_head_dim", required=False, maximum=LIMITS["head_dim"])
         glob_kv = r.positive_int("num_global_key_value_heads", required=False, maximum=LIMITS["heads"])

@@ -102,6 +102,12 @@ QUESTIONS: dict[str, Question] = {q.name: q for q in (
              "consecutive: key head h // (Nv/Nk) (repeat_interleave: transformers, FLA, vLLM, upstream qwen3_5's "
              "torch fallback); strided: key head h % Nk (repeat/tile)",
              switch=True, swept=True, dependency=True),
+    Question("value_head_dim", ("documented_pairs", "equal_only"),
+             "FA over packed (TND) queries with value heads narrower than key heads (Q_D = K_D = 192, V_D = 128)?",
+             "documented_pairs: the op takes the (K_D, V_D) pairs its TND section lists (2.14.0 "
+             "_op_plugin_docs.py:8730, what MiMo-V2-Flash's plan rests on); equal_only: key and value shapes must be "
+             "identical, as the same doc's general rule says (:8685), and the call fails",
+             switch=True, swept=True, dependency=True),
 )}
 
 # The names as tuples, for Literal[...] fields and argparse choices.

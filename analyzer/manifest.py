@@ -108,6 +108,22 @@ class ModelInfo(_Model):
     sources: dict[str, str] = Field(
         default_factory=dict, description="normalized fact -> config field it came from, or 'default: ...'"
     )
+    v_head_dim: int | None = Field(default=None, description="the value heads' dim where it differs from head_dim "
+                                                             "(MiMo-V2-Flash: 128 beside 192): the V cache's width")
+    sink_layers: list[int] | None = Field(default=None, description="the decoder layers whose attention keeps "
+                                                                    "learnable sinks when only some do (has_sinks); "
+                                                                    "absent: every attention layer")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """Written only where set: other manifests keep their bytes and hash."""
+        return _without_unset(handler(self), "v_head_dim", "sink_layers")
+
+    def v_head_dim_at(self, layer_head_dim: int | None = None) -> int:
+        return self.v_head_dim or layer_head_dim or self.head_dim
+
+    def has_sinks_at(self, decoder_layer: int) -> bool:
+        return self.has_sinks and (self.sink_layers is None or decoder_layer in self.sink_layers)
 
 
 class Evidence(_Model):
@@ -804,11 +820,14 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         layer_kv = layer.num_kv_heads_per_rank or p.num_kv_heads_per_rank
         layer_dim = layer.head_dim or model.head_dim
         heads, dim = kinds.cache_row_shape(m, layer_kv, layer_dim)
+        _, v_dim = kinds.cache_row_shape(m, layer_kv, model.v_head_dim_at(layer_dim))
         for j, c in enumerate(layer.caches):
             if c.num_head != heads:
                 out.append((f"{where}.caches[{j}].num_head", f"{c.num_head} is not {heads} "
                                                              "(KV heads per rank; 1 for MLA and Legacy rows)"))
-            if dim is not None and c.dim != dim:
+            if c.name == "v_cache" and v_dim is not None and c.dim != v_dim:
+                out.append((f"{where}.caches[{j}].dim", f"{c.dim} is not {v_dim} (the value heads' width)"))
+            elif c.name != "v_cache" and dim is not None and c.dim != dim:
                 out.append((f"{where}.caches[{j}].dim", f"{c.dim} is not {dim}"))
         # The band arguments a render passes: a windowed layer's own, INT32_MAX/0 for every other layer
         # (an edited value there would be accepted and silently ignored).

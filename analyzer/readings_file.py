@@ -18,7 +18,7 @@ from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import json_syntax_problem, not_a_file, read_input_text
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-PROBE_VERSION = 3  # 2: finalize_skip1_alone; 3: the gated delta rule questions (gdr_*)
+PROBE_VERSION = 4  # 2: finalize_skip1_alone; 3: the gated delta rule questions (gdr_*); 4: value_head_dim
 FILE_KIND = "kvcache-device-readings"
 
 

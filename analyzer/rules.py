@@ -283,6 +283,12 @@ def decide_fa_version(facts: ModelFacts, requested: str | None = None, checkout_
             return Decision("v2", "learnable sinks exist only on FA v2 (requested v1 refused)",
                             [facts.has_sinks.source])
         return Decision("v2", "learnable sinks require FA v2 (learnable_sink)", [facts.has_sinks.source])
+    if facts.v_head_dim.value is not None:
+        # v1's TND section: "N等于8/16/32/64/128, 且Q_N、K_N、V_N相等" (2.14.0 _op_plugin_docs.py:8195): no GQA there
+        why = ("value heads narrower than key heads take the packed layout, where FA v1 requires Q_N = K_N = V_N "
+               "(torch_npu 2.14.0 _op_plugin_docs.py:8195) and v2 takes GQA (:8731)")
+        return Decision("v2", why + (" (requested v1 refused)" if requested == "v1" else ""),
+                        [facts.v_head_dim.source])
     if requested:
         return Decision(requested, f"requested {requested} by the user", ["--fa-version"])
     if checkout_version:  # a preference, not a requirement: either version computes the same attention

@@ -171,6 +171,10 @@ class RenderContext:
     # per-layer attention shapes (implementer/kinds/gqa.py): (layer, head_dim, KV heads per rank) of each layer whose
     # shape differs from HEAD_DIM / NUM_KV_HEADS_PER_RANK; () when every layer has the model's
     layer_shapes: tuple[tuple[int, int, int], ...] = ()
+    # value heads narrower than key heads (implementer/kinds/gqa.py): the V cache's width, 0 when it is HEAD_DIM
+    v_head_dim: int = 0
+    # the decoder layers whose FA calls pass learnable sinks when only some keep them (model.sink_layers); None: all
+    sink_layers: tuple[int, ...] | None = None
 
     def own(self, constant: str, obj: str) -> str:
         """How the code at ``obj`` (``self`` in the attention mixin, ``attn`` in the runner) reads a layer's value of
@@ -363,6 +367,13 @@ def _legacy_kernel(m: SelectionManifest) -> tuple[str, float | None]:
     return legacy.kernel, legacy.softcap
 
 
+def _cache_constants(m: SelectionManifest) -> dict[str, tuple[str, str]]:
+    """(width constant, heads constant) of each cache entry: the kind's, with its manifest-dependent ones (a GQA V
+    cache narrower than its K cache: V_HEAD_DIM)."""
+    kind = attention_kind(m)
+    return kind.cache_constants(m) if hasattr(kind, "cache_constants") else kind.CACHE_CONSTANTS
+
+
 def _graph_mode(m: SelectionManifest) -> str | None:
     return None if m.exe_mode is None or m.exe_mode.value == "eager" else m.exe_mode.value
 
@@ -423,7 +434,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         mixed=len(kinds) > 1,
         kinds=tuple(sorted(kinds.values(), key=lambda k: k.attn_type)),
         sliding_layers=tuple(layer.index for layer in m.layers if layer.is_sliding),
-        caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head), *attention_kind(m).CACHE_CONSTANTS[c.name])
+        caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head), *_cache_constants(m)[c.name])
                      for c in first.caches) if first else (),
         cache_dtype=TORCH_DTYPE[first.caches[0].dtype] if first else "None",
         attends=first is not None,

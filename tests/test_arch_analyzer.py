@@ -231,26 +231,36 @@ def test_kv_cache_shape_per_rank_is_checked_against_the_projections():
     assert "on 36 layer(s)" in error
 
 
-def test_mimo_v2_flash_value_dim_and_sinks_are_refused_by_name(tmp_path, monkeypatch):
+def test_mimo_v2_flash_value_dim_sinks_and_kv_heads_are_planned_per_layer(tmp_path, monkeypatch):
     """MiMo-V2-Flash: value heads of 128 (v_head_dim) beside 192-dim keys, twice the KV heads and learnable sinks on its
-    sliding layers. The analyzer reads v_head_dim and refuses it by name (kvcache plans K and V of one head_dim; the
-    FA v2 doc line on the value's D is cited). Negative control: an analyzer that ignores v_head_dim is still caught
-    by the cross-check against transformers' modules (value dim 192 planned, 128 built; the sinks)."""
+    sliding layers (transformers' MiMoV2FlashAttention.__init__; no config field says the last two). Planned: K caches
+    of 192 and V caches of 128 per head, 8 KV heads and sinks on the sliding layers only, FA v2 TND (the pair the op
+    docs list), the device question value_head_dim listed. Negative controls: an analyzer that ignores v_head_dim, or
+    the sliding-layer rule, is caught by the cross-check against transformers' modules, by name."""
     import transformers
     from model_infer_kvcache.analyzer import config_loader
-    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(transformers.MiMoV2FlashConfig(num_hidden_layers=4).to_dict(), default=str))
-    with pytest.raises(NotSupportedByKvcache) as err:
-        analyze(AnalyzeRequest(config=str(path)))
-    assert err.value.field == "v_head_dim" and "value heads of 128 beside 192-dim" in err.value.message
-    assert "_op_plugin_docs.py:8677" in err.value.message
-    monkeypatch.setattr(config_loader, "_refuse_value_dim", lambda r, head_dim: None)
+    path.write_text(json.dumps(transformers.MiMoV2FlashConfig(num_hidden_layers=6).to_dict(), default=str))
+    m = analyze(AnalyzeRequest(config=str(path)))
+    assert not m.blockers and m.fa.version == "v2" and m.fa.input_layout == "TND"
+    assert m.model.v_head_dim == 128 and m.model.sink_layers == [1, 2, 3, 4]
+    shapes = [[(c.name, c.dim, c.num_head) for c in layer.caches] for layer in m.layers]
+    assert shapes[0] == shapes[5] == [("k_cache", 192, 4), ("v_cache", 128, 4)]
+    assert shapes[1] == [("k_cache", 192, 8), ("v_cache", 128, 8)]
+    assert m.memory.per_layer_token_bytes == [2 * 4 * 320, *[2 * 8 * 320] * 4, 2 * 4 * 320]
+    assert "value_head_dim" in {d.question for d in m.device_dependencies}
+    with monkeypatch.context() as patch:
+        patch.setattr(config_loader, "_value_head_dim",
+                      lambda r, head_dim: config_loader.Sourced(None, "ignored"))
+        with pytest.raises(InputError) as err:
+            analyze(AnalyzeRequest(config=str(path)))
+    assert "analyzer (192, 4, 192) vs transformers (192, 4, 128)" in err.value.render()
+    monkeypatch.setattr(config_loader, "SLIDING_LAYER_RULES", {})
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(path)))
     text = err.value.render()
-    assert "analyzer (192, 4, 192) vs transformers (192, 4, 128)" in text
+    assert "analyzer (192, 4, 128) vs transformers (192, 8, 128)" in text
     assert "attention sinks: analyzer none" in text and "MiMoV2FlashAttention.sinks" in text
 
 

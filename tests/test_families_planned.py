@@ -8,12 +8,13 @@ v2's learnable_sink and validated. Gemma-4 Unified: Gemma-4's attention under an
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
-from validators_support import check, mutate, run_validate
+from validators_support import check, mistaken_report, mutate, run_validate
 
 FAMILIES = ("flint", "granite_swa", "granitemoe_swa")
 
@@ -789,3 +790,22 @@ def test_config_class_declarations_are_read_without_importing_transformers(tmp_p
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr[-300:] for r in runs]
+
+
+@pytest.mark.slow
+def test_mimo_v2_flash_validates_its_narrow_values_and_sliding_sinks_and_fails_their_mistakes(tmp_path):
+    """MiMo-V2-Flash (issue 40): V caches of v_head_dim 128 beside 192-dim keys, learnable sinks on the sliding layers
+    only (SINK_LAYERS), twice the KV heads there (LAYER_SHAPES). The render passes against transformers; two
+    realistic ports fail by name: the V cache entry copied from the K one (HEAD_DIM wide), and the sinks forgotten
+    (they live on the sliding layers alone, where no config field names them)."""
+    case = _small_case(tmp_path, "mimo_v2_flash", {}, "framework")
+    report = _passes(case)
+    assert check(report, "logits vs transformers").passed
+    for name, pattern, replacement, failing in (
+            ("v_as_k", r"dim=V_HEAD_DIM,", "dim=HEAD_DIM,", "placeholders replaced"),
+            ("no_sinks", r"\n\s+learnable_sink=self\.sinks if self\.layer_has_sinks else None,", "",
+             "logits vs transformers")):
+        bad = tmp_path / name
+        shutil.copytree(case[1], bad)
+        report = mistaken_report((case[0], bad, case[2]), pattern, replacement)
+        assert not check(report, failing).passed, (name, [(c.name, c.detail) for c in report.failed()])

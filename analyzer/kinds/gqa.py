@@ -14,7 +14,7 @@ from typing import Any
 
 from model_infer_kvcache.analyzer import kv_cache_spec
 from model_infer_kvcache.analyzer.manifest import CacheSpec, Finding, LayerPlan, MlaDecision
-from model_infer_kvcache.analyzer.operators.fa_facts import MAX_GQA_RATIO
+from model_infer_kvcache.analyzer.operators.fa_facts import MAX_GQA_RATIO, VALUE_DIM_PAIRS, VALUE_DIM_SOURCE
 
 FA_MAX_HEAD_DIM = 512
 FA_HEAD_DIM_ALIGN = 16
@@ -47,6 +47,18 @@ class GqaFormat:
                     message=f"head_dim {d} is unsupported by FA (must be <= {FA_MAX_HEAD_DIM} and a multiple of 16)",
                     fields=[facts.head_dim.source if d == facts.head_dim.value else facts.layer_heads.source],
                 ))
+        vd = facts.v_head_dim.value
+        if vd is not None and (facts.head_dim.value, vd) not in VALUE_DIM_PAIRS:
+            pairs = ", ".join(f"K_D {k} / V_D {v}" for k, v in sorted(VALUE_DIM_PAIRS))
+            out.append(Finding(
+                message=f"value head dim {vd} beside key head dim {facts.head_dim.value}: FA documents value heads "
+                        f"of another width than the key's only for {pairs} ({VALUE_DIM_SOURCE})",
+                fields=[facts.v_head_dim.source, facts.head_dim.source],
+            ))
+        elif vd is not None and facts.layer_heads.value and len({h.head_dim for h in facts.layer_heads.value}) > 1:
+            out.append(Finding(message=f"value head dim {vd} beside per-layer key head dims: not supported by "
+                                       "kvcache yet (one value head dim for layers of one key head dim)",
+                               fields=[facts.v_head_dim.source, facts.layer_heads.source]))
         return out
 
     def heads_problem(self, facts: Facts, parallel) -> Finding | None:
@@ -95,12 +107,13 @@ class GqaFormat:
 
     def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
         n, d = self.kv_heads_per_rank(facts, tp, decoder_layer), facts.head_dim_at(decoder_layer)
+        vd = facts.v_head_dim_at(decoder_layer)  # MiMo-V2-Flash: value heads narrower than key heads
         if kv_mode == "legacy":
             # cache_unit = (num_kv_heads_per_rank * head_dim,): one BSH row per token.
             return [CacheSpec(name="k_cache", dim=n * d, num_head=1, dtype=dtype),
-                    CacheSpec(name="v_cache", dim=n * d, num_head=1, dtype=dtype)]
+                    CacheSpec(name="v_cache", dim=n * vd, num_head=1, dtype=dtype)]
         return [CacheSpec(name="k_cache", dim=d, num_head=n, dtype=dtype),
-                CacheSpec(name="v_cache", dim=d, num_head=n, dtype=dtype)]
+                CacheSpec(name="v_cache", dim=vd, num_head=n, dtype=dtype)]
 
     def layer_fields(self, facts: Facts, decoder_layer: int, dtype: str, block_size: int) -> dict[str, Any]:
         """The format's own fields of an attention layer's plan (a second branch with caches of its own): none."""

@@ -35,6 +35,15 @@ MAX_GQA_RATIO = 64  # query heads / KV heads (num_key_value_heads rule of the op
 # both pinned releases still says "N为32、64、128" there (an older statement of the same kernel's rule).
 MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 MLA_ROPE_DIM = 64  # head dim of query_rope / key_rope
+# Value heads narrower than key heads (MiMo-V2-Flash: Q_D = K_D = 192, V_D = 128): the (key D, value D) pairs the
+# packed layouts document beside equal ones. torch_npu 2.14.0 _op_plugin_docs.py:8730 (v2, "TND场景，要求Q_D、K_D、V_D
+# 等于128，或者Q_D、K_D等于192，V_D等于128/192"; 2.9.0 :7298), v1's TND section :8196 (2.9.0 :6767). The same docs'
+# general rule "参数key、value中对应tensor的shape需要完全一致" (2.14.0 :8685, 2.9.0 :7253) says otherwise: the
+# device question value_head_dim (analyzer/device_questions.py) keeps the two apart.
+VALUE_DIM_PAIRS = frozenset({(192, 128)})
+VALUE_DIM_LAYOUTS = ("TND", "NTD_TND")
+VALUE_DIM_SOURCE = ("torch_npu 2.14.0 _op_plugin_docs.py:8730 (npu_fused_infer_attention_score_v2, TND: Q_D = K_D = "
+                    "192 with V_D 128 or 192; 2.9.0 :7298)")
 
 
 @dataclass(frozen=True)

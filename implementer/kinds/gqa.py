@@ -13,6 +13,16 @@ LAYOUTS = {"paged": ("TND",), "legacy": ("BSH",)}  # the FA output shape depends
 # constant a layer may differ in -> the attribute ``init_kv_cache`` sets from LAYER_SHAPES, read by the layer's cache
 # entries, writes and FA calls and by the standalone runner's allocation instead of the constant.
 LAYER_SHAPE_ATTRS = {"HEAD_DIM": "kv_head_dim", "NUM_KV_HEADS_PER_RANK": "kv_heads_per_rank"}
+# Value heads narrower than key heads (manifest model.v_head_dim, MiMo-V2-Flash): the V cache's width constant, read by
+# its cache entry, its write, its allocation and the FA calls' value tensors instead of HEAD_DIM.
+VALUE_DIM_CONSTANT = "V_HEAD_DIM"
+
+
+def cache_constants(m) -> dict[str, tuple[str, str]]:
+    """CACHE_CONSTANTS of this manifest: the V cache's width is V_HEAD_DIM where the model sets a v_head_dim."""
+    if m.model.v_head_dim is None:
+        return CACHE_CONSTANTS
+    return {**CACHE_CONSTANTS, "v_cache": (VALUE_DIM_CONSTANT, CACHE_CONSTANTS["v_cache"][1])}
 
 
 def check_layers(m) -> None:
@@ -30,6 +40,12 @@ def check(m) -> None:
     if m.parallel.num_q_heads_per_rank % m.parallel.num_kv_heads_per_rank:
         raise bad("parallel.num_kv_heads_per_rank", f"{m.parallel.num_kv_heads_per_rank} KV heads do not divide "
                                                     f"{m.parallel.num_q_heads_per_rank} query heads per rank")
+    if m.model.v_head_dim is not None and m.kv_mode.value != "paged":
+        raise bad("model.v_head_dim", f"not supported by kvcache: value heads of {m.model.v_head_dim} beside "
+                                      f"{m.model.head_dim}-dim keys on the {m.kv_mode.value} path (the Legacy render "
+                                      "takes one head dim for K and V)")
+    if m.model.v_head_dim is not None and any(dim != m.model.head_dim for _, dim, _ in layer_shapes(m)):
+        raise bad("model.v_head_dim", "not supported by kvcache: a value head dim beside per-layer key head dims")
     for index, _, kv in layer_shapes(m):
         if m.parallel.num_q_heads_per_rank % kv:
             raise bad(f"layers[{index}].num_kv_heads_per_rank", f"{kv} KV heads do not divide "
@@ -37,4 +53,6 @@ def check(m) -> None:
 
 
 def fields(m) -> dict:
-    return {"layer_shapes": layer_shapes(m)}
+    sinks = m.model.sink_layers
+    return {"layer_shapes": layer_shapes(m), "v_head_dim": m.model.v_head_dim or 0,
+            "sink_layers": tuple(sinks) if m.model.has_sinks and sinks is not None else None}

@@ -73,24 +73,26 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
     """Keep one attention-TP rank's query heads and KV heads in a transformers attention module (the multi-rank
     run); returns the value head dim the output projection's columns are cut by."""
-    d, kv_heads = model.head_dim, model.num_key_value_heads
+    d = model.head_dim
     own = getattr(attn, "head_dim", None)
     if isinstance(own, int) and not isinstance(own, bool) and own != d and attn.k_proj.out_features % own == 0:
-        # a layer with its own shape (Gemma-4's full layers: global_head_dim, num_global_key_value_heads); its KV
-        # head count from its own projection (the model's and its own may give the same width: 2 x 64 = 1 x 128)
-        d, kv_heads = own, attn.k_proj.out_features // own
+        d = own  # a layer with its own shape (Gemma-4's full layers: global_head_dim)
+    # the layer's own KV heads from its own projection (Gemma-4's num_global_key_value_heads, MiMo-V2-Flash's doubled
+    # sliding layers), and its value heads' width (MiMo-V2-Flash: 128 beside 192-dim keys)
+    kv_heads = attn.k_proj.out_features // d
+    vd = attn.v_proj.out_features // kv_heads if attn.v_proj is not None else d
     # a gated attention (Qwen3-Next, Qwen3.5) projects [query | gate] per head: 2 x head_dim rows a head
     per = attn.q_proj.out_features // model.num_attention_heads
     attn.q_proj.weight = keep_rows(attn.q_proj.weight, heads.start * per, heads.stop * per)
     if attn.q_proj.bias is not None:
         attn.q_proj.bias = keep_rows(attn.q_proj.bias, heads.start * per, heads.stop * per)
     lo, hi = kv_head_of_rank(rank, tp, kv_heads)
-    for proj in (attn.k_proj, attn.v_proj):
+    for proj, width in ((attn.k_proj, d), (attn.v_proj, vd)):
         if proj is None:  # K = V (Gemma-4's attention_k_eq_v full layers): the values are the keys' projection
             continue
-        proj.weight = keep_rows(proj.weight, lo * d, hi * d)
+        proj.weight = keep_rows(proj.weight, lo * width, hi * width)
         if proj.bias is not None:
-            proj.bias = keep_rows(proj.bias, lo * d, hi * d)
-    if hasattr(attn, "sinks"):
+            proj.bias = keep_rows(proj.bias, lo * width, hi * width)
+    if getattr(attn, "sinks", None) is not None:  # MiMo-V2-Flash's full layers keep sinks None
         attn.sinks = torch.nn.Parameter(attn.sinks.data[heads].clone(), requires_grad=False)
-    return d
+    return vd

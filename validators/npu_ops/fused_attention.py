@@ -30,6 +30,8 @@ Rules enforced, each paraphrasing the torch_npu 2.9.0 op documentation:
   128 (64 or 128 with sparse_mode 4); NZ never 16. Block ids must lie in the cache (the
   device does not check; an out-of-range id reads other memory).
 * ``learnable_sink`` (v2): shape (Q_N,), packed layouts TND / NTD_TND only, value head dim <= 128.
+* A value head dim other than the key's: only the pairs the packed layouts document (K_D 192 / V_D 128 with TND /
+  NTD_TND), and only under the device reading ``value_head_dim=documented_pairs``.
 * Quantization, pse, left padding and shared-prefix arguments are not emulated: passing one
   raises :class:`UnemulatedFeatureError` rather than being silently ignored.
 
@@ -54,6 +56,9 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     MLA_QUERY_HEADS,
     MLA_ROPE_DIM,
     SPARSE_MODES,
+    VALUE_DIM_LAYOUTS,
+    VALUE_DIM_PAIRS,
+    VALUE_DIM_SOURCE,
     FaKeywords,
 )
 from model_infer_kvcache.validators.npu_ops.errors import NpuOpError
@@ -265,6 +270,18 @@ def _paged_source(chk, layout: Layout, key, value, key_rope, block_table, block_
     ids = torch.where(needed, table, torch.zeros_like(table))
     num_keys = (max(need) if need else 0) * bs
     return PagedKV(key, value, key_rope, ids, bs, n_kv, num_keys, cdt), dv, width, bs
+
+
+def _value_dim_rule(chk, layout: Layout, dk: int, dv: int) -> None:
+    """Value heads of another width than the key's: only the (K_D, V_D) pairs the packed layouts document
+    (fa_facts.VALUE_DIM_PAIRS), and only under the device reading that the op takes them (value_head_dim)."""
+    if layout.name not in VALUE_DIM_LAYOUTS or (dk, dv) not in VALUE_DIM_PAIRS:
+        pairs = ", ".join(f"K_D {k} / V_D {v}" for k, v in sorted(VALUE_DIM_PAIRS))
+        chk.fail("value", f"head dim {dv} differs from the key's {dk}: documented only for {pairs} with "
+                          f"{' / '.join(VALUE_DIM_LAYOUTS)} ({VALUE_DIM_SOURCE}), got {layout.name}")
+    if consult("value_head_dim") == "equal_only":
+        chk.fail("value", f"head dim {dv} differs from the key's {dk}: key and value shapes must be identical "
+                          "(device reading value_head_dim=equal_only: torch_npu 2.14.0 _op_plugin_docs.py:8685)")
 
 
 def _dense_source(chk, layout: Layout, key, value, key_rope, akv, batch: int, n_kv: int, q_dim: int,
@@ -494,6 +511,9 @@ def fused_infer_attention(
     else:
         source, kv_lens, dv, mask_keys = _dense_source(chk, layout, key, value, key_rope, akv, batch, n_kv,
                                                        q_dim, cdt)
+
+    if dv != q_dim:
+        _value_dim_rule(chk, layout, q_dim, dv)
 
     # Packed-layout interception rules.
     if layout.packed and sparse_mode == 3:

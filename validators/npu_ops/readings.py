@@ -71,6 +71,12 @@ code survives; only an NPU run can settle which reading the hardware implements.
     kernel; ``"first_slot"``: its first token's), and which key head serves value head h when Nv > Nk
     (``"consecutive"``, default: ``h // (Nv/Nk)``, transformers / FLA / upstream qwen3_5; ``"strided"``:
     ``h % Nk``). Operator questions, consulted only by calls whose result depends on them.
+
+``value_head_dim``
+    FA with value heads narrower than key heads over packed (TND / NTD_TND) queries: the op docs list Q_D = K_D =
+    192 with V_D 128 (2.14.0 ``_op_plugin_docs.py:8730``) and also say key and value shapes must be identical
+    (:8685). ``"documented_pairs"`` (default, what MiMo-V2-Flash's plan rests on): the listed pairs run;
+    ``"equal_only"``: the call fails. Consulted only by a call whose value head dim differs from its key's.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class DeviceReadings:
     gdr_state_writes: str = QUESTIONS["gdr_state_writes"].default
     gdr_accepted_start: str = QUESTIONS["gdr_accepted_start"].default
     gdr_head_grouping: str = QUESTIONS["gdr_head_grouping"].default
+    value_head_dim: str = QUESTIONS["value_head_dim"].default
 
     # Fixed rules, not switches (no sweep, no probe question): padded decode rows may repeat slots
     # only inside the null block (block NULL_BLOCK_ID of every cache declared with

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from model_infer_kvcache.analyzer.device_questions import QUESTIONS, UNKNOWN
-from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, VALUE_DIM_PAIRS
 from model_infer_kvcache.validators.npu_ops.fa_masks import causal_template
 from model_infer_kvcache.validators.probe.device import ProbeDevice
 
@@ -494,6 +494,30 @@ def gdr_grouping_experiment(dev: ProbeDevice) -> Outcome:
     return Outcome(reading, f"Nk 2 (q.k 1, 2), Nv 4: value heads read {per_head}", {"per_value_head": per_head})
 
 
+# --------------------------------------------------------------------------- value_head_dim
+VALUE_KV = 3  # keys of the value-dim call: equal scores (zero keys), so its output is the mean of their values
+
+
+def value_dim_experiment(dev: ProbeDevice) -> Outcome:
+    """Paged TND decode through FA v2 with K_D 192 and V_D 128 (the pair the TND section lists, MiMo-V2-Flash's):
+    zero keys give equal scores, one-hot values make the output the uniform mixture of the visible keys."""
+    (k_dim, v_dim), = sorted(VALUE_DIM_PAIRS)
+    keys = dev.put(torch.zeros(1, BLOCK, HEADS * k_dim, dtype=dev.dtype))
+    values = torch.zeros(BLOCK, HEADS, v_dim)
+    values[:VALUE_KV] = _onehot(VALUE_KV, v_dim)
+    values = dev.put(values.view(1, BLOCK, HEADS * v_dim).to(dev.dtype))
+    q = dev.put(torch.zeros(1, HEADS, k_dim, dtype=dev.dtype))
+    out, error = _call(lambda: _fa(dev, "v2", q, keys, values, q_lens=[1], kv_lens=[VALUE_KV], heads=HEADS,
+                                   num_key_value_heads=HEADS, input_layout="TND", sparse_mode=0,
+                                   block_table=dev.put(torch.zeros(1, 1, dtype=torch.int32)), block_size=BLOCK))
+    if error is not None:
+        return Outcome("equal_only", f"K_D {k_dim} / V_D {v_dim} refused: {error}", {"error": error})
+    visible = _rows(dev, out)[0]
+    reading = "documented_pairs" if visible == list(range(VALUE_KV)) else UNKNOWN
+    return Outcome(reading, f"K_D {k_dim} / V_D {v_dim}, kv_len {VALUE_KV}: output mixes keys {visible}",
+                   {"visible": visible})
+
+
 def run_experiments(dev: ProbeDevice) -> dict[str, Outcome]:
     """Every question's outcome, in ``QUESTIONS`` order (the band reads its prediction off the window)."""
     window = window_experiment(dev)
@@ -507,5 +531,6 @@ def run_experiments(dev: ProbeDevice) -> dict[str, Outcome]:
         "gdr_state_writes": gdr_writes_experiment(dev),
         "gdr_accepted_start": gdr_start_experiment(dev),
         "gdr_head_grouping": gdr_grouping_experiment(dev),
+        "value_head_dim": value_dim_experiment(dev),
     }
     return {q: done[q] for q in QUESTIONS}

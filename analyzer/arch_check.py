@@ -40,7 +40,6 @@ from model_infer_kvcache.analyzer.linear_config import (
     MIXER_FACT,
     NO_CACHE,
     NOT_IN_TRANSFORMERS,
-    PARALLEL,
     mixer_facts,
     mixer_off,
     short_conv_facts,
@@ -667,11 +666,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                              "LM of this family sets is_decoder: true in its config")
         result.bidirectional = True
         return result
-    # a parallel hybrid (Falcon-H1) plans each decoder layer's mixer state as a second sublayer: transformers' modules
-    # line up with the attention sublayers, and each one's mixer beside it with the state planned for that layer
-    parallel = PARALLEL in facts.layer_kinds.value
-    states_of = {layer.decoder_layer for layer in layers if layer.is_state} if parallel else set()
-    layers = [layer for layer in layers if not (parallel and layer.is_state)]
+    # a parallel hybrid (Falcon-H1) or a Zamba2 hybrid layer plans its mixer state as a second sublayer beside the
+    # attention: transformers' modules line up with the first sublayers, and each one's mixer beside it with the state
+    # planned for that layer (a Zamba2 Mamba layer, one sublayer, lines up with its block's mixer)
+    states_of = {layer.decoder_layer for layer in layers if layer.is_state and layer.sublayer}
+    layers = [layer for layer in layers if not (layer.is_state and layer.sublayer)]
     uncached = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == NO_CACHE]
     if uncached:
         # blocks planned without any cache (Nemotron-H's MLP / MoE blocks): transformers' block there must hold

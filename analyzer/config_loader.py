@@ -23,6 +23,8 @@ from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
     NO_CACHE,
     PARALLEL_HYBRIDS,
+    SHARED_BLOCK,
+    SHARED_BLOCK_HYBRIDS,
     LinearFacts,
     attends,
     bailing_layer_kinds,
@@ -606,6 +608,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         if model_type in PARALLEL_HYBRIDS:  # Falcon-H1: the attention's KV cache and the mixer's states
             sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
                                    "sublayers per decoder layer)")
+        if model_type in SHARED_BLOCK_HYBRIDS:  # Zamba2: a hybrid layer's KV cache and its mixer's states
+            sublayers = Sourced(2, f"model_type {model_type} (a hybrid layer: the shared transformer block's "
+                                   "attention, then its Mamba-2 mixer: two sublayers; a Mamba layer its mixer only)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
     linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
@@ -626,7 +631,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
                                "decoder_attention_heads", "num_decoder_attention_heads", maximum=LIMITS["heads"])
         kv_heads = _kv_heads(r, heads)
         mla = _mla_dims(r)
-        head_dim = _head_dim(r, hidden, heads, mla)
+        head_dim = _head_dim(r, hidden, heads, mla, model_type)
         if mla.value is None:
             _refuse_value_dim(r, head_dim)
     if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
@@ -907,10 +912,16 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
     return Sourced(facts, topk.source)
 
 
-def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None]) -> Sourced[int]:
+def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None],
+              model_type: str = "") -> Sourced[int]:
     if mla.value is not None:
         d = mla.value.qk_nope_head_dim + mla.value.qk_rope_head_dim
         return Sourced(d, "qk_nope_head_dim + qk_rope_head_dim (MLA)")
+    if model_type in SHARED_BLOCK_HYBRIDS:
+        # Zamba2's shared block attends over concat(hidden, embeddings): Zamba2Config.__post_init__ sets
+        # attention_head_dim = 2 x hidden_size // num_attention_heads, overwriting a saved one
+        return Sourced(2 * hidden.value // heads.value, f"2 x {hidden.source} // {heads.source} (transformers "
+                                                        "Zamba2Config.__post_init__ attention_head_dim)")
     explicit = r.positive_int("head_dim", required=False, maximum=LIMITS["head_dim"])
     if explicit:
         return explicit
@@ -1207,6 +1218,8 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         kinds = []
         for i, t in enumerate(raw):
             kind = _LAYER_TYPE_KIND.get(t) if isinstance(t, str) else None
+            if t == "hybrid" and model_type in SHARED_BLOCK_HYBRIDS:  # "hybrid" names other layers elsewhere (ZAYA)
+                kind = SHARED_BLOCK
             if kind is None:
                 raise InputError(r.where, f"unknown layer type {t!r}", field=f"{src}[{i}]")
             kinds.append(kind)

@@ -4,7 +4,7 @@ request."""
 from __future__ import annotations
 
 import torch
-from model_infer_kvcache.analyzer.linear_config import INNER_IS_INTERMEDIATE
+from model_infer_kvcache.analyzer.linear_config import INNER_IS_INTERMEDIATE, SHARED_BLOCK_HYBRIDS
 
 
 def expected_constants(manifest) -> dict[str, object]:
@@ -22,6 +22,22 @@ def expected_constants(manifest) -> dict[str, object]:
         want.update(CONV_KERNEL=lin.conv_kernel, CONV_CHANNELS_PER_RANK=lin.conv_channels_per_rank,
                     CONV_STATE_DTYPE=dtypes.get("conv_state"))
     return want
+
+
+def shared_block_prefix(manifest, src: dict, n: int) -> tuple[int, str | None]:
+    """The tiny model's layer prefix grown, for a model whose hybrid layers run shared transformer blocks (Zamba2:
+    hybrid layer j runs block j % num_mem_blocks, Zamba2Model.get_layers), to the first hybrid layer that reuses a
+    block: two cache layers of one block's weights, each with its own KV cache, are then both in the run. (n, None)
+    for any other model, or when the config has no such layer."""
+    if manifest.model.model_type not in SHARED_BLOCK_HYBRIDS:
+        return n, None
+    blocks = src.get("num_mem_blocks", 1)
+    hybrid = [layer.decoder_layer for layer in manifest.layers if layer.sublayer]
+    if not isinstance(blocks, int) or len(hybrid) <= blocks or hybrid[blocks] < n:
+        return n, None
+    return hybrid[blocks] + 1, (f"the prefix runs to decoder layer {hybrid[blocks]}, hybrid layer {blocks + 1}: the "
+                                f"first to reuse a shared block ({blocks} num_mem_blocks), so two cache layers of one "
+                                "block's weights are validated")
 
 
 def states(manifest) -> dict:

@@ -917,14 +917,14 @@ def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Source
     if mla.value is not None:
         d = mla.value.qk_nope_head_dim + mla.value.qk_rope_head_dim
         return Sourced(d, "qk_nope_head_dim + qk_rope_head_dim (MLA)")
-    if model_type in SHARED_BLOCK_HYBRIDS:
-        # Zamba2's shared block attends over concat(hidden, embeddings): Zamba2Config.__post_init__ sets
-        # attention_head_dim = 2 x hidden_size // num_attention_heads, overwriting a saved one
-        return Sourced(2 * hidden.value // heads.value, f"2 x {hidden.source} // {heads.source} (transformers "
-                                                        "Zamba2Config.__post_init__ attention_head_dim)")
     explicit = r.positive_int("head_dim", required=False, maximum=LIMITS["head_dim"])
     if explicit:
         return explicit
+    if model_type in SHARED_BLOCK_HYBRIDS:
+        # Zamba2's shared block attends over concat(hidden, embeddings): Zamba2Config.__post_init__ derives
+        # attention_head_dim = 2 x hidden_size // num_attention_heads (a saved one, set after it, wins: read above)
+        return Sourced(2 * hidden.value // heads.value, f"default: 2 x {hidden.source} // {heads.source} "
+                                                        "(transformers Zamba2Config.__post_init__ attention_head_dim)")
     if hidden.value % heads.value:
         # transformers' modeling code computes `hidden_size // num_attention_heads` (floor) and builds projections of
         # heads * that width, narrower than the hidden size: plan what it builds, say so; the FA head-dim rule judges it.

@@ -83,10 +83,10 @@ _MAMBA2_FIELDS = {
     **dict.fromkeys(("granitemoehybrid", "bamba", "falcon_h1"), {
         "heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state": "mamba_d_state", "groups": "mamba_n_groups",
         "conv": "mamba_d_conv"}),
-    # Zamba2Config.__post_init__ derives mamba_headdim = int(mamba_expand x hidden_size) // n_mamba_heads (a saved one
-    # is overwritten): no head_dim field is read
-    "zamba2": {"heads": "n_mamba_heads", "head_dim": None, "state": "mamba_d_state", "groups": "mamba_ngroups",
-               "conv": "mamba_d_conv"},
+    # Zamba2Config.__post_init__ derives mamba_headdim = int(mamba_expand x hidden_size) // n_mamba_heads when the
+    # config saves none (a saved one, set after it, wins)
+    "zamba2": {"heads": "n_mamba_heads", "head_dim": "mamba_headdim", "state": "mamba_d_state",
+               "groups": "mamba_ngroups", "conv": "mamba_d_conv", "derived_head_dim": True},
     "nemotron_h": {"heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "state": "ssm_state_size",
                    "groups": "n_groups", "conv": "conv_kernel"},
     "mamba2": {"heads": "num_heads", "head_dim": "head_dim", "state": "state_size", "groups": "n_groups",
@@ -282,8 +282,8 @@ def _read_mamba2(r, why: str, hidden: int, limits: dict[str, int], model_type: s
     config's own width disagrees (transformers would build a mixer whose scan cannot view its input)."""
     names = _MAMBA2_FIELDS[model_type]
     h = r.positive_int(names["heads"], maximum=limits["heads"])
-    p = r.positive_int(names["head_dim"], maximum=limits["head_dim"]) if names["head_dim"] else \
-        _derived_head_dim(r, h, hidden, model_type)
+    p = r.positive_int(names["head_dim"], required=not names.get("derived_head_dim"), maximum=limits["head_dim"]) \
+        or _derived_head_dim(r, h, hidden, model_type)
     n = r.positive_int(names["state"], maximum=limits["head_dim"])
     g = r.positive_int(names["groups"], maximum=limits["heads"])
     kernel = r.positive_int(names["conv"], maximum=64)
@@ -303,8 +303,8 @@ def _read_mamba2(r, why: str, hidden: int, limits: dict[str, int], model_type: s
 
 
 def _derived_head_dim(r, heads: _Hit, hidden: int, model_type: str) -> _Hit:
-    """Zamba2's Mamba head dim as its config class derives it: int(mamba_expand x hidden_size) // n_mamba_heads
-    (Zamba2Config.__post_init__), refused when the heads do not divide the inner width (its scan views the inner
+    """Zamba2's Mamba head dim as its config class derives it where the config saves none: int(mamba_expand x
+    hidden_size) // n_mamba_heads (Zamba2Config.__post_init__), refused when the heads do not divide the inner width (its scan views the inner
     channels as [heads, head_dim])."""
     expand = r.get("mamba_expand")
     if expand is None or isinstance(expand[0], bool) or not isinstance(expand[0], (int, float)) or expand[0] <= 0:
@@ -315,7 +315,7 @@ def _derived_head_dim(r, heads: _Hit, hidden: int, model_type: str) -> _Hit:
         raise InputError(r.where, f"{heads.value} Mamba heads do not divide the inner width {inner} ({expand[1]} x "
                                   "hidden_size): the mixer's scan views its input as [heads, head_dim]",
                          field=heads.source)
-    return _Hit(inner // heads.value, f"int({expand[1]} x hidden_size) // {heads.source} (transformers "
+    return _Hit(inner // heads.value, f"default: int({expand[1]} x hidden_size) // {heads.source} (transformers "
                                       "Zamba2Config.__post_init__ mamba_headdim)")
 
 

@@ -63,6 +63,10 @@ def tiny_state_fields(d: dict, manifest) -> None:
     family naming the width itself, Falcon-H1's ``mamba_d_ssm``, keeps it); a short conv (LFM2) keeps the real
     hidden_size, its conv's channels. Other families: nothing."""
     lin = manifest.linear_attention
+    if manifest.model.model_type in SHARED_BLOCK_HYBRIDS:
+        # Zamba2Config derives hybrid_layer_ids from layers_block_type when absent; a saved one names the real model's
+        # hybrid layers, past the tiny prefix (its adapters are indexed by it)
+        d.pop("hybrid_layer_ids", None)
     if lin is not None and lin.family == "short_conv":  # the render convolves the real hidden_size channels
         d["hidden_size"] = lin.conv_channels_per_rank * manifest.parallel.attn_tp_size
         return

@@ -64,9 +64,15 @@ def tiny_state_fields(d: dict, manifest) -> None:
     hidden_size, its conv's channels. Other families: nothing."""
     lin = manifest.linear_attention
     if manifest.model.model_type in SHARED_BLOCK_HYBRIDS:
-        # Zamba2Config derives hybrid_layer_ids from layers_block_type when absent; a saved one names the real model's
-        # hybrid layers, past the tiny prefix (its adapters are indexed by it)
+        # Zamba2Config derives these when absent, and a saved one wins: hybrid_layer_ids (the adapters' index) would
+        # name the real model's hybrid layers past the tiny prefix, attention_hidden_size (2 x hidden, the shared
+        # block's input) the real width
         d.pop("hybrid_layer_ids", None)
+        d.pop("attention_hidden_size", None)
+        if d.get("use_shared_attention_adapter"):
+            # the LoRA adapters add attention_hidden_size = 2 x hidden columns to the heads x head_dim projections
+            # (Zamba2Attention): the tiny hidden size is what makes the two agree
+            d["hidden_size"] = manifest.model.num_attention_heads * manifest.model.head_dim // 2
     if lin is not None and lin.family == "short_conv":  # the render convolves the real hidden_size channels
         d["hidden_size"] = lin.conv_channels_per_rank * manifest.parallel.attn_tp_size
         return

@@ -21,10 +21,8 @@ from model_infer_kvcache.analyzer.linear_config import LIGHTNING
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import cross, kind_of, recurrent
 
-# Families whose attention derives head_dim from hidden_size / heads (no head_dim field that counts): the heads that
-# span one hidden_size (Falcon: hidden / heads; Zamba2: 2 x hidden / heads, its shared block attending over
-# concat(hidden, embeddings), Zamba2Config.__post_init__).
-_HEAD_DIM_FROM_HIDDEN = {"falcon": 1, "zamba2": 2}
+# Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
+_HEAD_DIM_FROM_HIDDEN = {"falcon"}
 # Fields of a published config that describe weights/packaging, not the architecture.
 _DROP = ("architectures", "auto_map", "quantization_config", "torch_dtype", "dtype", "transformers_version",
          "_name_or_path", "text_config", "vision_config")
@@ -141,7 +139,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         d["num_kv_shared_layers"] = max(n - first_shared, 0)
     kind = kind_of(manifest)
     from_hidden = hf_type in _HEAD_DIM_FROM_HIDDEN
-    d["hidden_size"] = m.num_attention_heads * m.head_dim // _HEAD_DIM_FROM_HIDDEN[hf_type] if from_hidden else 128
+    d["hidden_size"] = m.num_attention_heads * m.head_dim if from_hidden else 128
     if m.num_attention_heads:  # a pure state stack has none (Mamba2Config's num_heads are its mixer's)
         d["num_attention_heads"] = m.num_attention_heads
     if manifest.attention_layers:  # a pure state stack has no attention to size (Mamba2Config's head_dim is its mixer's)

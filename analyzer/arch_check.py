@@ -441,8 +441,9 @@ def why_layer_type(config: dict[str, Any], index: int, layer_type: str) -> str |
     return (f"layer type {layer_type!r}: transformers' {type(block).__name__} (decoder block {index}, "
             f"{_source_of(model)}) holds {names} with per-request state beside its KV cache ({', '.join(states)}: "
             f"a causal convolution's conv state or a recurrent state carried from token to token){bias}; kvcache "
-            "plans a state only for a layer without attention (or Falcon-H1's parallel Mamba-2 mixer), so this "
-            "layer's states would be dropped")
+            "plans a state only for a layer without attention, or beside one for Falcon-H1's parallel Mamba-2 mixer "
+            "and Zamba2's hybrid layer (model types whose layer types it reads so), so this layer's states would be "
+            "dropped")
 
 
 def _meta_model(hf_type: str, section_json: str):

@@ -400,13 +400,14 @@ class _Reader:
                 return defaults[name], f"default: transformers {cls}.{name}"
         return None
 
-    def derived(self, name: str) -> tuple[Any, str] | None:
+    def derived(self, name: str, in_post_init: bool = False) -> tuple[Any, str] | None:
         """A field the config class computes rather than stores: ``attribute_map`` names a property of the class
-        (RecurrentGemma: layer_types -> layers_block_type, cycled from block_types). Read from the config class
+        (RecurrentGemma: layer_types -> layers_block_type, cycled from block_types), or (``in_post_init``) a field its
+        ``__post_init__`` fills when the config leaves it out (Zamba2's layers_block_type). Read from the config class
         built over this config's section (transformers is imported only then); None without transformers, the
         alias, or a build."""
         alias = self.aliases.get(name)
-        if not isinstance(alias, str) or alias in self.cfg or alias not in self._class.properties:
+        if not isinstance(alias, str) or alias in self.cfg or not (in_post_init or alias in self._class.properties):
             return None
         try:
             from transformers import CONFIG_MAPPING
@@ -1257,7 +1258,8 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         kinds = tuple("full" if (i + 1) % n == 0 else "linear" for i in range(num_layers))
         return Sourced(kinds, f"{interval.source}={n} (other layers linear attention)"), Sourced(None, "default: none")
 
-    derived = r.derived("layer_types")  # a config class that derives its layer types (RecurrentGemma's block_types)
+    # a config class that derives its layer types (RecurrentGemma's block_types; Zamba2Config.__post_init__'s pattern)
+    derived = r.derived("layer_types", in_post_init=model_type in SHARED_BLOCK_HYBRIDS)
     if derived is not None:
         return listed(derived)
 

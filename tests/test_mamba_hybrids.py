@@ -273,6 +273,33 @@ def test_zamba2_plans_each_hybrid_layer_a_kv_cache_beside_its_mamba_state(tmp_pa
     assert "Zamba2Config.__post_init__" in m.model.sources["head_dim"] and "Zamba2Config" in lin.source
 
 
+def test_zamba2_without_layers_block_type_plans_its_class_pattern(tmp_path):
+    """Zamba2Config.__post_init__ fills layers_block_type with its 54-layer pattern when the config has none: read from
+    the class built over the config (read as attention layers, the cross-check refused 108 sublayers against 54
+    blocks)."""
+    m = analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, drop=(*ZAMBA2_DERIVED, "layers_block_type")))))
+    assert len(m.layers) == 63 and [layer.decoder_layer for layer in m.attention_layers][:2] == [6, 12]
+    assert "derived by transformers Zamba2Config" in m.model.sources["layer_kinds"]
+
+
+def test_zamba2_hybrid_layers_read_as_attention_only_are_refused_by_the_cross_check(tmp_path):
+    """An analyzer that plans a hybrid layer's attention without its mixer's state (the shared block taken for the
+    whole layer) is caught by the cross-check naming the mixer beside it."""
+    from model_infer_kvcache.analyzer.config_loader import Sourced
+
+    path = _zamba2(tmp_path, drop=ZAMBA2_DERIVED)
+    config = json.loads(path.read_text(encoding="utf-8"))
+    m = analyze(AnalyzeRequest(config=str(path)))
+    facts = load_model_facts(str(path))
+    assert cross_check(config, facts, m.layers, m.fa.softmax_scale, "").errors == []
+    misread = tuple("full" if kind != "linear" else kind for kind in facts.layer_kinds.value)
+    no_mixer = [layer for layer in m.layers if not (layer.is_state and layer.sublayer)]
+    bad = cross_check(config, dataclasses.replace(facts, layer_kinds=Sourced(misread, "misread")), no_mixer,
+                      m.fa.softmax_scale, "")
+    assert any("recurrent mixer (Zamba2MambaMixer) beside its attention" in e and "on 9 layer(s)" in e
+               for e in bad.errors), bad.errors
+
+
 def test_zamba2_saved_head_dims_win_over_the_derivation_as_in_transformers(tmp_path):
     """A saved attention_head_dim / mamba_headdim is set after Zamba2Config.__post_init__ derives them, so transformers
     builds the saved widths (the cross-check, comparing with its modules, passes only so); a Mamba head dim whose

@@ -641,6 +641,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             f"{heads.value} query heads are not a multiple of {kv_heads.value} KV heads",
             field=kv_heads.source,
         )
+    if model_type in SHARED_BLOCK_HYBRIDS:
+        _refuse_adapter_widths(r, hidden, heads, kv_heads, head_dim)
 
     dtype = _dtype(r)
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
@@ -717,6 +719,24 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             None, "default: no compressed layers"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
     )
+
+
+def _refuse_adapter_widths(r: _Reader, hidden: Sourced[int], heads: Sourced[int], kv_heads: Sourced[int],
+                           head_dim: Sourced[int]) -> None:
+    """Zamba2 with ``use_shared_attention_adapter``: Zamba2Attention adds each LoRA adapter's output, of
+    attention_hidden_size = 2 x hidden_size, to q_proj (heads x head_dim) and k_proj / v_proj (KV heads x head_dim)
+    (transformers/models/zamba2/modeling_zamba2.py), so transformers' model runs only where those widths agree
+    (KV heads = heads under the derived head_dim): bad input, the field named."""
+    adapters = r.flag("use_shared_attention_adapter")
+    if not adapters or adapters[0] is not True:
+        return
+    width = 2 * hidden.value
+    for name, n in ((heads.source, heads.value), (kv_heads.source, kv_heads.value)):
+        if n * head_dim.value != width:
+            raise InputError(r.where, f"{n} heads x head_dim {head_dim.value} = {n * head_dim.value} is not "
+                                      f"attention_hidden_size 2 x hidden_size = {width}: with {adapters[1]} true, "
+                                      "transformers' Zamba2Attention adds adapter outputs of that width to these "
+                                      "projections and does not run", field=name)
 
 
 def _refuse_cycled_stacks(r: _Reader) -> None:

@@ -300,6 +300,23 @@ def test_zamba2_hybrid_layers_read_as_attention_only_are_refused_by_the_cross_ch
                for e in bad.errors), bad.errors
 
 
+def test_zamba2_adapters_on_grouped_kv_heads_are_refused_naming_the_field(tmp_path):
+    """transformers' Zamba2Attention adds its k/v adapters' 2 x hidden_size outputs to KV heads x head_dim
+    projections: with 2 KV heads of 32 beside 4 query heads at hidden 64 its model does not run (checked here), so
+    the config is refused at analyze, naming num_key_value_heads; without the adapters it is planned."""
+    import torch
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    grouped = {**SMALL_ZAMBA2, "num_key_value_heads": 2}
+    built = Zamba2ForCausalLM(Zamba2Config(**{k: v for k, v in grouped.items()}))
+    with pytest.raises(RuntimeError):
+        built(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(InputError, match="num_key_value_heads: 2 heads x head_dim 32 = 64 is not attention_hidden_size"):
+        analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, grouped))))
+    m = analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, {**grouped, "use_shared_attention_adapter": False}))))
+    assert m.parallel.num_kv_heads_per_rank == 2
+
+
 def test_zamba2_saved_head_dims_win_over_the_derivation_as_in_transformers(tmp_path):
     """A saved attention_head_dim / mamba_headdim is set after Zamba2Config.__post_init__ derives them, so transformers
     builds the saved widths (the cross-check, comparing with its modules, passes only so); a Mamba head dim whose

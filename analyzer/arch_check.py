@@ -40,7 +40,6 @@ from model_infer_kvcache.analyzer.linear_config import (
     MIXER_FACT,
     NO_CACHE,
     NOT_IN_TRANSFORMERS,
-    PARALLEL,
     mixer_facts,
     mixer_off,
     short_conv_facts,
@@ -442,8 +441,9 @@ def why_layer_type(config: dict[str, Any], index: int, layer_type: str) -> str |
     return (f"layer type {layer_type!r}: transformers' {type(block).__name__} (decoder block {index}, "
             f"{_source_of(model)}) holds {names} with per-request state beside its KV cache ({', '.join(states)}: "
             f"a causal convolution's conv state or a recurrent state carried from token to token){bias}; kvcache "
-            "plans a state only for a layer without attention (or Falcon-H1's parallel Mamba-2 mixer), so this "
-            "layer's states would be dropped")
+            "plans a state only for a layer without attention, or beside one for Falcon-H1's parallel Mamba-2 mixer "
+            "and Zamba2's hybrid layer (model types whose layer types it reads so), so this layer's states would be "
+            "dropped")
 
 
 def _meta_model(hf_type: str, section_json: str):
@@ -667,11 +667,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                              "LM of this family sets is_decoder: true in its config")
         result.bidirectional = True
         return result
-    # a parallel hybrid (Falcon-H1) plans each decoder layer's mixer state as a second sublayer: transformers' modules
-    # line up with the attention sublayers, and each one's mixer beside it with the state planned for that layer
-    parallel = PARALLEL in facts.layer_kinds.value
-    states_of = {layer.decoder_layer for layer in layers if layer.is_state} if parallel else set()
-    layers = [layer for layer in layers if not (parallel and layer.is_state)]
+    # a parallel hybrid (Falcon-H1) or a Zamba2 hybrid layer plans its mixer state as a second sublayer beside the
+    # attention: transformers' modules line up with the first sublayers, and each one's mixer beside it with the state
+    # planned for that layer (a Zamba2 Mamba layer, one sublayer, lines up with its block's mixer)
+    states_of = {layer.decoder_layer for layer in layers if layer.is_state and layer.sublayer}
+    layers = [layer for layer in layers if not (layer.is_state and layer.sublayer)]
     uncached = [i for i, kind in enumerate(facts.layer_kinds.value) if kind == NO_CACHE]
     if uncached:
         # blocks planned without any cache (Nemotron-H's MLP / MoE blocks): transformers' block there must hold

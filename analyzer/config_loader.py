@@ -23,6 +23,8 @@ from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
     NO_CACHE,
     PARALLEL_HYBRIDS,
+    SHARED_BLOCK,
+    SHARED_BLOCK_HYBRIDS,
     LinearFacts,
     attends,
     bailing_layer_kinds,
@@ -414,13 +416,14 @@ class _Reader:
                 return defaults[name], f"default: transformers {cls}.{name}"
         return None
 
-    def derived(self, name: str) -> tuple[Any, str] | None:
+    def derived(self, name: str, in_post_init: bool = False) -> tuple[Any, str] | None:
         """A field the config class computes rather than stores: ``attribute_map`` names a property of the class
-        (RecurrentGemma: layer_types -> layers_block_type, cycled from block_types). Read from the config class
+        (RecurrentGemma: layer_types -> layers_block_type, cycled from block_types), or (``in_post_init``) a field its
+        ``__post_init__`` fills when the config leaves it out (Zamba2's layers_block_type). Read from the config class
         built over this config's section (transformers is imported only then); None without transformers, the
         alias, or a build."""
         alias = self.aliases.get(name)
-        if not isinstance(alias, str) or alias in self.cfg or alias not in self._class.properties:
+        if not isinstance(alias, str) or alias in self.cfg or not (in_post_init or alias in self._class.properties):
             return None
         try:
             from transformers import CONFIG_MAPPING
@@ -630,6 +633,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         if model_type in PARALLEL_HYBRIDS:  # Falcon-H1: the attention's KV cache and the mixer's states
             sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
                                    "sublayers per decoder layer)")
+        if model_type in SHARED_BLOCK_HYBRIDS:  # Zamba2: a hybrid layer's KV cache and its mixer's states
+            sublayers = Sourced(2, f"model_type {model_type} (a hybrid layer: the shared transformer block's "
+                                   "attention, then its Mamba-2 mixer: two sublayers; a Mamba layer its mixer only)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
     linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
@@ -650,7 +656,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
                                "decoder_attention_heads", "num_decoder_attention_heads", maximum=LIMITS["heads"])
         kv_heads = _kv_heads(r, heads)
         mla = _mla_dims(r)
-        head_dim = _head_dim(r, hidden, heads, mla)
+        head_dim = _head_dim(r, hidden, heads, mla, model_type)
     v_head_dim = _value_head_dim(r, head_dim) if heads.value and mla.value is None else Sourced(
         None, "default: value heads as wide as key heads")
     if heads.value and (kv_heads.value > heads.value or heads.value % kv_heads.value):
@@ -659,6 +665,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             f"{heads.value} query heads are not a multiple of {kv_heads.value} KV heads",
             field=kv_heads.source,
         )
+    if model_type in SHARED_BLOCK_HYBRIDS:
+        _refuse_adapter_widths(r, hidden, heads, kv_heads, head_dim)
 
     dtype = _dtype(r)
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
@@ -743,6 +751,24 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             None, "default: no compressed layers"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
     )
+
+
+def _refuse_adapter_widths(r: _Reader, hidden: Sourced[int], heads: Sourced[int], kv_heads: Sourced[int],
+                           head_dim: Sourced[int]) -> None:
+    """Zamba2 with ``use_shared_attention_adapter``: Zamba2Attention adds each LoRA adapter's output, of
+    attention_hidden_size = 2 x hidden_size, to q_proj (heads x head_dim) and k_proj / v_proj (KV heads x head_dim)
+    (transformers/models/zamba2/modeling_zamba2.py), so transformers' model runs only where those widths agree
+    (KV heads = heads under the derived head_dim): bad input, the field named."""
+    adapters = r.flag("use_shared_attention_adapter")
+    if not adapters or adapters[0] is not True:
+        return
+    width = 2 * hidden.value
+    for name, n in ((heads.source, heads.value), (kv_heads.source, kv_heads.value)):
+        if n * head_dim.value != width:
+            raise InputError(r.where, f"{n} heads x head_dim {head_dim.value} = {n * head_dim.value} is not "
+                                      f"attention_hidden_size 2 x hidden_size = {width}: with {adapters[1]} true, "
+                                      "transformers' Zamba2Attention adds adapter outputs of that width to these "
+                                      "projections and does not run", field=name)
 
 
 def _refuse_cycled_stacks(r: _Reader) -> None:
@@ -934,13 +960,19 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
     return Sourced(facts, topk.source)
 
 
-def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None]) -> Sourced[int]:
+def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None],
+              model_type: str = "") -> Sourced[int]:
     if mla.value is not None:
         d = mla.value.qk_nope_head_dim + mla.value.qk_rope_head_dim
         return Sourced(d, "qk_nope_head_dim + qk_rope_head_dim (MLA)")
     explicit = r.positive_int("head_dim", required=False, maximum=LIMITS["head_dim"])
     if explicit:
         return explicit
+    if model_type in SHARED_BLOCK_HYBRIDS:
+        # Zamba2's shared block attends over concat(hidden, embeddings): Zamba2Config.__post_init__ derives
+        # attention_head_dim = 2 x hidden_size // num_attention_heads (a saved one, set after it, wins: read above)
+        return Sourced(2 * hidden.value // heads.value, f"default: 2 x {hidden.source} // {heads.source} "
+                                                        "(transformers Zamba2Config.__post_init__ attention_head_dim)")
     if hidden.value % heads.value:
         # transformers' modeling code computes `hidden_size // num_attention_heads` (floor) and builds projections of
         # heads * that width, narrower than the hidden size: plan what it builds, say so; the FA head-dim rule judges it.
@@ -1240,6 +1272,8 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         kinds = []
         for i, t in enumerate(raw):
             kind = _LAYER_TYPE_KIND.get(t) if isinstance(t, str) else None
+            if t == "hybrid" and model_type in SHARED_BLOCK_HYBRIDS:  # "hybrid" names other layers elsewhere (ZAYA)
+                kind = SHARED_BLOCK
             if kind is None:
                 raise InputError(r.where, f"unknown layer type {t!r}", field=f"{src}[{i}]")
             kinds.append(kind)
@@ -1277,7 +1311,8 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         kinds = tuple("full" if (i + 1) % n == 0 else "linear" for i in range(num_layers))
         return Sourced(kinds, f"{interval.source}={n} (other layers linear attention)"), Sourced(None, "default: none")
 
-    derived = r.derived("layer_types")  # a config class that derives its layer types (RecurrentGemma's block_types)
+    # a config class that derives its layer types (RecurrentGemma's block_types; Zamba2Config.__post_init__'s pattern)
+    derived = r.derived("layer_types", in_post_init=model_type in SHARED_BLOCK_HYBRIDS)
     if derived is not None:
         return listed(derived)
 

@@ -56,6 +56,12 @@ CONV_ONLY = frozenset({SHORT_CONV})
 # its config layer kind, planned as two sublayers (the attention's KV cache, then the mixer's states).
 PARALLEL = "parallel"
 PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
+# A Zamba2 "hybrid" decoder layer runs the shared transformer block (attention + MLP whose weights several hybrid
+# layers share), a linear, then the layer's own Mamba-2 mixer (transformers Zamba2HybridLayer): its config layer kind,
+# planned like a parallel layer as two sublayers, since the cache is indexed by the decoder layer, not by the shared
+# module (Zamba2Attention.forward: cache.update(..., layer_idx) with the caller's layer_idx; its own is -1).
+SHARED_BLOCK = "shared_block"
+SHARED_BLOCK_HYBRIDS = frozenset({"zamba2"})
 # A layer that holds no cache at all (Dory's and Nemotron-H's MLP-only blocks, Nemotron-H's MoE-only blocks): its
 # config layer kind, planned as a layer with neither a KV cache nor a state (transformers' cache keeps a "dummy" layer
 # there: cache_utils.get_layer_types_and_kwargs).
@@ -77,6 +83,10 @@ _MAMBA2_FIELDS = {
     **dict.fromkeys(("granitemoehybrid", "bamba", "falcon_h1"), {
         "heads": "mamba_n_heads", "head_dim": "mamba_d_head", "state": "mamba_d_state", "groups": "mamba_n_groups",
         "conv": "mamba_d_conv"}),
+    # Zamba2Config.__post_init__ derives mamba_headdim = int(mamba_expand x hidden_size) // n_mamba_heads when the
+    # config saves none (a saved one, set after it, wins)
+    "zamba2": {"heads": "n_mamba_heads", "head_dim": "mamba_headdim", "state": "mamba_d_state",
+               "groups": "mamba_ngroups", "conv": "mamba_d_conv", "derived_head_dim": True},
     "nemotron_h": {"heads": "mamba_num_heads", "head_dim": "mamba_head_dim", "state": "ssm_state_size",
                    "groups": "n_groups", "conv": "conv_kernel"},
     "mamba2": {"heads": "num_heads", "head_dim": "head_dim", "state": "state_size", "groups": "n_groups",
@@ -272,7 +282,8 @@ def _read_mamba2(r, why: str, hidden: int, limits: dict[str, int], model_type: s
     config's own width disagrees (transformers would build a mixer whose scan cannot view its input)."""
     names = _MAMBA2_FIELDS[model_type]
     h = r.positive_int(names["heads"], maximum=limits["heads"])
-    p = r.positive_int(names["head_dim"], maximum=limits["head_dim"])
+    p = r.positive_int(names["head_dim"], required=not names.get("derived_head_dim"), maximum=limits["head_dim"]) \
+        or _derived_head_dim(r, h, hidden, model_type)
     n = r.positive_int(names["state"], maximum=limits["head_dim"])
     g = r.positive_int(names["groups"], maximum=limits["heads"])
     kernel = r.positive_int(names["conv"], maximum=64)
@@ -289,6 +300,23 @@ def _read_mamba2(r, why: str, hidden: int, limits: dict[str, int], model_type: s
     src = f"{why}: {h.source}, {p.source}, {n.source}, {g.source}, {kernel.source}"
     return LinearFacts(MAMBA2, g.value, h.value, n.value, p.value, kernel.value,
                        h.value * p.value + 2 * g.value * n.value, src, REFERENCE[MAMBA2])
+
+
+def _derived_head_dim(r, heads: _Hit, hidden: int, model_type: str) -> _Hit:
+    """Zamba2's Mamba head dim as its config class derives it where the config saves none: int(mamba_expand x
+    hidden_size) // n_mamba_heads (Zamba2Config.__post_init__), refused when the heads do not divide the inner width (its scan views the inner
+    channels as [heads, head_dim])."""
+    expand = r.get("mamba_expand")
+    if expand is None or isinstance(expand[0], bool) or not isinstance(expand[0], (int, float)) or expand[0] <= 0:
+        raise InputError(r.where, f"must be a positive number (model_type {model_type} derives its Mamba head dim "
+                                  "from it)", field=expand[1] if expand else "mamba_expand")
+    inner = int(expand[0] * hidden)
+    if inner % heads.value:
+        raise InputError(r.where, f"{heads.value} Mamba heads do not divide the inner width {inner} ({expand[1]} x "
+                                  "hidden_size): the mixer's scan views its input as [heads, head_dim]",
+                         field=heads.source)
+    return _Hit(inner // heads.value, f"default: int({expand[1]} x hidden_size) // {heads.source} (transformers "
+                                      "Zamba2Config.__post_init__ mamba_headdim)")
 
 
 def _read_mamba(r, why: str, hidden: int, limits: dict[str, int], model_type: str) -> LinearFacts:
@@ -522,9 +550,12 @@ def _short_conv_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | Non
 
 
 def sublayer_kinds(config_kind: str, sublayers: int) -> tuple[str, ...]:
-    """The layer kind of each sublayer of a decoder layer: a parallel layer's attention, then its Mamba state; any
-    other kind repeated (LongCat-Flash's two attention sublayers)."""
-    return ("full", "linear") if config_kind == PARALLEL else (config_kind,) * sublayers
+    """The layer kind of each sublayer of a decoder layer: a parallel layer's (or a Zamba2 hybrid layer's) attention,
+    then its Mamba state; a state layer of a model with up to two sublayers (Zamba2's Mamba layers) its state only;
+    any other kind repeated (LongCat-Flash's two attention sublayers)."""
+    if config_kind in (PARALLEL, SHARED_BLOCK):
+        return "full", "linear"
+    return (config_kind,) if config_kind == "linear" else (config_kind,) * sublayers
 
 
 def attends(config_kind: str) -> bool:
@@ -535,4 +566,4 @@ def attends(config_kind: str) -> bool:
 
 def holds_state(config_kind: str) -> bool:
     """A decoder layer of this config kind keeps a recurrent state (a linear layer, or a parallel one's mixer)."""
-    return config_kind in ("linear", PARALLEL)
+    return config_kind in ("linear", PARALLEL, SHARED_BLOCK)

@@ -786,12 +786,17 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
     if p.num_kv_heads_per_rank != kv_per_rank:
         out.append(("parallel.num_kv_heads_per_rank", f"{p.num_kv_heads_per_rank} is not {kv_per_rank} ({why})"))
     uncached = m.no_cache_layers or []
-    want_layers = model.num_layers * model.sublayers_per_layer - len(uncached)
+    # a state-only decoder layer of a model whose hybrid layers plan two sublayers (Zamba2's Mamba layers) plans one
+    # (linear_config.sublayer_kinds); every other decoder layer plans sublayers_per_layer
+    state_only = {layer.decoder_layer for layer in m.layers if layer.is_state and not layer.sublayer} - \
+        {layer.decoder_layer for layer in m.layers if layer.sublayer}
+    short = len(state_only) * (model.sublayers_per_layer - 1) if m.parallel_hybrid() else 0
+    want_layers = model.num_layers * model.sublayers_per_layer - len(uncached) - short
     with_mtp = want_layers + model.num_mtp_layers * model.sublayers_per_layer
     if len(m.layers) not in (want_layers, with_mtp):
         out.append(("layers", f"{len(m.layers)} entries for {model.num_layers} decoder layers x "
                               f"{model.sublayers_per_layer} sublayer(s) - {len(uncached)} block(s) without a cache "
-                              f"= {want_layers}"))
+                              + (f"- {short} for the state-only layers " if short else "") + f"= {want_layers}"))
     cached_blocks = {layer.decoder_layer for layer in m.layers}
     for j, block in enumerate(uncached):
         if block.decoder_layer in cached_blocks or block.decoder_layer >= model.num_layers:

@@ -72,6 +72,8 @@ FAMILY_SCALE_RULE = {
     **dict.fromkeys(("opt", "whisper"), "prescaled"),
     # GPT-Neo: its own _attn scores matmul(query, key^T) with no 1/sqrt(head_dim) (transformers GPTNeoSelfAttention)
     "gpt_neo": "unscaled",
+    # Zamba2: Zamba2Attention.scaling = (head_dim / 2) ** -0.5, its head spanning concat(hidden, embeddings)
+    "zamba2": "half_head_dim",
 }
 
 
@@ -325,6 +327,10 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
         base, base_txt = 1.0, (f"1 (model family {facts.family}: queries pre-scaled in the module, q_proj(x) x "
                                f"1/sqrt(head_dim {facts.head_dim.value}), attention called with scaling=1.0; a port "
                                "that drops the pre-scale passes 1/sqrt(head_dim) instead)")
+    elif rule == "half_head_dim":
+        half = facts.head_dim.value / 2
+        base, base_txt = half ** -0.5, (f"(head_dim / 2)^-0.5 = {half:g}^-0.5 (model family {facts.family}: the "
+                                        f"head of {facts.head_dim.value} spans concat(hidden, embeddings))")
     elif multiplier.value is not None and rule in ("attention_multiplier", None):
         base, base_txt = multiplier.value, f"attention_multiplier = {multiplier.value:g} ({multiplier.source})"
     elif qpas and rule in ("query_pre_attn_scalar", None):

@@ -743,7 +743,7 @@ def test_layer_types_a_config_class_derives_are_read_from_it(tmp_path, monkeypat
     m = analyze(AnalyzeRequest(config=str(config)))
     assert m.kv_mode.value == "legacy" and "of an unknown family" in m.blockers[0].message
     assert [layer.index for layer in m.layers if layer.sliding_window == 2048] == list(range(2, 26, 3))
-    monkeypatch.setattr(config_loader._Reader, "derived", lambda self, name: None)
+    monkeypatch.setattr(config_loader._Reader, "derived", lambda self, name, in_post_init=False: None)
     with pytest.raises(InputError, match="where transformers' decoder block has no attention module"):
         analyze(AnalyzeRequest(config=str(config)))
 

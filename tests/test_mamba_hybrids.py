@@ -224,3 +224,213 @@ FALCON_H1_MISTAKES = [
                          ids=[m[0] for m in FALCON_H1_MISTAKES])
 def test_a_falcon_h1_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
     mistake_fails_by_name(render_case(tmp_path, "falcon_h1", deploy_mode=mode), pattern, replacement, failing)
+
+
+# Zamba2: a hybrid layer runs a shared transformer block (attention + MLP whose weights every num_mem_blocks-th hybrid
+# layer shares, with per-layer LoRA adapters and RoPE here), a linear, then its own Mamba-2 mixer; the other layers are
+# Mamba-2 only. Small: 4 heads of 2 x 64 / 4 = 32 over concat(hidden, embeddings) (kv heads = heads: transformers'
+# adapters add attention_hidden_size columns to k/v, so it builds no GQA with them), 7 layers whose hybrid layers 1, 3,
+# 5 run blocks 0, 1, 0.
+SMALL_ZAMBA2 = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "n_mamba_heads": 8,
+                "mamba_d_state": 16, "mamba_ngroups": 2, "num_mem_blocks": 2, "use_shared_attention_adapter": True,
+                "adapter_rank": 8, "use_mem_rope": True, "intermediate_size": 128, "num_hidden_layers": 7,
+                "layers_block_type": ["linear_attention", "hybrid"] * 3 + ["linear_attention"]}
+
+
+# what Zamba2Config.__post_init__ derives and to_dict saves (a saved one wins over the derivation)
+ZAMBA2_DERIVED = ("attention_hidden_size", "attention_head_dim", "mamba_headdim", "kv_channels", "num_query_groups",
+                  "hybrid_layer_ids")
+
+
+def _zamba2(tmp_path, small: dict | None = None, drop: tuple[str, ...] = ()):
+    """Zamba2Config's class defaults (with ``small`` over them, the fields it derives left out) as a config file."""
+    from transformers import Zamba2Config
+
+    data = {k: v for k, v in Zamba2Config().to_dict().items() if k not in (ZAMBA2_DERIVED if small else drop)}
+    path = tmp_path / "zamba2.json"
+    path.write_text(json.dumps({**data, **(small or {})}), encoding="utf-8")
+    return path
+
+
+def test_zamba2_plans_each_hybrid_layer_a_kv_cache_beside_its_mamba_state(tmp_path):
+    """Class defaults: 54 layers, hybrid at 6, 12, ... 51 (9): each hybrid layer plans its own KV cache (sublayer 0:
+    the cache is indexed by the decoder layer, Zamba2Attention.forward's cache.update(..., layer_idx), not by the
+    shared module) and its Mamba-2 state (sublayer 1); a Mamba layer its state only. head_dim 2 x 2560 / 32 = 160,
+    scale (160 / 2)^-0.5 (Zamba2Attention.scaling); the cross-check against transformers' modules passed."""
+    m = analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, drop=ZAMBA2_DERIVED))))
+    assert not m.blockers and m.model.sublayers_per_layer == 2 and len(m.layers) == 54 + 9
+    assert [(layer.decoder_layer, layer.sublayer, layer.attn_type) for layer in m.layers[5:9]] == [
+        (5, 0, "Mamba"), (6, 0, "FullAttention"), (6, 1, "Mamba"), (7, 0, "Mamba")]
+    hybrid = [layer.decoder_layer for layer in m.attention_layers]
+    assert hybrid == [6, 12, 18, 24, 30, 36, 42, 47, 51]
+    assert m.model.head_dim == 160 and m.fa.softmax_scale == pytest.approx(80 ** -0.5)
+    # the attention of decoder layer 47 is cache layer 47 + the 7 hybrid layers before it (each a second sublayer)
+    assert m.plan_of_module(47).index == 47 + 7 and m.plan_of_module(47).attn_type == "FullAttention"
+    lin = m.linear_attention
+    assert lin.family == MAMBA2 and lin.layers == list(range(54))
+    # mamba_headdim = 2 x 2560 / 8 heads = 640, derived as Zamba2Config.__post_init__ does
+    assert {s.name: s.shape for s in lin.states} == {"conv_state": [5120 + 2 * 64, 3], "recurrent_state": [8, 640, 64]}
+    assert "Zamba2Config.__post_init__" in m.model.sources["head_dim"] and "Zamba2Config" in lin.source
+
+
+def test_zamba2_without_layers_block_type_plans_its_class_pattern(tmp_path):
+    """Zamba2Config.__post_init__ fills layers_block_type with its 54-layer pattern when the config has none: read from
+    the class built over the config (read as attention layers, the cross-check refused 108 sublayers against 54
+    blocks)."""
+    m = analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, drop=(*ZAMBA2_DERIVED, "layers_block_type")))))
+    assert len(m.layers) == 63 and [layer.decoder_layer for layer in m.attention_layers][:2] == [6, 12]
+    assert "derived by transformers Zamba2Config" in m.model.sources["layer_kinds"]
+
+
+def test_zamba2_hybrid_layers_read_as_attention_only_are_refused_by_the_cross_check(tmp_path):
+    """An analyzer that plans a hybrid layer's attention without its mixer's state (the shared block taken for the
+    whole layer) is caught by the cross-check naming the mixer beside it."""
+    from model_infer_kvcache.analyzer.config_loader import Sourced
+
+    path = _zamba2(tmp_path, drop=ZAMBA2_DERIVED)
+    config = json.loads(path.read_text(encoding="utf-8"))
+    m = analyze(AnalyzeRequest(config=str(path)))
+    facts = load_model_facts(str(path))
+    assert cross_check(config, facts, m.layers, m.fa.softmax_scale, "").errors == []
+    misread = tuple("full" if kind != "linear" else kind for kind in facts.layer_kinds.value)
+    no_mixer = [layer for layer in m.layers if not (layer.is_state and layer.sublayer)]
+    bad = cross_check(config, dataclasses.replace(facts, layer_kinds=Sourced(misread, "misread")), no_mixer,
+                      m.fa.softmax_scale, "")
+    assert any("recurrent mixer (Zamba2MambaMixer) beside its attention" in e and "on 9 layer(s)" in e
+               for e in bad.errors), bad.errors
+
+
+def test_zamba2_adapters_on_grouped_kv_heads_are_refused_naming_the_field(tmp_path):
+    """transformers' Zamba2Attention adds its k/v adapters' 2 x hidden_size outputs to KV heads x head_dim
+    projections: with 2 KV heads of 32 beside 4 query heads at hidden 64 its model does not run (checked here), so
+    the config is refused at analyze, naming num_key_value_heads; without the adapters it is planned."""
+    import torch
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    grouped = {**SMALL_ZAMBA2, "num_key_value_heads": 2}
+    built = Zamba2ForCausalLM(Zamba2Config(**{k: v for k, v in grouped.items()}))
+    with pytest.raises(RuntimeError):
+        built(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(InputError, match="num_key_value_heads: 2 heads x head_dim 32 = 64 is not attention_hidden_size"):
+        analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, grouped))))
+    m = analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, {**grouped, "use_shared_attention_adapter": False}))))
+    assert m.parallel.num_kv_heads_per_rank == 2
+
+
+def test_zamba2_saved_head_dims_win_over_the_derivation_as_in_transformers(tmp_path):
+    """A saved attention_head_dim / mamba_headdim is set after Zamba2Config.__post_init__ derives them, so transformers
+    builds the saved widths (the cross-check, comparing with its modules, passes only so); a Mamba head dim whose
+    heads do not span the inner width is refused by name."""
+    m = analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, {"attention_head_dim": 128}))))
+    assert m.model.head_dim == 128 and m.fa.softmax_scale == pytest.approx(64 ** -0.5)
+    with pytest.raises(InputError, match="inner width 5120 .* is not heads x head_dim = 8 x 320"):
+        analyze(AnalyzeRequest(config=str(_zamba2(tmp_path, {"mamba_headdim": 320}))))
+
+
+def test_zamba2_manifest_counts_a_state_only_layer_once_and_a_hybrid_twice(tmp_path):
+    """The manifest's layer count: 54 decoder layers x 2 sublayers less one for each of the 45 Mamba layers; a hybrid
+    layer that lost its mixer's state (or its attention) is refused by the invariant."""
+    from model_infer_kvcache.analyzer.manifest import manifest_problems
+
+    m = analyze(AnalyzeRequest(config=str(_zamba2(tmp_path))))
+    assert manifest_problems(m) == []
+    dropped = m.model_copy(update={"layers": [layer.model_copy(update={"index": i}) for i, layer in enumerate(
+        [layer for layer in m.layers if not (layer.decoder_layer == 6 and layer.sublayer == 1)])]})
+    assert any(field == "layers" and "= 63" in why for field, why in manifest_problems(dropped))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_zamba2_renders_and_validates_with_a_reused_shared_block(tmp_path, mode):
+    """Both modes against transformers' Zamba2 (its shared blocks' weights tied across hybrid layers 1 and 5, per-layer
+    adapters, RoPE): the tiny model runs to the first hybrid layer that reuses a block, each hybrid layer's attention
+    registered as its own cache layer beside its mixer."""
+    manifest, rendered, cfg = _zamba2_case(tmp_path, mode)
+    text = (rendered / ATTN).read_text(encoding="utf-8")
+    assert ("return [shared.self_attn, decoder_layer.mamba_decoder.mamba]" in text) == (mode == "framework")
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert any("first to reuse a shared block" in note for note in report.notes)
+    if mode == "framework":  # 6 layers kept: Mamba 0, 2, 4 and hybrid 1, 3, 5 (two sublayers each)
+        assert check(report, "get_cache_info layer count").measured == {"expected": 9, "got": 9}
+
+
+def _zamba2_case(tmp_path, mode: str):
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    cfg = _zamba2(tmp_path, SMALL_ZAMBA2)
+    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode))
+    (tmp_path / "manifest.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest, allow_blocked=True), tmp_path / "rendered")
+    return tmp_path / "manifest.json", tmp_path / "rendered", cfg
+
+
+def _one_module_per_block(monkeypatch, blocks: int) -> None:
+    """The port's mistake of sharing the module with the weights: one attention module per shared block, serving every
+    hybrid layer that runs the block (hybrid layer j: block j % num_mem_blocks), so its cache is keyed by the module,
+    not the layer: two hybrid layers write one KV cache. The validation host, which gives each hybrid layer its own
+    module's host (as transformers builds one module per layer), is bent after it is built to hand every later
+    hybrid layer of a block its block's first host."""
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    built = host_model.HostModel.__init__
+
+    def init(self, hf_model, *args, **kwargs):
+        built(self, hf_model, *args, **kwargs)
+        _, layers = host_model.decoder_layers(hf_model)
+        first: dict[int, object] = {}
+        hybrid = [i for i, layer in enumerate(layers) if hasattr(layer, "shared_transformer")]
+        for j, i in enumerate(hybrid):
+            attn = layers[i].shared_transformer.self_attn
+            owner = first.setdefault(j % blocks, attn._kvcache_host)
+            if owner is attn._kvcache_host:
+                continue
+            self.attentions[self.attentions.index(attn._kvcache_host)] = owner
+            attn._kvcache_host = owner
+            mixer = self.model.layers[i].mamba_decoder.mamba
+            self.model.layers[i] = host_model._ModulePaths({"shared_transformer.self_attn": owner,
+                                                            "mamba_decoder.mamba": mixer})
+
+    monkeypatch.setattr(host_model.HostModel, "__init__", init)
+
+
+ZAMBA2_MISTAKES = [
+    # one module per shared block: the render's get_cache_info refuses the module registered for two cache layers
+    ("shared-module-one-cache", "framework", None, None, "rendered code runs"),
+    # the same port with that refusal taken out: the framework sets the second layer's cache on the module, both
+    # hybrid layers write and read it
+    ("shared-module-one-cache-unguarded", "framework", r"if owners\.setdefault\(id\(attn\), len\(layer_infos\)\) != "
+                                                       r"len\(layer_infos\):", "if False:", NUMERIC),
+    # the standalone runner allocates the module's caches once per layer it serves: the last allocation wins
+    ("shared-module-one-cache", "standalone", None, None, NUMERIC),
+    # a hybrid layer's Mamba state not reset when its slot is reused: prefill continues a finished request's state
+    ("prefill-reads-the-ssm-state", "framework",
+     r"if forward_metadata\.is_prefill \\\n\s+else self\.recurrent_state\[slots\[row\]\]\.to\(dtype\)",
+     "if False else self.recurrent_state[slots[row]].to(dtype)", NUMERIC),
+    # get_cache_info registering a hybrid layer's attention only: its mixer's states get no block
+    ("hybrid-mixer-not-registered", "framework", r"return \[shared\.self_attn, decoder_layer\.mamba_decoder\.mamba\]",
+     "return [shared.self_attn]", "get_cache_info layer count"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, pattern, replacement, failing", ZAMBA2_MISTAKES,
+                         ids=[f"{m[0]}-{m[1]}" for m in ZAMBA2_MISTAKES])
+def test_a_zamba2_mistake_fails_by_name(tmp_path, monkeypatch, case, mode, pattern, replacement, failing):
+    from unittest import mock
+
+    from model_infer_kvcache.validators.pipeline import validate
+    from validators_support import mutate
+
+    if case.startswith("shared-module"):
+        _one_module_per_block(monkeypatch, SMALL_ZAMBA2["num_mem_blocks"])
+    manifest, rendered, cfg = _zamba2_case(tmp_path, mode)
+    if pattern:
+        mutate(rendered, pattern, replacement, name=ATTN)
+    with mock.patch.object(validate, "_localise", lambda *args, **kwargs: None):
+        report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+    if case == "shared-module-one-cache":
+        failed = check(report, failing).detail if mode == "framework" else ""
+        assert mode != "framework" or "already serves cache layer" in failed, failed

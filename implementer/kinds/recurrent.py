@@ -23,6 +23,10 @@ MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba",  # Falcon-H1 too: self_attn 
 # model types whose decoder blocks keep every mixer (Mamba, attention, MLP, MoE) as ``mixer``: Mamba2Block,
 # MambaBlock, FalconMambaBlock, NemotronHBlock
 MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer"}
+# model types whose hybrid decoder layer keeps its attention in a shared transformer block and its mixer in a Mamba
+# decoder below it: (block attribute, the block's attention, the mixer's decoder), as transformers names them
+# (Zamba2HybridLayer.shared_transformer.self_attn, .mamba_decoder.mamba; a Zamba2 Mamba layer keeps .mamba itself)
+SHARED_BLOCK_ATTRS = {"zamba2": ("shared_transformer", "self_attn", "mamba_decoder")}
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,12 @@ class LinearCtx:
     def module_attr(self) -> str:
         """The decoder layer's attribute holding the state module, as transformers names it."""
         return MIXER_ATTR.get(self.model_type) or MODULE_ATTR.get(self.family, "linear_attn")
+
+    @property
+    def shared_block(self) -> tuple[str, str, str] | None:
+        """(block, attention, mixer decoder) attributes of a hybrid layer running a shared transformer block
+        (Zamba2), None for every other model."""
+        return SHARED_BLOCK_ATTRS.get(self.model_type)
 
     @property
     def family_name(self) -> str:

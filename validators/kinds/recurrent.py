@@ -4,7 +4,7 @@ request."""
 from __future__ import annotations
 
 import torch
-from model_infer_kvcache.analyzer.linear_config import INNER_IS_INTERMEDIATE
+from model_infer_kvcache.analyzer.linear_config import INNER_IS_INTERMEDIATE, SHARED_BLOCK_HYBRIDS
 
 
 def expected_constants(manifest) -> dict[str, object]:
@@ -22,6 +22,22 @@ def expected_constants(manifest) -> dict[str, object]:
         want.update(CONV_KERNEL=lin.conv_kernel, CONV_CHANNELS_PER_RANK=lin.conv_channels_per_rank,
                     CONV_STATE_DTYPE=dtypes.get("conv_state"))
     return want
+
+
+def shared_block_prefix(manifest, src: dict, n: int) -> tuple[int, str | None]:
+    """The tiny model's layer prefix grown, for a model whose hybrid layers run shared transformer blocks (Zamba2:
+    hybrid layer j runs block j % num_mem_blocks, Zamba2Model.get_layers), to the first hybrid layer that reuses a
+    block: two cache layers of one block's weights, each with its own KV cache, are then both in the run. (n, None)
+    for any other model, or when the config has no such layer."""
+    if manifest.model.model_type not in SHARED_BLOCK_HYBRIDS:
+        return n, None
+    blocks = src.get("num_mem_blocks", 1)
+    hybrid = [layer.decoder_layer for layer in manifest.layers if layer.sublayer]
+    if not isinstance(blocks, int) or len(hybrid) <= blocks or hybrid[blocks] < n:
+        return n, None
+    return hybrid[blocks] + 1, (f"the prefix runs to decoder layer {hybrid[blocks]}, hybrid layer {blocks + 1}: the "
+                                f"first to reuse a shared block ({blocks} num_mem_blocks), so two cache layers of one "
+                                "block's weights are validated")
 
 
 def states(manifest) -> dict:
@@ -47,6 +63,16 @@ def tiny_state_fields(d: dict, manifest) -> None:
     family naming the width itself, Falcon-H1's ``mamba_d_ssm``, keeps it); a short conv (LFM2) keeps the real
     hidden_size, its conv's channels. Other families: nothing."""
     lin = manifest.linear_attention
+    if manifest.model.model_type in SHARED_BLOCK_HYBRIDS:
+        # Zamba2Config derives these when absent, and a saved one wins: hybrid_layer_ids (the adapters' index) would
+        # name the real model's hybrid layers past the tiny prefix, attention_hidden_size (2 x hidden, the shared
+        # block's input) the real width
+        d.pop("hybrid_layer_ids", None)
+        d.pop("attention_hidden_size", None)
+        if d.get("use_shared_attention_adapter"):
+            # the LoRA adapters add attention_hidden_size = 2 x hidden columns to the heads x head_dim projections
+            # (Zamba2Attention): the tiny hidden size is what makes the two agree
+            d["hidden_size"] = manifest.model.num_attention_heads * manifest.model.head_dim // 2
     if lin is not None and lin.family == "short_conv":  # the render convolves the real hidden_size channels
         d["hidden_size"] = lin.conv_channels_per_rank * manifest.parallel.attn_tp_size
         return

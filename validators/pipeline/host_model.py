@@ -604,6 +604,10 @@ def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
     for name, module in layer.named_children():
         if is_linear_module(type(module).__name__):
             return name, module
+    # a mixer one sub-block down (Zamba2HybridLayer: mamba_decoder.mamba, after its shared transformer block)
+    for name, module in layer.named_modules():
+        if "." in name and is_linear_module(type(module).__name__):
+            return name, module
     return None
 
 
@@ -913,6 +917,28 @@ class _DecoderLayer:
         return self._attention
 
 
+class _ModulePaths:
+    """A decoder layer as get_cache_info() sees it when its cache modules sit below sub-blocks, at transformers' own
+    paths (Zamba2HybridLayer: ``shared_transformer.self_attn`` and ``mamba_decoder.mamba``), each path ending at the
+    host of that module; any other name is not there (a render looking a module up elsewhere finds none)."""
+
+    def __init__(self, modules: dict[str, object]):
+        children: dict[str, object] = {}
+        for path, module in modules.items():
+            head, _, rest = path.partition(".")
+            if rest:
+                children.setdefault(head, {})[rest] = module
+            else:
+                children[head] = module
+        self.__dict__["_children"] = children
+
+    def __getattr__(self, name):
+        child = self.__dict__["_children"].get(name)
+        if child is None:
+            raise AttributeError(f"the decoder layer holds no {name!r} (it holds {sorted(self._children)})")
+        return _ModulePaths(child) if isinstance(child, dict) else child
+
+
 class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
@@ -1021,8 +1047,14 @@ class HostModel:
             if route in _ROUTED_FORWARD:
                 hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
                                                    hf_attn)
-            # a parallel hybrid (Falcon-H1): the attention sublayer, then the mixer's states beside it
+            # a parallel hybrid (Falcon-H1) or a Zamba2 hybrid layer: the attention sublayer, then the mixer's states
             self.attentions += [host] if state is None else [host, state]
+            if state is not None and "." in name + state_attr:
+                # the modules sit below sub-blocks (Zamba2: the shared transformer block, the Mamba decoder): the
+                # layer answers their paths only. Each hybrid layer has its own attention module and host (its
+                # own cache), transformers tying the shared block's weights, not the module.
+                views.append(_ModulePaths({name: host, state_attr: state}))
+                continue
             views.append(_DecoderLayer(host, state_attr, state, cross))
         if self.encoder is not None:
             for name, module in hf_model.named_modules():

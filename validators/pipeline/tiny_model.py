@@ -116,6 +116,10 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     d["model_type"] = hf_type
     notes = []
     n, held = _layer_prefix(manifest, src)
+    shortest = n
+    n, reused = recurrent.shared_block_prefix(manifest, src, n)  # Zamba2: a hybrid layer reusing a shared block
+    if reused:
+        notes.append(reused)
     m = manifest.model
     d["num_hidden_layers"] = n
     if m.sublayers_per_layer > 1 and not manifest.parallel_hybrid():  # Falcon-H1: one layer, two plans  # transformers counts attention sublayers (LongCat-Flash: 2 per layer)
@@ -167,8 +171,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         d["attention_chunk_size"] = manifest.attention_chunk_size()
     if m.num_mtp_layers:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not built (transformers has no MTP head)")
+    grown = f"is {shortest} " if n != shortest else ""  # grown to a reused shared block (noted above)
     notes.append(f"{n} of {m.num_layers} decoder layers: the shortest prefix holding every distinct layer plan "
-                 f"({len(held)}: {'; '.join(held)})")
+                 f"{grown}({len(held)}: {'; '.join(held)})")
     return d, TinyPlan(hf_type, n, window, notes)
 
 

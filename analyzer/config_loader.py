@@ -416,6 +416,24 @@ class _Reader:
         return (list(value), f"{self.prefix}{alias} (derived by transformers {cls.__name__}.{alias})") \
             if isinstance(value, (list, tuple)) else None
 
+    def computed(self, name: str, notes: list[str], maximum: int | None = None) -> Sourced[int] | None:
+        """A field the config class's ``__post_init__`` computes from others whatever the file says (JetMoE's
+        ``num_attention_heads = num_key_value_heads * num_experts_per_tok``: its query experts' heads), read as it
+        computes it; a file value that differs is noted as overridden. None when the class computes no such field."""
+        hit = self._class.compute(name, lambda f: (self.get(f) or (None,))[0])
+        if hit is None:
+            return None
+        value, expr = hit
+        src = f"{expr} (computed by transformers {self.aliases_of}.__post_init__)"
+        if value <= 0:
+            raise InputError(self.where, f"must be a positive integer, got {value}", field=src)
+        _check_maximum(self.where, src, value, maximum)
+        given = self.cfg.get(name)
+        if given is not None and given != value:
+            notes.append(f"{self.prefix}{name} {_shown(given)} ignored: transformers {self.aliases_of} sets it to {expr}"
+                         f" = {value}")
+        return Sourced(value, src)
+
     @property
     def _model_type(self) -> str:
         model_type = self.cfg.get("model_type") or self.outer.get("model_type")
@@ -622,8 +640,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         heads = kv_heads = head_dim = Sourced(0, f"not read: no layer attends ({layer_kinds.source})")
         mla = Sourced(None, "not read: no layer attends")
     else:
-        heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                               "decoder_attention_heads", "num_decoder_attention_heads", maximum=LIMITS["heads"])
+        heads = r.computed("num_attention_heads", notes, maximum=LIMITS["heads"]) or r.positive_int(
+            "num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads",
+            "num_decoder_attention_heads", maximum=LIMITS["heads"])
         kv_heads = _kv_heads(r, heads)
         mla = _mla_dims(r)
         head_dim = _head_dim(r, hidden, heads, mla)

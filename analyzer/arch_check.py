@@ -106,7 +106,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 21  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 21 (19, 20: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), device-side reasons (position biases, LSH) in the diagnosis. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 22  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -331,7 +331,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         # a mixer beside the attention (Falcon-H1): its sizes ride along, for a parallel hybrid's planned state
         beside = mixer_module(path)
         module_facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {}) \
-            | _kv_source(module, config) | _attention_calls(module) | _kv_tiled(module)
+            | _kv_source(module, config) | _attention_calls(module) | _kv_tiled(module) | _query_heads(module)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
                                getattr(module, "sinks", None) is not None, mixer_of(path),
                                tuple(sorted(module_facts.items())), encoder))
@@ -355,6 +355,8 @@ def why_no_kv_cache(model, config) -> str | None:
       state is no cache of past keys and values;
     - a module with Transformer-XL relative-position biases (``r_w_bias`` / ``r_r_bias``, XLNet): its keys are
       scored against relative-position embeddings and what it caches are the layers' input hidden states (``mems``);
+    - an attention module adding a position bias to its scores (CPM-Ant, ProphetNet: ``position_biased_attention``),
+      which the paged FA call cannot take (``fa_facts.PAGED_PSE_LIMIT``, with its op doc lines);
     - an attention module whose projections are none kvcache reads (a shared ``query_key``, per-expert ``experts``):
       named with its projections."""
     name = type(model).__name__
@@ -394,6 +396,7 @@ def position_biased_attention(model) -> str | None:
     its segment / bucketed relative-position embedding) or logits from a child named ``relative*`` (ProphetNet's
     ``relative_pos_embeddings``: a Linear from each query's hidden state to a logit per distance bucket and head)."""
     from model_infer_kvcache.analyzer.hf_layout import is_attention
+    from torch import nn
 
     for sub in model.modules():
         cls = type(sub).__name__
@@ -407,11 +410,13 @@ def position_biased_attention(model) -> str | None:
             makers = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("position_bias")})
             made = f" (computed by {', '.join(makers)})" if makers else ""
             return f"{cls} adds the position_bias it is handed{made} to every query-key score"
-        relative = [n for n, c in sub.named_children() if n.startswith("relative") and f"self.{n}" in
-                    inspect.getsource(type(sub))]
+        code = inspect.getsource(type(sub))
+        relative = [(n, c) for n, c in sub.named_children() if n.startswith("relative") and f"self.{n}" in code]
         if relative:
-            return (f"{cls} adds relative-position logits to every query-key score ({', '.join(relative)}: a logit "
-                    "per distance bucket and head, computed from each query's hidden state)")
+            name, child = relative[0]
+            how = "computed from each query's hidden state by a Linear" if isinstance(child, nn.Linear) else \
+                f"a {type(child).__name__}"
+            return f"{cls} adds relative-position logits to every query-key score ({name}: {how})"
     return None
 
 
@@ -556,6 +561,19 @@ def _attention_calls(module) -> dict[str, int]:
 
 
 TILED_FACT = "kv_tiled"
+QUERY_FACT = "query_heads"
+
+
+def _query_heads(module) -> dict[str, int]:
+    """{QUERY_FACT: n}: the query heads the module attends with. A module tiling its K/V to its query heads (JetMoE)
+    has as many as its tiled K/V: tiles x KV heads (its ``num_heads`` is the config's, which its forward never
+    reads); any other, where it keeps them (``num_heads`` / ``num_attention_heads``)."""
+    tiles, shape = _kv_tiled(module).get(TILED_FACT), _kv_shape(module)
+    if tiles is not None and shape is not None:
+        return {QUERY_FACT: tiles * shape[1]}
+    n = next((getattr(module, a) for a in ("num_heads", "num_attention_heads") if isinstance(getattr(module, a, None),
+                                                                                          int)), None)
+    return {QUERY_FACT: n} if isinstance(n, int) and not isinstance(n, bool) and n > 0 else {}
 
 
 def _kv_tiled(module) -> dict[str, int]:
@@ -804,6 +822,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     source_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
     calls_off: list[tuple[LayerPlan, HfAttention, int]] = []
     tiled: list[tuple[LayerPlan, HfAttention, int]] = []
+    queries_off: list[tuple[LayerPlan, HfAttention, int, str]] = []
     all_layers = layers
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
@@ -853,6 +872,9 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             calls_off.append((layer, mod, calls))
         if (tiles := module_facts.pop(TILED_FACT, None)) is not None:
             tiled.append((layer, mod, tiles))
+        if (queries := module_facts.pop(QUERY_FACT, None)) not in (None, facts.num_attention_heads.value):
+            how = f"K/V tiled {tiles} x {queries // tiles} KV heads" if tiles else ".num_heads"
+            queries_off.append((layer, mod, queries, how))
         if hf_source != layer.kv_source_layer:
             source_off.append((layer, mod, hf_source))
         off = fmt.hf_off(layer, {k: v for k, v in module_facts.items() if not k.startswith(MIXER_FACT)}, mod.cls)
@@ -911,6 +933,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     if format_off:
         layer, mod, off = format_off[0]
         result.errors.append(f"{off} on {len(format_off)} layer(s), first layer {layer.index} at {mod.path}")
+    if queries_off:
+        layer, mod, queries, how = queries_off[0]
+        result.errors.append(f"query heads: analyzer {facts.num_attention_heads.value} ({facts.num_attention_heads.source})"
+                             f" vs transformers {queries} ({mod.cls}{'' if how.startswith('.') else ': '}{how}) on "
+                             f"{len(queries_off)} layer(s), first layer {layer.index} at {mod.path}")
     if tiled:
         layer, mod, tiles = tiled[0]
         result.notes.append(

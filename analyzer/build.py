@@ -714,8 +714,6 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
 def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], kv_mode: str,
            warnings: list[Finding], questions: list[Finding]) -> None:
     """Non-blocking facts the implementer must not miss."""
-    # what the config reader noticed (a field transformers' config class overrides whatever the file says)
-    warnings += [Finding(message=note, fields=["model_type"]) for note in facts.notes]
     if kv_mode == "legacy":
         if facts.attn_logit_softcapping.value is not None:
             warnings.append(Finding(

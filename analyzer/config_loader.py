@@ -416,10 +416,13 @@ class _Reader:
         return (list(value), f"{self.prefix}{alias} (derived by transformers {cls.__name__}.{alias})") \
             if isinstance(value, (list, tuple)) else None
 
-    def computed(self, name: str, notes: list[str], maximum: int | None = None) -> Sourced[int] | None:
-        """A field the config class's ``__post_init__`` computes from others whatever the file says (JetMoE's
+    def computed(self, name: str, maximum: int | None = None) -> Sourced[int] | None:
+        """A field the file leaves out and the config class's ``__post_init__`` computes from others (JetMoE's
         ``num_attention_heads = num_key_value_heads * num_experts_per_tok``: its query experts' heads), read as it
-        computes it; a file value that differs is noted as overridden. None when the class computes no such field."""
+        computes it. None when the file has the field (JetMoeConfig keeps a given one: its kwargs are set after) or
+        the class computes no such field; the cross-check then compares the value with transformers' modules."""
+        if self.has_key(name):
+            return None
         hit = self._class.compute(name, lambda f: (self.get(f) or (None,))[0])
         if hit is None:
             return None
@@ -428,10 +431,6 @@ class _Reader:
         if value <= 0:
             raise InputError(self.where, f"must be a positive integer, got {value}", field=src)
         _check_maximum(self.where, src, value, maximum)
-        given = self.cfg.get(name)
-        if given is not None and given != value:
-            notes.append(f"{self.prefix}{name} {_shown(given)} ignored: transformers {self.aliases_of} sets it to {expr}"
-                         f" = {value}")
         return Sourced(value, src)
 
     @property
@@ -640,7 +639,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         heads = kv_heads = head_dim = Sourced(0, f"not read: no layer attends ({layer_kinds.source})")
         mla = Sourced(None, "not read: no layer attends")
     else:
-        heads = r.computed("num_attention_heads", notes, maximum=LIMITS["heads"]) or r.positive_int(
+        heads = r.computed("num_attention_heads", maximum=LIMITS["heads"]) or r.positive_int(
             "num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads",
             "num_decoder_attention_heads", maximum=LIMITS["heads"])
         kv_heads = _kv_heads(r, heads)

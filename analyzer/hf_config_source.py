@@ -7,9 +7,9 @@ transformers (``kvcache analyze`` with a warm cache never imports it: benchmarks
 ``transformers/models/<dir>/``, ``<dir>`` being the model type or its longest prefix (``inkling_text`` lives in
 ``inkling/``); a parent class in the same file lends its ``attribute_map`` when the class has none.
 
-Also the fields its ``__post_init__`` computes whatever the config file says (JetMoE's ``num_attention_heads =
-num_key_value_heads * num_experts_per_tok``): an unconditional top-level assignment of arithmetic over its own
-fields, with the literal defaults of the class's fields for the ones a config leaves out.
+Also the fields its ``__post_init__`` computes (JetMoE's ``num_attention_heads = num_key_value_heads *
+num_experts_per_tok``): an unconditional top-level assignment of arithmetic over its own fields, with the literal
+defaults of the class's fields for the ones a config leaves out.
 """
 
 from __future__ import annotations
@@ -35,9 +35,13 @@ class ConfigClassFacts:
         expr = self.computed.get(name)
         if expr is None:
             return None
+
+        def operand(field_name: str):
+            value = read(field_name)
+            return self.defaults.get(field_name) if value is None else value
+
         try:
-            return _evaluate(expr, lambda f: read(f) if read(f) is not None else self.defaults.get(f)), \
-                ast.unparse(expr).replace("self.", "")
+            return _evaluate(expr, operand), ast.unparse(expr).replace("self.", "")
         except (KeyError, TypeError, ZeroDivisionError):
             return None
 

@@ -651,7 +651,7 @@ def test_families_without_a_kv_cache_kvcache_reads_are_refused_with_the_reason_f
     ("cpmant", ["CpmAntAttention adds the position_bias it is handed (computed by CpmAntSegmentPositionEmbedding)"]),
     # ProphetNet: logits per distance bucket from each query's hidden state (relative_pos_embeddings)
     ("prophetnet", ["ProphetNetNgramSelfAttention adds relative-position logits to every query-key score "
-                    "(relative_pos_embeddings"]),
+                    "(relative_pos_embeddings: computed from each query's hidden state by a Linear)"]),
 ])
 def test_position_biased_attention_is_refused_for_the_paged_fa_call_naming_the_op_doc_lines(
         tmp_path, monkeypatch, model_type, words):
@@ -834,19 +834,20 @@ def test_config_class_declarations_are_read_without_importing_transformers(tmp_p
     assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr[-300:] for r in runs]
 
 
-JETMOE_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_key_value_heads=2, kv_channels=16, intermediate_size=64,
-                    vocab_size=512, num_local_experts=4)
+JETMOE_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_key_value_heads=2, num_attention_heads=4, kv_channels=16,
+                    intermediate_size=64, vocab_size=512, num_local_experts=4)
 
 
 def test_jetmoe_plans_its_query_experts_over_one_shared_kv_cache(tmp_path, monkeypatch):
     """JetMoE's mixture of attention: each token's top-k query experts (JetMoeMoA.map) over one shared kv_proj, so its
     KV cache is plain GQA: num_key_value_heads heads of kv_channels (JetMoeConfig.attribute_map head_dim), queries
-    num_key_value_heads x num_experts_per_tok, which JetMoeConfig.__post_init__ computes whatever the file says (a
-    file without the field, or with a stale one, plans what transformers builds). It was refused by the cross-check
-    ('projecting through experts, kv_proj'). Its K/V are tiled to the query heads (query head e x 16 + h reads KV
-    head h), not grouped as FA pairs them: a warning says so. Negative controls: read as a stored field, the file
-    without it is missing the field and the stale one plans its query heads as the KV heads; without reading the
-    tiling from JetMoeAttention.forward, no warning."""
+    num_key_value_heads x num_experts_per_tok, which JetMoeConfig.__post_init__ computes when the file leaves
+    num_attention_heads out (published JetMoE configs do). It was refused by the cross-check ('projecting through
+    experts, kv_proj'). Its K/V are tiled to the query heads (query head e x 16 + h reads KV head h), not grouped as
+    FA pairs them: a warning says so. A file whose num_attention_heads disagrees (JetMoeConfig keeps it, the forward
+    never reads it: its heads are the tiled K/V's) is refused by the cross-check naming both counts.
+    Negative controls: not computed, the file without the field is refused as missing it; without the query-head
+    comparison the stale file plans 16 query heads; without reading the tiling, no warning."""
     from model_infer_kvcache.analyzer import arch_check
     from model_infer_kvcache.analyzer.errors import InputError
     from model_infer_kvcache.analyzer.hf_config_source import ConfigClassFacts
@@ -854,30 +855,37 @@ def test_jetmoe_plans_its_query_experts_over_one_shared_kv_cache(tmp_path, monke
     monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
     config = _config(tmp_path, "jetmoe")
     defaults = json.loads(config.read_text())
-    m = analyze(AnalyzeRequest(config=str(config)))
+    missing = {k: v for k, v in defaults.items() if k != "num_attention_heads"}
+    for name, data in (("missing", missing), ("four", missing | {"num_experts_per_tok": 4}),
+                       ("stale", defaults | {"num_attention_heads": 16})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(tmp_path / "missing.json")))
     assert not m.blockers and (m.model.num_attention_heads, m.model.num_key_value_heads, m.model.head_dim) == (
         32, 16, 128)
-    tiling = "transformers' JetMoeAttention tiles its K/V 2 times to its query heads"
-    assert any(tiling in w.message and "pairs query head j with KV head j // 2" in w.message for w in m.warnings)
-    monkeypatch.setattr(arch_check, "_kv_tiled", lambda module: {})
-    arch_check._hf_attentions.cache_clear()
-    assert not any(tiling in w.message for w in analyze(AnalyzeRequest(config=str(config))).warnings)
-    arch_check._hf_attentions.cache_clear()
     assert m.model.sources["num_attention_heads"] == ("num_key_value_heads * num_experts_per_tok (computed by "
                                                       "transformers JetMoeConfig.__post_init__)")
     assert m.model.sources["head_dim"] == "kv_channels (transformers JetMoeConfig.attribute_map 'head_dim')"
-    missing = {k: v for k, v in defaults.items() if k != "num_attention_heads"} | {"num_experts_per_tok": 4}
-    stale = defaults | {"num_attention_heads": 16}
-    for name, data in (("missing", missing), ("stale", stale)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(data), encoding="utf-8")
-    assert analyze(AnalyzeRequest(config=str(tmp_path / "missing.json"))).model.num_attention_heads == 64
-    m = analyze(AnalyzeRequest(config=str(tmp_path / "stale.json")))
-    assert m.model.num_attention_heads == 32
-    assert any("num_attention_heads 16 ignored" in w.message for w in m.warnings), [w.message for w in m.warnings]
-    monkeypatch.setattr(ConfigClassFacts, "compute", lambda self, name, read: None)
-    with pytest.raises(InputError, match=r"missing \(looked for num_attention_heads"):
-        analyze(AnalyzeRequest(config=str(tmp_path / "missing.json")))
-    assert analyze(AnalyzeRequest(config=str(tmp_path / "stale.json"))).model.num_attention_heads == 16
+    tiling = "transformers' JetMoeAttention tiles its K/V 2 times to its query heads"
+    assert any(tiling in w.message and "pairs query head j with KV head j // 2" in w.message for w in m.warnings)
+    assert analyze(AnalyzeRequest(config=str(tmp_path / "four.json"))).model.num_attention_heads == 64
+    assert analyze(AnalyzeRequest(config=str(config))).model.num_attention_heads == 32  # the class's to_dict
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(tmp_path / "stale.json")))
+    assert "query heads: analyzer 16 (num_attention_heads) vs transformers 32 (JetMoeAttention: K/V tiled 2 x 16 KV " \
+           "heads)" in err.value.message, err.value.render()
+    with monkeypatch.context() as patch:
+        patch.setattr(ConfigClassFacts, "compute", lambda self, name, read: None)
+        with pytest.raises(InputError, match=r"missing \(looked for num_attention_heads"):
+            analyze(AnalyzeRequest(config=str(tmp_path / "missing.json")))
+    try:
+        monkeypatch.setattr(arch_check, "_query_heads", lambda module: {})
+        arch_check._hf_attentions.cache_clear()
+        assert analyze(AnalyzeRequest(config=str(tmp_path / "stale.json"))).model.num_attention_heads == 16
+        monkeypatch.setattr(arch_check, "_kv_tiled", lambda module: {})
+        arch_check._hf_attentions.cache_clear()
+        assert not any(tiling in w.message for w in analyze(AnalyzeRequest(config=str(config))).warnings)
+    finally:
+        arch_check._hf_attentions.cache_clear()
 
 
 @pytest.mark.slow

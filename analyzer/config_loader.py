@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
-from model_infer_kvcache.analyzer.hf_config_source import ConfigClassFacts, config_class_facts
+from model_infer_kvcache.analyzer.hf_config_source import BadOperand, ConfigClassFacts, config_class_facts
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
@@ -423,7 +423,13 @@ class _Reader:
         the class computes no such field; the cross-check then compares the value with transformers' modules."""
         if self.has_key(name):
             return None
-        hit = self._class.compute(name, lambda f: (self.get(f) or (None,))[0])
+        try:
+            hit = self._class.compute(name, lambda f: (self.get(f) or (None,))[0])
+        except BadOperand as bad:
+            operand, value = bad.args
+            raise InputError(self.where, f"must be a positive integer, got {_shown(value)} (transformers "
+                                         f"{self.aliases_of} computes {name} from it)",
+                             field=(self.get(operand) or (None, operand))[1]) from None
         if hit is None:
             return None
         value, expr = hit

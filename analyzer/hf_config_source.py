@@ -31,7 +31,8 @@ class ConfigClassFacts:
 
     def compute(self, name: str, read) -> tuple[int, str] | None:
         """(value, the expression as written) of a field ``__post_init__`` computes, its operands read by ``read(field)
-        -> value | None`` (the config's, else the class default); None when not computed or an operand is unknown."""
+        -> value | None`` (the config's, else the class default); None when not computed or an operand is unknown;
+        ``BadOperand`` naming an operand that is not an integer."""
         expr = self.computed.get(name)
         if expr is None:
             return None
@@ -42,7 +43,7 @@ class ConfigClassFacts:
 
         try:
             return _evaluate(expr, operand), ast.unparse(expr).replace("self.", "")
-        except (KeyError, TypeError, ZeroDivisionError):
+        except (KeyError, ZeroDivisionError):
             return None
 
 
@@ -138,14 +139,20 @@ def _defaults(cls: ast.ClassDef) -> dict[str, object]:
     return out
 
 
+class BadOperand(ValueError):
+    """An operand of a computed field that the config gives as something other than an integer (args: field, value)."""
+
+
 def _evaluate(expr: ast.expr, read) -> int:
     if isinstance(expr, ast.BinOp):
         return _ARITH[type(expr.op)](_evaluate(expr.left, read), _evaluate(expr.right, read))
     if isinstance(expr, ast.Constant):
         return expr.value
     value = read(expr.attr)
+    if value is None:
+        raise KeyError(expr.attr)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(expr.attr)
+        raise BadOperand(expr.attr, value)
     return value
 
 

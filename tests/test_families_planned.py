@@ -873,6 +873,10 @@ def test_jetmoe_plans_its_query_experts_over_one_shared_kv_cache(tmp_path, monke
         analyze(AnalyzeRequest(config=str(tmp_path / "stale.json")))
     assert "query heads: analyzer 16 (num_attention_heads) vs transformers 32 (JetMoeAttention: K/V tiled 2 x 16 KV " \
            "heads)" in err.value.message, err.value.render()
+    (tmp_path / "bad.json").write_text(json.dumps(missing | {"num_experts_per_tok": "2"}), encoding="utf-8")
+    with pytest.raises(InputError) as err:  # an operand that is no integer: one line naming it
+        analyze(AnalyzeRequest(config=str(tmp_path / "bad.json")))
+    assert err.value.field == "num_experts_per_tok" and "got '2'" in err.value.message, err.value.render()
     with monkeypatch.context() as patch:
         patch.setattr(ConfigClassFacts, "compute", lambda self, name, read: None)
         with pytest.raises(InputError, match=r"missing \(looked for num_attention_heads"):

@@ -45,6 +45,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     short_conv_facts,
 )
 from model_infer_kvcache.analyzer.manifest import LayerPlan
+from model_infer_kvcache.analyzer.operators.fa_facts import PAGED_MASK_LIMIT, PAGED_PSE_LIMIT
 
 # Attributes transformers attention modules keep their softmax scale in (Falcon: inv_norm_factor).
 SCALE_ATTRS = ("scaling", "softmax_scale", "inv_norm_factor")
@@ -104,7 +105,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 18  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 22  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def _live_report(hf_type: str, section_json: str) -> tuple[TransformersReport, b
     try:
         return TransformersReport(ships=True, attentions=_hf_attentions(hf_type, section_json)), True
     except Exception as exc:  # noqa: BLE001 - a config transformers rejects: the check is skipped, saying why
-        limit = 600 if isinstance(exc, NoKvCacheArchitecture) else 200  # the diagnosis is the refusal's reason
+        limit = 1500 if isinstance(exc, NoKvCacheArchitecture) else 200  # the diagnosis is the refusal's reason
         first = _stable_text(str(exc).splitlines()[0])[:limit] if str(exc) else ""
         transient = isinstance(exc, (MemoryError, OSError, RecursionError))
         return TransformersReport(ships=True, error=f"{type(exc).__name__}: {first}"), not transient
@@ -318,7 +319,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
             mixer = mixer_module(path)
             out.append(HfAttention(path, None, None, None, recurrent_beside=mixer_of(path),
                                    kind_facts=tuple(sorted(mixer_facts(mixer).items())) if mixer is not None else (),
-                                   unread=None if mixer is not None else unread_attention(
+                                   unread=None if mixer is not None else _unread_block(
                                        stack.layers[int(path[len(stack.path) + 1:].split(".")[0])])))
             continue
         scale = _prescaled(module) or next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
@@ -329,7 +330,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         # a mixer beside the attention (Falcon-H1): its sizes ride along, for a parallel hybrid's planned state
         beside = mixer_module(path)
         module_facts = dict(hf_module_facts(module)) | (mixer_facts(beside) if beside is not None else {}) \
-            | _kv_source(module, config) | _attention_calls(module)
+            | _kv_source(module, config) | _attention_calls(module) | _kv_tiled(module) | _query_heads(module)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
                                getattr(module, "sinks", None) is not None, mixer_of(path),
                                tuple(sorted(module_facts.items())), encoder))
@@ -353,6 +354,8 @@ def why_no_kv_cache(model, config) -> str | None:
       state is no cache of past keys and values;
     - a module with Transformer-XL relative-position biases (``r_w_bias`` / ``r_r_bias``, XLNet): its keys are
       scored against relative-position embeddings and what it caches are the layers' input hidden states (``mems``);
+    - an attention module adding a position bias to its scores (CPM-Ant, ProphetNet: ``position_biased_attention``),
+      which the paged FA call cannot take (``fa_facts.PAGED_PSE_LIMIT``, with its op doc lines);
     - an attention module whose projections are none kvcache reads (a shared ``query_key``, per-expert ``experts``):
       named with its projections."""
     name = type(model).__name__
@@ -373,13 +376,65 @@ def why_no_kv_cache(model, config) -> str | None:
             return (f"{type(module).__name__} ({_source_of(model)}) is Transformer-XL relative attention: its scores add "
                     "relative-position terms (r_w_bias, r_r_bias over relative-position embeddings) and what it "
                     f"caches between steps are each layer's input hidden states (mems, config mem_len {mem}), from "
-                    "which keys and values are recomputed: no cache of keys and values kvcache could plan")
+                    "which keys and values are recomputed: no cache of keys and values kvcache could plan; its "
+                    f"position term is a bias on every query-key score, and {PAGED_PSE_LIMIT}")
+    biased = position_biased_attention(model)
+    if biased is not None:
+        return f"{biased} ({_source_of(model)}): {PAGED_PSE_LIMIT}"
     unread = unread_attention(model)
     if unread is not None:
         return (f"its attention {unread} ({_source_of(model)}), none of the query / key / value projection sets "
                 "kvcache reads, so its cache shape cannot be checked against the plan nor its render validated (not "
                 "supported by kvcache yet)")
     return None
+
+
+def position_biased_attention(model) -> str | None:
+    """An attention module kvcache does not read whose scores add a position bias, said from transformers' own code
+    (None without one): a forward adding the ``position_bias`` it is handed (CPM-Ant: ``score + position_bias``, from
+    its segment / bucketed relative-position embedding) or logits from a child named ``relative*`` (ProphetNet's
+    ``relative_pos_embeddings``: a Linear from each query's hidden state to a logit per distance bucket and head)."""
+    from model_infer_kvcache.analyzer.hf_layout import is_attention
+    from torch import nn
+
+    for sub in model.modules():
+        cls = type(sub).__name__
+        if not cls.endswith("Attention") or is_attention(sub):
+            continue
+        try:
+            source = inspect.getsource(type(sub).forward)
+        except (OSError, TypeError):
+            continue
+        if "position_bias" in inspect.signature(type(sub).forward).parameters and "+ position_bias" in source:
+            makers = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("position_bias")})
+            made = f" (computed by {', '.join(makers)})" if makers else ""
+            return f"{cls} adds the position_bias it is handed{made} to every query-key score"
+        code = inspect.getsource(type(sub))
+        relative = [(n, c) for n, c in sub.named_children() if n.startswith("relative") and f"self.{n}" in code]
+        if relative:
+            name, child = relative[0]
+            how = "computed from each query's hidden state by a Linear" if isinstance(child, nn.Linear) else \
+                f"a {type(child).__name__}"
+            return f"{cls} adds relative-position logits to every query-key score ({name}: {how})"
+    return None
+
+
+def lsh_attention(module) -> str | None:
+    """Why a locality-sensitive-hashing attention (Reformer's LSHSelfAttention: ``_hash_vectors``) keeps no paged KV
+    cache, from its own objects; None for any other module."""
+    if not callable(getattr(module, "_hash_vectors", None)):
+        return None
+    return (f"{type(module).__name__} attends each query to the keys of its own hash bucket(s) only (_hash_vectors: "
+            f"{getattr(module, 'num_hashes', '?')} hash round(s), keys sorted by bucket into chunks of "
+            f"{getattr(module, 'chunk_length', '?')} with {getattr(module, 'num_chunks_before', '?')} chunk(s) "
+            "before), and its cache keeps each layer's hidden states and buckets (ReformerDynamicCache states_cache / "
+            f"buckets_cache), not keys and values; {PAGED_MASK_LIMIT}")
+
+
+def _unread_block(block) -> str | None:
+    """What a decoder block without a recognised attention holds: why its LSH attention keeps no paged KV cache, else
+    its attention module with the projections kvcache does not read."""
+    return next((why for m in block.modules() if (why := lsh_attention(m))), None) or unread_attention(block)
 
 
 def unread_attention(module) -> str | None:
@@ -394,8 +449,11 @@ def unread_attention(module) -> str | None:
         if cls.endswith("Attention") and not is_attention(sub) and any(isinstance(c, nn.Linear) for c in sub.children()):
             children = ", ".join(sorted(n for n, c in sub.named_children() if not isinstance(c, (nn.Dropout,
                                                                                            nn.Softmax)))[:6])
-            return f"{cls} projecting through {children}"
+            return f"{cls}{UNREAD_MARK}{children}"
     return None
+
+
+UNREAD_MARK = " projecting through "  # unread_attention's text: projections kvcache does not read
 
 
 def why_no_kv_cache_of(config: dict[str, Any]) -> str | None:
@@ -500,6 +558,38 @@ def _attention_calls(module) -> dict[str, int]:
                 for node in ast.walk(stmt) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id == "attention_interface")
     return {CALLS_FACT: calls} if calls > 1 else {}
+
+
+TILED_FACT = "kv_tiled"
+QUERY_FACT = "query_heads"
+
+
+def _query_heads(module) -> dict[str, int]:
+    """{QUERY_FACT: n}: the query heads the module attends with. A module tiling its K/V to its query heads (JetMoE)
+    has as many as its tiled K/V: tiles x KV heads (its ``num_heads`` is the config's, which its forward never
+    reads); any other, where it keeps them (``num_heads`` / ``num_attention_heads``)."""
+    tiles, shape = _kv_tiled(module).get(TILED_FACT), _kv_shape(module)
+    if tiles is not None and shape is not None:
+        return {QUERY_FACT: tiles * shape[1]}
+    n = next((getattr(module, a) for a in ("num_heads", "num_attention_heads") if isinstance(getattr(module, a, None),
+                                                                                          int)), None)
+    return {QUERY_FACT: n} if isinstance(n, int) and not isinstance(n, bool) and n > 0 else {}
+
+
+def _kv_tiled(module) -> dict[str, int]:
+    """{TILED_FACT: r} on a module whose forward tiles its K/V to its query heads (JetMoE: ``key_states.repeat(1,
+    self.top_k, 1, 1)``, r = top_k): query head e x KV heads + h reads KV head h, where FA's GQA pairs query head j
+    with KV head j // (query heads / KV heads)."""
+    match = re.search(r"key_states\.repeat\(1, self\.(\w+), 1, 1\)", _forward_text(module))
+    r = getattr(module, match.group(1), None) if match else None
+    return {TILED_FACT: r} if isinstance(r, int) and not isinstance(r, bool) and r > 1 else {}
+
+
+def _forward_text(module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _kv_source(module, config) -> dict[str, int]:
@@ -631,8 +721,10 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     if report.attentions is None and (report.error or "").startswith(f"{NoKvCacheArchitecture.__name__}: ") \
             and "no nn.ModuleList of decoder blocks" not in report.error:
         # built, and transformers' own code says why no block holds an attention kvcache could cache (a recurrence, a
-        # bidirectional masked LM, relative attention over cached hidden states): that reason, with its source
-        result.errors.append(why_no_kv_cache_of(config) or report.error)
+        # bidirectional masked LM, relative attention over cached hidden states): that reason, with its source; one
+        # resting on the paged FA call's limits (a score bias) is kvcache's refusal, not a bad input
+        why = why_no_kv_cache_of(config) or report.error
+        (result.unsupported if PAGED_PSE_LIMIT in why else result.errors).append(why)
         return result
     if report.attentions is None and (report.error or "").split(": ", 1)[0] in ("LayoutError",
                                                                                 NoKvCacheArchitecture.__name__) \
@@ -729,6 +821,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     state_off: list[tuple[LayerPlan, HfAttention, str]] = []
     source_off: list[tuple[LayerPlan, HfAttention, int | None]] = []
     calls_off: list[tuple[LayerPlan, HfAttention, int]] = []
+    tiled: list[tuple[LayerPlan, HfAttention, int]] = []
+    queries_off: list[tuple[LayerPlan, HfAttention, int, str]] = []
     all_layers = layers
     for layer, mod in zip(layers, hf, strict=True):
         if mod.cls is None:
@@ -776,6 +870,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         hf_source = module_facts.pop(KV_SOURCE_FACT, None)
         if (calls := module_facts.pop(CALLS_FACT, None)) is not None:
             calls_off.append((layer, mod, calls))
+        if (tiles := module_facts.pop(TILED_FACT, None)) is not None:
+            tiled.append((layer, mod, tiles))
+        if (queries := module_facts.pop(QUERY_FACT, None)) not in (None, facts.num_attention_heads.value):
+            how = f"K/V tiled {tiles} x {queries // tiles} KV heads" if tiles else ".num_heads"
+            queries_off.append((layer, mod, queries, how))
         if hf_source != layer.kv_source_layer:
             source_off.append((layer, mod, hf_source))
         off = fmt.hf_off(layer, {k: v for k, v in module_facts.items() if not k.startswith(MIXER_FACT)}, mod.cls)
@@ -783,10 +882,12 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             format_off.append((layer, mod, off))
     if no_attention:
         layer, mod = no_attention[0]
+        device_side = bool(mod.unread) and UNREAD_MARK not in mod.unread  # a reason on the device path (LSH)
         holds = f", a block holding {mod.recurrent_beside}" if mod.recurrent_beside else \
+            f", a block holding {mod.unread}" if device_side else \
             f", a block holding {mod.unread} (projections kvcache does not read: not supported by kvcache yet)" \
             if mod.unread else ""
-        result.errors.append(
+        (result.unsupported if device_side else result.errors).append(
             f"analyzer plans attention ({layer.attn_type}) on {len(no_attention)} layer(s) where transformers' "
             f"decoder block has no attention module, first layer {layer.index} at {mod.path}{holds}")
     if state_off:
@@ -832,6 +933,19 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     if format_off:
         layer, mod, off = format_off[0]
         result.errors.append(f"{off} on {len(format_off)} layer(s), first layer {layer.index} at {mod.path}")
+    if queries_off:
+        layer, mod, queries, how = queries_off[0]
+        result.errors.append(f"query heads: analyzer {facts.num_attention_heads.value} ({facts.num_attention_heads.source})"
+                             f" vs transformers {queries} ({mod.cls}{'' if how.startswith('.') else ': '}{how}) on "
+                             f"{len(queries_off)} layer(s), first layer {layer.index} at {mod.path}")
+    if tiled:
+        layer, mod, tiles = tiled[0]
+        result.notes.append(
+            f"query heads grouped otherwise than FA's: transformers' {mod.cls} tiles its K/V {tiles} times to its query "
+            f"heads (key_states.repeat(1, {tiles}, 1, 1): query head e x KV heads + h reads KV head h) on {len(tiled)} "
+            f"layer(s), first {mod.path}; FA's GQA pairs query head j with KV head j // {tiles} (num_key_value_heads), "
+            f"so a port hands FA its queries KV-head-major ([KV heads, {tiles}]) and turns the output back before the "
+            "output projection (the validation host's moa route does)")
     if calls_off:
         layer, mod, calls = calls_off[0]
         result.unsupported.append(

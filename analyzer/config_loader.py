@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
-from model_infer_kvcache.analyzer.hf_config_source import ConfigClassFacts, config_class_facts
+from model_infer_kvcache.analyzer.hf_config_source import BadOperand, ConfigClassFacts, config_class_facts
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
@@ -435,6 +435,29 @@ class _Reader:
         return (list(value), f"{self.prefix}{alias} (derived by transformers {cls.__name__}.{alias})") \
             if isinstance(value, (list, tuple)) else None
 
+    def computed(self, name: str, maximum: int | None = None) -> Sourced[int] | None:
+        """A field the file leaves out and the config class's ``__post_init__`` computes from others (JetMoE's
+        ``num_attention_heads = num_key_value_heads * num_experts_per_tok``: its query experts' heads), read as it
+        computes it. None when the file has the field (JetMoeConfig keeps a given one: its kwargs are set after) or
+        the class computes no such field; the cross-check then compares the value with transformers' modules."""
+        if self.has_key(name):
+            return None
+        try:
+            hit = self._class.compute(name, lambda f: (self.get(f) or (None,))[0])
+        except BadOperand as bad:
+            operand, value = bad.args
+            raise InputError(self.where, f"must be a positive integer, got {_shown(value)} (transformers "
+                                         f"{self.aliases_of} computes {name} from it)",
+                             field=(self.get(operand) or (None, operand))[1]) from None
+        if hit is None:
+            return None
+        value, expr = hit
+        src = f"{expr} (computed by transformers {self.aliases_of}.__post_init__)"
+        if value <= 0:
+            raise InputError(self.where, f"must be a positive integer, got {value}", field=src)
+        _check_maximum(self.where, src, value, maximum)
+        return Sourced(value, src)
+
     @property
     def _model_type(self) -> str:
         model_type = self.cfg.get("model_type") or self.outer.get("model_type")
@@ -652,8 +675,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         heads = kv_heads = head_dim = Sourced(0, f"not read: no layer attends ({layer_kinds.source})")
         mla = Sourced(None, "not read: no layer attends")
     else:
-        heads = r.positive_int("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads",
-                               "decoder_attention_heads", "num_decoder_attention_heads", maximum=LIMITS["heads"])
+        heads = r.computed("num_attention_heads", maximum=LIMITS["heads"]) or r.positive_int(
+            "num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads",
+            "num_decoder_attention_heads", maximum=LIMITS["heads"])
         kv_heads = _kv_heads(r, heads)
         mla = _mla_dims(r)
         head_dim = _head_dim(r, hidden, heads, mla, model_type)

@@ -29,6 +29,8 @@ QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"W_pack"}),  # Baichuan (remote code)
     frozenset({"Wqkv"}),  # MPT
     frozenset({"Wq", "Wk", "Wv"}),  # CTRL
+    # JetMoE's mixture of attention: per-token query / output experts (JetMoeMoA map / reduce) over one shared kv_proj
+    frozenset({"experts", "kv_proj"}),
     *(projections for fmt in FORMATS for projections in fmt.hf_projections),
 )
 

@@ -630,10 +630,8 @@ def test_config_class_aliases_are_read_and_xlm_refused_as_a_bidirectional_masked
     ("rwkv", ["modeling_rwkv.py calls no softmax and no attention interface", "is a recurrence"]),
     ("xlstm", ["modeling_xlstm.py calls no softmax and no attention interface", "is a recurrence"]),
     # Transformer-XL relative attention caching hidden states
-    ("xlnet", ["XLNetRelativeAttention", "Transformer-XL relative attention", "mems"]),
-    # attention modules with projections kvcache does not read
-    ("jetmoe", ["JetMoeAttention projecting through experts, kv_proj"]),
-    ("prophetnet", ["ProphetNetNgramSelfAttention projecting through"]),
+    ("xlnet", ["XLNetRelativeAttention", "Transformer-XL relative attention", "mems",
+               "the op docs list TND without pse", "_op_plugin_docs.py:8113"]),
 ])
 def test_families_without_a_kv_cache_kvcache_reads_are_refused_with_the_reason_from_transformers_code(
         tmp_path, model_type, words):
@@ -649,6 +647,37 @@ def test_families_without_a_kv_cache_kvcache_reads_are_refused_with_the_reason_f
     assert all(w in err.value.message for w in words), err.value.render()
 
 
+@pytest.mark.parametrize("model_type, words", [
+    # CPM-Ant: score + position_bias (bucketed relative positions and segments)
+    ("cpmant", ["CpmAntAttention adds the position_bias it is handed (computed by CpmAntSegmentPositionEmbedding)"]),
+    # ProphetNet: logits per distance bucket from each query's hidden state (relative_pos_embeddings)
+    ("prophetnet", ["ProphetNetNgramSelfAttention adds relative-position logits to every query-key score "
+                    "(relative_pos_embeddings: computed from each query's hidden state by a Linear)"]),
+])
+def test_position_biased_attention_is_refused_for_the_paged_fa_call_naming_the_op_doc_lines(
+        tmp_path, monkeypatch, model_type, words):
+    """CPM-Ant and ProphetNet add a position bias to every query-key score, which the paged TND FA call cannot take
+    (the op docs list TND without pse; a paged pse_shift spans every block-table slot): refused by kvcache
+    (NotSupportedByKvcache) with those lines, not as projections it does not read. Negative control: without reading
+    the bias from transformers' code, the refusal is back to 'projecting through ...', a bad input with no device
+    reason."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
+    config = _config(tmp_path, model_type)
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert all(w in err.value.message for w in words), err.value.render()
+    assert "2.14.0 _op_plugin_docs.py:8113" in err.value.message and "2.14.0:8293" in err.value.message
+    monkeypatch.setattr(arch_check, "position_biased_attention", lambda model: None)
+    arch_check._hf_attentions.cache_clear()
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert not isinstance(err.value, NotSupportedByKvcache) and " projecting through " in err.value.message
+    assert "pse" not in err.value.message
+
+
 def test_why_no_kv_cache_gives_no_reason_for_an_attention_model():
     """The diagnosis reads facts, never a family list: Llama (softmax in its file, recognised q/k/v projections) has no
     reason to refuse."""
@@ -662,15 +691,29 @@ def test_why_no_kv_cache_gives_no_reason_for_an_attention_model():
     assert why_no_kv_cache(model, config) is None
 
 
-def test_reformer_names_its_lsh_attention_where_the_plan_finds_none(tmp_path):
+def test_reformer_names_its_lsh_attention_where_the_plan_finds_none(tmp_path, monkeypatch):
     """Reformer (is_decoder true) alternates LocalSelfAttention (query / key / value) and LSHSelfAttention (one shared
-    query_key projection, attention within hash buckets): the cross-check's 'no attention module' names the latter."""
-    from model_infer_kvcache.analyzer.errors import InputError
+    query_key projection, attention within hash buckets): the cross-check's 'no attention module' names the latter
+    and why no paged KV cache serves it: each query reads its hash bucket's keys only, the cache keeps hidden states
+    and buckets, and the paged FA call selects keys by length and sparse_mode or by a mask spanning every block-table
+    slot (op doc line cited): refused by kvcache. Negative control: without reading the hashing, the block is named by
+    its projections only, a bad input with no device reason."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
     config = _config(tmp_path, "reformer")
     config.write_text(json.dumps(json.loads(config.read_text()) | {"is_decoder": True}), encoding="utf-8")
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert "a block holding LSHSelfAttention attends each query to the keys of its own hash bucket(s) only" in \
+        err.value.message
+    assert "states_cache / buckets_cache" in err.value.message and "_op_plugin_docs.py:8292" in err.value.message
+    monkeypatch.setattr(arch_check, "lsh_attention", lambda module: None)
+    arch_check._hf_attentions.cache_clear()
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(config)))
+    assert not isinstance(err.value, NotSupportedByKvcache)
     assert "a block holding LSHSelfAttention projecting through query_key, value" in err.value.message
 
 
@@ -809,3 +852,88 @@ def test_mimo_v2_flash_validates_its_narrow_values_and_sliding_sinks_and_fails_t
         shutil.copytree(case[1], bad)
         report = mistaken_report((case[0], bad, case[2]), pattern, replacement)
         assert not check(report, failing).passed, (name, [(c.name, c.detail) for c in report.failed()])
+
+
+JETMOE_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_key_value_heads=2, num_attention_heads=4, kv_channels=16,
+                    intermediate_size=64, vocab_size=512, num_local_experts=4)
+
+
+def test_jetmoe_plans_its_query_experts_over_one_shared_kv_cache(tmp_path, monkeypatch):
+    """JetMoE's mixture of attention: each token's top-k query experts (JetMoeMoA.map) over one shared kv_proj, so its
+    KV cache is plain GQA: num_key_value_heads heads of kv_channels (JetMoeConfig.attribute_map head_dim), queries
+    num_key_value_heads x num_experts_per_tok, which JetMoeConfig.__post_init__ computes when the file leaves
+    num_attention_heads out (published JetMoE configs do). It was refused by the cross-check ('projecting through
+    experts, kv_proj'). Its K/V are tiled to the query heads (query head e x 16 + h reads KV head h), not grouped as
+    FA pairs them: a warning says so. A file whose num_attention_heads disagrees (JetMoeConfig keeps it, the forward
+    never reads it: its heads are the tiled K/V's) is refused by the cross-check naming both counts.
+    Negative controls: not computed, the file without the field is refused as missing it; without the query-head
+    comparison the stale file plans 16 query heads; without reading the tiling, no warning."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.analyzer.hf_config_source import ConfigClassFacts
+
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
+    config = _config(tmp_path, "jetmoe")
+    defaults = json.loads(config.read_text())
+    missing = {k: v for k, v in defaults.items() if k != "num_attention_heads"}
+    for name, data in (("missing", missing), ("four", missing | {"num_experts_per_tok": 4}),
+                       ("stale", defaults | {"num_attention_heads": 16})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(tmp_path / "missing.json")))
+    assert not m.blockers and (m.model.num_attention_heads, m.model.num_key_value_heads, m.model.head_dim) == (
+        32, 16, 128)
+    assert m.model.sources["num_attention_heads"] == ("num_key_value_heads * num_experts_per_tok (computed by "
+                                                      "transformers JetMoeConfig.__post_init__)")
+    assert m.model.sources["head_dim"] == "kv_channels (transformers JetMoeConfig.attribute_map 'head_dim')"
+    tiling = "transformers' JetMoeAttention tiles its K/V 2 times to its query heads"
+    assert any(tiling in w.message and "pairs query head j with KV head j // 2" in w.message for w in m.warnings)
+    assert analyze(AnalyzeRequest(config=str(tmp_path / "four.json"))).model.num_attention_heads == 64
+    assert analyze(AnalyzeRequest(config=str(config))).model.num_attention_heads == 32  # the class's to_dict
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(tmp_path / "stale.json")))
+    assert "query heads: analyzer 16 (num_attention_heads) vs transformers 32 (JetMoeAttention: K/V tiled 2 x 16 KV " \
+           "heads)" in err.value.message, err.value.render()
+    (tmp_path / "bad.json").write_text(json.dumps(missing | {"num_experts_per_tok": "2"}), encoding="utf-8")
+    with pytest.raises(InputError) as err:  # an operand that is no integer: one line naming it
+        analyze(AnalyzeRequest(config=str(tmp_path / "bad.json")))
+    assert err.value.field == "num_experts_per_tok" and "got '2'" in err.value.message, err.value.render()
+    with monkeypatch.context() as patch:
+        patch.setattr(ConfigClassFacts, "compute", lambda self, name, read: None)
+        with pytest.raises(InputError, match=r"missing \(looked for num_attention_heads"):
+            analyze(AnalyzeRequest(config=str(tmp_path / "missing.json")))
+    try:
+        monkeypatch.setattr(arch_check, "_query_heads", lambda module: {})
+        arch_check._hf_attentions.cache_clear()
+        assert analyze(AnalyzeRequest(config=str(tmp_path / "stale.json"))).model.num_attention_heads == 16
+        monkeypatch.setattr(arch_check, "_kv_tiled", lambda module: {})
+        arch_check._hf_attentions.cache_clear()
+        assert not any(tiling in w.message for w in analyze(AnalyzeRequest(config=str(config))).warnings)
+    finally:
+        arch_check._hf_attentions.cache_clear()
+
+
+@pytest.mark.slow
+def test_jetmoe_routes_its_mixture_of_attention_in_gqa_order(tmp_path, monkeypatch):
+    """transformers tiles JetMoE's K/V to every query head (``.repeat(1, top_k, 1, 1)``: query head e x H + h reads KV
+    head h), where FA groups query heads by KV head (head j reads KV head j // top_k): the moa route hands the render
+    its queries KV-head-major and turns the output back before the output experts. Both modes pass. Negative control:
+    the queries in transformers' expert-major order (K/V heads paired with the wrong query-head group) fail the
+    logits check."""
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    case = _small_case(tmp_path, "jetmoe", JETMOE_SMALL, "framework")
+    _passes(case)
+    (tmp_path / "standalone").mkdir()
+    _passes(_small_case(tmp_path / "standalone", "jetmoe", JETMOE_SMALL, "standalone"))
+
+    def expert_major(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        b, s = hidden_states.shape[:2]
+        q, router_logits, topo = self.experts.map(hidden_states)
+        k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.kv_proj(hidden_states).chunk(2, -1))
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, *position_embeddings)
+        out, _ = host_model._gqa_attention(self, q, k, v, None, scaling=self.scaling)
+        return self.experts.reduce(out.reshape(b, s, self.top_k, -1), topo), None, router_logits
+
+    monkeypatch.setitem(host_model._ROUTED_FORWARD, "moa", expert_major)
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed

@@ -30,6 +30,20 @@ COMPRESSED_MASK_SIZE = 2048
 COMPRESSED_MASK_SHAPES = tuple((1,) * lead + (COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE) for lead in range(3))
 
 MAX_GQA_RATIO = 64  # query heads / KV heads (num_key_value_heads rule of the op docs)
+# A score bias the paged path cannot take (a relative-position bias, ALiBi): the pinned op docs list the TND layout
+# kvcache's paged render uses without pse, and in another paged layout a pse_shift spans every block-table slot. The
+# one wording of that limit, with its lines, for each refusal resting on it.
+PAGED_PSE_LIMIT = ("the paged FA call kvcache renders is TND, and the op docs list TND without pse "
+                   "(npu_fused_infer_attention_score input_layout 'TND(不支持左padding、tensorlist、pse、...)': torch_npu "
+                   "2.14.0 _op_plugin_docs.py:8113, 2.9.0:6684; _v2: 2.14.0:8632, 2.9.0:7201); in another layout a "
+                   "paged pse_shift must span block_table.shape[1] x block_size keys (2.14.0:8293, 2.9.0:6864), a dense "
+                   "[B, N, Q_S, KV] bias rebuilt every step, which kvcache does not plan")
+# The keys a paged FA call attends: each request's first kv_len, cut by sparse_mode's causal / band masks, or an
+# atten_mask spanning every block-table slot (sparse_mode 0 / 1). No hashed or per-query key subset.
+PAGED_MASK_LIMIT = ("a paged FA call attends each request's cached keys up to its length, cut by sparse_mode's causal "
+                    "or band mask (sparse_mode 0-4), or by an atten_mask that must span block_table.shape[1] x "
+                    "block_size keys (torch_npu 2.14.0 _op_plugin_docs.py:8292, 2.9.0:6863) rebuilt every step from "
+                    "every cached key's bucket, which kvcache does not plan")
 # MLA (query_rope/key_rope given, query D 512): the query head counts FA takes. torch_npu 2.14.0's
 # npu_fused_infer_attention_score_v2 doc: "query_rope配置时要求query的s为1-16、n为1/2/4/8/16/32/64/128"; the v1 doc of
 # both pinned releases still says "N为32、64、128" there (an older statement of the same kernel's rule).

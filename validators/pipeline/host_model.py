@@ -17,6 +17,8 @@ by one naming scheme. How an attention module is routed depends on its own code:
   its rotary at each token's own position): the forward is replaced by one around the module's own projections;
 - DeepSeek-V4's shared-KV attention: the forward is replaced, because the rendered code needs the hidden states
   (its compressor's input) beside the normed query and K=V row, and returns before the grouped output projection.
+- JetMoE's mixture of attention (query / output experts over one shared kv_proj): the forward is replaced, because its
+  K/V reach the interface tiled to every query head and its query heads are expert-major, not grouped by KV head.
 Anything else is refused with one line naming the module.
 """
 
@@ -471,6 +473,25 @@ def _split_qkv_forward(self, hidden_states, attention_mask=None, layer_past=None
     return self.out_proj(out.reshape(b, s, -1)), None
 
 
+def _moa_forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+    """JetMoE's mixture of attention (modeling_jetmoe JetMoeAttention): each token's top_k query experts
+    (``experts.map``: [B, S, top_k, KV heads x D]) over one shared ``kv_proj`` (K, V of ``num_key_value_heads``), RoPE
+    by the module's own ``apply_rotary_pos_emb``, then the output experts (``experts.reduce``). transformers tiles
+    K/V (``.repeat(1, top_k, 1, 1)``): query head ``e * H + h`` reads KV head ``h``. FA groups query heads by KV
+    head (head ``j`` reads KV head ``j // top_k``), so the queries go to the render as [H, top_k] and its output comes
+    back as [top_k, H]. Returns what the module does: output, no weights, its router logits."""
+    b, s = hidden_states.shape[:2]
+    q, router_logits, topo = self.experts.map(hidden_states)
+    k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.kv_proj(hidden_states).chunk(2, dim=-1))
+    q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # [B, top_k x H, S, D], expert-major
+    q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, *position_embeddings)
+    h, d = self.num_key_value_heads, self.head_dim
+    q = q.reshape(b, self.top_k, h, s, d).transpose(1, 2).reshape(b, h * self.top_k, s, d)  # KV-head-major (GQA)
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=self.scaling)  # [B, S, H x top_k, D]
+    out = out.reshape(b, s, h, self.top_k, d).transpose(2, 3).reshape(b, s, self.top_k, h * d)
+    return self.experts.reduce(out, topo), None, router_logits
+
+
 def _forward_source(module) -> str:
     try:
         return inspect.getsource(type(module).forward)
@@ -506,13 +527,16 @@ def _padded(forward, count: int):
 
 
 def attention_route(module, is_mla: bool) -> str | None:
-    """How the host routes one transformers attention module: interface | mla | v4 | headwise_qkv | fused_qkv |
+    """How the host routes one transformers attention module: interface | mla | v4 | moa | headwise_qkv | fused_qkv |
     eager_qkv | split_qkv | conv1d_qkv | bert_qkv | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
     if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):
         return "v4"  # DeepSeek-V4's shared-KV attention (its forward calls the interface too, on the whole K=V)
     source = _forward_source(module)
+    if all(callable(getattr(getattr(module, "experts", None), a, None)) for a in ("map", "reduce")) and \
+            isinstance(getattr(module, "kv_proj", None), torch.nn.Linear) and "repeat(1, self.top_k" in source:
+        return "moa"  # JetMoE: query / output experts over a shared kv_proj, K/V tiled (its forward calls the interface)
     if "ALL_ATTENTION_FUNCTIONS" in source:
         return "interface"
     if all(hasattr(module, a) for a in ("query_key_value", "dense", "rotary_ndims", "norm_factor")) and \
@@ -594,7 +618,7 @@ def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
 
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
                    "bert_qkv": _bert_qkv_forward, "v4": _v4_forward, "headwise_qkv": _headwise_qkv_forward,
-                   "conv1d_qkv": _conv1d_qkv_forward, "split_qkv": _split_qkv_forward}
+                   "conv1d_qkv": _conv1d_qkv_forward, "split_qkv": _split_qkv_forward, "moa": _moa_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:

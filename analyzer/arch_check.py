@@ -495,13 +495,16 @@ def why_layer_type(config: dict[str, Any], index: int, layer_type: str) -> str |
     names = ", ".join(type(m).__name__ for _, m in attentions)
     relative = sorted({type(sub).__name__ for _, m in attentions for sub in m.modules() if "Relative" in
                        type(sub).__name__})
-    bias = f", and {relative[0]} adds a position bias computed per query to its logits" if relative else ""
-    return (f"layer type {layer_type!r}: transformers' {type(block).__name__} (decoder block {index}, "
+    held = (f"layer type {layer_type!r}: transformers' {type(block).__name__} (decoder block {index}, "
             f"{_source_of(model)}) holds {names} with per-request state beside its KV cache ({', '.join(states)}: "
-            f"a causal convolution's conv state or a recurrent state carried from token to token){bias}; kvcache "
-            "plans a state only for a layer without attention, or beside one for Falcon-H1's parallel Mamba-2 mixer "
-            "and Zamba2's hybrid layer (model types whose layer types it reads so), so this layer's states would be "
-            "dropped")
+            "a causal convolution's conv state or a recurrent state carried from token to token)")
+    if relative:
+        # the device-side reason first: planning the states would still leave the logits' bias without a paged FA
+        return (f"{held}, and {relative[0]} adds a position bias computed per query to its logits: "
+                f"{PAGED_PSE_LIMIT}")
+    return (f"{held}; kvcache plans a state only for a layer without attention, or beside one for Falcon-H1's "
+            "parallel Mamba-2 mixer and Zamba2's hybrid layer (model types whose layer types it reads so), so this "
+            "layer's states would be dropped")
 
 
 def _meta_model(hf_type: str, section_json: str):

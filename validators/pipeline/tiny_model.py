@@ -1,8 +1,10 @@
 """A tiny transformers model of the same architecture as a real config (random weights, no hub).
 
 What the rendered code hard-codes is kept (heads, KV heads, head_dim, MLA dims, scale inputs,
-layer-kind pattern, the window of the manifest given); what only costs time shrinks (layers to
-the shortest prefix holding every distinct layer plan, hidden size, MLP, experts, vocabulary).
+layer-kind pattern, the window and heads of the manifest given: ``cpu_sized`` gives validation a manifest
+with a short window, or fewer heads where the hidden size ties to a wide heads x head_dim); what only
+costs time shrinks (layers to the shortest prefix holding every distinct layer plan, hidden size, MLP,
+experts, vocabulary).
 """
 
 from __future__ import annotations

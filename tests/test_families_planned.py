@@ -789,3 +789,22 @@ def test_config_class_declarations_are_read_without_importing_transformers(tmp_p
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr[-300:] for r in runs]
+
+
+def test_xmod_decoder_runs_with_its_first_language_as_default(tmp_path, monkeypatch):
+    """X-MOD routes every layer through a per-language adapter, and its model refuses token ids without lang_ids
+    unless the config names a ``default_language`` (modeling_xmod.py: "Input language unknown"); its class defaults
+    name none, so the sweep refused it at the tiny config. The tiny config names the first of its ``languages`` (a
+    note says so): the decoder validates. Negative control: without it the reference refuses to run, named."""
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.validators.pipeline import tiny_model
+
+    case = _small_case(tmp_path, "xmod", BERT_SMALL, "standalone")
+    report = _passes(case)
+    assert any(n.startswith("default_language 'en_XX' (the first of its languages)") for n in report.notes)
+    assert tiny_model._default_language({"default_language": "de_DE"}, {"languages": ["en_XX"]}) is None
+    assert tiny_model._default_language({}, {"vocab_size": 8}) is None  # a family without languages: unchanged
+
+    monkeypatch.setattr(tiny_model, "_default_language", lambda d, defaults: None)
+    with pytest.raises(NotSupportedByKvcache, match="Input language unknown"):
+        run_validate(*case[:3])

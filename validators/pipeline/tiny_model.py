@@ -405,6 +405,9 @@ def _first_build(real: dict[str, Any], manifest: SelectionManifest, seed: int,
     for key, value in list(d.items()):  # a nested section (DBRX's ffn_config): the same widths and expert counts
         if isinstance(value, dict):
             d[key] = _shrunk_section(value)
+    language = _default_language(d, class_defaults)
+    if language:
+        plan.notes.append(language)
     shrunk = shrink_towers(d, class_defaults)
     if shrunk:
         plan.notes.append("encoder towers the text stream never runs cut to one layer: " + ", ".join(shrunk))
@@ -476,6 +479,19 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     _randomize(model, seed)
     model.eval()
     return model, plan
+
+
+def _default_language(d: dict[str, Any], class_defaults: dict[str, Any]) -> str | None:
+    """A config whose model routes by language (X-MOD's per-language adapters: ``languages``) and names no
+    ``default_language`` refuses input without ``lang_ids`` (modeling_xmod.py: "Input language unknown"); the host
+    and the reference feed token ids only, so the tiny config names the first of its languages, in place. Returns
+    the note saying so, None where nothing changed."""
+    languages = d.get("languages", class_defaults.get("languages"))
+    if "default_language" not in {*d, *class_defaults} or d.get("default_language") or not languages:
+        return None
+    d["default_language"] = list(languages)[0]
+    return (f"default_language {d['default_language']!r} (the first of its languages): the config names none, and "
+            "its model refuses token ids without lang_ids; the attention under test does not read the language")
 
 
 def _shrunk_section(section: dict[str, Any]) -> dict[str, Any]:

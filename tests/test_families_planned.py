@@ -808,3 +808,24 @@ def test_xmod_decoder_runs_with_its_first_language_as_default(tmp_path, monkeypa
     monkeypatch.setattr(tiny_model, "_default_language", lambda d, defaults: None)
     with pytest.raises(NotSupportedByKvcache, match="Input language unknown"):
         run_validate(*case[:3])
+
+
+def test_xglm_reference_runs_float64_with_its_own_default_dtype(tmp_path, monkeypatch):
+    """transformers' XGLM floors its attention scores with torch.full((), finfo(float64).min) in torch's default
+    dtype: a float64 forward raised "value cannot be converted to type float without overflow" (modeling_xglm.py,
+    XGLMAttention.forward) and the run FAILED V201 in both modes. A float64 reference that raises in the default
+    float32 runs with float64 as the default dtype (host_model.reference_logits; a note says so), and the logits agree
+    to rounding. Negative control: without that retry the reference's overflow fails the run again."""
+    import contextlib
+
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    case = _small_case(tmp_path, "xglm", dict(num_layers=2, d_model=64, attention_heads=4, ffn_dim=128,
+                                              vocab_size=512), "standalone")
+    report = _passes(case)
+    assert any("it ran with torch.float64 as the default dtype" in n for n in report.notes), report.notes
+    assert check(report, "logits vs transformers").measured["max_abs_diff"] < 1e-12
+
+    monkeypatch.setattr(host_model, "_default_dtype", lambda dtype: contextlib.nullcontext())
+    runs = check(run_validate(*case[:3]), "rendered code runs without operator errors")
+    assert not runs.passed and "without overflow" in runs.detail

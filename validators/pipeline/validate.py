@@ -410,7 +410,11 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1, observe=None) -> None:
     from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings, install_emulation
-    from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
+    from model_infer_kvcache.validators.pipeline.host_model import (
+        OWN_DEFAULT_DTYPE,
+        HostModel,
+        import_rendered,
+    )
 
     parameters = sum(p.numel() for p in pristine.parameters())
     scenario = scenario.sized_for(parameters) if req.step_seconds is None else \
@@ -494,6 +498,11 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             return
         report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1,
                    **({"shared_weights": True} if shared else {}))
+        raised = getattr(ref, OWN_DEFAULT_DTYPE, None)
+        if raised:
+            report.notes.append(f"the reference's {ref_dtype} forward raised in torch's default dtype "
+                                f"{torch.get_default_dtype()} ({raised}): it ran with {ref_dtype} as the default "
+                                "dtype, so its own constants hold the values its code asked for")
 
 
 # Above this many parameters (Ergo's tiny model: 64 heads x 128 at a tied hidden size, 634M) the reference shares

@@ -76,3 +76,20 @@ def test_clean_render_passes_on_fewer_heads_and_a_wrong_head_constant_still_fail
     assert written, [c.name for c in report.checks]  # the given render ran at the real heads and failed there too
     assert any("also ran as written at its real sizes" in n for n in report.notes), report.notes
     json.dumps(report.notes)
+
+
+@pytest.mark.slow
+def test_two_ranks_run_their_share_of_the_fewer_heads(tmp_path):
+    """Helium (MHA 20 x 128, tied width 2560) at attention TP 2: each rank keeps two of the CPU run's four heads (the
+    rule keeps the TP and two KV heads per rank), and the merged ranks pass."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from transformers import CONFIG_MAPPING
+
+    config = tmp_path / "helium.json"
+    config.write_text(json.dumps(CONFIG_MAPPING["helium"]().to_dict() | {"num_hidden_layers": 2}, default=str))
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework", attn_tp_size=2))
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(m), tmp_path / "r")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", config)
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed]
+    assert any("heads 20 -> 4 and KV heads 20 -> 4" in n and "attention TP 2 kept" in n for n in report.notes)

@@ -829,3 +829,23 @@ def test_xglm_reference_runs_float64_with_its_own_default_dtype(tmp_path, monkey
     monkeypatch.setattr(host_model, "_default_dtype", lambda dtype: contextlib.nullcontext())
     runs = check(run_validate(*case[:3]), "rendered code runs without operator errors")
     assert not runs.passed and "without overflow" in runs.detail
+
+
+def test_ernie45_moe_top_k_shrinks_with_its_experts(tmp_path, monkeypatch):
+    """Ernie-4.5-MoE spells its top-k ``moe_k`` (6 at its class defaults) beside ``moe_num_experts``: the tiny config
+    shrank the experts to 4 and kept 6, and transformers' own router failed ("selected index k out of range"), so the
+    run was refused. The top-k shrinks with them. Negative control: without it the reference refuses again."""
+    from model_infer_kvcache.analyzer.config_loader import read_config_file
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.validators.pipeline import tiny_model
+
+    config = _config(tmp_path, "ernie4_5_moe")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="standalone"))
+    real = read_config_file(str(config))[1]
+    model, plan = tiny_model.build_tiny_model(real, manifest)
+    assert (plan.config["moe_num_experts"], plan.config["moe_k"]) == (4, 2)
+
+    monkeypatch.setattr(tiny_model, "_MOE_SIZES", tuple(x for x in tiny_model._MOE_SIZES if x[0] != "moe_k"))
+    monkeypatch.setattr(tiny_model, "_REFERENCE_RUNS", set())
+    with pytest.raises(NotSupportedByKvcache, match="selected index k out of range"):
+        tiny_model.build_tiny_model(real, manifest)

@@ -55,6 +55,7 @@ _MOE_SIZES = (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_loca
               ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2),
               ("top_k_experts", 2),  # Gemma-4
               ("moe_num_experts", 4), ("moe_top_k", 2),  # DBRX (in its nested ffn_config)
+              ("moe_k", 2),  # Ernie-4.5-MoE's top-k (its moe_num_experts shrinks above: 6 of 4 experts cannot run)
               # transformers' bailing_hybrid spells them its own way too (attribute_map)
               ("num_expert_group", 1), ("num_experts_per_token", 2), ("num_shared_experts", 1),
               # Gemma-3n / Gemma-4: the per-layer input embeddings (a vocabulary x layers x width table)

@@ -939,3 +939,63 @@ def test_jetmoe_routes_its_mixture_of_attention_in_gqa_order(tmp_path, monkeypat
 
     monkeypatch.setitem(host_model._ROUTED_FORWARD, "moa", expert_major)
     assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+
+
+def test_xmod_decoder_runs_with_its_first_language_as_default(tmp_path, monkeypatch):
+    """X-MOD routes every layer through a per-language adapter, and its model refuses token ids without lang_ids
+    unless the config names a ``default_language`` (modeling_xmod.py: "Input language unknown"); its class defaults
+    name none, so the sweep refused it at the tiny config. The tiny config names the first of its ``languages`` (a
+    note says so): the decoder validates. Negative control: without it the reference refuses to run, named."""
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.validators.pipeline import tiny_model
+
+    case = _small_case(tmp_path, "xmod", BERT_SMALL, "standalone")
+    report = _passes(case)
+    assert any(n.startswith("default_language 'en_XX' (the first of its languages)") for n in report.notes)
+    assert tiny_model._default_language({"default_language": "de_DE"}, {"languages": ["en_XX"]}) is None
+    assert tiny_model._default_language({}, {"vocab_size": 8}) is None  # a family without languages: unchanged
+
+    monkeypatch.setattr(tiny_model, "_default_language", lambda d, defaults: None)
+    with pytest.raises(NotSupportedByKvcache, match="Input language unknown"):
+        run_validate(*case[:3])
+
+
+def test_xglm_reference_runs_float64_with_its_own_default_dtype(tmp_path, monkeypatch):
+    """transformers' XGLM floors its attention scores with torch.full((), finfo(float64).min) in torch's default
+    dtype: a float64 forward raised "value cannot be converted to type float without overflow" (modeling_xglm.py,
+    XGLMAttention.forward) and the run FAILED V201 in both modes. A float64 reference that raises in the default
+    float32 runs with float64 as the default dtype (host_model.reference_logits; a note says so), and the logits agree
+    to rounding. Negative control: without that retry the reference's overflow fails the run again."""
+    import contextlib
+
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    case = _small_case(tmp_path, "xglm", dict(num_layers=2, d_model=64, attention_heads=4, ffn_dim=128,
+                                              vocab_size=512), "standalone")
+    report = _passes(case)
+    assert any("it ran with torch.float64 as the default dtype" in n for n in report.notes), report.notes
+    assert check(report, "logits vs transformers").measured["max_abs_diff"] < 1e-12
+
+    monkeypatch.setattr(host_model, "_default_dtype", lambda dtype: contextlib.nullcontext())
+    runs = check(run_validate(*case[:3]), "rendered code runs without operator errors")
+    assert not runs.passed and "without overflow" in runs.detail
+
+
+def test_ernie45_moe_top_k_shrinks_with_its_experts(tmp_path, monkeypatch):
+    """Ernie-4.5-MoE spells its top-k ``moe_k`` (6 at its class defaults) beside ``moe_num_experts``: the tiny config
+    shrank the experts to 4 and kept 6, and transformers' own router failed ("selected index k out of range"), so the
+    run was refused. The top-k shrinks with them. Negative control: without it the reference refuses again."""
+    from model_infer_kvcache.analyzer.config_loader import read_config_file
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.validators.pipeline import tiny_model
+
+    config = _config(tmp_path, "ernie4_5_moe")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="standalone"))
+    real = read_config_file(str(config))[1]
+    model, plan = tiny_model.build_tiny_model(real, manifest)
+    assert (plan.config["moe_num_experts"], plan.config["moe_k"]) == (4, 2)
+
+    monkeypatch.setattr(tiny_model, "_MOE_SIZES", tuple(x for x in tiny_model._MOE_SIZES if x[0] != "moe_k"))
+    monkeypatch.setattr(tiny_model, "_REFERENCE_RUNS", set())
+    with pytest.raises(NotSupportedByKvcache, match="selected index k out of range"):
+        tiny_model.build_tiny_model(real, manifest)

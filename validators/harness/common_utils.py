@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 # Fused-attention compressed-mask size for sparse modes 2/3/4.
@@ -14,11 +16,17 @@ def get_init_attn_mask(mask_length: int, device=None, valid_len: int | None = No
     ``valid_len`` clears the last ``valid_len`` rows (nothing masked there), as the
     framework helper does.
     """
-    ones = torch.ones((mask_length, mask_length), dtype=torch.bool, device=device)
-    mask = ~torch.tril(ones)
+    mask = _causal(mask_length).to(device=device, copy=True)  # a fresh tensor each call, as the framework's
     if valid_len is not None:
         mask[-valid_len:, :] = False
     return mask
+
+
+@lru_cache(maxsize=2)
+def _causal(mask_length: int) -> torch.Tensor:
+    """~tril(ones), built once: the framework driver asks for one every step (a 2048^2 tril took ~8 ms of it; a
+    copy ~0.7 ms)."""
+    return ~torch.tril(torch.ones((mask_length, mask_length), dtype=torch.bool))
 
 
 def get_decode_mask(mask_length: int, device, position: int) -> torch.Tensor:

@@ -28,6 +28,30 @@ def cpu_size_changes(manifest, small) -> list[str]:
     return []
 
 
+# KV heads per rank a CPU run keeps of a tiny model whose hidden size ties to heads x head_dim (tiny_model.cpu_sized):
+# two, so a render that mixes up its KV heads on a rank (or their query groups) still shows
+CPU_KV_HEADS_PER_RANK = 2
+
+
+def cpu_heads(manifest) -> tuple[int, int] | None:
+    """(query heads, KV heads), all ranks, for a CPU run with fewer heads (None: keep them): what the checks read
+    stays, only the head count falls. head_dim (so the scale, the rotary split, the FA rows), the attention TP, the
+    query/KV group ratio (FA: num_heads a multiple of num_key_value_heads, at most 64 times: op docs
+    npu_fused_infer_attention_score; MHA stays MHA, GQA keeps its group) and at least ``CPU_KV_HEADS_PER_RANK`` KV
+    heads per rank (or all of them when fewer). Not shrunk: replicated KV heads (fewer than ranks: the query heads
+    per rank are all the group), a layer with its own shape (Gemma-4's global layers: a second head field per
+    layer), an encoder-decoder's (its encoder's heads share the field)."""
+    m, p = manifest.model, manifest.parallel
+    tp = p.attn_tp_size
+    if (m.num_key_value_heads < tp or m.num_key_value_heads % tp or m.num_attention_heads % m.num_key_value_heads
+            or manifest.cross_attention is not None or layer_shapes(manifest)):
+        return None
+    kv = min(p.num_kv_heads_per_rank, CPU_KV_HEADS_PER_RANK) * tp
+    if kv >= m.num_key_value_heads:
+        return None
+    return m.num_attention_heads // m.num_key_value_heads * kv, kv
+
+
 def layer_shapes(manifest) -> dict[int, tuple[int, int]]:
     """Layer -> (head_dim, KV heads per rank) of each layer whose shape differs from the model's (the render's
     LAYER_SHAPES)."""

@@ -143,6 +143,14 @@ def _check_mask_dtype(chk: _Checker, mask: torch.Tensor) -> None:
         chk.fail("atten_mask", f"dtype {mask.dtype} is not supported (bool, int8 or uint8; True/1 = masked)")
 
 
+def _same_bools(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal of two bool tensors of one shape, compared 8 bytes at a time where both allow it: a framework
+    step builds a fresh 2048^2 mask, and torch.equal over bools took ~9 ms of every step (int64 words: ~1 ms)."""
+    if all(t.is_contiguous() and t.storage_offset() % 8 == 0 and t.numel() % 8 == 0 for t in (a, b)):
+        return torch.equal(a.reshape(-1).view(torch.int64), b.reshape(-1).view(torch.int64))
+    return torch.equal(a, b)
+
+
 def _check_compressed_mask(chk: _Checker, mask: torch.Tensor | None, mode: int) -> None:
     if mask is None:
         chk.fail("atten_mask", f"sparse_mode {mode} requires the compressed 2048x2048 causal mask")
@@ -155,7 +163,7 @@ def _check_compressed_mask(chk: _Checker, mask: torch.Tensor | None, mode: int) 
     seen = _CHECKED_MASKS.get(id(mask))
     if seen is not None and seen[0]() is mask and seen[1] == mask._version:
         return
-    if not torch.equal(mask.reshape(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE).to(torch.bool), causal_template()):
+    if not _same_bools(mask.reshape(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE).to(torch.bool), causal_template()):
         chk.fail("atten_mask", "the compressed mask must be the causal template ~tril(ones(2048, 2048)) "
                                "(True above the diagonal); the device computes undefined results otherwise")
     if len(_CHECKED_MASKS) > 64:

@@ -1174,7 +1174,32 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
     encoder = getattr(ref_model, "_kvcache_encoder", None)  # an encoder-decoder's decoder: the request's own states
     extra = encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype)) if encoder is not None else {}
-    return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
+    if getattr(ref_model, OWN_DEFAULT_DTYPE, None) is None:
+        try:
+            return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
+        except RuntimeError as exc:
+            if ref_model.dtype != torch.float64:
+                raise
+            setattr(ref_model, OWN_DEFAULT_DTYPE, str(exc).splitlines()[0][:200])
+    with _default_dtype(ref_model.dtype):
+        return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
+
+
+# Set on a float64 reference whose forward raised in torch's default float32 (the error's first line): transformers'
+# XGLM builds its mask floor as torch.full((), finfo(float64).min) in the default dtype, which overflows float32
+# (modeling_xglm.py, XGLMAttention.forward). Such a reference runs with its own dtype as torch's default: its
+# constants then hold the float64 values its code asked for. Only a reference that raised: every other one runs as is.
+OWN_DEFAULT_DTYPE = "_kvcache_own_default_dtype"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 @torch.no_grad()

@@ -1,8 +1,10 @@
 """A tiny transformers model of the same architecture as a real config (random weights, no hub).
 
 What the rendered code hard-codes is kept (heads, KV heads, head_dim, MLA dims, scale inputs,
-layer-kind pattern, the window of the manifest given); what only costs time shrinks (layers to
-the shortest prefix holding every distinct layer plan, hidden size, MLP, experts, vocabulary).
+layer-kind pattern, the window and heads of the manifest given: ``cpu_sized`` gives validation a manifest
+with a short window, or fewer heads where the hidden size ties to a wide heads x head_dim); what only
+costs time shrinks (layers to the shortest prefix holding every distinct layer plan, hidden size, MLP,
+experts, vocabulary).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ TINY_VOCAB = 512
 _DERIVED_MLP_WIDTHS = ("ffn_hidden_size", "n_inner", "ffn_dim")
 MAX_CPU_WINDOW = 256  # windows above this are shrunk so test sequences can cross them
 SHRUNK_WINDOW = 160
+# A tiny model whose hidden size ties to heads x head_dim wider than this runs with fewer heads (cpu_sized): Ergo's
+# 64 x 128 held 634M float64 parameters (15-22 min a mode), GPT-NeoX's 64 x 96 312M
+MAX_CPU_TIED_WIDTH = 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ _MOE_SIZES = (("moe_intermediate_size", 64), ("n_routed_experts", 4), ("num_loca
               ("moe_topk", 2), ("expert_ffn_hidden_size", 64), ("zero_expert_num", 2),
               ("top_k_experts", 2),  # Gemma-4
               ("moe_num_experts", 4), ("moe_top_k", 2),  # DBRX (in its nested ffn_config)
+              ("moe_k", 2),  # Ernie-4.5-MoE's top-k (its moe_num_experts shrinks above: 6 of 4 experts cannot run)
               # transformers' bailing_hybrid spells them its own way too (attribute_map)
               ("num_expert_group", 1), ("num_experts_per_token", 2), ("num_shared_experts", 1),
               # Gemma-3n / Gemma-4: the per-layer input embeddings (a vocabulary x layers x width table)
@@ -145,6 +151,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         d["num_attention_heads"] = m.num_attention_heads
     if manifest.attention_layers:  # a pure state stack has no attention to size (Mamba2Config's head_dim is its mixer's)
         kind.tiny_attention_fields(d, manifest, head_dim_from_hidden=from_hidden)  # its heads / dims (validators/kinds)
+        _head_sources(d, m)
     cross.tiny_cross_fields(d, manifest, n)  # an encoder-decoder's decoder fields (validators/kinds/cross)
     d["intermediate_size"] = 128
     recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
@@ -175,6 +182,17 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     notes.append(f"{n} of {m.num_layers} decoder layers: the shortest prefix holding every distinct layer plan "
                  f"{grown}({len(held)}: {'; '.join(held)})")
     return d, TinyPlan(hf_type, n, window, notes)
+
+
+def _head_sources(d: dict[str, Any], m) -> None:
+    """The head counts also under the config fields the analyzer read them from (``model.sources``: Falcon's
+    ``num_kv_heads``, CodeGen's ``n_head``), in place, where those hold another value: a CPU-sized manifest's fewer
+    heads (cpu_sized) reach the config class whatever it names them. A no-op at the manifest's own sizes."""
+    for common, value in (("num_attention_heads", m.num_attention_heads), ("num_key_value_heads", m.num_key_value_heads)):
+        source = m.sources.get(common, "")
+        field = source.rsplit(".", 1)[-1]
+        if source and " " not in source and field != common and field in d and d[field] != value:
+            d[field] = value
 
 
 # The nested configs of encoder towers beside the text backbone (not a BLT / MusicGen sub-model the text runs through)
@@ -242,9 +260,11 @@ def _trim_per_layer_fields(d: dict[str, Any], real_layers: int, n: int) -> None:
             d[key] = {k: v for k, v in value.items() if int(k) < n}
 
 
-def cpu_sized(manifest: SelectionManifest) -> SelectionManifest | None:
+def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -> SelectionManifest | None:
     """The manifest of the same model with the sizes CPU sequences can exercise (None: already small enough):
-    a window they can cross, and a DSA selection (``dsa.index_topk``) narrower than their prompts.
+    a window they can cross, and a DSA selection (``dsa.index_topk``) narrower than their prompts; with the
+    config (``real``), fewer heads where the tiny model's hidden size ties to a wide heads x head_dim
+    (``cpu_heads``).
 
     Each band keeps its distance to the window (pre_tokens = window - offset), so the tiny render
     has the same reading of the band as the real one; the implementer renders it like any manifest.
@@ -253,9 +273,12 @@ def cpu_sized(manifest: SelectionManifest) -> SelectionManifest | None:
     narrowed = kind_of(manifest).cpu_narrowed(manifest)  # a kind's own width CPU prompts cannot exercise
     # a chunk CPU prompts cross several times: one block (the chunk stays a multiple of the block size)
     long_chunk = (manifest.attention_chunk_size() or 0) > manifest.block_size
-    if not (long_window or narrowed or long_chunk):
+    heads = cpu_heads(manifest, real) if real is not None else None
+    if not (long_window or narrowed or long_chunk or heads):
         return None
     data = manifest.model_dump(mode="json")
+    if heads:
+        _set_heads(data, manifest, *heads)
     if long_chunk:
         for layer in data["layers"]:
             if layer.get("attention_chunk_size"):
@@ -267,7 +290,65 @@ def cpu_sized(manifest: SelectionManifest) -> SelectionManifest | None:
                 layer["sliding_window"] = SHRUNK_WINDOW
     for section, fields in narrowed.items():
         data[section].update(fields)
-    return SelectionManifest.model_validate(data)
+    small = SelectionManifest.model_validate(data)
+    if heads and _config_heads(real, small) != heads:  # the config class keeps its heads elsewhere: shrink none
+        return cpu_sized(manifest)
+    return small
+
+
+def cpu_heads(manifest: SelectionManifest, real: dict[str, Any]) -> tuple[int, int] | None:
+    """(query heads, KV heads) of a CPU run with fewer heads (the kind's ``cpu_heads`` rule), where it pays: the tiny
+    model's hidden size ties to heads x head_dim (``tied_width``) above ``MAX_CPU_TIED_WIDTH``. None elsewhere: a
+    model whose tiny hidden size is 128 runs with every head, as before."""
+    rule = getattr(kind_of(manifest), "cpu_heads", None)  # the kinds whose hidden size can tie to their heads
+    heads = rule(manifest) if rule else None
+    m = manifest.model
+    if heads is None or holds_states(manifest) or m.num_attention_heads * m.head_dim <= MAX_CPU_TIED_WIDTH:
+        return None
+    width = tied_width(real, manifest)
+    return heads if width is not None and width > MAX_CPU_TIED_WIDTH else None
+
+
+def tied_width(real: dict[str, Any], manifest: SelectionManifest) -> int | None:
+    """The hidden size the tiny model ties to heads x head_dim, None where it runs at 128: Falcon's by construction,
+    the others' found as ``build_tiny_model`` finds it (a model at 128 that fails to build, to run, or runs with
+    another head_dim; the same cached probe)."""
+    m = manifest.model
+    if HF_MODEL_TYPE.get(m.model_type, m.model_type) in _HEAD_DIM_FROM_HIDDEN:
+        return m.num_attention_heads * m.head_dim
+    return _first_build(real, manifest, 0, None)[-1]
+
+
+def _set_heads(data: dict[str, Any], manifest: SelectionManifest, heads: int, kv_heads: int) -> None:
+    """A manifest dump with ``heads`` query and ``kv_heads`` KV heads (all ranks), in place: the model's counts, the
+    per-rank counts and every cache row's shape (analyzer.kinds.cache_row_shape, the invariant's own rule)."""
+    from model_infer_kvcache.analyzer.kinds import cache_row_shape
+
+    tp = manifest.parallel.attn_tp_size
+    data["model"].update(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    data["parallel"].update(num_q_heads_per_rank=heads // tp, num_kv_heads_per_rank=kv_heads // tp)
+    rows, dim = cache_row_shape(manifest, kv_heads // tp, manifest.model.head_dim)
+    for layer in data["layers"]:
+        for cache in layer.get("caches") or ():
+            cache["num_head"] = rows
+            if dim is not None:
+                cache["dim"] = dim
+
+
+def _config_heads(real: dict[str, Any], small: SelectionManifest) -> tuple[int, int] | None:
+    """(query heads, KV heads) transformers' config class holds for the tiny config of ``small`` at its tied hidden
+    size (its text config; no KV-head field: MHA); None where the class refuses the config."""
+    from transformers import AutoConfig
+
+    d, _ = tiny_config_dict(real, small)
+    hf_type = d.pop("model_type")
+    d["hidden_size"] = small.model.num_attention_heads * small.model.head_dim
+    try:
+        config = AutoConfig.for_model(hf_type, **_with_aliases(d, hf_type)).get_text_config()
+    except Exception:  # noqa: BLE001 - the config class's own validation (its error class varies): keep the heads
+        return None
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
 def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str:
@@ -277,6 +358,13 @@ def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str
         parts.append(f"window {manifest.sliding_window()} -> {small.sliding_window()}")
     if manifest.attention_chunk_size() != small.attention_chunk_size():
         parts.append(f"attention_chunk_size {manifest.attention_chunk_size()} -> {small.attention_chunk_size()}")
+    m, s = manifest.model, small.model
+    if (m.num_attention_heads, m.num_key_value_heads) != (s.num_attention_heads, s.num_key_value_heads):
+        parts.append(f"heads {m.num_attention_heads} -> {s.num_attention_heads} and KV heads {m.num_key_value_heads} "
+                     f"-> {s.num_key_value_heads} (head_dim {m.head_dim}, the query/KV group "
+                     f"{m.num_attention_heads // m.num_key_value_heads}, attention TP {manifest.parallel.attn_tp_size} "
+                     f"kept; the tiny model's hidden size ties to heads x head_dim: {m.num_attention_heads * m.head_dim} "
+                     f"-> {s.num_attention_heads * s.head_dim})")
     parts += kind_of(manifest).cpu_size_changes(manifest, small)
     return ", ".join(parts)
 
@@ -292,10 +380,10 @@ def require_transformers_type(model_type: str) -> None:
                                      "model (analyze and render do not need it)", field="model_type")
 
 
-def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: int = 0,
-                     fixed: dict[str, tuple[Any, str]] | None = None):
-    """(model, plan): a float32 eager transformers model with random weights. ``fixed``: fields the model
-    under test fixes whatever its config says (``registry.config_class_constants``)."""
+def _first_build(real: dict[str, Any], manifest: SelectionManifest, seed: int,
+                 fixed: dict[str, tuple[Any, str]] | None):
+    """The tiny config and its model at hidden size 128: (the config as read, d, plan, hf_type, build, model or None,
+    the build's error or None, the width to retry with tied to heads x head_dim or None)."""
     from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
     from transformers import AutoConfig
 
@@ -323,6 +411,9 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     for key, value in list(d.items()):  # a nested section (DBRX's ffn_config): the same widths and expert counts
         if isinstance(value, dict):
             d[key] = _shrunk_section(value)
+    language = _default_language(d, class_defaults)
+    if language:
+        plan.notes.append(language)
     shrunk = shrink_towers(d, class_defaults)
     if shrunk:
         plan.notes.append("encoder towers the text stream never runs cut to one layer: " + ", ".join(shrunk))
@@ -349,6 +440,16 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     except Exception as exc:  # noqa: BLE001 - GPT-2 / CWM refuse a hidden size their heads do not divide (the
         # config's own validation error class varies); re-raised below unless the tied width builds
         model, failed, width = None, exc, _tied_width(d, manifest)
+    return real, d, plan, hf_type, build, model, failed, width
+
+
+def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: int = 0,
+                     fixed: dict[str, tuple[Any, str]] | None = None):
+    """(model, plan): a float32 eager transformers model with random weights. ``fixed``: fields the model
+    under test fixes whatever its config says (``registry.config_class_constants``)."""
+    real, d, plan, hf_type, build, model, failed, width = _first_build(real, manifest, seed, fixed)
+    lin = manifest.linear_attention
+    lightning = lin is not None and lin.family == LIGHTNING
     if width is not None:
         try:
             tied = build({**d, "hidden_size": width})
@@ -384,6 +485,19 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     _randomize(model, seed)
     model.eval()
     return model, plan
+
+
+def _default_language(d: dict[str, Any], class_defaults: dict[str, Any]) -> str | None:
+    """A config whose model routes by language (X-MOD's per-language adapters: ``languages``) and names no
+    ``default_language`` refuses input without ``lang_ids`` (modeling_xmod.py: "Input language unknown"); the host
+    and the reference feed token ids only, so the tiny config names the first of its languages, in place. Returns
+    the note saying so, None where nothing changed."""
+    languages = d.get("languages", class_defaults.get("languages"))
+    if "default_language" not in {*d, *class_defaults} or d.get("default_language") or not languages:
+        return None
+    d["default_language"] = list(languages)[0]
+    return (f"default_language {d['default_language']!r} (the first of its languages): the config names none, and "
+            "its model refuses token ids without lang_ids; the attention under test does not read the language")
 
 
 def _shrunk_section(section: dict[str, Any]) -> dict[str, Any]:

@@ -188,7 +188,7 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
     report.readings = dataclasses.asdict(base)
     _check_render_as_written(report, manifest, req, backend)
     with tempfile.TemporaryDirectory(prefix="kvcache-validate-") as tmp:
-        runs = _plan_runs(report, manifest, req, inputs.header, Path(tmp))
+        runs = _plan_runs(report, manifest, req, inputs.header, Path(tmp), inputs.real_config)
         for label, run_manifest, rendered, scenario in runs:
             _validate_run(report, label, run_manifest, rendered, replace(req, scenario=scenario), inputs.real_config,
                           backend, say, rank, world, sweep=req.sweep_readings and not label, base=base,
@@ -216,13 +216,14 @@ def _check_render_as_written(report: Report, manifest: SelectionManifest, req: V
                           rendered.linear_mixin())
 
 
-def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest, header, tmp: Path):
+def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest, header, tmp: Path,
+               real_config: dict | None = None):
     """(label, manifest, rendered dir, scenario) of each run. The code under test always runs as written.
 
-    Sizes a CPU can exercise: the user's render. A longer window or a DSA selection wider than CPU prompts:
-    the implementer's render of the same manifest at CPU sizes (tiny.cpu_sized) crosses the window and
-    drops keys, and the user's render runs too, at its real sizes, unless it is byte for byte the implementer's
-    render of the manifest.
+    Sizes a CPU can exercise: the user's render. A longer window, a DSA selection wider than CPU prompts, or a
+    tiny model tied to a wide heads x head_dim: the implementer's render of the same manifest at CPU sizes
+    (tiny.cpu_sized) crosses the window, drops keys, runs fewer heads, and the user's render runs too, at its
+    real sizes, unless it is byte for byte the implementer's render of the manifest.
     """
     from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized, cpu_sizes_note
 
@@ -235,7 +236,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
                                 f"{uncut.max_model_len - 8} uncut")
         return scenario
 
-    tiny = cpu_sized(manifest)
+    tiny = cpu_sized(manifest, real_config)
     if tiny is None:
         return [("", manifest, req.rendered, crossing(manifest))]
     tiny_dir = tmp / "tiny-window"
@@ -245,13 +246,17 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             if manifest.sliding_window() != tiny.sliding_window() else
             f"attention_chunk_size {manifest.attention_chunk_size()} is too long for CPU sequences to cross"
             if manifest.attention_chunk_size() != tiny.attention_chunk_size() else
-            f"index_topk {_index_topk(manifest)} is wider than CPU prompts")
+            f"index_topk {_index_topk(manifest)} is wider than CPU prompts"
+            if _index_topk(manifest) != _index_topk(tiny) else
+            f"the tiny model's hidden size ties to heads x head_dim "
+            f"({manifest.model.num_attention_heads * manifest.model.head_dim})")
     runs = [("", tiny, str(tiny_dir), crossing(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
         report.notes.append(f"{what}: the checks ran on the implementer's render of this manifest with {sizes} "
                             f"(the given render is that render at the real sizes, byte for byte; its constants and "
                             f"every layer are checked above)")
-    elif manifest.sliding_window() == tiny.sliding_window() and (narrowed := _narrowed_copy(req.rendered, tiny, tmp)):
+    elif manifest.sliding_window() == tiny.sliding_window() and _same_heads(manifest, tiny) and \
+            (narrowed := _narrowed_copy(req.rendered, tiny, tmp)):
         # DSA only: at its real index_topk a CPU stream selects every key, so the given render's own selection
         # code would go unexercised; with the one constant narrowed it runs as written otherwise.
         report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
@@ -265,6 +270,10 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
                                != tiny.sliding_window() else "its real sizes") + " (checks 'as written: ...')")
         runs.append(("as written: ", manifest, req.rendered, QUICK))
     return runs
+
+
+def _same_heads(manifest: SelectionManifest, tiny: SelectionManifest) -> bool:
+    return manifest.model.num_attention_heads == tiny.model.num_attention_heads
 
 
 def _index_topk(manifest: SelectionManifest) -> int | None:
@@ -401,7 +410,11 @@ def _note_coverage(report: Report, manifest: SelectionManifest, run: Report) -> 
 def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: ValidateRequest, pristine, backend: str,
          readings, scenario: Scenario, rank: int = 0, world: int = 1, observe=None) -> None:
     from model_infer_kvcache.validators.npu_ops import consulted_questions, device_readings, install_emulation
-    from model_infer_kvcache.validators.pipeline.host_model import HostModel, import_rendered
+    from model_infer_kvcache.validators.pipeline.host_model import (
+        OWN_DEFAULT_DTYPE,
+        HostModel,
+        import_rendered,
+    )
 
     parameters = sum(p.numel() for p in pristine.parameters())
     scenario = scenario.sized_for(parameters) if req.step_seconds is None else \
@@ -485,6 +498,11 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             return
         report.add("rendered code runs without operator errors", "runtime", True, steps=host.step_index + 1,
                    **({"shared_weights": True} if shared else {}))
+        raised = getattr(ref, OWN_DEFAULT_DTYPE, None)
+        if raised:
+            report.notes.append(f"the reference's {ref_dtype} forward raised in torch's default dtype "
+                                f"{torch.get_default_dtype()} ({raised}): it ran with {ref_dtype} as the default "
+                                "dtype, so its own constants hold the values its code asked for")
 
 
 # Above this many parameters (Ergo's tiny model: 64 heads x 128 at a tied hidden size, 634M) the reference shares

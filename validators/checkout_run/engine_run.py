@@ -24,6 +24,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.validators.checkout_run.recorder import ForwardSeen
 from model_infer_kvcache.validators.harness.poison import manager_key, null_block_of, poison_free_blocks
 from model_infer_kvcache.validators.pipeline.graph_capture import quiet_side_effects
+from model_infer_kvcache.validators.pipeline.host_model import default_dtype as host_default_dtype
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, Watchdog
 
 
@@ -242,14 +243,8 @@ def cpu_engine_patches(dtype: torch.dtype):
         group = dist.new_group(sorted(ranks), backend="gloo")
         return (group, _gloo_name(group)) if return_name else group
 
-    @contextlib.contextmanager
-    def default_dtype(_ignored):
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(old)
+    def default_dtype(_ignored):  # the loader's set_default_torch_dtype, whatever dtype the model config names
+        return host_default_dtype(dtype)
 
     real_load = loader_mod.DefaultModelLoader.load_model
 

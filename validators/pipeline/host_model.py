@@ -1181,7 +1181,7 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
             if ref_model.dtype != torch.float64:
                 raise
             setattr(ref_model, OWN_DEFAULT_DTYPE, str(exc).splitlines()[0][:200])
-    with _default_dtype(ref_model.dtype):
+    with default_dtype(ref_model.dtype):
         return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
 
 
@@ -1193,7 +1193,8 @@ OWN_DEFAULT_DTYPE = "_kvcache_own_default_dtype"
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to ``dtype`` while the block runs (the checkout run's loader too)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -769,14 +769,19 @@ def _linear_dependencies(facts: ModelFacts, layers: list[LayerPlan]) -> list[Dev
     lin = facts.linear.value
     if lin is None or lin.family != "gated_delta_net" or lin.num_v_heads == lin.num_k_heads:
         return []
-    q = QUESTIONS["gdr_head_grouping"]
+    return [_assumed_default("gdr_head_grouping", lambda other: (
+        f"the model pairs value head h with key head h // {lin.num_v_heads // lin.num_k_heads} (transformers' "
+        f"repeat_interleave); under '{other}' the operators pair other heads and every linear layer's output is "
+        "wrong (validation sweeps both)"), [layer.index for layer in layers if layer.is_state])]
+
+
+def _assumed_default(question: str, consequence, layers: list[int]) -> DeviceDependency:
+    """A dependency on ``question``'s default reading; ``consequence(other)`` says what its first other reading
+    would do."""
+    q = QUESTIONS[question]
     other = q.alternatives(q.default)[0]
-    return [DeviceDependency(
-        question=q.name, assumed=q.default, alternative=other,
-        consequence=f"the model pairs value head h with key head h // {lin.num_v_heads // lin.num_k_heads} "
-                    f"(transformers' repeat_interleave); under '{other}' the operators pair other heads and every "
-                    "linear layer's output is wrong (validation sweeps both)",
-        layers=[layer.index for layer in layers if layer.is_state])]
+    return DeviceDependency(question=q.name, assumed=q.default, alternative=other, consequence=consequence(other),
+                            layers=layers)
 
 
 def _value_dim_dependencies(facts: ModelFacts, layers: list[LayerPlan], kv_mode: str) -> list[DeviceDependency]:
@@ -784,15 +789,11 @@ def _value_dim_dependencies(facts: ModelFacts, layers: list[LayerPlan], kv_mode:
     the op docs both list (TND pairs) and forbid (identical K/V shapes): value_head_dim."""
     if facts.v_head_dim.value is None or kv_mode != "paged":
         return []
-    q = QUESTIONS["value_head_dim"]
-    other = q.alternatives(q.default)[0]
-    return [DeviceDependency(
-        question=q.name, assumed=q.default, alternative=other,
-        consequence=f"K caches of {facts.head_dim.value} and V caches of {facts.v_head_dim.value} per head; under "
-                    f"'{other}' every FA call fails, and zero-padding V to {facts.head_dim.value} would leave the "
-                    "layers with learnable sinks without FA (learnable_sink needs value D <= 128, 2.14.0 "
-                    "_op_plugin_docs.py:8757)",
-        layers=[layer.index for layer in layers if layer.caches])]
+    return [_assumed_default("value_head_dim", lambda other: (
+        f"K caches of {facts.head_dim.value} and V caches of {facts.v_head_dim.value} per head; under '{other}' every "
+        f"FA call fails, and zero-padding V to {facts.head_dim.value} would leave the layers with learnable sinks "
+        "without FA (learnable_sink needs value D <= 128, 2.14.0 _op_plugin_docs.py:8757)"),
+        [layer.index for layer in layers if layer.caches])]
 
 
 def _device_dependencies(layers: list[LayerPlan], kv_mode: str, reading: str, deploy_mode: str = "standalone",

@@ -8,6 +8,7 @@ from model_infer_kvcache.validators.kinds.mla import (
     HIDDEN_CAN_TIE_TO_HEADS,
     expected_constants,
     shard_attention,
+    spec_prompts,
 )
 from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.evidence import storage
@@ -73,4 +74,4 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 
 __all__ = ["CPU_INDEX_TOPK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
            "cpu_size_changes", "expected_constants", "selection_width", "tiny_attention_fields", "shard_attention",
-           "shrink_notes", "verify_expectation"]
+           "shrink_notes", "spec_prompts", "verify_expectation"]

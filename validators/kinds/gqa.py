@@ -57,6 +57,11 @@ def verify_expectation(manifest, plan) -> tuple[int, bool]:
     return manifest.mtp.decode_sparse_mode, manifest.mtp.decode_mask != "none"
 
 
+def spec_prompts(manifest, default: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The speculative-decode stream's (prompt length, verify steps): the stream's default."""
+    return default
+
+
 def shrink_notes(manifest, short) -> list[str]:
     """What a CPU-sized copy of the manifest changed about this kind beyond the window (nothing)."""
     return []

@@ -130,9 +130,11 @@ def attention_calls(host, manifest: SelectionManifest) -> list[dict]:
     return kind_of(manifest).attention_calls(host.probe)
 
 
-def _prompts(seed: int, vocab: int) -> list[tuple[list[int], int]]:
+def _prompts(seed: int, vocab: int, manifest: SelectionManifest) -> list[tuple[list[int], int]]:
+    """Random prompts of the kind's (length, verify steps): PROMPTS unless the kind needs its own positions."""
     g = torch.Generator().manual_seed(seed + 7)
-    return [(torch.randint(0, vocab, (n,), generator=g).tolist(), steps) for n, steps in PROMPTS]
+    shape = kind_of(manifest).spec_prompts(manifest, PROMPTS)
+    return [(torch.randint(0, vocab, (n,), generator=g).tolist(), steps) for n, steps in shape]
 
 
 def _watchdog(prompts, main: Watchdog) -> Watchdog:
@@ -146,7 +148,7 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
     (``capture``: graph_capture.DecodeCapture) the verify steps are captured, a width of their own, and replayed."""
     verify = capture.forward if capture is not None else host.forward
     stream = SpecStream(ref_model, vocab, host.atol, manifest.mtp.speculative_tokens)
-    prompts = _prompts(seed, vocab)
+    prompts = _prompts(seed, vocab, manifest)
     dog = _watchdog(prompts, main)
     rids = [sched.add_request(ids) for ids, _ in prompts]
     steps_of = {rid: n for rid, (_, n) in zip(rids, prompts, strict=True)}
@@ -185,7 +187,7 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
     next_n = manifest.mtp.speculative_tokens
     padding = [] if padding is None else padding
     stream = SpecStream(ref_model, vocab, host.atol, next_n)
-    prompts = _prompts(seed, vocab)
+    prompts = _prompts(seed, vocab, manifest)
     dog = _watchdog(prompts, main)
     rows = list(range(len(prompts)))
     fa_start = len(attention_calls(host, manifest))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from model_infer_kvcache.analyzer.kinds.compressed import state_ring_tokens
 
 # the dtypes a run may compute in: custom.scatter_nd_update_asc / npu_sparse_attn_sharedkv / compressor take
@@ -111,6 +112,36 @@ def spec_prompts(manifest, default: tuple[tuple[int, int], ...]) -> tuple[tuple[
     span = math.lcm(*rates)
     return ((ending_at_group_end(rates[0], rates[0]), steps),
             (ending_at_group_end(span, manifest.compressed.sliding_window + 1), steps))
+
+
+def poison_rejected_drafts(manifest, host, runner, rows, kept, ends) -> int:
+    """After a standalone verify step, NaN into what its rejected drafts (positions ``kept[i] .. ends[i] - 1`` of row
+    ``rows[i]``) wrote in the compressed branches: their compressor state (the row's ring slot ``p % ring``) and any
+    entry one of them completed (group w ending at p: the row's entry w through its compressed table). The next step
+    must rewrite each before reading it (the ring must not alias a token it still reads); returns how many entries
+    rejected drafts had completed (the stream's evidence that it exercised them)."""
+    completed = 0
+    with torch.no_grad():
+        for a in host.attentions:
+            branch = manifest.plan_of_module(a.layer_idx).compressed
+            if branch is None:
+                continue
+            m = branch.compress_ratio
+            table = runner.csa_cmp_block_table if branch.kind == "csa" else runner.cmp_block_table
+            states = [t for t in (a.sfa_kv_state, a.li_kv_state) if t.numel()]
+            entries = [t for t in (a.sfa_cmp_kv, a.li_cmp_kv) if t.numel()]
+            for row, lo, hi in zip(rows, kept, ends, strict=True):
+                slot = int(runner.state_block_table[row, 0])
+                for p in range(lo, hi):
+                    for t in states:
+                        t[slot, p % t.shape[1]] = float("nan")
+                    if (p + 1) % m:
+                        continue
+                    w = p // m
+                    for t in entries:
+                        t[int(table[row, w // t.shape[1]]), w % t.shape[1]] = float("nan")
+                    completed += 1
+    return completed
 
 
 def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
@@ -224,5 +255,5 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 
 
 __all__ = ["CHECK", "CPU_INDEX_TOPK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls",
-           "cpu_narrowed", "cpu_size_changes", "expected_constants", "runner_cache_problems", "selection_width",
-           "shard_attention", "shrink_notes", "spec_prompts", "split_entries", "tiny_attention_fields", "verify_expectation"]
+           "cpu_narrowed", "cpu_size_changes", "expected_constants", "poison_rejected_drafts", "runner_cache_problems",
+           "selection_width", "shard_attention", "shrink_notes", "spec_prompts", "split_entries", "tiny_attention_fields", "verify_expectation"]

@@ -62,6 +62,12 @@ def spec_prompts(manifest, default: tuple[tuple[int, int], ...]) -> tuple[tuple[
     return default
 
 
+def poison_rejected_drafts(manifest, host, runner, rows, kept, ends) -> int:
+    """After a standalone verify step: NaN into what this kind's rejected drafts left beyond the K/V slots (nothing
+    here: their slots are rewritten by the next step's own positions). Returns the entries poisoned."""
+    return 0
+
+
 def shrink_notes(manifest, short) -> list[str]:
     """What a CPU-sized copy of the manifest changed about this kind beyond the window (nothing)."""
     return []

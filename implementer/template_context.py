@@ -143,6 +143,7 @@ class RenderContext:
     rope_head_dim: int = 0
     rms_norm_eps: float = 0.0
     cmp_state_dtype: str = ""
+    state_ring: dict[str, int] | None = None  # the standalone runner's compressor state ring per branch (csa / hca)
     # False: a pure state stack (every layer a Mamba mixer): the state partial alone, no attention mixin or KV cache
     attends: bool = True
     # decoder blocks without any cache (Nemotron-H's MLP / MoE blocks): get_cache_info registers nothing for them

@@ -219,16 +219,17 @@ def test_uncompressed_ratios_leave_the_model_as_it_is(tmp_path, capsys):
     assert "compressed" not in m and m["mla"]["enabled"]
 
 
-def test_render_and_run_refuse_v4_with_its_mtp_layer_by_name(tmp_path, capsys):
-    """DeepseekV4Config's defaults carry one MTP layer: its verify step through the compressed branch is not
-    rendered (CSA / HCA layers are: tests/test_csa_render.py)."""
+def test_v4_with_its_mtp_layer_renders_verify_steps(tmp_path, capsys):
+    """DeepseekV4Config's defaults carry one MTP layer (next_n 1): the render serves its verify steps through the
+    compressed branches (run and negative controls: tests/test_v4_mtp.py); the standalone runner's state ring is
+    coff x ratio + next_n - 1 tokens (analyzer.kinds.compressed.state_ring_tokens)."""
     path = _v4(tmp_path)
-    assert invoke(["analyze", "--config", path, "--out", tmp_path / "m.json"], capsys)[0] == 0
+    assert invoke(["analyze", "--config", path, "--dispatch", "部署模式：独立部署", "--next-n", "3",
+                   "--out", tmp_path / "m.json"], capsys)[0] == 0
     rc, out, err = invoke(["render", "--manifest", tmp_path / "m.json", "--out", tmp_path / "r"], capsys)
-    assert rc == 2 and "num_mtp_layers: not supported by kvcache: DeepSeek-V4 with 1 MTP layer" in err
-    assert not (tmp_path / "r").exists()
-    rc, out, err = invoke(["run", "--config", path, "--out", tmp_path / "run"], capsys)
-    assert rc == 2 and "not supported by kvcache" in err and "compressed" in err
+    assert rc == 0, err
+    text = (tmp_path / "r" / "kvcache_runner.py").read_text(encoding="utf-8")
+    assert "HCA_STATE_RING = 130" in text and "CSA_STATE_RING = 10" in text
 
 
 def test_upstream_deepseek_v4_in_the_real_engine_is_a_named_gap_not_a_model_failure(tmp_path, capsys):

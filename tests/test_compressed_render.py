@@ -3,19 +3,15 @@ and HCA layers in both deployment modes, at the fused kernels' real shapes (D 51
 the emulated operators take no other), through a stream whose prompts cross the window and two HCA groups, with
 early finishes and a late admit into a freed (poisoned) row; the realistic mistakes of a V4 port, each failing by
 name. Framework mode too: the engine's SlidingWindow manager leaves a prompt's leading win_kv blocks without storage,
-so a prefill attends over a temporary K=V cache of its own rows. MTP stays refused by name (CSA layers:
-tests/test_csa_render.py)."""
+so a prefill attends over a temporary K=V cache of its own rows. CSA layers: tests/test_csa_render.py; MTP verify
+steps: tests/test_v4_mtp.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
-from model_infer_kvcache.implementer.render import render_manifest
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
-from validators_support import CONFIGS, check, mistaken_report, mutate, render_case, run_validate
+from validators_support import check, mistaken_report, mutate, render_case, run_validate
 
 CONFIG = "deepseek_v4_hca"
 ATTN, RUNNER = "kvcache_attention.py", "kvcache_runner.py"
@@ -105,16 +101,6 @@ def test_a_v4_render_mistake_fails_by_name(tmp_path, case, name, pattern, replac
     if failing == OPS:  # the operator refuses the call, naming the argument
         assert {"window-one-token-too-many": "ori_win_left",
                 "compressor-state-not-reset-on-reuse": "custom.compressor"}[case] in check(report, OPS).detail
-
-
-def test_mtp_is_refused_by_name(tmp_path):
-    config = tmp_path / "v4.json"
-    config.write_text(json.dumps({**json.loads((CONFIGS / f"{CONFIG}.json").read_text(encoding="utf-8")),
-                                  "num_nextn_predict_layers": 1}), encoding="utf-8")
-    m = analyze(AnalyzeRequest(config=str(config), deploy_mode="standalone"))
-    with pytest.raises(InputError) as info:
-        render_manifest(m, allow_blocked=True)
-    assert info.value.field == "model.num_mtp_layers" and "--next-n 0" in str(info.value), info.value
 
 
 def test_a_float32_run_is_refused_naming_the_dtype(tmp_path):

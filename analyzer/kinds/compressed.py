@@ -223,6 +223,21 @@ def branch_kind(layer: LayerPlan) -> str:
     return layer.compressed.kind if layer.compressed else "none"
 
 
+# ------------------------------------------------------------------------------------------------ state ring
+
+def state_ring_tokens(window: int, next_n: int) -> int:
+    """Tokens of a request's compressor state kept as a ring addressed by position (the standalone runner's slot).
+
+    The compressor reads back only the tokens before the step of the groups it pools (at most ``window - 1`` =
+    ``coff x m - 1``) and writes the step's own at ``p % ring``. A speculative verify step (1 + next_n tokens) writes
+    past what it keeps: when its drafts are rejected the next step starts again right after its first token (always
+    accepted) and re-reads the group under construction, which the last rejected draft, at most ``next_n - 1``
+    tokens further, must not have overwritten; so the ring holds ``window + next_n - 1`` (at least ``window``).
+    Rejected drafts' own states and any entry one of them completed are rewritten by position before anything
+    reads them (upstream: start_pos restarts at the accepted length; references/compressed.md)."""
+    return window + max(next_n - 1, 0)
+
+
 # ------------------------------------------------------------------------------------------------ memory groups
 
 def memory_groups(layers: list[LayerPlan], window_token_bytes: Callable[[LayerPlan], int], mtp_layers: int,

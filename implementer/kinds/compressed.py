@@ -6,10 +6,14 @@ in one call. Planned by the analyzer (analyzer/kinds/compressed.py).
 Rendered: window-only, CSA and HCA layers, both deployment modes (framework mode: the entries of upstream's
 managers, a prefill attending over a temporary K=V cache of its own rows). A CSA layer also compresses the
 lightning indexer's keys (``li_cmp_kv``) and selects its top-k entries per query with torch_npu's float
-``npu_lightning_indexer``. Refused by name: MTP layers, and shapes the fused kernels do not take."""
+``npu_lightning_indexer``. MTP: verify steps of 1 + next_n tokens per request go through the same code (positions,
+the compressor's start_pos and each row's visible entries are per token; rejected drafts are rewritten by position);
+the standalone runner's state ring grows by next_n - 1 (``state_ring_tokens``). Refused by name: shapes the fused
+kernels do not take."""
 
 from __future__ import annotations
 
+from model_infer_kvcache.analyzer.kinds.compressed import COFF, CSA, HCA, state_ring_tokens
 from model_infer_kvcache.implementer.kinds.common import bad
 
 NAME = "compressed (DeepSeek-V4)"
@@ -38,10 +42,6 @@ def check(m) -> None:
     c = m.compressed
     if c is None:
         return
-    if m.model.num_mtp_layers:
-        raise bad("model.num_mtp_layers", f"not supported by kvcache: DeepSeek-V4 with {m.model.num_mtp_layers} MTP "
-                                          "layer(s): the render has no speculative-decode verify step for the "
-                                          "compressed branch; analyze with --next-n 0 to serve it without one")
     unmet = [x for x in c.device_constraints if not x.startswith("met: ")]
     if unmet:
         raise bad("compressed.device_constraints",
@@ -51,9 +51,13 @@ def check(m) -> None:
 
 def fields(m) -> dict:
     c = m.compressed
+    next_n = m.mtp.speculative_tokens if m.mtp is not None else 0
+    rates = {kind: int(c.compress_rates[kind]) for kind in (CSA, HCA)}
     return {"is_compressed": True, "hca_layers": tuple(c.hca_layers), "hca_ratio": int(c.compress_rates["hca"]),
             "csa_layers": tuple(c.csa_layers), "csa_ratio": int(c.compress_rates["csa"]),
             "index_topk": int(c.index_topk), "index_n_heads": int(c.index_n_heads),
             "index_head_dim": int(c.index_head_dim), "sparse_width": SPARSE_WIDTH,
             "rope_head_dim": ROPE_HEAD_DIM, "rms_norm_eps": float(m.model.rms_norm_eps),
-            "cmp_state_dtype": STATE_DTYPE}
+            "cmp_state_dtype": STATE_DTYPE,
+            # the standalone runner's state slot per row: a ring of this many tokens (verify steps' drafts included)
+            "state_ring": {kind: state_ring_tokens(COFF[kind] * rates[kind], next_n) for kind in (CSA, HCA)}}

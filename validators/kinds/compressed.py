@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+from model_infer_kvcache.analyzer.kinds.compressed import state_ring_tokens
+
 # the dtypes a run may compute in: custom.scatter_nd_update_asc / npu_sparse_attn_sharedkv / compressor take
 # bfloat16, float16 (and float64, the CPU validation mode), no float32
 RUN_DTYPES = ("float64", "bfloat16", "float16")
@@ -80,7 +83,65 @@ def attention_calls(probe) -> list[dict]:
 
 
 def verify_expectation(manifest, plan) -> tuple[int, bool]:
-    raise NotImplementedError("speculative decoding of DeepSeek-V4 compressed attention is not rendered")
+    """(sparse_mode, mask) of a verify step's call: npu_sparse_attn_sharedkv takes neither (its causality is fixed,
+    a request's queries being its last q_len tokens, rightDownCausal), so its calls record the defaults; each
+    row's visible entries and its selection are judged by V232 and the verify logits."""
+    return 0, False
+
+
+def spec_prompts(manifest, default: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The speculative-decode stream's (prompt length, verify steps), placed so that verify steps cross group ends.
+
+    Request 0's first verify step accepts every draft, request 1's rejects every one (spec_decode.SpecStream's
+    planned acceptance). Request 0: a short prompt whose first step's last draft completes a group of the smallest
+    rate (CSA: 4), with few entries visible (fewer than CPU_INDEX_TOPK): a row that saw the entry a later draft of
+    the same step completes would list it. Request 1: a prompt past the window whose first step's last draft completes
+    a group of every rate (HCA's too) and is rejected: the next step puts another token there and completes the group
+    again, so a compressor state or an entry the rejected draft left behind would change the logits.
+    """
+    next_n = manifest.mtp.speculative_tokens if manifest.mtp is not None else 0
+    rates = sorted({int(r) for kind, r in manifest.compressed.compress_rates.items()
+                    if getattr(manifest.compressed, f"{kind}_layers")})
+    if not next_n or not rates:
+        return default
+    steps = max(n for _, n in default)
+
+    def ending_at_group_end(m: int, at_least: int) -> int:  # the smallest n >= at_least with n + next_n = k*m - 1
+        return at_least + (-(at_least + next_n + 1)) % m
+
+    span = math.lcm(*rates)
+    return ((ending_at_group_end(rates[0], rates[0]), steps),
+            (ending_at_group_end(span, manifest.compressed.sliding_window + 1), steps))
+
+
+def poison_rejected_drafts(manifest, host, runner, rows, kept, ends) -> int:
+    """After a standalone verify step, NaN into what its rejected drafts (positions ``kept[i] .. ends[i] - 1`` of row
+    ``rows[i]``) wrote in the compressed branches: their compressor state (the row's ring slot ``p % ring``) and any
+    entry one of them completed (group w ending at p: the row's entry w through its compressed table). The next step
+    must rewrite each before reading it (the ring must not alias a token it still reads); returns how many entries
+    rejected drafts had completed (the stream's evidence that it exercised them)."""
+    completed = 0
+    with torch.no_grad():
+        for a in host.attentions:
+            branch = manifest.plan_of_module(a.layer_idx).compressed
+            if branch is None:
+                continue
+            m = branch.compress_ratio
+            table = runner.csa_cmp_block_table if branch.kind == "csa" else runner.cmp_block_table
+            states = [t for t in (a.sfa_kv_state, a.li_kv_state) if t.numel()]
+            entries = [t for t in (a.sfa_cmp_kv, a.li_cmp_kv) if t.numel()]
+            for row, lo, hi in zip(rows, kept, ends, strict=True):
+                slot = int(runner.state_block_table[row, 0])
+                for p in range(lo, hi):
+                    for t in states:
+                        t[slot, p % t.shape[1]] = float("nan")
+                    if (p + 1) % m:
+                        continue
+                    w = p // m
+                    for t in entries:
+                        t[int(table[row, w // t.shape[1]]), w % t.shape[1]] = float("nan")
+                    completed += 1
+    return completed
 
 
 def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
@@ -115,8 +176,11 @@ def runner_cache_problems(manifest, host, runner, rows: int) -> list[str]:
     """The standalone runner's compressed caches against the manifest's entries (V110): per compressed layer each
     entry of compressed rows (sfa_cmp_kv; a CSA layer's li_cmp_kv too) in blocks of BLOCK_SIZE rows, enough for
     every row's ``max_seq_len // m`` entries, and each state (sfa_kv_state; li_kv_state) one slot of ``coff x m``
-    tokens x ``[kv | score]`` per row plus slot 0 (the compressor's "not stored")."""
+    tokens x ``[kv | score]`` per row plus slot 0 (the compressor's "not stored"), grown by next_n - 1 tokens when
+    speculative verify steps run (analyzer ``state_ring_tokens``: a rejected draft must not overwrite a token the next
+    step reads back)."""
     problems = []
+    next_n = manifest.mtp.speculative_tokens if manifest.mtp is not None else 0
     for a in host.attentions:
         plan = manifest.plan_of_module(a.layer_idx)
         branch = plan.compressed
@@ -132,7 +196,7 @@ def runner_cache_problems(manifest, host, runner, rows: int) -> list[str]:
             if e.sliding_window is None:  # compressed rows
                 want[e.name] = (rows * per_row, e.block_size // m, e.num_head, *e.dim)
             else:  # a state slot per row, plus slot 0
-                want[e.name] = (rows + 1, e.sliding_window, e.num_head * math.prod(e.dim))
+                want[e.name] = (rows + 1, state_ring_tokens(e.sliding_window, next_n), e.num_head * math.prod(e.dim))
         for name, shape in want.items():
             t = getattr(a, name, None)
             if t is None or tuple(t.shape) != shape:
@@ -191,5 +255,5 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 
 
 __all__ = ["CHECK", "CPU_INDEX_TOPK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls",
-           "cpu_narrowed", "cpu_size_changes", "expected_constants", "runner_cache_problems", "selection_width",
-           "shard_attention", "shrink_notes", "split_entries", "tiny_attention_fields", "verify_expectation"]
+           "cpu_narrowed", "cpu_size_changes", "expected_constants", "poison_rejected_drafts", "runner_cache_problems",
+           "selection_width", "shard_attention", "shrink_notes", "spec_prompts", "split_entries", "tiny_attention_fields", "verify_expectation"]

@@ -7,7 +7,9 @@ from model_infer_kvcache.validators.kinds import mla
 from model_infer_kvcache.validators.kinds.mla import (
     HIDDEN_CAN_TIE_TO_HEADS,
     expected_constants,
+    poison_rejected_drafts,
     shard_attention,
+    spec_prompts,
 )
 from model_infer_kvcache.validators.pipeline import dsa_args
 from model_infer_kvcache.validators.pipeline.evidence import storage
@@ -73,4 +75,5 @@ def check_attention_calls(report, manifest, host, *, before_failure: bool = Fals
 
 __all__ = ["CPU_INDEX_TOPK", "HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed",
            "cpu_size_changes", "expected_constants", "selection_width", "tiny_attention_fields", "shard_attention",
-           "shrink_notes", "verify_expectation"]
+           "poison_rejected_drafts", "shrink_notes", "spec_prompts",
+           "verify_expectation"]

@@ -81,6 +81,17 @@ def verify_expectation(manifest, plan) -> tuple[int, bool]:
     return manifest.mtp.decode_sparse_mode, manifest.mtp.decode_mask != "none"
 
 
+def spec_prompts(manifest, default: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The speculative-decode stream's (prompt length, verify steps): the stream's default."""
+    return default
+
+
+def poison_rejected_drafts(manifest, host, runner, rows, kept, ends) -> int:
+    """After a standalone verify step: NaN into what this kind's rejected drafts left beyond the K/V slots (nothing
+    here: their slots are rewritten by the next step's own positions). Returns the entries poisoned."""
+    return 0
+
+
 def shrink_notes(manifest, short) -> list[str]:
     """What a CPU-sized copy of the manifest changed about this kind beyond the window (nothing)."""
     return []

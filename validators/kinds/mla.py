@@ -7,7 +7,9 @@ from model_infer_kvcache.validators.kinds.gqa import (
     check_attention_calls,
     cpu_narrowed,
     cpu_size_changes,
+    poison_rejected_drafts,
     shrink_notes,
+    spec_prompts,
     verify_expectation,
 )
 from model_infer_kvcache.validators.kinds.sharding import keep_rows
@@ -40,4 +42,5 @@ def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
 
 __all__ = ["HIDDEN_CAN_TIE_TO_HEADS", "attention_calls", "check_attention_calls", "cpu_narrowed", "cpu_size_changes",
            "expected_constants", "tiny_attention_fields", "shard_attention",
-           "shrink_notes", "verify_expectation"]
+           "poison_rejected_drafts", "shrink_notes", "spec_prompts",
+           "verify_expectation"]

@@ -45,6 +45,7 @@ class SpecStream:
     accepted: int = 0
     rejected: int = 0
     steps: list[int] = field(default_factory=list)  # host step indices of the verify steps
+    rejected_entries: int = 0  # compressed entries rejected drafts completed (poisoned before the next step)
 
     def planned_accepts(self, i: int, verify_index: int) -> int:
         """Drafts request ``i`` of a step should accept: all, none, then (next_n >= 2) some, cycling."""
@@ -122,7 +123,8 @@ class SpecStream:
                    or ("" if both else f"the stream needs {'/'.join(sorted(wanted))} acceptances, got "
                                        f"{'/'.join(sorted(self.patterns)) or 'none'}"),
                    max_abs_diff=self.worst, worst_at=self.worst_at, verify_steps=len(self.steps),
-                   accepted=self.accepted, rejected=self.rejected, patterns=sorted(self.patterns))
+                   accepted=self.accepted, rejected=self.rejected, patterns=sorted(self.patterns),
+                   **({"rejected_entries": self.rejected_entries} if self.rejected_entries else {}))
 
 
 def attention_calls(host, manifest: SelectionManifest) -> list[dict]:
@@ -130,9 +132,11 @@ def attention_calls(host, manifest: SelectionManifest) -> list[dict]:
     return kind_of(manifest).attention_calls(host.probe)
 
 
-def _prompts(seed: int, vocab: int) -> list[tuple[list[int], int]]:
+def _prompts(seed: int, vocab: int, manifest: SelectionManifest) -> list[tuple[list[int], int]]:
+    """Random prompts of the kind's (length, verify steps): PROMPTS unless the kind needs its own positions."""
     g = torch.Generator().manual_seed(seed + 7)
-    return [(torch.randint(0, vocab, (n,), generator=g).tolist(), steps) for n, steps in PROMPTS]
+    shape = kind_of(manifest).spec_prompts(manifest, PROMPTS)
+    return [(torch.randint(0, vocab, (n,), generator=g).tolist(), steps) for n, steps in shape]
 
 
 def _watchdog(prompts, main: Watchdog) -> Watchdog:
@@ -146,7 +150,7 @@ def run_framework_stream(report: Report, manifest: SelectionManifest, host, ref_
     (``capture``: graph_capture.DecodeCapture) the verify steps are captured, a width of their own, and replayed."""
     verify = capture.forward if capture is not None else host.forward
     stream = SpecStream(ref_model, vocab, host.atol, manifest.mtp.speculative_tokens)
-    prompts = _prompts(seed, vocab)
+    prompts = _prompts(seed, vocab, manifest)
     dog = _watchdog(prompts, main)
     rids = [sched.add_request(ids) for ids, _ in prompts]
     steps_of = {rid: n for rid, (_, n) in zip(rids, prompts, strict=True)}
@@ -185,7 +189,7 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
     next_n = manifest.mtp.speculative_tokens
     padding = [] if padding is None else padding
     stream = SpecStream(ref_model, vocab, host.atol, next_n)
-    prompts = _prompts(seed, vocab)
+    prompts = _prompts(seed, vocab, manifest)
     dog = _watchdog(prompts, main)
     rows = list(range(len(prompts)))
     fa_start = len(attention_calls(host, manifest))
@@ -226,6 +230,9 @@ def run_standalone_stream(report: Report, manifest: SelectionManifest, host, ref
         slices = {row: slice(i * (1 + next_n), (i + 1) * (1 + next_n)) for i, row in enumerate(live)}
         emitted = stream.judge(host.step_index, live, drafts, logits, slices)
         runner._advance_kv_len(live, fm, accepted=[len(e) - 1 for e in emitted])
+        # what the rejected drafts wrote beyond their K/V slots (a kind's states, entries they completed) turns NaN
+        stream.rejected_entries += kind_of(manifest).poison_rejected_drafts(
+            manifest, host, runner, live, runner.kv_len[torch.tensor(live)].tolist(), (start + 1 + next_n).tolist())
         if runner.kv_len[torch.tensor(live)].tolist() != [s + len(e) for s, e in zip(start.tolist(), emitted,
                                                                                       strict=True)]:
             kv_errors.append(f"verify {j}")

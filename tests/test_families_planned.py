@@ -976,7 +976,7 @@ def test_xglm_reference_runs_float64_with_its_own_default_dtype(tmp_path, monkey
     assert any("it ran with torch.float64 as the default dtype" in n for n in report.notes), report.notes
     assert check(report, "logits vs transformers").measured["max_abs_diff"] < 1e-12
 
-    monkeypatch.setattr(host_model, "_default_dtype", lambda dtype: contextlib.nullcontext())
+    monkeypatch.setattr(host_model, "default_dtype", lambda dtype: contextlib.nullcontext())
     runs = check(run_validate(*case[:3]), "rendered code runs without operator errors")
     assert not runs.passed and "without overflow" in runs.detail
 

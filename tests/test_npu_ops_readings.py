@@ -51,8 +51,9 @@ def test_defaults_are_the_documented_readings():
     assert EXCLUSIVE_HONOURED.gdr_state_writes == "every_token"  # the doc's per-token slots, vLLM's kernel
     assert EXCLUSIVE_HONOURED.gdr_accepted_start == "accepted_slot"  # vLLM's kernel
     assert EXCLUSIVE_HONOURED.gdr_head_grouping == "consecutive"  # transformers, FLA, upstream qwen3_5
+    assert EXCLUSIVE_HONOURED.value_head_dim == "documented_pairs"  # the op docs' TND pairs (MiMo-V2-Flash)
     combos = DeviceReadings.all()
-    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 2 * 2 * 3 * 3 * 3 * 2 * 2 * 2
+    assert combos[0] == DEFAULT_READINGS and len(set(combos)) == 2 * 2 * 3 * 3 * 3 * 2 * 2 * 2 * 2
 
 
 def test_invalid_reading_rejected_and_context_restores():

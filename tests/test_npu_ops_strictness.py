@@ -276,8 +276,28 @@ def test_sink_rules():
     expect("learnable_sink", V2, q, q, q, learnable_sink=torch.zeros(3), **kw)
     b = torch.randn(1, 6, 4, 16)
     expect("learnable_sink", V2, b, b, b, learnable_sink=torch.zeros(4), num_query_heads=4, input_layout="BSND")
-    big = torch.randn(6, 4, 256)
-    expect("learnable_sink", V2, q, q, big, learnable_sink=torch.zeros(4), **kw)
+    wide = tnd(d=192)  # value D 192 > 128
+    expect("learnable_sink", V2, wide, wide, wide, learnable_sink=torch.zeros(4), **kw)
+    V2(wide, wide, tnd(d=128), learnable_sink=torch.zeros(4), **kw)  # MiMo-V2-Flash's K_D 192 / V_D 128 takes sinks
+
+
+def test_value_head_dim_rules():
+    """A value head dim other than the key's: only the documented TND pair (K_D 192 / V_D 128), and only under the
+    device reading value_head_dim=documented_pairs (the docs also require identical K/V shapes)."""
+    from dataclasses import replace
+
+    from model_infer_kvcache.validators.npu_ops import DeviceReadings, device_readings
+
+    kw = dict(actual_seq_qlen=[6], actual_seq_kvlen=[6], num_query_heads=4, input_layout="TND")
+    wide, narrow = tnd(d=192), tnd(d=128)
+    out, _ = V2(wide, wide, narrow, **kw)
+    assert out.shape == (6, 4, 128)
+    expect("value", V2, tnd(), tnd(), tnd(d=256), **kw)  # an undocumented pair
+    expect("value", V2, wide, wide, tnd(d=64), **kw)
+    bsnd = dict(num_query_heads=4, input_layout="BSND")
+    expect("value", V2, wide.view(1, 6, 4, 192), wide.view(1, 6, 4, 192), narrow.view(1, 6, 4, 128), **bsnd)
+    with device_readings(replace(DeviceReadings(), value_head_dim="equal_only")):
+        expect("value", V2, wide, wide, narrow, **kw)
 
 
 def test_v1_names_on_v2_and_reverse_are_type_errors():

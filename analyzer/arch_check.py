@@ -922,8 +922,10 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             f"layer {layer.index} at {mod.path}")
     if sinks_off:
         layer, mod = sinks_off[0]
+        planned = "none" if not facts.has_sinks.value else "on every layer" if facts.sink_layers.value is None \
+            else f"on layers {list(facts.sink_layers.value)}"
         result.errors.append(
-            f"attention sinks: analyzer {'none' if not facts.has_sinks.value else 'on every layer' if facts.sink_layers.value is None else 'on layers ' + str(list(facts.sink_layers.value))} "
+            f"attention sinks: analyzer {planned} "
             f"({facts.has_sinks.source}) vs transformers {'with' if mod.sinks else 'without'} "
             f"{mod.cls}.sinks on {len(sinks_off)} layer(s), first layer {layer.index} at {mod.path}")
     if source_off:

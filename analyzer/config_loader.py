@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import yaml
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
@@ -534,11 +534,18 @@ SINK_FAMILIES = {
     "granitemoe_swa": ": GraniteMoeSWAAttention.sinks, sigmoid(logsumexp - sink) scaling = an extra softmax logit",
 }
 
-# Families whose sliding-window layers differ from their full ones where no config field says so (their transformers
-# modeling code does): (factor on num_key_value_heads, learnable sinks on the sliding layers only, the source).
+class SlidingLayerRule(NamedTuple):
+    """How a family's sliding-window layers differ from its full ones where no config field says so."""
+
+    kv_factor: int  # their KV heads = num_key_value_heads x this
+    sinks_only: bool  # learnable sinks on the sliding layers only
+    source: str  # the transformers code that says so
+
+
 SLIDING_LAYER_RULES = {
-    "mimo_v2_flash": (2, True, "transformers MiMoV2FlashAttention.__init__: is_swa -> num_key_value_heads * 2 and "
-                               "sinks, full layers num_key_value_heads and sinks None"),
+    "mimo_v2_flash": SlidingLayerRule(2, True, "transformers MiMoV2FlashAttention.__init__: is_swa -> "
+                                               "num_key_value_heads * 2 and sinks, full layers num_key_value_heads "
+                                               "and sinks None"),
 }
 
 
@@ -710,8 +717,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     sinks = (
         Sourced(True, f"model_type {model_type} (learnable sinks in every attention layer{SINK_FAMILIES[family]})")
         if family in SINK_FAMILIES
-        else Sourced(True, f"model_type {model_type} (learnable sinks on its sliding layers: {sliding_rule[2]})")
-        if sliding_rule and sliding_rule[1] and sliding_layers
+        else Sourced(True, f"model_type {model_type} (learnable sinks on its sliding layers: {sliding_rule.source})")
+        if sliding_rule and sliding_rule.sinks_only and sliding_layers
         else Sourced(True, "compressed attention (DeepSeek-V4): DeepseekV4Attention.sinks, upstream attn_sink")
         if compressed is not None
         else Sourced(False, "default: no sinks for this family")
@@ -728,7 +735,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     dsa = _dsa(r, mla, num_layers.value, model_type) if compressed is None else Sourced(
         None, "compressed attention: the indexer is CSA's")
     layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla, sliding_rule)
-    sink_layers = Sourced(sliding_layers, sinks.source) if sliding_rule and sliding_rule[1] and sliding_layers \
+    sink_layers = Sourced(sliding_layers, sinks.source) if sliding_rule and sliding_rule.sinks_only and sliding_layers \
         else Sourced(None, "default: every attention layer when has_sinks")
     kv_sources = _kv_sources(r, num_layers.value, layer_kinds.value)
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
@@ -1164,7 +1171,7 @@ def _alibi(r: _Reader, model_type: str) -> Sourced[bool]:
 
 def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: Sourced[int],
                  kv_heads: Sourced[int], heads: Sourced[int], mla: Sourced[MlaDims | None],
-                 sliding_rule: tuple[int, bool, str] | None = None) -> Sourced[tuple[LayerHeads, ...] | None]:
+                 sliding_rule: SlidingLayerRule | None = None) -> Sourced[tuple[LayerHeads, ...] | None]:
     """Per-layer head_dim / KV heads, from transformers' ``per_layer_config`` (a sparse map of layer index ->
     overridden config fields, the HeterogeneousConfigMixin) or, in a config written without it, Gemma-4's
     ``global_head_dim`` and ``num_global_key_value_heads`` on the full-attention layers (the latter only when
@@ -1197,11 +1204,11 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
                                    if name == "head_dim" else LIMITS["heads"])
             overrides[index] = {k: int(v) for k, v in fields.items() if k in PER_LAYER_HEAD_FIELDS}
         source = src
-    elif sliding_rule and sliding_rule[0] != 1 and "sliding" in kinds:
+    elif sliding_rule and sliding_rule.kv_factor != 1 and "sliding" in kinds:
         # MiMo-V2-Flash: its sliding layers' KV heads are a multiple of num_key_value_heads (SLIDING_LAYER_RULES)
-        overrides = {i: {"num_key_value_heads": kv_heads.value * sliding_rule[0]}
+        overrides = {i: {"num_key_value_heads": kv_heads.value * sliding_rule.kv_factor}
                      for i, kind in enumerate(kinds) if kind == "sliding"}
-        source = f"{kv_heads.source} x {sliding_rule[0]} on the sliding layers ({sliding_rule[2]})"
+        source = f"{kv_heads.source} x {sliding_rule.kv_factor} on the sliding layers ({sliding_rule.source})"
     else:
         glob_dim = r.positive_int("global_head_dim", required=False, maximum=LIMITS["head_dim"])
         glob_kv = r.positive_int("num_global_key_value_heads", required=False, maximum=LIMITS["heads"])

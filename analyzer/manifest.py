@@ -164,10 +164,19 @@ class MlaDecision(_Model):
     rope: bool = Field(default=True, description="the qk_rope_head_dim part of queries and keys is rotated by "
                                                  "position; False: position-free MLA (Kimi-Linear), that part is "
                                                  "cached and attended unrotated")
+    latent_scale: str | None = Field(default=None, description="the attention module's attribute that scales the "
+                                                               "normalised latent (LongCat-Flash: mla_scale_kv_lora): "
+                                                               "the fused writer's gamma is kv_a_layernorm.weight x "
+                                                               "it; absent: no scale")
     reason: str
     constraints: list[str] = Field(
         default_factory=list, description="what the absorb FA call and the fused writer require (MLA only)"
     )
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """``latent_scale`` written only where set: other manifests keep their bytes and hash."""
+        return _without_unset(handler(self), "latent_scale")
 
 
 class MtpDecision(_Model):

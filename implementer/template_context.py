@@ -122,6 +122,7 @@ class RenderContext:
     # MLA (implementer/kinds/mla.py): False/0 for other attention kinds
     is_mla: bool = False
     mla_rope: bool = True  # False: position-free MLA (mla.rope), the rope part written and attended unrotated
+    latent_scale: str | None = None  # the module attribute the MLA writer scales its gamma by (mla.latent_scale)
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0

@@ -999,3 +999,50 @@ def test_ernie45_moe_top_k_shrinks_with_its_experts(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_model, "_REFERENCE_RUNS", set())
     with pytest.raises(NotSupportedByKvcache, match="selected index k out of range"):
         tiny_model.build_tiny_model(real, manifest)
+
+
+LONGCAT_SMALL = dict(num_layers=1, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=64,
+                     qk_nope_head_dim=32, qk_head_dim=96, v_head_dim=32, n_routed_experts=4, moe_topk=2, zero_expert_num=2,
+                     ffn_hidden_size=128, expert_ffn_hidden_size=64, vocab_size=512)
+
+
+@pytest.mark.slow
+def test_longcat_flash_routes_two_attention_sublayers_and_its_latent_scale_and_fails_their_mistakes(tmp_path):
+    """LongCat-Flash (issue 40): each decoder layer holds two MLA modules in one ModuleList (transformers indexes their
+    caches 2 x layer + i), and its attention scales the normalised latent by mla_scale_kv_lora (and the query by
+    mla_scale_q_lora). Planned as two cache layers per decoder layer with mla.latent_scale, rendered, validated.
+    Negative controls: the writer's gamma without the scale fails the logits; a get_cache_info that registers only
+    the ModuleList's first module (one cache layer per decoder layer) fails the layer count."""
+    case = _small_case(tmp_path, "longcat_flash", LONGCAT_SMALL, "framework")
+    assert case[3].mla.latent_scale == "mla_scale_kv_lora"
+    assert [layer.decoder_layer for layer in case[3].layers] == [0, 0]
+    report = _passes(case)
+    assert check(report, "logits vs transformers").passed
+    for name, pattern, replacement, failing in (
+            ("unscaled", r"self\.kv_a_layernorm\.weight \* self\.mla_scale_kv_lora,", "self.kv_a_layernorm.weight,",
+             "logits vs transformers"),
+            ("first_only", r"return list\(attn\)", "return [attn[0]]", "get_cache_info layer count")):
+        bad = tmp_path / name
+        shutil.copytree(case[1], bad)
+        report = mistaken_report((case[0], bad, case[2]), pattern, replacement)
+        assert not check(report, failing).passed, (name, [(c.name, c.detail) for c in report.failed()])
+
+
+def test_mla_families_without_a_latent_scale_keep_their_manifest_bytes(tmp_path):
+    """mla.latent_scale is written only where a family scales its latent: DeepSeek-V3's manifest has no such key."""
+    m = analyze(AnalyzeRequest(config=str(_config(tmp_path, "deepseek_v3"))))
+    assert m.mla.enabled and m.mla.latent_scale is None and "latent_scale" not in m.to_json()
+
+
+def test_mla_latent_128_is_blocked_for_the_paged_absorb_call_naming_the_op_doc_line(tmp_path):
+    """The MLA FA call takes query D 512 or 128 with query_rope, and D 128 takes no page attention (the pinned op docs;
+    the emulator refuses such a call by name): a kv_lora_rank 128 config keeps Legacy with a blocker saying so (it was
+    planned paged and failed only at validation)."""
+    config = _config(tmp_path, "deepseek_v3")
+    data = json.loads(config.read_text())
+    for rank, paged in ((512, True), (128, False)):
+        config.write_text(json.dumps(data | {"kv_lora_rank": rank}), encoding="utf-8")
+        m = analyze(AnalyzeRequest(config=str(config)))
+        assert (m.kv_mode.value == "paged") == paged, m.kv_mode.reason
+        assert any("D 128 with query_rope only without page attention" in b.message and "_op_plugin_docs.py:8715"
+                   in b.message for b in m.blockers) == (not paged)

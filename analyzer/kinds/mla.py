@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from model_infer_kvcache.analyzer.kinds.gqa import Facts, GqaFormat
 from model_infer_kvcache.analyzer.manifest import CacheSpec, Finding, MlaDecision
-from model_infer_kvcache.analyzer.operators.fa_facts import MLA_QUERY_HEADS, MLA_ROPE_DIM
+from model_infer_kvcache.analyzer.operators.fa_facts import (
+    MLA_PAGED_LATENT_DIM,
+    MLA_PAGED_LATENT_SOURCE,
+    MLA_QUERY_HEADS,
+    MLA_ROPE_DIM,
+)
 
 MLA_LATENT_DIMS = (512, 128)
 
@@ -17,6 +22,15 @@ MLA_LATENT_DIMS = (512, 128)
 MLA_WITHOUT_ROPE = {
     "kimi_linear": "transformers KimiLinearAttention splits k_rot from the latent and never rotates it (the "
                    "model builds no rotary embedding)",
+}
+
+# MLA families that scale the normalised latent before caching it (and the query before the score) by a factor their
+# attention module holds: the module attribute the fused writer's gamma is multiplied by, and where it comes from.
+MLA_LATENT_SCALES = {
+    "longcat_flash": ("mla_scale_kv_lora",
+                      "transformers LongcatFlashMLA.forward: k_pass = kv_a_layernorm(kv_pass) x mla_scale_kv_lora "
+                      "((hidden_size / kv_lora_rank)^0.5), q_pass and q_rot x mla_scale_q_lora "
+                      "((hidden_size / q_lora_rank)^0.5)"),
 }
 
 
@@ -40,6 +54,11 @@ class MlaFormat(GqaFormat):
                                fields=["qk_rope_head_dim"]))
         if mla.kv_lora_rank not in MLA_LATENT_DIMS:
             out.append(Finding(message=f"MLA latent dim {mla.kv_lora_rank} not in {MLA_LATENT_DIMS} (FA MLA query D)",
+                               fields=["kv_lora_rank"]))
+        elif mla.kv_lora_rank != MLA_PAGED_LATENT_DIM:
+            out.append(Finding(message=f"MLA latent dim {mla.kv_lora_rank}: FA takes query D {mla.kv_lora_rank} with "
+                                       f"query_rope only without page attention ({MLA_PAGED_LATENT_SOURCE}); the "
+                                       f"paged absorb call needs {MLA_PAGED_LATENT_DIM}",
                                fields=["kv_lora_rank"]))
         return out
 
@@ -91,7 +110,12 @@ class MlaFormat(GqaFormat):
         if not rope:
             reason += f"; position-free: {MLA_WITHOUT_ROPE[facts.model_type]}, so the rope part is cached and " \
                       "attended unrotated"
+        scale = MLA_LATENT_SCALES.get(facts.model_type)
+        if scale is not None:
+            reason += f"; the latent is scaled after its norm: {scale[1]}, so the writer's gamma is " \
+                      f"kv_a_layernorm.weight x the module's {scale[0]} (the query keeps its own scale)"
         return MlaDecision(enabled=True, absorb=absorb, cache_mode="PA_NZ" if absorb else None, rope=rope,
+                           latent_scale=scale[0] if scale else None,
                            reason=reason, constraints=constraints(facts, rope) if absorb else [])
 
     def notes(self, facts: Facts) -> tuple[list[Finding], list[Finding]]:

@@ -49,6 +49,11 @@ PAGED_MASK_LIMIT = ("a paged FA call attends each request's cached keys up to it
 # both pinned releases still says "N为32、64、128" there (an older statement of the same kernel's rule).
 MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 MLA_ROPE_DIM = 64  # head dim of query_rope / key_rope
+# The latent (query D) an MLA call over a paged cache takes: with query_rope, D is 512 or 128, and D 128 takes no
+# page attention (torch_npu 2.14.0 _op_plugin_docs.py:8715, 2.9.0 :7283: "不支持左padding、tensorlist、pse、page
+# attention"), so the paged absorb path needs 512.
+MLA_PAGED_LATENT_DIM = 512
+MLA_PAGED_LATENT_SOURCE = "torch_npu 2.14.0 _op_plugin_docs.py:8715 (2.9.0 :7283)"
 # Value heads narrower than key heads (MiMo-V2-Flash: Q_D = K_D = 192, V_D = 128): the (key D, value D) pairs the
 # packed layouts document beside equal ones. torch_npu 2.14.0 _op_plugin_docs.py:8730 (v2, "TND场景，要求Q_D、K_D、V_D
 # 等于128，或者Q_D、K_D等于192，V_D等于128/192"; 2.9.0 :7298), v1's TND section :8196 (2.9.0 :6767). The same docs'

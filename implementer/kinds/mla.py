@@ -39,4 +39,4 @@ def fields(m) -> dict:
     dims = m.model.mla
     return {"is_mla": True, "paged_standalone_mode": 3, "mla_rope": m.mla.rope, "kv_lora_rank": dims.kv_lora_rank,
             "qk_rope_head_dim": dims.qk_rope_head_dim, "qk_nope_head_dim": dims.qk_nope_head_dim,
-            "v_head_dim": dims.v_head_dim}
+            "v_head_dim": dims.v_head_dim, "latent_scale": m.mla.latent_scale}

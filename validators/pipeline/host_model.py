@@ -40,6 +40,7 @@ from model_infer_kvcache.analyzer.arch_check import unscaled_scores
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
+from model_infer_kvcache.analyzer.kinds.mla import MLA_LATENT_SCALES
 from model_infer_kvcache.analyzer.linear_config import short_conv_facts
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
@@ -362,6 +363,8 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
         q = self.q_proj(x) if q_resid is None else self.q_b_proj(q_resid)
     q = q.reshape(t, -1, self.qk_head_dim)
     q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    if getattr(self, "mla_scale_q_lora", None) is not None:  # LongCat-Flash's query LoRA scale (its own forward)
+        q_nope, q_rot = q_nope * self.mla_scale_q_lora, q_rot * self.mla_scale_q_lora
     compressed_kv = self.kv_a_proj_with_mqa(x)
     # position-free MLA (Kimi-Linear: no rotary, none passed): q_rot and k_rot stay unrotated, the render takes no cos/sin
     rope = () if position_embeddings is None else tuple(t.to(x.dtype) for t in _cos_sin(position_embeddings))
@@ -835,6 +838,10 @@ def decoder_layers(hf_model) -> tuple[str, torch.nn.ModuleList]:
     return stack.path, stack.layers
 
 
+# the module attributes a rendered MLA writer may scale its gamma by (analyzer/kinds/mla.py)
+MLA_LATENT_SCALE_ATTRS = tuple(sorted({attr for attr, _ in MLA_LATENT_SCALES.values()}))
+
+
 def make_host_attention(mixin: type) -> type:
     class HostAttention(mixin):
         """A rendered attention mixin bound to one transformers attention module."""
@@ -849,7 +856,7 @@ def make_host_attention(mixin: type) -> type:
                 sinks = hf_attention.sinks.detach()
                 self.sinks = sinks if sinks.dtype == torch.float64 else sinks.float()
             # the model's own modules the rendered MLA code reads (and DSA's indexer projections)
-            for name in ("kv_a_layernorm", "kv_b_proj", "indexer", "compressor"):
+            for name in ("kv_a_layernorm", "kv_b_proj", "indexer", "compressor", *MLA_LATENT_SCALE_ATTRS):
                 if getattr(hf_attention, name, None) is not None:
                     setattr(self, name, getattr(hf_attention, name))
 
@@ -918,6 +925,23 @@ def _host_positions(original):
         return table.reshape(length, -1)[pos.long()]
 
     return forward
+
+
+def _attention_sublayers(hits: list[tuple[str, object]], state) -> list[tuple[str, object]] | None:
+    """A decoder layer's attention sublayers when it keeps them in one ModuleList (LongCat-Flash's
+    ``self_attn[0]`` / ``self_attn[1]``), each module indexing its own cache layer the way transformers does
+    (its ``layer_idx``: ``2 x layer + i``); None for anything else (one module, a hybrid's attention beside a mixer,
+    modules under different names), which the single-module routing takes or refuses."""
+    if state is not None or len(hits) < 2:
+        return None
+    parents = {name.rpartition(".")[0] for name, _ in hits}
+    if len(parents) != 1 or not all(name.rpartition(".")[2].isdigit() for name, _ in hits):
+        return None
+    ordered = sorted(hits, key=lambda hit: int(hit[0].rpartition(".")[2]))
+    indices = [getattr(module, "layer_idx", None) for _, module in ordered]
+    if not all(isinstance(i, int) for i in indices) or indices != list(range(indices[0], indices[0] + len(indices))):
+        return None
+    return ordered
 
 
 class _DecoderLayer:
@@ -998,6 +1022,31 @@ class HostModel:
             if hidden else None
         routes = set()
         views: list[_DecoderLayer] = []  # what get_cache_info() walks, one per decoder layer
+        def route_one(where: str, hf_attn, cache_idx: int):
+            """One attention module routed through the rendered code: its host holds cache layer cache_idx."""
+            if host_cls is None:
+                raise InputError("--config", f"{where} ({type(hf_attn).__name__}) attends and the rendered "
+                                             "code has no attention mixin (a pure state stack's render)",
+                                 field="model_type")
+            route = attention_route(hf_attn, is_mla)
+            if route is None:
+                raise InputError("--config", f"attention module {where} ({type(hf_attn).__name__}) is not "
+                                             "understood by the validation host: its forward neither calls "
+                                             "transformers' attention interface nor is MLA, a fused "
+                                             "query_key_value (Falcon's, GPT-NeoX-Japanese's), GPT-1's Conv1D c_attn, "
+                                             "GPT-Neo's split q / k / v "
+                                             "or a BERT-era query / key / value self-attention", field="model_type")
+            routes.add(route)
+            host = host_cls(hf_attn, cache_idx, self.probe)
+            host.init_kv_cache(cache_idx, cache_dtype)
+            hf_attn._kvcache_host = host
+            if route == "bert_qkv":
+                hf_attn._kvcache_sinusoidal = sinusoidal_table(hf_model)
+            if route in _ROUTED_FORWARD:
+                hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
+                                                   hf_attn)
+            return host
+
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
@@ -1045,32 +1094,19 @@ class HostModel:
                 self.attentions.append(state)
                 views.append(_DecoderLayer(state, state_attr))
                 continue
+            sublayers = _attention_sublayers(hits, state)
+            if sublayers is not None:  # LongCat-Flash: one attention ModuleList, each module its own cache layer
+                hosts = [route_one(f"{path}.{idx}.{name}", hf_attn, hf_attn.layer_idx) for name, hf_attn in sublayers]
+                self.attentions += hosts
+                views.append(_DecoderLayer(hosts))
+                continue
             if len(hits) != 1:
-                raise InputError("--config", f"the validation host routes one attention module per decoder layer, "
+                raise InputError("--config", f"the validation host routes one attention module per decoder layer "
+                                             "(or one ModuleList of them, each with its own layer_idx), "
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",
                                  field="model_type")
             name, hf_attn = hits[0]
-            if host_cls is None:
-                raise InputError("--config", f"{path}.{idx}.{name} ({type(hf_attn).__name__}) attends and the rendered "
-                                             "code has no attention mixin (a pure state stack's render)",
-                                 field="model_type")
-            route = attention_route(hf_attn, is_mla)
-            if route is None:
-                raise InputError("--config", f"attention module {path}.{idx}.{name} ({type(hf_attn).__name__}) is not "
-                                             "understood by the validation host: its forward neither calls "
-                                             "transformers' attention interface nor is MLA, a fused "
-                                             "query_key_value (Falcon's, GPT-NeoX-Japanese's), GPT-1's Conv1D c_attn, "
-                                             "GPT-Neo's split q / k / v "
-                                             "or a BERT-era query / key / value self-attention", field="model_type")
-            routes.add(route)
-            host = host_cls(hf_attn, idx, self.probe)
-            host.init_kv_cache(idx, cache_dtype)
-            hf_attn._kvcache_host = host
-            if route == "bert_qkv":
-                hf_attn._kvcache_sinusoidal = sinusoidal_table(hf_model)
-            if route in _ROUTED_FORWARD:
-                hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
-                                                   hf_attn)
+            host = route_one(f"{path}.{idx}.{name}", hf_attn, idx)
             # a parallel hybrid (Falcon-H1) or a Zamba2 hybrid layer: the attention sublayer, then the mixer's states
             self.attentions += [host] if state is None else [host, state]
             if state is not None and "." in name + state_attr:

@@ -29,6 +29,7 @@ QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"W_pack"}),  # Baichuan (remote code)
     frozenset({"Wqkv"}),  # MPT
     frozenset({"Wq", "Wk", "Wv"}),  # CTRL
+    frozenset({"q_lin", "k_lin", "v_lin"}),  # XLM's MultiHeadAttention
     # JetMoE's mixture of attention: per-token query / output experts (JetMoeMoA map / reduce) over one shared kv_proj
     frozenset({"experts", "kv_proj"}),
     *(projections for fmt in FORMATS for projections in fmt.hf_projections),
@@ -55,7 +56,10 @@ def is_attention(module: nn.Module) -> bool:
 
 def find_attentions(block: nn.Module) -> list[tuple[str, nn.Module]]:
     """(relative path, module) of each outermost attention module inside one decoder block, in
-    order (LongCat-Flash blocks hold two)."""
+    order (LongCat-Flash blocks hold two). A block that is itself the attention module gives ("", block): XLM keeps
+    its layers as parallel lists (``attentions``, ``ffns``, ``layer_norm1`` / ``2``), no block class around them."""
+    if is_attention(block):
+        return [("", block)]
     found: list[tuple[str, nn.Module]] = []
     for name, module in block.named_modules():
         if name and is_attention(module) and not any(name.startswith(f"{outer}.") for outer, _ in found):
@@ -115,5 +119,5 @@ def attention_modules(model: nn.Module, stack: DecoderStack | None = None) -> li
     for i, block in enumerate(stack.layers):
         where = f"{stack.path}.{i}"
         hits = find_attentions(block)
-        out += [(f"{where}.{name}", module) for name, module in hits] if hits else [(where, None)]
+        out += [(f"{where}.{name}" if name else where, module) for name, module in hits] if hits else [(where, None)]
     return out

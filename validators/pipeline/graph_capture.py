@@ -201,7 +201,8 @@ class DecodeCapture:
         # The metadata stack is pushed inside the captured function, so that the graph reads the step's metadata
         # as an input of the call, not as a global the first capture saw.
         host_model._CURRENT.append((forward_metadata, position_ids, None))
-        logits = self.host.hf_model(input_ids=input_ids, position_ids=model_position_ids, use_cache=False).logits
+        logits = self.host.hf_model(input_ids=input_ids, position_ids=model_position_ids, use_cache=False,
+                                    **host_model.model_inputs(self.host.hf_model, input_ids)).logits
         host_model._CURRENT.pop()
         return logits
 

@@ -76,27 +76,30 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
     text decoder) is a tower the decoder reads from, not the decoder: it is chosen only when no other stack is
     there (a BERT-era encoder built with is_decoder false, which the cross-check then refuses as bidirectional).
     """
-    best: tuple[int, int, int, str, nn.ModuleList] | None = None
+    best: tuple[int, int, int, int, str, nn.ModuleList] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         attentions = [m for b in module for _, m in find_attentions(b)]
         if not attentions:
             continue
-        key = (int(not noncausal_tower(attentions)), len(module), -path.count("."))
-        if best is None or key > best[:3]:
+        # a list of bare attention modules (XLM's ``attentions``) is a stack only where no list of blocks is: a
+        # block's own list of attentions (LongCat-Flash's two per layer) must not outrank a short decoder stack
+        blocks = int(not all(is_attention(b) for b in module))
+        key = (int(not noncausal_tower(attentions)), blocks, len(module), -path.count("."))
+        if best is None or key > best[:4]:
             best = (*key, path, module)
     if best is None:
         # a stack of Mamba blocks only (Granite-4.0-H / Bamba at their class defaults, Mamba2): blocks holding a mixer
         for path, module in model.named_modules():
             if isinstance(module, nn.ModuleList) and len(module) and all(_holds_mixer(b) for b in module):
-                key = (1, len(module), -path.count("."))
-                if best is None or key > best[:3]:
+                key = (1, 1, len(module), -path.count("."))
+                if best is None or key > best[:4]:
                     best = (*key, path, module)
     if best is None:
         raise LayoutError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks holding an attention module "
                           f"(a child with one of {', '.join('+'.join(sorted(p)) for p in QKV_PROJECTIONS)})")
-    return DecoderStack(best[3], best[4])
+    return DecoderStack(best[4], best[5])
 
 
 def noncausal_tower(attentions: list[nn.Module]) -> bool:

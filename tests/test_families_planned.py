@@ -1050,3 +1050,28 @@ def test_ernie45_moe_top_k_shrinks_with_its_experts(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_model, "_REFERENCE_RUNS", set())
     with pytest.raises(NotSupportedByKvcache, match="selected index k out of range"):
         tiny_model.build_tiny_model(real, manifest)
+
+
+@pytest.mark.parametrize("model_type", ["musicgen_decoder", "musicgen_melody_decoder"])
+def test_musicgen_decoder_plans_its_frame_cache_and_is_refused_at_validation_by_its_codebook_streams(
+        tmp_path, monkeypatch, model_type):
+    """MusicGen's decoder section (the composite's own class is refused at analyze, naming its sections) plans a plain
+    KV cache per frame (MusicGen's with the cross-attention slot of its text encoder's states; Melody's conditioning
+    is a prefix of its self-attention), but its causal LM embeds num_codebooks token streams per position: the
+    validation refuses it by that fact (read from get_input_embeddings(), a ModuleList), naming num_codebooks.
+    Negative control: without the rule the refusal is transformers' own reshape error, which names no cause."""
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.validators.pipeline import tiny_model
+
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=128, vocab_size=64,
+                 pad_token_id=64, bos_token_id=64, max_source_positions=128)
+    case = _small_case(tmp_path, model_type, small, "standalone")
+    assert not case[3].blockers and len(case[3].layers) == 2
+    assert (case[3].cross_attention is not None) == (model_type == "musicgen_decoder")
+    with pytest.raises(NotSupportedByKvcache) as err:
+        run_validate(*case[:3])
+    assert err.value.field == "num_codebooks" and "embeds 4 token streams per position" in err.value.message
+    monkeypatch.setattr(tiny_model, "_refuse_token_streams", lambda *a: None)
+    with pytest.raises(NotSupportedByKvcache) as err:
+        run_validate(*case[:3])
+    assert err.value.field == "model_type" and "is invalid for input of size" in err.value.message

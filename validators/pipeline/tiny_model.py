@@ -602,7 +602,10 @@ def _refuse_token_streams(model, hf_type: str, d: dict[str, Any]) -> None:
     plan gets right; what kvcache lacks is the host and request stream of such a model (each frame's codes embedded
     together, one code sampled per head, the codebook delay pattern kept): refused naming that, from the object,
     before transformers' own reshape error would say it less clearly."""
-    tables = model.get_input_embeddings()
+    try:
+        tables = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a reference that names no input embeddings: one stream
+        return
     if not isinstance(tables, torch.nn.ModuleList) or len(tables) < 2:
         return
     name = getattr(model, "reference_name", type(model).__name__)

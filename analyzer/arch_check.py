@@ -70,23 +70,31 @@ class HfAttention:
     # what the attention formats read off the module beyond the above (analyzer/kinds: each format's hf_facts), as
     # sorted (name, value) pairs: DeepSeek-V4's compressor rate and indexer top-k
     kind_facts: tuple[tuple[str, int | None], ...] = ()
-    # the module attends to later positions too: the model is built as an encoder (``builds_encoder``)
-    bidirectional: bool = False
+    # the module attends to later positions too: the config flag under which the model is built as an encoder
+    # (``encoder_flag``: is_decoder, causal), None when it attends causally
+    bidirectional: str | None = None
     # a block without a recognised attention module that holds one kvcache cannot read (Reformer's LSHSelfAttention,
     # one query_key projection): its class and projections (``unread_attention``)
     unread: str | None = None
 
 
-def builds_encoder(model, config) -> bool:
-    """Whether transformers built this causal-LM class as a bidirectional encoder: BERT-era ForCausalLM classes
-    (Roberta, RemBert, BigBird...) attend causally only when ``config.is_decoder`` is true, and their own
-    ``__init__`` says so ("add `is_decoder=True`"). Read from that code, not from a list of families."""
+def encoder_flag(model, config) -> str | None:
+    """The config flag under which transformers built this causal-LM class as a bidirectional encoder (every position
+    attends to later ones), None when it attends causally. Read from the built model's code and objects, not from a
+    list of families:
+
+    - ``is_decoder``: BERT-era ForCausalLM classes (Roberta, RemBert, BigBird...) attend causally only when
+      ``config.is_decoder`` is true, and their own ``__init__`` says so ("add `is_decoder=True`");
+    - ``causal``: XLM's model keeps ``config.causal`` (``XLMModel.causal``) and its ``get_masks`` builds the causal
+      mask only when it is true: at false the LM head model is a masked LM over the whole sequence."""
+    if getattr(config, "causal", None) is False and any(getattr(m, "causal", None) is False for m in model.modules()):
+        return "causal"
     if getattr(config, "is_decoder", None) is not False:
-        return False
+        return None
     try:
-        return "is_decoder=True" in inspect.getsource(type(model).__init__)
+        return "is_decoder" if "is_decoder=True" in inspect.getsource(type(model).__init__) else None
     except (OSError, TypeError):
-        return False
+        return None
 
 
 @dataclass
@@ -95,7 +103,7 @@ class CheckResult:
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     checked_layers: int = 0
-    bidirectional: bool = False  # refused as an encoder (is_decoder false): the error's field is is_decoder
+    bidirectional: str | None = None  # refused as an encoder: the flag that makes it causal, the error's field
     # what kvcache cannot serve although the plan matches (DiffLlama's differential attention): not supported
     unsupported: list[str] = field(default_factory=list)
 
@@ -105,7 +113,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 22  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 23  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: XLM's q_lin / k_lin / v_lin read, the encoder flag (is_decoder, causal) instead of a bool. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -263,7 +271,7 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
                 and isinstance(sinks, bool) and (beside is None or isinstance(beside, str))
                 and isinstance(kind_facts, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
                                                          and _int_or_none(p[1]) for p in kind_facts)
-                and isinstance(both_ways, bool) and (unread is None or isinstance(unread, str))):
+                and (both_ways is None or isinstance(both_ways, str)) and (unread is None or isinstance(unread, str))):
             return None
         out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window,
                                None if kv_shape is None else tuple(kv_shape), sinks, beside,
@@ -312,7 +320,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         return None if mixer is None else type(mixer).__name__
     # classes that set sliding_window on their sliding layers only (Qwen2-MoE): where it is missing, no window
     per_layer = {type(module) for _, module in found if module is not None and hasattr(module, "sliding_window")}
-    encoder = builds_encoder(model, config)
+    encoder = encoder_flag(model, config)
     for path, module in found:
         if module is None:  # a block without attention: the recurrent mixer it holds, if any (Bamba's BambaMixer)
             # with its sizes, which the planned state must match (analyzer/linear_config.mixer_facts)
@@ -322,9 +330,9 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
                                    unread=None if mixer is not None else _unread_block(
                                        stack.layers[int(path[len(stack.path) + 1:].split(".")[0])])))
             continue
-        scale = _prescaled(module) or next(((float(getattr(module, a)), a) for a in SCALE_ATTRS
-                                            if isinstance(getattr(module, a, None), (int, float))
-                                            and not isinstance(getattr(module, a), bool)), None)
+        scale = _prescaled(module) or _divided_queries(module) or next(
+            ((float(getattr(module, a)), a) for a in SCALE_ATTRS
+             if isinstance(getattr(module, a, None), (int, float)) and not isinstance(getattr(module, a), bool)), None)
         window = None if type(module) in per_layer and not hasattr(module, "sliding_window") \
             else _window_of(module, config)
         # a mixer beside the attention (Falcon-H1): its sizes ride along, for a parallel hybrid's planned state
@@ -349,7 +357,6 @@ def why_no_kv_cache(model, config) -> str | None:
     """Why a causal LM that holds no attention module kvcache recognises keeps no KV cache it could plan, read from
     transformers' own objects (None when none of these facts holds: the caller says so generically):
 
-    - the config's ``causal`` is false (XLM / FlauBERT ``get_masks``): a bidirectional masked LM;
     - its modeling file calls no softmax and no attention interface (RWKV, xLSTM): a recurrence whose per-request
       state is no cache of past keys and values;
     - a module with Transformer-XL relative-position biases (``r_w_bias`` / ``r_r_bias``, XLNet): its keys are
@@ -359,10 +366,6 @@ def why_no_kv_cache(model, config) -> str | None:
     - an attention module whose projections are none kvcache reads (a shared ``query_key``, per-expert ``experts``):
       named with its projections."""
     name = type(model).__name__
-    if getattr(config, "causal", None) is False:
-        return (f"config causal is false: transformers' {name} then builds a bidirectional masked LM (every "
-                f"position attends to later ones, {_source_of(model)}), which no KV cache can serve; a causal model of "
-                "this family sets causal: true")
     source = _module_text(model)
     if source is not None and not _SOFTMAX_CALL.search(source):
         blocks = sorted({type(b).__name__ for m in model.modules() if isinstance(m, _module_list_type()) for b in m})
@@ -618,6 +621,23 @@ def _prescaled(module) -> tuple[float, str] | None:
     return unscaled_scores(module)
 
 
+_DIVIDED_QUERIES = re.compile(r"\bq\s*=\s*q\s*/\s*math\.sqrt\(self\.head_dim\)")
+
+
+def _divided_queries(module) -> tuple[float, str] | None:
+    """(head_dim^-0.5, why) for a module that divides its queries by sqrt(head_dim) before scoring them itself and
+    keeps no scale attribute (XLM's MultiHeadAttention: ``q = q / math.sqrt(self.head_dim)``), else None."""
+    if any(hasattr(module, a) for a in SCALE_ATTRS) or not isinstance(getattr(module, "head_dim", None), int):
+        return None
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    if _DIVIDED_QUERIES.search(source):
+        return module.head_dim ** -0.5, "q / math.sqrt(self.head_dim) in its forward"
+    return None
+
+
 def unscaled_scores(module) -> tuple[float, str] | None:
     """(1.0, why) for a module scoring by itself in ``_attn`` with no scale at all (GPT-Neo: ``torch.matmul(query,
     key.transpose(-1, -2))``, no 1/sqrt(head_dim), no scale attribute), else None."""
@@ -701,6 +721,24 @@ def _window_of(module, config) -> int | None:
     return None
 
 
+def _encoder_error(config: dict[str, Any], model_type: str, first: HfAttention) -> str:
+    """The refusal of a causal-LM class transformers built as a bidirectional encoder, naming the config flag that
+    makes it causal (``encoder_flag``), the modeling file and what this family's causal LM sets."""
+    source = _source_of(_meta_model(*_arch_key(config, model_type)))
+    where = f"{first.cls} at {first.path} attends to later positions, {source}"
+    if first.bidirectional == "causal":
+        # XLM: XLMWithLMHeadModel is a masked LM at causal false (XLMConfig's default); its CLM checkpoints
+        # (xlm-clm-enfr-1024, xlm-clm-ende-1024) set causal: true, which kvcache plans
+        return (f"config causal is false: transformers builds {model_type!r} as a bidirectional masked LM (its model "
+                f"applies the causal mask only with causal true, get_masks; {where}), which no KV cache can serve; "
+                "its causal LM (the CLM checkpoints) sets causal: true in its config, which kvcache plans")
+    # BERT-era families build their ForCausalLM as an encoder unless is_decoder is true: every position attends
+    # to later ones, so no cache of past keys can reproduce it (transformers itself warns "add is_decoder=True")
+    return (f"is_decoder is false: transformers builds {model_type!r} as a bidirectional encoder (its causal-LM class "
+            f"attends causally only with is_decoder=True; {where}), which no KV cache can serve; a causal LM of this "
+            "family sets is_decoder: true in its config")
+
+
 def is_linear_module(cls: str | None) -> bool:
     """A transformers module class of a linear-attention layer (a recurrent state, no softmax over keys)."""
     return bool(cls) and cls.endswith(LINEAR_MODULE_SUFFIXES)
@@ -745,7 +783,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         # Reformer's LM head refuses to build at all without is_decoder (an AssertionError saying so)
         result.errors.append(f"is_decoder is false: transformers refuses to build {facts.model_type!r} as a causal LM "
                              f"without it ({report.error}); a causal LM of this family sets is_decoder: true")
-        result.bidirectional = True
+        result.bidirectional = "is_decoder"
         return result
     if report.attentions is None:
         result.notes.append(f"architecture cross-check skipped: transformers could not build {facts.model_type!r} "
@@ -754,13 +792,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     hf = report.attentions
     attending = [a for a in hf if a.cls is not None]
     if attending and all(a.bidirectional for a in attending):
-        # BERT-era families build their ForCausalLM as an encoder unless is_decoder is true: every position attends
-        # to later ones, so no cache of past keys can reproduce it (transformers itself warns "add is_decoder=True")
-        result.errors.append(f"is_decoder is false: transformers builds {facts.model_type!r} as a bidirectional encoder "
-                             f"(its causal-LM class attends causally only with is_decoder=True; {attending[0].cls} at "
-                             f"{attending[0].path} attends to later positions), which no KV cache can serve; a causal "
-                             "LM of this family sets is_decoder: true in its config")
-        result.bidirectional = True
+        result.errors.append(_encoder_error(config, facts.model_type, attending[0]))
+        result.bidirectional = attending[0].bidirectional
         return result
     # a parallel hybrid (Falcon-H1) or a Zamba2 hybrid layer plans its mixer state as a second sublayer beside the
     # attention: transformers' modules line up with the first sublayers, and each one's mixer beside it with the state

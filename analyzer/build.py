@@ -231,7 +231,7 @@ def assemble(
     if check and check.errors:
         raise InputError(facts.path, "architecture cross-check against transformers' own attention modules "
                                      "(meta device) failed: " + "; ".join(check.errors),
-                         field="is_decoder" if check.bidirectional else "model_type")
+                         field=check.bidirectional or "model_type")
     if check and check.unsupported:
         raise NotSupportedByKvcache(facts.path, "; ".join(check.unsupported), field="model_type")
     warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]

@@ -29,6 +29,7 @@ QKV_PROJECTIONS: tuple[frozenset[str], ...] = (
     frozenset({"W_pack"}),  # Baichuan (remote code)
     frozenset({"Wqkv"}),  # MPT
     frozenset({"Wq", "Wk", "Wv"}),  # CTRL
+    frozenset({"q_lin", "k_lin", "v_lin"}),  # XLM's MultiHeadAttention
     # JetMoE's mixture of attention: per-token query / output experts (JetMoeMoA map / reduce) over one shared kv_proj
     frozenset({"experts", "kv_proj"}),
     *(projections for fmt in FORMATS for projections in fmt.hf_projections),
@@ -55,7 +56,10 @@ def is_attention(module: nn.Module) -> bool:
 
 def find_attentions(block: nn.Module) -> list[tuple[str, nn.Module]]:
     """(relative path, module) of each outermost attention module inside one decoder block, in
-    order (LongCat-Flash blocks hold two)."""
+    order (LongCat-Flash blocks hold two). A block that is itself the attention module gives ("", block): XLM keeps
+    its layers as parallel lists (``attentions``, ``ffns``, ``layer_norm1`` / ``2``), no block class around them."""
+    if is_attention(block):
+        return [("", block)]
     found: list[tuple[str, nn.Module]] = []
     for name, module in block.named_modules():
         if name and is_attention(module) and not any(name.startswith(f"{outer}.") for outer, _ in found):
@@ -72,27 +76,30 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
     text decoder) is a tower the decoder reads from, not the decoder: it is chosen only when no other stack is
     there (a BERT-era encoder built with is_decoder false, which the cross-check then refuses as bidirectional).
     """
-    best: tuple[int, int, int, str, nn.ModuleList] | None = None
+    best: tuple[int, int, int, int, str, nn.ModuleList] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         attentions = [m for b in module for _, m in find_attentions(b)]
         if not attentions:
             continue
-        key = (int(not noncausal_tower(attentions)), len(module), -path.count("."))
-        if best is None or key > best[:3]:
+        # a list of bare attention modules (XLM's ``attentions``) is a stack only where no list of blocks is: a
+        # block's own list of attentions (LongCat-Flash's two per layer) must not outrank a short decoder stack
+        blocks = int(not all(is_attention(b) for b in module))
+        key = (int(not noncausal_tower(attentions)), blocks, len(module), -path.count("."))
+        if best is None or key > best[:4]:
             best = (*key, path, module)
     if best is None:
         # a stack of Mamba blocks only (Granite-4.0-H / Bamba at their class defaults, Mamba2): blocks holding a mixer
         for path, module in model.named_modules():
             if isinstance(module, nn.ModuleList) and len(module) and all(_holds_mixer(b) for b in module):
-                key = (1, len(module), -path.count("."))
-                if best is None or key > best[:3]:
+                key = (1, 1, len(module), -path.count("."))
+                if best is None or key > best[:4]:
                     best = (*key, path, module)
     if best is None:
         raise LayoutError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks holding an attention module "
                           f"(a child with one of {', '.join('+'.join(sorted(p)) for p in QKV_PROJECTIONS)})")
-    return DecoderStack(best[3], best[4])
+    return DecoderStack(best[4], best[5])
 
 
 def noncausal_tower(attentions: list[nn.Module]) -> bool:
@@ -115,5 +122,5 @@ def attention_modules(model: nn.Module, stack: DecoderStack | None = None) -> li
     for i, block in enumerate(stack.layers):
         where = f"{stack.path}.{i}"
         hits = find_attentions(block)
-        out += [(f"{where}.{name}", module) for name, module in hits] if hits else [(where, None)]
+        out += [(f"{where}.{name}" if name else where, module) for name, module in hits] if hits else [(where, None)]
     return out

@@ -72,6 +72,10 @@ FAMILY_SCALE_RULE = {
     **dict.fromkeys(("opt", "whisper"), "prescaled"),
     # GPT-Neo: its own _attn scores matmul(query, key^T) with no 1/sqrt(head_dim) (transformers GPTNeoSelfAttention)
     "gpt_neo": "unscaled",
+    # XLM (causal true: its CLM checkpoints): MultiHeadAttention divides q by math.sqrt(self.head_dim) and scores
+    # itself; learned absolute positions (a sinusoidal table only initialises them) and language embeddings are added
+    # before the first layer, no bias on the scores (modeling_xlm.py)
+    "xlm": "head_dim",
     # Zamba2: Zamba2Attention.scaling = (head_dim / 2) ** -0.5, its head spanning concat(hidden, embeddings)
     "zamba2": "half_head_dim",
 }

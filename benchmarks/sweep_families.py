@@ -71,13 +71,15 @@ def _analyze(path: Path) -> tuple[str, str, str]:
             warnings.simplefilter("ignore")
             m = analyze(AnalyzeRequest(config=str(path), dispatch="部署模式：框架部署"))
     except InputError as exc:
-        if exc.field == "is_decoder" and not json.loads(path.read_text(encoding="utf-8")).get("is_decoder"):
-            # a BERT-era class whose defaults build an encoder: its causal LM is the same config with is_decoder true
-            # (what transformers' own warning asks for); the sweep plans that, and the plan cell says so
-            data = json.loads(path.read_text(encoding="utf-8")) | {"is_decoder": True}
+        flag = exc.field
+        if flag in ("is_decoder", "causal") and not json.loads(path.read_text(encoding="utf-8")).get(flag):
+            # a class whose defaults build an encoder (the refusal names the flag, arch_check.encoder_flag): a BERT-era
+            # class's causal LM is the same config with is_decoder true (what transformers' own warning asks for), XLM's
+            # with causal true (its CLM checkpoints); the sweep plans that, and the plan cell says so
+            data = json.loads(path.read_text(encoding="utf-8")) | {flag: True}
             path.write_text(json.dumps(data, default=str), encoding="utf-8")
             verdict, detail, plan = _analyze(path)
-            return verdict, f"{detail} (is_decoder: true)", f"{plan} (is_decoder: true)" if plan else ""
+            return verdict, f"{detail} ({flag}: true)", f"{plan} ({flag}: true)" if plan else ""
         why = exc.render().split(": ", 1)[-1].replace(
             "architecture cross-check against transformers' own attention modules (meta device) failed", "cross-check")
         return "refused", why[:240], ""

@@ -608,7 +608,8 @@ def test_git_text_decoder_validates_through_the_bert_route(tmp_path):
 def test_config_class_aliases_are_read_and_xlm_refused_as_a_bidirectional_masked_lm(tmp_path, monkeypatch):
     """XLM keeps hidden_size / heads / layers as emb_dim / n_heads / n_layers, which transformers' XLMConfig.attribute_map
     aliases: read through any config class's attribute_map (not a per-model key). At its defaults (causal false) XLM is
-    a bidirectional masked LM: refused saying so. Negative control: without the aliases the field is missing again."""
+    a bidirectional masked LM: refused saying so, naming causal (the refusal's field, which the family sweep retries
+    true) and what makes it plannable. Negative control: without the aliases the field is missing again."""
     from model_infer_kvcache.analyzer import config_loader
     from model_infer_kvcache.analyzer.config_loader import normalize_config
     from model_infer_kvcache.analyzer.errors import InputError
@@ -619,10 +620,60 @@ def test_config_class_aliases_are_read_and_xlm_refused_as_a_bidirectional_masked
     assert facts.hidden_size.source == "emb_dim (transformers XLMConfig.attribute_map 'hidden_size')"
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(_config(tmp_path, "xlm"))))
-    assert "config causal is false" in err.value.message and "bidirectional masked LM" in err.value.message
+    assert err.value.field == "causal", err.value.render()
+    assert all(w in err.value.message for w in ("config causal is false", "bidirectional masked LM",
+                                                "transformers/models/xlm/modeling_xlm.py", "sets causal: true")), \
+        err.value.render()
     monkeypatch.setattr(config_loader._Reader, "aliases", {})
     with pytest.raises(InputError, match=r"missing \(looked for hidden_size"):
         normalize_config(data, "<xlm>")
+
+
+XLM_SMALL = dict(n_layers=2, emb_dim=64, n_heads=4, vocab_size=512, causal=True, n_langs=2, lang_id=1)
+
+
+def test_xlm_causal_lm_validates_with_its_language_embedding_and_fails_without(tmp_path, monkeypatch):
+    """XLM's CLM checkpoints (xlm-clm-enfr-1024: causal true, two languages) are causal LMs: its MultiHeadAttention
+    (q_lin / k_lin / v_lin, q / sqrt(head_dim), no block class: parallel ModuleLists) is found, its scale read from
+    its forward and cross-checked, and the host routes its projections through the rendered attention (lin_qkv). The
+    model adds a language embedding per token, which transformers' generation feeds as config.lang_id
+    (prepare_inputs_for_generation): the reference and the host get the same (host_model.model_inputs), and each row's
+    length (else XLM takes it from the row's count of non-pad ids and zeroes the hidden states past it: a random
+    prompt holding the pad id loses its last tokens). Negative controls, each failing V301 (measured max |diff| 1.35,
+    4.16, 1.50): the host dropping the language embedding, no lengths given, and the host handing the positions a
+    packed step's row numbers (what XLMModel's own position_ids[:, :slen] gives a step without them)."""
+    import torch
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    case = _small_case(tmp_path, "xlm", XLM_SMALL, "framework")
+    manifest = case[3]
+    assert not manifest.blockers and manifest.fa.softmax_scale == 16 ** -0.5 and len(manifest.layers) == 2
+    assert not any("unknown model family" in w.message for w in manifest.warnings)
+    report = _passes(case)
+    assert check(report, "logits vs transformers").measured["max_abs_diff"] < 1e-9
+    # the cross-check reads the module's own scale: a plan at 1 / head_dim is refused naming it
+    raw = json.loads(case[2].read_text(encoding="utf-8"))
+    errors = arch_check.cross_check(raw, normalize_config(raw, "<xlm>"), manifest.layers, 1 / 16, "1 / 16").errors
+    assert len(errors) == 1 and "q / math.sqrt(self.head_dim)" in errors[0], errors
+
+    own = host_model.model_inputs
+
+    def hosted(model):  # the model under test (its attention routed), not transformers' reference
+        return any(hasattr(m, "_kvcache_host") for m in model.modules())
+
+    monkeypatch.setattr(host_model, "model_inputs", lambda model, ids: {
+        k: v for k, v in own(model, ids).items() if k != "langs" or not hosted(model)})
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+    monkeypatch.setattr(host_model, "model_inputs", lambda model, ids: {
+        k: v for k, v in own(model, ids).items() if k != "lengths"})
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
+    monkeypatch.setattr(host_model, "model_inputs", own)
+    forward = host_model.HostModel.forward_batch
+    monkeypatch.setattr(host_model.HostModel, "forward_batch", lambda self, ids, pos, fm: forward(
+        self, ids, torch.arange(ids.shape[1])[None].expand_as(ids), fm))
+    assert not check(run_validate(*case[:3]), "logits vs transformers").passed
 
 
 @pytest.mark.parametrize("model_type, words", [
@@ -1046,3 +1097,27 @@ def test_mla_latent_128_is_blocked_for_the_paged_absorb_call_naming_the_op_doc_l
         assert (m.kv_mode.value == "paged") == paged, m.kv_mode.reason
         assert any("D 128 with query_rope only without page attention" in b.message and "_op_plugin_docs.py:8715"
                    in b.message for b in m.blockers) == (not paged)
+
+@pytest.mark.parametrize("model_type", ["musicgen_decoder", "musicgen_melody_decoder"])
+def test_musicgen_decoder_plans_its_frame_cache_and_is_refused_at_validation_by_its_codebook_streams(
+        tmp_path, monkeypatch, model_type):
+    """MusicGen's decoder section (the composite's own class is refused at analyze, naming its sections) plans a plain
+    KV cache per frame (MusicGen's with the cross-attention slot of its text encoder's states; Melody's conditioning
+    is a prefix of its self-attention), but its causal LM embeds num_codebooks token streams per position: the
+    validation refuses it by that fact (read from get_input_embeddings(), a ModuleList), naming num_codebooks.
+    Negative control: without the rule the refusal is transformers' own reshape error, which names no cause."""
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.validators.pipeline import tiny_model
+
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=128, vocab_size=64,
+                 pad_token_id=64, bos_token_id=64, max_source_positions=128)
+    case = _small_case(tmp_path, model_type, small, "standalone")
+    assert not case[3].blockers and len(case[3].layers) == 2
+    assert (case[3].cross_attention is not None) == (model_type == "musicgen_decoder")
+    with pytest.raises(NotSupportedByKvcache) as err:
+        run_validate(*case[:3])
+    assert err.value.field == "num_codebooks" and "embeds 4 token streams per position" in err.value.message
+    monkeypatch.setattr(tiny_model, "_refuse_token_streams", lambda *a: None)
+    with pytest.raises(NotSupportedByKvcache) as err:
+        run_validate(*case[:3])
+    assert err.value.field == "model_type" and "is invalid for input of size" in err.value.message

@@ -169,8 +169,11 @@ class DecodeCapture:
             positions = position_ids.to(self.host.device)[None]
             # the model's own position ids (a Roberta-style offset added: host_model.position_offset) enter as an
             # input of the call, so the captured step holds no op fed from a host value
-            args = (input_ids.to(self.host.device)[None], positions, positions + self.host.position_offset,
-                    forward_metadata)
+            ids = input_ids.to(self.host.device)[None]
+            # what the model takes beside ids and positions (XLM's langs / lengths: host_model.model_inputs), made
+            # here, outside the captured function, and passed in as inputs of the call like the positions
+            args = (ids, positions, positions + self.host.position_offset, forward_metadata,
+                    host_model.model_inputs(self.host.hf_model, ids))
             if rec.rows not in rec._shapes:  # about to capture this batch size
                 _static_shapes((args, self.host.hf_model))
             try:
@@ -197,11 +200,12 @@ class DecodeCapture:
                    replays > 0 and self.max_diff <= self.atol, max_diff=self.max_diff, worst_step=self.worst_step,
                    replays=replays, detail="" if replays else "no step replayed")
 
-    def _decode(self, input_ids, position_ids, model_position_ids, forward_metadata):
+    def _decode(self, input_ids, position_ids, model_position_ids, forward_metadata, extra):
         # The metadata stack is pushed inside the captured function, so that the graph reads the step's metadata
         # as an input of the call, not as a global the first capture saw.
         host_model._CURRENT.append((forward_metadata, position_ids, None))
-        logits = self.host.hf_model(input_ids=input_ids, position_ids=model_position_ids, use_cache=False).logits
+        logits = self.host.hf_model(input_ids=input_ids, position_ids=model_position_ids, use_cache=False,
+                                    **extra).logits
         host_model._CURRENT.pop()
         return logits
 

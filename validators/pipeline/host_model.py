@@ -531,7 +531,7 @@ def _padded(forward, count: int):
 
 def attention_route(module, is_mla: bool) -> str | None:
     """How the host routes one transformers attention module: interface | mla | v4 | moa | headwise_qkv | fused_qkv |
-    eager_qkv | split_qkv | conv1d_qkv | bert_qkv | None."""
+    eager_qkv | split_qkv | conv1d_qkv | bert_qkv | lin_qkv | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
     if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):
@@ -557,6 +557,9 @@ def attention_route(module, is_mla: bool) -> str | None:
     if all(type(getattr(module, a, None)).__name__ == "Conv1D" for a in ("c_attn", "c_proj")) and \
             all(hasattr(module, a) for a in ("split_size", "n_head", "scale")) and "self._attn(" in source:
         return "conv1d_qkv"  # GPT-1 (openai-gpt): a Conv1D c_attn of q | k | v, scoring by itself
+    if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("q_lin", "k_lin", "v_lin", "out_lin")) and \
+            "q / math.sqrt(self.head_dim)" in source and "torch.matmul(q, k.transpose" in source:
+        return "lin_qkv"  # XLM's MultiHeadAttention: q_lin / k_lin / v_lin, q over sqrt(head_dim), scoring by itself
     if all(isinstance(getattr(module, a, None), torch.nn.Linear) for a in ("query", "key", "value")) and \
             hasattr(module, "attention_head_size") and "torch.matmul(query_layer, key_layer.transpose" in source:
         return "bert_qkv"  # BigBird, RemBert, MegatronBert, RoFormer: BERT-era self-attention scoring by itself
@@ -619,9 +622,46 @@ def _bert_qkv_forward(self, hidden_states, attention_mask=None, encoder_hidden_s
     return out.reshape(b, s, -1), None
 
 
+def _lin_qkv_forward(self, input, mask=None, kv=None, cache=None, *args, **kwargs):  # noqa: A002 - XLM's name
+    """XLM's MultiHeadAttention (modeling_xlm.py: ``q_lin`` / ``k_lin`` / ``v_lin``, ``q / math.sqrt(head_dim)``, its
+    own masked softmax, ``out_lin``): its projections around the rendered attention at the module's scale. The
+    model's mask (causal, from get_masks) is the FA call's causal mode. Returns the module's tuple (output, None)."""
+    if kv is not None:
+        raise NotSupportedByKvcache("--config", f"{type(self).__name__} called as a cross-attention (kv given): the "
+                                                "validation host routes its self-attention only", field="model_type")
+    b, s = input.shape[:2]
+    q, k, v = (getattr(self, name)(input).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+               for name in ("q_lin", "k_lin", "v_lin"))
+    out, _ = _gqa_attention(self, q, k, v, None, scaling=self.head_dim ** -0.5)
+    return self.out_lin(out.reshape(b, s, -1)), None
+
+
+def model_inputs(model, input_ids: torch.Tensor) -> dict:
+    """What a transformers causal LM takes beside its ids and positions, fed alike to the reference and the model under
+    test (its one home: the host, the reference, the localisation replay and the graph capture call it):
+
+    - ``langs``: a model with language embeddings (XLM with n_langs > 1 and use_lang_emb builds
+      ``lang_embeddings``) adds one row per token's language; transformers' generation feeds every token
+      ``config.lang_id`` (XLMWithLMHeadModel.prepare_inputs_for_generation), and so does a port of the model;
+    - ``lengths``: a model taking each row's length (XLM's get_masks) derives it, when not given, from the row's count
+      of non-pad ids and zeroes the hidden states past it, so a token that happens to be the pad id would cut its row:
+      every validation token is a real one (a packed step holds no padding), so each row's length is its width."""
+    params = inspect.signature(model.forward).parameters
+    extra = {}
+    config = getattr(model, "config", None)
+    if "langs" in params and any(isinstance(getattr(m, "lang_embeddings", None), torch.nn.Embedding)
+                                 for m in model.modules()):
+        extra["langs"] = torch.full_like(input_ids, int(config.lang_id))
+    if "lengths" in params:
+        extra["lengths"] = torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long,
+                                      device=input_ids.device)
+    return extra
+
+
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
                    "bert_qkv": _bert_qkv_forward, "v4": _v4_forward, "headwise_qkv": _headwise_qkv_forward,
-                   "conv1d_qkv": _conv1d_qkv_forward, "split_qkv": _split_qkv_forward, "moa": _moa_forward}
+                   "conv1d_qkv": _conv1d_qkv_forward, "split_qkv": _split_qkv_forward, "moa": _moa_forward,
+                   "lin_qkv": _lin_qkv_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -1159,9 +1199,9 @@ class HostModel:
                 self.cross_prefill_lens[self.step_index] = lens
             extra = encoder_kwargs(self.hf_model, states.to(device=self.device, dtype=self.hf_model.dtype))
         with current_metadata(forward_metadata, position_ids.to(self.device), lens):
-            out = self.hf_model(input_ids=input_ids.to(self.device),
-                                position_ids=position_ids.to(self.device) + self.position_offset, use_cache=False,
-                                **extra)
+            ids = input_ids.to(self.device)
+            out = self.hf_model(input_ids=ids, position_ids=position_ids.to(self.device) + self.position_offset,
+                                use_cache=False, **extra, **model_inputs(self.hf_model, ids))
         return out.logits.double().cpu()
 
     def encoder_step(self, input_ids: torch.Tensor, forward_metadata) -> tuple[list[int] | None, torch.Tensor]:
@@ -1210,6 +1250,7 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
     encoder = getattr(ref_model, "_kvcache_encoder", None)  # an encoder-decoder's decoder: the request's own states
     extra = encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype)) if encoder is not None else {}
+    extra |= model_inputs(ref_model, ids)
     if getattr(ref_model, OWN_DEFAULT_DTYPE, None) is None:
         try:
             return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()

@@ -29,6 +29,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
 )
 from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 from model_infer_kvcache.validators.pipeline.evidence import storage
+from model_infer_kvcache.validators.pipeline.host_model import model_inputs
 
 SUBMODULES = ("attention input", "cache write", "attention output", "MLP")
 _ATTN_NAMES = ("self_attn", "attention", "self_attention", "attn")
@@ -322,7 +323,7 @@ def reference_activations(ref_model, tokens: list[int]) -> ReferenceActivations:
     try:
         with capture.installed():
             ids = torch.tensor(tokens, dtype=torch.long)[None]
-            ref_model(input_ids=ids, use_cache=False)
+            ref_model(input_ids=ids, use_cache=False, **model_inputs(ref_model, ids))
     finally:
         for module, eager in patched:
             module.eager_attention_forward = eager

@@ -583,6 +583,7 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
     key = json.dumps([hf_type, d], sort_keys=True, default=str)
     if key in _REFERENCE_RUNS:
         return
+    _refuse_token_streams(model, hf_type, d)
     try:
         _forward_once(model)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the reference is unusable
@@ -592,6 +593,30 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
                                     f"({type(exc).__name__}: {exc}); check the config's own consistency (transformers' "
                                     "class defaults included) before the render", field="model_type") from None
     _REFERENCE_RUNS.add(key)
+
+
+def _refuse_token_streams(model, hf_type: str, d: dict[str, Any]) -> None:
+    """A reference embedding several token streams per position (MusicGen's decoders: ``get_input_embeddings()`` a
+    ModuleList of num_codebooks tables summed per frame, one LM head per codebook, input_ids of batch x num_codebooks
+    rows) runs no forward of the validation's one-stream requests. Its KV cache is a plain one per frame, which the
+    plan gets right; what kvcache lacks is the host and request stream of such a model (each frame's codes embedded
+    together, one code sampled per head, the codebook delay pattern kept): refused naming that, from the object,
+    before transformers' own reshape error would say it less clearly."""
+    try:
+        tables = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a reference that names no input embeddings: one stream
+        return
+    if not isinstance(tables, torch.nn.ModuleList) or len(tables) < 2:
+        return
+    name = getattr(model, "reference_name", type(model).__name__)
+    raise NotSupportedByKvcache("--config", f"a reference: transformers' own {name} ({hf_type}) embeds {len(tables)} "
+                                            "token streams per position (its input embeddings: a list of "
+                                            f"{len(tables)} tables summed per frame; input_ids of batch x "
+                                            f"{len(tables)} rows), where kvcache's request stream and host feed one "
+                                            "token per position (its KV cache per frame is planned; serving it needs "
+                                            "a host that embeds each frame's codes, samples one per LM head and keeps "
+                                            "the codebook delay pattern)",
+                                field="num_codebooks" if "num_codebooks" in d else "model_type")
 
 
 def _head_dim_of(model) -> int | None:

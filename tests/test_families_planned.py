@@ -1098,6 +1098,7 @@ def test_mla_latent_128_is_blocked_for_the_paged_absorb_call_naming_the_op_doc_l
         assert any("D 128 with query_rope only without page attention" in b.message and "_op_plugin_docs.py:8715"
                    in b.message for b in m.blockers) == (not paged)
 
+
 @pytest.mark.parametrize("model_type", ["musicgen_decoder", "musicgen_melody_decoder"])
 def test_musicgen_decoder_plans_its_frame_cache_and_is_refused_at_validation_by_its_codebook_streams(
         tmp_path, monkeypatch, model_type):

@@ -1075,7 +1075,14 @@ def test_longcat_flash_routes_two_attention_sublayers_and_its_latent_scale_and_f
             ("first_only", r"return list\(attn\)", "return [attn[0]]", "get_cache_info layer count")):
         bad = tmp_path / name
         shutil.copytree(case[1], bad)
-        report = mistaken_report((case[0], bad, case[2]), pattern, replacement)
+        if name == "unscaled":  # with the localisation's replay: the ModuleList's layer is judged as a whole
+            mutate(bad, pattern, replacement)
+            report = run_validate(case[0], bad, case[2])
+            assert (report.localisation["layer"], report.localisation["submodule"]) == (0, "layer output"), \
+                report.localisation
+            assert any("update_cache" in where for where in report.localisation["where"]), report.localisation
+        else:
+            report = mistaken_report((case[0], bad, case[2]), pattern, replacement)
         assert not check(report, failing).passed, (name, [(c.name, c.detail) for c in report.failed()])
 
 

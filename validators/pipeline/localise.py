@@ -32,6 +32,7 @@ from model_infer_kvcache.validators.pipeline.evidence import storage
 from model_infer_kvcache.validators.pipeline.host_model import model_inputs
 
 SUBMODULES = ("attention input", "cache write", "attention output", "MLP")
+LAYER_OUTPUT = "layer output"  # a layer whose attention sublayers sit in one ModuleList: judged as a whole
 _ATTN_NAMES = ("self_attn", "attention", "self_attention", "attn")
 _MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn")
 CACHE_ATTRS = ("k_cache", "v_cache", "nope_cache", "rope_cache")
@@ -137,8 +138,15 @@ class Capture:
     def install(self) -> list:
         """Register the hooks; returns their handles (a model copy thrown away after the replay keeps them)."""
         handles = [self.model.register_forward_pre_hook(self._model_input, with_kwargs=True)]
-        for i, (_block, attn, mlp) in enumerate(self.blocks):
-            if attn is not None:
+        for i, (block, attn, mlp) in enumerate(self.blocks):
+            if isinstance(attn, torch.nn.ModuleList):
+                # attention sublayers in one list (LongCat-Flash): the list itself never runs, so the layer is
+                # judged by its output as a whole (a block's own output is compared only here: a checkout's layer
+                # may return its residual apart, which transformers' layer has already added)
+                handles.append(block.register_forward_pre_hook(self._attention_input(i, record=False),
+                                                               with_kwargs=True))
+                handles.append(block.register_forward_hook(self._output(i, LAYER_OUTPUT)))
+            elif attn is not None:
                 handles.append(attn.register_forward_pre_hook(self._attention_input(i), with_kwargs=True))
                 handles.append(attn.register_forward_hook(self._output(i, "attention output")))
             if mlp is not None:
@@ -153,10 +161,10 @@ class Capture:
             ids = kwargs.get("input_ids", args[0] if args else None)
             self.input_ids = ids.detach().reshape(-1).cpu().clone() if isinstance(ids, torch.Tensor) else None
 
-    def _attention_input(self, i: int):
+    def _attention_input(self, i: int, record: bool = True):
         def hook(_module, args, kwargs):
             self.layer = i
-            if self.active():
+            if self.active() and record:
                 self.seen.setdefault(i, {})["attention input"] = _rows(_hidden_input(args, kwargs))
 
         return hook
@@ -407,6 +415,14 @@ def localise(capture: Capture, ref: ReferenceActivations, rows: list[int], posit
             d = _max_diff(_select(got.get("MLP"), total, rows), _pick(want.get("MLP"), positions))
             if _differs(d, _pick(want.get("MLP"), positions), atol):
                 found = ("MLP", d, [], "the MLP's output (or the norm before it) differs from the reference's")
+        if found is None and got.get(LAYER_OUTPUT) is not None:
+            whole = _pick(want.get(LAYER_OUTPUT), positions)
+            d = _max_diff(_select(got[LAYER_OUTPUT], got[LAYER_OUTPUT].shape[0], rows), whole)
+            if _differs(d, whole, atol):
+                calls = [c for c in capture.calls if c["layer"] == i and c["kind"] in ("fa", "write")]
+                found = (LAYER_OUTPUT, d, calls, "the layer's output differs from the reference's; its attention "
+                                                 "sublayers sit in one ModuleList, so the layer is judged as a whole: "
+                                                 "look at its cache writes and FA calls")
         if found is not None:
             submodule, diff, calls, why = found
             if submodule != "attention input":  # a wrong per-token map of this layer's (or the model's) code

@@ -126,7 +126,7 @@ class Report:
 
 
 SUBMODULE_LABELS = {"attention input": "注意力输入", "cache write": "缓存写入", "attention output": "注意力输出",
-                    "MLP": "MLP"}
+                    "MLP": "MLP", "layer output": "整层输出"}
 
 
 def _localisation_lines(loc: dict) -> list[str]:

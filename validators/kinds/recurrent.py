@@ -57,8 +57,8 @@ _EXPAND_FIELDS = ("mamba_expand", "expand")
 
 
 
-def tiny_state_fields(d: dict, manifest) -> None:
-    """The tiny config's Mamba inner width, in place: the rendered code keeps the real heads x head_dim (Mamba-2)
+def tiny_state_fields(d: dict, manifest) -> str | None:
+    """The tiny config's Mamba inner width, in place (a note for the tiny model's notes, or None): the rendered code keeps the real heads x head_dim (Mamba-2)
     or inner channels (Mamba-1), so at the tiny hidden size the expand factor grows to give the same width (a
     family naming the width itself, Falcon-H1's ``mamba_d_ssm``, keeps it); a short conv (LFM2) keeps the real
     hidden_size, its conv's channels. Other families: nothing."""
@@ -73,6 +73,8 @@ def tiny_state_fields(d: dict, manifest) -> None:
             # the LoRA adapters add attention_hidden_size = 2 x hidden columns to the heads x head_dim projections
             # (Zamba2Attention): the tiny hidden size is what makes the two agree
             d["hidden_size"] = manifest.model.num_attention_heads * manifest.model.head_dim // 2
+    if lin is not None and lin.family == "rwkv":
+        return _tiny_rwkv(d, lin, manifest.parallel.attn_tp_size)
     if lin is not None and lin.family == "short_conv":  # the render convolves the real hidden_size channels
         d["hidden_size"] = lin.conv_channels_per_rank * manifest.parallel.attn_tp_size
         return
@@ -84,3 +86,19 @@ def tiny_state_fields(d: dict, manifest) -> None:
         d[field] = inner // d["hidden_size"]
     if manifest.model.model_type in INNER_IS_INTERMEDIATE:  # the saved width the mixer is built at
         d["intermediate_size"] = inner
+
+
+def _tiny_rwkv(d: dict, lin, tp: int) -> str | None:
+    """RWKV: the render keeps the real widths (the token shift's 2 x hidden_size channels, the wkv's
+    attention_hidden_size), so the tiny model does too. transformers rescales at inference (RwkvModel: block i's
+    output and value weights divided by 2 ** (i // rescale_every), the hidden state halved after every
+    rescale_every-th block): a tiny prefix shorter than rescale_every would never run it, so every block rescales
+    (rescale_every 1) when the real model rescales at all, and the states are validated on rescaled inputs."""
+    d["hidden_size"] = lin.conv_channels_per_rank // 2
+    d["attention_hidden_size"] = lin.num_v_heads_per_rank * tp
+    every = d.get("rescale_every", 6)  # RwkvConfig.rescale_every's default
+    if isinstance(every, int) and every > 1 and d.get("num_hidden_layers", 0) < every + 1:
+        d["rescale_every"] = 1
+        return (f"rescale_every {every} -> 1: the {d.get('num_hidden_layers')}-layer prefix rescales after every block "
+                f"(the real model every {every}), so the states are validated on rescaled hidden states")
+    return None

@@ -93,12 +93,17 @@ def _tiny_rwkv(d: dict, lin, tp: int) -> str | None:
     attention_hidden_size), so the tiny model does too. transformers rescales at inference (RwkvModel: block i's
     output and value weights divided by 2 ** (i // rescale_every), the hidden state halved after every
     rescale_every-th block): a tiny prefix shorter than rescale_every would never run it, so every block rescales
-    (rescale_every 1) when the real model rescales at all, and the states are validated on rescaled inputs."""
+    (rescale_every 1) when the real model rescales at all, and the states are validated on rescaled inputs. The weight
+    division runs once per model, at its first inference forward (``layers_are_rescaled``): the build's forward
+    check sets that flag before the random weights, so the model under test and the reference (a copy, or sharing
+    its weights above SHARED_WEIGHTS_ABOVE) carry the same undivided weights and neither divides them."""
     d["hidden_size"] = lin.conv_channels_per_rank // 2
     d["attention_hidden_size"] = lin.num_v_heads_per_rank * tp
     every = d.get("rescale_every", 6)  # RwkvConfig.rescale_every's default
     if isinstance(every, int) and every > 1 and d.get("num_hidden_layers", 0) < every + 1:
         d["rescale_every"] = 1
-        return (f"rescale_every {every} -> 1: the {d.get('num_hidden_layers')}-layer prefix rescales after every block "
-                f"(the real model every {every}), so the states are validated on rescaled hidden states")
+        return (f"rescale_every {every} -> 1: the {d.get('num_hidden_layers')}-layer prefix halves the hidden state "
+                f"after every block (the real model after every {every}th), so the states are validated on rescaled "
+                "hidden states; the one-time weight division (RwkvModel._rescale_layers) ran at the build's forward "
+                "check, before the random weights were set, so neither model divides them again")
     return None

@@ -23,6 +23,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     LIGHTNING,
     MAMBA,
     MAMBA2,
+    MLSTM,
     RWKV,
     SHORT_CONV,
     holds_state,
@@ -449,6 +450,14 @@ LINEAR_OPERATORS = {
     # torch_npu 2.14.0 and 2.9.0 (_op_plugin_docs.py, npu_native_functions_by_codegen.yaml, _meta_registrations.py)
     # name no rwkv / wkv / time-mix operator; the recurrent ones there are npu_recurrent_gated_delta_rule (a delta
     # rule over a [Dv, Dk] matrix state, not a max-stabilised per-channel exp ratio) and the Mamba-free conv
+    # xLSTM's mLSTM: exponential input gate, sigmoid forget gate (log space), normaliser n and max-state m. The pinned
+    # releases' recurrent operator, npu_recurrent_gated_delta_rule, is a delta rule (state - beta k (k^T state)) with no
+    # normaliser or max-state: it does not compute this update; no op doc names an mLSTM / xLSTM operator
+    MLSTM: {"prefill": "torch mLSTM recurrence, token by token from C 0, n 0, m 0 (xLSTM's native step kernel's "
+                       "arithmetic, float32 state); no torch_npu 2.14.0 / 2.9.0 operator computes it (their op docs "
+                       "name no mlstm / xlstm operator; npu_recurrent_gated_delta_rule is a delta rule without the "
+                       "normalizer and max-state)",
+            "decode": "torch mLSTM recurrence, one token per step from the request's state"},
     RWKV: {"prefill": "torch wkv recurrence, token by token from a zero state (num 0, den 0, max -1e38: "
                       "rwkv_linear_attention_cpu's arithmetic in float32); no torch_npu 2.14.0 / 2.9.0 operator "
                       "computes RWKV's wkv (their op docs and schemas name no rwkv / wkv operator)",
@@ -476,6 +485,11 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
     out = []
     if lin.family == RWKV:
         return _rwkv_states(lin, tp, dtype)
+    if lin.family == MLSTM:
+        # float32: xLSTMConfig.inference_state_dtype, what the native kernels keep C, n and m in
+        return [StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim + 1, lin.head_v_dim + 1], dtype="float32",
+                          layout="[heads, Dqk + 1, Dv + 1]: the matrix memory C in [:Dqk, :Dv], the normalizer n in "
+                                 "column Dv, the max-state m at [Dqk, 0] (transformers' c / n / m states, packed)")]
     if lin.conv_kernel:
         channels = {MAMBA2: "x|B|C", MAMBA: "inner", SHORT_CONV: "hidden (B*x)"}.get(lin.family, "q|k|v")
         out.append(StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],

@@ -626,9 +626,8 @@ def test_config_class_aliases_are_read_and_xlm_refused_as_a_bidirectional_masked
 
 
 @pytest.mark.parametrize("model_type, words", [
-    # a recurrence: its modeling file calls no softmax and no attention interface (RWKV, once refused so, is planned
-    # as a state family: tests/test_state_stacks.py)
-    ("xlstm", ["modeling_xlstm.py calls no softmax and no attention interface", "is a recurrence"]),
+    # (RWKV and xLSTM, once refused as recurrences whose modeling files call no softmax, are planned as state
+    # families: tests/test_state_stacks.py)
     # Transformer-XL relative attention caching hidden states
     ("xlnet", ["XLNetRelativeAttention", "Transformer-XL relative attention", "mems",
                "the op docs list TND without pse", "_op_plugin_docs.py:8113"]),
@@ -636,8 +635,7 @@ def test_config_class_aliases_are_read_and_xlm_refused_as_a_bidirectional_masked
 def test_families_without_a_kv_cache_kvcache_reads_are_refused_with_the_reason_from_transformers_code(
         tmp_path, model_type, words):
     """The generic 'no decoder block holding an attention module kvcache recognises' refusal now says why, from
-    transformers' own objects (analyzer/arch_check.why_no_kv_cache): no softmax anywhere in the modeling file (xLSTM),
-    Transformer-XL relative-position biases (XLNet), an attention module whose projections kvcache does not
+    transformers' own objects (analyzer/arch_check.why_no_kv_cache): Transformer-XL relative-position biases (XLNet), an attention module whose projections kvcache does not
     read (named with them)."""
     from model_infer_kvcache.analyzer.errors import InputError
 

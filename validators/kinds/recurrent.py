@@ -75,6 +75,8 @@ def tiny_state_fields(d: dict, manifest) -> str | None:
             d["hidden_size"] = manifest.model.num_attention_heads * manifest.model.head_dim // 2
     if lin is not None and lin.family == "rwkv":
         return _tiny_rwkv(d, lin, manifest.parallel.attn_tp_size)
+    if lin is not None and lin.family == "mlstm":
+        return _tiny_mlstm(d, lin)
     if lin is not None and lin.family == "short_conv":  # the render convolves the real hidden_size channels
         d["hidden_size"] = lin.conv_channels_per_rank * manifest.parallel.attn_tp_size
         return
@@ -106,4 +108,19 @@ def _tiny_rwkv(d: dict, lin, tp: int) -> str | None:
                 f"after every block (the real model after every {every}th), so the states are validated on rescaled "
                 "hidden states; the one-time weight division (RwkvModel._rescale_layers) ran at the build's forward "
                 "check, before the random weights were set, so neither model divides them again")
+    return None
+
+
+def _tiny_mlstm(d: dict, lin) -> None:
+    """xLSTM: the render keeps the real heads x head dims, so the tiny hidden size projects to them through the dim
+    factors (xLSTMLayer: int(hidden_size x qk_dim_factor) / int(hidden_size x v_dim_factor) channels), as Mamba's
+    expand grows; embedding_dim and num_blocks follow hidden_size and num_hidden_layers (xLSTMConfig keeps both)."""
+    hidden = d["hidden_size"]
+    for field, width in (("qk_dim_factor", lin.num_k_heads * lin.head_k_dim),
+                         ("v_dim_factor", lin.num_v_heads * lin.head_v_dim)):
+        d[field] = width / hidden
+        if int(hidden * d[field]) != width:  # a width the tiny hidden size cannot reach by a float factor
+            d[field] = (width + 0.5) / hidden
+    d["embedding_dim"] = hidden
+    d["num_blocks"] = d["num_hidden_layers"]
     return None

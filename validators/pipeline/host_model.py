@@ -40,7 +40,7 @@ from model_infer_kvcache.analyzer.arch_check import unscaled_scores
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
-from model_infer_kvcache.analyzer.linear_config import rwkv_facts, short_conv_facts
+from model_infer_kvcache.analyzer.linear_config import mlstm_facts, rwkv_facts, short_conv_facts
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
 
@@ -840,6 +840,29 @@ def bind_rwkv(block, time_mix, host) -> None:
         module.forward = types.MethodType(forward, module)
 
 
+def _mlstm_backend_forward(self, query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None,
+                           return_last_states=None, mode=None):
+    """transformers' xLSTMBackend (the mLSTM kernels) with its recurrence, and so its states, done by the rendered
+    code: the layer's own projections, soft-capped gates, multi-head norm, output gate and out_proj around ``mlstm``
+    on the packed tokens ([1, H, T, D] in, [1, H, T, Dv] out); no state is handed back (the render keeps it)."""
+    host = self._kvcache_host
+    host.probe.last_layer = host.layer_idx
+    h = host.mlstm(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), igate[0].T, fgate[0].T,
+                   self.config.eps, _metadata())
+    return h.transpose(0, 1)[None], None
+
+
+def bind_mlstm(module, host) -> None:
+    """Route an xLSTM mLSTM layer's backend (its ``mlstm_backend``, the kernels that hold the C / n / m states)
+    through ``host``."""
+    if not hasattr(host, "mlstm"):
+        raise InputError("--config", f"{type(module).__name__} is an mLSTM layer and the rendered state mixin has no "
+                                     "mlstm (its linear_attention family is another)", field="model_type")
+    backend = module.mlstm_backend
+    backend._kvcache_host = host
+    backend.forward = types.MethodType(_mlstm_backend_forward, backend)
+
+
 def _linear_forward(module):
     """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
     neither."""
@@ -1066,6 +1089,9 @@ class HostModel:
                 if rwkv_facts(linear[1]):
                     bind_rwkv(layer, linear[1], state)
                     state_attr = linear[0]  # the layer answers its time-mix's own name only (RWKV: attention)
+                elif mlstm_facts(linear[1]):
+                    bind_mlstm(linear[1], state)
+                    state_attr = linear[0]  # the layer answers its mLSTM layer's own name only (mlstm_layer)
                 elif short_conv:
                     bind_short_conv(linear[1], state)
                     state_attr = linear[0]  # the layer answers its conv layer's own name only (LFM2: conv)

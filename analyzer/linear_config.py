@@ -30,6 +30,21 @@ family runs a short causal convolution before it, the last ``kernel - 1`` inputs
   their ``mamba_scan_forward``): the conv over the I = expand x hidden inner channels only (B, C and dt come from
   ``x_proj`` after it), per channel a state ``[N]`` with its own A row: state ``[I, N]``.
 
+* ``rwkv`` -- RWKV-4 (transformers ``RwkvForCausalLM``, modeling_rwkv.py): every block a time-mix
+  (``RwkvSelfAttention``) and a channel-mix (``RwkvFeedForward``), no attention, no conv. Each mixes its input with
+  the previous token's (the token shift, ``time_shift``): the block keeps the last time-mix input and the last
+  channel-mix input, hidden_size channels each, planned as a width-2 window (``conv_state [2 x hidden, 1]``: the
+  last ``kernel - 1 = 1`` input; time-mix channels first). The time-mix's wkv keeps per attention channel a
+  numerator, a denominator and a running max exponent (``rwkv_linear_attention_cpu``'s num / den / max, float32):
+  ``recurrent_state [attention_hidden_size, 3]``, the CUDA kernel's ``[hidden, 3]`` layout (one "value head" of
+  width 1 per channel, one replicated "key head" of 3, as Mamba-1 maps its channels).
+* ``mlstm`` -- xLSTM's mLSTM layers (transformers ``xLSTMForCausalLM``, modeling_xlstm.py, its native kernels): per
+  head h an exponentially gated matrix memory C ``[Dqk, Dv]``, a normalizer n ``[Dqk]`` and a max-state m (the
+  stabiliser), all float32 (``inference_state_dtype``); no conv. n is C's column for a value channel fixed at 1, m one
+  scalar per head: planned as one ``recurrent_state [H, Dqk + 1, Dv + 1]`` (C, n as its last column, m at
+  ``[Dqk, 0]``). Dqk = int(hidden_size x qk_dim_factor) / H, Dv = int(hidden_size x v_dim_factor) / H, as
+  ``xLSTMLayer`` sizes its projections.
+
 No torch-npu release pinned here has a selective-scan or SSD operator (the 2.14.0 op schemas list
 ``npu_fused_causal_conv1d`` for the conv, nothing for the scan): the Mamba families run their recurrence in torch.
 
@@ -49,7 +64,9 @@ LIGHTNING = "lightning_attention"
 MAMBA2 = "mamba2"
 MAMBA = "mamba"
 SHORT_CONV = "short_conv"
-LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA, SHORT_CONV)
+RWKV = "rwkv"
+MLSTM = "mlstm"
+LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA, SHORT_CONV, RWKV, MLSTM)
 # Families whose layers keep a conv state only (no recurrent state): planned without heads, dims or recurrent_state
 CONV_ONLY = frozenset({SHORT_CONV})
 # A decoder layer of a parallel hybrid (Falcon-H1) runs attention and a Mamba mixer side by side on the same input:
@@ -67,7 +84,9 @@ SHARED_BLOCK_HYBRIDS = frozenset({"zamba2"})
 # there: cache_utils.get_layer_types_and_kwargs).
 NO_CACHE = "nocache"
 # Families whose B/C groups (key heads) stay whole on every rank: Mamba-1 has one B/C for all channels.
-_REPLICATED_K_HEADS = frozenset({MAMBA})
+_REPLICATED_K_HEADS = frozenset({MAMBA, RWKV})
+# RWKV's wkv state per attention channel: numerator, denominator, max exponent (rwkv_linear_attention_cpu)
+RWKV_WKV_PARTS = 3
 
 # LFM2-family model types (their conv width ``conv_L_cache``; the class default where a config omits it)
 _SHORT_CONV_KERNEL_DEFAULTS = {"lfm2": ("Lfm2Config", 3), "lfm2_moe": ("Lfm2MoeConfig", 3), "lfm3": ("Lfm3Config", 7)}
@@ -99,7 +118,8 @@ _MAMBA_FIELDS = {
 }
 # Pure Mamba stacks: every decoder layer one mixer, no attention (Mamba2ForCausalLM, MambaForCausalLM,
 # FalconMambaForCausalLM)
-_PURE_STACKS = ("mamba2", "mamba", "falcon_mamba")
+# RwkvForCausalLM: every block a time-mix and a channel-mix, both holding a state, no attention
+_PURE_STACKS = ("mamba2", "mamba", "falcon_mamba", "rwkv", "xlstm")
 # config classes whose saved intermediate_size is the Mamba-1 mixer's inner width
 INNER_IS_INTERMEDIATE = ("mamba", "falcon_mamba")
 
@@ -112,7 +132,11 @@ LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention", "LightningAttention
                           # GraniteMoeHybridMambaLayer
                           "MambaMixer", "Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "MambaLayer",
                           # LFM2 / LFM2-MoE / LFM3's gated short conv (Lfm2ShortConv ...)
-                          "ShortConv")
+                          "ShortConv",
+                          # RWKV-4's time-mix (the block's state holder; its channel-mix shares the block's state)
+                          "RwkvSelfAttention",
+                          # xLSTM's mLSTM layer (xLSTMBlock.mlstm_layer)
+                          "xLSTMLayer")
 
 # What the validation compares each family with. Gated delta net and KDA: transformers' own classes. Lightning
 # (Ling-2.5): transformers has no such model, so kvcache builds one from transformers' Ling-family code with a
@@ -127,6 +151,9 @@ REFERENCE = {
                "from the upstream bailing_2_5 port)",
     MAMBA2: "transformers' own Mamba-2 mixer of the family (its mamba2_scan_forward: the SSD chunk scan)",
     MAMBA: "transformers' own Mamba-1 mixer of the family (its mamba_scan_forward: the selective scan)",
+    MLSTM: "transformers' own xLSTMForCausalLM (its native mLSTM kernels: chunkwise over the prefix, the recurrent "
+           "step for the rest)",
+    RWKV: "transformers' own RwkvForCausalLM (its rwkv_linear_attention_cpu recurrence over the whole prefix)",
     SHORT_CONV: "transformers' own short-conv layer of the family (Lfm2ShortConv / Lfm2MoeShortConv / Lfm3ShortConv: "
                 "its causal_conv1d_forward over the whole prefix)",
 }
@@ -164,6 +191,8 @@ class LinearFacts:
             return 0
         if self.family in CONV_ONLY:  # depthwise over hidden_size: each rank its share of the channels
             return self.conv_channels // tp
+        if self.family == RWKV:  # the token shift is of the block's (replicated) hidden input: whole on every rank
+            return self.conv_channels
         nk, nv = self.k_heads_per_rank(tp), self.num_v_heads // tp
         if self.family in (GATED_DELTA_NET, MAMBA2):
             return 2 * nk * self.head_k_dim + nv * self.head_v_dim
@@ -202,6 +231,10 @@ def family_of_linear(get, model_type: str, architectures: list[str], where: str)
         return MAMBA, f"model_type {model_type} (Mamba-1 mixers)"
     if model_type in _SHORT_CONV_KERNEL_DEFAULTS:
         return SHORT_CONV, f"model_type {model_type} (gated short-conv layers)"
+    if model_type == RWKV:
+        return RWKV, "model_type rwkv (RWKV-4 time-mix and channel-mix, a recurrence)"
+    if model_type == "xlstm":
+        return MLSTM, "model_type xlstm (mLSTM layers, a recurrence)"
     if model_type != "bailing_hybrid":
         return None
     lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
@@ -251,6 +284,10 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         return _read_mamba(r, why, hidden, limits, model_type)
     if family == SHORT_CONV:
         return _read_short_conv(r, why, hidden, model_type)
+    if family == RWKV:
+        return _read_rwkv(r, why, hidden)
+    if family == MLSTM:
+        return _read_mlstm(r, why, hidden, limits)
     if family == KIMI_DELTA:
         section = r.mapping("linear_attn_config")
         sub = section[0] if section else {}
@@ -352,6 +389,43 @@ def _read_short_conv(r, why: str, hidden: int, model_type: str) -> LinearFacts:
     return LinearFacts(SHORT_CONV, 0, 0, 0, 0, kernel.value, hidden, src, REFERENCE[SHORT_CONV])
 
 
+def _read_rwkv(r, why: str, hidden: int) -> LinearFacts:
+    """RWKV-4: the wkv state over attention_hidden_size channels (RwkvConfig.__post_init__: hidden_size when absent),
+    the token shift of both mixes over hidden_size channels each."""
+    attn = r.positive_int("attention_hidden_size", required=False, maximum=1 << 20)
+    width = attn.value if attn is not None else hidden
+    src = (f"{why}: {attn.source if attn else 'attention_hidden_size absent: hidden_size (transformers RwkvConfig)'}"
+           f" = {width} wkv channels x (num, den, max); hidden_size = {hidden} token-shift channels per mix")
+    return LinearFacts(RWKV, 1, width, RWKV_WKV_PARTS, 1, 2, 2 * hidden, src, REFERENCE[RWKV])
+
+
+# xLSTMConfig's defaults of the fields that size an mLSTM layer
+_MLSTM_DEFAULTS = {"num_heads": 8, "qk_dim_factor": 0.5, "v_dim_factor": 1.0}
+
+
+def _read_mlstm(r, why: str, hidden: int, limits: dict[str, int]) -> LinearFacts:
+    """xLSTM: H heads; xLSTMLayer projects q / k to int(hidden x qk_dim_factor) and v to int(hidden x v_dim_factor)
+    channels (the config's rounded qk_dim / v_dim are not what the layer builds), split over the heads."""
+    heads = r.positive_int("num_heads", required=False, maximum=limits["heads"]) \
+        or _Hit(_MLSTM_DEFAULTS["num_heads"], "default: transformers xLSTMConfig.num_heads")
+    widths = {}
+    for name in ("qk_dim_factor", "v_dim_factor"):
+        hit = r.get(name)
+        factor, src = (hit if hit is not None and hit[0] is not None
+                       else (_MLSTM_DEFAULTS[name], f"default: transformers xLSTMConfig.{name}"))
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise InputError(r.where, f"must be a positive number, got {factor!r}", field=src)
+        width = int(hidden * factor)
+        if width < heads.value or width % heads.value:
+            raise InputError(r.where, f"int(hidden_size x {name}) = {width} is not a multiple of {heads.value} heads "
+                                      "(xLSTMLayer reshapes it to [heads, head_dim])", field=src)
+        widths[name] = (width // heads.value, src)
+    (dk, dk_src), (dv, dv_src) = widths["qk_dim_factor"], widths["v_dim_factor"]
+    src = (f"{why}: {heads.source} = {heads.value} heads, int(hidden_size x {dk_src}) / heads = {dk} (Dqk), "
+           f"int(hidden_size x {dv_src}) / heads = {dv} (Dv)")
+    return LinearFacts(MLSTM, heads.value, heads.value, dk, dv, None, 0, src, REFERENCE[MLSTM])
+
+
 def short_conv_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, ...], str] | None:
     """An LFM2 config without ``layer_types``: ``full_attn_idxs`` lists the attention layers, the others are conv
     (Lfm2Config.__post_init__; absent, every layer attends). None for other model types or without the field; LFM2-MoE
@@ -445,7 +519,8 @@ def mamba_layer_kinds(r, model_type: str, num_layers: int) -> tuple[tuple[str, .
         kinds = tuple("full" if i % period.value == offset else "linear" for i in range(num_layers))
         return kinds, f"{period.source}={period.value}, {offset_hit[1]}={offset} (attention where i % period == offset)"
     if model_type in _PURE_STACKS:  # Mamba2ForCausalLM, MambaForCausalLM ...: a stack of mixers, no attention
-        return ("linear",) * num_layers, f"model_type {model_type} (every layer a Mamba mixer, no attention)"
+        what = {RWKV: "an RWKV time-mix and channel-mix", "xlstm": "an mLSTM layer"}.get(model_type, "a Mamba mixer")
+        return ("linear",) * num_layers, f"model_type {model_type} (every layer {what}, no attention)"
     if model_type in PARALLEL_HYBRIDS:
         return (PARALLEL,) * num_layers, f"model_type {model_type} (attention and a Mamba-2 mixer side by side in " \
                                          "every decoder layer)"
@@ -501,7 +576,7 @@ def mixer_facts(module) -> dict[str, int | None]:
     conv = getattr(module, "conv1d", None)
     state = getattr(module, "ssm_state_size", None)
     if conv is None or not isinstance(state, int) or not hasattr(module, "A_log"):
-        return short_conv_facts(module)
+        return short_conv_facts(module) or rwkv_facts(module) or mlstm_facts(module)
     facts = {"mixer_state": state, "mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels":
              int(conv.in_channels)}
     if isinstance(getattr(module, "num_heads", None), int):  # Mamba-2: heads x head_dim, B/C groups
@@ -522,11 +597,49 @@ def short_conv_facts(module) -> dict[str, int | None]:
             "mixer_short_conv": 1}
 
 
+def rwkv_facts(module) -> dict[str, int | None]:
+    """An RWKV-4 time-mix's sizes (RwkvSelfAttention: ``time_decay`` / ``time_first`` per attention channel, the token
+    shift's ``time_mix_key`` per hidden channel), read off the module built on the meta device; empty for any other
+    module."""
+    decay, first, mix = (getattr(module, n, None) for n in ("time_decay", "time_first", "time_mix_key"))
+    if decay is None or first is None or mix is None or not hasattr(module, "receptance"):
+        return {}
+    return {"mixer_wkv_channels": int(decay.shape[-1]), "mixer_shift_channels": 2 * int(mix.shape[-1])}
+
+
+def mlstm_facts(module) -> dict[str, int | None]:
+    """An xLSTM mLSTM layer's sizes (xLSTMLayer: its backend, heads from its config, q / v widths as it projects
+    them), read off the module built on the meta device; empty for any other module."""
+    config = getattr(module, "config", None)
+    if not hasattr(module, "mlstm_backend") or not isinstance(getattr(config, "num_heads", None), int):
+        return {}
+    heads = config.num_heads
+    return {"mixer_heads": heads, "mixer_qk_head_dim": int(module.qk_dim) // heads,
+            "mixer_v_head_dim": int(module.v_dim) // heads}
+
+
 def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
     """Where the planned Mamba state differs from the transformers mixer's sizes (None: they agree, or the module
     is not a Mamba mixer, or the plan is another family's)."""
     if lin.family == SHORT_CONV or facts.get("mixer_short_conv"):
         return _short_conv_off(lin, facts)
+    if lin.family == MLSTM or facts.get("mixer_qk_head_dim"):
+        if not facts:
+            return None
+        if lin.family != MLSTM or not facts.get("mixer_qk_head_dim"):
+            return f"family {lin.family} vs transformers' {'mLSTM layer' if lin.family != MLSTM else 'mixer'}"
+        planned = {"mixer_heads": lin.num_v_heads, "mixer_qk_head_dim": lin.head_k_dim,
+                   "mixer_v_head_dim": lin.head_v_dim}
+        off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+        return ", ".join(off) or None
+    if lin.family == RWKV or facts.get("mixer_wkv_channels"):
+        if not facts:
+            return None
+        if lin.family != RWKV or not facts.get("mixer_wkv_channels"):
+            return f"family {lin.family} vs transformers' {'RWKV time-mix' if lin.family != RWKV else 'mixer'}"
+        planned = {"mixer_wkv_channels": lin.num_v_heads, "mixer_shift_channels": lin.conv_channels}
+        off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+        return ", ".join(off) or None
     if not facts.get("mixer_state") or lin.family not in (MAMBA2, MAMBA):
         return None
     planned = {"mixer_heads": lin.num_v_heads, "mixer_head_dim": lin.head_v_dim, "mixer_state": lin.head_k_dim,

@@ -23,6 +23,8 @@ from model_infer_kvcache.analyzer.linear_config import (
     LIGHTNING,
     MAMBA,
     MAMBA2,
+    MLSTM,
+    RWKV,
     SHORT_CONV,
     holds_state,
 )
@@ -448,6 +450,24 @@ LINEAR_OPERATORS = {
                  "conv": "depthwise causal conv1d of width conv_L_cache, no activation, over [conv state | new B*x "
                          "inputs] in torch; the state keeps the last kernel-1 inputs (torch_npu 2.14.0 "
                          "npu_fused_causal_conv1d takes width 3 only, on Ascend 950, states [K-1, dim])"},
+    # RWKV-4's wkv (per channel: num, den and a running max exponent). No pinned release has an operator for it:
+    # torch_npu 2.14.0 and 2.9.0 (_op_plugin_docs.py, npu_native_functions_by_codegen.yaml, _meta_registrations.py)
+    # name no rwkv / wkv / time-mix operator; the recurrent ones there are npu_recurrent_gated_delta_rule (a delta
+    # rule over a [Dv, Dk] matrix state, not a max-stabilised per-channel exp ratio) and the Mamba-free conv
+    # xLSTM's mLSTM: exponential input gate, sigmoid forget gate (log space), normaliser n and max-state m. The pinned
+    # releases' recurrent operator, npu_recurrent_gated_delta_rule, is a delta rule (state - beta k (k^T state)) with no
+    # normaliser or max-state: it does not compute this update; no op doc names an mLSTM / xLSTM operator
+    MLSTM: {"prefill": "torch mLSTM recurrence, token by token from C 0, n 0, m 0 (xLSTM's native step kernel's "
+                       "arithmetic, float32 state); no torch_npu 2.14.0 / 2.9.0 operator computes it (their op docs "
+                       "name no mlstm / xlstm operator; npu_recurrent_gated_delta_rule is a delta rule without the "
+                       "normalizer and max-state)",
+            "decode": "torch mLSTM recurrence, one token per step from the request's state"},
+    RWKV: {"prefill": "torch wkv recurrence, token by token from a zero state (num 0, den 0, max -1e38: "
+                      "rwkv_linear_attention_cpu's arithmetic in float32); no torch_npu 2.14.0 / 2.9.0 operator "
+                      "computes RWKV's wkv (their op docs and schemas name no rwkv / wkv operator)",
+           "decode": "torch wkv recurrence, one token per step from the request's state",
+           "conv": "token shift: each mix reads [shift state | new inputs] shifted by one token (time_shift); the "
+                   "state keeps the last time-mix and channel-mix inputs"},
 }
 
 
@@ -467,6 +487,13 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
     dtype = dtype if dtype in ("bfloat16", "float16", "float32") else facts.dtype.value
     nv = lin.num_v_heads // tp
     out = []
+    if lin.family == RWKV:
+        return _rwkv_states(lin, tp, dtype)
+    if lin.family == MLSTM:
+        # float32: xLSTMConfig.inference_state_dtype, what the native kernels keep C, n and m in
+        return [StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim + 1, lin.head_v_dim + 1], dtype="float32",
+                          layout="[heads, Dqk + 1, Dv + 1]: the matrix memory C in [:Dqk, :Dv], the normalizer n in "
+                                 "column Dv, the max-state m at [Dqk, 0] (transformers' c / n / m states, packed)")]
     if lin.conv_kernel:
         channels = {MAMBA2: "x|B|C", MAMBA: "inner", SHORT_CONV: "hidden (B*x)"}.get(lin.family, "q|k|v")
         out.append(StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],
@@ -495,6 +522,17 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
                              layout="[the position whose state the request's first state block holds]: column c of "
                                     "its 1 + next_n blocks holds the state after position anchor + c"))
     return out
+
+
+def _rwkv_states(lin, tp: int, dtype: str) -> list[StateSpec]:
+    """RWKV-4's block: the token shift of both mixes in the model dtype (transformers' state[1] / state[0], the
+    embeddings' dtype) and the wkv's num / den / max in float32 (state[2..4], torch.float32 whatever the model's)."""
+    return [StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1], dtype=dtype,
+                      layout="[time-mix | channel-mix inputs (hidden_size each), the 1 previous token]: the token "
+                             "shift (transformers' state[1] | state[0])"),
+            StateSpec(name="recurrent_state", shape=[lin.num_v_heads // tp, lin.head_k_dim], dtype="float32",
+                      layout="[attention channels of this rank, (num, den, max)]: the wkv state (transformers' "
+                             "state[2], state[3], state[4]; the CUDA kernel's [hidden, 3] layout)")]
 
 
 def state_bytes(states: list[StateSpec]) -> int:

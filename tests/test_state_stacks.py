@@ -196,3 +196,184 @@ STACK_MISTAKES = [
 def test_a_state_stack_mistake_fails_by_name(tmp_path, case, config, mode, pattern, replacement, failing):
     mistake_fails_by_name(render_case(tmp_path, config, SMALL[config], deploy_mode=mode), pattern, replacement,
                           failing)
+
+
+# RWKV-4 (RwkvForCausalLM): every block a time-mix and a channel-mix, planned as a state family on the recurrent kind:
+# the token shift of both mixes (conv_state [2 x hidden, 1]) and the wkv's num / den / max (recurrent_state [A, 3]).
+RWKV_SMALL = {"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 512}
+
+
+def _rwkv_config(tmp_path, **over):
+    from transformers import RwkvConfig
+
+    path = tmp_path / "rwkv.json"
+    path.write_text(json.dumps(RwkvConfig().to_dict() | over), encoding="utf-8")
+    return path
+
+
+def test_rwkv_is_planned_as_a_state_stack_with_its_token_shift_and_wkv_states(tmp_path):
+    """RwkvConfig() (hidden 4096, 32 blocks, attention_hidden_size = hidden): every layer a state layer, no attention
+    field read, per layer and request a token-shift state of 2 x 4096 inputs in the model dtype and a float32 wkv
+    state [4096, 3] (num, den, max): 2 x 8192 + 4 x 12288 = 65536 bytes. A config with its own
+    attention_hidden_size sizes the wkv state by it, the token shift still by hidden_size."""
+    from model_infer_kvcache.analyzer.linear_config import RWKV
+
+    m = analyze(AnalyzeRequest(config=str(_rwkv_config(tmp_path))))
+    assert not m.blockers and all(layer.is_state for layer in m.layers) and not m.attention_layers
+    lin = m.linear_attention
+    assert lin.family == RWKV and lin.layers == list(range(32))
+    assert {s.name: (s.shape, s.dtype) for s in lin.states} == {"conv_state": ([8192, 1], "bfloat16"),
+                                                                "recurrent_state": ([4096, 3], "float32")}
+    assert lin.state_bytes_per_layer == 65536
+    assert "no torch_npu 2.14.0 / 2.9.0 operator computes RWKV's wkv" in lin.operators["prefill"]
+    m = analyze(AnalyzeRequest(config=str(_rwkv_config(tmp_path, attention_hidden_size=2048))))
+    assert {s.name: s.shape for s in m.linear_attention.states} == {"conv_state": [8192, 1],
+                                                                    "recurrent_state": [2048, 3]}
+
+
+def test_rwkv_plan_off_transformers_time_mix_fails_the_cross_check_by_name(monkeypatch):
+    """Negative control: a reader taking hidden_size for the wkv width where the config names attention_hidden_size
+    plans a state transformers' RwkvSelfAttention (time_decay per attention channel) does not keep."""
+    from model_infer_kvcache.analyzer import linear_config
+    from model_infer_kvcache.analyzer.build import _layers
+    from model_infer_kvcache.analyzer.linear_config import RWKV, LinearFacts
+    from model_infer_kvcache.analyzer.rules import decide_parallel
+    from transformers import RwkvConfig
+
+    data = RwkvConfig(attention_hidden_size=2048).to_dict()
+    monkeypatch.setattr(linear_config, "_read_rwkv", lambda r, why, hidden: LinearFacts(
+        RWKV, 1, hidden, 3, 1, 2, 2 * hidden, why, None))
+    facts = normalize_config(data)
+    layers = _layers(facts, decide_parallel(facts, 1, "test"), "paged", "exclusive")
+    result = cross_check(data, facts, layers, 1.0, "1")
+    assert any("wkv_channels 4096 vs 2048" in e for e in result.errors), result.errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_rwkv_renders_and_validates_against_transformers(tmp_path, mode):
+    """Both modes match transformers' RwkvForCausalLM (float64, its rwkv_linear_attention_cpu over the whole prefix)
+    on a stream with early finishes and late admits (state slots reused), rescaling every block."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    manifest = analyze(AnalyzeRequest(config=str(_rwkv_config(tmp_path, **RWKV_SMALL)), deploy_mode=mode))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    text = (tmp_path / "r" / ATTN).read_text(encoding="utf-8")
+    assert "def wkv(" in text and "def token_shift(" in text and "def conv_step" not in text
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", tmp_path / "rwkv.json", scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert any("rescale_every 6 -> 1" in note for note in report.notes)
+
+
+RWKV_MISTAKES = [
+    # the wkv state not reset on slot reuse: a prefill continues from the finished request's num / den / max
+    ("wkv-prefill-reads-the-state", "framework", r"if forward_metadata\.is_prefill:\n(\s+)state = key\.new_zeros",
+     r"if False:\n\1state = key.new_zeros"),
+    # the token shift not reset on slot reuse: a prompt's first token mixes the finished request's last input
+    ("shift-prefill-reads-the-state", "standalone", r"if forward_metadata\.is_prefill:\n(\s+)previous = ",
+     r"if False:\n\1previous = "),
+    # the channel-mix's shift state not updated at decode: every decode token mixes the prompt's last input
+    ("channel-mix-shift-not-updated-at-decode", "framework",
+     r"\n(\s+)self\.conv_state\[slots\[row\], channels, 0\] = ",
+     r"\n\1if mix == 0 or forward_metadata.is_prefill:\n\1    self.conv_state[slots[row], channels, 0] = "),
+    # the shift state taken from the step's first token instead of its last (a prefill's next token mixes it)
+    ("shift-state-from-the-first-token", "standalone", r"= tokens\[-1\]\.to\(", "= tokens[0].to("),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, pattern, replacement", RWKV_MISTAKES, ids=[m[0] for m in RWKV_MISTAKES])
+def test_an_rwkv_state_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement):
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    manifest = analyze(AnalyzeRequest(config=str(_rwkv_config(tmp_path, **RWKV_SMALL)), deploy_mode=mode))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    mistake_fails_by_name((tmp_path / "m.json", tmp_path / "r", tmp_path / "rwkv.json"), pattern, replacement, NUMERIC)
+
+
+# xLSTM (xLSTMForCausalLM): every block an mLSTM layer, planned as a state family on the recurrent kind: per head the
+# matrix memory C, the normalizer n and the max-state m, packed as one recurrent_state [H, Dqk + 1, Dv + 1].
+XLSTM_SMALL = {"hidden_size": 128, "num_heads": 4, "num_hidden_layers": 4, "num_blocks": 4, "vocab_size": 512}
+
+
+def _xlstm_config(tmp_path, **over):
+    from transformers import xLSTMConfig
+
+    path = tmp_path / "xlstm.json"
+    path.write_text(json.dumps(xLSTMConfig().to_dict() | over), encoding="utf-8")
+    return path
+
+
+def test_xlstm_is_planned_as_a_state_stack_with_its_packed_mlstm_state(tmp_path):
+    """xLSTMConfig() (hidden 4096, 8 heads, qk_dim_factor 0.5, v_dim_factor 1): Dqk 256, Dv 512; per layer and
+    request one float32 [8, 257, 513] state (C | n, m): 4218912 bytes. A hidden size whose factor width is not a
+    multiple of 64 plans int(hidden x factor) / heads, as xLSTMLayer builds it (not the config's rounded qk_dim)."""
+    from model_infer_kvcache.analyzer.linear_config import MLSTM
+
+    m = analyze(AnalyzeRequest(config=str(_xlstm_config(tmp_path))))
+    assert not m.blockers and all(layer.is_state for layer in m.layers) and not m.attention_layers
+    lin = m.linear_attention
+    assert lin.family == MLSTM and lin.layers == list(range(32)) and lin.conv_kernel is None
+    assert [(s.name, s.shape, s.dtype) for s in lin.states] == [("recurrent_state", [8, 257, 513], "float32")]
+    assert lin.state_bytes_per_layer == 4218912
+    m = analyze(AnalyzeRequest(config=str(_xlstm_config(tmp_path, hidden_size=4000, embedding_dim=4000))))
+    assert m.linear_attention.states[0].shape == [8, 251, 501]  # 2000 / 8 = 250, 4000 / 8 = 500
+
+
+def test_xlstm_plan_off_transformers_mlstm_layer_fails_the_cross_check_by_name(monkeypatch):
+    """Negative control: a reader sizing the heads by the config's rounded qk_dim (round_up(2000, 64) = 2048) where
+    xLSTMLayer projects to int(hidden x qk_dim_factor) = 2000 plans a state transformers does not keep."""
+    from model_infer_kvcache.analyzer import linear_config
+    from model_infer_kvcache.analyzer.build import _layers
+    from model_infer_kvcache.analyzer.linear_config import MLSTM, LinearFacts
+    from model_infer_kvcache.analyzer.rules import decide_parallel
+    from transformers import xLSTMConfig
+
+    data = xLSTMConfig(hidden_size=4000, embedding_dim=4000).to_dict()
+    monkeypatch.setattr(linear_config, "_read_mlstm", lambda r, why, hidden, limits: LinearFacts(
+        MLSTM, 8, 8, 2048 // 8, 4032 // 8, None, 0, why, None))
+    facts = normalize_config(data)
+    layers = _layers(facts, decide_parallel(facts, 1, "test"), "paged", "exclusive")
+    result = cross_check(data, facts, layers, 1.0, "1")
+    assert any("qk_head_dim 256 vs 250" in e and "v_head_dim 504 vs 500" in e for e in result.errors), result.errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_xlstm_renders_and_validates_against_transformers(tmp_path, mode):
+    """Both modes match transformers' xLSTMForCausalLM (float64; its chunkwise kernel over 64-token chunks of the
+    prefix, the recurrent step for the rest) on a stream with early finishes and late admits."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    manifest = analyze(AnalyzeRequest(config=str(_xlstm_config(tmp_path, **XLSTM_SMALL)), deploy_mode=mode))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    assert "def mlstm(" in (tmp_path / "r" / ATTN).read_text(encoding="utf-8")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", tmp_path / "xlstm.json", scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+
+
+XLSTM_MISTAKES = [
+    # the mLSTM state not reset on slot reuse: a prefill continues from the finished request's C / n / m
+    ("prefill-reads-the-state", "framework", r"if forward_metadata\.is_prefill \\\n(\s+)else self\.recurrent_state",
+     r"if False \\\n\1else self.recurrent_state"),
+    # the max-state not kept: the next step reads m = 0 while C and n stay scaled by exp(-m)
+    ("max-state-dropped", "standalone", r"state\[:, :-1, :-1\], state\[:, :-1, -1\], state\[:, -1, 0\] = c, n, m",
+     "state[:, :-1, :-1], state[:, :-1, -1] = c, n"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, mode, pattern, replacement", XLSTM_MISTAKES, ids=[m[0] for m in XLSTM_MISTAKES])
+def test_an_xlstm_state_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement):
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    manifest = analyze(AnalyzeRequest(config=str(_xlstm_config(tmp_path, **XLSTM_SMALL)), deploy_mode=mode))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    mistake_fails_by_name((tmp_path / "m.json", tmp_path / "r", tmp_path / "xlstm.json"), pattern, replacement,
+                          NUMERIC)

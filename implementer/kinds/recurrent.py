@@ -12,14 +12,16 @@ NAME = "recurrent state"
 # Linear-attention families whose states the partial renders, and how the rendered code names each.
 FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
                 "lightning_attention": "lightning attention", "mamba2": "Mamba-2", "mamba": "Mamba-1",
-                "short_conv": "short conv"}
+                "short_conv": "short conv", "rwkv": "RWKV", "mlstm": "mLSTM"}
 # Families rendered without speculative decoding only (no published checkpoint of theirs has MTP layers)
-NO_SPECULATIVE = frozenset({"mamba2", "mamba", "short_conv"})
+NO_SPECULATIVE = frozenset({"mamba2", "mamba", "short_conv", "rwkv", "mlstm"})
 RENDERED = tuple(FAMILY_NAMES)
 # transformers' attribute of a decoder layer's state module (JambaMambaDecoderLayer.mamba, Bamba / Granite-4.0-H
 # .mamba; Qwen3-Next, Ling: .linear_attn)
 MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba",  # Falcon-H1 too: self_attn and mamba side by side
-               "short_conv": "conv"}  # Lfm2DecoderLayer / Lfm3DecoderLayer .conv
+               "short_conv": "conv",  # Lfm2DecoderLayer / Lfm3DecoderLayer .conv
+               "rwkv": "attention",  # RwkvBlock.attention (the time-mix), whose states its feed_forward shares
+               "mlstm": "mlstm_layer"}  # xLSTMBlock.mlstm_layer
 # model types whose decoder blocks keep every mixer (Mamba, attention, MLP, MoE) as ``mixer``: Mamba2Block,
 # MambaBlock, FalconMambaBlock, NemotronHBlock
 MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer"}
@@ -76,11 +78,12 @@ def doc_attention(m) -> str | None:
         return None
     # the sentence below names them
     assert RENDERED == ("gated_delta_net", "kimi_delta_attention", "lightning_attention", "mamba2", "mamba",
-                        "short_conv")
+                        "short_conv", "rwkv", "mlstm")
     return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):gated delta net 已渲染"
             "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA、lightning、"
             "Mamba-2 与 Mamba-1 已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态),short conv"
-            "(LFM2)只有 conv 状态")
+            "(LFM2)只有 conv 状态,RWKV 已渲染(token shift 状态 + wkv 的 num/den/max,torch 递推),mLSTM(xLSTM)已渲染(C、n、m 合成一个 "
+            "recurrent_state,torch 递推)")
 
 
 def check_layers(m) -> None:
@@ -115,15 +118,20 @@ def fields(m) -> dict:
         dims, layout = ("V", "V", "K"), "[H, P, N] (heads, head_dim, d_state): transformers' Mamba-2 layout"
     elif lin.family == "mamba":
         dims, layout = ("V", "K"), "[I, N] (inner channels, d_state): transformers' Mamba-1 layout"
+    elif lin.family == "rwkv":
+        dims, layout = ("V", "K"), "[A, 3] (attention channels, num | den | max): the wkv kernel's layout"
+    elif lin.family == "mlstm":
+        dims, layout = ("V", "K", "V"), "[H, Dqk + 1, Dv + 1] (C, the normalizer n as its last column, m at [Dqk, 0])"
     else:
         dims, layout = ("V", "K", "V"), "[H, Dk, Dv]: the torch recurrence's layout"
     sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim}
-    want = [lin.num_v_heads_per_rank, *(sizes[d] for d in dims[1:])]
+    pad = 1 if lin.family == "mlstm" else 0  # mLSTM: n and m packed beside C (analyzer rules._mlstm_states)
+    want = [lin.num_v_heads_per_rank, *(sizes[d] + pad for d in dims[1:])]
     want_conv = None if lin.conv_kernel is None else [lin.conv_channels_per_rank, lin.conv_kernel - 1]
     if (conv.shape if conv else None) != want_conv or rec.shape != want:
         raise bad("linear_attention.states", f"shapes {conv.shape if conv else 'no conv_state'} / {rec.shape} are "
                                              f"not the {lin.family}'s {want_conv or 'no conv_state'} / {want}")
-    shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM" for d in dims[1:])])
+    shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM{' + 1' if pad else ''}" for d in dims[1:])])
     return {"linear": LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank),
                                 int(lin.head_k_dim), int(lin.head_v_dim), int(lin.conv_kernel or 0),
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",

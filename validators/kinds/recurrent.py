@@ -57,8 +57,8 @@ _EXPAND_FIELDS = ("mamba_expand", "expand")
 
 
 
-def tiny_state_fields(d: dict, manifest) -> None:
-    """The tiny config's Mamba inner width, in place: the rendered code keeps the real heads x head_dim (Mamba-2)
+def tiny_state_fields(d: dict, manifest) -> str | None:
+    """The tiny config's Mamba inner width, in place (a note for the tiny model's notes, or None): the rendered code keeps the real heads x head_dim (Mamba-2)
     or inner channels (Mamba-1), so at the tiny hidden size the expand factor grows to give the same width (a
     family naming the width itself, Falcon-H1's ``mamba_d_ssm``, keeps it); a short conv (LFM2) keeps the real
     hidden_size, its conv's channels. Other families: nothing."""
@@ -73,6 +73,10 @@ def tiny_state_fields(d: dict, manifest) -> None:
             # the LoRA adapters add attention_hidden_size = 2 x hidden columns to the heads x head_dim projections
             # (Zamba2Attention): the tiny hidden size is what makes the two agree
             d["hidden_size"] = manifest.model.num_attention_heads * manifest.model.head_dim // 2
+    if lin is not None and lin.family == "rwkv":
+        return _tiny_rwkv(d, lin, manifest.parallel.attn_tp_size)
+    if lin is not None and lin.family == "mlstm":
+        return _tiny_mlstm(d, lin)
     if lin is not None and lin.family == "short_conv":  # the render convolves the real hidden_size channels
         d["hidden_size"] = lin.conv_channels_per_rank * manifest.parallel.attn_tp_size
         return
@@ -84,3 +88,39 @@ def tiny_state_fields(d: dict, manifest) -> None:
         d[field] = inner // d["hidden_size"]
     if manifest.model.model_type in INNER_IS_INTERMEDIATE:  # the saved width the mixer is built at
         d["intermediate_size"] = inner
+
+
+def _tiny_rwkv(d: dict, lin, tp: int) -> str | None:
+    """RWKV: the render keeps the real widths (the token shift's 2 x hidden_size channels, the wkv's
+    attention_hidden_size), so the tiny model does too. transformers rescales at inference (RwkvModel: block i's
+    output and value weights divided by 2 ** (i // rescale_every), the hidden state halved after every
+    rescale_every-th block): a tiny prefix shorter than rescale_every would never run it, so every block rescales
+    (rescale_every 1) when the real model rescales at all, and the states are validated on rescaled inputs. The weight
+    division runs once per model, at its first inference forward (``layers_are_rescaled``): the build's forward
+    check sets that flag before the random weights, so the model under test and the reference (a copy, or sharing
+    its weights above SHARED_WEIGHTS_ABOVE) carry the same undivided weights and neither divides them."""
+    d["hidden_size"] = lin.conv_channels_per_rank // 2
+    d["attention_hidden_size"] = lin.num_v_heads_per_rank * tp
+    every = d.get("rescale_every", 6)  # RwkvConfig.rescale_every's default
+    if isinstance(every, int) and every > 1 and d.get("num_hidden_layers", 0) < every + 1:
+        d["rescale_every"] = 1
+        return (f"rescale_every {every} -> 1: the {d.get('num_hidden_layers')}-layer prefix halves the hidden state "
+                f"after every block (the real model after every {every}th), so the states are validated on rescaled "
+                "hidden states; the one-time weight division (RwkvModel._rescale_layers) ran at the build's forward "
+                "check, before the random weights were set, so neither model divides them again")
+    return None
+
+
+def _tiny_mlstm(d: dict, lin) -> None:
+    """xLSTM: the render keeps the real heads x head dims, so the tiny hidden size projects to them through the dim
+    factors (xLSTMLayer: int(hidden_size x qk_dim_factor) / int(hidden_size x v_dim_factor) channels), as Mamba's
+    expand grows; embedding_dim and num_blocks follow hidden_size and num_hidden_layers (xLSTMConfig keeps both)."""
+    hidden = d["hidden_size"]
+    for field, width in (("qk_dim_factor", lin.num_k_heads * lin.head_k_dim),
+                         ("v_dim_factor", lin.num_v_heads * lin.head_v_dim)):
+        d[field] = width / hidden
+        if int(hidden * d[field]) != width:  # a width the tiny hidden size cannot reach by a float factor
+            d[field] = (width + 0.5) / hidden
+    d["embedding_dim"] = hidden
+    d["num_blocks"] = d["num_hidden_layers"]
+    return None

@@ -41,7 +41,7 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
 from model_infer_kvcache.analyzer.kinds.mla import MLA_LATENT_SCALES
-from model_infer_kvcache.analyzer.linear_config import short_conv_facts
+from model_infer_kvcache.analyzer.linear_config import mlstm_facts, rwkv_facts, short_conv_facts
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
 
@@ -839,6 +839,73 @@ def bind_short_conv(module, host) -> None:
     module.conv._kvcache_no_activation = True  # the layer convolves without an activation (C gates the output)
 
 
+def _rwkv_time_mix_forward(self, hidden, state=None, use_cache=False):
+    """transformers' RwkvSelfAttention with its token shift and wkv, and so its states, done by the rendered code:
+    the module's own mixes, key / value / receptance projections, receptance gate and output projection around
+    ``token_shift`` and ``wkv`` on the packed tokens."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden[0]
+    shifted = host.token_shift(x, fm, 0)
+    mixed = {name: x * mix[0, 0] + shifted * (1 - mix[0, 0]) for name, mix in (
+        ("key", self.time_mix_key), ("value", self.time_mix_value), ("receptance", self.time_mix_receptance))}
+    receptance = torch.sigmoid(self.receptance(mixed["receptance"]))
+    host.probe.last_layer = host.layer_idx
+    out = host.wkv(self.key(mixed["key"]), self.value(mixed["value"]), self.time_decay, self.time_first, fm)
+    return self.output(receptance * out.to(x.dtype))[None], state
+
+
+def _rwkv_channel_mix_forward(self, hidden, state=None):
+    """transformers' RwkvFeedForward with its token shift, and so its state, done by the rendered code (the block's
+    state holder, its time-mix's): the module's own mixes, squared-ReLU key, value and receptance gate."""
+    host = self._kvcache_host
+    x = hidden[0]
+    shifted = host.token_shift(x, _metadata(), 1)
+    key = x * self.time_mix_key[0, 0] + shifted * (1 - self.time_mix_key[0, 0])
+    receptance = x * self.time_mix_receptance[0, 0] + shifted * (1 - self.time_mix_receptance[0, 0])
+    value = self.value(torch.square(torch.relu(self.key(key))))
+    return (torch.sigmoid(self.receptance(receptance)) * value)[None], state
+
+
+def bind_rwkv(block, time_mix, host) -> None:
+    """Route an RWKV-4 block's time-mix (transformers' RwkvSelfAttention, the state holder) and its channel-mix (the
+    block's other module with a token shift, RwkvFeedForward) through ``host``: both mixes' token shifts and the wkv
+    keep their states in the time-mix's state block."""
+    if not hasattr(host, "wkv"):
+        raise InputError("--config", f"{type(time_mix).__name__} is an RWKV time-mix and the rendered state mixin has "
+                                     "no wkv (its linear_attention family is another)", field="model_type")
+    channel = [m for m in block.children() if m is not time_mix and hasattr(m, "time_mix_receptance")]
+    if len(channel) != 1:
+        raise InputError("--config", f"{type(block).__name__} holds {len(channel)} channel-mix modules beside its "
+                                     "time-mix (the host routes one)", field="model_type")
+    for module, forward in ((time_mix, _rwkv_time_mix_forward), (channel[0], _rwkv_channel_mix_forward)):
+        module._kvcache_host = host
+        module.forward = types.MethodType(forward, module)
+
+
+def _mlstm_backend_forward(self, query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None,
+                           return_last_states=None, mode=None):
+    """transformers' xLSTMBackend (the mLSTM kernels) with its recurrence, and so its states, done by the rendered
+    code: the layer's own projections, soft-capped gates, multi-head norm, output gate and out_proj around ``mlstm``
+    on the packed tokens ([1, H, T, D] in, [1, H, T, Dv] out); no state is handed back (the render keeps it)."""
+    host = self._kvcache_host
+    host.probe.last_layer = host.layer_idx
+    h = host.mlstm(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), igate[0].T, fgate[0].T,
+                   self.config.eps, _metadata())
+    return h.transpose(0, 1)[None], None
+
+
+def bind_mlstm(module, host) -> None:
+    """Route an xLSTM mLSTM layer's backend (its ``mlstm_backend``, the kernels that hold the C / n / m states)
+    through ``host``."""
+    if not hasattr(host, "mlstm"):
+        raise InputError("--config", f"{type(module).__name__} is an mLSTM layer and the rendered state mixin has no "
+                                     "mlstm (its linear_attention family is another)", field="model_type")
+    backend = module.mlstm_backend
+    backend._kvcache_host = host
+    backend.forward = types.MethodType(_mlstm_backend_forward, backend)
+
+
 def _linear_forward(module):
     """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
     neither."""
@@ -1104,10 +1171,17 @@ class HostModel:
                                                  "layer and the rendered code has no state mixin", field="model_type")
                 state = linear_cls(linear[1], idx, self.probe)
                 short_conv = bool(short_conv_facts(linear[1]))
-                state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d") or short_conv,
+                state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d") or short_conv
+                                                           or bool(rwkv_facts(linear[1])),
                                                            recurrent=not short_conv))
                 scan = mamba_scan_of(linear[1])
-                if short_conv:
+                if rwkv_facts(linear[1]):
+                    bind_rwkv(layer, linear[1], state)
+                    state_attr = linear[0]  # the layer answers its time-mix's own name only (RWKV: attention)
+                elif mlstm_facts(linear[1]):
+                    bind_mlstm(linear[1], state)
+                    state_attr = linear[0]  # the layer answers its mLSTM layer's own name only (mlstm_layer)
+                elif short_conv:
                     bind_short_conv(linear[1], state)
                     state_attr = linear[0]  # the layer answers its conv layer's own name only (LFM2: conv)
                 elif scan is not None:

@@ -84,8 +84,20 @@ def _shard_gated_delta(mod, rank: int, tp: int):
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a Mamba "
                                                       "mixer): it shards gated delta nets only; validate Mamba "
                                                       "layers at attention TP 1", field="attn_tp_size")
-    from model_infer_kvcache.analyzer.linear_config import short_conv_facts
+    from model_infer_kvcache.analyzer.linear_config import mlstm_facts, rwkv_facts, short_conv_facts
 
+    if mlstm_facts(mod):  # xLSTM's mLSTM layer: a gap of kvcache's, said as such
+        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (an mLSTM "
+                                                      "layer): it shards gated delta nets only; validate mLSTM "
+                                                      "layers at attention TP 1", field="attn_tp_size")
+    if rwkv_facts(mod):  # RWKV's time-mix: a gap of kvcache's, said as such
+        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (an RWKV "
+                                                      "time-mix): it shards gated delta nets only; validate RWKV "
+                                                      "blocks at attention TP 1", field="attn_tp_size")
     if short_conv_facts(mod):  # LFM2's short conv: a gap of kvcache's, said as such
         from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 

@@ -154,7 +154,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         _head_sources(d, m)
     cross.tiny_cross_fields(d, manifest, n)  # an encoder-decoder's decoder fields (validators/kinds/cross)
     d["intermediate_size"] = 128
-    recurrent.tiny_state_fields(d, manifest)  # a Mamba mixer's inner width (validators/kinds/recurrent)
+    rescaled = recurrent.tiny_state_fields(d, manifest)  # a state family's widths (validators/kinds/recurrent)
+    if rescaled:
+        notes.append(rescaled)
     d["vocab_size"] = TINY_VOCAB
     for key, value in _MOE_SIZES:
         if key in d:

@@ -510,11 +510,11 @@ def test_zamba_attention_tp_splits_the_mamba_heads():
     assert k_heads_per_rank(MAMBA, 3, 2) is None and k_heads_per_rank(MAMBA, 1, 2) == 1
 
 
-def _zamba_case(tmp_path, mode: str):
+def _zamba_case(tmp_path, mode: str, **over):
     from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 
     cfg = _zamba(tmp_path, SMALL_ZAMBA)
-    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode))
+    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode, **over))
     (tmp_path / "manifest.json").write_text(manifest.to_json(), encoding="utf-8")
     write_rendered(render_manifest(manifest, allow_blocked=True), tmp_path / "rendered")
     return tmp_path / "manifest.json", tmp_path / "rendered", cfg
@@ -551,3 +551,13 @@ ZAMBA_MISTAKES = [
                          ids=[f"{m[0]}-{m[1]}" for m in ZAMBA_MISTAKES])
 def test_a_zamba_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
     mistake_fails_by_name(_zamba_case(tmp_path, mode), pattern, replacement, failing)
+
+
+def test_multi_rank_validation_of_a_multi_head_mamba1_mixer_is_refused_by_name(tmp_path):
+    """Planned at attention TP 2 (2 of the 4 Mamba heads a rank, state [2, 32, 16]); validation shards gated delta nets
+    only, and ZambaMambaMixer, which calls no scan function, is still named as the Mamba mixer it is."""
+    manifest, rendered, cfg = _zamba_case(tmp_path, "standalone", attn_tp_size=2)
+    lin = json.loads(manifest.read_text(encoding="utf-8"))["linear_attention"]
+    assert [s["shape"] for s in lin["states"]] == [[64, 3], [2, 32, 16]]
+    with pytest.raises(InputError, match="not supported by kvcache: multi-rank validation of ZambaMambaMixer"):
+        run_validate(manifest, rendered, cfg, scenario=SHORT)

@@ -665,8 +665,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
                                    "sublayers per decoder layer)")
         if model_type in SHARED_BLOCK_HYBRIDS:  # Zamba / Zamba2: a hybrid layer's KV cache and its mixer's states
+            mixer = "Mamba-2" if model_type == "zamba2" else "multi-head Mamba-1"
             sublayers = Sourced(2, f"model_type {model_type} (a hybrid layer: the shared transformer block's "
-                                   "attention, then its Mamba mixer: two sublayers; a Mamba layer its mixer only)")
+                                   f"attention, then its {mixer} mixer: two sublayers; a Mamba layer its mixer only)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
     linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)

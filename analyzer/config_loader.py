@@ -121,6 +121,7 @@ FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
                                        "n_groups": 8, "conv_kernel": 4, "expand": 2}),
     "jamba": ("JambaConfig", {"mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "attn_layer_period": 8,
                               "attn_layer_offset": 4}),
+    "zamba": ("ZambaConfig", {"n_mamba_heads": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}),
 }
 
 # Upper bounds on sizes: far above every published model (the largest have ~200 layers, 128 query
@@ -663,9 +664,10 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         if model_type in PARALLEL_HYBRIDS:  # Falcon-H1: the attention's KV cache and the mixer's states
             sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
                                    "sublayers per decoder layer)")
-        if model_type in SHARED_BLOCK_HYBRIDS:  # Zamba2: a hybrid layer's KV cache and its mixer's states
+        if model_type in SHARED_BLOCK_HYBRIDS:  # Zamba / Zamba2: a hybrid layer's KV cache and its mixer's states
+            mixer = "Mamba-2" if model_type == "zamba2" else "multi-head Mamba-1"
             sublayers = Sourced(2, f"model_type {model_type} (a hybrid layer: the shared transformer block's "
-                                   "attention, then its Mamba-2 mixer: two sublayers; a Mamba layer its mixer only)")
+                                   f"attention, then its {mixer} mixer: two sublayers; a Mamba layer its mixer only)")
 
     hidden = r.positive_int("hidden_size", "n_embd", "d_model", maximum=LIMITS["hidden_size"])
     linear_family = family_of_linear(lambda name: r.get(name), model_type, architectures, where)
@@ -1000,10 +1002,11 @@ def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Source
     if explicit:
         return explicit
     if model_type in SHARED_BLOCK_HYBRIDS:
-        # Zamba2's shared block attends over concat(hidden, embeddings): Zamba2Config.__post_init__ derives
-        # attention_head_dim = 2 x hidden_size // num_attention_heads (a saved one, set after it, wins: read above)
+        # Zamba's / Zamba2's shared block attends over concat(hidden, embeddings): ZambaConfig / Zamba2Config
+        # .__post_init__ derive attention_head_dim = 2 x hidden_size // num_attention_heads (a saved one wins: read above)
+        cls = "Zamba2Config" if model_type == "zamba2" else "ZambaConfig"
         return Sourced(2 * hidden.value // heads.value, f"default: 2 x {hidden.source} // {heads.source} "
-                                                        "(transformers Zamba2Config.__post_init__ attention_head_dim)")
+                                                        f"(transformers {cls}.__post_init__ attention_head_dim)")
     if hidden.value % heads.value:
         # transformers' modeling code computes `hidden_size // num_attention_heads` (floor) and builds projections of
         # heads * that width, narrower than the hidden size: plan what it builds, say so; the FA head-dim rule judges it.

@@ -28,7 +28,10 @@ family runs a short causal convolution before it, the last ``kernel - 1`` inputs
   (LinearFacts keeps 0 heads and dims, the manifest none).
 * ``mamba`` -- Mamba-1 selective-scan mixers: Jamba, Mamba, FalconMamba, Zamba (transformers ``*MambaMixer`` and
   their ``mamba_scan_forward``): the conv over the I = expand x hidden inner channels only (B, C and dt come from
-  ``x_proj`` after it), per channel a state ``[N]`` with its own A row: state ``[I, N]``.
+  ``x_proj`` after it), per channel a state ``[N]`` with its own A row: state ``[I, N]``. Zamba's mixer is multi-head
+  (``ZambaMambaMixer``: ``n_mamba_heads`` heads of I / H channels, each its own x_proj / dt_proj, so its own B and C,
+  scanned one head at a time): the heads play Mamba-2's groups (the key heads), state ``[H, I / H, N]`` as
+  transformers stacks the heads' states; one head is Jamba's ``[I, N]``.
 
 * ``rwkv`` -- RWKV-4 (transformers ``RwkvForCausalLM``, modeling_rwkv.py): every block a time-mix
   (``RwkvSelfAttention``) and a channel-mix (``RwkvFeedForward``), no attention, no conv. Each mixes its input with
@@ -78,12 +81,15 @@ PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
 # planned like a parallel layer as two sublayers, since the cache is indexed by the decoder layer, not by the shared
 # module (Zamba2Attention.forward: cache.update(..., layer_idx) with the caller's layer_idx; its own is -1).
 SHARED_BLOCK = "shared_block"
-SHARED_BLOCK_HYBRIDS = frozenset({"zamba2"})
+# Zamba (v1) builds its hybrid layers so too (ZambaHybridLayer: shared_transf, linear, mamba_decoder; every hybrid
+# layer's shared_transf tied to the first's weights, ZambaModel._tied_weights_keys), its mixer a multi-head Mamba-1.
+SHARED_BLOCK_HYBRIDS = frozenset({"zamba2", "zamba"})
 # A layer that holds no cache at all (Dory's and Nemotron-H's MLP-only blocks, Nemotron-H's MoE-only blocks): its
 # config layer kind, planned as a layer with neither a KV cache nor a state (transformers' cache keeps a "dummy" layer
 # there: cache_utils.get_layer_types_and_kwargs).
 NO_CACHE = "nocache"
-# Families whose B/C groups (key heads) stay whole on every rank: Mamba-1 has one B/C for all channels.
+# Families whose single B/C group (key head) stays whole on every rank: Mamba-1 has one B/C for all channels (a
+# multi-head Mamba-1, Zamba's, splits its heads as Mamba-2 splits its groups); RWKV's one wkv "head" likewise.
 _REPLICATED_K_HEADS = frozenset({MAMBA, RWKV})
 # RWKV's wkv state per attention channel: numerator, denominator, max exponent (rwkv_linear_attention_cpu)
 RWKV_WKV_PARTS = 3
@@ -115,6 +121,8 @@ _MAMBA_FIELDS = {
     "jamba": {"state": "mamba_d_state", "conv": "mamba_d_conv", "expand": "mamba_expand"},
     # MambaConfig / FalconMambaConfig: intermediate_size = expand x hidden_size (their __post_init__)
     **dict.fromkeys(("mamba", "falcon_mamba"), {"state": "state_size", "conv": "conv_kernel", "expand": "expand"}),
+    # ZambaConfig: n_mamba_heads heads of the inner channels (ZambaMambaMixer.mamba_head_dim = I // n_mamba_heads)
+    "zamba": {"state": "mamba_d_state", "conv": "mamba_d_conv", "expand": "mamba_expand", "heads": "n_mamba_heads"},
 }
 # Pure Mamba stacks: every decoder layer one mixer, no attention (Mamba2ForCausalLM, MambaForCausalLM,
 # FalconMambaForCausalLM)
@@ -206,7 +214,7 @@ def k_heads_per_rank(family: str, num_k_heads: int, tp: int) -> int | None:
     them. Mamba-1's single B/C stays whole on every rank; Mamba-2 with fewer groups than ranks, the ranks a multiple
     of them (Granite-4.0-H / Bamba: 1 group), gives each rank the one group its heads read (vLLM's MambaMixer2
     replicates the groups over the ranks the same way); every other family splits them."""
-    if family in _REPLICATED_K_HEADS:
+    if family in _REPLICATED_K_HEADS and num_k_heads == 1:
         return num_k_heads
     if not num_k_heads % tp:
         return num_k_heads // tp
@@ -358,7 +366,9 @@ def _derived_head_dim(r, heads: _Hit, hidden: int, model_type: str) -> _Hit:
 
 def _read_mamba(r, why: str, hidden: int, limits: dict[str, int], model_type: str) -> LinearFacts:
     """Mamba-1: I = expand x hidden inner channels, each with an N-channel state; one B/C for all (a single
-    replicated "key head" of N), each channel a "value head" of width 1."""
+    replicated "key head" of N), each channel a "value head" of width 1. A multi-head mixer (Zamba's n_mamba_heads)
+    has one B/C per head, each serving I / H channels: H key heads, refused when they do not divide I
+    (ZambaConfig.validate_architecture)."""
     names = _MAMBA_FIELDS[model_type]
     n = r.positive_int(names["state"], maximum=limits["head_dim"])
     kernel = r.positive_int(names["conv"], maximum=64)
@@ -372,7 +382,15 @@ def _read_mamba(r, why: str, hidden: int, limits: dict[str, int], model_type: st
         # after that derivation (from_dict): the mixer is built at the saved width
         inner = saved.value
         src = f"{why}: {n.source}, {kernel.source}, {saved.source} = {inner} inner channels (the mixer's width)"
-    return LinearFacts(MAMBA, 1, inner, n.value, 1, kernel.value, inner, src, REFERENCE[MAMBA])
+    heads = r.positive_int(names["heads"], maximum=limits["heads"]) if "heads" in names else None
+    if heads is not None:
+        if inner % heads.value:
+            raise InputError(r.where, f"{heads.value} Mamba heads do not divide the inner width {inner} ({expand.source}"
+                                      " x hidden_size): the mixer views its channels as [heads, I / heads] "
+                                      "(transformers ZambaConfig.validate_architecture)", field=heads.source)
+        src += f", {heads.source} = {heads.value} heads of {inner // heads.value} channels (each its own B/C)"
+    return LinearFacts(MAMBA, heads.value if heads else 1, inner, n.value, 1, kernel.value, inner, src,
+                       REFERENCE[MAMBA])
 
 
 def _read_short_conv(r, why: str, hidden: int, model_type: str) -> LinearFacts:
@@ -581,8 +599,9 @@ def mixer_facts(module) -> dict[str, int | None]:
              int(conv.in_channels)}
     if isinstance(getattr(module, "num_heads", None), int):  # Mamba-2: heads x head_dim, B/C groups
         facts.update(mixer_heads=module.num_heads, mixer_head_dim=module.head_dim, mixer_groups=module.n_groups)
-    else:  # Mamba-1: one state row per inner channel
-        facts.update(mixer_heads=int(module.intermediate_size), mixer_head_dim=1, mixer_groups=1)
+    else:  # Mamba-1: one state row per inner channel; Zamba's heads each their own B/C (as groups)
+        facts.update(mixer_heads=int(module.intermediate_size), mixer_head_dim=1,
+                     mixer_groups=int(getattr(module, "n_mamba_heads", 1)))
     return facts
 
 

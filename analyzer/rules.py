@@ -78,8 +78,9 @@ FAMILY_SCALE_RULE = {
     # itself; learned absolute positions (a sinusoidal table only initialises them) and language embeddings are added
     # before the first layer, no bias on the scores (modeling_xlm.py)
     "xlm": "head_dim",
-    # Zamba2: Zamba2Attention.scaling = (head_dim / 2) ** -0.5, its head spanning concat(hidden, embeddings)
-    "zamba2": "half_head_dim",
+    # Zamba / Zamba2: ZambaAttention.scaling / Zamba2Attention.scaling = (head_dim / 2) ** -0.5, the head spanning
+    # concat(hidden, embeddings)
+    **dict.fromkeys(("zamba", "zamba2"), "half_head_dim"),
 }
 
 
@@ -509,6 +510,13 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
         # names mamba_ssm_cache_dtype float32)
         out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_v_dim, lin.head_k_dim], dtype="float32",
                              layout="[heads, head_dim P, d_state N] (transformers' Mamba-2 recurrent state)"))
+    elif lin.family == MAMBA and lin.num_k_heads > 1:
+        # Zamba's multi-head mixer: transformers scans each head on its own and stacks the heads' [I / H, N] states
+        # (ZambaMambaMixer.forward: torch.stack(final_states, dim=1), recurrent_state[:, head_idx] when decoding)
+        nk = lin.k_heads_per_rank(tp)
+        out.append(StateSpec(name="recurrent_state", shape=[nk, nv // nk, lin.head_k_dim], dtype="float32",
+                             layout="[mamba heads, inner channels per head, d_state N] (transformers' Zamba "
+                                    "recurrent state: each head a Mamba-1 state with its own B/C)"))
     elif lin.family == MAMBA:
         out.append(StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim], dtype="float32",
                              layout="[inner channels, d_state N] (transformers' Mamba-1 recurrent state)"))

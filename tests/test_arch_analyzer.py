@@ -265,18 +265,24 @@ def test_mimo_v2_flash_value_dim_sinks_and_kv_heads_are_planned_per_layer(tmp_pa
 
 
 @pytest.mark.parametrize("cls_name, overrides, words", [
-    # Zamba: Mamba layers, and hybrid layers with a shared attention block beside their mixer: its layers_block_type
-    # (read through ZambaConfig.attribute_map's layer_types) 'hybrid' is no layer kind kvcache plans, and what
-    # transformers' block there holds is named
+    # Zamba: Mamba layers, and hybrid layers with a shared attention block beside their mixer. kvcache plans them
+    # (a shared-block hybrid, tests/test_mamba_hybrids.py); an analyzer without that kind reads its layers_block_type
+    # (ZambaConfig.attribute_map's layer_types) 'hybrid' as no layer kind it plans, and names what transformers' block
+    # there holds
     ("ZambaConfig", {"num_hidden_layers": 8}, ["layer type 'hybrid'", "ZambaHybridLayer",
                                                "holds ZambaAttention with per-request state beside its KV cache",
                                                "ZambaMambaMixer"]),
 ])
-def test_hybrids_whose_recurrent_state_kvcache_does_not_plan_are_refused_by_name(tmp_path, cls_name, overrides, words):
+def test_hybrids_whose_recurrent_state_kvcache_does_not_plan_are_refused_by_name(tmp_path, monkeypatch, cls_name,
+                                                                                 overrides, words):
     """Planned as attention only, their recurrent states would be dropped: the cross-check reads the decoder blocks
     (of mixed classes too) and names the mixer."""
+    from model_infer_kvcache.analyzer import config_loader
+
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_class_defaults(cls_name, **overrides)))
+    assert not analyze(AnalyzeRequest(config=str(path))).blockers  # planned with its shared-block kind
+    monkeypatch.setattr(config_loader, "SHARED_BLOCK_HYBRIDS", frozenset())
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(path)))
     assert all(w in err.value.render() for w in words), err.value.render()

@@ -777,7 +777,8 @@ def test_layer_types_kvcache_has_no_kind_for_name_what_transformers_block_holds(
                                                                                words):
     """'hybrid' / 'hybrid_sliding' mean different things in Inkling (attention with four short-conv states and a
     per-query relative bias), ZAYA (compressed convolutional attention: a q/k conv state and a delayed-value state)
-    and Zamba (a shared attention beside a Mamba mixer): the refusal says what transformers' block there holds.
+    and Zamba (a shared attention beside a Mamba mixer, planned as a shared-block hybrid): the refusal says what
+    transformers' block there holds.
     Negative control: without the diagnosis the bare 'unknown layer type' bad-input line is back."""
     from model_infer_kvcache.analyzer import arch_check
     from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache

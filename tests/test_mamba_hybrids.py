@@ -434,3 +434,130 @@ def test_a_zamba2_mistake_fails_by_name(tmp_path, monkeypatch, case, mode, patte
     if case == "shared-module-one-cache":
         failed = check(report, failing).detail if mode == "framework" else ""
         assert mode != "framework" or "already serves cache layer" in failed, failed
+
+
+# Zamba (v1): a hybrid layer runs the one shared transformer block (attention over concat(hidden, embeddings), no RoPE,
+# then its MLP; every hybrid layer's copy tied to the first's weights), a linear, then its own multi-head Mamba-1
+# mixer (ZambaMambaMixer: n_mamba_heads heads of I / H channels, each its own x_proj / dt_proj, so its own B / C); the
+# other layers are that mixer only. Small: 4 query heads of 2 x 64 / 4 = 32, 4 Mamba heads of 2 x 64 / 4 = 32
+# channels, 7 layers whose hybrid layers 1, 3, 5 all run the one block.
+SMALL_ZAMBA = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "n_mamba_heads": 4,
+               "mamba_d_state": 16, "intermediate_size": 128, "num_hidden_layers": 7,
+               "layers_block_type": ["linear_attention", "hybrid"] * 3 + ["linear_attention"]}
+# what ZambaConfig.__post_init__ derives from hidden_size (to_dict saves them; a saved one wins)
+ZAMBA_DERIVED = ("attention_hidden_size", "attention_head_dim", "mamba_dt_rank")
+
+
+def _zamba(tmp_path, small: dict | None = None, drop: tuple[str, ...] = ()):
+    """ZambaConfig's class defaults (with ``small`` over them, the fields it derives left out) as a config file."""
+    from transformers import ZambaConfig
+
+    data = {k: v for k, v in ZambaConfig().to_dict().items() if k not in (ZAMBA_DERIVED if small else drop)}
+    path = tmp_path / "zamba.json"
+    path.write_text(json.dumps({**data, **(small or {})}), encoding="utf-8")
+    return path
+
+
+def test_zamba_plans_a_multi_head_mamba1_state_and_each_hybrid_layer_a_kv_cache(tmp_path):
+    """Class defaults: 76 layers, hybrid at 2 and then where (i - 3) % 6 == 4 (ZambaConfig.__post_init__): 13, each
+    its own KV cache (sublayer 0, the cache indexed by the decoder layer: ZambaAttention.forward's cache.update with
+    the caller's layer_idx) beside its mixer's states (sublayer 1). head_dim 2 x 3712 / 16 = 464, scale (464 / 2)^-0.5
+    (ZambaAttention.scaling). The mixer's 2 heads of 3712 channels: conv over the 7424 inner channels, state
+    [2, 3712, 16] as transformers stacks the heads' states; the cross-check against transformers' modules passes."""
+    path = _zamba(tmp_path, drop=ZAMBA_DERIVED)
+    m = analyze(AnalyzeRequest(config=str(path)))
+    assert not m.blockers and m.model.sublayers_per_layer == 2 and len(m.layers) == 76 + 13
+    hybrid = [layer.decoder_layer for layer in m.attention_layers]
+    assert hybrid == [2, *range(7, 76, 6)]
+    assert [(layer.decoder_layer, layer.sublayer, layer.attn_type) for layer in m.layers[1:5]] == [
+        (1, 0, "Mamba"), (2, 0, "FullAttention"), (2, 1, "Mamba"), (3, 0, "Mamba")]
+    assert m.model.head_dim == 464 and m.fa.softmax_scale == pytest.approx(232 ** -0.5)
+    assert "ZambaConfig.__post_init__" in m.model.sources["head_dim"]
+    lin = m.linear_attention
+    assert lin.family == MAMBA and lin.num_k_heads == 2 and lin.layers == list(range(76))
+    assert {s.name: s.shape for s in lin.states} == {"conv_state": [7424, 3], "recurrent_state": [2, 3712, 16]}
+    facts = load_model_facts(str(path))
+    config = json.loads(path.read_text(encoding="utf-8"))
+    assert cross_check(config, facts, m.layers, m.fa.softmax_scale, "").errors == []
+
+
+def test_zamba_read_as_a_one_head_mamba1_is_refused_by_the_cross_check(tmp_path):
+    """The multi-head state laid out as one head (Jamba's plan: one B/C for all 7424 channels, state [I, N]) is named
+    by the cross-check against ZambaMambaMixer's heads."""
+    path = _zamba(tmp_path, drop=ZAMBA_DERIVED)
+    facts = load_model_facts(str(path))
+    m = analyze(AnalyzeRequest(config=str(path)))
+    one = dataclasses.replace(facts.linear.value, num_k_heads=1)
+    bad = cross_check(json.loads(path.read_text(encoding="utf-8")),
+                      dataclasses.replace(facts, linear=dataclasses.replace(facts.linear, value=one)), m.layers,
+                      m.fa.softmax_scale, "")
+    assert any(e.startswith("recurrent state (planned vs transformers'") and "groups 1 vs 2" in e
+               for e in bad.errors), bad.errors
+
+
+def test_zamba_heads_that_do_not_divide_the_inner_width_are_refused_naming_the_field(tmp_path):
+    """ZambaConfig.validate_architecture refuses such a config; the analyzer names n_mamba_heads (bad input)."""
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(_zamba(tmp_path, {**SMALL_ZAMBA, "n_mamba_heads": 3}))))
+    assert err.value.field == "n_mamba_heads" and "inner width 128" in str(err.value)
+
+
+def test_zamba_attention_tp_splits_the_mamba_heads():
+    """A multi-head Mamba-1 splits its B/C heads over the ranks as Mamba-2 its groups; one head stays replicated."""
+    from model_infer_kvcache.analyzer.linear_config import k_heads_per_rank
+
+    assert k_heads_per_rank(MAMBA, 2, 2) == 1 and k_heads_per_rank(MAMBA, 4, 2) == 2
+    assert k_heads_per_rank(MAMBA, 3, 2) is None and k_heads_per_rank(MAMBA, 1, 2) == 1
+
+
+def _zamba_case(tmp_path, mode: str, **over):
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    cfg = _zamba(tmp_path, SMALL_ZAMBA)
+    manifest = analyze(AnalyzeRequest(config=str(cfg), deploy_mode=mode, **over))
+    (tmp_path / "manifest.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest, allow_blocked=True), tmp_path / "rendered")
+    return tmp_path / "manifest.json", tmp_path / "rendered", cfg
+
+
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_zamba_renders_and_validates_its_heads_and_hybrid_layers(tmp_path, mode):
+    """Both modes against transformers' Zamba (4 Mamba heads, the shared block tied across hybrid layers 1, 3, 5):
+    the tiny model runs to hybrid layer 3, the first to reuse the block, each hybrid layer's attention its own cache
+    layer beside its mixer; the render scans each head with its own B/C into a [4, 32, 16] state."""
+    manifest, rendered, cfg = _zamba_case(tmp_path, mode)
+    text = (rendered / ATTN).read_text(encoding="utf-8")
+    assert ("return [shared.self_attn, decoder_layer.mamba_decoder.mamba]" in text) == (mode == "framework")
+    assert "MAMBA_HEAD_CHANNELS = LINEAR_NUM_V_HEADS_PER_RANK // LINEAR_NUM_K_HEADS_PER_RANK" in text
+    report = run_validate(manifest, rendered, cfg, scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert any("first to reuse a shared block" in note for note in report.notes)
+    if mode == "framework":  # 4 layers kept: Mamba 0, 2 and hybrid 1, 3 (two sublayers each)
+        assert check(report, "get_cache_info layer count").measured == {"expected": 6, "got": 6}
+
+
+ZAMBA_MISTAKES = [
+    # the multi-head state scanned as one head (Jamba's one-B/C layout): every channel reads the first head's B / C
+    ("ssm-state-as-one-head", "standalone", r"B\[rows, head\], C\[rows, head\]", "B[rows, 0], C[rows, 0]", NUMERIC),
+    # a hybrid layer's Mamba state not reset when its slot is reused (the Mamba layers' still are): its prefill
+    # continues a finished request's state
+    ("hybrid-state-not-reset", "framework", r"if forward_metadata\.is_prefill \\\n",
+     "if forward_metadata.is_prefill and self.layer_idx not in (1, 3) \\\n", NUMERIC),
+]
+
+
+@pytest.mark.parametrize("case, mode, pattern, replacement, failing", ZAMBA_MISTAKES,
+                         ids=[f"{m[0]}-{m[1]}" for m in ZAMBA_MISTAKES])
+def test_a_zamba_mistake_fails_by_name(tmp_path, case, mode, pattern, replacement, failing):
+    mistake_fails_by_name(_zamba_case(tmp_path, mode), pattern, replacement, failing)
+
+
+def test_multi_rank_validation_of_a_multi_head_mamba1_mixer_is_refused_by_name(tmp_path):
+    """Planned at attention TP 2 (2 of the 4 Mamba heads a rank, state [2, 32, 16]); validation shards gated delta nets
+    only, and ZambaMambaMixer, which calls no scan function, is still named as the Mamba mixer it is."""
+    manifest, rendered, cfg = _zamba_case(tmp_path, "standalone", attn_tp_size=2)
+    lin = json.loads(manifest.read_text(encoding="utf-8"))["linear_attention"]
+    assert [s["shape"] for s in lin["states"]] == [[64, 3], [2, 32, 16]]
+    with pytest.raises(InputError, match="not supported by kvcache: multi-rank validation of ZambaMambaMixer"):
+        run_validate(manifest, rendered, cfg, scenario=SHORT)

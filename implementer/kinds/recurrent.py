@@ -28,7 +28,9 @@ MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nem
 # model types whose hybrid decoder layer keeps its attention in a shared transformer block and its mixer in a Mamba
 # decoder below it: (block attribute, the block's attention, the mixer's decoder), as transformers names them
 # (Zamba2HybridLayer.shared_transformer.self_attn, .mamba_decoder.mamba; a Zamba2 Mamba layer keeps .mamba itself)
-SHARED_BLOCK_ATTRS = {"zamba2": ("shared_transformer", "self_attn", "mamba_decoder")}
+SHARED_BLOCK_ATTRS = {"zamba2": ("shared_transformer", "self_attn", "mamba_decoder"),
+                      # ZambaHybridLayer.shared_transf.self_attn, .mamba_decoder.mamba
+                      "zamba": ("shared_transf", "self_attn", "mamba_decoder")}
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class LinearCtx:
         """(block, attention, mixer decoder) attributes of a hybrid layer running a shared transformer block
         (Zamba2), None for every other model."""
         return SHARED_BLOCK_ATTRS.get(self.model_type)
+
+    @property
+    def multihead(self) -> bool:
+        """A multi-head Mamba-1 mixer (Zamba's n_mamba_heads): each head scans its own channels with its own B/C."""
+        return self.family == "mamba" and self.num_k_heads > 1
 
     @property
     def family_name(self) -> str:
@@ -116,6 +123,9 @@ def fields(m) -> dict:
         dims, layout = ("V", "V", "K"), "[Nv, Dv, Dk]: npu_recurrent_gated_delta_rule's layout"
     elif lin.family == "mamba2":
         dims, layout = ("V", "V", "K"), "[H, P, N] (heads, head_dim, d_state): transformers' Mamba-2 layout"
+    elif lin.family == "mamba" and lin.num_k_heads_per_rank > 1:
+        dims, layout = ("H", "P", "K"), "[H, I / H, N] (mamba heads, their inner channels, d_state): transformers' " \
+                                        "multi-head Mamba-1 (Zamba) layout"
     elif lin.family == "mamba":
         dims, layout = ("V", "K"), "[I, N] (inner channels, d_state): transformers' Mamba-1 layout"
     elif lin.family == "rwkv":
@@ -124,14 +134,17 @@ def fields(m) -> dict:
         dims, layout = ("V", "K", "V"), "[H, Dqk + 1, Dv + 1] (C, the normalizer n as its last column, m at [Dqk, 0])"
     else:
         dims, layout = ("V", "K", "V"), "[H, Dk, Dv]: the torch recurrence's layout"
-    sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim}
+    sizes = {"K": lin.head_k_dim, "V": lin.head_v_dim, "P": lin.num_v_heads_per_rank // lin.num_k_heads_per_rank}
     pad = 1 if lin.family == "mlstm" else 0  # mLSTM: n and m packed beside C (analyzer rules._mlstm_states)
-    want = [lin.num_v_heads_per_rank, *(sizes[d] + pad for d in dims[1:])]
+    want = [lin.num_k_heads_per_rank if dims[0] == "H" else lin.num_v_heads_per_rank,
+            *(sizes[d] + pad for d in dims[1:])]
     want_conv = None if lin.conv_kernel is None else [lin.conv_channels_per_rank, lin.conv_kernel - 1]
     if (conv.shape if conv else None) != want_conv or rec.shape != want:
         raise bad("linear_attention.states", f"shapes {conv.shape if conv else 'no conv_state'} / {rec.shape} are "
                                              f"not the {lin.family}'s {want_conv or 'no conv_state'} / {want}")
-    shape = ", ".join(["LINEAR_NUM_V_HEADS_PER_RANK", *(f"LINEAR_HEAD_{d}_DIM{' + 1' if pad else ''}" for d in dims[1:])])
+    names = {"H": "LINEAR_NUM_K_HEADS_PER_RANK", "P": "MAMBA_HEAD_CHANNELS"}  # a multi-head Mamba-1's state
+    shape = ", ".join([names.get(dims[0], "LINEAR_NUM_V_HEADS_PER_RANK"),
+                       *(names.get(d, f"LINEAR_HEAD_{d}_DIM{' + 1' if pad else ''}") for d in dims[1:])])
     return {"linear": LinearCtx(lin.family, int(lin.num_k_heads_per_rank), int(lin.num_v_heads_per_rank),
                                 int(lin.head_k_dim), int(lin.head_v_dim), int(lin.conv_kernel or 0),
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",

@@ -26,17 +26,19 @@ def expected_constants(manifest) -> dict[str, object]:
 
 def shared_block_prefix(manifest, src: dict, n: int) -> tuple[int, str | None]:
     """The tiny model's layer prefix grown, for a model whose hybrid layers run shared transformer blocks (Zamba2:
-    hybrid layer j runs block j % num_mem_blocks, Zamba2Model.get_layers), to the first hybrid layer that reuses a
+    hybrid layer j runs block j % num_mem_blocks, Zamba2Model.get_layers; Zamba: one block), to the first hybrid layer that reuses a
     block: two cache layers of one block's weights, each with its own KV cache, are then both in the run. (n, None)
     for any other model, or when the config has no such layer."""
     if manifest.model.model_type not in SHARED_BLOCK_HYBRIDS:
         return n, None
+    # Zamba (v1) has one shared block, every hybrid layer's shared_transf tied to it (ZambaModel._tied_weights_keys)
     blocks = src.get("num_mem_blocks", 1)
     hybrid = [layer.decoder_layer for layer in manifest.layers if layer.sublayer]
     if not isinstance(blocks, int) or len(hybrid) <= blocks or hybrid[blocks] < n:
         return n, None
+    shared = f"{blocks} num_mem_blocks" if "num_mem_blocks" in src else "one block tied across every hybrid layer"
     return hybrid[blocks] + 1, (f"the prefix runs to decoder layer {hybrid[blocks]}, hybrid layer {blocks + 1}: the "
-                                f"first to reuse a shared block ({blocks} num_mem_blocks), so two cache layers of one "
+                                f"first to reuse a shared block ({shared}), so two cache layers of one "
                                 "block's weights are validated")
 
 

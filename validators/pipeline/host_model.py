@@ -806,6 +806,35 @@ def _host_mamba_scan(original):
     return mamba_scan_forward
 
 
+def multihead_mamba(module) -> bool:
+    """A multi-head Mamba-1 mixer (transformers ZambaMambaMixer: per-head ``x_proj_weight`` / ``dt_proj_weight``),
+    whose forward scans its heads itself: no scan function to swap, so the host routes its forward."""
+    return hasattr(module, "x_proj_weight") and hasattr(module, "n_mamba_heads")
+
+
+def _multihead_mamba_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """transformers' multi-head Mamba-1 mixer (ZambaMambaMixer.forward) with the conv and the heads' scans, and so the
+    states, done by the rendered code around the model's own in_proj, per-head x_proj / dt_proj, A, D and out_proj,
+    on the packed tokens."""
+    host = self._kvcache_host
+    if self.activation not in ("silu", "swish"):  # the rendered conv applies SiLU
+        raise NotSupportedByKvcache("--config", f"a Mamba conv activation {self.activation!r} (the rendered conv "
+                                                "applies SiLU)", field="hidden_mamba_act")
+    fm = _metadata()
+    t = hidden_states.shape[1]
+    heads, width = self.n_mamba_heads, self.mamba_head_dim
+    # in_proj's output channels interleave x and the gate: transformers views them as [I, 2] (x at 2i, gate at 2i + 1)
+    inner, gate = self.in_proj(hidden_states[0]).view(t, -1, 2).unbind(-1)
+    host.probe.last_layer = host.layer_idx
+    inner = host.conv_step(inner, fm)  # [T, I], conv + SiLU over each request's conv state
+    params = torch.einsum("hrp,thp->thr", self.x_proj_weight, inner.reshape(t, heads, width))  # each head's x_proj
+    time_step, B, C = params.split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+    dt = torch.einsum("hpr,thr->thp", self.dt_proj_weight, time_step).reshape(t, -1)  # each head's dt_proj
+    out = host.mamba_scan(inner, dt, B, C, gate, -torch.exp(self.A_log.float()).reshape(heads * width, -1),
+                          self.D.reshape(-1), self.dt_proj_bias.reshape(-1), fm)
+    return self.out_proj(out.to(hidden_states.dtype))[None]
+
+
 _HOST_HOOKS = {_CONV: _host_conv, "mamba2_scan_forward": _host_mamba2_scan, "mamba_scan_forward": _host_mamba_scan}
 
 
@@ -1187,6 +1216,14 @@ class HostModel:
                 elif scan is not None:
                     bind_mamba(linear[1], state, scan)
                     state_attr = linear[0]  # the layer answers its mixer's own name only
+                elif multihead_mamba(linear[1]):
+                    if not hasattr(state, "mamba_scan"):
+                        raise InputError("--config", f"{type(linear[1]).__name__} is a Mamba-1 mixer and the rendered "
+                                                     "state mixin has no mamba_scan (its linear_attention family is "
+                                                     "another)", field="model_type")
+                    linear[1]._kvcache_host = state
+                    linear[1].forward = types.MethodType(_multihead_mamba_forward, linear[1])
+                    state_attr = linear[0]
                 else:
                     linear[1]._kvcache_host = state
                     linear[1].forward = types.MethodType(_linear_forward(linear[1]), linear[1])

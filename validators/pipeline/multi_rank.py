@@ -76,9 +76,9 @@ def _shard_gated_delta(mod, rank: int, tp: int):
     The conv and the fused projections lay channels out [q of every key head | k | v of every value head]
     (Qwen3.5 ``in_proj_qkv``) or grouped per key head (Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba``); each keeps
     its own order, cut to the rank's heads."""
-    from model_infer_kvcache.validators.pipeline.host_model import mamba_scan_of
+    from model_infer_kvcache.validators.pipeline.host_model import mamba_scan_of, multihead_mamba
 
-    if mamba_scan_of(mod) is not None:  # a gap of kvcache's, said as such (never the model's failure)
+    if mamba_scan_of(mod) is not None or multihead_mamba(mod):  # a gap of kvcache's, said as such
         from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a Mamba "

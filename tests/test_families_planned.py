@@ -1127,3 +1127,21 @@ def test_musicgen_decoder_plans_its_frame_cache_and_is_refused_at_validation_by_
     with pytest.raises(NotSupportedByKvcache) as err:
         run_validate(*case[:3])
     assert err.value.field == "model_type" and "is invalid for input of size" in err.value.message
+
+
+@pytest.mark.slow
+def test_stablelm_per_head_norms_and_head_counts_are_sharded_at_attention_tp_2(tmp_path):
+    """StableLM reshapes by its module's own num_heads / num_key_value_heads and, with qk_layernorm, keeps one
+    LayerNorm per head: a rank's module keeps its share of each (it failed at TP 2 with a reshape error, 'shape
+    [1, 780, 4, 80] is invalid', in the model's own forward)."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    config = _config(tmp_path, "stablelm")
+    config.write_text(json.dumps(json.loads(config.read_text()) | dict(
+        num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+        vocab_size=512, qk_layernorm=True)), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework", attn_tp_size=2))
+    assert manifest.parallel.attn_tp_size == 2
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    _passes((tmp_path / "m.json", tmp_path / "r", config))

@@ -130,4 +130,15 @@ def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
             proj.bias = keep_rows(proj.bias, lo * width, hi * width)
     if getattr(attn, "sinks", None) is not None:  # MiMo-V2-Flash's full layers keep sinks None
         attn.sinks = torch.nn.Parameter(attn.sinks.data[heads].clone(), requires_grad=False)
+    # head counts the module's own forward reshapes by (StableLM: view(bsz, q_len, self.num_heads, head_dim)) and
+    # per-head norms (StableLM's qk_layernorm: one LayerNorm per head): this rank's share
+    for attr, total, share in (("num_heads", model.num_attention_heads, heads.stop - heads.start),
+                               ("num_key_value_heads", kv_heads, hi - lo)):
+        if getattr(attn, attr, None) == total and total != share:
+            setattr(attn, attr, share)
+    for norm, keep in ((getattr(attn, "q_layernorm", None), heads), (getattr(attn, "k_layernorm", None), slice(lo, hi))):
+        per_head = getattr(norm, "norms", None)
+        if isinstance(per_head, torch.nn.ModuleList) and getattr(norm, "num_heads", None) == len(per_head):
+            norm.norms = torch.nn.ModuleList(list(per_head)[keep])
+            norm.num_heads = len(norm.norms)
     return vd

@@ -71,7 +71,54 @@ _REPLICATED_K_HEADS = frozenset({MAMBA})
 
 # LFM2-family model types (their conv width ``conv_L_cache``; the class default where a config omits it)
 _SHORT_CONV_KERNEL_DEFAULTS = {"lfm2": ("Lfm2Config", 3), "lfm2_moe": ("Lfm2MoeConfig", 3), "lfm3": ("Lfm3Config", 7)}
-_GDN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclass(frozen=True)
+class GdnVariant:
+    """What a gated-delta-net model_type's config and mixer add to Qwen3-Next's (the mixer: conv over q|k|v, then the
+    gated delta rule with q/k l2-normalised and scale Dk^-0.5; its projections, gate and norm stay the model's own).
+
+    ``module``: transformers' mixer class (the source read). ``derived``: the config class derives the linear sizes
+    it leaves out from other fields (OLMo-Hybrid's ``__post_init__``), else the family defaults apply.
+    ``beta_scale``: (field, class default) of a flag that doubles beta inside the mixer (OLMo-Hybrid
+    ``linear_allow_neg_eigval``: beta in [0, 2], negative eigenvalues of the state transition), None: beta =
+    sigmoid(b)."""
+
+    module: str
+    derived: bool = False
+    beta_scale: tuple[str, bool] | None = None
+    own_reference: bool = True  # the validation's reference names this mixer (False: the family's sentence)
+
+    @property
+    def reference(self) -> str:
+        """What the validation compares the layers with (the manifest's ``linear_attention.reference``)."""
+        if not self.own_reference:
+            return REFERENCE[GATED_DELTA_NET]
+        return f"transformers {self.module.split(':')[1].split(' ')[0]} (torch_chunk_gated_delta_rule)"
+
+
+_QWEN35_GDN = "transformers/models/qwen3_5/modeling_qwen3_5.py:Qwen3_5GatedDeltaNet"
+# One row per model_type whose linear layers are gated delta nets (their modeling files, read against Qwen3-Next's)
+GDN_VARIANTS = {
+    # (their reference: the family's sentence naming both)
+    "qwen3_next": GdnVariant("transformers/models/qwen3_next/modeling_qwen3_next.py:Qwen3NextGatedDeltaNet",
+                             own_reference=False),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    GdnVariant(_QWEN35_GDN, own_reference=False)),
+    # LaraMiniGatedDeltaNet subclasses Qwen3_5GatedDeltaNet unchanged (its gated norm is GLM-5-Next's fp32 one with
+    # SiLU, kept in the model); its full layers attend without RoPE, its sliding ones with (the model's own q/k path)
+    "lara_mini": GdnVariant("transformers/models/lara_mini/modeling_lara_mini.py:LaraMiniGatedDeltaNet "
+                            f"(= {_QWEN35_GDN})"),
+    # OlmoHybridGatedDeltaNet: separate q/k/v/a/b projections, a g_proj output gate, o_norm / o_proj; the same conv
+    # over q|k|v and the same rule, except beta doubled under linear_allow_neg_eigval (OlmoHybridConfig default True)
+    "olmo_hybrid": GdnVariant("transformers/models/olmo_hybrid/modeling_olmo_hybrid.py:OlmoHybridGatedDeltaNet",
+                              derived=True, beta_scale=("linear_allow_neg_eigval", True)),
+    # Qwen4ExpTextGatedDeltaNet subclasses Qwen3_5GatedDeltaNet (only its norm's gate activation is configurable:
+    # output_gate_type, kept in the model); its attention layers are another matter (config_loader: the QSA indexer)
+    "qwen4_exp_text": GdnVariant("transformers/models/qwen4_exp/modeling_qwen4_exp.py:Qwen4ExpTextGatedDeltaNet "
+                                 f"(a {_QWEN35_GDN} subclass)"),
+}
+_GDN_TYPES = tuple(GDN_VARIANTS)
 # Fields only Ling-2.5's remote code reads (BailingMoeV2_5Config) / only the KDA model reads.
 _LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
 _KDA_FIELDS = ("short_conv_kernel_size", "kda_safe_gate", "kda_lower_bound")
@@ -148,6 +195,9 @@ class LinearFacts:
     conv_channels: int  # channels of the fused short conv (0 without one)
     source: str
     reference: str | None
+    # the gated delta net's beta = beta_scale x sigmoid(b): 2 where the mixer allows negative eigenvalues
+    # (GdnVariant.beta_scale), 1 elsewhere and for every other family
+    beta_scale: float = 1.0
 
     def k_heads_per_rank(self, tp: int) -> int:
         """Key heads (Mamba: B/C groups) one attention-TP rank holds (``k_heads_per_rank``)."""
@@ -233,18 +283,7 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
                 limits: dict[str, int], hidden: int = 0, model_type: str = "") -> LinearFacts:
     """The family's sizes from the config (``r``: config_loader's reader; defaults named by their class)."""
     if family == GATED_DELTA_NET:
-        nk = r.positive_int("linear_num_key_heads", maximum=limits["heads"])
-        nv = r.positive_int("linear_num_value_heads", maximum=limits["heads"])
-        dk = r.positive_int("linear_key_head_dim", maximum=limits["head_dim"])
-        dv = r.positive_int("linear_value_head_dim", maximum=limits["head_dim"])
-        kernel = r.positive_int("linear_conv_kernel_dim", maximum=64)
-        if nv.value % nk.value:
-            raise InputError(r.where, f"{nv.value} value heads are not a multiple of {nk.value} key heads "
-                                      "(each key head serves a group of value heads)", field=nv.source)
-        channels = 2 * nk.value * dk.value + nv.value * dv.value
-        src = f"{why}: {nk.source}, {nv.source}, {dk.source}, {dv.source}, {kernel.source}"
-        return LinearFacts(family, nk.value, nv.value, dk.value, dv.value, kernel.value, channels, src,
-                           REFERENCE[family])
+        return _read_gdn(r, why, heads, hidden, limits, GDN_VARIANTS[model_type])
     if family == MAMBA2:
         return _read_mamba2(r, why, hidden, limits, model_type)
     if family == MAMBA:
@@ -274,6 +313,38 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         raise InputError(r.where, "missing: Ling-2.5's linear layers use head_dim per head", field="head_dim")
     return LinearFacts(family, heads, heads, d.value, d.value, None, 0,
                        f"{why}: num_attention_heads, {d.source} (state [H, D, D]; no short conv)", REFERENCE[family])
+
+
+def _read_gdn(r, why: str, heads: int, hidden: int, limits: dict[str, int], variant: GdnVariant) -> LinearFacts:
+    """A gated delta net's sizes: Nk key heads of Dk, Nv value heads of Dv, the conv over q|k|v; a variant that
+    derives them (OLMo-Hybrid) as its config class does when the config leaves them out."""
+    need = not variant.derived
+    nk = r.positive_int("linear_num_key_heads", required=need, maximum=limits["heads"])
+    nv = r.positive_int("linear_num_value_heads", required=need, maximum=limits["heads"])
+    dk = r.positive_int("linear_key_head_dim", required=need, maximum=limits["head_dim"])
+    dv = r.positive_int("linear_value_head_dim", required=need, maximum=limits["head_dim"])
+    if variant.derived:  # OlmoHybridConfig.__post_init__: heads = num_attention_heads, Dk = int(0.75 hidden / Nk)
+        nk = nk or _Hit(heads, "default: num_attention_heads (OlmoHybridConfig.__post_init__)")
+        nv = nv or _Hit(heads, "default: num_attention_heads (OlmoHybridConfig.__post_init__)")
+        if dk is None:
+            dk = _int_at(r.where, "linear_key_head_dim", int(0.75 * hidden / nk.value))
+            dk = _Hit(dk.value, f"default: int(0.75 x hidden_size / {nk.source}) (OlmoHybridConfig.__post_init__)")
+        dv = dv or _Hit(2 * dk.value, f"default: 2 x {dk.source} (OlmoHybridConfig.__post_init__)")
+    kernel = r.positive_int("linear_conv_kernel_dim", maximum=64)
+    if nv.value % nk.value:
+        raise InputError(r.where, f"{nv.value} value heads are not a multiple of {nk.value} key heads "
+                                  "(each key head serves a group of value heads)", field=nv.source)
+    channels = 2 * nk.value * dk.value + nv.value * dv.value
+    src = f"{why}: {nk.source}, {nv.source}, {dk.source}, {dv.source}, {kernel.source}"
+    scale = 1.0
+    if variant.beta_scale is not None:
+        name, default = variant.beta_scale
+        hit = r.flag(name)
+        on, where = hit if hit is not None else (default, f"default: {name} {default} ({variant.module})")
+        scale = 2.0 if on else 1.0
+        src += f", {where}: beta = {scale:g} x sigmoid(b)"
+    return LinearFacts(GATED_DELTA_NET, nk.value, nv.value, dk.value, dv.value, kernel.value, channels,
+                       src, variant.reference, scale)
 
 
 def _read_mamba2(r, why: str, hidden: int, limits: dict[str, int], model_type: str) -> LinearFacts:
@@ -500,6 +571,8 @@ def mixer_facts(module) -> dict[str, int | None]:
     device; empty for any other module."""
     conv = getattr(module, "conv1d", None)
     state = getattr(module, "ssm_state_size", None)
+    if conv is not None and isinstance(getattr(module, "head_k_dim", None), int) and hasattr(module, "dt_bias"):
+        return gdn_facts(module)
     if conv is None or not isinstance(state, int) or not hasattr(module, "A_log"):
         return short_conv_facts(module)
     facts = {"mixer_state": state, "mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels":
@@ -522,11 +595,28 @@ def short_conv_facts(module) -> dict[str, int | None]:
             "mixer_short_conv": 1}
 
 
+def gdn_facts(module) -> dict[str, int | None]:
+    """A transformers gated delta net's sizes (Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet and its subclasses,
+    OlmoHybridGatedDeltaNet): heads and dims of k and v, the conv's kernel and channels, and the beta scale (2 where
+    the module doubles beta: OLMo-Hybrid's ``allow_neg_eigval``), read off the module built on the meta device."""
+    return {"mixer_gdn_k_heads": module.num_k_heads, "mixer_gdn_v_heads": module.num_v_heads,
+            "mixer_gdn_k_dim": module.head_k_dim, "mixer_gdn_v_dim": module.head_v_dim,
+            "mixer_conv_kernel": int(module.conv1d.kernel_size[0]), "mixer_conv_channels": int(module.conv1d.in_channels),
+            "mixer_gdn_beta_scale": 2 if getattr(module, "allow_neg_eigval", False) else 1}
+
+
 def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
     """Where the planned Mamba state differs from the transformers mixer's sizes (None: they agree, or the module
     is not a Mamba mixer, or the plan is another family's)."""
     if lin.family == SHORT_CONV or facts.get("mixer_short_conv"):
         return _short_conv_off(lin, facts)
+    if lin.family == GATED_DELTA_NET and facts.get("mixer_gdn_k_heads"):
+        planned = {"mixer_gdn_k_heads": lin.num_k_heads, "mixer_gdn_v_heads": lin.num_v_heads,
+                   "mixer_gdn_k_dim": lin.head_k_dim, "mixer_gdn_v_dim": lin.head_v_dim,
+                   "mixer_conv_kernel": lin.conv_kernel, "mixer_conv_channels": lin.conv_channels,
+                   "mixer_gdn_beta_scale": lin.beta_scale}
+        off = [f"{name[6:]} {planned[name]:g} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+        return ", ".join(off) or None
     if not facts.get("mixer_state") or lin.family not in (MAMBA2, MAMBA):
         return None
     planned = {"mixer_heads": lin.num_v_heads, "mixer_head_dim": lin.head_v_dim, "mixer_state": lin.head_k_dim,

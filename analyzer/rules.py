@@ -44,6 +44,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     INT32_MAX,
     VALID_BLOCK_SIZES,
 )
+from model_infer_kvcache.analyzer.operators.gdr_facts import RECURRENT_MAX_LEN, chunk_misfit
 
 DEFAULT_BLOCK_SIZE = 128
 STATE_DTYPE_BYTES = {**DTYPE_BYTES, "int32": 4}  # a state entry may be an index (the speculative anchor)
@@ -447,6 +448,19 @@ LINEAR_OPERATORS = {
 }
 
 
+def linear_operators(lin, tp: int) -> dict[str, str]:
+    """The family's operators; a gated delta net whose per-rank sizes npu_chunk_gated_delta_rule does not take
+    (OLMo-Hybrid's Dk 96 / Dv 192) prefills through npu_recurrent_gated_delta_rule, L_i <= 8 tokens per call."""
+    ops = LINEAR_OPERATORS[lin.family]
+    if lin.family != GATED_DELTA_NET:
+        return ops
+    misfit = chunk_misfit(lin.k_heads_per_rank(tp), lin.num_v_heads // tp, lin.head_k_dim, lin.head_v_dim)
+    if misfit is None:
+        return ops
+    return {**ops, "prefill": f"torch_npu.npu_recurrent_gated_delta_rule in windows of {RECURRENT_MAX_LEN} tokens "
+                              f"per request from a zeroed state block ({misfit})"}
+
+
 def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: int = 0) -> list[StateSpec]:
     """One linear layer's state entries on one rank (empty without linear layers).
 
@@ -541,8 +555,9 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         framework_entry="MambaCacheEntry(cache_name=<state name>, dtype, shape=<state shape>, needs_block=True) "
                         "per state, attn_type Mamba (block size 1, one block per request plus one per speculative "
                         "token): frameworks from fda5670 on (executor/core/kv_cache/cache_info.py defines MambaCacheEntry)",
-        operators=LINEAR_OPERATORS[lin.family],
+        operators=linear_operators(lin, tp),
         state_blocks_per_request=1 + next_n,
+        beta_scale=lin.beta_scale if lin.beta_scale != 1 else None,
         speculative=decide_speculative_states(next_n, bool(lin.conv_kernel)),
         reference=lin.reference,
         source=lin.source,

@@ -647,15 +647,19 @@ def _gdn_forward(self, hidden_states, attention_mask=None, **kwargs):
         q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x)[None], self.in_proj_ba(x)[None])
         mixed = torch.cat([u.reshape(1, t, -1) for u in (q, k, v)], dim=-1)[0]
         z, b, a = z[0], b[0], a[0]
+    elif hasattr(self, "g_proj"):  # OLMo-Hybrid: separate q/k/v/a/b projections, g_proj's gate, o_norm / o_proj
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        z, b, a = self.g_proj(x), self.b_proj(x), self.a_proj(x)
     else:
         mixed = self.in_proj_qkv(x)
         z, b, a = self.in_proj_z(x).reshape(t, -1, self.head_v_dim), self.in_proj_b(x), self.in_proj_a(x)
-    beta = b.sigmoid()
+    beta = b.sigmoid()  # the render scales it where the mixer does (linear_attention.beta_scale)
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)  # as transformers
     host.probe.last_layer = host.layer_idx
     core = host.linear_attention(mixed, beta, g.to(x.dtype), fm)
-    out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(1, t, -1)
-    return self.out_proj(out.to(x.dtype))
+    norm, out_proj = (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
+    out = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(1, t, -1)
+    return out_proj(out.to(x.dtype))
 
 
 def _kda_forward(self, hidden_states, attention_mask=None, **kwargs):

@@ -5,9 +5,11 @@ state instead of a growing KV cache: a recurrent state (one ``Dk x Dv`` matrix p
 family runs a short causal convolution before it, the last ``kernel - 1`` inputs of that convolution. Families
 (their code is the source of truth, cited per family):
 
-* ``gated_delta_net`` -- Qwen3-Next, Qwen3.5 (transformers ``Qwen3NextGatedDeltaNet``,
-  ``Qwen3_5MoeGatedDeltaNet``): one fused conv over q|k|v (``2*Nk*Dk + Nv*Dv`` channels), ``Nv`` value heads
-  sharing ``Nk`` key heads; on the NPU ``npu_recurrent_gated_delta_rule`` keeps its state ``[Nv, Dv, Dk]``.
+* ``gated_delta_net`` -- Qwen3-Next, Qwen3.5, LaraMini, OLMo-Hybrid (transformers ``Qwen3NextGatedDeltaNet``,
+  ``Qwen3_5MoeGatedDeltaNet``, ``LaraMiniGatedDeltaNet``, ``OlmoHybridGatedDeltaNet``; one row each in
+  ``GDN_VARIANTS``): one fused conv over q|k|v (``2*Nk*Dk + Nv*Dv`` channels), ``Nv`` value heads sharing ``Nk``
+  key heads; on the NPU ``npu_recurrent_gated_delta_rule`` keeps its state ``[Nv, Dv, Dk]``. OLMo-Hybrid doubles
+  beta (``LinearFacts.beta_scale``).
 * ``kimi_delta_attention`` -- Kimi-Linear, Ling-3.0 (transformers ``KimiLinearKimiDeltaAttention`` / model_type
   ``bailing_hybrid``'s ``BailingHybridDeltaAttention``): one fused conv over q|k|v (``3*H*D`` channels), a
   per-channel gate, state ``[H, Dk, Dv]`` (pure torch: no torch-npu operator).

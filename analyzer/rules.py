@@ -124,8 +124,7 @@ def find_blockers(facts: ModelFacts, block_size: int = DEFAULT_BLOCK_SIZE) -> li
         # A known family plans its states (decide_linear); an unknown one has no state shapes to plan.
         out.append(Finding(
             message=f"{kinds.count('linear')} linear-attention/recurrent layers of an unknown family "
-                    f"({facts.linear.source}): kvcache cannot plan their state (known: Qwen3-Next / Qwen3.5 gated "
-                    "delta net, Kimi-Linear / Ling-3.0 KDA, Ling-2.5 lightning attention)",
+                    f"({facts.linear.source}): kvcache cannot plan their state (known: {KNOWN_LINEAR})",
             fields=[facts.layer_kinds.source],
         ))
     out += format_of(facts).head_problems(facts)
@@ -414,6 +413,11 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
         # a KV-shared layer reads its source layer's cache (ModelFacts.kv_sources): no entries of its own
         return []
     return format_of(facts).caches(facts, parallel.attn_tp_size, kv_mode, dtype or facts.dtype.value, decoder_layer)
+
+
+# The linear families kvcache plans, as the unknown-family blocker names them
+KNOWN_LINEAR = ("gated delta net (Qwen3-Next, Qwen3.5, LaraMini, OLMo-Hybrid), Kimi delta attention (Kimi-Linear, "
+                "Ling-3.0), lightning attention (Ling-2.5), Mamba-2, Mamba-1, short conv (LFM2)")
 
 
 # The linear families' operators: what computes the recurrence on the NPU (or the pure-torch path upstream uses).

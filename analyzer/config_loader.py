@@ -23,6 +23,7 @@ from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
     NO_CACHE,
     PARALLEL_HYBRIDS,
+    POST_INIT_LAYER_TYPES,
     SHARED_BLOCK,
     SHARED_BLOCK_HYBRIDS,
     LinearFacts,
@@ -460,7 +461,7 @@ class _Reader:
         ``__post_init__`` fills when the config leaves it out (Zamba2's layers_block_type). Read from the config class
         built over this config's section (transformers is imported only then); None without transformers, the
         alias, or a build."""
-        alias = self.aliases.get(name)
+        alias = self.aliases.get(name, name if in_post_init else None)  # a class may derive the field under its name
         if not isinstance(alias, str) or alias in self.cfg or not (in_post_init or alias in self._class.properties):
             return None
         try:
@@ -1382,7 +1383,7 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         return Sourced(kinds, f"{interval.source}={n} (other layers linear attention)"), Sourced(None, "default: none")
 
     # a config class that derives its layer types (RecurrentGemma's block_types; Zamba2Config.__post_init__'s pattern)
-    derived = r.derived("layer_types", in_post_init=model_type in SHARED_BLOCK_HYBRIDS)
+    derived = r.derived("layer_types", in_post_init=model_type in SHARED_BLOCK_HYBRIDS | POST_INIT_LAYER_TYPES)
     if derived is not None:
         return listed(derived)
 

@@ -121,6 +121,9 @@ GDN_VARIANTS = {
                                  f"(a {_QWEN35_GDN} subclass)"),
 }
 _GDN_TYPES = tuple(GDN_VARIANTS)
+# config classes whose __post_init__ fills layer_types when a config leaves it out (LaraMiniConfig: the published
+# period-5 pattern; OlmoHybridConfig: every 4th layer full, the last one at least): read from the class itself
+POST_INIT_LAYER_TYPES = frozenset({"lara_mini", "olmo_hybrid"})
 # Fields only Ling-2.5's remote code reads (BailingMoeV2_5Config) / only the KDA model reads.
 _LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
 _KDA_FIELDS = ("short_conv_kernel_size", "kda_safe_gate", "kda_lower_bound")

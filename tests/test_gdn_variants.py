@@ -171,3 +171,18 @@ def test_a_misread_gdn_size_or_beta_is_refused_by_the_cross_check(tmp_path, monk
     data["linear_key_head_dim"] = 128  # the config says 128, and transformers builds 128: they agree
     config.write_text(json.dumps(data))
     assert analyze(AnalyzeRequest(config=str(config))).linear_attention.head_k_dim == 128
+
+
+@pytest.mark.parametrize("model_type", ["lara_mini", "olmo_hybrid"])
+def test_layer_types_left_out_are_derived_by_the_config_class(tmp_path, model_type):
+    """LaraMiniConfig / OlmoHybridConfig fill layer_types in __post_init__: a config without it plans the same layers
+    (read from the class, not guessed; before, every layer was planned full and the cross-check refused it)."""
+    listed = analyze(AnalyzeRequest(config=str(_class_config(tmp_path, model_type))))
+    data = json.loads((tmp_path / f"{model_type}.json").read_text())
+    del data["layer_types"]
+    path = tmp_path / "no_layer_types.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    derived = analyze(AnalyzeRequest(config=str(path)))
+    assert [layer.attn_type for layer in derived.layers] == [layer.attn_type for layer in listed.layers]
+    assert derived.linear_attention.layers == listed.linear_attention.layers
+    assert "derived by transformers" in derived.model.sources["layer_kinds"]

@@ -186,3 +186,24 @@ def test_layer_types_left_out_are_derived_by_the_config_class(tmp_path, model_ty
     assert [layer.attn_type for layer in derived.layers] == [layer.attn_type for layer in listed.layers]
     assert derived.linear_attention.layers == listed.linear_attention.layers
     assert "derived by transformers" in derived.model.sources["layer_kinds"]
+
+
+def test_olmo_hybrid_multi_rank_validation_is_refused_by_name(tmp_path):
+    """Attention TP 2 plans OLMo-Hybrid's states per rank, but the multi-rank validation shards only the fused
+    Qwen3-Next / Qwen3.5 projections: a refusal naming the module, not an AttributeError from a rank."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline.validate import ValidateRequest, validate
+    from transformers import OlmoHybridConfig
+
+    path = tmp_path / "olmo_hybrid.json"
+    path.write_text(json.dumps({**OlmoHybridConfig().to_dict(), **SMALL_OLMO}, default=str), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(path), deploy_mode="framework", attn_tp_size=2))
+    assert manifest.linear_attention.num_k_heads_per_rank == 1
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    # the rank's refusal comes back through the launcher as an input error carrying its words
+    with pytest.raises(InputError, match="not supported by kvcache: multi-rank validation of OlmoHybridGatedDeltaNet") \
+            as err:
+        validate(ValidateRequest(manifest=str(tmp_path / "m.json"), rendered=str(tmp_path / "r"), config=str(path),
+                                 backend="emulated", scenario=SHORT, sweep_readings=False, attn_tp_size=2))
+    assert err.value.field == "attn_tp_size"

@@ -207,3 +207,16 @@ def test_olmo_hybrid_multi_rank_validation_is_refused_by_name(tmp_path):
         validate(ValidateRequest(manifest=str(tmp_path / "m.json"), rendered=str(tmp_path / "r"), config=str(path),
                                  backend="emulated", scenario=SHORT, sweep_readings=False, attn_tp_size=2))
     assert err.value.field == "attn_tp_size"
+
+
+def test_olmo_hybrid_integration_steps_say_who_doubles_beta(tmp_path):
+    """The porter's INTEGRATION.md: pass sigmoid(b), the render doubles it (doubling in the model too is 4x), and
+    prefill runs the recurrent operator in windows; Qwen-sized renders say neither."""
+    _, rendered, _ = _olmo_case(tmp_path, "framework")
+    steps = (rendered / "INTEGRATION.md").read_text(encoding="utf-8")
+    assert "Pass `beta = sigmoid(b)` even though the model doubles it" in steps and "BETA_SCALE = 2.0" in steps
+    assert "Prefill runs `npu_recurrent_gated_delta_rule` 8 tokens per request a call" in steps
+    (tmp_path / "lara").mkdir()
+    _, lara, _ = _render(tmp_path / "lara", _class_config(tmp_path, "lara_mini"), "framework")
+    assert "BETA_SCALE" not in (lara / "INTEGRATION.md").read_text(encoding="utf-8")
+    assert "Prefill runs" not in (lara / "INTEGRATION.md").read_text(encoding="utf-8")

@@ -39,7 +39,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
     MIXER_FACT,
     NO_CACHE,
-    NOT_IN_TRANSFORMERS,
+    kvcache_reference,
     mixer_facts,
     mixer_off,
     short_conv_facts,
@@ -711,7 +711,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     """Compare the planned scale, per-layer window, KV cache shape (per rank) and sinks with the architecture's
     attention modules."""
     lin = facts.linear.value
-    if lin is not None and lin.family in NOT_IN_TRANSFORMERS:
+    if kvcache_reference(lin):
         # Ling-2.5 publishes model_type bailing_hybrid, which transformers implements as another architecture
         # (Ling-3.0 KDA): building it would compare against the wrong model.
         return CheckResult(ships=False, notes=[

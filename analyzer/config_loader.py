@@ -931,7 +931,7 @@ def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str
         return Sourced(None, f"model_type {model_type}: no linear-attention family kvcache knows")
     # Ling-3.0 (KDA bailing_hybrid) sizes its linear heads by the config's own head_dim (transformers copies it to
     # linear_head_dim before overwriting head_dim with qk_rope_head_dim); Ling-2.5 the same field.
-    head_dim = r.get("head_dim") if model_type == "bailing_hybrid" else None
+    head_dim = r.get("head_dim") if model_type in ("bailing_hybrid", "minimax") else None
     facts = read_linear(r, family[0], family[1], heads.value, head_dim, LIMITS, hidden, model_type)
     return Sourced(facts, facts.source)
 

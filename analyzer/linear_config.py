@@ -128,6 +128,10 @@ POST_INIT_LAYER_TYPES = frozenset({"lara_mini", "olmo_hybrid"})
 _LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
 _KDA_FIELDS = ("short_conv_kernel_size", "kda_safe_gate", "kda_lower_bound")
 _LIGHTNING_ARCH = "BailingMoeV2_5ForCausalLM"
+# Lightning attention transformers implements itself (beside Ling-2.5's, which it does not): model_type -> its module.
+# MiniMaxLightningAttention: the same recurrence S <- exp(-slope) S + k^T v, o = q S, with q not scaled (its intra
+# and inter products use q as is; Ling-2.5's kernels scale it by head_dim^-0.5)
+_LIGHTNING_TYPES = {"minimax": "transformers/models/minimax/modeling_minimax.py:MiniMaxLightningAttention"}
 
 # The Mamba families' mixer fields, by model_type (each config class's own names): heads H, head dim P, state N,
 # groups G, conv width, expand (inner width I = expand x hidden unless the class names I itself).
@@ -187,6 +191,12 @@ REFERENCE = {
 NOT_IN_TRANSFORMERS = frozenset({LIGHTNING})
 
 
+def kvcache_reference(lin) -> bool:
+    """The plan's linear layers are validated against kvcache's own reference (Ling-2.5: transformers implements no
+    such model; MiniMax's lightning attention is transformers' own). ``lin``: LinearFacts or the manifest's section."""
+    return lin is not None and lin.family in NOT_IN_TRANSFORMERS and lin.reference == REFERENCE[lin.family]
+
+
 @dataclass(frozen=True)
 class LinearFacts:
     """What the config says about its linear layers (all ranks)."""
@@ -203,6 +213,9 @@ class LinearFacts:
     # the gated delta net's beta = beta_scale x sigmoid(b): 2 where the mixer allows negative eigenvalues
     # (GdnVariant.beta_scale), 1 elsewhere and for every other family
     beta_scale: float = 1.0
+    # lightning: what the query is scaled by before the recurrence (None: head_k_dim^-0.5, Ling-2.5's kernels; 1:
+    # MiniMax's, which scales none)
+    query_scale: float | None = None
 
     def k_heads_per_rank(self, tp: int) -> int:
         """Key heads (Mamba: B/C groups) one attention-TP rank holds (``k_heads_per_rank``)."""
@@ -257,6 +270,8 @@ def family_of_linear(get, model_type: str, architectures: list[str], where: str)
         return MAMBA, f"model_type {model_type} (Mamba-1 mixers)"
     if model_type in _SHORT_CONV_KERNEL_DEFAULTS:
         return SHORT_CONV, f"model_type {model_type} (gated short-conv layers)"
+    if model_type in _LIGHTNING_TYPES:
+        return LIGHTNING, f"model_type {model_type} (lightning attention, {_LIGHTNING_TYPES[model_type]})"
     if model_type != "bailing_hybrid":
         return None
     lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
@@ -314,10 +329,17 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         return LinearFacts(family, h.value, h.value, d.value, d.value, kernel.value, 3 * h.value * d.value, src,
                            REFERENCE[family])
     d = _positive(r, head_dim_field) if head_dim_field else None
+    if d is None and model_type in _LIGHTNING_TYPES:  # MiniMaxLightningAttention: head_dim or hidden // heads
+        d = _int_at(r.where, "hidden_size", hidden // heads) if heads else None
+        d = d and _Hit(d.value, "default: hidden_size // num_attention_heads (MiniMaxLightningAttention.head_dim)")
     if d is None:
         raise InputError(r.where, "missing: Ling-2.5's linear layers use head_dim per head", field="head_dim")
+    module = _LIGHTNING_TYPES.get(model_type)
+    reference = f"transformers {module.split(':')[1]} (its block-chunked lightning attention)" if module \
+        else REFERENCE[family]
     return LinearFacts(family, heads, heads, d.value, d.value, None, 0,
-                       f"{why}: num_attention_heads, {d.source} (state [H, D, D]; no short conv)", REFERENCE[family])
+                       f"{why}: num_attention_heads, {d.source} (state [H, D, D]; no short conv)", reference,
+                       query_scale=1.0 if module else None)
 
 
 def _read_gdn(r, why: str, heads: int, hidden: int, limits: dict[str, int], variant: GdnVariant) -> LinearFacts:

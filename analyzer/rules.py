@@ -417,7 +417,7 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
 
 # The linear families kvcache plans, as the unknown-family blocker names them
 KNOWN_LINEAR = ("gated delta net (Qwen3-Next, Qwen3.5, LaraMini, OLMo-Hybrid), Kimi delta attention (Kimi-Linear, "
-                "Ling-3.0), lightning attention (Ling-2.5), Mamba-2, Mamba-1, short conv (LFM2)")
+                "Ling-3.0), lightning attention (Ling-2.5, MiniMax), Mamba-2, Mamba-1, short conv (LFM2)")
 
 
 # The linear families' operators: what computes the recurrence on the NPU (or the pure-torch path upstream uses).
@@ -562,6 +562,7 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         operators=linear_operators(lin, tp),
         state_blocks_per_request=1 + next_n,
         beta_scale=lin.beta_scale if lin.beta_scale != 1 else None,
+        query_scale=lin.query_scale,
         speculative=decide_speculative_states(next_n, bool(lin.conv_kernel)),
         reference=lin.reference,
         source=lin.source,

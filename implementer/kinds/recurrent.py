@@ -23,7 +23,8 @@ MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba",  # Falcon-H1 too: self_attn 
                "short_conv": "conv"}  # Lfm2DecoderLayer / Lfm3DecoderLayer .conv
 # model types whose decoder blocks keep every mixer (Mamba, attention, MLP, MoE) as ``mixer``: Mamba2Block,
 # MambaBlock, FalconMambaBlock, NemotronHBlock
-MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer"}
+MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer",
+              "minimax": "self_attn"}  # MiniMaxDecoderLayer: self_attn is its lightning or its softmax attention
 # model types whose hybrid decoder layer keeps its attention in a shared transformer block and its mixer in a Mamba
 # decoder below it: (block attribute, the block's attention, the mixer's decoder), as transformers names them
 # (Zamba2HybridLayer.shared_transformer.self_attn, .mamba_decoder.mamba; a Zamba2 Mamba layer keeps .mamba itself)
@@ -52,6 +53,7 @@ class LinearCtx:
     beta_scale: float = 1.0  # gated delta net: beta = beta_scale x sigmoid(b) (OLMo-Hybrid's negative eigenvalues)
     prefill_window: int = 0  # gated delta net: 0, prefill by npu_chunk_gated_delta_rule; else the recurrent
     chunk_misfit: str = ""  # operator this many tokens a call, because the chunk operator does not take the sizes
+    query_scale: float | None = None  # lightning: the query's scale (None: LINEAR_HEAD_K_DIM ** -0.5; MiniMax 1)
 
     @property
     def module_attr(self) -> str:
@@ -139,7 +141,8 @@ def fields(m) -> dict:
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",
                                 TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
                                 lin.state_blocks_per_request - 1,
-                                m.parallel_hybrid(), m.model.model_type, *_gdn_fields(lin))}
+                                m.parallel_hybrid(), m.model.model_type, *_gdn_fields(lin),
+                                query_scale=lin.query_scale)}
 
 
 def _gdn_fields(lin) -> tuple[float, int, str]:

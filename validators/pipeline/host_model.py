@@ -800,9 +800,28 @@ def bind_short_conv(module, host) -> None:
     module.conv._kvcache_no_activation = True  # the layer convolves without an activation (C gates the output)
 
 
+def _minimax_lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                               **kwargs):
+    """transformers' MiniMaxLightningAttention with the recurrence, and so the state, done by the rendered code: its
+    own q|k|v projection (per head [q | k | v]) and activation, full-width norm, sigmoid output gate and output
+    projection around ``linear_attention``; g is its per-head log decay, -slope_rate (the layer factor included)."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden_states[0]
+    t = x.shape[0]
+    qkv = self.act_fn(self.qkv_proj(x)).reshape(t, self.num_attention_heads, 3 * self.head_dim)
+    q, k, v = torch.split(qkv, self.head_dim, dim=-1)
+    host.probe.last_layer = host.layer_idx
+    core = host.linear_attention(q, k, v, -self.slope_rate.view(-1).to(x.dtype), fm)
+    out = torch.sigmoid(self.output_gate(hidden_states)) * self.norm(core.reshape(1, t, -1))
+    return self.out_proj(out), None
+
+
 def _linear_forward(module):
-    """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
-    neither."""
+    """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope (kvcache's Ling-2.5
+    reference) or a slope rate (MiniMax), the gated delta net none."""
+    if hasattr(module, "slope_rate"):
+        return _minimax_lightning_forward
     if hasattr(module, "slope"):
         return _lightning_forward
     return _kda_forward if hasattr(module, "forget_gate") else _gdn_forward

@@ -19,7 +19,7 @@ from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_sect
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.kinds import holds_states
 from model_infer_kvcache.analyzer.kinds.compressed import branch_kind as compressed_branch
-from model_infer_kvcache.analyzer.linear_config import LIGHTNING
+from model_infer_kvcache.analyzer.linear_config import kvcache_reference
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import cross, kind_of, recurrent
 
@@ -388,7 +388,7 @@ def _first_build(real: dict[str, Any], manifest: SelectionManifest, seed: int,
     from transformers import AutoConfig
 
     lin = manifest.linear_attention
-    lightning = lin is not None and lin.family == LIGHTNING
+    lightning = kvcache_reference(lin)
     if lightning:  # the fields Ling-2.5's config omits mean its own class's defaults, not transformers' Ling-3.0's
         from model_infer_kvcache.validators.pipeline.ling_lightning import with_ling_2_5_defaults
 
@@ -449,7 +449,7 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     under test fixes whatever its config says (``registry.config_class_constants``)."""
     real, d, plan, hf_type, build, model, failed, width = _first_build(real, manifest, seed, fixed)
     lin = manifest.linear_attention
-    lightning = lin is not None and lin.family == LIGHTNING
+    lightning = kvcache_reference(lin)
     if width is not None:
         try:
             tied = build({**d, "hidden_size": width})

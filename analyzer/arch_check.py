@@ -39,7 +39,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
     MIXER_FACT,
     NO_CACHE,
-    NOT_IN_TRANSFORMERS,
+    kvcache_reference,
     mixer_facts,
     mixer_off,
     mlstm_facts,
@@ -115,7 +115,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 25  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 26  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin. 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -755,7 +755,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     """Compare the planned scale, per-layer window, KV cache shape (per rank) and sinks with the architecture's
     attention modules."""
     lin = facts.linear.value
-    if lin is not None and lin.family in NOT_IN_TRANSFORMERS:
+    if kvcache_reference(lin):
         # Ling-2.5 publishes model_type bailing_hybrid, which transformers implements as another architecture
         # (Ling-3.0 KDA): building it would compare against the wrong model.
         return CheckResult(ships=False, notes=[
@@ -879,7 +879,9 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             result.errors.append(f"layer {layer.index}: analyzer plans {planned}, transformers has "
                                  f"{mod.cls} at {mod.path}")
             continue
-        if layer.is_recurrent:
+        if layer.is_recurrent:  # a linear module found by its q/k/v projections (OLMo-Hybrid's): its sizes too
+            if lin is not None and (off := mixer_off(lin, dict(mod.kind_facts))):
+                state_off.append((layer, mod, off))
             continue
         if mod.recurrent_beside and layer.decoder_layer not in states_of:
             beside_off.append((layer, mod))
@@ -934,7 +936,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             f"decoder block has no attention module, first layer {layer.index} at {mod.path}{holds}")
     if state_off:
         layer, mod, off = state_off[0]
-        result.errors.append(f"recurrent state (planned vs transformers' {mod.recurrent_beside}): {off} on "
+        result.errors.append(f"recurrent state (planned vs transformers' {mod.recurrent_beside or mod.cls}): {off} on "
                              f"{len(state_off)} layer(s), first layer {layer.index} at {mod.path}")
     if beside_off:
         layer, mod = beside_off[0]

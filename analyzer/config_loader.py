@@ -23,6 +23,7 @@ from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.linear_config import (
     NO_CACHE,
     PARALLEL_HYBRIDS,
+    POST_INIT_LAYER_TYPES,
     SHARED_BLOCK,
     SHARED_BLOCK_HYBRIDS,
     LinearFacts,
@@ -109,6 +110,10 @@ FAMILY_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
     "qwen3_next": ("Qwen3NextConfig", {"full_attention_interval": 4, **_GDN_DEFAULTS}),
     "qwen3_5": ("Qwen3_5MoeTextConfig", _GDN_DEFAULTS),
+    "lara_mini": ("LaraMiniConfig", {**_GDN_DEFAULTS, "linear_num_key_heads": 8, "linear_num_value_heads": 16,
+                                   "sliding_window": 512}),
+    # OlmoHybridConfig derives its linear heads and dims from the attention's (linear_config._read_gdn)
+    "olmo_hybrid": ("OlmoHybridConfig", {"linear_conv_kernel_dim": 4}),
     "gpt_oss": ("GptOssConfig", {"sliding_window": 128}),
     "granite": ("GraniteConfig", {"attention_multiplier": 1.0}),
     # the Mamba mixers' sizes (analyzer.linear_config): each config class's defaults
@@ -176,7 +181,9 @@ class IndexerFamily:
     ``rope_dims``: which qk_rope_head_dim dims of each indexer head it rotates ("first" | "last");
     ``source``: the transformers file:function that fixes both; ``device_refusal``: why no pinned torch_npu op
     can serve the family's selection or attention (with the op doc line that says it); ``kvcache_gap``: what the
-    ops could serve but kvcache does not plan or render yet. None when planned.
+    ops could serve but kvcache does not plan or render yet. None when planned. ``built_from``: the config fields of
+    an indexer the attention builds whatever the config says (Qwen4-Exp's QSA), all required (empty: the indexer is
+    on where ``index_topk`` is set).
     """
 
     rope: str
@@ -184,6 +191,7 @@ class IndexerFamily:
     source: str
     device_refusal: str | None = None
     kvcache_gap: str | None = None
+    built_from: tuple[str, ...] = ()
 
 
 # DSA family -> its indexer's facts. Every family scores like DeepSeek-V3.2 (sum over indexer heads of
@@ -227,7 +235,38 @@ NON_MLA_INDEXERS = {
                 "sparse_count of sum_h weights_h * relu(q_h . k) over one key per token (torch_npu-2.14.0 "
                 "_op_plugin_docs.py:1371, 2.9.0: :8752): no pool stage, no always-kept sink/local keys, no NVFP4 "
                 "rounding"),
+    # Qwen4-Exp: every attention layer runs its QSA indexer (Qwen4ExpTextAttention.__init__ builds it unconditionally)
+    "qwen4_exp_text": IndexerFamily(
+        "half", "first", f"{_TF}qwen4_exp/modeling_qwen4_exp.py:Qwen4ExpTextQSAIndexer",
+        built_from=("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+                    "indexer_compress_ratio"),
+        kvcache_gap="QSA selects key blocks, not keys: each query scores the mean of every complete block of "
+                    "indexer_compress_ratio raw indexer keys (k_layernorm'd, RoPE'd at the block's first position) "
+                    "by sum_h relu(q_h . k) / sqrt(indexer_head_dim), keeps the top indexer_budget / "
+                    "indexer_compress_ratio blocks plus the incomplete tail block, and masks its attention to those "
+                    "tokens (Qwen4ExpTextQSAIndexer._select_tokens); kvcache plans neither the raw indexer key cache "
+                    "(cache.update_indexer) nor the pooled block keys nor a block-granular selection (DSA selects "
+                    "single keys), and no template renders it; its PLE layers (ple_layer_ids) would add two more "
+                    "per-request states (their conv and n-gram context). Its linear layers alone would plan: Qwen3.5's "
+                    "gated delta net (analyzer/linear_config.py GDN_VARIANTS)"),
 }
+
+
+def _refuse_built_indexer(r: _Reader, model_type: str) -> None:
+    """A model whose attention always builds its indexer (``IndexerFamily.built_from``): refused by name, as an input
+    error when the config lacks the fields (transformers cannot build it either: the indexer sizes its projection by
+    them), else as a kvcache gap."""
+    family = NON_MLA_INDEXERS.get(model_type)
+    if family is None or not family.built_from:
+        return
+    missing = [name for name in family.built_from if r.get(name) is None]
+    if missing:
+        raise InputError(r.where, f"missing: model_type {model_type}'s attention builds its indexer from "
+                                  f"{', '.join(family.built_from)} whatever the config says ({family.source}): "
+                                  "transformers cannot build the model without them either",
+                         field=f"{r.prefix}{missing[0]}")
+    raise NotSupportedByKvcache(r.where, f"the sparse attention of model_type {model_type!r}: {family.kvcache_gap} "
+                                         f"(indexer: {family.source})", field="model_type")
 
 
 @dataclass(frozen=True)
@@ -423,7 +462,7 @@ class _Reader:
         ``__post_init__`` fills when the config leaves it out (Zamba2's layers_block_type). Read from the config class
         built over this config's section (transformers is imported only then); None without transformers, the
         alias, or a build."""
-        alias = self.aliases.get(name)
+        alias = self.aliases.get(name, name if in_post_init else None)  # a class may derive the field under its name
         if not isinstance(alias, str) or alias in self.cfg or not (in_post_init or alias in self._class.properties):
             return None
         try:
@@ -647,6 +686,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     if model_type == "dory":
         _refuse_dory_loops(r)
     _refuse_cycled_stacks(r)
+    _refuse_built_indexer(r, model_type)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
@@ -893,7 +933,7 @@ def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str
         return Sourced(None, f"model_type {model_type}: no linear-attention family kvcache knows")
     # Ling-3.0 (KDA bailing_hybrid) sizes its linear heads by the config's own head_dim (transformers copies it to
     # linear_head_dim before overwriting head_dim with qk_rope_head_dim); Ling-2.5 the same field.
-    head_dim = r.get("head_dim") if model_type == "bailing_hybrid" else None
+    head_dim = r.get("head_dim") if model_type in ("bailing_hybrid", "minimax") else None
     facts = read_linear(r, family[0], family[1], heads.value, head_dim, LIMITS, hidden, model_type)
     return Sourced(facts, facts.source)
 
@@ -1346,7 +1386,7 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
         return Sourced(kinds, f"{interval.source}={n} (other layers linear attention)"), Sourced(None, "default: none")
 
     # a config class that derives its layer types (RecurrentGemma's block_types; Zamba2Config.__post_init__'s pattern)
-    derived = r.derived("layer_types", in_post_init=model_type in SHARED_BLOCK_HYBRIDS)
+    derived = r.derived("layer_types", in_post_init=model_type in SHARED_BLOCK_HYBRIDS | POST_INIT_LAYER_TYPES)
     if derived is not None:
         return listed(derived)
 

@@ -5,9 +5,11 @@ state instead of a growing KV cache: a recurrent state (one ``Dk x Dv`` matrix p
 family runs a short causal convolution before it, the last ``kernel - 1`` inputs of that convolution. Families
 (their code is the source of truth, cited per family):
 
-* ``gated_delta_net`` -- Qwen3-Next, Qwen3.5 (transformers ``Qwen3NextGatedDeltaNet``,
-  ``Qwen3_5MoeGatedDeltaNet``): one fused conv over q|k|v (``2*Nk*Dk + Nv*Dv`` channels), ``Nv`` value heads
-  sharing ``Nk`` key heads; on the NPU ``npu_recurrent_gated_delta_rule`` keeps its state ``[Nv, Dv, Dk]``.
+* ``gated_delta_net`` -- Qwen3-Next, Qwen3.5, LaraMini, OLMo-Hybrid (transformers ``Qwen3NextGatedDeltaNet``,
+  ``Qwen3_5MoeGatedDeltaNet``, ``LaraMiniGatedDeltaNet``, ``OlmoHybridGatedDeltaNet``; one row each in
+  ``GDN_VARIANTS``): one fused conv over q|k|v (``2*Nk*Dk + Nv*Dv`` channels), ``Nv`` value heads sharing ``Nk``
+  key heads; on the NPU ``npu_recurrent_gated_delta_rule`` keeps its state ``[Nv, Dv, Dk]``. OLMo-Hybrid doubles
+  beta (``LinearFacts.beta_scale``).
 * ``kimi_delta_attention`` -- Kimi-Linear, Ling-3.0 (transformers ``KimiLinearKimiDeltaAttention`` / model_type
   ``bailing_hybrid``'s ``BailingHybridDeltaAttention``): one fused conv over q|k|v (``3*H*D`` channels), a
   per-channel gate, state ``[H, Dk, Dv]`` (pure torch: no torch-npu operator).
@@ -96,11 +98,65 @@ RWKV_WKV_PARTS = 3
 
 # LFM2-family model types (their conv width ``conv_L_cache``; the class default where a config omits it)
 _SHORT_CONV_KERNEL_DEFAULTS = {"lfm2": ("Lfm2Config", 3), "lfm2_moe": ("Lfm2MoeConfig", 3), "lfm3": ("Lfm3Config", 7)}
-_GDN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclass(frozen=True)
+class GdnVariant:
+    """What a gated-delta-net model_type's config and mixer add to Qwen3-Next's (the mixer: conv over q|k|v, then the
+    gated delta rule with q/k l2-normalised and scale Dk^-0.5; its projections, gate and norm stay the model's own).
+
+    ``module``: transformers' mixer class (the source read). ``derived``: the config class derives the linear sizes
+    it leaves out from other fields (OLMo-Hybrid's ``__post_init__``), else the family defaults apply.
+    ``beta_scale``: (field, class default) of a flag that doubles beta inside the mixer (OLMo-Hybrid
+    ``linear_allow_neg_eigval``: beta in [0, 2], negative eigenvalues of the state transition), None: beta =
+    sigmoid(b)."""
+
+    module: str
+    derived: bool = False
+    beta_scale: tuple[str, bool] | None = None
+    own_reference: bool = True  # the validation's reference names this mixer (False: the family's sentence)
+
+    @property
+    def reference(self) -> str:
+        """What the validation compares the layers with (the manifest's ``linear_attention.reference``)."""
+        if not self.own_reference:
+            return REFERENCE[GATED_DELTA_NET]
+        return f"transformers {self.module.split(':')[1].split(' ')[0]} (torch_chunk_gated_delta_rule)"
+
+
+_QWEN35_GDN = "transformers/models/qwen3_5/modeling_qwen3_5.py:Qwen3_5GatedDeltaNet"
+# One row per model_type whose linear layers are gated delta nets (their modeling files, read against Qwen3-Next's)
+GDN_VARIANTS = {
+    # (their reference: the family's sentence naming both)
+    "qwen3_next": GdnVariant("transformers/models/qwen3_next/modeling_qwen3_next.py:Qwen3NextGatedDeltaNet",
+                             own_reference=False),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    GdnVariant(_QWEN35_GDN, own_reference=False)),
+    # LaraMiniGatedDeltaNet subclasses Qwen3_5GatedDeltaNet unchanged (its gated norm is GLM-5-Next's fp32 one with
+    # SiLU, kept in the model); its full layers attend without RoPE, its sliding ones with (the model's own q/k path)
+    "lara_mini": GdnVariant("transformers/models/lara_mini/modeling_lara_mini.py:LaraMiniGatedDeltaNet "
+                            f"(= {_QWEN35_GDN})"),
+    # OlmoHybridGatedDeltaNet: separate q/k/v/a/b projections, a g_proj output gate, o_norm / o_proj; the same conv
+    # over q|k|v and the same rule, except beta doubled under linear_allow_neg_eigval (OlmoHybridConfig default True)
+    "olmo_hybrid": GdnVariant("transformers/models/olmo_hybrid/modeling_olmo_hybrid.py:OlmoHybridGatedDeltaNet",
+                              derived=True, beta_scale=("linear_allow_neg_eigval", True)),
+    # Qwen4ExpTextGatedDeltaNet subclasses Qwen3_5GatedDeltaNet (only its norm's gate activation is configurable:
+    # output_gate_type, kept in the model); its attention layers are another matter (config_loader: the QSA indexer)
+    "qwen4_exp_text": GdnVariant("transformers/models/qwen4_exp/modeling_qwen4_exp.py:Qwen4ExpTextGatedDeltaNet "
+                                 f"(a {_QWEN35_GDN} subclass)"),
+}
+_GDN_TYPES = tuple(GDN_VARIANTS)
+# config classes whose __post_init__ fills layer_types when a config leaves it out (LaraMiniConfig: the published
+# period-5 pattern; OlmoHybridConfig: every 4th layer full, the last one at least): read from the class itself
+POST_INIT_LAYER_TYPES = frozenset({"lara_mini", "olmo_hybrid"})
 # Fields only Ling-2.5's remote code reads (BailingMoeV2_5Config) / only the KDA model reads.
 _LIGHTNING_FIELDS = ("group_norm_size", "linear_silu")
 _KDA_FIELDS = ("short_conv_kernel_size", "kda_safe_gate", "kda_lower_bound")
 _LIGHTNING_ARCH = "BailingMoeV2_5ForCausalLM"
+# Lightning attention transformers implements itself (beside Ling-2.5's, which it does not): model_type -> its module.
+# MiniMaxLightningAttention: the same recurrence S <- exp(-slope) S + k^T v, o = q S, with q not scaled (its intra
+# and inter products use q as is; Ling-2.5's kernels scale it by head_dim^-0.5)
+_LIGHTNING_TYPES = {"minimax": "transformers/models/minimax/modeling_minimax.py:MiniMaxLightningAttention"}
 
 # The Mamba families' mixer fields, by model_type (each config class's own names): heads H, head dim P, state N,
 # groups G, conv width, expand (inner width I = expand x hidden unless the class names I itself).
@@ -170,6 +226,12 @@ REFERENCE = {
 NOT_IN_TRANSFORMERS = frozenset({LIGHTNING})
 
 
+def kvcache_reference(lin) -> bool:
+    """The plan's linear layers are validated against kvcache's own reference (Ling-2.5: transformers implements no
+    such model; MiniMax's lightning attention is transformers' own). ``lin``: LinearFacts or the manifest's section."""
+    return lin is not None and lin.family in NOT_IN_TRANSFORMERS and lin.reference == REFERENCE[lin.family]
+
+
 @dataclass(frozen=True)
 class LinearFacts:
     """What the config says about its linear layers (all ranks)."""
@@ -183,6 +245,12 @@ class LinearFacts:
     conv_channels: int  # channels of the fused short conv (0 without one)
     source: str
     reference: str | None
+    # the gated delta net's beta = beta_scale x sigmoid(b): 2 where the mixer allows negative eigenvalues
+    # (GdnVariant.beta_scale), 1 elsewhere and for every other family
+    beta_scale: float = 1.0
+    # lightning: what the query is scaled by before the recurrence (None: head_k_dim^-0.5, Ling-2.5's kernels; 1:
+    # MiniMax's, which scales none)
+    query_scale: float | None = None
 
     def k_heads_per_rank(self, tp: int) -> int:
         """Key heads (Mamba: B/C groups) one attention-TP rank holds (``k_heads_per_rank``)."""
@@ -243,6 +311,8 @@ def family_of_linear(get, model_type: str, architectures: list[str], where: str)
         return RWKV, "model_type rwkv (RWKV-4 time-mix and channel-mix, a recurrence)"
     if model_type == "xlstm":
         return MLSTM, "model_type xlstm (mLSTM layers, a recurrence)"
+    if model_type in _LIGHTNING_TYPES:
+        return LIGHTNING, f"model_type {model_type} (lightning attention, {_LIGHTNING_TYPES[model_type]})"
     if model_type != "bailing_hybrid":
         return None
     lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
@@ -274,18 +344,7 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
                 limits: dict[str, int], hidden: int = 0, model_type: str = "") -> LinearFacts:
     """The family's sizes from the config (``r``: config_loader's reader; defaults named by their class)."""
     if family == GATED_DELTA_NET:
-        nk = r.positive_int("linear_num_key_heads", maximum=limits["heads"])
-        nv = r.positive_int("linear_num_value_heads", maximum=limits["heads"])
-        dk = r.positive_int("linear_key_head_dim", maximum=limits["head_dim"])
-        dv = r.positive_int("linear_value_head_dim", maximum=limits["head_dim"])
-        kernel = r.positive_int("linear_conv_kernel_dim", maximum=64)
-        if nv.value % nk.value:
-            raise InputError(r.where, f"{nv.value} value heads are not a multiple of {nk.value} key heads "
-                                      "(each key head serves a group of value heads)", field=nv.source)
-        channels = 2 * nk.value * dk.value + nv.value * dv.value
-        src = f"{why}: {nk.source}, {nv.source}, {dk.source}, {dv.source}, {kernel.source}"
-        return LinearFacts(family, nk.value, nv.value, dk.value, dv.value, kernel.value, channels, src,
-                           REFERENCE[family])
+        return _read_gdn(r, why, heads, hidden, limits, GDN_VARIANTS[model_type])
     if family == MAMBA2:
         return _read_mamba2(r, why, hidden, limits, model_type)
     if family == MAMBA:
@@ -315,10 +374,49 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         return LinearFacts(family, h.value, h.value, d.value, d.value, kernel.value, 3 * h.value * d.value, src,
                            REFERENCE[family])
     d = _positive(r, head_dim_field) if head_dim_field else None
+    if d is None and model_type in _LIGHTNING_TYPES:  # MiniMaxLightningAttention: head_dim or hidden // heads
+        d = _int_at(r.where, "hidden_size", hidden // heads) if heads else None
+        d = d and _Hit(d.value, "default: hidden_size // num_attention_heads (MiniMaxLightningAttention.head_dim)")
     if d is None:
         raise InputError(r.where, "missing: Ling-2.5's linear layers use head_dim per head", field="head_dim")
+    module = _LIGHTNING_TYPES.get(model_type)
+    reference = f"transformers {module.split(':')[1]} (its block-chunked lightning attention)" if module \
+        else REFERENCE[family]
     return LinearFacts(family, heads, heads, d.value, d.value, None, 0,
-                       f"{why}: num_attention_heads, {d.source} (state [H, D, D]; no short conv)", REFERENCE[family])
+                       f"{why}: num_attention_heads, {d.source} (state [H, D, D]; no short conv)", reference,
+                       query_scale=1.0 if module else None)
+
+
+def _read_gdn(r, why: str, heads: int, hidden: int, limits: dict[str, int], variant: GdnVariant) -> LinearFacts:
+    """A gated delta net's sizes: Nk key heads of Dk, Nv value heads of Dv, the conv over q|k|v; a variant that
+    derives them (OLMo-Hybrid) as its config class does when the config leaves them out."""
+    need = not variant.derived
+    nk = r.positive_int("linear_num_key_heads", required=need, maximum=limits["heads"])
+    nv = r.positive_int("linear_num_value_heads", required=need, maximum=limits["heads"])
+    dk = r.positive_int("linear_key_head_dim", required=need, maximum=limits["head_dim"])
+    dv = r.positive_int("linear_value_head_dim", required=need, maximum=limits["head_dim"])
+    if variant.derived:  # OlmoHybridConfig.__post_init__: heads = num_attention_heads, Dk = int(0.75 hidden / Nk)
+        nk = nk or _Hit(heads, "default: num_attention_heads (OlmoHybridConfig.__post_init__)")
+        nv = nv or _Hit(heads, "default: num_attention_heads (OlmoHybridConfig.__post_init__)")
+        if dk is None:
+            dk = _int_at(r.where, "linear_key_head_dim", int(0.75 * hidden / nk.value))
+            dk = _Hit(dk.value, f"default: int(0.75 x hidden_size / {nk.source}) (OlmoHybridConfig.__post_init__)")
+        dv = dv or _Hit(2 * dk.value, f"default: 2 x {dk.source} (OlmoHybridConfig.__post_init__)")
+    kernel = r.positive_int("linear_conv_kernel_dim", maximum=64)
+    if nv.value % nk.value:
+        raise InputError(r.where, f"{nv.value} value heads are not a multiple of {nk.value} key heads "
+                                  "(each key head serves a group of value heads)", field=nv.source)
+    channels = 2 * nk.value * dk.value + nv.value * dv.value
+    src = f"{why}: {nk.source}, {nv.source}, {dk.source}, {dv.source}, {kernel.source}"
+    scale = 1.0
+    if variant.beta_scale is not None:
+        name, default = variant.beta_scale
+        hit = r.flag(name)
+        on, where = hit if hit is not None else (default, f"default: {name} {default} ({variant.module})")
+        scale = 2.0 if on else 1.0
+        src += f", {where}: beta = {scale:g} x sigmoid(b)"
+    return LinearFacts(GATED_DELTA_NET, nk.value, nv.value, dk.value, dv.value, kernel.value, channels,
+                       src, variant.reference, scale)
 
 
 def _read_mamba2(r, why: str, hidden: int, limits: dict[str, int], model_type: str) -> LinearFacts:
@@ -593,6 +691,8 @@ def mixer_facts(module) -> dict[str, int | None]:
     device; empty for any other module."""
     conv = getattr(module, "conv1d", None)
     state = getattr(module, "ssm_state_size", None)
+    if conv is not None and isinstance(getattr(module, "head_k_dim", None), int) and hasattr(module, "dt_bias"):
+        return gdn_facts(module)
     if conv is None or not isinstance(state, int) or not hasattr(module, "A_log"):
         return short_conv_facts(module) or rwkv_facts(module) or mlstm_facts(module)
     facts = {"mixer_state": state, "mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels":
@@ -637,6 +737,16 @@ def mlstm_facts(module) -> dict[str, int | None]:
             "mixer_v_head_dim": int(module.v_dim) // heads}
 
 
+def gdn_facts(module) -> dict[str, int | None]:
+    """A transformers gated delta net's sizes (Qwen3NextGatedDeltaNet, Qwen3_5GatedDeltaNet and its subclasses,
+    OlmoHybridGatedDeltaNet): heads and dims of k and v, the conv's kernel and channels, and the beta scale (2 where
+    the module doubles beta: OLMo-Hybrid's ``allow_neg_eigval``), read off the module built on the meta device."""
+    return {"mixer_gdn_k_heads": module.num_k_heads, "mixer_gdn_v_heads": module.num_v_heads,
+            "mixer_gdn_k_dim": module.head_k_dim, "mixer_gdn_v_dim": module.head_v_dim,
+            "mixer_conv_kernel": int(module.conv1d.kernel_size[0]), "mixer_conv_channels": int(module.conv1d.in_channels),
+            "mixer_gdn_beta_scale": 2 if getattr(module, "allow_neg_eigval", False) else 1}
+
+
 def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
     """Where the planned Mamba state differs from the transformers mixer's sizes (None: they agree, or the module
     is not a Mamba mixer, or the plan is another family's)."""
@@ -658,6 +768,13 @@ def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
             return f"family {lin.family} vs transformers' {'RWKV time-mix' if lin.family != RWKV else 'mixer'}"
         planned = {"mixer_wkv_channels": lin.num_v_heads, "mixer_shift_channels": lin.conv_channels}
         off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+        return ", ".join(off) or None
+    if lin.family == GATED_DELTA_NET and facts.get("mixer_gdn_k_heads"):
+        planned = {"mixer_gdn_k_heads": lin.num_k_heads, "mixer_gdn_v_heads": lin.num_v_heads,
+                   "mixer_gdn_k_dim": lin.head_k_dim, "mixer_gdn_v_dim": lin.head_v_dim,
+                   "mixer_conv_kernel": lin.conv_kernel, "mixer_conv_channels": lin.conv_channels,
+                   "mixer_gdn_beta_scale": lin.beta_scale}
+        off = [f"{name[6:]} {planned[name]:g} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
         return ", ".join(off) or None
     if not facts.get("mixer_state") or lin.family not in (MAMBA2, MAMBA):
         return None

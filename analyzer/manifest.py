@@ -301,6 +301,11 @@ class LinearAttentionDecision(_Model):
     speculative: str | None = Field(default=None, description="how a verify step keeps the states (one block per "
                                                               "verify token, resumed from the last accepted one); "
                                                               "None: no speculative decoding")
+    beta_scale: float | None = Field(default=None, gt=0, description="gated delta net: beta = beta_scale x sigmoid(b) "
+                                                                      "(2: OLMo-Hybrid's linear_allow_neg_eigval, "
+                                                                      "beta in [0, 2]); None: 1")
+    query_scale: float | None = Field(default=None, gt=0, description="lightning: the query's scale before the "
+                                                                       "recurrence (1: MiniMax); None: head_k_dim^-0.5")
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
@@ -308,7 +313,7 @@ class LinearAttentionDecision(_Model):
         data = handler(self)
         if isinstance(data, dict) and data.get("speculative", "") is None and data.get("state_blocks_per_request") == 1:
             del data["state_blocks_per_request"]
-        return _without_unset(data, "speculative", *RECURRENT_SIZES)
+        return _without_unset(data, "speculative", "beta_scale", "query_scale", *RECURRENT_SIZES)
     reference: str | None = Field(description="what the validation compares against: transformers' own classes, "
                                               "or for a family transformers lacks (Ling-2.5 lightning) kvcache's "
                                               "reference built from transformers' code; None: none named (a "

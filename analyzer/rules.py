@@ -46,6 +46,7 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
     INT32_MAX,
     VALID_BLOCK_SIZES,
 )
+from model_infer_kvcache.analyzer.operators.gdr_facts import RECURRENT_MAX_LEN, chunk_misfit
 
 DEFAULT_BLOCK_SIZE = 128
 STATE_DTYPE_BYTES = {**DTYPE_BYTES, "int32": 4}  # a state entry may be an index (the speculative anchor)
@@ -130,8 +131,7 @@ def find_blockers(facts: ModelFacts, block_size: int = DEFAULT_BLOCK_SIZE) -> li
         # A known family plans its states (decide_linear); an unknown one has no state shapes to plan.
         out.append(Finding(
             message=f"{kinds.count('linear')} linear-attention/recurrent layers of an unknown family "
-                    f"({facts.linear.source}): kvcache cannot plan their state (known: Qwen3-Next / Qwen3.5 gated "
-                    "delta net, Kimi-Linear / Ling-3.0 KDA, Ling-2.5 lightning attention)",
+                    f"({facts.linear.source}): kvcache cannot plan their state (known: {KNOWN_LINEAR})",
             fields=[facts.layer_kinds.source],
         ))
     out += format_of(facts).head_problems(facts)
@@ -422,6 +422,11 @@ def decide_caches(facts: ModelFacts, parallel: ParallelPlan, kv_mode: str, layer
     return format_of(facts).caches(facts, parallel.attn_tp_size, kv_mode, dtype or facts.dtype.value, decoder_layer)
 
 
+# The linear families kvcache plans, as the unknown-family blocker names them
+KNOWN_LINEAR = ("gated delta net (Qwen3-Next, Qwen3.5, LaraMini, OLMo-Hybrid), Kimi delta attention (Kimi-Linear, "
+                "Ling-3.0), lightning attention (Ling-2.5, MiniMax), Mamba-2, Mamba-1, short conv (LFM2)")
+
+
 # The linear families' operators: what computes the recurrence on the NPU (or the pure-torch path upstream uses).
 LINEAR_OPERATORS = {
     GATED_DELTA_NET: {"prefill": "torch_npu.npu_chunk_gated_delta_rule (2.14.0; else the model's torch chunk loop)",
@@ -470,6 +475,19 @@ LINEAR_OPERATORS = {
            "conv": "token shift: each mix reads [shift state | new inputs] shifted by one token (time_shift); the "
                    "state keeps the last time-mix and channel-mix inputs"},
 }
+
+
+def linear_operators(lin, tp: int) -> dict[str, str]:
+    """The family's operators; a gated delta net whose per-rank sizes npu_chunk_gated_delta_rule does not take
+    (OLMo-Hybrid's Dk 96 / Dv 192) prefills through npu_recurrent_gated_delta_rule, L_i <= 8 tokens per call."""
+    ops = LINEAR_OPERATORS[lin.family]
+    if lin.family != GATED_DELTA_NET:
+        return ops
+    misfit = chunk_misfit(lin.k_heads_per_rank(tp), lin.num_v_heads // tp, lin.head_k_dim, lin.head_v_dim)
+    if misfit is None:
+        return ops
+    return {**ops, "prefill": f"torch_npu.npu_recurrent_gated_delta_rule in windows of {RECURRENT_MAX_LEN} tokens "
+                              f"per request from a zeroed state block ({misfit})"}
 
 
 def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: int = 0) -> list[StateSpec]:
@@ -591,8 +609,10 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         framework_entry="MambaCacheEntry(cache_name=<state name>, dtype, shape=<state shape>, needs_block=True) "
                         "per state, attn_type Mamba (block size 1, one block per request plus one per speculative "
                         "token): frameworks from fda5670 on (executor/core/kv_cache/cache_info.py defines MambaCacheEntry)",
-        operators=LINEAR_OPERATORS[lin.family],
+        operators=linear_operators(lin, tp),
         state_blocks_per_request=1 + next_n,
+        beta_scale=lin.beta_scale if lin.beta_scale != 1 else None,
+        query_scale=lin.query_scale,
         speculative=decide_speculative_states(next_n, bool(lin.conv_kernel)),
         reference=lin.reference,
         source=lin.source,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_infer_kvcache.analyzer.linear_config import CONV_ONLY
+from model_infer_kvcache.analyzer.operators.gdr_facts import RECURRENT_MAX_LEN, chunk_misfit, recurrent_misfit
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE, bad
 
 NAME = "recurrent state"
@@ -24,7 +25,8 @@ MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba",  # Falcon-H1 too: self_attn 
                "mlstm": "mlstm_layer"}  # xLSTMBlock.mlstm_layer
 # model types whose decoder blocks keep every mixer (Mamba, attention, MLP, MoE) as ``mixer``: Mamba2Block,
 # MambaBlock, FalconMambaBlock, NemotronHBlock
-MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer"}
+MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer",
+              "minimax": "self_attn"}  # MiniMaxDecoderLayer: self_attn is its lightning or its softmax attention
 # model types whose hybrid decoder layer keeps its attention in a shared transformer block and its mixer in a Mamba
 # decoder below it: (block attribute, the block's attention, the mixer's decoder), as transformers names them
 # (Zamba2HybridLayer.shared_transformer.self_attn, .mamba_decoder.mamba; a Zamba2 Mamba layer keeps .mamba itself)
@@ -52,6 +54,10 @@ class LinearCtx:
     next_n: int = 0  # speculative tokens per verify step: 1 + next_n state blocks per request, and an anchor
     parallel: bool = False  # each state sits beside an attention in the same decoder layer (Falcon-H1)
     model_type: str = ""
+    beta_scale: float = 1.0  # gated delta net: beta = beta_scale x sigmoid(b) (OLMo-Hybrid's negative eigenvalues)
+    prefill_window: int = 0  # gated delta net: 0, prefill by npu_chunk_gated_delta_rule; else the recurrent
+    chunk_misfit: str = ""  # operator this many tokens a call, because the chunk operator does not take the sizes
+    query_scale: float | None = None  # lightning: the query's scale (None: LINEAR_HEAD_K_DIM ** -0.5; MiniMax 1)
 
     @property
     def module_attr(self) -> str:
@@ -102,6 +108,12 @@ def check_layers(m) -> None:
                   f"{'' if m.kv_mode.value == 'paged' else ', Legacy'}); the templates render the states of "
                   f"{', '.join(RENDERED)} paged models only: implement them by hand from the manifest's "
                   "linear_attention section (references/hybrid_linear.md)")
+    lin = m.linear_attention
+    misfit = recurrent_misfit(lin.num_k_heads_per_rank, lin.num_v_heads_per_rank, lin.head_k_dim, lin.head_v_dim) \
+        if states and family == "gated_delta_net" else None
+    if misfit:
+        raise bad("linear_attention.num_v_heads_per_rank", f"no device path for this gated delta net's decode: {misfit} "
+                                                           "(a larger attention TP splits the heads)")
     if states and family in NO_SPECULATIVE and m.linear_attention.state_blocks_per_request > 1:
         raise bad("linear_attention.state_blocks_per_request",
                   f"not supported by kvcache: speculative decoding over {FAMILY_NAMES[family]} states (one state "
@@ -150,7 +162,16 @@ def fields(m) -> dict:
                                 int(lin.conv_channels_per_rank), TORCH_DTYPE[conv.dtype] if conv else "None",
                                 TORCH_DTYPE[rec.dtype], tuple(lin.layers), f"({shape})", layout,
                                 lin.state_blocks_per_request - 1,
-                                m.parallel_hybrid(), m.model.model_type)}
+                                m.parallel_hybrid(), m.model.model_type, *_gdn_fields(lin),
+                                query_scale=lin.query_scale)}
+
+
+def _gdn_fields(lin) -> tuple[float, int, str]:
+    """(beta scale, prefill window, why the window) of a gated delta net; (1, 0, "") for every other family."""
+    if lin.family != "gated_delta_net":
+        return 1.0, 0, ""
+    misfit = chunk_misfit(lin.num_k_heads_per_rank, lin.num_v_heads_per_rank, lin.head_k_dim, lin.head_v_dim)
+    return lin.beta_scale or 1.0, RECURRENT_MAX_LEN if misfit else 0, misfit or ""
 
 
 def _conv_only_fields(m) -> dict:

@@ -126,3 +126,23 @@ def _tiny_mlstm(d: dict, lin) -> None:
     d["embedding_dim"] = hidden
     d["num_blocks"] = d["num_hidden_layers"]
     return None
+
+
+def exact_buffers(model, dtype: torch.dtype) -> None:
+    """Recompute, in ``dtype``, the buffers a linear module derives at __init__ in float32 (transformers'
+    MiniMaxLightningAttention: its slope rate and the block decays from it): cast to float64 they would keep float32's
+    rounding (a 1e-8 relative error in every decay the float64 comparison then reads as a difference). The module's
+    own methods compute them; the model under test and the reference get the same values."""
+    if dtype != torch.float64:
+        return
+    for module in model.modules():
+        if not (hasattr(module, "decay_factors") and hasattr(module, "get_slope_rate")):
+            continue
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            rate = module.get_slope_rate(device=module.slope_rate.device).to(dtype)
+            query, key, diagonal = module.decay_factors(rate)
+        finally:
+            torch.set_default_dtype(default)
+        module.slope_rate, module.query_decay, module.key_decay, module.diagonal_decay = rate, query, key, diagonal

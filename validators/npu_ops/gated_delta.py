@@ -42,16 +42,20 @@ float32 there); or float64 throughout (the CPU validation mode; g may then be fl
 from __future__ import annotations
 
 import torch
+
+# the documented limits (L_i <= 8, Nk, Nv, Dk, Dv <= 256; chunk: Nk, Nv <= 64, Dk = Dv = 128), one home
+from model_infer_kvcache.analyzer.operators.gdr_facts import (
+    CHUNK_HEAD_DIM,
+    CHUNK_MAX_HEADS,
+    RECURRENT_MAX_LEN,
+    RECURRENT_MAX_SIZE,
+)
 from model_infer_kvcache.validators.npu_ops import op_checks as chk
 from model_infer_kvcache.validators.npu_ops.errors import NpuOpError, UnemulatedFeatureError
 from model_infer_kvcache.validators.npu_ops.readings import consult
 
 RECURRENT = "npu_recurrent_gated_delta_rule"
 CHUNK = "npu_chunk_gated_delta_rule"
-RECURRENT_MAX_LEN = 8  # doc: L_i <= 8
-RECURRENT_MAX_SIZE = 256  # doc: Nk, Nv, Dk, Dv <= 256
-CHUNK_MAX_HEADS = 64  # doc: Nk, Nv <= 64
-CHUNK_HEAD_DIM = 128  # doc: Dk = Dv = 128
 # bfloat16: the documented dtype; float32: a checkout run's comparison dtype; float64: the CPU validation mode
 # (emulated.py). Neither float32 nor float64 is a device dtype of these operators.
 DTYPES = (torch.bfloat16, torch.float32, torch.float64)

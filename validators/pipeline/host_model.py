@@ -690,15 +690,19 @@ def _gdn_forward(self, hidden_states, attention_mask=None, **kwargs):
         q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(x)[None], self.in_proj_ba(x)[None])
         mixed = torch.cat([u.reshape(1, t, -1) for u in (q, k, v)], dim=-1)[0]
         z, b, a = z[0], b[0], a[0]
+    elif hasattr(self, "g_proj"):  # OLMo-Hybrid: separate q/k/v/a/b projections, g_proj's gate, o_norm / o_proj
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        z, b, a = self.g_proj(x), self.b_proj(x), self.a_proj(x)
     else:
         mixed = self.in_proj_qkv(x)
         z, b, a = self.in_proj_z(x).reshape(t, -1, self.head_v_dim), self.in_proj_b(x), self.in_proj_a(x)
-    beta = b.sigmoid()
+    beta = b.sigmoid()  # the render scales it where the mixer does (linear_attention.beta_scale)
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)  # as transformers
     host.probe.last_layer = host.layer_idx
     core = host.linear_attention(mixed, beta, g.to(x.dtype), fm)
-    out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(1, t, -1)
-    return self.out_proj(out.to(x.dtype))
+    norm, out_proj = (self.o_norm, self.o_proj) if hasattr(self, "o_norm") else (self.norm, self.out_proj)
+    out = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(1, t, -1)
+    return out_proj(out.to(x.dtype))
 
 
 def _kda_forward(self, hidden_states, attention_mask=None, **kwargs):
@@ -935,9 +939,28 @@ def bind_mlstm(module, host) -> None:
     backend.forward = types.MethodType(_mlstm_backend_forward, backend)
 
 
+def _minimax_lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                               **kwargs):
+    """transformers' MiniMaxLightningAttention with the recurrence, and so the state, done by the rendered code: its
+    own q|k|v projection (per head [q | k | v]) and activation, full-width norm, sigmoid output gate and output
+    projection around ``linear_attention``; g is its per-head log decay, -slope_rate (the layer factor included)."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = hidden_states[0]
+    t = x.shape[0]
+    qkv = self.act_fn(self.qkv_proj(x)).reshape(t, self.num_attention_heads, 3 * self.head_dim)
+    q, k, v = torch.split(qkv, self.head_dim, dim=-1)
+    host.probe.last_layer = host.layer_idx
+    core = host.linear_attention(q, k, v, -self.slope_rate.view(-1).to(x.dtype), fm)
+    out = torch.sigmoid(self.output_gate(hidden_states)) * self.norm(core.reshape(1, t, -1))
+    return self.out_proj(out), None
+
+
 def _linear_forward(module):
-    """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope, the gated delta net
-    neither."""
+    """The host forward of a linear-attention module: KDA has a forget gate, lightning a slope (kvcache's Ling-2.5
+    reference) or a slope rate (MiniMax), the gated delta net none."""
+    if hasattr(module, "slope_rate"):
+        return _minimax_lightning_forward
     if hasattr(module, "slope"):
         return _lightning_forward
     return _kda_forward if hasattr(module, "forget_gate") else _gdn_forward

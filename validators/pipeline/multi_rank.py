@@ -110,6 +110,12 @@ def _shard_gated_delta(mod, rank: int, tp: int):
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (Kimi delta "
                                                       "attention): it shards gated delta nets only; validate KDA "
                                                       "layers at attention TP 1", field="attn_tp_size")
+    if hasattr(mod, "g_proj"):  # OLMo-Hybrid: projections apart, and its full layers' q/k norm spans every head
+        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (OLMo-Hybrid): "
+                                                      "it shards the fused Qwen3-Next / Qwen3.5 projections only; "
+                                                      "validate OLMo-Hybrid at attention TP 1", field="attn_tp_size")
     nk, nv, dk, dv = mod.num_k_heads, mod.num_v_heads, mod.head_k_dim, mod.head_v_dim
     nk_r, nv_r, ratio = nk // tp, nv // tp, nv // nk
     ks, vs = slice(rank * nk_r, (rank + 1) * nk_r), slice(rank * nv_r, (rank + 1) * nv_r)

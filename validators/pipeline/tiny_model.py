@@ -19,7 +19,7 @@ from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, model_sect
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.kinds import holds_states
 from model_infer_kvcache.analyzer.kinds.compressed import branch_kind as compressed_branch
-from model_infer_kvcache.analyzer.linear_config import LIGHTNING
+from model_infer_kvcache.analyzer.linear_config import kvcache_reference
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import cross, kind_of, recurrent
 
@@ -287,7 +287,7 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
                 layer["attention_chunk_size"] = manifest.block_size
     if long_window:
         for layer in data["layers"]:
-            if layer["sliding_window"]:
+            if layer.get("sliding_window"):  # a state layer (StateLayerPlan) has no window field
                 layer["pre_tokens"] = SHRUNK_WINDOW - (layer["sliding_window"] - layer["pre_tokens"])
                 layer["sliding_window"] = SHRUNK_WINDOW
     for section, fields in narrowed.items():
@@ -390,7 +390,7 @@ def _first_build(real: dict[str, Any], manifest: SelectionManifest, seed: int,
     from transformers import AutoConfig
 
     lin = manifest.linear_attention
-    lightning = lin is not None and lin.family == LIGHTNING
+    lightning = kvcache_reference(lin)
     if lightning:  # the fields Ling-2.5's config omits mean its own class's defaults, not transformers' Ling-3.0's
         from model_infer_kvcache.validators.pipeline.ling_lightning import with_ling_2_5_defaults
 
@@ -451,7 +451,7 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
     under test fixes whatever its config says (``registry.config_class_constants``)."""
     real, d, plan, hf_type, build, model, failed, width = _first_build(real, manifest, seed, fixed)
     lin = manifest.linear_attention
-    lightning = lin is not None and lin.family == LIGHTNING
+    lightning = kvcache_reference(lin)
     if width is not None:
         try:
             tied = build({**d, "hidden_size": width})

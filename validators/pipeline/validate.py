@@ -20,6 +20,7 @@ from model_infer_kvcache.analyzer.measured import device_settled
 from model_infer_kvcache.analyzer.readings_file import ReadingsFile
 from model_infer_kvcache.implementer.render import check_renderable, render_manifest, write_rendered
 from model_infer_kvcache.validators.kinds import check_attention_calls, kind_of
+from model_infer_kvcache.validators.kinds import recurrent as recurrent_kind
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.provenance import (
     RENDERED_FILES,
@@ -441,6 +442,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
     shared = world == 1 and not on_npu and ref_dtype == cache_dtype and parameters > SHARED_WEIGHTS_ABOVE
     ref = sharing_weights(pristine, model) if shared else copy.deepcopy(pristine)
     ref.to(dtype=ref_dtype)
+    for copy_ in (model, ref):  # init-time float32 buffers of a linear module, redone in the comparison dtype
+        recurrent_kind.exact_buffers(copy_, cache_dtype if copy_ is model else ref_dtype)
     fingerprint = weights_fingerprint(model) if shared else None
     with ops, device_readings(readings), consulted_questions() as consulted, \
             _framework(manifest, req, backend) as handle, _torchair(manifest, backend), \

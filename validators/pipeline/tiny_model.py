@@ -287,7 +287,7 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
                 layer["attention_chunk_size"] = manifest.block_size
     if long_window:
         for layer in data["layers"]:
-            if layer["sliding_window"]:
+            if layer.get("sliding_window"):  # a state layer (RecurrentGemma's recurrent blocks) names none
                 layer["pre_tokens"] = SHRUNK_WINDOW - (layer["sliding_window"] - layer["pre_tokens"])
                 layer["sliding_window"] = SHRUNK_WINDOW
     for section, fields in narrowed.items():

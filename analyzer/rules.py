@@ -82,6 +82,10 @@ FAMILY_SCALE_RULE = {
     # Zamba / Zamba2: ZambaAttention.scaling / Zamba2Attention.scaling = (head_dim / 2) ** -0.5, the head spanning
     # concat(hidden, embeddings)
     **dict.fromkeys(("zamba", "zamba2"), "half_head_dim"),
+    # RecurrentGemma's attention blocks: RecurrentGemmaAttention.scaling = head_dim**-0.5, no bias on the scores, no
+    # soft-cap there (logits_soft_cap caps the final logits, RecurrentGemmaForCausalLM); partial rotary
+    # (rope_parameters' partial_rotary_factor) applied by the module to q / k before the cache
+    "recurrent_gemma": "head_dim",
 }
 
 

@@ -48,9 +48,25 @@ def test_recurrent_gemma_is_planned_as_an_rg_lru_hybrid_with_sliding_attention(t
     assert [layer.index for layer in m.attention_layers] == [i for i in range(26) if i % 3 == 2]
     assert {layer.sliding_window for layer in m.attention_layers} == {2048}
     assert "no torch_npu 2.14.0 / 2.9.0 operator computes it" in lin.operators["prefill"]
+    # the attention blocks' rule read from RecurrentGemmaAttention (scaling = head_dim**-0.5): a known family
+    assert m.fa.softmax_scale == 256 ** -0.5 and not any("unknown model family" in w.message for w in m.warnings)
     m = analyze(AnalyzeRequest(config=str(_config(tmp_path, lru_width=1280))))
     assert {s.name: s.shape for s in m.linear_attention.states} == {"conv_state": [1280, 3],
                                                                     "recurrent_state": [1280]}
+
+
+@pytest.mark.parametrize("over, field, words", [
+    ({"lru_width": 2565}, "lru_width", "10 heads do not divide lru_width 2565"),
+    ({"conv1d_width": 1}, "conv1d_width", "must be at least 2"),
+])
+def test_rg_lru_sizes_transformers_cannot_build_are_refused_naming_the_field(tmp_path, over, field, words):
+    """Bad input: an lru_width the RG-LRU's head blocks do not divide (RecurrentGemmaRglru reshapes it to [heads,
+    lru_width / heads]), a conv that keeps no previous input."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, **over))))
+    assert err.value.field == field and words in err.value.message, err.value.render()
 
 
 def test_rg_lru_plan_off_transformers_block_fails_the_cross_check_by_name(monkeypatch):

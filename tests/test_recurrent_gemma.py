@@ -43,8 +43,9 @@ def test_recurrent_gemma_is_planned_as_an_rg_lru_hybrid_with_sliding_attention(t
     lin = m.linear_attention
     recurrent = [i for i in range(26) if i % 3 != 2]
     assert lin.family == RG_LRU and lin.layers == recurrent
-    assert {s.name: (s.shape, s.dtype) for s in lin.states} == {"conv_state": ([2560, 3], m.model.dtype),
+    assert {s.name: (s.shape, s.dtype) for s in lin.states} == {"conv_state": ([2560, 3], "bfloat16"),
                                                                 "recurrent_state": ([2560], "float32")}
+    assert lin.state_bytes_per_layer == 2560 * 3 * 2 + 2560 * 4  # 25600
     assert [layer.index for layer in m.attention_layers] == [i for i in range(26) if i % 3 == 2]
     assert {layer.sliding_window for layer in m.attention_layers} == {2048}
     assert "no torch_npu 2.14.0 / 2.9.0 operator computes it" in lin.operators["prefill"]

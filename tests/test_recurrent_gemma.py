@@ -16,10 +16,11 @@ from validators_support import check, run_validate
 
 ATTN = "kvcache_attention.py"
 # 3 layers: recurrent, recurrent, attention (the class's block_types); a window the short stream's prompts cross;
-# 2 query heads of 64 sharing one KV head (MQA, as the 2b checkpoint), 2 RG-LRU blocks of 64 channels (to_dict saved
-# the class default's head_dim and lru_width: the small ones replace them)
+# 2 query heads of 64 sharing one KV head (MQA, as the 2b checkpoint), 2 RG-LRU blocks of 128 channels: lru_width
+# 256 apart from hidden_size 128, so a state sized by the hidden size fails (to_dict saved the class default's head_dim
+# and lru_width: the small ones replace them)
 SMALL = {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 2, "num_key_value_heads": 1,
-         "head_dim": 64, "lru_width": 128, "num_hidden_layers": 3,
+         "head_dim": 64, "lru_width": 256, "num_hidden_layers": 3,
          "vocab_size": 512, "attention_window_size": 64}
 
 

@@ -43,6 +43,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     mixer_facts,
     mixer_off,
     mlstm_facts,
+    rg_lru_facts,
     rwkv_facts,
     short_conv_facts,
 )
@@ -115,7 +116,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 26  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin. 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 27  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -677,6 +678,8 @@ def recurrent_mixer_module(block):
         if rwkv_facts(module):  # RWKV-4's time-mix: time_decay / time_first, no A_log
             return module
         if mlstm_facts(module):  # xLSTM's mLSTM layer: its backend, no A_log
+            return module
+        if rg_lru_facts(module):  # RecurrentGemma's recurrent block: conv_1d + rg_lru, no A_log
             return module
     return None
 

@@ -49,6 +49,15 @@ family runs a short causal convolution before it, the last ``kernel - 1`` inputs
   scalar per head: planned as one ``recurrent_state [H, Dqk + 1, Dv + 1]`` (C, n as its last column, m at
   ``[Dqk, 0]``). Dqk = int(hidden_size x qk_dim_factor) / H, Dv = int(hidden_size x v_dim_factor) / H, as
   ``xLSTMLayer`` sizes its projections.
+* ``rg_lru`` -- RecurrentGemma (transformers ``RecurrentGemmaForCausalLM``, modeling_recurrent_gemma.py): its
+  'recurrent' blocks (``RecurrentGemmaRecurrentBlock``, the decoder layer's ``temporal_block``) run a depthwise causal
+  conv of width ``conv1d_width`` (with bias, no activation) over the lru_width channels of ``linear_x``, then the
+  RG-LRU (``RecurrentGemmaRglru``): per channel h <- a h + sqrt(1 - a^2) (i x), a diagonal gated recurrence whose
+  state is one float32 number per channel (its ``recurrent_states [batch, lru_width]``), reset (a = 0, no
+  normalisation) at position 0. States: ``conv_state [lru_width, conv1d_width - 1]`` (the model's dtype, as
+  transformers keeps ``conv1d_state``) and ``recurrent_state [lru_width]`` float32 (one "value head" of width 1 per
+  channel, one replicated "key head" of 1, as Mamba-1 maps its channels). Its 'attention' blocks are local
+  sliding-window attention (``attention_window_size``): ordinary KV-cache layers.
 
 No torch-npu release pinned here has a selective-scan or SSD operator (the 2.14.0 op schemas list
 ``npu_fused_causal_conv1d`` for the conv, nothing for the scan): the Mamba families run their recurrence in torch.
@@ -71,7 +80,8 @@ MAMBA = "mamba"
 SHORT_CONV = "short_conv"
 RWKV = "rwkv"
 MLSTM = "mlstm"
-LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA, SHORT_CONV, RWKV, MLSTM)
+RG_LRU = "rg_lru"
+LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA, SHORT_CONV, RWKV, MLSTM, RG_LRU)
 # Families whose layers keep a conv state only (no recurrent state): planned without heads, dims or recurrent_state
 CONV_ONLY = frozenset({SHORT_CONV})
 # A decoder layer of a parallel hybrid (Falcon-H1) runs attention and a Mamba mixer side by side on the same input:
@@ -91,8 +101,9 @@ SHARED_BLOCK_HYBRIDS = frozenset({"zamba2", "zamba"})
 # there: cache_utils.get_layer_types_and_kwargs).
 NO_CACHE = "nocache"
 # Families whose single B/C group (key head) stays whole on every rank: Mamba-1 has one B/C for all channels (a
-# multi-head Mamba-1, Zamba's, splits its heads as Mamba-2 splits its groups); RWKV's one wkv "head" likewise.
-_REPLICATED_K_HEADS = frozenset({MAMBA, RWKV})
+# multi-head Mamba-1, Zamba's, splits its heads as Mamba-2 splits its groups); RWKV's one wkv "head" and the
+# RG-LRU's (its state is per channel, nothing shared across channels) likewise.
+_REPLICATED_K_HEADS = frozenset({MAMBA, RWKV, RG_LRU})
 # RWKV's wkv state per attention channel: numerator, denominator, max exponent (rwkv_linear_attention_cpu)
 RWKV_WKV_PARTS = 3
 
@@ -200,7 +211,9 @@ LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention", "LightningAttention
                           # RWKV-4's time-mix (the block's state holder; its channel-mix shares the block's state)
                           "RwkvSelfAttention",
                           # xLSTM's mLSTM layer (xLSTMBlock.mlstm_layer)
-                          "xLSTMLayer")
+                          "xLSTMLayer",
+                          # RecurrentGemma's recurrent block (its conv_1d and RG-LRU; RecurrentGemmaRecurrentBlock)
+                          "RecurrentGemmaRecurrentBlock")
 
 # What the validation compares each family with. Gated delta net and KDA: transformers' own classes. Lightning
 # (Ling-2.5): transformers has no such model, so kvcache builds one from transformers' Ling-family code with a
@@ -217,6 +230,8 @@ REFERENCE = {
     MAMBA: "transformers' own Mamba-1 mixer of the family (its mamba_scan_forward: the selective scan)",
     MLSTM: "transformers' own xLSTMForCausalLM (its native mLSTM kernels: chunkwise over the prefix, the recurrent "
            "step for the rest)",
+    RG_LRU: "transformers' own RecurrentGemmaForCausalLM (its conv_1d over the prefix and RecurrentGemmaRglru's "
+            "_rnn_scan)",
     RWKV: "transformers' own RwkvForCausalLM (its rwkv_linear_attention_cpu recurrence over the whole prefix)",
     SHORT_CONV: "transformers' own short-conv layer of the family (Lfm2ShortConv / Lfm2MoeShortConv / Lfm3ShortConv: "
                 "its causal_conv1d_forward over the whole prefix)",
@@ -265,7 +280,7 @@ class LinearFacts:
         Mamba-1's inner channels only)."""
         if not self.conv_kernel:
             return 0
-        if self.family in CONV_ONLY:  # depthwise over hidden_size: each rank its share of the channels
+        if self.family in CONV_ONLY or self.family == RG_LRU:  # depthwise: each rank its share of the channels
             return self.conv_channels // tp
         if self.family == RWKV:  # the token shift is of the block's (replicated) hidden input: whole on every rank
             return self.conv_channels
@@ -313,6 +328,8 @@ def family_of_linear(get, model_type: str, architectures: list[str], where: str)
         return MLSTM, "model_type xlstm (mLSTM layers, a recurrence)"
     if model_type in _LIGHTNING_TYPES:
         return LIGHTNING, f"model_type {model_type} (lightning attention, {_LIGHTNING_TYPES[model_type]})"
+    if model_type == "recurrent_gemma":
+        return RG_LRU, "model_type recurrent_gemma (conv + RG-LRU recurrent blocks)"
     if model_type != "bailing_hybrid":
         return None
     lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
@@ -355,6 +372,8 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         return _read_rwkv(r, why, hidden)
     if family == MLSTM:
         return _read_mlstm(r, why, hidden, limits)
+    if family == RG_LRU:
+        return _read_rg_lru(r, why, hidden, limits)
     if family == KIMI_DELTA:
         section = r.mapping("linear_attn_config")
         sub = section[0] if section else {}
@@ -513,6 +532,27 @@ def _read_rwkv(r, why: str, hidden: int) -> LinearFacts:
     src = (f"{why}: {attn.source if attn else 'attention_hidden_size absent: hidden_size (transformers RwkvConfig)'}"
            f" = {width} wkv channels x (num, den, max); hidden_size = {hidden} token-shift channels per mix")
     return LinearFacts(RWKV, 1, width, RWKV_WKV_PARTS, 1, 2, 2 * hidden, src, REFERENCE[RWKV])
+
+
+def _read_rg_lru(r, why: str, hidden: int, limits: dict[str, int]) -> LinearFacts:
+    """RecurrentGemma: lru_width channels (RecurrentGemmaConfig.__post_init__: hidden_size when absent), a conv of
+    conv1d_width (class default 4); the RG-LRU's gates are num_attention_heads diagonal blocks of lru_width / heads
+    channels (RecurrentGemmaRglru.block_width), refused when the heads do not divide the width."""
+    width = r.positive_int("lru_width", required=False, maximum=1 << 20)
+    width = width or _Hit(hidden, "lru_width absent: hidden_size (transformers RecurrentGemmaConfig)")
+    kernel = r.positive_int("conv1d_width", required=False, maximum=64) \
+        or _Hit(4, "default: transformers RecurrentGemmaConfig.conv1d_width")
+    if kernel.value < 2:
+        raise InputError(r.where, f"must be at least 2 (a conv of width {kernel.value} keeps no previous input)",
+                         field=kernel.source)
+    heads = r.positive_int("num_attention_heads", maximum=limits["heads"])
+    if width.value % heads.value:
+        raise InputError(r.where, f"{heads.value} heads do not divide lru_width {width.value}: the RG-LRU's gates are "
+                                  "[heads, lru_width / heads, lru_width / heads] blocks (RecurrentGemmaRglru)",
+                         field=width.source)
+    src = (f"{why}: {width.source} = {width.value} RG-LRU channels (one float32 state each), {kernel.source} = "
+           f"{kernel.value} conv width")
+    return LinearFacts(RG_LRU, 1, width.value, 1, 1, kernel.value, width.value, src, REFERENCE[RG_LRU])
 
 
 # xLSTMConfig's defaults of the fields that size an mLSTM layer
@@ -694,7 +734,7 @@ def mixer_facts(module) -> dict[str, int | None]:
     if conv is not None and isinstance(getattr(module, "head_k_dim", None), int) and hasattr(module, "dt_bias"):
         return gdn_facts(module)
     if conv is None or not isinstance(state, int) or not hasattr(module, "A_log"):
-        return short_conv_facts(module) or rwkv_facts(module) or mlstm_facts(module)
+        return short_conv_facts(module) or rwkv_facts(module) or mlstm_facts(module) or rg_lru_facts(module)
     facts = {"mixer_state": state, "mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels":
              int(conv.in_channels)}
     if isinstance(getattr(module, "num_heads", None), int):  # Mamba-2: heads x head_dim, B/C groups
@@ -724,6 +764,17 @@ def rwkv_facts(module) -> dict[str, int | None]:
     if decay is None or first is None or mix is None or not hasattr(module, "receptance"):
         return {}
     return {"mixer_wkv_channels": int(decay.shape[-1]), "mixer_shift_channels": 2 * int(mix.shape[-1])}
+
+
+def rg_lru_facts(module) -> dict[str, int | None]:
+    """A RecurrentGemma recurrent block's sizes (RecurrentGemmaRecurrentBlock: its depthwise ``conv_1d`` over the
+    lru_width channels beside its ``rg_lru``), read off the module built on the meta device; empty for any other
+    module."""
+    conv, lru = getattr(module, "conv_1d", None), getattr(module, "rg_lru", None)
+    if conv is None or lru is None or not hasattr(lru, "recurrent_param"):
+        return {}
+    return {"mixer_lru_width": int(lru.recurrent_param.shape[-1]), "mixer_conv_kernel": int(conv.kernel_size[0]),
+            "mixer_conv_channels": int(conv.in_channels)}
 
 
 def mlstm_facts(module) -> dict[str, int | None]:
@@ -759,6 +810,15 @@ def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
             return f"family {lin.family} vs transformers' {'mLSTM layer' if lin.family != MLSTM else 'mixer'}"
         planned = {"mixer_heads": lin.num_v_heads, "mixer_qk_head_dim": lin.head_k_dim,
                    "mixer_v_head_dim": lin.head_v_dim}
+        off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+        return ", ".join(off) or None
+    if lin.family == RG_LRU or facts.get("mixer_lru_width"):
+        if not facts:
+            return None
+        if lin.family != RG_LRU or not facts.get("mixer_lru_width"):
+            return f"family {lin.family} vs transformers' {'RG-LRU block' if lin.family != RG_LRU else 'mixer'}"
+        planned = {"mixer_lru_width": lin.num_v_heads, "mixer_conv_kernel": lin.conv_kernel,
+                   "mixer_conv_channels": lin.conv_channels}
         off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
         return ", ".join(off) or None
     if lin.family == RWKV or facts.get("mixer_wkv_channels"):

@@ -24,6 +24,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     MAMBA,
     MAMBA2,
     MLSTM,
+    RG_LRU,
     RWKV,
     SHORT_CONV,
     holds_state,
@@ -82,6 +83,10 @@ FAMILY_SCALE_RULE = {
     # Zamba / Zamba2: ZambaAttention.scaling / Zamba2Attention.scaling = (head_dim / 2) ** -0.5, the head spanning
     # concat(hidden, embeddings)
     **dict.fromkeys(("zamba", "zamba2"), "half_head_dim"),
+    # RecurrentGemma's attention blocks: RecurrentGemmaAttention.scaling = head_dim**-0.5, no bias on the scores, no
+    # soft-cap there (logits_soft_cap caps the final logits, RecurrentGemmaForCausalLM); partial rotary
+    # (rope_parameters' partial_rotary_factor) applied by the module to q / k before the cache
+    "recurrent_gemma": "head_dim",
 }
 
 
@@ -468,6 +473,22 @@ LINEAR_OPERATORS = {
                        "name no mlstm / xlstm operator; npu_recurrent_gated_delta_rule is a delta rule without the "
                        "normalizer and max-state)",
             "decode": "torch mLSTM recurrence, one token per step from the request's state"},
+    # RecurrentGemma's RG-LRU: h <- a h + sqrt(1 - a^2) (i x) per channel, a = exp(-8 r softplus(Lambda)). Searched
+    # the pinned op docs and schemas (torch_npu 2.14.0 / 2.9.0: _op_plugin_docs.py, op-plugin yaml, docs) for lru /
+    # rglru / griffin / linear recurrence / scan: nothing; npu_recurrent_gated_delta_rule is a delta rule over a
+    # [Dv, Dk] matrix state (state - beta k (k^T state)), not a per-channel diagonal recurrence with its input
+    # normalisation and its reset. The conv has a bias, which npu_fused_causal_conv1d does not support (2.14.0 docs:
+    # bias "not yet supported", width 3, Ascend 950 only); RecurrentGemma's conv1d_width is 4 by default.
+    RG_LRU: {"prefill": "torch RG-LRU recurrence, token by token from a zero state, the first token reset (a = 0, "
+                        "no sqrt(1 - a^2) normalisation: position 0, as RecurrentGemmaRglru resets), float32 state; "
+                        "no torch_npu 2.14.0 / 2.9.0 operator computes it (their op docs name no lru / rglru / "
+                        "linear-recurrence operator; npu_recurrent_gated_delta_rule is a delta rule over a matrix "
+                        "state)",
+             "decode": "torch RG-LRU recurrence, one token per step from the request's state (a h + sqrt(1 - a^2) "
+                       "(i x))",
+             "conv": "depthwise causal conv1d of width conv1d_width with bias, no activation, over [conv state | "
+                     "new linear_x inputs] in torch; the state keeps the last kernel-1 inputs (torch_npu 2.14.0 "
+                     "npu_fused_causal_conv1d takes width 3 without bias only, on Ascend 950)"},
     RWKV: {"prefill": "torch wkv recurrence, token by token from a zero state (num 0, den 0, max -1e38: "
                       "rwkv_linear_attention_cpu's arithmetic in float32); no torch_npu 2.14.0 / 2.9.0 operator "
                       "computes RWKV's wkv (their op docs and schemas name no rwkv / wkv operator)",
@@ -508,6 +529,15 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
     out = []
     if lin.family == RWKV:
         return _rwkv_states(lin, tp, dtype)
+    if lin.family == RG_LRU:
+        # RecurrentGemmaRecurrentBlock keeps conv1d_state in the input's dtype and the RG-LRU's recurrent_states in
+        # float32 (_setup_cache: "recurrent_states always computed in full precision")
+        return [StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],
+                          dtype=dtype, layout="[lru_width channels of this rank, kernel - 1 previous linear_x "
+                                              "inputs] (transformers' conv1d_state)"),
+                StateSpec(name="recurrent_state", shape=[nv], dtype="float32",
+                          layout="[lru_width channels of this rank]: the RG-LRU's h (transformers' "
+                                 "rg_lru.recurrent_states)")]
     if lin.family == MLSTM:
         # float32: xLSTMConfig.inference_state_dtype, what the native kernels keep C, n and m in
         return [StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim + 1, lin.head_v_dim + 1], dtype="float32",

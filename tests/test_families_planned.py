@@ -827,15 +827,16 @@ def test_hrm_cycled_stacks_are_refused_as_several_caches_per_module(tmp_path, mo
 def test_layer_types_a_config_class_derives_are_read_from_it(tmp_path, monkeypatch):
     """RecurrentGemma stores block_types (recurrent, recurrent, attention) and derives its layer types by cycling them
     (RecurrentGemmaConfig.layers_block_type, a property its attribute_map names for layer_types): read from the class,
-    its recurrent layers are linear layers of a family kvcache has no state for (a Legacy plan with that blocker, as
-    OLMo-hybrid's) and its attention layers slide over attention_window_size. It was refused: every layer planned as
-    attention. Negative control: without the derived types the cross-check refuses again."""
+    its recurrent layers are state layers (the rg_lru family, tests/test_recurrent_gemma.py; once a Legacy plan with an
+    unknown-family blocker) and its attention layers slide over attention_window_size. It was refused: every layer
+    planned as attention. Negative control: without the derived types the cross-check refuses again."""
     from model_infer_kvcache.analyzer import config_loader
     from model_infer_kvcache.analyzer.errors import InputError
 
     config = _config(tmp_path, "recurrent_gemma")
     m = analyze(AnalyzeRequest(config=str(config)))
-    assert m.kv_mode.value == "legacy" and "of an unknown family" in m.blockers[0].message
+    assert m.kv_mode.value == "paged" and not m.blockers
+    assert [layer.index for layer in m.layers if layer.is_state] == [i for i in range(26) if i % 3 != 2]
     assert [layer.index for layer in m.layers if layer.sliding_window == 2048] == list(range(2, 26, 3))
     monkeypatch.setattr(config_loader._Reader, "derived", lambda self, name, in_post_init=False: None)
     with pytest.raises(InputError, match="where transformers' decoder block has no attention module"):

@@ -79,6 +79,11 @@ def tiny_state_fields(d: dict, manifest) -> str | None:
         return _tiny_rwkv(d, lin, manifest.parallel.attn_tp_size)
     if lin is not None and lin.family == "mlstm":
         return _tiny_mlstm(d, lin)
+    if lin is not None and lin.family == "rg_lru":
+        # the render convolves and scans the real lru_width channels: the tiny model keeps them (an absent
+        # lru_width would follow the tiny hidden_size, RecurrentGemmaConfig.__post_init__)
+        d["lru_width"] = lin.num_v_heads_per_rank * manifest.parallel.attn_tp_size
+        return None
     if lin is not None and lin.family == "short_conv":  # the render convolves the real hidden_size channels
         d["hidden_size"] = lin.conv_channels_per_rank * manifest.parallel.attn_tp_size
         return

@@ -41,7 +41,7 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
 from model_infer_kvcache.analyzer.kinds.mla import MLA_LATENT_SCALES
-from model_infer_kvcache.analyzer.linear_config import mlstm_facts, rwkv_facts, short_conv_facts
+from model_infer_kvcache.analyzer.linear_config import mlstm_facts, rg_lru_facts, rwkv_facts, short_conv_facts
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
 
@@ -916,6 +916,38 @@ def bind_rwkv(block, time_mix, host) -> None:
         module.forward = types.MethodType(forward, module)
 
 
+def _rg_lru_block_forward(self, input_states, position_ids=None, attention_mask=None, use_cache=True, **kwargs):
+    """transformers' RecurrentGemmaRecurrentBlock with its conv and RG-LRU scan, and so its states, done by the rendered
+    code: the block's own linear_y and activation, linear_x, the RG-LRU's block-diagonal gates (as
+    RecurrentGemmaRglru.forward computes them) and linear_out around ``conv_step`` and ``rg_lru`` on the packed
+    tokens."""
+    host = self._kvcache_host
+    fm = _metadata()
+    x = input_states[0]
+    y = self.act_fn(self.linear_y(x))
+    conv = host.conv_step(self.linear_x(x), fm)  # [T, W], bias, no activation
+    lru, t = self.rg_lru, conv.shape[0]
+    blocks = conv.reshape(t, lru.num_attention_heads, lru.block_width).permute(1, 0, 2)
+    gates = [torch.sigmoid(torch.baddbmm(bias[:, None, :], blocks, weight).transpose(0, 1).reshape(t, -1))
+             for bias, weight in ((lru.input_gate_bias, lru.input_gate_weight),
+                                  (lru.recurrent_gate_bias, lru.recurrent_gate_weight))]
+    log_a = -8.0 * gates[1] * torch.nn.functional.softplus(lru.recurrent_param)
+    host.probe.last_layer = host.layer_idx
+    h = host.rg_lru(conv, gates[0], log_a, fm)
+    return self.linear_out(h * y)[None], None
+
+
+def bind_rg_lru(module, host) -> None:
+    """Route a RecurrentGemma recurrent block (its conv_1d and RG-LRU, the block's conv1d_state and the RG-LRU's
+    recurrent_states) through ``host``."""
+    if not hasattr(host, "rg_lru"):
+        raise InputError("--config", f"{type(module).__name__} is a RecurrentGemma recurrent block and the rendered "
+                                     "state mixin has no rg_lru (its linear_attention family is another)",
+                         field="model_type")
+    module._kvcache_host = host
+    module.forward = types.MethodType(_rg_lru_block_forward, module)
+
+
 def _mlstm_backend_forward(self, query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None,
                            return_last_states=None, mode=None):
     """transformers' xLSTMBackend (the mLSTM kernels) with its recurrence, and so its states, done by the rendered
@@ -984,6 +1016,8 @@ def make_host_linear(mixin: type) -> type:
                 self.conv1d = hf_linear.conv1d
             elif short_conv_facts(hf_linear):  # LFM2's gated short conv keeps its depthwise conv as ``conv``
                 self.conv = hf_linear.conv
+            elif rg_lru_facts(hf_linear):  # RecurrentGemma's recurrent block keeps its conv as ``conv_1d``
+                self.conv_1d = hf_linear.conv_1d
 
     return HostLinear
 
@@ -1224,12 +1258,15 @@ class HostModel:
                 state = linear_cls(linear[1], idx, self.probe)
                 short_conv = bool(short_conv_facts(linear[1]))
                 state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d") or short_conv
-                                                           or bool(rwkv_facts(linear[1])),
+                                                           or bool(rwkv_facts(linear[1]) or rg_lru_facts(linear[1])),
                                                            recurrent=not short_conv))
                 scan = mamba_scan_of(linear[1])
                 if rwkv_facts(linear[1]):
                     bind_rwkv(layer, linear[1], state)
                     state_attr = linear[0]  # the layer answers its time-mix's own name only (RWKV: attention)
+                elif rg_lru_facts(linear[1]):
+                    bind_rg_lru(linear[1], state)
+                    state_attr = linear[0]  # the layer answers its recurrent block's own name only (temporal_block)
                 elif mlstm_facts(linear[1]):
                     bind_mlstm(linear[1], state)
                     state_attr = linear[0]  # the layer answers its mLSTM layer's own name only (mlstm_layer)

@@ -84,7 +84,12 @@ def _shard_gated_delta(mod, rank: int, tp: int):
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a Mamba "
                                                       "mixer): it shards gated delta nets only; validate Mamba "
                                                       "layers at attention TP 1", field="attn_tp_size")
-    from model_infer_kvcache.analyzer.linear_config import mlstm_facts, rwkv_facts, short_conv_facts
+    from model_infer_kvcache.analyzer.linear_config import (
+        mlstm_facts,
+        rg_lru_facts,
+        rwkv_facts,
+        short_conv_facts,
+    )
 
     if mlstm_facts(mod):  # xLSTM's mLSTM layer: a gap of kvcache's, said as such
         from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
@@ -92,6 +97,13 @@ def _shard_gated_delta(mod, rank: int, tp: int):
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (an mLSTM "
                                                       "layer): it shards gated delta nets only; validate mLSTM "
                                                       "layers at attention TP 1", field="attn_tp_size")
+    if rg_lru_facts(mod):  # RecurrentGemma's recurrent block: a gap of kvcache's, said as such
+        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a "
+                                                      "RecurrentGemma recurrent block): it shards gated delta nets "
+                                                      "only; validate RG-LRU blocks at attention TP 1",
+                                    field="attn_tp_size")
     if rwkv_facts(mod):  # RWKV's time-mix: a gap of kvcache's, said as such
         from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 

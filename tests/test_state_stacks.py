@@ -147,6 +147,10 @@ def test_dory_reads_its_saved_layers_and_plans_a_cache_layer_per_loop(tmp_path):
     assert loops.extra_layers() == tuple(range(8, 28))
     with pytest.raises(InputError, match=r"recurrent_kv_cache_mode: 'last_loop': Dory's loops before the last read"):
         normalize_config({**data, "recurrent_kv_cache_mode": "last_loop"})
+    with pytest.raises(InputError, match=r"recurrent_kv_cache_mode: 'every_loop' is not one of"):
+        normalize_config({**data, "recurrent_kv_cache_mode": "every_loop"})
+    with pytest.raises(InputError, match=r"n_recurrent_loops: must be at least 1, got 0"):
+        normalize_config({**data, "n_recurrent_loops": 0})
     facts = normalize_config({**data, "n_recurrent_loops": 1})
     assert facts.loops.value is None
     assert facts.num_layers.value == 36 and NO_CACHE not in facts.layer_kinds.value

@@ -851,6 +851,10 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         result.errors.append(f"analyzer plans cross-attention ({facts.cross.source}) and transformers' "
                              f"{facts.model_type!r} decoder blocks hold no cross-attention module")
         return result
+    if (loops := facts.loops.value) is not None:
+        # Dory per_loop: the later loops' cache layers are calls of the modules compared below, planned as their
+        # layers (the manifest's invariant, analyzer/kinds/loops.py): transformers builds one module per layer
+        layers = layers[:len(layers) - len(loops.extra_layers())]
     if len(hf) != len(layers):
         result.errors.append(f"attention layers: analyzer plans {len(layers)}, transformers builds {len(hf)}")
         return result

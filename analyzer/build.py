@@ -30,6 +30,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     render_api,
 )
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
 from model_infer_kvcache.analyzer.linear_config import NO_CACHE, holds_state, sublayer_kinds
@@ -48,6 +49,7 @@ from model_infer_kvcache.analyzer.manifest import (
     MemoryPlan,
     ModelInfo,
     NoCacheLayer,
+    RecurrentLoopsDecision,
     SelectionManifest,
     StateLayerPlan,
 )
@@ -324,6 +326,7 @@ def assemble(
         mixed_attn_types=mixed,
         layers=layers,
         no_cache_layers=no_cache_layers(facts),
+        recurrent_loops=recurrent_loops(facts, layers),
         parallel=parallel,
         block_size=req.block_size,
         memory=memory_plan,
@@ -576,7 +579,28 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
             continue
         out += _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window,
                           decoder_idx, sublayer_kinds(config_kind, subs), len(out))
+    loops = facts.loops.value
+    # Dory per_loop: each later loop's call of a recurrent layer is a cache layer of its own, after the model's, at
+    # transformers' cache index (layer_idx + cache_offset), planned as the layer it runs (analyzer/kinds/loops.py)
+    for decoder_idx in loops.extra_layers() if loops else ():
+        out += _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window,
+                          decoder_idx, sublayer_kinds(facts.layer_kinds.value[decoder_idx], subs), len(out))
     return out
+
+
+def recurrent_loops(facts: ModelFacts, layers: list[LayerPlan]) -> RecurrentLoopsDecision | None:
+    """The manifest's recurrent_loops section (Dory per_loop), None where every layer runs once."""
+    loops = facts.loops.value
+    if loops is None:
+        return None
+    extra = list(range(len(layers) - len(loops.extra_layers()), len(layers)))
+    return RecurrentLoopsDecision(
+        first_layer=loops.first_layer, num_layers=loops.num_layers, loops=loops.loops, cache_layers=extra,
+        module_attr=loops_kind.MODULE_ATTR, source=loops.source,
+        reason=f"loops 1..{loops.loops - 1} each write their own copy of decoder layers {loops.first_layer}.."
+               f"{loops.first_layer + loops.num_layers - 1}'s caches (cache layers {extra[0]}..{extra[-1]}, "
+               "transformers' layer_idx + cache_offset); one attention module keeps one cache, so the port gives "
+               "each loop its own module, the layer's weights tied (as for Zamba2's shared block)")
 
 
 def no_cache_layers(facts: ModelFacts) -> list[NoCacheLayer] | None:

@@ -20,6 +20,7 @@ from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_t
 from model_infer_kvcache.analyzer.hf_config_source import BadOperand, ConfigClassFacts, config_class_facts
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.linear_config import (
     NO_CACHE,
     PARALLEL_HYBRIDS,
@@ -357,6 +358,8 @@ class ModelFacts:
     # the layers whose attention keeps learnable sinks when only some do (MiMo-V2-Flash: its sliding layers); None:
     # every attention layer when has_sinks
     sink_layers: Sourced[tuple[int, ...] | None] = Sourced(None, "default: every attention layer when has_sinks")
+    # a middle section run several times per forward, each loop with its own caches (Dory per_loop); None: once
+    loops: Sourced[loops_kind.LoopFacts | None] = Sourced(None, "default: every decoder layer runs once")
 
     def kv_source_at(self, decoder_layer: int | None) -> int | None:
         sources = self.kv_sources.value
@@ -683,8 +686,6 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     architectures = _architectures(r)
 
     blocks = block_types(r, model_type)
-    if model_type == "dory":
-        _refuse_dory_loops(r)
     _refuse_cycled_stacks(r)
     _refuse_built_indexer(r, model_type)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
@@ -785,6 +786,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
 
     cross = cross_kind.read_facts(r.get, r.cfg)
+    # Dory: its saved layer counts are halved above (_dory_layers), as DoryConfig.__post_init__ does
+    loops = loops_kind.read_facts(r.get, where, num_layers.value) if model_type == "dory" else None
 
     return ModelFacts(
         path=where,
@@ -823,6 +826,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         compressed=Sourced(compressed, compressed.source) if compressed else Sourced(
             None, "default: no compressed layers"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
+        loops=Sourced(loops, loops.source) if loops else Sourced(None, "default: every decoder layer runs once"),
     )
 
 
@@ -907,21 +911,6 @@ def _dory_layers(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(data.get(key), int) and not isinstance(data.get(key), bool):
             out[key] = data[key] // 2
     return out
-
-
-def _refuse_dory_loops(r: _Reader) -> None:
-    """Dory (transformers DoryModel.forward) runs its recurrent section n_recurrent_loops times per forward, each loop
-    through the same attention modules with a cache of its own (per_loop: a copy of every recurrent layer's cache per
-    loop; last_loop: earlier loops read the cache without writing it). Its saved layer_types list an "mlp" block after
-    every attention block (DoryConfig.to_dict), which are not layers: DoryConfig.__post_init__ halves the list."""
-    loops = r.get("n_recurrent_loops") or (2, "default: transformers DoryConfig.n_recurrent_loops")
-    if isinstance(loops[0], int) and not isinstance(loops[0], bool) and loops[0] <= 1:
-        return
-    mode = r.get("recurrent_kv_cache_mode") or ("per_loop", "default: transformers DoryConfig.recurrent_kv_cache_mode")
-    raise InputError(r.where, f"{loops[0]!r}: Dory runs its recurrent layers {loops[0]} times per forward, each loop "
-                              f"with its own KV cache ({mode[1]} {mode[0]!r}; transformers DoryModel.forward's "
-                              "cache_offset), so one attention module keeps several caches: not supported by kvcache "
-                              "(one set of cache entries per attention module)", field=loops[1])
 
 
 def _linear(r: _Reader, family: tuple[str, str] | None, kinds: Sourced[tuple[str, ...]], heads: Sourced[int],

@@ -16,6 +16,7 @@ from model_infer_kvcache.analyzer import kinds
 from model_infer_kvcache.analyzer.device_questions import DEPENDENCY_QUESTIONS, OP_BACKENDS, UNKNOWN
 from model_infer_kvcache.analyzer.framework_checkout import RENDER_APIS
 from model_infer_kvcache.analyzer.kinds import INDEXER_KEY_CACHE  # noqa: F401  (the manifest's entry name, re-exported)
+from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.kinds.invariants import RECURRENT_SIZES
 from model_infer_kvcache.analyzer.kv_cache_spec import (
     ATTENTION_ATTN_TYPES,
@@ -318,6 +319,22 @@ class LinearAttentionDecision(_Model):
                                               "or for a family transformers lacks (Ling-2.5 lightning) kvcache's "
                                               "reference built from transformers' code; None: none named (a "
                                               "manifest of an older kvcache)")
+    source: str
+    reason: str
+
+
+class RecurrentLoopsDecision(_Model):
+    """A middle section run ``loops`` times per forward, each loop with caches of its own (Dory's per_loop mode,
+    analyzer/kinds/loops.py): loop k >= 1's call of decoder layer i is cache layer ``num_layers + (k - 1) x
+    num_layers_in_loop + (i - first_layer)``, transformers' own cache index (``i + cache_offset``), with layer i's
+    attention; the port gives each loop its own attention module, the weights tied."""
+
+    first_layer: int = Field(ge=0, description="the section's first decoder layer (Dory: n_input_layers)")
+    num_layers: int = Field(ge=1, description="decoder layers in the section (Dory: n_recurrent_layers)")
+    loops: int = Field(ge=2, description="passes through the section per forward (Dory: n_recurrent_loops)")
+    cache_layers: list[int] = Field(description="the extra cache layers' indices (loops 1 ..), after the model's")
+    module_attr: str = Field(description="the decoder layer's attribute holding its loop attention modules, one per "
+                                         "loop after the first (the port adds it)")
     source: str
     reason: str
 
@@ -662,7 +679,7 @@ class Generator(_Model):
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
 OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
-                      "no_cache_layers", "cross_attention")
+                      "no_cache_layers", "cross_attention", "recurrent_loops")
 
 
 class SelectionManifest(_Model):
@@ -706,6 +723,9 @@ class SelectionManifest(_Model):
     cross_attention: CrossAttentionDecision | None = Field(
         default=None, description="the decoder of an encoder-decoder model: a slot per request for the K/V of its "
                                   "encoder states, beside the self-attention's paged cache; absent: decoder-only")
+    recurrent_loops: RecurrentLoopsDecision | None = Field(
+        default=None, description="a section run several times per forward, each loop with its own cache layers "
+                                  "(Dory per_loop), listed after the model's layers; absent: every layer runs once")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")
@@ -805,12 +825,17 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
     state_only = {layer.decoder_layer for layer in m.layers if layer.is_state and not layer.sublayer} - \
         {layer.decoder_layer for layer in m.layers if layer.sublayer}
     short = len(state_only) * (model.sublayers_per_layer - 1) if m.parallel_hybrid() else 0
-    want_layers = model.num_layers * model.sublayers_per_layer - len(uncached) - short
+    loops = m.recurrent_loops
+    extra = loops.num_layers * (loops.loops - 1) if loops else 0  # each later loop's copies (Dory per_loop)
+    want_layers = model.num_layers * model.sublayers_per_layer - len(uncached) - short + extra
     with_mtp = want_layers + model.num_mtp_layers * model.sublayers_per_layer
     if len(m.layers) not in (want_layers, with_mtp):
         out.append(("layers", f"{len(m.layers)} entries for {model.num_layers} decoder layers x "
                               f"{model.sublayers_per_layer} sublayer(s) - {len(uncached)} block(s) without a cache "
-                              + (f"- {short} for the state-only layers " if short else "") + f"= {want_layers}"))
+                              + (f"- {short} for the state-only layers " if short else "")
+                              + (f"+ {extra} for recurrent loops 1..{loops.loops - 1} " if extra else "")
+                              + f"= {want_layers}"))
+    out += loops_kind.loop_problems(m)
     cached_blocks = {layer.decoder_layer for layer in m.layers}
     for j, block in enumerate(uncached):
         if block.decoder_layer in cached_blocks or block.decoder_layer >= model.num_layers:

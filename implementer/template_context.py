@@ -32,9 +32,11 @@ from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
 from model_infer_kvcache.implementer.kinds import gqa as gqa_kind
+from model_infer_kvcache.implementer.kinds import loops as loops_kind
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE
 from model_infer_kvcache.implementer.kinds.common import bad as _bad
 from model_infer_kvcache.implementer.kinds.cross import CrossCtx
+from model_infer_kvcache.implementer.kinds.loops import LoopCtx
 from model_infer_kvcache.implementer.kinds.recurrent import LinearCtx
 from model_infer_kvcache.implementer.names import RESERVED_NAMES, Names, check_identifier  # noqa: F401 - re-exported
 
@@ -153,6 +155,8 @@ class RenderContext:
     linear: LinearCtx | None = None
     # Encoder-decoder models (manifest.cross_attention): the cross-attention slots; None for a decoder-only model.
     cross: CrossCtx | None = None
+    # A section run several times per forward, a cache per loop (manifest.recurrent_loops, Dory); None: each once.
+    loops: LoopCtx | None = None
     # Legacy only: "fa" (one BSH FA call) or "model" (the model's own eager attention); "" on the paged path.
     legacy_kernel: str = ""
     softcap: float | None = None  # attn_logit_softcapping the model attention applies (kernel "model")
@@ -441,6 +445,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         cache_dtype=TORCH_DTYPE[first.caches[0].dtype] if first else "None",
         attends=first is not None,
         no_cache_blocks=tuple(b.decoder_layer for b in m.no_cache_layers or ()),
+        **loops_kind.fields(m),
         num_layers=len(m.layers),
         sublayers=int(m.model.sublayers_per_layer),
         mtp_layers=int(m.model.num_mtp_layers),

@@ -1146,3 +1146,58 @@ def test_stablelm_per_head_norms_and_head_counts_are_sharded_at_attention_tp_2(t
     (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
     write_rendered(render_manifest(manifest), tmp_path / "r")
     _passes((tmp_path / "m.json", tmp_path / "r", config))
+
+
+@pytest.mark.slow
+def test_dory_plans_a_cache_layer_per_loop_validates_and_fails_its_mistakes(tmp_path, monkeypatch):
+    """Dory (issue 40): its recurrent section runs n_recurrent_loops times per forward, each loop writing a cache of
+    its own (per_loop: transformers' cache index layer_idx + cache_offset). Planned as extra cache layers after the
+    model's, each with its layer's attention type, counted in the memory plan; rendered with each loop's own module
+    and validated, the host routing each call by the cache_offset the forward receives. Negative controls: a port
+    whose loops all write the layer's own cache (cache_offset ignored) fails the logits; a get_cache_info without
+    the loops' modules fails the layer count; a manifest planned without the loops' layers fails its invariant."""
+    from model_infer_kvcache.analyzer.manifest import SelectionManifest
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+    from model_infer_kvcache.validators.pipeline import validate as pipeline
+    from transformers import DoryConfig
+
+    # the saved form (an "mlp" entry after every attention block, the counts doubled): 5 layers, 1 / 3 / 1, every one
+    # kept by the tiny model, a window CPU prompts cross: the given render runs once, as written
+    config = tmp_path / "dory.json"
+    config.write_text(json.dumps(DoryConfig(num_hidden_layers=5, n_input_layers=1, n_output_layers=1,
+                                            sliding_window=64).to_dict()), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    assert [(layer.decoder_layer, layer.attn_type) for layer in m.layers[5:]] == \
+        [(1, "SlidingWindow"), (2, "SlidingWindow"), (3, "FullAttention")]
+    assert m.recurrent_loops.cache_layers == [5, 6, 7] and not m.blockers
+    once = analyze(AnalyzeRequest(config=str(_config_with(tmp_path, config, n_recurrent_loops=1)),
+                                  deploy_mode="framework"))
+    assert m.memory.per_token_bytes == once.memory.per_token_bytes * 8 // 5  # 8 cache layers, not 5
+    data = json.loads(m.to_json())
+    data["layers"] = data["layers"][:5]  # planned without loop 1's layers
+    with pytest.raises(ValueError, match=r"layers: 5 entries .* \+ 3 for recurrent loops 1\.\.1 = 8"):
+        SelectionManifest.model_validate(data)
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(m), tmp_path / "r")
+    case = (tmp_path / "m.json", tmp_path / "r", config)
+    report = _passes(case)
+    assert check(report, "get_cache_info layer count").passed
+
+    bad = tmp_path / "no_loops"
+    shutil.copytree(case[1], bad)
+    report = mistaken_report((case[0], bad, case[2]), r"for loop in range\(1, 2\):", "for loop in range(1, 1):")
+    assert not check(report, "get_cache_info layer count").passed, [(c.name, c.detail) for c in report.failed()]
+
+    # every loop writing the layer's own cache: the port's loop modules all initialised at layer_idx
+    monkeypatch.setattr(host_model, "loop_host", lambda module, cache_offset: module._kvcache_loop_hosts[
+        module.layer_idx])
+    monkeypatch.setattr(pipeline, "_localise", lambda *args, **kwargs: None)  # the failing check is the point
+    report = run_validate(*case)
+    assert not check(report, "logits vs transformers").passed, [(c.name, c.detail) for c in report.failed()]
+
+
+def _config_with(tmp: Path, config: Path, **fields) -> Path:
+    path = tmp / f"{config.stem}-{'-'.join(f'{k}{v}' for k, v in fields.items())}.json"
+    path.write_text(json.dumps(json.loads(config.read_text()) | fields), encoding="utf-8")
+    return path

@@ -133,16 +133,26 @@ def test_a_hand_edit_giving_a_block_without_a_cache_a_layer_is_refused(tmp_path)
         SelectionManifest.model_validate(data)
 
 
-def test_dory_reads_its_saved_layers_and_refuses_its_recurrent_loops(tmp_path):
+def test_dory_reads_its_saved_layers_and_plans_a_cache_layer_per_loop(tmp_path):
     """DoryConfig.to_dict writes an "mlp" entry after every attention block and doubles the layer counts (they are
-    not layers: __post_init__ halves them); its recurrent section runs n_recurrent_loops times through the same
-    attention modules, each loop with its own cache: refused by name. One loop is a plain sliding / full stack."""
+    not layers: __post_init__ halves them); its recurrent section runs n_recurrent_loops times, each loop with its own
+    cache (per_loop): loop 1's layers are read as extra cache layers after the model's; last_loop is refused by name.
+    One loop is a plain sliding / full stack."""
     from transformers import DoryConfig
 
     data = DoryConfig().to_dict()
-    with pytest.raises(InputError, match=r"n_recurrent_loops: 2: Dory runs its recurrent layers 2 times"):
-        normalize_config(data)
+    facts = normalize_config(data)
+    loops = facts.loops.value
+    assert (loops.first_layer, loops.num_layers, loops.loops) == (8, 20, 2)
+    assert loops.extra_layers() == tuple(range(8, 28))
+    with pytest.raises(InputError, match=r"recurrent_kv_cache_mode: 'last_loop': Dory's loops before the last read"):
+        normalize_config({**data, "recurrent_kv_cache_mode": "last_loop"})
+    with pytest.raises(InputError, match=r"recurrent_kv_cache_mode: 'every_loop' is not one of"):
+        normalize_config({**data, "recurrent_kv_cache_mode": "every_loop"})
+    with pytest.raises(InputError, match=r"n_recurrent_loops: must be at least 1, got 0"):
+        normalize_config({**data, "n_recurrent_loops": 0})
     facts = normalize_config({**data, "n_recurrent_loops": 1})
+    assert facts.loops.value is None
     assert facts.num_layers.value == 36 and NO_CACHE not in facts.layer_kinds.value
     assert facts.layer_kinds.value[:4] == ("sliding", "sliding", "sliding", "full")
 

@@ -1137,18 +1137,37 @@ def _attention_sublayers(hits: list[tuple[str, object]], state) -> list[tuple[st
     return ordered
 
 
+def loop_host(module, cache_offset: int):
+    """The host of the cache layer a looped call writes (Dory: ``layer_idx + cache_offset``, DoryAttention.forward's
+    cache index; the port gives that call its own module)."""
+    return module._kvcache_loop_hosts[module.layer_idx + cache_offset]
+
+
+def _looped_forward(forward):
+    """A looped layer's attention forward that routes each call to the host of its cache layer (transformers passes
+    the loop's cache_offset), then runs the module's own forward."""
+    def call(self, *args, cache_offset: int = 0, **kwargs):
+        self._kvcache_host = loop_host(self, cache_offset)
+        return forward(*args, cache_offset=cache_offset, **kwargs)
+
+    return call
+
+
 class _DecoderLayer:
     """A decoder layer as get_cache_info() sees it: any attribute is its attention module, except that a layer whose
     state module transformers keeps under ``state_attr`` (Jamba's ``mamba``) answers that name only, as the model's
     own layer does (a render looking the module up under another name finds none)."""
 
-    def __init__(self, attention, state_attr: str | None = None, state=None, cross=None):
+    def __init__(self, attention, state_attr: str | None = None, state=None, cross=None, loops=None):
+        self._loops = loops  # (attribute, hosts) of a looped layer's later loops (Dory: loop_attentions)
         self._attention = attention
         self._state_attr = state_attr
         self._state = state  # a parallel hybrid's mixer beside its attention (Falcon-H1), under state_attr
         self._cross = cross  # (attribute, host) of the layer's cross-attention module (an encoder-decoder's decoder)
 
     def __getattr__(self, name):
+        if self._loops is not None and name == self._loops[0]:
+            return self._loops[1]
         if self._cross is not None and name == self._cross[0]:
             return self._cross[1]
         if self._state is not None:
@@ -1185,7 +1204,7 @@ class HostModel:
 
     def __init__(self, hf_model, rendered: RenderedCode, *, is_mla: bool, cache_dtype=torch.float32,
                  window: int | None = None, block_size: int = 128, device: torch.device | None = None,
-                 uncached: frozenset[int] = frozenset()):
+                 uncached: frozenset[int] = frozenset(), loops=None):
         self.hf_model = hf_model
         self.rendered = rendered
         self.cache_dtype = cache_dtype  # the compute dtype of the model under test
@@ -1205,6 +1224,7 @@ class HostModel:
         linear_mixin = rendered.linear_mixin()
         linear_cls = make_host_linear(linear_mixin) if linear_mixin else None
         self.attentions = []
+        self._looped = []  # the hosts of a looped section's later loops (Dory), after the model's in self.attentions
         self.cross_attentions = []  # an encoder-decoder's decoder: each layer's cross-attention module, routed
         self.cross_prefill_lens: dict[int, list[int]] = {}  # step -> its requests' encoder lengths (prefill steps)
         path, layers = decoder_layers(hf_model)
@@ -1326,7 +1346,10 @@ class HostModel:
                 # own cache), transformers tying the shared block's weights, not the module.
                 views.append(_ModulePaths({name: host, state_attr: state}))
                 continue
-            views.append(_DecoderLayer(host, state_attr, state, cross))
+            looped = self._loop_hosts(loops, len(layers), idx, hf_attn, host, route_one, f"{path}.{idx}.{name}")
+            views.append(_DecoderLayer(host, state_attr, state, cross, looped))
+        # a looped section's later loops (Dory): their cache layers follow the model's, in transformers' order
+        self.attentions += sorted(self._looped, key=lambda h: h.layer_idx)
         if self.encoder is not None:
             for name, module in hf_model.named_modules():
                 if name.endswith("embed_positions") and not name.split(".")[-2:-1] == ["encoder"]:
@@ -1346,6 +1369,22 @@ class HostModel:
         self.block_size = block_size
         self.position_offset = position_offset(hf_model)
         self.model = types.SimpleNamespace(layers=views)
+
+    def _loop_hosts(self, loops, n_layers: int, idx: int, hf_attn, host, route_one, where: str):
+        """(attribute, hosts) of decoder layer idx's later loops (manifest recurrent_loops: Dory per_loop), None
+        outside the looped section. Each loop's call of the layer is its own cache layer, transformers' index
+        ``layer_idx + cache_offset``: a host (its own cache) per loop, the module's forward routing each call by the
+        cache_offset it receives."""
+        if loops is None or not loops.first_layer <= idx < loops.first_layer + loops.num_layers:
+            return None
+        hosts = [route_one(f"{where} (loop {k})", hf_attn,
+                           n_layers + (k - 1) * loops.num_layers + idx - loops.first_layer)
+                 for k in range(1, loops.loops)]
+        hf_attn._kvcache_loop_hosts = {h.layer_idx: h for h in (host, *hosts)}
+        hf_attn._kvcache_host = host
+        hf_attn.forward = types.MethodType(_looped_forward(hf_attn.forward), hf_attn)
+        self._looped += hosts
+        return loops.module_attr, hosts
 
     def get_cache_info(self):
         mixin = self.rendered.model_mixin()

@@ -21,7 +21,7 @@ from model_infer_kvcache.analyzer.kinds import holds_states
 from model_infer_kvcache.analyzer.kinds.compressed import branch_kind as compressed_branch
 from model_infer_kvcache.analyzer.linear_config import kvcache_reference
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.validators.kinds import cross, kind_of, recurrent
+from model_infer_kvcache.validators.kinds import cross, kind_of, loops, recurrent
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
 _HEAD_DIM_FROM_HIDDEN = {"falcon"}
@@ -133,6 +133,7 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         if "num_layers" in d:
             d["num_layers"] = n
     _trim_per_layer_fields(d, m.num_layers, n)
+    n = loops.tiny_loop_fields(d, manifest) or n  # a looped section (Dory): the tiny manifest's layers, every one
     if isinstance(d.get("attention_types"), list):
         # GPT-Neo's grouped spelling ([[types...], repeats] pairs), which its config expands into attention_layers and
         # checks against the layer count: one group per kept layer (the analyzer read the same expansion)
@@ -276,9 +277,11 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
     # a chunk CPU prompts cross several times: one block (the chunk stays a multiple of the block size)
     long_chunk = (manifest.attention_chunk_size() or 0) > manifest.block_size
     heads = cpu_heads(manifest, real) if real is not None else None
-    if not (long_window or narrowed or long_chunk or heads):
+    looped = loops.cuts(manifest)  # Dory: fewer layers in and around its looped section
+    if not (long_window or narrowed or long_chunk or heads or looped):
         return None
     data = manifest.model_dump(mode="json")
+    loops.cpu_loops(data, manifest)
     if heads:
         _set_heads(data, manifest, *heads)
     if long_chunk:

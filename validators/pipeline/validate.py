@@ -249,6 +249,11 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             if manifest.attention_chunk_size() != tiny.attention_chunk_size() else
             f"index_topk {_index_topk(manifest)} is wider than CPU prompts"
             if _index_topk(manifest) != _index_topk(tiny) else
+            f"the {manifest.model.num_layers}-layer stack runs layers {manifest.recurrent_loops.first_layer}.."
+            f"{manifest.recurrent_loops.first_layer + manifest.recurrent_loops.num_layers - 1} "
+            f"{manifest.recurrent_loops.loops} times (a cache per loop): a tiny stack keeps one input layer, the "
+            "looped layers' first plans and one output layer"
+            if manifest.recurrent_loops is not None and tiny.model.num_layers != manifest.model.num_layers else
             f"the tiny model's hidden size ties to heads x head_dim "
             f"({manifest.model.num_attention_heads * manifest.model.head_dim})")
     runs = [("", tiny, str(tiny_dir), crossing(tiny))]
@@ -455,7 +460,8 @@ def _run(report: Report, manifest: SelectionManifest, rendered_dir: str, req: Va
             report.provenance = rendered_provenance(rendered_dir, handle, backend)
         host = HostModel(model, rendered, is_mla=manifest.mla.enabled, cache_dtype=cache_dtype, device=device,
                          block_size=manifest.block_size,
-                         uncached=frozenset(b.decoder_layer for b in manifest.no_cache_layers or ()))
+                         uncached=frozenset(b.decoder_layer for b in manifest.no_cache_layers or ()),
+                         loops=manifest.recurrent_loops)
         host.atol = TOLERANCE[req.dtype]
         if host.encoder is not None:  # an encoder-decoder's decoder: the reference reads each request's own states
             ref._kvcache_encoder = host.encoder

@@ -216,8 +216,6 @@ def test_dense_layer_types_beside_indexed_ones_are_planned_per_layer(tmp_path, c
     # GQA with a weightless pool + top-k + sink/local selection: not the lightning indexer's top-k
     ("kolibri1_1", ["no pinned torch_npu op serves it", "Kolibri1_1Indexer.select_pool", "npu_lightning_indexer",
                     "_op_plugin_docs.py:1371", "no pool stage"]),
-    # its indexer is known (GLM-5's interleaved one); its per-layer MLA dims are what kvcache does not plan
-    ("dots3_note_text", ["per_layer_config", "not supported by kvcache"]),
 ])
 def test_indexed_families_the_device_or_kvcache_cannot_serve_are_refused_by_name(tmp_path, family, words):
     with pytest.raises(InputError) as info:

@@ -30,16 +30,21 @@ class DsaFormat(MlaFormat):
                  f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
                  f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}")]
 
-    def head_problems(self, facts: Facts) -> list[Finding]:
-        """MLA's latent / rope dims, sourced as what they are here: the pinned npu_sparse_flash_attention doc
-        states no head dims, and the path is known at upstream deepseek_v3_2_exp's (latent 512, rope 64) only,
-        so it is held to MLA's FA dims rather than widened on no evidence."""
-        return [Finding(message=f"{f.message} (DSA: the sparse-FA path is known at MLA's FA dims only; the pinned "
-                                "npu_sparse_flash_attention doc states none)", fields=f.fields)
-                for f in super().head_problems(facts)]
+    def dims_note(self, facts: Facts, layers: tuple[int, ...]) -> str:
+        """MLA's latent / rope dims, sourced as what they are on the indexed layers: the pinned
+        npu_sparse_flash_attention doc states no head dims, and the path is known at upstream deepseek_v3_2_exp's
+        (latent 512, rope 64) only, so it is held to MLA's FA dims rather than widened on no evidence. Dense layers
+        beside them (Dots3-Note's sliding layers) attend through FA itself."""
+        if layers and set(layers) <= set(facts.dsa.value.dense):
+            return ""
+        return (" (DSA: the sparse-FA path is known at MLA's FA dims only; the pinned npu_sparse_flash_attention doc "
+                "states none)")
 
-    def heads_problem(self, facts: Facts, parallel) -> Finding | None:
-        return None  # the sparse FA's query heads are not FA's MLA head rule
+    def heads_problem(self, facts: Facts, parallel, layers: tuple[int, ...] | None = None) -> Finding | None:
+        """The sparse FA's query heads are not FA's MLA head rule; the dense layers beside the indexed ones
+        (Dots3-Note's sliding layers) attend through FA, which holds them to it."""
+        dense = facts.dsa.value.dense
+        return super().heads_problem(facts, parallel, tuple(dense)) if dense else None
 
     def doc_attention(self, m) -> str:
         return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"

@@ -20,6 +20,10 @@ def check_layers(m) -> None:
 def check(m) -> None:
     if m.model.mla is None:
         raise bad("model.mla", "mla.enabled but the model has no MLA dimensions")
+    shaped = [layer for layer in m.attention_layers if layer.mla_dims or layer.num_q_heads_per_rank or layer.softmax_scale]
+    if shaped:  # the partials render one KV_LORA_RANK / NUM_HEADS_PER_RANK / SOFTMAX_SCALE for every layer
+        raise bad(f"layers[{shaped[0].index}].mla_dims", f"{len(shaped)} MLA layer(s) with their own dims, query heads or "
+                                                    "softmax scale (per_layer_config) are planned, not rendered yet")
     if any(layer.is_sliding for layer in m.layers):  # linear (Mamba) layers beside MLA are rendered
         raise bad("layers", "MLA with sliding-window layers is not rendered")
     if not m.mla.absorb:

@@ -175,7 +175,9 @@ class IndexerFamily:
     ``rope_dims``: which qk_rope_head_dim dims of each indexer head it rotates ("first" | "last");
     ``source``: the transformers file:function that fixes both; ``device_refusal``: why no pinned torch_npu op
     can serve the family's selection or attention (with the op doc line that says it); ``kvcache_gap``: what the
-    ops could serve but kvcache does not plan or render yet. None when planned.
+    ops could serve but kvcache does not plan or render yet. None when planned. ``typed_layers``: where the
+    modeling code builds the indexer only on the 'indexed_attention' entries of ``layer_types`` (None: on every
+    layer, whatever layer_types says), so a config without such an entry has no indexer at all.
     """
 
     rope: str
@@ -183,6 +185,7 @@ class IndexerFamily:
     source: str
     device_refusal: str | None = None
     kvcache_gap: str | None = None
+    typed_layers: str | None = None
 
 
 # DSA family -> its indexer's facts. Every family scores like DeepSeek-V3.2 (sum over indexer heads of
@@ -199,7 +202,10 @@ INDEXER_FAMILIES = {
     "axk2": IndexerFamily("half", "first", f"{_TF}axk2/modeling_axk2.py:AXK2Indexer.forward "
                           "(apply_rotary_pos_emb, half-split)"),
     "dots3_note_text": IndexerFamily("interleave", "first", f"{_TF}dots3_note/modeling_dots3_note.py:"
-                                     "Dots3NoteTextIndexer.forward (apply_rotary_pos_emb_interleave)"),
+                                     "Dots3NoteTextIndexer.forward (apply_rotary_pos_emb_interleave)",
+                                     typed_layers=f"{_TF}dots3_note/modeling_dots3_note.py:Dots3NoteTextAttention."
+                                                  "__init__ builds Dots3NoteTextIndexer only where layer_types[i] "
+                                                  "== 'indexed_attention' (use_dsa false: none)"),
     "hy_v4": IndexerFamily(
         "interleave", "last", f"{_TF}hy_v4/modeling_hy_v4.py:HYV4Indexer.forward (q/k split [pass, rot], "
         "apply_rotary_pos_emb_interleave on the last qk_rope_head_dim dims)",
@@ -990,6 +996,10 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
         raise InputError(r.where, f"index_topk on model_type {model_type!r}: kvcache knows the DSA indexer of "
                                   f"{', '.join(sorted(INDEXER_FAMILIES))} only (its RoPE layout is the family's "
                                   "code)", field="model_type")
+    types_hit = r.get("layer_types")
+    if family.typed_layers and types_hit is not None and isinstance(types_hit[0], list) \
+            and "indexed_attention" not in types_hit[0]:
+        return Sourced(None, f"{types_hit[1]}: no 'indexed_attention' layer, so no indexer ({family.typed_layers})")
     heads = r.positive_int("index_n_heads", maximum=LIMITS["heads"])
     dim = r.positive_int("index_head_dim", maximum=LIMITS["head_dim"])
     rope = mla.value.qk_rope_head_dim
@@ -997,8 +1007,10 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
         raise InputError(r.where, f"{dim.value} is smaller than qk_rope_head_dim {rope}: the indexer rotates "
                                   f"the {family.rope_dims} qk_rope_head_dim dims of its keys", field=dim.source)
     dense: tuple[int, ...] = ()
-    types_hit = r.get("layer_types")
-    if types_hit is not None and isinstance(types_hit[0], list) and "indexed_attention" in types_hit[0]:
+    # only a family that builds its indexer by layer type attends densely elsewhere (A.X-K2 builds it on every
+    # layer, whatever its layer_types say: the cross-check compares each module's indexer with the plan)
+    if family.typed_layers and types_hit is not None and isinstance(types_hit[0], list) \
+            and "indexed_attention" in types_hit[0]:
         dense = tuple(i for i, t in enumerate(types_hit[0]) if t != "indexed_attention")
     own, how = tuple(i not in dense for i in range(num_layers)), "every layer runs its indexer"
     if dense:

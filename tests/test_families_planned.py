@@ -1074,3 +1074,24 @@ def test_dots3_note_per_layer_mla_shape_bad_input_and_render_refusal_name_their_
     with pytest.raises(InputError) as info:
         mla_render.check(m)
     assert info.value.field == "layers[2].mla_dims" and "33 MLA layer(s)" in info.value.render()
+
+
+def test_dots3_note_without_dsa_plans_plain_mla_and_an_indexer_planned_anyway_is_refused(tmp_path, monkeypatch):
+    """use_dsa false (Dots3NoteTextConfig's public switch) types no layer 'indexed_attention', and
+    Dots3NoteTextAttention then builds no indexer: plain MLA is planned (its sliding layers' own heads / dims kept).
+    Negative control: the family row without typed_layers plans an indexer on every layer, and the cross-check
+    names the module's missing indexer."""
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    path = _dots3(tmp_path, use_dsa=False, swa_kv_lora_rank=512)
+    m = analyze(AnalyzeRequest(config=str(path)))
+    assert m.dsa is None and m.mla.enabled and not m.blockers
+    assert all("indexer_key_cache" not in [c.name for c in layer.caches] for layer in m.layers)
+    assert m.layers[2].num_q_heads_per_rank == 64 and m.layers[2].mla_dims.qk_nope_head_dim == 192
+    row = config_loader.INDEXER_FAMILIES["dots3_note_text"]
+    monkeypatch.setitem(config_loader.INDEXER_FAMILIES, "dots3_note_text",
+                        config_loader.IndexerFamily(row.rope, row.rope_dims, row.source))
+    with pytest.raises(InputError, match=r"DSA indexer: analyzer plans an indexer key cache vs transformers "
+                                         r"Dots3NoteTextAttention.indexer None on 46 layer\(s\), first layer 0"):
+        analyze(AnalyzeRequest(config=str(path)))

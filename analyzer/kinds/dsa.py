@@ -40,6 +40,23 @@ class DsaFormat(MlaFormat):
         return (" (DSA: the sparse-FA path is known at MLA's FA dims only; the pinned npu_sparse_flash_attention doc "
                 "states none)")
 
+    def hf_facts(self, module) -> dict[str, int | None]:
+        """Whether an MLA module runs its own indexer (DeepseekV32Attention.indexer; None on GLM-5's shared layers
+        and on Dots3-Note's dense ones), beside MLA's latent widths."""
+        if getattr(module, "kv_a_proj_with_mqa", None) is None:
+            return {}
+        return {"indexer": 1 if getattr(module, "indexer", None) is not None else None}
+
+    def hf_off(self, layer, module_facts: dict[str, int | None], cls: str) -> str | None:
+        """Where the layer's indexer key cache and the module's own indexer disagree; then MLA's comparison."""
+        rest = dict(module_facts)
+        held = rest.pop("indexer", None) is not None
+        planned = INDEXER_KEY_CACHE in [c.name for c in layer.caches]
+        if held != planned:
+            return (f"DSA indexer: analyzer plans {'an' if planned else 'no'} indexer key cache vs transformers "
+                    f"{cls}.indexer {'set' if held else 'None'}")
+        return super().hf_off(layer, rest, cls)
+
     def heads_problem(self, facts: Facts, parallel, layers: tuple[int, ...] | None = None) -> Finding | None:
         """The sparse FA's query heads are not FA's MLA head rule; the dense layers beside the indexed ones
         (Dots3-Note's sliding layers) attend through FA, which holds them to it."""

@@ -1095,3 +1095,21 @@ def test_dots3_note_without_dsa_plans_plain_mla_and_an_indexer_planned_anyway_is
     with pytest.raises(InputError, match=r"DSA indexer: analyzer plans an indexer key cache vs transformers "
                                          r"Dots3NoteTextAttention.indexer None on 46 layer\(s\), first layer 0"):
         analyze(AnalyzeRequest(config=str(path)))
+
+
+def test_dots3_note_latent_rescaling_is_warned_at_analyze_and_refused_by_the_render(tmp_path, capsys, monkeypatch):
+    """Dots3-Note all dense and alike (use_dsa / use_sliding_window false: plain MLA, one shape) is planned, but its
+    module rescales the cached latent (kv_lora_scale), normalizes k_rot and scales the query residual, none of which
+    the MLA template writes: a warning for a hand port, and the render refuses by name writing nothing (rendered
+    anyway, framework mode: V301 fails at max |diff| 5.08, first diverging at layer 0's attention output, 0.791)."""
+    from model_infer_kvcache import cli as kvcache_cli
+
+    m = analyze(AnalyzeRequest(config=str(_dots3(tmp_path, use_dsa=False, use_sliding_window=False))))
+    assert m.dsa is None and not m.blockers and all(layer.mla_dims is None for layer in m.layers)
+    assert any("kv_lora_scale" in w.message and "k_rope_only_layernorm" in w.message for w in m.warnings)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    assert kvcache_cli.main(["render", "--manifest", "m.json", "--out", "out"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.model_type" in err and "kv_lora_scale" in err
+    assert not (tmp_path / "out").exists()

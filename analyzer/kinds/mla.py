@@ -19,6 +19,16 @@ MLA_WITHOUT_ROPE = {
                    "model builds no rotary embedding)",
 }
 
+# MLA families whose cached latent row is not what the fused writer makes of kv_a_proj_with_mqa's output
+# (npu_kv_rmsnorm_rope_cache: RMSNorm(latent) x gamma, RoPE(k_rot)): what their module does instead. The templates
+# render the writer as it is, so the render refuses these by name (implementer/kinds/mla.py) and a port is warned.
+MLA_LATENT_TRANSFORMS = {
+    "dots3_note_text": "transformers Dots3NoteTextAttention.forward multiplies the normalized latent by kv_lora_scale "
+                       "= (hidden_size / kv_lora_rank)^0.5 (the cached row; foldable into the writer's gamma) and "
+                       "RMS-normalizes k_rot (k_rope_only_layernorm) before its RoPE; its query residual (the "
+                       "indexer's input too) is scaled by q_lora_scale = (hidden_size / q_lora_rank)^0.5",
+}
+
 
 class MlaFormat(GqaFormat):
     name = "mla"
@@ -142,6 +152,13 @@ class MlaFormat(GqaFormat):
                         "writer (npu_kv_rmsnorm_rope_cache) rotates the rope part, so the render passes it cos 1 / "
                         "sin 0 (the identity) and leaves the query's rope part unrotated; hand-written code must do "
                         "the same, never the DeepSeek rotary (mla.rope false)",
+                fields=["model_type", facts.mla.source]))
+        if facts.model_type in MLA_LATENT_TRANSFORMS:
+            warnings.append(Finding(
+                message=f"MLA latent not as the fused writer makes it: {MLA_LATENT_TRANSFORMS[facts.model_type]}; "
+                        "hand-written code must keep these (gamma x kv_lora_scale in npu_kv_rmsnorm_rope_cache, "
+                        "k_rot normalized before it, the scaled query residual); the render refuses it (not "
+                        "supported by kvcache yet)",
                 fields=["model_type", facts.mla.source]))
         if not facts.rms_norm_eps.value:
             questions.append(Finding(message="no rms_norm_eps in config: take epsilon from the kv_a_layernorm "

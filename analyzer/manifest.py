@@ -168,6 +168,18 @@ class MlaDecision(_Model):
     constraints: list[str] = Field(
         default_factory=list, description="what the absorb FA call and the fused writer require (MLA only)"
     )
+    # Set only for a family whose module rescales its latent (analyzer/kinds/mla.py MLA_LATENT_RESCALED: Dots3-Note)
+    latent_scale: float | None = Field(
+        default=None, gt=0, description="the cached latent's factor after its RMSNorm (Dots3-Note kv_lora_scale = "
+                                        "(hidden_size / kv_lora_rank)^0.5), folded into the writer's gamma; absent: 1")
+    rope_norm: bool | None = Field(
+        default=None, description="k_rot RMS-normalized by the module's k_rope_only_layernorm before the writer's "
+                                  "RoPE (Dots3-Note); absent: not normalized")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """The latent transforms are written only for a family that has them."""
+        return _without_unset(handler(self), "latent_scale", "rope_norm")
 
 
 class MtpDecision(_Model):

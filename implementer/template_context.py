@@ -123,6 +123,8 @@ class RenderContext:
     is_mla: bool = False
     mla_rope: bool = True  # False: position-free MLA (mla.rope), the rope part written and attended unrotated
     kv_lora_rank: int = 0
+    latent_scale: float | None = None  # mla.latent_scale (Dots3-Note's kv_lora_scale), folded into the writer's gamma
+    rope_norm: bool = False  # mla.rope_norm: k_rot normalized (k_rope_only_layernorm) before the writer
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0

@@ -1097,19 +1097,28 @@ def test_dots3_note_without_dsa_plans_plain_mla_and_an_indexer_planned_anyway_is
         analyze(AnalyzeRequest(config=str(path)))
 
 
-def test_dots3_note_latent_rescaling_is_warned_at_analyze_and_refused_by_the_render(tmp_path, capsys, monkeypatch):
-    """Dots3-Note all dense and alike (use_dsa / use_sliding_window false: plain MLA, one shape) is planned, but its
-    module rescales the cached latent (kv_lora_scale), normalizes k_rot and scales the query residual, none of which
-    the MLA template writes: a warning for a hand port, and the render refuses by name writing nothing (rendered
-    anyway, framework mode: V301 fails at max |diff| 5.08, first diverging at layer 0's attention output, 0.791)."""
-    from model_infer_kvcache import cli as kvcache_cli
+@pytest.mark.slow
+def test_dots3_note_dense_mla_validates_with_its_latent_rescaling_and_fails_without_it(tmp_path):
+    """Dots3-Note all dense and alike (use_dsa / use_sliding_window false, Dots3NoteTextConfig's public switches:
+    plain MLA, one shape): its module scales the normalized latent by kv_lora_scale and RMS-normalizes k_rot before
+    its RoPE (mla.latent_scale / mla.rope_norm), which the render folds into the fused writer's gamma and applies
+    before it. Negative controls: the writer without either (the plain MLA writer) fails the logits."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 
-    m = analyze(AnalyzeRequest(config=str(_dots3(tmp_path, use_dsa=False, use_sliding_window=False))))
-    assert m.dsa is None and not m.blockers and all(layer.mla_dims is None for layer in m.layers)
+    config = _dots3(tmp_path, use_dsa=False, use_sliding_window=False, num_hidden_layers=2)
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    assert m.dsa is None and not m.blockers and m.mla.rope_norm
+    assert m.mla.latent_scale == pytest.approx((5120 / 512) ** 0.5)
     assert any("kv_lora_scale" in w.message and "k_rope_only_layernorm" in w.message for w in m.warnings)
-    monkeypatch.chdir(tmp_path)
     (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
-    assert kvcache_cli.main(["render", "--manifest", "m.json", "--out", "out"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model.model_type" in err and "kv_lora_scale" in err
-    assert not (tmp_path / "out").exists()
+    for name, pattern, replacement in (("clean", None, None),
+                                       ("no_latent_scale", r" \* self\.kv_lora_scale,", ","),
+                                       ("no_rope_norm", r"self\.k_rope_only_layernorm\((compressed_kv\[[^]]+\])\)",
+                                        r"\1")):
+        rendered = tmp_path / name
+        write_rendered(render_manifest(m), rendered)
+        if pattern:
+            mutate(rendered, pattern, replacement)
+        report = run_validate(tmp_path / "m.json", rendered, config)
+        numeric = check(report, "logits vs transformers")
+        assert numeric.passed == (pattern is None), (name, [(c.name, c.detail) for c in report.failed()])

@@ -19,10 +19,11 @@ MLA_WITHOUT_ROPE = {
                    "model builds no rotary embedding)",
 }
 
-# MLA families whose cached latent row is not what the fused writer makes of kv_a_proj_with_mqa's output
-# (npu_kv_rmsnorm_rope_cache: RMSNorm(latent) x gamma, RoPE(k_rot)): what their module does instead. The templates
-# render the writer as it is, so the render refuses these by name (implementer/kinds/mla.py) and a port is warned.
-MLA_LATENT_TRANSFORMS = {
+# MLA families whose module rescales its latents as Dots3-Note does (each entry: what its module does, the source):
+# the normalized latent x kv_lora_scale = (hidden_size / kv_lora_rank)^0.5 (mla.latent_scale: the render folds it
+# into the fused writer's gamma), k_rot RMS-normalized by k_rope_only_layernorm before its RoPE (mla.rope_norm: the
+# render normalizes it before the writer), and the query residual x q_lora_scale (the model's side, before the call).
+MLA_LATENT_RESCALED = {
     "dots3_note_text": "transformers Dots3NoteTextAttention.forward multiplies the normalized latent by kv_lora_scale "
                        "= (hidden_size / kv_lora_rank)^0.5 (the cached row; foldable into the writer's gamma) and "
                        "RMS-normalizes k_rot (k_rope_only_layernorm) before its RoPE; its query residual (the "
@@ -141,8 +142,13 @@ class MlaFormat(GqaFormat):
         if not rope:
             reason += f"; position-free: {MLA_WITHOUT_ROPE[facts.model_type]}, so the rope part is cached and " \
                       "attended unrotated"
+        rescaled = {}
+        if facts.model_type in MLA_LATENT_RESCALED:
+            rescaled = {"latent_scale": (facts.hidden_size.value / facts.mla.value.kv_lora_rank) ** 0.5,
+                        "rope_norm": True}
+            reason += f"; latent rescaled: {MLA_LATENT_RESCALED[facts.model_type]}"
         return MlaDecision(enabled=True, absorb=absorb, cache_mode="PA_NZ" if absorb else None, rope=rope,
-                           reason=reason, constraints=constraints(facts, rope) if absorb else [])
+                           reason=reason, constraints=constraints(facts, rope) if absorb else [], **rescaled)
 
     def notes(self, facts: Facts) -> tuple[list[Finding], list[Finding]]:
         warnings, questions = [], []
@@ -153,12 +159,12 @@ class MlaFormat(GqaFormat):
                         "sin 0 (the identity) and leaves the query's rope part unrotated; hand-written code must do "
                         "the same, never the DeepSeek rotary (mla.rope false)",
                 fields=["model_type", facts.mla.source]))
-        if facts.model_type in MLA_LATENT_TRANSFORMS:
+        if facts.model_type in MLA_LATENT_RESCALED:
             warnings.append(Finding(
-                message=f"MLA latent not as the fused writer makes it: {MLA_LATENT_TRANSFORMS[facts.model_type]}; "
-                        "hand-written code must keep these (gamma x kv_lora_scale in npu_kv_rmsnorm_rope_cache, "
-                        "k_rot normalized before it, the scaled query residual); the render refuses it (not "
-                        "supported by kvcache yet)",
+                message=f"MLA latent not as the plain fused writer makes it: {MLA_LATENT_RESCALED[facts.model_type]}; "
+                        "the render folds kv_lora_scale into npu_kv_rmsnorm_rope_cache's gamma and normalizes k_rot "
+                        "before it (mla.latent_scale / mla.rope_norm); the model keeps scaling its query residual "
+                        "before kv_cache_attention",
                 fields=["model_type", facts.mla.source]))
         if not facts.rms_norm_eps.value:
             questions.append(Finding(message="no rms_norm_eps in config: take epsilon from the kv_a_layernorm "

@@ -3,7 +3,6 @@ mla_attention.py.j2)."""
 
 from __future__ import annotations
 
-from model_infer_kvcache.analyzer.kinds.mla import MLA_LATENT_TRANSFORMS
 from model_infer_kvcache.implementer.kinds.common import bad
 
 NAME = "MLA"
@@ -25,10 +24,6 @@ def check(m) -> None:
     if shaped:  # the partials render one KV_LORA_RANK / NUM_HEADS_PER_RANK / SOFTMAX_SCALE for every layer
         raise bad(f"layers[{shaped[0].index}].mla_dims", f"{len(shaped)} MLA layer(s) with their own dims, query heads or "
                                                     "softmax scale (per_layer_config) are planned, not rendered yet")
-    if m.model.model_type in MLA_LATENT_TRANSFORMS:
-        raise bad("model.model_type", f"{m.model.model_type}: not supported by kvcache yet: "
-                                      f"{MLA_LATENT_TRANSFORMS[m.model.model_type]}; the MLA template writes "
-                                      "RMSNorm(latent) x kv_a_layernorm.weight and RoPE(k_rot) only")
     if any(layer.is_sliding for layer in m.layers):  # linear (Mamba) layers beside MLA are rendered
         raise bad("layers", "MLA with sliding-window layers is not rendered")
     if not m.mla.absorb:
@@ -47,5 +42,6 @@ def check(m) -> None:
 def fields(m) -> dict:
     dims = m.model.mla
     return {"is_mla": True, "paged_standalone_mode": 3, "mla_rope": m.mla.rope, "kv_lora_rank": dims.kv_lora_rank,
+            "latent_scale": m.mla.latent_scale, "rope_norm": bool(m.mla.rope_norm),
             "qk_rope_head_dim": dims.qk_rope_head_dim, "qk_nope_head_dim": dims.qk_nope_head_dim,
             "v_head_dim": dims.v_head_dim}

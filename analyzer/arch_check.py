@@ -116,7 +116,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 27  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 28  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -895,7 +895,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             continue
         if mod.recurrent_beside and (off := mixer_off(lin, dict(mod.kind_facts))):
             state_off.append((layer, mod, off))
-        if mod.scale is not None and not math.isclose(mod.scale[0], scale, rel_tol=_REL_TOL):
+        # a layer planned with its own scale (per_layer_config's MLA shape) is held to it
+        if mod.scale is not None and not math.isclose(mod.scale[0], layer.softmax_scale or scale, rel_tol=_REL_TOL):
             scale_off.append((layer, mod))
         # a window of 0 is off (Qwen2-MoE's config writes 0 when use_sliding_window is false)
         hf_window = mod.window if mod.window and (max_pos is None or mod.window < max_pos) else None
@@ -923,7 +924,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             calls_off.append((layer, mod, calls))
         if (tiles := module_facts.pop(TILED_FACT, None)) is not None:
             tiled.append((layer, mod, tiles))
-        if (queries := module_facts.pop(QUERY_FACT, None)) not in (None, facts.num_attention_heads.value):
+        if (queries := module_facts.pop(QUERY_FACT, None)) not in (None, facts.heads_at(layer.decoder_layer)):
             how = f"K/V tiled {tiles} x {queries // tiles} KV heads" if tiles else ".num_heads"
             queries_off.append((layer, mod, queries, how))
         if hf_source != layer.kv_source_layer:
@@ -953,8 +954,10 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             "plans recurrent states only for layers without attention)")
     if scale_off:
         layer, mod = scale_off[0]
+        planned, planned_txt = (layer.softmax_scale, layer.scale_derivation) if layer.softmax_scale else (scale,
+                                                                                                         scale_txt)
         result.errors.append(
-            f"softmax scale: analyzer {scale:.9g} ({scale_txt}) vs transformers {mod.scale[0]:.9g} "
+            f"softmax scale: analyzer {planned:.9g} ({planned_txt}) vs transformers {mod.scale[0]:.9g} "
             f"({mod.cls}.{mod.scale[1]}) on {len(scale_off)} layer(s), first {mod.path}")
     if window_off:
         layer, mod, w = window_off[0]
@@ -988,7 +991,9 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         result.errors.append(f"{off} on {len(format_off)} layer(s), first layer {layer.index} at {mod.path}")
     if queries_off:
         layer, mod, queries, how = queries_off[0]
-        result.errors.append(f"query heads: analyzer {facts.num_attention_heads.value} ({facts.num_attention_heads.source})"
+        planned = facts.heads_at(layer.decoder_layer)
+        src = facts.num_attention_heads.source if planned == facts.num_attention_heads.value else facts.layer_mla.source
+        result.errors.append(f"query heads: analyzer {planned} ({src})"
                              f" vs transformers {queries} ({mod.cls}{'' if how.startswith('.') else ': '}{how}) on "
                              f"{len(queries_off)} layer(s), first layer {layer.index} at {mod.path}")
     if tiled:

@@ -523,11 +523,16 @@ def _contract_note(generation: str) -> str:
                                              f"renders follow {contract})"
 
 
-def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, int]:
-    """A layer's own head_dim / KV heads per rank, written only where they differ from the model's."""
+def _layer_shape(facts: ModelFacts, parallel, decoder_idx: int) -> dict[str, Any]:
+    """A layer's own head_dim / KV heads per rank (or MLA dims, query heads per rank and softmax scale), written
+    only where they differ from the model's."""
+    out: dict[str, Any] = {}
+    if facts.heads_at(decoder_idx) != facts.num_attention_heads.value:
+        out["num_q_heads_per_rank"] = facts.heads_at(decoder_idx) // parallel.attn_tp_size
+    if facts.qk_head_dim_at(decoder_idx) != facts.qk_head_dim:  # its scale follows its own head (the format's label)
+        out["softmax_scale"], out["scale_derivation"] = rules.decide_scale(facts, decoder_idx)
     if facts.layer_heads.value is None:
-        return {}
-    out = {}
+        return out
     if facts.head_dim_at(decoder_idx) != facts.head_dim.value:
         out["head_dim"] = facts.head_dim_at(decoder_idx)
     kv = rules.kv_heads_per_rank(facts, parallel.attn_tp_size, decoder_idx)

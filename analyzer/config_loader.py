@@ -184,7 +184,9 @@ class IndexerFamily:
     can serve the family's selection or attention (with the op doc line that says it); ``kvcache_gap``: what the
     ops could serve but kvcache does not plan or render yet. None when planned. ``built_from``: the config fields of
     an indexer the attention builds whatever the config says (Qwen4-Exp's QSA), all required (empty: the indexer is
-    on where ``index_topk`` is set).
+    on where ``index_topk`` is set). ``typed_layers``: where the modeling code builds the indexer only on the
+    'indexed_attention' entries of ``layer_types`` (None: on every layer, whatever layer_types says), so a config
+    without such an entry has no indexer at all.
     """
 
     rope: str
@@ -193,6 +195,7 @@ class IndexerFamily:
     device_refusal: str | None = None
     kvcache_gap: str | None = None
     built_from: tuple[str, ...] = ()
+    typed_layers: str | None = None
 
 
 # DSA family -> its indexer's facts. Every family scores like DeepSeek-V3.2 (sum over indexer heads of
@@ -209,7 +212,10 @@ INDEXER_FAMILIES = {
     "axk2": IndexerFamily("half", "first", f"{_TF}axk2/modeling_axk2.py:AXK2Indexer.forward "
                           "(apply_rotary_pos_emb, half-split)"),
     "dots3_note_text": IndexerFamily("interleave", "first", f"{_TF}dots3_note/modeling_dots3_note.py:"
-                                     "Dots3NoteTextIndexer.forward (apply_rotary_pos_emb_interleave)"),
+                                     "Dots3NoteTextIndexer.forward (apply_rotary_pos_emb_interleave)",
+                                     typed_layers=f"{_TF}dots3_note/modeling_dots3_note.py:Dots3NoteTextAttention."
+                                                  "__init__ builds Dots3NoteTextIndexer only where layer_types[i] "
+                                                  "== 'indexed_attention' (use_dsa false: none)"),
     "hy_v4": IndexerFamily(
         "interleave", "last", f"{_TF}hy_v4/modeling_hy_v4.py:HYV4Indexer.forward (q/k split [pass, rot], "
         "apply_rotary_pos_emb_interleave on the last qk_rope_head_dim dims)",
@@ -301,10 +307,23 @@ class LayerHeads:
     num_kv_heads: int
 
 
+@dataclass(frozen=True)
+class LayerMla:
+    """One MLA decoder layer's own shape where layers differ (Dots3-Note's sliding layers: Dots3NoteTextAttention
+    sizes its projections from ``config.per_layer_config[layer_idx]``): its query heads and latent / head dims."""
+
+    num_attention_heads: int
+    dims: MlaDims
+
+
 # per_layer_config overrides kvcache reads per layer; any other attention field overridden per layer is refused
 # (a per-layer window, head count or rope would be planned wrongly, silently); the rest (MLP, MoE) does not
 # touch the cache and is left to the model.
 PER_LAYER_HEAD_FIELDS = ("head_dim", "num_key_value_heads")
+# On an MLA model, the fields that size a layer's latent cache, query heads and scale (every MLA dimension
+# Dots3NoteTextAttention.__init__ reads off its layer's config): planned per layer (LayerMla).
+PER_LAYER_MLA_FIELDS = ("num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                        "qk_rope_head_dim", "v_head_dim")
 PER_LAYER_REFUSED = ("num_attention_heads", "sliding_window", "layer_types", "attention_chunk_size",
                      "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
                      "attn_logit_softcapping", "query_pre_attn_scalar", "use_sliding_window", "kv_lora_rank",
@@ -350,6 +369,8 @@ class ModelFacts:
     cross: Sourced[cross_kind.CrossFacts | None] = Sourced(None, "default: decoder-only (no cross-attention)")
     # per decoder layer, only when some layer's head_dim or KV head count differs from the config's own
     layer_heads: Sourced[tuple[LayerHeads, ...] | None] = Sourced(None, "default: one head_dim and KV head count")
+    # per decoder layer of an MLA model, only when some layer's query heads or MLA dims differ from the config's own
+    layer_mla: Sourced[tuple[LayerMla, ...] | None] = Sourced(None, "default: one MLA shape for every layer")
     # per decoder layer: the earlier layer whose K/V cache it reads (None: it computes and caches its own), only
     # when the config shares caches across layers (Gemma-3n / Gemma-4 ``num_kv_shared_layers``)
     kv_sources: Sourced[tuple[int | None, ...] | None] = Sourced(None, "default: every layer caches its own K/V")
@@ -373,6 +394,21 @@ class ModelFacts:
         heads = self.layer_heads.value
         return heads[decoder_layer].num_kv_heads if heads and decoder_layer is not None \
             else self.num_key_value_heads.value
+
+    def mla_at(self, decoder_layer: int | None) -> MlaDims | None:
+        """A layer's MLA dims: its own where per_layer_config sets them, else the model's (None: not MLA)."""
+        layers = self.layer_mla.value
+        return layers[decoder_layer].dims if layers and decoder_layer is not None else self.mla.value
+
+    def heads_at(self, decoder_layer: int | None) -> int:
+        """A layer's query heads: its own on a per-layer MLA shape, else the model's."""
+        layers = self.layer_mla.value
+        return layers[decoder_layer].num_attention_heads if layers and decoder_layer is not None \
+            else self.num_attention_heads.value
+
+    def qk_head_dim_at(self, decoder_layer: int | None) -> int:
+        mla = self.mla_at(decoder_layer)
+        return mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else self.head_dim.value
 
     def v_head_dim_at(self, decoder_layer: int | None) -> int:
         """The value head dim of a layer: v_head_dim where the model sets one, else its key head dim."""
@@ -778,6 +814,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     dsa = _dsa(r, mla, num_layers.value, model_type) if compressed is None else Sourced(
         None, "compressed attention: the indexer is CSA's")
     layer_heads = _layer_heads(r, num_layers.value, layer_kinds.value, head_dim, kv_heads, heads, mla, sliding_rule)
+    layer_mla = _layer_mla(r, num_layers.value, heads, mla)
     sink_layers = Sourced(sliding_layers, sinks.source) if sliding_rule and sliding_rule.sinks_only and sliding_layers \
         else Sourced(None, "default: every attention layer when has_sinks")
     kv_sources = _kv_sources(r, num_layers.value, layer_kinds.value)
@@ -806,6 +843,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         rope=rope,
         layer_kinds=layer_kinds,
         layer_heads=layer_heads,
+        layer_mla=layer_mla,
         v_head_dim=v_head_dim,
         sink_layers=sink_layers,
         kv_sources=kv_sources,
@@ -989,6 +1027,10 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
         raise InputError(r.where, f"index_topk on model_type {model_type!r}: kvcache knows the DSA indexer of "
                                   f"{', '.join(sorted(INDEXER_FAMILIES))} only (its RoPE layout is the family's "
                                   "code)", field="model_type")
+    types_hit = r.get("layer_types")
+    if family.typed_layers and types_hit is not None and isinstance(types_hit[0], list) \
+            and "indexed_attention" not in types_hit[0]:
+        return Sourced(None, f"{types_hit[1]}: no 'indexed_attention' layer, so no indexer ({family.typed_layers})")
     heads = r.positive_int("index_n_heads", maximum=LIMITS["heads"])
     dim = r.positive_int("index_head_dim", maximum=LIMITS["head_dim"])
     rope = mla.value.qk_rope_head_dim
@@ -996,8 +1038,10 @@ def _dsa(r: _Reader, mla: Sourced[MlaDims | None], num_layers: int, model_type: 
         raise InputError(r.where, f"{dim.value} is smaller than qk_rope_head_dim {rope}: the indexer rotates "
                                   f"the {family.rope_dims} qk_rope_head_dim dims of its keys", field=dim.source)
     dense: tuple[int, ...] = ()
-    types_hit = r.get("layer_types")
-    if types_hit is not None and isinstance(types_hit[0], list) and "indexed_attention" in types_hit[0]:
+    # only a family that builds its indexer by layer type attends densely elsewhere (A.X-K2 builds it on every
+    # layer, whatever its layer_types say: the cross-check compares each module's indexer with the plan)
+    if family.typed_layers and types_hit is not None and isinstance(types_hit[0], list) \
+            and "indexed_attention" in types_hit[0]:
         dense = tuple(i for i, t in enumerate(types_hit[0]) if t != "indexed_attention")
     own, how = tuple(i not in dense for i in range(num_layers)), "every layer runs its indexer"
     if dense:
@@ -1222,14 +1266,17 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
             if not isinstance(fields, dict):
                 raise InputError(r.where, f"must map to an object of overridden fields, got {_json_type(fields)}",
                                  field=f"{src}.{key}")
-            refused = [f for f in fields if f in PER_LAYER_REFUSED]
+            # an MLA model's layer dims are read by _layer_mla
+            refused = [f for f in fields if f in PER_LAYER_REFUSED and not (mla.value and f in PER_LAYER_MLA_FIELDS)]
             if refused:
                 # every refused field of the layer, so one message sizes the gap (Dots3-Note's sliding MLA layers:
                 # their own query heads, latent ranks and nope / rope split)
                 raise InputError(r.where, f"overrides {', '.join(refused)} on layer {index}: kvcache plans one value "
                                           f"of {'it' if len(refused) == 1 else 'each'} for every layer (not "
                                           "supported by kvcache yet; per-layer head_dim and num_key_value_heads of "
-                                          "GQA/MHA layers are)", field=f"{src}.{key}")
+                                          "GQA/MHA layers and the MLA dims of MLA layers are)", field=f"{src}.{key}")
+            if mla.value is not None:
+                continue  # an MLA layer's cache is its latent: _layer_mla reads its shape, head_dim / KV heads below
             for name in PER_LAYER_HEAD_FIELDS:
                 if name in fields:
                     checked_number(r.where, f"{src}.{key}.{name}", fields[name], int, 1, LIMITS["head_dim"]
@@ -1271,6 +1318,40 @@ def _layer_heads(r: _Reader, num_layers: int, kinds: tuple[str, ...], head_dim: 
     if all(layer == LayerHeads(head_dim.value, kv_heads.value) for layer in layers):
         return default
     return Sourced(layers, source)
+
+
+def _layer_mla(r: _Reader, num_layers: int, heads: Sourced[int],
+               mla: Sourced[MlaDims | None]) -> Sourced[tuple[LayerMla, ...] | None]:
+    """Per-layer query heads and MLA dims of an MLA model, from transformers' ``per_layer_config`` (Dots3-Note: its
+    sliding layers' own heads, kv_lora_rank and qk_nope_head_dim, which Dots3NoteTextAttention reads off
+    ``config.per_layer_config[layer_idx]``). None when every layer is alike. Keys and refused fields were checked by
+    _layer_heads; a per-layer head_dim / num_key_value_heads there sizes no latent cache (the latent is one head;
+    Dots3NoteTextConfig requires KV heads = query heads and reads head_dim only for the rotary fraction)."""
+    default = Sourced(None, "default: one MLA shape for every layer")
+    hit = r.mapping("per_layer_config")
+    if mla.value is None or hit is None or not hit[0]:
+        return default
+    raw, src = hit
+    model = mla.value
+    layers = []
+    for i in range(num_layers):
+        key = next((k for k in raw if isinstance(k, str) and k.strip().isdigit() and int(k) == i), None)
+        fields = raw[key] if key is not None else {}
+        got = {}
+        for name in PER_LAYER_MLA_FIELDS:
+            if name not in fields:
+                continue
+            value = fields[name]
+            if name == "q_lora_rank" and value is None:
+                got[name] = None  # a plain q_proj on this layer
+                continue
+            got[name] = int(checked_number(r.where, f"{src}.{key}.{name}", value, int, 1,
+                                           LIMITS["heads"] if name == "num_attention_heads" else LIMITS["mla_dim"]))
+        n = got.pop("num_attention_heads", heads.value)
+        layers.append(LayerMla(n, model.model_copy(update=got)))
+    if all(layer == LayerMla(heads.value, model) for layer in layers):
+        return default
+    return Sourced(tuple(layers), f"{src} (per layer: {', '.join(PER_LAYER_MLA_FIELDS)})")
 
 
 def _kv_sources(r: _Reader, num_layers: int, kinds: tuple[str, ...]) -> Sourced[tuple[int | None, ...] | None]:

@@ -105,13 +105,23 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
             rows.append((f"pre_tokens / next_tokens (层 {_ranges(idx)})",
                          f"{layer.pre_tokens} / {layer.next_tokens}", layer.window_derivation or ""))
     # the model's shape: the first cached layer without a shape of its own (layers[i].head_dim / num_kv_heads_per_rank)
-    cached = next((layer for layer in m.layers if layer.caches and layer.head_dim is None
-                   and layer.num_kv_heads_per_rank is None), next((layer for layer in m.layers if layer.caches), None))
-    shaped: dict[tuple, list[int]] = {}  # a per-layer shape's entries -> its layers (Gemma-4's full layers)
+    def own_shape(layer) -> bool:  # Gemma-4's full layers (head_dim / KV heads), Dots3-Note's sliding MLA layers
+        return layer.head_dim is not None or layer.num_kv_heads_per_rank is not None or layer.mla_dims is not None
+
+    cached = next((layer for layer in m.layers if layer.caches and not own_shape(layer)),
+                  next((layer for layer in m.layers if layer.caches), None))
+    shaped: dict[tuple, list[int]] = {}  # a per-layer shape's entries -> its layers
     for layer in m.layers:
-        if layer.caches and layer is not cached and (layer.head_dim is not None
-                                                     or layer.num_kv_heads_per_rank is not None):
+        if layer.caches and layer is not cached and own_shape(layer):
             shaped.setdefault(tuple((c.name, c.dim, c.num_head, c.dtype) for c in layer.caches), []).append(layer.index)
+    # an MLA layer's own query heads per rank and softmax scale (per_layer_config) -> its layers
+    own_heads: dict[int, list[int]] = {}
+    own_scale: dict[float, list[int]] = {}
+    for layer in m.attention_layers:
+        if layer.num_q_heads_per_rank is not None:
+            own_heads.setdefault(layer.num_q_heads_per_rank, []).append(layer.index)
+        if layer.softmax_scale is not None:
+            own_scale.setdefault(layer.softmax_scale, []).append(layer.index)
     rows.append(("混合 attn_type", "是" if m.mixed_attn_types else "否", "each layer sets its attn_type from its "
                  "index in __init__" if m.mixed_attn_types else "every layer has the same attn_type"))
     if not fmt.fa_call:
@@ -123,7 +133,10 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         rows += [("FA 版本", m.fa.version, m.fa.reason),
                  ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, ""))]
     rows += [
-        ("softmax scale", f"{m.fa.softmax_scale:.8g}", m.fa.scale_derivation),
+        ("softmax scale", f"{m.fa.softmax_scale:.8g}" + "".join(f"; 层 {_ranges(idx)}: {scale:.8g}"
+                                                                for scale, idx in own_scale.items()),
+         m.fa.scale_derivation + ("; layers with their own MLA head dims (per_layer_config) take their own "
+                                  "(qk_nope_head_dim + qk_rope_head_dim)^-0.5" if own_scale else "")),
         ("MLA absorb", YES_NO[m.mla.absorb], m.mla.reason),
         ("写入算子", m.attention_layers[0].write_op if m.attention_layers else "-", "writes addressed by slot_mapping"
          if m.kv_mode.value == "paged" else "writes addressed by kv_len"),
@@ -133,7 +146,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
          if cached else "-", "the latent is not split by attention TP" if fmt.latent
          else "num_head = KV heads per rank" + ("; layers with their own head_dim / KV heads (per-layer "
                                                 "attention shapes) hold caches of that shape" if shaped else "")),
-        ("每卡 heads", f"Q {m.parallel.num_q_heads_per_rank} / KV {m.parallel.num_kv_heads_per_rank}",
+        ("每卡 heads", f"Q {m.parallel.num_q_heads_per_rank} / KV {m.parallel.num_kv_heads_per_rank}"
+         + "".join(f"; 层 {_ranges(idx)}: Q {q}" for q, idx in own_heads.items()),
          f"attn_tp_size={m.parallel.attn_tp_size} ({m.parallel.attn_tp_source})"
          + ("; KV heads replicated" if m.parallel.kv_heads_replicated else "")
          + (f" — {CONFIRM_DEFAULT} (then pass --attn-tp-size)" if m.parallel.attn_tp_source.startswith("default")

@@ -166,18 +166,22 @@ class MlaDecision(_Model):
                                                  "position; False: position-free MLA (Kimi-Linear), that part is "
                                                  "cached and attended unrotated")
     latent_scale: str | None = Field(default=None, description="the attention module's attribute that scales the "
-                                                               "normalised latent (LongCat-Flash: mla_scale_kv_lora): "
+                                                               "normalised latent (LongCat-Flash: mla_scale_kv_lora, "
+                                                               "Dots3-Note: kv_lora_scale): "
                                                                "the fused writer's gamma is kv_a_layernorm.weight x "
                                                                "it; absent: no scale")
     reason: str
     constraints: list[str] = Field(
         default_factory=list, description="what the absorb FA call and the fused writer require (MLA only)"
     )
+    rope_norm: bool | None = Field(
+        default=None, description="k_rot RMS-normalized by the module's k_rope_only_layernorm before the writer's "
+                                  "RoPE (Dots3-Note); absent: not normalized")
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler):
-        """``latent_scale`` written only where set: other manifests keep their bytes and hash."""
-        return _without_unset(handler(self), "latent_scale")
+        """The latent transforms are written only for a family that has them: other manifests keep their bytes."""
+        return _without_unset(handler(self), "latent_scale", "rope_norm")
 
 
 class MtpDecision(_Model):
@@ -511,6 +515,16 @@ class AttentionLayerPlan(_LayerBase):
     head_dim: int | None = Field(default=None, description="this layer's head_dim where it differs from model.head_dim")
     num_kv_heads_per_rank: int | None = Field(
         default=None, description="this layer's KV heads per rank where they differ from parallel.num_kv_heads_per_rank")
+    # Set only on an MLA layer whose shape differs from the model's (transformers' per_layer_config: Dots3-Note's
+    # sliding layers): its latent / head dims, query heads per rank and softmax scale.
+    mla_dims: MlaDims | None = Field(default=None, description="this MLA layer's dims where they differ from "
+                                                            "model.mla")
+    num_q_heads_per_rank: int | None = Field(
+        default=None, ge=1, description="this layer's query heads per rank where they differ from "
+                                        "parallel.num_q_heads_per_rank")
+    softmax_scale: float | None = Field(default=None, gt=0, description="this layer's softmax scale where it differs "
+                                                                        "from fa.softmax_scale")
+    scale_derivation: str | None = Field(default=None, description="how this layer's softmax_scale was derived")
     compressed: CompressedBranch | None = Field(
         default=None, description="a DeepSeek-V4 layer's compressed branch (CSA / HCA); absent: none")
     attention_chunk_size: int | None = Field(
@@ -538,7 +552,8 @@ class AttentionLayerPlan(_LayerBase):
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs."""
         return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed",
-                              "attention_chunk_size", "kv_source_layer")
+                              "attention_chunk_size", "kv_source_layer", "mla_dims", "num_q_heads_per_rank",
+                              "softmax_scale", "scale_derivation")
 
 
 class StateLayerPlan(_LayerBase):
@@ -557,6 +572,10 @@ class StateLayerPlan(_LayerBase):
     head_dim: ClassVar[None] = None
     num_kv_heads_per_rank: ClassVar[None] = None
     kv_source_layer: ClassVar[None] = None
+    mla_dims: ClassVar[None] = None
+    num_q_heads_per_rank: ClassVar[None] = None
+    softmax_scale: ClassVar[None] = None
+    scale_derivation: ClassVar[None] = None
 
     @property
     def caches(self) -> list[CacheSpec]:

@@ -319,11 +319,12 @@ def decide_input_layout(facts: ModelFacts, kv_mode: str) -> Decision:
     return Decision(*format_of(facts).paged_layout)
 
 
-def decide_scale(facts: ModelFacts) -> tuple[float, str]:
+def decide_scale(facts: ModelFacts, decoder_layer: int | None = None) -> tuple[float, str]:
     """Softmax scale with its derivation, by the family's own rule (FAMILY_SCALE_RULE): a config
     multiplier (Granite ``attention_multiplier``), ``query_pre_attn_scalar^-0.5`` (Gemma 2/3), else
     ``head_dim^-0.5``; on MLA, YaRN mscale² on top when mscale_all_dim is set. Unknown families follow
-    whichever of those fields the config carries."""
+    whichever of those fields the config carries. ``decoder_layer``: that layer's, where its MLA head differs
+    (per_layer_config)."""
     rule = FAMILY_SCALE_RULE.get(facts.family)
     qpas = facts.query_pre_attn_scalar.value
     multiplier = facts.attention_multiplier
@@ -348,7 +349,7 @@ def decide_scale(facts: ModelFacts) -> tuple[float, str]:
     elif qpas and rule in ("query_pre_attn_scalar", None):
         base, base_txt = qpas ** -0.5, f"query_pre_attn_scalar^-0.5 = {qpas:g}^-0.5"
     else:
-        d = facts.qk_head_dim
+        d = facts.qk_head_dim_at(decoder_layer)
         base, base_txt = d ** -0.5, f"{format_of(facts).scale_label}^-0.5 = {d}^-0.5"
     rope = facts.rope.value
     # transformers' yarn_apply_mscale: any rope_type but "default" with mscale_all_dim. Every family that calls it is

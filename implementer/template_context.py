@@ -126,6 +126,7 @@ class RenderContext:
     mla_rope: bool = True  # False: position-free MLA (mla.rope), the rope part written and attended unrotated
     latent_scale: str | None = None  # the module attribute the MLA writer scales its gamma by (mla.latent_scale)
     kv_lora_rank: int = 0
+    rope_norm: bool = False  # mla.rope_norm: k_rot normalized (k_rope_only_layernorm) before the writer
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0

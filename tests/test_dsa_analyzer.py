@@ -191,12 +191,19 @@ def test_axk2_plans_the_deepseek_v32_indexer(tmp_path):
 
 
 def test_dense_layer_types_beside_indexed_ones_are_planned_per_layer(tmp_path, capsys, monkeypatch):
-    """'full_attention' / 'sliding_attention' beside 'indexed_attention' (dots.llm3's layout): those layers run no
-    indexer and keep no indexer key cache; the render has no template mixing them and says so by field."""
-    n = transformers.AutoConfig.for_model("axk2").num_hidden_layers
-    types = ["full_attention" if i % 3 == 2 else "indexed_attention" for i in range(n)]
+    """'sliding_attention' beside 'indexed_attention' (Dots3-Note's layout: Dots3NoteTextAttention builds its
+    indexer on 'indexed_attention' layers only): those layers run no indexer and keep no indexer key cache; the
+    render has no template mixing them and says so by field. A.X-K2 builds its indexer on every layer whatever its
+    layer_types say: planned so (the cross-check compares each module's indexer with the plan)."""
+    cfg = transformers.AutoConfig.for_model("axk2")
+    types = ["full_attention" if i % 3 == 2 else "indexed_attention" for i in range(cfg.num_hidden_layers)]
     m = analyze(AnalyzeRequest(config=str(_config("axk2", tmp_path, layer_types=types, **AXK2_ROPE_64))))
-    dense = [i for i in range(n) if i % 3 == 2]
+    assert not m.dsa.dense_layers and m.dsa.indexer_layers == list(range(cfg.num_hidden_layers))
+    n = transformers.AutoConfig.for_model("dots3_note_text").num_hidden_layers
+    path = tmp_path / "dots3.json"  # the sliding layers' latent at FA's 512 (the class default 1024 is a blocker)
+    path.write_text(json.dumps(transformers.Dots3NoteTextConfig(swa_kv_lora_rank=512).to_dict(), default=str))
+    m = analyze(AnalyzeRequest(config=str(path)))
+    dense = [i for i in range(n) if i >= 2 and i % 4 != 1]  # Dots3NoteTextConfig: layers 0, 1 and i % 4 == 1 indexed
     assert m.dsa.dense_layers == dense and m.dsa.shared_layers == []
     assert m.dsa.indexer_layers == [i for i in range(n) if i not in dense]
     for layer in m.layers:
@@ -216,8 +223,6 @@ def test_dense_layer_types_beside_indexed_ones_are_planned_per_layer(tmp_path, c
     # GQA with a weightless pool + top-k + sink/local selection: not the lightning indexer's top-k
     ("kolibri1_1", ["no pinned torch_npu op serves it", "Kolibri1_1Indexer.select_pool", "npu_lightning_indexer",
                     "_op_plugin_docs.py:1371", "no pool stage"]),
-    # its indexer is known (GLM-5's interleaved one); its per-layer MLA dims are what kvcache does not plan
-    ("dots3_note_text", ["per_layer_config", "not supported by kvcache"]),
 ])
 def test_indexed_families_the_device_or_kvcache_cannot_serve_are_refused_by_name(tmp_path, family, words):
     with pytest.raises(InputError) as info:

@@ -1201,3 +1201,126 @@ def _config_with(tmp: Path, config: Path, **fields) -> Path:
     path = tmp / f"{config.stem}-{'-'.join(f'{k}{v}' for k, v in fields.items())}.json"
     path.write_text(json.dumps(json.loads(config.read_text()) | fields), encoding="utf-8")
     return path
+
+
+def _dots3(tmp_path: Path, **kwargs) -> Path:
+    """Dots3NoteTextConfig(**kwargs) as transformers saves it (its sliding layers' MLA shape in per_layer_config)."""
+    from transformers import Dots3NoteTextConfig
+
+    path = tmp_path / "dots3.json"
+    path.write_text(json.dumps(Dots3NoteTextConfig(**kwargs).to_dict(), default=str), encoding="utf-8")
+    return path
+
+
+def test_dots3_note_plans_its_sliding_layers_mla_shape_per_layer(tmp_path):
+    """Dots3-Note's sliding layers size their MLA from per_layer_config (Dots3NoteTextAttention: 64 heads,
+    kv_lora_rank 1024, qk_nope_head_dim 192 at the class defaults): each layer's latent cache, query heads and scale
+    are its own, and the memory plan counts each layer's latent width. The class default's latent 1024 is outside
+    FA's MLA query D (512 / 128): a blocker naming the first such layer; the released shape at latent 512 plans."""
+    m = analyze(AnalyzeRequest(config=str(_dots3(tmp_path))))
+    by = {layer.decoder_layer: layer for layer in m.layers}
+    indexed, sliding = by[0], by[2]
+    assert indexed.mla_dims is None and indexed.num_q_heads_per_rank is None and indexed.softmax_scale is None
+    assert (sliding.mla_dims.kv_lora_rank, sliding.mla_dims.qk_nope_head_dim, sliding.num_q_heads_per_rank) == (1024, 192, 64)
+    assert sliding.softmax_scale == pytest.approx(256 ** -0.5) and m.fa.softmax_scale == pytest.approx(192 ** -0.5)
+    assert [(c.name, c.dim) for c in sliding.caches] == [("nope_cache", 1024), ("rope_cache", 64)]
+    assert m.memory.per_layer_token_bytes[:3] == [(512 + 64 + 128) * 2, (512 + 64 + 128) * 2, (1024 + 64) * 2]
+    assert [b.message for b in m.blockers] == [
+        "MLA latent dim 1024 not in (512, 128) (FA MLA query D) on layer 2 (and 32 more: 3, 4, 6...)"]
+    m = analyze(AnalyzeRequest(config=str(_dots3(tmp_path, swa_kv_lora_rank=512)), attn_tp_size=4))
+    assert not m.blockers and m.kv_mode.value == "paged"
+    assert m.layers[2].mla_dims.kv_lora_rank == 512 and m.layers[2].num_q_heads_per_rank == 16
+    assert m.parallel.num_q_heads_per_rank == 32
+    assert m.mla.constraints[-1].startswith("layers 2, 3, 4, 6... (33, per_layer_config): their own latent 512")
+
+
+def test_dots3_note_sliding_heads_outside_fas_mla_counts_block_naming_the_layer(tmp_path):
+    """FA's MLA query-head counts hold on the dense (sliding) layers beside the indexed ones, per layer."""
+    m = analyze(AnalyzeRequest(config=str(_dots3(tmp_path, swa_kv_lora_rank=512, swa_num_attention_heads=48,
+                                                 swa_num_key_value_heads=48))))
+    assert len(m.blockers) == 1 and "48 query heads per rank at attn_tp_size 1 on layer 2" in m.blockers[0].message
+
+
+def test_an_analyzer_ignoring_dots3s_per_layer_mla_shape_is_refused_by_the_cross_check(tmp_path, monkeypatch):
+    """Negative control: planned with the model's MLA shape on every layer, the cross-check against transformers'
+    Dots3NoteTextAttention modules names both values of the latent width, the query heads and the scale."""
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    monkeypatch.setattr(config_loader, "_layer_mla", lambda *a: config_loader.Sourced(None, "ignored"))
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(_dots3(tmp_path))))
+    text = info.value.render()
+    for words in ("MLA latent cache (kv_lora_rank + qk_rope_head_dim): analyzer 512 + 64 (nope_cache + rope_cache) "
+                  "vs transformers 1024 + 64 (Dots3NoteTextAttention.kv_lora_rank",
+                  "query heads: analyzer 128 (num_attention_heads) vs transformers 64",
+                  "softmax scale: analyzer 0.0721687836", "vs transformers 0.0625"):
+        assert words in text
+
+
+def test_dots3_note_per_layer_mla_shape_bad_input_and_render_refusal_name_their_field(tmp_path):
+    """A per-layer MLA dim of the wrong type is one line naming its per_layer_config field; a plan with per-layer MLA
+    shapes is refused by the render naming the first such layer (the MLA partials render one shape)."""
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.implementer.kinds import mla as mla_render
+
+    path = _dots3(tmp_path, swa_kv_lora_rank=512)
+    data = json.loads(path.read_text())
+    data["per_layer_config"]["02"]["qk_nope_head_dim"] = "192"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(InputError) as info:
+        analyze(AnalyzeRequest(config=str(bad)))
+    assert info.value.field == "per_layer_config.02.qk_nope_head_dim" and "\n" not in info.value.render()
+    m = analyze(AnalyzeRequest(config=str(path)))
+    with pytest.raises(InputError) as info:
+        mla_render.check(m)
+    assert info.value.field == "layers[2].mla_dims" and "33 MLA layer(s)" in info.value.render()
+
+
+def test_dots3_note_without_dsa_plans_plain_mla_and_an_indexer_planned_anyway_is_refused(tmp_path, monkeypatch):
+    """use_dsa false (Dots3NoteTextConfig's public switch) types no layer 'indexed_attention', and
+    Dots3NoteTextAttention then builds no indexer: plain MLA is planned (its sliding layers' own heads / dims kept).
+    Negative control: the family row without typed_layers plans an indexer on every layer, and the cross-check
+    names the module's missing indexer."""
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    path = _dots3(tmp_path, use_dsa=False, swa_kv_lora_rank=512)
+    m = analyze(AnalyzeRequest(config=str(path)))
+    assert m.dsa is None and m.mla.enabled and not m.blockers
+    assert all("indexer_key_cache" not in [c.name for c in layer.caches] for layer in m.layers)
+    assert m.layers[2].num_q_heads_per_rank == 64 and m.layers[2].mla_dims.qk_nope_head_dim == 192
+    row = config_loader.INDEXER_FAMILIES["dots3_note_text"]
+    monkeypatch.setitem(config_loader.INDEXER_FAMILIES, "dots3_note_text",
+                        config_loader.IndexerFamily(row.rope, row.rope_dims, row.source))
+    with pytest.raises(InputError, match=r"DSA indexer: analyzer plans an indexer key cache vs transformers "
+                                         r"Dots3NoteTextAttention.indexer None on 46 layer\(s\), first layer 0"):
+        analyze(AnalyzeRequest(config=str(path)))
+
+
+@pytest.mark.slow
+def test_dots3_note_dense_mla_validates_with_its_latent_rescaling_and_fails_without_it(tmp_path):
+    """Dots3-Note all dense and alike (use_dsa / use_sliding_window false, Dots3NoteTextConfig's public switches:
+    plain MLA, one shape): its module scales the normalized latent by kv_lora_scale and RMS-normalizes k_rot before
+    its RoPE (mla.latent_scale / mla.rope_norm), which the render folds into the fused writer's gamma and applies
+    before it. Negative controls: the writer without either (the plain MLA writer) fails the logits."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    config = _dots3(tmp_path, use_dsa=False, use_sliding_window=False, num_hidden_layers=2)
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    assert m.dsa is None and not m.blockers and m.mla.rope_norm
+    assert m.mla.latent_scale == "kv_lora_scale"  # (hidden_size / kv_lora_rank)^0.5 = (5120 / 512)^0.5 at its sizes
+    assert any("kv_lora_scale" in w.message and "k_rope_only_layernorm" in w.message for w in m.warnings)
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    for name, pattern, replacement in (("clean", None, None),
+                                       ("no_latent_scale", r" \* self\.kv_lora_scale,", ","),
+                                       ("no_rope_norm", r"self\.k_rope_only_layernorm\((compressed_kv\[[^]]+\])\)",
+                                        r"\1")):
+        rendered = tmp_path / name
+        write_rendered(render_manifest(m), rendered)
+        if pattern:
+            mutate(rendered, pattern, replacement)
+        report = run_validate(tmp_path / "m.json", rendered, config)
+        numeric = check(report, "logits vs transformers")
+        assert numeric.passed == (pattern is None), (name, [(c.name, c.detail) for c in report.failed()])

@@ -30,16 +30,38 @@ class DsaFormat(MlaFormat):
                  f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
                  f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}")]
 
-    def head_problems(self, facts: Facts) -> list[Finding]:
-        """MLA's latent / rope dims, sourced as what they are here: the pinned npu_sparse_flash_attention doc
-        states no head dims, and the path is known at upstream deepseek_v3_2_exp's (latent 512, rope 64) only,
-        so it is held to MLA's FA dims rather than widened on no evidence."""
-        return [Finding(message=f"{f.message} (DSA: the sparse-FA path is known at MLA's FA dims only; the pinned "
-                                "npu_sparse_flash_attention doc states none)", fields=f.fields)
-                for f in super().head_problems(facts)]
+    def dims_note(self, facts: Facts, layers: tuple[int, ...]) -> str:
+        """MLA's latent / rope dims, sourced as what they are on the indexed layers: the pinned
+        npu_sparse_flash_attention doc states no head dims, and the path is known at upstream deepseek_v3_2_exp's
+        (latent 512, rope 64) only, so it is held to MLA's FA dims rather than widened on no evidence. Dense layers
+        beside them (Dots3-Note's sliding layers) attend through FA itself."""
+        if layers and set(layers) <= set(facts.dsa.value.dense):
+            return ""
+        return (" (DSA: the sparse-FA path is known at MLA's FA dims only; the pinned npu_sparse_flash_attention doc "
+                "states none)")
 
-    def heads_problem(self, facts: Facts, parallel) -> Finding | None:
-        return None  # the sparse FA's query heads are not FA's MLA head rule
+    def hf_facts(self, module) -> dict[str, int | None]:
+        """Whether an MLA module runs its own indexer (DeepseekV32Attention.indexer; None on GLM-5's shared layers
+        and on Dots3-Note's dense ones), beside MLA's latent widths."""
+        if getattr(module, "kv_a_proj_with_mqa", None) is None:
+            return {}
+        return {"indexer": 1 if getattr(module, "indexer", None) is not None else None}
+
+    def hf_off(self, layer, module_facts: dict[str, int | None], cls: str) -> str | None:
+        """Where the layer's indexer key cache and the module's own indexer disagree; then MLA's comparison."""
+        rest = dict(module_facts)
+        held = rest.pop("indexer", None) is not None
+        planned = INDEXER_KEY_CACHE in [c.name for c in layer.caches]
+        if held != planned:
+            return (f"DSA indexer: analyzer plans {'an' if planned else 'no'} indexer key cache vs transformers "
+                    f"{cls}.indexer {'set' if held else 'None'}")
+        return super().hf_off(layer, rest, cls)
+
+    def heads_problem(self, facts: Facts, parallel, layers: tuple[int, ...] | None = None) -> Finding | None:
+        """The sparse FA's query heads are not FA's MLA head rule; the dense layers beside the indexed ones
+        (Dots3-Note's sliding layers) attend through FA, which holds them to it."""
+        dense = facts.dsa.value.dense
+        return super().heads_problem(facts, parallel, tuple(dense)) if dense else None
 
     def doc_attention(self, m) -> str:
         return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"

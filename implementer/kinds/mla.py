@@ -20,6 +20,10 @@ def check_layers(m) -> None:
 def check(m) -> None:
     if m.model.mla is None:
         raise bad("model.mla", "mla.enabled but the model has no MLA dimensions")
+    shaped = [layer for layer in m.attention_layers if layer.mla_dims or layer.num_q_heads_per_rank or layer.softmax_scale]
+    if shaped:  # the partials render one KV_LORA_RANK / NUM_HEADS_PER_RANK / SOFTMAX_SCALE for every layer
+        raise bad(f"layers[{shaped[0].index}].mla_dims", f"{len(shaped)} MLA layer(s) with their own dims, query heads or "
+                                                    "softmax scale (per_layer_config) are planned, not rendered yet")
     if any(layer.is_sliding for layer in m.layers):  # linear (Mamba) layers beside MLA are rendered
         raise bad("layers", "MLA with sliding-window layers is not rendered")
     if not m.mla.absorb:
@@ -38,5 +42,6 @@ def check(m) -> None:
 def fields(m) -> dict:
     dims = m.model.mla
     return {"is_mla": True, "paged_standalone_mode": 3, "mla_rope": m.mla.rope, "kv_lora_rank": dims.kv_lora_rank,
+            "latent_scale": m.mla.latent_scale, "rope_norm": bool(m.mla.rope_norm),
             "qk_rope_head_dim": dims.qk_rope_head_dim, "qk_nope_head_dim": dims.qk_nope_head_dim,
-            "v_head_dim": dims.v_head_dim, "latent_scale": m.mla.latent_scale}
+            "v_head_dim": dims.v_head_dim}

@@ -355,6 +355,8 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     t = x.shape[0]
     q_a = None if self.q_lora_rank is None else self.q_a_proj(x)
     q_resid = None if q_a is None else self.q_a_layernorm(q_a)
+    if q_resid is not None and getattr(self, "q_lora_scale", None) is not None:
+        q_resid = q_resid * self.q_lora_scale  # Dots3-Note scales its query residual (the indexer's input too)
     gate = None
     if getattr(self, "q_gate_proj", None) is not None:  # A.X-K2: query and output gate from one fused projection
         q, gate = self.q_gate_proj(torch.cat([q_resid, q_a], dim=-1)).view(
@@ -1049,7 +1051,8 @@ def make_host_attention(mixin: type) -> type:
                 sinks = hf_attention.sinks.detach()
                 self.sinks = sinks if sinks.dtype == torch.float64 else sinks.float()
             # the model's own modules the rendered MLA code reads (and DSA's indexer projections)
-            for name in ("kv_a_layernorm", "kv_b_proj", "indexer", "compressor", *MLA_LATENT_SCALE_ATTRS):
+            for name in ("kv_a_layernorm", "kv_b_proj", "indexer", "compressor", "k_rope_only_layernorm",
+                         *MLA_LATENT_SCALE_ATTRS):
                 if getattr(hf_attention, name, None) is not None:
                     setattr(self, name, getattr(hf_attention, name))
 

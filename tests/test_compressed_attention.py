@@ -240,13 +240,23 @@ def test_upstream_deepseek_v4_in_the_real_engine_is_a_named_gap_not_a_model_fail
     assert "V202" not in out
 
 
-def test_a_model_whose_blocks_hold_no_attention_is_refused_not_planned_as_attention(tmp_path, capsys):
+def test_a_model_whose_blocks_hold_no_attention_is_refused_not_planned_as_attention(tmp_path, capsys, monkeypatch):
     """xLSTM (mLSTM blocks, no attention module): the cross-check used to be 'skipped' with a warning and the model
-    planned as FullAttention on every layer; transformers building it without attention now refuses the plan."""
+    planned as FullAttention on every layer. It is now planned as a state stack (its mLSTM family); a recurrence kvcache
+    does not know (here xLSTM with that family unread) is refused, transformers building it without attention, never
+    planned as attention."""
+    from model_infer_kvcache.analyzer import config_loader
+
     path = tmp_path / "xlstm.json"
     path.write_text(json.dumps(transformers.xLSTMConfig().to_dict(), default=str), encoding="utf-8")
     rc, out, err = invoke(["analyze", "--config", path], capsys)
-    assert rc == 2 and out == "" and "no decoder block holding an attention module" in err and "xLSTMForCausalLM" in err
+    assert rc == 0 and {layer["attn_type"] for layer in json.loads(out)["layers"]} == {"Mamba"}, err
+    known = config_loader.family_of_linear
+    monkeypatch.setattr(config_loader, "family_of_linear",
+                        lambda get, model_type, *a: None if model_type == "xlstm" else known(get, model_type, *a))
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
+    rc, out, err = invoke(["analyze", "--config", path], capsys)
+    assert rc == 2 and out == "" and "decoder block has no attention module" in err and "holding xLSTMLayer" in err, err
 
 
 @pytest.mark.parametrize("edit, field", [

@@ -30,12 +30,17 @@ class DsaFormat(MlaFormat):
                  f"{d.indexer_cache.dtype}, {len(d.indexer_layers)} 层各有 indexer{shared}, 每卡 indexer heads "
                  f"{d.index_n_heads_per_rank}", f"{d.reason}; 选择: {d.selection}; key: {d.key_transform}")]
 
+    def fa_attends(self, facts: Facts, layers: tuple[int, ...]) -> bool:
+        """Dense layers beside the indexed ones (Dots3-Note's sliding layers) attend through FA itself; indexed ones
+        through npu_sparse_flash_attention."""
+        return bool(layers) and set(layers) <= set(facts.dsa.value.dense)
+
     def dims_note(self, facts: Facts, layers: tuple[int, ...]) -> str:
         """MLA's latent / rope dims, sourced as what they are on the indexed layers: the pinned
         npu_sparse_flash_attention doc states no head dims, and the path is known at upstream deepseek_v3_2_exp's
         (latent 512, rope 64) only, so it is held to MLA's FA dims rather than widened on no evidence. Dense layers
         beside them (Dots3-Note's sliding layers) attend through FA itself."""
-        if layers and set(layers) <= set(facts.dsa.value.dense):
+        if self.fa_attends(facts, layers):
             return ""
         return (" (DSA: the sparse-FA path is known at MLA's FA dims only; the pinned npu_sparse_flash_attention doc "
                 "states none)")

@@ -94,12 +94,16 @@ class MlaFormat(GqaFormat):
             if mla.kv_lora_rank not in MLA_LATENT_DIMS:
                 out.append(Finding(message=f"MLA latent dim {mla.kv_lora_rank} not in {MLA_LATENT_DIMS} (FA MLA "
                                            f"query D){where}", fields=["kv_lora_rank", *fields]))
-            elif mla.kv_lora_rank != MLA_PAGED_LATENT_DIM:
+            elif mla.kv_lora_rank != MLA_PAGED_LATENT_DIM and self.fa_attends(facts, layers):
                 out.append(Finding(message=f"MLA latent dim {mla.kv_lora_rank}: FA takes query D {mla.kv_lora_rank} "
                                            f"with query_rope only without page attention ({MLA_PAGED_LATENT_SOURCE}); "
                                            f"the paged absorb call needs {MLA_PAGED_LATENT_DIM}{where}",
                                    fields=["kv_lora_rank", *fields]))
         return out
+
+    def fa_attends(self, facts: Facts, layers: tuple[int, ...]) -> bool:
+        """Whether these layers attend through FA's MLA call (its paged latent rule applies), not another op."""
+        return True
 
     def dims_note(self, facts: Facts, layers: tuple[int, ...]) -> str:
         """What a dims finding adds on these layers (() = every layer): nothing, FA's rule is the op doc's."""

@@ -803,45 +803,42 @@ def mixer_off(lin: LinearFacts, facts: dict[str, int | None]) -> str | None:
     is not a Mamba mixer, or the plan is another family's)."""
     if lin.family == SHORT_CONV or facts.get("mixer_short_conv"):
         return _short_conv_off(lin, facts)
-    if lin.family == MLSTM or facts.get("mixer_qk_head_dim"):
-        if not facts:
-            return None
-        if lin.family != MLSTM or not facts.get("mixer_qk_head_dim"):
-            return f"family {lin.family} vs transformers' {'mLSTM layer' if lin.family != MLSTM else 'mixer'}"
-        planned = {"mixer_heads": lin.num_v_heads, "mixer_qk_head_dim": lin.head_k_dim,
-                   "mixer_v_head_dim": lin.head_v_dim}
-        off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
-        return ", ".join(off) or None
-    if lin.family == RG_LRU or facts.get("mixer_lru_width"):
-        if not facts:
-            return None
-        if lin.family != RG_LRU or not facts.get("mixer_lru_width"):
-            return f"family {lin.family} vs transformers' {'RG-LRU block' if lin.family != RG_LRU else 'mixer'}"
-        planned = {"mixer_lru_width": lin.num_v_heads, "mixer_conv_kernel": lin.conv_kernel,
-                   "mixer_conv_channels": lin.conv_channels}
-        off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
-        return ", ".join(off) or None
-    if lin.family == RWKV or facts.get("mixer_wkv_channels"):
-        if not facts:
-            return None
-        if lin.family != RWKV or not facts.get("mixer_wkv_channels"):
-            return f"family {lin.family} vs transformers' {'RWKV time-mix' if lin.family != RWKV else 'mixer'}"
-        planned = {"mixer_wkv_channels": lin.num_v_heads, "mixer_shift_channels": lin.conv_channels}
-        off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
-        return ", ".join(off) or None
+    for family, (marker, module, planned_of) in _SIZED_FAMILIES.items():
+        if lin.family == family or facts.get(marker):
+            if not facts:
+                return None
+            if lin.family != family or not facts.get(marker):
+                return f"family {lin.family} vs transformers' {module if lin.family != family else 'mixer'}"
+            return _sizes_off(planned_of(lin), facts)
     if lin.family == GATED_DELTA_NET and facts.get("mixer_gdn_k_heads"):
-        planned = {"mixer_gdn_k_heads": lin.num_k_heads, "mixer_gdn_v_heads": lin.num_v_heads,
-                   "mixer_gdn_k_dim": lin.head_k_dim, "mixer_gdn_v_dim": lin.head_v_dim,
-                   "mixer_conv_kernel": lin.conv_kernel, "mixer_conv_channels": lin.conv_channels,
-                   "mixer_gdn_beta_scale": lin.beta_scale}
-        off = [f"{name[6:]} {planned[name]:g} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
-        return ", ".join(off) or None
+        return _sizes_off({"mixer_gdn_k_heads": lin.num_k_heads, "mixer_gdn_v_heads": lin.num_v_heads,
+                           "mixer_gdn_k_dim": lin.head_k_dim, "mixer_gdn_v_dim": lin.head_v_dim,
+                           "mixer_conv_kernel": lin.conv_kernel, "mixer_conv_channels": lin.conv_channels,
+                           "mixer_gdn_beta_scale": lin.beta_scale}, facts)
     if not facts.get("mixer_state") or lin.family not in (MAMBA2, MAMBA):
         return None
-    planned = {"mixer_heads": lin.num_v_heads, "mixer_head_dim": lin.head_v_dim, "mixer_state": lin.head_k_dim,
-               "mixer_groups": lin.num_k_heads, "mixer_conv_kernel": lin.conv_kernel,
-               "mixer_conv_channels": lin.conv_channels}
-    off = [f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
+    return _sizes_off({"mixer_heads": lin.num_v_heads, "mixer_head_dim": lin.head_v_dim, "mixer_state": lin.head_k_dim,
+                       "mixer_groups": lin.num_k_heads, "mixer_conv_kernel": lin.conv_kernel,
+                       "mixer_conv_channels": lin.conv_channels}, facts)
+
+
+# The state families whose module tells itself apart by one size (the marker fact): that fact, what transformers calls
+# the module, and the planned sizes its facts are compared with.
+_SIZED_FAMILIES = {
+    MLSTM: ("mixer_qk_head_dim", "mLSTM layer", lambda lin: {
+        "mixer_heads": lin.num_v_heads, "mixer_qk_head_dim": lin.head_k_dim, "mixer_v_head_dim": lin.head_v_dim}),
+    RG_LRU: ("mixer_lru_width", "RG-LRU block", lambda lin: {
+        "mixer_lru_width": lin.num_v_heads, "mixer_conv_kernel": lin.conv_kernel,
+        "mixer_conv_channels": lin.conv_channels}),
+    RWKV: ("mixer_wkv_channels", "RWKV time-mix", lambda lin: {
+        "mixer_wkv_channels": lin.num_v_heads, "mixer_shift_channels": lin.conv_channels}),
+}
+
+
+def _sizes_off(planned: dict[str, float], facts: dict[str, int | None]) -> str | None:
+    """'size planned vs transformers' for each planned size the module's facts contradict (None: none does)."""
+    off = [f"{name[6:]} {planned[name]:g} vs {facts[name]}" if isinstance(planned[name], float)
+           else f"{name[6:]} {planned[name]} vs {facts[name]}" for name in planned if facts.get(name) != planned[name]]
     return ", ".join(off) or None
 
 

@@ -76,55 +76,31 @@ def _shard_gated_delta(mod, rank: int, tp: int):
     The conv and the fused projections lay channels out [q of every key head | k | v of every value head]
     (Qwen3.5 ``in_proj_qkv``) or grouped per key head (Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba``); each keeps
     its own order, cut to the rank's heads."""
-    from model_infer_kvcache.validators.pipeline.host_model import mamba_scan_of, multihead_mamba
-
-    if mamba_scan_of(mod) is not None or multihead_mamba(mod):  # a gap of kvcache's, said as such
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
-        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a Mamba "
-                                                      "mixer): it shards gated delta nets only; validate Mamba "
-                                                      "layers at attention TP 1", field="attn_tp_size")
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
     from model_infer_kvcache.analyzer.linear_config import (
         mlstm_facts,
         rg_lru_facts,
         rwkv_facts,
         short_conv_facts,
     )
+    from model_infer_kvcache.validators.pipeline.host_model import mamba_scan_of, multihead_mamba
 
-    if mlstm_facts(mod):  # xLSTM's mLSTM layer: a gap of kvcache's, said as such
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
-        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (an mLSTM "
-                                                      "layer): it shards gated delta nets only; validate mLSTM "
-                                                      "layers at attention TP 1", field="attn_tp_size")
-    if rg_lru_facts(mod):  # RecurrentGemma's recurrent block: a gap of kvcache's, said as such
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
-        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a "
-                                                      "RecurrentGemma recurrent block): it shards gated delta nets "
-                                                      "only; validate RG-LRU blocks at attention TP 1",
-                                    field="attn_tp_size")
-    if rwkv_facts(mod):  # RWKV's time-mix: a gap of kvcache's, said as such
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
-        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (an RWKV "
-                                                      "time-mix): it shards gated delta nets only; validate RWKV "
-                                                      "blocks at attention TP 1", field="attn_tp_size")
-    if short_conv_facts(mod):  # LFM2's short conv: a gap of kvcache's, said as such
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
-        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (a short "
-                                                      "conv): it shards gated delta nets only; validate short-conv "
-                                                      "layers at attention TP 1", field="attn_tp_size")
-    if hasattr(mod, "forget_gate"):  # a gap of kvcache's, said as such (never the model's failure)
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
-        raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (Kimi delta "
-                                                      "attention): it shards gated delta nets only; validate KDA "
-                                                      "layers at attention TP 1", field="attn_tp_size")
+    # the mixers this shard does not cut (a gap of kvcache's, said as such, never the model's failure): what each is,
+    # and the layers to validate at attention TP 1
+    unsharded = (
+        (lambda m: mamba_scan_of(m) is not None or multihead_mamba(m), "a Mamba mixer", "Mamba layers"),
+        (mlstm_facts, "an mLSTM layer", "mLSTM layers"),
+        (rg_lru_facts, "a RecurrentGemma recurrent block", "RG-LRU blocks"),
+        (rwkv_facts, "an RWKV time-mix", "RWKV blocks"),
+        (short_conv_facts, "a short conv", "short-conv layers"),
+        (lambda m: hasattr(m, "forget_gate"), "Kimi delta attention", "KDA layers"),
+    )
+    for found, what, layers in unsharded:
+        if found(mod):
+            raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} ({what}): "
+                                                          f"it shards gated delta nets only; validate {layers} at "
+                                                          "attention TP 1", field="attn_tp_size")
     if hasattr(mod, "g_proj"):  # OLMo-Hybrid: projections apart, and its full layers' q/k norm spans every head
-        from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-
         raise NotSupportedByKvcache("--attn-tp-size", f"multi-rank validation of {type(mod).__name__} (OLMo-Hybrid): "
                                                       "it shards the fused Qwen3-Next / Qwen3.5 projections only; "
                                                       "validate OLMo-Hybrid at attention TP 1", field="attn_tp_size")

@@ -1307,10 +1307,14 @@ def test_dots3_note_dense_mla_validates_with_its_latent_rescaling_and_fails_with
     before it. Negative controls: the writer without either (the plain MLA writer) fails the logits."""
     from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 
-    config = _dots3(tmp_path, use_dsa=False, use_sliding_window=False, num_hidden_layers=2)
+    # CPU-sized: hidden 1024 keeps the latent scale off 1 ((1024 / 512)^0.5), 8 query heads an MLA count FA takes
+    config = _dots3(tmp_path, use_dsa=False, use_sliding_window=False, num_hidden_layers=2, hidden_size=1024,
+                    num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, intermediate_size=256,
+                    moe_intermediate_size=64, shared_experts_intermediate_size=64, n_routed_experts=4,
+                    num_experts_per_tok=2, vocab_size=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     m = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
     assert m.dsa is None and not m.blockers and m.mla.rope_norm
-    assert m.mla.latent_scale == "kv_lora_scale"  # (hidden_size / kv_lora_rank)^0.5 = (5120 / 512)^0.5 at its sizes
+    assert m.mla.latent_scale == "kv_lora_scale"  # the module's (hidden_size / kv_lora_rank)^0.5
     assert any("kv_lora_scale" in w.message and "k_rope_only_layernorm" in w.message for w in m.warnings)
     (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
     for name, pattern, replacement in (("clean", None, None),

@@ -30,9 +30,9 @@ from model_infer_kvcache.analyzer.operators.fa_facts import (
 from model_infer_kvcache.analyzer.operators.writers import CACHE_WRITERS
 from model_infer_kvcache.validators.pipeline.evidence import storage
 from model_infer_kvcache.validators.pipeline.host_model import model_inputs
+from model_infer_kvcache.validators.pipeline.report import LAYER_OUTPUT
 
 SUBMODULES = ("attention input", "cache write", "attention output", "MLP")
-LAYER_OUTPUT = "layer output"  # a layer whose attention sublayers sit in one ModuleList: judged as a whole
 _ATTN_NAMES = ("self_attn", "attention", "self_attention", "attn")
 _MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn")
 CACHE_ATTRS = ("k_cache", "v_cache", "nope_cache", "rope_cache")

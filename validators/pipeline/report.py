@@ -125,8 +125,9 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
+LAYER_OUTPUT = "layer output"  # a layer judged as a whole (its attention sublayers in one ModuleList: localise.py)
 SUBMODULE_LABELS = {"attention input": "注意力输入", "cache write": "缓存写入", "attention output": "注意力输出",
-                    "MLP": "MLP", "layer output": "整层输出"}
+                    "MLP": "MLP", LAYER_OUTPUT: "整层输出"}
 
 
 def _localisation_lines(loc: dict) -> list[str]:

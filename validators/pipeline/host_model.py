@@ -902,20 +902,27 @@ def _rwkv_channel_mix_forward(self, hidden, state=None):
     return (torch.sigmoid(self.receptance(receptance)) * value)[None], state
 
 
+def _route_state_module(module, host, method: str, what: str, forward, checked=None) -> None:
+    """Route ``module``'s forward through ``host`` (``forward`` does the module's own arithmetic around the render's
+    ``method``), refused by name when the render holds no such method (its linear_attention family is another).
+    ``checked``: the module the refusal names, when another one is routed (an mLSTM layer's backend)."""
+    if not hasattr(host, method):
+        raise InputError("--config", f"{type(checked or module).__name__} is {what} and the rendered state mixin has "
+                                     f"no {method} (its linear_attention family is another)", field="model_type")
+    module._kvcache_host = host
+    module.forward = types.MethodType(forward, module)
+
+
 def bind_rwkv(block, time_mix, host) -> None:
     """Route an RWKV-4 block's time-mix (transformers' RwkvSelfAttention, the state holder) and its channel-mix (the
     block's other module with a token shift, RwkvFeedForward) through ``host``: both mixes' token shifts and the wkv
     keep their states in the time-mix's state block."""
-    if not hasattr(host, "wkv"):
-        raise InputError("--config", f"{type(time_mix).__name__} is an RWKV time-mix and the rendered state mixin has "
-                                     "no wkv (its linear_attention family is another)", field="model_type")
     channel = [m for m in block.children() if m is not time_mix and hasattr(m, "time_mix_receptance")]
+    _route_state_module(time_mix, host, "wkv", "an RWKV time-mix", _rwkv_time_mix_forward)
     if len(channel) != 1:
         raise InputError("--config", f"{type(block).__name__} holds {len(channel)} channel-mix modules beside its "
                                      "time-mix (the host routes one)", field="model_type")
-    for module, forward in ((time_mix, _rwkv_time_mix_forward), (channel[0], _rwkv_channel_mix_forward)):
-        module._kvcache_host = host
-        module.forward = types.MethodType(forward, module)
+    _route_state_module(channel[0], host, "token_shift", "an RWKV channel-mix", _rwkv_channel_mix_forward)
 
 
 def _rg_lru_block_forward(self, input_states, position_ids=None, attention_mask=None, use_cache=True, **kwargs):
@@ -942,12 +949,7 @@ def _rg_lru_block_forward(self, input_states, position_ids=None, attention_mask=
 def bind_rg_lru(module, host) -> None:
     """Route a RecurrentGemma recurrent block (its conv_1d and RG-LRU, the block's conv1d_state and the RG-LRU's
     recurrent_states) through ``host``."""
-    if not hasattr(host, "rg_lru"):
-        raise InputError("--config", f"{type(module).__name__} is a RecurrentGemma recurrent block and the rendered "
-                                     "state mixin has no rg_lru (its linear_attention family is another)",
-                         field="model_type")
-    module._kvcache_host = host
-    module.forward = types.MethodType(_rg_lru_block_forward, module)
+    _route_state_module(module, host, "rg_lru", "a RecurrentGemma recurrent block", _rg_lru_block_forward)
 
 
 def _mlstm_backend_forward(self, query, key, value, igate, fgate, c_initial=None, n_initial=None, m_initial=None,
@@ -965,12 +967,7 @@ def _mlstm_backend_forward(self, query, key, value, igate, fgate, c_initial=None
 def bind_mlstm(module, host) -> None:
     """Route an xLSTM mLSTM layer's backend (its ``mlstm_backend``, the kernels that hold the C / n / m states)
     through ``host``."""
-    if not hasattr(host, "mlstm"):
-        raise InputError("--config", f"{type(module).__name__} is an mLSTM layer and the rendered state mixin has no "
-                                     "mlstm (its linear_attention family is another)", field="model_type")
-    backend = module.mlstm_backend
-    backend._kvcache_host = host
-    backend.forward = types.MethodType(_mlstm_backend_forward, backend)
+    _route_state_module(module.mlstm_backend, host, "mlstm", "an mLSTM layer", _mlstm_backend_forward, checked=module)
 
 
 def _minimax_lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,

@@ -387,3 +387,23 @@ def test_an_xlstm_state_mistake_fails_by_name(tmp_path, case, mode, pattern, rep
     write_rendered(render_manifest(manifest), tmp_path / "r")
     mistake_fails_by_name((tmp_path / "m.json", tmp_path / "r", tmp_path / "xlstm.json"), pattern, replacement,
                           NUMERIC)
+
+
+def test_a_state_mixer_routed_to_a_render_of_another_family_is_refused_naming_the_method():
+    """The host routes an RWKV block only through a render holding its wkv (and token shift); a render of another
+    family (a Mamba state mixin: no wkv) is refused by name, its modules left as they were."""
+    import types as _types
+
+    from model_infer_kvcache.analyzer.errors import InputError
+    from model_infer_kvcache.validators.pipeline import host_model
+    from transformers import RwkvConfig, RwkvModel
+
+    block = RwkvModel(RwkvConfig(hidden_size=32, attention_hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 vocab_size=64)).blocks[0]
+    with pytest.raises(InputError) as err:
+        host_model.bind_rwkv(block, block.attention, _types.SimpleNamespace(mamba_scan=None))
+    assert "RwkvSelfAttention is an RWKV time-mix" in err.value.message and "no wkv" in err.value.message
+    assert not hasattr(block.attention, "_kvcache_host")
+    host = _types.SimpleNamespace(wkv=None, token_shift=None)
+    host_model.bind_rwkv(block, block.attention, host)
+    assert block.attention._kvcache_host is host and block.feed_forward._kvcache_host is host

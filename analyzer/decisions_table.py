@@ -124,7 +124,10 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
             own_scale.setdefault(layer.softmax_scale, []).append(layer.index)
     rows.append(("混合 attn_type", "是" if m.mixed_attn_types else "否", "each layer sets its attn_type from its "
                  "index in __init__" if m.mixed_attn_types else "every layer has the same attn_type"))
-    if not fmt.fa_call:
+    if not m.attention_layers:  # a pure state stack: no attention call, cache entry, head split or KV block to decide
+        rows.append(("注意力", "无(纯状态栈)", "no layer attends: no KV cache, no FA call, no softmax scale; every "
+                     "layer keeps a fixed-size state per request (row 线性注意力 below)"))
+    elif not fmt.fa_call:
         rows.append(dsa_kind.call_row(m))
     elif own_attention:
         rows.append(("cache 布局", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, "")
@@ -132,7 +135,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     else:
         rows += [("FA 版本", m.fa.version, m.fa.reason),
                  ("input_layout", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, ""))]
-    rows += [
+    rows += [] if not m.attention_layers else [
         ("softmax scale", f"{m.fa.softmax_scale:.8g}" + "".join(f"; 层 {_ranges(idx)}: {scale:.8g}"
                                                                 for scale, idx in own_scale.items()),
          m.fa.scale_derivation + ("; layers with their own MLA head dims (per_layer_config) take their own "

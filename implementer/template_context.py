@@ -33,6 +33,7 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds import attention_kind, check_unrendered, kinds_of
 from model_infer_kvcache.implementer.kinds import gqa as gqa_kind
 from model_infer_kvcache.implementer.kinds import loops as loops_kind
+from model_infer_kvcache.implementer.kinds import recurrent as recurrent_kind
 from model_infer_kvcache.implementer.kinds.common import TORCH_DTYPE
 from model_infer_kvcache.implementer.kinds.common import bad as _bad
 from model_infer_kvcache.implementer.kinds.cross import CrossCtx
@@ -450,7 +451,7 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         num_layers=len(m.layers),
         sublayers=int(m.model.sublayers_per_layer),
         mtp_layers=int(m.model.num_mtp_layers),
-        names=names.checked(),
+        names=recurrent_kind.attention_attr_names(m, names).checked(),
         legacy_kernel=legacy_kernel,
         softcap=softcap,
         graph_lists=_graph_lists(m),

@@ -98,6 +98,26 @@ def _rendered(tmp_path, mode):
     return tmp_path / "m.json", tmp_path / "r", tmp_path / "recurrent_gemma.json"
 
 
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_the_render_reads_both_kinds_of_block_as_temporal_block(tmp_path, mode):
+    """RecurrentGemmaDecoderLayer keeps its attention block as temporal_block too (no self_attn): the framework's
+    get_cache_info and the runner's module list read that attribute, not the default self_attn a port would fail on
+    (AttributeError in get_cache_info); a user's own --attn-attr is kept."""
+    from model_infer_kvcache.implementer.names import Names
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    manifest = analyze(AnalyzeRequest(config=str(_config(tmp_path, **SMALL)), deploy_mode=mode))
+    files = render_manifest(manifest).files
+    code = files["kvcache_attention.py" if mode == "framework" else "kvcache_runner.py"]
+    assert "self_attn" not in code and "self_attn" not in files["INTEGRATION.md"]
+    if mode == "framework":
+        assert "attn = decoder_layer.temporal_block" in code
+    else:
+        assert "_init_kvcache([layer.temporal_block for layer in model.model.layers]" in files["INTEGRATION.md"]
+    own = render_manifest(manifest, names=Names(attn_attr="mixer_block")).files
+    assert "mixer_block" in own["INTEGRATION.md"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["framework", "standalone"])
 def test_recurrent_gemma_renders_and_validates_against_transformers(tmp_path, mode):

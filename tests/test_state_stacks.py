@@ -52,6 +52,29 @@ def test_a_pure_state_stack_is_planned_without_attention_fields(tmp_path, config
     assert not any("unknown model family" in w.message for w in m.warnings)  # no attention code to read
 
 
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_a_pure_state_stack_render_names_no_attention_step(mode):
+    """INTEGRATION.md of a pure state stack has no attention class or FA step to follow (a port of one would add a
+    mixin nothing calls and shape tensors to [T, 0, 0]); the runner is handed the state modules, and the decisions
+    table says no layer attends instead of quoting an FA version, a scale and zero heads. A hybrid (Bamba: attention
+    beside its Mamba layers) keeps its attention steps: the negative control."""
+    from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    m = analyze(AnalyzeRequest(config=str(CONFIGS / "mamba.json"), deploy_mode=mode))
+    text = render_manifest(m).files["INTEGRATION.md"]
+    assert "**Attention class**" not in text and "Attention forward" not in text and "FA **" not in text
+    assert "no layer attends (a pure state stack)" in text
+    if mode == "standalone":
+        assert "_init_kvcache([layer.mixer for layer in model.model.layers]" in text
+        assert "3. **State modules**" in text
+    table = decisions_markdown(m)
+    assert "| 注意力 | 无(纯状态栈) |" in table and "FA 版本" not in table and "每卡 heads" not in table.split("线性")[0]
+    hybrid = analyze(AnalyzeRequest(config=str(CONFIGS / "bamba.json"), deploy_mode=mode))
+    text = render_manifest(hybrid).files["INTEGRATION.md"]
+    assert "**Attention class**" in text and "FA **" in text and "FA 版本" in decisions_markdown(hybrid)
+
+
 def test_an_all_mamba_granite_4_0_h_renders_the_state_partial_alone(tmp_path):
     """GraniteMoeHybridConfig() lists every layer Mamba (was blocked: "a pure state stack"): planned and rendered
     without an attention mixin; get_cache_info registers each mixer's states only."""

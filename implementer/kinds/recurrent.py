@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model_infer_kvcache.analyzer.linear_config import CONV_ONLY
 from model_infer_kvcache.analyzer.operators.gdr_facts import RECURRENT_MAX_LEN, chunk_misfit, recurrent_misfit
@@ -25,6 +25,21 @@ MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba",  # Falcon-H1 too: self_attn 
                "rwkv": "attention",  # RwkvBlock.attention (the time-mix), whose states its feed_forward shares
                "mlstm": "mlstm_layer",  # xLSTMBlock.mlstm_layer
                "rg_lru": "temporal_block"}  # RecurrentGemmaDecoderLayer.temporal_block (RecurrentGemmaRecurrentBlock)
+# families whose decoder layer keeps its attention under the state module's attribute too (RecurrentGemmaDecoderLayer:
+# an attention block or a recurrent block, both as temporal_block): the render's attention attribute unless the user
+# names another (--attn-attr)
+ATTENTION_ATTR = {"rg_lru": "temporal_block"}
+
+
+def attention_attr_names(m, names):
+    """The names with the family's own attention attribute where the user kept the default one."""
+    lin = m.linear_attention
+    attr = ATTENTION_ATTR.get(lin.family) if lin is not None else None
+    if attr is None or names.attn_attr != type(names).attn_attr:
+        return names
+    return replace(names, attn_attr=attr)
+
+
 # model types whose decoder blocks keep every mixer (Mamba, attention, MLP, MoE) as ``mixer``: Mamba2Block,
 # MambaBlock, FalconMambaBlock, NemotronHBlock
 MIXER_ATTR = {"mamba": "mixer", "mamba2": "mixer", "falcon_mamba": "mixer", "nemotron_h": "mixer",

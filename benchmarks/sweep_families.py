@@ -33,8 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # Fields a config class leaves without a default its own model needs (transformers cannot build the class defaults),
-# taken from the published checkpoint the class's docstring names; the plan cell says which were filled.
+# or derives into a shape no published checkpoint has, taken from the published checkpoint the class's docstring (or
+# its other defaults) name; the plan cell says which were filled.
 _PUBLISHED_FIELDS: dict[str, dict] = {
+    # source: zai-org/GLM-4.5-Air's config.json (head_dim 128, partial_rotary_factor 0.5), whose hidden 4096, 96 / 8
+    # heads, 46 layers and 128 experts the class defaults are; without head_dim the class derives 4096 / 96 = 42
+    "glm4_moe": {"head_dim": 128, "partial_rotary_factor": 0.5},
     # source: LiquidAI/LFM2-8B-A1B's config.json (the checkpoint Lfm2MoeConfig's docstring names), as public ports quote
     # it in their test fixtures: 24 layers, attention at 2, 6, 10, 14, 18, 21 (18 conv + 6 GQA, its model card); the
     # class's num_hidden_layers default of 32 comes with no layer_types its decoder layers can index

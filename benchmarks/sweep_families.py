@@ -32,6 +32,27 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+# Fields a config class leaves unset although its modeling code cannot build the model without them (transformers
+# refuses its own class defaults), filled with a released checkpoint's values: {model_type: {field: value}}, applied to
+# the config and to any sub-config of that model_type (qwen4_exp's text_config). One entry per family, its source beside.
+_PUBLISHED_FIELDS: dict[str, dict] = {
+    # source: Qwen4-Exp's released text config as public ports spell it (no config.json published by Qwen was found):
+    # steadfastgaze/MoEspresso's qwen4 loader test (_architecture(), the 48-layer 2560-hidden release) and an MLX
+    # port's TextModelArgs defaults agree on the five QSA fields and the rope. The rope is needed with them:
+    # configuration_qwen4_exp.py validate_architecture refuses a rotary span (head_dim 256 x partial_rotary_factor)
+    # wider than indexer_head_dim, so the class default's full rotation cannot go with the released 128-wide QSA head.
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,
+                       "indexer_compress_ratio": 4,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                           "partial_rotary_factor": 0.25}},
+}
+
+
+def _with_published(data: dict) -> dict:
+    """``data`` with ``_PUBLISHED_FIELDS`` filled in wherever a (sub-)config's model_type has an entry."""
+    out = {k: _with_published(v) if isinstance(v, dict) else v for k, v in data.items()}
+    return out | _PUBLISHED_FIELDS.get(out.get("model_type"), {})
+
 
 def _configs(folder: Path, only: list[str] | None) -> dict[str, Path]:
     import transformers
@@ -43,7 +64,7 @@ def _configs(folder: Path, only: list[str] | None) -> dict[str, Path]:
         if only and model_type not in only:
             continue
         try:
-            data = CONFIG_MAPPING[model_type]().to_dict()
+            data = _with_published(CONFIG_MAPPING[model_type]().to_dict())
         except Exception:  # noqa: BLE001 - a config class without usable defaults is not an architecture to sweep
             continue
         path = folder / f"{model_type}.json"

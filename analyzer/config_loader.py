@@ -251,11 +251,17 @@ NON_MLA_INDEXERS = {
                     "indexer_compress_ratio raw indexer keys (k_layernorm'd, RoPE'd at the block's first position) "
                     "by sum_h relu(q_h . k) / sqrt(indexer_head_dim), keeps the top indexer_budget / "
                     "indexer_compress_ratio blocks plus the incomplete tail block, and masks its attention to those "
-                    "tokens (Qwen4ExpTextQSAIndexer._select_tokens); kvcache plans neither the raw indexer key cache "
-                    "(cache.update_indexer) nor the pooled block keys nor a block-granular selection (DSA selects "
-                    "single keys), and no template renders it; its PLE layers (ple_layer_ids) would add two more "
-                    "per-request states (their conv and n-gram context). Its linear layers alone would plan: Qwen3.5's "
-                    "gated delta net (analyzer/linear_config.py GDN_VARIANTS)"),
+                    "tokens (Qwen4ExpTextQSAIndexer._select_tokens). The pinned ops can serve it: "
+                    "npu_lightning_indexer over a paged cache of the pooled block keys, one query a TND row with its "
+                    "own visible-block count as kvcache calls it for DeepSeek-V4's CSA, then npu_sparse_flash_attention "
+                    "over the GQA K/V with the selected blocks' tokens and the tail as sparse_indices [Q_T, KV_N, "
+                    "sparse_size] (torch_npu-2.14.0 _op_plugin_docs.py:1371, :1474, :1481; 2.9.0: :8752, :8854, "
+                    ":8861; tests/test_qsa_device_route.py matches transformers through their emulation). kvcache "
+                    "plans none of it: no raw indexer key ring, no pooled block key cache, no block-granular "
+                    "selection (its DSA selects single keys of an MLA cache), no template or host route; its PLE "
+                    "layers (ple_layer_ids) would add two more per-request states (their conv and n-gram context). Its "
+                    "linear layers alone would plan: Qwen3.5's gated delta net (analyzer/linear_config.py "
+                    "GDN_VARIANTS)"),
 }
 
 

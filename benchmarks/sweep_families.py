@@ -32,20 +32,36 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# Fields a config class leaves without a default its own model needs (transformers cannot build the class defaults),
-# or derives into a shape no published checkpoint has, taken from the published checkpoint the class's docstring (or
-# its other defaults) name; the plan cell says which were filled.
+# Fields a config class leaves unset although its modeling code cannot build the model without them (transformers
+# refuses its own class defaults), or derives into a shape no released checkpoint has, filled with a released
+# checkpoint's values: {model_type: {field: value}}, applied to the config and to any sub-config of that model_type
+# (qwen4_exp's text_config). One entry per family, its source beside; the plan cell says which fields were filled.
 _PUBLISHED_FIELDS: dict[str, dict] = {
-    # source: zai-org/GLM-4.5-Air's config.json (head_dim 128, partial_rotary_factor 0.5), whose hidden 4096, 96 / 8
-    # heads, 46 layers and 128 experts the class defaults are; without head_dim the class derives 4096 / 96 = 42
-    "glm4_moe": {"head_dim": 128, "partial_rotary_factor": 0.5},
+    # source: zai-org/GLM-4.5-Air's config.json (head_dim 128), whose hidden 4096, 96 / 8 heads, 46 layers, 128
+    # experts and partial rotary 0.5 the class defaults are; without head_dim the class derives 4096 / 96 = 42
+    "glm4_moe": {"head_dim": 128},
     # source: LiquidAI/LFM2-8B-A1B's config.json (the checkpoint Lfm2MoeConfig's docstring names), as public ports quote
     # it in their test fixtures: 24 layers, attention at 2, 6, 10, 14, 18, 21 (18 conv + 6 GQA, its model card); the
     # class's num_hidden_layers default of 32 comes with no layer_types its decoder layers can index
     # (tests/fixtures/configs/lfm2_moe.json is the same config)
     "lfm2_moe": {"num_hidden_layers": 24,
                  "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]},
+    # source: Qwen4-Exp's released text config as public ports spell it (no config.json published by Qwen was found):
+    # steadfastgaze/MoEspresso's qwen4 loader test (_architecture(), the 48-layer 2560-hidden release) and an MLX
+    # port's TextModelArgs defaults agree on the five QSA fields and the rope. The rope is needed with them:
+    # configuration_qwen4_exp.py validate_architecture refuses a rotary span (head_dim 256 x partial_rotary_factor)
+    # wider than indexer_head_dim, so the class default's full rotation cannot go with the released 128-wide QSA head.
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,
+                       "indexer_compress_ratio": 4,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                           "partial_rotary_factor": 0.25}},
 }
+
+
+def _with_published(data: dict) -> dict:
+    """``data`` with ``_PUBLISHED_FIELDS`` filled in wherever a (sub-)config's model_type has an entry."""
+    out = {k: _with_published(v) if isinstance(v, dict) else v for k, v in data.items()}
+    return out | _PUBLISHED_FIELDS.get(out.get("model_type"), {})
 
 
 def _configs(folder: Path, only: list[str] | None) -> dict[str, Path]:
@@ -58,7 +74,7 @@ def _configs(folder: Path, only: list[str] | None) -> dict[str, Path]:
         if only and model_type not in only:
             continue
         try:
-            data = CONFIG_MAPPING[model_type](**_PUBLISHED_FIELDS.get(model_type, {})).to_dict()
+            data = _with_published(CONFIG_MAPPING[model_type]().to_dict())
         except Exception:  # noqa: BLE001 - a config class without usable defaults is not an architecture to sweep
             continue
         path = folder / f"{model_type}.json"

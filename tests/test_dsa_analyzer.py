@@ -269,3 +269,12 @@ def test_the_indexed_refusals_cite_the_op_lines_that_say_it():
     assert "func: npu_sparse_flash_attention(" in schema and "Tensor? sinks=None" in schema
     assert "return_softmax_lse=False, sinks=None" in line("2.14.0", "op_plugin", "meta", "_meta_registrations.py",
                                                           number=288)
+    # Qwen4-Exp's QSA: a kvcache gap because the ops it cites can serve it (tests/test_qsa_device_route.py)
+    gap = NON_MLA_INDEXERS["qwen4_exp_text"].kvcache_gap
+    assert NON_MLA_INDEXERS["qwen4_exp_text"].device_refusal is None
+    assert "_op_plugin_docs.py:1371, :1474, :1481; 2.9.0: :8752, :8854, :8861" in gap
+    for version, (li, sfa, indices) in (("2.14.0", (1371, 1474, 1481)), ("2.9.0", (8752, 8854, 8861))):
+        assert line(version, "_op_plugin_docs.py", number=li).startswith("custom.npu_lightning_indexer(")
+        assert line(version, "_op_plugin_docs.py", number=sfa).startswith("custom.npu_sparse_flash_attention(")
+        doc = line(version, "_op_plugin_docs.py", number=indices)
+        assert doc.startswith("sparse_indices") and "[Q_T, KV_N, sparse_size]" in doc and "有效值均在前半部分" in doc

@@ -77,10 +77,18 @@ def test_qwen4_exp_is_refused_by_its_qsa_indexer(tmp_path):
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp"))))
     assert err.value.field == "text_config.indexer_n_heads"
-    qsa = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=256,
-               indexer_compress_ratio=4)
-    with pytest.raises(NotSupportedByKvcache, match="QSA selects key blocks"):
+    # the released QSA fields and rope (benchmarks/sweep_families.py _PUBLISHED_FIELDS): a kvcache gap, not the device's
+    qsa = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
+               indexer_compress_ratio=4, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                          "partial_rotary_factor": 0.25})
+    with pytest.raises(NotSupportedByKvcache, match="QSA selects key blocks.*The pinned ops can serve it") as gap:
         analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp_text", **qsa))))
+    assert gap.value.field == "model_type"
+    from transformers import CONFIG_MAPPING
+
+    text = {**CONFIG_MAPPING["qwen4_exp"]().to_dict()["text_config"], **qsa}
+    with pytest.raises(NotSupportedByKvcache, match="QSA selects key blocks"):
+        analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp", text_config=text))))
 
 
 # OLMo-Hybrid at 4 layers (3 linear, 1 full), hidden 512 (4 attention heads of 128), 2 linear heads of Dk 32 / Dv 64:

@@ -256,7 +256,7 @@ NON_MLA_INDEXERS = {
                     "own visible-block count as kvcache calls it for DeepSeek-V4's CSA, then npu_sparse_flash_attention "
                     "over the GQA K/V with the selected blocks' tokens and the tail as sparse_indices [Q_T, KV_N, "
                     "sparse_size] (torch_npu-2.14.0 _op_plugin_docs.py:1371, :1474, :1481; 2.9.0: :8752, :8854, "
-                    ":8861; tests/test_qsa_device_route.py matches transformers through their emulation). kvcache "
+                    ":8861). kvcache "
                     "plans none of it: no raw indexer key ring, no pooled block key cache, no block-granular "
                     "selection (its DSA selects single keys of an MLA cache), no template or host route; its PLE "
                     "layers (ple_layer_ids) would add two more per-request states (their conv and n-gram context). Its "

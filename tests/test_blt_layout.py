@@ -1,0 +1,147 @@
+"""BLT (transformers BltForCausalLM): the cache layout analyzer/kinds/byte_patches.py writes down, checked against a
+real forward of transformers' model, and the refusal that names the plan and what kvcache lacks.
+
+Cross-check: a tiny BLT built from a config through the same facts reader; a prefill and a decode step with a
+caller-built EncoderDecoderCache (transformers cannot build its own: DynamicCache(config=BltConfig) raises); the caches
+it leaves must be the layout the analyzer plans, container by container and index by index.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+from model_infer_kvcache.analyzer.kinds import byte_patches as bp
+
+SMALL = dict(
+    patcher_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+    encoder_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        hidden_size_global=64),
+    decoder_config=dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, hidden_size_global=64,
+                        intermediate_size=64),
+    global_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128),
+    encoder_hash_byte_group_vocab=100, local_attention_window_len=4)
+
+
+def _tiny(threshold: float | None = None):
+    from transformers import BltConfig, BltForCausalLM
+
+    cfg = BltConfig(**SMALL, **({"patching_threshold": threshold} if threshold is not None else {}))
+    torch.manual_seed(1)
+    return cfg, BltForCausalLM(cfg).eval().double()
+
+
+def _observed(cache) -> dict[str, list[tuple[int, int]]]:
+    return {name: [tuple(layer.keys.shape[i] for i in (1, 3)) for layer in getattr(cache, name).layers]
+            for name in (bp.SELF_CACHE, bp.CROSS_CACHE)}
+
+
+def _decode(model, ids, prefill: int):
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with torch.no_grad():
+        logits = [model(ids[:, :prefill], cache=cache, use_cache=True).logits[0]]
+        for p in range(prefill, ids.shape[1]):
+            logits.append(model(ids[:, p:p + 1], cache=cache, use_cache=True).logits[0])
+    return cache, torch.cat(logits)
+
+
+def test_planned_layout_is_what_transformers_caches():
+    """Encoder layers in self_attention_cache 0..E-1, the decoder's self-attention in cross_attention_cache 0..D-1
+    (KV heads, head_dim per stack), one row per byte; the patcher and the global transformer cached nowhere.
+    Negative controls: a plan numbering the decoder after the encoder in one cache, and one taking the global
+    transformer for transformers-cached, each fail naming the container."""
+    cfg, model = _tiny()
+    facts = bp.read_facts(cfg.to_dict(), "blt.json")
+    ids = torch.randint(0, 260, (1, 9))
+    cache, _ = _decode(model, ids, 7)
+    observed = _observed(cache)
+    assert bp.layout_problems(facts, observed) == []
+    assert observed == {bp.SELF_CACHE: [(2, 8)] * 2, bp.CROSS_CACHE: [(2, 16)] * 3}
+    for name in (bp.SELF_CACHE, bp.CROSS_CACHE):  # a row per byte: the prefill's 7 and the 2 decoded
+        assert {layer.keys.shape[2] for layer in getattr(cache, name).layers} == {9}
+    plan = bp.cache_plan(facts)
+    assert [(layer.stack.stack.section, layer.layer) for layer in plan] == [
+        ("encoder_config", 0), ("encoder_config", 1), ("decoder_config", 0), ("decoder_config", 1),
+        ("decoder_config", 2), ("patcher_config", 0), ("patcher_config", 1), ("global_config", 0),
+        ("global_config", 1)]
+    assert [layer.stack.stack.over for layer in plan].count(bp.PER_PATCH) == 2
+
+    shared = bp.Stack("decoder_config", "model.local_decoder", bp.PER_BYTE, "local_attention_window_len",
+                      bp.SELF_CACHE)
+    one_cache = bp.BytePatchFacts(tuple(bp.StackFacts(shared, *[getattr(s, f) for f in (
+        "layers", "heads", "kv_heads", "head_dim", "window")]) if s.stack.section == "decoder_config" else s
+        for s in facts.stacks), facts.threshold, facts.max_patch_length, facts.cross_attn_k,
+        facts.decoder_cross_layers, facts.encoder_cross_layers)
+    problems = bp.layout_problems(one_cache, observed)
+    assert any(p.startswith("self_attention_cache: analyzer places") for p in problems), problems
+    glob = facts.of("global_config")
+    cached_global = bp.BytePatchFacts(tuple(
+        bp.StackFacts(bp.Stack("global_config", glob.stack.module, bp.PER_PATCH, None, bp.CROSS_CACHE),
+                      glob.layers, glob.heads, glob.kv_heads, glob.head_dim, None) if s is glob else s
+        for s in facts.stacks), facts.threshold, None, 2, 3, 1)
+    problems = bp.layout_problems(cached_global, observed)
+    assert any(p.startswith("cross_attention_cache: analyzer places") for p in problems), problems
+
+
+def test_transformers_cached_decode_is_not_its_model_but_its_full_forward_is_causal():
+    """Why the plan caches the patcher and the global transformer: transformers' cached decode reruns them over the
+    step's byte alone and leaves its own full forward (by more than the logits' scale / 10), while every prefix of the
+    full forward gives the whole sequence's logits (0 difference), so a paged port can match it. The threshold is the
+    patcher's median entropy, so the sequence holds patches of several lengths."""
+    _, model = _tiny(0.0)
+    ids = torch.randint(0, 260, (1, 16))
+    with torch.no_grad():
+        entropy = model.model.patcher(ids, patch_size=4, threshold=0.0)[0][0, 1:]
+    _, model = _tiny(entropy.median().item())
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits[0]
+        lengths = model.model.patcher(ids, patch_size=4, threshold=model.config.patching_threshold)[1]
+        prefix = max((model(ids[:, :n], use_cache=False).logits[0] - full[:n]).abs().max().item()
+                     for n in range(2, 16))
+    assert len(set(lengths[0].tolist()) - {0}) > 1, lengths
+    assert prefix == 0.0
+    _, cached = _decode(model, ids, 10)
+    assert (cached - full).abs().max().item() > full.abs().max().item() / 10
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "blt.json"
+    path.write_text(json.dumps(data, default=str), encoding="utf-8")
+    return str(path)
+
+
+def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
+    """The class defaults: refused naming each stack's cache layers, transformers' containers, the per-patch global
+    stack and what kvcache lacks; bad fields of a stack are bad input naming them."""
+    from transformers import CONFIG_MAPPING
+
+    data = CONFIG_MAPPING["blt"]().to_dict()
+    with pytest.raises(NotSupportedByKvcache) as err:
+        analyze(AnalyzeRequest(config=_write(tmp_path, data)))
+    msg = err.value.message
+    assert err.value.field == "global_config"
+    for words in ("encoder 1 x 16 KV heads x 64 (window 512, a row per byte; cache layers 0..0, transformers' "
+                  "self_attention_cache 0..0)", "decoder 9 x 16 KV heads x 64 (window 512, a row per byte; cache "
+                  "layers 1..9, transformers' cross_attention_cache 0..8)", "patcher 14 x 12 KV heads x 64 "
+                  "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
+                  "2 rows x 9 layers", "no cache layer written once per completed patch"):
+        assert words in msg, msg
+    data["local_attention_window_len"] = None
+    with pytest.raises(NotSupportedByKvcache, match=r"encoder 1 x 16 KV heads x 64 \(full causal"):
+        analyze(AnalyzeRequest(config=_write(tmp_path, data)))
+    for section, field, value in (("encoder_config", "num_attention_heads", "16"),
+                                  ("global_config", "num_attention_heads", 15)):
+        bad = json.loads(json.dumps(data)) | {}
+        bad[section][field] = value
+        with pytest.raises(InputError) as err:
+            analyze(AnalyzeRequest(config=_write(tmp_path, bad)))
+        assert not isinstance(err.value, NotSupportedByKvcache) and err.value.field == f"{section}.{field}"
+    del data["local_attention_window_len"]
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=_write(tmp_path, data)))
+    assert err.value.field == "local_attention_window_len" and "missing" in err.value.message

@@ -19,11 +19,17 @@ layers at indices 0..E-1; ``cross_attention_cache``, despite its name, holds the
 self-attention at indices 0..D-1. Both grow one row per byte. The patcher (called without a cache), the global
 transformer (``cache=None``, positions 0.. over the forward's own patches) and every cross-attention module keep
 nothing: a cached decode step reruns them over that step's byte alone, so transformers' cached decode is not its own
-model (measured on a tiny model: max |diff| 4.2 against its full forward, logits up to 4.8;
-tests/test_blt_layout.py). It does not even build that cache itself: ``DynamicCache(config=BltConfig)`` raises
+model (tests/test_blt_layout.py, a tiny float64 model: max |diff| 4.7 against its full forward, whose logits reach
+3.6). It does not even build that cache itself: ``DynamicCache(config=BltConfig)`` raises
 AttributeError (no num_hidden_layers), so ``use_cache=True`` and ``generate()`` fail; only a caller-built
 EncoderDecoderCache runs. The full forward is causal (each prefix's logits equal the whole sequence's), so a paged
-port can match it, caching what transformers recomputes: the plan below.
+port can match it, caching what transformers recomputes: ``cache_plan`` (the stacks' layers, transformers' cache order
+first) with the patch boundary of ``ends_patch``. Stepped byte by byte on those caches (the test's reference) the model
+gives transformers' full-forward logits within 1.2e-7 (the float32 cast of its logits); a boundary read one byte late
+leaves it by 1.4, the global stack rerun uncached by 1.0.
+
+Not yet planned: kvcache's manifest, host and validation drive one stack stepping once per token; ``refusal`` names
+the plan and that gap.
 """
 
 from __future__ import annotations
@@ -96,6 +102,9 @@ class BytePatchFacts:
     cross_attn_k: int
     decoder_cross_layers: int  # decoder cross-attention modules (cross_attn_all_layers: one per layer, else 1)
     encoder_cross_layers: int
+    # patches cut by the patcher's entropy (patching_mode "entropy" with patch_in_forward); False: every byte is a
+    # patch of its own and no patcher is built (BltModel.forward's process_patch_lengths of ones)
+    entropy_patching: bool = True
 
     def of(self, section: str) -> StackFacts:
         return next(s for s in self.stacks if s.stack.section == section)
@@ -150,7 +159,22 @@ def read_facts(cfg: dict[str, Any], where: str) -> BytePatchFacts:
                           max_len if isinstance(max_len, int) else None,
                           _int(cfg, where, "cross_attn_k", default=2),
                           d if dec.get("cross_attn_all_layers", True) else 1,
-                          e if enc.get("cross_attn_all_layers", False) else 1)
+                          e if enc.get("cross_attn_all_layers", False) else 1,
+                          cfg.get("patching_mode", "entropy") == "entropy" and cfg.get("patch_in_forward", True)
+                          is not False)
+
+
+def ends_patch(position: int, entropy: float, open_bytes: int, facts: BytePatchFacts) -> bool:
+    """Whether byte ``position`` closes the open patch (``open_bytes`` bytes, this one included), read as transformers
+    cuts patches over a whole sequence: byte 0 is a patch of its own; byte p >= 1 ends one when the patcher's entropy
+    at p exceeds patching_threshold (``patch_lengths_from_entropies``: a patch starts at t when entropy[t - 1] does);
+    with max_patch_length, a patch also ends at that many bytes (``process_patch_lengths`` splits longer ones). The
+    global stack writes its row, and the decoder's cross-attention switches to it, at that byte."""
+    if position == 0 or not facts.entropy_patching:
+        return True
+    if facts.max_patch_length is not None and open_bytes >= facts.max_patch_length:
+        return True
+    return facts.threshold is not None and entropy > facts.threshold
 
 
 def cache_plan(facts: BytePatchFacts) -> list[CacheLayer]:
@@ -158,7 +182,9 @@ def cache_plan(facts: BytePatchFacts) -> list[CacheLayer]:
     (self_attention_cache's encoder layers 0..E-1, then cross_attention_cache's decoder layers 0..D-1, offset by E),
     then the stacks transformers reruns each forward and a port must cache to match the full forward: the patcher's
     layers (a row per byte), then the global transformer's (a row per completed patch)."""
-    ordered = sorted(facts.stacks, key=lambda s: (s.stack.container is None, s.stack.container != SELF_CACHE,
+    # without entropy patching transformers builds no patcher (BltModel: self.patcher = None): nothing to cache
+    stacks = [s for s in facts.stacks if facts.entropy_patching or s.stack.section != "patcher_config"]
+    ordered = sorted(stacks, key=lambda s: (s.stack.container is None, s.stack.container != SELF_CACHE,
                                                   s.stack.over == PER_PATCH))
     out: list[CacheLayer] = []
     for s in ordered:
@@ -206,22 +232,26 @@ def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
     patcher decides at run time. Not a device limit: each stack's attention is a paged FA call."""
     plan = cache_plan(facts)
     parts = []
-    for s in (facts.of("encoder_config"), facts.of("decoder_config"), facts.of("patcher_config"),
-              facts.of("global_config")):
+    for s in dict.fromkeys(layer.stack for layer in plan):  # in cache index order
         mine = [layer.index for layer in plan if layer.stack is s]
         slot = (f"transformers' {s.stack.container} 0..{s.layers - 1}" if s.stack.container
                 else "transformers reruns it uncached each forward")
         parts.append(_stack_text(s.layers, s, f"cache layers {mine[0]}..{mine[-1]}, {slot}"))
     dec = facts.of("decoder_config")
-    threshold = f"{facts.threshold:g}" if facts.threshold is not None else "unset"
+    states = (f"per request, the open patch's encoder rows and the decoder cross-attention K/V of the latest "
+              f"completed patch ({facts.cross_attn_k} rows x {facts.decoder_cross_layers} layers x {dec.kv_heads} x "
+              f"{dec.head_dim})")
+    if facts.entropy_patching:
+        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}: "
+               "kvcache's plan, request stream and FA calls step every cache layer once per token and have no cache "
+               "layer written once per completed patch nor a boundary decided at run time")
+    else:
+        gap = ("Without entropy patching (patching_mode, patch_in_forward) every byte is a patch and every stack "
+               "steps per byte, yet kvcache's plan, host and validation drive one decoder stack, not stacks of "
+               "different widths chained through per-request cross-attention states")
     return NotSupportedByKvcache(
-        where, "BLT's stacks need caches stepping at two rates; planned: " + "; ".join(parts)
-        + f"; per request, the open patch's encoder rows and the decoder cross-attention K/V of the latest completed "
-          f"patch ({facts.cross_attn_k} rows x {facts.decoder_cross_layers} layers x {dec.kv_heads} x "
-          f"{dec.head_dim}). A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold "
-          f"{threshold}: kvcache's plan, request stream and FA calls step every cache layer once per token and "
-          "have no cache layer written once per completed patch nor a boundary decided at run time (a gap of "
-          "kvcache's, not the device's: each stack's attention is a paged FA call). transformers' own cached "
-          "path is no plan to copy: it caches only the encoder and decoder and reruns the patcher, the global "
-          f"transformer and the cross-attentions over each step's bytes alone ({SOURCE})",
+        where, f"BLT's stacks need caches of their own; planned: {'; '.join(parts)}; {states}. {gap} (a gap of "
+               "kvcache's, not the device's: each stack's attention is a paged FA call). transformers' own cached "
+               "path is no plan to copy: it caches only the encoder and decoder and reruns the patcher, the global "
+               f"transformer and the cross-attentions over each step's bytes alone ({SOURCE})",
         field="global_config")

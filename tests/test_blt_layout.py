@@ -138,6 +138,10 @@ def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
                   "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
                   "2 rows x 9 layers", "no cache layer written once per completed patch"):
         assert words in msg, msg
+    nulled = json.loads(json.dumps(data))
+    nulled["patcher_config"]["num_key_value_heads"] = None  # BltPatcherConfig.__post_init__: or num_attention_heads
+    with pytest.raises(NotSupportedByKvcache, match=r"patcher 14 x 12 KV heads x 64"):
+        analyze(AnalyzeRequest(config=_write(tmp_path, nulled)))
     static = data | {"patching_mode": "static"}
     with pytest.raises(NotSupportedByKvcache) as err:
         analyze(AnalyzeRequest(config=_write(tmp_path, static)))

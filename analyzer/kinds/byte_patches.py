@@ -116,7 +116,8 @@ def is_blt(cfg: dict[str, Any]) -> bool:
 
 
 def _int(cfg: dict[str, Any], where: str, field: str, *, default: int | None = None) -> int:
-    value = cfg.get(field.rsplit(".", 1)[-1], default)
+    value = cfg.get(field.rsplit(".", 1)[-1])
+    value = default if value is None else value  # null: the config class's own default (num_key_value_heads: heads)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InputError(where, f"must be a positive integer, got {value!r}", field=field)
     return value

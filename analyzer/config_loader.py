@@ -18,6 +18,7 @@ import yaml
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.files import json_syntax_problem, read_input_text
 from model_infer_kvcache.analyzer.hf_config_source import BadOperand, ConfigClassFacts, config_class_facts
+from model_infer_kvcache.analyzer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
@@ -740,6 +741,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         sublayers = Sourced(1, "default: one mixer per decoder block")
     else:
         # decoder_layers: a decoder-only use of an encoder-decoder family (BART's ForCausalLM), whose own stack it is
+        if byte_patches_kind.is_blt(r.cfg):  # BLT: its stacks' layout read, and refused naming what kvcache lacks
+            raise byte_patches_kind.refusal(byte_patches_kind.read_facts(r.cfg, where), where)
         _refuse_composite(r)
         num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
                                     "num_decoder_layers", maximum=LIMITS["layers"])
@@ -914,8 +917,8 @@ def _refuse_cycled_stacks(r: _Reader) -> None:
 
 def _refuse_composite(r: _Reader) -> None:
     """A config with no layer count of its own whose nested sub-model sections hold one each (MusicGen: text_encoder,
-    audio_encoder, decoder; BLT: patcher, local encoder and decoder, global transformer): a composite model, several
-    stacks each with its own config, not one decoder kvcache can plan. Refused naming the sections (and, where the
+    audio_encoder, decoder; BLT's four stacks are read before this, analyzer/kinds/byte_patches.py): a composite
+    model, several stacks each with its own config, not one decoder kvcache can plan. Refused naming the sections (and, where the
     decoder section says so, its num_codebooks parallel token streams per position)."""
     if r.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers"):
         return

@@ -1107,7 +1107,7 @@ def test_mla_latent_128_is_blocked_for_the_paged_absorb_call_naming_the_op_doc_l
 MUSICGEN_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=128)
 
 
-def _musicgen_case(tmp_path: Path, model_type: str, small: dict, mode: str = "standalone"):
+def _musicgen_case(tmp_path: Path, model_type: str, small: dict, mode: str = "standalone", tp: int | None = None):
     """MusicGen's composite config (text_encoder, audio_encoder, decoder) with ``small`` over its decoder section,
     analyzed and rendered: (manifest path, rendered dir, config path, manifest)."""
     from model_infer_kvcache.implementer.render import render_manifest, write_rendered
@@ -1116,7 +1116,7 @@ def _musicgen_case(tmp_path: Path, model_type: str, small: dict, mode: str = "st
     data = json.loads(config.read_text())
     data["decoder"] |= small
     config.write_text(json.dumps(data), encoding="utf-8")
-    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode))
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode, attn_tp_size=tp))
     (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
     write_rendered(render_manifest(manifest), tmp_path / "r")
     return tmp_path / "m.json", tmp_path / "r", config, manifest
@@ -1222,6 +1222,30 @@ def test_musicgen_decoder_validates_over_frames_and_fails_folded_streams_and_off
                 _host_mistake(mp, mistake)
             bad = run_validate(*case[:3])
         assert "V301" in {c.id for c in bad.failed()}, (mistake, [(c.id, c.detail) for c in bad.failed()])
+
+
+@pytest.mark.slow
+def test_musicgen_melody_validates_at_attention_tp_2_sharding_its_out_proj(tmp_path, monkeypatch):
+    """The multi-rank run keeps each rank's heads and cuts the output projection's columns to them: MusicGen's
+    attention names it out_proj (BART-era), not o_proj. Melody at attention TP 2 passes on both ranks (before the
+    out_proj route both failed V204: AttributeError, no o_proj); rank 1 keeps exactly its heads' columns.
+    Negative control: a shard that cuts rank 0's columns on rank 1 (the rank ignored) is told apart."""
+    import torch
+    from model_infer_kvcache.validators.pipeline import multi_rank
+    from transformers import AutoConfig
+    from transformers.models.musicgen_melody.modeling_musicgen_melody import MusicgenMelodyForCausalLM
+
+    case = _musicgen_case(tmp_path, "musicgen_melody", MUSICGEN_SMALL, mode="framework", tp=2)
+    report = _passes(case)
+    assert {c.name for c in report.checks if c.id == "V301"} == {"rank 0: logits vs transformers max |diff| <= 1e-09",
+                                                                  "rank 1: logits vs transformers max |diff| <= 1e-09"}
+    config = AutoConfig.for_model("musicgen_melody_decoder", **MUSICGEN_SMALL)
+    model = MusicgenMelodyForCausalLM(config)
+    whole = [layer.self_attn.out_proj.weight.detach().clone() for layer in model.model.decoder.layers]
+    multi_rank.shard_attention(model, case[3], rank=1, tp=2)
+    got = [layer.self_attn.out_proj.weight for layer in model.model.decoder.layers]
+    assert all(torch.equal(g, w[:, 32:]) for g, w in zip(got, whole, strict=True))
+    assert not any(torch.equal(g, w[:, :32]) for g, w in zip(got, whole, strict=True))
 
 
 @pytest.mark.slow

@@ -1225,6 +1225,29 @@ def test_musicgen_decoder_validates_over_frames_and_fails_folded_streams_and_off
 
 
 @pytest.mark.slow
+def test_musicgen_melody_decode_captures_as_one_graph_over_its_whole_position_table(tmp_path, monkeypatch):
+    """Graph mode (npugraph_ex): the host's route of Melody's sinusoidal positions asks the table for its whole length
+    inside a captured step, so the decode step captures once and every replay matches eager (V228, V307).
+    Negative control: the eager length (the step's highest position + 1, a host value) inside the capture breaks it
+    by name (V228: a data-dependent guard)."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    config = _config(tmp_path, "musicgen_melody")
+    data = json.loads(config.read_text())
+    data["decoder"] |= MUSICGEN_SMALL
+    config.write_text(json.dumps(data), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework", exe_mode="npugraph_ex"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    case = (tmp_path / "m.json", tmp_path / "r", config)
+    report = _passes(case)
+    assert {"V228", "V307"} <= {c.id for c in report.checks}
+    monkeypatch.setattr(host_model, "_table_length", lambda module, pos: int(pos.max()) + 1)
+    assert "V228" in {c.id for c in run_validate(*case).failed()}
+
+
+@pytest.mark.slow
 def test_musicgen_melody_validates_at_attention_tp_2_sharding_its_out_proj(tmp_path, monkeypatch):
     """The multi-rank run keeps each rank's heads and cuts the output projection's columns to them: MusicGen's
     attention names it out_proj (BART-era), not o_proj. Melody at attention TP 2 passes on both ranks (before the

@@ -1109,7 +1109,7 @@ def _host_positions(original):
         if not _CURRENT or _CURRENT[-1][1] is None:
             return original(first, *args, **kwargs)
         pos = _CURRENT[-1][1]
-        length = int(pos.max()) + 1
+        length = _table_length(self, pos)
         probe = (1, length) if isinstance(first, (tuple, list, torch.Size)) else _position_probe(original, first, length)
         kw = {"cache_length": 0} if "cache_length" in inspect.signature(original).parameters else {}
         if "position_ids" in inspect.signature(original).parameters:
@@ -1118,6 +1118,16 @@ def _host_positions(original):
         return table.reshape(length, -1)[pos.long()]
 
     return forward
+
+
+def _table_length(module, pos: torch.Tensor) -> int:
+    """How many positions the host asks a position embedding for: up to the step's highest position; in a captured
+    decode step (graph mode) a sinusoidal table's whole length (MusicGen's ``weights``), so that no length read from
+    the step's positions (a host value: V228's data-dependent guard) shapes the graph."""
+    rows = getattr(module, "weights", None)
+    if isinstance(rows, torch.Tensor) and torch.compiler.is_compiling():
+        return rows.shape[0]
+    return int(pos.max()) + 1
 
 
 def _position_probe(original, first: torch.Tensor, length: int) -> torch.Tensor:

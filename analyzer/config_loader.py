@@ -69,8 +69,10 @@ FAMILY_OF = {
 # model_type -> the transformers model_type that implements it (same code under another name).
 HF_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
 
-# Configs that nest the language model's fields (multimodal checkpoints).
-NESTED_SECTIONS = ("text_config", "language_config", "llm_config")
+# Configs that nest the language model's fields (multimodal checkpoints). ``decoder``: a composite whose causal LM is
+# its decoder section (MusicGen / MusicGen-Melody: MusicgenForCausalLM over config.decoder, beside text_encoder and
+# audio_encoder), the name transformers' PreTrainedConfig.get_text_config(decoder=True) looks up first.
+NESTED_SECTIONS = ("text_config", "language_config", "llm_config", "decoder")
 
 # Layer kinds as configs name them in `layer_types`.
 _LAYER_TYPE_KIND = {
@@ -916,25 +918,20 @@ def _refuse_cycled_stacks(r: _Reader) -> None:
 
 
 def _refuse_composite(r: _Reader) -> None:
-    """A config with no layer count of its own whose nested sub-model sections hold one each (MusicGen: text_encoder,
-    audio_encoder, decoder; BLT's four stacks are read before this, analyzer/kinds/byte_patches.py): a composite
-    model, several stacks each with its own config, not one decoder kvcache can plan. Refused naming the sections (and, where the
-    decoder section says so, its num_codebooks parallel token streams per position)."""
+    """A config with no layer count of its own whose nested sub-model sections hold one each: a composite model,
+    several stacks each with its own config, not one decoder kvcache can plan. Refused naming the sections. (BLT's four
+    stacks are read before this and refused naming its plan: analyzer/kinds/byte_patches.py; a composite whose causal
+    LM is its ``decoder`` section, MusicGen's, is read from that section: NESTED_SECTIONS.)"""
     if r.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers"):
         return
     layered = ("num_hidden_layers", "num_layers", "n_layers", "decoder_layers")
     subs = [k for k, v in r.cfg.items() if isinstance(v, dict) and any(isinstance(v.get(n), int) for n in layered)]
     if not subs:
         return
-    codebooks = [f"{k}.num_codebooks = {r.cfg[k]['num_codebooks']}" for k in subs
-                 if isinstance(r.cfg[k].get("num_codebooks"), int) and r.cfg[k]["num_codebooks"] > 1]
-    streams = (f"; its decoder reads {codebooks[0]} parallel token streams per position (one embedding and one LM "
-               "head per codebook, input_ids of batch x num_codebooks rows), where kvcache's request stream and "
-               "validation feed one") if codebooks else ""
     raise NotSupportedByKvcache(
         r.where, f"no layer count at the top level: a composite model whose sub-model sections "
                  f"{', '.join(subs)} each hold their own stack's config (several stacks, not one decoder kvcache "
-                 f"plans){streams}", field=f"{r.prefix}num_hidden_layers")
+                 f"plans)", field=f"{r.prefix}num_hidden_layers")
 
 
 def _value_head_dim(r: _Reader, head_dim: Sourced[int]) -> Sourced[int | None]:

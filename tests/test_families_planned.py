@@ -794,16 +794,20 @@ def test_layer_types_kvcache_has_no_kind_for_name_what_transformers_block_holds(
 
 
 @pytest.mark.parametrize("model_type, words", [
-    ("musicgen", ["sub-model sections text_encoder, decoder", "decoder.num_codebooks = 4 parallel token streams"]),
+    ("musicgen", ["sub-model sections text_encoder, lm each hold their own stack's config"]),
 ])
 def test_composite_configs_are_refused_naming_their_sub_model_sections(tmp_path, model_type, words):
-    """MusicGen keeps no layer count of its own: its sub-models each hold a stack's config. Refused naming the
-    sections (its decoder: num_codebooks token streams per position), not 'num_hidden_layers missing'. (BLT's four
-    stacks are read and its plan named: tests/test_blt_layout.py.)"""
+    """A composite config keeps no layer count of its own: its sub-models each hold a stack's config. Refused naming
+    the sections, not 'num_hidden_layers missing'. MusicGen's with its decoder section renamed (its causal LM is read
+    from ``decoder``: the test below; BLT's four stacks are read and its plan named: tests/test_blt_layout.py)."""
     from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
+    path = _config(tmp_path, model_type)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["lm"] = data.pop("decoder")  # no section transformers' get_text_config(decoder=True) reads
+    path.write_text(json.dumps(data), encoding="utf-8")
     with pytest.raises(NotSupportedByKvcache) as err:
-        analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
+        analyze(AnalyzeRequest(config=str(path)))
     assert err.value.field == "num_hidden_layers" and all(w in err.value.message for w in words), err.value.render()
 
 
@@ -1105,29 +1109,171 @@ def test_mla_latent_128_is_blocked_for_the_paged_absorb_call_naming_the_op_doc_l
                    in b.message for b in m.blockers) == (not paged)
 
 
-@pytest.mark.parametrize("model_type", ["musicgen_decoder", "musicgen_melody_decoder"])
-def test_musicgen_decoder_plans_its_frame_cache_and_is_refused_at_validation_by_its_codebook_streams(
-        tmp_path, monkeypatch, model_type):
-    """MusicGen's decoder section (the composite's own class is refused at analyze, naming its sections) plans a plain
-    KV cache per frame (MusicGen's with the cross-attention slot of its text encoder's states; Melody's conditioning
-    is a prefix of its self-attention), but its causal LM embeds num_codebooks token streams per position: the
-    validation refuses it by that fact (read from get_input_embeddings(), a ModuleList), naming num_codebooks.
-    Negative control: without the rule the refusal is transformers' own reshape error, which names no cause."""
-    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
-    from model_infer_kvcache.validators.pipeline import tiny_model
+MUSICGEN_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=128)
 
-    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=128, vocab_size=64,
-                 pad_token_id=64, bos_token_id=64, max_source_positions=128)
-    case = _small_case(tmp_path, model_type, small, "standalone")
-    assert not case[3].blockers and len(case[3].layers) == 2
-    assert (case[3].cross_attention is not None) == (model_type == "musicgen_decoder")
-    with pytest.raises(NotSupportedByKvcache) as err:
-        run_validate(*case[:3])
-    assert err.value.field == "num_codebooks" and "embeds 4 token streams per position" in err.value.message
-    monkeypatch.setattr(tiny_model, "_refuse_token_streams", lambda *a: None)
-    with pytest.raises(NotSupportedByKvcache) as err:
-        run_validate(*case[:3])
-    assert err.value.field == "model_type" and "is invalid for input of size" in err.value.message
+
+def _musicgen_case(tmp_path: Path, model_type: str, small: dict, mode: str = "standalone", tp: int | None = None):
+    """MusicGen's composite config (text_encoder, audio_encoder, decoder) with ``small`` over its decoder section,
+    analyzed and rendered: (manifest path, rendered dir, config path, manifest)."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    config = _config(tmp_path, model_type)
+    data = json.loads(config.read_text())
+    data["decoder"] |= small
+    config.write_text(json.dumps(data), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode, attn_tp_size=tp))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    return tmp_path / "m.json", tmp_path / "r", config, manifest
+
+
+def test_musicgen_composite_is_read_from_its_decoder_section_and_blocked_without_an_encoder_length(tmp_path):
+    """transformers maps musicgen / musicgen_melody to MusicgenForCausalLM / MusicgenMelodyForCausalLM over the
+    config's ``decoder`` section (get_text_config(decoder=True)): the analyzer reads that section. MusicGen's decoder
+    layers cross-attend over the text encoder's states (encoder_attn), whose length no field of the class defaults
+    gives (T5 has no position table): blocked as TrOCR is, naming max_source_positions; Melody (no cross-attention:
+    its conditioning is a prefix of the self-attention) plans paged.
+    Negative control: without the ``decoder`` section the composite is refused as several stacks."""
+    from model_infer_kvcache.analyzer import config_loader
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+
+    m = analyze(AnalyzeRequest(config=str(_config(tmp_path, "musicgen"))))
+    assert m.model.model_type == "musicgen_decoder" and m.model.num_layers == 24
+    assert m.model.sources["num_layers"].startswith("decoder.num_hidden_layers")
+    assert [b.fields for b in m.blockers] == [["max_source_positions"]], [b.message for b in m.blockers]
+    melody = analyze(AnalyzeRequest(config=str(_config(tmp_path, "musicgen_melody"))))
+    assert not melody.blockers and melody.kv_mode.value == "paged" and melody.cross_attention is None
+    sections = tuple(s for s in config_loader.NESTED_SECTIONS if s != "decoder")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(config_loader, "NESTED_SECTIONS", sections)
+        with pytest.raises(NotSupportedByKvcache) as err:
+            analyze(AnalyzeRequest(config=str(_config(tmp_path, "musicgen"))))
+    assert "sub-model sections text_encoder, decoder each hold" in err.value.message
+
+
+def test_codebook_frames_follow_transformers_row_layout_and_greedy_heads():
+    """A frame id's codes are its base-V digits fed as transformers' (batch x num_codebooks, seq) rows (each batch's
+    codebooks together: MusicgenDecoder's input_ids.reshape(-1, num_codebooks, seq)); the frame's joint logits peak
+    at the frame of each LM head's own argmax code. Checked against a forward of transformers' class written here
+    from its docstring's layout, not through codebooks.py's functions."""
+    import torch
+    from model_infer_kvcache.validators.pipeline import codebooks
+    from transformers import AutoConfig
+    from transformers.models.musicgen.modeling_musicgen import MusicgenForCausalLM
+
+    streams, vocab = 4, codebooks.code_vocab(4, 512)
+    assert vocab == 5 and vocab ** streams >= 512 > (vocab - 1) ** streams
+    config = AutoConfig.for_model("musicgen_decoder", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                  ffn_dim=32, vocab_size=vocab, num_codebooks=streams, pad_token_id=vocab,
+                                  bos_token_id=vocab)
+    torch.manual_seed(0)
+    model = MusicgenForCausalLM(config).eval()
+    frames = torch.tensor([[7, 511, 0, 333], [42, 1, 600, 5]])
+    rows = torch.stack([(frames[b] // vocab ** k) % vocab for b in range(2) for k in range(streams)])
+    with torch.no_grad():
+        heads = MusicgenForCausalLM.forward(model, input_ids=rows, use_cache=False).logits.reshape(2, streams, 4, -1)
+        joint = codebooks.bind_frames(model)(input_ids=frames, use_cache=False).logits
+    greedy = sum(heads[:, k].argmax(-1) * vocab ** k for k in range(streams))
+    assert joint.shape == (2, 4, vocab ** streams) and torch.equal(joint.argmax(-1), greedy)
+    want = sum(torch.log_softmax(heads[:, k].double(), -1)[..., 0] for k in range(streams))
+    assert torch.allclose(joint[..., 0], want, atol=1e-12)  # frame 0: code 0 in every codebook
+
+
+def _host_mistake(monkeypatch, mistake: str) -> None:
+    """A port's mistake in the model under test only (the host's forward; the reference stays transformers'):
+    ``folded``: each frame's codes laid frame-major ([batch, seq, codebooks]) and reshaped to the rows without the
+    transpose, so the codebook streams fold across frames; ``offset``: frame positions offset by the codebook count
+    (positions counted over code rows)."""
+    from model_infer_kvcache.validators.pipeline import codebooks, host_model
+
+    original = host_model.HostModel.forward_batch
+
+    def forward_batch(self, input_ids, position_ids, forward_metadata):
+        streams = codebooks.streams_of(self.hf_model)
+        if mistake == "offset":
+            return original(self, input_ids, position_ids + streams, forward_metadata)
+        right = codebooks.codebook_rows
+        codebooks.codebook_rows = lambda codes: codes.transpose(1, 2).reshape(-1, codes.shape[-1])
+        try:
+            return original(self, input_ids, position_ids, forward_metadata)
+        finally:
+            codebooks.codebook_rows = right
+
+    monkeypatch.setattr(host_model.HostModel, "forward_batch", forward_batch)
+
+
+@pytest.mark.parametrize("model_type, cross", [("musicgen", True), ("musicgen_melody", False)])
+def test_musicgen_decoder_validates_over_frames_and_fails_folded_streams_and_offset_positions(
+        tmp_path, monkeypatch, model_type, cross):
+    """MusicGen's causal LM (its decoder section) validated with a paged cache: each position a frame of
+    num_codebooks codes, fed to both sides as transformers' (batch x num_codebooks, seq) rows; the sinusoidal
+    positions the host hands each frame (routed: the table numbers tokens from a cache length the host lacks); MusicGen
+    with its cross-attention over per-request encoder states (V231), Melody without (no conditioning prefix fed).
+    Negative controls, each failing V301 by name: the codebook streams folded across frames, the positions offset by
+    the codebook count; Melody's positions not routed (no encoder: host_model.derives_positions)."""
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    small = MUSICGEN_SMALL | ({"max_source_positions": 64} if cross else {})
+    case = _musicgen_case(tmp_path, model_type, small)
+    assert not case[3].blockers and (case[3].cross_attention is not None) == cross
+    report = _passes(case)
+    ids = {c.id for c in report.checks}
+    assert ("V231" in ids) == cross and any("num_codebooks 4" in n for n in report.notes)
+    for mistake in ("folded", "offset") + (() if cross else ("unrouted",)):
+        with pytest.MonkeyPatch.context() as mp:
+            if mistake == "unrouted":  # Melody's table left to number each step's tokens from 0 (no encoder to route by)
+                mp.setattr(host_model, "derives_positions", lambda module: False)
+            else:
+                _host_mistake(mp, mistake)
+            bad = run_validate(*case[:3])
+        assert "V301" in {c.id for c in bad.failed()}, (mistake, [(c.id, c.detail) for c in bad.failed()])
+
+
+@pytest.mark.slow
+def test_musicgen_melody_decode_captures_as_one_graph_over_its_whole_position_table(tmp_path, monkeypatch):
+    """Graph mode (npugraph_ex): the host's route of Melody's sinusoidal positions asks the table for its whole length
+    inside a captured step, so the decode step captures once and every replay matches eager (V228, V307).
+    Negative control: the eager length (the step's highest position + 1, a host value) inside the capture breaks it
+    by name (V228: a data-dependent guard)."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    config = _config(tmp_path, "musicgen_melody")
+    data = json.loads(config.read_text())
+    data["decoder"] |= MUSICGEN_SMALL
+    config.write_text(json.dumps(data), encoding="utf-8")
+    manifest = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework", exe_mode="npugraph_ex"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    case = (tmp_path / "m.json", tmp_path / "r", config)
+    report = _passes(case)
+    assert {"V228", "V307"} <= {c.id for c in report.checks}
+    monkeypatch.setattr(host_model, "_table_length", lambda module, pos: int(pos.max()) + 1)
+    assert "V228" in {c.id for c in run_validate(*case).failed()}
+
+
+@pytest.mark.slow
+def test_musicgen_melody_validates_at_attention_tp_2_sharding_its_out_proj(tmp_path, monkeypatch):
+    """The multi-rank run keeps each rank's heads and cuts the output projection's columns to them: MusicGen's
+    attention names it out_proj (BART-era), not o_proj. Melody at attention TP 2 passes on both ranks (before the
+    out_proj route both failed V204: AttributeError, no o_proj); rank 1 keeps exactly its heads' columns.
+    Negative control: a shard that cuts rank 0's columns on rank 1 (the rank ignored) is told apart."""
+    import torch
+    from model_infer_kvcache.validators.pipeline import multi_rank
+    from transformers import AutoConfig
+    from transformers.models.musicgen_melody.modeling_musicgen_melody import MusicgenMelodyForCausalLM
+
+    case = _musicgen_case(tmp_path, "musicgen_melody", MUSICGEN_SMALL, mode="framework", tp=2)
+    report = _passes(case)
+    assert {c.name for c in report.checks if c.id == "V301"} == {"rank 0: logits vs transformers max |diff| <= 1e-09",
+                                                                  "rank 1: logits vs transformers max |diff| <= 1e-09"}
+    config = AutoConfig.for_model("musicgen_melody_decoder", **MUSICGEN_SMALL)
+    model = MusicgenMelodyForCausalLM(config)
+    whole = [layer.self_attn.out_proj.weight.detach().clone() for layer in model.model.decoder.layers]
+    multi_rank.shard_attention(model, case[3], rank=1, tp=2)
+    got = [layer.self_attn.out_proj.weight for layer in model.model.decoder.layers]
+    assert all(torch.equal(g, w[:, 32:]) for g, w in zip(got, whole, strict=True))
+    assert not any(torch.equal(g, w[:, :32]) for g, w in zip(got, whole, strict=True))
 
 
 @pytest.mark.slow

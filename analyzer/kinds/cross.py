@@ -67,7 +67,7 @@ def read_facts(get: Callable[..., tuple[Any, str] | None], cfg: dict[str, Any]) 
         source = f"{enc_dec[1]} true (an encoder-decoder config: its decoder blocks attend over the encoder)"
     elif "cross_attention_hidden_size" in cfg:
         source = ("cross_attention_hidden_size (a decoder built to attend over a separate encoder's states: "
-                  "TrOCRDecoderLayer.encoder_attn)")
+                  "TrOCRDecoderLayer.encoder_attn, MusicgenDecoderLayer.encoder_attn over its text encoder's)")
     else:
         return None
     for name, why in ENCODER_LENGTH_FIELDS + ((SHARED_POSITIONS,) if is_enc_dec else ()):

@@ -1109,8 +1109,8 @@ def _host_positions(original):
         if not _CURRENT or _CURRENT[-1][1] is None:
             return original(first, *args, **kwargs)
         pos = _CURRENT[-1][1]
-        length = int(pos.max()) + 1
-        probe = (1, length) if isinstance(first, (tuple, list, torch.Size)) else first.new_zeros(1, length)
+        length = _table_length(self, pos)
+        probe = (1, length) if isinstance(first, (tuple, list, torch.Size)) else _position_probe(original, first, length)
         kw = {"cache_length": 0} if "cache_length" in inspect.signature(original).parameters else {}
         if "position_ids" in inspect.signature(original).parameters:
             kw["position_ids"] = torch.arange(length, device=pos.device)[None]
@@ -1118,6 +1118,37 @@ def _host_positions(original):
         return table.reshape(length, -1)[pos.long()]
 
     return forward
+
+
+def _table_length(module, pos: torch.Tensor) -> int:
+    """How many positions the host asks a position embedding for: up to the step's highest position; in a captured
+    decode step (graph mode) a sinusoidal table's whole length (MusicGen's ``weights``), so that no length read from
+    the step's positions (a host value: V228's data-dependent guard) shapes the graph."""
+    rows = getattr(module, "weights", None)
+    if isinstance(rows, torch.Tensor) and torch.compiler.is_compiling():
+        return rows.shape[0]
+    return int(pos.max()) + 1
+
+
+def _position_probe(original, first: torch.Tensor, length: int) -> torch.Tensor:
+    """Zeros shaped as the embedding's own input with ``length`` positions, batch 1: ids [..., seq] (MusicGen's
+    [batch, codebooks, seq] too), or embeddings [..., seq, hidden] where the forward takes ``inputs_embeds``
+    (MusicGen-Melody's sinusoidal table)."""
+    shape = [1] * first.dim()
+    if next(iter(inspect.signature(original).parameters), "") == "inputs_embeds":
+        shape[-2], shape[-1] = length, first.shape[-1]
+    else:
+        shape[-1] = length
+    return first.new_zeros(shape)
+
+
+def derives_positions(module) -> bool:
+    """A position embedding that numbers the step's tokens from the cache length it is handed and takes no position
+    ids (MusicGen's and MusicGen-Melody's sinusoidal tables: ``arange(seq_len) + cache_length``): a packed step, or a
+    decode step without a transformers cache, gives it no such length, so the host routes it (``_host_positions``)
+    whether or not the decoder attends over an encoder."""
+    params = inspect.signature(module.forward).parameters
+    return "cache_length" in params and "position_ids" not in params
 
 
 def _attention_sublayers(hits: list[tuple[str, object]], state) -> list[tuple[str, object]] | None:
@@ -1350,10 +1381,10 @@ class HostModel:
             views.append(_DecoderLayer(host, state_attr, state, cross, looped))
         # a looped section's later loops (Dory): their cache layers follow the model's, in transformers' order
         self.attentions += sorted(self._looped, key=lambda h: h.layer_idx)
-        if self.encoder is not None:
-            for name, module in hf_model.named_modules():
-                if name.endswith("embed_positions") and not name.split(".")[-2:-1] == ["encoder"]:
-                    module.forward = types.MethodType(_host_positions(module.forward), module)
+        for name, module in hf_model.named_modules():
+            if name.endswith("embed_positions") and not name.split(".")[-2:-1] == ["encoder"] and (
+                    self.encoder is not None or derives_positions(module)):
+                module.forward = types.MethodType(_host_positions(module.forward), module)
         if "interface" in routes:
             _register_attention()
             hf_model.config._attn_implementation = ATTN_IMPL
@@ -1494,16 +1525,20 @@ def default_dtype(dtype: torch.dtype):
 def reference_sensitivity(ref_model, token_ids: list[int], seed: int = 0) -> float:
     """How far the reference's own logits move when its input embeddings change by one unit in the last place
     (a fixed random sign per element): the rounding amplification of the model itself, which no port can beat."""
-    weight = ref_model.get_input_embeddings().weight
-    saved = weight.detach().clone()
-    eps = torch.finfo(weight.dtype).eps
-    signs = torch.randint(0, 2, weight.shape, generator=torch.Generator().manual_seed(seed)).to(weight.dtype) * 2 - 1
+    tables = ref_model.get_input_embeddings()
+    # MusicGen's: one table per codebook (validators/pipeline/codebooks.py), each moved
+    weights = [t.weight for t in tables] if isinstance(tables, torch.nn.ModuleList) else [tables.weight]
+    saved = [w.detach().clone() for w in weights]
+    g = torch.Generator().manual_seed(seed)
     base = reference_logits(ref_model, token_ids)
     try:
-        weight.data.mul_(1 + eps * signs)
+        for weight in weights:
+            signs = torch.randint(0, 2, weight.shape, generator=g).to(weight.dtype) * 2 - 1
+            weight.data.mul_(1 + torch.finfo(weight.dtype).eps * signs)
         moved = reference_logits(ref_model, token_ids)
     finally:
-        weight.data.copy_(saved)
+        for weight, before in zip(weights, saved, strict=True):
+            weight.data.copy_(before)
     return (moved - base).abs().max().item()
 
 

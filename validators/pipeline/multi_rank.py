@@ -61,7 +61,8 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
             continue
         attn = find_attentions(layer)[0][1]
         v_dim = kind_of(manifest).shard_attention(attn, m, heads, rank, tp)  # this rank's heads (validators/kinds)
-        o = attn.o_proj
+        # the output projection: o_proj, or out_proj in the BART-era modules (MusicGen's MusicgenAttention)
+        o = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj
         o.weight = torch.nn.Parameter(o.weight.data[:, heads.start * v_dim:heads.stop * v_dim].clone(),
                                       requires_grad=False)
         if o.bias is not None and rank != 0:

@@ -22,6 +22,7 @@ from model_infer_kvcache.analyzer.kinds.compressed import branch_kind as compres
 from model_infer_kvcache.analyzer.linear_config import kvcache_reference
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import cross, kind_of, loops, recurrent
+from model_infer_kvcache.validators.pipeline import codebooks
 
 # Families whose attention derives head_dim from hidden_size / heads (no head_dim field).
 _HEAD_DIM_FROM_HIDDEN = {"falcon"}
@@ -115,8 +116,10 @@ def _layer_prefix(manifest: SelectionManifest, src: dict[str, Any]) -> tuple[int
 
 
 def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple[dict[str, Any], TinyPlan]:
-    src = model_section(real)[0]
-    d = {k: v for k, v in {**real, **src}.items() if k not in _DROP}
+    src, section = model_section(real)
+    # a composite's decoder section is its causal LM's whole config (MusicgenForCausalLM(config.decoder)); the outer
+    # config holds the other stacks' sections (text_encoder, audio_encoder), which that class does not take
+    d = {k: v for k, v in ({**src} if section == "decoder." else {**real, **src}).items() if k not in _DROP}
     model_type = manifest.model.model_type
     hf_type = HF_MODEL_TYPE.get(model_type, model_type)
     d["model_type"] = hf_type
@@ -159,6 +162,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     if rescaled:
         notes.append(rescaled)
     d["vocab_size"] = TINY_VOCAB
+    framed = codebooks.tiny_codebook_fields(d, TINY_VOCAB)  # MusicGen: a frame of num_codebooks codes per position
+    if framed:
+        notes.append(framed)
     for key, value in _MOE_SIZES:
         if key in d:
             d[key] = value
@@ -437,7 +443,8 @@ def _first_build(real: dict[str, Any], manifest: SelectionManifest, seed: int,
             from model_infer_kvcache.validators.pipeline.ling_lightning import build_ling_lightning
 
             return build_ling_lightning(config)
-        return causal_lm_from_config(config, dtype=torch.float32)
+        # several token streams per position (MusicGen's codebooks): fed as frames, one stream token each
+        return codebooks.bind_frames(causal_lm_from_config(config, dtype=torch.float32))
 
     try:
         model, failed = build(d), None
@@ -588,7 +595,6 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
     key = json.dumps([hf_type, d], sort_keys=True, default=str)
     if key in _REFERENCE_RUNS:
         return
-    _refuse_token_streams(model, hf_type, d)
     try:
         _forward_once(model)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the reference is unusable
@@ -598,30 +604,6 @@ def _require_forward(model, hf_type: str, d: dict[str, Any]) -> None:
                                     f"({type(exc).__name__}: {exc}); check the config's own consistency (transformers' "
                                     "class defaults included) before the render", field="model_type") from None
     _REFERENCE_RUNS.add(key)
-
-
-def _refuse_token_streams(model, hf_type: str, d: dict[str, Any]) -> None:
-    """A reference embedding several token streams per position (MusicGen's decoders: ``get_input_embeddings()`` a
-    ModuleList of num_codebooks tables summed per frame, one LM head per codebook, input_ids of batch x num_codebooks
-    rows) runs no forward of the validation's one-stream requests. Its KV cache is a plain one per frame, which the
-    plan gets right; what kvcache lacks is the host and request stream of such a model (each frame's codes embedded
-    together, one code sampled per head, the codebook delay pattern kept): refused naming that, from the object,
-    before transformers' own reshape error would say it less clearly."""
-    try:
-        tables = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):  # a reference that names no input embeddings: one stream
-        return
-    if not isinstance(tables, torch.nn.ModuleList) or len(tables) < 2:
-        return
-    name = getattr(model, "reference_name", type(model).__name__)
-    raise NotSupportedByKvcache("--config", f"a reference: transformers' own {name} ({hf_type}) embeds {len(tables)} "
-                                            "token streams per position (its input embeddings: a list of "
-                                            f"{len(tables)} tables summed per frame; input_ids of batch x "
-                                            f"{len(tables)} rows), where kvcache's request stream and host feed one "
-                                            "token per position (its KV cache per frame is planned; serving it needs "
-                                            "a host that embeds each frame's codes, samples one per LM head and keeps "
-                                            "the codebook delay pattern)",
-                                field="num_codebooks" if "num_codebooks" in d else "model_type")
 
 
 def _head_dim_of(model) -> int | None:

@@ -18,6 +18,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
     token_bytes,
 )
 from model_infer_kvcache.analyzer.linear_config import (
+    CCA,
     GATED_DELTA_NET,
     KIMI_DELTA,
     LIGHTNING,
@@ -496,6 +497,16 @@ LINEAR_OPERATORS = {
            "decode": "torch wkv recurrence, one token per step from the request's state",
            "conv": "token shift: each mix reads [shift state | new inputs] shifted by one token (time_shift); the "
                    "state keeps the last time-mix and channel-mix inputs"},
+    # ZAYA's CCA projection: two stacked convs with bias (depthwise width cca_time0, grouped per head width
+    # cca_time1), which npu_fused_causal_conv1d does not take (2.14.0 docs: depthwise, width 3, bias "not yet
+    # supported", Ascend 950 only); the delayed value is a copy, no recurrence
+    CCA: {"prefill": "none: no recurrence (the delayed value of each token is the previous token's v_proj_delayed "
+                     "output, v_proj_delayed(0) before the first)",
+          "decode": "none: the request's recurrent_state is the previous token's v_proj_delayed output",
+          "conv": "depthwise conv1d (width cca_time0) then grouped conv1d (width cca_time1, one group per head), both "
+                  "with bias, over [conv state | new q|k inputs] in torch; the state keeps the last t0 + t1 - 2 "
+                  "inputs (torch_npu 2.14.0 npu_fused_causal_conv1d is depthwise, width 3, without bias, on "
+                  "Ascend 950 only)"},
 }
 
 
@@ -539,6 +550,14 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
                 StateSpec(name="recurrent_state", shape=[nv], dtype="float32",
                           layout="[lru_width channels of this rank]: the RG-LRU's h (transformers' "
                                  "rg_lru.recurrent_states)")]
+    if lin.family == CCA:
+        # transformers keeps both in the model's dtype (update_conv_state / update_recurrent_state of its tensors)
+        return [StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],
+                          dtype=dtype, layout="[q|k conv channels of this rank (its query heads, then its KV heads), "
+                                              "the t0 + t1 - 2 previous inputs] (transformers' conv_states)"),
+                StateSpec(name="recurrent_state", shape=[nv, lin.head_v_dim], dtype=dtype,
+                          layout="[KV heads of this rank, head_dim / 2]: the previous token's v_proj_delayed output "
+                                 "(transformers' recurrent_states)")]
     if lin.family == MLSTM:
         # float32: xLSTMConfig.inference_state_dtype, what the native kernels keep C, n and m in
         return [StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim + 1, lin.head_v_dim + 1], dtype="float32",

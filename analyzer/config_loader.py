@@ -26,6 +26,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     NO_CACHE,
     PARALLEL,
     PARALLEL_HYBRIDS,
+    PARALLEL_SLIDING,
     POST_INIT_LAYER_TYPES,
     SHARED_BLOCK,
     SHARED_BLOCK_HYBRIDS,
@@ -1423,12 +1424,13 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
             kind = _LAYER_TYPE_KIND.get(t) if isinstance(t, str) else None
             if t == "hybrid" and model_type in SHARED_BLOCK_HYBRIDS:  # "hybrid" names other layers elsewhere (ZAYA)
                 kind = SHARED_BLOCK
-            if t == "hybrid" and model_type in CCA_HYBRIDS:  # ZAYA: full attention beside its CCA projection's states
-                kind = PARALLEL
+            if t in ("hybrid", "hybrid_sliding") and model_type in CCA_HYBRIDS:
+                # ZAYA: a full / sliding attention beside its CCA projection's states
+                kind = PARALLEL if t == "hybrid" else PARALLEL_SLIDING
             if kind is None:
                 raise InputError(r.where, f"unknown layer type {t!r}", field=f"{src}[{i}]")
             kinds.append(kind)
-        if "sliding" in kinds and window is None:
+        if ("sliding" in kinds or PARALLEL_SLIDING in kinds) and window is None:
             raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
         return Sourced(tuple(kinds), src), _window_source(window, window_hit)
 

@@ -99,9 +99,11 @@ CONV_ONLY = frozenset({SHORT_CONV})
 # A decoder layer of a parallel hybrid (Falcon-H1) runs attention and a Mamba mixer side by side on the same input:
 # its config layer kind, planned as two sublayers (the attention's KV cache, then the mixer's states).
 PARALLEL = "parallel"
+# the same beside a sliding-window attention (ZAYA's "hybrid_sliding" layers)
+PARALLEL_SLIDING = "parallel_sliding"
 PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
-# ZAYA's "hybrid" layer type: an attention whose CCA projection keeps per-request states, planned as a parallel layer
-# (the attention's KV cache, then the projection's states); its "hybrid_sliding" layers are not planned yet
+# ZAYA's "hybrid" / "hybrid_sliding" layer types: a full / sliding-window attention whose CCA projection keeps
+# per-request states, planned as a parallel layer (the attention's KV cache, then the projection's states)
 CCA_HYBRIDS = frozenset({"zaya"})
 # ZayaConfig's class defaults of the CCA conv widths
 _CCA_DEFAULTS = {"cca_time0": 2, "cca_time1": 2}
@@ -930,6 +932,8 @@ def sublayer_kinds(config_kind: str, sublayers: int) -> tuple[str, ...]:
     any other kind repeated (LongCat-Flash's two attention sublayers)."""
     if config_kind in (PARALLEL, SHARED_BLOCK):
         return "full", "linear"
+    if config_kind == PARALLEL_SLIDING:
+        return "sliding", "linear"
     return (config_kind,) if config_kind == "linear" else (config_kind,) * sublayers
 
 
@@ -941,4 +945,4 @@ def attends(config_kind: str) -> bool:
 
 def holds_state(config_kind: str) -> bool:
     """A decoder layer of this config kind keeps a recurrent state (a linear layer, or a parallel one's mixer)."""
-    return config_kind in ("linear", PARALLEL, SHARED_BLOCK)
+    return config_kind in ("linear", PARALLEL, PARALLEL_SLIDING, SHARED_BLOCK)

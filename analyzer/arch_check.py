@@ -510,8 +510,8 @@ def why_layer_type(config: dict[str, Any], index: int, layer_type: str) -> str |
         return (f"{held}, and {relative[0]} adds a position bias computed per query to its logits: "
                 f"{PAGED_PSE_LIMIT}")
     return (f"{held}; kvcache plans a state only for a layer without attention, or beside one for Falcon-H1's "
-            "parallel Mamba-2 mixer and Zamba's / Zamba2's hybrid layer (model types whose layer types it reads so), "
-            "so this layer's states would be dropped")
+            "parallel Mamba-2 mixer, Zamba's / Zamba2's hybrid layer and ZAYA's CCA projection (model types whose "
+            "layer types it reads so), so this layer's states would be dropped")
 
 
 def _meta_model(hf_type: str, section_json: str):

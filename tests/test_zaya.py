@@ -135,3 +135,18 @@ def test_zaya_sliding_layers_registered_by_manifest_index_fail_by_name(tmp_path)
                                    "SLIDING_LAYERS = frozenset({2})", LAYERS)
     assert "layer 2: (attn_type, window) ('FullAttention', None) != ('SlidingWindow', 64)" in check(report, LAYERS).detail
     assert not check(report, "rendered constants match the manifest").passed
+
+
+def test_multi_rank_validation_of_a_cca_projection_is_refused_by_name(tmp_path):
+    """Validation shards gated delta nets only: a ZAYA layer at attention TP 2 is a gap of kvcache's, said so (the
+    plan itself splits the CCA channels by head: 2 query + 1 KV head of 32 per rank)."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    manifest = analyze(AnalyzeRequest(config=str(_config(tmp_path, **SMALL)), deploy_mode="standalone",
+                                      attn_tp_size=2))
+    assert {s.name: s.shape for s in manifest.linear_attention.states} == {"conv_state": [96, 2],
+                                                                          "recurrent_state": [1, 16]}
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    with pytest.raises(InputError, match="not supported by kvcache: multi-rank validation of ZayaCCAProjection"):
+        run_validate(tmp_path / "m.json", tmp_path / "r", tmp_path / "zaya.json", scenario=SHORT)

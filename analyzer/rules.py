@@ -28,6 +28,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     RG_LRU,
     RWKV,
     SHORT_CONV,
+    attends,
     holds_state,
 )
 from model_infer_kvcache.analyzer.manifest import (
@@ -645,6 +646,10 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
     conv = (f"conv state [{lin.conv_channels_per_rank(tp)}, {lin.conv_kernel - 1}] and " if lin.conv_kernel else "")
     recurrent = lin.family != SHORT_CONV  # a short-conv layer keeps its conv state only
     kept = f"{conv}a recurrent state" if recurrent else conv[:-len(" and ")] + " (no recurrent state)"
+    # a parallel / hybrid layer (Falcon-H1, Zamba, ZAYA) keeps its states beside its attention's KV cache
+    beside = all(attends(kind) for kind in facts.layer_kinds.value if holds_state(kind))
+    what, where = ("hybrid layers", "beside their attention's KV cache") if beside else \
+        ("linear layers", "instead of a KV cache")
     sizes = dict(num_k_heads=lin.num_k_heads, num_v_heads=lin.num_v_heads, head_k_dim=lin.head_k_dim,
                  head_v_dim=lin.head_v_dim, num_k_heads_per_rank=lin.k_heads_per_rank(tp),
                  num_v_heads_per_rank=lin.num_v_heads // tp) if recurrent else {}
@@ -666,7 +671,7 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         speculative=decide_speculative_states(next_n, bool(lin.conv_kernel)),
         reference=lin.reference,
         source=lin.source,
-        reason=f"{len(layers)} linear layers keep {kept} per request instead of a KV cache: the "
+        reason=f"{len(layers)} {what} keep {kept} per request {where}: the "
                "state is found by the request's state block (block_table['Mamba'][row, 0]), read at the step's "
                "start and written back after it; the framework never zeroes a block (torch.empty, reused FIFO after "
                "its request finishes), so prefill starts from a zero state and never reads the block",

@@ -150,3 +150,19 @@ def test_multi_rank_validation_of_a_cca_projection_is_refused_by_name(tmp_path):
     write_rendered(render_manifest(manifest), tmp_path / "r")
     with pytest.raises(InputError, match="not supported by kvcache: multi-rank validation of ZayaCCAProjection"):
         run_validate(tmp_path / "m.json", tmp_path / "r", tmp_path / "zaya.json", scenario=SHORT)
+
+
+@pytest.mark.parametrize("over, field, words", [
+    ({"head_dim": 33, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128}, "head_dim",
+     "must be even"),
+    ({"cca_time0": 1, "cca_time1": 1}, "cca_time0", "must be at least 2"),
+    ({"cca_time1": 0}, "cca_time1", "positive"),
+])
+def test_a_bad_cca_field_is_refused_naming_it(tmp_path, over, field, words):
+    """An odd head_dim (the value heads' halves), CCA widths keeping no previous input, a zero width: one line naming
+    the field."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(_config(tmp_path, **over))))
+    assert err.value.field.startswith(field) and words in err.value.message, err.value.render()

@@ -39,6 +39,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
     MIXER_FACT,
     NO_CACHE,
+    cca_facts,
     kvcache_reference,
     mixer_facts,
     mixer_off,
@@ -116,7 +117,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 28  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 29  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). 29: ZAYA's CCA projection inside its attention (cca_facts). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -509,8 +510,8 @@ def why_layer_type(config: dict[str, Any], index: int, layer_type: str) -> str |
         return (f"{held}, and {relative[0]} adds a position bias computed per query to its logits: "
                 f"{PAGED_PSE_LIMIT}")
     return (f"{held}; kvcache plans a state only for a layer without attention, or beside one for Falcon-H1's "
-            "parallel Mamba-2 mixer and Zamba's / Zamba2's hybrid layer (model types whose layer types it reads so), "
-            "so this layer's states would be dropped")
+            "parallel Mamba-2 mixer, Zamba's / Zamba2's hybrid layer and ZAYA's CCA projection (model types whose "
+            "layer types it reads so), so this layer's states would be dropped")
 
 
 def _meta_model(hf_type: str, section_json: str):
@@ -664,11 +665,14 @@ def recurrent_mixer(block) -> str | None:
 
 
 def recurrent_mixer_module(block):
-    """The recurrent mixer module of ``recurrent_mixer``, None without one."""
+    """The recurrent mixer module of ``recurrent_mixer``, None without one; a CCA projection (ZAYA's
+    ZayaCCAProjection) inside the attention module counts: its states sit beside the attention's KV cache."""
     from model_infer_kvcache.analyzer.hf_layout import find_attentions
 
     skip = [name for name, _ in find_attentions(block)]
     for name, module in block.named_modules():
+        if cca_facts(module):
+            return module
         if any(name == s or name.startswith(f"{s}.") for s in skip):
             continue
         if any(p in ("A_log", "dt_bias") for p, _ in module.named_parameters(recurse=False)):

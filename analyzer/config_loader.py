@@ -23,8 +23,11 @@ from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.linear_config import (
+    CCA_HYBRIDS,
     NO_CACHE,
+    PARALLEL,
     PARALLEL_HYBRIDS,
+    PARALLEL_SLIDING,
     POST_INIT_LAYER_TYPES,
     SHARED_BLOCK,
     SHARED_BLOCK_HYBRIDS,
@@ -752,6 +755,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         if model_type in PARALLEL_HYBRIDS:  # Falcon-H1: the attention's KV cache and the mixer's states
             sublayers = Sourced(2, f"model_type {model_type} (attention and a Mamba-2 mixer side by side: two "
                                    "sublayers per decoder layer)")
+        if model_type in CCA_HYBRIDS:  # ZAYA: each attention's KV cache, then its CCA projection's states
+            sublayers = Sourced(2, f"model_type {model_type} (an attention whose CCA projection keeps a conv state and "
+                                   "a delayed value: two sublayers per decoder layer)")
         if model_type in SHARED_BLOCK_HYBRIDS:  # Zamba / Zamba2: a hybrid layer's KV cache and its mixer's states
             mixer = "Mamba-2" if model_type == "zamba2" else "multi-head Mamba-1"
             sublayers = Sourced(2, f"model_type {model_type} (a hybrid layer: the shared transformer block's "
@@ -1424,10 +1430,13 @@ def _layer_kinds(r: _Reader, model_type: str, num_layers: int, linear_family: tu
             kind = _LAYER_TYPE_KIND.get(t) if isinstance(t, str) else None
             if t == "hybrid" and model_type in SHARED_BLOCK_HYBRIDS:  # "hybrid" names other layers elsewhere (ZAYA)
                 kind = SHARED_BLOCK
+            if t in ("hybrid", "hybrid_sliding") and model_type in CCA_HYBRIDS:
+                # ZAYA: a full / sliding attention beside its CCA projection's states
+                kind = PARALLEL if t == "hybrid" else PARALLEL_SLIDING
             if kind is None:
                 raise InputError(r.where, f"unknown layer type {t!r}", field=f"{src}[{i}]")
             kinds.append(kind)
-        if "sliding" in kinds and window is None:
+        if ("sliding" in kinds or PARALLEL_SLIDING in kinds) and window is None:
             raise InputError(r.where, "sliding layers listed but no sliding_window", field="sliding_window")
         return Sourced(tuple(kinds), src), _window_source(window, window_hit)
 

@@ -58,6 +58,17 @@ family runs a short causal convolution before it, the last ``kernel - 1`` inputs
   transformers keeps ``conv1d_state``) and ``recurrent_state [lru_width]`` float32 (one "value head" of width 1 per
   channel, one replicated "key head" of 1, as Mamba-1 maps its channels). Its 'attention' blocks are local
   sliding-window attention (``attention_window_size``): ordinary KV-cache layers.
+* ``cca`` -- ZAYA (transformers ``ZayaForCausalLM``, modeling_zaya.py): every decoder layer's attention projects
+  q / k / v through ``ZayaCCAProjection`` (compressed convolutional attention), which keeps two per-request states
+  beside the layer's (pageable) KV cache. q|k (``(H + KVH) x head_dim`` channels, queries first) run through a
+  depthwise causal conv of width ``cca_time0`` then a grouped one of width ``cca_time1`` (one group per head): a
+  receptive field of ``cca_time0 + cca_time1 - 1`` inputs, so the conv state keeps the last
+  ``cca_time0 + cca_time1 - 2`` q|k inputs (transformers' ``update_conv_state(..., conv_kernel_size=(t0 - 1) +
+  (t1 - 1))``). Half of each value head comes from the previous token's ``v_proj_delayed`` output: the recurrent
+  state is that last output, ``[KVH, head_dim / 2]`` (``update_recurrent_state(delayed_v_state[:, -1, :])``); a
+  prefill starts it from ``v_proj_delayed(0)``. Planned as Falcon-H1's parallel layers: the attention sublayer (KV
+  cache, FA) and a state sublayer (conv_state, recurrent_state). LinearFacts: the query heads as key heads, the KV
+  heads as value heads of head_dim / 2.
 
 No torch-npu release pinned here has a selective-scan or SSD operator (the 2.14.0 op schemas list
 ``npu_fused_causal_conv1d`` for the conv, nothing for the scan): the Mamba families run their recurrence in torch.
@@ -81,13 +92,21 @@ SHORT_CONV = "short_conv"
 RWKV = "rwkv"
 MLSTM = "mlstm"
 RG_LRU = "rg_lru"
-LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA, SHORT_CONV, RWKV, MLSTM, RG_LRU)
+CCA = "cca"
+LINEAR_FAMILIES = (GATED_DELTA_NET, KIMI_DELTA, LIGHTNING, MAMBA2, MAMBA, SHORT_CONV, RWKV, MLSTM, RG_LRU, CCA)
 # Families whose layers keep a conv state only (no recurrent state): planned without heads, dims or recurrent_state
 CONV_ONLY = frozenset({SHORT_CONV})
 # A decoder layer of a parallel hybrid (Falcon-H1) runs attention and a Mamba mixer side by side on the same input:
 # its config layer kind, planned as two sublayers (the attention's KV cache, then the mixer's states).
 PARALLEL = "parallel"
+# the same beside a sliding-window attention (ZAYA's "hybrid_sliding" layers)
+PARALLEL_SLIDING = "parallel_sliding"
 PARALLEL_HYBRIDS = frozenset({"falcon_h1"})
+# ZAYA's "hybrid" / "hybrid_sliding" layer types: a full / sliding-window attention whose CCA projection keeps
+# per-request states, planned as a parallel layer (the attention's KV cache, then the projection's states)
+CCA_HYBRIDS = frozenset({"zaya"})
+# ZayaConfig's class defaults of the CCA conv widths
+_CCA_DEFAULTS = {"cca_time0": 2, "cca_time1": 2}
 # A Zamba2 "hybrid" decoder layer runs the shared transformer block (attention + MLP whose weights several hybrid
 # layers share), a linear, then the layer's own Mamba-2 mixer (transformers Zamba2HybridLayer): its config layer kind,
 # planned like a parallel layer as two sublayers, since the cache is indexed by the decoder layer, not by the shared
@@ -213,7 +232,9 @@ LINEAR_MODULE_SUFFIXES = ("GatedDeltaNet", "DeltaAttention", "LightningAttention
                           # xLSTM's mLSTM layer (xLSTMBlock.mlstm_layer)
                           "xLSTMLayer",
                           # RecurrentGemma's recurrent block (its conv_1d and RG-LRU; RecurrentGemmaRecurrentBlock)
-                          "RecurrentGemmaRecurrentBlock")
+                          "RecurrentGemmaRecurrentBlock",
+                          # ZAYA's CCA projection (ZayaCCAProjection: its conv and delayed-value states)
+                          "CCAProjection")
 
 # What the validation compares each family with. Gated delta net and KDA: transformers' own classes. Lightning
 # (Ling-2.5): transformers has no such model, so kvcache builds one from transformers' Ling-family code with a
@@ -233,6 +254,8 @@ REFERENCE = {
     RG_LRU: "transformers' own RecurrentGemmaForCausalLM (its conv_1d over the prefix and RecurrentGemmaRglru's "
             "_rnn_scan)",
     RWKV: "transformers' own RwkvForCausalLM (its rwkv_linear_attention_cpu recurrence over the whole prefix)",
+    CCA: "transformers' own ZayaForCausalLM (ZayaCCAProjection's two convs over the whole prefix and its delayed "
+         "value)",
     SHORT_CONV: "transformers' own short-conv layer of the family (Lfm2ShortConv / Lfm2MoeShortConv / Lfm3ShortConv: "
                 "its causal_conv1d_forward over the whole prefix)",
 }
@@ -284,6 +307,8 @@ class LinearFacts:
             return self.conv_channels // tp
         if self.family == RWKV:  # the token shift is of the block's (replicated) hidden input: whole on every rank
             return self.conv_channels
+        if self.family == CCA:  # q|k of this rank's query and KV heads (one conv group per head)
+            return (self.num_k_heads // tp + self.num_v_heads // tp) * self.head_k_dim
         nk, nv = self.k_heads_per_rank(tp), self.num_v_heads // tp
         if self.family in (GATED_DELTA_NET, MAMBA2):
             return 2 * nk * self.head_k_dim + nv * self.head_v_dim
@@ -330,6 +355,8 @@ def family_of_linear(get, model_type: str, architectures: list[str], where: str)
         return LIGHTNING, f"model_type {model_type} (lightning attention, {_LIGHTNING_TYPES[model_type]})"
     if model_type == "recurrent_gemma":
         return RG_LRU, "model_type recurrent_gemma (conv + RG-LRU recurrent blocks)"
+    if model_type in CCA_HYBRIDS:
+        return CCA, f"model_type {model_type} (CCA projections: a conv state and a delayed value beside each attention)"
     if model_type != "bailing_hybrid":
         return None
     lightning = [f for f in _LIGHTNING_FIELDS if get(f) is not None]
@@ -374,6 +401,8 @@ def read_linear(r, family: str, why: str, heads: int, head_dim_field: tuple[Any,
         return _read_mlstm(r, why, hidden, limits)
     if family == RG_LRU:
         return _read_rg_lru(r, why, hidden, limits)
+    if family == CCA:
+        return _read_cca(r, why, heads, head_dim_field, limits)
     if family == KIMI_DELTA:
         section = r.mapping("linear_attn_config")
         sub = section[0] if section else {}
@@ -555,6 +584,30 @@ def _read_rg_lru(r, why: str, hidden: int, limits: dict[str, int]) -> LinearFact
     return LinearFacts(RG_LRU, 1, width.value, 1, 1, kernel.value, width.value, src, REFERENCE[RG_LRU])
 
 
+def _read_cca(r, why: str, heads: int, head_dim_field: tuple[Any, str] | None, limits: dict[str, int]) -> LinearFacts:
+    """ZAYA's CCA projection: the conv over q|k of (H + KVH) heads of head_dim, of receptive field cca_time0 +
+    cca_time1 - 1 (ZayaCCAProjection.conv_kernel_size = the state's columns), the delayed half of each KV head
+    (head_dim / 2, v_proj_delayed's width per head)."""
+    kv = r.positive_int("num_key_value_heads", maximum=limits["heads"])
+    d = _positive(r, head_dim_field) if head_dim_field else r.positive_int("head_dim", maximum=limits["head_dim"])
+    widths = []
+    for name in ("cca_time0", "cca_time1"):
+        hit = r.positive_int(name, required=False, maximum=64) or _Hit(_CCA_DEFAULTS[name],
+                                                                       f"default: transformers ZayaConfig.{name}")
+        widths.append(hit)
+    if d.value % 2:
+        raise InputError(r.where, f"must be even: ZayaCCAProjection takes half of each value head ({d.value}) from "
+                                  "v_proj_current and half from v_proj_delayed", field=d.source)
+    kernel = widths[0].value + widths[1].value - 1
+    if kernel < 2:
+        raise InputError(r.where, "cca_time0 + cca_time1 - 1 must be at least 2 (a conv of width 1 keeps no previous "
+                                  "input)", field=widths[0].source)
+    src = (f"{why}: num_attention_heads = {heads}, {kv.source} = {kv.value}, {d.source} = {d.value}, "
+           f"{widths[0].source} + {widths[1].source} - 1 = {kernel} conv inputs per output")
+    return LinearFacts(CCA, heads, kv.value, d.value, d.value // 2, kernel, (heads + kv.value) * d.value, src,
+                       REFERENCE[CCA])
+
+
 # xLSTMConfig's defaults of the fields that size an mLSTM layer
 _MLSTM_DEFAULTS = {"num_heads": 8, "qk_dim_factor": 0.5, "v_dim_factor": 1.0}
 
@@ -734,7 +787,8 @@ def mixer_facts(module) -> dict[str, int | None]:
     if conv is not None and isinstance(getattr(module, "head_k_dim", None), int) and hasattr(module, "dt_bias"):
         return gdn_facts(module)
     if conv is None or not isinstance(state, int) or not hasattr(module, "A_log"):
-        return short_conv_facts(module) or rwkv_facts(module) or mlstm_facts(module) or rg_lru_facts(module)
+        return short_conv_facts(module) or rwkv_facts(module) or mlstm_facts(module) or rg_lru_facts(module) \
+            or cca_facts(module)
     facts = {"mixer_state": state, "mixer_conv_kernel": int(conv.kernel_size[0]), "mixer_conv_channels":
              int(conv.in_channels)}
     if isinstance(getattr(module, "num_heads", None), int):  # Mamba-2: heads x head_dim, B/C groups
@@ -775,6 +829,19 @@ def rg_lru_facts(module) -> dict[str, int | None]:
         return {}
     return {"mixer_lru_width": int(lru.recurrent_param.shape[-1]), "mixer_conv_kernel": int(conv.kernel_size[0]),
             "mixer_conv_channels": int(conv.in_channels)}
+
+
+def cca_facts(module) -> dict[str, int | None]:
+    """A ZAYA CCA projection's sizes (ZayaCCAProjection: its two q|k convs, its kv heads, v_proj_delayed's width),
+    read off the module built on the meta device; empty for any other module."""
+    depthwise, grouped = getattr(module, "conv_qk_depthwise", None), getattr(module, "conv_qk_grouped", None)
+    delayed = getattr(module, "v_proj_delayed", None)
+    if depthwise is None or grouped is None or delayed is None:
+        return {}
+    return {"mixer_cca_kv_heads": int(module.num_key_value_heads), "mixer_heads": int(module.num_attention_heads),
+            "mixer_cca_delayed": int(delayed.out_features),
+            "mixer_conv_kernel": int(depthwise.kernel_size[0]) + int(grouped.kernel_size[0]) - 1,
+            "mixer_conv_channels": int(depthwise.in_channels)}
 
 
 def mlstm_facts(module) -> dict[str, int | None]:
@@ -830,6 +897,10 @@ _SIZED_FAMILIES = {
     RG_LRU: ("mixer_lru_width", "RG-LRU block", lambda lin: {
         "mixer_lru_width": lin.num_v_heads, "mixer_conv_kernel": lin.conv_kernel,
         "mixer_conv_channels": lin.conv_channels}),
+    CCA: ("mixer_cca_kv_heads", "CCA projection", lambda lin: {
+        "mixer_cca_kv_heads": lin.num_v_heads, "mixer_heads": lin.num_k_heads,
+        "mixer_cca_delayed": lin.num_v_heads * lin.head_v_dim, "mixer_conv_kernel": lin.conv_kernel,
+        "mixer_conv_channels": lin.conv_channels}),
     RWKV: ("mixer_wkv_channels", "RWKV time-mix", lambda lin: {
         "mixer_wkv_channels": lin.num_v_heads, "mixer_shift_channels": lin.conv_channels}),
 }
@@ -861,6 +932,8 @@ def sublayer_kinds(config_kind: str, sublayers: int) -> tuple[str, ...]:
     any other kind repeated (LongCat-Flash's two attention sublayers)."""
     if config_kind in (PARALLEL, SHARED_BLOCK):
         return "full", "linear"
+    if config_kind == PARALLEL_SLIDING:
+        return "sliding", "linear"
     return (config_kind,) if config_kind == "linear" else (config_kind,) * sublayers
 
 
@@ -872,4 +945,4 @@ def attends(config_kind: str) -> bool:
 
 def holds_state(config_kind: str) -> bool:
     """A decoder layer of this config kind keeps a recurrent state (a linear layer, or a parallel one's mixer)."""
-    return config_kind in ("linear", PARALLEL, SHARED_BLOCK)
+    return config_kind in ("linear", PARALLEL, PARALLEL_SLIDING, SHARED_BLOCK)

@@ -791,6 +791,12 @@ class SelectionManifest(_Model):
             return next(layer for layer in self.layers if layer.decoder_layer == layer_idx)
         return self.layers[layer_idx]
 
+    def module_index(self, layer: LayerPlan) -> int:
+        """The layer index the attention module planned as ``layer`` keeps (``plan_of_module``'s inverse): its decoder
+        layer's in a parallel hybrid (ZAYA's sliding layers) and where blocks without a cache are skipped, else its
+        own."""
+        return layer.decoder_layer if self.parallel_hybrid() or self.no_cache_layers else layer.index
+
     def attention_chunk_size(self) -> int | None:
         """The chunk of the model's chunked local attention layers (one per model), None without them."""
         return next((layer.attention_chunk_size for layer in self.attention_layers if layer.attention_chunk_size),

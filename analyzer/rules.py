@@ -18,6 +18,7 @@ from model_infer_kvcache.analyzer.kv_cache_spec import (
     token_bytes,
 )
 from model_infer_kvcache.analyzer.linear_config import (
+    CCA,
     GATED_DELTA_NET,
     KIMI_DELTA,
     LIGHTNING,
@@ -27,6 +28,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     RG_LRU,
     RWKV,
     SHORT_CONV,
+    attends,
     holds_state,
 )
 from model_infer_kvcache.analyzer.manifest import (
@@ -496,6 +498,16 @@ LINEAR_OPERATORS = {
            "decode": "torch wkv recurrence, one token per step from the request's state",
            "conv": "token shift: each mix reads [shift state | new inputs] shifted by one token (time_shift); the "
                    "state keeps the last time-mix and channel-mix inputs"},
+    # ZAYA's CCA projection: two stacked convs with bias (depthwise width cca_time0, grouped per head width
+    # cca_time1), which npu_fused_causal_conv1d does not take (2.14.0 docs: depthwise, width 3, bias "not yet
+    # supported", Ascend 950 only); the delayed value is a copy, no recurrence
+    CCA: {"prefill": "none: no recurrence (the delayed value of each token is the previous token's v_proj_delayed "
+                     "output, v_proj_delayed(0) before the first)",
+          "decode": "none: the request's recurrent_state is the previous token's v_proj_delayed output",
+          "conv": "depthwise conv1d (width cca_time0) then grouped conv1d (width cca_time1, one group per head), both "
+                  "with bias, over [conv state | new q|k inputs] in torch; the state keeps the last t0 + t1 - 2 "
+                  "inputs (torch_npu 2.14.0 npu_fused_causal_conv1d is depthwise, width 3, without bias, on "
+                  "Ascend 950 only)"},
 }
 
 
@@ -539,6 +551,14 @@ def linear_states(facts: ModelFacts, tp: int, dtype: str | None = None, next_n: 
                 StateSpec(name="recurrent_state", shape=[nv], dtype="float32",
                           layout="[lru_width channels of this rank]: the RG-LRU's h (transformers' "
                                  "rg_lru.recurrent_states)")]
+    if lin.family == CCA:
+        # transformers keeps both in the model's dtype (update_conv_state / update_recurrent_state of its tensors)
+        return [StateSpec(name="conv_state", shape=[lin.conv_channels_per_rank(tp), lin.conv_kernel - 1],
+                          dtype=dtype, layout="[q|k conv channels of this rank (its query heads, then its KV heads), "
+                                              "the t0 + t1 - 2 previous inputs] (transformers' conv_states)"),
+                StateSpec(name="recurrent_state", shape=[nv, lin.head_v_dim], dtype=dtype,
+                          layout="[KV heads of this rank, head_dim / 2]: the previous token's v_proj_delayed output "
+                                 "(transformers' recurrent_states)")]
     if lin.family == MLSTM:
         # float32: xLSTMConfig.inference_state_dtype, what the native kernels keep C, n and m in
         return [StateSpec(name="recurrent_state", shape=[nv, lin.head_k_dim + 1, lin.head_v_dim + 1], dtype="float32",
@@ -626,6 +646,10 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
     conv = (f"conv state [{lin.conv_channels_per_rank(tp)}, {lin.conv_kernel - 1}] and " if lin.conv_kernel else "")
     recurrent = lin.family != SHORT_CONV  # a short-conv layer keeps its conv state only
     kept = f"{conv}a recurrent state" if recurrent else conv[:-len(" and ")] + " (no recurrent state)"
+    # a parallel / hybrid layer (Falcon-H1, Zamba, ZAYA) keeps its states beside its attention's KV cache
+    beside = all(attends(kind) for kind in facts.layer_kinds.value if holds_state(kind))
+    what, where = ("hybrid layers", "beside their attention's KV cache") if beside else \
+        ("linear layers", "instead of a KV cache")
     sizes = dict(num_k_heads=lin.num_k_heads, num_v_heads=lin.num_v_heads, head_k_dim=lin.head_k_dim,
                  head_v_dim=lin.head_v_dim, num_k_heads_per_rank=lin.k_heads_per_rank(tp),
                  num_v_heads_per_rank=lin.num_v_heads // tp) if recurrent else {}
@@ -647,7 +671,7 @@ def decide_linear(facts: ModelFacts, parallel: ParallelPlan, dtype: str | None =
         speculative=decide_speculative_states(next_n, bool(lin.conv_kernel)),
         reference=lin.reference,
         source=lin.source,
-        reason=f"{len(layers)} linear layers keep {kept} per request instead of a KV cache: the "
+        reason=f"{len(layers)} {what} keep {kept} per request {where}: the "
                "state is found by the request's state block (block_table['Mamba'][row, 0]), read at the step's "
                "start and written back after it; the framework never zeroes a block (torch.empty, reused FIFO after "
                "its request finishes), so prefill starts from a zero state and never reads the block",

@@ -441,7 +441,8 @@ def build_context(m: SelectionManifest, names: Names, api_override: str | None =
         has_sinks=m.model.has_sinks,
         mixed=len(kinds) > 1,
         kinds=tuple(sorted(kinds.values(), key=lambda k: k.attn_type)),
-        sliding_layers=tuple(layer.index for layer in m.layers if layer.is_sliding),
+        # the index each sliding attention module's init_kv_cache receives (its decoder layer's in a parallel hybrid)
+        sliding_layers=tuple(m.module_index(layer) for layer in m.layers if layer.is_sliding),
         caches=tuple(CacheCtx(c.name, int(c.dim), int(c.num_head), *_cache_constants(m)[c.name])
                      for c in first.caches) if first else (),
         cache_dtype=TORCH_DTYPE[first.caches[0].dtype] if first else "None",

@@ -770,15 +770,13 @@ def test_reformer_names_its_lsh_attention_where_the_plan_finds_none(tmp_path, mo
                       "InklingShortConvolution", "InklingRelativeLogits adds a position bias",
                       # the device-side reason: planning the states would leave the bias without a paged FA call
                       "the op docs list TND without pse", "_op_plugin_docs.py:8113"]),
-    ("zaya", ["layer type 'hybrid'", "ZayaAttention with per-request state beside its KV cache",
-              "ZayaCCAProjection", "this layer's states would be dropped"]),
 ])
 def test_layer_types_kvcache_has_no_kind_for_name_what_transformers_block_holds(tmp_path, monkeypatch, model_type,
                                                                                words):
     """'hybrid' / 'hybrid_sliding' mean different things in Inkling (attention with four short-conv states and a
-    per-query relative bias), ZAYA (compressed convolutional attention: a q/k conv state and a delayed-value state)
-    and Zamba (a shared attention beside a Mamba mixer, planned as a shared-block hybrid): the refusal says what
-    transformers' block there holds.
+    per-query relative bias), ZAYA (compressed convolutional attention: a q/k conv state and a delayed-value state,
+    planned beside its attention: tests/test_zaya.py) and Zamba (a shared attention beside a Mamba mixer, planned as a
+    shared-block hybrid): the refusal says what transformers' block there holds.
     Negative control: without the diagnosis the bare 'unknown layer type' bad-input line is back."""
     from model_infer_kvcache.analyzer import arch_check
     from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache

@@ -14,9 +14,9 @@ NAME = "recurrent state"
 FAMILY_NAMES = {"gated_delta_net": "gated delta net", "kimi_delta_attention": "Kimi delta attention",
                 "lightning_attention": "lightning attention", "mamba2": "Mamba-2", "mamba": "Mamba-1",
                 "short_conv": "short conv", "rwkv": "RWKV", "mlstm": "mLSTM",
-                "rg_lru": "RG-LRU"}
+                "rg_lru": "RG-LRU", "cca": "CCA projection"}
 # Families rendered without speculative decoding only (no published checkpoint of theirs has MTP layers)
-NO_SPECULATIVE = frozenset({"mamba2", "mamba", "short_conv", "rwkv", "mlstm", "rg_lru"})
+NO_SPECULATIVE = frozenset({"mamba2", "mamba", "short_conv", "rwkv", "mlstm", "rg_lru", "cca"})
 RENDERED = tuple(FAMILY_NAMES)
 # transformers' attribute of a decoder layer's state module (JambaMambaDecoderLayer.mamba, Bamba / Granite-4.0-H
 # .mamba; Qwen3-Next, Ling: .linear_attn)
@@ -24,7 +24,8 @@ MODULE_ATTR = {"mamba2": "mamba", "mamba": "mamba",  # Falcon-H1 too: self_attn 
                "short_conv": "conv",  # Lfm2DecoderLayer / Lfm3DecoderLayer .conv
                "rwkv": "attention",  # RwkvBlock.attention (the time-mix), whose states its feed_forward shares
                "mlstm": "mlstm_layer",  # xLSTMBlock.mlstm_layer
-               "rg_lru": "temporal_block"}  # RecurrentGemmaDecoderLayer.temporal_block (RecurrentGemmaRecurrentBlock)
+               "rg_lru": "temporal_block",  # RecurrentGemmaDecoderLayer.temporal_block (RecurrentGemmaRecurrentBlock)
+               "cca": "self_attn.qkv_proj"}  # ZayaDecoderLayer.self_attn.qkv_proj (ZayaCCAProjection)
 # families whose decoder layer keeps its attention under the state module's attribute too (RecurrentGemmaDecoderLayer:
 # an attention block or a recurrent block, both as temporal_block): the render's attention attribute unless the user
 # names another (--attn-attr)
@@ -108,13 +109,13 @@ def doc_attention(m) -> str | None:
         return None
     # the sentence below names them
     assert RENDERED == ("gated_delta_net", "kimi_delta_attention", "lightning_attention", "mamba2", "mamba",
-                        "short_conv", "rwkv", "mlstm", "rg_lru")
+                        "short_conv", "rwkv", "mlstm", "rg_lru", "cca")
     return (f"full 层 {m.fa.version};线性层是循环状态(Mamba 组,`linear_attention` 一节):gated delta net 已渲染"
             "(`npu_chunk_gated_delta_rule` prefill、`npu_recurrent_gated_delta_rule` decode),KDA、lightning、"
             "Mamba-2 与 Mamba-1 已渲染(torch 递推;lightning 只有 recurrent_state,没有 conv 状态),short conv"
             "(LFM2)只有 conv 状态,RWKV 已渲染(token shift 状态 + wkv 的 num/den/max,torch 递推),mLSTM(xLSTM)已渲染(C、n、m 合成一个 "
             "recurrent_state,torch 递推),RG-LRU(RecurrentGemma)已渲染(带 bias 的 conv 状态 + 每通道 float32 "
-            "的 h,torch 递推)")
+            "的 h,torch 递推),CCA 投影(ZAYA)已渲染(注意力旁的 q|k conv 状态 + 上一 token 的 v_proj_delayed,torch)")
 
 
 def check_layers(m) -> None:
@@ -162,6 +163,8 @@ def fields(m) -> dict:
         dims, layout = ("V", "K"), "[A, 3] (attention channels, num | den | max): the wkv kernel's layout"
     elif lin.family == "rg_lru":
         dims, layout = ("V",), "[W] (lru_width channels): transformers' RG-LRU recurrent_states layout"
+    elif lin.family == "cca":
+        dims, layout = ("V", "V"), "[KVH, head_dim / 2]: the previous token's v_proj_delayed output"
     elif lin.family == "mlstm":
         dims, layout = ("V", "K", "V"), "[H, Dqk + 1, Dv + 1] (C, the normalizer n as its last column, m at [Dqk, 0])"
     else:

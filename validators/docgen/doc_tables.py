@@ -114,9 +114,9 @@ MODEL_KINDS: tuple[ModelKind, ...] = (
               {**_BASE, "model_type": "falcon", "alibi": True}),
     ModelKind("chunked", "chunked local attention", "Llama-4",
               {**_BASE, "model_type": "llama4_text", "attention_chunk_size": 8192}),
-    ModelKind("linear", "线性注意力 / 循环层混合(gated delta net、KDA、lightning、Mamba-2、Mamba-1、short conv、RWKV、mLSTM、RG-LRU)",
+    ModelKind("linear", "线性注意力 / 循环层混合(gated delta net、KDA、lightning、Mamba-2、Mamba-1、short conv、RWKV、mLSTM、RG-LRU、CCA)",
               "Qwen3-Next、Qwen3.5、Kimi-Linear、Ling-2.5、Granite-4.0-H、Bamba、Jamba、Falcon-H1、Zamba2、Zamba、LFM2、LFM3、"
-              "RWKV-4、xLSTM、RecurrentGemma",
+              "RWKV-4、xLSTM、RecurrentGemma、ZAYA",
               {**_BASE, "model_type": "qwen3_next", "full_attention_interval": 4}),
     ModelKind("legacy_request", "标准 GQA,用户要求保留 Legacy(--kv-mode legacy)", "仅离线推理",
               {**_BASE, "model_type": "qwen3"}, kv_mode="legacy"),

@@ -41,7 +41,13 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
 from model_infer_kvcache.analyzer.kinds.mla import MLA_LATENT_SCALES
-from model_infer_kvcache.analyzer.linear_config import mlstm_facts, rg_lru_facts, rwkv_facts, short_conv_facts
+from model_infer_kvcache.analyzer.linear_config import (
+    cca_facts,
+    mlstm_facts,
+    rg_lru_facts,
+    rwkv_facts,
+    short_conv_facts,
+)
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
 from model_infer_kvcache.validators.pipeline import dsa_args
 
@@ -970,6 +976,34 @@ def bind_mlstm(module, host) -> None:
     _route_state_module(module.mlstm_backend, host, "mlstm", "an mLSTM layer", _mlstm_backend_forward, checked=module)
 
 
+def _cca_forward(self, hidden_states, cache=None, conv_mask=None, **kwargs):
+    """transformers' ZayaCCAProjection with its convs over the previous q|k inputs and its delayed value, and so its
+    states, done by the rendered code: the module's own q_proj / k_proj, residual paths (queries averaged with their
+    KV head's keys, keys the mean of their group) and v_proj_current / v_proj_delayed around ``cca_project`` on the
+    packed tokens. Returns [1, T, heads, head_dim] query, key and value, as the module does."""
+    host = self._kvcache_host
+    if conv_mask is not None:  # padding zeroed before the convs, as transformers does (a packed step has none)
+        hidden_states = hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
+    x = hidden_states[0]
+    t = x.shape[0]
+    shape = (t, -1, self.head_dim)
+    queries, keys = self.q_proj(x), self.k_proj(x)
+    query_residual = (queries.view(shape) + keys.view(shape).repeat_interleave(self.num_key_value_groups, dim=1)) * 0.5
+    key_residual = query_residual.view(t, -1, self.num_key_value_groups, self.head_dim).mean(dim=-2)
+    v_init = self.v_proj_delayed(x.new_zeros(1, self.hidden_size))[0]  # the delayed value before a first token
+    host.probe.last_layer = host.layer_idx
+    qk, delayed = host.cca_project(torch.cat([queries, keys], dim=-1), self.v_proj_delayed(x), v_init, _metadata())
+    query = qk[:, :queries.shape[-1]].view(shape) + query_residual
+    key = qk[:, queries.shape[-1]:].view(shape) + key_residual
+    value = torch.cat([self.v_proj_current(x), delayed], dim=-1).view(shape)
+    return query[None], key[None], value[None]
+
+
+def bind_cca(module, host) -> None:
+    """Route a ZAYA CCA projection (its two q|k convs' conv state and its delayed value) through ``host``."""
+    _route_state_module(module, host, "cca_project", "a CCA projection", _cca_forward)
+
+
 def _minimax_lightning_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                                **kwargs):
     """transformers' MiniMaxLightningAttention with the recurrence, and so the state, done by the rendered code: its
@@ -1017,6 +1051,9 @@ def make_host_linear(mixin: type) -> type:
                 self.conv = hf_linear.conv
             elif rg_lru_facts(hf_linear):  # RecurrentGemma's recurrent block keeps its conv as ``conv_1d``
                 self.conv_1d = hf_linear.conv_1d
+            elif cca_facts(hf_linear):  # ZAYA's CCA projection: its two convs over q|k
+                self.conv_qk_depthwise = hf_linear.conv_qk_depthwise
+                self.conv_qk_grouped = hf_linear.conv_qk_grouped
 
     return HostLinear
 
@@ -1309,12 +1346,16 @@ class HostModel:
                 state = linear_cls(linear[1], idx, self.probe)
                 short_conv = bool(short_conv_facts(linear[1]))
                 state.init_state_cache(idx, **state_dtypes(cache_dtype, hasattr(linear[1], "conv1d") or short_conv
-                                                           or bool(rwkv_facts(linear[1]) or rg_lru_facts(linear[1])),
+                                                           or bool(rwkv_facts(linear[1]) or rg_lru_facts(linear[1])
+                                                                   or cca_facts(linear[1])),
                                                            recurrent=not short_conv))
                 scan = mamba_scan_of(linear[1])
                 if rwkv_facts(linear[1]):
                     bind_rwkv(layer, linear[1], state)
                     state_attr = linear[0]  # the layer answers its time-mix's own name only (RWKV: attention)
+                elif cca_facts(linear[1]):
+                    bind_cca(linear[1], state)
+                    state_attr = linear[0]  # the attention's own child (ZAYA: self_attn.qkv_proj)
                 elif rg_lru_facts(linear[1]):
                     bind_rg_lru(linear[1], state)
                     state_attr = linear[0]  # the layer answers its recurrent block's own name only (temporal_block)
@@ -1371,6 +1412,12 @@ class HostModel:
             host = route_one(f"{path}.{idx}.{name}", hf_attn, idx)
             # a parallel hybrid (Falcon-H1) or a Zamba2 hybrid layer: the attention sublayer, then the mixer's states
             self.attentions += [host] if state is None else [host, state]
+            if state is not None and state_attr.startswith(f"{name}."):
+                # the state module is the attention's own child (ZAYA's self_attn.qkv_proj): the attention's host
+                # answers that child's name with the state's host, as the model's attention holds its projection
+                setattr(host, state_attr[len(name) + 1:], state)
+                views.append(_DecoderLayer(host))
+                continue
             if state is not None and "." in name + state_attr:
                 # the modules sit below sub-blocks (Zamba2: the shared transformer block, the Mamba decoder): the
                 # layer answers their paths only. Each hybrid layer has its own attention module and host (its

@@ -79,6 +79,7 @@ def _shard_gated_delta(mod, rank: int, tp: int):
     its own order, cut to the rank's heads."""
     from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
     from model_infer_kvcache.analyzer.linear_config import (
+        cca_facts,
         mlstm_facts,
         rg_lru_facts,
         rwkv_facts,
@@ -94,6 +95,7 @@ def _shard_gated_delta(mod, rank: int, tp: int):
         (rg_lru_facts, "a RecurrentGemma recurrent block", "RG-LRU blocks"),
         (rwkv_facts, "an RWKV time-mix", "RWKV blocks"),
         (short_conv_facts, "a short conv", "short-conv layers"),
+        (cca_facts, "a ZAYA CCA projection", "ZAYA"),
         (lambda m: hasattr(m, "forget_gate"), "Kimi delta attention", "KDA layers"),
     )
     for found, what, layers in unsharded:

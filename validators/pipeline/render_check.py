@@ -37,7 +37,7 @@ def expected_constants(manifest: SelectionManifest) -> dict[str, object]:
         band = sliding[0]
         want["WINDOW_PRE_TOKENS_OFFSET"] = band.sliding_window - band.pre_tokens
         if len(sliding) != len(manifest.layers):
-            want["SLIDING_LAYERS"] = frozenset(layer.index for layer in sliding)
+            want["SLIDING_LAYERS"] = frozenset(manifest.module_index(layer) for layer in sliding)
     return want
 
 
@@ -71,7 +71,7 @@ def check_every_layer(report: Report, manifest: SelectionManifest, mixin: type |
             continue
         attn = mixin.__new__(mixin)
         try:
-            attn.init_kv_cache(plan.index, cache_dtype)
+            attn.init_kv_cache(manifest.module_index(plan), cache_dtype)  # the index its module keeps
         except Exception as exc:  # the render's own init failing is a finding, named by layer
             bad.append(f"layer {plan.index}: init_kv_cache raised {type(exc).__name__}: {exc}")
             continue

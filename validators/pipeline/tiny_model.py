@@ -167,7 +167,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
         notes.append(framed)
     for key, value in _MOE_SIZES:
         if key in d:
-            d[key] = value
+            # a published top-k of 1 stays 1: a router built for one expert (ZayaConfig.validate_architecture
+            # refuses num_experts_per_tok != 1)
+            d[key] = 1 if key == "num_experts_per_tok" and d[key] == 1 else value
     if d.get("hidden_size_per_layer_input"):
         d["hidden_size_per_layer_input"] = 16
     _dense_prefix_types(d, src)

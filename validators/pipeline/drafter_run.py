@@ -1,0 +1,207 @@
+"""Drive a drafter over its target's cache (manifest ``drafter``, Gemma-4 assistants): no request stream of its own.
+
+The host plays the target: per attn_type it fills a paged cache with the target's K/V (through the emulated
+``npu_scatter_nd_update_`` at the slots of a shuffled block table), beside a decoy earlier layer of the same type
+(other K/V: a render that binds the wrong target layer reads them) and a KV-shared target layer (no cache). Each
+request brings its target prefix length P and a block of drafted tokens (inputs_embeds of 2 x backbone hidden,
+random). The rendered attention runs inside the transformers drafter's layers (its q_proj / q_norm / RoPE and
+o_proj around it) with every request's block packed (TND), and the logits are compared with transformers' own
+forward given the same K/V dense (``shared_kv_states``), one request at a time.
+
+The run is at CPU sizes: the config cut to the layers up to the first of every type, a small hidden size and
+vocabulary, and a window that the prefixes cross over two 128-token blocks; the drafter manifest of that config
+(re-analyzed) is rendered, the given render checked byte for byte against the implementer's render of its own
+manifest.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.kinds.drafter import SHARED_KV_KEYS
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.host_model import import_rendered
+from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
+from model_infer_kvcache.validators.pipeline.report import Report
+
+READS_CHECK = "drafter: each layer's FA reads the target's last layer of its attn_type through its block table (<N> " \
+              "layers)"
+LOGITS_CHECK = "drafter logits vs transformers (the same K/V dense as shared_kv_states) max |diff| <= <N>"
+CPU_WINDOW = 150  # crossed by the prefixes below over two 128-token blocks
+PREFIXES = (200, 300)  # the target's prefix length per request
+DRAFTED = (3, 2)  # drafted tokens per request (at most window + 1: analyzer/kinds/drafter.py)
+BLOCK_SIZE = 128
+
+
+def cpu_config(real: dict[str, Any]) -> dict[str, Any]:
+    """The drafter config at CPU sizes: the layers up to the first of each type (the heads and head dims kept)."""
+    d = copy.deepcopy(real)
+    text = d.get("text_config", d)
+    types = text["layer_types"]
+    n = 1 + max(types.index(t) for t in set(types))
+    text.update(num_hidden_layers=n, layer_types=types[:n], num_kv_shared_layers=n, hidden_size=64,
+                intermediate_size=128, vocab_size=512, sliding_window=CPU_WINDOW)
+    if isinstance(text.get("per_layer_config"), dict):
+        text["per_layer_config"] = {k: v for k, v in text["per_layer_config"].items() if int(k) < n}
+    if "backbone_hidden_size" in d:
+        d["backbone_hidden_size"] = 32
+    return d
+
+
+def run_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str, real: dict[str, Any], seed: int,
+                dtype: torch.dtype, ops) -> None:
+    """The given render against the implementer's, then the CPU-sized drafter run inside ``ops`` (the emulated
+    torch_npu, or the device's)."""
+    given = {p.name: p.read_text(encoding="utf-8") for p in Path(rendered_dir).glob("*.py")}
+    if given != {name: text for name, text in render_manifest(manifest).files.items() if name.endswith(".py")}:
+        report.notes.append("the given render differs from the implementer's render of its manifest: the CPU run "
+                            "judges the implementer's render of the CPU-sized manifest only")
+    with tempfile.TemporaryDirectory(prefix="kvcache-drafter-") as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(cpu_config(real)), encoding="utf-8")
+        small = analyze(AnalyzeRequest(config=str(path), deploy_mode=manifest.deploy_mode.value,
+                                       window_reading=window_reading(manifest)))
+        write_rendered(render_manifest(small), Path(tmp) / "render")
+        model = build_drafter(path, seed)
+        with ops, float64_upcasts():  # float64 stays float64 in transformers' eager softmax and norms
+            check_drafter(report, small, str(Path(tmp) / "render"), model, seed, dtype)
+
+
+def window_reading(manifest: SelectionManifest) -> str:
+    """The window reading the manifest's sliding layers were planned under (pre_tokens W: exclusive, W + 1:
+    inclusive, analyzer/kinds/drafter.window_tokens), for the CPU-sized manifest."""
+    sliding = next((layer for layer in manifest.layers if layer.sliding_window), None)
+    return "inclusive" if sliding and sliding.pre_tokens == sliding.sliding_window + 1 else "exclusive"
+
+
+def build_drafter(config_path: Path, seed: int) -> torch.nn.Module:
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    d = json.loads(config_path.read_text(encoding="utf-8"))
+    cfg = CONFIG_MAPPING[d["model_type"]](**{k: v for k, v in d.items() if k not in ("model_type",
+                                                                                        "transformers_version")})
+    cfg._attn_implementation = "eager"
+    cfg.get_text_config()._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # random weights, not the init's zeros / ones (norms included)
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def _target(shapes: dict[str, tuple[int, int]], gen: torch.Generator, dtype):
+    """The target's modules as the drafter's render meets them (attn_type, layer_idx, kv_source_layer, k_cache,
+    v_cache), its per-request dense K/V of the layer the drafter must read, and the block table per attn_type."""
+    per_request = -(-max(PREFIXES) // BLOCK_SIZE)
+    num_blocks = 1 + per_request * len(PREFIXES)  # block 0: the null block, never a request's
+    table = (1 + torch.randperm(num_blocks - 1, generator=gen)).view(len(PREFIXES), per_request).to(torch.int32)
+    modules, dense = [], {}
+    import torch_npu  # the emulation (install_emulation) or the device's
+
+    for i, attn_type in enumerate(sorted(shapes)):
+        heads, d = shapes[attn_type]
+        for role, layer_idx in (("decoy", 2 * i), ("store", 2 * i + 1)):
+            k_cache = torch.zeros(num_blocks, BLOCK_SIZE, heads, d, dtype=dtype)
+            v_cache = torch.zeros_like(k_cache)
+            kv = [(torch.randn(p, heads, d, generator=gen, dtype=dtype),
+                   torch.randn(p, heads, d, generator=gen, dtype=dtype)) for p in PREFIXES]
+            for row, (k, v) in enumerate(kv):
+                pos = torch.arange(k.shape[0])
+                slots = (table[row, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).view(-1, 1)
+                torch_npu.npu_scatter_nd_update_(k_cache.view(-1, heads, d), slots, k)
+                torch_npu.npu_scatter_nd_update_(v_cache.view(-1, heads, d), slots, v)
+            modules.append(SimpleNamespace(attn_type=attn_type, layer_idx=layer_idx, kv_source_layer=None,
+                                           k_cache=k_cache, v_cache=v_cache, role=role))
+            if role == "store":
+                dense[attn_type] = kv
+        modules.append(SimpleNamespace(attn_type=attn_type, layer_idx=2 * len(shapes) + i, kv_source_layer=2 * i + 1,
+                                       role="shared"))
+    return modules, dense, table
+
+
+def check_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str, model: torch.nn.Module, seed: int,
+                  dtype: torch.dtype) -> None:
+    """Run ``rendered_dir`` (the render of ``manifest``) inside ``model`` over a filled target cache; report V233 and
+    V308. Call under the emulation (or on the device)."""
+    gen = torch.Generator().manual_seed(seed)
+    text = model.config.get_text_config()
+    attn_modules = [layer.self_attn for layer in model.model.layers]
+    # per attn_type the target cache's (KV heads, head_dim): transformers' module of that type
+    shapes = {layer.attn_type: (text.num_attention_heads // attn.num_key_value_groups, attn.head_dim)
+              for layer, attn in zip(manifest.layers, attn_modules, strict=True)}
+    dims = shapes
+    model = model.to(dtype)
+    rendered = import_rendered(rendered_dir).attention
+    target, dense, table = _target(shapes, gen, dtype)
+    framework = manifest.deploy_mode.value == "framework"
+    hidden = model.pre_projection.in_features
+    embeds = [torch.randn(1, t, hidden, generator=gen, dtype=dtype) for t in DRAFTED]
+    positions = [torch.arange(p, p + t)[None] for p, t in zip(PREFIXES, DRAFTED, strict=True)]
+
+    # the reference: transformers' drafter, one request at a time, the target K/V dense
+    with torch.no_grad():
+        want = [model(inputs_embeds=x, position_ids=pos, shared_kv_states={
+            SHARED_KV_KEYS[t]: tuple(x.permute(1, 0, 2)[None] for x in dense[t][r]) for t in dense
+        }).logits[0] for r, (x, pos) in enumerate(zip(embeds, positions, strict=True))]
+
+    calls: list[tuple[int, str]] = []
+    meta = SimpleNamespace(
+        block_table={t: table for t in dims} if framework else table,
+        actual_seq_lengths_cu_q=torch.tensor(DRAFTED).cumsum(0),
+        actual_seq_lengths_kv=torch.tensor(PREFIXES),
+        attention_mask=~torch.tril(torch.ones(2048, 2048, dtype=torch.bool)),  # the engine's band / causal mask
+    )
+    layers = []
+    for i, attn in enumerate(attn_modules):
+        layer = type("DrafterLayer", (rendered.KVCacheDrafterMixin,), {})()
+        layer.init_drafter_cache(i)
+        layers.append(layer)
+        _route(attn, layer, meta, calls)
+    rendered.bind_target_caches(layers, target)
+    owner = {t: next(m for m in target if m.attn_type == t and m.role == "store") for t in dims}
+    wrong = [(i, layer.attn_type) for i, layer in enumerate(layers)
+             if getattr(layer, "target", None) is not owner[manifest.layers[i].attn_type]]
+    with torch.no_grad():
+        x = torch.cat(embeds, dim=1)
+        h = model.model(inputs_embeds=model.pre_projection(x), position_ids=torch.cat(positions, dim=1),
+                        attention_mask={k: None for k in SHARED_KV_KEYS.values()}, shared_kv_states={},
+                        use_cache=False).last_hidden_state
+        got = model.lm_head(h)[0] if not model.config.use_ordered_embeddings \
+            else model.masked_embedding(h, model.lm_head.weight)[0]
+    report.add(READS_CHECK.replace("<N>", str(len(layers))), "runtime", not wrong and len(calls) == len(layers),
+               detail="" if not wrong else f"layer {wrong[0][0]} reads the target's {wrong[0][1]} layer "
+                                           f"{layers[wrong[0][0]].target.layer_idx}, not its last "
+                                           f"{manifest.layers[wrong[0][0]].attn_type} layer "
+                                           f"{owner[manifest.layers[wrong[0][0]].attn_type].layer_idx}",
+               calls=len(calls))
+    diff = max(float((g - w).abs().max()) for g, w in zip(got.split(list(DRAFTED)), want, strict=True))
+    tol = TOLERANCE[str(dtype).removeprefix("torch.")]
+    report.add(LOGITS_CHECK.replace("<N>", f"{tol:g}"), "numeric", diff <= tol, max_abs_diff=diff,
+               requests=len(PREFIXES), prefixes=list(PREFIXES), drafted=list(DRAFTED))
+
+
+def _route(attn, layer, meta, calls: list) -> None:
+    """The transformers drafter layer's queries (q_proj, q_norm, RoPE as its forward computes them) through the
+    render's ``drafter_attention``, then its o_proj; its K/V path (shared_kv_states) is never read."""
+    rope = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb
+
+    def forward(hidden_states, position_embeddings, attention_mask=None, shared_kv_states=None, cache=None,
+                **kwargs):
+        cos, sin = position_embeddings
+        q = attn.q_proj(hidden_states).view(*hidden_states.shape[:-1], -1, attn.head_dim)
+        q = rope(attn.q_norm(q), cos, sin, unsqueeze_dim=2)
+        calls.append((layer.layer_idx, layer.attn_type))
+        out = layer.drafter_attention(q[0], meta)
+        return attn.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+    attn.forward = forward

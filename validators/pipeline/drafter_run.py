@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.analyzer.kinds.drafter import SHARED_KV_KEYS
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
@@ -33,9 +34,6 @@ from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.report import Report
 
-READS_CHECK = "drafter: each layer's FA reads the target's last layer of its attn_type through its block table (<N> " \
-              "layers)"
-LOGITS_CHECK = "drafter logits vs transformers (the same K/V dense as shared_kv_states) max |diff| <= <N>"
 CPU_WINDOW = 150  # crossed by the prefixes below over two 128-token blocks
 PREFIXES = (200, 300)  # the target's prefix length per request
 DRAFTED = (3, 2)  # drafted tokens per request (at most window + 1: analyzer/kinds/drafter.py)
@@ -67,7 +65,7 @@ def run_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str, 
                             "judges the implementer's render of the CPU-sized manifest only")
     with tempfile.TemporaryDirectory(prefix="kvcache-drafter-") as tmp:
         path = Path(tmp) / "config.json"
-        path.write_text(json.dumps(cpu_config(real)), encoding="utf-8")
+        atomic_write_text(path, json.dumps(cpu_config(real)))
         small = analyze(AnalyzeRequest(config=str(path), deploy_mode=manifest.deploy_mode.value,
                                        window_reading=window_reading(manifest)))
         write_rendered(render_manifest(small), Path(tmp) / "render")
@@ -178,7 +176,8 @@ def check_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str
                         use_cache=False).last_hidden_state
         got = model.lm_head(h)[0] if not model.config.use_ordered_embeddings \
             else model.masked_embedding(h, model.lm_head.weight)[0]
-    report.add(READS_CHECK.replace("<N>", str(len(layers))), "runtime", not wrong and len(calls) == len(layers),
+    report.add(f"drafter: each layer's FA reads the target's last layer of its attn_type through its block table "
+               f"({len(layers)} layers)", "runtime", not wrong and len(calls) == len(layers),
                detail="" if not wrong else f"layer {wrong[0][0]} reads the target's {wrong[0][1]} layer "
                                            f"{layers[wrong[0][0]].target.layer_idx}, not its last "
                                            f"{manifest.layers[wrong[0][0]].attn_type} layer "
@@ -186,7 +185,8 @@ def check_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str
                calls=len(calls))
     diff = max(float((g - w).abs().max()) for g, w in zip(got.split(list(DRAFTED)), want, strict=True))
     tol = TOLERANCE[str(dtype).removeprefix("torch.")]
-    report.add(LOGITS_CHECK.replace("<N>", f"{tol:g}"), "numeric", diff <= tol, max_abs_diff=diff,
+    report.add(f"drafter logits vs transformers (the same K/V dense as shared_kv_states) max |diff| <= {tol:g}",
+               "numeric", diff <= tol, max_abs_diff=diff,
                requests=len(PREFIXES), prefixes=list(PREFIXES), drafted=list(DRAFTED))
 
 

@@ -915,7 +915,7 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         # The band arguments a render passes: a windowed layer's own, INT32_MAX/0 for every other layer
         # (an edited value there would be accepted and silently ignored). A drafter's layer: its own band
         # (analyzer/kinds/drafter.py, checked there).
-        if layer.reads_target:
+        if layer.reads_target or m.drafter is not None:  # the drafter's layers: drafter.problems says which
             continue
         if layer.is_sliding:
             if not 0 <= layer.pre_tokens <= (layer.sliding_window or 0):

@@ -1,0 +1,133 @@
+"""A drafter over its target's cache (Gemma-4 assistants, analyzer/kinds/drafter.py): planned with no blocks of its
+own, rendered in both modes, and validated at CPU sizes against transformers' forward given the same K/V dense;
+plausible render mistakes fail by check ID."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.manifest import SelectionManifest
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.npu_ops import install_emulation
+from model_infer_kvcache.validators.pipeline.drafter_run import CPU_WINDOW, build_drafter, check_drafter, cpu_config
+from model_infer_kvcache.validators.pipeline.precision import float64_upcasts
+from model_infer_kvcache.validators.pipeline.report import Report
+from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers
+
+pytest.importorskip("transformers")
+MODEL_TYPE = "gemma4_unified_assistant"
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    """(the CPU-sized config path, its framework and standalone manifests) from transformers' class defaults."""
+    preload_transformers()
+    from transformers import CONFIG_MAPPING
+
+    tmp = tmp_path_factory.mktemp("drafter")
+    path = tmp / "config.json"
+    path.write_text(json.dumps(cpu_config(CONFIG_MAPPING[MODEL_TYPE]().to_dict()), default=str), encoding="utf-8")
+    return path, {mode: analyze(AnalyzeRequest(config=str(path), deploy_mode=mode))
+                  for mode in ("framework", "standalone")}
+
+
+def test_the_defaults_plan_no_blocks_and_name_the_target_layer_per_attn_type(tmp_path):
+    from transformers import CONFIG_MAPPING
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG_MAPPING[MODEL_TYPE]().to_dict(), default=str), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(path), deploy_mode="framework"))
+    assert not m.blockers and m.drafter is not None and m.drafter.blocks == 0
+    assert set(m.drafter.target_layers) == {"FullAttention", "SlidingWindow"}
+    assert m.drafter.shared_kv_keys == {"FullAttention": "full_attention", "SlidingWindow": "sliding_attention"}
+    assert m.drafter.input_width == 2 * 3840  # 2 x backbone_hidden_size (Gemma4UnifiedAssistantConfig)
+    assert all(layer.reads_target and not layer.caches for layer in m.layers)
+    assert m.memory.per_token_bytes == 0 and m.memory.groups == []
+    assert any("0 blocks of its own" in line for line in m.memory.derivation)
+    sliding = next(layer for layer in m.layers if layer.sliding_window)
+    full = next(layer for layer in m.layers if not layer.sliding_window)
+    # the flipped window: W + 1 keys for drafted query 0 (|q - kv| <= W), under the 'exclusive' band reading
+    assert (sliding.sparse_mode.decode, sliding.pre_tokens, sliding.next_tokens) == (4, 1024, INT32_MAX)
+    assert (full.sparse_mode.decode, full.mask.decode, full.next_tokens) == (0, "none", INT32_MAX)
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda d: d["layers"][0].__setitem__("caches", [{"name": "k_cache", "dim": 256, "num_head": 4,
+                                                      "dtype": "bfloat16"}]), "layers[0].caches"),
+    (lambda d: d["layers"][0].__setitem__("next_tokens", 0), "layers[0].next_tokens"),
+    (lambda d: d["layers"][0].pop("reads_target"), "layers[0].reads_target"),
+])
+def test_a_hand_edited_drafter_manifest_is_refused_naming_the_field(drafter, edit, field):
+    data = drafter[1]["framework"].model_dump(mode="json")
+    edit(data)
+    with pytest.raises(ValueError, match=re.escape(f"{field}: ")):
+        SelectionManifest.model_validate(data)
+
+
+def _run(manifest, render_dir: Path, path: Path, edit=None) -> Report:
+    """check_drafter on the render of ``manifest`` (``edit``: a mistake written into it), float64, emulated."""
+    write_rendered(render_manifest(manifest), render_dir)
+    if edit is not None:
+        target = render_dir / "kvcache_attention.py"
+        text = target.read_text(encoding="utf-8")
+        edited = edit(text)
+        assert edited != text
+        target.write_text(edited, encoding="utf-8")
+    report = Report(backend="emulated", deploy_mode=manifest.deploy_mode.value, model_type=MODEL_TYPE,
+                    manifest_hash=manifest.content_hash(), dtype="float64", tolerance=1e-9)
+    with install_emulation(), float64_upcasts():
+        check_drafter(report, manifest, str(render_dir), build_drafter(path, 0), 0, torch.float64)
+    return report
+
+
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_the_render_reads_the_target_cache_as_transformers_reads_shared_kv_states(drafter, tmp_path, mode):
+    path, manifests = drafter
+    text = render_manifest(manifests[mode]).files["kvcache_attention.py"]
+    table = 'forward_metadata.block_table[self.attn_type]' if mode == "framework" else 'forward_metadata.block_table  #'
+    assert table in text
+    report = _run(manifests[mode], tmp_path, path)
+    assert [(c.id, c.passed) for c in report.checks] == [("V233", True), ("V308", True)]
+    assert report.checks[1].measured["max_abs_diff"] < 1e-11
+
+
+def _sliding_reads_full(text: str) -> str:
+    # the plausible binding slip: every drafter layer pointed at the target's full-attention layer
+    return text.replace('object.__setattr__(attn, "target", owners[attn.attn_type])',
+                        'object.__setattr__(attn, "target", owners["FullAttention"])')
+
+
+def _window_not_flipped(text: str) -> str:
+    return re.sub(r'("SlidingWindow": dict\(.*)flipped=True', r"\1flipped=False", text)
+
+
+def _drafted_tokens_causal(text: str) -> str:
+    # the full layer's drafted block masked causally (sparse_mode 3, the normal prefill's) instead of bidirectionally
+    text = re.sub(r'("FullAttention": dict\(.*)sparse_mode=0', r"\1sparse_mode=3", text)
+    return text.replace('if reads["sparse_mode"] == 4 else None', 'if reads["sparse_mode"] in (3, 4) else None')
+
+
+@pytest.mark.parametrize(("edit", "failing"), [
+    (_sliding_reads_full, {"V233", "V201"}),  # reads the full layer's cache: its wider rows break the FA call too
+    (_window_not_flipped, {"V308"}),
+    (_drafted_tokens_causal, {"V308"}),
+])
+def test_a_render_mistake_fails_by_name(drafter, tmp_path, edit, failing):
+    path, manifests = drafter
+    report = _run(manifests["framework"], tmp_path, path, edit)
+    assert {c.id for c in report.checks if not c.passed} == failing, report.to_markdown()
+
+
+def test_the_cpu_window_is_crossed_within_two_blocks():
+    from model_infer_kvcache.validators.pipeline.drafter_run import BLOCK_SIZE, DRAFTED, PREFIXES
+
+    # every request's flipped window starts past its first key and spans a block boundary
+    assert all(p - 1 - (t - 1) - CPU_WINDOW > 0 for p, t in zip(PREFIXES, DRAFTED, strict=True))
+    assert all((p - 1 - CPU_WINDOW) // BLOCK_SIZE < (p - 1) // BLOCK_SIZE for p in PREFIXES)
+    assert max(DRAFTED) <= CPU_WINDOW + 1

@@ -15,7 +15,12 @@ from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.npu_ops import install_emulation
-from model_infer_kvcache.validators.pipeline.drafter_run import CPU_WINDOW, build_drafter, check_drafter, cpu_config
+from model_infer_kvcache.validators.pipeline.drafter_run import (
+    CPU_WINDOW,
+    build_drafter,
+    check_drafter,
+    cpu_config,
+)
 from model_infer_kvcache.validators.pipeline.precision import float64_upcasts
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers

@@ -56,9 +56,10 @@ def cpu_config(real: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str, real: dict[str, Any], seed: int,
-                dtype: torch.dtype, ops) -> None:
+                dtype: torch.dtype, ops, readings) -> None:
     """The given render against the implementer's, then the CPU-sized drafter run inside ``ops`` (the emulated
-    torch_npu, or the device's)."""
+    torch_npu, or the device's) under the run's device ``readings`` (the band's pre_tokens reading among them: the
+    CPU-sized manifest is planned under the reading the given one was)."""
     given = {p.name: p.read_text(encoding="utf-8") for p in Path(rendered_dir).glob("*.py")}
     if given != {name: text for name, text in render_manifest(manifest).files.items() if name.endswith(".py")}:
         report.notes.append("the given render differs from the implementer's render of its manifest: the CPU run "
@@ -70,7 +71,7 @@ def run_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str, 
                                        window_reading=window_reading(manifest)))
         write_rendered(render_manifest(small), Path(tmp) / "render")
         model = build_drafter(path, seed)
-        with ops, float64_upcasts():  # float64 stays float64 in transformers' eager softmax and norms
+        with ops, readings, float64_upcasts():  # float64 stays float64 in transformers' eager softmax and norms
             check_drafter(report, small, str(Path(tmp) / "render"), model, seed, dtype)
 
 

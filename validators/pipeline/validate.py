@@ -189,11 +189,12 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
                             + ", ".join(f"{q}={a.reading}" for q, a in measured.questions.items()))
     report.readings = dataclasses.asdict(base)
     if manifest.drafter is not None:  # a drafter over its target's cache: no request stream of its own
-        from model_infer_kvcache.validators.npu_ops import install_emulation
+        from model_infer_kvcache.validators.npu_ops import device_readings, install_emulation
         from model_infer_kvcache.validators.pipeline.drafter_run import run_drafter
 
         ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
-        run_drafter(report, manifest, req.rendered, inputs.real_config, req.seed, getattr(torch, req.dtype), ops)
+        run_drafter(report, manifest, req.rendered, inputs.real_config, req.seed, getattr(torch, req.dtype), ops,
+                    device_readings(base))
         report.seconds = time.perf_counter() - started
         return report
     _check_render_as_written(report, manifest, req, backend)

@@ -822,7 +822,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         else Sourced(None, "default: every attention layer when has_sinks")
     kv_sources = _kv_sources(r, num_layers.value, layer_kinds.value)
     shared = r.number("num_kv_shared_layers", kind=int, minimum=0, maximum=LIMITS["layers"])
-    drafter = drafter_kind.read_facts(r.get, (shared.value, shared.source), num_layers.value) if shared else None
+    drafter = drafter_kind.read_facts(r.get, (shared.value, shared.source), num_layers.value, layer_kinds.value,
+                                      where) if shared else None
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")

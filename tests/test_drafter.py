@@ -136,3 +136,28 @@ def test_the_cpu_window_is_crossed_within_two_blocks():
     assert all(p - 1 - (t - 1) - CPU_WINDOW > 0 for p, t in zip(PREFIXES, DRAFTED, strict=True))
     assert all((p - 1 - CPU_WINDOW) // BLOCK_SIZE < (p - 1) // BLOCK_SIZE for p in PREFIXES)
     assert max(DRAFTED) <= CPU_WINDOW + 1
+
+
+@pytest.mark.parametrize(("ask", "field"), [
+    ({"attn_tp_size": 2}, "parallel.attn_tp_size"),
+    ({"exe_mode": "npugraph_ex"}, "exe_mode"),
+    ({"kv_mode": "legacy"}, "kv_mode"),
+])
+def test_a_drafter_the_render_does_not_serve_is_refused_naming_the_field(drafter, ask, field):
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    path, _ = drafter
+    m = analyze(AnalyzeRequest(config=str(path), deploy_mode="framework", **ask))
+    with pytest.raises(InputError) as exc:
+        render_manifest(m)
+    assert exc.value.field == field and "drafter" in exc.value.message
+
+
+def test_a_drafter_over_layers_other_than_full_and_sliding_is_refused_by_name():
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.analyzer.kinds.drafter import read_facts
+
+    assert read_facts(lambda *names: None, (2, "num_kv_shared_layers"), 3, ("full", "sliding", "full"), "c") is None
+    with pytest.raises(NotSupportedByKvcache) as exc:
+        read_facts(lambda *names: None, (2, "num_kv_shared_layers"), 2, ("full", "linear"), "c.json")
+    assert exc.value.field == "num_kv_shared_layers" and "linear" in exc.value.message

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW
 from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 
@@ -43,11 +44,20 @@ class DrafterFacts:
     source: str
 
 
-def read_facts(get: Callable[..., tuple[Any, str] | None], shared: tuple[int, str], num_layers: int
-               ) -> DrafterFacts | None:
+# config layer kinds a drafter's layer may be (transformers' shared_kv_states holds one K/V per layer_types name)
+DRAFTER_LAYER_KINDS = ("full", "sliding")
+
+
+def read_facts(get: Callable[..., tuple[Any, str] | None], shared: tuple[int, str], num_layers: int,
+               kinds: tuple[str, ...], where: str) -> DrafterFacts | None:
     """``shared``: (num_kv_shared_layers, its field). A drafter when it shares every layer; else None."""
     if shared[0] != num_layers:
         return None
+    other = sorted(set(kinds) - set(DRAFTER_LAYER_KINDS))
+    if other:
+        raise NotSupportedByKvcache(where, f"a drafter (every layer reads its target's K/V) with {', '.join(other)} "
+                                           "layers: kvcache reads a target's full and sliding layers only "
+                                           f"({SOURCE})", field=shared[1])
     backbone = get("backbone_hidden_size")
     width = 2 * backbone[0] if backbone and isinstance(backbone[0], int) and backbone[0] > 0 else None
     return DrafterFacts(width, f"{shared[1]} = {shared[0]} = the number of layers: every layer reads the K/V its "

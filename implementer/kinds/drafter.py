@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import jinja2
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.framework_checkout import DEFAULT_RENDER_CONTRACT, render_api
 from model_infer_kvcache.analyzer.kinds.drafter import INT32_MAX
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
@@ -42,6 +43,13 @@ def check(m: SelectionManifest) -> None:
                              "reads the target's cache through its block table: paged only)")
     if m.fa.input_layout != "TND":
         raise bad("fa.input_layout", f"{m.fa.input_layout}: the drafter packs each request's drafted tokens (TND)")
+    if m.exe_mode is not None and m.exe_mode.value != "eager":
+        raise bad("exe_mode", f"not supported by kvcache yet: a {m.exe_mode.value} drafter ({m.exe_mode.source}): the "
+                              "drafter's FA calls are rendered and validated eager only")
+    if m.parallel.attn_tp_size > 1:
+        raise bad("parallel.attn_tp_size", f"not supported by kvcache yet: a drafter at attention TP "
+                                           f"{m.parallel.attn_tp_size}: its validation shards no drafter's heads "
+                                           "(validators/pipeline/drafter_run.py runs one rank)")
 
 
 def layer_ctx(m: SelectionManifest) -> dict[str, DrafterLayerCtx]:
@@ -64,7 +72,8 @@ def render(m: SelectionManifest, env: jinja2.Environment, attention_file: str) -
         raise InputError("--manifest", "manifest has blockers: " + "; ".join(b.message for b in m.blockers),
                          field="blockers")
     c = dict(generated_line=generated_line(__version__, m.content_hash()),
-             design_line=design_line(m.model.model_type, m.deploy_mode.value, m.framework_api, m.kv_mode.value,
+             design_line=design_line(m.model.model_type, m.deploy_mode.value,
+                                     render_api(m.framework_api or DEFAULT_RENDER_CONTRACT), m.kv_mode.value,
                                      m.fa.version, m.fa.input_layout),
              model_type=m.model.model_type, deploy_mode=m.deploy_mode.value, fa=FA_KEYWORDS[m.fa.version],
              scale=repr(float(m.fa.softmax_scale)), scale_derivation=m.fa.scale_derivation,

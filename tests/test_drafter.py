@@ -60,6 +60,10 @@ def test_the_defaults_plan_no_blocks_and_name_the_target_layer_per_attn_type(tmp
     # the flipped window: W + 1 keys for drafted query 0 (|q - kv| <= W), under the 'exclusive' band reading
     assert (sliding.sparse_mode.decode, sliding.pre_tokens, sliding.next_tokens) == (4, 1024, INT32_MAX)
     assert (full.sparse_mode.decode, full.mask.decode, full.next_tokens) == (0, "none", INT32_MAX)
+    from model_infer_kvcache.analyzer.decisions_table import decision_rows
+
+    row = next(r for r in decision_rows(m) if r[0].startswith("草稿模型"))
+    assert "自身 0 block" in row[1] and "sliding_attention" in row[1]
 
 
 @pytest.mark.parametrize(("edit", "field"), [

@@ -121,6 +121,14 @@ def memory_note(section: dict[str, Any]) -> str:
             + "), counted in the target's memory plan")
 
 
+def decision_row(m) -> tuple[str, str, str]:
+    """progress.md's row of a drafter manifest: what it reads, that it plans no blocks, how its FA calls read."""
+    d = m.drafter
+    return ("草稿模型(drafter)", "读目标模型的 cache: " + "; ".join(f"{t} <- 目标最后一个 {k} 层" for t, k in
+                                                              d.shared_kv_keys.items()) + "; 自身 0 block",
+            f"{d.reason}; {d.fa}")
+
+
 def problems(m) -> list[tuple[str, str]]:
     """The layers that read the target's cache are exactly the drafter's (all of them), each without a cache."""
     d = getattr(m, "drafter", None)

@@ -375,7 +375,7 @@ class DrafterDecision(_Model):
 
     target_layers: dict[str, str] = Field(description="per attn_type: the target model's layer whose cache it reads")
     shared_kv_keys: dict[str, str] = Field(description="per attn_type: transformers' shared_kv_states key")
-    input_width: int | None = Field(description="inputs_embeds width (2 x backbone_hidden_size); null: not in config")
+    input_width: int = Field(ge=2, description="inputs_embeds width: 2 x backbone_hidden_size (the target's)")
     blocks: Literal[0] = Field(description="blocks the drafter plans of its own: none")
     fa: str = Field(description="how its FA calls read the target's cache")
     source: str

@@ -157,11 +157,19 @@ def test_a_drafter_the_render_does_not_serve_is_refused_naming_the_field(drafter
     assert exc.value.field == field and "drafter" in exc.value.message
 
 
-def test_a_drafter_over_layers_other_than_full_and_sliding_is_refused_by_name():
+def test_a_drafter_over_layers_other_than_full_and_sliding_or_without_a_target_is_refused_by_name():
     from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
     from model_infer_kvcache.analyzer.kinds.drafter import read_facts
 
-    assert read_facts(lambda *names: None, (2, "num_kv_shared_layers"), 3, ("full", "sliding", "full"), "c") is None
+    def target(*names):
+        return (1536, "backbone_hidden_size") if "backbone_hidden_size" in names else None
+
+    assert read_facts(target, (2, "num_kv_shared_layers"), 3, ("full", "sliding", "full"), "c") is None
+    assert read_facts(target, (2, "num_kv_shared_layers"), 2, ("sliding", "full"), "c").input_width == 3072
     with pytest.raises(NotSupportedByKvcache) as exc:
-        read_facts(lambda *names: None, (2, "num_kv_shared_layers"), 2, ("full", "linear"), "c.json")
+        read_facts(target, (2, "num_kv_shared_layers"), 2, ("full", "linear"), "c.json")
     assert exc.value.field == "num_kv_shared_layers" and "linear" in exc.value.message
+    # every layer shared and no target named (a Gemma-3n text config with all its layers shared): no drafter
+    with pytest.raises(NotSupportedByKvcache) as exc:
+        read_facts(lambda *names: None, (2, "num_kv_shared_layers"), 2, ("sliding", "full"), "c.json")
+    assert exc.value.field == "num_kv_shared_layers" and "names no target model" in exc.value.message

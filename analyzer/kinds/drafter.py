@@ -40,7 +40,7 @@ SOURCE = ("transformers' Gemma4AssistantForCausalLM / Gemma4UnifiedAssistantForC
 class DrafterFacts:
     """A config whose every layer reads K/V computed elsewhere: the width of its inputs (None: not in the config)."""
 
-    input_width: int | None  # inputs_embeds: the target's embedding and last hidden state, 2 x backbone_hidden_size
+    input_width: int  # inputs_embeds: the target's embedding and last hidden state, 2 x backbone_hidden_size
     source: str
 
 
@@ -50,18 +50,26 @@ DRAFTER_LAYER_KINDS = ("full", "sliding")
 
 def read_facts(get: Callable[..., tuple[Any, str] | None], shared: tuple[int, str], num_layers: int,
                kinds: tuple[str, ...], where: str) -> DrafterFacts | None:
-    """``shared``: (num_kv_shared_layers, its field). A drafter when it shares every layer; else None."""
+    """``shared``: (num_kv_shared_layers, its field). A drafter when it shares every layer and names its target's
+    width (``backbone_hidden_size``: the assistant configs' own field, the target whose K/V it reads); else None.
+    Every layer shared without a target is refused: no model of its own computes the K/V it would read."""
     if shared[0] != num_layers:
         return None
+    backbone = get("backbone_hidden_size")
+    if not (backbone and isinstance(backbone[0], int) and not isinstance(backbone[0], bool) and backbone[0] > 0):
+        raise NotSupportedByKvcache(
+            where, f"all {num_layers} layers share K/V computed elsewhere and the config names no target model "
+                   "(no backbone_hidden_size, the field of transformers' Gemma4AssistantConfig / "
+                   "Gemma4UnifiedAssistantConfig whose forward takes the target's shared_kv_states): no layer "
+                   "computes the K/V it would read", field=shared[1])
     other = sorted(set(kinds) - set(DRAFTER_LAYER_KINDS))
     if other:
         raise NotSupportedByKvcache(where, f"a drafter (every layer reads its target's K/V) with {', '.join(other)} "
                                            "layers: kvcache reads a target's full and sliding layers only "
                                            f"({SOURCE})", field=shared[1])
-    backbone = get("backbone_hidden_size")
-    width = 2 * backbone[0] if backbone and isinstance(backbone[0], int) and backbone[0] > 0 else None
-    return DrafterFacts(width, f"{shared[1]} = {shared[0]} = the number of layers: every layer reads the K/V its "
-                               f"target model computed ({SOURCE})")
+    return DrafterFacts(2 * backbone[0], f"{shared[1]} = {shared[0]} = the number of layers and {backbone[1]} = "
+                                         f"{backbone[0]} (the target's width): every layer reads the K/V its target "
+                                         f"model computed ({SOURCE})")
 
 
 def window_tokens(window: int, reading: str) -> tuple[int, int, str]:

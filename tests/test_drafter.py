@@ -133,13 +133,14 @@ def test_a_render_mistake_fails_by_name(drafter, tmp_path, edit, failing):
     assert {c.id for c in report.checks if not c.passed} == failing, report.to_markdown()
 
 
-def test_the_cpu_window_is_crossed_within_two_blocks():
-    from model_infer_kvcache.validators.pipeline.drafter_run import BLOCK_SIZE, DRAFTED, PREFIXES
+@pytest.mark.parametrize("window", [CPU_WINDOW, 512, 1024])
+def test_the_window_is_crossed_over_a_block_boundary(window):
+    from model_infer_kvcache.validators.pipeline.drafter_run import BLOCK_SIZE, DRAFTED, prefixes
 
     # every request's flipped window starts past its first key and spans a block boundary
-    assert all(p - 1 - (t - 1) - CPU_WINDOW > 0 for p, t in zip(PREFIXES, DRAFTED, strict=True))
-    assert all((p - 1 - CPU_WINDOW) // BLOCK_SIZE < (p - 1) // BLOCK_SIZE for p in PREFIXES)
-    assert max(DRAFTED) <= CPU_WINDOW + 1
+    assert all(p - 1 - (t - 1) - window > 0 for p, t in zip(prefixes(window), DRAFTED, strict=True))
+    assert all((p - 1 - window) // BLOCK_SIZE < (p - 1) // BLOCK_SIZE for p in prefixes(window))
+    assert max(DRAFTED) <= window + 1
 
 
 @pytest.mark.parametrize(("ask", "field"), [

@@ -9,9 +9,10 @@ o_proj around it) with every request's block packed (TND), and the logits are co
 forward given the same K/V dense (``shared_kv_states``), one request at a time.
 
 The run is at CPU sizes: the config cut to the layers up to the first of every type, a small hidden size and
-vocabulary, and a window that the prefixes cross over two 128-token blocks; the drafter manifest of that config
-(re-analyzed) is rendered, the given render checked byte for byte against the implementer's render of its own
-manifest.
+vocabulary. Its window is the config's up to AS_WRITTEN_WINDOW, and then the given render runs as written (the
+prefixes cross the window, its W + 1 keys span a 128-token block boundary); a longer window is cut to CPU_WINDOW and
+the implementer's render of that config's drafter manifest (re-analyzed) runs instead, the given render checked byte
+for byte against the implementer's render of its own manifest (a note when they differ).
 """
 
 from __future__ import annotations
@@ -34,20 +35,28 @@ from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE, float64_upcasts
 from model_infer_kvcache.validators.pipeline.report import Report
 
-CPU_WINDOW = 150  # crossed by the prefixes below over two 128-token blocks
-PREFIXES = (200, 300)  # the target's prefix length per request
+# The longest window a CPU run reads as written: the target caches then hold ~W + 150 positions (Gemma-4's 512 / 1024:
+# at 4 KV heads of 512 float64 each cache is ~10 MB); a longer one is cut to CPU_WINDOW.
+AS_WRITTEN_WINDOW = 4096
+CPU_WINDOW = 150
 DRAFTED = (3, 2)  # drafted tokens per request (at most window + 1: analyzer/kinds/drafter.py)
 BLOCK_SIZE = 128
 
 
-def cpu_config(real: dict[str, Any]) -> dict[str, Any]:
-    """The drafter config at CPU sizes: the layers up to the first of each type (the heads and head dims kept)."""
+def prefixes(window: int | None) -> tuple[int, ...]:
+    """The target's prefix length per request: past the window (its start past the first key) by 50 and 150."""
+    return ((window or CPU_WINDOW) + 50, (window or CPU_WINDOW) + 150)
+
+
+def cpu_config(real: dict[str, Any], window: int | None = CPU_WINDOW) -> dict[str, Any]:
+    """The drafter config at CPU sizes: the layers up to the first of each type (the heads and head dims kept), its
+    window ``window`` (None: the config's)."""
     d = copy.deepcopy(real)
     text = d.get("text_config", d)
     types = text["layer_types"]
     n = 1 + max(types.index(t) for t in set(types))
     text.update(num_hidden_layers=n, layer_types=types[:n], num_kv_shared_layers=n, hidden_size=64,
-                intermediate_size=128, vocab_size=512, sliding_window=CPU_WINDOW)
+                intermediate_size=128, vocab_size=512, **({"sliding_window": window} if window else {}))
     if isinstance(text.get("per_layer_config"), dict):
         text["per_layer_config"] = {k: v for k, v in text["per_layer_config"].items() if int(k) < n}
     if "backbone_hidden_size" in d:
@@ -60,19 +69,27 @@ def run_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str, 
     """The given render against the implementer's, then the CPU-sized drafter run inside ``ops`` (the emulated
     torch_npu, or the device's) under the run's device ``readings`` (the band's pre_tokens reading among them: the
     CPU-sized manifest is planned under the reading the given one was)."""
-    given = {p.name: p.read_text(encoding="utf-8") for p in Path(rendered_dir).glob("*.py")}
-    if given != {name: text for name, text in render_manifest(manifest).files.items() if name.endswith(".py")}:
-        report.notes.append("the given render differs from the implementer's render of its manifest: the CPU run "
-                            "judges the implementer's render of the CPU-sized manifest only")
+    window = max((layer.sliding_window or 0 for layer in manifest.layers), default=0)
     with tempfile.TemporaryDirectory(prefix="kvcache-drafter-") as tmp:
         path = Path(tmp) / "config.json"
-        atomic_write_text(path, json.dumps(cpu_config(real)))
-        small = analyze(AnalyzeRequest(config=str(path), deploy_mode=manifest.deploy_mode.value,
-                                       window_reading=window_reading(manifest)))
-        write_rendered(render_manifest(small), Path(tmp) / "render")
+        as_written = window <= AS_WRITTEN_WINDOW
+        atomic_write_text(path, json.dumps(cpu_config(real, None if as_written else CPU_WINDOW)))
+        if as_written:
+            run_manifest, run_render = manifest, rendered_dir
+        else:
+            given = {p.name: p.read_text(encoding="utf-8") for p in Path(rendered_dir).glob("*.py")}
+            if given != {n: t for n, t in render_manifest(manifest).files.items() if n.endswith(".py")}:
+                report.notes.append("the given render differs from the implementer's render of its manifest: the CPU "
+                                    "run judges the implementer's render of the CPU-sized manifest only")
+            run_manifest = analyze(AnalyzeRequest(config=str(path), deploy_mode=manifest.deploy_mode.value,
+                                                  window_reading=window_reading(manifest)))
+            run_render = str(Path(tmp) / "render")
+            write_rendered(render_manifest(run_manifest), run_render)
+            report.notes.append(f"window {window} > {AS_WRITTEN_WINDOW}: the run reads the implementer's render of the "
+                                f"config at window {CPU_WINDOW}")
         model = build_drafter(path, seed)
         with ops, readings, float64_upcasts():  # float64 stays float64 in transformers' eager softmax and norms
-            check_drafter(report, small, str(Path(tmp) / "render"), model, seed, dtype)
+            check_drafter(report, run_manifest, run_render, model, seed, dtype)
 
 
 def window_reading(manifest: SelectionManifest) -> str:
@@ -98,12 +115,12 @@ def build_drafter(config_path: Path, seed: int) -> torch.nn.Module:
     return model
 
 
-def _target(shapes: dict[str, tuple[int, int]], gen: torch.Generator, dtype):
+def _target(shapes: dict[str, tuple[int, int]], plens: tuple[int, ...], gen: torch.Generator, dtype):
     """The target's modules as the drafter's render meets them (attn_type, layer_idx, kv_source_layer, k_cache,
     v_cache), its per-request dense K/V of the layer the drafter must read, and the block table per attn_type."""
-    per_request = -(-max(PREFIXES) // BLOCK_SIZE)
-    num_blocks = 1 + per_request * len(PREFIXES)  # block 0: the null block, never a request's
-    table = (1 + torch.randperm(num_blocks - 1, generator=gen)).view(len(PREFIXES), per_request).to(torch.int32)
+    per_request = -(-max(plens) // BLOCK_SIZE)
+    num_blocks = 1 + per_request * len(plens)  # block 0: the null block, never a request's
+    table = (1 + torch.randperm(num_blocks - 1, generator=gen)).view(len(plens), per_request).to(torch.int32)
     modules, dense = [], {}
     import torch_npu  # the emulation (install_emulation) or the device's
 
@@ -115,7 +132,7 @@ def _target(shapes: dict[str, tuple[int, int]], gen: torch.Generator, dtype):
             # keys of norm ~1 (a q_norm'ed query of norm ~sqrt(d) at scale 1 then scores ~N(0, 1)): a soft attention,
             # where a key masked or shown wrongly moves the output (unit keys make it an argmax that hides them)
             kv = [(torch.randn(p, heads, d, generator=gen, dtype=dtype) / d**0.5,
-                   torch.randn(p, heads, d, generator=gen, dtype=dtype)) for p in PREFIXES]
+                   torch.randn(p, heads, d, generator=gen, dtype=dtype)) for p in plens]
             for row, (k, v) in enumerate(kv):
                 pos = torch.arange(k.shape[0])
                 slots = (table[row, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).view(-1, 1)
@@ -135,19 +152,20 @@ def check_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str
     """Run ``rendered_dir`` (the render of ``manifest``) inside ``model`` over a filled target cache; report V233 and
     V308. Call under the emulation (or on the device)."""
     gen = torch.Generator().manual_seed(seed)
+    plens = prefixes(max((layer.sliding_window or 0 for layer in manifest.layers), default=0))
     text = model.config.get_text_config()
     attn_modules = [layer.self_attn for layer in model.model.layers]
     # per attn_type the target cache's (KV heads, head_dim): transformers' module of that type
     shapes = {layer.attn_type: (text.num_attention_heads // attn.num_key_value_groups, attn.head_dim)
-              for layer, attn in zip(manifest.layers, attn_modules, strict=True)}
+              for layer, attn in zip(manifest.layers[:len(attn_modules)], attn_modules, strict=True)}
     dims = shapes
     model = model.to(dtype)
     rendered = import_rendered(rendered_dir).attention
-    target, dense, table = _target(shapes, gen, dtype)
+    target, dense, table = _target(shapes, plens, gen, dtype)
     framework = manifest.deploy_mode.value == "framework"
     hidden = model.pre_projection.in_features
     embeds = [torch.randn(1, t, hidden, generator=gen, dtype=dtype) for t in DRAFTED]
-    positions = [torch.arange(p, p + t)[None] for p, t in zip(PREFIXES, DRAFTED, strict=True)]
+    positions = [torch.arange(p, p + t)[None] for p, t in zip(plens, DRAFTED, strict=True)]
 
     # the reference: transformers' drafter, one request at a time, the target K/V dense
     with torch.no_grad():
@@ -158,7 +176,7 @@ def check_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str
     meta = SimpleNamespace(
         block_table={t: table for t in dims} if framework else table,
         actual_seq_lengths_cu_q=torch.tensor(DRAFTED).cumsum(0),
-        actual_seq_lengths_kv=torch.tensor(PREFIXES),
+        actual_seq_lengths_kv=torch.tensor(plens),
         attention_mask=~torch.tril(torch.ones(2048, 2048, dtype=torch.bool)),  # the engine's band / causal mask
     )
     calls: list[tuple[int, Any, Any]] = []  # per FA call: the layer, its key cache's storage, its block table
@@ -183,20 +201,19 @@ def check_drafter(report: Report, manifest: SelectionManifest, rendered_dir: str
         got = None
         report.add("rendered code runs without operator errors", "runtime", False,
                    detail=f"layer {calls[-1][0] if calls else '?'}: {type(exc).__name__}: {exc}")
-    _check_reads(report, manifest, calls, owner, table)
+    _check_reads(report, manifest, len(attn_modules), calls, owner, table)
     if got is None:
         return
     diff = max(float((g - w).abs().max()) for g, w in zip(got.split(list(DRAFTED)), want, strict=True))
     tol = TOLERANCE[str(dtype).removeprefix("torch.")]
     report.add(f"drafter logits vs transformers (the same K/V dense as shared_kv_states) max |diff| <= {tol:g}",
                "numeric", diff <= tol, max_abs_diff=diff,
-               requests=len(PREFIXES), prefixes=list(PREFIXES), drafted=list(DRAFTED))
+               requests=len(plens), prefixes=list(plens), drafted=list(DRAFTED))
 
 
-def _check_reads(report: Report, manifest: SelectionManifest, calls: list, owner: dict, table) -> None:
+def _check_reads(report: Report, manifest: SelectionManifest, n: int, calls: list, owner: dict, table) -> None:
     """V233: one FA call per layer, its key cache the target's last layer of the layer's attn_type (not the decoy
     before it) and its block table the target's."""
-    n = len(manifest.layers)
     seen = {i for i, _, _ in calls}
     problem = ""
     for i, key, block_table in calls:

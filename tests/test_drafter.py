@@ -174,3 +174,24 @@ def test_a_drafter_over_layers_other_than_full_and_sliding_or_without_a_target_i
     with pytest.raises(NotSupportedByKvcache) as exc:
         read_facts(lambda *names: None, (2, "num_kv_shared_layers"), 2, ("sliding", "full"), "c.json")
     assert exc.value.field == "num_kv_shared_layers" and "names no target model" in exc.value.message
+
+
+def test_a_window_past_a_cpu_run_runs_the_implementers_render_at_cpu_size(drafter, tmp_path):
+    import contextlib
+
+    from model_infer_kvcache.validators.pipeline.drafter_run import run_drafter
+
+    path, _ = drafter
+    real = json.loads(path.read_text(encoding="utf-8"))
+    real["text_config"]["sliding_window"] = 8192
+    big = tmp_path / "config.json"
+    big.write_text(json.dumps(real), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(big), deploy_mode="framework"))
+    write_rendered(render_manifest(m), tmp_path / "render")
+    report = Report(backend="emulated", deploy_mode="framework", model_type=MODEL_TYPE,
+                    manifest_hash=m.content_hash(), dtype="float64", tolerance=1e-9)
+    run_drafter(report, m, str(tmp_path / "render"), real, 0, torch.float64, install_emulation(),
+                contextlib.nullcontext())
+    assert [(c.id, c.passed) for c in report.checks] == [("V233", True), ("V308", True)]
+    assert report.checks[1].measured["prefixes"] == [CPU_WINDOW + 50, CPU_WINDOW + 150]
+    assert any("window 8192 > 4096" in note for note in report.notes)

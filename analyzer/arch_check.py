@@ -931,7 +931,10 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         if (queries := module_facts.pop(QUERY_FACT, None)) not in (None, facts.heads_at(layer.decoder_layer)):
             how = f"K/V tiled {tiles} x {queries // tiles} KV heads" if tiles else ".num_heads"
             queries_off.append((layer, mod, queries, how))
-        if hf_source != layer.kv_source_layer:
+        # a drafter's layer reads its target's K/V: transformers' module is KV-shared with no store layer in this
+        # model (-1); a module that computes its own K/V (None) beside a drafter plan is off
+        want_source = -1 if layer.reads_target else layer.kv_source_layer
+        if hf_source != want_source:
             source_off.append((layer, mod, hf_source))
         off = fmt.hf_off(layer, {k: v for k, v in module_facts.items() if not k.startswith(MIXER_FACT)}, mod.cls)
         if off:
@@ -985,9 +988,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             f"{mod.cls}.sinks on {len(sinks_off)} layer(s), first layer {layer.index} at {mod.path}")
     if source_off:
         layer, mod, want = source_off[0]
-        planned = "its own K/V cache" if layer.kv_source_layer is None else f"layer {layer.kv_source_layer}'s cache"
-        hf_said = "its own K/V (k_proj / v_proj)" if want is None else f"layer {want}'s K/V ({mod.cls}" \
-            ".is_kv_shared_layer, config kv_sharing_modes)"
+        planned = "the target model's cache" if layer.reads_target else "its own K/V cache" \
+            if layer.kv_source_layer is None else f"layer {layer.kv_source_layer}'s cache"
+        hf_said = "its own K/V (k_proj / v_proj)" if want is None else "K/V computed outside the model (" \
+            f"{mod.cls}.is_kv_shared_layer with no store layer of its type)" if want == -1 else \
+            f"layer {want}'s K/V ({mod.cls}.is_kv_shared_layer, config kv_sharing_modes)"
         result.errors.append(f"KV sharing: analyzer plans layer {layer.index} reading {planned} vs transformers "
                              f"{hf_said} on {len(source_off)} layer(s), first at {mod.path}")
     if format_off:

@@ -30,6 +30,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     render_api,
 )
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of
 from model_infer_kvcache.analyzer.kv_cache_spec import FULL_ATTENTION, MAMBA
@@ -333,6 +334,7 @@ def assemble(
         cache_dtype=cache_dtype,
         linear_attention=rules.decide_linear(facts, parallel, cache_dtype.value if cache_dtype else None, next_n),
         cross_attention=cross,
+        drafter=drafter_kind.decide(facts, layers),
         # the format's own section (dsa, compressed), from the plan built above
         **format_of(facts).sections(facts, layers, groups, parallel, cache_dtype.value if cache_dtype else
                                     facts.dtype.value, req.block_size, memory_plan.max_len),
@@ -643,6 +645,8 @@ def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_siz
                          **_layer_shape(facts, parallel, decoder_idx),
                          **_kv_source(facts, decoder_idx, subs=len(kinds)),
                          **fmt.layer_fields(facts, decoder_idx, cache_dtype or facts.dtype.value, block_size))
+        if facts.drafter.value is not None:  # it reads its target's cache: no entries, its own masks
+            attention.update(drafter_kind.layer_fields(w, reading))
         common = dict(index=start + len(out), decoder_layer=decoder_idx, sublayer=sub, attn_type=attn_type,
                       layer_kind=kind, group_key=fmt.group_key(attn_type, caches))
         # a state layer is its states (no KV cache, no FA call): the manifest's tagged layer plan
@@ -673,6 +677,8 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         groups.append(cross_kind.memory_group(cross))
         derivation.append(cross_kind.memory_note(cross))
     derivation += group_notes
+    if facts.drafter.value is not None:
+        derivation.append(drafter_kind.memory_note(drafter_kind.decide(facts, layers)))
     shared = [layer for layer in layers if layer.kv_source_layer is not None]
     if shared:
         sources = sorted({layer.kv_source_layer for layer in shared})

@@ -21,6 +21,7 @@ from model_infer_kvcache.analyzer.hf_config_source import BadOperand, ConfigClas
 from model_infer_kvcache.analyzer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.linear_config import (
     CCA_HYBRIDS,
@@ -386,6 +387,8 @@ class ModelFacts:
     # per decoder layer: the earlier layer whose K/V cache it reads (None: it computes and caches its own), only
     # when the config shares caches across layers (Gemma-3n / Gemma-4 ``num_kv_shared_layers``)
     kv_sources: Sourced[tuple[int | None, ...] | None] = Sourced(None, "default: every layer caches its own K/V")
+    # a drafter whose every layer reads its target model's K/V (Gemma-4 assistants, analyzer/kinds/drafter.py)
+    drafter: Sourced[drafter_kind.DrafterFacts | None] = Sourced(None, "default: not a drafter")
     # value heads of another width than the key heads (MiMo-V2-Flash's v_head_dim 128 beside head_dim 192); None: equal
     v_head_dim: Sourced[int | None] = Sourced(None, "default: value heads as wide as key heads")
     # the layers whose attention keeps learnable sinks when only some do (MiMo-V2-Flash: its sliding layers); None:
@@ -835,6 +838,9 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     sink_layers = Sourced(sliding_layers, sinks.source) if sliding_rule and sliding_rule.sinks_only and sliding_layers \
         else Sourced(None, "default: every attention layer when has_sinks")
     kv_sources = _kv_sources(r, num_layers.value, layer_kinds.value)
+    shared = r.number("num_kv_shared_layers", kind=int, minimum=0, maximum=LIMITS["layers"])
+    drafter = drafter_kind.read_facts(r.get, (shared.value, shared.source), num_layers.value, layer_kinds.value,
+                                      where) if shared else None
     vocab = r.number("vocab_size", "padded_vocab_size", kind=int, minimum=1, maximum=LIMITS["vocab_size"])
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
@@ -864,6 +870,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         v_head_dim=v_head_dim,
         sink_layers=sink_layers,
         kv_sources=kv_sources,
+        drafter=Sourced(drafter, drafter.source if drafter else "default: not a drafter"),
         sliding_window=sliding_window,
         attn_logit_softcapping=softcap,
         alibi=alibi,
@@ -1375,14 +1382,9 @@ def _kv_sources(r: _Reader, num_layers: int, kinds: tuple[str, ...]) -> Sourced[
         return Sourced(None, "default: every layer caches its own K/V")
     first = num_layers - hit.value
     if first == 0:
-        # Gemma-4 assistants (Gemma4UnifiedAssistantConfig sets num_kv_shared_layers = num_hidden_layers): a drafter
-        # whose every layer attends over the K/V its target model computed (its forward requires shared_kv_states)
-        raise NotSupportedByKvcache(
-            r.where, f"all {num_layers} layers share K/V computed elsewhere: no layer computes or caches K/V of its "
-                     "own, so this is a drafter attending over its target model's cache (transformers' Gemma-4 "
-                     "assistants take shared_kv_states from the target model in forward); plan the target model, "
-                     "whose cache it reads (a drafter over another model's cache is not planned by kvcache)",
-            field=hit.source)
+        # Gemma-4 assistants (Gemma4*AssistantConfig sets num_kv_shared_layers = num_hidden_layers): every layer reads
+        # the K/V its target model computed; no source layer in this model (ModelFacts.drafter, analyzer/kinds/drafter)
+        return Sourced(None, f"{hit.source} = {hit.value}: every layer reads its target model's K/V (a drafter)")
     if first < 0:
         raise InputError(r.where, f"{hit.value} shared layers leave no layer of the {num_layers} to compute K/V",
                          field=hit.source)

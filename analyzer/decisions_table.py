@@ -7,6 +7,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     frameworks_taking,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
 from model_infer_kvcache.analyzer.kv_cache_spec import ChunkedLocalSpec, serves_layer_kind
@@ -166,6 +167,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
     if m.memory.blocks:
         rows.append(("block 数", ", ".join(f"{k}={v}" for k, v in m.memory.blocks.items()),
                      "; ".join(m.memory.derivation[1:])))
+    if m.drafter is not None:
+        rows.append(drafter_kind.decision_row(m))
     if m.cache_dtype is not None:
         rows.append(("cache dtype", f"{m.cache_dtype.value}(config: {m.cache_dtype.config_dtype})",
                      m.cache_dtype.reason))

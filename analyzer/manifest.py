@@ -369,6 +369,19 @@ class CrossAttentionDecision(_Model):
     reason: str
 
 
+class DrafterDecision(_Model):
+    """A drafter over its target model's cache (Gemma-4 assistants, analyzer/kinds/drafter.py): every layer reads
+    the target's K/V of its attn_type through the target's block table; no blocks of its own."""
+
+    target_layers: dict[str, str] = Field(description="per attn_type: the target model's layer whose cache it reads")
+    shared_kv_keys: dict[str, str] = Field(description="per attn_type: transformers' shared_kv_states key")
+    input_width: int = Field(ge=2, description="inputs_embeds width: 2 x backbone_hidden_size (the target's)")
+    blocks: Literal[0] = Field(description="blocks the drafter plans of its own: none")
+    fa: str = Field(description="how its FA calls read the target's cache")
+    source: str
+    reason: str
+
+
 class CacheDtypeDecision(_Model):
     """The cache planned in another dtype than the config's (``kvcache analyze --cache-dtype``)."""
 
@@ -534,6 +547,9 @@ class AttentionLayerPlan(_LayerBase):
         default=None, ge=0, description="a KV-shared layer (Gemma-3n / Gemma-4 num_kv_shared_layers): the index of the "
                                         "earlier layer whose K/V cache it reads through the same block table; it "
                                         "holds no cache of its own (caches empty) and writes none; absent: its own")
+    reads_target: bool | None = Field(
+        default=None, description="a drafter's layer (Gemma-4 assistants): it reads the target model's cache of its "
+                                   "attn_type (drafter.target_layers) and holds none; absent: its own")
 
     @property
     def states(self) -> list[StateSpec]:
@@ -552,7 +568,7 @@ class AttentionLayerPlan(_LayerBase):
     def _omit_unset(self, handler):
         """The per-layer shape fields are written only where a layer differs."""
         return _without_unset(handler(self), "head_dim", "num_kv_heads_per_rank", "compressed",
-                              "attention_chunk_size", "kv_source_layer", "mla_dims", "num_q_heads_per_rank",
+                              "attention_chunk_size", "kv_source_layer", "reads_target", "mla_dims", "num_q_heads_per_rank",
                               "softmax_scale", "scale_derivation")
 
 
@@ -572,6 +588,7 @@ class StateLayerPlan(_LayerBase):
     head_dim: ClassVar[None] = None
     num_kv_heads_per_rank: ClassVar[None] = None
     kv_source_layer: ClassVar[None] = None
+    reads_target: ClassVar[None] = None
     mla_dims: ClassVar[None] = None
     num_q_heads_per_rank: ClassVar[None] = None
     softmax_scale: ClassVar[None] = None
@@ -698,7 +715,7 @@ class Generator(_Model):
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
 OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
-                      "no_cache_layers", "cross_attention", "recurrent_loops")
+                      "no_cache_layers", "cross_attention", "recurrent_loops", "drafter")
 
 
 class SelectionManifest(_Model):
@@ -745,6 +762,9 @@ class SelectionManifest(_Model):
     recurrent_loops: RecurrentLoopsDecision | None = Field(
         default=None, description="a section run several times per forward, each loop with its own cache layers "
                                   "(Dory per_loop), listed after the model's layers; absent: every layer runs once")
+    drafter: DrafterDecision | None = Field(
+        default=None, description="a drafter whose every layer reads its target model's cache (Gemma-4 assistants); "
+                                  "absent: the model computes its own K/V")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")
@@ -899,7 +919,10 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
             elif c.name != "v_cache" and dim is not None and c.dim != dim:
                 out.append((f"{where}.caches[{j}].dim", f"{c.dim} is not {dim}"))
         # The band arguments a render passes: a windowed layer's own, INT32_MAX/0 for every other layer
-        # (an edited value there would be accepted and silently ignored).
+        # (an edited value there would be accepted and silently ignored). A drafter's layer: its own band
+        # (analyzer/kinds/drafter.py, checked there).
+        if layer.reads_target or m.drafter is not None:  # the drafter's layers: drafter.problems says which
+            continue
         if layer.is_sliding:
             if not 0 <= layer.pre_tokens <= (layer.sliding_window or 0):
                 out.append((f"{where}.pre_tokens", f"{layer.pre_tokens} must lie in [0, sliding_window "

@@ -12,6 +12,7 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.files import atomic_write_bytes, atomic_write_text
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.kinds import attention_kind, renders_layer_shapes
+from model_infer_kvcache.implementer.kinds import drafter as drafter_kind
 from model_infer_kvcache.implementer.template_context import Names, RenderContext, build_context, one_line
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -43,7 +44,7 @@ def plan_files(c: RenderContext) -> dict[str, str]:
 @dataclass(frozen=True)
 class Rendered:
     files: dict[str, str]  # relative path -> text
-    context: RenderContext
+    context: RenderContext | None  # None: a drafter's render (implementer/kinds/drafter.py)
 
 
 def check_renderable(manifest: SelectionManifest, flag: str = "--manifest") -> None:
@@ -98,6 +99,8 @@ def _render(manifest: SelectionManifest, names: Names, framework_api: str | None
                                         field="blockers") from None
         raise InputError("--manifest", f"manifest has blockers ({blocked}): pass --allow-blocked to render the "
                                        "Legacy path anyway", field="blockers")
+    if manifest.drafter is not None:  # a drafter over its target's cache: its own file, no runner, no context
+        return Rendered(drafter_kind.render(manifest, _environment(), ATTENTION_FILE), None)
     check_renderable(manifest)
     c = build_context(manifest, names, framework_api)
     env = _environment()

@@ -845,17 +845,17 @@ def test_layer_types_a_config_class_derives_are_read_from_it(tmp_path, monkeypat
         analyze(AnalyzeRequest(config=str(config)))
 
 
-def test_a_drafter_whose_every_layer_reads_its_targets_kv_is_refused_as_such(tmp_path):
+def test_a_drafter_whose_every_layer_reads_its_targets_kv_is_planned_as_one(tmp_path):
     """Gemma-4 Unified's assistant shares K/V on all its layers (Gemma4UnifiedAssistantConfig sets num_kv_shared_layers
     to num_hidden_layers; its forward takes the target model's shared_kv_states): a drafter with no cache of its own,
-    refused saying so (was: 'leave no layer to compute K/V', as if the config were mistyped). More shared layers than
-    layers is still bad input."""
+    planned as one (manifest drafter, no blocks; was refused, and before that 'leave no layer to compute K/V', as if
+    the config were mistyped; rendered and validated in tests/test_drafter.py). More shared layers than layers is
+    still bad input."""
     from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 
     config = _config(tmp_path, "gemma4_unified_assistant")
-    with pytest.raises(NotSupportedByKvcache) as err:
-        analyze(AnalyzeRequest(config=str(config)))
-    assert "drafter attending over its target model's cache" in err.value.message
+    m = analyze(AnalyzeRequest(config=str(config)))
+    assert m.drafter is not None and all(layer.reads_target and not layer.caches for layer in m.layers)
     data = json.loads(config.read_text())
     data["text_config"]["num_kv_shared_layers"] = data["text_config"]["num_hidden_layers"] + 1
     config.write_text(json.dumps(data), encoding="utf-8")

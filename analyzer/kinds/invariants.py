@@ -6,6 +6,7 @@ hand edit that desynchronises a kind's section from the layers it plans is refus
 
 from __future__ import annotations
 
+from model_infer_kvcache.analyzer.kinds import drafter
 from model_infer_kvcache.analyzer.linear_config import CONV_ONLY, k_heads_per_rank
 
 # manifest.RECURRENT_SIZES (this module cannot import the manifest, which imports it)
@@ -16,7 +17,7 @@ INDEXER_KEY_CACHE = "indexer_key_cache"  # the DSA indexer's key cache entry (up
 
 
 def kind_problems(m) -> list[tuple[str, str]]:
-    return [*dsa_problems(m), *state_problems(m), *compressed_problems(m)]
+    return [*dsa_problems(m), *state_problems(m), *compressed_problems(m), *drafter.problems(m)]
 
 
 def dsa_problems(m) -> list[tuple[str, str]]:

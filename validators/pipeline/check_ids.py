@@ -93,6 +93,8 @@ CHECKS: tuple[CheckDef, ...] = (
                                 "its encoder length)"),
     CheckDef("V232", "runtime", "shared-KV attention: each layer's window branch, compressed branch and sinks as the "
                                 "manifest"),
+    CheckDef("V233", "runtime", "drafter: each layer's FA reads the target's last layer of its attn_type through "
+                                "its block table (<N> layers)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),
@@ -102,6 +104,8 @@ CHECKS: tuple[CheckDef, ...] = (
                                 "|diff| <= <N>"),
     CheckDef("V306", "numeric", "greedy tokens identical to recompute"),
     CheckDef("V307", "numeric", "graph mode: replayed decode logits vs eager max |diff| <= <N>"),
+    CheckDef("V308", "numeric", "drafter logits vs transformers (the same K/V dense as shared_kv_states) max |diff| "
+                                "<= <N>"),
     # ---------------------------------------------------------------- release: back where it started
     CheckDef("V401", "release", "outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)"),
     CheckDef("V402", "release", "all blocks back in the pool after the stream"),

@@ -139,7 +139,8 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
     rendered_dir = Path(req.rendered)
     if not (rendered_dir / "kvcache_attention.py").is_file():
         raise InputError(str(rendered_dir), "no kvcache_attention.py: run `kvcache render` first", field="--rendered")
-    if manifest.deploy_mode.value == "standalone" and not (rendered_dir / "kvcache_runner.py").is_file():
+    if manifest.deploy_mode.value == "standalone" and manifest.drafter is None \
+            and not (rendered_dir / "kvcache_runner.py").is_file():  # a drafter renders no runner: the target's runs
         raise InputError(str(rendered_dir), "no kvcache_runner.py (standalone mode renders one): run `kvcache "
                                             "render` again", field="--rendered")
     header = check_inputs_belong(manifest, req.manifest, real_config, req.config, rendered_dir)
@@ -187,6 +188,15 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
                             "measurement: they settle nothing, the sweep still runs): "
                             + ", ".join(f"{q}={a.reading}" for q, a in measured.questions.items()))
     report.readings = dataclasses.asdict(base)
+    if manifest.drafter is not None:  # a drafter over its target's cache: no request stream of its own
+        from model_infer_kvcache.validators.npu_ops import device_readings, install_emulation
+        from model_infer_kvcache.validators.pipeline.drafter_run import run_drafter
+
+        ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
+        run_drafter(report, manifest, req.rendered, inputs.real_config, req.seed, getattr(torch, req.dtype), ops,
+                    device_readings(base))
+        report.seconds = time.perf_counter() - started
+        return report
     _check_render_as_written(report, manifest, req, backend)
     with tempfile.TemporaryDirectory(prefix="kvcache-validate-") as tmp:
         runs = _plan_runs(report, manifest, req, inputs.header, Path(tmp), inputs.real_config)

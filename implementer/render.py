@@ -87,6 +87,11 @@ def render_manifest(
         raise InputError(source, exc.message, field=field) from None
 
 
+def decision_cells(manifest: SelectionManifest) -> list[tuple[str, ...]]:
+    """The manifest's decision rows as INTEGRATION.md's table cells: one line each, pipes escaped."""
+    return [tuple(one_line(str(cell)).replace("|", "\\|") for cell in row) for row in decision_rows(manifest)]
+
+
 def _render(manifest: SelectionManifest, names: Names, framework_api: str | None, allow_blocked: bool) -> Rendered:
     if manifest.blockers and not allow_blocked:
         blocked = "; ".join(b.message for b in manifest.blockers)
@@ -100,14 +105,14 @@ def _render(manifest: SelectionManifest, names: Names, framework_api: str | None
         raise InputError("--manifest", f"manifest has blockers ({blocked}): pass --allow-blocked to render the "
                                        "Legacy path anyway", field="blockers")
     if manifest.drafter is not None:  # a drafter over its target's cache: its own file, no runner, no context
-        return Rendered(drafter_kind.render(manifest, _environment(), ATTENTION_FILE), None)
+        return Rendered(drafter_kind.render(manifest, _environment(), ATTENTION_FILE, INTEGRATION_FILE,
+                                            decision_cells(manifest)), None)
     check_renderable(manifest)
     c = build_context(manifest, names, framework_api)
     env = _environment()
     out = {name: env.get_template(t).render(c=c) for name, t in plan_files(c).items()}
-    rows = [tuple(one_line(str(cell)).replace("|", "\\|") for cell in row) for row in decision_rows(manifest)]
     out[INTEGRATION_FILE] = env.get_template("integration.md.j2").render(
-        c=c, files=sorted(out), decisions=rows, out_hint="<render dir>"
+        c=c, files=sorted(out), decisions=decision_cells(manifest), out_hint="<render dir>"
     )
     return Rendered(out, c)
 

@@ -106,6 +106,22 @@ def test_the_render_reads_the_target_cache_as_transformers_reads_shared_kv_state
     assert report.checks[1].measured["max_abs_diff"] < 1e-11
 
 
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_the_render_says_how_to_integrate_the_drafter(drafter, mode):
+    """Every render carries its INTEGRATION.md: for a drafter, the mixin, the binding to the target's modules, the
+    call and the step metadata (the target's block table, the drafted tokens as queries, the prefix as KV length),
+    and none of a cached model's steps (no cache class, no runner, no KV write)."""
+    _, manifests = drafter
+    files = render_manifest(manifests[mode]).files
+    assert sorted(files) == ["INTEGRATION.md", "kvcache_attention.py"]
+    text = files["INTEGRATION.md"]
+    for words in ("KVCacheDrafterMixin", "init_drafter_cache(layer_idx)", "bind_target_caches(",
+                  "self.drafter_attention(query_states, forward_metadata)", "actual_seq_lengths_kv` = each request's",
+                  "block_table[attn_type]" if mode == "framework" else "the target runner's table"):
+        assert words in text, words
+    assert "init_kv_cache" not in text and "KVCacheRunnerMixin" not in text and "KVCacheAttentionMixin" not in text
+
+
 def _sliding_reads_full(text: str) -> str:
     # the plausible binding slip: every drafter layer pointed at the target's full-attention layer
     return text.replace('object.__setattr__(attn, "target", owners[attn.attn_type])',

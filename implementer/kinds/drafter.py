@@ -22,6 +22,7 @@ from model_infer_kvcache.implementer.header import design_line, generated_line
 from model_infer_kvcache.implementer.kinds.common import bad
 
 TEMPLATE = "kinds/drafter_attention.py.j2"
+INTEGRATION_TEMPLATE = "kinds/drafter_integration.md.j2"
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ def layer_ctx(m: SelectionManifest) -> dict[str, DrafterLayerCtx]:
     return out
 
 
-def render(m: SelectionManifest, env: jinja2.Environment, attention_file: str) -> dict[str, str]:
+def render(m: SelectionManifest, env: jinja2.Environment, attention_file: str, integration_file: str,
+           decisions: list[tuple[str, ...]]) -> dict[str, str]:
     check(m)
     if m.blockers:
         raise InputError("--manifest", "manifest has blockers: " + "; ".join(b.message for b in m.blockers),
@@ -80,4 +82,8 @@ def render(m: SelectionManifest, env: jinja2.Environment, attention_file: str) -
              num_heads_per_rank=m.parallel.num_q_heads_per_rank, layers=layer_ctx(m),
              layer_types={layer.index: layer.attn_type for layer in m.layers}, int32_max=INT32_MAX,
              shared_kv_keys=m.drafter.shared_kv_keys)
-    return {attention_file: env.get_template(TEMPLATE).render(c=c)}
+    files = {attention_file: env.get_template(TEMPLATE).render(c=c)}
+    windows = [p.window for p in c["layers"].values() if p.window]
+    files[integration_file] = env.get_template(INTEGRATION_TEMPLATE).render(
+        c={**c, "window": min(windows) if windows else None}, files=sorted(files), decisions=decisions)
+    return files

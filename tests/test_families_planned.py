@@ -818,8 +818,10 @@ def test_hrm_plans_a_cache_layer_per_cycle_call_validates_and_fails_its_mistakes
     per forward, each call writing cache slot (h x (L_cycles + 1) + l) x num_layers_per_stack + layer_idx
     (HrmTextModel.forward's cycle_offset; num_hidden_layers counts the slots). Planned as one cache layer per call in
     that order, counted in the memory plan, the render registering each call's module, the host routing each call by
-    its cycle_offset. Negative controls: every cycle writing the layer's first cache layer fails the logits (V301); a
-    manifest planned without the cycles' cache layers fails its invariant by name."""
+    its cycle_offset, get_cache_info walking both stacks. Negative controls: every cycle writing the layer's first
+    cache layer fails the logits (V301); a manifest planned without the cycles' cache layers fails its invariant by
+    name; a render walking the L stack only fails at init (V201); a num_hidden_layers that is not the slot count is
+    bad input."""
     from model_infer_kvcache.analyzer.manifest import SelectionManifest
     from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline import host_model
@@ -855,6 +857,14 @@ def test_hrm_plans_a_cache_layer_per_cycle_call_validates_and_fails_its_mistakes
     case = (tmp_path / "m.json", tmp_path / "r", config)
     report = _passes(case)
     assert check(report, "get_cache_info layer count").passed
+    bad = tmp_path / "one_stack"  # a port walking the L stack only: the H stack's calls are registered nowhere
+    shutil.copytree(case[1], bad)
+    report = mistaken_report((case[0], bad, case[2]),
+                             r"\*self\.model\.L_module\.layers, \*self\.model\.H_module\.layers",
+                             "*self.model.L_module.layers")
+    failed = check(report, "rendered code runs without operator errors")  # V201 at init: the runs overrun the list
+    assert not failed.passed and "step -1, layer ?: IndexError" in failed.detail, \
+        [(c.name, c.detail) for c in report.failed()]
 
     # every cycle writing the same cache layer (the layer's first call's): the later cycles overwrite it
     monkeypatch.setattr(host_model, "loop_host", _first_call_host)

@@ -14,6 +14,9 @@ class LoopCtx:
     calls_per_layer: tuple[int, ...]  # per decoder layer, its calls per forward
     offset_kwarg: str  # the attention forward's keyword carrying the call's cache offset
     module_attr: str  # the decoder layer's ModuleList of its later calls' attention modules (the port adds it)
+    # the model's stacks whose layers, joined in this order, are the decoder layers (HRM: L_module.layers,
+    # H_module.layers); empty: the model's own ``layers``
+    stacks: tuple[str, ...] = ()
 
     def call_counts(self) -> str:
         """'decoder layers 0..15: 6 calls, 16..31: 2 calls' (consecutive layers with one count grouped)."""
@@ -41,4 +44,4 @@ def fields(m) -> dict:
     if x is None:
         return {"loops": None}
     counts = tuple(x.calls.count(d) for d in range(m.model.num_layers))
-    return {"loops": LoopCtx(_runs(x.calls), counts, x.offset_kwarg, x.module_attr)}
+    return {"loops": LoopCtx(_runs(x.calls), counts, x.offset_kwarg, x.module_attr, tuple(x.stacks or ()))}

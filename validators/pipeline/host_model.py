@@ -1200,6 +1200,22 @@ class _ModulePaths:
         return _ModulePaths(child) if isinstance(child, dict) else child
 
 
+def _stack_views(hf_model, joined: str, stacks, views: list) -> types.SimpleNamespace:
+    """The model as get_cache_info() walks it when its decoder layers sit in several stacks: each stack's views at
+    that stack's path (HRM: ``L_module.layers``, ``H_module.layers``), no ``layers`` of the model's own."""
+    model = types.SimpleNamespace()
+    start = 0
+    for full, tail in zip(joined.split("+"), stacks, strict=True):
+        n = len(hf_model.get_submodule(full))
+        *parents, leaf = tail.split(".")
+        node = model
+        for name in parents:
+            node = node.__dict__.setdefault(name, types.SimpleNamespace())
+        setattr(node, leaf, views[start:start + n])
+        start += n
+    return model
+
+
 class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
@@ -1371,6 +1387,8 @@ class HostModel:
         self.block_size = block_size
         self.position_offset = position_offset(hf_model)
         self.model = types.SimpleNamespace(layers=views)
+        if loops is not None and loops.stacks:  # a decoder of several stacks (HRM): each at its own path, as built
+            self.model = _stack_views(hf_model, path, loops.stacks, views)
 
     def _loop_hosts(self, loops, idx: int, hf_attn, host, route_one, where: str):
         """(attribute, hosts) of decoder layer idx's later calls (manifest recurrent_loops: Dory per_loop, HRM's

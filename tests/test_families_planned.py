@@ -1376,3 +1376,20 @@ def test_dots3_note_dense_mla_validates_with_its_latent_rescaling_and_fails_with
         report = run_validate(tmp_path / "m.json", rendered, config)
         numeric = check(report, "logits vs transformers")
         assert numeric.passed == (pattern is None), (name, [(c.name, c.detail) for c in report.failed()])
+
+
+def test_attention_tp_keeps_a_ranks_rows_of_the_attentions_own_output_gate():
+    """HRM-text, AfMoE, Dory gate each head's attention output by sigmoid(gate_proj(x)) (heads x head_dim rows): at
+    attention TP 2 a rank keeps its heads' rows, as of q_proj (unsharded, the multi-rank run fails V201 on the shape:
+    measured on HRM-text and AfMoE)."""
+    import types
+
+    import torch
+    from model_infer_kvcache.validators.kinds import gqa
+    from transformers import HrmTextConfig
+    from transformers.models.hrm_text.modeling_hrm_text import HrmTextAttention
+
+    attn = HrmTextAttention(HrmTextConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, head_dim=16), 0)
+    gate, query = attn.gate_proj.weight.detach().clone(), attn.q_proj.weight.detach().clone()
+    gqa.shard_attention(attn, types.SimpleNamespace(num_attention_heads=4, head_dim=16), slice(2, 4), 1, 2)
+    assert torch.equal(attn.gate_proj.weight, gate[32:]) and torch.equal(attn.q_proj.weight, query[32:])

@@ -764,6 +764,14 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                         "mask); hand-written decode code must do the same",
                 fields=[facts.sliding_window.source],
             ))
+    if facts.prefix_lm.value:
+        warnings.append(Finding(
+            message="prefix_lm true: transformers attends the tokens a request marks with token_type_ids == 1 both "
+                    "ways at its first forward (HrmTextModel.forward: create_causal_mask's block_sequence_ids); the "
+                    "plan and its validation attend causally (the paged FA call's causal mask), so serve requests "
+                    "without token_type_ids or give their prefill that mask",
+            fields=[facts.prefix_lm.source],
+        ))
     unplanned = [layer.index for layer in layers if layer.is_recurrent and not layer.is_state]
     if unplanned:
         warnings.append(Finding(

@@ -381,6 +381,9 @@ class ModelFacts:
     sink_layers: Sourced[tuple[int, ...] | None] = Sourced(None, "default: every attention layer when has_sinks")
     # a middle section run several times per forward, each loop with its own caches (Dory per_loop); None: once
     loops: Sourced[loops_kind.LoopFacts | None] = Sourced(None, "default: every decoder layer runs once")
+    # a prefix block attended both ways where the request marks it (HRM-text's prefix_lm with token_type_ids == 1:
+    # HrmTextModel.forward's block_sequence_ids mask at the first forward); the plan attends causally
+    prefix_lm: Sourced[bool] = Sourced(False, "default: causal prompts")
 
     def kv_source_at(self, decoder_layer: int | None) -> int | None:
         sources = self.kv_sources.value
@@ -870,6 +873,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             None, "default: no compressed layers"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
         loops=Sourced(loops, loops.source) if loops else Sourced(None, "default: every decoder layer runs once"),
+        prefix_lm=Sourced(True, prefix[1]) if (prefix := r.get("prefix_lm")) and prefix[0] is True else Sourced(
+            False, "default: causal prompts"),
     )
 
 

@@ -834,6 +834,7 @@ def test_hrm_plans_a_cache_layer_per_cycle_call_validates_and_fails_its_mistakes
     assert real.recurrent_loops.calls == [i + 16 * (l == 3) for h in range(2) for l in range(4) for i in range(16)]  # noqa: E741
     assert slot == list(range(128)) and real.recurrent_loops.offset_kwarg == "cycle_offset"
     assert len(real.recurrent_loops.cache_layers) == 96 and real.layers[48].decoder_layer == 16
+    assert [w.fields for w in real.warnings if w.message.startswith("prefix_lm true")] == [["prefix_lm"]]
 
     config = tmp_path / "hrm.json"  # small enough that the given render runs as written
     config.write_text(json.dumps(HrmTextConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2,

@@ -581,33 +581,35 @@ def _layers(facts: ModelFacts, parallel, kv_mode: str, reading: str, cache_dtype
     window = facts.sliding_window.value
     out = []
     subs = facts.sublayers_per_layer.value
-    for decoder_idx, config_kind in enumerate(facts.layer_kinds.value):
+    loops = facts.loops.value
+    # Dory per_loop, HRM's cycles: each call of a looped layer is a cache layer of its own, in transformers' cache
+    # index order (layer_idx + the call's offset), planned as the layer it runs (analyzer/kinds/loops.py)
+    for decoder_idx in loops.calls if loops else range(len(facts.layer_kinds.value)):
+        config_kind = facts.layer_kinds.value[decoder_idx]
         if config_kind == NO_CACHE:  # no_cache_layers() lists it; the cache layers' index skips it
             continue
         out += _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window,
                           decoder_idx, sublayer_kinds(config_kind, subs), len(out))
-    loops = facts.loops.value
-    # Dory per_loop: each later loop's call of a recurrent layer is a cache layer of its own, after the model's, at
-    # transformers' cache index (layer_idx + cache_offset), planned as the layer it runs (analyzer/kinds/loops.py)
-    for decoder_idx in loops.extra_layers() if loops else ():
-        out += _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window,
-                          decoder_idx, sublayer_kinds(facts.layer_kinds.value[decoder_idx], subs), len(out))
     return out
 
 
 def recurrent_loops(facts: ModelFacts, layers: list[LayerPlan]) -> RecurrentLoopsDecision | None:
-    """The manifest's recurrent_loops section (Dory per_loop), None where every layer runs once."""
+    """The manifest's recurrent_loops section (Dory per_loop, HRM's cycles), None where every layer runs once."""
     loops = facts.loops.value
     if loops is None:
         return None
-    extra = list(range(len(layers) - len(loops.extra_layers()), len(layers)))
+    first: dict[int, int] = {}
+    extra = [i for i, d in enumerate(loops.calls) if first.setdefault(d, i) != i]
+    runs = sorted({loops.calls.count(d) for d in first})
     return RecurrentLoopsDecision(
-        first_layer=loops.first_layer, num_layers=loops.num_layers, loops=loops.loops, cache_layers=extra,
+        calls=list(loops.calls), offset_kwarg=loops.offset_kwarg,
+        stacks=list(loops.stacks) if loops.stacks else None, cache_layers=extra,
         module_attr=loops_kind.MODULE_ATTR, source=loops.source,
-        reason=f"loops 1..{loops.loops - 1} each write their own copy of decoder layers {loops.first_layer}.."
-               f"{loops.first_layer + loops.num_layers - 1}'s caches (cache layers {extra[0]}..{extra[-1]}, "
-               "transformers' layer_idx + cache_offset); one attention module keeps one cache, so the port gives "
-               "each loop its own module, the layer's weights tied (as for Zamba2's shared block)")
+        reason=f"{len(first)} decoder layers make {len(loops.calls)} calls per forward ({' or '.join(map(str, runs))} "
+               f"each), each call writing a cache of its own at transformers' cache index (layer_idx + "
+               f"{loops.offset_kwarg}): {len(loops.calls)} cache layers; one attention module keeps one cache, so "
+               "the port gives each later call its own module, the layer's weights tied (as for Zamba2's shared "
+               "block)")
 
 
 def no_cache_layers(facts: ModelFacts) -> list[NoCacheLayer] | None:
@@ -768,6 +770,14 @@ def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], 
                         "mask); hand-written decode code must do the same",
                 fields=[facts.sliding_window.source],
             ))
+    if facts.prefix_lm.value:
+        warnings.append(Finding(
+            message="prefix_lm true: transformers attends the tokens a request marks with token_type_ids == 1 both "
+                    "ways at its first forward (HrmTextModel.forward: create_causal_mask's block_sequence_ids); the "
+                    "plan and its validation attend causally (the paged FA call's causal mask), so serve requests "
+                    "without token_type_ids or give their prefill that mask",
+            fields=[facts.prefix_lm.source],
+        ))
     unplanned = [layer.index for layer in layers if layer.is_recurrent and not layer.is_state]
     if unplanned:
         warnings.append(Finding(

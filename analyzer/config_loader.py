@@ -396,6 +396,9 @@ class ModelFacts:
     sink_layers: Sourced[tuple[int, ...] | None] = Sourced(None, "default: every attention layer when has_sinks")
     # a middle section run several times per forward, each loop with its own caches (Dory per_loop); None: once
     loops: Sourced[loops_kind.LoopFacts | None] = Sourced(None, "default: every decoder layer runs once")
+    # a prefix block attended both ways where the request marks it (HRM-text's prefix_lm with token_type_ids == 1:
+    # HrmTextModel.forward's block_sequence_ids mask at the first forward); the plan attends causally
+    prefix_lm: Sourced[bool] = Sourced(False, "default: causal prompts")
 
     def kv_source_at(self, decoder_layer: int | None) -> int | None:
         sources = self.kv_sources.value
@@ -737,12 +740,16 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     architectures = _architectures(r)
 
     blocks = block_types(r, model_type)
-    _refuse_cycled_stacks(r)
+    # HRM-text: two stacks called in cycles, num_hidden_layers counting the calls' cache slots (analyzer/kinds/loops)
+    cycled = loops_kind.hrm_stacks(r.get, where)
     _refuse_built_indexer(r, model_type)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
         sublayers = Sourced(2, "model_type longcat_flash (two attention sublayers per decoder layer)")
+    elif cycled is not None:  # the decoder layers are the two stacks' modules; each call its own cache layer
+        num_layers = Sourced(2 * cycled[0], f"2 stacks x num_layers_per_stack ({cycled[3]})")
+        sublayers = Sourced(1, "default: one attention per decoder layer")
     elif blocks is not None:  # Nemotron-H: the layer count is the block list's length
         num_layers = Sourced(len(blocks[0]), f"len({blocks[1]})")
         _check_maximum(where, num_layers.source, num_layers.value, LIMITS["layers"])
@@ -847,7 +854,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
 
     cross = cross_kind.read_facts(r.get, r.cfg)
     # Dory: its saved layer counts are halved above (_dory_layers), as DoryConfig.__post_init__ does
-    loops = loops_kind.read_facts(r.get, where, num_layers.value) if model_type == "dory" else None
+    loops = loops_kind.read_facts(r.get, where, num_layers.value) if model_type == "dory" else \
+        loops_kind.hrm_facts(*cycled) if cycled is not None else None
 
     return ModelFacts(
         path=where,
@@ -889,6 +897,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
             None, "default: no compressed layers"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
         loops=Sourced(loops, loops.source) if loops else Sourced(None, "default: every decoder layer runs once"),
+        prefix_lm=Sourced(True, prefix[1]) if (prefix := r.get("prefix_lm")) and prefix[0] is True else Sourced(
+            False, "default: causal prompts"),
     )
 
 
@@ -908,26 +918,6 @@ def _refuse_adapter_widths(r: _Reader, hidden: Sourced[int], heads: Sourced[int]
                                       f"attention_hidden_size 2 x hidden_size = {width}: with {adapters[1]} true, "
                                       "transformers' Zamba2Attention adds adapter outputs of that width to these "
                                       "projections and does not run", field=name)
-
-
-def _refuse_cycled_stacks(r: _Reader) -> None:
-    """HRM-text: ``num_layers_per_stack`` decoder layers in each of two stacks (H, L), run ``H_cycles`` x
-    (``L_cycles`` + 1) times per forward, each run with its own cache slot (transformers HrmTextModel.forward's
-    cycle_offset; HrmTextConfig rewrites num_hidden_layers to the slot count): one attention module keeps several
-    caches. Read from the config's cycle fields, whatever the model_type."""
-    per_stack = r.get("num_layers_per_stack")
-    high, low = r.get("H_cycles"), r.get("L_cycles")
-    if per_stack is None or high is None or low is None:
-        return
-    values = [v for v, _ in (per_stack, high, low)]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) or values[1] * (values[2] + 1) <= 1:
-        return
-    raise NotSupportedByKvcache(
-        r.where, f"num_hidden_layers counts cache slots, not attention modules: {per_stack[1]} = {values[0]} decoder "
-                 f"layers per stack run {high[1]} {values[1]} x ({low[1]} {values[2]} + 1) times per forward, each run "
-                 "with a KV cache slot of its own (transformers HrmTextModel.forward, cycle_offset), so one attention "
-                 "module keeps several caches: not supported by kvcache (one set of cache entries per attention "
-                 "module)", field=per_stack[1])
 
 
 def _refuse_composite(r: _Reader) -> None:

@@ -67,8 +67,11 @@ def find_attentions(block: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def find_decoder_stack(model: nn.Module) -> DecoderStack:
-    """The longest ModuleList of blocks holding attention modules (hybrids: some blocks, and their blocks may be of
+def find_decoder_stack(model: nn.Module, stacks: tuple[str, ...] | None = None) -> DecoderStack:
+    """The decoder stack; ``stacks`` given (HRM's ``L_module.layers``, ``H_module.layers``: analyzer/kinds/loops), the
+    concatenation of the ModuleLists at those paths (under the model's wrapper), in that order, as one stack.
+
+    Else the longest ModuleList of blocks holding attention modules (hybrids: some blocks, and their blocks may be of
     several classes: Jamba / Bamba build a Mamba layer class beside an attention layer class).
 
     Ties go to the shallowest path (a text decoder over a nested stack of the same length). A stack whose every
@@ -76,6 +79,8 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
     text decoder) is a tower the decoder reads from, not the decoder: it is chosen only when no other stack is
     there (a BERT-era encoder built with is_decoder false, which the cross-check then refuses as bidirectional).
     """
+    if stacks:
+        return _joined_stacks(model, stacks)
     best: tuple[int, int, int, int, str, nn.ModuleList] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -100,6 +105,19 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
         raise LayoutError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks holding an attention module "
                           f"(a child with one of {', '.join('+'.join(sorted(p)) for p in QKV_PROJECTIONS)})")
     return DecoderStack(best[4], best[5])
+
+
+def _joined_stacks(model: nn.Module, stacks: tuple[str, ...]) -> DecoderStack:
+    """The ModuleLists at the paths ``stacks`` (each the shallowest match of its path's end) joined into one stack,
+    path ``a+b``: a decoder whose layers sit in several stacks called in turn."""
+    found = []
+    for tail in stacks:
+        hits = [(path, m) for path, m in model.named_modules()
+                if isinstance(m, nn.ModuleList) and (path == tail or path.endswith(f".{tail}"))]
+        if not hits:
+            raise LayoutError(f"{type(model).__name__}: no nn.ModuleList at *.{tail}")
+        found.append(min(hits, key=lambda hit: hit[0].count(".")))
+    return DecoderStack("+".join(path for path, _ in found), nn.ModuleList([b for _, m in found for b in m]))
 
 
 def noncausal_tower(attentions: list[nn.Module]) -> bool:

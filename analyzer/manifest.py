@@ -328,17 +328,20 @@ class LinearAttentionDecision(_Model):
 
 
 class RecurrentLoopsDecision(_Model):
-    """A middle section run ``loops`` times per forward, each loop with caches of its own (Dory's per_loop mode,
-    analyzer/kinds/loops.py): loop k >= 1's call of decoder layer i is cache layer ``num_layers + (k - 1) x
-    num_layers_in_loop + (i - first_layer)``, transformers' own cache index (``i + cache_offset``), with layer i's
-    attention; the port gives each loop its own attention module, the weights tied."""
+    """Decoder layers called several times per forward, each call with caches of its own (Dory's per_loop loops,
+    HRM's cycled stacks: analyzer/kinds/loops.py): cache layer i, in transformers' own cache index order (the
+    module's ``layer_idx`` + the call's offset), runs decoder layer ``calls[i]`` with that layer's attention; the port
+    gives each call after a layer's first its own attention module, the weights tied."""
 
-    first_layer: int = Field(ge=0, description="the section's first decoder layer (Dory: n_input_layers)")
-    num_layers: int = Field(ge=1, description="decoder layers in the section (Dory: n_recurrent_layers)")
-    loops: int = Field(ge=2, description="passes through the section per forward (Dory: n_recurrent_loops)")
-    cache_layers: list[int] = Field(description="the extra cache layers' indices (loops 1 ..), after the model's")
-    module_attr: str = Field(description="the decoder layer's attribute holding its loop attention modules, one per "
-                                         "loop after the first (the port adds it)")
+    calls: list[int] = Field(description="per cache layer (transformers' cache index order), the decoder layer it runs")
+    offset_kwarg: str = Field(description="the attention forward's keyword carrying the call's cache offset "
+                                          "(Dory: cache_offset, HRM: cycle_offset)")
+    stacks: list[str] | None = Field(default=None, description="the module paths whose concatenated layers are the "
+                                                               "decoder layers, where there are several (HRM: "
+                                                               "L_module.layers, H_module.layers); absent: one stack")
+    cache_layers: list[int] = Field(description="the cache layers that are not their layer's first call")
+    module_attr: str = Field(description="the decoder layer's attribute holding its later calls' attention modules, "
+                                         "one per call after the first (the port adds it)")
     source: str
     reason: str
 
@@ -761,7 +764,8 @@ class SelectionManifest(_Model):
                                   "encoder states, beside the self-attention's paged cache; absent: decoder-only")
     recurrent_loops: RecurrentLoopsDecision | None = Field(
         default=None, description="a section run several times per forward, each loop with its own cache layers "
-                                  "(Dory per_loop), listed after the model's layers; absent: every layer runs once")
+                                  "(Dory per_loop, HRM's cycles), in transformers' cache order; absent: every layer "
+                                  "runs once")
     drafter: DrafterDecision | None = Field(
         default=None, description="a drafter whose every layer reads its target model's cache (Gemma-4 assistants); "
                                   "absent: the model computes its own K/V")
@@ -871,14 +875,14 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         {layer.decoder_layer for layer in m.layers if layer.sublayer}
     short = len(state_only) * (model.sublayers_per_layer - 1) if m.parallel_hybrid() else 0
     loops = m.recurrent_loops
-    extra = loops.num_layers * (loops.loops - 1) if loops else 0  # each later loop's copies (Dory per_loop)
+    extra = len(loops.cache_layers) if loops else 0  # each layer's later calls (Dory per_loop, HRM's cycles)
     want_layers = model.num_layers * model.sublayers_per_layer - len(uncached) - short + extra
     with_mtp = want_layers + model.num_mtp_layers * model.sublayers_per_layer
     if len(m.layers) not in (want_layers, with_mtp):
         out.append(("layers", f"{len(m.layers)} entries for {model.num_layers} decoder layers x "
                               f"{model.sublayers_per_layer} sublayer(s) - {len(uncached)} block(s) without a cache "
                               + (f"- {short} for the state-only layers " if short else "")
-                              + (f"+ {extra} for recurrent loops 1..{loops.loops - 1} " if extra else "")
+                              + (f"+ {extra} for the layers' later calls " if extra else "")
                               + f"= {want_layers}"))
     out += loops_kind.loop_problems(m)
     cached_blocks = {layer.decoder_layer for layer in m.layers}

@@ -809,21 +809,71 @@ def test_composite_configs_are_refused_naming_their_sub_model_sections(tmp_path,
     assert err.value.field == "num_hidden_layers" and all(w in err.value.message for w in words), err.value.render()
 
 
-def test_hrm_cycled_stacks_are_refused_as_several_caches_per_module(tmp_path, monkeypatch):
-    """HRM-text runs each of its 2 x 16 attention modules several times per forward, each run with a cache slot of its
-    own (num_hidden_layers 128 counts the slots). Refused from its cycle fields; negative control: without the rule
-    the cross-check refuses the 128-layer plan against transformers' 16-block stack."""
-    from model_infer_kvcache.analyzer import config_loader
-    from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+def _first_call_host(module, cache_offset):
+    """A port whose later calls all write the layer's first call's cache (the offset ignored): the negative control
+    of a looped layer's routing (host_model.loop_host)."""
+    return module._kvcache_loop_hosts[min(module._kvcache_loop_hosts)]
 
-    config = _config(tmp_path, "hrm_text")
-    with pytest.raises(NotSupportedByKvcache) as err:
-        analyze(AnalyzeRequest(config=str(config)))
-    assert err.value.field == "num_layers_per_stack" and "one attention module keeps several caches" in \
-        err.value.message
-    monkeypatch.setattr(config_loader, "_refuse_cycled_stacks", lambda r: None)
-    with pytest.raises(InputError, match="attention layers: analyzer plans 128, transformers builds 16"):
-        analyze(AnalyzeRequest(config=str(config)))
+
+def test_hrm_plans_a_cache_layer_per_cycle_call_validates_and_fails_its_mistakes(tmp_path, monkeypatch):
+    """HRM-text (issue 40): its L and H stacks (num_layers_per_stack layers each) run H_cycles x (L_cycles + 1) times
+    per forward, each call writing cache slot (h x (L_cycles + 1) + l) x num_layers_per_stack + layer_idx
+    (HrmTextModel.forward's cycle_offset; num_hidden_layers counts the slots). Planned as one cache layer per call in
+    that order, counted in the memory plan, the render registering each call's module, the host routing each call by
+    its cycle_offset, get_cache_info walking both stacks. Negative controls: every cycle writing the layer's first
+    cache layer fails the logits (V301); a manifest planned without the cycles' cache layers fails its invariant by
+    name; a render walking the L stack only fails at init (V201); a num_hidden_layers that is not the slot count is
+    bad input."""
+    from model_infer_kvcache.analyzer.manifest import SelectionManifest
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+    from model_infer_kvcache.validators.pipeline import host_model
+    from model_infer_kvcache.validators.pipeline import validate as pipeline
+    from transformers import HrmTextConfig
+
+    real = analyze(AnalyzeRequest(config=str(_config(tmp_path, "hrm_text"))))  # the class defaults: 2 x 16 layers
+    assert real.model.num_layers == 32 and len(real.layers) == 128 and not real.blockers
+    slot = [(h * 4 + l) * 16 + i for h in range(2) for l in range(4) for i in range(16)]  # noqa: E741
+    assert real.recurrent_loops.calls == [i + 16 * (l == 3) for h in range(2) for l in range(4) for i in range(16)]  # noqa: E741
+    assert slot == list(range(128)) and real.recurrent_loops.offset_kwarg == "cycle_offset"
+    assert len(real.recurrent_loops.cache_layers) == 96 and real.layers[48].decoder_layer == 16
+    assert [w.fields for w in real.warnings if w.message.startswith("prefix_lm true")] == [["prefix_lm"]]
+
+    config = tmp_path / "hrm.json"  # small enough that the given render runs as written
+    config.write_text(json.dumps(HrmTextConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2,
+                                               head_dim=64, intermediate_size=128, vocab_size=512,
+                                               H_cycles=2, L_cycles=2).to_dict()), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode="framework"))
+    assert m.recurrent_loops.calls == [0, 1, 0, 1, 2, 3, 0, 1, 0, 1, 2, 3] and not m.blockers
+    from model_infer_kvcache.analyzer.errors import InputError
+    with pytest.raises(InputError, match=r"num_hidden_layers: 12 is not num_layers_per_stack 2 x H_cycles 1 x "
+                                         r"\(L_cycles 1 \+ 1\) = 4"):  # the slot count HrmTextConfig keeps
+        analyze(AnalyzeRequest(config=str(_config_with(tmp_path, config, H_cycles=1, L_cycles=1))))
+    once = analyze(AnalyzeRequest(config=str(_config_with(tmp_path, config, H_cycles=1, L_cycles=1,
+                                                          num_hidden_layers=4)), deploy_mode="framework"))
+    assert len(once.layers) == 4 and m.memory.per_token_bytes == once.memory.per_token_bytes * 12 // 4
+    data = json.loads(m.to_json())
+    data["layers"] = data["layers"][:4]  # the cache count planned without the cycles: one cache per module
+    with pytest.raises(ValueError, match=r"layers: 4 entries .* \+ 8 for the layers' later calls = 12"):
+        SelectionManifest.model_validate(data)
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(m), tmp_path / "r")
+    case = (tmp_path / "m.json", tmp_path / "r", config)
+    report = _passes(case)
+    assert check(report, "get_cache_info layer count").passed
+    bad = tmp_path / "one_stack"  # a port walking the L stack only: the H stack's calls are registered nowhere
+    shutil.copytree(case[1], bad)
+    report = mistaken_report((case[0], bad, case[2]),
+                             r"\*self\.model\.L_module\.layers, \*self\.model\.H_module\.layers",
+                             "*self.model.L_module.layers")
+    failed = check(report, "rendered code runs without operator errors")  # V201 at init: the runs overrun the list
+    assert not failed.passed and "step -1, layer ?: IndexError" in failed.detail, \
+        [(c.name, c.detail) for c in report.failed()]
+
+    # every cycle writing the same cache layer (the layer's first call's): the later cycles overwrite it
+    monkeypatch.setattr(host_model, "loop_host", _first_call_host)
+    monkeypatch.setattr(pipeline, "_localise", lambda *args, **kwargs: None)  # the failing check is the point
+    report = run_validate(*case)
+    assert not check(report, "logits vs transformers").passed, [(c.name, c.detail) for c in report.failed()]
 
 
 def test_layer_types_a_config_class_derives_are_read_from_it(tmp_path, monkeypatch):
@@ -1320,7 +1370,7 @@ def test_dory_plans_a_cache_layer_per_loop_validates_and_fails_its_mistakes(tmp_
     assert m.memory.per_token_bytes == once.memory.per_token_bytes * 8 // 5  # 8 cache layers, not 5
     data = json.loads(m.to_json())
     data["layers"] = data["layers"][:5]  # planned without loop 1's layers
-    with pytest.raises(ValueError, match=r"layers: 5 entries .* \+ 3 for recurrent loops 1\.\.1 = 8"):
+    with pytest.raises(ValueError, match=r"layers: 5 entries .* \+ 3 for the layers' later calls = 8"):
         SelectionManifest.model_validate(data)
     (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
     write_rendered(render_manifest(m), tmp_path / "r")
@@ -1330,12 +1380,11 @@ def test_dory_plans_a_cache_layer_per_loop_validates_and_fails_its_mistakes(tmp_
 
     bad = tmp_path / "no_loops"
     shutil.copytree(case[1], bad)
-    report = mistaken_report((case[0], bad, case[2]), r"for loop in range\(1, 2\):", "for loop in range(1, 1):")
+    report = mistaken_report((case[0], bad, case[2]), r"in \(\(0, 5\), \(1, 3\)\):", "in ((0, 5),):")
     assert not check(report, "get_cache_info layer count").passed, [(c.name, c.detail) for c in report.failed()]
 
     # every loop writing the layer's own cache: the port's loop modules all initialised at layer_idx
-    monkeypatch.setattr(host_model, "loop_host", lambda module, cache_offset: module._kvcache_loop_hosts[
-        module.layer_idx])
+    monkeypatch.setattr(host_model, "loop_host", _first_call_host)
     monkeypatch.setattr(pipeline, "_localise", lambda *args, **kwargs: None)  # the failing check is the point
     report = run_validate(*case)
     assert not check(report, "logits vs transformers").passed, [(c.name, c.detail) for c in report.failed()]
@@ -1472,3 +1521,20 @@ def test_dots3_note_dense_mla_validates_with_its_latent_rescaling_and_fails_with
         report = run_validate(tmp_path / "m.json", rendered, config)
         numeric = check(report, "logits vs transformers")
         assert numeric.passed == (pattern is None), (name, [(c.name, c.detail) for c in report.failed()])
+
+
+def test_attention_tp_keeps_a_ranks_rows_of_the_attentions_own_output_gate():
+    """HRM-text, AfMoE, Dory gate each head's attention output by sigmoid(gate_proj(x)) (heads x head_dim rows): at
+    attention TP 2 a rank keeps its heads' rows, as of q_proj (unsharded, the multi-rank run fails V201 on the shape:
+    measured on HRM-text and AfMoE)."""
+    import types
+
+    import torch
+    from model_infer_kvcache.validators.kinds import gqa
+    from transformers import HrmTextConfig
+    from transformers.models.hrm_text.modeling_hrm_text import HrmTextAttention
+
+    attn = HrmTextAttention(HrmTextConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, head_dim=16), 0)
+    gate, query = attn.gate_proj.weight.detach().clone(), attn.q_proj.weight.detach().clone()
+    gqa.shard_attention(attn, types.SimpleNamespace(num_attention_heads=4, head_dim=16), slice(2, 4), 1, 2)
+    assert torch.equal(attn.gate_proj.weight, gate[32:]) and torch.equal(attn.q_proj.weight, query[32:])

@@ -121,6 +121,13 @@ def shard_attention(attn, model, heads: slice, rank: int, tp: int) -> int:
     attn.q_proj.weight = keep_rows(attn.q_proj.weight, heads.start * per, heads.stop * per)
     if attn.q_proj.bias is not None:
         attn.q_proj.bias = keep_rows(attn.q_proj.bias, heads.start * per, heads.stop * per)
+    # an output gate of its own, sigmoid(gate_proj(x)) times each head's output (HRM-text): this rank's heads' rows
+    gate = getattr(attn, "gate_proj", None)
+    if isinstance(gate, torch.nn.Linear) and gate.out_features % model.num_attention_heads == 0:
+        g = gate.out_features // model.num_attention_heads
+        gate.weight = keep_rows(gate.weight, heads.start * g, heads.stop * g)
+        if gate.bias is not None:
+            gate.bias = keep_rows(gate.bias, heads.start * g, heads.stop * g)
     lo, hi = kv_head_of_rank(rank, tp, kv_heads)
     for proj, width in ((attn.k_proj, d), (attn.v_proj, vd)):
         if proj is None:  # K = V (Gemma-4's attention_k_eq_v full layers): the values are the keys' projection

@@ -1058,10 +1058,11 @@ def make_host_linear(mixin: type) -> type:
     return HostLinear
 
 
-def decoder_layers(hf_model) -> tuple[str, torch.nn.ModuleList]:
-    """(path, layers) of the decoder stack; a model with none is refused in one line."""
+def decoder_layers(hf_model, stacks=None) -> tuple[str, torch.nn.ModuleList]:
+    """(path, layers) of the decoder stack (``stacks``: the paths of several joined, manifest recurrent_loops.stacks);
+    a model with none is refused in one line."""
     try:
-        stack = find_decoder_stack(hf_model)
+        stack = find_decoder_stack(hf_model, tuple(stacks) if stacks else None)
     except LayoutError as exc:
         raise InputError("--config", f"the validation host found no decoder layers: {exc}", field="model_type") from None
     return stack.path, stack.layers
@@ -1206,17 +1207,17 @@ def _attention_sublayers(hits: list[tuple[str, object]], state) -> list[tuple[st
 
 
 def loop_host(module, cache_offset: int):
-    """The host of the cache layer a looped call writes (Dory: ``layer_idx + cache_offset``, DoryAttention.forward's
-    cache index; the port gives that call its own module)."""
+    """The host of the cache layer a looped call writes: transformers' cache index ``layer_idx + offset`` (Dory's
+    cache_offset, HRM's cycle_offset; the port gives that call its own module)."""
     return module._kvcache_loop_hosts[module.layer_idx + cache_offset]
 
 
-def _looped_forward(forward):
+def _looped_forward(forward, offset_kwarg: str):
     """A looped layer's attention forward that routes each call to the host of its cache layer (transformers passes
-    the loop's cache_offset), then runs the module's own forward."""
-    def call(self, *args, cache_offset: int = 0, **kwargs):
-        self._kvcache_host = loop_host(self, cache_offset)
-        return forward(*args, cache_offset=cache_offset, **kwargs)
+    the call's offset as ``offset_kwarg``), then runs the module's own forward."""
+    def call(self, *args, **kwargs):
+        self._kvcache_host = loop_host(self, kwargs.get(offset_kwarg, 0))
+        return forward(*args, **kwargs)
 
     return call
 
@@ -1267,6 +1268,22 @@ class _ModulePaths:
         return _ModulePaths(child) if isinstance(child, dict) else child
 
 
+def _stack_views(hf_model, joined: str, stacks, views: list) -> types.SimpleNamespace:
+    """The model as get_cache_info() walks it when its decoder layers sit in several stacks: each stack's views at
+    that stack's path (HRM: ``L_module.layers``, ``H_module.layers``), no ``layers`` of the model's own."""
+    model = types.SimpleNamespace()
+    start = 0
+    for full, tail in zip(joined.split("+"), stacks, strict=True):
+        n = len(hf_model.get_submodule(full))
+        *parents, leaf = tail.split(".")
+        node = model
+        for name in parents:
+            node = node.__dict__.setdefault(name, types.SimpleNamespace())
+        setattr(node, leaf, views[start:start + n])
+        start += n
+    return model
+
+
 class HostModel:
     """The tiny transformers model with its attention routed through the rendered code."""
 
@@ -1295,7 +1312,7 @@ class HostModel:
         self._looped = []  # the hosts of a looped section's later loops (Dory), after the model's in self.attentions
         self.cross_attentions = []  # an encoder-decoder's decoder: each layer's cross-attention module, routed
         self.cross_prefill_lens: dict[int, list[int]] = {}  # step -> its requests' encoder lengths (prefill steps)
-        path, layers = decoder_layers(hf_model)
+        path, layers = decoder_layers(hf_model, loops.stacks if loops else None)
         cross_names = CROSS_MODULE_NAMES if hasattr(host_cls, "init_cross_cache") else ()
         hidden = _cross_hidden(layers, cross_names)
         # each request's encoder output (None: a decoder-only render); the pipeline hands the reference the same
@@ -1409,7 +1426,8 @@ class HostModel:
                                              f"{path}.{idx} ({type(layer).__name__}) holds {len(hits)}",
                                  field="model_type")
             name, hf_attn = hits[0]
-            host = route_one(f"{path}.{idx}.{name}", hf_attn, idx)
+            # a looped layer's own module serves its first call's cache layer (transformers' order)
+            host = route_one(f"{path}.{idx}.{name}", hf_attn, loops.calls.index(idx) if loops else idx)
             # a parallel hybrid (Falcon-H1) or a Zamba2 hybrid layer: the attention sublayer, then the mixer's states
             self.attentions += [host] if state is None else [host, state]
             if state is not None and state_attr.startswith(f"{name}."):
@@ -1424,10 +1442,10 @@ class HostModel:
                 # own cache), transformers tying the shared block's weights, not the module.
                 views.append(_ModulePaths({name: host, state_attr: state}))
                 continue
-            looped = self._loop_hosts(loops, len(layers), idx, hf_attn, host, route_one, f"{path}.{idx}.{name}")
+            looped = self._loop_hosts(loops, idx, hf_attn, host, route_one, f"{path}.{idx}.{name}")
             views.append(_DecoderLayer(host, state_attr, state, cross, looped))
-        # a looped section's later loops (Dory): their cache layers follow the model's, in transformers' order
-        self.attentions += sorted(self._looped, key=lambda h: h.layer_idx)
+        if loops is not None:  # looped layers (Dory, HRM): every call's host in transformers' cache index order
+            self.attentions = sorted(self.attentions + self._looped, key=lambda h: h.layer_idx)
         for name, module in hf_model.named_modules():
             if name.endswith("embed_positions") and not name.split(".")[-2:-1] == ["encoder"] and (
                     self.encoder is not None or derives_positions(module)):
@@ -1447,20 +1465,22 @@ class HostModel:
         self.block_size = block_size
         self.position_offset = position_offset(hf_model)
         self.model = types.SimpleNamespace(layers=views)
+        if loops is not None and loops.stacks:  # a decoder of several stacks (HRM): each at its own path, as built
+            self.model = _stack_views(hf_model, path, loops.stacks, views)
 
-    def _loop_hosts(self, loops, n_layers: int, idx: int, hf_attn, host, route_one, where: str):
-        """(attribute, hosts) of decoder layer idx's later loops (manifest recurrent_loops: Dory per_loop), None
-        outside the looped section. Each loop's call of the layer is its own cache layer, transformers' index
-        ``layer_idx + cache_offset``: a host (its own cache) per loop, the module's forward routing each call by the
-        cache_offset it receives."""
-        if loops is None or not loops.first_layer <= idx < loops.first_layer + loops.num_layers:
+    def _loop_hosts(self, loops, idx: int, hf_attn, host, route_one, where: str):
+        """(attribute, hosts) of decoder layer idx's later calls (manifest recurrent_loops: Dory per_loop, HRM's
+        cycles), None for a layer called once. Each call is its own cache layer, transformers' index ``layer_idx +
+        offset``: a host (its own cache) per call, the module's forward routing each call by the offset it
+        receives."""
+        cache_layers = [i for i, d in enumerate(loops.calls) if d == idx] if loops is not None else []
+        if len(cache_layers) < 2:
             return None
-        hosts = [route_one(f"{where} (loop {k})", hf_attn,
-                           n_layers + (k - 1) * loops.num_layers + idx - loops.first_layer)
-                 for k in range(1, loops.loops)]
+        hosts = [route_one(f"{where} (call {k})", hf_attn, i) for k, i in enumerate(cache_layers[1:], 1)]
+        # keyed by cache index, the manifest's being transformers' own (the module's layer_idx + the call's offset)
         hf_attn._kvcache_loop_hosts = {h.layer_idx: h for h in (host, *hosts)}
         hf_attn._kvcache_host = host
-        hf_attn.forward = types.MethodType(_looped_forward(hf_attn.forward), hf_attn)
+        hf_attn.forward = types.MethodType(_looped_forward(hf_attn.forward, loops.offset_kwarg), hf_attn)
         self._looped += hosts
         return loops.module_attr, hosts
 

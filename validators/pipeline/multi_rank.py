@@ -54,7 +54,8 @@ def shard_attention(model, manifest, rank: int, tp: int, group=None) -> None:
     from model_infer_kvcache.analyzer.hf_layout import find_attentions
     from model_infer_kvcache.validators.pipeline.host_model import decoder_layers, find_linear
 
-    for layer in decoder_layers(model)[1]:
+    loops = manifest.recurrent_loops  # a decoder of several stacks (HRM): each stack's layers
+    for layer in decoder_layers(model, loops.stacks if loops else None)[1]:
         linear = find_linear(layer)
         if linear is not None:  # a hybrid's linear layer: its gated delta net holds this rank's key/value heads
             _shard_gated_delta(linear[1], rank, tp).out_proj.register_forward_hook(all_reduce)

@@ -259,10 +259,9 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             if manifest.attention_chunk_size() != tiny.attention_chunk_size() else
             f"index_topk {_index_topk(manifest)} is wider than CPU prompts"
             if _index_topk(manifest) != _index_topk(tiny) else
-            f"the {manifest.model.num_layers}-layer stack runs layers {manifest.recurrent_loops.first_layer}.."
-            f"{manifest.recurrent_loops.first_layer + manifest.recurrent_loops.num_layers - 1} "
-            f"{manifest.recurrent_loops.loops} times (a cache per loop): a tiny stack keeps one input layer, the "
-            "looped layers' first plans and one output layer"
+            f"the {manifest.model.num_layers} decoder layers make {len(manifest.recurrent_loops.calls)} calls per "
+            "forward (a cache per call): a tiny stack keeps the first layer of each section called once and the "
+            "first plans of each section called several times"
             if manifest.recurrent_loops is not None and tiny.model.num_layers != manifest.model.num_layers else
             f"the tiny model's hidden size ties to heads x head_dim "
             f"({manifest.model.num_attention_heads * manifest.model.head_dim})")

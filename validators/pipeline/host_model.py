@@ -1086,6 +1086,8 @@ def encoder_kwargs(model, states: torch.Tensor) -> dict:
     params = inspect.signature(model.forward).parameters
     if "encoder_hidden_states" in params:
         return {"encoder_hidden_states": states}
+    if "cross_attention_states" in params:  # Mllama: the vision states (no mask: every row sees them all)
+        return {"cross_attention_states": states}
     return {"encoder_outputs": (states,)}
 
 
@@ -1263,6 +1265,13 @@ class HostModel:
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
+            crossed = [hit for hit in find_attentions(layer) if hit[0].rsplit(".", 1)[-1] in cross_names]
+            if idx in uncached and crossed and linear is None and len(find_attentions(layer)) == 1:
+                # a cross-attention-only block (Mllama): no self-attention cache, its slots a cache layer of their own
+                cross_host = self._route_cross(crossed[0], idx, host_cls, cache_dtype, is_mla)
+                views.append(_DecoderLayer(types.SimpleNamespace(), cross=(crossed[0][0].rsplit(".", 1)[-1],
+                                                                          cross_host)))
+                continue
             if idx in uncached:  # a block the manifest plans without any cache (an MLP / MoE block): left as it is
                 if linear is not None or find_attentions(layer):
                     raise InputError("--config", f"{path}.{idx} ({type(layer).__name__}) is planned without a cache "
@@ -1312,15 +1321,8 @@ class HostModel:
             crossed = [hit for hit in hits if hit[0].rsplit(".", 1)[-1] in cross_names]
             if crossed:
                 hits = [hit for hit in hits if hit not in crossed]
-                cross_host = host_cls(crossed[0][1], idx, self.probe)
-                cross_host.is_cross = True
-                cross_host.init_cross_cache(idx, cache_dtype)
-                crossed[0][1]._kvcache_host = cross_host
-                if attention_route(crossed[0][1], is_mla) == "eager_qkv":  # TrOCR, MVP: their own score code
-                    crossed[0][1].forward = types.MethodType(
-                        _padded(_eager_qkv_forward, _returned_values(crossed[0][1])), crossed[0][1])
-                self.cross_attentions.append(cross_host)
-                cross = (crossed[0][0].rsplit(".", 1)[-1], cross_host)
+                cross = (crossed[0][0].rsplit(".", 1)[-1],
+                         self._route_cross(crossed[0], idx, host_cls, cache_dtype, is_mla))
             if linear is not None and not (hits and state_attr):  # a parallel hybrid's Mamba layer keeps attention
                 self.attentions.append(state)
                 views.append(_DecoderLayer(state, state_attr))
@@ -1391,6 +1393,18 @@ class HostModel:
         if mixin is None:
             raise LookupError("rendered code has no get_cache_info (standalone or legacy mode)")
         return mixin.get_cache_info(self)
+
+    def _route_cross(self, hit, idx: int, host_cls, cache_dtype, is_mla: bool):
+        """A decoder layer's cross-attention module routed through the rendered slots (its host, in
+        self.cross_attentions)."""
+        cross_host = host_cls(hit[1], idx, self.probe)
+        cross_host.is_cross = True
+        cross_host.init_cross_cache(idx, cache_dtype)
+        hit[1]._kvcache_host = cross_host
+        if attention_route(hit[1], is_mla) == "eager_qkv":  # TrOCR, MVP: their own score code
+            hit[1].forward = types.MethodType(_padded(_eager_qkv_forward, _returned_values(hit[1])), hit[1])
+        self.cross_attentions.append(cross_host)
+        return cross_host
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:

@@ -699,7 +699,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1]) ** 0.5)
-            elif name.endswith("sinks"):
+            elif name.endswith("sinks") or name.endswith(cross.GATE_PARAMS):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif "norm" in name or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))

@@ -90,6 +90,17 @@ def check_cross_calls(report, manifest, host) -> None:
     report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls))
 
 
+def tiny_prefix(manifest, n: int) -> tuple[int, str | None]:
+    """The tiny model's decoder-layer prefix grown by one block when it ends at a cross-attention-only block (Mllama)
+    and the model has a block after it: a self-attention layer then caches what the cross-attention wrote into the
+    stream, instead of the cross output going straight to the head. (n, the note; None when unchanged)."""
+    x = manifest.cross_attention
+    if x is None or x.self_attention or (n - 1) not in x.layers or n >= manifest.model.num_layers:
+        return n, None
+    return n + 1, (f"block {n} kept after the cross-attention-only block {n - 1}: its self-attention caches the "
+                   "stream the cross-attention wrote")
+
+
 def tiny_cross_fields(d: dict, manifest, layers: int) -> None:
     """The tiny config of an encoder-decoder's decoder, in place: its own fields (BART family, Whisper, TrOCR name
     the decoder's stack ``decoder_layers`` / ``decoder_attention_heads`` / ``decoder_ffn_dim``; the generic names the

@@ -126,6 +126,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     n, reused = recurrent.shared_block_prefix(manifest, src, n)  # Zamba2: a hybrid layer reusing a shared block
     if reused:
         notes.append(reused)
+    n, after_cross = cross.tiny_prefix(manifest, n)  # Mllama: a self-attention block after the cross-only one
+    if after_cross:
+        notes.append(after_cross)
     m = manifest.model
     d["num_hidden_layers"] = n
     if m.sublayers_per_layer > 1 and not manifest.parallel_hybrid():  # Falcon-H1: one layer, two plans  # transformers counts attention sublayers (LongCat-Flash: 2 per layer)

@@ -131,3 +131,20 @@ def test_a_cross_only_render_mistake_fails_by_name(tmp_path, case, dispatch, pat
     report = run_validate(manifest, rendered, config, scenario=SHORT)
     assert not report.passed
     assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
+
+
+def test_the_reference_reads_padded_vision_states_through_transformers_mask(tmp_path, monkeypatch):
+    """The reference gets each request's vision states padded to the reservation and transformers' own
+    cross_attention_mask hiding the padding; the model under test reads the unpadded length from its slot. Without
+    the mask the reference attends over the padding rows too, and the numeric check fails: the padding is real."""
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    real = host_model.masked_vision_kwargs
+
+    def unmasked(*args):
+        out = real(*args)
+        return {"cross_attention_states": out["cross_attention_states"]}
+
+    monkeypatch.setattr(host_model, "masked_vision_kwargs", unmasked)
+    report = run_validate(*_case(tmp_path, STANDALONE), scenario=SHORT)
+    assert not check(report, NUMERIC).passed

@@ -1086,9 +1086,29 @@ def encoder_kwargs(model, states: torch.Tensor) -> dict:
     params = inspect.signature(model.forward).parameters
     if "encoder_hidden_states" in params:
         return {"encoder_hidden_states": states}
-    if "cross_attention_states" in params:  # Mllama: the vision states (no mask: every row sees them all)
+    if "cross_attention_states" in params:  # Mllama: the vision states (the reference: masked_vision_kwargs)
         return {"cross_attention_states": states}
     return {"encoder_outputs": (states,)}
+
+
+def masked_vision_kwargs(ref_model, encoder: EncoderStates, token_ids) -> dict | None:
+    """Mllama's reference inputs as transformers builds them (None for another model): the request's vision states
+    padded to the slot's reservation (the padding tiles' rows, random) and the cross_attention_mask that hides them,
+    through transformers' own _prepare_cross_attention_mask (one mask column per vision position: every text row sees
+    the request's image). The model under test gets the unpadded states and reads their length from its slot: the
+    two agree only when the paged read stops where transformers' mask does."""
+    params = inspect.signature(ref_model.forward).parameters
+    prepare = getattr(sys.modules.get(type(ref_model).__module__), "_prepare_cross_attention_mask", None)
+    if "cross_attention_mask" not in params or prepare is None:
+        return None
+    states = encoder.of(token_ids)
+    pad = torch.randn(encoder.max_len - len(states), encoder.hidden, dtype=torch.float64,
+                      generator=torch.Generator().manual_seed(len(states)))
+    seen = torch.zeros(1, len(token_ids), 1, encoder.max_len)
+    seen[..., :len(states)] = 1
+    mask, rows = prepare(seen, num_vision_tokens=1, dtype=ref_model.dtype)
+    return {"cross_attention_states": torch.cat([states, pad])[None].to(ref_model.dtype),
+            "cross_attention_mask": mask, "full_text_row_masked_out_mask": rows}
 
 
 def _cross_hidden(layers, names) -> int | None:
@@ -1473,7 +1493,10 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     """transformers eager forward over one whole sequence: logits [L, vocab] (float64 compare later)."""
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
     encoder = getattr(ref_model, "_kvcache_encoder", None)  # an encoder-decoder's decoder: the request's own states
-    extra = encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype)) if encoder is not None else {}
+    extra = {}
+    if encoder is not None:
+        extra = masked_vision_kwargs(ref_model, encoder, token_ids) or \
+            encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype))
     extra |= model_inputs(ref_model, ids)
     if getattr(ref_model, OWN_DEFAULT_DTYPE, None) is None:
         try:

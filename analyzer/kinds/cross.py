@@ -98,6 +98,15 @@ ONLY_MODULE_ATTR = "cross_attn"  # MllamaCrossAttentionDecoderLayer.cross_attn
 ONLY_BLOCK = "cross_attention"  # a cross-attention-only block's name in no_cache_layers (no self-attention cache)
 
 
+# What the slot read of a cross-only block does not cover, from transformers' modeling_mllama.py: said in the plan.
+ONLY_LIMITS = ("; a request's vision length is its image's valid tiles x patches (transformers' cross_attention_mask "
+               "hides the padding tiles: the read stops there); not rendered: text rows before the request's image "
+               "token (_prepare_cross_attention_mask's full_text_row_masked_out_mask 0: transformers lets them attend "
+               "over every vision position, padding tiles included, and zeroes their MLP output), a request without "
+               "an image (MllamaTextModel skips the cross blocks while the cache holds no vision states) and more "
+               "than one image per request")
+
+
 def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:
     """Mllama's text decoder: the blocks listed in cross_attention_layers attend over the vision states only
     (MllamaTextModel.__init__ builds MllamaCrossAttentionDecoderLayer there, MllamaSelfAttentionDecoderLayer
@@ -211,12 +220,15 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
         fa=("prefill writes the request's encoder K/V into its slot, then prefill and decode read the slot through "
             f"the paged FA call (block_table = the slot's {slot_tokens(cross.max_encoder_len) // CROSS_BLOCK_SIZE} "
             f"blocks of {CROSS_BLOCK_SIZE}, actual_seq_lengths_kv = the request's encoder length) with sparse_mode 0 "
-            "and no atten_mask: every decoder position sees every encoder position (no causal mask)"),
+            "and no atten_mask: every decoder position sees every encoder position (no causal mask)"
+            + (ONLY_LIMITS if cross.only_layers is not None else "")),
         source=cross.source,
         reason=(f"{len(layers)} decoder layers attend over the request's encoder states (transformers "
                 f"<decoder layer>.{cross.module_attr}"
                 + (", their only attention: no self-attention cache there" if cross.only_layers else "")
-                + "): their K/V are computed once from encoder_hidden_states at the "
+                + "): their K/V are computed once from "
+                + ("cross_attention_states (the vision model's output)" if cross.only_layers
+                   else "encoder_hidden_states") + " at the "
                 "request's prefill and never change, so they are kept in one slot per request (a fixed reservation "
                 f"of {cross.max_encoder_len} encoder positions: {cross.length_source}) and overwritten by the next "
                 "request's prefill when the slot is reused; the self-attention keeps the paged cache"),

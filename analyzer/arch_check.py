@@ -822,7 +822,11 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             result.errors.append(f"decoder blocks: analyzer reads {len(facts.layer_kinds.value)} "
                                  f"({facts.layer_kinds.source}), transformers builds {len(hf)}")
             return result
-        cached_off = [(i, hf[i]) for i in uncached if hf[i].cls is not None or hf[i].recurrent_beside]
+        # Mllama: a cross-attention-only block (planned in the cross_attention section) holds its cross module
+        only = set(getattr(facts.cross.value, "only_layers", None) or ())
+        cross_only = [hf[i] for i in uncached if i in only and hf[i].path.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES]
+        cached_off = [(i, hf[i]) for i in uncached
+                      if (hf[i].cls is not None or hf[i].recurrent_beside) and hf[i] not in cross_only]
         if cached_off:
             i, mod = cached_off[0]
             result.errors.append(f"analyzer plans no cache on {len(cached_off)} block(s) where transformers' block "
@@ -830,8 +834,19 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
                                  f"({facts.layer_kinds.source})")
             return result
         hf = [mod for i, mod in enumerate(hf) if i not in set(uncached)]
+    else:
+        cross_only = []
     cross = [a for a in hf if a.path.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES]
-    if cross and len(hf) - len(cross) == len(layers):
+    if cross_only and not cross:
+        # Mllama's cross-attention-only blocks over the vision states (analyzer/kinds/cross.py: only_layers)
+        problems = cross_kind.hf_problems(facts, cross_only, scale)
+        if problems:
+            result.errors += problems
+            return result
+        result.notes.append(f"cross-attention checked: {len(cross_only)} {cross_only[0].cls} module(s) (blocks "
+                            f"{list(facts.cross.value.only_layers)}, K/V heads, head_dim, scale) match the "
+                            "cross_attention plan")
+    elif cross and len(hf) - len(cross) == len(layers):
         # the decoder of an encoder-decoder family (BART / Whisper / TrOCR ForCausalLM): each block also attends over
         # the encoder's states, planned as the cross_attention section (analyzer/kinds/cross.py); the self-attention
         # modules are compared with the layers below

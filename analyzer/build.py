@@ -619,12 +619,16 @@ def no_cache_layers(facts: ModelFacts) -> list[NoCacheLayer] | None:
     if not blocks:
         return None
     names = facts.block_names or {}
-    return [NoCacheLayer(decoder_layer=i, block=names.get(i, NO_CACHE),
-                         reason=f"{facts.layer_kinds.source}[{i}] = {names.get(i, NO_CACHE)!r}: a block without "
-                                "attention or a mixer state keeps no cache (transformers' cache keeps a dummy layer "
-                                "there; the framework refuses a layer without cache entries, so get_cache_info "
-                                "leaves it out)")
-            for i in blocks]
+
+    def why(i: int) -> str:
+        if names.get(i) == cross_kind.ONLY_BLOCK:  # Mllama: its K/V over the vision states are the cross section's
+            return (f"{facts.cross.source.split(' (')[0]}: block {i} attends over the vision states only: no "
+                    "self-attention KV cache; its K/V are the request's cross-attention slot (cross_attention)")
+        return (f"{facts.layer_kinds.source}[{i}] = {names.get(i, NO_CACHE)!r}: a block without attention or a mixer "
+                "state keeps no cache (transformers' cache keeps a dummy layer there; the framework refuses a layer "
+                "without cache entries, so get_cache_info leaves it out)")
+
+    return [NoCacheLayer(decoder_layer=i, block=names.get(i, NO_CACHE), reason=why(i)) for i in blocks]
 
 
 def _sublayers(facts, parallel, kv_mode, reading, cache_dtype, next_n, block_size, fmt, write_op, window, decoder_idx,

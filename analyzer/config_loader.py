@@ -782,6 +782,13 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         # every compressed-model layer attends through its window branch; the compressed branch rides beside it
         layer_kinds = Sourced(("sliding",) * num_layers.value, compressed.source)
         sliding_window = Sourced(compressed.window, compressed.window_source)
+    cross = cross_kind.read_facts(r.get, r.cfg, where, num_layers.value)
+    if cross is not None and cross.only_layers is not None:
+        # Mllama: a cross-attention-only block keeps no self-attention cache (its vision K/V: the cross_attention
+        # section), so the cache layers skip it as they skip an MLP-only block
+        layer_kinds = Sourced(tuple(NO_CACHE if i in cross.only_layers else kind
+                                    for i, kind in enumerate(layer_kinds.value)),
+                              f"{layer_kinds.source}; {cross.source.split(' (')[0]}: cross-attention only")
     if not any(attends(kind) for kind in layer_kinds.value):
         # a pure state stack (Mamba, Mamba2, ...): no layer attends, so no attention field is read (Mamba2Config's
         # num_heads / head_dim are its mixer's, read by the linear family below)
@@ -813,6 +820,8 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     raw_types = blocks[0] if blocks else (r.get("layer_types") or (None,))[0]
     block_names = ({i: t for i, (t, k) in enumerate(zip(raw_types, layer_kinds.value, strict=False)) if k == NO_CACHE}
                    or None) if isinstance(raw_types, list) else None
+    if cross is not None and cross.only_layers is not None:
+        block_names = dict.fromkeys(cross.only_layers, cross_kind.ONLY_BLOCK)
 
     softcap = r.number("attn_logit_softcapping") or Sourced(None, "default: none")
     alibi = _alibi(r, model_type)
@@ -852,7 +861,6 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     max_pos = r.number("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
                        kind=int, minimum=1, maximum=LIMITS["positions"]) or Sourced(None, "default: not in config")
 
-    cross = cross_kind.read_facts(r.get, r.cfg)
     # Dory: its saved layer counts are halved above (_dory_layers), as DoryConfig.__post_init__ does
     loops = loops_kind.read_facts(r.get, where, num_layers.value) if model_type == "dory" else \
         loops_kind.hrm_facts(*cycled) if cycled is not None else None

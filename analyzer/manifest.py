@@ -354,6 +354,10 @@ class CrossAttentionDecision(_Model):
 
     layers: list[int] = Field(description="decoder layers with a cross-attention module (beside their self-attention)")
     module_attr: str = Field(description="transformers' attribute of the decoder layer's cross-attention module")
+    self_attention: bool = Field(True, description="the cross-attention layers also hold a causal self-attention "
+                                                   "(BART family: planned in layers); false: blocks whose only "
+                                                   "attention is over the other model's states (Mllama's "
+                                                   "cross_attention_layers), listed in no_cache_layers")
     max_encoder_len: int = Field(ge=1, description="the longest encoder output a request may bring")
     max_encoder_len_source: str
     num_heads: int = Field(ge=1)

@@ -551,15 +551,14 @@ def test_text_causal_lm_classes_the_auto_mappings_leave_out_are_built_and_valida
     _passes((tmp_path / "m.json", tmp_path / "r", config))
 
 
-def test_mllama_cross_attention_only_layers_are_refused_not_planned_as_self_attention(tmp_path):
+def test_mllama_cross_attention_only_layers_are_planned_as_cross_slots_not_self_attention(tmp_path):
     """Mllama's text decoder interleaves blocks that attend only over the vision encoder's states
-    (cross_attention_layers). The analyzer planned a self-attention KV cache on all 40 layers (a quarter of the
-    memory plan for tokens those blocks never cache); the cross-check now names the blocks and refuses."""
-    from model_infer_kvcache.analyzer.errors import InputError
-
-    with pytest.raises(InputError, match=r"decoder holds 8 block\(s\) whose attention is over another model's states "
-                                         r"\(MllamaTextCrossAttention at model\.layers\.3\.cross_attn\)"):
-        analyze(AnalyzeRequest(config=str(_config(tmp_path, "mllama"))))
+    (cross_attention_layers). The analyzer once planned a self-attention KV cache on all 40 layers (a quarter of the
+    memory plan for tokens those blocks never cache), then refused them; they are now the cross kind's slots (no
+    self-attention cache there), the other 32 blocks on the paged cache (tests/test_cross_only_layers.py)."""
+    m = analyze(AnalyzeRequest(config=str(_config(tmp_path, "mllama"))))
+    assert m.cross_attention.layers == [3, 8, 13, 18, 23, 28, 33, 38] and not m.cross_attention.self_attention
+    assert len(m.layers) == 32 and not {layer.decoder_layer for layer in m.layers} & set(m.cross_attention.layers)
 
 
 def _fresh_cross_check(mp):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model_infer_kvcache.analyzer import kv_cache_spec
+from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.manifest import CrossAttentionDecision, Finding, StateSpec
 
 # Tokens of one FA block of a cross slot: the paged FA call takes a block size of 128..512 in steps of 128 when a
@@ -55,12 +56,20 @@ class CrossFacts:
     max_encoder_len: int | None
     length_source: str  # the field, or why none gives it
     source: str  # why the config is an encoder-decoder's decoder
+    # Blocks whose only attention is over the other model's states (Mllama's cross_attention_layers), None: every
+    # decoder layer holds one beside its causal self-attention (the BART family)
+    only_layers: tuple[int, ...] | None = None
+    num_kv_heads: int | None = None  # K/V heads of the cross module when it groups them (None: as many as queries)
+    module_attr: str = MODULE_ATTR
 
 
-def read_facts(get: Callable[..., tuple[Any, str] | None], cfg: dict[str, Any]) -> CrossFacts | None:
+def read_facts(get: Callable[..., tuple[Any, str] | None], cfg: dict[str, Any], where: str = "",
+               num_layers: int = 0) -> CrossFacts | None:
     """The cross-attention facts of a config (None: a decoder-only model). ``get`` is the config reader's lookup
     (first present, non-null field); ``cfg`` the model section, for keys whose presence alone says it (TrOCR keeps
     ``cross_attention_hidden_size`` null when the encoder is as wide as the decoder)."""
+    if get("cross_attention_layers") is not None:
+        return _only_layers_facts(get, where, num_layers)
     enc_dec = get("is_encoder_decoder")
     is_enc_dec = bool(enc_dec and enc_dec[0] is True)
     if is_enc_dec:
@@ -80,11 +89,74 @@ def read_facts(get: Callable[..., tuple[Any, str] | None], cfg: dict[str, Any]) 
                                "the decoder's own positions") + ")", source)
 
 
+# Mllama: its cross_attention_states are the vision model's output, one row per patch (plus the class token) of every
+# tile of every image: MllamaVisionModel.num_patches = (image_size // patch_size) ** 2 + 1, and MllamaModel.forward
+# reshapes the vision output [batch, images, max_num_tiles, num_patches, hidden] to [batch, images x max_num_tiles x
+# num_patches, hidden] (padding tiles included, masked by cross_attention_mask).
+VISION_FIELDS = ("image_size", "patch_size", "max_num_tiles")
+ONLY_MODULE_ATTR = "cross_attn"  # MllamaCrossAttentionDecoderLayer.cross_attn
+ONLY_BLOCK = "cross_attention"  # a cross-attention-only block's name in no_cache_layers (no self-attention cache)
+
+
+# What the slot read of a cross-only block does not cover, from transformers' modeling_mllama.py: said in the plan.
+ONLY_LIMITS = ("; a request's vision length is its image's valid tiles x patches (transformers' cross_attention_mask "
+               "hides the padding tiles: the read stops there); not rendered: text rows before the request's image "
+               "token (_prepare_cross_attention_mask's full_text_row_masked_out_mask 0: transformers lets them attend "
+               "over every vision position, padding tiles included, and zeroes their MLP output), a request without "
+               "an image (MllamaTextModel skips the cross blocks while the cache holds no vision states) and more "
+               "than one image per request")
+
+
+def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:
+    """Mllama's text decoder: the blocks listed in cross_attention_layers attend over the vision states only
+    (MllamaTextModel.__init__ builds MllamaCrossAttentionDecoderLayer there, MllamaSelfAttentionDecoderLayer
+    elsewhere). The slot is sized by one image's vision states (vision_config of the composite config); a text
+    config alone gives no vision length: max_source_positions, when given, is that length, else a blocker."""
+    raw, src = get("cross_attention_layers")
+    if not isinstance(raw, list) or not raw or any(isinstance(i, bool) or not isinstance(i, int) for i in raw) \
+            or len(set(raw)) != len(raw) or any(i < 0 or i >= num_layers for i in raw):
+        raise InputError(where, f"must list distinct decoder layer indices in 0..{num_layers - 1}, got {raw!r}",
+                         field=src)
+    layers = tuple(sorted(raw))
+    kv = get("num_key_value_heads")
+    source = (f"{src} {list(layers)} (transformers MllamaTextModel: a MllamaCrossAttentionDecoderLayer there, whose "
+              f"only attention ({ONLY_MODULE_ATTR}) is over cross_attention_states, the vision model's output)")
+    kv_heads = kv[0] if kv and isinstance(kv[0], int) and not isinstance(kv[0], bool) and kv[0] > 0 else None
+    common = {"source": source, "only_layers": layers, "num_kv_heads": kv_heads, "module_attr": ONLY_MODULE_ATTR}
+    vision = get("vision_config")
+    if vision is not None and isinstance(vision[0], dict):
+        vals = {name: vision[0].get(name) for name in VISION_FIELDS}
+        bad = [n for n, v in vals.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+        if bad:
+            raise InputError(where, f"must be a positive integer, got {vals[bad[0]]!r} (it sizes the vision states "
+                                    "the cross-attention layers read)", field=f"{vision[1]}.{bad[0]}")
+        patches = (vals["image_size"] // vals["patch_size"]) ** 2 + 1
+        length = vals["max_num_tiles"] * patches
+        return CrossFacts(length, f"{vision[1]}: max_num_tiles {vals['max_num_tiles']} x ((image_size "
+                                  f"{vals['image_size']} // patch_size {vals['patch_size']})^2 + 1 = {patches} "
+                                  f"patches per tile) = {length} vision positions of one image (MllamaVisionModel."
+                                  "num_patches; MllamaModel.forward: images x tiles x patches per request); one "
+                                  "image per request", **common)
+    explicit = get("max_source_positions")
+    if explicit is not None and isinstance(explicit[0], int) and not isinstance(explicit[0], bool) \
+            and explicit[0] > 0:
+        return CrossFacts(explicit[0], f"{explicit[1]}: the vision states' length, given explicitly", **common)
+    return CrossFacts(None, "the text model's config gives no vision length (the composite MllamaConfig's "
+                            "vision_config: image_size, patch_size, max_num_tiles; or max_source_positions)", **common)
+
+
 def blocker(facts) -> Finding | None:
     """A decoder over an encoder whose output length no field gives: the slot cannot be sized."""
     cross = facts.cross.value
     if cross is None or cross.max_encoder_len is not None:
         return None
+    if cross.only_layers is not None:
+        return Finding(message=f"not supported by kvcache: {facts.model_type!r} blocks {list(cross.only_layers)} "
+                               f"attend over vision states only ({cross.source}) and {cross.length_source}: the "
+                               "cross-attention slot of a request cannot be sized; analyze the composite config "
+                               "(model_type mllama, with vision_config) or add max_source_positions (the vision "
+                               "states' length of one request)",
+                       fields=["vision_config", "max_source_positions"])
     return Finding(message=f"not supported by kvcache: {facts.model_type!r} decoder blocks attend over an encoder's "
                            f"states ({cross.source}) and {cross.length_source}: the cross-attention slot of a request "
                            "cannot be sized; add max_source_positions (the encoder's longest output, e.g. the image "
@@ -120,17 +192,19 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
         return None
     tp = parallel.attn_tp_size
     heads = facts.num_attention_heads.value
-    per_rank = max(heads // tp, 1)
+    kv_heads = cross.num_kv_heads or heads
+    per_rank = max(kv_heads // tp, 1)
     states = entries(facts, per_rank, dtype or facts.dtype.value)
-    layers = list(range(facts.num_layers.value))
+    layers = list(cross.only_layers) if cross.only_layers is not None else list(range(facts.num_layers.value))
     per_layer = slot_bytes(states)
     return CrossAttentionDecision(
         layers=layers,
-        module_attr=MODULE_ATTR,
+        module_attr=cross.module_attr,
+        self_attention=cross.only_layers is None,
         max_encoder_len=cross.max_encoder_len,
         max_encoder_len_source=cross.length_source,
         num_heads=heads,
-        num_kv_heads=heads,
+        num_kv_heads=kv_heads,
         num_kv_heads_per_rank=per_rank,
         head_dim=facts.head_dim.value,
         slot_block_size=CROSS_BLOCK_SIZE,
@@ -146,10 +220,15 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
         fa=("prefill writes the request's encoder K/V into its slot, then prefill and decode read the slot through "
             f"the paged FA call (block_table = the slot's {slot_tokens(cross.max_encoder_len) // CROSS_BLOCK_SIZE} "
             f"blocks of {CROSS_BLOCK_SIZE}, actual_seq_lengths_kv = the request's encoder length) with sparse_mode 0 "
-            "and no atten_mask: every decoder position sees every encoder position (no causal mask)"),
+            "and no atten_mask: every decoder position sees every encoder position (no causal mask)"
+            + (ONLY_LIMITS if cross.only_layers is not None else "")),
         source=cross.source,
         reason=(f"{len(layers)} decoder layers attend over the request's encoder states (transformers "
-                f"<decoder layer>.{MODULE_ATTR}): their K/V are computed once from encoder_hidden_states at the "
+                f"<decoder layer>.{cross.module_attr}"
+                + (", their only attention: no self-attention cache there" if cross.only_layers else "")
+                + "): their K/V are computed once from "
+                + ("cross_attention_states (the vision model's output)" if cross.only_layers
+                   else "encoder_hidden_states") + " at the "
                 "request's prefill and never change, so they are kept in one slot per request (a fixed reservation "
                 f"of {cross.max_encoder_len} encoder positions: {cross.length_source}) and overwritten by the next "
                 "request's prefill when the slot is reused; the self-attention keeps the paged cache"),
@@ -180,9 +259,15 @@ def hf_problems(facts, cross_modules: list, scale: float) -> list[str]:
                 "and the analyzer plans none: the decoder of an encoder-decoder model, whose cross-attention over "
                 "the encoder's states a decoder-only plan would leave out"]
     out = []
+    if cross.only_layers is not None:
+        n = len(cross.only_layers)
+        built = sorted(int(mod.path.rsplit(".", 2)[-2]) for mod in cross_modules if mod.path.rsplit(".", 2)[-2].isdigit())
+        if built != list(cross.only_layers):
+            out.append(f"cross-attention-only blocks: analyzer plans {list(cross.only_layers)} ({cross.source}), "
+                       f"transformers builds {built}")
     if len(cross_modules) != n:
         out.append(f"cross-attention layers: analyzer plans {n}, transformers builds {len(cross_modules)}")
-    want = (facts.head_dim.value, facts.num_attention_heads.value)
+    want = (facts.head_dim.value, cross.num_kv_heads or facts.num_attention_heads.value)
     for mod in cross_modules:
         if mod.kv_shape is not None and mod.kv_shape[:2] != want:
             out.append(f"{mod.path}: cross-attention K/V (head_dim, heads) {mod.kv_shape[:2]} != planned {want}")

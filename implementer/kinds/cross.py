@@ -23,6 +23,7 @@ class CrossCtx:
     head_dim: int
     slot_block_size: int
     slot_tokens: int
+    self_attention: bool = True  # False: cross-attention-only blocks (Mllama), their slots a cache layer of their own
     key: str = cross_kind.KEY
     value: str = cross_kind.VALUE
     length: str = cross_kind.LENGTH
@@ -61,4 +62,4 @@ def check(m) -> None:
 def fields(m) -> dict:
     x = m.cross_attention
     return {"cross": CrossCtx(x.module_attr, CROSS_ATTENTION, int(x.max_encoder_len), int(x.num_kv_heads_per_rank),
-                              int(x.head_dim), int(x.slot_block_size), int(x.slot_tokens))}
+                              int(x.head_dim), int(x.slot_block_size), int(x.slot_tokens), x.self_attention)}

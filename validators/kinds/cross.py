@@ -26,12 +26,27 @@ def split_entries(got: dict) -> tuple[dict, dict]:
     return ({k: v for k, v in got.items() if k not in NAMES}, {k: v for k, v in got.items() if k in NAMES})
 
 
-def entry_problems(manifest, index: int, got: dict, cache_dtype: torch.dtype) -> list[str]:
+def split_layer_infos(manifest, infos: list) -> tuple[list, list]:
+    """(the self-attention and state layers' infos, the cross-attention-only blocks' infos): a cross-only block
+    (manifest cross_attention.self_attention false, Mllama) registers its slot entries as a cache layer of their own;
+    an encoder-decoder's decoder has none (its slots ride in its self-attention's info)."""
+    x = manifest.cross_attention
+    if x is None or x.self_attention:
+        return infos, []
+    alone = [i for i in infos if i.caches and all(e.cache_name in NAMES for e in i.caches)]
+    return [i for i in infos if not any(i is a for a in alone)], alone
+
+
+def entry_problems(manifest, index: int, got: dict, cache_dtype: torch.dtype, alone: bool = False) -> list[str]:
     """A layer's cross slot entries against the manifest: its names, MambaCacheEntry in manager_key CrossAttention,
-    the planned slot shape, the run's dtype (int32 for the length), block size 1, no speculative blocks."""
+    the planned slot shape, the run's dtype (int32 for the length), block size 1, no speculative blocks. ``alone``:
+    the info of a cross-attention-only block; a self-attention layer of such a manifest holds none."""
     x = manifest.cross_attention
     if x is None:
         return [f"layer {index}: cross-attention entries {sorted(got)} and the manifest plans none"] if got else []
+    if not x.self_attention and not alone:
+        return [f"layer {index}: cross-attention entries {sorted(got)} beside a self-attention, and the manifest "
+                "plans cross-attention-only blocks (their own cache layers)"] if got else []
     want = {s.name: s for s in x.states}
     if set(got) != set(want):
         return [f"layer {index}: cross-attention entries {sorted(got)} != {sorted(want)}"]
@@ -75,6 +90,17 @@ def check_cross_calls(report, manifest, host) -> None:
     report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls))
 
 
+def tiny_prefix(manifest, n: int) -> tuple[int, str | None]:
+    """The tiny model's decoder-layer prefix grown by one block when it ends at a cross-attention-only block (Mllama)
+    and the model has a block after it: a self-attention layer then caches what the cross-attention wrote into the
+    stream, instead of the cross output going straight to the head. (n, the note; None when unchanged)."""
+    x = manifest.cross_attention
+    if x is None or x.self_attention or (n - 1) not in x.layers or n >= manifest.model.num_layers:
+        return n, None
+    return n + 1, (f"block {n} kept after the cross-attention-only block {n - 1}: its self-attention caches the "
+                   "stream the cross-attention wrote")
+
+
 def tiny_cross_fields(d: dict, manifest, layers: int) -> None:
     """The tiny config of an encoder-decoder's decoder, in place: its own fields (BART family, Whisper, TrOCR name
     the decoder's stack ``decoder_layers`` / ``decoder_attention_heads`` / ``decoder_ffn_dim``; the generic names the
@@ -82,8 +108,17 @@ def tiny_cross_fields(d: dict, manifest, layers: int) -> None:
     per-family code; a decoder-only manifest: nothing."""
     if manifest.cross_attention is None:
         return
+    if not manifest.cross_attention.self_attention and "cross_attention_layers" in d:
+        # Mllama: the cross-attention-only blocks the tiny prefix keeps (MllamaTextModel builds them by this list)
+        d["cross_attention_layers"] = [i for i in manifest.cross_attention.layers if i < layers]
     sizes = {"decoder_layers": layers, "decoder_attention_heads": manifest.model.num_attention_heads,
              "decoder_ffn_dim": 128, "encoder_ffn_dim": 128, "encoder_layers": 1}
     for key, value in sizes.items():
         if key in d:
             d[key] = value
+
+
+# Mllama's tanh gates on a cross-attention-only block's attention and MLP outputs (MllamaCrossAttentionDecoderLayer:
+# cross_attn_attn_gate, cross_attn_mlp_gate), zero at init: a tiny model keeping them zero would never let the
+# cross-attention reach the logits, so it draws them at random (tiny_model._randomize)
+GATE_PARAMS = ("cross_attn_attn_gate", "cross_attn_mlp_gate")

@@ -20,15 +20,17 @@ from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 
 
 def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers: int, api: str,
-                     cache_dtype: torch.dtype) -> None:
+                     cache_dtype: torch.dtype, n_cross_only: int = 0) -> None:
+    """``n_cross_only``: the model's cross-attention-only blocks (Mllama), each registering a cache layer of its own."""
     # a KV-shared layer (kv_source_layer) registers no entry: the framework allocates caches for the owners only
     expected = [layer for layer in manifest.layers[:n_layers] if layer.kv_source_layer is None]
-    layer_infos = list(info.layer_infos)
-    report.add("get_cache_info layer count", "init", len(layer_infos) == len(expected),
-               expected=len(expected), got=len(layer_infos))
+    layer_infos, alone = cross.split_layer_infos(manifest, list(info.layer_infos))
+    report.add("get_cache_info layer count", "init", (len(layer_infos), len(alone)) == (len(expected), n_cross_only),
+               expected=len(expected) + n_cross_only, got=len(layer_infos) + len(alone))
     mismatches = []
     model_bs = getattr(info, "block_size", None)
-    cross_problems = []
+    cross_problems = [p for i, layer in enumerate(alone) for p in cross.entry_problems(
+        manifest, i, {e.cache_name: e for e in layer.caches}, cache_dtype, alone=True)]
     split_kind = getattr(kind_of(manifest), "split_entries", None)  # a kind's own entries beside the planned caches
     for plan, layer in zip(expected, layer_infos, strict=False):
         got, got_cross = cross.split_entries({e.cache_name: e for e in layer.caches})
@@ -122,7 +124,9 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
     from model_infer_kvcache.validators.harness import Scheduler
 
     info = host.get_cache_info()
-    check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype)
+    check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype,
+                     0 if manifest.cross_attention is None or manifest.cross_attention.self_attention
+                     else len(host.cross_attentions))
     # the framework's next_n, as the manifest plans it (sliding groups reserve 2 * next_n more tokens)
     graph = graph_mode(manifest)
     sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,

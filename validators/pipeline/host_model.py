@@ -1124,7 +1124,29 @@ def encoder_kwargs(model, states: torch.Tensor) -> dict:
     params = inspect.signature(model.forward).parameters
     if "encoder_hidden_states" in params:
         return {"encoder_hidden_states": states}
+    if "cross_attention_states" in params:  # Mllama: the vision states (the reference: masked_vision_kwargs)
+        return {"cross_attention_states": states}
     return {"encoder_outputs": (states,)}
+
+
+def masked_vision_kwargs(ref_model, encoder: EncoderStates, token_ids) -> dict | None:
+    """Mllama's reference inputs as transformers builds them (None for another model): the request's vision states
+    padded to the slot's reservation (the padding tiles' rows, random) and the cross_attention_mask that hides them,
+    through transformers' own _prepare_cross_attention_mask (one mask column per vision position: every text row sees
+    the request's image). The model under test gets the unpadded states and reads their length from its slot: the
+    two agree only when the paged read stops where transformers' mask does."""
+    params = inspect.signature(ref_model.forward).parameters
+    prepare = getattr(sys.modules.get(type(ref_model).__module__), "_prepare_cross_attention_mask", None)
+    if "cross_attention_mask" not in params or prepare is None:
+        return None
+    states = encoder.of(token_ids)
+    pad = torch.randn(encoder.max_len - len(states), encoder.hidden, dtype=torch.float64,
+                      generator=torch.Generator().manual_seed(len(states)))
+    seen = torch.zeros(1, len(token_ids), 1, encoder.max_len)
+    seen[..., :len(states)] = 1
+    mask, rows = prepare(seen, num_vision_tokens=1, dtype=ref_model.dtype)
+    return {"cross_attention_states": torch.cat([states, pad])[None].to(ref_model.dtype),
+            "cross_attention_mask": mask, "full_text_row_masked_out_mask": rows}
 
 
 def _cross_hidden(layers, names) -> int | None:
@@ -1348,6 +1370,13 @@ class HostModel:
         for idx, layer in enumerate(layers):
             # A linear module first: KDA's has q/k/v projections and would pass for attention.
             linear = find_linear(layer)
+            crossed = [hit for hit in find_attentions(layer) if hit[0].rsplit(".", 1)[-1] in cross_names]
+            if idx in uncached and crossed and linear is None and len(find_attentions(layer)) == 1:
+                # a cross-attention-only block (Mllama): no self-attention cache, its slots a cache layer of their own
+                cross_host = self._route_cross(crossed[0], idx, host_cls, cache_dtype, is_mla)
+                views.append(_DecoderLayer(types.SimpleNamespace(), cross=(crossed[0][0].rsplit(".", 1)[-1],
+                                                                          cross_host)))
+                continue
             if idx in uncached:  # a block the manifest plans without any cache (an MLP / MoE block): left as it is
                 if linear is not None or find_attentions(layer):
                     raise InputError("--config", f"{path}.{idx} ({type(layer).__name__}) is planned without a cache "
@@ -1401,15 +1430,8 @@ class HostModel:
             crossed = [hit for hit in hits if hit[0].rsplit(".", 1)[-1] in cross_names]
             if crossed:
                 hits = [hit for hit in hits if hit not in crossed]
-                cross_host = host_cls(crossed[0][1], idx, self.probe)
-                cross_host.is_cross = True
-                cross_host.init_cross_cache(idx, cache_dtype)
-                crossed[0][1]._kvcache_host = cross_host
-                if attention_route(crossed[0][1], is_mla) == "eager_qkv":  # TrOCR, MVP: their own score code
-                    crossed[0][1].forward = types.MethodType(
-                        _padded(_eager_qkv_forward, _returned_values(crossed[0][1])), crossed[0][1])
-                self.cross_attentions.append(cross_host)
-                cross = (crossed[0][0].rsplit(".", 1)[-1], cross_host)
+                cross = (crossed[0][0].rsplit(".", 1)[-1],
+                         self._route_cross(crossed[0], idx, host_cls, cache_dtype, is_mla))
             if linear is not None and not (hits and state_attr):  # a parallel hybrid's Mamba layer keeps attention
                 self.attentions.append(state)
                 views.append(_DecoderLayer(state, state_attr))
@@ -1490,6 +1512,18 @@ class HostModel:
             raise LookupError("rendered code has no get_cache_info (standalone or legacy mode)")
         return mixin.get_cache_info(self)
 
+    def _route_cross(self, hit, idx: int, host_cls, cache_dtype, is_mla: bool):
+        """A decoder layer's cross-attention module routed through the rendered slots (its host, in
+        self.cross_attentions)."""
+        cross_host = host_cls(hit[1], idx, self.probe)
+        cross_host.is_cross = True
+        cross_host.init_cross_cache(idx, cache_dtype)
+        hit[1]._kvcache_host = cross_host
+        if attention_route(hit[1], is_mla) == "eager_qkv":  # TrOCR, MVP: their own score code
+            hit[1].forward = types.MethodType(_padded(_eager_qkv_forward, _returned_values(hit[1])), hit[1])
+        self.cross_attentions.append(cross_host)
+        return cross_host
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, forward_metadata) -> torch.Tensor:
         """Packed [T] ids/positions -> logits [T, vocab]."""
@@ -1557,7 +1591,10 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
     """transformers eager forward over one whole sequence: logits [L, vocab] (float64 compare later)."""
     ids = torch.tensor(token_ids, dtype=torch.long)[None]
     encoder = getattr(ref_model, "_kvcache_encoder", None)  # an encoder-decoder's decoder: the request's own states
-    extra = encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype)) if encoder is not None else {}
+    extra = {}
+    if encoder is not None:
+        extra = masked_vision_kwargs(ref_model, encoder, token_ids) or \
+            encoder_kwargs(ref_model, encoder.of(token_ids)[None].to(ref_model.dtype))
     extra |= model_inputs(ref_model, ids)
     if getattr(ref_model, OWN_DEFAULT_DTYPE, None) is None:
         try:

@@ -129,6 +129,9 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     n, reused = recurrent.shared_block_prefix(manifest, src, n)  # Zamba2: a hybrid layer reusing a shared block
     if reused:
         notes.append(reused)
+    n, after_cross = cross.tiny_prefix(manifest, n)  # Mllama: a self-attention block after the cross-only one
+    if after_cross:
+        notes.append(after_cross)
     m = manifest.model
     d["num_hidden_layers"] = n
     if m.sublayers_per_layer > 1 and not manifest.parallel_hybrid():  # Falcon-H1: one layer, two plans  # transformers counts attention sublayers (LongCat-Flash: 2 per layer)
@@ -683,7 +686,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1]) ** 0.5)
-            elif name.endswith("sinks"):
+            elif name.endswith("sinks") or name.endswith(cross.GATE_PARAMS):
                 p.copy_(torch.randn(p.shape, generator=g))
             elif "norm" in name or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))

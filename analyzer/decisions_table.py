@@ -142,6 +142,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
          m.fa.scale_derivation + ("; layers with their own MLA head dims (per_layer_config) take their own "
                                   "(qk_nope_head_dim + qk_rope_head_dim)^-0.5" if own_scale else "")),
         ("MLA absorb", YES_NO[m.mla.absorb], m.mla.reason),
+        ("写入算子", "-", "a drafter writes nothing: it reads its target's cache") if m.drafter is not None else
         ("写入算子", m.attention_layers[0].write_op if m.attention_layers else "-", "writes addressed by slot_mapping"
          if m.kv_mode.value == "paged" else "writes addressed by kv_len"),
         ("cache_entries", ", ".join(f"{c.name}: {c.dim}x{c.num_head} {c.dtype}" for c in cached.caches)

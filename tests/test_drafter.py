@@ -120,6 +120,7 @@ def test_the_render_says_how_to_integrate_the_drafter(drafter, mode):
                   "block_table[attn_type]" if mode == "framework" else "the target runner's table"):
         assert words in text, words
     assert "init_kv_cache" not in text and "KVCacheRunnerMixin" not in text and "KVCacheAttentionMixin" not in text
+    assert "| 写入算子 | - | a drafter writes nothing" in text  # not the target's scatter op quoted as its own
 
 
 def _sliding_reads_full(text: str) -> str:

@@ -88,8 +88,13 @@ def _plan_summary(m) -> str:
     """What the manifest plans, in one cell: the KV mode and the layers per attn_type (and the branch kinds)."""
     kinds = Counter(layer.attn_type.value if hasattr(layer.attn_type, "value") else str(layer.attn_type)
                     for layer in m.layers)
-    extra = [name for name, on in (("MLA", m.mla.enabled),
-                                   ("DSA", m.dsa is not None), ("compressed", m.compressed is not None)) if on]
+    cross = m.cross_attention
+    extra = [name for name, on in (
+        ("MLA", m.mla.enabled), ("DSA", m.dsa is not None), ("compressed", m.compressed is not None),
+        ("cross-attention" + (f" ({len(m.no_cache_layers or ())} cross-only blocks)" if cross is not None
+                              and not cross.self_attention else ""), cross is not None),
+        ("drafter (reads its target's cache)", m.drafter is not None),
+        ("recurrent loops", m.recurrent_loops is not None)) if on]
     return " ".join([m.kv_mode.value, ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))] + extra)
 
 

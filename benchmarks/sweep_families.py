@@ -44,6 +44,9 @@ _PUBLISHED_FIELDS: dict[str, dict] = {
     # it in their test fixtures: 24 layers, attention at 2, 6, 10, 14, 18, 21 (18 conv + 6 GQA, its model card); the
     # class's num_hidden_layers default of 32 comes with no layer_types its decoder layers can index
     # (tests/fixtures/configs/lfm2_moe.json is the same config)
+    # source: databricks/dbrx-base's config.json (attn_config.rope_theta 500000): DbrxAttentionConfig's defaults carry no
+    # rope_theta, which DbrxAttention reads from it
+    "dbrx": {"attn_config": {"rope_theta": 500000}},
     "lfm2_moe": {"num_hidden_layers": 24,
                  "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]},
     # source: Qwen4-Exp's released text config as public ports spell it (no config.json published by Qwen was found):
@@ -59,9 +62,15 @@ _PUBLISHED_FIELDS: dict[str, dict] = {
 
 
 def _with_published(data: dict) -> dict:
-    """``data`` with ``_PUBLISHED_FIELDS`` filled in wherever a (sub-)config's model_type has an entry."""
+    """``data`` with ``_PUBLISHED_FIELDS`` filled in wherever a (sub-)config's model_type has an entry (a section's
+    fields merged into that section: DBRX's attn_config keeps its other fields)."""
     out = {k: _with_published(v) if isinstance(v, dict) else v for k, v in data.items()}
-    return out | _PUBLISHED_FIELDS.get(out.get("model_type"), {})
+    return _merged(out, _PUBLISHED_FIELDS.get(out.get("model_type"), {}))
+
+
+def _merged(data: dict, fill: dict) -> dict:
+    return data | {k: _merged(data[k], v) if isinstance(v, dict) and isinstance(data.get(k), dict) else v
+                   for k, v in fill.items()}
 
 
 def _configs(folder: Path, only: list[str] | None) -> dict[str, Path]:

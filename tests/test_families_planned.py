@@ -1198,6 +1198,22 @@ def test_musicgen_composite_is_read_from_its_decoder_section_and_blocked_without
     assert "sub-model sections text_encoder, decoder each hold" in err.value.message
 
 
+@pytest.mark.parametrize("model_type, framed", [("moshi", False), ("musicgen_melody", True)])
+def test_codebook_frames_only_where_the_model_embeds_several_streams(tmp_path, model_type, framed):
+    """Moshi's config names num_codebooks 8 (its audio's) while its causal LM embeds one text stream: its tiny model
+    keeps the tiny vocabulary and one stream (framing it gave a code vocabulary of 3 and an IndexError in the text
+    embedding, V201). MusicGen-Melody's decoder embeds one table per codebook: framed."""
+    from model_infer_kvcache.validators.pipeline.codebooks import streams_of
+    from model_infer_kvcache.validators.pipeline.tiny_model import TINY_VOCAB, build_tiny_model
+
+    config = _config(tmp_path, model_type)
+    real = json.loads(config.read_text(encoding="utf-8"))
+    model, plan = build_tiny_model(real, analyze(AnalyzeRequest(config=str(config))))
+    assert (streams_of(model) is not None) == framed
+    assert any("num_codebooks" in note for note in plan.notes) == framed
+    assert (model.config.vocab_size < TINY_VOCAB) == framed
+
+
 def test_codebook_frames_follow_transformers_row_layout_and_greedy_heads():
     """A frame id's codes are its base-V digits fed as transformers' (batch x num_codebooks, seq) rows (each batch's
     codebooks together: MusicgenDecoder's input_ids.reshape(-1, num_codebooks, seq)); the frame's joint logits peak

@@ -32,12 +32,18 @@ def code_vocab(streams: int, stream_vocab: int) -> int:
     return v
 
 
+def names_codebooks(d: dict) -> bool:
+    """The config names several codebooks (``num_codebooks`` >= 2)."""
+    streams = d.get(FIELD)
+    return isinstance(streams, int) and not isinstance(streams, bool) and streams >= 2
+
+
 def tiny_codebook_fields(d: dict, stream_vocab: int) -> str | None:
     """The tiny config's code vocabulary, in place, for a config with several codebooks; the note saying so (None
     for a one-stream config)."""
-    streams = d.get(FIELD)
-    if not isinstance(streams, int) or isinstance(streams, bool) or streams < 2:
+    if not names_codebooks(d):
         return None
+    streams = d[FIELD]
     d["vocab_size"] = code_vocab(streams, stream_vocab)
     return (f"{FIELD} {streams}: each position is a frame of {streams} codes of vocabulary {d['vocab_size']} (a stream "
             f"token's base-{d['vocab_size']} digits), fed as transformers' (batch x {streams}, seq) rows; logits are the "
@@ -52,6 +58,14 @@ def streams_of(model) -> int | None:
     except (AttributeError, NotImplementedError):  # a reference that names no input embeddings: one stream
         return None
     return len(tables) if isinstance(tables, torch.nn.ModuleList) and len(tables) >= 2 else None
+
+
+def several_streams(build) -> bool:
+    """Whether the model ``build()`` makes embeds several token streams per position, built on the meta device (no
+    weights): a config naming ``num_codebooks`` may count another model's streams (Moshi's audio codebooks beside its
+    one-stream text LM)."""
+    with torch.device("meta"):
+        return streams_of(build()) is not None
 
 
 def frame_codes(frames: torch.Tensor, streams: int, vocab: int) -> torch.Tensor:

@@ -165,9 +165,6 @@ def tiny_config_dict(real: dict[str, Any], manifest: SelectionManifest) -> tuple
     if rescaled:
         notes.append(rescaled)
     d["vocab_size"] = TINY_VOCAB
-    framed = codebooks.tiny_codebook_fields(d, TINY_VOCAB)  # MusicGen: a frame of num_codebooks codes per position
-    if framed:
-        notes.append(framed)
     for key, value in _MOE_SIZES:
         if key in d:
             # a published top-k of 1 stays 1: a router built for one expert (ZayaConfig.validate_architecture
@@ -433,6 +430,13 @@ def _first_build(real: dict[str, Any], manifest: SelectionManifest, seed: int,
     shrunk = shrink_towers(d, class_defaults)
     if shrunk:
         plan.notes.append("encoder towers the text stream never runs cut to one layer: " + ", ".join(shrunk))
+    # MusicGen: a frame of num_codebooks codes per position, where the model embeds one stream per codebook (Moshi's
+    # num_codebooks are its audio's: its causal LM embeds one text stream)
+    if codebooks.names_codebooks(d) and codebooks.several_streams(
+            lambda: causal_lm_from_config(AutoConfig.for_model(hf_type, **_with_aliases(d, hf_type)))):
+        framed = codebooks.tiny_codebook_fields(d, TINY_VOCAB)
+        if framed:
+            plan.notes.append(framed)
     moved = fit_token_ids(d, class_defaults, d["vocab_size"])
     if moved:
         plan.notes.append("token ids moved into the tiny vocabulary: "

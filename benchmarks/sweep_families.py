@@ -44,9 +44,9 @@ _PUBLISHED_FIELDS: dict[str, dict] = {
     # it in their test fixtures: 24 layers, attention at 2, 6, 10, 14, 18, 21 (18 conv + 6 GQA, its model card); the
     # class's num_hidden_layers default of 32 comes with no layer_types its decoder layers can index
     # (tests/fixtures/configs/lfm2_moe.json is the same config)
-    # source: databricks/dbrx-base's config.json (attn_config.rope_theta 500000): DbrxAttentionConfig's defaults carry no
-    # rope_theta, which DbrxAttention reads from it
-    "dbrx": {"attn_config": {"rope_theta": 500000}},
+    # source: databricks/dbrx-base's config.json (attn_config: rope_theta 500000, clip_qkv 8): DbrxAttentionConfig's
+    # defaults carry no rope_theta, which DbrxAttention reads, and clip_qkv None, which its clamp cannot take
+    "dbrx": {"attn_config": {"rope_theta": 500000, "clip_qkv": 8}},
     "lfm2_moe": {"num_hidden_layers": 24,
                  "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]},
     # source: Qwen4-Exp's released text config as public ports spell it (no config.json published by Qwen was found):

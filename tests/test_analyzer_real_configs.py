@@ -390,8 +390,11 @@ def test_every_fixture_round_trips_and_renders_the_table(name):
     md = decisions_markdown(m)
     assert "| 决策项 | 选择 | 理由 |" in md
     assert f"| KV 模式 | {m.kv_mode.value} |" in md
-    # each attention kind shows its own call: FA, DSA's sparse FA, or the model's own eager attention (no call)
-    if m.dsa is not None:
+    # each attention kind shows its own call: FA, DSA's sparse FA, the model's own eager attention (no call), or none
+    # at all (a pure state stack: no layer attends)
+    if not m.attention_layers:
+        assert "| 注意力 | 无(纯状态栈) |" in md and "| FA 版本 |" not in md
+    elif m.dsa is not None:
         assert "| 稀疏注意力调用 |" in md and "| FA 版本 |" not in md
     elif m.legacy_attention is not None and m.legacy_attention.kernel == "model":
         assert "| cache 布局 |" in md and "| FA 版本 |" not in md

@@ -50,6 +50,25 @@ def _passes(case):
     return report
 
 
+def _looped_case(tmp_path: Path, m, config: Path, own: int, later: int):
+    """A plan whose layers are called several times (Dory's loops, HRM's cycles): cut to its ``own`` first calls, the
+    manifest invariant refuses it naming the ``later`` calls; as planned, rendered and validated it passes with every
+    call's module registered. Returns the (manifest, render, config) case."""
+    from model_infer_kvcache.analyzer.manifest import SelectionManifest
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    data = json.loads(m.to_json())
+    data["layers"] = data["layers"][:own]
+    with pytest.raises(ValueError, match=rf"layers: {own} entries .* \+ {later} for the layers' later calls = "
+                                         rf"{own + later}"):
+        SelectionManifest.model_validate(data)
+    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(m), tmp_path / "r")
+    case = (tmp_path / "m.json", tmp_path / "r", config)
+    assert check(_passes(case), "get_cache_info layer count").passed
+    return case
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_sink_families_are_planned_with_their_sinks(tmp_path, model_type):
     m = analyze(AnalyzeRequest(config=str(_config(tmp_path, model_type))))
@@ -823,8 +842,6 @@ def test_hrm_plans_a_cache_layer_per_cycle_call_validates_and_fails_its_mistakes
     cache layer fails the logits (V301); a manifest planned without the cycles' cache layers fails its invariant by
     name; a render walking the L stack only fails at init (V201); a num_hidden_layers that is not the slot count is
     bad input."""
-    from model_infer_kvcache.analyzer.manifest import SelectionManifest
-    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline import host_model
     from model_infer_kvcache.validators.pipeline import validate as pipeline
     from transformers import HrmTextConfig
@@ -850,15 +867,7 @@ def test_hrm_plans_a_cache_layer_per_cycle_call_validates_and_fails_its_mistakes
     once = analyze(AnalyzeRequest(config=str(_config_with(tmp_path, config, H_cycles=1, L_cycles=1,
                                                           num_hidden_layers=4)), deploy_mode="framework"))
     assert len(once.layers) == 4 and m.memory.per_token_bytes == once.memory.per_token_bytes * 12 // 4
-    data = json.loads(m.to_json())
-    data["layers"] = data["layers"][:4]  # the cache count planned without the cycles: one cache per module
-    with pytest.raises(ValueError, match=r"layers: 4 entries .* \+ 8 for the layers' later calls = 12"):
-        SelectionManifest.model_validate(data)
-    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
-    write_rendered(render_manifest(m), tmp_path / "r")
-    case = (tmp_path / "m.json", tmp_path / "r", config)
-    report = _passes(case)
-    assert check(report, "get_cache_info layer count").passed
+    case = _looped_case(tmp_path, m, config, 4, 8)  # planned without the cycles: one cache per module
     bad = tmp_path / "one_stack"  # a port walking the L stack only: the H stack's calls are registered nowhere
     shutil.copytree(case[1], bad)
     report = mistaken_report((case[0], bad, case[2]),
@@ -1365,8 +1374,6 @@ def test_dory_plans_a_cache_layer_per_loop_validates_and_fails_its_mistakes(tmp_
     and validated, the host routing each call by the cache_offset the forward receives. Negative controls: a port
     whose loops all write the layer's own cache (cache_offset ignored) fails the logits; a get_cache_info without
     the loops' modules fails the layer count; a manifest planned without the loops' layers fails its invariant."""
-    from model_infer_kvcache.analyzer.manifest import SelectionManifest
-    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
     from model_infer_kvcache.validators.pipeline import host_model
     from model_infer_kvcache.validators.pipeline import validate as pipeline
     from transformers import DoryConfig
@@ -1383,15 +1390,7 @@ def test_dory_plans_a_cache_layer_per_loop_validates_and_fails_its_mistakes(tmp_
     once = analyze(AnalyzeRequest(config=str(_config_with(tmp_path, config, n_recurrent_loops=1)),
                                   deploy_mode="framework"))
     assert m.memory.per_token_bytes == once.memory.per_token_bytes * 8 // 5  # 8 cache layers, not 5
-    data = json.loads(m.to_json())
-    data["layers"] = data["layers"][:5]  # planned without loop 1's layers
-    with pytest.raises(ValueError, match=r"layers: 5 entries .* \+ 3 for the layers' later calls = 8"):
-        SelectionManifest.model_validate(data)
-    (tmp_path / "m.json").write_text(m.to_json(), encoding="utf-8")
-    write_rendered(render_manifest(m), tmp_path / "r")
-    case = (tmp_path / "m.json", tmp_path / "r", config)
-    report = _passes(case)
-    assert check(report, "get_cache_info layer count").passed
+    case = _looped_case(tmp_path, m, config, 5, 3)  # planned without loop 1's layers
 
     bad = tmp_path / "no_loops"
     shutil.copytree(case[1], bad)

@@ -51,14 +51,23 @@ def mistaken_report(case: tuple[Path, Path, Path], pattern: str, replacement: st
                     name: str = "kvcache_attention.py"):
     """The report of ``case``'s render (render_case's paths) with one mistake written in, which must fail it. The
     sub-module localisation's replay is skipped: the check that fails is the point (tests/test_localisation.py
-    covers the replay)."""
+    covers the replay). Where the pipeline plans a CPU-size run of the implementer's own render before the given
+    render's 'as written' run, that first run is skipped too: it re-renders the manifest, so the mistake written
+    into ``rendered`` never reaches it (the mistake tests assert on 'as written: ...' checks there)."""
     from unittest import mock
 
     from model_infer_kvcache.validators.pipeline import validate as pipeline
 
+    plan_runs = pipeline._plan_runs
+
+    def as_written_only(*args, **kwargs):
+        runs = plan_runs(*args, **kwargs)
+        return runs[1:] if len(runs) > 1 else runs
+
     manifest, rendered, config = case
     mutate(rendered, pattern, replacement, name=name)
-    with mock.patch.object(pipeline, "_localise", lambda *args, **kwargs: None):
+    with mock.patch.object(pipeline, "_localise", lambda *args, **kwargs: None), \
+            mock.patch.object(pipeline, "_plan_runs", as_written_only):
         report = run_validate(manifest, rendered, config, scenario=scenario)
     assert not report.passed
     return report

@@ -1,0 +1,413 @@
+"""Drive BLT (transformers ``BltForCausalLM``) byte by byte on the paged caches analyzer/kinds/byte_patches.py plans,
+and judge it by transformers' full forward (no cache: the recompute oracle; transformers' own cached path reruns the
+patcher, the global transformer and the cross-attentions over each step's byte alone, so it is no reference).
+
+Every stack's self-attention runs as a port would: its q/k/v projections and RoPE from the transformers module, the
+step's K/V written into the stack's paged pool with ``npu_scatter_nd_update_`` at the request's slot, and one packed
+(TND) ``npu_fused_infer_attention_score`` call per layer over the pool through the request's block table (the
+window of the byte stacks as FA's band: sparse_mode 4 with pre_tokens from ``rules.decide_window_tokens``, the
+global stack causal mode 3). The requests step together, admitted late and finishing early, each feeding one byte
+per step (its prompt, then its greedy bytes). Per request the host keeps what transformers recomputes: the open
+patch's encoder rows (they pool into the patch at its end) and, per decoder cross-attention layer, the K/V of the
+latest completed patch in a slot of its own (refreshed at each patch end, read by FA with sparse_mode 0). At a byte
+that ends a patch (``byte_patches.ends_patch`` on the patcher's entropy at that byte) the global stack steps for the
+requests that ended one: one row per completed patch.
+
+Checks (IDs in check_ids): V117 the pools as planned, V234 every FA call reads its stack's own cache at the kv_len
+the request's bytes (or completed patches, at exactly the bytes transformers' own patcher ends them) give, V309 /
+V310 logits and greedy bytes against the full forward, V408 every block and per-request state released. Knobs for
+the negative controls: ``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global
+stack rerun over the step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's
+cross K/V kept from the first patch).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from model_infer_kvcache.analyzer import rules
+from model_infer_kvcache.analyzer.kinds import byte_patches as bp
+from model_infer_kvcache.analyzer.measured import DEFAULT_WINDOW_READING
+from model_infer_kvcache.validators.npu_ops.fa_masks import causal_template
+from model_infer_kvcache.validators.pipeline.report import Report
+
+BLOCK_SIZE = 16  # small blocks: a CPU-length request spans several, so a wrong table row reads another's keys
+CROSS_SLOT = 16  # the decoder cross K/V slot: cross_attn_k rows in one block of its own per request
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    new_bytes: int  # greedy bytes after the prompt
+    admit: int  # the step it joins the stream at
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + self.new_bytes
+
+
+@dataclass
+class FaCall:
+    """One FA call as the host made it: which stack and layer, for which requests at which positions, the kv_len
+    and block-table rows it passed, the band."""
+
+    stack: str
+    layer: int
+    requests: tuple[int, ...]
+    positions: tuple[int, ...]  # the rows' positions in the stack (bytes, or patches for the global stack)
+    at_bytes: tuple[int, ...]  # the byte each request was at
+    kv_lens: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+    sparse_mode: int
+    pre_tokens: int
+
+
+class PagedPool:
+    """One stack's paged K/V: ``layers`` x [num_blocks, block_size, KV heads, head_dim], block 0 the null block
+    (NaN: a read past kv_len shows), the others handed out from a shuffled free list, a table per request."""
+
+    def __init__(self, facts: bp.StackFacts, num_blocks: int, dtype: torch.dtype, seed: int):
+        self.facts = facts
+        shape = (num_blocks, BLOCK_SIZE, facts.kv_heads, facts.head_dim)
+        self.k = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(facts.layers)]
+        self.v = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(facts.layers)]
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.start_free = len(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.rows: dict[int, int] = {}
+
+    def append(self, req: int) -> int:
+        """The slot of the request's next row (a new block when the last is full)."""
+        table, rows = self.tables.setdefault(req, []), self.rows.get(req, 0)
+        if rows % BLOCK_SIZE == 0:
+            table.append(self.free.pop())
+        self.rows[req] = rows + 1
+        return table[rows // BLOCK_SIZE] * BLOCK_SIZE + rows % BLOCK_SIZE
+
+    def release(self, req: int) -> None:
+        for block in self.tables.pop(req, []):
+            for cache in (*self.k, *self.v):
+                cache[block] = float("nan")  # a released block read again shows
+            self.free.append(block)
+        self.rows.pop(req, None)
+
+
+@dataclass
+class RequestState:
+    """What a request keeps between steps besides its pool rows: the open patch's encoder rows, its completed
+    patches, the decoder cross-attention K/V of the latest patch (per cross layer) and where its patches ended."""
+
+    open_rows: list[torch.Tensor] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)  # the patcher's next-byte entropy at each byte
+    patches: int = 0
+    cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ends: list[int] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class BytePatchRun:
+    requests: tuple[Request, ...]
+    states: dict[int, RequestState]
+    calls: list[FaCall]
+    pools: dict[str, PagedPool]
+    pool_shapes: dict[str, list[tuple[int, ...]]]
+    live_states: int  # per-request states still held after the stream
+    errors: list[str] = field(default_factory=list)
+
+
+def _stream(seed: int, vocab: int) -> tuple[Request, ...]:
+    """Three requests: different prompt lengths (past a block), late admits, early finishes, greedy tails."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((21, 4, 0), (9, 6, 2), (14, 3, 5))
+    return tuple(Request(tuple(torch.randint(0, vocab, (n,), generator=gen).tolist()), new, admit)
+                 for n, new, admit in shapes)
+
+
+class _Host:
+    def __init__(self, model, facts: bp.BytePatchFacts, ops, *, reading: str, boundary_shift: int,
+                 global_cached: bool, refresh_cross: bool, seed: int):
+        self.model, self.blt, self.cfg, self.facts, self.ops = model, model.model, model.config, facts, ops
+        self.reading, self.shift, self.global_cached, self.refresh_cross = (reading, boundary_shift, global_cached,
+                                                                            refresh_cross)
+        self.dtype = next(model.parameters()).dtype
+        self.seed = seed
+        self.calls: list[FaCall] = []
+        self.mask = causal_template()
+
+    # ---------------------------------------------------------------- one stack's paged attention
+    def _attention(self, pool: PagedPool, name: str, li: int, attn, x, emb, reqs, positions, slots):
+        from transformers.models.blt.modeling_blt import apply_rotary_pos_emb
+
+        t, s = x.shape[0], pool.facts
+        q = attn.q_proj(x).view(t, 1, s.heads, s.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *emb)
+        slot_t = torch.tensor(slots, dtype=torch.int64).view(-1, 1)
+        self.ops.npu_scatter_nd_update_(pool.k[li].view(-1, s.kv_heads, s.head_dim), slot_t, k.reshape(t, s.kv_heads,
+                                                                                                         s.head_dim))
+        self.ops.npu_scatter_nd_update_(pool.v[li].view(-1, s.kv_heads, s.head_dim), slot_t, v.reshape(t, s.kv_heads,
+                                                                                                         s.head_dim))
+        width = max(len(pool.tables[r]) for r in reqs)
+        tables = [pool.tables[r] + [0] * (width - len(pool.tables[r])) for r in reqs]
+        kv_lens = [pool.rows[r] for r in reqs]
+        pre, nxt, _ = rules.decide_window_tokens(s.window, self.reading)
+        sparse = 4 if s.window else 3
+        nb = pool.k[li].shape[0]
+        out, _ = self.ops.npu_fused_infer_attention_score(
+            q.reshape(t, s.heads, s.head_dim), pool.k[li].view(nb, BLOCK_SIZE, -1), pool.v[li].view(nb, BLOCK_SIZE, -1),
+            num_heads=s.heads, num_key_value_heads=s.kv_heads, input_layout="TND", scale=attn.scaling,
+            atten_mask=self.mask, sparse_mode=sparse, pre_tokens=pre, next_tokens=nxt,
+            block_table=torch.tensor(tables, dtype=torch.int32), block_size=BLOCK_SIZE,
+            actual_seq_lengths=list(range(1, t + 1)), actual_seq_lengths_kv=kv_lens)
+        self.calls.append(FaCall(name, li, tuple(reqs), tuple(positions), tuple(self.at[r] for r in reqs), tuple(kv_lens),
+                                 tuple(tuple(r) for r in tables), sparse, pre))
+        return attn.o_proj(out.reshape(t, 1, -1))
+
+    def stack(self, pool: PagedPool, name: str, module, h, reqs, positions):
+        """One stack's layers for the requests' rows ``h`` [T, 1, hidden] at ``positions``: each layer's norm,
+        paged attention, MLP (BltTransformerLayer's order)."""
+        emb = module.rotary_emb(h, torch.tensor(positions).view(-1, 1))
+        slots = [pool.append(r) for r in reqs]
+        for li, layer in enumerate(module.layers):
+            attn = self._attention(pool, name, li, layer.self_attn, layer.input_layernorm(h), emb, reqs, positions,
+                                   slots)
+            h = h + attn
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    # ---------------------------------------------------------------- cross-attention on per-request states
+    def _cross(self, module, h, kv_per_req):
+        """BltCrossAttention for one query row per request ``h`` [T, hidden] over that request's K/V state (FA, TND,
+        no mask): its output plus ``h``, as the module returns it."""
+        t = h.shape[0]
+        heads, kv_heads, dim = module.num_heads, module.num_key_value_heads, module.head_dim
+        q = module.q_proj(module.q_norm(h)).view(t, heads, dim)
+        keys = torch.cat([k for k, _ in kv_per_req])
+        values = torch.cat([v for _, v in kv_per_req])
+        lens = torch.tensor([k.shape[0] for k, _ in kv_per_req]).cumsum(0).tolist()
+        out, _ = self.ops.npu_fused_infer_attention_score(
+            q, keys, values, num_heads=heads, num_key_value_heads=kv_heads, input_layout="TND",
+            scale=module.scaling, sparse_mode=0, actual_seq_lengths=list(range(1, t + 1)),
+            actual_seq_lengths_kv=lens)
+        return module.o_proj(out.reshape(t, -1)) + h  # BltCrossAttention adds its input back
+
+    @staticmethod
+    def _cross_kv(module, states):
+        """The K/V a cross-attention module reads from ``states`` [rows, hidden]: its k_norm, k_proj, v_proj."""
+        normed = module.k_norm(states)
+        shape = (states.shape[0], module.num_key_value_heads, module.head_dim)
+        return module.k_proj(normed).view(shape), module.v_proj(normed).view(shape)
+
+    # ---------------------------------------------------------------- the patch boundary
+    def end_patches(self, pools, states, ending: list[int], positions: dict[int, int]):
+        """Pool each ending request's open patch (the encoder's cross-attention over its rows), step the global
+        stack once for them (a row per completed patch) and refresh their decoder cross K/V."""
+        enc, glob, dec, k = self.blt.local_encoder, self.blt.global_transformer, self.blt.local_decoder, \
+            self.cfg.cross_attn_k
+        cross = enc.cross_attn_layers[len(enc.cross_attn_layers) - 1]
+        pooled = []
+        for r in ending:
+            rows = torch.cat(states[r].open_rows)  # [n, hidden]
+            p = enc.patch_embedding_projection(rows.amax(0, keepdim=True)).reshape(k, -1)
+            p = self._pool_cross(cross, p, self._cross_kv(cross, rows))
+            pooled.append(p.reshape(1, 1, -1))
+        g = glob.token_embedding_projection(torch.cat(pooled))
+        if self.global_cached:
+            out = self.stack(pools["global_config"], "global_config", glob, g, ending,
+                             [states[r].patches for r in ending])
+        else:  # transformers' cached path: the patch alone, at position 0, nothing kept
+            for r in ending:
+                pools["global_config"].release(r)
+            out = self.stack(pools["global_config"], "global_config", glob, g, ending, [0] * len(ending))
+        for i, r in enumerate(ending):
+            st = states[r]
+            st.patches += 1
+            st.ends.append(positions[r])
+            st.open_rows = []
+            if st.cross_kv is not None and not self.refresh_cross:
+                continue
+            latest = dec.patch_embedding_projection(out[i]).reshape(k, -1)
+            st.cross_kv = [self._cross_kv(m, latest) for m in dec.cross_attn_layers]
+
+    def _pool_cross(self, module, pooled, kv):
+        """The encoder's cross-attention: the patch's k query rows over its own encoder rows (one request)."""
+        heads, kv_heads, dim = module.num_heads, module.num_key_value_heads, module.head_dim
+        q = module.q_proj(module.q_norm(pooled)).view(pooled.shape[0], heads, dim)
+        out, _ = self.ops.npu_fused_infer_attention_score(
+            q, kv[0], kv[1], num_heads=heads, num_key_value_heads=kv_heads, input_layout="TND",
+            scale=module.scaling, sparse_mode=0, actual_seq_lengths=[pooled.shape[0]],
+            actual_seq_lengths_kv=[kv[0].shape[0]])
+        return pooled + module.o_proj(out.reshape(pooled.shape[0], -1)) + pooled
+
+    # ---------------------------------------------------------------- one step of the stream
+    def step(self, pools, states, active: list[int], feeds: dict[int, int]):
+        from transformers.models.blt.modeling_blt import compute_hash_embeddings
+
+        blt, cfg = self.blt, self.cfg
+        positions = {r: len(states[r].bytes) for r in active}
+        self.at = positions
+        for r in active:
+            states[r].bytes.append(feeds[r])
+        pos = [positions[r] for r in active]
+        byte = torch.tensor([feeds[r] for r in active]).view(-1, 1)
+        entropy = {}
+        if self.facts.entropy_patching:
+            ph = self.stack(pools["patcher_config"], "patcher_config", blt.patcher, blt.patcher.embed_tokens(byte),
+                            active, pos)
+            logits = blt.patcher.lm_head(blt.patcher.norm(ph))[:, 0]
+            ent = torch.distributions.Categorical(logits=logits).entropy()
+            for i, r in enumerate(active):
+                states[r].entropy.append(ent[i].item())
+        embeds = torch.cat([compute_hash_embeddings(
+            torch.tensor([states[r].bytes]), blt.local_encoder, blt.encoder_hash_tok_embedding,
+            cfg.encoder_hash_byte_group_nb_functions, cfg.encoder_hash_byte_group_size,
+            cfg.encoder_hash_byte_group_vocab)[:, -1:] for r in active])
+        eh = self.stack(pools["encoder_config"], "encoder_config", blt.local_encoder, embeds, active, pos)
+        ending = []
+        for i, r in enumerate(active):
+            st, p = states[r], positions[r]
+            st.open_rows.append(eh[i])
+            entropy[r] = st.entropy[max(p - self.shift, 0)] if self.facts.entropy_patching else float("nan")
+            if bp.ends_patch(p, entropy[r], len(st.open_rows), self.facts):
+                ending.append(r)
+        if ending:
+            self.end_patches(pools, states, ending, positions)
+        dec = blt.local_decoder
+        h = eh
+        emb = dec.rotary_emb(h, torch.tensor(pos).view(-1, 1))
+        slots = [pools["decoder_config"].append(r) for r in active]
+        for li, layer in enumerate(dec.layers):
+            if li == 0 or dec.config.cross_attn_all_layers:
+                h = h + self._cross(dec.cross_attn_layers[li], h[:, 0],
+                                    [states[r].cross_kv[li] for r in active]).unsqueeze(1)
+            h = h + self._attention(pools["decoder_config"], "decoder_config", li, layer.self_attn,
+                                    layer.input_layernorm(h), emb, active, pos, slots)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.model.lm_head(dec.norm(h))[:, 0]
+        for i, r in enumerate(active):
+            states[r].logits.append(logits[i])
+
+
+def _blocks_for(rows: int) -> int:
+    return -(-rows // BLOCK_SIZE)
+
+
+def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, requests: tuple[Request, ...] | None = None,
+                     reading: str = DEFAULT_WINDOW_READING, boundary_shift: int = 0, global_cached: bool = True,
+                     refresh_cross: bool = True) -> BytePatchRun:
+    """Step ``requests`` (default: the seeded stream) through ``model`` on the planned paged caches with the
+    operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes."""
+    reqs = requests or _stream(seed, model.config.vocab_size)
+    host = _Host(model, facts, ops, reading=reading, boundary_shift=boundary_shift, global_cached=global_cached,
+                 refresh_cross=refresh_cross, seed=seed)
+    planned = {layer.stack.stack.section: layer.stack for layer in bp.cache_plan(facts)}
+    dtype = next(model.parameters()).dtype
+    blocks = 1 + sum(_blocks_for(r.length) for r in reqs)  # + the null block; the global stack needs fewer
+    pools = {name: PagedPool(s, blocks, dtype, seed + i) for i, (name, s) in enumerate(planned.items())}
+    shapes = {name: [tuple(t.shape) for t in pool.k + pool.v] for name, pool in pools.items()}
+    states = {i: RequestState() for i in range(len(reqs))}
+    errors: list[str] = []
+    step = 0
+    live = set()
+    with torch.no_grad():
+        while any(len(states[i].bytes) < r.length for i, r in enumerate(reqs)):
+            active = [i for i, r in enumerate(reqs) if r.admit <= step and len(states[i].bytes) < r.length]
+            live |= set(active)
+            feeds = {}
+            for i in active:
+                st, r = states[i], reqs[i]
+                n = len(st.bytes)
+                feeds[i] = r.prompt[n] if n < len(r.prompt) else int(st.logits[-1].argmax())
+            if active:
+                host.step(pools, states, active, feeds)
+            for i in list(live):
+                if len(states[i].bytes) == reqs[i].length:  # finished: its blocks and states go back
+                    for pool in pools.values():
+                        pool.release(i)
+                    states[i].open_rows, states[i].cross_kv = [], None
+                    live.discard(i)
+            step += 1
+    held = sum(1 for st in states.values() if st.open_rows or st.cross_kv is not None)
+    return BytePatchRun(reqs, states, host.calls, pools, shapes, held, errors)
+
+
+def transformers_patch_ends(model, ids: list[int]) -> list[int]:
+    """The bytes at which transformers' own patcher ends a patch over ``ids`` (the last byte of each patch): its
+    patch lengths over ``ids`` plus one byte (the patcher is causal, so that byte only tells whether the last real
+    byte ends one), or every byte without entropy patching."""
+    cfg = model.config
+    if model.model.patcher is None or cfg.patching_mode != "entropy":
+        return list(range(len(ids)))
+    with torch.no_grad():
+        lengths = model.model.patcher(torch.tensor([[*ids, 0]]), patch_size=cfg.patch_size,
+                                      threshold=cfg.patching_threshold, max_patch_length=cfg.max_patch_length)[1][0]
+    ends = (lengths[lengths > 0].cumsum(0) - 1).tolist()
+    return [e for e in ends if e < len(ids)]
+
+
+def full_forward(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits over ``ids`` in one forward without a cache: the oracle (BLT's full forward is causal)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: BytePatchRun, tolerance: float) -> float:
+    """The run's checks (V117, V234, V309, V310, V408); returns the max |diff| of its logits."""
+    plan = bp.cache_plan(facts)
+    want = {}
+    for layer in plan:
+        s = layer.stack
+        want.setdefault(s.stack.section, []).append((BLOCK_SIZE, s.kv_heads, s.head_dim))
+    got = {name: [shape[1:] for shape in shapes[:len(shapes) // 2]] for name, shapes in run.pool_shapes.items()}
+    report.add(f"byte patches: every stack's paged pool is its planned layers x [num_blocks, block_size, KV heads, "
+               f"head_dim] ({len(plan)} layers)", "init", got == want, "" if got == want else f"{got} != {want}")
+
+    # V234: each call reads its stack's cache at the rows the request has; the global stack exactly at the bytes
+    # transformers' patcher ends a patch, one row per completed patch
+    problems = []
+    ends = {i: transformers_patch_ends(model, st.bytes) for i, st in run.states.items()}
+    for call in run.calls:
+        for r, at, kv in zip(call.requests, call.at_bytes, call.kv_lens, strict=True):
+            expect = len([e for e in ends[r] if e <= at]) if call.stack == "global_config" else at + 1
+            if kv != expect:
+                problems.append(f"{call.stack} layer {call.layer} request {r} at byte {at}: kv_len {kv}, "
+                                f"expected {expect}")
+    for r in run.states:
+        # the i-th global step of a request is its i-th patch, at the byte transformers' patcher ends it
+        stepped = [c.at_bytes[c.requests.index(r)] for c in run.calls
+                   if c.stack == "global_config" and c.layer == 0 and r in c.requests]
+        if stepped != ends[r]:
+            problems.append(f"request {r}: the global stack stepped at bytes {stepped}, transformers' patcher ends "
+                            f"patches at {ends[r]}")
+    report.add(f"byte patches: each FA call reads its stack's own paged cache at the request's bytes (the global "
+               f"stack at its completed patches, at the bytes transformers' patcher ends them) ({len(run.calls)} "
+               f"calls)", "runtime", not problems, "; ".join(problems[:3]))
+
+    # transformers casts BLT's logits to float32 (BltForCausalLM.forward: lm_head(...).float()): below float32's
+    # rounding at the logits' scale no run can agree more closely, whatever its dtype
+    worst, same, scale = 0.0, True, 0.0
+    for i, st in run.states.items():
+        ref = full_forward(model, st.bytes)
+        scale = max(scale, ref.abs().max().item())
+        got_logits = torch.stack(st.logits)
+        last = len(st.bytes) if facts.max_patch_length is None else len(st.bytes) - 1
+        worst = max(worst, (got_logits[:last] - ref[:last]).abs().max().item())
+        prompt = len(run.requests[i].prompt)
+        same &= got_logits[prompt - 1:-1].argmax(-1).tolist() == ref[prompt - 1:-1].argmax(-1).tolist()
+    tolerance = max(tolerance, torch.finfo(torch.float32).eps * scale)
+    report.add(f"byte patches: logits vs transformers' full forward (each request's bytes, no cache) max |diff| <= "
+               f"{tolerance:g}", "numeric", worst <= tolerance, f"max |diff| {worst:.3g}", max_abs_diff=worst)
+    report.add("byte patches: greedy bytes identical to transformers' full forward", "numeric", same)
+
+    leaks = {name: pool.start_free - len(pool.free) for name, pool in run.pools.items()
+             if len(pool.free) != pool.start_free or pool.tables}
+    ok = not leaks and run.live_states == 0
+    report.add("byte patches: every stack's blocks back in the pool and no per-request state left after the stream",
+               "release", ok, "" if ok else f"blocks held {leaks}, request states {run.live_states}")
+    return worst

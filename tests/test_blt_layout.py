@@ -213,12 +213,14 @@ def test_the_planned_caches_reproduce_the_full_forward_byte_by_byte(extra):
     ({"boundary_shift": 1}, {"V234", "V309", "V310"}),
     ({"global_cached": False}, {"V234", "V309", "V310"}),
     ({"refresh_cross": False}, {"V309", "V310"}),
+    ({"reading": "inclusive"}, {"V309", "V310"}),
 ])
 def test_byte_patch_mistakes_fail_by_check_id(knob, fails):
     """Negative controls, each a plausible port mistake: the patch boundary read one byte late (the global stack
     steps at the wrong bytes: V234, and the logits leave the full forward by ~1.6), the global stack rerun over the
     step's patch alone as transformers' cached path does (its kv_len stays 1: V234; ~1.1), the decoder's cross K/V
-    kept from the first patch instead of refreshed at each patch end (~2.4)."""
+    kept from the first patch instead of refreshed at each patch end (~2.4), the byte stacks' pre_tokens planned under
+    the 'inclusive' reading while the operators count 'exclusive' (one key past the window: ~4.8)."""
     model, facts = _case({})
     _, passed, worst = _judged(model, facts, **knob)
     assert {i for i, ok in passed.items() if not ok} == fails, passed

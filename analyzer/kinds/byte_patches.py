@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from model_infer_kvcache.analyzer import kv_cache_spec
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 
 SOURCE = "transformers models/blt/modeling_blt.py BltModel.forward"
@@ -77,6 +78,15 @@ class StackFacts:
     kv_heads: int
     head_dim: int  # BltSelfAttention: hidden_size // num_attention_heads
     window: int | None
+
+    @property
+    def attn_type(self) -> str:
+        """The framework kind of the stack's layers: a windowed stack attends through FA's band."""
+        return kv_cache_spec.SLIDING_WINDOW if self.window else kv_cache_spec.FULL_ATTENTION
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5  # BltSelfAttention.scaling
 
 
 @dataclass(frozen=True)

@@ -2,29 +2,32 @@
 and judge it by transformers' full forward (no cache: the recompute oracle; transformers' own cached path reruns the
 patcher, the global transformer and the cross-attentions over each step's byte alone, so it is no reference).
 
-Every stack's self-attention runs as a port would: its q/k/v projections and RoPE from the transformers module, the
-step's K/V written into the stack's paged pool with ``npu_scatter_nd_update_`` at the request's slot, and one packed
-(TND) ``npu_fused_infer_attention_score`` call per layer over the pool through the request's block table (the
-window of the byte stacks as FA's band: sparse_mode 4 with pre_tokens from ``rules.decide_window_tokens``, the
-global stack causal mode 3). The requests step together, admitted late and finishing early, each feeding one byte
-per step (its prompt, then its greedy bytes). Per request the host keeps what transformers recomputes: the open
-patch's encoder rows (they pool into the patch at its end) and, per decoder cross-attention layer, the K/V of the
-latest completed patch in a slot of its own (refreshed at each patch end, read by FA with sparse_mode 0). At a byte
-that ends a patch (``byte_patches.ends_patch`` on the patcher's entropy at that byte) the global stack steps for the
-requests that ended one: one row per completed patch.
+Every stack's self-attention runs as a port would: the host runs the transformers module's q/k/v projections, RoPE
+and o_proj around ``PagedAttention.kv_cache_attention`` (the port's part, shaped like the gqa partial's: the step's
+K/V written into the stack's paged pool with ``npu_scatter_nd_update_`` at ``slot_mapping``, then one packed (TND)
+``npu_fused_infer_attention_score`` call over the pool through ``block_table``), the band from the analyzer's rules
+for the stack's attn_type (``band``: a windowed stack sparse_mode 4 with pre_tokens from its window, the global stack
+causal mode 3). The requests step together, admitted late and finishing early, each feeding one byte per step (its
+prompt, then its greedy bytes). Per request the host keeps what transformers recomputes: the open patch's encoder
+rows (they pool into the patch at its end) and, per decoder cross-attention layer, the K/V of the latest completed
+patch in a slot of its own (``cross_attn_k`` rows, rewritten with ``npu_scatter_nd_update_`` at each patch end, read
+by FA through a one-block table with sparse_mode 0). At a byte that ends a patch (``byte_patches.ends_patch`` on the
+patcher's entropy at that byte) the global stack steps for the requests that ended one: one row per completed patch.
 
 Checks (IDs in check_ids): V117 the pools as planned, V234 every FA call reads its stack's own cache at the kv_len
 the request's bytes (or completed patches, at exactly the bytes transformers' own patcher ends them) give, V309 /
-V310 logits and greedy bytes against the full forward, V408 every block and per-request state released. Knobs for
-the negative controls: ``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global
-stack rerun over the step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's
-cross K/V kept from the first patch).
+V310 logits and greedy bytes against the full forward, V408 every block, cross slot and per-request state released
+(released blocks and slots are NaN: a later read of one shows in V309). Knobs for the negative controls:
+``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global stack rerun over the
+step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's cross K/V kept from the
+first patch), ``reading`` (the band's pre_tokens planned under another device reading than the operators run).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from model_infer_kvcache.analyzer import rules
@@ -95,6 +98,41 @@ class PagedPool:
         self.rows.pop(req, None)
 
 
+def band(stack: bp.StackFacts, reading: str) -> tuple[int, torch.Tensor | None, int, int]:
+    """(sparse_mode, atten_mask, pre_tokens, next_tokens) of a stack's decode FA call: the analyzer's rules for its
+    attn_type (a windowed stack: band 4, pre_tokens from its window under the device ``reading``; else causal 3),
+    the 2048 causal template where they name one."""
+    sparse, mask, _ = rules.decide_sparse(stack.attn_type, False, "paged")
+    pre, nxt, _ = rules.decide_window_tokens(stack.window, reading)
+    return sparse.decode, causal_template() if mask.decode == "causal_2048" else None, pre, nxt
+
+
+class PagedAttention:
+    """What a port supplies for one layer of a stack (the seam a rendered attention plugs into, the shape of the
+    gqa partial's ``kv_cache_attention``): write this step's K/V [T, KV heads, head_dim] at
+    ``forward_metadata.slot_mapping`` with ``npu_scatter_nd_update_``, then one packed (TND) FA call over the pool
+    through ``forward_metadata.block_table`` with the stack's band."""
+
+    def __init__(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, stack: bp.StackFacts, band_args):
+        self.ops, self.k_cache, self.v_cache, self.stack, self.band = ops, k_cache, v_cache, stack, band_args
+
+    def kv_cache_attention(self, query_states, key_states, value_states, forward_metadata):
+        s = self.stack
+        slots = forward_metadata.slot_mapping.view(-1, 1)
+        self.ops.npu_scatter_nd_update_(self.k_cache.view(-1, s.kv_heads, s.head_dim), slots, key_states)
+        self.ops.npu_scatter_nd_update_(self.v_cache.view(-1, s.kv_heads, s.head_dim), slots, value_states)
+        num_blocks, block_size = self.k_cache.shape[:2]
+        sparse_mode, _, pre_tokens, next_tokens = self.band
+        out, _ = self.ops.npu_fused_infer_attention_score(
+            query_states, self.k_cache.view(num_blocks, block_size, -1), self.v_cache.view(num_blocks, block_size, -1),
+            num_heads=s.heads, num_key_value_heads=s.kv_heads, input_layout="TND", scale=s.scale,
+            atten_mask=forward_metadata.attention_mask if self.band[1] is not None else None, sparse_mode=sparse_mode,
+            pre_tokens=pre_tokens, next_tokens=next_tokens, block_table=forward_metadata.block_table,
+            block_size=block_size, actual_seq_lengths=forward_metadata.actual_seq_lengths_cu_q,
+            actual_seq_lengths_kv=forward_metadata.actual_seq_lengths_kv)
+        return out
+
+
 @dataclass
 class RequestState:
     """What a request keeps between steps besides its pool rows: the open patch's encoder rows, its completed
@@ -103,7 +141,7 @@ class RequestState:
     open_rows: list[torch.Tensor] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)  # the patcher's next-byte entropy at each byte
     patches: int = 0
-    cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    cross_written: bool = False  # its cross K/V slot holds a patch's (the first patch ends at byte 0)
     ends: list[int] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -138,9 +176,14 @@ class _Host:
         self.seed = seed
         self.calls: list[FaCall] = []
         self.mask = causal_template()
+        self.cross_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.slot_of: dict[int, int] = {}
+        self.at: dict[int, int] = {}
 
     # ---------------------------------------------------------------- one stack's paged attention
     def _attention(self, pool: PagedPool, name: str, li: int, attn, x, emb, reqs, positions, slots):
+        """The host's part of one layer's self-attention (the transformers module's projections and RoPE, o_proj
+        after) around the port's part (``PagedAttention``), with the step's forward metadata."""
         from transformers.models.blt.modeling_blt import apply_rotary_pos_emb
 
         t, s = x.shape[0], pool.facts
@@ -148,25 +191,18 @@ class _Host:
         k = attn.k_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *emb)
-        slot_t = torch.tensor(slots, dtype=torch.int64).view(-1, 1)
-        self.ops.npu_scatter_nd_update_(pool.k[li].view(-1, s.kv_heads, s.head_dim), slot_t, k.reshape(t, s.kv_heads,
-                                                                                                         s.head_dim))
-        self.ops.npu_scatter_nd_update_(pool.v[li].view(-1, s.kv_heads, s.head_dim), slot_t, v.reshape(t, s.kv_heads,
-                                                                                                         s.head_dim))
         width = max(len(pool.tables[r]) for r in reqs)
-        tables = [pool.tables[r] + [0] * (width - len(pool.tables[r])) for r in reqs]
-        kv_lens = [pool.rows[r] for r in reqs]
-        pre, nxt, _ = rules.decide_window_tokens(s.window, self.reading)
-        sparse = 4 if s.window else 3
-        nb = pool.k[li].shape[0]
-        out, _ = self.ops.npu_fused_infer_attention_score(
-            q.reshape(t, s.heads, s.head_dim), pool.k[li].view(nb, BLOCK_SIZE, -1), pool.v[li].view(nb, BLOCK_SIZE, -1),
-            num_heads=s.heads, num_key_value_heads=s.kv_heads, input_layout="TND", scale=attn.scaling,
-            atten_mask=self.mask, sparse_mode=sparse, pre_tokens=pre, next_tokens=nxt,
-            block_table=torch.tensor(tables, dtype=torch.int32), block_size=BLOCK_SIZE,
-            actual_seq_lengths=list(range(1, t + 1)), actual_seq_lengths_kv=kv_lens)
-        self.calls.append(FaCall(name, li, tuple(reqs), tuple(positions), tuple(self.at[r] for r in reqs), tuple(kv_lens),
-                                 tuple(tuple(r) for r in tables), sparse, pre))
+        meta = SimpleNamespace(
+            is_prefill=False, attention_mask=self.mask, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_table=torch.tensor([pool.tables[r] + [0] * (width - len(pool.tables[r])) for r in reqs],
+                                     dtype=torch.int32),
+            actual_seq_lengths_kv=[pool.rows[r] for r in reqs], actual_seq_lengths_cu_q=list(range(1, t + 1)))
+        port = PagedAttention(self.ops, pool.k[li], pool.v[li], s, band(s, self.reading))
+        out = port.kv_cache_attention(q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim),
+                                      v.reshape(t, s.kv_heads, s.head_dim), meta)
+        self.calls.append(FaCall(name, li, tuple(reqs), tuple(positions), tuple(self.at[r] for r in reqs),
+                                 tuple(meta.actual_seq_lengths_kv), tuple(map(tuple, meta.block_table.tolist())),
+                                 port.band[0], port.band[2]))
         return attn.o_proj(out.reshape(t, 1, -1))
 
     def stack(self, pool: PagedPool, name: str, module, h, reqs, positions):
@@ -182,20 +218,29 @@ class _Host:
         return h
 
     # ---------------------------------------------------------------- cross-attention on per-request states
-    def _cross(self, module, h, kv_per_req):
-        """BltCrossAttention for one query row per request ``h`` [T, hidden] over that request's K/V state (FA, TND,
-        no mask): its output plus ``h``, as the module returns it."""
+    def _cross(self, li: int, module, h, reqs):
+        """The decoder's cross-attention layer ``li`` for one query row per request ``h`` [T, hidden] over the
+        request's cross K/V slot (FA through a one-block table, kv_len cross_attn_k, sparse_mode 0 without a mask):
+        its output plus ``h``, as BltCrossAttention returns it."""
         t = h.shape[0]
         heads, kv_heads, dim = module.num_heads, module.num_key_value_heads, module.head_dim
         q = module.q_proj(module.q_norm(h)).view(t, heads, dim)
-        keys = torch.cat([k for k, _ in kv_per_req])
-        values = torch.cat([v for _, v in kv_per_req])
-        lens = torch.tensor([k.shape[0] for k, _ in kv_per_req]).cumsum(0).tolist()
+        k_slots, v_slots = self.cross_slots[li]
         out, _ = self.ops.npu_fused_infer_attention_score(
-            q, keys, values, num_heads=heads, num_key_value_heads=kv_heads, input_layout="TND",
-            scale=module.scaling, sparse_mode=0, actual_seq_lengths=list(range(1, t + 1)),
-            actual_seq_lengths_kv=lens)
-        return module.o_proj(out.reshape(t, -1)) + h  # BltCrossAttention adds its input back
+            q, k_slots.view(k_slots.shape[0], k_slots.shape[1], -1), v_slots.view(v_slots.shape[0], v_slots.shape[1],
+                                                                                   -1),
+            num_heads=heads, num_key_value_heads=kv_heads, input_layout="TND", scale=module.scaling, sparse_mode=0,
+            block_table=torch.tensor([[self.slot_of[r]] for r in reqs], dtype=torch.int32),
+            block_size=k_slots.shape[1], actual_seq_lengths=list(range(1, t + 1)),
+            actual_seq_lengths_kv=[self.cfg.cross_attn_k] * t)
+        return module.o_proj(out.reshape(t, -1)) + h
+
+    def write_cross(self, r: int, li: int, module, states) -> None:
+        """Refresh request ``r``'s cross K/V slot of decoder cross layer ``li`` from the latest patch's rows."""
+        k, v = self._cross_kv(module, states)
+        rows = torch.arange(k.shape[0]) + self.slot_of[r] * self.cross_slots[li][0].shape[1]
+        for cache, new in zip(self.cross_slots[li], (k, v), strict=True):
+            self.ops.npu_scatter_nd_update_(cache.view(-1, *cache.shape[2:]), rows.view(-1, 1), new)
 
     @staticmethod
     def _cross_kv(module, states):
@@ -230,10 +275,12 @@ class _Host:
             st.patches += 1
             st.ends.append(positions[r])
             st.open_rows = []
-            if st.cross_kv is not None and not self.refresh_cross:
+            if st.cross_written and not self.refresh_cross:
                 continue
             latest = dec.patch_embedding_projection(out[i]).reshape(k, -1)
-            st.cross_kv = [self._cross_kv(m, latest) for m in dec.cross_attn_layers]
+            for li, m in enumerate(dec.cross_attn_layers):
+                self.write_cross(r, li, m, latest)
+            st.cross_written = True
 
     def _pool_cross(self, module, pooled, kv):
         """The encoder's cross-attention: the patch's k query rows over its own encoder rows (one request)."""
@@ -284,8 +331,7 @@ class _Host:
         slots = [pools["decoder_config"].append(r) for r in active]
         for li, layer in enumerate(dec.layers):
             if li == 0 or dec.config.cross_attn_all_layers:
-                h = h + self._cross(dec.cross_attn_layers[li], h[:, 0],
-                                    [states[r].cross_kv[li] for r in active]).unsqueeze(1)
+                h = h + self._cross(li, dec.cross_attn_layers[li], h[:, 0], active).unsqueeze(1)
             h = h + self._attention(pools["decoder_config"], "decoder_config", li, layer.self_attn,
                                     layer.input_layernorm(h), emb, active, pos, slots)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -310,6 +356,14 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     dtype = next(model.parameters()).dtype
     blocks = 1 + sum(_blocks_for(r.length) for r in reqs)  # + the null block; the global stack needs fewer
     pools = {name: PagedPool(s, blocks, dtype, seed + i) for i, (name, s) in enumerate(planned.items())}
+    # the decoder cross K/V: a slot per request (slot 0 the null slot, NaN), cross_attn_k rows, one per cross layer
+    dec, width = model.model.local_decoder, -(-model.config.cross_attn_k // CROSS_SLOT) * CROSS_SLOT
+    host.cross_slots = [tuple(torch.full((len(reqs) + 1, width, m.num_key_value_heads, m.head_dim), float("nan"),
+                                         dtype=dtype) for _ in range(2)) for m in dec.cross_attn_layers]
+    free_slots = list(range(1, len(reqs) + 1))
+    random.Random(seed).shuffle(free_slots)
+    start_slots = len(free_slots)
+    host.slot_of = {}
     shapes = {name: [tuple(t.shape) for t in pool.k + pool.v] for name, pool in pools.items()}
     states = {i: RequestState() for i in range(len(reqs))}
     errors: list[str] = []
@@ -318,6 +372,8 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     with torch.no_grad():
         while any(len(states[i].bytes) < r.length for i, r in enumerate(reqs)):
             active = [i for i, r in enumerate(reqs) if r.admit <= step and len(states[i].bytes) < r.length]
+            for i in set(active) - live:  # admitted: its cross K/V slot
+                host.slot_of[i] = free_slots.pop()
             live |= set(active)
             feeds = {}
             for i in active:
@@ -330,10 +386,15 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
                 if len(states[i].bytes) == reqs[i].length:  # finished: its blocks and states go back
                     for pool in pools.values():
                         pool.release(i)
-                    states[i].open_rows, states[i].cross_kv = [], None
+                    states[i].open_rows, states[i].cross_written = [], False
+                    slot = host.slot_of.pop(i)
+                    for pair in host.cross_slots:
+                        for cache in pair:
+                            cache[slot] = float("nan")
+                    free_slots.append(slot)
                     live.discard(i)
             step += 1
-    held = sum(1 for st in states.values() if st.open_rows or st.cross_kv is not None)
+    held = sum(1 for st in states.values() if st.open_rows or st.cross_written) + start_slots - len(free_slots)
     return BytePatchRun(reqs, states, host.calls, pools, shapes, held, errors)
 
 

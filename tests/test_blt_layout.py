@@ -225,3 +225,24 @@ def test_byte_patch_mistakes_fail_by_check_id(knob, fails):
     _, passed, worst = _judged(model, facts, **knob)
     assert {i for i, ok in passed.items() if not ok} == fails, passed
     assert worst > 0.1
+
+
+def test_a_blt_config_validates_at_cpu_sizes():
+    """transformers' class-default BLT (its 16 / 12 query heads, 512 windows, entropy patching) run by the host at
+    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head_dim 8, window 6, the threshold re-set to the random
+    model's median entropy, each cut noted): every check passes, max |diff| within the float32 cast (the mistakes
+    that fail by check id: test_byte_patch_mistakes_fail_by_check_id)."""
+    from model_infer_kvcache.validators.npu_ops.backend import load
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+    from model_infer_kvcache.validators.pipeline.report import Report
+    from transformers import CONFIG_MAPPING
+
+    real = CONFIG_MAPPING["blt"]().to_dict()
+    report = Report("emulated", "framework", "blt", "-", "float64", 1e-9)
+    worst = host.validate_config(report, real, load("emulated"))
+    assert report.passed and worst < 1e-6, [(c.id, c.detail) for c in report.checks]
+    assert {"BLT at CPU sizes: global_config.num_hidden_layers 25 -> 2",
+            "BLT at CPU sizes: local_attention_window_len 512 -> 6"} <= set(report.notes), report.notes
+    assert any(n.startswith("BLT at CPU sizes: patching_threshold 1.335") for n in report.notes), report.notes
+    _, facts, _ = host.cpu_model(real)
+    assert [s.heads for s in facts.stacks] == [12, 16, 16, 16] and facts.of("encoder_config").window == 6

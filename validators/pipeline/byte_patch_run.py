@@ -472,3 +472,77 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
     report.add("byte patches: every stack's blocks back in the pool and no per-request state left after the stream",
                "release", ok, "" if ok else f"blocks held {leaks}, request states {run.live_states}")
     return worst
+
+
+# ---------------------------------------------------------------- a CPU-sized BLT from any BLT config
+CPU_LAYERS = 2  # layers kept per stack
+CPU_HEAD_DIM = 8  # a stack's hidden size is its query heads x this (its head counts and GQA ratio kept)
+CPU_WINDOW = 6  # a longer window is cut so the stream's bytes (up to 25 per request) cross it
+CPU_HASH_VOCAB = 100  # the hash embeddings' rows (500002 by default: ~6 x 500002 x hidden parameters)
+
+
+def cpu_config(real: dict) -> tuple[dict, list[str]]:
+    """``real`` (a BLT config, BltConfig.to_dict's shape) at CPU sizes, and what was cut: each stack's layers, hidden
+    sizes from its head counts (the local encoder and decoder share one: the decoder reads the encoder's rows), the
+    windows, the hash vocabulary. Heads, KV heads, cross_attn_k, patching mode and max_patch_length are kept."""
+    import copy
+    import math
+
+    d, notes = copy.deepcopy(real), []
+    heads = {s.section: d[s.section]["num_attention_heads"] for s in bp.STACKS}
+    local = CPU_HEAD_DIM * math.lcm(heads["encoder_config"], heads["decoder_config"])
+    hidden = {"patcher_config": CPU_HEAD_DIM * heads["patcher_config"], "encoder_config": local,
+              "decoder_config": local, "global_config": CPU_HEAD_DIM * heads["global_config"]}
+    for section, size in hidden.items():
+        sub = d[section]
+        if sub["num_hidden_layers"] > CPU_LAYERS:
+            notes.append(f"{section}.num_hidden_layers {sub['num_hidden_layers']} -> {CPU_LAYERS}")
+        sub.update(num_hidden_layers=min(sub["num_hidden_layers"], CPU_LAYERS), hidden_size=size,
+                   intermediate_size=2 * size)
+        if "head_dim" in sub:  # to_dict writes the derived head_dim, which sizes RoPE: hidden // heads again
+            sub["head_dim"] = size // heads[section]
+        if section in ("encoder_config", "decoder_config"):
+            sub["hidden_size_global"] = hidden["global_config"]
+    for holder, name in ((d, "local_attention_window_len"), (d["patcher_config"], "sliding_window")):
+        if isinstance(holder.get(name), int) and holder[name] > CPU_WINDOW:
+            notes.append(f"{name} {holder[name]} -> {CPU_WINDOW}")
+            holder[name] = CPU_WINDOW
+    d["encoder_hash_byte_group_vocab"] = min(d.get("encoder_hash_byte_group_vocab") or CPU_HASH_VOCAB, CPU_HASH_VOCAB)
+    d["encoder_config"].pop("sliding_window", None)  # BltConfig.__post_init__ copies local_attention_window_len
+    return d, notes
+
+
+def cpu_model(real: dict, seed: int = 0, dtype: torch.dtype = torch.float64):
+    """(model, facts, notes): the CPU-sized BLT of ``real`` with seeded random weights. With entropy patching its
+    threshold is re-set to the middle of its own patcher's entropies over the stream (random weights put every
+    byte's entropy near ln(vocab), past any trained threshold: each byte would be a patch), so patches of several
+    lengths occur; noted."""
+    from transformers import BltConfig, BltForCausalLM
+
+    d, notes = cpu_config(real)
+    d = {k: v for k, v in d.items() if k not in ("transformers_version", "architectures", "model_type")}
+    torch.manual_seed(seed)
+    model = BltForCausalLM(BltConfig(**d)).eval().to(dtype)
+    facts = bp.read_facts(model.config.to_dict(), "cpu-sized config")
+    if facts.entropy_patching:
+        entropies = []
+        with torch.no_grad():
+            for r in _stream(seed, model.config.vocab_size):
+                ids = torch.tensor([r.prompt])
+                entropies += model.model.patcher(ids, patch_size=model.config.patch_size, threshold=0.0)[0][0].tolist()
+        s = sorted(entropies)
+        threshold = (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+        notes.append(f"patching_threshold {real.get('patching_threshold')} -> {threshold:.6g} (the CPU model's median "
+                     "entropy)")
+        model.config.patching_threshold = threshold
+        facts = bp.read_facts(model.config.to_dict(), "cpu-sized config")
+    return model, facts, notes
+
+
+def validate_config(report: Report, real: dict, ops, *, seed: int = 0, **knobs) -> float:
+    """The byte-stepping run of ``real``'s CPU-sized model with ``ops`` and its checks into ``report`` (notes: what
+    was cut); returns the logits' max |diff|."""
+    model, facts, notes = cpu_model(real, seed, getattr(torch, report.dtype))
+    report.notes += [f"BLT at CPU sizes: {n}" for n in notes]
+    run = run_byte_patches(model, facts, ops, seed=seed, **knobs)
+    return check_byte_patches(report, model, facts, run, report.tolerance)

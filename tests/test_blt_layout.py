@@ -136,7 +136,8 @@ def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
                   "self_attention_cache 0..0)", "decoder 9 x 16 KV heads x 64 (window 512, a row per byte; cache "
                   "layers 1..9, transformers' cross_attention_cache 0..8)", "patcher 14 x 12 KV heads x 64 "
                   "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
-                  "2 rows x 9 layers", "no cache layer written once per completed patch"):
+                  "2 rows x 9 layers", "no cache layer written once per completed patch",
+                  "validators/pipeline/byte_patch_run.py, checks V117/V234/V309/V310/V408"):
         assert words in msg, msg
     nulled = json.loads(json.dumps(data))
     nulled["patcher_config"]["num_key_value_heads"] = None  # BltPatcherConfig.__post_init__: or num_attention_heads

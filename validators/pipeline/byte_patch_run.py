@@ -20,7 +20,8 @@ V310 logits and greedy bytes against the full forward, V408 every block, cross s
 (released blocks and slots are NaN: a later read of one shows in V309). Knobs for the negative controls:
 ``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global stack rerun over the
 step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's cross K/V kept from the
-first patch), ``reading`` (the band's pre_tokens planned under another device reading than the operators run).
+first patch), ``reading`` (the band's pre_tokens planned under another device reading than the operators run),
+``release=False`` (a finished request's blocks kept).
 """
 
 from __future__ import annotations
@@ -346,7 +347,7 @@ def _blocks_for(rows: int) -> int:
 
 def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, requests: tuple[Request, ...] | None = None,
                      reading: str = DEFAULT_WINDOW_READING, boundary_shift: int = 0, global_cached: bool = True,
-                     refresh_cross: bool = True) -> BytePatchRun:
+                     refresh_cross: bool = True, release: bool = True) -> BytePatchRun:
     """Step ``requests`` (default: the seeded stream) through ``model`` on the planned paged caches with the
     operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes."""
     reqs = requests or _stream(seed, model.config.vocab_size)
@@ -384,7 +385,7 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
                 host.step(pools, states, active, feeds)
             for i in list(live):
                 if len(states[i].bytes) == reqs[i].length:  # finished: its blocks and states go back
-                    for pool in pools.values():
+                    for pool in pools.values() if release else ():
                         pool.release(i)
                     states[i].open_rows, states[i].cross_written = [], False
                     slot = host.slot_of.pop(i)

@@ -136,8 +136,8 @@ class PagedAttention:
 
 @dataclass
 class RequestState:
-    """What a request keeps between steps besides its pool rows: the open patch's encoder rows, its completed
-    patches, the decoder cross-attention K/V of the latest patch (per cross layer) and where its patches ended."""
+    """What a request keeps between steps besides its pool rows and cross K/V slot: the open patch's encoder rows,
+    the patcher's entropies, its completed patches and the bytes they ended at, its bytes and logits so far."""
 
     open_rows: list[torch.Tensor] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)  # the patcher's next-byte entropy at each byte
@@ -155,8 +155,7 @@ class BytePatchRun:
     calls: list[FaCall]
     pools: dict[str, PagedPool]
     pool_shapes: dict[str, list[tuple[int, ...]]]
-    live_states: int  # per-request states still held after the stream
-    errors: list[str] = field(default_factory=list)
+    live_states: int  # per-request states (open-patch rows, cross K/V slots) still held after the stream
 
 
 def _stream(seed: int, vocab: int) -> tuple[Request, ...]:
@@ -169,12 +168,11 @@ def _stream(seed: int, vocab: int) -> tuple[Request, ...]:
 
 class _Host:
     def __init__(self, model, facts: bp.BytePatchFacts, ops, *, reading: str, boundary_shift: int,
-                 global_cached: bool, refresh_cross: bool, seed: int):
+                 global_cached: bool, refresh_cross: bool):
         self.model, self.blt, self.cfg, self.facts, self.ops = model, model.model, model.config, facts, ops
         self.reading, self.shift, self.global_cached, self.refresh_cross = (reading, boundary_shift, global_cached,
                                                                             refresh_cross)
         self.dtype = next(model.parameters()).dtype
-        self.seed = seed
         self.calls: list[FaCall] = []
         self.mask = causal_template()
         self.cross_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -352,7 +350,7 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes."""
     reqs = requests or _stream(seed, model.config.vocab_size)
     host = _Host(model, facts, ops, reading=reading, boundary_shift=boundary_shift, global_cached=global_cached,
-                 refresh_cross=refresh_cross, seed=seed)
+                 refresh_cross=refresh_cross)
     planned = {layer.stack.stack.section: layer.stack for layer in bp.cache_plan(facts)}
     dtype = next(model.parameters()).dtype
     blocks = 1 + sum(_blocks_for(r.length) for r in reqs)  # + the null block; the global stack needs fewer
@@ -367,7 +365,6 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     host.slot_of = {}
     shapes = {name: [tuple(t.shape) for t in pool.k + pool.v] for name, pool in pools.items()}
     states = {i: RequestState() for i in range(len(reqs))}
-    errors: list[str] = []
     step = 0
     live = set()
     with torch.no_grad():
@@ -396,7 +393,7 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
                     live.discard(i)
             step += 1
     held = sum(1 for st in states.values() if st.open_rows or st.cross_written) + start_slots - len(free_slots)
-    return BytePatchRun(reqs, states, host.calls, pools, shapes, held, errors)
+    return BytePatchRun(reqs, states, host.calls, pools, shapes, held)
 
 
 def transformers_patch_ends(model, ids: list[int]) -> list[int]:

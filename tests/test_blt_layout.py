@@ -136,7 +136,8 @@ def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
                   "self_attention_cache 0..0)", "decoder 9 x 16 KV heads x 64 (window 512, a row per byte; cache "
                   "layers 1..9, transformers' cross_attention_cache 0..8)", "patcher 14 x 12 KV heads x 64 "
                   "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
-                  "2 rows x 9 layers", "no cache layer written once per completed patch"):
+                  "2 rows x 9 layers", "no cache layer written once per completed patch",
+                  "validators/pipeline/byte_patch_run.py, checks V117/V234/V309/V310/V408"):
         assert words in msg, msg
     nulled = json.loads(json.dumps(data))
     nulled["patcher_config"]["num_key_value_heads"] = None  # BltPatcherConfig.__post_init__: or num_attention_heads
@@ -163,105 +164,88 @@ def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
     assert err.value.field == "local_attention_window_len" and "missing" in err.value.message
 
 
-def _window_mask(pos: int, window: int | None) -> torch.Tensor:
-    """One query at ``pos`` over keys 0..pos: transformers' sliding overlay keeps kv > q - window."""
-    keys = torch.arange(pos + 1)
-    keep = keys > pos - window if window else torch.ones(pos + 1, dtype=torch.bool)
-    return torch.where(keep, 0.0, float("-inf")).double()[None, None, None]
+def _case(extra):
+    """A tiny float64 BLT whose threshold is the patcher's middle entropy over random bytes (patches of several
+    lengths), with ``extra`` config fields."""
+    _, model = _tiny(0.0)
+    ids = torch.randint(0, 260, (1, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        entropy = model.model.patcher(ids, patch_size=4, threshold=0.0)[0][0, 1:]
+    cfg, model = _tiny(_between(entropy), **extra)
+    return model, bp.read_facts(cfg.to_dict(), "blt.json")
 
 
-def _run_stack(layers, rotary, h, pos: int, cache, window):
-    emb = rotary(h, torch.tensor([[pos]]))
-    for layer in layers:
-        h = layer(h, position_embeddings=emb, attention_mask=_window_mask(pos, window), cache=cache)
-    return h
+def _judged(model, facts, **knobs):
+    from model_infer_kvcache.validators.npu_ops.backend import load
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+    from model_infer_kvcache.validators.pipeline.report import Report
 
-
-def _planned_decode(model, facts, ids, *, boundary_shift: int = 0, global_cached: bool = True):
-    """BLT run byte by byte on the planned caches (analyzer/kinds/byte_patches.cache_plan): one cache per stack, a
-    row per byte for the patcher, encoder and decoder (with the plan's windows), a row per completed patch for the
-    global transformer; per request the open patch's last encoder rows and the latest patch's global output. Knobs for
-    the negative controls: the boundary read one byte late, the global stack rerun uncached as transformers does."""
-    from transformers import DynamicCache
-    from transformers.models.blt.modeling_blt import compute_hash_embeddings
-
-    blt, cfg = model.model, model.config
-    caches = {s.stack.section: DynamicCache() for s in {layer.stack for layer in bp.cache_plan(facts)}}
-    window = {s.stack.section: s.window for s in facts.stacks}
-    entropies, open_rows, patches, latest = [], [], 0, None
-    logits = []
-    for p in range(ids.shape[1]):
-        byte = ids[:, p:p + 1]
-        if "patcher_config" in caches:
-            ph = _run_stack(blt.patcher.layers, blt.patcher.rotary_emb, blt.patcher.embed_tokens(byte), p,
-                            caches["patcher_config"], window["patcher_config"])
-            probs = blt.patcher.lm_head(blt.patcher.norm(ph))
-            entropies.append(torch.distributions.Categorical(logits=probs).entropy()[0, -1].item())
-        else:
-            entropies.append(float("nan"))
-        embeds = compute_hash_embeddings(ids[:, :p + 1], blt.local_encoder, blt.encoder_hash_tok_embedding,
-                                         cfg.encoder_hash_byte_group_nb_functions, cfg.encoder_hash_byte_group_size,
-                                         cfg.encoder_hash_byte_group_vocab)[:, -1:]
-        enc = blt.local_encoder
-        eh = _run_stack(enc.layers, enc.rotary_emb, embeds, p, caches["encoder_config"], window["encoder_config"])
-        open_rows.append(eh)
-        if bp.ends_patch(p, entropies[max(p - boundary_shift, 0)], len(open_rows), facts):
-            rows = torch.cat(open_rows, 1)
-            k = cfg.cross_attn_k
-            pooled = enc.patch_embedding_projection(rows.amax(1, keepdim=True)).reshape(1, k, -1)
-            cross = enc.cross_attn_layers[len(enc.cross_attn_layers) - 1]
-            pooled = pooled + cross(hidden_states=pooled, cross_attention_states=rows)[0]
-            glob = blt.global_transformer
-            g = glob.token_embedding_projection(pooled.reshape(1, 1, -1))
-            cache = caches["global_config"] if global_cached else DynamicCache()
-            latest = _run_stack(glob.layers, glob.rotary_emb, g, patches if global_cached else 0, cache, None)
-            patches, open_rows = patches + 1, []
-        dec = blt.local_decoder
-        kv = dec.patch_embedding_projection(latest).reshape(1, cfg.cross_attn_k, -1)
-        h, emb = eh, dec.rotary_emb(eh, torch.tensor([[p]]))
-        for i, layer in enumerate(dec.layers):
-            if i == 0 or dec.config.cross_attn_all_layers:
-                h = h + dec.cross_attn_layers[i](hidden_states=h, cross_attention_states=kv)[0]
-            h = layer(h, position_embeddings=emb, attention_mask=_window_mask(p, window["decoder_config"]),
-                      cache=caches["decoder_config"])
-        logits.append(model.lm_head(dec.norm(h))[0])
-    return torch.cat(logits), caches
+    run = host.run_byte_patches(model, facts, load("emulated"), **knobs)
+    report = Report("emulated", "framework", "blt", "-", "float64", 1e-9)
+    worst = host.check_byte_patches(report, model, facts, run, 1e-9)
+    return run, {c.id: c.passed for c in report.checks}, worst
 
 
 @pytest.mark.parametrize("extra", [{}, {"max_patch_length": 2}, {"patching_mode": "static"}])
 def test_the_planned_caches_reproduce_the_full_forward_byte_by_byte(extra):
-    """The plan is sufficient: BLT stepped one byte at a time on the planned caches gives transformers' full-forward
-    logits at every position (a float64 model, within 1e-6: transformers casts its logits to float32), each byte-rate
-    cache holding a row per byte and the global one a row per patch; with max_patch_length a patch also ends at that
-    many bytes (process_patch_lengths); without entropy patching every byte is a patch and no patcher is cached.
-    Negative controls (entropy patching): the patch boundary read one byte late, and the global transformer rerun
-    uncached over the step's patch as transformers' cached path does, both leave the full forward."""
-    _, model = _tiny(0.0)
-    ids = torch.randint(0, 260, (1, 14))
-    with torch.no_grad():
-        entropy = model.model.patcher(ids, patch_size=4, threshold=0.0)[0][0, 1:]
-    cfg, model = _tiny(_between(entropy), **extra)
-    facts = bp.read_facts(cfg.to_dict(), "blt.json")
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits[0]
-        got, caches = _planned_decode(model, facts, ids)
-    # With max_patch_length, process_patch_lengths drops the zero-length patch that marks a boundary at the sequence's
-    # last byte, so transformers' logits there read as if the sequence went on without that boundary: only that
-    # position's; every earlier one is the causal model a decode reproduces (and a validation compares)
-    upto = -1 if "max_patch_length" in extra else None
-    assert (got[:upto] - full[:upto]).abs().max().item() < 1e-6
-    rows = {name: {layer.keys.shape[2] for layer in cache.layers} for name, cache in caches.items()}
-    if not facts.entropy_patching:
-        assert rows == {"encoder_config": {14}, "decoder_config": {14}, "global_config": {14}}, rows
-        return
-    with torch.no_grad():
-        lengths = model.model.patcher(ids, patch_size=4, threshold=cfg.patching_threshold,
-                                      max_patch_length=cfg.max_patch_length)[1][0]
-        late, _ = _planned_decode(model, facts, ids, boundary_shift=1)
-        rerun, _ = _planned_decode(model, facts, ids, global_cached=False)
-    patches = int((lengths > 0).sum())
-    assert rows == {"patcher_config": {14}, "encoder_config": {14}, "decoder_config": {14},
-                    "global_config": {patches}} and 1 < patches < 14, (rows, lengths)
-    scale = full.abs().max().item()
-    assert (late - full).abs().max().item() > scale / 100
-    assert (rerun - full).abs().max().item() > scale / 100
+    """The plan is sufficient: the validators' byte-stepping host (validators/pipeline/byte_patch_run.py: three
+    requests admitted late and finishing early, each stack's K/V written with the emulated npu_scatter_nd_update_
+    into its paged pool and read by the emulated FA through its block table) gives transformers' full-forward logits
+    at every byte (a float64 model: within the float32 cast of transformers' logits) and its greedy bytes, each
+    byte-rate pool holding a row per byte and the global one a row per patch at the bytes transformers' own patcher
+    ends them; with max_patch_length a patch also ends at that many bytes; without entropy patching every byte is a
+    patch and no patcher is cached."""
+    model, facts = _case(extra)
+    run, passed, worst = _judged(model, facts)
+    assert passed == {"V117": True, "V234": True, "V309": True, "V310": True, "V408": True}, passed
+    assert worst < 1e-6
+    stacks = {c.stack for c in run.calls}
+    assert stacks == {layer.stack.stack.section for layer in bp.cache_plan(facts)}
+    per_patch = {c.requests for c in run.calls if c.stack == "global_config"}
+    if facts.entropy_patching:  # some steps end no patch: the global stack steps for a subset of the requests
+        assert len({r for c in run.calls if c.stack == "global_config" for r in c.requests}) == 3
+        assert sum(st.patches for st in run.states.values()) < sum(len(st.bytes) for st in run.states.values())
+    else:
+        assert sum(st.patches for st in run.states.values()) == sum(len(st.bytes) for st in run.states.values())
+    assert per_patch
+
+
+@pytest.mark.parametrize("knob, fails", [
+    ({"boundary_shift": 1}, {"V234", "V309", "V310"}),
+    ({"global_cached": False}, {"V234", "V309", "V310"}),
+    ({"refresh_cross": False}, {"V309", "V310"}),
+    ({"reading": "inclusive"}, {"V309", "V310"}),
+    ({"release": False}, {"V408"}),
+])
+def test_byte_patch_mistakes_fail_by_check_id(knob, fails):
+    """Negative controls, each a plausible port mistake: the patch boundary read one byte late (the global stack
+    steps at the wrong bytes: V234, and the logits leave the full forward by ~1.6), the global stack rerun over the
+    step's patch alone as transformers' cached path does (its kv_len stays 1: V234; ~1.1), the decoder's cross K/V
+    kept from the first patch instead of refreshed at each patch end (~2.4), the byte stacks' pre_tokens planned under
+    the 'inclusive' reading while the operators count 'exclusive' (one key past the window: ~4.8), a finished
+    request's blocks never released (V408 alone: the logits stay right)."""
+    model, facts = _case({})
+    _, passed, worst = _judged(model, facts, **knob)
+    assert {i for i, ok in passed.items() if not ok} == fails, passed
+    assert (worst > 0.1) == ("V309" in fails), worst
+
+
+def test_a_blt_config_validates_at_cpu_sizes():
+    """transformers' class-default BLT (its 16 / 12 query heads, 512 windows, entropy patching) run by the host at
+    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head_dim 8, window 6, the threshold re-set to the random
+    model's median entropy, each cut noted): every check passes, max |diff| within the float32 cast (the mistakes
+    that fail by check id: test_byte_patch_mistakes_fail_by_check_id)."""
+    from model_infer_kvcache.validators.npu_ops.backend import load
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+    from model_infer_kvcache.validators.pipeline.report import Report
+    from transformers import CONFIG_MAPPING
+
+    real = CONFIG_MAPPING["blt"]().to_dict()
+    report = Report("emulated", "framework", "blt", "-", "float64", 1e-9)
+    worst = host.validate_config(report, real, load("emulated"))
+    assert report.passed and worst < 1e-6, [(c.id, c.detail) for c in report.checks]
+    assert {"BLT at CPU sizes: global_config.num_hidden_layers 25 -> 2",
+            "BLT at CPU sizes: local_attention_window_len 512 -> 6"} <= set(report.notes), report.notes
+    assert any(n.startswith("BLT at CPU sizes: patching_threshold 1.335") for n in report.notes), report.notes
+    _, facts, _ = host.cpu_model(real)
+    assert [s.heads for s in facts.stacks] == [12, 16, 16, 16] and facts.of("encoder_config").window == 6

@@ -28,8 +28,12 @@ first) with the patch boundary of ``ends_patch``. Stepped byte by byte on those 
 gives transformers' full-forward logits within 1.2e-7 (the float32 cast of its logits); a boundary read one byte late
 leaves it by 1.4, the global stack rerun uncached by 1.0.
 
-Not yet planned: kvcache's manifest, host and validation drive one stack stepping once per token; ``refusal`` names
-the plan and that gap.
+The plan runs on CPU: validators/pipeline/byte_patch_run.py steps every stack on its paged pool through the emulated
+scatter and FA calls (the global stack a row per completed patch, at the boundary ``ends_patch`` decides), keeps the
+per-request states (the open patch's encoder rows, the decoder's cross K/V slot of the latest patch) and matches
+transformers' full forward (V117 / V234 / V309 / V310 / V408). Not yet planned: kvcache's manifest has no section for
+stacks of different query heads chained through those states, nothing renders their attention or the patch-boundary
+step, and ``kvcache run`` has no route to that host; ``refusal`` names the plan and that gap.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from model_infer_kvcache.analyzer import kv_cache_spec
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 
 SOURCE = "transformers models/blt/modeling_blt.py BltModel.forward"
@@ -77,6 +82,15 @@ class StackFacts:
     kv_heads: int
     head_dim: int  # BltSelfAttention: hidden_size // num_attention_heads
     window: int | None
+
+    @property
+    def attn_type(self) -> str:
+        """The framework kind of the stack's layers: a windowed stack attends through FA's band."""
+        return kv_cache_spec.SLIDING_WINDOW if self.window else kv_cache_spec.FULL_ATTENTION
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5  # BltSelfAttention.scaling
 
 
 @dataclass(frozen=True)
@@ -242,14 +256,17 @@ def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
     states = (f"per request, the open patch's encoder rows and the decoder cross-attention K/V of the latest "
               f"completed patch ({facts.cross_attn_k} rows x {facts.decoder_cross_layers} layers x {dec.kv_heads} x "
               f"{dec.head_dim})")
+    checked = ("The plan itself runs on CPU byte by byte against transformers' full forward "
+               "(validators/pipeline/byte_patch_run.py, checks V117/V234/V309/V310/V408); what kvcache lacks is the "
+               "rest of the route: ")
     if facts.entropy_patching:
-        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}: "
-               "kvcache's plan, request stream and FA calls step every cache layer once per token and have no cache "
-               "layer written once per completed patch nor a boundary decided at run time")
+        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}. "
+               f"{checked}its manifest, render and `kvcache run` step every cache layer once per token and have no "
+               "cache layer written once per completed patch nor a boundary decided at run time")
     else:
-        gap = ("Without entropy patching (patching_mode, patch_in_forward) every byte is a patch and every stack "
-               "steps per byte, yet kvcache's plan, host and validation drive one decoder stack, not stacks of "
-               "different widths chained through per-request cross-attention states")
+        gap = (f"Without entropy patching (patching_mode, patch_in_forward) every byte is a patch and every stack "
+               f"steps per byte. {checked}its manifest, render and `kvcache run` drive one decoder stack, not stacks "
+               "of different widths chained through per-request cross-attention states")
     return NotSupportedByKvcache(
         where, f"BLT's stacks need caches of their own; planned: {'; '.join(parts)}; {states}. {gap} (a gap of "
                "kvcache's, not the device's: each stack's attention is a paged FA call). transformers' own cached "

@@ -51,6 +51,8 @@ CHECKS: tuple[CheckDef, ...] = (
                              "(<N> layers)"),
     # ---------------------------------------------------------------- runtime: every step of the stream
     CheckDef("V116", "init", "cross-attention slot entries match the manifest (<N> layers)"),
+    CheckDef("V117", "init", "byte patches: every stack's paged pool is its planned layers x [num_blocks, block_size, "
+                             "KV heads, head_dim] (<N> layers)"),
     CheckDef("V201", "runtime", "rendered code runs without operator errors"),
     CheckDef("V202", "runtime", "checkout model runs in the engine without errors"),
     CheckDef("V203", "runtime", "request stream finishes within its step budget"),
@@ -95,6 +97,9 @@ CHECKS: tuple[CheckDef, ...] = (
                                 "manifest"),
     CheckDef("V233", "runtime", "drafter: each layer's FA reads the target's last layer of its attn_type through "
                                 "its block table (<N> layers)"),
+    CheckDef("V234", "runtime", "byte patches: each FA call reads its stack's own paged cache at the request's bytes "
+                                "(the global stack at its completed patches, at the bytes transformers' patcher ends "
+                                "them) (<N> calls)"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),
@@ -107,6 +112,9 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V308", "numeric", "drafter logits vs transformers (the same K/V dense as shared_kv_states) max |diff| "
                                 "<= <N>"),
     # ---------------------------------------------------------------- release: back where it started
+    CheckDef("V309", "numeric", "byte patches: logits vs transformers' full forward (each request's bytes, no cache) "
+                                "max |diff| <= <N>"),
+    CheckDef("V310", "numeric", "byte patches: greedy bytes identical to transformers' full forward"),
     CheckDef("V401", "release", "outputs finite with unowned cache (freed, null, unwritten) poisoned (NaN)"),
     CheckDef("V402", "release", "all blocks back in the pool after the stream"),
     CheckDef("V403", "release", "<N> sequential requests leave the pool and memory unchanged"),
@@ -115,6 +123,8 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V406", "release", "cache tensors unchanged by the stream (bytes)"),
     CheckDef("V407", "release", "the runner's caches are allocated once and kept by every step and call "
                                 "(<N> steps)"),
+    CheckDef("V408", "release", "byte patches: every stack's blocks back in the pool and no per-request state left "
+                                "after the stream"),
 )
 BY_ID = {c.id: c for c in CHECKS}
 # A run's own prefixes on a check name: the as-written rerun of a long-window render, a rank of a TP run.

@@ -1,0 +1,546 @@
+"""Drive BLT (transformers ``BltForCausalLM``) byte by byte on the paged caches analyzer/kinds/byte_patches.py plans,
+and judge it by transformers' full forward (no cache: the recompute oracle; transformers' own cached path reruns the
+patcher, the global transformer and the cross-attentions over each step's byte alone, so it is no reference).
+
+Every stack's self-attention runs as a port would: the host runs the transformers module's q/k/v projections, RoPE
+and o_proj around ``PagedAttention.kv_cache_attention`` (the port's part, shaped like the gqa partial's: the step's
+K/V written into the stack's paged pool with ``npu_scatter_nd_update_`` at ``slot_mapping``, then one packed (TND)
+``npu_fused_infer_attention_score`` call over the pool through ``block_table``), the band from the analyzer's rules
+for the stack's attn_type (``band``: a windowed stack sparse_mode 4 with pre_tokens from its window, the global stack
+causal mode 3). The requests step together, admitted late and finishing early, each feeding one byte per step (its
+prompt, then its greedy bytes). Per request the host keeps what transformers recomputes: the open patch's encoder
+rows (they pool into the patch at its end) and, per decoder cross-attention layer, the K/V of the latest completed
+patch in a slot of its own (``cross_attn_k`` rows, rewritten with ``npu_scatter_nd_update_`` at each patch end, read
+by FA through a one-block table with sparse_mode 0). At a byte that ends a patch (``byte_patches.ends_patch`` on the
+patcher's entropy at that byte) the global stack steps for the requests that ended one: one row per completed patch.
+
+Checks (IDs in check_ids): V117 the pools as planned, V234 every FA call reads its stack's own cache at the kv_len
+the request's bytes (or completed patches, at exactly the bytes transformers' own patcher ends them) give, V309 /
+V310 logits and greedy bytes against the full forward, V408 every block, cross slot and per-request state released
+(released blocks and slots are NaN: a later read of one shows in V309). Knobs for the negative controls:
+``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global stack rerun over the
+step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's cross K/V kept from the
+first patch), ``reading`` (the band's pre_tokens planned under another device reading than the operators run),
+``release=False`` (a finished request's blocks kept).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from model_infer_kvcache.analyzer import rules
+from model_infer_kvcache.analyzer.kinds import byte_patches as bp
+from model_infer_kvcache.analyzer.measured import DEFAULT_WINDOW_READING
+from model_infer_kvcache.validators.npu_ops.fa_masks import causal_template
+from model_infer_kvcache.validators.pipeline.report import Report
+
+BLOCK_SIZE = 16  # small blocks: a CPU-length request spans several, so a wrong table row reads another's keys
+CROSS_SLOT = 16  # the decoder cross K/V slot: cross_attn_k rows in one block of its own per request
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    new_bytes: int  # greedy bytes after the prompt
+    admit: int  # the step it joins the stream at
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + self.new_bytes
+
+
+@dataclass
+class FaCall:
+    """One FA call as the host made it: which stack and layer, for which requests at which positions, the kv_len
+    and block-table rows it passed, the band."""
+
+    stack: str
+    layer: int
+    requests: tuple[int, ...]
+    positions: tuple[int, ...]  # the rows' positions in the stack (bytes, or patches for the global stack)
+    at_bytes: tuple[int, ...]  # the byte each request was at
+    kv_lens: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+    sparse_mode: int
+    pre_tokens: int
+
+
+class PagedPool:
+    """One stack's paged K/V: ``layers`` x [num_blocks, block_size, KV heads, head_dim], block 0 the null block
+    (NaN: a read past kv_len shows), the others handed out from a shuffled free list, a table per request."""
+
+    def __init__(self, facts: bp.StackFacts, num_blocks: int, dtype: torch.dtype, seed: int):
+        self.facts = facts
+        shape = (num_blocks, BLOCK_SIZE, facts.kv_heads, facts.head_dim)
+        self.k = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(facts.layers)]
+        self.v = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(facts.layers)]
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.start_free = len(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.rows: dict[int, int] = {}
+
+    def append(self, req: int) -> int:
+        """The slot of the request's next row (a new block when the last is full)."""
+        table, rows = self.tables.setdefault(req, []), self.rows.get(req, 0)
+        if rows % BLOCK_SIZE == 0:
+            table.append(self.free.pop())
+        self.rows[req] = rows + 1
+        return table[rows // BLOCK_SIZE] * BLOCK_SIZE + rows % BLOCK_SIZE
+
+    def release(self, req: int) -> None:
+        for block in self.tables.pop(req, []):
+            for cache in (*self.k, *self.v):
+                cache[block] = float("nan")  # a released block read again shows
+            self.free.append(block)
+        self.rows.pop(req, None)
+
+
+def band(stack: bp.StackFacts, reading: str) -> tuple[int, torch.Tensor | None, int, int]:
+    """(sparse_mode, atten_mask, pre_tokens, next_tokens) of a stack's decode FA call: the analyzer's rules for its
+    attn_type (a windowed stack: band 4, pre_tokens from its window under the device ``reading``; else causal 3),
+    the 2048 causal template where they name one."""
+    sparse, mask, _ = rules.decide_sparse(stack.attn_type, False, "paged")
+    pre, nxt, _ = rules.decide_window_tokens(stack.window, reading)
+    return sparse.decode, causal_template() if mask.decode == "causal_2048" else None, pre, nxt
+
+
+class PagedAttention:
+    """What a port supplies for one layer of a stack (the seam a rendered attention plugs into, the shape of the
+    gqa partial's ``kv_cache_attention``): write this step's K/V [T, KV heads, head_dim] at
+    ``forward_metadata.slot_mapping`` with ``npu_scatter_nd_update_``, then one packed (TND) FA call over the pool
+    through ``forward_metadata.block_table`` with the stack's band."""
+
+    def __init__(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, stack: bp.StackFacts, band_args):
+        self.ops, self.k_cache, self.v_cache, self.stack, self.band = ops, k_cache, v_cache, stack, band_args
+
+    def kv_cache_attention(self, query_states, key_states, value_states, forward_metadata):
+        s = self.stack
+        slots = forward_metadata.slot_mapping.view(-1, 1)
+        self.ops.npu_scatter_nd_update_(self.k_cache.view(-1, s.kv_heads, s.head_dim), slots, key_states)
+        self.ops.npu_scatter_nd_update_(self.v_cache.view(-1, s.kv_heads, s.head_dim), slots, value_states)
+        num_blocks, block_size = self.k_cache.shape[:2]
+        sparse_mode, _, pre_tokens, next_tokens = self.band
+        out, _ = self.ops.npu_fused_infer_attention_score(
+            query_states, self.k_cache.view(num_blocks, block_size, -1), self.v_cache.view(num_blocks, block_size, -1),
+            num_heads=s.heads, num_key_value_heads=s.kv_heads, input_layout="TND", scale=s.scale,
+            atten_mask=forward_metadata.attention_mask if self.band[1] is not None else None, sparse_mode=sparse_mode,
+            pre_tokens=pre_tokens, next_tokens=next_tokens, block_table=forward_metadata.block_table,
+            block_size=block_size, actual_seq_lengths=forward_metadata.actual_seq_lengths_cu_q,
+            actual_seq_lengths_kv=forward_metadata.actual_seq_lengths_kv)
+        return out
+
+
+@dataclass
+class RequestState:
+    """What a request keeps between steps besides its pool rows and cross K/V slot: the open patch's encoder rows,
+    the patcher's entropies, its completed patches and the bytes they ended at, its bytes and logits so far."""
+
+    open_rows: list[torch.Tensor] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)  # the patcher's next-byte entropy at each byte
+    patches: int = 0
+    cross_written: bool = False  # its cross K/V slot holds a patch's (the first patch ends at byte 0)
+    ends: list[int] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class BytePatchRun:
+    requests: tuple[Request, ...]
+    states: dict[int, RequestState]
+    calls: list[FaCall]
+    pools: dict[str, PagedPool]
+    pool_shapes: dict[str, list[tuple[int, ...]]]
+    live_states: int  # per-request states (open-patch rows, cross K/V slots) still held after the stream
+
+
+def _stream(seed: int, vocab: int) -> tuple[Request, ...]:
+    """Three requests: different prompt lengths (past a block), late admits, early finishes, greedy tails."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((21, 4, 0), (9, 6, 2), (14, 3, 5))
+    return tuple(Request(tuple(torch.randint(0, vocab, (n,), generator=gen).tolist()), new, admit)
+                 for n, new, admit in shapes)
+
+
+class _Host:
+    def __init__(self, model, facts: bp.BytePatchFacts, ops, *, reading: str, boundary_shift: int,
+                 global_cached: bool, refresh_cross: bool):
+        self.model, self.blt, self.cfg, self.facts, self.ops = model, model.model, model.config, facts, ops
+        self.reading, self.shift, self.global_cached, self.refresh_cross = (reading, boundary_shift, global_cached,
+                                                                            refresh_cross)
+        self.dtype = next(model.parameters()).dtype
+        self.calls: list[FaCall] = []
+        self.mask = causal_template()
+        self.cross_slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.slot_of: dict[int, int] = {}
+        self.at: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- one stack's paged attention
+    def _attention(self, pool: PagedPool, name: str, li: int, attn, x, emb, reqs, positions, slots):
+        """The host's part of one layer's self-attention (the transformers module's projections and RoPE, o_proj
+        after) around the port's part (``PagedAttention``), with the step's forward metadata."""
+        from transformers.models.blt.modeling_blt import apply_rotary_pos_emb
+
+        t, s = x.shape[0], pool.facts
+        q = attn.q_proj(x).view(t, 1, s.heads, s.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *emb)
+        width = max(len(pool.tables[r]) for r in reqs)
+        meta = SimpleNamespace(
+            is_prefill=False, attention_mask=self.mask, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_table=torch.tensor([pool.tables[r] + [0] * (width - len(pool.tables[r])) for r in reqs],
+                                     dtype=torch.int32),
+            actual_seq_lengths_kv=[pool.rows[r] for r in reqs], actual_seq_lengths_cu_q=list(range(1, t + 1)))
+        port = PagedAttention(self.ops, pool.k[li], pool.v[li], s, band(s, self.reading))
+        out = port.kv_cache_attention(q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim),
+                                      v.reshape(t, s.kv_heads, s.head_dim), meta)
+        self.calls.append(FaCall(name, li, tuple(reqs), tuple(positions), tuple(self.at[r] for r in reqs),
+                                 tuple(meta.actual_seq_lengths_kv), tuple(map(tuple, meta.block_table.tolist())),
+                                 port.band[0], port.band[2]))
+        return attn.o_proj(out.reshape(t, 1, -1))
+
+    def stack(self, pool: PagedPool, name: str, module, h, reqs, positions):
+        """One stack's layers for the requests' rows ``h`` [T, 1, hidden] at ``positions``: each layer's norm,
+        paged attention, MLP (BltTransformerLayer's order)."""
+        emb = module.rotary_emb(h, torch.tensor(positions).view(-1, 1))
+        slots = [pool.append(r) for r in reqs]
+        for li, layer in enumerate(module.layers):
+            attn = self._attention(pool, name, li, layer.self_attn, layer.input_layernorm(h), emb, reqs, positions,
+                                   slots)
+            h = h + attn
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    # ---------------------------------------------------------------- cross-attention on per-request states
+    def _cross(self, li: int, module, h, reqs):
+        """The decoder's cross-attention layer ``li`` for one query row per request ``h`` [T, hidden] over the
+        request's cross K/V slot (FA through a one-block table, kv_len cross_attn_k, sparse_mode 0 without a mask):
+        its output plus ``h``, as BltCrossAttention returns it."""
+        t = h.shape[0]
+        heads, kv_heads, dim = module.num_heads, module.num_key_value_heads, module.head_dim
+        q = module.q_proj(module.q_norm(h)).view(t, heads, dim)
+        k_slots, v_slots = self.cross_slots[li]
+        out, _ = self.ops.npu_fused_infer_attention_score(
+            q, k_slots.view(k_slots.shape[0], k_slots.shape[1], -1), v_slots.view(v_slots.shape[0], v_slots.shape[1],
+                                                                                   -1),
+            num_heads=heads, num_key_value_heads=kv_heads, input_layout="TND", scale=module.scaling, sparse_mode=0,
+            block_table=torch.tensor([[self.slot_of[r]] for r in reqs], dtype=torch.int32),
+            block_size=k_slots.shape[1], actual_seq_lengths=list(range(1, t + 1)),
+            actual_seq_lengths_kv=[self.cfg.cross_attn_k] * t)
+        return module.o_proj(out.reshape(t, -1)) + h
+
+    def write_cross(self, r: int, li: int, module, states) -> None:
+        """Refresh request ``r``'s cross K/V slot of decoder cross layer ``li`` from the latest patch's rows."""
+        k, v = self._cross_kv(module, states)
+        rows = torch.arange(k.shape[0]) + self.slot_of[r] * self.cross_slots[li][0].shape[1]
+        for cache, new in zip(self.cross_slots[li], (k, v), strict=True):
+            self.ops.npu_scatter_nd_update_(cache.view(-1, *cache.shape[2:]), rows.view(-1, 1), new)
+
+    @staticmethod
+    def _cross_kv(module, states):
+        """The K/V a cross-attention module reads from ``states`` [rows, hidden]: its k_norm, k_proj, v_proj."""
+        normed = module.k_norm(states)
+        shape = (states.shape[0], module.num_key_value_heads, module.head_dim)
+        return module.k_proj(normed).view(shape), module.v_proj(normed).view(shape)
+
+    # ---------------------------------------------------------------- the patch boundary
+    def end_patches(self, pools, states, ending: list[int], positions: dict[int, int]):
+        """Pool each ending request's open patch (the encoder's cross-attention over its rows), step the global
+        stack once for them (a row per completed patch) and refresh their decoder cross K/V."""
+        enc, glob, dec, k = self.blt.local_encoder, self.blt.global_transformer, self.blt.local_decoder, \
+            self.cfg.cross_attn_k
+        cross = enc.cross_attn_layers[len(enc.cross_attn_layers) - 1]
+        pooled = []
+        for r in ending:
+            rows = torch.cat(states[r].open_rows)  # [n, hidden]
+            p = enc.patch_embedding_projection(rows.amax(0, keepdim=True)).reshape(k, -1)
+            p = self._pool_cross(cross, p, self._cross_kv(cross, rows))
+            pooled.append(p.reshape(1, 1, -1))
+        g = glob.token_embedding_projection(torch.cat(pooled))
+        if self.global_cached:
+            out = self.stack(pools["global_config"], "global_config", glob, g, ending,
+                             [states[r].patches for r in ending])
+        else:  # transformers' cached path: the patch alone, at position 0, nothing kept
+            for r in ending:
+                pools["global_config"].release(r)
+            out = self.stack(pools["global_config"], "global_config", glob, g, ending, [0] * len(ending))
+        for i, r in enumerate(ending):
+            st = states[r]
+            st.patches += 1
+            st.ends.append(positions[r])
+            st.open_rows = []
+            if st.cross_written and not self.refresh_cross:
+                continue
+            latest = dec.patch_embedding_projection(out[i]).reshape(k, -1)
+            for li, m in enumerate(dec.cross_attn_layers):
+                self.write_cross(r, li, m, latest)
+            st.cross_written = True
+
+    def _pool_cross(self, module, pooled, kv):
+        """The encoder's cross-attention: the patch's k query rows over its own encoder rows (one request)."""
+        heads, kv_heads, dim = module.num_heads, module.num_key_value_heads, module.head_dim
+        q = module.q_proj(module.q_norm(pooled)).view(pooled.shape[0], heads, dim)
+        out, _ = self.ops.npu_fused_infer_attention_score(
+            q, kv[0], kv[1], num_heads=heads, num_key_value_heads=kv_heads, input_layout="TND",
+            scale=module.scaling, sparse_mode=0, actual_seq_lengths=[pooled.shape[0]],
+            actual_seq_lengths_kv=[kv[0].shape[0]])
+        return pooled + module.o_proj(out.reshape(pooled.shape[0], -1)) + pooled
+
+    # ---------------------------------------------------------------- one step of the stream
+    def step(self, pools, states, active: list[int], feeds: dict[int, int]):
+        from transformers.models.blt.modeling_blt import compute_hash_embeddings
+
+        blt, cfg = self.blt, self.cfg
+        positions = {r: len(states[r].bytes) for r in active}
+        self.at = positions
+        for r in active:
+            states[r].bytes.append(feeds[r])
+        pos = [positions[r] for r in active]
+        byte = torch.tensor([feeds[r] for r in active]).view(-1, 1)
+        entropy = {}
+        if self.facts.entropy_patching:
+            ph = self.stack(pools["patcher_config"], "patcher_config", blt.patcher, blt.patcher.embed_tokens(byte),
+                            active, pos)
+            logits = blt.patcher.lm_head(blt.patcher.norm(ph))[:, 0]
+            ent = torch.distributions.Categorical(logits=logits).entropy()
+            for i, r in enumerate(active):
+                states[r].entropy.append(ent[i].item())
+        embeds = torch.cat([compute_hash_embeddings(
+            torch.tensor([states[r].bytes]), blt.local_encoder, blt.encoder_hash_tok_embedding,
+            cfg.encoder_hash_byte_group_nb_functions, cfg.encoder_hash_byte_group_size,
+            cfg.encoder_hash_byte_group_vocab)[:, -1:] for r in active])
+        eh = self.stack(pools["encoder_config"], "encoder_config", blt.local_encoder, embeds, active, pos)
+        ending = []
+        for i, r in enumerate(active):
+            st, p = states[r], positions[r]
+            st.open_rows.append(eh[i])
+            entropy[r] = st.entropy[max(p - self.shift, 0)] if self.facts.entropy_patching else float("nan")
+            if bp.ends_patch(p, entropy[r], len(st.open_rows), self.facts):
+                ending.append(r)
+        if ending:
+            self.end_patches(pools, states, ending, positions)
+        dec = blt.local_decoder
+        h = eh
+        emb = dec.rotary_emb(h, torch.tensor(pos).view(-1, 1))
+        slots = [pools["decoder_config"].append(r) for r in active]
+        for li, layer in enumerate(dec.layers):
+            if li == 0 or dec.config.cross_attn_all_layers:
+                h = h + self._cross(li, dec.cross_attn_layers[li], h[:, 0], active).unsqueeze(1)
+            h = h + self._attention(pools["decoder_config"], "decoder_config", li, layer.self_attn,
+                                    layer.input_layernorm(h), emb, active, pos, slots)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.model.lm_head(dec.norm(h))[:, 0]
+        for i, r in enumerate(active):
+            states[r].logits.append(logits[i])
+
+
+def _blocks_for(rows: int) -> int:
+    return -(-rows // BLOCK_SIZE)
+
+
+def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, requests: tuple[Request, ...] | None = None,
+                     reading: str = DEFAULT_WINDOW_READING, boundary_shift: int = 0, global_cached: bool = True,
+                     refresh_cross: bool = True, release: bool = True) -> BytePatchRun:
+    """Step ``requests`` (default: the seeded stream) through ``model`` on the planned paged caches with the
+    operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes."""
+    reqs = requests or _stream(seed, model.config.vocab_size)
+    host = _Host(model, facts, ops, reading=reading, boundary_shift=boundary_shift, global_cached=global_cached,
+                 refresh_cross=refresh_cross)
+    planned = {layer.stack.stack.section: layer.stack for layer in bp.cache_plan(facts)}
+    dtype = next(model.parameters()).dtype
+    blocks = 1 + sum(_blocks_for(r.length) for r in reqs)  # + the null block; the global stack needs fewer
+    pools = {name: PagedPool(s, blocks, dtype, seed + i) for i, (name, s) in enumerate(planned.items())}
+    # the decoder cross K/V: a slot per request (slot 0 the null slot, NaN), cross_attn_k rows, one per cross layer
+    dec, width = model.model.local_decoder, -(-model.config.cross_attn_k // CROSS_SLOT) * CROSS_SLOT
+    host.cross_slots = [tuple(torch.full((len(reqs) + 1, width, m.num_key_value_heads, m.head_dim), float("nan"),
+                                         dtype=dtype) for _ in range(2)) for m in dec.cross_attn_layers]
+    free_slots = list(range(1, len(reqs) + 1))
+    random.Random(seed).shuffle(free_slots)
+    start_slots = len(free_slots)
+    host.slot_of = {}
+    shapes = {name: [tuple(t.shape) for t in pool.k + pool.v] for name, pool in pools.items()}
+    states = {i: RequestState() for i in range(len(reqs))}
+    step = 0
+    live = set()
+    with torch.no_grad():
+        while any(len(states[i].bytes) < r.length for i, r in enumerate(reqs)):
+            active = [i for i, r in enumerate(reqs) if r.admit <= step and len(states[i].bytes) < r.length]
+            for i in set(active) - live:  # admitted: its cross K/V slot
+                host.slot_of[i] = free_slots.pop()
+            live |= set(active)
+            feeds = {}
+            for i in active:
+                st, r = states[i], reqs[i]
+                n = len(st.bytes)
+                feeds[i] = r.prompt[n] if n < len(r.prompt) else int(st.logits[-1].argmax())
+            if active:
+                host.step(pools, states, active, feeds)
+            for i in list(live):
+                if len(states[i].bytes) == reqs[i].length:  # finished: its blocks and states go back
+                    for pool in pools.values() if release else ():
+                        pool.release(i)
+                    states[i].open_rows, states[i].cross_written = [], False
+                    slot = host.slot_of.pop(i)
+                    for pair in host.cross_slots:
+                        for cache in pair:
+                            cache[slot] = float("nan")
+                    free_slots.append(slot)
+                    live.discard(i)
+            step += 1
+    held = sum(1 for st in states.values() if st.open_rows or st.cross_written) + start_slots - len(free_slots)
+    return BytePatchRun(reqs, states, host.calls, pools, shapes, held)
+
+
+def transformers_patch_ends(model, ids: list[int]) -> list[int]:
+    """The bytes at which transformers' own patcher ends a patch over ``ids`` (the last byte of each patch): its
+    patch lengths over ``ids`` plus one byte (the patcher is causal, so that byte only tells whether the last real
+    byte ends one), or every byte without entropy patching."""
+    cfg = model.config
+    if model.model.patcher is None or cfg.patching_mode != "entropy":
+        return list(range(len(ids)))
+    with torch.no_grad():
+        lengths = model.model.patcher(torch.tensor([[*ids, 0]]), patch_size=cfg.patch_size,
+                                      threshold=cfg.patching_threshold, max_patch_length=cfg.max_patch_length)[1][0]
+    ends = (lengths[lengths > 0].cumsum(0) - 1).tolist()
+    return [e for e in ends if e < len(ids)]
+
+
+def full_forward(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits over ``ids`` in one forward without a cache: the oracle (BLT's full forward is causal)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: BytePatchRun, tolerance: float) -> float:
+    """The run's checks (V117, V234, V309, V310, V408); returns the max |diff| of its logits."""
+    plan = bp.cache_plan(facts)
+    want = {}
+    for layer in plan:
+        s = layer.stack
+        want.setdefault(s.stack.section, []).append((BLOCK_SIZE, s.kv_heads, s.head_dim))
+    got = {name: [shape[1:] for shape in shapes[:len(shapes) // 2]] for name, shapes in run.pool_shapes.items()}
+    report.add(f"byte patches: every stack's paged pool is its planned layers x [num_blocks, block_size, KV heads, "
+               f"head_dim] ({len(plan)} layers)", "init", got == want, "" if got == want else f"{got} != {want}")
+
+    # V234: each call reads its stack's cache at the rows the request has; the global stack exactly at the bytes
+    # transformers' patcher ends a patch, one row per completed patch
+    problems = []
+    ends = {i: transformers_patch_ends(model, st.bytes) for i, st in run.states.items()}
+    for call in run.calls:
+        for r, at, kv in zip(call.requests, call.at_bytes, call.kv_lens, strict=True):
+            expect = len([e for e in ends[r] if e <= at]) if call.stack == "global_config" else at + 1
+            if kv != expect:
+                problems.append(f"{call.stack} layer {call.layer} request {r} at byte {at}: kv_len {kv}, "
+                                f"expected {expect}")
+    for r in run.states:
+        # the i-th global step of a request is its i-th patch, at the byte transformers' patcher ends it
+        stepped = [c.at_bytes[c.requests.index(r)] for c in run.calls
+                   if c.stack == "global_config" and c.layer == 0 and r in c.requests]
+        if stepped != ends[r]:
+            problems.append(f"request {r}: the global stack stepped at bytes {stepped}, transformers' patcher ends "
+                            f"patches at {ends[r]}")
+    report.add(f"byte patches: each FA call reads its stack's own paged cache at the request's bytes (the global "
+               f"stack at its completed patches, at the bytes transformers' patcher ends them) ({len(run.calls)} "
+               f"calls)", "runtime", not problems, "; ".join(problems[:3]))
+
+    # transformers casts BLT's logits to float32 (BltForCausalLM.forward: lm_head(...).float()): below float32's
+    # rounding at the logits' scale no run can agree more closely, whatever its dtype
+    worst, same, scale = 0.0, True, 0.0
+    for i, st in run.states.items():
+        ref = full_forward(model, st.bytes)
+        scale = max(scale, ref.abs().max().item())
+        got_logits = torch.stack(st.logits)
+        last = len(st.bytes) if facts.max_patch_length is None else len(st.bytes) - 1
+        worst = max(worst, (got_logits[:last] - ref[:last]).abs().max().item())
+        prompt = len(run.requests[i].prompt)
+        same &= got_logits[prompt - 1:-1].argmax(-1).tolist() == ref[prompt - 1:-1].argmax(-1).tolist()
+    tolerance = max(tolerance, torch.finfo(torch.float32).eps * scale)
+    report.add(f"byte patches: logits vs transformers' full forward (each request's bytes, no cache) max |diff| <= "
+               f"{tolerance:g}", "numeric", worst <= tolerance, f"max |diff| {worst:.3g}", max_abs_diff=worst)
+    report.add("byte patches: greedy bytes identical to transformers' full forward", "numeric", same)
+
+    leaks = {name: pool.start_free - len(pool.free) for name, pool in run.pools.items()
+             if len(pool.free) != pool.start_free or pool.tables}
+    ok = not leaks and run.live_states == 0
+    report.add("byte patches: every stack's blocks back in the pool and no per-request state left after the stream",
+               "release", ok, "" if ok else f"blocks held {leaks}, request states {run.live_states}")
+    return worst
+
+
+# ---------------------------------------------------------------- a CPU-sized BLT from any BLT config
+CPU_LAYERS = 2  # layers kept per stack
+CPU_HEAD_DIM = 8  # a stack's hidden size is its query heads x this (its head counts and GQA ratio kept)
+CPU_WINDOW = 6  # a longer window is cut so the stream's bytes (up to 25 per request) cross it
+CPU_HASH_VOCAB = 100  # the hash embeddings' rows (500002 by default: ~6 x 500002 x hidden parameters)
+
+
+def cpu_config(real: dict) -> tuple[dict, list[str]]:
+    """``real`` (a BLT config, BltConfig.to_dict's shape) at CPU sizes, and what was cut: each stack's layers, hidden
+    sizes from its head counts (the local encoder and decoder share one: the decoder reads the encoder's rows), the
+    windows, the hash vocabulary. Heads, KV heads, cross_attn_k, patching mode and max_patch_length are kept."""
+    import copy
+    import math
+
+    d, notes = copy.deepcopy(real), []
+    heads = {s.section: d[s.section]["num_attention_heads"] for s in bp.STACKS}
+    local = CPU_HEAD_DIM * math.lcm(heads["encoder_config"], heads["decoder_config"])
+    hidden = {"patcher_config": CPU_HEAD_DIM * heads["patcher_config"], "encoder_config": local,
+              "decoder_config": local, "global_config": CPU_HEAD_DIM * heads["global_config"]}
+    for section, size in hidden.items():
+        sub = d[section]
+        if sub["num_hidden_layers"] > CPU_LAYERS:
+            notes.append(f"{section}.num_hidden_layers {sub['num_hidden_layers']} -> {CPU_LAYERS}")
+        sub.update(num_hidden_layers=min(sub["num_hidden_layers"], CPU_LAYERS), hidden_size=size,
+                   intermediate_size=2 * size)
+        if "head_dim" in sub:  # to_dict writes the derived head_dim, which sizes RoPE: hidden // heads again
+            sub["head_dim"] = size // heads[section]
+        if section in ("encoder_config", "decoder_config"):
+            sub["hidden_size_global"] = hidden["global_config"]
+    for holder, name in ((d, "local_attention_window_len"), (d["patcher_config"], "sliding_window")):
+        if isinstance(holder.get(name), int) and holder[name] > CPU_WINDOW:
+            notes.append(f"{name} {holder[name]} -> {CPU_WINDOW}")
+            holder[name] = CPU_WINDOW
+    d["encoder_hash_byte_group_vocab"] = min(d.get("encoder_hash_byte_group_vocab") or CPU_HASH_VOCAB, CPU_HASH_VOCAB)
+    d["encoder_config"].pop("sliding_window", None)  # BltConfig.__post_init__ copies local_attention_window_len
+    return d, notes
+
+
+def cpu_model(real: dict, seed: int = 0, dtype: torch.dtype = torch.float64):
+    """(model, facts, notes): the CPU-sized BLT of ``real`` with seeded random weights. With entropy patching its
+    threshold is re-set to the middle of its own patcher's entropies over the stream (random weights put every
+    byte's entropy near ln(vocab), past any trained threshold: each byte would be a patch), so patches of several
+    lengths occur; noted."""
+    from transformers import BltConfig, BltForCausalLM
+
+    d, notes = cpu_config(real)
+    d = {k: v for k, v in d.items() if k not in ("transformers_version", "architectures", "model_type")}
+    torch.manual_seed(seed)
+    model = BltForCausalLM(BltConfig(**d)).eval().to(dtype)
+    facts = bp.read_facts(model.config.to_dict(), "cpu-sized config")
+    if facts.entropy_patching:
+        entropies = []
+        with torch.no_grad():
+            for r in _stream(seed, model.config.vocab_size):
+                ids = torch.tensor([r.prompt])
+                entropies += model.model.patcher(ids, patch_size=model.config.patch_size, threshold=0.0)[0][0].tolist()
+        s = sorted(entropies)
+        threshold = (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+        notes.append(f"patching_threshold {real.get('patching_threshold')} -> {threshold:.6g} (the CPU model's median "
+                     "entropy)")
+        model.config.patching_threshold = threshold
+        facts = bp.read_facts(model.config.to_dict(), "cpu-sized config")
+    return model, facts, notes
+
+
+def validate_config(report: Report, real: dict, ops, *, seed: int = 0, **knobs) -> float:
+    """The byte-stepping run of ``real``'s CPU-sized model with ``ops`` and its checks into ``report`` (notes: what
+    was cut); returns the logits' max |diff|."""
+    model, facts, notes = cpu_model(real, seed, getattr(torch, report.dtype))
+    report.notes += [f"BLT at CPU sizes: {n}" for n in notes]
+    run = run_byte_patches(model, facts, ops, seed=seed, **knobs)
+    return check_byte_patches(report, model, facts, run, report.tolerance)

@@ -484,15 +484,20 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
                               "hidden_size, a head_dim derived from it)")
     if model is None:
         first = str(failed).splitlines()[0][:200] if str(failed) else ""
-        if not _builds_as_given(real, hf_type):
+        as_given = _as_given_error(real, hf_type)
+        if as_given is not None:
             # transformers' own code fails on the config as written (DBRX's class defaults: no attn_config.rope_theta,
-            # clip_qkv None): the reference cannot exist, whatever kvcache shrinks
+            # clip_qkv None; Cohere Compass's: no rope_parameters entry per layer type): the reference cannot exist,
+            # whatever kvcache shrinks. The message names that error and the line of transformers that raised it.
             import transformers
+            from model_infer_kvcache.analyzer.hf_models import where_transformers_failed
 
+            what = str(as_given).splitlines()[0][:200] if str(as_given) else ""
+            where = where_transformers_failed(as_given)
             raise InputError("--config", f"transformers {transformers.__version__}'s {hf_type} does not build from "
-                                         f"this config as written either ({type(failed).__name__}: {first}): "
-                                         "validation builds the architecture from transformers' own code",
-                             field="model_type") from failed
+                                         f"this config as written ({type(as_given).__name__}: {what}"
+                                         + (f", raised at {where}" if where else "") + "): validation builds the "
+                                         "architecture from transformers' own code", field="model_type") from as_given
         # transformers' own config class refuses the shrunk fields: kvcache's shrinking of this family, named, not a
         # crash and not the model's failure
         raise NotSupportedByKvcache("--config", f"a reference: transformers' {hf_type} does not build at the "
@@ -544,8 +549,9 @@ def _with_aliases(d: dict[str, Any], hf_type: str) -> dict[str, Any]:
     return out
 
 
-def _builds_as_given(real: dict[str, Any], hf_type: str) -> bool:
-    """Whether transformers builds the config as written (on the meta device: no memory, no weights)."""
+def _as_given_error(real: dict[str, Any], hf_type: str) -> Exception | None:
+    """What transformers raises building the config as written (on the meta device: no memory, no weights); None
+    when it builds."""
     from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
     from transformers import AutoConfig
 
@@ -555,9 +561,9 @@ def _builds_as_given(real: dict[str, Any], hf_type: str) -> bool:
         config = AutoConfig.for_model(hf_type, **fields)
         with torch.device("meta"):
             causal_lm_from_config(config)
-    except Exception:  # noqa: BLE001 - whichever error transformers raises, it is its own code failing
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 - whichever error transformers raises, it is its own code failing
+        return exc
+    return None
 
 
 def _forward_once(model) -> None:

@@ -275,7 +275,7 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
     """The manifest of the same model with the sizes CPU sequences can exercise (None: already small enough):
     a window they can cross, and a DSA selection (``dsa.index_topk``) narrower than their prompts; with the
     config (``real``), fewer heads where the tiny model's hidden size ties to a wide heads x head_dim
-    (``cpu_heads``).
+    (``cpu_heads``), and RWKV's token shift and wkv at a narrower hidden size (``recurrent.cpu_widths``).
 
     Each band keeps its distance to the window (pre_tokens = window - offset), so the tiny render
     has the same reading of the band as the real one; the implementer renders it like any manifest.
@@ -286,9 +286,10 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
     long_chunk = (manifest.attention_chunk_size() or 0) > manifest.block_size
     heads = cpu_heads(manifest, real) if real is not None else None
     looped = loops.cuts(manifest)  # Dory: fewer layers in and around its looped section
-    if not (long_window or narrowed or long_chunk or heads or looped):
-        return None
     data = manifest.model_dump(mode="json")
+    narrower_states = recurrent.cpu_widths(data, manifest, real)  # RWKV: its token shift and wkv at CPU widths
+    if not (long_window or narrowed or long_chunk or heads or looped or narrower_states):
+        return None
     loops.cpu_loops(data, manifest)
     if heads:
         _set_heads(data, manifest, *heads)
@@ -379,6 +380,7 @@ def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str
                      f"kept; the tiny model's hidden size ties to heads x head_dim: {m.num_attention_heads * m.head_dim} "
                      f"-> {s.num_attention_heads * s.head_dim})")
     parts += kind_of(manifest).cpu_size_changes(manifest, small)
+    parts += recurrent.cpu_size_changes(manifest, small)
     return ", ".join(parts)
 
 

@@ -326,6 +326,23 @@ def test_rwkv_renders_and_validates_against_transformers(tmp_path, mode):
     assert any("rescale_every 6 -> 1" in note for note in report.notes)
 
 
+@pytest.mark.slow
+def test_rwkv_class_defaults_validate_at_hidden_128_with_every_real_layer_checked(tmp_path):
+    """RwkvConfig() (hidden 4096) through validate: the stream runs the implementer's render of the CPU-sized manifest
+    (hidden 128: ~100 s a mode at 4096 before), the given render's constants and all 32 layers are still checked
+    against the real manifest, and the logits match transformers' RwkvForCausalLM at 128."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    manifest = analyze(AnalyzeRequest(config=str(_rwkv_config(tmp_path)), deploy_mode="standalone"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", tmp_path / "rwkv.json", scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert any(c.name.startswith("every layer's") and "(32 layers)" in c.name for c in report.checks)
+    assert any("RWKV hidden_size 4096 -> 128" in note and "byte for byte" in note for note in report.notes)
+
+
 RWKV_MISTAKES = [
     # the wkv state not reset on slot reuse: a prefill continues from the finished request's num / den / max
     ("wkv-prefill-reads-the-state", "framework", r"if forward_metadata\.is_prefill:\n(\s+)state = key\.new_zeros",

@@ -71,6 +71,8 @@ def test_cohere_compass_fill_is_planned_sliding_and_full_as_released(tmp_path):
     assert kinds.count("full") == 7 and kinds.count("sliding") == 21 and kinds[3] == "full"
     assert {layer.sliding_window for layer in m.layers if layer.layer_kind == "sliding"} == {4096}
     assert m.model.sources["rope"] == "rope_parameters.sliding_attention.rope_type"
+    # built by transformers: the cross-check compared its layers (the bare class defaults' warning says it did not)
+    assert any("scale and windows were cross-checked against transformers" in w.message for w in m.warnings)
 
 
 def test_a_config_transformers_cannot_build_is_refused_in_one_line_naming_transformers_line(tmp_path):
@@ -85,6 +87,9 @@ def test_a_config_transformers_cannot_build_is_refused_in_one_line_naming_transf
     # the analyzer plans it, warning that its cross-check could not build it, and where
     note = next(w.message for w in manifest.warnings if "could not build" in w.message)
     assert "KeyError: 'full_attention', raised at models/cohere_compass/modeling_cohere_compass.py:" in note
+    # and its unknown-family warning does not claim the scale and windows were cross-checked (they were not)
+    unknown = next(w.message for w in manifest.warnings if w.message.startswith("unknown model family"))
+    assert "did not build this config, so nothing was cross-checked" in unknown and "were cross-checked" not in unknown
     with pytest.raises(InputError) as err:
         build_tiny_model(_bare(), manifest)
     line = err.value.render()

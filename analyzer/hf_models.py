@@ -95,3 +95,22 @@ def _own_causal_lm(config):
     found = [cls for name, cls in vars(module).items()
              if name.endswith("ForCausalLM") and getattr(cls, "config_class", None) is type(config)]
     return found[0] if len(found) == 1 else None
+
+
+def where_transformers_failed(exc: BaseException) -> str:
+    """Where in transformers ``exc`` was raised, as a refusal names it: ``models/<family>/<file>.py:<line> (<code>)``
+    for the innermost frame of a family's own code (the line that reads the config: a KeyError's bare key says
+    nothing by itself), else the innermost transformers frame; '' when no frame of transformers is in its traceback
+    or kvcache's own code ran below it (the error is then kvcache's, raised from a callback)."""
+    import traceback
+    from pathlib import Path
+
+    own_root = str(Path(__file__).resolve().parents[1]).replace("\\", "/") + "/"
+    frames = [(f.filename.replace("\\", "/"), f.lineno, (f.line or "").strip())
+              for f in traceback.extract_tb(exc.__traceback__)]
+    hf = [i for i, f in enumerate(frames) if "/transformers/" in f[0]]
+    if not hf or any(f[0].startswith(own_root) and "/site-packages/" not in f[0] for f in frames[hf[-1]:]):
+        return ""
+    family = [i for i in hf if frames[i][0].rsplit("/transformers/", 1)[-1].startswith("models/")]
+    path, line, code = frames[(family or hf)[-1]]
+    return f"{path.rsplit('/transformers/', 1)[-1]}:{line}" + (f" ({code})" if code else "")

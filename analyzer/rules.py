@@ -223,9 +223,11 @@ def planned_layer_kind(kind: str, window: int | None, max_positions: int | None)
     return kind, (window if kind == "sliding" else None), None
 
 
-def unknown_family(facts: ModelFacts, transformers_ships: bool | None) -> Finding | None:
+def unknown_family(facts: ModelFacts, transformers_ships: bool | None, cross_checked: bool = True) -> Finding | None:
     """A warning when the family's attention code was never read: the config alone cannot rule out
-    position biases (ALiBi lives in modeling code, e.g. Baichuan2-13B) or other attention variants."""
+    position biases (ALiBi lives in modeling code, e.g. Baichuan2-13B) or other attention variants.
+    ``cross_checked``: whether the cross-check compared any layer (False: transformers ships the type but its own
+    code did not build this config, so nothing was compared)."""
     if facts.family in FAMILY_SCALE_RULE or not facts.attends:  # a pure state stack has no attention to read
         return None
     unverified = ["a custom softmax scale", "extra attention terms (soft-capping, sinks, biases)"]
@@ -233,6 +235,8 @@ def unknown_family(facts: ModelFacts, transformers_ships: bool | None) -> Findin
         unverified.insert(0, "ALiBi / position biases (the config has no alibi or position_embedding_type field)")
     if transformers_ships is False:
         where = "transformers does not ship it, so nothing was cross-checked against its code"
+    elif transformers_ships and not cross_checked:
+        where = "transformers ships it but did not build this config, so nothing was cross-checked against its code"
     elif transformers_ships:
         where = "scale and windows were cross-checked against transformers on the meta device, nothing else"
     else:

@@ -40,15 +40,30 @@ _PUBLISHED_FIELDS: dict[str, dict] = {
     # source: zai-org/GLM-4.5-Air's config.json (head_dim 128), whose hidden 4096, 96 / 8 heads, 46 layers, 128
     # experts and partial rotary 0.5 the class defaults are; without head_dim the class derives 4096 / 96 = 42
     "glm4_moe": {"head_dim": 128},
+    # source: databricks/dbrx-base's config.json (attn_config: rope_theta 500000, clip_qkv 8): DbrxAttentionConfig's
+    # defaults carry no rope_theta, which DbrxAttention reads, and clip_qkv None, which its clamp cannot take
+    "dbrx": {"attn_config": {"rope_theta": 500000, "clip_qkv": 8}},
     # source: LiquidAI/LFM2-8B-A1B's config.json (the checkpoint Lfm2MoeConfig's docstring names), as public ports quote
     # it in their test fixtures: 24 layers, attention at 2, 6, 10, 14, 18, 21 (18 conv + 6 GQA, its model card); the
     # class's num_hidden_layers default of 32 comes with no layer_types its decoder layers can index
     # (tests/fixtures/configs/lfm2_moe.json is the same config)
-    # source: databricks/dbrx-base's config.json (attn_config: rope_theta 500000, clip_qkv 8): DbrxAttentionConfig's
-    # defaults carry no rope_theta, which DbrxAttention reads, and clip_qkv None, which its clamp cannot take
-    "dbrx": {"attn_config": {"rope_theta": 500000, "clip_qkv": 8}},
     "lfm2_moe": {"num_hidden_layers": 24,
                  "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]},
+    # source: CohereLabs/North-Micro-Vision-Instruct's config.json text_config (the checkpoint CohereCompassTextConfig's
+    # docstring names), as two public ports quote it: SGLang's cohere_compass config (mmangkad-dev/sglang,
+    # python/sglang/srt/configs/cohere_compass.py: 28 layers, its rope defaults) and lablup/mlxcel's cohere_compass
+    # decoder (its PR #1735 report prints the rope_parameters block and the layer split: three sliding_attention then
+    # one full_attention, full at 3, 7, ..., 27). rope_parameters is keyed by layer type: sliding rope_theta 50000 with
+    # mrope_section [24, 20, 20] (all three position rows equal on text: a plain rotation), full_attention null (NoPE,
+    # modeling_cohere_compass.py skips the rotation). The class default's {} has no entry CohereCompassRotaryEmbedding
+    # can index (KeyError 'full_attention'), and its layer_types (all full_attention) come with no released rope.
+    # The other fields stay the class's (hidden 8192, 64 heads; the release's are 2048, 16 / 8 heads of 128).
+    "cohere_compass_text": {
+        "num_hidden_layers": 28,
+        "layer_types": ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(28)],
+        "rope_parameters": {"full_attention": None,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 50000,
+                                                  "mrope_section": [24, 20, 20], "mrope_interleaved": True}}},
     # source: Qwen4-Exp's released text config as public ports spell it (no config.json published by Qwen was found):
     # steadfastgaze/MoEspresso's qwen4 loader test (_architecture(), the 48-layer 2560-hidden release) and an MLX
     # port's TextModelArgs defaults agree on the five QSA fields and the rope. The rope is needed with them:

@@ -181,7 +181,8 @@ def test_a_config_transformers_itself_cannot_build_is_refused_naming_transformer
                            str(_config(tmp_path, "dbrx")), "--out", str(tmp_path / "out")], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-500:]
-    assert "'s dbrx does not build from this config as written either (AttributeError" in proc.stderr
+    assert "'s dbrx does not build from this config as written (AttributeError" in proc.stderr
+    assert "raised at models/dbrx/modeling_dbrx.py:" in proc.stderr  # the line of transformers that failed
     assert "kvcache does not shrink" not in proc.stderr
 
 

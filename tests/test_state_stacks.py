@@ -282,6 +282,32 @@ def test_rwkv_plan_off_transformers_time_mix_fails_the_cross_check_by_name(monke
     assert any("wkv_channels 4096 vs 2048" in e for e in result.errors), result.errors
 
 
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_rwkv_runs_on_cpu_at_the_analyzers_plan_of_a_narrower_hidden_size(tmp_path, mode):
+    """RwkvConfig()'s hidden 4096: validation runs the implementer's render of a CPU-sized manifest (tiny_model.cpu_sized,
+    recurrent.cpu_widths) that is exactly what the analyzer plans for the same config at hidden_size 128 (the wkv's
+    attention_hidden_size cut by the same factor): its linear section, every layer's states, the state bytes. A
+    shrink that cut hidden_size alone (the wkv left 4096 wide), or kept the real state shapes, fails the equality by
+    field. A config already CPU-sized is not cut."""
+    from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized, cpu_sizes_note
+
+    for real_attn, cut_attn in ((None, 128), (2048, 64)):  # attention_hidden_size absent (= hidden), or its own
+        own = {} if real_attn is None else {"attention_hidden_size": real_attn}
+        real = json.loads(_rwkv_config(tmp_path, **own).read_text(encoding="utf-8"))
+        manifest = analyze(AnalyzeRequest(config=str(tmp_path / "rwkv.json"), deploy_mode=mode))
+        small = cpu_sized(manifest, real)
+        planned = analyze(AnalyzeRequest(config=str(_rwkv_config(tmp_path, hidden_size=128,
+                                                                  attention_hidden_size=cut_attn)), deploy_mode=mode))
+        assert small.linear_attention == planned.linear_attention
+        assert small.layers == planned.layers and small.model.hidden_size == 128
+        assert {s.name: s.shape for s in small.linear_attention.states} == {"conv_state": [256, 1],
+                                                                            "recurrent_state": [cut_attn, 3]}
+        assert cpu_sizes_note(manifest, small).startswith(
+            f"RWKV hidden_size 4096 -> 128 and attention_hidden_size {real_attn or 4096} -> {cut_attn}")
+    real = json.loads(_rwkv_config(tmp_path, **RWKV_SMALL).read_text(encoding="utf-8"))
+    assert cpu_sized(analyze(AnalyzeRequest(config=str(tmp_path / "rwkv.json"), deploy_mode=mode)), real) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["framework", "standalone"])
 def test_rwkv_renders_and_validates_against_transformers(tmp_path, mode):
@@ -298,6 +324,23 @@ def test_rwkv_renders_and_validates_against_transformers(tmp_path, mode):
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
     assert any("rescale_every 6 -> 1" in note for note in report.notes)
+
+
+@pytest.mark.slow
+def test_rwkv_class_defaults_validate_at_hidden_128_with_every_real_layer_checked(tmp_path):
+    """RwkvConfig() (hidden 4096) through validate: the stream runs the implementer's render of the CPU-sized manifest
+    (hidden 128: ~100 s a mode at 4096 before), the given render's constants and all 32 layers are still checked
+    against the real manifest, and the logits match transformers' RwkvForCausalLM at 128."""
+    from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+
+    manifest = analyze(AnalyzeRequest(config=str(_rwkv_config(tmp_path)), deploy_mode="standalone"))
+    (tmp_path / "m.json").write_text(manifest.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(manifest), tmp_path / "r")
+    report = run_validate(tmp_path / "m.json", tmp_path / "r", tmp_path / "rwkv.json", scenario=SHORT)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert any(c.name.startswith("every layer's") and "(32 layers)" in c.name for c in report.checks)
+    assert any("RWKV hidden_size 4096 -> 128" in note and "byte for byte" in note for note in report.notes)
 
 
 RWKV_MISTAKES = [

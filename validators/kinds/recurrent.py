@@ -97,9 +97,63 @@ def tiny_state_fields(d: dict, manifest) -> str | None:
         d["intermediate_size"] = inner
 
 
+# The hidden size an RWKV CPU run keeps (tiny_model.cpu_sized): its render keeps the real widths (below), so RWKV-4's
+# class defaults (hidden 4096) ran 4096-wide float64 time-mix matrices, ~100 s a mode
+CPU_RWKV_HIDDEN = 128
+
+
+def cpu_widths(data: dict, manifest, real: dict | None) -> bool:
+    """The manifest dump ``data`` at the widths a CPU run affords, in place (RWKV only; False where nothing is cut):
+    hidden_size to ``CPU_RWKV_HIDDEN`` and attention_hidden_size by the same factor (their ratio kept), the linear
+    section and every layer's states re-derived by the analyzer's own rule (``rules.decide_linear``) from the config
+    at those widths, so the constants the implementer renders and the states the checks expect are the analyzer's.
+    The layers, the state dtypes, the conv width, the attention TP and the speculative blocks stay. Not cut: no
+    config, a width already small, or widths the factor does not divide."""
+    lin = manifest.linear_attention
+    if real is None or lin is None or lin.family != "rwkv":
+        return False
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+    from model_infer_kvcache.analyzer.rules import decide_linear
+
+    tp = manifest.parallel.attn_tp_size
+    hidden, attn = lin.conv_channels_per_rank // 2, lin.num_v_heads
+    factor = hidden // CPU_RWKV_HIDDEN
+    if factor < 2 or hidden % factor or attn % (factor * tp):
+        return False
+    facts = normalize_config({**real, "hidden_size": hidden // factor, "attention_hidden_size": attn // factor})
+    conv_dtype = next(s.dtype for s in lin.states if s.name == "conv_state")  # the planned cache dtype
+    small = decide_linear(facts, manifest.parallel, conv_dtype, lin.state_blocks_per_request - 1)
+    data["linear_attention"] = small.model_dump(mode="json")
+    states = data["linear_attention"]["states"]
+    for layer in data["layers"]:
+        if layer.get("states"):
+            layer["states"] = states
+    data["model"]["hidden_size"] = hidden // factor
+    return True
+
+
+def cpu_size_changes(manifest, small) -> list[str]:
+    """What ``cpu_widths`` changed, for a report note."""
+    lin, cut = manifest.linear_attention, small.linear_attention
+    if lin is None or lin.conv_channels_per_rank == cut.conv_channels_per_rank:
+        return []
+    return [f"RWKV hidden_size {lin.conv_channels_per_rank // 2} -> {cut.conv_channels_per_rank // 2} and "
+            f"attention_hidden_size {lin.num_v_heads} -> {cut.num_v_heads} (the token shift's "
+            f"{lin.conv_channels_per_rank} -> {cut.conv_channels_per_rank} channels, the wkv's {lin.num_v_heads} -> "
+            f"{cut.num_v_heads}; layers, dtypes and the recurrence kept)"]
+
+
+def cpu_widths_reason(manifest, small) -> str | None:
+    """Why the CPU run is of narrower states (``cpu_widths`` cut them), for the report's note; None where it did not."""
+    if not cpu_size_changes(manifest, small):
+        return None
+    return f"RWKV's hidden size {manifest.model.hidden_size} makes wide float64 time-mix matrices on CPU"
+
+
 def _tiny_rwkv(d: dict, lin, tp: int) -> str | None:
-    """RWKV: the render keeps the real widths (the token shift's 2 x hidden_size channels, the wkv's
-    attention_hidden_size), so the tiny model does too. transformers rescales at inference (RwkvModel: block i's
+    """RWKV: the render keeps the manifest's widths (the token shift's 2 x hidden_size channels, the wkv's
+    attention_hidden_size; above ``CPU_RWKV_HIDDEN`` the CPU-sized manifest's, cpu_widths), so the tiny model does
+    too. transformers rescales at inference (RwkvModel: block i's
     output and value weights divided by 2 ** (i // rescale_every), the hidden state halved after every
     rescale_every-th block): a tiny prefix shorter than rescale_every would never run it, so every block rescales
     (rescale_every 1) when the real model rescales at all, and the states are validated on rescaled inputs. The weight

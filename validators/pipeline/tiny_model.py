@@ -275,7 +275,7 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
     """The manifest of the same model with the sizes CPU sequences can exercise (None: already small enough):
     a window they can cross, and a DSA selection (``dsa.index_topk``) narrower than their prompts; with the
     config (``real``), fewer heads where the tiny model's hidden size ties to a wide heads x head_dim
-    (``cpu_heads``).
+    (``cpu_heads``), and RWKV's token shift and wkv at a narrower hidden size (``recurrent.cpu_widths``).
 
     Each band keeps its distance to the window (pre_tokens = window - offset), so the tiny render
     has the same reading of the band as the real one; the implementer renders it like any manifest.
@@ -286,9 +286,10 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
     long_chunk = (manifest.attention_chunk_size() or 0) > manifest.block_size
     heads = cpu_heads(manifest, real) if real is not None else None
     looped = loops.cuts(manifest)  # Dory: fewer layers in and around its looped section
-    if not (long_window or narrowed or long_chunk or heads or looped):
-        return None
     data = manifest.model_dump(mode="json")
+    narrower_states = recurrent.cpu_widths(data, manifest, real)  # RWKV: its token shift and wkv at CPU widths
+    if not (long_window or narrowed or long_chunk or heads or looped or narrower_states):
+        return None
     loops.cpu_loops(data, manifest)
     if heads:
         _set_heads(data, manifest, *heads)
@@ -379,6 +380,7 @@ def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str
                      f"kept; the tiny model's hidden size ties to heads x head_dim: {m.num_attention_heads * m.head_dim} "
                      f"-> {s.num_attention_heads * s.head_dim})")
     parts += kind_of(manifest).cpu_size_changes(manifest, small)
+    parts += recurrent.cpu_size_changes(manifest, small)
     return ", ".join(parts)
 
 
@@ -484,15 +486,20 @@ def build_tiny_model(real: dict[str, Any], manifest: SelectionManifest, seed: in
                               "hidden_size, a head_dim derived from it)")
     if model is None:
         first = str(failed).splitlines()[0][:200] if str(failed) else ""
-        if not _builds_as_given(real, hf_type):
+        as_given = _as_given_error(real, hf_type)
+        if as_given is not None:
             # transformers' own code fails on the config as written (DBRX's class defaults: no attn_config.rope_theta,
-            # clip_qkv None): the reference cannot exist, whatever kvcache shrinks
+            # clip_qkv None; Cohere Compass's: no rope_parameters entry per layer type): the reference cannot exist,
+            # whatever kvcache shrinks. The message names that error and the line of transformers that raised it.
             import transformers
+            from model_infer_kvcache.analyzer.hf_models import where_transformers_failed
 
+            what = str(as_given).splitlines()[0][:200] if str(as_given) else ""
+            where = where_transformers_failed(as_given)
             raise InputError("--config", f"transformers {transformers.__version__}'s {hf_type} does not build from "
-                                         f"this config as written either ({type(failed).__name__}: {first}): "
-                                         "validation builds the architecture from transformers' own code",
-                             field="model_type") from failed
+                                         f"this config as written ({type(as_given).__name__}: {what}"
+                                         + (f", raised at {where}" if where else "") + "): validation builds the "
+                                         "architecture from transformers' own code", field="model_type") from as_given
         # transformers' own config class refuses the shrunk fields: kvcache's shrinking of this family, named, not a
         # crash and not the model's failure
         raise NotSupportedByKvcache("--config", f"a reference: transformers' {hf_type} does not build at the "
@@ -544,8 +551,9 @@ def _with_aliases(d: dict[str, Any], hf_type: str) -> dict[str, Any]:
     return out
 
 
-def _builds_as_given(real: dict[str, Any], hf_type: str) -> bool:
-    """Whether transformers builds the config as written (on the meta device: no memory, no weights)."""
+def _as_given_error(real: dict[str, Any], hf_type: str) -> Exception | None:
+    """What transformers raises building the config as written (on the meta device: no memory, no weights); None
+    when it builds."""
     from model_infer_kvcache.analyzer.hf_models import causal_lm_from_config
     from transformers import AutoConfig
 
@@ -555,9 +563,9 @@ def _builds_as_given(real: dict[str, Any], hf_type: str) -> bool:
         config = AutoConfig.for_model(hf_type, **fields)
         with torch.device("meta"):
             causal_lm_from_config(config)
-    except Exception:  # noqa: BLE001 - whichever error transformers raises, it is its own code failing
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 - whichever error transformers raises, it is its own code failing
+        return exc
+    return None
 
 
 def _forward_once(model) -> None:

@@ -263,6 +263,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             "forward (a cache per call): a tiny stack keeps the first layer of each section called once and the "
             "first plans of each section called several times"
             if manifest.recurrent_loops is not None and tiny.model.num_layers != manifest.model.num_layers else
+            recurrent_kind.cpu_widths_reason(manifest, tiny) or
             f"the tiny model's hidden size ties to heads x head_dim "
             f"({manifest.model.num_attention_heads * manifest.model.head_dim})")
     runs = [("", tiny, str(tiny_dir), crossing(tiny))]

@@ -90,6 +90,11 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    type=_dtype_name,
                    help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
                         "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
+    p.add_argument("--encoder-length", type=int, metavar="N",
+                   help="the longest encoder output a request brings (positions its decoder's cross-attention reads: "
+                        "a ViT encoder's patches + 1, a text encoder's longest prompt in tokens), where the config "
+                        "gives none (TrOCR, MusicGen): sizes the cross-attention slot; the manifest records it as "
+                        "user input, e.g. --encoder-length 577")
     add_next_n_argument(p)
     p.add_argument("--exe-mode", choices=EXE_MODES,
                    help="the framework's execution mode for decode (the yaml's model_config.exe_mode; else "
@@ -169,6 +174,7 @@ def request_from_args(args: argparse.Namespace):
         next_n=args.next_n,
         exe_mode=args.exe_mode,
         static_graph=args.static_graph,
+        encoder_length=args.encoder_length,
     )
 
 

@@ -5,6 +5,7 @@ cross_attention.py.j2, validators/kinds/cross.py). Analyzer tests at published s
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
@@ -182,6 +183,17 @@ def test_a_composite_trocr_config_sizes_the_slot_by_its_vision_encoder(tmp_path)
     with pytest.raises(InputError, match="100 is below the 577 encoder positions the config gives") as err:
         analyze(AnalyzeRequest(config=_ved_config(tmp_path, "vit", image_size=384), encoder_length=100))
     assert err.value.where == cross_kind.FLAG
+    # an encoder section transformers cannot run stays blocked saying why; a malformed image size is bad input
+    bad = json.loads(Path(_ved_config(tmp_path, "vit")).read_text())
+    path = tmp_path / "unknown_encoder.json"
+    path.write_text(json.dumps(bad | {"encoder": bad["encoder"] | {"model_type": "no_such_vit"}}), encoding="utf-8")
+    blocked = analyze(AnalyzeRequest(config=str(path)))
+    assert blocked.cross_attention is None and "'no_such_vit', image_size 224) gives no length" in \
+        blocked.blockers[0].message
+    path.write_text(json.dumps(bad | {"encoder": bad["encoder"] | {"image_size": 0}}), encoding="utf-8")
+    with pytest.raises(InputError, match="must be a positive integer .* got image_size 0") as err:
+        analyze(AnalyzeRequest(config=str(path)))
+    assert err.value.field == "encoder.image_size"
 
 
 def test_the_flag_is_refused_where_nothing_cross_attends_or_below_a_config_field():
@@ -193,13 +205,14 @@ def test_the_flag_is_refused_where_nothing_cross_attends_or_below_a_config_field
 
 
 @pytest.mark.parametrize("family, mode", [("trocr", "framework"), ("trocr", "standalone"), ("musicgen", "framework"),
-                                          ("musicgen", "standalone")])
+                                          ("musicgen", "standalone"), ("trocr-composite", "framework")])
 def test_with_the_flag_trocr_and_musicgen_validate_in_both_modes(tmp_path, family, mode):
-    """The class-default configs with --encoder-length, through `kvcache run`'s chain (analyze -> render -> validate)
-    on a short stream: the per-request encoder states (up to the stated length) written into each slot and read
-    back match transformers' decoder."""
-    config = str(CONFIGS / "trocr_large.json") if family == "trocr" else _class_config(tmp_path, "musicgen")
-    case = render_case(tmp_path, "", None, config_path=config, encoder_length=200,
+    """The class-default configs with --encoder-length (a composite TrOCR config without it: its ViT's 197
+    positions), through `kvcache run`'s chain (analyze -> render -> validate) on a short stream: the per-request
+    encoder states (up to the slot's length) written into each slot and read back match transformers' decoder."""
+    config = {"trocr": lambda: str(CONFIGS / "trocr_large.json"), "musicgen": lambda: _class_config(tmp_path, "musicgen"),
+              "trocr-composite": lambda: _ved_config(tmp_path, "vit")}[family]()
+    case = render_case(tmp_path, "", None, config_path=config, encoder_length=None if "composite" in family else 200,
                        dispatch=FRAMEWORK if mode == "framework" else STANDALONE)
     report = run_validate(*case, scenario=SHORT)
     assert report.passed, [(c.id, c.detail) for c in report.failed()]

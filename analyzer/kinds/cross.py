@@ -178,9 +178,10 @@ def with_stated_length(cross: CrossFacts | None, n: int | None, model_source: st
 ENCODER_SECTION = "encoder"
 
 
-def composite_length(config: dict[str, Any] | None, where: str) -> tuple[int, str] | None:
+def composite_length(config: dict[str, Any] | None, where: str) -> tuple[int | None, str] | None:
     """(positions, why) of a composite config's vision encoder at its image_size; None where the config is no such
-    composite (no ``encoder`` section with a model_type and image_size) or transformers cannot build that encoder."""
+    composite (no ``encoder`` section with a model_type and image_size); (None, why) where transformers cannot build
+    or run that encoder."""
     enc = (config or {}).get(ENCODER_SECTION)
     if not isinstance(enc, dict) or not isinstance(enc.get("model_type"), str) or "image_size" not in enc:
         return None
@@ -199,8 +200,10 @@ def composite_length(config: dict[str, Any] | None, where: str) -> tuple[int, st
             model = AutoModel.from_config(encoder_config)
             out = model(pixel_values=torch.empty(1, channels, *side))
         length = int(out.last_hidden_state.shape[1])
-    except Exception:  # noqa: BLE001 - an encoder transformers cannot build or run here derives nothing
-        return None
+    except Exception as exc:  # noqa: BLE001 - an encoder transformers cannot build or run here derives nothing
+        return None, (f"the composite's {ENCODER_SECTION} section ({enc['model_type']!r}, image_size {size}) gives no "
+                      f"length: transformers could not run it on the meta device ({type(exc).__name__}: "
+                      f"{' '.join(str(exc).split())[:120]})")
     return length, (f"{ENCODER_SECTION}.image_size {size} ({enc['model_type']}): transformers "
                     f"{type(model).__name__} on the meta device, pixel_values [1, {channels}, {side[0]}, {side[1]}] "
                     f"-> last_hidden_state of {length} positions")
@@ -211,7 +214,9 @@ def with_composite_length(cross: CrossFacts | None, config: dict[str, Any] | Non
     if cross is None or cross.max_encoder_len is not None:
         return cross
     hit = composite_length(config, where)
-    return cross if hit is None else replace(cross, max_encoder_len=hit[0], length_source=hit[1])
+    if hit is None:
+        return cross
+    return replace(cross, max_encoder_len=hit[0], length_source=hit[1] if hit[0] else f"{cross.length_source}; {hit[1]}")
 
 
 def blocker(facts) -> Finding | None:

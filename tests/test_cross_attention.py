@@ -164,6 +164,8 @@ def test_class_defaults_stay_blocked_naming_the_flag_and_plan_with_it(tmp_path, 
     x = m.cross_attention
     assert (x.max_encoder_len, x.slot_tokens, x.max_encoder_len_from) == (577, 640, "user input")
     assert x.max_encoder_len_source.startswith("--encoder-length 577 (user input")
+    stated = "CROSS_MAX_ENCODER_LEN = 577  # the longest encoder output a request may bring (stated by the user"
+    assert stated in render_manifest(m).files["kvcache_attention.py"]
 
 
 def test_a_composite_trocr_config_sizes_the_slot_by_its_vision_encoder(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.analyzer.decisions_table import decisions_markdown
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kv_cache_spec import CROSS_ATTENTION, MAMBA, CrossAttentionSpec
@@ -166,6 +167,9 @@ def test_class_defaults_stay_blocked_naming_the_flag_and_plan_with_it(tmp_path, 
     assert x.max_encoder_len_source.startswith("--encoder-length 577 (user input")
     stated = "CROSS_MAX_ENCODER_LEN = 577  # the longest encoder output a request may bring (stated by the user"
     assert stated in render_manifest(m).files["kvcache_attention.py"]
+    # the decisions table the user confirms says the length is theirs
+    assert "编码器最长 577 位置(用户给出 --encoder-length)" in decisions_markdown(m)
+    assert "编码器最长 1024 位置(来自配置)" in decisions_markdown(_plan("bart_large.json"))
 
 
 def test_a_composite_trocr_config_sizes_the_slot_by_its_vision_encoder(tmp_path):

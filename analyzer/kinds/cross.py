@@ -311,6 +311,15 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
     )
 
 
+def decision_row(m) -> tuple[str, str, str]:
+    """progress.md's row of a manifest with cross-attention slots: the slot's size and where its length comes from
+    (the user's --encoder-length is what the user confirms there)."""
+    x = m.cross_attention
+    origin = f"用户给出 {FLAG}" if x.max_encoder_len_from == USER_INPUT else "来自配置"
+    return ("交叉注意力(每请求槽位)", f"{len(x.layers)} 层, 编码器最长 {x.max_encoder_len} 位置({origin}), 槽位 "
+            f"{x.slot_tokens} 位置, 每请求 {x.slot_bytes} B", f"{x.max_encoder_len_source}; {x.reason}")
+
+
 def memory_group(decision: CrossAttentionDecision) -> kv_cache_spec.CrossAttentionSpec:
     return kv_cache_spec.CrossAttentionSpec(kv_cache_spec.CROSS_ATTENTION, decision.slot_bytes, 0,
                                             len(decision.layers), slot_tokens=decision.slot_tokens)

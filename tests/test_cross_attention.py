@@ -241,3 +241,13 @@ def test_an_encoder_longer_than_the_stated_length_fails_the_run_by_check_id(tmp_
     report = run_validate(*case, scenario=SHORT)
     failed = {c.id: c.detail for c in report.failed()}
     assert "V201" in failed and "outside 1..64 (the slot's reservation)" in failed["V201"], failed
+
+
+def test_kvcache_run_refuses_the_class_default_trocr_naming_the_flag(tmp_path, capsys):
+    """`kvcache run` without --encoder-length: the blocker's one line tells the user the flag; nothing is written."""
+    from cli_support import invoke
+
+    rc, _, err = invoke(["run", "--config", CONFIGS / "trocr_large.json", "--out", tmp_path / "out"], capsys)
+    line = [t for t in err.splitlines() if t.startswith("error: ")]
+    assert rc == 2 and len(line) == 1 and "pass --encoder-length N" in line[0], err
+    assert not (tmp_path / "out").exists()

@@ -34,9 +34,10 @@ Bad input (missing/invalid file, missing or non-positive sizes, heads not divisi
 --attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad
 --block-size, non-finite --hbm-gb / --kv-mem-ratio, an --encoder-length below what the config gives
 or on a decoder-only config, an unwritable --out, an --out whose .json/.yaml/.md suffix names
-another --format) prints one line `error: <file or flag>: <field>: <why>` and exits 2; nothing is written then. A memory plan that
-cannot serve the request is a `warning:` line (and in the manifest's warnings), exit 0. Exit 3
-is an internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).
+another --format) prints one line `error: <file or flag>: <field>: <why>` and exits 2; nothing is
+written then. A memory plan that cannot serve the request is a `warning:` line (and in the
+manifest's warnings), exit 0. Exit 3 is an internal error of kvcache itself (rerun with
+KVCACHE_DEBUG=1 for the traceback).
 """
 
 

@@ -184,7 +184,7 @@ def _speculation(facts: ModelFacts, req: AnalyzeRequest, warnings: list[Finding]
 def _encoder_length(facts: ModelFacts, req: AnalyzeRequest, config: dict[str, Any] | None) -> ModelFacts:
     """The cross-attention's encoder length where the decoder's fields give none: a composite config's encoder, then
     the user's --encoder-length (analyzer/kinds/cross.py)."""
-    cross = cross_kind.with_composite_length(facts.cross.value, config, facts.path)
+    cross = cross_kind.with_composite_length(facts.cross.value, config, facts.path, arch_check.encoder_positions)
     cross = cross_kind.with_stated_length(cross, req.encoder_length, f"model_type {facts.model_type!r}")
     return facts if cross is facts.cross.value else replace(facts, cross=type(facts.cross)(cross, facts.cross.source))
 

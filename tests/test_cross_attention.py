@@ -194,8 +194,8 @@ def test_a_composite_trocr_config_sizes_the_slot_by_its_vision_encoder(tmp_path)
     path = tmp_path / "unknown_encoder.json"
     path.write_text(json.dumps(bad | {"encoder": bad["encoder"] | {"model_type": "no_such_vit"}}), encoding="utf-8")
     blocked = analyze(AnalyzeRequest(config=str(path)))
-    assert blocked.cross_attention is None and "'no_such_vit', image_size 224) gives no length" in \
-        blocked.blockers[0].message
+    assert blocked.cross_attention is None and "encoder.image_size 224 (no_such_vit) gives no length: transformers " \
+        "could not run that encoder on the meta device (ValueError: Unrecognized model" in blocked.blockers[0].message
     path.write_text(json.dumps(bad | {"encoder": bad["encoder"] | {"image_size": 0}}), encoding="utf-8")
     with pytest.raises(InputError, match="must be a positive integer .* got image_size 0") as err:
         analyze(AnalyzeRequest(config=str(path)))
@@ -251,3 +251,20 @@ def test_kvcache_run_refuses_the_class_default_trocr_naming_the_flag(tmp_path, c
     line = [t for t in err.splitlines() if t.startswith("error: ")]
     assert rc == 2 and len(line) == 1 and "pass --encoder-length N" in line[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_encoder_run_is_kept_in_the_user_cache_and_a_damaged_entry_is_run_again(tmp_path, monkeypatch):
+    """A composite's encoder length costs transformers' import and a meta build (seconds): kept like the cross-check's
+    reports, keyed by the installed transformers and the encoder section; a damaged entry is not believed."""
+    from model_infer_kvcache.analyzer import arch_check
+
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    enc = json.loads(Path(_ved_config(tmp_path, "vit", image_size=384)).read_text())["encoder"]
+    assert arch_check.encoder_positions(enc, 3, [384, 384]) == (577, "ViTModel")
+    (entry,) = (tmp_path / "cache").rglob("*.json")
+    runs = []
+    monkeypatch.setattr(arch_check, "_encoder_run", lambda *a: (runs.append(a), ((1, "Stub"), False))[1])
+    assert arch_check.encoder_positions(enc, 3, [384, 384]) == (577, "ViTModel") and not runs  # from the cache
+    data = json.loads(entry.read_text())
+    entry.write_text(json.dumps(data | {"answer": [576, "ViTModel"]}), encoding="utf-8")  # digest no longer matches
+    assert arch_check.encoder_positions(enc, 3, [384, 384]) == (1, "Stub") and len(runs) == 1

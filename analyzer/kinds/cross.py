@@ -178,10 +178,9 @@ def with_stated_length(cross: CrossFacts | None, n: int | None, model_source: st
 ENCODER_SECTION = "encoder"
 
 
-def composite_length(config: dict[str, Any] | None, where: str) -> tuple[int | None, str] | None:
-    """(positions, why) of a composite config's vision encoder at its image_size; None where the config is no such
-    composite (no ``encoder`` section with a model_type and image_size); (None, why) where transformers cannot build
-    or run that encoder."""
+def composite_encoder(config: dict[str, Any] | None, where: str) -> tuple[dict[str, Any], int, list[int]] | None:
+    """(encoder section, num_channels, [height, width]) of a composite config whose ``encoder`` section is a vision
+    encoder sized by image_size; None for any other config. A malformed size is bad input naming its field."""
     enc = (config or {}).get(ENCODER_SECTION)
     if not isinstance(enc, dict) or not isinstance(enc.get("model_type"), str) or "image_size" not in enc:
         return None
@@ -191,32 +190,31 @@ def composite_length(config: dict[str, Any] | None, where: str) -> tuple[int | N
         raise InputError(where, f"must be a positive integer (or [height, width]) beside a positive num_channels, got "
                                 f"image_size {size!r}, num_channels {channels!r} (they size the encoder output the "
                                 "decoder's cross-attention reads)", field=f"{ENCODER_SECTION}.image_size")
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModel
-
-        encoder_config = AutoConfig.for_model(enc["model_type"], **{k: v for k, v in enc.items() if k != "model_type"})
-        with torch.device("meta"):
-            model = AutoModel.from_config(encoder_config)
-            out = model(pixel_values=torch.empty(1, channels, *side))
-        length = int(out.last_hidden_state.shape[1])
-    except Exception as exc:  # noqa: BLE001 - an encoder transformers cannot build or run here derives nothing
-        return None, (f"the composite's {ENCODER_SECTION} section ({enc['model_type']!r}, image_size {size}) gives no "
-                      f"length: transformers could not run it on the meta device ({type(exc).__name__}: "
-                      f"{' '.join(str(exc).split())[:120]})")
-    return length, (f"{ENCODER_SECTION}.image_size {size} ({enc['model_type']}): transformers "
-                    f"{type(model).__name__} on the meta device, pixel_values [1, {channels}, {side[0]}, {side[1]}] "
-                    f"-> last_hidden_state of {length} positions")
+    return enc, channels, side
 
 
-def with_composite_length(cross: CrossFacts | None, config: dict[str, Any] | None, where: str) -> CrossFacts | None:
-    """``cross`` sized by its composite config's encoder where no field of the decoder's sizes it."""
+# (encoder section, num_channels, [height, width]) -> (positions, transformers' encoder class) or (None, why not):
+# transformers' own encoder run on the meta device (analyzer.arch_check.encoder_positions, cached like its reports)
+EncoderRun = Callable[[dict[str, Any], int, list[int]], tuple[int | None, str]]
+
+
+def with_composite_length(cross: CrossFacts | None, config: dict[str, Any] | None, where: str,
+                          run: EncoderRun) -> CrossFacts | None:
+    """``cross`` sized by its composite config's vision encoder where no field of the decoder's sizes it."""
     if cross is None or cross.max_encoder_len is not None:
         return cross
-    hit = composite_length(config, where)
-    if hit is None:
+    found = composite_encoder(config, where)
+    if found is None:
         return cross
-    return replace(cross, max_encoder_len=hit[0], length_source=hit[1] if hit[0] else f"{cross.length_source}; {hit[1]}")
+    enc, channels, side = found
+    length, what = run(enc, channels, side)
+    size = f"{ENCODER_SECTION}.image_size {enc['image_size']} ({enc['model_type']})"
+    if length is None:
+        return replace(cross, length_source=f"{cross.length_source}; {size} gives no length: transformers could not "
+                                            f"run that encoder on the meta device ({what})")
+    return replace(cross, max_encoder_len=length, length_source=(
+        f"{size}: transformers {what} on the meta device, pixel_values [1, {channels}, {side[0]}, {side[1]}] -> "
+        f"last_hidden_state of {length} positions"))
 
 
 def blocker(facts) -> Finding | None:

@@ -175,6 +175,48 @@ def transformers_report(config: dict[str, Any], model_type: str) -> Transformers
     return report
 
 
+def encoder_positions(encoder: dict[str, Any], channels: int, side: list[int]) -> tuple[int | None, str]:
+    """(positions, class name) of transformers' encoder for a composite config's ``encoder`` section run on the meta
+    device over pixel_values [1, channels, *side] (analyzer/kinds/cross.py: the cross-attention's encoder length), or
+    (None, why) where transformers cannot build or run it. Kept in the user cache like the reports (the import and the
+    build cost seconds; the answer depends on the installed transformers and the section only)."""
+    identity = _installed_identity()
+    key = {"format": _CACHE_FORMAT, "fact": "encoder_positions", **(identity or {}),
+           "config": json.dumps(encoder, sort_keys=True), "input": [channels, *side]}
+    path = _entry_path(key) if identity is not None else None
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8")) if path is not None and path.is_file() else None
+        if entry is not None and entry["key"] == key and entry["sha256"] == _digest(entry["answer"]):
+            return entry["answer"][0], entry["answer"][1]
+    except Exception:  # noqa: BLE001 - a damaged entry: the live run answers instead
+        pass
+    answer, keep = _encoder_run(encoder, channels, side)
+    if path is not None and keep:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps({"key": key, "answer": list(answer), "sha256": _digest(list(answer))},
+                                               sort_keys=True))
+        except (OSError, InputError):
+            pass
+    return answer
+
+
+def _encoder_run(encoder: dict[str, Any], channels: int, side: list[int]) -> tuple[tuple[int | None, str], bool]:
+    """(the answer, whether it may be kept: a machine's trouble is not the config's answer)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModel
+
+        config = AutoConfig.for_model(encoder["model_type"], **{k: v for k, v in encoder.items() if k != "model_type"})
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+            out = model(pixel_values=torch.empty(1, channels, *side))
+        return (int(out.last_hidden_state.shape[1]), type(model).__name__), True
+    except Exception as exc:  # noqa: BLE001 - an encoder transformers cannot build or run derives nothing
+        transient = isinstance(exc, (MemoryError, OSError, RecursionError, ImportError))
+        return (None, f"{type(exc).__name__}: {_stable_text(' '.join(str(exc).split()))[:120]}"), not transient
+
+
 def cache_dir() -> Path | None:
     """The cache folder (None: turned off with an empty KVCACHE_CACHE_DIR)."""
     named = os.environ.get(CACHE_ENV)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from model_infer_kvcache.analyzer import arch_check, kv_cache_spec, memory, rules
-from model_infer_kvcache.analyzer.config_loader import ModelFacts, normalize_config, read_config_file
+from model_infer_kvcache.analyzer.config_loader import LIMITS, ModelFacts, normalize_config, read_config_file
 from model_infer_kvcache.analyzer.deploy_context import (
     FACT_LABELS,
     DispatchFacts,
@@ -84,6 +84,7 @@ class AnalyzeRequest:
     next_n: int | None = None  # --next-n: speculative tokens the deployment runs (0: off; None: the config's MTP)
     exe_mode: str | None = None  # --exe-mode: eager | npugraph_ex | ge_graph (None: progress.md's, else eager)
     static_graph: bool = False  # --static-graph: the yaml's enable_dynamic_graph is False (else progress.md's)
+    encoder_length: int | None = None  # --encoder-length: the encoder's longest output (cross-attention slot size)
 
 
 def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionManifest:
@@ -138,9 +139,12 @@ def analyze_into_progress(req: AnalyzeRequest, target: str, section: str,
 
 def _check_numbers(req: AnalyzeRequest) -> None:
     for flag, value in (("--attn-tp-size", req.attn_tp_size), ("--max-concurrency", req.max_concurrency),
-                        ("--max-len", req.max_len)):
+                        ("--max-len", req.max_len), (cross_kind.FLAG, req.encoder_length)):
         if value is not None and value <= 0:
             raise InputError(flag, f"must be a positive integer, got {value}")
+    if req.encoder_length is not None and req.encoder_length > LIMITS["positions"]:
+        raise InputError(cross_kind.FLAG, f"{req.encoder_length} positions: above {LIMITS['positions']}, far beyond "
+                                          "any encoder's output")
     for flag, value in (("--hbm-gb", req.hbm_gb), ("--kv-mem-ratio", req.kv_mem_ratio)):
         if value is not None and not (math.isfinite(value) and value > 0):  # nan/inf would reach the plan
             raise InputError(flag, f"must be a positive finite number, got {value}")
@@ -177,6 +181,14 @@ def _speculation(facts: ModelFacts, req: AnalyzeRequest, warnings: list[Finding]
     return replace(facts, num_mtp_layers=type(mtp)(0, f"--next-n 0 ({mtp.source}: {mtp.value}, unused)"))
 
 
+def _encoder_length(facts: ModelFacts, req: AnalyzeRequest, config: dict[str, Any] | None) -> ModelFacts:
+    """The cross-attention's encoder length where the decoder's fields give none: a composite config's encoder, then
+    the user's --encoder-length (analyzer/kinds/cross.py)."""
+    cross = cross_kind.with_composite_length(facts.cross.value, config, facts.path, arch_check.encoder_positions)
+    cross = cross_kind.with_stated_length(cross, req.encoder_length, f"model_type {facts.model_type!r}")
+    return facts if cross is facts.cross.value else replace(facts, cross=type(facts.cross)(cross, facts.cross.source))
+
+
 def assemble(
     facts: ModelFacts,
     progress: ProgressFacts,
@@ -190,6 +202,7 @@ def assemble(
     warnings: list[Finding] = []
     questions: list[Finding] = []
     facts = _speculation(facts, req, warnings)
+    facts = _encoder_length(facts, req, config)
     window_reading, _ = resolve_window_reading(req.window_reading, readings, req.device_readings)
 
     deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)

@@ -28,14 +28,16 @@ EXAMPLES = """examples:
   kvcache analyze --config config.json --progress progress.md --write-progress progress.md
   kvcache analyze --config config.json --framework-root ~/cann-recipes-infer --dispatch-file dispatch.txt
   kvcache analyze --config config.json --device-readings device_readings.json   (from `kvcache probe`)
+  kvcache analyze --config trocr/config.json --encoder-length 577   (a decoder over an encoder no field sizes)
 
 Bad input (missing/invalid file, missing or non-positive sizes, heads not divisible by
 --attn-tp-size, unknown 部署模式 wording, progress.md contradicting the dispatch, bad
---block-size, non-finite --hbm-gb / --kv-mem-ratio, an unwritable --out, an --out whose .json/.yaml/.md
-suffix names another --format) prints one line
-`error: <file or flag>: <field>: <why>` and exits 2; nothing is written then. A memory plan that
-cannot serve the request is a `warning:` line (and in the manifest's warnings), exit 0. Exit 3
-is an internal error of kvcache itself (rerun with KVCACHE_DEBUG=1 for the traceback).
+--block-size, non-finite --hbm-gb / --kv-mem-ratio, an --encoder-length below what the config gives
+or on a decoder-only config, an unwritable --out, an --out whose .json/.yaml/.md suffix names
+another --format) prints one line `error: <file or flag>: <field>: <why>` and exits 2; nothing is
+written then. A memory plan that cannot serve the request is a `warning:` line (and in the
+manifest's warnings), exit 0. Exit 3 is an internal error of kvcache itself (rerun with
+KVCACHE_DEBUG=1 for the traceback).
 """
 
 
@@ -90,6 +92,11 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    type=_dtype_name,
                    help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
                         "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
+    p.add_argument("--encoder-length", type=int, metavar="N",
+                   help="the longest encoder output a request brings (positions its decoder's cross-attention reads: "
+                        "a ViT encoder's patches + 1, a text encoder's longest prompt in tokens), where the config "
+                        "gives none (TrOCR, MusicGen): sizes the cross-attention slot; the manifest records it as "
+                        "user input, e.g. --encoder-length 577")
     add_next_n_argument(p)
     p.add_argument("--exe-mode", choices=EXE_MODES,
                    help="the framework's execution mode for decode (the yaml's model_config.exe_mode; else "
@@ -169,6 +176,7 @@ def request_from_args(args: argparse.Namespace):
         next_n=args.next_n,
         exe_mode=args.exe_mode,
         static_graph=args.static_graph,
+        encoder_length=args.encoder_length,
     )
 
 

@@ -75,7 +75,8 @@ HF_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
 
 # Configs that nest the language model's fields (multimodal checkpoints). ``decoder``: a composite whose causal LM is
 # its decoder section (MusicGen / MusicGen-Melody: MusicgenForCausalLM over config.decoder, beside text_encoder and
-# audio_encoder), the name transformers' PreTrainedConfig.get_text_config(decoder=True) looks up first.
+# audio_encoder; TrOCR's VisionEncoderDecoderConfig: TrOCRForCausalLM over config.decoder, beside its ViT encoder),
+# the name transformers' PreTrainedConfig.get_text_config(decoder=True) looks up first.
 NESTED_SECTIONS = ("text_config", "language_config", "llm_config", "decoder")
 
 # Layer kinds as configs name them in `layer_types`.
@@ -686,7 +687,9 @@ def model_section(data: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The language model's own fields: a nested text/language section when there is one."""
     for nested in NESTED_SECTIONS:
         inner = data.get(nested)
-        if isinstance(inner, dict) and any(k in inner for k in ("hidden_size", "num_hidden_layers")):
+        # a decoder section may name its stack decoder_layers (TrOCR's, in a VisionEncoderDecoderConfig)
+        keys = ("hidden_size", "num_hidden_layers") + (("decoder_layers",) if nested == "decoder" else ())
+        if isinstance(inner, dict) and any(k in inner for k in keys):
             return inner, f"{nested}."
     return data, ""
 

@@ -7,6 +7,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     frameworks_taking,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
@@ -170,6 +171,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                      "; ".join(m.memory.derivation[1:])))
     if m.drafter is not None:
         rows.append(drafter_kind.decision_row(m))
+    if m.cross_attention is not None:
+        rows.append(cross_kind.decision_row(m))
     if m.cache_dtype is not None:
         rows.append(("cache dtype", f"{m.cache_dtype.value}(config: {m.cache_dtype.config_dtype})",
                      m.cache_dtype.reason))

@@ -360,6 +360,9 @@ class CrossAttentionDecision(_Model):
                                                    "cross_attention_layers), listed in no_cache_layers")
     max_encoder_len: int = Field(ge=1, description="the longest encoder output a request may bring")
     max_encoder_len_source: str
+    max_encoder_len_from: Literal["config", "user input"] = Field(
+        default="config", description="where max_encoder_len comes from: a config field or a derivation from the "
+                                      "config ('config'), or the user's --encoder-length ('user input')")
     num_heads: int = Field(ge=1)
     num_kv_heads: int = Field(ge=1)
     num_kv_heads_per_rank: int = Field(ge=1)

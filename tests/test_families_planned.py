@@ -1188,7 +1188,7 @@ def test_musicgen_composite_is_read_from_its_decoder_section_and_blocked_without
     """transformers maps musicgen / musicgen_melody to MusicgenForCausalLM / MusicgenMelodyForCausalLM over the
     config's ``decoder`` section (get_text_config(decoder=True)): the analyzer reads that section. MusicGen's decoder
     layers cross-attend over the text encoder's states (encoder_attn), whose length no field of the class defaults
-    gives (T5 has no position table): blocked as TrOCR is, naming max_source_positions; Melody (no cross-attention:
+    gives (T5 has no position table): blocked as TrOCR is, naming --encoder-length and max_source_positions; Melody (no cross-attention:
     its conditioning is a prefix of the self-attention) plans paged.
     Negative control: without the ``decoder`` section the composite is refused as several stacks."""
     from model_infer_kvcache.analyzer import config_loader
@@ -1197,7 +1197,8 @@ def test_musicgen_composite_is_read_from_its_decoder_section_and_blocked_without
     m = analyze(AnalyzeRequest(config=str(_config(tmp_path, "musicgen"))))
     assert m.model.model_type == "musicgen_decoder" and m.model.num_layers == 24
     assert m.model.sources["num_layers"].startswith("decoder.num_hidden_layers")
-    assert [b.fields for b in m.blockers] == [["max_source_positions"]], [b.message for b in m.blockers]
+    assert [b.fields for b in m.blockers] == [["--encoder-length", "max_source_positions"]], \
+        [b.message for b in m.blockers]
     melody = analyze(AnalyzeRequest(config=str(_config(tmp_path, "musicgen_melody"))))
     assert not melody.blockers and melody.kv_mode.value == "paged" and melody.cross_attention is None
     sections = tuple(s for s in config_loader.NESTED_SECTIONS if s != "decoder")

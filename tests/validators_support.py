@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
 
 
-def render_case(tmp: Path, config: str, overrides: dict | None = None, **analyze_kw) -> tuple[Path, Path, Path]:
-    """(manifest, rendered dir, config path) for a fixture config (``overrides``: fields replaced, written beside
-    the run) and analyzer options."""
-    config_path = CONFIGS / f"{config}.json"
+def render_case(tmp: Path, config: str, overrides: dict | None = None, config_path: str | None = None,
+                **analyze_kw) -> tuple[Path, Path, Path]:
+    """(manifest, rendered dir, config path) for a fixture config (or the file ``config_path``; ``overrides``: fields
+    replaced, written beside the run) and analyzer options."""
+    config_path = Path(config_path) if config_path else CONFIGS / f"{config}.json"
     if overrides:
         data = {**json.loads(config_path.read_text(encoding="utf-8")), **overrides}
-        config_path = tmp / f"{config}.json"
+        config_path = tmp / f"{config_path.stem}.json"
         config_path.write_text(json.dumps(data), encoding="utf-8")
     manifest = analyze(AnalyzeRequest(config=str(config_path), **analyze_kw))
     manifest_path = tmp / "manifest.json"

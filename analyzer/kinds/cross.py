@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from model_infer_kvcache.analyzer import kv_cache_spec
@@ -61,6 +61,7 @@ class CrossFacts:
     only_layers: tuple[int, ...] | None = None
     num_kv_heads: int | None = None  # K/V heads of the cross module when it groups them (None: as many as queries)
     module_attr: str = MODULE_ATTR
+    stated: bool = False  # max_encoder_len is the user's --encoder-length (else a config field or a derivation)
 
 
 def read_facts(get: Callable[..., tuple[Any, str] | None], cfg: dict[str, Any], where: str = "",
@@ -145,6 +146,77 @@ def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:
                             "vision_config: image_size, patch_size, max_num_tiles; or max_source_positions)", **common)
 
 
+# The user's statement of the encoder's longest output (`kvcache analyze` / `kvcache run`): the slot's size where no
+# config field gives it (TrOCR's ViT patches, MusicGen's T5 text tokens: neither decoder config names them).
+FLAG = "--encoder-length"
+USER_INPUT, CONFIG = "user input", "config"  # the manifest's max_encoder_len_from
+
+
+def with_stated_length(cross: CrossFacts | None, n: int | None, model_source: str) -> CrossFacts | None:
+    """``cross`` sized by ``--encoder-length n`` (None: as read). The flag sizes a slot no field sizes, or widens one
+    (a larger input than the config's, e.g. a ViT run on bigger images); below what the config gives it is refused:
+    the encoder brings that many positions, and the render's slot write refuses a request longer than its slot."""
+    if n is None:
+        return cross
+    if cross is None:
+        raise InputError(FLAG, f"{n}: the decoder attends over no encoder ({model_source}: no cross-attention to "
+                               "size); drop the flag")
+    given = cross.max_encoder_len
+    if given is not None and n < given:
+        raise InputError(FLAG, f"{n} is below the {given} encoder positions the config gives ({cross.length_source}):"
+                               f" a request bringing them would not fit the slot; pass at least {given} or drop it")
+    why = "the encoder's longest output, stated by the user"
+    if given is not None:
+        why += f"; the config gives {given}: {cross.length_source}"
+    return replace(cross, max_encoder_len=n, length_source=f"{FLAG} {n} ({USER_INPUT}: {why})", stated=True)
+
+
+# A composite encoder-decoder config (transformers' VisionEncoderDecoderConfig: TrOCR checkpoints) holds its encoder's
+# config beside the decoder's: a vision encoder sized by image_size outputs a fixed number of positions, which
+# transformers' own encoder class says (ViT: the patches + the class token; DeiT: + a distillation token; Swin: the
+# last stage's merged patches). Run on the meta device at that image size: no weights, no data.
+ENCODER_SECTION = "encoder"
+
+
+def composite_encoder(config: dict[str, Any] | None, where: str) -> tuple[dict[str, Any], int, list[int]] | None:
+    """(encoder section, num_channels, [height, width]) of a composite config whose ``encoder`` section is a vision
+    encoder sized by image_size; None for any other config. A malformed size is bad input naming its field."""
+    enc = (config or {}).get(ENCODER_SECTION)
+    if not isinstance(enc, dict) or not isinstance(enc.get("model_type"), str) or "image_size" not in enc:
+        return None
+    size, channels = enc["image_size"], enc.get("num_channels", 3)
+    side = list(size) if isinstance(size, list | tuple) else [size, size]
+    if len(side) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in [*side, channels]):
+        raise InputError(where, f"must be a positive integer (or [height, width]) beside a positive num_channels, got "
+                                f"image_size {size!r}, num_channels {channels!r} (they size the encoder output the "
+                                "decoder's cross-attention reads)", field=f"{ENCODER_SECTION}.image_size")
+    return enc, channels, side
+
+
+# (encoder section, num_channels, [height, width]) -> (positions, transformers' encoder class) or (None, why not):
+# transformers' own encoder run on the meta device (analyzer.arch_check.encoder_positions, cached like its reports)
+EncoderRun = Callable[[dict[str, Any], int, list[int]], tuple[int | None, str]]
+
+
+def with_composite_length(cross: CrossFacts | None, config: dict[str, Any] | None, where: str,
+                          run: EncoderRun) -> CrossFacts | None:
+    """``cross`` sized by its composite config's vision encoder where no field of the decoder's sizes it."""
+    if cross is None or cross.max_encoder_len is not None:
+        return cross
+    found = composite_encoder(config, where)
+    if found is None:
+        return cross
+    enc, channels, side = found
+    length, what = run(enc, channels, side)
+    size = f"{ENCODER_SECTION}.image_size {enc['image_size']} ({enc['model_type']})"
+    if length is None:
+        return replace(cross, length_source=f"{cross.length_source}; {size} gives no length: transformers could not "
+                                            f"run that encoder on the meta device ({what})")
+    return replace(cross, max_encoder_len=length, length_source=(
+        f"{size}: transformers {what} on the meta device, pixel_values [1, {channels}, {side[0]}, {side[1]}] -> "
+        f"last_hidden_state of {length} positions"))
+
+
 def blocker(facts) -> Finding | None:
     """A decoder over an encoder whose output length no field gives: the slot cannot be sized."""
     cross = facts.cross.value
@@ -154,14 +226,15 @@ def blocker(facts) -> Finding | None:
         return Finding(message=f"not supported by kvcache: {facts.model_type!r} blocks {list(cross.only_layers)} "
                                f"attend over vision states only ({cross.source}) and {cross.length_source}: the "
                                "cross-attention slot of a request cannot be sized; analyze the composite config "
-                               "(model_type mllama, with vision_config) or add max_source_positions (the vision "
-                               "states' length of one request)",
-                       fields=["vision_config", "max_source_positions"])
+                               f"(model_type mllama, with vision_config), pass {FLAG} N or add max_source_positions "
+                               "(the vision states' length of one request)",
+                       fields=[FLAG, "vision_config", "max_source_positions"])
     return Finding(message=f"not supported by kvcache: {facts.model_type!r} decoder blocks attend over an encoder's "
                            f"states ({cross.source}) and {cross.length_source}: the cross-attention slot of a request "
-                           "cannot be sized; add max_source_positions (the encoder's longest output, e.g. the image "
-                           "patches + 1 of a ViT encoder) to the config",
-                   fields=["max_source_positions"])
+                           f"cannot be sized; pass {FLAG} N (the encoder's longest output: e.g. the image patches + 1 "
+                           "of a ViT encoder, the text encoder's longest prompt in tokens), analyze the composite "
+                           "config (its encoder section with image_size), or add max_source_positions to the config",
+                   fields=[FLAG, "max_source_positions"])
 
 
 def slot_tokens(max_encoder_len: int) -> int:
@@ -203,6 +276,7 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
         self_attention=cross.only_layers is None,
         max_encoder_len=cross.max_encoder_len,
         max_encoder_len_source=cross.length_source,
+        max_encoder_len_from=USER_INPUT if cross.stated else CONFIG,
         num_heads=heads,
         num_kv_heads=kv_heads,
         num_kv_heads_per_rank=per_rank,
@@ -233,6 +307,15 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
                 f"of {cross.max_encoder_len} encoder positions: {cross.length_source}) and overwritten by the next "
                 "request's prefill when the slot is reused; the self-attention keeps the paged cache"),
     )
+
+
+def decision_row(m) -> tuple[str, str, str]:
+    """progress.md's row of a manifest with cross-attention slots: the slot's size and where its length comes from
+    (the user's --encoder-length is what the user confirms there)."""
+    x = m.cross_attention
+    origin = f"用户给出 {FLAG}" if x.max_encoder_len_from == USER_INPUT else "来自配置"
+    return ("交叉注意力(每请求槽位)", f"{len(x.layers)} 层, 编码器最长 {x.max_encoder_len} 位置({origin}), 槽位 "
+            f"{x.slot_tokens} 位置, 每请求 {x.slot_bytes} B", f"{x.max_encoder_len_source}; {x.reason}")
 
 
 def memory_group(decision: CrossAttentionDecision) -> kv_cache_spec.CrossAttentionSpec:

@@ -24,6 +24,7 @@ class CrossCtx:
     slot_block_size: int
     slot_tokens: int
     self_attention: bool = True  # False: cross-attention-only blocks (Mllama), their slots a cache layer of their own
+    stated: bool = False  # max_encoder_len is the user's --encoder-length (manifest max_encoder_len_from), said in the render
     key: str = cross_kind.KEY
     value: str = cross_kind.VALUE
     length: str = cross_kind.LENGTH
@@ -62,4 +63,5 @@ def check(m) -> None:
 def fields(m) -> dict:
     x = m.cross_attention
     return {"cross": CrossCtx(x.module_attr, CROSS_ATTENTION, int(x.max_encoder_len), int(x.num_kv_heads_per_rank),
-                              int(x.head_dim), int(x.slot_block_size), int(x.slot_tokens), x.self_attention)}
+                              int(x.head_dim), int(x.slot_block_size), int(x.slot_tokens), x.self_attention,
+                              stated=x.max_encoder_len_from == cross_kind.USER_INPUT)}

@@ -98,13 +98,15 @@ ONLY_MODULE_ATTR = "cross_attn"  # MllamaCrossAttentionDecoderLayer.cross_attn
 ONLY_BLOCK = "cross_attention"  # a cross-attention-only block's name in no_cache_layers (no self-attention cache)
 
 
-# What the slot read of a cross-only block does not cover, from transformers' modeling_mllama.py: said in the plan.
-ONLY_LIMITS = ("; a request's vision length is its image's valid tiles x patches (transformers' cross_attention_mask "
-               "hides the padding tiles: the read stops there); not rendered: text rows before the request's image "
-               "token (_prepare_cross_attention_mask's full_text_row_masked_out_mask 0: transformers lets them attend "
-               "over every vision position, padding tiles included, and zeroes their MLP output), a request without "
-               "an image (MllamaTextModel skips the cross blocks while the cache holds no vision states) and more "
-               "than one image per request")
+# How the slot of a cross-only block is read and what it does not cover, from transformers' modeling_mllama.py: said in
+# the plan.
+ONLY_LIMITS = ("; a request's slot holds every vision row its prefill gives (the padded reservation) and its length is "
+               "its image's valid tiles x patches: rows at or after the image token read that prefix (transformers' "
+               "cross_attention_mask hides the padding tiles), rows before it read every row given (their mask row "
+               "is all zero, which _prepare_cross_attention_mask turns into no mask; their MLP output is zeroed by "
+               "full_text_row_masked_out_mask, the render's cross_text_rows), a request without an image reads "
+               "nothing (its rows' output 0: MllamaTextModel skips the cross blocks); not rendered: more than one "
+               "image per request (each image's text rows read that image's own tiles, not a prefix)")
 
 
 def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:

@@ -76,9 +76,9 @@ def check_cross_calls(report, manifest, host) -> None:
         if call["has_mask"] or mode != 0:
             bad.append(f"step {call['step']} layer {call['layer']}: atten_mask {'given' if call['has_mask'] else 'None'}"
                        f", sparse_mode {mode} (want None, 0)")
-        elif call["step"] in prefill_lens and kv != prefill_lens[call["step"]]:
+        elif call["step"] in prefill_lens and not _lens_match(kv, prefill_lens[call["step"]]):
             bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} != the requests' encoder lengths "
-                       f"{prefill_lens[call['step']]}")
+                       f"{_expected_lens(prefill_lens[call['step']])}")
         elif any(n < 1 or n > manifest.cross_attention.max_encoder_len for n in kv):  # padding rows: clamped too
             bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} outside 1.."
                        f"{manifest.cross_attention.max_encoder_len}")
@@ -87,7 +87,29 @@ def check_cross_calls(report, manifest, host) -> None:
     if len(calls) != want:
         bad.append(f"{len(calls)} cross-attention FA calls over {len(steps)} steps, want one per cross layer per step "
                    f"({want})")
-    report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls))
+    # Mllama's prefills: requests without an image, and with text rows before their image token (what they cover)
+    vision = [r for lens in prefill_lens.values() if isinstance(lens, tuple) for r in zip(*lens, strict=True)]
+    report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls),
+               **({"requests_without_image": sum(1 for r in vision if not r[1]),
+                   "requests_with_rows_before_image": sum(1 for r in vision if r[1] and r[2])} if vision else {}))
+
+
+def _expected_lens(lens) -> list[int | None]:
+    """A prefill's FA KV lengths, one per FA sequence: an encoder-decoder's, each request's encoder length; Mllama's
+    (HostModel.vision_step: rows given, valid vision lengths, image token rows), transformers' cross_attention_mask
+    read per row (validators/pipeline/vision_rows.py): the rows before the image token over every row given, the rest
+    over the image's valid length, a request without an image any length (None: its output is zeroed)."""
+    if not isinstance(lens, tuple):
+        return list(lens)
+    out: list[int | None] = []
+    for given, valid, start in zip(*lens, strict=True):
+        out += [None] if not valid else ([given] if start else []) + [valid]
+    return out
+
+
+def _lens_match(kv: list[int], lens) -> bool:
+    want = _expected_lens(lens)
+    return len(kv) == len(want) and all(w is None or w == n for n, w in zip(kv, want, strict=True))
 
 
 def tiny_prefix(manifest, n: int) -> tuple[int, str | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
@@ -162,3 +163,69 @@ def test_the_reference_reads_padded_vision_states_through_transformers_mask(tmp_
     monkeypatch.setattr(host_model, "masked_vision_kwargs", unmasked)
     report = run_validate(*_case(tmp_path, STANDALONE), scenario=SHORT)
     assert not check(report, NUMERIC).passed
+
+
+def test_a_cpu_run_of_the_published_config_plans_its_cross_section_as_the_analyzer_plans_a_smaller_image(tmp_path):
+    """The sweep's Mllama run (MllamaConfig() defaults) is CPU-sized: fewer heads (the tiny model's hidden size ties
+    to heads x head_dim, 4096 -> 1024) and a smaller image of the same tiles and patch size (4100 -> 260 vision
+    positions). The sized cross section is what the analyzer itself plans for that config, field for field."""
+    from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized, cpu_sizes_note
+
+    real = json.loads(json.dumps(_published(), default=str))  # as the validation reads config.json
+    manifest = analyze(AnalyzeRequest(config=str(_write(tmp_path, real)), dispatch=FRAMEWORK))
+    small = cpu_sized(manifest, real)
+    assert "vision length 4100 -> 260" in cpu_sizes_note(manifest, small)
+    x = small.cross_attention
+    assert (x.max_encoder_len, x.slot_tokens, x.num_heads, x.num_kv_heads) == (4 * (8 ** 2 + 1), 384, 8, 2)
+    shrunk = _published()
+    shrunk["text_config"].update(num_attention_heads=8, num_key_value_heads=2, hidden_size=8 * 128)
+    shrunk["vision_config"]["image_size"] = 8 * 14
+    want = analyze(AnalyzeRequest(config=str(_write(tmp_path, shrunk, "s.json")), dispatch=FRAMEWORK)).cross_attention
+    text = {"max_encoder_len_source", "fa", "reason", "source"}
+    assert x.model_dump(exclude=text) == want.model_dump(exclude=text)
+
+
+def _cache_infos(manifest, dtype) -> list:
+    """get_cache_info of a checkout's Mllama model at every layer, as the render registers it: a self-attention info
+    per planned layer (its planned entries), a slot info per cross-only block (MambaCacheEntry in CrossAttention)."""
+    import types
+
+    from model_infer_kvcache.analyzer.kv_cache_spec import CROSS_ATTENTION, MAMBA
+
+    infos = [types.SimpleNamespace(caches=[types.SimpleNamespace(
+        cache_name=c.name, attn_type=layer.registers_as[0], dim=c.dim, num_head=c.num_head, dtype=dtype,
+        sliding_window=layer.registers_as[1], block_size=manifest.block_size) for c in layer.caches])
+        for layer in manifest.layers]
+    slot = [types.SimpleNamespace(cache_name=s.name, attn_type=MAMBA, manager_key=CROSS_ATTENTION, shape=list(s.shape),
+                                  dtype=torch.int32 if s.dtype == "int32" else dtype, block_size=1, next_n=0)
+            for s in manifest.cross_attention.states]
+    return infos + [types.SimpleNamespace(caches=slot) for _ in manifest.cross_attention.layers]
+
+
+def test_a_checkout_run_counts_the_cross_only_blocks_from_the_manifest(tmp_path, monkeypatch):
+    """V102 of a checkout's model at every layer (validators/checkout_run/run.py calls check_cache_info with the real
+    layer count): 32 self-attention layers and 8 cross-only blocks register 40 cache layers. The count comes from the
+    manifest (validators/kinds/cross.only_blocks_within), not from a rendered run's host; a count of 0 (what the
+    checkout run passed before) fails V102 by name."""
+    import types
+
+    from model_infer_kvcache.validators.kinds import cross as cross_checks
+    from model_infer_kvcache.validators.pipeline import framework_run
+    from model_infer_kvcache.validators.pipeline.report import Report
+
+    manifest = analyze(AnalyzeRequest(config=str(_write(tmp_path, _published())), dispatch=FRAMEWORK))
+    info = types.SimpleNamespace(layer_infos=_cache_infos(manifest, torch.bfloat16), is_mla_backend=False)
+
+    def layer_count(report_name="get_cache_info layer count"):
+        report = Report(backend="emulated", deploy_mode="framework", model_type="mllama", manifest_hash="h")
+        framework_run.check_cache_info(report, manifest, info, manifest.model.num_layers, "G3", torch.bfloat16,
+                                       manifest.model.num_layers)
+        return check(report, report_name)
+
+    got = layer_count()
+    assert got.passed and got.measured == {"expected": 40, "got": 40}
+    assert layer_count("cache entries match the manifest").passed and layer_count("cross-attention slot entries").passed
+    # a tiny prefix of blocks 0..4 holds the cross-only block 3; blocks 0..2 none
+    assert (cross_checks.only_blocks_within(manifest, 5), cross_checks.only_blocks_within(manifest, 3)) == (1, 0)
+    monkeypatch.setattr(cross_checks, "only_blocks_within", lambda *a: 0)
+    assert not layer_count().passed

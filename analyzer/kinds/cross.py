@@ -109,6 +109,13 @@ ONLY_LIMITS = ("; a request's slot holds every vision row its prefill gives (the
                "image per request (each image's text rows read that image's own tiles, not a prefix)")
 
 
+def vision_length(image_size: int, patch_size: int, max_num_tiles: int) -> tuple[int, int]:
+    """(vision positions of one image, patches per tile): MllamaVisionModel.num_patches = (image_size //
+    patch_size) ** 2 + 1 per tile, max_num_tiles tiles."""
+    patches = (image_size // patch_size) ** 2 + 1
+    return max_num_tiles * patches, patches
+
+
 def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:
     """Mllama's text decoder: the blocks listed in cross_attention_layers attend over the vision states only
     (MllamaTextModel.__init__ builds MllamaCrossAttentionDecoderLayer there, MllamaSelfAttentionDecoderLayer
@@ -132,8 +139,7 @@ def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:
         if bad:
             raise InputError(where, f"must be a positive integer, got {vals[bad[0]]!r} (it sizes the vision states "
                                     "the cross-attention layers read)", field=f"{vision[1]}.{bad[0]}")
-        patches = (vals["image_size"] // vals["patch_size"]) ** 2 + 1
-        length = vals["max_num_tiles"] * patches
+        length, patches = vision_length(vals["image_size"], vals["patch_size"], vals["max_num_tiles"])
         return CrossFacts(length, f"{vision[1]}: max_num_tiles {vals['max_num_tiles']} x ((image_size "
                                   f"{vals['image_size']} // patch_size {vals['patch_size']})^2 + 1 = {patches} "
                                   f"patches per tile) = {length} vision positions of one image (MllamaVisionModel."
@@ -170,17 +176,6 @@ def slot_tokens(max_encoder_len: int) -> int:
     return math.ceil(max_encoder_len / CROSS_BLOCK_SIZE) * CROSS_BLOCK_SIZE
 
 
-def entries(facts, kv_heads_per_rank: int, dtype: str) -> list[StateSpec]:
-    tokens = slot_tokens(facts.cross.value.max_encoder_len)
-    shape = [tokens, kv_heads_per_rank, facts.head_dim.value]
-    layout = (f"[encoder positions (max {facts.cross.value.max_encoder_len}, rounded up to {CROSS_BLOCK_SIZE}-token "
-              "FA blocks), KV heads of this rank, head_dim]")
-    return [StateSpec(name=KEY, shape=shape, dtype=dtype, layout=layout),
-            StateSpec(name=VALUE, shape=shape, dtype=dtype, layout=layout),
-            StateSpec(name=LENGTH, shape=[1], dtype="int32", layout="[1]: the request's encoder length (the FA "
-                                                                     "call's KV length)")]
-
-
 def slot_bytes(states: list[StateSpec]) -> int:
     """One request's slot of one layer: its entries' bytes."""
     return sum(math.prod(s.shape) * (4 if s.dtype == "int32" else kv_cache_spec.DTYPE_BYTES[s.dtype]) for s in states)
@@ -192,25 +187,49 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
     cross = facts.cross.value
     if cross is None or cross.max_encoder_len is None:
         return None
-    tp = parallel.attn_tp_size
     heads = facts.num_attention_heads.value
-    kv_heads = cross.num_kv_heads or heads
-    per_rank = max(kv_heads // tp, 1)
-    states = entries(facts, per_rank, dtype or facts.dtype.value)
     layers = list(cross.only_layers) if cross.only_layers is not None else list(range(facts.num_layers.value))
+    return _decision(layers, cross.module_attr, cross.only_layers is None, cross.max_encoder_len, cross.length_source,
+                     heads, cross.num_kv_heads or heads, parallel.attn_tp_size, facts.head_dim.value,
+                     dtype or facts.dtype.value, cross.source)
+
+
+def resized(x: CrossAttentionDecision, tp: int, **changes) -> CrossAttentionDecision:
+    """The same plan with some of its sizes changed (``max_encoder_len`` with ``max_encoder_len_source``,
+    ``num_heads``, ``num_kv_heads``), every derived field (slot, entries, bytes, wording) recomputed as ``decide``
+    does: a CPU-sized validation of the same model (validators tiny_model.cpu_sized)."""
+    v = {"max_encoder_len": x.max_encoder_len, "max_encoder_len_source": x.max_encoder_len_source,
+         "num_heads": x.num_heads, "num_kv_heads": x.num_kv_heads} | changes
+    return _decision(list(x.layers), x.module_attr, x.self_attention, v["max_encoder_len"],
+                     v["max_encoder_len_source"], v["num_heads"], v["num_kv_heads"], tp, x.head_dim, x.states[0].dtype,
+                     x.source)
+
+
+def _decision(layers: list[int], module_attr: str, self_attention: bool, max_encoder_len: int, length_source: str,
+              heads: int, kv_heads: int, tp: int, head_dim: int, dtype: str, source: str) -> CrossAttentionDecision:
+    per_rank = max(kv_heads // tp, 1)
+    tokens = slot_tokens(max_encoder_len)
+    shape = [tokens, per_rank, head_dim]
+    layout = (f"[encoder positions (max {max_encoder_len}, rounded up to {CROSS_BLOCK_SIZE}-token FA blocks), KV heads "
+              "of this rank, head_dim]")
+    states = [StateSpec(name=KEY, shape=shape, dtype=dtype, layout=layout),
+              StateSpec(name=VALUE, shape=shape, dtype=dtype, layout=layout),
+              StateSpec(name=LENGTH, shape=[1], dtype="int32", layout="[1]: the request's encoder length (the FA "
+                                                                      "call's KV length)")]
     per_layer = slot_bytes(states)
+    only = not self_attention
     return CrossAttentionDecision(
         layers=layers,
-        module_attr=cross.module_attr,
-        self_attention=cross.only_layers is None,
-        max_encoder_len=cross.max_encoder_len,
-        max_encoder_len_source=cross.length_source,
+        module_attr=module_attr,
+        self_attention=self_attention,
+        max_encoder_len=max_encoder_len,
+        max_encoder_len_source=length_source,
         num_heads=heads,
         num_kv_heads=kv_heads,
         num_kv_heads_per_rank=per_rank,
-        head_dim=facts.head_dim.value,
+        head_dim=head_dim,
         slot_block_size=CROSS_BLOCK_SIZE,
-        slot_tokens=slot_tokens(cross.max_encoder_len),
+        slot_tokens=tokens,
         states=states,
         slot_bytes_per_layer=per_layer,
         slot_bytes=per_layer * len(layers),
@@ -220,19 +239,19 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
                          f"(block_table['{kv_cache_spec.CROSS_ATTENTION}'][row, 0]); frameworks from fda5670 on "
                          "(MambaCacheEntry) with manager_key (48a59dc0 on)"),
         fa=("prefill writes the request's encoder K/V into its slot, then prefill and decode read the slot through "
-            f"the paged FA call (block_table = the slot's {slot_tokens(cross.max_encoder_len) // CROSS_BLOCK_SIZE} "
+            f"the paged FA call (block_table = the slot's {tokens // CROSS_BLOCK_SIZE} "
             f"blocks of {CROSS_BLOCK_SIZE}, actual_seq_lengths_kv = the request's encoder length) with sparse_mode 0 "
             "and no atten_mask: every decoder position sees every encoder position (no causal mask)"
-            + (ONLY_LIMITS if cross.only_layers is not None else "")),
-        source=cross.source,
+            + (ONLY_LIMITS if only else "")),
+        source=source,
         reason=(f"{len(layers)} decoder layers attend over the request's encoder states (transformers "
-                f"<decoder layer>.{cross.module_attr}"
-                + (", their only attention: no self-attention cache there" if cross.only_layers else "")
+                f"<decoder layer>.{module_attr}"
+                + (", their only attention: no self-attention cache there" if only else "")
                 + "): their K/V are computed once from "
-                + ("cross_attention_states (the vision model's output)" if cross.only_layers
+                + ("cross_attention_states (the vision model's output)" if only
                    else "encoder_hidden_states") + " at the "
                 "request's prefill and never change, so they are kept in one slot per request (a fixed reservation "
-                f"of {cross.max_encoder_len} encoder positions: {cross.length_source}) and overwritten by the next "
+                f"of {max_encoder_len} encoder positions: {length_source}) and overwritten by the next "
                 "request's prefill when the slot is reused; the self-attention keeps the paged cache"),
     )
 

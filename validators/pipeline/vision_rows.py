@@ -15,6 +15,7 @@ prompt tokens, as its encoder states are); the reference gets transformers' own 
 
 from __future__ import annotations
 
+import inspect
 import sys
 import zlib
 
@@ -46,8 +47,6 @@ def reference_kwargs(ref_model, states: torch.Tensor | None, start: int | None, 
     and transformers' own mask of an image token at row ``start`` whose image covers ``len(states)`` vision positions
     (one mask column per position: get_cross_attention_token_mask, convert_sparse_cross_attention_mask_to_dense and
     _prepare_cross_attention_mask, as MllamaModel.forward calls it)."""
-    import inspect
-
     module = sys.modules.get(type(ref_model).__module__)
     prepare = getattr(module, "_prepare_cross_attention_mask", None)
     if "cross_attention_mask" not in inspect.signature(ref_model.forward).parameters or prepare is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
@@ -102,7 +103,9 @@ def test_small_mllama_validates_against_transformers_in_both_modes(tmp_path, dis
     report = run_validate(*_case(tmp_path, dispatch), scenario=SHORT)
     assert report.passed, [(c.name, c.detail) for c in report.failed()]
     assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
-    assert check(report, "cross-attention reads").measured["calls"] > 0
+    reads = check(report, "cross-attention reads").measured
+    # the stream holds the requests a chat serves: one without an image, one with text rows before its image token
+    assert reads["calls"] > 0 and reads["requests_without_image"] >= 1 and reads["requests_with_rows_before_image"] >= 1
     if dispatch == FRAMEWORK:
         assert check(report, CROSS_ENTRIES).passed and check(report, LAYER_COUNT).measured["got"] == 3  # blocks 0, 1 (cross), 2
 
@@ -117,10 +120,22 @@ MISTAKES = [
     ("cross-block-given-the-self-attention-path", FRAMEWORK,
      r'if getattr\(cross_attn, "attn_type", None\) == "CrossAttention":',
      'if getattr(cross_attn, "attn_type", None) == "FullAttention":', LAYER_COUNT),
-    # (3) the slot read past the request's own vision length (the reservation's length instead): stale / poisoned rows
+    # (3) the slot read past the request's own vision length (the reservation's length instead): the padding tiles
     ("cross-read-past-the-vision-length", STANDALONE,
-     r"kv_lens = self\.cross_len\[slots\]\.view\(-1\)\.long\(\)\.clamp\(1, CROSS_MAX_ENCODER_LEN\)",
-     "kv_lens = torch.full_like(slots, CROSS_MAX_ENCODER_LEN)", NUMERIC),
+     r"kv_lens = seg_kv\.clamp\(1, CROSS_MAX_ENCODER_LEN\)",
+     "kv_lens = torch.full_like(seg_kv, CROSS_MAX_ENCODER_LEN)", NUMERIC),
+    # (4) the text rows before the image token read like the rest (the image's valid length): transformers drops
+    # their all-zero mask row and lets them attend over every vision position, padding tiles included
+    ("rows-before-the-image-read-only-the-image", FRAMEWORK,
+     r"before = torch\.minimum\(torch\.as_tensor\(text_starts, device=slots\.device\)\.long\(\), q_lens\) \* \(valid > 0\)",
+     "before = torch.zeros_like(q_lens)", NUMERIC),
+    # (5) a request without an image gets the attention over its slot's leftovers instead of nothing (transformers
+    # skips the cross block for it)
+    ("no-image-request-attends", FRAMEWORK,
+     r"return torch\.where\(imaged, attn_output, torch\.zeros_like\(attn_output\)\)", "return attn_output", NUMERIC),
+    # (6) the MLP row mask ignoring the image token's row: every row of a request with an image keeps its MLP output
+    ("mlp-kept-before-the-image", FRAMEWORK,
+     r"return has\[request\] & \(row >= starts\[request\]\)", "return has[request]", NUMERIC),
 ]
 
 
@@ -148,3 +163,69 @@ def test_the_reference_reads_padded_vision_states_through_transformers_mask(tmp_
     monkeypatch.setattr(host_model, "masked_vision_kwargs", unmasked)
     report = run_validate(*_case(tmp_path, STANDALONE), scenario=SHORT)
     assert not check(report, NUMERIC).passed
+
+
+def test_a_cpu_run_of_the_published_config_plans_its_cross_section_as_the_analyzer_plans_a_smaller_image(tmp_path):
+    """The sweep's Mllama run (MllamaConfig() defaults) is CPU-sized: fewer heads (the tiny model's hidden size ties
+    to heads x head_dim, 4096 -> 1024) and a smaller image of the same tiles and patch size (4100 -> 260 vision
+    positions). The sized cross section is what the analyzer itself plans for that config, field for field."""
+    from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sized, cpu_sizes_note
+
+    real = json.loads(json.dumps(_published(), default=str))  # as the validation reads config.json
+    manifest = analyze(AnalyzeRequest(config=str(_write(tmp_path, real)), dispatch=FRAMEWORK))
+    small = cpu_sized(manifest, real)
+    assert "vision length 4100 -> 260" in cpu_sizes_note(manifest, small)
+    x = small.cross_attention
+    assert (x.max_encoder_len, x.slot_tokens, x.num_heads, x.num_kv_heads) == (4 * (8 ** 2 + 1), 384, 8, 2)
+    shrunk = _published()
+    shrunk["text_config"].update(num_attention_heads=8, num_key_value_heads=2, hidden_size=8 * 128)
+    shrunk["vision_config"]["image_size"] = 8 * 14
+    want = analyze(AnalyzeRequest(config=str(_write(tmp_path, shrunk, "s.json")), dispatch=FRAMEWORK)).cross_attention
+    text = {"max_encoder_len_source", "fa", "reason", "source"}
+    assert x.model_dump(exclude=text) == want.model_dump(exclude=text)
+
+
+def _cache_infos(manifest, dtype) -> list:
+    """get_cache_info of a checkout's Mllama model at every layer, as the render registers it: a self-attention info
+    per planned layer (its planned entries), a slot info per cross-only block (MambaCacheEntry in CrossAttention)."""
+    import types
+
+    from model_infer_kvcache.analyzer.kv_cache_spec import CROSS_ATTENTION, MAMBA
+
+    infos = [types.SimpleNamespace(caches=[types.SimpleNamespace(
+        cache_name=c.name, attn_type=layer.registers_as[0], dim=c.dim, num_head=c.num_head, dtype=dtype,
+        sliding_window=layer.registers_as[1], block_size=manifest.block_size) for c in layer.caches])
+        for layer in manifest.layers]
+    slot = [types.SimpleNamespace(cache_name=s.name, attn_type=MAMBA, manager_key=CROSS_ATTENTION, shape=list(s.shape),
+                                  dtype=torch.int32 if s.dtype == "int32" else dtype, block_size=1, next_n=0)
+            for s in manifest.cross_attention.states]
+    return infos + [types.SimpleNamespace(caches=slot) for _ in manifest.cross_attention.layers]
+
+
+def test_a_checkout_run_counts_the_cross_only_blocks_from_the_manifest(tmp_path, monkeypatch):
+    """V102 of a checkout's model at every layer (validators/checkout_run/run.py calls check_cache_info with the real
+    layer count): 32 self-attention layers and 8 cross-only blocks register 40 cache layers. The count comes from the
+    manifest (validators/kinds/cross.only_blocks_within), not from a rendered run's host; a count of 0 (what the
+    checkout run passed before) fails V102 by name."""
+    import types
+
+    from model_infer_kvcache.validators.kinds import cross as cross_checks
+    from model_infer_kvcache.validators.pipeline import framework_run
+    from model_infer_kvcache.validators.pipeline.report import Report
+
+    manifest = analyze(AnalyzeRequest(config=str(_write(tmp_path, _published())), dispatch=FRAMEWORK))
+    info = types.SimpleNamespace(layer_infos=_cache_infos(manifest, torch.bfloat16), is_mla_backend=False)
+
+    def layer_count(report_name="get_cache_info layer count"):
+        report = Report(backend="emulated", deploy_mode="framework", model_type="mllama", manifest_hash="h")
+        framework_run.check_cache_info(report, manifest, info, manifest.model.num_layers, "G3", torch.bfloat16,
+                                       manifest.model.num_layers)
+        return check(report, report_name)
+
+    got = layer_count()
+    assert got.passed and got.measured == {"expected": 40, "got": 40}
+    assert layer_count("cache entries match the manifest").passed and layer_count("cross-attention slot entries").passed
+    # a tiny prefix of blocks 0..4 holds the cross-only block 3; blocks 0..2 none
+    assert (cross_checks.only_blocks_within(manifest, 5), cross_checks.only_blocks_within(manifest, 3)) == (1, 0)
+    monkeypatch.setattr(cross_checks, "only_blocks_within", lambda *a: 0)
+    assert not layer_count().passed

@@ -126,6 +126,6 @@ def test_cache_info_check_compares_the_window_with_the_manifest(qwen3, tmp_path)
 
     for window, ok in ((128, True), (4096, False)):
         report = Report("emulated", "framework", "gpt_oss", "")
-        check_cache_info(report, m, info(window), 2, "G2", torch.float64)
+        check_cache_info(report, m, info(window), 2, "G2", torch.float64, 2)
         entries = next(c for c in report.checks if c.name == "cache entries match the manifest")
         assert entries.passed is ok, entries.detail

@@ -99,13 +99,22 @@ ONLY_MODULE_ATTR = "cross_attn"  # MllamaCrossAttentionDecoderLayer.cross_attn
 ONLY_BLOCK = "cross_attention"  # a cross-attention-only block's name in no_cache_layers (no self-attention cache)
 
 
-# What the slot read of a cross-only block does not cover, from transformers' modeling_mllama.py: said in the plan.
-ONLY_LIMITS = ("; a request's vision length is its image's valid tiles x patches (transformers' cross_attention_mask "
-               "hides the padding tiles: the read stops there); not rendered: text rows before the request's image "
-               "token (_prepare_cross_attention_mask's full_text_row_masked_out_mask 0: transformers lets them attend "
-               "over every vision position, padding tiles included, and zeroes their MLP output), a request without "
-               "an image (MllamaTextModel skips the cross blocks while the cache holds no vision states) and more "
-               "than one image per request")
+# How the slot of a cross-only block is read and what it does not cover, from transformers' modeling_mllama.py: said in
+# the plan.
+ONLY_LIMITS = ("; a request's slot holds every vision row its prefill gives (the padded reservation) and its length is "
+               "its image's valid tiles x patches: rows at or after the image token read that prefix (transformers' "
+               "cross_attention_mask hides the padding tiles), rows before it read every row given (their mask row "
+               "is all zero, which _prepare_cross_attention_mask turns into no mask; their MLP output is zeroed by "
+               "full_text_row_masked_out_mask, the render's cross_text_rows), a request without an image reads "
+               "nothing (its rows' output 0: MllamaTextModel skips the cross blocks); not rendered: more than one "
+               "image per request (each image's text rows read that image's own tiles, not a prefix)")
+
+
+def vision_length(image_size: int, patch_size: int, max_num_tiles: int) -> tuple[int, int]:
+    """(vision positions of one image, patches per tile): MllamaVisionModel.num_patches = (image_size //
+    patch_size) ** 2 + 1 per tile, max_num_tiles tiles."""
+    patches = (image_size // patch_size) ** 2 + 1
+    return max_num_tiles * patches, patches
 
 
 def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:
@@ -131,8 +140,7 @@ def _only_layers_facts(get, where: str, num_layers: int) -> CrossFacts:
         if bad:
             raise InputError(where, f"must be a positive integer, got {vals[bad[0]]!r} (it sizes the vision states "
                                     "the cross-attention layers read)", field=f"{vision[1]}.{bad[0]}")
-        patches = (vals["image_size"] // vals["patch_size"]) ** 2 + 1
-        length = vals["max_num_tiles"] * patches
+        length, patches = vision_length(vals["image_size"], vals["patch_size"], vals["max_num_tiles"])
         return CrossFacts(length, f"{vision[1]}: max_num_tiles {vals['max_num_tiles']} x ((image_size "
                                   f"{vals['image_size']} // patch_size {vals['patch_size']})^2 + 1 = {patches} "
                                   f"patches per tile) = {length} vision positions of one image (MllamaVisionModel."
@@ -241,17 +249,6 @@ def slot_tokens(max_encoder_len: int) -> int:
     return math.ceil(max_encoder_len / CROSS_BLOCK_SIZE) * CROSS_BLOCK_SIZE
 
 
-def entries(facts, kv_heads_per_rank: int, dtype: str) -> list[StateSpec]:
-    tokens = slot_tokens(facts.cross.value.max_encoder_len)
-    shape = [tokens, kv_heads_per_rank, facts.head_dim.value]
-    layout = (f"[encoder positions (max {facts.cross.value.max_encoder_len}, rounded up to {CROSS_BLOCK_SIZE}-token "
-              "FA blocks), KV heads of this rank, head_dim]")
-    return [StateSpec(name=KEY, shape=shape, dtype=dtype, layout=layout),
-            StateSpec(name=VALUE, shape=shape, dtype=dtype, layout=layout),
-            StateSpec(name=LENGTH, shape=[1], dtype="int32", layout="[1]: the request's encoder length (the FA "
-                                                                     "call's KV length)")]
-
-
 def slot_bytes(states: list[StateSpec]) -> int:
     """One request's slot of one layer: its entries' bytes."""
     return sum(math.prod(s.shape) * (4 if s.dtype == "int32" else kv_cache_spec.DTYPE_BYTES[s.dtype]) for s in states)
@@ -263,26 +260,51 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
     cross = facts.cross.value
     if cross is None or cross.max_encoder_len is None:
         return None
-    tp = parallel.attn_tp_size
     heads = facts.num_attention_heads.value
-    kv_heads = cross.num_kv_heads or heads
-    per_rank = max(kv_heads // tp, 1)
-    states = entries(facts, per_rank, dtype or facts.dtype.value)
     layers = list(cross.only_layers) if cross.only_layers is not None else list(range(facts.num_layers.value))
+    return _decision(layers, cross.module_attr, cross.only_layers is None, cross.max_encoder_len, cross.length_source,
+                     USER_INPUT if cross.stated else CONFIG, heads, cross.num_kv_heads or heads,
+                     parallel.attn_tp_size, facts.head_dim.value, dtype or facts.dtype.value, cross.source)
+
+
+def resized(x: CrossAttentionDecision, tp: int, **changes) -> CrossAttentionDecision:
+    """The same plan with some of its sizes changed (``max_encoder_len`` with ``max_encoder_len_source``,
+    ``num_heads``, ``num_kv_heads``), every derived field (slot, entries, bytes, wording) recomputed as ``decide``
+    does: a CPU-sized validation of the same model (validators tiny_model.cpu_sized)."""
+    v = {"max_encoder_len": x.max_encoder_len, "max_encoder_len_source": x.max_encoder_len_source,
+         "num_heads": x.num_heads, "num_kv_heads": x.num_kv_heads} | changes
+    return _decision(list(x.layers), x.module_attr, x.self_attention, v["max_encoder_len"],
+                     v["max_encoder_len_source"], x.max_encoder_len_from, v["num_heads"], v["num_kv_heads"], tp,
+                     x.head_dim, x.states[0].dtype, x.source)
+
+
+def _decision(layers: list[int], module_attr: str, self_attention: bool, max_encoder_len: int, length_source: str,
+              length_from: str, heads: int, kv_heads: int, tp: int, head_dim: int, dtype: str,
+              source: str) -> CrossAttentionDecision:
+    per_rank = max(kv_heads // tp, 1)
+    tokens = slot_tokens(max_encoder_len)
+    shape = [tokens, per_rank, head_dim]
+    layout = (f"[encoder positions (max {max_encoder_len}, rounded up to {CROSS_BLOCK_SIZE}-token FA blocks), KV heads "
+              "of this rank, head_dim]")
+    states = [StateSpec(name=KEY, shape=shape, dtype=dtype, layout=layout),
+              StateSpec(name=VALUE, shape=shape, dtype=dtype, layout=layout),
+              StateSpec(name=LENGTH, shape=[1], dtype="int32", layout="[1]: the request's encoder length (the FA "
+                                                                      "call's KV length)")]
     per_layer = slot_bytes(states)
+    only = not self_attention
     return CrossAttentionDecision(
         layers=layers,
-        module_attr=cross.module_attr,
-        self_attention=cross.only_layers is None,
-        max_encoder_len=cross.max_encoder_len,
-        max_encoder_len_source=cross.length_source,
-        max_encoder_len_from=USER_INPUT if cross.stated else CONFIG,
+        module_attr=module_attr,
+        self_attention=self_attention,
+        max_encoder_len=max_encoder_len,
+        max_encoder_len_source=length_source,
+        max_encoder_len_from=length_from,
         num_heads=heads,
         num_kv_heads=kv_heads,
         num_kv_heads_per_rank=per_rank,
-        head_dim=facts.head_dim.value,
+        head_dim=head_dim,
         slot_block_size=CROSS_BLOCK_SIZE,
-        slot_tokens=slot_tokens(cross.max_encoder_len),
+        slot_tokens=tokens,
         states=states,
         slot_bytes_per_layer=per_layer,
         slot_bytes=per_layer * len(layers),
@@ -292,19 +314,19 @@ def decide(facts, parallel, dtype: str | None) -> CrossAttentionDecision | None:
                          f"(block_table['{kv_cache_spec.CROSS_ATTENTION}'][row, 0]); frameworks from fda5670 on "
                          "(MambaCacheEntry) with manager_key (48a59dc0 on)"),
         fa=("prefill writes the request's encoder K/V into its slot, then prefill and decode read the slot through "
-            f"the paged FA call (block_table = the slot's {slot_tokens(cross.max_encoder_len) // CROSS_BLOCK_SIZE} "
+            f"the paged FA call (block_table = the slot's {tokens // CROSS_BLOCK_SIZE} "
             f"blocks of {CROSS_BLOCK_SIZE}, actual_seq_lengths_kv = the request's encoder length) with sparse_mode 0 "
             "and no atten_mask: every decoder position sees every encoder position (no causal mask)"
-            + (ONLY_LIMITS if cross.only_layers is not None else "")),
-        source=cross.source,
+            + (ONLY_LIMITS if only else "")),
+        source=source,
         reason=(f"{len(layers)} decoder layers attend over the request's encoder states (transformers "
-                f"<decoder layer>.{cross.module_attr}"
-                + (", their only attention: no self-attention cache there" if cross.only_layers else "")
+                f"<decoder layer>.{module_attr}"
+                + (", their only attention: no self-attention cache there" if only else "")
                 + "): their K/V are computed once from "
-                + ("cross_attention_states (the vision model's output)" if cross.only_layers
+                + ("cross_attention_states (the vision model's output)" if only
                    else "encoder_hidden_states") + " at the "
                 "request's prefill and never change, so they are kept in one slot per request (a fixed reservation "
-                f"of {cross.max_encoder_len} encoder positions: {cross.length_source}) and overwritten by the next "
+                f"of {max_encoder_len} encoder positions: {length_source}) and overwritten by the next "
                 "request's prefill when the slot is reused; the self-attention keeps the paged cache"),
     )
 

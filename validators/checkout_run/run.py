@@ -509,7 +509,7 @@ def _init_link(report: Report, manifest: SelectionManifest, engine, classes, inf
     full_info, renamed = entries_named_by_the_manifest(full_info, manifest)
     if renamed:
         report.notes.append(f"the model names its cache entries {renamed}: compared by width with the manifest's")
-    check_cache_info(report, manifest, full_info, cache_layers, api, dtype)
+    check_cache_info(report, manifest, full_info, cache_layers, api, dtype, full_layers)
     report.notes.append(f"init link on {len(full_info.layer_infos)} layers (the real count; the stream ran "
                         f"{len(info.layer_infos)})")
     allocated = [f"{layer.layer_idx}.{e.cache_name}" for layer in info.layer_infos for e in layer.caches

@@ -37,6 +37,15 @@ def split_layer_infos(manifest, infos: list) -> tuple[list, list]:
     return [i for i in infos if not any(i is a for a in alone)], alone
 
 
+def only_blocks_within(manifest, decoder_layers: int) -> int:
+    """How many cross-attention-only blocks (Mllama) a model of ``decoder_layers`` decoder blocks (a prefix of the
+    planned model: the tiny model's, or a checkout's every block) holds, each a cache layer of its own."""
+    x = manifest.cross_attention
+    if x is None or x.self_attention:
+        return 0
+    return sum(1 for i in x.layers if i < decoder_layers)
+
+
 def entry_problems(manifest, index: int, got: dict, cache_dtype: torch.dtype, alone: bool = False) -> list[str]:
     """A layer's cross slot entries against the manifest: its names, MambaCacheEntry in manager_key CrossAttention,
     the planned slot shape, the run's dtype (int32 for the length), block size 1, no speculative blocks. ``alone``:
@@ -76,9 +85,9 @@ def check_cross_calls(report, manifest, host) -> None:
         if call["has_mask"] or mode != 0:
             bad.append(f"step {call['step']} layer {call['layer']}: atten_mask {'given' if call['has_mask'] else 'None'}"
                        f", sparse_mode {mode} (want None, 0)")
-        elif call["step"] in prefill_lens and kv != prefill_lens[call["step"]]:
+        elif call["step"] in prefill_lens and not _lens_match(kv, prefill_lens[call["step"]]):
             bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} != the requests' encoder lengths "
-                       f"{prefill_lens[call['step']]}")
+                       f"{_expected_lens(prefill_lens[call['step']])}")
         elif any(n < 1 or n > manifest.cross_attention.max_encoder_len for n in kv):  # padding rows: clamped too
             bad.append(f"step {call['step']} layer {call['layer']}: KV lengths {kv} outside 1.."
                        f"{manifest.cross_attention.max_encoder_len}")
@@ -87,7 +96,29 @@ def check_cross_calls(report, manifest, host) -> None:
     if len(calls) != want:
         bad.append(f"{len(calls)} cross-attention FA calls over {len(steps)} steps, want one per cross layer per step "
                    f"({want})")
-    report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls))
+    # Mllama's prefills: requests without an image, and with text rows before their image token (what they cover)
+    vision = [r for lens in prefill_lens.values() if isinstance(lens, tuple) for r in zip(*lens, strict=True)]
+    report.add(CALLS_CHECK, "runtime", bool(calls) and not bad, detail="; ".join(bad[:3]), calls=len(calls),
+               **({"requests_without_image": sum(1 for r in vision if not r[1]),
+                   "requests_with_rows_before_image": sum(1 for r in vision if r[1] and r[2])} if vision else {}))
+
+
+def _expected_lens(lens) -> list[int | None]:
+    """A prefill's FA KV lengths, one per FA sequence: an encoder-decoder's, each request's encoder length; Mllama's
+    (HostModel.vision_step: rows given, valid vision lengths, image token rows), transformers' cross_attention_mask
+    read per row (validators/pipeline/vision_rows.py): the rows before the image token over every row given, the rest
+    over the image's valid length, a request without an image any length (None: its output is zeroed)."""
+    if not isinstance(lens, tuple):
+        return list(lens)
+    out: list[int | None] = []
+    for given, valid, start in zip(*lens, strict=True):
+        out += [None] if not valid else ([given] if start else []) + [valid]
+    return out
+
+
+def _lens_match(kv: list[int], lens) -> bool:
+    want = _expected_lens(lens)
+    return len(kv) == len(want) and all(w is None or w == n for n, w in zip(kv, want, strict=True))
 
 
 def tiny_prefix(manifest, n: int) -> tuple[int, str | None]:
@@ -122,3 +153,41 @@ def tiny_cross_fields(d: dict, manifest, layers: int) -> None:
 # cross_attn_attn_gate, cross_attn_mlp_gate), zero at init: a tiny model keeping them zero would never let the
 # cross-attention reach the logits, so it draws them at random (tiny_model._randomize)
 GATE_PARAMS = ("cross_attn_attn_gate", "cross_attn_mlp_gate")
+
+
+# A CPU run of a Mllama manifest: the same tiles and patch size, CPU_IMAGE_PATCHES patches a side (MllamaConfig():
+# 4 tiles x (8^2 + 1) = 260 vision positions, a slot of 3 blocks: the paged read still crosses block ends), where
+# the published image (448 / 14: 4100 positions) would spend the run's time in the vision rows' k/v projections.
+CPU_IMAGE_PATCHES = 8
+
+
+def cpu_section(manifest, real: dict | None, heads: tuple[int, int] | None) -> dict | None:
+    """The cross_attention section of a CPU-sized manifest (tiny_model.cpu_sized), None where it keeps its sizes:
+    a cross-only (Mllama) plan at fewer heads (``heads``: query, KV) and at a smaller image of the same vision
+    architecture (vision_config.image_size; the length by the analyzer's own rule). Every derived field is the
+    analyzer's (analyzer.kinds.cross.resized)."""
+    x = manifest.cross_attention
+    if x is None or x.self_attention:
+        return None
+    changes = {"num_heads": heads[0], "num_kv_heads": heads[1]} if heads else {}
+    vision = (real or {}).get("vision_config")
+    if isinstance(vision, dict) and all(isinstance(vision.get(k), int) for k in cross_kind.VISION_FIELDS):
+        image, patch, tiles = (vision[k] for k in cross_kind.VISION_FIELDS)
+        small = min(image, CPU_IMAGE_PATCHES * patch)
+        length, _ = cross_kind.vision_length(small, patch, tiles)
+        if length < x.max_encoder_len:
+            changes |= {"max_encoder_len": length, "max_encoder_len_source": (
+                f"{x.max_encoder_len_source}; a CPU run at vision_config.image_size {small} (not {image}): "
+                f"{length} vision positions")}
+    return cross_kind.resized(x, manifest.parallel.attn_tp_size, **changes).model_dump(mode="json") \
+        if changes else None
+
+
+def cpu_size_changes(manifest, small) -> list[str]:
+    """What cpu_section changed, for a report note."""
+    x, y = manifest.cross_attention, small.cross_attention
+    if x is None or y is None or x.max_encoder_len == y.max_encoder_len:
+        return []
+    return [f"vision length {x.max_encoder_len} -> {y.max_encoder_len} (a smaller image of the same tiles and patch "
+            "size)"]
+

@@ -40,11 +40,13 @@ def cpu_heads(manifest) -> tuple[int, int] | None:
     npu_fused_infer_attention_score; MHA stays MHA, GQA keeps its group) and at least ``CPU_KV_HEADS_PER_RANK`` KV
     heads per rank (or all of them when fewer). Not shrunk: replicated KV heads (fewer than ranks: the query heads
     per rank are all the group), a layer with its own shape (Gemma-4's global layers: a second head field per
-    layer), an encoder-decoder's (its encoder's heads share the field)."""
+    layer), an encoder-decoder's (its encoder's heads share the field; Mllama's cross-only blocks use the text model's
+    heads and shrink with them: validators/kinds/cross.cpu_section)."""
     m, p = manifest.model, manifest.parallel
     tp = p.attn_tp_size
     if (m.num_key_value_heads < tp or m.num_key_value_heads % tp or m.num_attention_heads % m.num_key_value_heads
-            or manifest.cross_attention is not None or layer_shapes(manifest)):
+            or (manifest.cross_attention is not None and manifest.cross_attention.self_attention)
+            or layer_shapes(manifest)):
         return None
     kv = min(p.num_kv_heads_per_rank, CPU_KV_HEADS_PER_RANK) * tp
     if kv >= m.num_key_value_heads:

@@ -13,17 +13,20 @@ from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import check_attention_calls, cross, kind_of
 from model_infer_kvcache.validators.pipeline.graph_capture import decode_capture, graph_mode
-from model_infer_kvcache.validators.pipeline.host_model import HostModel
+from model_infer_kvcache.validators.pipeline.host_model import HostModel, decoder_layers
 from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
 
 
 def check_cache_info(report: Report, manifest: SelectionManifest, info, n_layers: int, api: str,
-                     cache_dtype: torch.dtype, n_cross_only: int = 0) -> None:
-    """``n_cross_only``: the model's cross-attention-only blocks (Mllama), each registering a cache layer of its own."""
+                     cache_dtype: torch.dtype, decoder_layers: int) -> None:
+    """``n_layers``: the planned layers the model holds; ``decoder_layers``: its decoder blocks (the rendered run's
+    tiny prefix, or a checkout's every block), whose cross-attention-only blocks (Mllama) each register a cache layer
+    of their own, counted from the manifest."""
     # a KV-shared layer (kv_source_layer) registers no entry: the framework allocates caches for the owners only
     expected = [layer for layer in manifest.layers[:n_layers] if layer.kv_source_layer is None]
+    n_cross_only = cross.only_blocks_within(manifest, decoder_layers)
     layer_infos, alone = cross.split_layer_infos(manifest, list(info.layer_infos))
     report.add("get_cache_info layer count", "init", (len(layer_infos), len(alone)) == (len(expected), n_cross_only),
                expected=len(expected) + n_cross_only, got=len(layer_infos) + len(alone))
@@ -125,8 +128,7 @@ def run_framework(report: Report, manifest: SelectionManifest, host: HostModel, 
 
     info = host.get_cache_info()
     check_cache_info(report, manifest, info, len(host.attentions), generation, cache_dtype,
-                     0 if manifest.cross_attention is None or manifest.cross_attention.self_attention
-                     else len(host.cross_attentions))
+                     len(decoder_layers(host.hf_model, loops.stacks if (loops := manifest.recurrent_loops) else None)[1]))
     # the framework's next_n, as the manifest plans it (sliding groups reserve 2 * next_n more tokens)
     graph = graph_mode(manifest)
     sched = Scheduler(info, max_model_len=scenario.max_model_len, max_concurrency=scenario.max_concurrency,

@@ -49,7 +49,7 @@ from model_infer_kvcache.analyzer.linear_config import (
     short_conv_facts,
 )
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS, FA_OP_NAMES, RECORDED_KEYWORDS
-from model_infer_kvcache.validators.pipeline import dsa_args
+from model_infer_kvcache.validators.pipeline import dsa_args, vision_rows
 
 ATTN_IMPL = "kvcache_rendered"
 ATOL_FP32 = 1e-4  # emulated backend: float32 end to end
@@ -314,9 +314,12 @@ def _cross_attention(host, fm, query, key, value):
     lens = _CURRENT[-1][2] if fm.is_prefill else None
     k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[3]) if fm.is_prefill else None
     v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3]) if fm.is_prefill else None
+    vision = {}
+    if isinstance(lens, tuple):  # Mllama (HostModel.vision_step): rows given, valid vision lengths, image rows
+        lens, vision = lens[0], {"vision_lens": lens[1], "text_starts": lens[2]}
     host.probe.cross_layer = host.layer_idx
     try:
-        out = host.cross_attention(q, k, v, lens, fm)
+        out = host.cross_attention(q, k, v, lens, fm, **vision)
     finally:
         host.probe.cross_layer = None
     return out.reshape(b, s, n, -1), None
@@ -1099,7 +1102,7 @@ class EncoderStates:
     fixed per request (seeded by the request's first prompt tokens, which every later prefix of it keeps), of a length
     that varies across requests and stays below the slot's maximum."""
 
-    KEY_TOKENS = 8  # every stream prompt is at least this long
+    KEY_TOKENS = vision_rows.KEY_TOKENS  # every stream prompt is at least this long
 
     def __init__(self, hidden: int, max_len: int, seed: int):
         self.hidden = hidden
@@ -1117,6 +1120,10 @@ class EncoderStates:
             self._cache[key] = torch.randn(length, self.hidden, generator=g, dtype=torch.float64)
         return self._cache[key]
 
+    def image_row(self, token_ids) -> int | None:
+        """A vision request's image token row in its prompt, None: no image (vision_rows.image_row)."""
+        return vision_rows.image_row(self.seed, token_ids)
+
 
 def encoder_kwargs(model, states: torch.Tensor) -> dict:
     """The keyword a ForCausalLM decoder takes its encoder output by: ``encoder_hidden_states`` (BART family,
@@ -1130,23 +1137,14 @@ def encoder_kwargs(model, states: torch.Tensor) -> dict:
 
 
 def masked_vision_kwargs(ref_model, encoder: EncoderStates, token_ids) -> dict | None:
-    """Mllama's reference inputs as transformers builds them (None for another model): the request's vision states
-    padded to the slot's reservation (the padding tiles' rows, random) and the cross_attention_mask that hides them,
-    through transformers' own _prepare_cross_attention_mask (one mask column per vision position: every text row sees
-    the request's image). The model under test gets the unpadded states and reads their length from its slot: the
-    two agree only when the paged read stops where transformers' mask does."""
-    params = inspect.signature(ref_model.forward).parameters
-    prepare = getattr(sys.modules.get(type(ref_model).__module__), "_prepare_cross_attention_mask", None)
-    if "cross_attention_mask" not in params or prepare is None:
-        return None
-    states = encoder.of(token_ids)
-    pad = torch.randn(encoder.max_len - len(states), encoder.hidden, dtype=torch.float64,
-                      generator=torch.Generator().manual_seed(len(states)))
-    seen = torch.zeros(1, len(token_ids), 1, encoder.max_len)
-    seen[..., :len(states)] = 1
-    mask, rows = prepare(seen, num_vision_tokens=1, dtype=ref_model.dtype)
-    return {"cross_attention_states": torch.cat([states, pad])[None].to(ref_model.dtype),
-            "cross_attention_mask": mask, "full_text_row_masked_out_mask": rows}
+    """Mllama's reference inputs as transformers builds them (None for another model): a request without an image
+    runs with none; one with an image gets its vision states padded to the slot's reservation (the padding tiles'
+    rows) and transformers' own cross_attention_mask of its image token's row (vision_rows.reference_kwargs). The model
+    under test gets the same padded states: the two agree only when its paged reads stop where transformers' mask
+    does, and read everything where the mask is empty (the rows before the image token)."""
+    start = encoder.image_row(token_ids)
+    return vision_rows.reference_kwargs(ref_model, None if start is None else encoder.of(token_ids), start,
+                                        encoder.max_len, len(token_ids))
 
 
 def _cross_hidden(layers, names) -> int | None:
@@ -1536,10 +1534,14 @@ class HostModel:
         self.probe.step = self.step_index
         lens, extra = None, {}
         if self.encoder is not None:
-            lens, states = self.encoder_step(input_ids, forward_metadata)
+            vision = self.cross_attentions and hasattr(self.cross_attentions[0], "cross_text_rows")
+            lens, states = (self.vision_step if vision else self.encoder_step)(input_ids, forward_metadata)
             if lens is not None:
                 self.cross_prefill_lens[self.step_index] = lens
             extra = encoder_kwargs(self.hf_model, states.to(device=self.device, dtype=self.hf_model.dtype))
+            if vision:  # the port's MLP row mask: which rows see their request's image, from the render
+                rows = self.cross_attentions[0].cross_text_rows(forward_metadata, *(lens[1:] if lens else ()))
+                extra["full_text_row_masked_out_mask"] = rows.view(1, 1, -1, 1).to(self.hf_model.dtype)
         with current_metadata(forward_metadata, position_ids.to(self.device), lens):
             ids = input_ids.to(self.device)
             out = self.hf_model(input_ids=ids, position_ids=position_ids.to(self.device) + self.position_offset,
@@ -1556,6 +1558,27 @@ class HostModel:
         cu = [int(x) for x in torch.as_tensor(forward_metadata.actual_seq_lengths_cu_q).tolist()]
         states = [self.encoder.of(ids[a:b]) for a, b in zip([0] + cu[:-1], cu, strict=True) if b > a]
         return [len(x) for x in states], torch.cat(states)[None]
+
+    def vision_step(self, input_ids: torch.Tensor, forward_metadata) -> tuple[tuple | None, torch.Tensor]:
+        """Mllama's prefill (a render with ``cross_text_rows``): ((each request's vision rows given, its image's
+        valid vision length, its image token's row), the vision states [1, sum rows, hidden]), one entry per request
+        of the step; a request without an image gives no rows (0, 0, 0), one with an image the whole padded
+        reservation (vision_rows.padded). A decode step, or a prefill with no image: NaN states, as encoder_step."""
+        nan = torch.full((1, 1, self.encoder.hidden), float("nan"), dtype=torch.float64)
+        if not forward_metadata.is_prefill:
+            return None, nan
+        ids = input_ids.reshape(-1).tolist()
+        cu = [int(x) for x in torch.as_tensor(forward_metadata.actual_seq_lengths_cu_q).tolist()]
+        given, valid, starts, states = [], [], [], []
+        for a, b in zip([0] + cu[:-1], cu, strict=True):
+            start = self.encoder.image_row(ids[a:b]) if b > a else None
+            own = self.encoder.of(ids[a:b]) if start is not None else None
+            if own is not None:
+                states.append(vision_rows.padded(own, self.encoder.max_len))
+            given.append(self.encoder.max_len if own is not None else 0)
+            valid.append(len(own) if own is not None else 0)
+            starts.append(start or 0)
+        return (given, valid, starts), (torch.cat(states)[None] if states else nan)
 
 
 def position_offset(hf_model) -> int:
@@ -1662,10 +1685,15 @@ def reference_layer_outputs(ref_model, token_ids: list[int]) -> list[torch.Tenso
     """Each decoder layer's output [L, hidden] over one whole sequence (to locate a divergence)."""
     _, layers = decoder_layers(ref_model)
     outputs: list = [None] * len(layers)
+    embedded: list = [None]
     handles = [layer.register_forward_hook(_store_output(outputs, i)) for i, layer in enumerate(layers)]
+    handles.append(ref_model.get_input_embeddings().register_forward_hook(_store_output(embedded, 0)))
     try:
         reference_logits(ref_model, token_ids)
     finally:
         for h in handles:
             h.remove()
+    # a layer transformers skipped (Mllama's cross blocks for a request without an image) passed its input on
+    for i, out in enumerate(outputs):
+        outputs[i] = out if out is not None else outputs[i - 1] if i else embedded[0]
     return [o[0].double() for o in outputs]

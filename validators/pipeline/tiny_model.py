@@ -286,13 +286,16 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
     long_chunk = (manifest.attention_chunk_size() or 0) > manifest.block_size
     heads = cpu_heads(manifest, real) if real is not None else None
     looped = loops.cuts(manifest)  # Dory: fewer layers in and around its looped section
+    crossed = cross.cpu_section(manifest, real, heads)  # Mllama: a smaller image, the cross heads with the model's
     data = manifest.model_dump(mode="json")
     narrower_states = recurrent.cpu_widths(data, manifest, real)  # RWKV: its token shift and wkv at CPU widths
-    if not (long_window or narrowed or long_chunk or heads or looped or narrower_states):
+    if not (long_window or narrowed or long_chunk or heads or looped or crossed or narrower_states):
         return None
     loops.cpu_loops(data, manifest)
     if heads:
         _set_heads(data, manifest, *heads)
+    if crossed:
+        data["cross_attention"] = crossed
     if long_chunk:
         for layer in data["layers"]:
             if layer.get("attention_chunk_size"):
@@ -379,7 +382,7 @@ def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str
                      f"{m.num_attention_heads // m.num_key_value_heads}, attention TP {manifest.parallel.attn_tp_size} "
                      f"kept; the tiny model's hidden size ties to heads x head_dim: {m.num_attention_heads * m.head_dim} "
                      f"-> {s.num_attention_heads * s.head_dim})")
-    parts += kind_of(manifest).cpu_size_changes(manifest, small)
+    parts += kind_of(manifest).cpu_size_changes(manifest, small) + cross.cpu_size_changes(manifest, small)
     parts += recurrent.cpu_size_changes(manifest, small)
     return ", ".join(parts)
 

@@ -95,6 +95,8 @@ CHECKS: tuple[CheckDef, ...] = (
                                 "manifest"),
     CheckDef("V233", "runtime", "drafter: each layer's FA reads the target's last layer of its attn_type through "
                                 "its block table (<N> layers)"),
+    CheckDef("V234", "runtime", "QSA selection: each query reads the tokens of its top blocks (min(block_topk, visible "
+                                "blocks) whole blocks) and of its tail block, causally, each once"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

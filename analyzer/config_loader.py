@@ -778,7 +778,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
         None, "default: not in config")
     rope = _rope(r)
-    qsa = qsa_kind.read_facts(r.get, where, model_type, head_dim.value)
+    qsa = qsa_kind.read_facts(r.get, where, model_type, head_dim.value, r.prefix)
     linear = _linear(r, linear_family, layer_kinds, heads, model_type, hidden.value)
     raw_types = blocks[0] if blocks else (r.get("layer_types") or (None,))[0]
     block_names = ({i: t for i, (t, k) in enumerate(zip(raw_types, layer_kinds.value, strict=False)) if k == NO_CACHE}

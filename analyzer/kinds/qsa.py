@@ -26,6 +26,8 @@ from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
 
 RAW_KEY_CACHE, BLOCK_KEY_CACHE = QSA_CACHES
 SOURCE = "transformers/models/qwen4_exp/modeling_qwen4_exp.py:Qwen4ExpTextQSAIndexer"
+# the op docs the route follows: npu_lightning_indexer, npu_sparse_flash_attention, its sparse_indices (valid first)
+OP_DOCS = "torch_npu-2.14.0 _op_plugin_docs.py:1371, :1474, :1481; 2.9.0: :8752, :8854, :8861"
 # the config fields Qwen4ExpTextAttention.__init__ builds its indexer from, whatever the config says
 FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 MODEL_TYPES = ("qwen4_exp_text",)
@@ -68,11 +70,11 @@ def refuse_ple(get: Getter, where: str) -> None:
                                            "._short_conv, Qwen4ExpTextNGramEmbedding)", field=hit[1])
 
 
-def read_facts(get: Getter, where: str, model_type: str, head_dim: int) -> QsaFacts | None:
+def read_facts(get: Getter, where: str, model_type: str, head_dim: int, prefix: str = "") -> QsaFacts | None:
     """The QSA indexer of a Qwen4-Exp text config (None for another model_type): all five fields required
     (transformers sizes the indexer's projection by them); one indexer key head (``_select_tokens`` squeezes it);
     a budget of at least one block; a rotary span inside the indexer head (configuration_qwen4_exp.py
-    validate_architecture refuses a wider one)."""
+    validate_architecture refuses a wider one). ``prefix``: where the text config sits (a missing field's path)."""
     if model_type not in MODEL_TYPES:
         return None
     refuse_ple(get, where)
@@ -82,25 +84,26 @@ def read_facts(get: Getter, where: str, model_type: str, head_dim: int) -> QsaFa
         if hit is None:
             raise InputError(where, f"missing: model_type {model_type}'s attention builds its QSA indexer from "
                                     f"{', '.join(FIELDS)} whatever the config says ({SOURCE}): transformers cannot "
-                                    "build the model without them either", field=name)
+                                    "build the model without them either", field=f"{prefix}{name}")
         if isinstance(hit[0], bool) or not isinstance(hit[0], int) or hit[0] < 1:
             raise InputError(where, f"must be a positive integer, got {hit[0]!r}", field=hit[1])
         values[name] = hit[0]
         sources.append(hit[1])
+    at = dict(zip(FIELDS, sources, strict=True))
     if values["indexer_kv_heads"] != 1:
         raise NotSupportedByKvcache(where, f"indexer_kv_heads {values['indexer_kv_heads']}: QSA pools one raw "
                                            f"indexer key per token ({SOURCE}._select_tokens squeezes the key head)",
-                                    field="indexer_kv_heads")
+                                    field=at["indexer_kv_heads"])
     if values["indexer_budget"] < values["indexer_compress_ratio"]:
         raise InputError(where, f"indexer_budget {values['indexer_budget']} is below one block of "
                                 f"indexer_compress_ratio {values['indexer_compress_ratio']} tokens: the indexer "
-                                "would keep no block (budget // ratio = 0)", field="indexer_budget")
+                                "would keep no block (budget // ratio = 0)", field=at["indexer_budget"])
     rope_dim = int(head_dim * _rotary_factor(get))
     if rope_dim > values["indexer_head_dim"] or rope_dim % 2:
         raise InputError(where, f"the rotary span {rope_dim} (head_dim x partial_rotary_factor) must be even and fit "
                                 f"the indexer head ({values['indexer_head_dim']}): the indexer rotates its first "
                                 "rotary dims (configuration_qwen4_exp.py validate_architecture)",
-                         field="indexer_head_dim")
+                         field=at["indexer_head_dim"])
     return QsaFacts(values["indexer_n_heads"], values["indexer_head_dim"], values["indexer_budget"],
                     values["indexer_compress_ratio"], rope_dim, " + ".join(sources))
 
@@ -122,11 +125,22 @@ class QsaFormat(GqaFormat):
                                         "partial_rotary_factor": 0.25}})
 
     def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
-        caches = super().caches(facts, tp, kv_mode, dtype, decoder_layer)
-        if kv_mode == "legacy":
-            raise NotSupportedByKvcache(facts.path, "QSA on a Legacy (contiguous) cache: its selection reads pooled "
-                                                    "block keys through a paged table", field="kv_mode")
-        return caches + entries(facts.qsa.value, dtype)
+        return super().caches(facts, tp, kv_mode, dtype, decoder_layer) + entries(facts.qsa.value, dtype)
+
+    def check_kv_mode(self, kv_mode: str, reason: str, where: str) -> None:
+        """QSA is paged by design: its selection reads pooled block keys and the selected tokens through the layer's
+        block table (npu_lightning_indexer / npu_sparse_flash_attention take PA_BSND caches)."""
+        if kv_mode != "paged":
+            raise InputError(where, f"kv mode {kv_mode} ({reason}) for QSA (Qwen4-Exp): its indexer and sparse "
+                                    "attention read paged caches through the layer's block table; a contiguous "
+                                    "Legacy cache has no path for them (plan it Paged)",
+                             field=None if where.startswith("--") else "kv_mode")
+
+    def checkout_refusal(self, m) -> tuple[str, str]:
+        # no cann-recipes-infer model folder runs QSA, and the checkout run routes no QSA attention (its host route
+        # is the pipeline's, validators/pipeline/host_model.py _qsa_forward)
+        return "qsa", (f"QSA attention in the engine ({m.qsa.source}): the checkout run routes no QSA indexer yet "
+                       "(validate the render with kvcache validate --rendered)")
 
     def sections(self, facts: Facts, layers, groups, parallel, dtype: str, block_size: int,
                  max_len: int | None) -> dict:
@@ -148,7 +162,7 @@ class QsaFormat(GqaFormat):
         return "TND(缓存 PA_BSND)"
 
     def doc_write(self, m) -> str:
-        return super().doc_write(m) + " + `npu_scatter_nd_update_`(indexer 原始 key、块 key)"
+        return f"{super().doc_write(m)}(K/V、indexer 原始 key、块 key)"
 
 
 def decide(facts: Facts, dtype: str | None = None) -> QsaDecision:
@@ -160,7 +174,7 @@ def decide(facts: Facts, dtype: str | None = None) -> QsaDecision:
                   f"RoPE'd (rotate-half, first {q.rope_dim} dims) at the block's first position, scored by sum_h "
                   f"relu(q_h . k) * {q.head_dim}^-0.5; the top {q.block_topk} blocks' tokens plus the incomplete tail "
                   "block's feed the GQA attention (a block is visible once its last token is)",
-        source=f"{q.source} ({SOURCE}._select_tokens)",
+        source=f"{q.source} ({SOURCE}._select_tokens; ops: {OP_DOCS})",
         reason=f"every attention layer builds its QSA indexer: dense attention differs from the model past "
                f"{q.budget} tokens; the raw indexer keys and the pooled block keys need entries of their own "
                f"({q.head_dim} x 1 head per token) in the layer's blocks",

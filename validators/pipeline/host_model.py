@@ -1401,9 +1401,10 @@ class HostModel:
             hf_attn._kvcache_host = host
             if route == "bert_qkv":
                 hf_attn._kvcache_sinusoidal = sinusoidal_table(hf_model)
-            if route == "qsa":  # its pooled block keys' RoPE: the text model's rotary embedding
+            if route == "qsa":  # its pooled block keys' RoPE: the text model's rotary embedding (its bound forward,
+                # not the module: an attribute holding a module would register it as the attention's child)
                 hf_attn._kvcache_rotary = next(mod for name, mod in hf_model.named_modules()
-                                               if name.endswith("rotary_emb") and "vis" not in name)
+                                               if name.endswith("rotary_emb") and "vis" not in name).forward
             if route in _ROUTED_FORWARD:
                 hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
                                                    hf_attn)

@@ -75,3 +75,16 @@ def test_a_qsa_render_mistake_fails_by_name(tmp_path, case, pattern, replacement
     assert any("with only its QSA_BLOCK_TOPK set to 8" in n for n in report.notes), report.notes
     assert check(report, failing).passed
     assert not check(report, AS_WRITTEN + failing).passed, [(c.name, c.detail) for c in report.failed()]
+
+
+def test_a_manifest_without_a_qsa_entry_is_refused_by_path(tmp_path):
+    """A hand edit dropping an attention layer's pooled block-key entry would leave the indexer reading keys nobody
+    wrote: the manifest's invariant refuses it naming the layer's caches."""
+    from model_infer_kvcache.analyzer.manifest import SelectionManifest
+
+    data = json.loads(_case(tmp_path, "framework")[0].read_text(encoding="utf-8"))
+    layer = next(i for i, plan in enumerate(data["layers"]) if plan.get("caches"))
+    data["layers"][layer]["caches"] = [c for c in data["layers"][layer]["caches"]
+                                       if c["name"] != "indexer_block_key_cache"]
+    with pytest.raises(ValueError, match=rf"layers\[{layer}\]\.caches: decoder layer \d+ lacks QSA's"):
+        SelectionManifest.model_validate(data)

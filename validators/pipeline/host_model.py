@@ -17,6 +17,8 @@ by one naming scheme. How an attention module is routed depends on its own code:
   its rotary at each token's own position): the forward is replaced by one around the module's own projections;
 - DeepSeek-V4's shared-KV attention: the forward is replaced, because the rendered code needs the hidden states
   (its compressor's input) beside the normed query and K=V row, and returns before the grouped output projection.
+- Qwen4-Exp's QSA attention: the forward is replaced, because the rendered code needs its indexer's query and raw
+  key (from the hidden states) and the model's RoPE at each pooled block's first position, beside the gated GQA q/k/v.
 - JetMoE's mixture of attention (query / output experts over one shared kv_proj): the forward is replaced, because its
   K/V reach the interface tiled to every query head and its query heads are expert-major, not grouped by KV head.
 Anything else is refused with one line naming the module.

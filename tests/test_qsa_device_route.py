@@ -88,3 +88,23 @@ def test_a_manifest_without_a_qsa_entry_is_refused_by_path(tmp_path):
                                        if c["name"] != "indexer_block_key_cache"]
     with pytest.raises(ValueError, match=rf"layers\[{layer}\]\.caches: decoder layer \d+ lacks QSA's"):
         SelectionManifest.model_validate(data)
+
+
+def test_the_cross_check_compares_the_plan_with_the_modules_indexer():
+    """analyzer/arch_check.py's cross-check: a QSA plan's indexer entries against the transformers module's own
+    indexer (Qwen4ExpTextAttention.indexer), and a GQA plan of a module holding one is another format's parts."""
+    import types
+
+    from model_infer_kvcache.analyzer.kinds import gqa, qsa
+    from model_infer_kvcache.analyzer.manifest import CacheSpec
+
+    module = types.SimpleNamespace(indexer=types.SimpleNamespace(index_qk_proj=None, compress_ratio=4,
+                                                                 index_head_dim=128))
+    facts = qsa.FORMAT.hf_facts(module)
+    assert facts == {"qsa_indexer_head_dim": 128}
+    kv = [CacheSpec(name=n, dim=256, num_head=2, dtype="bfloat16") for n in ("k_cache", "v_cache")]
+    planned = types.SimpleNamespace(caches=kv + qsa.entries(qsa.QsaFacts(4, 128, 2048, 4, 64, ""), "bfloat16"))
+    assert qsa.FORMAT.hf_off(planned, facts, "Qwen4ExpTextAttention") is None
+    narrow = types.SimpleNamespace(caches=kv + qsa.entries(qsa.QsaFacts(4, 64, 2048, 4, 32, ""), "bfloat16"))
+    assert "QSA indexer" in qsa.FORMAT.hf_off(narrow, facts, "Qwen4ExpTextAttention")
+    assert "another format's parts" in gqa.FORMAT.hf_off(types.SimpleNamespace(caches=kv), facts, "Qwen4ExpTextAttention")

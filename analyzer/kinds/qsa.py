@@ -127,6 +127,24 @@ class QsaFormat(GqaFormat):
     def caches(self, facts: Facts, tp: int, kv_mode: str, dtype: str, decoder_layer: int | None) -> list[CacheSpec]:
         return super().caches(facts, tp, kv_mode, dtype, decoder_layer) + entries(facts.qsa.value, dtype)
 
+    def hf_facts(self, module) -> dict[str, int | None]:
+        """A module holding a QSA indexer (Qwen4ExpTextAttention.indexer: index_qk_proj, compress_ratio): its
+        indexer head dim (the width of the plan's two indexer entries)."""
+        ix = getattr(module, "indexer", None)
+        if not all(hasattr(ix, a) for a in ("index_qk_proj", "compress_ratio", "index_head_dim")):
+            return {}
+        return {"qsa_indexer_head_dim": int(ix.index_head_dim)}
+
+    def hf_off(self, layer, module_facts: dict[str, int | None], cls: str) -> str | None:
+        """Where the layer's QSA entries and the module's own indexer disagree; then GQA's comparison."""
+        rest = dict(module_facts)
+        held = rest.pop("qsa_indexer_head_dim", None)
+        planned = {c.name: c.dim for c in layer.caches if c.name in QSA_CACHES}
+        if (held is None) != (not planned) or (held is not None and set(planned.values()) != {held}):
+            return (f"QSA indexer: analyzer plans {planned or 'no indexer entries'} vs transformers {cls}.indexer "
+                    f"{'index_head_dim ' + str(held) if held is not None else 'None'}")
+        return super().hf_off(layer, rest, cls)
+
     def check_kv_mode(self, kv_mode: str, reason: str, where: str) -> None:
         """QSA is paged by design: its selection reads pooled block keys and the selected tokens through the layer's
         block table (npu_lightning_indexer / npu_sparse_flash_attention take PA_BSND caches)."""

@@ -23,6 +23,7 @@ from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
+from model_infer_kvcache.analyzer.kinds import qsa as qsa_kind
 from model_infer_kvcache.analyzer.linear_config import (
     CCA_HYBRIDS,
     NO_CACHE,
@@ -190,9 +191,7 @@ class IndexerFamily:
     ``rope_dims``: which qk_rope_head_dim dims of each indexer head it rotates ("first" | "last");
     ``source``: the transformers file:function that fixes both; ``device_refusal``: why no pinned torch_npu op
     can serve the family's selection or attention (with the op doc line that says it); ``kvcache_gap``: what the
-    ops could serve but kvcache does not plan or render yet. None when planned. ``built_from``: the config fields of
-    an indexer the attention builds whatever the config says (Qwen4-Exp's QSA), all required (empty: the indexer is
-    on where ``index_topk`` is set). ``typed_layers``: where the modeling code builds the indexer only on the
+    ops could serve but kvcache does not plan or render yet. None when planned. ``typed_layers``: where the modeling code builds the indexer only on the
     'indexed_attention' entries of ``layer_types`` (None: on every layer, whatever layer_types says), so a config
     without such an entry has no indexer at all.
     """
@@ -202,7 +201,6 @@ class IndexerFamily:
     source: str
     device_refusal: str | None = None
     kvcache_gap: str | None = None
-    built_from: tuple[str, ...] = ()
     typed_layers: str | None = None
 
 
@@ -250,44 +248,7 @@ NON_MLA_INDEXERS = {
                 "sparse_count of sum_h weights_h * relu(q_h . k) over one key per token (torch_npu-2.14.0 "
                 "_op_plugin_docs.py:1371, 2.9.0: :8752): no pool stage, no always-kept sink/local keys, no NVFP4 "
                 "rounding"),
-    # Qwen4-Exp: every attention layer runs its QSA indexer (Qwen4ExpTextAttention.__init__ builds it unconditionally)
-    "qwen4_exp_text": IndexerFamily(
-        "half", "first", f"{_TF}qwen4_exp/modeling_qwen4_exp.py:Qwen4ExpTextQSAIndexer",
-        built_from=("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
-                    "indexer_compress_ratio"),
-        kvcache_gap="QSA selects key blocks, not keys: each query scores the mean of every complete block of "
-                    "indexer_compress_ratio raw indexer keys (k_layernorm'd, RoPE'd at the block's first position) "
-                    "by sum_h relu(q_h . k) / sqrt(indexer_head_dim), keeps the top indexer_budget / "
-                    "indexer_compress_ratio blocks plus the incomplete tail block, and masks its attention to those "
-                    "tokens (Qwen4ExpTextQSAIndexer._select_tokens). The pinned ops can serve it: "
-                    "npu_lightning_indexer over a paged cache of the pooled block keys, one query a TND row with its "
-                    "own visible-block count as kvcache calls it for DeepSeek-V4's CSA, then npu_sparse_flash_attention "
-                    "over the GQA K/V with the selected blocks' tokens and the tail as sparse_indices [Q_T, KV_N, "
-                    "sparse_size] (torch_npu-2.14.0 _op_plugin_docs.py:1371, :1474, :1481; 2.9.0: :8752, :8854, "
-                    ":8861). kvcache "
-                    "plans none of it: no raw indexer key ring, no pooled block key cache, no block-granular "
-                    "selection (its DSA selects single keys of an MLA cache), no template or host route; its PLE "
-                    "layers (ple_layer_ids) would add two more per-request states (their conv and n-gram context). Its "
-                    "linear layers alone would plan: Qwen3.5's gated delta net (analyzer/linear_config.py "
-                    "GDN_VARIANTS)"),
 }
-
-
-def _refuse_built_indexer(r: _Reader, model_type: str) -> None:
-    """A model whose attention always builds its indexer (``IndexerFamily.built_from``): refused by name, as an input
-    error when the config lacks the fields (transformers cannot build it either: the indexer sizes its projection by
-    them), else as a kvcache gap."""
-    family = NON_MLA_INDEXERS.get(model_type)
-    if family is None or not family.built_from:
-        return
-    missing = [name for name in family.built_from if r.get(name) is None]
-    if missing:
-        raise InputError(r.where, f"missing: model_type {model_type}'s attention builds its indexer from "
-                                  f"{', '.join(family.built_from)} whatever the config says ({family.source}): "
-                                  "transformers cannot build the model without them either",
-                         field=f"{r.prefix}{missing[0]}")
-    raise NotSupportedByKvcache(r.where, f"the sparse attention of model_type {model_type!r}: {family.kvcache_gap} "
-                                         f"(indexer: {family.source})", field="model_type")
 
 
 @dataclass(frozen=True)
@@ -377,6 +338,8 @@ class ModelFacts:
     linear: Sourced[LinearFacts | None] = Sourced(None, "default: no linear-attention layers")
     # DeepSeek-V4's compressed branches (analyzer/kinds/compressed.py); None: no compressed layers
     compressed: Sourced[compressed_kind.CompressedFacts | None] = Sourced(None, "default: no compressed layers")
+    # Qwen4-Exp's QSA indexer on every attention layer (analyzer/kinds/qsa.py); None: no QSA
+    qsa: Sourced[qsa_kind.QsaFacts | None] = Sourced(None, "default: no QSA indexer")
     # what the config calls each block that holds no cache (Nemotron-H's "mlp" / "moe"), by block index
     block_names: dict[int, str] | None = None
     # the decoder of an encoder-decoder model (analyzer/kinds/cross.py); None: decoder-only
@@ -745,7 +708,6 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     blocks = block_types(r, model_type)
     # HRM-text: two stacks called in cycles, num_hidden_layers counting the calls' cache slots (analyzer/kinds/loops)
     cycled = loops_kind.hrm_stacks(r.get, where)
-    _refuse_built_indexer(r, model_type)
     if model_type == "longcat_flash" and r.get("num_layers") and not r.get("num_hidden_layers"):
         # LongCat-Flash: `num_layers` decoder layers, each with two attention sublayers.
         num_layers = r.positive_int("num_layers", maximum=LIMITS["layers"])
@@ -819,6 +781,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
     eps = r.number("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps", minimum=0) or Sourced(
         None, "default: not in config")
     rope = _rope(r)
+    qsa = qsa_kind.read_facts(r.get, where, model_type, head_dim.value, r.prefix)
     linear = _linear(r, linear_family, layer_kinds, heads, model_type, hidden.value)
     raw_types = blocks[0] if blocks else (r.get("layer_types") or (None,))[0]
     block_names = ({i: t for i, (t, k) in enumerate(zip(raw_types, layer_kinds.value, strict=False)) if k == NO_CACHE}
@@ -906,6 +869,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         block_names=block_names,
         compressed=Sourced(compressed, compressed.source) if compressed else Sourced(
             None, "default: no compressed layers"),
+        qsa=Sourced(qsa, qsa.source) if qsa else Sourced(None, "default: no QSA indexer"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
         loops=Sourced(loops, loops.source) if loops else Sourced(None, "default: every decoder layer runs once"),
         prefix_lm=Sourced(True, prefix[1]) if (prefix := r.get("prefix_lm")) and prefix[0] is True else Sourced(

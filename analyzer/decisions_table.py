@@ -9,7 +9,6 @@ from model_infer_kvcache.analyzer.framework_checkout import (
 )
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
-from model_infer_kvcache.analyzer.kinds import dsa as dsa_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
 from model_infer_kvcache.analyzer.kv_cache_spec import ChunkedLocalSpec, serves_layer_kind
 from model_infer_kvcache.analyzer.manifest import LayerPlan, SelectionManifest
@@ -130,7 +129,7 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
         rows.append(("注意力", "无(纯状态栈)", "no layer attends: no KV cache, no FA call, no softmax scale; every "
                      "layer keeps a fixed-size state per request (row 线性注意力 below)"))
     elif not fmt.fa_call:
-        rows.append(dsa_kind.call_row(m))
+        rows.append(fmt.call_row(m))
     elif own_attention:
         rows.append(("cache 布局", m.fa.input_layout, _LAYOUT_REASON.get(m.fa.input_layout, "")
                      + "; the model's own attention reads it (no FA call: no FA version, sparse_mode or band)"))

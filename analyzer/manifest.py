@@ -432,6 +432,24 @@ class DsaDecision(_Model):
     reason: str
 
 
+class QsaDecision(_Model):
+    """Qwen4-Exp's QSA (``qwen4_exp_text``, analyzer/kinds/qsa.py): a lightning indexer selects, per query, the top
+    ``block_topk`` complete blocks of ``ratio`` tokens by their pooled indexer keys, plus the incomplete tail block;
+    the layer's GQA attention reads only their tokens. Each attention layer keeps, beside its K/V, the raw indexer key
+    of every token (``indexer_raw_key_cache``) and the pooled key of each complete block (``indexer_block_key_cache``,
+    block j at the slot of position j), single-head ``head_dim`` rows in the layer's blocks."""
+
+    n_heads: int = Field(ge=1, description="indexer query heads (all ranks: the selection sums every head's score)")
+    head_dim: int = Field(ge=1, description="indexer head dim (its raw and pooled keys' width)")
+    budget: int = Field(ge=1, description="indexer_budget: tokens of complete blocks a query may read")
+    ratio: int = Field(ge=1, description="indexer_compress_ratio: tokens per pooled block")
+    block_topk: int = Field(ge=1, description="blocks selected per query: budget // ratio")
+    rope_dim: int = Field(ge=0, description="the leading dims of an indexer head that rotate (rotate-half)")
+    selection: str
+    source: str
+    reason: str
+
+
 class CompressedEntry(_Model):
     """One cache entry of a layer's compressed branch (DeepSeek-V4), as upstream registers it (``CacheEntry``)."""
 
@@ -724,7 +742,7 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "qsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
                       "no_cache_layers", "cross_attention", "recurrent_loops", "drafter")
 
 
@@ -758,6 +776,9 @@ class SelectionManifest(_Model):
                                   "absent: the config's dtype")
     dsa: DsaDecision | None = Field(
         default=None, description="DeepSeek sparse attention: the indexer key cache and top-k selection; absent: dense")
+    qsa: QsaDecision | None = Field(
+        default=None, description="Qwen4-Exp's QSA: the indexer's raw and pooled block keys and the block selection; "
+                                  "absent: no QSA")
     exe_mode: ExecModeDecision | None = Field(
         default=None, description="the framework's execution mode for decode and what a captured step must do; "
                                   "absent: eager (not stated)")
@@ -922,6 +943,8 @@ def manifest_problems(m: SelectionManifest) -> list[tuple[str, str]]:
         heads, dim = kinds.cache_row_shape(m, layer_kv, layer_dim)
         _, v_dim = kinds.cache_row_shape(m, layer_kv, model.v_head_dim_at(layer_dim))
         for j, c in enumerate(layer.caches):
+            if c.name in kinds.own_entries(m):  # a kind's own entries (QSA's indexer keys): checked by the kind
+                continue
             if c.num_head != heads:
                 out.append((f"{where}.caches[{j}].num_head", f"{c.num_head} is not {heads} "
                                                              "(KV heads per rank; 1 for MLA and Legacy rows)"))

@@ -138,6 +138,12 @@ class RenderContext:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_rope: str = ""
+    # QSA (manifest.qsa, implementer/kinds/qsa.py): tokens per pooled block and blocks kept per query (its indexer
+    # heads and head dim in index_n_heads / index_head_dim)
+    is_qsa: bool = False
+    qsa_ratio: int = 0
+    index_rope_dim: int = 0
+    qsa_block_topk: int = 0
     # DeepSeek-V4 compressed attention (implementer/kinds/compressed.py): the HCA layers and their rate
     is_compressed: bool = False
     hca_layers: tuple[int, ...] = ()

@@ -269,10 +269,10 @@ def test_the_indexed_refusals_cite_the_op_lines_that_say_it():
     assert "func: npu_sparse_flash_attention(" in schema and "Tensor? sinks=None" in schema
     assert "return_softmax_lse=False, sinks=None" in line("2.14.0", "op_plugin", "meta", "_meta_registrations.py",
                                                           number=288)
-    # Qwen4-Exp's QSA: a kvcache gap because the ops it cites can serve it (tests/test_qsa_device_route.py)
-    gap = NON_MLA_INDEXERS["qwen4_exp_text"].kvcache_gap
-    assert NON_MLA_INDEXERS["qwen4_exp_text"].device_refusal is None
-    assert "_op_plugin_docs.py:1371, :1474, :1481; 2.9.0: :8752, :8854, :8861" in gap
+    # Qwen4-Exp's QSA, planned on the ops its source cites (analyzer/kinds/qsa.py, tests/test_qsa_device_route.py)
+    from model_infer_kvcache.analyzer.kinds.qsa import OP_DOCS
+
+    assert OP_DOCS.endswith("_op_plugin_docs.py:1371, :1474, :1481; 2.9.0: :8752, :8854, :8861")
     for version, (li, sfa, indices) in (("2.14.0", (1371, 1474, 1481)), ("2.9.0", (8752, 8854, 8861))):
         assert line(version, "_op_plugin_docs.py", number=li).startswith("custom.npu_lightning_indexer(")
         assert line(version, "_op_plugin_docs.py", number=sfa).startswith("custom.npu_sparse_flash_attention(")

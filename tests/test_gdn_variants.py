@@ -2,7 +2,7 @@
 unchanged), OLMo-Hybrid (``OlmoHybridGatedDeltaNet``: separate projections, a g_proj gate, beta doubled under
 ``linear_allow_neg_eigval``, Dk 96 / Dv 192 that npu_chunk_gated_delta_rule does not take) planned through the one
 family table (analyzer/linear_config.py GDN_VARIANTS), rendered and validated against transformers' own mixers; and
-Qwen4-Exp, whose mixer is Qwen3.5's but whose attention always runs a QSA indexer, refused by name."""
+Qwen4-Exp, whose mixer is Qwen3.5's beside attention layers that always run a QSA indexer (analyzer/kinds/qsa.py)."""
 
 from __future__ import annotations
 
@@ -68,27 +68,37 @@ def test_lara_mini_is_qwen35s_gated_delta_net_beside_sliding_and_full_layers(tmp
     assert {layer.sliding_window for layer in m.layers if layer.decoder_layer % 5 in (1, 4)} == {512}
 
 
-def test_qwen4_exp_is_refused_by_its_qsa_indexer(tmp_path):
+def test_qwen4_exp_plans_its_qsa_indexer_beside_qwen35s_gated_delta_net(tmp_path):
     """Qwen4ExpTextAttention builds its QSA indexer whatever the config says: without the indexer fields transformers
-    cannot build the model (an input error naming the field); with them, QSA's block selection is a kvcache gap."""
+    cannot build the model (an input error naming the field); with the released ones, its 30 linear layers are
+    Qwen3.5's gated delta net and its 10 attention layers GQA plus QSA's raw and pooled indexer key entries
+    (analyzer/kinds/qsa.py); PLE layers are refused by name (two per-request states no kind plans)."""
     with pytest.raises(InputError, match="transformers cannot build the model without them") as err:
         analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp_text"))))
     assert err.value.field == "indexer_n_heads"
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp"))))
     assert err.value.field == "text_config.indexer_n_heads"
-    # the released QSA fields and rope (benchmarks/sweep_families.py _PUBLISHED_FIELDS): a kvcache gap, not the device's
+    # the released QSA fields and rope (benchmarks/sweep_families.py _PUBLISHED_FIELDS)
     qsa = dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
                indexer_compress_ratio=4, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                                           "partial_rotary_factor": 0.25})
-    with pytest.raises(NotSupportedByKvcache, match="QSA selects key blocks.*The pinned ops can serve it") as gap:
-        analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp_text", **qsa))))
-    assert gap.value.field == "model_type"
+    m = analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp_text", **qsa))))
+    assert m.linear_attention.family == GATED_DELTA_NET and len(m.linear_attention.layers) == 30
+    assert (m.qsa.ratio, m.qsa.block_topk, m.qsa.rope_dim, m.qsa.head_dim) == (4, 512, 64, 128)
+    assert {tuple((c.name, c.dim, c.num_head) for c in layer.caches) for layer in m.attention_layers} == {(
+        ("k_cache", 256, 2), ("v_cache", 256, 2), ("indexer_raw_key_cache", 128, 1),
+        ("indexer_block_key_cache", 128, 1))}
+    with pytest.raises(NotSupportedByKvcache, match="PLE layers \\[4\\]: each keeps two per-request states") as ple:
+        analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp_text", **qsa, ple_layer_ids=[4]))))
+    assert ple.value.field == "ple_layer_ids"
+    with pytest.raises(NotSupportedByKvcache, match="indexer_kv_heads 2") as heads:
+        analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp_text", **{**qsa, "indexer_kv_heads": 2}))))
+    assert heads.value.field == "indexer_kv_heads"
     from transformers import CONFIG_MAPPING
 
     text = {**CONFIG_MAPPING["qwen4_exp"]().to_dict()["text_config"], **qsa}
-    with pytest.raises(NotSupportedByKvcache, match="QSA selects key blocks"):
-        analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp", text_config=text))))
+    assert analyze(AnalyzeRequest(config=str(_class_config(tmp_path, "qwen4_exp", text_config=text)))).qsa is not None
 
 
 # OLMo-Hybrid at 4 layers (3 linear, 1 full), hidden 512 (4 attention heads of 128), 2 linear heads of Dk 32 / Dv 64:

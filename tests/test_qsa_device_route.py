@@ -1,142 +1,110 @@
-"""Qwen4-Exp's QSA on the pinned torch_npu ops (issue 40): why its refusal is a kvcache gap, not a device one.
+"""Qwen4-Exp's QSA rendered on the pinned torch_npu ops and validated against transformers (issue 40).
 
 transformers' Qwen4ExpTextQSAIndexer._select_tokens scores, per query, the complete blocks of
 ``indexer_compress_ratio`` raw indexer keys (their float mean, k_layernorm'd, RoPE'd at the block's first position)
 by ``sum_h relu(q_h . k) / sqrt(indexer_head_dim)``, keeps the top ``indexer_budget / indexer_compress_ratio`` blocks
-plus the incomplete tail block, and masks Qwen4ExpTextAttention's GQA softmax to those tokens. The route below does
-the same with kvcache's emulation of the ops as their docs state them (torch_npu 2.14.0 ``_op_plugin_docs.py``):
-``npu_lightning_indexer`` (:1371) over a paged cache of pooled block keys, one query per TND batch row with its own
-visible-block count (as kvcache already calls it for DeepSeek-V4's CSA: templates/kinds/compressed_attention.py.j2
-``select_entries``), weights ``indexer_head_dim ** -0.5`` on every head; then ``npu_sparse_flash_attention``
-(:1474) over the paged K / V caches (two KV heads, no rope split) with each query's selected blocks expanded to
-their tokens and its tail, valid indices first. Prefill rows and a decode step match transformers' attention to
-its float32 softmax's rounding (3.4e-7); the mistakes a render could make (pooled keys rotated at the block's last
-position, the tail dropped, a block counted visible before its last token: 1.8 to 6.5) do not. kvcache plans none of it yet (the analyzer refuses
-qwen4_exp_text with the gap: analyzer/config_loader.py NON_MLA_INDEXERS)."""
+plus the incomplete tail block, and masks Qwen4ExpTextAttention's GQA softmax to those tokens. The render
+(templates/kinds/qsa_attention.py.j2) does the same with kvcache's emulation of the ops as their docs state them
+(torch_npu 2.14.0 ``_op_plugin_docs.py``): the raw indexer keys in a paged entry, each block pooled into a second
+paged entry once its last token is written, ``npu_lightning_indexer`` (:1371) over the pooled keys with one query per
+TND row and its own visible-block count, then ``npu_sparse_flash_attention`` (:1474) over the paged K/V with the
+selected blocks' tokens and the tail, valid indices first (:1481). The released budget (2048 tokens) keeps every
+block of a CPU prompt, so the run narrows it to 8 blocks (validators/kinds/qsa.py); the stream's prompts (61, 42, 37
+tokens) are not multiples of the block, one request finishes early and a late one reuses its freed (poisoned)
+blocks. The realistic mistakes of a QSA port fail by check ID (V301 numeric, V235 selection)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-import torch
-from model_infer_kvcache.validators.npu_ops.sparse_attention import (
-    npu_lightning_indexer,
-    npu_sparse_flash_attention,
-)
+from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
+from model_infer_kvcache.implementer.render import render_manifest, write_rendered
+from model_infer_kvcache.validators.pipeline.request_stream import Scenario
+from validators_support import check, mistaken_report, run_validate
 
-RATIO, BUDGET, BLOCK = 4, 8, 8  # QSA: 2 blocks of 4 tokens kept per query; paged caches of 8 rows a block
-TOKENS = 41  # 10 complete blocks and a tail of 1: most blocks are left out of the late queries' selection
-
-
-def _attention():
-    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import (
-        Qwen4ExpTextAttention,
-        Qwen4ExpTextRotaryEmbedding,
-    )
-
-    config = Qwen4ExpTextConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4,
-        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=BUDGET,
-        indexer_compress_ratio=RATIO, num_experts=4, num_experts_per_tok=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    attn = Qwen4ExpTextAttention(config, layer_idx=3).double().eval()
-    with torch.no_grad():  # the (1 + w) norms start at w = 0: random weights exercise them
-        for p in attn.parameters():
-            p.normal_(0, 0.3 if p.dim() == 1 else 0.2)
-    rope = Qwen4ExpTextRotaryEmbedding(config)
-    hidden = torch.randn(1, TOKENS, 64, dtype=torch.float64)
-    cos, sin = rope(hidden, torch.arange(TOKENS).view(1, 1, -1))
-    return attn, hidden, cos, sin
+ATTN = "kvcache_attention.py"
+NUMERIC, SELECTION, AS_WRITTEN = "logits vs transformers", "QSA selection:", "as written: "
+# the released QSA fields and rope (benchmarks/sweep_families.py _PUBLISHED_FIELDS), two attention layers
+QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,
+       "indexer_compress_ratio": 4,
+       "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+       "num_hidden_layers": 2, "layer_types": ["indexed_attention"] * 2}
+STREAM = Scenario(first=((61, 3), (42, 4)), late=((37, 3),), max_concurrency=2, release_requests=1)
 
 
-def _reference(attn, hidden, cos, sin) -> torch.Tensor:
-    causal = torch.full((TOKENS, TOKENS), torch.finfo(hidden.dtype).min, dtype=hidden.dtype).triu(1)
-    with torch.no_grad():
-        out, _ = attn(hidden, (cos, sin), attention_mask=causal.view(1, 1, TOKENS, TOKENS), cache=None)
-    return out[0]
+def _case(tmp: Path, mode: str, **over) -> tuple[Path, Path, Path]:
+    from transformers import CONFIG_MAPPING
+
+    config = tmp / "qwen4_exp_text.json"
+    config.write_text(json.dumps({**CONFIG_MAPPING["qwen4_exp_text"]().to_dict(), **QSA, **over}), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode))
+    (tmp / "m.json").write_text(m.to_json(), encoding="utf-8")
+    write_rendered(render_manifest(m), tmp / "r")
+    return tmp / "m.json", tmp / "r", config
 
 
-def _paged(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [S, N, D] in a paged cache [blocks, BLOCK, N, D] whose blocks are laid out in reverse, and its table."""
-    blocks = -(-rows.shape[0] // BLOCK)
-    cache = rows.new_zeros(blocks, BLOCK, *rows.shape[1:])
-    table = torch.arange(blocks - 1, -1, -1, dtype=torch.int32).view(1, -1)
-    slots = table[0].long()[torch.arange(rows.shape[0]) // BLOCK] * BLOCK + torch.arange(rows.shape[0]) % BLOCK
-    cache.view(-1, *rows.shape[1:])[slots] = rows
-    return cache, table
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_qsa_renders_on_the_pinned_ops_and_matches_transformers(tmp_path, mode):
+    case = _case(tmp_path, mode)
+    text = (case[1] / ATTN).read_text(encoding="utf-8")
+    assert "torch_npu.npu_lightning_indexer(" in text and "torch_npu.npu_sparse_flash_attention(" in text
+    report = run_validate(*case, scenario=STREAM)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, NUMERIC).measured["max_abs_diff"] <= 1e-9
+    assert check(report, SELECTION).measured["calls"] > 0
+    assert any("indexer_budget 2048 -> 32 (8 blocks)" in n for n in report.notes), report.notes
 
 
-def _device(attn, hidden, cos, sin, queries: slice, *, key_at: str = "first", tail: bool = True,
-            visible_shift: int = 0) -> torch.Tensor:
-    """Attention output rows ``queries`` through the pinned ops (the keyword arguments: the mistakes)."""
-    from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
-
-    ix, x, cos, sin = attn.indexer, hidden[0], cos[0], sin[0]
-    heads, dim = ix.index_n_heads, ix.index_head_dim
-    with torch.no_grad():
-        iq, raw = ix.index_qk_proj(x).split([heads * dim, dim], dim=-1)
-        iq = apply_rotary_pos_emb(ix.q_layernorm(iq.view(TOKENS, heads, dim)), cos=cos, sin=sin)
-        # one pooled key per complete block, written when the block's last token arrives
-        blocks = TOKENS // RATIO
-        pooled = ix.k_layernorm(raw[: blocks * RATIO].view(blocks, RATIO, dim).float().mean(1).to(raw.dtype))
-        at = torch.arange(blocks) * RATIO + (0 if key_at == "first" else RATIO - 1)
-        pooled = apply_rotary_pos_emb(pooled.unsqueeze(1), cos=cos[at], sin=sin[at])  # [blocks, 1, dim]
-        pooled_cache, pooled_table = _paged(pooled)
-
-        q_rows = torch.arange(TOKENS)[queries]
-        n = q_rows.numel()
-        visible = ((q_rows + 1 + visible_shift) // RATIO).clamp(max=blocks)
-        top, _ = npu_lightning_indexer(
-            iq[q_rows].contiguous(), pooled_cache, torch.full((n, heads), dim ** -0.5, dtype=x.dtype),
-            actual_seq_lengths_query=torch.arange(1, n + 1, dtype=torch.int32),
-            actual_seq_lengths_key=visible.to(torch.int32), block_table=pooled_table.expand(n, -1).contiguous(),
-            layout_query="TND", layout_key="PA_BSND", sparse_count=BUDGET // RATIO, sparse_mode=3)
-        top = top.view(n, -1).long()
-        # the selected blocks' tokens, then the tail block's, valid first (the sparse FA doc's order)
-        tokens = torch.where(top.unsqueeze(-1) >= 0, top.unsqueeze(-1) * RATIO + torch.arange(RATIO), -1).view(n, -1)
-        tail_at = (q_rows + 1) // RATIO * RATIO
-        tails = tail_at.view(-1, 1) + torch.arange(RATIO - 1)
-        tails = torch.where((tails <= q_rows.view(-1, 1)) & tail, tails, -1)
-        picked = torch.cat([tokens, tails], dim=-1)
-        picked = picked.gather(-1, (picked < 0).to(torch.int8).argsort(dim=-1, stable=True))
-
-        kv_heads, head_dim = attn.config.num_key_value_heads, attn.head_dim
-        query, gate = attn.q_proj(x).view(TOKENS, -1, 2 * head_dim).chunk(2, dim=-1)
-        query = attn.q_norm(query)
-        key = attn.k_norm(attn.k_proj(x).view(TOKENS, kv_heads, head_dim))
-        value = attn.v_proj(x).view(TOKENS, kv_heads, head_dim)
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        key_cache, table = _paged(key)
-        value_cache, _ = _paged(value)
-        out, _, _ = npu_sparse_flash_attention(
-            query[q_rows].contiguous(), key_cache, value_cache,
-            picked.to(torch.int32).unsqueeze(1).expand(n, kv_heads, -1).contiguous(), head_dim ** -0.5,
-            block_table=table, actual_seq_lengths_query=torch.tensor([n], dtype=torch.int32),
-            actual_seq_lengths_kv=torch.tensor([int(q_rows[-1]) + 1], dtype=torch.int32),
-            layout_query="TND", layout_kv="PA_BSND", sparse_mode=3)
-        out = out.reshape(n, -1) * torch.sigmoid(gate[q_rows].reshape(n, -1))
-        return attn.o_proj(out)
+# (id, pattern, replacement, the check that names the mistake)
+MISTAKES = [
+    # the pooled key rotated at the block's last position (where the token completing it sits), not its first
+    ("pooled-key-rope-at-last-token", r"block_rope\(last - QSA_RATIO \+ 1\)", "block_rope(last)", NUMERIC),
+    # the incomplete tail block left out of the selection (only whole blocks attended)
+    ("tail-block-dropped", r"torch\.cat\(\[tokens, tail\], dim=-1\)", "torch.cat([tokens, tail * 0 - 1], dim=-1)",
+     SELECTION),
+]
 
 
-@pytest.fixture(scope="module")
-def case():
-    attn, hidden, cos, sin = _attention()
-    return attn, hidden, cos, sin, _reference(attn, hidden, cos, sin)
+@pytest.mark.parametrize("case, pattern, replacement, failing", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_qsa_render_mistake_fails_by_name(tmp_path, case, pattern, replacement, failing):
+    report = mistaken_report(_case(tmp_path, "framework"), pattern, replacement, STREAM)
+    # the released budget is wider than CPU prompts: the given render runs as written with only its QSA_BLOCK_TOPK
+    # narrowed, its checks named "as written: ..." (the implementer's own render passes)
+    assert any("with only its QSA_BLOCK_TOPK set to 8" in n for n in report.notes), report.notes
+    assert check(report, failing).passed
+    assert not check(report, AS_WRITTEN + failing).passed, [(c.name, c.detail) for c in report.failed()]
 
 
-@pytest.mark.parametrize("queries", [slice(0, TOKENS), slice(TOKENS - 1, TOKENS)], ids=["prefill", "decode"])
-def test_qsa_on_the_pinned_ops_matches_transformers(case, queries):
-    attn, hidden, cos, sin, want = case
-    got = _device(attn, hidden, cos, sin, queries)
-    # eager_attention_forward takes its softmax in float32 whatever the dtype: float32 rounding, not float64's
-    assert (got - want[queries]).abs().max() < 1e-6
+def test_a_manifest_without_a_qsa_entry_is_refused_by_path(tmp_path):
+    """A hand edit dropping an attention layer's pooled block-key entry would leave the indexer reading keys nobody
+    wrote: the manifest's invariant refuses it naming the layer's caches."""
+    from model_infer_kvcache.analyzer.manifest import SelectionManifest
+
+    data = json.loads(_case(tmp_path, "framework")[0].read_text(encoding="utf-8"))
+    layer = next(i for i, plan in enumerate(data["layers"]) if plan.get("caches"))
+    data["layers"][layer]["caches"] = [c for c in data["layers"][layer]["caches"]
+                                       if c["name"] != "indexer_block_key_cache"]
+    with pytest.raises(ValueError, match=rf"layers\[{layer}\]\.caches: decoder layer \d+ lacks QSA's"):
+        SelectionManifest.model_validate(data)
 
 
-@pytest.mark.parametrize("mistake", [{"key_at": "last"}, {"tail": False}, {"visible_shift": 1}],
-                         ids=["pooled-key-rope-at-last-token", "tail-dropped", "block-visible-early"])
-def test_a_qsa_route_mistake_does_not_match(case, mistake):
-    attn, hidden, cos, sin, want = case
-    got = _device(attn, hidden, cos, sin, slice(0, TOKENS), **mistake)
-    assert (got - want).abs().max() > 1e-3
+def test_the_cross_check_compares_the_plan_with_the_modules_indexer():
+    """analyzer/arch_check.py's cross-check: a QSA plan's indexer entries against the transformers module's own
+    indexer (Qwen4ExpTextAttention.indexer), and a GQA plan of a module holding one is another format's parts."""
+    import types
+
+    from model_infer_kvcache.analyzer.kinds import gqa, qsa
+    from model_infer_kvcache.analyzer.manifest import CacheSpec
+
+    module = types.SimpleNamespace(indexer=types.SimpleNamespace(index_qk_proj=None, compress_ratio=4,
+                                                                 index_head_dim=128))
+    facts = qsa.FORMAT.hf_facts(module)
+    assert facts == {"qsa_indexer_head_dim": 128}
+    kv = [CacheSpec(name=n, dim=256, num_head=2, dtype="bfloat16") for n in ("k_cache", "v_cache")]
+    planned = types.SimpleNamespace(caches=kv + qsa.entries(qsa.QsaFacts(4, 128, 2048, 4, 64, ""), "bfloat16"))
+    assert qsa.FORMAT.hf_off(planned, facts, "Qwen4ExpTextAttention") is None
+    narrow = types.SimpleNamespace(caches=kv + qsa.entries(qsa.QsaFacts(4, 64, 2048, 4, 32, ""), "bfloat16"))
+    assert "QSA indexer" in qsa.FORMAT.hf_off(narrow, facts, "Qwen4ExpTextAttention")
+    assert "another format's parts" in gqa.FORMAT.hf_off(types.SimpleNamespace(caches=kv), facts, "Qwen4ExpTextAttention")

@@ -6,12 +6,13 @@ with stays in ``analyzer/kv_cache_spec.py``.
 
 from __future__ import annotations
 
-from model_infer_kvcache.analyzer.kinds.invariants import INDEXER_KEY_CACHE, kind_problems  # noqa: F401
+from model_infer_kvcache.analyzer.kinds.invariants import INDEXER_KEY_CACHE, QSA_CACHES, kind_problems  # noqa: F401
 
 # The attention formats a manifest's attention layers share, as every tool names them: DeepSeek sparse attention
 # (MLA + an indexer), MLA (latent + rope part), GQA/MHA/MQA (K/V caches), DeepSeek-V4's compressed attention (a
 # shared K=V window branch + CSA / HCA compressed branches).
-DSA, MLA, GQA, COMPRESSED = "dsa", "mla", "gqa", "compressed"
+# Qwen4-Exp's QSA (GQA + a block-selecting indexer).
+DSA, MLA, GQA, COMPRESSED, QSA = "dsa", "mla", "gqa", "compressed", "qsa"
 
 
 def attention_format(m) -> str:
@@ -21,7 +22,15 @@ def attention_format(m) -> str:
         return COMPRESSED
     if m.dsa is not None:
         return DSA
+    if getattr(m, "qsa", None) is not None:
+        return QSA
     return MLA if m.mla.enabled else GQA
+
+
+def own_entries(m) -> tuple[str, ...]:
+    """Cache entries of an attention layer that are not K/V rows of its heads (QSA's indexer keys: one head of the
+    indexer's width, checked by analyzer/kinds/invariants.py)."""
+    return QSA_CACHES if getattr(m, "qsa", None) is not None else ()
 
 
 def fa_kv_heads(m, plan) -> int:

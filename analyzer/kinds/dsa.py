@@ -68,6 +68,9 @@ class DsaFormat(MlaFormat):
         dense = facts.dsa.value.dense
         return super().heads_problem(facts, parallel, tuple(dense)) if dense else None
 
+    def call_row(self, m) -> tuple[str, str, str]:
+        return call_row(m)
+
     def doc_attention(self, m) -> str:
         return "不用 FA:`npu_lightning_indexer` 选 top-k,`npu_sparse_flash_attention` 只读选中的 key,已渲染"
 

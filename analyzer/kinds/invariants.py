@@ -14,10 +14,12 @@ RECURRENT_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "nu
                    "num_v_heads_per_rank")
 
 INDEXER_KEY_CACHE = "indexer_key_cache"  # the DSA indexer's key cache entry (upstream deepseek_v3_2_exp)
+# QSA's two indexer entries (analyzer/kinds/qsa.py, which imports the manifest: spelled here too, checked equal there)
+QSA_CACHES = ("indexer_raw_key_cache", "indexer_block_key_cache")
 
 
 def kind_problems(m) -> list[tuple[str, str]]:
-    return [*dsa_problems(m), *state_problems(m), *compressed_problems(m), *drafter.problems(m)]
+    return [*dsa_problems(m), *qsa_problems(m), *state_problems(m), *compressed_problems(m), *drafter.problems(m)]
 
 
 def dsa_problems(m) -> list[tuple[str, str]]:
@@ -33,6 +35,25 @@ def dsa_problems(m) -> list[tuple[str, str]]:
             return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} {why}")]
         if has and m.dsa and layer.caches[names.index(INDEXER_KEY_CACHE)] != m.dsa.indexer_cache:
             return [(f"layers[{i}].caches", "the indexer_key_cache entry differs from dsa.indexer_cache")]
+    return []
+
+
+def qsa_problems(m) -> list[tuple[str, str]]:
+    """Every attention layer holds QSA's raw and pooled indexer key entries exactly when the manifest plans QSA, each
+    one head of qsa.head_dim (a hand edit dropping one leaves the indexer reading keys nobody wrote)."""
+    qsa = getattr(m, "qsa", None)
+    for i, layer in enumerate(m.layers):
+        if layer.is_state:
+            continue
+        held = {c.name: c for c in layer.caches if c.name in QSA_CACHES}
+        if bool(qsa) != (len(held) == len(QSA_CACHES)) or (not qsa and held):
+            why = "lacks" if qsa else "holds"
+            return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} {why} QSA's "
+                                            f"{' / '.join(QSA_CACHES)} entries" + ("" if qsa else " (no qsa section)"))]
+        if qsa and any(c.dim != qsa.head_dim or c.num_head != 1 for c in held.values()):
+            return [(f"layers[{i}].caches", f"QSA's indexer entries must be 1 head x qsa.head_dim {qsa.head_dim}")]
+    if qsa and qsa.block_topk != qsa.budget // qsa.ratio:
+        return [("qsa.block_topk", f"must be budget // ratio = {qsa.budget // qsa.ratio}")]
     return []
 
 

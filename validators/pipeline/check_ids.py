@@ -100,6 +100,8 @@ CHECKS: tuple[CheckDef, ...] = (
     CheckDef("V234", "runtime", "byte patches: each FA call reads its stack's own paged cache at the request's bytes "
                                 "(the global stack at its completed patches, at the bytes transformers' patcher ends "
                                 "them) (<N> calls)"),
+    CheckDef("V235", "runtime", "QSA selection: each query reads the tokens of its top blocks (min(block_topk, visible "
+                                "blocks) whole blocks) and of its tail block, causally, each once"),
     # ---------------------------------------------------------------- numeric: against transformers
     CheckDef("V301", "numeric", "logits vs transformers max |diff| <= <N>"),
     CheckDef("V302", "numeric", "greedy tokens identical to transformers"),

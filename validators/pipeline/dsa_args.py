@@ -69,6 +69,17 @@ def selection(a: dict, indices: torch.Tensor) -> dict:
     return {"selected": int((indices.reshape(-1, indices.shape[-1])[:rows] != -1).sum()), "visible": visible}
 
 
+def sparse_rows(a: dict) -> dict:
+    """A TND sparse FA call's indices per query (KV head 0's) and each query's position in its request (its KV length
+    less the queries after it): what a block selection is judged by (validators/kinds/qsa.py V235)."""
+    q, kv, indices = a.get("actual_seq_lengths_query"), a.get("actual_seq_lengths_kv"), a.get("sparse_indices")
+    if a.get("layout_query") != "TND" or not all(isinstance(x, torch.Tensor) for x in (q, kv, indices)):
+        return {}
+    cu = [0] + q.tolist()
+    positions = [n - (cu[b + 1] - cu[b]) + i for b, n in enumerate(kv.tolist()) for i in range(cu[b + 1] - cu[b])]
+    return {"picked": indices[:len(positions), 0].tolist(), "positions": positions}
+
+
 def _where(c: dict) -> str:
     return f"{c.get('at') or ('step ' + str(c.get('step')))} layer {c.get('layer')}"
 

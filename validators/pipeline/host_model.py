@@ -17,6 +17,8 @@ by one naming scheme. How an attention module is routed depends on its own code:
   its rotary at each token's own position): the forward is replaced by one around the module's own projections;
 - DeepSeek-V4's shared-KV attention: the forward is replaced, because the rendered code needs the hidden states
   (its compressor's input) beside the normed query and K=V row, and returns before the grouped output projection.
+- Qwen4-Exp's QSA attention: the forward is replaced, because the rendered code needs its indexer's query and raw
+  key (from the hidden states) and the model's RoPE at each pooled block's first position, beside the gated GQA q/k/v.
 - JetMoE's mixture of attention (query / output experts over one shared kv_proj): the forward is replaced, because its
   K/V reach the interface tiled to every query head and its query heads are expert-major, not grouped by KV head.
 Anything else is refused with one line naming the module.
@@ -226,6 +228,8 @@ class _RecordingOps:
             result = target(*args, **kwargs)
             if name == dsa_args.INDEXER_OP:
                 rec.update(dsa_args.selection(a, result[0]))
+            else:
+                rec.update(dsa_args.sparse_rows(a))
             return result
 
         return call
@@ -423,6 +427,41 @@ def _v4_forward(self, hidden_states, position_embeddings=None, position_ids=None
     return self.o_b_proj(grouped)[None], None
 
 
+def _qsa_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    """Qwen4-Exp's attention (transformers Qwen4ExpTextAttention) through the rendered QSA code: the module's own
+    gated query, q/k norms, K/V and RoPE (its module's apply_rotary_pos_emb), and its indexer's projection, q norm
+    and query RoPE; the render writes K/V and the raw indexer keys, pools blocks (with the model's RoPE at their first
+    positions), selects and attends; the module's sigmoid gate and o_proj after it. transformers' own indexer is not
+    called (the selection is the render's)."""
+    host = self._kvcache_host
+    fm = _metadata()
+    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
+    x = hidden_states[0]
+    t = x.shape[0]
+    cos, sin = (e[0, -t:] for e in position_embeddings)  # [T, rotary dims]
+    query, gate = self.q_proj(x).view(t, -1, 2 * self.head_dim).chunk(2, dim=-1)
+    query = self.q_norm(query)
+    key = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim))
+    value = self.v_proj(x).view(t, -1, self.head_dim)
+    query, key = rope(query, key, cos, sin)
+    ix = self.indexer
+    index_query, index_key = ix.index_qk_proj(x).split([ix.index_n_heads * ix.index_head_dim, ix.index_head_dim], -1)
+    index_query = rope(ix.q_layernorm(index_query.view(t, ix.index_n_heads, ix.index_head_dim)), cos=cos, sin=sin)
+    rotary = self._kvcache_rotary
+
+    def block_rope(positions):  # the model's rotary embedding at the blocks' first positions
+        c, s = rotary(x, positions.view(1, 1, -1))
+        return c[0], s[0]
+
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                      q=tuple(query.shape), k=tuple(key.shape), dtype=query.dtype, hf_scaling=self.scaling,
+                      kv_lens=fm.actual_seq_lengths_kv)
+    out = host.kv_cache_attention(query.contiguous(), key.contiguous(), value.contiguous(), fm,
+                                  index_query.contiguous(), index_key.contiguous(), block_rope)
+    out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+    return self.o_proj(out)[None], None
+
+
 def _fused_qkv_forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None, layer_past=None,
                        use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
     """Falcon-style attention (modeling_falcon FalconAttention, rotary path) through the rendered code.
@@ -541,10 +580,12 @@ def _padded(forward, count: int):
 
 
 def attention_route(module, is_mla: bool) -> str | None:
-    """How the host routes one transformers attention module: interface | mla | v4 | moa | headwise_qkv | fused_qkv |
+    """How the host routes one transformers attention module: interface | mla | v4 | qsa | moa | headwise_qkv | fused_qkv |
     eager_qkv | split_qkv | conv1d_qkv | bert_qkv | lin_qkv | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
+    if all(hasattr(getattr(module, "indexer", None), a) for a in ("index_qk_proj", "compress_ratio", "k_layernorm")):
+        return "qsa"  # Qwen4-Exp's QSA: its indexer needs the hidden states (its forward calls the interface too)
     if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):
         return "v4"  # DeepSeek-V4's shared-KV attention (its forward calls the interface too, on the whole K=V)
     source = _forward_source(module)
@@ -672,7 +713,7 @@ def model_inputs(model, input_ids: torch.Tensor) -> dict:
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
                    "bert_qkv": _bert_qkv_forward, "v4": _v4_forward, "headwise_qkv": _headwise_qkv_forward,
                    "conv1d_qkv": _conv1d_qkv_forward, "split_qkv": _split_qkv_forward, "moa": _moa_forward,
-                   "lin_qkv": _lin_qkv_forward}
+                   "lin_qkv": _lin_qkv_forward, "qsa": _qsa_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:
@@ -1360,6 +1401,10 @@ class HostModel:
             hf_attn._kvcache_host = host
             if route == "bert_qkv":
                 hf_attn._kvcache_sinusoidal = sinusoidal_table(hf_model)
+            if route == "qsa":  # its pooled block keys' RoPE: the text model's rotary embedding (its bound forward,
+                # not the module: an attribute holding a module would register it as the attention's child)
+                hf_attn._kvcache_rotary = next(mod for name, mod in hf_model.named_modules()
+                                               if name.endswith("rotary_emb") and "vis" not in name).forward
             if route in _ROUTED_FORWARD:
                 hf_attn.forward = types.MethodType(_padded(_ROUTED_FORWARD[route], _returned_values(hf_attn)),
                                                    hf_attn)

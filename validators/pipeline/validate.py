@@ -257,7 +257,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             if manifest.sliding_window() != tiny.sliding_window() else
             f"attention_chunk_size {manifest.attention_chunk_size()} is too long for CPU sequences to cross"
             if manifest.attention_chunk_size() != tiny.attention_chunk_size() else
-            f"index_topk {_index_topk(manifest)} is wider than CPU prompts"
+            f"the selection width {_index_topk(manifest)} is wider than CPU prompts"
             if _index_topk(manifest) != _index_topk(tiny) else
             f"the {manifest.model.num_layers} decoder layers make {len(manifest.recurrent_loops.calls)} calls per "
             "forward (a cache per call): a tiny stack keeps the first layer of each section called once and the "
@@ -273,11 +273,12 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
                             f"every layer are checked above)")
     elif manifest.sliding_window() == tiny.sliding_window() and _same_heads(manifest, tiny) and \
             (narrowed := _narrowed_copy(req.rendered, tiny, tmp)):
-        # DSA only: at its real index_topk a CPU stream selects every key, so the given render's own selection
+        # DSA, CSA and QSA: at its real width a CPU stream selects every key, so the given render's own selection
         # code would go unexercised; with the one constant narrowed it runs as written otherwise.
         report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
                             f"render differs from the implementer's and also ran as written with only its "
-                            f"INDEX_TOPK set to {_index_topk(tiny)} (checks 'as written: ...')")
+                            f"{getattr(kind_of(tiny), 'SELECTION_CONSTANT', 'INDEX_TOPK')} set to {_index_topk(tiny)} "
+                            "(checks 'as written: ...')")
         runs.append(("as written: ", tiny, str(narrowed), QUICK))
     else:
         report.notes.append(f"{what}: the CPU-size run used the implementer's render with {sizes}; the given "
@@ -299,14 +300,15 @@ def _index_topk(manifest: SelectionManifest) -> int | None:
 
 
 def _narrowed_copy(rendered: str, tiny: SelectionManifest, tmp: Path) -> Path | None:
-    """A copy of the given render with its module constant ``INDEX_TOPK`` set to the CPU run's (None: no such
-    single constant, e.g. a hand edit that inlined it)."""
+    """A copy of the given render with its selection width constant (the kind's ``SELECTION_CONSTANT``, else
+    ``INDEX_TOPK``) set to the CPU run's (None: no such single constant, e.g. a hand edit that inlined it)."""
     import re
     import shutil
 
+    name = getattr(kind_of(tiny), "SELECTION_CONSTANT", "INDEX_TOPK")
     source = Path(rendered) / "kvcache_attention.py"
     text = source.read_text(encoding="utf-8")
-    new, n = re.subn(r"^INDEX_TOPK = \d+", f"INDEX_TOPK = {_index_topk(tiny)}", text, flags=re.M)
+    new, n = re.subn(rf"^{name} = \d+", f"{name} = {_index_topk(tiny)}", text, flags=re.M)
     if n != 1:
         return None
     from model_infer_kvcache.analyzer.files import atomic_write_text

@@ -14,7 +14,9 @@ import pytest
 import torch
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.kinds import byte_patches as bp
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 
 SMALL = dict(
     patcher_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
@@ -136,8 +138,9 @@ def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
                   "self_attention_cache 0..0)", "decoder 9 x 16 KV heads x 64 (window 512, a row per byte; cache "
                   "layers 1..9, transformers' cross_attention_cache 0..8)", "patcher 14 x 12 KV heads x 64 "
                   "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
-                  "2 rows x 9 layers", "no cache layer written once per completed patch",
-                  "validators/pipeline/byte_patch_run.py, checks V117/V234/V309/V310/V408"):
+                  "2 rows x 9 layers", "one cache layer is written once per completed patch",
+                  "builds no manifest around that section", "implementer/kinds/byte_patches.py",
+                  "validators/pipeline/byte_patch_run.py, checks V117/V201/V234/V309/V310/V408"):
         assert words in msg, msg
     nulled = json.loads(json.dumps(data))
     nulled["patcher_config"]["num_key_value_heads"] = None  # BltPatcherConfig.__post_init__: or num_attention_heads
@@ -232,7 +235,7 @@ def test_byte_patch_mistakes_fail_by_check_id(knob, fails):
 
 def test_a_blt_config_validates_at_cpu_sizes():
     """transformers' class-default BLT (its 16 / 12 query heads, 512 windows, entropy patching) run by the host at
-    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head_dim 8, window 6, the threshold re-set to the random
+    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head dims 4 / 8 / 16 (patcher, local, global), window 6, the threshold re-set to the random
     model's median entropy, each cut noted): every check passes, max |diff| within the float32 cast (the mistakes
     that fail by check id: test_byte_patch_mistakes_fail_by_check_id)."""
     from model_infer_kvcache.validators.npu_ops.backend import load
@@ -249,3 +252,84 @@ def test_a_blt_config_validates_at_cpu_sizes():
     assert any(n.startswith("BLT at CPU sizes: patching_threshold 1.335") for n in report.notes), report.notes
     _, facts, _ = host.cpu_model(real)
     assert [s.heads for s in facts.stacks] == [12, 16, 16, 16] and facts.of("encoder_config").window == 6
+
+
+def test_the_section_plans_each_stack_its_own_heads_scale_and_band():
+    """The manifest's byte_patches section (byte_patch_section.decide) at transformers' class defaults: each stack its own query
+    heads, head_dim and scale (the global stack 128 wide, the local ones 64, the patcher 12 heads), the byte stacks
+    banded by their 512 window (pre_tokens W - 1 under the exclusive reading, W under the inclusive one), the global
+    stack causal; together the stacks' cache layers are the plan's."""
+    from transformers import CONFIG_MAPPING
+
+    facts = bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json")
+    section = byte_patch_section.decide(facts, "exclusive")  # the section's own home, beside the facts'
+    got = {s.section: (s.num_heads, s.head_dim, s.softmax_scale, s.sparse_mode, s.pre_tokens) for s in section.stacks}
+    assert got == {"patcher_config": (12, 64, 0.125, 4, 511), "encoder_config": (16, 64, 0.125, 4, 511),
+                   "global_config": (16, 128, 128 ** -0.5, 3, INT32_MAX), "decoder_config": (16, 64, 0.125, 4, 511)}
+    assert sorted(i for s in section.stacks for i in s.cache_layers) == [c.index for c in bp.cache_plan(facts)]
+    assert {s.pre_tokens for s in byte_patch_section.decide(facts, "inclusive").stacks if s.sliding_window} == {512}
+    assert section.patching_threshold == facts.threshold and section.cross_attn_k == 2
+
+
+def _render_judged(edit=None):
+    """The implementer's render of the class-default BLT's CPU-sized section (``edit``: a text mutation of the
+    rendered file, which must change it) run by the host in place of its own attention and boundary."""
+    import tempfile
+    from pathlib import Path
+
+    from model_infer_kvcache.validators.npu_ops.backend import install_emulation, load
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+    from model_infer_kvcache.validators.pipeline.report import Report
+    from transformers import CONFIG_MAPPING
+
+    real = CONFIG_MAPPING["blt"]().to_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = host.render_cpu(real, tmp)
+        text = path.read_text(encoding="utf-8")
+        if edit is not None:
+            mutated = edit(text)
+            assert mutated != text
+            Path(path).write_text(mutated, encoding="utf-8")
+        report = Report("emulated", "framework", "blt", "-", "float64", 1e-9)
+        with install_emulation():
+            worst = host.validate_config(report, real, load("emulated"), rendered_dir=tmp)
+    return text, {c.id: c.passed for c in report.checks}, worst
+
+
+def test_the_rendered_attention_reproduces_the_full_forward():
+    """The render (implementer/kinds/byte_patches.py) of the CPU-sized section: its KVCacheBytePatchAttention runs
+    every stack's FA call and its ends_patch decides every boundary, in place of the host's own: all checks pass,
+    within the float32 cast of transformers' logits."""
+    text, passed, worst = _render_judged()
+    assert passed == {"V201": True, "V117": True, "V234": True, "V309": True, "V310": True, "V408": True}, passed
+    assert worst < 1e-6, worst
+    assert '"global_config": dict(num_heads=16, num_kv_heads=16, head_dim=16, scale=0.25, sparse_mode=3' in text
+
+
+def _scale_of(stack: str, text: str) -> str:
+    import re
+
+    return re.search(rf'"{stack}": dict\(.*?scale=([0-9.e-]+)', text).group(1)
+
+
+def _decoder_at_global_scale(text: str) -> str:
+    import re
+
+    return re.sub(r'("decoder_config": dict\(.*?scale=)[0-9.e-]+', lambda m: m.group(1) + _scale_of("global_config",
+                  text), text)
+
+
+@pytest.mark.parametrize("edit, fails", [
+    (lambda t: t.replace("entropies[position] >", "entropies[position - 1] >"), {"V234", "V309", "V310"}),
+    (_decoder_at_global_scale, {"V309"}),
+    (lambda t: t.replace('"encoder_config": dict(num_heads=16', '"encoder_config": dict(num_heads=12'), {"V201"}),
+    (lambda t: t.replace("sparse_mode=3, pre_tokens=2147483647", "sparse_mode=4, pre_tokens=5"), {"V309", "V310"}),
+], ids=["boundary-a-byte-late", "decoder-scale-of-global", "encoder-heads-of-patcher", "global-banded"])
+def test_render_mistakes_fail_by_check_id(edit, fails):
+    """Negative controls on the rendered file, each a plausible port mistake: the boundary read on the previous
+    byte's entropy (the global stack steps a byte late: V234, logits off by ~2), the decoder attending at the global
+    stack's scale (one model-level SOFTMAX_SCALE: ~0.2), the encoder given the patcher's 12 query heads (the
+    operator rejects the call: V201), the global stack banded like the byte stacks' window."""
+    _, passed, worst = _render_judged(edit)
+    assert {i for i, ok in passed.items() if not ok} == fails, passed
+    assert worst > 0.1, worst

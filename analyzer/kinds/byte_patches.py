@@ -31,9 +31,10 @@ leaves it by 1.4, the global stack rerun uncached by 1.0.
 The plan runs on CPU: validators/pipeline/byte_patch_run.py steps every stack on its paged pool through the emulated
 scatter and FA calls (the global stack a row per completed patch, at the boundary ``ends_patch`` decides), keeps the
 per-request states (the open patch's encoder rows, the decoder's cross K/V slot of the latest patch) and matches
-transformers' full forward (V117 / V234 / V309 / V310 / V408). Not yet planned: kvcache's manifest has no section for
-stacks of different query heads chained through those states, nothing renders their attention or the patch-boundary
-step, and ``kvcache run`` has no route to that host; ``refusal`` names the plan and that gap.
+transformers' full forward (V117 / V234 / V309 / V310 / V408). The manifest's ``byte_patches`` section (each stack's
+FA shape, scale and band: analyzer/kinds/byte_patch_section.py) renders (implementer/kinds/byte_patches.py) into the
+attention and boundary the host runs in place of its own (V201 beside those). Not yet: ``kvcache analyze`` builds no
+manifest around that section and ``kvcache run`` has no route to the host; ``refusal`` names the plan and that gap.
 """
 
 from __future__ import annotations
@@ -256,17 +257,18 @@ def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
     states = (f"per request, the open patch's encoder rows and the decoder cross-attention K/V of the latest "
               f"completed patch ({facts.cross_attn_k} rows x {facts.decoder_cross_layers} layers x {dec.kv_heads} x "
               f"{dec.head_dim})")
-    checked = ("The plan itself runs on CPU byte by byte against transformers' full forward "
-               "(validators/pipeline/byte_patch_run.py, checks V117/V234/V309/V310/V408); what kvcache lacks is the "
-               "rest of the route: ")
+    checked = ("The plan and its render run on CPU byte by byte against transformers' full forward (the byte_patches "
+               "section analyzer/kinds/byte_patch_section.py decides, rendered by implementer/kinds/byte_patches.py: "
+               "each stack's FA call and the patch boundary; validators/pipeline/byte_patch_run.py, checks "
+               "V117/V201/V234/V309/V310/V408); what kvcache lacks is the rest of the route: ")
+    rest = ("`kvcache analyze` builds no manifest around that section (its layers per stack with their own query "
+            "heads, the memory plan of per-byte and per-patch pools) and `kvcache run` has no route to that host")
     if facts.entropy_patching:
-        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}. "
-               f"{checked}its manifest, render and `kvcache run` step every cache layer once per token and have no "
-               "cache layer written once per completed patch nor a boundary decided at run time")
+        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}, "
+               f"so one cache layer is written once per completed patch. {checked}{rest}")
     else:
         gap = (f"Without entropy patching (patching_mode, patch_in_forward) every byte is a patch and every stack "
-               f"steps per byte. {checked}its manifest, render and `kvcache run` drive one decoder stack, not stacks "
-               "of different widths chained through per-request cross-attention states")
+               f"steps per byte. {checked}{rest}")
     return NotSupportedByKvcache(
         where, f"BLT's stacks need caches of their own; planned: {'; '.join(parts)}; {states}. {gap} (a gap of "
                "kvcache's, not the device's: each stack's attention is a paged FA call). transformers' own cached "

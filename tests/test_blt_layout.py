@@ -271,9 +271,10 @@ def test_the_section_plans_each_stack_its_own_heads_scale_and_band():
     assert section.patching_threshold == facts.threshold and section.cross_attn_k == 2
 
 
-def _render_judged(edit=None):
-    """The implementer's render of the class-default BLT's CPU-sized section (``edit``: a text mutation of the
-    rendered file, which must change it) run by the host in place of its own attention and boundary."""
+def _render_judged(edit=None, extra=None):
+    """The implementer's render of the class-default BLT's (with ``extra`` config fields) CPU-sized section
+    (``edit``: a text mutation of the rendered file, which must change it) run by the host in place of its own
+    attention and boundary."""
     import tempfile
     from pathlib import Path
 
@@ -282,7 +283,7 @@ def _render_judged(edit=None):
     from model_infer_kvcache.validators.pipeline.report import Report
     from transformers import CONFIG_MAPPING
 
-    real = CONFIG_MAPPING["blt"]().to_dict()
+    real = CONFIG_MAPPING["blt"]().to_dict() | (extra or {})
     with tempfile.TemporaryDirectory() as tmp:
         path = host.render_cpu(real, tmp)
         text = path.read_text(encoding="utf-8")
@@ -296,14 +297,22 @@ def _render_judged(edit=None):
     return text, {c.id: c.passed for c in report.checks}, worst
 
 
-def test_the_rendered_attention_reproduces_the_full_forward():
+@pytest.mark.parametrize("extra, constants", [
+    ({}, ("ENTROPY_PATCHING = True", "MAX_PATCH_LENGTH = None")),
+    ({"max_patch_length": 2}, ("ENTROPY_PATCHING = True", "MAX_PATCH_LENGTH = 2")),
+    ({"patching_mode": "static"}, ("ENTROPY_PATCHING = False", "PATCHING_THRESHOLD = None")),
+], ids=["entropy", "max-patch-length", "static"])
+def test_the_rendered_attention_reproduces_the_full_forward(extra, constants):
     """The render (implementer/kinds/byte_patches.py) of the CPU-sized section: its KVCacheBytePatchAttention runs
     every stack's FA call and its ends_patch decides every boundary, in place of the host's own: all checks pass,
-    within the float32 cast of transformers' logits."""
-    text, passed, worst = _render_judged()
+    within the float32 cast of transformers' logits; with max_patch_length, and without entropy patching (every
+    byte a patch, no patcher stack rendered)."""
+    text, passed, worst = _render_judged(extra=extra)
     assert passed == {"V201": True, "V117": True, "V234": True, "V309": True, "V310": True, "V408": True}, passed
     assert worst < 1e-6, worst
     assert '"global_config": dict(num_heads=16, num_kv_heads=16, head_dim=16, scale=0.25, sparse_mode=3' in text
+    assert all(line in text.splitlines() for line in constants), text
+    assert ('"patcher_config"' in text) == ("static" not in extra.values())
 
 
 def _scale_of(stack: str, text: str) -> str:
@@ -319,17 +328,23 @@ def _decoder_at_global_scale(text: str) -> str:
                   text), text)
 
 
-@pytest.mark.parametrize("edit, fails", [
-    (lambda t: t.replace("entropies[position] >", "entropies[position - 1] >"), {"V234", "V309", "V310"}),
-    (_decoder_at_global_scale, {"V309"}),
-    (lambda t: t.replace('"encoder_config": dict(num_heads=16', '"encoder_config": dict(num_heads=12'), {"V201"}),
-    (lambda t: t.replace("sparse_mode=3, pre_tokens=2147483647", "sparse_mode=4, pre_tokens=5"), {"V309", "V310"}),
-], ids=["boundary-a-byte-late", "decoder-scale-of-global", "encoder-heads-of-patcher", "global-banded"])
-def test_render_mistakes_fail_by_check_id(edit, fails):
+@pytest.mark.parametrize("edit, fails, extra", [
+    (lambda t: t.replace("entropies[position] >", "entropies[position - 1] >"), {"V234", "V309", "V310"}, None),
+    (_decoder_at_global_scale, {"V309"}, None),
+    (lambda t: t.replace('"encoder_config": dict(num_heads=16', '"encoder_config": dict(num_heads=12'), {"V201"},
+     None),
+    (lambda t: t.replace("sparse_mode=3, pre_tokens=2147483647", "sparse_mode=4, pre_tokens=5"), {"V309", "V310"},
+     None),
+    (lambda t: t.replace("open_bytes >= MAX_PATCH_LENGTH", "open_bytes > MAX_PATCH_LENGTH"), {"V234", "V309"},
+     {"max_patch_length": 2}),
+], ids=["boundary-a-byte-late", "decoder-scale-of-global", "encoder-heads-of-patcher", "global-banded",
+        "max-patch-length-a-byte-late"])
+def test_render_mistakes_fail_by_check_id(edit, fails, extra):
     """Negative controls on the rendered file, each a plausible port mistake: the boundary read on the previous
     byte's entropy (the global stack steps a byte late: V234, logits off by ~2), the decoder attending at the global
     stack's scale (one model-level SOFTMAX_SCALE: ~0.2), the encoder given the patcher's 12 query heads (the
-    operator rejects the call: V201), the global stack banded like the byte stacks' window."""
-    _, passed, worst = _render_judged(edit)
+    operator rejects the call: V201), the global stack banded like the byte stacks' window, a max_patch_length
+    patch cut a byte late (~1.6)."""
+    _, passed, worst = _render_judged(edit, extra)
     assert {i for i, ok in passed.items() if not ok} == fails, passed
     assert worst > 0.1, worst

@@ -348,3 +348,34 @@ def test_render_mistakes_fail_by_check_id(edit, fails, extra):
     _, passed, worst = _render_judged(edit, extra)
     assert {i for i, ok in passed.items() if not ok} == fails, passed
     assert worst > 0.1, worst
+
+
+def _edited(section, stack: str, **fields):
+    return section.model_copy(update={"stacks": [s.model_copy(update=fields) if s.section == stack else s
+                                                 for s in section.stacks]})
+
+
+def test_a_hand_edited_section_is_refused_by_field():
+    """The render refuses a section whose invariants a hand edit broke (byte_patch_section.problems), naming the
+    field: the decoder at the global stack's scale, a byte stack's band dropped to causal, the global stack given a
+    window, two stacks claiming one cache layer, a pre_tokens no device reading gives; the decided section renders."""
+    from model_infer_kvcache.implementer.kinds import byte_patches as render_kind
+    from model_infer_kvcache.implementer.render import ATTENTION_FILE, _environment
+    from transformers import CONFIG_MAPPING
+
+    facts = bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json")
+    section = byte_patch_section.decide(facts, "exclusive")
+    assert byte_patch_section.problems(section) == []
+    assert render_kind.render(section, _environment(), ATTENTION_FILE)
+    order = [s.section for s in section.stacks]
+    for edit, field in (
+            (_edited(section, "decoder_config", softmax_scale=128 ** -0.5), "softmax_scale"),
+            (_edited(section, "encoder_config", sparse_mode=3), "sparse_mode"),
+            (_edited(section, "global_config", sliding_window=512, sparse_mode=4, pre_tokens=511), "sliding_window"),
+            (_edited(section, "encoder_config", cache_layers=[1]), None),
+            (_edited(section, "patcher_config", pre_tokens=510), "pre_tokens")):
+        with pytest.raises(InputError) as err:
+            render_kind.render(edit, _environment(), ATTENTION_FILE)
+        stack = next(s.section for s, t in zip(edit.stacks, section.stacks, strict=True) if s != t)
+        want = "byte_patches.stacks" if field is None else f"byte_patches.stacks[{order.index(stack)}].{field}"
+        assert err.value.field == want, (err.value.field, err.value.message)

@@ -5,7 +5,9 @@ rules read config_loader, which reads byte_patches to refuse BLT configs.
 
 from __future__ import annotations
 
-from model_infer_kvcache.analyzer import rules
+import math
+
+from model_infer_kvcache.analyzer import kv_cache_spec, rules
 from model_infer_kvcache.analyzer.kinds import byte_patches as bp
 from model_infer_kvcache.analyzer.manifest import BytePatchesDecision, ByteStackPlan
 
@@ -36,3 +38,34 @@ def decide(facts: bp.BytePatchFacts, reading: str) -> BytePatchesDecision:
         per_request_states=(f"the open patch's encoder rows; per decoder cross layer the K/V of the latest completed "
                             f"patch ({facts.cross_attn_k} rows x {dec.kv_heads} x {dec.head_dim})"),
         source=bp.SOURCE)
+
+
+def problems(section: BytePatchesDecision) -> list[tuple[str, str]]:
+    """(field, why) for each invariant a hand edit of the section can break: every cache layer one stack's, each
+    stack's scale its head_dim's (BltSelfAttention.scaling), its band its window's (rules: a windowed stack banded
+    by sparse_mode 4 with pre_tokens W - 1 or W by the device reading, a full one causal), its query heads a multiple
+    of its KV heads, the per-patch stack unwindowed (BltGlobalTransformer: full causal)."""
+    out: list[tuple[str, str]] = []
+    layers = sorted(i for s in section.stacks for i in s.cache_layers)
+    if layers != list(range(len(layers))):
+        out.append(("byte_patches.stacks", f"the stacks' cache_layers {layers} must number 0..{len(layers) - 1} "
+                                           "once each"))
+    for i, s in enumerate(section.stacks):
+        where = f"byte_patches.stacks[{i}]"
+        if s.num_heads % s.num_kv_heads:
+            out.append((f"{where}.num_heads", f"{s.num_heads} is not a multiple of num_kv_heads {s.num_kv_heads}"))
+        if not math.isclose(s.softmax_scale, s.head_dim ** -0.5, rel_tol=1e-12):
+            out.append((f"{where}.softmax_scale", f"{s.softmax_scale!r} is not head_dim {s.head_dim} ** -0.5 "
+                                                  f"({s.section}: BltSelfAttention.scaling)"))
+        sparse, _, _ = rules.decide_sparse(
+            kv_cache_spec.SLIDING_WINDOW if s.sliding_window else kv_cache_spec.FULL_ATTENTION, False, "paged")
+        if s.sparse_mode != sparse.decode:
+            out.append((f"{where}.sparse_mode", f"{s.sparse_mode}: a {'windowed' if s.sliding_window else 'full'} "
+                                                f"stack's decode FA call uses {sparse.decode}"))
+        readings = {rules.decide_window_tokens(s.sliding_window, r)[0] for r in ("exclusive", "inclusive")}
+        if s.pre_tokens not in readings:
+            out.append((f"{where}.pre_tokens", f"{s.pre_tokens}: window {s.sliding_window} gives "
+                                               f"{' or '.join(map(str, sorted(readings)))} (by the device reading)"))
+        if s.rows_per == bp.PER_PATCH and s.sliding_window:
+            out.append((f"{where}.sliding_window", f"{s.sliding_window}: the per-patch stack attends full causal"))
+    return out

@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 
 import jinja2
+from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.manifest import BytePatchesDecision
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
 from model_infer_kvcache.analyzer.version import __version__
 from model_infer_kvcache.implementer.header import generated_line
+from model_infer_kvcache.implementer.kinds.common import bad
 
 TEMPLATE = "kinds/byte_patches_attention.py.j2"
 
@@ -25,8 +27,16 @@ def section_hash(section: BytePatchesDecision) -> str:
     return hashlib.sha256(section.model_dump_json().encode()).hexdigest()[:16]
 
 
+def check(section: BytePatchesDecision) -> None:
+    """A section the render serves: its invariants hold (a hand edit that breaks one is refused by field)."""
+    found = byte_patch_section.problems(section)
+    if found:
+        raise bad(*found[0])
+
+
 def render(section: BytePatchesDecision, env: jinja2.Environment, attention_file: str, model_type: str = "blt",
            fa_version: str = "v1") -> dict[str, str]:
+    check(section)
     c = dict(generated_line=generated_line(__version__, section_hash(section)), model_type=model_type,
              section=section, fa=FA_KEYWORDS[fa_version], threshold=repr(section.patching_threshold),
              scales={s.section: repr(float(s.softmax_scale)) for s in section.stacks})

@@ -304,7 +304,8 @@ def _render_judged(edit=None, extra=None):
 ], ids=["entropy", "max-patch-length", "static"])
 def test_the_rendered_attention_reproduces_the_full_forward(extra, constants):
     """The render (implementer/kinds/byte_patches.py) of the CPU-sized section: its KVCacheBytePatchAttention runs
-    every stack's FA call and its ends_patch decides every boundary, in place of the host's own: all checks pass,
+    every stack's FA call, its KVCacheByteCrossAttention writes and reads the decoder's per-request cross K/V slots
+    and its ends_patch decides every boundary, in place of the host's own: all checks pass,
     within the float32 cast of transformers' logits; with max_patch_length, and without entropy patching (every
     byte a patch, no patcher stack rendered)."""
     text, passed, worst = _render_judged(extra=extra)
@@ -337,14 +338,18 @@ def _decoder_at_global_scale(text: str) -> str:
      None),
     (lambda t: t.replace("open_bytes >= MAX_PATCH_LENGTH", "open_bytes > MAX_PATCH_LENGTH"), {"V234", "V309"},
      {"max_patch_length": 2}),
+    (lambda t: t.replace("[CROSS_ATTN_K] * t", "[CROSS_ATTN_K - 1] * t"), {"V309", "V310"}, None),
+    (lambda t: t.replace("+ slot * self.k_slots.shape[1]).view", "+ (slot % 2 + 1) * self.k_slots.shape[1]).view"),
+     {"V309", "V310"}, None),
 ], ids=["boundary-a-byte-late", "decoder-scale-of-global", "encoder-heads-of-patcher", "global-banded",
-        "max-patch-length-a-byte-late"])
+        "max-patch-length-a-byte-late", "cross-reads-one-row-short", "cross-written-to-another-slot"])
 def test_render_mistakes_fail_by_check_id(edit, fails, extra):
     """Negative controls on the rendered file, each a plausible port mistake: the boundary read on the previous
     byte's entropy (the global stack steps a byte late: V234, logits off by ~2), the decoder attending at the global
     stack's scale (one model-level SOFTMAX_SCALE: ~0.2), the encoder given the patcher's 12 query heads (the
     operator rejects the call: V201), the global stack banded like the byte stacks' window, a max_patch_length
-    patch cut a byte late (~1.6)."""
+    patch cut a byte late (~1.6), the decoder's cross-attention reading one row of the patch's K/V short (~1.9), a
+    patch's cross K/V written into another request's slot (~2.1)."""
     _, passed, worst = _render_judged(edit, extra)
     assert {i for i, ok in passed.items() if not ok} == fails, passed
     assert worst > 0.1, worst

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from model_infer_kvcache.analyzer import kv_cache_spec, rules
+from model_infer_kvcache.analyzer.device_questions import QUESTIONS
 from model_infer_kvcache.analyzer.kinds import byte_patches as bp
 from model_infer_kvcache.analyzer.manifest import BytePatchesDecision, ByteStackPlan
 
@@ -62,7 +63,8 @@ def problems(section: BytePatchesDecision) -> list[tuple[str, str]]:
         if s.sparse_mode != sparse.decode:
             out.append((f"{where}.sparse_mode", f"{s.sparse_mode}: a {'windowed' if s.sliding_window else 'full'} "
                                                 f"stack's decode FA call uses {sparse.decode}"))
-        readings = {rules.decide_window_tokens(s.sliding_window, r)[0] for r in ("exclusive", "inclusive")}
+        readings = {rules.decide_window_tokens(s.sliding_window, r)[0]
+                    for r in QUESTIONS["window_pre_tokens"].readings}
         if s.pre_tokens not in readings:
             out.append((f"{where}.pre_tokens", f"{s.pre_tokens}: window {s.sliding_window} gives "
                                                f"{' or '.join(map(str, sorted(readings)))} (by the device reading)"))

@@ -227,6 +227,10 @@ class _Host:
         heads, kv_heads, dim = module.num_heads, module.num_key_value_heads, module.head_dim
         q = module.q_proj(module.q_norm(h)).view(t, heads, dim)
         k_slots, v_slots = self.cross_slots[li]
+        if self.rendered is not None:  # the render's cross-attention over the requests' slots
+            out = self.rendered.KVCacheByteCrossAttention(k_slots, v_slots).cross_attention(
+                q, [self.slot_of[r] for r in reqs])
+            return module.o_proj(out.reshape(t, -1)) + h
         out, _ = self.ops.npu_fused_infer_attention_score(
             q, k_slots.view(k_slots.shape[0], k_slots.shape[1], -1), v_slots.view(v_slots.shape[0], v_slots.shape[1],
                                                                                    -1),
@@ -239,6 +243,9 @@ class _Host:
     def write_cross(self, r: int, li: int, module, states) -> None:
         """Refresh request ``r``'s cross K/V slot of decoder cross layer ``li`` from the latest patch's rows."""
         k, v = self._cross_kv(module, states)
+        if self.rendered is not None:  # the render's write of the patch's K/V into the request's slot
+            self.rendered.KVCacheByteCrossAttention(*self.cross_slots[li]).write_patch(k, v, self.slot_of[r])
+            return
         rows = torch.arange(k.shape[0]) + self.slot_of[r] * self.cross_slots[li][0].shape[1]
         for cache, new in zip(self.cross_slots[li], (k, v), strict=True):
             self.ops.npu_scatter_nd_update_(cache.view(-1, *cache.shape[2:]), rows.view(-1, 1), new)
@@ -354,7 +361,8 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     """Step ``requests`` (default: the seeded stream) through ``model`` on the planned paged caches with the
     operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes.
     ``rendered``: a rendered attention module (implementer/kinds/byte_patches.py, imported where ``import torch_npu``
-    reaches ``ops``) whose ``KVCacheBytePatchAttention`` and ``ends_patch`` replace the host's own."""
+    reaches ``ops``) whose ``KVCacheBytePatchAttention``, ``KVCacheByteCrossAttention`` and ``ends_patch`` replace
+    the host's own."""
     reqs = requests or _stream(seed, model.config.vocab_size)
     host = _Host(model, facts, ops, reading=reading, boundary_shift=boundary_shift, global_cached=global_cached,
                  refresh_cross=refresh_cross, rendered=rendered)

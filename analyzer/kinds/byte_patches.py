@@ -190,7 +190,8 @@ def ends_patch(position: int, entropy: float, open_bytes: int, facts: BytePatchF
         return True
     if facts.max_patch_length is not None and open_bytes >= facts.max_patch_length:
         return True
-    return facts.threshold is not None and entropy > facts.threshold
+    # an entropy tensor compares in its own dtype (the threshold cast to it), as patch_lengths_from_entropies does
+    return facts.threshold is not None and bool(entropy > facts.threshold)
 
 
 def cache_plan(facts: BytePatchFacts) -> list[CacheLayer]:

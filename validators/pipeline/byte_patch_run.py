@@ -136,7 +136,9 @@ class RequestState:
     the patcher's entropies, its completed patches and the bytes they ended at, its bytes and logits so far."""
 
     open_rows: list[torch.Tensor] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)  # the patcher's next-byte entropy at each byte
+    # the patcher's next-byte entropy at each byte, a 0-d tensor in the model's dtype: transformers compares it with
+    # the threshold in that dtype (patch_lengths_from_entropies: ``entropies > threshold``, the float cast to it)
+    entropy: list[torch.Tensor] = field(default_factory=list)
     patches: int = 0
     cross_written: bool = False  # its cross K/V slot holds a patch's (the first patch ends at byte 0)
     ends: list[int] = field(default_factory=list)
@@ -317,7 +319,7 @@ class _Host:
             logits = blt.patcher.lm_head(blt.patcher.norm(ph))[:, 0]
             ent = torch.distributions.Categorical(logits=logits).entropy()
             for i, r in enumerate(active):
-                states[r].entropy.append(ent[i].item())
+                states[r].entropy.append(ent[i])
         embeds = torch.cat([compute_hash_embeddings(
             torch.tensor([states[r].bytes]), blt.local_encoder, blt.encoder_hash_tok_embedding,
             cfg.encoder_hash_byte_group_nb_functions, cfg.encoder_hash_byte_group_size,

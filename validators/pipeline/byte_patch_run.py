@@ -17,7 +17,10 @@ patcher's entropy at that byte) the global stack steps for the requests that end
 Checks (IDs in check_ids): V117 the pools as planned, V234 every FA call reads its stack's own cache at the kv_len
 the request's bytes (or completed patches, at exactly the bytes transformers' own patcher ends them) give, V309 /
 V310 logits and greedy bytes against the full forward, V408 every block, cross slot and per-request state released
-(released blocks and slots are NaN: a later read of one shows in V309). Knobs for the negative controls:
+(released blocks and slots are NaN: a later read of one shows in V309). A boundary that differs from transformers'
+only where its entropy lies within rounding of the threshold (bfloat16: the stepped and whole-sequence patchers
+round differently) is judged with the run's own, transformers' forward given the run's entropies; a greedy byte
+that differs on a near-tie (margin within 2 x the logits' difference) is accepted as V302 accepts one. Knobs for the negative controls:
 ``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global stack rerun over the
 step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's cross K/V kept from the
 first patch), ``reading`` (the band's pre_tokens planned under another device reading than the operators run),
@@ -413,24 +416,52 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     return BytePatchRun(reqs, states, host.calls, pools, shapes, held)
 
 
-def transformers_patch_ends(model, ids: list[int]) -> list[int]:
-    """The bytes at which transformers' own patcher ends a patch over ``ids`` (the last byte of each patch): its
-    patch lengths over ``ids`` plus one byte (the patcher is causal, so that byte only tells whether the last real
-    byte ends one), or every byte without entropy patching."""
+def transformers_patches(model, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
+    """The bytes at which transformers' own patcher ends a patch over ``ids`` (the last byte of each patch) and its
+    entropy at each byte: its patch lengths over ``ids`` plus one byte (the patcher is causal, so that byte only
+    tells whether the last real byte ends one); every byte and no entropies without entropy patching."""
     cfg = model.config
     if model.model.patcher is None or cfg.patching_mode != "entropy":
-        return list(range(len(ids)))
+        return list(range(len(ids))), None
     with torch.no_grad():
-        lengths = model.model.patcher(torch.tensor([[*ids, 0]]), patch_size=cfg.patch_size,
-                                      threshold=cfg.patching_threshold, max_patch_length=cfg.max_patch_length)[1][0]
+        entropy, lengths, _ = model.model.patcher(torch.tensor([[*ids, 0]]), patch_size=cfg.patch_size,
+                                                  threshold=cfg.patching_threshold,
+                                                  max_patch_length=cfg.max_patch_length)
+    lengths = lengths[0]
     ends = (lengths[lengths > 0].cumsum(0) - 1).tolist()
-    return [e for e in ends if e < len(ids)]
+    return [e for e in ends if e < len(ids)], entropy[0, :len(ids)]
 
 
-def full_forward(model, ids: list[int]) -> torch.Tensor:
-    """transformers' logits over ``ids`` in one forward without a cache: the oracle (BLT's full forward is causal)."""
+# How near the threshold (in units of the entropy dtype's eps x the threshold) an entropy may lie for a boundary to
+# differ between the stepped patcher and transformers' whole-sequence one: the two round differently (measured at
+# bfloat16: one ulp apart across the threshold); at float64 this excuses nothing.
+NEAR_THRESHOLD_EPS = 2
+
+
+def rounding_boundaries(facts: bp.BytePatchFacts, ends: list[int], tf_ends: list[int],
+                        entropy: torch.Tensor | None) -> list[int] | None:
+    """The bytes where the run's patch ends differ from transformers' only through rounding (each such byte's entropy
+    within NEAR_THRESHOLD_EPS of the threshold in the model's dtype), or None when they differ elsewhere too (or
+    not at all: [])."""
+    differ = sorted(set(ends) ^ set(tf_ends))
+    if not differ or entropy is None or facts.threshold is None:
+        return [] if not differ else None
+    near = NEAR_THRESHOLD_EPS * torch.finfo(entropy.dtype).eps * abs(facts.threshold)
+    return differ if all(abs(float(entropy[b]) - facts.threshold) <= near for b in differ) else None
+
+
+def full_forward(model, ids: list[int], entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' logits over ``ids`` in one forward without a cache: the oracle (BLT's full forward is causal);
+    ``entropy``: the patcher entropies to cut patches by (transformers' own patch_lengths_from_entropies and
+    process_patch_lengths over them), in place of its patcher's."""
+    from transformers.models.blt.modeling_blt import BltPatcher, process_patch_lengths
+
+    cfg, lengths = model.config, None
+    if entropy is not None:
+        lengths = process_patch_lengths(BltPatcher.patch_lengths_from_entropies(
+            entropy[None], len(ids), cfg.patch_size, cfg.patching_threshold), cfg.max_patch_length)
     with torch.no_grad():
-        return model(torch.tensor([ids]), use_cache=False).logits[0]
+        return model(torch.tensor([ids]), use_cache=False, patch_lengths=lengths).logits[0]
 
 
 def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: BytePatchRun, tolerance: float) -> float:
@@ -447,7 +478,15 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
     # V234: each call reads its stack's cache at the rows the request has; the global stack exactly at the bytes
     # transformers' patcher ends a patch, one row per completed patch
     problems = []
-    ends = {i: transformers_patch_ends(model, st.bytes) for i, st in run.states.items()}
+    ends, given = {}, {}
+    for i, st in run.states.items():
+        ends[i], entropy = transformers_patches(model, st.bytes)
+        rounded = rounding_boundaries(facts, st.ends, ends[i], entropy)
+        if rounded:  # judged with the run's own boundaries, transformers' forward given them too
+            report.notes.append(f"request {i}: patch boundaries at bytes {rounded} differ from transformers' "
+                                f"whole-sequence patcher only where its entropy lies within {NEAR_THRESHOLD_EPS} eps "
+                                f"of the threshold ({report.dtype} rounding): judged with the run's boundaries")
+            ends[i], given[i] = list(st.ends), torch.stack(st.entropy)
     for call in run.calls:
         for r, at, kv in zip(call.requests, call.at_bytes, call.kv_lens, strict=True):
             expect = len([e for e in ends[r] if e <= at]) if call.stack == "global_config" else at + 1
@@ -467,19 +506,28 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
 
     # transformers casts BLT's logits to float32 (BltForCausalLM.forward: lm_head(...).float()): below float32's
     # rounding at the logits' scale no run can agree more closely, whatever its dtype
-    worst, same, scale = 0.0, True, 0.0
+    worst, scale, margins = 0.0, 0.0, []
     for i, st in run.states.items():
-        ref = full_forward(model, st.bytes)
+        ref = full_forward(model, st.bytes, given.get(i))
         scale = max(scale, ref.abs().max().item())
         got_logits = torch.stack(st.logits)
         last = len(st.bytes) if facts.max_patch_length is None else len(st.bytes) - 1
         worst = max(worst, (got_logits[:last] - ref[:last]).abs().max().item())
         prompt = len(run.requests[i].prompt)
-        same &= got_logits[prompt - 1:-1].argmax(-1).tolist() == ref[prompt - 1:-1].argmax(-1).tolist()
+        for p in range(prompt - 1, len(st.bytes) - 1):  # each greedy byte: the reference's margin over the run's pick
+            mine, theirs = int(got_logits[p].argmax()), int(ref[p].argmax())
+            if mine != theirs:
+                margins.append((f"request {i} byte {p + 1}: {mine} vs {theirs}", (ref[p, theirs] - ref[p, mine]).item()))
     tolerance = max(tolerance, torch.finfo(torch.float32).eps * scale)
     report.add(f"byte patches: logits vs transformers' full forward (each request's bytes, no cache) max |diff| <= "
                f"{tolerance:g}", "numeric", worst <= tolerance, f"max |diff| {worst:.3g}", max_abs_diff=worst)
-    report.add("byte patches: greedy bytes identical to transformers' full forward", "numeric", same)
+    # as V302: logits within the bound can flip a choice whose margin is at most 2 x the bound (a near-tie)
+    tie = 2 * min(worst, tolerance)
+    flips = [where for where, margin in margins if margin > tie]
+    ties = [where for where, margin in margins if margin <= tie]
+    report.add("byte patches: greedy bytes identical to transformers' full forward", "numeric", not flips,
+               "; ".join(flips[:3] + ([f"{len(ties)} near-tie(s) within 2 x the logit difference: "
+                                       + ", ".join(ties[:3])] if ties else [])))
 
     leaks = {name: pool.start_free - len(pool.free) for name, pool in run.pools.items()
              if len(pool.free) != pool.start_free or pool.tables}

@@ -235,9 +235,9 @@ def test_byte_patch_mistakes_fail_by_check_id(knob, fails):
 
 def test_a_blt_config_validates_at_cpu_sizes():
     """transformers' class-default BLT (its 16 / 12 query heads, 512 windows, entropy patching) run by the host at
-    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head dims 4 / 8 / 16 (patcher, local, global), window 6, the threshold re-set to the random
-    model's median entropy, each cut noted): every check passes, max |diff| within the float32 cast (the mistakes
-    that fail by check id: test_byte_patch_mistakes_fail_by_check_id)."""
+    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head dims 4 / 8 / 16 (patcher, local, global), window
+    6, the threshold re-set to the random model's median entropy, each cut noted): every check passes, max |diff|
+    within the float32 cast (the mistakes that fail by check id: test_byte_patch_mistakes_fail_by_check_id)."""
     from model_infer_kvcache.validators.npu_ops.backend import load
     from model_infer_kvcache.validators.pipeline import byte_patch_run as host
     from model_infer_kvcache.validators.pipeline.report import Report
@@ -255,10 +255,10 @@ def test_a_blt_config_validates_at_cpu_sizes():
 
 
 def test_the_section_plans_each_stack_its_own_heads_scale_and_band():
-    """The manifest's byte_patches section (byte_patch_section.decide) at transformers' class defaults: each stack its own query
-    heads, head_dim and scale (the global stack 128 wide, the local ones 64, the patcher 12 heads), the byte stacks
-    banded by their 512 window (pre_tokens W - 1 under the exclusive reading, W under the inclusive one), the global
-    stack causal; together the stacks' cache layers are the plan's."""
+    """The manifest's byte_patches section (byte_patch_section.decide) at transformers' class defaults: each stack
+    its own query heads, head_dim and scale (the global stack 128 wide, the local ones 64, the patcher 12 heads),
+    the byte stacks banded by their 512 window (pre_tokens W - 1 under the exclusive reading, W under the inclusive
+    one), the global stack causal; together the stacks' cache layers are the plan's."""
     from transformers import CONFIG_MAPPING
 
     facts = bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json")

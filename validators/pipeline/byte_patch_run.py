@@ -20,11 +20,11 @@ V310 logits and greedy bytes against the full forward, V408 every block, cross s
 (released blocks and slots are NaN: a later read of one shows in V309). A boundary that differs from transformers'
 only where its entropy lies within rounding of the threshold (bfloat16: the stepped and whole-sequence patchers
 round differently) is judged with the run's own, transformers' forward given the run's entropies; a greedy byte
-that differs on a near-tie (margin within 2 x the logits' difference) is accepted as V302 accepts one. Knobs for the negative controls:
-``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global stack rerun over the
-step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's cross K/V kept from the
-first patch), ``reading`` (the band's pre_tokens planned under another device reading than the operators run),
-``release=False`` (a finished request's blocks kept).
+that differs on a near-tie (margin within 2 x the logits' difference) is accepted as V302 accepts one. Knobs for
+the negative controls: ``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the
+global stack rerun over the step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the
+decoder's cross K/V kept from the first patch), ``reading`` (the band's pre_tokens planned under another device
+reading than the operators run), ``release=False`` (a finished request's blocks kept).
 """
 
 from __future__ import annotations
@@ -517,7 +517,8 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
         for p in range(prompt - 1, len(st.bytes) - 1):  # each greedy byte: the reference's margin over the run's pick
             mine, theirs = int(got_logits[p].argmax()), int(ref[p].argmax())
             if mine != theirs:
-                margins.append((f"request {i} byte {p + 1}: {mine} vs {theirs}", (ref[p, theirs] - ref[p, mine]).item()))
+                margins.append((f"request {i} byte {p + 1}: {mine} vs {theirs}",
+                                (ref[p, theirs] - ref[p, mine]).item()))
     tolerance = max(tolerance, torch.finfo(torch.float32).eps * scale)
     report.add(f"byte patches: logits vs transformers' full forward (each request's bytes, no cache) max |diff| <= "
                f"{tolerance:g}", "numeric", worst <= tolerance, f"max |diff| {worst:.3g}", max_abs_diff=worst)

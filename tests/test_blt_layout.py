@@ -417,3 +417,30 @@ def test_a_boundary_moved_by_rounding_is_judged_with_the_runs_own():
     with torch.no_grad():
         own = model.model.patcher(torch.tensor([ids]), patch_size=4, threshold=0.0)[0][0]
     assert torch.equal(host.full_forward(model, ids, own), host.full_forward(model, ids))
+
+
+def test_the_cross_checks_meta_build_reads_the_planned_stacks_in_cache_order():
+    """The architecture cross-check's meta build (arch_check.transformers_report) joins BLT's four stacks in the
+    plan's cache order (byte_patches.stacks_of: else it finds the global transformer's 25 layers alone), and each of
+    its 49 modules has the planned scale, K/V shape and query heads (module_problems); a plan that gave the decoder
+    the patcher's 12 query heads, or the global stack the local head_dim, is named by cache layer."""
+    import dataclasses
+
+    from model_infer_kvcache.analyzer import arch_check
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING["blt"]().to_dict()
+    facts = bp.read_facts(config, "blt.json")
+    report = arch_check.transformers_report(config, "blt")
+    assert report.ships and report.error is None and len(report.attentions) == 49
+    assert bp.module_problems(facts, report.attentions) == []
+
+    def swapped(section, **fields):
+        return dataclasses.replace(facts, stacks=tuple(dataclasses.replace(s, **fields) if s.stack.section == section
+                                                       else s for s in facts.stacks))
+
+    found = bp.module_problems(swapped("decoder_config", heads=12), report.attentions)
+    assert len(found) == 9 and found[0].startswith("cache layer 1 (model.local_decoder.layers.0.self_attn)"), found
+    found = bp.module_problems(swapped("global_config", head_dim=64), report.attentions)
+    assert len(found) == 25 and found[0].startswith("cache layer 24 (model.global_transformer.layers.0"), found
+    assert bp.stacks_of({"num_hidden_layers": 2}) is None

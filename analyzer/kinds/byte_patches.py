@@ -211,6 +211,20 @@ def cache_plan(facts: BytePatchFacts) -> list[CacheLayer]:
     return out
 
 
+def stacks_of(section: dict[str, Any]) -> tuple[str, ...] | None:
+    """The ModuleLists whose joined layers are the planned cache layers of a BLT config, in cache index order
+    (``cache_plan``), for the architecture cross-check's meta build (hf_layout.find_decoder_stack: else it finds
+    one stack, the global transformer's); None for any other config, or one the facts reader refuses by name."""
+    if not is_blt(section):
+        return None
+    try:
+        plan = cache_plan(read_facts(section, "config"))
+    except InputError:
+        return None
+    return tuple(f"{layer.stack.stack.module.removeprefix('model.')}.layers"
+                 for layer in plan if layer.layer == 0)
+
+
 def transformers_layout(facts: BytePatchFacts) -> list[tuple[str, int, str, int, int]]:
     """What transformers' EncoderDecoderCache holds after a forward: (container, index, module path, KV heads,
     head_dim) for each planned layer transformers caches. The cross-check (tests/test_blt_layout.py) compares it with
@@ -235,6 +249,25 @@ def layout_problems(facts: BytePatchFacts, observed: dict[str, list[tuple[int, i
             if tuple(shape) != (kv, dim):
                 out.append(f"{container} ({path}): planned (KV heads, head_dim) {(kv, dim)}, transformers "
                            f"holds {tuple(shape)}")
+    return out
+
+
+def module_problems(facts: BytePatchFacts, attentions) -> list[str]:
+    """Where the planned cache layers disagree with transformers' attention modules as the architecture
+    cross-check's meta build reports them (arch_check.HfAttention, joined in cache order by ``stacks_of``): the
+    count, and per layer the scale, (key head_dim, KV heads, value head_dim) and query heads. Windows are not
+    compared: BltModel.forward builds the decoder's mask from the encoder's window, which no decoder module holds."""
+    plan = cache_plan(facts)
+    if len(attentions) != len(plan):
+        return [f"transformers' modules give {len(attentions)} attention layer(s), the plan {len(plan)}"]
+    out = []
+    for layer, hf in zip(plan, attentions, strict=True):
+        s = layer.stack
+        got = (hf.scale[0] if hf.scale else None, hf.kv_shape, dict(hf.kind_facts).get("query_heads"))
+        want = (s.scale, (s.head_dim, s.kv_heads, s.head_dim), s.heads)
+        if got[1:] != want[1:] or got[0] is None or abs(got[0] - want[0]) > 1e-12 * want[0]:
+            out.append(f"cache layer {layer.index} ({layer.path}): planned (scale, K/V shape, query heads) {want}, "
+                       f"transformers' {hf.path} {got}")
     return out
 
 

@@ -4,10 +4,10 @@ rules read config_loader, which reads byte_patches to refuse BLT configs.
 
 What remains before ``kvcache analyze`` writes this section into a manifest (measured by reading the code, 2026-12-06):
 ModelFacts has one query-head count (``heads_at`` varies only through ``layer_mla``) and its scale follows the model's
-head_dim (``qk_head_dim_at``), while BLT's stacks differ in both; the architecture cross-check
-(``arch_check._hf_attentions``: ``find_decoder_stack``) sees one stack, where BLT's modules are the plan's
-``CacheLayer.path``; ``kind_problems`` cannot call ``problems`` below (manifest -> invariants -> rules -> manifest
-would cycle). In framework mode the engine hands ``slot_mapping[group]`` per token (upstream
+head_dim (``qk_head_dim_at``), while BLT's stacks differ in both; ``arch_check.cross_check`` compares a plan's
+layers with the meta build's modules (which ``byte_patches.stacks_of`` joins in cache order) by its own rules, where
+BLT's are ``byte_patches.module_problems`` (no decoder module holds the window); ``kind_problems`` cannot call
+``problems`` below (manifest -> invariants -> rules -> manifest would cycle). In framework mode the engine hands ``slot_mapping[group]`` per token (upstream
 executor/core/engine/execution_engine.py), so the per-patch stack computes its own slots from its
 ``block_table[group]`` and each request's patch count (a CacheEntry with a ``manager_key`` of its own); the open
 patch's encoder rows have no fixed size without max_patch_length, so no MambaCacheEntry-style state block holds them.

@@ -33,7 +33,9 @@ scatter and FA calls (the global stack a row per completed patch, at the boundar
 per-request states (the open patch's encoder rows, the decoder's cross K/V slot of the latest patch) and matches
 transformers' full forward (V117 / V234 / V309 / V310 / V408). The manifest's ``byte_patches`` section (each stack's
 FA shape, scale and band: analyzer/kinds/byte_patch_section.py) renders (implementer/kinds/byte_patches.py) into the
-attention and boundary the host runs in place of its own (V201 beside those). Not yet: ``kvcache analyze`` builds no
+attention and boundary the host runs in place of its own (V201 beside those). The architecture cross-check's meta
+build joins the four stacks in cache order (``stacks_of``), each module agreeing with its planned layer
+(``module_problems``). Not yet: ``kvcache analyze`` builds no
 manifest around that section and ``kvcache run`` has no route to the host; ``refusal`` names the plan and that gap.
 """
 

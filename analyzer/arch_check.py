@@ -760,6 +760,15 @@ def is_linear_module(cls: str | None) -> bool:
     return bool(cls) and cls.endswith(LINEAR_MODULE_SUFFIXES)
 
 
+def byte_patch_problems(config: dict[str, Any]) -> list[str]:
+    """A BLT config's planned cache layers against transformers' own modules (byte_patches.module_problems, on the
+    meta build that joins its stacks in cache order); nothing where transformers cannot build it."""
+    report = transformers_report(config, str(config.get("model_type")))
+    if not report.ships or report.attentions is None:
+        return []
+    return byte_patches_kind.module_problems(byte_patches_kind.read_facts(config, "config"), report.attentions)
+
+
 def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPlan], scale: float,
                 scale_txt: str, attn_tp_size: int = 1, legacy: bool = False) -> CheckResult:
     """Compare the planned scale, per-layer window, KV cache shape (per rank) and sinks with the architecture's

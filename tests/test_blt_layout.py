@@ -444,3 +444,29 @@ def test_the_cross_checks_meta_build_reads_the_planned_stacks_in_cache_order():
     found = bp.module_problems(swapped("global_config", head_dim=64), report.attentions)
     assert len(found) == 25 and found[0].startswith("cache layer 24 (model.global_transformer.layers.0"), found
     assert bp.stacks_of({"num_hidden_layers": 2}) is None
+
+
+def test_analyze_checks_the_refusals_plan_against_transformers(tmp_path, monkeypatch):
+    """`kvcache analyze` checks the plan a BLT refusal names against transformers' modules first: at the class
+    defaults they agree and the refusal stands; an analyzer whose facts gave the decoder the patcher's 12 query heads
+    is stopped by the cross-check (bad input naming the cache layer and transformers' module), not refused with a
+    wrong plan."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    path = _write(tmp_path, CONFIG_MAPPING["blt"]().to_dict())
+    with pytest.raises(NotSupportedByKvcache):
+        analyze(AnalyzeRequest(config=path))
+    read = bp.read_facts
+
+    def misread(cfg, where):
+        facts = read(cfg, where)
+        return dataclasses.replace(facts, stacks=tuple(
+            dataclasses.replace(s, heads=12) if s.stack.section == "decoder_config" else s for s in facts.stacks))
+
+    monkeypatch.setattr(bp, "read_facts", misread)
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=path))
+    assert not isinstance(err.value, NotSupportedByKvcache) and err.value.field == "model_type"
+    assert "cache layer 1 (model.local_decoder.layers.0.self_attn)" in err.value.message, err.value.message

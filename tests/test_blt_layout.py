@@ -140,6 +140,7 @@ def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
                   "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
                   "2 rows x 9 layers", "one cache layer is written once per completed patch",
                   "builds no manifest around that section", "implementer/kinds/byte_patches.py",
+                  "agrees with transformers' own modules layer by layer",
                   "validators/pipeline/byte_patch_run.py, checks V117/V201/V234/V309/V310/V408"):
         assert words in msg, msg
     nulled = json.loads(json.dumps(data))

@@ -293,7 +293,9 @@ def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
     states = (f"per request, the open patch's encoder rows and the decoder cross-attention K/V of the latest "
               f"completed patch ({facts.cross_attn_k} rows x {facts.decoder_cross_layers} layers x {dec.kv_heads} x "
               f"{dec.head_dim})")
-    checked = ("The plan and its render run on CPU byte by byte against transformers' full forward (the byte_patches "
+    checked = ("The plan agrees with transformers' own modules layer by layer (scale, K/V shape, query heads: "
+               "arch_check.byte_patch_problems, checked before this refusal), and the plan and its render run on CPU "
+               "byte by byte against transformers' full forward (the byte_patches "
                "section analyzer/kinds/byte_patch_section.py decides, rendered by implementer/kinds/byte_patches.py: "
                "each stack's FA call and the patch boundary; validators/pipeline/byte_patch_run.py, checks "
                "V117/V201/V234/V309/V310/V408); what kvcache lacks is the rest of the route: ")

@@ -7,9 +7,10 @@ ModelFacts has one query-head count (``heads_at`` varies only through ``layer_ml
 head_dim (``qk_head_dim_at``), while BLT's stacks differ in both; ``arch_check.cross_check`` compares a plan's
 layers with the meta build's modules (which ``byte_patches.stacks_of`` joins in cache order) by its own rules, where
 BLT's are ``byte_patches.module_problems`` (no decoder module holds the window); ``kind_problems`` cannot call
-``problems`` below (manifest -> invariants -> rules -> manifest would cycle). In framework mode the engine hands ``slot_mapping[group]`` per token (upstream
-executor/core/engine/execution_engine.py), so the per-patch stack computes its own slots from its
-``block_table[group]`` and each request's patch count (a CacheEntry with a ``manager_key`` of its own); the open
+``problems`` below (manifest -> invariants -> rules -> manifest would cycle). In framework mode the engine hands ``slot_mapping[manager_key]`` per token position (upstream
+executor/core/kv_cache/cache_utils.py prepare_slot_mapping), except for Mamba managers and managers with
+compress_ratio > 1, whose slots the model computes: the per-patch stack needs the same, its slots from its own
+``block_table[manager_key]`` and each request's patch count (a CacheEntry with a ``manager_key`` of its own); the open
 patch's encoder rows have no fixed size without max_patch_length, so no MambaCacheEntry-style state block holds them.
 """
 

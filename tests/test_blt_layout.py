@@ -471,3 +471,22 @@ def test_analyze_checks_the_refusals_plan_against_transformers(tmp_path, monkeyp
         analyze(AnalyzeRequest(config=path))
     assert not isinstance(err.value, NotSupportedByKvcache) and err.value.field == "model_type"
     assert "cache layer 1 (model.local_decoder.layers.0.self_attn)" in err.value.message, err.value.message
+
+
+def test_the_memory_groups_of_the_section():
+    """byte_patch_section.memory_groups at the class defaults (bfloat16, block 128): a pool per stack with its own
+    bytes per token (2 x layers x KV heads x head_dim x 2 bytes: encoder 1 x 16 x 64, decoder 9 x 16 x 64, patcher
+    14 x 12 x 64, global 25 x 16 x 128), the byte stacks' 512 window as fixed blocks (ceil(512 / 128) + 1), the
+    global stack growing with the bytes, and the decoder's cross slot (9 layers x 2 rows x 16 x 64, K and V)."""
+    from model_infer_kvcache.analyzer import kv_cache_spec
+    from transformers import CONFIG_MAPPING
+
+    section = byte_patch_section.decide(bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json"), "exclusive")
+    groups = {g.group_key: g for g in byte_patch_section.memory_groups(section, 128, 2)}
+    assert {k: g.per_token_bytes for k, g in groups.items() if k != kv_cache_spec.CROSS_ATTENTION} == {
+        "encoder_config": 2 * 1 * 16 * 64 * 2, "decoder_config": 2 * 9 * 16 * 64 * 2,
+        "patcher_config": 2 * 14 * 12 * 64 * 2, "global_config": 2 * 25 * 16 * 128 * 2}
+    assert {k: g.blocks_per_request(4096) for k, g in groups.items()} == {
+        "encoder_config": 5, "decoder_config": 5, "patcher_config": 5, "global_config": 32,
+        kv_cache_spec.CROSS_ATTENTION: 1}
+    assert groups[kv_cache_spec.CROSS_ATTENTION].state_bytes == 9 * 2 * 2 * 16 * 64 * 2

@@ -82,3 +82,26 @@ def problems(section: BytePatchesDecision) -> list[tuple[str, str]]:
         if s.rows_per == bp.PER_PATCH and s.sliding_window:
             out.append((f"{where}.sliding_window", f"{s.sliding_window}: the per-patch stack attends full causal"))
     return out
+
+
+def memory_groups(section: BytePatchesDecision, block_size: int, itemsize: int) -> list[kv_cache_spec.Spec]:
+    """The memory groups a BLT plan needs, one manager per stack (their K/V shapes differ, so no two share a pool):
+    a windowed byte stack keeps its window's blocks (SlidingWindowSpec), a full one grows with the bytes; the
+    per-patch stack grows at most a row per byte (a patch may end at every byte: the bytes bound it); and the
+    decoder's cross K/V, a slot per request of cross_attn_k rows per cross layer (CrossAttentionSpec). The open
+    patch's encoder rows are no group: unbounded without max_patch_length (the module's docstring)."""
+    groups: list[kv_cache_spec.Spec] = []
+    for s in section.stacks:
+        per_token = 2 * len(s.cache_layers) * kv_cache_spec.token_bytes(s.head_dim, s.num_kv_heads, itemsize)
+        if s.sliding_window:
+            groups.append(kv_cache_spec.SlidingWindowSpec(s.section, len(s.cache_layers), per_token, block_size,
+                                                          window=s.sliding_window))
+        else:
+            groups.append(kv_cache_spec.FullAttentionSpec(s.section, len(s.cache_layers), per_token, block_size))
+    dec = next(s for s in section.stacks if s.section == "decoder_config")
+    slot = 2 * section.decoder_cross_layers * section.cross_attn_k * kv_cache_spec.token_bytes(
+        dec.head_dim, dec.num_kv_heads, itemsize)
+    groups.append(kv_cache_spec.CrossAttentionSpec(kv_cache_spec.CROSS_ATTENTION, slot,
+                                                   num_layers=section.decoder_cross_layers,
+                                                   slot_tokens=section.cross_attn_k))
+    return groups

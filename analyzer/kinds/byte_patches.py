@@ -300,7 +300,8 @@ def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
                "each stack's FA call and the patch boundary; validators/pipeline/byte_patch_run.py, checks "
                "V117/V201/V234/V309/V310/V408); what kvcache lacks is the rest of the route: ")
     rest = ("`kvcache analyze` builds no manifest around that section (its layers per stack with their own query "
-            "heads, the memory plan of per-byte and per-patch pools) and `kvcache run` has no route to that host")
+            "heads and scale; the section and its memory groups are decided) and `kvcache run` has no route to that "
+            "host")
     if facts.entropy_patching:
         gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}, "
                f"so one cache layer is written once per completed patch. {checked}{rest}")

@@ -490,3 +490,31 @@ def test_the_memory_groups_of_the_section():
         "encoder_config": 5, "decoder_config": 5, "patcher_config": 5, "global_config": 32,
         kv_cache_spec.CROSS_ATTENTION: 1}
     assert groups[kv_cache_spec.CROSS_ATTENTION].state_bytes == 9 * 2 * 2 * 16 * 64 * 2
+
+
+@pytest.mark.parametrize("planned, device, fails", [
+    ("inclusive", "inclusive", set()),
+    ("inclusive", "exclusive", {"V234", "V309", "V310"}),
+    ("exclusive", "inclusive", {"V234", "V309", "V310"}),
+])
+def test_the_render_follows_the_device_window_reading(planned, device, fails):
+    """The section planned under a device reading of pre_tokens (W under 'inclusive', W - 1 under 'exclusive')
+    renders that band, and passes where the operators count the same way; planned under the other reading, the byte
+    stacks see one key too many or too few (the patcher's entropies move the boundaries too: V234)."""
+    import tempfile
+
+    from model_infer_kvcache.validators.npu_ops.backend import install_emulation, load
+    from model_infer_kvcache.validators.npu_ops.readings import DeviceReadings, device_readings
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+    from model_infer_kvcache.validators.pipeline.report import Report
+    from transformers import CONFIG_MAPPING
+
+    real = CONFIG_MAPPING["blt"]().to_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        text = host.render_cpu(real, tmp, reading=planned).read_text(encoding="utf-8")
+        report = Report("emulated", "framework", "blt", "-", "float64", 1e-9)
+        with install_emulation(), device_readings(DeviceReadings(window_pre_tokens=device)):
+            worst = host.validate_config(report, real, load("emulated"), rendered_dir=tmp)
+    assert f"pre_tokens={6 if planned == 'inclusive' else 5}, next_tokens=0" in text  # CPU window 6
+    assert {c.id for c in report.checks if not c.passed} == fails, [(c.id, c.detail) for c in report.checks]
+    assert (worst > 0.1) == bool(fails), worst

@@ -16,14 +16,14 @@ from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.manifest import BytePatchesDecision
 from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
 from model_infer_kvcache.analyzer.version import __version__
-from model_infer_kvcache.implementer.header import generated_line
+from model_infer_kvcache.implementer.header import GENERATED_MARK
 from model_infer_kvcache.implementer.kinds.common import bad
 
 TEMPLATE = "kinds/byte_patches_attention.py.j2"
 
 
 def section_hash(section: BytePatchesDecision) -> str:
-    """The section's content hash for the generated line (a BLT manifest has no other part yet)."""
+    """The section's content hash for the generated line."""
     return hashlib.sha256(section.model_dump_json().encode()).hexdigest()[:16]
 
 
@@ -37,7 +37,9 @@ def check(section: BytePatchesDecision) -> None:
 def render(section: BytePatchesDecision, env: jinja2.Environment, attention_file: str, model_type: str = "blt",
            fa_version: str = "v1") -> dict[str, str]:
     check(section)
-    c = dict(generated_line=generated_line(__version__, section_hash(section)), model_type=model_type,
+    # no manifest carries the section yet: the line names the section's own hash, not a manifest's
+    line = f"{GENERATED_MARK} {__version__} from a byte_patches section {section_hash(section)} (no manifest yet)."
+    c = dict(generated_line=line, model_type=model_type,
              section=section, fa=FA_KEYWORDS[fa_version], threshold=repr(section.patching_threshold),
              scales={s.section: repr(float(s.softmax_scale)) for s in section.stacks})
     return {attention_file: env.get_template(TEMPLATE).render(c=c)}

@@ -33,6 +33,7 @@ from typing import Any
 from model_infer_kvcache.analyzer.config_loader import HF_MODEL_TYPE, ModelFacts, model_section
 from model_infer_kvcache.analyzer.errors import InputError
 from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
@@ -118,7 +119,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 32  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). 29: ZAYA's CCA projection inside its attention (cca_facts). 30: a decoder of several stacks (HRM's L / H, loops_kind.stacks_of). 31: an error's raising transformers line (where_transformers_failed). 32: a QSA module's indexer head dim (Qwen4-Exp). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 33  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). 29: ZAYA's CCA projection inside its attention (cca_facts). 30: a decoder of several stacks (HRM's L / H, loops_kind.stacks_of). 31: an error's raising transformers line (where_transformers_failed). 32: a QSA module's indexer head dim (Qwen4-Exp). 33: BLT's four stacks in its cache order (byte_patches. Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,8 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
         model = causal_lm_from_config(config)
     out = []
     try:
-        stack = find_decoder_stack(model, loops_kind.stacks_of(json.loads(section_json)))
+        section = json.loads(section_json)
+        stack = find_decoder_stack(model, loops_kind.stacks_of(section) or byte_patches_kind.stacks_of(section))
     except LayoutError as exc:
         raise NoKvCacheArchitecture(why_no_kv_cache(model, config) or str(exc)) from None
     found = attention_modules(model, stack)
@@ -803,6 +805,15 @@ def _encoder_error(config: dict[str, Any], model_type: str, first: HfAttention) 
 def is_linear_module(cls: str | None) -> bool:
     """A transformers module class of a linear-attention layer (a recurrent state, no softmax over keys)."""
     return bool(cls) and cls.endswith(LINEAR_MODULE_SUFFIXES)
+
+
+def byte_patch_problems(config: dict[str, Any]) -> list[str]:
+    """A BLT config's planned cache layers against transformers' own modules (byte_patches.module_problems, on the
+    meta build that joins its stacks in cache order); nothing where transformers cannot build it."""
+    report = transformers_report(config, str(config.get("model_type")))
+    if not report.ships or report.attentions is None:
+        return []
+    return byte_patches_kind.module_problems(byte_patches_kind.read_facts(config, "config"), report.attentions)
 
 
 def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPlan], scale: float,

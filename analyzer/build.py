@@ -29,6 +29,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     inspect_checkout,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
@@ -99,6 +100,13 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
     try:
         facts = normalize_config(config, where)
     except InputError as exc:
+        if isinstance(exc, NotSupportedByKvcache) and byte_patches_kind.is_blt(config):
+            # BLT's refusal names its plan: checked against transformers' own modules before it is given
+            problems = arch_check.byte_patch_problems(config)
+            if problems:
+                raise InputError(where, "architecture cross-check against transformers' own attention modules "
+                                        "(meta device) failed: " + "; ".join(problems[:3]), field="model_type") from None
+            raise
         # a field kvcache needs for attention is missing: where transformers' own code shows the model keeps no KV
         # cache at all (RWKV names no attention heads: a recurrence), that is the refusal's reason, not the field
         why = arch_check.why_no_kv_cache_of(config) if exc.message.startswith("missing") else None

@@ -392,6 +392,40 @@ class DrafterDecision(_Model):
     reason: str
 
 
+class ByteStackPlan(_Model):
+    """One of BLT's stacks as its paged attention reads it (analyzer/kinds/byte_patches.py): its cache layers and
+    the shape, scale and band of its FA calls (the stacks differ in query heads, head_dim and window)."""
+
+    section: str = Field(description="the config section of the stack (patcher_config, encoder_config, ...)")
+    module: str = Field(description="transformers' module path of the stack")
+    rows_per: Literal["byte", "patch"] = Field(description="its cache grows a row per byte or per completed patch")
+    cache_layers: list[int] = Field(description="the planned cache-layer indices of its layers")
+    num_heads: int = Field(ge=1, description="query heads (one rank)")
+    num_kv_heads: int = Field(ge=1, description="KV heads (one rank)")
+    head_dim: int = Field(ge=1, description="hidden_size // num_attention_heads (BltSelfAttention)")
+    softmax_scale: float = Field(gt=0, description="head_dim ** -0.5 (BltSelfAttention.scaling)")
+    sliding_window: int | None = Field(description="its window; null: full causal")
+    sparse_mode: int
+    pre_tokens: int
+    next_tokens: int
+    mask: MaskKind
+    window_derivation: str | None = None
+
+
+class BytePatchesDecision(_Model):
+    """BLT's stacks chained through per-request states (analyzer/kinds/byte_patches.py): each stack's paged
+    attention, and the patch boundary that steps the global stack (a row per completed patch)."""
+
+    stacks: list[ByteStackPlan] = Field(description="in the order a forward runs them")
+    entropy_patching: bool = Field(description="patches cut by the patcher's entropy; false: every byte a patch")
+    patching_threshold: float | None = Field(description="a patch ends at byte p >= 1 when the entropy at p exceeds it")
+    max_patch_length: int | None = Field(description="a patch also ends at this many bytes; null: no limit")
+    cross_attn_k: int = Field(ge=1, description="rows of a patch the decoder's cross-attention reads")
+    decoder_cross_layers: int = Field(ge=1, description="decoder cross-attention layers (a K/V slot each)")
+    per_request_states: str = Field(description="what each request keeps between steps besides its pool rows")
+    source: str
+
+
 class CacheDtypeDecision(_Model):
     """The cache planned in another dtype than the config's (``kvcache analyze --cache-dtype``)."""
 

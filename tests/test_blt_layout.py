@@ -14,7 +14,9 @@ import pytest
 import torch
 from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
+from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.kinds import byte_patches as bp
+from model_infer_kvcache.analyzer.operators.fa_facts import INT32_MAX
 
 SMALL = dict(
     patcher_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
@@ -136,8 +138,10 @@ def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
                   "self_attention_cache 0..0)", "decoder 9 x 16 KV heads x 64 (window 512, a row per byte; cache "
                   "layers 1..9, transformers' cross_attention_cache 0..8)", "patcher 14 x 12 KV heads x 64 "
                   "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
-                  "2 rows x 9 layers", "no cache layer written once per completed patch",
-                  "validators/pipeline/byte_patch_run.py, checks V117/V234/V309/V310/V408"):
+                  "2 rows x 9 layers", "one cache layer is written once per completed patch",
+                  "builds no manifest around that section", "implementer/kinds/byte_patches.py",
+                  "agrees with transformers' own modules layer by layer",
+                  "validators/pipeline/byte_patch_run.py, checks V117/V201/V234/V309/V310/V408"):
         assert words in msg, msg
     nulled = json.loads(json.dumps(data))
     nulled["patcher_config"]["num_key_value_heads"] = None  # BltPatcherConfig.__post_init__: or num_attention_heads
@@ -232,9 +236,9 @@ def test_byte_patch_mistakes_fail_by_check_id(knob, fails):
 
 def test_a_blt_config_validates_at_cpu_sizes():
     """transformers' class-default BLT (its 16 / 12 query heads, 512 windows, entropy patching) run by the host at
-    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head_dim 8, window 6, the threshold re-set to the random
-    model's median entropy, each cut noted): every check passes, max |diff| within the float32 cast (the mistakes
-    that fail by check id: test_byte_patch_mistakes_fail_by_check_id)."""
+    CPU sizes (byte_patch_run.cpu_model: 2 layers a stack, head dims 4 / 8 / 16 (patcher, local, global), window
+    6, the threshold re-set to the random model's median entropy, each cut noted): every check passes, max |diff|
+    within the float32 cast (the mistakes that fail by check id: test_byte_patch_mistakes_fail_by_check_id)."""
     from model_infer_kvcache.validators.npu_ops.backend import load
     from model_infer_kvcache.validators.pipeline import byte_patch_run as host
     from model_infer_kvcache.validators.pipeline.report import Report
@@ -249,3 +253,268 @@ def test_a_blt_config_validates_at_cpu_sizes():
     assert any(n.startswith("BLT at CPU sizes: patching_threshold 1.335") for n in report.notes), report.notes
     _, facts, _ = host.cpu_model(real)
     assert [s.heads for s in facts.stacks] == [12, 16, 16, 16] and facts.of("encoder_config").window == 6
+
+
+def test_the_section_plans_each_stack_its_own_heads_scale_and_band():
+    """The manifest's byte_patches section (byte_patch_section.decide) at transformers' class defaults: each stack
+    its own query heads, head_dim and scale (the global stack 128 wide, the local ones 64, the patcher 12 heads),
+    the byte stacks banded by their 512 window (pre_tokens W - 1 under the exclusive reading, W under the inclusive
+    one), the global stack causal; together the stacks' cache layers are the plan's."""
+    from transformers import CONFIG_MAPPING
+
+    facts = bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json")
+    section = byte_patch_section.decide(facts, "exclusive")  # the section's own home, beside the facts'
+    got = {s.section: (s.num_heads, s.head_dim, s.softmax_scale, s.sparse_mode, s.pre_tokens) for s in section.stacks}
+    assert got == {"patcher_config": (12, 64, 0.125, 4, 511), "encoder_config": (16, 64, 0.125, 4, 511),
+                   "global_config": (16, 128, 128 ** -0.5, 3, INT32_MAX), "decoder_config": (16, 64, 0.125, 4, 511)}
+    assert sorted(i for s in section.stacks for i in s.cache_layers) == [c.index for c in bp.cache_plan(facts)]
+    assert {s.pre_tokens for s in byte_patch_section.decide(facts, "inclusive").stacks if s.sliding_window} == {512}
+    assert section.patching_threshold == facts.threshold and section.cross_attn_k == 2
+
+
+def _render_judged(edit=None, extra=None, dtype="float64"):
+    """The implementer's render of the class-default BLT's (with ``extra`` config fields) CPU-sized section
+    (``edit``: a text mutation of the rendered file, which must change it) run by the host in place of its own
+    attention and boundary."""
+    import tempfile
+    from pathlib import Path
+
+    from model_infer_kvcache.validators.npu_ops.backend import install_emulation, load
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+    from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
+    from model_infer_kvcache.validators.pipeline.report import Report
+    from transformers import CONFIG_MAPPING
+
+    real = CONFIG_MAPPING["blt"]().to_dict() | (extra or {})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = host.render_cpu(real, tmp)
+        text = path.read_text(encoding="utf-8")
+        if edit is not None:
+            mutated = edit(text)
+            assert mutated != text
+            Path(path).write_text(mutated, encoding="utf-8")
+        report = Report("emulated", "framework", "blt", "-", dtype, TOLERANCE[dtype])
+        with install_emulation():
+            worst = host.validate_config(report, real, load("emulated"), rendered_dir=tmp)
+    return text, {c.id: c.passed for c in report.checks}, worst
+
+
+@pytest.mark.parametrize("extra, constants", [
+    ({}, ("ENTROPY_PATCHING = True", "MAX_PATCH_LENGTH = None")),
+    ({"max_patch_length": 2}, ("ENTROPY_PATCHING = True", "MAX_PATCH_LENGTH = 2")),
+    ({"patching_mode": "static"}, ("ENTROPY_PATCHING = False", "PATCHING_THRESHOLD = None")),
+], ids=["entropy", "max-patch-length", "static"])
+def test_the_rendered_attention_reproduces_the_full_forward(extra, constants):
+    """The render (implementer/kinds/byte_patches.py) of the CPU-sized section: its KVCacheBytePatchAttention runs
+    every stack's FA call, its KVCacheByteCrossAttention writes and reads the decoder's per-request cross K/V slots
+    and its ends_patch decides every boundary, in place of the host's own: all checks pass,
+    within the float32 cast of transformers' logits; with max_patch_length, and without entropy patching (every
+    byte a patch, no patcher stack rendered)."""
+    text, passed, worst = _render_judged(extra=extra)
+    assert passed == {"V201": True, "V117": True, "V234": True, "V309": True, "V310": True, "V408": True}, passed
+    assert worst < 1e-6, worst
+    assert '"global_config": dict(num_heads=16, num_kv_heads=16, head_dim=16, scale=0.25, sparse_mode=3' in text
+    assert all(line in text.splitlines() for line in constants), text
+    assert ('"patcher_config"' in text) == ("static" not in extra.values())
+
+
+def _scale_of(stack: str, text: str) -> str:
+    import re
+
+    return re.search(rf'"{stack}": dict\(.*?scale=([0-9.e-]+)', text).group(1)
+
+
+def _decoder_at_global_scale(text: str) -> str:
+    import re
+
+    return re.sub(r'("decoder_config": dict\(.*?scale=)[0-9.e-]+', lambda m: m.group(1) + _scale_of("global_config",
+                  text), text)
+
+
+@pytest.mark.parametrize("edit, fails, extra", [
+    (lambda t: t.replace("entropies[position] >", "entropies[position - 1] >"), {"V234", "V309", "V310"}, None),
+    (_decoder_at_global_scale, {"V309"}, None),
+    (lambda t: t.replace('"encoder_config": dict(num_heads=16', '"encoder_config": dict(num_heads=12'), {"V201"},
+     None),
+    (lambda t: t.replace("sparse_mode=3, pre_tokens=2147483647", "sparse_mode=4, pre_tokens=5"), {"V309", "V310"},
+     None),
+    (lambda t: t.replace("open_bytes >= MAX_PATCH_LENGTH", "open_bytes > MAX_PATCH_LENGTH"), {"V234", "V309"},
+     {"max_patch_length": 2}),
+    (lambda t: t.replace("[CROSS_ATTN_K] * t", "[CROSS_ATTN_K - 1] * t"), {"V309", "V310"}, None),
+    (lambda t: t.replace("+ slot * self.k_slots.shape[1]).view", "+ (slot % 2 + 1) * self.k_slots.shape[1]).view"),
+     {"V309", "V310"}, None),
+], ids=["boundary-a-byte-late", "decoder-scale-of-global", "encoder-heads-of-patcher", "global-banded",
+        "max-patch-length-a-byte-late", "cross-reads-one-row-short", "cross-written-to-another-slot"])
+def test_render_mistakes_fail_by_check_id(edit, fails, extra):
+    """Negative controls on the rendered file, each a plausible port mistake: the boundary read on the previous
+    byte's entropy (the global stack steps a byte late: V234, logits off by ~2), the decoder attending at the global
+    stack's scale (one model-level SOFTMAX_SCALE: ~0.2), the encoder given the patcher's 12 query heads (the
+    operator rejects the call: V201), the global stack banded like the byte stacks' window, a max_patch_length
+    patch cut a byte late (~1.6), the decoder's cross-attention reading one row of the patch's K/V short (~1.9), a
+    patch's cross K/V written into another request's slot (~2.1)."""
+    _, passed, worst = _render_judged(edit, extra)
+    assert {i for i, ok in passed.items() if not ok} == fails, passed
+    assert worst > 0.1, worst
+
+
+def _edited(section, stack: str, **fields):
+    return section.model_copy(update={"stacks": [s.model_copy(update=fields) if s.section == stack else s
+                                                 for s in section.stacks]})
+
+
+def test_a_hand_edited_section_is_refused_by_field():
+    """The render refuses a section whose invariants a hand edit broke (byte_patch_section.problems), naming the
+    field: the decoder at the global stack's scale, a byte stack's band dropped to causal, the global stack given a
+    window, two stacks claiming one cache layer, a pre_tokens no device reading gives; the decided section renders."""
+    from model_infer_kvcache.implementer.kinds import byte_patches as render_kind
+    from model_infer_kvcache.implementer.render import ATTENTION_FILE, _environment
+    from transformers import CONFIG_MAPPING
+
+    facts = bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json")
+    section = byte_patch_section.decide(facts, "exclusive")
+    assert byte_patch_section.problems(section) == []
+    assert render_kind.render(section, _environment(), ATTENTION_FILE)
+    order = [s.section for s in section.stacks]
+    for edit, field in (
+            (_edited(section, "decoder_config", softmax_scale=128 ** -0.5), "softmax_scale"),
+            (_edited(section, "encoder_config", sparse_mode=3), "sparse_mode"),
+            (_edited(section, "global_config", sliding_window=512, sparse_mode=4, pre_tokens=511), "sliding_window"),
+            (_edited(section, "encoder_config", cache_layers=[1]), None),
+            (_edited(section, "patcher_config", pre_tokens=510), "pre_tokens")):
+        with pytest.raises(InputError) as err:
+            render_kind.render(edit, _environment(), ATTENTION_FILE)
+        stack = next(s.section for s, t in zip(edit.stacks, section.stacks, strict=True) if s != t)
+        want = "byte_patches.stacks" if field is None else f"byte_patches.stacks[{order.index(stack)}].{field}"
+        assert err.value.field == want, (err.value.field, err.value.message)
+
+
+def test_the_rendered_attention_at_float32():
+    """The same render in a float32 model: every check passes within float32's tolerance (3.3e-6 measured). (At
+    bfloat16, measured by hand: transformers' stepped and whole-sequence patchers round some entropies to either side
+    of the threshold, request 1's bytes 11 and 12, 5.0625 vs 5.0938 at a threshold bfloat16 reads as 5.0625; the
+    checks judge such boundaries with the run's own (``rounding_boundaries``) and then pass, max |diff| 0.047 to 0.0496
+    against the 0.05 bound in the three patching modes: too near the bound to pin here.)"""
+    _, passed, worst = _render_judged(dtype="float32")
+    assert all(passed.values()) and set(passed) == {"V201", "V117", "V234", "V309", "V310", "V408"}, passed
+    assert worst < 1e-4, worst
+
+
+def test_a_boundary_moved_by_rounding_is_judged_with_the_runs_own():
+    """``rounding_boundaries``: patch ends that differ from transformers' only at bytes whose entropy lies within
+    NEAR_THRESHOLD_EPS x eps x threshold (in the entropy's dtype) are rounding, and the run's own are judged (the
+    full forward given the run's entropies cuts the same patches as its own patcher when they are its own); one
+    differing byte away from the threshold, or any at float64 beyond ~1e-15, is a wrong boundary (None)."""
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+
+    model, facts = _case({})
+    thr = facts.threshold
+    bf16 = torch.tensor([thr, thr + 0.03, thr - 0.5, thr + 0.5], dtype=torch.bfloat16)
+    assert host.rounding_boundaries(facts, [0, 1], [0], bf16) == [1]
+    assert host.rounding_boundaries(facts, [0, 1, 2], [0], bf16) is None  # byte 2 is far below the threshold
+    assert host.rounding_boundaries(facts, [0, 3], [0, 3], bf16) == []
+    f64 = torch.tensor([thr, thr + 1e-3, thr - 0.5, thr + 0.5], dtype=torch.float64)
+    assert host.rounding_boundaries(facts, [0, 1], [0], f64) is None
+    ids = torch.randint(0, 260, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        own = model.model.patcher(torch.tensor([ids]), patch_size=4, threshold=0.0)[0][0]
+    assert torch.equal(host.full_forward(model, ids, own), host.full_forward(model, ids))
+
+
+def test_the_cross_checks_meta_build_reads_the_planned_stacks_in_cache_order():
+    """The architecture cross-check's meta build (arch_check.transformers_report) joins BLT's four stacks in the
+    plan's cache order (byte_patches.stacks_of: else it finds the global transformer's 25 layers alone), and each of
+    its 49 modules has the planned scale, K/V shape and query heads (module_problems); a plan that gave the decoder
+    the patcher's 12 query heads, or the global stack the local head_dim, is named by cache layer."""
+    import dataclasses
+
+    from model_infer_kvcache.analyzer import arch_check
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING["blt"]().to_dict()
+    facts = bp.read_facts(config, "blt.json")
+    report = arch_check.transformers_report(config, "blt")
+    assert report.ships and report.error is None and len(report.attentions) == 49
+    assert bp.module_problems(facts, report.attentions) == []
+
+    def swapped(section, **fields):
+        return dataclasses.replace(facts, stacks=tuple(dataclasses.replace(s, **fields) if s.stack.section == section
+                                                       else s for s in facts.stacks))
+
+    found = bp.module_problems(swapped("decoder_config", heads=12), report.attentions)
+    assert len(found) == 9 and found[0].startswith("cache layer 1 (model.local_decoder.layers.0.self_attn)"), found
+    found = bp.module_problems(swapped("global_config", head_dim=64), report.attentions)
+    assert len(found) == 25 and found[0].startswith("cache layer 24 (model.global_transformer.layers.0"), found
+    assert bp.stacks_of({"num_hidden_layers": 2}) is None
+
+
+def test_analyze_checks_the_refusals_plan_against_transformers(tmp_path, monkeypatch):
+    """`kvcache analyze` checks the plan a BLT refusal names against transformers' modules first: at the class
+    defaults they agree and the refusal stands; an analyzer whose facts gave the decoder the patcher's 12 query heads
+    is stopped by the cross-check (bad input naming the cache layer and transformers' module), not refused with a
+    wrong plan."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    path = _write(tmp_path, CONFIG_MAPPING["blt"]().to_dict())
+    with pytest.raises(NotSupportedByKvcache):
+        analyze(AnalyzeRequest(config=path))
+    read = bp.read_facts
+
+    def misread(cfg, where):
+        facts = read(cfg, where)
+        return dataclasses.replace(facts, stacks=tuple(
+            dataclasses.replace(s, heads=12) if s.stack.section == "decoder_config" else s for s in facts.stacks))
+
+    monkeypatch.setattr(bp, "read_facts", misread)
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=path))
+    assert not isinstance(err.value, NotSupportedByKvcache) and err.value.field == "model_type"
+    assert "cache layer 1 (model.local_decoder.layers.0.self_attn)" in err.value.message, err.value.message
+
+
+def test_the_memory_groups_of_the_section():
+    """byte_patch_section.memory_groups at the class defaults (bfloat16, block 128): a pool per stack with its own
+    bytes per token (2 x layers x KV heads x head_dim x 2 bytes: encoder 1 x 16 x 64, decoder 9 x 16 x 64, patcher
+    14 x 12 x 64, global 25 x 16 x 128), the byte stacks' 512 window as fixed blocks (ceil(512 / 128) + 1), the
+    global stack growing with the bytes, and the decoder's cross slot (9 layers x 2 rows x 16 x 64, K and V)."""
+    from model_infer_kvcache.analyzer import kv_cache_spec
+    from transformers import CONFIG_MAPPING
+
+    section = byte_patch_section.decide(bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json"), "exclusive")
+    groups = {g.group_key: g for g in byte_patch_section.memory_groups(section, 128, 2)}
+    assert {k: g.per_token_bytes for k, g in groups.items() if k != kv_cache_spec.CROSS_ATTENTION} == {
+        "encoder_config": 2 * 1 * 16 * 64 * 2, "decoder_config": 2 * 9 * 16 * 64 * 2,
+        "patcher_config": 2 * 14 * 12 * 64 * 2, "global_config": 2 * 25 * 16 * 128 * 2}
+    assert {k: g.blocks_per_request(4096) for k, g in groups.items()} == {
+        "encoder_config": 5, "decoder_config": 5, "patcher_config": 5, "global_config": 32,
+        kv_cache_spec.CROSS_ATTENTION: 1}
+    assert groups[kv_cache_spec.CROSS_ATTENTION].state_bytes == 9 * 2 * 2 * 16 * 64 * 2
+
+
+@pytest.mark.parametrize("planned, device, fails", [
+    ("inclusive", "inclusive", set()),
+    ("inclusive", "exclusive", {"V234", "V309", "V310"}),
+    ("exclusive", "inclusive", {"V234", "V309", "V310"}),
+])
+def test_the_render_follows_the_device_window_reading(planned, device, fails):
+    """The section planned under a device reading of pre_tokens (W under 'inclusive', W - 1 under 'exclusive')
+    renders that band, and passes where the operators count the same way; planned under the other reading, the byte
+    stacks see one key too many or too few (the patcher's entropies move the boundaries too: V234)."""
+    import tempfile
+
+    from model_infer_kvcache.validators.npu_ops.backend import install_emulation, load
+    from model_infer_kvcache.validators.npu_ops.readings import DeviceReadings, device_readings
+    from model_infer_kvcache.validators.pipeline import byte_patch_run as host
+    from model_infer_kvcache.validators.pipeline.report import Report
+    from transformers import CONFIG_MAPPING
+
+    real = CONFIG_MAPPING["blt"]().to_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        text = host.render_cpu(real, tmp, reading=planned).read_text(encoding="utf-8")
+        report = Report("emulated", "framework", "blt", "-", "float64", 1e-9)
+        with install_emulation(), device_readings(DeviceReadings(window_pre_tokens=device)):
+            worst = host.validate_config(report, real, load("emulated"), rendered_dir=tmp)
+    assert f"pre_tokens={6 if planned == 'inclusive' else 5}, next_tokens=0" in text  # CPU window 6
+    assert {c.id for c in report.checks if not c.passed} == fails, [(c.id, c.detail) for c in report.checks]
+    assert (worst > 0.1) == bool(fails), worst

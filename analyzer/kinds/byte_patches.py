@@ -31,9 +31,12 @@ leaves it by 1.4, the global stack rerun uncached by 1.0.
 The plan runs on CPU: validators/pipeline/byte_patch_run.py steps every stack on its paged pool through the emulated
 scatter and FA calls (the global stack a row per completed patch, at the boundary ``ends_patch`` decides), keeps the
 per-request states (the open patch's encoder rows, the decoder's cross K/V slot of the latest patch) and matches
-transformers' full forward (V117 / V234 / V309 / V310 / V408). Not yet planned: kvcache's manifest has no section for
-stacks of different query heads chained through those states, nothing renders their attention or the patch-boundary
-step, and ``kvcache run`` has no route to that host; ``refusal`` names the plan and that gap.
+transformers' full forward (V117 / V234 / V309 / V310 / V408). The manifest's ``byte_patches`` section (each stack's
+FA shape, scale and band: analyzer/kinds/byte_patch_section.py) renders (implementer/kinds/byte_patches.py) into the
+attention and boundary the host runs in place of its own (V201 beside those). The architecture cross-check's meta
+build joins the four stacks in cache order (``stacks_of``), each module agreeing with its planned layer
+(``module_problems``). Not yet: ``kvcache analyze`` builds no
+manifest around that section and ``kvcache run`` has no route to the host; ``refusal`` names the plan and that gap.
 """
 
 from __future__ import annotations
@@ -189,7 +192,8 @@ def ends_patch(position: int, entropy: float, open_bytes: int, facts: BytePatchF
         return True
     if facts.max_patch_length is not None and open_bytes >= facts.max_patch_length:
         return True
-    return facts.threshold is not None and entropy > facts.threshold
+    # an entropy tensor compares in its own dtype (the threshold cast to it), as patch_lengths_from_entropies does
+    return facts.threshold is not None and bool(entropy > facts.threshold)
 
 
 def cache_plan(facts: BytePatchFacts) -> list[CacheLayer]:
@@ -207,6 +211,20 @@ def cache_plan(facts: BytePatchFacts) -> list[CacheLayer]:
             slot = (s.stack.container, i) if s.stack.container else None
             out.append(CacheLayer(len(out), s, i, slot))
     return out
+
+
+def stacks_of(section: dict[str, Any]) -> tuple[str, ...] | None:
+    """The ModuleLists whose joined layers are the planned cache layers of a BLT config, in cache index order
+    (``cache_plan``), for the architecture cross-check's meta build (hf_layout.find_decoder_stack: else it finds
+    one stack, the global transformer's); None for any other config, or one the facts reader refuses by name."""
+    if not is_blt(section):
+        return None
+    try:
+        plan = cache_plan(read_facts(section, "config"))
+    except InputError:
+        return None
+    return tuple(f"{layer.stack.stack.module.removeprefix('model.')}.layers"
+                 for layer in plan if layer.layer == 0)
 
 
 def transformers_layout(facts: BytePatchFacts) -> list[tuple[str, int, str, int, int]]:
@@ -236,6 +254,25 @@ def layout_problems(facts: BytePatchFacts, observed: dict[str, list[tuple[int, i
     return out
 
 
+def module_problems(facts: BytePatchFacts, attentions) -> list[str]:
+    """Where the planned cache layers disagree with transformers' attention modules as the architecture
+    cross-check's meta build reports them (arch_check.HfAttention, joined in cache order by ``stacks_of``): the
+    count, and per layer the scale, (key head_dim, KV heads, value head_dim) and query heads. Windows are not
+    compared: BltModel.forward builds the decoder's mask from the encoder's window, which no decoder module holds."""
+    plan = cache_plan(facts)
+    if len(attentions) != len(plan):
+        return [f"transformers' modules give {len(attentions)} attention layer(s), the plan {len(plan)}"]
+    out = []
+    for layer, hf in zip(plan, attentions, strict=True):
+        s = layer.stack
+        got = (hf.scale[0] if hf.scale else None, hf.kv_shape, dict(hf.kind_facts).get("query_heads"))
+        want = (s.scale, (s.head_dim, s.kv_heads, s.head_dim), s.heads)
+        if got[1:] != want[1:] or got[0] is None or abs(got[0] - want[0]) > 1e-12 * want[0]:
+            out.append(f"cache layer {layer.index} ({layer.path}): planned (scale, K/V shape, query heads) {want}, "
+                       f"transformers' {hf.path} {got}")
+    return out
+
+
 def _stack_text(layer_count: int, s: StackFacts, where: str) -> str:
     window = f"window {s.window}" if s.window else "full causal"
     return (f"{s.stack.section.removesuffix('_config')} {layer_count} x {s.kv_heads} KV heads x {s.head_dim} "
@@ -256,17 +293,21 @@ def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
     states = (f"per request, the open patch's encoder rows and the decoder cross-attention K/V of the latest "
               f"completed patch ({facts.cross_attn_k} rows x {facts.decoder_cross_layers} layers x {dec.kv_heads} x "
               f"{dec.head_dim})")
-    checked = ("The plan itself runs on CPU byte by byte against transformers' full forward "
-               "(validators/pipeline/byte_patch_run.py, checks V117/V234/V309/V310/V408); what kvcache lacks is the "
-               "rest of the route: ")
+    checked = ("The plan agrees with transformers' own modules layer by layer (scale, K/V shape, query heads: "
+               "arch_check.byte_patch_problems, checked before this refusal), and the plan and its render run on CPU "
+               "byte by byte against transformers' full forward (the byte_patches "
+               "section analyzer/kinds/byte_patch_section.py decides, rendered by implementer/kinds/byte_patches.py: "
+               "each stack's FA call and the patch boundary; validators/pipeline/byte_patch_run.py, checks "
+               "V117/V201/V234/V309/V310/V408); what kvcache lacks is the rest of the route: ")
+    rest = ("`kvcache analyze` builds no manifest around that section (its layers per stack with their own query "
+            "heads and scale; the section and its memory groups are decided) and `kvcache run` has no route to that "
+            "host")
     if facts.entropy_patching:
-        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}. "
-               f"{checked}its manifest, render and `kvcache run` step every cache layer once per token and have no "
-               "cache layer written once per completed patch nor a boundary decided at run time")
+        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}, "
+               f"so one cache layer is written once per completed patch. {checked}{rest}")
     else:
         gap = (f"Without entropy patching (patching_mode, patch_in_forward) every byte is a patch and every stack "
-               f"steps per byte. {checked}its manifest, render and `kvcache run` drive one decoder stack, not stacks "
-               "of different widths chained through per-request cross-attention states")
+               f"steps per byte. {checked}{rest}")
     return NotSupportedByKvcache(
         where, f"BLT's stacks need caches of their own; planned: {'; '.join(parts)}; {states}. {gap} (a gap of "
                "kvcache's, not the device's: each stack's attention is a paged FA call). transformers' own cached "

@@ -17,22 +17,28 @@ patcher's entropy at that byte) the global stack steps for the requests that end
 Checks (IDs in check_ids): V117 the pools as planned, V234 every FA call reads its stack's own cache at the kv_len
 the request's bytes (or completed patches, at exactly the bytes transformers' own patcher ends them) give, V309 /
 V310 logits and greedy bytes against the full forward, V408 every block, cross slot and per-request state released
-(released blocks and slots are NaN: a later read of one shows in V309). Knobs for the negative controls:
-``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the global stack rerun over the
-step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the decoder's cross K/V kept from the
-first patch), ``reading`` (the band's pre_tokens planned under another device reading than the operators run),
-``release=False`` (a finished request's blocks kept).
+(released blocks and slots are NaN: a later read of one shows in V309). A boundary that differs from transformers'
+only where its entropy lies within rounding of the threshold (bfloat16: the stepped and whole-sequence patchers
+round differently) is judged with the run's own, transformers' forward given the run's entropies; a greedy byte
+that differs on a near-tie (margin within 2 x the logits' difference) is accepted as V302 accepts one. Knobs for
+the negative controls: ``boundary_shift`` (the boundary read that many bytes late), ``global_cached=False`` (the
+global stack rerun over the step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the
+decoder's cross K/V kept from the first patch), ``reading`` (the band's pre_tokens planned under another device
+reading than the operators run), ``release=False`` (a finished request's blocks kept).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from model_infer_kvcache.analyzer import rules
+from model_infer_kvcache.analyzer.files import atomic_write_text
+from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.kinds import byte_patches as bp
+from model_infer_kvcache.analyzer.manifest import ByteStackPlan
 from model_infer_kvcache.analyzer.measured import DEFAULT_WINDOW_READING
 from model_infer_kvcache.validators.npu_ops.fa_masks import causal_template
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -99,36 +105,29 @@ class PagedPool:
         self.rows.pop(req, None)
 
 
-def band(stack: bp.StackFacts, reading: str) -> tuple[int, torch.Tensor | None, int, int]:
-    """(sparse_mode, atten_mask, pre_tokens, next_tokens) of a stack's decode FA call: the analyzer's rules for its
-    attn_type (a windowed stack: band 4, pre_tokens from its window under the device ``reading``; else causal 3),
-    the 2048 causal template where they name one."""
-    sparse, mask, _ = rules.decide_sparse(stack.attn_type, False, "paged")
-    pre, nxt, _ = rules.decide_window_tokens(stack.window, reading)
-    return sparse.decode, causal_template() if mask.decode == "causal_2048" else None, pre, nxt
-
-
 class PagedAttention:
     """What a port supplies for one layer of a stack (the seam a rendered attention plugs into, the shape of the
     gqa partial's ``kv_cache_attention``): write this step's K/V [T, KV heads, head_dim] at
     ``forward_metadata.slot_mapping`` with ``npu_scatter_nd_update_``, then one packed (TND) FA call over the pool
     through ``forward_metadata.block_table`` with the stack's band."""
 
-    def __init__(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, stack: bp.StackFacts, band_args):
-        self.ops, self.k_cache, self.v_cache, self.stack, self.band = ops, k_cache, v_cache, stack, band_args
+    def __init__(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, stack: ByteStackPlan):
+        self.ops, self.k_cache, self.v_cache = ops, k_cache, v_cache
+        self.plan = dict(num_heads=stack.num_heads, num_kv_heads=stack.num_kv_heads, head_dim=stack.head_dim,
+                         scale=stack.softmax_scale, sparse_mode=stack.sparse_mode, pre_tokens=stack.pre_tokens,
+                         next_tokens=stack.next_tokens, masked=stack.mask != "none")
 
     def kv_cache_attention(self, query_states, key_states, value_states, forward_metadata):
-        s = self.stack
+        p = self.plan
         slots = forward_metadata.slot_mapping.view(-1, 1)
-        self.ops.npu_scatter_nd_update_(self.k_cache.view(-1, s.kv_heads, s.head_dim), slots, key_states)
-        self.ops.npu_scatter_nd_update_(self.v_cache.view(-1, s.kv_heads, s.head_dim), slots, value_states)
+        self.ops.npu_scatter_nd_update_(self.k_cache.view(-1, p["num_kv_heads"], p["head_dim"]), slots, key_states)
+        self.ops.npu_scatter_nd_update_(self.v_cache.view(-1, p["num_kv_heads"], p["head_dim"]), slots, value_states)
         num_blocks, block_size = self.k_cache.shape[:2]
-        sparse_mode, _, pre_tokens, next_tokens = self.band
         out, _ = self.ops.npu_fused_infer_attention_score(
             query_states, self.k_cache.view(num_blocks, block_size, -1), self.v_cache.view(num_blocks, block_size, -1),
-            num_heads=s.heads, num_key_value_heads=s.kv_heads, input_layout="TND", scale=s.scale,
-            atten_mask=forward_metadata.attention_mask if self.band[1] is not None else None, sparse_mode=sparse_mode,
-            pre_tokens=pre_tokens, next_tokens=next_tokens, block_table=forward_metadata.block_table,
+            num_heads=p["num_heads"], num_key_value_heads=p["num_kv_heads"], input_layout="TND", scale=p["scale"],
+            atten_mask=forward_metadata.attention_mask if p["masked"] else None, sparse_mode=p["sparse_mode"],
+            pre_tokens=p["pre_tokens"], next_tokens=p["next_tokens"], block_table=forward_metadata.block_table,
             block_size=block_size, actual_seq_lengths=forward_metadata.actual_seq_lengths_cu_q,
             actual_seq_lengths_kv=forward_metadata.actual_seq_lengths_kv)
         return out
@@ -140,7 +139,9 @@ class RequestState:
     the patcher's entropies, its completed patches and the bytes they ended at, its bytes and logits so far."""
 
     open_rows: list[torch.Tensor] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)  # the patcher's next-byte entropy at each byte
+    # the patcher's next-byte entropy at each byte, a 0-d tensor in the model's dtype: transformers compares it with
+    # the threshold in that dtype (patch_lengths_from_entropies: ``entropies > threshold``, the float cast to it)
+    entropy: list[torch.Tensor] = field(default_factory=list)
     patches: int = 0
     cross_written: bool = False  # its cross K/V slot holds a patch's (the first patch ends at byte 0)
     ends: list[int] = field(default_factory=list)
@@ -168,8 +169,11 @@ def _stream(seed: int, vocab: int) -> tuple[Request, ...]:
 
 class _Host:
     def __init__(self, model, facts: bp.BytePatchFacts, ops, *, reading: str, boundary_shift: int,
-                 global_cached: bool, refresh_cross: bool):
+                 global_cached: bool, refresh_cross: bool, rendered=None):
         self.model, self.blt, self.cfg, self.facts, self.ops = model, model.model, model.config, facts, ops
+        # the manifest's section (each stack's FA shape and band) and the port: the host's own, or a render's
+        self.section = {s.section: s for s in byte_patch_section.decide(facts, reading).stacks}
+        self.rendered = rendered
         self.reading, self.shift, self.global_cached, self.refresh_cross = (reading, boundary_shift, global_cached,
                                                                             refresh_cross)
         self.dtype = next(model.parameters()).dtype
@@ -196,12 +200,15 @@ class _Host:
             block_table=torch.tensor([pool.tables[r] + [0] * (width - len(pool.tables[r])) for r in reqs],
                                      dtype=torch.int32),
             actual_seq_lengths_kv=[pool.rows[r] for r in reqs], actual_seq_lengths_cu_q=list(range(1, t + 1)))
-        port = PagedAttention(self.ops, pool.k[li], pool.v[li], s, band(s, self.reading))
+        if self.rendered is not None:
+            port = self.rendered.KVCacheBytePatchAttention(name, pool.k[li], pool.v[li])
+        else:
+            port = PagedAttention(self.ops, pool.k[li], pool.v[li], self.section[name])
         out = port.kv_cache_attention(q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim),
                                       v.reshape(t, s.kv_heads, s.head_dim), meta)
         self.calls.append(FaCall(name, li, tuple(reqs), tuple(positions), tuple(self.at[r] for r in reqs),
                                  tuple(meta.actual_seq_lengths_kv), tuple(map(tuple, meta.block_table.tolist())),
-                                 port.band[0], port.band[2]))
+                                 port.plan["sparse_mode"], port.plan["pre_tokens"]))
         return attn.o_proj(out.reshape(t, 1, -1))
 
     def stack(self, pool: PagedPool, name: str, module, h, reqs, positions):
@@ -225,6 +232,10 @@ class _Host:
         heads, kv_heads, dim = module.num_heads, module.num_key_value_heads, module.head_dim
         q = module.q_proj(module.q_norm(h)).view(t, heads, dim)
         k_slots, v_slots = self.cross_slots[li]
+        if self.rendered is not None:  # the render's cross-attention over the requests' slots
+            out = self.rendered.KVCacheByteCrossAttention(k_slots, v_slots).cross_attention(
+                q, [self.slot_of[r] for r in reqs])
+            return module.o_proj(out.reshape(t, -1)) + h
         out, _ = self.ops.npu_fused_infer_attention_score(
             q, k_slots.view(k_slots.shape[0], k_slots.shape[1], -1), v_slots.view(v_slots.shape[0], v_slots.shape[1],
                                                                                    -1),
@@ -237,6 +248,9 @@ class _Host:
     def write_cross(self, r: int, li: int, module, states) -> None:
         """Refresh request ``r``'s cross K/V slot of decoder cross layer ``li`` from the latest patch's rows."""
         k, v = self._cross_kv(module, states)
+        if self.rendered is not None:  # the render's write of the patch's K/V into the request's slot
+            self.rendered.KVCacheByteCrossAttention(*self.cross_slots[li]).write_patch(k, v, self.slot_of[r])
+            return
         rows = torch.arange(k.shape[0]) + self.slot_of[r] * self.cross_slots[li][0].shape[1]
         for cache, new in zip(self.cross_slots[li], (k, v), strict=True):
             self.ops.npu_scatter_nd_update_(cache.view(-1, *cache.shape[2:]), rows.view(-1, 1), new)
@@ -302,14 +316,13 @@ class _Host:
             states[r].bytes.append(feeds[r])
         pos = [positions[r] for r in active]
         byte = torch.tensor([feeds[r] for r in active]).view(-1, 1)
-        entropy = {}
         if self.facts.entropy_patching:
             ph = self.stack(pools["patcher_config"], "patcher_config", blt.patcher, blt.patcher.embed_tokens(byte),
                             active, pos)
             logits = blt.patcher.lm_head(blt.patcher.norm(ph))[:, 0]
             ent = torch.distributions.Categorical(logits=logits).entropy()
             for i, r in enumerate(active):
-                states[r].entropy.append(ent[i].item())
+                states[r].entropy.append(ent[i])
         embeds = torch.cat([compute_hash_embeddings(
             torch.tensor([states[r].bytes]), blt.local_encoder, blt.encoder_hash_tok_embedding,
             cfg.encoder_hash_byte_group_nb_functions, cfg.encoder_hash_byte_group_size,
@@ -319,8 +332,12 @@ class _Host:
         for i, r in enumerate(active):
             st, p = states[r], positions[r]
             st.open_rows.append(eh[i])
-            entropy[r] = st.entropy[max(p - self.shift, 0)] if self.facts.entropy_patching else float("nan")
-            if bp.ends_patch(p, entropy[r], len(st.open_rows), self.facts):
+            if self.rendered is not None:  # the render's boundary over the request's entropies so far
+                ends = self.rendered.ends_patch(st.entropy, p, len(st.open_rows))
+            else:
+                entropy = st.entropy[max(p - self.shift, 0)] if self.facts.entropy_patching else float("nan")
+                ends = bp.ends_patch(p, entropy, len(st.open_rows), self.facts)
+            if ends:
                 ending.append(r)
         if ending:
             self.end_patches(pools, states, ending, positions)
@@ -345,12 +362,15 @@ def _blocks_for(rows: int) -> int:
 
 def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, requests: tuple[Request, ...] | None = None,
                      reading: str = DEFAULT_WINDOW_READING, boundary_shift: int = 0, global_cached: bool = True,
-                     refresh_cross: bool = True, release: bool = True) -> BytePatchRun:
+                     refresh_cross: bool = True, release: bool = True, rendered=None) -> BytePatchRun:
     """Step ``requests`` (default: the seeded stream) through ``model`` on the planned paged caches with the
-    operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes."""
+    operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes.
+    ``rendered``: a rendered attention module (implementer/kinds/byte_patches.py, imported where ``import torch_npu``
+    reaches ``ops``) whose ``KVCacheBytePatchAttention``, ``KVCacheByteCrossAttention`` and ``ends_patch`` replace
+    the host's own."""
     reqs = requests or _stream(seed, model.config.vocab_size)
     host = _Host(model, facts, ops, reading=reading, boundary_shift=boundary_shift, global_cached=global_cached,
-                 refresh_cross=refresh_cross)
+                 refresh_cross=refresh_cross, rendered=rendered)
     planned = {layer.stack.stack.section: layer.stack for layer in bp.cache_plan(facts)}
     dtype = next(model.parameters()).dtype
     blocks = 1 + sum(_blocks_for(r.length) for r in reqs)  # + the null block; the global stack needs fewer
@@ -396,24 +416,52 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     return BytePatchRun(reqs, states, host.calls, pools, shapes, held)
 
 
-def transformers_patch_ends(model, ids: list[int]) -> list[int]:
-    """The bytes at which transformers' own patcher ends a patch over ``ids`` (the last byte of each patch): its
-    patch lengths over ``ids`` plus one byte (the patcher is causal, so that byte only tells whether the last real
-    byte ends one), or every byte without entropy patching."""
+def transformers_patches(model, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
+    """The bytes at which transformers' own patcher ends a patch over ``ids`` (the last byte of each patch) and its
+    entropy at each byte: its patch lengths over ``ids`` plus one byte (the patcher is causal, so that byte only
+    tells whether the last real byte ends one); every byte and no entropies without entropy patching."""
     cfg = model.config
     if model.model.patcher is None or cfg.patching_mode != "entropy":
-        return list(range(len(ids)))
+        return list(range(len(ids))), None
     with torch.no_grad():
-        lengths = model.model.patcher(torch.tensor([[*ids, 0]]), patch_size=cfg.patch_size,
-                                      threshold=cfg.patching_threshold, max_patch_length=cfg.max_patch_length)[1][0]
+        entropy, lengths, _ = model.model.patcher(torch.tensor([[*ids, 0]]), patch_size=cfg.patch_size,
+                                                  threshold=cfg.patching_threshold,
+                                                  max_patch_length=cfg.max_patch_length)
+    lengths = lengths[0]
     ends = (lengths[lengths > 0].cumsum(0) - 1).tolist()
-    return [e for e in ends if e < len(ids)]
+    return [e for e in ends if e < len(ids)], entropy[0, :len(ids)]
 
 
-def full_forward(model, ids: list[int]) -> torch.Tensor:
-    """transformers' logits over ``ids`` in one forward without a cache: the oracle (BLT's full forward is causal)."""
+# How near the threshold (in units of the entropy dtype's eps x the threshold) an entropy may lie for a boundary to
+# differ between the stepped patcher and transformers' whole-sequence one: the two round differently (measured at
+# bfloat16: one ulp apart across the threshold); at float64 this excuses nothing.
+NEAR_THRESHOLD_EPS = 2
+
+
+def rounding_boundaries(facts: bp.BytePatchFacts, ends: list[int], tf_ends: list[int],
+                        entropy: torch.Tensor | None) -> list[int] | None:
+    """The bytes where the run's patch ends differ from transformers' only through rounding (each such byte's entropy
+    within NEAR_THRESHOLD_EPS of the threshold in the model's dtype), or None when they differ elsewhere too (or
+    not at all: [])."""
+    differ = sorted(set(ends) ^ set(tf_ends))
+    if not differ or entropy is None or facts.threshold is None:
+        return [] if not differ else None
+    near = NEAR_THRESHOLD_EPS * torch.finfo(entropy.dtype).eps * abs(facts.threshold)
+    return differ if all(abs(float(entropy[b]) - facts.threshold) <= near for b in differ) else None
+
+
+def full_forward(model, ids: list[int], entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' logits over ``ids`` in one forward without a cache: the oracle (BLT's full forward is causal);
+    ``entropy``: the patcher entropies to cut patches by (transformers' own patch_lengths_from_entropies and
+    process_patch_lengths over them), in place of its patcher's."""
+    from transformers.models.blt.modeling_blt import BltPatcher, process_patch_lengths
+
+    cfg, lengths = model.config, None
+    if entropy is not None:
+        lengths = process_patch_lengths(BltPatcher.patch_lengths_from_entropies(
+            entropy[None], len(ids), cfg.patch_size, cfg.patching_threshold), cfg.max_patch_length)
     with torch.no_grad():
-        return model(torch.tensor([ids]), use_cache=False).logits[0]
+        return model(torch.tensor([ids]), use_cache=False, patch_lengths=lengths).logits[0]
 
 
 def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: BytePatchRun, tolerance: float) -> float:
@@ -430,7 +478,15 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
     # V234: each call reads its stack's cache at the rows the request has; the global stack exactly at the bytes
     # transformers' patcher ends a patch, one row per completed patch
     problems = []
-    ends = {i: transformers_patch_ends(model, st.bytes) for i, st in run.states.items()}
+    ends, given = {}, {}
+    for i, st in run.states.items():
+        ends[i], entropy = transformers_patches(model, st.bytes)
+        rounded = rounding_boundaries(facts, st.ends, ends[i], entropy)
+        if rounded:  # judged with the run's own boundaries, transformers' forward given them too
+            report.notes.append(f"request {i}: patch boundaries at bytes {rounded} differ from transformers' "
+                                f"whole-sequence patcher only where its entropy lies within {NEAR_THRESHOLD_EPS} eps "
+                                f"of the threshold ({report.dtype} rounding): judged with the run's boundaries")
+            ends[i], given[i] = list(st.ends), torch.stack(st.entropy)
     for call in run.calls:
         for r, at, kv in zip(call.requests, call.at_bytes, call.kv_lens, strict=True):
             expect = len([e for e in ends[r] if e <= at]) if call.stack == "global_config" else at + 1
@@ -450,19 +506,29 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
 
     # transformers casts BLT's logits to float32 (BltForCausalLM.forward: lm_head(...).float()): below float32's
     # rounding at the logits' scale no run can agree more closely, whatever its dtype
-    worst, same, scale = 0.0, True, 0.0
+    worst, scale, margins = 0.0, 0.0, []
     for i, st in run.states.items():
-        ref = full_forward(model, st.bytes)
+        ref = full_forward(model, st.bytes, given.get(i))
         scale = max(scale, ref.abs().max().item())
         got_logits = torch.stack(st.logits)
         last = len(st.bytes) if facts.max_patch_length is None else len(st.bytes) - 1
         worst = max(worst, (got_logits[:last] - ref[:last]).abs().max().item())
         prompt = len(run.requests[i].prompt)
-        same &= got_logits[prompt - 1:-1].argmax(-1).tolist() == ref[prompt - 1:-1].argmax(-1).tolist()
+        for p in range(prompt - 1, len(st.bytes) - 1):  # each greedy byte: the reference's margin over the run's pick
+            mine, theirs = int(got_logits[p].argmax()), int(ref[p].argmax())
+            if mine != theirs:
+                margins.append((f"request {i} byte {p + 1}: {mine} vs {theirs}",
+                                (ref[p, theirs] - ref[p, mine]).item()))
     tolerance = max(tolerance, torch.finfo(torch.float32).eps * scale)
     report.add(f"byte patches: logits vs transformers' full forward (each request's bytes, no cache) max |diff| <= "
                f"{tolerance:g}", "numeric", worst <= tolerance, f"max |diff| {worst:.3g}", max_abs_diff=worst)
-    report.add("byte patches: greedy bytes identical to transformers' full forward", "numeric", same)
+    # as V302: logits within the bound can flip a choice whose margin is at most 2 x the bound (a near-tie)
+    tie = 2 * min(worst, tolerance)
+    flips = [where for where, margin in margins if margin > tie]
+    ties = [where for where, margin in margins if margin <= tie]
+    report.add("byte patches: greedy bytes identical to transformers' full forward", "numeric", not flips,
+               "; ".join(flips[:3] + ([f"{len(ties)} near-tie(s) within 2 x the logit difference: "
+                                       + ", ".join(ties[:3])] if ties else [])))
 
     leaks = {name: pool.start_free - len(pool.free) for name, pool in run.pools.items()
              if len(pool.free) != pool.start_free or pool.tables}
@@ -474,7 +540,9 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
 
 # ---------------------------------------------------------------- a CPU-sized BLT from any BLT config
 CPU_LAYERS = 2  # layers kept per stack
-CPU_HEAD_DIM = 8  # a stack's hidden size is its query heads x this (its head counts and GQA ratio kept)
+# a stack's hidden size is its query heads x its head_dim here (head counts and GQA ratios kept); the stacks' head dims
+# differ, as transformers' defaults do (global 128, local 64), so a stack read at another's scale shows
+CPU_HEAD_DIMS = {"patcher_config": 4, "local": 8, "global_config": 16}
 CPU_WINDOW = 6  # a longer window is cut so the stream's bytes (up to 25 per request) cross it
 CPU_HASH_VOCAB = 100  # the hash embeddings' rows (500002 by default: ~6 x 500002 x hidden parameters)
 
@@ -488,9 +556,9 @@ def cpu_config(real: dict) -> tuple[dict, list[str]]:
 
     d, notes = copy.deepcopy(real), []
     heads = {s.section: d[s.section]["num_attention_heads"] for s in bp.STACKS}
-    local = CPU_HEAD_DIM * math.lcm(heads["encoder_config"], heads["decoder_config"])
-    hidden = {"patcher_config": CPU_HEAD_DIM * heads["patcher_config"], "encoder_config": local,
-              "decoder_config": local, "global_config": CPU_HEAD_DIM * heads["global_config"]}
+    local = CPU_HEAD_DIMS["local"] * math.lcm(heads["encoder_config"], heads["decoder_config"])
+    hidden = {"patcher_config": CPU_HEAD_DIMS["patcher_config"] * heads["patcher_config"], "encoder_config": local,
+              "decoder_config": local, "global_config": CPU_HEAD_DIMS["global_config"] * heads["global_config"]}
     for section, size in hidden.items():
         sub = d[section]
         if sub["num_hidden_layers"] > CPU_LAYERS:
@@ -537,10 +605,40 @@ def cpu_model(real: dict, seed: int = 0, dtype: torch.dtype = torch.float64):
     return model, facts, notes
 
 
-def validate_config(report: Report, real: dict, ops, *, seed: int = 0, **knobs) -> float:
+def render_cpu(real: dict, out_dir, *, seed: int = 0, reading: str = DEFAULT_WINDOW_READING) -> Path:
+    """Write the implementer's render of ``real``'s CPU-sized ``byte_patches`` section (the stacks' shapes and the
+    threshold the CPU model runs with, planned under the device ``reading``) into ``out_dir``; its path."""
+    from model_infer_kvcache.implementer.kinds import byte_patches as render_kind
+    from model_infer_kvcache.implementer.render import ATTENTION_FILE, _environment
+
+    _, facts, _ = cpu_model(real, seed)
+    files = render_kind.render(byte_patch_section.decide(facts, reading), _environment(), ATTENTION_FILE)
+    out = Path(out_dir)
+    for name, text in files.items():
+        atomic_write_text(out / name, text)
+    return out / ATTENTION_FILE
+
+
+def validate_config(report: Report, real: dict, ops, *, seed: int = 0, rendered_dir=None, **knobs) -> float:
     """The byte-stepping run of ``real``'s CPU-sized model with ``ops`` and its checks into ``report`` (notes: what
-    was cut); returns the logits' max |diff|."""
+    was cut); returns the logits' max |diff|. ``rendered_dir``: a render of the CPU-sized section (``render_cpu``)
+    whose attention and boundary run in place of the host's; call inside the context where ``import torch_npu``
+    reaches ``ops`` (validators.npu_ops.install_emulation, or the device)."""
     model, facts, notes = cpu_model(real, seed, getattr(torch, report.dtype))
     report.notes += [f"BLT at CPU sizes: {n}" for n in notes]
-    run = run_byte_patches(model, facts, ops, seed=seed, **knobs)
+    rendered = None
+    if rendered_dir is not None:
+        from model_infer_kvcache.validators.pipeline.host_model import import_rendered
+
+        rendered = import_rendered(rendered_dir).attention
+    try:
+        run = run_byte_patches(model, facts, ops, seed=seed, rendered=rendered, **knobs)
+    except Exception as exc:  # the rendered code or an operator rejected a call: a finding, not a crash
+        if rendered is None:
+            raise
+        report.add("rendered code runs without operator errors", "runtime", False,
+                   detail=f"{type(exc).__name__}: {exc}")
+        return float("inf")
+    if rendered is not None:
+        report.add("rendered code runs without operator errors", "runtime", True)
     return check_byte_patches(report, model, facts, run, report.tolerance)

@@ -72,13 +72,16 @@ SPEC_CALLS = "speculative-decode verify steps"
 # DeepSeek-V3's MTP cases: a shorter main stream (admission, a late request, two sequential ones) before the verify
 # steps, which are the point here
 MTP_STREAM = replace(QUICK, first=((150, 4), (40, 3), (60, 3)), late=((30, 2),), release_requests=2)
+# with 16 heads instead of its published 128: the captured widths are batch x tokens whatever the head count, and a
+# render of 128 heads validates through a second, CPU-sized run (20-30 s a case instead of a few)
+MTP_HEADS = {"num_attention_heads": 16, "num_key_value_heads": 16}
 
 
 @pytest.mark.parametrize("mode,exe_mode", [("standalone", "npugraph_ex"), ("framework", "ge_graph")])
 def test_mtp_verify_steps_capture_a_width_of_their_own_and_replay_as_eager(tmp_path, mode, exe_mode):
     # DeepSeek-V3 with its MTP layer (next_n 1): decode steps and verify steps (1 + next_n tokens per row, padded
     # rows too) are two captured shapes, each replayed, and the verify logits still match transformers
-    manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", exe_mode=exe_mode, deploy_mode=mode)
+    manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", MTP_HEADS, exe_mode=exe_mode, deploy_mode=mode)
     report = run_validate(manifest, rendered, cfg, scenario=MTP_STREAM)
     assert report.passed, [c for c in report.checks if not c.passed]
     rows = QUICK.max_concurrency
@@ -93,7 +96,7 @@ def test_mtp_verify_steps_capture_a_width_of_their_own_and_replay_as_eager(tmp_p
 def test_padded_verify_rows_given_one_token_fail_by_name(tmp_path):
     # The runner pads a verify step as a decode step (one token per padded row): the step is not the captured shape
     # of batch x (1 + next_n) tokens
-    manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", exe_mode="npugraph_ex", deploy_mode="standalone")
+    manifest, rendered, cfg = render_case(tmp_path, "deepseek_v3", MTP_HEADS, exe_mode="npugraph_ex", deploy_mode="standalone")
     mutate(rendered, r"slot_mapping, 1 \+ next_n\)", "slot_mapping)", name="kvcache_runner.py")
     report = run_validate(manifest, rendered, cfg, scenario=MTP_STREAM)
     padding = check(report, PADDING)

@@ -19,10 +19,8 @@ import json
 from pathlib import Path
 
 import pytest
-from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
-from model_infer_kvcache.implementer.render import render_manifest, write_rendered
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario
-from validators_support import check, mistaken_report, run_validate
+from validators_support import check, mistaken_report, render_case, run_validate
 
 ATTN = "kvcache_attention.py"
 NUMERIC, SELECTION, AS_WRITTEN = "logits vs transformers", "QSA selection:", "as written: "
@@ -39,10 +37,7 @@ def _case(tmp: Path, mode: str, **over) -> tuple[Path, Path, Path]:
 
     config = tmp / "qwen4_exp_text.json"
     config.write_text(json.dumps({**CONFIG_MAPPING["qwen4_exp_text"]().to_dict(), **QSA, **over}), encoding="utf-8")
-    m = analyze(AnalyzeRequest(config=str(config), deploy_mode=mode))
-    (tmp / "m.json").write_text(m.to_json(), encoding="utf-8")
-    write_rendered(render_manifest(m), tmp / "r")
-    return tmp / "m.json", tmp / "r", config
+    return render_case(tmp, config.stem, config_path=str(config), deploy_mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["framework", "standalone"])

@@ -36,7 +36,9 @@ from model_infer_kvcache.analyzer.files import atomic_write_text
 from model_infer_kvcache.analyzer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
+from model_infer_kvcache.analyzer.kinds.diff import HF_FACT as DIFF_FACT
 from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
+from model_infer_kvcache.analyzer.kinds.invariants import DIFF_CACHES
 from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
     MIXER_FACT,
@@ -119,7 +121,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 33  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). 29: ZAYA's CCA projection inside its attention (cca_facts). 30: a decoder of several stacks (HRM's L / H, loops_kind.stacks_of). 31: an error's raising transformers line (where_transformers_failed). 32: a QSA module's indexer head dim (Qwen4-Exp). 33: BLT's four stacks in its cache order (byte_patches.stacks_of). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 34  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). 29: ZAYA's CCA projection inside its attention (cca_facts). 30: a decoder of several stacks (HRM's L / H, loops_kind.stacks_of). 31: an error's raising transformers line (where_transformers_failed). 32: a QSA module's indexer head dim (Qwen4-Exp). 33: BLT's four stacks in its cache order (byte_patches.stacks_of). 34: DiffLlama's lambdas and group norm (differential). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -999,7 +1001,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             sinks_off.append((layer, mod))
         module_facts = dict(mod.kind_facts)
         hf_source = module_facts.pop(KV_SOURCE_FACT, None)
-        if (calls := module_facts.pop(CALLS_FACT, None)) is not None:
+        if (calls := module_facts.pop(CALLS_FACT, None)) is not None and not _differential_planned(layer, mod, calls):
             calls_off.append((layer, mod, calls))
         if (tiles := module_facts.pop(TILED_FACT, None)) is not None:
             tiled.append((layer, mod, tiles))
@@ -1101,10 +1103,19 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
     return result
 
 
+def _differential_planned(layer: LayerPlan, mod: HfAttention, calls: int) -> bool:
+    """The module's two attention calls are DiffLlama's differential pattern (its lambdas and group norm, two calls)
+    and the layer plans its four half-head caches (analyzer/kinds/diff.py): served, not refused."""
+    return calls == 2 and dict(mod.kind_facts).get(DIFF_FACT) is not None and \
+        {c.name for c in layer.caches} >= set(DIFF_CACHES)
+
+
 def _planned_kv_shape(layer: LayerPlan) -> tuple[int, int, int] | None:
-    """(key dim, KV heads per rank, value dim) of a layer's k_cache / v_cache, None for other caches (MLA's latent)."""
+    """(key dim, KV heads per rank, value dim) of a layer's k_cache / v_cache, None for other caches (MLA's latent);
+    a differential layer's K heads are its two half-head key caches'."""
     caches = {c.name: c for c in layer.caches}
     k, v = caches.get("k_cache"), caches.get("v_cache")
     if k is None:
         return None
-    return k.dim, k.num_head, v.dim if v is not None else k.dim  # K=V layers (Gemma-4) keep no v_cache
+    heads = k.num_head + (caches[DIFF_CACHES[2]].num_head if DIFF_CACHES[2] in caches else 0)
+    return k.dim, heads, v.dim if v is not None else k.dim  # K=V layers (Gemma-4) keep no v_cache

@@ -21,6 +21,7 @@ from model_infer_kvcache.analyzer.hf_config_source import BadOperand, ConfigClas
 from model_infer_kvcache.analyzer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.analyzer.kinds import compressed as compressed_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kinds import diff as diff_kind
 from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.kinds import qsa as qsa_kind
@@ -340,6 +341,8 @@ class ModelFacts:
     compressed: Sourced[compressed_kind.CompressedFacts | None] = Sourced(None, "default: no compressed layers")
     # Qwen4-Exp's QSA indexer on every attention layer (analyzer/kinds/qsa.py); None: no QSA
     qsa: Sourced[qsa_kind.QsaFacts | None] = Sourced(None, "default: no QSA indexer")
+    # DiffLlama's differential attention (analyzer/kinds/diff.py); None: one value layout
+    diff: Sourced[diff_kind.DiffFacts | None] = Sourced(None, "default: no differential attention")
     # what the config calls each block that holds no cache (Nemotron-H's "mlp" / "moe"), by block index
     block_names: dict[int, str] | None = None
     # the decoder of an encoder-decoder model (analyzer/kinds/cross.py); None: decoder-only
@@ -782,6 +785,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         None, "default: not in config")
     rope = _rope(r)
     qsa = qsa_kind.read_facts(r.get, where, model_type, head_dim.value, r.prefix)
+    diff = diff_kind.read_facts(r.get, where, model_type, kv_heads.value, kv_heads.source)
     linear = _linear(r, linear_family, layer_kinds, heads, model_type, hidden.value)
     raw_types = blocks[0] if blocks else (r.get("layer_types") or (None,))[0]
     block_names = ({i: t for i, (t, k) in enumerate(zip(raw_types, layer_kinds.value, strict=False)) if k == NO_CACHE}
@@ -870,6 +874,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         compressed=Sourced(compressed, compressed.source) if compressed else Sourced(
             None, "default: no compressed layers"),
         qsa=Sourced(qsa, qsa.source) if qsa else Sourced(None, "default: no QSA indexer"),
+        diff=Sourced(diff, diff.source) if diff else Sourced(None, "default: no differential attention"),
         cross=Sourced(cross, cross.source) if cross else Sourced(None, "default: decoder-only (no cross-attention)"),
         loops=Sourced(loops, loops.source) if loops else Sourced(None, "default: every decoder layer runs once"),
         prefix_lm=Sourced(True, prefix[1]) if (prefix := r.get("prefix_lm")) and prefix[0] is True else Sourced(

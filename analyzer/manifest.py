@@ -484,6 +484,19 @@ class QsaDecision(_Model):
     reason: str
 
 
+class DifferentialDecision(_Model):
+    """DiffLlama's differential attention (analyzer/kinds/diff.py): K and V each kept as two caches of half the KV
+    heads (``k_cache`` / ``v_cache`` heads < k/2, ``k_cache_hi`` / ``v_cache_hi`` the rest); four FA calls of half the
+    query heads each pair a query half's key cache with both value halves."""
+
+    half_kv_heads: int = Field(ge=1, description="KV heads per rank in each half-head cache")
+    half_q_heads: int = Field(ge=1, description="query heads per rank in each FA call (num_heads)")
+    layout: str = Field(description="which cache holds which heads and which FA call reads which")
+    memory: str
+    source: str
+    reason: str
+
+
 class CompressedEntry(_Model):
     """One cache entry of a layer's compressed branch (DeepSeek-V4), as upstream registers it (``CacheEntry``)."""
 
@@ -776,7 +789,7 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "qsa", "legacy_attention", "linear_attention", "exe_mode", "compressed",
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "qsa", "differential", "legacy_attention", "linear_attention", "exe_mode", "compressed",
                       "no_cache_layers", "cross_attention", "recurrent_loops", "drafter")
 
 
@@ -813,6 +826,9 @@ class SelectionManifest(_Model):
     qsa: QsaDecision | None = Field(
         default=None, description="Qwen4-Exp's QSA: the indexer's raw and pooled block keys and the block selection; "
                                   "absent: no QSA")
+    differential: DifferentialDecision | None = Field(
+        default=None, description="DiffLlama's differential attention: K/V as two half-head caches each, four FA "
+                                  "calls; absent: none")
     exe_mode: ExecModeDecision | None = Field(
         default=None, description="the framework's execution mode for decode and what a captured step must do; "
                                   "absent: eager (not stated)")

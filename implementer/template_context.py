@@ -140,6 +140,11 @@ class RenderContext:
     index_rope: str = ""
     # QSA (manifest.qsa, implementer/kinds/qsa.py): tokens per pooled block and blocks kept per query (its indexer
     # heads and head dim in index_n_heads / index_head_dim)
+    # DiffLlama's differential attention (manifest differential): K/V halves of half_kv_heads, FA calls of
+    # half_q_heads
+    is_diff: bool = False
+    half_kv_heads: int = 0
+    half_q_heads: int = 0
     is_qsa: bool = False
     qsa_ratio: int = 0
     index_rope_dim: int = 0

@@ -6,13 +6,19 @@ with stays in ``analyzer/kv_cache_spec.py``.
 
 from __future__ import annotations
 
-from model_infer_kvcache.analyzer.kinds.invariants import INDEXER_KEY_CACHE, QSA_CACHES, kind_problems  # noqa: F401
+from model_infer_kvcache.analyzer.kinds.invariants import (  # noqa: F401
+    DIFF_CACHES,
+    INDEXER_KEY_CACHE,
+    QSA_CACHES,
+    kind_problems,
+)
 
 # The attention formats a manifest's attention layers share, as every tool names them: DeepSeek sparse attention
 # (MLA + an indexer), MLA (latent + rope part), GQA/MHA/MQA (K/V caches), DeepSeek-V4's compressed attention (a
 # shared K=V window branch + CSA / HCA compressed branches).
-# Qwen4-Exp's QSA (GQA + a block-selecting indexer).
-DSA, MLA, GQA, COMPRESSED, QSA = "dsa", "mla", "gqa", "compressed", "qsa"
+# Qwen4-Exp's QSA (GQA + a block-selecting indexer). DiffLlama's differential attention (GQA K/V as two half-head
+# caches each, four FA calls).
+DSA, MLA, GQA, COMPRESSED, QSA, DIFF = "dsa", "mla", "gqa", "compressed", "qsa", "differential"
 
 
 def attention_format(m) -> str:
@@ -24,6 +30,8 @@ def attention_format(m) -> str:
         return DSA
     if getattr(m, "qsa", None) is not None:
         return QSA
+    if getattr(m, "differential", None) is not None:
+        return DIFF
     return MLA if m.mla.enabled else GQA
 
 
@@ -38,7 +46,15 @@ def fa_kv_heads(m, plan) -> int:
     layer's KV heads per rank."""
     if m.mla.enabled:
         return 1
-    return plan.num_kv_heads_per_rank or m.parallel.num_kv_heads_per_rank
+    heads = plan.num_kv_heads_per_rank or m.parallel.num_kv_heads_per_rank
+    return heads // 2 if getattr(m, "differential", None) is not None else heads  # a half-head cache per call
+
+
+def fa_q_heads(m) -> int:
+    """num_heads an FA call passes: the rank's query heads, half of them on differential attention (each call
+    serves the query heads of one KV-head half)."""
+    q = m.parallel.num_q_heads_per_rank
+    return q // 2 if getattr(m, "differential", None) is not None else q
 
 
 def holds_states(m) -> bool:
@@ -76,4 +92,6 @@ def cache_row_shape(m, layer_kv: int, layer_dim: int) -> tuple[int, int | None]:
         return 1, None
     if m.kv_mode.value == "legacy":
         return 1, layer_dim * layer_kv
+    if getattr(m, "differential", None) is not None:
+        return layer_kv // 2, layer_dim  # K/V each kept as two half-head caches
     return layer_kv, layer_dim

@@ -6,11 +6,23 @@ instead of branching on the config's MLA / DSA / compressed facts; a new format 
 
 from __future__ import annotations
 
-from model_infer_kvcache.analyzer.kinds import DSA, MLA, QSA, attention_format, compressed, dsa, gqa, mla, qsa
+from model_infer_kvcache.analyzer.kinds import (
+    DIFF,
+    DSA,
+    MLA,
+    QSA,
+    attention_format,
+    compressed,
+    diff,
+    dsa,
+    gqa,
+    mla,
+    qsa,
+)
 from model_infer_kvcache.analyzer.kinds.gqa import Facts, GqaFormat
 from model_infer_kvcache.analyzer.linear_config import mixer_facts
 
-FORMATS: tuple[GqaFormat, ...] = (gqa.FORMAT, mla.FORMAT, dsa.FORMAT, compressed.FORMAT, qsa.FORMAT)
+FORMATS: tuple[GqaFormat, ...] = (gqa.FORMAT, mla.FORMAT, dsa.FORMAT, compressed.FORMAT, qsa.FORMAT, diff.FORMAT)
 
 
 def hf_module_facts(module) -> tuple[tuple[str, int | None], ...]:
@@ -24,11 +36,13 @@ def hf_module_facts(module) -> tuple[tuple[str, int | None], ...]:
 
 
 def format_of(facts: Facts) -> GqaFormat:
-    """The most specific format the facts name: compressed (DeepSeek-V4), QSA (Qwen4-Exp), DSA (MLA + indexer), MLA, else GQA."""
+    """The most specific format the facts name: compressed (DeepSeek-V4), QSA (Qwen4-Exp), differential (DiffLlama), DSA (MLA + indexer), MLA, else GQA."""
     if facts.compressed.value is not None:
         return compressed.FORMAT
     if facts.qsa.value is not None:
         return qsa.FORMAT
+    if facts.diff.value is not None:
+        return diff.FORMAT
     if facts.dsa.value is not None:
         return dsa.FORMAT
     if facts.mla.value is not None:
@@ -40,4 +54,4 @@ def format_of_manifest(m) -> GqaFormat:
     """The format a manifest plans, read from its sections the way ``format_of`` reads the facts."""
     if m.compressed is not None:
         return compressed.FORMAT
-    return {DSA: dsa.FORMAT, MLA: mla.FORMAT, QSA: qsa.FORMAT}.get(attention_format(m), gqa.FORMAT)
+    return {DSA: dsa.FORMAT, MLA: mla.FORMAT, QSA: qsa.FORMAT, DIFF: diff.FORMAT}.get(attention_format(m), gqa.FORMAT)

@@ -16,10 +16,12 @@ RECURRENT_SIZES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "nu
 INDEXER_KEY_CACHE = "indexer_key_cache"  # the DSA indexer's key cache entry (upstream deepseek_v3_2_exp)
 # QSA's two indexer entries (analyzer/kinds/qsa.py, which imports the manifest: spelled here too, checked equal there)
 QSA_CACHES = ("indexer_raw_key_cache", "indexer_block_key_cache")
+# DiffLlama's K/V as two half-head caches each (analyzer/kinds/diff.py): K low, V low, K high, V high
+DIFF_CACHES = ("k_cache", "v_cache", "k_cache_hi", "v_cache_hi")
 
 
 def kind_problems(m) -> list[tuple[str, str]]:
-    return [*dsa_problems(m), *qsa_problems(m), *state_problems(m), *compressed_problems(m), *drafter.problems(m)]
+    return [*dsa_problems(m), *qsa_problems(m), *diff_problems(m), *state_problems(m), *compressed_problems(m), *drafter.problems(m)]
 
 
 def dsa_problems(m) -> list[tuple[str, str]]:
@@ -54,6 +56,25 @@ def qsa_problems(m) -> list[tuple[str, str]]:
             return [(f"layers[{i}].caches", f"QSA's indexer entries must be 1 head x qsa.head_dim {qsa.head_dim}")]
     if qsa and qsa.block_topk != qsa.budget // qsa.ratio:
         return [("qsa.block_topk", f"must be budget // ratio = {qsa.budget // qsa.ratio}")]
+    return []
+
+
+def diff_problems(m) -> list[tuple[str, str]]:
+    """Every attention layer holds exactly the four half-head caches when the manifest plans differential attention
+    (a hand edit dropping the high halves leaves half the value heads unwritten), none of the high ones otherwise."""
+    diff = getattr(m, "differential", None)
+    for i, layer in enumerate(m.layers):
+        if layer.is_state:
+            continue
+        names = tuple(c.name for c in layer.caches)
+        if diff is not None and names != DIFF_CACHES:
+            return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} holds {list(names)}: differential "
+                                            f"attention plans {list(DIFF_CACHES)}")]
+        if diff is None and set(names) & set(DIFF_CACHES[2:]):
+            return [(f"layers[{i}].caches", f"decoder layer {layer.decoder_layer} holds the high half-head caches "
+                                            "(no differential section)")]
+    if diff is not None and diff.half_kv_heads * 2 != m.parallel.num_kv_heads_per_rank:
+        return [("differential.half_kv_heads", f"must be half of {m.parallel.num_kv_heads_per_rank} KV heads per rank")]
     return []
 
 

@@ -4,7 +4,8 @@ and what it refuses to render.
 One module per kind: ``gqa`` (K/V caches, full and sliding groups), ``mla`` (the latent cache and its rope part),
 ``dsa`` (MLA plus the indexer's key cache and the sparse FA), ``recurrent`` (the linear layers' states),
 ``compressed`` (DeepSeek-V4: window, CSA and HCA layers rendered), ``qsa`` (Qwen4-Exp: GQA plus the indexer's raw and
-pooled block keys, the block selection and the sparse FA), ``chunked`` (Llama-4's chunked local
+pooled block keys, the block selection and the sparse FA), ``diff`` (DiffLlama: K/V as two half-head caches each,
+four FA calls), ``chunked`` (Llama-4's chunked local
 attention, inside the GQA partial). Each
 exposes ``check(m)`` (raise the manifest field that makes the design unrenderable) and ``fields(m)`` (its
 ``RenderContext`` fields). ``kinds_of`` maps the kinds a manifest holds (``analyzer.kinds.attention_format``, the one
@@ -18,6 +19,7 @@ from types import ModuleType
 
 from model_infer_kvcache.analyzer.kinds import (
     COMPRESSED,
+    DIFF,
     DSA,
     GQA,
     MLA,
@@ -28,14 +30,24 @@ from model_infer_kvcache.analyzer.kinds import (
     holds_states,
 )
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
-from model_infer_kvcache.implementer.kinds import chunked, compressed, cross, dsa, gqa, mla, qsa, recurrent
+from model_infer_kvcache.implementer.kinds import (
+    chunked,
+    compressed,
+    cross,
+    diff,
+    dsa,
+    gqa,
+    mla,
+    qsa,
+    recurrent,
+)
 from model_infer_kvcache.implementer.kinds.common import bad
 
 # Layer kinds the analyzer may plan that no partial renders, and why a render of them would be wrong.
 UNRENDERED_LAYER_KINDS: dict[str, str] = {}
 
 
-_BY_FORMAT = {COMPRESSED: compressed, DSA: dsa, MLA: mla, GQA: gqa, QSA: qsa}
+_BY_FORMAT = {COMPRESSED: compressed, DSA: dsa, MLA: mla, GQA: gqa, QSA: qsa, DIFF: diff}
 
 
 def attention_kind(m: SelectionManifest) -> ModuleType:

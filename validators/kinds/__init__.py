@@ -4,7 +4,7 @@ One module per kind, as ``implementer/kinds/`` on the render side: ``gqa`` (K/V 
 latent cache, FA calls with one KV head), ``dsa`` (MLA plus the indexer: its calls are the indexer's and the sparse
 FA's, no FA call), ``compressed`` (DeepSeek-V4: one shared-KV attention call over the window and CSA / HCA branches, no FA
 call), ``qsa`` (Qwen4-Exp: GQA plus the indexer's block keys; its calls the indexer's and the sparse FA's, V235),
-``recurrent`` (the linear layers' states). Each states, independently of the implementer (a
+``diff`` (DiffLlama: GQA's checks over four FA calls of half the heads), ``recurrent`` (the linear layers' states). Each states, independently of the implementer (a
 check must not take its expectation from the code it checks), the module constants a render must define
 (``expected_constants``); the attention kinds also what their calls must pass. ``kind_of`` / ``kinds_of`` map a
 manifest to them through ``analyzer.kinds.attention_format``, the one place that reads which kinds a manifest holds.
@@ -14,10 +14,19 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from model_infer_kvcache.analyzer.kinds import COMPRESSED, DSA, GQA, MLA, QSA, attention_format, holds_states
-from model_infer_kvcache.validators.kinds import compressed, dsa, gqa, mla, qsa, recurrent
+from model_infer_kvcache.analyzer.kinds import (
+    COMPRESSED,
+    DIFF,
+    DSA,
+    GQA,
+    MLA,
+    QSA,
+    attention_format,
+    holds_states,
+)
+from model_infer_kvcache.validators.kinds import compressed, diff, dsa, gqa, mla, qsa, recurrent
 
-_BY_FORMAT = {COMPRESSED: compressed, DSA: dsa, MLA: mla, GQA: gqa, QSA: qsa}
+_BY_FORMAT = {COMPRESSED: compressed, DSA: dsa, MLA: mla, GQA: gqa, QSA: qsa, DIFF: diff}
 
 
 def kind_of(manifest) -> ModuleType:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from model_infer_kvcache.analyzer.kinds import fa_kv_heads
+from model_infer_kvcache.analyzer.kinds import fa_kv_heads, fa_q_heads
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.operators.fa_facts import BAND_MODE, FA_OPS, keywords_of, value_passed
 from model_infer_kvcache.validators.pipeline.report import Report
@@ -74,7 +74,7 @@ def fa_call_mismatches(manifest: SelectionManifest, call: dict, reading_dependen
         "mask": getattr(plan.mask, path) != "none",
         "layout": manifest.fa.input_layout,
         "scale": manifest.fa.softmax_scale,
-        "q_heads": manifest.parallel.num_q_heads_per_rank,
+        "q_heads": fa_q_heads(manifest),
         "kv_heads": fa_kv_heads(manifest, plan),
     }
     if call["layer"] in own_layout:

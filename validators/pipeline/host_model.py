@@ -42,6 +42,7 @@ from model_infer_kvcache.analyzer.arch_check import unscaled_scores
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
 from model_infer_kvcache.analyzer.hf_layout import LayoutError, find_attentions, find_decoder_stack
 from model_infer_kvcache.analyzer.kinds.cross import MODULE_NAMES as CROSS_MODULE_NAMES
+from model_infer_kvcache.analyzer.kinds.diff import HF_PARTS as DIFF_PARTS
 from model_infer_kvcache.analyzer.kinds.mla import MLA_LATENT_SCALES
 from model_infer_kvcache.analyzer.linear_config import (
     cca_facts,
@@ -462,6 +463,33 @@ def _qsa_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     return self.o_proj(out)[None], None
 
 
+def _diff_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    """DiffLlama's attention (transformers DiffLlamaAttention) through the rendered differential code: the module's
+    q/k/v projections and RoPE (its module's apply_rotary_pos_emb); the render writes the K/V halves and returns each
+    query head's value1 and value2 outputs side by side ([T, N, 2D], the module's torch.cat of its two calls); then
+    the module's own math: chunk along heads, out1 - lambda_full * out2, (1 - lambda_init) x groupnorm, o_proj."""
+    host = self._kvcache_host
+    fm = _metadata()
+    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
+    x = hidden_states[0]
+    t = x.shape[0]
+    cos, sin = (e[0, -t:] for e in position_embeddings)  # [T, rotary dims]
+    query = self.q_proj(x).view(t, -1, self.head_dim)
+    key = self.k_proj(x).view(t, -1, self.head_dim)
+    value = self.v_proj(x).view(t, -1, self.head_dim)
+    query, key = rope(query, key, cos, sin)
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                      q=tuple(query.shape), k=tuple(key.shape), dtype=query.dtype, hf_scaling=self.scaling,
+                      kv_lens=fm.actual_seq_lengths_kv)
+    out = host.kv_cache_attention(query.contiguous(), key.contiguous(), value.contiguous(), fm)  # [T, N, 2D]
+    out1, out2 = torch.chunk(out, 2, dim=1)
+    lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1, dtype=torch.float32)).to(query.dtype)
+    lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1, dtype=torch.float32)).to(query.dtype)
+    out = out1 - (lambda_1 - lambda_2 + self.lambda_init) * out2
+    out = (1 - self.lambda_init) * self.groupnorm(out)
+    return self.o_proj(out.reshape(t, -1))[None], None
+
+
 def _fused_qkv_forward(self, hidden_states, alibi=None, attention_mask=None, position_ids=None, layer_past=None,
                        use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
     """Falcon-style attention (modeling_falcon FalconAttention, rotary path) through the rendered code.
@@ -580,12 +608,14 @@ def _padded(forward, count: int):
 
 
 def attention_route(module, is_mla: bool) -> str | None:
-    """How the host routes one transformers attention module: interface | mla | v4 | qsa | moa | headwise_qkv | fused_qkv |
+    """How the host routes one transformers attention module: interface | mla | v4 | qsa | diff | moa | headwise_qkv | fused_qkv |
     eager_qkv | split_qkv | conv1d_qkv | bert_qkv | lin_qkv | None."""
     if is_mla:
         return "mla" if hasattr(module, "kv_a_proj_with_mqa") else None
     if all(hasattr(getattr(module, "indexer", None), a) for a in ("index_qk_proj", "compress_ratio", "k_layernorm")):
         return "qsa"  # Qwen4-Exp's QSA: its indexer needs the hidden states (its forward calls the interface too)
+    if all(hasattr(module, a) for a in DIFF_PARTS):
+        return "diff"  # DiffLlama: two interface calls over V's halves, combined by its lambdas and group norm
     if all(hasattr(module, a) for a in ("q_b_norm", "kv_proj", "o_a_proj", "sinks", "compressor")):
         return "v4"  # DeepSeek-V4's shared-KV attention (its forward calls the interface too, on the whole K=V)
     source = _forward_source(module)
@@ -713,7 +743,8 @@ def model_inputs(model, input_ids: torch.Tensor) -> dict:
 _ROUTED_FORWARD = {"mla": _mla_forward, "fused_qkv": _fused_qkv_forward, "eager_qkv": _eager_qkv_forward,
                    "bert_qkv": _bert_qkv_forward, "v4": _v4_forward, "headwise_qkv": _headwise_qkv_forward,
                    "conv1d_qkv": _conv1d_qkv_forward, "split_qkv": _split_qkv_forward, "moa": _moa_forward,
-                   "lin_qkv": _lin_qkv_forward, "qsa": _qsa_forward}
+                   "lin_qkv": _lin_qkv_forward, "qsa": _qsa_forward,
+                   "diff": _diff_forward}
 
 
 def find_linear(layer) -> tuple[str, torch.nn.Module] | None:

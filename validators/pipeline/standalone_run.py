@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+from model_infer_kvcache.analyzer.kinds.invariants import DIFF_CACHES
 from model_infer_kvcache.analyzer.kv_cache_spec import holds_state
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import check_attention_calls, cross, kind_of, recurrent
@@ -22,7 +23,7 @@ from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Scenario, SimpleStep
 
-CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache", "win_kv")
+CACHE_NAMES = ("k_cache", "v_cache", "nope_cache", "rope_cache", "win_kv", *DIFF_CACHES[2:])  # + DiffLlama's halves
 # DeepSeek-V4 compressed layers: the compressed entries (the runner's cmp_block_table; a CSA layer's and its
 # indexer's keys: csa_cmp_block_table) and the compressor state slots of each row (its state_block_table)
 COMPRESSED_NAMES = (("sfa_cmp_kv", "cmp_block_table"), ("sfa_kv_state", "state_block_table"),

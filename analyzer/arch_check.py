@@ -607,7 +607,8 @@ def _attention_calls(module) -> dict[str, int]:
     (statements outside any branch: a vision tower's ``if`` / ``else`` between two backends is one call). DiffLlama's
     differential attention calls it twice over the same K with two regroupings of V made after the cache update:
     ``softmax(Q K^T) V1 - lambda * softmax(Q K^T) V2``, each query head reading value heads other than its key
-    head's. A host that caches inside the interface overwrites the first call's V rows with the second's."""
+    head's. A host that caches inside the interface overwrites the first call's V rows with the second's. Served
+    when the module is DiffLlama's (``_differential_planned``); refused otherwise."""
     import ast
     import textwrap
 
@@ -1099,7 +1100,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             "then a group norm): a query head reads value heads other than its key head's, and the paged FA "
             "operator pairs key head j with value head j only, its key and value caches of one shape (torch_npu "
             "npu_fused_infer_attention_score, num_key_value_heads; with page attention its key and value shapes must match); "
-            "kvcache plans no second value layout for it")
+            "kvcache plans a layout for DiffLlama's pattern only (a module holding its lambdas and group norm, two "
+            "calls: K/V as two half-head caches each, analyzer/kinds/diff.py), and this module's calls are not it")
     return result
 
 

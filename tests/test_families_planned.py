@@ -333,26 +333,50 @@ def test_ctrl_is_planned_and_its_stream_stays_within_its_256_positions(tmp_path,
     assert "index 256 is out of bounds" in check(run_validate(*case[:3]), "rendered code runs").detail
 
 
-DIFFLLAMA_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+# GQA (two query heads per KV head), so the query halves' grouping is exercised; not CPU-shrunk (hidden 64)
+DIFFLLAMA_SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                        intermediate_size=128, vocab_size=512)
+DIFF_ATTN = "kvcache_attention.py"
 
 
-def test_diffllama_differential_attention_is_refused_by_name_at_analyze(tmp_path):
-    """DiffLlama's attention calls transformers' attention interface twice per forward over one K, with V's heads
-    regrouped after the cache update (softmax(QK^T) V1 - lambda softmax(QK^T) V2): each query head reads value
-    heads other than its key head's, which the paged FA operator (one KV-head mapping, key and value caches of one
-    shape) cannot serve. Planned as plain GQA it FAILED V301 in both modes from the first decode step (the host's
-    interface route cached each call's V, the second overwriting the first). Refused at analyze, naming it."""
+def test_diffllama_plans_its_differential_layout_at_no_extra_memory(tmp_path):
+    """DiffLlama's attention calls transformers' attention interface twice over one K, with V's KV-head halves
+    broadcast after the cache update: query head i (KV head j) reads value heads j mod k/2 and j mod k/2 + k/2, which
+    one paged FA call (key head j with value head j) cannot pair. Before: refused at analyze ("differential
+    attention"). Now planned (analyzer/kinds/diff.py): K and V each as two half-head caches in the layer's blocks,
+    four FA calls of half the query heads; the four hold K/V once (the memory plan counts what plain GQA's K/V
+    cost)."""
+    m = _small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")[3]
+    assert m.differential is not None and not m.blockers
+    assert m.differential.half_kv_heads == 2 and m.differential.half_q_heads == 4
+    for layer in m.attention_layers:
+        assert [(c.name, c.num_head, c.dim) for c in layer.caches] == [
+            ("k_cache", 2, 16), ("v_cache", 2, 16), ("k_cache_hi", 2, 16), ("v_cache_hi", 2, 16)]
+    # bfloat16: 2 layers x (K + V) x 4 KV heads x 16 dims x 2 bytes
+    assert m.memory.per_token_bytes == 2 * 2 * 4 * 16 * 2
+    assert "npu_fused_infer_attention_score" in m.differential.source and ":8285" in m.differential.source
+
+
+def test_diffllama_refusal_stays_for_a_module_calling_the_interface_twice_otherwise(tmp_path, monkeypatch):
+    """Negative control of the cross-check: a module calling the interface twice that is not DiffLlama's pattern
+    (here: DiffLlama's forward with its lambdas and group norm unseen, so planned as plain GQA, as another model_type
+    would be) is still refused by name."""
+    from model_infer_kvcache.analyzer import arch_check
     from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.analyzer.kinds import diff
 
-    with pytest.raises(NotSupportedByKvcache) as err:
-        analyze(AnalyzeRequest(config=str(_config(tmp_path, "diffllama"))))
-    assert err.value.field == "model_type"
+    monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
+    monkeypatch.setattr(diff, "HF_PARTS", (*diff.HF_PARTS, "no_such_part"))
+    monkeypatch.setattr(diff, "read_facts", lambda *args, **kwargs: None)
+    arch_check._hf_attentions.cache_clear()
+    try:
+        with pytest.raises(NotSupportedByKvcache) as err:
+            _small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")
+    finally:
+        arch_check._hf_attentions.cache_clear()
     assert "differential attention: transformers' DiffLlamaAttention.forward calls the attention interface 2 times" \
         in err.value.message and "npu_fused_infer_attention_score" in err.value.message
     # one call per forward (Llama) or two in branches of an if / else (a vision tower's backends): not counted
-    from model_infer_kvcache.analyzer import arch_check
-
     assert arch_check._attention_calls(type("M", (), {"forward": _one_of_two_backends})()) == {}
 
 
@@ -364,17 +388,57 @@ def _one_of_two_backends(self, x):
     return out
 
 
-@pytest.mark.slow
-def test_diffllama_planned_without_the_refusal_fails_the_logits(tmp_path, monkeypatch):
-    """Negative control: the analyzer that does not count the module's attention calls plans DiffLlama as GQA, and
-    `kvcache run`'s logits check fails (what the family sweep measured at the class defaults: V301, rel 0.99)."""
-    from model_infer_kvcache.analyzer import arch_check
+@pytest.mark.parametrize("mode", ["framework", "standalone"])
+def test_diffllama_renders_four_fa_calls_and_matches_transformers(tmp_path, mode):
+    """The render writes the four half-head caches and makes four FA calls a layer and step (V209: num_heads and
+    num_key_value_heads halved); the host route runs the module's lambda, group norm and o_proj around it."""
+    case = _small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, mode)
+    text = (case[1] / DIFF_ATTN).read_text(encoding="utf-8")
+    assert text.count("self.paged_attention(query, k_cache, self.v_cache") == 2
+    report = _passes(case)
+    assert check(report, "logits vs transformers").measured["max_abs_diff"] <= 1e-9
+    calls = check(report, "FA call arguments match the manifest").measured["calls"]
+    prefill = check(report, "logits vs transformers").measured["steps"]
+    assert calls > 0 and calls % (4 * 2) == 0, (calls, prefill)  # four calls per layer (2 layers) and step
 
+
+# (id, pattern, replacement): realistic mistakes of a differential port, each failing the logits check (V301)
+DIFF_MISTAKES = [
+    # value1 and value2 outputs concatenated the other way round (the two value halves swapped)
+    ("value-halves-swapped", r"torch\.cat\(\[value1, value2\], dim=-1\)", "torch.cat([value2, value1], dim=-1)"),
+    # the high value cache written with the low KV heads (the second value layout at the wrong heads)
+    ("high-values-at-low-heads", r"\(self\.v_cache_hi, value_states\[:, HALF_KV_HEADS:\]\)",
+     "(self.v_cache_hi, value_states[:, :HALF_KV_HEADS])"),
+    # the high query half attending over the low key cache (query / key halves mispaired)
+    ("high-queries-low-keys", r"\(query_states\[:, HALF_Q_HEADS:\], self\.k_cache_hi\)",
+     "(query_states[:, HALF_Q_HEADS:], self.k_cache)"),
+]
+
+
+@pytest.mark.parametrize("case_id, pattern, replacement", DIFF_MISTAKES, ids=[m[0] for m in DIFF_MISTAKES])
+def test_a_diffllama_render_mistake_fails_the_logits(tmp_path, case_id, pattern, replacement):
+    report = mistaken_report(_small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")[:3], pattern,
+                             replacement)
+    assert not check(report, "logits vs transformers").passed, [(c.name, c.detail) for c in report.failed()]
+
+
+def test_diffllama_planned_as_plain_gqa_fails_the_logits(tmp_path, monkeypatch):
+    """Negative control: a plan that ignores the differential layout (plain GQA K/V, the host's interface route
+    caching each call's V, the second overwriting the first) fails V301, as the family sweep measured before the
+    kind (rel 0.99)."""
+    from model_infer_kvcache.analyzer import arch_check
+    from model_infer_kvcache.analyzer.kinds import diff
+    from model_infer_kvcache.validators.pipeline import host_model
+
+    monkeypatch.setattr(diff, "read_facts", lambda *args, **kwargs: None)
+    monkeypatch.setattr(diff.FORMAT, "hf_facts", lambda module: {})
     monkeypatch.setattr(arch_check, "_attention_calls", lambda module: {})
+    monkeypatch.setattr(host_model, "DIFF_PARTS", ("no_such_part",))
     monkeypatch.setenv("KVCACHE_CACHE_DIR", "")
     arch_check._hf_attentions.cache_clear()
     try:
         case = _small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")
+        assert case[3].differential is None and [c.name for c in case[3].layers[0].caches] == ["k_cache", "v_cache"]
         assert not check(run_validate(*case[:3]), "logits vs transformers").passed
     finally:
         arch_check._hf_attentions.cache_clear()

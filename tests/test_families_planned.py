@@ -380,6 +380,26 @@ def test_diffllama_refusal_stays_for_a_module_calling_the_interface_twice_otherw
     assert arch_check._attention_calls(type("M", (), {"forward": _one_of_two_backends})()) == {}
 
 
+def test_diffllama_refuses_what_its_layout_does_not_plan_by_name(tmp_path):
+    """Attention TP > 1 (a rank needs the same slice of both KV-head halves, not planned) and a Legacy cache (the four
+    half-head caches render paged only) are refused at analyze naming the option; an odd KV head count by its field
+    (DiffLlamaAttention.__init__ refuses it too)."""
+    from model_infer_kvcache.analyzer.errors import InputError
+
+    config = _config(tmp_path, "diffllama")
+    config.write_text(json.dumps(json.loads(config.read_text()) | DIFFLLAMA_SMALL), encoding="utf-8")
+    for kw, field, words in (({"attn_tp_size": 2}, "--attn-tp-size", "same slice of both KV-head halves"),
+                             ({"kv_mode": "legacy"}, "--kv-mode", "rendered paged only")):
+        with pytest.raises(InputError) as err:
+            analyze(AnalyzeRequest(config=str(config), **kw))
+        assert err.value.where == field and words in err.value.message, (kw, str(err.value))
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"num_key_value_heads": 1, "num_attention_heads": 3}),
+                      encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=str(config)))
+    assert err.value.field == "num_key_value_heads" and "needs an even count" in err.value.message
+
+
 def _one_of_two_backends(self, x):
     if x is None:
         out = attention_interface(self, x)  # noqa: F821 - read as source only

@@ -112,7 +112,8 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)
     checked_layers: int = 0
     bidirectional: str | None = None  # refused as an encoder: the flag that makes it causal, the error's field
-    # what kvcache cannot serve although the plan matches (DiffLlama's differential attention): not supported
+    # what kvcache cannot serve although the plan matches (a module calling the attention interface twice that is
+    # not DiffLlama's differential pattern): not supported
     unsupported: list[str] = field(default_factory=list)
 
 

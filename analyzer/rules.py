@@ -89,6 +89,10 @@ FAMILY_SCALE_RULE = {
     # soft-cap there (logits_soft_cap caps the final logits, RecurrentGemmaForCausalLM); partial rotary
     # (rope_parameters' partial_rotary_factor) applied by the module to q / k before the cache
     "recurrent_gemma": "head_dim",
+    # DiffLlama: DiffLlamaAttention.scaling = head_dim**-0.5 in both of its attention calls, RoPE on q / k before the
+    # cache, no bias or soft-cap on the scores; its two calls over V's halves are the differential kind
+    # (analyzer/kinds/diff.py)
+    "diffllama": "head_dim",
 }
 
 

@@ -400,6 +400,23 @@ def test_diffllama_refuses_what_its_layout_does_not_plan_by_name(tmp_path):
     assert err.value.field == "num_key_value_heads" and "needs an even count" in err.value.message
 
 
+def test_a_diffllama_manifest_without_a_value_half_is_refused_by_path(tmp_path):
+    """A hand edit dropping the high value half (or leaving the halves at the full head count) would leave half the
+    value heads unwritten: the manifest's invariant refuses it naming the layer's caches."""
+    from model_infer_kvcache.analyzer.manifest import SelectionManifest
+
+    data = json.loads(_small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")[3].to_json())
+    SelectionManifest.model_validate(data)
+    dropped = json.loads(json.dumps(data))
+    dropped["layers"][1]["caches"] = [c for c in dropped["layers"][1]["caches"] if c["name"] != "v_cache_hi"]
+    with pytest.raises(ValueError, match=r"layers\[1\]\.caches: decoder layer 1 holds .*differential attention plans"):
+        SelectionManifest.model_validate(dropped)
+    whole = json.loads(json.dumps(data))
+    whole["layers"][0]["caches"][3]["num_head"] = 4
+    with pytest.raises(ValueError, match=r"layers\[0\]\.caches\[3\]\.num_head: 4 is not 2"):
+        SelectionManifest.model_validate(whole)
+
+
 def _one_of_two_backends(self, x):
     if x is None:
         out = attention_interface(self, x)  # noqa: F821 - read as source only

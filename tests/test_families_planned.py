@@ -417,6 +417,33 @@ def test_a_diffllama_manifest_without_a_value_half_is_refused_by_path(tmp_path):
         SelectionManifest.model_validate(whole)
 
 
+def test_the_cross_check_compares_a_differential_plan_with_the_module(tmp_path):
+    """analyzer/arch_check.py: DiffLlama's module (its lambdas and group norm) against the plan's four half-head
+    caches; a plain K/V plan of such a module is off (GQA names another format's parts), the diff plan of a module
+    without them too. The checkout run refuses the format by name (it routes no differential attention yet)."""
+    import types
+
+    from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
+    from model_infer_kvcache.analyzer.kinds import diff, gqa
+    from model_infer_kvcache.analyzer.manifest import CacheSpec
+    from model_infer_kvcache.validators.checkout_run.support import preflight
+
+    module = types.SimpleNamespace(**dict.fromkeys(diff.HF_PARTS, 0))
+    assert diff.FORMAT.hf_facts(module) == {diff.HF_FACT: 1}
+    assert diff.FORMAT.hf_facts(types.SimpleNamespace(lambda_q1=0)) == {}
+    halves = types.SimpleNamespace(caches=[CacheSpec(name=n, dim=16, num_head=2, dtype="bfloat16")
+                                           for n in diff.DIFF_CACHES])
+    plain = types.SimpleNamespace(caches=halves.caches[:2])
+    assert diff.FORMAT.hf_off(halves, {diff.HF_FACT: 1}, "DiffLlamaAttention") is None
+    assert "analyzer plans plain K/V vs transformers DiffLlamaAttention with its lambdas" in \
+        diff.FORMAT.hf_off(plain, {diff.HF_FACT: 1}, "DiffLlamaAttention")
+    assert "without its lambdas" in diff.FORMAT.hf_off(halves, {}, "M")
+    assert "another format's parts" in gqa.FORMAT.hf_off(plain, {diff.HF_FACT: 1}, "DiffLlamaAttention")
+    m = _small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")[3]
+    with pytest.raises(NotSupportedByKvcache, match="routes no differential attention yet"):
+        preflight("config.json", m)
+
+
 def _one_of_two_backends(self, x):
     if x is None:
         out = attention_interface(self, x)  # noqa: F821 - read as source only

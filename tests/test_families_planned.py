@@ -381,14 +381,15 @@ def test_diffllama_refusal_stays_for_a_module_calling_the_interface_twice_otherw
 
 
 def test_diffllama_refuses_what_its_layout_does_not_plan_by_name(tmp_path):
-    """Attention TP > 1 (a rank needs the same slice of both KV-head halves, not planned) and a Legacy cache (the four
-    half-head caches render paged only) are refused at analyze naming the option; an odd KV head count by its field
-    (DiffLlamaAttention.__init__ refuses it too)."""
+    """Attention TP whose ranks cannot hold the same slice of both KV-head halves (4 KV heads over 4 ranks: one head a
+    rank) and a Legacy cache (the four half-head caches render paged only) are refused at analyze naming the option;
+    an odd KV head count by its field (DiffLlamaAttention.__init__ refuses it too). TP 2 is planned."""
     from model_infer_kvcache.analyzer.errors import InputError
 
     config = _config(tmp_path, "diffllama")
     config.write_text(json.dumps(json.loads(config.read_text()) | DIFFLLAMA_SMALL), encoding="utf-8")
-    for kw, field, words in (({"attn_tp_size": 2}, "--attn-tp-size", "same slice of both KV-head halves"),
+    assert analyze(AnalyzeRequest(config=str(config), attn_tp_size=2)).differential.half_kv_heads == 1
+    for kw, field, words in (({"attn_tp_size": 4}, "--attn-tp-size", "multiple of 2 x attn_tp_size = 8"),
                              ({"kv_mode": "legacy"}, "--kv-mode", "rendered paged only")):
         with pytest.raises(InputError) as err:
             analyze(AnalyzeRequest(config=str(config), **kw))
@@ -442,6 +443,42 @@ def test_the_cross_check_compares_a_differential_plan_with_the_module(tmp_path):
     m = _small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")[3]
     with pytest.raises(NotSupportedByKvcache, match="routes no differential attention yet"):
         preflight("config.json", m)
+
+
+def test_diffllama_ranks_hold_the_same_slice_of_both_head_halves():
+    """Attention TP 2 (the multi-rank run, validators/kinds/diff.shard_attention): each rank keeps the same slice of
+    the low and the high halves of its query and KV heads (value heads k/2 apart must meet on one rank); the ranks'
+    o_proj outputs, summed, are transformers' module output. Negative control: GQA's contiguous share (rank 0 all
+    low heads) does not sum to it. `kvcache run --attn-tp-size 2` on this config PASSED (9.2e-15, both ranks)."""
+    import copy
+    import types
+
+    import torch
+    from model_infer_kvcache.validators.kinds import diff as diff_checks
+    from model_infer_kvcache.validators.kinds import gqa as gqa_checks
+    from transformers import DiffLlamaConfig
+    from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, DiffLlamaRotaryEmbedding
+
+    config = DiffLlamaConfig(**DIFFLLAMA_SMALL)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    attn = DiffLlamaAttention(config, layer_idx=1).double()
+    x = torch.randn(1, 6, 64, dtype=torch.float64)
+    rope = DiffLlamaRotaryEmbedding(config)(x, torch.arange(6)[None])
+    want = attn(x, rope, None)[0]
+    model = types.SimpleNamespace(head_dim=16, num_attention_heads=8, num_key_value_heads=4)
+
+    def summed(shard):
+        out = torch.zeros_like(want)
+        for rank in range(2):
+            part, heads = copy.deepcopy(attn), slice(rank * 4, (rank + 1) * 4)
+            d = shard(part, model, heads, rank, 2)
+            part.o_proj.weight = torch.nn.Parameter(part.o_proj.weight.data[:, heads.start * d:heads.stop * d])
+            out += part(x, rope, None)[0]
+        return out
+
+    assert (summed(diff_checks.shard_attention) - want).abs().max() < 1e-12
+    assert (summed(gqa_checks.shard_attention) - want).abs().max() > 1e-3
 
 
 def _one_of_two_backends(self, x):

@@ -16,6 +16,8 @@ calls of h/2 query heads (the low query heads with ``k_cache`` over ``v_cache`` 
 contract holds any number of per-layer entries in one manager (cann-recipes-infer executor/core/kv_cache/cache_info.py
 ``LayerCacheInfo.caches``: CacheEntry per name, ``num_head x dim`` per token), so the four cost what K/V cost. The
 alternative, a second value cache with the heads rotated by k/2 and two FA calls of all heads, costs +50 % KV memory.
+Under attention TP a rank holds the same slice of both KV-head halves (and of both query-head halves), so its value
+heads k/2 apart meet on it: k a multiple of 2 x attn_tp_size.
 """
 
 from __future__ import annotations
@@ -68,13 +70,14 @@ class DiffFormat(GqaFormat):
         return [CacheSpec(name=name, dim=d, num_head=half, dtype=dtype) for name in DIFF_CACHES]
 
     def kv_tp_problems(self, facts: Facts, tp: int) -> list[str]:
-        """Each rank needs matching slices of both halves (a contiguous split gives rank 0 only low heads): kvcache
-        plans no such sharding yet."""
+        """A rank holds the same slice of both KV-head halves (its value heads are k/2 apart): k / tp even, never a
+        replicated head."""
         out = super().kv_tp_problems(facts, tp)
-        if tp > 1:
-            out.append(f"attn_tp_size {tp} with DiffLlama's differential attention: a rank needs the same slice of "
-                       "both KV-head halves (its value heads k/2 apart), and kvcache plans no such sharding yet "
-                       "(plan attn_tp_size 1)")
+        kv = facts.num_key_value_heads.value
+        if tp > 1 and (kv < 2 * tp or kv % (2 * tp)):
+            out.append(f"attn_tp_size {tp} with DiffLlama's differential attention over {kv} KV heads: each rank "
+                       "holds the same slice of both KV-head halves, so num_key_value_heads must be a multiple of "
+                       f"2 x attn_tp_size = {2 * tp}")
         return out
 
     def hf_facts(self, module) -> dict[str, int | None]:
@@ -119,13 +122,18 @@ class DiffFormat(GqaFormat):
 
 
 def decide(facts: Facts, parallel) -> DifferentialDecision:
-    kv, q = parallel.num_kv_heads_per_rank, parallel.num_q_heads_per_rank
+    kv, q, tp = parallel.num_kv_heads_per_rank, parallel.num_q_heads_per_rank, parallel.attn_tp_size
+    ranks = "" if tp == 1 else (
+        f"; attention TP {tp}: rank r holds model KV heads [r x {kv // 2}, (r + 1) x {kv // 2}) and the same slice "
+        f"+ {kv * tp // 2} (query heads [r x {q // 2}, (r + 1) x {q // 2}) and the same slice + {q * tp // 2}), "
+        "so a port splits q_proj / k_proj / v_proj by those rows (low slice, then high slice), not contiguously; "
+        "o_proj's input columns stay a contiguous share (the combined heads are the low ones)")
     return DifferentialDecision(
         half_kv_heads=kv // 2, half_q_heads=q // 2,
-        layout=f"{K_LO} / {V_LO}: KV heads [0, {kv // 2}); {K_HI} / {V_HI}: KV heads [{kv // 2}, {kv}); FA calls: "
+        layout=f"{K_LO} / {V_LO}: the rank's KV heads [0, {kv // 2}); {K_HI} / {V_HI}: [{kv // 2}, {kv}); FA calls: "
                f"query heads [0, {q // 2}) with {K_LO} over {V_LO} (value1) and {V_HI} (value2), query heads "
                f"[{q // 2}, {q}) with {K_HI} over {V_LO} (value1) and {V_HI} (value2); the host concatenates value1 "
-               "and value2 outputs on the last dim (transformers' torch.cat([attn_output1, attn_output2], -1))",
+               f"and value2 outputs on the last dim (transformers' torch.cat([attn_output1, attn_output2], -1)){ranks}",
         memory="the four caches hold K and V once (2 x k/2 heads each): what plain GQA K/V costs; a second value "
                "cache with the heads rotated by k/2 would cost +50 %",
         source=f"{facts.diff.value.source}; ops: npu_fused_infer_attention_score ({OP_DOCS})",

@@ -5,7 +5,6 @@ heads over a half-head key cache and a half-head value cache (V209 judges their 
 from __future__ import annotations
 
 import torch
-
 from model_infer_kvcache.validators.kinds.gqa import (
     CPU_KV_HEADS_PER_RANK,
     HIDDEN_CAN_TIE_TO_HEADS,

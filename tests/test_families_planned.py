@@ -503,6 +503,20 @@ def test_diffllama_renders_four_fa_calls_and_matches_transformers(tmp_path, mode
     assert calls > 0 and calls % (4 * 2) == 0, (calls, prefill)  # four calls per layer (2 layers) and step
 
 
+def test_diffllama_graph_mode_decode_captures_its_four_fa_calls(tmp_path):
+    """ge_graph decode (torchair.ops' FA with tensor lengths) of the differential render: the step captures as one
+    graph and replays eager's logits (V228 / V307), like GQA's; before, graph modes were refused for the kind."""
+    from validators_support import render_case
+
+    config = _config(tmp_path, "diffllama")
+    config.write_text(json.dumps(json.loads(config.read_text()) | DIFFLLAMA_SMALL), encoding="utf-8")
+    case = render_case(tmp_path, "diffllama", config_path=str(config), deploy_mode="framework", exe_mode="ge_graph")
+    assert (case[1] / DIFF_ATTN).read_text(encoding="utf-8").count("fa_ops(forward_metadata).") == 1
+    report = run_validate(*case)
+    assert report.passed, [(c.name, c.detail) for c in report.failed()]
+    assert check(report, "graph mode: replayed decode logits vs eager").measured["replays"] > 0
+
+
 # (id, pattern, replacement): realistic mistakes of a differential port, each failing the logits check (V301)
 DIFF_MISTAKES = [
     # value1 and value2 outputs concatenated the other way round (the two value halves swapped)

@@ -72,7 +72,8 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
     """Why a graph-mode decode of ``m`` is not rendered (None: it is, and validated by capture): the templates
     render npugraph_ex decode (host-list FA lengths) and ge_graph decode (torchair.ops FA with tensor lengths) for
     GQA/MHA and MLA layers, in both deployment modes (the standalone runner pads decode to its batch and keeps a
-    null block), MTP verify steps included (a second capture, 1 + next_n tokens per row)."""
+    null block), MTP verify steps included (a second capture, 1 + next_n tokens per row); DiffLlama's differential
+    layers too (their four FA calls are GQA's call on half-head caches)."""
     if m.exe_mode.value == "npugraph_ex" and m.exe_mode.dynamic_graph is False:
         where = m.exe_mode.dynamic_graph_source or "the manifest"
         return (f"with enable_dynamic_graph False ({where}): a static graph takes the host-list FA lengths as "
@@ -81,9 +82,9 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
         return "for a Legacy (contiguous) cache: the engine's graph mode serves paged caches"
     if holds_cross(m):
         return "with cross-attention slots: the templates capture decoder-only decode"
-    if attention_format(m) not in (GQA, MLA) or holds_states(m):
+    if attention_format(m) not in (GQA, MLA, DIFF) or holds_states(m):
         return (f"for {attention_format(m).upper()} layers{' with linear-attention states' if holds_states(m) else ''}"
-                ": the templates capture GQA/MHA and MLA decode only (the others convert lengths on the host inside "
+                ": the templates capture GQA/MHA (differential included) and MLA decode only (the others convert lengths on the host inside "
                 "the step)")
     return None
 

@@ -36,7 +36,8 @@ def hf_module_facts(module) -> tuple[tuple[str, int | None], ...]:
 
 
 def format_of(facts: Facts) -> GqaFormat:
-    """The most specific format the facts name: compressed (DeepSeek-V4), QSA (Qwen4-Exp), differential (DiffLlama), DSA (MLA + indexer), MLA, else GQA."""
+    """The most specific format the facts name: compressed (DeepSeek-V4), QSA (Qwen4-Exp), differential (DiffLlama),
+    DSA (MLA + indexer), MLA, else GQA."""
     if facts.compressed.value is not None:
         return compressed.FORMAT
     if facts.qsa.value is not None:

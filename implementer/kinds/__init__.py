@@ -84,8 +84,8 @@ def graph_mode_gap(m: SelectionManifest) -> str | None:
         return "with cross-attention slots: the templates capture decoder-only decode"
     if attention_format(m) not in (GQA, MLA, DIFF) or holds_states(m):
         return (f"for {attention_format(m).upper()} layers{' with linear-attention states' if holds_states(m) else ''}"
-                ": the templates capture GQA/MHA (differential included) and MLA decode only (the others convert lengths on the host inside "
-                "the step)")
+                ": the templates capture GQA/MHA (differential included) and MLA decode only (the others convert "
+                "lengths on the host inside the step)")
     return None
 
 

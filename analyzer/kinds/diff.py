@@ -8,8 +8,8 @@ away. The concat of both outputs on the last dim is chunked along heads: ``out1 
 (RMSNorm over 2 x head_dim, no affine) times ``1 - lambda_init``, then o_proj (the module's math, not the cache's).
 
 The paged FA (npu_fused_infer_attention_score) pairs key head j with value head j, its key and value caches of one
-shape and one block table (torch_npu 2.14.0 _op_plugin_docs.py:8116 num_key_value_heads, :8285 "key和value的shape需
-保证一致"; 2.9.0 :6687, :6856). Planned (zero extra memory): K and V each kept as two caches of k/2 heads, ``k_cache`` /
+shape and one block table (torch_npu 2.14.0 _op_plugin_docs.py:8116 num_key_value_heads, :8285
+"key和value的shape需保证一致"; 2.9.0 :6687, :6856). Planned (zero extra memory): K and V each kept as two caches of k/2 heads, ``k_cache`` /
 ``v_cache`` the heads < k/2 and ``k_cache_hi`` / ``v_cache_hi`` the rest, in the layer's blocks and table; four FA
 calls of h/2 query heads (the low query heads with ``k_cache`` over ``v_cache`` and ``v_cache_hi``, the high ones with
 ``k_cache_hi`` over both): each call's K and V of one shape, its query / KV head ratio the model's. The framework

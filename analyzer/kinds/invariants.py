@@ -21,7 +21,8 @@ DIFF_CACHES = ("k_cache", "v_cache", "k_cache_hi", "v_cache_hi")
 
 
 def kind_problems(m) -> list[tuple[str, str]]:
-    return [*dsa_problems(m), *qsa_problems(m), *diff_problems(m), *state_problems(m), *compressed_problems(m), *drafter.problems(m)]
+    return [*dsa_problems(m), *qsa_problems(m), *diff_problems(m), *state_problems(m), *compressed_problems(m),
+            *drafter.problems(m)]
 
 
 def dsa_problems(m) -> list[tuple[str, str]]:

@@ -16,7 +16,8 @@ calls of h/2 query heads (the low query heads with ``k_cache`` over ``v_cache`` 
 contract holds any number of per-layer entries in one manager (cann-recipes-infer executor/core/kv_cache/cache_info.py
 ``LayerCacheInfo.caches``: CacheEntry per name, ``num_head x dim`` per token), so the four cost what K/V cost. The
 alternative, a second value cache with the heads rotated by k/2 and two FA calls of all heads, costs +50 % KV memory.
-Under attention TP a rank holds the same slice of both KV-head halves (and of both query-head halves), so its value
+The attention work is transformers' own (every query head scores its keys twice, once per value half); the four
+calls are twice the launches of two full-head calls. Under attention TP a rank holds the same slice of both KV-head halves (and of both query-head halves), so its value
 heads k/2 apart meet on it: k a multiple of 2 x attn_tp_size.
 """
 

@@ -517,24 +517,29 @@ def test_diffllama_graph_mode_decode_captures_its_four_fa_calls(tmp_path):
     assert check(report, "graph mode: replayed decode logits vs eager").measured["replays"] > 0
 
 
-# (id, pattern, replacement): realistic mistakes of a differential port, each failing the logits check (V301)
+# (id, pattern, replacement, the check that names it): realistic mistakes of a differential port
 DIFF_MISTAKES = [
     # value1 and value2 outputs concatenated the other way round (the two value halves swapped)
-    ("value-halves-swapped", r"torch\.cat\(\[value1, value2\], dim=-1\)", "torch.cat([value2, value1], dim=-1)"),
+    ("value-halves-swapped", r"torch\.cat\(\[value1, value2\], dim=-1\)", "torch.cat([value2, value1], dim=-1)",
+     "logits vs transformers"),
     # the high value cache written with the low KV heads (the second value layout at the wrong heads)
     ("high-values-at-low-heads", r"\(self\.v_cache_hi, value_states\[:, HALF_KV_HEADS:\]\)",
-     "(self.v_cache_hi, value_states[:, :HALF_KV_HEADS])"),
+     "(self.v_cache_hi, value_states[:, :HALF_KV_HEADS])", "logits vs transformers"),
     # the high query half attending over the low key cache (query / key halves mispaired)
     ("high-queries-low-keys", r"\(query_states\[:, HALF_Q_HEADS:\], self\.k_cache_hi\)",
-     "(query_states[:, HALF_Q_HEADS:], self.k_cache)"),
+     "(query_states[:, HALF_Q_HEADS:], self.k_cache)", "logits vs transformers"),
+    # each FA call given the rank's whole head counts, as GQA's single call (V209 names it; the operator refuses it)
+    ("full-head-counts", r"num_heads=HALF_Q_HEADS,\n            num_key_value_heads=HALF_KV_HEADS,",
+     "num_heads=NUM_HEADS_PER_RANK,\n            num_key_value_heads=NUM_KV_HEADS_PER_RANK,",
+     "FA call arguments match the manifest"),
 ]
 
 
-@pytest.mark.parametrize("case_id, pattern, replacement", DIFF_MISTAKES, ids=[m[0] for m in DIFF_MISTAKES])
-def test_a_diffllama_render_mistake_fails_the_logits(tmp_path, case_id, pattern, replacement):
+@pytest.mark.parametrize("case_id, pattern, replacement, failing", DIFF_MISTAKES, ids=[m[0] for m in DIFF_MISTAKES])
+def test_a_diffllama_render_mistake_fails_by_name(tmp_path, case_id, pattern, replacement, failing):
     report = mistaken_report(_small_case(tmp_path, "diffllama", DIFFLLAMA_SMALL, "framework")[:3], pattern,
                              replacement)
-    assert not check(report, "logits vs transformers").passed, [(c.name, c.detail) for c in report.failed()]
+    assert not check(report, failing).passed, [(c.name, c.detail) for c in report.failed()]
 
 
 def test_diffllama_planned_as_plain_gqa_fails_the_logits(tmp_path, monkeypatch):

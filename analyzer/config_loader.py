@@ -1079,6 +1079,12 @@ _OTHER_DTYPES = ("auto", "fp8", "float8", "fp4", "float8_e4m3fn", "float8_e5m2",
                  "float64", "double", "int4", "int32")
 
 
+def config_dtype(cfg: dict[str, Any], where: str) -> Sourced[str]:
+    """The model dtype a config states (torch_dtype / dtype), read as every config's is: for a config kept off the
+    one-stack path (BLT's stacks: analyzer/kinds/byte_patch_section.py)."""
+    return _dtype(_Reader(where, cfg))
+
+
 def _dtype(r: _Reader) -> Sourced[str]:
     hit = r.get("torch_dtype", "dtype")
     if hit is None:

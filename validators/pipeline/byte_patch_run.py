@@ -159,12 +159,16 @@ class BytePatchRun:
     live_states: int  # per-request states (open-patch rows, cross K/V slots) still held after the stream
 
 
+# Three requests (prompt bytes, greedy bytes, admitting step): different prompt lengths (past a block), late
+# admits, early finishes, greedy tails
+SHAPES = ((21, 4, 0), (9, 6, 2), (14, 3, 5))
+STREAM_BYTES = max(n + new for n, new, _ in SHAPES)  # the longest request: it bounds the open patch's rows
+
+
 def _stream(seed: int, vocab: int) -> tuple[Request, ...]:
-    """Three requests: different prompt lengths (past a block), late admits, early finishes, greedy tails."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = ((21, 4, 0), (9, 6, 2), (14, 3, 5))
     return tuple(Request(tuple(torch.randint(0, vocab, (n,), generator=gen).tolist()), new, admit)
-                 for n, new, admit in shapes)
+                 for n, new, admit in SHAPES)
 
 
 class _Host:
@@ -172,7 +176,7 @@ class _Host:
                  global_cached: bool, refresh_cross: bool, rendered=None):
         self.model, self.blt, self.cfg, self.facts, self.ops = model, model.model, model.config, facts, ops
         # the manifest's section (each stack's FA shape and band) and the port: the host's own, or a render's
-        self.section = {s.section: s for s in byte_patch_section.decide(facts, reading).stacks}
+        self.section = {s.section: s for s in byte_patch_section.decide(facts, reading, STREAM_BYTES).stacks}
         self.rendered = rendered
         self.reading, self.shift, self.global_cached, self.refresh_cross = (reading, boundary_shift, global_cached,
                                                                             refresh_cross)
@@ -612,7 +616,7 @@ def render_cpu(real: dict, out_dir, *, seed: int = 0, reading: str = DEFAULT_WIN
     from model_infer_kvcache.implementer.render import ATTENTION_FILE, _environment
 
     _, facts, _ = cpu_model(real, seed)
-    files = render_kind.render(byte_patch_section.decide(facts, reading), _environment(), ATTENTION_FILE)
+    files = render_kind.render(byte_patch_section.decide(facts, reading, STREAM_BYTES), _environment(), ATTENTION_FILE)
     out = Path(out_dir)
     for name, text in files.items():
         atomic_write_text(out / name, text)

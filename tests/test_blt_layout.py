@@ -1,5 +1,6 @@
 """BLT (transformers BltForCausalLM): the cache layout analyzer/kinds/byte_patches.py writes down, checked against a
-real forward of transformers' model, and the refusal that names the plan and what kvcache lacks.
+real forward of transformers' model, the manifest `kvcache analyze` writes around it, and its render run byte by
+byte (the whole `kvcache run` route in both modes: tests/test_blt_route.py).
 
 Cross-check: a tiny BLT built from a config through the same facts reader; a prefill and a decode step with a
 caller-built EncoderDecoderCache (transformers cannot build its own: DynamicCache(config=BltConfig) raises); the caches

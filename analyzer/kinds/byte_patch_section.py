@@ -75,6 +75,13 @@ def decide(facts: bp.BytePatchFacts, reading: str, request_bytes: int | None = N
         open_patch_rows=rows, open_patch_bound=bound, source=bp.SOURCE)
 
 
+def window_reading(section: BytePatchesDecision) -> str:
+    """The device reading a section's windowed stacks were planned under (pre_tokens W: inclusive, W - 1:
+    exclusive): a re-derivation of the section (a config check, its CPU-sized copy) plans under the same."""
+    windowed = next((s for s in section.stacks if s.sliding_window), None)
+    return "inclusive" if windowed and windowed.pre_tokens == windowed.sliding_window else "exclusive"
+
+
 def decision_row(section: BytePatchesDecision) -> tuple[str, str, str]:
     """progress.md's row of a BLT manifest: the stacks, the patch boundary and the per-request states."""
     rate = {bp.PER_BYTE: "每字节一行", bp.PER_PATCH: "每 patch 一行"}

@@ -40,7 +40,10 @@ def test_kvcache_run_passes_in_both_modes(runs, mode):
     """Every check passes in each mode (logits within 1e-6 of transformers' full forward, float64); the render's
     header names the manifest's hash, and the modes' renders differ where the framework contract does: in framework
     mode the engine's per-manager tables and per-byte slots, the global stack's rows computed by the render from its
-    own table and each row's patch index; in standalone mode the runner's own per stack."""
+    own table and each row's patch index; in standalone mode the runner's own per stack. The render lints clean
+    against its manifest (the decoder's cross-attention, sparse_mode 0 over a whole patch, silenced by its line)."""
+    from model_infer_kvcache.validators.lint import lint_paths
+
     _, run = runs[mode]
     report = json.loads((run / "report.json").read_text(encoding="utf-8"))
     manifest = json.loads((run / "manifest.json").read_text(encoding="utf-8"))
@@ -53,6 +56,8 @@ def test_kvcache_run_passes_in_both_modes(runs, mode):
     framework = "forward_metadata.block_table[self.stack]" in text and "positions // block_size" in text
     assert framework == (mode == "framework"), text
     assert not (run / "rendered" / "kvcache_runner.py").exists()
+    lint = lint_paths([str(run / "rendered" / "kvcache_attention.py")], manifest=str(run / "manifest.json"))
+    assert not lint.findings and not lint.errors, lint.findings
 
 
 def _validate_edited(runs, tmp_path, mode, edit):

@@ -166,6 +166,7 @@ class RequestState:
     patches: int = 0
     cross_written: bool = False  # its cross K/V slot holds a patch's (the first patch ends at byte 0)
     ends: list[int] = field(default_factory=list)
+    most_open: int = 0  # the most encoder rows its open patch held
     bytes: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
 
@@ -178,6 +179,7 @@ class BytePatchRun:
     pools: dict[str, PagedPool]
     pool_shapes: dict[str, list[tuple[int, ...]]]
     live_states: int  # per-request states (open-patch rows, cross K/V slots) still held after the stream
+    open_patch_rows: int  # the planned bound of a request's open-patch rows (the section's, or the render's)
 
 
 # Three requests (prompt bytes, greedy bytes, admitting step): different prompt lengths (past a block), late
@@ -385,6 +387,7 @@ class _Host:
         for i, r in enumerate(active):
             st, p = states[r], positions[r]
             st.open_rows.append(eh[i])
+            st.most_open = max(st.most_open, len(st.open_rows))
             if self.rendered is not None:  # the render's boundary over the request's entropies so far
                 ends = self.rendered.ends_patch(st.entropy, p, len(st.open_rows))
             else:
@@ -471,7 +474,9 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
                     live.discard(i)
             step += 1
     held = sum(1 for st in states.values() if st.open_rows or st.cross_written) + start_slots - len(free_slots)
-    return BytePatchRun(reqs, states, host.calls, pools, shapes, held)
+    bound = (rendered.OPEN_PATCH_ROWS if rendered is not None
+             else byte_patch_section.decide(facts, reading, STREAM_BYTES).open_patch_rows)
+    return BytePatchRun(reqs, states, host.calls, pools, shapes, held, bound)
 
 
 def transformers_patches(model, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
@@ -558,6 +563,9 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
         if stepped != ends[r]:
             problems.append(f"request {r}: the global stack stepped at bytes {stepped}, transformers' patcher ends "
                             f"patches at {ends[r]}")
+    # the open patch's encoder rows live in a state slot of the planned size: no patch may outgrow it
+    problems += [f"request {r}: its open patch held {st.most_open} encoder rows, planned at most "
+                 f"{run.open_patch_rows}" for r, st in run.states.items() if st.most_open > run.open_patch_rows]
     report.add(f"byte patches: each FA call reads its stack's own paged cache at the request's bytes (the global "
                f"stack at its completed patches, at the bytes transformers' patcher ends them) ({len(run.calls)} "
                f"calls)", "runtime", not problems, "; ".join(problems[:3]))

@@ -25,6 +25,14 @@ the negative controls: ``boundary_shift`` (the boundary read that many bytes lat
 global stack rerun over the step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the
 decoder's cross K/V kept from the first patch), ``reading`` (the band's pre_tokens planned under another device
 reading than the operators run), ``release=False`` (a finished request's blocks kept).
+
+Deploy modes (``framework``): standalone hands each call its stack's own slots, table and kv lengths (the global
+stack's at its patches), as a runner would; framework hands what the engine does (upstream cache_utils
+prepare_slot_mapping / prepare_block_tables): ``block_table`` and ``slot_mapping`` dicts over the managers (one per
+stack), every manager's table grown a block per byte, slots at the byte's position, kv lengths in bytes; the render
+computes the global stack's rows from its table and the patch indices it is passed. What a render passed FA (kv
+lengths, table) is read back through ``_Recording``, not taken from the metadata. ``run_manifest`` is `kvcache
+validate`'s route: the given render's code with the CPU-sized section's constants (V108 checks its own).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_analyze_writes_the_byte_patches_manifest(tmp_path, dispatch):
 
 def test_bad_blt_fields_are_bad_input_by_field(tmp_path):
     """A stack's bad field, a missing window: bad input naming the field (the facts reader); attention TP above 1:
-    refused naming --attn-tp-size (the stacks are planned on one rank)."""
+    refused naming --attn-tp-size (the stacks are planned on one rank); a one-stack route refuses BLT naming its plan."""
     from transformers import CONFIG_MAPPING
 
     data = CONFIG_MAPPING["blt"]().to_dict()
@@ -181,6 +181,13 @@ def test_bad_blt_fields_are_bad_input_by_field(tmp_path):
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=_write(tmp_path, data), attn_tp_size=2))
     assert err.value.where == "--attn-tp-size" and "one rank" in err.value.message
+    # a route that reads one decoder stack (normalize_config: a checkout's model run) names the plan and where it lives
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+
+    with pytest.raises(NotSupportedByKvcache) as err:
+        normalize_config(data, "blt.json")
+    assert "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48" in err.value.message
+    assert "byte_patches section" in err.value.message and err.value.field == "global_config"
 
 
 def test_a_hand_edited_blt_manifest_is_refused_by_field(tmp_path):

@@ -398,6 +398,12 @@ def _assemble_byte_patches(config: dict[str, Any], where: str, req: AnalyzeReque
         raise InputError("--attn-tp-size" if req.attn_tp_size else tp_source, f"{tp}: BLT's stacks are planned on one "
                          "rank (attention TP of stacks with different head counts is not planned by kvcache yet)",
                          field="attn_tp_size")
+    if req.kv_mode == "legacy":  # no contiguous-cache template steps four stacks at two rates
+        raise InputError("--kv-mode", "legacy: BLT's stacks are planned paged only (each a paged FA call; the global "
+                                      "stack a row per completed patch)", field="kv_mode")
+    if req.next_n:
+        raise InputError("--next-n", f"{req.next_n} speculative tokens: BLT has no MTP layer to draft them",
+                         field="next_n")
     stated = config_dtype(config, where)
     dtype = req.cache_dtype or stated.value
     if stated.is_default and req.cache_dtype is None:

@@ -181,6 +181,15 @@ def test_bad_blt_fields_are_bad_input_by_field(tmp_path):
     with pytest.raises(InputError) as err:
         analyze(AnalyzeRequest(config=_write(tmp_path, data), attn_tp_size=2))
     assert err.value.where == "--attn-tp-size" and "one rank" in err.value.message
+    for flag, request in (("--kv-mode", dict(kv_mode="legacy")), ("--next-n", dict(next_n=1))):
+        with pytest.raises(InputError) as err:
+            analyze(AnalyzeRequest(config=_write(tmp_path, data), **request))
+        assert err.value.where == flag, err.value.render()
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    with pytest.raises(InputError) as err:  # a graph-captured step: not rendered (the boundary branches per request)
+        render_manifest(analyze(AnalyzeRequest(config=_write(tmp_path, data), exe_mode="npugraph_ex")))
+    assert err.value.field == "exe_mode" and "eager only" in err.value.message
     # a route that reads one decoder stack (normalize_config: a checkout's model run) names the plan and where it lives
     from model_infer_kvcache.analyzer.config_loader import normalize_config
 

@@ -62,6 +62,10 @@ def render_manifest(m: SelectionManifest, env: jinja2.Environment, attention_fil
     """A BLT manifest's files: the attention file (its header naming the manifest's hash) and INTEGRATION.md."""
     if m.kv_mode.value != "paged" or m.fa.input_layout != "TND":
         raise bad("kv_mode", f"{m.kv_mode.value} / {m.fa.input_layout}: BLT's stacks render paged TND FA calls only")
+    if m.exe_mode is not None and m.exe_mode.value != "eager":
+        raise bad("exe_mode", f"not supported by kvcache yet: a {m.exe_mode.value} BLT step ({m.exe_mode.source}): the "
+                              "patch boundary branches per request on the patcher's entropy; rendered and validated "
+                              "eager only")
     lines = (generated_line(__version__, m.content_hash()),
              design_line(m.model.model_type, m.deploy_mode.value, render_api(m.framework_api or DEFAULT_RENDER_CONTRACT),
                          m.kv_mode.value, m.fa.version, m.fa.input_layout))

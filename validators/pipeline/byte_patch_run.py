@@ -763,8 +763,6 @@ def run_manifest(report: Report, manifest, rendered_dir: str, real: dict, backen
                "; ".join(off[:3]) or ("" if set(stacks) == {s.section for s in section.stacks}
                                       else f"stacks {sorted(stacks)}"))
     mode = manifest.deploy_mode.value
-    report.notes.append("device readings not swept for BLT: the run uses the base readings only (the manifest's "
-                        "device_dependencies name the ones it rests on; references/device_questions.md)")
     with tempfile.TemporaryDirectory(prefix="kvcache-blt-") as tmp:
         render_cpu(real, tmp, seed=seed, reading=byte_patch_section.window_reading(section), deploy_mode=mode,
                    fa_version=manifest.fa.version)

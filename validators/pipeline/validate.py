@@ -202,9 +202,20 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
         from model_infer_kvcache.validators.npu_ops import device_readings, install_emulation
         from model_infer_kvcache.validators.pipeline.byte_patch_run import run_manifest
 
-        run_manifest(report, manifest, req.rendered, inputs.real_config, backend,
-                     install_emulation if backend == "emulated" else contextlib.nullcontext, device_readings(base),
+        ops = install_emulation if backend == "emulated" else contextlib.nullcontext
+        run_manifest(report, manifest, req.rendered, inputs.real_config, backend, ops, device_readings(base),
                      req.seed)
+        if req.sweep_readings and backend == "emulated":  # as every kind: does the render rest on a reading?
+            from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
+
+            def rerun(readings) -> Report:
+                swept = report.fresh(backend=backend)
+                run_manifest(swept, manifest, req.rendered, inputs.real_config, backend, ops,
+                             device_readings(readings), req.seed)
+                return swept
+
+            sweep_readings(report, [dep.question for dep in manifest.device_dependencies], base, rerun,
+                           settled=settled, say=say)
         report.seconds = time.perf_counter() - started
         return report
     _check_render_as_written(report, manifest, req, backend)

@@ -415,6 +415,10 @@ def _assemble_byte_patches(config: dict[str, Any], where: str, req: AnalyzeReque
     layers = byte_patch_section.layers(section, dtype)
     heads, kv_heads, head_dim = byte_patch_section.model_heads(section)
     framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
+    blockers: list[Finding] = []
+    _state_registration(f"BLT's per-request slots (the decoder's cross K/V of the latest patch, the open patch's "
+                        f"{section.open_patch_rows} encoder rows)", ["byte_patches", "--framework-root"], deploy.value,
+                        framework_api, checkout, blockers, questions)
     itemsize = rules.DTYPE_BYTES[dtype]
     groups = byte_patch_section.memory_groups(section, req.block_size, itemsize)
     total = sum(g.per_token_bytes for g in groups)
@@ -452,7 +456,8 @@ def _assemble_byte_patches(config: dict[str, Any], where: str, req: AnalyzeReque
                                  "dtype": stated.source}),
         deploy_mode=deploy, framework_api=framework_api, framework_api_evidence=api_evidence,
         kv_mode=KvModeDecision(value="paged", reason="Paged is the target: every stack's attention is a paged FA "
-                                                     "call (byte_patches); no blocker found"),
+                                                     "call (byte_patches); " + ("; ".join(b.message for b in blockers)
+                                                                               or "no blocker found")),
         fa=FaDecision(version=fa_version, input_layout="TND", softmax_scale=model.softmax_scale,
                       scale_derivation=f"decoder_config head_dim = {head_dim}^-0.5 (BltSelfAttention.scaling); each "
                                        "stack its own (byte_patches.stacks)",
@@ -468,7 +473,7 @@ def _assemble_byte_patches(config: dict[str, Any], where: str, req: AnalyzeReque
                               num_kv_heads_per_rank=kv_heads, kv_heads_replicated=False, latent_replicated=False),
         block_size=req.block_size, memory=memory_plan, byte_patches=section,
         device_dependencies=dependencies, device_readings=measured_source, open_questions=questions,
-        warnings=warnings, blockers=[])
+        warnings=warnings, blockers=blockers)
 
 
 def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, checkout, blockers,
@@ -483,6 +488,13 @@ def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, 
                         [facts.cross.source, "--framework-root"])
     else:
         return
+    _state_registration(what, fields, deploy, framework_api, checkout, blockers, questions)
+
+
+def _state_registration(what: str, fields: list[str], deploy: str, framework_api: str | None, checkout, blockers,
+                        questions) -> None:
+    """Per-request state slots (``what``) register as MambaCacheEntry in framework mode, which only G3 frameworks
+    define: a blocker where the checkout or the named generation lacks it, a question where neither is known."""
     if deploy != "framework":
         return
     if checkout is not None and not checkout.mamba_state_evidence:

@@ -96,6 +96,9 @@ def decision_cells(manifest: SelectionManifest) -> list[tuple[str, ...]]:
 
 
 def _render(manifest: SelectionManifest, names: Names, framework_api: str | None, allow_blocked: bool) -> Rendered:
+    if manifest.byte_patches is not None:  # BLT's stacks: their own attention file, no runner, no context
+        return Rendered(byte_patches_kind.render_manifest(manifest, _environment(), ATTENTION_FILE, INTEGRATION_FILE,
+                                                          decision_cells(manifest)), None)
     if manifest.blockers and not allow_blocked:
         blocked = "; ".join(b.message for b in manifest.blockers)
         try:  # the hint must lead somewhere: --allow-blocked helps only where a template renders the model
@@ -110,9 +113,6 @@ def _render(manifest: SelectionManifest, names: Names, framework_api: str | None
     if manifest.drafter is not None:  # a drafter over its target's cache: its own file, no runner, no context
         return Rendered(drafter_kind.render(manifest, _environment(), ATTENTION_FILE, INTEGRATION_FILE,
                                             decision_cells(manifest)), None)
-    if manifest.byte_patches is not None:  # BLT's stacks: their own attention file, no runner, no context
-        return Rendered(byte_patches_kind.render_manifest(manifest, _environment(), ATTENTION_FILE, INTEGRATION_FILE,
-                                                          decision_cells(manifest)), None)
     check_renderable(manifest)
     c = build_context(manifest, names, framework_api)
     env = _environment()

@@ -190,6 +190,17 @@ def test_bad_blt_fields_are_bad_input_by_field(tmp_path):
     with pytest.raises(InputError) as err:  # a graph-captured step: not rendered (the boundary branches per request)
         render_manifest(analyze(AnalyzeRequest(config=_write(tmp_path, data), exe_mode="npugraph_ex")))
     assert err.value.field == "exe_mode" and "eager only" in err.value.message
+    # framework mode registers the per-request slots as MambaCacheEntry: a question where the generation is unknown, a
+    # blocker where it lacks one (G1), which the render refuses (no Legacy path); standalone: neither
+    framework = dict(config=_write(tmp_path, data), dispatch="部署模式：框架部署")
+    assert any("MambaCacheEntry" in q.message for q in analyze(AnalyzeRequest(**framework)).open_questions)
+    blocked = analyze(AnalyzeRequest(**framework, framework_api="G1"))
+    assert "open patch's 4096 encoder rows" in blocked.blockers[0].message
+    with pytest.raises(NotSupportedByKvcache) as err:
+        render_manifest(blocked)
+    assert err.value.field == "blockers"
+    standalone = analyze(AnalyzeRequest(config=_write(tmp_path, data), dispatch="部署模式：独立部署"))
+    assert not standalone.blockers and not any("MambaCacheEntry" in q.message for q in standalone.open_questions)
     # a route that reads one decoder stack (normalize_config: a checkout's model run) names the plan and where it lives
     from model_infer_kvcache.analyzer.config_loader import normalize_config
 

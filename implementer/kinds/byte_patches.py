@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 
 import jinja2
+from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 from model_infer_kvcache.analyzer.framework_checkout import DEFAULT_RENDER_CONTRACT, render_api
 from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.manifest import BytePatchesDecision, SelectionManifest
@@ -60,6 +61,9 @@ def render(section: BytePatchesDecision, env: jinja2.Environment, attention_file
 def render_manifest(m: SelectionManifest, env: jinja2.Environment, attention_file: str, integration_file: str,
                     decisions: list[tuple[str, ...]]) -> dict[str, str]:
     """A BLT manifest's files: the attention file (its header naming the manifest's hash) and INTEGRATION.md."""
+    if m.blockers:  # no Legacy path to fall back on: every stack's attention is a paged FA call
+        raise NotSupportedByKvcache("--manifest", "manifest has blockers (" + "; ".join(b.message for b in m.blockers)
+                                    + "): BLT renders no Legacy path", field="blockers")
     if m.kv_mode.value != "paged" or m.fa.input_layout != "TND":
         raise bad("kv_mode", f"{m.kv_mode.value} / {m.fa.input_layout}: BLT's stacks render paged TND FA calls only")
     if m.exe_mode is not None and m.exe_mode.value != "eager":

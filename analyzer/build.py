@@ -9,7 +9,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from model_infer_kvcache.analyzer import arch_check, kv_cache_spec, memory, rules
-from model_infer_kvcache.analyzer.config_loader import LIMITS, ModelFacts, normalize_config, read_config_file
+from model_infer_kvcache.analyzer.config_loader import (
+    LIMITS,
+    ModelFacts,
+    Sourced,
+    config_dtype,
+    normalize_config,
+    read_config_file,
+)
 from model_infer_kvcache.analyzer.deploy_context import (
     FACT_LABELS,
     DispatchFacts,
@@ -29,6 +36,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     inspect_checkout,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
@@ -49,9 +57,12 @@ from model_infer_kvcache.analyzer.manifest import (
     KvModeDecision,
     LayerPlan,
     MemoryPlan,
+    MlaDecision,
     ModelInfo,
     NoCacheLayer,
+    ParallelPlan,
     RecurrentLoopsDecision,
+    RopeInfo,
     SelectionManifest,
     StateLayerPlan,
 )
@@ -97,16 +108,11 @@ def analyze(req: AnalyzeRequest, progress_text: str | None = None) -> SelectionM
 
         readings = load_readings(req.device_readings)
     where, config = read_config_file(req.config)
+    if byte_patches_kind.is_blt(config):  # BLT's four stacks: a plan of their own (the byte_patches section)
+        return _assemble_byte_patches(config, where, req, progress_text, readings)
     try:
         facts = normalize_config(config, where)
     except InputError as exc:
-        if isinstance(exc, NotSupportedByKvcache) and byte_patches_kind.is_blt(config):
-            # BLT's refusal names its plan: checked against transformers' own modules before it is given
-            problems = arch_check.byte_patch_problems(config)
-            if problems:
-                raise InputError(where, "architecture cross-check against transformers' own attention modules "
-                                        "(meta device) failed: " + "; ".join(problems[:3]), field="model_type") from None
-            raise
         # a field kvcache needs for attention is missing: where transformers' own code shows the model keeps no KV
         # cache at all (RWKV names no attention heads: a recurrence), that is the refusal's reason, not the field
         why = arch_check.why_no_kv_cache_of(config) if exc.message.startswith("missing") else None
@@ -368,6 +374,108 @@ def assemble(
     )
 
 
+def _assemble_byte_patches(config: dict[str, Any], where: str, req: AnalyzeRequest, progress_text: str | None,
+                           readings) -> SelectionManifest:
+    """BLT's manifest: the byte_patches section (analyzer/kinds/byte_patch_section.py) and the layers it builds, one
+    per planned cache layer in cache order (byte_patches.cache_plan), the model-level fields the local decoder's; the
+    plan checked against transformers' own modules first (arch_check.byte_patch_problems). One rank: the stacks'
+    heads differ, and the byte-stepping validation runs them unsplit."""
+    facts = byte_patches_kind.read_facts(config, where)
+    problems = arch_check.byte_patch_problems(config)
+    if problems:
+        raise InputError(where, "architecture cross-check against transformers' own attention modules (meta device) "
+                                "failed: " + "; ".join(problems[:3]), field="model_type")
+    progress = (parse_progress(progress_text, req.progress) if req.progress and progress_text is not None
+                else load_progress(req.progress) if req.progress else ProgressFacts())
+    dispatch = parse_dispatch(req.dispatch, req.dispatch_source)
+    checkout = inspect_checkout(req.framework_root, "blt", "blt", ["BltForCausalLM"]) if req.framework_root else None
+    warnings: list[Finding] = []
+    questions: list[Finding] = []
+    reading, _ = resolve_window_reading(req.window_reading, readings, req.device_readings)
+    deploy = _deploy_mode(dispatch, req, progress, checkout, warnings)
+    tp, tp_source = _tp_size(req, progress, warnings)
+    if tp != 1:
+        raise InputError("--attn-tp-size" if req.attn_tp_size else tp_source, f"{tp}: BLT's stacks are planned on one "
+                         "rank (attention TP of stacks with different head counts is not planned by kvcache yet)",
+                         field="attn_tp_size")
+    if req.kv_mode == "legacy":  # no contiguous-cache template steps four stacks at two rates
+        raise InputError("--kv-mode", "legacy: BLT's stacks are planned paged only (each a paged FA call; the global "
+                                      "stack a row per completed patch)", field="kv_mode")
+    if req.next_n:
+        raise InputError("--next-n", f"{req.next_n} speculative tokens: BLT has no MTP layer to draft them",
+                         field="next_n")
+    stated = config_dtype(config, where)
+    dtype = req.cache_dtype or stated.value
+    if stated.is_default and req.cache_dtype is None:
+        questions.append(Finding(message="config states no dtype: cache dtype assumed bfloat16",
+                                 fields=["torch_dtype", "dtype"]))
+    positions = config.get("max_position_embeddings")
+    positions = Sourced(positions if isinstance(positions, int) and positions > 0 else None, "max_position_embeddings")
+    section = byte_patch_section.decide(facts, reading, req.max_len or positions.value, where)
+    layers = byte_patch_section.layers(section, dtype)
+    heads, kv_heads, head_dim = byte_patch_section.model_heads(section)
+    framework_api, api_evidence = _framework_api(deploy.value, req, checkout, questions)
+    blockers: list[Finding] = []
+    _state_registration(f"BLT's per-request slots (the decoder's cross K/V of the latest patch, the open patch's "
+                        f"{section.open_patch_rows} encoder rows)", ["byte_patches", "--framework-root"], deploy.value,
+                        framework_api, checkout, blockers, questions)
+    itemsize = rules.DTYPE_BYTES[dtype]
+    groups = byte_patch_section.memory_groups(section, req.block_size, itemsize)
+    total = sum(g.per_token_bytes for g in groups)
+    derivation = [f"per-token bytes (one rank) = {total} = sum over BLT's stacks of 2 x layers x KV heads x head_dim "
+                  f"x itemsize (one pool per stack: their shapes differ)",
+                  f"{byte_patch_section.OPEN_PATCH}: one slot per request of {section.open_patch_rows} encoder rows "
+                  f"({section.open_patch_bound})"]
+    memory_plan = _budget(groups, total, derivation, layers, req, progress, questions, warnings, positions)
+    _progress_conflicts(progress, req, dispatch, deploy, tp_source, questions, warnings)
+    dependencies = _device_dependencies(layers, "paged", reading, deploy.value)
+    measured_source = None
+    if readings is not None:
+        dependencies, measured_source = apply_readings(dependencies, readings, req.device_readings, warnings,
+                                                       questions)
+    fa_version = req.fa_version or "v1"
+    model = next(s for s in section.stacks if s.section == byte_patch_section.MODEL_STACK)
+    dec = config["decoder_config"]
+    rope = dec.get("rope_parameters") if isinstance(dec.get("rope_parameters"), dict) else {}
+    return SelectionManifest(
+        generator=Generator(version=__version__),
+        inputs=Inputs(config=where, progress=progress.path, dispatch=dispatch.line,
+                      framework_root=checkout.root if checkout else None,
+                      npu_model=str(progress.npu_model.value) if progress.npu_model else None,
+                      num_cards=int(progress.num_cards.value) if progress.num_cards else None,
+                      starting_point=sorted({s.value for s in progress.starting_point}),
+                      progress_sources=_progress_sources(progress, req, deploy)),
+        model=ModelInfo(model_type="blt", family="blt", attention_kind="mha" if heads == kv_heads else "gqa",
+                        architectures=list(config.get("architectures") or ["BltForCausalLM"]),
+                        num_layers=len(layers), hidden_size=heads * head_dim, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=head_dim, qk_head_dim=head_dim, dtype=dtype,
+                        vocab_size=config.get("vocab_size"), max_position_embeddings=positions.value,
+                        rms_norm_eps=dec.get("rms_norm_eps"), rope=RopeInfo(rope_type=rope.get("rope_type", "default")),
+                        sources={"model-level fields": "decoder_config (the local decoder: its rows give the logits); "
+                                                       "the other stacks' in byte_patches.stacks and per layer",
+                                 "dtype": stated.source}),
+        deploy_mode=deploy, framework_api=framework_api, framework_api_evidence=api_evidence,
+        kv_mode=KvModeDecision(value="paged", reason="Paged is the target: every stack's attention is a paged FA "
+                                                     "call (byte_patches); " + ("; ".join(b.message for b in blockers)
+                                                                               or "no blocker found")),
+        fa=FaDecision(version=fa_version, input_layout="TND", softmax_scale=model.softmax_scale,
+                      scale_derivation=f"decoder_config head_dim = {head_dim}^-0.5 (BltSelfAttention.scaling); each "
+                                       "stack its own (byte_patches.stacks)",
+                      reason=f"requested {fa_version} by the user" if req.fa_version else
+                      "GQA/MHA default v1 (Qwen3 reference): every stack's attention is a GQA/MHA call",
+                      is_default=req.fa_version is None),
+        mla=MlaDecision(enabled=False, absorb=False, cache_mode=None, rope=True, reason="not an MLA model",
+                        constraints=[]),
+        exe_mode=rules.decide_exe_mode(*_exe_mode(req, progress), 0, _dynamic_graph(req, progress)),
+        mixed_attn_types=len({layer.attn_type for layer in layers}) > 1,
+        layers=layers,
+        parallel=ParallelPlan(attn_tp_size=1, attn_tp_source=tp_source, num_q_heads_per_rank=heads,
+                              num_kv_heads_per_rank=kv_heads, kv_heads_replicated=False, latent_replicated=False),
+        block_size=req.block_size, memory=memory_plan, byte_patches=section,
+        device_dependencies=dependencies, device_readings=measured_source, open_questions=questions,
+        warnings=warnings, blockers=blockers)
+
+
 def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, checkout, blockers,
                      questions) -> None:
     """Framework mode registers linear layers' states (and cross-attention slots) as MambaCacheEntry, which only G3
@@ -380,6 +488,13 @@ def _recurrent_state(facts: ModelFacts, deploy: str, framework_api: str | None, 
                         [facts.cross.source, "--framework-root"])
     else:
         return
+    _state_registration(what, fields, deploy, framework_api, checkout, blockers, questions)
+
+
+def _state_registration(what: str, fields: list[str], deploy: str, framework_api: str | None, checkout, blockers,
+                        questions) -> None:
+    """Per-request state slots (``what``) register as MambaCacheEntry in framework mode, which only G3 frameworks
+    define: a blocker where the checkout or the named generation lacks it, a question where neither is known."""
     if deploy != "framework":
         return
     if checkout is not None and not checkout.mamba_state_evidence:
@@ -714,7 +829,14 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
             f"{len(shared)} KV-shared layer(s) ({shared[0].index}..{shared[-1].index}) hold no cache (0 B per token): "
             f"they read the caches of layer(s) {', '.join(map(str, sources))} through the same block table "
             f"({facts.kv_sources.source}; transformers' is_kv_shared_layer computes no K/V there)")
+    return _budget(groups, total, derivation, layers, req, progress, questions, warnings,
+                   facts.max_position_embeddings), groups
 
+
+def _budget(groups, total: int, derivation: list[str], layers, req: AnalyzeRequest, progress, questions, warnings,
+            max_positions) -> MemoryPlan:
+    """The memory plan of ``groups`` (``total`` bytes per token) under the request's budget; ``max_positions``: the
+    Sourced max_position_embeddings a budget without --max-len sizes requests by."""
     hbm = req.hbm_gb
     if hbm is None and progress.hbm_gb:
         hbm = float(progress.hbm_gb.value)
@@ -731,9 +853,9 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         budget = hbm * memory.GIB * ratio
         if req.kv_mem_ratio is None:
             derivation.append(f"kv_mem_ratio default {DEFAULT_KV_MEM_RATIO}")
-        if max_len is None and facts.max_position_embeddings.value:
-            max_len = facts.max_position_embeddings.value
-            derivation.append(f"max_len = {max_len} from {facts.max_position_embeddings.source} (no --max-len)")
+        if max_len is None and max_positions.value:
+            max_len = max_positions.value
+            derivation.append(f"max_len = {max_len} from {max_positions.source} (no --max-len)")
         if concurrency is None and max_len:
             concurrency = memory.max_concurrency_at(groups, budget, max_len)
             derivation.append(f"max_concurrency = {concurrency}: the most requests of {max_len} tokens that fit "
@@ -774,7 +896,7 @@ def _memory(facts, layers, req: AnalyzeRequest, progress, questions,
         max_tokens=plan.max_tokens if plan else None,
         max_concurrency_at_max_len=plan.max_concurrency_at_max_len if plan else None,
         derivation=derivation,
-    ), groups
+    )
 
 
 def _notes(facts: ModelFacts, progress: ProgressFacts, layers: list[LayerPlan], kv_mode: str,

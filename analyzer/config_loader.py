@@ -724,7 +724,7 @@ def normalize_config(data: dict[str, Any], where: str = "config.json") -> ModelF
         sublayers = Sourced(1, "default: one mixer per decoder block")
     else:
         # decoder_layers: a decoder-only use of an encoder-decoder family (BART's ForCausalLM), whose own stack it is
-        if byte_patches_kind.is_blt(r.cfg):  # BLT: its stacks' layout read, and refused naming what kvcache lacks
+        if byte_patches_kind.is_blt(r.cfg):  # BLT: four stacks, planned by `kvcache analyze` (build.py), not here
             raise byte_patches_kind.refusal(byte_patches_kind.read_facts(r.cfg, where), where)
         _refuse_composite(r)
         num_layers = r.positive_int("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
@@ -903,7 +903,7 @@ def _refuse_adapter_widths(r: _Reader, hidden: Sourced[int], heads: Sourced[int]
 def _refuse_composite(r: _Reader) -> None:
     """A config with no layer count of its own whose nested sub-model sections hold one each: a composite model,
     several stacks each with its own config, not one decoder kvcache can plan. Refused naming the sections. (BLT's four
-    stacks are read before this and refused naming its plan: analyzer/kinds/byte_patches.py; a composite whose causal
+    stacks are read before this: planned by `kvcache analyze`, analyzer/kinds/byte_patches.py; a composite whose causal
     LM is its ``decoder`` section, MusicGen's, is read from that section: NESTED_SECTIONS.)"""
     if r.get("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers"):
         return
@@ -1082,6 +1082,12 @@ def _head_dim(r: _Reader, hidden: Sourced[int], heads: Sourced[int], mla: Source
 # plan falls back to bfloat16 and says so. Anything else is a typo and refused.
 _OTHER_DTYPES = ("auto", "fp8", "float8", "fp4", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "uint8",
                  "float64", "double", "int4", "int32")
+
+
+def config_dtype(cfg: dict[str, Any], where: str) -> Sourced[str]:
+    """The model dtype a config states (torch_dtype / dtype), read as every config's is: for a config kept off the
+    one-stack path (BLT's stacks: analyzer/kinds/byte_patch_section.py)."""
+    return _dtype(_Reader(where, cfg))
 
 
 def _dtype(r: _Reader) -> Sourced[str]:

@@ -7,6 +7,7 @@ from model_infer_kvcache.analyzer.framework_checkout import (
     frameworks_taking,
     render_api,
 )
+from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import drafter as drafter_kind
 from model_infer_kvcache.analyzer.kinds.formats import format_of_manifest
@@ -170,6 +171,8 @@ def decision_rows(m: SelectionManifest) -> list[tuple[str, str, str]]:
                      "; ".join(m.memory.derivation[1:])))
     if m.drafter is not None:
         rows.append(drafter_kind.decision_row(m))
+    if m.byte_patches is not None:
+        rows.append(byte_patch_section.decision_row(m.byte_patches))
     if m.cross_attention is not None:
         rows.append(cross_kind.decision_row(m))
     if m.cache_dtype is not None:

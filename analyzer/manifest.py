@@ -423,6 +423,9 @@ class BytePatchesDecision(_Model):
     cross_attn_k: int = Field(ge=1, description="rows of a patch the decoder's cross-attention reads")
     decoder_cross_layers: int = Field(ge=1, description="decoder cross-attention layers (a K/V slot each)")
     per_request_states: str = Field(description="what each request keeps between steps besides its pool rows")
+    open_patch_rows: int = Field(ge=1, description="encoder rows the open patch holds at most per request (its "
+                                                   "state slot): max_patch_length, else the request's bytes bound it")
+    open_patch_bound: str = Field(description="where open_patch_rows comes from")
     source: str
 
 
@@ -789,8 +792,8 @@ class Generator(_Model):
 
 
 # SelectionManifest fields left out of its JSON while None (see SelectionManifest._omit_unset).
-OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "qsa", "differential", "legacy_attention", "linear_attention", "exe_mode", "compressed",
-                      "no_cache_layers", "cross_attention", "recurrent_loops", "drafter")
+OMITTED_WHEN_UNSET = ("cache_dtype", "dsa", "qsa", "differential", "legacy_attention", "linear_attention", "exe_mode",
+                      "compressed", "no_cache_layers", "cross_attention", "recurrent_loops", "drafter", "byte_patches")
 
 
 class SelectionManifest(_Model):
@@ -847,6 +850,10 @@ class SelectionManifest(_Model):
     drafter: DrafterDecision | None = Field(
         default=None, description="a drafter whose every layer reads its target model's cache (Gemma-4 assistants); "
                                   "absent: the model computes its own K/V")
+    byte_patches: BytePatchesDecision | None = Field(
+        default=None, description="BLT's stacks (patcher, local encoder, global transformer, local decoder), each "
+                                  "with its own paged cache, the global one a row per completed patch; layers list "
+                                  "their cache layers in cache order; absent: one decoder stack")
     device_dependencies: list[DeviceDependency] = Field(default_factory=list)
     device_readings: DeviceReadingsSource | None = Field(
         default=None, description="the readings file the device questions were settled from; None: all assumed")

@@ -43,11 +43,11 @@ def load_manifest(path: str | Path) -> SelectionManifest:
                                          f"{getattr(exc, 'problem', None) or exc}") from None
             _refuse_other_version(p, data)
             _refuse_mistagged_layer(p, data)
-            return SelectionManifest.model_validate(data)
+            return _section_rules_hold(p, SelectionManifest.model_validate(data))
         data = _json_or_none(text)
         _refuse_other_version(p, data)
         _refuse_mistagged_layer(p, data)
-        return SelectionManifest.model_validate_json(text)
+        return _section_rules_hold(p, SelectionManifest.model_validate_json(text))
     except InputError:
         raise
     except RecursionError:
@@ -62,6 +62,18 @@ def load_manifest(path: str | Path) -> SelectionManifest:
         if isinstance(broken, ManifestInvariantError):  # fields that contradict each other (hand edit)
             field, msg = broken.field, broken.message
         raise InputError(str(p), f"not a valid selection manifest: {msg}", field=field) from None
+
+
+def _section_rules_hold(p: Path, m: SelectionManifest) -> SelectionManifest:
+    """The rules a section's fields follow where the manifest's own invariant cannot ask them (they read the rules,
+    which read the manifest): BLT's byte_patches (scale from head_dim, band from window)."""
+    if m.byte_patches is not None:
+        from model_infer_kvcache.analyzer.kinds import byte_patch_section
+
+        found = byte_patch_section.problems(m.byte_patches)
+        if found:
+            raise InputError(str(p), f"not a valid selection manifest: {found[0][1]}", field=found[0][0])
+    return m
 
 
 def _without_tags(loc: tuple) -> list:

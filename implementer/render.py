@@ -12,6 +12,7 @@ from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcach
 from model_infer_kvcache.analyzer.files import atomic_write_bytes, atomic_write_text
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.kinds import attention_kind, renders_layer_shapes
+from model_infer_kvcache.implementer.kinds import byte_patches as byte_patches_kind
 from model_infer_kvcache.implementer.kinds import drafter as drafter_kind
 from model_infer_kvcache.implementer.template_context import Names, RenderContext, build_context, one_line
 
@@ -44,11 +45,13 @@ def plan_files(c: RenderContext) -> dict[str, str]:
 @dataclass(frozen=True)
 class Rendered:
     files: dict[str, str]  # relative path -> text
-    context: RenderContext | None  # None: a drafter's render (implementer/kinds/drafter.py)
+    context: RenderContext | None  # None: a drafter's or BLT's render (implementer/kinds/drafter.py, byte_patches.py)
 
 
 def check_renderable(manifest: SelectionManifest, flag: str = "--manifest") -> None:
     """Refuse a manifest whose cache kinds no template renders (exit 2 "not supported by kvcache yet")."""
+    if manifest.byte_patches is not None:  # BLT's render gives each stack its own shape (implementer/kinds/byte_patches)
+        return
     shared = [layer for layer in manifest.layers if layer.kv_source_layer is not None]
     if shared and manifest.kv_mode.value != "paged":
         raise InputError(flag, f"not supported by kvcache yet: KV-shared layers ({len(shared)}, first layer "
@@ -93,6 +96,9 @@ def decision_cells(manifest: SelectionManifest) -> list[tuple[str, ...]]:
 
 
 def _render(manifest: SelectionManifest, names: Names, framework_api: str | None, allow_blocked: bool) -> Rendered:
+    if manifest.byte_patches is not None:  # BLT's stacks: their own attention file, no runner, no context
+        return Rendered(byte_patches_kind.render_manifest(manifest, _environment(), ATTENTION_FILE, INTEGRATION_FILE,
+                                                          decision_cells(manifest)), None)
     if manifest.blockers and not allow_blocked:
         blocked = "; ".join(b.message for b in manifest.blockers)
         try:  # the hint must lead somewhere: --allow-blocked helps only where a template renders the model

@@ -1,5 +1,6 @@
 """BLT (transformers BltForCausalLM): the cache layout analyzer/kinds/byte_patches.py writes down, checked against a
-real forward of transformers' model, and the refusal that names the plan and what kvcache lacks.
+real forward of transformers' model, the manifest `kvcache analyze` writes around it, and its render run byte by
+byte (the whole `kvcache run` route in both modes: tests/test_blt_route.py).
 
 Cross-check: a tiny BLT built from a config through the same facts reader; a prefill and a decode step with a
 caller-built EncoderDecoderCache (transformers cannot build its own: DynamicCache(config=BltConfig) raises); the caches
@@ -124,48 +125,122 @@ def _write(tmp_path, data):
     return str(path)
 
 
-def test_blt_refusal_names_the_plan_and_the_gap(tmp_path):
-    """The class defaults: refused naming each stack's cache layers, transformers' containers, the per-patch global
-    stack and what kvcache lacks; bad fields of a stack are bad input naming them."""
+@pytest.mark.parametrize("dispatch", ["部署模式：框架部署", "部署模式：独立部署"])
+def test_analyze_writes_the_byte_patches_manifest(tmp_path, dispatch):
+    """The class defaults: a manifest (both dispatch modes) whose layers are the plan's 49 cache layers in cache order,
+    each with its stack's own shape where it differs from the model-level stack (the local decoder's 16 x 64): the
+    patcher's 12 query heads, the global stack's head_dim 128 and scale; each stack a manager of its own; the
+    byte_patches section beside them; the memory groups a pool per stack plus the decoder's cross slot and the open
+    patch's rows (4096: no max_patch_length, the request's bytes bound them)."""
     from transformers import CONFIG_MAPPING
 
     data = CONFIG_MAPPING["blt"]().to_dict()
-    with pytest.raises(NotSupportedByKvcache) as err:
-        analyze(AnalyzeRequest(config=_write(tmp_path, data)))
-    msg = err.value.message
-    assert err.value.field == "global_config"
-    for words in ("encoder 1 x 16 KV heads x 64 (window 512, a row per byte; cache layers 0..0, transformers' "
-                  "self_attention_cache 0..0)", "decoder 9 x 16 KV heads x 64 (window 512, a row per byte; cache "
-                  "layers 1..9, transformers' cross_attention_cache 0..8)", "patcher 14 x 12 KV heads x 64 "
-                  "(window 512", "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48",
-                  "2 rows x 9 layers", "one cache layer is written once per completed patch",
-                  "builds no manifest around that section", "implementer/kinds/byte_patches.py",
-                  "agrees with transformers' own modules layer by layer",
-                  "validators/pipeline/byte_patch_run.py, checks V117/V201/V234/V309/V310/V408"):
-        assert words in msg, msg
-    nulled = json.loads(json.dumps(data))
-    nulled["patcher_config"]["num_key_value_heads"] = None  # BltPatcherConfig.__post_init__: or num_attention_heads
-    with pytest.raises(NotSupportedByKvcache, match=r"patcher 14 x 12 KV heads x 64"):
-        analyze(AnalyzeRequest(config=_write(tmp_path, nulled)))
-    static = data | {"patching_mode": "static"}
-    with pytest.raises(NotSupportedByKvcache) as err:
-        analyze(AnalyzeRequest(config=_write(tmp_path, static)))
-    assert "patcher" not in err.value.message.split(". ")[0] and "global 25 x 16 KV heads x 128 (full causal, a " \
-        "row per patch; cache layers 10..34" in err.value.message, err.value.message
-    data["local_attention_window_len"] = None
-    with pytest.raises(NotSupportedByKvcache, match=r"encoder 1 x 16 KV heads x 64 \(full causal"):
-        analyze(AnalyzeRequest(config=_write(tmp_path, data)))
+    m = analyze(AnalyzeRequest(config=_write(tmp_path, data), dispatch=dispatch))
+    assert m.deploy_mode.value == ("framework" if "框架" in dispatch else "standalone")
+    assert m.byte_patches is not None and not m.blockers and m.kv_mode.value == "paged"
+    assert (m.model.num_layers, m.model.num_attention_heads, m.model.head_dim) == (49, 16, 64)
+    by_stack = {}
+    for layer in m.layers:
+        by_stack.setdefault(layer.group_key, []).append(layer.index)
+    assert by_stack == {"encoder_config": [0], "decoder_config": list(range(1, 10)),
+                        "patcher_config": list(range(10, 24)), "global_config": list(range(24, 49))}
+    patcher, glob = m.layers[10], m.layers[24]
+    assert (patcher.num_q_heads_per_rank, patcher.num_kv_heads_per_rank, patcher.head_dim) == (12, 12, None)
+    assert (glob.head_dim, glob.softmax_scale, glob.sliding_window, glob.sparse_mode.decode) == (128, 128 ** -0.5,
+                                                                                                None, 3)
+    assert (m.layers[1].sliding_window, m.layers[1].pre_tokens, m.layers[1].softmax_scale) == (512, 511, None)
+    groups = {g.group_key: g for g in m.memory.groups}
+    assert set(groups) == {"patcher_config", "encoder_config", "global_config", "decoder_config", "CrossAttention",
+                           byte_patch_section.OPEN_PATCH}
+    assert groups[byte_patch_section.OPEN_PATCH].state_bytes == 4096 * 1024 * 2
+    assert m.byte_patches.open_patch_rows == 4096 and "request's bytes" in m.byte_patches.open_patch_bound
+    assert m.memory.per_token_bytes == sum(m.memory.per_layer_token_bytes)
+    limited = analyze(AnalyzeRequest(config=_write(tmp_path, data | {"max_patch_length": 6}), dispatch=dispatch))
+    assert limited.byte_patches.open_patch_rows == 6
+    static = analyze(AnalyzeRequest(config=_write(tmp_path, data | {"patching_mode": "static"}), dispatch=dispatch))
+    assert len(static.layers) == 35 and "patcher_config" not in {layer.group_key for layer in static.layers}
+
+
+def test_bad_blt_fields_are_bad_input_by_field(tmp_path):
+    """A stack's bad field, a missing window: bad input naming the field (the facts reader); attention TP above 1:
+    refused naming --attn-tp-size (the stacks are planned on one rank); a one-stack route refuses BLT naming its plan."""
+    from transformers import CONFIG_MAPPING
+
+    data = CONFIG_MAPPING["blt"]().to_dict()
     for section, field, value in (("encoder_config", "num_attention_heads", "16"),
                                   ("global_config", "num_attention_heads", 15)):
-        bad = json.loads(json.dumps(data)) | {}
+        bad = json.loads(json.dumps(data))
         bad[section][field] = value
         with pytest.raises(InputError) as err:
             analyze(AnalyzeRequest(config=_write(tmp_path, bad)))
         assert not isinstance(err.value, NotSupportedByKvcache) and err.value.field == f"{section}.{field}"
-    del data["local_attention_window_len"]
+    missing = {k: v for k, v in data.items() if k != "local_attention_window_len"}
     with pytest.raises(InputError) as err:
-        analyze(AnalyzeRequest(config=_write(tmp_path, data)))
+        analyze(AnalyzeRequest(config=_write(tmp_path, missing)))
     assert err.value.field == "local_attention_window_len" and "missing" in err.value.message
+    with pytest.raises(InputError) as err:
+        analyze(AnalyzeRequest(config=_write(tmp_path, data), attn_tp_size=2))
+    assert err.value.where == "--attn-tp-size" and "one rank" in err.value.message
+    for flag, request in (("--kv-mode", dict(kv_mode="legacy")), ("--next-n", dict(next_n=1))):
+        with pytest.raises(InputError) as err:
+            analyze(AnalyzeRequest(config=_write(tmp_path, data), **request))
+        assert err.value.where == flag, err.value.render()
+    from model_infer_kvcache.implementer.render import render_manifest
+
+    with pytest.raises(InputError) as err:  # a graph-captured step: not rendered (the boundary branches per request)
+        render_manifest(analyze(AnalyzeRequest(config=_write(tmp_path, data), exe_mode="npugraph_ex")))
+    assert err.value.field == "exe_mode" and "eager only" in err.value.message
+    # framework mode registers the per-request slots as MambaCacheEntry: a question where the generation is unknown, a
+    # blocker where it lacks one (G1), which the render refuses (no Legacy path); standalone: neither
+    framework = dict(config=_write(tmp_path, data), dispatch="部署模式：框架部署")
+    assert any("MambaCacheEntry" in q.message for q in analyze(AnalyzeRequest(**framework)).open_questions)
+    blocked = analyze(AnalyzeRequest(**framework, framework_api="G1"))
+    assert "open patch's 4096 encoder rows" in blocked.blockers[0].message
+    with pytest.raises(NotSupportedByKvcache) as err:
+        render_manifest(blocked)
+    assert err.value.field == "blockers"
+    standalone = analyze(AnalyzeRequest(config=_write(tmp_path, data), dispatch="部署模式：独立部署"))
+    assert not standalone.blockers and not any("MambaCacheEntry" in q.message for q in standalone.open_questions)
+    # a route that reads one decoder stack (normalize_config: a checkout's model run) names the plan and where it lives
+    from model_infer_kvcache.analyzer.config_loader import normalize_config
+
+    with pytest.raises(NotSupportedByKvcache) as err:
+        normalize_config(data, "blt.json")
+    assert "global 25 x 16 KV heads x 128 (full causal, a row per patch; cache layers 24..48" in err.value.message
+    assert "byte_patches section" in err.value.message and err.value.field == "global_config"
+
+
+def test_a_hand_edited_blt_manifest_is_refused_by_field(tmp_path):
+    """Hand edits of a BLT manifest, each a plausible mistake, refused by field when loaded: a global layer read at
+    the decoder's scale (the layer off its stack), the decoder given the global stack's scale in both the section and
+    its layers (the section's own rule: BltSelfAttention.scaling), a layer moved to another stack's manager, the open
+    patch's rows past max_patch_length."""
+    from model_infer_kvcache.analyzer.manifest_io import load_manifest
+    from transformers import CONFIG_MAPPING
+
+    data = CONFIG_MAPPING["blt"]().to_dict() | {"max_patch_length": 6}
+    text = analyze(AnalyzeRequest(config=_write(tmp_path, data))).to_json()
+    path = tmp_path / "manifest.json"
+    path.write_text(text, encoding="utf-8")
+    assert load_manifest(path).byte_patches.max_patch_length == 6
+
+    def edited(edit):
+        m = json.loads(text)
+        edit(m)
+        path.write_text(json.dumps(m), encoding="utf-8")
+        with pytest.raises(InputError) as err:
+            load_manifest(path)
+        return err.value.field
+
+    def decoder_at_global_scale(m):
+        m["byte_patches"]["stacks"][3]["softmax_scale"] = 128 ** -0.5
+        for layer in m["layers"][1:10]:
+            layer.update(softmax_scale=128 ** -0.5, scale_derivation="edited")
+
+    assert edited(lambda m: m["layers"][30].pop("softmax_scale")) == "layers[30]"
+    assert edited(decoder_at_global_scale) == "byte_patches.stacks[3].softmax_scale"
+    assert edited(lambda m: m["layers"][5].update(group_key="encoder_config")) == "layers[5]"
+    assert edited(lambda m: m["byte_patches"].update(open_patch_rows=7)) == "byte_patches.open_patch_rows"
 
 
 def _case(extra):
@@ -231,7 +306,7 @@ def test_byte_patch_mistakes_fail_by_check_id(knob, fails):
     model, facts = _case({})
     _, passed, worst = _judged(model, facts, **knob)
     assert {i for i, ok in passed.items() if not ok} == fails, passed
-    assert (worst > 0.1) == ("V309" in fails), worst
+    assert (worst > 0.1) == bool(fails & {"V309", "V201"}), worst  # V201: the run stopped (inf)
 
 
 def test_a_blt_config_validates_at_cpu_sizes():
@@ -263,12 +338,12 @@ def test_the_section_plans_each_stack_its_own_heads_scale_and_band():
     from transformers import CONFIG_MAPPING
 
     facts = bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json")
-    section = byte_patch_section.decide(facts, "exclusive")  # the section's own home, beside the facts'
+    section = byte_patch_section.decide(facts, "exclusive", 4096)  # the section's own home, beside the facts'
     got = {s.section: (s.num_heads, s.head_dim, s.softmax_scale, s.sparse_mode, s.pre_tokens) for s in section.stacks}
     assert got == {"patcher_config": (12, 64, 0.125, 4, 511), "encoder_config": (16, 64, 0.125, 4, 511),
                    "global_config": (16, 128, 128 ** -0.5, 3, INT32_MAX), "decoder_config": (16, 64, 0.125, 4, 511)}
     assert sorted(i for s in section.stacks for i in s.cache_layers) == [c.index for c in bp.cache_plan(facts)]
-    assert {s.pre_tokens for s in byte_patch_section.decide(facts, "inclusive").stacks if s.sliding_window} == {512}
+    assert {s.pre_tokens for s in byte_patch_section.decide(facts, "inclusive", 4096).stacks if s.sliding_window} == {512}
     assert section.patching_threshold == facts.threshold and section.cross_attn_k == 2
 
 
@@ -343,18 +418,21 @@ def _decoder_at_global_scale(text: str) -> str:
     (lambda t: t.replace("[CROSS_ATTN_K] * t", "[CROSS_ATTN_K - 1] * t"), {"V309", "V310"}, None),
     (lambda t: t.replace("+ slot * self.k_slots.shape[1]).view", "+ (slot % 2 + 1) * self.k_slots.shape[1]).view"),
      {"V309", "V310"}, None),
+    (lambda t: t.replace("OPEN_PATCH_ROWS = 25", "OPEN_PATCH_ROWS = 2"), {"V234"}, None),
 ], ids=["boundary-a-byte-late", "decoder-scale-of-global", "encoder-heads-of-patcher", "global-banded",
-        "max-patch-length-a-byte-late", "cross-reads-one-row-short", "cross-written-to-another-slot"])
+        "max-patch-length-a-byte-late", "cross-reads-one-row-short", "cross-written-to-another-slot",
+        "open-patch-slot-too-small"])
 def test_render_mistakes_fail_by_check_id(edit, fails, extra):
     """Negative controls on the rendered file, each a plausible port mistake: the boundary read on the previous
     byte's entropy (the global stack steps a byte late: V234, logits off by ~2), the decoder attending at the global
     stack's scale (one model-level SOFTMAX_SCALE: ~0.2), the encoder given the patcher's 12 query heads (the
     operator rejects the call: V201), the global stack banded like the byte stacks' window, a max_patch_length
     patch cut a byte late (~1.6), the decoder's cross-attention reading one row of the patch's K/V short (~1.9), a
-    patch's cross K/V written into another request's slot (~2.1)."""
+    patch's cross K/V written into another request's slot (~2.1), the open patch's state slot sized for 2 rows where
+    no max_patch_length bounds a patch (the stream's patches outgrow it: V234 alone, the logits stay right)."""
     _, passed, worst = _render_judged(edit, extra)
     assert {i for i, ok in passed.items() if not ok} == fails, passed
-    assert worst > 0.1, worst
+    assert (worst > 0.1) == bool(fails & {"V309", "V201"}), worst  # V201: the run stopped (inf)
 
 
 def _edited(section, stack: str, **fields):
@@ -371,7 +449,7 @@ def test_a_hand_edited_section_is_refused_by_field():
     from transformers import CONFIG_MAPPING
 
     facts = bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json")
-    section = byte_patch_section.decide(facts, "exclusive")
+    section = byte_patch_section.decide(facts, "exclusive", 4096)
     assert byte_patch_section.problems(section) == []
     assert render_kind.render(section, _environment(), ATTENTION_FILE)
     order = [s.section for s in section.stacks]
@@ -447,18 +525,16 @@ def test_the_cross_checks_meta_build_reads_the_planned_stacks_in_cache_order():
     assert bp.stacks_of({"num_hidden_layers": 2}) is None
 
 
-def test_analyze_checks_the_refusals_plan_against_transformers(tmp_path, monkeypatch):
-    """`kvcache analyze` checks the plan a BLT refusal names against transformers' modules first: at the class
-    defaults they agree and the refusal stands; an analyzer whose facts gave the decoder the patcher's 12 query heads
-    is stopped by the cross-check (bad input naming the cache layer and transformers' module), not refused with a
-    wrong plan."""
+def test_analyze_checks_the_plan_against_transformers(tmp_path, monkeypatch):
+    """`kvcache analyze` checks BLT's plan against transformers' modules first: at the class defaults they agree and
+    the manifest is written; an analyzer whose facts gave the decoder the patcher's 12 query heads is stopped by the
+    cross-check (bad input naming the cache layer and transformers' module), not given a wrong plan."""
     import dataclasses
 
     from transformers import CONFIG_MAPPING
 
     path = _write(tmp_path, CONFIG_MAPPING["blt"]().to_dict())
-    with pytest.raises(NotSupportedByKvcache):
-        analyze(AnalyzeRequest(config=path))
+    assert analyze(AnalyzeRequest(config=path)).byte_patches is not None
     read = bp.read_facts
 
     def misread(cfg, where):
@@ -477,19 +553,22 @@ def test_the_memory_groups_of_the_section():
     """byte_patch_section.memory_groups at the class defaults (bfloat16, block 128): a pool per stack with its own
     bytes per token (2 x layers x KV heads x head_dim x 2 bytes: encoder 1 x 16 x 64, decoder 9 x 16 x 64, patcher
     14 x 12 x 64, global 25 x 16 x 128), the byte stacks' 512 window as fixed blocks (ceil(512 / 128) + 1), the
-    global stack growing with the bytes, and the decoder's cross slot (9 layers x 2 rows x 16 x 64, K and V)."""
+    global stack growing with the bytes, the decoder's cross slot (9 layers x 2 rows x 16 x 64, K and V) and the open
+    patch's encoder rows (a slot per request: 4096 rows x 1024 wide)."""
     from model_infer_kvcache.analyzer import kv_cache_spec
     from transformers import CONFIG_MAPPING
 
-    section = byte_patch_section.decide(bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json"), "exclusive")
+    section = byte_patch_section.decide(bp.read_facts(CONFIG_MAPPING["blt"]().to_dict(), "blt.json"), "exclusive",
+                                        4096)
     groups = {g.group_key: g for g in byte_patch_section.memory_groups(section, 128, 2)}
-    assert {k: g.per_token_bytes for k, g in groups.items() if k != kv_cache_spec.CROSS_ATTENTION} == {
+    assert {k: g.per_token_bytes for k, g in groups.items() if not g.fixed or g.windowed} == {
         "encoder_config": 2 * 1 * 16 * 64 * 2, "decoder_config": 2 * 9 * 16 * 64 * 2,
         "patcher_config": 2 * 14 * 12 * 64 * 2, "global_config": 2 * 25 * 16 * 128 * 2}
     assert {k: g.blocks_per_request(4096) for k, g in groups.items()} == {
         "encoder_config": 5, "decoder_config": 5, "patcher_config": 5, "global_config": 32,
-        kv_cache_spec.CROSS_ATTENTION: 1}
+        kv_cache_spec.CROSS_ATTENTION: 1, byte_patch_section.OPEN_PATCH: 1}
     assert groups[kv_cache_spec.CROSS_ATTENTION].state_bytes == 9 * 2 * 2 * 16 * 64 * 2
+    assert groups[byte_patch_section.OPEN_PATCH].state_bytes == 4096 * 1024 * 2  # open patch rows x encoder hidden
 
 
 @pytest.mark.parametrize("planned, device, fails", [

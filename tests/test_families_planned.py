@@ -1000,7 +1000,7 @@ def test_layer_types_kvcache_has_no_kind_for_name_what_transformers_block_holds(
 def test_composite_configs_are_refused_naming_their_sub_model_sections(tmp_path, model_type, words):
     """A composite config keeps no layer count of its own: its sub-models each hold a stack's config. Refused naming
     the sections, not 'num_hidden_layers missing'. MusicGen's with its decoder section renamed (its causal LM is read
-    from ``decoder``: the test below; BLT's four stacks are read and its plan named: tests/test_blt_layout.py)."""
+    from ``decoder``: the test below; BLT's four stacks are planned: tests/test_blt_layout.py, tests/test_blt_route.py)."""
     from model_infer_kvcache.analyzer.errors import NotSupportedByKvcache
 
     path = _config(tmp_path, model_type)

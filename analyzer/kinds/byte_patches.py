@@ -31,12 +31,13 @@ leaves it by 1.4, the global stack rerun uncached by 1.0.
 The plan runs on CPU: validators/pipeline/byte_patch_run.py steps every stack on its paged pool through the emulated
 scatter and FA calls (the global stack a row per completed patch, at the boundary ``ends_patch`` decides), keeps the
 per-request states (the open patch's encoder rows, the decoder's cross K/V slot of the latest patch) and matches
-transformers' full forward (V117 / V234 / V309 / V310 / V408). The manifest's ``byte_patches`` section (each stack's
-FA shape, scale and band: analyzer/kinds/byte_patch_section.py) renders (implementer/kinds/byte_patches.py) into the
-attention and boundary the host runs in place of its own (V201 beside those). The architecture cross-check's meta
-build joins the four stacks in cache order (``stacks_of``), each module agreeing with its planned layer
-(``module_problems``). Not yet: ``kvcache analyze`` builds no
-manifest around that section and ``kvcache run`` has no route to the host; ``refusal`` names the plan and that gap.
+transformers' full forward (V117 / V234 / V309 / V310 / V408). ``kvcache analyze`` writes the manifest around the
+``byte_patches`` section (each stack's FA shape, scale and band, and the layers it plans:
+analyzer/kinds/byte_patch_section.py), checked first against transformers' modules: the architecture cross-check's
+meta build joins the four stacks in cache order (``stacks_of``), each module agreeing with its planned layer
+(``module_problems``). ``kvcache render`` writes it (implementer/kinds/byte_patches.py) and ``kvcache run`` drives
+that render in place of the host's attention in both deploy modes (V108 / V201 beside those). A route that reads one
+decoder stack refuses a BLT config naming the plan (``refusal``).
 """
 
 from __future__ import annotations
@@ -280,8 +281,9 @@ def _stack_text(layer_count: int, s: StackFacts, where: str) -> str:
 
 
 def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
-    """The planned layout and what kvcache lacks to serve it: a cache stepping once per patch, at a boundary the
-    patcher decides at run time. Not a device limit: each stack's attention is a paged FA call."""
+    """What a route reading one decoder stack (the normalized ModelFacts: a checkout's model run, the lint) says of
+    a BLT config: its plan is four stacks, which `kvcache analyze` writes as the byte_patches section and `kvcache
+    run` validates byte by byte; this route has none of them."""
     plan = cache_plan(facts)
     parts = []
     for s in dict.fromkeys(layer.stack for layer in plan):  # in cache index order
@@ -289,28 +291,8 @@ def refusal(facts: BytePatchFacts, where: str) -> NotSupportedByKvcache:
         slot = (f"transformers' {s.stack.container} 0..{s.layers - 1}" if s.stack.container
                 else "transformers reruns it uncached each forward")
         parts.append(_stack_text(s.layers, s, f"cache layers {mine[0]}..{mine[-1]}, {slot}"))
-    dec = facts.of("decoder_config")
-    states = (f"per request, the open patch's encoder rows and the decoder cross-attention K/V of the latest "
-              f"completed patch ({facts.cross_attn_k} rows x {facts.decoder_cross_layers} layers x {dec.kv_heads} x "
-              f"{dec.head_dim})")
-    checked = ("The plan agrees with transformers' own modules layer by layer (scale, K/V shape, query heads: "
-               "arch_check.byte_patch_problems, checked before this refusal), and the plan and its render run on CPU "
-               "byte by byte against transformers' full forward (the byte_patches "
-               "section analyzer/kinds/byte_patch_section.py decides, rendered by implementer/kinds/byte_patches.py: "
-               "each stack's FA call and the patch boundary; validators/pipeline/byte_patch_run.py, checks "
-               "V117/V201/V234/V309/V310/V408); what kvcache lacks is the rest of the route: ")
-    rest = ("`kvcache analyze` builds no manifest around that section (its layers per stack with their own query "
-            "heads and scale; the section and its memory groups are decided) and `kvcache run` has no route to that "
-            "host")
-    if facts.entropy_patching:
-        gap = (f"A patch ends at byte p when the patcher's entropy at p exceeds patching_threshold {facts.threshold}, "
-               f"so one cache layer is written once per completed patch. {checked}{rest}")
-    else:
-        gap = (f"Without entropy patching (patching_mode, patch_in_forward) every byte is a patch and every stack "
-               f"steps per byte. {checked}{rest}")
     return NotSupportedByKvcache(
-        where, f"BLT's stacks need caches of their own; planned: {'; '.join(parts)}; {states}. {gap} (a gap of "
-               "kvcache's, not the device's: each stack's attention is a paged FA call). transformers' own cached "
-               "path is no plan to copy: it caches only the encoder and decoder and reruns the patcher, the global "
-               f"transformer and the cross-attentions over each step's bytes alone ({SOURCE})",
-        field="global_config")
+        where, f"BLT's stacks need caches of their own ({'; '.join(parts)}), planned by `kvcache analyze` as the "
+               "manifest's byte_patches section (analyzer/kinds/byte_patch_section.py) and validated by `kvcache run` "
+               "(validators/pipeline/byte_patch_run.py); this route reads one decoder stack, which BLT does not have "
+               f"({SOURCE})", field="global_config")

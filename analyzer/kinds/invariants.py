@@ -22,7 +22,38 @@ DIFF_CACHES = ("k_cache", "v_cache", "k_cache_hi", "v_cache_hi")
 
 def kind_problems(m) -> list[tuple[str, str]]:
     return [*dsa_problems(m), *qsa_problems(m), *diff_problems(m), *state_problems(m), *compressed_problems(m),
-            *drafter.problems(m)]
+            *drafter.problems(m), *byte_patch_problems(m)]
+
+
+def byte_patch_problems(m) -> list[tuple[str, str]]:
+    """BLT's layers are its byte_patches section's stacks (a hand edit of one of the two): every cache layer once,
+    each with its stack's query heads, KV heads, head_dim, scale, window, band and manager. The section's own rules
+    (scale from head_dim, band from window: byte_patch_section.problems, which reads the rules and so the manifest)
+    are checked where a manifest is loaded (manifest_io) and rendered."""
+    section = getattr(m, "byte_patches", None)
+    if section is None:
+        return []
+    by_index = {layer.index: layer for layer in m.attention_layers}
+    planned = sorted(i for s in section.stacks for i in s.cache_layers)
+    if planned != sorted(by_index) or len(by_index) != len(m.layers):
+        return [("layers", f"{len(m.layers)} layer(s) {sorted(by_index)[:4]}... for the stacks' cache layers "
+                           f"{planned[:4]}... (byte_patches.stacks)")]
+    for s in section.stacks:
+        want = dict(num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                    softmax_scale=s.softmax_scale, sliding_window=s.sliding_window, pre_tokens=s.pre_tokens,
+                    sparse_mode=s.sparse_mode, group_key=s.section)
+        for i in s.cache_layers:
+            layer = by_index[i]
+            got = dict(num_heads=layer.num_q_heads_per_rank or m.parallel.num_q_heads_per_rank,
+                       num_kv_heads=layer.num_kv_heads_per_rank or m.parallel.num_kv_heads_per_rank,
+                       head_dim=layer.head_dim or m.model.head_dim,
+                       softmax_scale=layer.softmax_scale or m.fa.softmax_scale, sliding_window=layer.sliding_window,
+                       pre_tokens=layer.pre_tokens, sparse_mode=layer.sparse_mode.decode, group_key=layer.group_key)
+            off = next((k for k in want if got[k] != want[k]), None)
+            if off:
+                return [(f"layers[{i}]", f"{off} {got[off]!r} is not its stack {s.section}'s {want[off]!r} "
+                                         "(byte_patches.stacks)")]
+    return []
 
 
 def dsa_problems(m) -> list[tuple[str, str]]:

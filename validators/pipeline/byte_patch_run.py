@@ -25,6 +25,14 @@ the negative controls: ``boundary_shift`` (the boundary read that many bytes lat
 global stack rerun over the step's patch alone, as transformers' cached path does), ``refresh_cross=False`` (the
 decoder's cross K/V kept from the first patch), ``reading`` (the band's pre_tokens planned under another device
 reading than the operators run), ``release=False`` (a finished request's blocks kept).
+
+Deploy modes (``framework``): standalone hands each call its stack's own slots, table and kv lengths (the global
+stack's at its patches), as a runner would; framework hands what the engine does (upstream cache_utils
+prepare_slot_mapping / prepare_block_tables): ``block_table`` and ``slot_mapping`` dicts over the managers (one per
+stack), every manager's table grown a block per byte, slots at the byte's position, kv lengths in bytes; the render
+computes the global stack's rows from its table and the patch indices it is passed. What a render passed FA (kv
+lengths, table) is read back through ``_Recording``, not taken from the metadata. ``run_manifest`` is `kvcache
+validate`'s route: the given render's code with the CPU-sized section's constants (V108 checks its own).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from model_infer_kvcache.analyzer.kinds import byte_patch_section
 from model_infer_kvcache.analyzer.kinds import byte_patches as bp
 from model_infer_kvcache.analyzer.manifest import ByteStackPlan
 from model_infer_kvcache.analyzer.measured import DEFAULT_WINDOW_READING
+from model_infer_kvcache.analyzer.operators.fa_facts import FA_KEYWORDS
 from model_infer_kvcache.validators.npu_ops.fa_masks import causal_template
 from model_infer_kvcache.validators.pipeline.report import Report
 
@@ -105,6 +114,26 @@ class PagedPool:
         self.rows.pop(req, None)
 
 
+class _Recording:
+    """A rendered module's ``torch_npu`` seen through: every op as it is, the FA calls' kv lengths and block table
+    kept (``last``): what the render passed, whatever metadata it was handed."""
+
+    FA_OPS = {kw.op: kw.kv_lens for kw in FA_KEYWORDS.values()}
+
+    def __init__(self, module):
+        self._module, self.last = module, None
+
+    def __getattr__(self, name):
+        op = getattr(self._module, name)
+        if name not in self.FA_OPS:
+            return op
+
+        def call(*args, **kwargs):
+            self.last = (kwargs[self.FA_OPS[name]], kwargs["block_table"])
+            return op(*args, **kwargs)
+        return call
+
+
 class PagedAttention:
     """What a port supplies for one layer of a stack (the seam a rendered attention plugs into, the shape of the
     gqa partial's ``kv_cache_attention``): write this step's K/V [T, KV heads, head_dim] at
@@ -145,6 +174,7 @@ class RequestState:
     patches: int = 0
     cross_written: bool = False  # its cross K/V slot holds a patch's (the first patch ends at byte 0)
     ends: list[int] = field(default_factory=list)
+    most_open: int = 0  # the most encoder rows its open patch held
     bytes: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
 
@@ -157,23 +187,35 @@ class BytePatchRun:
     pools: dict[str, PagedPool]
     pool_shapes: dict[str, list[tuple[int, ...]]]
     live_states: int  # per-request states (open-patch rows, cross K/V slots) still held after the stream
+    open_patch_rows: int  # the planned bound of a request's open-patch rows (the section's, or the render's)
+
+
+# Three requests (prompt bytes, greedy bytes, admitting step): different prompt lengths (past a block), late
+# admits, early finishes, greedy tails
+SHAPES = ((21, 4, 0), (9, 6, 2), (14, 3, 5))
+STREAM_BYTES = max(n + new for n, new, _ in SHAPES)  # the longest request: it bounds the open patch's rows
 
 
 def _stream(seed: int, vocab: int) -> tuple[Request, ...]:
-    """Three requests: different prompt lengths (past a block), late admits, early finishes, greedy tails."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = ((21, 4, 0), (9, 6, 2), (14, 3, 5))
     return tuple(Request(tuple(torch.randint(0, vocab, (n,), generator=gen).tolist()), new, admit)
-                 for n, new, admit in shapes)
+                 for n, new, admit in SHAPES)
 
 
 class _Host:
     def __init__(self, model, facts: bp.BytePatchFacts, ops, *, reading: str, boundary_shift: int,
-                 global_cached: bool, refresh_cross: bool, rendered=None):
+                 global_cached: bool, refresh_cross: bool, rendered=None, framework: bool = False):
         self.model, self.blt, self.cfg, self.facts, self.ops = model, model.model, model.config, facts, ops
         # the manifest's section (each stack's FA shape and band) and the port: the host's own, or a render's
-        self.section = {s.section: s for s in byte_patch_section.decide(facts, reading).stacks}
+        self.section = {s.section: s for s in byte_patch_section.decide(facts, reading, STREAM_BYTES).stacks}
         self.rendered = rendered
+        # framework mode: the engine's metadata (per manager, per byte position: ``engine_slots``), and the render
+        # computes the global stack's rows itself; its FA calls are read back from what it passed (``_Recording``)
+        self.framework = framework
+        self.engine_slots: dict[str, dict[int, int]] = {}
+        self.pools: dict[str, PagedPool] = {}
+        if rendered is not None and not isinstance(rendered.torch_npu, _Recording):
+            rendered.torch_npu = _Recording(rendered.torch_npu)
         self.reading, self.shift, self.global_cached, self.refresh_cross = (reading, boundary_shift, global_cached,
                                                                             refresh_cross)
         self.dtype = next(model.parameters()).dtype
@@ -194,28 +236,47 @@ class _Host:
         k = attn.k_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(t, 1, s.kv_heads, s.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *emb)
-        width = max(len(pool.tables[r]) for r in reqs)
-        meta = SimpleNamespace(
-            is_prefill=False, attention_mask=self.mask, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_table=torch.tensor([pool.tables[r] + [0] * (width - len(pool.tables[r])) for r in reqs],
-                                     dtype=torch.int32),
-            actual_seq_lengths_kv=[pool.rows[r] for r in reqs], actual_seq_lengths_cu_q=list(range(1, t + 1)))
+        meta = self._metadata(pool, name, reqs, slots, t)
         if self.rendered is not None:
             port = self.rendered.KVCacheBytePatchAttention(name, pool.k[li], pool.v[li])
+            patch = {"patch_positions": list(positions)} if pool.facts.stack.over == bp.PER_PATCH else {}
+            out = port.kv_cache_attention(q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim),
+                                          v.reshape(t, s.kv_heads, s.head_dim), meta, **patch)
+            kv_lens, table = self.rendered.torch_npu.last  # what the render passed FA, not what it was handed
         else:
             port = PagedAttention(self.ops, pool.k[li], pool.v[li], self.section[name])
-        out = port.kv_cache_attention(q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim),
-                                      v.reshape(t, s.kv_heads, s.head_dim), meta)
+            out = port.kv_cache_attention(q.reshape(t, s.heads, s.head_dim), k.reshape(t, s.kv_heads, s.head_dim),
+                                          v.reshape(t, s.kv_heads, s.head_dim), meta)
+            kv_lens, table = meta.actual_seq_lengths_kv, meta.block_table
         self.calls.append(FaCall(name, li, tuple(reqs), tuple(positions), tuple(self.at[r] for r in reqs),
-                                 tuple(meta.actual_seq_lengths_kv), tuple(map(tuple, meta.block_table.tolist())),
+                                 tuple(int(x) for x in kv_lens), tuple(map(tuple, table.tolist())),
                                  port.plan["sparse_mode"], port.plan["pre_tokens"]))
         return attn.o_proj(out.reshape(t, 1, -1))
 
+    def _metadata(self, pool: PagedPool, name: str, reqs, slots, t: int) -> SimpleNamespace:
+        """The step's forward metadata for one call. Standalone: the stack's own slots, table rows and kv lengths
+        (the global stack's at its patches), as its runner gives them. Framework: the engine's, per manager (a
+        dict over the stacks) and per byte position: slot_mapping[stack] the byte's slot, kv lengths the bytes."""
+        def table(p: PagedPool) -> torch.Tensor:
+            width = max(len(p.tables[r]) for r in reqs)
+            return torch.tensor([p.tables[r] + [0] * (width - len(p.tables[r])) for r in reqs], dtype=torch.int32)
+
+        common = dict(is_prefill=False, attention_mask=self.mask, actual_seq_lengths_cu_q=list(range(1, t + 1)))
+        if not self.framework:
+            return SimpleNamespace(**common, slot_mapping=torch.tensor(slots, dtype=torch.int64), block_table=table(pool),
+                                   actual_seq_lengths_kv=[pool.rows[r] for r in reqs])
+        return SimpleNamespace(
+            **common, block_table={k: table(p) for k, p in self.pools.items()},
+            slot_mapping={k: torch.tensor([self.engine_slots[k][r] for r in reqs], dtype=torch.int64)
+                          for k in self.pools},
+            actual_seq_lengths_kv=[self.at[r] + 1 for r in reqs])
+
     def stack(self, pool: PagedPool, name: str, module, h, reqs, positions):
         """One stack's layers for the requests' rows ``h`` [T, 1, hidden] at ``positions``: each layer's norm,
-        paged attention, MLP (BltTransformerLayer's order)."""
+        paged attention, MLP (BltTransformerLayer's order). Framework mode: the engine allocated the rows (a byte
+        each, in every manager) before the step; the render writes them."""
         emb = module.rotary_emb(h, torch.tensor(positions).view(-1, 1))
-        slots = [pool.append(r) for r in reqs]
+        slots = [self.engine_slots[name][r] for r in reqs] if self.framework else [pool.append(r) for r in reqs]
         for li, layer in enumerate(module.layers):
             attn = self._attention(pool, name, li, layer.self_attn, layer.input_layernorm(h), emb, reqs, positions,
                                    slots)
@@ -312,6 +373,8 @@ class _Host:
         blt, cfg = self.blt, self.cfg
         positions = {r: len(states[r].bytes) for r in active}
         self.at = positions
+        if self.framework:  # the engine: a byte's row in every manager's table, its slot per manager
+            self.engine_slots = {k: {r: p.append(r) for r in active} for k, p in pools.items()}
         for r in active:
             states[r].bytes.append(feeds[r])
         pos = [positions[r] for r in active]
@@ -332,6 +395,7 @@ class _Host:
         for i, r in enumerate(active):
             st, p = states[r], positions[r]
             st.open_rows.append(eh[i])
+            st.most_open = max(st.most_open, len(st.open_rows))
             if self.rendered is not None:  # the render's boundary over the request's entropies so far
                 ends = self.rendered.ends_patch(st.entropy, p, len(st.open_rows))
             else:
@@ -344,7 +408,8 @@ class _Host:
         dec = blt.local_decoder
         h = eh
         emb = dec.rotary_emb(h, torch.tensor(pos).view(-1, 1))
-        slots = [pools["decoder_config"].append(r) for r in active]
+        slots = ([self.engine_slots["decoder_config"][r] for r in active] if self.framework
+                 else [pools["decoder_config"].append(r) for r in active])
         for li, layer in enumerate(dec.layers):
             if li == 0 or dec.config.cross_attn_all_layers:
                 h = h + self._cross(li, dec.cross_attn_layers[li], h[:, 0], active).unsqueeze(1)
@@ -362,7 +427,8 @@ def _blocks_for(rows: int) -> int:
 
 def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, requests: tuple[Request, ...] | None = None,
                      reading: str = DEFAULT_WINDOW_READING, boundary_shift: int = 0, global_cached: bool = True,
-                     refresh_cross: bool = True, release: bool = True, rendered=None) -> BytePatchRun:
+                     refresh_cross: bool = True, release: bool = True, rendered=None,
+                     framework: bool = False) -> BytePatchRun:
     """Step ``requests`` (default: the seeded stream) through ``model`` on the planned paged caches with the
     operators ``ops`` (emulated torch_npu or the device's); the knobs are the negative controls' mistakes.
     ``rendered``: a rendered attention module (implementer/kinds/byte_patches.py, imported where ``import torch_npu``
@@ -370,11 +436,14 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
     the host's own."""
     reqs = requests or _stream(seed, model.config.vocab_size)
     host = _Host(model, facts, ops, reading=reading, boundary_shift=boundary_shift, global_cached=global_cached,
-                 refresh_cross=refresh_cross, rendered=rendered)
+                 refresh_cross=refresh_cross, rendered=rendered, framework=framework)
     planned = {layer.stack.stack.section: layer.stack for layer in bp.cache_plan(facts)}
     dtype = next(model.parameters()).dtype
     blocks = 1 + sum(_blocks_for(r.length) for r in reqs)  # + the null block; the global stack needs fewer
     pools = {name: PagedPool(s, blocks, dtype, seed + i) for i, (name, s) in enumerate(planned.items())}
+    host.pools = pools
+    if framework and rendered is None:
+        raise ValueError("framework mode runs a render (the host's own port takes a stack's rows as given)")
     # the decoder cross K/V: a slot per request (slot 0 the null slot, NaN), cross_attn_k rows, one per cross layer
     dec, width = model.model.local_decoder, -(-model.config.cross_attn_k // CROSS_SLOT) * CROSS_SLOT
     host.cross_slots = [tuple(torch.full((len(reqs) + 1, width, m.num_key_value_heads, m.head_dim), float("nan"),
@@ -413,7 +482,9 @@ def run_byte_patches(model, facts: bp.BytePatchFacts, ops, *, seed: int = 0, req
                     live.discard(i)
             step += 1
     held = sum(1 for st in states.values() if st.open_rows or st.cross_written) + start_slots - len(free_slots)
-    return BytePatchRun(reqs, states, host.calls, pools, shapes, held)
+    bound = (rendered.OPEN_PATCH_ROWS if rendered is not None
+             else byte_patch_section.decide(facts, reading, STREAM_BYTES).open_patch_rows)
+    return BytePatchRun(reqs, states, host.calls, pools, shapes, held, bound)
 
 
 def transformers_patches(model, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
@@ -500,6 +571,9 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
         if stepped != ends[r]:
             problems.append(f"request {r}: the global stack stepped at bytes {stepped}, transformers' patcher ends "
                             f"patches at {ends[r]}")
+    # the open patch's encoder rows live in a state slot of the planned size: no patch may outgrow it
+    problems += [f"request {r}: its open patch held {st.most_open} encoder rows, planned at most "
+                 f"{run.open_patch_rows}" for r, st in run.states.items() if st.most_open > run.open_patch_rows]
     report.add(f"byte patches: each FA call reads its stack's own paged cache at the request's bytes (the global "
                f"stack at its completed patches, at the bytes transformers' patcher ends them) ({len(run.calls)} "
                f"calls)", "runtime", not problems, "; ".join(problems[:3]))
@@ -512,7 +586,9 @@ def check_byte_patches(report: Report, model, facts: bp.BytePatchFacts, run: Byt
         scale = max(scale, ref.abs().max().item())
         got_logits = torch.stack(st.logits)
         last = len(st.bytes) if facts.max_patch_length is None else len(st.bytes) - 1
-        worst = max(worst, (got_logits[:last] - ref[:last]).abs().max().item())
+        diff = (got_logits[:last] - ref[:last]).abs()
+        # a NaN logit (a read of a released or never-written row) is no agreement: max() would drop it
+        worst = max(worst, float("inf") if diff.isnan().any() else diff.max().item())
         prompt = len(run.requests[i].prompt)
         for p in range(prompt - 1, len(st.bytes) - 1):  # each greedy byte: the reference's margin over the run's pick
             mine, theirs = int(got_logits[p].argmax()), int(ref[p].argmax())
@@ -605,25 +681,31 @@ def cpu_model(real: dict, seed: int = 0, dtype: torch.dtype = torch.float64):
     return model, facts, notes
 
 
-def render_cpu(real: dict, out_dir, *, seed: int = 0, reading: str = DEFAULT_WINDOW_READING) -> Path:
+def render_cpu(real: dict, out_dir, *, seed: int = 0, reading: str = DEFAULT_WINDOW_READING,
+               deploy_mode: str = "standalone", fa_version: str = "v1") -> Path:
     """Write the implementer's render of ``real``'s CPU-sized ``byte_patches`` section (the stacks' shapes and the
-    threshold the CPU model runs with, planned under the device ``reading``) into ``out_dir``; its path."""
+    threshold the CPU model runs with, planned under the device ``reading``) for ``deploy_mode`` into ``out_dir``;
+    its path."""
     from model_infer_kvcache.implementer.kinds import byte_patches as render_kind
     from model_infer_kvcache.implementer.render import ATTENTION_FILE, _environment
 
     _, facts, _ = cpu_model(real, seed)
-    files = render_kind.render(byte_patch_section.decide(facts, reading), _environment(), ATTENTION_FILE)
+    files = render_kind.render(byte_patch_section.decide(facts, reading, STREAM_BYTES), _environment(), ATTENTION_FILE,
+                               fa_version=fa_version, deploy_mode=deploy_mode)
     out = Path(out_dir)
     for name, text in files.items():
         atomic_write_text(out / name, text)
     return out / ATTENTION_FILE
 
 
-def validate_config(report: Report, real: dict, ops, *, seed: int = 0, rendered_dir=None, **knobs) -> float:
+def validate_config(report: Report, real: dict, ops, *, seed: int = 0, rendered_dir=None, constants_dir=None,
+                    **knobs) -> float:
     """The byte-stepping run of ``real``'s CPU-sized model with ``ops`` and its checks into ``report`` (notes: what
-    was cut); returns the logits' max |diff|. ``rendered_dir``: a render of the CPU-sized section (``render_cpu``)
+    was cut); returns the logits' max |diff|. ``rendered_dir``: a render of the CPU-sized section (``render_cpu``), or
+    (``constants_dir``: that render) a render whose code runs with the CPU-sized render's constants in place of its own,
     whose attention and boundary run in place of the host's; call inside the context where ``import torch_npu``
-    reaches ``ops`` (validators.npu_ops.install_emulation, or the device)."""
+    reaches ``ops`` (validators.npu_ops.install_emulation, or the device). ``framework``: the render is driven with
+    the engine's metadata (per manager, per byte position)."""
     model, facts, notes = cpu_model(real, seed, getattr(torch, report.dtype))
     report.notes += [f"BLT at CPU sizes: {n}" for n in notes]
     rendered = None
@@ -631,6 +713,12 @@ def validate_config(report: Report, real: dict, ops, *, seed: int = 0, rendered_
         from model_infer_kvcache.validators.pipeline.host_model import import_rendered
 
         rendered = import_rendered(rendered_dir).attention
+        if constants_dir is not None:
+            from model_infer_kvcache.implementer.kinds.byte_patches import CONSTANTS
+
+            cpu = import_rendered(constants_dir).attention
+            for name in CONSTANTS:
+                setattr(rendered, name, getattr(cpu, name))
     try:
         run = run_byte_patches(model, facts, ops, seed=seed, rendered=rendered, **knobs)
     except Exception as exc:  # the rendered code or an operator rejected a call: a finding, not a crash
@@ -642,3 +730,46 @@ def validate_config(report: Report, real: dict, ops, *, seed: int = 0, rendered_
     if rendered is not None:
         report.add("rendered code runs without operator errors", "runtime", True)
     return check_byte_patches(report, model, facts, run, report.tolerance)
+
+
+def run_manifest(report: Report, manifest, rendered_dir: str, real: dict, backend: str, ops, readings,
+                 seed: int = 0) -> float:
+    """``kvcache validate`` of a BLT manifest: the given render's constants against the manifest's section (V108),
+    then the byte-stepping run of the given render's code with the constants of the implementer's render of the
+    CPU-sized section (the manifest's deploy mode, FA version and window reading) in their place (a full-sized BLT
+    does not run on CPU), inside ``ops()`` (a fresh context each time: the emulated torch_npu, or the device's) under
+    the device ``readings``; returns the max |diff|. A given render that differs from the implementer's render of
+    the manifest is noted."""
+    import tempfile
+
+    from model_infer_kvcache.implementer.render import ATTENTION_FILE, render_manifest
+    from model_infer_kvcache.validators.npu_ops.backend import load
+    from model_infer_kvcache.validators.pipeline.host_model import import_rendered
+
+    section = manifest.byte_patches
+    given = Path(rendered_dir) / ATTENTION_FILE
+    if given.read_text(encoding="utf-8") != render_manifest(manifest).files[ATTENTION_FILE]:
+        report.notes.append("the given render differs from the implementer's render of its manifest (its code runs "
+                            "below with CPU-sized constants)")
+    fields = ("num_heads", "num_kv_heads", "head_dim", "sparse_mode", "pre_tokens", "next_tokens")
+    with ops():
+        stacks = import_rendered(rendered_dir).attention.STACKS
+    off = [f"{s.section}: {k} {stacks.get(s.section, {}).get(k)} vs {getattr(s, k)}" for s in section.stacks
+           for k in fields if stacks.get(s.section, {}).get(k) != getattr(s, k)]
+    off += [f"{s.section}: scale {stacks[s.section]['scale']} vs {s.softmax_scale}" for s in section.stacks
+            if s.section in stacks and stacks[s.section]["scale"] != s.softmax_scale]
+    report.add("rendered constants match the manifest", "init", not off and set(stacks) == {s.section for s in
+                                                                                          section.stacks},
+               "; ".join(off[:3]) or ("" if set(stacks) == {s.section for s in section.stacks}
+                                      else f"stacks {sorted(stacks)}"))
+    mode = manifest.deploy_mode.value
+    with tempfile.TemporaryDirectory(prefix="kvcache-blt-") as tmp:
+        render_cpu(real, tmp, seed=seed, reading=byte_patch_section.window_reading(section), deploy_mode=mode,
+                   fa_version=manifest.fa.version)
+        report.provenance["code_under_test"] = (
+            f"the code of the render in {Path(rendered_dir).resolve()} ({mode} mode), run with the constants of the "
+            "implementer's render of the manifest's byte_patches section at CPU sizes (written for the run and "
+            "removed after it); its own constants checked against the manifest")
+        with ops(), readings:
+            return validate_config(report, real, load(backend), seed=seed, rendered_dir=rendered_dir,
+                                   constants_dir=tmp, framework=mode == "framework")

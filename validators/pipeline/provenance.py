@@ -12,6 +12,7 @@ from typing import Any
 
 from model_infer_kvcache.analyzer.config_loader import normalize_config
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.kinds import byte_patch_section, byte_patches
 from model_infer_kvcache.analyzer.linear_config import sublayer_kinds
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.rules import planned_layer_kind
@@ -44,8 +45,31 @@ def check_render_matches(manifest: SelectionManifest, rendered_dir: Path) -> Ren
     return first
 
 
+def byte_patch_mismatches(manifest: SelectionManifest, config: dict[str, Any], where: str) -> list[str]:
+    """A BLT config against a manifest: each stack as the analyzer plans it from the config (its section, under the
+    manifest's window reading) against the manifest's section."""
+    if manifest.byte_patches is None or not byte_patches.is_blt(config):
+        return [f"model_type {config.get('model_type')!r} (config) vs {manifest.model.model_type!r} (manifest): "
+                "one is BLT's four stacks, the other not"]
+    section = manifest.byte_patches
+    planned = byte_patch_section.decide(byte_patches.read_facts(config, where), byte_patch_section.window_reading(section),
+                                        section.open_patch_rows, where)
+    mine = {s.section: s for s in section.stacks}
+    out = [f"{s.section} {name} {getattr(s, name)!r} (config) vs {getattr(mine[s.section], name)!r} (manifest)"
+           for s in planned.stacks if s.section in mine for name in type(s).model_fields
+           if getattr(s, name) != getattr(mine[s.section], name)]
+    if set(mine) != {s.section for s in planned.stacks}:
+        out.append(f"stacks {sorted(s.section for s in planned.stacks)} (config) vs {sorted(mine)} (manifest)")
+    for name in ("entropy_patching", "patching_threshold", "max_patch_length", "cross_attn_k", "decoder_cross_layers"):
+        if getattr(planned, name) != getattr(section, name):
+            out.append(f"{name} {getattr(planned, name)!r} (config) vs {getattr(section, name)!r} (manifest)")
+    return out
+
+
 def config_mismatches(manifest: SelectionManifest, config: dict[str, Any], where: str) -> list[str]:
     """Model facts of ``config`` that differ from the ones ``manifest`` was analyzed from."""
+    if manifest.byte_patches is not None or byte_patches.is_blt(config):  # BLT: its stacks, not one decoder stack
+        return byte_patch_mismatches(manifest, config, where)
     facts = normalize_config(config, where)
     m = manifest.model
     pairs = [

@@ -139,8 +139,9 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
     rendered_dir = Path(req.rendered)
     if not (rendered_dir / "kvcache_attention.py").is_file():
         raise InputError(str(rendered_dir), "no kvcache_attention.py: run `kvcache render` first", field="--rendered")
-    if manifest.deploy_mode.value == "standalone" and manifest.drafter is None \
-            and not (rendered_dir / "kvcache_runner.py").is_file():  # a drafter renders no runner: the target's runs
+    if manifest.deploy_mode.value == "standalone" and manifest.drafter is None and manifest.byte_patches is None \
+            and not (rendered_dir / "kvcache_runner.py").is_file():  # a drafter renders no runner: the target's runs;
+        # BLT renders none: the validators' byte-stepping host is its runner
         raise InputError(str(rendered_dir), "no kvcache_runner.py (standalone mode renders one): run `kvcache "
                                             "render` again", field="--rendered")
     header = check_inputs_belong(manifest, req.manifest, real_config, req.config, rendered_dir)
@@ -195,6 +196,26 @@ def run_pipeline(inputs: ValidationInputs, progress=None, rank: int = 0, world: 
         ops = install_emulation() if backend == "emulated" else contextlib.nullcontext()
         run_drafter(report, manifest, req.rendered, inputs.real_config, req.seed, getattr(torch, req.dtype), ops,
                     device_readings(base))
+        report.seconds = time.perf_counter() - started
+        return report
+    if manifest.byte_patches is not None:  # BLT's stacks: stepped byte by byte on their paged caches
+        from model_infer_kvcache.validators.npu_ops import device_readings, install_emulation
+        from model_infer_kvcache.validators.pipeline.byte_patch_run import run_manifest
+
+        ops = install_emulation if backend == "emulated" else contextlib.nullcontext
+        run_manifest(report, manifest, req.rendered, inputs.real_config, backend, ops, device_readings(base),
+                     req.seed)
+        if req.sweep_readings and backend == "emulated":  # as every kind: does the render rest on a reading?
+            from model_infer_kvcache.validators.pipeline.sweep import sweep_readings
+
+            def rerun(readings) -> Report:
+                swept = report.fresh(backend=backend)
+                run_manifest(swept, manifest, req.rendered, inputs.real_config, backend, ops,
+                             device_readings(readings), req.seed)
+                return swept
+
+            sweep_readings(report, [dep.question for dep in manifest.device_dependencies], base, rerun,
+                           settled=settled, say=say)
         report.seconds = time.perf_counter() - started
         return report
     _check_render_as_written(report, manifest, req, backend)

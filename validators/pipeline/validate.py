@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from model_infer_kvcache.analyzer.config_loader import read_config_file
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.measured import device_settled
@@ -55,6 +56,7 @@ class ValidateRequest:
     dtype: str | None = None  # compute dtype of the comparison; None: float64 emulated, the model's on an NPU
     step_seconds: float | None = None  # the watchdog's allowance per forward step; None: the scenario's
     next_n: int | None = None  # --next-n, analyze's MTP switch: must be the manifest's
+    encoder_length: int | None = None  # --encoder-length, analyze's cross-attention slot size: must be the manifest's
 
 
 def resolve_backend(requested: str) -> str:
@@ -134,6 +136,7 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
     manifest = load_manifest(req.manifest)
     check_renderable(manifest)
     check_next_n(req.next_n, manifest)
+    cross_kind.check_manifest_length(req.encoder_length, manifest.cross_attention, manifest.model.model_type)
     _, real_config = read_config_file(req.config)
     require_transformers_type(manifest.model.model_type)
     rendered_dir = Path(req.rendered)

@@ -258,7 +258,8 @@ def assemble(
         raise NotSupportedByKvcache(facts.path, "; ".join(check.unsupported), field="model_type")
     warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]
     unknown = rules.unknown_family(facts, check.ships if check else arch_check.transformers_ships(facts.model_type),
-                                   cross_checked=check is None or check.checked_layers > 0)
+                                   cross_checked=check is None or check.checked_layers > 0,
+                                   unread=None if check is None else check.unread_scores)
     if unknown:
         warnings.append(unknown)
     mixed = len({layer.attn_type for layer in layers}) > 1

@@ -37,7 +37,11 @@ from model_infer_kvcache.validators.pipeline.request_stream import (
     StreamStalled,
 )
 from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers
-from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sizes_note, require_transformers_type
+from model_infer_kvcache.validators.pipeline.tiny_model import (
+    cpu_sizes_note,
+    heads_reason,
+    require_transformers_type,
+)
 
 
 @dataclass(frozen=True)
@@ -235,7 +239,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
     """(label, manifest, rendered dir, scenario) of each run. The code under test always runs as written.
 
     Sizes a CPU can exercise: the user's render. A longer window, a DSA selection wider than CPU prompts, or a
-    tiny model tied to a wide heads x head_dim: the implementer's render of the same manifest at CPU sizes
+    tiny model with wide heads (a tied heads x head_dim, or wide K/V rows): the implementer's render of the same manifest at CPU sizes
     (tiny.cpu_sized) crosses the window, drops keys, runs fewer heads, and the user's render runs too, at its
     real sizes, unless it is byte for byte the implementer's render of the manifest.
     """
@@ -267,8 +271,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             "first plans of each section called several times"
             if manifest.recurrent_loops is not None and tiny.model.num_layers != manifest.model.num_layers else
             recurrent_kind.cpu_widths_reason(manifest, tiny) or
-            f"the tiny model's hidden size ties to heads x head_dim "
-            f"({manifest.model.num_attention_heads * manifest.model.head_dim})")
+            heads_reason(manifest))
     runs = [("", tiny, str(tiny_dir), crossing(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
         report.notes.append(f"{what}: the checks ran on the implementer's render of this manifest with {sizes} "

@@ -121,10 +121,6 @@ class CheckResult:
     # <why>"; none, with layers compared, means every attention call of the model was read against the plan
     unread_scores: list[str] = field(default_factory=list)
 
-    @property
-    def read_every_call(self) -> bool:
-        return self.checked_layers > 0 and not self.unread_scores and not self.errors
-
 
 def unread_score(mod: HfAttention, planned: frozenset[str] = frozenset()) -> str | None:
     """Why ``mod``'s score is not read whole (``score_terms`` beyond the terms its plan's format covers, ``planned``),

@@ -550,6 +550,28 @@ def test_a_signal_right_after_the_temp_file_is_made_leaves_nothing(sig, code, sc
     assert snapshot(scratch) == before  # no m.json, no .m.json.*.tmp beside it
 
 
+@pytest.mark.parametrize("sig,code", _signal_cases())
+def test_a_signal_right_after_a_render_folder_is_made_leaves_nothing(sig, code, scratch, capsys, monkeypatch):
+    """`kvcache render --out` into a folder it creates: a signal right after the mkdir (before the render lists the
+    folder for its cleanup) leaves no folder behind."""
+    import pathlib
+    import signal
+
+    before = snapshot(scratch)
+    real, made = pathlib.Path.mkdir, []
+
+    def mkdir(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        if self.name == "fresh":
+            made.append(self)
+            os.kill(os.getpid(), getattr(signal, sig))
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    rc, _, err = invoke(["render", "--manifest", "manifest.json", "--out", "fresh"], capsys)
+    assert made and rc == code, err
+    assert snapshot(scratch) == before
+
+
 def test_a_second_run_into_the_same_out_is_refused(scratch, capsys):
     from model_infer_kvcache.analyzer.files import exclusive_output
 

@@ -17,8 +17,10 @@ import os
 import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
+from model_infer_kvcache.analyzer import errors
 from model_infer_kvcache.analyzer.errors import InputError
 
 # Byte-order marks editors write ("Unicode" in Windows Notepad is UTF-16 LE), UTF-32's first: its LE mark
@@ -201,17 +203,23 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 @contextlib.contextmanager
 def signals_held():
     """Defer SIGINT/SIGTERM until the block is done (delivered right after it): a file or folder created inside is
-    named (and so cleaned up on the way out) before the signal's exception can be raised."""
-    held = {signal.SIGINT, signal.SIGTERM}
+    named (and so cleaned up on the way out) before the signal's exception can be raised. Two holds: the command's
+    handlers keep a signal that arrives meanwhile (analyzer.errors: whichever thread the kernel hands it to, Python
+    runs them in the main thread), and this thread's mask keeps the ones no handler of ours catches."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        errors.defer_signals()
     try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here: run unprotected
-        yield
-        return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here: the handlers' hold only
+        old = None
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if main:
+            errors.release_signals()
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:

@@ -38,6 +38,7 @@ from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.kinds import loops as loops_kind
 from model_infer_kvcache.analyzer.kinds.diff import HF_FACT as DIFF_FACT
 from model_infer_kvcache.analyzer.kinds.formats import format_of, hf_module_facts
+from model_infer_kvcache.analyzer.kinds.gqa import MASK_REWRITTEN
 from model_infer_kvcache.analyzer.kinds.invariants import DIFF_CACHES
 from model_infer_kvcache.analyzer.linear_config import (
     LINEAR_MODULE_SUFFIXES,
@@ -84,6 +85,10 @@ class HfAttention:
     # a block without a recognised attention module that holds one kvcache cannot read (Reformer's LSHSelfAttention,
     # one query_key projection): its class and projections (``unread_attention``)
     unread: str | None = None
+    # what the module's forward hands transformers' attention interface beyond what the plan and this check cover
+    # (``score_terms``: "softcap", "position_bias", a rewritten mask): () for none; None when its forward never calls
+    # the interface (it scores by itself: code kvcache has not read)
+    score_terms: tuple[str, ...] | None = ()
 
 
 def encoder_flag(model, config) -> str | None:
@@ -115,6 +120,20 @@ class CheckResult:
     # what kvcache cannot serve although the plan matches (a module calling the attention interface twice that is
     # not DiffLlama's differential pattern): not supported
     unsupported: list[str] = field(default_factory=list)
+    # the compared attention modules whose score this check could not read whole (``score_terms``): "<class> at <path>:
+    # <why>"; none, with layers compared, means every attention call of the model was read against the plan
+    unread_scores: list[str] = field(default_factory=list)
+
+
+def unread_score(mod: HfAttention, planned: frozenset[str] = frozenset()) -> str | None:
+    """Why ``mod``'s score is not read whole (``score_terms`` beyond the terms its plan's format covers, ``planned``),
+    as "<class> at <path>: <why>"; None when it is."""
+    terms = None if mod.score_terms is None else [t for t in mod.score_terms if t not in planned]
+    if terms == []:
+        return None
+    why = "its forward scores by itself (no call of transformers' attention interface)" if terms is None \
+        else f"its attention call adds {', '.join(terms)}"
+    return f"{mod.cls} at {mod.path}: {why}"
 
 
 # The user cache of what transformers reports. KVCACHE_CACHE_DIR names its folder (set and empty: no cache);
@@ -122,7 +141,7 @@ class CheckResult:
 CACHE_ENV = "KVCACHE_CACHE_DIR"
 CACHE_APP = "model-infer-kvcache"
 CACHE_SUBDIR = "arch_check"
-_CACHE_FORMAT = 34  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). 29: ZAYA's CCA projection inside its attention (cca_facts). 30: a decoder of several stacks (HRM's L / H, loops_kind.stacks_of). 31: an error's raising transformers line (where_transformers_failed). 32: a QSA module's indexer head dim (Qwen4-Exp). 33: BLT's four stacks in its cache order (byte_patches.stacks_of). 34: DiffLlama's lambdas and group norm (differential). Bump when an entry's layout or what the live build reads changes
+_CACHE_FORMAT = 35  # 2: K=V modules; 3: is_sliding / per-layer windows; 4: KV shape, sinks; 5: mixers; 6: mixed stacks; 7: multimodal text backbones built (were errors); 8: compress rate, index top-k; 9: pre-scaled queries; 10: the formats' module facts as pairs; 11: sets in error texts sorted; 12: Mamba mixer sizes; 13: a parallel mixer's sizes beside its attention; 14: bidirectional modules; 15: a KV-shared module's source layer (kv_source); 16: why a model has no KV cache (NoKvCacheArchitecture); 17: fused-QKV modules' KV heads, cross_attn modules; 18: attention calls per forward (attention_calls), GPT-Neo's unscaled _attn and local window_size; 22 (19-21: its drafts): JetMoE's experts + kv_proj read, its K/V tiled to the query heads (kv_tiled), query heads per module (query_heads), device-side reasons (position biases, LSH) in the diagnosis; 23: RWKV time-mix sizes (rwkv_facts), its stack found by its mixer; 24: xLSTM mLSTM layer sizes (mlstm_facts); 25: XLM's causal flag (encoder_flag) and q_lin / k_lin / v_lin; 26: gated delta nets' sizes and beta scale (gdn_facts), MiniMax's lightning attention. 27: RecurrentGemma's RG-LRU width and conv (rg_lru facts). 28: an MLA module's kv_lora_rank / qk_rope_head_dim (per-layer latent widths) and its own indexer (Dots3-Note). 29: ZAYA's CCA projection inside its attention (cca_facts). 30: a decoder of several stacks (HRM's L / H, loops_kind.stacks_of). 31: an error's raising transformers line (where_transformers_failed). 32: a QSA module's indexer head dim (Qwen4-Exp). 33: BLT's four stacks in its cache order (byte_patches.stacks_of). 34: DiffLlama's lambdas and group norm (differential). 35: the score terms of each module's attention call (score_terms). Bump when an entry's layout or what the live build reads changes
 
 
 @dataclass(frozen=True)
@@ -283,7 +302,8 @@ def _payload(report: TransformersReport) -> dict[str, Any]:
     attentions = None if report.attentions is None else [
         [a.path, a.cls, None if a.scale is None else a.scale[0], None if a.scale is None else a.scale[1], a.window,
          None if a.kv_shape is None else list(a.kv_shape), a.sinks, a.recurrent_beside,
-         [list(pair) for pair in a.kind_facts], a.bidirectional, a.unread]
+         [list(pair) for pair in a.kind_facts], a.bidirectional, a.unread,
+         None if a.score_terms is None else list(a.score_terms)]
         for a in report.attentions]
     return {"ships": report.ships, "attentions": attentions, "error": report.error}
 
@@ -318,7 +338,7 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
     if rows is None:
         return TransformersReport(ships=ships, error=error)
     out = []
-    for path, cls, value, attr, window, kv_shape, sinks, beside, kind_facts, both_ways, unread in rows:
+    for path, cls, value, attr, window, kv_shape, sinks, beside, kind_facts, both_ways, unread, terms in rows:
         if not (isinstance(path, str) and (cls is None or isinstance(cls, str)) and _int_or_none(window)
                 and ((value is None and attr is None)
                      or (isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(attr, str)))
@@ -327,11 +347,13 @@ def _report_of(payload: dict[str, Any]) -> TransformersReport | None:
                 and isinstance(sinks, bool) and (beside is None or isinstance(beside, str))
                 and isinstance(kind_facts, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
                                                          and _int_or_none(p[1]) for p in kind_facts)
-                and (both_ways is None or isinstance(both_ways, str)) and (unread is None or isinstance(unread, str))):
+                and (both_ways is None or isinstance(both_ways, str)) and (unread is None or isinstance(unread, str))
+                and (terms is None or (isinstance(terms, list) and all(isinstance(t, str) for t in terms)))):
             return None
         out.append(HfAttention(path, cls, None if value is None else (float(value), attr), window,
                                None if kv_shape is None else tuple(kv_shape), sinks, beside,
-                               tuple(tuple(p) for p in kind_facts), both_ways, unread))
+                               tuple(tuple(p) for p in kind_facts), both_ways, unread,
+                               None if terms is None else tuple(terms)))
     return TransformersReport(ships=ships, attentions=tuple(out), error=error)
 
 
@@ -398,7 +420,7 @@ def _hf_attentions(hf_type: str, section_json: str) -> tuple[HfAttention, ...]:
             | _kv_source(module, config) | _attention_calls(module) | _kv_tiled(module) | _query_heads(module)
         out.append(HfAttention(path, type(module).__name__, scale, window, _kv_shape(module),
                                getattr(module, "sinks", None) is not None, mixer_of(path),
-                               tuple(sorted(module_facts.items())), encoder))
+                               tuple(sorted(module_facts.items())), encoder, score_terms=score_terms(module)))
     return tuple(out)
 
 
@@ -622,6 +644,38 @@ def _attention_calls(module) -> dict[str, int]:
                 for node in ast.walk(stmt) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id == "attention_interface")
     return {CALLS_FACT: calls} if calls > 1 else {}
+
+
+# Arguments of transformers' attention interface that add nothing to a score kvcache does not plan or this check does
+# not compare: the scale (``scaling``: the module's attribute, compared), the window (compared), the sinks (``s_aux`` /
+# ``sinks``: compared), dropout (off at inference), the causal mask as the model built it, and the varlen / flash
+# plumbing. Any other argument (``softcap``, ``position_bias``, a selection's ``indices``) is a score term.
+_PLAIN_CALL_ARGS = frozenset({"scaling", "sliding_window", "s_aux", "sinks", "dropout", "attention_mask", "is_causal",
+                              "position_ids", "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                              "max_length_k", "query", "key", "value"})
+
+
+def score_terms(module) -> tuple[str, ...] | None:
+    """The score terms the module's forward hands transformers' attention interface (``attention_interface(...)``)
+    beyond ``_PLAIN_CALL_ARGS``, sorted, plus ``MASK_REWRITTEN`` where the forward assigns its ``attention_mask`` (a
+    bias folded into the mask: ALiBi's way); None where the forward never calls the interface (it scores by itself)."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id == "attention_interface"]
+    if not calls:
+        return None
+    terms = {kw.arg for call in calls for kw in call.keywords if kw.arg is not None and kw.arg not in _PLAIN_CALL_ARGS}
+    targets = [t for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    if any(isinstance(t, ast.Name) and t.id == "attention_mask" for t in targets):
+        terms.add(MASK_REWRITTEN)
+    return tuple(sorted(terms))
 
 
 TILED_FACT = "kv_tiled"
@@ -905,6 +959,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         if problems:
             result.errors += problems
             return result
+        result.unread_scores += [why for mod in cross_only if (why := unread_score(mod)) is not None]
         result.notes.append(f"cross-attention checked: {len(cross_only)} {cross_only[0].cls} module(s) (blocks "
                             f"{list(facts.cross.value.only_layers)}, K/V heads, head_dim, scale) match the "
                             "cross_attention plan")
@@ -916,6 +971,7 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
         if problems:
             result.errors += problems
             return result
+        result.unread_scores += [why for mod in cross if (why := unread_score(mod)) is not None]
         hf = tuple(a for a in hf if a not in cross)
         result.notes.append(f"cross-attention checked: {len(cross)} {cross[0].cls} module(s) at "
                             f"{cross[0].path.rsplit('.', 3)[0]}.*.{cross[0].path.rsplit('.', 1)[-1]} (K/V heads, "
@@ -973,6 +1029,8 @@ def cross_check(config: dict[str, Any], facts: ModelFacts, layers: list[LayerPla
             if lin is not None and (off := mixer_off(lin, dict(mod.kind_facts))):
                 state_off.append((layer, mod, off))
             continue
+        if (unread := unread_score(mod, fmt.planned_score_terms)) is not None:
+            result.unread_scores.append(unread)
         if mod.recurrent_beside and layer.decoder_layer not in states_of:
             beside_off.append((layer, mod))
             continue

@@ -153,12 +153,10 @@ def analyze_into_progress(req: AnalyzeRequest, target: str, section: str,
 
 def _check_numbers(req: AnalyzeRequest) -> None:
     for flag, value in (("--attn-tp-size", req.attn_tp_size), ("--max-concurrency", req.max_concurrency),
-                        ("--max-len", req.max_len), (cross_kind.FLAG, req.encoder_length)):
+                        ("--max-len", req.max_len)):
         if value is not None and value <= 0:
             raise InputError(flag, f"must be a positive integer, got {value}")
-    if req.encoder_length is not None and req.encoder_length > LIMITS["positions"]:
-        raise InputError(cross_kind.FLAG, f"{req.encoder_length} positions: above {LIMITS['positions']}, far beyond "
-                                          "any encoder's output")
+    cross_kind.check_length(req.encoder_length, LIMITS["positions"])
     for flag, value in (("--hbm-gb", req.hbm_gb), ("--kv-mem-ratio", req.kv_mem_ratio)):
         if value is not None and not (math.isfinite(value) and value > 0):  # nan/inf would reach the plan
             raise InputError(flag, f"must be a positive finite number, got {value}")
@@ -266,7 +264,8 @@ def assemble(
         raise NotSupportedByKvcache(facts.path, "; ".join(check.unsupported), field="model_type")
     warnings += [Finding(message=note, fields=["model_type"]) for note in (check.notes if check else [])]
     unknown = rules.unknown_family(facts, check.ships if check else arch_check.transformers_ships(facts.model_type),
-                                   cross_checked=check is None or check.checked_layers > 0)
+                                   cross_checked=check is None or check.checked_layers > 0,
+                                   unread=None if check is None else check.unread_scores)
     if unknown:
         warnings.append(unknown)
     mixed = len({layer.attn_type for layer in layers}) > 1

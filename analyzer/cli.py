@@ -92,11 +92,7 @@ def add_analyze_arguments(p: argparse.ArgumentParser, source_required: bool = Tr
                    type=_dtype_name,
                    help="plan the cache (entries, memory) in this dtype instead of the config's torch_dtype: "
                         "bfloat16|float16|float32 (or bf16|fp16|fp32), e.g. --cache-dtype bf16 for a float32 config")
-    p.add_argument("--encoder-length", type=int, metavar="N",
-                   help="the longest encoder output a request brings (positions its decoder's cross-attention reads: "
-                        "a ViT encoder's patches + 1, a text encoder's longest prompt in tokens), where the config "
-                        "gives none (TrOCR, MusicGen): sizes the cross-attention slot; the manifest records it as "
-                        "user input, e.g. --encoder-length 577")
+    add_encoder_length_argument(p)
     add_next_n_argument(p)
     p.add_argument("--exe-mode", choices=EXE_MODES,
                    help="the framework's execution mode for decode (the yaml's model_config.exe_mode; else "
@@ -118,6 +114,15 @@ def add_next_n_argument(p: argparse.ArgumentParser) -> None:
                         "model is built without them); more than the config's MTP layers: the MTP worker runs them "
                         "next_n times (upstream deepseek yamls: next_n 3, one MTP layer); default: the config's MTP "
                         "layer count, e.g. --next-n 0, --next-n 3")
+
+
+def add_encoder_length_argument(p: argparse.ArgumentParser) -> None:
+    """The one encoder-length flag of every command that plans (analyze, run) or checks a plan (validate)."""
+    p.add_argument("--encoder-length", type=int, metavar="N",
+                   help="the longest encoder output a request brings (positions its decoder's cross-attention reads: "
+                        "a ViT encoder's patches + 1, a text encoder's longest prompt in tokens), where the config "
+                        "gives none (TrOCR, MusicGen): sizes the cross-attention slot; the manifest records it as "
+                        "user input; beside a manifest (validate) it must be the manifest's, e.g. --encoder-length 577")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:

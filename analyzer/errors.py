@@ -60,14 +60,41 @@ class Terminated(BaseException):
 _received: list[int] = []
 
 
-def _on_sigterm(signum, frame):
+# Signals received while a block that must not be cut short runs (``signals_deferred``), raised when it ends. A mask
+# alone does not hold them: a process-directed signal goes to another thread that does not block it (torch's, a
+# runner's I/O thread), and Python then runs the handler in the main thread all the same.
+_deferring: list[int] = [0]
+_pending: list[int] = []
+
+
+def _signalled(signum: int) -> None:
     _received.append(signum)
-    raise Terminated()
+    if _deferring[0]:
+        _pending.append(signum)
+        return
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
+def _on_sigterm(signum, frame):
+    _signalled(signum)
 
 
 def _on_sigint(signum, frame):
-    _received.append(signum)
-    raise KeyboardInterrupt()
+    _signalled(signum)
+
+
+def defer_signals() -> None:
+    """Enter a block during which this command's SIGINT / SIGTERM handlers hold the signal (main thread only)."""
+    _deferring[0] += 1
+
+
+def release_signals() -> None:
+    """Leave it; the outermost release raises a signal held meanwhile (the last one), as its handler would have."""
+    _deferring[0] -= 1
+    if not _deferring[0] and _pending:
+        signum = _pending[-1]
+        _pending.clear()
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
 
 def _interrupted() -> int | None:
@@ -112,6 +139,7 @@ def guarded(fn, *args) -> int:
         if previous_int is signal.default_int_handler:  # an ignored SIGINT (a background job's) stays ignored
             signal.signal(signal.SIGINT, _on_sigint)
     _received.clear()
+    _pending.clear()
     try:
         return fn(*args)
     except InputError as exc:

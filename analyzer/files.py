@@ -14,10 +14,13 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
+from model_infer_kvcache.analyzer import errors
 from model_infer_kvcache.analyzer.errors import InputError
 
 # Byte-order marks editors write ("Unicode" in Windows Notepad is UTF-16 LE), UTF-32's first: its LE mark
@@ -125,12 +128,13 @@ def check_dir_writable(folder: str | Path, where: str | None = None) -> None:
     """Fail unless a file can be created in ``folder``: probed with a temp file (os.access lies to
     root and on read-only mounts), removed at once."""
     where = where or str(folder)
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".kvcache-probe.", dir=folder)
-    except OSError as exc:
-        raise InputError(where, f"directory is not writable ({exc.strerror or exc})") from None
-    os.close(fd)
-    os.unlink(probe)
+    with signals_held():  # created and removed in one step: a signal in between would leave the probe behind
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".kvcache-probe.", dir=folder)
+        except OSError as exc:
+            raise InputError(where, f"directory is not writable ({exc.strerror or exc})") from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def check_out_dir(path: str | Path, field: str = "--out") -> None:
@@ -171,11 +175,15 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     p = Path(path)
     check_writable(p)
     parent = p.parent if str(p.parent) else Path(".")
+    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
-    except OSError as exc:
-        raise InputError(str(p), f"cannot write: {exc.strerror or exc}") from None
-    try:
+        # the temp file is created and named in one step: a SIGINT/SIGTERM between mkstemp's return and the
+        # assignment would leave it beside the target with no cleanup knowing its name
+        with signals_held():
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
+            except OSError as exc:
+                raise InputError(str(p), f"cannot write: {exc.strerror or exc}") from None
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -183,13 +191,35 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         os.chmod(tmp, p.stat().st_mode & 0o777 if p.exists() else _default_mode())
         os.replace(tmp, p)
     except OSError as exc:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise InputError(str(p), f"cannot write: {exc}") from None
     except BaseException:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Defer SIGINT/SIGTERM until the block is done (delivered right after it): a file or folder created inside is
+    named (and so cleaned up on the way out) before the signal's exception can be raised. Two holds: the command's
+    handlers keep a signal that arrives meanwhile (analyzer.errors: whichever thread the kernel hands it to, Python
+    runs them in the main thread), and this thread's mask keeps the ones no handler of ours catches."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        errors.defer_signals()
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here: the handlers' hold only
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if main:
+            errors.release_signals()
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:

@@ -227,12 +227,18 @@ def planned_layer_kind(kind: str, window: int | None, max_positions: int | None)
     return kind, (window if kind == "sliding" else None), None
 
 
-def unknown_family(facts: ModelFacts, transformers_ships: bool | None, cross_checked: bool = True) -> Finding | None:
+def unknown_family(facts: ModelFacts, transformers_ships: bool | None, cross_checked: bool = True,
+                   unread: list[str] | None = None) -> Finding | None:
     """A warning when the family's attention code was never read: the config alone cannot rule out
     position biases (ALiBi lives in modeling code, e.g. Baichuan2-13B) or other attention variants.
     ``cross_checked``: whether the cross-check compared any layer (False: transformers ships the type but its own
-    code did not build this config, so nothing was compared)."""
+    code did not build this config, so nothing was compared). ``unread``: the compared modules whose score the
+    cross-check could not read whole (arch_check.unread_score; None: no cross-check ran). Read by hand
+    (FAMILY_SCALE_RULE) or by the cross-check (transformers' modules compared, every attention call read: its scale,
+    window and sinks compared, no other score term), a family is known."""
     if facts.family in FAMILY_SCALE_RULE or not facts.attends:  # a pure state stack has no attention to read
+        return None
+    if transformers_ships and cross_checked and unread == []:
         return None
     unverified = ["a custom softmax scale", "extra attention terms (soft-capping, sinks, biases)"]
     if facts.alibi.is_default:
@@ -241,6 +247,9 @@ def unknown_family(facts: ModelFacts, transformers_ships: bool | None, cross_che
         where = "transformers does not ship it, so nothing was cross-checked against its code"
     elif transformers_ships and not cross_checked:
         where = "transformers ships it but did not build this config, so nothing was cross-checked against its code"
+    elif transformers_ships and unread:
+        where = (f"scale, windows, KV shapes and sinks were cross-checked against transformers on the meta device, "
+                 f"but {unread[0]}" + (f" (and {len(unread) - 1} more module(s))" if len(unread) > 1 else ""))
     elif transformers_ships:
         where = "scale and windows were cross-checked against transformers on the meta device, nothing else"
     else:

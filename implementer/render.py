@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 from model_infer_kvcache.analyzer.decisions_table import decision_rows
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
-from model_infer_kvcache.analyzer.files import atomic_write_bytes, atomic_write_text
+from model_infer_kvcache.analyzer.files import atomic_write_bytes, atomic_write_text, signals_held
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.implementer.kinds import attention_kind, renders_layer_shapes
 from model_infer_kvcache.implementer.kinds import byte_patches as byte_patches_kind
@@ -164,8 +164,9 @@ def write_rendered(rendered: Rendered, out_dir: str | Path, force: bool = False)
     try:
         for rel, target in targets:
             for folder in _missing_dirs(target.parent):
-                folder.mkdir()
-                created_dirs.append(folder)
+                with signals_held():  # made and listed in one step: a signal in between would leave it behind
+                    folder.mkdir()
+                    created_dirs.append(folder)
             previous.append((target, target.read_bytes() if target.exists() else None))
             atomic_write_text(target, rendered.files[rel])
     except BaseException:

@@ -80,6 +80,88 @@ def test_unknown_family_with_an_explicit_alibi_field_does_not_claim_alibi_is_unv
     assert finding is not None and "ALiBi" not in finding.message and "custom softmax scale" in finding.message
 
 
+def _sweep_config(tmp_path: Path, model_type: str) -> Path:
+    """A family's config as the family sweep writes it (benchmarks/sweep_families.py: the class defaults and, where
+    the sweep keeps them, the published fields)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_families_under_test",
+                                                  ROOT / "benchmarks" / "sweep_families.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep._configs(tmp_path, [model_type])[model_type]
+
+
+@pytest.mark.parametrize("model_type", ["qwen4_exp_text", "zaya", "lfm2_moe", "mllama", "olmo2"])
+def test_a_planned_family_whose_every_attention_call_the_cross_check_read_is_known(tmp_path, model_type):
+    """Families the sweep plans and validates, none in FAMILY_SCALE_RULE: transformers' modules were compared layer by
+    layer (scale, window, KV shape, sinks) and each one's attention call adds no other score term (Qwen4-Exp's mask
+    carries its QSA selection, which its format plans), so their code was read: no unknown-family warning."""
+    m = analyze(AnalyzeRequest(config=str(_sweep_config(tmp_path, model_type))))
+    assert m.model.model_type not in rules.FAMILY_SCALE_RULE and not m.blockers
+    assert not [w.message for w in m.warnings if "unknown model family" in w.message]
+    assert "unknown" not in m.kv_mode.reason
+
+
+def test_score_terms_read_from_the_attention_call():
+    """What arch_check.score_terms reads from a module's forward: extra arguments of the attention call, a mask
+    rewritten before it, or no call at all (a module scoring by itself)."""
+    from torch import nn
+
+    class Plain(nn.Module):
+        def forward(self, q, k, v, attention_mask, **kwargs):
+            return attention_interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,  # noqa: F821
+                                       sliding_window=self.sliding_window, s_aux=self.sinks, **kwargs)
+
+    class SoftCapped(nn.Module):
+        def forward(self, q, k, v, attention_mask, **kwargs):
+            return attention_interface(self, q, k, v, attention_mask, scaling=self.scaling,  # noqa: F821
+                                       softcap=self.softcap, **kwargs)
+
+    class Biased(nn.Module):
+        def forward(self, q, k, v, attention_mask, **kwargs):
+            attention_mask = attention_mask + self.alibi
+            return attention_interface(self, q, k, v, attention_mask, scaling=self.scaling)  # noqa: F821
+
+    class OwnScores(nn.Module):
+        def forward(self, q, k, v, attention_mask):
+            return (q @ k.transpose(-1, -2) + attention_mask).softmax(-1) @ v
+
+    assert arch_check.score_terms(Plain()) == ()
+    assert arch_check.score_terms(SoftCapped()) == ("softcap",)
+    assert arch_check.score_terms(Biased()) == (arch_check.MASK_REWRITTEN,)
+    assert arch_check.score_terms(OwnScores()) is None
+
+
+def test_a_family_whose_attention_call_adds_a_score_term_stays_unknown_naming_it(tmp_path, monkeypatch):
+    """Negative control: OLMo-2's attention forward with a soft-cap handed to the attention interface (the plausible
+    variant the config alone does not show, Gemma-2's way) is no longer read whole: the warning stays, naming the
+    module and the term. No cached report may answer for the patched code."""
+    import inspect
+    import linecache
+    import textwrap
+
+    import transformers.models.olmo2.modeling_olmo2 as olmo2
+
+    source = inspect.getsource(olmo2.Olmo2Attention.forward)
+    assert "scaling=self.scaling," in source
+    patched = textwrap.dedent(source).replace("scaling=self.scaling,",
+                                                             "scaling=self.scaling, softcap=50.0,", 1)
+    scope, fake = dict(vars(olmo2)), "<olmo2 attention with a soft-cap>"
+    monkeypatch.setitem(linecache.cache, fake, (len(patched), None, patched.splitlines(True), fake))  # its source
+    exec(compile(patched, fake, "exec"), scope)
+    monkeypatch.setattr(olmo2.Olmo2Attention, "forward", scope["forward"])
+    monkeypatch.setenv(arch_check.CACHE_ENV, "")
+    arch_check._hf_attentions.cache_clear()
+    try:
+        m = analyze(AnalyzeRequest(config=str(_sweep_config(tmp_path, "olmo2"))))
+    finally:
+        arch_check._hf_attentions.cache_clear()
+    unknown = [w.message for w in m.warnings if "unknown model family 'olmo2'" in w.message]
+    assert len(unknown) == 1 and "Olmo2Attention at model.layers.0.self_attn: its attention call adds softcap" in \
+        unknown[0], unknown
+
+
 def test_analyze_works_without_transformers(monkeypatch):
     """transformers is optional for the analyzer: an import failure skips the cross-check only."""
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError

@@ -496,6 +496,82 @@ def test_a_signal_during_run_leaves_out_as_it_was(sig, code, word, tmp_path):
     assert snapshot(tmp_path) == before  # --out exactly as before, nothing beside it
 
 
+def _signal_on_creation(monkeypatch, name: str, marker: str, sig: str) -> list[str]:
+    """``tempfile.<name>`` sending this process ``sig`` the moment it has created a path whose name holds ``marker``:
+    the signal lands in the window between the creation and the caller's line that names the path for cleanup (the
+    one a signal sent from outside hits under load only by chance). Returns the paths so created."""
+    import signal
+    import tempfile
+
+    made: list[str] = []
+    real = getattr(tempfile, name)
+
+    def creating(*args, **kwargs):
+        result = real(*args, **kwargs)
+        path = result[1] if isinstance(result, tuple) else result
+        if marker in os.path.basename(path):
+            made.append(path)
+            os.kill(os.getpid(), getattr(signal, sig))
+        return result
+
+    monkeypatch.setattr(tempfile, name, creating)
+    return made
+
+
+def _signal_cases():
+    import signal
+    import threading
+
+    # In-process, SIGINT raises only where the command installs its handler (the default one is current: not under a
+    # runner that ignores it); SIGTERM always.
+    sigint = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    return [("SIGTERM", 143)] + ([("SIGINT", 130)] if sigint else [])
+
+
+@pytest.mark.parametrize("sig,code", _signal_cases())
+def test_a_signal_right_after_the_staging_folder_is_made_leaves_out_as_it_was(sig, code, scratch, capsys,
+                                                                              monkeypatch):
+    (scratch / "out").mkdir()
+    (scratch / "out" / "report.md").write_text("an earlier run's report\n", encoding="utf-8")
+    before = snapshot(scratch)
+    made = _signal_on_creation(monkeypatch, "mkdtemp", ".out.kvcache-run.", sig)
+    rc, _, err = invoke(["run", "--out", "out"], capsys)
+    assert made and rc == code, err  # the signal came with the staging folder made, and stopped the run
+    assert snapshot(scratch) == before  # the staging folder removed: --out exactly as before, nothing beside it
+
+
+@pytest.mark.parametrize("sig,code", _signal_cases())
+def test_a_signal_right_after_the_temp_file_is_made_leaves_nothing(sig, code, scratch, capsys, monkeypatch):
+    before = snapshot(scratch)
+    made = _signal_on_creation(monkeypatch, "mkstemp", ".m.json.", sig)
+    rc, _, err = invoke(["analyze", "--config", "config.json", "--out", "m.json"], capsys)
+    assert made and rc == code, err
+    assert snapshot(scratch) == before  # no m.json, no .m.json.*.tmp beside it
+
+
+@pytest.mark.parametrize("sig,code", _signal_cases())
+def test_a_signal_right_after_a_render_folder_is_made_leaves_nothing(sig, code, scratch, capsys, monkeypatch):
+    """`kvcache render --out` into a folder it creates: a signal right after the mkdir (before the render lists the
+    folder for its cleanup) leaves no folder behind."""
+    import pathlib
+    import signal
+
+    before = snapshot(scratch)
+    real, made = pathlib.Path.mkdir, []
+
+    def mkdir(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        if self.name == "fresh":
+            made.append(self)
+            os.kill(os.getpid(), getattr(signal, sig))
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    rc, _, err = invoke(["render", "--manifest", "manifest.json", "--out", "fresh"], capsys)
+    assert made and rc == code, err
+    assert snapshot(scratch) == before
+
+
 def test_a_second_run_into_the_same_out_is_refused(scratch, capsys):
     from model_infer_kvcache.analyzer.files import exclusive_output
 

@@ -1,8 +1,9 @@
 """A tiny model tied to a wide heads x head_dim runs with fewer heads on CPU (tiny_model.cpu_sized, gqa.cpu_heads).
 
 The rule keeps what the checks read (head_dim, the query/KV group, the attention TP, two KV heads per rank) and
-applies only where the tiny model's hidden size ties to heads x head_dim above MAX_CPU_TIED_WIDTH: Falcon derives
-head_dim from hidden_size, so its tiny model is heads x head_dim wide; Qwen3's runs at hidden 128 and keeps every
+applies where the tiny model's hidden size ties to heads x head_dim above MAX_CPU_TIED_WIDTH (Falcon derives head_dim
+from hidden_size, so its tiny model is heads x head_dim wide), or, at the untied hidden of 128, where its K/V rows
+(KV heads x head_dim) are wider than that (Cohere-Compass' MHA 64 x 128); Qwen3-8B's 8 x 128 at hidden 128 keeps every
 head. The given render is still judged at the real heads: a wrong per-rank head constant fails by name.
 """
 
@@ -57,6 +58,44 @@ def test_heads_shrink_only_where_the_tiny_model_ties_wide():
     assert small.model.head_dim == falcon.model.head_dim and small.fa.softmax_scale == falcon.fa.softmax_scale
     assert cpu_sized(falcon) is None  # without the config (the checkout run): the heads stay
     assert "heads 32 -> 8 and KV heads 8 -> 2" in cpu_sizes_note(falcon, small)
+
+
+# Qwen3-8B's architecture with 16 KV heads (K/V rows 16 x 128 = 2048, above the bound) at its hidden 128: untied
+QWEN3_WIDE_KV = {"num_key_value_heads": 16, "num_hidden_layers": 2}
+
+
+def test_heads_shrink_at_hidden_128_where_the_kv_rows_are_wide(tmp_path):
+    """Untied (explicit head_dim: the tiny model runs at hidden 128), the K/V width decides: 16 x 128 shrinks to two
+    KV heads with the group of 2 kept, 8 x 128 (Qwen3-8B) keeps every head; MQA / replicated KV stay whole (the kind's
+    rule). The note names the K/V width as the reason."""
+    config = json.loads((CONFIGS / "qwen3_8b.json").read_text(encoding="utf-8")) | QWEN3_WIDE_KV
+    path = tmp_path / "qwen3_wide_kv.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    m = analyze(AnalyzeRequest(config=str(path)))
+    assert m.model.num_key_value_heads * m.model.head_dim > MAX_CPU_TIED_WIDTH
+    small = cpu_sized(m, config)
+    assert small is not None and (small.model.num_attention_heads, small.model.num_key_value_heads) == (4, 2)
+    assert small.model.head_dim == m.model.head_dim and small.fa.softmax_scale == m.fa.softmax_scale
+    note = cpu_sizes_note(m, small)
+    assert "heads 32 -> 4 and KV heads 16 -> 2" in note and "the K/V rows are 16 x 128 = 2048 wide, above 1024" in note
+    at_tp2 = analyze(AnalyzeRequest(config=str(path), attn_tp_size=2))
+    assert (cpu_sized(at_tp2, config).model.num_key_value_heads, cpu_sized(at_tp2, config).parallel.attn_tp_size) == \
+        (4, 2)  # two KV heads per rank on each of the 2 ranks
+
+
+def test_wide_kv_render_passes_on_fewer_heads_and_a_wrong_head_constant_still_fails(tmp_path):
+    """The untied route end to end: the clean render passes on the CPU run's fewer heads (byte for byte the
+    implementer's); a render whose per-rank KV head constant is the CPU run's (2) instead of the manifest's (16) fails
+    the constants check by name and its as-written run at the real heads."""
+    manifest, rendered, config = render_case(tmp_path, "qwen3_8b", QWEN3_WIDE_KV)
+    report = run_validate(manifest, rendered, config)
+    assert report.passed, [c for c in report.checks if not c.passed]
+    assert any("heads 32 -> 4 and KV heads 16 -> 2" in n and "byte for byte" in n for n in report.notes), report.notes
+    mutate(rendered, r"(?m)^NUM_KV_HEADS_PER_RANK = 16$", "NUM_KV_HEADS_PER_RANK = 2", count=1)
+    report = run_validate(manifest, rendered, config)
+    constants = check(report, "rendered constants match the manifest")
+    assert not report.passed and not constants.passed and "NUM_KV_HEADS_PER_RANK" in constants.detail
+    assert [c for c in report.checks if c.name.startswith("as written: ") and not c.passed]
 
 
 def test_clean_render_passes_on_fewer_heads_and_a_wrong_head_constant_still_fails(tmp_path):

@@ -165,3 +165,48 @@ def test_checkout_run_of_a_model_refusing_mtp_says_to_pass_next_n_0(tmp_path, ca
     assert rc == 1
     v202 = [line for line in out.splitlines() if "V202" in line and "❌" in line]
     assert v202 and all("NotImplementedError" in line and "--next-n 0" in line for line in v202), v202
+
+
+# --- 10. one encoder-length flag for every command that plans or checks a plan ------------------------------------
+
+@pytest.mark.parametrize("command", ["analyze", "run", "validate"])
+def test_every_planning_command_takes_encoder_length(command, capsys):
+    rc, out, _ = invoke([command, "--help"], capsys)
+    assert rc == 0 and "--encoder-length N" in out and "sizes the cross-attention slot" in out
+
+
+def test_validate_checks_encoder_length_as_analyze_does(tmp_path, capsys):
+    """The checkout mode analyzes with the flag (analyze's own refusals, by the flag); a value analyze refuses is
+    refused in every mode before any work, and --all (each model its own analysis) refuses the flag."""
+    root = shared_path("upstream", "cann-recipes-infer")
+    config = ROOT / "examples" / "tiny_qwen3" / "config.json"
+    checkout = ["validate", "--framework-root", root, "--model", "qwen3_moe", "--config", config, "--no-sweep"]
+    rc, _, err = invoke([*checkout, "--encoder-length", "64"], capsys)
+    assert rc == 2 and _one_line(err).startswith("error: --encoder-length: 64: the decoder attends over no encoder "
+                                                 "(model_type 'qwen3'")
+    for value, said in (("0", "must be a positive integer, got 0"), (str(1 << 40), "positions: above")):
+        rc, _, err = invoke([*checkout, "--encoder-length", value], capsys)
+        assert rc == 2 and _one_line(err).startswith("error: --encoder-length: ") and said in err, err
+    rc, _, err = invoke(["validate", "--framework-root", root, "--all", "--encoder-length", "64"], capsys)
+    assert rc == 2 and _one_line(err).startswith("error: --encoder-length: does not apply with --all")
+    assert not list(tmp_path.iterdir())
+
+
+def test_validate_refuses_an_encoder_length_the_manifest_was_not_analyzed_with(tmp_path, capsys):
+    """Beside a manifest (rendered mode, or a checkout run given --manifest) the slot is already sized: the flag must
+    be the manifest's max_encoder_len, as --next-n must be its depth."""
+    manifest, rendered, config = tmp_path / "m.json", tmp_path / "r", CONFIGS / "bart_large.json"
+    assert invoke(["analyze", "--config", config, "--out", manifest], capsys)[0] == 0
+    assert invoke(["render", "--manifest", manifest, "--out", rendered], capsys)[0] == 0
+    rc, _, err = invoke(["validate", "--manifest", manifest, "--rendered", rendered, "--config", config,
+                         "--encoder-length", "2048"], capsys)
+    assert rc == 2 and _one_line(err).startswith("error: --encoder-length: 2048 differs from the manifest's "
+                                                 "max_encoder_len 1024 (config: max_position_embeddings")
+    assert "re-analyze with --encoder-length 2048" in err
+    from model_infer_kvcache.validators.checkout_run.validate import CheckoutRequest, load_or_analyze
+
+    with pytest.raises(InputError, match="2048 differs from the manifest's max_encoder_len 1024"):
+        load_or_analyze(CheckoutRequest(framework_root="x", model="x", config=str(config), manifest=str(manifest),
+                                        encoder_length=2048), Path("x"))
+    load_or_analyze(CheckoutRequest(framework_root="x", model="x", config=str(config), manifest=str(manifest),
+                                    encoder_length=1024), Path("x"))  # the manifest's own length: accepted

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from model_infer_kvcache.analyzer.cli import add_next_n_argument
+from model_infer_kvcache.analyzer.cli import add_encoder_length_argument, add_next_n_argument
 from model_infer_kvcache.analyzer.cli_paths import PathArg, check_paths, config_file
 from model_infer_kvcache.analyzer.deploy_context import EXE_MODES
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "only supports equal-length prefill batches (its own check says so); the report notes that "
                         "variable-length prefill was not exercised")
     add_next_n_argument(p)
+    add_encoder_length_argument(p)
     p.add_argument("--exe-mode", choices=list(EXE_MODES), default="eager",
                    help="checkout mode: the engine's decode mode. npugraph_ex / ge_graph compile decode as the engine "
                         "does (torch.compile, fullgraph; ge_graph static, through torchair's backend) and capture it "
@@ -145,6 +146,11 @@ def _refuse(args: argparse.Namespace, flags: tuple[str, ...], why: str) -> None:
 
 def check_mode(args: argparse.Namespace) -> None:
     """Rendered mode needs --manifest and --rendered; checkout mode --model and --framework-root."""
+    if args.encoder_length is not None:  # analyze's own check of the value (imported here: --help stays light)
+        from model_infer_kvcache.analyzer.config_loader import LIMITS
+        from model_infer_kvcache.analyzer.kinds import cross as cross_kind
+
+        cross_kind.check_length(args.encoder_length, LIMITS["positions"])
     if args.static_graph and args.exe_mode != "npugraph_ex":
         raise InputError("--static-graph", "applies with --exe-mode npugraph_ex (an eager decode compiles nothing; "
                                            "ge_graph is always static)")
@@ -152,7 +158,7 @@ def check_mode(args: argparse.Namespace) -> None:
         raise InputError("--exe-mode", "applies to one checkout model (--model), not with --runner-root or --all")
     if args.runner_root:
         _refuse(args, ("model", "model_file", "manifest", "rendered", "framework_root", "framework_api", "dtype",
-                       "attn_tp_size", "all", "configs", "only", "device_readings", "uniform_prefill"),
+                       "attn_tp_size", "all", "configs", "only", "device_readings", "uniform_prefill", "encoder_length"),
                 "does not apply with --runner-root (the folder's own runner, one rank, float32, judged by the "
                 "recompute oracle)")
         return
@@ -166,7 +172,7 @@ def check_mode(args: argparse.Namespace) -> None:
         if not args.framework_root:
             raise InputError("--all", "validates every model of a checkout: pass --framework-root CHECKOUT too")
         _refuse(args, ("model", "model_file", "manifest", "rendered", "config", "write_progress", "framework_api",
-                       "dtype", "attn_tp_size"),
+                       "dtype", "attn_tp_size", "encoder_length"),
                 "does not apply with --all (each model is analyzed and run on its own; give configs with --configs DIR)")
         return
     for flag in ("configs", "only"):
@@ -205,7 +211,7 @@ def _checkout_report(args: argparse.Namespace):
         attn_tp_size=args.attn_tp_size, model_file=args.model_file, seed=args.seed,
         sweep_readings=not args.no_sweep, device_readings=args.device_readings, step_seconds=args.step_timeout,
         uniform_prefill=args.uniform_prefill, next_n=args.next_n, oracle=args.oracle, exe_mode=args.exe_mode,
-        static_graph=args.static_graph,
+        static_graph=args.static_graph, encoder_length=args.encoder_length,
     ), progress=_progress)
 
 
@@ -290,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         manifest=args.manifest, rendered=args.rendered, config=args.config, backend=args.backend,
         framework_root=args.framework_root, seed=args.seed, sweep_readings=not args.no_sweep,
         framework_api=args.framework_api, attn_tp_size=args.attn_tp_size, device_readings=args.device_readings,
-        dtype=args.dtype, step_seconds=args.step_timeout, next_n=args.next_n,
+        dtype=args.dtype, step_seconds=args.step_timeout, next_n=args.next_n, encoder_length=args.encoder_length,
     ), progress=_progress)
     return _emit(args, report)
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -22,7 +20,13 @@ from model_infer_kvcache.analyzer.cli import (
 from model_infer_kvcache.analyzer.cli_paths import PathArg, check_paths
 from model_infer_kvcache.analyzer.device_questions import BACKEND_CHOICES
 from model_infer_kvcache.analyzer.errors import InputError, OneLineArgumentParser, guarded
-from model_infer_kvcache.analyzer.files import atomic_write_text, check_out_dir, exclusive_output, umask
+from model_infer_kvcache.analyzer.files import (
+    atomic_write_text,
+    check_out_dir,
+    exclusive_output,
+    signals_held,
+    umask,
+)
 from model_infer_kvcache.implementer.header import is_generated
 from model_infer_kvcache.validators.pipeline.runtime_deps import require_validation_deps
 
@@ -125,21 +129,6 @@ def _publish(staging: Path, out: Path) -> None:
     shutil.rmtree(staging)
 
 
-@contextlib.contextmanager
-def signals_held():
-    """Defer SIGINT/SIGTERM until the block is done (delivered right after it)."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here: run unprotected
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _staging_dir(out: Path) -> Path:
     """A fresh folder on the same file system as ``out`` (its nearest existing ancestor)."""
     base = out.absolute().parent
@@ -213,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
     print_warnings(manifest)
     staging = None
     try:
-        staging = _staging_dir(out)
+        with signals_held():  # created and named in one step: a signal in between would leave the folder behind
+            staging = _staging_dir(out)
         atomic_write_text(staging / "manifest.json", manifest.to_json())
         write_rendered(rendered, staging / "rendered")
         _say(f"rendered {len(rendered.files)} files", t0)
@@ -239,7 +229,8 @@ def _run(args: argparse.Namespace) -> int:
             _publish(staging, out)
     except BaseException:
         if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)  # a run that stops early leaves --out as it was
+            with signals_held():  # a second signal must not cut the cleanup short either
+                shutil.rmtree(staging, ignore_errors=True)  # a run that stops early leaves --out as it was
         raise
     print(report.to_markdown())
     _say(f"{'PASSED' if report.passed else 'FAILED'}: report in {out / 'report.md'}", t0)

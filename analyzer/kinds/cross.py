@@ -160,6 +160,31 @@ FLAG = "--encoder-length"
 USER_INPUT, CONFIG = "user input", "config"  # the manifest's max_encoder_len_from
 
 
+def check_length(n: int | None, most: int) -> None:
+    """``--encoder-length``'s own validation, in every command that takes it (analyze, run, validate): a positive
+    count of positions, at most ``most`` (config_loader.LIMITS: far beyond any encoder's output)."""
+    if n is None:
+        return
+    if n <= 0:
+        raise InputError(FLAG, f"must be a positive integer, got {n}")
+    if n > most:
+        raise InputError(FLAG, f"{n} positions: above {most}, far beyond any encoder's output")
+
+
+def check_manifest_length(n: int | None, cross: CrossAttentionDecision | None, model_type: str) -> None:
+    """``--encoder-length`` beside a manifest (validate): the length its cross-attention slot was analyzed with, as
+    ``--next-n`` must be the manifest's depth; the slot is sized at analysis, so another length means re-analyzing."""
+    if n is None:
+        return
+    if cross is None:
+        raise InputError(FLAG, f"{n}: the decoder attends over no encoder (the manifest of {model_type!r} has no "
+                               "cross_attention section to size); drop the flag")
+    if n != cross.max_encoder_len:
+        raise InputError(FLAG, f"{n} differs from the manifest's max_encoder_len {cross.max_encoder_len} "
+                               f"({cross.max_encoder_len_from}: {cross.max_encoder_len_source}); re-analyze with "
+                               f"{FLAG} {n}")
+
+
 def with_stated_length(cross: CrossFacts | None, n: int | None, model_source: str) -> CrossFacts | None:
     """``cross`` sized by ``--encoder-length n`` (None: as read). The flag sizes a slot no field sizes, or widens one
     (a larger input than the config's, e.g. a ViT run on bigger images); below what the config gives it is refused:

@@ -22,6 +22,11 @@ FA_HEAD_DIM_ALIGN = 16
 Facts = Any  # analyzer.config_loader.ModelFacts (not imported: config_loader reads the compressed kind's facts)
 
 
+# arch_check.score_terms' word for a forward that assigns its attention_mask before the attention call (a bias or a
+# selection folded into the mask)
+MASK_REWRITTEN = "attention_mask rewritten in its forward"
+
+
 class GqaFormat:
     """K/V caches of ``num_key_value_heads / attn_tp_size`` heads (replicated below one per rank)."""
 
@@ -102,6 +107,9 @@ class GqaFormat:
     paged_layout = ("TND", "packed variable-length batch [TotalTokens, N, D] matches the framework's 1-D inputs")
     scale_label = "head_dim"
     yarn_scales_softmax = False
+    # score terms a transformers attention call of this format adds that the plan itself covers (arch_check's
+    # score_terms): none for plain GQA/MHA, whose scale, window and sinks the cross-check compares
+    planned_score_terms: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ caches and their managers
 

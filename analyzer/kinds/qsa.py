@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model_infer_kvcache.analyzer.errors import InputError, NotSupportedByKvcache
-from model_infer_kvcache.analyzer.kinds.gqa import Facts, GqaFormat
+from model_infer_kvcache.analyzer.kinds.gqa import MASK_REWRITTEN, Facts, GqaFormat
 from model_infer_kvcache.analyzer.kinds.invariants import QSA_CACHES
 from model_infer_kvcache.analyzer.manifest import CacheSpec, QsaDecision
 from model_infer_kvcache.analyzer.operators.fa_facts import SPARSE_FA
@@ -120,6 +120,9 @@ def entries(qsa: QsaFacts, dtype: str) -> list[CacheSpec]:
 class QsaFormat(GqaFormat):
     name = "qsa"
     fa_call = False  # the sparse FA over the selected blocks' tokens: no FA version, layout or path table
+    # Qwen4ExpTextAttention.forward folds its indexer's selection into the mask (attention_mask & selected_token_mask):
+    # the selection this format plans (its indexer entries compared by hf_off, the sparse FA over the selected blocks)
+    planned_score_terms = frozenset({MASK_REWRITTEN})
     doc_example = ("GQA + QSA 块稀疏注意力(indexer 原始 key 与块 key 缓存)", "Qwen4-Exp",
                    {"model_type": "qwen4_exp_text", "num_key_value_heads": 2, "head_dim": 256,
                     "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from model_infer_kvcache.analyzer.config_loader import model_section, read_config_file
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import kind_of
 from model_infer_kvcache.validators.pipeline.precision import TOLERANCE
@@ -61,6 +62,8 @@ class CheckoutRequest:
     # --exe-mode: the engine's decode mode; npugraph_ex compiles and captures decode (graph_capture.CaptureRecorder)
     exe_mode: str = "eager"
     static_graph: bool = False  # --static-graph: the engine's enable_dynamic_graph False (npugraph_ex only)
+    # --encoder-length: analyze's cross-attention slot size (beside a manifest: must be the manifest's)
+    encoder_length: int | None = None
 
     def __post_init__(self):
         from model_infer_kvcache.validators.checkout_run.recompute import check_oracle
@@ -83,11 +86,13 @@ def load_or_analyze(req: CheckoutRequest, root: Path) -> SelectionManifest:
             raise InputError("--attn-tp-size", f"{req.attn_tp_size} differs from the manifest's attn_tp_size "
                                                f"{manifest.parallel.attn_tp_size} (re-analyze with --attn-tp-size)")
         check_next_n(req.next_n, manifest)
+        cross_kind.check_manifest_length(req.encoder_length, manifest.cross_attention, manifest.model.model_type)
         return manifest
     from model_infer_kvcache.analyzer.build import AnalyzeRequest, analyze
 
     return analyze(AnalyzeRequest(config=req.config, framework_root=str(root), attn_tp_size=req.attn_tp_size,
-                                  dispatch="部署模式: 框架部署", device_readings=req.device_readings, next_n=req.next_n))
+                                  dispatch="部署模式: 框架部署", device_readings=req.device_readings, next_n=req.next_n,
+                                  encoder_length=req.encoder_length))
 
 
 

@@ -35,7 +35,10 @@ _DERIVED_MLP_WIDTHS = ("ffn_hidden_size", "n_inner", "ffn_dim")
 MAX_CPU_WINDOW = 256  # windows above this are shrunk so test sequences can cross them
 SHRUNK_WINDOW = 160
 # A tiny model whose hidden size ties to heads x head_dim wider than this runs with fewer heads (cpu_sized): Ergo's
-# 64 x 128 held 634M float64 parameters (15-22 min a mode), GPT-NeoX's 64 x 96 312M
+# 64 x 128 held 634M float64 parameters (15-22 min a mode), GPT-NeoX's 64 x 96 312M. At the untied hidden of 128 the
+# same bound holds the K/V width (KV heads x head_dim): the rows every cache write, gather and FA block moves, and the
+# K/V projections (Cohere-Compass' MHA 64 x 128 = 8192: 58 s a mode at every head, its time in the projections and the
+# emulated FA's gathers). A whole-heads tied model never carries K/V rows wider than this either (KV <= heads).
 MAX_CPU_TIED_WIDTH = 1024
 
 
@@ -315,15 +318,28 @@ def cpu_sized(manifest: SelectionManifest, real: dict[str, Any] | None = None) -
 
 def cpu_heads(manifest: SelectionManifest, real: dict[str, Any]) -> tuple[int, int] | None:
     """(query heads, KV heads) of a CPU run with fewer heads (the kind's ``cpu_heads`` rule), where it pays: the tiny
-    model's hidden size ties to heads x head_dim (``tied_width``) above ``MAX_CPU_TIED_WIDTH``. None elsewhere: a
-    model whose tiny hidden size is 128 runs with every head, as before."""
+    model's hidden size ties to heads x head_dim (``tied_width``) above ``MAX_CPU_TIED_WIDTH``, or, at any hidden size,
+    its K/V width (KV heads x head_dim) is above it. None elsewhere: a model at hidden 128 whose K/V rows are at most
+    that wide (Qwen3-8B's 8 x 128) runs with every head."""
     rule = getattr(kind_of(manifest), "cpu_heads", None)  # the kinds whose hidden size can tie to their heads
     heads = rule(manifest) if rule else None
     m = manifest.model
     if heads is None or holds_states(manifest) or m.num_attention_heads * m.head_dim <= MAX_CPU_TIED_WIDTH:
         return None
+    if m.num_key_value_heads * m.head_dim > MAX_CPU_TIED_WIDTH:  # wide K/V rows, tied or not: no probe needed
+        return heads
     width = tied_width(real, manifest)
     return heads if width is not None and width > MAX_CPU_TIED_WIDTH else None
+
+
+def heads_reason(manifest: SelectionManifest) -> str:
+    """Why ``cpu_heads`` shrank the heads, for the notes: the K/V width where it is above the bound, else the tied
+    hidden size."""
+    m = manifest.model
+    if m.num_key_value_heads * m.head_dim > MAX_CPU_TIED_WIDTH:
+        return (f"the K/V rows are {m.num_key_value_heads} x {m.head_dim} = {m.num_key_value_heads * m.head_dim} wide, "
+                f"above {MAX_CPU_TIED_WIDTH}")
+    return f"the tiny model's hidden size ties to heads x head_dim ({m.num_attention_heads * m.head_dim})"
 
 
 def tied_width(real: dict[str, Any], manifest: SelectionManifest) -> int | None:
@@ -380,7 +396,7 @@ def cpu_sizes_note(manifest: SelectionManifest, small: SelectionManifest) -> str
         parts.append(f"heads {m.num_attention_heads} -> {s.num_attention_heads} and KV heads {m.num_key_value_heads} "
                      f"-> {s.num_key_value_heads} (head_dim {m.head_dim}, the query/KV group "
                      f"{m.num_attention_heads // m.num_key_value_heads}, attention TP {manifest.parallel.attn_tp_size} "
-                     f"kept; the tiny model's hidden size ties to heads x head_dim: {m.num_attention_heads * m.head_dim} "
+                     f"kept; {heads_reason(manifest)}: heads x head_dim {m.num_attention_heads * m.head_dim} "
                      f"-> {s.num_attention_heads * s.head_dim})")
     parts += kind_of(manifest).cpu_size_changes(manifest, small) + cross.cpu_size_changes(manifest, small)
     parts += recurrent.cpu_size_changes(manifest, small)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from model_infer_kvcache.analyzer.config_loader import read_config_file
 from model_infer_kvcache.analyzer.errors import InputError
+from model_infer_kvcache.analyzer.kinds import cross as cross_kind
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.analyzer.manifest_io import load_manifest
 from model_infer_kvcache.analyzer.measured import device_settled
@@ -36,7 +37,11 @@ from model_infer_kvcache.validators.pipeline.request_stream import (
     StreamStalled,
 )
 from model_infer_kvcache.validators.pipeline.runtime_deps import preload_transformers
-from model_infer_kvcache.validators.pipeline.tiny_model import cpu_sizes_note, require_transformers_type
+from model_infer_kvcache.validators.pipeline.tiny_model import (
+    cpu_sizes_note,
+    heads_reason,
+    require_transformers_type,
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class ValidateRequest:
     dtype: str | None = None  # compute dtype of the comparison; None: float64 emulated, the model's on an NPU
     step_seconds: float | None = None  # the watchdog's allowance per forward step; None: the scenario's
     next_n: int | None = None  # --next-n, analyze's MTP switch: must be the manifest's
+    encoder_length: int | None = None  # --encoder-length, analyze's cross-attention slot size: must be the manifest's
 
 
 def resolve_backend(requested: str) -> str:
@@ -134,6 +140,7 @@ def load_inputs(req: ValidateRequest) -> ValidationInputs:
     manifest = load_manifest(req.manifest)
     check_renderable(manifest)
     check_next_n(req.next_n, manifest)
+    cross_kind.check_manifest_length(req.encoder_length, manifest.cross_attention, manifest.model.model_type)
     _, real_config = read_config_file(req.config)
     require_transformers_type(manifest.model.model_type)
     rendered_dir = Path(req.rendered)
@@ -253,7 +260,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
     """(label, manifest, rendered dir, scenario) of each run. The code under test always runs as written.
 
     Sizes a CPU can exercise: the user's render. A longer window, a DSA selection wider than CPU prompts, or a
-    tiny model tied to a wide heads x head_dim: the implementer's render of the same manifest at CPU sizes
+    tiny model with wide heads (a tied heads x head_dim, or wide K/V rows): the implementer's render of the same manifest at CPU sizes
     (tiny.cpu_sized) crosses the window, drops keys, runs fewer heads, and the user's render runs too, at its
     real sizes, unless it is byte for byte the implementer's render of the manifest.
     """
@@ -285,8 +292,7 @@ def _plan_runs(report: Report, manifest: SelectionManifest, req: ValidateRequest
             "first plans of each section called several times"
             if manifest.recurrent_loops is not None and tiny.model.num_layers != manifest.model.num_layers else
             recurrent_kind.cpu_widths_reason(manifest, tiny) or
-            f"the tiny model's hidden size ties to heads x head_dim "
-            f"({manifest.model.num_attention_heads * manifest.model.head_dim})")
+            heads_reason(manifest))
     runs = [("", tiny, str(tiny_dir), crossing(tiny))]
     if _is_implementer_render(manifest, req.rendered, header):
         report.notes.append(f"{what}: the checks ran on the implementer's render of this manifest with {sizes} "

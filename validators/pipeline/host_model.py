@@ -1675,6 +1675,25 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
         return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
 
 
+class ReferenceMemo:
+    """``reference_logits`` of one reference model, computed once per token sequence. A checkout run asks for the
+    same sequence's logits up to three times (the comparison, the float32 noise measurement, the comparison again at
+    the widened tolerance) and the reading sweep's rerun of the same stream once more: the forward is deterministic,
+    so the first result is the oracle's answer each time. Only while the model's weights stay as they are, and only
+    for plain logits: a forward with hooks (reference_layer_outputs) or moved weights (reference_sensitivity) calls
+    reference_logits itself."""
+
+    def __init__(self, ref_model):
+        self.ref_model = ref_model
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        key = tuple(int(t) for t in token_ids)
+        if key not in self._logits:
+            self._logits[key] = reference_logits(self.ref_model, list(key))
+        return self._logits[key].clone()  # callers may write into what they get
+
+
 # Set on a float64 reference whose forward raised in torch's default float32 (the error's first line): transformers'
 # XGLM builds its mask floor as torch.full((), finfo(float64).min) in the default dtype, which overflows float32
 # (modeling_xglm.py, XGLMAttention.forward). Such a reference runs with its own dtype as torch's default: its

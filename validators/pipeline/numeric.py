@@ -4,6 +4,7 @@ read from what the layers saw (shapes, scale, first decode length). The FA-argum
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ class NumericTracker:
     atol: float = TOLERANCE["float32"]
     rows: dict[int, list[_Rows]] = field(default_factory=dict)
     probes: list[tuple[int, bool, list[int], list[dict]]] = field(default_factory=list)
+    reference: Callable[[list[int]], torch.Tensor] | None = None  # the logits oracle (host_model.ReferenceMemo)
 
     def record_step(self, step, logits: torch.Tensor, probe_records: list[dict]) -> None:
         slices = step.token_slices()
@@ -122,7 +124,7 @@ class NumericTracker:
         ref_max, ref_sq, ref_n = 0.0, 0.0, 0
         longest = {"prefill": 0, "decode": 0}
         for rid, chunks in self.rows.items():
-            ref = reference_logits(self.ref_model, sequences[rid])
+            ref = (self.reference or (lambda seq: reference_logits(self.ref_model, seq)))(sequences[rid])
             ref_max = max(ref_max, ref.abs().max().item())
             ref_sq, ref_n = ref_sq + (ref * ref).sum().item(), ref_n + ref.numel()
             for chunk in chunks:

@@ -1,0 +1,57 @@
+"""host_model.ReferenceMemo: the reference's logits computed once per token sequence (a checkout run asks for the
+same sequence up to three times: the comparison, the float32 noise, the comparison at the widened tolerance, and the
+reading sweep's rerun once more). It must give what reference_logits gives, per sequence, and nothing shared."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from model_infer_kvcache.validators.checkout_run.run import float32_noise
+from model_infer_kvcache.validators.pipeline.host_model import ReferenceMemo, reference_logits
+
+
+class _Counted(torch.nn.Module):
+    """A causal toy (cumulative mean of embeddings, one layer, a head) that counts its forwards."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+        self.forwards = 0
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids, use_cache=False):
+        self.forwards += 1
+        x = self.emb(input_ids)
+        x = x.cumsum(1) / torch.arange(1, x.shape[1] + 1)[:, None]
+        return SimpleNamespace(logits=self.head(torch.tanh(self.mix(x))))
+
+
+def test_the_memo_gives_reference_logits_once_per_sequence():
+    model = _Counted()
+    memo = ReferenceMemo(model)
+    a, b = [1, 2, 3, 4], [4, 3, 2, 1]  # same length, other tokens: keyed by the tokens, not the length
+    with torch.no_grad():
+        want_a, want_b = reference_logits(model, a), reference_logits(model, b)
+    model.forwards = 0
+    got_a = memo(a)
+    assert torch.equal(got_a, want_a) and torch.equal(memo(b), want_b) and model.forwards == 2
+    got_a.fill_(0.0)  # a caller writing into its logits does not change the next caller's
+    assert torch.equal(memo(a), want_a) and torch.equal(memo(torch.tensor(a).tolist()), want_a)
+    assert model.forwards == 2
+
+
+def test_the_float32_noise_is_the_same_with_the_memo_s_logits():
+    model = _Counted()
+    seqs = {0: [1, 5, 9, 2, 7], 1: [3, 3, 8]}
+    memo = ReferenceMemo(model)
+    with torch.no_grad():
+        for seq in seqs.values():
+            memo(seq)
+    model.forwards = 0
+    assert float32_noise(model, seqs, memo) == float32_noise(model, seqs)
+    # the float32 side came from the memo: only the float64 copy ran (its forwards count on the copy, not here)
+    assert model.forwards == len(seqs)

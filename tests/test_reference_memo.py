@@ -55,3 +55,30 @@ def test_the_float32_noise_is_the_same_with_the_memo_s_logits():
     assert float32_noise(model, seqs, memo) == float32_noise(model, seqs)
     # the float32 side came from the memo: only the float64 copy ran (its forwards count on the copy, not here)
     assert model.forwards == len(seqs)
+
+
+def test_a_failing_request_s_first_diverging_layer_comes_from_the_comparison_s_forward():
+    """The numeric check's reference forward keeps the layer outputs (numeric.NumericTracker._reference): naming the
+    first diverging layer of a failing request takes no second forward, and names the layer the host got wrong."""
+    from model_infer_kvcache.validators.pipeline.host_model import reference_layer_outputs
+    from model_infer_kvcache.validators.pipeline.numeric import NumericTracker, _Rows
+    from model_infer_kvcache.validators.pipeline.report import Report
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    seq = [5, 9, 2, 7, 1, 3]
+    logits, layers = reference_logits(model, seq), reference_layer_outputs(model, seq)
+    layers[1] = layers[1] + 1.0  # the host's layer 1 (and so what follows) left the reference
+    layers[2] = layers[2] + 1.0
+    forwards = []
+    model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    tracker = NumericTracker(model, host=None, atol=1e-5)
+    tracker.rows[0] = [_Rows(0, True, list(range(len(seq))), logits + 1.0, layers)]
+    report = Report(backend="cpu", deploy_mode="standalone", model_type="llama", manifest_hash="", dtype="float32",
+                    tolerance=1e-5)
+    tracker.check_numeric(report, {0: seq})
+    numeric = next(c for c in report.checks if c.id == "V301")
+    assert not numeric.passed and numeric.detail.endswith("first diverging layer 1"), numeric.detail
+    assert len(forwards) == 1

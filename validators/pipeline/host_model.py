@@ -1747,17 +1747,23 @@ def reference_dtype_drift(ref_model, token_ids: list[int], dtype: torch.dtype) -
 @torch.no_grad()
 def reference_layer_outputs(ref_model, token_ids: list[int]) -> list[torch.Tensor]:
     """Each decoder layer's output [L, hidden] over one whole sequence (to locate a divergence)."""
+    return reference_logits_and_layers(ref_model, token_ids)[1]
+
+
+def reference_logits_and_layers(ref_model, token_ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """reference_logits and each decoder layer's output from the same forward (the hooks only read): the numeric
+    check compares the logits and, where a request fails, names the first diverging layer without a second one."""
     _, layers = decoder_layers(ref_model)
     outputs: list = [None] * len(layers)
     embedded: list = [None]
     handles = [layer.register_forward_hook(_store_output(outputs, i)) for i, layer in enumerate(layers)]
     handles.append(ref_model.get_input_embeddings().register_forward_hook(_store_output(embedded, 0)))
     try:
-        reference_logits(ref_model, token_ids)
+        logits = reference_logits(ref_model, token_ids)
     finally:
         for h in handles:
             h.remove()
     # a layer transformers skipped (Mllama's cross blocks for a request without an image) passed its input on
     for i, out in enumerate(outputs):
         outputs[i] = out if out is not None else outputs[i - 1] if i else embedded[0]
-    return [o[0].double() for o in outputs]
+    return logits, [o[0].double() for o in outputs]

@@ -82,3 +82,25 @@ def test_a_failing_request_s_first_diverging_layer_comes_from_the_comparison_s_f
     numeric = next(c for c in report.checks if c.id == "V301")
     assert not numeric.passed and numeric.detail.endswith("first diverging layer 1"), numeric.detail
     assert len(forwards) == 1
+
+
+def test_a_step_that_accepts_every_draft_shares_its_forward_with_the_next_step_s_first_draft():
+    """spec_decode.SpecStream: the judged forward of an all-accepted step runs over the drafts and the bonus token
+    (its rows before the last are the step's: the model is causal), which is the sequence the next step's first
+    greedy draft is chosen on: next_n + 1 forwards for the two, not next_n + 2, and the same rows as a forward over
+    the step's own tokens."""
+    from model_infer_kvcache.validators.pipeline.spec_decode import SpecStream
+
+    model, n = _Counted().double(), 2
+    stream = SpecStream(model, vocab=32, atol=1e-9, next_n=n)
+    stream.tokens[0] = [3, 1, 4, 1, 5]
+    drafts = stream.drafts([0], 0)  # request 0 at step 0: every draft accepted (the greedy continuation)
+    assert model.forwards == n
+    seq = stream.tokens[0] + drafts[0]
+    with torch.no_grad():
+        rows = reference_logits(model, seq)[-1 - n:]  # what the rendered code should give: the reference itself
+    emitted = stream.judge(0, [0], drafts, rows.clone(), {0: slice(0, 1 + n)})
+    assert emitted == [drafts[0] + [int(rows[-1].argmax())]] and not stream.wrong_verdicts
+    assert stream.worst <= 1e-12 and model.forwards == n + 2  # the direct forward above, and the judged one
+    stream.drafts([0], 1)  # the next step's first draft: the judged forward's sequence, read again
+    assert model.forwards == n + 2

@@ -36,9 +36,11 @@ def _model_frame(exc: BaseException, model_file: Path) -> str:
 
 
 def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, checkpoint: Path, ref_model,
-                 scenario: Scenario, readings, rank: int = 0, world: int = 1, *, full: bool = True) -> None:
+                 scenario: Scenario, readings, rank: int = 0, world: int = 1, *, full: bool = True,
+                 memo=None) -> None:
     """Append the checks of one run to ``report``; ``full`` adds provenance, the init link over the real
-    layer count and the sequential-release check (the reading sweep reruns without them)."""
+    layer count and the sequential-release check (the reading sweep reruns without them). ``memo``
+    (host_model.ReferenceMemo of ``ref_model``): the reference's logits shared with the sweep's reruns."""
     if req.step_seconds is not None:
         scenario = replace(scenario, step_seconds=req.step_seconds)
     from model_infer_kvcache.analyzer.framework_checkout import checkout_commit
@@ -202,7 +204,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
             capture.check(report, stream_steps=len(run.steps))
         if legacy:  # no framework entries to judge: the logits judge the model's own caches
             _legacy_oracle(report, req, oracle, ref_model)
-            _numeric(report, ref_model, run)
+            _numeric(report, ref_model, run, memo=memo)
             # nothing was poisoned (no pool, no freed rows): V401's claim does not hold; V301 fails on NaN logits
             report.checks = [c for c in report.checks if c.id != "V401"]
             if full and report.first_failure:  # where it starts (a replay of its one batch; failures only)
@@ -214,7 +216,7 @@ def run_checkout(report: Report, manifest: SelectionManifest, req, root: Path, c
         n_layers = len(info.layer_infos)
         checks.check_runtime(report, manifest, rec, caches, run, n_layers)
         checks.check_padding(report, run)
-        _judge_numeric(report, ref_model, run, oracle, recomputed)
+        _judge_numeric(report, ref_model, run, oracle, recomputed, memo)
         report.checks += released.checks
         if full and report.first_failure and ref_model is not None:  # where it starts (a replay; failures only)
             from model_infer_kvcache.validators.checkout_run.localise import localise_checkout
@@ -302,27 +304,32 @@ NOISE_MARGIN = 4.0
 NOISE_QUANTILE = 0.99
 
 
-def float32_noise(ref_model, sequences: dict[int, list[int]]) -> float:
+def float32_noise(ref_model, sequences: dict[int, list[int]], base=None) -> float:
     """How much float32 rounding this architecture amplifies: the NOISE_QUANTILE quantile over the stream's rows of
     max |logits in float32 - logits in float64| of the reference (scale 1.0 over a 512-wide normalised head, a
-    near-one-hot softmax, shows ~1e-4 where a Llama shows ~1e-6)."""
+    near-one-hot softmax, shows ~1e-4 where a Llama shows ~1e-6). ``base``: the float32 logits already computed
+    (host_model.ReferenceMemo of ``ref_model``)."""
     import copy
 
     from model_infer_kvcache.validators.pipeline.host_model import reference_logits
 
+    base = base or (lambda seq: reference_logits(ref_model, seq))
     wide = copy.deepcopy(ref_model).to(torch.float64)
     with torch.no_grad():
-        rows = torch.cat([(reference_logits(ref_model, seq) - reference_logits(wide, seq)).abs().amax(-1)
+        rows = torch.cat([(base(seq) - reference_logits(wide, seq)).abs().amax(-1)
                           for seq in sequences.values()])
     return float(torch.quantile(rows, NOISE_QUANTILE))
 
 
-def _numeric(report: Report, ref_model, run, noise: dict | None = None) -> None:
+def _numeric(report: Report, ref_model, run, noise: dict | None = None, memo=None) -> None:
     """V301/V302 (and V401) against transformers' model on the same weights; ``noise`` caches the measured
-    float32 rounding noise for the recompute oracle's tolerance."""
+    float32 rounding noise for the recompute oracle's tolerance; ``memo`` (host_model.ReferenceMemo) the
+    reference's logits per sequence, for the comparisons and the noise measurement alike."""
+    from model_infer_kvcache.validators.pipeline.host_model import ReferenceMemo
     from model_infer_kvcache.validators.pipeline.numeric import NumericTracker
 
-    tracker = NumericTracker(ref_model, host=None, atol=report.tolerance)
+    memo = memo or ReferenceMemo(ref_model)
+    tracker = NumericTracker(ref_model, host=None, atol=report.tolerance, reference=memo)
     for s in run.steps:
         for i, rid in enumerate(s.request_ids):
             tracker.add_rows(rid, s.index, s.is_prefill, [s.positions[i]], s.logits[i:i + 1])
@@ -333,7 +340,7 @@ def _numeric(report: Report, ref_model, run, noise: dict | None = None) -> None:
     if not logits.passed and not any(c.id == "V401" and not c.passed for c in judged.checks):
         # Finite logits beyond the float32 tolerance: is it this architecture's own float32 rounding? (Measured
         # only here: a passing comparison needs no wider tolerance.)
-        if _widen_tolerance(report, ref_model, run.sequences, noise if noise is not None else {}):
+        if _widen_tolerance(report, ref_model, run.sequences, noise if noise is not None else {}, memo):
             tracker.atol = report.tolerance
             judged = report.fresh()
             with torch.no_grad():
@@ -343,11 +350,11 @@ def _numeric(report: Report, ref_model, run, noise: dict | None = None) -> None:
     _note_longest(report, run)
 
 
-def _widen_tolerance(report: Report, ref_model, sequences: dict[int, list[int]], noise: dict) -> bool:
+def _widen_tolerance(report: Report, ref_model, sequences: dict[int, list[int]], noise: dict, memo=None) -> bool:
     """Widen ``report.tolerance`` to NOISE_MARGIN x the float32 noise of the reference when that is wider, with a
     note; True when it changed. ``noise`` keeps the measurement for a second oracle of the same run."""
     if "value" not in noise:
-        noise["value"] = float32_noise(ref_model, sequences)
+        noise["value"] = float32_noise(ref_model, sequences, memo)
     measured = noise["value"]
     if NOISE_MARGIN * measured <= report.tolerance:
         return False
@@ -440,13 +447,14 @@ def _legacy_oracle(report: Report, req, oracle: str, ref_model) -> None:
                         "manager to give a recomputed prefix fresh blocks); judged against transformers only")
 
 
-def _judge_numeric(report: Report, ref_model, run, oracle: str, recomputed) -> None:
-    """The numeric link by the oracles asked for; with both, a note says which failed and what that locates."""
+def _judge_numeric(report: Report, ref_model, run, oracle: str, recomputed, memo=None) -> None:
+    """The numeric link by the oracles asked for; with both, a note says which failed and what that locates
+    (``memo``: the reference's logits per sequence, host_model.ReferenceMemo)."""
     from model_infer_kvcache.validators.checkout_run.recompute import check_recompute, disagreement_note
 
     noise: dict = {}
     if oracle != "recompute":
-        _numeric(report, ref_model, run, noise)
+        _numeric(report, ref_model, run, noise, memo)
     else:
         _outputs_finite(report, run)
         _note_longest(report, run)
@@ -459,7 +467,8 @@ def _judge_numeric(report: Report, ref_model, run, oracle: str, recomputed) -> N
     passed = check_recompute(judged, run, recomputed, report.tolerance)
     finite = not recomputed.error and all(torch.isfinite(t).all() for t in recomputed.logits.values()) and \
         not any(c.id == "V401" and not c.passed for c in report.checks)
-    if not passed and finite and ref_model is not None and _widen_tolerance(report, ref_model, run.sequences, noise):
+    if not passed and finite and ref_model is not None and _widen_tolerance(report, ref_model, run.sequences, noise,
+                                                                            memo):
         judged = report.fresh()
         passed = check_recompute(judged, run, recomputed, report.tolerance)
     report.checks += judged.checks

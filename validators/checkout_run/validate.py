@@ -234,13 +234,15 @@ def _validate_checkout(req: CheckoutRequest, progress=None, rank: int = 0, world
         report.notes += plan.notes
         say(f"running {req.model} in the checkout's engine ({root})")
         from model_infer_kvcache.validators.checkout_run.run import run_checkout
+        from model_infer_kvcache.validators.pipeline.host_model import ReferenceMemo
 
-        run_checkout(report, manifest, req, root, checkpoint, ref, scenario, base, rank, world, full=True)
+        memo = ReferenceMemo(ref)  # the sweep's reruns replay the stream: their sequences' logits are known
+        run_checkout(report, manifest, req, root, checkpoint, ref, scenario, base, rank, world, full=True, memo=memo)
         if req.sweep_readings and world == 1:
             def rerun(readings) -> Report:
                 swept = report.fresh()
                 run_checkout(swept, manifest, req, root, checkpoint, ref, stream_of(req, ENGINE_QUICK, manifest),
-                             readings, full=False)
+                             readings, full=False, memo=memo)
                 return swept
 
             _sweep(report, manifest, req, base, measured, rerun, say)

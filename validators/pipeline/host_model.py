@@ -1706,6 +1706,25 @@ def reference_logits(ref_model, token_ids: list[int]) -> torch.Tensor:
         return ref_model(input_ids=ids, use_cache=False, **extra).logits[0].double()
 
 
+class ReferenceMemo:
+    """``reference_logits`` of one reference model, computed once per token sequence. A checkout run asks for the
+    same sequence's logits up to three times (the comparison, the float32 noise measurement, the comparison again at
+    the widened tolerance) and the reading sweep's rerun of the same stream once more: the forward is deterministic,
+    so the first result is the oracle's answer each time. Only while the model's weights stay as they are, and only
+    for plain logits: a forward with hooks (reference_layer_outputs) or moved weights (reference_sensitivity) calls
+    reference_logits itself."""
+
+    def __init__(self, ref_model):
+        self.ref_model = ref_model
+        self._logits: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        key = tuple(int(t) for t in token_ids)
+        if key not in self._logits:
+            self._logits[key] = reference_logits(self.ref_model, list(key))
+        return self._logits[key].clone()  # callers may write into what they get
+
+
 # Set on a float64 reference whose forward raised in torch's default float32 (the error's first line): transformers'
 # XGLM builds its mask floor as torch.full((), finfo(float64).min) in the default dtype, which overflows float32
 # (modeling_xglm.py, XGLMAttention.forward). Such a reference runs with its own dtype as torch's default: its
@@ -1759,17 +1778,23 @@ def reference_dtype_drift(ref_model, token_ids: list[int], dtype: torch.dtype) -
 @torch.no_grad()
 def reference_layer_outputs(ref_model, token_ids: list[int]) -> list[torch.Tensor]:
     """Each decoder layer's output [L, hidden] over one whole sequence (to locate a divergence)."""
+    return reference_logits_and_layers(ref_model, token_ids)[1]
+
+
+def reference_logits_and_layers(ref_model, token_ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """reference_logits and each decoder layer's output from the same forward (the hooks only read): the numeric
+    check compares the logits and, where a request fails, names the first diverging layer without a second one."""
     _, layers = decoder_layers(ref_model)
     outputs: list = [None] * len(layers)
     embedded: list = [None]
     handles = [layer.register_forward_hook(_store_output(outputs, i)) for i, layer in enumerate(layers)]
     handles.append(ref_model.get_input_embeddings().register_forward_hook(_store_output(embedded, 0)))
     try:
-        reference_logits(ref_model, token_ids)
+        logits = reference_logits(ref_model, token_ids)
     finally:
         for h in handles:
             h.remove()
     # a layer transformers skipped (Mllama's cross blocks for a request without an image) passed its input on
     for i, out in enumerate(outputs):
         outputs[i] = out if out is not None else outputs[i - 1] if i else embedded[0]
-    return [o[0].double() for o in outputs]
+    return logits, [o[0].double() for o in outputs]

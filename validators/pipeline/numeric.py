@@ -4,6 +4,7 @@ read from what the layers saw (shapes, scale, first decode length). The FA-argum
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ from model_infer_kvcache.validators.pipeline.host_model import (
     reference_dtype_drift,
     reference_layer_outputs,
     reference_logits,
+    reference_logits_and_layers,
     reference_sensitivity,
 )
 from model_infer_kvcache.validators.pipeline.precision import (
@@ -40,6 +42,7 @@ class NumericTracker:
     atol: float = TOLERANCE["float32"]
     rows: dict[int, list[_Rows]] = field(default_factory=dict)
     probes: list[tuple[int, bool, list[int], list[dict]]] = field(default_factory=list)
+    reference: Callable[[list[int]], torch.Tensor] | None = None  # the logits oracle (host_model.ReferenceMemo)
 
     def record_step(self, step, logits: torch.Tensor, probe_records: list[dict]) -> None:
         slices = step.token_slices()
@@ -103,16 +106,28 @@ class NumericTracker:
                    detail="; ".join(wrong[:3]), requests=len(seen_decode))
 
     # ------------------------------------------------------------------ numeric link
-    def _first_bad_layer(self, sequence: list[int], chunk: _Rows) -> str:
-        """Name the first decoder layer whose output leaves the reference on this chunk."""
+    def _first_bad_layer(self, sequence: list[int], chunk: _Rows, ref: list[torch.Tensor] | None = None) -> str:
+        """Name the first decoder layer whose output leaves the reference on this chunk (``ref``: the reference's
+        layer outputs over ``sequence`` when the comparison's forward kept them)."""
         if not chunk.layers:  # a checkout's own model: its layers are not observed
             return ""
-        ref = reference_layer_outputs(self.ref_model, sequence)
+        ref = ref if ref is not None else reference_layer_outputs(self.ref_model, sequence)
         for i, (got, want) in enumerate(zip(chunk.layers, ref, strict=False)):
             want = want[chunk.positions]
             if not torch.isfinite(got).all() or (got - want).abs().max().item() > self.atol:
                 return f", first diverging layer {i}"
         return ""
+
+    def _reference(self, sequence: list[int], observed: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The reference's logits over ``sequence`` and, where the host's layers are observed, its layer outputs
+        from the same forward (a failing request's first diverging layer then needs no second forward). A model
+        whose layers the hooks cannot read gives its logits alone: _first_bad_layer asks again, as it always did."""
+        if observed:
+            try:
+                return reference_logits_and_layers(self.ref_model, sequence)
+            except Exception:  # noqa: BLE001 - the plain forward below is the comparison's; a real error shows there
+                pass
+        return (self.reference or (lambda seq: reference_logits(self.ref_model, seq)))(sequence), None
 
     def check_numeric(self, report: Report, sequences: dict[int, list[int]]) -> None:
         worst, worst_at, nonfinite, greedy_bad, steps = 0.0, "", [], [], set()
@@ -121,8 +136,9 @@ class NumericTracker:
         first_any: tuple[int, _Rows] | None = None  # the earliest failing chunk, non-finite ones included
         ref_max, ref_sq, ref_n = 0.0, 0.0, 0
         longest = {"prefill": 0, "decode": 0}
+        failed_layers: dict[int, list[torch.Tensor] | None] = {}  # the reference's layers of requests that failed
         for rid, chunks in self.rows.items():
-            ref = reference_logits(self.ref_model, sequences[rid])
+            ref, layers = self._reference(sequences[rid], observed=any(chunk.layers for chunk in chunks))
             ref_max = max(ref_max, ref.abs().max().item())
             ref_sq, ref_n = ref_sq + (ref * ref).sum().item(), ref_n + ref.numel()
             for chunk in chunks:
@@ -137,10 +153,12 @@ class NumericTracker:
                         first_any = (rid, chunk)
                     where = f"step {chunk.step} request {rid}"
                     if not nonfinite:
-                        where += self._first_bad_layer(sequences[rid], chunk)
+                        where += self._first_bad_layer(sequences[rid], chunk, layers)
                     nonfinite.append(where)
                     continue
                 diff = (got - want).abs().max().item()
+                if diff > self.atol:
+                    failed_layers[rid] = layers
                 if diff > self.atol and (first_bad is None or chunk.step < first_bad[1].step):
                     first_bad = (rid, chunk)
                 if diff > self.atol and (first_any is None or chunk.step < first_any[1].step):
@@ -164,7 +182,7 @@ class NumericTracker:
         if first_bad is not None:
             rid, chunk = first_bad
             first = (f"first failure at step {chunk.step} request {rid}"
-                     + self._first_bad_layer(sequences[rid], chunk))
+                     + self._first_bad_layer(sequences[rid], chunk, failed_layers.get(rid)))
         # The logit scale next to the difference: a diff means little without the size of what differs.
         rms = (ref_sq / ref_n) ** 0.5 if ref_n else 0.0
         bound, extra = self.atol, {}

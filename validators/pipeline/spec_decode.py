@@ -8,6 +8,11 @@ accepted token and next_n drafts built for a planned acceptance: all drafts the 
 over steps and requests. Every row's logits are compared with a causal transformers forward over the request's
 tokens + the drafts. After the step the cache keeps the accepted tokens only: kv_len advances by 1 + accepted,
 and the slots of rejected drafts are overwritten by the next step.
+
+The reference forwards are one per greedy draft (each draft extends the sequence the next one is chosen on) and
+one per judged step; where a step accepts every draft, its judged forward runs over the tokens the next step
+starts from (the drafts and the bonus token: the model is causal, so its rows before the last are the step's),
+and that next step's first draft reads it again (host_model.ReferenceMemo) instead of running it twice.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from model_infer_kvcache.analyzer.manifest import SelectionManifest
 from model_infer_kvcache.validators.kinds import kind_of
 from model_infer_kvcache.validators.pipeline.graph_capture import check_runner_padding
-from model_infer_kvcache.validators.pipeline.host_model import reference_logits
+from model_infer_kvcache.validators.pipeline.host_model import ReferenceMemo
 from model_infer_kvcache.validators.pipeline.report import Report
 from model_infer_kvcache.validators.pipeline.request_stream import Watchdog
 
@@ -46,6 +51,10 @@ class SpecStream:
     rejected: int = 0
     steps: list[int] = field(default_factory=list)  # host step indices of the verify steps
     rejected_entries: int = 0  # compressed entries rejected drafts completed (poisoned before the next step)
+    reference: ReferenceMemo | None = None  # the reference's logits per sequence (built from ref_model)
+
+    def __post_init__(self) -> None:
+        self.reference = self.reference or ReferenceMemo(self.ref_model)
 
     def planned_accepts(self, i: int, verify_index: int) -> int:
         """Drafts request ``i`` of a step should accept: all, none, then (next_n >= 2) some, cycling."""
@@ -61,7 +70,7 @@ class SpecStream:
             seq, drafts = list(self.tokens[rid]), []
             for j in range(self.next_n):
                 if j <= keep:
-                    greedy = int(reference_logits(self.ref_model, seq)[-1].argmax())
+                    greedy = int(self.reference(seq)[-1].argmax())
                     token = greedy if j < keep else (greedy + 1) % self.vocab
                 else:
                     token = (drafts[-1] + 1) % self.vocab
@@ -77,7 +86,14 @@ class SpecStream:
         emitted = []
         for rid in rids:
             got = logits[slices[rid]]
-            want = reference_logits(self.ref_model, self.tokens[rid] + drafts[rid])[-1 - self.next_n:]
+            main = got.argmax(-1).tolist()
+            took = 0
+            while took < self.next_n and main[took] == drafts[rid][took]:
+                took += 1
+            if took == self.next_n:  # the next step starts from these tokens + the bonus: one forward for both
+                want = self.reference(self.tokens[rid] + drafts[rid] + [main[took]])[-2 - self.next_n:-1]
+            else:
+                want = self.reference(self.tokens[rid] + drafts[rid])[-1 - self.next_n:]
             where = f"step {step_index} request {rid}"
             if not torch.isfinite(got).all():
                 self.nonfinite.append(where)
@@ -85,10 +101,6 @@ class SpecStream:
                 diff = (got - want).abs().max().item()
                 if diff > self.worst:
                     self.worst, self.worst_at = diff, where
-            main = got.argmax(-1).tolist()
-            took = 0
-            while took < self.next_n and main[took] == drafts[rid][took]:
-                took += 1
             if took != self.planned[rid]:
                 self.wrong_verdicts.append(f"{where}: {took} draft(s) accepted, {self.planned[rid]} planned")
             self.accepted += took

@@ -20,10 +20,7 @@ def check_layers(m) -> None:
 
 def check(m) -> None:
     gqa.check(m)
-    if m.model.v_head_dim is not None or gqa.layer_shapes(m):
-        raise bad("model.v_head_dim" if m.model.v_head_dim is not None else "layers",
-                  "not supported by kvcache: differential attention beside per-layer or value-only head shapes (its "
-                  "partial takes the model's one K/V shape)")
+    gqa.check_one_kv_shape(m, "differential attention")
     if m.model.has_sinks or any(layer.is_sliding or layer.is_chunked for layer in m.attention_layers):
         raise bad("layers", "not supported by kvcache: differential attention beside sinks or windowed layers (its "
                             "partial renders full causal layers)")

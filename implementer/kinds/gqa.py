@@ -36,6 +36,15 @@ def layer_shapes(m) -> tuple[tuple[int, int, int], ...]:
                  for layer in m.layers if layer.head_dim is not None or layer.num_kv_heads_per_rank is not None)
 
 
+def check_one_kv_shape(m, kind: str) -> None:
+    """Refuse a manifest a kind's partial cannot take: it renders the model's one K/V shape (``kind`` names the partial
+    in the message), so a value-only head dim or per-layer head shapes are not supported by kvcache."""
+    if m.model.v_head_dim is not None or layer_shapes(m):
+        raise bad("model.v_head_dim" if m.model.v_head_dim is not None else "layers",
+                  f"not supported by kvcache: {kind} beside per-layer or value-only head shapes (its partial takes "
+                  "the model's one K/V shape)")
+
+
 def check(m) -> None:
     if m.parallel.num_q_heads_per_rank % m.parallel.num_kv_heads_per_rank:
         raise bad("parallel.num_kv_heads_per_rank", f"{m.parallel.num_kv_heads_per_rank} KV heads do not divide "

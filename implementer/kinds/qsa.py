@@ -22,10 +22,7 @@ def check_layers(m) -> None:
 
 def check(m) -> None:
     gqa.check(m)
-    if m.model.v_head_dim is not None or gqa.layer_shapes(m):
-        raise bad("model.v_head_dim" if m.model.v_head_dim is not None else "layers",
-                  "not supported by kvcache: QSA beside per-layer or value-only head shapes (the QSA partial "
-                  "takes the model's one K/V shape)")
+    gqa.check_one_kv_shape(m, "QSA")
     if m.model.has_sinks:
         raise bad("model.has_sinks", "not supported by kvcache: learnable sinks beside QSA's sparse FA")
 

@@ -138,6 +138,22 @@ def _metadata():
     return _CURRENT[-1][0]
 
 
+def _record_call(host, fm, q, k, dtype, scaling) -> None:
+    """What a routed module hands the rendered attention this step, for the probe's checks: the shapes, dtype, the
+    module's own scaling and the step's kv lengths."""
+    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
+                      q=q, k=k, dtype=dtype, hf_scaling=scaling, kv_lens=fm.actual_seq_lengths_kv)
+
+
+def _route_start(module, hidden_states, position_embeddings):
+    """A routed module's step inputs: its host, the step's metadata, its own modeling file's apply_rotary_pos_emb,
+    the step's rows [T, hidden] and their cos / sin [T, rotary dims]."""
+    x = hidden_states[0]
+    cos, sin = (e[0, -x.shape[0]:] for e in position_embeddings)
+    return (module._kvcache_host, _metadata(), sys.modules[type(module).__module__].apply_rotary_pos_emb, x, cos,
+            sin)
+
+
 def _positions():
     """The step's token positions [B, S]: for a routed module whose transformers forward gets none (Ling-2.5's
     lightning layers rotate q and k themselves)."""
@@ -300,9 +316,7 @@ def _gqa_attention(module, query, key, value, attention_mask, scaling=None, drop
         return _cross_attention(host, fm, query, key, value)
     b, n, s, d = query.shape
     q, k, v = (x.transpose(1, 2).contiguous() for x in (query, key, value))  # [B, S, N, D]
-    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                      q=(b * s, n, d), k=(b * s, k.shape[2], d), dtype=q.dtype, hf_scaling=scaling,
-                      kv_lens=fm.actual_seq_lengths_kv)
+    _record_call(host, fm, (b * s, n, d), (b * s, k.shape[2], d), q.dtype, scaling)
     if host.bsh:
         out = host.kv_cache_attention(q.reshape(b, s, n * d), k.reshape(b, s, -1), v.reshape(b, s, -1), fm)
     else:
@@ -386,9 +400,7 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     rope = () if position_embeddings is None else tuple(t.to(x.dtype) for t in _cos_sin(position_embeddings))
     if rope:  # DeepSeek-V2's freqs stay float32
         q_rot = _interleaved_rope(q_rot, rope[0][:, None, :], rope[1][:, None, :])
-    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                      q=tuple(q_nope.shape), k=tuple(compressed_kv.shape), dtype=q.dtype,
-                      hf_scaling=getattr(self, "scaling", None), kv_lens=fm.actual_seq_lengths_kv)
+    _record_call(host, fm, tuple(q_nope.shape), tuple(compressed_kv.shape), q.dtype, getattr(self, "scaling", None))
     # DSA (an indexer beside the MLA): the rendered code selects keys from the hidden states and the query residual
     dsa = {"hidden_states": x, "q_resid": q_resid} if getattr(self, "indexer", None) is not None else {}
     out = host.kv_cache_attention(q_nope.contiguous(), q_rot.contiguous(), compressed_kv, *rope, fm, **dsa)
@@ -413,9 +425,7 @@ def _v4_forward(self, hidden_states, position_embeddings=None, position_ids=None
     q_residual = self.q_a_norm(self.q_a_proj(x))  # a CSA layer's indexer query input too
     q = self.q_b_norm(self.q_b_proj(q_residual).view(t, -1, self.head_dim))
     kv = self.kv_norm(self.kv_proj(x))
-    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                      q=tuple(q.shape), k=(t, 1, self.head_dim), dtype=q.dtype, hf_scaling=self.scaling,
-                      kv_lens=fm.actual_seq_lengths_kv)
+    _record_call(host, fm, tuple(q.shape), (t, 1, self.head_dim), q.dtype, self.scaling)
     compressor = self.compressor
 
     def entry_rope(positions):  # the compressor's own RoPE (its rope type) at the entries' positions
@@ -434,12 +444,8 @@ def _qsa_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     and query RoPE; the render writes K/V and the raw indexer keys, pools blocks (with the model's RoPE at their first
     positions), selects and attends; the module's sigmoid gate and o_proj after it. transformers' own indexer is not
     called (the selection is the render's)."""
-    host = self._kvcache_host
-    fm = _metadata()
-    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    x = hidden_states[0]
+    host, fm, rope, x, cos, sin = _route_start(self, hidden_states, position_embeddings)
     t = x.shape[0]
-    cos, sin = (e[0, -t:] for e in position_embeddings)  # [T, rotary dims]
     query, gate = self.q_proj(x).view(t, -1, 2 * self.head_dim).chunk(2, dim=-1)
     query = self.q_norm(query)
     key = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim))
@@ -454,9 +460,7 @@ def _qsa_forward(self, hidden_states, position_embeddings=None, attention_mask=N
         c, s = rotary(x, positions.view(1, 1, -1))
         return c[0], s[0]
 
-    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                      q=tuple(query.shape), k=tuple(key.shape), dtype=query.dtype, hf_scaling=self.scaling,
-                      kv_lens=fm.actual_seq_lengths_kv)
+    _record_call(host, fm, tuple(query.shape), tuple(key.shape), query.dtype, self.scaling)
     out = host.kv_cache_attention(query.contiguous(), key.contiguous(), value.contiguous(), fm,
                                   index_query.contiguous(), index_key.contiguous(), block_rope)
     out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
@@ -468,19 +472,13 @@ def _diff_forward(self, hidden_states, position_embeddings=None, attention_mask=
     q/k/v projections and RoPE (its module's apply_rotary_pos_emb); the render writes the K/V halves and returns each
     query head's value1 and value2 outputs side by side ([T, N, 2D], the module's torch.cat of its two calls); then
     the module's own math: chunk along heads, out1 - lambda_full * out2, (1 - lambda_init) x groupnorm, o_proj."""
-    host = self._kvcache_host
-    fm = _metadata()
-    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    x = hidden_states[0]
+    host, fm, rope, x, cos, sin = _route_start(self, hidden_states, position_embeddings)
     t = x.shape[0]
-    cos, sin = (e[0, -t:] for e in position_embeddings)  # [T, rotary dims]
     query = self.q_proj(x).view(t, -1, self.head_dim)
     key = self.k_proj(x).view(t, -1, self.head_dim)
     value = self.v_proj(x).view(t, -1, self.head_dim)
     query, key = rope(query, key, cos, sin)
-    host.probe.record(layer=host.layer_idx, attn_type=getattr(host, "attn_type", None), is_prefill=fm.is_prefill,
-                      q=tuple(query.shape), k=tuple(key.shape), dtype=query.dtype, hf_scaling=self.scaling,
-                      kv_lens=fm.actual_seq_lengths_kv)
+    _record_call(host, fm, tuple(query.shape), tuple(key.shape), query.dtype, self.scaling)
     out = host.kv_cache_attention(query.contiguous(), key.contiguous(), value.contiguous(), fm)  # [T, N, 2D]
     out1, out2 = torch.chunk(out, 2, dim=1)
     lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1, dtype=torch.float32)).to(query.dtype)
